@@ -1,0 +1,74 @@
+// ztier common: logging implementation (see log.h).
+#include "common/log.h"
+
+#include <unistd.h>
+
+#include <cstdlib>
+#include <string>
+
+namespace ztier {
+namespace {
+
+struct LogConfig {
+  LogLevel level = LogLevel::kWarn;
+  std::string subsystems;  // empty: all
+
+  LogConfig() {
+    if (const char* env = std::getenv("ZTIER_LOG")) {
+      const std::string_view v(env);
+      if (v == "error") level = LogLevel::kError;
+      else if (v == "warn") level = LogLevel::kWarn;
+      else if (v == "info") level = LogLevel::kInfo;
+      else if (v == "debug") level = LogLevel::kDebug;
+    }
+    if (const char* env = std::getenv("ZTIER_LOG_SUBSYS")) subsystems = env;
+  }
+};
+
+const LogConfig& Config() {
+  static const LogConfig config;
+  return config;
+}
+
+constexpr std::string_view LevelName(LogLevel level) {
+  switch (level) {
+    case LogLevel::kError: return "error";
+    case LogLevel::kWarn: return "warn";
+    case LogLevel::kInfo: return "info";
+    case LogLevel::kDebug: return "debug";
+  }
+  return "?";
+}
+
+}  // namespace
+
+bool LogEnabled(LogLevel level, std::string_view subsys) {
+  const LogConfig& c = Config();
+  if (static_cast<int>(level) > static_cast<int>(c.level)) return false;
+  if (c.subsystems.empty()) return true;
+  std::string_view list(c.subsystems);
+  while (!list.empty()) {
+    const size_t comma = list.find(',');
+    if (list.substr(0, comma) == subsys) return true;
+    if (comma == std::string_view::npos) break;
+    list.remove_prefix(comma + 1);
+  }
+  return false;
+}
+
+namespace detail {
+LogLine::~LogLine() {
+  std::string line = "ztier ";
+  line += LevelName(level_);
+  line += ' ';
+  line += subsys_;
+  line += ": ";
+  line += os_.str();
+  line += '\n';
+  // One write per line so concurrent lines do not interleave; a failed log
+  // write has nowhere to be reported.
+  [[maybe_unused]] ssize_t n = ::write(STDERR_FILENO, line.data(), line.size());
+}
+}  // namespace detail
+
+}  // namespace ztier

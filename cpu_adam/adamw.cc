@@ -1,0 +1,196 @@
+// ztier cpu_adam: Step() and SquaredNorm(): validation, per-step constants,
+// tiling over the Executor and the deterministic reduction of tile partials.
+// See adamw.h for the contract.
+#include "cpu_adam/adamw.h"
+
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "cpu_adam/kernels.h"
+#include "hwy/targets.h"
+
+namespace ztier::cpu_adam {
+namespace {
+
+size_t TileCount(size_t count) { return (count + kTileElements - 1) / kTileElements; }
+
+// Runs fn(tile_index, begin, end) for every tile of [0, count) on the executor.
+template <class Fn>
+void ForEachTile(Executor& executor, size_t count, const Fn& fn) {
+  executor.ParallelFor(TileCount(count), [&](size_t first, size_t last) {
+    for (size_t t = first; t < last; ++t) {
+      const size_t begin = t * kTileElements;
+      fn(t, begin, std::min(count, begin + kTileElements));
+    }
+  });
+}
+
+// Sums tile partials in tile order: the same bits for any thread count.
+double SumInOrder(const std::vector<double>& partials) {
+  double total = 0.0;
+  for (double p : partials) total += p;
+  return total;
+}
+
+bool Overlap(const void* a, size_t a_bytes, const void* b, size_t b_bytes) {
+  const auto x = reinterpret_cast<uintptr_t>(a);
+  const auto y = reinterpret_cast<uintptr_t>(b);
+  return x < y + b_bytes && y < x + a_bytes;
+}
+
+size_t GradBytes(GradType t) { return t == GradType::kBFloat16 ? 2 : 4; }
+
+Status ValidateShard(const Shard& s) {
+  if (s.count == 0) return Status::Ok();
+  if (s.grads == nullptr || s.params == nullptr || s.exp_avg == nullptr ||
+      s.exp_avg_sq == nullptr) {
+    return Status::InvalidArgument(StrCat("AdamW shard of ", s.count,
+                                          " elements has a null grads/params/exp_avg/exp_avg_sq "
+                                          "buffer"));
+  }
+  const size_t fbytes = s.count * sizeof(float);
+  struct Buf {
+    const char* name;
+    const void* ptr;
+    size_t bytes;
+  };
+  const Buf bufs[] = {{"params", s.params, fbytes},
+                      {"exp_avg", s.exp_avg, fbytes},
+                      {"exp_avg_sq", s.exp_avg_sq, fbytes},
+                      {"params_out", s.params_out, s.count * sizeof(bf16)},
+                      {"grads", s.grads, s.count * GradBytes(s.grad_type)}};
+  // Every written buffer must be disjoint from every other buffer.
+  for (size_t i = 0; i < 4; ++i) {
+    if (bufs[i].ptr == nullptr) continue;
+    for (size_t j = i + 1; j < 5; ++j) {
+      if (bufs[j].ptr != nullptr && Overlap(bufs[i].ptr, bufs[i].bytes, bufs[j].ptr, bufs[j].bytes)) {
+        return Status::InvalidArgument(
+            StrCat("AdamW buffers overlap: ", bufs[i].name, " and ", bufs[j].name));
+      }
+    }
+  }
+  return Status::Ok();
+}
+
+bool FiniteNonNegative(float x) { return std::isfinite(x) && x >= 0.0f; }
+
+}  // namespace
+
+Status ValidateHyper(const Hyper& h) {
+  if (!FiniteNonNegative(h.lr)) return Status::InvalidArgument(StrCat("AdamW lr must be finite and >= 0, got ", h.lr));
+  if (!FiniteNonNegative(h.beta1) || h.beta1 >= 1.0f) {
+    return Status::InvalidArgument(StrCat("AdamW beta1 must be in [0, 1), got ", h.beta1));
+  }
+  if (!FiniteNonNegative(h.beta2) || h.beta2 >= 1.0f) {
+    return Status::InvalidArgument(StrCat("AdamW beta2 must be in [0, 1), got ", h.beta2));
+  }
+  if (!std::isfinite(h.eps) || h.eps <= 0.0f) {
+    return Status::InvalidArgument(StrCat("AdamW eps must be finite and > 0, got ", h.eps));
+  }
+  if (!FiniteNonNegative(h.weight_decay)) {
+    return Status::InvalidArgument(
+        StrCat("AdamW weight_decay must be finite and >= 0, got ", h.weight_decay));
+  }
+  return Status::Ok();
+}
+
+Result<StepResult> Step(const Hyper& hyper, const StepOptions& options, const Shard& shard,
+                        Executor& executor) {
+  ZT_RETURN_IF_ERROR(ValidateHyper(hyper));
+  if (options.step < 1) {
+    return Status::InvalidArgument(StrCat("AdamW step number must be >= 1, got ", options.step));
+  }
+  if (!std::isfinite(options.grad_scale) || options.grad_scale <= 0.0f) {
+    return Status::InvalidArgument(
+        StrCat("AdamW grad_scale must be finite and > 0, got ", options.grad_scale));
+  }
+  ZT_RETURN_IF_ERROR(ValidateShard(shard));
+  StepResult result;
+  if (shard.count == 0) return result;
+
+  const size_t tiles = TileCount(shard.count);
+  std::vector<double> partials(tiles, 0.0);
+  bool have_sum = false;
+  if (options.grad_check == GradCheck::kScanFirst) {
+    ForEachTile(executor, shard.count, [&](size_t t, size_t begin, size_t end) {
+      partials[t] = internal::SquareSumRange(shard.grads, shard.grad_type, begin, end);
+    });
+    result.grad_sq_sum = SumInOrder(partials);
+    have_sum = true;
+    if (!std::isfinite(result.grad_sq_sum)) {
+      result.skipped = true;
+      return result;
+    }
+  }
+
+  // Per-step constants, computed in double as PyTorch does in Python.
+  const double b1 = hyper.beta1, b2 = hyper.beta2;
+  const bool bias = hyper.bias_correction == BiasCorrection::kOn;
+  const double bc1 = bias ? 1.0 - std::pow(b1, static_cast<double>(options.step)) : 1.0;
+  const double bc2 = bias ? 1.0 - std::pow(b2, static_cast<double>(options.step)) : 1.0;
+  internal::UpdateArgs args{};
+  args.c.grad_scale = options.grad_scale;
+  args.c.beta1 = hyper.beta1;
+  args.c.one_minus_beta1 = static_cast<float>(1.0 - b1);
+  args.c.beta2 = hyper.beta2;
+  args.c.one_minus_beta2 = static_cast<float>(1.0 - b2);
+  args.c.step_size = static_cast<float>(hyper.lr / bc1);
+  args.c.inv_sqrt_bc2 = static_cast<float>(1.0 / std::sqrt(bc2));
+  args.c.eps = hyper.eps;
+  args.c.decay = static_cast<float>(1.0 - static_cast<double>(hyper.lr) * hyper.weight_decay);
+  args.c.l2 = hyper.weight_decay;
+  args.mode = hyper.mode;
+  args.grads = shard.grads;
+  args.grad_type = shard.grad_type;
+  args.params = shard.params;
+  args.exp_avg = shard.exp_avg;
+  args.exp_avg_sq = shard.exp_avg_sq;
+  args.out = reinterpret_cast<uint16_t*>(shard.params_out);
+  // Non-temporal stores need bf16 slots aligned to 2 bytes at least to reach
+  // vector alignment; a misaligned bf16* (not a valid pointer anyway) falls back.
+  const bool can_stream = reinterpret_cast<uintptr_t>(shard.params_out) % alignof(bf16) == 0;
+  args.out_kind = shard.params_out == nullptr ? internal::OutKind::kNone
+                  : options.output_store == OutputStore::kStreaming && can_stream
+                      ? internal::OutKind::kStreaming
+                      : internal::OutKind::kRegular;
+  args.sum_sq = options.want_grad_sq_sum && !have_sum;
+
+  std::vector<uint8_t> non_finite(tiles, 0);
+  ForEachTile(executor, shard.count, [&](size_t t, size_t begin, size_t end) {
+    const internal::RangeResult r = internal::UpdateRange(args, begin, end);
+    if (args.sum_sq) partials[t] = r.sq_sum;
+    non_finite[t] = r.non_finite ? 1 : 0;
+  });
+  if (args.sum_sq) result.grad_sq_sum = SumInOrder(partials);
+  for (size_t t = 0; t < tiles; ++t) {
+    if (non_finite[t] != 0) {
+      return Status::FailedPrecondition(StrCat(
+          "AdamW grads passed as prechecked contain inf/NaN (first in elements [",
+          t * kTileElements, ", ", std::min(shard.count, (t + 1) * kTileElements),
+          ")); the shard's params/m/v are now partly updated and must be restored"));
+    }
+  }
+  return result;
+}
+
+Result<double> SquaredNorm(const void* data, GradType type, size_t count, Executor& executor) {
+  if (count == 0) return 0.0;
+  if (data == nullptr) {
+    return Status::InvalidArgument(StrCat("SquaredNorm of ", count, " elements with null data"));
+  }
+  std::vector<double> partials(TileCount(count), 0.0);
+  ForEachTile(executor, count, [&](size_t t, size_t begin, size_t end) {
+    partials[t] = internal::SquareSumRange(data, type, begin, end);
+  });
+  return SumInOrder(partials);
+}
+
+std::string ActiveTarget() {
+  // Dynamic dispatch picks the best (lowest bit) target that is both compiled
+  // and supported; SupportedTargets() honours a test's forced target.
+  const int64_t usable = hwy::SupportedTargets() & HWY_TARGETS;
+  return usable == 0 ? std::string("none") : hwy::TargetName(usable & -usable);
+}
+
+}  // namespace ztier::cpu_adam

@@ -1,0 +1,164 @@
+// ztier cpu_adam: the fused CPU AdamW kernel (public header of the component).
+//
+// One Step() call updates a contiguous shard in one pass over memory: it reads
+// the grads (bf16 or fp32) and the fp32 master params, exp_avg (m) and
+// exp_avg_sq (v), writes params/m/v in place and, optionally, the bf16 copy of
+// the new params that clients fetch ("publish" buffer), rounded to nearest even
+// exactly like PyTorch. Vector code is chosen at run time by Highway dynamic
+// dispatch (AVX3_DL, AVX3, AVX2, SSE4, SSSE3, scalar): one binary runs the best
+// target of the machine it lands on. oneTBB runs fixed-size tiles inside an
+// Executor whose thread count the caller sets.
+//
+// Formulas (PyTorch torch.optim.AdamW / Adam, per element, fp32 arithmetic):
+//   g  = grad * grad_scale                (+ weight_decay * p   in Mode::kAdam)
+//   m  = beta1 * m + (1 - beta1) * g
+//   v  = beta2 * v + (1 - beta2) * g * g
+//   bc1 = 1 - beta1^step, bc2 = 1 - beta2^step    (1 when bias correction is off)
+//   p  = p * (1 - lr * weight_decay)                (Mode::kAdamW only)
+//   p  = p - (lr / bc1) * m / (sqrt(v) / sqrt(bc2) + eps)
+//
+// Non-finite grads: with GradCheck::kScanFirst (the default) the grads are
+// scanned before anything is written; if any is inf/NaN, Step() returns
+// StepResult{.skipped = true} and params, m, v and the output are untouched
+// (mixed-precision step skipping). GradCheck::kPrechecked is for callers that
+// already scanned these grads (the engine computes SquaredNorm() as grads
+// arrive): one pass over memory, and a non-finite grad found anyway is a
+// FailedPrecondition error that says the shard is now partly updated.
+//
+// Determinism: the shard is cut in fixed tiles of kTileElements; results,
+// including the fp64 sum of squares (per-tile fp64 partials summed in tile
+// order), are bit-identical whatever the thread count. Different SIMD targets
+// may differ in the last bit (fused vs unfused multiply-add).
+//
+// Thread safety: Step() and SquaredNorm() may be called concurrently on
+// disjoint shards, also on one Executor. Buffers must not be modified by
+// others during a call. Failure: only InvalidArgument (bad hyper-parameters,
+// null or overlapping buffers), FailedPrecondition (see kPrechecked); no
+// allocation-dependent failures.
+#ifndef ZTIER_CPU_ADAM_ADAMW_H_
+#define ZTIER_CPU_ADAM_ADAMW_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/bf16.h"
+#include "common/status.h"
+
+namespace ztier::cpu_adam {
+
+enum class GradType : uint8_t { kFloat32, kBFloat16 };
+enum class Mode : uint8_t {
+  kAdamW,  // decoupled weight decay (p *= 1 - lr * wd)
+  kAdam,   // L2: weight_decay * p added to the grad
+};
+enum class BiasCorrection : uint8_t { kOn, kOff };
+enum class GradCheck : uint8_t { kScanFirst, kPrechecked };
+// How the bf16 publish copy is stored: kStreaming uses non-temporal stores
+// (the CPU never reads the copy again), kRegular ordinary stores.
+enum class OutputStore : uint8_t { kStreaming, kRegular };
+
+struct Hyper {
+  float lr = 1e-3f;
+  float beta1 = 0.9f;
+  float beta2 = 0.999f;
+  float eps = 1e-8f;
+  float weight_decay = 0.0f;
+  Mode mode = Mode::kAdamW;
+  BiasCorrection bias_correction = BiasCorrection::kOn;
+};
+
+// InvalidArgument naming the field unless 0 <= lr, 0 <= beta1, beta2 < 1,
+// eps > 0 and weight_decay >= 0, all finite.
+Status ValidateHyper(const Hyper& h);
+
+struct StepOptions {
+  int64_t step = 1;          // 1-based optimizer step number (bias correction)
+  float grad_scale = 1.0f;   // grads are multiplied by this (clipping, loss-scale); finite, > 0
+  GradCheck grad_check = GradCheck::kScanFirst;
+  bool want_grad_sq_sum = false;  // fill StepResult::grad_sq_sum
+  OutputStore output_store = OutputStore::kStreaming;
+};
+
+// One contiguous shard. All arrays have `count` elements; params, exp_avg,
+// exp_avg_sq and params_out must not overlap. Any alignment works.
+struct Shard {
+  size_t count = 0;
+  const void* grads = nullptr;  // count elements of grad_type
+  GradType grad_type = GradType::kBFloat16;
+  float* params = nullptr;
+  float* exp_avg = nullptr;
+  float* exp_avg_sq = nullptr;
+  bf16* params_out = nullptr;  // optional: receives bf16(params) after the update
+};
+
+struct StepResult {
+  bool skipped = false;      // a grad was inf/NaN; nothing was written
+  double grad_sq_sum = 0.0;  // sum of squares of the grads before grad_scale, if asked
+};
+
+// Elements per tile: the unit of parallel work and of the deterministic
+// fp64 partial sums. 16 KiB elements * 16 B/element of traffic = 256 KiB,
+// small enough to stay in a core's L2.
+inline constexpr size_t kTileElements = size_t{1} << 14;
+
+// Machine topology as hwloc reports it.
+struct Topology {
+  int numa_nodes = 1;
+  int cores = 1;                    // physical cores
+  std::vector<int> cores_per_node;  // by NUMA node index
+};
+Result<Topology> DetectTopology();
+
+// A bounded set of worker threads for the optimizer: a oneTBB task arena with
+// a fixed concurrency, kept on the cores of one NUMA node when the machine has
+// more than one. Jobs share one Executor so they do not oversubscribe cores.
+// Move-only; destroying it waits for nothing (no call may be in flight).
+class Executor {
+ public:
+  struct Options {
+    int threads = 0;     // 0: all physical cores of the chosen node
+    int numa_node = -1;  // -1: the node of the calling thread (if >1 node)
+  };
+
+  // InvalidArgument if threads < 0 or numa_node is not a node of this machine.
+  static Result<Executor> Create(const Options& options);
+
+  Executor(Executor&&) noexcept;
+  Executor& operator=(Executor&&) noexcept;
+  ~Executor();
+
+  int threads() const;
+  int numa_node() const;  // -1 when not constrained (single node)
+
+  // Runs body(begin, end) over disjoint ranges covering [0, n) on the arena's
+  // threads (static partition, contiguous chunks per thread); blocks until all
+  // are done. body must not throw.
+  void ParallelFor(size_t n, const std::function<void(size_t begin, size_t end)>& body);
+
+ private:
+  struct Impl;
+  explicit Executor(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+// The AdamW / Adam update of one shard; see the file comment.
+// Errors: InvalidArgument (hyper-parameters, step < 1, grad_scale, null or
+// overlapping buffers), FailedPrecondition (kPrechecked with non-finite grads).
+Result<StepResult> Step(const Hyper& hyper, const StepOptions& options, const Shard& shard,
+                        Executor& executor);
+
+// Sum of squares of `count` grads in fp64 (deterministic, like Step()).
+// Inf/NaN in the data makes the result inf/NaN: a non-finite result means the
+// step must be skipped. Errors: InvalidArgument (null data with count > 0).
+Result<double> SquaredNorm(const void* data, GradType type, size_t count, Executor& executor);
+
+// Name of the Highway target dynamic dispatch picks now ("AVX3_DL", "AVX2"...).
+std::string ActiveTarget();
+
+}  // namespace ztier::cpu_adam
+
+#endif  // ZTIER_CPU_ADAM_ADAMW_H_
