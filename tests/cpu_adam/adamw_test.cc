@@ -164,9 +164,9 @@ std::vector<Case> AllCases() {
   std::vector<float> p0(n), m0(n), v0(n);
   for (int step = 1; step <= steps; ++step) {
     s.NewGrads(rng, 1.0f);
-    std::memcpy(p0.data(), s.p, n * sizeof(float));
-    std::memcpy(m0.data(), s.m, n * sizeof(float));
-    std::memcpy(v0.data(), s.v, n * sizeof(float));
+    std::copy(s.p, s.p + n, p0.begin());
+    std::copy(s.m, s.m + n, m0.begin());
+    std::copy(s.v, s.v + n, v0.begin());
     const StepOptions opt{.step = step, .grad_scale = c.grad_scale, .want_grad_sq_sum = true};
     Result<StepResult> r = Step(h, opt, s.View(c.grad_type, c.with_out), SharedExecutor());
     if (!r.ok()) return ::testing::AssertionFailure() << "Step failed: " << r.status();

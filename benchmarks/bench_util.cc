@@ -1,0 +1,114 @@
+// ztier-bench helpers (see bench_util.h).
+#include "benchmarks/bench_util.h"
+
+#include <charconv>
+#include <cmath>
+#include <cstdio>
+
+namespace ztier::bench {
+
+Result<uint64_t> ParseCount(std::string_view text) {
+  uint64_t value = 0;
+  const char* first = text.data();
+  const char* last = text.data() + text.size();
+  auto [ptr, ec] = std::from_chars(first, last, value);
+  if (ec != std::errc() || ptr == first) {
+    return Status::InvalidArgument(StrCat("not a count: '", text, "' (use e.g. 4096, 16M, 1G)"));
+  }
+  std::string_view suffix(ptr, static_cast<size_t>(last - ptr));
+  if (!suffix.empty() && (suffix.back() == 'i' || suffix.back() == 'B')) suffix.remove_suffix(1);
+  uint64_t mult = 1;
+  if (suffix == "K" || suffix == "k") mult = uint64_t{1} << 10;
+  else if (suffix == "M" || suffix == "m") mult = uint64_t{1} << 20;
+  else if (suffix == "G" || suffix == "g") mult = uint64_t{1} << 30;
+  else if (!suffix.empty()) {
+    return Status::InvalidArgument(StrCat("unknown suffix in '", text, "' (K, M or G)"));
+  }
+  if (value > UINT64_MAX / mult) return Status::InvalidArgument(StrCat("count too large: ", text));
+  return value * mult;
+}
+
+Result<std::vector<uint64_t>> ParseCountList(std::string_view text) {
+  std::vector<uint64_t> out;
+  while (!text.empty()) {
+    const size_t comma = text.find(',');
+    ZT_ASSIGN_OR_RETURN(uint64_t v, ParseCount(text.substr(0, comma)));
+    out.push_back(v);
+    if (comma == std::string_view::npos) break;
+    text.remove_prefix(comma + 1);
+  }
+  if (out.empty()) return Status::InvalidArgument("empty list");
+  return out;
+}
+
+std::string FormatCount(uint64_t n) {
+  if (n != 0 && n % (uint64_t{1} << 30) == 0) return StrCat(n >> 30, "G");
+  if (n != 0 && n % (uint64_t{1} << 20) == 0) return StrCat(n >> 20, "M");
+  if (n != 0 && n % (uint64_t{1} << 10) == 0) return StrCat(n >> 10, "K");
+  return StrCat(n);
+}
+
+void JsonObject::Key(std::string_view key) {
+  if (!body_.empty()) body_ += ",";
+  body_ += "\"";
+  body_ += key;
+  body_ += "\":";
+}
+
+JsonObject& JsonObject::Add(std::string_view key, double value) {
+  Key(key);
+  if (!std::isfinite(value)) {
+    body_ += "null";
+  } else {
+    char buf[32];
+    std::snprintf(buf, sizeof(buf), "%.6g", value);
+    body_ += buf;
+  }
+  return *this;
+}
+
+JsonObject& JsonObject::Add(std::string_view key, int64_t value) {
+  Key(key);
+  body_ += std::to_string(value);
+  return *this;
+}
+
+JsonObject& JsonObject::Add(std::string_view key, std::string_view value) {
+  Key(key);
+  body_ += "\"";
+  for (char c : value) {
+    if (c == '"' || c == '\\') body_ += '\\';
+    if (static_cast<unsigned char>(c) < 0x20) {
+      char buf[8];
+      std::snprintf(buf, sizeof(buf), "\\u%04x", c);
+      body_ += buf;
+      continue;
+    }
+    body_ += c;
+  }
+  body_ += "\"";
+  return *this;
+}
+
+JsonObject& JsonObject::Add(std::string_view key, bool value) {
+  Key(key);
+  body_ += value ? "true" : "false";
+  return *this;
+}
+
+JsonObject& JsonObject::AddRaw(std::string_view key, std::string_view json) {
+  Key(key);
+  body_ += json;
+  return *this;
+}
+
+std::string JsonArray(const std::vector<std::string>& items) {
+  std::string out = "[";
+  for (size_t i = 0; i < items.size(); ++i) {
+    if (i > 0) out += ",";
+    out += items[i];
+  }
+  return out + "]";
+}
+
+}  // namespace ztier::bench

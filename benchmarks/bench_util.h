@@ -1,0 +1,53 @@
+// ztier-bench: small helpers shared by the subcommands — size parsing,
+// a flat JSON object writer, and a monotonic timer.
+// Not thread-safe; used from the benchmark's main thread only.
+#ifndef ZTIER_BENCHMARKS_BENCH_UTIL_H_
+#define ZTIER_BENCHMARKS_BENCH_UTIL_H_
+
+#include <chrono>
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "common/status.h"
+
+namespace ztier::bench {
+
+// "4096", "16M", "1G", "64Ki" -> count. K/M/G are powers of 1024.
+Result<uint64_t> ParseCount(std::string_view text);
+
+// Comma-separated list of counts: "16M,64M".
+Result<std::vector<uint64_t>> ParseCountList(std::string_view text);
+
+// "64M" style rendering for counts that are multiples of 1024.
+std::string FormatCount(uint64_t n);
+
+// Builds one JSON object; values are numbers, strings, bools or raw JSON.
+class JsonObject {
+ public:
+  JsonObject& Add(std::string_view key, double value);
+  JsonObject& Add(std::string_view key, int64_t value);
+  JsonObject& Add(std::string_view key, uint64_t value) { return Add(key, static_cast<int64_t>(value)); }
+  JsonObject& Add(std::string_view key, int value) { return Add(key, static_cast<int64_t>(value)); }
+  JsonObject& Add(std::string_view key, std::string_view value);
+  JsonObject& Add(std::string_view key, const char* value) { return Add(key, std::string_view(value)); }
+  JsonObject& Add(std::string_view key, bool value);
+  JsonObject& AddRaw(std::string_view key, std::string_view json);
+  std::string str() const { return "{" + body_ + "}"; }
+
+ private:
+  void Key(std::string_view key);
+  std::string body_;
+};
+
+// JSON array of already-rendered values.
+std::string JsonArray(const std::vector<std::string>& items);
+
+inline double NowSeconds() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+}  // namespace ztier::bench
+
+#endif  // ZTIER_BENCHMARKS_BENCH_UTIL_H_

@@ -1,0 +1,34 @@
+// ztier-bench: same-pattern memory kernels, the "limit" each benchmark is
+// measured against in the same run.
+//
+// The AdamW limit kernel touches memory exactly like cpu_adam::Step():
+// reads grads (bf16 or fp32), params, exp_avg, exp_avg_sq; writes params,
+// exp_avg, exp_avg_sq in place; writes a bf16 copy of params (regular or
+// streaming stores) — with trivial arithmetic, so its time is the machine's
+// memory time for that pattern. Highway dynamic dispatch, so it runs at the
+// same SIMD width as the kernel it bounds.
+//
+// Thread safety: pure function of its arguments over [begin, end).
+#ifndef ZTIER_BENCHMARKS_MEMORY_PATTERN_H_
+#define ZTIER_BENCHMARKS_MEMORY_PATTERN_H_
+
+#include <cstddef>
+#include <cstdint>
+
+namespace ztier::bench {
+
+struct AdamPatternArgs {
+  const void* grads;
+  bool grads_bf16;
+  float* params;
+  float* exp_avg;
+  float* exp_avg_sq;
+  uint16_t* out;  // bf16 bits or null
+  bool stream_out;
+};
+
+void AdamPatternRange(const AdamPatternArgs& args, size_t begin, size_t end);
+
+}  // namespace ztier::bench
+
+#endif  // ZTIER_BENCHMARKS_MEMORY_PATTERN_H_

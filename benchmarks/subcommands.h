@@ -1,0 +1,12 @@
+// ztier-bench subcommands. Each takes the arguments after its name and
+// returns the process exit code (0 ok, 1 failure, 2 bad usage).
+#ifndef ZTIER_BENCHMARKS_SUBCOMMANDS_H_
+#define ZTIER_BENCHMARKS_SUBCOMMANDS_H_
+
+namespace ztier::bench {
+
+int RunAdam(int argc, char** argv);
+
+}  // namespace ztier::bench
+
+#endif  // ZTIER_BENCHMARKS_SUBCOMMANDS_H_

@@ -1,0 +1,32 @@
+// ztier-bench: the project's benchmark program. Each subcommand times one hot
+// path and prints its ratio to a limit measured in the same run.
+//
+//   ztier-bench adam [options]   CPU AdamW vs a same-pattern memory kernel
+#include <cstdio>
+#include <cstring>
+#include <string_view>
+
+#include "benchmarks/subcommands.h"
+
+namespace {
+
+constexpr const char* kUsage = R"(usage: ztier-bench <subcommand> [options]
+
+subcommands:
+  adam    fused CPU AdamW step vs the same-pattern memory limit
+
+'ztier-bench <subcommand> --help' lists a subcommand's options.
+)";
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 2 || std::strcmp(argv[1], "--help") == 0 || std::strcmp(argv[1], "-h") == 0) {
+    std::fputs(kUsage, argc < 2 ? stderr : stdout);
+    return argc < 2 ? 2 : 0;
+  }
+  const std::string_view sub = argv[1];
+  if (sub == "adam") return ztier::bench::RunAdam(argc - 2, argv + 2);
+  std::fprintf(stderr, "ztier-bench: unknown subcommand '%s'\n%s", argv[1], kUsage);
+  return 2;
+}
