@@ -5,7 +5,7 @@
 // exp_avg_sq (v), writes params/m/v in place and, optionally, the bf16 copy of
 // the new params that clients fetch ("publish" buffer), rounded to nearest even
 // exactly like PyTorch. Vector code is chosen at run time by Highway dynamic
-// dispatch (AVX3_DL, AVX3, AVX2, SSE4, SSSE3, scalar): one binary runs the best
+// dispatch (AVX3_DL, AVX3 = AVX-512, AVX2, SSE4, SSSE3, scalar): one binary runs the best
 // target of the machine it lands on. oneTBB runs fixed-size tiles inside an
 // Executor whose thread count the caller sets.
 //
