@@ -72,30 +72,45 @@ Status ParseArgs(int argc, char** argv, AdamOptions* o) {
       ZT_ASSIGN_OR_RETURN(std::string_view v, value());
       ZT_ASSIGN_OR_RETURN(o->threads, ParseCountList(v));
       for (uint64_t t : o->threads) {
-        if (t < 1 || t > 1024) return Status::InvalidArgument(StrCat("--threads ", t, ": want 1..1024"));
+        if (t < 1 || t > 1024)
+          return Status::InvalidArgument(StrCat("--threads ", t, ": want 1..1024"));
       }
     } else if (arg == "--grad") {
       ZT_ASSIGN_OR_RETURN(std::string_view v, value());
-      if (v == "bf16") o->grad_type = cpu_adam::GradType::kBFloat16;
-      else if (v == "fp32") o->grad_type = cpu_adam::GradType::kFloat32;
-      else return Status::InvalidArgument(StrCat("--grad ", v, ": want bf16 or fp32"));
+      if (v == "bf16")
+        o->grad_type = cpu_adam::GradType::kBFloat16;
+      else if (v == "fp32")
+        o->grad_type = cpu_adam::GradType::kFloat32;
+      else
+        return Status::InvalidArgument(StrCat("--grad ", v, ": want bf16 or fp32"));
     } else if (arg == "--out") {
       ZT_ASSIGN_OR_RETURN(std::string_view v, value());
-      if (v == "bf16") o->with_out = true;
-      else if (v == "none") o->with_out = false;
-      else return Status::InvalidArgument(StrCat("--out ", v, ": want bf16 or none"));
+      if (v == "bf16")
+        o->with_out = true;
+      else if (v == "none")
+        o->with_out = false;
+      else
+        return Status::InvalidArgument(StrCat("--out ", v, ": want bf16 or none"));
     } else if (arg == "--store") {
       ZT_ASSIGN_OR_RETURN(std::string_view v, value());
-      if (v == "stream") o->stores = {cpu_adam::OutputStore::kStreaming};
-      else if (v == "regular") o->stores = {cpu_adam::OutputStore::kRegular};
-      else if (v == "both") o->stores = {cpu_adam::OutputStore::kStreaming, cpu_adam::OutputStore::kRegular};
-      else return Status::InvalidArgument(StrCat("--store ", v, ": want stream, regular or both"));
+      if (v == "stream")
+        o->stores = {cpu_adam::OutputStore::kStreaming};
+      else if (v == "regular")
+        o->stores = {cpu_adam::OutputStore::kRegular};
+      else if (v == "both")
+        o->stores = {cpu_adam::OutputStore::kStreaming, cpu_adam::OutputStore::kRegular};
+      else
+        return Status::InvalidArgument(StrCat("--store ", v, ": want stream, regular or both"));
     } else if (arg == "--check") {
       ZT_ASSIGN_OR_RETURN(std::string_view v, value());
-      if (v == "prechecked") o->checks = {cpu_adam::GradCheck::kPrechecked};
-      else if (v == "scan") o->checks = {cpu_adam::GradCheck::kScanFirst};
-      else if (v == "both") o->checks = {cpu_adam::GradCheck::kPrechecked, cpu_adam::GradCheck::kScanFirst};
-      else return Status::InvalidArgument(StrCat("--check ", v, ": want prechecked, scan or both"));
+      if (v == "prechecked")
+        o->checks = {cpu_adam::GradCheck::kPrechecked};
+      else if (v == "scan")
+        o->checks = {cpu_adam::GradCheck::kScanFirst};
+      else if (v == "both")
+        o->checks = {cpu_adam::GradCheck::kPrechecked, cpu_adam::GradCheck::kScanFirst};
+      else
+        return Status::InvalidArgument(StrCat("--check ", v, ": want prechecked, scan or both"));
     } else if (arg == "--runs") {
       ZT_ASSIGN_OR_RETURN(std::string_view v, value());
       ZT_ASSIGN_OR_RETURN(uint64_t runs, ParseCount(v));
@@ -214,8 +229,8 @@ int RunAdam(int argc, char** argv) {
   std::printf("ztier-bench adam: SIMD target %s, %d core(s), grads %s, out %s, best of %d runs\n",
               cpu_adam::ActiveTarget().c_str(), cores, bf16_grads ? "bf16" : "fp32",
               o.with_out ? "bf16" : "none", o.runs);
-  std::printf("%8s %7s %-10s %-7s %10s %13s %10s %13s %7s\n", "params", "threads", "check",
-              "store", "seconds", "Mparams/s", "GB/s", "limit GB/s", "ratio");
+  std::printf("%8s %7s %-10s %-7s %10s %13s %10s %13s %7s\n", "params", "threads", "check", "store",
+              "seconds", "Mparams/s", "GB/s", "limit GB/s", "ratio");
 
   std::vector<CaseResult> results;
   const cpu_adam::Hyper hyper{.lr = 1e-4f, .weight_decay = 0.01f};
@@ -227,7 +242,8 @@ int RunAdam(int argc, char** argv) {
       return 1;
     }
     for (uint64_t t : o.threads) {
-      Result<cpu_adam::Executor> exec = cpu_adam::Executor::Create({.threads = static_cast<int>(t)});
+      Result<cpu_adam::Executor> exec =
+          cpu_adam::Executor::Create({.threads = static_cast<int>(t)});
       if (!exec.ok()) {
         std::fprintf(stderr, "ztier-bench adam: %s\n", exec.status().ToString().c_str());
         return 1;
@@ -257,8 +273,9 @@ int RunAdam(int argc, char** argv) {
             double t0 = NowSeconds();
             exec->ParallelFor((n + cpu_adam::kTileElements - 1) / cpu_adam::kTileElements,
                               [&](size_t first, size_t last) {
-                                AdamPatternRange(pattern, first * cpu_adam::kTileElements,
-                                                 std::min<uint64_t>(n, last * cpu_adam::kTileElements));
+                                AdamPatternRange(
+                                    pattern, first * cpu_adam::kTileElements,
+                                    std::min<uint64_t>(n, last * cpu_adam::kTileElements));
                               });
             const double limit = NowSeconds() - t0;
             t0 = NowSeconds();
@@ -301,7 +318,9 @@ int RunAdam(int argc, char** argv) {
     std::string headline = CaseJson(*head, o);
     headline.pop_back();  // reopen the object to append the rest
     JsonObject rest;
-    rest.Add("bench", "adam").Add("target", cpu_adam::ActiveTarget()).AddRaw("cases", JsonArray(cases));
+    rest.Add("bench", "adam")
+        .Add("target", cpu_adam::ActiveTarget())
+        .AddRaw("cases", JsonArray(cases));
     std::printf("%s,%s\n", headline.c_str(), rest.str().substr(1).c_str());
   }
   return 0;

@@ -18,9 +18,12 @@ Result<uint64_t> ParseCount(std::string_view text) {
   std::string_view suffix(ptr, static_cast<size_t>(last - ptr));
   if (!suffix.empty() && (suffix.back() == 'i' || suffix.back() == 'B')) suffix.remove_suffix(1);
   uint64_t mult = 1;
-  if (suffix == "K" || suffix == "k") mult = uint64_t{1} << 10;
-  else if (suffix == "M" || suffix == "m") mult = uint64_t{1} << 20;
-  else if (suffix == "G" || suffix == "g") mult = uint64_t{1} << 30;
+  if (suffix == "K" || suffix == "k")
+    mult = uint64_t{1} << 10;
+  else if (suffix == "M" || suffix == "m")
+    mult = uint64_t{1} << 20;
+  else if (suffix == "G" || suffix == "g")
+    mult = uint64_t{1} << 30;
   else if (!suffix.empty()) {
     return Status::InvalidArgument(StrCat("unknown suffix in '", text, "' (K, M or G)"));
   }

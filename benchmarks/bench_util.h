@@ -28,10 +28,14 @@ class JsonObject {
  public:
   JsonObject& Add(std::string_view key, double value);
   JsonObject& Add(std::string_view key, int64_t value);
-  JsonObject& Add(std::string_view key, uint64_t value) { return Add(key, static_cast<int64_t>(value)); }
+  JsonObject& Add(std::string_view key, uint64_t value) {
+    return Add(key, static_cast<int64_t>(value));
+  }
   JsonObject& Add(std::string_view key, int value) { return Add(key, static_cast<int64_t>(value)); }
   JsonObject& Add(std::string_view key, std::string_view value);
-  JsonObject& Add(std::string_view key, const char* value) { return Add(key, std::string_view(value)); }
+  JsonObject& Add(std::string_view key, const char* value) {
+    return Add(key, std::string_view(value));
+  }
   JsonObject& Add(std::string_view key, bool value);
   JsonObject& AddRaw(std::string_view key, std::string_view json);
   std::string str() const { return "{" + body_ + "}"; }

@@ -3,8 +3,8 @@
 
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "benchmarks/memory_pattern.cc"
-#include "hwy/foreach_target.h"  // IWYU pragma: keep
 #include "hwy/cache_control.h"
+#include "hwy/foreach_target.h"  // IWYU pragma: keep
 #include "hwy/highway.h"
 
 HWY_BEFORE_NAMESPACE();
@@ -19,7 +19,9 @@ constexpr bool kCanStream = false;
 #endif
 
 template <class D>
-HWY_INLINE auto LoadGrad(D d, const float* p) { return hn::LoadU(d, p); }
+HWY_INLINE auto LoadGrad(D d, const float* p) {
+  return hn::LoadU(d, p);
+}
 template <class D>
 HWY_INLINE auto LoadGrad(D d, const uint16_t* p) {
   const hn::Rebind<uint16_t, D> d16;
@@ -62,7 +64,8 @@ void RangeT(const AdamPatternArgs& a, const G* HWY_RESTRICT g, size_t begin, siz
   uint16_t* HWY_RESTRICT out = a.out;
   size_t i = begin;
   if constexpr (kStream) {
-    while (i < end && reinterpret_cast<uintptr_t>(out + i) % (lanes * 2) != 0) ScalarStep(a, g, i++);
+    while (i < end && reinterpret_cast<uintptr_t>(out + i) % (lanes * 2) != 0)
+      ScalarStep(a, g, i++);
   }
   for (; i + lanes <= end; i += lanes) {
     // The same software prefetch as the AdamW kernel, so that the limit is

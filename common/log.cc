@@ -16,10 +16,14 @@ struct LogConfig {
   LogConfig() {
     if (const char* env = std::getenv("ZTIER_LOG")) {
       const std::string_view v(env);
-      if (v == "error") level = LogLevel::kError;
-      else if (v == "warn") level = LogLevel::kWarn;
-      else if (v == "info") level = LogLevel::kInfo;
-      else if (v == "debug") level = LogLevel::kDebug;
+      if (v == "error")
+        level = LogLevel::kError;
+      else if (v == "warn")
+        level = LogLevel::kWarn;
+      else if (v == "info")
+        level = LogLevel::kInfo;
+      else if (v == "debug")
+        level = LogLevel::kDebug;
     }
     if (const char* env = std::getenv("ZTIER_LOG_SUBSYS")) subsystems = env;
   }
@@ -32,10 +36,14 @@ const LogConfig& Config() {
 
 constexpr std::string_view LevelName(LogLevel level) {
   switch (level) {
-    case LogLevel::kError: return "error";
-    case LogLevel::kWarn: return "warn";
-    case LogLevel::kInfo: return "info";
-    case LogLevel::kDebug: return "debug";
+    case LogLevel::kError:
+      return "error";
+    case LogLevel::kWarn:
+      return "warn";
+    case LogLevel::kInfo:
+      return "info";
+    case LogLevel::kDebug:
+      return "debug";
   }
   return "?";
 }

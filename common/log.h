@@ -38,9 +38,9 @@ class LogLine {
 }  // namespace detail
 }  // namespace ztier
 
-#define ZT_LOG(level, subsys)                                          \
-  if (!::ztier::LogEnabled(::ztier::LogLevel::level, subsys)) {        \
-  } else                                                               \
+#define ZT_LOG(level, subsys)                                   \
+  if (!::ztier::LogEnabled(::ztier::LogLevel::level, subsys)) { \
+  } else                                                        \
     ::ztier::detail::LogLine(::ztier::LogLevel::level, subsys).stream()
 
 #endif  // ZTIER_COMMON_LOG_H_

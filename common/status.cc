@@ -11,19 +11,32 @@ namespace ztier {
 
 std::string_view StatusCodeName(StatusCode code) {
   switch (code) {
-    case StatusCode::kOk: return "ok";
-    case StatusCode::kInvalidArgument: return "invalid_argument";
-    case StatusCode::kNotFound: return "not_found";
-    case StatusCode::kAlreadyExists: return "already_exists";
-    case StatusCode::kOutOfRange: return "out_of_range";
-    case StatusCode::kResourceExhausted: return "resource_exhausted";
-    case StatusCode::kFailedPrecondition: return "failed_precondition";
-    case StatusCode::kCorruption: return "corruption";
-    case StatusCode::kIoError: return "io_error";
-    case StatusCode::kUnavailable: return "unavailable";
-    case StatusCode::kAborted: return "aborted";
-    case StatusCode::kUnimplemented: return "unimplemented";
-    case StatusCode::kInternal: return "internal";
+    case StatusCode::kOk:
+      return "ok";
+    case StatusCode::kInvalidArgument:
+      return "invalid_argument";
+    case StatusCode::kNotFound:
+      return "not_found";
+    case StatusCode::kAlreadyExists:
+      return "already_exists";
+    case StatusCode::kOutOfRange:
+      return "out_of_range";
+    case StatusCode::kResourceExhausted:
+      return "resource_exhausted";
+    case StatusCode::kFailedPrecondition:
+      return "failed_precondition";
+    case StatusCode::kCorruption:
+      return "corruption";
+    case StatusCode::kIoError:
+      return "io_error";
+    case StatusCode::kUnavailable:
+      return "unavailable";
+    case StatusCode::kAborted:
+      return "aborted";
+    case StatusCode::kUnimplemented:
+      return "unimplemented";
+    case StatusCode::kInternal:
+      return "internal";
   }
   return "unknown";
 }
@@ -52,15 +65,28 @@ Status PosixError(std::string_view context, int errnum) {
   switch (errnum) {
     case ENOSPC:
     case EDQUOT:
-    case ENOMEM: code = StatusCode::kResourceExhausted; break;
-    case ENOENT: code = StatusCode::kNotFound; break;
-    case EEXIST: code = StatusCode::kAlreadyExists; break;
-    case EINVAL: code = StatusCode::kInvalidArgument; break;
+    case ENOMEM:
+      code = StatusCode::kResourceExhausted;
+      break;
+    case ENOENT:
+      code = StatusCode::kNotFound;
+      break;
+    case EEXIST:
+      code = StatusCode::kAlreadyExists;
+      break;
+    case EINVAL:
+      code = StatusCode::kInvalidArgument;
+      break;
     case EAGAIN:
-    case EBUSY: code = StatusCode::kUnavailable; break;
+    case EBUSY:
+      code = StatusCode::kUnavailable;
+      break;
     case EPERM:
-    case EACCES: code = StatusCode::kFailedPrecondition; break;
-    default: break;
+    case EACCES:
+      code = StatusCode::kFailedPrecondition;
+      break;
+    default:
+      break;
   }
   char buf[128];
   // GNU strerror_r returns the message pointer (which may not be buf).

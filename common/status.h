@@ -65,24 +65,38 @@ class [[nodiscard]] Status {
   Status(StatusCode code, std::string message, int sys_errno = 0);
 
   static Status Ok() { return Status(); }
-  static Status InvalidArgument(std::string msg) { return {StatusCode::kInvalidArgument, std::move(msg)}; }
+  static Status InvalidArgument(std::string msg) {
+    return {StatusCode::kInvalidArgument, std::move(msg)};
+  }
   static Status NotFound(std::string msg) { return {StatusCode::kNotFound, std::move(msg)}; }
-  static Status AlreadyExists(std::string msg) { return {StatusCode::kAlreadyExists, std::move(msg)}; }
+  static Status AlreadyExists(std::string msg) {
+    return {StatusCode::kAlreadyExists, std::move(msg)};
+  }
   static Status OutOfRange(std::string msg) { return {StatusCode::kOutOfRange, std::move(msg)}; }
-  static Status ResourceExhausted(std::string msg) { return {StatusCode::kResourceExhausted, std::move(msg)}; }
-  static Status FailedPrecondition(std::string msg) { return {StatusCode::kFailedPrecondition, std::move(msg)}; }
+  static Status ResourceExhausted(std::string msg) {
+    return {StatusCode::kResourceExhausted, std::move(msg)};
+  }
+  static Status FailedPrecondition(std::string msg) {
+    return {StatusCode::kFailedPrecondition, std::move(msg)};
+  }
   static Status Corruption(std::string msg) { return {StatusCode::kCorruption, std::move(msg)}; }
-  static Status IoError(std::string msg, int sys_errno = 0) { return {StatusCode::kIoError, std::move(msg), sys_errno}; }
+  static Status IoError(std::string msg, int sys_errno = 0) {
+    return {StatusCode::kIoError, std::move(msg), sys_errno};
+  }
   static Status Unavailable(std::string msg) { return {StatusCode::kUnavailable, std::move(msg)}; }
   static Status Aborted(std::string msg) { return {StatusCode::kAborted, std::move(msg)}; }
-  static Status Unimplemented(std::string msg) { return {StatusCode::kUnimplemented, std::move(msg)}; }
+  static Status Unimplemented(std::string msg) {
+    return {StatusCode::kUnimplemented, std::move(msg)};
+  }
   static Status Internal(std::string msg) { return {StatusCode::kInternal, std::move(msg)}; }
 
   bool ok() const { return rep_ == nullptr; }
   StatusCode code() const { return rep_ ? rep_->code : StatusCode::kOk; }
   // The OS (errno), CUDA or NCCL error number behind this status, 0 if none.
   int sys_errno() const { return rep_ ? rep_->sys_errno : 0; }
-  std::string_view message() const { return rep_ ? std::string_view(rep_->message) : std::string_view(); }
+  std::string_view message() const {
+    return rep_ ? std::string_view(rep_->message) : std::string_view();
+  }
 
   // "invalid_argument: <message>" or "ok".
   std::string ToString() const;
@@ -117,7 +131,7 @@ Status PosixError(std::string_view context, int errnum);
 template <typename T>
 class [[nodiscard]] Result {
  public:
-  Result(T value) : v_(std::move(value)) {}  // NOLINT(google-explicit-constructor)
+  Result(T value) : v_(std::move(value)) {}        // NOLINT(google-explicit-constructor)
   Result(Status status) : v_(std::move(status)) {  // NOLINT(google-explicit-constructor)
     if (std::get<Status>(v_).ok()) {
       v_ = Status::Internal("Result constructed from an OK status without a value");
@@ -132,9 +146,18 @@ class [[nodiscard]] Result {
   Status status() const { return ok() ? Status() : std::get<Status>(v_); }
 
   // Accessing the value of an error Result is a programmer error and aborts.
-  T& value() & { CheckHasValue(); return std::get<T>(v_); }
-  const T& value() const& { CheckHasValue(); return std::get<T>(v_); }
-  T&& value() && { CheckHasValue(); return std::get<T>(std::move(v_)); }
+  T& value() & {
+    CheckHasValue();
+    return std::get<T>(v_);
+  }
+  const T& value() const& {
+    CheckHasValue();
+    return std::get<T>(v_);
+  }
+  T&& value() && {
+    CheckHasValue();
+    return std::get<T>(std::move(v_));
+  }
   T& operator*() & { return value(); }
   const T& operator*() const& { return value(); }
   T&& operator*() && { return std::move(*this).value(); }
@@ -150,10 +173,14 @@ namespace detail {
 [[noreturn]] void CheckFailed(const char* file, int line, const char* cond, const std::string& msg);
 inline std::string CheckMessage() { return {}; }
 template <typename... Args>
-std::string CheckMessage(const Args&... args) { return StrCat(args...); }
+std::string CheckMessage(const Args&... args) {
+  return StrCat(args...);
+}
 inline const Status& AsStatus(const Status& s) { return s; }
 template <typename T>
-Status AsStatus(const Result<T>& r) { return r.status(); }
+Status AsStatus(const Result<T>& r) {
+  return r.status();
+}
 }  // namespace detail
 
 template <typename T>
@@ -166,33 +193,35 @@ void Result<T>::CheckHasValue() const {
 
 }  // namespace ztier
 
-#define ZT_CHECK(cond)                                                         \
-  do {                                                                         \
-    if (!(cond)) [[unlikely]] {                                                \
-      ::ztier::detail::CheckFailed(__FILE__, __LINE__, #cond, std::string());  \
-    }                                                                          \
+#define ZT_CHECK(cond)                                                        \
+  do {                                                                        \
+    if (!(cond)) [[unlikely]] {                                               \
+      ::ztier::detail::CheckFailed(__FILE__, __LINE__, #cond, std::string()); \
+    }                                                                         \
   } while (0)
 
-#define ZT_CHECK_MSG(cond, ...)                                                \
-  do {                                                                         \
-    if (!(cond)) [[unlikely]] {                                                \
-      ::ztier::detail::CheckFailed(__FILE__, __LINE__, #cond,                  \
+#define ZT_CHECK_MSG(cond, ...)                                                 \
+  do {                                                                          \
+    if (!(cond)) [[unlikely]] {                                                 \
+      ::ztier::detail::CheckFailed(__FILE__, __LINE__, #cond,                   \
                                    ::ztier::detail::CheckMessage(__VA_ARGS__)); \
-    }                                                                          \
+    }                                                                           \
   } while (0)
 
 #define ZT_STATUS_CONCAT_INNER_(a, b) a##b
 #define ZT_STATUS_CONCAT_(a, b) ZT_STATUS_CONCAT_INNER_(a, b)
 
-#define ZT_RETURN_IF_ERROR(expr)                                         \
-  do {                                                                   \
-    ::ztier::Status zt_status_ = ::ztier::detail::AsStatus((expr));      \
-    if (!zt_status_.ok()) [[unlikely]] return zt_status_;                \
+#define ZT_RETURN_IF_ERROR(expr)                                    \
+  do {                                                              \
+    ::ztier::Status zt_status_ = ::ztier::detail::AsStatus((expr)); \
+    if (!zt_status_.ok()) [[unlikely]]                              \
+      return zt_status_;                                            \
   } while (0)
 
-#define ZT_ASSIGN_OR_RETURN_IMPL_(tmp, lhs, expr)     \
-  auto tmp = (expr);                                  \
-  if (!tmp.ok()) [[unlikely]] return tmp.status();    \
+#define ZT_ASSIGN_OR_RETURN_IMPL_(tmp, lhs, expr) \
+  auto tmp = (expr);                              \
+  if (!tmp.ok()) [[unlikely]]                     \
+    return tmp.status();                          \
   lhs = std::move(tmp).value()
 
 #define ZT_ASSIGN_OR_RETURN(lhs, expr) \

@@ -64,7 +64,8 @@ Status ValidateShard(const Shard& s) {
   for (size_t i = 0; i < 4; ++i) {
     if (bufs[i].ptr == nullptr) continue;
     for (size_t j = i + 1; j < 5; ++j) {
-      if (bufs[j].ptr != nullptr && Overlap(bufs[i].ptr, bufs[i].bytes, bufs[j].ptr, bufs[j].bytes)) {
+      if (bufs[j].ptr != nullptr &&
+          Overlap(bufs[i].ptr, bufs[i].bytes, bufs[j].ptr, bufs[j].bytes)) {
         return Status::InvalidArgument(
             StrCat("AdamW buffers overlap: ", bufs[i].name, " and ", bufs[j].name));
       }
@@ -78,7 +79,8 @@ bool FiniteNonNegative(float x) { return std::isfinite(x) && x >= 0.0f; }
 }  // namespace
 
 Status ValidateHyper(const Hyper& h) {
-  if (!FiniteNonNegative(h.lr)) return Status::InvalidArgument(StrCat("AdamW lr must be finite and >= 0, got ", h.lr));
+  if (!FiniteNonNegative(h.lr))
+    return Status::InvalidArgument(StrCat("AdamW lr must be finite and >= 0, got ", h.lr));
   if (!FiniteNonNegative(h.beta1) || h.beta1 >= 1.0f) {
     return Status::InvalidArgument(StrCat("AdamW beta1 must be in [0, 1), got ", h.beta1));
   }
@@ -165,10 +167,10 @@ Result<StepResult> Step(const Hyper& hyper, const StepOptions& options, const Sh
   if (args.sum_sq) result.grad_sq_sum = SumInOrder(partials);
   for (size_t t = 0; t < tiles; ++t) {
     if (non_finite[t] != 0) {
-      return Status::FailedPrecondition(StrCat(
-          "AdamW grads passed as prechecked contain inf/NaN (first in elements [",
-          t * kTileElements, ", ", std::min(shard.count, (t + 1) * kTileElements),
-          ")); the shard's params/m/v are now partly updated and must be restored"));
+      return Status::FailedPrecondition(
+          StrCat("AdamW grads passed as prechecked contain inf/NaN (first in elements [",
+                 t * kTileElements, ", ", std::min(shard.count, (t + 1) * kTileElements),
+                 ")); the shard's params/m/v are now partly updated and must be restored"));
     }
   }
   return result;

@@ -76,8 +76,8 @@ struct Hyper {
 Status ValidateHyper(const Hyper& h);
 
 struct StepOptions {
-  int64_t step = 1;          // 1-based optimizer step number (bias correction)
-  float grad_scale = 1.0f;   // grads are multiplied by this (clipping, loss-scale); finite, > 0
+  int64_t step = 1;         // 1-based optimizer step number (bias correction)
+  float grad_scale = 1.0f;  // grads are multiplied by this (clipping, loss-scale); finite, > 0
   GradCheck grad_check = GradCheck::kScanFirst;
   bool want_grad_sq_sum = false;  // fill StepResult::grad_sq_sum
   OutputStore output_store = OutputStore::kStreaming;

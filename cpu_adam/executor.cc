@@ -84,8 +84,8 @@ struct Executor::Impl {
 
 Result<Executor> Executor::Create(const Options& options) {
   if (options.threads < 0) {
-    return Status::InvalidArgument(StrCat("optimizer threads must be >= 0 (0 = all cores), got ",
-                                          options.threads));
+    return Status::InvalidArgument(
+        StrCat("optimizer threads must be >= 0 (0 = all cores), got ", options.threads));
   }
   ZT_ASSIGN_OR_RETURN(TopologyPtr topo, LoadTopology());
   const int nodes = std::max(1, hwloc_get_nbobjs_by_type(topo.get(), HWLOC_OBJ_NUMANODE));
@@ -102,8 +102,8 @@ Result<Executor> Executor::Create(const Options& options) {
     node = options.numa_node >= 0 ? options.numa_node : CurrentNode(topo.get());
     hwloc_obj_t obj = hwloc_get_obj_by_type(topo.get(), HWLOC_OBJ_NUMANODE, node);
     if (obj != nullptr) {
-      cores = std::max(1, hwloc_get_nbobjs_inside_cpuset_by_type(topo.get(), obj->cpuset,
-                                                                 HWLOC_OBJ_CORE));
+      cores = std::max(
+          1, hwloc_get_nbobjs_inside_cpuset_by_type(topo.get(), obj->cpuset, HWLOC_OBJ_CORE));
     }
     // oneTBB numbers NUMA nodes through tbbbind (hwloc); if it could not load
     // tbbbind it reports a single id of -1 and the arena stays unconstrained.

@@ -16,8 +16,8 @@
 
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "cpu_adam/kernels.cc"
-#include "hwy/foreach_target.h"  // IWYU pragma: keep
 #include "hwy/cache_control.h"
+#include "hwy/foreach_target.h"  // IWYU pragma: keep
 #include "hwy/highway.h"
 
 HWY_BEFORE_NAMESPACE();
@@ -63,19 +63,25 @@ HWY_INLINE auto ToBf16Bits(D /*d*/, V x) {
 template <class D>
 using SqVec = double;
 template <class D>
-HWY_INLINE SqVec<D> SqZero(D /*d*/) { return 0.0; }
+HWY_INLINE SqVec<D> SqZero(D /*d*/) {
+  return 0.0;
+}
 template <class D, class V>
 HWY_INLINE void SqAdd(D /*d*/, V x, SqVec<D>& lo, SqVec<D>& /*hi*/) {
   const double v = static_cast<double>(hn::GetLane(x));
   lo += v * v;
 }
 template <class D>
-HWY_INLINE double SqTotal(D /*d*/, SqVec<D> lo, SqVec<D> hi) { return lo + hi; }
+HWY_INLINE double SqTotal(D /*d*/, SqVec<D> lo, SqVec<D> hi) {
+  return lo + hi;
+}
 #else
 template <class D>
 using SqVec = decltype(hn::Zero(hn::Repartition<double, D>()));
 template <class D>
-HWY_INLINE SqVec<D> SqZero(D /*d*/) { return hn::Zero(hn::Repartition<double, D>()); }
+HWY_INLINE SqVec<D> SqZero(D /*d*/) {
+  return hn::Zero(hn::Repartition<double, D>());
+}
 template <class D, class V>
 HWY_INLINE void SqAdd(D /*d*/, V x, SqVec<D>& lo, SqVec<D>& hi) {
   const hn::Repartition<double, D> dd;
@@ -107,16 +113,16 @@ constexpr size_t kPrefetchElements = 1024;
 // (unscaled) grads for the caller's norm and finiteness bookkeeping.
 template <Mode kMode, OutKind kOut, class D, class G>
 HWY_INLINE auto UpdateLanes(D d, const KernelConsts& c, const G* HWY_RESTRICT g,
-                            float* HWY_RESTRICT p, float* HWY_RESTRICT m,
-                            float* HWY_RESTRICT v, uint16_t* HWY_RESTRICT out, size_t i) {
+                            float* HWY_RESTRICT p, float* HWY_RESTRICT m, float* HWY_RESTRICT v,
+                            uint16_t* HWY_RESTRICT out, size_t i) {
   const auto g_raw = LoadGrad(d, g + i);
   auto grad = hn::Mul(g_raw, hn::Set(d, c.grad_scale));
   auto param = hn::LoadU(d, p + i);
   if constexpr (kMode == Mode::kAdam) {
     grad = hn::MulAdd(hn::Set(d, c.l2), param, grad);
   }
-  const auto exp_avg =
-      hn::MulAdd(hn::Set(d, c.beta1), hn::LoadU(d, m + i), hn::Mul(hn::Set(d, c.one_minus_beta1), grad));
+  const auto exp_avg = hn::MulAdd(hn::Set(d, c.beta1), hn::LoadU(d, m + i),
+                                  hn::Mul(hn::Set(d, c.one_minus_beta1), grad));
   const auto exp_avg_sq = hn::MulAdd(hn::Set(d, c.beta2), hn::LoadU(d, v + i),
                                      hn::Mul(hn::Mul(hn::Set(d, c.one_minus_beta2), grad), grad));
   const auto denom =
@@ -158,7 +164,7 @@ RangeResult UpdateRangeT(const UpdateArgs& a, size_t begin, size_t end) {
   auto sq_lo = SqZero(d);
   auto sq_hi = SqZero(d);
   double sq1 = 0.0;
-  auto nf = hn::Zero(d);   // x - x: 0 for finite x, NaN for inf/NaN
+  auto nf = hn::Zero(d);  // x - x: 0 for finite x, NaN for inf/NaN
   float nf1 = 0.0f;
 
   const auto one_lane = [&](size_t i) HWY_ATTR {
@@ -232,9 +238,12 @@ RangeResult UpdateRangeO(const UpdateArgs& a, size_t begin, size_t end) {
   const OutKind kind =
       a.out_kind == OutKind::kStreaming && !kCanStream ? OutKind::kRegular : a.out_kind;
   switch (kind) {
-    case OutKind::kNone: return UpdateRangeS<kMode, OutKind::kNone>(a, begin, end);
-    case OutKind::kRegular: return UpdateRangeS<kMode, OutKind::kRegular>(a, begin, end);
-    case OutKind::kStreaming: return UpdateRangeS<kMode, OutKind::kStreaming>(a, begin, end);
+    case OutKind::kNone:
+      return UpdateRangeS<kMode, OutKind::kNone>(a, begin, end);
+    case OutKind::kRegular:
+      return UpdateRangeS<kMode, OutKind::kRegular>(a, begin, end);
+    case OutKind::kStreaming:
+      return UpdateRangeS<kMode, OutKind::kStreaming>(a, begin, end);
   }
   return {0.0, false};
 }

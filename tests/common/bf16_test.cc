@@ -73,9 +73,12 @@ TEST(Bf16Test, MatchesLongHandRoundingOnAGrid) {
       const double down = Bf16ToFloat(bf16{static_cast<uint16_t>(hi)});
       const double up = Bf16ToFloat(bf16{static_cast<uint16_t>(hi + 1)});
       uint16_t want;
-      if (x - down < up - x) want = static_cast<uint16_t>(hi);
-      else if (x - down > up - x) want = static_cast<uint16_t>(hi + 1);
-      else want = static_cast<uint16_t>((hi & 1) ? hi + 1 : hi);
+      if (x - down < up - x)
+        want = static_cast<uint16_t>(hi);
+      else if (x - down > up - x)
+        want = static_cast<uint16_t>(hi + 1);
+      else
+        want = static_cast<uint16_t>((hi & 1) ? hi + 1 : hi);
       ASSERT_EQ(Bits(F(u)), want) << std::hex << u;
     }
   }

@@ -91,7 +91,8 @@ TEST(ResultDeathTest, ValueOfErrorAborts) {
 }
 
 TEST(CheckDeathTest, CheckPrintsFileLineAndMessage) {
-  EXPECT_DEATH(ZT_CHECK_MSG(1 + 1 == 3, "math is ", "broken"), "check failed at .*status_test.cc:[0-9]+: 1 \\+ 1 == 3: math is broken");
+  EXPECT_DEATH(ZT_CHECK_MSG(1 + 1 == 3, "math is ", "broken"),
+               "check failed at .*status_test.cc:[0-9]+: 1 \\+ 1 == 3: math is broken");
 }
 
 }  // namespace

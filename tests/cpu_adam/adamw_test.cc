@@ -161,8 +161,13 @@ std::vector<Case> AllCases() {
   std::mt19937_64 rng(seed);
   State s(n, misalign);
   s.Randomize(rng);
-  const Hyper h{.lr = 1e-2f, .beta1 = 0.9f, .beta2 = 0.999f, .eps = 1e-8f,
-                .weight_decay = c.weight_decay, .mode = c.mode, .bias_correction = c.bias};
+  const Hyper h{.lr = 1e-2f,
+                .beta1 = 0.9f,
+                .beta2 = 0.999f,
+                .eps = 1e-8f,
+                .weight_decay = c.weight_decay,
+                .mode = c.mode,
+                .bias_correction = c.bias};
   std::vector<float> p0(n), m0(n), v0(n);
   for (int step = 1; step <= steps; ++step) {
     s.NewGrads(rng, 1.0f);
@@ -207,9 +212,8 @@ std::vector<Case> AllCases() {
       if (std::fabs(s.m[i] - m) > m_tol || std::fabs(s.v[i] - v) > v_tol ||
           std::fabs(s.p[i] - p) > p_tol) {
         return ::testing::AssertionFailure()
-               << "step " << step << " element " << i << " of " << n << ": p " << s.p[i]
-               << " want " << p << ", m " << s.m[i] << " want " << m << ", v " << s.v[i]
-               << " want " << v;
+               << "step " << step << " element " << i << " of " << n << ": p " << s.p[i] << " want "
+               << p << ", m " << s.m[i] << " want " << m << ", v " << s.v[i] << " want " << v;
       }
       if (c.with_out && s.out[i].bits != FloatToBf16(s.p[i]).bits) {
         return ::testing::AssertionFailure()
@@ -293,13 +297,17 @@ TEST_P(AdamWTest, StreamingAndRegularStoresAgree) {
   State a(n, 1), b(n, 1);
   a.Randomize(rng);
   a.NewGrads(rng, 1.0f);
-  b.p_store = a.p_store; b.m_store = a.m_store; b.v_store = a.v_store;
+  b.p_store = a.p_store;
+  b.m_store = a.m_store;
+  b.v_store = a.v_store;
   b.g16_store = a.g16_store;
   const Hyper h{.weight_decay = 0.01f};
   ASSERT_TRUE(Step(h, {.output_store = OutputStore::kStreaming}, a.View(GradType::kBFloat16, true),
-                   SharedExecutor()).ok());
+                   SharedExecutor())
+                  .ok());
   ASSERT_TRUE(Step(h, {.output_store = OutputStore::kRegular}, b.View(GradType::kBFloat16, true),
-                   SharedExecutor()).ok());
+                   SharedExecutor())
+                  .ok());
   EXPECT_EQ(std::memcmp(a.out, b.out, n * sizeof(bf16)), 0);
   EXPECT_EQ(std::memcmp(a.p, b.p, n * sizeof(float)), 0);
 }
@@ -333,10 +341,10 @@ TEST_P(AdamWTest, BitwiseSameForAnyThreadCount) {
       double sq = 0.0;
       for (int step = 1; step <= 2; ++step) {
         s.NewGrads(rng, 1.0f);
-        const StepOptions opt{.step = step, .grad_scale = 0.5f, .grad_check = check,
-                              .want_grad_sq_sum = true};
-        Result<StepResult> r = Step(h, opt, s.View(GradType::kBFloat16, true),
-                                    SharedExecutor(threads));
+        const StepOptions opt{
+            .step = step, .grad_scale = 0.5f, .grad_check = check, .want_grad_sq_sum = true};
+        Result<StepResult> r =
+            Step(h, opt, s.View(GradType::kBFloat16, true), SharedExecutor(threads));
         ASSERT_TRUE(r.ok()) << r.status();
         sq = r->grad_sq_sum;
       }
@@ -378,8 +386,8 @@ TEST_P(AdamWTest, NonFiniteGradsSkipTheStepAndWriteNothing) {
         s.g16[at] = FloatToBf16(bad);
         SCOPED_TRACE(StrCat("n ", n, ", bad ", bad, " at ", at));
         const std::vector<uint8_t> before = Snapshot(s);
-        Result<StepResult> r = Step({}, {.step = 3, .want_grad_sq_sum = true}, s.View(gt, true),
-                                    SharedExecutor());
+        Result<StepResult> r =
+            Step({}, {.step = 3, .want_grad_sq_sum = true}, s.View(gt, true), SharedExecutor());
         ASSERT_TRUE(r.ok()) << r.status();
         EXPECT_TRUE(r->skipped);
         EXPECT_FALSE(std::isfinite(r->grad_sq_sum));
@@ -390,9 +398,8 @@ TEST_P(AdamWTest, NonFiniteGradsSkipTheStepAndWriteNothing) {
         EXPECT_FALSE(std::isfinite(*norm));
 
         // A caller that claims the grads were checked gets a loud error.
-        Result<StepResult> pre =
-            Step({}, {.step = 3, .grad_check = GradCheck::kPrechecked}, s.View(gt, true),
-                 SharedExecutor());
+        Result<StepResult> pre = Step({}, {.step = 3, .grad_check = GradCheck::kPrechecked},
+                                      s.View(gt, true), SharedExecutor());
         ASSERT_FALSE(pre.ok());
         EXPECT_EQ(pre.status().code(), StatusCode::kFailedPrecondition);
       }
@@ -417,8 +424,12 @@ TEST_P(AdamWTest, SquaredNormMatchesDouble) {
 
 TEST(AdamWValidationTest, RejectsBadHyperParametersAndBuffers) {
   std::vector<float> p(8), m(8), v(8), g(8);
-  Shard s{.count = 8, .grads = g.data(), .grad_type = GradType::kFloat32, .params = p.data(),
-          .exp_avg = m.data(), .exp_avg_sq = v.data()};
+  Shard s{.count = 8,
+          .grads = g.data(),
+          .grad_type = GradType::kFloat32,
+          .params = p.data(),
+          .exp_avg = m.data(),
+          .exp_avg_sq = v.data()};
   Executor& e = SharedExecutor();
   auto code = [&](const Hyper& h, const StepOptions& o, const Shard& sh) {
     Result<StepResult> r = Step(h, o, sh, e);

@@ -76,7 +76,11 @@ TEST_P(TorchReferenceTest, MatchesTorchOptim) {
   const TorchCase tc = GetParam();
   const size_t n = 3 * kTileElements + 1234;
   const int steps = 3;
-  const Hyper h{.lr = 1e-2f, .beta1 = 0.9f, .beta2 = 0.99f, .eps = 1e-8f, .weight_decay = 0.05f,
+  const Hyper h{.lr = 1e-2f,
+                .beta1 = 0.9f,
+                .beta2 = 0.99f,
+                .eps = 1e-8f,
+                .weight_decay = 0.05f,
                 .mode = tc.mode};
   std::mt19937_64 rng(std::random_device{}());
   std::normal_distribution<float> normal(0.0f, 1.0f);
@@ -103,8 +107,8 @@ TEST_P(TorchReferenceTest, MatchesTorchOptim) {
     Put(out, static_cast<int64_t>(n));
     Put(out, static_cast<int64_t>(steps));
     Put(out, static_cast<int64_t>(tc.mode == Mode::kAdamW ? 1 : 0));
-    for (double d : {double{h.lr}, double{h.beta1}, double{h.beta2}, double{h.eps},
-                     double{h.weight_decay}}) {
+    for (double d :
+         {double{h.lr}, double{h.beta1}, double{h.beta2}, double{h.eps}, double{h.weight_decay}}) {
       Put(out, d);
     }
     PutArray(out, p);
@@ -112,8 +116,8 @@ TEST_P(TorchReferenceTest, MatchesTorchOptim) {
     PutArray(out, v);
     for (const auto& g : grads32) PutArray(out, g);
   }
-  const std::string cmd = Quote(python) + " " + Quote(std::string(ZTIER_SOURCE_DIR) +
-                                                      "/tests/cpu_adam/torch_adamw.py") +
+  const std::string cmd = Quote(python) + " " +
+                          Quote(std::string(ZTIER_SOURCE_DIR) + "/tests/cpu_adam/torch_adamw.py") +
                           " " + Quote(in_path) + " " + Quote(out_path) + " " + tc.impl;
   ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
   std::ifstream in(out_path, std::ios::binary);
@@ -123,21 +127,27 @@ TEST_P(TorchReferenceTest, MatchesTorchOptim) {
   ASSERT_TRUE(exec.ok());
   for (int s = 0; s < steps; ++s) {
     const std::vector<float> p0 = p, m0 = m, v0 = v;
-    Result<StepResult> r =
-        Step(h, {.step = s + 1},
-             Shard{.count = n, .grads = grads16[s].data(), .grad_type = GradType::kBFloat16,
-                   .params = p.data(), .exp_avg = m.data(), .exp_avg_sq = v.data()},
-             *exec);
+    Result<StepResult> r = Step(h, {.step = s + 1},
+                                Shard{.count = n,
+                                      .grads = grads16[s].data(),
+                                      .grad_type = GradType::kBFloat16,
+                                      .params = p.data(),
+                                      .exp_avg = m.data(),
+                                      .exp_avg_sq = v.data()},
+                                *exec);
     ASSERT_TRUE(r.ok()) << r.status();
     for (auto* t : {&tp, &tm, &tv}) {
       in.read(reinterpret_cast<char*>(t->data()), static_cast<std::streamsize>(n * 4));
     }
     ASSERT_TRUE(in.good()) << "short output from " << cmd;
     for (size_t i = 0; i < n; ++i) {
-      const double g = std::fabs(grads32[s][i]) + (tc.mode == Mode::kAdam ? h.weight_decay * std::fabs(p0[i]) : 0.0);
+      const double g = std::fabs(grads32[s][i]) +
+                       (tc.mode == Mode::kAdam ? h.weight_decay * std::fabs(p0[i]) : 0.0);
       const double m_tol = 1e-5 * (std::fabs(m0[i]) + g) + 1e-12;
       const double v_tol = 1e-5 * (v0[i] + g * g) + 1e-12;
-      const double p_tol = 1e-5 * (std::fabs(p0[i]) + h.lr * (1.0 + std::fabs(m[i]) / (std::sqrt(v[i]) + 1e-8))) + 1e-12;
+      const double p_tol =
+          1e-5 * (std::fabs(p0[i]) + h.lr * (1.0 + std::fabs(m[i]) / (std::sqrt(v[i]) + 1e-8))) +
+          1e-12;
       ASSERT_NEAR(m[i], tm[i], m_tol) << "exp_avg, step " << s + 1 << ", element " << i;
       ASSERT_NEAR(v[i], tv[i], v_tol) << "exp_avg_sq, step " << s + 1 << ", element " << i;
       ASSERT_NEAR(p[i], tp[i], p_tol) << "param, step " << s + 1 << ", element " << i;

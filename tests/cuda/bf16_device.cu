@@ -34,7 +34,9 @@ class DeviceBuffer {
   }
   cudaError_t Allocate(size_t bytes) { return cudaMalloc(&ptr_, bytes); }
   template <class T>
-  T* as() const { return static_cast<T*>(ptr_); }
+  T* as() const {
+    return static_cast<T*>(ptr_);
+  }
 
  private:
   void* ptr_ = nullptr;
@@ -49,7 +51,8 @@ Status RoundToBf16OnDevice(const float* in, uint16_t* out, size_t n) {
   if (devices == 0) return Status::Unavailable("no CUDA device");
   DeviceBuffer d_in, d_out;
   if ((err = d_in.Allocate(n * sizeof(float))) != cudaSuccess) return CudaError("cudaMalloc", err);
-  if ((err = d_out.Allocate(n * sizeof(uint16_t))) != cudaSuccess) return CudaError("cudaMalloc", err);
+  if ((err = d_out.Allocate(n * sizeof(uint16_t))) != cudaSuccess)
+    return CudaError("cudaMalloc", err);
   err = cudaMemcpy(d_in.as<float>(), in, n * sizeof(float), cudaMemcpyHostToDevice);
   if (err != cudaSuccess) return CudaError("cudaMemcpy host to device", err);
   const unsigned threads = 256;

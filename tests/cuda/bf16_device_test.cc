@@ -23,7 +23,8 @@ TEST(CudaBf16Test, DeviceRoundingMatchesCpuRule) {
     in.push_back(std::bit_cast<float>(bits));
   }
   std::mt19937 rng(12345);
-  for (int i = 0; i < 1 << 16; ++i) in.push_back(std::bit_cast<float>(static_cast<uint32_t>(rng())));
+  for (int i = 0; i < 1 << 16; ++i)
+    in.push_back(std::bit_cast<float>(static_cast<uint32_t>(rng())));
   std::vector<uint16_t> out(in.size());
   Status s = testing::RoundToBf16OnDevice(in.data(), out.data(), in.size());
   if (s.code() == StatusCode::kUnavailable) GTEST_SKIP() << s.message();
@@ -32,8 +33,8 @@ TEST(CudaBf16Test, DeviceRoundingMatchesCpuRule) {
     if (std::isnan(in[i])) {
       EXPECT_TRUE(std::isnan(Bf16ToFloat(bf16{out[i]}))) << i;
     } else {
-      ASSERT_EQ(out[i], FloatToBf16(in[i]).bits) << "input bits 0x" << std::hex
-                                                  << std::bit_cast<uint32_t>(in[i]);
+      ASSERT_EQ(out[i], FloatToBf16(in[i]).bits)
+          << "input bits 0x" << std::hex << std::bit_cast<uint32_t>(in[i]);
     }
   }
 }
