@@ -1,0 +1,99 @@
+// ztier nvme internal: free-extent allocator of one swap file, in stripe
+// units. First fit over a map of free runs, coalescing on free.
+// Not thread-safe: the swap space holds its map lock around every call.
+#ifndef ZTIER_NVME_EXTENT_ALLOCATOR_H_
+#define ZTIER_NVME_EXTENT_ALLOCATOR_H_
+
+#include <cstdint>
+#include <map>
+#include <vector>
+
+namespace ztier::nvme {
+
+struct Extent {
+  uint64_t start;  // in units
+  uint64_t count;
+};
+
+class ExtentAllocator {
+ public:
+  explicit ExtentAllocator(uint64_t units) : total_(units), free_(units) {
+    if (units > 0) runs_[0] = units;
+  }
+
+  uint64_t total_units() const { return total_; }
+  uint64_t free_units() const { return free_; }
+
+  // `count` units as few extents as first fit gives; empty if not enough free.
+  std::vector<Extent> Allocate(uint64_t count) {
+    std::vector<Extent> out;
+    if (count == 0 || count > free_) return out;
+    // Prefer one run that holds everything; else take runs in order.
+    for (auto it = runs_.begin(); it != runs_.end(); ++it) {
+      if (it->second >= count) {
+        out.push_back(Take(it, count));
+        return out;
+      }
+    }
+    uint64_t need = count;
+    while (need > 0) {
+      auto it = runs_.begin();
+      const uint64_t n = std::min(need, it->second);
+      out.push_back(Take(it, n));
+      need -= n;
+    }
+    return out;
+  }
+
+  // Marks [start, start+count) used; false if any unit of it is not free.
+  bool Reserve(uint64_t start, uint64_t count) {
+    auto it = runs_.upper_bound(start);
+    if (it == runs_.begin()) return false;
+    --it;
+    const uint64_t run_start = it->first, run_count = it->second;
+    if (start + count > run_start + run_count) return false;
+    runs_.erase(it);
+    if (start > run_start) runs_[run_start] = start - run_start;
+    if (start + count < run_start + run_count) {
+      runs_[start + count] = run_start + run_count - (start + count);
+    }
+    free_ -= count;
+    return true;
+  }
+
+  void Free(uint64_t start, uint64_t count) {
+    free_ += count;
+    auto next = runs_.lower_bound(start);
+    if (next != runs_.begin()) {
+      auto prev = std::prev(next);
+      if (prev->first + prev->second == start) {
+        start = prev->first;
+        count += prev->second;
+        runs_.erase(prev);
+      }
+    }
+    if (next != runs_.end() && start + count == next->first) {
+      count += next->second;
+      runs_.erase(next);
+    }
+    runs_[start] = count;
+  }
+
+ private:
+  Extent Take(std::map<uint64_t, uint64_t>::iterator it, uint64_t n) {
+    const Extent e{it->first, n};
+    const uint64_t rest = it->second - n;
+    runs_.erase(it);
+    if (rest > 0) runs_[e.start + n] = rest;
+    free_ -= n;
+    return e;
+  }
+
+  uint64_t total_;
+  uint64_t free_;
+  std::map<uint64_t, uint64_t> runs_;  // start -> count
+};
+
+}  // namespace ztier::nvme
+
+#endif  // ZTIER_NVME_EXTENT_ALLOCATOR_H_

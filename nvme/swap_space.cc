@@ -1,0 +1,1074 @@
+// ztier nvme: SwapSpace implementation (see swap_space.h for the contract).
+//
+// Structure: Impl holds the object map (under map_mu_) and one PathIo per
+// swap file. Submit() cuts each range into per-stripe-unit Pieces and queues
+// them on their path; each PathIo thread moves pieces through its IoQueue,
+// resubmits short transfers, checks or records checksums and completes the
+// request's ticket when its last piece is done.
+#include "nvme/swap_space.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <sys/statvfs.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <mutex>
+#include <thread>
+#include <unordered_map>
+
+#include "common/log.h"
+#include "nvme/crc32c.h"
+#include "nvme/extent_allocator.h"
+#include "nvme/io_backend.h"
+
+namespace ztier::nvme {
+
+namespace {
+
+constexpr uint64_t kBlock = 4096;
+constexpr int kMaxRetries = 64;
+
+uint64_t RoundUp(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
+bool Aligned(const void* p) { return reinterpret_cast<uintptr_t>(p) % kBlock == 0; }
+
+enum class UnitState : uint8_t { kUnwritten = 0, kValid = 1, kFailed = 2 };
+
+struct Unit {
+  uint64_t file_offset;
+  uint32_t crc;
+  UnitState state;
+};
+
+struct Object {
+  uint64_t id;
+  std::string name;
+  uint64_t size;
+  uint32_t start_path;
+  std::vector<Unit> units;
+  uint32_t inflight = 0;  // pieces queued or on disk
+};
+
+// Owns a 4 KiB aligned allocation.
+struct AlignedBuffer {
+  void* ptr = nullptr;
+  explicit AlignedBuffer(size_t bytes) : ptr(std::aligned_alloc(kBlock, RoundUp(bytes, kBlock))) {}
+  AlignedBuffer(AlignedBuffer&& o) noexcept : ptr(std::exchange(o.ptr, nullptr)) {}
+  AlignedBuffer& operator=(AlignedBuffer&&) = delete;
+  ~AlignedBuffer() { std::free(ptr); }
+};
+
+}  // namespace
+
+struct IoTicket::State {
+  std::mutex mu;
+  std::condition_variable cv;
+  int pending = 0;
+  bool done = false;
+  Status status;
+  std::function<void(const Status&)> on_done;
+
+  void Finish(const Status& s) {
+    std::function<void(const Status&)> cb;
+    Status final_status;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      if (!s.ok() && status.ok()) status = s;
+      if (--pending > 0) return;
+      done = true;
+      cb = std::move(on_done);
+      final_status = status;
+    }
+    cv.notify_all();
+    if (cb) cb(final_status);
+  }
+};
+
+Status IoTicket::Wait() const {
+  if (!state_) return Status::FailedPrecondition("Wait() on an empty IoTicket");
+  std::unique_lock<std::mutex> lock(state_->mu);
+  state_->cv.wait(lock, [&] { return state_->done; });
+  return state_->status;
+}
+
+bool IoTicket::Done() const {
+  if (!state_) return true;
+  std::lock_guard<std::mutex> lock(state_->mu);
+  return state_->done;
+}
+
+namespace {
+
+// One disk operation: a stripe unit (or what remains of it after a short
+// transfer), or an fsync.
+struct Piece {
+  std::shared_ptr<IoTicket::State> ticket;
+  IoKind kind = IoKind::kRead;
+  uint64_t object = 0;
+  size_t unit = 0;
+  uint64_t file_offset = 0;  // of the unit
+  uint32_t disk_len = 0;     // bytes moved to/from disk (multiple of 4 KiB)
+  uint32_t unit_bytes = 0;   // object bytes in the unit
+  uint8_t* user = nullptr;   // caller's buffer for this piece
+  uint32_t user_off = 0;     // reads: where the caller's range starts in the unit
+  uint32_t user_len = 0;
+  bool direct = false;  // disk I/O uses `user` itself
+  int staging = -1;
+  uint32_t done = 0;  // bytes transferred so far
+  int retries = 0;
+  uint32_t expected_crc = 0;  // reads: the unit's crc at submit
+  UnitState expected_state = UnitState::kUnwritten;
+  uint64_t object_offset = 0;  // of the unit, for messages
+};
+
+}  // namespace
+
+struct SwapSpace::Impl {
+  SwapOptions options;
+  std::shared_ptr<IoBackend> backend;
+
+  // ---- one per swap file ----
+  struct PathIo {
+    Impl* owner = nullptr;
+    uint32_t index = 0;
+    std::string file;
+    int fd = -1;
+    std::unique_ptr<IoQueue> queue;
+    std::vector<AlignedBuffer> staging;
+    bool fixed = false;
+    std::vector<int> free_staging;
+    std::mutex mu;
+    std::condition_variable cv;
+    std::deque<Piece*> pending;
+    uint32_t inflight = 0;  // owned by the thread
+    bool stop = false;
+    std::thread thread;
+
+    void Enqueue(Piece* p) {
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        pending.push_back(p);
+      }
+      cv.notify_one();
+    }
+    void Run();
+    void Start(Piece* p);
+    void Complete(Piece* p, int32_t res, std::vector<Piece*>* retry);
+    void Finish(Piece* p, const Status& s);
+    void* StagingPtr(const Piece* p) const { return staging[p->staging].ptr; }
+  };
+
+  std::vector<std::unique_ptr<PathIo>> paths;
+  std::vector<ExtentAllocator> allocators;  // by path, in stripe units
+
+  mutable std::mutex map_mu;
+  std::map<uint64_t, Object> objects;
+  std::unordered_map<std::string, uint64_t> by_name;
+  uint64_t next_id = 1;
+  uint32_t next_start_path = 0;
+  std::condition_variable idle_cv;  // an object's inflight reached 0
+
+  std::atomic<bool> failed{false};
+  Status failure;  // under map_mu
+  std::atomic<bool> closed{false};
+
+  std::atomic<uint64_t> bytes_read{0}, bytes_written{0}, reads{0}, writes{0}, retries{0},
+      bounced{0};
+
+  Status CheckUsable() const {
+    if (closed.load()) return Status::FailedPrecondition("swap space is closed");
+    if (failed.load()) {
+      std::lock_guard<std::mutex> lock(map_mu);
+      return Status::FailedPrecondition(
+          StrCat("swap space failed earlier and must be recreated: ", failure.message()));
+    }
+    return Status::Ok();
+  }
+
+  void Fail(const Status& s) {
+    std::lock_guard<std::mutex> lock(map_mu);
+    if (!failed.exchange(true)) failure = s;
+  }
+
+  Status OpenFiles(bool create);
+  Status StartThreads();
+  void StopThreads();
+  void PieceSettled(uint64_t object_id) {
+    std::lock_guard<std::mutex> lock(map_mu);
+    auto it = objects.find(object_id);
+    if (it != objects.end() && --it->second.inflight == 0) idle_cv.notify_all();
+  }
+};
+
+// ---------------------------------------------------------------------------
+// Path I/O thread
+
+void SwapSpace::Impl::PathIo::Start(Piece* p) {
+  IoOp op;
+  op.kind = p->kind;
+  op.user_data = reinterpret_cast<uint64_t>(p);
+  if (p->kind != IoKind::kFsync) {
+    uint8_t* base;
+    if (p->direct) {
+      base = p->user;
+    } else {
+      base = static_cast<uint8_t*>(StagingPtr(p));
+      op.buf_index = fixed ? p->staging : -1;
+    }
+    op.offset = p->file_offset + p->done;
+    op.buf = base + p->done;
+    op.len = p->disk_len - p->done;
+  }
+  // The queue has room: inflight < depth is checked by the caller.
+  const bool ok = queue->Prepare(op);
+  ZT_CHECK_MSG(ok, "submission queue full with ", inflight, " in flight");
+  ++inflight;
+}
+
+void SwapSpace::Impl::PathIo::Finish(Piece* p, const Status& s) {
+  if (p->staging >= 0) free_staging.push_back(p->staging);
+  std::shared_ptr<IoTicket::State> ticket = std::move(p->ticket);
+  const uint64_t object = p->object;
+  const bool is_data = p->kind != IoKind::kFsync;
+  delete p;
+  if (is_data) owner->PieceSettled(object);
+  ticket->Finish(s);
+}
+
+void SwapSpace::Impl::PathIo::Complete(Piece* p, int32_t res, std::vector<Piece*>* retry) {
+  --inflight;
+  Impl& sp = *owner;
+  if (p->kind == IoKind::kFsync) {
+    if (res < 0) {
+      const Status s = PosixError(StrCat("fdatasync of swap file ", file), res);
+      sp.Fail(s);
+      Finish(p, s);
+    } else {
+      Finish(p, Status::Ok());
+    }
+    return;
+  }
+  const char* what = p->kind == IoKind::kRead ? "read" : "write";
+  if (res == -EAGAIN || res == -EINTR) {
+    if (++p->retries <= kMaxRetries) {
+      sp.retries.fetch_add(1, std::memory_order_relaxed);
+      retry->push_back(p);
+      return;
+    }
+  }
+  Status error;
+  if (res < 0) {
+    error = PosixError(StrCat(what, " of swap file ", file, " at offset ", p->file_offset + p->done,
+                              " (object ", p->object, ", byte ", p->object_offset + p->done, ")"),
+                       res);
+  } else if (res == 0) {
+    error =
+        Status::IoError(StrCat(what, " of swap file ", file, " at offset ",
+                               p->file_offset + p->done, " made no progress (file truncated?)"));
+  } else {
+    p->done += static_cast<uint32_t>(res);
+    if (p->done < p->disk_len) {  // short transfer: go on with the rest
+      sp.retries.fetch_add(1, std::memory_order_relaxed);
+      retry->push_back(p);
+      return;
+    }
+  }
+
+  if (p->kind == IoKind::kWrite) {
+    sp.writes.fetch_add(1, std::memory_order_relaxed);
+    if (error.ok()) sp.bytes_written.fetch_add(p->unit_bytes, std::memory_order_relaxed);
+    {
+      std::lock_guard<std::mutex> lock(sp.map_mu);
+      auto it = sp.objects.find(p->object);
+      if (it != sp.objects.end()) {
+        Unit& u = it->second.units[p->unit];
+        u.state = error.ok() ? UnitState::kValid : UnitState::kFailed;
+        u.crc = p->expected_crc;  // computed when the write was started
+      }
+    }
+    Finish(p, error);
+    return;
+  }
+
+  // Read: verify, then hand the caller its bytes.
+  sp.reads.fetch_add(1, std::memory_order_relaxed);
+  if (error.ok()) {
+    const uint8_t* unit_data = p->direct ? p->user : static_cast<uint8_t*>(StagingPtr(p));
+    if (sp.options.checksums) {
+      const uint32_t crc = Crc32c(unit_data, p->unit_bytes);
+      if (crc != p->expected_crc) {
+        error = Status::Corruption(StrCat(
+            "checksum mismatch in object ", p->object, " at byte ", p->object_offset,
+            " (stripe unit ", p->unit, ", ", p->unit_bytes, " bytes) read from ", file, " offset ",
+            p->file_offset, ": stored crc32c ", p->expected_crc, ", data ", crc));
+      }
+    }
+    if (error.ok() && !p->direct) {
+      std::memcpy(p->user, unit_data + p->user_off, p->user_len);
+      sp.bounced.fetch_add(p->user_len, std::memory_order_relaxed);
+    }
+    if (error.ok()) sp.bytes_read.fetch_add(p->user_len, std::memory_order_relaxed);
+  }
+  Finish(p, error);
+}
+
+void SwapSpace::Impl::PathIo::Run() {
+  const uint32_t depth = owner->options.queue_depth;
+  std::vector<Piece*> starting, retry;
+  std::vector<IoCompletion> done(depth + 8);
+  for (;;) {
+    starting.clear();
+    {
+      std::unique_lock<std::mutex> lock(mu);
+      cv.wait(lock, [&] { return stop || !pending.empty() || inflight > 0 || !retry.empty(); });
+      if (stop && pending.empty() && inflight == 0 && retry.empty()) return;
+      while (!pending.empty() && inflight + retry.size() + starting.size() < depth) {
+        Piece* p = pending.front();
+        const bool needs_staging = p->kind != IoKind::kFsync && !p->direct;
+        if (needs_staging && free_staging.empty()) break;
+        pending.pop_front();
+        if (needs_staging) {
+          p->staging = free_staging.back();
+          free_staging.pop_back();
+        }
+        starting.push_back(p);
+      }
+    }
+    for (Piece* p : retry) Start(p);
+    retry.clear();
+    for (Piece* p : starting) {
+      if (p->kind == IoKind::kWrite) {
+        // Checksum the caller's bytes, then stage them if they cannot go
+        // to the disk directly (unaligned, or a partial last block).
+        if (owner->options.checksums) p->expected_crc = Crc32c(p->user, p->unit_bytes);
+        if (!p->direct) {
+          auto* s = static_cast<uint8_t*>(StagingPtr(p));
+          std::memcpy(s, p->user, p->unit_bytes);
+          std::memset(s + p->unit_bytes, 0, p->disk_len - p->unit_bytes);
+          owner->bounced.fetch_add(p->unit_bytes, std::memory_order_relaxed);
+        }
+      }
+      Start(p);
+    }
+    // Wait for a completion only when nothing new went out this round.
+    const Status s = queue->Submit(starting.empty() && inflight > 0 ? 1 : 0);
+    if (!s.ok()) {
+      ZT_LOG(kError, "nvme") << s;
+      owner->Fail(s);
+    }
+    const size_t n = queue->Reap(done.data(), done.size());
+    for (size_t i = 0; i < n; ++i) {
+      Complete(reinterpret_cast<Piece*>(done[i].user_data), done[i].res, &retry);
+    }
+    if (!s.ok() && n == 0) {
+      // The ring is broken: fail what is waiting rather than spin.
+      std::deque<Piece*> orphans;
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        orphans.swap(pending);
+      }
+      for (Piece* p : orphans) Finish(p, s);
+      for (Piece* p : retry) Finish(p, s);
+      retry.clear();
+      if (inflight > 0) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Files and threads
+
+Status SwapSpace::Impl::OpenFiles(bool create) {
+  const uint64_t capacity = options.capacity_per_path;
+  for (uint32_t i = 0; i < options.paths.size(); ++i) {
+    auto pio = std::make_unique<PathIo>();
+    pio->owner = this;
+    pio->index = i;
+    const std::string& dir = options.paths[i];
+    pio->file = (std::filesystem::path(dir) / options.file_name).string();
+    struct stat st {};
+    if (::stat(dir.c_str(), &st) != 0) {
+      return PosixError(StrCat("swap path ", dir), errno);
+    }
+    if (!S_ISDIR(st.st_mode)) {
+      return Status::InvalidArgument(StrCat("swap path ", dir, " is not a directory"));
+    }
+    struct stat fst {};
+    const bool exists = ::stat(pio->file.c_str(), &fst) == 0;
+    if (create) {
+      struct statvfs vfs {};
+      if (::statvfs(dir.c_str(), &vfs) != 0) return PosixError(StrCat("statvfs ", dir), errno);
+      const uint64_t free_bytes = static_cast<uint64_t>(vfs.f_bavail) * vfs.f_frsize;
+      const uint64_t reusable = exists ? static_cast<uint64_t>(fst.st_blocks) * 512 : 0;
+      if (free_bytes + reusable < capacity) {
+        return Status::ResourceExhausted(StrCat("swap path ", dir, " has ", free_bytes,
+                                                " bytes free; a swap file of ", capacity,
+                                                " bytes does not fit"));
+      }
+    } else if (!exists) {
+      return Status::NotFound(StrCat("swap file ", pio->file, " named by the manifest is missing"));
+    } else if (static_cast<uint64_t>(fst.st_size) != capacity) {
+      return Status::Corruption(StrCat("swap file ", pio->file, " is ", fst.st_size,
+                                       " bytes; the manifest says ", capacity));
+    }
+    const int flags = O_RDWR | O_DIRECT | O_CLOEXEC | (create ? O_CREAT : 0);
+    const int fd = backend->OpenFile(pio->file, flags, 0600);
+    if (fd == -EINVAL) {
+      return Status::FailedPrecondition(StrCat(
+          "swap path ", dir, ": its filesystem does not support O_DIRECT (open of ", pio->file,
+          " failed with EINVAL); put swap on a local disk filesystem such "
+          "as ext4 or xfs"));
+    }
+    if (fd < 0) return PosixError(StrCat("open swap file ", pio->file), fd);
+    pio->fd = fd;
+    paths.push_back(std::move(pio));
+    PathIo& p = *paths.back();
+    if (::fchmod(fd, 0600) != 0) return PosixError(StrCat("chmod 0600 ", p.file), errno);
+    if (create) {
+      const int rc = backend->Preallocate(fd, capacity);
+      if (rc == -ENOSPC || rc == -EDQUOT) {
+        return Status::ResourceExhausted(StrCat("swap path ", dir, ": cannot preallocate ",
+                                                capacity, " bytes (", std::strerror(-rc), ")"));
+      }
+      if (rc < 0) return PosixError(StrCat("fallocate ", capacity, " bytes for ", p.file), rc);
+      if (::ftruncate(fd, static_cast<off_t>(capacity)) != 0) {
+        return PosixError(StrCat("ftruncate ", p.file), errno);
+      }
+    }
+    // Some filesystems accept O_DIRECT at open and refuse it at the first
+    // I/O: probe one aligned block.
+    AlignedBuffer probe(kBlock);
+    if (::pread(fd, probe.ptr, kBlock, 0) < 0) {
+      const int err = errno;
+      if (err == EINVAL) {
+        return Status::FailedPrecondition(StrCat("swap path ", dir,
+                                                 ": its filesystem does not support O_DIRECT "
+                                                 "reads (pread on ",
+                                                 p.file, " failed with EINVAL)"));
+      }
+      return PosixError(StrCat("probe read of ", p.file), err);
+    }
+    allocators.emplace_back(capacity / options.stripe_bytes);
+  }
+  return Status::Ok();
+}
+
+Status SwapSpace::Impl::StartThreads() {
+  for (auto& pp : paths) {
+    PathIo& p = *pp;
+    std::vector<iovec> iov;
+    for (uint32_t b = 0; b < options.queue_depth; ++b) {
+      p.staging.emplace_back(options.stripe_bytes);
+      if (p.staging.back().ptr == nullptr) {
+        return Status::ResourceExhausted(StrCat("cannot allocate ", options.queue_depth, " x ",
+                                                options.stripe_bytes, " bytes of staging buffers"));
+      }
+      iov.push_back(iovec{p.staging.back().ptr, options.stripe_bytes});
+      p.free_staging.push_back(static_cast<int>(b));
+    }
+    Result<std::unique_ptr<IoQueue>> q = backend->OpenQueue(p.fd, p.file, options.queue_depth, iov);
+    if (!q.ok() && q.status().code() != StatusCode::kUnimplemented) {
+      // Registering buffers pins memory; without the rlimit for it, run
+      // with plain buffers (slower) rather than not at all.
+      ZT_LOG(kWarn, "nvme") << q.status() << "; continuing without fixed buffers";
+      q = backend->OpenQueue(p.fd, p.file, options.queue_depth, {});
+    } else if (q.ok()) {
+      p.fixed = true;
+    }
+    if (!q.ok()) return q.status();
+    p.queue = std::move(q).value();
+    p.thread = std::thread([&p] { p.Run(); });
+  }
+  return Status::Ok();
+}
+
+void SwapSpace::Impl::StopThreads() {
+  for (auto& p : paths) {
+    {
+      std::lock_guard<std::mutex> lock(p->mu);
+      p->stop = true;
+    }
+    p->cv.notify_one();
+  }
+  for (auto& p : paths) {
+    if (p->thread.joinable()) p->thread.join();
+  }
+  for (auto& p : paths) {
+    p->queue.reset();
+    if (p->fd >= 0) ::close(p->fd);
+    p->fd = -1;
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Public API
+
+namespace {
+
+Status ValidateOptions(const SwapOptions& o) {
+  if (o.paths.empty()) return Status::InvalidArgument("swap space needs at least one path");
+  for (size_t i = 0; i < o.paths.size(); ++i) {
+    for (size_t j = i + 1; j < o.paths.size(); ++j) {
+      if (o.paths[i] == o.paths[j]) {
+        return Status::InvalidArgument(StrCat("swap path ", o.paths[i], " is listed twice"));
+      }
+    }
+  }
+  if (o.stripe_bytes < kBlock || o.stripe_bytes % kBlock != 0 || o.stripe_bytes > (1u << 30)) {
+    return Status::InvalidArgument(StrCat("stripe size ", o.stripe_bytes,
+                                          " must be a multiple of 4096 between 4 KiB and 1 GiB"));
+  }
+  if (o.capacity_per_path < o.stripe_bytes) {
+    return Status::InvalidArgument(StrCat("capacity per path ", o.capacity_per_path,
+                                          " is smaller than one stripe unit (", o.stripe_bytes,
+                                          " bytes)"));
+  }
+  if (o.queue_depth < 1 || o.queue_depth > 4096) {
+    return Status::InvalidArgument(StrCat("queue depth ", o.queue_depth, " must be 1..4096"));
+  }
+  if (o.file_name.empty() || o.file_name.find('/') != std::string::npos) {
+    return Status::InvalidArgument(
+        StrCat("swap file name '", o.file_name, "' is not a plain name"));
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+SwapSpace::SwapSpace(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+SwapSpace::~SwapSpace() {
+  if (impl_ && !impl_->closed.load()) {
+    Status s = Close();
+    if (!s.ok()) {
+      ZT_LOG(kError, "nvme") << "closing swap space: " << s;
+    }
+  }
+}
+
+Result<std::unique_ptr<SwapSpace>> SwapSpace::Create(const SwapOptions& options,
+                                                     std::shared_ptr<IoBackend> backend) {
+  ZT_RETURN_IF_ERROR(ValidateOptions(options));
+  auto impl = std::make_unique<Impl>();
+  impl->options = options;
+  impl->options.capacity_per_path =
+      options.capacity_per_path / options.stripe_bytes * options.stripe_bytes;
+  impl->backend = backend ? std::move(backend) : std::shared_ptr<IoBackend>(MakeUringBackend());
+  std::unique_ptr<SwapSpace> space(new SwapSpace(std::move(impl)));
+  Impl& sp = *space->impl_;
+  Status s = sp.OpenFiles(/*create=*/true);
+  if (s.ok()) s = sp.StartThreads();
+  if (!s.ok()) {
+    sp.StopThreads();
+    sp.closed = true;
+    return s;
+  }
+  return space;
+}
+
+Result<uint64_t> SwapSpace::Allocate(std::string_view name, uint64_t bytes) {
+  Impl& sp = *impl_;
+  ZT_RETURN_IF_ERROR(sp.CheckUsable());
+  if (bytes == 0) return Status::InvalidArgument(StrCat("swap object '", name, "' of 0 bytes"));
+  if (name.empty()) return Status::InvalidArgument("swap object needs a name");
+  const uint64_t stripe = sp.options.stripe_bytes;
+  const uint64_t units = (bytes + stripe - 1) / stripe;
+  const uint32_t npaths = static_cast<uint32_t>(sp.paths.size());
+
+  std::lock_guard<std::mutex> lock(sp.map_mu);
+  if (sp.by_name.count(std::string(name)) != 0) {
+    return Status::AlreadyExists(StrCat("swap object '", name, "' already exists"));
+  }
+  const uint32_t start = sp.next_start_path;
+  // Units per path for round-robin placement from `start`.
+  std::vector<uint64_t> need(npaths, units / npaths);
+  for (uint64_t r = 0; r < units % npaths; ++r) ++need[(start + r) % npaths];
+  for (uint32_t p = 0; p < npaths; ++p) {
+    if (need[p] > sp.allocators[p].free_units()) {
+      std::string detail;
+      for (uint32_t q = 0; q < npaths; ++q) {
+        detail += StrCat(q ? ", " : "", sp.options.paths[q], ": ",
+                         sp.allocators[q].free_units() * stripe, " bytes free");
+      }
+      return Status::ResourceExhausted(StrCat("swap space full: object '", name, "' needs ",
+                                              units * stripe, " bytes (", need[p] * stripe, " on ",
+                                              sp.options.paths[p], "); ", detail));
+    }
+  }
+  Object obj;
+  obj.id = sp.next_id++;
+  obj.name = std::string(name);
+  obj.size = bytes;
+  obj.start_path = start;
+  obj.units.resize(units);
+  for (uint32_t p = 0; p < npaths; ++p) {
+    if (need[p] == 0) continue;
+    std::vector<Extent> ext = sp.allocators[p].Allocate(need[p]);
+    // Hand this path's units out in order.
+    size_t e = 0;
+    uint64_t k = 0;
+    for (uint64_t u = (p + npaths - start) % npaths; u < units; u += npaths) {
+      while (k == ext[e].count) {
+        ++e;
+        k = 0;
+      }
+      obj.units[u] = Unit{(ext[e].start + k) * stripe, 0, UnitState::kUnwritten};
+      ++k;
+    }
+  }
+  sp.next_start_path = (start + 1) % npaths;
+  sp.by_name[obj.name] = obj.id;
+  const uint64_t id = obj.id;
+  sp.objects.emplace(id, std::move(obj));
+  return id;
+}
+
+Status SwapSpace::Free(uint64_t id) {
+  Impl& sp = *impl_;
+  std::lock_guard<std::mutex> lock(sp.map_mu);
+  auto it = sp.objects.find(id);
+  if (it == sp.objects.end())
+    return Status::NotFound(StrCat("swap object ", id, " does not exist"));
+  if (it->second.inflight > 0) {
+    return Status::FailedPrecondition(StrCat("swap object '", it->second.name, "' has ",
+                                             it->second.inflight, " I/O(s) in flight"));
+  }
+  const uint64_t stripe = sp.options.stripe_bytes;
+  const uint32_t npaths = static_cast<uint32_t>(sp.paths.size());
+  for (size_t u = 0; u < it->second.units.size(); ++u) {
+    const uint32_t p = (it->second.start_path + u) % npaths;
+    sp.allocators[p].Free(it->second.units[u].file_offset / stripe, 1);
+  }
+  sp.by_name.erase(it->second.name);
+  sp.objects.erase(it);
+  return Status::Ok();
+}
+
+Result<ObjectInfo> SwapSpace::Find(std::string_view name) const {
+  std::lock_guard<std::mutex> lock(impl_->map_mu);
+  auto it = impl_->by_name.find(std::string(name));
+  if (it == impl_->by_name.end()) {
+    return Status::NotFound(StrCat("swap object '", name, "' does not exist"));
+  }
+  const Object& o = impl_->objects.at(it->second);
+  return ObjectInfo{o.id, o.name, o.size};
+}
+
+std::vector<ObjectInfo> SwapSpace::Objects() const {
+  std::lock_guard<std::mutex> lock(impl_->map_mu);
+  std::vector<ObjectInfo> out;
+  for (const auto& [id, o] : impl_->objects) out.push_back(ObjectInfo{id, o.name, o.size});
+  return out;
+}
+
+IoTicket SwapSpace::Submit(IoDirection dir, std::span<const IoRange> ranges,
+                           std::function<void(const Status&)> on_done) {
+  Impl& sp = *impl_;
+  auto state = std::make_shared<IoTicket::State>();
+  state->on_done = std::move(on_done);
+  state->pending = 1;  // held until every piece is queued
+  IoTicket ticket(state);
+  Status usable = sp.CheckUsable();
+  if (!usable.ok()) {
+    state->Finish(usable);
+    return ticket;
+  }
+  const uint64_t stripe = sp.options.stripe_bytes;
+  const uint32_t npaths = static_cast<uint32_t>(sp.paths.size());
+  std::vector<std::pair<uint32_t, Piece*>> pieces;
+  Status error;
+  {
+    std::lock_guard<std::mutex> lock(sp.map_mu);
+    for (const IoRange& r : ranges) {
+      auto it = sp.objects.find(r.object);
+      if (it == sp.objects.end()) {
+        error = Status::NotFound(StrCat("swap object ", r.object, " does not exist"));
+        break;
+      }
+      Object& o = it->second;
+      if (r.offset > o.size || r.length > o.size - r.offset) {
+        error = Status::OutOfRange(StrCat("range [", r.offset, ", ", r.offset + r.length,
+                                          ") is outside swap object '", o.name, "' of ", o.size,
+                                          " bytes"));
+        break;
+      }
+      if (r.length > 0 && r.buffer == nullptr) {
+        error = Status::InvalidArgument("I/O range with a null buffer");
+        break;
+      }
+      if (dir == IoDirection::kWrite && r.length > 0 &&
+          (r.offset % stripe != 0 ||
+           ((r.offset + r.length) % stripe != 0 && r.offset + r.length != o.size))) {
+        error = Status::InvalidArgument(
+            StrCat("write of [", r.offset, ", ", r.offset + r.length, ") to swap object '", o.name,
+                   "' does not cover whole stripe units of ", stripe,
+                   " bytes (start on a unit boundary, end on one or at the object's end)"));
+        break;
+      }
+      uint64_t pos = r.offset;
+      const uint64_t end = r.offset + r.length;
+      while (pos < end) {
+        const size_t u = pos / stripe;
+        const uint64_t unit_start = u * stripe;
+        const uint32_t unit_bytes = static_cast<uint32_t>(std::min(stripe, o.size - unit_start));
+        const uint32_t in_off = static_cast<uint32_t>(pos - unit_start);
+        const uint32_t len =
+            static_cast<uint32_t>(std::min<uint64_t>(end - pos, unit_bytes - in_off));
+        uint8_t* user = static_cast<uint8_t*>(r.buffer) + (pos - r.offset);
+        const Unit& unit = o.units[u];
+        if (dir == IoDirection::kRead && unit.state != UnitState::kValid) {
+          if (unit.state == UnitState::kFailed) {
+            error = Status::IoError(StrCat("swap object '", o.name, "' bytes [", unit_start, ", ",
+                                           unit_start + unit_bytes,
+                                           ") are lost: their last write failed"));
+            break;
+          }
+          std::memset(user, 0, len);  // never written: reads as zeros
+          pos += len;
+          continue;
+        }
+        auto* p = new Piece();
+        p->ticket = state;
+        p->kind = dir == IoDirection::kRead ? IoKind::kRead : IoKind::kWrite;
+        p->object = o.id;
+        p->unit = u;
+        p->file_offset = unit.file_offset;
+        p->unit_bytes = unit_bytes;
+        p->disk_len = static_cast<uint32_t>(RoundUp(unit_bytes, kBlock));
+        p->user = user;
+        p->user_off = in_off;
+        p->user_len = len;
+        p->direct = in_off == 0 && len == unit_bytes && unit_bytes % kBlock == 0 && Aligned(user);
+        p->expected_crc = unit.crc;
+        p->expected_state = unit.state;
+        p->object_offset = unit_start;
+        ++o.inflight;
+        pieces.emplace_back((o.start_path + u) % npaths, p);
+        pos += len;
+      }
+      if (!error.ok()) break;
+    }
+  }
+  if (!error.ok()) {
+    // Nothing was queued yet: undo the inflight counts and fail the request.
+    for (auto& [path, p] : pieces) {
+      const uint64_t obj = p->object;
+      delete p;
+      sp.PieceSettled(obj);
+    }
+    state->Finish(error);
+    return ticket;
+  }
+  {
+    std::lock_guard<std::mutex> lock(state->mu);
+    state->pending += static_cast<int>(pieces.size());
+  }
+  for (auto& [path, p] : pieces) sp.paths[path]->Enqueue(p);
+  state->Finish(Status::Ok());  // drop the submit hold
+  return ticket;
+}
+
+Status SwapSpace::Write(uint64_t object, uint64_t offset, const void* data, uint64_t length) {
+  const IoRange r{object, offset, length, const_cast<void*>(data)};
+  return Submit(IoDirection::kWrite, {&r, 1}).Wait();
+}
+
+Status SwapSpace::Read(uint64_t object, uint64_t offset, void* data, uint64_t length) {
+  const IoRange r{object, offset, length, data};
+  return Submit(IoDirection::kRead, {&r, 1}).Wait();
+}
+
+Status SwapSpace::Sync() {
+  Impl& sp = *impl_;
+  ZT_RETURN_IF_ERROR(sp.CheckUsable());
+  auto state = std::make_shared<IoTicket::State>();
+  state->pending = static_cast<int>(sp.paths.size());
+  for (auto& path : sp.paths) {
+    auto* p = new Piece();
+    p->ticket = state;
+    p->kind = IoKind::kFsync;
+    path->Enqueue(p);
+  }
+  IoTicket ticket(state);
+  Status s = ticket.Wait();
+  if (!s.ok()) return s.Annotate("swap space is now failed");
+  return Status::Ok();
+}
+
+const SwapOptions& SwapSpace::options() const { return impl_->options; }
+
+uint64_t SwapSpace::capacity_bytes() const {
+  return impl_->options.capacity_per_path * impl_->paths.size();
+}
+
+uint64_t SwapSpace::free_bytes() const {
+  std::lock_guard<std::mutex> lock(impl_->map_mu);
+  uint64_t units = 0;
+  for (const ExtentAllocator& a : impl_->allocators) units += a.free_units();
+  return units * impl_->options.stripe_bytes;
+}
+
+SwapStats SwapSpace::stats() const {
+  const Impl& sp = *impl_;
+  return SwapStats{sp.bytes_read.load(), sp.bytes_written.load(), sp.reads.load(),
+                   sp.writes.load(),     sp.retries.load(),       sp.bounced.load()};
+}
+
+Status SwapSpace::Close() {
+  Impl& sp = *impl_;
+  if (sp.closed.exchange(true)) return Status::Ok();
+  {
+    // Wait for requests in flight (their pieces hold inflight counts).
+    std::unique_lock<std::mutex> lock(sp.map_mu);
+    sp.idle_cv.wait(lock, [&] {
+      for (const auto& [id, o] : sp.objects) {
+        if (o.inflight > 0) return false;
+      }
+      return true;
+    });
+  }
+  sp.StopThreads();
+  if (sp.failed.load()) {
+    std::lock_guard<std::mutex> lock(sp.map_mu);
+    return sp.failure;
+  }
+  return Status::Ok();
+}
+
+// ---------------------------------------------------------------------------
+// Manifest: a 64-byte header (magic, version, payload size and crc, header
+// crc) and a payload with the options and every object's units.
+
+namespace {
+
+constexpr char kMagic[8] = {'Z', 'T', 'S', 'W', 'A', 'P', 'M', 'F'};
+constexpr uint32_t kManifestVersion = 1;
+constexpr size_t kHeaderBytes = 64;
+
+class Writer {
+ public:
+  template <class T>
+  void Put(T v) {
+    const auto* b = reinterpret_cast<const char*>(&v);
+    buf_.append(b, sizeof(T));
+  }
+  void PutString(std::string_view s) {
+    Put<uint32_t>(static_cast<uint32_t>(s.size()));
+    buf_.append(s);
+  }
+  std::string& str() { return buf_; }
+
+ private:
+  std::string buf_;
+};
+
+class Reader {
+ public:
+  Reader(const char* p, size_t n) : p_(p), n_(n) {}
+  template <class T>
+  bool Get(T* v) {
+    if (n_ < sizeof(T)) return false;
+    std::memcpy(v, p_, sizeof(T));
+    p_ += sizeof(T);
+    n_ -= sizeof(T);
+    return true;
+  }
+  bool GetString(std::string* s, size_t max) {
+    uint32_t len;
+    if (!Get(&len) || len > max || len > n_) return false;
+    s->assign(p_, len);
+    p_ += len;
+    n_ -= len;
+    return true;
+  }
+  size_t left() const { return n_; }
+
+ private:
+  const char* p_;
+  size_t n_;
+};
+
+Status FsyncPath(const std::string& path, bool directory) {
+  const int fd = ::open(path.c_str(), (directory ? O_RDONLY | O_DIRECTORY : O_RDWR) | O_CLOEXEC);
+  if (fd < 0) return PosixError(StrCat("open ", path, " for fsync"), errno);
+  const int rc = ::fsync(fd);
+  const int err = errno;
+  ::close(fd);
+  if (rc != 0) return PosixError(StrCat("fsync ", path), err);
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status SwapSpace::SaveManifest(const std::string& path) {
+  Impl& sp = *impl_;
+  ZT_RETURN_IF_ERROR(Sync());
+  Writer payload;
+  {
+    std::lock_guard<std::mutex> lock(sp.map_mu);
+    const SwapOptions& o = sp.options;
+    payload.Put<uint64_t>(o.stripe_bytes);
+    payload.Put<uint64_t>(o.capacity_per_path);
+    payload.Put<uint8_t>(o.checksums ? 1 : 0);
+    payload.PutString(o.file_name);
+    payload.Put<uint32_t>(static_cast<uint32_t>(o.paths.size()));
+    for (const std::string& p : o.paths) payload.PutString(p);
+    payload.Put<uint64_t>(sp.next_id);
+    payload.Put<uint32_t>(sp.next_start_path);
+    payload.Put<uint64_t>(sp.objects.size());
+    for (const auto& [id, obj] : sp.objects) {
+      payload.Put<uint64_t>(id);
+      payload.PutString(obj.name);
+      payload.Put<uint64_t>(obj.size);
+      payload.Put<uint32_t>(obj.start_path);
+      for (const Unit& u : obj.units) {
+        payload.Put<uint64_t>(u.file_offset);
+        payload.Put<uint32_t>(u.crc);
+        payload.Put<uint8_t>(static_cast<uint8_t>(u.state));
+      }
+    }
+  }
+  std::string header(kHeaderBytes, '\0');
+  std::memcpy(header.data(), kMagic, 8);
+  const uint32_t version = kManifestVersion;
+  const uint64_t size = payload.str().size();
+  const uint32_t payload_crc = Crc32c(payload.str().data(), size);
+  std::memcpy(header.data() + 8, &version, 4);
+  std::memcpy(header.data() + 16, &size, 8);
+  std::memcpy(header.data() + 24, &payload_crc, 4);
+  const uint32_t header_crc = Crc32c(header.data(), kHeaderBytes - 4);
+  std::memcpy(header.data() + kHeaderBytes - 4, &header_crc, 4);
+
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+    out.write(header.data(), static_cast<std::streamsize>(header.size()));
+    out.write(payload.str().data(), static_cast<std::streamsize>(size));
+    out.flush();
+    if (!out) return Status::IoError(StrCat("writing manifest ", tmp, " failed"));
+  }
+  ZT_RETURN_IF_ERROR(FsyncPath(tmp, false));
+  if (::rename(tmp.c_str(), path.c_str()) != 0) {
+    return PosixError(StrCat("rename ", tmp, " -> ", path), errno);
+  }
+  std::string dir = std::filesystem::path(path).parent_path().string();
+  if (dir.empty()) dir = ".";
+  return FsyncPath(dir, true);
+}
+
+Result<std::unique_ptr<SwapSpace>> SwapSpace::Open(const std::string& manifest_path,
+                                                   uint32_t queue_depth,
+                                                   std::shared_ptr<IoBackend> backend) {
+  std::string data;
+  {
+    std::ifstream in(manifest_path, std::ios::binary);
+    if (!in) return PosixError(StrCat("open manifest ", manifest_path), errno);
+    data.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  }
+  auto bad = [&](std::string_view why) {
+    return Status::Corruption(StrCat("swap manifest ", manifest_path, ": ", why));
+  };
+  if (data.size() < kHeaderBytes) return bad(StrCat("truncated (", data.size(), " bytes)"));
+  if (std::memcmp(data.data(), kMagic, 8) != 0) return bad("not a ztier swap manifest (bad magic)");
+  uint32_t header_crc, version, payload_crc;
+  uint64_t size;
+  std::memcpy(&header_crc, data.data() + kHeaderBytes - 4, 4);
+  if (Crc32c(data.data(), kHeaderBytes - 4) != header_crc) return bad("header checksum mismatch");
+  std::memcpy(&version, data.data() + 8, 4);
+  std::memcpy(&size, data.data() + 16, 8);
+  std::memcpy(&payload_crc, data.data() + 24, 4);
+  if (version != kManifestVersion) {
+    return bad(StrCat("version ", version, " is not the supported version ", kManifestVersion));
+  }
+  if (data.size() - kHeaderBytes != size) {
+    return bad(StrCat("payload is ", data.size() - kHeaderBytes, " bytes, header says ", size));
+  }
+  if (Crc32c(data.data() + kHeaderBytes, size) != payload_crc) {
+    return bad("payload checksum mismatch");
+  }
+
+  Reader r(data.data() + kHeaderBytes, size);
+  SwapOptions o;
+  o.queue_depth = queue_depth;
+  uint8_t checksums;
+  uint32_t npaths;
+  if (!r.Get(&o.stripe_bytes) || !r.Get(&o.capacity_per_path) || !r.Get(&checksums) ||
+      !r.GetString(&o.file_name, 4096) || !r.Get(&npaths) || npaths == 0 || npaths > 4096) {
+    return bad("malformed options");
+  }
+  o.checksums = checksums != 0;
+  for (uint32_t i = 0; i < npaths; ++i) {
+    std::string p;
+    if (!r.GetString(&p, 4096)) return bad("malformed path list");
+    o.paths.push_back(std::move(p));
+  }
+  if (Status s = ValidateOptions(o); !s.ok()) return bad(s.message());
+  if (o.capacity_per_path % o.stripe_bytes != 0) return bad("capacity is not a stripe multiple");
+
+  auto impl = std::make_unique<Impl>();
+  impl->options = o;
+  impl->backend = backend ? std::move(backend) : std::shared_ptr<IoBackend>(MakeUringBackend());
+  std::unique_ptr<SwapSpace> space(new SwapSpace(std::move(impl)));
+  Impl& sp = *space->impl_;
+  Status s = sp.OpenFiles(/*create=*/false);
+  if (s.ok()) {
+    uint64_t nobjects = 0;
+    if (!r.Get(&sp.next_id) || !r.Get(&sp.next_start_path) || !r.Get(&nobjects) ||
+        sp.next_start_path >= npaths) {
+      s = bad("malformed object table");
+    }
+    for (uint64_t i = 0; s.ok() && i < nobjects; ++i) {
+      Object obj;
+      if (!r.Get(&obj.id) || !r.GetString(&obj.name, 1 << 16) || !r.Get(&obj.size) ||
+          !r.Get(&obj.start_path) || obj.start_path >= npaths || obj.size == 0 ||
+          obj.id >= sp.next_id || obj.name.empty()) {
+        s = bad(StrCat("malformed object entry ", i));
+        break;
+      }
+      const uint64_t units = (obj.size + o.stripe_bytes - 1) / o.stripe_bytes;
+      if (units > r.left() / 13) {
+        s = bad(StrCat("object '", obj.name, "' claims more units than the manifest holds"));
+        break;
+      }
+      obj.units.resize(units);
+      for (uint64_t u = 0; u < units; ++u) {
+        Unit& unit = obj.units[u];
+        uint8_t state = 0;
+        r.Get(&unit.file_offset);
+        r.Get(&unit.crc);
+        r.Get(&state);
+        const uint32_t path = (obj.start_path + u) % npaths;
+        if (state > 2 || unit.file_offset % o.stripe_bytes != 0 ||
+            !sp.allocators[path].Reserve(unit.file_offset / o.stripe_bytes, 1)) {
+          s = bad(StrCat("object '", obj.name, "' unit ", u, " has an invalid or shared extent"));
+          break;
+        }
+        unit.state = static_cast<UnitState>(state);
+      }
+      if (!s.ok()) break;
+      if (sp.objects.count(obj.id) || sp.by_name.count(obj.name)) {
+        s = bad(StrCat("object '", obj.name, "' appears twice"));
+        break;
+      }
+      sp.by_name[obj.name] = obj.id;
+      sp.objects.emplace(obj.id, std::move(obj));
+    }
+    if (s.ok() && r.left() != 0) s = bad("trailing bytes after the object table");
+  }
+  if (s.ok()) s = sp.StartThreads();
+  if (!s.ok()) {
+    sp.StopThreads();
+    sp.closed = true;
+    return s;
+  }
+  return space;
+}
+
+}  // namespace ztier::nvme

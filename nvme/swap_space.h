@@ -1,0 +1,173 @@
+// ztier nvme: swap space on NVMe drives (public header of the component).
+//
+// A SwapSpace stores and returns byte ranges of named *swap objects* in
+// preallocated swap files, one per configured path (one directory per
+// drive). It knows nothing of jobs or optimizers.
+//
+// Layout. An object's bytes are cut in stripe units (default 1 MiB, a
+// multiple of 4 KiB) laid round-robin across the paths, so reading one object
+// keeps every drive busy. Each file has a free-extent allocator (first fit,
+// coalescing on free). Out of space is ResourceExhausted and changes nothing.
+//
+// I/O. One io_uring per path, owned by one I/O thread per path: the thread
+// batches submissions up to the path's queue depth and reaps completions from
+// the shared ring without a syscall per I/O. One owner per ring means no lock
+// on the submission path, drives work in parallel, and checksums of one
+// drive's data are computed on that drive's thread. Staging buffers (queue
+// depth x stripe unit per path, 4 KiB aligned) are registered as fixed
+// buffers; user buffers that are 4 KiB aligned with 4 KiB multiple lengths
+// go to the disk directly, others bounce through a staging buffer.
+// Short transfers are resubmitted for the rest, -EAGAIN/-EINTR retried,
+// anything else fails the request with the path, offset and errno.
+//
+// Writes must cover whole stripe units: start at a unit boundary of the
+// object and end at a unit boundary or at the object's end (the engine writes
+// whole buffers). Reads may cover any byte range.
+//
+// Integrity. With checksums on (default), every stripe unit carries a CRC-32C
+// of its bytes, kept in the extent map and checked on every read: a mismatch
+// is a Corruption status naming the object, offset and path. A unit whose
+// last write failed reads back as an IoError, never as stale bytes.
+//
+// Durability. Sync() fdatasyncs every swap file through io_uring. An fsync
+// failure is fatal for the swap space: every later call returns
+// FailedPrecondition (retrying an fsync can report success while data is
+// lost). SaveManifest() syncs, then writes the extent map to a temp file,
+// fsyncs it, renames it over the old manifest and fsyncs the directory.
+// Open() restores a swap space from its manifest; a truncated or corrupt
+// manifest is a Corruption error.
+//
+// Thread safety: every method may be called from any thread concurrently.
+// Overlapping writes to the same range in flight at once, or a read racing a
+// write of the same range, give one of the two contents (not torn checksums:
+// such a read may fail with Corruption). Buffers must stay valid until the
+// request completes.
+#ifndef ZTIER_NVME_SWAP_SPACE_H_
+#define ZTIER_NVME_SWAP_SPACE_H_
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "common/status.h"
+
+namespace ztier::nvme {
+
+class IoBackend;
+
+struct SwapOptions {
+  std::vector<std::string> paths;        // one directory per drive
+  uint64_t capacity_per_path = 0;        // bytes of swap file on each path
+  uint64_t stripe_bytes = 1 << 20;       // stripe unit, multiple of 4 KiB
+  uint32_t queue_depth = 16;             // in-flight I/Os per path
+  bool checksums = true;                 // CRC-32C per stripe unit
+  std::string file_name = "ztier.swap";  // swap file name inside each path
+};
+
+struct ObjectInfo {
+  uint64_t id = 0;
+  std::string name;
+  uint64_t size = 0;
+};
+
+enum class IoDirection : uint8_t { kRead, kWrite };
+
+// One byte range of one object and the buffer it goes to or comes from.
+struct IoRange {
+  uint64_t object = 0;
+  uint64_t offset = 0;
+  uint64_t length = 0;
+  void* buffer = nullptr;
+};
+
+// Completion of one Submit(): wait on it, poll it, or get a callback.
+class IoTicket {
+ public:
+  IoTicket() = default;
+  // Blocks until every range of the request is done; the first error, if any.
+  Status Wait() const;
+  bool Done() const;
+  bool valid() const { return state_ != nullptr; }
+
+  struct State;
+
+ private:
+  friend class SwapSpace;
+  explicit IoTicket(std::shared_ptr<State> s) : state_(std::move(s)) {}
+  std::shared_ptr<State> state_;
+};
+
+struct SwapStats {
+  uint64_t bytes_read = 0;
+  uint64_t bytes_written = 0;
+  uint64_t reads = 0;    // disk ops
+  uint64_t writes = 0;   // disk ops
+  uint64_t retries = 0;  // short transfers resubmitted, EAGAIN/EINTR
+  uint64_t bounced_bytes = 0;
+};
+
+class SwapSpace {
+ public:
+  // Creates (or overwrites) the swap files. Errors: InvalidArgument (options),
+  // NotFound (a path is missing), ResourceExhausted (a path has less free
+  // space than capacity_per_path), FailedPrecondition (a filesystem cannot do
+  // O_DIRECT), IoError, Unimplemented (no io_uring).
+  static Result<std::unique_ptr<SwapSpace>> Create(const SwapOptions& options,
+                                                   std::shared_ptr<IoBackend> backend = nullptr);
+  // Reopens a swap space from a manifest written by SaveManifest(). Options
+  // other than queue_depth are taken from the manifest. Errors: as Create,
+  // plus Corruption (manifest damaged, truncated, of another version, or
+  // files of the wrong size).
+  static Result<std::unique_ptr<SwapSpace>> Open(const std::string& manifest_path,
+                                                 uint32_t queue_depth = 16,
+                                                 std::shared_ptr<IoBackend> backend = nullptr);
+
+  ~SwapSpace();
+  SwapSpace(const SwapSpace&) = delete;
+  SwapSpace& operator=(const SwapSpace&) = delete;
+
+  // A new object of `bytes` bytes (> 0). Errors: AlreadyExists (name taken),
+  // ResourceExhausted (naming paths, free and needed bytes), InvalidArgument.
+  Result<uint64_t> Allocate(std::string_view name, uint64_t bytes);
+  // Frees the object's space. Errors: NotFound.
+  Status Free(uint64_t id);
+  Result<ObjectInfo> Find(std::string_view name) const;
+  std::vector<ObjectInfo> Objects() const;
+
+  // Starts reads or writes of several ranges as one request. Range errors
+  // (unknown object, out of bounds, unaligned write) are reported through the
+  // ticket, which is then already done. `on_done` (optional) runs on an I/O
+  // thread when the request completes; it must not block.
+  IoTicket Submit(IoDirection dir, std::span<const IoRange> ranges,
+                  std::function<void(const Status&)> on_done = {});
+  // Synchronous helpers.
+  Status Write(uint64_t object, uint64_t offset, const void* data, uint64_t length);
+  Status Read(uint64_t object, uint64_t offset, void* data, uint64_t length);
+
+  // Makes every completed write durable. Errors: IoError (then the swap space
+  // is failed for good), FailedPrecondition (already failed).
+  Status Sync();
+  // Sync(), then writes the extent map atomically to `path`.
+  Status SaveManifest(const std::string& path);
+  // Stops the I/O threads and closes the files; waits for requests in flight.
+  Status Close();
+
+  const SwapOptions& options() const;
+  uint64_t capacity_bytes() const;
+  uint64_t free_bytes() const;
+  SwapStats stats() const;
+
+  struct Impl;
+
+ private:
+  explicit SwapSpace(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace ztier::nvme
+
+#endif  // ZTIER_NVME_SWAP_SPACE_H_

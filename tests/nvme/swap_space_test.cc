@@ -1,0 +1,606 @@
+// Tests of the NVMe swap space: round trips over 1, 2 and 4 paths (separate
+// directories of one disk here), concurrent submitters, every fault of the
+// fault backend, free and reuse, out of space, manifests (round trip,
+// corruption, truncation), and rejected paths. The whole suite skips, with
+// the reason, only when the kernel lacks an io_uring feature it needs.
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "nvme/crc32c.h"
+#include "nvme/extent_allocator.h"
+#include "nvme/io_backend.h"
+#include "nvme/swap_space.h"
+
+namespace ztier::nvme {
+namespace {
+
+namespace fs = std::filesystem;
+
+constexpr uint64_t kKiB = 1024, kMiB = 1024 * 1024;
+
+uint64_t FreshSeed() {
+  std::random_device rd;
+  return (static_cast<uint64_t>(rd()) << 32) ^ rd();
+}
+
+std::vector<uint8_t> RandomBytes(std::mt19937_64& rng, size_t n) {
+  std::vector<uint8_t> v(n);
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const uint64_t x = rng();
+    std::memcpy(v.data() + i, &x, 8);
+  }
+  for (; i < n; ++i) v[i] = static_cast<uint8_t>(rng());
+  return v;
+}
+
+// A byte buffer placed at a chosen misalignment from a 4 KiB boundary.
+class Buffer {
+ public:
+  Buffer(size_t n, size_t misalign) : store_(n + 8192), n_(n) {
+    auto base = reinterpret_cast<uintptr_t>(store_.data());
+    data_ = store_.data() + ((4096 - base % 4096) % 4096) + misalign;
+  }
+  uint8_t* data() { return data_; }
+  size_t size() const { return n_; }
+
+ private:
+  std::vector<uint8_t> store_;
+  uint8_t* data_;
+  size_t n_;
+};
+
+class SwapSpaceTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    Status probe = ProbeUring();
+    if (!probe.ok()) GTEST_SKIP() << "kernel lacks io_uring support needed: " << probe;
+    root_ = fs::current_path() / "nvme-test-tmp" /
+            (std::string(::testing::UnitTest::GetInstance()->current_test_info()->name()) + "_" +
+             std::to_string(getpid()));
+    fs::remove_all(root_);
+    fs::create_directories(root_);
+  }
+  void TearDown() override {
+    if (!root_.empty()) fs::remove_all(root_);
+  }
+
+  SwapOptions Options(int npaths, uint64_t capacity, uint64_t stripe = kMiB) {
+    SwapOptions o;
+    for (int i = 0; i < npaths; ++i) {
+      const fs::path p = root_ / ("drive" + std::to_string(i));
+      fs::create_directories(p);
+      o.paths.push_back(p.string());
+    }
+    o.capacity_per_path = capacity;
+    o.stripe_bytes = stripe;
+    o.queue_depth = 8;
+    return o;
+  }
+
+  std::unique_ptr<SwapSpace> MustCreate(const SwapOptions& o,
+                                        std::shared_ptr<IoBackend> backend = nullptr) {
+    Result<std::unique_ptr<SwapSpace>> s = SwapSpace::Create(o, std::move(backend));
+    EXPECT_TRUE(s.ok()) << s.status();
+    return s.ok() ? std::move(s).value() : nullptr;
+  }
+
+  fs::path root_;
+};
+
+TEST(Crc32cTest, KnownValueAndHardwareMatchesPortable) {
+  EXPECT_EQ(Crc32c("123456789", 9), 0xe3069283u);
+  EXPECT_EQ(Crc32cPortable("123456789", 9), 0xe3069283u);
+  EXPECT_EQ(Crc32c("", 0), 0u);
+  std::mt19937_64 rng(FreshSeed());
+  for (size_t n : {size_t{1}, size_t{7}, size_t{8}, size_t{4095}, size_t{12288}, size_t{12289},
+                   size_t{40000}, size_t{1 << 20}}) {
+    const std::vector<uint8_t> v = RandomBytes(rng, n);
+    EXPECT_EQ(Crc32c(v.data(), n), Crc32cPortable(v.data(), n)) << n;
+    // Incremental: crc(A|B) from crc(A).
+    const size_t cut = n / 3;
+    EXPECT_EQ(Crc32c(v.data() + cut, n - cut, Crc32c(v.data(), cut)), Crc32c(v.data(), n)) << n;
+  }
+}
+
+TEST(ExtentAllocatorTest, FirstFitCoalescesAndReserves) {
+  ExtentAllocator a(10);
+  auto e1 = a.Allocate(4);
+  ASSERT_EQ(e1.size(), 1u);
+  EXPECT_EQ(e1[0].start, 0u);
+  auto e2 = a.Allocate(4);
+  EXPECT_EQ(e2[0].start, 4u);
+  EXPECT_TRUE(a.Allocate(3).empty());  // only 2 left
+  a.Free(0, 4);
+  auto e3 = a.Allocate(5);  // 4 free at 0 and 2 at 8: two extents
+  ASSERT_EQ(e3.size(), 2u);
+  EXPECT_EQ(a.free_units(), 1u);
+  a.Free(e3[0].start, e3[0].count);
+  a.Free(e3[1].start, e3[1].count);
+  a.Free(4, 4);
+  EXPECT_EQ(a.free_units(), 10u);
+  EXPECT_EQ(a.Allocate(10).size(), 1u);  // coalesced back into one run
+  ExtentAllocator b(8);
+  EXPECT_TRUE(b.Reserve(2, 3));
+  EXPECT_FALSE(b.Reserve(4, 1));  // already used
+  EXPECT_EQ(b.free_units(), 5u);
+}
+
+TEST_F(SwapSpaceTest, RoundTripsRandomSizesAcrossPaths) {
+  const uint64_t seed = FreshSeed();
+  SCOPED_TRACE(StrCat("seed ", seed));
+  std::mt19937_64 rng(seed);
+  for (int npaths : {1, 2, 4}) {
+    SCOPED_TRACE(StrCat(npaths, " path(s)"));
+    std::unique_ptr<SwapSpace> space = MustCreate(Options(npaths, 96 * kMiB / npaths + 8 * kMiB));
+    ASSERT_NE(space, nullptr);
+    std::vector<uint64_t> sizes = {
+        1,        4095,         4096,
+        4097,     kMiB - 1,     kMiB,
+        kMiB + 1, 3 * kMiB + 5, std::uniform_int_distribution<uint64_t>(1, 8 * kMiB)(rng)};
+    if (npaths == 4) sizes.push_back(64 * kMiB);
+    int k = 0;
+    for (uint64_t size : sizes) {
+      SCOPED_TRACE(StrCat("size ", size));
+      Result<uint64_t> id = space->Allocate(StrCat("obj", k++), size);
+      ASSERT_TRUE(id.ok()) << id.status();
+      const std::vector<uint8_t> data = RandomBytes(rng, size);
+      for (size_t misalign : {size_t{0}, size_t{3}}) {
+        Buffer in(size, misalign);
+        std::memcpy(in.data(), data.data(), size);
+        ASSERT_TRUE(space->Write(*id, 0, in.data(), size).ok());
+        Buffer out(size, misalign == 0 ? 0 : 5);
+        Status s = space->Read(*id, 0, out.data(), size);
+        ASSERT_TRUE(s.ok()) << s;
+        ASSERT_EQ(std::memcmp(out.data(), data.data(), size), 0) << "misalign " << misalign;
+      }
+      // A few sub-ranges, unaligned.
+      for (int r = 0; r < 4; ++r) {
+        const uint64_t off = std::uniform_int_distribution<uint64_t>(0, size - 1)(rng);
+        const uint64_t len = std::uniform_int_distribution<uint64_t>(1, size - off)(rng);
+        std::vector<uint8_t> part(len);
+        ASSERT_TRUE(space->Read(*id, off, part.data(), len).ok());
+        ASSERT_EQ(std::memcmp(part.data(), data.data() + off, len), 0) << off << "+" << len;
+      }
+    }
+    const SwapStats st = space->stats();
+    EXPECT_GT(st.bytes_written, 0u);
+    EXPECT_GT(st.bytes_read, 0u);
+    ASSERT_TRUE(space->Close().ok());
+  }
+}
+
+TEST_F(SwapSpaceTest, StripesRoundRobinAcrossPaths) {
+  // A 4-unit object on 4 paths puts one unit on each drive: each file sees
+  // exactly one unit's worth of data.
+  std::unique_ptr<SwapSpace> space = MustCreate(Options(4, 4 * kMiB, kMiB));
+  ASSERT_NE(space, nullptr);
+  Result<uint64_t> id = space->Allocate("x", 4 * kMiB);
+  ASSERT_TRUE(id.ok());
+  std::vector<uint8_t> data(4 * kMiB);
+  for (size_t u = 0; u < 4; ++u)
+    std::memset(data.data() + u * kMiB, static_cast<int>(0xa0 + u), kMiB);
+  ASSERT_TRUE(space->Write(*id, 0, data.data(), data.size()).ok());
+  ASSERT_TRUE(space->Sync().ok());
+  int seen = 0;
+  for (const std::string& p : space->options().paths) {
+    std::ifstream f(fs::path(p) / "ztier.swap", std::ios::binary);
+    std::vector<char> file((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+    int units_here = 0;
+    for (size_t u = 0; u < 4; ++u) {
+      for (size_t off = 0; off + kMiB <= file.size(); off += kMiB) {
+        if (static_cast<uint8_t>(file[off]) == 0xa0 + u &&
+            static_cast<uint8_t>(file[off + kMiB - 1]) == 0xa0 + u) {
+          ++units_here;
+        }
+      }
+    }
+    EXPECT_EQ(units_here, 1) << p;
+    seen += units_here;
+    struct stat st {};
+    ASSERT_EQ(::stat((fs::path(p) / "ztier.swap").c_str(), &st), 0);
+    EXPECT_EQ(st.st_mode & 0777, 0600u) << "swap file mode";
+  }
+  EXPECT_EQ(seen, 4);
+}
+
+TEST_F(SwapSpaceTest, ConcurrentSubmitters) {
+  std::unique_ptr<SwapSpace> space = MustCreate(Options(2, 64 * kMiB, 256 * kKiB));
+  ASSERT_NE(space, nullptr);
+  const uint64_t seed = FreshSeed();
+  std::atomic<int> failures{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&, t] {
+      std::mt19937_64 rng(seed + t);
+      for (int i = 0; i < 12; ++i) {
+        const uint64_t size = std::uniform_int_distribution<uint64_t>(1, 3 * kMiB)(rng);
+        Result<uint64_t> id = space->Allocate(StrCat("t", t, "_", i), size);
+        if (!id.ok()) {
+          ++failures;
+          continue;
+        }
+        const std::vector<uint8_t> data = RandomBytes(rng, size);
+        std::vector<uint8_t> back(size);
+        // Asynchronous submission; several requests of this thread in flight.
+        IoTicket w =
+            space->Submit(IoDirection::kWrite,
+                          std::vector<IoRange>{{*id, 0, size, const_cast<uint8_t*>(data.data())}});
+        if (!w.Wait().ok()) {
+          ++failures;
+          continue;
+        }
+        IoTicket r =
+            space->Submit(IoDirection::kRead, std::vector<IoRange>{{*id, 0, size, back.data()}});
+        if (!r.Wait().ok() || back != data) ++failures;
+        if (i % 3 == 0 && !space->Free(*id).ok()) ++failures;
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(failures.load(), 0) << "seed " << seed;
+}
+
+TEST_F(SwapSpaceTest, CallbackRunsOnCompletion) {
+  std::unique_ptr<SwapSpace> space = MustCreate(Options(1, 8 * kMiB));
+  ASSERT_NE(space, nullptr);
+  Result<uint64_t> id = space->Allocate("cb", 2 * kMiB);
+  ASSERT_TRUE(id.ok());
+  std::vector<uint8_t> data(2 * kMiB, 7);
+  std::atomic<int> calls{0};
+  Status seen = Status::Internal("not called");
+  std::mutex mu;
+  IoTicket t =
+      space->Submit(IoDirection::kWrite, std::vector<IoRange>{{*id, 0, data.size(), data.data()}},
+                    [&](const Status& s) {
+                      std::lock_guard<std::mutex> lock(mu);
+                      seen = s;
+                      ++calls;
+                    });
+  ASSERT_TRUE(t.Wait().ok());
+  EXPECT_TRUE(t.Done());
+  std::lock_guard<std::mutex> lock(mu);
+  EXPECT_EQ(calls.load(), 1);
+  EXPECT_TRUE(seen.ok());
+}
+
+TEST_F(SwapSpaceTest, RejectsBadRangesAndUnalignedWrites) {
+  std::unique_ptr<SwapSpace> space = MustCreate(Options(1, 8 * kMiB));
+  ASSERT_NE(space, nullptr);
+  Result<uint64_t> id = space->Allocate("r", 3 * kMiB + 10);
+  ASSERT_TRUE(id.ok());
+  std::vector<uint8_t> buf(4 * kMiB);
+  EXPECT_EQ(space->Read(*id, 3 * kMiB, buf.data(), 11).code(), StatusCode::kOutOfRange);
+  EXPECT_EQ(space->Read(999, 0, buf.data(), 1).code(), StatusCode::kNotFound);
+  Status unaligned = space->Write(*id, 100, buf.data(), kMiB);
+  EXPECT_EQ(unaligned.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(unaligned.message().find("whole stripe units"), std::string::npos) << unaligned;
+  // Whole units and the tail are fine; never-written bytes read as zeros.
+  EXPECT_TRUE(space->Write(*id, 3 * kMiB, buf.data(), 10).ok());
+  std::vector<uint8_t> z(kMiB, 0xff);
+  ASSERT_TRUE(space->Read(*id, kMiB, z.data(), kMiB).ok());
+  EXPECT_EQ(z, std::vector<uint8_t>(kMiB, 0));
+  EXPECT_EQ(space->Allocate("r", 1).status().code(), StatusCode::kAlreadyExists);
+  EXPECT_EQ(space->Allocate("zero", 0).status().code(), StatusCode::kInvalidArgument);
+}
+
+TEST_F(SwapSpaceTest, FreeAndReuseAndOutOfSpaceKeepsObjects) {
+  std::unique_ptr<SwapSpace> space = MustCreate(Options(2, 8 * kMiB));
+  ASSERT_NE(space, nullptr);
+  std::mt19937_64 rng(FreshSeed());
+  std::vector<uint64_t> ids;
+  std::vector<std::vector<uint8_t>> datas;
+  for (int i = 0; i < 4; ++i) {
+    Result<uint64_t> id = space->Allocate(StrCat("o", i), 4 * kMiB);
+    ASSERT_TRUE(id.ok()) << id.status();
+    datas.push_back(RandomBytes(rng, 4 * kMiB));
+    ASSERT_TRUE(space->Write(*id, 0, datas.back().data(), 4 * kMiB).ok());
+    ids.push_back(*id);
+  }
+  EXPECT_EQ(space->free_bytes(), 0u);
+  Result<uint64_t> full = space->Allocate("too-much", 1);
+  ASSERT_FALSE(full.ok());
+  EXPECT_EQ(full.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_NE(full.status().message().find(space->options().paths[0]), std::string::npos)
+      << full.status();
+  for (size_t i = 0; i < ids.size(); ++i) {
+    std::vector<uint8_t> back(4 * kMiB);
+    ASSERT_TRUE(space->Read(ids[i], 0, back.data(), back.size()).ok());
+    EXPECT_EQ(back, datas[i]) << "object " << i << " changed after out-of-space";
+  }
+  ASSERT_TRUE(space->Free(ids[1]).ok());
+  EXPECT_EQ(space->Free(ids[1]).code(), StatusCode::kNotFound);
+  EXPECT_EQ(space->free_bytes(), 4 * kMiB);
+  Result<uint64_t> again = space->Allocate("again", 4 * kMiB);
+  ASSERT_TRUE(again.ok()) << again.status();
+  const std::vector<uint8_t> d = RandomBytes(rng, 4 * kMiB);
+  ASSERT_TRUE(space->Write(*again, 0, d.data(), d.size()).ok());
+  for (size_t i : {size_t{0}, size_t{2}, size_t{3}}) {
+    std::vector<uint8_t> back(4 * kMiB);
+    ASSERT_TRUE(space->Read(ids[i], 0, back.data(), back.size()).ok());
+    EXPECT_EQ(back, datas[i]);
+  }
+}
+
+// ---- faults ----
+
+class SwapFaultTest : public SwapSpaceTest {
+ protected:
+  void SetUp() override {
+    SwapSpaceTest::SetUp();
+    if (IsSkipped()) return;
+    fault_ = std::make_shared<FaultBackend>(MakeUringBackend());
+    space_ = MustCreate(Options(2, 16 * kMiB, 256 * kKiB), fault_);
+    ASSERT_NE(space_, nullptr);
+    std::mt19937_64 rng(FreshSeed());
+    // An object written before any fault, to show it is never touched.
+    Result<uint64_t> keep = space_->Allocate("keep", 2 * kMiB + 123);
+    ASSERT_TRUE(keep.ok());
+    keep_ = *keep;
+    keep_data_ = RandomBytes(rng, 2 * kMiB + 123);
+    ASSERT_TRUE(space_->Write(keep_, 0, keep_data_.data(), keep_data_.size()).ok());
+    Result<uint64_t> id = space_->Allocate("victim", kMiB);
+    ASSERT_TRUE(id.ok());
+    victim_ = *id;
+    data_ = RandomBytes(rng, kMiB);
+  }
+
+  void ExpectKeepIntact() {
+    fault_->Reset();
+    std::vector<uint8_t> back(keep_data_.size());
+    ASSERT_TRUE(space_->Read(keep_, 0, back.data(), back.size()).ok());
+    EXPECT_EQ(back, keep_data_) << "an unrelated object changed";
+  }
+
+  std::shared_ptr<FaultBackend> fault_;
+  std::unique_ptr<SwapSpace> space_;
+  uint64_t keep_ = 0, victim_ = 0;
+  std::vector<uint8_t> keep_data_, data_;
+};
+
+TEST_F(SwapFaultTest, WriteEioFailsNamesPathAndLosesNothingSilently) {
+  fault_->FailNth(IoKind::kWrite, 2, EIO);
+  Status s = space_->Write(victim_, 0, data_.data(), data_.size());
+  ASSERT_EQ(s.code(), StatusCode::kIoError) << s;
+  EXPECT_EQ(s.sys_errno(), EIO);
+  EXPECT_NE(s.message().find("ztier.swap at offset"), std::string::npos) << s;
+  // The failed unit reads back as an error, never as stale bytes.
+  std::vector<uint8_t> back(kMiB);
+  Status r = space_->Read(victim_, 0, back.data(), back.size());
+  EXPECT_EQ(r.code(), StatusCode::kIoError) << r;
+  EXPECT_NE(r.message().find("last write failed"), std::string::npos) << r;
+  // Rewriting heals it.
+  ASSERT_TRUE(space_->Write(victim_, 0, data_.data(), data_.size()).ok());
+  ASSERT_TRUE(space_->Read(victim_, 0, back.data(), back.size()).ok());
+  EXPECT_EQ(back, data_);
+  ExpectKeepIntact();
+}
+
+TEST_F(SwapFaultTest, ReadEioFailsThenRecovers) {
+  ASSERT_TRUE(space_->Write(victim_, 0, data_.data(), data_.size()).ok());
+  fault_->FailNth(IoKind::kRead, 1, EIO);
+  std::vector<uint8_t> back(kMiB);
+  Status s = space_->Read(victim_, 0, back.data(), back.size());
+  EXPECT_EQ(s.code(), StatusCode::kIoError) << s;
+  ASSERT_TRUE(space_->Read(victim_, 0, back.data(), back.size()).ok());
+  EXPECT_EQ(back, data_);
+  ExpectKeepIntact();
+}
+
+TEST_F(SwapFaultTest, ShortTransfersAndEagainAreResubmitted) {
+  fault_->ShortNth(IoKind::kWrite, 1);
+  fault_->ShortNth(IoKind::kWrite, 3);
+  fault_->FailNth(IoKind::kWrite, 2, EAGAIN);
+  ASSERT_TRUE(space_->Write(victim_, 0, data_.data(), data_.size()).ok());
+  fault_->ShortNth(IoKind::kRead, 1);
+  fault_->FailNth(IoKind::kRead, 2, EINTR);
+  std::vector<uint8_t> back(kMiB);
+  Status s = space_->Read(victim_, 0, back.data(), back.size());
+  ASSERT_TRUE(s.ok()) << s;
+  EXPECT_EQ(back, data_);
+  EXPECT_GE(space_->stats().retries, 5u);
+  ExpectKeepIntact();
+}
+
+TEST_F(SwapFaultTest, FullDiskIsResourceExhausted) {
+  fault_->FailFrom(IoKind::kWrite, 1, ENOSPC);
+  Status s = space_->Write(victim_, 0, data_.data(), data_.size());
+  EXPECT_EQ(s.code(), StatusCode::kResourceExhausted) << s;
+  ExpectKeepIntact();
+}
+
+TEST_F(SwapFaultTest, BitFlipIsCorruption) {
+  ASSERT_TRUE(space_->Write(victim_, 0, data_.data(), data_.size()).ok());
+  fault_->FlipBitOnNthRead(1);
+  std::vector<uint8_t> back(kMiB);
+  Status s = space_->Read(victim_, 0, back.data(), back.size());
+  ASSERT_EQ(s.code(), StatusCode::kCorruption) << s;
+  EXPECT_NE(s.message().find("object " + std::to_string(victim_)), std::string::npos) << s;
+  EXPECT_NE(s.message().find("ztier.swap"), std::string::npos) << s;
+  ASSERT_TRUE(space_->Read(victim_, 0, back.data(), back.size()).ok());
+  EXPECT_EQ(back, data_);
+  ExpectKeepIntact();
+}
+
+TEST_F(SwapFaultTest, FsyncFailureIsFatal) {
+  fault_->FailNth(IoKind::kFsync, 1, EIO);
+  Status s = space_->Sync();
+  EXPECT_EQ(s.code(), StatusCode::kIoError) << s;
+  EXPECT_NE(s.message().find("fdatasync"), std::string::npos) << s;
+  fault_->Reset();
+  EXPECT_EQ(space_->Sync().code(), StatusCode::kFailedPrecondition);
+  Status w = space_->Write(victim_, 0, data_.data(), data_.size());
+  EXPECT_EQ(w.code(), StatusCode::kFailedPrecondition) << w;
+  EXPECT_EQ(space_->Allocate("new", 1).status().code(), StatusCode::kFailedPrecondition);
+}
+
+// ---- manifests ----
+
+TEST_F(SwapSpaceTest, ManifestRoundTripRestoresEveryObject) {
+  SwapOptions o = Options(3, 16 * kMiB, 512 * kKiB);
+  std::mt19937_64 rng(FreshSeed());
+  std::vector<std::pair<std::string, std::vector<uint8_t>>> objects;
+  const std::string manifest = (root_ / "swap.manifest").string();
+  uint64_t free_before = 0;
+  {
+    std::unique_ptr<SwapSpace> space = MustCreate(o);
+    ASSERT_NE(space, nullptr);
+    for (int i = 0; i < 6; ++i) {
+      const uint64_t size = std::uniform_int_distribution<uint64_t>(1, 5 * kMiB)(rng);
+      Result<uint64_t> id = space->Allocate(StrCat("unit", i), size);
+      ASSERT_TRUE(id.ok());
+      objects.emplace_back(StrCat("unit", i), RandomBytes(rng, size));
+      ASSERT_TRUE(space->Write(*id, 0, objects.back().second.data(), size).ok());
+    }
+    ASSERT_TRUE(space->Free(space->Find("unit2")->id).ok());
+    objects.erase(objects.begin() + 2);
+    free_before = space->free_bytes();
+    ASSERT_TRUE(space->SaveManifest(manifest).ok());
+    ASSERT_TRUE(space->Close().ok());
+  }
+  Result<std::unique_ptr<SwapSpace>> reopened = SwapSpace::Open(manifest);
+  ASSERT_TRUE(reopened.ok()) << reopened.status();
+  SwapSpace& space = **reopened;
+  EXPECT_EQ(space.Objects().size(), objects.size());
+  EXPECT_EQ(space.free_bytes(), free_before);
+  for (const auto& [name, data] : objects) {
+    Result<ObjectInfo> info = space.Find(name);
+    ASSERT_TRUE(info.ok()) << name;
+    ASSERT_EQ(info->size, data.size());
+    std::vector<uint8_t> back(data.size());
+    ASSERT_TRUE(space.Read(info->id, 0, back.data(), back.size()).ok()) << name;
+    EXPECT_EQ(back, data) << name;
+  }
+  // New allocations do not overlap restored objects.
+  Result<uint64_t> extra = space.Allocate("extra", 2 * kMiB);
+  ASSERT_TRUE(extra.ok());
+  std::vector<uint8_t> junk(2 * kMiB, 0x5a);
+  ASSERT_TRUE(space.Write(*extra, 0, junk.data(), junk.size()).ok());
+  for (const auto& [name, data] : objects) {
+    std::vector<uint8_t> back(data.size());
+    ASSERT_TRUE(space.Read(space.Find(name)->id, 0, back.data(), back.size()).ok());
+    EXPECT_EQ(back, data) << name;
+  }
+}
+
+TEST_F(SwapSpaceTest, DamagedManifestsAreRejectedClearly) {
+  const std::string manifest = (root_ / "swap.manifest").string();
+  {
+    std::unique_ptr<SwapSpace> space = MustCreate(Options(2, 8 * kMiB));
+    ASSERT_NE(space, nullptr);
+    Result<uint64_t> id = space->Allocate("a", 3 * kMiB);
+    ASSERT_TRUE(id.ok());
+    std::vector<uint8_t> d(3 * kMiB, 1);
+    ASSERT_TRUE(space->Write(*id, 0, d.data(), d.size()).ok());
+    ASSERT_TRUE(space->SaveManifest(manifest).ok());
+  }
+  std::string good;
+  {
+    std::ifstream in(manifest, std::ios::binary);
+    good.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  }
+  auto try_open = [&](const std::string& bytes) {
+    const std::string path = (root_ / "bad.manifest").string();
+    std::ofstream(path, std::ios::binary | std::ios::trunc)
+        .write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+    return SwapSpace::Open(path).status();
+  };
+  struct Case {
+    const char* what;
+    std::string bytes;
+    const char* message;
+  };
+  std::string flipped_payload = good;
+  flipped_payload[good.size() - 3] ^= 0x01;
+  std::string flipped_header = good;
+  flipped_header[17] ^= 0x40;
+  std::string bad_magic = good;
+  bad_magic[0] = 'X';
+  const Case cases[] = {
+      {"empty", "", "truncated"},
+      {"half a header", good.substr(0, 30), "truncated"},
+      {"truncated payload", good.substr(0, good.size() - 10), "payload is"},
+      {"flipped payload bit", flipped_payload, "payload checksum mismatch"},
+      {"flipped header bit", flipped_header, "header checksum mismatch"},
+      {"bad magic", bad_magic, "bad magic"},
+  };
+  for (const Case& c : cases) {
+    Status s = try_open(c.bytes);
+    EXPECT_EQ(s.code(), StatusCode::kCorruption) << c.what << ": " << s;
+    EXPECT_NE(s.message().find(c.message), std::string::npos) << c.what << ": " << s;
+  }
+  // Random garbage of every length never crashes and never opens.
+  std::mt19937_64 rng(FreshSeed());
+  for (size_t cut = 0; cut < good.size(); cut += 7) {
+    std::string mangled = good.substr(0, cut);
+    EXPECT_FALSE(try_open(mangled).ok()) << "cut " << cut;
+  }
+  EXPECT_EQ(SwapSpace::Open((root_ / "missing").string()).status().code(), StatusCode::kNotFound);
+}
+
+// ---- rejected paths ----
+
+TEST_F(SwapSpaceTest, RejectsMissingFullAndNonDirectPaths) {
+  SwapOptions o = Options(1, 8 * kMiB);
+  o.paths.push_back((root_ / "does-not-exist").string());
+  Status missing = SwapSpace::Create(o).status();
+  EXPECT_EQ(missing.code(), StatusCode::kNotFound) << missing;
+  EXPECT_NE(missing.message().find("does-not-exist"), std::string::npos) << missing;
+
+  SwapOptions huge = Options(1, uint64_t{1} << 50);  // a petabyte
+  Status full = SwapSpace::Create(huge).status();
+  EXPECT_EQ(full.code(), StatusCode::kResourceExhausted) << full;
+  EXPECT_NE(full.message().find("bytes free"), std::string::npos) << full;
+
+  auto fault = std::make_shared<FaultBackend>(MakeUringBackend());
+  fault->RefuseDirectIo();
+  Status direct = SwapSpace::Create(Options(1, 8 * kMiB), fault).status();
+  EXPECT_EQ(direct.code(), StatusCode::kFailedPrecondition) << direct;
+  EXPECT_NE(direct.message().find("does not support O_DIRECT"), std::string::npos) << direct;
+
+  auto nospace = std::make_shared<FaultBackend>(MakeUringBackend());
+  nospace->FailPreallocate(ENOSPC);
+  Status prealloc = SwapSpace::Create(Options(1, 8 * kMiB), nospace).status();
+  EXPECT_EQ(prealloc.code(), StatusCode::kResourceExhausted) << prealloc;
+
+  SwapOptions bad_stripe = Options(1, 8 * kMiB, 1000);
+  EXPECT_EQ(SwapSpace::Create(bad_stripe).status().code(), StatusCode::kInvalidArgument);
+}
+
+TEST_F(SwapSpaceTest, TmpfsWithoutDirectIoIsRejected) {
+  // A real filesystem without O_DIRECT, where the machine has one.
+  const fs::path shm = "/dev/shm";
+  if (!fs::is_directory(shm)) GTEST_SKIP() << "no /dev/shm on this machine";
+  const fs::path dir = shm / ("ztier-test-" + std::to_string(getpid()));
+  fs::create_directories(dir);
+  SwapOptions o;
+  o.paths = {dir.string()};
+  o.capacity_per_path = 4 * kMiB;
+  Result<std::unique_ptr<SwapSpace>> s = SwapSpace::Create(o);
+  const bool supported = s.ok();
+  if (!supported) {
+    EXPECT_EQ(s.status().code(), StatusCode::kFailedPrecondition) << s.status();
+    EXPECT_NE(s.status().message().find("O_DIRECT"), std::string::npos) << s.status();
+  }
+  s = Status::Aborted("drop");
+  fs::remove_all(dir);
+  if (supported)
+    GTEST_SKIP() << "tmpfs on this kernel supports O_DIRECT; the refusal is tested "
+                    "through the fault backend instead";
+}
+
+}  // namespace
+}  // namespace ztier::nvme
