@@ -76,20 +76,24 @@ JsonObject& JsonObject::Add(std::string_view key, int64_t value) {
   return *this;
 }
 
-JsonObject& JsonObject::Add(std::string_view key, std::string_view value) {
-  Key(key);
-  body_ += "\"";
-  for (char c : value) {
-    if (c == '"' || c == '\\') body_ += '\\';
+std::string JsonQuote(std::string_view s) {
+  std::string out = "\"";
+  for (char c : s) {
+    if (c == '"' || c == '\\') out += '\\';
     if (static_cast<unsigned char>(c) < 0x20) {
       char buf[8];
       std::snprintf(buf, sizeof(buf), "\\u%04x", c);
-      body_ += buf;
+      out += buf;
       continue;
     }
-    body_ += c;
+    out += c;
   }
-  body_ += "\"";
+  return out + "\"";
+}
+
+JsonObject& JsonObject::Add(std::string_view key, std::string_view value) {
+  Key(key);
+  body_ += JsonQuote(value);
   return *this;
 }
 

@@ -45,6 +45,9 @@ class JsonObject {
   std::string body_;
 };
 
+// A JSON string literal with quotes and escapes.
+std::string JsonQuote(std::string_view s);
+
 // JSON array of already-rendered values.
 std::string JsonArray(const std::vector<std::string>& items);
 

@@ -6,6 +6,7 @@
 namespace ztier::bench {
 
 int RunAdam(int argc, char** argv);
+int RunNvme(int argc, char** argv);
 
 }  // namespace ztier::bench
 

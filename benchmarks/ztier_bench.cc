@@ -2,6 +2,7 @@
 // path and prints its ratio to a limit measured in the same run.
 //
 //   ztier-bench adam [options]   CPU AdamW vs a same-pattern memory kernel
+//   ztier-bench nvme [options]   swap-space I/O vs fio on the same directories
 #include <cstdio>
 #include <cstring>
 #include <string_view>
@@ -14,6 +15,7 @@ constexpr const char* kUsage = R"(usage: ztier-bench <subcommand> [options]
 
 subcommands:
   adam    fused CPU AdamW step vs the same-pattern memory limit
+  nvme    striped swap-space write/read vs fio on the same drives
 
 'ztier-bench <subcommand> --help' lists a subcommand's options.
 )";
@@ -27,6 +29,7 @@ int main(int argc, char** argv) {
   }
   const std::string_view sub = argv[1];
   if (sub == "adam") return ztier::bench::RunAdam(argc - 2, argv + 2);
+  if (sub == "nvme") return ztier::bench::RunNvme(argc - 2, argv + 2);
   std::fprintf(stderr, "ztier-bench: unknown subcommand '%s'\n%s", argv[1], kUsage);
   return 2;
 }

@@ -148,6 +148,7 @@ struct SwapSpace::Impl {
     std::condition_variable cv;
     std::deque<Piece*> pending;
     uint32_t inflight = 0;  // owned by the thread
+    std::vector<Piece*> retry, starting;  // owned by the thread
     bool stop = false;
     std::thread thread;
 
@@ -159,6 +160,7 @@ struct SwapSpace::Impl {
       cv.notify_one();
     }
     void Run();
+    Status Pump();
     void Start(Piece* p);
     void Complete(Piece* p, int32_t res, std::vector<Piece*>* retry);
     void Finish(Piece* p, const Status& s);
@@ -319,46 +321,71 @@ void SwapSpace::Impl::PathIo::Complete(Piece* p, int32_t res, std::vector<Piece*
   Finish(p, error);
 }
 
-void SwapSpace::Impl::PathIo::Run() {
+// Moves retries and pending pieces into the ring, up to the queue depth and
+// the free staging buffers, and submits them. A write's checksum and bounce
+// copy are done piece by piece with a submit after each, so the drive starts
+// on the first piece while the next one is being checksummed.
+Status SwapSpace::Impl::PathIo::Pump() {
   const uint32_t depth = owner->options.queue_depth;
-  std::vector<Piece*> starting, retry;
-  std::vector<IoCompletion> done(depth + 8);
+  unsigned prepared = 0;
+  for (Piece* p : retry) {
+    Start(p);
+    ++prepared;
+  }
+  retry.clear();
+  starting.clear();
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    while (!pending.empty() && inflight + starting.size() < depth) {
+      Piece* p = pending.front();
+      const bool needs_staging = p->kind != IoKind::kFsync && !p->direct;
+      if (needs_staging && free_staging.empty()) break;
+      pending.pop_front();
+      if (needs_staging) {
+        p->staging = free_staging.back();
+        free_staging.pop_back();
+      }
+      starting.push_back(p);
+    }
+  }
+  for (Piece* p : starting) {
+    bool work = false;
+    if (p->kind == IoKind::kWrite) {
+      // Checksum the caller's bytes, then stage them if they cannot go to
+      // the disk directly (unaligned, or a partial last block).
+      if (owner->options.checksums) {
+        p->expected_crc = Crc32c(p->user, p->unit_bytes);
+        work = true;
+      }
+      if (!p->direct) {
+        auto* s = static_cast<uint8_t*>(StagingPtr(p));
+        std::memcpy(s, p->user, p->unit_bytes);
+        std::memset(s + p->unit_bytes, 0, p->disk_len - p->unit_bytes);
+        owner->bounced.fetch_add(p->unit_bytes, std::memory_order_relaxed);
+        work = true;
+      }
+    }
+    Start(p);
+    ++prepared;
+    if (work) {
+      ZT_RETURN_IF_ERROR(queue->Submit(0));
+      prepared = 0;
+    }
+  }
+  if (prepared > 0) return queue->Submit(0);
+  return Status::Ok();
+}
+
+void SwapSpace::Impl::PathIo::Run() {
+  std::vector<IoCompletion> done(owner->options.queue_depth + 8);
   for (;;) {
-    starting.clear();
     {
       std::unique_lock<std::mutex> lock(mu);
       cv.wait(lock, [&] { return stop || !pending.empty() || inflight > 0 || !retry.empty(); });
       if (stop && pending.empty() && inflight == 0 && retry.empty()) return;
-      while (!pending.empty() && inflight + retry.size() + starting.size() < depth) {
-        Piece* p = pending.front();
-        const bool needs_staging = p->kind != IoKind::kFsync && !p->direct;
-        if (needs_staging && free_staging.empty()) break;
-        pending.pop_front();
-        if (needs_staging) {
-          p->staging = free_staging.back();
-          free_staging.pop_back();
-        }
-        starting.push_back(p);
-      }
     }
-    for (Piece* p : retry) Start(p);
-    retry.clear();
-    for (Piece* p : starting) {
-      if (p->kind == IoKind::kWrite) {
-        // Checksum the caller's bytes, then stage them if they cannot go
-        // to the disk directly (unaligned, or a partial last block).
-        if (owner->options.checksums) p->expected_crc = Crc32c(p->user, p->unit_bytes);
-        if (!p->direct) {
-          auto* s = static_cast<uint8_t*>(StagingPtr(p));
-          std::memcpy(s, p->user, p->unit_bytes);
-          std::memset(s + p->unit_bytes, 0, p->disk_len - p->unit_bytes);
-          owner->bounced.fetch_add(p->unit_bytes, std::memory_order_relaxed);
-        }
-      }
-      Start(p);
-    }
-    // Wait for a completion only when nothing new went out this round.
-    const Status s = queue->Submit(starting.empty() && inflight > 0 ? 1 : 0);
+    Status s = Pump();
+    if (s.ok() && inflight > 0) s = queue->Submit(1);  // wait for a completion
     if (!s.ok()) {
       ZT_LOG(kError, "nvme") << s;
       owner->Fail(s);
@@ -366,6 +393,9 @@ void SwapSpace::Impl::PathIo::Run() {
     const size_t n = queue->Reap(done.data(), done.size());
     for (size_t i = 0; i < n; ++i) {
       Complete(reinterpret_cast<Piece*>(done[i].user_data), done[i].res, &retry);
+      // Refill the slot at once: checksums of the other completions run
+      // while the drive works on the new piece.
+      if (s.ok() && i + 1 < n) s = Pump();
     }
     if (!s.ok() && n == 0) {
       // The ring is broken: fail what is waiting rather than spin.

@@ -1,0 +1,306 @@
+// ztier-bench nvme: sequential write then read of striped swap objects, and
+// the same transfers done by fio (ioengine=io_uring, direct=1, same block
+// size, queue depth, total size and directories) in the same run, with the
+// ratios ours / fio. Also the cost of checksums and a queue-depth sweep.
+//
+// Single-threaded driver; the swap space runs its own I/O threads.
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <random>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "benchmarks/bench_util.h"
+#include "benchmarks/subcommands.h"
+#include "nvme/swap_space.h"
+
+namespace ztier::bench {
+namespace {
+
+namespace fs = std::filesystem;
+
+struct NvmeOptions {
+  std::vector<std::string> paths;
+  uint64_t size = uint64_t{2} << 30;
+  uint64_t stripe = uint64_t{1} << 20;
+  uint32_t qd = 16;
+  bool fio = true;
+  bool sweep = true;
+  bool json = false;
+  int runs = 3;
+};
+
+constexpr const char* kUsage = R"(usage: ztier-bench nvme [options]
+
+Sequential write then read of striped swap objects through the swap space,
+against fio (ioengine=io_uring, direct=1) on the same directories with the
+same block size, queue depth and total size.
+
+  --path DIR     a swap directory, one per drive; repeat for several drives
+                 (default: ./ztier-bench-swap)
+  --size N       total bytes, e.g. 2G (default 2G)
+  --stripe N     stripe unit = fio block size (default 1M)
+  --qd N         queue depth per path (default 16)
+  --no-fio       skip the fio comparison
+  --no-sweep     skip the queue-depth sweep
+  --runs N       rounds of (ztier, ztier with checksums, fio), best kept (default 3)
+  --json         print one JSON object as the last line
+)";
+
+Status ParseArgs(int argc, char** argv, NvmeOptions* o) {
+  for (int i = 0; i < argc; ++i) {
+    const std::string_view arg = argv[i];
+    auto value = [&]() -> Result<std::string_view> {
+      if (i + 1 >= argc) return Status::InvalidArgument(StrCat(arg, " needs a value"));
+      return std::string_view(argv[++i]);
+    };
+    if (arg == "--path") {
+      ZT_ASSIGN_OR_RETURN(std::string_view v, value());
+      o->paths.emplace_back(v);
+    } else if (arg == "--size") {
+      ZT_ASSIGN_OR_RETURN(std::string_view v, value());
+      ZT_ASSIGN_OR_RETURN(o->size, ParseCount(v));
+    } else if (arg == "--stripe") {
+      ZT_ASSIGN_OR_RETURN(std::string_view v, value());
+      ZT_ASSIGN_OR_RETURN(o->stripe, ParseCount(v));
+    } else if (arg == "--qd") {
+      ZT_ASSIGN_OR_RETURN(std::string_view v, value());
+      ZT_ASSIGN_OR_RETURN(uint64_t qd, ParseCount(v));
+      if (qd < 1 || qd > 4096) return Status::InvalidArgument("--qd: want 1..4096");
+      o->qd = static_cast<uint32_t>(qd);
+    } else if (arg == "--no-fio") {
+      o->fio = false;
+    } else if (arg == "--no-sweep") {
+      o->sweep = false;
+    } else if (arg == "--runs") {
+      ZT_ASSIGN_OR_RETURN(std::string_view v, value());
+      ZT_ASSIGN_OR_RETURN(uint64_t runs, ParseCount(v));
+      if (runs < 1 || runs > 100) return Status::InvalidArgument("--runs: want 1..100");
+      o->runs = static_cast<int>(runs);
+    } else if (arg == "--json") {
+      o->json = true;
+    } else if (arg == "-h" || arg == "--help") {
+      return Status::Aborted("help");
+    } else {
+      return Status::InvalidArgument(StrCat("unknown option '", arg, "'"));
+    }
+  }
+  if (o->paths.empty()) o->paths.push_back("ztier-bench-swap");
+  if (o->stripe < 4096 || o->stripe % 4096 != 0) {
+    return Status::InvalidArgument("--stripe must be a multiple of 4096");
+  }
+  const uint64_t unit = o->stripe * o->paths.size();
+  if (o->size < unit) return Status::InvalidArgument("--size must hold one stripe per path");
+  o->size = o->size / unit * unit;
+  return Status::Ok();
+}
+
+struct Throughput {
+  double write_bytes_per_s = 0;
+  double read_bytes_per_s = 0;
+};
+
+// Page-aligned buffer of `n` bytes.
+struct Pages {
+  uint8_t* p;
+  explicit Pages(size_t n) : p(static_cast<uint8_t*>(std::aligned_alloc(4096, n))) {}
+  ~Pages() { std::free(p); }
+};
+
+// Writes `total` bytes as objects of up to 256 MiB, all in flight at once,
+// then reads them back; times each phase. Verifies the data read.
+Result<Throughput> RunSwap(const NvmeOptions& o, uint64_t total, uint32_t qd, bool checksums,
+                           const uint8_t* src, uint8_t* dst) {
+  nvme::SwapOptions so;
+  so.paths = o.paths;
+  so.stripe_bytes = o.stripe;
+  so.queue_depth = qd;
+  so.checksums = checksums;
+  so.capacity_per_path = total / o.paths.size() + o.stripe;
+  so.file_name = "ztier-bench.swap";
+  ZT_ASSIGN_OR_RETURN(std::unique_ptr<nvme::SwapSpace> space, nvme::SwapSpace::Create(so));
+  const uint64_t object_bytes = std::min<uint64_t>(total, uint64_t{256} << 20) / (o.stripe * o.paths.size()) *
+                                (o.stripe * o.paths.size());
+  std::vector<nvme::IoRange> writes, reads;
+  for (uint64_t off = 0; off < total; off += object_bytes) {
+    const uint64_t n = std::min(object_bytes, total - off);
+    ZT_ASSIGN_OR_RETURN(uint64_t id, space->Allocate(StrCat("obj", off), n));
+    writes.push_back({id, 0, n, const_cast<uint8_t*>(src + off)});
+    reads.push_back({id, 0, n, dst + off});
+  }
+  Throughput t;
+  double t0 = NowSeconds();
+  ZT_RETURN_IF_ERROR(space->Submit(nvme::IoDirection::kWrite, writes).Wait());
+  t.write_bytes_per_s = static_cast<double>(total) / (NowSeconds() - t0);
+  t0 = NowSeconds();
+  ZT_RETURN_IF_ERROR(space->Submit(nvme::IoDirection::kRead, reads).Wait());
+  t.read_bytes_per_s = static_cast<double>(total) / (NowSeconds() - t0);
+  if (std::memcmp(src, dst, total) != 0) return Status::Corruption("data read back differs");
+  ZT_RETURN_IF_ERROR(space->Close());
+  for (const std::string& p : o.paths) fs::remove(fs::path(p) / so.file_name);
+  return t;
+}
+
+// Runs fio with one job per path (the same layout the swap space uses) and
+// returns the aggregate bandwidth of `rw` (write or read).
+Result<double> RunFio(const NvmeOptions& o, const std::string& rw) {
+  const fs::path job = fs::temp_directory_path() / StrCat("ztier-bench-fio-", getpid(), ".fio");
+  const fs::path out = fs::temp_directory_path() / StrCat("ztier-bench-fio-", getpid(), ".json");
+  {
+    std::ofstream f(job);
+    f << "[global]\nioengine=io_uring\ndirect=1\nbs=" << o.stripe << "\niodepth=" << o.qd
+      << "\nrw=" << rw << "\nsize=" << o.size / o.paths.size()
+      << "\ngroup_reporting=1\nfallocate=native\n";
+    for (size_t i = 0; i < o.paths.size(); ++i) {
+      f << "[path" << i << "]\nfilename=" << (fs::path(o.paths[i]) / "ztier-bench.fio").string()
+        << "\n";
+    }
+  }
+  const std::string cmd =
+      StrCat("fio --output-format=json --output=", out.string(), " ", job.string(), " >/dev/null 2>&1");
+  const int rc = std::system(cmd.c_str());
+  fs::remove(job);
+  if (rc != 0) return Status::Unavailable(StrCat("fio failed (", cmd, ")"));
+  std::ifstream in(out);
+  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  fs::remove(out);
+  // group_reporting: the first job holds the aggregate; find "<rw>": {... "bw_bytes" : N
+  const size_t section = text.find(StrCat("\"", rw, "\" : {"));
+  const size_t key = section == std::string::npos ? section : text.find("\"bw_bytes\"", section);
+  if (key == std::string::npos) return Status::Internal("cannot find bw_bytes in fio output");
+  const size_t colon = text.find(':', key);
+  return std::strtod(text.c_str() + colon + 1, nullptr);
+}
+
+bool HaveFio() { return std::system("fio --version >/dev/null 2>&1") == 0; }
+
+}  // namespace
+
+int RunNvme(int argc, char** argv) {
+  NvmeOptions o;
+  if (Status s = ParseArgs(argc, argv, &o); !s.ok()) {
+    if (s.code() == StatusCode::kAborted) {
+      std::fputs(kUsage, stdout);
+      return 0;
+    }
+    std::fprintf(stderr, "ztier-bench nvme: %s\n%s", std::string(s.message()).c_str(), kUsage);
+    return 2;
+  }
+  for (const std::string& p : o.paths) {
+    std::error_code ec;
+    fs::create_directories(p, ec);
+  }
+  Pages src(o.size), dst(o.size);
+  if (src.p == nullptr || dst.p == nullptr) {
+    std::fprintf(stderr, "ztier-bench nvme: cannot allocate 2 x %llu bytes\n",
+                 static_cast<unsigned long long>(o.size));
+    return 1;
+  }
+  std::mt19937_64 rng(42);
+  for (uint64_t i = 0; i < o.size; i += 8) {
+    const uint64_t x = rng();
+    std::memcpy(src.p + i, &x, 8);
+  }
+  std::printf("ztier-bench nvme: %zu path(s), %s total, stripe %s, queue depth %u per path\n",
+              o.paths.size(), FormatCount(o.size).c_str(), FormatCount(o.stripe).c_str(), o.qd);
+
+  // Fault the destination in before timing: O_DIRECT into untouched pages
+  // would time the page faults, not the drive.
+  std::memset(dst.p, 0, o.size);
+
+  auto fail = [](const Status& s) {
+    std::fprintf(stderr, "ztier-bench nvme: %s\n", s.ToString().c_str());
+    return 1;
+  };
+  auto keep_best = [](Throughput* best, const Throughput& t) {
+    best->write_bytes_per_s = std::max(best->write_bytes_per_s, t.write_bytes_per_s);
+    best->read_bytes_per_s = std::max(best->read_bytes_per_s, t.read_bytes_per_s);
+  };
+  // Rounds alternate the three contenders so that drift in the drive (or a
+  // virtual disk's neighbours) hits all of them alike; best of each is kept.
+  Throughput plain, crc, fio_best;
+  const bool fio = o.fio && HaveFio();
+  for (int run = 0; run < o.runs; ++run) {
+    // Swap the order of the two swap-space runs every round: on a virtual
+    // disk the second run of a pair is measurably slower.
+    for (int k = 0; k < 2; ++k) {
+      const bool checksums = (k + run) % 2 == 1;
+      Result<Throughput> t = RunSwap(o, o.size, o.qd, checksums, src.p, dst.p);
+      if (!t.ok()) return fail(t.status());
+      keep_best(checksums ? &crc : &plain, *t);
+    }
+    if (fio) {
+      Result<double> w = RunFio(o, "write");
+      Result<double> r = w.ok() ? RunFio(o, "read") : w;
+      for (const std::string& p : o.paths) fs::remove(fs::path(p) / "ztier-bench.fio");
+      if (!w.ok() || !r.ok()) return fail(w.ok() ? r.status() : w.status());
+      keep_best(&fio_best, Throughput{*w, *r});
+    }
+  }
+  const double fio_w = fio_best.write_bytes_per_s, fio_r = fio_best.read_bytes_per_s;
+  std::printf("%-28s %10s %10s\n", "", "write GB/s", "read GB/s");
+  std::printf("%-28s %10.3f %10.3f\n", "ztier, checksums off", plain.write_bytes_per_s / 1e9,
+              plain.read_bytes_per_s / 1e9);
+  std::printf("%-28s %10.3f %10.3f   (cost %+.1f%% / %+.1f%%)\n", "ztier, checksums on",
+              crc.write_bytes_per_s / 1e9, crc.read_bytes_per_s / 1e9,
+              100.0 * (1.0 - crc.write_bytes_per_s / plain.write_bytes_per_s),
+              100.0 * (1.0 - crc.read_bytes_per_s / plain.read_bytes_per_s));
+  if (fio) {
+    std::printf("%-28s %10.3f %10.3f\n", "fio (io_uring, direct=1)", fio_w / 1e9, fio_r / 1e9);
+    std::printf("%-28s %10.3f %10.3f\n", "ratio ztier/fio (crc off)",
+                plain.write_bytes_per_s / fio_w, plain.read_bytes_per_s / fio_r);
+  } else {
+    std::printf("fio comparison skipped (%s)\n", o.fio ? "fio not installed" : "--no-fio");
+  }
+
+  std::vector<std::string> sweep_json;
+  if (o.sweep) {
+    const uint64_t sweep_size = std::max<uint64_t>(o.size / 4 / (o.stripe * o.paths.size()), 1) *
+                                o.stripe * o.paths.size();
+    std::printf("queue-depth sweep (%s, checksums off):\n", FormatCount(sweep_size).c_str());
+    for (uint32_t qd : {1u, 4u, 16u, 64u}) {
+      Result<Throughput> t = RunSwap(o, sweep_size, qd, false, src.p, dst.p);
+      if (!t.ok()) return fail(t.status());
+      std::printf("  qd %3u  write %7.3f GB/s  read %7.3f GB/s\n", qd, t->write_bytes_per_s / 1e9,
+                  t->read_bytes_per_s / 1e9);
+      JsonObject j;
+      j.Add("queue_depth", static_cast<int>(qd))
+          .Add("write_bytes_per_s", t->write_bytes_per_s)
+          .Add("read_bytes_per_s", t->read_bytes_per_s);
+      sweep_json.push_back(j.str());
+    }
+  }
+
+  if (o.json) {
+    std::vector<std::string> paths;
+    for (const std::string& p : o.paths) paths.push_back(JsonQuote(p));
+    JsonObject j;
+    j.Add("bench", "nvme")
+        .Add("read_bytes_per_s", plain.read_bytes_per_s)
+        .Add("write_bytes_per_s", plain.write_bytes_per_s)
+        .Add("read_bytes_per_s_checksums", crc.read_bytes_per_s)
+        .Add("write_bytes_per_s_checksums", crc.write_bytes_per_s)
+        .Add("fio_read_bytes_per_s", fio ? fio_r : 0.0)
+        .Add("fio_write_bytes_per_s", fio ? fio_w : 0.0)
+        .Add("read_ratio_to_fio", fio ? plain.read_bytes_per_s / fio_r : 0.0)
+        .Add("write_ratio_to_fio", fio ? plain.write_bytes_per_s / fio_w : 0.0)
+        .AddRaw("paths", JsonArray(paths))
+        .Add("stripe_bytes", o.stripe)
+        .Add("queue_depth", static_cast<int>(o.qd))
+        .Add("total_bytes", o.size)
+        .Add("checksums", "off (headline); on in *_checksums")
+        .AddRaw("qd_sweep", JsonArray(sweep_json));
+    std::printf("%s\n", j.str().c_str());
+  }
+  return 0;
+}
+
+}  // namespace ztier::bench
