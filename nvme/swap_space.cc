@@ -82,12 +82,17 @@ struct IoTicket::State {
       std::lock_guard<std::mutex> lock(mu);
       if (!s.ok() && status.ok()) status = s;
       if (--pending > 0) return;
-      done = true;
       cb = std::move(on_done);
       final_status = status;
     }
-    cv.notify_all();
+    // The callback runs before waiters are released: Wait() returning means
+    // the callback is done too.
     if (cb) cb(final_status);
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      done = true;
+    }
+    cv.notify_all();
   }
 };
 
