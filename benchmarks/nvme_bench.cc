@@ -127,8 +127,8 @@ Result<Throughput> RunSwap(const NvmeOptions& o, uint64_t total, uint32_t qd, bo
   so.capacity_per_path = total / o.paths.size() + o.stripe;
   so.file_name = "ztier-bench.swap";
   ZT_ASSIGN_OR_RETURN(std::unique_ptr<nvme::SwapSpace> space, nvme::SwapSpace::Create(so));
-  const uint64_t object_bytes = std::min<uint64_t>(total, uint64_t{256} << 20) / (o.stripe * o.paths.size()) *
-                                (o.stripe * o.paths.size());
+  const uint64_t object_bytes = std::min<uint64_t>(total, uint64_t{256} << 20) /
+                                (o.stripe * o.paths.size()) * (o.stripe * o.paths.size());
   std::vector<nvme::IoRange> writes, reads;
   for (uint64_t off = 0; off < total; off += object_bytes) {
     const uint64_t n = std::min(object_bytes, total - off);
@@ -164,8 +164,8 @@ Result<double> RunFio(const NvmeOptions& o, const std::string& rw) {
         << "\n";
     }
   }
-  const std::string cmd =
-      StrCat("fio --output-format=json --output=", out.string(), " ", job.string(), " >/dev/null 2>&1");
+  const std::string cmd = StrCat("fio --output-format=json --output=", out.string(), " ",
+                                 job.string(), " >/dev/null 2>&1");
   const int rc = std::system(cmd.c_str());
   fs::remove(job);
   if (rc != 0) return Status::Unavailable(StrCat("fio failed (", cmd, ")"));
@@ -263,8 +263,8 @@ int RunNvme(int argc, char** argv) {
 
   std::vector<std::string> sweep_json;
   if (o.sweep) {
-    const uint64_t sweep_size = std::max<uint64_t>(o.size / 4 / (o.stripe * o.paths.size()), 1) *
-                                o.stripe * o.paths.size();
+    const uint64_t sweep_size =
+        std::max<uint64_t>(o.size / 4 / (o.stripe * o.paths.size()), 1) * o.stripe * o.paths.size();
     std::printf("queue-depth sweep (%s, checksums off):\n", FormatCount(sweep_size).c_str());
     for (uint32_t qd : {1u, 4u, 16u, 64u}) {
       Result<Throughput> t = RunSwap(o, sweep_size, qd, false, src.p, dst.p);

@@ -152,7 +152,7 @@ struct SwapSpace::Impl {
     std::mutex mu;
     std::condition_variable cv;
     std::deque<Piece*> pending;
-    uint32_t inflight = 0;  // owned by the thread
+    uint32_t inflight = 0;                // owned by the thread
     std::vector<Piece*> retry, starting;  // owned by the thread
     bool stop = false;
     std::thread thread;
