@@ -8,6 +8,7 @@
 #include "nvme/swap_space.h"
 
 #include <fcntl.h>
+#include <sys/eventfd.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
@@ -74,6 +75,7 @@ struct IoTicket::State {
   bool done = false;
   Status status;
   std::function<void(const Status&)> on_done;
+  int event_fd = -1;  // the swap space's completion eventfd
 
   void Finish(const Status& s) {
     std::function<void(const Status&)> cb;
@@ -93,6 +95,11 @@ struct IoTicket::State {
       done = true;
     }
     cv.notify_all();
+    if (event_fd >= 0) {
+      const uint64_t one = 1;
+      // Cannot fail short of a counter overflow (2^64 - 2 completions unread).
+      [[maybe_unused]] ssize_t n = ::write(event_fd, &one, sizeof(one));
+    }
   }
 };
 
@@ -183,7 +190,12 @@ struct SwapSpace::Impl {
   std::condition_variable idle_cv;  // an object's inflight reached 0
 
   std::atomic<bool> failed{false};
-  Status failure;  // under map_mu
+  Status failure;     // under map_mu
+  int event_fd = -1;  // completion eventfd, closed in ~Impl
+
+  ~Impl() {
+    if (event_fd >= 0) ::close(event_fd);
+  }
   std::atomic<bool> closed{false};
 
   std::atomic<uint64_t> bytes_read{0}, bytes_written{0}, reads{0}, writes{0}, retries{0},
@@ -496,6 +508,8 @@ Status SwapSpace::Impl::OpenFiles(bool create) {
 }
 
 Status SwapSpace::Impl::StartThreads() {
+  event_fd = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+  if (event_fd < 0) return PosixError("eventfd for swap-space completions", errno);
   for (auto& pp : paths) {
     PathIo& p = *pp;
     std::vector<iovec> iov;
@@ -708,6 +722,7 @@ IoTicket SwapSpace::Submit(IoDirection dir, std::span<const IoRange> ranges,
   Impl& sp = *impl_;
   auto state = std::make_shared<IoTicket::State>();
   state->on_done = std::move(on_done);
+  state->event_fd = sp.event_fd;
   state->pending = 1;  // held until every piece is queued
   IoTicket ticket(state);
   Status usable = sp.CheckUsable();
@@ -836,6 +851,8 @@ Status SwapSpace::Sync() {
   if (!s.ok()) return s.Annotate("swap space is now failed");
   return Status::Ok();
 }
+
+int SwapSpace::completion_fd() const { return impl_->event_fd; }
 
 const SwapOptions& SwapSpace::options() const { return impl_->options; }
 

@@ -144,6 +144,11 @@ class SwapSpace {
   // thread when the request completes; it must not block.
   IoTicket Submit(IoDirection dir, std::span<const IoRange> ranges,
                   std::function<void(const Status&)> on_done = {});
+  // An eventfd (non-blocking, close-on-exec) that counts completed requests:
+  // poll it beside other sources, read it to reset, then check tickets with
+  // Done(). Owned by the swap space; valid until it is destroyed.
+  int completion_fd() const;
+
   // Synchronous helpers.
   Status Write(uint64_t object, uint64_t offset, const void* data, uint64_t length);
   Status Read(uint64_t object, uint64_t offset, void* data, uint64_t length);

@@ -4,6 +4,7 @@
 // corruption, truncation), and rejected paths. The whole suite skips, with
 // the reason, only when the kernel lacks an io_uring feature it needs.
 #include <fcntl.h>
+#include <poll.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -275,6 +276,34 @@ TEST_F(SwapSpaceTest, CallbackRunsOnCompletion) {
   std::lock_guard<std::mutex> lock(mu);
   EXPECT_EQ(calls.load(), 1);
   EXPECT_TRUE(seen.ok());
+}
+
+TEST_F(SwapSpaceTest, CompletionEventfdCountsRequests) {
+  std::unique_ptr<SwapSpace> space = MustCreate(Options(2, 8 * kMiB));
+  ASSERT_NE(space, nullptr);
+  const int efd = space->completion_fd();
+  ASSERT_GE(efd, 0);
+  Result<uint64_t> id = space->Allocate("ev", 3 * kMiB);
+  ASSERT_TRUE(id.ok());
+  std::vector<uint8_t> data(3 * kMiB, 9), back(3 * kMiB);
+  std::vector<IoTicket> tickets;
+  tickets.push_back(
+      space->Submit(IoDirection::kWrite, std::vector<IoRange>{{*id, 0, data.size(), data.data()}}));
+  ASSERT_TRUE(tickets.back().Wait().ok());
+  tickets.push_back(
+      space->Submit(IoDirection::kRead, std::vector<IoRange>{{*id, 0, back.size(), back.data()}}));
+  tickets.push_back(
+      space->Submit(IoDirection::kRead, std::vector<IoRange>{{*id, 0, kMiB, back.data()}}));
+  uint64_t seen = 0;
+  while (seen < 3) {
+    pollfd p{efd, POLLIN, 0};
+    ASSERT_EQ(::poll(&p, 1, 10000), 1) << "no completion event within 10 s";
+    uint64_t n = 0;
+    ASSERT_EQ(::read(efd, &n, sizeof(n)), static_cast<ssize_t>(sizeof(n)));
+    seen += n;
+  }
+  EXPECT_EQ(seen, 3u);
+  for (const IoTicket& t : tickets) EXPECT_TRUE(t.Done());
 }
 
 TEST_F(SwapSpaceTest, RejectsBadRangesAndUnalignedWrites) {
