@@ -59,24 +59,21 @@ same run, and prints the ratio to that limit.
 )";
 
 Status ParseArgs(int argc, char** argv, AdamOptions* o) {
-  for (int i = 0; i < argc; ++i) {
-    const std::string_view arg = argv[i];
-    auto value = [&]() -> Result<std::string_view> {
-      if (i + 1 >= argc) return Status::InvalidArgument(StrCat(arg, " needs a value"));
-      return std::string_view(argv[++i]);
-    };
+  ArgReader args(argc, argv);
+  while (args.Next()) {
+    const std::string_view arg = args.arg();
     if (arg == "--params") {
-      ZT_ASSIGN_OR_RETURN(std::string_view v, value());
+      ZT_ASSIGN_OR_RETURN(std::string_view v, args.Value());
       ZT_ASSIGN_OR_RETURN(o->params, ParseCountList(v));
     } else if (arg == "--threads") {
-      ZT_ASSIGN_OR_RETURN(std::string_view v, value());
+      ZT_ASSIGN_OR_RETURN(std::string_view v, args.Value());
       ZT_ASSIGN_OR_RETURN(o->threads, ParseCountList(v));
       for (uint64_t t : o->threads) {
         if (t < 1 || t > 1024)
           return Status::InvalidArgument(StrCat("--threads ", t, ": want 1..1024"));
       }
     } else if (arg == "--grad") {
-      ZT_ASSIGN_OR_RETURN(std::string_view v, value());
+      ZT_ASSIGN_OR_RETURN(std::string_view v, args.Value());
       if (v == "bf16")
         o->grad_type = cpu_adam::GradType::kBFloat16;
       else if (v == "fp32")
@@ -84,7 +81,7 @@ Status ParseArgs(int argc, char** argv, AdamOptions* o) {
       else
         return Status::InvalidArgument(StrCat("--grad ", v, ": want bf16 or fp32"));
     } else if (arg == "--out") {
-      ZT_ASSIGN_OR_RETURN(std::string_view v, value());
+      ZT_ASSIGN_OR_RETURN(std::string_view v, args.Value());
       if (v == "bf16")
         o->with_out = true;
       else if (v == "none")
@@ -92,7 +89,7 @@ Status ParseArgs(int argc, char** argv, AdamOptions* o) {
       else
         return Status::InvalidArgument(StrCat("--out ", v, ": want bf16 or none"));
     } else if (arg == "--store") {
-      ZT_ASSIGN_OR_RETURN(std::string_view v, value());
+      ZT_ASSIGN_OR_RETURN(std::string_view v, args.Value());
       if (v == "stream")
         o->stores = {cpu_adam::OutputStore::kStreaming};
       else if (v == "regular")
@@ -102,7 +99,7 @@ Status ParseArgs(int argc, char** argv, AdamOptions* o) {
       else
         return Status::InvalidArgument(StrCat("--store ", v, ": want stream, regular or both"));
     } else if (arg == "--check") {
-      ZT_ASSIGN_OR_RETURN(std::string_view v, value());
+      ZT_ASSIGN_OR_RETURN(std::string_view v, args.Value());
       if (v == "prechecked")
         o->checks = {cpu_adam::GradCheck::kPrechecked};
       else if (v == "scan")
@@ -112,7 +109,7 @@ Status ParseArgs(int argc, char** argv, AdamOptions* o) {
       else
         return Status::InvalidArgument(StrCat("--check ", v, ": want prechecked, scan or both"));
     } else if (arg == "--runs") {
-      ZT_ASSIGN_OR_RETURN(std::string_view v, value());
+      ZT_ASSIGN_OR_RETURN(std::string_view v, args.Value());
       ZT_ASSIGN_OR_RETURN(uint64_t runs, ParseCount(v));
       if (runs < 1 || runs > 1000) return Status::InvalidArgument("--runs: want 1..1000");
       o->runs = static_cast<int>(runs);

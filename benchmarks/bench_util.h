@@ -23,6 +23,26 @@ Result<std::vector<uint64_t>> ParseCountList(std::string_view text);
 // "64M" style rendering for counts that are multiples of 1024.
 std::string FormatCount(uint64_t n);
 
+// Walks a subcommand's arguments: while (args.Next()) { if (args.Is("--x"))
+// ZT_ASSIGN_OR_RETURN(v, args.Value()); ... }
+class ArgReader {
+ public:
+  ArgReader(int argc, char** argv) : argc_(argc), argv_(argv) {}
+  bool Next() { return ++i_ < argc_; }
+  std::string_view arg() const { return argv_[i_]; }
+  bool Is(std::string_view name) const { return arg() == name; }
+  // The value after the current option; InvalidArgument if there is none.
+  Result<std::string_view> Value() {
+    if (i_ + 1 >= argc_) return Status::InvalidArgument(StrCat(arg(), " needs a value"));
+    return std::string_view(argv_[++i_]);
+  }
+
+ private:
+  int argc_;
+  char** argv_;
+  int i_ = -1;
+};
+
 // Builds one JSON object; values are numbers, strings, bools or raw JSON.
 class JsonObject {
  public:

@@ -56,23 +56,20 @@ same block size, queue depth and total size.
 )";
 
 Status ParseArgs(int argc, char** argv, NvmeOptions* o) {
-  for (int i = 0; i < argc; ++i) {
-    const std::string_view arg = argv[i];
-    auto value = [&]() -> Result<std::string_view> {
-      if (i + 1 >= argc) return Status::InvalidArgument(StrCat(arg, " needs a value"));
-      return std::string_view(argv[++i]);
-    };
+  ArgReader args(argc, argv);
+  while (args.Next()) {
+    const std::string_view arg = args.arg();
     if (arg == "--path") {
-      ZT_ASSIGN_OR_RETURN(std::string_view v, value());
+      ZT_ASSIGN_OR_RETURN(std::string_view v, args.Value());
       o->paths.emplace_back(v);
     } else if (arg == "--size") {
-      ZT_ASSIGN_OR_RETURN(std::string_view v, value());
+      ZT_ASSIGN_OR_RETURN(std::string_view v, args.Value());
       ZT_ASSIGN_OR_RETURN(o->size, ParseCount(v));
     } else if (arg == "--stripe") {
-      ZT_ASSIGN_OR_RETURN(std::string_view v, value());
+      ZT_ASSIGN_OR_RETURN(std::string_view v, args.Value());
       ZT_ASSIGN_OR_RETURN(o->stripe, ParseCount(v));
     } else if (arg == "--qd") {
-      ZT_ASSIGN_OR_RETURN(std::string_view v, value());
+      ZT_ASSIGN_OR_RETURN(std::string_view v, args.Value());
       ZT_ASSIGN_OR_RETURN(uint64_t qd, ParseCount(v));
       if (qd < 1 || qd > 4096) return Status::InvalidArgument("--qd: want 1..4096");
       o->qd = static_cast<uint32_t>(qd);
@@ -81,7 +78,7 @@ Status ParseArgs(int argc, char** argv, NvmeOptions* o) {
     } else if (arg == "--no-sweep") {
       o->sweep = false;
     } else if (arg == "--runs") {
-      ZT_ASSIGN_OR_RETURN(std::string_view v, value());
+      ZT_ASSIGN_OR_RETURN(std::string_view v, args.Value());
       ZT_ASSIGN_OR_RETURN(uint64_t runs, ParseCount(v));
       if (runs < 1 || runs > 100) return Status::InvalidArgument("--runs: want 1..100");
       o->runs = static_cast<int>(runs);

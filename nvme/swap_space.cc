@@ -218,6 +218,16 @@ struct SwapSpace::Impl {
 
   Status OpenFiles(bool create);
   Status StartThreads();
+  // After setup `s`: starts the I/O threads, or on any error stops what was
+  // started and leaves the space closed.
+  Status Launch(Status s) {
+    if (s.ok()) s = StartThreads();
+    if (!s.ok()) {
+      StopThreads();
+      closed = true;
+    }
+    return s;
+  }
   void StopThreads();
   void PieceSettled(uint64_t object_id) {
     std::lock_guard<std::mutex> lock(map_mu);
@@ -612,13 +622,7 @@ Result<std::unique_ptr<SwapSpace>> SwapSpace::Create(const SwapOptions& options,
   impl->backend = backend ? std::move(backend) : std::shared_ptr<IoBackend>(MakeUringBackend());
   std::unique_ptr<SwapSpace> space(new SwapSpace(std::move(impl)));
   Impl& sp = *space->impl_;
-  Status s = sp.OpenFiles(/*create=*/true);
-  if (s.ok()) s = sp.StartThreads();
-  if (!s.ok()) {
-    sp.StopThreads();
-    sp.closed = true;
-    return s;
-  }
+  ZT_RETURN_IF_ERROR(sp.Launch(sp.OpenFiles(/*create=*/true)));
   return space;
 }
 
@@ -1114,12 +1118,7 @@ Result<std::unique_ptr<SwapSpace>> SwapSpace::Open(const std::string& manifest_p
     }
     if (s.ok() && r.left() != 0) s = bad("trailing bytes after the object table");
   }
-  if (s.ok()) s = sp.StartThreads();
-  if (!s.ok()) {
-    sp.StopThreads();
-    sp.closed = true;
-    return s;
-  }
+  ZT_RETURN_IF_ERROR(sp.Launch(s));
   return space;
 }
 
