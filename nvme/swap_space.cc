@@ -27,7 +27,7 @@
 
 #include "common/log.h"
 #include "nvme/crc32c.h"
-#include "nvme/extent_allocator.h"
+#include "common/extent_allocator.h"
 #include "nvme/io_backend.h"
 
 namespace ztier::nvme {
@@ -697,7 +697,8 @@ Status SwapSpace::Free(uint64_t id) {
   const uint32_t npaths = static_cast<uint32_t>(sp.paths.size());
   for (size_t u = 0; u < it->second.units.size(); ++u) {
     const uint32_t p = (it->second.start_path + u) % npaths;
-    sp.allocators[p].Free(it->second.units[u].file_offset / stripe, 1);
+    const bool freed = sp.allocators[p].Free(it->second.units[u].file_offset / stripe, 1);
+    ZT_CHECK_MSG(freed, "swap unit freed twice");
   }
   sp.by_name.erase(it->second.name);
   sp.objects.erase(it);

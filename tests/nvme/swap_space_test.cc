@@ -20,8 +20,8 @@
 
 #include <gtest/gtest.h>
 
+#include "common/extent_allocator.h"
 #include "nvme/crc32c.h"
-#include "nvme/extent_allocator.h"
 #include "nvme/io_backend.h"
 #include "nvme/swap_space.h"
 
@@ -125,13 +125,15 @@ TEST(ExtentAllocatorTest, FirstFitCoalescesAndReserves) {
   auto e2 = a.Allocate(4);
   EXPECT_EQ(e2[0].start, 4u);
   EXPECT_TRUE(a.Allocate(3).empty());  // only 2 left
-  a.Free(0, 4);
+  EXPECT_TRUE(a.Free(0, 4));
+  EXPECT_FALSE(a.Free(1, 2)) << "double free must be refused";
   auto e3 = a.Allocate(5);  // 4 free at 0 and 2 at 8: two extents
   ASSERT_EQ(e3.size(), 2u);
   EXPECT_EQ(a.free_units(), 1u);
-  a.Free(e3[0].start, e3[0].count);
-  a.Free(e3[1].start, e3[1].count);
-  a.Free(4, 4);
+  EXPECT_TRUE(a.Free(e3[0].start, e3[0].count));
+  EXPECT_TRUE(a.Free(e3[1].start, e3[1].count));
+  EXPECT_TRUE(a.Free(4, 4));
+  EXPECT_FALSE(a.Free(9, 2)) << "out of range";
   EXPECT_EQ(a.free_units(), 10u);
   EXPECT_EQ(a.Allocate(10).size(), 1u);  // coalesced back into one run
   ExtentAllocator b(8);

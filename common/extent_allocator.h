@@ -1,14 +1,15 @@
-// ztier nvme internal: free-extent allocator of one swap file, in stripe
-// units. First fit over a map of free runs, coalescing on free.
-// Not thread-safe: the swap space holds its map lock around every call.
-#ifndef ZTIER_NVME_EXTENT_ALLOCATOR_H_
-#define ZTIER_NVME_EXTENT_ALLOCATOR_H_
+// ztier common: a free-extent allocator over [0, units) in caller-chosen
+// units (stripe units of a swap file, pages of a pinned DRAM region).
+// First fit over a map of free runs, coalescing on free.
+// Not thread-safe: callers hold their own lock around every call.
+#ifndef ZTIER_COMMON_EXTENT_ALLOCATOR_H_
+#define ZTIER_COMMON_EXTENT_ALLOCATOR_H_
 
 #include <cstdint>
 #include <map>
 #include <vector>
 
-namespace ztier::nvme {
+namespace ztier {
 
 struct Extent {
   uint64_t start;  // in units
@@ -45,6 +46,18 @@ class ExtentAllocator {
     return out;
   }
 
+  // One run of `count` units (first fit); false if no free run is that long.
+  bool AllocateContiguous(uint64_t count, uint64_t* start) {
+    if (count == 0) return false;
+    for (auto it = runs_.begin(); it != runs_.end(); ++it) {
+      if (it->second >= count) {
+        *start = Take(it, count).start;
+        return true;
+      }
+    }
+    return false;
+  }
+
   // Marks [start, start+count) used; false if any unit of it is not free.
   bool Reserve(uint64_t start, uint64_t count) {
     auto it = runs_.upper_bound(start);
@@ -61,9 +74,17 @@ class ExtentAllocator {
     return true;
   }
 
-  void Free(uint64_t start, uint64_t count) {
-    free_ += count;
+  // Returns [start, start+count) to the free runs; false (and no change) if
+  // any unit of it is already free (a double free) or it is out of range.
+  [[nodiscard]] bool Free(uint64_t start, uint64_t count) {
+    if (start + count > total_ || start + count < start) return false;
     auto next = runs_.lower_bound(start);
+    if (next != runs_.end() && next->first < start + count) return false;
+    if (next != runs_.begin()) {
+      auto before = std::prev(next);
+      if (before->first + before->second > start) return false;
+    }
+    free_ += count;
     if (next != runs_.begin()) {
       auto prev = std::prev(next);
       if (prev->first + prev->second == start) {
@@ -77,6 +98,7 @@ class ExtentAllocator {
       runs_.erase(next);
     }
     runs_[start] = count;
+    return true;
   }
 
  private:
@@ -94,6 +116,6 @@ class ExtentAllocator {
   std::map<uint64_t, uint64_t> runs_;  // start -> count
 };
 
-}  // namespace ztier::nvme
+}  // namespace ztier
 
-#endif  // ZTIER_NVME_EXTENT_ALLOCATOR_H_
+#endif  // ZTIER_COMMON_EXTENT_ALLOCATOR_H_

@@ -1,0 +1,245 @@
+// ztier engine: pinned DRAM pool implementation (see dram_pool.h).
+#include "engine/dram_pool.h"
+
+#include <fcntl.h>
+#include <hwloc.h>
+#include <linux/memfd.h>
+#include <sys/mman.h>
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <mutex>
+#include <utility>
+
+#include "common/extent_allocator.h"
+#include "common/log.h"
+
+namespace ztier::engine {
+namespace {
+
+constexpr uint64_t kPage = 4096;
+constexpr uint64_t kHugePage = uint64_t{2} << 20;
+
+uint64_t RoundUp(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
+
+// One memfd mapping. Move-only; unmaps and closes on destruction.
+class Region {
+ public:
+  Region() = default;
+  Region(const Region&) = delete;
+  Region& operator=(const Region&) = delete;
+  Region(Region&& o) noexcept { *this = std::move(o); }
+  Region& operator=(Region&& o) noexcept {
+    std::swap(fd_, o.fd_);
+    std::swap(base_, o.base_);
+    std::swap(bytes_, o.bytes_);
+    std::swap(locked_, o.locked_);
+    std::swap(hugetlb_, o.hugetlb_);
+    return *this;
+  }
+  ~Region() {
+    if (base_ != nullptr) ::munmap(base_, bytes_);
+    if (fd_ >= 0) ::close(fd_);
+  }
+
+  static Result<Region> Make(const DramPoolOptions& o, uint64_t bytes, uint32_t index) {
+    const std::string name = StrCat(o.name, "-", index);
+    if (o.huge_pages == HugePages::kHugetlb && bytes % kHugePage == 0) {
+      // memfd_create(MFD_HUGETLB) succeeds even with no pages reserved; the
+      // mmap is what fails. Fall back to transparent huge pages then.
+      Result<Region> huge = MakeWith(o, bytes, name, MFD_HUGETLB);
+      if (huge.ok()) return huge;
+      ZT_LOG(kWarn, "engine") << "hugetlb pages unavailable for the DRAM pool (" << huge.status()
+                              << "; reserve them in /proc/sys/vm/nr_hugepages): using "
+                                 "transparent huge pages";
+    }
+    return MakeWith(o, bytes, name, 0);
+  }
+
+ private:
+  static Result<Region> MakeWith(const DramPoolOptions& o, uint64_t bytes, const std::string& name,
+                                 unsigned extra_flags) {
+    Region r;
+    r.fd_ = ::memfd_create(name.c_str(), MFD_CLOEXEC | MFD_ALLOW_SEALING | extra_flags);
+    if (r.fd_ < 0) return PosixError(StrCat("memfd_create ", name), errno);
+    r.hugetlb_ = (extra_flags & MFD_HUGETLB) != 0;
+    if (::ftruncate(r.fd_, static_cast<off_t>(bytes)) != 0) {
+      return PosixError(StrCat("ftruncate memfd ", name, " to ", bytes, " bytes"), errno);
+    }
+    // Some kernels refuse F_SEAL_GROW on hugetlb memfds; the size is still
+    // fixed by this process, so a refused seal is only worth a warning.
+    if (::fcntl(r.fd_, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
+      ZT_LOG(kWarn, "engine") << "cannot seal " << name << ": " << std::strerror(errno);
+    }
+    void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, r.fd_, 0);
+    if (p == MAP_FAILED) {
+      return PosixError(StrCat("mmap ", bytes, " bytes of memfd ", name), errno);
+    }
+    r.base_ = p;
+    r.bytes_ = bytes;
+    if (!r.hugetlb_ && o.huge_pages != HugePages::kNone) {
+      // Advice only: THP may be off ("never"); the pool works either way.
+      (void)::madvise(p, bytes, MADV_HUGEPAGE);
+    }
+    if (o.lock) {
+      if (::mlock(p, bytes) == 0) {
+        r.locked_ = true;
+      } else {
+        const int err = errno;
+        rlimit lim{};
+        ::getrlimit(RLIMIT_MEMLOCK, &lim);
+        ZT_LOG(kWarn, "engine") << "DRAM pool region " << name << " (" << bytes
+                                << " bytes) is not locked: mlock failed with " << std::strerror(err)
+                                << "; RLIMIT_MEMLOCK is "
+                                << (lim.rlim_cur == RLIM_INFINITY ? std::string("unlimited")
+                                                                  : StrCat(lim.rlim_cur, " bytes"))
+                                << " (set LimitMEMLOCK=infinity or ulimit -l unlimited)";
+      }
+    }
+    return r;
+  }
+
+ public:
+  void* base() const { return base_; }
+  uint64_t bytes() const { return bytes_; }
+  int fd() const { return fd_; }
+  bool locked() const { return locked_; }
+  bool hugetlb() const { return hugetlb_; }
+
+ private:
+  int fd_ = -1;
+  void* base_ = nullptr;
+  uint64_t bytes_ = 0;
+  bool locked_ = false;
+  bool hugetlb_ = false;
+};
+
+}  // namespace
+
+struct DramPool::Impl {
+  DramPoolOptions options;
+  mutable std::mutex mu;
+  std::vector<Region> regions;
+  std::vector<ExtentAllocator> pages;  // per region, in 4 KiB pages
+  uint64_t reserved = 0;
+  uint64_t used = 0;
+
+  Status BindToNode(Region& r) {
+    if (options.numa_node < 0) return Status::Ok();
+    hwloc_topology_t topo = nullptr;
+    if (hwloc_topology_init(&topo) != 0) return PosixError("hwloc_topology_init", errno);
+    Status s;
+    if (hwloc_topology_load(topo) != 0) {
+      s = PosixError("hwloc_topology_load", errno);
+    } else if (hwloc_get_nbobjs_by_type(topo, HWLOC_OBJ_NUMANODE) > 1) {
+      hwloc_obj_t node = hwloc_get_obj_by_type(topo, HWLOC_OBJ_NUMANODE, options.numa_node);
+      if (node == nullptr) {
+        s = Status::InvalidArgument(StrCat("NUMA node ", options.numa_node, " does not exist"));
+      } else if (hwloc_set_area_membind(topo, r.base(), r.bytes(), node->nodeset,
+                                        HWLOC_MEMBIND_BIND,
+                                        HWLOC_MEMBIND_BYNODESET | HWLOC_MEMBIND_MIGRATE) != 0) {
+        ZT_LOG(kWarn, "engine") << "cannot bind DRAM pool memory to NUMA node " << options.numa_node
+                                << ": " << std::strerror(errno);
+      }
+    }
+    hwloc_topology_destroy(topo);
+    return s;
+  }
+};
+
+DramPool::DramPool(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+DramPool::~DramPool() = default;
+
+Result<std::unique_ptr<DramPool>> DramPool::Create(const DramPoolOptions& options) {
+  if (options.budget_bytes == 0) {
+    return Status::InvalidArgument("DRAM pool budget must be > 0 bytes");
+  }
+  if (options.region_bytes == 0 || options.region_bytes % kHugePage != 0) {
+    return Status::InvalidArgument(StrCat("DRAM pool region size ", options.region_bytes,
+                                          " must be a positive multiple of 2 MiB"));
+  }
+  auto impl = std::make_unique<Impl>();
+  impl->options = options;
+  return std::unique_ptr<DramPool>(new DramPool(std::move(impl)));
+}
+
+Result<DramBlock> DramPool::Allocate(uint64_t bytes, std::string_view owner) {
+  Impl& p = *impl_;
+  if (bytes == 0) return Status::InvalidArgument(StrCat(owner, ": DRAM block of 0 bytes"));
+  const uint64_t size = RoundUp(bytes, kPage);
+  std::lock_guard<std::mutex> lock(p.mu);
+  if (p.used + size > p.options.budget_bytes) {
+    return Status::ResourceExhausted(StrCat(owner, ": DRAM pool budget of ", p.options.budget_bytes,
+                                            " bytes exceeded (", p.used, " in use, ", size,
+                                            " more requested)"));
+  }
+  // First fit in an existing region.
+  for (uint32_t r = 0; r < p.regions.size(); ++r) {
+    uint64_t first = 0;
+    if (!p.pages[r].AllocateContiguous(size / kPage, &first)) continue;
+    p.used += size;
+    const uint64_t off = first * kPage;
+    return DramBlock{static_cast<uint8_t*>(p.regions[r].base()) + off, size, r, off};
+  }
+  // A new region: the standard size, or one just for this block, never
+  // reserving past the budget (pinned memory is what the budget protects).
+  const uint64_t room = (p.options.budget_bytes - p.reserved) / kPage * kPage;
+  const uint64_t make = std::min(std::max(p.options.region_bytes, RoundUp(size, kHugePage)), room);
+  if (make < size) {
+    return Status::ResourceExhausted(StrCat(owner, ": DRAM pool budget of ", p.options.budget_bytes,
+                                            " bytes exceeded: no region has a free run of ", size,
+                                            " bytes and only ", room,
+                                            " bytes are left to reserve"));
+  }
+  ZT_ASSIGN_OR_RETURN(Region region,
+                      Region::Make(p.options, make, static_cast<uint32_t>(p.regions.size())));
+  ZT_RETURN_IF_ERROR(p.BindToNode(region));
+  const uint32_t r = static_cast<uint32_t>(p.regions.size());
+  p.reserved += region.bytes();
+  p.pages.emplace_back(region.bytes() / kPage);
+  p.regions.push_back(std::move(region));
+  uint64_t first = 0;
+  ZT_CHECK(p.pages[r].AllocateContiguous(size / kPage, &first) && first == 0);
+  p.used += size;
+  return DramBlock{p.regions[r].base(), size, r, 0};
+}
+
+void DramPool::Free(const DramBlock& block) {
+  Impl& p = *impl_;
+  ZT_CHECK_MSG(block.region < p.regions.size(), "DRAM block from another pool");
+  // Zero outside the lock: the block is still owned by the caller here.
+  std::memset(block.ptr, 0, block.bytes);
+  std::lock_guard<std::mutex> lock(p.mu);
+  const Region& r = p.regions[block.region];
+  ZT_CHECK_MSG(static_cast<uint8_t*>(r.base()) + block.offset == block.ptr &&
+                   block.offset + block.bytes <= r.bytes() && block.bytes % kPage == 0,
+               "DRAM block does not belong to region ", block.region);
+  const bool freed = p.pages[block.region].Free(block.offset / kPage, block.bytes / kPage);
+  ZT_CHECK_MSG(freed, "DRAM block at offset ", block.offset, " of region ", block.region,
+               " freed twice");
+  p.used -= block.bytes;
+}
+
+int DramPool::region_fd(uint32_t region) const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  return region < impl_->regions.size() ? impl_->regions[region].fd() : -1;
+}
+
+DramPoolStats DramPool::stats() const {
+  const Impl& p = *impl_;
+  std::lock_guard<std::mutex> lock(p.mu);
+  DramPoolStats s;
+  s.budget_bytes = p.options.budget_bytes;
+  s.reserved_bytes = p.reserved;
+  s.used_bytes = p.used;
+  s.regions = static_cast<uint32_t>(p.regions.size());
+  for (const Region& r : p.regions) {
+    s.locked_regions += r.locked() ? 1 : 0;
+    s.hugetlb_regions += r.hugetlb() ? 1 : 0;
+  }
+  return s;
+}
+
+}  // namespace ztier::engine

@@ -1,0 +1,176 @@
+// Tests of the pinned DRAM pool: allocation and alignment, zeroing before
+// reuse, the hard budget, dedicated regions for large blocks, sealed memfds
+// that another mapping (a client) can share, concurrency, hugetlb fallback
+// and double-free detection.
+#include "engine/dram_pool.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+namespace ztier::engine {
+namespace {
+
+constexpr uint64_t kMiB = uint64_t{1} << 20;
+
+std::unique_ptr<DramPool> MakePool(uint64_t budget, uint64_t region = 4 * kMiB,
+                                   HugePages huge = HugePages::kTransparent) {
+  Result<std::unique_ptr<DramPool>> p =
+      DramPool::Create({.budget_bytes = budget, .region_bytes = region, .huge_pages = huge});
+  ZT_CHECK_MSG(p.ok(), p.status().ToString());
+  return std::move(p).value();
+}
+
+bool AllBytes(const void* p, size_t n, uint8_t v) {
+  const auto* b = static_cast<const uint8_t*>(p);
+  for (size_t i = 0; i < n; ++i) {
+    if (b[i] != v) return false;
+  }
+  return true;
+}
+
+TEST(DramPoolTest, AllocatesAlignedZeroedWritableBlocks) {
+  auto pool = MakePool(16 * kMiB);
+  Result<DramBlock> a = pool->Allocate(10000, "test");
+  ASSERT_TRUE(a.ok()) << a.status();
+  EXPECT_EQ(a->bytes, 12288u);  // rounded up to 4 KiB pages
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(a->ptr) % 4096, 0u);
+  EXPECT_TRUE(AllBytes(a->ptr, a->bytes, 0));
+  std::memset(a->ptr, 0x5a, a->bytes);
+  const DramPoolStats st = pool->stats();
+  EXPECT_EQ(st.used_bytes, 12288u);
+  EXPECT_EQ(st.regions, 1u);
+  EXPECT_EQ(st.reserved_bytes, 4 * kMiB);
+  pool->Free(*a);
+  EXPECT_EQ(pool->stats().used_bytes, 0u);
+}
+
+TEST(DramPoolTest, FreedMemoryIsZeroedBeforeReuse) {
+  auto pool = MakePool(8 * kMiB);
+  Result<DramBlock> a = pool->Allocate(kMiB, "job-a");
+  ASSERT_TRUE(a.ok());
+  std::memset(a->ptr, 0xab, a->bytes);
+  pool->Free(*a);
+  Result<DramBlock> b = pool->Allocate(kMiB, "job-b");
+  ASSERT_TRUE(b.ok());
+  EXPECT_EQ(b->ptr, a->ptr) << "first fit should hand the same pages out again";
+  EXPECT_TRUE(AllBytes(b->ptr, b->bytes, 0)) << "job-b sees job-a's bytes";
+}
+
+TEST(DramPoolTest, BudgetIsHardAndNamed) {
+  auto pool = MakePool(8 * kMiB, 4 * kMiB);
+  Result<DramBlock> a = pool->Allocate(6 * kMiB, "job-a");
+  ASSERT_TRUE(a.ok()) << a.status();
+  std::memset(a->ptr, 1, a->bytes);
+  Result<DramBlock> b = pool->Allocate(3 * kMiB, "job-b");
+  ASSERT_FALSE(b.ok());
+  EXPECT_EQ(b.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_NE(b.status().message().find("job-b"), std::string::npos) << b.status();
+  EXPECT_NE(b.status().message().find("budget of 8388608 bytes"), std::string::npos) << b.status();
+  EXPECT_TRUE(AllBytes(a->ptr, a->bytes, 1)) << "a failed request touched another block";
+  Result<DramBlock> c = pool->Allocate(2 * kMiB, "job-c");  // exactly fits
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_LE(pool->stats().reserved_bytes, 8 * kMiB);
+  EXPECT_EQ(pool->Allocate(1, "job-d").status().code(), StatusCode::kResourceExhausted);
+  EXPECT_EQ(pool->Allocate(0, "job-e").status().code(), StatusCode::kInvalidArgument);
+}
+
+TEST(DramPoolTest, LargeBlockGetsItsOwnRegion) {
+  auto pool = MakePool(64 * kMiB, 4 * kMiB);
+  Result<DramBlock> small = pool->Allocate(kMiB, "s");
+  Result<DramBlock> big = pool->Allocate(20 * kMiB + 5, "b");
+  ASSERT_TRUE(small.ok() && big.ok());
+  EXPECT_NE(small->region, big->region);
+  EXPECT_EQ(big->offset, 0u);
+  std::memset(big->ptr, 7, big->bytes);
+  EXPECT_EQ(pool->stats().regions, 2u);
+}
+
+TEST(DramPoolTest, RegionsAreSealedMemfdsAnotherMappingCanShare) {
+  auto pool = MakePool(16 * kMiB, 4 * kMiB);
+  Result<DramBlock> a = pool->Allocate(3 * kMiB, "a");
+  Result<DramBlock> b = pool->Allocate(64 * 1024, "b");
+  ASSERT_TRUE(a.ok() && b.ok());
+  std::memset(b->ptr, 0x42, b->bytes);
+  const int fd = pool->region_fd(b->region);
+  ASSERT_GE(fd, 0);
+  // What a client does with the fd it receives: map it and see the bytes.
+  void* view = ::mmap(nullptr, b->bytes, PROT_READ, MAP_SHARED, fd, static_cast<off_t>(b->offset));
+  ASSERT_NE(view, MAP_FAILED) << std::strerror(errno);
+  EXPECT_TRUE(AllBytes(view, b->bytes, 0x42));
+  ::munmap(view, b->bytes);
+  // Sealed against shrink and grow.
+  EXPECT_NE(::ftruncate(fd, 1), 0);
+  EXPECT_EQ(errno, EPERM);
+  EXPECT_NE(::ftruncate(fd, 64 * kMiB), 0);
+  const int seals = ::fcntl(fd, F_GET_SEALS);
+  EXPECT_TRUE(seals & F_SEAL_SHRINK);
+  EXPECT_TRUE(seals & F_SEAL_GROW);
+  EXPECT_EQ(pool->region_fd(99), -1);
+}
+
+TEST(DramPoolTest, HugetlbFallsBackWhenNoneReserved) {
+  auto pool = MakePool(8 * kMiB, 4 * kMiB, HugePages::kHugetlb);
+  Result<DramBlock> a = pool->Allocate(kMiB, "h");
+  ASSERT_TRUE(a.ok()) << a.status();
+  std::memset(a->ptr, 3, a->bytes);
+  const DramPoolStats st = pool->stats();
+  std::printf("hugetlb regions: %u of %u, locked: %u\n", st.hugetlb_regions, st.regions,
+              st.locked_regions);
+}
+
+TEST(DramPoolTest, ConcurrentAllocationsDoNotOverlap) {
+  auto pool = MakePool(128 * kMiB, 8 * kMiB);
+  std::vector<std::thread> threads;
+  std::atomic<int> bad{0};
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&, t] {
+      std::vector<DramBlock> mine;
+      for (int i = 0; i < 40; ++i) {
+        Result<DramBlock> b = pool->Allocate((i % 7 + 1) * 12288, "t");
+        if (!b.ok()) {
+          ++bad;
+          continue;
+        }
+        std::memset(b->ptr, t + 1, b->bytes);
+        mine.push_back(*b);
+        if (i % 3 == 0) {
+          pool->Free(mine.front());
+          mine.erase(mine.begin());
+        }
+      }
+      for (const DramBlock& b : mine) {
+        if (!AllBytes(b.ptr, b.bytes, static_cast<uint8_t>(t + 1))) ++bad;
+        pool->Free(b);
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(bad.load(), 0);
+  EXPECT_EQ(pool->stats().used_bytes, 0u);
+}
+
+TEST(DramPoolTest, RejectsBadOptions) {
+  EXPECT_EQ(DramPool::Create({.budget_bytes = 0}).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(DramPool::Create({.budget_bytes = kMiB, .region_bytes = 3 * kMiB}).status().code(),
+            StatusCode::kInvalidArgument);
+}
+
+TEST(DramPoolDeathTest, DoubleFreeAborts) {
+  auto pool = MakePool(8 * kMiB);
+  Result<DramBlock> a = pool->Allocate(kMiB, "d");
+  ASSERT_TRUE(a.ok());
+  pool->Free(*a);
+  EXPECT_DEATH(pool->Free(*a), "freed twice");
+}
+
+}  // namespace
+}  // namespace ztier::engine
