@@ -15,6 +15,7 @@ packages=(
   libtbb-dev                             # cpu_adam/ task arenas
   libhwy-dev                             # cpu_adam/ SIMD (Highway)
   libhwloc-dev                           # NUMA topology
+  nlohmann-json3-dev                     # engine/ config files
   fio                                    # ztier-bench nvme reference
   fortunes-min                           # English text corpus for the examples
 )
