@@ -1,0 +1,532 @@
+// ztier engine: jobs, units and the step pipeline (see engine.h).
+//
+// Locking: `mu` guards the job map and every job's bookkeeping (arrivals,
+// micro-steps, norms, counters, step numbers). Grad accumulation and norms
+// run on the calling client thread outside the lock, on the caller's own
+// shard. Optimizer work runs on the engine thread, outside the lock, on units
+// whose grads are complete (no client writes them until the next step).
+#include "engine/engine.h"
+
+#include <algorithm>
+#include <cmath>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <thread>
+
+#include "common/log.h"
+#include "engine/dram_pool.h"
+
+namespace ztier::engine {
+namespace {
+
+struct Unit {
+  UnitLayout layout;
+  DramBlock master, exp_avg, exp_avg_sq, publish, inbox, accum;
+  std::vector<uint8_t> arrived;  // by rank, this micro-step
+  int arrived_count = 0;
+  int micro = 0;                 // micro-steps completed toward the next step
+  std::vector<double> shard_sq;  // by rank, at the accumulation boundary
+  bool ready = false;            // grads complete for the pending step
+  int64_t published = -1;        // step held by the publish buffer
+  float* f(const DramBlock& b) const { return static_cast<float*>(b.ptr); }
+};
+
+struct Job {
+  int id = 0;
+  JobSpec spec;
+  std::vector<Unit> units;
+  int64_t step = 0;       // completed steps (what clients wait for)
+  int64_t adam_step = 0;  // steps that updated the weights (bias correction)
+  int ready_units = 0;
+  int eager_done = 0;
+  Status failure;
+  bool removed = false;
+  JobCounters counters;
+  DramPool* pool = nullptr;
+
+  ~Job() {
+    for (Unit& u : units) {
+      for (DramBlock* b : {&u.master, &u.exp_avg, &u.exp_avg_sq, &u.publish, &u.inbox, &u.accum}) {
+        if (b->ptr != nullptr) pool->Free(*b);
+      }
+    }
+  }
+};
+
+uint64_t RoundUp(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
+
+}  // namespace
+
+struct Engine::Impl {
+  Settings settings;
+  std::unique_ptr<DramPool> pool;
+  cpu_adam::Executor executor;
+
+  mutable std::mutex mu;
+  std::condition_variable published_cv;
+  std::map<int, std::shared_ptr<Job>> jobs;
+  int next_job = 1;
+
+  std::mutex task_mu;
+  std::condition_variable task_cv;
+  std::deque<std::function<void()>> tasks;
+  bool stop = false;
+  std::thread worker;
+
+  explicit Impl(cpu_adam::Executor e) : executor(std::move(e)) {}
+
+  void Post(std::function<void()> task) {
+    {
+      std::lock_guard<std::mutex> lock(task_mu);
+      tasks.push_back(std::move(task));
+    }
+    task_cv.notify_one();
+  }
+
+  void Run() {
+    for (;;) {
+      std::function<void()> task;
+      {
+        std::unique_lock<std::mutex> lock(task_mu);
+        task_cv.wait(lock, [&] { return stop || !tasks.empty(); });
+        if (tasks.empty()) return;
+        task = std::move(tasks.front());
+        tasks.pop_front();
+      }
+      task();
+    }
+  }
+
+  Result<std::shared_ptr<Job>> Find(int job) const {
+    auto it = jobs.find(job);
+    if (it == jobs.end()) return Status::NotFound(StrCat("job ", job, " is not registered"));
+    return it->second;
+  }
+
+  // Runs AdamW on one unit (all ranks' shards) and publishes it as `step`.
+  Status UpdateUnit(Job& job, Unit& u, int64_t adam_step, float scale, int64_t step) {
+    const cpu_adam::StepOptions opt{
+        .step = adam_step, .grad_scale = scale, .grad_check = cpu_adam::GradCheck::kPrechecked};
+    const bool accum = job.spec.optimizer.grad_accumulation > 1;
+    const cpu_adam::Shard shard{
+        .count = u.layout.padded,
+        .grads = accum ? static_cast<const void*>(u.accum.ptr) : u.inbox.ptr,
+        .grad_type = accum ? cpu_adam::GradType::kFloat32 : cpu_adam::GradType::kBFloat16,
+        .params = u.f(u.master),
+        .exp_avg = u.f(u.exp_avg),
+        .exp_avg_sq = u.f(u.exp_avg_sq),
+        .params_out = static_cast<bf16*>(u.publish.ptr)};
+    Result<cpu_adam::StepResult> r = cpu_adam::Step(job.spec.optimizer.hyper, opt, shard, executor);
+    if (!r.ok()) return r.status();
+    Publish(job, u, step);
+    return Status::Ok();
+  }
+
+  // The unit holds `step` now; its inbox may take the next step's grads.
+  void Publish(Job& job, Unit& u, int64_t step) {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      u.published = step;
+      if (u.ready) {
+        u.ready = false;
+        if (job.spec.optimizer.mode == StepMode::kExact) --job.ready_units;
+      }
+    }
+    published_cv.notify_all();
+  }
+
+  void Fail(Job& job, const Status& s) {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      if (job.failure.ok()) job.failure = s;
+    }
+    ZT_LOG(kError, "engine") << "job '" << job.spec.name << "': " << s;
+    published_cv.notify_all();
+  }
+
+  // Exact mode: every unit's grads are in. Norm, skip or clip, then units in
+  // forward order, each published when done.
+  void StepExact(const std::shared_ptr<Job>& jp) {
+    Job& job = *jp;
+    const auto t0 = std::chrono::steady_clock::now();
+    double sq = 0.0;
+    int64_t step, adam_step;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      if (job.removed) return;
+      for (const Unit& u : job.units) {
+        for (double s : u.shard_sq) sq += s;  // unit, then rank order: deterministic
+      }
+      step = job.step + 1;
+      adam_step = job.adam_step + 1;
+    }
+    const double norm = std::sqrt(sq);
+    const bool finite = std::isfinite(norm);
+    const float clip = job.spec.optimizer.clip_norm;
+    const float scale =
+        clip > 0.0f && finite && norm > clip ? static_cast<float>(clip / (norm + 1e-6)) : 1.0f;
+    for (Unit& u : job.units) {
+      if (!finite) {
+        Publish(job, u, step);  // same weights, new step: clients go on
+        continue;
+      }
+      Status s = UpdateUnit(job, u, adam_step, scale, step);
+      if (!s.ok()) return Fail(job, s.Annotate(StrCat("step ", step)));
+    }
+    const double secs =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    std::lock_guard<std::mutex> lock(mu);
+    job.step = step;
+    if (finite) {
+      job.adam_step = adam_step;
+    } else {
+      ++job.counters.skipped_steps;
+      ZT_LOG(kWarn, "engine") << "job '" << job.spec.name << "': step " << step
+                              << " skipped: inf/NaN in the gradients";
+    }
+    ++job.counters.steps;
+    job.counters.optimizer_seconds += secs;
+    job.counters.last_grad_norm = norm;
+  }
+
+  // Eager mode: one unit's grads are in; update it now.
+  void StepEager(const std::shared_ptr<Job>& jp, size_t unit) {
+    Job& job = *jp;
+    const auto t0 = std::chrono::steady_clock::now();
+    int64_t step, adam_step;
+    double sq = 0.0;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      if (job.removed) return;
+      step = job.step + 1;
+      adam_step = job.adam_step + 1;
+      for (double s : job.units[unit].shard_sq) sq += s;
+    }
+    if (!std::isfinite(sq)) {
+      return Fail(
+          job, Status::Aborted(
+                   StrCat("step ", step, ": inf/NaN gradients in unit '", job.spec.units[unit].name,
+                          "' with eager updates, which cannot skip a step; use exact mode "
+                          "(the default) for loss scaling")));
+    }
+    Status s = UpdateUnit(job, job.units[unit], adam_step, 1.0f, step);
+    if (!s.ok()) return Fail(job, s.Annotate(StrCat("step ", step)));
+    const double secs =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    std::lock_guard<std::mutex> lock(mu);
+    job.counters.optimizer_seconds += secs;
+    if (++job.eager_done == static_cast<int>(job.units.size())) {
+      job.eager_done = 0;
+      job.step = step;
+      job.adam_step = adam_step;
+      ++job.counters.steps;
+    }
+  }
+};
+
+Engine::Engine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {
+  impl_->worker = std::thread([this] { impl_->Run(); });
+}
+
+Engine::~Engine() {
+  {
+    std::lock_guard<std::mutex> lock(impl_->task_mu);
+    impl_->stop = true;
+  }
+  impl_->task_cv.notify_one();
+  impl_->worker.join();
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  impl_->jobs.clear();
+}
+
+Result<std::unique_ptr<Engine>> Engine::Create(const Settings& settings) {
+  ZT_RETURN_IF_ERROR(Validate(settings));
+  ZT_ASSIGN_OR_RETURN(cpu_adam::Executor exec,
+                      cpu_adam::Executor::Create({.threads = settings.optimizer_threads}));
+  auto impl = std::make_unique<Impl>(std::move(exec));
+  impl->settings = settings;
+  ZT_ASSIGN_OR_RETURN(impl->pool, DramPool::Create({.budget_bytes = settings.dram_budget_bytes,
+                                                    .huge_pages = settings.huge_pages,
+                                                    .lock = settings.pin_memory}));
+  for (const std::string& line : NonDefaultSettings(settings)) {
+    ZT_LOG(kInfo, "engine") << "setting " << line;
+  }
+  return std::unique_ptr<Engine>(new Engine(std::move(impl)));
+}
+
+Result<int> Engine::RegisterJob(const JobSpec& spec) {
+  Impl& e = *impl_;
+  if (spec.name.empty()) return Status::InvalidArgument("a job needs a name");
+  if (spec.units.empty())
+    return Status::InvalidArgument(StrCat("job '", spec.name, "' has no units"));
+  if (spec.ranks < 1 || spec.ranks > 1024) {
+    return Status::InvalidArgument(
+        StrCat("job '", spec.name, "': ranks ", spec.ranks, " not in 1..1024"));
+  }
+  if (spec.optimizer.grad_accumulation < 1) {
+    return Status::InvalidArgument(
+        StrCat("job '", spec.name, "': gradient accumulation must be >= 1"));
+  }
+  if (spec.optimizer.mode == StepMode::kEager && spec.optimizer.clip_norm > 0.0f) {
+    return Status::InvalidArgument(
+        StrCat("job '", spec.name,
+               "': eager updates cannot apply global-norm clipping (the norm is "
+               "known only after the last grad); use exact mode or clip_norm 0"));
+  }
+  if (!(spec.optimizer.clip_norm >= 0.0f) || !std::isfinite(spec.optimizer.clip_norm)) {
+    return Status::InvalidArgument(
+        StrCat("job '", spec.name, "': clip_norm must be finite and >= 0"));
+  }
+  ZT_RETURN_IF_ERROR(
+      cpu_adam::ValidateHyper(spec.optimizer.hyper).Annotate(StrCat("job '", spec.name, "'")));
+  if (spec.optimizer_tier == Tier::kNvme || spec.param_tier == Tier::kNvme) {
+    return Status::Unimplemented(StrCat("job '", spec.name,
+                                        "': optimizer states or params on NVMe are not supported "
+                                        "by this engine version; place them in dram"));
+  }
+  {
+    std::lock_guard<std::mutex> lock(e.mu);
+    for (const auto& [id, j] : e.jobs) {
+      if (j->spec.name == spec.name) {
+        return Status::AlreadyExists(StrCat("job '", spec.name, "' is already registered"));
+      }
+    }
+  }
+
+  auto job = std::make_shared<Job>();
+  job->spec = spec;
+  job->pool = e.pool.get();
+  job->units.resize(spec.units.size());
+  const uint64_t granule = static_cast<uint64_t>(spec.ranks) * kAlignElements;
+  for (size_t k = 0; k < spec.units.size(); ++k) {
+    const UnitSpec& us = spec.units[k];
+    Unit& u = job->units[k];
+    for (const TensorSpec& t : us.tensors) {
+      uint64_t n = 1;
+      for (int64_t d : t.shape) {
+        if (d <= 0) {
+          return Status::InvalidArgument(StrCat("job '", spec.name, "' unit '", us.name,
+                                                "' tensor '", t.name, "' has a dimension <= 0"));
+        }
+        n *= static_cast<uint64_t>(d);
+      }
+      u.layout.offsets.push_back(u.layout.numel);
+      u.layout.numel += n;
+    }
+    if (u.layout.numel == 0) {
+      return Status::InvalidArgument(StrCat("job '", spec.name, "' unit '", us.name, "' is empty"));
+    }
+    u.layout.padded = RoundUp(u.layout.numel, granule);
+    u.layout.shard = u.layout.padded / spec.ranks;
+    u.arrived.assign(spec.ranks, 0);
+    u.shard_sq.assign(spec.ranks, 0.0);
+    const std::string owner = StrCat("job '", spec.name, "' unit '", us.name, "'");
+    const uint64_t n = u.layout.padded;
+    for (auto [block, bytes] : {std::pair{&u.master, n * 4},
+                                {&u.exp_avg, n * 4},
+                                {&u.exp_avg_sq, n * 4},
+                                {&u.publish, n * 2},
+                                {&u.inbox, n * 2}}) {
+      ZT_ASSIGN_OR_RETURN(*block, e.pool->Allocate(bytes, owner));
+      job->counters.dram_bytes += block->bytes;
+    }
+    if (spec.optimizer.grad_accumulation > 1) {
+      ZT_ASSIGN_OR_RETURN(u.accum, e.pool->Allocate(n * 4, owner));
+      job->counters.dram_bytes += u.accum.bytes;
+    }
+  }
+  std::lock_guard<std::mutex> lock(e.mu);
+  job->id = e.next_job++;
+  e.jobs[job->id] = job;
+  return job->id;
+}
+
+Status Engine::UnregisterJob(int job) {
+  Impl& e = *impl_;
+  std::shared_ptr<Job> j;
+  {
+    std::lock_guard<std::mutex> lock(e.mu);
+    ZT_ASSIGN_OR_RETURN(j, e.Find(job));
+    j->removed = true;
+    e.jobs.erase(job);
+  }
+  e.published_cv.notify_all();
+  return Status::Ok();  // memory goes back to the pool when the last task drops `j`
+}
+
+Result<UnitLayout> Engine::Layout(int job, int unit) const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  ZT_ASSIGN_OR_RETURN(std::shared_ptr<Job> j, impl_->Find(job));
+  if (unit < 0 || unit >= static_cast<int>(j->units.size())) {
+    return Status::OutOfRange(StrCat("job ", job, " has no unit ", unit));
+  }
+  return j->units[unit].layout;
+}
+
+Status Engine::WriteWeights(int job, int unit, const float* flat, uint64_t numel) {
+  std::shared_ptr<Job> j;
+  {
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    ZT_ASSIGN_OR_RETURN(j, impl_->Find(job));
+  }
+  if (unit < 0 || unit >= static_cast<int>(j->units.size())) {
+    return Status::OutOfRange(StrCat("job ", job, " has no unit ", unit));
+  }
+  Unit& u = j->units[unit];
+  if (numel != u.layout.numel) {
+    return Status::InvalidArgument(StrCat("unit '", j->spec.units[unit].name, "' has ",
+                                          u.layout.numel, " elements, got ", numel));
+  }
+  std::memcpy(u.master.ptr, flat, numel * sizeof(float));
+  auto* out = static_cast<bf16*>(u.publish.ptr);
+  for (uint64_t i = 0; i < u.layout.padded; ++i) out[i] = FloatToBf16(u.f(u.master)[i]);
+  impl_->Publish(*j, u, 0);
+  return Status::Ok();
+}
+
+Status Engine::ReadState(int job, int unit, float* master, float* exp_avg,
+                         float* exp_avg_sq) const {
+  std::shared_ptr<Job> j;
+  {
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    ZT_ASSIGN_OR_RETURN(j, impl_->Find(job));
+  }
+  if (unit < 0 || unit >= static_cast<int>(j->units.size())) {
+    return Status::OutOfRange(StrCat("job ", job, " has no unit ", unit));
+  }
+  const Unit& u = j->units[unit];
+  const size_t bytes = u.layout.padded * sizeof(float);
+  if (master) std::memcpy(master, u.master.ptr, bytes);
+  if (exp_avg) std::memcpy(exp_avg, u.exp_avg.ptr, bytes);
+  if (exp_avg_sq) std::memcpy(exp_avg_sq, u.exp_avg_sq.ptr, bytes);
+  return Status::Ok();
+}
+
+Result<bf16*> Engine::GradInbox(int job, int unit, int rank) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  ZT_ASSIGN_OR_RETURN(std::shared_ptr<Job> j, impl_->Find(job));
+  if (unit < 0 || unit >= static_cast<int>(j->units.size()) || rank < 0 || rank >= j->spec.ranks) {
+    return Status::OutOfRange(StrCat("job ", job, ": no unit ", unit, " rank ", rank));
+  }
+  Unit& u = j->units[unit];
+  return static_cast<bf16*>(u.inbox.ptr) + static_cast<uint64_t>(rank) * u.layout.shard;
+}
+
+Status Engine::GradsReady(int job, int unit, int rank) {
+  Impl& e = *impl_;
+  std::shared_ptr<Job> j;
+  int micro;
+  {
+    std::lock_guard<std::mutex> lock(e.mu);
+    ZT_ASSIGN_OR_RETURN(j, e.Find(job));
+    if (!j->failure.ok()) return Status::Aborted(StrCat("job failed: ", j->failure.message()));
+    if (unit < 0 || unit >= static_cast<int>(j->units.size()) || rank < 0 ||
+        rank >= j->spec.ranks) {
+      return Status::OutOfRange(StrCat("job ", job, ": no unit ", unit, " rank ", rank));
+    }
+    Unit& u = j->units[unit];
+    if (u.ready) {
+      return Status::FailedPrecondition(StrCat("unit '", j->spec.units[unit].name,
+                                               "': grads for the next step arrived before the "
+                                               "optimizer finished this one; wait for the unit's "
+                                               "publish first"));
+    }
+    if (u.arrived[rank]) {
+      return Status::FailedPrecondition(StrCat("unit '", j->spec.units[unit].name, "' rank ", rank,
+                                               ": grads already delivered for this micro-step"));
+    }
+    u.arrived[rank] = 1;
+    micro = u.micro;
+  }
+  // Outside the lock: this rank's shard only.
+  Unit& u = j->units[unit];
+  const int accum_steps = j->spec.optimizer.grad_accumulation;
+  const uint64_t off = static_cast<uint64_t>(rank) * u.layout.shard;
+  const bf16* g = static_cast<const bf16*>(u.inbox.ptr) + off;
+  const bool last_micro = micro == accum_steps - 1;
+  double sq = 0.0;
+  if (accum_steps > 1) {
+    float* acc = u.f(u.accum) + off;
+    if (micro == 0) {
+      for (uint64_t i = 0; i < u.layout.shard; ++i) acc[i] = Bf16ToFloat(g[i]);
+    } else {
+      for (uint64_t i = 0; i < u.layout.shard; ++i) acc[i] += Bf16ToFloat(g[i]);
+    }
+    if (last_micro) {
+      ZT_ASSIGN_OR_RETURN(
+          sq, cpu_adam::SquaredNorm(acc, cpu_adam::GradType::kFloat32, u.layout.shard, e.executor));
+    }
+  } else {
+    ZT_ASSIGN_OR_RETURN(
+        sq, cpu_adam::SquaredNorm(g, cpu_adam::GradType::kBFloat16, u.layout.shard, e.executor));
+  }
+  std::lock_guard<std::mutex> lock(e.mu);
+  if (last_micro) u.shard_sq[rank] = sq;
+  if (++u.arrived_count < j->spec.ranks) return Status::Ok();
+  // Every rank's shard of this micro-step is in.
+  u.arrived_count = 0;
+  std::fill(u.arrived.begin(), u.arrived.end(), 0);
+  if (!last_micro) {
+    ++u.micro;
+    return Status::Ok();
+  }
+  u.micro = 0;
+  u.ready = true;
+  if (j->spec.optimizer.mode == StepMode::kEager) {
+    e.Post([&e, j, unit] { e.StepEager(j, static_cast<size_t>(unit)); });
+  } else if (++j->ready_units == static_cast<int>(j->units.size())) {
+    e.Post([&e, j] { e.StepExact(j); });
+  }
+  return Status::Ok();
+}
+
+Result<const bf16*> Engine::Published(int job, int unit) const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  ZT_ASSIGN_OR_RETURN(std::shared_ptr<Job> j, impl_->Find(job));
+  if (unit < 0 || unit >= static_cast<int>(j->units.size())) {
+    return Status::OutOfRange(StrCat("job ", job, " has no unit ", unit));
+  }
+  return static_cast<const bf16*>(j->units[unit].publish.ptr);
+}
+
+int64_t Engine::PublishedStep(int job, int unit) const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  Result<std::shared_ptr<Job>> j = impl_->Find(job);
+  if (!j.ok() || unit < 0 || unit >= static_cast<int>((*j)->units.size())) return -1;
+  return (*j)->units[unit].published;
+}
+
+Status Engine::WaitPublished(int job, int unit, int64_t step, std::chrono::milliseconds timeout) {
+  Impl& e = *impl_;
+  std::unique_lock<std::mutex> lock(e.mu);
+  ZT_ASSIGN_OR_RETURN(std::shared_ptr<Job> j, e.Find(job));
+  if (unit < 0 || unit >= static_cast<int>(j->units.size())) {
+    return Status::OutOfRange(StrCat("job ", job, " has no unit ", unit));
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  const bool ok = e.published_cv.wait_for(lock, timeout, [&] {
+    return j->units[unit].published >= step || j->removed || !j->failure.ok();
+  });
+  j->counters.stall_seconds +=
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  if (j->removed) return Status::Aborted(StrCat("job ", job, " was unregistered"));
+  if (!j->failure.ok()) return Status::Aborted(StrCat("job failed: ", j->failure.message()));
+  if (!ok) {
+    return Status::Unavailable(StrCat("unit ", unit, " of job ", job, " did not reach step ", step,
+                                      " within ", timeout.count(), " ms (holds step ",
+                                      j->units[unit].published, ")"));
+  }
+  return Status::Ok();
+}
+
+JobCounters Engine::counters(int job) const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  Result<std::shared_ptr<Job>> j = impl_->Find(job);
+  return j.ok() ? (*j)->counters : JobCounters{};
+}
+
+}  // namespace ztier::engine

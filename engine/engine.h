@@ -1,0 +1,146 @@
+// ztier engine (public header of the component): jobs, units and the
+// overlapped optimizer step, over the pinned DRAM pool.
+//
+// A job registers its units in forward order. Each unit's tensors are
+// flattened into one buffer, padded to a multiple of ranks x kAlignElements,
+// and cut into R equal shards. Per unit the engine holds fp32 master, m and v,
+// the bf16 publish buffer clients fetch, and the bf16 grad inbox clients land
+// their grad shards in (plus an fp32 accumulator when gradient accumulation
+// is > 1), all from the DRAM pool under the job's and the engine's budgets.
+//
+// The step. A client writes its grad shard into GradInbox(unit, rank) and
+// rings GradsReady(unit, rank). The engine accumulates the squared norm as
+// shards arrive. At an accumulation boundary:
+//   - exact mode (default): once the last unit's grads are in, it computes
+//     the global norm, skips the whole step if any grad is inf/NaN, clips,
+//     and runs AdamW on the units in forward order, publishing each unit as
+//     soon as it is done (so the next forward can start on unit 0);
+//   - eager mode (opt-in, no clipping): each unit is updated the moment its
+//     last shard arrives, overlapping the rest of the backward pass. A
+//     non-finite grad in eager mode cannot be undone: it fails the step.
+// Every unit's publish buffer carries the step it holds; WaitPublished(unit,
+// step) waits for that unit only.
+//
+// Optimizer states on NVMe (ZeRO-Infinity placement) are not in this
+// version: RegisterJob refuses them with Unimplemented.
+//
+// Thread safety: every method may be called from any thread; GradsReady of
+// different (unit, rank) pairs may race freely. The optimizer runs on one
+// engine thread per engine, using the shared Executor for its cores.
+#ifndef ZTIER_ENGINE_ENGINE_H_
+#define ZTIER_ENGINE_ENGINE_H_
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/bf16.h"
+#include "common/status.h"
+#include "cpu_adam/adamw.h"
+#include "engine/settings.h"
+
+namespace ztier::engine {
+
+inline constexpr uint64_t kAlignElements = 64;  // 256 B of fp32, 128 B of bf16
+
+struct TensorSpec {
+  std::string name;
+  std::vector<int64_t> shape;
+};
+
+struct UnitSpec {
+  std::string name;
+  std::vector<TensorSpec> tensors;
+};
+
+enum class StepMode : uint8_t { kExact, kEager };
+
+struct OptimizerConfig {
+  cpu_adam::Hyper hyper;
+  float clip_norm = 0.0f;  // global-norm clipping threshold; 0: off
+  int grad_accumulation = 1;
+  StepMode mode = StepMode::kExact;
+};
+
+struct JobSpec {
+  std::string name;
+  std::vector<UnitSpec> units;  // in forward order
+  int ranks = 1;
+  OptimizerConfig optimizer;
+  Tier optimizer_tier = Tier::kDram;
+  Tier param_tier = Tier::kDram;
+};
+
+struct UnitLayout {
+  uint64_t numel = 0;             // sum of the tensors' elements
+  uint64_t padded = 0;            // multiple of ranks x kAlignElements
+  uint64_t shard = 0;             // padded / ranks
+  std::vector<uint64_t> offsets;  // of each tensor in the flat buffer
+};
+
+struct JobCounters {
+  int64_t steps = 0;          // optimizer steps taken
+  int64_t skipped_steps = 0;  // skipped for inf/NaN grads
+  double optimizer_seconds = 0;
+  double stall_seconds = 0;   // clients blocked in WaitPublished
+  double last_grad_norm = 0;  // before clipping
+  uint64_t dram_bytes = 0;
+};
+
+class Engine {
+ public:
+  // Errors: InvalidArgument (settings), as DramPool / cpu_adam::Executor.
+  static Result<std::unique_ptr<Engine>> Create(const Settings& settings);
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  // Errors: InvalidArgument (empty units, bad shapes, ranks < 1, accumulation
+  // < 1, eager mode with clipping), AlreadyExists (name), ResourceExhausted
+  // (DRAM budget, naming the job), Unimplemented (states on NVMe).
+  Result<int> RegisterJob(const JobSpec& spec);
+  // Frees everything the job holds. Errors: NotFound.
+  Status UnregisterJob(int job);
+
+  Result<UnitLayout> Layout(int job, int unit) const;
+
+  // Initial weights of a unit, flat fp32 (layout.numel elements): sets the
+  // master copy and publishes it as step 0.
+  Status WriteWeights(int job, int unit, const float* flat, uint64_t numel);
+  // Reads the fp32 master / m / v of a unit (padded elements), for tests and
+  // checkpoints. Only meaningful while no step is running on the unit.
+  Status ReadState(int job, int unit, float* master, float* exp_avg, float* exp_avg_sq) const;
+
+  // Where rank `rank` writes its bf16 grad shard of `unit` (layout.shard
+  // elements). Valid until the job is unregistered. With gradient
+  // accumulation 1 the optimizer reads the inbox after the last unit's grads
+  // are in: write a unit's next grads only after WaitPublished(unit, step)
+  // returned for the step they belong after (the forward pass does that).
+  Result<bf16*> GradInbox(int job, int unit, int rank);
+  // Rank's shard of unit is in. Errors: FailedPrecondition (rang twice in one
+  // micro-step, or the job failed), NotFound, InvalidArgument.
+  Status GradsReady(int job, int unit, int rank);
+
+  // The unit's published bf16 params (layout.padded elements) and the step
+  // they hold.
+  Result<const bf16*> Published(int job, int unit) const;
+  int64_t PublishedStep(int job, int unit) const;
+  // Blocks until the unit holds step >= `step`. Errors: DeadlineExceeded-like
+  // Unavailable on timeout, Aborted if the job failed or was unregistered.
+  Status WaitPublished(int job, int unit, int64_t step,
+                       std::chrono::milliseconds timeout = std::chrono::minutes(10));
+
+  JobCounters counters(int job) const;
+
+  struct Impl;
+
+ private:
+  explicit Engine(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace ztier::engine
+
+#endif  // ZTIER_ENGINE_ENGINE_H_

@@ -1,0 +1,328 @@
+// Tests of the engine's step pipeline (states in DRAM):
+//  - bit-for-bit against calling cpu_adam directly on the same flat buffers
+//    in a plain loop (clipping on/off, accumulation 1 and 3, R = 1 and 2,
+//    exact and eager modes), with ranks as concurrent threads;
+//  - overlap: eager updates a unit before the last grads arrive; exact
+//    mode publishes unit 0 while the last unit is still being updated;
+//  - inf/NaN grads skip the step in exact mode and fail it in eager mode;
+//  - budgets, validation and unregistering.
+#include "engine/engine.h"
+
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+namespace ztier::engine {
+namespace {
+
+using namespace std::chrono_literals;
+
+std::unique_ptr<Engine> MakeEngine(uint64_t budget = uint64_t{1} << 30) {
+  Settings s;
+  s.dram_budget_bytes = budget;
+  s.optimizer_threads = 2;
+  s.pin_memory = false;
+  Result<std::unique_ptr<Engine>> e = Engine::Create(s);
+  ZT_CHECK_MSG(e.ok(), e.status().ToString());
+  return std::move(e).value();
+}
+
+JobSpec SmallModel(const std::string& name, int ranks, float clip, int accum, StepMode mode) {
+  JobSpec j;
+  j.name = name;
+  j.ranks = ranks;
+  j.optimizer.hyper = {.lr = 1e-2f, .weight_decay = 0.01f};
+  j.optimizer.clip_norm = clip;
+  j.optimizer.grad_accumulation = accum;
+  j.optimizer.mode = mode;
+  j.units.push_back({"embed", {{"wte", {97, 24}}}});
+  for (int b = 0; b < 2; ++b) {
+    j.units.push_back({"block" + std::to_string(b),
+                       {{"w1", {24, 40}}, {"b1", {40}}, {"w2", {40, 24}}, {"ln", {24}}}});
+  }
+  j.units.push_back({"head", {{"w", {24, 97}}}});
+  return j;
+}
+
+// The same job done by hand: flat buffers and cpu_adam calls in a loop.
+struct Reference {
+  struct U {
+    UnitLayout layout;
+    std::vector<float> p, m, v, acc;
+    std::vector<bf16> out;
+    std::vector<double> sq;
+  };
+  std::vector<U> units;
+  int64_t adam_step = 0;
+};
+
+class EngineStepTest : public ::testing::TestWithParam<std::tuple<int, float, int, StepMode>> {};
+
+TEST_P(EngineStepTest, BitForBitWithPlainCpuAdamLoop) {
+  const auto [ranks, clip, accum, mode] = GetParam();
+  if (mode == StepMode::kEager && clip > 0) GTEST_SKIP() << "eager mode refuses clipping";
+  const uint64_t seed = std::random_device{}();
+  SCOPED_TRACE(StrCat("seed ", seed));
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  auto engine = MakeEngine();
+  const JobSpec spec = SmallModel("eq", ranks, clip, accum, mode);
+  Result<int> job = engine->RegisterJob(spec);
+  ASSERT_TRUE(job.ok()) << job.status();
+  Result<cpu_adam::Executor> exec = cpu_adam::Executor::Create({.threads = 2});
+  ASSERT_TRUE(exec.ok());
+
+  const int nunits = static_cast<int>(spec.units.size());
+  Reference ref;
+  for (int k = 0; k < nunits; ++k) {
+    Result<UnitLayout> l = engine->Layout(*job, k);
+    ASSERT_TRUE(l.ok());
+    Reference::U u;
+    u.layout = *l;
+    const uint64_t n = l->padded;
+    u.p.assign(n, 0.0f);
+    u.m.assign(n, 0.0f);
+    u.v.assign(n, 0.0f);
+    u.acc.assign(n, 0.0f);
+    u.out.assign(n, bf16{0});
+    u.sq.assign(ranks, 0.0);
+    for (uint64_t i = 0; i < l->numel; ++i) u.p[i] = 0.1f * normal(rng);
+    ASSERT_TRUE(engine->WriteWeights(*job, k, u.p.data(), l->numel).ok());
+    ref.units.push_back(std::move(u));
+  }
+
+  const int steps = 4;
+  for (int step = 1; step <= steps; ++step) {
+    // Grads of every micro-step, made up front (the last step has an
+    // outlier so clipping bites).
+    std::vector<std::vector<std::vector<bf16>>> grads(accum);  // [micro][unit][padded]
+    for (int a = 0; a < accum; ++a) {
+      for (int k = 0; k < nunits; ++k) {
+        std::vector<bf16> g(ref.units[k].layout.padded, bf16{0});
+        for (uint64_t i = 0; i < ref.units[k].layout.numel; ++i) {
+          g[i] = FloatToBf16(normal(rng) * (step == steps && k == 1 ? 50.0f : 1.0f));
+        }
+        grads[a].push_back(std::move(g));
+      }
+    }
+    for (int a = 0; a < accum; ++a) {
+      // Backward order, each rank on its own thread, as R GPUs would.
+      std::vector<std::thread> rank_threads;
+      std::atomic<int> errors{0};
+      for (int r = 0; r < ranks; ++r) {
+        rank_threads.emplace_back([&, r] {
+          for (int k = nunits - 1; k >= 0; --k) {
+            // The forward pass of this step waited for every unit's publish.
+            if (!engine->WaitPublished(*job, k, step - 1, 30s).ok()) ++errors;
+            Result<bf16*> inbox = engine->GradInbox(*job, k, r);
+            const uint64_t shard = ref.units[k].layout.shard;
+            std::memcpy(*inbox, grads[a][k].data() + r * shard, shard * sizeof(bf16));
+            Status s = engine->GradsReady(*job, k, r);
+            if (!s.ok()) {
+              ADD_FAILURE() << s;
+              ++errors;
+            }
+          }
+        });
+      }
+      for (auto& t : rank_threads) t.join();
+      ASSERT_EQ(errors.load(), 0);
+    }
+    // Reference step: accumulate, norm per (unit, rank), clip, update.
+    double total = 0.0;
+    for (int k = 0; k < nunits; ++k) {
+      Reference::U& u = ref.units[k];
+      const uint64_t shard = u.layout.shard;
+      for (int r = 0; r < ranks; ++r) {
+        if (accum > 1) {
+          for (uint64_t i = r * shard; i < (r + 1) * shard; ++i) {
+            u.acc[i] = Bf16ToFloat(grads[0][k][i]);
+            for (int a = 1; a < accum; ++a) u.acc[i] += Bf16ToFloat(grads[a][k][i]);
+          }
+          u.sq[r] = *cpu_adam::SquaredNorm(u.acc.data() + r * shard, cpu_adam::GradType::kFloat32,
+                                           shard, *exec);
+        } else {
+          u.sq[r] = *cpu_adam::SquaredNorm(grads[0][k].data() + r * shard,
+                                           cpu_adam::GradType::kBFloat16, shard, *exec);
+        }
+      }
+    }
+    for (const auto& u : ref.units) {
+      for (double s : u.sq) total += s;
+    }
+    const double norm = std::sqrt(total);
+    const float scale =
+        clip > 0.0f && norm > clip ? static_cast<float>(clip / (norm + 1e-6)) : 1.0f;
+    ++ref.adam_step;
+    for (int k = 0; k < nunits; ++k) {
+      Reference::U& u = ref.units[k];
+      const cpu_adam::Shard shard{
+          .count = u.layout.padded,
+          .grads = accum > 1 ? static_cast<const void*>(u.acc.data()) : grads[0][k].data(),
+          .grad_type = accum > 1 ? cpu_adam::GradType::kFloat32 : cpu_adam::GradType::kBFloat16,
+          .params = u.p.data(),
+          .exp_avg = u.m.data(),
+          .exp_avg_sq = u.v.data(),
+          .params_out = u.out.data()};
+      ASSERT_TRUE(cpu_adam::Step(spec.optimizer.hyper,
+                                 {.step = ref.adam_step,
+                                  .grad_scale = scale,
+                                  .grad_check = cpu_adam::GradCheck::kPrechecked},
+                                 shard, *exec)
+                      .ok());
+    }
+    // Engine side: wait for the step, then compare every byte.
+    for (int k = 0; k < nunits; ++k) {
+      ASSERT_TRUE(engine->WaitPublished(*job, k, step, 30s).ok());
+      Reference::U& u = ref.units[k];
+      std::vector<float> p(u.layout.padded), m(u.layout.padded), v(u.layout.padded);
+      ASSERT_TRUE(engine->ReadState(*job, k, p.data(), m.data(), v.data()).ok());
+      ASSERT_EQ(std::memcmp(p.data(), u.p.data(), p.size() * 4), 0)
+          << "master, unit " << k << " step " << step;
+      ASSERT_EQ(std::memcmp(m.data(), u.m.data(), m.size() * 4), 0) << "exp_avg, unit " << k;
+      ASSERT_EQ(std::memcmp(v.data(), u.v.data(), v.size() * 4), 0) << "exp_avg_sq, unit " << k;
+      const bf16* pub = *engine->Published(*job, k);
+      ASSERT_EQ(std::memcmp(pub, u.out.data(), u.out.size() * 2), 0) << "publish, unit " << k;
+    }
+  }
+  const JobCounters c = engine->counters(*job);
+  EXPECT_EQ(c.steps, steps);
+  EXPECT_EQ(c.skipped_steps, 0);
+  EXPECT_GT(c.optimizer_seconds, 0.0);
+}
+
+INSTANTIATE_TEST_SUITE_P(Modes, EngineStepTest,
+                         ::testing::Combine(::testing::Values(1, 2), ::testing::Values(0.0f, 1.0f),
+                                            ::testing::Values(1, 3),
+                                            ::testing::Values(StepMode::kExact, StepMode::kEager)),
+                         [](const ::testing::TestParamInfo<EngineStepTest::ParamType>& p) {
+                           return StrCat(
+                               "R", std::get<0>(p.param),
+                               std::get<1>(p.param) > 0 ? "_clip" : "_noclip", "_acc",
+                               std::get<2>(p.param),
+                               std::get<3>(p.param) == StepMode::kExact ? "_exact" : "_eager");
+                         });
+
+// Rings unit k's grads (all ranks) with the given value everywhere.
+void Ring(Engine& e, int job, int k, int ranks, float value) {
+  for (int r = 0; r < ranks; ++r) {
+    const UnitLayout l = *e.Layout(job, k);
+    bf16* g = *e.GradInbox(job, k, r);
+    for (uint64_t i = 0; i < l.shard; ++i) g[i] = FloatToBf16(value);
+    ASSERT_TRUE(e.GradsReady(job, k, r).ok());
+  }
+}
+
+TEST(EngineOverlapTest, EagerUpdatesAUnitBeforeTheLastGradsArrive) {
+  auto engine = MakeEngine();
+  Result<int> job = engine->RegisterJob(SmallModel("eager", 1, 0.0f, 1, StepMode::kEager));
+  ASSERT_TRUE(job.ok());
+  const int n = 4;
+  for (int k = n - 1; k >= 1; --k) Ring(*engine, *job, k, 1, 0.5f);
+  // Unit 0's grads have not arrived, yet the last unit is already published.
+  EXPECT_TRUE(engine->WaitPublished(*job, n - 1, 1, 10s).ok());
+  EXPECT_EQ(engine->PublishedStep(*job, 0), -1);
+  Ring(*engine, *job, 0, 1, 0.5f);
+  EXPECT_TRUE(engine->WaitPublished(*job, 0, 1, 10s).ok());
+}
+
+TEST(EngineOverlapTest, ExactModePublishesUnitZeroBeforeTheLastUnitIsDone) {
+  auto engine = MakeEngine();
+  JobSpec spec;
+  spec.name = "big-tail";
+  spec.optimizer.clip_norm = 1.0f;
+  spec.units = {{"small", {{"w", {64, 64}}}}, {"huge", {{"w", {4096, 4096}}}}};
+  Result<int> job = engine->RegisterJob(spec);
+  ASSERT_TRUE(job.ok()) << job.status();
+  Ring(*engine, *job, 1, 1, 0.25f);
+  Ring(*engine, *job, 0, 1, 0.25f);
+  // Unit 0 is published while the 16M-element unit 1 is still being updated.
+  bool seen_zero_first = false;
+  while (engine->PublishedStep(*job, 0) < 1) std::this_thread::yield();
+  seen_zero_first = engine->PublishedStep(*job, 1) < 1;
+  EXPECT_TRUE(seen_zero_first) << "unit 0 was published only after the last unit";
+  EXPECT_TRUE(engine->WaitPublished(*job, 1, 1, 30s).ok());
+}
+
+TEST(EngineFaultTest, NonFiniteGradsSkipTheStepInExactMode) {
+  auto engine = MakeEngine();
+  Result<int> job = engine->RegisterJob(SmallModel("nan", 1, 1.0f, 1, StepMode::kExact));
+  ASSERT_TRUE(job.ok());
+  const int n = 4;
+  std::vector<std::vector<float>> before(n);
+  for (int k = 0; k < n; ++k) {
+    const UnitLayout l = *engine->Layout(*job, k);
+    std::vector<float> w(l.numel, 0.5f);
+    ASSERT_TRUE(engine->WriteWeights(*job, k, w.data(), w.size()).ok());
+    before[k].resize(l.padded);
+    ASSERT_TRUE(engine->ReadState(*job, k, before[k].data(), nullptr, nullptr).ok());
+  }
+  for (int k = n - 1; k >= 0; --k) Ring(*engine, *job, k, 1, k == 2 ? NAN : 0.1f);
+  for (int k = 0; k < n; ++k) {
+    ASSERT_TRUE(engine->WaitPublished(*job, k, 1, 10s).ok());
+    std::vector<float> now(before[k].size());
+    ASSERT_TRUE(engine->ReadState(*job, k, now.data(), nullptr, nullptr).ok());
+    EXPECT_EQ(now, before[k]) << "a skipped step changed unit " << k;
+  }
+  EXPECT_EQ(engine->counters(*job).skipped_steps, 1);
+  // The next step is a normal one.
+  for (int k = n - 1; k >= 0; --k) Ring(*engine, *job, k, 1, 0.1f);
+  for (int k = 0; k < n; ++k) ASSERT_TRUE(engine->WaitPublished(*job, k, 2, 10s).ok());
+  EXPECT_EQ(engine->counters(*job).steps, 2);
+}
+
+TEST(EngineFaultTest, NonFiniteGradsFailAnEagerStepLoudly) {
+  auto engine = MakeEngine();
+  Result<int> job = engine->RegisterJob(SmallModel("eager-nan", 1, 0.0f, 1, StepMode::kEager));
+  ASSERT_TRUE(job.ok());
+  Ring(*engine, *job, 3, 1, INFINITY);
+  Status s = engine->WaitPublished(*job, 3, 1, 10s);
+  EXPECT_EQ(s.code(), StatusCode::kAborted) << s;
+  EXPECT_NE(s.message().find("eager"), std::string::npos) << s;
+  EXPECT_EQ(engine->GradsReady(*job, 2, 0).code(), StatusCode::kAborted);
+}
+
+TEST(EngineJobsTest, BudgetsValidationAndUnregister) {
+  auto engine = MakeEngine(uint64_t{64} << 20);
+  Result<int> a = engine->RegisterJob(SmallModel("a", 1, 0.0f, 1, StepMode::kExact));
+  ASSERT_TRUE(a.ok());
+  JobSpec big;
+  big.name = "too-big";
+  big.units = {{"w", {{"w", {4096, 4096}}}}};  // 16M params x 16 B > 64 MiB
+  Result<int> b = engine->RegisterJob(big);
+  ASSERT_FALSE(b.ok());
+  EXPECT_EQ(b.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_NE(b.status().message().find("job 'too-big'"), std::string::npos) << b.status();
+  // Job a is untouched and still steps.
+  for (int k = 3; k >= 0; --k) Ring(*engine, *a, k, 1, 0.1f);
+  for (int k = 0; k < 4; ++k) EXPECT_TRUE(engine->WaitPublished(*a, k, 1, 10s).ok());
+
+  EXPECT_EQ(engine->RegisterJob(SmallModel("a", 1, 0, 1, StepMode::kExact)).status().code(),
+            StatusCode::kAlreadyExists);
+  EXPECT_EQ(engine->RegisterJob(SmallModel("c", 1, 1.0f, 1, StepMode::kEager)).status().code(),
+            StatusCode::kInvalidArgument);
+  JobSpec nvme = SmallModel("d", 1, 0, 1, StepMode::kExact);
+  nvme.optimizer_tier = Tier::kNvme;
+  EXPECT_EQ(engine->RegisterJob(nvme).status().code(), StatusCode::kUnimplemented);
+  JobSpec zero = SmallModel("e", 1, 0, 1, StepMode::kExact);
+  zero.units[0].tensors[0].shape = {0, 3};
+  EXPECT_EQ(engine->RegisterJob(zero).status().code(), StatusCode::kInvalidArgument);
+
+  // Double delivery in one micro-step is refused.
+  Ring(*engine, *a, 3, 1, 0.1f);
+  EXPECT_EQ(engine->GradsReady(*a, 3, 0).code(), StatusCode::kFailedPrecondition);
+
+  ASSERT_TRUE(engine->UnregisterJob(*a).ok());
+  EXPECT_EQ(engine->UnregisterJob(*a).code(), StatusCode::kNotFound);
+  // Its memory is back: the big job that did not fit next to it still does not
+  // fit alone (64 MiB), but a second small job does.
+  EXPECT_TRUE(engine->RegisterJob(SmallModel("f", 2, 0, 3, StepMode::kExact)).ok());
+}
+
+}  // namespace
+}  // namespace ztier::engine
