@@ -107,8 +107,9 @@ struct Engine::Impl {
     return it->second;
   }
 
-  // Runs AdamW on one unit (all ranks' shards) and publishes it as `step`.
-  Status UpdateUnit(Job& job, Unit& u, int64_t adam_step, float scale, int64_t step) {
+  // Runs AdamW on one unit (all ranks' shards); the bf16 copy lands in the
+  // publish buffer, which the caller then publishes.
+  Status RunAdam(Job& job, Unit& u, int64_t adam_step, float scale) {
     const cpu_adam::StepOptions opt{
         .step = adam_step, .grad_scale = scale, .grad_check = cpu_adam::GradCheck::kPrechecked};
     const bool accum = job.spec.optimizer.grad_accumulation > 1;
@@ -120,14 +121,14 @@ struct Engine::Impl {
         .exp_avg = u.f(u.exp_avg),
         .exp_avg_sq = u.f(u.exp_avg_sq),
         .params_out = static_cast<bf16*>(u.publish.ptr)};
-    Result<cpu_adam::StepResult> r = cpu_adam::Step(job.spec.optimizer.hyper, opt, shard, executor);
-    if (!r.ok()) return r.status();
-    Publish(job, u, step);
-    return Status::Ok();
+    return cpu_adam::Step(job.spec.optimizer.hyper, opt, shard, executor).status();
   }
 
-  // The unit holds `step` now; its inbox may take the next step's grads.
-  void Publish(Job& job, Unit& u, int64_t step) {
+  // The unit holds `step` now and its inbox may take the next step's grads.
+  // `also` runs under the same lock, so bookkeeping it does (step counters)
+  // is visible to every waiter this publish wakes.
+  template <class F>
+  void Publish(Job& job, Unit& u, int64_t step, F&& also) {
     {
       std::lock_guard<std::mutex> lock(mu);
       u.published = step;
@@ -135,6 +136,7 @@ struct Engine::Impl {
         u.ready = false;
         if (job.spec.optimizer.mode == StepMode::kExact) --job.ready_units;
       }
+      also();
     }
     published_cv.notify_all();
   }
@@ -146,6 +148,10 @@ struct Engine::Impl {
     }
     ZT_LOG(kError, "engine") << "job '" << job.spec.name << "': " << s;
     published_cv.notify_all();
+  }
+
+  static double Since(std::chrono::steady_clock::time_point t0) {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   }
 
   // Exact mode: every unit's grads are in. Norm, skip or clip, then units in
@@ -169,28 +175,29 @@ struct Engine::Impl {
     const float clip = job.spec.optimizer.clip_norm;
     const float scale =
         clip > 0.0f && finite && norm > clip ? static_cast<float>(clip / (norm + 1e-6)) : 1.0f;
-    for (Unit& u : job.units) {
-      if (!finite) {
-        Publish(job, u, step);  // same weights, new step: clients go on
-        continue;
-      }
-      Status s = UpdateUnit(job, u, adam_step, scale, step);
-      if (!s.ok()) return Fail(job, s.Annotate(StrCat("step ", step)));
-    }
-    const double secs =
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    std::lock_guard<std::mutex> lock(mu);
-    job.step = step;
-    if (finite) {
-      job.adam_step = adam_step;
-    } else {
-      ++job.counters.skipped_steps;
+    if (!finite) {
       ZT_LOG(kWarn, "engine") << "job '" << job.spec.name << "': step " << step
                               << " skipped: inf/NaN in the gradients";
     }
-    ++job.counters.steps;
-    job.counters.optimizer_seconds += secs;
-    job.counters.last_grad_norm = norm;
+    for (size_t k = 0; k < job.units.size(); ++k) {
+      Unit& u = job.units[k];
+      if (finite) {  // a skipped step publishes the same weights as the new step
+        Status s = RunAdam(job, u, adam_step, scale);
+        if (!s.ok()) return Fail(job, s.Annotate(StrCat("step ", step)));
+      }
+      Publish(job, u, step, [&] {
+        if (k + 1 < job.units.size()) return;
+        job.step = step;
+        if (finite) {
+          job.adam_step = adam_step;
+        } else {
+          ++job.counters.skipped_steps;
+        }
+        ++job.counters.steps;
+        job.counters.optimizer_seconds += Since(t0);
+        job.counters.last_grad_norm = norm;
+      });
+    }
   }
 
   // Eager mode: one unit's grads are in; update it now.
@@ -213,18 +220,17 @@ struct Engine::Impl {
                           "' with eager updates, which cannot skip a step; use exact mode "
                           "(the default) for loss scaling")));
     }
-    Status s = UpdateUnit(job, job.units[unit], adam_step, 1.0f, step);
+    Status s = RunAdam(job, job.units[unit], adam_step, 1.0f);
     if (!s.ok()) return Fail(job, s.Annotate(StrCat("step ", step)));
-    const double secs =
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    std::lock_guard<std::mutex> lock(mu);
-    job.counters.optimizer_seconds += secs;
-    if (++job.eager_done == static_cast<int>(job.units.size())) {
-      job.eager_done = 0;
-      job.step = step;
-      job.adam_step = adam_step;
-      ++job.counters.steps;
-    }
+    Publish(job, job.units[unit], step, [&] {
+      job.counters.optimizer_seconds += Since(t0);
+      if (++job.eager_done == static_cast<int>(job.units.size())) {
+        job.eager_done = 0;
+        job.step = step;
+        job.adam_step = adam_step;
+        ++job.counters.steps;
+      }
+    });
   }
 };
 
@@ -384,7 +390,7 @@ Status Engine::WriteWeights(int job, int unit, const float* flat, uint64_t numel
   std::memcpy(u.master.ptr, flat, numel * sizeof(float));
   auto* out = static_cast<bf16*>(u.publish.ptr);
   for (uint64_t i = 0; i < u.layout.padded; ++i) out[i] = FloatToBf16(u.f(u.master)[i]);
-  impl_->Publish(*j, u, 0);
+  impl_->Publish(*j, u, 0, [] {});
   return Status::Ok();
 }
 
