@@ -26,7 +26,7 @@
 #include <unordered_map>
 
 #include "common/log.h"
-#include "nvme/crc32c.h"
+#include "common/crc32c.h"
 #include "common/extent_allocator.h"
 #include "nvme/io_backend.h"
 

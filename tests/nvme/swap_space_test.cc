@@ -21,7 +21,7 @@
 #include <gtest/gtest.h>
 
 #include "common/extent_allocator.h"
-#include "nvme/crc32c.h"
+#include "common/crc32c.h"
 #include "nvme/io_backend.h"
 #include "nvme/swap_space.h"
 

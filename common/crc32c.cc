@@ -1,5 +1,5 @@
-// ztier nvme: CRC-32C implementations (see crc32c.h).
-#include "nvme/crc32c.h"
+// ztier common: CRC-32C implementations (see crc32c.h).
+#include "common/crc32c.h"
 
 #include <array>
 #include <cstring>
@@ -8,7 +8,7 @@
 #include <nmmintrin.h>
 #endif
 
-namespace ztier::nvme {
+namespace ztier {
 namespace {
 
 constexpr uint32_t kPoly = 0x82f63b78u;  // reflected Castagnoli polynomial
@@ -149,4 +149,4 @@ uint32_t Crc32c(const void* data, size_t n, uint32_t crc) {
   return Crc32cPortable(data, n, crc);
 }
 
-}  // namespace ztier::nvme
+}  // namespace ztier
