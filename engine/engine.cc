@@ -19,43 +19,10 @@
 
 #include "common/log.h"
 #include "engine/dram_pool.h"
+#include "engine/engine_internal.h"
 
 namespace ztier::engine {
 namespace {
-
-struct Unit {
-  UnitLayout layout;
-  DramBlock master, exp_avg, exp_avg_sq, publish, inbox, accum;
-  std::vector<uint8_t> arrived;  // by rank, this micro-step
-  int arrived_count = 0;
-  int micro = 0;                 // micro-steps completed toward the next step
-  std::vector<double> shard_sq;  // by rank, at the accumulation boundary
-  bool ready = false;            // grads complete for the pending step
-  int64_t published = -1;        // step held by the publish buffer
-  float* f(const DramBlock& b) const { return static_cast<float*>(b.ptr); }
-};
-
-struct Job {
-  int id = 0;
-  JobSpec spec;
-  std::vector<Unit> units;
-  int64_t step = 0;       // completed steps (what clients wait for)
-  int64_t adam_step = 0;  // steps that updated the weights (bias correction)
-  int ready_units = 0;
-  int eager_done = 0;
-  Status failure;
-  bool removed = false;
-  JobCounters counters;
-  DramPool* pool = nullptr;
-
-  ~Job() {
-    for (Unit& u : units) {
-      for (DramBlock* b : {&u.master, &u.exp_avg, &u.exp_avg_sq, &u.publish, &u.inbox, &u.accum}) {
-        if (b->ptr != nullptr) pool->Free(*b);
-      }
-    }
-  }
-};
 
 uint64_t RoundUp(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
 
@@ -435,6 +402,10 @@ Status Engine::GradsReady(int job, int unit, int rank) {
       return Status::OutOfRange(StrCat("job ", job, ": no unit ", unit, " rank ", rank));
     }
     Unit& u = j->units[unit];
+    if (j->checkpointing) {
+      return Status::FailedPrecondition(
+          StrCat("job '", j->spec.name, "': a checkpoint save or load is in progress"));
+    }
     if (u.ready) {
       return Status::FailedPrecondition(StrCat("unit '", j->spec.units[unit].name,
                                                "': grads for the next step arrived before the "
@@ -527,6 +498,59 @@ Status Engine::WaitPublished(int job, int unit, int64_t step, std::chrono::milli
                                       j->units[unit].published, ")"));
   }
   return Status::Ok();
+}
+
+namespace {
+// Under the engine lock: the job has no grads of a step pending.
+Status CheckIdle(const Job& j, std::string_view what) {
+  if (!j.failure.ok()) return Status::Aborted(StrCat("job failed: ", j.failure.message()));
+  if (j.checkpointing) {
+    return Status::FailedPrecondition(StrCat(what, ": another checkpoint is in progress"));
+  }
+  for (const Unit& u : j.units) {
+    if (u.ready || u.arrived_count > 0 || u.micro > 0) {
+      return Status::FailedPrecondition(
+          StrCat(what, ": job '", j.spec.name,
+                 "' has gradients of a step in flight; checkpoint between steps"));
+    }
+  }
+  return Status::Ok();
+}
+}  // namespace
+
+Status Engine::SaveCheckpoint(int job, const std::string& dir) {
+  Impl& e = *impl_;
+  std::shared_ptr<Job> j;
+  {
+    std::lock_guard<std::mutex> lock(e.mu);
+    ZT_ASSIGN_OR_RETURN(j, e.Find(job));
+    ZT_RETURN_IF_ERROR(CheckIdle(*j, "save checkpoint"));
+    j->checkpointing = true;
+  }
+  // Running steps have published every unit before the job looks idle, so
+  // the buffers are stable while checkpointing blocks new grads.
+  Status s = SaveCheckpointImpl(*j, dir);
+  std::lock_guard<std::mutex> lock(e.mu);
+  j->checkpointing = false;
+  return s.Annotate(StrCat("save checkpoint of job '", j->spec.name, "' to ", dir));
+}
+
+Status Engine::LoadCheckpoint(int job, const std::string& dir) {
+  Impl& e = *impl_;
+  std::shared_ptr<Job> j;
+  {
+    std::lock_guard<std::mutex> lock(e.mu);
+    ZT_ASSIGN_OR_RETURN(j, e.Find(job));
+    ZT_RETURN_IF_ERROR(CheckIdle(*j, "load checkpoint"));
+    j->checkpointing = true;
+  }
+  Status s =
+      LoadCheckpointImpl(*j, dir, [&](Unit& u, int64_t step) { e.Publish(*j, u, step, [] {}); });
+  {
+    std::lock_guard<std::mutex> lock(e.mu);
+    j->checkpointing = false;
+  }
+  return s.Annotate(StrCat("load checkpoint into job '", j->spec.name, "' from ", dir));
 }
 
 JobCounters Engine::counters(int job) const {

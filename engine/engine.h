@@ -132,6 +132,22 @@ class Engine {
   Status WaitPublished(int job, int unit, int64_t step,
                        std::chrono::milliseconds timeout = std::chrono::minutes(10));
 
+  // Saves the job's full state into `dir` (created if missing): one file per
+  // unit shard (fp32 master, m, v, with a header) and manifest.json (step,
+  // optimizer config, unit layout, every file's CRC-32C, its own checksum),
+  // written atomically: files first, then the manifest through a temp file,
+  // fsync, rename and directory fsync. Files of the previous checkpoint stay
+  // until the new manifest is in place, so a crash mid-save leaves the last
+  // committed checkpoint loadable. Call between steps. Errors: IoError,
+  // FailedPrecondition (grads of a step pending), NotFound.
+  Status SaveCheckpoint(int job, const std::string& dir);
+  // Loads a checkpoint into a registered job whose units have the same names
+  // and shapes; its rank count may differ (the state is resharded). Publishes
+  // every unit as the checkpoint's step. Errors: NotFound, Corruption (a
+  // checksum, a truncated or malformed file, naming it), InvalidArgument
+  // (layout differs, naming the unit), FailedPrecondition (step pending).
+  Status LoadCheckpoint(int job, const std::string& dir);
+
   JobCounters counters(int job) const;
 
   struct Impl;

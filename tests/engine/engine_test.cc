@@ -8,9 +8,13 @@
 //  - budgets, validation and unregistering.
 #include "engine/engine.h"
 
+#include <unistd.h>
+
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <random>
 #include <thread>
 #include <vector>
@@ -335,6 +339,211 @@ TEST(EngineJobsTest, BudgetsValidationAndUnregister) {
   // Its memory is back: the big job that did not fit next to it still does not
   // fit alone (64 MiB), but a second small job does.
   EXPECT_TRUE(engine->RegisterJob(SmallModel("f", 2, 0, 3, StepMode::kExact)).ok());
+}
+
+}  // namespace
+}  // namespace ztier::engine
+
+namespace ztier::engine {
+namespace {
+
+namespace fs = std::filesystem;
+
+// Trains `steps` steps of the small model with deterministic grads.
+void Train(Engine& e, int job, int ranks, int from_step, int steps, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  if (from_step == 0) {  // initial weights, published as step 0
+    for (int k = 0; k < 4; ++k) {
+      const UnitLayout l = *e.Layout(job, k);
+      std::vector<float> w(l.numel);
+      for (float& x : w) x = 0.1f * normal(rng);
+      ASSERT_TRUE(e.WriteWeights(job, k, w.data(), w.size()).ok());
+    }
+  }
+  for (int step = from_step + 1; step <= from_step + steps; ++step) {
+    for (int k = 3; k >= 0; --k) {
+      ASSERT_TRUE(e.WaitPublished(job, k, step - 1, 30s).ok());
+      const UnitLayout l = *e.Layout(job, k);
+      std::vector<bf16> g(l.padded, bf16{0});
+      for (uint64_t i = 0; i < l.numel; ++i) g[i] = FloatToBf16(normal(rng));
+      for (int r = 0; r < ranks; ++r) {
+        std::memcpy(*e.GradInbox(job, k, r), g.data() + r * l.shard, l.shard * sizeof(bf16));
+        ASSERT_TRUE(e.GradsReady(job, k, r).ok());
+      }
+    }
+    for (int k = 0; k < 4; ++k) ASSERT_TRUE(e.WaitPublished(job, k, step, 30s).ok());
+  }
+}
+
+struct State {
+  std::vector<std::vector<float>> p, m, v;
+  std::vector<std::vector<bf16>> out;
+};
+
+State Snapshot(Engine& e, int job) {
+  State s;
+  for (int k = 0; k < 4; ++k) {
+    const UnitLayout l = *e.Layout(job, k);
+    std::vector<float> p(l.padded), m(l.padded), v(l.padded);
+    EXPECT_TRUE(e.ReadState(job, k, p.data(), m.data(), v.data()).ok());
+    // Only the first numel elements carry state; padding depends on R.
+    p.resize(l.numel);
+    m.resize(l.numel);
+    v.resize(l.numel);
+    const bf16* pub = *e.Published(job, k);
+    s.p.push_back(p);
+    s.m.push_back(m);
+    s.v.push_back(v);
+    s.out.emplace_back(pub, pub + l.numel);
+  }
+  return s;
+}
+
+bool Same(const State& a, const State& b) {
+  for (size_t k = 0; k < a.p.size(); ++k) {
+    if (std::memcmp(a.p[k].data(), b.p[k].data(), a.p[k].size() * 4) != 0 ||
+        std::memcmp(a.m[k].data(), b.m[k].data(), a.m[k].size() * 4) != 0 ||
+        std::memcmp(a.v[k].data(), b.v[k].data(), a.v[k].size() * 4) != 0 ||
+        std::memcmp(a.out[k].data(), b.out[k].data(), a.out[k].size() * 2) != 0) {
+      return false;
+    }
+  }
+  return true;
+}
+
+class CheckpointTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fs::current_path() / ("ckpt-test-" + std::to_string(::getpid()) + "-" +
+                                 ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    fs::remove_all(dir_);
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+  fs::path dir_;
+};
+
+TEST_F(CheckpointTest, RoundTripSameAndDifferentRanks) {
+  auto a = MakeEngine();
+  Result<int> ja = a->RegisterJob(SmallModel("ckpt", 2, 1.0f, 1, StepMode::kExact));
+  ASSERT_TRUE(ja.ok());
+  Train(*a, *ja, 2, 0, 3, 7);
+  const State saved = Snapshot(*a, *ja);
+  ASSERT_TRUE(a->SaveCheckpoint(*ja, dir_.string()).ok());
+
+  for (int ranks : {2, 1, 3}) {
+    SCOPED_TRACE(StrCat("load into R = ", ranks));
+    auto b = MakeEngine();
+    Result<int> jb = b->RegisterJob(SmallModel("ckpt", ranks, 1.0f, 1, StepMode::kExact));
+    ASSERT_TRUE(jb.ok());
+    Status s = b->LoadCheckpoint(*jb, dir_.string());
+    ASSERT_TRUE(s.ok()) << s;
+    EXPECT_TRUE(Same(Snapshot(*b, *jb), saved));
+    EXPECT_EQ(b->PublishedStep(*jb, 0), 3);
+    // Resumed training matches the original run continued.
+    if (ranks == 2) {
+      Train(*a, *ja, 2, 3, 2, 99);
+      Train(*b, *jb, 2, 3, 2, 99);
+      EXPECT_TRUE(Same(Snapshot(*a, *ja), Snapshot(*b, *jb)));
+    }
+  }
+}
+
+TEST_F(CheckpointTest, OlderFilesGoOnlyAfterTheNewManifestIsIn) {
+  auto e = MakeEngine();
+  Result<int> j = e->RegisterJob(SmallModel("ckpt", 1, 0.0f, 1, StepMode::kExact));
+  ASSERT_TRUE(j.ok());
+  Train(*e, *j, 1, 0, 1, 3);
+  ASSERT_TRUE(e->SaveCheckpoint(*j, dir_.string()).ok());
+  Train(*e, *j, 1, 1, 1, 4);
+  ASSERT_TRUE(e->SaveCheckpoint(*j, dir_.string()).ok());
+  int files = 0;
+  for (const auto& f : fs::directory_iterator(dir_)) {
+    const std::string n = f.path().filename().string();
+    if (n.starts_with("unit-")) {
+      ++files;
+      EXPECT_NE(n.find("-step-2.bin"), std::string::npos) << n << " outlived its checkpoint";
+    }
+  }
+  EXPECT_EQ(files, 4);
+}
+
+TEST_F(CheckpointTest, DamagedCheckpointsAreRejectedClearly) {
+  auto e = MakeEngine();
+  Result<int> j = e->RegisterJob(SmallModel("ckpt", 1, 0.0f, 1, StepMode::kExact));
+  ASSERT_TRUE(j.ok());
+  Train(*e, *j, 1, 0, 1, 5);
+  ASSERT_TRUE(e->SaveCheckpoint(*j, dir_.string()).ok());
+  Train(*e, *j, 1, 1, 1, 6);  // the job moves on: a partial load would show
+  const State before = Snapshot(*e, *j);
+  const fs::path manifest = dir_ / "manifest.json";
+  std::string good_manifest;
+  {
+    std::ifstream in(manifest);
+    good_manifest.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  }
+  fs::path unit_file;
+  for (const auto& f : fs::directory_iterator(dir_)) {
+    if (f.path().filename().string().starts_with("unit-1-")) unit_file = f.path();
+  }
+  ASSERT_FALSE(unit_file.empty());
+  std::string good_unit;
+  {
+    std::ifstream in(unit_file, std::ios::binary);
+    good_unit.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  }
+  auto put = [](const fs::path& p, const std::string& data) {
+    std::ofstream(p, std::ios::binary | std::ios::trunc)
+        .write(data.data(), static_cast<std::streamsize>(data.size()));
+  };
+  auto load = [&] { return e->LoadCheckpoint(*j, dir_.string()); };
+
+  std::string flipped = good_unit;
+  flipped[good_unit.size() / 2] ^= 0x04;
+  put(unit_file, flipped);
+  Status s = load();
+  EXPECT_EQ(s.code(), StatusCode::kCorruption) << s;
+  EXPECT_NE(s.message().find(unit_file.filename().string()), std::string::npos) << s;
+  put(unit_file, good_unit.substr(0, good_unit.size() - 100));
+  s = load();
+  EXPECT_EQ(s.code(), StatusCode::kCorruption) << s;
+  EXPECT_NE(s.message().find("truncated"), std::string::npos) << s;
+  put(unit_file, good_unit);
+
+  std::string edited = good_manifest;
+  edited.replace(edited.find("\"step\": 1"), 9, "\"step\": 7");
+  put(manifest, edited);
+  s = load();
+  EXPECT_EQ(s.code(), StatusCode::kCorruption) << s;
+  EXPECT_NE(s.message().find("checksum mismatch"), std::string::npos) << s;
+  put(manifest, good_manifest.substr(0, good_manifest.size() / 2));
+  s = load();
+  EXPECT_EQ(s.code(), StatusCode::kCorruption) << s;
+  put(manifest, good_manifest);
+
+  // A job of another shape is refused, naming the unit.
+  JobSpec other = SmallModel("other", 1, 0.0f, 1, StepMode::kExact);
+  other.units[2].tensors[0].shape = {24, 41};
+  Result<int> jo = e->RegisterJob(other);
+  ASSERT_TRUE(jo.ok());
+  s = e->LoadCheckpoint(*jo, dir_.string());
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s;
+  EXPECT_NE(s.message().find("block1"), std::string::npos) << s;
+
+  // Failed loads left the job's state alone, and the good checkpoint loads.
+  EXPECT_TRUE(Same(Snapshot(*e, *j), before));
+  EXPECT_TRUE(load().ok());
+  EXPECT_FALSE(Same(Snapshot(*e, *j), before));
+  EXPECT_EQ(e->PublishedStep(*j, 0), 1);
+  EXPECT_EQ(e->LoadCheckpoint(*j, (dir_ / "missing").string()).code(), StatusCode::kNotFound);
+}
+
+TEST_F(CheckpointTest, RefusedWhileGradsAreInFlight) {
+  auto e = MakeEngine();
+  Result<int> j = e->RegisterJob(SmallModel("busy", 1, 0.0f, 1, StepMode::kExact));
+  ASSERT_TRUE(j.ok());
+  Ring(*e, *j, 3, 1, 0.1f);  // one unit's grads in, step pending
+  EXPECT_EQ(e->SaveCheckpoint(*j, dir_.string()).code(), StatusCode::kFailedPrecondition);
 }
 
 }  // namespace
