@@ -17,6 +17,7 @@
 
 #include "common/crc32c.h"
 #include "engine/engine_internal.h"
+#include "engine/safetensors.h"
 
 namespace ztier::engine {
 namespace {
@@ -256,6 +257,123 @@ Status LoadCheckpointImpl(Job& job, const std::string& dir, const PublishFn& pub
   for (Unit& u : job.units) {
     auto* out = static_cast<bf16*>(u.publish.ptr);
     for (uint64_t i = 0; i < u.layout.padded; ++i) out[i] = FloatToBf16(u.f(u.master)[i]);
+    publish(u, job.step);
+  }
+  return Status::Ok();
+}
+
+}  // namespace ztier::engine
+
+// ---------------------------------------------------------------------------
+// safetensors export / import
+
+namespace ztier::engine {
+namespace {
+
+float HalfToFloat(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
+  uint32_t exp = (h >> 10) & 0x1f;
+  uint32_t mant = h & 0x3ff;
+  uint32_t bits;
+  if (exp == 0x1f) {
+    bits = sign | 0x7f800000u | (mant << 13);  // inf / NaN
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (mant << 13);
+  } else if (mant == 0) {
+    bits = sign;  // signed zero
+  } else {        // subnormal: normalise
+    exp = 113;
+    while ((mant & 0x400) == 0) {
+      mant <<= 1;
+      --exp;
+    }
+    bits = sign | (exp << 23) | ((mant & 0x3ff) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+}  // namespace
+
+Status ExportSafetensorsImpl(const Job& job, const std::string& path, bool bf16_out) {
+  std::vector<StEntry> entries;
+  const uint64_t esize = bf16_out ? 2 : 4;
+  for (size_t k = 0; k < job.units.size(); ++k) {
+    const UnitSpec& us = job.spec.units[k];
+    for (size_t t = 0; t < us.tensors.size(); ++t) {
+      const uint64_t begin = job.units[k].layout.offsets[t];
+      const uint64_t end = t + 1 < us.tensors.size() ? job.units[k].layout.offsets[t + 1]
+                                                     : job.units[k].layout.numel;
+      entries.push_back({us.tensors[t].name, bf16_out ? "BF16" : "F32", us.tensors[t].shape,
+                         (end - begin) * esize});
+    }
+  }
+  std::string data = MakeSafetensorsHeader(entries);
+  for (const Unit& u : job.units) {
+    const float* master = u.f(u.master);
+    if (bf16_out) {
+      const size_t at = data.size();
+      data.resize(at + u.layout.numel * 2);
+      for (uint64_t i = 0; i < u.layout.numel; ++i) {
+        const uint16_t b = FloatToBf16(master[i]).bits;
+        std::memcpy(data.data() + at + i * 2, &b, 2);
+      }
+    } else {
+      data.append(reinterpret_cast<const char*>(master), u.layout.numel * 4);
+    }
+  }
+  ZT_RETURN_IF_ERROR(WriteFileAtomically(path, data));
+  std::string dir = fs::path(path).parent_path().string();
+  return FsyncPath(dir.empty() ? "." : dir, true);
+}
+
+Status ImportSafetensorsImpl(Job& job, const std::string& path, const PublishFn& publish) {
+  ZT_ASSIGN_OR_RETURN(std::string file, ReadFile(path));
+  Result<StHeader> parsed = ParseSafetensorsHeader(file, file.size());
+  if (!parsed.ok()) return parsed.status().Annotate(path);
+  const StHeader& h = *parsed;
+  // Check every tensor before touching the job.
+  for (size_t k = 0; k < job.units.size(); ++k) {
+    for (const TensorSpec& ts : job.spec.units[k].tensors) {
+      auto it = h.tensors.find(ts.name);
+      if (it == h.tensors.end()) {
+        return Status::NotFound(
+            StrCat(path, ": no tensor '", ts.name, "' (unit '", job.spec.units[k].name, "')"));
+      }
+      if (it->second.shape != ts.shape) {
+        return Status::InvalidArgument(
+            StrCat(path, ": tensor '", ts.name, "' has another shape than the registered one"));
+      }
+      if (it->second.dtype == StDtype::kOther) {
+        return Status::InvalidArgument(StrCat(path, ": tensor '", ts.name, "' is ",
+                                              it->second.dtype_name,
+                                              "; ztier imports F32, BF16 and F16"));
+      }
+    }
+  }
+  for (size_t k = 0; k < job.units.size(); ++k) {
+    Unit& u = job.units[k];
+    float* master = u.f(u.master);
+    const std::vector<TensorSpec>& tensors = job.spec.units[k].tensors;
+    for (size_t t = 0; t < tensors.size(); ++t) {
+      const StTensor& st = h.tensors.at(tensors[t].name);
+      const char* src = file.data() + h.data_start + st.begin;
+      float* dst = master + u.layout.offsets[t];
+      const uint64_t n = (st.end - st.begin) / (st.dtype == StDtype::kF32 ? 4 : 2);
+      for (uint64_t i = 0; i < n; ++i) {
+        if (st.dtype == StDtype::kF32) {
+          std::memcpy(dst + i, src + i * 4, 4);
+        } else {
+          uint16_t b;
+          std::memcpy(&b, src + i * 2, 2);
+          dst[i] = st.dtype == StDtype::kBF16 ? Bf16ToFloat(bf16{b}) : HalfToFloat(b);
+        }
+      }
+    }
+    std::memset(master + u.layout.numel, 0, (u.layout.padded - u.layout.numel) * 4);
+    auto* out = static_cast<bf16*>(u.publish.ptr);
+    for (uint64_t i = 0; i < u.layout.padded; ++i) out[i] = FloatToBf16(master[i]);
     publish(u, job.step);
   }
   return Status::Ok();

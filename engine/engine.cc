@@ -553,6 +553,37 @@ Status Engine::LoadCheckpoint(int job, const std::string& dir) {
   return s.Annotate(StrCat("load checkpoint into job '", j->spec.name, "' from ", dir));
 }
 
+Status Engine::ExportSafetensors(int job, const std::string& path, ExportType type) {
+  Impl& e = *impl_;
+  std::shared_ptr<Job> j;
+  {
+    std::lock_guard<std::mutex> lock(e.mu);
+    ZT_ASSIGN_OR_RETURN(j, e.Find(job));
+    ZT_RETURN_IF_ERROR(CheckIdle(*j, "export safetensors"));
+    j->checkpointing = true;
+  }
+  Status s = ExportSafetensorsImpl(*j, path, type == ExportType::kBFloat16);
+  std::lock_guard<std::mutex> lock(e.mu);
+  j->checkpointing = false;
+  return s.Annotate(StrCat("export of job '", j->spec.name, "' to ", path));
+}
+
+Status Engine::ImportSafetensors(int job, const std::string& path) {
+  Impl& e = *impl_;
+  std::shared_ptr<Job> j;
+  {
+    std::lock_guard<std::mutex> lock(e.mu);
+    ZT_ASSIGN_OR_RETURN(j, e.Find(job));
+    ZT_RETURN_IF_ERROR(CheckIdle(*j, "import safetensors"));
+    j->checkpointing = true;
+  }
+  Status s = ImportSafetensorsImpl(*j, path,
+                                   [&](Unit& u, int64_t step) { e.Publish(*j, u, step, [] {}); });
+  std::lock_guard<std::mutex> lock(e.mu);
+  j->checkpointing = false;
+  return s;
+}
+
 JobCounters Engine::counters(int job) const {
   std::lock_guard<std::mutex> lock(impl_->mu);
   Result<std::shared_ptr<Job>> j = impl_->Find(job);

@@ -148,6 +148,20 @@ class Engine {
   // (layout differs, naming the unit), FailedPrecondition (step pending).
   Status LoadCheckpoint(int job, const std::string& dir);
 
+  // Writes the job's consolidated weights as a safetensors file: every
+  // tensor under its registered name and shape, unpadded, in bf16 or fp32
+  // (the fp32 master), loadable by safetensors / PyTorch / Hugging Face.
+  // Written atomically (temp file, fsync, rename). Errors: IoError, NotFound.
+  enum class ExportType : uint8_t { kBFloat16, kFloat32 };
+  Status ExportSafetensors(int job, const std::string& path, ExportType type);
+  // Sets initial weights from a safetensors file: each registered tensor is
+  // looked up by name, its shape must match; F32, BF16 and F16 data are
+  // accepted. Publishes every unit as step 0. The header is parsed
+  // defensively (sizes, offsets, overlaps, dtypes). Errors: NotFound (file
+  // or tensor), Corruption (malformed file, naming what is wrong),
+  // InvalidArgument (shape mismatch), FailedPrecondition (step pending).
+  Status ImportSafetensors(int job, const std::string& path);
+
   JobCounters counters(int job) const;
 
   struct Impl;

@@ -53,6 +53,8 @@ using PublishFn = std::function<void(Unit&, int64_t step)>;
 // Called with the job idle (no grads pending) and marked checkpointing.
 Status SaveCheckpointImpl(Job& job, const std::string& dir);
 Status LoadCheckpointImpl(Job& job, const std::string& dir, const PublishFn& publish);
+Status ExportSafetensorsImpl(const Job& job, const std::string& path, bool bf16_out);
+Status ImportSafetensorsImpl(Job& job, const std::string& path, const PublishFn& publish);
 
 }  // namespace ztier::engine
 

@@ -1,0 +1,143 @@
+// ztier engine: safetensors header parsing and writing (see safetensors.h).
+#include "engine/safetensors.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include <nlohmann/json.hpp>
+
+namespace ztier::engine {
+namespace {
+
+using Json = nlohmann::json;
+
+// Header JSON larger than this is refused (the reference implementation
+// refuses 100 MB; a model's header is a few MB at most).
+constexpr uint64_t kMaxHeader = uint64_t{100} << 20;
+
+uint64_t DtypeBytes(StDtype d) {
+  switch (d) {
+    case StDtype::kF32:
+      return 4;
+    case StDtype::kBF16:
+      return 2;
+    case StDtype::kF16:
+      return 2;
+    case StDtype::kOther:
+      return 0;
+  }
+  return 0;
+}
+
+StDtype ParseDtype(const std::string& s) {
+  if (s == "F32") return StDtype::kF32;
+  if (s == "BF16") return StDtype::kBF16;
+  if (s == "F16") return StDtype::kF16;
+  return StDtype::kOther;
+}
+
+// Sizes of the other dtypes the format defines, so that files carrying them
+// are still validated (ztier only imports F32/BF16/F16 into its units).
+uint64_t OtherDtypeBytes(const std::string& s) {
+  if (s == "F64" || s == "I64" || s == "U64") return 8;
+  if (s == "I32" || s == "U32") return 4;
+  if (s == "I16" || s == "U16") return 2;
+  if (s == "I8" || s == "U8" || s == "BOOL" || s == "F8_E4M3" || s == "F8_E5M2") return 1;
+  return 0;
+}
+
+}  // namespace
+
+Result<StHeader> ParseSafetensorsHeader(std::string_view prefix, uint64_t file_size) {
+  auto bad = [](std::string_view why) { return Status::Corruption(StrCat("safetensors: ", why)); };
+  if (file_size < 8 || prefix.size() < 8) return bad("file shorter than the 8-byte header length");
+  uint64_t n = 0;
+  std::memcpy(&n, prefix.data(), 8);
+  if (n > kMaxHeader) return bad(StrCat("header length ", n, " is implausible (> 100 MiB)"));
+  if (n > file_size - 8) {
+    return bad(StrCat("header length ", n, " runs past the end of the ", file_size, "-byte file"));
+  }
+  if (prefix.size() < 8 + n) return bad("header not fully read");
+  Json h = Json::parse(prefix.substr(8, n), nullptr, /*allow_exceptions=*/false);
+  if (h.is_discarded()) return bad("header is not valid JSON");
+  if (!h.is_object()) return bad("header is not a JSON object");
+  StHeader out;
+  out.data_start = 8 + n;
+  const uint64_t data_size = file_size - out.data_start;
+  std::vector<std::pair<uint64_t, uint64_t>> ranges;
+  for (auto it = h.begin(); it != h.end(); ++it) {
+    const std::string& name = it.key();
+    const Json& v = it.value();
+    if (name == "__metadata__") {
+      if (!v.is_object()) return bad("__metadata__ is not an object");
+      for (auto m = v.begin(); m != v.end(); ++m) {
+        if (!m.value().is_string()) return bad("__metadata__ values must be strings");
+      }
+      continue;
+    }
+    if (!v.is_object() || !v.contains("dtype") || !v.contains("shape") ||
+        !v.contains("data_offsets")) {
+      return bad(StrCat("tensor '", name, "' lacks dtype, shape or data_offsets"));
+    }
+    const Json& dt = v["dtype"];
+    const Json& shape = v["shape"];
+    const Json& offs = v["data_offsets"];
+    if (!dt.is_string() || !shape.is_array() || !offs.is_array() || offs.size() != 2 ||
+        !offs[0].is_number_unsigned() || !offs[1].is_number_unsigned()) {
+      return bad(StrCat("tensor '", name, "' has fields of the wrong type"));
+    }
+    StTensor t;
+    t.dtype_name = dt.get<std::string>();
+    t.dtype = ParseDtype(t.dtype_name);
+    const uint64_t esize =
+        t.dtype != StDtype::kOther ? DtypeBytes(t.dtype) : OtherDtypeBytes(t.dtype_name);
+    if (esize == 0)
+      return bad(StrCat("tensor '", name, "' has unknown dtype '", t.dtype_name, "'"));
+    uint64_t count = 1;
+    for (const Json& d : shape) {
+      if (!d.is_number_unsigned()) return bad(StrCat("tensor '", name, "' has a bad dimension"));
+      const uint64_t dim = d.get<uint64_t>();
+      if (dim != 0 && count > UINT64_MAX / dim) {
+        return bad(StrCat("tensor '", name, "' shape overflows"));
+      }
+      count *= dim;
+      t.shape.push_back(static_cast<int64_t>(dim));
+    }
+    t.begin = offs[0].get<uint64_t>();
+    t.end = offs[1].get<uint64_t>();
+    if (t.begin > t.end || t.end > data_size) {
+      return bad(StrCat("tensor '", name, "' data_offsets [", t.begin, ", ", t.end,
+                        ") fall outside the ", data_size, "-byte data region"));
+    }
+    if (count > UINT64_MAX / esize || t.end - t.begin != count * esize) {
+      return bad(StrCat("tensor '", name, "' has ", t.end - t.begin,
+                        " bytes of data but its shape ", "and dtype need ", count * esize));
+    }
+    ranges.emplace_back(t.begin, t.end);
+    out.tensors.emplace(name, std::move(t));
+  }
+  std::sort(ranges.begin(), ranges.end());
+  for (size_t i = 1; i < ranges.size(); ++i) {
+    if (ranges[i].first < ranges[i - 1].second) return bad("two tensors' data overlap");
+  }
+  return out;
+}
+
+std::string MakeSafetensorsHeader(const std::vector<StEntry>& entries) {
+  Json h = Json::object();
+  uint64_t off = 0;
+  for (const StEntry& e : entries) {
+    h[e.name] = {
+        {"dtype", e.dtype_name}, {"shape", e.shape}, {"data_offsets", {off, off + e.bytes}}};
+    off += e.bytes;
+  }
+  h["__metadata__"] = {{"format", "pt"}, {"producer", "ztier"}};
+  std::string json = h.dump();
+  json.append((8 - json.size() % 8) % 8, ' ');  // align the data region to 8
+  const uint64_t n = json.size();
+  std::string out(8, '\0');
+  std::memcpy(out.data(), &n, 8);
+  return out + json;
+}
+
+}  // namespace ztier::engine
