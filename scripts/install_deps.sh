@@ -17,6 +17,7 @@ packages=(
   libhwloc-dev                           # NUMA topology
   nlohmann-json3-dev                     # engine/ config files
   fio                                    # ztier-bench nvme reference
+  clang libclang-rt-14-dev               # libFuzzer targets (scripts/fuzz.sh)
   fortunes-min                           # English text corpus for the examples
 )
 
