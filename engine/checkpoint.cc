@@ -16,6 +16,7 @@
 #include <nlohmann/json.hpp>
 
 #include "common/crc32c.h"
+#include "common/file_util.h"
 #include "engine/engine_internal.h"
 #include "engine/safetensors.h"
 
@@ -29,40 +30,6 @@ constexpr char kMagic[8] = {'Z', 'T', 'C', 'K', 'P', 'T', '0', '1'};
 constexpr uint32_t kVersion = 1;
 constexpr size_t kHeader = 32;
 constexpr const char* kFormat = "ztier-checkpoint";
-
-Status FsyncPath(const std::string& path, bool directory) {
-  const int fd = ::open(path.c_str(), (directory ? O_RDONLY | O_DIRECTORY : O_RDONLY) | O_CLOEXEC);
-  if (fd < 0) return PosixError(StrCat("open ", path, " for fsync"), errno);
-  const int rc = ::fsync(fd);
-  const int err = errno;
-  ::close(fd);
-  if (rc != 0) return PosixError(StrCat("fsync ", path), err);
-  return Status::Ok();
-}
-
-// Writes `data` to path via a temp file, fsynced and renamed into place.
-Status WriteFileAtomically(const fs::path& path, const std::string& data) {
-  const std::string tmp = path.string() + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    out.write(data.data(), static_cast<std::streamsize>(data.size()));
-    out.flush();
-    if (!out) return Status::IoError(StrCat("writing ", tmp, " failed (disk full?)"));
-  }
-  ZT_RETURN_IF_ERROR(FsyncPath(tmp, false));
-  if (::rename(tmp.c_str(), path.c_str()) != 0) {
-    return PosixError(StrCat("rename ", tmp, " -> ", path.string()), errno);
-  }
-  return Status::Ok();
-}
-
-Result<std::string> ReadFile(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return PosixError(StrCat("open ", path.string()), errno);
-  std::string data((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  if (in.bad()) return Status::IoError(StrCat("reading ", path.string()));
-  return data;
-}
 
 uint32_t ManifestChecksum(Json manifest) {
   manifest.erase("checksum");
@@ -112,7 +79,7 @@ Status SaveCheckpointImpl(Job& job, const std::string& dir) {
       std::memcpy(body + n * 4, u.f(u.exp_avg) + off, n * 4);
       std::memcpy(body + 2 * n * 4, u.f(u.exp_avg_sq) + off, n * 4);
       const std::string name = StrCat("unit-", k, "-rank-", r, "-step-", step, ".bin");
-      ZT_RETURN_IF_ERROR(WriteFileAtomically(fs::path(dir) / name, data));
+      ZT_RETURN_IF_ERROR(WriteFileAtomically((fs::path(dir) / name).string(), data));
       keep.insert(name);
       shards.push_back({{"file", name},
                         {"rank", r},
@@ -136,7 +103,8 @@ Status SaveCheckpointImpl(Job& job, const std::string& dir) {
                    {"units", units}};
   manifest["checksum"] = ManifestChecksum(manifest);
   ZT_RETURN_IF_ERROR(FsyncPath(dir, true));  // the shard files' names
-  ZT_RETURN_IF_ERROR(WriteFileAtomically(fs::path(dir) / "manifest.json", manifest.dump(1)));
+  ZT_RETURN_IF_ERROR(
+      WriteFileAtomically((fs::path(dir) / "manifest.json").string(), manifest.dump(1)));
   ZT_RETURN_IF_ERROR(FsyncPath(dir, true));
   // The new checkpoint is committed: drop files of older ones.
   for (const auto& entry : fs::directory_iterator(dir, ec)) {
@@ -148,7 +116,7 @@ Status SaveCheckpointImpl(Job& job, const std::string& dir) {
 
 Status LoadCheckpointImpl(Job& job, const std::string& dir, const PublishFn& publish) {
   const fs::path manifest_path = fs::path(dir) / "manifest.json";
-  ZT_ASSIGN_OR_RETURN(std::string text, ReadFile(manifest_path));
+  ZT_ASSIGN_OR_RETURN(std::string text, ReadFileToString(manifest_path.string()));
   auto bad = [&](std::string_view why) {
     return Status::Corruption(StrCat("checkpoint manifest ", manifest_path.string(), ": ", why));
   };
@@ -207,7 +175,7 @@ Status LoadCheckpointImpl(Job& job, const std::string& dir, const PublishFn& pub
         const Json& s = cu["shards"][r];
         const std::string file = s.at("file").get<std::string>();
         if (file.find('/') != std::string::npos) return bad(StrCat("file name '", file, "'"));
-        ZT_ASSIGN_OR_RETURN(std::string data, ReadFile(fs::path(dir) / file));
+        ZT_ASSIGN_OR_RETURN(std::string data, ReadFileToString((fs::path(dir) / file).string()));
         const std::string where = (fs::path(dir) / file).string();
         if (data.size() != s.at("bytes").get<uint64_t>() ||
             data.size() != kHeader + 3 * shard * 4) {
@@ -323,13 +291,11 @@ Status ExportSafetensorsImpl(const Job& job, const std::string& path, bool bf16_
       data.append(reinterpret_cast<const char*>(master), u.layout.numel * 4);
     }
   }
-  ZT_RETURN_IF_ERROR(WriteFileAtomically(path, data));
-  std::string dir = fs::path(path).parent_path().string();
-  return FsyncPath(dir.empty() ? "." : dir, true);
+  return WriteFileAtomically(path, data);
 }
 
 Status ImportSafetensorsImpl(Job& job, const std::string& path, const PublishFn& publish) {
-  ZT_ASSIGN_OR_RETURN(std::string file, ReadFile(path));
+  ZT_ASSIGN_OR_RETURN(std::string file, ReadFileToString(path));
   Result<StHeader> parsed = ParseSafetensorsHeader(file, file.size());
   if (!parsed.ok()) return parsed.status().Annotate(path);
   const StHeader& h = *parsed;

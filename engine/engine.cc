@@ -518,70 +518,50 @@ Status CheckIdle(const Job& j, std::string_view what) {
 }
 }  // namespace
 
-Status Engine::SaveCheckpoint(int job, const std::string& dir) {
-  Impl& e = *impl_;
+// Runs fn(job) with the job idle and marked checkpointing (grads refused
+// meanwhile), then clears the mark.
+template <class Fn>
+Status WithIdleJob(Engine::Impl& e, int job, std::string_view what, const Fn& fn) {
   std::shared_ptr<Job> j;
   {
     std::lock_guard<std::mutex> lock(e.mu);
     ZT_ASSIGN_OR_RETURN(j, e.Find(job));
-    ZT_RETURN_IF_ERROR(CheckIdle(*j, "save checkpoint"));
+    ZT_RETURN_IF_ERROR(CheckIdle(*j, what));
     j->checkpointing = true;
   }
-  // Running steps have published every unit before the job looks idle, so
-  // the buffers are stable while checkpointing blocks new grads.
-  Status s = SaveCheckpointImpl(*j, dir);
+  // Steps publish every unit before the job looks idle, so the buffers are
+  // stable while the mark keeps new grads out.
+  Status s = fn(*j);
   std::lock_guard<std::mutex> lock(e.mu);
   j->checkpointing = false;
-  return s.Annotate(StrCat("save checkpoint of job '", j->spec.name, "' to ", dir));
+  return s.Annotate(StrCat(what, " of job '", j->spec.name, "'"));
+}
+
+Status Engine::SaveCheckpoint(int job, const std::string& dir) {
+  return WithIdleJob(*impl_, job, "save checkpoint",
+                     [&](Job& j) { return SaveCheckpointImpl(j, dir).Annotate(dir); });
 }
 
 Status Engine::LoadCheckpoint(int job, const std::string& dir) {
   Impl& e = *impl_;
-  std::shared_ptr<Job> j;
-  {
-    std::lock_guard<std::mutex> lock(e.mu);
-    ZT_ASSIGN_OR_RETURN(j, e.Find(job));
-    ZT_RETURN_IF_ERROR(CheckIdle(*j, "load checkpoint"));
-    j->checkpointing = true;
-  }
-  Status s =
-      LoadCheckpointImpl(*j, dir, [&](Unit& u, int64_t step) { e.Publish(*j, u, step, [] {}); });
-  {
-    std::lock_guard<std::mutex> lock(e.mu);
-    j->checkpointing = false;
-  }
-  return s.Annotate(StrCat("load checkpoint into job '", j->spec.name, "' from ", dir));
+  return WithIdleJob(e, job, "load checkpoint", [&](Job& j) {
+    return LoadCheckpointImpl(j, dir, [&](Unit& u, int64_t step) { e.Publish(j, u, step, [] {}); })
+        .Annotate(dir);
+  });
 }
 
 Status Engine::ExportSafetensors(int job, const std::string& path, ExportType type) {
-  Impl& e = *impl_;
-  std::shared_ptr<Job> j;
-  {
-    std::lock_guard<std::mutex> lock(e.mu);
-    ZT_ASSIGN_OR_RETURN(j, e.Find(job));
-    ZT_RETURN_IF_ERROR(CheckIdle(*j, "export safetensors"));
-    j->checkpointing = true;
-  }
-  Status s = ExportSafetensorsImpl(*j, path, type == ExportType::kBFloat16);
-  std::lock_guard<std::mutex> lock(e.mu);
-  j->checkpointing = false;
-  return s.Annotate(StrCat("export of job '", j->spec.name, "' to ", path));
+  return WithIdleJob(*impl_, job, "export safetensors", [&](Job& j) {
+    return ExportSafetensorsImpl(j, path, type == ExportType::kBFloat16);
+  });
 }
 
 Status Engine::ImportSafetensors(int job, const std::string& path) {
   Impl& e = *impl_;
-  std::shared_ptr<Job> j;
-  {
-    std::lock_guard<std::mutex> lock(e.mu);
-    ZT_ASSIGN_OR_RETURN(j, e.Find(job));
-    ZT_RETURN_IF_ERROR(CheckIdle(*j, "import safetensors"));
-    j->checkpointing = true;
-  }
-  Status s = ImportSafetensorsImpl(*j, path,
-                                   [&](Unit& u, int64_t step) { e.Publish(*j, u, step, [] {}); });
-  std::lock_guard<std::mutex> lock(e.mu);
-  j->checkpointing = false;
-  return s;
+  return WithIdleJob(e, job, "import safetensors", [&](Job& j) {
+    return ImportSafetensorsImpl(j, path,
+                                 [&](Unit& u, int64_t step) { e.Publish(j, u, step, [] {}); });
+  });
 }
 
 JobCounters Engine::counters(int job) const {

@@ -25,9 +25,10 @@
 #include <thread>
 #include <unordered_map>
 
-#include "common/log.h"
 #include "common/crc32c.h"
 #include "common/extent_allocator.h"
+#include "common/file_util.h"
+#include "common/log.h"
 #include "nvme/io_backend.h"
 
 namespace ztier::nvme {
@@ -952,16 +953,6 @@ class Reader {
   size_t n_;
 };
 
-Status FsyncPath(const std::string& path, bool directory) {
-  const int fd = ::open(path.c_str(), (directory ? O_RDONLY | O_DIRECTORY : O_RDWR) | O_CLOEXEC);
-  if (fd < 0) return PosixError(StrCat("open ", path, " for fsync"), errno);
-  const int rc = ::fsync(fd);
-  const int err = errno;
-  ::close(fd);
-  if (rc != 0) return PosixError(StrCat("fsync ", path), err);
-  return Status::Ok();
-}
-
 }  // namespace
 
 Status SwapSpace::SaveManifest(const std::string& path) {
@@ -1003,21 +994,7 @@ Status SwapSpace::SaveManifest(const std::string& path) {
   const uint32_t header_crc = Crc32c(header.data(), kHeaderBytes - 4);
   std::memcpy(header.data() + kHeaderBytes - 4, &header_crc, 4);
 
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    out.write(header.data(), static_cast<std::streamsize>(header.size()));
-    out.write(payload.str().data(), static_cast<std::streamsize>(size));
-    out.flush();
-    if (!out) return Status::IoError(StrCat("writing manifest ", tmp, " failed"));
-  }
-  ZT_RETURN_IF_ERROR(FsyncPath(tmp, false));
-  if (::rename(tmp.c_str(), path.c_str()) != 0) {
-    return PosixError(StrCat("rename ", tmp, " -> ", path), errno);
-  }
-  std::string dir = std::filesystem::path(path).parent_path().string();
-  if (dir.empty()) dir = ".";
-  return FsyncPath(dir, true);
+  return WriteFileAtomically(path, header + payload.str());
 }
 
 Result<std::unique_ptr<SwapSpace>> SwapSpace::Open(const std::string& manifest_path,
