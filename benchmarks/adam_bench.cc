@@ -109,9 +109,7 @@ Status ParseArgs(int argc, char** argv, AdamOptions* o) {
       else
         return Status::InvalidArgument(StrCat("--check ", v, ": want prechecked, scan or both"));
     } else if (arg == "--runs") {
-      ZT_ASSIGN_OR_RETURN(std::string_view v, args.Value());
-      ZT_ASSIGN_OR_RETURN(uint64_t runs, ParseCount(v));
-      if (runs < 1 || runs > 1000) return Status::InvalidArgument("--runs: want 1..1000");
+      ZT_ASSIGN_OR_RETURN(uint64_t runs, args.Count(1, 1000));
       o->runs = static_cast<int>(runs);
     } else if (arg == "--json") {
       o->json = true;

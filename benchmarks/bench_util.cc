@@ -44,6 +44,14 @@ Result<std::vector<uint64_t>> ParseCountList(std::string_view text) {
   return out;
 }
 
+Result<uint64_t> ArgReader::Count(uint64_t lo, uint64_t hi) {
+  const std::string option(arg());
+  ZT_ASSIGN_OR_RETURN(std::string_view v, Value());
+  ZT_ASSIGN_OR_RETURN(uint64_t n, ParseCount(v));
+  if (n < lo || n > hi) return Status::InvalidArgument(StrCat(option, ": want ", lo, "..", hi));
+  return n;
+}
+
 std::string FormatCount(uint64_t n) {
   if (n != 0 && n % (uint64_t{1} << 30) == 0) return StrCat(n >> 30, "G");
   if (n != 0 && n % (uint64_t{1} << 20) == 0) return StrCat(n >> 20, "M");

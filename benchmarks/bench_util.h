@@ -36,6 +36,8 @@ class ArgReader {
     if (i_ + 1 >= argc_) return Status::InvalidArgument(StrCat(arg(), " needs a value"));
     return std::string_view(argv_[++i_]);
   }
+  // The value after the current option as a count (ParseCount) in [lo, hi].
+  Result<uint64_t> Count(uint64_t lo, uint64_t hi);
 
  private:
   int argc_;

@@ -69,18 +69,14 @@ Status ParseArgs(int argc, char** argv, NvmeOptions* o) {
       ZT_ASSIGN_OR_RETURN(std::string_view v, args.Value());
       ZT_ASSIGN_OR_RETURN(o->stripe, ParseCount(v));
     } else if (arg == "--qd") {
-      ZT_ASSIGN_OR_RETURN(std::string_view v, args.Value());
-      ZT_ASSIGN_OR_RETURN(uint64_t qd, ParseCount(v));
-      if (qd < 1 || qd > 4096) return Status::InvalidArgument("--qd: want 1..4096");
+      ZT_ASSIGN_OR_RETURN(uint64_t qd, args.Count(1, 4096));
       o->qd = static_cast<uint32_t>(qd);
     } else if (arg == "--no-fio") {
       o->fio = false;
     } else if (arg == "--no-sweep") {
       o->sweep = false;
     } else if (arg == "--runs") {
-      ZT_ASSIGN_OR_RETURN(std::string_view v, args.Value());
-      ZT_ASSIGN_OR_RETURN(uint64_t runs, ParseCount(v));
-      if (runs < 1 || runs > 100) return Status::InvalidArgument("--runs: want 1..100");
+      ZT_ASSIGN_OR_RETURN(uint64_t runs, args.Count(1, 100));
       o->runs = static_cast<int>(runs);
     } else if (arg == "--json") {
       o->json = true;
