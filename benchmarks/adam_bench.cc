@@ -204,14 +204,7 @@ std::string CaseJson(const CaseResult& r, const AdamOptions& o) {
 
 int RunAdam(int argc, char** argv) {
   AdamOptions o;
-  if (Status s = ParseArgs(argc, argv, &o); !s.ok()) {
-    if (s.code() == StatusCode::kAborted) {
-      std::fputs(kUsage, stdout);
-      return 0;
-    }
-    std::fprintf(stderr, "ztier-bench adam: %s\n%s", std::string(s.message()).c_str(), kUsage);
-    return 2;
-  }
+  if (Status s = ParseArgs(argc, argv, &o); !s.ok()) return UsageExit(s, "adam", kUsage);
   Result<cpu_adam::Topology> topo = cpu_adam::DetectTopology();
   const int cores = topo.ok() ? topo->cores : 1;
   if (o.threads.empty()) {

@@ -52,6 +52,16 @@ Result<uint64_t> ArgReader::Count(uint64_t lo, uint64_t hi) {
   return n;
 }
 
+int UsageExit(const Status& s, const char* subcommand, const char* usage) {
+  if (s.code() == StatusCode::kAborted) {
+    std::fputs(usage, stdout);
+    return 0;
+  }
+  std::fprintf(stderr, "ztier-bench %s: %s\n%s", subcommand, std::string(s.message()).c_str(),
+               usage);
+  return 2;
+}
+
 std::string FormatCount(uint64_t n) {
   if (n != 0 && n % (uint64_t{1} << 30) == 0) return StrCat(n >> 30, "G");
   if (n != 0 && n % (uint64_t{1} << 20) == 0) return StrCat(n >> 20, "M");

@@ -20,6 +20,11 @@ Result<uint64_t> ParseCount(std::string_view text);
 // Comma-separated list of counts: "16M,64M".
 Result<std::vector<uint64_t>> ParseCountList(std::string_view text);
 
+// Exit code for a subcommand whose arguments did not parse: prints `usage`
+// to stdout and returns 0 for --help (Aborted "help"), else prints the error
+// and usage to stderr and returns 2.
+int UsageExit(const Status& s, const char* subcommand, const char* usage);
+
 // "64M" style rendering for counts that are multiples of 1024.
 std::string FormatCount(uint64_t n);
 

@@ -179,14 +179,7 @@ bool HaveFio() { return std::system("fio --version >/dev/null 2>&1") == 0; }
 
 int RunNvme(int argc, char** argv) {
   NvmeOptions o;
-  if (Status s = ParseArgs(argc, argv, &o); !s.ok()) {
-    if (s.code() == StatusCode::kAborted) {
-      std::fputs(kUsage, stdout);
-      return 0;
-    }
-    std::fprintf(stderr, "ztier-bench nvme: %s\n%s", std::string(s.message()).c_str(), kUsage);
-    return 2;
-  }
+  if (Status s = ParseArgs(argc, argv, &o); !s.ok()) return UsageExit(s, "nvme", kUsage);
   for (const std::string& p : o.paths) {
     std::error_code ec;
     fs::create_directories(p, ec);
