@@ -211,11 +211,15 @@ void Result<T>::CheckHasValue() const {
 #define ZT_STATUS_CONCAT_INNER_(a, b) a##b
 #define ZT_STATUS_CONCAT_(a, b) ZT_STATUS_CONCAT_INNER_(a, b)
 
-#define ZT_RETURN_IF_ERROR(expr)                                    \
-  do {                                                              \
-    ::ztier::Status zt_status_ = ::ztier::detail::AsStatus((expr)); \
-    if (!zt_status_.ok()) [[unlikely]]                              \
-      return zt_status_;                                            \
+// The temporary's name is unique per expansion, so the macro nests (a lambda
+// in `expr` may use it too).
+#define ZT_RETURN_IF_ERROR(expr) \
+  ZT_RETURN_IF_ERROR_IMPL_(ZT_STATUS_CONCAT_(zt_status_, __COUNTER__), expr)
+#define ZT_RETURN_IF_ERROR_IMPL_(tmp, expr)                  \
+  do {                                                       \
+    ::ztier::Status tmp = ::ztier::detail::AsStatus((expr)); \
+    if (!tmp.ok()) [[unlikely]]                              \
+      return tmp;                                            \
   } while (0)
 
 #define ZT_ASSIGN_OR_RETURN_IMPL_(tmp, lhs, expr) \

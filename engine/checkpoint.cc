@@ -59,40 +59,43 @@ Status SaveCheckpointImpl(Job& job, const std::string& dir) {
   const int64_t step = job.step;
   Json units = Json::array();
   std::set<std::string> keep = {"manifest.json"};
-  for (size_t k = 0; k < job.units.size(); ++k) {
-    const Unit& u = job.units[k];
-    const UnitSpec& us = job.spec.units[k];
-    Json tensors = Json::array();
-    for (const TensorSpec& t : us.tensors)
-      tensors.push_back({{"name", t.name}, {"shape", t.shape}});
-    Json shards = Json::array();
-    for (int r = 0; r < job.spec.ranks; ++r) {
-      const uint64_t n = u.layout.shard;
-      const uint64_t off = static_cast<uint64_t>(r) * n;
-      std::string data(kHeader + 3 * n * sizeof(float), '\0');
-      std::memcpy(data.data(), kMagic, 8);
-      const uint32_t fields[4] = {kVersion, static_cast<uint32_t>(k), static_cast<uint32_t>(r), 0};
-      std::memcpy(data.data() + 8, fields, 16);
-      std::memcpy(data.data() + 24, &n, 8);
-      char* body = data.data() + kHeader;
-      std::memcpy(body, u.f(u.master) + off, n * 4);
-      std::memcpy(body + n * 4, u.f(u.exp_avg) + off, n * 4);
-      std::memcpy(body + 2 * n * 4, u.f(u.exp_avg_sq) + off, n * 4);
-      const std::string name = StrCat("unit-", k, "-rank-", r, "-step-", step, ".bin");
-      ZT_RETURN_IF_ERROR(WriteFileAtomically((fs::path(dir) / name).string(), data));
-      keep.insert(name);
-      shards.push_back({{"file", name},
-                        {"rank", r},
-                        {"elements", n},
-                        {"bytes", data.size()},
-                        {"crc32c", Crc32c(data.data(), data.size())}});
-    }
-    units.push_back({{"name", us.name},
-                     {"numel", u.layout.numel},
-                     {"padded", u.layout.padded},
-                     {"tensors", tensors},
-                     {"shards", shards}});
-  }
+  ZT_RETURN_IF_ERROR(ForEachUnitState(
+      job, ForwardOrder(job), WriteBack::kNo, [&](size_t k, const StateView& state) -> Status {
+        const Unit& u = job.units[k];
+        const UnitSpec& us = job.spec.units[k];
+        Json tensors = Json::array();
+        for (const TensorSpec& t : us.tensors)
+          tensors.push_back({{"name", t.name}, {"shape", t.shape}});
+        Json shards = Json::array();
+        for (int r = 0; r < job.spec.ranks; ++r) {
+          const uint64_t n = u.layout.shard;
+          const uint64_t off = static_cast<uint64_t>(r) * n;
+          std::string data(kHeader + 3 * n * sizeof(float), '\0');
+          std::memcpy(data.data(), kMagic, 8);
+          const uint32_t fields[4] = {kVersion, static_cast<uint32_t>(k), static_cast<uint32_t>(r),
+                                      0};
+          std::memcpy(data.data() + 8, fields, 16);
+          std::memcpy(data.data() + 24, &n, 8);
+          char* body = data.data() + kHeader;
+          std::memcpy(body, state.master + off, n * 4);
+          std::memcpy(body + n * 4, state.exp_avg + off, n * 4);
+          std::memcpy(body + 2 * n * 4, state.exp_avg_sq + off, n * 4);
+          const std::string name = StrCat("unit-", k, "-rank-", r, "-step-", step, ".bin");
+          ZT_RETURN_IF_ERROR(WriteFileAtomically((fs::path(dir) / name).string(), data));
+          keep.insert(name);
+          shards.push_back({{"file", name},
+                            {"rank", r},
+                            {"elements", n},
+                            {"bytes", data.size()},
+                            {"crc32c", Crc32c(data.data(), data.size())}});
+        }
+        units.push_back({{"name", us.name},
+                         {"numel", u.layout.numel},
+                         {"padded", u.layout.padded},
+                         {"tensors", tensors},
+                         {"shards", shards}});
+        return Status::Ok();
+      }));
   Json manifest = {{"format", kFormat},
                    {"version", kVersion},
                    {"job", job.spec.name},
@@ -161,7 +164,7 @@ Status LoadCheckpointImpl(Job& job, const std::string& dir, const PublishFn& pub
     // verifying sizes, checksums and headers; with `apply`, lays the state
     // out for this job's rank count. Run once over every unit without
     // applying, so a damaged file leaves the job untouched, then to apply.
-    auto load_unit = [&](size_t k, bool apply) -> Status {
+    auto load_unit = [&](size_t k, const StateView* apply) -> Status {
       Unit& u = job.units[k];
       const Json& cu = units[k];
       const uint64_t old_padded = cu.at("padded").get<uint64_t>();
@@ -203,30 +206,28 @@ Status LoadCheckpointImpl(Job& job, const std::string& dir, const PublishFn& pub
       }
       if (!apply) return Status::Ok();
       // Into this job's layout: the first numel elements, zero padding.
-      for (auto [a, dst] : {std::pair{0, &u.master}, {1, &u.exp_avg}, {2, &u.exp_avg_sq}}) {
-        float* out = u.f(*dst);
+      for (auto [a, out] :
+           {std::pair{0, apply->master}, {1, apply->exp_avg}, {2, apply->exp_avg_sq}}) {
         std::memcpy(out, flat[a].data(), u.layout.numel * 4);
         std::memset(out + u.layout.numel, 0, (u.layout.padded - u.layout.numel) * 4);
       }
+      auto* pub = static_cast<bf16*>(u.publish.ptr);
+      for (uint64_t i = 0; i < u.layout.padded; ++i) pub[i] = FloatToBf16(apply->master[i]);
       return Status::Ok();
     };
-    for (size_t k = 0; k < job.units.size(); ++k) ZT_RETURN_IF_ERROR(load_unit(k, false));
-    for (size_t k = 0; k < job.units.size(); ++k) {
-      Status st = load_unit(k, true);
-      if (!st.ok()) {  // the files changed between the two passes
-        return st.Annotate("the job's state is now partly loaded; load a checkpoint again");
-      }
+    for (size_t k = 0; k < job.units.size(); ++k) ZT_RETURN_IF_ERROR(load_unit(k, nullptr));
+    Status st =
+        ForEachUnitState(job, ForwardOrder(job), WriteBack::kYes,
+                         [&](size_t k, const StateView& state) { return load_unit(k, &state); });
+    if (!st.ok()) {  // the files changed between the two passes, or an I/O error
+      return st.Annotate("the job's state is now partly loaded; load a checkpoint again");
     }
     job.step = m.at("step").get<int64_t>();
     job.adam_step = m.at("adam_step").get<int64_t>();
   } catch (const Json::exception& e) {  // a field of the wrong type or missing
     return bad(e.what());
   }
-  for (Unit& u : job.units) {
-    auto* out = static_cast<bf16*>(u.publish.ptr);
-    for (uint64_t i = 0; i < u.layout.padded; ++i) out[i] = FloatToBf16(u.f(u.master)[i]);
-    publish(u, job.step);
-  }
+  for (Unit& u : job.units) publish(u, job.step);
   return Status::Ok();
 }
 
@@ -264,7 +265,7 @@ float HalfToFloat(uint16_t h) {
 
 }  // namespace
 
-Status ExportSafetensorsImpl(const Job& job, const std::string& path, bool bf16_out) {
+Status ExportSafetensorsImpl(Job& job, const std::string& path, bool bf16_out) {
   std::vector<StEntry> entries;
   const uint64_t esize = bf16_out ? 2 : 4;
   for (size_t k = 0; k < job.units.size(); ++k) {
@@ -278,19 +279,22 @@ Status ExportSafetensorsImpl(const Job& job, const std::string& path, bool bf16_
     }
   }
   std::string data = MakeSafetensorsHeader(entries);
-  for (const Unit& u : job.units) {
-    const float* master = u.f(u.master);
-    if (bf16_out) {
-      const size_t at = data.size();
-      data.resize(at + u.layout.numel * 2);
-      for (uint64_t i = 0; i < u.layout.numel; ++i) {
-        const uint16_t b = FloatToBf16(master[i]).bits;
-        std::memcpy(data.data() + at + i * 2, &b, 2);
-      }
-    } else {
-      data.append(reinterpret_cast<const char*>(master), u.layout.numel * 4);
-    }
-  }
+  ZT_RETURN_IF_ERROR(ForEachUnitState(
+      job, ForwardOrder(job), WriteBack::kNo, [&](size_t k, const StateView& state) {
+        const Unit& u = job.units[k];
+        const float* master = state.master;
+        if (bf16_out) {
+          const size_t at = data.size();
+          data.resize(at + u.layout.numel * 2);
+          for (uint64_t i = 0; i < u.layout.numel; ++i) {
+            const uint16_t b = FloatToBf16(master[i]).bits;
+            std::memcpy(data.data() + at + i * 2, &b, 2);
+          }
+        } else {
+          data.append(reinterpret_cast<const char*>(master), u.layout.numel * 4);
+        }
+        return Status::Ok();
+      }));
   return WriteFileAtomically(path, data);
 }
 
@@ -318,31 +322,32 @@ Status ImportSafetensorsImpl(Job& job, const std::string& path, const PublishFn&
       }
     }
   }
-  for (size_t k = 0; k < job.units.size(); ++k) {
-    Unit& u = job.units[k];
-    float* master = u.f(u.master);
-    const std::vector<TensorSpec>& tensors = job.spec.units[k].tensors;
-    for (size_t t = 0; t < tensors.size(); ++t) {
-      const StTensor& st = h.tensors.at(tensors[t].name);
-      const char* src = file.data() + h.data_start + st.begin;
-      float* dst = master + u.layout.offsets[t];
-      const uint64_t n = (st.end - st.begin) / (st.dtype == StDtype::kF32 ? 4 : 2);
-      for (uint64_t i = 0; i < n; ++i) {
-        if (st.dtype == StDtype::kF32) {
-          std::memcpy(dst + i, src + i * 4, 4);
-        } else {
-          uint16_t b;
-          std::memcpy(&b, src + i * 2, 2);
-          dst[i] = st.dtype == StDtype::kBF16 ? Bf16ToFloat(bf16{b}) : HalfToFloat(b);
+  return ForEachUnitState(
+      job, ForwardOrder(job), WriteBack::kYes, [&](size_t k, const StateView& state) {
+        Unit& u = job.units[k];
+        float* master = state.master;
+        const std::vector<TensorSpec>& tensors = job.spec.units[k].tensors;
+        for (size_t t = 0; t < tensors.size(); ++t) {
+          const StTensor& st = h.tensors.at(tensors[t].name);
+          const char* src = file.data() + h.data_start + st.begin;
+          float* dst = master + u.layout.offsets[t];
+          const uint64_t n = (st.end - st.begin) / (st.dtype == StDtype::kF32 ? 4 : 2);
+          for (uint64_t i = 0; i < n; ++i) {
+            if (st.dtype == StDtype::kF32) {
+              std::memcpy(dst + i, src + i * 4, 4);
+            } else {
+              uint16_t b;
+              std::memcpy(&b, src + i * 2, 2);
+              dst[i] = st.dtype == StDtype::kBF16 ? Bf16ToFloat(bf16{b}) : HalfToFloat(b);
+            }
+          }
         }
-      }
-    }
-    std::memset(master + u.layout.numel, 0, (u.layout.padded - u.layout.numel) * 4);
-    auto* out = static_cast<bf16*>(u.publish.ptr);
-    for (uint64_t i = 0; i < u.layout.padded; ++i) out[i] = FloatToBf16(master[i]);
-    publish(u, job.step);
-  }
-  return Status::Ok();
+        std::memset(master + u.layout.numel, 0, (u.layout.padded - u.layout.numel) * 4);
+        auto* out = static_cast<bf16*>(u.publish.ptr);
+        for (uint64_t i = 0; i < u.layout.padded; ++i) out[i] = FloatToBf16(master[i]);
+        publish(u, job.step);
+        return Status::Ok();
+      });
 }
 
 }  // namespace ztier::engine

@@ -31,6 +31,7 @@ uint64_t RoundUp(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
 struct Engine::Impl {
   Settings settings;
   std::unique_ptr<DramPool> pool;
+  std::unique_ptr<nvme::SwapSpace> swap;  // when NVMe paths are configured
   cpu_adam::Executor executor;
 
   mutable std::mutex mu;
@@ -74,9 +75,10 @@ struct Engine::Impl {
     return it->second;
   }
 
-  // Runs AdamW on one unit (all ranks' shards); the bf16 copy lands in the
-  // publish buffer, which the caller then publishes.
-  Status RunAdam(Job& job, Unit& u, int64_t adam_step, float scale) {
+  // Runs AdamW on one unit (all ranks' shards) whose state is in `state`;
+  // the bf16 copy lands in the publish buffer, which the caller publishes.
+  Status RunAdam(Job& job, Unit& u, const StateView& state, int64_t adam_step, float scale) {
+    const auto t0 = std::chrono::steady_clock::now();
     const cpu_adam::StepOptions opt{
         .step = adam_step, .grad_scale = scale, .grad_check = cpu_adam::GradCheck::kPrechecked};
     const bool accum = job.spec.optimizer.grad_accumulation > 1;
@@ -84,11 +86,17 @@ struct Engine::Impl {
         .count = u.layout.padded,
         .grads = accum ? static_cast<const void*>(u.accum.ptr) : u.inbox.ptr,
         .grad_type = accum ? cpu_adam::GradType::kFloat32 : cpu_adam::GradType::kBFloat16,
-        .params = u.f(u.master),
-        .exp_avg = u.f(u.exp_avg),
-        .exp_avg_sq = u.f(u.exp_avg_sq),
+        .params = state.master,
+        .exp_avg = state.exp_avg,
+        .exp_avg_sq = state.exp_avg_sq,
         .params_out = static_cast<bf16*>(u.publish.ptr)};
-    return cpu_adam::Step(job.spec.optimizer.hyper, opt, shard, executor).status();
+    Status s = cpu_adam::Step(job.spec.optimizer.hyper, opt, shard, executor).status();
+    job.compute_ns.fetch_add(
+        static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                  std::chrono::steady_clock::now() - t0)
+                                  .count()),
+        std::memory_order_relaxed);
+    return s;
   }
 
   // The unit holds `step` now and its inbox may take the next step's grads.
@@ -146,13 +154,8 @@ struct Engine::Impl {
       ZT_LOG(kWarn, "engine") << "job '" << job.spec.name << "': step " << step
                               << " skipped: inf/NaN in the gradients";
     }
-    for (size_t k = 0; k < job.units.size(); ++k) {
-      Unit& u = job.units[k];
-      if (finite) {  // a skipped step publishes the same weights as the new step
-        Status s = RunAdam(job, u, adam_step, scale);
-        if (!s.ok()) return Fail(job, s.Annotate(StrCat("step ", step)));
-      }
-      Publish(job, u, step, [&] {
+    auto publish = [&](size_t k) {
+      Publish(job, job.units[k], step, [&] {
         if (k + 1 < job.units.size()) return;
         job.step = step;
         if (finite) {
@@ -164,7 +167,23 @@ struct Engine::Impl {
         job.counters.optimizer_seconds += Since(t0);
         job.counters.last_grad_norm = norm;
       });
+    };
+    if (!finite) {  // a skipped step publishes the same weights as the new step
+      for (size_t k = 0; k < job.units.size(); ++k) publish(k);
+      return;
     }
+    // The last unit is published (completing the step) only once every
+    // write-back is done: a completed step is on the drives, and an I/O
+    // error fails the step it belongs to.
+    const size_t last = job.units.size() - 1;
+    Status s = ForEachUnitState(
+        job, ForwardOrder(job), WriteBack::kYes, [&](size_t k, const StateView& state) -> Status {
+          ZT_RETURN_IF_ERROR(RunAdam(job, job.units[k], state, adam_step, scale));
+          if (k != last) publish(k);
+          return Status::Ok();
+        });
+    if (!s.ok()) return Fail(job, s.Annotate(StrCat("step ", step)));
+    publish(last);
   }
 
   // Eager mode: one unit's grads are in; update it now.
@@ -187,7 +206,10 @@ struct Engine::Impl {
                           "' with eager updates, which cannot skip a step; use exact mode "
                           "(the default) for loss scaling")));
     }
-    Status s = RunAdam(job, job.units[unit], adam_step, 1.0f);
+    // Published once the state is written back (NVMe tier).
+    Status s = WithUnitState(job, unit, WriteBack::kYes, [&](size_t k, const StateView& state) {
+      return RunAdam(job, job.units[k], state, adam_step, 1.0f);
+    });
     if (!s.ok()) return Fail(job, s.Annotate(StrCat("step ", step)));
     Publish(job, job.units[unit], step, [&] {
       job.counters.optimizer_seconds += Since(t0);
@@ -212,11 +234,20 @@ Engine::~Engine() {
   }
   impl_->task_cv.notify_one();
   impl_->worker.join();
-  std::lock_guard<std::mutex> lock(impl_->mu);
-  impl_->jobs.clear();
+  {
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    impl_->jobs.clear();
+  }
+  if (impl_->swap != nullptr) {
+    Status s = impl_->swap->Close();
+    if (!s.ok()) {
+      ZT_LOG(kError, "engine") << "closing the swap space: " << s;
+    }
+  }
 }
 
-Result<std::unique_ptr<Engine>> Engine::Create(const Settings& settings) {
+Result<std::unique_ptr<Engine>> Engine::Create(const Settings& settings,
+                                               std::shared_ptr<nvme::IoBackend> io_backend) {
   ZT_RETURN_IF_ERROR(Validate(settings));
   ZT_ASSIGN_OR_RETURN(cpu_adam::Executor exec,
                       cpu_adam::Executor::Create({.threads = settings.optimizer_threads}));
@@ -225,6 +256,15 @@ Result<std::unique_ptr<Engine>> Engine::Create(const Settings& settings) {
   ZT_ASSIGN_OR_RETURN(impl->pool, DramPool::Create({.budget_bytes = settings.dram_budget_bytes,
                                                     .huge_pages = settings.huge_pages,
                                                     .lock = settings.pin_memory}));
+  if (!settings.nvme_paths.empty()) {
+    ZT_ASSIGN_OR_RETURN(
+        impl->swap, nvme::SwapSpace::Create({.paths = settings.nvme_paths,
+                                             .capacity_per_path = settings.nvme_capacity_per_path,
+                                             .stripe_bytes = settings.stripe_bytes,
+                                             .queue_depth = settings.queue_depth,
+                                             .checksums = settings.checksums},
+                                            std::move(io_backend)));
+  }
   for (const std::string& line : NonDefaultSettings(settings)) {
     ZT_LOG(kInfo, "engine") << "setting " << line;
   }
@@ -256,10 +296,18 @@ Result<int> Engine::RegisterJob(const JobSpec& spec) {
   }
   ZT_RETURN_IF_ERROR(
       cpu_adam::ValidateHyper(spec.optimizer.hyper).Annotate(StrCat("job '", spec.name, "'")));
-  if (spec.optimizer_tier == Tier::kNvme || spec.param_tier == Tier::kNvme) {
-    return Status::Unimplemented(StrCat("job '", spec.name,
-                                        "': optimizer states or params on NVMe are not supported "
-                                        "by this engine version; place them in dram"));
+  if (spec.param_tier == Tier::kNvme) {
+    return Status::Unimplemented(
+        StrCat("job '", spec.name,
+               "': bf16 params on NVMe are not supported by this engine version (they take 2 of "
+               "the 16 bytes a parameter needs); place them in dram and the optimizer states on "
+               "nvme"));
+  }
+  if (spec.optimizer_tier == Tier::kNvme && e.swap == nullptr) {
+    return Status::FailedPrecondition(
+        StrCat("job '", spec.name,
+               "': optimizer states on nvme need swap directories "
+               "(zero_optimization.offload_optimizer.nvme_path or ZTIER_NVME_PATHS)"));
   }
   {
     std::lock_guard<std::mutex> lock(e.mu);
@@ -274,6 +322,10 @@ Result<int> Engine::RegisterJob(const JobSpec& spec) {
   job->spec = spec;
   job->pool = e.pool.get();
   job->units.resize(spec.units.size());
+  if (spec.optimizer_tier == Tier::kNvme) {
+    job->ring = std::make_unique<StateRing>();
+    job->ring->swap = e.swap.get();
+  }
   const uint64_t granule = static_cast<uint64_t>(spec.ranks) * kAlignElements;
   for (size_t k = 0; k < spec.units.size(); ++k) {
     const UnitSpec& us = spec.units[k];
@@ -299,17 +351,32 @@ Result<int> Engine::RegisterJob(const JobSpec& spec) {
     u.shard_sq.assign(spec.ranks, 0.0);
     const std::string owner = StrCat("job '", spec.name, "' unit '", us.name, "'");
     const uint64_t n = u.layout.padded;
-    for (auto [block, bytes] : {std::pair{&u.master, n * 4},
-                                {&u.exp_avg, n * 4},
-                                {&u.exp_avg_sq, n * 4},
+    const bool dram_states = job->ring == nullptr;
+    for (auto [block, bytes] : {std::pair{&u.master, dram_states ? n * 4 : 0},
+                                {&u.exp_avg, dram_states ? n * 4 : 0},
+                                {&u.exp_avg_sq, dram_states ? n * 4 : 0},
                                 {&u.publish, n * 2},
-                                {&u.inbox, n * 2}}) {
+                                {&u.inbox, n * 2},
+                                {&u.accum, spec.optimizer.grad_accumulation > 1 ? n * 4 : 0}}) {
+      if (bytes == 0) continue;
       ZT_ASSIGN_OR_RETURN(*block, e.pool->Allocate(bytes, owner));
       job->counters.dram_bytes += block->bytes;
     }
-    if (spec.optimizer.grad_accumulation > 1) {
-      ZT_ASSIGN_OR_RETURN(u.accum, e.pool->Allocate(n * 4, owner));
-      job->counters.dram_bytes += u.accum.bytes;
+    if (!dram_states) {
+      Result<uint64_t> object = e.swap->Allocate(StrCat(spec.name, "/", k), StateBytes(u.layout));
+      if (!object.ok()) return object.status().Annotate(owner);
+      u.swap_object = *object;
+      job->counters.nvme_bytes += StateBytes(u.layout);
+    }
+  }
+  if (job->ring != nullptr) {  // the staging ring: buffer_count slots of the largest unit
+    uint64_t slot = 0;
+    for (const Unit& u : job->units) slot = std::max(slot, StateBytes(u.layout));
+    for (uint32_t i = 0; i < e.settings.buffer_count; ++i) {
+      ZT_ASSIGN_OR_RETURN(DramBlock b,
+                          e.pool->Allocate(slot, StrCat("job '", spec.name, "' staging ring")));
+      job->ring->slots.push_back(b);
+      job->counters.dram_bytes += b.bytes;
     }
   }
   std::lock_guard<std::mutex> lock(e.mu);
@@ -354,11 +421,14 @@ Status Engine::WriteWeights(int job, int unit, const float* flat, uint64_t numel
     return Status::InvalidArgument(StrCat("unit '", j->spec.units[unit].name, "' has ",
                                           u.layout.numel, " elements, got ", numel));
   }
-  std::memcpy(u.master.ptr, flat, numel * sizeof(float));
-  auto* out = static_cast<bf16*>(u.publish.ptr);
-  for (uint64_t i = 0; i < u.layout.padded; ++i) out[i] = FloatToBf16(u.f(u.master)[i]);
-  impl_->Publish(*j, u, 0, [] {});
-  return Status::Ok();
+  return WithUnitState(*j, unit, WriteBack::kYes, [&](size_t, const StateView& state) {
+    std::memcpy(state.master, flat, numel * sizeof(float));
+    std::memset(state.master + numel, 0, (u.layout.padded - numel) * sizeof(float));
+    auto* out = static_cast<bf16*>(u.publish.ptr);
+    for (uint64_t i = 0; i < u.layout.padded; ++i) out[i] = FloatToBf16(state.master[i]);
+    impl_->Publish(*j, u, 0, [] {});
+    return Status::Ok();
+  });
 }
 
 Status Engine::ReadState(int job, int unit, float* master, float* exp_avg,
@@ -371,12 +441,13 @@ Status Engine::ReadState(int job, int unit, float* master, float* exp_avg,
   if (unit < 0 || unit >= static_cast<int>(j->units.size())) {
     return Status::OutOfRange(StrCat("job ", job, " has no unit ", unit));
   }
-  const Unit& u = j->units[unit];
-  const size_t bytes = u.layout.padded * sizeof(float);
-  if (master) std::memcpy(master, u.master.ptr, bytes);
-  if (exp_avg) std::memcpy(exp_avg, u.exp_avg.ptr, bytes);
-  if (exp_avg_sq) std::memcpy(exp_avg_sq, u.exp_avg_sq.ptr, bytes);
-  return Status::Ok();
+  const size_t bytes = j->units[unit].layout.padded * sizeof(float);
+  return WithUnitState(*j, unit, WriteBack::kNo, [&](size_t, const StateView& state) {
+    if (master) std::memcpy(master, state.master, bytes);
+    if (exp_avg) std::memcpy(exp_avg, state.exp_avg, bytes);
+    if (exp_avg_sq) std::memcpy(exp_avg_sq, state.exp_avg_sq, bytes);
+    return Status::Ok();
+  });
 }
 
 Result<bf16*> Engine::GradInbox(int job, int unit, int rank) {
@@ -396,7 +467,7 @@ Status Engine::GradsReady(int job, int unit, int rank) {
   {
     std::lock_guard<std::mutex> lock(e.mu);
     ZT_ASSIGN_OR_RETURN(j, e.Find(job));
-    if (!j->failure.ok()) return Status::Aborted(StrCat("job failed: ", j->failure.message()));
+    if (!j->failure.ok()) return Status::Aborted(StrCat("job failed: ", j->failure.ToString()));
     if (unit < 0 || unit >= static_cast<int>(j->units.size()) || rank < 0 ||
         rank >= j->spec.ranks) {
       return Status::OutOfRange(StrCat("job ", job, ": no unit ", unit, " rank ", rank));
@@ -442,6 +513,7 @@ Status Engine::GradsReady(int job, int unit, int rank) {
         sq, cpu_adam::SquaredNorm(g, cpu_adam::GradType::kBFloat16, u.layout.shard, e.executor));
   }
   std::lock_guard<std::mutex> lock(e.mu);
+  j->counters.grad_bytes_in += u.layout.shard * sizeof(bf16);
   if (last_micro) u.shard_sq[rank] = sq;
   if (++u.arrived_count < j->spec.ranks) return Status::Ok();
   // Every rank's shard of this micro-step is in.
@@ -491,7 +563,7 @@ Status Engine::WaitPublished(int job, int unit, int64_t step, std::chrono::milli
   j->counters.stall_seconds +=
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   if (j->removed) return Status::Aborted(StrCat("job ", job, " was unregistered"));
-  if (!j->failure.ok()) return Status::Aborted(StrCat("job failed: ", j->failure.message()));
+  if (!j->failure.ok()) return Status::Aborted(StrCat("job failed: ", j->failure.ToString()));
   if (!ok) {
     return Status::Unavailable(StrCat("unit ", unit, " of job ", job, " did not reach step ", step,
                                       " within ", timeout.count(), " ms (holds step ",
@@ -503,7 +575,7 @@ Status Engine::WaitPublished(int job, int unit, int64_t step, std::chrono::milli
 namespace {
 // Under the engine lock: the job has no grads of a step pending.
 Status CheckIdle(const Job& j, std::string_view what) {
-  if (!j.failure.ok()) return Status::Aborted(StrCat("job failed: ", j.failure.message()));
+  if (!j.failure.ok()) return Status::Aborted(StrCat("job failed: ", j.failure.ToString()));
   if (j.checkpointing) {
     return Status::FailedPrecondition(StrCat(what, ": another checkpoint is in progress"));
   }
@@ -564,10 +636,27 @@ Status Engine::ImportSafetensors(int job, const std::string& path) {
   });
 }
 
+Status Engine::RoundTripStates(int job) {
+  return WithIdleJob(*impl_, job, "round-trip states", [&](Job& j) {
+    return ForEachUnitState(j, ForwardOrder(j), WriteBack::kYes,
+                            [](size_t, const StateView&) { return Status::Ok(); });
+  });
+}
+
 JobCounters Engine::counters(int job) const {
   std::lock_guard<std::mutex> lock(impl_->mu);
-  Result<std::shared_ptr<Job>> j = impl_->Find(job);
-  return j.ok() ? (*j)->counters : JobCounters{};
+  Result<std::shared_ptr<Job>> r = impl_->Find(job);
+  if (!r.ok()) return JobCounters{};
+  const Job& j = **r;
+  JobCounters c = j.counters;
+  c.compute_seconds = static_cast<double>(j.compute_ns.load(std::memory_order_relaxed)) * 1e-9;
+  if (j.ring != nullptr) {
+    c.nvme_read_bytes = j.ring->bytes_read.load(std::memory_order_relaxed);
+    c.nvme_write_bytes = j.ring->bytes_written.load(std::memory_order_relaxed);
+    c.io_wait_seconds =
+        static_cast<double>(j.ring->io_wait_ns.load(std::memory_order_relaxed)) * 1e-9;
+  }
+  return c;
 }
 
 }  // namespace ztier::engine

@@ -21,8 +21,19 @@
 // Every unit's publish buffer carries the step it holds; WaitPublished(unit,
 // step) waits for that unit only.
 //
-// Optimizer states on NVMe (ZeRO-Infinity placement) are not in this
-// version: RegisterJob refuses them with Unimplemented.
+// Optimizer states on NVMe (ZeRO-Infinity placement, optimizer_tier kNvme).
+// Each unit's fp32 master, m and v live in one swap object of the engine's
+// swap space (Settings::nvme_paths, striped across them). A step streams the
+// units through a pinned ring of Settings::buffer_count slots: while unit k
+// is updated, units k+1 .. k+buffer_count-2 are read and unit k-1 is written
+// back, so DRAM holds buffer_count unit states whatever the model size (plus
+// the bf16 publish buffer and grad inbox of every unit, 4 bytes a param).
+// A step completes (its last unit is published) only after every unit's
+// write-back is done. An I/O error during a step fails the job with the
+// error (naming the step, the unit, the drive and the errno); the state on
+// the drives may then be partly of the new step, so recover by loading the
+// last checkpoint into a new job.
+// bf16 params on NVMe (param_tier kNvme) are not in this version.
 //
 // Thread safety: every method may be called from any thread; GradsReady of
 // different (unit, rank) pairs may race freely. The optimizer runs on one
@@ -40,6 +51,10 @@
 #include "common/status.h"
 #include "cpu_adam/adamw.h"
 #include "engine/settings.h"
+
+namespace ztier::nvme {
+class IoBackend;
+}
 
 namespace ztier::engine {
 
@@ -84,22 +99,33 @@ struct JobCounters {
   int64_t steps = 0;          // optimizer steps taken
   int64_t skipped_steps = 0;  // skipped for inf/NaN grads
   double optimizer_seconds = 0;
-  double stall_seconds = 0;   // clients blocked in WaitPublished
-  double last_grad_norm = 0;  // before clipping
-  uint64_t dram_bytes = 0;
+  double stall_seconds = 0;       // clients blocked in WaitPublished
+  double last_grad_norm = 0;      // before clipping
+  double compute_seconds = 0;     // in the AdamW kernel
+  double io_wait_seconds = 0;     // the optimizer blocked on the drives (NVMe tier)
+  uint64_t dram_bytes = 0;        // pinned DRAM held (state, buffers, ring)
+  uint64_t nvme_bytes = 0;        // swap space held
+  uint64_t grad_bytes_in = 0;     // bf16 grads delivered by clients into DRAM
+  uint64_t nvme_read_bytes = 0;   // optimizer state read from the drives
+  uint64_t nvme_write_bytes = 0;  // optimizer state written to the drives
 };
 
 class Engine {
  public:
-  // Errors: InvalidArgument (settings), as DramPool / cpu_adam::Executor.
-  static Result<std::unique_ptr<Engine>> Create(const Settings& settings);
+  // Creates the DRAM pool, the optimizer's thread arena and, when NVMe paths
+  // are set, the swap space (through `io_backend`, io_uring when null; tests
+  // pass a fault-injecting one). Errors: InvalidArgument (settings), as
+  // DramPool / cpu_adam::Executor / nvme::SwapSpace::Create.
+  static Result<std::unique_ptr<Engine>> Create(
+      const Settings& settings, std::shared_ptr<nvme::IoBackend> io_backend = nullptr);
   ~Engine();
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
 
   // Errors: InvalidArgument (empty units, bad shapes, ranks < 1, accumulation
   // < 1, eager mode with clipping), AlreadyExists (name), ResourceExhausted
-  // (DRAM budget, naming the job), Unimplemented (states on NVMe).
+  // (DRAM budget or swap capacity, naming the job and unit), FailedPrecondition
+  // (states on NVMe without swap paths), Unimplemented (params on NVMe).
   Result<int> RegisterJob(const JobSpec& spec);
   // Frees everything the job holds. Errors: NotFound.
   Status UnregisterJob(int job);
@@ -161,6 +187,13 @@ class Engine {
   // or tensor), Corruption (malformed file, naming what is wrong),
   // InvalidArgument (shape mismatch), FailedPrecondition (step pending).
   Status ImportSafetensors(int job, const std::string& path);
+
+  // Reads every unit's NVMe-resident state through the ring and writes it
+  // back unchanged, as a step does but without computing: the I/O floor of a
+  // step (ztier-bench step measures it) and a scrub of the checksums. No-op
+  // for DRAM-resident states. Call between steps. Errors: IoError,
+  // Corruption, FailedPrecondition (grads pending), NotFound.
+  Status RoundTripStates(int job);
 
   JobCounters counters(int job) const;
 

@@ -1,11 +1,14 @@
-// Tests of the engine's step pipeline (states in DRAM):
+// Tests of the engine's step pipeline (states in DRAM and on NVMe):
 //  - bit-for-bit against calling cpu_adam directly on the same flat buffers
 //    in a plain loop (clipping on/off, accumulation 1 and 3, R = 1 and 2,
-//    exact and eager modes), with ranks as concurrent threads;
+//    exact and eager modes, states in DRAM or on NVMe through a 3-slot ring
+//    over two swap paths), with ranks as concurrent threads;
 //  - overlap: eager updates a unit before the last grads arrive; exact
 //    mode publishes unit 0 while the last unit is still being updated;
 //  - inf/NaN grads skip the step in exact mode and fail it in eager mode;
-//  - budgets, validation and unregistering.
+//  - budgets, validation and unregistering; swap capacity;
+//  - NVMe faults during a step (I/O error, full disk, a flipped bit) fail
+//    the job clearly, and the last committed checkpoint still loads.
 #include "engine/engine.h"
 
 #include <unistd.h>
@@ -21,17 +24,54 @@
 
 #include <gtest/gtest.h>
 
+#include "nvme/io_backend.h"
+
 namespace ztier::engine {
 namespace {
 
 using namespace std::chrono_literals;
+namespace fs = std::filesystem;
 
-std::unique_ptr<Engine> MakeEngine(uint64_t budget = uint64_t{1} << 30) {
+// A directory under the test's working directory, removed on destruction.
+class ScratchDir {
+ public:
+  explicit ScratchDir(std::string_view tag) {
+    path_ = fs::current_path() /
+            StrCat("engine-test-", tag, "-", ::getpid(), "-",
+                   ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    fs::remove_all(path_);
+    fs::create_directories(path_);
+  }
+  ~ScratchDir() { fs::remove_all(path_); }
+  ScratchDir(const ScratchDir&) = delete;
+  ScratchDir& operator=(const ScratchDir&) = delete;
+  std::string sub(std::string_view name) const {
+    const fs::path p = path_ / name;
+    fs::create_directories(p);
+    return p.string();
+  }
+
+ private:
+  fs::path path_;
+};
+
+// With `swap`: two swap paths under it, small stripes so units span several,
+// and a 3-slot ring (the smallest) so the pipeline wraps around.
+std::unique_ptr<Engine> MakeEngine(uint64_t budget = uint64_t{1} << 30,
+                                   const ScratchDir* swap = nullptr,
+                                   uint64_t swap_capacity = uint64_t{64} << 20,
+                                   std::shared_ptr<nvme::IoBackend> backend = nullptr) {
   Settings s;
   s.dram_budget_bytes = budget;
   s.optimizer_threads = 2;
   s.pin_memory = false;
-  Result<std::unique_ptr<Engine>> e = Engine::Create(s);
+  if (swap != nullptr) {
+    s.nvme_paths = {swap->sub("drive0"), swap->sub("drive1")};
+    s.nvme_capacity_per_path = swap_capacity;
+    s.stripe_bytes = 64 << 10;
+    s.buffer_count = 3;
+  }
+  Result<std::unique_ptr<Engine>> e = Engine::Create(s, std::move(backend));
   ZT_CHECK_MSG(e.ok(), e.status().ToString());
   return std::move(e).value();
 }
@@ -65,16 +105,19 @@ struct Reference {
   int64_t adam_step = 0;
 };
 
-class EngineStepTest : public ::testing::TestWithParam<std::tuple<int, float, int, StepMode>> {};
+class EngineStepTest
+    : public ::testing::TestWithParam<std::tuple<int, float, int, StepMode, Tier>> {};
 
 TEST_P(EngineStepTest, BitForBitWithPlainCpuAdamLoop) {
-  const auto [ranks, clip, accum, mode] = GetParam();
+  const auto [ranks, clip, accum, mode, tier] = GetParam();
   const uint64_t seed = std::random_device{}();
   SCOPED_TRACE(StrCat("seed ", seed));
   std::mt19937_64 rng(seed);
   std::normal_distribution<float> normal(0.0f, 1.0f);
-  auto engine = MakeEngine();
-  const JobSpec spec = SmallModel("eq", ranks, clip, accum, mode);
+  ScratchDir swap("swap");
+  auto engine = MakeEngine(uint64_t{1} << 30, tier == Tier::kNvme ? &swap : nullptr);
+  JobSpec spec = SmallModel("eq", ranks, clip, accum, mode);
+  spec.optimizer_tier = tier;
   Result<int> job = engine->RegisterJob(spec);
   ASSERT_TRUE(job.ok()) << job.status();
   Result<cpu_adam::Executor> exec = cpu_adam::Executor::Create({.threads = 2});
@@ -197,6 +240,21 @@ TEST_P(EngineStepTest, BitForBitWithPlainCpuAdamLoop) {
   EXPECT_EQ(c.steps, steps);
   EXPECT_EQ(c.skipped_steps, 0);
   EXPECT_GT(c.optimizer_seconds, 0.0);
+  EXPECT_GT(c.compute_seconds, 0.0);
+  EXPECT_EQ(c.grad_bytes_in, [&] {
+    uint64_t b = 0;
+    for (const auto& u : ref.units) b += u.layout.padded * 2;
+    return b * steps * accum;
+  }());
+  if (tier == Tier::kNvme) {  // every step read and wrote every unit's state
+    uint64_t state = 0;
+    for (const auto& u : ref.units) state += (u.layout.padded * 12 + 4095) / 4096 * 4096;
+    EXPECT_GE(c.nvme_write_bytes, state * steps);
+    EXPECT_GE(c.nvme_read_bytes, state * steps);
+    EXPECT_EQ(c.nvme_bytes, state);
+  } else {
+    EXPECT_EQ(c.nvme_read_bytes, 0u);
+  }
 }
 
 // Every combination except eager with clipping, which RegisterJob refuses
@@ -208,7 +266,8 @@ std::vector<EngineStepTest::ParamType> StepCases() {
       for (int accum : {1, 3}) {
         for (StepMode mode : {StepMode::kExact, StepMode::kEager}) {
           if (mode == StepMode::kEager && clip > 0.0f) continue;
-          out.emplace_back(ranks, clip, accum, mode);
+          for (Tier tier : {Tier::kDram, Tier::kNvme})
+            out.emplace_back(ranks, clip, accum, mode, tier);
         }
       }
     }
@@ -222,7 +281,8 @@ INSTANTIATE_TEST_SUITE_P(Modes, EngineStepTest, ::testing::ValuesIn(StepCases())
                                "R", std::get<0>(p.param),
                                std::get<1>(p.param) > 0 ? "_clip" : "_noclip", "_acc",
                                std::get<2>(p.param),
-                               std::get<3>(p.param) == StepMode::kExact ? "_exact" : "_eager");
+                               std::get<3>(p.param) == StepMode::kExact ? "_exact" : "_eager",
+                               std::get<4>(p.param) == Tier::kNvme ? "_nvme" : "_dram");
                          });
 
 // Rings unit k's grads (all ranks) with the given value everywhere.
@@ -324,7 +384,12 @@ TEST(EngineJobsTest, BudgetsValidationAndUnregister) {
   EXPECT_EQ(engine->RegisterJob(SmallModel("c", 1, 1.0f, 1, StepMode::kEager)).status().code(),
             StatusCode::kInvalidArgument);
   JobSpec nvme = SmallModel("d", 1, 0, 1, StepMode::kExact);
-  nvme.optimizer_tier = Tier::kNvme;
+  nvme.optimizer_tier = Tier::kNvme;  // this engine has no swap paths
+  Result<int> no_swap = engine->RegisterJob(nvme);
+  EXPECT_EQ(no_swap.status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(no_swap.status().message().find("nvme_path"), std::string::npos) << no_swap.status();
+  nvme.optimizer_tier = Tier::kDram;
+  nvme.param_tier = Tier::kNvme;
   EXPECT_EQ(engine->RegisterJob(nvme).status().code(), StatusCode::kUnimplemented);
   JobSpec zero = SmallModel("e", 1, 0, 1, StepMode::kExact);
   zero.units[0].tensors[0].shape = {0, 3};
@@ -346,8 +411,6 @@ TEST(EngineJobsTest, BudgetsValidationAndUnregister) {
 
 namespace ztier::engine {
 namespace {
-
-namespace fs = std::filesystem;
 
 // Trains `steps` steps of the small model with deterministic grads.
 void Train(Engine& e, int job, int ranks, int from_step, int steps, uint64_t seed) {
@@ -544,6 +607,134 @@ TEST_F(CheckpointTest, RefusedWhileGradsAreInFlight) {
   ASSERT_TRUE(j.ok());
   Ring(*e, *j, 3, 1, 0.1f);  // one unit's grads in, step pending
   EXPECT_EQ(e->SaveCheckpoint(*j, dir_.string()).code(), StatusCode::kFailedPrecondition);
+}
+
+// States on NVMe give the same training as states in DRAM, and checkpoints
+// move between the tiers both ways.
+TEST_F(CheckpointTest, NvmeStatesTrainAsDramStatesAndCheckpointAcrossTiers) {
+  ScratchDir swap("swap");
+  auto d = MakeEngine();
+  auto n = MakeEngine(uint64_t{1} << 30, &swap);
+  Result<int> jd = d->RegisterJob(SmallModel("tiers", 2, 1.0f, 1, StepMode::kExact));
+  JobSpec nspec = SmallModel("tiers", 2, 1.0f, 1, StepMode::kExact);
+  nspec.optimizer_tier = Tier::kNvme;
+  Result<int> jn = n->RegisterJob(nspec);
+  ASSERT_TRUE(jd.ok() && jn.ok()) << jn.status();
+  Train(*d, *jd, 2, 0, 3, 11);
+  Train(*n, *jn, 2, 0, 3, 11);
+  ASSERT_TRUE(Same(Snapshot(*d, *jd), Snapshot(*n, *jn)));
+  ASSERT_TRUE(n->RoundTripStates(*jn).ok());  // a no-op for the state
+  ASSERT_TRUE(Same(Snapshot(*d, *jd), Snapshot(*n, *jn)));
+
+  // NVMe -> file -> a DRAM job with another rank count, and back.
+  ASSERT_TRUE(n->SaveCheckpoint(*jn, dir_.string()).ok());
+  auto d1 = MakeEngine();
+  Result<int> jd1 = d1->RegisterJob(SmallModel("tiers", 1, 1.0f, 1, StepMode::kExact));
+  ASSERT_TRUE(jd1.ok());
+  ASSERT_TRUE(d1->LoadCheckpoint(*jd1, dir_.string()).ok());
+  EXPECT_TRUE(Same(Snapshot(*d1, *jd1), Snapshot(*d, *jd)));
+  Train(*d, *jd, 2, 3, 1, 12);
+  ASSERT_TRUE(d->SaveCheckpoint(*jd, dir_.string()).ok());
+  ASSERT_TRUE(n->LoadCheckpoint(*jn, dir_.string()).ok());
+  EXPECT_TRUE(Same(Snapshot(*n, *jn), Snapshot(*d, *jd)));
+
+  // Safetensors export of an NVMe job equals the DRAM job's, byte for byte.
+  const std::string fd = (dir_ / "d.safetensors").string(), fn = (dir_ / "n.safetensors").string();
+  ASSERT_TRUE(d->ExportSafetensors(*jd, fd, Engine::ExportType::kFloat32).ok());
+  ASSERT_TRUE(n->ExportSafetensors(*jn, fn, Engine::ExportType::kFloat32).ok());
+  auto slurp = [](const std::string& f) {
+    std::ifstream in(f, std::ios::binary);
+    return std::string(std::istreambuf_iterator<char>(in), {});
+  };
+  EXPECT_EQ(slurp(fd), slurp(fn));
+}
+
+TEST(EngineSwapTest, OverCapacityIsClearAndHarmsNoOtherJob) {
+  ScratchDir swap("swap");
+  auto e = MakeEngine(uint64_t{1} << 30, &swap, /*swap_capacity=*/uint64_t{4} << 20);
+  JobSpec a = SmallModel("fits", 1, 0.0f, 1, StepMode::kExact);
+  a.optimizer_tier = Tier::kNvme;
+  Result<int> ja = e->RegisterJob(a);
+  ASSERT_TRUE(ja.ok()) << ja.status();
+  JobSpec big;
+  big.name = "too-big";
+  big.optimizer_tier = Tier::kNvme;
+  big.units = {{"u0", {{"w", {256, 1024}}}}, {"u1", {{"w", {512, 1024}}}}};  // 9 MiB of state
+  Result<int> jb = e->RegisterJob(big);
+  ASSERT_FALSE(jb.ok());
+  EXPECT_EQ(jb.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_NE(jb.status().message().find("job 'too-big'"), std::string::npos) << jb.status();
+  // The first job still trains; after it leaves, its space is free again.
+  Train(*e, *ja, 1, 0, 2, 5);
+  ASSERT_TRUE(e->UnregisterJob(*ja).ok());
+  big.units.pop_back();  // 3 MiB: fits in the 8 MiB once "fits" is gone
+  EXPECT_TRUE(e->RegisterJob(big).ok());
+}
+
+// Delivers one step's grads (value everywhere) for every unit, backward.
+void RingAll(Engine& e, int job, float value) {
+  for (int k = 3; k >= 0; --k) Ring(e, job, k, 1, value);
+}
+
+// Waits until the job finishes step `step` or fails; the first unit status
+// that is not Ok.
+Status WaitStep(Engine& e, int job, int64_t step) {
+  for (int k = 0; k < 4; ++k) ZT_RETURN_IF_ERROR(e.WaitPublished(job, k, step, 30s));
+  return Status::Ok();
+}
+
+TEST_F(CheckpointTest, NvmeFaultsDuringAStepFailClearlyAndTheCheckpointStillLoads) {
+  struct Case {
+    const char* name;
+    std::function<void(nvme::FaultBackend&)> arm;
+    StatusCode code;
+    const char* says;
+  };
+  const std::vector<Case> cases = {
+      {"write EIO", [](nvme::FaultBackend& f) { f.FailNth(nvme::IoKind::kWrite, 2, EIO); },
+       StatusCode::kIoError, "write back"},
+      {"full disk", [](nvme::FaultBackend& f) { f.FailFrom(nvme::IoKind::kWrite, 1, ENOSPC); },
+       StatusCode::kResourceExhausted, "write back"},
+      {"read EIO", [](nvme::FaultBackend& f) { f.FailNth(nvme::IoKind::kRead, 3, EIO); },
+       StatusCode::kIoError, "read unit"},
+      {"flipped bit", [](nvme::FaultBackend& f) { f.FlipBitOnNthRead(2); }, StatusCode::kCorruption,
+       "read unit"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    ScratchDir swap("swap");
+    auto fault = std::make_shared<nvme::FaultBackend>(nvme::MakeUringBackend());
+    auto e = MakeEngine(uint64_t{1} << 30, &swap, uint64_t{64} << 20, fault);
+    JobSpec spec = SmallModel("faulty", 1, 1.0f, 1, StepMode::kExact);
+    spec.optimizer_tier = Tier::kNvme;
+    Result<int> j = e->RegisterJob(spec);
+    ASSERT_TRUE(j.ok()) << j.status();
+    Train(*e, *j, 1, 0, 2, 21);
+    const State committed = Snapshot(*e, *j);
+    ASSERT_TRUE(e->SaveCheckpoint(*j, dir_.string()).ok());
+
+    c.arm(*fault);
+    RingAll(*e, *j, 0.05f);
+    Status s = WaitStep(*e, *j, 3);
+    ASSERT_EQ(s.code(), StatusCode::kAborted) << s;
+    EXPECT_NE(s.message().find(c.says), std::string::npos) << s;
+    EXPECT_NE(s.message().find("step 3"), std::string::npos) << s;
+    EXPECT_NE(s.message().find(StatusCodeName(c.code)), std::string::npos) << s;
+    // The failed job refuses more work, loudly.
+    EXPECT_EQ(e->GradsReady(*j, 3, 0).code(), StatusCode::kAborted);
+    EXPECT_EQ(e->SaveCheckpoint(*j, dir_.string()).code(), StatusCode::kAborted);
+    fault->Reset();
+    ASSERT_TRUE(e->UnregisterJob(*j).ok());
+
+    // Recovery: a new job on the same engine loads the last checkpoint.
+    Result<int> again = e->RegisterJob(spec);
+    ASSERT_TRUE(again.ok()) << again.status();
+    Status loaded = e->LoadCheckpoint(*again, dir_.string());
+    ASSERT_TRUE(loaded.ok()) << loaded;
+    EXPECT_TRUE(Same(Snapshot(*e, *again), committed));
+    RingAll(*e, *again, 0.05f);
+    EXPECT_TRUE(WaitStep(*e, *again, 3).ok());
+  }
 }
 
 }  // namespace

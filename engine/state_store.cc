@@ -1,0 +1,124 @@
+// ztier engine: access to units' fp32 optimizer state wherever it lives
+// (see ForEachUnitState in engine_internal.h).
+//
+// NVMe tier pipeline. Unit order[i] goes to ring slot i % B (B slots). Before
+// fn runs on order[i], reads are in flight for order[i+1 .. i+B-2]; the slot
+// of order[i-1] is being written back. A slot is read into only after its
+// previous write-back completed, so at most B units' states are in DRAM at
+// once, whatever the model size. On an error the pipeline still waits for
+// every I/O in flight before returning: the slots are reused afterwards.
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+
+#include "engine/engine_internal.h"
+
+namespace ztier::engine {
+namespace {
+
+uint64_t RoundUp(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
+
+StateView SlotView(const UnitLayout& layout, const DramBlock& slot) {
+  auto* base = static_cast<float*>(slot.ptr);
+  return {base, base + layout.padded, base + 2 * layout.padded};
+}
+
+StateView BlockView(Unit& u) { return {u.f(u.master), u.f(u.exp_avg), u.f(u.exp_avg_sq)}; }
+
+// Waits for a ticket, counting the time blocked as I/O wait.
+Status WaitIo(StateRing& ring, const nvme::IoTicket& t) {
+  if (!t.valid()) return Status::Ok();
+  const auto t0 = std::chrono::steady_clock::now();
+  Status s = t.Wait();
+  ring.io_wait_ns.fetch_add(
+      static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                std::chrono::steady_clock::now() - t0)
+                                .count()),
+      std::memory_order_relaxed);
+  return s;
+}
+
+}  // namespace
+
+uint64_t StateBytes(const UnitLayout& layout) { return RoundUp(layout.padded * 12, 4096); }
+
+std::vector<size_t> ForwardOrder(const Job& job) {
+  std::vector<size_t> order(job.units.size());
+  for (size_t k = 0; k < order.size(); ++k) order[k] = k;
+  return order;
+}
+
+Status ForEachUnitState(Job& job, const std::vector<size_t>& order, WriteBack write_back,
+                        const UnitFn& fn) {
+  if (job.ring == nullptr) {
+    for (size_t k : order) ZT_RETURN_IF_ERROR(fn(k, BlockView(job.units[k])));
+    return Status::Ok();
+  }
+  StateRing& ring = *job.ring;
+  std::lock_guard<std::mutex> lock(ring.mu);
+  const size_t slots = ring.slots.size();
+  const size_t lookahead = slots - 2;  // one slot computing, one writing back
+  std::vector<nvme::IoTicket> reads(slots), writes(slots);
+  std::vector<size_t> writing(slots);  // index into order of the unit a slot writes back
+  auto unit_name = [&](size_t i) { return StrCat("unit '", job.spec.units[order[i]].name, "'"); };
+  auto range_of = [&](size_t i, size_t slot) {
+    const Unit& u = job.units[order[i]];
+    return nvme::IoRange{.object = u.swap_object,
+                         .offset = 0,
+                         .length = StateBytes(u.layout),
+                         .buffer = ring.slots[slot].ptr};
+  };
+  // Waits for a slot's write-back, if any.
+  auto finish_write = [&](size_t slot) -> Status {
+    if (!writes[slot].valid()) return Status::Ok();
+    Status s = WaitIo(ring, writes[slot]);
+    writes[slot] = {};
+    if (!s.ok()) return s.Annotate(StrCat("write back ", unit_name(writing[slot])));
+    ring.bytes_written.fetch_add(StateBytes(job.units[order[writing[slot]]].layout),
+                                 std::memory_order_relaxed);
+    return Status::Ok();
+  };
+
+  Status status;
+  size_t next_read = 0;
+  for (size_t i = 0; i < order.size() && status.ok(); ++i) {
+    // Reads ahead, each into a slot whose write-back is done.
+    while (status.ok() && next_read < order.size() && next_read <= i + lookahead) {
+      const size_t slot = next_read % slots;
+      status = finish_write(slot);
+      if (!status.ok()) break;
+      const nvme::IoRange range = range_of(next_read, slot);
+      reads[slot] = ring.swap->Submit(nvme::IoDirection::kRead, {&range, 1});
+      ++next_read;
+    }
+    if (!status.ok()) break;
+    const size_t slot = i % slots;
+    const Unit& u = job.units[order[i]];
+    status = WaitIo(ring, reads[slot]);
+    reads[slot] = {};
+    if (!status.ok()) {
+      status = status.Annotate(StrCat("read ", unit_name(i)));
+      break;
+    }
+    ring.bytes_read.fetch_add(StateBytes(u.layout), std::memory_order_relaxed);
+    status = fn(order[i], SlotView(u.layout, ring.slots[slot]));
+    if (!status.ok() || write_back == WriteBack::kNo) continue;
+    const nvme::IoRange range = range_of(i, slot);
+    writes[slot] = ring.swap->Submit(nvme::IoDirection::kWrite, {&range, 1});
+    writing[slot] = i;
+  }
+  // Drain: the slots must be idle when the ring is released. A read-ahead
+  // past an error is waited for and its data dropped.
+  for (size_t slot = 0; slot < slots; ++slot) {
+    if (reads[slot].valid()) (void)WaitIo(ring, reads[slot]);
+    Status w = finish_write(slot);
+    if (status.ok()) status = w;
+  }
+  return status;
+}
+
+Status WithUnitState(Job& job, size_t unit, WriteBack write_back, const UnitFn& fn) {
+  return ForEachUnitState(job, {unit}, write_back, fn);
+}
+
+}  // namespace ztier::engine
