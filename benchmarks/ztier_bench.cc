@@ -3,6 +3,7 @@
 //
 //   ztier-bench adam [options]   CPU AdamW vs a same-pattern memory kernel
 //   ztier-bench nvme [options]   swap-space I/O vs fio on the same directories
+//   ztier-bench step [options]   the engine's optimizer step vs I/O and compute alone
 #include <cstdio>
 #include <cstring>
 #include <string_view>
@@ -16,6 +17,8 @@ constexpr const char* kUsage = R"(usage: ztier-bench <subcommand> [options]
 subcommands:
   adam    fused CPU AdamW step vs the same-pattern memory limit
   nvme    striped swap-space write/read vs fio on the same drives
+  step    the engine's optimizer step (states on NVMe or in DRAM) vs its
+          I/O alone and compute alone: overlap efficiency
 
 'ztier-bench <subcommand> --help' lists a subcommand's options.
 )";
@@ -30,6 +33,7 @@ int main(int argc, char** argv) {
   const std::string_view sub = argv[1];
   if (sub == "adam") return ztier::bench::RunAdam(argc - 2, argv + 2);
   if (sub == "nvme") return ztier::bench::RunNvme(argc - 2, argv + 2);
+  if (sub == "step") return ztier::bench::RunStep(argc - 2, argv + 2);
   std::fprintf(stderr, "ztier-bench: unknown subcommand '%s'\n%s", argv[1], kUsage);
   return 2;
 }

@@ -349,6 +349,22 @@ Result<int> Engine::RegisterJob(const JobSpec& spec) {
     u.layout.shard = u.layout.padded / spec.ranks;
     u.arrived.assign(spec.ranks, 0);
     u.shard_sq.assign(spec.ranks, 0.0);
+  }
+  // The staging ring first (its slots are the largest blocks), then each
+  // unit's buffers and swap object.
+  if (job->ring != nullptr) {
+    uint64_t slot = 0;
+    for (const Unit& u : job->units) slot = std::max(slot, StateBytes(u.layout));
+    for (uint32_t i = 0; i < e.settings.buffer_count; ++i) {
+      ZT_ASSIGN_OR_RETURN(DramBlock b,
+                          e.pool->Allocate(slot, StrCat("job '", spec.name, "' staging ring")));
+      job->ring->slots.push_back(b);
+      job->counters.dram_bytes += b.bytes;
+    }
+  }
+  for (size_t k = 0; k < spec.units.size(); ++k) {
+    const UnitSpec& us = spec.units[k];
+    Unit& u = job->units[k];
     const std::string owner = StrCat("job '", spec.name, "' unit '", us.name, "'");
     const uint64_t n = u.layout.padded;
     const bool dram_states = job->ring == nullptr;
@@ -367,16 +383,6 @@ Result<int> Engine::RegisterJob(const JobSpec& spec) {
       if (!object.ok()) return object.status().Annotate(owner);
       u.swap_object = *object;
       job->counters.nvme_bytes += StateBytes(u.layout);
-    }
-  }
-  if (job->ring != nullptr) {  // the staging ring: buffer_count slots of the largest unit
-    uint64_t slot = 0;
-    for (const Unit& u : job->units) slot = std::max(slot, StateBytes(u.layout));
-    for (uint32_t i = 0; i < e.settings.buffer_count; ++i) {
-      ZT_ASSIGN_OR_RETURN(DramBlock b,
-                          e.pool->Allocate(slot, StrCat("job '", spec.name, "' staging ring")));
-      job->ring->slots.push_back(b);
-      job->counters.dram_bytes += b.bytes;
     }
   }
   std::lock_guard<std::mutex> lock(e.mu);

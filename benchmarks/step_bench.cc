@@ -1,0 +1,384 @@
+// ztier-bench step: the engine's optimizer step on a synthetic job, states
+// on NVMe (default) or in DRAM, against the two limits a step cannot beat,
+// both measured in the same run:
+//   io alone       the same reads and write-backs through the same ring with
+//                  no compute (Engine::RoundTripStates);
+//   compute alone  cpu_adam::Step on every unit's size from DRAM buffers,
+//                  with the engine's thread count.
+// Overlap efficiency = max(io alone, compute alone) / step: 1.0 means the
+// pipeline hides the smaller of the two entirely.
+//
+// The step is timed from the moment the last unit's grads are handed over
+// (the other units' grads are in, as at the end of a backward pass) until
+// the last unit is published. Peak RSS is reported against the pinned pool
+// the job holds, to show that states larger than RAM stream through a
+// bounded ring.
+//
+// Single-threaded driver; the engine runs its own threads.
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "benchmarks/bench_util.h"
+#include "benchmarks/subcommands.h"
+#include "cpu_adam/adamw.h"
+#include "engine/engine.h"
+
+namespace ztier::bench {
+namespace {
+
+namespace fs = std::filesystem;
+using engine::Tier;
+
+struct StepBenchOptions {
+  uint64_t params = 0;  // 0: 1G on NVMe, 256M in DRAM
+  uint64_t unit_params = uint64_t{32} << 20;
+  Tier tier = Tier::kNvme;
+  std::vector<std::string> paths;
+  int steps = 3;
+  int threads = 0;
+  uint32_t buffer_count = 4;
+  uint64_t stripe = uint64_t{1} << 20;
+  uint32_t qd = 16;
+  bool checksums = true;
+  bool json = false;
+};
+
+constexpr const char* kUsage = R"(usage: ztier-bench step [options]
+
+The engine's optimizer step on a synthetic job (one fp32 tensor per unit,
+bf16 grads, AdamW, clipping on), with states on NVMe or in DRAM. Reports per
+step the step time, I/O alone and compute alone (measured in the same run)
+and the overlap efficiency max(io alone, compute alone) / step; and the peak
+RSS against the pinned pool.
+
+  --params N        parameters (default 1G with --tier nvme, 256M with dram)
+  --unit-params N   parameters per unit (default 32M)
+  --tier T          nvme or dram: where the optimizer states live (default nvme)
+  --path DIR        a swap directory, one per drive; repeat for several
+                    (default: ./ztier-bench-swap)
+  --steps N         timed steps, after one untimed warm-up step (default 3)
+  --threads N       optimizer threads (default 0: all cores)
+  --buffer-count N  slots of the staging ring (default 4)
+  --stripe N        stripe unit (default 1M)
+  --qd N            queue depth per path (default 16)
+  --no-checksums    turn off per-stripe CRC-32C
+  --json            print one JSON object as the last line
+)";
+
+Status ParseArgs(int argc, char** argv, StepBenchOptions* o) {
+  ArgReader args(argc, argv);
+  while (args.Next()) {
+    if (args.Is("--params")) {
+      ZT_ASSIGN_OR_RETURN(o->params, args.Count(1, uint64_t{1} << 40));
+    } else if (args.Is("--unit-params")) {
+      ZT_ASSIGN_OR_RETURN(o->unit_params, args.Count(1024, uint64_t{1} << 32));
+    } else if (args.Is("--tier")) {
+      ZT_ASSIGN_OR_RETURN(std::string_view v, args.Value());
+      if (v == "nvme") {
+        o->tier = Tier::kNvme;
+      } else if (v == "dram") {
+        o->tier = Tier::kDram;
+      } else {
+        return Status::InvalidArgument(StrCat("--tier: '", v, "' is not nvme or dram"));
+      }
+    } else if (args.Is("--path")) {
+      ZT_ASSIGN_OR_RETURN(std::string_view v, args.Value());
+      o->paths.emplace_back(v);
+    } else if (args.Is("--steps")) {
+      ZT_ASSIGN_OR_RETURN(uint64_t v, args.Count(1, 1000));
+      o->steps = static_cast<int>(v);
+    } else if (args.Is("--threads")) {
+      ZT_ASSIGN_OR_RETURN(uint64_t v, args.Count(0, 4096));
+      o->threads = static_cast<int>(v);
+    } else if (args.Is("--buffer-count")) {
+      ZT_ASSIGN_OR_RETURN(uint64_t v, args.Count(3, 1024));
+      o->buffer_count = static_cast<uint32_t>(v);
+    } else if (args.Is("--stripe")) {
+      ZT_ASSIGN_OR_RETURN(o->stripe, args.Count(4096, uint64_t{1} << 30));
+      if (o->stripe % 4096 != 0) return Status::InvalidArgument("--stripe: not a multiple of 4K");
+    } else if (args.Is("--qd")) {
+      ZT_ASSIGN_OR_RETURN(uint64_t v, args.Count(1, 4096));
+      o->qd = static_cast<uint32_t>(v);
+    } else if (args.Is("--no-checksums")) {
+      o->checksums = false;
+    } else if (args.Is("--json")) {
+      o->json = true;
+    } else if (args.Is("-h") || args.Is("--help")) {
+      return Status::Aborted("help");
+    } else {
+      return Status::InvalidArgument(StrCat("unknown option '", args.arg(), "'"));
+    }
+  }
+  if (o->params == 0) o->params = o->tier == Tier::kNvme ? uint64_t{1} << 30 : uint64_t{256} << 20;
+  if (o->paths.empty()) o->paths.push_back("ztier-bench-swap");
+  return Status::Ok();
+}
+
+// Peak and current resident set of this process, from /proc/self/status.
+struct Rss {
+  uint64_t peak = 0, now = 0;
+};
+Rss ReadRss() {
+  Rss r;
+  std::ifstream in("/proc/self/status");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.starts_with("VmHWM:")) r.peak = std::strtoull(line.c_str() + 6, nullptr, 10) << 10;
+    if (line.starts_with("VmRSS:")) r.now = std::strtoull(line.c_str() + 6, nullptr, 10) << 10;
+  }
+  return r;
+}
+
+double Gib(uint64_t b) { return static_cast<double>(b) / (1u << 30); }
+
+// Pseudo-random bf16 grads in about [-1, 1) (xorshift; the values only need
+// to be finite and varied).
+void FillGrads(bf16* g, uint64_t n, uint64_t seed) {
+  uint64_t x = seed * 0x9E3779B97F4A7C15ull + 1;
+  for (uint64_t i = 0; i < n; ++i) {
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
+    g[i] = FloatToBf16(static_cast<float>(static_cast<int32_t>(x >> 32)) * (1.0f / 2147483648.0f));
+  }
+}
+
+struct Round {
+  double step = 0, io = 0, compute = 0;
+  double compute_in_step = 0, io_wait_in_step = 0;
+  double efficiency() const { return std::max(io, compute) / step; }
+};
+
+// A 64-byte aligned buffer.
+struct Buffer {
+  void* p;
+  explicit Buffer(size_t n) : p(std::aligned_alloc(64, (n + 63) / 64 * 64)) {
+    if (p != nullptr) std::memset(p, 0, n);
+  }
+  ~Buffer() { std::free(p); }
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+};
+
+}  // namespace
+
+int RunStep(int argc, char** argv) {
+  StepBenchOptions o;
+  if (Status s = ParseArgs(argc, argv, &o); !s.ok()) return UsageExit(s, "step", kUsage);
+  auto fail = [](const Status& s) {
+    std::fprintf(stderr, "ztier-bench step: %s\n", s.ToString().c_str());
+    return 1;
+  };
+  const bool nvme = o.tier == Tier::kNvme;
+  const uint64_t units = (o.params + o.unit_params - 1) / o.unit_params;
+  const uint64_t state_bytes = o.params * 12;
+
+  engine::Settings settings;
+  settings.optimizer_threads = o.threads;
+  settings.buffer_count = o.buffer_count;
+  // The pool holds the grad inbox and publish buffer (4 B a param), the fp32
+  // state too in DRAM (12 B), and the ring (NVMe); plus slack for padding.
+  const uint64_t ring_bytes = nvme ? uint64_t{o.buffer_count} * o.unit_params * 12 : 0;
+  // The pool reserves 256 MiB regions: allow one region of fragmentation.
+  settings.dram_budget_bytes = o.params * (nvme ? 4 : 16) + ring_bytes +
+                               units * (uint64_t{64} << 10) + (uint64_t{320} << 20);
+  if (nvme) {
+    for (const std::string& p : o.paths) {
+      std::error_code ec;
+      fs::create_directories(p, ec);
+    }
+    settings.nvme_paths = o.paths;
+    settings.stripe_bytes = o.stripe;
+    settings.queue_depth = o.qd;
+    settings.checksums = o.checksums;
+    const uint64_t per_path = state_bytes / o.paths.size() + units * 2 * o.stripe;
+    settings.nvme_capacity_per_path = (per_path + o.stripe - 1) / o.stripe * o.stripe;
+    settings.optimizer_tier = Tier::kNvme;
+  }
+  Result<std::unique_ptr<engine::Engine>> created = engine::Engine::Create(settings);
+  if (!created.ok()) return fail(created.status());
+  engine::Engine& e = **created;
+
+  engine::JobSpec spec;
+  spec.name = "bench";
+  spec.optimizer.hyper = {.lr = 1e-4f, .weight_decay = 0.01f};
+  spec.optimizer.clip_norm = 1.0f;
+  spec.optimizer_tier = o.tier;
+  for (uint64_t k = 0, left = o.params; k < units; ++k) {
+    const uint64_t n = std::min(left, o.unit_params);
+    left -= n;
+    spec.units.push_back({StrCat("unit", k), {{StrCat("w", k), {static_cast<int64_t>(n)}}}});
+  }
+  Result<int> job = e.RegisterJob(spec);
+  if (!job.ok()) return fail(job.status());
+  std::printf(
+      "ztier-bench step: %s params in %llu units, states %s (%.1f GiB fp32 master+m+v)%s, "
+      "%s optimizer threads\n",
+      FormatCount(o.params).c_str(), static_cast<unsigned long long>(units),
+      nvme ? "on NVMe" : "in DRAM", Gib(state_bytes),
+      nvme ? StrCat(", ", o.paths.size(), " path(s), ring ", o.buffer_count, " x ",
+                    FormatCount(o.unit_params * 12), "B")
+                 .c_str()
+           : "",
+      o.threads == 0 ? "all" : StrCat(o.threads).c_str());
+
+  // Grads once; every step hands the same inboxes over again.
+  std::vector<engine::UnitLayout> layouts;
+  for (uint64_t k = 0; k < units; ++k) {
+    Result<engine::UnitLayout> l = e.Layout(*job, static_cast<int>(k));
+    Result<bf16*> inbox = e.GradInbox(*job, static_cast<int>(k), 0);
+    if (!l.ok() || !inbox.ok()) return fail(l.ok() ? inbox.status() : l.status());
+    FillGrads(*inbox, l->padded, k + 1);
+    layouts.push_back(*l);
+  }
+  int64_t step = 0;
+  // One step: units' grads handed over backward; timed from the last one.
+  auto run_step = [&](double* seconds) -> Status {
+    ++step;
+    for (uint64_t k = units; k-- > 1;)
+      ZT_RETURN_IF_ERROR(e.GradsReady(*job, static_cast<int>(k), 0));
+    const double t0 = NowSeconds();
+    ZT_RETURN_IF_ERROR(e.GradsReady(*job, 0, 0));
+    ZT_RETURN_IF_ERROR(e.WaitPublished(*job, static_cast<int>(units - 1), step));
+    *seconds = NowSeconds() - t0;
+    return Status::Ok();
+  };
+
+  // Compute alone: the same kernel calls on DRAM buffers of the largest unit.
+  Result<cpu_adam::Executor> exec = cpu_adam::Executor::Create({.threads = o.threads});
+  if (!exec.ok()) return fail(exec.status());
+  const uint64_t max_padded = layouts.front().padded;
+  Buffer p(max_padded * 4), m(max_padded * 4), v(max_padded * 4), g(max_padded * 2),
+      out(max_padded * 2);
+  if (!p.p || !m.p || !v.p || !g.p || !out.p) return fail(Status::ResourceExhausted("scratch"));
+  FillGrads(static_cast<bf16*>(g.p), max_padded, 99);
+  auto compute_alone = [&](double* seconds) -> Status {
+    const double t0 = NowSeconds();
+    for (const engine::UnitLayout& l : layouts) {
+      const cpu_adam::Shard shard{.count = l.padded,
+                                  .grads = g.p,
+                                  .grad_type = cpu_adam::GradType::kBFloat16,
+                                  .params = static_cast<float*>(p.p),
+                                  .exp_avg = static_cast<float*>(m.p),
+                                  .exp_avg_sq = static_cast<float*>(v.p),
+                                  .params_out = static_cast<bf16*>(out.p)};
+      ZT_RETURN_IF_ERROR(cpu_adam::Step(spec.optimizer.hyper,
+                                        {.step = step + 1,
+                                         .grad_scale = 0.5f,
+                                         .grad_check = cpu_adam::GradCheck::kPrechecked},
+                                        shard, *exec)
+                             .status());
+    }
+    *seconds = NowSeconds() - t0;
+    return Status::Ok();
+  };
+
+  // Warm-up: the first step writes every state (reads of never-written
+  // states cost no I/O) and faults in the scratch buffers.
+  double warm = 0, warm_compute = 0;
+  if (Status s = run_step(&warm); !s.ok()) return fail(s);
+  if (Status s = compute_alone(&warm_compute); !s.ok()) return fail(s);
+  std::printf("warm-up step %.2f s\n", warm);
+  std::printf("%5s %9s %9s %9s %11s %11s %10s\n", "step", "step s", "io s", "compute s",
+              "compute in", "io wait in", "efficiency");
+
+  std::vector<Round> rounds;
+  for (int r = 0; r < o.steps; ++r) {
+    Round round;
+    if (nvme) {
+      const double t0 = NowSeconds();
+      if (Status s = e.RoundTripStates(*job); !s.ok()) return fail(s);
+      round.io = NowSeconds() - t0;
+    }
+    if (Status s = compute_alone(&round.compute); !s.ok()) return fail(s);
+    const engine::JobCounters before = e.counters(*job);
+    if (Status s = run_step(&round.step); !s.ok()) return fail(s);
+    const engine::JobCounters after = e.counters(*job);
+    round.compute_in_step = after.compute_seconds - before.compute_seconds;
+    round.io_wait_in_step = after.io_wait_seconds - before.io_wait_seconds;
+    std::printf("%5lld %9.3f %9.3f %9.3f %11.3f %11.3f %10.3f\n", static_cast<long long>(step),
+                round.step, round.io, round.compute, round.compute_in_step, round.io_wait_in_step,
+                round.efficiency());
+    rounds.push_back(round);
+  }
+  double mean_eff = 0, mean_step = 0, mean_io = 0, mean_compute = 0;
+  for (const Round& r : rounds) {
+    mean_eff += r.efficiency() / rounds.size();
+    mean_step += r.step / rounds.size();
+    mean_io += r.io / rounds.size();
+    mean_compute += r.compute / rounds.size();
+  }
+  const engine::JobCounters c = e.counters(*job);
+  const Rss rss = ReadRss();
+  const uint64_t scratch = max_padded * 16;
+  std::printf("mean: step %.3f s, io alone %.3f s, compute alone %.3f s, overlap efficiency %.3f\n",
+              mean_step, mean_io, mean_compute, mean_eff);
+  if (nvme) {
+    std::printf(
+        "state traffic per step: %.2f GiB read + %.2f GiB written; %.2f GB/s in the step, "
+        "%.2f GB/s alone\n",
+        Gib(state_bytes), Gib(state_bytes), 2.0 * state_bytes / mean_step / 1e9,
+        2.0 * state_bytes / mean_io / 1e9);
+  }
+  std::printf(
+      "%.1f Mparams/s; peak RSS %.2f GiB = pinned pool %.2f GiB (ring %.2f GiB) + "
+      "compute-alone scratch %.2f GiB + %.2f GiB other; fp32 state %.2f GiB\n",
+      o.params / mean_step / 1e6, Gib(rss.peak), Gib(c.dram_bytes), Gib(ring_bytes), Gib(scratch),
+      Gib(rss.peak > c.dram_bytes + scratch ? rss.peak - c.dram_bytes - scratch : 0),
+      Gib(state_bytes));
+
+  if (o.json) {
+    std::vector<std::string> per_step, paths;
+    for (const Round& r : rounds) {
+      JsonObject j;
+      j.Add("step_seconds", r.step)
+          .Add("io_alone_seconds", r.io)
+          .Add("compute_alone_seconds", r.compute)
+          .Add("compute_in_step_seconds", r.compute_in_step)
+          .Add("io_wait_in_step_seconds", r.io_wait_in_step)
+          .Add("overlap_efficiency", r.efficiency());
+      per_step.push_back(j.str());
+    }
+    for (const std::string& dir : o.paths) paths.push_back(JsonQuote(dir));
+    JsonObject j;
+    j.Add("bench", "step")
+        .Add("tier", nvme ? "nvme" : "dram")
+        .Add("params", o.params)
+        .Add("units", units)
+        .Add("state_bytes", state_bytes)
+        .Add("buffer_count", static_cast<int>(o.buffer_count))
+        .AddRaw("paths", nvme ? JsonArray(paths) : "[]")
+        .Add("threads", o.threads)
+        .Add("checksums", o.checksums)
+        .Add("overlap_efficiency", mean_eff)
+        .Add("step_seconds", mean_step)
+        .Add("io_alone_seconds", mean_io)
+        .Add("compute_alone_seconds", mean_compute)
+        .Add("params_per_second", o.params / mean_step)
+        .Add("peak_rss_bytes", rss.peak)
+        .Add("pinned_pool_bytes", c.dram_bytes)
+        .Add("ring_bytes", ring_bytes)
+        .Add("scratch_bytes", scratch)
+        .Add("nvme_read_bytes", c.nvme_read_bytes)
+        .Add("nvme_write_bytes", c.nvme_write_bytes)
+        .AddRaw("steps", JsonArray(per_step));
+    std::printf("%s\n", j.str().c_str());
+  }
+  Status s = e.UnregisterJob(*job);
+  created->reset();
+  if (nvme) {
+    for (const std::string& path : o.paths) fs::remove(fs::path(path) / "ztier.swap");
+  }
+  return s.ok() ? 0 : fail(s);
+}
+
+}  // namespace ztier::bench
