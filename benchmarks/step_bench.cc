@@ -42,6 +42,7 @@ struct StepBenchOptions {
   uint64_t params = 0;  // 0: 1G on NVMe, 256M in DRAM
   uint64_t unit_params = uint64_t{32} << 20;
   Tier tier = Tier::kNvme;
+  Tier param_tier = Tier::kDram;
   std::vector<std::string> paths;
   int steps = 3;
   int threads = 0;
@@ -63,6 +64,8 @@ RSS against the pinned pool.
   --params N        parameters (default 1G with --tier nvme, 256M with dram)
   --unit-params N   parameters per unit (default 32M)
   --tier T          nvme or dram: where the optimizer states live (default nvme)
+  --param-tier T    nvme or dram: where the bf16 params live (default dram;
+                    nvme needs --tier nvme)
   --path DIR        a swap directory, one per drive; repeat for several
                     (default: ./ztier-bench-swap)
   --steps N         timed steps, after one untimed warm-up step (default 3)
@@ -90,6 +93,12 @@ Status ParseArgs(int argc, char** argv, StepBenchOptions* o) {
       } else {
         return Status::InvalidArgument(StrCat("--tier: '", v, "' is not nvme or dram"));
       }
+    } else if (args.Is("--param-tier")) {
+      ZT_ASSIGN_OR_RETURN(std::string_view v, args.Value());
+      if (v != "nvme" && v != "dram") {
+        return Status::InvalidArgument(StrCat("--param-tier: '", v, "' is not nvme or dram"));
+      }
+      o->param_tier = v == "nvme" ? Tier::kNvme : Tier::kDram;
     } else if (args.Is("--path")) {
       ZT_ASSIGN_OR_RETURN(std::string_view v, args.Value());
       o->paths.emplace_back(v);
@@ -117,6 +126,9 @@ Status ParseArgs(int argc, char** argv, StepBenchOptions* o) {
     } else {
       return Status::InvalidArgument(StrCat("unknown option '", args.arg(), "'"));
     }
+  }
+  if (o->param_tier == Tier::kNvme && o->tier != Tier::kNvme) {
+    return Status::InvalidArgument("--param-tier nvme needs --tier nvme");
   }
   if (o->params == 0) o->params = o->tier == Tier::kNvme ? uint64_t{1} << 30 : uint64_t{256} << 20;
   if (o->paths.empty()) o->paths.push_back("ztier-bench-swap");
@@ -187,10 +199,14 @@ int RunStep(int argc, char** argv) {
   settings.buffer_count = o.buffer_count;
   // The pool holds the grad inbox and publish buffer (4 B a param), the fp32
   // state too in DRAM (12 B), and the ring (NVMe); plus slack for padding.
-  const uint64_t ring_bytes = nvme ? uint64_t{o.buffer_count} * o.unit_params * 12 : 0;
+  const bool nvme_params = o.param_tier == Tier::kNvme;
+  const uint64_t ring_bytes =
+      nvme ? uint64_t{o.buffer_count} * o.unit_params * (nvme_params ? 16 : 12) : 0;
   // The pool reserves 256 MiB regions: allow one region of fragmentation.
-  settings.dram_budget_bytes = o.params * (nvme ? 4 : 16) + ring_bytes +
-                               units * (uint64_t{64} << 10) + (uint64_t{320} << 20);
+  settings.dram_budget_bytes = o.params * (nvme_params ? 2
+                                           : nvme      ? 4
+                                                       : 16) +
+                               ring_bytes + units * (uint64_t{64} << 10) + (uint64_t{320} << 20);
   if (nvme) {
     for (const std::string& p : o.paths) {
       std::error_code ec;
@@ -200,7 +216,8 @@ int RunStep(int argc, char** argv) {
     settings.stripe_bytes = o.stripe;
     settings.queue_depth = o.qd;
     settings.checksums = o.checksums;
-    const uint64_t per_path = state_bytes / o.paths.size() + units * 2 * o.stripe;
+    const uint64_t per_path =
+        (state_bytes + (nvme_params ? o.params * 4 : 0)) / o.paths.size() + units * 4 * o.stripe;
     settings.nvme_capacity_per_path = (per_path + o.stripe - 1) / o.stripe * o.stripe;
     settings.optimizer_tier = Tier::kNvme;
   }
@@ -213,6 +230,7 @@ int RunStep(int argc, char** argv) {
   spec.optimizer.hyper = {.lr = 1e-4f, .weight_decay = 0.01f};
   spec.optimizer.clip_norm = 1.0f;
   spec.optimizer_tier = o.tier;
+  spec.param_tier = o.param_tier;
   for (uint64_t k = 0, left = o.params; k < units; ++k) {
     const uint64_t n = std::min(left, o.unit_params);
     left -= n;
@@ -221,10 +239,10 @@ int RunStep(int argc, char** argv) {
   Result<int> job = e.RegisterJob(spec);
   if (!job.ok()) return fail(job.status());
   std::printf(
-      "ztier-bench step: %s params in %llu units, states %s (%.1f GiB fp32 master+m+v)%s, "
-      "%s optimizer threads\n",
+      "ztier-bench step: %s params in %llu units, states %s (%.1f GiB fp32 master+m+v), params "
+      "%s%s, %s optimizer threads\n",
       FormatCount(o.params).c_str(), static_cast<unsigned long long>(units),
-      nvme ? "on NVMe" : "in DRAM", Gib(state_bytes),
+      nvme ? "on NVMe" : "in DRAM", Gib(state_bytes), nvme_params ? "on NVMe" : "in DRAM",
       nvme ? StrCat(", ", o.paths.size(), " path(s), ring ", o.buffer_count, " x ",
                     FormatCount(o.unit_params * 12), "B")
                  .c_str()
@@ -323,11 +341,12 @@ int RunStep(int argc, char** argv) {
   std::printf("mean: step %.3f s, io alone %.3f s, compute alone %.3f s, overlap efficiency %.3f\n",
               mean_step, mean_io, mean_compute, mean_eff);
   if (nvme) {
+    const uint64_t written = state_bytes + (nvme_params ? o.params * 2 : 0);
+    const double moved = static_cast<double>(state_bytes + written);
     std::printf(
-        "state traffic per step: %.2f GiB read + %.2f GiB written; %.2f GB/s in the step, "
+        "traffic per step: %.2f GiB read + %.2f GiB written; %.2f GB/s in the step, "
         "%.2f GB/s alone\n",
-        Gib(state_bytes), Gib(state_bytes), 2.0 * state_bytes / mean_step / 1e9,
-        2.0 * state_bytes / mean_io / 1e9);
+        Gib(state_bytes), Gib(written), moved / mean_step / 1e9, moved / mean_io / 1e9);
   }
   std::printf(
       "%.1f Mparams/s; peak RSS %.2f GiB = pinned pool %.2f GiB (ring %.2f GiB) + "
@@ -352,6 +371,7 @@ int RunStep(int argc, char** argv) {
     JsonObject j;
     j.Add("bench", "step")
         .Add("tier", nvme ? "nvme" : "dram")
+        .Add("param_tier", nvme_params ? "nvme" : "dram")
         .Add("params", o.params)
         .Add("units", units)
         .Add("state_bytes", state_bytes)

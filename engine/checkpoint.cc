@@ -211,8 +211,9 @@ Status LoadCheckpointImpl(Job& job, const std::string& dir, const PublishFn& pub
         std::memcpy(out, flat[a].data(), u.layout.numel * 4);
         std::memset(out + u.layout.numel, 0, (u.layout.padded - u.layout.numel) * 4);
       }
-      auto* pub = static_cast<bf16*>(u.publish.ptr);
-      for (uint64_t i = 0; i < u.layout.padded; ++i) pub[i] = FloatToBf16(apply->master[i]);
+      for (uint64_t i = 0; i < u.layout.padded; ++i) {
+        apply->publish[i] = FloatToBf16(apply->master[i]);
+      }
       return Status::Ok();
     };
     for (size_t k = 0; k < job.units.size(); ++k) ZT_RETURN_IF_ERROR(load_unit(k, nullptr));
@@ -343,7 +344,7 @@ Status ImportSafetensorsImpl(Job& job, const std::string& path, const PublishFn&
           }
         }
         std::memset(master + u.layout.numel, 0, (u.layout.padded - u.layout.numel) * 4);
-        auto* out = static_cast<bf16*>(u.publish.ptr);
+        bf16* out = state.publish;
         for (uint64_t i = 0; i < u.layout.padded; ++i) out[i] = FloatToBf16(master[i]);
         publish(u, job.step);
         return Status::Ok();

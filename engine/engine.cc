@@ -89,7 +89,7 @@ struct Engine::Impl {
         .params = state.master,
         .exp_avg = state.exp_avg,
         .exp_avg_sq = state.exp_avg_sq,
-        .params_out = static_cast<bf16*>(u.publish.ptr)};
+        .params_out = state.publish};
     Status s = cpu_adam::Step(job.spec.optimizer.hyper, opt, shard, executor).status();
     job.compute_ns.fetch_add(
         static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
@@ -107,6 +107,17 @@ struct Engine::Impl {
     {
       std::lock_guard<std::mutex> lock(mu);
       u.published = step;
+      if (job.params != nullptr) {  // cached copies of the unit are out of date
+        const int k = static_cast<int>(&u - job.units.data());
+        for (ParamSlot& slot : job.params->slots) {
+          if (slot.unit != k) continue;
+          if (slot.leases > 0) {
+            slot.stale = true;
+          } else {
+            slot.unit = -1;
+          }
+        }
+      }
       if (u.ready) {
         u.ready = false;
         if (job.spec.optimizer.mode == StepMode::kExact) --job.ready_units;
@@ -154,9 +165,12 @@ struct Engine::Impl {
       ZT_LOG(kWarn, "engine") << "job '" << job.spec.name << "': step " << step
                               << " skipped: inf/NaN in the gradients";
     }
+    // Units are published as their write-backs finish (in any order); the
+    // step completes with the last of them.
+    size_t published = 0;
     auto publish = [&](size_t k) {
       Publish(job, job.units[k], step, [&] {
-        if (k + 1 < job.units.size()) return;
+        if (++published < job.units.size()) return;
         job.step = step;
         if (finite) {
           job.adam_step = adam_step;
@@ -172,18 +186,15 @@ struct Engine::Impl {
       for (size_t k = 0; k < job.units.size(); ++k) publish(k);
       return;
     }
-    // The last unit is published (completing the step) only once every
-    // write-back is done: a completed step is on the drives, and an I/O
-    // error fails the step it belongs to.
-    const size_t last = job.units.size() - 1;
+    // A unit is published once its write-back is done: a published unit is
+    // on the drives, and an I/O error fails the step it belongs to.
     Status s = ForEachUnitState(
-        job, ForwardOrder(job), WriteBack::kYes, [&](size_t k, const StateView& state) -> Status {
-          ZT_RETURN_IF_ERROR(RunAdam(job, job.units[k], state, adam_step, scale));
-          if (k != last) publish(k);
-          return Status::Ok();
-        });
-    if (!s.ok()) return Fail(job, s.Annotate(StrCat("step ", step)));
-    publish(last);
+        job, ForwardOrder(job), WriteBack::kYes,
+        [&](size_t k, const StateView& state) {
+          return RunAdam(job, job.units[k], state, adam_step, scale);
+        },
+        publish);
+    if (!s.ok()) Fail(job, s.Annotate(StrCat("step ", step)));
   }
 
   // Eager mode: one unit's grads are in; update it now.
@@ -296,12 +307,11 @@ Result<int> Engine::RegisterJob(const JobSpec& spec) {
   }
   ZT_RETURN_IF_ERROR(
       cpu_adam::ValidateHyper(spec.optimizer.hyper).Annotate(StrCat("job '", spec.name, "'")));
-  if (spec.param_tier == Tier::kNvme) {
-    return Status::Unimplemented(
+  if (spec.param_tier == Tier::kNvme && spec.optimizer_tier != Tier::kNvme) {
+    return Status::InvalidArgument(
         StrCat("job '", spec.name,
-               "': bf16 params on NVMe are not supported by this engine version (they take 2 of "
-               "the 16 bytes a parameter needs); place them in dram and the optimizer states on "
-               "nvme"));
+               "': bf16 params on nvme need the optimizer states on nvme too (params take 2 of "
+               "the 16 bytes a parameter needs; move the other 12 first)"));
   }
   if (spec.optimizer_tier == Tier::kNvme && e.swap == nullptr) {
     return Status::FailedPrecondition(
@@ -321,7 +331,14 @@ Result<int> Engine::RegisterJob(const JobSpec& spec) {
   auto job = std::make_shared<Job>();
   job->spec = spec;
   job->pool = e.pool.get();
-  job->units.resize(spec.units.size());
+  {
+    // Ids are never reused, so swap objects of a job that is still being
+    // torn down (a task may hold it a moment longer) never clash by name.
+    std::lock_guard<std::mutex> lock(e.mu);
+    job->id = e.next_job++;
+  }
+  job->units = std::vector<Unit>(spec.units.size());
+  const bool nvme_params = spec.param_tier == Tier::kNvme;
   if (spec.optimizer_tier == Tier::kNvme) {
     job->ring = std::make_unique<StateRing>();
     job->ring->swap = e.swap.get();
@@ -353,13 +370,25 @@ Result<int> Engine::RegisterJob(const JobSpec& spec) {
   // The staging ring first (its slots are the largest blocks), then each
   // unit's buffers and swap object.
   if (job->ring != nullptr) {
-    uint64_t slot = 0;
-    for (const Unit& u : job->units) slot = std::max(slot, StateBytes(u.layout));
+    uint64_t slot = 0, param_slot = 0;
+    for (const Unit& u : job->units) {
+      slot = std::max(slot, StateBytes(u.layout) + (nvme_params ? ParamBytes(u.layout) : 0));
+      param_slot = std::max(param_slot, ParamBytes(u.layout));
+    }
     for (uint32_t i = 0; i < e.settings.buffer_count; ++i) {
       ZT_ASSIGN_OR_RETURN(DramBlock b,
                           e.pool->Allocate(slot, StrCat("job '", spec.name, "' staging ring")));
       job->ring->slots.push_back(b);
       job->counters.dram_bytes += b.bytes;
+    }
+    if (nvme_params) {
+      job->params = std::make_unique<ParamCache>();
+      for (uint32_t i = 0; i < e.settings.buffer_count; ++i) {
+        ZT_ASSIGN_OR_RETURN(
+            DramBlock b, e.pool->Allocate(param_slot, StrCat("job '", spec.name, "' param cache")));
+        job->params->slots.emplace_back().block = b;
+        job->counters.dram_bytes += b.bytes;
+      }
     }
   }
   for (size_t k = 0; k < spec.units.size(); ++k) {
@@ -371,7 +400,7 @@ Result<int> Engine::RegisterJob(const JobSpec& spec) {
     for (auto [block, bytes] : {std::pair{&u.master, dram_states ? n * 4 : 0},
                                 {&u.exp_avg, dram_states ? n * 4 : 0},
                                 {&u.exp_avg_sq, dram_states ? n * 4 : 0},
-                                {&u.publish, n * 2},
+                                {&u.publish, nvme_params ? 0 : n * 2},
                                 {&u.inbox, n * 2},
                                 {&u.accum, spec.optimizer.grad_accumulation > 1 ? n * 4 : 0}}) {
       if (bytes == 0) continue;
@@ -379,14 +408,20 @@ Result<int> Engine::RegisterJob(const JobSpec& spec) {
       job->counters.dram_bytes += block->bytes;
     }
     if (!dram_states) {
-      Result<uint64_t> object = e.swap->Allocate(StrCat(spec.name, "/", k), StateBytes(u.layout));
+      Result<uint64_t> object = e.swap->Allocate(StrCat("job", job->id, "/unit", k), StateBytes(u.layout));
       if (!object.ok()) return object.status().Annotate(owner);
       u.swap_object = *object;
       job->counters.nvme_bytes += StateBytes(u.layout);
     }
+    for (int copy = 0; nvme_params && copy < 2; ++copy) {
+      Result<uint64_t> object =
+          e.swap->Allocate(StrCat("job", job->id, "/unit", k, "/params", copy), ParamBytes(u.layout));
+      if (!object.ok()) return object.status().Annotate(owner);
+      u.param_objects[copy] = *object;
+      job->counters.nvme_bytes += ParamBytes(u.layout);
+    }
   }
   std::lock_guard<std::mutex> lock(e.mu);
-  job->id = e.next_job++;
   e.jobs[job->id] = job;
   return job->id;
 }
@@ -427,14 +462,16 @@ Status Engine::WriteWeights(int job, int unit, const float* flat, uint64_t numel
     return Status::InvalidArgument(StrCat("unit '", j->spec.units[unit].name, "' has ",
                                           u.layout.numel, " elements, got ", numel));
   }
-  return WithUnitState(*j, unit, WriteBack::kYes, [&](size_t, const StateView& state) {
-    std::memcpy(state.master, flat, numel * sizeof(float));
-    std::memset(state.master + numel, 0, (u.layout.padded - numel) * sizeof(float));
-    auto* out = static_cast<bf16*>(u.publish.ptr);
-    for (uint64_t i = 0; i < u.layout.padded; ++i) out[i] = FloatToBf16(state.master[i]);
-    impl_->Publish(*j, u, 0, [] {});
-    return Status::Ok();
-  });
+  return WithUnitState(
+      *j, unit, WriteBack::kYes,
+      [&](size_t, const StateView& state) {
+        std::memcpy(state.master, flat, numel * sizeof(float));
+        std::memset(state.master + numel, 0, (u.layout.padded - numel) * sizeof(float));
+        for (uint64_t i = 0; i < u.layout.padded; ++i)
+          state.publish[i] = FloatToBf16(state.master[i]);
+        return Status::Ok();
+      },
+      [&](size_t) { impl_->Publish(*j, u, 0, [] {}); });
 }
 
 Status Engine::ReadState(int job, int unit, float* master, float* exp_avg,
@@ -545,7 +582,123 @@ Result<const bf16*> Engine::Published(int job, int unit) const {
   if (unit < 0 || unit >= static_cast<int>(j->units.size())) {
     return Status::OutOfRange(StrCat("job ", job, " has no unit ", unit));
   }
+  if (j->params != nullptr) {
+    return Status::FailedPrecondition(
+        StrCat("job '", j->spec.name, "' keeps its params on nvme: use AcquireParams"));
+  }
   return static_cast<const bf16*>(j->units[unit].publish.ptr);
+}
+
+Result<const bf16*> Engine::AcquireParams(int job, int unit, int64_t step,
+                                          std::chrono::milliseconds timeout) {
+  Impl& e = *impl_;
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  ZT_RETURN_IF_ERROR(WaitPublished(job, unit, step, timeout));
+  std::unique_lock<std::mutex> lock(e.mu);
+  ZT_ASSIGN_OR_RETURN(std::shared_ptr<Job> j, e.Find(job));
+  if (j->params == nullptr) return static_cast<const bf16*>(j->units[unit].publish.ptr);
+  ParamCache& pc = *j->params;
+  const int units = static_cast<int>(j->units.size());
+  // Starts reading unit k's current params into slot i.
+  auto start_read = [&](size_t i, int k, int leases) {
+    ParamSlot& slot = pc.slots[i];
+    const Unit& u = j->units[k];
+    slot.unit = k;
+    slot.leases = leases;
+    slot.stale = false;
+    slot.last_use = ++pc.clock;
+    const nvme::IoRange range{.object = u.param_objects[u.param_current.load()],
+                              .offset = 0,
+                              .length = ParamBytes(u.layout),
+                              .buffer = slot.block.ptr};
+    slot.read = e.swap->Submit(nvme::IoDirection::kRead, {&range, 1});
+    pc.bytes_read.fetch_add(ParamBytes(u.layout), std::memory_order_relaxed);
+  };
+  // The least recently used slot nobody holds and no read is filling.
+  auto free_slot = [&]() -> int {
+    int best = -1;
+    for (size_t i = 0; i < pc.slots.size(); ++i) {
+      const ParamSlot& slot = pc.slots[i];
+      if (slot.leases > 0 || (slot.read.valid() && !slot.read.Done())) continue;
+      if (best < 0 || slot.last_use < pc.slots[best].last_use) best = static_cast<int>(i);
+    }
+    return best;
+  };
+  auto cached = [&](int k) -> int {
+    for (size_t i = 0; i < pc.slots.size(); ++i) {
+      if (pc.slots[i].unit == k && !pc.slots[i].stale) return static_cast<int>(i);
+    }
+    return -1;
+  };
+  int index = -1;
+  for (;;) {
+    if (j->removed) return Status::Aborted(StrCat("job ", job, " was unregistered"));
+    if (!j->failure.ok()) return Status::Aborted(StrCat("job failed: ", j->failure.ToString()));
+    index = cached(unit);
+    if (index >= 0) {
+      ++pc.slots[index].leases;
+      pc.slots[index].last_use = ++pc.clock;
+      break;
+    }
+    index = free_slot();
+    if (index >= 0) {
+      start_read(index, unit, 1);
+      break;
+    }
+    if (e.published_cv.wait_until(lock, deadline) == std::cv_status::timeout) {
+      return Status::Unavailable(
+          StrCat("job '", j->spec.name, "': all ", pc.slots.size(),
+                 " param cache slots are held; release units (ReleaseParams) or raise "
+                 "buffer_count"));
+    }
+  }
+  // Prefetch the next units in the direction the client walks (forward, or
+  // backward in the backward pass) into slots nobody holds.
+  const int dir = pc.last_unit > unit ? -1 : 1;
+  pc.last_unit = unit;
+  const int depth = std::max<int>(1, static_cast<int>(pc.slots.size()) - 2);
+  for (int d = 1, k = unit + dir; d <= depth && k >= 0 && k < units; ++d, k += dir) {
+    if (cached(k) >= 0 || j->units[k].published < 0) continue;
+    const int i = free_slot();
+    if (i < 0) break;
+    start_read(i, k, 0);
+  }
+  const nvme::IoTicket ticket = pc.slots[index].read;
+  lock.unlock();
+  Status s = ticket.valid() ? ticket.Wait() : Status::Ok();
+  if (!s.ok()) {
+    lock.lock();
+    ParamSlot& slot = pc.slots[index];
+    --slot.leases;
+    if (slot.unit == unit) slot.stale = true;  // read again on the next acquire
+    if (slot.leases == 0 && slot.stale) slot.unit = -1;
+    e.published_cv.notify_all();
+    return s.Annotate(StrCat("read params of unit '", j->spec.units[unit].name, "'"));
+  }
+  return static_cast<const bf16*>(pc.slots[index].block.ptr);
+}
+
+Status Engine::ReleaseParams(int job, int unit) {
+  Impl& e = *impl_;
+  {
+    std::lock_guard<std::mutex> lock(e.mu);
+    ZT_ASSIGN_OR_RETURN(std::shared_ptr<Job> j, e.Find(job));
+    if (unit < 0 || unit >= static_cast<int>(j->units.size())) {
+      return Status::OutOfRange(StrCat("job ", job, " has no unit ", unit));
+    }
+    if (j->params == nullptr) return Status::Ok();
+    ParamSlot* held = nullptr;
+    for (ParamSlot& slot : j->params->slots) {
+      if (slot.unit == unit && slot.leases > 0 && (held == nullptr || slot.stale)) held = &slot;
+    }
+    if (held == nullptr) {
+      return Status::FailedPrecondition(
+          StrCat("unit ", unit, " of job '", j->spec.name, "' is not acquired"));
+    }
+    if (--held->leases == 0 && held->stale) held->unit = -1;
+  }
+  e.published_cv.notify_all();
+  return Status::Ok();
 }
 
 int64_t Engine::PublishedStep(int job, int unit) const {
@@ -644,8 +797,15 @@ Status Engine::ImportSafetensors(int job, const std::string& path) {
 
 Status Engine::RoundTripStates(int job) {
   return WithIdleJob(*impl_, job, "round-trip states", [&](Job& j) {
-    return ForEachUnitState(j, ForwardOrder(j), WriteBack::kYes,
-                            [](size_t, const StateView&) { return Status::Ok(); });
+    return ForEachUnitState(
+        j, ForwardOrder(j), WriteBack::kYes, [&](size_t k, const StateView& state) {
+          if (j.params != nullptr) {  // the params written back are bf16(master)
+            for (uint64_t i = 0; i < j.units[k].layout.padded; ++i) {
+              state.publish[i] = FloatToBf16(state.master[i]);
+            }
+          }
+          return Status::Ok();
+        });
   });
 }
 
@@ -659,6 +819,7 @@ JobCounters Engine::counters(int job) const {
   if (j.ring != nullptr) {
     c.nvme_read_bytes = j.ring->bytes_read.load(std::memory_order_relaxed);
     c.nvme_write_bytes = j.ring->bytes_written.load(std::memory_order_relaxed);
+    if (j.params != nullptr) c.nvme_param_read_bytes = j.params->bytes_read.load();
     c.io_wait_seconds =
         static_cast<double>(j.ring->io_wait_ns.load(std::memory_order_relaxed)) * 1e-9;
   }

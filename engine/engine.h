@@ -33,7 +33,11 @@
 // error (naming the step, the unit, the drive and the errno); the state on
 // the drives may then be partly of the new step, so recover by loading the
 // last checkpoint into a new job.
-// bf16 params on NVMe (param_tier kNvme) are not in this version.
+// bf16 params on NVMe too (param_tier kNvme, with states on NVMe): each unit
+// has two param objects written alternately (a write-back never overwrites
+// the copy clients read), and clients read them through AcquireParams into a
+// pinned cache of buffer_count slots; DRAM then holds the grad inbox only
+// (2 bytes a param) besides the two rings.
 //
 // Thread safety: every method may be called from any thread; GradsReady of
 // different (unit, rank) pairs may race freely. The optimizer runs on one
@@ -99,15 +103,16 @@ struct JobCounters {
   int64_t steps = 0;          // optimizer steps taken
   int64_t skipped_steps = 0;  // skipped for inf/NaN grads
   double optimizer_seconds = 0;
-  double stall_seconds = 0;       // clients blocked in WaitPublished
-  double last_grad_norm = 0;      // before clipping
-  double compute_seconds = 0;     // in the AdamW kernel
-  double io_wait_seconds = 0;     // the optimizer blocked on the drives (NVMe tier)
-  uint64_t dram_bytes = 0;        // pinned DRAM held (state, buffers, ring)
-  uint64_t nvme_bytes = 0;        // swap space held
-  uint64_t grad_bytes_in = 0;     // bf16 grads delivered by clients into DRAM
-  uint64_t nvme_read_bytes = 0;   // optimizer state read from the drives
-  uint64_t nvme_write_bytes = 0;  // optimizer state written to the drives
+  double stall_seconds = 0;            // clients blocked in WaitPublished
+  double last_grad_norm = 0;           // before clipping
+  double compute_seconds = 0;          // in the AdamW kernel
+  double io_wait_seconds = 0;          // the optimizer blocked on the drives (NVMe tier)
+  uint64_t dram_bytes = 0;             // pinned DRAM held (state, buffers, ring)
+  uint64_t nvme_bytes = 0;             // swap space held
+  uint64_t grad_bytes_in = 0;          // bf16 grads delivered by clients into DRAM
+  uint64_t nvme_read_bytes = 0;        // optimizer state read from the drives
+  uint64_t nvme_write_bytes = 0;       // optimizer state (and params) written to the drives
+  uint64_t nvme_param_read_bytes = 0;  // params read into the param cache
 };
 
 class Engine {
@@ -150,8 +155,19 @@ class Engine {
   Status GradsReady(int job, int unit, int rank);
 
   // The unit's published bf16 params (layout.padded elements) and the step
-  // they hold.
+  // they hold. Params in DRAM only (FailedPrecondition otherwise).
   Result<const bf16*> Published(int job, int unit) const;
+  // The unit's bf16 params at step >= `step` (layout.padded elements), valid
+  // until ReleaseParams(job, unit); works for either param tier. Params on
+  // NVMe are read into a pinned cache of buffer_count slots, and the next
+  // units in the direction of the walk (forward, or backward in a backward
+  // pass) are prefetched into free slots. Every acquire needs one release.
+  // Errors: as WaitPublished; Unavailable when every slot stays held past
+  // the timeout; IoError / Corruption reading the drives.
+  Result<const bf16*> AcquireParams(int job, int unit, int64_t step,
+                                    std::chrono::milliseconds timeout = std::chrono::minutes(10));
+  // Errors: FailedPrecondition (not acquired), NotFound, OutOfRange.
+  Status ReleaseParams(int job, int unit);
   int64_t PublishedStep(int job, int unit) const;
   // Blocks until the unit holds step >= `step`. Errors: DeadlineExceeded-like
   // Unavailable on timeout, Aborted if the job failed or was unregistered.

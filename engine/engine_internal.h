@@ -18,10 +18,13 @@ namespace ztier::engine {
 
 // A unit's fp32 state where it can be read and written now: its DRAM blocks,
 // or a ring slot holding it while it is staged from NVMe.
+// `publish` is where the unit's new bf16 params go: the DRAM publish buffer,
+// or the slot's bf16 area when params live on NVMe too.
 struct StateView {
   float* master = nullptr;
   float* exp_avg = nullptr;
   float* exp_avg_sq = nullptr;
+  bf16* publish = nullptr;
 };
 
 struct Unit {
@@ -30,6 +33,11 @@ struct Unit {
   // where the state is swap object `swap_object`: master, m, v back to back.
   DramBlock master, exp_avg, exp_avg_sq, publish, inbox, accum;
   uint64_t swap_object = 0;
+  // Params on NVMe: two swap objects of bf16 params, written alternately so
+  // that a write-back never overwrites the copy clients read;
+  // `param_current` is the one that holds the published params.
+  uint64_t param_objects[2] = {0, 0};
+  std::atomic<uint8_t> param_current{0};
   std::vector<uint8_t> arrived;  // by rank, this micro-step
   int arrived_count = 0;
   int micro = 0;                 // micro-steps completed toward the next step
@@ -53,6 +61,26 @@ struct StateRing {
   std::atomic<uint64_t> io_wait_ns{0};  // the engine blocked on the drives
 };
 
+// Params on NVMe: the pinned cache clients read units' bf16 params from.
+// Guarded by the engine lock. A slot is leased by AcquireParams and freed by
+// ReleaseParams; unleased slots are reused least recently used first, never
+// while a read into them is in flight. A publish of a unit marks its cached
+// copies stale.
+struct ParamSlot {
+  DramBlock block;
+  int unit = -1;  // -1: empty
+  int leases = 0;
+  bool stale = false;
+  uint64_t last_use = 0;
+  nvme::IoTicket read;
+};
+struct ParamCache {
+  std::vector<ParamSlot> slots;
+  uint64_t clock = 0;
+  int last_unit = -1;  // of the previous acquire: gives the direction to prefetch in
+  std::atomic<uint64_t> bytes_read{0};
+};
+
 struct Job {
   int id = 0;
   JobSpec spec;
@@ -67,14 +95,24 @@ struct Job {
   JobCounters counters;
   DramPool* pool = nullptr;
   std::unique_ptr<StateRing> ring;      // optimizer tier nvme only
+  std::unique_ptr<ParamCache> params;   // param tier nvme only
   std::atomic<uint64_t> compute_ns{0};  // in cpu_adam::Step
 
   ~Job() {
+    if (params != nullptr) {
+      for (ParamSlot& s : params->slots) {
+        if (s.read.valid()) (void)s.read.Wait();  // no read may land in freed memory
+        pool->Free(s.block);
+      }
+    }
     for (Unit& u : units) {
       for (DramBlock* b : {&u.master, &u.exp_avg, &u.exp_avg_sq, &u.publish, &u.inbox, &u.accum}) {
         if (b->ptr != nullptr) pool->Free(*b);
       }
-      if (ring != nullptr && u.swap_object != 0) (void)ring->swap->Free(u.swap_object);
+      if (ring == nullptr) continue;
+      for (uint64_t id : {u.swap_object, u.param_objects[0], u.param_objects[1]}) {
+        if (id != 0) (void)ring->swap->Free(id);
+      }
     }
     if (ring != nullptr) {
       for (const DramBlock& b : ring->slots) pool->Free(b);
@@ -86,19 +124,26 @@ struct Job {
 // and v of `padded` fp32 each, rounded up to 4 KiB so transfers go straight
 // to the drive.
 uint64_t StateBytes(const UnitLayout& layout);
+// Bytes of a unit's bf16 params as one swap object (4 KiB multiple).
+uint64_t ParamBytes(const UnitLayout& layout);
 
 // Runs `fn(k, view)` for each unit index in `order`, with the unit's fp32
 // state in reach. DRAM tier: views of the unit's blocks, in order. NVMe tier:
 // a pipeline over the ring (holding ring->mu throughout): while fn works on
 // one unit the ring reads ahead the next buffer_count - 2 units and writes
-// back the previous one (when `write_back`). Returns after every I/O is
-// done. The first error (fn's, or an I/O error naming the unit) stops it.
+// back the previous ones (when `write_back`; with params on NVMe, the bf16
+// params go to the unit's other param object, which then becomes current).
+// `stored(k)`, if given, runs once unit k's write-back is done (at once
+// without one), in any order. Returns after every I/O is done. The first
+// error (fn's, or an I/O error naming the unit) stops it.
 enum class WriteBack : uint8_t { kNo, kYes };
 using UnitFn = std::function<Status(size_t unit, const StateView& state)>;
+using StoredFn = std::function<void(size_t unit)>;
 Status ForEachUnitState(Job& job, const std::vector<size_t>& order, WriteBack write_back,
-                        const UnitFn& fn);
+                        const UnitFn& fn, const StoredFn& stored = {});
 // The same for one unit.
-Status WithUnitState(Job& job, size_t unit, WriteBack write_back, const UnitFn& fn);
+Status WithUnitState(Job& job, size_t unit, WriteBack write_back, const UnitFn& fn,
+                     const StoredFn& stored = {});
 // 0, 1, ..., units - 1.
 std::vector<size_t> ForwardOrder(const Job& job);
 

@@ -235,7 +235,8 @@ const std::vector<Tunable>& Table() {
        "ZTIER_PARAM_DEVICE",
        Kind::kScalar,
        "cpu",
-       "Where bf16 params live between fetches: cpu (pinned DRAM) or nvme.",
+       "Where bf16 params live between fetches: cpu (pinned DRAM) or nvme (needs the optimizer "
+       "on nvme; clients read through a pinned cache of buffer_count units).",
        [](Settings& s, std::string_view t, std::string_view k) -> Status {
          ZT_ASSIGN_OR_RETURN(s.param_tier, ParseTier(t, k));
          return Status::Ok();

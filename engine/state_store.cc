@@ -18,12 +18,22 @@ namespace {
 
 uint64_t RoundUp(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
 
-StateView SlotView(const UnitLayout& layout, const DramBlock& slot) {
+bool ParamsOnNvme(const Job& job) { return job.spec.param_tier == Tier::kNvme; }
+
+// A slot holds master, m, v and, with params on NVMe, the bf16 params after
+// StateBytes; otherwise the params go to the DRAM publish buffer.
+StateView SlotView(const Job& job, Unit& u, const DramBlock& slot) {
   auto* base = static_cast<float*>(slot.ptr);
-  return {base, base + layout.padded, base + 2 * layout.padded};
+  const uint64_t n = u.layout.padded;
+  bf16* publish = ParamsOnNvme(job)
+                      ? reinterpret_cast<bf16*>(static_cast<char*>(slot.ptr) + StateBytes(u.layout))
+                      : static_cast<bf16*>(u.publish.ptr);
+  return {base, base + n, base + 2 * n, publish};
 }
 
-StateView BlockView(Unit& u) { return {u.f(u.master), u.f(u.exp_avg), u.f(u.exp_avg_sq)}; }
+StateView BlockView(Unit& u) {
+  return {u.f(u.master), u.f(u.exp_avg), u.f(u.exp_avg_sq), static_cast<bf16*>(u.publish.ptr)};
+}
 
 // Waits for a ticket, counting the time blocked as I/O wait.
 Status WaitIo(StateRing& ring, const nvme::IoTicket& t) {
@@ -41,6 +51,7 @@ Status WaitIo(StateRing& ring, const nvme::IoTicket& t) {
 }  // namespace
 
 uint64_t StateBytes(const UnitLayout& layout) { return RoundUp(layout.padded * 12, 4096); }
+uint64_t ParamBytes(const UnitLayout& layout) { return RoundUp(layout.padded * 2, 4096); }
 
 std::vector<size_t> ForwardOrder(const Job& job) {
   std::vector<size_t> order(job.units.size());
@@ -49,9 +60,12 @@ std::vector<size_t> ForwardOrder(const Job& job) {
 }
 
 Status ForEachUnitState(Job& job, const std::vector<size_t>& order, WriteBack write_back,
-                        const UnitFn& fn) {
+                        const UnitFn& fn, const StoredFn& stored) {
   if (job.ring == nullptr) {
-    for (size_t k : order) ZT_RETURN_IF_ERROR(fn(k, BlockView(job.units[k])));
+    for (size_t k : order) {
+      ZT_RETURN_IF_ERROR(fn(k, BlockView(job.units[k])));
+      if (stored) stored(k);
+    }
     return Status::Ok();
   }
   StateRing& ring = *job.ring;
@@ -61,7 +75,7 @@ Status ForEachUnitState(Job& job, const std::vector<size_t>& order, WriteBack wr
   std::vector<nvme::IoTicket> reads(slots), writes(slots);
   std::vector<size_t> writing(slots);  // index into order of the unit a slot writes back
   auto unit_name = [&](size_t i) { return StrCat("unit '", job.spec.units[order[i]].name, "'"); };
-  auto range_of = [&](size_t i, size_t slot) {
+  auto state_range = [&](size_t i, size_t slot) {
     const Unit& u = job.units[order[i]];
     return nvme::IoRange{.object = u.swap_object,
                          .offset = 0,
@@ -74,8 +88,12 @@ Status ForEachUnitState(Job& job, const std::vector<size_t>& order, WriteBack wr
     Status s = WaitIo(ring, writes[slot]);
     writes[slot] = {};
     if (!s.ok()) return s.Annotate(StrCat("write back ", unit_name(writing[slot])));
-    ring.bytes_written.fetch_add(StateBytes(job.units[order[writing[slot]]].layout),
-                                 std::memory_order_relaxed);
+    Unit& u = job.units[order[writing[slot]]];
+    ring.bytes_written.fetch_add(
+        StateBytes(u.layout) + (ParamsOnNvme(job) ? ParamBytes(u.layout) : 0),
+        std::memory_order_relaxed);
+    if (ParamsOnNvme(job)) u.param_current.fetch_xor(1, std::memory_order_release);
+    if (stored) stored(order[writing[slot]]);
     return Status::Ok();
   };
 
@@ -87,13 +105,13 @@ Status ForEachUnitState(Job& job, const std::vector<size_t>& order, WriteBack wr
       const size_t slot = next_read % slots;
       status = finish_write(slot);
       if (!status.ok()) break;
-      const nvme::IoRange range = range_of(next_read, slot);
+      const nvme::IoRange range = state_range(next_read, slot);
       reads[slot] = ring.swap->Submit(nvme::IoDirection::kRead, {&range, 1});
       ++next_read;
     }
     if (!status.ok()) break;
     const size_t slot = i % slots;
-    const Unit& u = job.units[order[i]];
+    Unit& u = job.units[order[i]];
     status = WaitIo(ring, reads[slot]);
     reads[slot] = {};
     if (!status.ok()) {
@@ -101,11 +119,28 @@ Status ForEachUnitState(Job& job, const std::vector<size_t>& order, WriteBack wr
       break;
     }
     ring.bytes_read.fetch_add(StateBytes(u.layout), std::memory_order_relaxed);
-    status = fn(order[i], SlotView(u.layout, ring.slots[slot]));
-    if (!status.ok() || write_back == WriteBack::kNo) continue;
-    const nvme::IoRange range = range_of(i, slot);
-    writes[slot] = ring.swap->Submit(nvme::IoDirection::kWrite, {&range, 1});
+    const StateView view = SlotView(job, u, ring.slots[slot]);
+    status = fn(order[i], view);
+    if (!status.ok()) continue;
+    if (write_back == WriteBack::kNo) {
+      if (stored) stored(order[i]);
+      continue;
+    }
+    std::vector<nvme::IoRange> ranges = {state_range(i, slot)};
+    if (ParamsOnNvme(job)) {  // into the copy clients are not reading
+      const uint8_t next = u.param_current.load(std::memory_order_acquire) ^ 1;
+      ranges.push_back({.object = u.param_objects[next],
+                        .offset = 0,
+                        .length = ParamBytes(u.layout),
+                        .buffer = view.publish});
+    }
+    writes[slot] = ring.swap->Submit(nvme::IoDirection::kWrite, ranges);
     writing[slot] = i;
+    // Finish write-backs that are already done, so their units are
+    // published without waiting for their slot's next use.
+    for (size_t w = 0; w < slots && status.ok(); ++w) {
+      if (w != slot && writes[w].valid() && writes[w].Done()) status = finish_write(w);
+    }
   }
   // Drain: the slots must be idle when the ring is released. A read-ahead
   // past an error is waited for and its data dropped.
@@ -117,8 +152,9 @@ Status ForEachUnitState(Job& job, const std::vector<size_t>& order, WriteBack wr
   return status;
 }
 
-Status WithUnitState(Job& job, size_t unit, WriteBack write_back, const UnitFn& fn) {
-  return ForEachUnitState(job, {unit}, write_back, fn);
+Status WithUnitState(Job& job, size_t unit, WriteBack write_back, const UnitFn& fn,
+                     const StoredFn& stored) {
+  return ForEachUnitState(job, {unit}, write_back, fn, stored);
 }
 
 }  // namespace ztier::engine

@@ -105,19 +105,37 @@ struct Reference {
   int64_t adam_step = 0;
 };
 
+// Where a job's optimizer states and params live.
+enum class Placement { kDram, kNvmeStates, kNvmeAll };
+
+JobSpec Place(JobSpec spec, Placement p) {
+  spec.optimizer_tier = p == Placement::kDram ? Tier::kDram : Tier::kNvme;
+  spec.param_tier = p == Placement::kNvmeAll ? Tier::kNvme : Tier::kDram;
+  return spec;
+}
+
+// A copy of the unit's published params, through AcquireParams (either tier).
+std::vector<bf16> PublishedCopy(Engine& e, int job, int unit, size_t n) {
+  Result<const bf16*> p = e.AcquireParams(job, unit, e.PublishedStep(job, unit), 30s);
+  ZT_CHECK_MSG(p.ok(), p.status().ToString());
+  std::vector<bf16> out(*p, *p + n);
+  ZT_CHECK(e.ReleaseParams(job, unit).ok());
+  return out;
+}
+
 class EngineStepTest
-    : public ::testing::TestWithParam<std::tuple<int, float, int, StepMode, Tier>> {};
+    : public ::testing::TestWithParam<std::tuple<int, float, int, StepMode, Placement>> {};
 
 TEST_P(EngineStepTest, BitForBitWithPlainCpuAdamLoop) {
-  const auto [ranks, clip, accum, mode, tier] = GetParam();
+  const auto [ranks, clip, accum, mode, placement] = GetParam();
+  const Tier tier = placement == Placement::kDram ? Tier::kDram : Tier::kNvme;
   const uint64_t seed = std::random_device{}();
   SCOPED_TRACE(StrCat("seed ", seed));
   std::mt19937_64 rng(seed);
   std::normal_distribution<float> normal(0.0f, 1.0f);
   ScratchDir swap("swap");
   auto engine = MakeEngine(uint64_t{1} << 30, tier == Tier::kNvme ? &swap : nullptr);
-  JobSpec spec = SmallModel("eq", ranks, clip, accum, mode);
-  spec.optimizer_tier = tier;
+  const JobSpec spec = Place(SmallModel("eq", ranks, clip, accum, mode), placement);
   Result<int> job = engine->RegisterJob(spec);
   ASSERT_TRUE(job.ok()) << job.status();
   Result<cpu_adam::Executor> exec = cpu_adam::Executor::Create({.threads = 2});
@@ -232,8 +250,9 @@ TEST_P(EngineStepTest, BitForBitWithPlainCpuAdamLoop) {
           << "master, unit " << k << " step " << step;
       ASSERT_EQ(std::memcmp(m.data(), u.m.data(), m.size() * 4), 0) << "exp_avg, unit " << k;
       ASSERT_EQ(std::memcmp(v.data(), u.v.data(), v.size() * 4), 0) << "exp_avg_sq, unit " << k;
-      const bf16* pub = *engine->Published(*job, k);
-      ASSERT_EQ(std::memcmp(pub, u.out.data(), u.out.size() * 2), 0) << "publish, unit " << k;
+      const std::vector<bf16> pub = PublishedCopy(*engine, *job, k, u.out.size());
+      ASSERT_EQ(std::memcmp(pub.data(), u.out.data(), u.out.size() * 2), 0)
+          << "publish, unit " << k;
     }
   }
   const JobCounters c = engine->counters(*job);
@@ -251,7 +270,12 @@ TEST_P(EngineStepTest, BitForBitWithPlainCpuAdamLoop) {
     for (const auto& u : ref.units) state += (u.layout.padded * 12 + 4095) / 4096 * 4096;
     EXPECT_GE(c.nvme_write_bytes, state * steps);
     EXPECT_GE(c.nvme_read_bytes, state * steps);
-    EXPECT_EQ(c.nvme_bytes, state);
+    uint64_t params = 0;
+    for (const auto& u : ref.units) params += (u.layout.padded * 2 + 4095) / 4096 * 4096;
+    EXPECT_EQ(c.nvme_bytes, state + (placement == Placement::kNvmeAll ? 2 * params : 0));
+    if (placement == Placement::kNvmeAll) {
+      EXPECT_GT(c.nvme_param_read_bytes, 0u);
+    }
   } else {
     EXPECT_EQ(c.nvme_read_bytes, 0u);
   }
@@ -266,8 +290,8 @@ std::vector<EngineStepTest::ParamType> StepCases() {
       for (int accum : {1, 3}) {
         for (StepMode mode : {StepMode::kExact, StepMode::kEager}) {
           if (mode == StepMode::kEager && clip > 0.0f) continue;
-          for (Tier tier : {Tier::kDram, Tier::kNvme})
-            out.emplace_back(ranks, clip, accum, mode, tier);
+          for (Placement p : {Placement::kDram, Placement::kNvmeStates, Placement::kNvmeAll})
+            out.emplace_back(ranks, clip, accum, mode, p);
         }
       }
     }
@@ -282,7 +306,9 @@ INSTANTIATE_TEST_SUITE_P(Modes, EngineStepTest, ::testing::ValuesIn(StepCases())
                                std::get<1>(p.param) > 0 ? "_clip" : "_noclip", "_acc",
                                std::get<2>(p.param),
                                std::get<3>(p.param) == StepMode::kExact ? "_exact" : "_eager",
-                               std::get<4>(p.param) == Tier::kNvme ? "_nvme" : "_dram");
+                               std::get<4>(p.param) == Placement::kDram         ? "_dram"
+                               : std::get<4>(p.param) == Placement::kNvmeStates ? "_nvme_states"
+                                                                                : "_nvme_all");
                          });
 
 // Rings unit k's grads (all ranks) with the given value everywhere.
@@ -390,7 +416,7 @@ TEST(EngineJobsTest, BudgetsValidationAndUnregister) {
   EXPECT_NE(no_swap.status().message().find("nvme_path"), std::string::npos) << no_swap.status();
   nvme.optimizer_tier = Tier::kDram;
   nvme.param_tier = Tier::kNvme;
-  EXPECT_EQ(engine->RegisterJob(nvme).status().code(), StatusCode::kUnimplemented);
+  EXPECT_EQ(engine->RegisterJob(nvme).status().code(), StatusCode::kInvalidArgument);
   JobSpec zero = SmallModel("e", 1, 0, 1, StepMode::kExact);
   zero.units[0].tensors[0].shape = {0, 3};
   EXPECT_EQ(engine->RegisterJob(zero).status().code(), StatusCode::kInvalidArgument);
@@ -454,11 +480,10 @@ State Snapshot(Engine& e, int job) {
     p.resize(l.numel);
     m.resize(l.numel);
     v.resize(l.numel);
-    const bf16* pub = *e.Published(job, k);
     s.p.push_back(p);
     s.m.push_back(m);
     s.v.push_back(v);
-    s.out.emplace_back(pub, pub + l.numel);
+    s.out.push_back(PublishedCopy(e, job, k, l.numel));
   }
   return s;
 }
@@ -669,6 +694,66 @@ TEST(EngineSwapTest, OverCapacityIsClearAndHarmsNoOtherJob) {
   ASSERT_TRUE(e->UnregisterJob(*ja).ok());
   big.units.pop_back();  // 3 MiB: fits in the 8 MiB once "fits" is gone
   EXPECT_TRUE(e->RegisterJob(big).ok());
+}
+
+// Params on NVMe: leases hold cache slots, a full cache times out clearly,
+// a release frees a slot, prefetched units are served from the cache, and
+// a new publish is never served from an out-of-date copy.
+TEST(EngineSwapTest, ParamCacheLeasesPrefetchAndFreshness) {
+  ScratchDir swap("swap");
+  auto e = MakeEngine(uint64_t{1} << 30, &swap);  // buffer_count 3
+  Result<int> j =
+      e->RegisterJob(Place(SmallModel("pc", 1, 0.0f, 1, StepMode::kExact), Placement::kNvmeAll));
+  ASSERT_TRUE(j.ok()) << j.status();
+  EXPECT_EQ(e->Published(*j, 0).status().code(), StatusCode::kFailedPrecondition);
+  std::vector<std::vector<float>> w(4);
+  for (int k = 0; k < 4; ++k) {
+    const UnitLayout l = *e->Layout(*j, k);
+    w[k].assign(l.numel, 0.25f * (k + 1));
+    ASSERT_TRUE(e->WriteWeights(*j, k, w[k].data(), l.numel).ok());
+  }
+  const uint64_t before = e->counters(*j).nvme_param_read_bytes;
+  // Unit 0 read, units 1 prefetched (3 slots: depth 1).
+  Result<const bf16*> p0 = e->AcquireParams(*j, 0, 0, 5s);
+  ASSERT_TRUE(p0.ok()) << p0.status();
+  EXPECT_EQ(Bf16ToFloat((*p0)[0]), 0.25f);
+  const uint64_t after_first = e->counters(*j).nvme_param_read_bytes;
+  EXPECT_GT(after_first, before);
+  Result<const bf16*> p1 = e->AcquireParams(*j, 1, 0, 5s);
+  ASSERT_TRUE(p1.ok());
+  EXPECT_EQ(Bf16ToFloat((*p1)[0]), 0.5f);
+  Result<const bf16*> p2 = e->AcquireParams(*j, 2, 0, 5s);
+  ASSERT_TRUE(p2.ok());
+  EXPECT_EQ(Bf16ToFloat((*p2)[0]), 0.75f);
+  // All three slots held: the fourth unit waits, then says why.
+  Result<const bf16*> p3 = e->AcquireParams(*j, 3, 0, 200ms);
+  EXPECT_EQ(p3.status().code(), StatusCode::kUnavailable) << p3.status();
+  EXPECT_NE(p3.status().message().find("buffer_count"), std::string::npos) << p3.status();
+  // A release from another thread lets it through.
+  std::thread releaser([&] {
+    std::this_thread::sleep_for(50ms);
+    ASSERT_TRUE(e->ReleaseParams(*j, 0).ok());
+  });
+  p3 = e->AcquireParams(*j, 3, 0, 5s);
+  releaser.join();
+  ASSERT_TRUE(p3.ok()) << p3.status();
+  EXPECT_EQ(Bf16ToFloat((*p3)[0]), 1.0f);
+  for (int k : {1, 2, 3}) ASSERT_TRUE(e->ReleaseParams(*j, k).ok());
+  EXPECT_EQ(e->ReleaseParams(*j, 3).code(), StatusCode::kFailedPrecondition);
+
+  // A step publishes new params; a cached copy of the old ones is not used.
+  ASSERT_TRUE(e->AcquireParams(*j, 3, 0, 5s).ok());  // cached
+  ASSERT_TRUE(e->ReleaseParams(*j, 3).ok());
+  for (int k = 3; k >= 0; --k) Ring(*e, *j, k, 1, 1.0f);
+  for (int k = 0; k < 4; ++k) {
+    Result<const bf16*> p = e->AcquireParams(*j, k, 1, 10s);
+    ASSERT_TRUE(p.ok()) << p.status();
+    std::vector<float> master(e->Layout(*j, k)->padded);
+    ASSERT_TRUE(e->ReadState(*j, k, master.data(), nullptr, nullptr).ok());
+    EXPECT_NE(master[0], w[k][0]);
+    EXPECT_EQ((*p)[0].bits, FloatToBf16(master[0]).bits) << "unit " << k;
+    ASSERT_TRUE(e->ReleaseParams(*j, k).ok());
+  }
 }
 
 // Delivers one step's grads (value everywhere) for every unit, backward.
