@@ -91,11 +91,7 @@ struct Engine::Impl {
         .exp_avg_sq = state.exp_avg_sq,
         .params_out = state.publish};
     Status s = cpu_adam::Step(job.spec.optimizer.hyper, opt, shard, executor).status();
-    job.compute_ns.fetch_add(
-        static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
-                                  std::chrono::steady_clock::now() - t0)
-                                  .count()),
-        std::memory_order_relaxed);
+    AddElapsed(job.compute_ns, t0);
     return s;
   }
 
@@ -408,14 +404,15 @@ Result<int> Engine::RegisterJob(const JobSpec& spec) {
       job->counters.dram_bytes += block->bytes;
     }
     if (!dram_states) {
-      Result<uint64_t> object = e.swap->Allocate(StrCat("job", job->id, "/unit", k), StateBytes(u.layout));
+      Result<uint64_t> object =
+          e.swap->Allocate(StrCat("job", job->id, "/unit", k), StateBytes(u.layout));
       if (!object.ok()) return object.status().Annotate(owner);
       u.swap_object = *object;
       job->counters.nvme_bytes += StateBytes(u.layout);
     }
     for (int copy = 0; nvme_params && copy < 2; ++copy) {
-      Result<uint64_t> object =
-          e.swap->Allocate(StrCat("job", job->id, "/unit", k, "/params", copy), ParamBytes(u.layout));
+      Result<uint64_t> object = e.swap->Allocate(
+          StrCat("job", job->id, "/unit", k, "/params", copy), ParamBytes(u.layout));
       if (!object.ok()) return object.status().Annotate(owner);
       u.param_objects[copy] = *object;
       job->counters.nvme_bytes += ParamBytes(u.layout);

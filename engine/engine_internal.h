@@ -4,6 +4,7 @@
 #define ZTIER_ENGINE_ENGINE_INTERNAL_H_
 
 #include <atomic>
+#include <chrono>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -119,6 +120,14 @@ struct Job {
     }
   }
 };
+
+// Adds the nanoseconds since `t0` to a time counter.
+inline void AddElapsed(std::atomic<uint64_t>& ns, std::chrono::steady_clock::time_point t0) {
+  ns.fetch_add(static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                         std::chrono::steady_clock::now() - t0)
+                                         .count()),
+               std::memory_order_relaxed);
+}
 
 // Bytes of a unit's state as one swap object and one ring slot: master, m
 // and v of `padded` fp32 each, rounded up to 4 KiB so transfers go straight

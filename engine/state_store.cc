@@ -40,11 +40,7 @@ Status WaitIo(StateRing& ring, const nvme::IoTicket& t) {
   if (!t.valid()) return Status::Ok();
   const auto t0 = std::chrono::steady_clock::now();
   Status s = t.Wait();
-  ring.io_wait_ns.fetch_add(
-      static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
-                                std::chrono::steady_clock::now() - t0)
-                                .count()),
-      std::memory_order_relaxed);
+  AddElapsed(ring.io_wait_ns, t0);
   return s;
 }
 
