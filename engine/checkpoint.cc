@@ -60,7 +60,7 @@ Status SaveCheckpointImpl(Job& job, const std::string& dir) {
   Json units = Json::array();
   std::set<std::string> keep = {"manifest.json"};
   ZT_RETURN_IF_ERROR(ForEachUnitState(
-      job, ForwardOrder(job), WriteBack::kNo, [&](size_t k, const StateView& state) -> Status {
+      job, ForwardOrder(job), Access::kRead, [&](size_t k, const StateView& state) -> Status {
         const Unit& u = job.units[k];
         const UnitSpec& us = job.spec.units[k];
         Json tensors = Json::array();
@@ -217,8 +217,10 @@ Status LoadCheckpointImpl(Job& job, const std::string& dir, const PublishFn& pub
       return Status::Ok();
     };
     for (size_t k = 0; k < job.units.size(); ++k) ZT_RETURN_IF_ERROR(load_unit(k, nullptr));
+    // load_unit sets every element of master, m, v and the params: the
+    // state on the drives need not be read first.
     Status st =
-        ForEachUnitState(job, ForwardOrder(job), WriteBack::kYes,
+        ForEachUnitState(job, ForwardOrder(job), Access::kOverwrite,
                          [&](size_t k, const StateView& state) { return load_unit(k, &state); });
     if (!st.ok()) {  // the files changed between the two passes, or an I/O error
       return st.Annotate("the job's state is now partly loaded; load a checkpoint again");
@@ -281,7 +283,7 @@ Status ExportSafetensorsImpl(Job& job, const std::string& path, bool bf16_out) {
   }
   std::string data = MakeSafetensorsHeader(entries);
   ZT_RETURN_IF_ERROR(ForEachUnitState(
-      job, ForwardOrder(job), WriteBack::kNo, [&](size_t k, const StateView& state) {
+      job, ForwardOrder(job), Access::kRead, [&](size_t k, const StateView& state) {
         const Unit& u = job.units[k];
         const float* master = state.master;
         if (bf16_out) {
@@ -324,7 +326,7 @@ Status ImportSafetensorsImpl(Job& job, const std::string& path, const PublishFn&
     }
   }
   return ForEachUnitState(
-      job, ForwardOrder(job), WriteBack::kYes, [&](size_t k, const StateView& state) {
+      job, ForwardOrder(job), Access::kUpdate, [&](size_t k, const StateView& state) {
         Unit& u = job.units[k];
         float* master = state.master;
         const std::vector<TensorSpec>& tensors = job.spec.units[k].tensors;

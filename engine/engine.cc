@@ -185,7 +185,7 @@ struct Engine::Impl {
     // A unit is published once its write-back is done: a published unit is
     // on the drives, and an I/O error fails the step it belongs to.
     Status s = ForEachUnitState(
-        job, ForwardOrder(job), WriteBack::kYes,
+        job, ForwardOrder(job), Access::kUpdate,
         [&](size_t k, const StateView& state) {
           return RunAdam(job, job.units[k], state, adam_step, scale);
         },
@@ -214,7 +214,7 @@ struct Engine::Impl {
                           "(the default) for loss scaling")));
     }
     // Published once the state is written back (NVMe tier).
-    Status s = WithUnitState(job, unit, WriteBack::kYes, [&](size_t k, const StateView& state) {
+    Status s = WithUnitState(job, unit, Access::kUpdate, [&](size_t k, const StateView& state) {
       return RunAdam(job, job.units[k], state, adam_step, 1.0f);
     });
     if (!s.ok()) return Fail(job, s.Annotate(StrCat("step ", step)));
@@ -460,7 +460,7 @@ Status Engine::WriteWeights(int job, int unit, const float* flat, uint64_t numel
                                           u.layout.numel, " elements, got ", numel));
   }
   return WithUnitState(
-      *j, unit, WriteBack::kYes,
+      *j, unit, Access::kUpdate,
       [&](size_t, const StateView& state) {
         std::memcpy(state.master, flat, numel * sizeof(float));
         std::memset(state.master + numel, 0, (u.layout.padded - numel) * sizeof(float));
@@ -482,7 +482,7 @@ Status Engine::ReadState(int job, int unit, float* master, float* exp_avg,
     return Status::OutOfRange(StrCat("job ", job, " has no unit ", unit));
   }
   const size_t bytes = j->units[unit].layout.padded * sizeof(float);
-  return WithUnitState(*j, unit, WriteBack::kNo, [&](size_t, const StateView& state) {
+  return WithUnitState(*j, unit, Access::kRead, [&](size_t, const StateView& state) {
     if (master) std::memcpy(master, state.master, bytes);
     if (exp_avg) std::memcpy(exp_avg, state.exp_avg, bytes);
     if (exp_avg_sq) std::memcpy(exp_avg_sq, state.exp_avg_sq, bytes);
@@ -795,7 +795,7 @@ Status Engine::ImportSafetensors(int job, const std::string& path) {
 Status Engine::RoundTripStates(int job) {
   return WithIdleJob(*impl_, job, "round-trip states", [&](Job& j) {
     return ForEachUnitState(
-        j, ForwardOrder(j), WriteBack::kYes, [&](size_t k, const StateView& state) {
+        j, ForwardOrder(j), Access::kUpdate, [&](size_t k, const StateView& state) {
           if (j.params != nullptr) {  // the params written back are bf16(master)
             for (uint64_t i = 0; i < j.units[k].layout.padded; ++i) {
               state.publish[i] = FloatToBf16(state.master[i]);

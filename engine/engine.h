@@ -130,7 +130,8 @@ class Engine {
   // Errors: InvalidArgument (empty units, bad shapes, ranks < 1, accumulation
   // < 1, eager mode with clipping), AlreadyExists (name), ResourceExhausted
   // (DRAM budget or swap capacity, naming the job and unit), FailedPrecondition
-  // (states on NVMe without swap paths), Unimplemented (params on NVMe).
+  // (states on NVMe without swap paths); InvalidArgument also for params on
+  // NVMe with states in DRAM.
   Result<int> RegisterJob(const JobSpec& spec);
   // Frees everything the job holds. Errors: NotFound.
   Status UnregisterJob(int job);

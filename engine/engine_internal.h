@@ -136,22 +136,28 @@ uint64_t StateBytes(const UnitLayout& layout);
 // Bytes of a unit's bf16 params as one swap object (4 KiB multiple).
 uint64_t ParamBytes(const UnitLayout& layout);
 
+// What a pass over units' state does with it (NVMe tier):
+//   kRead       read each unit; nothing written back;
+//   kUpdate     read each unit, write it back after fn;
+//   kOverwrite  fn fills the whole state (and params) without reading it:
+//               no read, written back after fn.
+enum class Access : uint8_t { kRead, kUpdate, kOverwrite };
+
 // Runs `fn(k, view)` for each unit index in `order`, with the unit's fp32
 // state in reach. DRAM tier: views of the unit's blocks, in order. NVMe tier:
 // a pipeline over the ring (holding ring->mu throughout): while fn works on
 // one unit the ring reads ahead the next buffer_count - 2 units and writes
-// back the previous ones (when `write_back`; with params on NVMe, the bf16
+// back the previous ones (as `access` says; with params on NVMe, the bf16
 // params go to the unit's other param object, which then becomes current).
 // `stored(k)`, if given, runs once unit k's write-back is done (at once
 // without one), in any order. Returns after every I/O is done. The first
 // error (fn's, or an I/O error naming the unit) stops it.
-enum class WriteBack : uint8_t { kNo, kYes };
 using UnitFn = std::function<Status(size_t unit, const StateView& state)>;
 using StoredFn = std::function<void(size_t unit)>;
-Status ForEachUnitState(Job& job, const std::vector<size_t>& order, WriteBack write_back,
-                        const UnitFn& fn, const StoredFn& stored = {});
+Status ForEachUnitState(Job& job, const std::vector<size_t>& order, Access access, const UnitFn& fn,
+                        const StoredFn& stored = {});
 // The same for one unit.
-Status WithUnitState(Job& job, size_t unit, WriteBack write_back, const UnitFn& fn,
+Status WithUnitState(Job& job, size_t unit, Access access, const UnitFn& fn,
                      const StoredFn& stored = {});
 // 0, 1, ..., units - 1.
 std::vector<size_t> ForwardOrder(const Job& job);

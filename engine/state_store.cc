@@ -55,8 +55,8 @@ std::vector<size_t> ForwardOrder(const Job& job) {
   return order;
 }
 
-Status ForEachUnitState(Job& job, const std::vector<size_t>& order, WriteBack write_back,
-                        const UnitFn& fn, const StoredFn& stored) {
+Status ForEachUnitState(Job& job, const std::vector<size_t>& order, Access access, const UnitFn& fn,
+                        const StoredFn& stored) {
   if (job.ring == nullptr) {
     for (size_t k : order) {
       ZT_RETURN_IF_ERROR(fn(k, BlockView(job.units[k])));
@@ -101,24 +101,28 @@ Status ForEachUnitState(Job& job, const std::vector<size_t>& order, WriteBack wr
       const size_t slot = next_read % slots;
       status = finish_write(slot);
       if (!status.ok()) break;
-      const nvme::IoRange range = state_range(next_read, slot);
-      reads[slot] = ring.swap->Submit(nvme::IoDirection::kRead, {&range, 1});
+      if (access != Access::kOverwrite) {
+        const nvme::IoRange range = state_range(next_read, slot);
+        reads[slot] = ring.swap->Submit(nvme::IoDirection::kRead, {&range, 1});
+      }
       ++next_read;
     }
     if (!status.ok()) break;
     const size_t slot = i % slots;
     Unit& u = job.units[order[i]];
-    status = WaitIo(ring, reads[slot]);
-    reads[slot] = {};
-    if (!status.ok()) {
-      status = status.Annotate(StrCat("read ", unit_name(i)));
-      break;
+    if (reads[slot].valid()) {
+      status = WaitIo(ring, reads[slot]);
+      reads[slot] = {};
+      if (!status.ok()) {
+        status = status.Annotate(StrCat("read ", unit_name(i)));
+        break;
+      }
+      ring.bytes_read.fetch_add(StateBytes(u.layout), std::memory_order_relaxed);
     }
-    ring.bytes_read.fetch_add(StateBytes(u.layout), std::memory_order_relaxed);
     const StateView view = SlotView(job, u, ring.slots[slot]);
     status = fn(order[i], view);
     if (!status.ok()) continue;
-    if (write_back == WriteBack::kNo) {
+    if (access == Access::kRead) {
       if (stored) stored(order[i]);
       continue;
     }
@@ -148,9 +152,9 @@ Status ForEachUnitState(Job& job, const std::vector<size_t>& order, WriteBack wr
   return status;
 }
 
-Status WithUnitState(Job& job, size_t unit, WriteBack write_back, const UnitFn& fn,
+Status WithUnitState(Job& job, size_t unit, Access access, const UnitFn& fn,
                      const StoredFn& stored) {
-  return ForEachUnitState(job, {unit}, write_back, fn, stored);
+  return ForEachUnitState(job, {unit}, access, fn, stored);
 }
 
 }  // namespace ztier::engine
