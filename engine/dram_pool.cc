@@ -227,6 +227,13 @@ int DramPool::region_fd(uint32_t region) const {
   return region < impl_->regions.size() ? impl_->regions[region].fd() : -1;
 }
 
+std::vector<std::pair<void*, uint64_t>> DramPool::regions() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  std::vector<std::pair<void*, uint64_t>> out;
+  for (const Region& r : impl_->regions) out.emplace_back(r.base(), r.bytes());
+  return out;
+}
+
 DramPoolStats DramPool::stats() const {
   const Impl& p = *impl_;
   std::lock_guard<std::mutex> lock(p.mu);

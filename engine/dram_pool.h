@@ -24,6 +24,7 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "common/status.h"
@@ -79,6 +80,9 @@ class DramPool {
 
   // The memfd of a region, for passing to another process.
   int region_fd(uint32_t region) const;
+  // Every region made so far, {base, bytes}, in region order (for
+  // registering them with a device for DMA).
+  std::vector<std::pair<void*, uint64_t>> regions() const;
   DramPoolStats stats() const;
 
   struct Impl;

@@ -806,6 +806,10 @@ Status Engine::RoundTripStates(int job) {
   });
 }
 
+std::vector<std::pair<void*, uint64_t>> Engine::PinnedRegions() const {
+  return impl_->pool->regions();
+}
+
 JobCounters Engine::counters(int job) const {
   std::lock_guard<std::mutex> lock(impl_->mu);
   Result<std::shared_ptr<Job>> r = impl_->Find(job);

@@ -49,6 +49,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/bf16.h"
@@ -213,6 +214,12 @@ class Engine {
   Status RoundTripStates(int job);
 
   JobCounters counters(int job) const;
+
+  // The pinned DRAM regions made so far, {base, bytes}: every pointer the
+  // engine hands out (publish buffers, grad inboxes, the param cache) lies in
+  // one. Clients register them with their device for DMA; regions are only
+  // ever added, so register again after a RegisterJob.
+  std::vector<std::pair<void*, uint64_t>> PinnedRegions() const;
 
   struct Impl;
 
