@@ -1,0 +1,305 @@
+// libztier's C ABI (client/ztier_c.h) over the C++ API. Every entry point
+// catches nothing (the C++ API throws nothing), turns a Status into its code
+// and keeps the message in a thread-local for ztier_last_error().
+//
+// Thread safety: as the C++ objects behind the handles.
+#include "client/ztier_c.h"
+
+#include <cstring>
+#include <string>
+
+#include "client/ztier.h"
+
+extern char** environ;
+
+struct ztier_session {
+  std::unique_ptr<ztier::client::Session> session;
+};
+struct ztier_model {
+  std::unique_ptr<ztier::client::Model> model;
+};
+struct ztier_device {
+  std::unique_ptr<ztier::client::Device> device;
+};
+struct ztier_runner {
+  std::unique_ptr<ztier::client::Stage3Runner> runner;
+};
+
+namespace {
+
+using ztier::Result;
+using ztier::Status;
+using ztier::StrCat;
+
+thread_local std::string last_error;
+
+static_assert(static_cast<int>(ztier::StatusCode::kInternal) == ZTIER_INTERNAL);
+
+ztier_status Report(const Status& s) {
+  if (s.ok()) return ZTIER_OK;
+  last_error = s.ToString();
+  return static_cast<ztier_status>(s.code());
+}
+
+ztier_status Null(const char* what) {
+  return Report(Status::InvalidArgument(StrCat(what, " is NULL")));
+}
+
+template <typename T>
+Status CheckStruct(const T* s, const char* what) {
+  if (s == nullptr) return Status::InvalidArgument(StrCat(what, " is NULL"));
+  if (s->struct_size < sizeof(uint32_t) || s->struct_size > sizeof(T)) {
+    return Status::InvalidArgument(StrCat(what, ".struct_size is ", s->struct_size,
+                                          "; this libztier knows sizes up to ", sizeof(T)));
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+extern "C" {
+
+int ztier_abi_version(void) { return ZTIER_ABI_VERSION; }
+const char* ztier_version(void) { return "0.1.0"; }
+const char* ztier_last_error(void) { return last_error.c_str(); }
+
+ztier_status ztier_session_open(const char* config_path, ztier_session** out) {
+  if (out == nullptr) return Null("out");
+  ztier::engine::Settings settings;
+  if (config_path != nullptr) {
+    Result<ztier::engine::Settings> loaded = ztier::engine::LoadSettings(config_path);
+    if (!loaded.ok()) return Report(loaded.status());
+    settings = *loaded;
+  }
+  Result<ztier::engine::Settings> env = ztier::engine::ApplyEnvironment(settings, environ);
+  if (!env.ok()) return Report(env.status());
+  Result<std::unique_ptr<ztier::client::Session>> s =
+      ztier::client::Session::Open({.settings = *env, .daemon_socket = ""});
+  if (!s.ok()) return Report(s.status());
+  *out = new ztier_session{*std::move(s)};
+  return ZTIER_OK;
+}
+
+void ztier_session_close(ztier_session* session) { delete session; }
+
+void ztier_model_desc_init(ztier_model_desc* desc) {
+  if (desc == nullptr) return;
+  std::memset(desc, 0, sizeof(*desc));
+  const ztier::cpu_adam::Hyper h;
+  desc->struct_size = sizeof(*desc);
+  desc->lr = h.lr;
+  desc->beta1 = h.beta1;
+  desc->beta2 = h.beta2;
+  desc->eps = h.eps;
+  desc->weight_decay = h.weight_decay;
+  desc->grad_accumulation = 1;
+  desc->world_size = 1;
+}
+
+ztier_status ztier_model_register(ztier_session* session, const ztier_model_desc* desc,
+                                  ztier_model** out) {
+  if (session == nullptr) return Null("session");
+  if (out == nullptr) return Null("out");
+  if (Status s = CheckStruct(desc, "model desc"); !s.ok()) return Report(s);
+  if (desc->struct_size != sizeof(ztier_model_desc)) {
+    return Report(Status::InvalidArgument("model desc: set struct_size = sizeof(ztier_model_desc)"));
+  }
+  if (desc->name == nullptr || desc->units == nullptr || desc->num_units <= 0) {
+    return Report(Status::InvalidArgument("model desc: name and at least one unit are required"));
+  }
+  if (desc->world_size != 1) {
+    return Report(Status::InvalidArgument(
+        StrCat("model '", desc->name, "': world size ", desc->world_size,
+               " through the C ABI; it drives one rank (use the C++ API for local ranks)")));
+  }
+  ztier::client::Session::ModelSpec spec;
+  spec.name = desc->name;
+  for (int32_t u = 0; u < desc->num_units; ++u) {
+    const ztier_unit_desc& ud = desc->units[u];
+    if (ud.name == nullptr || (ud.num_tensors > 0 && ud.tensors == nullptr) || ud.num_tensors < 0) {
+      return Report(Status::InvalidArgument(StrCat("model desc: unit ", u, " has no name or a ",
+                                                   "NULL tensor list")));
+    }
+    ztier::engine::UnitSpec unit{.name = ud.name, .tensors = {}};
+    for (int32_t t = 0; t < ud.num_tensors; ++t) {
+      const ztier_tensor_desc& td = ud.tensors[t];
+      if (td.name == nullptr || td.ndim < 0 || (td.ndim > 0 && td.shape == nullptr)) {
+        return Report(Status::InvalidArgument(
+            StrCat("model desc: unit '", ud.name, "' tensor ", t, " has no name or shape")));
+      }
+      unit.tensors.push_back({.name = td.name, .shape = {td.shape, td.shape + td.ndim}});
+    }
+    spec.units.push_back(std::move(unit));
+  }
+  spec.optimizer.hyper.lr = desc->lr;
+  spec.optimizer.hyper.beta1 = desc->beta1;
+  spec.optimizer.hyper.beta2 = desc->beta2;
+  spec.optimizer.hyper.eps = desc->eps;
+  spec.optimizer.hyper.weight_decay = desc->weight_decay;
+  spec.optimizer.clip_norm = desc->clip_norm;
+  spec.optimizer.grad_accumulation = desc->grad_accumulation;
+  spec.optimizer_tier = desc->optimizer_on_nvme ? ztier::engine::Tier::kNvme : ztier::engine::Tier::kDram;
+  spec.param_tier = desc->params_on_nvme ? ztier::engine::Tier::kNvme : ztier::engine::Tier::kDram;
+  spec.world_size = 1;
+  Result<std::unique_ptr<ztier::client::Model>> m = session->session->RegisterModel(spec);
+  if (!m.ok()) return Report(m.status());
+  *out = new ztier_model{*std::move(m)};
+  return ZTIER_OK;
+}
+
+void ztier_model_close(ztier_model* model) { delete model; }
+
+ztier_status ztier_model_unit_layout(const ztier_model* model, int32_t unit, uint64_t* numel,
+                                     uint64_t* padded) {
+  if (model == nullptr) return Null("model");
+  if (unit < 0 || unit >= model->model->units()) {
+    return Report(Status::OutOfRange(StrCat("model has no unit ", unit)));
+  }
+  const ztier::engine::UnitLayout& l = model->model->layout(unit);
+  if (numel != nullptr) *numel = l.numel;
+  if (padded != nullptr) *padded = l.padded;
+  return ZTIER_OK;
+}
+
+ztier_status ztier_model_set_weights(ztier_model* model, int32_t unit, const float* flat,
+                                     uint64_t numel) {
+  if (model == nullptr) return Null("model");
+  if (flat == nullptr) return Null("weights");
+  return Report(model->model->SetWeights(unit, flat, numel));
+}
+
+ztier_status ztier_model_read_master(const ztier_model* model, int32_t unit, float* out,
+                                     uint64_t padded) {
+  if (model == nullptr) return Null("model");
+  if (out == nullptr) return Null("out");
+  std::vector<float> master;
+  if (Status s = model->model->ReadMaster(unit, &master); !s.ok()) return Report(s);
+  if (padded != master.size()) {
+    return Report(Status::InvalidArgument(
+        StrCat("read master of unit ", unit, ": buffer of ", padded, " floats, the unit has ",
+               master.size(), " (padded)")));
+  }
+  std::memcpy(out, master.data(), padded * sizeof(float));
+  return ZTIER_OK;
+}
+
+ztier_status ztier_model_save_checkpoint(ztier_model* model, const char* dir) {
+  if (model == nullptr) return Null("model");
+  if (dir == nullptr) return Null("dir");
+  return Report(model->model->SaveCheckpoint(dir));
+}
+
+ztier_status ztier_model_load_checkpoint(ztier_model* model, const char* dir) {
+  if (model == nullptr) return Null("model");
+  if (dir == nullptr) return Null("dir");
+  return Report(model->model->LoadCheckpoint(dir));
+}
+
+ztier_status ztier_model_export_safetensors(ztier_model* model, const char* path, int32_t dtype) {
+  if (model == nullptr) return Null("model");
+  if (path == nullptr) return Null("path");
+  if (dtype != 0 && dtype != 1) {
+    return Report(Status::InvalidArgument(StrCat("export dtype ", dtype, ": 0 (bf16) or 1 (fp32)")));
+  }
+  return Report(model->model->ExportSafetensors(
+      path, dtype == 0 ? ztier::engine::Engine::ExportType::kBFloat16
+                       : ztier::engine::Engine::ExportType::kFloat32));
+}
+
+ztier_status ztier_model_import_safetensors(ztier_model* model, const char* path) {
+  if (model == nullptr) return Null("model");
+  if (path == nullptr) return Null("path");
+  return Report(model->model->ImportSafetensors(path));
+}
+
+int64_t ztier_model_published_step(const ztier_model* model) {
+  return model == nullptr ? -1 : model->model->published_step();
+}
+
+ztier_status ztier_device_open_host(ztier_device** out) {
+  if (out == nullptr) return Null("out");
+  Result<std::unique_ptr<ztier::client::Device>> d = ztier::client::MakeHostDevice();
+  if (!d.ok()) return Report(d.status());
+  *out = new ztier_device{*std::move(d)};
+  return ZTIER_OK;
+}
+
+ztier_status ztier_device_open_cuda(int32_t ordinal, ztier_device** out) {
+  if (out == nullptr) return Null("out");
+  Result<std::unique_ptr<ztier::client::Device>> d = ztier::client::MakeCudaDevice(ordinal);
+  if (!d.ok()) return Report(d.status());
+  *out = new ztier_device{*std::move(d)};
+  return ZTIER_OK;
+}
+
+void ztier_device_close(ztier_device* device) { delete device; }
+
+void ztier_runner_options_init(ztier_runner_options* options) {
+  if (options == nullptr) return;
+  const ztier::client::RunnerOptions d;
+  std::memset(options, 0, sizeof(*options));
+  options->struct_size = sizeof(*options);
+  options->prefetch_depth = d.prefetch_depth;
+  options->max_live_bytes = d.max_live_bytes;
+  options->persistence_threshold = d.persistence_threshold;
+}
+
+ztier_status ztier_runner_create(ztier_model* model, ztier_device* device,
+                                 const ztier_runner_options* options, ztier_runner** out) {
+  if (model == nullptr) return Null("model");
+  if (device == nullptr) return Null("device");
+  if (out == nullptr) return Null("out");
+  ztier::client::RunnerOptions o;
+  if (options != nullptr) {
+    if (Status s = CheckStruct(options, "runner options"); !s.ok()) return Report(s);
+    o.prefetch_depth = options->prefetch_depth;
+    o.max_live_bytes = options->max_live_bytes;
+    o.persistence_threshold = options->persistence_threshold;
+  }
+  Result<std::unique_ptr<ztier::client::Stage3Runner>> r =
+      ztier::client::Stage3Runner::Create(*model->model, 0, *device->device, nullptr, o);
+  if (!r.ok()) return Report(r.status());
+  *out = new ztier_runner{*std::move(r)};
+  return ZTIER_OK;
+}
+
+void ztier_runner_close(ztier_runner* runner) { delete runner; }
+
+ztier_status ztier_runner_acquire(ztier_runner* runner, int32_t unit, const uint16_t** params) {
+  if (runner == nullptr) return Null("runner");
+  if (params == nullptr) return Null("params");
+  Result<const ztier::bf16*> p = runner->runner->Acquire(unit);
+  if (!p.ok()) return Report(p.status());
+  *params = reinterpret_cast<const uint16_t*>(*p);
+  return ZTIER_OK;
+}
+
+ztier_status ztier_runner_release(ztier_runner* runner, int32_t unit) {
+  if (runner == nullptr) return Null("runner");
+  return Report(runner->runner->Release(unit));
+}
+
+ztier_status ztier_runner_grad_buffer(ztier_runner* runner, int32_t unit, uint16_t** grads) {
+  if (runner == nullptr) return Null("runner");
+  if (grads == nullptr) return Null("grads");
+  Result<ztier::bf16*> g = runner->runner->GradBuffer(unit);
+  if (!g.ok()) return Report(g.status());
+  *grads = reinterpret_cast<uint16_t*>(*g);
+  return ZTIER_OK;
+}
+
+ztier_status ztier_runner_push_grads(ztier_runner* runner, int32_t unit) {
+  if (runner == nullptr) return Null("runner");
+  return Report(runner->runner->PushGrads(unit));
+}
+
+ztier_status ztier_runner_step(ztier_runner* runner) {
+  if (runner == nullptr) return Null("runner");
+  return Report(runner->runner->Step());
+}
+
+int64_t ztier_runner_version(const ztier_runner* runner) {
+  return runner == nullptr ? -1 : runner->runner->version();
+}
+
+}  // extern "C"

@@ -1,0 +1,236 @@
+// The host device backend: "device" memory is host memory, kernels (the
+// kCompute stream) run on the caller's thread as they are issued, and the
+// kCopy stream is a thread that runs its copies in order. Copies on kCopy
+// therefore overlap the caller's compute exactly as DMA overlaps kernels on
+// a GPU, which is what lets the stage-3 runner's prefetching be tested and
+// timed without one. With the timeline on, every kCopy operation records
+// its span.
+//
+// Thread safety: every method may be called from any thread. Failure: an
+// allocation past the machine's memory is ResourceExhausted; nothing else
+// fails.
+#include <algorithm>
+#include <condition_variable>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <unordered_map>
+
+#include "client/ztier.h"
+
+namespace ztier::client {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Completion flag shared by an event and the copy-thread task that sets it.
+struct EventState {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool done = false;
+};
+
+class HostEvent final : public Event {
+ public:
+  explicit HostEvent(std::shared_ptr<EventState> state) : state_(std::move(state)) {}
+  bool Done() const override {
+    std::lock_guard<std::mutex> lock(state_->mu);
+    return state_->done;
+  }
+  Status Synchronize() override {
+    std::unique_lock<std::mutex> lock(state_->mu);
+    state_->cv.wait(lock, [&] { return state_->done; });
+    return Status::Ok();
+  }
+  const std::shared_ptr<EventState>& state() const { return state_; }
+
+ private:
+  std::shared_ptr<EventState> state_;
+};
+
+void Complete(EventState& s) {
+  {
+    std::lock_guard<std::mutex> lock(s.mu);
+    s.done = true;
+  }
+  s.cv.notify_all();
+}
+
+class HostDevice final : public Device {
+ public:
+  HostDevice() : copy_thread_([this] { CopyLoop(); }) {}
+  ~HostDevice() override {
+    {
+      std::lock_guard<std::mutex> lock(queue_mu_);
+      stop_ = true;
+    }
+    queue_cv_.notify_all();
+    copy_thread_.join();
+    for (auto& [ptr, info] : allocations_) std::free(ptr);
+  }
+
+  DeviceKind kind() const override { return DeviceKind::kHost; }
+  std::string name() const override { return "host"; }
+
+  Result<void*> Allocate(size_t bytes, MemoryPurpose purpose) override {
+    const size_t rounded = std::max<size_t>(256, (bytes + 255) / 256 * 256);
+    void* p = std::aligned_alloc(256, rounded);
+    if (p == nullptr) {
+      return Status::ResourceExhausted(
+          StrCat("host device: cannot allocate ", bytes, " bytes of device memory"));
+    }
+    std::lock_guard<std::mutex> lock(mem_mu_);
+    allocations_[p] = {bytes, purpose};
+    MemoryStats& s = stats_[static_cast<int>(purpose)];
+    s.bytes += bytes;
+    s.high_water = std::max(s.high_water, s.bytes);
+    return p;
+  }
+
+  void Free(void* ptr) override {
+    if (ptr == nullptr) return;
+    {
+      // Accounted as freed now (the caller gave it up); released once the
+      // copies queued before it are done.
+      std::lock_guard<std::mutex> lock(mem_mu_);
+      auto it = allocations_.find(ptr);
+      ZT_CHECK(it != allocations_.end());
+      stats_[static_cast<int>(it->second.purpose)].bytes -= it->second.bytes;
+      allocations_.erase(it);
+    }
+    Enqueue({}, [ptr] { std::free(ptr); });
+  }
+
+  MemoryStats memory(MemoryPurpose purpose) const override {
+    std::lock_guard<std::mutex> lock(mem_mu_);
+    return stats_[static_cast<int>(purpose)];
+  }
+  void ResetHighWater() override {
+    std::lock_guard<std::mutex> lock(mem_mu_);
+    for (MemoryStats& s : stats_) s.high_water = s.bytes;
+  }
+
+  Status CopyToDevice(void* dst, const void* src, size_t bytes, Stream stream) override {
+    return Run(stream, "h2d", [=] { std::memcpy(dst, src, bytes); });
+  }
+  Status CopyToHost(void* dst, const void* src, size_t bytes, Stream stream) override {
+    return Run(stream, "d2h", [=] { std::memcpy(dst, src, bytes); });
+  }
+  Status Memset(void* dst, int value, size_t bytes, Stream stream) override {
+    return Run(stream, "memset", [=] { std::memset(dst, value, bytes); });
+  }
+
+  Result<std::unique_ptr<Event>> Record(Stream stream) override {
+    auto state = std::make_shared<EventState>();
+    if (stream == Stream::kCompute) {
+      state->done = true;  // compute work is done when it is issued
+    } else {
+      Enqueue({}, [state] { Complete(*state); });
+    }
+    return std::unique_ptr<Event>(std::make_unique<HostEvent>(std::move(state)));
+  }
+
+  Status Wait(Stream stream, Event& event) override {
+    auto* e = dynamic_cast<HostEvent*>(&event);
+    if (e == nullptr) return Status::InvalidArgument("host device: an event of another device");
+    if (stream == Stream::kCompute) return e->Synchronize();
+    std::shared_ptr<EventState> state = e->state();
+    Enqueue({}, [state] {
+      std::unique_lock<std::mutex> lock(state->mu);
+      state->cv.wait(lock, [&] { return state->done; });
+    });
+    return Status::Ok();
+  }
+
+  Status Synchronize(Stream stream) override {
+    if (stream == Stream::kCompute) return Status::Ok();
+    ZT_ASSIGN_OR_RETURN(std::unique_ptr<Event> e, Record(Stream::kCopy));
+    return e->Synchronize();
+  }
+
+  void* native_stream(Stream) const override { return nullptr; }
+  Status RegisterHost(void*, size_t) override { return Status::Ok(); }
+
+  void EnableTimeline(bool on) override {
+    std::lock_guard<std::mutex> lock(timeline_mu_);
+    timeline_on_ = on;
+  }
+  void AddSpan(TimelineSpan span) override {
+    std::lock_guard<std::mutex> lock(timeline_mu_);
+    if (timeline_on_) timeline_.push_back(std::move(span));
+  }
+  std::vector<TimelineSpan> timeline() const override {
+    std::lock_guard<std::mutex> lock(timeline_mu_);
+    return timeline_;
+  }
+
+ private:
+  struct Allocation {
+    size_t bytes;
+    MemoryPurpose purpose;
+  };
+  struct Task {
+    std::string label;  // empty: not a span of the timeline
+    std::function<void()> fn;
+  };
+
+  Status Run(Stream stream, const char* label, std::function<void()> fn) {
+    if (stream == Stream::kCopy) {
+      Enqueue(label, std::move(fn));
+      return Status::Ok();
+    }
+    fn();
+    return Status::Ok();
+  }
+
+  void Enqueue(std::string label, std::function<void()> fn) {
+    {
+      std::lock_guard<std::mutex> lock(queue_mu_);
+      queue_.push_back({std::move(label), std::move(fn)});
+    }
+    queue_cv_.notify_one();
+  }
+
+  void CopyLoop() {
+    for (;;) {
+      Task task;
+      {
+        std::unique_lock<std::mutex> lock(queue_mu_);
+        queue_cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+        if (queue_.empty()) return;  // stopping, and everything queued is done
+        task = std::move(queue_.front());
+        queue_.pop_front();
+      }
+      const Clock::time_point t0 = Clock::now();
+      task.fn();
+      if (!task.label.empty()) {
+        AddSpan({.stream = Stream::kCopy, .label = task.label, .start = t0, .end = Clock::now()});
+      }
+    }
+  }
+
+  mutable std::mutex mem_mu_;
+  std::unordered_map<void*, Allocation> allocations_;
+  MemoryStats stats_[kMemoryPurposes];
+
+  mutable std::mutex timeline_mu_;
+  bool timeline_on_ = false;
+  std::vector<TimelineSpan> timeline_;
+
+  std::mutex queue_mu_;
+  std::condition_variable queue_cv_;
+  std::deque<Task> queue_;
+  bool stop_ = false;
+  std::thread copy_thread_;  // last: starts after everything it uses
+};
+
+}  // namespace
+
+Result<std::unique_ptr<Device>> MakeHostDevice() {
+  return std::unique_ptr<Device>(std::make_unique<HostDevice>());
+}
+
+}  // namespace ztier::client

@@ -1,0 +1,13 @@
+// NCCL collectives in a build without NCCL: creating them reports why.
+#include "client/ztier.h"
+
+namespace ztier::client {
+
+Result<std::vector<std::unique_ptr<Collectives>>> MakeNcclCollectives(
+    const std::vector<int>& ordinals) {
+  return Status::Unavailable(StrCat("NCCL collectives for ", ordinals.size(),
+                                    " devices: this build of ztier has no NCCL (it needs CUDA "
+                                    "and nccl.h / libnccl at configure time)"));
+}
+
+}  // namespace ztier::client

@@ -1,0 +1,595 @@
+// The stage-3 runner: one rank's unit fetches (engine -> device) and grad
+// pushes (device -> engine), around the rank's compute.
+//
+// Two threads. The rank's thread (the caller) makes every decision: which
+// unit to fetch, when, into which buffer, what to free; the transfer thread
+// only executes the queue of fetches and pushes, strictly in the order the
+// caller queued them. Decisions therefore depend only on the sequence of
+// calls, never on timing, so all ranks of a job queue the same collectives
+// in the same order (an NCCL requirement), and the live-bytes cap is exact:
+// a unit's device buffer is allocated when its fetch is queued, and a fetch
+// is queued only when the buffer fits under the cap.
+//
+// A fetch of unit k for version v: wait until the engine has published k at
+// v (AcquireParams), copy the rank's shard (or, with R = 1, the unit) to the
+// device on the copy stream, all-gather the shards (R > 1), release the
+// engine's copy. A push: wait for the compute stream's grads, reduce-scatter
+// (R > 1), copy this rank's shard into the engine's grad inbox, ring the
+// doorbell (GradsReady), free the grad buffer.
+//
+// Prefetch: the acquire order of the first micro-step is learned; later, on
+// Acquire(position i), the units at positions i+1 .. i+depth are queued if
+// absent and under the cap. A released unit that is acquired again within
+// that window stays on the device. Step() queues the first `depth` units of
+// the next micro-step, at the version it reads, right after the last push:
+// their fetch waits on the engine's optimizer unit by unit, which is the
+// overlap of the optimizer with the next forward pass.
+//
+// Failure: the first transfer error is kept; it fails the acquire or Step
+// that waits on it and every later call.
+#include <algorithm>
+#include <condition_variable>
+#include <deque>
+#include <mutex>
+#include <thread>
+
+#include "client/transport.h"
+#include "client/ztier.h"
+#include "common/log.h"
+
+namespace ztier::client {
+
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+double Seconds(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+// Completion of one queued transfer.
+struct Ticket {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool done = false;
+  Status status;
+
+  void Complete(Status s) {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      done = true;
+      status = std::move(s);
+    }
+    cv.notify_all();
+  }
+  Status Wait() {
+    std::unique_lock<std::mutex> lock(mu);
+    cv.wait(lock, [&] { return done; });
+    return status;
+  }
+};
+
+struct Transfer {
+  enum class Kind : uint8_t { kFetch, kPush } kind;
+  int unit;
+  int64_t version;
+  void* buffer;  // fetch: the unit's param buffer; push: the grad buffer
+  std::unique_ptr<Event> ready;  // push: the compute stream's grads are written
+  std::shared_ptr<Ticket> ticket;
+};
+
+// The caller's view of one unit.
+struct UnitState {
+  std::string name;
+  uint64_t padded = 0, shard = 0, bytes = 0;  // bytes of the full bf16 unit
+  bool persistent = false;
+  void* params = nullptr;         // device buffer, while resident or in flight
+  int64_t version = -1;           // version the buffer holds (or is being fetched at)
+  std::shared_ptr<Ticket> fetch;  // the fetch filling `params`
+  int holds = 0;
+  Clock::time_point acquired_at;
+  void* grads = nullptr;  // from GradBuffer until PushGrads
+  bool pushed = false;    // this micro-step
+  bf16* inbox = nullptr;  // the engine's inbox for this rank's shard
+};
+
+}  // namespace
+
+struct Stage3Runner::Impl {
+  Model* model = nullptr;
+  Transport* transport = nullptr;
+  Device* device = nullptr;
+  Collectives* collectives = nullptr;
+  RunnerOptions options;
+  int rank = 0, world = 1, job = 0, accumulation = 1;
+  std::vector<UnitState> units;
+  void* shard_buffer = nullptr;  // reduce-scatter output (R > 1)
+
+  // Caller-thread state.
+  int64_t version = 0;
+  int64_t micro = 0;
+  uint64_t live_bytes = 0;  // param buffers allocated (resident or in flight)
+  std::vector<int> learned, recording;
+  size_t position = 0;      // in `learned`, this micro-step
+  bool following = false;   // this micro-step still matches `learned`
+  RunnerStats stats;
+
+  // Transfer thread.
+  std::mutex mu;
+  std::condition_variable cv;
+  std::deque<Transfer> queue;
+  size_t in_flight = 0;  // queued or running
+  bool stop = false;
+  Status failure;  // first transfer error
+  uint64_t h2d = 0, d2h = 0;
+  std::thread thread;
+
+  ~Impl() {
+    // Finish what is queued rather than drop it: with R > 1 a peer may
+    // already be inside the collective of a queued fetch, and would wait for
+    // this rank forever. (After a failure the queue drains without work.)
+    (void)Drain();
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      stop = true;
+    }
+    cv.notify_all();
+    if (thread.joinable()) thread.join();
+    for (UnitState& u : units) {
+      device->Free(u.params);
+      device->Free(u.grads);
+    }
+    device->Free(shard_buffer);
+  }
+
+  // ---------------------------------------------------------- transfer side
+
+  void Loop() {
+    for (;;) {
+      Transfer t;
+      {
+        std::unique_lock<std::mutex> lock(mu);
+        cv.wait(lock, [&] { return stop || !queue.empty(); });
+        if (queue.empty()) return;
+        t = std::move(queue.front());
+        queue.pop_front();
+        if (stop) {
+          lock.unlock();
+          t.ticket->Complete(Status::Aborted("the runner is shutting down"));
+          Finish(t);
+          continue;
+        }
+      }
+      Status s = failure_snapshot();
+      if (s.ok()) s = t.kind == Transfer::Kind::kFetch ? Fetch(t) : Push(t);
+      if (!s.ok()) {
+        std::lock_guard<std::mutex> lock(mu);
+        if (failure.ok()) failure = s;
+      }
+      t.ticket->Complete(s);
+      Finish(t);
+    }
+  }
+
+  Status failure_snapshot() {
+    std::lock_guard<std::mutex> lock(mu);
+    return failure;
+  }
+
+  void Finish(Transfer& t) {
+    if (t.kind == Transfer::Kind::kPush) device->Free(t.buffer);
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      --in_flight;
+    }
+    cv.notify_all();
+  }
+
+  Status Fetch(const Transfer& t) {
+    const UnitState& u = units[t.unit];
+    ZT_ASSIGN_OR_RETURN(const bf16* host,
+                        transport->AcquireParams(job, t.unit, t.version, options.timeout));
+    auto* dst = static_cast<bf16*>(t.buffer);
+    Status s;
+    if (world == 1) {
+      s = device->CopyToDevice(dst, host, u.bytes, Stream::kCopy);
+    } else {
+      const uint64_t off = static_cast<uint64_t>(rank) * u.shard;
+      s = device->CopyToDevice(dst + off, host + off, u.shard * sizeof(bf16), Stream::kCopy);
+      if (s.ok()) s = collectives->AllGather(dst, u.shard, *device, Stream::kCopy);
+    }
+    if (s.ok()) {
+      Result<std::unique_ptr<Event>> done = device->Record(Stream::kCopy);
+      s = done.ok() ? (*done)->Synchronize() : done.status();
+    }
+    Status r = transport->ReleaseParams(job, t.unit);
+    ZT_RETURN_IF_ERROR(s);
+    ZT_RETURN_IF_ERROR(r);
+    std::lock_guard<std::mutex> lock(mu);
+    h2d += world == 1 ? u.bytes : u.shard * sizeof(bf16);
+    return Status::Ok();
+  }
+
+  Status Push(const Transfer& t) {
+    const UnitState& u = units[t.unit];
+    ZT_RETURN_IF_ERROR(device->Wait(Stream::kCopy, *t.ready));
+    // The inbox is free once the engine has consumed the grads of the step
+    // before: it has then published this version.
+    ZT_RETURN_IF_ERROR(transport->WaitPublished(job, t.unit, t.version, options.timeout));
+    const void* src = t.buffer;
+    if (world > 1) {
+      ZT_RETURN_IF_ERROR(collectives->ReduceScatter(static_cast<const bf16*>(t.buffer),
+                                                    static_cast<bf16*>(shard_buffer), u.shard,
+                                                    *device, Stream::kCopy));
+      src = shard_buffer;
+    }
+    ZT_RETURN_IF_ERROR(device->CopyToHost(u.inbox, src, u.shard * sizeof(bf16), Stream::kCopy));
+    ZT_ASSIGN_OR_RETURN(std::unique_ptr<Event> done, device->Record(Stream::kCopy));
+    ZT_RETURN_IF_ERROR(done->Synchronize());
+    ZT_RETURN_IF_ERROR(transport->GradsReady(job, t.unit, rank));
+    std::lock_guard<std::mutex> lock(mu);
+    d2h += u.shard * sizeof(bf16);
+    return Status::Ok();
+  }
+
+  // ------------------------------------------------------------ caller side
+
+  void Enqueue(Transfer t) {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      ++in_flight;
+      queue.push_back(std::move(t));
+    }
+    cv.notify_all();
+  }
+
+  Status Drain() {
+    std::unique_lock<std::mutex> lock(mu);
+    cv.wait(lock, [&] { return in_flight == 0; });
+    return failure;
+  }
+
+  Status CheckUnit(int unit, const char* what) const {
+    if (unit < 0 || unit >= static_cast<int>(units.size())) {
+      return Status::OutOfRange(StrCat(what, ": model '", model->spec().name, "' has no unit ",
+                                       unit, " (it has ", units.size(), ")"));
+    }
+    return Status::Ok();
+  }
+
+  // Resident or in flight at the version this micro-step reads.
+  bool Current(const UnitState& u) const { return u.params != nullptr && u.version == version; }
+
+  // Queues the fetch of `unit` at the current version into its buffer
+  // (allocated now unless a persistent buffer is kept).
+  Status QueueFetch(int unit) {
+    UnitState& u = units[unit];
+    if (u.params == nullptr) {
+      ZT_ASSIGN_OR_RETURN(u.params, device->Allocate(u.bytes, MemoryPurpose::kParams));
+      live_bytes += u.bytes;
+    }
+    u.version = version;
+    u.fetch = std::make_shared<Ticket>();
+    ++stats.fetches;
+    Enqueue({.kind = Transfer::Kind::kFetch,
+             .unit = unit,
+             .version = version,
+             .buffer = u.params,
+             .ready = nullptr,
+             .ticket = u.fetch});
+    return Status::Ok();
+  }
+
+  // Gives a unit's buffer back to the device (after its fetch is done).
+  void Evict(UnitState& u) {
+    if (u.fetch != nullptr) (void)u.fetch->Wait();  // its error, if any, is in `failure`
+    u.fetch.reset();
+    device->Free(u.params);
+    u.params = nullptr;
+    u.version = -1;
+    live_bytes -= u.bytes;
+  }
+
+  bool InWindow(int unit) const {
+    if (!following || options.prefetch_depth <= 0) return false;
+    const size_t end = std::min(learned.size(), position + options.prefetch_depth);
+    for (size_t i = position; i < end; ++i) {
+      if (learned[i] == unit) return true;
+    }
+    return false;
+  }
+
+  // Queues the units at positions [from, from + depth) of the learned order
+  // that are not current, while they fit under the cap.
+  Status Prefetch(size_t from) {
+    const size_t end = std::min(learned.size(), from + std::max(0, options.prefetch_depth));
+    for (size_t i = from; i < end; ++i) {
+      UnitState& u = units[learned[i]];
+      if (Current(u)) continue;
+      const uint64_t need = u.params == nullptr ? u.bytes : 0;
+      if (options.max_live_bytes > 0 && live_bytes + need > options.max_live_bytes) break;
+      ZT_RETURN_IF_ERROR(QueueFetch(learned[i]));
+    }
+    return Status::Ok();
+  }
+
+  // Makes room under the cap for `unit` by evicting unheld units, the ones
+  // needed last first. Errors: ResourceExhausted when held units fill it.
+  Status MakeRoom(int unit) {
+    const UnitState& want = units[unit];
+    if (options.max_live_bytes == 0 || want.params != nullptr) return Status::Ok();
+    while (live_bytes + want.bytes > options.max_live_bytes) {
+      int victim = -1;
+      size_t victim_next = 0;
+      for (int k = 0; k < static_cast<int>(units.size()); ++k) {
+        const UnitState& u = units[k];
+        if (k == unit || u.params == nullptr || u.holds > 0) continue;
+        // Distance to its next use in the learned order (none: farthest).
+        size_t next = SIZE_MAX;
+        for (size_t i = position; i < learned.size(); ++i) {
+          if (learned[i] == k) {
+            next = i;
+            break;
+          }
+        }
+        if (victim < 0 || next > victim_next) {
+          victim = k;
+          victim_next = next;
+        }
+      }
+      if (victim < 0) {
+        std::string held;
+        for (const UnitState& u : units) {
+          if (u.holds > 0) held += StrCat(held.empty() ? "" : ", ", u.name, " (", u.bytes, " B)");
+        }
+        return Status::ResourceExhausted(
+            StrCat("unit '", want.name, "' needs ", want.bytes, " bytes on the device, but the ",
+                   "live-bytes cap of ", options.max_live_bytes, " bytes is held by: ", held,
+                   "; release units first or raise max_live_bytes"));
+      }
+      Evict(units[victim]);
+    }
+    return Status::Ok();
+  }
+
+  void Learn(int unit) {
+    recording.push_back(unit);
+    if (!following) return;
+    if (position < learned.size() && learned[position] == unit) {
+      ++position;
+      return;
+    }
+    following = false;
+    ++stats.order_changes;
+    ZT_LOG(kInfo, "client") << "model '" << model->spec().name << "' rank " << rank
+                            << ": unit order changed at acquire " << position << " (expected "
+                            << (position < learned.size() ? units[learned[position]].name
+                                                          : std::string("none"))
+                            << ", got " << units[unit].name
+                            << "); prefetching stops until the new order is learned at Step()";
+  }
+};
+
+Stage3Runner::Stage3Runner(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Stage3Runner::~Stage3Runner() = default;
+
+Result<std::unique_ptr<Stage3Runner>> Stage3Runner::Create(Model& model, int rank, Device& device,
+                                                           Collectives* collectives,
+                                                           const RunnerOptions& options) {
+  const Session::ModelSpec& spec = model.spec();
+  const std::string who = StrCat("model '", spec.name, "' rank ", rank);
+  if (rank < 0 || rank >= spec.world_size) {
+    return Status::InvalidArgument(
+        StrCat(who, ": rank out of range for world size ", spec.world_size));
+  }
+  if (spec.world_size > 1 &&
+      (collectives == nullptr || collectives->world_size() != spec.world_size ||
+       collectives->rank() != rank)) {
+    return Status::InvalidArgument(
+        StrCat(who, ": world size ", spec.world_size,
+               " needs collectives of that size for this rank (got ",
+               collectives == nullptr ? std::string("none")
+                                      : StrCat("rank ", collectives->rank(), " of ",
+                                               collectives->world_size()),
+               ")"));
+  }
+  if (options.prefetch_depth < 0) {
+    return Status::InvalidArgument(StrCat(who, ": prefetch depth ", options.prefetch_depth, " < 0"));
+  }
+  auto impl = std::make_unique<Impl>();
+  Impl& r = *impl;
+  r.model = &model;
+  r.transport = &model.transport();
+  r.device = &device;
+  r.collectives = collectives;
+  r.options = options;
+  r.rank = rank;
+  r.world = spec.world_size;
+  r.job = model.job();
+  r.accumulation = spec.optimizer.grad_accumulation;
+  uint64_t max_shard = 0;
+  int64_t version = INT64_MAX;
+  for (int k = 0; k < model.units(); ++k) {
+    const engine::UnitLayout& l = model.layout(k);
+    UnitState u;
+    u.name = spec.units[k].name;
+    u.padded = l.padded;
+    u.shard = l.shard;
+    u.bytes = l.padded * sizeof(bf16);
+    u.persistent = u.bytes <= options.persistence_threshold;
+    if (options.max_live_bytes > 0 && u.bytes > options.max_live_bytes) {
+      return Status::InvalidArgument(StrCat(who, ": unit '", u.name, "' takes ", u.bytes,
+                                            " bytes, more than the live-bytes cap of ",
+                                            options.max_live_bytes));
+    }
+    ZT_ASSIGN_OR_RETURN(u.inbox, r.transport->GradInbox(r.job, k, rank));
+    max_shard = std::max(max_shard, l.shard);
+    const int64_t published = r.transport->PublishedStep(r.job, k);
+    if (published < 0) {
+      return Status::FailedPrecondition(
+          StrCat(who, ": unit '", u.name,
+                 "' has no weights yet; set them (SetWeights, ImportSafetensors or "
+                 "LoadCheckpoint) before creating a runner"));
+    }
+    version = std::min(version, published);
+    r.units.push_back(std::move(u));
+  }
+  r.version = version;
+  for (const auto& [base, bytes] : r.transport->PinnedRegions()) {
+    ZT_RETURN_IF_ERROR(device.RegisterHost(base, bytes));
+  }
+  if (r.world > 1) {
+    ZT_ASSIGN_OR_RETURN(r.shard_buffer,
+                        device.Allocate(max_shard * sizeof(bf16), MemoryPurpose::kGrads));
+  }
+  r.thread = std::thread([&r] { r.Loop(); });
+  return std::unique_ptr<Stage3Runner>(new Stage3Runner(std::move(impl)));
+}
+
+Result<const bf16*> Stage3Runner::Acquire(int unit) {
+  Impl& r = *impl_;
+  ZT_RETURN_IF_ERROR(r.CheckUnit(unit, "Acquire"));
+  UnitState& u = r.units[unit];
+  r.Learn(unit);
+  if (r.Current(u)) {
+    ++r.stats.prefetch_hits;
+  } else {
+    if (u.holds > 0) {  // held at an older version: a Step() came in between
+      return Status::FailedPrecondition(StrCat("Acquire: unit '", u.name,
+                                               "' is still held from the previous step"));
+    }
+    ZT_RETURN_IF_ERROR(r.MakeRoom(unit));
+    ZT_RETURN_IF_ERROR(r.QueueFetch(unit));
+  }
+  if (r.following) ZT_RETURN_IF_ERROR(r.Prefetch(r.position));
+  const Clock::time_point t0 = Clock::now();
+  Status s = u.fetch != nullptr ? u.fetch->Wait() : Status::Ok();
+  r.stats.acquire_wait_seconds += Seconds(t0);
+  if (!s.ok()) return s.Annotate(StrCat("fetch unit '", u.name, "' at step ", u.version));
+  // Kernels on the compute stream see the copy (complete: the fetch synchronized it).
+  ++u.holds;
+  u.acquired_at = Clock::now();
+  return static_cast<const bf16*>(u.params);
+}
+
+Status Stage3Runner::Release(int unit) {
+  Impl& r = *impl_;
+  ZT_RETURN_IF_ERROR(r.CheckUnit(unit, "Release"));
+  UnitState& u = r.units[unit];
+  if (u.holds == 0) {
+    return Status::FailedPrecondition(StrCat("Release: unit '", u.name, "' is not acquired"));
+  }
+  if (r.options.record_compute_spans) {
+    r.device->AddSpan({.stream = Stream::kCompute,
+                       .label = u.name,
+                       .start = u.acquired_at,
+                       .end = Clock::now()});
+  }
+  if (--u.holds > 0 || u.persistent || r.InWindow(unit)) return Status::Ok();
+  r.Evict(u);  // its fetch is done: it was acquired
+  return Status::Ok();
+}
+
+Result<bf16*> Stage3Runner::GradBuffer(int unit) {
+  Impl& r = *impl_;
+  ZT_RETURN_IF_ERROR(r.CheckUnit(unit, "GradBuffer"));
+  UnitState& u = r.units[unit];
+  if (u.pushed) {
+    return Status::FailedPrecondition(
+        StrCat("GradBuffer: the grads of unit '", u.name, "' were already pushed this micro-step"));
+  }
+  if (u.grads == nullptr) {
+    ZT_ASSIGN_OR_RETURN(u.grads, r.device->Allocate(u.bytes, MemoryPurpose::kGrads));
+    ZT_RETURN_IF_ERROR(r.device->Memset(u.grads, 0, u.bytes, Stream::kCompute));
+  }
+  return static_cast<bf16*>(u.grads);
+}
+
+Status Stage3Runner::PushGrads(int unit) {
+  Impl& r = *impl_;
+  ZT_RETURN_IF_ERROR(r.CheckUnit(unit, "PushGrads"));
+  UnitState& u = r.units[unit];
+  if (u.pushed) {
+    return Status::FailedPrecondition(
+        StrCat("PushGrads: the grads of unit '", u.name, "' were already pushed this micro-step"));
+  }
+  if (u.grads == nullptr) {
+    return Status::FailedPrecondition(
+        StrCat("PushGrads: unit '", u.name, "' has no grad buffer (call GradBuffer first)"));
+  }
+  ZT_RETURN_IF_ERROR(r.failure_snapshot());
+  ZT_ASSIGN_OR_RETURN(std::unique_ptr<Event> ready, r.device->Record(Stream::kCompute));
+  r.Enqueue({.kind = Transfer::Kind::kPush,
+             .unit = unit,
+             .version = r.version,
+             .buffer = u.grads,
+             .ready = std::move(ready),
+             .ticket = std::make_shared<Ticket>()});
+  u.grads = nullptr;
+  u.pushed = true;
+  return Status::Ok();
+}
+
+Status Stage3Runner::Step() {
+  Impl& r = *impl_;
+  std::string missing;
+  int pushed = 0;
+  for (const UnitState& u : r.units) {
+    if (u.pushed) {
+      ++pushed;
+    } else if (missing.size() < 200) {
+      missing += StrCat(missing.empty() ? "" : ", ", u.name);
+    }
+  }
+  if (pushed == 0) {
+    return Status::FailedPrecondition(
+        StrCat("Step: no grads were pushed since the last Step() of model '", r.model->spec().name,
+               "' (Step called twice?)"));
+  }
+  if (pushed < static_cast<int>(r.units.size())) {
+    return Status::FailedPrecondition(StrCat("Step: ", r.units.size() - pushed,
+                                             " units have no grads this micro-step: ", missing));
+  }
+  for (const UnitState& u : r.units) {
+    if (u.holds > 0) {
+      return Status::FailedPrecondition(
+          StrCat("Step: unit '", u.name, "' is still acquired; release every unit first"));
+    }
+  }
+  const Clock::time_point t0 = Clock::now();
+  Status s = r.Drain();
+  r.stats.step_wait_seconds += Seconds(t0);
+  ZT_RETURN_IF_ERROR(s);
+  for (UnitState& u : r.units) {
+    u.pushed = false;
+    if (u.params != nullptr && !u.persistent) r.Evict(u);  // prefetched, never used
+    u.fetch.reset();
+  }
+  {
+    std::lock_guard<std::mutex> lock(r.mu);
+    r.stats.h2d_bytes = r.h2d;
+    r.stats.d2h_bytes = r.d2h;
+  }
+  ++r.stats.micro_steps;
+  if (++r.micro % r.accumulation == 0) ++r.version;
+  if (!r.recording.empty() && (r.learned.empty() || !r.following)) r.learned = r.recording;
+  r.recording.clear();
+  r.position = 0;
+  r.following = !r.learned.empty();
+  return r.following ? r.Prefetch(0) : Status::Ok();
+}
+
+int64_t Stage3Runner::version() const { return impl_->version; }
+
+RunnerStats Stage3Runner::stats() const {
+  Impl& r = *impl_;
+  RunnerStats s = r.stats;
+  std::lock_guard<std::mutex> lock(r.mu);
+  s.h2d_bytes = r.h2d;
+  s.d2h_bytes = r.d2h;
+  return s;
+}
+
+std::vector<int> Stage3Runner::learned_order() const { return impl_->learned; }
+
+}  // namespace ztier::client

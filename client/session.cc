@@ -1,0 +1,179 @@
+// Session and Model: opening an engine through a transport, and a
+// registered model's calls (weights, checkpoints, exports, counters).
+// The embedded transport lives here too: it forwards to an engine::Engine
+// owned by the session.
+//
+// Thread safety: as client/ztier.h. Failure: errors come back from the
+// engine with the model's name added.
+#include <algorithm>
+
+#include "client/transport.h"
+#include "client/ztier.h"
+#include "common/log.h"
+
+namespace ztier::client {
+namespace {
+
+class EmbeddedTransport final : public Transport {
+ public:
+  explicit EmbeddedTransport(std::unique_ptr<engine::Engine> engine) : e_(std::move(engine)) {}
+  std::string name() const override { return "embedded"; }
+
+  Result<int> RegisterJob(const engine::JobSpec& spec) override { return e_->RegisterJob(spec); }
+  Status UnregisterJob(int job) override { return e_->UnregisterJob(job); }
+  Result<engine::UnitLayout> Layout(int job, int unit) override { return e_->Layout(job, unit); }
+  Status WriteWeights(int job, int unit, const float* flat, uint64_t numel) override {
+    return e_->WriteWeights(job, unit, flat, numel);
+  }
+  Status ReadState(int job, int unit, float* master, float* m, float* v) override {
+    return e_->ReadState(job, unit, master, m, v);
+  }
+  Result<bf16*> GradInbox(int job, int unit, int rank) override {
+    return e_->GradInbox(job, unit, rank);
+  }
+  Status GradsReady(int job, int unit, int rank) override { return e_->GradsReady(job, unit, rank); }
+  Result<const bf16*> AcquireParams(int job, int unit, int64_t step,
+                                    std::chrono::milliseconds timeout) override {
+    return e_->AcquireParams(job, unit, step, timeout);
+  }
+  Status ReleaseParams(int job, int unit) override { return e_->ReleaseParams(job, unit); }
+  Status WaitPublished(int job, int unit, int64_t step,
+                       std::chrono::milliseconds timeout) override {
+    return e_->WaitPublished(job, unit, step, timeout);
+  }
+  int64_t PublishedStep(int job, int unit) override { return e_->PublishedStep(job, unit); }
+  Status SaveCheckpoint(int job, const std::string& dir) override {
+    return e_->SaveCheckpoint(job, dir);
+  }
+  Status LoadCheckpoint(int job, const std::string& dir) override {
+    return e_->LoadCheckpoint(job, dir);
+  }
+  Status ExportSafetensors(int job, const std::string& path,
+                           engine::Engine::ExportType type) override {
+    return e_->ExportSafetensors(job, path, type);
+  }
+  Status ImportSafetensors(int job, const std::string& path) override {
+    return e_->ImportSafetensors(job, path);
+  }
+  engine::JobCounters Counters(int job) override { return e_->counters(job); }
+  std::vector<std::pair<void*, uint64_t>> PinnedRegions() override { return e_->PinnedRegions(); }
+
+ private:
+  std::unique_ptr<engine::Engine> e_;
+};
+
+}  // namespace
+
+Result<std::shared_ptr<Transport>> MakeEmbeddedTransport(const engine::Settings& settings) {
+  ZT_ASSIGN_OR_RETURN(std::unique_ptr<engine::Engine> e, engine::Engine::Create(settings));
+  return std::shared_ptr<Transport>(std::make_shared<EmbeddedTransport>(std::move(e)));
+}
+
+// ------------------------------------------------------------------ Session
+
+Session::Session(std::shared_ptr<Transport> transport) : transport_(std::move(transport)) {}
+Session::~Session() = default;
+
+Result<std::unique_ptr<Session>> Session::Open(const SessionOptions& options) {
+  if (!options.daemon_socket.empty()) {
+    return Status::Unavailable(
+        StrCat("daemon socket '", options.daemon_socket,
+               "': this build of libztier has only the embedded transport; leave the daemon "
+               "socket empty to run the engine in this process"));
+  }
+  ZT_ASSIGN_OR_RETURN(std::shared_ptr<Transport> t, MakeEmbeddedTransport(options.settings));
+  ZT_LOG(kInfo, "client") << "session open (" << t->name() << " engine)";
+  return std::unique_ptr<Session>(new Session(std::move(t)));
+}
+
+std::string Session::transport_name() const { return transport_->name(); }
+
+Result<std::unique_ptr<Model>> Session::RegisterModel(const ModelSpec& spec) {
+  if (spec.world_size < 1) {
+    return Status::InvalidArgument(
+        StrCat("model '", spec.name, "': world size ", spec.world_size, " < 1"));
+  }
+  engine::JobSpec job{.name = spec.name,
+                      .units = spec.units,
+                      .ranks = spec.world_size,
+                      .optimizer = spec.optimizer,
+                      .optimizer_tier = spec.optimizer_tier,
+                      .param_tier = spec.param_tier};
+  ZT_ASSIGN_OR_RETURN(int id, transport_->RegisterJob(job));
+  std::vector<engine::UnitLayout> layouts;
+  for (int u = 0; u < static_cast<int>(spec.units.size()); ++u) {
+    Result<engine::UnitLayout> l = transport_->Layout(id, u);
+    if (!l.ok()) {
+      (void)transport_->UnregisterJob(id);
+      return l.status();
+    }
+    layouts.push_back(*std::move(l));
+  }
+  return std::unique_ptr<Model>(new Model(transport_, id, spec, std::move(layouts)));
+}
+
+// -------------------------------------------------------------------- Model
+
+Model::Model(std::shared_ptr<Transport> transport, int job, Session::ModelSpec spec,
+             std::vector<engine::UnitLayout> layouts)
+    : transport_(std::move(transport)),
+      job_(job),
+      spec_(std::move(spec)),
+      layouts_(std::move(layouts)) {}
+
+Model::~Model() {
+  Status s = transport_->UnregisterJob(job_);
+  if (!s.ok()) {
+    ZT_LOG(kWarn, "client") << "unregister model '" << spec_.name << "': " << s;
+  }
+}
+
+Result<int> Model::FindUnit(const std::string& name) const {
+  for (int u = 0; u < units(); ++u) {
+    if (spec_.units[u].name == name) return u;
+  }
+  return Status::NotFound(StrCat("model '", spec_.name, "' has no unit '", name, "'"));
+}
+
+Status Model::SetWeights(int unit, const float* flat, uint64_t numel) {
+  if (unit < 0 || unit >= units()) {
+    return Status::OutOfRange(StrCat("model '", spec_.name, "' has no unit ", unit));
+  }
+  return transport_->WriteWeights(job_, unit, flat, numel);
+}
+
+Status Model::ImportSafetensors(const std::string& path) {
+  return transport_->ImportSafetensors(job_, path);
+}
+Status Model::ExportSafetensors(const std::string& path, engine::Engine::ExportType type) {
+  return transport_->ExportSafetensors(job_, path, type);
+}
+Status Model::SaveCheckpoint(const std::string& dir) { return transport_->SaveCheckpoint(job_, dir); }
+Status Model::LoadCheckpoint(const std::string& dir) { return transport_->LoadCheckpoint(job_, dir); }
+
+Status Model::ReadMaster(int unit, std::vector<float>* master) const {
+  if (unit < 0 || unit >= units()) {
+    return Status::OutOfRange(StrCat("model '", spec_.name, "' has no unit ", unit));
+  }
+  const uint64_t n = layouts_[unit].padded;
+  master->assign(n, 0.0f);
+  std::vector<float> m(n), v(n);
+  return transport_->ReadState(job_, unit, master->data(), m.data(), v.data());
+}
+
+int64_t Model::published_step() const {
+  int64_t step = INT64_MAX;
+  for (int u = 0; u < units(); ++u) step = std::min(step, transport_->PublishedStep(job_, u));
+  return step;
+}
+
+Status Model::WaitPublished(int64_t step, std::chrono::milliseconds timeout) const {
+  for (int u = 0; u < units(); ++u) {
+    ZT_RETURN_IF_ERROR(transport_->WaitPublished(job_, u, step, timeout));
+  }
+  return Status::Ok();
+}
+
+engine::JobCounters Model::counters() const { return transport_->Counters(job_); }
+
+}  // namespace ztier::client

@@ -1,0 +1,60 @@
+// client internal: the seam between libztier and an engine. The embedded
+// transport calls an engine in this process; the daemon transport (ztierd)
+// implements the same calls over its socket and shared memory, so Session,
+// Model and Stage3Runner never know which one they talk to (DCGM's
+// embedded/standalone split). Pointers it returns (grad inboxes, params)
+// point into pinned memory the client can read and write directly: the
+// engine's own in-process, mapped shared memory for a daemon.
+//
+// Thread safety: every method may be called from any thread. Errors: the
+// engine's (see engine/engine.h), plus the transport's own for a daemon.
+#ifndef ZTIER_CLIENT_TRANSPORT_H_
+#define ZTIER_CLIENT_TRANSPORT_H_
+
+#include <chrono>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "common/bf16.h"
+#include "common/status.h"
+#include "engine/engine.h"
+
+namespace ztier::client {
+
+class Transport {
+ public:
+  virtual ~Transport() = default;
+  virtual std::string name() const = 0;
+
+  virtual Result<int> RegisterJob(const engine::JobSpec& spec) = 0;
+  virtual Status UnregisterJob(int job) = 0;
+  virtual Result<engine::UnitLayout> Layout(int job, int unit) = 0;
+  virtual Status WriteWeights(int job, int unit, const float* flat, uint64_t numel) = 0;
+  virtual Status ReadState(int job, int unit, float* master, float* m, float* v) = 0;
+
+  virtual Result<bf16*> GradInbox(int job, int unit, int rank) = 0;
+  virtual Status GradsReady(int job, int unit, int rank) = 0;
+  virtual Result<const bf16*> AcquireParams(int job, int unit, int64_t step,
+                                            std::chrono::milliseconds timeout) = 0;
+  virtual Status ReleaseParams(int job, int unit) = 0;
+  virtual Status WaitPublished(int job, int unit, int64_t step,
+                               std::chrono::milliseconds timeout) = 0;
+  virtual int64_t PublishedStep(int job, int unit) = 0;
+
+  virtual Status SaveCheckpoint(int job, const std::string& dir) = 0;
+  virtual Status LoadCheckpoint(int job, const std::string& dir) = 0;
+  virtual Status ExportSafetensors(int job, const std::string& path,
+                                   engine::Engine::ExportType type) = 0;
+  virtual Status ImportSafetensors(int job, const std::string& path) = 0;
+  virtual engine::JobCounters Counters(int job) = 0;
+  // Host memory regions the client's device should register for DMA.
+  virtual std::vector<std::pair<void*, uint64_t>> PinnedRegions() = 0;
+};
+
+// The engine in this process. Errors: as engine::Engine::Create.
+Result<std::shared_ptr<Transport>> MakeEmbeddedTransport(const engine::Settings& settings);
+
+}  // namespace ztier::client
+
+#endif  // ZTIER_CLIENT_TRANSPORT_H_

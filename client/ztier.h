@@ -1,0 +1,321 @@
+// libztier (public header of the client component): a training process's
+// view of ztier. A Session opens the engine (embedded in this process today;
+// a daemon transport plugs in behind the same calls), a Model registers the
+// units, and each local rank drives a Stage3Runner, which streams a unit's
+// bf16 params to the rank's device just ahead of the compute and streams the
+// unit's grads back to the engine as each unit's backward ends.
+//
+// Devices and collectives sit behind interfaces (Device, Collectives): the
+// host backend (device memory is host memory, copies run on a copy thread
+// with events, so overlap is real) and the CUDA backend; local collectives
+// (ranks as threads of one process) and NCCL.
+//
+// Thread safety: Session and Model methods may be called from any thread.
+// A Stage3Runner belongs to one rank and is driven from one thread (the
+// rank's training loop); its transfers run on a thread of its own. A Device
+// may be shared by the runner's threads (its methods are thread-safe); a
+// Collectives object belongs to one rank.
+//
+// Errors: every call returns Status / Result with a message naming the unit,
+// the limit or the file at fault; bad use (an unknown unit, a second Step
+// with no grads, a buffer of the wrong size) is an error, never a crash.
+#ifndef ZTIER_CLIENT_ZTIER_H_
+#define ZTIER_CLIENT_ZTIER_H_
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/bf16.h"
+#include "common/status.h"
+#include "engine/engine.h"
+#include "engine/settings.h"
+
+namespace ztier::client {
+
+// ---------------------------------------------------------------- devices --
+
+enum class DeviceKind : uint8_t { kHost, kCuda };
+// The two in-order queues of a device: kernels run on kCompute, transfers
+// on kCopy (so a unit's copy overlaps another unit's compute).
+enum class Stream : uint8_t { kCompute, kCopy };
+// What an allocation is for; the device keeps a byte count and a high-water
+// mark per purpose (the runner's cap on live params is checked against it).
+enum class MemoryPurpose : uint8_t { kParams, kGrads, kOther };
+inline constexpr int kMemoryPurposes = 3;
+
+struct MemoryStats {
+  uint64_t bytes = 0;       // allocated now
+  uint64_t high_water = 0;  // most ever allocated at once (since ResetHighWater)
+};
+
+// A point in a stream's work. Complete once everything queued on the stream
+// before it is done.
+class Event {
+ public:
+  virtual ~Event() = default;
+  virtual bool Done() const = 0;
+  // Blocks the caller until the event completes. Errors: the device's.
+  virtual Status Synchronize() = 0;
+};
+
+// One span of work recorded by the host backend's timeline (and by the
+// runner for compute it brackets): which stream, what, when.
+struct TimelineSpan {
+  Stream stream = Stream::kCompute;
+  std::string label;
+  std::chrono::steady_clock::time_point start, end;
+};
+
+class Device {
+ public:
+  virtual ~Device() = default;
+  virtual DeviceKind kind() const = 0;
+  virtual std::string name() const = 0;
+
+  // Device memory, 256 B aligned, uninitialised; accounted at the bytes asked
+  // for. Errors: ResourceExhausted.
+  virtual Result<void*> Allocate(size_t bytes, MemoryPurpose purpose) = 0;
+  // Frees after all work queued so far on both streams. Null is a no-op.
+  virtual void Free(void* ptr) = 0;
+  virtual MemoryStats memory(MemoryPurpose purpose) const = 0;
+  virtual void ResetHighWater() = 0;
+
+  // Asynchronous copies and fills, ordered on `stream`. Host pointers passed
+  // to the copies should be registered (RegisterHost) for true DMA.
+  virtual Status CopyToDevice(void* dst, const void* host_src, size_t bytes, Stream stream) = 0;
+  virtual Status CopyToHost(void* host_dst, const void* src, size_t bytes, Stream stream) = 0;
+  virtual Status Memset(void* dst, int value, size_t bytes, Stream stream) = 0;
+
+  // Records an event on `stream`; Wait makes `stream` wait for it.
+  virtual Result<std::unique_ptr<Event>> Record(Stream stream) = 0;
+  virtual Status Wait(Stream stream, Event& event) = 0;
+  virtual Status Synchronize(Stream stream) = 0;
+  // The backend's native stream handle (cudaStream_t for CUDA; null for host),
+  // for kernels launched by the caller.
+  virtual void* native_stream(Stream stream) const = 0;
+
+  // Page-locks a host range for DMA (cudaHostRegister); idempotent per range.
+  // A no-op on the host backend.
+  virtual Status RegisterHost(void* ptr, size_t bytes) = 0;
+
+  // Timeline of spans (host backend: every copy-stream operation; both
+  // backends: spans added with AddSpan). Off until enabled.
+  virtual void EnableTimeline(bool on) = 0;
+  virtual void AddSpan(TimelineSpan span) = 0;
+  virtual std::vector<TimelineSpan> timeline() const = 0;
+};
+
+// Host backend: device memory is host memory; kCompute work runs on the
+// caller's thread, kCopy work on the device's copy thread, in order.
+Result<std::unique_ptr<Device>> MakeHostDevice();
+// CUDA backend on device `ordinal`: cudaMalloc, a copy and a compute stream,
+// events, cudaHostRegister. Errors: Unavailable when the build has no CUDA
+// or the machine no device ("no CUDA device: ..."), the CUDA error otherwise.
+Result<std::unique_ptr<Device>> MakeCudaDevice(int ordinal);
+// Number of CUDA devices (0 when the build has no CUDA or there is no driver).
+int CudaDeviceCount();
+
+// ------------------------------------------------------------ collectives --
+
+// Collectives among the R ranks of one job, one object per rank. Calls are
+// made in the same order by every rank; each is queued on `stream` of the
+// rank's device after the work already there (the local backend runs it on
+// the calling thread after synchronizing that stream).
+class Collectives {
+ public:
+  virtual ~Collectives() = default;
+  virtual int rank() const = 0;
+  virtual int world_size() const = 0;
+  // `buffer` holds world_size shards of `shard_elems`; this rank's shard is
+  // filled in; afterwards every shard is.
+  virtual Status AllGather(bf16* buffer, size_t shard_elems, Device& device, Stream stream) = 0;
+  // `input` holds world_size shards; `output` gets the sum over ranks of
+  // shard rank() (summed in fp32 in rank order, rounded to bf16 once, by the
+  // local backend; NCCL's bf16 sum rounds per hop).
+  virtual Status ReduceScatter(const bf16* input, bf16* output, size_t shard_elems,
+                               Device& device, Stream stream) = 0;
+};
+
+// R ranks as threads of this process (host devices). Errors: InvalidArgument.
+Result<std::vector<std::unique_ptr<Collectives>>> MakeLocalCollectives(int world_size);
+// One NCCL communicator per CUDA device in `ordinals` (ranks 0..n-1 of one
+// process, ncclCommInitAll). Errors: Unavailable without NCCL or devices.
+Result<std::vector<std::unique_ptr<Collectives>>> MakeNcclCollectives(
+    const std::vector<int>& ordinals);
+
+// --------------------------------------------------------------- sessions --
+
+struct SessionOptions {
+  engine::Settings settings;  // the embedded engine's settings
+  // Where ztierd listens. Empty: the embedded engine in this process.
+  std::string daemon_socket;
+};
+
+class Transport;  // the seam between the client and an engine (client/transport.h)
+class Model;
+
+class Session {
+ public:
+  // Errors: as engine::Engine::Create; Unavailable for a daemon socket while
+  // this build has only the embedded transport.
+  static Result<std::unique_ptr<Session>> Open(const SessionOptions& options);
+  ~Session();
+  Session(const Session&) = delete;
+  Session& operator=(const Session&) = delete;
+
+  std::string transport_name() const;  // "embedded" or "daemon"
+
+  struct ModelSpec {
+    std::string name;
+    std::vector<engine::UnitSpec> units;  // in forward order
+    engine::OptimizerConfig optimizer;
+    engine::Tier optimizer_tier = engine::Tier::kDram;
+    engine::Tier param_tier = engine::Tier::kDram;
+    int world_size = 1;  // local ranks
+  };
+  // Registers the model's units with the engine. Errors: as
+  // engine::Engine::RegisterJob (ResourceExhausted when the model does not
+  // fit the configured tiers, naming the job, the unit and the budget).
+  Result<std::unique_ptr<Model>> RegisterModel(const ModelSpec& spec);
+
+ private:
+  explicit Session(std::shared_ptr<Transport> transport);
+  std::shared_ptr<Transport> transport_;
+};
+
+// A registered model (an engine job). Unregistered when destroyed.
+class Model {
+ public:
+  ~Model();
+  Model(const Model&) = delete;
+  Model& operator=(const Model&) = delete;
+
+  const Session::ModelSpec& spec() const { return spec_; }
+  int units() const { return static_cast<int>(spec_.units.size()); }
+  // The unit's flat layout (tensor offsets, padded size, shard size).
+  const engine::UnitLayout& layout(int unit) const { return layouts_[unit]; }
+  // The index of the unit named `name`. Errors: NotFound.
+  Result<int> FindUnit(const std::string& name) const;
+
+  // Initial weights, flat fp32 (layout(unit).numel elements), published as
+  // step 0. Errors: InvalidArgument (size), OutOfRange (unit).
+  Status SetWeights(int unit, const float* flat, uint64_t numel);
+  Status ImportSafetensors(const std::string& path);
+  Status ExportSafetensors(const std::string& path, engine::Engine::ExportType type);
+  Status SaveCheckpoint(const std::string& dir);
+  Status LoadCheckpoint(const std::string& dir);
+  // The fp32 master weights of a unit (layout(unit).padded elements), for
+  // tests and inspection, between steps.
+  Status ReadMaster(int unit, std::vector<float>* master) const;
+  // Optimizer steps the engine has published for every unit (the version a
+  // new forward pass reads).
+  int64_t published_step() const;
+  // Waits until every unit holds step >= `step` (the optimizer has finished
+  // it). Errors: Unavailable on timeout, Aborted if the job failed.
+  Status WaitPublished(int64_t step, std::chrono::milliseconds timeout) const;
+  engine::JobCounters counters() const;
+
+  Transport& transport() const { return *transport_; }
+  int job() const { return job_; }
+
+ private:
+  friend class Session;
+  Model(std::shared_ptr<Transport> transport, int job, Session::ModelSpec spec,
+        std::vector<engine::UnitLayout> layouts);
+  std::shared_ptr<Transport> transport_;
+  int job_;
+  Session::ModelSpec spec_;
+  std::vector<engine::UnitLayout> layouts_;
+};
+
+// --------------------------------------------------------- stage-3 runner --
+
+struct RunnerOptions {
+  // Units fetched ahead of the one being acquired, in the learned order.
+  int prefetch_depth = 2;
+  // Cap on param bytes live on the device (held, prefetched or in flight);
+  // 0: no cap. A unit that cannot fit beside the held ones is an error.
+  uint64_t max_live_bytes = 0;
+  // Units whose bf16 params take at most this many bytes stay on the device
+  // once fetched (refreshed once per step), instead of being freed on release.
+  uint64_t persistence_threshold = 0;
+  // How long a transfer may wait on the engine (a published version, a slot).
+  std::chrono::milliseconds timeout = std::chrono::minutes(10);
+  // Adds each unit's compute span (acquire to release) to the device timeline.
+  bool record_compute_spans = false;
+};
+
+struct RunnerStats {
+  int64_t micro_steps = 0;
+  int64_t fetches = 0;              // unit fetches (host -> device)
+  int64_t prefetch_hits = 0;        // acquires whose unit was already fetched or in flight
+  int64_t order_changes = 0;        // times the acquire order left the learned one
+  uint64_t h2d_bytes = 0;           // params copied to this rank's device
+  uint64_t d2h_bytes = 0;           // grads copied to the engine
+  double acquire_wait_seconds = 0;  // the compute thread blocked in Acquire
+  double step_wait_seconds = 0;     // Step() waiting for grads to land
+};
+
+// One rank's stage-3 driver. Per micro-step the training loop calls, for
+// each unit it computes: Acquire (the unit's full bf16 params on the device,
+// at the version this step reads), Release, and in backward GradBuffer +
+// PushGrads; then Step(). The runner learns the acquire order in the first
+// micro-step and prefetches by it afterwards (it logs when the order
+// changes, and relearns). Step() ends the micro-step: it waits until every
+// grad of the micro-step has reached the engine (the engine's optimizer
+// needs them), and at an accumulation boundary moves to the next version,
+// which the next forward pass's acquires wait for, unit by unit.
+class Stage3Runner {
+ public:
+  // `collectives` is required when world_size > 1 (else may be null). The
+  // model, device and collectives must outlive the runner. Errors:
+  // InvalidArgument (rank, collectives, options), as Device::RegisterHost.
+  static Result<std::unique_ptr<Stage3Runner>> Create(Model& model, int rank, Device& device,
+                                                      Collectives* collectives,
+                                                      const RunnerOptions& options);
+  ~Stage3Runner();
+  Stage3Runner(const Stage3Runner&) = delete;
+  Stage3Runner& operator=(const Stage3Runner&) = delete;
+
+  // The unit's full bf16 params (layout.padded elements) on the device, ready
+  // for kernels on the compute stream; valid until Release. Acquiring a unit
+  // already held is allowed (one Release each). Errors: OutOfRange (unit),
+  // ResourceExhausted (the live-bytes cap cannot hold it beside the held
+  // units), the engine's or device's error (naming the unit).
+  Result<const bf16*> Acquire(int unit);
+  // Errors: OutOfRange, FailedPrecondition (not held).
+  Status Release(int unit);
+  // A zeroed device buffer for the unit's grads (layout.padded elements), to
+  // be filled by the compute stream and passed to PushGrads. Errors:
+  // OutOfRange, FailedPrecondition (grads already pushed this micro-step).
+  Result<bf16*> GradBuffer(int unit);
+  // Sends the unit's grads (the buffer from GradBuffer, after the compute
+  // stream work queued so far): reduce-scatter when world_size > 1, copy of
+  // this rank's shard into the engine's inbox, then the doorbell. The buffer
+  // belongs to the runner again. Errors: OutOfRange, FailedPrecondition (no
+  // GradBuffer, or pushed twice in a micro-step).
+  Status PushGrads(int unit);
+  // Ends the micro-step. Errors: FailedPrecondition (a unit without grads,
+  // naming it, e.g. Step called twice), the first transfer error.
+  Status Step();
+
+  // The version (optimizer steps) the current micro-step reads.
+  int64_t version() const;
+  RunnerStats stats() const;
+  // The learned acquire order (unit indices), empty before the first Step.
+  std::vector<int> learned_order() const;
+
+  struct Impl;
+
+ private:
+  explicit Stage3Runner(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace ztier::client
+
+#endif  // ZTIER_CLIENT_ZTIER_H_

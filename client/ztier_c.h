@@ -1,0 +1,129 @@
+/* libztier's C ABI: the client library for other languages (Python ctypes,
+ * Rust, ...). Opaque handles, plain status codes, versioned structs; the
+ * same engine and runner as the C++ API of client/ztier.h. Only ztier_*
+ * symbols are exported (libztier.map).
+ *
+ * Errors: every function returns a ztier_status; on failure,
+ * ztier_last_error() gives the message of the calling thread's last failed
+ * call (valid until its next call into the library).
+ * Versioning: structs passed in start with `struct_size` (set it to
+ * sizeof the struct); fields are only ever appended.
+ * Thread safety: as the C++ API: a runner is driven by one thread; sessions
+ * and models may be used from any thread. */
+#ifndef ZTIER_CLIENT_ZTIER_C_H_
+#define ZTIER_CLIENT_ZTIER_C_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define ZTIER_ABI_VERSION 1
+
+/* Same values as ztier::StatusCode. */
+typedef enum ztier_status {
+  ZTIER_OK = 0,
+  ZTIER_INVALID_ARGUMENT = 1,
+  ZTIER_NOT_FOUND = 2,
+  ZTIER_ALREADY_EXISTS = 3,
+  ZTIER_OUT_OF_RANGE = 4,
+  ZTIER_RESOURCE_EXHAUSTED = 5,
+  ZTIER_FAILED_PRECONDITION = 6,
+  ZTIER_CORRUPTION = 7,
+  ZTIER_IO_ERROR = 8,
+  ZTIER_UNAVAILABLE = 9,
+  ZTIER_ABORTED = 10,
+  ZTIER_UNIMPLEMENTED = 11,
+  ZTIER_INTERNAL = 12
+} ztier_status;
+
+typedef struct ztier_session ztier_session;
+typedef struct ztier_model ztier_model;
+typedef struct ztier_device ztier_device;
+typedef struct ztier_runner ztier_runner;
+
+int ztier_abi_version(void);
+const char* ztier_version(void);
+const char* ztier_last_error(void);
+
+/* Opens the embedded engine. `config_path` (a JSON config) may be NULL for
+ * the defaults; ZTIER_* environment variables apply on top. */
+ztier_status ztier_session_open(const char* config_path, ztier_session** out);
+void ztier_session_close(ztier_session* session);
+
+typedef struct ztier_tensor_desc {
+  const char* name;
+  int32_t ndim;
+  const int64_t* shape;
+} ztier_tensor_desc;
+
+typedef struct ztier_unit_desc {
+  const char* name;
+  int32_t num_tensors;
+  const ztier_tensor_desc* tensors;
+} ztier_unit_desc;
+
+typedef struct ztier_model_desc {
+  uint32_t struct_size; /* sizeof(ztier_model_desc) */
+  const char* name;
+  int32_t num_units; /* in forward order */
+  const ztier_unit_desc* units;
+  float lr, beta1, beta2, eps, weight_decay;
+  float clip_norm;           /* 0: off */
+  int32_t grad_accumulation; /* >= 1 */
+  int32_t optimizer_on_nvme; /* 0: DRAM */
+  int32_t params_on_nvme;    /* 0: DRAM */
+  int32_t world_size;        /* 1 through the C ABI */
+} ztier_model_desc;
+
+/* Fills `desc` with the defaults (AdamW lr 1e-3, betas 0.9/0.999, eps 1e-8,
+ * no decay, no clipping, accumulation 1, DRAM, world size 1). */
+void ztier_model_desc_init(ztier_model_desc* desc);
+ztier_status ztier_model_register(ztier_session* session, const ztier_model_desc* desc,
+                                  ztier_model** out);
+void ztier_model_close(ztier_model* model);
+ztier_status ztier_model_unit_layout(const ztier_model* model, int32_t unit, uint64_t* numel,
+                                     uint64_t* padded);
+ztier_status ztier_model_set_weights(ztier_model* model, int32_t unit, const float* flat,
+                                     uint64_t numel);
+ztier_status ztier_model_read_master(const ztier_model* model, int32_t unit, float* out,
+                                     uint64_t padded);
+ztier_status ztier_model_save_checkpoint(ztier_model* model, const char* dir);
+ztier_status ztier_model_load_checkpoint(ztier_model* model, const char* dir);
+/* dtype: 0 bf16, 1 fp32 */
+ztier_status ztier_model_export_safetensors(ztier_model* model, const char* path, int32_t dtype);
+ztier_status ztier_model_import_safetensors(ztier_model* model, const char* path);
+int64_t ztier_model_published_step(const ztier_model* model);
+
+/* The host device (host memory, a copy thread) or CUDA device `ordinal`. */
+ztier_status ztier_device_open_host(ztier_device** out);
+ztier_status ztier_device_open_cuda(int32_t ordinal, ztier_device** out);
+void ztier_device_close(ztier_device* device);
+
+typedef struct ztier_runner_options {
+  uint32_t struct_size; /* sizeof(ztier_runner_options) */
+  int32_t prefetch_depth;
+  uint64_t max_live_bytes;        /* 0: no cap */
+  uint64_t persistence_threshold; /* bytes */
+} ztier_runner_options;
+
+void ztier_runner_options_init(ztier_runner_options* options);
+/* Rank 0 of a world-size-1 model. The model and device outlive it. */
+ztier_status ztier_runner_create(ztier_model* model, ztier_device* device,
+                                 const ztier_runner_options* options, ztier_runner** out);
+void ztier_runner_close(ztier_runner* runner);
+/* bf16 values are passed as uint16_t bit patterns, on the device. */
+ztier_status ztier_runner_acquire(ztier_runner* runner, int32_t unit, const uint16_t** params);
+ztier_status ztier_runner_release(ztier_runner* runner, int32_t unit);
+ztier_status ztier_runner_grad_buffer(ztier_runner* runner, int32_t unit, uint16_t** grads);
+ztier_status ztier_runner_push_grads(ztier_runner* runner, int32_t unit);
+ztier_status ztier_runner_step(ztier_runner* runner);
+int64_t ztier_runner_version(const ztier_runner* runner);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* ZTIER_CLIENT_ZTIER_C_H_ */

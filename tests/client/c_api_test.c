@@ -1,0 +1,117 @@
+/* libztier's C ABI from C: a two-unit model trained for a few steps through
+ * a runner on the host device, checked against the AdamW update by hand,
+ * and the errors a C caller sees for bad use. Exit code 0 on success. */
+#include <math.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "client/ztier_c.h"
+
+static int failures = 0;
+
+#define EXPECT(cond)                                                        \
+  do {                                                                      \
+    if (!(cond)) {                                                          \
+      fprintf(stderr, "%s:%d: expected %s (last error: %s)\n", __FILE__, \
+              __LINE__, #cond, ztier_last_error());                         \
+      ++failures;                                                           \
+    }                                                                       \
+  } while (0)
+
+#define ASSERT_OK(call)                                                          \
+  do {                                                                           \
+    ztier_status s_ = (call);                                                    \
+    if (s_ != ZTIER_OK) {                                                        \
+      fprintf(stderr, "%s:%d: %s failed: %s\n", __FILE__, __LINE__, #call,      \
+              ztier_last_error());                                               \
+      return 1;                                                                  \
+    }                                                                            \
+  } while (0)
+
+int main(void) {
+  EXPECT(ztier_abi_version() == ZTIER_ABI_VERSION);
+  ztier_session* session = NULL;
+  ASSERT_OK(ztier_session_open(NULL, &session));
+
+  const int64_t w_shape[2] = {16, 8};
+  const int64_t b_shape[1] = {8};
+  const ztier_tensor_desc t0[2] = {{"l0.weight", 2, w_shape}, {"l0.bias", 1, b_shape}};
+  const ztier_tensor_desc t1[1] = {{"l1.bias", 1, b_shape}};
+  const ztier_unit_desc units[2] = {{"l0", 2, t0}, {"l1", 1, t1}};
+  ztier_model_desc desc;
+  ztier_model_desc_init(&desc);
+  desc.name = "c-model";
+  desc.num_units = 2;
+  desc.units = units;
+  desc.lr = 0.01f;
+
+  /* A struct from a newer library version than this one is refused. */
+  ztier_model_desc bad = desc;
+  bad.struct_size = sizeof(desc) + 64;
+  ztier_model* model = NULL;
+  EXPECT(ztier_model_register(session, &bad, &model) == ZTIER_INVALID_ARGUMENT);
+  EXPECT(strstr(ztier_last_error(), "struct_size") != NULL);
+  ASSERT_OK(ztier_model_register(session, &desc, &model));
+
+  uint64_t numel[2], padded[2];
+  float weights[136];
+  for (int u = 0; u < 2; ++u) {
+    ASSERT_OK(ztier_model_unit_layout(model, u, &numel[u], &padded[u]));
+    for (uint64_t i = 0; i < numel[u]; ++i) weights[i] = 0.5f;
+    ASSERT_OK(ztier_model_set_weights(model, u, weights, numel[u]));
+  }
+  EXPECT(numel[0] == 136 && numel[1] == 8);
+  EXPECT(ztier_model_set_weights(model, 0, weights, 3) == ZTIER_INVALID_ARGUMENT);
+
+  ztier_device* device = NULL;
+  ASSERT_OK(ztier_device_open_host(&device));
+  ztier_runner_options options;
+  ztier_runner_options_init(&options);
+  options.prefetch_depth = 1;
+  ztier_runner* runner = NULL;
+  ASSERT_OK(ztier_runner_create(model, device, &options, &runner));
+
+  const int steps = 3;
+  for (int step = 0; step < steps; ++step) {
+    for (int u = 0; u < 2; ++u) {
+      const uint16_t* p = NULL;
+      ASSERT_OK(ztier_runner_acquire(runner, u, &p));
+      /* bf16 of the published weights: 0.5 - step * lr (approximately). */
+      EXPECT(p[0] != 0);
+      ASSERT_OK(ztier_runner_release(runner, u));
+    }
+    for (int u = 1; u >= 0; --u) {
+      uint16_t* g = NULL;
+      ASSERT_OK(ztier_runner_grad_buffer(runner, u, &g));
+      for (uint64_t i = 0; i < numel[u]; ++i) g[i] = 0x3f80; /* 1.0 */
+      ASSERT_OK(ztier_runner_push_grads(runner, u));
+    }
+    ASSERT_OK(ztier_runner_step(runner));
+  }
+  EXPECT(ztier_runner_version(runner) == steps);
+
+  /* Bad use: an unknown unit, a second step with no grads. */
+  const uint16_t* p = NULL;
+  EXPECT(ztier_runner_acquire(runner, 5, &p) == ZTIER_OUT_OF_RANGE);
+  EXPECT(strstr(ztier_last_error(), "no unit 5") != NULL);
+  EXPECT(ztier_runner_step(runner) == ZTIER_FAILED_PRECONDITION);
+  EXPECT(ztier_runner_acquire(NULL, 0, &p) == ZTIER_INVALID_ARGUMENT);
+  ztier_runner_close(runner);
+
+  /* With a constant grad, each AdamW step moves a weight by lr (bias-corrected
+   * m / sqrt(v) is 1): 0.5 - 3 * 0.01. */
+  float master[192];
+  EXPECT(padded[0] <= 192);
+  ASSERT_OK(ztier_model_read_master(model, 0, master, padded[0]));
+  EXPECT(fabsf(master[0] - (0.5f - steps * 0.01f)) < 1e-4f);
+  EXPECT(fabsf(master[numel[0] - 1] - (0.5f - steps * 0.01f)) < 1e-4f);
+  EXPECT(master[padded[0] - 1] == 0.0f || numel[0] == padded[0]);
+  EXPECT(ztier_model_read_master(model, 0, master, 3) == ZTIER_INVALID_ARGUMENT);
+  EXPECT(ztier_model_published_step(model) == steps);
+
+  ztier_device_close(device);
+  ztier_model_close(model);
+  ztier_session_close(session);
+  if (failures == 0) printf("c_api_test: ok\n");
+  return failures == 0 ? 0 : 1;
+}
