@@ -7,6 +7,7 @@ namespace ztier::bench {
 
 int RunAdam(int argc, char** argv);
 int RunNvme(int argc, char** argv);
+int RunPcie(int argc, char** argv);
 int RunStep(int argc, char** argv);
 
 }  // namespace ztier::bench

@@ -3,6 +3,7 @@
 //
 //   ztier-bench adam [options]   CPU AdamW vs a same-pattern memory kernel
 //   ztier-bench nvme [options]   swap-space I/O vs fio on the same directories
+//   ztier-bench pcie [options]   host <-> device copies vs the pinned cudaMemcpy peak
 //   ztier-bench step [options]   the engine's optimizer step vs I/O and compute alone
 #include <cstdio>
 #include <cstring>
@@ -17,6 +18,8 @@ constexpr const char* kUsage = R"(usage: ztier-bench <subcommand> [options]
 subcommands:
   adam    fused CPU AdamW step vs the same-pattern memory limit
   nvme    striped swap-space write/read vs fio on the same drives
+  pcie    host <-> device copies from the engine's pinned buffers vs the
+          pinned cudaMemcpyAsync peak (CUDA) or same-size memcpy (host)
   step    the engine's optimizer step (states on NVMe or in DRAM) vs its
           I/O alone and compute alone: overlap efficiency
 
@@ -33,6 +36,7 @@ int main(int argc, char** argv) {
   const std::string_view sub = argv[1];
   if (sub == "adam") return ztier::bench::RunAdam(argc - 2, argv + 2);
   if (sub == "nvme") return ztier::bench::RunNvme(argc - 2, argv + 2);
+  if (sub == "pcie") return ztier::bench::RunPcie(argc - 2, argv + 2);
   if (sub == "step") return ztier::bench::RunStep(argc - 2, argv + 2);
   std::fprintf(stderr, "ztier-bench: unknown subcommand '%s'\n%s", argv[1], kUsage);
   return 2;
