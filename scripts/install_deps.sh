@@ -18,7 +18,7 @@ packages=(
   nlohmann-json3-dev                     # engine/ config files
   fio                                    # ztier-bench nvme reference
   clang libclang-rt-14-dev               # libFuzzer targets (scripts/fuzz.sh)
-  fortunes-min                           # English text corpus for the examples
+  fortunes                               # English text corpus for ztier-train (fortunes data files)
 )
 
 missing=()

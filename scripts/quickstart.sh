@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# The README's first command: install, build, and run the main job.
-# Today the main job is the CPU AdamW benchmark (ztier-bench adam) with its
-# default sizes; extra arguments go to it.
+# The README's first command: install, build, and run the main job:
+# ztier-train with its defaults (a small GPT on the fortunes corpus, the
+# engine embedded, optimizer states on NVMe swap under ./ztier-run).
+# Extra arguments go to ztier-train (--help lists them).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/build.sh release
-exec build/release/benchmarks/ztier-bench adam "$@"
+exec build/release/examples/ztier-train "$@"

@@ -13,7 +13,8 @@
 // uninterrupted run would have. At the end (and every --checkpoint-every
 // steps) it writes a checkpoint, and at the end a safetensors export of the
 // weights. The progress line shows step, loss, tokens/s and the bytes moved
-// per tier (host <-> device copies, NVMe reads and writes).
+// per tier (host <-> device copies, NVMe reads and writes); every step is
+// also a row of <out>/train_log.tsv.
 //
 // Exit codes: 0 done, 1 a runtime error (printed), 2 bad usage.
 #include <unistd.h>
@@ -115,7 +116,8 @@ void Usage(std::ostream& os) {
         "  --persistence-threshold N  units up to N bytes stay on the device (default 65536)\n"
         "  --config PATH            engine settings file (JSON; ZTIER_* variables apply too)\n"
         "output:\n"
-        "  --no-progress            one line per step instead of a progress bar\n";
+        "  --no-progress            one line per step instead of a progress bar\n"
+        "  --exit-after N           exit abruptly right after step N's checkpoint (crash tests)\n";
 }
 
 // Parses "64K", "1M", "2G" or a plain number.

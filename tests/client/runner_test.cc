@@ -552,6 +552,38 @@ TEST_F(RunnerErrorsTest, StepWhileAUnitIsHeld) {
   EXPECT_TRUE(runner_->Step().ok());
 }
 
+// One micro-step acquiring `order`, then every unit's grads, then Step().
+Status MicroStep(Stage3Runner& runner, const std::vector<int>& order, int units) {
+  for (int k : order) {
+    ZT_RETURN_IF_ERROR(runner.Acquire(k).status());
+    ZT_RETURN_IF_ERROR(runner.Release(k));
+  }
+  for (int k = units - 1; k >= 0; --k) {
+    ZT_RETURN_IF_ERROR(runner.GradBuffer(k).status());
+    ZT_RETURN_IF_ERROR(runner.PushGrads(k));
+  }
+  return runner.Step();
+}
+
+TEST_F(RunnerErrorsTest, AChangedOrderIsCountedAndRelearned) {
+  const int n = model_->units();
+  std::vector<int> forward(n), reversed(n);
+  for (int k = 0; k < n; ++k) forward[k] = reversed[n - 1 - k] = k;
+  ASSERT_TRUE(MicroStep(*runner_, forward, n).ok());
+  EXPECT_EQ(runner_->learned_order(), forward);
+  ASSERT_TRUE(MicroStep(*runner_, forward, n).ok());
+  EXPECT_EQ(runner_->stats().order_changes, 0);
+  const int64_t hits = runner_->stats().prefetch_hits;
+  EXPECT_GT(hits, 0);
+  ASSERT_TRUE(MicroStep(*runner_, reversed, n).ok());
+  EXPECT_EQ(runner_->stats().order_changes, 1);
+  EXPECT_EQ(runner_->learned_order(), reversed);
+  ASSERT_TRUE(MicroStep(*runner_, reversed, n).ok());
+  EXPECT_EQ(runner_->stats().order_changes, 1);
+  EXPECT_GT(runner_->stats().prefetch_hits, hits);  // prefetching by the new order
+  EXPECT_EQ(runner_->version(), 4);
+}
+
 TEST_F(RunnerErrorsTest, UnitLargerThanTheCap) {
   auto r = Stage3Runner::Create(*model_, 0, *dev_, nullptr, {.max_live_bytes = 1024});
   ASSERT_FALSE(r.ok());
