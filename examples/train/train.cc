@@ -63,7 +63,7 @@ struct Flags {
   std::string out = "ztier-run";
   std::string swap_dir;  // empty: <out>/swap
   std::string config;    // engine settings (JSON)
-  int steps = 200;
+  int steps = 500;
   int batch = 8;
   gpt::Config model{.vocab = 256, .context = 64, .channels = 128, .layers = 4, .heads = 4};
   float lr = 2e-3f;
@@ -100,7 +100,7 @@ void Usage(std::ostream& os) {
         "  --untied                 a separate output head instead of the tied embedding\n"
         "  --checkpoint-activations recompute each block's activations in its backward\n"
         "training:\n"
-        "  --steps N                optimizer steps (default 200)\n"
+        "  --steps N                optimizer steps (default 500)\n"
         "  --batch B                sequences per rank and micro-step (default 8)\n"
         "  --lr X --weight-decay X  AdamW (default 2e-3, 0.01)\n"
         "  --clip X                 global grad-norm clipping, 0 off (default 1.0)\n"
