@@ -71,7 +71,8 @@ Result<std::shared_ptr<Transport>> MakeEmbeddedTransport(const engine::Settings&
 
 // ------------------------------------------------------------------ Session
 
-Session::Session(std::shared_ptr<Transport> transport) : transport_(std::move(transport)) {}
+Session::Session(std::shared_ptr<Transport> transport, engine::Settings settings)
+    : transport_(std::move(transport)), settings_(std::move(settings)) {}
 Session::~Session() = default;
 
 Result<std::unique_ptr<Session>> Session::Open(const SessionOptions& options) {
@@ -83,7 +84,7 @@ Result<std::unique_ptr<Session>> Session::Open(const SessionOptions& options) {
   }
   ZT_ASSIGN_OR_RETURN(std::shared_ptr<Transport> t, MakeEmbeddedTransport(options.settings));
   ZT_LOG(kInfo, "client") << "session open (" << t->name() << " engine)";
-  return std::unique_ptr<Session>(new Session(std::move(t)));
+  return std::unique_ptr<Session>(new Session(std::move(t), options.settings));
 }
 
 std::string Session::transport_name() const { return transport_->name(); }
@@ -110,6 +111,14 @@ Result<std::unique_ptr<Model>> Session::RegisterModel(const ModelSpec& spec) {
     layouts.push_back(*std::move(l));
   }
   return std::unique_ptr<Model>(new Model(transport_, id, spec, std::move(layouts)));
+}
+
+RunnerOptions RunnerOptionsFrom(const engine::Settings& settings) {
+  RunnerOptions o;
+  o.prefetch_depth = settings.prefetch_depth;
+  o.max_live_bytes = settings.max_live_parameters * sizeof(bf16);
+  o.persistence_threshold = settings.param_persistence_threshold * sizeof(bf16);
+  return o;
 }
 
 // -------------------------------------------------------------------- Model

@@ -168,6 +168,8 @@ class Session {
   Session& operator=(const Session&) = delete;
 
   std::string transport_name() const;  // "embedded" or "daemon"
+  // The settings the session was opened with (runner defaults among them).
+  const engine::Settings& settings() const { return settings_; }
 
   struct ModelSpec {
     std::string name;
@@ -183,8 +185,9 @@ class Session {
   Result<std::unique_ptr<Model>> RegisterModel(const ModelSpec& spec);
 
  private:
-  explicit Session(std::shared_ptr<Transport> transport);
+  Session(std::shared_ptr<Transport> transport, engine::Settings settings);
   std::shared_ptr<Transport> transport_;
+  engine::Settings settings_;
 };
 
 // A registered model (an engine job). Unregistered when destroyed.
@@ -248,6 +251,11 @@ struct RunnerOptions {
   // Adds each unit's compute span (acquire to release) to the device timeline.
   bool record_compute_spans = false;
 };
+
+// Runner options from the engine settings (config file keys
+// zero_optimization.stage3_max_live_parameters, .stage3_param_persistence_threshold
+// and ztier.prefetch_depth, or their ZTIER_* variables); bf16 params are 2 bytes.
+RunnerOptions RunnerOptionsFrom(const engine::Settings& settings);
 
 struct RunnerStats {
   int64_t micro_steps = 0;

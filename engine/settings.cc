@@ -48,6 +48,21 @@ Result<uint64_t> ParseSize(std::string_view text, std::string_view key) {
   return v << shift;
 }
 
+// A count of elements: a size (suffixes allowed), or a JSON number such as
+// DeepSpeed configs write (1e9), which must be a whole number.
+Result<uint64_t> ParseCount(std::string_view text, std::string_view key) {
+  Result<uint64_t> size = ParseSize(text, key);
+  if (size.ok()) return size;
+  double d = 0;
+  auto [ptr, ec] = std::from_chars(text.data(), text.data() + text.size(), d);
+  if (ec != std::errc() || ptr != text.data() + text.size() || !(d >= 0) || d > 9.0e18 ||
+      d != static_cast<double>(static_cast<uint64_t>(d))) {
+    return Status::InvalidArgument(
+        StrCat(key, ": '", text, "' is not a whole number of parameters (e.g. 100000, 1e9, 64M)"));
+  }
+  return static_cast<uint64_t>(d);
+}
+
 Result<int64_t> ParseInt(std::string_view text, std::string_view key, int64_t lo, int64_t hi) {
   int64_t v = 0;
   auto [ptr, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
@@ -254,6 +269,39 @@ const std::vector<Tunable>& Table() {
          return Status::Ok();
        },
        [](const Settings& s) { return StrCat(s.buffer_count); }},
+      {{"zero_optimization.stage3_max_live_parameters"},
+       "ZTIER_MAX_LIVE_PARAMETERS",
+       Kind::kScalar,
+       "0",
+       "Client: cap on the bf16 params each rank keeps on its device (held, prefetched, in "
+       "flight), in parameters; 0: no cap.",
+       [](Settings& s, std::string_view t, std::string_view k) -> Status {
+         ZT_ASSIGN_OR_RETURN(s.max_live_parameters, ParseCount(t, k));
+         return Status::Ok();
+       },
+       [](const Settings& s) { return StrCat(s.max_live_parameters); }},
+      {{"zero_optimization.stage3_param_persistence_threshold"},
+       "ZTIER_PARAM_PERSISTENCE_THRESHOLD",
+       Kind::kScalar,
+       "32768",
+       "Client: units of at most this many parameters stay on the device once fetched "
+       "(refreshed once per step).",
+       [](Settings& s, std::string_view t, std::string_view k) -> Status {
+         ZT_ASSIGN_OR_RETURN(s.param_persistence_threshold, ParseCount(t, k));
+         return Status::Ok();
+       },
+       [](const Settings& s) { return StrCat(s.param_persistence_threshold); }},
+      {{"ztier.prefetch_depth"},
+       "ZTIER_PREFETCH_DEPTH",
+       Kind::kScalar,
+       "2",
+       "Client: units each rank fetches ahead of the one it computes, in the learned order.",
+       [](Settings& s, std::string_view t, std::string_view k) -> Status {
+         ZT_ASSIGN_OR_RETURN(int64_t v, ParseInt(t, k, 0, 1024));
+         s.prefetch_depth = static_cast<int>(v);
+         return Status::Ok();
+       },
+       [](const Settings& s) { return StrCat(s.prefetch_depth); }},
       {{"ztier.optimizer_threads"},
        "ZTIER_OPTIMIZER_THREADS",
        Kind::kScalar,
@@ -279,8 +327,6 @@ const std::vector<const char*>& IgnoredKeys() {
       "zero_optimization.reduce_bucket_size",
       "zero_optimization.sub_group_size",
       "zero_optimization.stage3_prefetch_bucket_size",
-      "zero_optimization.stage3_param_persistence_threshold",
-      "zero_optimization.stage3_max_live_parameters",
       "zero_optimization.stage3_max_reuse_distance",
       "zero_optimization.stage3_gather_16bit_weights_on_model_save",
       "zero_optimization.offload_optimizer.fast_init",
@@ -316,6 +362,11 @@ Result<std::string> LeafText(const Json& v, Kind kind, std::string_view key) {
   if (v.is_boolean()) return std::string(v.get<bool>() ? "true" : "false");
   if (v.is_number_integer() || v.is_number_unsigned()) return v.dump();
   if (v.is_number_float()) {
+    // DeepSpeed configs write large counts as 1e9: whole numbers pass.
+    const double d = v.get<double>();
+    if (d >= 0 && d < 9.0e18 && d == static_cast<double>(static_cast<uint64_t>(d))) {
+      return StrCat(static_cast<uint64_t>(d));
+    }
     return Status::InvalidArgument(StrCat(key, ": ", v.dump(), " is not an integer"));
   }
   return Status::InvalidArgument(StrCat(key, ": expected a ",

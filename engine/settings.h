@@ -54,6 +54,12 @@ struct Settings {
   uint32_t buffer_count = 4;
   // CPU threads of the optimizer, shared by all jobs (0: all cores).
   int optimizer_threads = 0;
+  // Client side of stage 3 (each rank's Stage3Runner): the cap on params
+  // live on a device and the persistence threshold, in parameters, and the
+  // prefetch depth in units.
+  uint64_t max_live_parameters = 0;
+  uint64_t param_persistence_threshold = 32768;
+  int prefetch_depth = 2;
 
   friend bool operator==(const Settings&, const Settings&) = default;
 };

@@ -74,9 +74,10 @@ struct Flags {
   std::string device = "host";
   std::string optimizer = "nvme";
   std::string params = "dram";
-  int prefetch = 2;
-  uint64_t max_live_bytes = 0;
-  uint64_t persistence_threshold = 64 << 10;
+  // Runner options; negative: from the engine settings (config, ZTIER_*).
+  int prefetch = -1;
+  int64_t max_live_bytes = -1;
+  int64_t persistence_threshold = -1;
   int checkpoint_every = 0;
   bool resume = false;
   uint64_t seed = 1;
@@ -111,9 +112,9 @@ void Usage(std::ostream& os) {
         "  --params dram|nvme       where the published bf16 params live (default dram)\n"
         "  --device host|cuda       compute device of each rank (default host)\n"
         "  --ranks R                local ranks: threads on the host, GPUs with cuda (default 1)\n"
-        "  --prefetch D             units fetched ahead (default 2)\n"
+        "  --prefetch D             units fetched ahead (default 2, ztier.prefetch_depth)\n"
         "  --max-live-bytes N       cap on param bytes on each device (default: none)\n"
-        "  --persistence-threshold N  units up to N bytes stay on the device (default 65536)\n"
+        "  --persistence-threshold N  units up to N bytes stay on the device (default 64K)\n"
         "  --config PATH            engine settings file (JSON; ZTIER_* variables apply too)\n"
         "output:\n"
         "  --no-progress            one line per step instead of a progress bar\n"
@@ -224,10 +225,11 @@ Result<Flags> ParseFlags(int argc, char** argv) {
       s = choice(&f.params, {"dram", "nvme"});
     } else if (a == "--prefetch") {
       s = integer(&f.prefetch, 0);
-    } else if (a == "--max-live-bytes") {
-      s = bytes(&f.max_live_bytes);
-    } else if (a == "--persistence-threshold") {
-      s = bytes(&f.persistence_threshold);
+    } else if (a == "--max-live-bytes" || a == "--persistence-threshold") {
+      uint64_t n = 0;
+      s = bytes(&n);
+      (a == "--max-live-bytes" ? f.max_live_bytes : f.persistence_threshold) =
+          static_cast<int64_t>(n);
     } else if (a == "--checkpoint-every") {
       s = integer(&f.checkpoint_every, 0);
     } else if (a == "--resume") {
@@ -490,12 +492,15 @@ int Run(const Flags& f) {
     for (int k = 0; k < m.units(); ++k) layouts.push_back(m.layout(k));
     ZT_ASSIGN_OR_RETURN(std::unique_ptr<gpt::Gpt> net,
                         gpt::Gpt::Create(f.model, f.batch, **dev, layouts));
-    ZT_ASSIGN_OR_RETURN(
-        std::unique_ptr<Stage3Runner> runner,
-        Stage3Runner::Create(m, r, **dev, f.ranks > 1 ? coll[r].get() : nullptr,
-                             {.prefetch_depth = f.prefetch,
-                              .max_live_bytes = f.max_live_bytes,
-                              .persistence_threshold = f.persistence_threshold}));
+    client::RunnerOptions options = client::RunnerOptionsFrom((*session)->settings());
+    if (f.prefetch >= 0) options.prefetch_depth = f.prefetch;
+    if (f.max_live_bytes >= 0) options.max_live_bytes = static_cast<uint64_t>(f.max_live_bytes);
+    if (f.persistence_threshold >= 0) {
+      options.persistence_threshold = static_cast<uint64_t>(f.persistence_threshold);
+    }
+    ZT_ASSIGN_OR_RETURN(std::unique_ptr<Stage3Runner> runner,
+                        Stage3Runner::Create(m, r, **dev, f.ranks > 1 ? coll[r].get() : nullptr,
+                                             options));
     gpt::SourceOf<Stage3Runner> source(*runner);
     const float scale = 1.0f / static_cast<float>(f.ranks * f.accumulation);
     Clock::time_point t0 = Clock::now();

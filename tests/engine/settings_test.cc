@@ -51,6 +51,27 @@ TEST(SettingsTest, ReadsDeepSpeedOffloadConfig) {
   EXPECT_NE(std::find(changed.begin(), changed.end(), "aio.queue_depth = 32"), changed.end());
 }
 
+TEST(SettingsTest, ReadsStage3ClientSettingsAsDeepSpeedWritesThem) {
+  Result<Settings> s = ParseSettings(
+      R"({"zero_optimization": {"stage3_max_live_parameters": 1e9,
+                               "stage3_param_persistence_threshold": 100000},
+          "ztier": {"prefetch_depth": 3}})",
+      "ds_config.json");
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_EQ(s->max_live_parameters, 1000000000u);
+  EXPECT_EQ(s->param_persistence_threshold, 100000u);
+  EXPECT_EQ(s->prefetch_depth, 3);
+  Result<Settings> frac =
+      ParseSettings(R"({"zero_optimization": {"stage3_max_live_parameters": 1.5}})", "x.json");
+  ASSERT_FALSE(frac.ok());
+  EXPECT_NE(frac.status().ToString().find("stage3_max_live_parameters"), std::string::npos);
+  const char* env[] = {"ZTIER_PREFETCH_DEPTH=0", "ZTIER_MAX_LIVE_PARAMETERS=64M", nullptr};
+  Result<Settings> e = ApplyEnvironment(*s, env);
+  ASSERT_TRUE(e.ok()) << e.status();
+  EXPECT_EQ(e->prefetch_depth, 0);
+  EXPECT_EQ(e->max_live_parameters, uint64_t{64} << 20);
+}
+
 TEST(SettingsTest, EmptyObjectKeepsDefaults) {
   Result<Settings> s = ParseSettings("{}", "x");
   ASSERT_TRUE(s.ok());
