@@ -52,6 +52,11 @@ Result<uint64_t> ArgReader::Count(uint64_t lo, uint64_t hi) {
   return n;
 }
 
+Status ArgReader::Unrecognized() const {
+  if (Is("-h") || Is("--help")) return Status::Aborted("help");
+  return Status::InvalidArgument(StrCat("unknown option '", arg(), "'"));
+}
+
 int UsageExit(const Status& s, const char* subcommand, const char* usage) {
   if (s.code() == StatusCode::kAborted) {
     std::fputs(usage, stdout);
@@ -60,6 +65,11 @@ int UsageExit(const Status& s, const char* subcommand, const char* usage) {
   std::fprintf(stderr, "ztier-bench %s: %s\n%s", subcommand, std::string(s.message()).c_str(),
                usage);
   return 2;
+}
+
+int FailExit(const Status& s, const char* subcommand) {
+  std::fprintf(stderr, "ztier-bench %s: %s\n", subcommand, s.ToString().c_str());
+  return 1;
 }
 
 std::string FormatCount(uint64_t n) {

@@ -1,13 +1,15 @@
-// ztier-bench: small helpers shared by the subcommands — size parsing,
-// a flat JSON object writer, and a monotonic timer.
+// ztier-bench: small helpers shared by the subcommands — size and argument
+// parsing, exit codes, a flat JSON object writer, and a monotonic timer.
 // Not thread-safe; used from the benchmark's main thread only.
 #ifndef ZTIER_BENCHMARKS_BENCH_UTIL_H_
 #define ZTIER_BENCHMARKS_BENCH_UTIL_H_
 
 #include <chrono>
 #include <cstdint>
+#include <initializer_list>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "common/status.h"
@@ -24,6 +26,10 @@ Result<std::vector<uint64_t>> ParseCountList(std::string_view text);
 // to stdout and returns 0 for --help (Aborted "help"), else prints the error
 // and usage to stderr and returns 2.
 int UsageExit(const Status& s, const char* subcommand, const char* usage);
+
+// Exit code for a subcommand that failed while running: prints
+// "ztier-bench <subcommand>: <status>" to stderr and returns 1.
+int FailExit(const Status& s, const char* subcommand);
 
 // "64M" style rendering for counts that are multiples of 1024.
 std::string FormatCount(uint64_t n);
@@ -43,6 +49,32 @@ class ArgReader {
   }
   // The value after the current option as a count (ParseCount) in [lo, hi].
   Result<uint64_t> Count(uint64_t lo, uint64_t hi);
+  // Count(lo, hi) stored in an integer option; [lo, hi] must fit in T.
+  template <typename T>
+  Status CountInto(T* out, uint64_t lo, uint64_t hi) {
+    ZT_ASSIGN_OR_RETURN(const uint64_t n, Count(lo, hi));
+    *out = static_cast<T>(n);
+    return Status::Ok();
+  }
+  // The value after the current option as the value its name is paired with
+  // in `choices`; InvalidArgument listing the names if it is none of them.
+  template <typename T>
+  Result<T> Choice(std::initializer_list<std::pair<std::string_view, T>> choices) {
+    const std::string option(arg());
+    ZT_ASSIGN_OR_RETURN(const std::string_view v, Value());
+    std::string names;
+    size_t i = 0;
+    for (const auto& [name, value] : choices) {
+      if (v == name) return value;
+      names += i == 0 ? "" : (i + 1 == choices.size() ? " or " : ", ");
+      names += name;
+      ++i;
+    }
+    return Status::InvalidArgument(StrCat(option, ": '", v, "' is not ", names));
+  }
+  // For an option no branch took: Aborted "help" for -h and --help (see
+  // UsageExit), else InvalidArgument naming the option.
+  Status Unrecognized() const;
 
  private:
   int argc_;

@@ -93,29 +93,19 @@ Status ParseArgs(int argc, char** argv, PcieOptions* o) {
   ArgReader args(argc, argv);
   while (args.Next()) {
     if (args.Is("--device")) {
-      ZT_ASSIGN_OR_RETURN(std::string_view v, args.Value());
-      if (v == "host") {
-        o->backend = Backend::kHost;
-      } else if (v == "cuda") {
-        o->backend = Backend::kCuda;
-      } else {
-        return Status::InvalidArgument(StrCat("--device: '", v, "' is not host or cuda"));
-      }
+      ZT_ASSIGN_OR_RETURN(
+          o->backend, args.Choice<Backend>({{"host", Backend::kHost}, {"cuda", Backend::kCuda}}));
     } else if (args.Is("--ordinal")) {
-      ZT_ASSIGN_OR_RETURN(uint64_t v, args.Count(0, 1023));
-      o->ordinal = static_cast<int>(v);
+      ZT_RETURN_IF_ERROR(args.CountInto(&o->ordinal, 0, 1023));
     } else if (args.Is("--max-size")) {
-      ZT_ASSIGN_OR_RETURN(o->max_size, args.Count(4096, uint64_t{16} << 30));
+      ZT_RETURN_IF_ERROR(args.CountInto(&o->max_size, 4096, uint64_t{16} << 30));
       if (o->max_size % 2 != 0) return Status::InvalidArgument("--max-size: not a multiple of 2");
     } else if (args.Is("--reps")) {
-      ZT_ASSIGN_OR_RETURN(uint64_t v, args.Count(1, 1000));
-      o->reps = static_cast<int>(v);
+      ZT_RETURN_IF_ERROR(args.CountInto(&o->reps, 1, 1000));
     } else if (args.Is("--json")) {
       o->json = true;
-    } else if (args.Is("-h") || args.Is("--help")) {
-      return Status::Aborted("help");
     } else {
-      return Status::InvalidArgument(StrCat("unknown option '", args.arg(), "'"));
+      return args.Unrecognized();
     }
   }
   return Status::Ok();
@@ -356,10 +346,7 @@ Status Sweep(Device& device, bool host_backend, const Buffers& b, const PcieOpti
 int RunPcie(int argc, char** argv) {
   PcieOptions o;
   if (Status s = ParseArgs(argc, argv, &o); !s.ok()) return UsageExit(s, "pcie", kUsage);
-  auto fail = [](const Status& s) {
-    std::fprintf(stderr, "ztier-bench pcie: %s\n", s.ToString().c_str());
-    return 1;
-  };
+  const auto fail = [](const Status& s) { return FailExit(s, "pcie"); };
   if (o.backend == Backend::kAuto) {
     o.backend = client::CudaDeviceCount() > 0 ? Backend::kCuda : Backend::kHost;
   }

@@ -77,54 +77,42 @@ RSS against the pinned pool.
   --json            print one JSON object as the last line
 )";
 
+// The value of --tier or --param-tier.
+Result<Tier> TierValue(ArgReader& args) {
+  return args.Choice<Tier>({{"nvme", Tier::kNvme}, {"dram", Tier::kDram}});
+}
+
 Status ParseArgs(int argc, char** argv, StepBenchOptions* o) {
   ArgReader args(argc, argv);
   while (args.Next()) {
     if (args.Is("--params")) {
-      ZT_ASSIGN_OR_RETURN(o->params, args.Count(1, uint64_t{1} << 40));
+      ZT_RETURN_IF_ERROR(args.CountInto(&o->params, 1, uint64_t{1} << 40));
     } else if (args.Is("--unit-params")) {
-      ZT_ASSIGN_OR_RETURN(o->unit_params, args.Count(1024, uint64_t{1} << 32));
+      ZT_RETURN_IF_ERROR(args.CountInto(&o->unit_params, 1024, uint64_t{1} << 32));
     } else if (args.Is("--tier")) {
-      ZT_ASSIGN_OR_RETURN(std::string_view v, args.Value());
-      if (v == "nvme") {
-        o->tier = Tier::kNvme;
-      } else if (v == "dram") {
-        o->tier = Tier::kDram;
-      } else {
-        return Status::InvalidArgument(StrCat("--tier: '", v, "' is not nvme or dram"));
-      }
+      ZT_ASSIGN_OR_RETURN(o->tier, TierValue(args));
     } else if (args.Is("--param-tier")) {
-      ZT_ASSIGN_OR_RETURN(std::string_view v, args.Value());
-      if (v != "nvme" && v != "dram") {
-        return Status::InvalidArgument(StrCat("--param-tier: '", v, "' is not nvme or dram"));
-      }
-      o->param_tier = v == "nvme" ? Tier::kNvme : Tier::kDram;
+      ZT_ASSIGN_OR_RETURN(o->param_tier, TierValue(args));
     } else if (args.Is("--path")) {
       ZT_ASSIGN_OR_RETURN(std::string_view v, args.Value());
       o->paths.emplace_back(v);
     } else if (args.Is("--steps")) {
-      ZT_ASSIGN_OR_RETURN(uint64_t v, args.Count(1, 1000));
-      o->steps = static_cast<int>(v);
+      ZT_RETURN_IF_ERROR(args.CountInto(&o->steps, 1, 1000));
     } else if (args.Is("--threads")) {
-      ZT_ASSIGN_OR_RETURN(uint64_t v, args.Count(0, 4096));
-      o->threads = static_cast<int>(v);
+      ZT_RETURN_IF_ERROR(args.CountInto(&o->threads, 0, 4096));
     } else if (args.Is("--buffer-count")) {
-      ZT_ASSIGN_OR_RETURN(uint64_t v, args.Count(3, 1024));
-      o->buffer_count = static_cast<uint32_t>(v);
+      ZT_RETURN_IF_ERROR(args.CountInto(&o->buffer_count, 3, 1024));
     } else if (args.Is("--stripe")) {
-      ZT_ASSIGN_OR_RETURN(o->stripe, args.Count(4096, uint64_t{1} << 30));
+      ZT_RETURN_IF_ERROR(args.CountInto(&o->stripe, 4096, uint64_t{1} << 30));
       if (o->stripe % 4096 != 0) return Status::InvalidArgument("--stripe: not a multiple of 4K");
     } else if (args.Is("--qd")) {
-      ZT_ASSIGN_OR_RETURN(uint64_t v, args.Count(1, 4096));
-      o->qd = static_cast<uint32_t>(v);
+      ZT_RETURN_IF_ERROR(args.CountInto(&o->qd, 1, 4096));
     } else if (args.Is("--no-checksums")) {
       o->checksums = false;
     } else if (args.Is("--json")) {
       o->json = true;
-    } else if (args.Is("-h") || args.Is("--help")) {
-      return Status::Aborted("help");
     } else {
-      return Status::InvalidArgument(StrCat("unknown option '", args.arg(), "'"));
+      return args.Unrecognized();
     }
   }
   if (o->param_tier == Tier::kNvme && o->tier != Tier::kNvme) {
@@ -186,10 +174,7 @@ struct Buffer {
 int RunStep(int argc, char** argv) {
   StepBenchOptions o;
   if (Status s = ParseArgs(argc, argv, &o); !s.ok()) return UsageExit(s, "step", kUsage);
-  auto fail = [](const Status& s) {
-    std::fprintf(stderr, "ztier-bench step: %s\n", s.ToString().c_str());
-    return 1;
-  };
+  const auto fail = [](const Status& s) { return FailExit(s, "step"); };
   const bool nvme = o.tier == Tier::kNvme;
   const uint64_t units = (o.params + o.unit_params - 1) / o.unit_params;
   const uint64_t state_bytes = o.params * 12;

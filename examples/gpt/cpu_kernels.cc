@@ -76,6 +76,72 @@ inline void Axpy(float* __restrict y, const float* __restrict x, float a, int n)
   }
 }
 
+// A matmul task's block of outputs: rows x w of them (rows <= kRows,
+// w <= kLanes), held in accumulators while the task streams the shared
+// operand. The forward, dinp and dweight sums all run through Accumulate, so
+// each of their output elements sees the same operations in the same order.
+struct Tile {
+  static_assert(kRows == 4, "Accumulate's full tile keeps one scalar per row");
+
+  // The tile at the start of the rows_left x cols_left outputs still to cover.
+  Tile(int rows_left, int cols_left)
+      : rows(std::min(kRows, rows_left)), w(std::min(kLanes, cols_left)) {}
+
+  // Row r of the tile from / to the w floats at src + r * stride.
+  void Load(const float* src, size_t stride) {
+    for (int r = 0; r < rows; ++r) std::memcpy(acc[r], src + r * stride, w * sizeof(float));
+  }
+  void Store(float* dst, size_t stride) const {
+    for (int r = 0; r < rows; ++r) std::memcpy(dst + r * stride, acc[r], w * sizeof(float));
+  }
+
+  // acc[r][0..w) += sum over k = 0, 1, ..., K - 1 (in that order) of
+  // a[r * a_row + k * a_k] * b[k * b_k + 0..w): one scalar of `a` per row and
+  // step, one contiguous strip of `b` per step, shared by the rows. Neither
+  // operand overlaps the accumulators; __restrict tells the compiler so, and
+  // the strip loop vectorises without runtime alias checks.
+  void Accumulate(int K, const float* __restrict a, size_t a_row, size_t a_k,
+                  const float* __restrict b, size_t b_k) {
+    if (rows == kRows && w == kLanes) {
+      for (int k = 0; k < K; ++k) {
+        const float* ak = a + k * a_k;
+        const float* bk = b + k * b_k;
+        const float a0 = ak[0];
+        const float a1 = ak[a_row];
+        const float a2 = ak[2 * a_row];
+        const float a3 = ak[3 * a_row];
+        for (int o = 0; o < kLanes; ++o) {
+          const float bo = bk[o];
+          acc[0][o] += a0 * bo;
+          acc[1][o] += a1 * bo;
+          acc[2][o] += a2 * bo;
+          acc[3][o] += a3 * bo;
+        }
+      }
+    } else {
+      for (int k = 0; k < K; ++k) {
+        const float* bk = b + k * b_k;
+        for (int r = 0; r < rows; ++r) Axpy(acc[r], bk, a[r * a_row + k * a_k], w);
+      }
+    }
+  }
+
+  const int rows;
+  const int w;
+  alignas(64) float acc[kRows][kLanes];
+};
+
+// The row an attention task owns: tasks run over B * NH * T rows, and task
+// (b * NH + h) * T + t is row t of head h in sequence b.
+struct HeadRow {
+  int b;
+  int h;
+  int t;
+};
+inline HeadRow HeadRowOf(int task, int T, int NH) {
+  return {task / (T * NH), (task / T) % NH, task % T};
+}
+
 // Sequential dot product (a fixed-order sum).
 inline float Dot(const float* a, const float* b, int n) {
   float s = 0.0f;
@@ -245,39 +311,13 @@ class CpuKernels final : public Kernels {
     ParallelIndices(row_tiles * strips, [&](int task) {
       const int n0 = (task % row_tiles) * kRows;
       const int o0 = (task / row_tiles) * kLanes;
-      const int rows = std::min(kRows, N - n0);
-      const int w = std::min(kLanes, OC - o0);
-      alignas(64) float acc[kRows][kLanes];
-      for (int r = 0; r < rows; ++r) {
-        for (int o = 0; o < w; ++o) acc[r][o] = bias != nullptr ? bias[o0 + o] : 0.0f;
+      Tile tile(N - n0, OC - o0);
+      for (int r = 0; r < tile.rows; ++r) {
+        for (int o = 0; o < tile.w; ++o) tile.acc[r][o] = bias != nullptr ? bias[o0 + o] : 0.0f;
       }
-      const float* x = inp + static_cast<size_t>(n0) * C;
-      if (rows == kRows && w == kLanes) {
-        for (int c = 0; c < C; ++c) {
-          const float* wc = wt + static_cast<size_t>(c) * OC + o0;
-          const float a0 = x[c];
-          const float a1 = x[static_cast<size_t>(C) + c];
-          const float a2 = x[2 * static_cast<size_t>(C) + c];
-          const float a3 = x[3 * static_cast<size_t>(C) + c];
-          for (int o = 0; o < kLanes; ++o) {
-            const float b = wc[o];
-            acc[0][o] += a0 * b;
-            acc[1][o] += a1 * b;
-            acc[2][o] += a2 * b;
-            acc[3][o] += a3 * b;
-          }
-        }
-      } else {
-        for (int c = 0; c < C; ++c) {
-          const float* wc = wt + static_cast<size_t>(c) * OC + o0;
-          for (int r = 0; r < rows; ++r) {
-            Axpy(acc[r], wc, x[static_cast<size_t>(r) * C + c], w);
-          }
-        }
-      }
-      for (int r = 0; r < rows; ++r) {
-        std::memcpy(out + static_cast<size_t>(n0 + r) * OC + o0, acc[r], w * sizeof(float));
-      }
+      // out[n, o] = bias[o] + sum over c of inp[n, c] * weight^T[c, o].
+      tile.Accumulate(C, inp + static_cast<size_t>(n0) * C, C, 1, wt + o0, OC);
+      tile.Store(out + static_cast<size_t>(n0) * OC + o0, OC);
     });
   }
 
@@ -290,37 +330,11 @@ class CpuKernels final : public Kernels {
     ParallelIndices(row_tiles * c_strips, [&](int task) {
       const int n0 = (task / c_strips) * kRows;
       const int c0 = (task % c_strips) * kLanes;
-      const int rows = std::min(kRows, N - n0);
-      const int w = std::min(kLanes, C - c0);
-      alignas(64) float acc[kRows][kLanes];
-      for (int r = 0; r < rows; ++r) {
-        std::memcpy(acc[r], dinp + static_cast<size_t>(n0 + r) * C + c0, w * sizeof(float));
-      }
-      const float* g = dout + static_cast<size_t>(n0) * OC;
-      if (rows == kRows && w == kLanes) {
-        for (int o = 0; o < OC; ++o) {
-          const float* wo = weight + static_cast<size_t>(o) * C + c0;
-          const float a0 = g[o];
-          const float a1 = g[static_cast<size_t>(OC) + o];
-          const float a2 = g[2 * static_cast<size_t>(OC) + o];
-          const float a3 = g[3 * static_cast<size_t>(OC) + o];
-          for (int c = 0; c < kLanes; ++c) {
-            const float b = wo[c];
-            acc[0][c] += a0 * b;
-            acc[1][c] += a1 * b;
-            acc[2][c] += a2 * b;
-            acc[3][c] += a3 * b;
-          }
-        }
-      } else {
-        for (int o = 0; o < OC; ++o) {
-          const float* wo = weight + static_cast<size_t>(o) * C + c0;
-          for (int r = 0; r < rows; ++r) Axpy(acc[r], wo, g[static_cast<size_t>(r) * OC + o], w);
-        }
-      }
-      for (int r = 0; r < rows; ++r) {
-        std::memcpy(dinp + static_cast<size_t>(n0 + r) * C + c0, acc[r], w * sizeof(float));
-      }
+      float* d = dinp + static_cast<size_t>(n0) * C + c0;
+      Tile tile(N - n0, C - c0);
+      tile.Load(d, C);
+      tile.Accumulate(OC, dout + static_cast<size_t>(n0) * OC, OC, 1, weight + c0, C);
+      tile.Store(d, C);
     });
 
     // dweight[oc, c] += sum over n (in order) of dout[n, oc] * inp[n, c], and
@@ -330,41 +344,14 @@ class CpuKernels final : public Kernels {
     ParallelIndices(oc_tiles * c_strips, [&](int task) {
       const int o0 = (task / c_strips) * kRows;
       const int c0 = (task % c_strips) * kLanes;
-      const int rows = std::min(kRows, OC - o0);
-      const int w = std::min(kLanes, C - c0);
-      alignas(64) float acc[kRows][kLanes];
-      for (int r = 0; r < rows; ++r) {
-        std::memcpy(acc[r], dweight + static_cast<size_t>(o0 + r) * C + c0, w * sizeof(float));
-      }
-      if (rows == kRows && w == kLanes) {
-        for (int n = 0; n < N; ++n) {
-          const float* x = inp + static_cast<size_t>(n) * C + c0;
-          const float* g = dout + static_cast<size_t>(n) * OC + o0;
-          const float a0 = g[0];
-          const float a1 = g[1];
-          const float a2 = g[2];
-          const float a3 = g[3];
-          for (int c = 0; c < kLanes; ++c) {
-            const float b = x[c];
-            acc[0][c] += a0 * b;
-            acc[1][c] += a1 * b;
-            acc[2][c] += a2 * b;
-            acc[3][c] += a3 * b;
-          }
-        }
-      } else {
-        for (int n = 0; n < N; ++n) {
-          const float* x = inp + static_cast<size_t>(n) * C + c0;
-          const float* g = dout + static_cast<size_t>(n) * OC + o0;
-          for (int r = 0; r < rows; ++r) Axpy(acc[r], x, g[r], w);
-        }
-      }
-      for (int r = 0; r < rows; ++r) {
-        std::memcpy(dweight + static_cast<size_t>(o0 + r) * C + c0, acc[r], w * sizeof(float));
-      }
+      float* d = dweight + static_cast<size_t>(o0) * C + c0;
+      Tile tile(OC - o0, C - c0);
+      tile.Load(d, C);
+      tile.Accumulate(N, dout + o0, 1, OC, inp + c0, C);
+      tile.Store(d, C);
       // The first strip of channels also owns the tile's bias grads.
       if (dbias != nullptr && c0 == 0) {
-        for (int r = 0; r < rows; ++r) {
+        for (int r = 0; r < tile.rows; ++r) {
           float s = dbias[o0 + r];
           for (int n = 0; n < N; ++n) s += dout[static_cast<size_t>(n) * OC + o0 + r];
           dbias[o0 + r] = s;
@@ -379,9 +366,7 @@ class CpuKernels final : public Kernels {
     const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
     // One task per (b, h, t): the query row t of head h.
     ParallelIndices(B * NH * T, [&](int task) {
-      const int t = task % T;
-      const int h = (task / T) % NH;
-      const int b = task / (T * NH);
+      const auto [b, h, t] = HeadRowOf(task, T, NH);
       const float* base = qkv + static_cast<size_t>(b) * T * C3;
       const float* q = base + t * C3 + static_cast<size_t>(h) * hs;
       float* p = att + static_cast<size_t>(task) * T;
@@ -417,9 +402,7 @@ class CpuKernels final : public Kernels {
     // Pass 1, one task per query row (b, h, t): the grads of the scaled
     // scores (into scratch, the row's own [T] slice) and dq.
     ParallelIndices(B * NH * T, [&](int task) {
-      const int t = task % T;
-      const int h = (task / T) % NH;
-      const int b = task / (T * NH);
+      const auto [b, h, t] = HeadRowOf(task, T, NH);
       const size_t head = static_cast<size_t>(h) * hs;
       const float* base = qkv + static_cast<size_t>(b) * T * C3;
       const float* p = att + static_cast<size_t>(task) * T;
@@ -445,9 +428,7 @@ class CpuKernels final : public Kernels {
     // Pass 2, one task per key row (b, h, t2): dk and dv gather over the
     // queries t >= t2 in order.
     ParallelIndices(B * NH * T, [&](int task) {
-      const int t2 = task % T;
-      const int h = (task / T) % NH;
-      const int b = task / (T * NH);
+      const auto [b, h, t2] = HeadRowOf(task, T, NH);
       const size_t head = static_cast<size_t>(h) * hs;
       const float* base = qkv + static_cast<size_t>(b) * T * C3;
       const size_t bh = static_cast<size_t>(b) * NH + h;

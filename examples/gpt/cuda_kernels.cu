@@ -55,18 +55,6 @@ constexpr float kGeluScale = 0.7978845608028654f;  // sqrt(2 / pi)
 
 // ------------------------------------------------------------ error checks --
 
-const char* ShortFile(const char* file) {
-  const char* last = file;
-  const char* before = file;
-  for (const char* p = file; *p != '\0'; ++p) {
-    if (*p == '/') {
-      before = last;
-      last = p + 1;
-    }
-  }
-  return before;
-}
-
 // Launch errors the runtime reports at once are programmer errors here
 // (shapes are checked before launching, the GPU was probed at creation):
 // abort with the context. Errors while the kernel runs are sticky; the
@@ -78,8 +66,8 @@ void CheckLaunch(const char* kernel, const char* file, int line, const std::stri
       err == cudaErrorInvalidConfiguration || err == cudaErrorInvalidValue ||
       err == cudaErrorLaunchOutOfResources || err == cudaErrorInvalidDeviceFunction ||
       err == cudaErrorNoKernelImageForDevice || err == cudaErrorInvalidResourceHandle;
-  ZT_CHECK_MSG(!launch_error, "launching ", kernel, " (", shape, ") at ", ShortFile(file), ":",
-               line, ": ", cudaGetErrorString(err), " (", cudaGetErrorName(err), ")");
+  ZT_CHECK_MSG(!launch_error, "launching ", kernel, " (", shape, ") at ", ShortSourcePath(file),
+               ":", line, ": ", cudaGetErrorString(err), " (", cudaGetErrorName(err), ")");
 }
 
 #define ZT_CHECK_LAUNCH(kernel, ...) CheckLaunch(kernel, __FILE__, __LINE__, StrCat(__VA_ARGS__))
@@ -88,8 +76,8 @@ void CheckCublas(cublasStatus_t st, const char* call, const char* file, int line
                  const std::string& shape) {
   // Every cuBLAS error at enqueue time (bad dimensions, a bad handle, no
   // kernel for this GPU) is a programmer or build error: abort with context.
-  ZT_CHECK_MSG(st == CUBLAS_STATUS_SUCCESS, call, " (", shape, ") at ", ShortFile(file), ":", line,
-               ": ", cublasGetStatusString(st));
+  ZT_CHECK_MSG(st == CUBLAS_STATUS_SUCCESS, call, " (", shape, ") at ", ShortSourcePath(file), ":",
+               line, ": ", cublasGetStatusString(st));
 }
 
 #define ZT_CHECK_CUBLAS(call, ...) \
@@ -326,15 +314,25 @@ __global__ void AddBiasKernel(float* out, const float* bias, size_t N, int OC) {
 
 // --------------------------------------------------------------- attention --
 
+// The row an attention block owns: blocks run over B * NH * T rows, and block
+// (b * NH + h) * T + t is row t of head h in sequence b.
+struct HeadRow {
+  int b;
+  int h;
+  int t;
+};
+__device__ __forceinline__ HeadRow BlockHeadRow(int T, int NH) {
+  return {static_cast<int>(blockIdx.x / (T * NH)), static_cast<int>((blockIdx.x / T) % NH),
+          static_cast<int>(blockIdx.x % T)};
+}
+
 // One block per (b, h, t). Shared memory: scores[T] (then probabilities)
 // and q[hs]. Writes the whole att row (zeros past t) and out[b, t, h, :].
 __global__ void AttentionKernel(float* out, float* att, const float* qkv, int T, int C, int NH) {
   extern __shared__ float smem[];
   __shared__ float red[32];
   const int hs = C / NH;
-  const int t = blockIdx.x % T;
-  const int h = (blockIdx.x / T) % NH;
-  const int b = blockIdx.x / (T * NH);
+  const auto [b, h, t] = BlockHeadRow(T, NH);
   float* scores = smem;
   float* q = smem + T;
   const size_t C3 = 3 * static_cast<size_t>(C);
@@ -386,9 +384,7 @@ __global__ void AttentionBackwardRowKernel(float* dqkv, float* dpreatt, const fl
   extern __shared__ float smem[];
   __shared__ float red[32];
   const int hs = C / NH;
-  const int t = blockIdx.x % T;
-  const int h = (blockIdx.x / T) % NH;
-  const int b = blockIdx.x / (T * NH);
+  const auto [b, h, t] = BlockHeadRow(T, NH);
   float* d = smem;
   float* dout_row = smem + T;
   const size_t C3 = 3 * static_cast<size_t>(C);
@@ -429,9 +425,7 @@ __global__ void AttentionBackwardKeyKernel(float* dqkv, const float* dpreatt, co
                                            const float* qkv, const float* att, int T, int C,
                                            int NH) {
   const int hs = C / NH;
-  const int t2 = blockIdx.x % T;
-  const int h = (blockIdx.x / T) % NH;
-  const int b = blockIdx.x / (T * NH);
+  const auto [b, h, t2] = BlockHeadRow(T, NH);
   const size_t C3 = 3 * static_cast<size_t>(C);
   const float* qkv_b = qkv + static_cast<size_t>(b) * T * C3;
   const float* dout_b = dout + static_cast<size_t>(b) * T * C;
@@ -531,18 +525,11 @@ class CudaKernels final : public Kernels {
   }
 
   void ToFloat(float* out, const bf16* in, size_t n) override {
-    if (n == 0) return;
-    if (!Enter()) return;
-    ToFloatKernel<<<GridFor(n), kThreads, 0, stream_>>>(out, reinterpret_cast<const uint16_t*>(in),
-                                                        n);
-    ZT_CHECK_LAUNCH("ToFloat", "n=", n);
+    LaunchElementwise("ToFloat", ToFloatKernel, n, out, reinterpret_cast<const uint16_t*>(in));
   }
 
   void ToBf16(bf16* out, const float* in, size_t n) override {
-    if (n == 0) return;
-    if (!Enter()) return;
-    ToBf16Kernel<<<GridFor(n), kThreads, 0, stream_>>>(reinterpret_cast<uint16_t*>(out), in, n);
-    ZT_CHECK_LAUNCH("ToBf16", "n=", n);
+    LaunchElementwise("ToBf16", ToBf16Kernel, n, reinterpret_cast<uint16_t*>(out), in);
   }
 
   void Zero(float* out, size_t n) override {
@@ -554,17 +541,11 @@ class CudaKernels final : public Kernels {
   }
 
   void Accumulate(float* dst, const float* src, size_t n) override {
-    if (n == 0) return;
-    if (!Enter()) return;
-    AccumulateKernel<<<GridFor(n), kThreads, 0, stream_>>>(dst, src, n);
-    ZT_CHECK_LAUNCH("Accumulate", "n=", n);
+    LaunchElementwise("Accumulate", AccumulateKernel, n, dst, src);
   }
 
   void Residual(float* out, const float* a, const float* b, size_t n) override {
-    if (n == 0) return;
-    if (!Enter()) return;
-    ResidualKernel<<<GridFor(n), kThreads, 0, stream_>>>(out, a, b, n);
-    ZT_CHECK_LAUNCH("Residual", "n=", n);
+    LaunchElementwise("Residual", ResidualKernel, n, out, a, b);
   }
 
   void Encoder(float* out, const int32_t* tokens, const float* wte, const float* wpe, int B, int T,
@@ -614,8 +595,7 @@ class CudaKernels final : public Kernels {
       ZT_CHECK_LAUNCH("LayerNormBackward (dinp)", "N=", N, " C=", C);
     }
     if (dweight != nullptr || dbias != nullptr) {
-      ColumnSumsKernel<<<static_cast<unsigned>((C + 31) / 32), dim3(32, kColRows), 0, stream_>>>(
-          dweight, dbias, dout, inp, mean, rstd, N, C);
+      LaunchColumnSums(dweight, dbias, dout, inp, mean, rstd, N, C);
       ZT_CHECK_LAUNCH("LayerNormBackward (dweight, dbias)", "N=", N, " C=", C);
     }
   }
@@ -659,8 +639,7 @@ class CudaKernels final : public Kernels {
                       "MatmulBackward dweight N=", N, " C=", C, " OC=", OC);
     }
     if (dbias != nullptr) {
-      ColumnSumsKernel<<<static_cast<unsigned>((OC + 31) / 32), dim3(32, kColRows), 0, stream_>>>(
-          nullptr, dbias, dout, nullptr, nullptr, nullptr, N, OC);
+      LaunchColumnSums(nullptr, dbias, dout, nullptr, nullptr, nullptr, N, OC);
       ZT_CHECK_LAUNCH("MatmulBackward (dbias)", "N=", N, " OC=", OC);
     }
   }
@@ -692,17 +671,11 @@ class CudaKernels final : public Kernels {
   }
 
   void Gelu(float* out, const float* inp, size_t n) override {
-    if (n == 0) return;
-    if (!Enter()) return;
-    GeluKernel<<<GridFor(n), kThreads, 0, stream_>>>(out, inp, n);
-    ZT_CHECK_LAUNCH("Gelu", "n=", n);
+    LaunchElementwise("Gelu", GeluKernel, n, out, inp);
   }
 
   void GeluBackward(float* dinp, const float* inp, const float* dout, size_t n) override {
-    if (n == 0) return;
-    if (!Enter()) return;
-    GeluBackwardKernel<<<GridFor(n), kThreads, 0, stream_>>>(dinp, inp, dout, n);
-    ZT_CHECK_LAUNCH("GeluBackward", "n=", n);
+    LaunchElementwise("GeluBackward", GeluBackwardKernel, n, dinp, inp, dout);
   }
 
   void CrossEntropy(float* losses, float* dlogits, const float* logits, const int32_t* targets,
@@ -745,6 +718,24 @@ class CudaKernels final : public Kernels {
     if (cudaSetDevice(ordinal_) != cudaSuccess) return false;
     cudaGetLastError();
     return true;
+  }
+
+  // Queues an elementwise kernel (a grid-stride loop whose last parameter is
+  // the element count) over n elements: kernel(args..., n). Nothing for n == 0.
+  template <typename... Params, typename... Args>
+  void LaunchElementwise(const char* name, void (*kernel)(Params...), size_t n, Args... args) {
+    if (n == 0) return;
+    if (!Enter()) return;
+    kernel<<<GridFor(n), kThreads, 0, stream_>>>(args..., n);
+    ZT_CHECK_LAUNCH(name, "n=", n);
+  }
+
+  // Queues ColumnSumsKernel over the C columns of a row-major [N, C] matrix
+  // (the caller checks the launch).
+  void LaunchColumnSums(float* dweight, float* dbias, const float* dout, const float* inp,
+                        const float* mean, const float* rstd, int N, int C) {
+    ColumnSumsKernel<<<static_cast<unsigned>((C + 31) / 32), dim3(32, kColRows), 0, stream_>>>(
+        dweight, dbias, dout, inp, mean, rstd, N, C);
   }
 
   static void CheckAttentionShape(const char* what, int T, int C, int NH) {

@@ -34,11 +34,11 @@
 namespace ztier::gpt {
 
 struct Config {
-  int vocab = 256;   // byte-level
-  int context = 64;  // T
-  int channels = 64; // C
-  int layers = 2;    // L
-  int heads = 4;     // NH; divides C
+  int vocab = 256;    // byte-level
+  int context = 64;   // T
+  int channels = 64;  // C
+  int layers = 2;     // L
+  int heads = 4;      // NH; divides C
   bool tied_head = true;
   // Keep only each block's input in the forward pass and recompute the
   // block's activations in its backward.
@@ -100,8 +100,8 @@ class Gpt {
   // context + 1 byte tokens; inputs are a row's first context tokens, targets
   // its last. Units are acquired in forward order, then in reverse order for
   // the backward (the head stays held from one into the other); each unit's
-  // grads are pushed when its backward ends. Grads are d(mean loss)/dw * grad_scale (1 / (ranks x accumulation)
-  // makes a step's grads the mean over all its tokens). Returns the mean loss.
+  // grads are pushed when its backward ends. Grads are d(mean loss)/dw * grad_scale (1 / (ranks x
+  // accumulation) makes a step's grads the mean over all its tokens). Returns the mean loss.
   Result<float> TrainMicroStep(WeightSource& source, const int32_t* tokens, float grad_scale);
   // Forward only: the mean loss.
   Result<float> Loss(WeightSource& source, const int32_t* tokens);

@@ -42,8 +42,8 @@ class Kernels {
   virtual void Residual(float* out, const float* a, const float* b, size_t n) = 0;
 
   // out[b,t,:] = wte[tokens[b,t],:] + wpe[t,:]
-  virtual void Encoder(float* out, const int32_t* tokens, const float* wte, const float* wpe,
-                       int B, int T, int C) = 0;
+  virtual void Encoder(float* out, const int32_t* tokens, const float* wte, const float* wpe, int B,
+                       int T, int C) = 0;
   // dwte[tokens[b,t],:] += dout[b,t,:]; dwpe[t,:] += dout[b,t,:]
   virtual void EncoderBackward(float* dwte, float* dwpe, const float* dout, const int32_t* tokens,
                                int B, int T, int C) = 0;
@@ -67,8 +67,7 @@ class Kernels {
   // Causal self-attention. qkv: [B,T,3C] (q, k, v each C = NH heads of C/NH);
   // att: [B,NH,T,T] softmax probabilities (row t uses keys 0..t, the rest 0),
   // scaled by 1/sqrt(C/NH); out: [B,T,C].
-  virtual void Attention(float* out, float* att, const float* qkv, int B, int T, int C,
-                         int NH) = 0;
+  virtual void Attention(float* out, float* att, const float* qkv, int B, int T, int C, int NH) = 0;
   // dqkv += ...; `scratch` holds B*NH*T*T floats of workspace.
   virtual void AttentionBackward(float* dqkv, float* scratch, const float* dout, const float* qkv,
                                  const float* att, int B, int T, int C, int NH) = 0;

@@ -226,14 +226,35 @@ std::vector<int> TrainOrder(const Config& config) {
 }
 
 Config TinyConfig(bool tied) {
-  Config c;
-  c.vocab = 16;
-  c.context = 6;
-  c.channels = 8;
-  c.layers = 2;
-  c.heads = 2;
-  c.tied_head = tied;
-  return c;
+  return {.vocab = 16, .context = 6, .channels = 8, .layers = 2, .heads = 2, .tied_head = tied};
+}
+
+// Over the weights [begin, end) of unit u, with fd the central difference of
+// the fp32 loss: the sums of (grad_scale x analytic grad - fd)^2 and of fd^2.
+struct FdSums {
+  double diff2 = 0;
+  double fd2 = 0;
+};
+
+FdSums CentralDifferences(Gpt& gpt, std::vector<std::vector<float>>& weights,
+                          const std::vector<int32_t>& tokens,
+                          const std::vector<std::vector<float>>& grads, size_t u, uint64_t begin,
+                          uint64_t end, float eps, double grad_scale = 1.0) {
+  FdSums sums;
+  std::vector<std::vector<float>> scratch;
+  for (uint64_t i = begin; i < end; ++i) {
+    const float saved = weights[u][i];
+    weights[u][i] = saved + eps;
+    const float plus = *gpt.LossAndGrads(weights, tokens.data(), &scratch);
+    weights[u][i] = saved - eps;
+    const float minus = *gpt.LossAndGrads(weights, tokens.data(), &scratch);
+    weights[u][i] = saved;
+    const double fd = (static_cast<double>(plus) - minus) / (2.0 * eps);
+    const double d = grad_scale * grads[u][i] - fd;
+    sums.diff2 += d * d;
+    sums.fd2 += fd * fd;
+  }
+  return sums;
 }
 
 // Per tensor, ||analytic - fd|| / ||fd|| over every coordinate, with central
@@ -257,29 +278,16 @@ std::vector<FdResult> FiniteDifferenceErrors(const Config& config, float eps) {
   ZT_CHECK_MSG(loss.ok(), loss.status().ToString());
 
   std::vector<FdResult> results;
-  std::vector<std::vector<float>> scratch;
   for (size_t u = 0; u < specs.size(); ++u) {
     for (size_t k = 0; k < specs[u].tensors.size(); ++k) {
       const uint64_t begin = layouts[u].offsets[k];
       const uint64_t end =
           k + 1 < specs[u].tensors.size() ? layouts[u].offsets[k + 1] : layouts[u].numel;
-      double diff2 = 0, fd2 = 0;
-      for (uint64_t i = begin; i < end; ++i) {
-        const float saved = weights[u][i];
-        weights[u][i] = saved + eps;
-        const float plus = *gpt->LossAndGrads(weights, tokens.data(), &scratch);
-        weights[u][i] = saved - eps;
-        const float minus = *gpt->LossAndGrads(weights, tokens.data(), &scratch);
-        weights[u][i] = saved;
-        const double fd = (static_cast<double>(plus) - minus) / (2.0 * eps);
-        const double d = grads[u][i] - fd;
-        diff2 += d * d;
-        fd2 += fd * fd;
-      }
+      const FdSums sums = CentralDifferences(*gpt, weights, tokens, grads, u, begin, end, eps);
       FdResult r;
       r.tensor = specs[u].tensors[k].name;
-      r.fd_norm = std::sqrt(fd2);
-      r.rel_error = fd2 > 0 ? std::sqrt(diff2 / fd2) : std::sqrt(diff2);
+      r.fd_norm = std::sqrt(sums.fd2);
+      r.rel_error = sums.fd2 > 0 ? std::sqrt(sums.diff2 / sums.fd2) : std::sqrt(sums.diff2);
       results.push_back(r);
     }
   }
@@ -325,24 +333,13 @@ TEST(GptTest, FiniteDifferenceCheckDetectsAWrongGrad) {
   const std::vector<engine::UnitLayout> layouts = LayoutsFor(config);
   std::vector<std::vector<float>> weights = RandomWeights(config, layouts, 11);
   const std::vector<int32_t> tokens = RandomTokens(config, 2, 5);
-  std::vector<std::vector<float>> grads, scratch;
+  std::vector<std::vector<float>> grads;
   ASSERT_TRUE(gpt->LossAndGrads(weights, tokens.data(), &grads).ok());
   // The last block's mlp.proj.weight.
-  const int u = config.layers;
-  double diff2 = 0, fd2 = 0;
-  for (uint64_t i = layouts[u].offsets[10]; i < layouts[u].offsets[11]; ++i) {
-    const float saved = weights[u][i];
-    weights[u][i] = saved + kFdEps;
-    const float plus = *gpt->LossAndGrads(weights, tokens.data(), &scratch);
-    weights[u][i] = saved - kFdEps;
-    const float minus = *gpt->LossAndGrads(weights, tokens.data(), &scratch);
-    weights[u][i] = saved;
-    const double fd = (static_cast<double>(plus) - minus) / (2.0 * kFdEps);
-    const double d = 1.1 * grads[u][i] - fd;
-    diff2 += d * d;
-    fd2 += fd * fd;
-  }
-  EXPECT_GT(std::sqrt(diff2 / fd2), kFdTolerance);
+  const size_t u = config.layers;
+  const FdSums sums = CentralDifferences(*gpt, weights, tokens, grads, u, layouts[u].offsets[10],
+                                         layouts[u].offsets[11], kFdEps, 1.1);
+  EXPECT_GT(std::sqrt(sums.diff2 / sums.fd2), kFdTolerance);
 }
 
 struct StepResult {
@@ -389,14 +386,7 @@ void ExpectSameBits(const std::vector<std::vector<float>>& a,
 // A config big enough that every kernel splits its work into many tasks,
 // with row and channel counts that are not multiples of the kernels' tiles.
 Config MediumConfig(bool tied) {
-  Config c;
-  c.vocab = 96;
-  c.context = 33;
-  c.channels = 72;
-  c.layers = 2;
-  c.heads = 4;
-  c.tied_head = tied;
-  return c;
+  return {.vocab = 96, .context = 33, .channels = 72, .layers = 2, .heads = 4, .tied_head = tied};
 }
 
 TEST(GptTest, ProtocolOrderAndSinglePushPerUnit) {
@@ -570,12 +560,7 @@ TEST(GptTest, FailuresReleaseEveryHeldUnit) {
 // micro-step reading bf16 copies of them: the loss on a fixed batch of a
 // repeated phrase falls by well over 30% in 30 steps.
 TEST(GptTest, AdamWLowersTheLoss) {
-  Config config;
-  config.vocab = 256;
-  config.context = 16;
-  config.channels = 32;
-  config.layers = 2;
-  config.heads = 4;
+  const Config config = {.vocab = 256, .context = 16, .channels = 32, .layers = 2, .heads = 4};
   constexpr int kBatch = 4;
   std::unique_ptr<Device> device = HostDevice();
   std::unique_ptr<Gpt> gpt = MakeGpt(config, kBatch, *device);
