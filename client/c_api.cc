@@ -102,7 +102,8 @@ ztier_status ztier_model_register(ztier_session* session, const ztier_model_desc
   if (out == nullptr) return Null("out");
   if (Status s = CheckStruct(desc, "model desc"); !s.ok()) return Report(s);
   if (desc->struct_size != sizeof(ztier_model_desc)) {
-    return Report(Status::InvalidArgument("model desc: set struct_size = sizeof(ztier_model_desc)"));
+    return Report(
+        Status::InvalidArgument("model desc: set struct_size = sizeof(ztier_model_desc)"));
   }
   if (desc->name == nullptr || desc->units == nullptr || desc->num_units <= 0) {
     return Report(Status::InvalidArgument("model desc: name and at least one unit are required"));
@@ -117,8 +118,8 @@ ztier_status ztier_model_register(ztier_session* session, const ztier_model_desc
   for (int32_t u = 0; u < desc->num_units; ++u) {
     const ztier_unit_desc& ud = desc->units[u];
     if (ud.name == nullptr || (ud.num_tensors > 0 && ud.tensors == nullptr) || ud.num_tensors < 0) {
-      return Report(Status::InvalidArgument(StrCat("model desc: unit ", u, " has no name or a ",
-                                                   "NULL tensor list")));
+      return Report(Status::InvalidArgument(
+          StrCat("model desc: unit ", u, " has no name or a ", "NULL tensor list")));
     }
     ztier::engine::UnitSpec unit{.name = ud.name, .tensors = {}};
     for (int32_t t = 0; t < ud.num_tensors; ++t) {
@@ -138,7 +139,8 @@ ztier_status ztier_model_register(ztier_session* session, const ztier_model_desc
   spec.optimizer.hyper.weight_decay = desc->weight_decay;
   spec.optimizer.clip_norm = desc->clip_norm;
   spec.optimizer.grad_accumulation = desc->grad_accumulation;
-  spec.optimizer_tier = desc->optimizer_on_nvme ? ztier::engine::Tier::kNvme : ztier::engine::Tier::kDram;
+  spec.optimizer_tier =
+      desc->optimizer_on_nvme ? ztier::engine::Tier::kNvme : ztier::engine::Tier::kDram;
   spec.param_tier = desc->params_on_nvme ? ztier::engine::Tier::kNvme : ztier::engine::Tier::kDram;
   spec.world_size = 1;
   Result<std::unique_ptr<ztier::client::Model>> m = session->session->RegisterModel(spec);
@@ -175,9 +177,9 @@ ztier_status ztier_model_read_master(const ztier_model* model, int32_t unit, flo
   std::vector<float> master;
   if (Status s = model->model->ReadMaster(unit, &master); !s.ok()) return Report(s);
   if (padded != master.size()) {
-    return Report(Status::InvalidArgument(
-        StrCat("read master of unit ", unit, ": buffer of ", padded, " floats, the unit has ",
-               master.size(), " (padded)")));
+    return Report(
+        Status::InvalidArgument(StrCat("read master of unit ", unit, ": buffer of ", padded,
+                                       " floats, the unit has ", master.size(), " (padded)")));
   }
   std::memcpy(out, master.data(), padded * sizeof(float));
   return ZTIER_OK;
@@ -199,7 +201,8 @@ ztier_status ztier_model_export_safetensors(ztier_model* model, const char* path
   if (model == nullptr) return Null("model");
   if (path == nullptr) return Null("path");
   if (dtype != 0 && dtype != 1) {
-    return Report(Status::InvalidArgument(StrCat("export dtype ", dtype, ": 0 (bf16) or 1 (fp32)")));
+    return Report(
+        Status::InvalidArgument(StrCat("export dtype ", dtype, ": 0 (bf16) or 1 (fp32)")));
   }
   return Report(model->model->ExportSafetensors(
       path, dtype == 0 ? ztier::engine::Engine::ExportType::kBFloat16

@@ -54,13 +54,6 @@ constexpr std::string_view kLog = "client";
 constexpr size_t kAlignment = 256;
 
 // "client/cuda_device.cc" from a compiler's (often absolute) __FILE__.
-std::string_view ShortFile(std::string_view file) {
-  const size_t last = file.rfind('/');
-  if (last == std::string_view::npos || last == 0) return file;
-  const size_t before = file.rfind('/', last - 1);
-  return before == std::string_view::npos ? file : file.substr(before + 1);
-}
-
 StatusCode CodeFor(cudaError_t err) {
   switch (err) {
     case cudaErrorMemoryAllocation:
@@ -90,7 +83,7 @@ Status CudaError(cudaError_t err, std::string_view call, const char* file, int l
                  std::string_view device) {
   cudaGetLastError();
   return Status(CodeFor(err),
-                StrCat(device, ": ", call, " failed at ", ShortFile(file), ":", line, ": ",
+                StrCat(device, ": ", call, " failed at ", ShortSourcePath(file), ":", line, ": ",
                        cudaGetErrorString(err), " (", cudaGetErrorName(err), ")"),
                 static_cast<int>(err));
 }

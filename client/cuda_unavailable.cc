@@ -6,9 +6,10 @@
 namespace ztier::client {
 
 Result<std::unique_ptr<Device>> MakeCudaDevice(int ordinal) {
-  return Status::Unavailable(StrCat("no CUDA device: this build of ztier has no CUDA support "
-                                    "(configure with ZTIER_CUDA=ON), asked for device ",
-                                    ordinal));
+  return Status::Unavailable(
+      StrCat("no CUDA device: this build of ztier has no CUDA support "
+             "(configure with ZTIER_CUDA=ON), asked for device ",
+             ordinal));
 }
 
 int CudaDeviceCount() { return 0; }

@@ -62,7 +62,8 @@ class Group {
 
 class LocalCollectives final : public Collectives {
  public:
-  LocalCollectives(std::shared_ptr<Group> group, int rank) : group_(std::move(group)), rank_(rank) {}
+  LocalCollectives(std::shared_ptr<Group> group, int rank)
+      : group_(std::move(group)), rank_(rank) {}
   int rank() const override { return rank_; }
   int world_size() const override { return group_->world(); }
 
@@ -115,7 +116,8 @@ Result<std::vector<std::unique_ptr<Collectives>>> MakeLocalCollectives(int world
   }
   auto group = std::make_shared<Group>(world_size);
   std::vector<std::unique_ptr<Collectives>> ranks;
-  for (int r = 0; r < world_size; ++r) ranks.push_back(std::make_unique<LocalCollectives>(group, r));
+  for (int r = 0; r < world_size; ++r)
+    ranks.push_back(std::make_unique<LocalCollectives>(group, r));
   return ranks;
 }
 

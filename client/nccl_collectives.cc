@@ -44,13 +44,6 @@ namespace {
 
 constexpr std::string_view kLog = "client";
 
-std::string_view ShortFile(std::string_view file) {
-  const size_t last = file.rfind('/');
-  if (last == std::string_view::npos || last == 0) return file;
-  const size_t before = file.rfind('/', last - 1);
-  return before == std::string_view::npos ? file : file.substr(before + 1);
-}
-
 StatusCode CodeFor(ncclResult_t r) {
   switch (r) {
     case ncclInvalidArgument:
@@ -69,7 +62,7 @@ Status NcclError(ncclResult_t r, std::string_view call, const char* file, int li
                  std::string_view who, ncclComm_t comm) {
   const char* detail = ncclGetLastError(comm);
   return Status(CodeFor(r),
-                StrCat(who, ": ", call, " failed at ", ShortFile(file), ":", line, ": ",
+                StrCat(who, ": ", call, " failed at ", ShortSourcePath(file), ":", line, ": ",
                        ncclGetErrorString(r),
                        detail != nullptr && detail[0] != '\0' ? StrCat(" (", detail, ")") : ""),
                 static_cast<int>(r));
@@ -81,7 +74,7 @@ Status CudaError(cudaError_t err, std::string_view call, const char* file, int l
   return Status(err == cudaErrorNoDevice || err == cudaErrorInsufficientDriver
                     ? StatusCode::kUnavailable
                     : StatusCode::kIoError,
-                StrCat(who, ": ", call, " failed at ", ShortFile(file), ":", line, ": ",
+                StrCat(who, ": ", call, " failed at ", ShortSourcePath(file), ":", line, ": ",
                        cudaGetErrorString(err), " (", cudaGetErrorName(err), ")"),
                 static_cast<int>(err));
 }

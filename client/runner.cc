@@ -73,7 +73,7 @@ struct Transfer {
   enum class Kind : uint8_t { kFetch, kPush } kind;
   int unit;
   int64_t version;
-  void* buffer;  // fetch: the unit's param buffer; push: the grad buffer
+  void* buffer;                  // fetch: the unit's param buffer; push: the grad buffer
   std::unique_ptr<Event> ready;  // push: the compute stream's grads are written
   std::shared_ptr<Ticket> ticket;
 };
@@ -110,8 +110,8 @@ struct Stage3Runner::Impl {
   int64_t micro = 0;
   uint64_t live_bytes = 0;  // param buffers allocated (resident or in flight)
   std::vector<int> learned, recording;
-  size_t position = 0;      // in `learned`, this micro-step
-  bool following = false;   // this micro-step still matches `learned`
+  size_t position = 0;     // in `learned`, this micro-step
+  bool following = false;  // this micro-step still matches `learned`
   RunnerStats stats;
 
   // Transfer thread.
@@ -388,13 +388,14 @@ Result<std::unique_ptr<Stage3Runner>> Stage3Runner::Create(Model& model, int ran
     return Status::InvalidArgument(
         StrCat(who, ": world size ", spec.world_size,
                " needs collectives of that size for this rank (got ",
-               collectives == nullptr ? std::string("none")
-                                      : StrCat("rank ", collectives->rank(), " of ",
-                                               collectives->world_size()),
+               collectives == nullptr
+                   ? std::string("none")
+                   : StrCat("rank ", collectives->rank(), " of ", collectives->world_size()),
                ")"));
   }
   if (options.prefetch_depth < 0) {
-    return Status::InvalidArgument(StrCat(who, ": prefetch depth ", options.prefetch_depth, " < 0"));
+    return Status::InvalidArgument(
+        StrCat(who, ": prefetch depth ", options.prefetch_depth, " < 0"));
   }
   auto impl = std::make_unique<Impl>();
   Impl& r = *impl;
@@ -455,8 +456,8 @@ Result<const bf16*> Stage3Runner::Acquire(int unit) {
     ++r.stats.prefetch_hits;
   } else {
     if (u.holds > 0) {  // held at an older version: a Step() came in between
-      return Status::FailedPrecondition(StrCat("Acquire: unit '", u.name,
-                                               "' is still held from the previous step"));
+      return Status::FailedPrecondition(
+          StrCat("Acquire: unit '", u.name, "' is still held from the previous step"));
     }
     ZT_RETURN_IF_ERROR(r.MakeRoom(unit));
     ZT_RETURN_IF_ERROR(r.QueueFetch(unit));
@@ -480,10 +481,8 @@ Status Stage3Runner::Release(int unit) {
     return Status::FailedPrecondition(StrCat("Release: unit '", u.name, "' is not acquired"));
   }
   if (r.options.record_compute_spans) {
-    r.device->AddSpan({.stream = Stream::kCompute,
-                       .label = u.name,
-                       .start = u.acquired_at,
-                       .end = Clock::now()});
+    r.device->AddSpan(
+        {.stream = Stream::kCompute, .label = u.name, .start = u.acquired_at, .end = Clock::now()});
   }
   if (--u.holds > 0 || u.persistent || r.InWindow(unit)) return Status::Ok();
   r.Evict(u);  // its fetch is done: it was acquired

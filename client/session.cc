@@ -31,7 +31,9 @@ class EmbeddedTransport final : public Transport {
   Result<bf16*> GradInbox(int job, int unit, int rank) override {
     return e_->GradInbox(job, unit, rank);
   }
-  Status GradsReady(int job, int unit, int rank) override { return e_->GradsReady(job, unit, rank); }
+  Status GradsReady(int job, int unit, int rank) override {
+    return e_->GradsReady(job, unit, rank);
+  }
   Result<const bf16*> AcquireParams(int job, int unit, int64_t step,
                                     std::chrono::milliseconds timeout) override {
     return e_->AcquireParams(job, unit, step, timeout);
@@ -157,8 +159,12 @@ Status Model::ImportSafetensors(const std::string& path) {
 Status Model::ExportSafetensors(const std::string& path, engine::Engine::ExportType type) {
   return transport_->ExportSafetensors(job_, path, type);
 }
-Status Model::SaveCheckpoint(const std::string& dir) { return transport_->SaveCheckpoint(job_, dir); }
-Status Model::LoadCheckpoint(const std::string& dir) { return transport_->LoadCheckpoint(job_, dir); }
+Status Model::SaveCheckpoint(const std::string& dir) {
+  return transport_->SaveCheckpoint(job_, dir);
+}
+Status Model::LoadCheckpoint(const std::string& dir) {
+  return transport_->LoadCheckpoint(job_, dir);
+}
 
 Status Model::ReadMaster(int unit, std::vector<float>* master) const {
   if (unit < 0 || unit >= units()) {

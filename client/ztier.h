@@ -136,8 +136,8 @@ class Collectives {
   // `input` holds world_size shards; `output` gets the sum over ranks of
   // shard rank() (summed in fp32 in rank order, rounded to bf16 once, by the
   // local backend; NCCL's bf16 sum rounds per hop).
-  virtual Status ReduceScatter(const bf16* input, bf16* output, size_t shard_elems,
-                               Device& device, Stream stream) = 0;
+  virtual Status ReduceScatter(const bf16* input, bf16* output, size_t shard_elems, Device& device,
+                               Stream stream) = 0;
 };
 
 // R ranks as threads of this process (host devices). Errors: InvalidArgument.

@@ -103,4 +103,11 @@ void CheckFailed(const char* file, int line, const char* cond, const std::string
 }
 }  // namespace detail
 
+std::string_view ShortSourcePath(std::string_view file) {
+  const size_t last = file.rfind('/');
+  if (last == std::string_view::npos || last == 0) return file;
+  const size_t before = file.rfind('/', last - 1);
+  return before == std::string_view::npos ? file : file.substr(before + 1);
+}
+
 }  // namespace ztier

@@ -127,6 +127,10 @@ std::ostream& operator<<(std::ostream& os, const Status& s);
 // everything else to kIoError. Accepts errno or a negative errno (io_uring).
 Status PosixError(std::string_view context, int errnum);
 
+// The last two components of a source path ("client/runner.cc" from
+// __FILE__), for messages that name where a device or library call failed.
+std::string_view ShortSourcePath(std::string_view file);
+
 // A value or an error; an OK status is never stored.
 template <typename T>
 class [[nodiscard]] Result {

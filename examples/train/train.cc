@@ -128,10 +128,14 @@ bool ParseBytes(const std::string& s, uint64_t* out) {
   if (end == s.c_str() || v < 0) return false;
   double mult = 1;
   const std::string suffix(end);
-  if (suffix == "K" || suffix == "k") mult = 1 << 10;
-  else if (suffix == "M" || suffix == "m") mult = 1 << 20;
-  else if (suffix == "G" || suffix == "g") mult = double(1 << 30);
-  else if (!suffix.empty()) return false;
+  if (suffix == "K" || suffix == "k")
+    mult = 1 << 10;
+  else if (suffix == "M" || suffix == "m")
+    mult = 1 << 20;
+  else if (suffix == "G" || suffix == "g")
+    mult = double(1 << 30);
+  else if (!suffix.empty())
+    return false;
   *out = static_cast<uint64_t>(v * mult);
   return true;
 }
@@ -167,8 +171,8 @@ Result<Flags> ParseFlags(int argc, char** argv) {
     auto bytes = [&](uint64_t* out) -> Status {
       ZT_ASSIGN_OR_RETURN(std::string v, value());
       if (!ParseBytes(v, out)) {
-        return Status::InvalidArgument(StrCat(a, " wants a size like 65536, 64K or 1G, got '", v,
-                                              "'"));
+        return Status::InvalidArgument(
+            StrCat(a, " wants a size like 65536, 64K or 1G, got '", v, "'"));
       }
       return Status::Ok();
     };
@@ -328,8 +332,9 @@ class Progress {
     const bool fresh = first == 0 || !fs::exists(log_path);
     log_ = std::fopen(log_path.c_str(), fresh ? "w" : "a");
     if (log_ != nullptr && fresh) {
-      std::fprintf(log_, "step\tloss\ttokens_per_s\thost_device_bytes\tnvme_read_bytes\t"
-                         "nvme_write_bytes\n");
+      std::fprintf(log_,
+                   "step\tloss\ttokens_per_s\thost_device_bytes\tnvme_read_bytes\t"
+                   "nvme_write_bytes\n");
     }
   }
   ~Progress() {
@@ -357,11 +362,11 @@ class Progress {
                   Gb(engine.nvme_write_bytes).c_str(), Gb(engine.dram_bytes).c_str());
     line += buf;
     if (log_ != nullptr) {
-      std::fprintf(log_, "%d\t%.6f\t%.1f\t%llu\t%llu\t%llu\n", step, loss, tokens_per_s,
-                   static_cast<unsigned long long>(runner.h2d_bytes + runner.d2h_bytes),
-                   static_cast<unsigned long long>(engine.nvme_read_bytes +
-                                                   engine.nvme_param_read_bytes),
-                   static_cast<unsigned long long>(engine.nvme_write_bytes));
+      std::fprintf(
+          log_, "%d\t%.6f\t%.1f\t%llu\t%llu\t%llu\n", step, loss, tokens_per_s,
+          static_cast<unsigned long long>(runner.h2d_bytes + runner.d2h_bytes),
+          static_cast<unsigned long long>(engine.nvme_read_bytes + engine.nvme_param_read_bytes),
+          static_cast<unsigned long long>(engine.nvme_write_bytes));
       std::fflush(log_);
     }
     if (bar_) {
@@ -408,8 +413,8 @@ int Run(const Flags& f) {
   Result<std::string> text = LoadText(f.data);
   if (!text.ok()) return fail(text.status());
   if (text->size() < static_cast<size_t>(f.model.context) + 2) {
-    return fail(Status::InvalidArgument(StrCat("the text has ", text->size(),
-                                               " bytes, fewer than the context + 2")));
+    return fail(Status::InvalidArgument(
+        StrCat("the text has ", text->size(), " bytes, fewer than the context + 2")));
   }
   const uint64_t params = gpt::ParameterCount(f.model);
   Result<engine::Settings> settings = EngineSettings(f, params);
@@ -418,7 +423,8 @@ int Run(const Flags& f) {
   fs::create_directories(f.out, ec);
   for (const std::string& p : settings->nvme_paths) fs::create_directories(p, ec);
 
-  Result<std::unique_ptr<Session>> session = Session::Open({.settings = *settings, .daemon_socket = ""});
+  Result<std::unique_ptr<Session>> session =
+      Session::Open({.settings = *settings, .daemon_socket = ""});
   if (!session.ok()) return fail(session.status());
   engine::OptimizerConfig opt;
   opt.hyper.lr = f.lr;
@@ -498,9 +504,9 @@ int Run(const Flags& f) {
     if (f.persistence_threshold >= 0) {
       options.persistence_threshold = static_cast<uint64_t>(f.persistence_threshold);
     }
-    ZT_ASSIGN_OR_RETURN(std::unique_ptr<Stage3Runner> runner,
-                        Stage3Runner::Create(m, r, **dev, f.ranks > 1 ? coll[r].get() : nullptr,
-                                             options));
+    ZT_ASSIGN_OR_RETURN(
+        std::unique_ptr<Stage3Runner> runner,
+        Stage3Runner::Create(m, r, **dev, f.ranks > 1 ? coll[r].get() : nullptr, options));
     gpt::SourceOf<Stage3Runner> source(*runner);
     const float scale = 1.0f / static_cast<float>(f.ranks * f.accumulation);
     Clock::time_point t0 = Clock::now();
@@ -533,8 +539,8 @@ int Run(const Flags& f) {
           ZT_RETURN_IF_ERROR(m.WaitPublished(done, std::chrono::hours(1)));
         }
         const double secs = std::chrono::duration<double>(Clock::now() - t0).count();
-        progress.Update(static_cast<int>(done), mean, tokens_per_step / std::max(secs, 1e-9),
-                        total, m.counters());
+        progress.Update(static_cast<int>(done), mean, tokens_per_step / std::max(secs, 1e-9), total,
+                        m.counters());
         if (checkpoint) {
           ZT_RETURN_IF_ERROR(m.SaveCheckpoint(ckpt));
           if (f.exit_after > 0 && done == f.exit_after) {

@@ -132,11 +132,11 @@ class MemoryTrainer {
       for (int r = 0; r < ranks_; ++r) {
         const uint64_t off = static_cast<uint64_t>(r) * u.layout.shard;
         ZT_ASSIGN_OR_RETURN(
-            double sq, accum ? cpu_adam::SquaredNorm(u.acc.data() + off, cpu_adam::GradType::kFloat32,
-                                                     u.layout.shard, *exec_)
-                             : cpu_adam::SquaredNorm(u.grads.data() + off,
-                                                     cpu_adam::GradType::kBFloat16, u.layout.shard,
-                                                     *exec_));
+            double sq,
+            accum ? cpu_adam::SquaredNorm(u.acc.data() + off, cpu_adam::GradType::kFloat32,
+                                          u.layout.shard, *exec_)
+                  : cpu_adam::SquaredNorm(u.grads.data() + off, cpu_adam::GradType::kBFloat16,
+                                          u.layout.shard, *exec_));
         total += sq;
       }
     }

@@ -7,11 +7,11 @@
 // checkpoint; and errors for bad use.
 #include <gtest/gtest.h>
 
+#include <unistd.h>
 #include <cstring>
 #include <filesystem>
 #include <string>
 #include <thread>
-#include <unistd.h>
 
 #include "client/ztier.h"
 #include "examples/gpt/gpt.h"
@@ -33,7 +33,8 @@ constexpr char kText[] =
 class ScratchDir {
  public:
   explicit ScratchDir(const std::string& tag) {
-    std::string tmpl = (std::filesystem::temp_directory_path() / ("ztier-" + tag + "-XXXXXX")).string();
+    std::string tmpl =
+        (std::filesystem::temp_directory_path() / ("ztier-" + tag + "-XXXXXX")).string();
     ZT_CHECK(::mkdtemp(tmpl.data()) != nullptr);
     path_ = tmpl;
   }
@@ -56,8 +57,8 @@ std::vector<int32_t> Tokens(const gpt::Config& c, int batch, int64_t micro, int 
   const size_t len = sizeof(kText) - 1;
   std::vector<int32_t> t;
   for (int b = 0; b < batch; ++b) {
-    const size_t start = static_cast<size_t>(((micro * ranks + rank) * batch + b) * 7) %
-                         (len - c.context - 1);
+    const size_t start =
+        static_cast<size_t>(((micro * ranks + rank) * batch + b) * 7) % (len - c.context - 1);
     for (int i = 0; i <= c.context; ++i) t.push_back(static_cast<unsigned char>(kText[start + i]));
   }
   return t;
@@ -77,9 +78,9 @@ struct TrainSetup {
 };
 
 std::string Name(const TrainSetup& s) {
-  return StrCat(s.optimizer_tier == Tier::kNvme ? (s.param_tier == Tier::kNvme ? "nvmeall" : "nvme")
-                                                : "dram",
-                "_r", s.ranks, s.clip > 0 ? "_clip" : "", "_acc", s.accumulation, "_d", s.prefetch);
+  return StrCat(
+      s.optimizer_tier == Tier::kNvme ? (s.param_tier == Tier::kNvme ? "nvmeall" : "nvme") : "dram",
+      "_r", s.ranks, s.clip > 0 ? "_clip" : "", "_acc", s.accumulation, "_d", s.prefetch);
 }
 
 engine::OptimizerConfig Optimizer(const TrainSetup& s) {
@@ -407,8 +408,8 @@ double OverlapSeconds(const std::vector<TimelineSpan>& spans) {
 TEST(RunnerTest, PrefetchOverlapsCopiesWithCompute) {
   TrainSetup s;
   // Units of 6 MiB: a copy takes long enough to show in the timeline.
-  s.gpt = {.vocab = 256, .context = 32, .channels = 512, .layers = 3, .heads = 4,
-           .tied_head = false};
+  s.gpt = {
+      .vocab = 256, .context = 32, .channels = 512, .layers = 3, .heads = 4, .tied_head = false};
   s.prefetch = 2;
   Result<RunResult> on = RunZtier(s, 2, /*timeline=*/true);
   ASSERT_TRUE(on.ok()) << on.status();
@@ -609,10 +610,9 @@ TEST_F(RunnerErrorsTest, HeldUnitsFillingTheCap) {
 TEST_F(RunnerErrorsTest, BadRanksAndCollectives) {
   EXPECT_EQ(Stage3Runner::Create(*model_, 1, *dev_, nullptr, {}).status().code(),
             StatusCode::kInvalidArgument);
-  EXPECT_EQ(Stage3Runner::Create(*model_, 0, *dev_, nullptr, {.prefetch_depth = -1})
-                .status()
-                .code(),
-            StatusCode::kInvalidArgument);
+  EXPECT_EQ(
+      Stage3Runner::Create(*model_, 0, *dev_, nullptr, {.prefetch_depth = -1}).status().code(),
+      StatusCode::kInvalidArgument);
   TrainSetup two = s_;
   two.ranks = 2;
   auto model = session_->RegisterModel(Spec(two, "two"));
