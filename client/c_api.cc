@@ -296,6 +296,13 @@ ztier_status ztier_runner_push_grads(ztier_runner* runner, int32_t unit) {
   return Report(runner->runner->PushGrads(unit));
 }
 
+ztier_status ztier_runner_push_grads_from(ztier_runner* runner, int32_t unit, const uint16_t* grads,
+                                          uint64_t count) {
+  if (runner == nullptr) return Null("runner");
+  return Report(
+      runner->runner->PushGrads(unit, reinterpret_cast<const ztier::bf16*>(grads), count));
+}
+
 ztier_status ztier_runner_step(ztier_runner* runner) {
   if (runner == nullptr) return Null("runner");
   return Report(runner->runner->Step());

@@ -202,6 +202,7 @@ class CudaDevice final : public Device {
 
   Status CopyToDevice(void* dst, const void* host_src, size_t bytes, Stream stream) override;
   Status CopyToHost(void* host_dst, const void* src, size_t bytes, Stream stream) override;
+  Status CopyOnDevice(void* dst, const void* src, size_t bytes, Stream stream) override;
   Status Memset(void* dst, int value, size_t bytes, Stream stream) override;
 
   Result<std::unique_ptr<Event>> Record(Stream stream) override;
@@ -449,6 +450,14 @@ Status CudaDevice::CopyToHost(void* host_dst, const void* src, size_t bytes, Str
   ZT_RETURN_IF_ERROR(Enter());
   ZT_CUDA_RETURN_IF_ERROR(
       cudaMemcpyAsync(host_dst, src, bytes, cudaMemcpyDeviceToHost, StreamOf(stream)));
+  return Status::Ok();
+}
+
+Status CudaDevice::CopyOnDevice(void* dst, const void* src, size_t bytes, Stream stream) {
+  if (bytes == 0) return Status::Ok();
+  ZT_RETURN_IF_ERROR(Enter());
+  ZT_CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, StreamOf(stream)));
   return Status::Ok();
 }
 

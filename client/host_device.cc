@@ -119,6 +119,9 @@ class HostDevice final : public Device {
   Status CopyToHost(void* dst, const void* src, size_t bytes, Stream stream) override {
     return Run(stream, "d2h", [=] { std::memcpy(dst, src, bytes); });
   }
+  Status CopyOnDevice(void* dst, const void* src, size_t bytes, Stream stream) override {
+    return Run(stream, "d2d", [=] { std::memcpy(dst, src, bytes); });
+  }
   Status Memset(void* dst, int value, size_t bytes, Stream stream) override {
     return Run(stream, "memset", [=] { std::memset(dst, value, bytes); });
   }

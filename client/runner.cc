@@ -529,6 +529,20 @@ Status Stage3Runner::PushGrads(int unit) {
   return Status::Ok();
 }
 
+Status Stage3Runner::PushGrads(int unit, const bf16* grads, uint64_t count) {
+  Impl& r = *impl_;
+  ZT_RETURN_IF_ERROR(r.CheckUnit(unit, "PushGrads"));
+  const engine::UnitLayout& l = r.model->layout(unit);
+  if (grads == nullptr || (count != l.numel && count != l.padded)) {
+    return Status::InvalidArgument(StrCat("PushGrads: unit '", r.units[unit].name, "' takes ",
+                                          l.numel, " grads (or ", l.padded, " padded), got ",
+                                          grads == nullptr ? std::string("null") : StrCat(count)));
+  }
+  ZT_ASSIGN_OR_RETURN(bf16 * buffer, GradBuffer(unit));
+  ZT_RETURN_IF_ERROR(r.device->CopyOnDevice(buffer, grads, count * sizeof(bf16), Stream::kCompute));
+  return PushGrads(unit);
+}
+
 Status Stage3Runner::Step() {
   Impl& r = *impl_;
   std::string missing;

@@ -88,6 +88,7 @@ class Device {
   // to the copies should be registered (RegisterHost) for true DMA.
   virtual Status CopyToDevice(void* dst, const void* host_src, size_t bytes, Stream stream) = 0;
   virtual Status CopyToHost(void* host_dst, const void* src, size_t bytes, Stream stream) = 0;
+  virtual Status CopyOnDevice(void* dst, const void* src, size_t bytes, Stream stream) = 0;
   virtual Status Memset(void* dst, int value, size_t bytes, Stream stream) = 0;
 
   // Records an event on `stream`; Wait makes `stream` wait for it.
@@ -307,6 +308,13 @@ class Stage3Runner {
   // belongs to the runner again. Errors: OutOfRange, FailedPrecondition (no
   // GradBuffer, or pushed twice in a micro-step).
   Status PushGrads(int unit);
+  // Pushes grads from the caller's own device buffer: `count` bf16 values,
+  // the unit's numel or its padded size (the rest is zero), copied on the
+  // compute stream into a grad buffer, then pushed as above; the caller's
+  // buffer is free again once the compute stream passes this point. Errors:
+  // InvalidArgument (count, naming the unit and the sizes it takes), as
+  // GradBuffer and PushGrads.
+  Status PushGrads(int unit, const bf16* grads, uint64_t count);
   // Ends the micro-step. Errors: FailedPrecondition (a unit without grads,
   // naming it, e.g. Step called twice), the first transfer error.
   Status Step();

@@ -119,6 +119,10 @@ ztier_status ztier_runner_acquire(ztier_runner* runner, int32_t unit, const uint
 ztier_status ztier_runner_release(ztier_runner* runner, int32_t unit);
 ztier_status ztier_runner_grad_buffer(ztier_runner* runner, int32_t unit, uint16_t** grads);
 ztier_status ztier_runner_push_grads(ztier_runner* runner, int32_t unit);
+/* Pushes `count` bf16 grads (the unit's numel or padded size) from the
+ * caller's own device buffer. */
+ztier_status ztier_runner_push_grads_from(ztier_runner* runner, int32_t unit, const uint16_t* grads,
+                                          uint64_t count);
 ztier_status ztier_runner_step(ztier_runner* runner);
 int64_t ztier_runner_version(const ztier_runner* runner);
 

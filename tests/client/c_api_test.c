@@ -80,12 +80,17 @@ int main(void) {
       EXPECT(p[0] != 0);
       ASSERT_OK(ztier_runner_release(runner, u));
     }
-    for (int u = 1; u >= 0; --u) {
-      uint16_t* g = NULL;
-      ASSERT_OK(ztier_runner_grad_buffer(runner, u, &g));
-      for (uint64_t i = 0; i < numel[u]; ++i) g[i] = 0x3f80; /* 1.0 */
-      ASSERT_OK(ztier_runner_push_grads(runner, u));
-    }
+    /* Unit 1 from the caller's own buffer (the host device's memory is host
+     * memory), unit 0 through the runner's grad buffer. */
+    uint16_t mine[8];
+    for (int i = 0; i < 8; ++i) mine[i] = 0x3f80; /* 1.0 */
+    EXPECT(ztier_runner_push_grads_from(runner, 1, mine, 5) == ZTIER_INVALID_ARGUMENT);
+    EXPECT(strstr(ztier_last_error(), "takes 8 grads") != NULL);
+    ASSERT_OK(ztier_runner_push_grads_from(runner, 1, mine, numel[1]));
+    uint16_t* g = NULL;
+    ASSERT_OK(ztier_runner_grad_buffer(runner, 0, &g));
+    for (uint64_t i = 0; i < numel[0]; ++i) g[i] = 0x3f80;
+    ASSERT_OK(ztier_runner_push_grads(runner, 0));
     ASSERT_OK(ztier_runner_step(runner));
   }
   EXPECT(ztier_runner_version(runner) == steps);

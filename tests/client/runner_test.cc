@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 
 #include <unistd.h>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <string>
@@ -369,6 +370,10 @@ TEST(RunnerTest, LiveBytesCapHoldsAndTrainingIsUnchanged) {
   capped.max_live_bytes = 2 * largest;
   Result<RunResult> capped_run = RunZtier(capped, 2);
   ASSERT_TRUE(capped_run.ok()) << capped_run.status();
+  std::printf("param bytes on the device: high-water %llu under a cap of %llu; %llu uncapped\n",
+              static_cast<unsigned long long>(capped_run->param_memory[0].high_water),
+              static_cast<unsigned long long>(capped.max_live_bytes),
+              static_cast<unsigned long long>(free_run->param_memory[0].high_water));
   EXPECT_LE(capped_run->param_memory[0].high_water, capped.max_live_bytes);
   EXPECT_GT(free_run->param_memory[0].high_water, capped.max_live_bytes)
       << "the uncapped run should prefetch past the cap, or the cap is not what limits";
@@ -418,6 +423,8 @@ TEST(RunnerTest, PrefetchOverlapsCopiesWithCompute) {
   ASSERT_TRUE(off.ok()) << off.status();
   const double with = OverlapSeconds(on->timeline);
   const double without = OverlapSeconds(off->timeline);
+  std::printf("h2d copy time inside compute spans: %.4f s with prefetch 2, %.4f s with 0\n", with,
+              without);
   // Without prefetch a unit is copied only while the rank waits for it.
   EXPECT_EQ(without, 0.0);
   EXPECT_GT(with, 0.0);
@@ -530,6 +537,19 @@ TEST_F(RunnerErrorsTest, PushingTwiceAndSteppingTwice) {
   Status twice = runner_->Step();
   EXPECT_EQ(twice.code(), StatusCode::kFailedPrecondition);
   EXPECT_NE(twice.ToString().find("Step called twice"), std::string::npos) << twice;
+}
+
+TEST_F(RunnerErrorsTest, GradsOfTheWrongSize) {
+  const engine::UnitLayout& l = model_->layout(1);
+  std::vector<bf16> grads(l.padded + 1, FloatToBf16(0.5f));
+  Status s = runner_->PushGrads(1, grads.data(), l.numel - 1);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.ToString().find(StrCat("takes ", l.numel, " grads")), std::string::npos) << s;
+  EXPECT_EQ(runner_->PushGrads(1, grads.data(), l.padded + 1).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(runner_->PushGrads(1, nullptr, l.numel).code(), StatusCode::kInvalidArgument);
+  // The right size goes through, once.
+  EXPECT_TRUE(runner_->PushGrads(1, grads.data(), l.numel).ok());
+  EXPECT_EQ(runner_->PushGrads(1, grads.data(), l.numel).code(), StatusCode::kFailedPrecondition);
 }
 
 TEST_F(RunnerErrorsTest, StepWithMissingGradsNamesTheUnits) {
