@@ -555,6 +555,7 @@ int Run(const Flags& f) {
     }
     return Status::Ok();
   };
+  const Clock::time_point run_start = Clock::now();
   std::vector<std::thread> threads;
   for (int r = 0; r < f.ranks; ++r) {
     threads.emplace_back([&, r] {
@@ -571,11 +572,14 @@ int Run(const Flags& f) {
   Status s = m.ExportSafetensors(exported, engine::Engine::ExportType::kBFloat16);
   if (!s.ok()) return fail(s);
   const engine::JobCounters c = m.counters();
+  const double run_s = std::chrono::duration<double>(Clock::now() - run_start).count();
   std::fprintf(stderr,
-               "ztier-train: done: %lld steps (%lld skipped), optimizer %.2f s, grad norm %.3f; "
-               "checkpoint %s, weights %s\n",
-               static_cast<long long>(c.steps), static_cast<long long>(c.skipped_steps),
-               c.optimizer_seconds, c.last_grad_norm, ckpt.c_str(), exported.c_str());
+               "ztier-train: done: %lld steps (%lld skipped) in %.1f s; the engine's optimizer ran "
+               "%.2f s beside the compute, rank 0 waited %.2f s for params and %.2f s for its grads "
+               "to land; checkpoint %s, weights %s\n",
+               static_cast<long long>(c.steps), static_cast<long long>(c.skipped_steps), run_s,
+               c.optimizer_seconds, stats[0].acquire_wait_seconds, stats[0].step_wait_seconds,
+               ckpt.c_str(), exported.c_str());
   return 0;
 }
 
