@@ -257,6 +257,16 @@ struct Stage3Runner::Impl {
     return Status::Ok();
   }
 
+  // A known unit whose grads were not pushed yet this micro-step.
+  Status CheckGradsOpen(int unit, const char* what) const {
+    ZT_RETURN_IF_ERROR(CheckUnit(unit, what));
+    if (units[unit].pushed) {
+      return Status::FailedPrecondition(StrCat(what, ": the grads of unit '", units[unit].name,
+                                               "' were already pushed this micro-step"));
+    }
+    return Status::Ok();
+  }
+
   // Resident or in flight at the version this micro-step reads.
   bool Current(const UnitState& u) const { return u.params != nullptr && u.version == version; }
 
@@ -491,12 +501,8 @@ Status Stage3Runner::Release(int unit) {
 
 Result<bf16*> Stage3Runner::GradBuffer(int unit) {
   Impl& r = *impl_;
-  ZT_RETURN_IF_ERROR(r.CheckUnit(unit, "GradBuffer"));
+  ZT_RETURN_IF_ERROR(r.CheckGradsOpen(unit, "GradBuffer"));
   UnitState& u = r.units[unit];
-  if (u.pushed) {
-    return Status::FailedPrecondition(
-        StrCat("GradBuffer: the grads of unit '", u.name, "' were already pushed this micro-step"));
-  }
   if (u.grads == nullptr) {
     ZT_ASSIGN_OR_RETURN(u.grads, r.device->Allocate(u.bytes, MemoryPurpose::kGrads));
     ZT_RETURN_IF_ERROR(r.device->Memset(u.grads, 0, u.bytes, Stream::kCompute));
@@ -506,12 +512,8 @@ Result<bf16*> Stage3Runner::GradBuffer(int unit) {
 
 Status Stage3Runner::PushGrads(int unit) {
   Impl& r = *impl_;
-  ZT_RETURN_IF_ERROR(r.CheckUnit(unit, "PushGrads"));
+  ZT_RETURN_IF_ERROR(r.CheckGradsOpen(unit, "PushGrads"));
   UnitState& u = r.units[unit];
-  if (u.pushed) {
-    return Status::FailedPrecondition(
-        StrCat("PushGrads: the grads of unit '", u.name, "' were already pushed this micro-step"));
-  }
   if (u.grads == nullptr) {
     return Status::FailedPrecondition(
         StrCat("PushGrads: unit '", u.name, "' has no grad buffer (call GradBuffer first)"));
