@@ -74,7 +74,7 @@ ztier_status ztier_session_open(const char* config_path, ztier_session** out) {
   Result<ztier::engine::Settings> env = ztier::engine::ApplyEnvironment(settings, environ);
   if (!env.ok()) return Report(env.status());
   Result<std::unique_ptr<ztier::client::Session>> s =
-      ztier::client::Session::Open({.settings = *env, .daemon_socket = ""});
+      ztier::client::Session::Open({.settings = *env, .daemon_socket = "", .io_backend = nullptr});
   if (!s.ok()) return Report(s.status());
   *out = new ztier_session{*std::move(s)};
   return ZTIER_OK;

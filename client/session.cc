@@ -66,8 +66,10 @@ class EmbeddedTransport final : public Transport {
 
 }  // namespace
 
-Result<std::shared_ptr<Transport>> MakeEmbeddedTransport(const engine::Settings& settings) {
-  ZT_ASSIGN_OR_RETURN(std::unique_ptr<engine::Engine> e, engine::Engine::Create(settings));
+Result<std::shared_ptr<Transport>> MakeEmbeddedTransport(
+    const engine::Settings& settings, std::shared_ptr<nvme::IoBackend> io_backend) {
+  ZT_ASSIGN_OR_RETURN(std::unique_ptr<engine::Engine> e,
+                      engine::Engine::Create(settings, std::move(io_backend)));
   return std::shared_ptr<Transport>(std::make_shared<EmbeddedTransport>(std::move(e)));
 }
 
@@ -84,7 +86,8 @@ Result<std::unique_ptr<Session>> Session::Open(const SessionOptions& options) {
                "': this build of libztier has only the embedded transport; leave the daemon "
                "socket empty to run the engine in this process"));
   }
-  ZT_ASSIGN_OR_RETURN(std::shared_ptr<Transport> t, MakeEmbeddedTransport(options.settings));
+  ZT_ASSIGN_OR_RETURN(std::shared_ptr<Transport> t,
+                      MakeEmbeddedTransport(options.settings, options.io_backend));
   ZT_LOG(kInfo, "client") << "session open (" << t->name() << " engine)";
   return std::unique_ptr<Session>(new Session(std::move(t), options.settings));
 }

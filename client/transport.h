@@ -52,8 +52,10 @@ class Transport {
   virtual std::vector<std::pair<void*, uint64_t>> PinnedRegions() = 0;
 };
 
-// The engine in this process. Errors: as engine::Engine::Create.
-Result<std::shared_ptr<Transport>> MakeEmbeddedTransport(const engine::Settings& settings);
+// The engine in this process, on `io_backend` (null: io_uring). Errors: as
+// engine::Engine::Create.
+Result<std::shared_ptr<Transport>> MakeEmbeddedTransport(
+    const engine::Settings& settings, std::shared_ptr<nvme::IoBackend> io_backend);
 
 }  // namespace ztier::client
 

@@ -154,6 +154,9 @@ struct SessionOptions {
   engine::Settings settings;  // the embedded engine's settings
   // Where ztierd listens. Empty: the embedded engine in this process.
   std::string daemon_socket;
+  // The embedded engine's NVMe I/O backend; null: io_uring. Tests pass a
+  // fault-injecting one (nvme/io_backend.h).
+  std::shared_ptr<nvme::IoBackend> io_backend;
 };
 
 class Transport;  // the seam between the client and an engine (client/transport.h)

@@ -424,7 +424,7 @@ int Run(const Flags& f) {
   for (const std::string& p : settings->nvme_paths) fs::create_directories(p, ec);
 
   Result<std::unique_ptr<Session>> session =
-      Session::Open({.settings = *settings, .daemon_socket = ""});
+      Session::Open({.settings = *settings, .daemon_socket = "", .io_backend = nullptr});
   if (!session.ok()) return fail(session.status());
   engine::OptimizerConfig opt;
   opt.hyper.lr = f.lr;
@@ -573,13 +573,14 @@ int Run(const Flags& f) {
   if (!s.ok()) return fail(s);
   const engine::JobCounters c = m.counters();
   const double run_s = std::chrono::duration<double>(Clock::now() - run_start).count();
-  std::fprintf(stderr,
-               "ztier-train: done: %lld steps (%lld skipped) in %.1f s; the engine's optimizer ran "
-               "%.2f s beside the compute, rank 0 waited %.2f s for params and %.2f s for its grads "
-               "to land; checkpoint %s, weights %s\n",
-               static_cast<long long>(c.steps), static_cast<long long>(c.skipped_steps), run_s,
-               c.optimizer_seconds, stats[0].acquire_wait_seconds, stats[0].step_wait_seconds,
-               ckpt.c_str(), exported.c_str());
+  std::fprintf(
+      stderr,
+      "ztier-train: done: %lld steps (%lld skipped) in %.1f s; the engine's optimizer ran "
+      "%.2f s beside the compute, rank 0 waited %.2f s for params and %.2f s for its grads "
+      "to land; checkpoint %s, weights %s\n",
+      static_cast<long long>(c.steps), static_cast<long long>(c.skipped_steps), run_s,
+      c.optimizer_seconds, stats[0].acquire_wait_seconds, stats[0].step_wait_seconds, ckpt.c_str(),
+      exported.c_str());
   return 0;
 }
 

@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 
 #include <unistd.h>
+#include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -16,6 +17,7 @@
 
 #include "client/ztier.h"
 #include "examples/gpt/gpt.h"
+#include "nvme/io_backend.h"
 #include "tests/client/memory_trainer.h"
 
 namespace ztier::client {
@@ -470,6 +472,59 @@ TEST(RunnerTest, ResumeFromACheckpointMatchesAnUninterruptedRun) {
     ASSERT_TRUE(trained.ok()) << trained;
     ASSERT_TRUE(ReadMasters(**model, steps, &second).ok());
   }
+  RunResult resumed;
+  resumed.losses = first.losses;
+  resumed.losses.insert(resumed.losses.end(), second.losses.begin(), second.losses.end());
+  resumed.master = second.master;
+  ExpectSameTraining(resumed, *whole);
+}
+
+// A full disk while the engine writes back step 3's states: the rank's next
+// acquire fails with the engine's error (naming the step and the write-back),
+// nothing hangs, and a new model loaded from the step-2 checkpoint trains on
+// exactly as an uninterrupted run.
+TEST(RunnerTest, AFullDiskFailsTheStepClearlyAndTheCheckpointResumes) {
+  TrainSetup s;
+  s.optimizer_tier = Tier::kNvme;
+  const int steps = 4, saved = 2;
+  Result<RunResult> whole = RunZtier(s, steps);
+  ASSERT_TRUE(whole.ok()) << whole.status();
+
+  ScratchDir swap("runner-swap"), ckpt("runner-ckpt");
+  auto fault = std::make_shared<nvme::FaultBackend>(nvme::MakeUringBackend());
+  SessionOptions options = Options(s, swap.path());
+  options.io_backend = fault;
+  auto session = Session::Open(options);
+  ASSERT_TRUE(session.ok()) << session.status();
+  RunResult first;
+  {
+    auto model = (*session)->RegisterModel(Spec(s, "gpt"));
+    ASSERT_TRUE(model.ok());
+    const auto init = InitialWeights(s.gpt, **model);
+    for (int k = 0; k < (*model)->units(); ++k) {
+      ASSERT_TRUE((*model)->SetWeights(k, init[k].data(), init[k].size()).ok());
+    }
+    ASSERT_TRUE(TrainThroughRunner(s, **model, 0, saved, &first).ok());
+    ASSERT_TRUE((*model)->WaitPublished(saved, std::chrono::seconds(60)).ok());
+    ASSERT_TRUE((*model)->SaveCheckpoint(ckpt.path()).ok());
+    fault->FailFrom(nvme::IoKind::kWrite, 1, ENOSPC);
+    RunResult failed;
+    Status st = TrainThroughRunner(s, **model, saved, steps, &failed);
+    ASSERT_FALSE(st.ok());
+    std::printf("the rank saw: %s\n", st.ToString().c_str());
+    EXPECT_EQ(st.code(), StatusCode::kAborted) << st;
+    EXPECT_NE(st.ToString().find("step 3"), std::string::npos) << st;
+    EXPECT_NE(st.ToString().find("write back"), std::string::npos) << st;
+    EXPECT_NE(st.ToString().find("No space left"), std::string::npos) << st;
+  }
+  fault->Reset();
+  auto model = (*session)->RegisterModel(Spec(s, "gpt-resumed"));
+  ASSERT_TRUE(model.ok()) << model.status();
+  ASSERT_TRUE((*model)->LoadCheckpoint(ckpt.path()).ok());
+  RunResult second;
+  Status trained = TrainThroughRunner(s, **model, saved, steps, &second);
+  ASSERT_TRUE(trained.ok()) << trained;
+  ASSERT_TRUE(ReadMasters(**model, steps, &second).ok());
   RunResult resumed;
   resumed.losses = first.losses;
   resumed.losses.insert(resumed.losses.end(), second.losses.begin(), second.losses.end());
