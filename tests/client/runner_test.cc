@@ -136,6 +136,17 @@ std::vector<std::vector<float>> InitialWeights(const gpt::Config& c, const Model
   return w;
 }
 
+// Registers the model and sets its initial weights.
+Result<std::unique_ptr<Model>> RegisterWithWeights(Session& session, const TrainSetup& s,
+                                                   const std::string& name) {
+  ZT_ASSIGN_OR_RETURN(std::unique_ptr<Model> model, session.RegisterModel(Spec(s, name)));
+  const auto init = InitialWeights(s.gpt, *model);
+  for (int k = 0; k < model->units(); ++k) {
+    ZT_RETURN_IF_ERROR(model->SetWeights(k, init[k].data(), init[k].size()));
+  }
+  return model;
+}
+
 // Trains micro-steps [first, last) through the runner, one thread per rank.
 Status TrainThroughRunner(const TrainSetup& s, Model& model, int64_t first, int64_t last,
                           RunResult* out, bool timeline = false) {
@@ -197,11 +208,7 @@ Status ReadMasters(Model& model, int64_t steps, RunResult* out) {
 Result<RunResult> RunZtier(const TrainSetup& s, int steps, bool timeline = false) {
   ScratchDir swap("runner-swap");
   ZT_ASSIGN_OR_RETURN(std::unique_ptr<Session> session, Session::Open(Options(s, swap.path())));
-  ZT_ASSIGN_OR_RETURN(std::unique_ptr<Model> model, session->RegisterModel(Spec(s, "gpt")));
-  const auto init = InitialWeights(s.gpt, *model);
-  for (int k = 0; k < model->units(); ++k) {
-    ZT_RETURN_IF_ERROR(model->SetWeights(k, init[k].data(), init[k].size()));
-  }
+  ZT_ASSIGN_OR_RETURN(std::unique_ptr<Model> model, RegisterWithWeights(*session, s, "gpt"));
   RunResult out;
   ZT_RETURN_IF_ERROR(TrainThroughRunner(s, *model, 0, steps * s.accumulation, &out, timeline));
   ZT_RETURN_IF_ERROR(ReadMasters(*model, steps, &out));
@@ -249,6 +256,27 @@ void ExpectSameTraining(const RunResult& a, const RunResult& b) {
     EXPECT_EQ(std::memcmp(a.master[k].data(), b.master[k].data(), a.master[k].size() * 4), 0)
         << "fp32 master of unit " << k;
   }
+}
+
+// Loads `ckpt` into a fresh model and trains micro-steps [first, last).
+Status ResumeAndTrain(Model& model, const std::string& ckpt, const TrainSetup& s, int64_t first,
+                      int64_t last, RunResult* out) {
+  ZT_RETURN_IF_ERROR(model.LoadCheckpoint(ckpt));
+  if (model.published_step() != first / s.accumulation) {
+    return Status::Internal(StrCat("the checkpoint holds step ", model.published_step()));
+  }
+  ZT_RETURN_IF_ERROR(TrainThroughRunner(s, model, first, last, out));
+  return ReadMasters(model, last / s.accumulation, out);
+}
+
+// The first part of a run followed by its resumed part equals `whole`.
+void ExpectResumedEqualsWhole(const RunResult& first, const RunResult& second,
+                              const RunResult& whole) {
+  RunResult resumed;
+  resumed.losses = first.losses;
+  resumed.losses.insert(resumed.losses.end(), second.losses.begin(), second.losses.end());
+  resumed.master = second.master;
+  ExpectSameTraining(resumed, whole);
 }
 
 class RunnerEquivalenceTest : public ::testing::TestWithParam<TrainSetup> {};
@@ -311,18 +339,10 @@ INSTANTIATE_TEST_SUITE_P(Placements, RunnerEquivalenceTest, ::testing::ValuesIn(
 TEST(RunnerTest, LearnsTheAcquireOrder) {
   TrainSetup s;
   s.gpt.tied_head = true;
-  Result<RunResult> run = RunZtier(s, 2);
-  ASSERT_TRUE(run.ok()) << run.status();
-  // Not observable after the run; learn it from a fresh runner instead.
-  ScratchDir none("unused");
-  auto session = Session::Open(Options(s, none.path()));
+  auto session = Session::Open(Options(s, ""));
   ASSERT_TRUE(session.ok());
-  auto model = (*session)->RegisterModel(Spec(s, "order"));
-  ASSERT_TRUE(model.ok());
-  const auto init = InitialWeights(s.gpt, **model);
-  for (int k = 0; k < (*model)->units(); ++k) {
-    ASSERT_TRUE((*model)->SetWeights(k, init[k].data(), init[k].size()).ok());
-  }
+  auto model = RegisterWithWeights(**session, s, "order");
+  ASSERT_TRUE(model.ok()) << model.status();
   auto dev = MakeHostDevice();
   ASSERT_TRUE(dev.ok());
   std::vector<engine::UnitLayout> layouts;
@@ -447,12 +467,8 @@ TEST(RunnerTest, ResumeFromACheckpointMatchesAnUninterruptedRun) {
     ScratchDir swap("runner-swap");
     auto session = Session::Open(Options(s, swap.path()));
     ASSERT_TRUE(session.ok());
-    auto model = (*session)->RegisterModel(Spec(s, "gpt"));
-    ASSERT_TRUE(model.ok());
-    const auto init = InitialWeights(s.gpt, **model);
-    for (int k = 0; k < (*model)->units(); ++k) {
-      ASSERT_TRUE((*model)->SetWeights(k, init[k].data(), init[k].size()).ok());
-    }
+    auto model = RegisterWithWeights(**session, s, "gpt");
+    ASSERT_TRUE(model.ok()) << model.status();
     ASSERT_TRUE(TrainThroughRunner(s, **model, 0, stop_after * s.accumulation, &first).ok());
     ASSERT_TRUE(ReadMasters(**model, stop_after, &first).ok());
     ASSERT_TRUE((*model)->SaveCheckpoint(ckpt.path()).ok());
@@ -464,19 +480,11 @@ TEST(RunnerTest, ResumeFromACheckpointMatchesAnUninterruptedRun) {
     ASSERT_TRUE(session.ok());
     auto model = (*session)->RegisterModel(Spec(s, "gpt"));
     ASSERT_TRUE(model.ok());
-    Status loaded = (*model)->LoadCheckpoint(ckpt.path());
-    ASSERT_TRUE(loaded.ok()) << loaded;
-    EXPECT_EQ((*model)->published_step(), stop_after);
-    Status trained = TrainThroughRunner(s, **model, stop_after * s.accumulation,
-                                        steps * s.accumulation, &second);
+    Status trained = ResumeAndTrain(**model, ckpt.path(), s, stop_after * s.accumulation,
+                                    steps * s.accumulation, &second);
     ASSERT_TRUE(trained.ok()) << trained;
-    ASSERT_TRUE(ReadMasters(**model, steps, &second).ok());
   }
-  RunResult resumed;
-  resumed.losses = first.losses;
-  resumed.losses.insert(resumed.losses.end(), second.losses.begin(), second.losses.end());
-  resumed.master = second.master;
-  ExpectSameTraining(resumed, *whole);
+  ExpectResumedEqualsWhole(first, second, *whole);
 }
 
 // A full disk while the engine writes back step 3's states: the rank's next
@@ -498,12 +506,8 @@ TEST(RunnerTest, AFullDiskFailsTheStepClearlyAndTheCheckpointResumes) {
   ASSERT_TRUE(session.ok()) << session.status();
   RunResult first;
   {
-    auto model = (*session)->RegisterModel(Spec(s, "gpt"));
-    ASSERT_TRUE(model.ok());
-    const auto init = InitialWeights(s.gpt, **model);
-    for (int k = 0; k < (*model)->units(); ++k) {
-      ASSERT_TRUE((*model)->SetWeights(k, init[k].data(), init[k].size()).ok());
-    }
+    auto model = RegisterWithWeights(**session, s, "gpt");
+    ASSERT_TRUE(model.ok()) << model.status();
     ASSERT_TRUE(TrainThroughRunner(s, **model, 0, saved, &first).ok());
     ASSERT_TRUE((*model)->WaitPublished(saved, std::chrono::seconds(60)).ok());
     ASSERT_TRUE((*model)->SaveCheckpoint(ckpt.path()).ok());
@@ -520,16 +524,10 @@ TEST(RunnerTest, AFullDiskFailsTheStepClearlyAndTheCheckpointResumes) {
   fault->Reset();
   auto model = (*session)->RegisterModel(Spec(s, "gpt-resumed"));
   ASSERT_TRUE(model.ok()) << model.status();
-  ASSERT_TRUE((*model)->LoadCheckpoint(ckpt.path()).ok());
   RunResult second;
-  Status trained = TrainThroughRunner(s, **model, saved, steps, &second);
+  Status trained = ResumeAndTrain(**model, ckpt.path(), s, saved, steps, &second);
   ASSERT_TRUE(trained.ok()) << trained;
-  ASSERT_TRUE(ReadMasters(**model, steps, &second).ok());
-  RunResult resumed;
-  resumed.losses = first.losses;
-  resumed.losses.insert(resumed.losses.end(), second.losses.begin(), second.losses.end());
-  resumed.master = second.master;
-  ExpectSameTraining(resumed, *whole);
+  ExpectResumedEqualsWhole(first, second, *whole);
 }
 
 // ------------------------------------------------------------- bad use --
@@ -540,13 +538,9 @@ class RunnerErrorsTest : public ::testing::Test {
     auto session = Session::Open(Options(s_, ""));
     ASSERT_TRUE(session.ok());
     session_ = *std::move(session);
-    auto model = session_->RegisterModel(Spec(s_, "bad"));
-    ASSERT_TRUE(model.ok());
+    auto model = RegisterWithWeights(*session_, s_, "bad");
+    ASSERT_TRUE(model.ok()) << model.status();
     model_ = *std::move(model);
-    const auto init = InitialWeights(s_.gpt, *model_);
-    for (int k = 0; k < model_->units(); ++k) {
-      ASSERT_TRUE(model_->SetWeights(k, init[k].data(), init[k].size()).ok());
-    }
     auto dev = MakeHostDevice();
     ASSERT_TRUE(dev.ok());
     dev_ = *std::move(dev);
