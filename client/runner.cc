@@ -153,12 +153,6 @@ struct Stage3Runner::Impl {
         if (queue.empty()) return;
         t = std::move(queue.front());
         queue.pop_front();
-        if (stop) {
-          lock.unlock();
-          t.ticket->Complete(Status::Aborted("the runner is shutting down"));
-          Finish(t);
-          continue;
-        }
       }
       Status s = failure_snapshot();
       if (s.ok()) s = t.kind == Transfer::Kind::kFetch ? Fetch(t) : Push(t);
@@ -579,11 +573,6 @@ Status Stage3Runner::Step() {
     u.pushed = false;
     if (u.params != nullptr && !u.persistent) r.Evict(u);  // prefetched, never used
     u.fetch.reset();
-  }
-  {
-    std::lock_guard<std::mutex> lock(r.mu);
-    r.stats.h2d_bytes = r.h2d;
-    r.stats.d2h_bytes = r.d2h;
   }
   ++r.stats.micro_steps;
   if (++r.micro % r.accumulation == 0) ++r.version;

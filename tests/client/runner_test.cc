@@ -7,7 +7,6 @@
 // checkpoint; and errors for bad use.
 #include <gtest/gtest.h>
 
-#include <unistd.h>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -19,6 +18,7 @@
 #include "examples/gpt/gpt.h"
 #include "nvme/io_backend.h"
 #include "tests/client/memory_trainer.h"
+#include "tests/testing/scratch_dir.h"
 
 namespace ztier::client {
 namespace {
@@ -32,24 +32,7 @@ constexpr char kText[] =
     "of despair, we had everything before us, we had nothing before us, we were all going direct "
     "to Heaven, we were all going direct the other way.";
 
-// A temporary directory, removed with everything in it.
-class ScratchDir {
- public:
-  explicit ScratchDir(const std::string& tag) {
-    std::string tmpl =
-        (std::filesystem::temp_directory_path() / ("ztier-" + tag + "-XXXXXX")).string();
-    ZT_CHECK(::mkdtemp(tmpl.data()) != nullptr);
-    path_ = tmpl;
-  }
-  ~ScratchDir() {
-    std::error_code ec;
-    std::filesystem::remove_all(path_, ec);
-  }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
+using testing::ScratchDir;
 
 gpt::Config TinyGpt(bool tied = true) {
   return {.vocab = 256, .context = 16, .channels = 32, .layers = 2, .heads = 4, .tied_head = tied};

@@ -10,6 +10,7 @@
 //  - NVMe faults during a step (I/O error, full disk, a flipped bit) fail
 //    the job clearly, and the last committed checkpoint still loads.
 #include "engine/engine.h"
+#include "tests/testing/scratch_dir.h"
 
 #include <unistd.h>
 
@@ -32,28 +33,7 @@ namespace {
 using namespace std::chrono_literals;
 namespace fs = std::filesystem;
 
-// A directory under the test's working directory, removed on destruction.
-class ScratchDir {
- public:
-  explicit ScratchDir(std::string_view tag) {
-    path_ = fs::current_path() /
-            StrCat("engine-test-", tag, "-", ::getpid(), "-",
-                   ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    fs::remove_all(path_);
-    fs::create_directories(path_);
-  }
-  ~ScratchDir() { fs::remove_all(path_); }
-  ScratchDir(const ScratchDir&) = delete;
-  ScratchDir& operator=(const ScratchDir&) = delete;
-  std::string sub(std::string_view name) const {
-    const fs::path p = path_ / name;
-    fs::create_directories(p);
-    return p.string();
-  }
-
- private:
-  fs::path path_;
-};
+using testing::ScratchDir;
 
 // With `swap`: two swap paths under it, small stripes so units span several,
 // and a 3-slot ring (the smallest) so the pipeline wraps around.

@@ -4,7 +4,6 @@
 // Runs the installed-layout binary (ZTIER_TRAIN_BINARY) in a scratch dir.
 #include <gtest/gtest.h>
 #include <sys/wait.h>
-#include <unistd.h>
 
 #include <cstdlib>
 #include <filesystem>
@@ -13,26 +12,13 @@
 #include <string>
 #include <vector>
 
+#include "tests/testing/scratch_dir.h"
+
 namespace {
 
 namespace fs = std::filesystem;
 
-class ScratchDir {
- public:
-  ScratchDir() {
-    std::string tmpl = (fs::temp_directory_path() / "ztier-train-test-XXXXXX").string();
-    if (::mkdtemp(tmpl.data()) == nullptr) std::abort();
-    path_ = tmpl;
-  }
-  ~ScratchDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  std::string operator/(const std::string& name) const { return (fs::path(path_) / name).string(); }
-
- private:
-  std::string path_;
-};
+using ztier::testing::ScratchDir;
 
 // Runs ztier-train with `args`; its exit code (or -1).
 int Train(const std::string& args) {
@@ -70,7 +56,7 @@ TEST(TrainTest, LossFallsOnTheFortunesCorpus) {
   if (!fs::exists("/usr/share/games/fortunes/fortunes")) {
     GTEST_SKIP() << "no fortunes corpus (Debian package 'fortunes'; scripts/install_deps.sh)";
   }
-  ScratchDir dir;
+  ScratchDir dir("train");
   ASSERT_EQ(Train(std::string(kSmall) + " --steps 80 --out " + (dir / "run")), 0);
   const std::vector<double> loss = Losses(dir / "run/train_log.tsv");
   ASSERT_EQ(loss.size(), 80u);
@@ -86,7 +72,7 @@ TEST(TrainTest, LossFallsOnTheFortunesCorpus) {
 }
 
 TEST(TrainTest, KilledAndResumedRunMatchesAnUninterruptedOne) {
-  ScratchDir dir;
+  ScratchDir dir("train");
   const std::string data = dir / "text.txt";
   {
     std::ofstream text(data);
@@ -114,7 +100,7 @@ TEST(TrainTest, BadFlagsAreUsageErrors) {
   EXPECT_EQ(Train("--heads 3 --channels 64"), 2);
   EXPECT_EQ(Train("--params nvme --optimizer dram"), 2);
   EXPECT_EQ(Train("--no-such-flag"), 2);
-  ScratchDir dir;
+  ScratchDir dir("train");
   EXPECT_EQ(Train("--data " + (dir / "missing.txt") + " --out " + (dir / "o")), 1);
 }
 
