@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <string>
 #include <string_view>
@@ -21,8 +22,12 @@ class ScratchDir {
  public:
   explicit ScratchDir(std::string_view tag) {
     const ::testing::TestInfo* test = ::testing::UnitTest::GetInstance()->current_test_info();
-    path_ = std::filesystem::current_path() /
-            StrCat("ztier-test-", tag, "-", ::getpid(), "-", test != nullptr ? test->name() : "");
+    // Parameterised test names hold '/': one flat directory, not a nest
+    // whose parent would stay behind.
+    std::string name = test != nullptr ? test->name() : "";
+    std::replace(name.begin(), name.end(), '/', '_');
+    path_ =
+        std::filesystem::current_path() / StrCat("ztier-test-", tag, "-", ::getpid(), "-", name);
     std::filesystem::remove_all(path_);
     std::filesystem::create_directories(path_);
   }
