@@ -6,6 +6,7 @@
 #define ZTIER_COMMON_EXTENT_ALLOCATOR_H_
 
 #include <cstdint>
+#include <iterator>
 #include <map>
 #include <vector>
 
@@ -56,6 +57,24 @@ class ExtentAllocator {
       }
     }
     return false;
+  }
+
+  // Extends the range to [0, units) (units >= total_units()); the new units
+  // are free and join a free run that ends at the old end.
+  void Grow(uint64_t units) {
+    if (units <= total_) return;
+    uint64_t start = total_, count = units - total_;
+    if (!runs_.empty()) {
+      auto last = std::prev(runs_.end());
+      if (last->first + last->second == total_) {
+        start = last->first;
+        count += last->second;
+        runs_.erase(last);
+      }
+    }
+    runs_[start] = count;
+    free_ += units - total_;
+    total_ = units;
   }
 
   // Marks [start, start+count) used; false if any unit of it is not free.

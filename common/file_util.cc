@@ -1,60 +1,179 @@
-// ztier common: durable file writes (see file_util.h).
+// ztier common: durable file writes and bounded reads (see file_util.h).
 #include "common/file_util.h"
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <filesystem>
-#include <fstream>
-#include <iterator>
+#include <memory>
+#include <mutex>
 
 namespace ztier {
+namespace {
+
+std::mutex hook_mu;
+std::shared_ptr<const FileFaultHook> hook;  // null: none
+
+// 0, or the errno the hook injects for `op` on `path`.
+int Injected(FileOp op, const std::string& path) {
+  std::shared_ptr<const FileFaultHook> h;
+  {
+    std::lock_guard<std::mutex> lock(hook_mu);
+    h = hook;
+  }
+  return h ? (*h)(op, path) : 0;
+}
+
+// Closes an fd on scope exit unless released.
+class Fd {
+ public:
+  explicit Fd(int fd) : fd_(fd) {}
+  ~Fd() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  Fd(const Fd&) = delete;
+  Fd& operator=(const Fd&) = delete;
+  int get() const { return fd_; }
+  // close(2) with its error.
+  int Close() {
+    const int fd = fd_;
+    fd_ = -1;
+    return ::close(fd) == 0 ? 0 : errno;
+  }
+
+ private:
+  int fd_;
+};
+
+// open(2) through the hook; the fd or -errno.
+int OpenFile(const std::string& path, int flags, mode_t mode = 0) {
+  if (const int err = Injected(FileOp::kOpen, path)) return -err;
+  const int fd = ::open(path.c_str(), flags | O_CLOEXEC, mode);
+  return fd >= 0 ? fd : -errno;
+}
+
+}  // namespace
+
+std::string_view FileOpName(FileOp op) {
+  switch (op) {
+    case FileOp::kOpen:
+      return "open";
+    case FileOp::kWrite:
+      return "write";
+    case FileOp::kRead:
+      return "read";
+    case FileOp::kFsync:
+      return "fsync";
+    case FileOp::kRename:
+      return "rename";
+    case FileOp::kFsyncDir:
+      return "fsync-dir";
+    case FileOp::kRemove:
+      return "remove";
+  }
+  return "?";
+}
+
+void SetFileFaultHook(FileFaultHook h) {
+  std::lock_guard<std::mutex> lock(hook_mu);
+  hook = h ? std::make_shared<const FileFaultHook>(std::move(h)) : nullptr;
+}
 
 Status FsyncPath(const std::string& path, bool directory) {
-  const int fd = ::open(path.c_str(), (directory ? O_RDONLY | O_DIRECTORY : O_RDONLY) | O_CLOEXEC);
-  if (fd < 0) return PosixError(StrCat("open ", path, " for fsync"), errno);
-  const int rc = ::fsync(fd);
-  const int err = errno;
-  ::close(fd);
-  if (rc != 0) return PosixError(StrCat("fsync ", path), err);
+  const int fd = OpenFile(path, directory ? O_RDONLY | O_DIRECTORY : O_RDONLY);
+  if (fd < 0) return PosixError(StrCat("open ", path, " for fsync"), fd);
+  Fd guard(fd);
+  const FileOp op = directory ? FileOp::kFsyncDir : FileOp::kFsync;
+  int err = Injected(op, path);
+  if (err == 0 && ::fsync(fd) != 0) err = errno;
+  if (err != 0) return PosixError(StrCat("fsync ", path), err);
   return Status::Ok();
 }
 
 Status WriteFileAtomically(const std::string& path, std::string_view data) {
   const std::string tmp = path + ".tmp";
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
-  if (fd < 0) return PosixError(StrCat("create ", tmp), errno);
+  const int fd = OpenFile(tmp, O_WRONLY | O_CREAT | O_TRUNC, 0600);
+  if (fd < 0) return PosixError(StrCat("create ", tmp), fd);
+  Fd guard(fd);
+  // Any failure from here on leaves no temp file behind.
+  auto fail = [&](std::string_view what, int err) {
+    if (guard.get() >= 0) (void)guard.Close();
+    ::unlink(tmp.c_str());
+    return PosixError(StrCat(what, " ", tmp), err);
+  };
   size_t done = 0;
   while (done < data.size()) {
+    if (const int err = Injected(FileOp::kWrite, tmp)) return fail("write", err);
     const ssize_t n = ::write(fd, data.data() + done, data.size() - done);
     if (n < 0 && errno == EINTR) continue;
-    if (n < 0) {
-      const int err = errno;
-      ::close(fd);
-      ::unlink(tmp.c_str());
-      return PosixError(StrCat("write ", tmp), err);
-    }
+    if (n < 0) return fail("write", errno);
     done += static_cast<size_t>(n);
   }
-  if (::fsync(fd) != 0) {
-    const int err = errno;
-    ::close(fd);
-    return PosixError(StrCat("fsync ", tmp), err);
-  }
-  if (::close(fd) != 0) return PosixError(StrCat("close ", tmp), errno);
-  if (::rename(tmp.c_str(), path.c_str()) != 0) {
-    return PosixError(StrCat("rename ", tmp, " -> ", path), errno);
+  int err = Injected(FileOp::kFsync, tmp);
+  if (err == 0 && ::fsync(fd) != 0) err = errno;
+  if (err != 0) return fail("fsync", err);
+  if (const int close_err = guard.Close(); close_err != 0) return fail("close", close_err);
+  err = Injected(FileOp::kRename, path);
+  if (err == 0 && ::rename(tmp.c_str(), path.c_str()) != 0) err = errno;
+  if (err != 0) {
+    ::unlink(tmp.c_str());
+    return PosixError(StrCat("rename ", tmp, " -> ", path), err);
   }
   std::string dir = std::filesystem::path(path).parent_path().string();
   return FsyncPath(dir.empty() ? "." : dir, /*directory=*/true);
 }
 
-Result<std::string> ReadFileToString(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return PosixError(StrCat("open ", path), errno);
-  std::string data((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  if (in.bad()) return Status::IoError(StrCat("reading ", path));
+Status RemoveFile(const std::string& path) {
+  int err = Injected(FileOp::kRemove, path);
+  if (err == 0 && ::unlink(path.c_str()) != 0 && errno != ENOENT) err = errno;
+  if (err != 0) return PosixError(StrCat("remove ", path), err);
+  return Status::Ok();
+}
+
+Result<std::string> ReadFileToString(const std::string& path, uint64_t max_bytes) {
+  const int fd = OpenFile(path, O_RDONLY);
+  if (fd < 0) return PosixError(StrCat("open ", path), fd);
+  Fd guard(fd);
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) return PosixError(StrCat("stat ", path), errno);
+  if (S_ISDIR(st.st_mode)) {
+    return Status::InvalidArgument(StrCat(path, " is a directory, not a file"));
+  }
+  if (!S_ISREG(st.st_mode)) {
+    return Status::InvalidArgument(
+        StrCat(path, " is not a regular file (a device, a pipe or a socket)"));
+  }
+  const uint64_t size = static_cast<uint64_t>(st.st_size);
+  if (size > max_bytes) {
+    return Status::ResourceExhausted(
+        StrCat(path, " is ", size, " bytes, more than the ", max_bytes, " bytes allowed here"));
+  }
+  std::string data;
+  data.resize(size);
+  uint64_t done = 0;
+  for (;;) {
+    if (done == data.size()) {
+      // The file may have grown since the stat: read on, within the bound.
+      if (done >= max_bytes) {
+        char probe;
+        const ssize_t n = ::read(fd, &probe, 1);
+        if (n == 0) break;
+        return Status::ResourceExhausted(
+            StrCat(path, " grew past the ", max_bytes, " bytes allowed here while being read"));
+      }
+      data.resize(std::min<uint64_t>(max_bytes, std::max<uint64_t>(done * 2, 4096)));
+    }
+    if (const int err = Injected(FileOp::kRead, path)) return PosixError(StrCat("read ", path), err);
+    const ssize_t n = ::read(fd, data.data() + done, data.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) return PosixError(StrCat("read ", path), errno);
+    if (n == 0) break;
+    done += static_cast<uint64_t>(n);
+  }
+  data.resize(done);
   return data;
 }
 

@@ -1,13 +1,26 @@
-// ztier common: durable file writes, shared by the swap-space manifest,
-// checkpoints and exports.
+// ztier common: durable file writes and bounded reads, shared by the
+// swap-space manifest, checkpoints, exports and configs; and the fault hook
+// that lets tests fail any of their system calls.
 //
 // WriteFileAtomically writes to "<path>.tmp", fsyncs it, renames it over
 // `path` and fsyncs the directory, so after a crash `path` holds either the
-// old or the new content, never a mix. Errors: IoError / ResourceExhausted
-// naming the file (PosixError). Thread-safe for distinct paths.
+// old or the new content, never a mix. A failure removes the temp file.
+// ReadFileToString reads regular files only (a directory, a device such as
+// /dev/zero or a FIFO is an error, not an endless read) up to a bound.
+//
+// Fault hook (tests): SetFileFaultHook installs a process-wide function that
+// is asked before each system call these helpers make; a non-zero errno it
+// returns fails that call as if the OS had returned it. A hook may also
+// _exit() to model a crash between two calls.
+//
+// Errors: PosixError naming the file (NotFound, ResourceExhausted for
+// ENOSPC/EDQUOT, IoError, ...). Thread-safe for distinct paths; the hook
+// may be set while other threads run these helpers.
 #ifndef ZTIER_COMMON_FILE_UTIL_H_
 #define ZTIER_COMMON_FILE_UTIL_H_
 
+#include <cstdint>
+#include <functional>
 #include <string>
 #include <string_view>
 
@@ -15,13 +28,34 @@
 
 namespace ztier {
 
+enum class FileOp : uint8_t {
+  kOpen,       // open / create a file (for reading or writing)
+  kWrite,      // write(2) of file data
+  kRead,       // read(2) of file data
+  kFsync,      // fsync of a file
+  kRename,     // rename(2) of a temp file over its target
+  kFsyncDir,   // fsync of a directory (makes names durable)
+  kRemove,     // unlink(2)
+};
+std::string_view FileOpName(FileOp op);
+
+// Returns 0 to let the call go on, or a positive errno to fail it with.
+using FileFaultHook = std::function<int(FileOp op, const std::string& path)>;
+// Installs `hook` for the whole process (an empty function: none).
+void SetFileFaultHook(FileFaultHook hook);
+
 // fsync of a file (or, with `directory`, of a directory's entries).
 Status FsyncPath(const std::string& path, bool directory);
 
 Status WriteFileAtomically(const std::string& path, std::string_view data);
 
-// The whole content of a file. Errors: NotFound, IoError.
-Result<std::string> ReadFileToString(const std::string& path);
+// unlink(2); a missing file is not an error.
+Status RemoveFile(const std::string& path);
+
+// The whole content of a regular file of at most `max_bytes` bytes.
+// Errors: NotFound, InvalidArgument (a directory, a device, a FIFO),
+// ResourceExhausted (larger than max_bytes, naming both), IoError.
+Result<std::string> ReadFileToString(const std::string& path, uint64_t max_bytes = UINT64_MAX);
 
 }  // namespace ztier
 

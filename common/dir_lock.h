@@ -1,0 +1,69 @@
+// ztier common: an advisory lock on a directory, so that two users of the
+// library never share a swap directory or a checkpoint directory.
+//
+// The lock is flock(2) on a lock file inside the directory, taken without
+// waiting and held while the DirLock lives. The kernel releases it when the
+// process dies (kill -9 included), so a lock left by a dead process never
+// blocks anyone. flock locks belong to an open file, so two users in one
+// process exclude each other too. The holder of an exclusive lock writes its
+// pid into the file; a refused caller gets an error naming the directory
+// and, where /proc/locks or the file tell it, the holder's pid.
+//
+// Exclusive holders remove the lock file when they release it; Acquire
+// checks that the file it locked is still the one at the path, so that
+// removal never lets two holders in.
+//
+// Thread safety: a DirLock is a value owned by one thread at a time.
+// Failure: every call returns a Status; the destructor releases silently.
+#ifndef ZTIER_COMMON_DIR_LOCK_H_
+#define ZTIER_COMMON_DIR_LOCK_H_
+
+#include <string>
+#include <string_view>
+
+#include "common/status.h"
+
+namespace ztier {
+
+class DirLock {
+ public:
+  enum class Mode : uint8_t { kExclusive, kShared };
+
+  // Locks `dir` through the file `dir/file_name` (created if missing).
+  // `what` names the directory's use in messages ("swap directory").
+  // Errors: Unavailable (held by someone else: names the directory, the
+  // holder's pid where known and what to do), NotFound (no such directory),
+  // FailedPrecondition (no permission), IoError (a read-only filesystem,
+  // naming the errno).
+  static Result<DirLock> Acquire(const std::string& dir, std::string_view file_name,
+                                 std::string_view what, Mode mode);
+
+  DirLock() = default;
+  ~DirLock();
+  DirLock(DirLock&& other) noexcept;
+  DirLock& operator=(DirLock&& other) noexcept;
+  DirLock(const DirLock&) = delete;
+  DirLock& operator=(const DirLock&) = delete;
+
+  bool held() const { return fd_ >= 0; }
+  Mode mode() const { return mode_; }
+  const std::string& dir() const { return dir_; }
+
+  // Shared -> exclusive without waiting. flock converts by releasing and
+  // re-taking, so when another process holds it shared the conversion fails
+  // (Unavailable, naming the holder) and this lock is shared again (or, if
+  // even that was lost in the gap, no longer held).
+  Status MakeExclusive();
+
+  // Releases the lock now (an exclusive holder removes the lock file).
+  void Release();
+
+ private:
+  std::string dir_, path_, what_;
+  Mode mode_ = Mode::kExclusive;
+  int fd_ = -1;
+};
+
+}  // namespace ztier
+
+#endif  // ZTIER_COMMON_DIR_LOCK_H_

@@ -1,0 +1,49 @@
+// ztier common: size grammar (see numbers.h).
+#include "common/numbers.h"
+
+#include <charconv>
+#include <utility>
+
+namespace ztier {
+
+Result<uint64_t> ParseSize(std::string_view text) {
+  uint64_t v = 0;
+  const char* first = text.data();
+  const char* last = first + text.size();
+  auto [ptr, ec] = std::from_chars(first, last, v);
+  if (ec == std::errc::result_out_of_range) {
+    return Status::InvalidArgument(StrCat("size '", text, "' is too large"));
+  }
+  if (ec != std::errc() || ptr == first) {
+    return Status::InvalidArgument(StrCat("'", text, "' is not a size (e.g. 65536, 64K, 1G)"));
+  }
+  std::string_view suffix(ptr, static_cast<size_t>(last - ptr));
+  if (!suffix.empty() && (suffix.back() == 'B' || suffix.back() == 'b')) suffix.remove_suffix(1);
+  if (!suffix.empty() && suffix.back() == 'i') suffix.remove_suffix(1);
+  int shift = 0;
+  if (suffix == "K" || suffix == "k") {
+    shift = 10;
+  } else if (suffix == "M" || suffix == "m") {
+    shift = 20;
+  } else if (suffix == "G" || suffix == "g") {
+    shift = 30;
+  } else if (suffix == "T" || suffix == "t") {
+    shift = 40;
+  } else if (!suffix.empty()) {
+    return Status::InvalidArgument(
+        StrCat("'", text, "' is not a size (a whole number with K, M, G or T; e.g. 64K, 1G)"));
+  }
+  if (shift > 0 && v > (UINT64_MAX >> shift)) {
+    return Status::InvalidArgument(StrCat("size '", text, "' is too large"));
+  }
+  return v << shift;
+}
+
+std::string FormatSize(uint64_t bytes) {
+  for (auto [shift, suffix] : {std::pair{40, "T"}, {30, "G"}, {20, "M"}, {10, "K"}}) {
+    if (bytes != 0 && bytes % (uint64_t{1} << shift) == 0) return StrCat(bytes >> shift, suffix);
+  }
+  return StrCat(bytes);
+}
+
+}  // namespace ztier

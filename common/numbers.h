@@ -1,0 +1,43 @@
+// ztier common: the one grammar for sizes ("64G", "1M", "4096") and
+// overflow-checked arithmetic for sizes read from files, flags and configs.
+//
+// ParseSize takes a decimal integer with an optional K/M/G/T suffix (powers
+// of 1024; "Ki", "KB", "KiB" spellings accepted). No sign, no fraction, no
+// exponent, no "nan" / "inf": a size a user typed is a whole number of bytes
+// or it is an error. Callers add the option or key name to the message.
+//
+// Pure functions; thread-safe.
+#ifndef ZTIER_COMMON_NUMBERS_H_
+#define ZTIER_COMMON_NUMBERS_H_
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+
+#include "common/status.h"
+
+namespace ztier {
+
+// "4096", "64K", "16Mi", "2GB", "1TiB" -> bytes. Errors: InvalidArgument
+// ("'x' is not a size (e.g. 65536, 64K, 1G)", "... is too large").
+Result<uint64_t> ParseSize(std::string_view text);
+
+// The shortest exact rendering with a suffix: 1048576 -> "1M", 1000 -> "1000".
+std::string FormatSize(uint64_t bytes);
+
+// a * b and a + b, or nullopt on overflow of uint64_t.
+inline std::optional<uint64_t> CheckedMul(uint64_t a, uint64_t b) {
+  uint64_t out;
+  if (__builtin_mul_overflow(a, b, &out)) return std::nullopt;
+  return out;
+}
+inline std::optional<uint64_t> CheckedAdd(uint64_t a, uint64_t b) {
+  uint64_t out;
+  if (__builtin_add_overflow(a, b, &out)) return std::nullopt;
+  return out;
+}
+
+}  // namespace ztier
+
+#endif  // ZTIER_COMMON_NUMBERS_H_

@@ -1,0 +1,94 @@
+// Tests for durable writes and bounded reads (common/file_util.h), with
+// faults injected through the file fault hook.
+#include "common/file_util.h"
+
+#include <gtest/gtest.h>
+#include <sys/stat.h>
+
+#include <cerrno>
+#include <filesystem>
+#include <fstream>
+
+#include "tests/testing/scratch_dir.h"
+
+namespace ztier {
+namespace {
+
+namespace fs = std::filesystem;
+using testing::ScratchDir;
+
+// Removes any hook a test installed.
+class FileUtilTest : public ::testing::Test {
+ protected:
+  void TearDown() override { SetFileFaultHook({}); }
+};
+
+TEST_F(FileUtilTest, AtomicWriteReplacesAndReadsBack) {
+  ScratchDir dir("file-util");
+  const std::string path = dir / "f";
+  ASSERT_TRUE(WriteFileAtomically(path, "old").ok());
+  ASSERT_TRUE(WriteFileAtomically(path, "new content").ok());
+  EXPECT_EQ(*ReadFileToString(path), "new content");
+  EXPECT_FALSE(fs::exists(path + ".tmp"));
+}
+
+TEST_F(FileUtilTest, EveryFailingCallLeavesTheOldContentAndNoTempFile) {
+  ScratchDir dir("file-util");
+  const std::string path = dir / "f";
+  for (FileOp op : {FileOp::kOpen, FileOp::kWrite, FileOp::kFsync, FileOp::kRename}) {
+    ASSERT_TRUE(WriteFileAtomically(path, "committed").ok());
+    SetFileFaultHook([op](FileOp o, const std::string&) { return o == op ? ENOSPC : 0; });
+    Status s = WriteFileAtomically(path, "lost");
+    SetFileFaultHook({});
+    EXPECT_EQ(s.code(), StatusCode::kResourceExhausted) << FileOpName(op) << ": " << s;
+    const std::string verb = op == FileOp::kOpen ? "create" : std::string(FileOpName(op));
+    EXPECT_NE(s.message().find(verb), std::string::npos) << s;
+    EXPECT_EQ(*ReadFileToString(path), "committed") << FileOpName(op);
+    EXPECT_FALSE(fs::exists(path + ".tmp")) << FileOpName(op);
+  }
+}
+
+TEST_F(FileUtilTest, AFailedDirectoryFsyncIsReported) {
+  ScratchDir dir("file-util");
+  SetFileFaultHook([](FileOp o, const std::string&) { return o == FileOp::kFsyncDir ? EIO : 0; });
+  Status s = WriteFileAtomically(dir / "f", "x");
+  EXPECT_EQ(s.code(), StatusCode::kIoError) << s;
+  EXPECT_EQ(s.sys_errno(), EIO);
+}
+
+TEST_F(FileUtilTest, ReadsOnlyRegularFiles) {
+  ScratchDir dir("file-util");
+  Result<std::string> d = ReadFileToString(dir.path());
+  ASSERT_FALSE(d.ok());
+  EXPECT_EQ(d.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(d.status().message().find("is a directory"), std::string::npos) << d.status();
+  Result<std::string> z = ReadFileToString("/dev/zero");
+  ASSERT_FALSE(z.ok());
+  EXPECT_NE(z.status().message().find("not a regular file"), std::string::npos) << z.status();
+  EXPECT_EQ(ReadFileToString(dir / "missing").status().code(), StatusCode::kNotFound);
+}
+
+TEST_F(FileUtilTest, ReadIsBounded) {
+  ScratchDir dir("file-util");
+  const std::string path = dir / "big";
+  std::ofstream(path) << std::string(10000, 'x');
+  EXPECT_EQ(ReadFileToString(path, 10000)->size(), 10000u);
+  Result<std::string> r = ReadFileToString(path, 9999);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_NE(r.status().message().find("10000 bytes"), std::string::npos) << r.status();
+}
+
+TEST_F(FileUtilTest, RemoveIgnoresMissingAndReportsFaults) {
+  ScratchDir dir("file-util");
+  EXPECT_TRUE(RemoveFile(dir / "none").ok());
+  std::ofstream(dir / "f") << "x";
+  SetFileFaultHook([](FileOp o, const std::string&) { return o == FileOp::kRemove ? EIO : 0; });
+  EXPECT_FALSE(RemoveFile(dir / "f").ok());
+  SetFileFaultHook({});
+  EXPECT_TRUE(RemoveFile(dir / "f").ok());
+  EXPECT_FALSE(fs::exists(dir / "f"));
+}
+
+}  // namespace
+}  // namespace ztier

@@ -1,0 +1,46 @@
+// Tests for the size grammar and the checked arithmetic (common/numbers.h).
+#include "common/numbers.h"
+
+#include <gtest/gtest.h>
+
+namespace ztier {
+namespace {
+
+TEST(NumbersTest, SizesWithSuffixes) {
+  EXPECT_EQ(*ParseSize("0"), 0u);
+  EXPECT_EQ(*ParseSize("4096"), 4096u);
+  EXPECT_EQ(*ParseSize("64K"), 64u << 10);
+  EXPECT_EQ(*ParseSize("64k"), 64u << 10);
+  EXPECT_EQ(*ParseSize("16Mi"), 16u << 20);
+  EXPECT_EQ(*ParseSize("2GB"), uint64_t{2} << 30);
+  EXPECT_EQ(*ParseSize("1TiB"), uint64_t{1} << 40);
+}
+
+TEST(NumbersTest, RejectsWhatIsNotAWholeSize) {
+  for (const char* bad : {"", "nan", "inf", "1e30", "-1", "+5", "1.5G", "12X", "G", " 1", "1 ",
+                          "0x10", "18446744073709551616", "16777216T"}) {
+    Result<uint64_t> r = ParseSize(bad);
+    EXPECT_FALSE(r.ok()) << "'" << bad << "' parsed as " << (r.ok() ? *r : 0);
+    if (!r.ok()) {
+      EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+    }
+  }
+}
+
+TEST(NumbersTest, FormatIsExact) {
+  EXPECT_EQ(FormatSize(0), "0");
+  EXPECT_EQ(FormatSize(1000), "1000");
+  EXPECT_EQ(FormatSize(3u << 20), "3M");
+  EXPECT_EQ(FormatSize((uint64_t{1} << 30) + 1024), "1048577K");
+  EXPECT_EQ(*ParseSize(FormatSize(uint64_t{5} << 40)), uint64_t{5} << 40);
+}
+
+TEST(NumbersTest, CheckedArithmetic) {
+  EXPECT_EQ(CheckedMul(1u << 20, 1u << 20), uint64_t{1} << 40);
+  EXPECT_FALSE(CheckedMul(uint64_t{1} << 32, uint64_t{1} << 32).has_value());
+  EXPECT_EQ(CheckedAdd(1, 2), 3u);
+  EXPECT_FALSE(CheckedAdd(UINT64_MAX, 1).has_value());
+}
+
+}  // namespace
+}  // namespace ztier
