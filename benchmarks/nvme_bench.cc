@@ -20,6 +20,7 @@
 
 #include "benchmarks/bench_util.h"
 #include "benchmarks/subcommands.h"
+#include "nvme/io_backend.h"
 #include "nvme/swap_space.h"
 
 namespace ztier::bench {
@@ -27,8 +28,13 @@ namespace {
 
 namespace fs = std::filesystem;
 
+enum class BackendArg { kAuto, kUring, kThreads, kBoth };
+
+constexpr char kDefaultPath[] = "ztier-bench-swap";
+
 struct NvmeOptions {
   std::vector<std::string> paths;
+  BackendArg backend = BackendArg::kAuto;
   uint64_t size = uint64_t{2} << 30;
   uint64_t stripe = uint64_t{1} << 20;
   uint32_t qd = 16;
@@ -44,8 +50,10 @@ Sequential write then read of striped swap objects through the swap space,
 against fio (ioengine=io_uring, direct=1) on the same directories with the
 same block size, queue depth and total size.
 
-  --path DIR     a swap directory, one per drive; repeat for several drives
-                 (default: ./ztier-bench-swap)
+  --path DIR     an existing swap directory, one per drive; repeat for several
+                 drives (default: ./ztier-bench-swap, created)
+  --backend B    the swap space's I/O: auto (io_uring where the kernel allows
+                 it, else threads), io_uring, threads, or both (default auto)
   --size N       total bytes, e.g. 2G (default 2G)
   --stripe N     stripe unit = fio block size (default 1M)
   --qd N         queue depth per path (default 16)
@@ -62,6 +70,12 @@ Status ParseArgs(int argc, char** argv, NvmeOptions* o) {
     if (arg == "--path") {
       ZT_ASSIGN_OR_RETURN(std::string_view v, args.Value());
       o->paths.emplace_back(v);
+    } else if (arg == "--backend") {
+      ZT_ASSIGN_OR_RETURN(o->backend, args.Choice<BackendArg>({{"auto", BackendArg::kAuto},
+                                                                {"io_uring", BackendArg::kUring},
+                                                                {"uring", BackendArg::kUring},
+                                                                {"threads", BackendArg::kThreads},
+                                                                {"both", BackendArg::kBoth}}));
     } else if (arg == "--size") {
       ZT_ASSIGN_OR_RETURN(std::string_view v, args.Value());
       ZT_ASSIGN_OR_RETURN(o->size, ParseCount(v));
@@ -86,7 +100,7 @@ Status ParseArgs(int argc, char** argv, NvmeOptions* o) {
       return Status::InvalidArgument(StrCat("unknown option '", arg, "'"));
     }
   }
-  if (o->paths.empty()) o->paths.push_back("ztier-bench-swap");
+  if (o->paths.empty()) o->paths.push_back(kDefaultPath);
   if (o->stripe < 4096 || o->stripe % 4096 != 0) {
     return Status::InvalidArgument("--stripe must be a multiple of 4096");
   }
@@ -110,16 +124,18 @@ struct Pages {
 
 // Writes `total` bytes as objects of up to 256 MiB, all in flight at once,
 // then reads them back; times each phase. Verifies the data read.
-Result<Throughput> RunSwap(const NvmeOptions& o, uint64_t total, uint32_t qd, bool checksums,
-                           const uint8_t* src, uint8_t* dst) {
+Result<Throughput> RunSwap(const NvmeOptions& o, std::shared_ptr<nvme::IoBackend> backend,
+                           uint64_t total, uint32_t qd, bool checksums, const uint8_t* src,
+                           uint8_t* dst) {
   nvme::SwapOptions so;
   so.paths = o.paths;
   so.stripe_bytes = o.stripe;
   so.queue_depth = qd;
   so.checksums = checksums;
-  so.capacity_per_path = total / o.paths.size() + o.stripe;
+  so.growth_bytes = total / o.paths.size() + o.stripe;  // one fallocate, before the clock starts
   so.file_name = "ztier-bench.swap";
-  ZT_ASSIGN_OR_RETURN(std::unique_ptr<nvme::SwapSpace> space, nvme::SwapSpace::Create(so));
+  ZT_ASSIGN_OR_RETURN(std::unique_ptr<nvme::SwapSpace> space,
+                      nvme::SwapSpace::Create(so, std::move(backend)));
   const uint64_t object_bytes = std::min<uint64_t>(total, uint64_t{256} << 20) /
                                 (o.stripe * o.paths.size()) * (o.stripe * o.paths.size());
   std::vector<nvme::IoRange> writes, reads;
@@ -137,19 +153,18 @@ Result<Throughput> RunSwap(const NvmeOptions& o, uint64_t total, uint32_t qd, bo
   ZT_RETURN_IF_ERROR(space->Submit(nvme::IoDirection::kRead, reads).Wait());
   t.read_bytes_per_s = static_cast<double>(total) / (NowSeconds() - t0);
   if (std::memcmp(src, dst, total) != 0) return Status::Corruption("data read back differs");
-  ZT_RETURN_IF_ERROR(space->Close());
-  for (const std::string& p : o.paths) fs::remove(fs::path(p) / so.file_name);
+  ZT_RETURN_IF_ERROR(space->Close());  // removes the swap files
   return t;
 }
 
 // Runs fio with one job per path (the same layout the swap space uses) and
 // returns the aggregate bandwidth of `rw` (write or read).
-Result<double> RunFio(const NvmeOptions& o, const std::string& rw) {
+Result<double> RunFio(const NvmeOptions& o, const std::string& rw, const char* engine) {
   const fs::path job = fs::temp_directory_path() / StrCat("ztier-bench-fio-", getpid(), ".fio");
   const fs::path out = fs::temp_directory_path() / StrCat("ztier-bench-fio-", getpid(), ".json");
   {
     std::ofstream f(job);
-    f << "[global]\nioengine=io_uring\ndirect=1\nbs=" << o.stripe << "\niodepth=" << o.qd
+    f << "[global]\nioengine=" << engine << "\ndirect=1\nbs=" << o.stripe << "\niodepth=" << o.qd
       << "\nrw=" << rw << "\nsize=" << o.size / o.paths.size()
       << "\ngroup_reporting=1\nfallocate=native\n";
     for (size_t i = 0; i < o.paths.size(); ++i) {
@@ -177,13 +192,52 @@ bool HaveFio() { return std::system("fio --version >/dev/null 2>&1") == 0; }
 
 }  // namespace
 
+struct BackendResult {
+  std::string name;
+  Throughput plain, crc;
+};
+
 int RunNvme(int argc, char** argv) {
   NvmeOptions o;
   if (Status s = ParseArgs(argc, argv, &o); !s.ok()) return UsageExit(s, "nvme", kUsage);
+  auto fail = [](const Status& s) {
+    std::fprintf(stderr, "ztier-bench nvme: %s\n", s.ToString().c_str());
+    return 1;
+  };
+  // Paths are the user's drives: a missing one is a mistake, not something
+  // to create (the default scratch directory is ours).
   for (const std::string& p : o.paths) {
     std::error_code ec;
-    fs::create_directories(p, ec);
+    if (p == kDefaultPath) fs::create_directories(p, ec);
+    if (!fs::is_directory(p, ec)) {
+      return fail(Status::NotFound(
+          StrCat("--path ", p, " is not an existing directory (create it on the drive to test)")));
+    }
   }
+  const bool uring_ok = nvme::ProbeUringSetup().ok();
+  std::vector<std::pair<std::string, std::shared_ptr<nvme::IoBackend>>> backends;
+  auto add = [&](nvme::BackendChoice c) -> Status {
+    ZT_ASSIGN_OR_RETURN(std::shared_ptr<nvme::IoBackend> b, nvme::MakeBackend(c));
+    backends.emplace_back(std::string(b->name()), b);
+    return Status::Ok();
+  };
+  Status chosen = Status::Ok();
+  switch (o.backend) {
+    case BackendArg::kAuto:
+      chosen = add(nvme::BackendChoice::kAuto);
+      break;
+    case BackendArg::kUring:
+      chosen = add(nvme::BackendChoice::kUring);
+      break;
+    case BackendArg::kThreads:
+      chosen = add(nvme::BackendChoice::kThreads);
+      break;
+    case BackendArg::kBoth:
+      chosen = add(nvme::BackendChoice::kUring);
+      if (chosen.ok()) chosen = add(nvme::BackendChoice::kThreads);
+      break;
+  }
+  if (!chosen.ok()) return fail(chosen);
   Pages src(o.size), dst(o.size);
   if (src.p == nullptr || dst.p == nullptr) {
     std::fprintf(stderr, "ztier-bench nvme: cannot allocate 2 x %llu bytes\n",
@@ -195,6 +249,8 @@ int RunNvme(int argc, char** argv) {
     const uint64_t x = rng();
     std::memcpy(src.p + i, &x, 8);
   }
+  // fio with io_uring where the kernel allows it, else libaio.
+  const char* fio_engine = uring_ok ? "io_uring" : "libaio";
   std::printf("ztier-bench nvme: %zu path(s), %s total, stripe %s, queue depth %u per path\n",
               o.paths.size(), FormatCount(o.size).c_str(), FormatCount(o.stripe).c_str(), o.qd);
 
@@ -202,47 +258,54 @@ int RunNvme(int argc, char** argv) {
   // would time the page faults, not the drive.
   std::memset(dst.p, 0, o.size);
 
-  auto fail = [](const Status& s) {
-    std::fprintf(stderr, "ztier-bench nvme: %s\n", s.ToString().c_str());
-    return 1;
-  };
   auto keep_best = [](Throughput* best, const Throughput& t) {
     best->write_bytes_per_s = std::max(best->write_bytes_per_s, t.write_bytes_per_s);
     best->read_bytes_per_s = std::max(best->read_bytes_per_s, t.read_bytes_per_s);
   };
-  // Rounds alternate the three contenders so that drift in the drive (or a
+  // Rounds alternate the contenders so that drift in the drive (or a
   // virtual disk's neighbours) hits all of them alike; best of each is kept.
-  Throughput plain, crc, fio_best;
+  std::vector<BackendResult> results;
+  for (const auto& [name, b] : backends) results.push_back({name, {}, {}});
+  Throughput fio_best;
   const bool fio = o.fio && HaveFio();
   for (int run = 0; run < o.runs; ++run) {
-    // Swap the order of the two swap-space runs every round: on a virtual
-    // disk the second run of a pair is measurably slower.
-    for (int k = 0; k < 2; ++k) {
-      const bool checksums = (k + run) % 2 == 1;
-      Result<Throughput> t = RunSwap(o, o.size, o.qd, checksums, src.p, dst.p);
-      if (!t.ok()) return fail(t.status());
-      keep_best(checksums ? &crc : &plain, *t);
+    for (size_t i = 0; i < backends.size(); ++i) {
+      // Swap the order of the two swap-space runs every round: on a virtual
+      // disk the second run of a pair is measurably slower.
+      for (int k = 0; k < 2; ++k) {
+        const bool checksums = (k + run) % 2 == 1;
+        Result<Throughput> t =
+            RunSwap(o, backends[i].second, o.size, o.qd, checksums, src.p, dst.p);
+        if (!t.ok()) return fail(t.status());
+        keep_best(checksums ? &results[i].crc : &results[i].plain, *t);
+      }
     }
     if (fio) {
-      Result<double> w = RunFio(o, "write");
-      Result<double> r = w.ok() ? RunFio(o, "read") : w;
+      Result<double> w = RunFio(o, "write", fio_engine);
+      Result<double> r = w.ok() ? RunFio(o, "read", fio_engine) : w;
       for (const std::string& p : o.paths) fs::remove(fs::path(p) / "ztier-bench.fio");
       if (!w.ok() || !r.ok()) return fail(w.ok() ? r.status() : w.status());
       keep_best(&fio_best, Throughput{*w, *r});
     }
   }
   const double fio_w = fio_best.write_bytes_per_s, fio_r = fio_best.read_bytes_per_s;
-  std::printf("%-28s %10s %10s\n", "", "write GB/s", "read GB/s");
-  std::printf("%-28s %10.3f %10.3f\n", "ztier, checksums off", plain.write_bytes_per_s / 1e9,
-              plain.read_bytes_per_s / 1e9);
-  std::printf("%-28s %10.3f %10.3f   (cost %+.1f%% / %+.1f%%)\n", "ztier, checksums on",
-              crc.write_bytes_per_s / 1e9, crc.read_bytes_per_s / 1e9,
-              100.0 * (1.0 - crc.write_bytes_per_s / plain.write_bytes_per_s),
-              100.0 * (1.0 - crc.read_bytes_per_s / plain.read_bytes_per_s));
+  std::printf("%-34s %10s %10s\n", "", "write GB/s", "read GB/s");
+  for (const BackendResult& r : results) {
+    std::printf("%-34s %10.3f %10.3f\n", StrCat("ztier ", r.name, ", checksums off").c_str(),
+                r.plain.write_bytes_per_s / 1e9, r.plain.read_bytes_per_s / 1e9);
+    std::printf("%-34s %10.3f %10.3f   (cost %+.1f%% / %+.1f%%)\n",
+                StrCat("ztier ", r.name, ", checksums on").c_str(), r.crc.write_bytes_per_s / 1e9,
+                r.crc.read_bytes_per_s / 1e9,
+                100.0 * (1.0 - r.crc.write_bytes_per_s / r.plain.write_bytes_per_s),
+                100.0 * (1.0 - r.crc.read_bytes_per_s / r.plain.read_bytes_per_s));
+  }
   if (fio) {
-    std::printf("%-28s %10.3f %10.3f\n", "fio (io_uring, direct=1)", fio_w / 1e9, fio_r / 1e9);
-    std::printf("%-28s %10.3f %10.3f\n", "ratio ztier/fio (crc off)",
-                plain.write_bytes_per_s / fio_w, plain.read_bytes_per_s / fio_r);
+    std::printf("%-34s %10.3f %10.3f\n", StrCat("fio (", fio_engine, ", direct=1)").c_str(),
+                fio_w / 1e9, fio_r / 1e9);
+    for (const BackendResult& r : results) {
+      std::printf("%-34s %10.3f %10.3f\n", StrCat("ratio ztier ", r.name, "/fio (crc off)").c_str(),
+                  r.plain.write_bytes_per_s / fio_w, r.plain.read_bytes_per_s / fio_r);
+    }
   } else {
     std::printf("fio comparison skipped (%s)\n", o.fio ? "fio not installed" : "--no-fio");
   }
@@ -251,9 +314,10 @@ int RunNvme(int argc, char** argv) {
   if (o.sweep) {
     const uint64_t sweep_size =
         std::max<uint64_t>(o.size / 4 / (o.stripe * o.paths.size()), 1) * o.stripe * o.paths.size();
-    std::printf("queue-depth sweep (%s, checksums off):\n", FormatCount(sweep_size).c_str());
+    std::printf("queue-depth sweep (%s, %s, checksums off):\n", FormatCount(sweep_size).c_str(),
+                results[0].name.c_str());
     for (uint32_t qd : {1u, 4u, 16u, 64u}) {
-      Result<Throughput> t = RunSwap(o, sweep_size, qd, false, src.p, dst.p);
+      Result<Throughput> t = RunSwap(o, backends[0].second, sweep_size, qd, false, src.p, dst.p);
       if (!t.ok()) return fail(t.status());
       std::printf("  qd %3u  write %7.3f GB/s  read %7.3f GB/s\n", qd, t->write_bytes_per_s / 1e9,
                   t->read_bytes_per_s / 1e9);
@@ -266,18 +330,33 @@ int RunNvme(int argc, char** argv) {
   }
 
   if (o.json) {
-    std::vector<std::string> paths;
+    std::vector<std::string> paths, per_backend;
     for (const std::string& p : o.paths) paths.push_back(JsonQuote(p));
+    for (const BackendResult& r : results) {
+      JsonObject b;
+      b.Add("backend", r.name)
+          .Add("read_bytes_per_s", r.plain.read_bytes_per_s)
+          .Add("write_bytes_per_s", r.plain.write_bytes_per_s)
+          .Add("read_bytes_per_s_checksums", r.crc.read_bytes_per_s)
+          .Add("write_bytes_per_s_checksums", r.crc.write_bytes_per_s)
+          .Add("read_ratio_to_fio", fio ? r.plain.read_bytes_per_s / fio_r : 0.0)
+          .Add("write_ratio_to_fio", fio ? r.plain.write_bytes_per_s / fio_w : 0.0);
+      per_backend.push_back(b.str());
+    }
+    const BackendResult& head = results[0];
     JsonObject j;
     j.Add("bench", "nvme")
-        .Add("read_bytes_per_s", plain.read_bytes_per_s)
-        .Add("write_bytes_per_s", plain.write_bytes_per_s)
-        .Add("read_bytes_per_s_checksums", crc.read_bytes_per_s)
-        .Add("write_bytes_per_s_checksums", crc.write_bytes_per_s)
+        .Add("backend", head.name)
+        .Add("read_bytes_per_s", head.plain.read_bytes_per_s)
+        .Add("write_bytes_per_s", head.plain.write_bytes_per_s)
+        .Add("read_bytes_per_s_checksums", head.crc.read_bytes_per_s)
+        .Add("write_bytes_per_s_checksums", head.crc.write_bytes_per_s)
+        .Add("fio_engine", fio_engine)
         .Add("fio_read_bytes_per_s", fio ? fio_r : 0.0)
         .Add("fio_write_bytes_per_s", fio ? fio_w : 0.0)
-        .Add("read_ratio_to_fio", fio ? plain.read_bytes_per_s / fio_r : 0.0)
-        .Add("write_ratio_to_fio", fio ? plain.write_bytes_per_s / fio_w : 0.0)
+        .Add("read_ratio_to_fio", fio ? head.plain.read_bytes_per_s / fio_r : 0.0)
+        .Add("write_ratio_to_fio", fio ? head.plain.write_bytes_per_s / fio_w : 0.0)
+        .AddRaw("backends", JsonArray(per_backend))
         .AddRaw("paths", JsonArray(paths))
         .Add("stripe_bytes", o.stripe)
         .Add("queue_depth", static_cast<int>(o.qd))

@@ -96,14 +96,14 @@ Result<DirLock> DirLock::Acquire(const std::string& dir, std::string_view file_n
   // flock: then the lock we got is on a dead file, so try again.
   for (int attempt = 0; attempt < 16; ++attempt) {
     int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0644);
-    if (fd < 0 && mode == Mode::kShared && (errno == EACCES || errno == EROFS)) {
+    int err = fd < 0 ? errno : 0;
+    if (fd < 0 && mode == Mode::kShared && (err == EACCES || err == EROFS)) {
       fd = ::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC);  // readers need no write
+      if (fd < 0 && errno != ENOENT) err = errno;  // else: the write refusal says why
     }
-    if (fd < 0) {
-      return PosixError(StrCat("lock file ", path, " of ", what, " ", dir), errno);
-    }
+    if (fd < 0) return PosixError(StrCat("lock file ", path, " of ", what, " ", dir), err);
     if (::flock(fd, op) != 0) {
-      const int err = errno;
+      err = errno;
       Status s = err == EWOULDBLOCK
                      ? Busy(what, dir, path, fd)
                      : PosixError(StrCat("flock ", path, " of ", what, " ", dir), err);

@@ -266,7 +266,7 @@ Result<std::unique_ptr<Engine>> Engine::Create(const Settings& settings,
   if (!settings.nvme_paths.empty()) {
     ZT_ASSIGN_OR_RETURN(
         impl->swap, nvme::SwapSpace::Create({.paths = settings.nvme_paths,
-                                             .capacity_per_path = settings.nvme_capacity_per_path,
+                                             .max_file_bytes = settings.nvme_capacity_per_path,
                                              .stripe_bytes = settings.stripe_bytes,
                                              .queue_depth = settings.queue_depth,
                                              .checksums = settings.checksums},

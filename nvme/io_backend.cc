@@ -5,10 +5,17 @@
 #include <liburing.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <condition_variable>
+#include <cstdio>
 #include <cstring>
 #include <deque>
+#include <mutex>
+#include <thread>
 #include <unordered_map>
+
+#include "common/log.h"
 
 namespace ztier::nvme {
 
@@ -17,8 +24,9 @@ int IoBackend::OpenFile(const std::string& path, int flags, int mode) {
   return fd >= 0 ? fd : -errno;
 }
 
-int IoBackend::Preallocate(int fd, uint64_t bytes) {
-  return ::fallocate(fd, 0, 0, static_cast<off_t>(bytes)) == 0 ? 0 : -errno;
+int IoBackend::Preallocate(int fd, uint64_t offset, uint64_t bytes) {
+  return ::fallocate(fd, 0, static_cast<off_t>(offset), static_cast<off_t>(bytes)) == 0 ? 0
+                                                                                       : -errno;
 }
 
 namespace {
@@ -41,6 +49,12 @@ class UringQueue final : public IoQueue {
     int rc = io_uring_queue_init_params(depth, &q->ring_, &params);
     if (rc < 0) {
       if (rc == -ENOSYS) return Status::Unimplemented("io_uring is not available in this kernel");
+      if (rc == -EPERM) {
+        return Status(StatusCode::kFailedPrecondition,
+                      StrCat("io_uring is switched off for this process (io_uring_queue_init for ",
+                             path, ": EPERM; see sysctl kernel.io_uring_disabled)"),
+                      EPERM);
+      }
       return PosixError(StrCat("io_uring_queue_init(", depth, ") for ", path), rc);
     }
     q->initialized_ = true;
@@ -159,6 +173,177 @@ Status ProbeUring() {
 }
 
 // ---------------------------------------------------------------------------
+// Thread-pool backend
+
+namespace {
+
+// Ops run on a few threads with pread / pwrite / fdatasync; completions wait
+// in a queue for Reap. An fsync is a barrier, as IOSQE_IO_DRAIN makes it on
+// a ring: it starts when every earlier op is done, and later ops start when
+// it is done.
+class ThreadQueue final : public IoQueue {
+ public:
+  ThreadQueue(int fd, uint32_t depth) : fd_(fd) {
+    const uint32_t n = std::min<uint32_t>(std::max<uint32_t>(depth, 1), 8);
+    for (uint32_t i = 0; i < n; ++i) workers_.emplace_back([this] { Work(); });
+  }
+  ~ThreadQueue() override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    work_cv_.notify_all();
+    for (std::thread& t : workers_) t.join();
+  }
+
+  bool Prepare(const IoOp& op) override {
+    prepared_.push_back(op);
+    return true;
+  }
+
+  Status Submit(unsigned wait_for) override {
+    std::unique_lock<std::mutex> lock(mu_);
+    for (const IoOp& op : prepared_) queued_.push_back(op);
+    prepared_.clear();
+    work_cv_.notify_all();
+    done_cv_.wait(lock, [&] { return done_.size() >= wait_for; });
+    return Status::Ok();
+  }
+
+  size_t Reap(IoCompletion* out, size_t max) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    size_t n = 0;
+    while (n < max && !done_.empty()) {
+      out[n++] = done_.front();
+      done_.pop_front();
+    }
+    return n;
+  }
+
+ private:
+  void Work() {
+    std::unique_lock<std::mutex> lock(mu_);
+    for (;;) {
+      work_cv_.wait(lock, [&] { return stop_ || (!queued_.empty() && !barrier_); });
+      if (stop_ && queued_.empty()) return;
+      const IoOp op = queued_.front();
+      queued_.pop_front();
+      if (op.kind == IoKind::kFsync) {
+        barrier_ = true;  // nothing after it starts until it is done
+        idle_cv_.wait(lock, [&] { return running_ == 0; });
+      }
+      ++running_;
+      lock.unlock();
+      const int32_t res = Run(op);
+      lock.lock();
+      --running_;
+      if (op.kind == IoKind::kFsync) {
+        barrier_ = false;
+        work_cv_.notify_all();
+      }
+      if (running_ == 0) idle_cv_.notify_all();
+      done_.push_back(IoCompletion{op.user_data, res});
+      done_cv_.notify_all();
+    }
+  }
+
+  int32_t Run(const IoOp& op) const {
+    ssize_t n = 0;
+    do {
+      switch (op.kind) {
+        case IoKind::kRead:
+          n = ::pread(fd_, op.buf, op.len, static_cast<off_t>(op.offset));
+          break;
+        case IoKind::kWrite:
+          n = ::pwrite(fd_, op.buf, op.len, static_cast<off_t>(op.offset));
+          break;
+        case IoKind::kFsync:
+          n = ::fdatasync(fd_);
+          break;
+      }
+    } while (n < 0 && errno == EINTR);
+    return n < 0 ? -errno : static_cast<int32_t>(n);
+  }
+
+  const int fd_;
+  std::vector<IoOp> prepared_;  // the driving thread's
+  std::mutex mu_;
+  std::condition_variable work_cv_, done_cv_, idle_cv_;
+  std::deque<IoOp> queued_;
+  std::deque<IoCompletion> done_;
+  uint32_t running_ = 0;
+  bool barrier_ = false;
+  bool stop_ = false;
+  std::vector<std::thread> workers_;
+};
+
+class ThreadBackend final : public IoBackend {
+ public:
+  std::string_view name() const override { return "threads"; }
+  Result<std::unique_ptr<IoQueue>> OpenQueue(int fd, const std::string&, uint32_t depth,
+                                             std::span<const iovec>) override {
+    return std::unique_ptr<IoQueue>(std::make_unique<ThreadQueue>(fd, depth));
+  }
+};
+
+}  // namespace
+
+std::unique_ptr<IoBackend> MakeThreadBackend() { return std::make_unique<ThreadBackend>(); }
+
+Status ProbeUringSetup() {
+  static const Status probe = [] {
+    io_uring ring{};
+    const int rc = io_uring_queue_init(1, &ring, 0);
+    if (rc == 0) {
+      io_uring_queue_exit(&ring);
+      return ProbeUring();
+    }
+    std::string sysctl = "unreadable";
+    if (std::FILE* f = std::fopen("/proc/sys/kernel/io_uring_disabled", "r")) {
+      int v = -1;
+      if (std::fscanf(f, "%d", &v) == 1) sysctl = StrCat(v);
+      std::fclose(f);
+    }
+    return Status(rc == -ENOSYS ? StatusCode::kUnimplemented : StatusCode::kFailedPrecondition,
+                  StrCat("io_uring is refused (", std::strerror(-rc),
+                         "; sysctl kernel.io_uring_disabled = ", sysctl,
+                         ", or a seccomp filter of the container)"),
+                  -rc);
+  }();
+  return probe;
+}
+
+std::shared_ptr<IoBackend> SelectBackend(const Status& uring_probe) {
+  if (uring_probe.ok()) return MakeUringBackend();
+  ZT_LOG(kWarn, "nvme") << uring_probe
+                        << ": the swap space uses the portable thread-pool I/O backend (slower "
+                           "at high queue depths); allow io_uring with sysctl "
+                           "kernel.io_uring_disabled=0, or set ztier.io_backend to silence this";
+  return MakeThreadBackend();
+}
+
+Result<std::shared_ptr<IoBackend>> MakeBackend(BackendChoice choice) {
+  switch (choice) {
+    case BackendChoice::kThreads:
+      return std::shared_ptr<IoBackend>(MakeThreadBackend());
+    case BackendChoice::kUring: {
+      Status probe = ProbeUringSetup();
+      if (!probe.ok()) {
+        return probe.Annotate("ztier.io_backend is io_uring; choose auto or threads");
+      }
+      return std::shared_ptr<IoBackend>(MakeUringBackend());
+    }
+    case BackendChoice::kAuto:
+      break;
+  }
+  Status probe = ProbeUringSetup();
+  if (probe.ok()) return std::shared_ptr<IoBackend>(MakeUringBackend());
+  static std::atomic<bool> warned{false};  // once per process
+  if (!warned.exchange(true)) return SelectBackend(probe);
+  return std::shared_ptr<IoBackend>(MakeThreadBackend());
+}
+
+// ---------------------------------------------------------------------------
 // FaultBackend
 
 class FaultBackend::Queue final : public IoQueue {
@@ -222,10 +407,13 @@ int FaultBackend::OpenFile(const std::string& path, int flags, int mode) {
   return inner_->OpenFile(path, flags, mode);
 }
 
-int FaultBackend::Preallocate(int fd, uint64_t bytes) {
-  const int err = fail_prealloc_.load();
-  if (err != 0) return -err;
-  return inner_->Preallocate(fd, bytes);
+int FaultBackend::Preallocate(int fd, uint64_t offset, uint64_t bytes) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (fail_prealloc_ != 0 && ++prealloc_calls_ >= fail_prealloc_at_) return -fail_prealloc_;
+    if (fail_prealloc_ == 0) ++prealloc_calls_;
+  }
+  return inner_->Preallocate(fd, offset, bytes);
 }
 
 Result<std::unique_ptr<IoQueue>> FaultBackend::OpenQueue(int fd, const std::string& path,

@@ -1,9 +1,14 @@
 // ztier nvme: the I/O backend seam under the swap space.
 //
 // The swap space never calls the OS directly for data I/O: it opens its files
-// and drives one IoQueue per swap file through an IoBackend. Two backends:
+// and drives one IoQueue per swap file through an IoBackend. Backends:
 //   - MakeUringBackend(): io_uring (liburing) with the swap file registered as
 //     a fixed file and the staging buffers as fixed buffers;
+//   - MakeThreadBackend(): a small pool of threads per queue doing pread /
+//     pwrite / fdatasync, for kernels where io_uring is missing or switched
+//     off (kernel.io_uring_disabled, seccomp filters in containers);
+//   - MakeDefaultBackend(): io_uring when this process may use it, else the
+//     thread backend with one warning that names the cause;
 //   - FaultBackend: wraps another backend and injects faults for tests (fail
 //     the Nth read/write/fsync with an errno, short transfers, a full disk,
 //     bit flips in data read back, an open that refuses O_DIRECT).
@@ -67,8 +72,9 @@ class IoBackend {
   virtual std::string_view name() const = 0;
   // open(2) with the given flags and mode; returns the fd or -errno.
   virtual int OpenFile(const std::string& path, int flags, int mode);
-  // fallocate(2) of [0, bytes); returns 0 or -errno.
-  virtual int Preallocate(int fd, uint64_t bytes);
+  // fallocate(2) of [offset, offset + bytes), growing the file; returns 0 or
+  // -errno (-EOPNOTSUPP where the filesystem cannot preallocate).
+  virtual int Preallocate(int fd, uint64_t offset, uint64_t bytes);
   // A queue of `depth` entries for fd, with `fixed` registered as buffers.
   virtual Result<std::unique_ptr<IoQueue>> OpenQueue(int fd, const std::string& path,
                                                      uint32_t depth,
@@ -76,8 +82,25 @@ class IoBackend {
 };
 
 // io_uring backend. Errors from OpenQueue: Unimplemented when the kernel has
-// no io_uring (or lacks an opcode ztier needs), IoError otherwise.
+// no io_uring (or lacks an opcode ztier needs), FailedPrecondition when it is
+// switched off for this process (EPERM), IoError otherwise.
 std::unique_ptr<IoBackend> MakeUringBackend();
+
+// Thread-pool backend: min(depth, 8) threads per queue, O_DIRECT pread /
+// pwrite on the caller's buffers; an fsync waits for every op before it and
+// holds back the ops after it (io_uring's IOSQE_IO_DRAIN).
+std::unique_ptr<IoBackend> MakeThreadBackend();
+
+enum class BackendChoice : uint8_t { kAuto, kUring, kThreads };
+// The backend for `choice`: kAuto tries io_uring (a one-entry ring, once per
+// process) and falls back to threads with a warning naming the sysctl; kUring
+// fails when io_uring cannot be used. Errors: FailedPrecondition /
+// Unimplemented (kUring refused, with the reason and the fix).
+Result<std::shared_ptr<IoBackend>> MakeBackend(BackendChoice choice);
+// The same decision from a given probe result (tests).
+std::shared_ptr<IoBackend> SelectBackend(const Status& uring_probe);
+// Whether this process may create an io_uring: Ok, or why not.
+Status ProbeUringSetup();
 
 // Checks that this kernel's io_uring has what the swap space needs (rings,
 // read/write/fsync opcodes, fixed files and buffers). Used by tests to skip.
@@ -92,7 +115,7 @@ class FaultBackend final : public IoBackend {
 
   std::string_view name() const override { return "fault"; }
   int OpenFile(const std::string& path, int flags, int mode) override;
-  int Preallocate(int fd, uint64_t bytes) override;
+  int Preallocate(int fd, uint64_t offset, uint64_t bytes) override;
   Result<std::unique_ptr<IoQueue>> OpenQueue(int fd, const std::string& path, uint32_t depth,
                                              std::span<const iovec> fixed) override;
 
@@ -107,8 +130,12 @@ class FaultBackend final : public IoBackend {
   void FlipBitOnNthRead(uint64_t n);
   // open() with O_DIRECT fails with EINVAL, as on a filesystem without it.
   void RefuseDirectIo() { refuse_direct_ = true; }
-  // fallocate() fails with -err.
-  void FailPreallocate(int err) { fail_prealloc_ = err; }
+  // fallocate() fails with -err (from the nth call on; 1: the next one).
+  void FailPreallocate(int err, uint64_t from = 1) {
+    std::lock_guard<std::mutex> lock(mu_);
+    fail_prealloc_ = err;
+    fail_prealloc_at_ = prealloc_calls_ + from;
+  }
   // Ops seen so far, by kind.
   uint64_t count(IoKind kind) const;
   void Reset();
@@ -131,7 +158,8 @@ class FaultBackend final : public IoBackend {
   uint64_t counts_[3] = {0, 0, 0};
   std::vector<Rule> rules_;
   std::atomic<bool> refuse_direct_{false};
-  std::atomic<int> fail_prealloc_{0};
+  int fail_prealloc_ = 0;  // under mu_
+  uint64_t fail_prealloc_at_ = 0, prealloc_calls_ = 0;
 };
 
 }  // namespace ztier::nvme

@@ -26,10 +26,12 @@
 #include <unordered_map>
 
 #include "common/crc32c.h"
+#include "common/dir_lock.h"
 #include "common/extent_allocator.h"
 #include "common/file_util.h"
 #include "common/log.h"
 #include "nvme/io_backend.h"
+#include "nvme/swap_manifest.h"
 
 namespace ztier::nvme {
 
@@ -37,6 +39,8 @@ namespace {
 
 constexpr uint64_t kBlock = 4096;
 constexpr int kMaxRetries = 64;
+// In each swap directory: the lock that keeps a second swap space out.
+constexpr char kLockFile[] = "ztier-swap.lock";
 
 uint64_t RoundUp(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
 bool Aligned(const void* p) { return reinterpret_cast<uintptr_t>(p) % kBlock == 0; }
@@ -180,8 +184,10 @@ struct SwapSpace::Impl {
     void* StagingPtr(const Piece* p) const { return staging[p->staging].ptr; }
   };
 
+  std::vector<DirLock> locks;  // one per path, held until the files are closed
   std::vector<std::unique_ptr<PathIo>> paths;
   std::vector<ExtentAllocator> allocators;  // by path, in stripe units
+  uint64_t file_bytes = 0;                  // every swap file's size (under map_mu)
 
   mutable std::mutex map_mu;
   std::map<uint64_t, Object> objects;
@@ -217,7 +223,12 @@ struct SwapSpace::Impl {
     if (!failed.exchange(true)) failure = s;
   }
 
+  Status LockPaths();
   Status OpenFiles(bool create);
+  // Grows every swap file so that each path has `units` more free stripe
+  // units than now. Under map_mu. Errors: ResourceExhausted (the cap, or
+  // the disk full, naming the path and its free bytes), IoError.
+  Status Grow(uint64_t units);
   Status StartThreads();
   // After setup `s`: starts the I/O threads, or on any error stops what was
   // started and leaves the space closed.
@@ -443,40 +454,34 @@ void SwapSpace::Impl::PathIo::Run() {
 // ---------------------------------------------------------------------------
 // Files and threads
 
+Status SwapSpace::Impl::LockPaths() {
+  for (const std::string& dir : options.paths) {
+    ZT_ASSIGN_OR_RETURN(DirLock lock, DirLock::Acquire(dir, kLockFile, "swap directory",
+                                                       DirLock::Mode::kExclusive));
+    locks.push_back(std::move(lock));
+  }
+  return Status::Ok();
+}
+
+// Opens every swap file: a new space truncates what a dead owner left (the
+// lock is ours) and starts empty; a reopened one checks the files' sizes.
 Status SwapSpace::Impl::OpenFiles(bool create) {
-  const uint64_t capacity = options.capacity_per_path;
   for (uint32_t i = 0; i < options.paths.size(); ++i) {
     auto pio = std::make_unique<PathIo>();
     pio->owner = this;
     pio->index = i;
     const std::string& dir = options.paths[i];
     pio->file = (std::filesystem::path(dir) / options.file_name).string();
-    struct stat st {};
-    if (::stat(dir.c_str(), &st) != 0) {
-      return PosixError(StrCat("swap path ", dir), errno);
-    }
-    if (!S_ISDIR(st.st_mode)) {
-      return Status::InvalidArgument(StrCat("swap path ", dir, " is not a directory"));
-    }
     struct stat fst {};
     const bool exists = ::stat(pio->file.c_str(), &fst) == 0;
-    if (create) {
-      struct statvfs vfs {};
-      if (::statvfs(dir.c_str(), &vfs) != 0) return PosixError(StrCat("statvfs ", dir), errno);
-      const uint64_t free_bytes = static_cast<uint64_t>(vfs.f_bavail) * vfs.f_frsize;
-      const uint64_t reusable = exists ? static_cast<uint64_t>(fst.st_blocks) * 512 : 0;
-      if (free_bytes + reusable < capacity) {
-        return Status::ResourceExhausted(StrCat("swap path ", dir, " has ", free_bytes,
-                                                " bytes free; a swap file of ", capacity,
-                                                " bytes does not fit"));
-      }
-    } else if (!exists) {
+    if (!create && !exists) {
       return Status::NotFound(StrCat("swap file ", pio->file, " named by the manifest is missing"));
-    } else if (static_cast<uint64_t>(fst.st_size) != capacity) {
-      return Status::Corruption(StrCat("swap file ", pio->file, " is ", fst.st_size,
-                                       " bytes; the manifest says ", capacity));
     }
-    const int flags = O_RDWR | O_DIRECT | O_CLOEXEC | (create ? O_CREAT : 0);
+    if (!create && static_cast<uint64_t>(fst.st_size) != file_bytes) {
+      return Status::Corruption(StrCat("swap file ", pio->file, " is ", fst.st_size,
+                                       " bytes; the manifest says ", file_bytes));
+    }
+    const int flags = O_RDWR | O_DIRECT | O_CLOEXEC | (create ? O_CREAT | O_TRUNC : 0);
     const int fd = backend->OpenFile(pio->file, flags, 0600);
     if (fd == -EINVAL) {
       return Status::FailedPrecondition(StrCat(
@@ -489,33 +494,80 @@ Status SwapSpace::Impl::OpenFiles(bool create) {
     paths.push_back(std::move(pio));
     PathIo& p = *paths.back();
     if (::fchmod(fd, 0600) != 0) return PosixError(StrCat("chmod 0600 ", p.file), errno);
-    if (create) {
-      const int rc = backend->Preallocate(fd, capacity);
-      if (rc == -ENOSPC || rc == -EDQUOT) {
-        return Status::ResourceExhausted(StrCat("swap path ", dir, ": cannot preallocate ",
-                                                capacity, " bytes (", std::strerror(-rc), ")"));
-      }
-      if (rc < 0) return PosixError(StrCat("fallocate ", capacity, " bytes for ", p.file), rc);
-      if (::ftruncate(fd, static_cast<off_t>(capacity)) != 0) {
-        return PosixError(StrCat("ftruncate ", p.file), errno);
-      }
-    }
     // Some filesystems accept O_DIRECT at open and refuse it at the first
-    // I/O: probe one aligned block.
+    // I/O: probe one aligned block (written and read back on a new file,
+    // which is then emptied again).
     AlignedBuffer probe(kBlock);
-    if (::pread(fd, probe.ptr, kBlock, 0) < 0) {
+    std::memset(probe.ptr, 0, kBlock);
+    ssize_t rc = create ? ::pwrite(fd, probe.ptr, kBlock, 0) : 0;
+    if (rc >= 0) rc = ::pread(fd, probe.ptr, kBlock, 0);
+    if (rc < 0) {
       const int err = errno;
       if (err == EINVAL) {
         return Status::FailedPrecondition(StrCat("swap path ", dir,
                                                  ": its filesystem does not support O_DIRECT "
-                                                 "reads (pread on ",
+                                                 "I/O (probe of ",
                                                  p.file, " failed with EINVAL)"));
       }
-      return PosixError(StrCat("probe read of ", p.file), err);
+      return PosixError(StrCat("probe I/O on ", p.file), err);
     }
-    allocators.emplace_back(capacity / options.stripe_bytes);
+    if (create && ::ftruncate(fd, 0) != 0) return PosixError(StrCat("truncate ", p.file), errno);
+    allocators.emplace_back(file_bytes / options.stripe_bytes);
   }
   return Status::Ok();
+}
+
+Status SwapSpace::Impl::Grow(uint64_t units) {
+  const uint64_t stripe = options.stripe_bytes;
+  const uint64_t cap = options.max_file_bytes;
+  const uint64_t need = file_bytes + units * stripe;
+  if (cap != 0 && need > cap) {
+    return Status::ResourceExhausted(
+        StrCat("swap files are at their cap of ", cap, " bytes per path (ztier.nvme_capacity); ",
+               units * stripe, " more bytes per path are needed"));
+  }
+  // Grow in steps (the configured step, or an eighth of the file), so a
+  // model's units do not cost an fallocate each; the exact need if the
+  // disk cannot give the step.
+  uint64_t step = std::max(options.growth_bytes, file_bytes / 8);
+  step = (step + stripe - 1) / stripe * stripe;
+  uint64_t target = std::max(need, file_bytes + step);
+  if (cap != 0) target = std::min(target, cap);
+  for (const uint64_t size : {target, need}) {
+    Status s;
+    for (auto& p : paths) {
+      int rc = backend->Preallocate(p->fd, file_bytes, size - file_bytes);
+      if (rc == -EOPNOTSUPP) {  // no fallocate here: a sparse file
+        rc = ::ftruncate(p->fd, static_cast<off_t>(size)) == 0 ? 0 : -errno;
+      }
+      if (rc == -ENOSPC || rc == -EDQUOT || rc == -EFBIG) {
+        struct statvfs vfs {};
+        const std::string dir = options.paths[p->index];
+        const uint64_t avail =
+            ::statvfs(dir.c_str(), &vfs) == 0 ? uint64_t{vfs.f_bavail} * vfs.f_frsize : 0;
+        s = Status(StatusCode::kResourceExhausted,
+                   StrCat("swap path ", dir, " is out of space: growing ", p->file, " from ", file_bytes,
+                          " to ", size, " bytes failed (", std::strerror(-rc), "; ", avail,
+                          " bytes free)"),
+                   -rc);
+        break;
+      }
+      if (rc < 0) {
+        return PosixError(StrCat("fallocate ", size - file_bytes, " bytes at ", file_bytes, " of ",
+                                 p->file),
+                          rc);
+      }
+    }
+    if (!s.ok()) {
+      if (size == need) return s;
+      continue;  // try the exact need
+    }
+    file_bytes = size;
+    for (ExtentAllocator& a : allocators) a.Grow(size / stripe);
+    ZT_LOG(kDebug, "nvme") << "swap files grown to " << size << " bytes per path";
+    return Status::Ok();
+  }
+  return Status::Internal("unreachable");
 }
 
 Status SwapSpace::Impl::StartThreads() {
@@ -564,7 +616,15 @@ void SwapSpace::Impl::StopThreads() {
     p->queue.reset();
     if (p->fd >= 0) ::close(p->fd);
     p->fd = -1;
+    // Scratch files go with their owner; a new space starts from nothing.
+    if (!options.keep_files) {
+      Status s = RemoveFile(p->file);
+      if (!s.ok()) {
+        ZT_LOG(kWarn, "nvme") << s;
+      }
+    }
   }
+  locks.clear();
 }
 
 // ---------------------------------------------------------------------------
@@ -585,15 +645,16 @@ Status ValidateOptions(const SwapOptions& o) {
     return Status::InvalidArgument(StrCat("stripe size ", o.stripe_bytes,
                                           " must be a multiple of 4096 between 4 KiB and 1 GiB"));
   }
-  if (o.capacity_per_path < o.stripe_bytes) {
-    return Status::InvalidArgument(StrCat("capacity per path ", o.capacity_per_path,
+  if (o.max_file_bytes != 0 && o.max_file_bytes < o.stripe_bytes) {
+    return Status::InvalidArgument(StrCat("swap file cap ", o.max_file_bytes,
                                           " is smaller than one stripe unit (", o.stripe_bytes,
                                           " bytes)"));
   }
   if (o.queue_depth < 1 || o.queue_depth > 4096) {
     return Status::InvalidArgument(StrCat("queue depth ", o.queue_depth, " must be 1..4096"));
   }
-  if (o.file_name.empty() || o.file_name.find('/') != std::string::npos) {
+  if (o.file_name.empty() || o.file_name == "." || o.file_name == ".." ||
+      o.file_name.find('/') != std::string::npos || o.file_name == kLockFile) {
     return Status::InvalidArgument(
         StrCat("swap file name '", o.file_name, "' is not a plain name"));
   }
@@ -618,12 +679,16 @@ Result<std::unique_ptr<SwapSpace>> SwapSpace::Create(const SwapOptions& options,
   ZT_RETURN_IF_ERROR(ValidateOptions(options));
   auto impl = std::make_unique<Impl>();
   impl->options = options;
-  impl->options.capacity_per_path =
-      options.capacity_per_path / options.stripe_bytes * options.stripe_bytes;
-  impl->backend = backend ? std::move(backend) : std::shared_ptr<IoBackend>(MakeUringBackend());
+  impl->options.max_file_bytes = options.max_file_bytes / options.stripe_bytes * options.stripe_bytes;
+  if (backend == nullptr) {
+    ZT_ASSIGN_OR_RETURN(backend, MakeBackend(BackendChoice::kAuto));
+  }
+  impl->backend = std::move(backend);
   std::unique_ptr<SwapSpace> space(new SwapSpace(std::move(impl)));
   Impl& sp = *space->impl_;
-  ZT_RETURN_IF_ERROR(sp.Launch(sp.OpenFiles(/*create=*/true)));
+  Status s = sp.LockPaths();
+  if (s.ok()) s = sp.OpenFiles(/*create=*/true);
+  ZT_RETURN_IF_ERROR(sp.Launch(s));
   return space;
 }
 
@@ -644,16 +709,24 @@ Result<uint64_t> SwapSpace::Allocate(std::string_view name, uint64_t bytes) {
   // Units per path for round-robin placement from `start`.
   std::vector<uint64_t> need(npaths, units / npaths);
   for (uint64_t r = 0; r < units % npaths; ++r) ++need[(start + r) % npaths];
+  uint64_t deficit = 0;
   for (uint32_t p = 0; p < npaths; ++p) {
     if (need[p] > sp.allocators[p].free_units()) {
+      deficit = std::max(deficit, need[p] - sp.allocators[p].free_units());
+    }
+  }
+  if (deficit > 0) {
+    Status grown = sp.Grow(deficit);
+    if (!grown.ok()) {
       std::string detail;
       for (uint32_t q = 0; q < npaths; ++q) {
         detail += StrCat(q ? ", " : "", sp.options.paths[q], ": ",
-                         sp.allocators[q].free_units() * stripe, " bytes free");
+                         sp.allocators[q].free_units() * stripe, " bytes free in its file");
       }
-      return Status::ResourceExhausted(StrCat("swap space full: object '", name, "' needs ",
-                                              units * stripe, " bytes (", need[p] * stripe, " on ",
-                                              sp.options.paths[p], "); ", detail));
+      return Status(grown.code(),
+                    StrCat("swap space full: object '", name, "' needs ", units * stripe,
+                           " bytes; ", grown.message(), " (", detail, ")"),
+                    grown.sys_errno());
     }
   }
   Object obj;
@@ -862,8 +935,9 @@ int SwapSpace::completion_fd() const { return impl_->event_fd; }
 
 const SwapOptions& SwapSpace::options() const { return impl_->options; }
 
-uint64_t SwapSpace::capacity_bytes() const {
-  return impl_->options.capacity_per_path * impl_->paths.size();
+uint64_t SwapSpace::file_bytes() const {
+  std::lock_guard<std::mutex> lock(impl_->map_mu);
+  return impl_->file_bytes * impl_->paths.size();
 }
 
 uint64_t SwapSpace::free_bytes() const {
@@ -901,200 +975,89 @@ Status SwapSpace::Close() {
 }
 
 // ---------------------------------------------------------------------------
-// Manifest: a 64-byte header (magic, version, payload size and crc, header
-// crc) and a payload with the options and every object's units.
-
-namespace {
-
-constexpr char kMagic[8] = {'Z', 'T', 'S', 'W', 'A', 'P', 'M', 'F'};
-constexpr uint32_t kManifestVersion = 1;
-constexpr size_t kHeaderBytes = 64;
-
-class Writer {
- public:
-  template <class T>
-  void Put(T v) {
-    const auto* b = reinterpret_cast<const char*>(&v);
-    buf_.append(b, sizeof(T));
-  }
-  void PutString(std::string_view s) {
-    Put<uint32_t>(static_cast<uint32_t>(s.size()));
-    buf_.append(s);
-  }
-  std::string& str() { return buf_; }
-
- private:
-  std::string buf_;
-};
-
-class Reader {
- public:
-  Reader(const char* p, size_t n) : p_(p), n_(n) {}
-  template <class T>
-  bool Get(T* v) {
-    if (n_ < sizeof(T)) return false;
-    std::memcpy(v, p_, sizeof(T));
-    p_ += sizeof(T);
-    n_ -= sizeof(T);
-    return true;
-  }
-  bool GetString(std::string* s, size_t max) {
-    uint32_t len;
-    if (!Get(&len) || len > max || len > n_) return false;
-    s->assign(p_, len);
-    p_ += len;
-    n_ -= len;
-    return true;
-  }
-  size_t left() const { return n_; }
-
- private:
-  const char* p_;
-  size_t n_;
-};
-
-}  // namespace
+// Manifest (format and checks: swap_manifest.h)
 
 Status SwapSpace::SaveManifest(const std::string& path) {
   Impl& sp = *impl_;
   ZT_RETURN_IF_ERROR(Sync());
-  Writer payload;
+  SwapManifest m;
   {
     std::lock_guard<std::mutex> lock(sp.map_mu);
     const SwapOptions& o = sp.options;
-    payload.Put<uint64_t>(o.stripe_bytes);
-    payload.Put<uint64_t>(o.capacity_per_path);
-    payload.Put<uint8_t>(o.checksums ? 1 : 0);
-    payload.PutString(o.file_name);
-    payload.Put<uint32_t>(static_cast<uint32_t>(o.paths.size()));
-    for (const std::string& p : o.paths) payload.PutString(p);
-    payload.Put<uint64_t>(sp.next_id);
-    payload.Put<uint32_t>(sp.next_start_path);
-    payload.Put<uint64_t>(sp.objects.size());
+    m.stripe_bytes = o.stripe_bytes;
+    m.file_bytes = sp.file_bytes;
+    m.cap_bytes = o.max_file_bytes;
+    m.checksums = o.checksums;
+    m.file_name = o.file_name;
+    m.paths = o.paths;
+    m.next_id = sp.next_id;
+    m.next_start_path = sp.next_start_path;
     for (const auto& [id, obj] : sp.objects) {
-      payload.Put<uint64_t>(id);
-      payload.PutString(obj.name);
-      payload.Put<uint64_t>(obj.size);
-      payload.Put<uint32_t>(obj.start_path);
+      ManifestObject& mo = m.objects.emplace_back();
+      mo.id = id;
+      mo.name = obj.name;
+      mo.size = obj.size;
+      mo.start_path = obj.start_path;
       for (const Unit& u : obj.units) {
-        payload.Put<uint64_t>(u.file_offset);
-        payload.Put<uint32_t>(u.crc);
-        payload.Put<uint8_t>(static_cast<uint8_t>(u.state));
+        mo.units.push_back({u.file_offset, u.crc, static_cast<uint8_t>(u.state)});
       }
     }
   }
-  std::string header(kHeaderBytes, '\0');
-  std::memcpy(header.data(), kMagic, 8);
-  const uint32_t version = kManifestVersion;
-  const uint64_t size = payload.str().size();
-  const uint32_t payload_crc = Crc32c(payload.str().data(), size);
-  std::memcpy(header.data() + 8, &version, 4);
-  std::memcpy(header.data() + 16, &size, 8);
-  std::memcpy(header.data() + 24, &payload_crc, 4);
-  const uint32_t header_crc = Crc32c(header.data(), kHeaderBytes - 4);
-  std::memcpy(header.data() + kHeaderBytes - 4, &header_crc, 4);
-
-  return WriteFileAtomically(path, header + payload.str());
+  return WriteFileAtomically(path, EncodeSwapManifest(m));
 }
 
 Result<std::unique_ptr<SwapSpace>> SwapSpace::Open(const std::string& manifest_path,
                                                    uint32_t queue_depth,
                                                    std::shared_ptr<IoBackend> backend) {
-  std::string data;
-  {
-    std::ifstream in(manifest_path, std::ios::binary);
-    if (!in) return PosixError(StrCat("open manifest ", manifest_path), errno);
-    data.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-  }
-  auto bad = [&](std::string_view why) {
-    return Status::Corruption(StrCat("swap manifest ", manifest_path, ": ", why));
-  };
-  if (data.size() < kHeaderBytes) return bad(StrCat("truncated (", data.size(), " bytes)"));
-  if (std::memcmp(data.data(), kMagic, 8) != 0) return bad("not a ztier swap manifest (bad magic)");
-  uint32_t header_crc, version, payload_crc;
-  uint64_t size;
-  std::memcpy(&header_crc, data.data() + kHeaderBytes - 4, 4);
-  if (Crc32c(data.data(), kHeaderBytes - 4) != header_crc) return bad("header checksum mismatch");
-  std::memcpy(&version, data.data() + 8, 4);
-  std::memcpy(&size, data.data() + 16, 8);
-  std::memcpy(&payload_crc, data.data() + 24, 4);
-  if (version != kManifestVersion) {
-    return bad(StrCat("version ", version, " is not the supported version ", kManifestVersion));
-  }
-  if (data.size() - kHeaderBytes != size) {
-    return bad(StrCat("payload is ", data.size() - kHeaderBytes, " bytes, header says ", size));
-  }
-  if (Crc32c(data.data() + kHeaderBytes, size) != payload_crc) {
-    return bad("payload checksum mismatch");
-  }
-
-  Reader r(data.data() + kHeaderBytes, size);
+  // A manifest holds 13 bytes per stripe unit: 1 GiB describes 80 TiB of
+  // 1 MiB units.
+  ZT_ASSIGN_OR_RETURN(std::string data, ReadFileToString(manifest_path, uint64_t{1} << 30));
+  ZT_ASSIGN_OR_RETURN(SwapManifest m, DecodeSwapManifest(data, manifest_path));
   SwapOptions o;
+  o.paths = m.paths;
+  o.max_file_bytes = m.cap_bytes;
+  o.stripe_bytes = m.stripe_bytes;
   o.queue_depth = queue_depth;
-  uint8_t checksums;
-  uint32_t npaths;
-  if (!r.Get(&o.stripe_bytes) || !r.Get(&o.capacity_per_path) || !r.Get(&checksums) ||
-      !r.GetString(&o.file_name, 4096) || !r.Get(&npaths) || npaths == 0 || npaths > 4096) {
-    return bad("malformed options");
+  o.checksums = m.checksums;
+  o.file_name = m.file_name;
+  o.keep_files = true;  // reopened data outlives this space, as it did the last one
+  if (Status s = ValidateOptions(o); !s.ok()) {
+    return Status::Corruption(StrCat("swap manifest ", manifest_path, ": ", s.message()));
   }
-  o.checksums = checksums != 0;
-  for (uint32_t i = 0; i < npaths; ++i) {
-    std::string p;
-    if (!r.GetString(&p, 4096)) return bad("malformed path list");
-    o.paths.push_back(std::move(p));
-  }
-  if (Status s = ValidateOptions(o); !s.ok()) return bad(s.message());
-  if (o.capacity_per_path % o.stripe_bytes != 0) return bad("capacity is not a stripe multiple");
-
   auto impl = std::make_unique<Impl>();
   impl->options = o;
-  impl->backend = backend ? std::move(backend) : std::shared_ptr<IoBackend>(MakeUringBackend());
+  impl->file_bytes = m.file_bytes;
+  if (backend == nullptr) {
+    ZT_ASSIGN_OR_RETURN(backend, MakeBackend(BackendChoice::kAuto));
+  }
+  impl->backend = std::move(backend);
   std::unique_ptr<SwapSpace> space(new SwapSpace(std::move(impl)));
   Impl& sp = *space->impl_;
-  Status s = sp.OpenFiles(/*create=*/false);
+  Status s = sp.LockPaths();
+  if (s.ok()) s = sp.OpenFiles(/*create=*/false);
   if (s.ok()) {
-    uint64_t nobjects = 0;
-    if (!r.Get(&sp.next_id) || !r.Get(&sp.next_start_path) || !r.Get(&nobjects) ||
-        sp.next_start_path >= npaths) {
-      s = bad("malformed object table");
-    }
-    for (uint64_t i = 0; s.ok() && i < nobjects; ++i) {
+    sp.next_id = m.next_id;
+    sp.next_start_path = m.next_start_path;
+    const uint64_t stripe = o.stripe_bytes;
+    const uint32_t npaths = static_cast<uint32_t>(o.paths.size());
+    for (ManifestObject& mo : m.objects) {
       Object obj;
-      if (!r.Get(&obj.id) || !r.GetString(&obj.name, 1 << 16) || !r.Get(&obj.size) ||
-          !r.Get(&obj.start_path) || obj.start_path >= npaths || obj.size == 0 ||
-          obj.id >= sp.next_id || obj.name.empty()) {
-        s = bad(StrCat("malformed object entry ", i));
-        break;
-      }
-      const uint64_t units = (obj.size + o.stripe_bytes - 1) / o.stripe_bytes;
-      if (units > r.left() / 13) {
-        s = bad(StrCat("object '", obj.name, "' claims more units than the manifest holds"));
-        break;
-      }
-      obj.units.resize(units);
-      for (uint64_t u = 0; u < units; ++u) {
-        Unit& unit = obj.units[u];
-        uint8_t state = 0;
-        r.Get(&unit.file_offset);
-        r.Get(&unit.crc);
-        r.Get(&state);
-        const uint32_t path = (obj.start_path + u) % npaths;
-        if (state > 2 || unit.file_offset % o.stripe_bytes != 0 ||
-            !sp.allocators[path].Reserve(unit.file_offset / o.stripe_bytes, 1)) {
-          s = bad(StrCat("object '", obj.name, "' unit ", u, " has an invalid or shared extent"));
-          break;
-        }
-        unit.state = static_cast<UnitState>(state);
-      }
-      if (!s.ok()) break;
-      if (sp.objects.count(obj.id) || sp.by_name.count(obj.name)) {
-        s = bad(StrCat("object '", obj.name, "' appears twice"));
-        break;
+      obj.id = mo.id;
+      obj.name = std::move(mo.name);
+      obj.size = mo.size;
+      obj.start_path = mo.start_path;
+      obj.units.reserve(mo.units.size());
+      for (size_t u = 0; u < mo.units.size(); ++u) {
+        const ManifestUnit& mu = mo.units[u];
+        // The decoder checked that no two units overlap.
+        const bool reserved =
+            sp.allocators[(obj.start_path + u) % npaths].Reserve(mu.file_offset / stripe, 1);
+        ZT_CHECK(reserved);
+        obj.units.push_back(Unit{mu.file_offset, mu.crc, static_cast<UnitState>(mu.state)});
       }
       sp.by_name[obj.name] = obj.id;
       sp.objects.emplace(obj.id, std::move(obj));
     }
-    if (s.ok() && r.left() != 0) s = bad("trailing bytes after the object table");
   }
   ZT_RETURN_IF_ERROR(sp.Launch(s));
   return space;

@@ -1,13 +1,24 @@
 // ztier nvme: swap space on NVMe drives (public header of the component).
 //
-// A SwapSpace stores and returns byte ranges of named *swap objects* in
-// preallocated swap files, one per configured path (one directory per
-// drive). It knows nothing of jobs or optimizers.
+// A SwapSpace stores and returns byte ranges of named *swap objects* in swap
+// files, one per configured path (one directory per drive). It knows nothing
+// of jobs or optimizers.
 //
-// Layout. An object's bytes are cut in stripe units (default 1 MiB, a
-// multiple of 4 KiB) laid round-robin across the paths, so reading one object
-// keeps every drive busy. Each file has a free-extent allocator (first fit,
-// coalescing on free). Out of space is ResourceExhausted and changes nothing.
+// Ownership. Each path is locked (common/dir_lock.h, lock file
+// "ztier-swap.lock") for the swap space's life, so a second swap space on a
+// path, in this process or another, is refused at once with the holder's
+// pid; a dead owner's lock never blocks. A new swap space truncates what a
+// dead owner left in its file. Close() deletes the swap files unless
+// SwapOptions::keep_files (a space reopened from a manifest keeps them).
+//
+// Layout and size. An object's bytes are cut in stripe units (default 1 MiB,
+// a multiple of 4 KiB) laid round-robin across the paths, so reading one
+// object keeps every drive busy. Each file has a free-extent allocator (first
+// fit, coalescing on free). Files start empty and grow as objects need room:
+// every file by the same step (growth_bytes, or an eighth of its size, with
+// fallocate so that space is reserved up front), up to max_file_bytes when it
+// is set. Out of space (the cap, or a full disk) is ResourceExhausted naming
+// the path and changes nothing; files do not shrink until closed.
 //
 // I/O. One io_uring per path, owned by one I/O thread per path: the thread
 // batches submissions up to the path's queue depth and reaps completions from
@@ -60,12 +71,14 @@ namespace ztier::nvme {
 class IoBackend;
 
 struct SwapOptions {
-  std::vector<std::string> paths;        // one directory per drive
-  uint64_t capacity_per_path = 0;        // bytes of swap file on each path
-  uint64_t stripe_bytes = 1 << 20;       // stripe unit, multiple of 4 KiB
-  uint32_t queue_depth = 16;             // in-flight I/Os per path
-  bool checksums = true;                 // CRC-32C per stripe unit
-  std::string file_name = "ztier.swap";  // swap file name inside each path
+  std::vector<std::string> paths;             // one directory per drive (must exist)
+  uint64_t max_file_bytes = 0;                // cap on each swap file; 0: the disk's free space
+  uint64_t growth_bytes = uint64_t{64} << 20;  // smallest growth step of the files
+  uint64_t stripe_bytes = 1 << 20;            // stripe unit, multiple of 4 KiB
+  uint32_t queue_depth = 16;                  // in-flight I/Os per path
+  bool checksums = true;                      // CRC-32C per stripe unit
+  bool keep_files = false;                    // leave the swap files on Close()
+  std::string file_name = "ztier.swap";       // swap file name inside each path
 };
 
 struct ObjectInfo {
@@ -112,16 +125,18 @@ struct SwapStats {
 
 class SwapSpace {
  public:
-  // Creates (or overwrites) the swap files. Errors: InvalidArgument (options),
-  // NotFound (a path is missing), ResourceExhausted (a path has less free
-  // space than capacity_per_path), FailedPrecondition (a filesystem cannot do
-  // O_DIRECT), IoError, Unimplemented (no io_uring).
+  // Locks the paths and creates empty swap files (truncating stale ones).
+  // A null backend is MakeBackend(kAuto): io_uring, or threads where the
+  // kernel refuses io_uring. Errors: InvalidArgument (options), NotFound (a
+  // path is missing), Unavailable (a path is locked by another swap space,
+  // naming its holder), FailedPrecondition (a filesystem cannot do
+  // O_DIRECT), IoError.
   static Result<std::unique_ptr<SwapSpace>> Create(const SwapOptions& options,
                                                    std::shared_ptr<IoBackend> backend = nullptr);
   // Reopens a swap space from a manifest written by SaveManifest(). Options
-  // other than queue_depth are taken from the manifest. Errors: as Create,
-  // plus Corruption (manifest damaged, truncated, of another version, or
-  // files of the wrong size).
+  // other than queue_depth are taken from the manifest; the files are kept
+  // on Close(). Errors: as Create, plus Corruption (manifest damaged,
+  // truncated, inconsistent, of another version, or files of the wrong size).
   static Result<std::unique_ptr<SwapSpace>> Open(const std::string& manifest_path,
                                                  uint32_t queue_depth = 16,
                                                  std::shared_ptr<IoBackend> backend = nullptr);
@@ -130,8 +145,9 @@ class SwapSpace {
   SwapSpace(const SwapSpace&) = delete;
   SwapSpace& operator=(const SwapSpace&) = delete;
 
-  // A new object of `bytes` bytes (> 0). Errors: AlreadyExists (name taken),
-  // ResourceExhausted (naming paths, free and needed bytes), InvalidArgument.
+  // A new object of `bytes` bytes (> 0), growing the files if needed.
+  // Errors: AlreadyExists (name taken), ResourceExhausted (the cap or a full
+  // disk, naming the path, free and needed bytes), InvalidArgument, IoError.
   Result<uint64_t> Allocate(std::string_view name, uint64_t bytes);
   // Frees the object's space. Errors: NotFound.
   Status Free(uint64_t id);
@@ -158,11 +174,14 @@ class SwapSpace {
   Status Sync();
   // Sync(), then writes the extent map atomically to `path`.
   Status SaveManifest(const std::string& path);
-  // Stops the I/O threads and closes the files; waits for requests in flight.
+  // Stops the I/O threads and closes the files (deleting them unless
+  // keep_files); waits for requests in flight; releases the path locks.
   Status Close();
 
   const SwapOptions& options() const;
-  uint64_t capacity_bytes() const;
+  // Bytes the swap files take on the drives now (all paths).
+  uint64_t file_bytes() const;
+  // Bytes free inside the files now (more come by growing them).
   uint64_t free_bytes() const;
   SwapStats stats() const;
 

@@ -1,8 +1,10 @@
 // Tests of the NVMe swap space: round trips over 1, 2 and 4 paths (separate
 // directories of one disk here), concurrent submitters, every fault of the
-// fault backend, free and reuse, out of space, manifests (round trip,
-// corruption, truncation), and rejected paths. The whole suite skips, with
-// the reason, only when the kernel lacks an io_uring feature it needs.
+// fault backend, free and reuse, growth of the files and their cap, locks on
+// the paths, out of space, manifests (round trip, corruption, truncation),
+// and rejected paths. Every test runs on both I/O backends (io_uring and the
+// thread pool); the io_uring runs skip, with the reason, only when the
+// kernel lacks an io_uring feature they need.
 #include <fcntl.h>
 #include <poll.h>
 #include <sys/stat.h>
@@ -64,11 +66,20 @@ class Buffer {
   size_t n_;
 };
 
-class SwapSpaceTest : public ::testing::Test {
+enum class BackendKind { kUring, kThreads };
+
+std::string BackendName(const ::testing::TestParamInfo<BackendKind>& info) {
+  return info.param == BackendKind::kUring ? "io_uring" : "threads";
+}
+
+class SwapSpaceTest : public ::testing::TestWithParam<BackendKind> {
  protected:
   void SetUp() override {
-    Status probe = ProbeUring();
-    if (!probe.ok()) GTEST_SKIP() << "kernel lacks io_uring support needed: " << probe;
+    if (GetParam() == BackendKind::kUring) {
+      Status probe = ProbeUring();
+      if (probe.ok()) probe = ProbeUringSetup();
+      if (!probe.ok()) GTEST_SKIP() << "kernel lacks io_uring support needed: " << probe;
+    }
     root_ = fs::current_path() / "nvme-test-tmp" /
             (std::string(::testing::UnitTest::GetInstance()->current_test_info()->name()) + "_" +
              std::to_string(getpid()));
@@ -79,22 +90,34 @@ class SwapSpaceTest : public ::testing::Test {
     if (!root_.empty()) fs::remove_all(root_);
   }
 
-  SwapOptions Options(int npaths, uint64_t capacity, uint64_t stripe = kMiB) {
+  // `cap`: the files' size limit per path (0: none).
+  SwapOptions Options(int npaths, uint64_t cap, uint64_t stripe = kMiB) {
     SwapOptions o;
     for (int i = 0; i < npaths; ++i) {
       const fs::path p = root_ / ("drive" + std::to_string(i));
       fs::create_directories(p);
       o.paths.push_back(p.string());
     }
-    o.capacity_per_path = capacity;
+    o.max_file_bytes = cap;
     o.stripe_bytes = stripe;
     o.queue_depth = 8;
     return o;
   }
 
+  // The backend under test, fresh.
+  std::shared_ptr<IoBackend> Backend() const {
+    if (GetParam() == BackendKind::kUring) return MakeUringBackend();
+    return MakeThreadBackend();
+  }
+  std::shared_ptr<FaultBackend> Faulty() const {
+    return std::make_shared<FaultBackend>(GetParam() == BackendKind::kUring ? MakeUringBackend()
+                                                                        : MakeThreadBackend());
+  }
+
   std::unique_ptr<SwapSpace> MustCreate(const SwapOptions& o,
                                         std::shared_ptr<IoBackend> backend = nullptr) {
-    Result<std::unique_ptr<SwapSpace>> s = SwapSpace::Create(o, std::move(backend));
+    Result<std::unique_ptr<SwapSpace>> s =
+        SwapSpace::Create(o, backend != nullptr ? std::move(backend) : Backend());
     EXPECT_TRUE(s.ok()) << s.status();
     return s.ok() ? std::move(s).value() : nullptr;
   }
@@ -142,7 +165,7 @@ TEST(ExtentAllocatorTest, FirstFitCoalescesAndReserves) {
   EXPECT_EQ(b.free_units(), 5u);
 }
 
-TEST_F(SwapSpaceTest, RoundTripsRandomSizesAcrossPaths) {
+TEST_P(SwapSpaceTest, RoundTripsRandomSizesAcrossPaths) {
   const uint64_t seed = FreshSeed();
   SCOPED_TRACE(StrCat("seed ", seed));
   std::mt19937_64 rng(seed);
@@ -186,7 +209,7 @@ TEST_F(SwapSpaceTest, RoundTripsRandomSizesAcrossPaths) {
   }
 }
 
-TEST_F(SwapSpaceTest, StripesRoundRobinAcrossPaths) {
+TEST_P(SwapSpaceTest, StripesRoundRobinAcrossPaths) {
   // A 4-unit object on 4 paths puts one unit on each drive: each file sees
   // exactly one unit's worth of data.
   std::unique_ptr<SwapSpace> space = MustCreate(Options(4, 4 * kMiB, kMiB));
@@ -220,7 +243,7 @@ TEST_F(SwapSpaceTest, StripesRoundRobinAcrossPaths) {
   EXPECT_EQ(seen, 4);
 }
 
-TEST_F(SwapSpaceTest, ConcurrentSubmitters) {
+TEST_P(SwapSpaceTest, ConcurrentSubmitters) {
   std::unique_ptr<SwapSpace> space = MustCreate(Options(2, 64 * kMiB, 256 * kKiB));
   ASSERT_NE(space, nullptr);
   const uint64_t seed = FreshSeed();
@@ -257,7 +280,7 @@ TEST_F(SwapSpaceTest, ConcurrentSubmitters) {
   EXPECT_EQ(failures.load(), 0) << "seed " << seed;
 }
 
-TEST_F(SwapSpaceTest, CallbackRunsOnCompletion) {
+TEST_P(SwapSpaceTest, CallbackRunsOnCompletion) {
   std::unique_ptr<SwapSpace> space = MustCreate(Options(1, 8 * kMiB));
   ASSERT_NE(space, nullptr);
   Result<uint64_t> id = space->Allocate("cb", 2 * kMiB);
@@ -280,7 +303,7 @@ TEST_F(SwapSpaceTest, CallbackRunsOnCompletion) {
   EXPECT_TRUE(seen.ok());
 }
 
-TEST_F(SwapSpaceTest, CompletionEventfdCountsRequests) {
+TEST_P(SwapSpaceTest, CompletionEventfdCountsRequests) {
   std::unique_ptr<SwapSpace> space = MustCreate(Options(2, 8 * kMiB));
   ASSERT_NE(space, nullptr);
   const int efd = space->completion_fd();
@@ -308,7 +331,7 @@ TEST_F(SwapSpaceTest, CompletionEventfdCountsRequests) {
   for (const IoTicket& t : tickets) EXPECT_TRUE(t.Done());
 }
 
-TEST_F(SwapSpaceTest, RejectsBadRangesAndUnalignedWrites) {
+TEST_P(SwapSpaceTest, RejectsBadRangesAndUnalignedWrites) {
   std::unique_ptr<SwapSpace> space = MustCreate(Options(1, 8 * kMiB));
   ASSERT_NE(space, nullptr);
   Result<uint64_t> id = space->Allocate("r", 3 * kMiB + 10);
@@ -328,7 +351,7 @@ TEST_F(SwapSpaceTest, RejectsBadRangesAndUnalignedWrites) {
   EXPECT_EQ(space->Allocate("zero", 0).status().code(), StatusCode::kInvalidArgument);
 }
 
-TEST_F(SwapSpaceTest, FreeAndReuseAndOutOfSpaceKeepsObjects) {
+TEST_P(SwapSpaceTest, FreeAndReuseAndOutOfSpaceKeepsObjects) {
   std::unique_ptr<SwapSpace> space = MustCreate(Options(2, 8 * kMiB));
   ASSERT_NE(space, nullptr);
   std::mt19937_64 rng(FreshSeed());
@@ -373,7 +396,7 @@ class SwapFaultTest : public SwapSpaceTest {
   void SetUp() override {
     SwapSpaceTest::SetUp();
     if (IsSkipped()) return;
-    fault_ = std::make_shared<FaultBackend>(MakeUringBackend());
+    fault_ = Faulty();
     space_ = MustCreate(Options(2, 16 * kMiB, 256 * kKiB), fault_);
     ASSERT_NE(space_, nullptr);
     std::mt19937_64 rng(FreshSeed());
@@ -402,7 +425,7 @@ class SwapFaultTest : public SwapSpaceTest {
   std::vector<uint8_t> keep_data_, data_;
 };
 
-TEST_F(SwapFaultTest, WriteEioFailsNamesPathAndLosesNothingSilently) {
+TEST_P(SwapFaultTest, WriteEioFailsNamesPathAndLosesNothingSilently) {
   fault_->FailNth(IoKind::kWrite, 2, EIO);
   Status s = space_->Write(victim_, 0, data_.data(), data_.size());
   ASSERT_EQ(s.code(), StatusCode::kIoError) << s;
@@ -420,7 +443,7 @@ TEST_F(SwapFaultTest, WriteEioFailsNamesPathAndLosesNothingSilently) {
   ExpectKeepIntact();
 }
 
-TEST_F(SwapFaultTest, ReadEioFailsThenRecovers) {
+TEST_P(SwapFaultTest, ReadEioFailsThenRecovers) {
   ASSERT_TRUE(space_->Write(victim_, 0, data_.data(), data_.size()).ok());
   fault_->FailNth(IoKind::kRead, 1, EIO);
   std::vector<uint8_t> back(kMiB);
@@ -431,7 +454,7 @@ TEST_F(SwapFaultTest, ReadEioFailsThenRecovers) {
   ExpectKeepIntact();
 }
 
-TEST_F(SwapFaultTest, ShortTransfersAndEagainAreResubmitted) {
+TEST_P(SwapFaultTest, ShortTransfersAndEagainAreResubmitted) {
   fault_->ShortNth(IoKind::kWrite, 1);
   fault_->ShortNth(IoKind::kWrite, 3);
   fault_->FailNth(IoKind::kWrite, 2, EAGAIN);
@@ -446,14 +469,14 @@ TEST_F(SwapFaultTest, ShortTransfersAndEagainAreResubmitted) {
   ExpectKeepIntact();
 }
 
-TEST_F(SwapFaultTest, FullDiskIsResourceExhausted) {
+TEST_P(SwapFaultTest, FullDiskIsResourceExhausted) {
   fault_->FailFrom(IoKind::kWrite, 1, ENOSPC);
   Status s = space_->Write(victim_, 0, data_.data(), data_.size());
   EXPECT_EQ(s.code(), StatusCode::kResourceExhausted) << s;
   ExpectKeepIntact();
 }
 
-TEST_F(SwapFaultTest, BitFlipIsCorruption) {
+TEST_P(SwapFaultTest, BitFlipIsCorruption) {
   ASSERT_TRUE(space_->Write(victim_, 0, data_.data(), data_.size()).ok());
   fault_->FlipBitOnNthRead(1);
   std::vector<uint8_t> back(kMiB);
@@ -466,7 +489,7 @@ TEST_F(SwapFaultTest, BitFlipIsCorruption) {
   ExpectKeepIntact();
 }
 
-TEST_F(SwapFaultTest, FsyncFailureIsFatal) {
+TEST_P(SwapFaultTest, FsyncFailureIsFatal) {
   fault_->FailNth(IoKind::kFsync, 1, EIO);
   Status s = space_->Sync();
   EXPECT_EQ(s.code(), StatusCode::kIoError) << s;
@@ -480,8 +503,9 @@ TEST_F(SwapFaultTest, FsyncFailureIsFatal) {
 
 // ---- manifests ----
 
-TEST_F(SwapSpaceTest, ManifestRoundTripRestoresEveryObject) {
+TEST_P(SwapSpaceTest, ManifestRoundTripRestoresEveryObject) {
   SwapOptions o = Options(3, 16 * kMiB, 512 * kKiB);
+  o.keep_files = true;
   std::mt19937_64 rng(FreshSeed());
   std::vector<std::pair<std::string, std::vector<uint8_t>>> objects;
   const std::string manifest = (root_ / "swap.manifest").string();
@@ -502,7 +526,7 @@ TEST_F(SwapSpaceTest, ManifestRoundTripRestoresEveryObject) {
     ASSERT_TRUE(space->SaveManifest(manifest).ok());
     ASSERT_TRUE(space->Close().ok());
   }
-  Result<std::unique_ptr<SwapSpace>> reopened = SwapSpace::Open(manifest);
+  Result<std::unique_ptr<SwapSpace>> reopened = SwapSpace::Open(manifest, 8, Backend());
   ASSERT_TRUE(reopened.ok()) << reopened.status();
   SwapSpace& space = **reopened;
   EXPECT_EQ(space.Objects().size(), objects.size());
@@ -527,7 +551,7 @@ TEST_F(SwapSpaceTest, ManifestRoundTripRestoresEveryObject) {
   }
 }
 
-TEST_F(SwapSpaceTest, DamagedManifestsAreRejectedClearly) {
+TEST_P(SwapSpaceTest, DamagedManifestsAreRejectedClearly) {
   const std::string manifest = (root_ / "swap.manifest").string();
   {
     std::unique_ptr<SwapSpace> space = MustCreate(Options(2, 8 * kMiB));
@@ -547,7 +571,7 @@ TEST_F(SwapSpaceTest, DamagedManifestsAreRejectedClearly) {
     const std::string path = (root_ / "bad.manifest").string();
     std::ofstream(path, std::ios::binary | std::ios::trunc)
         .write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-    return SwapSpace::Open(path).status();
+    return SwapSpace::Open(path, 8, Backend()).status();
   };
   struct Case {
     const char* what;
@@ -579,7 +603,8 @@ TEST_F(SwapSpaceTest, DamagedManifestsAreRejectedClearly) {
     std::string mangled = good.substr(0, cut);
     EXPECT_FALSE(try_open(mangled).ok()) << "cut " << cut;
   }
-  EXPECT_EQ(SwapSpace::Open((root_ / "missing").string()).status().code(), StatusCode::kNotFound);
+  EXPECT_EQ(SwapSpace::Open((root_ / "missing").string(), 8, Backend()).status().code(),
+            StatusCode::kNotFound);
 
   // Mutations behind valid checksums reach the parser itself: it must reject
   // them (or accept a still-consistent table) without crashing or reading
@@ -607,34 +632,40 @@ TEST_F(SwapSpaceTest, DamagedManifestsAreRejectedClearly) {
 
 // ---- rejected paths ----
 
-TEST_F(SwapSpaceTest, RejectsMissingFullAndNonDirectPaths) {
+TEST_P(SwapSpaceTest, RejectsMissingFullAndNonDirectPaths) {
   SwapOptions o = Options(1, 8 * kMiB);
   o.paths.push_back((root_ / "does-not-exist").string());
-  Status missing = SwapSpace::Create(o).status();
+  Status missing = SwapSpace::Create(o, Backend()).status();
   EXPECT_EQ(missing.code(), StatusCode::kNotFound) << missing;
   EXPECT_NE(missing.message().find("does-not-exist"), std::string::npos) << missing;
 
-  SwapOptions huge = Options(1, uint64_t{1} << 50);  // a petabyte
-  Status full = SwapSpace::Create(huge).status();
-  EXPECT_EQ(full.code(), StatusCode::kResourceExhausted) << full;
-  EXPECT_NE(full.message().find("bytes free"), std::string::npos) << full;
+  {  // No cap: a petabyte object finds the disk full, and says how full.
+    std::unique_ptr<SwapSpace> space = MustCreate(Options(1, 0));
+    ASSERT_NE(space, nullptr);
+    Result<uint64_t> huge = space->Allocate("petabyte", uint64_t{1} << 50);
+    ASSERT_FALSE(huge.ok());
+    EXPECT_EQ(huge.status().code(), StatusCode::kResourceExhausted) << huge.status();
+    EXPECT_NE(huge.status().message().find("bytes free"), std::string::npos) << huge.status();
+    EXPECT_NE(huge.status().message().find(space->options().paths[0]), std::string::npos)
+        << huge.status();
+    EXPECT_TRUE(space->Allocate("small", kMiB).ok());
+  }
 
-  auto fault = std::make_shared<FaultBackend>(MakeUringBackend());
+  std::shared_ptr<FaultBackend> fault = Faulty();
   fault->RefuseDirectIo();
   Status direct = SwapSpace::Create(Options(1, 8 * kMiB), fault).status();
   EXPECT_EQ(direct.code(), StatusCode::kFailedPrecondition) << direct;
   EXPECT_NE(direct.message().find("does not support O_DIRECT"), std::string::npos) << direct;
 
-  auto nospace = std::make_shared<FaultBackend>(MakeUringBackend());
-  nospace->FailPreallocate(ENOSPC);
-  Status prealloc = SwapSpace::Create(Options(1, 8 * kMiB), nospace).status();
-  EXPECT_EQ(prealloc.code(), StatusCode::kResourceExhausted) << prealloc;
-
   SwapOptions bad_stripe = Options(1, 8 * kMiB, 1000);
-  EXPECT_EQ(SwapSpace::Create(bad_stripe).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(SwapSpace::Create(bad_stripe, Backend()).status().code(),
+            StatusCode::kInvalidArgument);
+  SwapOptions bad_name = Options(1, 0);
+  bad_name.file_name = "..";
+  EXPECT_EQ(SwapSpace::Create(bad_name, Backend()).status().code(), StatusCode::kInvalidArgument);
 }
 
-TEST_F(SwapSpaceTest, TmpfsWithoutDirectIoIsRejected) {
+TEST_P(SwapSpaceTest, TmpfsWithoutDirectIoIsRejected) {
   // A real filesystem without O_DIRECT, where the machine has one.
   const fs::path shm = "/dev/shm";
   if (!fs::is_directory(shm)) GTEST_SKIP() << "no /dev/shm on this machine";
@@ -642,8 +673,8 @@ TEST_F(SwapSpaceTest, TmpfsWithoutDirectIoIsRejected) {
   fs::create_directories(dir);
   SwapOptions o;
   o.paths = {dir.string()};
-  o.capacity_per_path = 4 * kMiB;
-  Result<std::unique_ptr<SwapSpace>> s = SwapSpace::Create(o);
+  o.max_file_bytes = 4 * kMiB;
+  Result<std::unique_ptr<SwapSpace>> s = SwapSpace::Create(o, Backend());
   const bool supported = s.ok();
   if (!supported) {
     EXPECT_EQ(s.status().code(), StatusCode::kFailedPrecondition) << s.status();
@@ -654,6 +685,134 @@ TEST_F(SwapSpaceTest, TmpfsWithoutDirectIoIsRejected) {
   if (supported)
     GTEST_SKIP() << "tmpfs on this kernel supports O_DIRECT; the refusal is tested "
                     "through the fault backend instead";
+}
+
+// ---- ownership and size ----
+
+TEST_P(SwapSpaceTest, ASecondSwapSpaceOnAPathIsRefusedAndTheFirstKeepsItsData) {
+  SwapOptions o = Options(2, 0);
+  std::unique_ptr<SwapSpace> first = MustCreate(o);
+  ASSERT_NE(first, nullptr);
+  Result<uint64_t> id = first->Allocate("mine", 3 * kMiB);
+  ASSERT_TRUE(id.ok());
+  std::vector<uint8_t> data(3 * kMiB, 0x3c), back(3 * kMiB);
+  ASSERT_TRUE(first->Write(*id, 0, data.data(), data.size()).ok());
+  // Another space naming one of the same paths (the other path is new).
+  SwapOptions other = Options(1, 0);
+  other.paths = {(root_ / "elsewhere").string(), o.paths[1]};
+  fs::create_directories(other.paths[0]);
+  Result<std::unique_ptr<SwapSpace>> second = SwapSpace::Create(other, Backend());
+  ASSERT_FALSE(second.ok());
+  EXPECT_EQ(second.status().code(), StatusCode::kUnavailable) << second.status();
+  EXPECT_NE(second.status().message().find(o.paths[1]), std::string::npos) << second.status();
+  EXPECT_NE(second.status().message().find(StrCat("pid ", ::getpid())), std::string::npos)
+      << second.status();
+  ASSERT_TRUE(first->Read(*id, 0, back.data(), back.size()).ok());
+  EXPECT_EQ(back, data) << "the refused space touched the first one's file";
+  ASSERT_TRUE(first->Close().ok());
+  EXPECT_TRUE(SwapSpace::Create(other, Backend()).ok()) << "the lock outlived Close()";
+}
+
+TEST_P(SwapSpaceTest, FilesGrowWithTheirObjectsAndGoAwayOnClose) {
+  SwapOptions o = Options(2, 0, 256 * kKiB);
+  o.growth_bytes = kMiB;
+  const std::string file0 = (fs::path(o.paths[0]) / o.file_name).string();
+  // What a dead owner left behind is discarded, not counted.
+  std::ofstream(file0, std::ios::binary) << std::string(3 * kMiB, 'x');
+  std::unique_ptr<SwapSpace> space = MustCreate(o);
+  ASSERT_NE(space, nullptr);
+  EXPECT_EQ(space->file_bytes(), 0u);
+  EXPECT_EQ(fs::file_size(file0), 0u);
+  std::mt19937_64 rng(FreshSeed());
+  std::vector<std::pair<uint64_t, std::vector<uint8_t>>> objects;
+  uint64_t total = 0;
+  for (int i = 0; i < 12; ++i) {
+    const uint64_t size = std::uniform_int_distribution<uint64_t>(1, 3 * kMiB)(rng);
+    Result<uint64_t> id = space->Allocate(StrCat("o", i), size);
+    ASSERT_TRUE(id.ok()) << id.status();
+    objects.emplace_back(*id, RandomBytes(rng, size));
+    ASSERT_TRUE(space->Write(*id, 0, objects.back().second.data(), size).ok());
+    total += size;
+    // Every file is as large as the space says, and holds what was stored.
+    for (const std::string& p : o.paths) {
+      EXPECT_EQ(fs::file_size(fs::path(p) / o.file_name), space->file_bytes() / 2);
+    }
+  }
+  EXPECT_GE(space->file_bytes(), total);
+  EXPECT_LE(space->file_bytes(), 2 * (total + 3 * kMiB)) << "files grew far past their objects";
+  for (const auto& [id, data] : objects) {
+    std::vector<uint8_t> back(data.size());
+    ASSERT_TRUE(space->Read(id, 0, back.data(), back.size()).ok());
+    EXPECT_EQ(back, data);
+  }
+  ASSERT_TRUE(space->Close().ok());
+  for (const std::string& p : o.paths) {
+    EXPECT_FALSE(fs::exists(fs::path(p) / o.file_name)) << "swap file left after Close";
+    EXPECT_FALSE(fs::exists(fs::path(p) / "ztier-swap.lock")) << "lock file left after Close";
+    EXPECT_TRUE(fs::is_directory(p)) << "the user's directory must stay";
+  }
+}
+
+TEST_P(SwapSpaceTest, KeepFilesLeavesThemForAManifest) {
+  SwapOptions o = Options(1, 0);
+  o.keep_files = true;
+  {
+    std::unique_ptr<SwapSpace> space = MustCreate(o);
+    ASSERT_NE(space, nullptr);
+    ASSERT_TRUE(space->Allocate("a", kMiB).ok());
+  }
+  EXPECT_TRUE(fs::exists(fs::path(o.paths[0]) / o.file_name));
+}
+
+TEST_P(SwapSpaceTest, TheCapAndAFullDiskRefuseGrowthAndKeepEveryObject) {
+  SwapOptions o = Options(2, 4 * kMiB);
+  std::shared_ptr<FaultBackend> fault = Faulty();
+  std::unique_ptr<SwapSpace> space = MustCreate(o, fault);
+  ASSERT_NE(space, nullptr);
+  Result<uint64_t> a = space->Allocate("a", 6 * kMiB);
+  ASSERT_TRUE(a.ok()) << a.status();
+  std::vector<uint8_t> data(6 * kMiB, 0x11), back(6 * kMiB);
+  ASSERT_TRUE(space->Write(*a, 0, data.data(), data.size()).ok());
+  Result<uint64_t> over = space->Allocate("over", 4 * kMiB);
+  ASSERT_FALSE(over.ok());
+  EXPECT_EQ(over.status().code(), StatusCode::kResourceExhausted) << over.status();
+  EXPECT_NE(over.status().message().find("cap"), std::string::npos) << over.status();
+  EXPECT_TRUE(space->Allocate("fits", 2 * kMiB).ok());
+  ASSERT_TRUE(space->Close().ok());
+
+  // No cap, but the disk fills during growth.
+  space = MustCreate(Options(2, 0), fault);
+  ASSERT_NE(space, nullptr);
+  a = space->Allocate("a", 6 * kMiB);
+  ASSERT_TRUE(a.ok());
+  ASSERT_TRUE(space->Write(*a, 0, data.data(), data.size()).ok());
+  const uint64_t before = space->file_bytes();
+  fault->FailPreallocate(ENOSPC);
+  Result<uint64_t> big = space->Allocate("big", 1024 * kMiB);
+  ASSERT_FALSE(big.ok());
+  EXPECT_EQ(big.status().code(), StatusCode::kResourceExhausted) << big.status();
+  EXPECT_NE(big.status().message().find("out of space"), std::string::npos) << big.status();
+  EXPECT_EQ(space->file_bytes(), before);
+  EXPECT_FALSE(space->Find("big").ok()) << "a failed allocation left an object";
+  ASSERT_TRUE(space->Read(*a, 0, back.data(), back.size()).ok());
+  EXPECT_EQ(back, data);
+  fault->Reset();
+  EXPECT_TRUE(space->Allocate("big", 1024 * kMiB).ok()) << "space came back";
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, SwapSpaceTest,
+                         ::testing::Values(BackendKind::kUring, BackendKind::kThreads), BackendName);
+INSTANTIATE_TEST_SUITE_P(Backends, SwapFaultTest,
+                         ::testing::Values(BackendKind::kUring, BackendKind::kThreads), BackendName);
+
+TEST(IoBackendTest, ARefusedRingFallsBackToThreads) {
+  const Status refused(StatusCode::kFailedPrecondition, "io_uring is refused (EPERM)", EPERM);
+  EXPECT_EQ(SelectBackend(refused)->name(), "threads");
+  if (ProbeUringSetup().ok()) {
+    EXPECT_EQ(SelectBackend(Status::Ok())->name(), "io_uring");
+    EXPECT_EQ((*MakeBackend(BackendChoice::kAuto))->name(), "io_uring");
+  }
+  EXPECT_EQ((*MakeBackend(BackendChoice::kThreads))->name(), "threads");
 }
 
 }  // namespace
