@@ -1,57 +1,37 @@
-// ztier engine: the settings table and its JSON / environment readers.
+// ztier engine: the settings table and its JSON / environment / flag readers.
 #include "engine/settings.h"
 
-#include <cerrno>
+#include <algorithm>
+#include <cctype>
 #include <charconv>
+#include <cmath>
 #include <cstring>
-#include <fstream>
 #include <functional>
-#include <map>
-#include <sstream>
+#include <set>
 
 #include <nlohmann/json.hpp>
+
+#include "common/file_util.h"
+#include "common/log.h"
+#include "common/numbers.h"
 
 namespace ztier::engine {
 namespace {
 
 using Json = nlohmann::json;
 
-// ---- value parsers (from the canonical text of a JSON scalar or an env var)
+// ---- value parsers (from the text of a JSON leaf, an env var or a flag)
 
-Result<uint64_t> ParseSize(std::string_view text, std::string_view key) {
-  uint64_t v = 0;
-  const char* first = text.data();
-  const char* last = first + text.size();
-  auto [ptr, ec] = std::from_chars(first, last, v);
-  if (ec != std::errc() || ptr == first) {
-    return Status::InvalidArgument(StrCat(key, ": '", text, "' is not a size (e.g. 1048576, 64G)"));
-  }
-  std::string_view suffix(ptr, static_cast<size_t>(last - ptr));
-  if (!suffix.empty() && (suffix.back() == 'B' || suffix.back() == 'b')) suffix.remove_suffix(1);
-  if (!suffix.empty() && suffix.back() == 'i') suffix.remove_suffix(1);
-  int shift = 0;
-  if (suffix == "K" || suffix == "k")
-    shift = 10;
-  else if (suffix == "M" || suffix == "m")
-    shift = 20;
-  else if (suffix == "G" || suffix == "g")
-    shift = 30;
-  else if (suffix == "T" || suffix == "t")
-    shift = 40;
-  else if (!suffix.empty()) {
-    return Status::InvalidArgument(
-        StrCat(key, ": unknown size suffix in '", text, "' (K, M, G, T)"));
-  }
-  if (shift > 0 && v > (UINT64_MAX >> shift)) {
-    return Status::InvalidArgument(StrCat(key, ": size '", text, "' is too large"));
-  }
-  return v << shift;
+Result<uint64_t> ParseSizeKey(std::string_view text, std::string_view key) {
+  Result<uint64_t> v = ParseSize(text);
+  if (!v.ok()) return Status::InvalidArgument(StrCat(key, ": ", v.status().message()));
+  return v;
 }
 
-// A count of elements: a size (suffixes allowed), or a JSON number such as
+// A count of elements: a size (suffixes allowed), or a number such as
 // DeepSpeed configs write (1e9), which must be a whole number.
 Result<uint64_t> ParseCount(std::string_view text, std::string_view key) {
-  Result<uint64_t> size = ParseSize(text, key);
+  Result<uint64_t> size = ParseSize(text);
   if (size.ok()) return size;
   double d = 0;
   auto [ptr, ec] = std::from_chars(text.data(), text.data() + text.size(), d);
@@ -63,16 +43,36 @@ Result<uint64_t> ParseCount(std::string_view text, std::string_view key) {
   return static_cast<uint64_t>(d);
 }
 
+// An integer; a whole number written as 5e2 is accepted, as DeepSpeed does.
 Result<int64_t> ParseInt(std::string_view text, std::string_view key, int64_t lo, int64_t hi) {
   int64_t v = 0;
   auto [ptr, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
   if (ec != std::errc() || ptr != text.data() + text.size()) {
-    return Status::InvalidArgument(StrCat(key, ": '", text, "' is not an integer"));
+    double d = 0;
+    auto [dptr, dec] = std::from_chars(text.data(), text.data() + text.size(), d);
+    if (dec != std::errc() || dptr != text.data() + text.size() || !std::isfinite(d) ||
+        d != std::trunc(d) || std::fabs(d) > 9.0e18) {
+      return Status::InvalidArgument(StrCat(key, ": '", text, "' is not an integer"));
+    }
+    v = static_cast<int64_t>(d);
   }
   if (v < lo || v > hi) {
     return Status::InvalidArgument(StrCat(key, ": ", v, " is outside ", lo, "..", hi));
   }
   return v;
+}
+
+// A finite number in [lo, hi].
+Result<float> ParseReal(std::string_view text, std::string_view key, double lo, double hi) {
+  double d = 0;
+  auto [ptr, ec] = std::from_chars(text.data(), text.data() + text.size(), d);
+  if (ec != std::errc() || ptr != text.data() + text.size() || !std::isfinite(d)) {
+    return Status::InvalidArgument(StrCat(key, ": '", text, "' is not a finite number"));
+  }
+  if (d < lo || d > hi) {
+    return Status::InvalidArgument(StrCat(key, ": ", text, " is outside ", lo, "..", hi));
+  }
+  return static_cast<float>(d);
 }
 
 Result<bool> ParseBool(std::string_view text, std::string_view key) {
@@ -82,10 +82,11 @@ Result<bool> ParseBool(std::string_view text, std::string_view key) {
 }
 
 Result<Tier> ParseTier(std::string_view text, std::string_view key) {
-  // DeepSpeed's "cpu" is ztier's pinned DRAM tier.
-  if (text == "cpu" || text == "dram") return Tier::kDram;
+  // DeepSpeed's "cpu" is ztier's pinned DRAM tier; its "none" (states on the
+  // GPU) is the nearest ztier has: DRAM.
+  if (text == "cpu" || text == "dram" || text == "none") return Tier::kDram;
   if (text == "nvme") return Tier::kNvme;
-  return Status::InvalidArgument(StrCat(key, ": device '", text, "' is not cpu or nvme"));
+  return Status::InvalidArgument(StrCat(key, ": device '", text, "' is not cpu, nvme or none"));
 }
 
 std::vector<std::string> SplitList(std::string_view text) {
@@ -99,66 +100,106 @@ std::vector<std::string> SplitList(std::string_view text) {
   return out;
 }
 
+std::string Lower(std::string_view s) {
+  std::string out(s);
+  for (char& c : out) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return out;
+}
+
+template <class T>
+std::string OptText(const std::optional<T>& v) {
+  return v ? StrCat(*v) : std::string();
+}
+
 // ---- the table
 
-enum class Kind { kScalar, kList };
+// The JSON value a row takes; every other JSON type is an error naming it.
+enum class JsonType {
+  kString,    // a string
+  kBool,      // true / false
+  kInteger,   // an integer (or a whole 5e2)
+  kNumber,    // any finite number
+  kSize,      // an integer or a string with a suffix ("64G")
+  kPaths,     // a string (comma-separated) or a list of strings
+  kPair,      // a list of two numbers
+  kFlagOrSection,  // true / false, or an object whose presence means true
+};
 
 struct Tunable {
   std::vector<const char*> json_keys;  // dotted paths; all set the same field
-  const char* env;
-  Kind kind;
+  const char* env;                     // "" for hidden rows
+  JsonType type;
   const char* default_text;
-  const char* doc;
+  const char* doc;  // "" for hidden rows (legacy spellings of another row)
   std::function<Status(Settings&, std::string_view text, std::string_view key)> set;
   std::function<std::string(const Settings&)> get;
+  const char* source_key = nullptr;  // hidden rows: the row whose field they set
+  bool hidden() const { return doc[0] == '\0'; }
+  const char* key() const { return source_key != nullptr ? source_key : json_keys[0]; }
 };
-
-std::string SizeText(uint64_t v) {
-  for (auto [shift, suffix] : {std::pair{40, "T"}, {30, "G"}, {20, "M"}, {10, "K"}}) {
-    if (v != 0 && v % (uint64_t{1} << shift) == 0) return StrCat(v >> shift, suffix);
-  }
-  return StrCat(v);
-}
 
 const char* HugeText(HugePages h) {
   return h == HugePages::kNone ? "none" : h == HugePages::kHugetlb ? "hugetlb" : "transparent";
+}
+const char* BackendText(nvme::BackendChoice b) {
+  return b == nvme::BackendChoice::kUring     ? "io_uring"
+         : b == nvme::BackendChoice::kThreads ? "threads"
+                                              : "auto";
+}
+
+// A row setting one optional float of the training settings.
+Tunable RealRow(std::vector<const char*> keys, const char* env, const char* doc, double lo,
+                double hi, std::optional<float> TrainingSettings::*field) {
+  return {std::move(keys),
+          env,
+          JsonType::kNumber,
+          "(program's)",
+          doc,
+          [=](Settings& s, std::string_view t, std::string_view k) -> Status {
+            ZT_ASSIGN_OR_RETURN(s.training.*field, ParseReal(t, k, lo, hi));
+            return Status::Ok();
+          },
+          [=](const Settings& s) { return OptText(s.training.*field); }};
 }
 
 const std::vector<Tunable>& Table() {
   static const std::vector<Tunable> table = {
       {{"ztier.dram_budget"},
        "ZTIER_DRAM_BUDGET",
-       Kind::kScalar,
+       JsonType::kSize,
        "8G",
        "Hard cap on pinned host DRAM held by the engine (all jobs).",
        [](Settings& s, std::string_view t, std::string_view k) -> Status {
-         ZT_ASSIGN_OR_RETURN(s.dram_budget_bytes, ParseSize(t, k));
+         ZT_ASSIGN_OR_RETURN(s.dram_budget_bytes, ParseSizeKey(t, k));
          if (s.dram_budget_bytes == 0) return Status::InvalidArgument(StrCat(k, ": must be > 0"));
          return Status::Ok();
        },
-       [](const Settings& s) { return SizeText(s.dram_budget_bytes); }},
+       [](const Settings& s) { return FormatSize(s.dram_budget_bytes); }},
       {{"ztier.huge_pages"},
        "ZTIER_HUGE_PAGES",
-       Kind::kScalar,
+       JsonType::kString,
        "transparent",
-       "none, transparent (madvise) or hugetlb (reserved 2 MiB pages; falls back with a warning).",
+       "none, transparent (madvise; effective only where the kernel's shmem_enabled allows) or "
+       "hugetlb (reserved 2 MiB pages; falls back with a warning). The pool reports the page "
+       "size it got.",
        [](Settings& s, std::string_view t, std::string_view k) -> Status {
-         if (t == "none")
+         if (t == "none") {
            s.huge_pages = HugePages::kNone;
-         else if (t == "transparent")
+         } else if (t == "transparent") {
            s.huge_pages = HugePages::kTransparent;
-         else if (t == "hugetlb")
+         } else if (t == "hugetlb") {
            s.huge_pages = HugePages::kHugetlb;
-         else
+         } else {
            return Status::InvalidArgument(
                StrCat(k, ": '", t, "' is not none, transparent or hugetlb"));
+         }
          return Status::Ok();
        },
        [](const Settings& s) { return std::string(HugeText(s.huge_pages)); }},
       {{"zero_optimization.offload_optimizer.pin_memory",
         "zero_optimization.offload_param.pin_memory"},
        "ZTIER_PIN_MEMORY",
-       Kind::kScalar,
+       JsonType::kBool,
        "true",
        "mlock the DRAM pool (needs LimitMEMLOCK=infinity or CAP_IPC_LOCK; warns when refused).",
        [](Settings& s, std::string_view t, std::string_view k) -> Status {
@@ -169,9 +210,10 @@ const std::vector<Tunable>& Table() {
       {{"zero_optimization.offload_optimizer.nvme_path",
         "zero_optimization.offload_param.nvme_path"},
        "ZTIER_NVME_PATHS",
-       Kind::kList,
+       JsonType::kPaths,
        "(none)",
-       "Swap directories, one per drive (a string or a list; the env variable is comma-separated).",
+       "Swap directories, one per drive; they must exist (a string or a list; the variable is "
+       "comma-separated). Each is locked while in use.",
        [](Settings& s, std::string_view t, std::string_view k) -> Status {
          std::vector<std::string> paths = SplitList(t);
          if (paths.empty()) return Status::InvalidArgument(StrCat(k, ": empty path list"));
@@ -191,31 +233,32 @@ const std::vector<Tunable>& Table() {
        }},
       {{"ztier.nvme_capacity"},
        "ZTIER_NVME_CAPACITY",
-       Kind::kScalar,
-       "64G",
-       "Swap file size preallocated on each path.",
+       JsonType::kSize,
+       "0",
+       "Cap on each path's swap file; 0: none. Swap files start empty, grow with their jobs "
+       "(fallocate, in steps) and are deleted when the engine closes.",
        [](Settings& s, std::string_view t, std::string_view k) -> Status {
-         ZT_ASSIGN_OR_RETURN(s.nvme_capacity_per_path, ParseSize(t, k));
+         ZT_ASSIGN_OR_RETURN(s.nvme_capacity_per_path, ParseSizeKey(t, k));
          return Status::Ok();
        },
-       [](const Settings& s) { return SizeText(s.nvme_capacity_per_path); }},
+       [](const Settings& s) { return FormatSize(s.nvme_capacity_per_path); }},
       {{"aio.block_size"},
        "ZTIER_STRIPE_BYTES",
-       Kind::kScalar,
+       JsonType::kSize,
        "1M",
        "Stripe unit and I/O size (a multiple of 4 KiB).",
        [](Settings& s, std::string_view t, std::string_view k) -> Status {
-         ZT_ASSIGN_OR_RETURN(s.stripe_bytes, ParseSize(t, k));
+         ZT_ASSIGN_OR_RETURN(s.stripe_bytes, ParseSizeKey(t, k));
          if (s.stripe_bytes < 4096 || s.stripe_bytes % 4096 != 0 || s.stripe_bytes > (1u << 30)) {
            return Status::InvalidArgument(
                StrCat(k, ": ", s.stripe_bytes, " is not a multiple of 4096 in 4K..1G"));
          }
          return Status::Ok();
        },
-       [](const Settings& s) { return SizeText(s.stripe_bytes); }},
+       [](const Settings& s) { return FormatSize(s.stripe_bytes); }},
       {{"aio.queue_depth"},
        "ZTIER_QUEUE_DEPTH",
-       Kind::kScalar,
+       JsonType::kInteger,
        "16",
        "I/Os in flight per path.",
        [](Settings& s, std::string_view t, std::string_view k) -> Status {
@@ -224,9 +267,28 @@ const std::vector<Tunable>& Table() {
          return Status::Ok();
        },
        [](const Settings& s) { return StrCat(s.queue_depth); }},
+      {{"ztier.io_backend"},
+       "ZTIER_IO_BACKEND",
+       JsonType::kString,
+       "auto",
+       "NVMe I/O: auto (io_uring, or a thread pool with a warning where the kernel refuses "
+       "io_uring), io_uring, or threads.",
+       [](Settings& s, std::string_view t, std::string_view k) -> Status {
+         if (t == "auto") {
+           s.io_backend = nvme::BackendChoice::kAuto;
+         } else if (t == "io_uring" || t == "uring") {
+           s.io_backend = nvme::BackendChoice::kUring;
+         } else if (t == "threads") {
+           s.io_backend = nvme::BackendChoice::kThreads;
+         } else {
+           return Status::InvalidArgument(StrCat(k, ": '", t, "' is not auto, io_uring or threads"));
+         }
+         return Status::Ok();
+       },
+       [](const Settings& s) { return std::string(BackendText(s.io_backend)); }},
       {{"ztier.checksums"},
        "ZTIER_CHECKSUMS",
-       Kind::kScalar,
+       JsonType::kBool,
        "true",
        "CRC-32C per stripe unit, checked on every read.",
        [](Settings& s, std::string_view t, std::string_view k) -> Status {
@@ -236,9 +298,9 @@ const std::vector<Tunable>& Table() {
        [](const Settings& s) { return std::string(s.checksums ? "true" : "false"); }},
       {{"zero_optimization.offload_optimizer.device"},
        "ZTIER_OPTIMIZER_DEVICE",
-       Kind::kScalar,
+       JsonType::kString,
        "cpu",
-       "Where fp32 master/m/v live: cpu (pinned DRAM) or nvme.",
+       "Where fp32 master/m/v live: cpu (pinned DRAM) or nvme (none: as cpu).",
        [](Settings& s, std::string_view t, std::string_view k) -> Status {
          ZT_ASSIGN_OR_RETURN(s.optimizer_tier, ParseTier(t, k));
          return Status::Ok();
@@ -246,9 +308,21 @@ const std::vector<Tunable>& Table() {
        [](const Settings& s) {
          return std::string(s.optimizer_tier == Tier::kNvme ? "nvme" : "cpu");
        }},
+      {{"zero_optimization.cpu_offload"},  // DeepSpeed's old spelling of the above
+       "",
+       JsonType::kBool,
+       "",
+       "",
+       [](Settings& s, std::string_view t, std::string_view k) -> Status {
+         ZT_ASSIGN_OR_RETURN(bool on, ParseBool(t, k));
+         if (on) s.optimizer_tier = Tier::kDram;
+         return Status::Ok();
+       },
+       nullptr,
+       "zero_optimization.offload_optimizer.device"},
       {{"zero_optimization.offload_param.device"},
        "ZTIER_PARAM_DEVICE",
-       Kind::kScalar,
+       JsonType::kString,
        "cpu",
        "Where bf16 params live between fetches: cpu (pinned DRAM) or nvme (needs the optimizer "
        "on nvme; clients read through a pinned cache of buffer_count units).",
@@ -257,10 +331,22 @@ const std::vector<Tunable>& Table() {
          return Status::Ok();
        },
        [](const Settings& s) { return std::string(s.param_tier == Tier::kNvme ? "nvme" : "cpu"); }},
+      {{"zero_optimization.cpu_offload_param", "zero_optimization.cpu_offload_params"},
+       "",
+       JsonType::kBool,
+       "",
+       "",
+       [](Settings& s, std::string_view t, std::string_view k) -> Status {
+         ZT_ASSIGN_OR_RETURN(bool on, ParseBool(t, k));
+         if (on) s.param_tier = Tier::kDram;
+         return Status::Ok();
+       },
+       nullptr,
+       "zero_optimization.offload_param.device"},
       {{"zero_optimization.offload_optimizer.buffer_count",
         "zero_optimization.offload_param.buffer_count"},
        "ZTIER_BUFFER_COUNT",
-       Kind::kScalar,
+       JsonType::kInteger,
        "4",
        "Slots of the pinned ring that stages NVMe-resident units (>= 3: read, update, write back).",
        [](Settings& s, std::string_view t, std::string_view k) -> Status {
@@ -269,9 +355,9 @@ const std::vector<Tunable>& Table() {
          return Status::Ok();
        },
        [](const Settings& s) { return StrCat(s.buffer_count); }},
-      {{"zero_optimization.stage3_max_live_parameters"},
+      {{"zero_optimization.stage3_max_live_parameters", "zero_optimization.max_live_parameters"},
        "ZTIER_MAX_LIVE_PARAMETERS",
-       Kind::kScalar,
+       JsonType::kSize,
        "0",
        "Client: cap on the bf16 params each rank keeps on its device (held, prefetched, in "
        "flight), in parameters; 0: no cap.",
@@ -280,9 +366,10 @@ const std::vector<Tunable>& Table() {
          return Status::Ok();
        },
        [](const Settings& s) { return StrCat(s.max_live_parameters); }},
-      {{"zero_optimization.stage3_param_persistence_threshold"},
+      {{"zero_optimization.stage3_param_persistence_threshold",
+        "zero_optimization.param_persistence_threshold"},
        "ZTIER_PARAM_PERSISTENCE_THRESHOLD",
-       Kind::kScalar,
+       JsonType::kSize,
        "32768",
        "Client: units of at most this many parameters stay on the device once fetched "
        "(refreshed once per step).",
@@ -293,7 +380,7 @@ const std::vector<Tunable>& Table() {
        [](const Settings& s) { return StrCat(s.param_persistence_threshold); }},
       {{"ztier.prefetch_depth"},
        "ZTIER_PREFETCH_DEPTH",
-       Kind::kScalar,
+       JsonType::kInteger,
        "2",
        "Client: units each rank fetches ahead of the one it computes, in the learned order.",
        [](Settings& s, std::string_view t, std::string_view k) -> Status {
@@ -304,7 +391,7 @@ const std::vector<Tunable>& Table() {
        [](const Settings& s) { return StrCat(s.prefetch_depth); }},
       {{"ztier.optimizer_threads"},
        "ZTIER_OPTIMIZER_THREADS",
-       Kind::kScalar,
+       JsonType::kInteger,
        "0",
        "CPU threads of the optimizer shared by all jobs (0: all cores).",
        [](Settings& s, std::string_view t, std::string_view k) -> Status {
@@ -313,65 +400,311 @@ const std::vector<Tunable>& Table() {
          return Status::Ok();
        },
        [](const Settings& s) { return StrCat(s.optimizer_threads); }},
+      // ---- training (read by the program that trains: ztier-train, bindings)
+      {{"optimizer.type"},
+       "ZTIER_OPTIMIZER",
+       JsonType::kString,
+       "(program's)",
+       "Training: AdamW or Adam (case-insensitive; Adam is decoupled AdamW unless "
+       "optimizer.params.adam_w_mode is false, as in DeepSpeed).",
+       [](Settings& s, std::string_view t, std::string_view k) -> Status {
+         const std::string type = Lower(t);
+         if (type != "adam" && type != "adamw") {
+           return Status::InvalidArgument(
+               StrCat(k, ": '", t,
+                      "' is not an optimizer ztier runs (its CPU optimizer is AdamW / Adam)"));
+         }
+         s.training.optimizer_type = type;
+         return Status::Ok();
+       },
+       [](const Settings& s) { return s.training.optimizer_type.value_or(""); }},
+      {{"optimizer.params.adam_w_mode"},
+       "ZTIER_ADAM_W_MODE",
+       JsonType::kBool,
+       "(program's)",
+       "Training: with optimizer type Adam, decoupled weight decay (true, DeepSpeed's default) "
+       "or L2 (false).",
+       [](Settings& s, std::string_view t, std::string_view k) -> Status {
+         ZT_ASSIGN_OR_RETURN(s.training.adam_w_mode, ParseBool(t, k));
+         return Status::Ok();
+       },
+       [](const Settings& s) { return OptText(s.training.adam_w_mode); }},
+      RealRow({"optimizer.params.lr"}, "ZTIER_LR", "Training: learning rate.", 0, 1e6,
+              &TrainingSettings::lr),
+      {{"optimizer.params.betas"},
+       "ZTIER_BETAS",
+       JsonType::kPair,
+       "(program's)",
+       "Training: AdamW's beta1, beta2 (a list of two; the variable is \"0.9,0.95\").",
+       [](Settings& s, std::string_view t, std::string_view k) -> Status {
+         const std::vector<std::string> parts = SplitList(t);
+         if (parts.size() != 2) {
+           return Status::InvalidArgument(StrCat(k, ": '", t, "' is not two numbers"));
+         }
+         ZT_ASSIGN_OR_RETURN(float b1, ParseReal(parts[0], k, 0, 1));
+         ZT_ASSIGN_OR_RETURN(float b2, ParseReal(parts[1], k, 0, 1));
+         if (b1 >= 1.0f || b2 >= 1.0f) {
+           return Status::InvalidArgument(StrCat(k, ": betas must be below 1 (got ", t, ")"));
+         }
+         s.training.beta1 = b1;
+         s.training.beta2 = b2;
+         return Status::Ok();
+       },
+       [](const Settings& s) {
+         return s.training.beta1 ? StrCat(*s.training.beta1, ",", *s.training.beta2)
+                                 : std::string();
+       }},
+      RealRow({"optimizer.params.eps"}, "ZTIER_EPS", "Training: AdamW's epsilon.", 1e-30, 1,
+              &TrainingSettings::eps),
+      RealRow({"optimizer.params.weight_decay"}, "ZTIER_WEIGHT_DECAY",
+              "Training: weight decay (decoupled for AdamW, L2 for Adam).", 0, 1e6,
+              &TrainingSettings::weight_decay),
+      {{"optimizer.params.bias_correction"},
+       "ZTIER_BIAS_CORRECTION",
+       JsonType::kBool,
+       "(program's)",
+       "Training: Adam's bias correction.",
+       [](Settings& s, std::string_view t, std::string_view k) -> Status {
+         ZT_ASSIGN_OR_RETURN(s.training.bias_correction, ParseBool(t, k));
+         return Status::Ok();
+       },
+       [](const Settings& s) { return OptText(s.training.bias_correction); }},
+      {{"optimizer.params.amsgrad"},  // accepted only when it changes nothing
+       "",
+       JsonType::kBool,
+       "",
+       "",
+       [](Settings&, std::string_view t, std::string_view k) -> Status {
+         ZT_ASSIGN_OR_RETURN(bool on, ParseBool(t, k));
+         if (on) return Status::InvalidArgument(StrCat(k, ": ztier's AdamW has no AMSGrad"));
+         return Status::Ok();
+       },
+       nullptr,
+       "optimizer.type"},
+      RealRow({"gradient_clipping"}, "ZTIER_GRADIENT_CLIPPING",
+              "Training: global grad-norm clipping threshold; 0: off.", 0, 1e30,
+              &TrainingSettings::clip_norm),
+      {{"gradient_accumulation_steps"},
+       "ZTIER_GRADIENT_ACCUMULATION_STEPS",
+       JsonType::kInteger,
+       "(program's)",
+       "Training: micro-steps per optimizer step.",
+       [](Settings& s, std::string_view t, std::string_view k) -> Status {
+         ZT_ASSIGN_OR_RETURN(int64_t v, ParseInt(t, k, 1, 1 << 20));
+         s.training.grad_accumulation = static_cast<int>(v);
+         return Status::Ok();
+       },
+       [](const Settings& s) { return OptText(s.training.grad_accumulation); }},
+      {{"train_micro_batch_size_per_gpu"},
+       "ZTIER_MICRO_BATCH_SIZE",
+       JsonType::kInteger,
+       "(program's)",
+       "Training: sequences per rank and micro-step.",
+       [](Settings& s, std::string_view t, std::string_view k) -> Status {
+         ZT_ASSIGN_OR_RETURN(int64_t v, ParseInt(t, k, 1, 1 << 20));
+         s.training.micro_batch = static_cast<int>(v);
+         return Status::Ok();
+       },
+       [](const Settings& s) { return OptText(s.training.micro_batch); }},
+      {{"train_batch_size"},
+       "ZTIER_TRAIN_BATCH_SIZE",
+       JsonType::kInteger,
+       "(program's)",
+       "Training: sequences per optimizer step over all ranks (= micro batch x accumulation x "
+       "ranks; any two of the three give the third).",
+       [](Settings& s, std::string_view t, std::string_view k) -> Status {
+         ZT_ASSIGN_OR_RETURN(s.training.train_batch, ParseInt(t, k, 1, int64_t{1} << 40));
+         return Status::Ok();
+       },
+       [](const Settings& s) { return OptText(s.training.train_batch); }},
+      {{"ztier.activation_checkpointing", "activation_checkpointing"},
+       "ZTIER_ACTIVATION_CHECKPOINTING",
+       JsonType::kFlagOrSection,
+       "(program's)",
+       "Training: recompute each block's activations in its backward (a DeepSpeed "
+       "activation_checkpointing section turns it on).",
+       [](Settings& s, std::string_view t, std::string_view k) -> Status {
+         ZT_ASSIGN_OR_RETURN(s.training.activation_checkpointing, ParseBool(t, k));
+         return Status::Ok();
+       },
+       [](const Settings& s) { return OptText(s.training.activation_checkpointing); }},
   };
   return table;
 }
 
-// DeepSpeed keys a ds_config commonly carries in the sections ztier reads,
-// accepted and ignored (they configure DeepSpeed itself).
+// DeepSpeed's known keys that configure DeepSpeed itself and mean nothing
+// to ztier: accepted, and listed once as ignored. "x.*" takes any key under
+// x (free-form sections, or ones DeepSpeed itself reads loosely).
 const std::vector<const char*>& IgnoredKeys() {
   static const std::vector<const char*> keys = {
-      "zero_optimization.stage",
-      "zero_optimization.contiguous_gradients",
-      "zero_optimization.overlap_comm",
-      "zero_optimization.reduce_bucket_size",
-      "zero_optimization.sub_group_size",
-      "zero_optimization.stage3_prefetch_bucket_size",
-      "zero_optimization.stage3_max_reuse_distance",
+      // top level
+      "steps_per_print", "wall_clock_breakdown", "memory_breakdown", "dump_state",
+      "disable_python_gc", "disable_allgather", "prescale_gradients", "gradient_predivide_factor",
+      "gradient_allreduce_op", "communication_data_type", "seq_parallel_communication_data_type",
+      "seq_parallel_comm_data_type", "sparse_gradients", "zero_allow_untested_optimizer",
+      "zero_force_ds_cpu_optimizer", "graph_harvesting", "vocabulary_size", "dataloader_drop_last",
+      "use_data_before_expert_parallelism", "log_level", "sequence_parallel_size",
+      "allgather_size", "managed_gradient_accumulation",
+      // zero_optimization
+      "zero_optimization.stage", "zero_optimization.contiguous_gradients",
+      "zero_optimization.reduce_scatter", "zero_optimization.reduce_bucket_size",
+      "zero_optimization.use_multi_rank_bucket_allreduce",
+      "zero_optimization.allgather_partitions", "zero_optimization.allgather_bucket_size",
+      "zero_optimization.overlap_comm", "zero_optimization.load_from_fp32_weights",
+      "zero_optimization.elastic_checkpoint", "zero_optimization.sub_group_size",
+      "zero_optimization.cpu_offload_use_pin_memory",
+      "zero_optimization.stage3_prefetch_bucket_size", "zero_optimization.prefetch_bucket_size",
+      "zero_optimization.stage3_model_persistence_threshold",
+      "zero_optimization.model_persistence_threshold",
+      "zero_optimization.stage3_max_reuse_distance", "zero_optimization.max_reuse_distance",
       "zero_optimization.stage3_gather_16bit_weights_on_model_save",
-      "zero_optimization.offload_optimizer.fast_init",
+      "zero_optimization.gather_16bit_weights_on_model_save",
+      "zero_optimization.stage3_gather_fp16_weights_on_model_save",
+      "zero_optimization.stage3_module_granularity_threshold",
+      "zero_optimization.module_granularity_threshold",
+      "zero_optimization.stage3_use_all_reduce_for_fetch_params",
+      "zero_optimization.use_all_reduce_for_fetch_params",
+      "zero_optimization.stage3_allgather_sequential", "zero_optimization.allgather_sequential",
+      "zero_optimization.stage3_partition_stream_chunk_size",
+      "zero_optimization.partition_stream_chunk_size",
+      "zero_optimization.ignore_unused_parameters", "zero_optimization.legacy_stage1",
+      "zero_optimization.round_robin_gradients", "zero_optimization.zero_hpz_partition_size",
+      "zero_optimization.zero_quantized_weights",
+      "zero_optimization.zero_quantized_nontrainable_weights",
+      "zero_optimization.zero_quantized_gradients", "zero_optimization.mics_shard_size",
+      "zero_optimization.mics_hierarchical_params_gather",
+      "zero_optimization.memory_efficient_linear", "zero_optimization.pipeline_loading_checkpoint",
+      "zero_optimization.override_module_apply", "zero_optimization.log_trace_cache_warnings",
+      "zero_optimization.enable_sanity_checks",
+      "zero_optimization.save_muon_momentum_buffer_in_memory", "zero_optimization.zenflow.*",
+      "zero_optimization.reflow.*", "zero_optimization.leaf_module.*",
+      "zero_optimization.zeropp_loco_param.*", "zero_optimization.offload_param.buffer_size",
+      "zero_optimization.offload_param.max_in_cpu",
       "zero_optimization.offload_optimizer.pipeline_read",
       "zero_optimization.offload_optimizer.pipeline_write",
-      "zero_optimization.offload_optimizer.ratio",
-      "zero_optimization.offload_param.buffer_size",
-      "zero_optimization.offload_param.max_in_cpu",
-      "aio.thread_count",
-      "aio.single_submit",
-      "aio.overlap_events",
-      "aio.use_gds",
+      "zero_optimization.offload_optimizer.fast_init", "zero_optimization.offload_optimizer.ratio",
+      "zero_optimization.offload_optimizer.super_offload",
+      "zero_optimization.offload_optimizer.convert_grad_on_cpu",
+      "zero_optimization.offload_optimizer.cpuadam_cores_perc",
+      // aio
+      "aio.thread_count", "aio.intra_op_parallelism", "aio.single_submit", "aio.overlap_events",
+      "aio.use_gds", "aio.io_backend",
+      // optimizer and scheduler
+      "optimizer.legacy_fusion", "optimizer.params.torch_adam", "optimizer.params.foreach",
+      "optimizer.params.capturable", "optimizer.params.differentiable", "optimizer.params.fused",
+      "optimizer.params.set_grad_none", "optimizer.params.fp32_optimizer_states",
+      "scheduler.type", "scheduler.params.*",
+      // activation checkpointing (the section itself turns recomputation on)
+      "activation_checkpointing.partition_activations",
+      "activation_checkpointing.contiguous_memory_optimization",
+      "activation_checkpointing.cpu_checkpointing", "activation_checkpointing.number_checkpoints",
+      "activation_checkpointing.synchronize_checkpoint_boundary",
+      "activation_checkpointing.profile",
+      // precision (ztier computes in bf16 and keeps fp32 masters)
+      "fp16.enabled", "fp16.auto_cast", "fp16.loss_scale", "fp16.initial_scale_power",
+      "fp16.loss_scale_window", "fp16.hysteresis", "fp16.consecutive_hysteresis",
+      "fp16.min_loss_scale", "fp16.fp16_master_weights_and_grads", "fp16.fused_mode",
+      "bf16.enabled", "bf16.immediate_grad_update", "bf16.check_grad_overflow",
+      "bf16.check_overflow", "bf16.bf16_master_weights_and_grads", "bf16.bf16_optimizer_states",
+      "bfloat16.enabled", "bfloat16.immediate_grad_update", "bfloat16.check_grad_overflow",
+      "bfloat16.check_overflow", "bfloat16.bf16_master_weights_and_grads",
+      "bfloat16.bf16_optimizer_states", "amp.*", "torch_autocast.*", "data_types.grad_accum_dtype",
+      "data_types.param_dtype", "data_types.buffer_dtype",
+      // monitoring and profiling
+      "tensorboard.enabled", "tensorboard.output_path", "tensorboard.job_name",
+      "csv_monitor.enabled", "csv_monitor.output_path", "csv_monitor.job_name", "wandb.enabled",
+      "wandb.group", "wandb.team", "wandb.project", "comet.enabled", "comet.samples_log_interval",
+      "comet.project", "comet.workspace", "comet.api_key", "comet.experiment_name",
+      "comet.experiment_key", "comet.online", "comet.mode", "trackio.enabled", "trackio.project",
+      "comms_logger.enabled", "comms_logger.verbose", "comms_logger.prof_all",
+      "comms_logger.debug", "comms_logger.prof_ops", "flops_profiler.enabled",
+      "flops_profiler.recompute_fwd_factor", "flops_profiler.profile_step",
+      "flops_profiler.module_depth", "flops_profiler.top_modules", "flops_profiler.detailed",
+      "flops_profiler.output_file", "timers.throughput.enabled", "timers.throughput.synchronized",
+      // checkpointing (ztier writes its own checkpoints)
+      "checkpoint.tag_validation", "checkpoint.load_universal", "checkpoint.use_node_local_storage",
+      "checkpoint.parallel_write.pipeline_stage", "checkpoint.checkpoint_serialization",
+      "checkpoint.writer.*", "nebula.*", "datastates_ckpt.*",
+      // features of DeepSpeed's engine outside ZeRO offload
+      "autotuning.*", "elasticity.*", "data_efficiency.*", "curriculum_learning.*",
+      "compression_training.*", "quantize_training.*", "eigenvalue.*", "sparse_attention.*",
+      "progressive_layer_drop.*", "pipeline.*", "hybrid_engine.*", "compile.*",
+      "tensor_parallel.*", "expert_parallel.*", "weight_quantization.*",
   };
   return keys;
 }
 
-// The canonical text of a JSON leaf for the tunable's parser.
-Result<std::string> LeafText(const Json& v, Kind kind, std::string_view key) {
-  if (kind == Kind::kList && v.is_array()) {
-    std::string out;
-    for (const Json& e : v) {
-      if (!e.is_string())
-        return Status::InvalidArgument(StrCat(key, ": list items must be strings"));
-      const std::string s = e.get<std::string>();
-      if (s.empty() || s.find(',') != std::string::npos) {
-        return Status::InvalidArgument(StrCat(key, ": path '", s, "' is empty or has a comma"));
+bool IsIgnored(const std::string& key) {
+  for (std::string_view k : IgnoredKeys()) {
+    if (k.ends_with(".*")) {
+      const std::string_view prefix = k.substr(0, k.size() - 1);  // "x."
+      if (key.starts_with(prefix) || key == k.substr(0, k.size() - 2)) return true;
+    } else if (key == k) {
+      return true;
+    }
+  }
+  return false;
+}
+
+// The text a JSON leaf gives the row's parser; nullopt for "auto" (leave
+// the setting alone). Errors: InvalidArgument naming the key and the types.
+Result<std::optional<std::string>> LeafText(const Json& v, JsonType type, std::string_view key) {
+  if (v.is_string() && v.get<std::string>() == "auto") return std::optional<std::string>();
+  auto wrong = [&](std::string_view want) {
+    return Status::InvalidArgument(StrCat(key, ": expected ", want, ", got ", v.type_name(), " ",
+                                          v.dump().substr(0, 40)));
+  };
+  auto number_text = [](const Json& n) -> std::string {
+    if (n.is_number_float()) {
+      const double d = n.get<double>();
+      if (std::isfinite(d) && d == std::trunc(d) && std::fabs(d) < 9.0e18) {
+        return StrCat(static_cast<int64_t>(d));  // DeepSpeed writes counts as 1e9
       }
-      out += (out.empty() ? "" : ",") + s;
     }
-    return out;
-  }
-  if (v.is_string()) return v.get<std::string>();
-  if (v.is_boolean()) return std::string(v.get<bool>() ? "true" : "false");
-  if (v.is_number_integer() || v.is_number_unsigned()) return v.dump();
-  if (v.is_number_float()) {
-    // DeepSpeed configs write large counts as 1e9: whole numbers pass.
-    const double d = v.get<double>();
-    if (d >= 0 && d < 9.0e18 && d == static_cast<double>(static_cast<uint64_t>(d))) {
-      return StrCat(static_cast<uint64_t>(d));
+    return n.dump();
+  };
+  switch (type) {
+    case JsonType::kString:
+      if (!v.is_string()) return wrong("a string");
+      return std::optional<std::string>(v.get<std::string>());
+    case JsonType::kBool:
+      if (!v.is_boolean()) return wrong("true or false");
+      return std::optional<std::string>(v.get<bool>() ? "true" : "false");
+    case JsonType::kFlagOrSection:
+      if (v.is_object()) return std::optional<std::string>("true");
+      if (!v.is_boolean()) return wrong("true, false or an object");
+      return std::optional<std::string>(v.get<bool>() ? "true" : "false");
+    case JsonType::kInteger:
+    case JsonType::kNumber:
+      if (!v.is_number()) return wrong("a number");
+      return std::optional<std::string>(number_text(v));
+    case JsonType::kSize:
+      if (v.is_string()) return std::optional<std::string>(v.get<std::string>());
+      if (!v.is_number()) return wrong("a size (a number of bytes, or a string like \"64G\")");
+      return std::optional<std::string>(number_text(v));
+    case JsonType::kPaths: {
+      if (v.is_string()) return std::optional<std::string>(v.get<std::string>());
+      if (!v.is_array()) return wrong("a string or a list of strings");
+      std::string out;
+      for (const Json& e : v) {
+        if (!e.is_string()) {
+          return Status::InvalidArgument(StrCat(key, ": list items must be strings"));
+        }
+        const std::string s = e.get<std::string>();
+        if (s.empty() || s.find(',') != std::string::npos) {
+          return Status::InvalidArgument(StrCat(key, ": path '", s, "' is empty or has a comma"));
+        }
+        out += (out.empty() ? "" : ",") + s;
+      }
+      return std::optional<std::string>(out);
     }
-    return Status::InvalidArgument(StrCat(key, ": ", v.dump(), " is not an integer"));
+    case JsonType::kPair:
+      if (!v.is_array() || v.size() != 2 || !v[0].is_number() || !v[1].is_number()) {
+        return wrong("a list of two numbers");
+      }
+      return std::optional<std::string>(StrCat(v[0].dump(), ",", v[1].dump()));
   }
-  return Status::InvalidArgument(StrCat(key, ": expected a ",
-                                        kind == Kind::kList ? "string or list" : "scalar", ", got ",
-                                        v.type_name()));
+  return wrong("?");
 }
 
 enum class Match { kNone, kTunable, kIgnored, kSection };
@@ -390,90 +723,274 @@ Match Classify(const std::string& key, const Tunable** tunable) {
       section = section || std::string_view(k).starts_with(as_prefix);
     }
   }
-  for (const char* k : IgnoredKeys()) {
-    if (key == k) return Match::kIgnored;
-    section = section || std::string_view(k).starts_with(as_prefix);
-  }
+  if (IsIgnored(key)) return Match::kIgnored;
+  for (const char* k : IgnoredKeys()) section = section || std::string_view(k).starts_with(as_prefix);
   return section ? Match::kSection : Match::kNone;
 }
 
-Status Walk(const Json& node, const std::string& prefix, Settings& s, std::string_view origin) {
+void Record(Settings& s, const Tunable& t, std::string_view origin) {
+  s.sources[t.key()] = std::string(origin);
+}
+
+struct WalkState {
+  std::string_view origin;
+  std::vector<std::string> ignored;
+};
+
+Status Walk(const Json& node, const std::string& prefix, Settings& s, WalkState& w);
+
+// A section's known children that are DeepSpeed's and ignored.
+Status WalkIgnoredChildren(const Json& node, const std::string& prefix, WalkState& w) {
   for (auto it = node.begin(); it != node.end(); ++it) {
-    const std::string key = prefix.empty() ? it.key() : prefix + "." + it.key();
-    const Tunable* t = nullptr;
-    switch (Classify(key, &t)) {
-      case Match::kTunable: {
-        Result<std::string> text = LeafText(it.value(), t->kind, key);
-        Status st = text.ok() ? t->set(s, *text, key) : text.status();
-        if (!st.ok()) return st.Annotate(origin);
-        break;
-      }
-      case Match::kIgnored:
-        break;
-      case Match::kSection:
-        if (!it.value().is_object()) {
-          return Status::InvalidArgument(StrCat(origin, ": '", key, "' must be an object"));
-        }
-        ZT_RETURN_IF_ERROR(Walk(it.value(), key, s, origin));
-        break;
-      case Match::kNone:
-        return Status::InvalidArgument(
-            StrCat(origin, ": unknown key '", key, "' (the README lists every setting)"));
+    const std::string key = prefix + "." + it.key();
+    if (IsIgnored(key)) {
+      w.ignored.push_back(key);
+    } else {
+      return Status::InvalidArgument(
+          StrCat(w.origin, ": unknown key '", key, "' (the README lists every setting)"));
     }
   }
   return Status::Ok();
 }
 
-}  // namespace
+Status Walk(const Json& node, const std::string& prefix, Settings& s, WalkState& w) {
+  for (auto it = node.begin(); it != node.end(); ++it) {
+    const std::string key = prefix.empty() ? it.key() : prefix + "." + it.key();
+    const Tunable* t = nullptr;
+    switch (Classify(key, &t)) {
+      case Match::kTunable: {
+        Result<std::optional<std::string>> text = LeafText(it.value(), t->type, key);
+        if (!text.ok()) return text.status().Annotate(w.origin);
+        if (!text->has_value()) break;  // "auto"
+        Status st = t->set(s, **text, key);
+        if (!st.ok()) return st.Annotate(w.origin);
+        Record(s, *t, w.origin);
+        if (t->type == JsonType::kFlagOrSection && it.value().is_object()) {
+          ZT_RETURN_IF_ERROR(WalkIgnoredChildren(it.value(), key, w));
+        }
+        break;
+      }
+      case Match::kIgnored:
+        w.ignored.push_back(key);
+        break;
+      case Match::kSection:
+        if (key == "zero_optimization" && it.value().is_boolean()) {  // DeepSpeed's old form
+          w.ignored.push_back(key);
+          break;
+        }
+        if (!it.value().is_object()) {
+          return Status::InvalidArgument(StrCat(w.origin, ": '", key, "' must be an object"));
+        }
+        ZT_RETURN_IF_ERROR(Walk(it.value(), key, s, w));
+        break;
+      case Match::kNone:
+        return Status::InvalidArgument(
+            StrCat(w.origin, ": unknown key '", key, "' (the README lists every setting)"));
+    }
+  }
+  return Status::Ok();
+}
 
-Result<Settings> ParseSettings(std::string_view json, std::string_view origin,
-                               const Settings& base) {
-  Json doc = Json::parse(json.begin(), json.end(), nullptr, /*allow_exceptions=*/false);
+// DeepSpeed reads its config with hjson, and its own documented configs
+// rely on that: comments, trailing commas, members separated only by a line
+// break. This turns such text into JSON: comments become spaces (line
+// breaks kept, so error positions stay right), a trailing comma becomes a
+// space, and a comma is inserted where a line break separates two values.
+std::string RelaxedToJson(std::string_view in) {
+  enum class Last { kNone, kOpen, kComma, kColon, kValue };
+  std::string out;
+  out.reserve(in.size() + 16);
+  Last last = Last::kNone;
+  size_t last_comma = std::string::npos;  // in `out`
+  bool newline_since_value = false;
+  auto value_start = [&] {
+    if (last == Last::kValue && newline_since_value) out += ',';
+  };
+  for (size_t i = 0; i < in.size(); ++i) {
+    const char c = in[i];
+    if (c == '"') {
+      value_start();
+      size_t j = i + 1;
+      while (j < in.size() && in[j] != '"') j += in[j] == '\\' ? 2 : 1;
+      if (j >= in.size()) {  // unterminated: the parser reports it
+        out.append(in.substr(i));
+        break;
+      }
+      out.append(in.substr(i, j - i + 1));
+      i = j;
+      last = Last::kValue;
+      newline_since_value = false;
+    } else if (c == '#' || (c == '/' && i + 1 < in.size() && in[i + 1] == '/')) {
+      while (i < in.size() && in[i] != '\n') {
+        out += ' ';
+        ++i;
+      }
+      if (i < in.size()) {
+        out += '\n';
+        newline_since_value = true;
+      }
+    } else if (c == '/' && i + 1 < in.size() && in[i + 1] == '*') {
+      const size_t end = in.find("*/", i + 2);
+      const size_t stop = end == std::string_view::npos ? in.size() : end + 2;
+      for (; i < stop; ++i) {
+        const bool nl = in[i] == '\n';
+        out += nl ? '\n' : ' ';
+        newline_since_value = newline_since_value || nl;
+      }
+      --i;
+    } else if (c == ',') {
+      last_comma = out.size();
+      out += c;
+      last = Last::kComma;
+    } else if (c == '}' || c == ']') {
+      if (last == Last::kComma) out[last_comma] = ' ';
+      out += c;
+      last = Last::kValue;
+      newline_since_value = false;
+    } else if (c == '{' || c == '[') {
+      value_start();
+      out += c;
+      last = Last::kOpen;
+    } else if (c == ':') {
+      out += c;
+      last = Last::kColon;
+    } else if (std::isspace(static_cast<unsigned char>(c))) {
+      out += c;
+      if (c == '\n') newline_since_value = true;
+    } else {
+      // A literal (number, true, false, null, or junk the parser rejects).
+      value_start();
+      auto literal = [](char ch) {
+        return std::isalnum(static_cast<unsigned char>(ch)) || ch == '.' || ch == '+' || ch == '-';
+      };
+      size_t j = i;
+      while (j < in.size() && literal(in[j])) ++j;
+      if (j == i) {
+        out += c;  // a character no rule takes: the parser names it
+      } else {
+        out.append(in.substr(i, j - i));
+        i = j - 1;
+      }
+      last = Last::kValue;
+      newline_since_value = false;
+    }
+  }
+  return out;
+}
+
+// Parses JSON, refusing a key given twice in one object (DeepSpeed does).
+Result<Json> ParseStrict(const std::string& text, std::string_view origin) {
+  std::vector<std::set<std::string>> seen;
+  std::vector<std::string> path;
+  std::string duplicate;
+  auto cb = [&](int depth, Json::parse_event_t event, Json& parsed) {
+    switch (event) {
+      case Json::parse_event_t::object_start:
+        seen.emplace_back();
+        break;
+      case Json::parse_event_t::object_end:
+        if (!seen.empty()) seen.pop_back();
+        break;
+      case Json::parse_event_t::key: {
+        const std::string k = parsed.get<std::string>();
+        path.resize(static_cast<size_t>(std::max(depth, 1)));
+        path.back() = k;
+        if (!seen.empty() && !seen.back().insert(k).second && duplicate.empty()) {
+          for (size_t i = 0; i < path.size(); ++i) duplicate += (i ? "." : "") + path[i];
+        }
+        break;
+      }
+      default:
+        break;
+    }
+    return true;
+  };
+  Json doc = Json::parse(text, cb, /*allow_exceptions=*/false);
   if (doc.is_discarded()) {
     // Parse again with exceptions, caught here, only to get nlohmann's
-    // message with the byte position of the error.
+    // message with the position of the error.
     std::string why = "invalid JSON";
     try {
-      const Json probe = Json::parse(json.begin(), json.end());
+      const Json probe = Json::parse(text);
       (void)probe;
     } catch (const Json::exception& e) {  // parse_error, or out_of_range for huge numbers
       why = e.what();
     }
     return Status::InvalidArgument(StrCat(origin, ": ", why));
   }
-  if (!doc.is_object()) {
-    return Status::InvalidArgument(StrCat(origin, ": the config must be a JSON object"));
+  if (!duplicate.empty()) {
+    return Status::InvalidArgument(StrCat(origin, ": key '", duplicate, "' is given twice"));
   }
+  return doc;
+}
+
+const Tunable* FindRow(std::string_view key) {
+  for (const Tunable& t : Table()) {
+    if (t.env[0] != '\0' && key == t.env) return &t;
+    for (const char* k : t.json_keys) {
+      if (key == k) return &t;
+    }
+  }
+  return nullptr;
+}
+
+}  // namespace
+
+Result<Settings> ParseSettings(std::string_view json, std::string_view origin,
+                               const Settings& base) {
   Settings s = base;
+  WalkState w{origin, {}};
   try {
-    ZT_RETURN_IF_ERROR(Walk(doc, "", s, origin));
+    ZT_ASSIGN_OR_RETURN(Json doc, ParseStrict(RelaxedToJson(json), origin));
+    if (!doc.is_object()) {
+      return Status::InvalidArgument(StrCat(origin, ": the config must be a JSON object"));
+    }
+    ZT_RETURN_IF_ERROR(Walk(doc, "", s, w));
   } catch (const Json::exception& e) {  // nothing escapes this component
     return Status::InvalidArgument(StrCat(origin, ": ", e.what()));
+  }
+  if (!w.ignored.empty()) {
+    std::string list;
+    for (const std::string& k : w.ignored) list += (list.empty() ? "" : ", ") + k;
+    ZT_LOG(kWarn, "engine") << origin << ": " << w.ignored.size()
+                            << " DeepSpeed setting(s) mean nothing to ztier and are ignored: "
+                            << list;
   }
   return s;
 }
 
 Result<Settings> LoadSettings(const std::string& path, const Settings& base) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return PosixError(StrCat("open config ", path), errno);
-  std::ostringstream text;
-  text << in.rdbuf();
-  if (in.bad()) return Status::IoError(StrCat("reading config ", path));
-  return ParseSettings(text.str(), path, base);
+  Result<std::string> text = ReadFileToString(path, uint64_t{16} << 20);
+  if (!text.ok()) return text.status().Annotate("config");
+  return ParseSettings(*text, path, base);
 }
 
 Result<Settings> ApplyEnvironment(const Settings& base, const char* const* env) {
   Settings s = base;
   if (env == nullptr) return s;
   for (const Tunable& t : Table()) {
+    if (t.env[0] == '\0') continue;
     const std::string prefix = std::string(t.env) + "=";
     for (const char* const* e = env; *e != nullptr; ++e) {
       if (std::strncmp(*e, prefix.c_str(), prefix.size()) != 0) continue;
-      // An env variable replaces (not merges) the list from the file.
-      if (t.kind == Kind::kList) s.nvme_paths.clear();
+      // A variable replaces (not merges) the list from the file.
+      if (t.type == JsonType::kPaths) s.nvme_paths.clear();
       ZT_RETURN_IF_ERROR(t.set(s, *e + prefix.size(), t.env));
+      Record(s, t, t.env);
     }
   }
+  return s;
+}
+
+Result<Settings> ApplySetting(const Settings& base, std::string_view key, std::string_view text,
+                              std::string_view origin) {
+  const Tunable* t = FindRow(key);
+  if (t == nullptr) return Status::InvalidArgument(StrCat(origin, ": no setting '", key, "'"));
+  Settings s = base;
+  if (t->type == JsonType::kPaths) s.nvme_paths.clear();  // replaces, as a variable does
+  Status st = t->set(s, text, origin);
+  if (!st.ok()) return st;
+  Record(s, *t, origin);
   return s;
 }
 
@@ -483,7 +1000,7 @@ Status Validate(const Settings& s) {
         "device nvme needs swap directories: set zero_optimization.offload_optimizer.nvme_path "
         "or ZTIER_NVME_PATHS");
   }
-  if (s.nvme_capacity_per_path < s.stripe_bytes && !s.nvme_paths.empty()) {
+  if (s.nvme_capacity_per_path != 0 && s.nvme_capacity_per_path < s.stripe_bytes) {
     return Status::InvalidArgument(StrCat("ztier.nvme_capacity (", s.nvme_capacity_per_path,
                                           ") is smaller than one stripe (", s.stripe_bytes, ")"));
   }
@@ -494,23 +1011,53 @@ std::vector<std::string> NonDefaultSettings(const Settings& s) {
   const Settings defaults;
   std::vector<std::string> out;
   for (const Tunable& t : Table()) {
+    if (t.hidden()) continue;
     const std::string now = t.get(s);
-    if (now != t.get(defaults)) out.push_back(StrCat(t.json_keys[0], " = ", now));
+    if (now == t.get(defaults)) continue;
+    auto src = s.sources.find(t.key());
+    out.push_back(StrCat(t.key(), " = ", now,
+                         src != s.sources.end() ? StrCat(" (from ", src->second, ")") : ""));
   }
   return out;
+}
+
+cpu_adam::Hyper TrainingHyper(const Settings& s, cpu_adam::Hyper h) {
+  const TrainingSettings& t = s.training;
+  if (t.optimizer_type) {
+    const bool decoupled = *t.optimizer_type == "adamw" || t.adam_w_mode.value_or(true);
+    h.mode = decoupled ? cpu_adam::Mode::kAdamW : cpu_adam::Mode::kAdam;
+  } else if (t.adam_w_mode) {
+    h.mode = *t.adam_w_mode ? cpu_adam::Mode::kAdamW : cpu_adam::Mode::kAdam;
+  }
+  if (t.lr) h.lr = *t.lr;
+  if (t.beta1) h.beta1 = *t.beta1;
+  if (t.beta2) h.beta2 = *t.beta2;
+  if (t.eps) h.eps = *t.eps;
+  if (t.weight_decay) h.weight_decay = *t.weight_decay;
+  if (t.bias_correction) {
+    h.bias_correction = *t.bias_correction ? cpu_adam::BiasCorrection::kOn
+                                           : cpu_adam::BiasCorrection::kOff;
+  }
+  return h;
 }
 
 std::string DescribeSettings() {
   std::string out = "| config key | environment | default | meaning |\n| --- | --- | --- | --- |\n";
   for (const Tunable& t : Table()) {
+    if (t.hidden()) continue;
     std::string keys;
     for (const char* k : t.json_keys) keys += (keys.empty() ? "" : ", ") + StrCat("`", k, "`");
     out += StrCat("| ", keys, " | `", t.env, "` | ", t.default_text, " | ", t.doc, " |\n");
   }
-  out += "\nAccepted and ignored (DeepSpeed settings with no meaning in ztier): ";
+  out +=
+      "\nAlso read: `zero_optimization.cpu_offload` and `cpu_offload_param(s)` (DeepSpeed's old "
+      "spellings of the devices), `optimizer.params.amsgrad` (false only).\n"
+      "\nAccepted and ignored (DeepSpeed settings with no meaning in ztier; `x.*` is everything "
+      "under x): ";
   std::string ignored;
-  for (const char* k : IgnoredKeys())
+  for (const char* k : IgnoredKeys()) {
     ignored += (ignored.empty() ? "" : ", ") + StrCat("`", k, "`");
+  }
   return out + ignored + ".\n";
 }
 

@@ -48,7 +48,8 @@ TEST(SettingsTest, ReadsDeepSpeedOffloadConfig) {
   EXPECT_TRUE(Validate(*s).ok());
   const std::vector<std::string> changed = NonDefaultSettings(*s);
   EXPECT_EQ(changed.size(), 11u);
-  EXPECT_NE(std::find(changed.begin(), changed.end(), "aio.queue_depth = 32"), changed.end());
+  EXPECT_NE(std::find(changed.begin(), changed.end(), "aio.queue_depth = 32 (from ds_config.json)"),
+            changed.end());
 }
 
 TEST(SettingsTest, ReadsStage3ClientSettingsAsDeepSpeedWritesThem) {
@@ -88,25 +89,42 @@ TEST(SettingsTest, RejectsBadConfigsNamingTheKey) {
   const BadCase cases[] = {
       {R"({"zero_optimization": {"offload_optimizer": {"nvme_pth": "/x"}}})",
        "unknown key 'zero_optimization.offload_optimizer.nvme_pth'"},
-      {R"({"train_batch_size": 8})", "unknown key 'train_batch_size'"},
-      {R"({"aio": {"queue_depth": "deep"}})", "aio.queue_depth: 'deep' is not an integer"},
+      {R"({"train_batch_sise": 8})", "unknown key 'train_batch_sise'"},
+      {R"({"aio": {"queue_depth": "deep"}})", "aio.queue_depth: expected a number, got string"},
       {R"({"aio": {"queue_depth": 0}})", "aio.queue_depth: 0 is outside 1..4096"},
-      {R"({"aio": {"queue_depth": 1.5}})", "aio.queue_depth: 1.5 is not an integer"},
+      {R"({"aio": {"queue_depth": 1.5}})", "aio.queue_depth: '1.5' is not an integer"},
       {R"({"aio": {"block_size": 1000}})", "aio.block_size: 1000 is not a multiple of 4096"},
       {R"({"aio": 7})", "'aio' must be an object"},
-      {R"({"ztier": {"dram_budget": "12Q"}})", "ztier.dram_budget: unknown size suffix"},
+      {R"({"ztier": {"dram_budget": "12Q"}})", "ztier.dram_budget: '12Q' is not a size"},
       {R"({"ztier": {"dram_budget": 0}})", "ztier.dram_budget: must be > 0"},
-      {R"({"ztier": {"checksums": "maybe"}})", "ztier.checksums: 'maybe' is not a boolean"},
-      {R"({"ztier": {"huge_pages": {}}})", "ztier.huge_pages: expected a scalar, got object"},
+      {R"({"ztier": {"checksums": "maybe"}})", "ztier.checksums: expected true or false, got string"},
+      {R"({"ztier": {"huge_pages": {}}})", "ztier.huge_pages: expected a string, got object"},
       {R"({"zero_optimization": {"offload_optimizer": {"device": "gpu"}}})",
-       "device 'gpu' is not cpu or nvme"},
+       "device 'gpu' is not cpu, nvme or none"},
+      {R"({"zero_optimization": {"offload_optimizer": {"nvme_path": 5}}})",
+       "nvme_path: expected a string or a list of strings, got number"},
+      {R"({"zero_optimization": {"offload_optimizer": {"buffer_count": "4"}}})",
+       "buffer_count: expected a number, got string"},
+      {R"({"zero_optimization": {"offload_param": {"pin_memory": "true"}}})",
+       "pin_memory: expected true or false, got string"},
+      {R"({"aio": {"queue_depth": 4}, "aio": {"queue_depth": 8}})", "key 'aio' is given twice"},
+      {R"({"aio": {"queue_depth": 4, "queue_depth": 8}})", "key 'aio.queue_depth' is given twice"},
+      {R"({"optimizer": {"type": "Lamb"}})", "'Lamb' is not an optimizer ztier runs"},
+      {R"({"optimizer": {"params": {"amsgrad": true}}})", "no AMSGrad"},
+      {R"({"optimizer": {"params": {"betas": [0.9]}}})", "expected a list of two numbers"},
+      {R"({"optimizer": {"params": {"betas": [0.9, 1.0]}}})", "betas must be below 1"},
+      {R"({"optimizer": {"params": {"lr": "fast"}}})", "expected a number"},
+      {R"({"gradient_clipping": -1})", "gradient_clipping: -1 is outside"},
+      {R"({"activation_checkpointing": {"partition_activation": true}})",
+       "unknown key 'activation_checkpointing.partition_activation'"},
+      {R"({"fp16": {"enabeld": true}})", "unknown key 'fp16.enabeld'"},
       {R"({"zero_optimization": {"offload_optimizer": {"nvme_path": [1]}}})",
        "list items must be strings"},
       {R"({"zero_optimization": {"offload_optimizer": {"nvme_path": "/a"},
                                   "offload_param": {"nvme_path": "/b"}}})",
        "both must name the same list"},
       {R"([1, 2])", "must be a JSON object"},
-      {"{\"aio\": {\n  \"queue_depth\": 4,\n}}", "parse error"},
+      {"{\"aio\": {\"queue_depth\": 4 5}}", "parse error"},
       {"", "parse error"},
   };
   for (const BadCase& c : cases) {
@@ -120,9 +138,194 @@ TEST(SettingsTest, RejectsBadConfigsNamingTheKey) {
 }
 
 TEST(SettingsTest, SyntaxErrorsCarryAPosition) {
-  Result<Settings> s = ParseSettings("{\"aio\": {\"queue_depth\": 4,, }}", "cfg.json");
+  Result<Settings> s = ParseSettings("{\"aio\":\n {\"queue_depth\": 4,, }}", "cfg.json");
   ASSERT_FALSE(s.ok());
-  EXPECT_NE(s.status().message().find("line 1, column 27"), std::string::npos) << s.status();
+  EXPECT_NE(s.status().message().find("line 2, column"), std::string::npos) << s.status();
+}
+
+// DeepSpeed reads configs with hjson, and its documentation's examples
+// depend on it. Each of these is copied verbatim from DeepSpeed's docs.
+TEST(SettingsTest, ReadsTheDeepSpeedDocumentationConfigsVerbatim) {
+  // https://www.deepspeed.ai/tutorials/zero-offload/ (a trailing comma and
+  // a missing comma, as published).
+  const char* zero_offload = R"({
+    "zero_optimization": {
+        "stage": 2,
+        "offload_optimizer": {
+            "device": "cpu",
+        }
+        "contiguous_gradients": true,
+        "overlap_comm": true
+    }
+})";
+  Settings nvme_default;
+  nvme_default.optimizer_tier = Tier::kNvme;
+  Result<Settings> a = ParseSettings(zero_offload, "zero-offload.json", nvme_default);
+  ASSERT_TRUE(a.ok()) << a.status();
+  EXPECT_EQ(a->optimizer_tier, Tier::kDram) << "the config's device must win over the base";
+
+  // https://www.deepspeed.ai/tutorials/zero/ "Offloading to CPU and NVMe
+  // with ZeRO-Infinity".
+  const char* zero_infinity = R"({
+    "zero_optimization": {
+        "stage": 3,
+        "contiguous_gradients": true,
+        "stage3_max_live_parameters": 1e9,
+        "stage3_max_reuse_distance": 1e9,
+        "stage3_prefetch_bucket_size": 1e7,
+        "stage3_param_persistence_threshold": 1e5,
+        "reduce_bucket_size": 1e7,
+        "sub_group_size": 1e9,
+        "offload_optimizer": {
+            "device": "cpu"
+         },
+        "offload_param": {
+            "device": "cpu"
+       }
+   }
+})";
+  Result<Settings> b = ParseSettings(zero_infinity, "zero-infinity.json");
+  ASSERT_TRUE(b.ok()) << b.status();
+  EXPECT_EQ(b->max_live_parameters, 1000000000u);
+  EXPECT_EQ(b->param_persistence_threshold, 100000u);
+
+  // The NVMe form: https://www.deepspeed.ai/docs/config-json/ offload_param,
+  // offload_optimizer and aio blocks with their documented values.
+  const char* nvme = R"({
+  "zero_optimization": {
+    "stage": 3,
+    "offload_param": {
+      "device": "nvme",
+      "nvme_path": "/local_nvme",
+      "pin_memory": true,
+      "buffer_count": 5,
+      "buffer_size": 1e8,
+      "max_in_cpu": 1e9
+    },
+    "offload_optimizer": {
+      "device": "nvme",
+      "nvme_path": "/local_nvme",
+      "pin_memory": true,
+      "ratio": 0.3,
+      "buffer_count": 5,
+      "fast_init": false
+    }
+  },
+  "aio": {
+    "block_size": 1048576,
+    "queue_depth": 8,
+    "thread_count": 1,
+    "single_submit": false,
+    "overlap_events": true
+  }
+})";
+  Result<Settings> c = ParseSettings(nvme, "zero-infinity-nvme.json");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->optimizer_tier, Tier::kNvme);
+  EXPECT_EQ(c->param_tier, Tier::kNvme) << "offload_param.device nvme must put params on nvme";
+  EXPECT_EQ(c->nvme_paths, std::vector<std::string>{"/local_nvme"});
+  EXPECT_EQ(c->buffer_count, 5u);
+  EXPECT_EQ(c->queue_depth, 8u);
+  EXPECT_TRUE(Validate(*c).ok());
+
+  // DeepSpeedExamples' ZeRO-Infinity config misspells a key; the typo is
+  // named rather than silently dropped.
+  Result<Settings> typo = ParseSettings(
+      R"({"zero_optimization": {"stage": 3, "stage3_param_persitence_threshold": 1e5}})",
+      "ds_zero_stage_infinity_config.json");
+  ASSERT_FALSE(typo.ok());
+  EXPECT_NE(typo.status().message().find("stage3_param_persitence_threshold"), std::string::npos);
+}
+
+TEST(SettingsTest, ReadsATypicalZero3TrainingConfig) {
+  const char* json = R"({
+    // A Hugging Face style ZeRO-3 full-offload config.
+    "train_batch_size": 64,
+    "train_micro_batch_size_per_gpu": 8,
+    "gradient_accumulation_steps": 4,
+    "steps_per_print": 10,
+    "wall_clock_breakdown": false,
+    "bf16": {"enabled": true},
+    "fp16": {"enabled": "auto"},
+    "gradient_clipping": 0.5,
+    "optimizer": {"type": "AdamW",
+                  "params": {"lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-8,
+                             "weight_decay": 0.1, "torch_adam": false}},
+    "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 100}},
+    "activation_checkpointing": {"partition_activations": false, "cpu_checkpointing": false,
+                                 "contiguous_memory_optimization": false,
+                                 "number_checkpoints": null,
+                                 "synchronize_checkpoint_boundary": false, "profile": false},
+    "zero_optimization": {"stage": 3, "overlap_comm": true,
+                          "offload_optimizer": {"device": "cpu", "pin_memory": true},
+                          "offload_param": {"device": "cpu", "pin_memory": true},
+                          "stage3_prefetch_bucket_size": "auto",
+                          "stage3_gather_16bit_weights_on_model_save": true},
+  })";
+  ::testing::internal::CaptureStderr();
+  Result<Settings> s = ParseSettings(json, "ds_config.json");
+  const std::string log = ::testing::internal::GetCapturedStderr();
+  ASSERT_TRUE(s.ok()) << s.status();
+  const TrainingSettings& t = s->training;
+  EXPECT_EQ(t.train_batch, 64);
+  EXPECT_EQ(t.micro_batch, 8);
+  EXPECT_EQ(t.grad_accumulation, 4);
+  EXPECT_FLOAT_EQ(*t.clip_norm, 0.5f);
+  EXPECT_TRUE(*t.activation_checkpointing);
+  const cpu_adam::Hyper h = TrainingHyper(*s, {});
+  EXPECT_FLOAT_EQ(h.lr, 3e-4f);
+  EXPECT_FLOAT_EQ(h.beta2, 0.95f);
+  EXPECT_FLOAT_EQ(h.weight_decay, 0.1f);
+  EXPECT_EQ(h.mode, cpu_adam::Mode::kAdamW);
+  // The ignored keys are listed once, in one line.
+  EXPECT_NE(log.find("are ignored: "), std::string::npos) << log;
+  EXPECT_NE(log.find("scheduler"), std::string::npos) << log;
+  EXPECT_NE(log.find("zero_optimization.stage3_gather_16bit_weights_on_model_save"),
+            std::string::npos)
+      << log;
+  EXPECT_EQ(log.find("ignored", log.find("ignored") + 1), std::string::npos) << log;
+}
+
+TEST(SettingsTest, AdamFollowsDeepSpeedsAdamWMode) {
+  Result<Settings> adam = ParseSettings(R"({"optimizer": {"type": "Adam"}})", "x");
+  ASSERT_TRUE(adam.ok());
+  EXPECT_EQ(TrainingHyper(*adam, {}).mode, cpu_adam::Mode::kAdamW);
+  Result<Settings> l2 =
+      ParseSettings(R"({"optimizer": {"type": "Adam", "params": {"adam_w_mode": false}}})", "x");
+  ASSERT_TRUE(l2.ok());
+  EXPECT_EQ(TrainingHyper(*l2, {}).mode, cpu_adam::Mode::kAdam);
+  EXPECT_EQ(TrainingHyper(Settings(), {.lr = 0.5f}).lr, 0.5f) << "unset keeps the program's";
+}
+
+TEST(SettingsTest, PrecedenceIsDefaultsConfigEnvironmentFlagsAndEachSourceIsNamed) {
+  Settings base;
+  base.optimizer_tier = Tier::kNvme;  // a program's own default
+  Result<Settings> file = ParseSettings(
+      R"({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}, "aio": {"queue_depth": 8},
+          "optimizer": {"params": {"lr": 0.01}}})",
+      "cfg.json", base);
+  ASSERT_TRUE(file.ok()) << file.status();
+  EXPECT_EQ(file->optimizer_tier, Tier::kDram);
+  const char* env[] = {"ZTIER_QUEUE_DEPTH=12", "ZTIER_LR=0.02", nullptr};
+  Result<Settings> e = ApplyEnvironment(*file, env);
+  ASSERT_TRUE(e.ok());
+  Result<Settings> f = ApplySetting(*e, "optimizer.params.lr", "0.03", "--lr");
+  ASSERT_TRUE(f.ok()) << f.status();
+  EXPECT_FLOAT_EQ(*f->training.lr, 0.03f);
+  EXPECT_EQ(f->queue_depth, 12u);
+  const std::vector<std::string> lines = NonDefaultSettings(*f);
+  auto has = [&](const std::string& line) {
+    return std::find(lines.begin(), lines.end(), line) != lines.end();
+  };
+  EXPECT_TRUE(has("aio.queue_depth = 12 (from ZTIER_QUEUE_DEPTH)"));
+  EXPECT_TRUE(has("optimizer.params.lr = 0.03 (from --lr)"));
+  EXPECT_FALSE(has("zero_optimization.offload_optimizer.device = cpu (from cfg.json)"))
+      << "cpu is the default, so it is not listed";
+  Result<Settings> bad = ApplySetting(*f, "ZTIER_QUEUE_DEPTH", "0", "--qd");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("--qd"), std::string::npos) << bad.status();
+  EXPECT_FALSE(ApplySetting(*f, "no.such", "1", "--x").ok());
+  EXPECT_FALSE(ApplySetting(*f, "ZTIER_NVME_PATHS", ",", "--swap-dir").ok());
 }
 
 TEST(SettingsTest, EnvironmentOverridesTheFile) {
