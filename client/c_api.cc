@@ -185,6 +185,18 @@ ztier_status ztier_model_read_master(const ztier_model* model, int32_t unit, flo
   return ZTIER_OK;
 }
 
+ztier_status ztier_model_claim_checkpoint_dir(ztier_model* model, const char* dir) {
+  if (model == nullptr) return Null("model");
+  if (dir == nullptr) return Null("dir");
+  return Report(model->model->ClaimCheckpointDir(dir));
+}
+
+ztier_status ztier_install_stop_handlers(void) {
+  return Report(ztier::client::InstallStopHandlers());
+}
+
+int ztier_stop_requested(void) { return ztier::client::StopRequested(); }
+
 ztier_status ztier_model_save_checkpoint(ztier_model* model, const char* dir) {
   if (model == nullptr) return Null("model");
   if (dir == nullptr) return Null("dir");

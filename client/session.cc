@@ -44,6 +44,9 @@ class EmbeddedTransport final : public Transport {
     return e_->WaitPublished(job, unit, step, timeout);
   }
   int64_t PublishedStep(int job, int unit) override { return e_->PublishedStep(job, unit); }
+  Status ClaimCheckpointDir(int job, const std::string& dir) override {
+    return e_->ClaimCheckpointDir(job, dir);
+  }
   Status SaveCheckpoint(int job, const std::string& dir) override {
     return e_->SaveCheckpoint(job, dir);
   }
@@ -58,6 +61,7 @@ class EmbeddedTransport final : public Transport {
     return e_->ImportSafetensors(job, path);
   }
   engine::JobCounters Counters(int job) override { return e_->counters(job); }
+  engine::DramPoolStats PoolStats() override { return e_->pool_stats(); }
   std::vector<std::pair<void*, uint64_t>> PinnedRegions() override { return e_->PinnedRegions(); }
 
  private:
@@ -93,6 +97,8 @@ Result<std::unique_ptr<Session>> Session::Open(const SessionOptions& options) {
 }
 
 std::string Session::transport_name() const { return transport_->name(); }
+
+engine::DramPoolStats Session::pool_stats() const { return transport_->PoolStats(); }
 
 Result<std::unique_ptr<Model>> Session::RegisterModel(const ModelSpec& spec) {
   if (spec.world_size < 1) {
@@ -161,6 +167,9 @@ Status Model::ImportSafetensors(const std::string& path) {
 }
 Status Model::ExportSafetensors(const std::string& path, engine::Engine::ExportType type) {
   return transport_->ExportSafetensors(job_, path, type);
+}
+Status Model::ClaimCheckpointDir(const std::string& dir) {
+  return transport_->ClaimCheckpointDir(job_, dir);
 }
 Status Model::SaveCheckpoint(const std::string& dir) {
   return transport_->SaveCheckpoint(job_, dir);

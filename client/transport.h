@@ -42,12 +42,14 @@ class Transport {
                                std::chrono::milliseconds timeout) = 0;
   virtual int64_t PublishedStep(int job, int unit) = 0;
 
+  virtual Status ClaimCheckpointDir(int job, const std::string& dir) = 0;
   virtual Status SaveCheckpoint(int job, const std::string& dir) = 0;
   virtual Status LoadCheckpoint(int job, const std::string& dir) = 0;
   virtual Status ExportSafetensors(int job, const std::string& path,
                                    engine::Engine::ExportType type) = 0;
   virtual Status ImportSafetensors(int job, const std::string& path) = 0;
   virtual engine::JobCounters Counters(int job) = 0;
+  virtual engine::DramPoolStats PoolStats() = 0;
   // Host memory regions the client's device should register for DMA.
   virtual std::vector<std::pair<void*, uint64_t>> PinnedRegions() = 0;
 };

@@ -172,6 +172,8 @@ class Session {
   Session& operator=(const Session&) = delete;
 
   std::string transport_name() const;  // "embedded" or "daemon"
+  // The engine's pinned DRAM pool: budget, use, and the page size it got.
+  engine::DramPoolStats pool_stats() const;
   // The settings the session was opened with (runner defaults among them).
   const engine::Settings& settings() const { return settings_; }
 
@@ -213,6 +215,13 @@ class Model {
   Status SetWeights(int unit, const float* flat, uint64_t numel);
   Status ImportSafetensors(const std::string& path);
   Status ExportSafetensors(const std::string& path, engine::Engine::ExportType type);
+  // Locks `dir` for this model's checkpoints until the model is closed, so
+  // that a second run (in this process or another) on the same directory is
+  // refused at once, naming the holder's pid (engine::Engine::
+  // ClaimCheckpointDir). Save and load lock it themselves; claim first to
+  // fail before training. Errors: Unavailable (in use), IoError (cannot
+  // create it: a read-only filesystem, ...).
+  Status ClaimCheckpointDir(const std::string& dir);
   Status SaveCheckpoint(const std::string& dir);
   Status LoadCheckpoint(const std::string& dir);
   // The fp32 master weights of a unit (layout(unit).padded elements), for
@@ -334,6 +343,19 @@ class Stage3Runner {
   explicit Stage3Runner(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;
 };
+
+// --------------------------------------------------------------- stopping --
+
+// A clean stop on SIGINT / SIGTERM for a training loop (what ztier-train
+// does): InstallStopHandlers() makes the first such signal only record its
+// number, which StopRequested() returns; the loop checks it at a step
+// boundary, saves a checkpoint (and whatever else it owes) and exits with
+// 128 + the signal. A second SIGINT or SIGTERM ends the process at once.
+// Process-wide; the handler is async-signal-safe. Errors: IoError (a
+// sigaction failed).
+Status InstallStopHandlers();
+// 0 until a stop was requested; then SIGINT or SIGTERM.
+int StopRequested();
 
 }  // namespace ztier::client
 

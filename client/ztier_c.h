@@ -90,12 +90,22 @@ ztier_status ztier_model_set_weights(ztier_model* model, int32_t unit, const flo
                                      uint64_t numel);
 ztier_status ztier_model_read_master(const ztier_model* model, int32_t unit, float* out,
                                      uint64_t padded);
+/* Locks `dir` for this model's checkpoints until the model is closed; a
+ * second user of it is refused (ZTIER_UNAVAILABLE, naming the holder). */
+ztier_status ztier_model_claim_checkpoint_dir(ztier_model* model, const char* dir);
 ztier_status ztier_model_save_checkpoint(ztier_model* model, const char* dir);
 ztier_status ztier_model_load_checkpoint(ztier_model* model, const char* dir);
 /* dtype: 0 bf16, 1 fp32 */
 ztier_status ztier_model_export_safetensors(ztier_model* model, const char* path, int32_t dtype);
 ztier_status ztier_model_import_safetensors(ztier_model* model, const char* path);
 int64_t ztier_model_published_step(const ztier_model* model);
+
+/* A clean stop: after ztier_install_stop_handlers(), the first SIGINT or
+ * SIGTERM is only recorded and ztier_stop_requested() returns its number
+ * (0 before); check it at a step boundary, save a checkpoint and exit with
+ * 128 + the signal. A second signal ends the process at once. */
+ztier_status ztier_install_stop_handlers(void);
+int ztier_stop_requested(void);
 
 /* The host device (host memory, a copy thread) or CUDA device `ordinal`. */
 ztier_status ztier_device_open_host(ztier_device** out);

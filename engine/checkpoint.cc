@@ -1,22 +1,29 @@
-// ztier engine: checkpoints (see Engine::SaveCheckpoint / LoadCheckpoint).
+// ztier engine: checkpoints (see Engine::SaveCheckpoint / LoadCheckpoint;
+// the format and its checks: checkpoint_manifest.h).
 //
-// Shard file (little endian): "ZTCKPT01", u32 version, u32 unit, u32 rank,
-// u32 reserved, u64 elements, then elements x fp32 master, exp_avg and
-// exp_avg_sq. The manifest lists every file with its size and CRC-32C and
-// carries a checksum of its own canonical JSON.
+// A save writes every shard file under a name no committed checkpoint uses
+// (the step and a random tag), then the manifest atomically; only then are
+// the previous checkpoint's files removed. A save that fails removes the
+// files it wrote that the manifest on disk does not name, so a full disk
+// keeps no half-written checkpoint and the last committed one stays whole.
+// A job holds a lock on every checkpoint directory it used (exclusive once
+// it saved there, shared while it only loaded) until it is unregistered.
 #include <fcntl.h>
 #include <unistd.h>
 
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
+#include <random>
 #include <set>
+#include <utility>
 
 #include <nlohmann/json.hpp>
 
 #include "common/crc32c.h"
 #include "common/file_util.h"
+#include "common/log.h"
+#include "engine/checkpoint_manifest.h"
 #include "engine/engine_internal.h"
 #include "engine/safetensors.h"
 
@@ -27,17 +34,9 @@ namespace fs = std::filesystem;
 using Json = nlohmann::json;
 
 constexpr char kMagic[8] = {'Z', 'T', 'C', 'K', 'P', 'T', '0', '1'};
-constexpr uint32_t kVersion = 1;
-constexpr size_t kHeader = 32;
-constexpr const char* kFormat = "ztier-checkpoint";
+constexpr char kLockFile[] = "ztier-checkpoint.lock";
 
-uint32_t ManifestChecksum(Json manifest) {
-  manifest.erase("checksum");
-  const std::string canonical = manifest.dump();
-  return Crc32c(canonical.data(), canonical.size());
-}
-
-Json OptimizerJson(const OptimizerConfig& o) {
+std::string OptimizerJson(const OptimizerConfig& o) {
   return Json{{"lr", o.hyper.lr},
               {"beta1", o.hyper.beta1},
               {"beta2", o.hyper.beta2},
@@ -47,191 +46,315 @@ Json OptimizerJson(const OptimizerConfig& o) {
               {"bias_correction", o.hyper.bias_correction == cpu_adam::BiasCorrection::kOn},
               {"clip_norm", o.clip_norm},
               {"grad_accumulation", o.grad_accumulation},
-              {"step_mode", o.mode == StepMode::kExact ? "exact" : "eager"}};
+              {"step_mode", o.mode == StepMode::kExact ? "exact" : "eager"}}
+      .dump();
+}
+
+std::string ShapeText(const std::vector<int64_t>& shape) {
+  std::string out = "[";
+  for (size_t i = 0; i < shape.size(); ++i) out += StrCat(i ? ", " : "", shape[i]);
+  return out + "]";
+}
+
+// The directory as one key, however it was spelled.
+std::string DirKey(const std::string& dir) {
+  std::error_code ec;
+  fs::path p = fs::absolute(dir, ec).lexically_normal();
+  std::string key = (ec ? fs::path(dir) : p).string();
+  while (key.size() > 1 && key.back() == '/') key.pop_back();
+  return key;
+}
+
+Status CreateDir(const std::string& dir) {
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec) return PosixError(StrCat("create checkpoint directory ", dir), ec.value());
+  return Status::Ok();
+}
+
+// Removes the files of a failed save that the manifest now on disk does not
+// name (the manifest may have been renamed into place before the failure).
+void RemoveUncommitted(const std::string& dir, const std::vector<std::string>& written) {
+  std::set<std::string> named;
+  const std::string manifest = (fs::path(dir) / kCheckpointManifestName).string();
+  Result<std::string> text = ReadFileToString(manifest, kMaxManifestBytes);
+  if (text.ok()) {
+    Result<CheckpointManifest> m = DecodeCheckpointManifest(*text, manifest);
+    if (m.ok()) {
+      for (const CheckpointUnit& u : m->units) {
+        for (const CheckpointShard& s : u.shards) named.insert(s.file);
+      }
+    }
+  }
+  for (const std::string& name : written) {
+    if (named.count(name) != 0) continue;
+    Status s = RemoveFile((fs::path(dir) / name).string());
+    if (!s.ok()) {
+      ZT_LOG(kWarn, "engine") << "removing a file of a failed checkpoint save: " << s;
+    }
+  }
+}
+
+// A tag that makes this save's file names its own.
+std::string SaveTag() {
+  std::random_device rd;
+  char buf[16];
+  std::snprintf(buf, sizeof(buf), "%08x", rd());
+  return buf;
 }
 
 }  // namespace
 
-Status SaveCheckpointImpl(Job& job, const std::string& dir) {
-  std::error_code ec;
-  fs::create_directories(dir, ec);
-  if (ec) return Status::IoError(StrCat("create checkpoint directory ", dir, ": ", ec.message()));
-  const int64_t step = job.step;
-  Json units = Json::array();
-  std::set<std::string> keep = {"manifest.json"};
-  ZT_RETURN_IF_ERROR(ForEachUnitState(
+Status CheckpointDirs::Claim(const Job& job, const std::string& dir) {
+  const std::string key = DirKey(dir);
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = entries_.find(key);
+  if (it != entries_.end()) {
+    if (it->second.job == job.id) return Status::Ok();
+    return Status::Unavailable(StrCat("checkpoint directory ", dir, " is used by job '",
+                                      it->second.job_name,
+                                      "' of this process for its checkpoints; choose another "
+                                      "directory"));
+  }
+  ZT_ASSIGN_OR_RETURN(DirLock l, DirLock::Acquire(dir, kLockFile, "checkpoint directory",
+                                                  DirLock::Mode::kExclusive));
+  entries_.emplace(key, Entry{std::move(l), job.id, job.spec.name});
+  return Status::Ok();
+}
+
+void CheckpointDirs::Release(int job) {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::erase_if(entries_, [&](const auto& e) { return e.second.job == job; });
+}
+
+Status SaveCheckpointImpl(Job& job, const std::string& dir, CheckpointDirs& dirs) {
+  ZT_RETURN_IF_ERROR(CreateDir(dir));
+  ZT_RETURN_IF_ERROR(dirs.Claim(job, dir));
+  CheckpointManifest manifest;
+  manifest.job = job.spec.name;
+  manifest.step = job.step;
+  manifest.adam_step = job.adam_step;
+  manifest.ranks = job.spec.ranks;
+  manifest.optimizer_json = OptimizerJson(job.spec.optimizer);
+  const std::string tag = SaveTag();
+  std::vector<std::string> written;
+  Status s = ForEachUnitState(
       job, ForwardOrder(job), Access::kRead, [&](size_t k, const StateView& state) -> Status {
         const Unit& u = job.units[k];
         const UnitSpec& us = job.spec.units[k];
-        Json tensors = Json::array();
-        for (const TensorSpec& t : us.tensors)
-          tensors.push_back({{"name", t.name}, {"shape", t.shape}});
-        Json shards = Json::array();
+        CheckpointUnit& cu = manifest.units.emplace_back();
+        cu.name = us.name;
+        cu.numel = u.layout.numel;
+        cu.padded = u.layout.padded;
+        for (const TensorSpec& t : us.tensors) cu.tensors.push_back({t.name, t.shape});
         for (int r = 0; r < job.spec.ranks; ++r) {
           const uint64_t n = u.layout.shard;
           const uint64_t off = static_cast<uint64_t>(r) * n;
-          std::string data(kHeader + 3 * n * sizeof(float), '\0');
+          std::string data(ShardFileBytes(n), '\0');
           std::memcpy(data.data(), kMagic, 8);
-          const uint32_t fields[4] = {kVersion, static_cast<uint32_t>(k), static_cast<uint32_t>(r),
-                                      0};
+          const uint32_t fields[4] = {kCheckpointVersion, static_cast<uint32_t>(k),
+                                      static_cast<uint32_t>(r), 0};
           std::memcpy(data.data() + 8, fields, 16);
           std::memcpy(data.data() + 24, &n, 8);
-          char* body = data.data() + kHeader;
+          char* body = data.data() + kShardHeaderBytes;
           std::memcpy(body, state.master + off, n * 4);
           std::memcpy(body + n * 4, state.exp_avg + off, n * 4);
           std::memcpy(body + 2 * n * 4, state.exp_avg_sq + off, n * 4);
-          const std::string name = StrCat("unit-", k, "-rank-", r, "-step-", step, ".bin");
+          const std::string name =
+              StrCat("unit-", k, "-rank-", r, "-step-", job.step, "-", tag, ".bin");
           ZT_RETURN_IF_ERROR(WriteFileAtomically((fs::path(dir) / name).string(), data));
-          keep.insert(name);
-          shards.push_back({{"file", name},
-                            {"rank", r},
-                            {"elements", n},
-                            {"bytes", data.size()},
-                            {"crc32c", Crc32c(data.data(), data.size())}});
+          written.push_back(name);
+          cu.shards.push_back({.file = name,
+                               .rank = r,
+                               .elements = n,
+                               .bytes = data.size(),
+                               .crc32c = Crc32c(data.data(), data.size())});
         }
-        units.push_back({{"name", us.name},
-                         {"numel", u.layout.numel},
-                         {"padded", u.layout.padded},
-                         {"tensors", tensors},
-                         {"shards", shards}});
         return Status::Ok();
-      }));
-  Json manifest = {{"format", kFormat},
-                   {"version", kVersion},
-                   {"job", job.spec.name},
-                   {"step", step},
-                   {"adam_step", job.adam_step},
-                   {"ranks", job.spec.ranks},
-                   {"optimizer", OptimizerJson(job.spec.optimizer)},
-                   {"units", units}};
-  manifest["checksum"] = ManifestChecksum(manifest);
-  ZT_RETURN_IF_ERROR(FsyncPath(dir, true));  // the shard files' names
-  ZT_RETURN_IF_ERROR(
-      WriteFileAtomically((fs::path(dir) / "manifest.json").string(), manifest.dump(1)));
-  ZT_RETURN_IF_ERROR(FsyncPath(dir, true));
-  // The new checkpoint is committed: drop files of older ones.
+      });
+  if (s.ok()) s = FsyncPath(dir, /*directory=*/true);  // the shard files' names
+  if (s.ok()) {
+    s = WriteFileAtomically((fs::path(dir) / kCheckpointManifestName).string(),
+                            EncodeCheckpointManifest(manifest));
+  }
+  if (!s.ok()) {
+    RemoveUncommitted(dir, written);
+    return s;
+  }
+  // The new checkpoint is committed: drop the files of older ones.
+  const std::set<std::string> keep(written.begin(), written.end());
+  std::error_code ec;
   for (const auto& entry : fs::directory_iterator(dir, ec)) {
     const std::string name = entry.path().filename().string();
-    if (name.starts_with("unit-") && keep.count(name) == 0) fs::remove(entry.path(), ec);
+    if (!name.starts_with("unit-") || keep.count(name) != 0) continue;
+    Status removed = RemoveFile(entry.path().string());
+    if (!removed.ok()) {
+      ZT_LOG(kWarn, "engine") << "removing a file of an older checkpoint: " << removed;
+    }
   }
   return Status::Ok();
 }
 
-Status LoadCheckpointImpl(Job& job, const std::string& dir, const PublishFn& publish) {
-  const fs::path manifest_path = fs::path(dir) / "manifest.json";
-  ZT_ASSIGN_OR_RETURN(std::string text, ReadFileToString(manifest_path.string()));
-  auto bad = [&](std::string_view why) {
-    return Status::Corruption(StrCat("checkpoint manifest ", manifest_path.string(), ": ", why));
+namespace {
+
+// The first difference between the checkpoint's units and the job's, named
+// down to the tensor and both shapes.
+Status CheckLayout(const Job& job, const CheckpointManifest& m, const std::string& dir) {
+  auto mismatch = [&](std::string_view what) {
+    return Status::InvalidArgument(StrCat("checkpoint ", dir, " does not fit job '", job.spec.name,
+                                          "': ", what));
   };
-  Json m = Json::parse(text, nullptr, /*allow_exceptions=*/false);
-  if (m.is_discarded() || !m.is_object()) return bad("not valid JSON (truncated?)");
-  try {
-    if (m.value("format", "") != kFormat) return bad("not a ztier checkpoint");
-    if (m.value("version", 0u) != kVersion) {
-      return bad(
-          StrCat("version ", m.value("version", 0u), " is not the supported version ", kVersion));
-    }
-    if (!m.contains("checksum") || m["checksum"].get<uint32_t>() != ManifestChecksum(m)) {
-      return bad("checksum mismatch (the manifest was altered or damaged)");
-    }
-    const int ranks = m.at("ranks").get<int>();
-    const Json& units = m.at("units");
-    if (ranks < 1 || !units.is_array() || units.size() != job.units.size()) {
-      return Status::InvalidArgument(StrCat("checkpoint ", dir, " has ", units.size(),
-                                            " units; job '", job.spec.name, "' has ",
-                                            job.units.size()));
-    }
-    // Check the whole layout before touching the job.
-    for (size_t k = 0; k < job.units.size(); ++k) {
-      const Json& cu = units[k];
-      const UnitSpec& us = job.spec.units[k];
-      if (cu.at("name").get<std::string>() != us.name ||
-          cu.at("numel").get<uint64_t>() != job.units[k].layout.numel ||
-          cu.at("tensors").size() != us.tensors.size()) {
-        return Status::InvalidArgument(StrCat("checkpoint unit ", k, " ('",
-                                              cu.at("name").get<std::string>(),
-                                              "') does not match the job's unit '", us.name, "'"));
-      }
-      for (size_t t = 0; t < us.tensors.size(); ++t) {
-        if (cu["tensors"][t].at("shape").get<std::vector<int64_t>>() != us.tensors[t].shape) {
-          return Status::InvalidArgument(StrCat("checkpoint unit '", us.name, "' tensor '",
-                                                us.tensors[t].name, "' has another shape"));
-        }
-      }
-      if (cu.at("shards").size() != static_cast<size_t>(ranks)) return bad("shard list size");
-    }
-    // Reads unit k's shards into a flat buffer of the checkpoint's layout,
-    // verifying sizes, checksums and headers; with `apply`, lays the state
-    // out for this job's rank count. Run once over every unit without
-    // applying, so a damaged file leaves the job untouched, then to apply.
-    auto load_unit = [&](size_t k, const StateView* apply) -> Status {
-      Unit& u = job.units[k];
-      const Json& cu = units[k];
-      const uint64_t old_padded = cu.at("padded").get<uint64_t>();
-      if (old_padded < u.layout.numel || old_padded % ranks != 0) return bad("unit padding");
-      std::vector<float> flat[3];
-      if (apply) {
-        for (auto& f : flat) f.assign(old_padded, 0.0f);
-      }
-      const uint64_t shard = old_padded / ranks;
-      for (int r = 0; r < ranks; ++r) {
-        const Json& s = cu["shards"][r];
-        const std::string file = s.at("file").get<std::string>();
-        if (file.find('/') != std::string::npos) return bad(StrCat("file name '", file, "'"));
-        ZT_ASSIGN_OR_RETURN(std::string data, ReadFileToString((fs::path(dir) / file).string()));
-        const std::string where = (fs::path(dir) / file).string();
-        if (data.size() != s.at("bytes").get<uint64_t>() ||
-            data.size() != kHeader + 3 * shard * 4) {
-          return Status::Corruption(StrCat("checkpoint file ", where, " is ", data.size(),
-                                           " bytes, expected ", kHeader + 3 * shard * 4,
-                                           " (truncated?)"));
-        }
-        if (Crc32c(data.data(), data.size()) != s.at("crc32c").get<uint32_t>()) {
-          return Status::Corruption(StrCat("checkpoint file ", where, ": checksum mismatch"));
-        }
-        uint32_t fields[4];
-        uint64_t elements;
-        std::memcpy(fields, data.data() + 8, 16);
-        std::memcpy(&elements, data.data() + 24, 8);
-        if (std::memcmp(data.data(), kMagic, 8) != 0 || fields[0] != kVersion || fields[1] != k ||
-            fields[2] != static_cast<uint32_t>(r) || elements != shard) {
-          return Status::Corruption(StrCat("checkpoint file ", where,
-                                           ": header does not match the manifest (unit ", k,
-                                           ", rank ", r, ")"));
-        }
-        if (!apply) continue;
-        for (int a = 0; a < 3; ++a) {
-          std::memcpy(flat[a].data() + r * shard, data.data() + kHeader + a * shard * 4, shard * 4);
-        }
-      }
-      if (!apply) return Status::Ok();
-      // Into this job's layout: the first numel elements, zero padding.
-      for (auto [a, out] :
-           {std::pair{0, apply->master}, {1, apply->exp_avg}, {2, apply->exp_avg_sq}}) {
-        std::memcpy(out, flat[a].data(), u.layout.numel * 4);
-        std::memset(out + u.layout.numel, 0, (u.layout.padded - u.layout.numel) * 4);
-      }
-      for (uint64_t i = 0; i < u.layout.padded; ++i) {
-        apply->publish[i] = FloatToBf16(apply->master[i]);
-      }
-      return Status::Ok();
-    };
-    for (size_t k = 0; k < job.units.size(); ++k) ZT_RETURN_IF_ERROR(load_unit(k, nullptr));
-    // load_unit sets every element of master, m, v and the params: the
-    // state on the drives need not be read first.
-    Status st =
-        ForEachUnitState(job, ForwardOrder(job), Access::kOverwrite,
-                         [&](size_t k, const StateView& state) { return load_unit(k, &state); });
-    if (!st.ok()) {  // the files changed between the two passes, or an I/O error
-      return st.Annotate("the job's state is now partly loaded; load a checkpoint again");
-    }
-    job.step = m.at("step").get<int64_t>();
-    job.adam_step = m.at("adam_step").get<int64_t>();
-  } catch (const Json::exception& e) {  // a field of the wrong type or missing
-    return bad(e.what());
+  if (m.units.size() != job.units.size()) {
+    return mismatch(StrCat("it has ", m.units.size(), " units, the job ", job.units.size()));
   }
-  for (Unit& u : job.units) publish(u, job.step);
+  for (size_t k = 0; k < job.units.size(); ++k) {
+    const CheckpointUnit& cu = m.units[k];
+    const UnitSpec& us = job.spec.units[k];
+    if (cu.name != us.name) {
+      return mismatch(StrCat("unit ", k, " is '", cu.name, "' there and '", us.name, "' here"));
+    }
+    const size_t common = std::min(cu.tensors.size(), us.tensors.size());
+    for (size_t t = 0; t < common; ++t) {
+      const CheckpointTensor& ct = cu.tensors[t];
+      const TensorSpec& ts = us.tensors[t];
+      if (ct.name != ts.name) {
+        return mismatch(StrCat("unit '", us.name, "' tensor ", t, " is '", ct.name,
+                               "' there and '", ts.name, "' here"));
+      }
+      if (ct.shape != ts.shape) {
+        return mismatch(StrCat("unit '", us.name, "' tensor '", ts.name, "' has shape ",
+                               ShapeText(ct.shape), " in the checkpoint and ", ShapeText(ts.shape),
+                               " in the job"));
+      }
+    }
+    if (cu.tensors.size() != us.tensors.size()) {
+      return mismatch(StrCat("unit '", us.name, "' has ", cu.tensors.size(),
+                             " tensors there and ", us.tensors.size(), " here"));
+    }
+  }
   return Status::Ok();
+}
+
+}  // namespace
+
+namespace {
+
+// The manifest's text. Errors: NotFound naming what is missing, as
+// ReadFileToString.
+Result<std::string> ReadManifest(const std::string& dir) {
+  const std::string path = (fs::path(dir) / kCheckpointManifestName).string();
+  Result<std::string> text = ReadFileToString(path, kMaxManifestBytes);
+  if (!text.ok() && text.status().code() == StatusCode::kNotFound) {
+    std::error_code ec;
+    return Status::NotFound(StrCat("checkpoint ", dir,
+                                   fs::is_directory(dir, ec)
+                                       ? " has no manifest.json (not a checkpoint, or none "
+                                         "was ever committed there)"
+                                       : " does not exist"));
+  }
+  return text;
+}
+
+// Reads unit k's shards (as `m` names them) into flat buffers of the
+// checkpoint's layout, verifying sizes, checksums and headers; with
+// `apply`, lays the state out in the job's layout there.
+Status LoadUnit(const Job& job, const CheckpointManifest& m, const std::string& dir, size_t k,
+                const StateView* apply) {
+  const Unit& u = job.units[k];
+  const CheckpointUnit& cu = m.units[k];
+  std::vector<float> flat[3];
+  if (apply) {
+    for (auto& f : flat) f.assign(cu.padded, 0.0f);
+  }
+  const uint64_t shard = cu.padded / m.ranks;
+  for (int r = 0; r < m.ranks; ++r) {
+    const CheckpointShard& s = cu.shards[r];
+    const std::string where = (fs::path(dir) / s.file).string();
+    Result<std::string> data = ReadFileToString(where, s.bytes);
+    if (!data.ok()) {
+      if (data.status().code() == StatusCode::kResourceExhausted) {  // larger than it should be
+        return Status::Corruption(StrCat("checkpoint file ", where, " is larger than the ",
+                                         s.bytes, " bytes the manifest says"));
+      }
+      return data.status().Annotate("checkpoint file");
+    }
+    if (data->size() != s.bytes) {
+      return Status::Corruption(StrCat("checkpoint file ", where, " is ", data->size(),
+                                       " bytes, expected ", s.bytes, " (truncated?)"));
+    }
+    if (Crc32c(data->data(), data->size()) != s.crc32c) {
+      return Status::Corruption(StrCat("checkpoint file ", where, ": checksum mismatch"));
+    }
+    uint32_t fields[4];
+    uint64_t elements;
+    std::memcpy(fields, data->data() + 8, 16);
+    std::memcpy(&elements, data->data() + 24, 8);
+    if (std::memcmp(data->data(), kMagic, 8) != 0 || fields[0] != kCheckpointVersion ||
+        fields[1] != k || fields[2] != static_cast<uint32_t>(r) || elements != shard) {
+      return Status::Corruption(StrCat("checkpoint file ", where,
+                                       ": header does not match the manifest (unit ", k,
+                                       ", rank ", r, ")"));
+    }
+    if (!apply) continue;
+    for (int a = 0; a < 3; ++a) {
+      std::memcpy(flat[a].data() + r * shard, data->data() + kShardHeaderBytes + a * shard * 4,
+                  shard * 4);
+    }
+  }
+  if (!apply) return Status::Ok();
+  // Into this job's layout: the first numel elements, zero padding.
+  for (auto [a, out] : {std::pair{0, apply->master}, {1, apply->exp_avg}, {2, apply->exp_avg_sq}}) {
+    std::memcpy(out, flat[a].data(), u.layout.numel * 4);
+    std::memset(out + u.layout.numel, 0, (u.layout.padded - u.layout.numel) * 4);
+  }
+  for (uint64_t i = 0; i < u.layout.padded; ++i) {
+    apply->publish[i] = FloatToBf16(apply->master[i]);
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+// Loads take no lock: the manifest is replaced atomically and names files
+// no later save reuses, so a load sees one committed checkpoint or, when a
+// save commits and removes the files it is reading, a missing file; then it
+// starts again from the new manifest (a few times at most).
+Status LoadCheckpointImpl(Job& job, const std::string& dir, const PublishFn& publish) {
+  constexpr int kAttempts = 4;
+  Status st;
+  bool touched = false;  // the apply pass began: the job's state is no longer what it was
+  for (int attempt = 0; attempt < kAttempts; ++attempt) {
+    ZT_ASSIGN_OR_RETURN(const std::string text, ReadManifest(dir));
+    ZT_ASSIGN_OR_RETURN(
+        const CheckpointManifest m,
+        DecodeCheckpointManifest(text, (fs::path(dir) / kCheckpointManifestName).string()));
+    ZT_RETURN_IF_ERROR(CheckLayout(job, m, dir));
+    // Every file once without applying, so a damaged one leaves the job
+    // untouched; then again to apply (the state on the drives need not be
+    // read first: every element of master, m, v and the params is set).
+    st = Status::Ok();
+    for (size_t k = 0; k < job.units.size() && st.ok(); ++k) {
+      st = LoadUnit(job, m, dir, k, nullptr);
+    }
+    if (st.ok()) {
+      touched = true;
+      st = ForEachUnitState(job, ForwardOrder(job), Access::kOverwrite,
+                            [&](size_t k, const StateView& state) {
+                              return LoadUnit(job, m, dir, k, &state);
+                            });
+      if (st.ok()) {
+        job.step = m.step;
+        job.adam_step = m.adam_step;
+        for (Unit& u : job.units) publish(u, job.step);
+        return Status::Ok();
+      }
+    }
+    // A file gone because a save committed meanwhile: read the new manifest.
+    Result<std::string> now = ReadManifest(dir);
+    if (st.code() != StatusCode::kNotFound || !now.ok() || *now == text) break;
+  }
+  return touched ? st.Annotate("the job's state is now partly loaded; load a checkpoint again")
+                 : st;
 }
 
 }  // namespace ztier::engine

@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <mutex>
 #include <utility>
@@ -37,6 +38,7 @@ class Region {
     std::swap(bytes_, o.bytes_);
     std::swap(locked_, o.locked_);
     std::swap(hugetlb_, o.hugetlb_);
+    std::swap(huge_bytes_, o.huge_bytes_);
     return *this;
   }
   ~Region() {
@@ -73,7 +75,10 @@ class Region {
     if (::fcntl(r.fd_, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
       ZT_LOG(kWarn, "engine") << "cannot seal " << name << ": " << std::strerror(errno);
     }
-    void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, r.fd_, 0);
+    // hugetlb pages are all reserved at mmap; others are advised first and
+    // faulted in after, so the advice can take effect.
+    void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE,
+                     MAP_SHARED | (r.hugetlb_ ? MAP_POPULATE : 0), r.fd_, 0);
     if (p == MAP_FAILED) {
       return PosixError(StrCat("mmap ", bytes, " bytes of memfd ", name), errno);
     }
@@ -83,11 +88,18 @@ class Region {
       // Advice only: THP may be off ("never"); the pool works either way.
       (void)::madvise(p, bytes, MADV_HUGEPAGE);
     }
+    int lock_err = 0;
     if (o.lock) {
-      if (::mlock(p, bytes) == 0) {
+      if (::mlock(p, bytes) == 0) {  // faults every page in
         r.locked_ = true;
       } else {
-        const int err = errno;
+        lock_err = errno;
+      }
+    }
+    if (!r.locked_ && !r.hugetlb_) Prefault(p, bytes);
+    if (o.lock && !r.locked_) {
+      {
+        const int err = lock_err;
         rlimit lim{};
         ::getrlimit(RLIMIT_MEMLOCK, &lim);
         ZT_LOG(kWarn, "engine") << "DRAM pool region " << name << " (" << bytes
@@ -98,7 +110,42 @@ class Region {
                                 << " (set LimitMEMLOCK=infinity or ulimit -l unlimited)";
       }
     }
+    r.huge_bytes_ = r.hugetlb_ ? bytes : HugeBytesOf(p);
     return r;
+  }
+
+  // Faults every page of a mapping in (writes keep them: a region is fresh).
+  static void Prefault(void* p, uint64_t bytes) {
+    constexpr int kMadvPopulateWrite = 23;  // Linux 5.14
+    if (::madvise(p, bytes, kMadvPopulateWrite) == 0) return;
+    auto* c = static_cast<volatile char*>(p);
+    for (uint64_t off = 0; off < bytes; off += kPage) c[off] = 0;
+  }
+
+  // Bytes of the mapping at `base` on PMD (2 MiB) pages, from smaps.
+  static uint64_t HugeBytesOf(void* base) {
+    std::FILE* f = std::fopen("/proc/self/smaps", "r");
+    if (f == nullptr) return 0;
+    char line[512];
+    bool in = false;
+    uint64_t kb = 0;
+    const auto want = reinterpret_cast<uintptr_t>(base);
+    while (std::fgets(line, sizeof(line), f) != nullptr) {
+      unsigned long start = 0, end = 0;
+      if (std::sscanf(line, "%lx-%lx ", &start, &end) == 2 && std::strchr(line, ':') != nullptr &&
+          std::strchr(line, '-') < std::strchr(line, ' ')) {
+        if (in) break;
+        in = start == want;
+        continue;
+      }
+      unsigned long v = 0;
+      if (in && (std::sscanf(line, "ShmemPmdMapped: %lu kB", &v) == 1 ||
+                 std::sscanf(line, "FilePmdMapped: %lu kB", &v) == 1)) {
+        kb += v;
+      }
+    }
+    std::fclose(f);
+    return kb * 1024;
   }
 
  public:
@@ -107,6 +154,7 @@ class Region {
   int fd() const { return fd_; }
   bool locked() const { return locked_; }
   bool hugetlb() const { return hugetlb_; }
+  uint64_t huge_bytes() const { return huge_bytes_; }
 
  private:
   int fd_ = -1;
@@ -114,6 +162,7 @@ class Region {
   uint64_t bytes_ = 0;
   bool locked_ = false;
   bool hugetlb_ = false;
+  uint64_t huge_bytes_ = 0;
 };
 
 }  // namespace
@@ -245,8 +294,24 @@ DramPoolStats DramPool::stats() const {
   for (const Region& r : p.regions) {
     s.locked_regions += r.locked() ? 1 : 0;
     s.hugetlb_regions += r.hugetlb() ? 1 : 0;
+    s.huge_page_bytes += r.huge_bytes();
   }
+  if (s.reserved_bytes > 0) s.page_bytes = 2 * s.huge_page_bytes >= s.reserved_bytes ? kHugePage : kPage;
   return s;
+}
+
+std::string ShmemHugePagePolicy() {
+  std::FILE* f = std::fopen("/sys/kernel/mm/transparent_hugepage/shmem_enabled", "r");
+  if (f == nullptr) return "";
+  char buf[256] = {};
+  const bool read = std::fgets(buf, sizeof(buf), f) != nullptr;
+  std::fclose(f);
+  if (!read) return "";
+  // "always within_size advise [never] deny force": the bracketed one is in effect.
+  const char* open = std::strchr(buf, '[');
+  const char* close = open != nullptr ? std::strchr(open, ']') : nullptr;
+  if (open == nullptr || close == nullptr) return "";
+  return std::string(open + 1, close);
 }
 
 }  // namespace ztier::engine

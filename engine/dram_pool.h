@@ -2,12 +2,16 @@
 //
 // Memory comes in regions, each a memfd (MFD_CLOEXEC | MFD_ALLOW_SEALING;
 // MFD_HUGETLB when hugetlb pages are asked for and the kernel has them, else
-// transparent huge pages advised) sized with ftruncate, sealed against shrink
-// and grow, mapped shared with MAP_POPULATE (prefaulted), mlock'ed when the
-// process may lock that much (otherwise a warning that says why; DMA still
-// works, the kernel pins pages on registration), and bound to a NUMA node
-// through hwloc when the machine has more than one. A region's fd and a
-// block's offset in it let another process (a client) map the same bytes.
+// transparent huge pages advised before the first touch) sized with
+// ftruncate, sealed against shrink and grow, mapped shared, prefaulted and
+// mlock'ed when the process may lock that much (otherwise a warning that
+// says why; DMA still works, the kernel pins pages on registration), and
+// bound to a NUMA node through hwloc when the machine has more than one. A
+// region's fd and a block's offset in it let another process (a client) map
+// the same bytes. The pages a region really got are read back from
+// /proc/self/smaps: transparent huge pages on shared memory need the
+// kernel's shmem_enabled to allow them ("never" is a common default), so
+// stats() reports what was given, not what was asked.
 //
 // Blocks are carved from regions by a first-fit allocator in 4 KiB pages;
 // a request larger than the region size gets a region of its own. The pool
@@ -60,7 +64,16 @@ struct DramPoolStats {
   uint32_t regions = 0;
   uint32_t locked_regions = 0;
   uint32_t hugetlb_regions = 0;
+  uint64_t huge_page_bytes = 0;  // reserved bytes backed by 2 MiB pages (hugetlb or THP)
+  // The page size most of the pool sits on: 4096, or 2 MiB when at least
+  // half of the reserved bytes are on huge pages; 0 before any region.
+  uint64_t page_bytes = 0;
 };
+
+// Why transparent huge pages may be missing: the kernel's
+// /sys/kernel/mm/transparent_hugepage/shmem_enabled choice ("never",
+// "advise", ...), or "" where the file is not there.
+std::string ShmemHugePagePolicy();
 
 class DramPool {
  public:

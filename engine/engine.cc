@@ -12,12 +12,18 @@
 #include <condition_variable>
 #include <cstring>
 #include <deque>
+#include <filesystem>
 #include <functional>
 #include <map>
 #include <mutex>
 #include <thread>
 
+#include <unistd.h>
+
+#include <optional>
+
 #include "common/log.h"
+#include "common/numbers.h"
 #include "engine/dram_pool.h"
 #include "engine/engine_internal.h"
 
@@ -26,6 +32,12 @@ namespace {
 
 uint64_t RoundUp(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
 
+uint64_t PhysicalMemoryBytes() {
+  const long pages = ::sysconf(_SC_PHYS_PAGES);
+  const long page = ::sysconf(_SC_PAGESIZE);
+  return pages > 0 && page > 0 ? static_cast<uint64_t>(pages) * static_cast<uint64_t>(page) : 0;
+}
+
 }  // namespace
 
 struct Engine::Impl {
@@ -33,6 +45,8 @@ struct Engine::Impl {
   std::unique_ptr<DramPool> pool;
   std::unique_ptr<nvme::SwapSpace> swap;  // when NVMe paths are configured
   cpu_adam::Executor executor;
+
+  CheckpointDirs dirs;  // before `jobs`: jobs go first on destruction
 
   mutable std::mutex mu;
   std::condition_variable published_cv;
@@ -67,6 +81,46 @@ struct Engine::Impl {
       }
       task();
     }
+  }
+
+  // The pinned DRAM a job's layout needs (ring, param cache, per-unit
+  // buffers, as RegisterJob allocates them), against what the budget has
+  // left and what the machine has: refused up front, with the figures.
+  Status CheckDramNeed(const Job& job) const {
+    const JobSpec& spec = job.spec;
+    const bool nvme_states = spec.optimizer_tier == Tier::kNvme;
+    const bool nvme_params = spec.param_tier == Tier::kNvme;
+    auto page = [](uint64_t b) { return RoundUp(b, 4096); };
+    uint64_t need = 0, slot = 0, param_slot = 0;
+    for (const Unit& u : job.units) {
+      const uint64_t n = u.layout.padded;
+      if (!nvme_states) need += 3 * page(n * 4);
+      if (!nvme_params) need += page(n * 2);
+      need += page(n * 2);  // grad inbox
+      if (spec.optimizer.grad_accumulation > 1) need += page(n * 4);
+      slot = std::max(slot, StateBytes(u.layout) + (nvme_params ? ParamBytes(u.layout) : 0));
+      param_slot = std::max(param_slot, ParamBytes(u.layout));
+    }
+    if (nvme_states) need += settings.buffer_count * page(slot);
+    if (nvme_params) need += settings.buffer_count * page(param_slot);
+    const DramPoolStats pool_stats = pool->stats();
+    const uint64_t left = pool_stats.budget_bytes - std::min(pool_stats.used_bytes,
+                                                             pool_stats.budget_bytes);
+    if (need > left) {
+      return Status::ResourceExhausted(StrCat(
+          "job '", spec.name, "' needs ", need, " bytes of pinned DRAM (",
+          nvme_states ? "grad inboxes, publish buffers and the staging ring"
+                      : "fp32 master, m, v, the bf16 publish buffer and grad inbox of each unit",
+          "); the DRAM budget (ztier.dram_budget) has ", left, " of ", pool_stats.budget_bytes,
+          " bytes left: raise the budget", nvme_states ? "" : " or put the optimizer states on nvme"));
+    }
+    const uint64_t physical = PhysicalMemoryBytes();
+    if (physical != 0 && need > physical) {
+      return Status::ResourceExhausted(StrCat("job '", spec.name, "' needs ", need,
+                                              " bytes of pinned DRAM; this machine has ", physical,
+                                              " bytes of memory in all"));
+    }
+    return Status::Ok();
   }
 
   Result<std::shared_ptr<Job>> Find(int job) const {
@@ -264,6 +318,9 @@ Result<std::unique_ptr<Engine>> Engine::Create(const Settings& settings,
                                                     .huge_pages = settings.huge_pages,
                                                     .lock = settings.pin_memory}));
   if (!settings.nvme_paths.empty()) {
+    if (io_backend == nullptr) {
+      ZT_ASSIGN_OR_RETURN(io_backend, nvme::MakeBackend(settings.io_backend));
+    }
     ZT_ASSIGN_OR_RETURN(
         impl->swap, nvme::SwapSpace::Create({.paths = settings.nvme_paths,
                                              .max_file_bytes = settings.nvme_capacity_per_path,
@@ -340,29 +397,44 @@ Result<int> Engine::RegisterJob(const JobSpec& spec) {
     job->ring->swap = e.swap.get();
   }
   const uint64_t granule = static_cast<uint64_t>(spec.ranks) * kAlignElements;
+  uint64_t job_elements = 0;
   for (size_t k = 0; k < spec.units.size(); ++k) {
     const UnitSpec& us = spec.units[k];
     Unit& u = job->units[k];
+    const std::string where = StrCat("job '", spec.name, "' unit '", us.name, "'");
     for (const TensorSpec& t : us.tensors) {
       uint64_t n = 1;
       for (int64_t d : t.shape) {
         if (d <= 0) {
-          return Status::InvalidArgument(StrCat("job '", spec.name, "' unit '", us.name,
-                                                "' tensor '", t.name, "' has a dimension <= 0"));
+          return Status::InvalidArgument(
+              StrCat(where, " tensor '", t.name, "' has a dimension <= 0"));
         }
-        n *= static_cast<uint64_t>(d);
+        const std::optional<uint64_t> p = CheckedMul(n, static_cast<uint64_t>(d));
+        if (!p || *p > kMaxUnitElements) {
+          return Status::InvalidArgument(StrCat(where, " tensor '", t.name, "' has more than ",
+                                                kMaxUnitElements, " elements"));
+        }
+        n = *p;
       }
       u.layout.offsets.push_back(u.layout.numel);
       u.layout.numel += n;
+      if (u.layout.numel > kMaxUnitElements) {
+        return Status::InvalidArgument(
+            StrCat(where, " has more than ", kMaxUnitElements, " elements; split it"));
+      }
     }
-    if (u.layout.numel == 0) {
-      return Status::InvalidArgument(StrCat("job '", spec.name, "' unit '", us.name, "' is empty"));
-    }
+    if (u.layout.numel == 0) return Status::InvalidArgument(StrCat(where, " is empty"));
     u.layout.padded = RoundUp(u.layout.numel, granule);
     u.layout.shard = u.layout.padded / spec.ranks;
     u.arrived.assign(spec.ranks, 0);
     u.shard_sq.assign(spec.ranks, 0.0);
+    job_elements += u.layout.padded;
+    if (job_elements > kMaxJobElements) {
+      return Status::InvalidArgument(
+          StrCat("job '", spec.name, "' has more than ", kMaxJobElements, " elements"));
+    }
   }
+  ZT_RETURN_IF_ERROR(e.CheckDramNeed(*job));
   // The staging ring first (its slots are the largest blocks), then each
   // unit's buffers and swap object.
   if (job->ring != nullptr) {
@@ -432,6 +504,7 @@ Status Engine::UnregisterJob(int job) {
     j->removed = true;
     e.jobs.erase(job);
   }
+  e.dirs.Release(job);
   e.published_cv.notify_all();
   return Status::Ok();  // memory goes back to the pool when the last task drops `j`
 }
@@ -765,9 +838,21 @@ Status WithIdleJob(Engine::Impl& e, int job, std::string_view what, const Fn& fn
   return s.Annotate(StrCat(what, " of job '", j->spec.name, "'"));
 }
 
+Status Engine::ClaimCheckpointDir(int job, const std::string& dir) {
+  std::shared_ptr<Job> j;
+  {
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    ZT_ASSIGN_OR_RETURN(j, impl_->Find(job));
+  }
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  if (ec) return PosixError(StrCat("create checkpoint directory ", dir), ec.value());
+  return impl_->dirs.Claim(*j, dir);
+}
+
 Status Engine::SaveCheckpoint(int job, const std::string& dir) {
   return WithIdleJob(*impl_, job, "save checkpoint",
-                     [&](Job& j) { return SaveCheckpointImpl(j, dir).Annotate(dir); });
+                     [&](Job& j) { return SaveCheckpointImpl(j, dir, impl_->dirs).Annotate(dir); });
 }
 
 Status Engine::LoadCheckpoint(int job, const std::string& dir) {
@@ -806,6 +891,8 @@ Status Engine::RoundTripStates(int job) {
   });
 }
 
+DramPoolStats Engine::pool_stats() const { return impl_->pool->stats(); }
+
 std::vector<std::pair<void*, uint64_t>> Engine::PinnedRegions() const {
   return impl_->pool->regions();
 }
@@ -816,6 +903,7 @@ JobCounters Engine::counters(int job) const {
   if (!r.ok()) return JobCounters{};
   const Job& j = **r;
   JobCounters c = j.counters;
+  c.dram_page_bytes = impl_->pool->stats().page_bytes;
   c.compute_seconds = static_cast<double>(j.compute_ns.load(std::memory_order_relaxed)) * 1e-9;
   if (j.ring != nullptr) {
     c.nvme_read_bytes = j.ring->bytes_read.load(std::memory_order_relaxed);

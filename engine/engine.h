@@ -64,6 +64,10 @@ class IoBackend;
 namespace ztier::engine {
 
 inline constexpr uint64_t kAlignElements = 64;  // 256 B of fp32, 128 B of bf16
+// Limits on what a job may register (far above any real model; they keep
+// every size computation inside 64 bits).
+inline constexpr uint64_t kMaxUnitElements = uint64_t{1} << 40;
+inline constexpr uint64_t kMaxJobElements = uint64_t{1} << 48;
 
 struct TensorSpec {
   std::string name;
@@ -109,6 +113,7 @@ struct JobCounters {
   double compute_seconds = 0;          // in the AdamW kernel
   double io_wait_seconds = 0;          // the optimizer blocked on the drives (NVMe tier)
   uint64_t dram_bytes = 0;             // pinned DRAM held (state, buffers, ring)
+  uint64_t dram_page_bytes = 0;        // the page size the pinned pool got (4 KiB or 2 MiB)
   uint64_t nvme_bytes = 0;             // swap space held
   uint64_t grad_bytes_in = 0;          // bf16 grads delivered by clients into DRAM
   uint64_t nvme_read_bytes = 0;        // optimizer state read from the drives
@@ -128,11 +133,13 @@ class Engine {
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
 
-  // Errors: InvalidArgument (empty units, bad shapes, ranks < 1, accumulation
-  // < 1, eager mode with clipping), AlreadyExists (name), ResourceExhausted
-  // (DRAM budget or swap capacity, naming the job and unit), FailedPrecondition
-  // (states on NVMe without swap paths); InvalidArgument also for params on
-  // NVMe with states in DRAM.
+  // Errors: InvalidArgument (empty units, bad shapes, sizes past the limits
+  // below, ranks < 1, accumulation < 1, eager mode with clipping),
+  // AlreadyExists (name), ResourceExhausted (the pinned DRAM the job needs,
+  // computed up front, exceeds what the budget has left, naming both
+  // figures; or the swap space, naming the path), FailedPrecondition (states
+  // on NVMe without swap paths); InvalidArgument also for params on NVMe
+  // with states in DRAM. Limits: 2^40 elements a unit, 2^48 a job.
   Result<int> RegisterJob(const JobSpec& spec);
   // Frees everything the job holds. Errors: NotFound.
   Status UnregisterJob(int job);
@@ -176,20 +183,36 @@ class Engine {
   Status WaitPublished(int job, int unit, int64_t step,
                        std::chrono::milliseconds timeout = std::chrono::minutes(10));
 
-  // Saves the job's full state into `dir` (created if missing): one file per
-  // unit shard (fp32 master, m, v, with a header) and manifest.json (step,
-  // optimizer config, unit layout, every file's CRC-32C, its own checksum),
-  // written atomically: files first, then the manifest through a temp file,
-  // fsync, rename and directory fsync. Files of the previous checkpoint stay
-  // until the new manifest is in place, so a crash mid-save leaves the last
-  // committed checkpoint loadable. Call between steps. Errors: IoError,
+  // Claims `dir` (created if missing) for the job's checkpoints now: an
+  // exclusive lock on it (common/dir_lock.h) held until the job is
+  // unregistered, so no other job, in this process or another, can save
+  // there meanwhile (a dead process's lock never blocks). A save claims its
+  // directory itself; claim first to be refused before any work is done.
+  // Errors: Unavailable (in use: names the directory and the holder's pid),
+  // as creating the directory (FailedPrecondition, IoError naming the errno,
+  // e.g. a read-only filesystem), NotFound (job).
+  Status ClaimCheckpointDir(int job, const std::string& dir);
+  // Saves the job's full state into `dir` (created if missing; claimed as
+  // above): one file per unit shard (fp32 master, m, v, with a header) and
+  // manifest.json (step, optimizer config, unit layout, every file's
+  // CRC-32C, its own checksum), written atomically: files first (under
+  // names no committed checkpoint uses), then the manifest through a temp
+  // file, fsync, rename and directory fsync; then the previous checkpoint's
+  // files are removed. A crash mid-save leaves the last committed checkpoint
+  // loadable; a failed save (a full disk, a failed fsync) removes what it
+  // wrote and reports the error. Call between steps. Errors: IoError,
+  // ResourceExhausted (disk full), Unavailable (directory in use),
   // FailedPrecondition (grads of a step pending), NotFound.
   Status SaveCheckpoint(int job, const std::string& dir);
   // Loads a checkpoint into a registered job whose units have the same names
-  // and shapes; its rank count may differ (the state is resharded). Publishes
-  // every unit as the checkpoint's step. Errors: NotFound, Corruption (a
-  // checksum, a truncated or malformed file, naming it), InvalidArgument
-  // (layout differs, naming the unit), FailedPrecondition (step pending).
+  // and shapes; its rank count may differ (the state is resharded). Takes no
+  // lock: a checkpoint another run is still writing loads as its last
+  // committed state (a save that commits mid-load makes the load start over
+  // from the new manifest). Publishes every unit as the checkpoint's step.
+  // Errors: NotFound (no checkpoint there), Corruption (a checksum, a
+  // truncated, forged or malformed manifest or file, naming it),
+  // InvalidArgument (layout differs, naming the unit, the tensor and both
+  // shapes), FailedPrecondition (step pending).
   Status LoadCheckpoint(int job, const std::string& dir);
 
   // Writes the job's consolidated weights as a safetensors file: every
@@ -214,6 +237,9 @@ class Engine {
   Status RoundTripStates(int job);
 
   JobCounters counters(int job) const;
+  // The pinned DRAM pool: budget, bytes reserved and in use, regions locked,
+  // and the page size it really got (engine/dram_pool.h).
+  DramPoolStats pool_stats() const;
 
   // The pinned DRAM regions made so far, {base, bytes}: every pointer the
   // engine hands out (publish buffers, grad inboxes, the param cache) lies in

@@ -6,11 +6,14 @@
 #include <atomic>
 #include <chrono>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <vector>
 
+#include "common/dir_lock.h"
 #include "engine/dram_pool.h"
 #include "engine/engine.h"
 #include "nvme/swap_space.h"
@@ -165,8 +168,32 @@ std::vector<size_t> ForwardOrder(const Job& job);
 // Publishes a unit as holding `step` (engine.cc: under the engine lock).
 using PublishFn = std::function<void(Unit&, int64_t step)>;
 
+// The checkpoint directories the engine's jobs save to. Each is locked
+// (common/dir_lock.h, exclusive) from a job's first claim or save until the
+// job is unregistered: no other process, and no other job of this engine,
+// can save there meanwhile. Loads take no lock (reading another run's
+// checkpoint, even one being written, is safe: see LoadCheckpointImpl).
+// Thread-safe.
+class CheckpointDirs {
+ public:
+  // `job` saves to `dir` from now on. Errors: Unavailable (another process
+  // or another job saves there, naming it), as DirLock::Acquire.
+  Status Claim(const Job& job, const std::string& dir);
+  // The job is gone: the directories it claimed are unlocked.
+  void Release(int job);
+
+ private:
+  struct Entry {
+    DirLock lock;
+    int job = 0;
+    std::string job_name;
+  };
+  std::mutex mu_;
+  std::map<std::string, Entry> entries_;
+};
+
 // Called with the job idle (no grads pending) and marked checkpointing.
-Status SaveCheckpointImpl(Job& job, const std::string& dir);
+Status SaveCheckpointImpl(Job& job, const std::string& dir, CheckpointDirs& dirs);
 Status LoadCheckpointImpl(Job& job, const std::string& dir, const PublishFn& publish);
 Status ExportSafetensorsImpl(Job& job, const std::string& path, bool bf16_out);
 Status ImportSafetensorsImpl(Job& job, const std::string& path, const PublishFn& publish);
