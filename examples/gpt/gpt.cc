@@ -339,10 +339,21 @@ Status ValidateConfig(const Config& config) {
     return Status::InvalidArgument(StrCat("config.heads (", config.heads,
                                           ") must divide config.channels (", config.channels, ")"));
   }
-  // The kernels index rows and channels with int: keep [4C] and [V] rows of
-  // a sequence addressable.
-  if (config.channels > INT_MAX / 4) {
-    return Status::InvalidArgument(StrCat("config.channels ", config.channels, " is too large"));
+  // Sizes stay far inside 64-bit arithmetic (and the kernels' int indexing
+  // of [4C] and [V] rows) whatever the memory of the machine.
+  constexpr int kMaxDim = 1 << 16, kMaxLayers = 1 << 16, kMaxVocab = 1 << 24;
+  if (config.channels > kMaxDim || config.context > kMaxDim) {
+    return Status::InvalidArgument(StrCat("config.channels (", config.channels,
+                                          ") and config.context (", config.context,
+                                          ") must be at most ", kMaxDim));
+  }
+  if (config.layers > kMaxLayers) {
+    return Status::InvalidArgument(
+        StrCat("config.layers ", config.layers, " is more than ", kMaxLayers));
+  }
+  if (config.vocab > kMaxVocab) {
+    return Status::InvalidArgument(
+        StrCat("config.vocab ", config.vocab, " is more than ", kMaxVocab));
   }
   return Status::Ok();
 }
@@ -378,11 +389,26 @@ std::vector<engine::UnitSpec> UnitSpecs(const Config& config) {
 }
 
 uint64_t ParameterCount(const Config& config) {
-  uint64_t n = 0;
-  for (const engine::UnitSpec& unit : UnitSpecs(config)) {
-    for (const engine::TensorSpec& tensor : unit.tensors) n += Elements(tensor);
-  }
-  return n;
+  const uint64_t V = static_cast<uint64_t>(config.vocab);
+  const uint64_t T = static_cast<uint64_t>(config.context);
+  const uint64_t C = static_cast<uint64_t>(config.channels);
+  const uint64_t block = 12 * C * C + 13 * C;  // the tensors of UnitSpecs' "h.l"
+  return V * C + T * C + static_cast<uint64_t>(config.layers) * block + 2 * C +
+         (config.tied_head ? 0 : V * C);
+}
+
+uint64_t ActivationBytes(const Config& config, int batch) {
+  // Gpt::Impl::Allocate's plan, in floats (before its 256-byte alignment).
+  const double B = batch, T = config.context, C = config.channels, V = config.vocab,
+               L = config.layers, NH = config.heads;
+  const double n = B * T, nc = n * C, scores = B * NH * T * T;
+  const double per_block = 17 * nc + 4 * n + scores;
+  const double acts = (config.checkpoint_activations ? 1 : L) * per_block;
+  const double head = nc + 2 * n + 2 * n * V + n + 13 * nc + scores;
+  const double unit = std::max(12 * C * C + 13 * C, V * C + T * C);
+  const double floats = (L + 1) * nc + acts + head + 4 * unit + 2 * n;
+  const double bytes = floats * 4;
+  return bytes >= 1.8e19 ? UINT64_MAX : static_cast<uint64_t>(bytes);
 }
 
 // Each (seed, unit) seeds its own splitmix64 stream, and the unit's tensors

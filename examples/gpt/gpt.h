@@ -45,11 +45,17 @@ struct Config {
   bool checkpoint_activations = false;
 };
 
-// Errors: InvalidArgument naming the bad field.
+// Errors: InvalidArgument naming the bad field (sizes are bounded: channels
+// and context 2^16, layers 2^16, vocab 2^24).
 Status ValidateConfig(const Config& config);
 // The units to register with the engine (names and tensor shapes).
 std::vector<engine::UnitSpec> UnitSpecs(const Config& config);
+// Parameters of a valid config, computed without building its units.
 uint64_t ParameterCount(const Config& config);
+// Bytes one rank's activations, scratch and unit buffers take on its device
+// for micro-batch `batch` (what Gpt::Create and a step allocate), for a
+// valid config; saturates at UINT64_MAX.
+uint64_t ActivationBytes(const Config& config, int batch);
 // GPT-2 initialisation of one unit, flat in `layout` order (layout.numel
 // floats): N(0, 0.02) weights, residual projections scaled by 1/sqrt(2L),
 // zero biases, unit layernorm weights. Deterministic in (seed, unit).

@@ -4,6 +4,7 @@
 //                                     # optimizer states on NVMe swap in ./ztier-run
 //   ztier-train --data book.txt --steps 500 --layers 6 --channels 256
 //   ztier-train --resume              # continue from ./ztier-run/checkpoint
+//   ztier-train --config ds_config.json  # a DeepSpeed config: offload, optimizer, batch
 //
 // A byte-level vocabulary (256 tokens). Each local rank is a thread with
 // its own device (the host backend, or one CUDA device per rank) and its own
@@ -16,17 +17,31 @@
 // per tier (host <-> device copies, NVMe reads and writes); every step is
 // also a row of <out>/train_log.tsv.
 //
-// Exit codes: 0 done, 1 a runtime error (printed), 2 bad usage.
+// Settings come, in rising precedence, from ztier-train's defaults, the
+// --config file (a DeepSpeed ds_config), ZTIER_* variables and the flags;
+// the startup lines name where each one that is not a default came from.
+//
+// An --out directory belongs to one run at a time: its checkpoint directory
+// and swap directory are locked while the run lives (a second run is refused
+// at once, naming the first one's pid). A run never overwrites a checkpoint
+// it did not resume from: without --resume or --overwrite it refuses.
+// --resume finishes whatever the run had left (steps, the export), with the
+// loss log cut back to the checkpoint's step. SIGINT / SIGTERM stop at the
+// next step boundary with a checkpoint and the export (exit 130 / 143); a
+// second signal ends the run at once.
+//
+// Exit codes: 0 done, 1 a runtime error (printed), 2 bad usage (flags,
+// config, environment), 3 --exit-after, 128 + signal when stopped.
 #include <unistd.h>
 
 #include <algorithm>
 #include <barrier>
 #include <chrono>
 #include <cmath>
+#include <csignal>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <iostream>
 #include <mutex>
 #include <sstream>
@@ -35,6 +50,8 @@
 #include <vector>
 
 #include "client/ztier.h"
+#include "common/file_util.h"
+#include "common/numbers.h"
 #include "examples/gpt/gpt.h"
 
 extern char** environ;
@@ -57,32 +74,40 @@ namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;
 
 constexpr char kFortunes[] = "/usr/share/games/fortunes";
+constexpr uint64_t kMaxTextBytes = uint64_t{2} << 30;
+constexpr char kDefault[] = "ztier-train's default";
 
 struct Flags {
   std::string data;  // empty: the fortunes corpus
   std::string out = "ztier-run";
-  std::string swap_dir;  // empty: <out>/swap
-  std::string config;    // engine settings (JSON)
+  std::string config;  // a DeepSpeed ds_config / ztier settings file
   int steps = 500;
-  int batch = 8;
   gpt::Config model{.vocab = 256, .context = 64, .channels = 128, .layers = 4, .heads = 4};
-  float lr = 2e-3f;
-  float weight_decay = 0.01f;
-  float clip = 1.0f;
-  int accumulation = 1;
   int ranks = 1;
   std::string device = "host";
-  std::string optimizer = "nvme";
-  std::string params = "dram";
-  // Runner options; negative: from the engine settings (config, ZTIER_*).
-  int prefetch = -1;
-  int64_t max_live_bytes = -1;
-  int64_t persistence_threshold = -1;
   int checkpoint_every = 0;
   bool resume = false;
+  bool overwrite = false;
   uint64_t seed = 1;
   bool progress = true;
   int exit_after = 0;  // abrupt exit right after this step's checkpoint (crash testing)
+  // Flags that set a setting, applied over the config and the environment:
+  // {setting key, value, flag}.
+  struct Override {
+    std::string key, text, flag;
+  };
+  std::vector<Override> overrides;
+};
+
+// What the run does, from the flags and the settings.
+struct Plan {
+  engine::Settings settings;
+  int batch = 8;
+  int accumulation = 1;
+  float clip = 1.0f;
+  cpu_adam::Hyper hyper;
+  gpt::Config model;
+  uint64_t params = 0;
 };
 
 void Usage(std::ostream& os) {
@@ -92,15 +117,17 @@ void Usage(std::ostream& os) {
         "  --data PATH              text to train on (default: the fortunes corpus in "
      << kFortunes
      << ")\n"
-        "  --out DIR                checkpoint, export and swap go here (default ztier-run)\n"
-        "  --swap-dir DIR           NVMe swap directory (default <out>/swap); repeat with commas\n"
-        "  --resume                 continue from <out>/checkpoint\n"
+        "  --out DIR                checkpoint, log, export and swap go here (default ztier-run);\n"
+        "                           one run at a time\n"
+        "  --swap-dir DIR[,DIR..]   NVMe swap directories (default <out>/swap)\n"
+        "  --resume                 continue from <out>/checkpoint (and finish its export)\n"
+        "  --overwrite              start over in an --out that holds a checkpoint, removing it\n"
         "  --checkpoint-every N     also checkpoint every N steps (default: at the end only)\n"
         "model:\n"
         "  --layers N --channels C --heads H --context T   (default 4, 128, 4, 64)\n"
         "  --untied                 a separate output head instead of the tied embedding\n"
         "  --checkpoint-activations recompute each block's activations in its backward\n"
-        "training:\n"
+        "training (each also a setting of the --config file):\n"
         "  --steps N                optimizer steps (default 500)\n"
         "  --batch B                sequences per rank and micro-step (default 8)\n"
         "  --lr X --weight-decay X  AdamW (default 2e-3, 0.01)\n"
@@ -115,29 +142,14 @@ void Usage(std::ostream& os) {
         "  --prefetch D             units fetched ahead (default 2, ztier.prefetch_depth)\n"
         "  --max-live-bytes N       cap on param bytes on each device (default: none)\n"
         "  --persistence-threshold N  units up to N bytes stay on the device (default 64K)\n"
-        "  --config PATH            engine settings file (JSON; ZTIER_* variables apply too)\n"
+        "  --config PATH            settings file: a DeepSpeed ds_config.json (offload, aio,\n"
+        "                           optimizer, batch sizes, clipping, accumulation) with ztier.*\n"
+        "                           keys; ZTIER_* variables override it, flags override both\n"
         "output:\n"
         "  --no-progress            one line per step instead of a progress bar\n"
-        "  --exit-after N           exit abruptly right after step N's checkpoint (crash tests)\n";
-}
-
-// Parses "64K", "1M", "2G" or a plain number.
-bool ParseBytes(const std::string& s, uint64_t* out) {
-  char* end = nullptr;
-  const double v = std::strtod(s.c_str(), &end);
-  if (end == s.c_str() || v < 0) return false;
-  double mult = 1;
-  const std::string suffix(end);
-  if (suffix == "K" || suffix == "k")
-    mult = 1 << 10;
-  else if (suffix == "M" || suffix == "m")
-    mult = 1 << 20;
-  else if (suffix == "G" || suffix == "g")
-    mult = double(1 << 30);
-  else if (!suffix.empty())
-    return false;
-  *out = static_cast<uint64_t>(v * mult);
-  return true;
+        "  --exit-after N           exit abruptly right after step N's checkpoint (crash tests)\n"
+        "SIGINT / SIGTERM stop at the next step with a checkpoint and the export; a second\n"
+        "signal stops at once. Exit codes: 0 done, 1 error, 2 bad usage, 128+signal stopped.\n";
 }
 
 Result<Flags> ParseFlags(int argc, char** argv) {
@@ -146,106 +158,105 @@ Result<Flags> ParseFlags(int argc, char** argv) {
     const std::string a = argv[i];
     auto value = [&]() -> Result<std::string> {
       if (i + 1 >= argc) return Status::InvalidArgument(StrCat(a, " needs a value"));
-      return std::string(argv[++i]);
+      std::string v = argv[++i];
+      if (v.empty()) return Status::InvalidArgument(StrCat(a, " needs a non-empty value"));
+      return v;
     };
-    auto integer = [&](int* out, int min) -> Status {
+    auto integer = [&](int* out, int min, int max) -> Status {
       ZT_ASSIGN_OR_RETURN(std::string v, value());
       char* end = nullptr;
+      errno = 0;
       const long n = std::strtol(v.c_str(), &end, 10);
-      if (end == v.c_str() || *end != '\0' || n < min || n > (1L << 30)) {
-        return Status::InvalidArgument(StrCat(a, " wants an integer >= ", min, ", got '", v, "'"));
+      if (end == v.c_str() || *end != '\0' || errno != 0 || n < min || n > max) {
+        return Status::InvalidArgument(
+            StrCat(a, " wants an integer in ", min, "..", max, ", got '", v, "'"));
       }
       *out = static_cast<int>(n);
       return Status::Ok();
     };
-    auto real = [&](float* out) -> Status {
+    // A flag that sets a setting: checked when the settings are resolved.
+    auto setting = [&](std::string key, auto convert) -> Status {
       ZT_ASSIGN_OR_RETURN(std::string v, value());
-      char* end = nullptr;
-      const float x = std::strtof(v.c_str(), &end);
-      if (end == v.c_str() || *end != '\0' || !std::isfinite(x) || x < 0) {
-        return Status::InvalidArgument(StrCat(a, " wants a number >= 0, got '", v, "'"));
-      }
-      *out = x;
+      ZT_ASSIGN_OR_RETURN(std::string text, convert(v));
+      f.overrides.push_back({std::move(key), std::move(text), a});
       return Status::Ok();
     };
-    auto bytes = [&](uint64_t* out) -> Status {
-      ZT_ASSIGN_OR_RETURN(std::string v, value());
-      if (!ParseBytes(v, out)) {
-        return Status::InvalidArgument(
-            StrCat(a, " wants a size like 65536, 64K or 1G, got '", v, "'"));
-      }
-      return Status::Ok();
+    auto as_is = [](const std::string& v) -> Result<std::string> { return v; };
+    auto device = [&](const std::string& v) -> Result<std::string> {
+      if (v == "dram") return std::string("cpu");
+      if (v == "nvme") return v;
+      return Status::InvalidArgument(StrCat(a, ": '", v, "' is not dram or nvme"));
     };
-    auto choice = [&](std::string* out, std::initializer_list<const char*> allowed) -> Status {
-      ZT_ASSIGN_OR_RETURN(std::string v, value());
-      for (const char* c : allowed) {
-        if (v == c) {
-          *out = v;
-          return Status::Ok();
-        }
-      }
-      return Status::InvalidArgument(StrCat(a, ": unknown value '", v, "'"));
+    // Bytes of bf16 params -> a count of parameters, as the settings keep it.
+    auto bf16_bytes = [&](const std::string& v) -> Result<std::string> {
+      Result<uint64_t> n = ParseSize(v);
+      if (!n.ok()) return Status::InvalidArgument(StrCat(a, ": ", n.status().message()));
+      return StrCat(*n / sizeof(bf16));
     };
     Status s;
     if (a == "--data") {
       ZT_ASSIGN_OR_RETURN(f.data, value());
     } else if (a == "--out") {
       ZT_ASSIGN_OR_RETURN(f.out, value());
-    } else if (a == "--swap-dir") {
-      ZT_ASSIGN_OR_RETURN(f.swap_dir, value());
     } else if (a == "--config") {
       ZT_ASSIGN_OR_RETURN(f.config, value());
+    } else if (a == "--swap-dir") {
+      s = setting("ZTIER_NVME_PATHS", as_is);
     } else if (a == "--steps") {
-      s = integer(&f.steps, 1);
-    } else if (a == "--batch") {
-      s = integer(&f.batch, 1);
+      s = integer(&f.steps, 1, 1 << 30);
     } else if (a == "--layers") {
-      s = integer(&f.model.layers, 1);
+      s = integer(&f.model.layers, 1, 1 << 30);
     } else if (a == "--channels") {
-      s = integer(&f.model.channels, 1);
+      s = integer(&f.model.channels, 1, 1 << 30);
     } else if (a == "--heads") {
-      s = integer(&f.model.heads, 1);
+      s = integer(&f.model.heads, 1, 1 << 30);
     } else if (a == "--context") {
-      s = integer(&f.model.context, 1);
+      s = integer(&f.model.context, 1, 1 << 30);
     } else if (a == "--untied") {
       f.model.tied_head = false;
     } else if (a == "--checkpoint-activations") {
-      f.model.checkpoint_activations = true;
+      f.overrides.push_back({"ztier.activation_checkpointing", "true", a});
+    } else if (a == "--batch") {
+      s = setting("train_micro_batch_size_per_gpu", as_is);
     } else if (a == "--lr") {
-      s = real(&f.lr);
+      s = setting("optimizer.params.lr", as_is);
     } else if (a == "--weight-decay") {
-      s = real(&f.weight_decay);
+      s = setting("optimizer.params.weight_decay", as_is);
     } else if (a == "--clip") {
-      s = real(&f.clip);
+      s = setting("gradient_clipping", as_is);
     } else if (a == "--accumulation") {
-      s = integer(&f.accumulation, 1);
-    } else if (a == "--ranks") {
-      s = integer(&f.ranks, 1);
-    } else if (a == "--device") {
-      s = choice(&f.device, {"host", "cuda"});
+      s = setting("gradient_accumulation_steps", as_is);
     } else if (a == "--optimizer") {
-      s = choice(&f.optimizer, {"dram", "nvme"});
+      s = setting("zero_optimization.offload_optimizer.device", device);
     } else if (a == "--params") {
-      s = choice(&f.params, {"dram", "nvme"});
+      s = setting("zero_optimization.offload_param.device", device);
     } else if (a == "--prefetch") {
-      s = integer(&f.prefetch, 0);
-    } else if (a == "--max-live-bytes" || a == "--persistence-threshold") {
-      uint64_t n = 0;
-      s = bytes(&n);
-      (a == "--max-live-bytes" ? f.max_live_bytes : f.persistence_threshold) =
-          static_cast<int64_t>(n);
+      s = setting("ztier.prefetch_depth", as_is);
+    } else if (a == "--max-live-bytes") {
+      s = setting("zero_optimization.stage3_max_live_parameters", bf16_bytes);
+    } else if (a == "--persistence-threshold") {
+      s = setting("zero_optimization.stage3_param_persistence_threshold", bf16_bytes);
+    } else if (a == "--ranks") {
+      s = integer(&f.ranks, 1, 1024);
+    } else if (a == "--device") {
+      ZT_ASSIGN_OR_RETURN(f.device, value());
+      if (f.device != "host" && f.device != "cuda") {
+        s = Status::InvalidArgument(StrCat("--device: '", f.device, "' is not host or cuda"));
+      }
     } else if (a == "--checkpoint-every") {
-      s = integer(&f.checkpoint_every, 0);
+      s = integer(&f.checkpoint_every, 0, 1 << 30);
     } else if (a == "--resume") {
       f.resume = true;
+    } else if (a == "--overwrite") {
+      f.overwrite = true;
     } else if (a == "--seed") {
       int seed = 0;
-      s = integer(&seed, 0);
+      s = integer(&seed, 0, INT32_MAX);
       f.seed = static_cast<uint64_t>(seed);
     } else if (a == "--no-progress") {
       f.progress = false;
     } else if (a == "--exit-after") {
-      s = integer(&f.exit_after, 1);
+      s = integer(&f.exit_after, 1, 1 << 30);
     } else if (a == "-h" || a == "--help") {
       Usage(std::cout);
       std::exit(0);
@@ -254,16 +265,76 @@ Result<Flags> ParseFlags(int argc, char** argv) {
     }
     ZT_RETURN_IF_ERROR(s);
   }
-  ZT_RETURN_IF_ERROR(gpt::ValidateConfig(f.model));
-  if (f.params == "nvme" && f.optimizer != "nvme") {
-    return Status::InvalidArgument("--params nvme needs --optimizer nvme");
+  if (f.resume && f.overwrite) {
+    return Status::InvalidArgument("--resume and --overwrite contradict each other");
   }
+  ZT_RETURN_IF_ERROR(gpt::ValidateConfig(f.model));
   return f;
+}
+
+// The settings in rising precedence: ztier-train's defaults, the config
+// file, the environment, the flags; then what the run does with them.
+Result<Plan> ResolvePlan(const Flags& f) {
+  engine::Settings s;
+  ZT_ASSIGN_OR_RETURN(
+      s, engine::ApplySetting(s, "zero_optimization.offload_optimizer.device", "nvme", kDefault));
+  if (!f.config.empty()) {
+    ZT_ASSIGN_OR_RETURN(s, engine::LoadSettings(f.config, s));
+  }
+  ZT_ASSIGN_OR_RETURN(s, engine::ApplyEnvironment(s, ::environ));
+  for (const Flags::Override& o : f.overrides) {
+    ZT_ASSIGN_OR_RETURN(s, engine::ApplySetting(s, o.key, o.text, o.flag));
+  }
+  if (s.param_tier == engine::Tier::kNvme && s.optimizer_tier != engine::Tier::kNvme) {
+    return Status::InvalidArgument(
+        "params on nvme need the optimizer states on nvme (--params nvme needs --optimizer nvme)");
+  }
+  if (s.optimizer_tier == engine::Tier::kNvme && s.nvme_paths.empty()) {
+    ZT_ASSIGN_OR_RETURN(s, engine::ApplySetting(s, "ZTIER_NVME_PATHS",
+                                                (fs::path(f.out) / "swap").string(), kDefault));
+  }
+  ZT_RETURN_IF_ERROR(engine::Validate(s));
+
+  Plan p;
+  const engine::TrainingSettings& t = s.training;
+  p.model = f.model;
+  p.model.checkpoint_activations = t.activation_checkpointing.value_or(false);
+  p.clip = t.clip_norm.value_or(1.0f);
+  p.hyper = engine::TrainingHyper(s, {.lr = 2e-3f, .weight_decay = 0.01f});
+  ZT_RETURN_IF_ERROR(cpu_adam::ValidateHyper(p.hyper));
+  // DeepSpeed's batch rule: train batch = micro batch x accumulation x
+  // ranks; any two give the third.
+  p.batch = t.micro_batch.value_or(8);
+  p.accumulation = t.grad_accumulation.value_or(1);
+  if (t.train_batch) {
+    const int64_t tb = *t.train_batch;
+    if (t.micro_batch && t.grad_accumulation) {
+      // both given: they must agree
+    } else if (t.micro_batch) {
+      p.accumulation = static_cast<int>(tb / (int64_t{p.batch} * f.ranks));
+    } else if (t.grad_accumulation) {
+      p.batch = static_cast<int>(tb / (int64_t{p.accumulation} * f.ranks));
+    } else {
+      p.accumulation = 1;
+      p.batch = static_cast<int>(tb / f.ranks);
+    }
+    if (p.batch < 1 || p.accumulation < 1 ||
+        int64_t{p.batch} * p.accumulation * f.ranks != tb) {
+      return Status::InvalidArgument(
+          StrCat("train_batch_size ", tb, " is not micro batch ", t.micro_batch.value_or(p.batch),
+                 " x accumulation ", t.grad_accumulation.value_or(p.accumulation), " x ", f.ranks,
+                 " rank(s)"));
+    }
+  }
+  p.params = gpt::ParameterCount(p.model);
+  p.settings = std::move(s);
+  return p;
 }
 
 // ------------------------------------------------------------------ data --
 
-// The text, as bytes. The default corpus is every fortunes data file.
+// The text, as bytes: a regular file of at most kMaxTextBytes, or every
+// fortunes data file.
 Result<std::string> LoadText(const std::string& path) {
   std::vector<fs::path> files;
   if (!path.empty()) {
@@ -283,11 +354,9 @@ Result<std::string> LoadText(const std::string& path) {
   }
   std::string text;
   for (const fs::path& p : files) {
-    std::ifstream in(p, std::ios::binary);
-    if (!in) return Status::NotFound(StrCat("cannot read '", p.string(), "'"));
-    std::ostringstream ss;
-    ss << in.rdbuf();
-    text += ss.str();
+    Result<std::string> part = ReadFileToString(p.string(), kMaxTextBytes - text.size());
+    if (!part.ok()) return part.status().Annotate("--data");
+    text += *part;
   }
   return text;
 }
@@ -300,19 +369,63 @@ uint64_t Mix(uint64_t x) {
 }
 
 // Rows of context + 1 tokens for (step, micro, rank), from random offsets.
-std::vector<int32_t> Batch(const std::string& text, const Flags& f, int64_t step, int micro,
-                           int rank) {
+std::vector<int32_t> Batch(const std::string& text, const Flags& f, int batch, int64_t step,
+                           int micro, int rank) {
   const int t = f.model.context;
   const uint64_t span = text.size() - static_cast<uint64_t>(t) - 1;
   std::vector<int32_t> tokens;
-  tokens.reserve(static_cast<size_t>(f.batch) * (t + 1));
+  tokens.reserve(static_cast<size_t>(batch) * (t + 1));
   uint64_t state = Mix(f.seed ^ Mix(static_cast<uint64_t>(step) * 1000003u + micro * 7919u + rank));
-  for (int b = 0; b < f.batch; ++b) {
+  for (int b = 0; b < batch; ++b) {
     state = Mix(state);
     const uint64_t start = state % span;
     for (int i = 0; i <= t; ++i) tokens.push_back(static_cast<unsigned char>(text[start + i]));
   }
   return tokens;
+}
+
+// ---------------------------------------------------------------- memory --
+
+uint64_t MemTotalBytes() {
+  const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
+  return pages > 0 && page > 0 ? static_cast<uint64_t>(pages) * static_cast<uint64_t>(page) : 0;
+}
+
+std::string GiB(uint64_t bytes) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%.2f GiB", static_cast<double>(bytes) / (1 << 30));
+  return buf;
+}
+
+// What the run needs in host memory, refused up front when the machine
+// does not have it: the engine's pinned buffers (fp32 states in DRAM or the
+// bf16 buffers beside NVMe states), each rank's activations (on the host
+// backend, device memory is host memory) and the text.
+Status CheckHostMemory(const Flags& f, const Plan& p, uint64_t text_bytes) {
+  const double params = static_cast<double>(p.params);
+  const bool nvme_states = p.settings.optimizer_tier == engine::Tier::kNvme;
+  const bool nvme_params = p.settings.param_tier == engine::Tier::kNvme;
+  double engine = params * ((nvme_states ? 0 : 12) + (nvme_params ? 0 : 2) + 2 +
+                            (p.accumulation > 1 ? 4 : 0));
+  double ranks = 0;
+  if (f.device == "host") {
+    // Activations, plus the params and grads a runner holds on its device.
+    ranks = f.ranks * (static_cast<double>(gpt::ActivationBytes(p.model, p.batch)) + 4 * params);
+  }
+  const double need = engine + ranks + static_cast<double>(text_bytes);
+  const uint64_t total = MemTotalBytes();
+  if (total != 0 && need > static_cast<double>(total)) {
+    const auto b = [](double x) { return GiB(x >= 1.8e19 ? UINT64_MAX : static_cast<uint64_t>(x)); };
+    char millions[32];
+    std::snprintf(millions, sizeof(millions), "%.1fM", params / 1e6);
+    return Status::ResourceExhausted(
+        StrCat("this model (", millions, " params, ", f.model.layers, " layers, ",
+               f.model.channels, " channels, batch ", p.batch, ") needs about ", b(need),
+               " of host memory (engine ", b(engine), ", ranks ", b(ranks),
+               "); this machine has ", GiB(total), ": make it smaller",
+               nvme_states ? "" : ", or put the optimizer on nvme"));
+  }
+  return Status::Ok();
 }
 
 // -------------------------------------------------------------- progress --
@@ -323,19 +436,42 @@ std::string Gb(uint64_t bytes) {
   return buf;
 }
 
+constexpr char kLogHeader[] =
+    "step\tloss\ttokens_per_s\thost_device_bytes\tnvme_read_bytes\tnvme_write_bytes\n";
+
+// The loss log for a run that starts after step `first`: a fresh header, or
+// the rows of steps 1..first of the existing log (rows past the checkpoint
+// the run resumes from were logged by a run that died before committing
+// them; they are logged again).
+Status PrepareLog(const std::string& path, int64_t first) {
+  std::string kept = kLogHeader;
+  if (first > 0) {
+    Result<std::string> old = ReadFileToString(path, uint64_t{1} << 30);
+    if (old.ok()) {
+      std::istringstream rows(*old);
+      std::string row;
+      std::getline(rows, row);  // header
+      while (std::getline(rows, row)) {
+        char* end = nullptr;
+        const long long step = std::strtoll(row.c_str(), &end, 10);
+        if (end == row.c_str() || *end != '\t' || step < 1 || step > first) continue;
+        if (row.find('\0') != std::string::npos) continue;
+        kept += row + "\n";
+      }
+    } else if (old.status().code() != StatusCode::kNotFound) {
+      return old.status();
+    }
+  }
+  return WriteFileAtomically(path, kept);
+}
+
 // The progress line on stderr (a bar on a terminal, a line per step
-// otherwise), and <out>/train_log.tsv: one row per step, appended on resume.
+// otherwise), and the loss log: one row per step, appended.
 class Progress {
  public:
   Progress(int first, int last, bool bar, const std::string& log_path)
       : first_(first), last_(last), bar_(bar && isatty(2)) {
-    const bool fresh = first == 0 || !fs::exists(log_path);
-    log_ = std::fopen(log_path.c_str(), fresh ? "w" : "a");
-    if (log_ != nullptr && fresh) {
-      std::fprintf(log_,
-                   "step\tloss\ttokens_per_s\thost_device_bytes\tnvme_read_bytes\t"
-                   "nvme_write_bytes\n");
-    }
+    log_ = std::fopen(log_path.c_str(), "a");
   }
   ~Progress() {
     if (log_ != nullptr) std::fclose(log_);
@@ -378,6 +514,11 @@ class Progress {
     std::fflush(stderr);
   }
 
+  // Ends a bar line early (a stop between steps).
+  void Break() {
+    if (bar_) std::fprintf(stderr, "\n");
+  }
+
  private:
   int first_, last_;
   bool bar_;
@@ -386,87 +527,91 @@ class Progress {
 
 // ------------------------------------------------------------------- run --
 
-Result<engine::Settings> EngineSettings(const Flags& f, uint64_t params) {
-  engine::Settings s;
-  if (!f.config.empty()) {
-    ZT_ASSIGN_OR_RETURN(s, engine::LoadSettings(f.config));
-  }
-  ZT_ASSIGN_OR_RETURN(s, engine::ApplyEnvironment(s, ::environ));
-  if (f.optimizer == "nvme" && s.nvme_paths.empty()) {
-    std::string dirs = f.swap_dir.empty() ? (fs::path(f.out) / "swap").string() : f.swap_dir;
-    std::stringstream ss(dirs);
-    for (std::string d; std::getline(ss, d, ',');) {
-      if (!d.empty()) s.nvme_paths.push_back(d);
-    }
-    // fp32 master, m, v and two bf16 param copies, with room to spare.
-    const uint64_t need = params * 16 / s.nvme_paths.size();
-    s.nvme_capacity_per_path = std::max<uint64_t>(uint64_t{64} << 20, 2 * need);
-  }
-  return s;
+// The paths of one run in its --out directory.
+struct OutPaths {
+  std::string checkpoint, log, exported;
+  explicit OutPaths(const std::string& out)
+      : checkpoint((fs::path(out) / "checkpoint").string()),
+        log((fs::path(out) / "train_log.tsv").string()),
+        exported((fs::path(out) / "model.safetensors").string()) {}
+};
+
+Status CreateDir(const std::string& dir, std::string_view what) {
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec) return PosixError(StrCat("cannot create ", what, " ", dir), ec.value());
+  return Status::Ok();
 }
 
-int Run(const Flags& f) {
-  auto fail = [](const Status& s) {
-    std::fprintf(stderr, "\nztier-train: %s\n", s.ToString().c_str());
-    return 1;
-  };
-  Result<std::string> text = LoadText(f.data);
-  if (!text.ok()) return fail(text.status());
-  if (text->size() < static_cast<size_t>(f.model.context) + 2) {
-    return fail(Status::InvalidArgument(
-        StrCat("the text has ", text->size(), " bytes, fewer than the context + 2")));
-  }
-  const uint64_t params = gpt::ParameterCount(f.model);
-  Result<engine::Settings> settings = EngineSettings(f, params);
-  if (!settings.ok()) return fail(settings.status());
-  std::error_code ec;
-  fs::create_directories(f.out, ec);
-  for (const std::string& p : settings->nvme_paths) fs::create_directories(p, ec);
-
-  Result<std::unique_ptr<Session>> session =
-      Session::Open({.settings = *settings, .daemon_socket = "", .io_backend = nullptr});
-  if (!session.ok()) return fail(session.status());
-  engine::OptimizerConfig opt;
-  opt.hyper.lr = f.lr;
-  opt.hyper.weight_decay = f.weight_decay;
-  opt.clip_norm = f.clip;
-  opt.grad_accumulation = f.accumulation;
-  Result<std::unique_ptr<Model>> model = (*session)->RegisterModel(
-      {.name = "gpt",
-       .units = gpt::UnitSpecs(f.model),
-       .optimizer = opt,
-       .optimizer_tier = f.optimizer == "nvme" ? engine::Tier::kNvme : engine::Tier::kDram,
-       .param_tier = f.params == "nvme" ? engine::Tier::kNvme : engine::Tier::kDram,
-       .world_size = f.ranks});
-  if (!model.ok()) return fail(model.status());
-  Model& m = **model;
-  const std::string ckpt = (fs::path(f.out) / "checkpoint").string();
-  int64_t first = 0;
-  if (f.resume) {
-    Status s = m.LoadCheckpoint(ckpt);
-    if (!s.ok()) return fail(s.Annotate("--resume"));
-    first = m.published_step();
-  } else {
-    for (int k = 0; k < m.units(); ++k) {
-      std::vector<float> w(m.layout(k).numel);
-      gpt::InitUnit(f.model, k, f.seed, m.layout(k), w);
-      Status s = m.SetWeights(k, w.data(), w.size());
-      if (!s.ok()) return fail(s);
-    }
-  }
+void PrintSetup(const Flags& f, const Plan& p, const Session& session, size_t text_bytes) {
+  const engine::Settings& s = p.settings;
   std::fprintf(stderr,
                "ztier-train: %.2fM params (%d layers, %d channels, %d heads, context %d), %zu "
-               "bytes of text, %d rank(s) on %s, optimizer states in %s, params in %s, %s engine\n",
-               params / 1e6, f.model.layers, f.model.channels, f.model.heads, f.model.context,
-               text->size(), f.ranks, f.device.c_str(), f.optimizer.c_str(), f.params.c_str(),
-               (*session)->transport_name().c_str());
-  if (first >= f.steps) {
-    std::fprintf(stderr, "ztier-train: the checkpoint is at step %lld already\n",
-                 static_cast<long long>(first));
-    return 0;
+               "bytes of text, %d rank(s) on %s, batch %d x %d micro-step(s), optimizer states in "
+               "%s, params in %s, %s engine\n",
+               p.params / 1e6, p.model.layers, p.model.channels, p.model.heads, p.model.context,
+               text_bytes, f.ranks, f.device.c_str(), p.batch, p.accumulation,
+               s.optimizer_tier == engine::Tier::kNvme ? "nvme" : "dram",
+               s.param_tier == engine::Tier::kNvme ? "nvme" : "dram",
+               session.transport_name().c_str());
+  const engine::DramPoolStats pool = session.pool_stats();
+  std::string pages = "pinned DRAM pool: budget " + GiB(pool.budget_bytes);
+  if (pool.page_bytes != 0) {
+    pages += StrCat(", ", pool.page_bytes == 4096 ? "4 KiB pages" : "2 MiB pages");
+    const std::string policy = engine::ShmemHugePagePolicy();
+    if (pool.page_bytes == 4096 && s.huge_pages == engine::HugePages::kTransparent &&
+        !policy.empty()) {
+      pages += StrCat(" (the kernel's shmem_enabled is '", policy,
+                      "'; ztier.huge_pages hugetlb uses reserved huge pages)");
+    }
   }
-  if (f.resume) std::fprintf(stderr, "ztier-train: resumed at step %lld\n", (long long)first);
+  std::fprintf(stderr, "ztier-train: %s\n", pages.c_str());
+  for (const std::string& line : engine::NonDefaultSettings(s)) {
+    std::fprintf(stderr, "ztier-train: setting %s\n", line.c_str());
+  }
+}
 
+// The checkpoint's step when the run resumes, 0 when it starts afresh: a
+// fresh start in an --out that holds a checkpoint needs --overwrite, which
+// removes it (and the export) first.
+Result<int64_t> StartingPoint(const Flags& f, const OutPaths& paths, Model& m,
+                              uint64_t seed) {
+  const bool has_checkpoint = fs::exists(fs::path(paths.checkpoint) / "manifest.json");
+  if (f.resume) {
+    if (!has_checkpoint) {
+      return Status::NotFound(StrCat("--resume: there is no checkpoint in ", paths.checkpoint));
+    }
+    ZT_RETURN_IF_ERROR(m.LoadCheckpoint(paths.checkpoint).Annotate("--resume"));
+    return m.published_step();
+  }
+  if (has_checkpoint && !f.overwrite) {
+    return Status::AlreadyExists(StrCat(
+        f.out, " holds a checkpoint of an earlier run (", paths.checkpoint,
+        "): pass --resume to continue it, or --overwrite to start over and replace it"));
+  }
+  if (f.overwrite) {
+    std::error_code ec;
+    for (const auto& e : fs::directory_iterator(paths.checkpoint, ec)) {
+      const std::string name = e.path().filename().string();
+      if (name == "manifest.json" || name.starts_with("unit-")) {
+        ZT_RETURN_IF_ERROR(RemoveFile(e.path().string()));
+      }
+    }
+    ZT_RETURN_IF_ERROR(RemoveFile(paths.exported));
+  }
+  for (int k = 0; k < m.units(); ++k) {
+    std::vector<float> w(m.layout(k).numel);
+    gpt::InitUnit(f.model, k, seed, m.layout(k), w);
+    ZT_RETURN_IF_ERROR(m.SetWeights(k, w.data(), w.size()));
+  }
+  return int64_t{0};
+}
+
+// Trains steps first+1 .. f.steps on every rank; returns the signal that
+// stopped it early (0 when it ran to the end).
+Result<int> TrainSteps(const Flags& f, const Plan& p, const std::string& text, Session& session,
+                       Model& m, const OutPaths& paths, int64_t first,
+                       std::vector<RunnerStats>* stats) {
   std::vector<std::unique_ptr<Collectives>> coll;
   if (f.ranks > 1) {
     Result<std::vector<std::unique_ptr<Collectives>>> c =
@@ -476,52 +621,47 @@ int Run(const Flags& f) {
           return MakeNcclCollectives(ordinals);
         }()
                            : MakeLocalCollectives(f.ranks);
-    if (!c.ok()) return fail(c.status());
+    if (!c.ok()) return c.status();
     coll = *std::move(c);
   }
-
   // Per step: ranks train, then rank 0 reports (and checkpoints) while the
-  // others wait at the barrier, so a checkpoint sees no grads pending.
+  // others wait at the barrier, so a checkpoint sees no grads pending; a
+  // stop decided there is seen by every rank after the second barrier.
   std::barrier sync(f.ranks);
   std::mutex mu;
   std::vector<double> step_loss(f.ranks, 0.0);
-  std::vector<RunnerStats> stats(f.ranks);
+  stats->assign(f.ranks, RunnerStats{});
   std::vector<Status> status(f.ranks);
-  Progress progress(static_cast<int>(first), f.steps, f.progress,
-                    (fs::path(f.out) / "train_log.tsv").string());
+  int stop_signal = 0;  // written by rank 0 between the barriers
+  Progress progress(static_cast<int>(first), f.steps, f.progress, paths.log);
   const double tokens_per_step =
-      static_cast<double>(f.batch) * f.model.context * f.ranks * f.accumulation;
+      static_cast<double>(p.batch) * f.model.context * f.ranks * p.accumulation;
   auto rank_main = [&](int r) -> Status {
     Result<std::unique_ptr<Device>> dev = f.device == "cuda" ? MakeCudaDevice(r) : MakeHostDevice();
     if (!dev.ok()) return dev.status();
     std::vector<engine::UnitLayout> layouts;
     for (int k = 0; k < m.units(); ++k) layouts.push_back(m.layout(k));
     ZT_ASSIGN_OR_RETURN(std::unique_ptr<gpt::Gpt> net,
-                        gpt::Gpt::Create(f.model, f.batch, **dev, layouts));
-    client::RunnerOptions options = client::RunnerOptionsFrom((*session)->settings());
-    if (f.prefetch >= 0) options.prefetch_depth = f.prefetch;
-    if (f.max_live_bytes >= 0) options.max_live_bytes = static_cast<uint64_t>(f.max_live_bytes);
-    if (f.persistence_threshold >= 0) {
-      options.persistence_threshold = static_cast<uint64_t>(f.persistence_threshold);
-    }
+                        gpt::Gpt::Create(p.model, p.batch, **dev, layouts));
+    const client::RunnerOptions options = client::RunnerOptionsFrom(session.settings());
     ZT_ASSIGN_OR_RETURN(
         std::unique_ptr<Stage3Runner> runner,
         Stage3Runner::Create(m, r, **dev, f.ranks > 1 ? coll[r].get() : nullptr, options));
     gpt::SourceOf<Stage3Runner> source(*runner);
-    const float scale = 1.0f / static_cast<float>(f.ranks * f.accumulation);
+    const float scale = 1.0f / static_cast<float>(f.ranks * p.accumulation);
     Clock::time_point t0 = Clock::now();
     for (int64_t step = first; step < f.steps; ++step) {
       double loss = 0;
-      for (int micro = 0; micro < f.accumulation; ++micro) {
-        const std::vector<int32_t> tokens = Batch(*text, f, step, micro, r);
+      for (int micro = 0; micro < p.accumulation; ++micro) {
+        const std::vector<int32_t> tokens = Batch(text, f, p.batch, step, micro, r);
         ZT_ASSIGN_OR_RETURN(float l, net->TrainMicroStep(source, tokens.data(), scale));
-        loss += l / f.accumulation;
+        loss += l / p.accumulation;
         ZT_RETURN_IF_ERROR(runner->Step());
       }
       {
         std::lock_guard<std::mutex> lock(mu);
         step_loss[r] = loss;
-        stats[r] = runner->stats();
+        (*stats)[r] = runner->stats();
       }
       sync.arrive_and_wait();
       if (r == 0) {
@@ -530,11 +670,12 @@ int Run(const Flags& f) {
         RunnerStats total;
         for (int k = 0; k < f.ranks; ++k) {
           mean += step_loss[k] / f.ranks;
-          total.h2d_bytes += stats[k].h2d_bytes;
-          total.d2h_bytes += stats[k].d2h_bytes;
+          total.h2d_bytes += (*stats)[k].h2d_bytes;
+          total.d2h_bytes += (*stats)[k].d2h_bytes;
         }
-        const bool checkpoint =
-            done == f.steps || (f.checkpoint_every > 0 && done % f.checkpoint_every == 0);
+        const int sig = done < f.steps ? client::StopRequested() : 0;
+        const bool checkpoint = done == f.steps || sig != 0 ||
+                                (f.checkpoint_every > 0 && done % f.checkpoint_every == 0);
         if (checkpoint) {
           ZT_RETURN_IF_ERROR(m.WaitPublished(done, std::chrono::hours(1)));
         }
@@ -542,20 +683,24 @@ int Run(const Flags& f) {
         progress.Update(static_cast<int>(done), mean, tokens_per_step / std::max(secs, 1e-9), total,
                         m.counters());
         if (checkpoint) {
-          ZT_RETURN_IF_ERROR(m.SaveCheckpoint(ckpt));
+          ZT_RETURN_IF_ERROR(m.SaveCheckpoint(paths.checkpoint));
           if (f.exit_after > 0 && done == f.exit_after) {
             std::fprintf(stderr, "ztier-train: exiting abruptly after step %lld (--exit-after)\n",
                          static_cast<long long>(done));
             std::_Exit(3);
           }
         }
+        if (sig != 0) {
+          progress.Break();
+          stop_signal = sig;
+        }
         t0 = Clock::now();
       }
       sync.arrive_and_wait();
+      if (stop_signal != 0) break;
     }
     return Status::Ok();
   };
-  const Clock::time_point run_start = Clock::now();
   std::vector<std::thread> threads;
   for (int r = 0; r < f.ranks; ++r) {
     threads.emplace_back([&, r] {
@@ -567,20 +712,103 @@ int Run(const Flags& f) {
     });
   }
   for (auto& t : threads) t.join();
+  return stop_signal;
+}
 
-  const std::string exported = (fs::path(f.out) / "model.safetensors").string();
-  Status s = m.ExportSafetensors(exported, engine::Engine::ExportType::kBFloat16);
+int Run(const Flags& f, const Plan& p) {
+  auto fail = [](const Status& s) {
+    std::fprintf(stderr, "\nztier-train: %s\n", s.ToString().c_str());
+    return 1;
+  };
+  Result<std::string> text = LoadText(f.data);
+  if (!text.ok()) return fail(text.status());
+  if (text->size() < static_cast<size_t>(f.model.context) + 2) {
+    return fail(Status::InvalidArgument(
+        StrCat("the text has ", text->size(), " bytes, fewer than the context + 2")));
+  }
+  if (Status s = CheckHostMemory(f, p, text->size()); !s.ok()) return fail(s);
+  if (Status s = CreateDir(f.out, "--out directory"); !s.ok()) return fail(s);
+  for (const std::string& dir : p.settings.nvme_paths) {
+    if (Status s = CreateDir(dir, "swap directory"); !s.ok()) return fail(s);
+  }
+  if (Status s = client::InstallStopHandlers(); !s.ok()) return fail(s);
+
+  // The swap directories are locked as the session opens, the checkpoint
+  // directory as soon as the model exists: a second run on this --out stops
+  // here, before it touches anything of the first one's.
+  Result<std::unique_ptr<Session>> session =
+      Session::Open({.settings = p.settings, .daemon_socket = "", .io_backend = nullptr});
+  if (!session.ok()) return fail(session.status());
+  engine::OptimizerConfig opt;
+  opt.hyper = p.hyper;
+  opt.clip_norm = p.clip;
+  opt.grad_accumulation = p.accumulation;
+  Result<std::unique_ptr<Model>> model =
+      (*session)->RegisterModel({.name = "gpt",
+                                 .units = gpt::UnitSpecs(p.model),
+                                 .optimizer = opt,
+                                 .optimizer_tier = p.settings.optimizer_tier,
+                                 .param_tier = p.settings.param_tier,
+                                 .world_size = f.ranks});
+  if (!model.ok()) return fail(model.status());
+  Model& m = **model;
+  const OutPaths paths(f.out);
+  if (Status s = m.ClaimCheckpointDir(paths.checkpoint); !s.ok()) return fail(s);
+  Result<int64_t> first = StartingPoint(f, paths, m, f.seed);
+  if (!first.ok()) {
+    if (first.status().code() == StatusCode::kAlreadyExists) {
+      std::fprintf(stderr, "ztier-train: %s\n", std::string(first.status().message()).c_str());
+      return 2;
+    }
+    return fail(first.status());
+  }
+  PrintSetup(f, p, **session, text->size());
+  if (*first > f.steps) {
+    return fail(Status::InvalidArgument(StrCat("the checkpoint is at step ", *first,
+                                               ", past --steps ", f.steps,
+                                               "; raise --steps to train on")));
+  }
+  if (Status s = PrepareLog(paths.log, *first); !s.ok()) return fail(s);
+  if (f.resume) {
+    std::fprintf(stderr, "ztier-train: resumed at step %lld of %d\n",
+                 static_cast<long long>(*first), f.steps);
+  }
+
+  const Clock::time_point run_start = Clock::now();
+  std::vector<RunnerStats> stats;
+  int stopped = 0;
+  if (*first < f.steps) {
+    Result<int> trained = TrainSteps(f, p, *text, **session, m, paths, *first, &stats);
+    if (!trained.ok()) return fail(trained.status());
+    stopped = *trained;
+  }
+  Status s = m.ExportSafetensors(paths.exported, engine::Engine::ExportType::kBFloat16);
   if (!s.ok()) return fail(s);
   const engine::JobCounters c = m.counters();
   const double run_s = std::chrono::duration<double>(Clock::now() - run_start).count();
+  if (stopped != 0) {
+    std::fprintf(stderr,
+                 "ztier-train: stopped by %s after step %lld of %d; checkpoint %s (--resume "
+                 "continues it), weights %s\n",
+                 stopped == SIGINT ? "SIGINT" : "SIGTERM", static_cast<long long>(m.published_step()),
+                 f.steps, paths.checkpoint.c_str(), paths.exported.c_str());
+    return 128 + stopped;
+  }
+  if (stats.empty()) {
+    std::fprintf(stderr,
+                 "ztier-train: the checkpoint is at step %lld, the last one: wrote the weights "
+                 "%s\n",
+                 static_cast<long long>(*first), paths.exported.c_str());
+    return 0;
+  }
   std::fprintf(
       stderr,
       "ztier-train: done: %lld steps (%lld skipped) in %.1f s; the engine's optimizer ran "
       "%.2f s beside the compute, rank 0 waited %.2f s for params and %.2f s for its grads "
       "to land; checkpoint %s, weights %s\n",
       static_cast<long long>(c.steps), static_cast<long long>(c.skipped_steps), run_s,
-      c.optimizer_seconds, stats[0].acquire_wait_seconds, stats[0].step_wait_seconds, ckpt.c_str(),
-      exported.c_str());
+      c.optimizer_seconds, stats[0].acquire_wait_seconds, stats[0].step_wait_seconds,
+      paths.checkpoint.c_str(), paths.exported.c_str());
   return 0;
 }
 
@@ -588,11 +816,17 @@ int Run(const Flags& f) {
 }  // namespace ztier::train
 
 int main(int argc, char** argv) {
+  using ztier::train::Usage;
   ztier::Result<ztier::train::Flags> flags = ztier::train::ParseFlags(argc, argv);
   if (!flags.ok()) {
     std::fprintf(stderr, "ztier-train: %s\n\n", flags.status().ToString().c_str());
-    ztier::train::Usage(std::cerr);
+    Usage(std::cerr);
     return 2;
   }
-  return ztier::train::Run(*flags);
+  ztier::Result<ztier::train::Plan> plan = ztier::train::ResolvePlan(*flags);
+  if (!plan.ok()) {
+    std::fprintf(stderr, "ztier-train: %s\n", plan.status().ToString().c_str());
+    return 2;
+  }
+  return ztier::train::Run(*flags, *plan);
 }

@@ -1,0 +1,306 @@
+// ztier-train tried the way a hostile or clumsy user tries it: two runs on
+// one --out, re-runs that would replace committed work, resumes after kills
+// at awkward points, signals, bad flags and files, configs that must mean
+// what they say. Each case names the behaviour it pins down; none may end in
+// a crash (an exit code >= 128 other than a requested stop).
+// Runs the built binary (ZTIER_TRAIN_BINARY) in a scratch directory.
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "tests/testing/scratch_dir.h"
+
+extern char** environ;
+
+namespace {
+
+namespace fs = std::filesystem;
+using ztier::testing::ScratchDir;
+
+std::string Slurp(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+std::vector<std::string> Split(const std::string& args) {
+  std::istringstream in(args);
+  std::vector<std::string> out;
+  for (std::string a; in >> a;) out.push_back(a == "''" ? "" : a);
+  return out;
+}
+
+// A ztier-train process with its output in a file.
+class Process {
+ public:
+  Process(const std::string& args, const std::string& log) : log_(log) {
+    std::vector<std::string> argv_s = {ZTIER_TRAIN_BINARY, "--no-progress"};
+    for (std::string& a : Split(args)) argv_s.push_back(std::move(a));
+    std::vector<char*> argv;
+    for (std::string& a : argv_s) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    posix_spawn_file_actions_t fa;
+    posix_spawn_file_actions_init(&fa);
+    posix_spawn_file_actions_addopen(&fa, 1, log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    posix_spawn_file_actions_adddup2(&fa, 1, 2);
+    EXPECT_EQ(posix_spawn(&pid_, argv[0], &fa, nullptr, argv.data(), environ), 0);
+    posix_spawn_file_actions_destroy(&fa);
+  }
+  pid_t pid() const { return pid_; }
+  // The exit code, or 128 + the signal that killed it.
+  int Wait() {
+    int st = 0;
+    ::waitpid(pid_, &st, 0);
+    return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+  }
+  std::string output() const { return Slurp(log_); }
+
+ private:
+  pid_t pid_ = -1;
+  std::string log_;
+};
+
+// Runs ztier-train to the end: {exit code, output}.
+std::pair<int, std::string> Train(const std::string& args, const ScratchDir& dir) {
+  Process r(args, dir / "out.txt");
+  const int rc = r.Wait();
+  return {rc, r.output()};
+}
+
+// Loss-log rows by step.
+std::vector<std::string> LogSteps(const std::string& log) {
+  std::istringstream in(Slurp(log));
+  std::string line;
+  std::getline(in, line);
+  std::vector<std::string> steps;
+  while (std::getline(in, line)) steps.push_back(line.substr(0, line.find('\t')));
+  return steps;
+}
+
+std::vector<std::string> Counting(int from, int to) {
+  std::vector<std::string> out;
+  for (int i = from; i <= to; ++i) out.push_back(std::to_string(i));
+  return out;
+}
+
+// Waits until the log has `rows` rows (or the process is gone).
+void WaitForRows(const std::string& log, size_t rows, pid_t pid) {
+  for (int i = 0; i < 6000; ++i) {
+    if (LogSteps(log).size() >= rows) return;
+    if (::kill(pid, 0) != 0) return;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+}
+
+class TrainHardeningTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    std::ofstream text(dir_ / "text.txt");
+    for (int i = 0; i < 300; ++i) text << "Pack my box with five dozen liquor jugs, " << i << ". ";
+  }
+  std::string Common() const {
+    return " --layers 2 --channels 32 --heads 2 --context 16 --batch 4 --data " +
+           (dir_ / "text.txt");
+  }
+  ScratchDir dir_{"train-hard"};
+};
+
+TEST_F(TrainHardeningTest, ASecondRunOnOneOutIsRefusedAtOnceAndTheFirstIsUntouched) {
+  const std::string out = dir_ / "shared";
+  const std::string a_args = Common() + " --steps 40 --checkpoint-every 1 --ranks 2 --out " + out;
+  Process a(a_args, dir_ / "a.txt");
+  WaitForRows(out + "/train_log.tsv", 2, a.pid());
+  // The same --out; then the same --out with the swap elsewhere, which only
+  // the checkpoint directory's lock can catch.
+  for (const std::string& extra : {std::string(), " --swap-dir " + dir_.sub("other-swap")}) {
+    const auto start = std::chrono::steady_clock::now();
+    auto [rc, text] = Train(Common() + " --steps 5 --seed 2 --out " + out + extra, dir_);
+    EXPECT_EQ(rc, 1) << text;
+    EXPECT_NE(text.find(ztier::StrCat("in use by process ", a.pid())), std::string::npos) << text;
+    EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(20))
+        << "refused only after work was done";
+  }
+  ASSERT_EQ(a.Wait(), 0) << a.output();
+  // The first run's results are exactly those of a run nobody disturbed.
+  auto [rc, text] = Train(Common() + " --steps 40 --ranks 2 --out " + (dir_ / "alone"), dir_);
+  ASSERT_EQ(rc, 0) << text;
+  EXPECT_EQ(Slurp(out + "/model.safetensors"), Slurp(dir_ / "alone/model.safetensors"));
+  EXPECT_EQ(LogSteps(out + "/train_log.tsv"), Counting(1, 40));
+  EXPECT_EQ(Slurp(out + "/train_log.tsv").find('\0'), std::string::npos);
+}
+
+TEST_F(TrainHardeningTest, ARunNeverReplacesACheckpointItDidNotResume) {
+  const std::string out = dir_ / "run";
+  ASSERT_EQ(Train(Common() + " --steps 3 --out " + out, dir_).first, 0);
+  const std::string manifest = Slurp(out + "/checkpoint/manifest.json");
+  auto [rc, text] = Train(Common() + " --steps 3 --out " + out, dir_);
+  EXPECT_EQ(rc, 2) << text;
+  EXPECT_NE(text.find("--resume"), std::string::npos) << text;
+  EXPECT_NE(text.find("--overwrite"), std::string::npos) << text;
+  EXPECT_EQ(Slurp(out + "/checkpoint/manifest.json"), manifest) << "the checkpoint changed";
+  EXPECT_EQ(LogSteps(out + "/train_log.tsv"), Counting(1, 3)) << "the log changed";
+  // --overwrite starts over, on purpose.
+  auto [orc, otext] = Train(Common() + " --steps 2 --seed 5 --overwrite --out " + out, dir_);
+  ASSERT_EQ(orc, 0) << otext;
+  EXPECT_EQ(LogSteps(out + "/train_log.tsv"), Counting(1, 2));
+  EXPECT_NE(Slurp(out + "/checkpoint/manifest.json"), manifest);
+  // --resume of a run that has no checkpoint is an error, not a fresh start.
+  auto [nrc, ntext] = Train(Common() + " --steps 2 --resume --out " + (dir_ / "none"), dir_);
+  EXPECT_EQ(nrc, 1) << ntext;
+  EXPECT_NE(ntext.find("no checkpoint"), std::string::npos) << ntext;
+}
+
+TEST_F(TrainHardeningTest, ResumeFinishesWhatTheRunHadLeftAndCutsTheLogBack) {
+  const std::string whole = dir_ / "whole", cut = dir_ / "cut", last = dir_ / "last";
+  ASSERT_EQ(Train(Common() + " --steps 6 --out " + whole, dir_).first, 0);
+  // Killed right after its final checkpoint, before the export: --resume
+  // writes the export and nothing else.
+  EXPECT_EQ(Train(Common() + " --steps 6 --exit-after 6 --out " + last, dir_).first, 3);
+  ASSERT_FALSE(fs::exists(last + "/model.safetensors"));
+  auto [rc, text] = Train(Common() + " --steps 6 --resume --out " + last, dir_);
+  ASSERT_EQ(rc, 0) << text;
+  EXPECT_EQ(Slurp(last + "/model.safetensors"), Slurp(whole + "/model.safetensors"));
+  EXPECT_EQ(LogSteps(last + "/train_log.tsv"), Counting(1, 6));
+
+  // Killed during a later checkpoint: rows past the committed one are in the
+  // log (here written by hand, as a dying run leaves them, with a torn one).
+  EXPECT_EQ(Train(Common() + " --steps 6 --checkpoint-every 3 --exit-after 3 --out " + cut, dir_)
+                .first,
+            3);
+  {
+    std::ofstream log(cut + "/train_log.tsv", std::ios::app);
+    log << "4\t9.999\t1\t0\t0\t0\n5\t9.999\t1\t0\t0\t0\n6\t9.9";
+  }
+  auto [rrc, rtext] = Train(Common() + " --steps 6 --resume --out " + cut, dir_);
+  ASSERT_EQ(rrc, 0) << rtext;
+  EXPECT_EQ(LogSteps(cut + "/train_log.tsv"), Counting(1, 6));
+  EXPECT_EQ(Slurp(cut + "/model.safetensors"), Slurp(whole + "/model.safetensors"));
+  EXPECT_EQ(Slurp(cut + "/train_log.tsv").find("9.999"), std::string::npos);
+  // A checkpoint past --steps is named, not silently "done".
+  auto [prc, ptext] = Train(Common() + " --steps 4 --resume --out " + cut, dir_);
+  EXPECT_EQ(prc, 1) << ptext;
+  EXPECT_NE(ptext.find("past --steps 4"), std::string::npos) << ptext;
+}
+
+TEST_F(TrainHardeningTest, TheFirstSignalStopsAtAStepWithACheckpointAndTheExport) {
+  const std::string args = Common() + " --layers 3 --channels 64 --context 32 --steps 400";
+  for (int sig : {SIGINT, SIGTERM}) {
+    SCOPED_TRACE(sig == SIGINT ? "SIGINT" : "SIGTERM");
+    const std::string out = dir_ / (sig == SIGINT ? "int" : "term");
+    Process r(args + " --out " + out, dir_ / "sig.txt");
+    WaitForRows(out + "/train_log.tsv", 3, r.pid());
+    ::kill(r.pid(), sig);
+    const int rc = r.Wait();
+    const std::string text = r.output();
+    ASSERT_EQ(rc, 128 + sig) << text;
+    EXPECT_NE(text.find(sig == SIGINT ? "stopped by SIGINT" : "stopped by SIGTERM"),
+              std::string::npos)
+        << text;
+    EXPECT_TRUE(fs::exists(out + "/model.safetensors"));
+    const std::vector<std::string> steps = LogSteps(out + "/train_log.tsv");
+    ASSERT_FALSE(steps.empty());
+    ASSERT_LT(steps.size(), 400u) << "did not stop";
+    // The checkpoint holds the last logged step, and resuming continues it
+    // (the last rows are compared with a run that was never stopped below).
+    auto [rrc, rtext] = Train(args + " --steps " + std::to_string(steps.size() + 2) +
+                                  " --resume --out " + out,
+                              dir_);
+    ASSERT_EQ(rrc, 0) << rtext;
+    EXPECT_NE(rtext.find("resumed at step " + steps.back()), std::string::npos) << rtext;
+    EXPECT_EQ(LogSteps(out + "/train_log.tsv"), Counting(1, static_cast<int>(steps.size()) + 2));
+  }
+}
+
+TEST_F(TrainHardeningTest, BadInputsAreClearErrorsNeverCrashes) {
+  const std::string out = " --out " + (dir_ / "bad");
+  fs::create_directories(dir_ / "adir");
+  struct Case {
+    std::string args;
+    int rc;
+    const char* message;
+  };
+  const Case cases[] = {
+      {"--swap-dir ,", 2, "empty path list"},
+      {"--max-live-bytes nan", 2, "is not a size"},
+      {"--max-live-bytes 1e30", 2, "is not a size"},
+      {"--persistence-threshold -5", 2, "is not a size"},
+      {"--out ''", 2, "non-empty"},
+      {"--lr nan", 2, "not a finite number"},
+      {"--clip -1", 2, "is outside"},
+      {"--batch 0", 2, "is outside"},
+      {"--layers 1000000000", 2, "config.layers"},
+      {"--steps 1e9", 2, "--steps"},
+      {"--resume --overwrite", 2, "contradict"},
+      {"--params nvme --optimizer dram", 2, "optimizer states on nvme"},
+      {"--layers 60000 --channels 60000 --heads 1", 1, "of host memory"},
+      {"--data /dev/zero", 1, "not a regular file"},
+      {"--data " + (dir_ / "adir"), 1, "is a directory"},
+      {"--data " + (dir_ / "missing.txt"), 1, "missing.txt"},
+      {"--config " + (dir_ / "adir"), 2, "is a directory"},
+  };
+  for (const Case& c : cases) {
+    const auto start = std::chrono::steady_clock::now();
+    auto [rc, text] = Train(Common() + out + " " + c.args, dir_);
+    EXPECT_EQ(rc, c.rc) << c.args << "\n" << text;
+    EXPECT_NE(text.find(c.message), std::string::npos) << c.args << "\n" << text;
+    EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(10)) << c.args;
+  }
+}
+
+TEST_F(TrainHardeningTest, OutThatCannotBeCreatedNamesTheRealCause) {
+  std::ofstream(dir_ / "file") << "x";
+  auto [rc, text] = Train(Common() + " --steps 1 --out " + (dir_ / "file/sub"), dir_);
+  EXPECT_EQ(rc, 1) << text;
+  EXPECT_NE(text.find("Not a directory"), std::string::npos) << text;
+  EXPECT_EQ(text.find("not_found"), std::string::npos) << text;
+}
+
+TEST_F(TrainHardeningTest, SettingsMeanWhatTheySay) {
+  // The config's device beats ztier-train's default; a flag beats the config.
+  std::ofstream(dir_ / "cpu.json") << R"({"zero_optimization": {"offload_optimizer": {"device": "cpu"}},
+                                          "gradient_accumulation_steps": 2})";
+  auto [rc, text] =
+      Train(Common() + " --steps 1 --config " + (dir_ / "cpu.json") + " --out " + (dir_ / "c1"), dir_);
+  ASSERT_EQ(rc, 0) << text;
+  EXPECT_NE(text.find("optimizer states in dram"), std::string::npos) << text;
+  EXPECT_NE(text.find("batch 4 x 2 micro-step(s)"), std::string::npos) << text;
+  EXPECT_NE(text.find("zero_optimization.offload_optimizer.device = cpu (from " + (dir_ / "cpu.json")),
+            std::string::npos)
+      << text;
+  EXPECT_FALSE(fs::exists(dir_ / "c1/swap")) << "a DRAM run made a swap directory";
+  auto [frc, ftext] = Train(Common() + " --steps 1 --config " + (dir_ / "cpu.json") +
+                                " --optimizer nvme --accumulation 1 --out " + (dir_ / "c2"),
+                            dir_);
+  ASSERT_EQ(frc, 0) << ftext;
+  EXPECT_NE(ftext.find("optimizer states in nvme"), std::string::npos) << ftext;
+  EXPECT_NE(ftext.find("(from --optimizer)"), std::string::npos) << ftext;
+
+  // A wrong JSON type is an error, not a directory named "5".
+  std::ofstream(dir_ / "five.json") << R"({"zero_optimization": {"offload_optimizer": {"nvme_path": 5}}})";
+  auto [brc, btext] =
+      Train(Common() + " --config " + (dir_ / "five.json") + " --out " + (dir_ / "c3"), dir_);
+  EXPECT_EQ(brc, 2) << btext;
+  EXPECT_NE(btext.find("expected a string or a list of strings"), std::string::npos) << btext;
+
+  // Params on NVMe with many tiny units: the swap files size themselves.
+  auto [nrc, ntext] = Train(Common() + " --layers 20 --channels 16 --params nvme --steps 2 --out " +
+                                (dir_ / "tiny"),
+                            dir_);
+  ASSERT_EQ(nrc, 0) << ntext;
+  EXPECT_TRUE(fs::is_empty(dir_ / "tiny/swap")) << "swap files left after a clean exit";
+}
+
+}  // namespace
