@@ -162,8 +162,10 @@ Status SaveCheckpointImpl(Job& job, const std::string& dir, CheckpointDirs& dirs
           std::memcpy(body + 2 * n * 4, state.exp_avg_sq + off, n * 4);
           const std::string name =
               StrCat("unit-", k, "-rank-", r, "-step-", job.step, "-", tag, ".bin");
-          ZT_RETURN_IF_ERROR(WriteFileAtomically((fs::path(dir) / name).string(), data));
+          // Listed before it is written: a write that fails after its rename
+          // (the directory fsync) leaves the file in place, to be removed.
           written.push_back(name);
+          ZT_RETURN_IF_ERROR(WriteFileAtomically((fs::path(dir) / name).string(), data));
           cu.shards.push_back({.file = name,
                                .rank = r,
                                .elements = n,
@@ -178,6 +180,10 @@ Status SaveCheckpointImpl(Job& job, const std::string& dir, CheckpointDirs& dirs
                             EncodeCheckpointManifest(manifest));
   }
   if (!s.ok()) {
+    // When only the directory fsync after the manifest's rename failed, the
+    // new checkpoint is in place but maybe not durable: the old files stay
+    // (a crash could bring the old manifest back), RemoveUncommitted keeps
+    // the new ones, and the next save that succeeds removes the leftovers.
     RemoveUncommitted(dir, written);
     return s;
   }

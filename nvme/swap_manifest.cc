@@ -117,6 +117,12 @@ Result<SwapManifest> DecodeSwapManifest(std::string_view data, std::string_view 
   std::memcpy(&version, data.data() + 8, 4);
   std::memcpy(&size, data.data() + 16, 8);
   std::memcpy(&payload_crc, data.data() + 24, 4);
+  for (size_t i : {12, 13, 14, 15}) {
+    if (data[i] != 0) return bad("reserved header bytes are not zero");
+  }
+  for (size_t i = 28; i < kHeaderBytes - 4; ++i) {
+    if (data[i] != 0) return bad("reserved header bytes are not zero");
+  }
   if (version != kSwapManifestVersion) {
     return bad(StrCat("version ", version, " is not the supported version ", kSwapManifestVersion));
   }

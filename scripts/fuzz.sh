@@ -14,18 +14,24 @@ out=build/fuzz
 mkdir -p "$out"
 flags=(-std=c++20 -O1 -g -I. -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=all)
 common=(common/status.cc common/log.cc common/crc32c.cc)
+common+=(common/file_util.cc common/numbers.cc)
 declare -A sources=(
   [safetensors_header]="engine/safetensors.cc"
   [settings]="engine/settings.cc"
+  [checkpoint_manifest]="engine/checkpoint_manifest.cc"
+  [swap_manifest]="nvme/swap_manifest.cc"
 )
+declare -A libs=()
 declare -A seeds=(
   [safetensors_header]=tests/fuzz/seeds/safetensors
   [settings]=tests/fuzz/seeds/settings
+  [checkpoint_manifest]=tests/fuzz/seeds/checkpoint_manifest
+  [swap_manifest]=tests/fuzz/seeds/swap_manifest
 )
-for target in safetensors_header settings; do
+for target in safetensors_header settings checkpoint_manifest swap_manifest; do
   echo "fuzz: building $target"
   "$cxx" "${flags[@]}" "tests/fuzz/${target}_fuzz.cc" ${sources[$target]} "${common[@]}" \
-    -o "$out/$target-fuzzer"
+    ${libs[$target]:-} -o "$out/$target-fuzzer"
   corpus="$out/$target-corpus"
   mkdir -p "$corpus" "$out/$target"
   echo "fuzz: running $target for ${seconds}s"

@@ -1,0 +1,430 @@
+// Checkpoints under faults and hostile input:
+//  - a save that fails at any of its system calls (a full disk, a failed
+//    fsync or rename, injected through the file fault hook) reports it,
+//    removes what it wrote, and leaves a checkpoint that loads: the last
+//    committed one, or the new one when only the last directory fsync failed;
+//  - forged manifests whose checksum is valid (sizes near 2^63, a negative
+//    step, zero ranks, file names that leave the directory) are refused, and
+//    a directory where a file should be is an error, never a crash;
+//  - a checkpoint directory has one saving user at a time, across processes
+//    and across jobs of one engine, and a dead holder never blocks;
+//  - loads take no lock and see one committed checkpoint while another run
+//    keeps saving into the directory;
+//  - jobs are sized up front against the limits and the DRAM budget.
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <mutex>
+#include <random>
+#include <set>
+#include <thread>
+
+#include <nlohmann/json.hpp>
+
+#include "common/crc32c.h"
+#include "common/file_util.h"
+#include "engine/engine.h"
+#include "tests/engine/engine_testing.h"
+#include "tests/testing/scratch_dir.h"
+
+namespace ztier::engine {
+namespace {
+
+namespace fs = std::filesystem;
+using Json = nlohmann::json;
+using namespace testing;
+
+std::string Slurp(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+
+std::set<std::string> Files(const fs::path& dir) {
+  std::set<std::string> out;
+  for (const auto& e : fs::directory_iterator(dir)) out.insert(e.path().filename().string());
+  return out;
+}
+
+class CheckpointFaultTest : public ::testing::Test {
+ protected:
+  void TearDown() override { SetFileFaultHook({}); }
+
+  // A job trained `steps` steps and saved into dir_, plus its snapshot.
+  void TrainAndSave(int steps) {
+    Train(*engine_, job_, 1, step_, steps, 17 + step_);
+    step_ += steps;
+    ASSERT_TRUE(engine_->SaveCheckpoint(job_, dir_.path()).ok());
+    saved_[step_] = Snapshot(*engine_, job_);
+  }
+
+  // Loads `dir` (default dir_) into a fresh engine: the step it holds, with
+  // its state checked against the snapshot taken at that step.
+  int64_t LoadFresh(const std::string& dir = "") {
+    auto e = MakeEngine();
+    Result<int> j = e->RegisterJob(SmallModel("reader", 2, 1.0f, 1, StepMode::kExact));
+    EXPECT_TRUE(j.ok());
+    Status s = e->LoadCheckpoint(*j, dir.empty() ? dir_.path() : dir);
+    EXPECT_TRUE(s.ok()) << s;
+    if (!s.ok()) return -1;
+    const int64_t step = e->PublishedStep(*j, 0);
+    auto it = saved_.find(step);
+    EXPECT_NE(it, saved_.end()) << "loaded step " << step << " was never committed";
+    if (it != saved_.end()) {
+      EXPECT_TRUE(Same(Snapshot(*e, *j), it->second)) << "step " << step;
+    }
+    return step;
+  }
+
+  ScratchDir dir_{"ckpt-fault"};
+  std::unique_ptr<Engine> engine_ = MakeEngine();
+  int job_ = *engine_->RegisterJob(SmallModel("saver", 1, 1.0f, 1, StepMode::kExact));
+  int step_ = 0;
+  std::map<int64_t, State> saved_;
+};
+
+TEST_F(CheckpointFaultTest, AFullDiskDuringASaveRemovesWhatItWroteAndKeepsTheLastCheckpoint) {
+  TrainAndSave(2);
+  const std::set<std::string> committed = Files(dir_.path());
+  Train(*engine_, job_, 1, step_, 1, 99);
+  // The third shard file finds the disk full.
+  SetFileFaultHook([](FileOp op, const std::string& path) {
+    return op == FileOp::kWrite && path.find("/unit-2-") != std::string::npos ? ENOSPC : 0;
+  });
+  Status s = engine_->SaveCheckpoint(job_, dir_.path());
+  SetFileFaultHook({});
+  EXPECT_EQ(s.code(), StatusCode::kResourceExhausted) << s;
+  EXPECT_NE(s.message().find("unit-2-"), std::string::npos) << s;
+  EXPECT_EQ(Files(dir_.path()), committed) << "a failed save left files behind";
+  EXPECT_EQ(LoadFresh(), 2);
+  // With room again the next save works.
+  ASSERT_TRUE(engine_->SaveCheckpoint(job_, dir_.path()).ok());
+  saved_[3] = Snapshot(*engine_, job_);
+  EXPECT_EQ(LoadFresh(), 3);
+}
+
+TEST_F(CheckpointFaultTest, EveryFailingCallOfASaveIsReportedAndACheckpointStillLoads) {
+  TrainAndSave(2);
+  Train(*engine_, job_, 1, step_, 1, 7);
+  saved_[3] = Snapshot(*engine_, job_);
+  // Count the calls a save makes, by kind.
+  std::map<FileOp, int> calls;
+  std::mutex mu;
+  auto count = [&](FileOp op, const std::string&) {
+    std::lock_guard<std::mutex> lock(mu);
+    ++calls[op];
+    return 0;
+  };
+  {
+    ScratchDir probe("ckpt-probe");
+    auto e = MakeEngine();
+    Result<int> j = e->RegisterJob(SmallModel("probe", 1, 1.0f, 1, StepMode::kExact));
+    ASSERT_TRUE(j.ok());
+    Train(*e, *j, 1, 0, 1, 5);
+    ASSERT_TRUE(e->SaveCheckpoint(*j, probe.path()).ok());  // a first save: nothing to remove
+    SetFileFaultHook(count);
+    ASSERT_TRUE(e->SaveCheckpoint(*j, probe.path()).ok());
+    SetFileFaultHook({});
+  }
+  ASSERT_GT(calls[FileOp::kFsync], 0);
+  ASSERT_GT(calls[FileOp::kRename], 0);
+  ASSERT_GT(calls[FileOp::kFsyncDir], 0);
+  // Each case saves into a copy of the step-2 checkpoint.
+  int cases = 0;
+  for (const auto& [op, n] : calls) {
+    if (op == FileOp::kRead || op == FileOp::kRemove) continue;  // a save's cleanup, not its work
+    for (int nth = 1; nth <= n; ++nth) {
+      SCOPED_TRACE(StrCat(FileOpName(op), " #", nth, " of ", n));
+      const std::string d = dir_ / StrCat("case-", cases++);
+      fs::create_directories(d);
+      for (const std::string& f : Files(dir_.path())) {
+        if (f.starts_with("unit-") || f == "manifest.json") fs::copy(dir_ / f, d);
+      }
+      std::atomic<int> seen{0};
+      SetFileFaultHook([&, op = op, nth](FileOp o, const std::string&) {
+        return o == op && ++seen == nth ? EIO : 0;
+      });
+      Status s = engine_->SaveCheckpoint(job_, d);
+      SetFileFaultHook({});
+      EXPECT_EQ(s.code(), StatusCode::kIoError) << s;
+      EXPECT_EQ(s.sys_errno(), EIO) << s;
+      // The last committed checkpoint, or the new one if the failure came
+      // after its manifest was renamed in (opening or syncing the directory
+      // for the last time): then the old files stay until a save is known
+      // durable, and the next one removes them.
+      const int64_t loaded = LoadFresh(d);
+      const bool after_rename =
+          (op == FileOp::kFsyncDir || op == FileOp::kOpen) && nth == n;
+      EXPECT_TRUE(loaded == 2 || (loaded == 3 && after_rename)) << loaded;
+      std::set<std::string> names;
+      for (const std::string& f : Files(d)) {
+        EXPECT_FALSE(f.ends_with(".tmp")) << f << " left behind";
+        if (f.starts_with("unit-")) names.insert(f);
+      }
+      EXPECT_EQ(names.size(), loaded == 2 ? 4u : 8u) << "files of a failed save are left";
+      if (loaded == 3) {
+        ASSERT_TRUE(engine_->SaveCheckpoint(job_, d).ok());
+        names.clear();
+        for (const std::string& f : Files(d)) {
+          if (f.starts_with("unit-")) names.insert(f);
+        }
+        EXPECT_EQ(names.size(), 4u) << "the next save did not clean up";
+      }
+    }
+  }
+  EXPECT_GT(cases, 8);
+}
+
+// Rewrites the manifest with `edit` applied and a valid checksum.
+void Forge(const fs::path& dir, const std::function<void(Json&)>& edit) {
+  const fs::path path = dir / "manifest.json";
+  Json m = Json::parse(Slurp(path));
+  edit(m);
+  if (m.is_object()) {
+    m.erase("checksum");
+    const std::string canonical = m.dump();
+    m["checksum"] = Crc32c(canonical.data(), canonical.size());
+  }
+  std::ofstream(path, std::ios::trunc) << m.dump(1);
+}
+
+TEST_F(CheckpointFaultTest, ForgedManifestsWithValidChecksumsAreRefusedAndTouchNothing) {
+  TrainAndSave(1);
+  const std::string good = Slurp(dir_ / "manifest.json");
+  auto other = MakeEngine();
+  const int job = *other->RegisterJob(SmallModel("victim", 1, 1.0f, 1, StepMode::kExact));
+  Train(*other, job, 1, 0, 1, 3);
+  const State before = Snapshot(*other, job);
+  struct Case {
+    const char* what;
+    std::function<void(Json&)> edit;
+    const char* message;
+  };
+  const Case cases[] = {
+      {"padded near 2^63", [](Json& m) { m["units"][1]["padded"] = uint64_t{1} << 63; }, "padded"},
+      {"numel near 2^62", [](Json& m) { m["units"][1]["numel"] = uint64_t{1} << 62; }, "numel"},
+      {"negative step", [](Json& m) { m["step"] = -1; }, "'step'"},
+      {"adam step past step", [](Json& m) { m["adam_step"] = 5; }, "'adam_step'"},
+      {"zero ranks", [](Json& m) { m["ranks"] = 0; }, "'ranks'"},
+      {"a file named ..", [](Json& m) { m["units"][0]["shards"][0]["file"] = ".."; }, "plain"},
+      {"a path that leaves", [](Json& m) { m["units"][0]["shards"][0]["file"] = "../x.bin"; },
+       "plain"},
+      {"an absolute path", [](Json& m) { m["units"][0]["shards"][0]["file"] = "/etc/passwd"; },
+       "plain"},
+      {"one file twice",
+       [](Json& m) { m["units"][1]["shards"][0]["file"] = m["units"][0]["shards"][0]["file"]; },
+       "twice"},
+      {"a huge shape", [](Json& m) { m["units"][0]["tensors"][0]["shape"] = {1u << 31, 1u << 31}; },
+       "shape"},
+      {"a negative dimension", [](Json& m) { m["units"][0]["tensors"][0]["shape"] = {-97, 24}; },
+       "shape"},
+      {"no units", [](Json& m) { m["units"] = Json::array(); }, "'units'"},
+      {"a string step", [](Json& m) { m["step"] = "1"; }, "'step'"},
+      {"bytes off by one", [](Json& m) { m["units"][2]["shards"][0]["bytes"] = 1; }, "'bytes'"},
+      {"not an object", [](Json& m) { m = Json::array({1, 2}); }, "not a JSON object"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.what);
+    std::ofstream(dir_ / "manifest.json", std::ios::trunc) << good;
+    Forge(dir_.path(), c.edit);
+    Status s = other->LoadCheckpoint(job, dir_.path());
+    EXPECT_EQ(s.code(), StatusCode::kCorruption) << s;
+    EXPECT_NE(s.message().find(c.message), std::string::npos) << s;
+    EXPECT_TRUE(Same(Snapshot(*other, job), before));
+  }
+  std::ofstream(dir_ / "manifest.json", std::ios::trunc) << good;
+  EXPECT_TRUE(other->LoadCheckpoint(job, dir_.path()).ok());
+}
+
+TEST_F(CheckpointFaultTest, ADirectoryWhereAFileShouldBeIsAnErrorNotACrash) {
+  TrainAndSave(1);
+  auto other = MakeEngine();
+  const int job = *other->RegisterJob(SmallModel("victim", 1, 1.0f, 1, StepMode::kExact));
+  // A shard file replaced by a directory.
+  const Json m = Json::parse(Slurp(dir_ / "manifest.json"));
+  const fs::path shard = dir_ / m["units"][1]["shards"][0]["file"].get<std::string>();
+  fs::remove(shard);
+  fs::create_directory(shard);
+  Status s = other->LoadCheckpoint(job, dir_.path());
+  EXPECT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("is a directory"), std::string::npos) << s;
+  EXPECT_NE(s.message().find(shard.filename().string()), std::string::npos) << s;
+  // The manifest replaced by a directory.
+  fs::remove(dir_ / "manifest.json");
+  fs::create_directory(dir_ / "manifest.json");
+  s = other->LoadCheckpoint(job, dir_.path());
+  EXPECT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("is a directory"), std::string::npos) << s;
+}
+
+TEST_F(CheckpointFaultTest, RandomManifestMutationsNeverCrashAndWhatLoadsIsACommittedState) {
+  TrainAndSave(1);
+  const std::string good = Slurp(dir_ / "manifest.json");
+  auto other = MakeEngine();
+  const int job = *other->RegisterJob(SmallModel("victim", 2, 1.0f, 1, StepMode::kExact));
+  const uint64_t seed = std::random_device{}();
+  SCOPED_TRACE(StrCat("seed ", seed));
+  std::mt19937_64 rng(seed);
+  // Every leaf of the manifest, as a JSON pointer.
+  std::vector<Json::json_pointer> leaves;
+  const Json flat = Json::parse(good).flatten();
+  for (const auto& item : flat.items()) {
+    if (item.key() != "/checksum") leaves.emplace_back(item.key());
+  }
+  const Json replacements = Json::array(
+      {0, 1, -1, 3, 64, 4096, uint64_t{1} << 40, uint64_t{1} << 63, UINT64_MAX, 1.5, "", "..",
+       "x", true, nullptr, Json::array(), Json::object(), Json::array({1, 2})});
+  int loaded = 0;
+  for (int iter = 0; iter < 400; ++iter) {
+    Json m = Json::parse(good);
+    for (int k = 0; k < 1 + static_cast<int>(rng() % 3); ++k) {
+      m[leaves[rng() % leaves.size()]] = replacements[rng() % replacements.size()];
+    }
+    std::ofstream(dir_ / "manifest.json", std::ios::trunc) << m.dump();
+    Forge(dir_.path(), [](Json&) {});
+    Status s = other->LoadCheckpoint(job, dir_.path());
+    if (s.ok()) {
+      ++loaded;  // a harmless mutation: the state is the committed one
+      EXPECT_TRUE(Same(Snapshot(*other, job), saved_[1])) << m.dump();
+    }
+  }
+  RecordProperty("harmless_mutations", loaded);
+}
+
+TEST(CheckpointDirTest, OneSavingUserAtATimeAcrossJobsAndProcesses) {
+  ScratchDir dir("ckpt-dir");
+  const std::string d = dir / "ck";
+  auto a = MakeEngine();
+  const int ja = *a->RegisterJob(SmallModel("first", 1, 0.0f, 1, StepMode::kExact));
+  const int ja2 = *a->RegisterJob(SmallModel("second", 1, 0.0f, 1, StepMode::kExact));
+  Train(*a, ja, 1, 0, 1, 1);
+  Train(*a, ja2, 1, 0, 1, 2);
+  ASSERT_TRUE(a->ClaimCheckpointDir(ja, d).ok());
+  // Another job of the same engine.
+  Status same = a->SaveCheckpoint(ja2, d);
+  EXPECT_EQ(same.code(), StatusCode::kUnavailable) << same;
+  EXPECT_NE(same.message().find("job 'first'"), std::string::npos) << same;
+  // Another engine, as another process would be.
+  auto b = MakeEngine();
+  const int jb = *b->RegisterJob(SmallModel("other", 1, 0.0f, 1, StepMode::kExact));
+  Status cross = b->ClaimCheckpointDir(jb, d);
+  EXPECT_EQ(cross.code(), StatusCode::kUnavailable) << cross;
+  EXPECT_NE(cross.message().find(StrCat("pid ", ::getpid())), std::string::npos) << cross;
+  // Loading never needs the lock.
+  ASSERT_TRUE(a->SaveCheckpoint(ja, d).ok());
+  EXPECT_TRUE(b->LoadCheckpoint(jb, d).ok());
+  // The owner gone, the directory is free.
+  ASSERT_TRUE(a->UnregisterJob(ja).ok());
+  EXPECT_TRUE(b->ClaimCheckpointDir(jb, d).ok());
+  ASSERT_TRUE(b->UnregisterJob(jb).ok());
+
+  // A process that holds it and dies by SIGKILL never blocks anyone.
+  int ready[2];
+  ASSERT_EQ(::pipe(ready), 0);
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    auto e = MakeEngine();
+    const int j = *e->RegisterJob(SmallModel("child", 1, 0.0f, 1, StepMode::kExact));
+    const char c = e->ClaimCheckpointDir(j, d).ok() ? 'y' : 'n';
+    [[maybe_unused]] ssize_t n = ::write(ready[1], &c, 1);
+    ::pause();
+    ::_exit(0);
+  }
+  char c = 0;
+  ASSERT_EQ(::read(ready[0], &c, 1), 1);
+  ASSERT_EQ(c, 'y');
+  const int jc = *a->RegisterJob(SmallModel("after", 1, 0.0f, 1, StepMode::kExact));
+  Status held = a->ClaimCheckpointDir(jc, d);
+  EXPECT_EQ(held.code(), StatusCode::kUnavailable);
+  EXPECT_NE(held.message().find(StrCat("process ", child)), std::string::npos) << held;
+  ::kill(child, SIGKILL);
+  ::waitpid(child, nullptr, 0);
+  EXPECT_TRUE(a->ClaimCheckpointDir(jc, d).ok());
+  ::close(ready[0]);
+  ::close(ready[1]);
+}
+
+TEST(CheckpointDirTest, ALoadSeesOneCommittedCheckpointWhileAnotherRunKeepsSaving) {
+  ScratchDir dir("ckpt-live");
+  auto writer = MakeEngine();
+  const int jw = *writer->RegisterJob(SmallModel("writer", 1, 1.0f, 1, StepMode::kExact));
+  Train(*writer, jw, 1, 0, 1, 1);
+  ASSERT_TRUE(writer->SaveCheckpoint(jw, dir.path()).ok());
+  std::mutex mu;
+  std::map<int64_t, State> committed = {{1, Snapshot(*writer, jw)}};
+  std::atomic<bool> done{false};
+  std::thread saver([&] {
+    for (int step = 1; step < 12; ++step) {
+      Train(*writer, jw, 1, step, 1, 100 + step);
+      State s = Snapshot(*writer, jw);
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        committed[step + 1] = std::move(s);
+      }
+      ASSERT_TRUE(writer->SaveCheckpoint(jw, dir.path()).ok());
+    }
+    done = true;
+  });
+  auto reader = MakeEngine();
+  const int jr = *reader->RegisterJob(SmallModel("reader", 1, 1.0f, 1, StepMode::kExact));
+  int loads = 0;
+  while (!done || loads == 0) {
+    Status s = reader->LoadCheckpoint(jr, dir.path());
+    ASSERT_TRUE(s.ok()) << s;
+    const int64_t step = reader->PublishedStep(jr, 0);
+    std::lock_guard<std::mutex> lock(mu);
+    ASSERT_TRUE(committed.count(step)) << step;
+    EXPECT_TRUE(Same(Snapshot(*reader, jr), committed[step])) << "step " << step;
+    ++loads;
+  }
+  saver.join();
+  EXPECT_GT(loads, 0);
+}
+
+TEST(EngineLimitsTest, JobsAreSizedUpFront) {
+  auto e = MakeEngine(uint64_t{64} << 20);
+  JobSpec huge;
+  huge.name = "huge";
+  huge.units = {{"u", {{"w", {int64_t{1} << 31, int64_t{1} << 31}}}}};
+  Result<int> h = e->RegisterJob(huge);
+  EXPECT_EQ(h.status().code(), StatusCode::kInvalidArgument) << h.status();
+  EXPECT_NE(h.status().message().find("elements"), std::string::npos) << h.status();
+  JobSpec wide;
+  wide.name = "wide";
+  for (int k = 0; k < 300; ++k) {
+    wide.units.push_back({StrCat("u", k), {{"w", {int64_t{1} << 20, int64_t{1} << 20}}}});
+  }
+  EXPECT_EQ(e->RegisterJob(wide).status().code(), StatusCode::kInvalidArgument);
+  // 8M parameters with states in DRAM: 128 MiB against a 64 MiB budget,
+  // refused before anything is allocated, with both figures.
+  JobSpec big;
+  big.name = "big";
+  big.units = {{"w", {{"w", {2048, 4096}}}}};
+  Result<int> b = e->RegisterJob(big);
+  ASSERT_EQ(b.status().code(), StatusCode::kResourceExhausted) << b.status();
+  EXPECT_NE(b.status().message().find("needs 134217728 bytes"), std::string::npos) << b.status();
+  EXPECT_NE(b.status().message().find("67108864"), std::string::npos) << b.status();
+  EXPECT_EQ(e->pool_stats().used_bytes, 0u);
+}
+
+TEST(EnginePoolTest, ThePoolReportsThePageSizeItGot) {
+  auto e = MakeEngine();
+  const int j = *e->RegisterJob(SmallModel("pages", 1, 0.0f, 1, StepMode::kExact));
+  const DramPoolStats s = e->pool_stats();
+  EXPECT_TRUE(s.page_bytes == 4096 || s.page_bytes == (2u << 20)) << s.page_bytes;
+  EXPECT_EQ(e->counters(j).dram_page_bytes, s.page_bytes);
+  if (ShmemHugePagePolicy() == "never" || ShmemHugePagePolicy() == "deny") {
+    EXPECT_EQ(s.page_bytes, 4096u) << "huge pages reported where the kernel gives none";
+    EXPECT_EQ(s.huge_page_bytes, 0u);
+  }
+}
+
+}  // namespace
+}  // namespace ztier::engine
