@@ -8,6 +8,7 @@
 #include <cstring>
 #include <functional>
 #include <set>
+#include <type_traits>
 
 #include <nlohmann/json.hpp>
 
@@ -108,7 +109,11 @@ std::string Lower(std::string_view s) {
 
 template <class T>
 std::string OptText(const std::optional<T>& v) {
-  return v ? StrCat(*v) : std::string();
+  if constexpr (std::is_same_v<T, bool>) {
+    return v ? std::string(*v ? "true" : "false") : std::string();
+  } else {
+    return v ? StrCat(*v) : std::string();
+  }
 }
 
 // ---- the table
@@ -1013,8 +1018,10 @@ std::vector<std::string> NonDefaultSettings(const Settings& s) {
   for (const Tunable& t : Table()) {
     if (t.hidden()) continue;
     const std::string now = t.get(s);
-    if (now == t.get(defaults)) continue;
     auto src = s.sources.find(t.key());
+    // A value someone set is listed with its source even when it equals the
+    // default: it may override a program's own default.
+    if (now == t.get(defaults) && src == s.sources.end()) continue;
     out.push_back(StrCat(t.key(), " = ", now,
                          src != s.sources.end() ? StrCat(" (from ", src->second, ")") : ""));
   }

@@ -122,7 +122,8 @@ Result<Settings> ApplySetting(const Settings& base, std::string_view key, std::s
 // Checks cross-setting constraints (NVMe placement needs paths, ...).
 Status Validate(const Settings& s);
 // "key = value (from origin)" for every setting that differs from the
-// default (the engine logs them at start; ztier-train prints them).
+// default or was set by a config, a variable or a flag (the engine logs them
+// at start; ztier-train prints them).
 std::vector<std::string> NonDefaultSettings(const Settings& s);
 // The AdamW hyper-parameters: `defaults` with the training settings that
 // are set applied (the optimizer type, Adam's adam_w_mode, lr, betas, eps,
