@@ -1,9 +1,12 @@
 /* libztier's C ABI from C: a two-unit model trained for a few steps through
  * a runner on the host device, checked against the AdamW update by hand,
  * and the errors a C caller sees for bad use. Exit code 0 on success. */
+#define _POSIX_C_SOURCE 200809L
 #include <math.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "client/ztier_c.h"
 
@@ -115,7 +118,29 @@ int main(void) {
   EXPECT(ztier_model_published_step(model) == steps);
 
   ztier_device_close(device);
+  /* A checkpoint directory belongs to one model at a time; a second model
+   * is refused with ZTIER_UNAVAILABLE until the first one is closed. */
+  char dir[64];
+  snprintf(dir, sizeof(dir), "c-api-test-ckpt-%d", (int)getpid());
+  ASSERT_OK(ztier_model_claim_checkpoint_dir(model, dir));
+  ASSERT_OK(ztier_model_save_checkpoint(model, dir));
+  desc.name = "c-model-2";
+  ztier_model* second = NULL;
+  ASSERT_OK(ztier_model_register(session, &desc, &second));
+  EXPECT(ztier_model_claim_checkpoint_dir(second, dir) == ZTIER_UNAVAILABLE);
+  EXPECT(strstr(ztier_last_error(), "c-model") != NULL);
+  EXPECT(ztier_model_load_checkpoint(second, dir) == ZTIER_OK);
   ztier_model_close(model);
+  EXPECT(ztier_model_claim_checkpoint_dir(second, dir) == ZTIER_OK);
+  ztier_model_close(second);
+  char rm[96];
+  snprintf(rm, sizeof(rm), "rm -rf %s", dir);
+  EXPECT(system(rm) == 0);
+
+  /* The stop request starts unset. */
+  EXPECT(ztier_install_stop_handlers() == ZTIER_OK);
+  EXPECT(ztier_stop_requested() == 0);
+
   ztier_session_close(session);
   if (failures == 0) printf("c_api_test: ok\n");
   return failures == 0 ? 0 : 1;

@@ -195,6 +195,16 @@ TEST_F(TrainHardeningTest, ResumeFinishesWhatTheRunHadLeftAndCutsTheLogBack) {
   EXPECT_NE(ptext.find("past --steps 4"), std::string::npos) << ptext;
 }
 
+TEST_F(TrainHardeningTest, ResumingAnotherShapeNamesTheTensorAndBothShapes) {
+  const std::string out = dir_ / "shape";
+  ASSERT_EQ(Train(Common() + " --steps 1 --out " + out, dir_).first, 0);
+  auto [rc, text] = Train(Common() + " --channels 48 --steps 2 --resume --out " + out, dir_);
+  EXPECT_EQ(rc, 1) << text;
+  EXPECT_NE(text.find("tensor 'wte' has shape [256, 32] in the checkpoint and [256, 48] in the job"),
+            std::string::npos)
+      << text;
+}
+
 TEST_F(TrainHardeningTest, TheFirstSignalStopsAtAStepWithACheckpointAndTheExport) {
   const std::string args = Common() + " --layers 3 --channels 64 --context 32 --steps 400";
   for (int sig : {SIGINT, SIGTERM}) {
