@@ -72,10 +72,10 @@ Status ParseArgs(int argc, char** argv, NvmeOptions* o) {
       o->paths.emplace_back(v);
     } else if (arg == "--backend") {
       ZT_ASSIGN_OR_RETURN(o->backend, args.Choice<BackendArg>({{"auto", BackendArg::kAuto},
-                                                                {"io_uring", BackendArg::kUring},
-                                                                {"uring", BackendArg::kUring},
-                                                                {"threads", BackendArg::kThreads},
-                                                                {"both", BackendArg::kBoth}}));
+                                                               {"io_uring", BackendArg::kUring},
+                                                               {"uring", BackendArg::kUring},
+                                                               {"threads", BackendArg::kThreads},
+                                                               {"both", BackendArg::kBoth}}));
     } else if (arg == "--size") {
       ZT_ASSIGN_OR_RETURN(std::string_view v, args.Value());
       ZT_ASSIGN_OR_RETURN(o->size, ParseCount(v));

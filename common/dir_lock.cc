@@ -110,7 +110,8 @@ Result<DirLock> DirLock::Acquire(const std::string& dir, std::string_view file_n
       ::close(fd);
       return s;
     }
-    struct stat held {}, now {};
+    struct stat held {
+    }, now{};
     if (::fstat(fd, &held) != 0 || ::stat(path.c_str(), &now) != 0 || held.st_ino != now.st_ino ||
         held.st_dev != now.st_dev) {
       ::close(fd);

@@ -166,7 +166,8 @@ Result<std::string> ReadFileToString(const std::string& path, uint64_t max_bytes
       }
       data.resize(std::min<uint64_t>(max_bytes, std::max<uint64_t>(done * 2, 4096)));
     }
-    if (const int err = Injected(FileOp::kRead, path)) return PosixError(StrCat("read ", path), err);
+    if (const int err = Injected(FileOp::kRead, path))
+      return PosixError(StrCat("read ", path), err);
     const ssize_t n = ::read(fd, data.data() + done, data.size() - done);
     if (n < 0 && errno == EINTR) continue;
     if (n < 0) return PosixError(StrCat("read ", path), errno);

@@ -29,13 +29,13 @@
 namespace ztier {
 
 enum class FileOp : uint8_t {
-  kOpen,       // open / create a file (for reading or writing)
-  kWrite,      // write(2) of file data
-  kRead,       // read(2) of file data
-  kFsync,      // fsync of a file
-  kRename,     // rename(2) of a temp file over its target
-  kFsyncDir,   // fsync of a directory (makes names durable)
-  kRemove,     // unlink(2)
+  kOpen,      // open / create a file (for reading or writing)
+  kWrite,     // write(2) of file data
+  kRead,      // read(2) of file data
+  kFsync,     // fsync of a file
+  kRename,    // rename(2) of a temp file over its target
+  kFsyncDir,  // fsync of a directory (makes names durable)
+  kRemove,    // unlink(2)
 };
 std::string_view FileOpName(FileOp op);
 

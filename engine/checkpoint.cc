@@ -207,8 +207,8 @@ namespace {
 // down to the tensor and both shapes.
 Status CheckLayout(const Job& job, const CheckpointManifest& m, const std::string& dir) {
   auto mismatch = [&](std::string_view what) {
-    return Status::InvalidArgument(StrCat("checkpoint ", dir, " does not fit job '", job.spec.name,
-                                          "': ", what));
+    return Status::InvalidArgument(
+        StrCat("checkpoint ", dir, " does not fit job '", job.spec.name, "': ", what));
   };
   if (m.units.size() != job.units.size()) {
     return mismatch(StrCat("it has ", m.units.size(), " units, the job ", job.units.size()));
@@ -224,8 +224,8 @@ Status CheckLayout(const Job& job, const CheckpointManifest& m, const std::strin
       const CheckpointTensor& ct = cu.tensors[t];
       const TensorSpec& ts = us.tensors[t];
       if (ct.name != ts.name) {
-        return mismatch(StrCat("unit '", us.name, "' tensor ", t, " is '", ct.name,
-                               "' there and '", ts.name, "' here"));
+        return mismatch(StrCat("unit '", us.name, "' tensor ", t, " is '", ct.name, "' there and '",
+                               ts.name, "' here"));
       }
       if (ct.shape != ts.shape) {
         return mismatch(StrCat("unit '", us.name, "' tensor '", ts.name, "' has shape ",
@@ -234,8 +234,8 @@ Status CheckLayout(const Job& job, const CheckpointManifest& m, const std::strin
       }
     }
     if (cu.tensors.size() != us.tensors.size()) {
-      return mismatch(StrCat("unit '", us.name, "' has ", cu.tensors.size(),
-                             " tensors there and ", us.tensors.size(), " here"));
+      return mismatch(StrCat("unit '", us.name, "' has ", cu.tensors.size(), " tensors there and ",
+                             us.tensors.size(), " here"));
     }
   }
   return Status::Ok();
@@ -279,8 +279,8 @@ Status LoadUnit(const Job& job, const CheckpointManifest& m, const std::string& 
     Result<std::string> data = ReadFileToString(where, s.bytes);
     if (!data.ok()) {
       if (data.status().code() == StatusCode::kResourceExhausted) {  // larger than it should be
-        return Status::Corruption(StrCat("checkpoint file ", where, " is larger than the ",
-                                         s.bytes, " bytes the manifest says"));
+        return Status::Corruption(StrCat("checkpoint file ", where, " is larger than the ", s.bytes,
+                                         " bytes the manifest says"));
       }
       return data.status().Annotate("checkpoint file");
     }
@@ -298,8 +298,8 @@ Status LoadUnit(const Job& job, const CheckpointManifest& m, const std::string& 
     if (std::memcmp(data->data(), kMagic, 8) != 0 || fields[0] != kCheckpointVersion ||
         fields[1] != k || fields[2] != static_cast<uint32_t>(r) || elements != shard) {
       return Status::Corruption(StrCat("checkpoint file ", where,
-                                       ": header does not match the manifest (unit ", k,
-                                       ", rank ", r, ")"));
+                                       ": header does not match the manifest (unit ", k, ", rank ",
+                                       r, ")"));
     }
     if (!apply) continue;
     for (int a = 0; a < 3; ++a) {
@@ -344,10 +344,9 @@ Status LoadCheckpointImpl(Job& job, const std::string& dir, const PublishFn& pub
     }
     if (st.ok()) {
       touched = true;
-      st = ForEachUnitState(job, ForwardOrder(job), Access::kOverwrite,
-                            [&](size_t k, const StateView& state) {
-                              return LoadUnit(job, m, dir, k, &state);
-                            });
+      st = ForEachUnitState(
+          job, ForwardOrder(job), Access::kOverwrite,
+          [&](size_t k, const StateView& state) { return LoadUnit(job, m, dir, k, &state); });
       if (st.ok()) {
         job.step = m.step;
         job.adam_step = m.adam_step;

@@ -51,7 +51,8 @@ class Fields {
       return Bad(StrCat(where, "'", key, "' ", v->dump(), " is outside ", lo, "..", hi));
     }
     const int64_t n = v->get<int64_t>();
-    if (n < lo || n > hi) return Bad(StrCat(where, "'", key, "' ", n, " is outside ", lo, "..", hi));
+    if (n < lo || n > hi)
+      return Bad(StrCat(where, "'", key, "' ", n, " is outside ", lo, "..", hi));
     return n;
   }
   Result<uint64_t> Uint(const Json& o, const char* key, std::string_view where, uint64_t lo,
@@ -61,7 +62,8 @@ class Fields {
       return Bad(StrCat(where, "'", key, "' is not a non-negative integer"));
     }
     const uint64_t n = v->get<uint64_t>();
-    if (n < lo || n > hi) return Bad(StrCat(where, "'", key, "' ", n, " is outside ", lo, "..", hi));
+    if (n < lo || n > hi)
+      return Bad(StrCat(where, "'", key, "' ", n, " is outside ", lo, "..", hi));
     return n;
   }
   Result<const Json*> Array(const Json& o, const char* key, std::string_view where, size_t lo,
@@ -121,8 +123,7 @@ Result<CheckpointManifest> Decode(const Json& m, const Fields& f) {
       return f.Bad(StrCat(where, "padded size ", u.padded, " is not ", u.numel,
                           " rounded up to a multiple of ", granule, " (", out.ranks, " ranks)"));
     }
-    ZT_ASSIGN_OR_RETURN(const Json* tensors,
-                        f.Array(cu, "tensors", where, 1, kMaxTensorsPerUnit));
+    ZT_ASSIGN_OR_RETURN(const Json* tensors, f.Array(cu, "tensors", where, 1, kMaxTensorsPerUnit));
     uint64_t sum = 0;
     for (size_t t = 0; t < tensors->size(); ++t) {
       const Json& ct = (*tensors)[t];

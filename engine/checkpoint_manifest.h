@@ -85,8 +85,7 @@ bool PlainFileName(std::string_view name);
 std::string EncodeCheckpointManifest(const CheckpointManifest& m);
 
 // `origin` names the file in messages. Errors: Corruption.
-Result<CheckpointManifest> DecodeCheckpointManifest(std::string_view text,
-                                                    std::string_view origin);
+Result<CheckpointManifest> DecodeCheckpointManifest(std::string_view text, std::string_view origin);
 
 }  // namespace ztier::engine
 

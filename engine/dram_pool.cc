@@ -296,7 +296,8 @@ DramPoolStats DramPool::stats() const {
     s.hugetlb_regions += r.hugetlb() ? 1 : 0;
     s.huge_page_bytes += r.huge_bytes();
   }
-  if (s.reserved_bytes > 0) s.page_bytes = 2 * s.huge_page_bytes >= s.reserved_bytes ? kHugePage : kPage;
+  if (s.reserved_bytes > 0)
+    s.page_bytes = 2 * s.huge_page_bytes >= s.reserved_bytes ? kHugePage : kPage;
   return s;
 }
 

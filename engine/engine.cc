@@ -104,15 +104,16 @@ struct Engine::Impl {
     if (nvme_states) need += settings.buffer_count * page(slot);
     if (nvme_params) need += settings.buffer_count * page(param_slot);
     const DramPoolStats pool_stats = pool->stats();
-    const uint64_t left = pool_stats.budget_bytes - std::min(pool_stats.used_bytes,
-                                                             pool_stats.budget_bytes);
+    const uint64_t left =
+        pool_stats.budget_bytes - std::min(pool_stats.used_bytes, pool_stats.budget_bytes);
     if (need > left) {
       return Status::ResourceExhausted(StrCat(
           "job '", spec.name, "' needs ", need, " bytes of pinned DRAM (",
           nvme_states ? "grad inboxes, publish buffers and the staging ring"
                       : "fp32 master, m, v, the bf16 publish buffer and grad inbox of each unit",
           "); the DRAM budget (ztier.dram_budget) has ", left, " of ", pool_stats.budget_bytes,
-          " bytes left: raise the budget", nvme_states ? "" : " or put the optimizer states on nvme"));
+          " bytes left: raise the budget",
+          nvme_states ? "" : " or put the optimizer states on nvme"));
     }
     const uint64_t physical = PhysicalMemoryBytes();
     if (physical != 0 && need > physical) {
@@ -321,13 +322,13 @@ Result<std::unique_ptr<Engine>> Engine::Create(const Settings& settings,
     if (io_backend == nullptr) {
       ZT_ASSIGN_OR_RETURN(io_backend, nvme::MakeBackend(settings.io_backend));
     }
-    ZT_ASSIGN_OR_RETURN(
-        impl->swap, nvme::SwapSpace::Create({.paths = settings.nvme_paths,
-                                             .max_file_bytes = settings.nvme_capacity_per_path,
-                                             .stripe_bytes = settings.stripe_bytes,
-                                             .queue_depth = settings.queue_depth,
-                                             .checksums = settings.checksums},
-                                            std::move(io_backend)));
+    ZT_ASSIGN_OR_RETURN(impl->swap,
+                        nvme::SwapSpace::Create({.paths = settings.nvme_paths,
+                                                 .max_file_bytes = settings.nvme_capacity_per_path,
+                                                 .stripe_bytes = settings.stripe_bytes,
+                                                 .queue_depth = settings.queue_depth,
+                                                 .checksums = settings.checksums},
+                                                std::move(io_backend)));
   }
   for (const std::string& line : NonDefaultSettings(settings)) {
     ZT_LOG(kInfo, "engine") << "setting " << line;

@@ -120,13 +120,13 @@ std::string OptText(const std::optional<T>& v) {
 
 // The JSON value a row takes; every other JSON type is an error naming it.
 enum class JsonType {
-  kString,    // a string
-  kBool,      // true / false
-  kInteger,   // an integer (or a whole 5e2)
-  kNumber,    // any finite number
-  kSize,      // an integer or a string with a suffix ("64G")
-  kPaths,     // a string (comma-separated) or a list of strings
-  kPair,      // a list of two numbers
+  kString,         // a string
+  kBool,           // true / false
+  kInteger,        // an integer (or a whole 5e2)
+  kNumber,         // any finite number
+  kSize,           // an integer or a string with a suffix ("64G")
+  kPaths,          // a string (comma-separated) or a list of strings
+  kPair,           // a list of two numbers
   kFlagOrSection,  // true / false, or an object whose presence means true
 };
 
@@ -152,16 +152,29 @@ const char* BackendText(nvme::BackendChoice b) {
                                               : "auto";
 }
 
-// A row setting one optional float of the training settings.
-Tunable RealRow(std::vector<const char*> keys, const char* env, const char* doc, double lo,
-                double hi, std::optional<float> TrainingSettings::*field) {
+// A row setting one optional field of the training settings: a bool, an
+// integer in [lo, hi] or a finite number in [lo, hi].
+template <class T>
+Tunable TrainingRow(std::vector<const char*> keys, const char* env, const char* doc,
+                    std::optional<T> TrainingSettings::*field, double lo = 0, double hi = 0) {
+  constexpr JsonType type = std::is_same_v<T, bool>       ? JsonType::kBool
+                            : std::is_floating_point_v<T> ? JsonType::kNumber
+                                                          : JsonType::kInteger;
   return {std::move(keys),
           env,
-          JsonType::kNumber,
+          type,
           "(program's)",
           doc,
           [=](Settings& s, std::string_view t, std::string_view k) -> Status {
-            ZT_ASSIGN_OR_RETURN(s.training.*field, ParseReal(t, k, lo, hi));
+            if constexpr (std::is_same_v<T, bool>) {
+              ZT_ASSIGN_OR_RETURN(s.training.*field, ParseBool(t, k));
+            } else if constexpr (std::is_floating_point_v<T>) {
+              ZT_ASSIGN_OR_RETURN(s.training.*field, ParseReal(t, k, lo, hi));
+            } else {
+              ZT_ASSIGN_OR_RETURN(
+                  int64_t v, ParseInt(t, k, static_cast<int64_t>(lo), static_cast<int64_t>(hi)));
+              s.training.*field = static_cast<T>(v);
+            }
             return Status::Ok();
           },
           [=](const Settings& s) { return OptText(s.training.*field); }};
@@ -286,7 +299,8 @@ const std::vector<Tunable>& Table() {
          } else if (t == "threads") {
            s.io_backend = nvme::BackendChoice::kThreads;
          } else {
-           return Status::InvalidArgument(StrCat(k, ": '", t, "' is not auto, io_uring or threads"));
+           return Status::InvalidArgument(
+               StrCat(k, ": '", t, "' is not auto, io_uring or threads"));
          }
          return Status::Ok();
        },
@@ -423,19 +437,12 @@ const std::vector<Tunable>& Table() {
          return Status::Ok();
        },
        [](const Settings& s) { return s.training.optimizer_type.value_or(""); }},
-      {{"optimizer.params.adam_w_mode"},
-       "ZTIER_ADAM_W_MODE",
-       JsonType::kBool,
-       "(program's)",
-       "Training: with optimizer type Adam, decoupled weight decay (true, DeepSpeed's default) "
-       "or L2 (false).",
-       [](Settings& s, std::string_view t, std::string_view k) -> Status {
-         ZT_ASSIGN_OR_RETURN(s.training.adam_w_mode, ParseBool(t, k));
-         return Status::Ok();
-       },
-       [](const Settings& s) { return OptText(s.training.adam_w_mode); }},
-      RealRow({"optimizer.params.lr"}, "ZTIER_LR", "Training: learning rate.", 0, 1e6,
-              &TrainingSettings::lr),
+      TrainingRow({"optimizer.params.adam_w_mode"}, "ZTIER_ADAM_W_MODE",
+                  "Training: with optimizer type Adam, decoupled weight decay (true, DeepSpeed's "
+                  "default) or L2 (false).",
+                  &TrainingSettings::adam_w_mode),
+      TrainingRow({"optimizer.params.lr"}, "ZTIER_LR", "Training: learning rate.",
+                  &TrainingSettings::lr, 0, 1e6),
       {{"optimizer.params.betas"},
        "ZTIER_BETAS",
        JsonType::kPair,
@@ -459,21 +466,13 @@ const std::vector<Tunable>& Table() {
          return s.training.beta1 ? StrCat(*s.training.beta1, ",", *s.training.beta2)
                                  : std::string();
        }},
-      RealRow({"optimizer.params.eps"}, "ZTIER_EPS", "Training: AdamW's epsilon.", 1e-30, 1,
-              &TrainingSettings::eps),
-      RealRow({"optimizer.params.weight_decay"}, "ZTIER_WEIGHT_DECAY",
-              "Training: weight decay (decoupled for AdamW, L2 for Adam).", 0, 1e6,
-              &TrainingSettings::weight_decay),
-      {{"optimizer.params.bias_correction"},
-       "ZTIER_BIAS_CORRECTION",
-       JsonType::kBool,
-       "(program's)",
-       "Training: Adam's bias correction.",
-       [](Settings& s, std::string_view t, std::string_view k) -> Status {
-         ZT_ASSIGN_OR_RETURN(s.training.bias_correction, ParseBool(t, k));
-         return Status::Ok();
-       },
-       [](const Settings& s) { return OptText(s.training.bias_correction); }},
+      TrainingRow({"optimizer.params.eps"}, "ZTIER_EPS", "Training: AdamW's epsilon.",
+                  &TrainingSettings::eps, 1e-30, 1),
+      TrainingRow({"optimizer.params.weight_decay"}, "ZTIER_WEIGHT_DECAY",
+                  "Training: weight decay (decoupled for AdamW, L2 for Adam).",
+                  &TrainingSettings::weight_decay, 0, 1e6),
+      TrainingRow({"optimizer.params.bias_correction"}, "ZTIER_BIAS_CORRECTION",
+                  "Training: Adam's bias correction.", &TrainingSettings::bias_correction),
       {{"optimizer.params.amsgrad"},  // accepted only when it changes nothing
        "",
        JsonType::kBool,
@@ -486,42 +485,19 @@ const std::vector<Tunable>& Table() {
        },
        nullptr,
        "optimizer.type"},
-      RealRow({"gradient_clipping"}, "ZTIER_GRADIENT_CLIPPING",
-              "Training: global grad-norm clipping threshold; 0: off.", 0, 1e30,
-              &TrainingSettings::clip_norm),
-      {{"gradient_accumulation_steps"},
-       "ZTIER_GRADIENT_ACCUMULATION_STEPS",
-       JsonType::kInteger,
-       "(program's)",
-       "Training: micro-steps per optimizer step.",
-       [](Settings& s, std::string_view t, std::string_view k) -> Status {
-         ZT_ASSIGN_OR_RETURN(int64_t v, ParseInt(t, k, 1, 1 << 20));
-         s.training.grad_accumulation = static_cast<int>(v);
-         return Status::Ok();
-       },
-       [](const Settings& s) { return OptText(s.training.grad_accumulation); }},
-      {{"train_micro_batch_size_per_gpu"},
-       "ZTIER_MICRO_BATCH_SIZE",
-       JsonType::kInteger,
-       "(program's)",
-       "Training: sequences per rank and micro-step.",
-       [](Settings& s, std::string_view t, std::string_view k) -> Status {
-         ZT_ASSIGN_OR_RETURN(int64_t v, ParseInt(t, k, 1, 1 << 20));
-         s.training.micro_batch = static_cast<int>(v);
-         return Status::Ok();
-       },
-       [](const Settings& s) { return OptText(s.training.micro_batch); }},
-      {{"train_batch_size"},
-       "ZTIER_TRAIN_BATCH_SIZE",
-       JsonType::kInteger,
-       "(program's)",
-       "Training: sequences per optimizer step over all ranks (= micro batch x accumulation x "
-       "ranks; any two of the three give the third).",
-       [](Settings& s, std::string_view t, std::string_view k) -> Status {
-         ZT_ASSIGN_OR_RETURN(s.training.train_batch, ParseInt(t, k, 1, int64_t{1} << 40));
-         return Status::Ok();
-       },
-       [](const Settings& s) { return OptText(s.training.train_batch); }},
+      TrainingRow({"gradient_clipping"}, "ZTIER_GRADIENT_CLIPPING",
+                  "Training: global grad-norm clipping threshold; 0: off.",
+                  &TrainingSettings::clip_norm, 0, 1e30),
+      TrainingRow({"gradient_accumulation_steps"}, "ZTIER_GRADIENT_ACCUMULATION_STEPS",
+                  "Training: micro-steps per optimizer step.", &TrainingSettings::grad_accumulation,
+                  1, 1 << 20),
+      TrainingRow({"train_micro_batch_size_per_gpu"}, "ZTIER_MICRO_BATCH_SIZE",
+                  "Training: sequences per rank and micro-step.", &TrainingSettings::micro_batch, 1,
+                  1 << 20),
+      TrainingRow({"train_batch_size"}, "ZTIER_TRAIN_BATCH_SIZE",
+                  "Training: sequences per optimizer step over all ranks (= micro batch x "
+                  "accumulation x ranks; any two of the three give the third).",
+                  &TrainingSettings::train_batch, 1, static_cast<double>(int64_t{1} << 40)),
       {{"ztier.activation_checkpointing", "activation_checkpointing"},
        "ZTIER_ACTIVATION_CHECKPOINTING",
        JsonType::kFlagOrSection,
@@ -543,25 +519,48 @@ const std::vector<Tunable>& Table() {
 const std::vector<const char*>& IgnoredKeys() {
   static const std::vector<const char*> keys = {
       // top level
-      "steps_per_print", "wall_clock_breakdown", "memory_breakdown", "dump_state",
-      "disable_python_gc", "disable_allgather", "prescale_gradients", "gradient_predivide_factor",
-      "gradient_allreduce_op", "communication_data_type", "seq_parallel_communication_data_type",
-      "seq_parallel_comm_data_type", "sparse_gradients", "zero_allow_untested_optimizer",
-      "zero_force_ds_cpu_optimizer", "graph_harvesting", "vocabulary_size", "dataloader_drop_last",
-      "use_data_before_expert_parallelism", "log_level", "sequence_parallel_size",
-      "allgather_size", "managed_gradient_accumulation",
+      "steps_per_print",
+      "wall_clock_breakdown",
+      "memory_breakdown",
+      "dump_state",
+      "disable_python_gc",
+      "disable_allgather",
+      "prescale_gradients",
+      "gradient_predivide_factor",
+      "gradient_allreduce_op",
+      "communication_data_type",
+      "seq_parallel_communication_data_type",
+      "seq_parallel_comm_data_type",
+      "sparse_gradients",
+      "zero_allow_untested_optimizer",
+      "zero_force_ds_cpu_optimizer",
+      "graph_harvesting",
+      "vocabulary_size",
+      "dataloader_drop_last",
+      "use_data_before_expert_parallelism",
+      "log_level",
+      "sequence_parallel_size",
+      "allgather_size",
+      "managed_gradient_accumulation",
       // zero_optimization
-      "zero_optimization.stage", "zero_optimization.contiguous_gradients",
-      "zero_optimization.reduce_scatter", "zero_optimization.reduce_bucket_size",
+      "zero_optimization.stage",
+      "zero_optimization.contiguous_gradients",
+      "zero_optimization.reduce_scatter",
+      "zero_optimization.reduce_bucket_size",
       "zero_optimization.use_multi_rank_bucket_allreduce",
-      "zero_optimization.allgather_partitions", "zero_optimization.allgather_bucket_size",
-      "zero_optimization.overlap_comm", "zero_optimization.load_from_fp32_weights",
-      "zero_optimization.elastic_checkpoint", "zero_optimization.sub_group_size",
+      "zero_optimization.allgather_partitions",
+      "zero_optimization.allgather_bucket_size",
+      "zero_optimization.overlap_comm",
+      "zero_optimization.load_from_fp32_weights",
+      "zero_optimization.elastic_checkpoint",
+      "zero_optimization.sub_group_size",
       "zero_optimization.cpu_offload_use_pin_memory",
-      "zero_optimization.stage3_prefetch_bucket_size", "zero_optimization.prefetch_bucket_size",
+      "zero_optimization.stage3_prefetch_bucket_size",
+      "zero_optimization.prefetch_bucket_size",
       "zero_optimization.stage3_model_persistence_threshold",
       "zero_optimization.model_persistence_threshold",
-      "zero_optimization.stage3_max_reuse_distance", "zero_optimization.max_reuse_distance",
+      "zero_optimization.stage3_max_reuse_distance",
+      "zero_optimization.max_reuse_distance",
       "zero_optimization.stage3_gather_16bit_weights_on_model_save",
       "zero_optimization.gather_16bit_weights_on_model_save",
       "zero_optimization.stage3_gather_fp16_weights_on_model_save",
@@ -569,72 +568,152 @@ const std::vector<const char*>& IgnoredKeys() {
       "zero_optimization.module_granularity_threshold",
       "zero_optimization.stage3_use_all_reduce_for_fetch_params",
       "zero_optimization.use_all_reduce_for_fetch_params",
-      "zero_optimization.stage3_allgather_sequential", "zero_optimization.allgather_sequential",
+      "zero_optimization.stage3_allgather_sequential",
+      "zero_optimization.allgather_sequential",
       "zero_optimization.stage3_partition_stream_chunk_size",
       "zero_optimization.partition_stream_chunk_size",
-      "zero_optimization.ignore_unused_parameters", "zero_optimization.legacy_stage1",
-      "zero_optimization.round_robin_gradients", "zero_optimization.zero_hpz_partition_size",
+      "zero_optimization.ignore_unused_parameters",
+      "zero_optimization.legacy_stage1",
+      "zero_optimization.round_robin_gradients",
+      "zero_optimization.zero_hpz_partition_size",
       "zero_optimization.zero_quantized_weights",
       "zero_optimization.zero_quantized_nontrainable_weights",
-      "zero_optimization.zero_quantized_gradients", "zero_optimization.mics_shard_size",
+      "zero_optimization.zero_quantized_gradients",
+      "zero_optimization.mics_shard_size",
       "zero_optimization.mics_hierarchical_params_gather",
-      "zero_optimization.memory_efficient_linear", "zero_optimization.pipeline_loading_checkpoint",
-      "zero_optimization.override_module_apply", "zero_optimization.log_trace_cache_warnings",
+      "zero_optimization.memory_efficient_linear",
+      "zero_optimization.pipeline_loading_checkpoint",
+      "zero_optimization.override_module_apply",
+      "zero_optimization.log_trace_cache_warnings",
       "zero_optimization.enable_sanity_checks",
-      "zero_optimization.save_muon_momentum_buffer_in_memory", "zero_optimization.zenflow.*",
-      "zero_optimization.reflow.*", "zero_optimization.leaf_module.*",
-      "zero_optimization.zeropp_loco_param.*", "zero_optimization.offload_param.buffer_size",
+      "zero_optimization.save_muon_momentum_buffer_in_memory",
+      "zero_optimization.zenflow.*",
+      "zero_optimization.reflow.*",
+      "zero_optimization.leaf_module.*",
+      "zero_optimization.zeropp_loco_param.*",
+      "zero_optimization.offload_param.buffer_size",
       "zero_optimization.offload_param.max_in_cpu",
       "zero_optimization.offload_optimizer.pipeline_read",
       "zero_optimization.offload_optimizer.pipeline_write",
-      "zero_optimization.offload_optimizer.fast_init", "zero_optimization.offload_optimizer.ratio",
+      "zero_optimization.offload_optimizer.fast_init",
+      "zero_optimization.offload_optimizer.ratio",
       "zero_optimization.offload_optimizer.super_offload",
       "zero_optimization.offload_optimizer.convert_grad_on_cpu",
       "zero_optimization.offload_optimizer.cpuadam_cores_perc",
       // aio
-      "aio.thread_count", "aio.intra_op_parallelism", "aio.single_submit", "aio.overlap_events",
-      "aio.use_gds", "aio.io_backend",
+      "aio.thread_count",
+      "aio.intra_op_parallelism",
+      "aio.single_submit",
+      "aio.overlap_events",
+      "aio.use_gds",
+      "aio.io_backend",
       // optimizer and scheduler
-      "optimizer.legacy_fusion", "optimizer.params.torch_adam", "optimizer.params.foreach",
-      "optimizer.params.capturable", "optimizer.params.differentiable", "optimizer.params.fused",
-      "optimizer.params.set_grad_none", "optimizer.params.fp32_optimizer_states",
-      "scheduler.type", "scheduler.params.*",
+      "optimizer.legacy_fusion",
+      "optimizer.params.torch_adam",
+      "optimizer.params.foreach",
+      "optimizer.params.capturable",
+      "optimizer.params.differentiable",
+      "optimizer.params.fused",
+      "optimizer.params.set_grad_none",
+      "optimizer.params.fp32_optimizer_states",
+      "scheduler.type",
+      "scheduler.params.*",
       // activation checkpointing (the section itself turns recomputation on)
       "activation_checkpointing.partition_activations",
       "activation_checkpointing.contiguous_memory_optimization",
-      "activation_checkpointing.cpu_checkpointing", "activation_checkpointing.number_checkpoints",
+      "activation_checkpointing.cpu_checkpointing",
+      "activation_checkpointing.number_checkpoints",
       "activation_checkpointing.synchronize_checkpoint_boundary",
       "activation_checkpointing.profile",
       // precision (ztier computes in bf16 and keeps fp32 masters)
-      "fp16.enabled", "fp16.auto_cast", "fp16.loss_scale", "fp16.initial_scale_power",
-      "fp16.loss_scale_window", "fp16.hysteresis", "fp16.consecutive_hysteresis",
-      "fp16.min_loss_scale", "fp16.fp16_master_weights_and_grads", "fp16.fused_mode",
-      "bf16.enabled", "bf16.immediate_grad_update", "bf16.check_grad_overflow",
-      "bf16.check_overflow", "bf16.bf16_master_weights_and_grads", "bf16.bf16_optimizer_states",
-      "bfloat16.enabled", "bfloat16.immediate_grad_update", "bfloat16.check_grad_overflow",
-      "bfloat16.check_overflow", "bfloat16.bf16_master_weights_and_grads",
-      "bfloat16.bf16_optimizer_states", "amp.*", "torch_autocast.*", "data_types.grad_accum_dtype",
-      "data_types.param_dtype", "data_types.buffer_dtype",
+      "fp16.enabled",
+      "fp16.auto_cast",
+      "fp16.loss_scale",
+      "fp16.initial_scale_power",
+      "fp16.loss_scale_window",
+      "fp16.hysteresis",
+      "fp16.consecutive_hysteresis",
+      "fp16.min_loss_scale",
+      "fp16.fp16_master_weights_and_grads",
+      "fp16.fused_mode",
+      "bf16.enabled",
+      "bf16.immediate_grad_update",
+      "bf16.check_grad_overflow",
+      "bf16.check_overflow",
+      "bf16.bf16_master_weights_and_grads",
+      "bf16.bf16_optimizer_states",
+      "bfloat16.enabled",
+      "bfloat16.immediate_grad_update",
+      "bfloat16.check_grad_overflow",
+      "bfloat16.check_overflow",
+      "bfloat16.bf16_master_weights_and_grads",
+      "bfloat16.bf16_optimizer_states",
+      "amp.*",
+      "torch_autocast.*",
+      "data_types.grad_accum_dtype",
+      "data_types.param_dtype",
+      "data_types.buffer_dtype",
       // monitoring and profiling
-      "tensorboard.enabled", "tensorboard.output_path", "tensorboard.job_name",
-      "csv_monitor.enabled", "csv_monitor.output_path", "csv_monitor.job_name", "wandb.enabled",
-      "wandb.group", "wandb.team", "wandb.project", "comet.enabled", "comet.samples_log_interval",
-      "comet.project", "comet.workspace", "comet.api_key", "comet.experiment_name",
-      "comet.experiment_key", "comet.online", "comet.mode", "trackio.enabled", "trackio.project",
-      "comms_logger.enabled", "comms_logger.verbose", "comms_logger.prof_all",
-      "comms_logger.debug", "comms_logger.prof_ops", "flops_profiler.enabled",
-      "flops_profiler.recompute_fwd_factor", "flops_profiler.profile_step",
-      "flops_profiler.module_depth", "flops_profiler.top_modules", "flops_profiler.detailed",
-      "flops_profiler.output_file", "timers.throughput.enabled", "timers.throughput.synchronized",
+      "tensorboard.enabled",
+      "tensorboard.output_path",
+      "tensorboard.job_name",
+      "csv_monitor.enabled",
+      "csv_monitor.output_path",
+      "csv_monitor.job_name",
+      "wandb.enabled",
+      "wandb.group",
+      "wandb.team",
+      "wandb.project",
+      "comet.enabled",
+      "comet.samples_log_interval",
+      "comet.project",
+      "comet.workspace",
+      "comet.api_key",
+      "comet.experiment_name",
+      "comet.experiment_key",
+      "comet.online",
+      "comet.mode",
+      "trackio.enabled",
+      "trackio.project",
+      "comms_logger.enabled",
+      "comms_logger.verbose",
+      "comms_logger.prof_all",
+      "comms_logger.debug",
+      "comms_logger.prof_ops",
+      "flops_profiler.enabled",
+      "flops_profiler.recompute_fwd_factor",
+      "flops_profiler.profile_step",
+      "flops_profiler.module_depth",
+      "flops_profiler.top_modules",
+      "flops_profiler.detailed",
+      "flops_profiler.output_file",
+      "timers.throughput.enabled",
+      "timers.throughput.synchronized",
       // checkpointing (ztier writes its own checkpoints)
-      "checkpoint.tag_validation", "checkpoint.load_universal", "checkpoint.use_node_local_storage",
-      "checkpoint.parallel_write.pipeline_stage", "checkpoint.checkpoint_serialization",
-      "checkpoint.writer.*", "nebula.*", "datastates_ckpt.*",
+      "checkpoint.tag_validation",
+      "checkpoint.load_universal",
+      "checkpoint.use_node_local_storage",
+      "checkpoint.parallel_write.pipeline_stage",
+      "checkpoint.checkpoint_serialization",
+      "checkpoint.writer.*",
+      "nebula.*",
+      "datastates_ckpt.*",
       // features of DeepSpeed's engine outside ZeRO offload
-      "autotuning.*", "elasticity.*", "data_efficiency.*", "curriculum_learning.*",
-      "compression_training.*", "quantize_training.*", "eigenvalue.*", "sparse_attention.*",
-      "progressive_layer_drop.*", "pipeline.*", "hybrid_engine.*", "compile.*",
-      "tensor_parallel.*", "expert_parallel.*", "weight_quantization.*",
+      "autotuning.*",
+      "elasticity.*",
+      "data_efficiency.*",
+      "curriculum_learning.*",
+      "compression_training.*",
+      "quantize_training.*",
+      "eigenvalue.*",
+      "sparse_attention.*",
+      "progressive_layer_drop.*",
+      "pipeline.*",
+      "hybrid_engine.*",
+      "compile.*",
+      "tensor_parallel.*",
+      "expert_parallel.*",
+      "weight_quantization.*",
   };
   return keys;
 }
@@ -656,8 +735,8 @@ bool IsIgnored(const std::string& key) {
 Result<std::optional<std::string>> LeafText(const Json& v, JsonType type, std::string_view key) {
   if (v.is_string() && v.get<std::string>() == "auto") return std::optional<std::string>();
   auto wrong = [&](std::string_view want) {
-    return Status::InvalidArgument(StrCat(key, ": expected ", want, ", got ", v.type_name(), " ",
-                                          v.dump().substr(0, 40)));
+    return Status::InvalidArgument(
+        StrCat(key, ": expected ", want, ", got ", v.type_name(), " ", v.dump().substr(0, 40)));
   };
   auto number_text = [](const Json& n) -> std::string {
     if (n.is_number_float()) {
@@ -729,7 +808,8 @@ Match Classify(const std::string& key, const Tunable** tunable) {
     }
   }
   if (IsIgnored(key)) return Match::kIgnored;
-  for (const char* k : IgnoredKeys()) section = section || std::string_view(k).starts_with(as_prefix);
+  for (const char* k : IgnoredKeys())
+    section = section || std::string_view(k).starts_with(as_prefix);
   return section ? Match::kSection : Match::kNone;
 }
 
@@ -1042,8 +1122,8 @@ cpu_adam::Hyper TrainingHyper(const Settings& s, cpu_adam::Hyper h) {
   if (t.eps) h.eps = *t.eps;
   if (t.weight_decay) h.weight_decay = *t.weight_decay;
   if (t.bias_correction) {
-    h.bias_correction = *t.bias_correction ? cpu_adam::BiasCorrection::kOn
-                                           : cpu_adam::BiasCorrection::kOff;
+    h.bias_correction =
+        *t.bias_correction ? cpu_adam::BiasCorrection::kOn : cpu_adam::BiasCorrection::kOff;
   }
   return h;
 }

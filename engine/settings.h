@@ -60,7 +60,7 @@ struct TrainingSettings {
   std::optional<bool> bias_correction;
   std::optional<float> clip_norm;
   std::optional<int> grad_accumulation;
-  std::optional<int> micro_batch;     // sequences per rank and micro-step
+  std::optional<int> micro_batch;      // sequences per rank and micro-step
   std::optional<int64_t> train_batch;  // micro x accumulation x ranks
   std::optional<bool> activation_checkpointing;
 

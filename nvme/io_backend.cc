@@ -26,7 +26,7 @@ int IoBackend::OpenFile(const std::string& path, int flags, int mode) {
 
 int IoBackend::Preallocate(int fd, uint64_t offset, uint64_t bytes) {
   return ::fallocate(fd, 0, static_cast<off_t>(offset), static_cast<off_t>(bytes)) == 0 ? 0
-                                                                                       : -errno;
+                                                                                        : -errno;
 }
 
 namespace {

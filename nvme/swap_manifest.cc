@@ -152,7 +152,8 @@ Result<SwapManifest> DecodeSwapManifest(std::string_view data, std::string_view 
   if (m.cap_bytes != 0 && m.file_bytes > m.cap_bytes) {
     return bad(StrCat("files of ", m.file_bytes, " bytes exceed the cap of ", m.cap_bytes));
   }
-  if (!PlainName(m.file_name)) return bad(StrCat("swap file name '", m.file_name, "' is not plain"));
+  if (!PlainName(m.file_name))
+    return bad(StrCat("swap file name '", m.file_name, "' is not plain"));
   if (npaths == 0 || npaths > kMaxPaths) return bad(StrCat(npaths, " paths"));
   std::set<std::string> seen_paths;
   for (uint32_t i = 0; i < npaths; ++i) {

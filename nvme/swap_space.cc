@@ -522,9 +522,9 @@ Status SwapSpace::Impl::Grow(uint64_t units) {
   const uint64_t cap = options.max_file_bytes;
   const uint64_t need = file_bytes + units * stripe;
   if (cap != 0 && need > cap) {
-    return Status::ResourceExhausted(
-        StrCat("swap files are at their cap of ", cap, " bytes per path (ztier.nvme_capacity); ",
-               units * stripe, " more bytes per path are needed"));
+    return Status::ResourceExhausted(StrCat("swap files are at their cap of ", cap,
+                                            " bytes per path (ztier.nvme_capacity); ",
+                                            units * stripe, " more bytes per path are needed"));
   }
   // Grow in steps (the configured step, or an eighth of the file), so a
   // model's units do not cost an fallocate each; the exact need if the
@@ -546,16 +546,15 @@ Status SwapSpace::Impl::Grow(uint64_t units) {
         const uint64_t avail =
             ::statvfs(dir.c_str(), &vfs) == 0 ? uint64_t{vfs.f_bavail} * vfs.f_frsize : 0;
         s = Status(StatusCode::kResourceExhausted,
-                   StrCat("swap path ", dir, " is out of space: growing ", p->file, " from ", file_bytes,
-                          " to ", size, " bytes failed (", std::strerror(-rc), "; ", avail,
-                          " bytes free)"),
+                   StrCat("swap path ", dir, " is out of space: growing ", p->file, " from ",
+                          file_bytes, " to ", size, " bytes failed (", std::strerror(-rc), "; ",
+                          avail, " bytes free)"),
                    -rc);
         break;
       }
       if (rc < 0) {
-        return PosixError(StrCat("fallocate ", size - file_bytes, " bytes at ", file_bytes, " of ",
-                                 p->file),
-                          rc);
+        return PosixError(
+            StrCat("fallocate ", size - file_bytes, " bytes at ", file_bytes, " of ", p->file), rc);
       }
     }
     if (!s.ok()) {
@@ -679,7 +678,8 @@ Result<std::unique_ptr<SwapSpace>> SwapSpace::Create(const SwapOptions& options,
   ZT_RETURN_IF_ERROR(ValidateOptions(options));
   auto impl = std::make_unique<Impl>();
   impl->options = options;
-  impl->options.max_file_bytes = options.max_file_bytes / options.stripe_bytes * options.stripe_bytes;
+  impl->options.max_file_bytes =
+      options.max_file_bytes / options.stripe_bytes * options.stripe_bytes;
   if (backend == nullptr) {
     ZT_ASSIGN_OR_RETURN(backend, MakeBackend(BackendChoice::kAuto));
   }

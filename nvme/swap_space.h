@@ -71,14 +71,14 @@ namespace ztier::nvme {
 class IoBackend;
 
 struct SwapOptions {
-  std::vector<std::string> paths;             // one directory per drive (must exist)
-  uint64_t max_file_bytes = 0;                // cap on each swap file; 0: the disk's free space
+  std::vector<std::string> paths;              // one directory per drive (must exist)
+  uint64_t max_file_bytes = 0;                 // cap on each swap file; 0: the disk's free space
   uint64_t growth_bytes = uint64_t{64} << 20;  // smallest growth step of the files
-  uint64_t stripe_bytes = 1 << 20;            // stripe unit, multiple of 4 KiB
-  uint32_t queue_depth = 16;                  // in-flight I/Os per path
-  bool checksums = true;                      // CRC-32C per stripe unit
-  bool keep_files = false;                    // leave the swap files on Close()
-  std::string file_name = "ztier.swap";       // swap file name inside each path
+  uint64_t stripe_bytes = 1 << 20;             // stripe unit, multiple of 4 KiB
+  uint32_t queue_depth = 16;                   // in-flight I/Os per path
+  bool checksums = true;                       // CRC-32C per stripe unit
+  bool keep_files = false;                     // leave the swap files on Close()
+  std::string file_name = "ztier.swap";        // swap file name inside each path
 };
 
 struct ObjectInfo {

@@ -318,12 +318,11 @@ Result<Plan> ResolvePlan(const Flags& f) {
       p.accumulation = 1;
       p.batch = static_cast<int>(tb / f.ranks);
     }
-    if (p.batch < 1 || p.accumulation < 1 ||
-        int64_t{p.batch} * p.accumulation * f.ranks != tb) {
-      return Status::InvalidArgument(
-          StrCat("train_batch_size ", tb, " is not micro batch ", t.micro_batch.value_or(p.batch),
-                 " x accumulation ", t.grad_accumulation.value_or(p.accumulation), " x ", f.ranks,
-                 " rank(s)"));
+    if (p.batch < 1 || p.accumulation < 1 || int64_t{p.batch} * p.accumulation * f.ranks != tb) {
+      return Status::InvalidArgument(StrCat("train_batch_size ", tb, " is not micro batch ",
+                                            t.micro_batch.value_or(p.batch), " x accumulation ",
+                                            t.grad_accumulation.value_or(p.accumulation), " x ",
+                                            f.ranks, " rank(s)"));
     }
   }
   p.params = gpt::ParameterCount(p.model);
@@ -405,8 +404,8 @@ Status CheckHostMemory(const Flags& f, const Plan& p, uint64_t text_bytes) {
   const double params = static_cast<double>(p.params);
   const bool nvme_states = p.settings.optimizer_tier == engine::Tier::kNvme;
   const bool nvme_params = p.settings.param_tier == engine::Tier::kNvme;
-  double engine = params * ((nvme_states ? 0 : 12) + (nvme_params ? 0 : 2) + 2 +
-                            (p.accumulation > 1 ? 4 : 0));
+  double engine =
+      params * ((nvme_states ? 0 : 12) + (nvme_params ? 0 : 2) + 2 + (p.accumulation > 1 ? 4 : 0));
   double ranks = 0;
   if (f.device == "host") {
     // Activations, plus the params and grads a runner holds on its device.
@@ -415,15 +414,16 @@ Status CheckHostMemory(const Flags& f, const Plan& p, uint64_t text_bytes) {
   const double need = engine + ranks + static_cast<double>(text_bytes);
   const uint64_t total = MemTotalBytes();
   if (total != 0 && need > static_cast<double>(total)) {
-    const auto b = [](double x) { return GiB(x >= 1.8e19 ? UINT64_MAX : static_cast<uint64_t>(x)); };
+    const auto b = [](double x) {
+      return GiB(x >= 1.8e19 ? UINT64_MAX : static_cast<uint64_t>(x));
+    };
     char millions[32];
     std::snprintf(millions, sizeof(millions), "%.1fM", params / 1e6);
     return Status::ResourceExhausted(
-        StrCat("this model (", millions, " params, ", f.model.layers, " layers, ",
-               f.model.channels, " channels, batch ", p.batch, ") needs about ", b(need),
-               " of host memory (engine ", b(engine), ", ranks ", b(ranks),
-               "); this machine has ", GiB(total), ": make it smaller",
-               nvme_states ? "" : ", or put the optimizer on nvme"));
+        StrCat("this model (", millions, " params, ", f.model.layers, " layers, ", f.model.channels,
+               " channels, batch ", p.batch, ") needs about ", b(need), " of host memory (engine ",
+               b(engine), ", ranks ", b(ranks), "); this machine has ", GiB(total),
+               ": make it smaller", nvme_states ? "" : ", or put the optimizer on nvme"));
   }
   return Status::Ok();
 }
@@ -574,8 +574,7 @@ void PrintSetup(const Flags& f, const Plan& p, const Session& session, size_t te
 // The checkpoint's step when the run resumes, 0 when it starts afresh: a
 // fresh start in an --out that holds a checkpoint needs --overwrite, which
 // removes it (and the export) first.
-Result<int64_t> StartingPoint(const Flags& f, const OutPaths& paths, Model& m,
-                              uint64_t seed) {
+Result<int64_t> StartingPoint(const Flags& f, const OutPaths& paths, Model& m, uint64_t seed) {
   const bool has_checkpoint = fs::exists(fs::path(paths.checkpoint) / "manifest.json");
   if (f.resume) {
     if (!has_checkpoint) {
@@ -585,9 +584,9 @@ Result<int64_t> StartingPoint(const Flags& f, const OutPaths& paths, Model& m,
     return m.published_step();
   }
   if (has_checkpoint && !f.overwrite) {
-    return Status::AlreadyExists(StrCat(
-        f.out, " holds a checkpoint of an earlier run (", paths.checkpoint,
-        "): pass --resume to continue it, or --overwrite to start over and replace it"));
+    return Status::AlreadyExists(
+        StrCat(f.out, " holds a checkpoint of an earlier run (", paths.checkpoint,
+               "): pass --resume to continue it, or --overwrite to start over and replace it"));
   }
   if (f.overwrite) {
     std::error_code ec;
@@ -764,9 +763,9 @@ int Run(const Flags& f, const Plan& p) {
   }
   PrintSetup(f, p, **session, text->size());
   if (*first > f.steps) {
-    return fail(Status::InvalidArgument(StrCat("the checkpoint is at step ", *first,
-                                               ", past --steps ", f.steps,
-                                               "; raise --steps to train on")));
+    return fail(
+        Status::InvalidArgument(StrCat("the checkpoint is at step ", *first, ", past --steps ",
+                                       f.steps, "; raise --steps to train on")));
   }
   if (Status s = PrepareLog(paths.log, *first); !s.ok()) return fail(s);
   if (f.resume) {
@@ -790,8 +789,9 @@ int Run(const Flags& f, const Plan& p) {
     std::fprintf(stderr,
                  "ztier-train: stopped by %s after step %lld of %d; checkpoint %s (--resume "
                  "continues it), weights %s\n",
-                 stopped == SIGINT ? "SIGINT" : "SIGTERM", static_cast<long long>(m.published_step()),
-                 f.steps, paths.checkpoint.c_str(), paths.exported.c_str());
+                 stopped == SIGINT ? "SIGINT" : "SIGTERM",
+                 static_cast<long long>(m.published_step()), f.steps, paths.checkpoint.c_str(),
+                 paths.exported.c_str());
     return 128 + stopped;
   }
   if (stats.empty()) {

@@ -36,8 +36,8 @@ int ChildStatus(int first, int second, int* recorded) {
 }
 
 TEST(StopTest, FirstSignalIsRecordedSecondEndsTheProcess) {
-  for (auto [first, second] : {std::pair{SIGINT, SIGINT}, std::pair{SIGTERM, SIGINT},
-                               std::pair{SIGINT, SIGTERM}}) {
+  for (auto [first, second] :
+       {std::pair{SIGINT, SIGINT}, std::pair{SIGTERM, SIGINT}, std::pair{SIGINT, SIGTERM}}) {
     int recorded = 0;
     const int st = ChildStatus(first, second, &recorded);
     EXPECT_EQ(recorded, first);

@@ -159,8 +159,7 @@ TEST_F(CheckpointFaultTest, EveryFailingCallOfASaveIsReportedAndACheckpointStill
       // for the last time): then the old files stay until a save is known
       // durable, and the next one removes them.
       const int64_t loaded = LoadFresh(d);
-      const bool after_rename =
-          (op == FileOp::kFsyncDir || op == FileOp::kOpen) && nth == n;
+      const bool after_rename = (op == FileOp::kFsyncDir || op == FileOp::kOpen) && nth == n;
       EXPECT_TRUE(loaded == 2 || (loaded == 3 && after_rename)) << loaded;
       std::set<std::string> names;
       for (const std::string& f : Files(d)) {
@@ -220,14 +219,24 @@ TEST_F(CheckpointFaultTest, ForgedManifestsWithValidChecksumsAreRefusedAndTouchN
       {"one file twice",
        [](Json& m) { m["units"][1]["shards"][0]["file"] = m["units"][0]["shards"][0]["file"]; },
        "twice"},
-      {"a huge shape", [](Json& m) { m["units"][0]["tensors"][0]["shape"] = {1u << 31, 1u << 31}; },
+      {"a huge shape",
+       [](Json& m) {
+         m["units"][0]["tensors"][0]["shape"] = {1u << 31, 1u << 31};
+       },
        "shape"},
-      {"a negative dimension", [](Json& m) { m["units"][0]["tensors"][0]["shape"] = {-97, 24}; },
+      {"a negative dimension",
+       [](Json& m) {
+         m["units"][0]["tensors"][0]["shape"] = {-97, 24};
+       },
        "shape"},
       {"no units", [](Json& m) { m["units"] = Json::array(); }, "'units'"},
       {"a string step", [](Json& m) { m["step"] = "1"; }, "'step'"},
       {"bytes off by one", [](Json& m) { m["units"][2]["shards"][0]["bytes"] = 1; }, "'bytes'"},
-      {"not an object", [](Json& m) { m = Json::array({1, 2}); }, "not a JSON object"},
+      {"not an object",
+       [](Json& m) {
+         m = Json::array({1, 2});
+       },
+       "not a JSON object"},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.what);
@@ -277,9 +286,9 @@ TEST_F(CheckpointFaultTest, RandomManifestMutationsNeverCrashAndWhatLoadsIsAComm
   for (const auto& item : flat.items()) {
     if (item.key() != "/checksum") leaves.emplace_back(item.key());
   }
-  const Json replacements = Json::array(
-      {0, 1, -1, 3, 64, 4096, uint64_t{1} << 40, uint64_t{1} << 63, UINT64_MAX, 1.5, "", "..",
-       "x", true, nullptr, Json::array(), Json::object(), Json::array({1, 2})});
+  const Json replacements =
+      Json::array({0, 1, -1, 3, 64, 4096, uint64_t{1} << 40, uint64_t{1} << 63, UINT64_MAX, 1.5, "",
+                   "..", "x", true, nullptr, Json::array(), Json::object(), Json::array({1, 2})});
   int loaded = 0;
   for (int iter = 0; iter < 400; ++iter) {
     Json m = Json::parse(good);

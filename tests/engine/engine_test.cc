@@ -562,6 +562,23 @@ TEST(EngineSwapTest, OverCapacityIsClearAndHarmsNoOtherJob) {
   EXPECT_TRUE(e->RegisterJob(big).ok());
 }
 
+// ztier.io_backend threads (what a kernel without io_uring gets) trains
+// exactly as io_uring does, params on NVMe included.
+TEST(EngineSwapTest, TheThreadBackendTrainsExactlyAsIoUring) {
+  ScratchDir swap_a("swap-a"), swap_b("swap-b");
+  auto uring = MakeEngine(uint64_t{1} << 30, &swap_a);
+  auto threads = MakeEngine(uint64_t{1} << 30, &swap_b, uint64_t{64} << 20,
+                            std::shared_ptr<nvme::IoBackend>(nvme::MakeThreadBackend()));
+  const JobSpec spec = Place(SmallModel("io", 2, 1.0f, 1, StepMode::kExact), Placement::kNvmeAll);
+  Result<int> ju = uring->RegisterJob(spec);
+  Result<int> jt = threads->RegisterJob(spec);
+  ASSERT_TRUE(ju.ok() && jt.ok()) << jt.status();
+  Train(*uring, *ju, 2, 0, 3, 21);
+  Train(*threads, *jt, 2, 0, 3, 21);
+  EXPECT_TRUE(Same(Snapshot(*uring, *ju), Snapshot(*threads, *jt)));
+  EXPECT_GT(threads->counters(*jt).nvme_write_bytes, 0u);
+}
+
 // Params on NVMe: leases hold cache slots, a full cache times out clearly,
 // a release frees a slot, prefetched units are served from the cache, and
 // a new publish is never served from an out-of-date copy.

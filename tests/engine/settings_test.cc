@@ -47,7 +47,8 @@ TEST(SettingsTest, ReadsDeepSpeedOffloadConfig) {
   EXPECT_EQ(s->optimizer_threads, 12);
   EXPECT_TRUE(Validate(*s).ok());
   const std::vector<std::string> changed = NonDefaultSettings(*s);
-  EXPECT_EQ(changed.size(), 12u);  // 11 values off their default, and offload_param.device = cpu as set
+  EXPECT_EQ(changed.size(),
+            12u);  // 11 values off their default, and offload_param.device = cpu as set
   EXPECT_NE(std::find(changed.begin(), changed.end(), "aio.queue_depth = 32 (from ds_config.json)"),
             changed.end());
 }
@@ -97,7 +98,8 @@ TEST(SettingsTest, RejectsBadConfigsNamingTheKey) {
       {R"({"aio": 7})", "'aio' must be an object"},
       {R"({"ztier": {"dram_budget": "12Q"}})", "ztier.dram_budget: '12Q' is not a size"},
       {R"({"ztier": {"dram_budget": 0}})", "ztier.dram_budget: must be > 0"},
-      {R"({"ztier": {"checksums": "maybe"}})", "ztier.checksums: expected true or false, got string"},
+      {R"({"ztier": {"checksums": "maybe"}})",
+       "ztier.checksums: expected true or false, got string"},
       {R"({"ztier": {"huge_pages": {}}})", "ztier.huge_pages: expected a string, got object"},
       {R"({"zero_optimization": {"offload_optimizer": {"device": "gpu"}}})",
        "device 'gpu' is not cpu, nvme or none"},

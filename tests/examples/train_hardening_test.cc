@@ -120,7 +120,7 @@ class TrainHardeningTest : public ::testing::Test {
 
 TEST_F(TrainHardeningTest, ASecondRunOnOneOutIsRefusedAtOnceAndTheFirstIsUntouched) {
   const std::string out = dir_ / "shared";
-  const std::string a_args = Common() + " --steps 40 --checkpoint-every 1 --ranks 2 --out " + out;
+  const std::string a_args = Common() + " --steps 60 --checkpoint-every 1 --ranks 2 --out " + out;
   Process a(a_args, dir_ / "a.txt");
   WaitForRows(out + "/train_log.tsv", 2, a.pid());
   // The same --out; then the same --out with the swap elsewhere, which only
@@ -135,10 +135,10 @@ TEST_F(TrainHardeningTest, ASecondRunOnOneOutIsRefusedAtOnceAndTheFirstIsUntouch
   }
   ASSERT_EQ(a.Wait(), 0) << a.output();
   // The first run's results are exactly those of a run nobody disturbed.
-  auto [rc, text] = Train(Common() + " --steps 40 --ranks 2 --out " + (dir_ / "alone"), dir_);
+  auto [rc, text] = Train(Common() + " --steps 60 --ranks 2 --out " + (dir_ / "alone"), dir_);
   ASSERT_EQ(rc, 0) << text;
   EXPECT_EQ(Slurp(out + "/model.safetensors"), Slurp(dir_ / "alone/model.safetensors"));
-  EXPECT_EQ(LogSteps(out + "/train_log.tsv"), Counting(1, 40));
+  EXPECT_EQ(LogSteps(out + "/train_log.tsv"), Counting(1, 60));
   EXPECT_EQ(Slurp(out + "/train_log.tsv").find('\0'), std::string::npos);
 }
 
@@ -177,9 +177,9 @@ TEST_F(TrainHardeningTest, ResumeFinishesWhatTheRunHadLeftAndCutsTheLogBack) {
 
   // Killed during a later checkpoint: rows past the committed one are in the
   // log (here written by hand, as a dying run leaves them, with a torn one).
-  EXPECT_EQ(Train(Common() + " --steps 6 --checkpoint-every 3 --exit-after 3 --out " + cut, dir_)
-                .first,
-            3);
+  EXPECT_EQ(
+      Train(Common() + " --steps 6 --checkpoint-every 3 --exit-after 3 --out " + cut, dir_).first,
+      3);
   {
     std::ofstream log(cut + "/train_log.tsv", std::ios::app);
     log << "4\t9.999\t1\t0\t0\t0\n5\t9.999\t1\t0\t0\t0\n6\t9.9";
@@ -200,8 +200,9 @@ TEST_F(TrainHardeningTest, ResumingAnotherShapeNamesTheTensorAndBothShapes) {
   ASSERT_EQ(Train(Common() + " --steps 1 --out " + out, dir_).first, 0);
   auto [rc, text] = Train(Common() + " --channels 48 --steps 2 --resume --out " + out, dir_);
   EXPECT_EQ(rc, 1) << text;
-  EXPECT_NE(text.find("tensor 'wte' has shape [256, 32] in the checkpoint and [256, 48] in the job"),
-            std::string::npos)
+  EXPECT_NE(
+      text.find("tensor 'wte' has shape [256, 32] in the checkpoint and [256, 48] in the job"),
+      std::string::npos)
       << text;
 }
 
@@ -225,9 +226,8 @@ TEST_F(TrainHardeningTest, TheFirstSignalStopsAtAStepWithACheckpointAndTheExport
     ASSERT_LT(steps.size(), 400u) << "did not stop";
     // The checkpoint holds the last logged step, and resuming continues it
     // (the last rows are compared with a run that was never stopped below).
-    auto [rrc, rtext] = Train(args + " --steps " + std::to_string(steps.size() + 2) +
-                                  " --resume --out " + out,
-                              dir_);
+    auto [rrc, rtext] = Train(
+        args + " --steps " + std::to_string(steps.size() + 2) + " --resume --out " + out, dir_);
     ASSERT_EQ(rrc, 0) << rtext;
     EXPECT_NE(rtext.find("resumed at step " + steps.back()), std::string::npos) << rtext;
     EXPECT_EQ(LogSteps(out + "/train_log.tsv"), Counting(1, static_cast<int>(steps.size()) + 2));
@@ -280,15 +280,17 @@ TEST_F(TrainHardeningTest, OutThatCannotBeCreatedNamesTheRealCause) {
 
 TEST_F(TrainHardeningTest, SettingsMeanWhatTheySay) {
   // The config's device beats ztier-train's default; a flag beats the config.
-  std::ofstream(dir_ / "cpu.json") << R"({"zero_optimization": {"offload_optimizer": {"device": "cpu"}},
+  std::ofstream(dir_ / "cpu.json")
+      << R"({"zero_optimization": {"offload_optimizer": {"device": "cpu"}},
                                           "gradient_accumulation_steps": 2})";
-  auto [rc, text] =
-      Train(Common() + " --steps 1 --config " + (dir_ / "cpu.json") + " --out " + (dir_ / "c1"), dir_);
+  auto [rc, text] = Train(
+      Common() + " --steps 1 --config " + (dir_ / "cpu.json") + " --out " + (dir_ / "c1"), dir_);
   ASSERT_EQ(rc, 0) << text;
   EXPECT_NE(text.find("optimizer states in dram"), std::string::npos) << text;
   EXPECT_NE(text.find("batch 4 x 2 micro-step(s)"), std::string::npos) << text;
-  EXPECT_NE(text.find("zero_optimization.offload_optimizer.device = cpu (from " + (dir_ / "cpu.json")),
-            std::string::npos)
+  EXPECT_NE(
+      text.find("zero_optimization.offload_optimizer.device = cpu (from " + (dir_ / "cpu.json")),
+      std::string::npos)
       << text;
   EXPECT_FALSE(fs::exists(dir_ / "c1/swap")) << "a DRAM run made a swap directory";
   auto [frc, ftext] = Train(Common() + " --steps 1 --config " + (dir_ / "cpu.json") +
@@ -299,16 +301,17 @@ TEST_F(TrainHardeningTest, SettingsMeanWhatTheySay) {
   EXPECT_NE(ftext.find("(from --optimizer)"), std::string::npos) << ftext;
 
   // A wrong JSON type is an error, not a directory named "5".
-  std::ofstream(dir_ / "five.json") << R"({"zero_optimization": {"offload_optimizer": {"nvme_path": 5}}})";
+  std::ofstream(dir_ / "five.json")
+      << R"({"zero_optimization": {"offload_optimizer": {"nvme_path": 5}}})";
   auto [brc, btext] =
       Train(Common() + " --config " + (dir_ / "five.json") + " --out " + (dir_ / "c3"), dir_);
   EXPECT_EQ(brc, 2) << btext;
   EXPECT_NE(btext.find("expected a string or a list of strings"), std::string::npos) << btext;
 
   // Params on NVMe with many tiny units: the swap files size themselves.
-  auto [nrc, ntext] = Train(Common() + " --layers 20 --channels 16 --params nvme --steps 2 --out " +
-                                (dir_ / "tiny"),
-                            dir_);
+  auto [nrc, ntext] = Train(
+      Common() + " --layers 20 --channels 16 --params nvme --steps 2 --out " + (dir_ / "tiny"),
+      dir_);
   ASSERT_EQ(nrc, 0) << ntext;
   EXPECT_TRUE(fs::is_empty(dir_ / "tiny/swap")) << "swap files left after a clean exit";
 }

@@ -22,8 +22,8 @@
 
 #include <gtest/gtest.h>
 
-#include "common/extent_allocator.h"
 #include "common/crc32c.h"
+#include "common/extent_allocator.h"
 #include "nvme/io_backend.h"
 #include "nvme/swap_space.h"
 
@@ -111,7 +111,7 @@ class SwapSpaceTest : public ::testing::TestWithParam<BackendKind> {
   }
   std::shared_ptr<FaultBackend> Faulty() const {
     return std::make_shared<FaultBackend>(GetParam() == BackendKind::kUring ? MakeUringBackend()
-                                                                        : MakeThreadBackend());
+                                                                            : MakeThreadBackend());
   }
 
   std::unique_ptr<SwapSpace> MustCreate(const SwapOptions& o,
@@ -658,8 +658,7 @@ TEST_P(SwapSpaceTest, RejectsMissingFullAndNonDirectPaths) {
   EXPECT_NE(direct.message().find("does not support O_DIRECT"), std::string::npos) << direct;
 
   SwapOptions bad_stripe = Options(1, 8 * kMiB, 1000);
-  EXPECT_EQ(SwapSpace::Create(bad_stripe, Backend()).status().code(),
-            StatusCode::kInvalidArgument);
+  EXPECT_EQ(SwapSpace::Create(bad_stripe, Backend()).status().code(), StatusCode::kInvalidArgument);
   SwapOptions bad_name = Options(1, 0);
   bad_name.file_name = "..";
   EXPECT_EQ(SwapSpace::Create(bad_name, Backend()).status().code(), StatusCode::kInvalidArgument);
@@ -801,9 +800,11 @@ TEST_P(SwapSpaceTest, TheCapAndAFullDiskRefuseGrowthAndKeepEveryObject) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Backends, SwapSpaceTest,
-                         ::testing::Values(BackendKind::kUring, BackendKind::kThreads), BackendName);
+                         ::testing::Values(BackendKind::kUring, BackendKind::kThreads),
+                         BackendName);
 INSTANTIATE_TEST_SUITE_P(Backends, SwapFaultTest,
-                         ::testing::Values(BackendKind::kUring, BackendKind::kThreads), BackendName);
+                         ::testing::Values(BackendKind::kUring, BackendKind::kThreads),
+                         BackendName);
 
 TEST(IoBackendTest, ARefusedRingFallsBackToThreads) {
   const Status refused(StatusCode::kFailedPrecondition, "io_uring is refused (EPERM)", EPERM);
