@@ -21,8 +21,10 @@ namespace ztier::engine::testing {
 using namespace std::chrono_literals;
 using ztier::testing::ScratchDir;
 
-// With `swap`: two swap paths under it, small stripes so units span several,
-// and a 3-slot ring (the smallest) so the pipeline wraps around.
+// With `swap`: two swap paths under it, 4 KiB stripes so every unit of the
+// small model spans several stripes on both paths (its largest state object
+// is 28 KiB, its params 8 KiB), and a 3-slot ring (the smallest) so the
+// pipeline wraps around.
 inline std::unique_ptr<Engine> MakeEngine(uint64_t budget = uint64_t{1} << 30,
                                           const ScratchDir* swap = nullptr,
                                           uint64_t swap_capacity = uint64_t{64} << 20,
@@ -34,7 +36,7 @@ inline std::unique_ptr<Engine> MakeEngine(uint64_t budget = uint64_t{1} << 30,
   if (swap != nullptr) {
     s.nvme_paths = {swap->sub("drive0"), swap->sub("drive1")};
     s.nvme_capacity_per_path = swap_capacity;
-    s.stripe_bytes = 64 << 10;
+    s.stripe_bytes = 4096;  // every unit's state spans several stripes, on both paths
     s.buffer_count = 3;
   }
   Result<std::unique_ptr<Engine>> e = Engine::Create(s, std::move(backend));
