@@ -266,8 +266,9 @@ struct RunnerOptions {
 };
 
 // Runner options from the engine settings (config file keys
-// zero_optimization.stage3_max_live_parameters, .stage3_param_persistence_threshold
-// and ztier.prefetch_depth, or their ZTIER_* variables); bf16 params are 2 bytes.
+// zero_optimization.stage3_max_live_parameters, .stage3_param_persistence_threshold,
+// ztier.prefetch_depth and ztier.wait_timeout, or their ZTIER_* variables);
+// bf16 params are 2 bytes.
 RunnerOptions RunnerOptionsFrom(const engine::Settings& settings);
 
 struct RunnerStats {

@@ -178,8 +178,10 @@ class Engine {
   // Errors: FailedPrecondition (not acquired), NotFound, OutOfRange.
   Status ReleaseParams(int job, int unit);
   int64_t PublishedStep(int job, int unit) const;
-  // Blocks until the unit holds step >= `step`. Errors: DeadlineExceeded-like
-  // Unavailable on timeout, Aborted if the job failed or was unregistered.
+  // Blocks until the unit holds step >= `step`. Errors: Unavailable on
+  // timeout (naming the unit, the step and what it holds), Aborted if the job
+  // failed or was unregistered, FailedPrecondition at once for a step more
+  // than one past the job's (no grads could ever make it).
   Status WaitPublished(int job, int unit, int64_t step,
                        std::chrono::milliseconds timeout = std::chrono::minutes(10));
 

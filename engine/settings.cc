@@ -408,6 +408,18 @@ const std::vector<Tunable>& Table() {
          return Status::Ok();
        },
        [](const Settings& s) { return StrCat(s.prefetch_depth); }},
+      {{"ztier.wait_timeout"},
+       "ZTIER_WAIT_TIMEOUT",
+       JsonType::kInteger,
+       "600",
+       "Client: seconds a rank waits on the engine (a unit's publish, a param cache slot) before "
+       "it fails with a message naming the unit and the step.",
+       [](Settings& s, std::string_view t, std::string_view k) -> Status {
+         ZT_ASSIGN_OR_RETURN(int64_t v, ParseInt(t, k, 1, 7 * 24 * 3600));
+         s.wait_timeout_seconds = static_cast<uint32_t>(v);
+         return Status::Ok();
+       },
+       [](const Settings& s) { return StrCat(s.wait_timeout_seconds); }},
       {{"ztier.optimizer_threads"},
        "ZTIER_OPTIMIZER_THREADS",
        JsonType::kInteger,

@@ -93,6 +93,9 @@ struct Settings {
   uint64_t max_live_parameters = 0;
   uint64_t param_persistence_threshold = 32768;
   int prefetch_depth = 2;
+  // How long a client waits on the engine (a unit's publish, a cache slot)
+  // before it fails with a message instead of hanging.
+  uint32_t wait_timeout_seconds = 600;
   TrainingSettings training;
   // Where each setting that was set came from, by its first config key:
   // the config file's path, the environment variable, a program's flag.

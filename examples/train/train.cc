@@ -676,7 +676,8 @@ Result<int> TrainSteps(const Flags& f, const Plan& p, const std::string& text, S
         const bool checkpoint = done == f.steps || sig != 0 ||
                                 (f.checkpoint_every > 0 && done % f.checkpoint_every == 0);
         if (checkpoint) {
-          ZT_RETURN_IF_ERROR(m.WaitPublished(done, std::chrono::hours(1)));
+          ZT_RETURN_IF_ERROR(
+              m.WaitPublished(done, std::chrono::seconds(p.settings.wait_timeout_seconds)));
         }
         const double secs = std::chrono::duration<double>(Clock::now() - t0).count();
         progress.Update(static_cast<int>(done), mean, tokens_per_step / std::max(secs, 1e-9), total,

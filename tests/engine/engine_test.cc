@@ -271,7 +271,11 @@ TEST(EngineOverlapTest, ExactModePublishesUnitZeroBeforeTheLastUnitIsDone) {
   Ring(*engine, *job, 0, 1, 0.25f);
   // Unit 0 is published while the 16M-element unit 1 is still being updated.
   bool seen_zero_first = false;
-  while (engine->PublishedStep(*job, 0) < 1) std::this_thread::yield();
+  const auto deadline = std::chrono::steady_clock::now() + 60s;
+  while (engine->PublishedStep(*job, 0) < 1) {
+    ASSERT_LT(std::chrono::steady_clock::now(), deadline) << "unit 0 was not published in 60 s";
+    std::this_thread::yield();
+  }
   seen_zero_first = engine->PublishedStep(*job, 1) < 1;
   EXPECT_TRUE(seen_zero_first) << "unit 0 was published only after the last unit";
   EXPECT_TRUE(engine->WaitPublished(*job, 1, 1, 30s).ok());
@@ -302,6 +306,22 @@ TEST(EngineFaultTest, NonFiniteGradsSkipTheStepInExactMode) {
   for (int k = n - 1; k >= 0; --k) Ring(*engine, *job, k, 1, 0.1f);
   for (int k = 0; k < n; ++k) ASSERT_TRUE(engine->WaitPublished(*job, k, 2, 10s).ok());
   EXPECT_EQ(engine->counters(*job).steps, 2);
+}
+
+// A wait that no grads can ever end fails at once, naming the steps.
+TEST(EngineFaultTest, AWaitForAStepNoGradsCanReachFailsAtOnce) {
+  auto engine = MakeEngine();
+  Result<int> job = engine->RegisterJob(SmallModel("ahead", 1, 0.0f, 1, StepMode::kExact));
+  ASSERT_TRUE(job.ok());
+  Train(*engine, *job, 1, 0, 2, 3);
+  const auto t0 = std::chrono::steady_clock::now();
+  Status s = engine->WaitPublished(*job, 1, 4, 60s);
+  EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << s;
+  EXPECT_NE(s.message().find("the job has done 2 steps"), std::string::npos) << s;
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 5s);
+  EXPECT_EQ(engine->AcquireParams(*job, 1, 4, 60s).status().code(), StatusCode::kFailedPrecondition);
+  // One step ahead is what a client waits for after sending its grads.
+  EXPECT_EQ(engine->WaitPublished(*job, 1, 3, 10ms).code(), StatusCode::kUnavailable);
 }
 
 TEST(EngineFaultTest, NonFiniteGradsFailAnEagerStepLoudly) {

@@ -60,10 +60,22 @@ class Process {
     posix_spawn_file_actions_destroy(&fa);
   }
   pid_t pid() const { return pid_; }
-  // The exit code, or 128 + the signal that killed it.
+  // The exit code, or 128 + the signal that killed it. A run still going
+  // after 5 minutes has hung: it is killed and the test fails saying so,
+  // rather than at ctest's timeout.
   int Wait() {
     int st = 0;
-    ::waitpid(pid_, &st, 0);
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::minutes(5);
+    while (::waitpid(pid_, &st, WNOHANG) == 0) {
+      if (std::chrono::steady_clock::now() > deadline) {
+        ::kill(pid_, SIGKILL);
+        ::waitpid(pid_, &st, 0);
+        ADD_FAILURE() << "ztier-train hung for 5 minutes and was killed; its output:\n"
+                      << output();
+        return -1;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
     return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
   }
   std::string output() const { return Slurp(log_); }
@@ -108,6 +120,8 @@ void WaitForRows(const std::string& log, size_t rows, pid_t pid) {
 class TrainHardeningTest : public ::testing::Test {
  protected:
   void SetUp() override {
+    // A rank that waits on the engine for a minute fails with its message.
+    ::setenv("ZTIER_WAIT_TIMEOUT", "60", 1);
     std::ofstream text(dir_ / "text.txt");
     for (int i = 0; i < 300; ++i) text << "Pack my box with five dozen liquor jugs, " << i << ". ";
   }

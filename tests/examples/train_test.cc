@@ -20,9 +20,12 @@ namespace fs = std::filesystem;
 
 using ztier::testing::ScratchDir;
 
-// Runs ztier-train with `args`; its exit code (or -1).
+// Runs ztier-train with `args`; its exit code (or -1). A run that hangs is
+// killed after 5 minutes (exit 124) rather than waiting for ctest's timeout,
+// and a rank that waits 60 s on the engine fails with its own message.
 int Train(const std::string& args) {
-  const std::string cmd = std::string(ZTIER_TRAIN_BINARY) + " --no-progress " + args + " 2>&1";
+  const std::string cmd = "ZTIER_WAIT_TIMEOUT=60 timeout -k 10 300 " +
+                          std::string(ZTIER_TRAIN_BINARY) + " --no-progress " + args + " 2>&1";
   const int rc = std::system(cmd.c_str());
   return WIFEXITED(rc) ? WEXITSTATUS(rc) : -1;
 }
