@@ -637,6 +637,33 @@ TEST_F(RunnerErrorsTest, AChangedOrderIsCountedAndRelearned) {
   EXPECT_EQ(runner_->version(), 4);
 }
 
+// Exact fetch and hit counts for a known order (the 4 units forward, each
+// released at once, no persistent units): the learning micro-step fetches
+// every unit; Step() then prefetches the first `depth` units of the next
+// one; in a later micro-step every acquire hits and the fetches are the
+// units past the window plus the next Step()'s prefetch: 4 a micro-step.
+TEST_F(RunnerErrorsTest, PrefetchFetchesExactlyTheNextUnitsOfTheLearnedOrder) {
+  const int n = model_->units();
+  ASSERT_EQ(n, 4);
+  const std::vector<int> forward = {0, 1, 2, 3};
+  for (int depth : {0, 1, 2, 3}) {
+    SCOPED_TRACE(StrCat("prefetch depth ", depth));
+    RunnerOptions o;
+    o.prefetch_depth = depth;
+    o.persistence_threshold = 0;
+    runner_.reset();
+    auto runner = Stage3Runner::Create(*model_, 0, *dev_, nullptr, o);
+    ASSERT_TRUE(runner.ok()) << runner.status();
+    for (int micro = 1; micro <= 3; ++micro) {
+      ASSERT_TRUE(MicroStep(**runner, forward, n).ok());
+      const RunnerStats st = (*runner)->stats();
+      EXPECT_EQ(st.fetches, n + depth + (micro - 1) * n) << "after micro-step " << micro;
+      EXPECT_EQ(st.prefetch_hits, depth == 0 ? 0 : (micro - 1) * n)
+          << "after micro-step " << micro;
+    }
+  }
+}
+
 TEST_F(RunnerErrorsTest, UnitLargerThanTheCap) {
   auto r = Stage3Runner::Create(*model_, 0, *dev_, nullptr, {.max_live_bytes = 1024});
   ASSERT_FALSE(r.ok());
