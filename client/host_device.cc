@@ -4,7 +4,10 @@
 // therefore overlap the caller's compute exactly as DMA overlaps kernels on
 // a GPU, which is what lets the stage-3 runner's prefetching be tested and
 // timed without one. With the timeline on, every kCopy operation records
-// its span.
+// its span. Test mode (HostDeviceOptions): copies wait before they run, and
+// check that their source did not change between the call that queued them
+// and the moment they run, so ordering bugs between copies and the buffers
+// they read show on CPU.
 //
 // Thread safety: every method may be called from any thread. Failure: an
 // allocation past the machine's memory is ResourceExhausted; nothing else
@@ -20,6 +23,7 @@
 #include <unordered_map>
 
 #include "client/ztier.h"
+#include "common/crc32c.h"
 
 namespace ztier::client {
 namespace {
@@ -33,22 +37,41 @@ struct EventState {
   bool done = false;
 };
 
+// The first checked copy whose source changed (test mode), shared by the
+// device and its events.
+struct Hazard {
+  std::mutex mu;
+  Status status;
+  Status get() {
+    std::lock_guard<std::mutex> lock(mu);
+    return status;
+  }
+  void Set(Status s) {
+    std::lock_guard<std::mutex> lock(mu);
+    if (status.ok()) status = std::move(s);
+  }
+};
+
 class HostEvent final : public Event {
  public:
-  explicit HostEvent(std::shared_ptr<EventState> state) : state_(std::move(state)) {}
+  HostEvent(std::shared_ptr<EventState> state, std::shared_ptr<Hazard> hazard)
+      : state_(std::move(state)), hazard_(std::move(hazard)) {}
   bool Done() const override {
     std::lock_guard<std::mutex> lock(state_->mu);
     return state_->done;
   }
   Status Synchronize() override {
-    std::unique_lock<std::mutex> lock(state_->mu);
-    state_->cv.wait(lock, [&] { return state_->done; });
-    return Status::Ok();
+    {
+      std::unique_lock<std::mutex> lock(state_->mu);
+      state_->cv.wait(lock, [&] { return state_->done; });
+    }
+    return hazard_->get();
   }
   const std::shared_ptr<EventState>& state() const { return state_; }
 
  private:
   std::shared_ptr<EventState> state_;
+  std::shared_ptr<Hazard> hazard_;
 };
 
 void Complete(EventState& s) {
@@ -61,7 +84,8 @@ void Complete(EventState& s) {
 
 class HostDevice final : public Device {
  public:
-  HostDevice() : copy_thread_([this] { CopyLoop(); }) {}
+  explicit HostDevice(const HostDeviceOptions& options)
+      : options_(options), copy_thread_([this] { CopyLoop(); }) {}
   ~HostDevice() override {
     {
       std::lock_guard<std::mutex> lock(queue_mu_);
@@ -114,13 +138,13 @@ class HostDevice final : public Device {
   }
 
   Status CopyToDevice(void* dst, const void* src, size_t bytes, Stream stream) override {
-    return Run(stream, "h2d", [=] { std::memcpy(dst, src, bytes); });
+    return RunCopy(stream, "h2d", dst, src, bytes);
   }
   Status CopyToHost(void* dst, const void* src, size_t bytes, Stream stream) override {
-    return Run(stream, "d2h", [=] { std::memcpy(dst, src, bytes); });
+    return RunCopy(stream, "d2h", dst, src, bytes);
   }
   Status CopyOnDevice(void* dst, const void* src, size_t bytes, Stream stream) override {
-    return Run(stream, "d2d", [=] { std::memcpy(dst, src, bytes); });
+    return RunCopy(stream, "d2d", dst, src, bytes);
   }
   Status Memset(void* dst, int value, size_t bytes, Stream stream) override {
     return Run(stream, "memset", [=] { std::memset(dst, value, bytes); });
@@ -133,7 +157,7 @@ class HostDevice final : public Device {
     } else {
       Enqueue({}, [state] { Complete(*state); });
     }
-    return std::unique_ptr<Event>(std::make_unique<HostEvent>(std::move(state)));
+    return std::unique_ptr<Event>(std::make_unique<HostEvent>(std::move(state), hazard_));
   }
 
   Status Wait(Stream stream, Event& event) override {
@@ -180,6 +204,24 @@ class HostDevice final : public Device {
     std::function<void()> fn;
   };
 
+  // A copy; in test mode, delayed and checked (see HostDeviceOptions).
+  Status RunCopy(Stream stream, const char* label, void* dst, const void* src, size_t bytes) {
+    if (stream != Stream::kCopy || !options_.check_copy_sources) {
+      return Run(stream, label, [=] { std::memcpy(dst, src, bytes); });
+    }
+    const uint32_t queued = Crc32c(src, bytes);
+    std::shared_ptr<Hazard> hazard = hazard_;
+    return Run(stream, label, [=] {
+      if (Crc32c(src, bytes) != queued) {
+        hazard->Set(Status::Internal(StrCat(
+            "host device (checked copies): the source of a ", label, " copy of ", bytes,
+            " bytes changed between the call that queued it and its run: a buffer was "
+            "released or reused before its copy finished")));
+      }
+      std::memcpy(dst, src, bytes);
+    });
+  }
+
   Status Run(Stream stream, const char* label, std::function<void()> fn) {
     if (stream == Stream::kCopy) {
       Enqueue(label, std::move(fn));
@@ -207,6 +249,9 @@ class HostDevice final : public Device {
         task = std::move(queue_.front());
         queue_.pop_front();
       }
+      if (options_.copy_delay.count() > 0 && !task.label.empty()) {
+        std::this_thread::sleep_for(options_.copy_delay);
+      }
       const Clock::time_point t0 = Clock::now();
       task.fn();
       if (!task.label.empty()) {
@@ -223,6 +268,9 @@ class HostDevice final : public Device {
   bool timeline_on_ = false;
   std::vector<TimelineSpan> timeline_;
 
+  const HostDeviceOptions options_;
+  const std::shared_ptr<Hazard> hazard_ = std::make_shared<Hazard>();
+
   std::mutex queue_mu_;
   std::condition_variable queue_cv_;
   std::deque<Task> queue_;
@@ -232,8 +280,8 @@ class HostDevice final : public Device {
 
 }  // namespace
 
-Result<std::unique_ptr<Device>> MakeHostDevice() {
-  return std::unique_ptr<Device>(std::make_unique<HostDevice>());
+Result<std::unique_ptr<Device>> MakeHostDevice(const HostDeviceOptions& options) {
+  return std::unique_ptr<Device>(std::make_unique<HostDevice>(options));
 }
 
 }  // namespace ztier::client

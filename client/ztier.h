@@ -110,9 +110,21 @@ class Device {
   virtual std::vector<TimelineSpan> timeline() const = 0;
 };
 
+// Test modes of the host backend, which copies far faster than a GPU's DMA
+// and so hides ordering bugs between copies and the buffers they read.
+struct HostDeviceOptions {
+  // Each kCopy copy waits this long before it runs.
+  std::chrono::microseconds copy_delay{0};
+  // Each kCopy copy checks that its source is unchanged between the call
+  // that queued it and its run (a buffer released or reused before its copy
+  // finished); the first change fails every later Synchronize of the copy
+  // stream (and of its events' waiters) with a message naming the copy.
+  bool check_copy_sources = false;
+};
+
 // Host backend: device memory is host memory; kCompute work runs on the
 // caller's thread, kCopy work on the device's copy thread, in order.
-Result<std::unique_ptr<Device>> MakeHostDevice();
+Result<std::unique_ptr<Device>> MakeHostDevice(const HostDeviceOptions& options = {});
 // CUDA backend on device `ordinal`: cudaMalloc, a copy and a compute stream,
 // events, cudaHostRegister. Errors: Unavailable when the build has no CUDA
 // or the machine no device ("no CUDA device: ..."), the CUDA error otherwise.

@@ -767,6 +767,12 @@ Status Engine::ReleaseParams(int job, int unit) {
           StrCat("unit ", unit, " of job '", j->spec.name, "' is not acquired"));
     }
     if (--held->leases == 0 && held->stale) held->unit = -1;
+    if (held->leases == 0 && e.settings.poison_released_params) {
+      // Test mode: whatever still reads this slot after its last release
+      // reads NaNs (0xffff bf16), and the slot is read again next time.
+      std::memset(held->block.ptr, 0xff, held->block.bytes);
+      held->unit = -1;
+    }
   }
   e.published_cv.notify_all();
   return Status::Ok();

@@ -420,6 +420,17 @@ const std::vector<Tunable>& Table() {
          return Status::Ok();
        },
        [](const Settings& s) { return StrCat(s.wait_timeout_seconds); }},
+      {{"ztier.poison_released_params"},
+       "ZTIER_POISON_RELEASED_PARAMS",
+       JsonType::kBool,
+       "false",
+       "Test mode: fill a param cache slot (params on nvme) with NaNs when its last lease is "
+       "released, so a client that still reads it fails loudly instead of by chance.",
+       [](Settings& s, std::string_view t, std::string_view k) -> Status {
+         ZT_ASSIGN_OR_RETURN(s.poison_released_params, ParseBool(t, k));
+         return Status::Ok();
+       },
+       [](const Settings& s) { return std::string(s.poison_released_params ? "true" : "false"); }},
       {{"ztier.optimizer_threads"},
        "ZTIER_OPTIMIZER_THREADS",
        JsonType::kInteger,

@@ -96,6 +96,9 @@ struct Settings {
   // How long a client waits on the engine (a unit's publish, a cache slot)
   // before it fails with a message instead of hanging.
   uint32_t wait_timeout_seconds = 600;
+  // Test mode: a param cache slot (params on NVMe) is filled with NaNs as
+  // its last lease is released, so a client still reading it shows.
+  bool poison_released_params = false;
   TrainingSettings training;
   // Where each setting that was set came from, by its first config key:
   // the config file's path, the environment variable, a program's flag.

@@ -2,7 +2,9 @@
 // the copy thread, events and stream waits, and the timeline.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstring>
 #include <thread>
 #include <vector>
@@ -99,6 +101,32 @@ TEST(HostDeviceTest, CopiesOverlapTheCallersWork) {
   EXPECT_FALSE((*ev)->Done());
   ASSERT_TRUE((*ev)->Synchronize().ok());
   d.Free(*buf);
+}
+
+// The test mode: a copy whose source changes after it was queued and before
+// it ran fails the copy stream's next synchronization, with a message.
+TEST(HostDeviceTest, CheckedCopiesCatchASourceReusedBeforeItsCopyRan) {
+  auto dev = MakeHostDevice({.copy_delay = std::chrono::milliseconds(50),
+                             .check_copy_sources = true});
+  ASSERT_TRUE(dev.ok());
+  std::vector<uint8_t> src(4096, 1);
+  Result<void*> dst = (*dev)->Allocate(src.size(), MemoryPurpose::kParams);
+  ASSERT_TRUE(dst.ok());
+  // Used as it must be: the source stays until the copy is done.
+  ASSERT_TRUE((*dev)->CopyToDevice(*dst, src.data(), src.size(), Stream::kCopy).ok());
+  EXPECT_TRUE((*dev)->Synchronize(Stream::kCopy).ok());
+  // Given back too early: overwritten while the copy still waits to run.
+  ASSERT_TRUE((*dev)->CopyToDevice(*dst, src.data(), src.size(), Stream::kCopy).ok());
+  Result<std::unique_ptr<Event>> done = (*dev)->Record(Stream::kCopy);
+  ASSERT_TRUE(done.ok());
+  std::fill(src.begin(), src.end(), 2);
+  Status s = (*done)->Synchronize();
+  EXPECT_EQ(s.code(), StatusCode::kInternal) << s;
+  EXPECT_NE(s.message().find("changed between the call that queued it and its run"),
+            std::string::npos)
+      << s;
+  EXPECT_FALSE((*dev)->Synchronize(Stream::kCopy).ok()) << "the failure must stick";
+  (*dev)->Free(*dst);
 }
 
 }  // namespace

@@ -61,12 +61,16 @@ struct TrainSetup {
   uint64_t persistence_threshold = 0;
   gpt::Config gpt = TinyGpt();
   int batch = 2;
+  // Host devices in their test mode: copies wait 2 ms and fail the stream if
+  // their source changes before they run (a lease released too early).
+  bool checked_copies = false;
 };
 
 std::string Name(const TrainSetup& s) {
   return StrCat(
       s.optimizer_tier == Tier::kNvme ? (s.param_tier == Tier::kNvme ? "nvmeall" : "nvme") : "dram",
-      "_r", s.ranks, s.clip > 0 ? "_clip" : "", "_acc", s.accumulation, "_d", s.prefetch);
+      "_r", s.ranks, s.clip > 0 ? "_clip" : "", "_acc", s.accumulation, "_d", s.prefetch,
+      s.checked_copies ? "_checked" : "");
 }
 
 engine::OptimizerConfig Optimizer(const TrainSetup& s) {
@@ -82,6 +86,9 @@ SessionOptions Options(const TrainSetup& s, const std::string& swap_dir) {
   SessionOptions o;
   o.settings.dram_budget_bytes = uint64_t{256} << 20;
   o.settings.huge_pages = engine::HugePages::kNone;
+  // Checked copies go with poisoned param slots: a lease given back before
+  // its copy ran then always shows (params on NVMe).
+  o.settings.poison_released_params = s.checked_copies;
   if (s.optimizer_tier == Tier::kNvme) {
     o.settings.nvme_paths = {swap_dir + "/a", swap_dir + "/b"};
     for (const std::string& p : o.settings.nvme_paths) std::filesystem::create_directories(p);
@@ -145,7 +152,12 @@ Status TrainThroughRunner(const TrainSetup& s, Model& model, int64_t first, int6
   for (int r = 0; r < s.ranks; ++r) {
     threads.emplace_back([&, r] {
       status[r] = [&]() -> Status {
-        ZT_ASSIGN_OR_RETURN(std::unique_ptr<Device> dev, MakeHostDevice());
+        HostDeviceOptions device_options;
+        if (s.checked_copies) {
+          device_options = {.copy_delay = std::chrono::milliseconds(2),
+                            .check_copy_sources = true};
+        }
+        ZT_ASSIGN_OR_RETURN(std::unique_ptr<Device> dev, MakeHostDevice(device_options));
         dev->EnableTimeline(timeline);
         std::vector<engine::UnitLayout> layouts;
         for (int k = 0; k < model.units(); ++k) layouts.push_back(model.layout(k));
@@ -312,6 +324,19 @@ std::vector<TrainSetup> EquivalenceCases() {
     s.prefetch = depth;
     s.optimizer_tier = s.param_tier = Tier::kNvme;
     cases.push_back(s);
+  }
+  // Slow, checked copies and poisoned param slots: a lease or buffer given
+  // back before the copy that reads it has run fails the run instead of
+  // passing on a fast copy thread.
+  for (int ranks : {1, 2}) {
+    for (Tier tier : {Tier::kDram, Tier::kNvme}) {
+      TrainSetup s;
+      s.ranks = ranks;
+      s.prefetch = 2;
+      s.optimizer_tier = s.param_tier = tier;
+      s.checked_copies = true;
+      cases.push_back(s);
+    }
   }
   return cases;
 }
