@@ -213,10 +213,10 @@ class HostDevice final : public Device {
     std::shared_ptr<Hazard> hazard = hazard_;
     return Run(stream, label, [=] {
       if (Crc32c(src, bytes) != queued) {
-        hazard->Set(Status::Internal(StrCat(
-            "host device (checked copies): the source of a ", label, " copy of ", bytes,
-            " bytes changed between the call that queued it and its run: a buffer was "
-            "released or reused before its copy finished")));
+        hazard->Set(Status::Internal(
+            StrCat("host device (checked copies): the source of a ", label, " copy of ", bytes,
+                   " bytes changed between the call that queued it and its run: a buffer was "
+                   "released or reused before its copy finished")));
       }
       std::memcpy(dst, src, bytes);
     });

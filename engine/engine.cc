@@ -796,10 +796,10 @@ Status Engine::WaitPublished(int job, int unit, int64_t step, std::chrono::milli
   // more than one step past the job's can never end (a client that resumed
   // at the wrong step, say). Say so now rather than at the timeout.
   if (step > j->step + 1) {
-    return Status::FailedPrecondition(StrCat(
-        "job '", j->spec.name, "': unit ", unit, " cannot reach step ", step, ": the job has done ",
-        j->step, " steps and only the grads of step ", j->step + 1,
-        " can come next (a client at the wrong step, e.g. after a resume?)"));
+    return Status::FailedPrecondition(
+        StrCat("job '", j->spec.name, "': unit ", unit, " cannot reach step ", step,
+               ": the job has done ", j->step, " steps and only the grads of step ", j->step + 1,
+               " can come next (a client at the wrong step, e.g. after a resume?)"));
   }
   const auto t0 = std::chrono::steady_clock::now();
   const bool ok = e.published_cv.wait_for(lock, timeout, [&] {

@@ -17,6 +17,7 @@ packages=(
   libhwloc-dev                           # NUMA topology
   nlohmann-json3-dev                     # engine/ config files
   fio                                    # ztier-bench nvme reference
+  strace                                 # durability test: the system calls of a checkpoint
   clang libclang-rt-14-dev               # libFuzzer targets (scripts/fuzz.sh)
   fortunes                               # English text corpus for ztier-train (fortunes data files)
 )

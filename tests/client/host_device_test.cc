@@ -106,8 +106,8 @@ TEST(HostDeviceTest, CopiesOverlapTheCallersWork) {
 // The test mode: a copy whose source changes after it was queued and before
 // it ran fails the copy stream's next synchronization, with a message.
 TEST(HostDeviceTest, CheckedCopiesCatchASourceReusedBeforeItsCopyRan) {
-  auto dev = MakeHostDevice({.copy_delay = std::chrono::milliseconds(50),
-                             .check_copy_sources = true});
+  auto dev =
+      MakeHostDevice({.copy_delay = std::chrono::milliseconds(50), .check_copy_sources = true});
   ASSERT_TRUE(dev.ok());
   std::vector<uint8_t> src(4096, 1);
   Result<void*> dst = (*dev)->Allocate(src.size(), MemoryPurpose::kParams);

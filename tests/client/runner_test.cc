@@ -154,8 +154,7 @@ Status TrainThroughRunner(const TrainSetup& s, Model& model, int64_t first, int6
       status[r] = [&]() -> Status {
         HostDeviceOptions device_options;
         if (s.checked_copies) {
-          device_options = {.copy_delay = std::chrono::milliseconds(2),
-                            .check_copy_sources = true};
+          device_options = {.copy_delay = std::chrono::milliseconds(2), .check_copy_sources = true};
         }
         ZT_ASSIGN_OR_RETURN(std::unique_ptr<Device> dev, MakeHostDevice(device_options));
         dev->EnableTimeline(timeline);
@@ -683,8 +682,7 @@ TEST_F(RunnerErrorsTest, PrefetchFetchesExactlyTheNextUnitsOfTheLearnedOrder) {
       ASSERT_TRUE(MicroStep(**runner, forward, n).ok());
       const RunnerStats st = (*runner)->stats();
       EXPECT_EQ(st.fetches, n + depth + (micro - 1) * n) << "after micro-step " << micro;
-      EXPECT_EQ(st.prefetch_hits, depth == 0 ? 0 : (micro - 1) * n)
-          << "after micro-step " << micro;
+      EXPECT_EQ(st.prefetch_hits, depth == 0 ? 0 : (micro - 1) * n) << "after micro-step " << micro;
     }
   }
 }

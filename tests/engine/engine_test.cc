@@ -319,7 +319,8 @@ TEST(EngineFaultTest, AWaitForAStepNoGradsCanReachFailsAtOnce) {
   EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << s;
   EXPECT_NE(s.message().find("the job has done 2 steps"), std::string::npos) << s;
   EXPECT_LT(std::chrono::steady_clock::now() - t0, 5s);
-  EXPECT_EQ(engine->AcquireParams(*job, 1, 4, 60s).status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(engine->AcquireParams(*job, 1, 4, 60s).status().code(),
+            StatusCode::kFailedPrecondition);
   // One step ahead is what a client waits for after sending its grads.
   EXPECT_EQ(engine->WaitPublished(*job, 1, 3, 10ms).code(), StatusCode::kUnavailable);
 }

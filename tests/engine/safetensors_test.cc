@@ -3,11 +3,11 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
-#include <algorithm>
 #include <random>
 #include <string>
 #include <vector>

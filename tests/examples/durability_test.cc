@@ -1,0 +1,179 @@
+// Durability seen from the kernel's side: ztier-train runs under strace and
+// the system calls that write its checkpoint and export are checked in
+// order, independently of ztier's own fault hooks. Every file is written to
+// a temp name, fsynced, then renamed into place; the shard files' names are
+// made durable (a directory fsync) before the manifest is renamed in, and
+// the manifest's rename is followed by a directory fsync. Skips, with the
+// reason, where strace cannot trace (no strace, or ptrace refused).
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <regex>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "tests/testing/scratch_dir.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+using ztier::testing::ScratchDir;
+
+struct Call {
+  std::string name;  // openat, fsync, fdatasync, rename, renameat2, close
+  std::string a, b;  // paths (open: the path; rename: from, to)
+  int fd = -1;       // open's result, or fsync/close's argument
+};
+
+// One thread's calls in order, then all of them by time of completion:
+// strace -f writes a call that another thread interrupts as "<unfinished
+// ...>" and its end as "<... name resumed>"; the two halves are joined.
+std::vector<std::pair<long, Call>> ParseStrace(const std::string& path) {
+  std::ifstream in(path);
+  std::map<long, std::string> pending;
+  std::vector<std::pair<long, Call>> calls;
+  const std::regex line_re(R"(^(\d+)\s+(.*)$)");
+  const std::regex open_re(R"re(^openat\(AT_FDCWD, "([^"]*)", [^)]*\)\s*=\s*(-?\d+))re");
+  const std::regex fd_re(R"(^(fsync|fdatasync|close)\((\d+)\)\s*=\s*(-?\d+))");
+  const std::regex rename_re(
+      R"re(^rename(?:at2?)?\((?:AT_FDCWD, )?"([^"]*)", (?:AT_FDCWD, )?"([^"]*)"[^)]*\)\s*=\s*(-?\d+))re");
+  std::string raw;
+  while (std::getline(in, raw)) {
+    std::smatch m;
+    if (!std::regex_match(raw, m, line_re)) continue;
+    const long pid = std::stol(m[1]);
+    std::string text = m[2];
+    const size_t unfinished = text.find(" <unfinished ...>");
+    if (unfinished != std::string::npos) {
+      pending[pid] = text.substr(0, unfinished);
+      continue;
+    }
+    if (text.starts_with("<... ")) {
+      const size_t resumed = text.find("resumed>");
+      if (resumed == std::string::npos || !pending.count(pid)) continue;
+      text = pending[pid] + text.substr(resumed + 8);
+      pending.erase(pid);
+    }
+    Call c;
+    if (std::regex_search(text, m, open_re)) {
+      c = {"openat", m[1], "", std::stoi(m[2])};
+    } else if (std::regex_search(text, m, fd_re)) {
+      if (std::stoi(m[3]) != 0) continue;
+      c = {m[1], "", "", std::stoi(m[2])};
+    } else if (std::regex_search(text, m, rename_re)) {
+      if (std::stoi(m[3]) != 0) continue;
+      c = {"rename", m[1], m[2], -1};
+    } else {
+      continue;
+    }
+    calls.emplace_back(pid, std::move(c));
+  }
+  return calls;
+}
+
+// What happened to the files of `dir`, in order: "fsync <path>" (a file or
+// the directory itself) and "rename <to>".
+std::vector<std::string> Events(const std::vector<std::pair<long, Call>>& calls,
+                                const std::string& dir) {
+  std::map<std::pair<long, int>, std::string> open;  // (pid, fd) -> path
+  std::vector<std::string> out;
+  for (const auto& [pid, c] : calls) {
+    if (c.name == "openat" && c.fd >= 0) {
+      open[{pid, c.fd}] = c.a;
+    } else if (c.name == "close") {
+      open.erase({pid, c.fd});
+    } else if (c.name == "fsync" || c.name == "fdatasync") {
+      auto it = open.find({pid, c.fd});
+      if (it == open.end()) continue;
+      const std::string& p = it->second;
+      if (p == dir || fs::path(p).parent_path() == dir) out.push_back("fsync " + p);
+    } else if (c.name == "rename" && fs::path(c.b).parent_path() == dir) {
+      out.push_back("rename " + c.a + " " + c.b);
+    }
+  }
+  return out;
+}
+
+// Checks the durable-write protocol for the files of `dir` that were
+// renamed into place: fsync of the temp file before its rename, and a
+// directory fsync after the last rename. Returns what is wrong, or "".
+std::string CheckAtomicWrites(const std::vector<std::string>& ev, const std::string& dir,
+                              const std::string& commit_name) {
+  std::string problems;
+  size_t last_rename = std::string::npos, commit = std::string::npos;
+  for (size_t i = 0; i < ev.size(); ++i) {
+    if (!ev[i].starts_with("rename ")) continue;
+    std::istringstream words(ev[i].substr(7));
+    std::string from, to;
+    words >> from >> to;
+    bool synced = false;
+    for (size_t j = 0; j < i; ++j) synced = synced || ev[j] == "fsync " + from;
+    if (!synced) problems += "no fsync of " + from + " before its rename; ";
+    last_rename = i;
+    if (fs::path(to).filename() == commit_name) commit = i;
+  }
+  if (last_rename == std::string::npos) return "nothing was renamed into " + dir;
+  bool dir_synced_after = false;
+  for (size_t j = last_rename + 1; j < ev.size(); ++j) {
+    dir_synced_after = dir_synced_after || ev[j] == "fsync " + dir;
+  }
+  if (!dir_synced_after) problems += "no fsync of " + dir + " after its last rename; ";
+  if (commit != std::string::npos) {
+    // The files the commit names were made durable (a directory fsync after
+    // the last rename before it) before it was renamed in.
+    size_t prev_rename = std::string::npos;
+    for (size_t j = 0; j < commit; ++j) {
+      if (ev[j].starts_with("rename ")) prev_rename = j;
+    }
+    bool names_durable = prev_rename == std::string::npos;
+    for (size_t j = prev_rename == std::string::npos ? 0 : prev_rename + 1; j < commit; ++j) {
+      names_durable = names_durable || ev[j] == "fsync " + dir;
+    }
+    if (!names_durable) problems += "the files were not durable before " + commit_name + "; ";
+  }
+  return problems;
+}
+
+TEST(DurabilityTest, CheckpointAndExportReachTheDiskInOrder) {
+  if (std::system("strace -f -qq -o /dev/null true >/dev/null 2>&1") != 0) {
+    GTEST_SKIP() << "strace cannot trace here (not installed, or ptrace is refused)";
+  }
+  ScratchDir dir("durability");
+  {
+    std::ofstream text(dir / "text.txt");
+    for (int i = 0; i < 200; ++i) text << "How vexingly quick daft zebras jump, " << i << ". ";
+  }
+  const std::string out = dir / "run";
+  const std::string trace = dir / "strace.txt";
+  const std::string cmd =
+      "timeout -k 10 300 strace -f -qq -e trace=openat,fsync,fdatasync,close,rename,renameat,"
+      "renameat2 -o " +
+      trace + " " + ZTIER_TRAIN_BINARY +
+      " --no-progress --layers 2 --channels 32 --heads 2 --context 16 --batch 4 --steps 3 "
+      "--checkpoint-every 2 --data " +
+      (dir / "text.txt") + " --out " + out + " >" + (dir / "out.txt") + " 2>&1";
+  ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
+  const auto calls = ParseStrace(trace);
+  ASSERT_GT(calls.size(), 10u) << "strace recorded nothing";
+  const std::string ckpt = out + "/checkpoint";
+  const std::vector<std::string> ev = Events(calls, ckpt);
+  std::string all;
+  for (const std::string& e : ev) all += e + "\n";
+  EXPECT_EQ(CheckAtomicWrites(ev, ckpt, "manifest.json"), "") << all;
+  // Two checkpoints (steps 2 and 3): two manifests committed.
+  int manifests = 0;
+  for (const std::string& e : ev) {
+    manifests += e.starts_with("rename ") && e.ends_with("/manifest.json") ? 1 : 0;
+  }
+  EXPECT_EQ(manifests, 2) << all;
+  const std::vector<std::string> export_ev = Events(calls, out);
+  std::string export_all;
+  for (const std::string& e : export_ev) export_all += e + "\n";
+  EXPECT_EQ(CheckAtomicWrites(export_ev, out, "model.safetensors"), "") << export_all;
+}
+
+}  // namespace
