@@ -11,9 +11,9 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
-#include <regex>
 #include <sstream>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "tests/testing/scratch_dir.h"
@@ -29,6 +29,75 @@ struct Call {
   int fd = -1;       // open's result, or fsync/close's argument
 };
 
+// A small cursor over one strace line; std::regex is avoided on purpose
+// (GCC 12 warns inside <regex> under the sanitizer build's -Werror).
+struct Cursor {
+  std::string_view s;
+  bool Eat(std::string_view prefix) {
+    if (!s.starts_with(prefix)) return false;
+    s.remove_prefix(prefix.size());
+    return true;
+  }
+  // A quoted string: "...", without escapes (the paths here have none).
+  bool Quoted(std::string* out) {
+    if (!Eat("\"")) return false;
+    const size_t end = s.find('"');
+    if (end == std::string_view::npos) return false;
+    *out = std::string(s.substr(0, end));
+    s.remove_prefix(end + 1);
+    return true;
+  }
+  bool Number(long* out) {
+    size_t n = s.starts_with('-') ? 1 : 0;
+    while (n < s.size() && s[n] >= '0' && s[n] <= '9') ++n;
+    if (n == 0 || (n == 1 && s[0] == '-')) return false;
+    *out = std::stol(std::string(s.substr(0, n)));
+    s.remove_prefix(n);
+    return true;
+  }
+  // The call's result: the number after the ")  = " that closes the call
+  // (strace pads short calls with spaces before the '=').
+  bool Result(long* out) {
+    for (size_t at = s.find(')'); at != std::string_view::npos; at = s.find(')', at + 1)) {
+      size_t i = at + 1;
+      while (i < s.size() && s[i] == ' ') ++i;
+      if (i + 1 >= s.size() || s[i] != '=' || s[i + 1] != ' ') continue;
+      s.remove_prefix(i + 2);
+      return Number(out);
+    }
+    return false;
+  }
+};
+
+// Parses one call of interest; false for anything else or a failed call.
+bool ParseCall(std::string_view text, Call* c) {
+  Cursor cur{text};
+  long result = 0;
+  if (cur.Eat("openat(AT_FDCWD, ")) {
+    c->name = "openat";
+    if (!cur.Quoted(&c->a) || !cur.Result(&result) || result < 0) return false;
+    c->fd = static_cast<int>(result);
+    return true;
+  }
+  for (const char* name : {"fsync", "fdatasync", "close"}) {
+    if (!cur.Eat(std::string(name) + "(")) continue;
+    long fd = 0;
+    if (!cur.Number(&fd) || !cur.Result(&result) || result != 0) return false;
+    c->name = name;
+    c->fd = static_cast<int>(fd);
+    return true;
+  }
+  if (cur.Eat("renameat2(") || cur.Eat("renameat(") || cur.Eat("rename(")) {
+    c->name = "rename";
+    cur.Eat("AT_FDCWD, ");
+    if (!cur.Quoted(&c->a) || !cur.Eat(", ")) return false;
+    cur.Eat("AT_FDCWD, ");
+    if (!cur.Quoted(&c->b) || !cur.Result(&result) || result != 0) return false;
+    return true;
+  }
+  return false;
+}
+
 // One thread's calls in order, then all of them by time of completion:
 // strace -f writes a call that another thread interrupts as "<unfinished
 // ...>" and its end as "<... name resumed>"; the two halves are joined.
@@ -36,17 +105,14 @@ std::vector<std::pair<long, Call>> ParseStrace(const std::string& path) {
   std::ifstream in(path);
   std::map<long, std::string> pending;
   std::vector<std::pair<long, Call>> calls;
-  const std::regex line_re(R"(^(\d+)\s+(.*)$)");
-  const std::regex open_re(R"re(^openat\(AT_FDCWD, "([^"]*)", [^)]*\)\s*=\s*(-?\d+))re");
-  const std::regex fd_re(R"(^(fsync|fdatasync|close)\((\d+)\)\s*=\s*(-?\d+))");
-  const std::regex rename_re(
-      R"re(^rename(?:at2?)?\((?:AT_FDCWD, )?"([^"]*)", (?:AT_FDCWD, )?"([^"]*)"[^)]*\)\s*=\s*(-?\d+))re");
   std::string raw;
   while (std::getline(in, raw)) {
-    std::smatch m;
-    if (!std::regex_match(raw, m, line_re)) continue;
-    const long pid = std::stol(m[1]);
-    std::string text = m[2];
+    Cursor line{raw};
+    long pid = 0;
+    if (!line.Number(&pid) || line.s.empty() || line.s[0] != ' ') continue;
+    while (line.Eat(" ")) {
+    }
+    std::string text(line.s);
     const size_t unfinished = text.find(" <unfinished ...>");
     if (unfinished != std::string::npos) {
       pending[pid] = text.substr(0, unfinished);
@@ -59,18 +125,7 @@ std::vector<std::pair<long, Call>> ParseStrace(const std::string& path) {
       pending.erase(pid);
     }
     Call c;
-    if (std::regex_search(text, m, open_re)) {
-      c = {"openat", m[1], "", std::stoi(m[2])};
-    } else if (std::regex_search(text, m, fd_re)) {
-      if (std::stoi(m[3]) != 0) continue;
-      c = {m[1], "", "", std::stoi(m[2])};
-    } else if (std::regex_search(text, m, rename_re)) {
-      if (std::stoi(m[3]) != 0) continue;
-      c = {"rename", m[1], m[2], -1};
-    } else {
-      continue;
-    }
-    calls.emplace_back(pid, std::move(c));
+    if (ParseCall(text, &c)) calls.emplace_back(pid, std::move(c));
   }
   return calls;
 }
