@@ -15,8 +15,9 @@
 # count (torch.set_num_threads and OMP_NUM_THREADS) really takes effect.
 #
 # Usage, from the repository root:
-#   python3 benchmarks/compare_adam.py --install   # once: creates .venv-compare
-#                                                  # with torch, deepspeed, ...
+#   python3 benchmarks/compare_adam.py --install   # once: the project's .venv
+#                                                  # (scripts/python_env.sh) plus
+#                                                  # deepspeed, ninja, py-cpuinfo
 #   python3 benchmarks/compare_adam.py             # re-executes in that venv
 #   python3 benchmarks/compare_adam.py --params 16M,64M --threads 1,2 --json
 #
@@ -24,8 +25,8 @@
 # (--bench PATH to change). DeepSpeed compiles its cpu_adam op on first use,
 # which needs g++ and ninja and can take a few minutes.
 #
-# This is a manual benchmark: it downloads large packages and is never run in
-# CI (--install refuses to run when CI=true).
+# This is a manual benchmark: it downloads DeepSpeed and is never run in CI
+# (--install refuses to run when CI=true).
 
 from __future__ import annotations
 
@@ -40,14 +41,17 @@ import time
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_VENV = REPO_ROOT / ".venv-compare"
+DEFAULT_VENV = REPO_ROOT / ".venv"
+PYTHON_ENV_SCRIPT = REPO_ROOT / "scripts" / "python_env.sh"
 DEFAULT_BENCH = REPO_ROOT / "build" / "release" / "benchmarks" / "ztier-bench"
 DEFAULT_PARAMS = "16M,64M"
 DEFAULT_THREADS = "1,2"
 
-# Installed in two steps: DeepSpeed is a source distribution whose setup.py
-# wants torch already importable, so it is built without build isolation.
-BASE_PACKAGES = ["torch", "ninja", "numpy", "py-cpuinfo"]
+# Installed in two steps: scripts/python_env.sh makes the venv with the
+# project's torch and numpy plus these; DeepSpeed is a source distribution
+# whose setup.py wants torch already importable, so it is built after, without
+# build isolation.
+BASE_PACKAGES = ["ninja", "py-cpuinfo"]
 DEEPSPEED_PACKAGES = ["deepspeed"]
 
 SUFFIXES = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
@@ -195,20 +199,16 @@ def install(venv: Path, argv: list[str]) -> None:
         log("refusing --install: CI is set; this benchmark is never run in CI")
         sys.exit(2)
     python = venv_python(venv)
-    if not python.exists():
-        import venv as venv_module
-
-        log(f"creating virtual environment {venv}")
-        venv_module.EnvBuilder(with_pip=True).create(venv)
     pip = [str(python), "-m", "pip", "install", "--disable-pip-version-check"]
     steps = [
-        [*pip, "--upgrade", "pip", "setuptools", "wheel"],
-        [*pip, *BASE_PACKAGES],
+        ["bash", str(PYTHON_ENV_SCRIPT), *BASE_PACKAGES],
+        [*pip, "setuptools", "wheel"],
         [*pip, "--no-build-isolation", *DEEPSPEED_PACKAGES],
     ]
+    env = dict(os.environ, ZTIER_VENV=str(venv))
     for command in steps:
         log("$ " + " ".join(command))
-        result = subprocess.run(command)
+        result = subprocess.run(command, env=env)
         if result.returncode != 0:
             log(f"pip failed with exit code {result.returncode}")
             sys.exit(result.returncode)
@@ -225,7 +225,7 @@ def ensure_torch(args: argparse.Namespace, argv: list[str]) -> None:
     log("torch is not importable here and the comparison venv is not usable.\n"
         "Install it once with:\n"
         "    python3 benchmarks/compare_adam.py --install\n"
-        f"(creates {args.venv} with torch, deepspeed, ninja, numpy and py-cpuinfo),\n"
+        f"(makes {args.venv} with scripts/python_env.sh, then adds deepspeed, ninja and py-cpuinfo),\n"
         "then run:\n"
         "    python3 benchmarks/compare_adam.py")
     sys.exit(2)

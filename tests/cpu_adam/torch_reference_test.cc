@@ -1,7 +1,8 @@
 // cpu_adam against PyTorch's own AdamW and Adam (torch.optim, CPU, fp32,
-// fused and not), where a Python with torch is available: the venv made by
-// benchmarks/compare_adam.py --install, $ZTIER_TORCH_PYTHON, or python3.
-// Skips, with the reason, when none of them can import torch.
+// fused and not), where a Python with torch is available: $ZTIER_TORCH_PYTHON,
+// the project's .venv (scripts/python_env.sh), or python3. Skips, with the
+// reason, when none of them can import torch, unless ZTIER_REQUIRE_TORCH=1
+// (CI sets it): then that is a failure.
 //
 // Tolerance: both sides compute in fp32 with different operation order
 // (PyTorch: lerp for m, divide by sqrt(bc2), a separate decay multiply), so
@@ -38,7 +39,7 @@ std::string Quote(const std::string& s) { return "'" + s + "'"; }
 std::string FindTorchPython() {
   std::vector<std::string> candidates;
   if (const char* env = std::getenv("ZTIER_TORCH_PYTHON")) candidates.push_back(env);
-  candidates.push_back(std::string(ZTIER_SOURCE_DIR) + "/.venv-compare/bin/python");
+  candidates.push_back(std::string(ZTIER_SOURCE_DIR) + "/.venv/bin/python");
   candidates.push_back("python3");
   for (const std::string& py : candidates) {
     const std::string cmd = Quote(py) + " -c 'import torch, numpy' >/dev/null 2>&1";
@@ -70,8 +71,12 @@ class TorchReferenceTest : public ::testing::TestWithParam<TorchCase> {};
 TEST_P(TorchReferenceTest, MatchesTorchOptim) {
   static const std::string python = FindTorchPython();
   if (python.empty()) {
-    GTEST_SKIP() << "no Python with torch: run 'python3 benchmarks/compare_adam.py --install' "
-                    "or set ZTIER_TORCH_PYTHON";
+    const char* require = std::getenv("ZTIER_REQUIRE_TORCH");
+    if (require != nullptr && std::string(require) == "1") {
+      FAIL() << "ZTIER_REQUIRE_TORCH=1 but no Python can import torch: run "
+                "scripts/python_env.sh or set ZTIER_TORCH_PYTHON";
+    }
+    GTEST_SKIP() << "no Python with torch: run scripts/python_env.sh or set ZTIER_TORCH_PYTHON";
   }
   const TorchCase tc = GetParam();
   const size_t n = 3 * kTileElements + 1234;
