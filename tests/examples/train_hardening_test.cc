@@ -20,86 +20,25 @@
 #include <thread>
 #include <vector>
 
+#include "tests/examples/train_testing.h"
 #include "tests/testing/scratch_dir.h"
-
-extern char** environ;
 
 namespace {
 
 namespace fs = std::filesystem;
 using ztier::testing::ScratchDir;
 
-std::string Slurp(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
-std::vector<std::string> Split(const std::string& args) {
-  std::istringstream in(args);
-  std::vector<std::string> out;
-  for (std::string a; in >> a;) out.push_back(a == "''" ? "" : a);
-  return out;
-}
-
-// A ztier-train process with its output in a file.
-class Process {
- public:
-  Process(const std::string& args, const std::string& log) : log_(log) {
-    std::vector<std::string> argv_s = {ZTIER_TRAIN_BINARY, "--no-progress"};
-    for (std::string& a : Split(args)) argv_s.push_back(std::move(a));
-    std::vector<char*> argv;
-    for (std::string& a : argv_s) argv.push_back(a.data());
-    argv.push_back(nullptr);
-    posix_spawn_file_actions_t fa;
-    posix_spawn_file_actions_init(&fa);
-    posix_spawn_file_actions_addopen(&fa, 1, log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    posix_spawn_file_actions_adddup2(&fa, 1, 2);
-    EXPECT_EQ(posix_spawn(&pid_, argv[0], &fa, nullptr, argv.data(), environ), 0);
-    posix_spawn_file_actions_destroy(&fa);
-  }
-  pid_t pid() const { return pid_; }
-  // The exit code, or 128 + the signal that killed it. A run still going
-  // after 5 minutes has hung: it is killed and the test fails saying so,
-  // rather than at ctest's timeout.
-  int Wait() {
-    int st = 0;
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::minutes(5);
-    while (::waitpid(pid_, &st, WNOHANG) == 0) {
-      if (std::chrono::steady_clock::now() > deadline) {
-        ::kill(pid_, SIGKILL);
-        ::waitpid(pid_, &st, 0);
-        ADD_FAILURE() << "ztier-train hung for 5 minutes and was killed; its output:\n"
-                      << output();
-        return -1;
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    }
-    return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
-  }
-  std::string output() const { return Slurp(log_); }
-
- private:
-  pid_t pid_ = -1;
-  std::string log_;
-};
+using ztier::testing::Slurp;
+using Process = ztier::testing::TrainProcess;
 
 // Runs ztier-train to the end: {exit code, output}.
 std::pair<int, std::string> Train(const std::string& args, const ScratchDir& dir) {
-  Process r(args, dir / "out.txt");
-  const int rc = r.Wait();
-  return {rc, r.output()};
+  return ztier::testing::RunTrain(args, dir / "out.txt");
 }
 
 // Loss-log rows by step.
 std::vector<std::string> LogSteps(const std::string& log) {
-  std::istringstream in(Slurp(log));
-  std::string line;
-  std::getline(in, line);
-  std::vector<std::string> steps;
-  while (std::getline(in, line)) steps.push_back(line.substr(0, line.find('\t')));
-  return steps;
+  return ztier::testing::LogColumn(log, 0);
 }
 
 std::vector<std::string> Counting(int from, int to) {
