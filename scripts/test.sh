@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The README's test command: install, build a preset (default: release) and
 # run its test suite with CTest. Tests labelled slow or fuzz are left out
-# (run them with: ctest --preset <preset> -L slow). GPU tests skip, with the
+# (run the slow ones with: ctest --preset release-slow). GPU tests skip, with the
 # reason, when no CUDA device is present.
 # Usage: scripts/test.sh [release|debug|asan|tsan] [extra ctest args]
 set -euo pipefail
