@@ -42,7 +42,9 @@ std::string FindTorchPython() {
   candidates.push_back(std::string(ZTIER_SOURCE_DIR) + "/.venv/bin/python");
   candidates.push_back("python3");
   for (const std::string& py : candidates) {
-    const std::string cmd = Quote(py) + " -c 'import torch, numpy' >/dev/null 2>&1";
+    // A first import of torch can take a while on a cold disk; none takes 2 minutes.
+    const std::string cmd =
+        "timeout -k 10 120 " + Quote(py) + " -c 'import torch, numpy' >/dev/null 2>&1";
     if (std::system(cmd.c_str()) == 0) return py;
   }
   return {};
@@ -121,7 +123,7 @@ TEST_P(TorchReferenceTest, MatchesTorchOptim) {
     PutArray(out, v);
     for (const auto& g : grads32) PutArray(out, g);
   }
-  const std::string cmd = Quote(python) + " " +
+  const std::string cmd = "timeout -k 10 240 " + Quote(python) + " " +
                           Quote(std::string(ZTIER_SOURCE_DIR) + "/tests/cpu_adam/torch_adamw.py") +
                           " " + Quote(in_path) + " " + Quote(out_path) + " " + tc.impl;
   ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;

@@ -194,7 +194,7 @@ std::string CheckAtomicWrites(const std::vector<std::string>& ev, const std::str
 }
 
 TEST(DurabilityTest, CheckpointAndExportReachTheDiskInOrder) {
-  if (std::system("strace -f -qq -o /dev/null true >/dev/null 2>&1") != 0) {
+  if (std::system("timeout -k 5 30 strace -f -qq -o /dev/null true >/dev/null 2>&1") != 0) {
     GTEST_SKIP() << "strace cannot trace here (not installed, or ptrace is refused)";
   }
   ScratchDir dir("durability");
