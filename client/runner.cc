@@ -413,7 +413,6 @@ Result<std::unique_ptr<Stage3Runner>> Stage3Runner::Create(Model& model, int ran
   r.job = model.job();
   r.accumulation = spec.optimizer.grad_accumulation;
   uint64_t max_shard = 0;
-  int64_t version = INT64_MAX;
   for (int k = 0; k < model.units(); ++k) {
     const engine::UnitLayout& l = model.layout(k);
     UnitState u;
@@ -436,10 +435,14 @@ Result<std::unique_ptr<Stage3Runner>> Stage3Runner::Create(Model& model, int ran
                  "' has no weights yet; set them (SetWeights, ImportSafetensors or "
                  "LoadCheckpoint) before creating a runner"));
     }
-    version = std::min(version, published);
     r.units.push_back(std::move(u));
   }
-  r.version = version;
+  // A step may still be running (another runner's Step() returns before the
+  // engine's optimizer is done, and exact mode publishes units in forward
+  // order): this runner reads the step the engine is heading to. (The lowest
+  // published step would copy params the optimizer is rewriting and push
+  // grads into an inbox it still reads.)
+  r.version = r.transport->TargetStep(r.job);
   for (const auto& [base, bytes] : r.transport->PinnedRegions()) {
     ZT_RETURN_IF_ERROR(device.RegisterHost(base, bytes));
   }

@@ -12,13 +12,21 @@
 #define ZTIER_CLIENT_TRANSPORT_H_
 
 #include <chrono>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "common/bf16.h"
 #include "common/status.h"
-#include "engine/engine.h"
+#include "engine/wire_types.h"
+
+namespace ztier::engine {
+struct Settings;
+}
+namespace ztier::nvme {
+class IoBackend;
+}
 
 namespace ztier::client {
 
@@ -41,12 +49,12 @@ class Transport {
   virtual Status WaitPublished(int job, int unit, int64_t step,
                                std::chrono::milliseconds timeout) = 0;
   virtual int64_t PublishedStep(int job, int unit) = 0;
+  virtual int64_t TargetStep(int job) = 0;  // engine::Engine::TargetStep
 
   virtual Status ClaimCheckpointDir(int job, const std::string& dir) = 0;
   virtual Status SaveCheckpoint(int job, const std::string& dir) = 0;
   virtual Status LoadCheckpoint(int job, const std::string& dir) = 0;
-  virtual Status ExportSafetensors(int job, const std::string& path,
-                                   engine::Engine::ExportType type) = 0;
+  virtual Status ExportSafetensors(int job, const std::string& path, engine::ExportType type) = 0;
   virtual Status ImportSafetensors(int job, const std::string& path) = 0;
   virtual engine::JobCounters Counters(int job) = 0;
   virtual engine::DramPoolStats PoolStats() = 0;

@@ -47,29 +47,15 @@
 
 #include "common/bf16.h"
 #include "common/status.h"
+#include "cpu_adam/hyper.h"
 
 namespace ztier::cpu_adam {
 
 enum class GradType : uint8_t { kFloat32, kBFloat16 };
-enum class Mode : uint8_t {
-  kAdamW,  // decoupled weight decay (p *= 1 - lr * wd)
-  kAdam,   // L2: weight_decay * p added to the grad
-};
-enum class BiasCorrection : uint8_t { kOn, kOff };
 enum class GradCheck : uint8_t { kScanFirst, kPrechecked };
 // How the bf16 publish copy is stored: kStreaming uses non-temporal stores
 // (the CPU never reads the copy again), kRegular ordinary stores.
 enum class OutputStore : uint8_t { kStreaming, kRegular };
-
-struct Hyper {
-  float lr = 1e-3f;
-  float beta1 = 0.9f;
-  float beta2 = 0.999f;
-  float eps = 1e-8f;
-  float weight_decay = 0.0f;
-  Mode mode = Mode::kAdamW;
-  BiasCorrection bias_correction = BiasCorrection::kOn;
-};
 
 // InvalidArgument naming the field unless 0 <= lr, 0 <= beta1, beta2 < 1,
 // eps > 0 and weight_decay >= 0, all finite.

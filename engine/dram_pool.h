@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "common/status.h"
+#include "engine/wire_types.h"
 
 namespace ztier::engine {
 
@@ -55,19 +56,6 @@ struct DramBlock {
   uint64_t bytes = 0;   // rounded up to 4 KiB
   uint32_t region = 0;  // region index: region_fd(region) maps it
   uint64_t offset = 0;  // offset of the block in its region
-};
-
-struct DramPoolStats {
-  uint64_t budget_bytes = 0;
-  uint64_t reserved_bytes = 0;  // regions made
-  uint64_t used_bytes = 0;      // blocks handed out
-  uint32_t regions = 0;
-  uint32_t locked_regions = 0;
-  uint32_t hugetlb_regions = 0;
-  uint64_t huge_page_bytes = 0;  // reserved bytes backed by 2 MiB pages (hugetlb or THP)
-  // The page size most of the pool sits on: 4096, or 2 MiB when at least
-  // half of the reserved bytes are on huge pages; 0 before any region.
-  uint64_t page_bytes = 0;
 };
 
 // Why transparent huge pages may be missing: the kernel's

@@ -785,6 +785,18 @@ int64_t Engine::PublishedStep(int job, int unit) const {
   return (*j)->units[unit].published;
 }
 
+int64_t Engine::TargetStep(int job) const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  Result<std::shared_ptr<Job>> j = impl_->Find(job);
+  if (!j.ok()) return -1;
+  int64_t target = -1;
+  for (const Unit& u : (*j)->units) {
+    if (u.published < 0) return -1;
+    target = std::max(target, u.published + (u.ready ? 1 : 0));
+  }
+  return target;
+}
+
 Status Engine::WaitPublished(int job, int unit, int64_t step, std::chrono::milliseconds timeout) {
   Impl& e = *impl_;
   std::unique_lock<std::mutex> lock(e.mu);

@@ -56,70 +56,13 @@
 #include "common/status.h"
 #include "cpu_adam/adamw.h"
 #include "engine/settings.h"
+#include "engine/wire_types.h"
 
 namespace ztier::nvme {
 class IoBackend;
 }
 
 namespace ztier::engine {
-
-inline constexpr uint64_t kAlignElements = 64;  // 256 B of fp32, 128 B of bf16
-// Limits on what a job may register (far above any real model; they keep
-// every size computation inside 64 bits).
-inline constexpr uint64_t kMaxUnitElements = uint64_t{1} << 40;
-inline constexpr uint64_t kMaxJobElements = uint64_t{1} << 48;
-
-struct TensorSpec {
-  std::string name;
-  std::vector<int64_t> shape;
-};
-
-struct UnitSpec {
-  std::string name;
-  std::vector<TensorSpec> tensors;
-};
-
-enum class StepMode : uint8_t { kExact, kEager };
-
-struct OptimizerConfig {
-  cpu_adam::Hyper hyper;
-  float clip_norm = 0.0f;  // global-norm clipping threshold; 0: off
-  int grad_accumulation = 1;
-  StepMode mode = StepMode::kExact;
-};
-
-struct JobSpec {
-  std::string name;
-  std::vector<UnitSpec> units;  // in forward order
-  int ranks = 1;
-  OptimizerConfig optimizer;
-  Tier optimizer_tier = Tier::kDram;
-  Tier param_tier = Tier::kDram;
-};
-
-struct UnitLayout {
-  uint64_t numel = 0;             // sum of the tensors' elements
-  uint64_t padded = 0;            // multiple of ranks x kAlignElements
-  uint64_t shard = 0;             // padded / ranks
-  std::vector<uint64_t> offsets;  // of each tensor in the flat buffer
-};
-
-struct JobCounters {
-  int64_t steps = 0;          // optimizer steps taken
-  int64_t skipped_steps = 0;  // skipped for inf/NaN grads
-  double optimizer_seconds = 0;
-  double stall_seconds = 0;            // clients blocked in WaitPublished
-  double last_grad_norm = 0;           // before clipping
-  double compute_seconds = 0;          // in the AdamW kernel
-  double io_wait_seconds = 0;          // the optimizer blocked on the drives (NVMe tier)
-  uint64_t dram_bytes = 0;             // pinned DRAM held (state, buffers, ring)
-  uint64_t dram_page_bytes = 0;        // the page size the pinned pool got (4 KiB or 2 MiB)
-  uint64_t nvme_bytes = 0;             // swap space held
-  uint64_t grad_bytes_in = 0;          // bf16 grads delivered by clients into DRAM
-  uint64_t nvme_read_bytes = 0;        // optimizer state read from the drives
-  uint64_t nvme_write_bytes = 0;       // optimizer state (and params) written to the drives
-  uint64_t nvme_param_read_bytes = 0;  // params read into the param cache
-};
 
 class Engine {
  public:
@@ -178,6 +121,12 @@ class Engine {
   // Errors: FailedPrecondition (not acquired), NotFound, OutOfRange.
   Status ReleaseParams(int job, int unit);
   int64_t PublishedStep(int job, int unit) const;
+  // The step every unit will hold once the optimizer has applied the grads
+  // delivered so far: the highest published step, plus one for a unit whose
+  // grads for the next step are all in (it is queued or being updated). A
+  // client that starts reading while a step runs reads this step. -1 for an
+  // unknown job or a job without weights.
+  int64_t TargetStep(int job) const;
   // Blocks until the unit holds step >= `step`. Errors: Unavailable on
   // timeout (naming the unit, the step and what it holds), Aborted if the job
   // failed or was unregistered, FailedPrecondition at once for a step more
@@ -221,7 +170,7 @@ class Engine {
   // tensor under its registered name and shape, unpadded, in bf16 or fp32
   // (the fp32 master), loadable by safetensors / PyTorch / Hugging Face.
   // Written atomically (temp file, fsync, rename). Errors: IoError, NotFound.
-  enum class ExportType : uint8_t { kBFloat16, kFloat32 };
+  using ExportType = engine::ExportType;
   Status ExportSafetensors(int job, const std::string& path, ExportType type);
   // Sets initial weights from a safetensors file: each registered tensor is
   // looked up by name, its shape must match; F32, BF16 and F16 data are

@@ -43,11 +43,10 @@
 #include "common/status.h"
 #include "cpu_adam/adamw.h"
 #include "engine/dram_pool.h"
+#include "engine/wire_types.h"
 #include "nvme/io_backend.h"
 
 namespace ztier::engine {
-
-enum class Tier : uint8_t { kDram, kNvme };
 
 // What a training program takes from the config (DeepSpeed's optimizer,
 // gradient_clipping, gradient_accumulation_steps, batch sizes and

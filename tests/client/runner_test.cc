@@ -14,6 +14,7 @@
 #include <string>
 #include <thread>
 
+#include "client/transport.h"
 #include "client/ztier.h"
 #include "examples/gpt/gpt.h"
 #include "nvme/io_backend.h"
@@ -679,12 +680,67 @@ TEST_F(RunnerErrorsTest, PrefetchFetchesExactlyTheNextUnitsOfTheLearnedOrder) {
     auto runner = Stage3Runner::Create(*model_, 0, *dev_, nullptr, o);
     ASSERT_TRUE(runner.ok()) << runner.status();
     for (int micro = 1; micro <= 3; ++micro) {
-      ASSERT_TRUE(MicroStep(**runner, forward, n).ok());
+      const Status s = MicroStep(**runner, forward, n);
+      ASSERT_TRUE(s.ok()) << "micro-step " << micro << ": " << s;
       const RunnerStats st = (*runner)->stats();
       EXPECT_EQ(st.fetches, n + depth + (micro - 1) * n) << "after micro-step " << micro;
       EXPECT_EQ(st.prefetch_hits, depth == 0 ? 0 : (micro - 1) * n) << "after micro-step " << micro;
     }
   }
+}
+
+// A runner made right after another one's Step(), while the engine's
+// optimizer still runs that step (exact mode publishes units in forward
+// order, so the first units already hold it), reads that step: the head it
+// acquires is the updated one, never the weights from before the step for
+// some units and after it for others, and its pushes wait for that step.
+// The last unit is large (4M params, a
+// few milliseconds of AdamW) so the step is still running when the next
+// runner starts; rounds where it was not prove nothing and are counted.
+TEST(RunnerTest, ARunnerMadeWhileAStepRunsReadsThatStep) {
+  TrainSetup s;
+  auto session = Session::Open(Options(s, ""));
+  ASSERT_TRUE(session.ok()) << session.status();
+  Session::ModelSpec spec{
+      .name = "tail-heavy",
+      .units = {{"a", {{"w", {4096}}}}, {"b", {{"w", {4096}}}}, {"head", {{"w", {2048, 2048}}}}},
+      .optimizer = Optimizer(s)};
+  auto model = (*session)->RegisterModel(spec);
+  ASSERT_TRUE(model.ok()) << model.status();
+  for (int k = 0; k < 3; ++k) {
+    std::vector<float> w((*model)->layout(k).numel, 0.01f);
+    ASSERT_TRUE((*model)->SetWeights(k, w.data(), w.size()).ok());
+  }
+  auto dev = MakeHostDevice();
+  ASSERT_TRUE(dev.ok());
+  Transport& t = (*model)->transport();
+  const int job = (*model)->job();
+  int in_flight = 0;
+  for (int round = 0; round < 10; ++round) {
+    // No prefetch: the last runner's would wait for the step to finish.
+    auto runner = Stage3Runner::Create(**model, 0, **dev, nullptr, {.prefetch_depth = 0});
+    ASSERT_TRUE(runner.ok()) << runner.status();
+    int64_t low = INT64_MAX, high = -1;
+    for (int k = 0; k < 3; ++k) {
+      low = std::min(low, t.PublishedStep(job, k));
+      high = std::max(high, t.PublishedStep(job, k));
+    }
+    in_flight += low < high;
+    const int64_t version = (*runner)->version();
+    // Reading an older step would copy the head while the optimizer
+    // rewrites it in place, and push grads into an inbox it still reads.
+    EXPECT_GE(version, high) << "round " << round;
+    ASSERT_TRUE((*runner)->Acquire(2).ok());
+    ASSERT_TRUE((*runner)->Release(2).ok());
+    // Once the engine is done every unit holds exactly the runner's step.
+    for (int k = 0; k < 3; ++k) {
+      ASSERT_TRUE(t.WaitPublished(job, k, version, std::chrono::seconds(30)).ok());
+      EXPECT_EQ(t.PublishedStep(job, k), version) << "round " << round << ", unit " << k;
+    }
+    const Status st = MicroStep(**runner, {}, 3);
+    ASSERT_TRUE(st.ok()) << "round " << round << ": " << st;
+  }
+  std::printf("%d of 10 runners were made while a step ran\n", in_flight);
 }
 
 TEST_F(RunnerErrorsTest, UnitLargerThanTheCap) {

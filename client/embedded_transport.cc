@@ -1,0 +1,81 @@
+// The embedded transport: the engine in this process, every call forwarded
+// to an engine::Engine the transport owns. The only part of libztier that
+// links the engine; the daemon transport talks to ztierd instead.
+//
+// Thread safety: as engine::Engine (every method from any thread).
+// Failure: the engine's errors, unchanged.
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "client/transport.h"
+#include "engine/engine.h"
+
+namespace ztier::client {
+namespace {
+
+class EmbeddedTransport final : public Transport {
+ public:
+  explicit EmbeddedTransport(std::unique_ptr<engine::Engine> engine) : e_(std::move(engine)) {}
+  std::string name() const override { return "embedded"; }
+
+  Result<int> RegisterJob(const engine::JobSpec& spec) override { return e_->RegisterJob(spec); }
+  Status UnregisterJob(int job) override { return e_->UnregisterJob(job); }
+  Result<engine::UnitLayout> Layout(int job, int unit) override { return e_->Layout(job, unit); }
+  Status WriteWeights(int job, int unit, const float* flat, uint64_t numel) override {
+    return e_->WriteWeights(job, unit, flat, numel);
+  }
+  Status ReadState(int job, int unit, float* master, float* m, float* v) override {
+    return e_->ReadState(job, unit, master, m, v);
+  }
+  Result<bf16*> GradInbox(int job, int unit, int rank) override {
+    return e_->GradInbox(job, unit, rank);
+  }
+  Status GradsReady(int job, int unit, int rank) override {
+    return e_->GradsReady(job, unit, rank);
+  }
+  Result<const bf16*> AcquireParams(int job, int unit, int64_t step,
+                                    std::chrono::milliseconds timeout) override {
+    return e_->AcquireParams(job, unit, step, timeout);
+  }
+  Status ReleaseParams(int job, int unit) override { return e_->ReleaseParams(job, unit); }
+  Status WaitPublished(int job, int unit, int64_t step,
+                       std::chrono::milliseconds timeout) override {
+    return e_->WaitPublished(job, unit, step, timeout);
+  }
+  int64_t PublishedStep(int job, int unit) override { return e_->PublishedStep(job, unit); }
+  int64_t TargetStep(int job) override { return e_->TargetStep(job); }
+  Status ClaimCheckpointDir(int job, const std::string& dir) override {
+    return e_->ClaimCheckpointDir(job, dir);
+  }
+  Status SaveCheckpoint(int job, const std::string& dir) override {
+    return e_->SaveCheckpoint(job, dir);
+  }
+  Status LoadCheckpoint(int job, const std::string& dir) override {
+    return e_->LoadCheckpoint(job, dir);
+  }
+  Status ExportSafetensors(int job, const std::string& path, engine::ExportType type) override {
+    return e_->ExportSafetensors(job, path, type);
+  }
+  Status ImportSafetensors(int job, const std::string& path) override {
+    return e_->ImportSafetensors(job, path);
+  }
+  engine::JobCounters Counters(int job) override { return e_->counters(job); }
+  engine::DramPoolStats PoolStats() override { return e_->pool_stats(); }
+  std::vector<std::pair<void*, uint64_t>> PinnedRegions() override { return e_->PinnedRegions(); }
+
+ private:
+  std::unique_ptr<engine::Engine> e_;
+};
+
+}  // namespace
+
+Result<std::shared_ptr<Transport>> MakeEmbeddedTransport(
+    const engine::Settings& settings, std::shared_ptr<nvme::IoBackend> io_backend) {
+  ZT_ASSIGN_OR_RETURN(std::unique_ptr<engine::Engine> e,
+                      engine::Engine::Create(settings, std::move(io_backend)));
+  return std::shared_ptr<Transport>(std::make_shared<EmbeddedTransport>(std::move(e)));
+}
+
+}  // namespace ztier::client

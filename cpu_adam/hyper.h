@@ -1,0 +1,30 @@
+// ztier cpu_adam: the optimizer's hyper-parameters, part of the public
+// header cpu_adam/adamw.h, kept in a file of their own without dependencies
+// so the engine's wire types (engine/wire_types.h) can carry them to a
+// client that does not link the kernels. Plain values; no functions.
+#ifndef ZTIER_CPU_ADAM_HYPER_H_
+#define ZTIER_CPU_ADAM_HYPER_H_
+
+#include <cstdint>
+
+namespace ztier::cpu_adam {
+
+enum class Mode : uint8_t {
+  kAdamW,  // decoupled weight decay (p *= 1 - lr * wd)
+  kAdam,   // L2: weight_decay * p added to the grad
+};
+enum class BiasCorrection : uint8_t { kOn, kOff };
+
+struct Hyper {
+  float lr = 1e-3f;
+  float beta1 = 0.9f;
+  float beta2 = 0.999f;
+  float eps = 1e-8f;
+  float weight_decay = 0.0f;
+  Mode mode = Mode::kAdamW;
+  BiasCorrection bias_correction = BiasCorrection::kOn;
+};
+
+}  // namespace ztier::cpu_adam
+
+#endif  // ZTIER_CPU_ADAM_HYPER_H_

@@ -1,0 +1,100 @@
+// ztier engine: the wire types, the values that cross the boundary between
+// a client and the engine, in one process or across the daemon's socket:
+// what a job registers (JobSpec), how a unit is laid out (UnitLayout), what
+// the engine reports (JobCounters, DramPoolStats). Plain structs with no
+// behaviour; this header depends on nothing but the standard library and
+// cpu_adam/hyper.h, so a client of the daemon does not link the engine.
+// Their encoding for the socket is engine/protocol.h's; kWireVersion names
+// the layout of these structs there and changes with any field.
+#ifndef ZTIER_ENGINE_WIRE_TYPES_H_
+#define ZTIER_ENGINE_WIRE_TYPES_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "cpu_adam/hyper.h"
+
+namespace ztier::engine {
+
+inline constexpr uint16_t kWireVersion = 1;
+
+enum class Tier : uint8_t { kDram, kNvme };
+
+inline constexpr uint64_t kAlignElements = 64;  // 256 B of fp32, 128 B of bf16
+// Limits on what a job may register (far above any real model; they keep
+// every size computation inside 64 bits).
+inline constexpr uint64_t kMaxUnitElements = uint64_t{1} << 40;
+inline constexpr uint64_t kMaxJobElements = uint64_t{1} << 48;
+
+struct TensorSpec {
+  std::string name;
+  std::vector<int64_t> shape;
+};
+
+struct UnitSpec {
+  std::string name;
+  std::vector<TensorSpec> tensors;
+};
+
+enum class StepMode : uint8_t { kExact, kEager };
+
+struct OptimizerConfig {
+  cpu_adam::Hyper hyper;
+  float clip_norm = 0.0f;  // global-norm clipping threshold; 0: off
+  int grad_accumulation = 1;
+  StepMode mode = StepMode::kExact;
+};
+
+struct JobSpec {
+  std::string name;
+  std::vector<UnitSpec> units;  // in forward order
+  int ranks = 1;
+  OptimizerConfig optimizer;
+  Tier optimizer_tier = Tier::kDram;
+  Tier param_tier = Tier::kDram;
+};
+
+struct UnitLayout {
+  uint64_t numel = 0;             // sum of the tensors' elements
+  uint64_t padded = 0;            // multiple of ranks x kAlignElements
+  uint64_t shard = 0;             // padded / ranks
+  std::vector<uint64_t> offsets;  // of each tensor in the flat buffer
+};
+
+struct JobCounters {
+  int64_t steps = 0;          // optimizer steps taken
+  int64_t skipped_steps = 0;  // skipped for inf/NaN grads
+  double optimizer_seconds = 0;
+  double stall_seconds = 0;            // clients blocked in WaitPublished
+  double last_grad_norm = 0;           // before clipping
+  double compute_seconds = 0;          // in the AdamW kernel
+  double io_wait_seconds = 0;          // the optimizer blocked on the drives (NVMe tier)
+  uint64_t dram_bytes = 0;             // pinned DRAM held (state, buffers, ring)
+  uint64_t dram_page_bytes = 0;        // the page size the pinned pool got (4 KiB or 2 MiB)
+  uint64_t nvme_bytes = 0;             // swap space held
+  uint64_t grad_bytes_in = 0;          // bf16 grads delivered by clients into DRAM
+  uint64_t nvme_read_bytes = 0;        // optimizer state read from the drives
+  uint64_t nvme_write_bytes = 0;       // optimizer state (and params) written to the drives
+  uint64_t nvme_param_read_bytes = 0;  // params read into the param cache
+};
+
+// A safetensors export's element type.
+enum class ExportType : uint8_t { kBFloat16, kFloat32 };
+
+struct DramPoolStats {
+  uint64_t budget_bytes = 0;
+  uint64_t reserved_bytes = 0;  // regions made
+  uint64_t used_bytes = 0;      // blocks handed out
+  uint32_t regions = 0;
+  uint32_t locked_regions = 0;
+  uint32_t hugetlb_regions = 0;
+  uint64_t huge_page_bytes = 0;  // reserved bytes backed by 2 MiB pages (hugetlb or THP)
+  // The page size most of the pool sits on: 4096, or 2 MiB when at least
+  // half of the reserved bytes are on huge pages; 0 before any region.
+  uint64_t page_bytes = 0;
+};
+
+}  // namespace ztier::engine
+
+#endif  // ZTIER_ENGINE_WIRE_TYPES_H_
