@@ -11,6 +11,8 @@
 #include <memory>
 #include <mutex>
 
+#include "common/unique_fd.h"
+
 namespace ztier {
 namespace {
 
@@ -26,27 +28,6 @@ int Injected(FileOp op, const std::string& path) {
   }
   return h ? (*h)(op, path) : 0;
 }
-
-// Closes an fd on scope exit unless released.
-class Fd {
- public:
-  explicit Fd(int fd) : fd_(fd) {}
-  ~Fd() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  Fd(const Fd&) = delete;
-  Fd& operator=(const Fd&) = delete;
-  int get() const { return fd_; }
-  // close(2) with its error.
-  int Close() {
-    const int fd = fd_;
-    fd_ = -1;
-    return ::close(fd) == 0 ? 0 : errno;
-  }
-
- private:
-  int fd_;
-};
 
 // open(2) through the hook; the fd or -errno.
 int OpenFile(const std::string& path, int flags, mode_t mode = 0) {
@@ -85,7 +66,7 @@ void SetFileFaultHook(FileFaultHook h) {
 Status FsyncPath(const std::string& path, bool directory) {
   const int fd = OpenFile(path, directory ? O_RDONLY | O_DIRECTORY : O_RDONLY);
   if (fd < 0) return PosixError(StrCat("open ", path, " for fsync"), fd);
-  Fd guard(fd);
+  UniqueFd guard(fd);
   const FileOp op = directory ? FileOp::kFsyncDir : FileOp::kFsync;
   int err = Injected(op, path);
   if (err == 0 && ::fsync(fd) != 0) err = errno;
@@ -97,7 +78,7 @@ Status WriteFileAtomically(const std::string& path, std::string_view data) {
   const std::string tmp = path + ".tmp";
   const int fd = OpenFile(tmp, O_WRONLY | O_CREAT | O_TRUNC, 0600);
   if (fd < 0) return PosixError(StrCat("create ", tmp), fd);
-  Fd guard(fd);
+  UniqueFd guard(fd);
   // Any failure from here on leaves no temp file behind.
   auto fail = [&](std::string_view what, int err) {
     if (guard.get() >= 0) (void)guard.Close();
@@ -136,7 +117,7 @@ Status RemoveFile(const std::string& path) {
 Result<std::string> ReadFileToString(const std::string& path, uint64_t max_bytes) {
   const int fd = OpenFile(path, O_RDONLY);
   if (fd < 0) return PosixError(StrCat("open ", path), fd);
-  Fd guard(fd);
+  UniqueFd guard(fd);
   struct stat st {};
   if (::fstat(fd, &st) != 0) return PosixError(StrCat("stat ", path), errno);
   if (S_ISDIR(st.st_mode)) {

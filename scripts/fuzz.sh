@@ -22,6 +22,7 @@ declare -A sources=(
   [settings]="engine/settings.cc"
   [checkpoint_manifest]="engine/checkpoint_manifest.cc"
   [swap_manifest]="nvme/swap_manifest.cc"
+  [protocol]="engine/protocol.cc"
 )
 declare -A libs=()
 declare -A seeds=(
@@ -29,9 +30,10 @@ declare -A seeds=(
   [settings]=tests/fuzz/seeds/settings
   [checkpoint_manifest]=tests/fuzz/seeds/checkpoint_manifest
   [swap_manifest]=tests/fuzz/seeds/swap_manifest
+  [protocol]=tests/fuzz/seeds/protocol
 )
 # FUZZ_TARGETS="a b" runs a subset.
-read -r -a targets <<<"${FUZZ_TARGETS:-safetensors_header settings checkpoint_manifest swap_manifest}"
+read -r -a targets <<<"${FUZZ_TARGETS:-safetensors_header settings checkpoint_manifest swap_manifest protocol}"
 for target in "${targets[@]}"; do
   echo "fuzz: building $target"
   "$cxx" "${flags[@]}" "tests/fuzz/${target}_fuzz.cc" ${sources[$target]} "${common[@]}" \

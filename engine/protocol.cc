@@ -1,0 +1,627 @@
+// ztier engine: the wire protocol's codec (see protocol.h).
+#include "engine/protocol.h"
+
+#include <bit>
+#include <cmath>
+#include <cstring>
+#include <type_traits>
+
+#include "common/numbers.h"
+
+namespace ztier::engine::protocol {
+namespace {
+
+static_assert(std::endian::native == std::endian::little, "the wire is little endian");
+
+// Appends fields; sizes are the caller's (encoders only see valid structs).
+class Writer {
+ public:
+  template <class T>
+  void Put(T v) {
+    static_assert(std::is_trivially_copyable_v<T>);
+    char bytes[sizeof(T)];
+    std::memcpy(bytes, &v, sizeof(T));
+    out_.append(bytes, sizeof(T));
+  }
+  void Str(std::string_view s) {
+    Put(static_cast<uint32_t>(s.size()));
+    out_.append(s);
+  }
+  std::string Take() { return std::move(out_); }
+
+ private:
+  std::string out_;
+};
+
+// Reads fields, each checked against the bytes left; the first failure
+// sticks and names its field.
+class Reader {
+ public:
+  Reader(std::string_view bytes, std::string_view what) : in_(bytes), what_(what) {}
+
+  template <class T>
+  bool Get(T* v, std::string_view field) {
+    static_assert(std::is_trivially_copyable_v<T>);
+    if (!status_.ok()) return false;
+    if (in_.size() < sizeof(T)) return Fail(StrCat(field, ": the message ends early"));
+    std::memcpy(v, in_.data(), sizeof(T));
+    in_.remove_prefix(sizeof(T));
+    return true;
+  }
+  bool Str(std::string* s, std::string_view field, uint32_t max_bytes) {
+    uint32_t n = 0;
+    if (!Get(&n, field)) return false;
+    if (n > max_bytes) return Fail(StrCat(field, ": ", n, " bytes, over the limit of ", max_bytes));
+    if (in_.size() < n)
+      return Fail(StrCat(field, ": ", n, " bytes announced, ", in_.size(), " left"));
+    s->assign(in_.data(), n);
+    in_.remove_prefix(n);
+    return true;
+  }
+  // A count of items of at least `min_item_bytes` each: refused before
+  // anything is allocated when the bytes left cannot hold them.
+  bool Count(uint32_t* n, std::string_view field, uint32_t max, size_t min_item_bytes) {
+    if (!Get(n, field)) return false;
+    if (*n > max) return Fail(StrCat(field, ": ", *n, ", over the limit of ", max));
+    if (min_item_bytes > 0 && *n > in_.size() / min_item_bytes) {
+      return Fail(StrCat(field, ": ", *n, " items cannot fit in the ", in_.size(), " bytes left"));
+    }
+    return true;
+  }
+  bool Fail(std::string_view why) {
+    if (status_.ok()) status_ = Status::Corruption(StrCat(what_, ": ", why));
+    return false;
+  }
+  bool ok() const { return status_.ok(); }
+  const Status& status() const { return status_; }
+  // The status after the last field: trailing bytes are an error.
+  Status Finish() {
+    if (status_.ok() && !in_.empty()) {
+      Fail(StrCat(in_.size(), " bytes after the last field"));
+    }
+    return status_;
+  }
+  std::string_view rest() const { return in_; }
+
+ private:
+  std::string_view in_;
+  std::string_view what_;
+  Status status_;
+};
+
+template <class T>
+Result<T> Done(Reader& r, T v) {
+  Status s = r.Finish();
+  if (!s.ok()) return s;
+  return v;
+}
+
+bool Finite(double x) { return std::isfinite(x); }
+
+}  // namespace
+
+std::string_view MessageTypeName(MessageType type) {
+  switch (type) {
+    case MessageType::kHello:
+      return "hello";
+    case MessageType::kRegisterJob:
+      return "register_job";
+    case MessageType::kAttachJob:
+      return "attach_job";
+    case MessageType::kUnregisterJob:
+      return "unregister_job";
+    case MessageType::kLayout:
+      return "layout";
+    case MessageType::kGradInbox:
+      return "grad_inbox";
+    case MessageType::kGradsReady:
+      return "grads_ready";
+    case MessageType::kAcquireParams:
+      return "acquire_params";
+    case MessageType::kReleaseParams:
+      return "release_params";
+    case MessageType::kWaitPublished:
+      return "wait_published";
+    case MessageType::kPublishedStep:
+      return "published_step";
+    case MessageType::kCounters:
+      return "counters";
+    case MessageType::kPoolStats:
+      return "pool_stats";
+  }
+  return "unknown";
+}
+
+// ------------------------------------------------------------ framing
+
+Result<std::string> EncodeMessage(Header header, std::string_view payload) {
+  if (payload.size() > kMaxMessageBytes - kHeaderBytes) {
+    return Status::InvalidArgument(StrCat(MessageTypeName(header.type), " message: a payload of ",
+                                          payload.size(), " bytes does not fit in a ",
+                                          kMaxMessageBytes, "-byte message; send it in a memfd"));
+  }
+  if (header.fds > kMaxFdsPerMessage) {
+    return Status::InvalidArgument(StrCat("a message carries at most ", kMaxFdsPerMessage, " fds"));
+  }
+  Writer w;
+  w.Put(kMagic);
+  w.Put(header.version);
+  w.Put(static_cast<uint16_t>(header.type));
+  w.Put(header.flags);
+  w.Put(static_cast<uint32_t>(payload.size()));
+  w.Put(header.request_id);
+  w.Put(header.fds);
+  w.Put(uint32_t{0});
+  std::string out = w.Take();
+  out.append(payload);
+  return out;
+}
+
+Result<Header> DecodeHeader(std::string_view datagram, uint32_t fds_received) {
+  if (datagram.size() < kHeaderBytes) {
+    return Status::Corruption(StrCat("message of ", datagram.size(), " bytes, shorter than the ",
+                                     kHeaderBytes, "-byte header"));
+  }
+  if (datagram.size() > kMaxMessageBytes) {
+    return Status::Corruption(
+        StrCat("message of ", datagram.size(), " bytes, over the limit of ", kMaxMessageBytes));
+  }
+  Reader r(datagram.substr(0, kHeaderBytes), "message header");
+  uint32_t magic = 0, flags = 0, payload = 0, fds = 0, reserved = 0;
+  uint16_t version = 0, type = 0;
+  uint64_t id = 0;
+  r.Get(&magic, "magic");
+  r.Get(&version, "version");
+  r.Get(&type, "type");
+  r.Get(&flags, "flags");
+  r.Get(&payload, "payload bytes");
+  r.Get(&id, "request id");
+  r.Get(&fds, "fd count");
+  r.Get(&reserved, "reserved");
+  ZT_RETURN_IF_ERROR(r.Finish());
+  if (magic != kMagic) {
+    return Status::Corruption(StrCat("not a ztier message (magic 0x", std::hex, magic, ")"));
+  }
+  if (version != kVersion) {
+    return Status::FailedPrecondition(StrCat("protocol version ", version,
+                                             " from the peer; this side speaks version ", kVersion,
+                                             ": use a libztier and a ztierd of the same release"));
+  }
+  if (type == 0 || type > kLastMessageType) {
+    return Status::Corruption(StrCat("unknown message type ", type));
+  }
+  if ((flags & ~kKnownFlags) != 0) {
+    return Status::Corruption(StrCat("unknown flags 0x", std::hex, flags & ~kKnownFlags));
+  }
+  if (reserved != 0) return Status::Corruption("the header's reserved field is not zero");
+  if (payload != datagram.size() - kHeaderBytes) {
+    return Status::Corruption(StrCat("the header announces ", payload, " payload bytes, ",
+                                     datagram.size() - kHeaderBytes, " arrived"));
+  }
+  if (fds != fds_received) {
+    return Status::Corruption(
+        StrCat("the header announces ", fds, " fds, ", fds_received, " arrived"));
+  }
+  if ((flags & kFlagMemfd) != 0 && (payload != 0 || fds < 1)) {
+    return Status::Corruption("a memfd payload comes alone, with its fd attached");
+  }
+  return Header{.version = version,
+                .type = static_cast<MessageType>(type),
+                .flags = flags,
+                .payload_bytes = payload,
+                .request_id = id,
+                .fds = fds};
+}
+
+// ------------------------------------------------------------ status
+
+std::string EncodeStatus(const Status& status) {
+  Writer w;
+  w.Put(static_cast<uint16_t>(status.code()));
+  w.Put(static_cast<int32_t>(status.sys_errno()));
+  const std::string_view msg = status.message();
+  w.Str(msg.substr(0, kMaxMessageText));
+  return w.Take();
+}
+
+Result<std::string_view> DecodeReplyStatus(std::string_view bytes) {
+  Reader r(bytes, "reply status");
+  uint16_t code = 0;
+  int32_t sys_errno = 0;
+  std::string message;
+  r.Get(&code, "code");
+  r.Get(&sys_errno, "errno");
+  r.Str(&message, "message", kMaxMessageText);
+  if (code > static_cast<uint16_t>(StatusCode::kInternal)) r.Fail(StrCat("unknown code ", code));
+  ZT_RETURN_IF_ERROR(r.status());
+  if (code != 0) {
+    if (!r.rest().empty()) return Status::Corruption("reply status: an error reply carries fields");
+    return Status(static_cast<StatusCode>(code), std::move(message), sys_errno);
+  }
+  return r.rest();
+}
+
+// ------------------------------------------------------------ small payloads
+
+std::string Encode(const Hello& v) {
+  Writer w;
+  w.Put(v.min_version);
+  w.Put(v.max_version);
+  w.Str(v.name);
+  return w.Take();
+}
+
+Result<Hello> DecodeHello(std::string_view bytes) {
+  Reader r(bytes, "hello");
+  Hello v;
+  r.Get(&v.min_version, "min_version");
+  r.Get(&v.max_version, "max_version");
+  r.Str(&v.name, "name", kMaxNameBytes);
+  if (v.min_version > v.max_version) r.Fail("min_version is above max_version");
+  return Done(r, std::move(v));
+}
+
+std::string Encode(const JobRef& v) {
+  Writer w;
+  w.Put(v.job);
+  return w.Take();
+}
+
+Result<JobRef> DecodeJobRef(std::string_view bytes) {
+  Reader r(bytes, "job ref");
+  JobRef v;
+  r.Get(&v.job, "job");
+  if (v.job < 0) r.Fail(StrCat("job ", v.job, " is negative"));
+  return Done(r, v);
+}
+
+std::string Encode(const UnitRef& v) {
+  Writer w;
+  w.Put(v.job);
+  w.Put(v.unit);
+  w.Put(v.rank);
+  return w.Take();
+}
+
+Result<UnitRef> DecodeUnitRef(std::string_view bytes) {
+  Reader r(bytes, "unit ref");
+  UnitRef v;
+  r.Get(&v.job, "job");
+  r.Get(&v.unit, "unit");
+  r.Get(&v.rank, "rank");
+  if (v.job < 0 || v.unit < 0 || v.rank < 0 || v.rank >= kMaxRanks) {
+    r.Fail(StrCat("job ", v.job, ", unit ", v.unit, ", rank ", v.rank, ": out of range"));
+  }
+  return Done(r, v);
+}
+
+std::string Encode(const StepWait& v) {
+  Writer w;
+  w.Put(v.job);
+  w.Put(v.unit);
+  w.Put(v.step);
+  w.Put(static_cast<int64_t>(v.timeout.count()));
+  return w.Take();
+}
+
+Result<StepWait> DecodeStepWait(std::string_view bytes) {
+  Reader r(bytes, "step wait");
+  StepWait v;
+  int64_t ms = 0;
+  r.Get(&v.job, "job");
+  r.Get(&v.unit, "unit");
+  r.Get(&v.step, "step");
+  r.Get(&ms, "timeout_ms");
+  if (v.job < 0 || v.unit < 0) r.Fail(StrCat("job ", v.job, ", unit ", v.unit, ": out of range"));
+  if (v.step < 0) r.Fail(StrCat("step ", v.step, " is negative"));
+  // A week: longer is a bug, not a wait.
+  if (ms < 0 || ms > int64_t{7} * 24 * 3600 * 1000) r.Fail(StrCat("timeout_ms ", ms));
+  v.timeout = std::chrono::milliseconds(ms);
+  return Done(r, v);
+}
+
+std::string Encode(const StepValue& v) {
+  Writer w;
+  w.Put(v.step);
+  return w.Take();
+}
+
+Result<StepValue> DecodeStepValue(std::string_view bytes) {
+  Reader r(bytes, "step value");
+  StepValue v;
+  r.Get(&v.step, "step");
+  if (v.step < -1) r.Fail(StrCat("step ", v.step));
+  return Done(r, v);
+}
+
+std::string Encode(const AttachRequest& v) {
+  Writer w;
+  w.Str(v.name);
+  w.Put(v.rank);
+  return w.Take();
+}
+
+Result<AttachRequest> DecodeAttachRequest(std::string_view bytes) {
+  Reader r(bytes, "attach request");
+  AttachRequest v;
+  r.Str(&v.name, "name", kMaxNameBytes);
+  r.Get(&v.rank, "rank");
+  if (v.name.empty()) r.Fail("name is empty");
+  if (v.rank < 0 || v.rank >= kMaxRanks) r.Fail(StrCat("rank ", v.rank, " out of range"));
+  return Done(r, std::move(v));
+}
+
+std::string Encode(const JobHandle& v) {
+  Writer w;
+  w.Put(v.job);
+  w.Put(v.units);
+  w.Put(v.ranks);
+  return w.Take();
+}
+
+Result<JobHandle> DecodeJobHandle(std::string_view bytes) {
+  Reader r(bytes, "job handle");
+  JobHandle v;
+  r.Get(&v.job, "job");
+  r.Get(&v.units, "units");
+  r.Get(&v.ranks, "ranks");
+  if (v.job < 0 || v.units < 1 || v.units > static_cast<int32_t>(kMaxUnits) || v.ranks < 1 ||
+      v.ranks > kMaxRanks) {
+    r.Fail(StrCat("job ", v.job, ", ", v.units, " units, ", v.ranks, " ranks: out of range"));
+  }
+  return Done(r, v);
+}
+
+std::string Encode(const RegionRef& v) {
+  Writer w;
+  w.Put(v.region);
+  w.Put(v.region_bytes);
+  w.Put(v.offset);
+  w.Put(v.bytes);
+  w.Put(static_cast<uint8_t>(v.access));
+  return w.Take();
+}
+
+Result<RegionRef> DecodeRegionRef(std::string_view bytes) {
+  Reader r(bytes, "region ref");
+  RegionRef v;
+  uint8_t access = 0;
+  r.Get(&v.region, "region");
+  r.Get(&v.region_bytes, "region_bytes");
+  r.Get(&v.offset, "offset");
+  r.Get(&v.bytes, "bytes");
+  r.Get(&access, "access");
+  if (access != static_cast<uint8_t>(RegionAccess::kReadWrite) &&
+      access != static_cast<uint8_t>(RegionAccess::kReadOnly)) {
+    r.Fail(StrCat("access ", int{access}));
+  }
+  v.access = static_cast<RegionAccess>(access);
+  const std::optional<uint64_t> end = CheckedAdd(v.offset, v.bytes);
+  if (!end || *end > v.region_bytes || v.bytes == 0) {
+    r.Fail(StrCat("the buffer [", v.offset, ", +", v.bytes, ") is not inside its region of ",
+                  v.region_bytes, " bytes"));
+  }
+  return Done(r, v);
+}
+
+// ------------------------------------------------------------ job spec
+
+std::string Encode(const JobSpec& v) {
+  Writer w;
+  w.Str(v.name);
+  w.Put(static_cast<int32_t>(v.ranks));
+  w.Put(static_cast<uint8_t>(v.optimizer_tier));
+  w.Put(static_cast<uint8_t>(v.param_tier));
+  const cpu_adam::Hyper& h = v.optimizer.hyper;
+  for (float f : {h.lr, h.beta1, h.beta2, h.eps, h.weight_decay}) w.Put(f);
+  w.Put(static_cast<uint8_t>(h.mode));
+  w.Put(static_cast<uint8_t>(h.bias_correction));
+  w.Put(v.optimizer.clip_norm);
+  w.Put(static_cast<int32_t>(v.optimizer.grad_accumulation));
+  w.Put(static_cast<uint8_t>(v.optimizer.mode));
+  w.Put(static_cast<uint32_t>(v.units.size()));
+  for (const UnitSpec& u : v.units) {
+    w.Str(u.name);
+    w.Put(static_cast<uint32_t>(u.tensors.size()));
+    for (const TensorSpec& t : u.tensors) {
+      w.Str(t.name);
+      w.Put(static_cast<uint32_t>(t.shape.size()));
+      for (int64_t d : t.shape) w.Put(d);
+    }
+  }
+  return w.Take();
+}
+
+Result<JobSpec> DecodeJobSpec(std::string_view bytes) {
+  Reader r(bytes, "job spec");
+  JobSpec v;
+  int32_t ranks = 0, accumulation = 0;
+  uint8_t opt_tier = 0, param_tier = 0, mode = 0, bias = 0, step_mode = 0;
+  cpu_adam::Hyper& h = v.optimizer.hyper;
+  r.Str(&v.name, "name", kMaxNameBytes);
+  r.Get(&ranks, "ranks");
+  r.Get(&opt_tier, "optimizer_tier");
+  r.Get(&param_tier, "param_tier");
+  r.Get(&h.lr, "lr");
+  r.Get(&h.beta1, "beta1");
+  r.Get(&h.beta2, "beta2");
+  r.Get(&h.eps, "eps");
+  r.Get(&h.weight_decay, "weight_decay");
+  r.Get(&mode, "optimizer mode");
+  r.Get(&bias, "bias_correction");
+  r.Get(&v.optimizer.clip_norm, "clip_norm");
+  r.Get(&accumulation, "grad_accumulation");
+  r.Get(&step_mode, "step mode");
+  if (v.name.empty()) r.Fail("name is empty");
+  if (ranks < 1 || ranks > kMaxRanks) r.Fail(StrCat("ranks ", ranks, " out of 1..", kMaxRanks));
+  if (opt_tier > 1 || param_tier > 1) r.Fail("unknown tier");
+  if (mode > 1 || bias > 1 || step_mode > 1) r.Fail("unknown optimizer enum value");
+  for (float f : {h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, v.optimizer.clip_norm}) {
+    if (!Finite(f)) r.Fail("a hyper-parameter is not finite");
+  }
+  if (accumulation < 1 || accumulation > (1 << 20)) {
+    r.Fail(StrCat("grad_accumulation ", accumulation));
+  }
+  v.ranks = ranks;
+  v.optimizer_tier = static_cast<Tier>(opt_tier);
+  v.param_tier = static_cast<Tier>(param_tier);
+  h.mode = static_cast<cpu_adam::Mode>(mode);
+  h.bias_correction = static_cast<cpu_adam::BiasCorrection>(bias);
+  v.optimizer.grad_accumulation = accumulation;
+  v.optimizer.mode = static_cast<StepMode>(step_mode);
+
+  uint32_t units = 0;
+  // A unit is at least its name's length and its tensor count: 8 bytes.
+  if (!r.Count(&units, "units", kMaxUnits, 8)) return r.status();
+  if (units == 0) r.Fail("no units");
+  uint64_t job_elements = 0;
+  v.units.reserve(units);
+  for (uint32_t k = 0; k < units && r.ok(); ++k) {
+    UnitSpec u;
+    uint32_t tensors = 0;
+    r.Str(&u.name, "unit name", kMaxNameBytes);
+    // A tensor is at least its name's length and its rank: 8 bytes.
+    if (!r.Count(&tensors, "tensors", kMaxTensorsPerUnit, 8)) break;
+    if (tensors == 0) r.Fail(StrCat("unit ", k, " has no tensors"));
+    uint64_t unit_elements = 0;
+    u.tensors.reserve(tensors);
+    for (uint32_t t = 0; t < tensors && r.ok(); ++t) {
+      TensorSpec ts;
+      uint32_t dims = 0;
+      r.Str(&ts.name, "tensor name", kMaxNameBytes);
+      if (!r.Count(&dims, "dims", kMaxDims, 8)) break;
+      if (dims == 0) r.Fail(StrCat("unit ", k, " tensor ", t, " has no dims"));
+      uint64_t elements = 1;
+      for (uint32_t d = 0; d < dims; ++d) {
+        int64_t dim = 0;
+        if (!r.Get(&dim, "dim")) break;
+        if (dim < 1) {
+          r.Fail(StrCat("unit ", k, " tensor ", t, ": dim ", dim));
+          break;
+        }
+        const std::optional<uint64_t> e = CheckedMul(elements, static_cast<uint64_t>(dim));
+        if (!e || *e > kMaxUnitElements) {
+          r.Fail(StrCat("unit ", k, " tensor ", t, ": more than ", kMaxUnitElements, " elements"));
+          break;
+        }
+        elements = *e;
+        ts.shape.push_back(dim);
+      }
+      if (ts.name.empty()) r.Fail(StrCat("unit ", k, " tensor ", t, ": empty name"));
+      unit_elements += elements;  // each <= 2^40, at most 2^16 of them: no overflow
+      u.tensors.push_back(std::move(ts));
+    }
+    if (u.name.empty()) r.Fail(StrCat("unit ", k, ": empty name"));
+    if (unit_elements > kMaxUnitElements) {
+      r.Fail(StrCat("unit ", k, ": more than ", kMaxUnitElements, " elements"));
+    }
+    job_elements += unit_elements;  // each <= 2^40, at most 2^20 units: no overflow
+    if (job_elements > kMaxJobElements) {
+      r.Fail(StrCat("the job has more than ", kMaxJobElements, " elements"));
+    }
+    v.units.push_back(std::move(u));
+  }
+  return Done(r, std::move(v));
+}
+
+// ------------------------------------------------------------ replies
+
+std::string Encode(const UnitLayout& v) {
+  Writer w;
+  w.Put(v.numel);
+  w.Put(v.padded);
+  w.Put(v.shard);
+  w.Put(static_cast<uint32_t>(v.offsets.size()));
+  for (uint64_t o : v.offsets) w.Put(o);
+  return w.Take();
+}
+
+Result<UnitLayout> DecodeUnitLayout(std::string_view bytes) {
+  Reader r(bytes, "unit layout");
+  UnitLayout v;
+  uint32_t n = 0;
+  r.Get(&v.numel, "numel");
+  r.Get(&v.padded, "padded");
+  r.Get(&v.shard, "shard");
+  if (r.Count(&n, "offsets", kMaxTensorsPerUnit, 8)) {
+    v.offsets.resize(n);
+    for (uint64_t& o : v.offsets) r.Get(&o, "offset");
+  }
+  if (v.numel == 0 || v.numel > kMaxUnitElements || v.padded < v.numel ||
+      v.padded > kMaxUnitElements + kMaxRanks * kAlignElements || v.shard == 0 ||
+      v.padded % v.shard != 0) {
+    r.Fail(StrCat("numel ", v.numel, ", padded ", v.padded, ", shard ", v.shard, ": inconsistent"));
+  }
+  for (size_t i = 0; i < v.offsets.size(); ++i) {
+    if (v.offsets[i] >= v.numel || (i > 0 && v.offsets[i] <= v.offsets[i - 1])) {
+      r.Fail(StrCat("tensor offset ", i, " (", v.offsets[i], ") out of order or past numel"));
+      break;
+    }
+  }
+  return Done(r, std::move(v));
+}
+
+std::string Encode(const JobCounters& v) {
+  Writer w;
+  for (int64_t x : {v.steps, v.skipped_steps}) w.Put(x);
+  for (double x : {v.optimizer_seconds, v.stall_seconds, v.last_grad_norm, v.compute_seconds,
+                   v.io_wait_seconds}) {
+    w.Put(x);
+  }
+  for (uint64_t x : {v.dram_bytes, v.dram_page_bytes, v.nvme_bytes, v.grad_bytes_in,
+                     v.nvme_read_bytes, v.nvme_write_bytes, v.nvme_param_read_bytes}) {
+    w.Put(x);
+  }
+  return w.Take();
+}
+
+Result<JobCounters> DecodeJobCounters(std::string_view bytes) {
+  Reader r(bytes, "job counters");
+  JobCounters v;
+  r.Get(&v.steps, "steps");
+  r.Get(&v.skipped_steps, "skipped_steps");
+  r.Get(&v.optimizer_seconds, "optimizer_seconds");
+  r.Get(&v.stall_seconds, "stall_seconds");
+  r.Get(&v.last_grad_norm, "last_grad_norm");
+  r.Get(&v.compute_seconds, "compute_seconds");
+  r.Get(&v.io_wait_seconds, "io_wait_seconds");
+  r.Get(&v.dram_bytes, "dram_bytes");
+  r.Get(&v.dram_page_bytes, "dram_page_bytes");
+  r.Get(&v.nvme_bytes, "nvme_bytes");
+  r.Get(&v.grad_bytes_in, "grad_bytes_in");
+  r.Get(&v.nvme_read_bytes, "nvme_read_bytes");
+  r.Get(&v.nvme_write_bytes, "nvme_write_bytes");
+  r.Get(&v.nvme_param_read_bytes, "nvme_param_read_bytes");
+  if (v.steps < 0 || v.skipped_steps < 0 || v.skipped_steps > v.steps) {
+    r.Fail(StrCat("steps ", v.steps, ", skipped ", v.skipped_steps));
+  }
+  return Done(r, v);
+}
+
+std::string Encode(const DramPoolStats& v) {
+  Writer w;
+  for (uint64_t x : {v.budget_bytes, v.reserved_bytes, v.used_bytes}) w.Put(x);
+  for (uint32_t x : {v.regions, v.locked_regions, v.hugetlb_regions}) w.Put(x);
+  for (uint64_t x : {v.huge_page_bytes, v.page_bytes}) w.Put(x);
+  return w.Take();
+}
+
+Result<DramPoolStats> DecodeDramPoolStats(std::string_view bytes) {
+  Reader r(bytes, "pool stats");
+  DramPoolStats v;
+  r.Get(&v.budget_bytes, "budget_bytes");
+  r.Get(&v.reserved_bytes, "reserved_bytes");
+  r.Get(&v.used_bytes, "used_bytes");
+  r.Get(&v.regions, "regions");
+  r.Get(&v.locked_regions, "locked_regions");
+  r.Get(&v.hugetlb_regions, "hugetlb_regions");
+  r.Get(&v.huge_page_bytes, "huge_page_bytes");
+  r.Get(&v.page_bytes, "page_bytes");
+  if (v.used_bytes > v.reserved_bytes || v.locked_regions > v.regions ||
+      v.hugetlb_regions > v.regions) {
+    r.Fail("used, locked or huge-page figures exceed the totals");
+  }
+  return Done(r, v);
+}
+
+}  // namespace ztier::engine::protocol

@@ -1,0 +1,185 @@
+// ztier engine: the wire protocol between libztier's daemon transport and
+// ztierd, the codec only (no sockets, no engine): message framing and the
+// encoding of every request and reply. Depends on common/ and the wire types
+// (engine/wire_types.h); the daemon client links it without the engine.
+//
+// Framing. One message per SOCK_SEQPACKET datagram, at most kMaxMessageBytes
+// (64 KiB) including a fixed 32-byte little-endian header:
+//   u32 magic "ZTWP" | u16 version | u16 type | u32 flags | u32 payload bytes
+//   | u64 request id | u32 fds attached | u32 reserved (0)
+// A reply carries the request's id and type with kFlagReply set, and starts
+// with a status (u16 code, i32 errno, string message); the reply's fields
+// follow only when the code is OK. Payloads larger than a datagram (a big
+// JobSpec) travel in a sealed memfd attached to the message (kFlagMemfd),
+// the datagram then holding only the header.
+//
+// Encoding. Integers little endian; float/double as their IEEE bits;
+// strings and lists as a u32 count then the items. Decoders check every
+// count against the bytes left and the limits below before allocating, use
+// overflow-checked arithmetic for sizes, refuse trailing bytes, unknown
+// types and enum values, and name the field that is wrong. A version
+// mismatch is FailedPrecondition naming both versions.
+//
+// Thread safety: pure functions. Failure: Result/Status, never an abort,
+// whatever the bytes.
+#ifndef ZTIER_ENGINE_PROTOCOL_H_
+#define ZTIER_ENGINE_PROTOCOL_H_
+
+#include <chrono>
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "common/status.h"
+#include "engine/wire_types.h"
+
+namespace ztier::engine::protocol {
+
+inline constexpr uint32_t kMagic = 0x5057545A;  // "ZTWP"
+inline constexpr uint16_t kVersion = 1;
+inline constexpr size_t kHeaderBytes = 32;
+inline constexpr size_t kMaxMessageBytes = size_t{64} << 10;
+inline constexpr uint32_t kMaxFdsPerMessage = 4;
+// A JobSpec in a memfd: bounded so a client cannot make the daemon read
+// gigabytes (a million tensors' names and shapes fit).
+inline constexpr uint64_t kMaxMemfdPayloadBytes = uint64_t{256} << 20;
+// Limits of the decoders (each far above real models).
+inline constexpr uint32_t kMaxNameBytes = 1024;
+inline constexpr uint32_t kMaxMessageText = 4096;
+inline constexpr uint32_t kMaxUnits = 1 << 20;
+inline constexpr uint32_t kMaxTensorsPerUnit = 1 << 16;
+inline constexpr uint32_t kMaxDims = 8;
+inline constexpr int kMaxRanks = 1 << 16;
+
+inline constexpr uint32_t kFlagReply = 1u << 0;
+inline constexpr uint32_t kFlagMemfd = 1u << 1;  // the payload is in the attached memfd
+inline constexpr uint32_t kKnownFlags = kFlagReply | kFlagMemfd;
+
+enum class MessageType : uint16_t {
+  kHello = 1,           // versions and identities; the first message of a connection
+  kRegisterJob = 2,     // JobSpec -> JobHandle
+  kAttachJob = 3,       // {name, rank} -> JobHandle (ranks in other processes)
+  kUnregisterJob = 4,   // JobRef -> ()
+  kLayout = 5,          // UnitRef -> UnitLayout
+  kGradInbox = 6,       // UnitRef (rank) -> RegionRef (client read-write)
+  kGradsReady = 7,      // UnitRef (rank) -> ()
+  kAcquireParams = 8,   // StepWait -> RegionRef (client read-only)
+  kReleaseParams = 9,   // UnitRef -> ()
+  kWaitPublished = 10,  // StepWait -> ()
+  kPublishedStep = 11,  // UnitRef -> StepValue
+  kCounters = 12,       // JobRef -> JobCounters
+  kPoolStats = 13,      // () -> DramPoolStats
+};
+inline constexpr uint16_t kLastMessageType = 13;
+std::string_view MessageTypeName(MessageType type);
+
+struct Header {
+  uint16_t version = kVersion;
+  MessageType type = MessageType::kHello;
+  uint32_t flags = 0;
+  uint32_t payload_bytes = 0;
+  uint64_t request_id = 0;
+  uint32_t fds = 0;
+};
+
+// A whole datagram: the header (payload_bytes set from `payload`) and the
+// payload. InvalidArgument if it would exceed kMaxMessageBytes (send the
+// payload in a memfd instead).
+Result<std::string> EncodeMessage(Header header, std::string_view payload);
+// Checks a received datagram's header: magic, version (FailedPrecondition
+// naming both), type, flags, reserved field, payload length equal to what
+// arrived, the fd count equal to `fds_received`. Returns the header; the
+// payload is datagram.substr(kHeaderBytes).
+Result<Header> DecodeHeader(std::string_view datagram, uint32_t fds_received);
+
+// ------------------------------------------------------------ payloads
+
+struct Hello {
+  uint16_t min_version = kVersion;  // the range the sender speaks
+  uint16_t max_version = kVersion;
+  std::string name;  // "libztier 0.x" / "ztierd 0.x", for logs
+};
+
+struct JobRef {
+  int32_t job = -1;
+};
+struct UnitRef {
+  int32_t job = -1;
+  int32_t unit = -1;
+  int32_t rank = 0;  // GradInbox, GradsReady; 0 otherwise
+};
+struct StepWait {
+  int32_t job = -1;
+  int32_t unit = -1;
+  int64_t step = 0;
+  std::chrono::milliseconds timeout{0};
+};
+struct StepValue {
+  int64_t step = -1;
+};
+struct AttachRequest {
+  std::string name;
+  int32_t rank = 0;
+};
+struct JobHandle {
+  int32_t job = -1;
+  int32_t units = 0;
+  int32_t ranks = 1;
+};
+// Client access to a region, as the daemon seals and maps it.
+enum class RegionAccess : uint8_t { kReadWrite = 1, kReadOnly = 2 };
+// Where a buffer lies in shared memory: region `region` of the job (its
+// memfd travels with the first reply that names it), `offset` and `bytes`
+// inside it.
+struct RegionRef {
+  uint32_t region = 0;
+  uint64_t region_bytes = 0;
+  uint64_t offset = 0;
+  uint64_t bytes = 0;
+  RegionAccess access = RegionAccess::kReadOnly;
+};
+
+// A reply's leading status.
+std::string EncodeStatus(const Status& status);
+
+// Each payload type: Encode appends to nothing (returns the bytes), Decode
+// reads exactly the whole of `bytes`. Decode errors: Corruption naming the
+// field (short, trailing bytes, over a limit, an invalid enum or value).
+std::string Encode(const Hello& v);
+std::string Encode(const JobRef& v);
+std::string Encode(const UnitRef& v);
+std::string Encode(const StepWait& v);
+std::string Encode(const StepValue& v);
+std::string Encode(const AttachRequest& v);
+std::string Encode(const JobHandle& v);
+std::string Encode(const RegionRef& v);
+std::string Encode(const JobSpec& v);
+std::string Encode(const UnitLayout& v);
+std::string Encode(const JobCounters& v);
+std::string Encode(const DramPoolStats& v);
+
+Result<Hello> DecodeHello(std::string_view bytes);
+Result<JobRef> DecodeJobRef(std::string_view bytes);
+Result<UnitRef> DecodeUnitRef(std::string_view bytes);
+Result<StepWait> DecodeStepWait(std::string_view bytes);
+Result<StepValue> DecodeStepValue(std::string_view bytes);
+Result<AttachRequest> DecodeAttachRequest(std::string_view bytes);
+Result<JobHandle> DecodeJobHandle(std::string_view bytes);
+Result<RegionRef> DecodeRegionRef(std::string_view bytes);
+// Also validates what the engine would refuse cheaply: names non-empty and
+// bounded, 1..kMaxDims positive dims, element counts overflow-checked and
+// within kMaxUnitElements / kMaxJobElements, ranks 1..kMaxRanks, finite
+// hyper-parameters, known enum values.
+Result<JobSpec> DecodeJobSpec(std::string_view bytes);
+Result<UnitLayout> DecodeUnitLayout(std::string_view bytes);
+Result<JobCounters> DecodeJobCounters(std::string_view bytes);
+Result<DramPoolStats> DecodeDramPoolStats(std::string_view bytes);
+
+// A reply payload: the status, then (when OK) the rest. Returns the status
+// carried (an error the daemon sent) or the bytes after it.
+Result<std::string_view> DecodeReplyStatus(std::string_view bytes);
+
+}  // namespace ztier::engine::protocol
+
+#endif  // ZTIER_ENGINE_PROTOCOL_H_

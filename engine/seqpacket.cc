@@ -1,0 +1,314 @@
+// ztier engine: AF_UNIX SOCK_SEQPACKET sockets (see seqpacket.h).
+#include "engine/seqpacket.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+
+namespace ztier::engine {
+namespace {
+
+// A socket address for `path`. A path longer than sun_path (108 bytes) is
+// reached through its directory: /proc/self/fd/<dir fd>/<name>, the fd held
+// open by the address for as long as it is used.
+struct Address {
+  sockaddr_un addr{};
+  UniqueFd dir;
+};
+
+Result<Address> AddressOf(const std::string& path) {
+  Address a;
+  a.addr.sun_family = AF_UNIX;
+  std::string name = path;
+  if (path.size() >= sizeof(a.addr.sun_path)) {
+    const size_t slash = path.rfind('/');
+    const std::string dir = slash == std::string::npos ? "." : path.substr(0, slash + 1);
+    a.dir.reset(::open(dir.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC));
+    if (!a.dir.valid()) return PosixError(StrCat("opening the directory of ", path), errno);
+    name = StrCat("/proc/self/fd/", a.dir.get(), "/",
+                  slash == std::string::npos ? path : path.substr(slash + 1));
+  }
+  if (path.empty() || name.size() >= sizeof(a.addr.sun_path)) {
+    return Status::InvalidArgument(StrCat("socket path '", path,
+                                          "': empty, or a file name longer than ",
+                                          sizeof(a.addr.sun_path) - 1 - 20, " bytes"));
+  }
+  std::memcpy(a.addr.sun_path, name.data(), name.size());
+  return a;
+}
+
+// Waits until `fd` is readable; false on timeout. Retries EINTR with the
+// time left.
+Result<bool> WaitReadable(int fd, std::chrono::milliseconds timeout) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  for (;;) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+        deadline - std::chrono::steady_clock::now());
+    pollfd p{.fd = fd, .events = POLLIN, .revents = 0};
+    const int n = ::poll(&p, 1, static_cast<int>(std::clamp<int64_t>(left.count(), 0, INT32_MAX)));
+    if (n > 0) return true;
+    if (n == 0) return false;
+    if (errno != EINTR) return PosixError("poll on a ztier socket", errno);
+  }
+}
+
+Status Gone(std::string_view what, int err) {
+  return Status(StatusCode::kUnavailable,
+                StrCat(what, ": the peer closed the connection (", std::strerror(err), ")"), err);
+}
+
+}  // namespace
+
+// ------------------------------------------------------------ socket
+
+Result<SeqPacketSocket> SeqPacketSocket::Connect(const std::string& path) {
+  ZT_ASSIGN_OR_RETURN(Address a, AddressOf(path));
+  UniqueFd fd(::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0));
+  if (!fd.valid()) return PosixError("socket(AF_UNIX, SOCK_SEQPACKET)", errno);
+  for (;;) {
+    if (::connect(fd.get(), reinterpret_cast<const sockaddr*>(&a.addr), sizeof(a.addr)) == 0) {
+      break;
+    }
+    const int err = errno;
+    if (err == EINTR) continue;
+    if (err == ENOENT || err == ECONNREFUSED) {
+      return Status(StatusCode::kUnavailable,
+                    StrCat("no ztierd listens on ", path, " (", std::strerror(err),
+                           "): start it (systemctl start ztierd.socket) or leave the daemon "
+                           "socket unset to run the engine in this process"),
+                    err);
+    }
+    if (err == EACCES || err == EPERM) {
+      return Status(StatusCode::kFailedPrecondition,
+                    StrCat("connecting to ", path,
+                           ": permission denied; the socket admits its "
+                           "group (ztier) only: ask the admin to add this user to it"),
+                    err);
+    }
+    return PosixError(StrCat("connect to ", path), err);
+  }
+  return SeqPacketSocket(std::move(fd));
+}
+
+Result<std::pair<SeqPacketSocket, SeqPacketSocket>> SeqPacketSocket::Pair() {
+  int sv[2];
+  if (::socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sv) != 0) {
+    return PosixError("socketpair(AF_UNIX, SOCK_SEQPACKET)", errno);
+  }
+  return std::pair<SeqPacketSocket, SeqPacketSocket>(SeqPacketSocket(UniqueFd(sv[0])),
+                                                     SeqPacketSocket(UniqueFd(sv[1])));
+}
+
+Status SeqPacketSocket::Send(std::string_view datagram, std::span<const int> fds) {
+  constexpr size_t kMaxFds = 16;
+  if (fds.size() > kMaxFds) {
+    return Status::InvalidArgument(StrCat(fds.size(), " fds in one message; at most ", kMaxFds));
+  }
+  iovec iov{.iov_base = const_cast<char*>(datagram.data()), .iov_len = datagram.size()};
+  msghdr msg{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * kMaxFds)];
+  if (!fds.empty()) {
+    std::memset(control, 0, sizeof(control));
+    msg.msg_control = control;
+    msg.msg_controllen = CMSG_SPACE(sizeof(int) * fds.size());
+    cmsghdr* c = CMSG_FIRSTHDR(&msg);
+    c->cmsg_level = SOL_SOCKET;
+    c->cmsg_type = SCM_RIGHTS;
+    c->cmsg_len = CMSG_LEN(sizeof(int) * fds.size());
+    std::memcpy(CMSG_DATA(c), fds.data(), sizeof(int) * fds.size());
+  }
+  for (;;) {
+    const ssize_t n = ::sendmsg(fd_.get(), &msg, MSG_NOSIGNAL);
+    if (n == static_cast<ssize_t>(datagram.size())) return Status::Ok();
+    if (n >= 0) return Status::Internal("a SOCK_SEQPACKET send was cut short");
+    const int err = errno;
+    if (err == EINTR) continue;
+    if (err == EPIPE || err == ECONNRESET || err == ENOTCONN) return Gone("send", err);
+    if (err == EMSGSIZE) {
+      return Status(StatusCode::kInvalidArgument,
+                    StrCat("a message of ", datagram.size(), " bytes is too large to send"), err);
+    }
+    return PosixError("sendmsg on a ztier socket", err);
+  }
+}
+
+Result<SeqPacketSocket::Received> SeqPacketSocket::Receive(std::chrono::milliseconds timeout,
+                                                           size_t max_bytes, uint32_t max_fds) {
+  ZT_ASSIGN_OR_RETURN(bool readable, WaitReadable(fd_.get(), timeout));
+  if (!readable) {
+    return Status::Unavailable(StrCat("no message from the peer within ", timeout.count(), " ms"));
+  }
+  Received out;
+  out.data.resize(max_bytes + 1);  // one more: a larger datagram shows as MSG_TRUNC anyway
+  iovec iov{.iov_base = out.data.data(), .iov_len = out.data.size()};
+  std::vector<char> control(CMSG_SPACE(sizeof(int) * std::max<uint32_t>(max_fds, 1)));
+  msghdr msg{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  msg.msg_control = control.data();
+  msg.msg_controllen = control.size();
+  ssize_t n;
+  do {
+    n = ::recvmsg(fd_.get(), &msg, MSG_CMSG_CLOEXEC);
+  } while (n < 0 && errno == EINTR);
+  if (n < 0) {
+    const int err = errno;
+    if (err == ECONNRESET) return Gone("receive", err);
+    return PosixError("recvmsg on a ztier socket", err);
+  }
+  // Take ownership of every fd that came, whatever happens next.
+  for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
+    if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
+    const size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+    for (size_t i = 0; i < count; ++i) {
+      int fd;
+      std::memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
+      out.fds.emplace_back(fd);
+    }
+  }
+  if ((msg.msg_flags & MSG_CTRUNC) != 0) {
+    return Status::Corruption(
+        StrCat("a message came with more than ", max_fds, " file descriptors; refused"));
+  }
+  if ((msg.msg_flags & MSG_TRUNC) != 0 || static_cast<size_t>(n) > max_bytes) {
+    return Status::Corruption(
+        StrCat("a message larger than the limit of ", max_bytes, " bytes; refused"));
+  }
+  if (n == 0 && out.fds.empty()) {
+    return Status::Unavailable("receive: the peer closed the connection");
+  }
+  out.data.resize(static_cast<size_t>(n));
+  return out;
+}
+
+Result<PeerCredentials> SeqPacketSocket::Peer() const {
+  ucred cred{};
+  socklen_t len = sizeof(cred);
+  if (::getsockopt(fd_.get(), SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) {
+    return PosixError("getsockopt(SO_PEERCRED)", errno);
+  }
+  return PeerCredentials{.pid = cred.pid, .uid = cred.uid, .gid = cred.gid};
+}
+
+void SeqPacketSocket::Shutdown() {
+  if (fd_.valid()) ::shutdown(fd_.get(), SHUT_RDWR);
+}
+
+Status SeqPacketSocket::Close() {
+  if (const int err = fd_.Close()) return PosixError("close of a ztier socket", err);
+  return Status::Ok();
+}
+
+// ------------------------------------------------------------ listener
+
+Result<SeqPacketListener> SeqPacketListener::Listen(const std::string& path, mode_t mode,
+                                                    int backlog) {
+  ZT_ASSIGN_OR_RETURN(Address a, AddressOf(path));
+  // A socket file already there: live (someone accepts) is an error; stale
+  // (its process died) is replaced.
+  struct stat st {};
+  if (::lstat(path.c_str(), &st) == 0) {
+    if (!S_ISSOCK(st.st_mode)) {
+      return Status::FailedPrecondition(
+          StrCat(path, " exists and is not a socket; refusing to replace it"));
+    }
+    Result<SeqPacketSocket> probe = SeqPacketSocket::Connect(path);
+    if (probe.ok()) {
+      return Status::Unavailable(StrCat(path, " is in use: another ztierd listens there"));
+    }
+    if (::unlink(path.c_str()) != 0 && errno != ENOENT) {
+      return PosixError(StrCat("removing the stale socket ", path), errno);
+    }
+  }
+  // Non-blocking: Accept polls, and a connection aborted between the poll
+  // and accept(2) must not block it.
+  UniqueFd fd(::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
+  if (!fd.valid()) return PosixError("socket(AF_UNIX, SOCK_SEQPACKET)", errno);
+  // Bind under a umask that leaves nothing open, then set the mode asked.
+  const mode_t old_umask = ::umask(0177);
+  const int bound = ::bind(fd.get(), reinterpret_cast<const sockaddr*>(&a.addr), sizeof(a.addr));
+  const int bind_err = errno;
+  ::umask(old_umask);
+  if (bound != 0) return PosixError(StrCat("bind ", path), bind_err);
+  SeqPacketListener l;
+  l.path_ = path;
+  if (::chmod(path.c_str(), mode) != 0) {
+    const int err = errno;
+    ::unlink(path.c_str());
+    return PosixError(StrCat("chmod ", path), err);
+  }
+  if (::listen(fd.get(), backlog) != 0) {
+    const int err = errno;
+    ::unlink(path.c_str());
+    return PosixError(StrCat("listen on ", path), err);
+  }
+  l.fd_ = std::move(fd);
+  return l;
+}
+
+Result<SeqPacketListener> SeqPacketListener::FromFd(int raw_fd) {
+  UniqueFd owned(raw_fd);  // closed on every refusal
+  const int fd = owned.get();
+  int type = 0, listening = 0;
+  socklen_t len = sizeof(type);
+  sockaddr_un addr{};
+  socklen_t alen = sizeof(addr);
+  if (::getsockopt(fd, SOL_SOCKET, SO_TYPE, &type, &len) != 0 ||
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &alen) != 0) {
+    return PosixError(StrCat("fd ", fd, " handed over is not a socket"), errno);
+  }
+  len = sizeof(listening);
+  if (::getsockopt(fd, SOL_SOCKET, SO_ACCEPTCONN, &listening, &len) != 0) {
+    return PosixError(StrCat("getsockopt(SO_ACCEPTCONN) on fd ", fd), errno);
+  }
+  if (addr.sun_family != AF_UNIX || type != SOCK_SEQPACKET || !listening) {
+    return Status::InvalidArgument(
+        StrCat("fd ", fd,
+               " handed over is not a listening AF_UNIX SOCK_SEQPACKET socket "
+               "(use ListenSequentialPacket= in the socket unit)"));
+  }
+  const int flags = ::fcntl(fd, F_GETFL);
+  if (flags < 0 || ::fcntl(fd, F_SETFL, flags | O_NONBLOCK) != 0) {
+    return PosixError(StrCat("making fd ", fd, " non-blocking"), errno);
+  }
+  SeqPacketListener l;
+  l.fd_ = std::move(owned);
+  return l;
+}
+
+Result<SeqPacketSocket> SeqPacketListener::Accept(std::chrono::milliseconds timeout) {
+  ZT_ASSIGN_OR_RETURN(bool readable, WaitReadable(fd_.get(), timeout));
+  if (!readable) return Status::Unavailable("no connection within the timeout");
+  for (;;) {
+    const int fd = ::accept4(fd_.get(), nullptr, nullptr, SOCK_CLOEXEC);
+    if (fd >= 0) return SeqPacketSocket(UniqueFd(fd));
+    if (errno == EINTR || errno == ECONNABORTED) continue;
+    if (errno == EAGAIN || errno == EWOULDBLOCK) {
+      return Status::Unavailable("no connection within the timeout");
+    }
+    return PosixError("accept on the ztierd socket", errno);
+  }
+}
+
+Status SeqPacketListener::Close() {
+  Status s;
+  if (!path_.empty() && ::unlink(path_.c_str()) != 0 && errno != ENOENT) {
+    s = PosixError(StrCat("removing ", path_), errno);
+  }
+  path_.clear();
+  if (const int err = fd_.Close(); err != 0 && s.ok()) {
+    s = PosixError("close of the ztierd socket", err);
+  }
+  return s;
+}
+
+}  // namespace ztier::engine

@@ -1,0 +1,258 @@
+// The daemon protocol's codec: every message and payload round-trips, and
+// every damaged input is refused with a message naming what is wrong (every
+// truncation, trailing bytes, bad enums, counts that cannot fit, sizes that
+// overflow, a version mismatch naming both versions).
+#include "engine/protocol.h"
+
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <string>
+
+namespace ztier::engine::protocol {
+namespace {
+
+JobSpec SampleSpec() {
+  JobSpec j;
+  j.name = "gpt";
+  j.ranks = 2;
+  j.optimizer.hyper = {.lr = 3e-4f,
+                       .beta1 = 0.8f,
+                       .beta2 = 0.95f,
+                       .eps = 1e-6f,
+                       .weight_decay = 0.1f,
+                       .mode = cpu_adam::Mode::kAdam};
+  j.optimizer.clip_norm = 1.0f;
+  j.optimizer.grad_accumulation = 4;
+  j.optimizer_tier = Tier::kNvme;
+  j.units.push_back({"embed", {{"wte", {50257, 768}}, {"wpe", {1024, 768}}}});
+  j.units.push_back({"head", {{"w", {768}}}});
+  return j;
+}
+
+// Every proper prefix of `bytes` is refused.
+template <class Decode>
+void EveryPrefixIsRefused(const std::string& bytes, Decode decode) {
+  for (size_t n = 0; n < bytes.size(); ++n) {
+    auto r = decode(std::string_view(bytes).substr(0, n));
+    ASSERT_FALSE(r.ok()) << "a prefix of " << n << " of " << bytes.size() << " bytes decoded";
+    EXPECT_EQ(r.status().code(), StatusCode::kCorruption);
+  }
+  auto longer = decode(bytes + '\0');
+  ASSERT_FALSE(longer.ok());
+  EXPECT_NE(longer.status().message().find("after the last field"), std::string::npos)
+      << longer.status();
+}
+
+TEST(ProtocolTest, JobSpecRoundTripsAndEveryPrefixIsRefused) {
+  const JobSpec j = SampleSpec();
+  const std::string bytes = Encode(j);
+  Result<JobSpec> back = DecodeJobSpec(bytes);
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(Encode(*back), bytes);
+  EXPECT_EQ(back->name, "gpt");
+  EXPECT_EQ(back->ranks, 2);
+  EXPECT_EQ(back->optimizer.hyper.mode, cpu_adam::Mode::kAdam);
+  EXPECT_FLOAT_EQ(back->optimizer.hyper.beta2, 0.95f);
+  EXPECT_EQ(back->optimizer.grad_accumulation, 4);
+  EXPECT_EQ(back->optimizer_tier, Tier::kNvme);
+  ASSERT_EQ(back->units.size(), 2u);
+  EXPECT_EQ(back->units[0].tensors[1].name, "wpe");
+  EXPECT_EQ(back->units[0].tensors[0].shape, (std::vector<int64_t>{50257, 768}));
+  EveryPrefixIsRefused(bytes, DecodeJobSpec);
+}
+
+TEST(ProtocolTest, JobSpecLimitsAreCheckedWithTheFieldNamed) {
+  auto refused = [](const JobSpec& j, std::string_view what) {
+    Result<JobSpec> r = DecodeJobSpec(Encode(j));
+    ASSERT_FALSE(r.ok()) << what;
+    EXPECT_NE(r.status().message().find(what), std::string::npos) << r.status();
+  };
+  JobSpec j = SampleSpec();
+  j.units[0].tensors[0].shape = {int64_t{1} << 21, int64_t{1} << 21};  // 2^42 elements
+  refused(j, "elements");
+  j = SampleSpec();
+  j.units[0].tensors[0].shape = {INT64_MAX, INT64_MAX};  // the product overflows 64 bits
+  refused(j, "elements");
+  j = SampleSpec();
+  j.units[0].tensors[0].shape = {768, 0};
+  refused(j, "dim 0");
+  j = SampleSpec();
+  j.units[0].tensors[0].shape = {1, 1, 1, 1, 1, 1, 1, 1, 1};
+  refused(j, "dims");
+  j = SampleSpec();
+  j.ranks = 0;
+  refused(j, "ranks");
+  j = SampleSpec();
+  j.name.clear();
+  refused(j, "name is empty");
+  j = SampleSpec();
+  j.name.assign(kMaxNameBytes + 1, 'x');
+  refused(j, "over the limit");
+  j = SampleSpec();
+  j.optimizer.hyper.lr = std::numeric_limits<float>::quiet_NaN();
+  refused(j, "not finite");
+  j = SampleSpec();
+  j.optimizer.grad_accumulation = 0;
+  refused(j, "grad_accumulation");
+  j = SampleSpec();
+  j.units.clear();
+  refused(j, "no units");
+  j = SampleSpec();
+  j.units[1].tensors.clear();
+  refused(j, "no tensors");
+  // 300 units of 2^40 elements each: each within the unit limit, the job
+  // over its own.
+  j = SampleSpec();
+  j.units.assign(300, UnitSpec{"u", {{"w", {int64_t{1} << 40}}}});
+  refused(j, "the job has more than");
+}
+
+TEST(ProtocolTest, CountsThatCannotFitAreRefusedBeforeAllocating) {
+  std::string bytes = Encode(SampleSpec());
+  // The unit count sits right after the fixed fields; claim a million units.
+  const size_t at = 4 + 3 + 4 + 1 + 1 + 5 * 4 + 2 + 4 + 4 + 1;
+  const uint32_t units = 1 << 20;
+  std::memcpy(bytes.data() + at, &units, 4);
+  Result<JobSpec> r = DecodeJobSpec(bytes);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("cannot fit"), std::string::npos) << r.status();
+}
+
+TEST(ProtocolTest, SmallPayloadsRoundTripAndRefuseEveryPrefix) {
+  const Hello hello{.min_version = 1, .max_version = 1, .name = "libztier test"};
+  EXPECT_EQ(Encode(*DecodeHello(Encode(hello))), Encode(hello));
+  EveryPrefixIsRefused(Encode(hello), DecodeHello);
+  const UnitRef u{.job = 3, .unit = 7, .rank = 1};
+  EXPECT_EQ(DecodeUnitRef(Encode(u))->unit, 7);
+  EveryPrefixIsRefused(Encode(u), DecodeUnitRef);
+  const StepWait w{.job = 1, .unit = 2, .step = 40, .timeout = std::chrono::seconds(30)};
+  EXPECT_EQ(DecodeStepWait(Encode(w))->timeout, std::chrono::seconds(30));
+  EveryPrefixIsRefused(Encode(w), DecodeStepWait);
+  const AttachRequest a{.name = "gpt", .rank = 3};
+  EXPECT_EQ(DecodeAttachRequest(Encode(a))->rank, 3);
+  EveryPrefixIsRefused(Encode(a), DecodeAttachRequest);
+  const JobHandle h{.job = 0, .units = 14, .ranks = 2};
+  EXPECT_EQ(DecodeJobHandle(Encode(h))->units, 14);
+  EveryPrefixIsRefused(Encode(h), DecodeJobHandle);
+  const RegionRef rr{.region = 2,
+                     .region_bytes = 1 << 20,
+                     .offset = 4096,
+                     .bytes = 8192,
+                     .access = RegionAccess::kReadWrite};
+  EXPECT_EQ(DecodeRegionRef(Encode(rr))->offset, 4096u);
+  EveryPrefixIsRefused(Encode(rr), DecodeRegionRef);
+  UnitLayout l{.numel = 1000, .padded = 1024, .shard = 512, .offsets = {0, 600}};
+  EXPECT_EQ(DecodeUnitLayout(Encode(l))->offsets, l.offsets);
+  EveryPrefixIsRefused(Encode(l), DecodeUnitLayout);
+  JobCounters c;
+  c.steps = 10;
+  c.skipped_steps = 1;
+  c.last_grad_norm = 2.5;
+  c.nvme_write_bytes = 123456789;
+  EXPECT_EQ(DecodeJobCounters(Encode(c))->nvme_write_bytes, 123456789u);
+  EveryPrefixIsRefused(Encode(c), DecodeJobCounters);
+  DramPoolStats p;
+  p.budget_bytes = 1 << 30;
+  p.reserved_bytes = 1 << 28;
+  p.used_bytes = 1 << 20;
+  p.regions = 1;
+  EXPECT_EQ(DecodeDramPoolStats(Encode(p))->reserved_bytes, uint64_t{1} << 28);
+  EveryPrefixIsRefused(Encode(p), DecodeDramPoolStats);
+}
+
+TEST(ProtocolTest, InconsistentValuesAreRefused) {
+  EXPECT_FALSE(DecodeRegionRef(
+                   Encode(RegionRef{.region = 0, .region_bytes = 4096, .offset = 4096, .bytes = 1}))
+                   .ok());  // past the region
+  EXPECT_FALSE(DecodeRegionRef(
+                   Encode(RegionRef{
+                       .region = 0, .region_bytes = UINT64_MAX, .offset = UINT64_MAX, .bytes = 2}))
+                   .ok());  // offset + bytes overflows
+  EXPECT_FALSE(DecodeUnitRef(Encode(UnitRef{.job = -1, .unit = 0})).ok());
+  EXPECT_FALSE(DecodeStepWait(Encode(StepWait{.job = 0, .unit = 0, .step = -5})).ok());
+  EXPECT_FALSE(DecodeUnitLayout(Encode(UnitLayout{.numel = 10, .padded = 5, .shard = 5, .offsets = {0}})).ok());
+  EXPECT_FALSE(DecodeUnitLayout(
+                   Encode(UnitLayout{.numel = 10, .padded = 64, .shard = 64, .offsets = {0, 20}}))
+                   .ok());  // an offset past numel
+  JobCounters c;
+  c.steps = 1;
+  c.skipped_steps = 2;
+  EXPECT_FALSE(DecodeJobCounters(Encode(c)).ok());
+  std::string bad_access = Encode(RegionRef{.region = 0, .region_bytes = 8192, .bytes = 4096});
+  bad_access.back() = 7;
+  EXPECT_FALSE(DecodeRegionRef(bad_access).ok());
+}
+
+TEST(ProtocolTest, MessagesFrameAndEveryHeaderFaultIsNamed) {
+  const std::string payload = Encode(UnitRef{.job = 1, .unit = 2, .rank = 0});
+  Result<std::string> m = EncodeMessage(
+      {.type = MessageType::kGradsReady, .flags = kFlagReply, .request_id = 99}, payload);
+  ASSERT_TRUE(m.ok());
+  ASSERT_EQ(m->size(), kHeaderBytes + payload.size());
+  Result<Header> h = DecodeHeader(*m, 0);
+  ASSERT_TRUE(h.ok()) << h.status();
+  EXPECT_EQ(h->type, MessageType::kGradsReady);
+  EXPECT_EQ(h->request_id, 99u);
+  EXPECT_EQ(h->flags, kFlagReply);
+  EXPECT_EQ(h->payload_bytes, payload.size());
+
+  auto refused = [&](std::string bytes, uint32_t fds, std::string_view what) {
+    Result<Header> r = DecodeHeader(bytes, fds);
+    ASSERT_FALSE(r.ok()) << what;
+    EXPECT_NE(r.status().message().find(what), std::string::npos) << r.status();
+  };
+  refused(m->substr(0, kHeaderBytes - 1), 0, "shorter than");
+  std::string bad = *m;
+  bad[0] = 'X';
+  refused(bad, 0, "not a ztier message");
+  bad = *m;
+  bad[4] = 9;  // version 9
+  Result<Header> v = DecodeHeader(bad, 0);
+  ASSERT_FALSE(v.ok());
+  EXPECT_EQ(v.status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(v.status().message().find("version 9"), std::string::npos) << v.status();
+  EXPECT_NE(v.status().message().find("version 1"), std::string::npos) << v.status();
+  bad = *m;
+  bad[6] = 77;
+  refused(bad, 0, "unknown message type 77");
+  bad = *m;
+  bad[8] = 0x40;
+  refused(bad, 0, "unknown flags");
+  bad = *m;
+  bad[28] = 1;
+  refused(bad, 0, "reserved");
+  refused(*m + "x", 0, "payload bytes");
+  refused(*m, 1, "fds");
+  // A memfd payload has no inline bytes and its fd attached.
+  Result<std::string> memfd =
+      EncodeMessage({.type = MessageType::kRegisterJob, .flags = kFlagMemfd, .fds = 1}, "");
+  ASSERT_TRUE(memfd.ok());
+  EXPECT_TRUE(DecodeHeader(*memfd, 1).ok());
+  Result<std::string> memfd_inline =
+      EncodeMessage({.type = MessageType::kRegisterJob, .flags = kFlagMemfd, .fds = 1}, "x");
+  refused(*memfd_inline, 1, "memfd");
+  // Too large to frame: the encoder says to use a memfd.
+  Result<std::string> big =
+      EncodeMessage({.type = MessageType::kRegisterJob}, std::string(kMaxMessageBytes, 'x'));
+  ASSERT_FALSE(big.ok());
+  EXPECT_NE(big.status().message().find("memfd"), std::string::npos);
+}
+
+TEST(ProtocolTest, ReplyStatusCarriesTheErrorOrTheFields) {
+  const std::string ok = EncodeStatus(Status::Ok()) + Encode(StepValue{.step = 12});
+  Result<std::string_view> rest = DecodeReplyStatus(ok);
+  ASSERT_TRUE(rest.ok()) << rest.status();
+  EXPECT_EQ(DecodeStepValue(*rest)->step, 12);
+  const Status err(StatusCode::kResourceExhausted, "uid 1000: pinned DRAM quota 8 GiB", 12);
+  Result<std::string_view> e = DecodeReplyStatus(EncodeStatus(err));
+  ASSERT_FALSE(e.ok());
+  EXPECT_EQ(e.status(), err);
+  std::string bad = EncodeStatus(err);
+  bad[0] = 99;
+  EXPECT_EQ(DecodeReplyStatus(bad).status().code(), StatusCode::kCorruption);
+  EXPECT_EQ(DecodeReplyStatus(EncodeStatus(err) + "x").status().code(), StatusCode::kCorruption);
+}
+
+}  // namespace
+}  // namespace ztier::engine::protocol

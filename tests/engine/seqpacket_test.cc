@@ -1,0 +1,206 @@
+// SOCK_SEQPACKET sockets for the daemon protocol: whole datagrams with fds,
+// and a peer that misbehaves (too large, too many fds, gone, silent) is an
+// error with every fd it sent closed, never a signal or a hang.
+#include "engine/seqpacket.h"
+
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "tests/testing/scratch_dir.h"
+
+namespace ztier::engine {
+namespace {
+
+using namespace std::chrono_literals;
+using ztier::testing::ScratchDir;
+
+int OpenFds() {
+  int n = 0;
+  for (const auto& e : std::filesystem::directory_iterator("/proc/self/fd")) {
+    (void)e;
+    ++n;
+  }
+  return n;
+}
+
+UniqueFd MemfdWith(const std::string& text) {
+  UniqueFd fd(::memfd_create("seqpacket-test", MFD_CLOEXEC));
+  EXPECT_TRUE(fd.valid());
+  EXPECT_EQ(::write(fd.get(), text.data(), text.size()), static_cast<ssize_t>(text.size()));
+  return fd;
+}
+
+TEST(SeqPacketTest, DatagramsArriveWholeWithTheirFds) {
+  auto pair = SeqPacketSocket::Pair();
+  ASSERT_TRUE(pair.ok()) << pair.status();
+  auto& [a, b] = *pair;
+  UniqueFd memfd = MemfdWith("shared bytes");
+  const int fds[] = {memfd.get()};
+  ASSERT_TRUE(a.Send("first", fds).ok());
+  ASSERT_TRUE(a.Send(std::string(60000, 'z')).ok());
+  Result<SeqPacketSocket::Received> r = b.Receive(5s, 64 << 10, 4);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->data, "first");
+  ASSERT_EQ(r->fds.size(), 1u);
+  EXPECT_EQ(::fcntl(r->fds[0].get(), F_GETFD) & FD_CLOEXEC, FD_CLOEXEC);
+  char buf[32] = {};
+  EXPECT_EQ(::pread(r->fds[0].get(), buf, sizeof(buf), 0), 12);
+  EXPECT_STREQ(buf, "shared bytes");
+  Result<SeqPacketSocket::Received> big = b.Receive(5s, 64 << 10, 4);
+  ASSERT_TRUE(big.ok()) << big.status();
+  EXPECT_EQ(big->data.size(), 60000u);
+  EXPECT_TRUE(big->fds.empty());
+  Result<PeerCredentials> peer = b.Peer();
+  ASSERT_TRUE(peer.ok());
+  EXPECT_EQ(peer->pid, ::getpid());
+  EXPECT_EQ(peer->uid, ::getuid());
+}
+
+TEST(SeqPacketTest, OversizeAndTooManyFdsAreRefusedAndTheirFdsClosed) {
+  auto pair = SeqPacketSocket::Pair();
+  ASSERT_TRUE(pair.ok());
+  auto& [a, b] = *pair;
+  UniqueFd m1 = MemfdWith("1"), m2 = MemfdWith("2"), m3 = MemfdWith("3");
+  const int before = OpenFds();
+  const int three[] = {m1.get(), m2.get(), m3.get()};
+  ASSERT_TRUE(a.Send(std::string(4097, 'x'), three).ok());
+  Result<SeqPacketSocket::Received> r = b.Receive(5s, 4096, 4);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kCorruption);
+  EXPECT_NE(r.status().message().find("larger than the limit of 4096"), std::string::npos)
+      << r.status();
+  EXPECT_EQ(OpenFds(), before) << "the fds of a refused message stay open";
+  ASSERT_TRUE(a.Send("ok", three).ok());
+  r = b.Receive(5s, 4096, 2);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("more than 2 file descriptors"), std::string::npos)
+      << r.status();
+  EXPECT_EQ(OpenFds(), before);
+}
+
+TEST(SeqPacketTest, AGoneOrSilentPeerIsUnavailableNeverASignal) {
+  // SIGPIPE at its default would kill the test: sends must not raise it.
+  struct sigaction old {};
+  struct sigaction dfl {};
+  dfl.sa_handler = SIG_DFL;
+  ASSERT_EQ(::sigaction(SIGPIPE, &dfl, &old), 0);
+  auto pair = SeqPacketSocket::Pair();
+  ASSERT_TRUE(pair.ok());
+  auto& [a, b] = *pair;
+  const auto t0 = std::chrono::steady_clock::now();
+  Result<SeqPacketSocket::Received> silent = b.Receive(200ms, 4096, 1);
+  const auto waited = std::chrono::steady_clock::now() - t0;
+  ASSERT_FALSE(silent.ok());
+  EXPECT_EQ(silent.status().code(), StatusCode::kUnavailable);
+  EXPECT_GE(waited, 190ms);
+  EXPECT_LT(waited, 5s);
+  ASSERT_TRUE(b.Close().ok());
+  Status s = a.Send("anyone?");
+  EXPECT_EQ(s.code(), StatusCode::kUnavailable) << s;
+  Result<SeqPacketSocket::Received> gone = a.Receive(1s, 4096, 1);
+  EXPECT_EQ(gone.status().code(), StatusCode::kUnavailable) << gone.status();
+  ::sigaction(SIGPIPE, &old, nullptr);
+}
+
+TEST(SeqPacketTest, ListenerBindsWithItsModeAndRefusesALiveSocket) {
+  ScratchDir dir("seqpacket");
+  const std::string path = dir / "ztierd.sock";
+  Result<SeqPacketListener> l = SeqPacketListener::Listen(path, 0660);
+  ASSERT_TRUE(l.ok()) << l.status();
+  struct stat st {};
+  ASSERT_EQ(::stat(path.c_str(), &st), 0);
+  EXPECT_TRUE(S_ISSOCK(st.st_mode));
+  EXPECT_EQ(st.st_mode & 0777, 0660u);
+
+  Result<SeqPacketSocket> c = SeqPacketSocket::Connect(path);
+  ASSERT_TRUE(c.ok()) << c.status();
+  Result<SeqPacketSocket> s = l->Accept(5s);
+  ASSERT_TRUE(s.ok()) << s.status();
+  ASSERT_TRUE(c->Send("hello").ok());
+  Result<SeqPacketSocket::Received> hello = s->Receive(5s, 4096, 1);
+  ASSERT_TRUE(hello.ok()) << hello.status();
+  EXPECT_EQ(hello->data, "hello");
+  EXPECT_EQ(l->Accept(100ms).status().code(), StatusCode::kUnavailable);
+
+  // A second listener on a live path is refused; its probe connection is
+  // one the first accepts and sees closed at once.
+  Result<SeqPacketListener> second = SeqPacketListener::Listen(path, 0660);
+  ASSERT_FALSE(second.ok());
+  EXPECT_NE(second.status().message().find("in use"), std::string::npos) << second.status();
+  Result<SeqPacketSocket> probe = l->Accept(5s);
+  ASSERT_TRUE(probe.ok()) << probe.status();
+  EXPECT_EQ(probe->Receive(5s, 4096, 1).status().code(), StatusCode::kUnavailable);
+  ASSERT_TRUE(l->Close().ok());
+  EXPECT_FALSE(std::filesystem::exists(path));
+
+  Result<SeqPacketSocket> none = SeqPacketSocket::Connect(path);
+  ASSERT_FALSE(none.ok());
+  EXPECT_EQ(none.status().code(), StatusCode::kUnavailable);
+  EXPECT_NE(none.status().message().find(path), std::string::npos) << none.status();
+}
+
+TEST(SeqPacketTest, AStaleSocketFileIsReplacedAndOtherFilesAreNot) {
+  ScratchDir dir("seqpacket");
+  const std::string path = dir / "ztierd.sock";
+  // A listener whose process died leaves its file behind.
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    Result<SeqPacketListener> l = SeqPacketListener::Listen(path, 0600);
+    ::_exit(l.ok() ? 0 : 1);
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  ASSERT_TRUE(std::filesystem::exists(path));
+  Result<SeqPacketListener> again = SeqPacketListener::Listen(path, 0600);
+  ASSERT_TRUE(again.ok()) << again.status();
+  ASSERT_TRUE(again->Close().ok());
+
+  const std::string file = dir / "not-a-socket";
+  { std::ofstream(file) << "data"; }
+  Result<SeqPacketListener> refused = SeqPacketListener::Listen(file, 0600);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find("not a socket"), std::string::npos);
+  EXPECT_TRUE(std::filesystem::exists(file));
+}
+
+TEST(SeqPacketTest, PathsLongerThanSunPathWork) {
+  ScratchDir dir("seqpacket");
+  const std::filesystem::path deep = dir / std::string(120, 'd');
+  std::filesystem::create_directories(deep);
+  const std::string path = deep / "ztierd.sock";
+  ASSERT_GT(path.size(), 108u);
+  Result<SeqPacketListener> l = SeqPacketListener::Listen(path, 0600);
+  ASSERT_TRUE(l.ok()) << l.status();
+  EXPECT_TRUE(std::filesystem::exists(path));
+  Result<SeqPacketSocket> c = SeqPacketSocket::Connect(path);
+  ASSERT_TRUE(c.ok()) << c.status();
+  ASSERT_TRUE(l->Accept(5s).ok());
+  ASSERT_TRUE(l->Close().ok());
+  EXPECT_FALSE(std::filesystem::exists(path));
+}
+
+TEST(SeqPacketTest, OnlyAListeningSeqPacketSocketIsTakenOver) {
+  UniqueFd stream(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  Result<SeqPacketListener> bad = SeqPacketListener::FromFd(stream.release());
+  ASSERT_FALSE(bad.ok());
+  auto pair = SeqPacketSocket::Pair();  // connected, not listening
+  ASSERT_TRUE(pair.ok());
+  EXPECT_FALSE(SeqPacketListener::FromFd(::dup(pair->first.fd())).ok());
+}
+
+}  // namespace
+}  // namespace ztier::engine

@@ -1,0 +1,104 @@
+// libFuzzer target: the daemon protocol's decoders (engine/protocol.h) on
+// arbitrary bytes. The first byte picks the decoder (the message header, or
+// one payload type); the rest is its input. Whatever decodes must encode
+// back to exactly the same bytes (so no field is read loosely) and satisfy
+// the limits the decoder promises; a violation aborts, which the fuzzer
+// reports. Built and run by scripts/fuzz.sh (clang,
+// -fsanitize=fuzzer,address,undefined).
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+#include <string>
+#include <string_view>
+
+#include "engine/protocol.h"
+
+namespace {
+
+namespace p = ztier::engine::protocol;
+
+void Require(bool ok) {
+  if (!ok) std::abort();
+}
+
+// Decode, then the encoding of what was decoded must be the input.
+template <class Decode>
+void RoundTrip(std::string_view in, Decode decode) {
+  auto r = decode(in);
+  if (!r.ok()) return;
+  Require(p::Encode(*r) == in);
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  if (size == 0) return 0;
+  const std::string_view in(reinterpret_cast<const char*>(data) + 1, size - 1);
+  switch (data[0] % 13) {
+    case 0: {
+      ztier::Result<p::Header> h = p::DecodeHeader(in, data[0] / 13 % 4);
+      if (!h.ok()) return 0;
+      Require(h->payload_bytes == in.size() - p::kHeaderBytes);
+      ztier::Result<std::string> again = p::EncodeMessage(*h, in.substr(p::kHeaderBytes));
+      Require(again.ok() && *again == in);
+      return 0;
+    }
+    case 1:
+      RoundTrip(in, p::DecodeHello);
+      return 0;
+    case 2:
+      RoundTrip(in, p::DecodeJobRef);
+      return 0;
+    case 3:
+      RoundTrip(in, p::DecodeUnitRef);
+      return 0;
+    case 4:
+      RoundTrip(in, p::DecodeStepWait);
+      return 0;
+    case 5:
+      RoundTrip(in, p::DecodeStepValue);
+      return 0;
+    case 6:
+      RoundTrip(in, p::DecodeAttachRequest);
+      return 0;
+    case 7:
+      RoundTrip(in, p::DecodeJobHandle);
+      return 0;
+    case 8:
+      RoundTrip(in, p::DecodeRegionRef);
+      return 0;
+    case 9: {
+      ztier::Result<ztier::engine::JobSpec> spec = p::DecodeJobSpec(in);
+      if (!spec.ok()) return 0;
+      uint64_t total = 0;
+      for (const auto& u : spec->units) {
+        Require(!u.name.empty() && !u.tensors.empty());
+        for (const auto& t : u.tensors) {
+          uint64_t n = 1;
+          Require(!t.shape.empty() && t.shape.size() <= p::kMaxDims);
+          for (int64_t d : t.shape) {
+            Require(d >= 1);
+            n *= static_cast<uint64_t>(d);  // bounded by the decoder's checks
+          }
+          total += n;
+        }
+      }
+      Require(total <= ztier::engine::kMaxJobElements);
+      Require(p::Encode(*spec) == in);
+      return 0;
+    }
+    case 10:
+      RoundTrip(in, p::DecodeUnitLayout);
+      return 0;
+    case 11:
+      RoundTrip(in, p::DecodeJobCounters);
+      return 0;
+    case 12: {
+      RoundTrip(in, p::DecodeDramPoolStats);
+      ztier::Result<std::string_view> s = p::DecodeReplyStatus(in);
+      (void)s;
+      return 0;
+    }
+  }
+  return 0;
+}
