@@ -34,6 +34,7 @@
 
 #include "common/status.h"
 #include "engine/engine.h"
+#include "engine/wire_types.h"
 
 namespace ztier::engine {
 
@@ -45,10 +46,8 @@ inline constexpr int64_t kMaxCheckpointRanks = 1024;
 inline constexpr size_t kMaxCheckpointUnits = size_t{1} << 20;
 inline constexpr uint64_t kMaxManifestBytes = uint64_t{256} << 20;
 
-struct CheckpointTensor {
-  std::string name;
-  std::vector<int64_t> shape;
-};
+// A tensor's name and shape, as a job registers it.
+using CheckpointTensor = TensorSpec;
 
 struct CheckpointShard {
   std::string file;  // a plain name inside the checkpoint directory
