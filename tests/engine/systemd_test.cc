@@ -16,18 +16,18 @@
 #include <functional>
 #include <string>
 
-#include "tests/testing/scratch_dir.h"
-
 namespace ztier::engine::systemd {
 namespace {
-
-using ztier::testing::ScratchDir;
 
 // A datagram socket bound to `address` (a path or "@abstract").
 UniqueFd Bound(const std::string& address) {
   UniqueFd fd(::socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0));
   sockaddr_un addr{};
   addr.sun_family = AF_UNIX;
+  if (address.size() >= sizeof(addr.sun_path)) {
+    ADD_FAILURE() << "socket address too long for sun_path: " << address;
+    return UniqueFd();
+  }
   std::memcpy(addr.sun_path, address.data(), address.size());
   if (address[0] == '@') addr.sun_path[0] = '\0';
   const socklen_t len = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + address.size() +
@@ -45,8 +45,9 @@ std::string Next(const UniqueFd& fd) {
 }
 
 TEST(SystemdTest, NotifierSpeaksTheProtocolToAPathSocket) {
-  ScratchDir dir("systemd");
-  const std::string path = dir / "notify.sock";
+  // sun_path holds 108 bytes: a short path under /tmp, as /run/systemd/notify is.
+  const std::string path = "/tmp/ztier-notify-" + std::to_string(::getpid()) + ".sock";
+  ::unlink(path.c_str());
   UniqueFd manager = Bound(path);
   ::setenv("NOTIFY_SOCKET", path.c_str(), 1);
   Result<Notifier> n = Notifier::FromEnvironment();
@@ -65,6 +66,7 @@ TEST(SystemdTest, NotifierSpeaksTheProtocolToAPathSocket) {
   EXPECT_EQ(Next(manager), "STOPPING=1");
   // The manager went away: an error the daemon logs, never a signal.
   manager.reset();
+  ::unlink(path.c_str());
   Status gone = n->Watchdog();
   EXPECT_EQ(gone.code(), StatusCode::kUnavailable) << gone;
 }
