@@ -211,6 +211,7 @@ class CudaDevice final : public Device {
   void* native_stream(Stream stream) const override { return StreamOf(stream); }
 
   Status RegisterHost(void* ptr, size_t bytes) override;
+  Status UnregisterHost(void* ptr, size_t bytes) override;
 
   void EnableTimeline(bool on) override;
   void AddSpan(TimelineSpan span) override;
@@ -251,11 +252,16 @@ class CudaDevice final : public Device {
   mutable std::mutex mu_;
   std::unordered_map<void*, Allocation> allocations_;
   MemoryStats stats_[kMemoryPurposes];
-  // Host ranges this object registered (start -> bytes), unregistered in the
-  // destructor; ranges found already registered by someone else are noted
-  // in foreign_ranges_ only, so a second call stays a no-op.
-  std::map<uintptr_t, size_t> registered_;
-  std::map<uintptr_t, size_t> foreign_ranges_;
+  // Host ranges this object registered (start -> bytes and how many
+  // RegisterHost calls hold it), unregistered by the last UnregisterHost or
+  // the destructor; ranges found already registered by someone else are
+  // counted in foreign_ranges_ only (their owner unregisters them).
+  struct HostRange {
+    size_t bytes = 0;
+    int refs = 0;
+  };
+  std::map<uintptr_t, HostRange> registered_;
+  std::map<uintptr_t, HostRange> foreign_ranges_;
 
   mutable std::mutex timeline_mu_;
   bool timeline_on_ = false;
@@ -329,7 +335,7 @@ CudaDevice::~CudaDevice() {
     ZT_CUDA_LOG_IF_ERROR(cudaStreamSynchronize(free_stream_.get()), name_);
   }
   if (pool_ != nullptr) ZT_CUDA_LOG_IF_ERROR(cudaMemPoolDestroy(pool_), name_);
-  for (const auto& [start, bytes] : registered_) {
+  for (const auto& [start, range] : registered_) {
     ZT_CUDA_LOG_IF_ERROR(cudaHostUnregister(reinterpret_cast<void*>(start)), name_);
   }
   // The streams and events are destroyed by their owners after this body.
@@ -501,9 +507,12 @@ Status CudaDevice::RegisterHost(void* ptr, size_t bytes) {
   }
   const uintptr_t start = reinterpret_cast<uintptr_t>(ptr);
   std::lock_guard<std::mutex> lock(mu_);
-  for (const auto* ranges : {&registered_, &foreign_ranges_}) {
+  for (auto* ranges : {&registered_, &foreign_ranges_}) {
     auto it = ranges->find(start);
-    if (it != ranges->end() && it->second == bytes) return Status::Ok();
+    if (it != ranges->end() && it->second.bytes == bytes) {
+      ++it->second.refs;
+      return Status::Ok();
+    }
   }
   ZT_RETURN_IF_ERROR(Enter());
   const cudaError_t err = cudaHostRegister(ptr, bytes, cudaHostRegisterPortable);
@@ -511,7 +520,7 @@ Status CudaDevice::RegisterHost(void* ptr, size_t bytes) {
     // Pinned already (by another device of this process, or by the caller):
     // DMA works; the owner of that registration undoes it.
     cudaGetLastError();
-    foreign_ranges_[start] = bytes;
+    foreign_ranges_[start] = {bytes, 1};
     return Status::Ok();
   }
   if (err != cudaSuccess) {
@@ -521,7 +530,28 @@ Status CudaDevice::RegisterHost(void* ptr, size_t bytes) {
                          " (page-locked memory is limited by RLIMIT_MEMLOCK and free RAM)"),
                   s.sys_errno());
   }
-  registered_[start] = bytes;
+  registered_[start] = {bytes, 1};
+  return Status::Ok();
+}
+
+Status CudaDevice::UnregisterHost(void* ptr, size_t bytes) {
+  if (bytes == 0) return Status::Ok();
+  const uintptr_t start = reinterpret_cast<uintptr_t>(ptr);
+  std::lock_guard<std::mutex> lock(mu_);
+  if (auto it = foreign_ranges_.find(start);
+      it != foreign_ranges_.end() && it->second.bytes == bytes) {
+    if (--it->second.refs == 0) foreign_ranges_.erase(it);
+    return Status::Ok();
+  }
+  auto it = registered_.find(start);
+  if (it == registered_.end() || it->second.bytes != bytes) {
+    return Status::InvalidArgument(
+        StrCat(name_, ": UnregisterHost of ", bytes, " B at ", ptr, ", a range never registered"));
+  }
+  if (--it->second.refs > 0) return Status::Ok();
+  registered_.erase(it);
+  ZT_RETURN_IF_ERROR(Enter());
+  ZT_CUDA_RETURN_IF_ERROR(cudaHostUnregister(ptr));
   return Status::Ok();
 }
 

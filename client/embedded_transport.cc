@@ -63,7 +63,9 @@ class EmbeddedTransport final : public Transport {
   }
   engine::JobCounters Counters(int job) override { return e_->counters(job); }
   engine::DramPoolStats PoolStats() override { return e_->pool_stats(); }
-  std::vector<std::pair<void*, uint64_t>> PinnedRegions() override { return e_->PinnedRegions(); }
+  std::vector<std::pair<void*, uint64_t>> PinnedRegions(int job) override {
+    return e_->PinnedRegions(job);
+  }
 
  private:
   std::unique_ptr<engine::Engine> e_;

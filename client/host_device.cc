@@ -180,6 +180,7 @@ class HostDevice final : public Device {
 
   void* native_stream(Stream) const override { return nullptr; }
   Status RegisterHost(void*, size_t) override { return Status::Ok(); }
+  Status UnregisterHost(void*, size_t) override { return Status::Ok(); }
 
   void EnableTimeline(bool on) override {
     std::lock_guard<std::mutex> lock(timeline_mu_);

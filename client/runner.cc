@@ -103,7 +103,8 @@ struct Stage3Runner::Impl {
   RunnerOptions options;
   int rank = 0, world = 1, job = 0, accumulation = 1;
   std::vector<UnitState> units;
-  void* shard_buffer = nullptr;  // reduce-scatter output (R > 1)
+  void* shard_buffer = nullptr;                         // reduce-scatter output (R > 1)
+  std::vector<std::pair<void*, uint64_t>> host_ranges;  // registered with the device
 
   // Caller-thread state.
   int64_t version = 0;
@@ -140,6 +141,12 @@ struct Stage3Runner::Impl {
       device->Free(u.grads);
     }
     device->Free(shard_buffer);
+    for (const auto& [base, bytes] : host_ranges) {
+      Status s = device->UnregisterHost(base, bytes);
+      if (!s.ok()) {
+        ZT_LOG(kWarn, "client") << "runner: " << s;
+      }
+    }
   }
 
   // ---------------------------------------------------------- transfer side
@@ -443,8 +450,11 @@ Result<std::unique_ptr<Stage3Runner>> Stage3Runner::Create(Model& model, int ran
   // published step would copy params the optimizer is rewriting and push
   // grads into an inbox it still reads.)
   r.version = r.transport->TargetStep(r.job);
-  for (const auto& [base, bytes] : r.transport->PinnedRegions()) {
+  // The job's regions, for DMA; unregistered when the runner goes (before
+  // the job, which unmaps them).
+  for (const auto& [base, bytes] : r.transport->PinnedRegions(r.job)) {
     ZT_RETURN_IF_ERROR(device.RegisterHost(base, bytes));
+    r.host_ranges.emplace_back(base, bytes);
   }
   if (r.world > 1) {
     ZT_ASSIGN_OR_RETURN(r.shard_buffer,

@@ -58,8 +58,9 @@ class Transport {
   virtual Status ImportSafetensors(int job, const std::string& path) = 0;
   virtual engine::JobCounters Counters(int job) = 0;
   virtual engine::DramPoolStats PoolStats() = 0;
-  // Host memory regions the client's device should register for DMA.
-  virtual std::vector<std::pair<void*, uint64_t>> PinnedRegions() = 0;
+  // The job's host memory regions, for the client's device to register for
+  // DMA (and unregister before the job goes): engine::Engine::PinnedRegions.
+  virtual std::vector<std::pair<void*, uint64_t>> PinnedRegions(int job) = 0;
 };
 
 // The engine in this process, on `io_backend` (null: io_uring). Errors: as

@@ -99,9 +99,13 @@ class Device {
   // for kernels launched by the caller.
   virtual void* native_stream(Stream stream) const = 0;
 
-  // Page-locks a host range for DMA (cudaHostRegister); idempotent per range.
-  // A no-op on the host backend.
+  // Page-locks a host range for DMA (cudaHostRegister). Counted per range:
+  // registering a range again is cheap, and each registration is undone by
+  // one UnregisterHost; the last one unregisters it (cudaHostUnregister),
+  // which must happen before the range is unmapped. No-ops on the host
+  // backend. UnregisterHost errors: InvalidArgument (not registered).
   virtual Status RegisterHost(void* ptr, size_t bytes) = 0;
+  virtual Status UnregisterHost(void* ptr, size_t bytes) = 0;
 
   // Timeline of spans (host backend: every copy-stream operation; both
   // backends: spans added with AddSpan). Off until enabled.

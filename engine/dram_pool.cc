@@ -46,23 +46,26 @@ class Region {
     if (fd_ >= 0) ::close(fd_);
   }
 
-  static Result<Region> Make(const DramPoolOptions& o, uint64_t bytes, uint32_t index) {
+  // `final_seal`: no seal may be added later (shared regions); a dedicated
+  // region stays open to F_SEAL_FUTURE_WRITE (SealReadOnly).
+  static Result<Region> Make(const DramPoolOptions& o, uint64_t bytes, uint32_t index,
+                             bool final_seal = true) {
     const std::string name = StrCat(o.name, "-", index);
     if (o.huge_pages == HugePages::kHugetlb && bytes % kHugePage == 0) {
       // memfd_create(MFD_HUGETLB) succeeds even with no pages reserved; the
       // mmap is what fails. Fall back to transparent huge pages then.
-      Result<Region> huge = MakeWith(o, bytes, name, MFD_HUGETLB);
+      Result<Region> huge = MakeWith(o, bytes, name, MFD_HUGETLB, final_seal);
       if (huge.ok()) return huge;
       ZT_LOG(kWarn, "engine") << "hugetlb pages unavailable for the DRAM pool (" << huge.status()
                               << "; reserve them in /proc/sys/vm/nr_hugepages): using "
                                  "transparent huge pages";
     }
-    return MakeWith(o, bytes, name, 0);
+    return MakeWith(o, bytes, name, 0, final_seal);
   }
 
  private:
   static Result<Region> MakeWith(const DramPoolOptions& o, uint64_t bytes, const std::string& name,
-                                 unsigned extra_flags) {
+                                 unsigned extra_flags, bool final_seal) {
     Region r;
     r.fd_ = ::memfd_create(name.c_str(), MFD_CLOEXEC | MFD_ALLOW_SEALING | extra_flags);
     if (r.fd_ < 0) return PosixError(StrCat("memfd_create ", name), errno);
@@ -72,7 +75,8 @@ class Region {
     }
     // Some kernels refuse F_SEAL_GROW on hugetlb memfds; the size is still
     // fixed by this process, so a refused seal is only worth a warning.
-    if (::fcntl(r.fd_, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
+    if (::fcntl(r.fd_, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | (final_seal ? F_SEAL_SEAL : 0)) !=
+        0) {
       ZT_LOG(kWarn, "engine") << "cannot seal " << name << ": " << std::strerror(errno);
     }
     // hugetlb pages are all reserved at mmap; others are advised first and
@@ -172,8 +176,27 @@ struct DramPool::Impl {
   mutable std::mutex mu;
   std::vector<Region> regions;
   std::vector<ExtentAllocator> pages;  // per region, in 4 KiB pages
+  std::vector<uint8_t> dedicated;      // per region: one owner's, never carved for others
   uint64_t reserved = 0;
   uint64_t used = 0;
+
+  bool live(uint32_t r) const { return r < regions.size() && regions[r].base() != nullptr; }
+
+  // Unmaps region r (its memfd closed once every other mapping is gone);
+  // its index is never reused.
+  void Drop(uint32_t r) {
+    reserved -= regions[r].bytes();
+    regions[r] = Region();
+    pages[r] = ExtentAllocator(0);
+  }
+
+  // Makes room for `size` more reserved bytes by dropping empty shared
+  // regions (kept only to save their making again).
+  void DropEmptySharedRegions(uint64_t size) {
+    for (uint32_t r = 0; r < regions.size() && options.budget_bytes - reserved < size; ++r) {
+      if (live(r) && !dedicated[r] && pages[r].free_units() == pages[r].total_units()) Drop(r);
+    }
+  }
 
   Status BindToNode(Region& r) {
     if (options.numa_node < 0) return Status::Ok();
@@ -211,6 +234,10 @@ Result<std::unique_ptr<DramPool>> DramPool::Create(const DramPoolOptions& option
   }
   auto impl = std::make_unique<Impl>();
   impl->options = options;
+  // A shared region reserves more than it holds at first; keep that slack to
+  // a sixteenth of the budget, so the room dedicated regions need is there.
+  impl->options.region_bytes = std::min(
+      options.region_bytes, std::max(kHugePage, options.budget_bytes / 16 / kHugePage * kHugePage));
   return std::unique_ptr<DramPool>(new DramPool(std::move(impl)));
 }
 
@@ -224,8 +251,9 @@ Result<DramBlock> DramPool::Allocate(uint64_t bytes, std::string_view owner) {
                                             " bytes exceeded (", p.used, " in use, ", size,
                                             " more requested)"));
   }
-  // First fit in an existing region.
+  // First fit in an existing shared region.
   for (uint32_t r = 0; r < p.regions.size(); ++r) {
+    if (!p.live(r) || p.dedicated[r]) continue;
     uint64_t first = 0;
     if (!p.pages[r].AllocateContiguous(size / kPage, &first)) continue;
     p.used += size;
@@ -248,11 +276,80 @@ Result<DramBlock> DramPool::Allocate(uint64_t bytes, std::string_view owner) {
   const uint32_t r = static_cast<uint32_t>(p.regions.size());
   p.reserved += region.bytes();
   p.pages.emplace_back(region.bytes() / kPage);
+  p.dedicated.push_back(0);
   p.regions.push_back(std::move(region));
   uint64_t first = 0;
   ZT_CHECK(p.pages[r].AllocateContiguous(size / kPage, &first) && first == 0);
   p.used += size;
   return DramBlock{p.regions[r].base(), size, r, 0};
+}
+
+Result<uint32_t> DramPool::CreateRegion(uint64_t bytes, std::string_view owner) {
+  Impl& p = *impl_;
+  if (bytes == 0) return Status::InvalidArgument(StrCat(owner, ": a region of 0 bytes"));
+  const uint64_t size = RoundUp(bytes, kPage);
+  std::lock_guard<std::mutex> lock(p.mu);
+  if (p.used + size > p.options.budget_bytes) {
+    return Status::ResourceExhausted(StrCat(owner, ": DRAM pool budget of ", p.options.budget_bytes,
+                                            " bytes exceeded (", p.used, " in use, ", size,
+                                            " more requested)"));
+  }
+  p.DropEmptySharedRegions(size);
+  if (p.options.budget_bytes - p.reserved < size) {
+    return Status::ResourceExhausted(StrCat(
+        owner, ": DRAM pool budget of ", p.options.budget_bytes, " bytes exceeded: ",
+        p.options.budget_bytes - p.reserved, " bytes are left to reserve, ", size, " requested"));
+  }
+  const uint32_t r = static_cast<uint32_t>(p.regions.size());
+  ZT_ASSIGN_OR_RETURN(Region region, Region::Make(p.options, size, r, /*final_seal=*/false));
+  ZT_RETURN_IF_ERROR(p.BindToNode(region));
+  p.reserved += region.bytes();
+  p.used += region.bytes();  // all of it is the owner's
+  p.pages.emplace_back(region.bytes() / kPage);
+  p.dedicated.push_back(1);
+  p.regions.push_back(std::move(region));
+  return r;
+}
+
+Result<DramBlock> DramPool::AllocateIn(uint32_t region, uint64_t bytes, std::string_view owner) {
+  Impl& p = *impl_;
+  if (bytes == 0) return Status::InvalidArgument(StrCat(owner, ": DRAM block of 0 bytes"));
+  const uint64_t size = RoundUp(bytes, kPage);
+  std::lock_guard<std::mutex> lock(p.mu);
+  ZT_CHECK_MSG(p.live(region) && p.dedicated[region], "AllocateIn: region ", region,
+               " is not a live dedicated region");
+  uint64_t first = 0;
+  if (!p.pages[region].AllocateContiguous(size / kPage, &first)) {
+    return Status::ResourceExhausted(StrCat(owner, ": region ", region, " of ",
+                                            p.regions[region].bytes(), " bytes has no free run of ",
+                                            size, " bytes"));
+  }
+  const uint64_t off = first * kPage;
+  return DramBlock{static_cast<uint8_t*>(p.regions[region].base()) + off, size, region, off};
+}
+
+Status DramPool::SealRegion(uint32_t region, RegionAccess others) {
+  Impl& p = *impl_;
+  std::lock_guard<std::mutex> lock(p.mu);
+  ZT_CHECK_MSG(p.live(region) && p.dedicated[region], "SealRegion: region ", region,
+               " is not a live dedicated region");
+  const int seals = F_SEAL_SEAL | (others == RegionAccess::kReadOnly ? F_SEAL_FUTURE_WRITE : 0);
+  if (::fcntl(p.regions[region].fd(), F_ADD_SEALS, seals) != 0) {
+    return PosixError(
+        StrCat("sealing DRAM region ", region,
+               others == RegionAccess::kReadOnly ? " read-only for other processes" : ""),
+        errno);
+  }
+  return Status::Ok();
+}
+
+void DramPool::DestroyRegion(uint32_t region) {
+  Impl& p = *impl_;
+  std::lock_guard<std::mutex> lock(p.mu);
+  ZT_CHECK_MSG(p.live(region) && p.dedicated[region], "DestroyRegion: region ", region,
+               " is not a live dedicated region");
+  p.used -= p.regions[region].bytes();
+  p.Drop(region);
 }
 
 void DramPool::Free(const DramBlock& block) {
@@ -261,6 +358,7 @@ void DramPool::Free(const DramBlock& block) {
   // Zero outside the lock: the block is still owned by the caller here.
   std::memset(block.ptr, 0, block.bytes);
   std::lock_guard<std::mutex> lock(p.mu);
+  ZT_CHECK_MSG(p.live(block.region), "DRAM block of a destroyed region ", block.region);
   const Region& r = p.regions[block.region];
   ZT_CHECK_MSG(static_cast<uint8_t*>(r.base()) + block.offset == block.ptr &&
                    block.offset + block.bytes <= r.bytes() && block.bytes % kPage == 0,
@@ -268,18 +366,26 @@ void DramPool::Free(const DramBlock& block) {
   const bool freed = p.pages[block.region].Free(block.offset / kPage, block.bytes / kPage);
   ZT_CHECK_MSG(freed, "DRAM block at offset ", block.offset, " of region ", block.region,
                " freed twice");
-  p.used -= block.bytes;
+  if (!p.dedicated[block.region]) p.used -= block.bytes;  // a dedicated region counts whole
 }
 
 int DramPool::region_fd(uint32_t region) const {
   std::lock_guard<std::mutex> lock(impl_->mu);
-  return region < impl_->regions.size() ? impl_->regions[region].fd() : -1;
+  return impl_->live(region) ? impl_->regions[region].fd() : -1;
+}
+
+std::pair<void*, uint64_t> DramPool::region(uint32_t region) const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  if (!impl_->live(region)) return {nullptr, 0};
+  return {impl_->regions[region].base(), impl_->regions[region].bytes()};
 }
 
 std::vector<std::pair<void*, uint64_t>> DramPool::regions() const {
   std::lock_guard<std::mutex> lock(impl_->mu);
   std::vector<std::pair<void*, uint64_t>> out;
-  for (const Region& r : impl_->regions) out.emplace_back(r.base(), r.bytes());
+  for (const Region& r : impl_->regions) {
+    if (r.base() != nullptr) out.emplace_back(r.base(), r.bytes());
+  }
   return out;
 }
 
@@ -290,8 +396,9 @@ DramPoolStats DramPool::stats() const {
   s.budget_bytes = p.options.budget_bytes;
   s.reserved_bytes = p.reserved;
   s.used_bytes = p.used;
-  s.regions = static_cast<uint32_t>(p.regions.size());
   for (const Region& r : p.regions) {
+    if (r.base() == nullptr) continue;
+    ++s.regions;
     s.locked_regions += r.locked() ? 1 : 0;
     s.hugetlb_regions += r.hugetlb() ? 1 : 0;
     s.huge_page_bytes += r.huge_bytes();

@@ -18,7 +18,13 @@
 // has a hard byte budget over all regions; a request past it is
 // ResourceExhausted naming the budget. Freed blocks are zeroed before they can
 // be handed to anyone else. Empty regions are kept (they are pinned and
-// prefaulted: making them again is the expensive part).
+// prefaulted: making them again is the expensive part) until a dedicated
+// region needs their room.
+//
+// Shared regions hold what never leaves this process (optimizer states,
+// rings); dedicated regions (CreateRegion) hold what a job shares with its
+// clients, one owner each, sealed by access (SealRegion) and destroyed with
+// the job.
 //
 // Thread safety: every method may be called concurrently.
 #ifndef ZTIER_ENGINE_DRAM_POOL_H_
@@ -44,7 +50,9 @@ enum class HugePages : uint8_t {
 
 struct DramPoolOptions {
   uint64_t budget_bytes = 0;                    // hard cap over all regions (> 0)
-  uint64_t region_bytes = uint64_t{256} << 20;  // size of a shared region
+  // Size of a shared region, at most a sixteenth of the budget (2 MiB at
+  // least): the room a region reserves before it is full stays small.
+  uint64_t region_bytes = uint64_t{256} << 20;
   HugePages huge_pages = HugePages::kTransparent;
   bool lock = true;            // mlock regions when allowed
   int numa_node = -1;          // -1: no binding
@@ -79,10 +87,33 @@ class DramPool {
   // (or freed twice) is a programmer error and aborts.
   void Free(const DramBlock& block);
 
-  // The memfd of a region, for passing to another process.
+  // Dedicated regions: memory one owner (a job) shares with other processes.
+  // A dedicated region is never carved for anyone else; its whole size
+  // counts as used from creation (empty shared regions are dropped to make
+  // room under the budget); its index is never reused, even after
+  // DestroyRegion, so a client that mapped it can never be handed another
+  // job's memory under the same index. Errors: InvalidArgument (0 bytes),
+  // ResourceExhausted (the budget, naming the figures), PosixError.
+  Result<uint32_t> CreateRegion(uint64_t bytes, std::string_view owner);
+  // A zeroed block of a dedicated region. Errors: ResourceExhausted (no free
+  // run that long). A region that is not live and dedicated aborts.
+  Result<DramBlock> AllocateIn(uint32_t region, uint64_t bytes, std::string_view owner);
+  // Adds the final seals: with kReadOnly, F_SEAL_FUTURE_WRITE as well, so
+  // no new writable mapping of the memfd can be made (not even by reopening
+  // it through /proc) while this pool's own mapping stays writable; a
+  // writable or hole-punching client is refused by the kernel. Errors:
+  // PosixError (a kernel without F_SEAL_FUTURE_WRITE, Linux < 5.1).
+  Status SealRegion(uint32_t region, RegionAccess others);
+  // Unmaps a dedicated region (the memory lives on while another process
+  // still maps it) and returns its bytes to the budget.
+  void DestroyRegion(uint32_t region);
+
+  // The memfd of a live region, for passing to another process; -1 if none.
   int region_fd(uint32_t region) const;
-  // Every region made so far, {base, bytes}, in region order (for
-  // registering them with a device for DMA).
+  // A live region's {base, bytes}; {nullptr, 0} if none.
+  std::pair<void*, uint64_t> region(uint32_t region) const;
+  // Every live region, {base, bytes}, in region order (for registering them
+  // with a device for DMA).
   std::vector<std::pair<void*, uint64_t>> regions() const;
   DramPoolStats stats() const;
 

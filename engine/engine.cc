@@ -7,6 +7,9 @@
 // whose grads are complete (no client writes them until the next step).
 #include "engine/engine.h"
 
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <cmath>
 #include <condition_variable>
@@ -16,11 +19,8 @@
 #include <functional>
 #include <map>
 #include <mutex>
-#include <thread>
-
-#include <unistd.h>
-
 #include <optional>
+#include <thread>
 
 #include "common/log.h"
 #include "common/numbers.h"
@@ -436,14 +436,34 @@ Result<int> Engine::RegisterJob(const JobSpec& spec) {
     }
   }
   ZT_RETURN_IF_ERROR(e.CheckDramNeed(*job));
+  uint64_t slot = 0, param_slot = 0;
+  for (const Unit& u : job->units) {
+    slot = std::max(slot, StateBytes(u.layout) + (nvme_params ? ParamBytes(u.layout) : 0));
+    param_slot = std::max(param_slot, ParamBytes(u.layout));
+  }
+  // What clients touch lives in regions of the job's own, never shared with
+  // another job (DramPool::CreateRegion): the grad inboxes, which clients
+  // write, and the publish buffers or the param cache, which they only read
+  // (sealed so no other process can map them writable). States, the
+  // accumulators and the staging ring stay in the engine's shared regions.
+  const auto page = [](uint64_t b) { return RoundUp(b, 4096); };
+  uint64_t inbox_bytes = 0, publish_bytes = 0;
+  for (const Unit& u : job->units) {
+    inbox_bytes += page(u.layout.padded * 2);
+    if (!nvme_params) publish_bytes += page(u.layout.padded * 2);
+  }
+  if (nvme_params) publish_bytes = e.settings.buffer_count * page(param_slot);
+  ZT_ASSIGN_OR_RETURN(
+      job->inbox_region,
+      e.pool->CreateRegion(inbox_bytes, StrCat("job '", spec.name, "' grad inboxes")));
+  job->shared_regions.push_back(job->inbox_region);
+  ZT_ASSIGN_OR_RETURN(job->publish_region,
+                      e.pool->CreateRegion(publish_bytes, StrCat("job '", spec.name, "' params")));
+  job->shared_regions.push_back(job->publish_region);
+  job->counters.dram_bytes += inbox_bytes + publish_bytes;
   // The staging ring first (its slots are the largest blocks), then each
   // unit's buffers and swap object.
   if (job->ring != nullptr) {
-    uint64_t slot = 0, param_slot = 0;
-    for (const Unit& u : job->units) {
-      slot = std::max(slot, StateBytes(u.layout) + (nvme_params ? ParamBytes(u.layout) : 0));
-      param_slot = std::max(param_slot, ParamBytes(u.layout));
-    }
     for (uint32_t i = 0; i < e.settings.buffer_count; ++i) {
       ZT_ASSIGN_OR_RETURN(DramBlock b,
                           e.pool->Allocate(slot, StrCat("job '", spec.name, "' staging ring")));
@@ -453,10 +473,10 @@ Result<int> Engine::RegisterJob(const JobSpec& spec) {
     if (nvme_params) {
       job->params = std::make_unique<ParamCache>();
       for (uint32_t i = 0; i < e.settings.buffer_count; ++i) {
-        ZT_ASSIGN_OR_RETURN(
-            DramBlock b, e.pool->Allocate(param_slot, StrCat("job '", spec.name, "' param cache")));
+        ZT_ASSIGN_OR_RETURN(DramBlock b,
+                            e.pool->AllocateIn(job->publish_region, param_slot,
+                                               StrCat("job '", spec.name, "' param cache")));
         job->params->slots.emplace_back().block = b;
-        job->counters.dram_bytes += b.bytes;
       }
     }
   }
@@ -469,12 +489,14 @@ Result<int> Engine::RegisterJob(const JobSpec& spec) {
     for (auto [block, bytes] : {std::pair{&u.master, dram_states ? n * 4 : 0},
                                 {&u.exp_avg, dram_states ? n * 4 : 0},
                                 {&u.exp_avg_sq, dram_states ? n * 4 : 0},
-                                {&u.publish, nvme_params ? 0 : n * 2},
-                                {&u.inbox, n * 2},
                                 {&u.accum, spec.optimizer.grad_accumulation > 1 ? n * 4 : 0}}) {
       if (bytes == 0) continue;
       ZT_ASSIGN_OR_RETURN(*block, e.pool->Allocate(bytes, owner));
       job->counters.dram_bytes += block->bytes;
+    }
+    ZT_ASSIGN_OR_RETURN(u.inbox, e.pool->AllocateIn(job->inbox_region, n * 2, owner));
+    if (!nvme_params) {
+      ZT_ASSIGN_OR_RETURN(u.publish, e.pool->AllocateIn(job->publish_region, n * 2, owner));
     }
     if (!dram_states) {
       Result<uint64_t> object =
@@ -491,6 +513,8 @@ Result<int> Engine::RegisterJob(const JobSpec& spec) {
       job->counters.nvme_bytes += ParamBytes(u.layout);
     }
   }
+  ZT_RETURN_IF_ERROR(e.pool->SealRegion(job->inbox_region, RegionAccess::kReadWrite));
+  ZT_RETURN_IF_ERROR(e.pool->SealRegion(job->publish_region, RegionAccess::kReadOnly));
   std::lock_guard<std::mutex> lock(e.mu);
   e.jobs[job->id] = job;
   return job->id;
@@ -797,6 +821,47 @@ int64_t Engine::TargetStep(int job) const {
   return target;
 }
 
+Result<SharedBuffer> Engine::Locate(int job, const void* ptr, uint64_t bytes) const {
+  std::shared_ptr<Job> j;
+  {
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    ZT_ASSIGN_OR_RETURN(j, impl_->Find(job));
+  }
+  const auto* p = static_cast<const char*>(ptr);
+  for (uint32_t r : j->shared_regions) {
+    const auto [base, size] = impl_->pool->region(r);
+    const auto* b = static_cast<const char*>(base);
+    if (b == nullptr || p < b || p >= b + size) continue;
+    const uint64_t offset = static_cast<uint64_t>(p - b);
+    if (bytes > size - offset) break;
+    return SharedBuffer{
+        .region = r,
+        .region_bytes = size,
+        .offset = offset,
+        .bytes = bytes,
+        .access = r == j->inbox_region ? RegionAccess::kReadWrite : RegionAccess::kReadOnly};
+  }
+  return Status::InvalidArgument(
+      StrCat("job '", j->spec.name, "': ", bytes, " bytes at ", ptr, " are not in its regions"));
+}
+
+Result<UniqueFd> Engine::DupRegionFd(int job, uint32_t region) const {
+  std::shared_ptr<Job> j;
+  {
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    ZT_ASSIGN_OR_RETURN(j, impl_->Find(job));
+  }
+  if (std::find(j->shared_regions.begin(), j->shared_regions.end(), region) ==
+      j->shared_regions.end()) {
+    return Status::NotFound(StrCat("job '", j->spec.name, "' has no region ", region));
+  }
+  const int fd = impl_->pool->region_fd(region);
+  if (fd < 0) return Status::NotFound(StrCat("region ", region, " is gone"));
+  UniqueFd copy(::fcntl(fd, F_DUPFD_CLOEXEC, 0));
+  if (!copy.valid()) return PosixError(StrCat("dup of region ", region, "'s memfd"), errno);
+  return copy;
+}
+
 Status Engine::WaitPublished(int job, int unit, int64_t step, std::chrono::milliseconds timeout) {
   Impl& e = *impl_;
   std::unique_lock<std::mutex> lock(e.mu);
@@ -921,8 +986,20 @@ Status Engine::RoundTripStates(int job) {
 
 DramPoolStats Engine::pool_stats() const { return impl_->pool->stats(); }
 
-std::vector<std::pair<void*, uint64_t>> Engine::PinnedRegions() const {
-  return impl_->pool->regions();
+std::vector<std::pair<void*, uint64_t>> Engine::PinnedRegions(int job) const {
+  std::vector<std::pair<void*, uint64_t>> out;
+  std::shared_ptr<Job> j;
+  {
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    Result<std::shared_ptr<Job>> found = impl_->Find(job);
+    if (!found.ok()) return out;
+    j = *found;
+  }
+  for (uint32_t r : j->shared_regions) {
+    const std::pair<void*, uint64_t> region = impl_->pool->region(r);
+    if (region.first != nullptr) out.push_back(region);
+  }
+  return out;
 }
 
 JobCounters Engine::counters(int job) const {

@@ -54,6 +54,7 @@
 
 #include "common/bf16.h"
 #include "common/status.h"
+#include "common/unique_fd.h"
 #include "cpu_adam/adamw.h"
 #include "engine/settings.h"
 #include "engine/wire_types.h"
@@ -192,11 +193,24 @@ class Engine {
   // and the page size it really got (engine/dram_pool.h).
   DramPoolStats pool_stats() const;
 
-  // The pinned DRAM regions made so far, {base, bytes}: every pointer the
-  // engine hands out (publish buffers, grad inboxes, the param cache) lies in
-  // one. Clients register them with their device for DMA; regions are only
-  // ever added, so register again after a RegisterJob.
-  std::vector<std::pair<void*, uint64_t>> PinnedRegions() const;
+  // The job's own pinned regions, {base, bytes}: every pointer the engine
+  // hands its clients (grad inboxes, publish buffers, the param cache) lies
+  // in one. Made at RegisterJob, never shared with another job, unmapped at
+  // UnregisterJob: a client registers them with its device for DMA and
+  // unregisters them before the job goes. Empty for an unknown job.
+  std::vector<std::pair<void*, uint64_t>> PinnedRegions(int job) const;
+
+  // Where `bytes` at `ptr`, a buffer this engine handed out for `job` (a
+  // grad inbox, publish buffer or param cache slot), lie in the job's
+  // regions, and what another process may do there: the daemon sends this
+  // instead of a pointer. Errors: NotFound (job), InvalidArgument (not in
+  // one of the job's regions).
+  Result<SharedBuffer> Locate(int job, const void* ptr, uint64_t bytes) const;
+  // A new fd for one of the job's regions (the caller owns it), to pass to
+  // a client; the params' region is sealed read-only for every mapping but
+  // the engine's own. Errors: NotFound (job, or a region not the job's),
+  // PosixError (dup).
+  Result<UniqueFd> DupRegionFd(int job, uint32_t region) const;
 
   struct Impl;
 

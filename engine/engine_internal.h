@@ -98,9 +98,13 @@ struct Job {
   bool checkpointing = false;  // a save or load owns the buffers
   JobCounters counters;
   DramPool* pool = nullptr;
-  std::unique_ptr<StateRing> ring;      // optimizer tier nvme only
-  std::unique_ptr<ParamCache> params;   // param tier nvme only
-  std::atomic<uint64_t> compute_ns{0};  // in cpu_adam::Step
+  // The job's own regions (DramPool::CreateRegion): grad inboxes (clients
+  // write) and publish buffers or the param cache (clients read).
+  uint32_t inbox_region = 0, publish_region = 0;
+  std::vector<uint32_t> shared_regions;  // made so far; destroyed with the job
+  std::unique_ptr<StateRing> ring;       // optimizer tier nvme only
+  std::unique_ptr<ParamCache> params;    // param tier nvme only
+  std::atomic<uint64_t> compute_ns{0};   // in cpu_adam::Step
 
   ~Job() {
     if (params != nullptr) {
@@ -121,6 +125,7 @@ struct Job {
     if (ring != nullptr) {
       for (const DramBlock& b : ring->slots) pool->Free(b);
     }
+    for (uint32_t r : shared_regions) pool->DestroyRegion(r);
   }
 };
 

@@ -372,7 +372,7 @@ Result<JobHandle> DecodeJobHandle(std::string_view bytes) {
   return Done(r, v);
 }
 
-std::string Encode(const RegionRef& v) {
+std::string Encode(const SharedBuffer& v) {
   Writer w;
   w.Put(v.region);
   w.Put(v.region_bytes);
@@ -382,9 +382,9 @@ std::string Encode(const RegionRef& v) {
   return w.Take();
 }
 
-Result<RegionRef> DecodeRegionRef(std::string_view bytes) {
-  Reader r(bytes, "region ref");
-  RegionRef v;
+Result<SharedBuffer> DecodeSharedBuffer(std::string_view bytes) {
+  Reader r(bytes, "shared buffer");
+  SharedBuffer v;
   uint8_t access = 0;
   r.Get(&v.region, "region");
   r.Get(&v.region_bytes, "region_bytes");

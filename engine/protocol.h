@@ -62,9 +62,9 @@ enum class MessageType : uint16_t {
   kAttachJob = 3,       // {name, rank} -> JobHandle (ranks in other processes)
   kUnregisterJob = 4,   // JobRef -> ()
   kLayout = 5,          // UnitRef -> UnitLayout
-  kGradInbox = 6,       // UnitRef (rank) -> RegionRef (client read-write)
+  kGradInbox = 6,       // UnitRef (rank) -> SharedBuffer (client read-write)
   kGradsReady = 7,      // UnitRef (rank) -> ()
-  kAcquireParams = 8,   // StepWait -> RegionRef (client read-only)
+  kAcquireParams = 8,   // StepWait -> SharedBuffer (client read-only)
   kReleaseParams = 9,   // UnitRef -> ()
   kWaitPublished = 10,  // StepWait -> ()
   kPublishedStep = 11,  // UnitRef -> StepValue
@@ -127,18 +127,9 @@ struct JobHandle {
   int32_t units = 0;
   int32_t ranks = 1;
 };
-// Client access to a region, as the daemon seals and maps it.
-enum class RegionAccess : uint8_t { kReadWrite = 1, kReadOnly = 2 };
-// Where a buffer lies in shared memory: region `region` of the job (its
-// memfd travels with the first reply that names it), `offset` and `bytes`
-// inside it.
-struct RegionRef {
-  uint32_t region = 0;
-  uint64_t region_bytes = 0;
-  uint64_t offset = 0;
-  uint64_t bytes = 0;
-  RegionAccess access = RegionAccess::kReadOnly;
-};
+// Buffers travel as engine::SharedBuffer (wire_types.h): region, offset and
+// size, never a pointer; a region's memfd comes with the first reply that
+// names it.
 
 // A reply's leading status.
 std::string EncodeStatus(const Status& status);
@@ -153,7 +144,7 @@ std::string Encode(const StepWait& v);
 std::string Encode(const StepValue& v);
 std::string Encode(const AttachRequest& v);
 std::string Encode(const JobHandle& v);
-std::string Encode(const RegionRef& v);
+std::string Encode(const SharedBuffer& v);
 std::string Encode(const JobSpec& v);
 std::string Encode(const UnitLayout& v);
 std::string Encode(const JobCounters& v);
@@ -166,7 +157,7 @@ Result<StepWait> DecodeStepWait(std::string_view bytes);
 Result<StepValue> DecodeStepValue(std::string_view bytes);
 Result<AttachRequest> DecodeAttachRequest(std::string_view bytes);
 Result<JobHandle> DecodeJobHandle(std::string_view bytes);
-Result<RegionRef> DecodeRegionRef(std::string_view bytes);
+Result<SharedBuffer> DecodeSharedBuffer(std::string_view bytes);
 // Also validates what the engine would refuse cheaply: names non-empty and
 // bounded, 1..kMaxDims positive dims, element counts overflow-checked and
 // within kMaxUnitElements / kMaxJobElements, ranks 1..kMaxRanks, finite

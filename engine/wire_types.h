@@ -79,6 +79,21 @@ struct JobCounters {
   uint64_t nvme_param_read_bytes = 0;  // params read into the param cache
 };
 
+// What another process (a client of the daemon) may do with a region of
+// the engine's pinned memory it maps.
+enum class RegionAccess : uint8_t { kReadWrite = 1, kReadOnly = 2 };
+
+// A buffer in one of a job's shared regions: region index (never reused),
+// the region's size, the buffer's offset and size in it, and what a client
+// may do with it.
+struct SharedBuffer {
+  uint32_t region = 0;
+  uint64_t region_bytes = 0;
+  uint64_t offset = 0;
+  uint64_t bytes = 0;
+  RegionAccess access = RegionAccess::kReadOnly;
+};
+
 // A safetensors export's element type.
 enum class ExportType : uint8_t { kBFloat16, kFloat32 };
 

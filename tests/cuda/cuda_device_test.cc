@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
 #include "client/ztier.h"
@@ -249,6 +250,24 @@ TEST_F(CudaDeviceTest, RegisterHostIsIdempotent) {
   ASSERT_TRUE(device_->CopyToHost(back.data(), buf.ptr, n, Stream::kCopy).ok());
   ASSERT_TRUE(device_->Synchronize(Stream::kCopy).ok());
   EXPECT_TRUE(host == back);
+}
+
+// Registrations are counted: the last UnregisterHost unpins the range (a
+// region must be unregistered before it is unmapped), and unregistering a
+// range never registered is an error that names it.
+TEST_F(CudaDeviceTest, UnregisterHostUndoesOneRegistrationAtATime) {
+  const size_t n = size_t{1} << 20;
+  std::vector<uint8_t>& host = Host(n, 3);
+  unsigned flags = 0;
+  ASSERT_TRUE(device_->RegisterHost(host.data(), n).ok());
+  ASSERT_TRUE(device_->RegisterHost(host.data(), n).ok());
+  ASSERT_TRUE(device_->UnregisterHost(host.data(), n).ok());
+  EXPECT_EQ(cudaHostGetFlags(&flags, host.data()), cudaSuccess) << "unpinned while still held";
+  ASSERT_TRUE(device_->UnregisterHost(host.data(), n).ok());
+  EXPECT_NE(cudaHostGetFlags(&flags, host.data()), cudaSuccess) << "still pinned after the last";
+  cudaGetLastError();
+  Status s = device_->UnregisterHost(host.data(), n);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s;
 }
 
 // Two devices of the process on the same host range: the second finds it

@@ -1,7 +1,8 @@
 // Tests of the pinned DRAM pool: allocation and alignment, zeroing before
-// reuse, the hard budget, dedicated regions for large blocks, sealed memfds
-// that another mapping (a client) can share, concurrency, hugetlb fallback
-// and double-free detection.
+// reuse, the hard budget, own regions for large blocks, sealed memfds that
+// another mapping (a client) can share, dedicated regions (one owner,
+// read-only seals, indices never reused), concurrency, hugetlb fallback and
+// double-free detection.
 #include "engine/dram_pool.h"
 
 #include <fcntl.h>
@@ -38,7 +39,7 @@ bool AllBytes(const void* p, size_t n, uint8_t v) {
 }
 
 TEST(DramPoolTest, AllocatesAlignedZeroedWritableBlocks) {
-  auto pool = MakePool(16 * kMiB);
+  auto pool = MakePool(64 * kMiB);  // regions of 4 MiB (at most a 16th of the budget)
   Result<DramBlock> a = pool->Allocate(10000, "test");
   ASSERT_TRUE(a.ok()) << a.status();
   EXPECT_EQ(a->bytes, 12288u);  // rounded up to 4 KiB pages
@@ -117,6 +118,90 @@ TEST(DramPoolTest, RegionsAreSealedMemfdsAnotherMappingCanShare) {
   EXPECT_EQ(pool->region_fd(99), -1);
 }
 
+TEST(DramPoolTest, DedicatedRegionsAreOneOwnersAndTheirIndicesNeverReturn) {
+  auto pool = MakePool(16 * kMiB, 4 * kMiB);
+  Result<uint32_t> r = pool->CreateRegion(3 * kMiB + 100, "job 'a' shared");
+  ASSERT_TRUE(r.ok()) << r.status();
+  // The whole region is the owner's: counted as used, carved only by it.
+  EXPECT_EQ(pool->stats().used_bytes, 3 * kMiB + 4096);
+  Result<DramBlock> in = pool->AllocateIn(*r, 1 * kMiB, "inbox");
+  ASSERT_TRUE(in.ok()) << in.status();
+  EXPECT_EQ(in->region, *r);
+  EXPECT_TRUE(AllBytes(in->ptr, in->bytes, 0));
+  Result<DramBlock> shared = pool->Allocate(64 * 1024, "state");
+  ASSERT_TRUE(shared.ok());
+  EXPECT_NE(shared->region, *r) << "a shared block was carved from a dedicated region";
+  Result<DramBlock> too_big = pool->AllocateIn(*r, 3 * kMiB, "more");
+  ASSERT_FALSE(too_big.ok());
+  EXPECT_EQ(too_big.status().code(), StatusCode::kResourceExhausted);
+  pool->Free(*in);
+  EXPECT_EQ(pool->stats().used_bytes, 3 * kMiB + 4096 + 64 * 1024);
+
+  const int fd = pool->region_fd(*r);
+  ASSERT_GE(fd, 0);
+  const int keep = ::dup(fd);  // a client's copy of the fd
+  pool->DestroyRegion(*r);
+  EXPECT_EQ(pool->region_fd(*r), -1);
+  EXPECT_EQ(pool->stats().used_bytes, 64 * 1024u);
+  // The client's memory lives on while it maps it; the pool's index does not
+  // come back for anyone else.
+  void* view = ::mmap(nullptr, 4096, PROT_READ, MAP_SHARED, keep, 0);
+  EXPECT_NE(view, MAP_FAILED);
+  ::munmap(view, 4096);
+  ::close(keep);
+  Result<uint32_t> next = pool->CreateRegion(1 * kMiB, "job 'b' shared");
+  ASSERT_TRUE(next.ok());
+  EXPECT_GT(*next, *r);
+  Result<DramBlock> later = pool->Allocate(2 * kMiB, "state");
+  ASSERT_TRUE(later.ok());
+  EXPECT_NE(later->region, *r);
+}
+
+TEST(DramPoolTest, AReadOnlySealedRegionCannotBeMappedWritableByAnyone) {
+  auto pool = MakePool(16 * kMiB, 4 * kMiB);
+  Result<uint32_t> r = pool->CreateRegion(1 * kMiB, "publish");
+  ASSERT_TRUE(r.ok());
+  Result<DramBlock> b = pool->AllocateIn(*r, 4096, "unit");
+  ASSERT_TRUE(b.ok());
+  Status sealed = pool->SealRegion(*r, RegionAccess::kReadOnly);
+  if (!sealed.ok() && sealed.sys_errno() == EINVAL) {
+    GTEST_SKIP() << "this kernel has no F_SEAL_FUTURE_WRITE: " << sealed;
+  }
+  ASSERT_TRUE(sealed.ok()) << sealed;
+  // The pool's own mapping stays writable.
+  std::memset(b->ptr, 0x5a, 4096);
+  const int fd = pool->region_fd(*r);
+  EXPECT_EQ(::mmap(nullptr, 4096, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0), MAP_FAILED);
+  EXPECT_EQ(errno, EPERM);
+  // Reopening the memfd read-write through /proc does not get around it.
+  const int rw = ::open(("/proc/self/fd/" + std::to_string(fd)).c_str(), O_RDWR);
+  ASSERT_GE(rw, 0);
+  EXPECT_EQ(::mmap(nullptr, 4096, PROT_READ | PROT_WRITE, MAP_SHARED, rw, 0), MAP_FAILED);
+  EXPECT_LT(::pwrite(rw, "x", 1, 0), 0);
+  EXPECT_NE(::fallocate(rw, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0, 4096), 0);
+  ::close(rw);
+  void* view = ::mmap(nullptr, 4096, PROT_READ, MAP_SHARED, fd, 0);
+  ASSERT_NE(view, MAP_FAILED);
+  EXPECT_TRUE(AllBytes(view, 4096, 0x5a));
+  ::munmap(view, 4096);
+  EXPECT_TRUE(::fcntl(fd, F_GET_SEALS) & F_SEAL_SEAL);
+  pool->DestroyRegion(*r);
+}
+
+TEST(DramPoolTest, DedicatedRegionsDropEmptySharedOnesForRoomAndRespectTheBudget) {
+  auto pool = MakePool(8 * kMiB, 4 * kMiB);
+  Result<DramBlock> a = pool->Allocate(4096, "a");  // reserves a 2 MiB shared region
+  ASSERT_TRUE(a.ok());
+  pool->Free(*a);
+  Result<uint32_t> r = pool->CreateRegion(7 * kMiB, "needs the empty region's room");
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(pool->stats().regions, 1u);
+  Result<uint32_t> over = pool->CreateRegion(4 * kMiB, "over");
+  ASSERT_FALSE(over.ok());
+  EXPECT_EQ(over.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_NE(over.status().message().find("8388608"), std::string::npos) << over.status();
+}
+
 TEST(DramPoolTest, HugetlbFallsBackWhenNoneReserved) {
   auto pool = MakePool(8 * kMiB, 4 * kMiB, HugePages::kHugetlb);
   Result<DramBlock> a = pool->Allocate(kMiB, "h");
@@ -156,6 +241,15 @@ TEST(DramPoolTest, ConcurrentAllocationsDoNotOverlap) {
   for (auto& th : threads) th.join();
   EXPECT_EQ(bad.load(), 0);
   EXPECT_EQ(pool->stats().used_bytes, 0u);
+}
+
+TEST(DramPoolTest, SharedRegionsReserveAtMostASixteenthOfTheBudget) {
+  auto pool = MakePool(64 * kMiB, 256 * kMiB);
+  ASSERT_TRUE(pool->Allocate(4096, "a").ok());
+  EXPECT_EQ(pool->stats().reserved_bytes, 4 * kMiB);
+  auto tiny = MakePool(8 * kMiB, 256 * kMiB);
+  ASSERT_TRUE(tiny->Allocate(4096, "a").ok());
+  EXPECT_EQ(tiny->stats().reserved_bytes, 2 * kMiB);  // never below one huge page
 }
 
 TEST(DramPoolTest, RejectsBadOptions) {

@@ -13,6 +13,7 @@
 #include "tests/engine/engine_testing.h"
 #include "tests/testing/scratch_dir.h"
 
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -20,6 +21,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <random>
 #include <thread>
 #include <vector>
@@ -334,6 +336,110 @@ TEST(EngineFaultTest, NonFiniteGradsFailAnEagerStepLoudly) {
   EXPECT_EQ(s.code(), StatusCode::kAborted) << s;
   EXPECT_NE(s.message().find("eager"), std::string::npos) << s;
   EXPECT_EQ(engine->GradsReady(*job, 2, 0).code(), StatusCode::kAborted);
+}
+
+// What a job hands its clients (grad inboxes, publish buffers, the param
+// cache) lies in regions of its own: never another job's, the params'
+// sealed so no other process can map them writable, and gone with the job.
+TEST(EngineJobsTest, EachJobSharesOnlyItsOwnRegions) {
+  ScratchDir swap("swap");
+  auto engine = MakeEngine(uint64_t{1} << 30, &swap);
+  Result<int> a = engine->RegisterJob(SmallModel("a", 2, 0.0f, 1, StepMode::kExact));
+  JobSpec nvme = SmallModel("b", 1, 0.0f, 1, StepMode::kExact);
+  nvme.optimizer_tier = nvme.param_tier = Tier::kNvme;
+  Result<int> b = engine->RegisterJob(nvme);
+  ASSERT_TRUE(a.ok() && b.ok()) << a.status() << b.status();
+  auto inside = [](const void* p, const std::vector<std::pair<void*, uint64_t>>& regions) {
+    const auto* c = static_cast<const char*>(p);
+    for (const auto& [base, bytes] : regions) {
+      if (c >= static_cast<char*>(base) && c < static_cast<char*>(base) + bytes) return true;
+    }
+    return false;
+  };
+  const auto ra = engine->PinnedRegions(*a), rb = engine->PinnedRegions(*b);
+  ASSERT_EQ(ra.size(), 2u);
+  ASSERT_EQ(rb.size(), 2u);
+  for (int k = 0; k < 4; ++k) {
+    for (int rank = 0; rank < 2; ++rank) {
+      bf16* inbox = *engine->GradInbox(*a, k, rank);
+      EXPECT_TRUE(inside(inbox, ra));
+      EXPECT_FALSE(inside(inbox, rb));
+    }
+    EXPECT_TRUE(inside(*engine->Published(*a, k), ra));
+    EXPECT_TRUE(inside(*engine->GradInbox(*b, k, 0), rb));
+  }
+  ASSERT_TRUE(engine->WriteWeights(*b, 0, std::vector<float>(97 * 24, 0.5f).data(), 97 * 24).ok());
+  Result<const bf16*> cached = engine->AcquireParams(*b, 0, 0, 30s);  // a param cache slot
+  ASSERT_TRUE(cached.ok()) << cached.status();
+  EXPECT_TRUE(inside(*cached, rb));
+  ASSERT_TRUE(engine->ReleaseParams(*b, 0).ok());
+  ASSERT_TRUE(engine->UnregisterJob(*a).ok());
+  EXPECT_TRUE(engine->PinnedRegions(*a).empty());
+  EXPECT_EQ(engine->PinnedRegions(*b).size(), 2u);
+}
+
+// What a client of the daemon does, in one process: map the job's regions
+// through the fds the engine gives, write grads through the read-write
+// mapping of the inbox, and read the new params through a read-only
+// mapping of the publish region, which cannot be mapped writable.
+TEST(EngineJobsTest, ClientsReachTheirBuffersThroughRegionFds) {
+  auto engine = MakeEngine();
+  Result<int> job = engine->RegisterJob(SmallModel("mapped", 2, 0.0f, 1, StepMode::kExact));
+  ASSERT_TRUE(job.ok()) << job.status();
+  struct Mapping {
+    void* base = MAP_FAILED;
+    uint64_t bytes = 0;
+    ~Mapping() {
+      if (base != MAP_FAILED) ::munmap(base, bytes);
+    }
+  };
+  std::map<uint32_t, Mapping> maps;
+  auto map = [&](const SharedBuffer& b) -> char* {
+    Mapping& m = maps[b.region];
+    if (m.base == MAP_FAILED) {
+      Result<UniqueFd> fd = engine->DupRegionFd(*job, b.region);
+      EXPECT_TRUE(fd.ok()) << fd.status();
+      const int prot = PROT_READ | (b.access == RegionAccess::kReadWrite ? PROT_WRITE : 0);
+      m.base = ::mmap(nullptr, b.region_bytes, prot, MAP_SHARED, fd->get(), 0);
+      m.bytes = b.region_bytes;
+      EXPECT_NE(m.base, MAP_FAILED) << std::strerror(errno);
+      if (b.access == RegionAccess::kReadOnly) {
+        EXPECT_EQ(::mmap(nullptr, 4096, PROT_READ | PROT_WRITE, MAP_SHARED, fd->get(), 0),
+                  MAP_FAILED);  // sealed: no writable mapping, for anyone
+      }
+    }
+    return static_cast<char*>(m.base) + b.offset;
+  };
+  for (int k = 0; k < 4; ++k) {
+    const UnitLayout l = *engine->Layout(*job, k);
+    std::vector<float> w(l.numel, 0.25f);
+    ASSERT_TRUE(engine->WriteWeights(*job, k, w.data(), l.numel).ok());
+  }
+  for (int k = 3; k >= 0; --k) {
+    const UnitLayout l = *engine->Layout(*job, k);
+    for (int rank = 0; rank < 2; ++rank) {
+      Result<SharedBuffer> b = engine->Locate(*job, *engine->GradInbox(*job, k, rank), l.shard * 2);
+      ASSERT_TRUE(b.ok()) << b.status();
+      ASSERT_EQ(b->access, RegionAccess::kReadWrite);
+      auto* g = reinterpret_cast<bf16*>(map(*b));
+      for (uint64_t i = 0; i < l.shard; ++i) g[i] = FloatToBf16(1.0f);
+      ASSERT_TRUE(engine->GradsReady(*job, k, rank).ok());
+    }
+  }
+  for (int k = 0; k < 4; ++k) {
+    ASSERT_TRUE(engine->WaitPublished(*job, k, 1, 30s).ok());
+    const UnitLayout l = *engine->Layout(*job, k);
+    const bf16* published = *engine->Published(*job, k);
+    Result<SharedBuffer> b = engine->Locate(*job, published, l.padded * 2);
+    ASSERT_TRUE(b.ok()) << b.status();
+    ASSERT_EQ(b->access, RegionAccess::kReadOnly);
+    const auto* seen = reinterpret_cast<const bf16*>(map(*b));
+    EXPECT_EQ(std::memcmp(seen, published, l.padded * 2), 0);
+    EXPECT_LT(Bf16ToFloat(seen[0]), 0.25f) << "the step moved the weight against the grad";
+  }
+  int stack = 0;
+  EXPECT_EQ(engine->Locate(*job, &stack, 4).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(engine->DupRegionFd(*job, 99999).status().code(), StatusCode::kNotFound);
 }
 
 TEST(EngineJobsTest, BudgetsValidationAndUnregister) {

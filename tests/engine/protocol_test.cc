@@ -135,13 +135,13 @@ TEST(ProtocolTest, SmallPayloadsRoundTripAndRefuseEveryPrefix) {
   const JobHandle h{.job = 0, .units = 14, .ranks = 2};
   EXPECT_EQ(DecodeJobHandle(Encode(h))->units, 14);
   EveryPrefixIsRefused(Encode(h), DecodeJobHandle);
-  const RegionRef rr{.region = 2,
-                     .region_bytes = 1 << 20,
-                     .offset = 4096,
-                     .bytes = 8192,
-                     .access = RegionAccess::kReadWrite};
-  EXPECT_EQ(DecodeRegionRef(Encode(rr))->offset, 4096u);
-  EveryPrefixIsRefused(Encode(rr), DecodeRegionRef);
+  const SharedBuffer rr{.region = 2,
+                        .region_bytes = 1 << 20,
+                        .offset = 4096,
+                        .bytes = 8192,
+                        .access = RegionAccess::kReadWrite};
+  EXPECT_EQ(DecodeSharedBuffer(Encode(rr))->offset, 4096u);
+  EveryPrefixIsRefused(Encode(rr), DecodeSharedBuffer);
   UnitLayout l{.numel = 1000, .padded = 1024, .shard = 512, .offsets = {0, 600}};
   EXPECT_EQ(DecodeUnitLayout(Encode(l))->offsets, l.offsets);
   EveryPrefixIsRefused(Encode(l), DecodeUnitLayout);
@@ -162,16 +162,19 @@ TEST(ProtocolTest, SmallPayloadsRoundTripAndRefuseEveryPrefix) {
 }
 
 TEST(ProtocolTest, InconsistentValuesAreRefused) {
-  EXPECT_FALSE(DecodeRegionRef(
-                   Encode(RegionRef{.region = 0, .region_bytes = 4096, .offset = 4096, .bytes = 1}))
-                   .ok());  // past the region
-  EXPECT_FALSE(DecodeRegionRef(
-                   Encode(RegionRef{
+  EXPECT_FALSE(
+      DecodeSharedBuffer(
+          Encode(SharedBuffer{.region = 0, .region_bytes = 4096, .offset = 4096, .bytes = 1}))
+          .ok());  // past the region
+  EXPECT_FALSE(DecodeSharedBuffer(
+                   Encode(SharedBuffer{
                        .region = 0, .region_bytes = UINT64_MAX, .offset = UINT64_MAX, .bytes = 2}))
                    .ok());  // offset + bytes overflows
   EXPECT_FALSE(DecodeUnitRef(Encode(UnitRef{.job = -1, .unit = 0})).ok());
   EXPECT_FALSE(DecodeStepWait(Encode(StepWait{.job = 0, .unit = 0, .step = -5})).ok());
-  EXPECT_FALSE(DecodeUnitLayout(Encode(UnitLayout{.numel = 10, .padded = 5, .shard = 5, .offsets = {0}})).ok());
+  EXPECT_FALSE(
+      DecodeUnitLayout(Encode(UnitLayout{.numel = 10, .padded = 5, .shard = 5, .offsets = {0}}))
+          .ok());
   EXPECT_FALSE(DecodeUnitLayout(
                    Encode(UnitLayout{.numel = 10, .padded = 64, .shard = 64, .offsets = {0, 20}}))
                    .ok());  // an offset past numel
@@ -179,9 +182,9 @@ TEST(ProtocolTest, InconsistentValuesAreRefused) {
   c.steps = 1;
   c.skipped_steps = 2;
   EXPECT_FALSE(DecodeJobCounters(Encode(c)).ok());
-  std::string bad_access = Encode(RegionRef{.region = 0, .region_bytes = 8192, .bytes = 4096});
+  std::string bad_access = Encode(SharedBuffer{.region = 0, .region_bytes = 8192, .bytes = 4096});
   bad_access.back() = 7;
-  EXPECT_FALSE(DecodeRegionRef(bad_access).ok());
+  EXPECT_FALSE(DecodeSharedBuffer(bad_access).ok());
 }
 
 TEST(ProtocolTest, MessagesFrameAndEveryHeaderFaultIsNamed) {

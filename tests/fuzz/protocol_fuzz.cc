@@ -65,7 +65,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       RoundTrip(in, p::DecodeJobHandle);
       return 0;
     case 8:
-      RoundTrip(in, p::DecodeRegionRef);
+      RoundTrip(in, p::DecodeSharedBuffer);
       return 0;
     case 9: {
       ztier::Result<ztier::engine::JobSpec> spec = p::DecodeJobSpec(in);
