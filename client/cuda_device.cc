@@ -53,6 +53,24 @@ namespace {
 constexpr std::string_view kLog = "client";
 constexpr size_t kAlignment = 256;
 
+// Host ranges pinned through the CudaDevices of this process, counted
+// across devices: a cudaHostRegisterPortable registration belongs to the
+// process, so only the last holder, whichever device, unpins it. `ours` is
+// false for a range someone outside ztier had pinned already (never
+// unpinned here). Lock order: a device's mu_, then this mutex.
+struct HostPin {
+  int refs = 0;
+  bool ours = true;
+};
+std::mutex& HostPinsMutex() {
+  static std::mutex m;
+  return m;
+}
+std::map<std::pair<uintptr_t, size_t>, HostPin>& HostPins() {
+  static auto* pins = new std::map<std::pair<uintptr_t, size_t>, HostPin>;
+  return *pins;
+}
+
 // "client/cuda_device.cc" from a compiler's (often absolute) __FILE__.
 StatusCode CodeFor(cudaError_t err) {
   switch (err) {
@@ -252,16 +270,10 @@ class CudaDevice final : public Device {
   mutable std::mutex mu_;
   std::unordered_map<void*, Allocation> allocations_;
   MemoryStats stats_[kMemoryPurposes];
-  // Host ranges this object registered (start -> bytes and how many
-  // RegisterHost calls hold it), unregistered by the last UnregisterHost or
-  // the destructor; ranges found already registered by someone else are
-  // counted in foreign_ranges_ only (their owner unregisters them).
-  struct HostRange {
-    size_t bytes = 0;
-    int refs = 0;
-  };
-  std::map<uintptr_t, HostRange> registered_;
-  std::map<uintptr_t, HostRange> foreign_ranges_;
+  // Host ranges this device holds registrations of ({start, bytes} -> how
+  // many RegisterHost calls), given back by UnregisterHost or the
+  // destructor. The pins themselves are the process's (see HostPins).
+  std::map<std::pair<uintptr_t, size_t>, int> held_;
 
   mutable std::mutex timeline_mu_;
   bool timeline_on_ = false;
@@ -335,8 +347,18 @@ CudaDevice::~CudaDevice() {
     ZT_CUDA_LOG_IF_ERROR(cudaStreamSynchronize(free_stream_.get()), name_);
   }
   if (pool_ != nullptr) ZT_CUDA_LOG_IF_ERROR(cudaMemPoolDestroy(pool_), name_);
-  for (const auto& [start, range] : registered_) {
-    ZT_CUDA_LOG_IF_ERROR(cudaHostUnregister(reinterpret_cast<void*>(start)), name_);
+  {
+    std::lock_guard<std::mutex> pins_lock(HostPinsMutex());
+    for (const auto& [key, refs] : held_) {
+      auto it = HostPins().find(key);
+      if (it == HostPins().end()) continue;
+      it->second.refs -= refs;
+      if (it->second.refs > 0) continue;
+      if (it->second.ours) {
+        ZT_CUDA_LOG_IF_ERROR(cudaHostUnregister(reinterpret_cast<void*>(key.first)), name_);
+      }
+      HostPins().erase(it);
+    }
   }
   // The streams and events are destroyed by their owners after this body.
 }
@@ -505,53 +527,52 @@ Status CudaDevice::RegisterHost(void* ptr, size_t bytes) {
     return Status::InvalidArgument(
         StrCat(name_, ": RegisterHost of a null pointer (", bytes, " B)"));
   }
-  const uintptr_t start = reinterpret_cast<uintptr_t>(ptr);
+  const auto key = std::make_pair(reinterpret_cast<uintptr_t>(ptr), bytes);
   std::lock_guard<std::mutex> lock(mu_);
-  for (auto* ranges : {&registered_, &foreign_ranges_}) {
-    auto it = ranges->find(start);
-    if (it != ranges->end() && it->second.bytes == bytes) {
-      ++it->second.refs;
-      return Status::Ok();
+  std::lock_guard<std::mutex> pins_lock(HostPinsMutex());
+  auto it = HostPins().find(key);
+  if (it == HostPins().end()) {
+    ZT_RETURN_IF_ERROR(Enter());
+    const cudaError_t err = cudaHostRegister(ptr, bytes, cudaHostRegisterPortable);
+    bool ours = true;
+    if (err == cudaErrorHostMemoryAlreadyRegistered) {
+      // Pinned already by someone else (the caller, or a range that
+      // contains this one): DMA works; its owner undoes it.
+      cudaGetLastError();
+      ours = false;
+    } else if (err != cudaSuccess) {
+      Status s = CudaError(err, "cudaHostRegister", __FILE__, __LINE__, name_);
+      return Status(s.code(),
+                    StrCat(s.message(), "; registering ", bytes, " B at ", ptr,
+                           " (page-locked memory is limited by RLIMIT_MEMLOCK and free RAM)"),
+                    s.sys_errno());
     }
+    it = HostPins().emplace(key, HostPin{.refs = 0, .ours = ours}).first;
   }
-  ZT_RETURN_IF_ERROR(Enter());
-  const cudaError_t err = cudaHostRegister(ptr, bytes, cudaHostRegisterPortable);
-  if (err == cudaErrorHostMemoryAlreadyRegistered) {
-    // Pinned already (by another device of this process, or by the caller):
-    // DMA works; the owner of that registration undoes it.
-    cudaGetLastError();
-    foreign_ranges_[start] = {bytes, 1};
-    return Status::Ok();
-  }
-  if (err != cudaSuccess) {
-    Status s = CudaError(err, "cudaHostRegister", __FILE__, __LINE__, name_);
-    return Status(s.code(),
-                  StrCat(s.message(), "; registering ", bytes, " B at ", ptr,
-                         " (page-locked memory is limited by RLIMIT_MEMLOCK and free RAM)"),
-                  s.sys_errno());
-  }
-  registered_[start] = {bytes, 1};
+  ++it->second.refs;
+  ++held_[key];
   return Status::Ok();
 }
 
 Status CudaDevice::UnregisterHost(void* ptr, size_t bytes) {
   if (bytes == 0) return Status::Ok();
-  const uintptr_t start = reinterpret_cast<uintptr_t>(ptr);
+  const auto key = std::make_pair(reinterpret_cast<uintptr_t>(ptr), bytes);
   std::lock_guard<std::mutex> lock(mu_);
-  if (auto it = foreign_ranges_.find(start);
-      it != foreign_ranges_.end() && it->second.bytes == bytes) {
-    if (--it->second.refs == 0) foreign_ranges_.erase(it);
-    return Status::Ok();
+  auto held = held_.find(key);
+  if (held == held_.end()) {
+    return Status::InvalidArgument(StrCat(name_, ": UnregisterHost of ", bytes, " B at ", ptr,
+                                          ", a range this device never registered"));
   }
-  auto it = registered_.find(start);
-  if (it == registered_.end() || it->second.bytes != bytes) {
-    return Status::InvalidArgument(
-        StrCat(name_, ": UnregisterHost of ", bytes, " B at ", ptr, ", a range never registered"));
+  std::lock_guard<std::mutex> pins_lock(HostPinsMutex());
+  auto it = HostPins().find(key);
+  ZT_CHECK_MSG(it != HostPins().end() && it->second.refs > 0, "host pin count lost for ", ptr);
+  if (it->second.refs == 1 && it->second.ours) {
+    // Unpin first; the counts change only once it is done.
+    ZT_RETURN_IF_ERROR(Enter());
+    ZT_CUDA_RETURN_IF_ERROR(cudaHostUnregister(ptr));
   }
-  if (--it->second.refs > 0) return Status::Ok();
-  registered_.erase(it);
-  ZT_RETURN_IF_ERROR(Enter());
-  ZT_CUDA_RETURN_IF_ERROR(cudaHostUnregister(ptr));
+  if (--it->second.refs == 0) HostPins().erase(it);
+  if (--held->second == 0) held_.erase(held);
   return Status::Ok();
 }
 

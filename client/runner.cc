@@ -450,6 +450,9 @@ Result<std::unique_ptr<Stage3Runner>> Stage3Runner::Create(Model& model, int ran
   // published step would copy params the optimizer is rewriting and push
   // grads into an inbox it still reads.)
   r.version = r.transport->TargetStep(r.job);
+  if (r.version < 0) {
+    return Status::FailedPrecondition(StrCat(who, ": the job is gone or has no weights"));
+  }
   // The job's regions, for DMA; unregistered when the runner goes (before
   // the job, which unmaps them).
   for (const auto& [base, bytes] : r.transport->PinnedRegions(r.job)) {

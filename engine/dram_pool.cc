@@ -262,6 +262,7 @@ Result<DramBlock> DramPool::Allocate(uint64_t bytes, std::string_view owner) {
   }
   // A new region: the standard size, or one just for this block, never
   // reserving past the budget (pinned memory is what the budget protects).
+  p.DropEmptySharedRegions(size);
   const uint64_t room = (p.options.budget_bytes - p.reserved) / kPage * kPage;
   const uint64_t make = std::min(std::max(p.options.region_bytes, RoundUp(size, kHugePage)), room);
   if (make < size) {
@@ -301,7 +302,12 @@ Result<uint32_t> DramPool::CreateRegion(uint64_t bytes, std::string_view owner) 
         p.options.budget_bytes - p.reserved, " bytes are left to reserve, ", size, " requested"));
   }
   const uint32_t r = static_cast<uint32_t>(p.regions.size());
-  ZT_ASSIGN_OR_RETURN(Region region, Region::Make(p.options, size, r, /*final_seal=*/false));
+  // Never hugetlb: a client could punch holes in it and release the
+  // reservation the engine's mapping faults on, and older kernels do not
+  // enforce F_SEAL_FUTURE_WRITE on hugetlbfs.
+  DramPoolOptions o = p.options;
+  if (o.huge_pages == HugePages::kHugetlb) o.huge_pages = HugePages::kTransparent;
+  ZT_ASSIGN_OR_RETURN(Region region, Region::Make(o, size, r, /*final_seal=*/false));
   ZT_RETURN_IF_ERROR(p.BindToNode(region));
   p.reserved += region.bytes();
   p.used += region.bytes();  // all of it is the owner's
@@ -333,12 +339,24 @@ Status DramPool::SealRegion(uint32_t region, RegionAccess others) {
   std::lock_guard<std::mutex> lock(p.mu);
   ZT_CHECK_MSG(p.live(region) && p.dedicated[region], "SealRegion: region ", region,
                " is not a live dedicated region");
-  const int seals = F_SEAL_SEAL | (others == RegionAccess::kReadOnly ? F_SEAL_FUTURE_WRITE : 0);
-  if (::fcntl(p.regions[region].fd(), F_ADD_SEALS, seals) != 0) {
-    return PosixError(
-        StrCat("sealing DRAM region ", region,
-               others == RegionAccess::kReadOnly ? " read-only for other processes" : ""),
-        errno);
+  // All at once, and checked: a client must never be able to shrink the
+  // memfd under the engine's mapping (SIGBUS) or, for a read-only region,
+  // map it writable.
+  const int want = F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL |
+                   (others == RegionAccess::kReadOnly ? F_SEAL_FUTURE_WRITE : 0);
+  const int fd = p.regions[region].fd();
+  if (::fcntl(fd, F_ADD_SEALS, want) != 0) {
+    const int err = errno;
+    return PosixError(StrCat("sealing DRAM region ", region,
+                             others == RegionAccess::kReadOnly ? " read-only for other processes"
+                                                               : " against resizing"),
+                      err);
+  }
+  const int seals = ::fcntl(fd, F_GET_SEALS);
+  if (seals < 0 || (seals & want) != want) {
+    return Status::Unimplemented(StrCat("DRAM region ", region, ": the kernel kept seals 0x",
+                                        std::hex, seals, " of 0x", want,
+                                        "; sharing it with other processes would not be safe"));
   }
   return Status::Ok();
 }
@@ -354,15 +372,22 @@ void DramPool::DestroyRegion(uint32_t region) {
 
 void DramPool::Free(const DramBlock& block) {
   Impl& p = *impl_;
-  ZT_CHECK_MSG(block.region < p.regions.size(), "DRAM block from another pool");
-  // Zero outside the lock: the block is still owned by the caller here.
+  // Validate under the lock, zero outside it (the block is still owned by
+  // the caller), then return its pages.
+  auto check = [&] {
+    ZT_CHECK_MSG(p.live(block.region), "DRAM block of a region that is gone: ", block.region);
+    const Region& r = p.regions[block.region];
+    ZT_CHECK_MSG(static_cast<uint8_t*>(r.base()) + block.offset == block.ptr &&
+                     block.offset + block.bytes <= r.bytes() && block.bytes % kPage == 0,
+                 "DRAM block does not belong to region ", block.region);
+  };
+  {
+    std::lock_guard<std::mutex> lock(p.mu);
+    check();
+  }
   std::memset(block.ptr, 0, block.bytes);
   std::lock_guard<std::mutex> lock(p.mu);
-  ZT_CHECK_MSG(p.live(block.region), "DRAM block of a destroyed region ", block.region);
-  const Region& r = p.regions[block.region];
-  ZT_CHECK_MSG(static_cast<uint8_t*>(r.base()) + block.offset == block.ptr &&
-                   block.offset + block.bytes <= r.bytes() && block.bytes % kPage == 0,
-               "DRAM block does not belong to region ", block.region);
+  check();
   const bool freed = p.pages[block.region].Free(block.offset / kPage, block.bytes / kPage);
   ZT_CHECK_MSG(freed, "DRAM block at offset ", block.offset, " of region ", block.region,
                " freed twice");

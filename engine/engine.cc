@@ -811,14 +811,25 @@ int64_t Engine::PublishedStep(int job, int unit) const {
 
 int64_t Engine::TargetStep(int job) const {
   std::lock_guard<std::mutex> lock(impl_->mu);
-  Result<std::shared_ptr<Job>> j = impl_->Find(job);
-  if (!j.ok()) return -1;
-  int64_t target = -1;
-  for (const Unit& u : (*j)->units) {
+  Result<std::shared_ptr<Job>> found = impl_->Find(job);
+  if (!found.ok()) return -1;
+  const Job& j = **found;
+  int64_t low = INT64_MAX, high = -1;
+  bool all_ready = true, any_ready = false;
+  for (const Unit& u : j.units) {
     if (u.published < 0) return -1;
-    target = std::max(target, u.published + (u.ready ? 1 : 0));
+    low = std::min(low, u.published);
+    high = std::max(high, u.published);
+    all_ready = all_ready && u.ready;
+    any_ready = any_ready || u.ready;
   }
-  return target;
+  if (high > low) return high;  // a step is being published unit by unit
+  if (j.spec.optimizer.mode == StepMode::kExact) {
+    // Exact mode steps once every unit's grads are in; some of them only
+    // (a client that died mid-backward) make no step.
+    return all_ready ? low + 1 : low;
+  }
+  return any_ready ? low + 1 : low;  // eager: a ready unit is being updated
 }
 
 Result<SharedBuffer> Engine::Locate(int job, const void* ptr, uint64_t bytes) const {
@@ -858,7 +869,10 @@ Result<UniqueFd> Engine::DupRegionFd(int job, uint32_t region) const {
   const int fd = impl_->pool->region_fd(region);
   if (fd < 0) return Status::NotFound(StrCat("region ", region, " is gone"));
   UniqueFd copy(::fcntl(fd, F_DUPFD_CLOEXEC, 0));
-  if (!copy.valid()) return PosixError(StrCat("dup of region ", region, "'s memfd"), errno);
+  if (!copy.valid()) {
+    const int err = errno;
+    return PosixError(StrCat("dup of region ", region, "'s memfd"), err);
+  }
   return copy;
 }
 

@@ -31,7 +31,10 @@ Result<Address> AddressOf(const std::string& path) {
     const size_t slash = path.rfind('/');
     const std::string dir = slash == std::string::npos ? "." : path.substr(0, slash + 1);
     a.dir.reset(::open(dir.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC));
-    if (!a.dir.valid()) return PosixError(StrCat("opening the directory of ", path), errno);
+    if (!a.dir.valid()) {
+      const int err = errno;
+      return PosixError(StrCat("opening the directory of ", path), err);
+    }
     name = StrCat("/proc/self/fd/", a.dir.get(), "/",
                   slash == std::string::npos ? path : path.substr(slash + 1));
   }
@@ -106,7 +109,8 @@ Result<std::pair<SeqPacketSocket, SeqPacketSocket>> SeqPacketSocket::Pair() {
                                                      SeqPacketSocket(UniqueFd(sv[1])));
 }
 
-Status SeqPacketSocket::Send(std::string_view datagram, std::span<const int> fds) {
+Status SeqPacketSocket::Send(std::string_view datagram, std::span<const int> fds,
+                             std::chrono::milliseconds timeout) {
   constexpr size_t kMaxFds = 16;
   if (fds.size() > kMaxFds) {
     return Status::InvalidArgument(StrCat(fds.size(), " fds in one message; at most ", kMaxFds));
@@ -126,12 +130,28 @@ Status SeqPacketSocket::Send(std::string_view datagram, std::span<const int> fds
     c->cmsg_len = CMSG_LEN(sizeof(int) * fds.size());
     std::memcpy(CMSG_DATA(c), fds.data(), sizeof(int) * fds.size());
   }
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
   for (;;) {
-    const ssize_t n = ::sendmsg(fd_.get(), &msg, MSG_NOSIGNAL);
+    const ssize_t n = ::sendmsg(fd_.get(), &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
     if (n == static_cast<ssize_t>(datagram.size())) return Status::Ok();
     if (n >= 0) return Status::Internal("a SOCK_SEQPACKET send was cut short");
     const int err = errno;
     if (err == EINTR) continue;
+    if (err == EAGAIN || err == EWOULDBLOCK) {
+      // The peer does not read: wait for room, but not forever.
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+          deadline - std::chrono::steady_clock::now());
+      pollfd pfd{.fd = fd_.get(), .events = POLLOUT, .revents = 0};
+      const int ready =
+          left.count() > 0
+              ? ::poll(&pfd, 1, static_cast<int>(std::min<int64_t>(left.count(), INT32_MAX)))
+              : 0;
+      if (ready == 0) {
+        return Status::Unavailable(StrCat("the peer has not read its messages for ",
+                                          timeout.count(), " ms; giving up on it"));
+      }
+      continue;
+    }
     if (err == EPIPE || err == ECONNRESET || err == ENOTCONN) return Gone("send", err);
     if (err == EMSGSIZE) {
       return Status(StatusCode::kInvalidArgument,
@@ -156,14 +176,24 @@ Result<SeqPacketSocket::Received> SeqPacketSocket::Receive(std::chrono::millisec
   msg.msg_iovlen = 1;
   msg.msg_control = control.data();
   msg.msg_controllen = control.size();
+  // Non-blocking after the poll: another receiver may have taken the
+  // datagram, and then this one waits again rather than forever.
   ssize_t n;
-  do {
-    n = ::recvmsg(fd_.get(), &msg, MSG_CMSG_CLOEXEC);
-  } while (n < 0 && errno == EINTR);
-  if (n < 0) {
-    const int err = errno;
-    if (err == ECONNRESET) return Gone("receive", err);
-    return PosixError("recvmsg on a ztier socket", err);
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  for (;;) {
+    n = ::recvmsg(fd_.get(), &msg, MSG_CMSG_CLOEXEC | MSG_DONTWAIT);
+    if (n >= 0 || errno == EINTR) {
+      if (n >= 0) break;
+      continue;
+    }
+    if (errno != EAGAIN && errno != EWOULDBLOCK) break;
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+        deadline - std::chrono::steady_clock::now());
+    ZT_ASSIGN_OR_RETURN(bool again, WaitReadable(fd_.get(), std::max(left, decltype(left)(0))));
+    if (!again) {
+      return Status::Unavailable(
+          StrCat("no message from the peer within ", timeout.count(), " ms"));
+    }
   }
   // Take ownership of every fd that came, whatever happens next.
   for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
@@ -175,7 +205,8 @@ Result<SeqPacketSocket::Received> SeqPacketSocket::Receive(std::chrono::millisec
       out.fds.emplace_back(fd);
     }
   }
-  if ((msg.msg_flags & MSG_CTRUNC) != 0) {
+  // The control buffer is rounded up, so it may hold an fd past max_fds.
+  if ((msg.msg_flags & MSG_CTRUNC) != 0 || out.fds.size() > max_fds) {
     return Status::Corruption(
         StrCat("a message came with more than ", max_fds, " file descriptors; refused"));
   }
@@ -225,8 +256,14 @@ Result<SeqPacketListener> SeqPacketListener::Listen(const std::string& path, mod
     if (probe.ok()) {
       return Status::Unavailable(StrCat(path, " is in use: another ztierd listens there"));
     }
+    // Only a socket nobody listens on is stale; any other answer (permission
+    // denied, ...) may be a live daemon's, which must not be removed.
+    if (probe.status().sys_errno() != ECONNREFUSED) {
+      return probe.status().Annotate(StrCat("checking whether ", path, " is stale"));
+    }
     if (::unlink(path.c_str()) != 0 && errno != ENOENT) {
-      return PosixError(StrCat("removing the stale socket ", path), errno);
+      const int err = errno;
+      return PosixError(StrCat("removing the stale socket ", path), err);
     }
   }
   // Non-blocking: Accept polls, and a connection aborted between the poll
@@ -264,11 +301,13 @@ Result<SeqPacketListener> SeqPacketListener::FromFd(int raw_fd) {
   socklen_t alen = sizeof(addr);
   if (::getsockopt(fd, SOL_SOCKET, SO_TYPE, &type, &len) != 0 ||
       ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &alen) != 0) {
-    return PosixError(StrCat("fd ", fd, " handed over is not a socket"), errno);
+    const int err = errno;
+    return PosixError(StrCat("fd ", fd, " handed over is not a socket"), err);
   }
   len = sizeof(listening);
   if (::getsockopt(fd, SOL_SOCKET, SO_ACCEPTCONN, &listening, &len) != 0) {
-    return PosixError(StrCat("getsockopt(SO_ACCEPTCONN) on fd ", fd), errno);
+    const int err = errno;
+    return PosixError(StrCat("getsockopt(SO_ACCEPTCONN) on fd ", fd), err);
   }
   if (addr.sun_family != AF_UNIX || type != SOCK_SEQPACKET || !listening) {
     return Status::InvalidArgument(
@@ -278,7 +317,8 @@ Result<SeqPacketListener> SeqPacketListener::FromFd(int raw_fd) {
   }
   const int flags = ::fcntl(fd, F_GETFL);
   if (flags < 0 || ::fcntl(fd, F_SETFL, flags | O_NONBLOCK) != 0) {
-    return PosixError(StrCat("making fd ", fd, " non-blocking"), errno);
+    const int err = errno;
+    return PosixError(StrCat("making fd ", fd, " non-blocking"), err);
   }
   SeqPacketListener l;
   l.fd_ = std::move(owned);
@@ -292,17 +332,19 @@ Result<SeqPacketSocket> SeqPacketListener::Accept(std::chrono::milliseconds time
     const int fd = ::accept4(fd_.get(), nullptr, nullptr, SOCK_CLOEXEC);
     if (fd >= 0) return SeqPacketSocket(UniqueFd(fd));
     if (errno == EINTR || errno == ECONNABORTED) continue;
-    if (errno == EAGAIN || errno == EWOULDBLOCK) {
+    const int err = errno;
+    if (err == EAGAIN || err == EWOULDBLOCK) {
       return Status::Unavailable("no connection within the timeout");
     }
-    return PosixError("accept on the ztierd socket", errno);
+    return PosixError("accept on the ztierd socket", err);
   }
 }
 
 Status SeqPacketListener::Close() {
   Status s;
   if (!path_.empty() && ::unlink(path_.c_str()) != 0 && errno != ENOENT) {
-    s = PosixError(StrCat("removing ", path_), errno);
+    const int err = errno;
+    s = PosixError(StrCat("removing ", path_), err);
   }
   path_.clear();
   if (const int err = fd_.Close(); err != 0 && s.ok()) {

@@ -54,10 +54,12 @@ class SeqPacketSocket {
   // Two connected sockets (tests, and helpers in one process).
   static Result<std::pair<SeqPacketSocket, SeqPacketSocket>> Pair();
 
-  // Sends one datagram with `fds` attached (they stay open here). Errors:
-  // Unavailable (the peer is gone), InvalidArgument (too large, too many
-  // fds), PosixError.
-  Status Send(std::string_view datagram, std::span<const int> fds = {});
+  // Sends one datagram with `fds` attached (they stay open here), waiting at
+  // most `timeout` for room when the peer does not read. Errors:
+  // Unavailable (the peer is gone or stuck), InvalidArgument (too large, too
+  // many fds), PosixError.
+  Status Send(std::string_view datagram, std::span<const int> fds = {},
+              std::chrono::milliseconds timeout = std::chrono::seconds(30));
   // The next datagram, waiting at most `timeout`. Datagrams are at most
   // `max_bytes`, with at most `max_fds` fds. Errors: Unavailable (the peer
   // closed, or nothing within the timeout: names it), Corruption (larger,
@@ -84,7 +86,8 @@ class SeqPacketListener {
   SeqPacketListener() = default;
   // Binds `path` (a stale socket file left by a dead process is replaced;
   // a live one is Unavailable: "in use") with `mode` permissions, and
-  // listens. Errors: Unavailable, InvalidArgument (path too long), PosixError.
+  // listens. Sets the process umask for the bind: call it before other
+  // threads create files. Errors: Unavailable, InvalidArgument, PosixError.
   static Result<SeqPacketListener> Listen(const std::string& path, mode_t mode, int backlog = 64);
   // Takes an fd that already listens (systemd's LISTEN_FDS) and owns it
   // from then on (a refused one is closed); checks that it is an AF_UNIX

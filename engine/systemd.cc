@@ -57,8 +57,9 @@ Result<Notifier> Notifier::ForAddress(const std::string& address) {
   const socklen_t len = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + address.size() +
                                                (address[0] == '@' ? 0 : 1));
   if (::connect(n.fd_.get(), reinterpret_cast<const sockaddr*>(&addr), len) != 0) {
+    const int err = errno;
     return Status(StatusCode::kUnavailable,
-                  StrCat("NOTIFY_SOCKET ", address, ": ", std::strerror(errno)), errno);
+                  StrCat("NOTIFY_SOCKET ", address, ": ", std::strerror(err)), err);
   }
   n.address_ = address;
   return n;
@@ -143,7 +144,8 @@ Result<std::vector<ListenFd>> TakeListenFds() {
     const int fd = kListenFdsStart + static_cast<int>(i);
     const int flags = ::fcntl(fd, F_GETFD);
     if (flags < 0) {
-      if (bad.ok()) bad = PosixError(StrCat("LISTEN_FDS: fd ", fd, " was not passed"), errno);
+      const int err = errno;
+      if (bad.ok()) bad = PosixError(StrCat("LISTEN_FDS: fd ", fd, " was not passed"), err);
       continue;
     }
     ::fcntl(fd, F_SETFD, flags | FD_CLOEXEC);

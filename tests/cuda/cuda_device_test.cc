@@ -270,18 +270,26 @@ TEST_F(CudaDeviceTest, UnregisterHostUndoesOneRegistrationAtATime) {
   EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s;
 }
 
-// Two devices of the process on the same host range: the second finds it
-// registered already and carries on; the first unregisters it when destroyed.
+// Two devices of the process on the same host range (ranks as threads):
+// the pin is the process's, so neither device's unregistering or going
+// unpins it while the other still holds it.
 TEST_F(CudaDeviceTest, RegisterHostSharedBetweenDeviceObjects) {
   const size_t n = size_t{1} << 20;
   std::vector<uint8_t>& host = Host(n, 1);
+  unsigned flags = 0;
   Result<std::unique_ptr<Device>> other = MakeCudaDevice(0);
   ASSERT_TRUE(other.ok()) << other.status();
   EXPECT_TRUE(device_->RegisterHost(host.data(), n).ok());
   Status s = (*other)->RegisterHost(host.data(), n);
   EXPECT_TRUE(s.ok()) << s;
+  ASSERT_TRUE(device_->UnregisterHost(host.data(), n).ok());
+  EXPECT_EQ(cudaHostGetFlags(&flags, host.data()), cudaSuccess) << "unpinned under the other";
+  ASSERT_TRUE(device_->RegisterHost(host.data(), n).ok());
   other->reset();
-  EXPECT_TRUE(device_->RegisterHost(host.data(), n).ok());
+  EXPECT_EQ(cudaHostGetFlags(&flags, host.data()), cudaSuccess) << "unpinned under this one";
+  ASSERT_TRUE(device_->UnregisterHost(host.data(), n).ok());
+  EXPECT_NE(cudaHostGetFlags(&flags, host.data()), cudaSuccess);
+  cudaGetLastError();
 }
 
 class ForeignEvent final : public Event {

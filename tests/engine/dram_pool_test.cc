@@ -243,6 +243,16 @@ TEST(DramPoolTest, ConcurrentAllocationsDoNotOverlap) {
   EXPECT_EQ(pool->stats().used_bytes, 0u);
 }
 
+TEST(DramPoolTest, ALargeBlockTakesTheRoomOfEmptySharedRegions) {
+  auto pool = MakePool(8 * kMiB, 4 * kMiB);
+  Result<DramBlock> small = pool->Allocate(4096, "small");  // a 2 MiB shared region
+  ASSERT_TRUE(small.ok());
+  pool->Free(*small);
+  Result<DramBlock> large = pool->Allocate(7 * kMiB, "large");
+  ASSERT_TRUE(large.ok()) << large.status();
+  EXPECT_EQ(pool->stats().regions, 1u);
+}
+
 TEST(DramPoolTest, SharedRegionsReserveAtMostASixteenthOfTheBudget) {
   auto pool = MakePool(64 * kMiB, 256 * kMiB);
   ASSERT_TRUE(pool->Allocate(4096, "a").ok());

@@ -442,6 +442,28 @@ TEST(EngineJobsTest, ClientsReachTheirBuffersThroughRegionFds) {
   EXPECT_EQ(engine->DupRegionFd(*job, 99999).status().code(), StatusCode::kNotFound);
 }
 
+// The step the engine is heading to: a step only once every unit's grads
+// are in (exact mode); some units' grads alone make none.
+TEST(EngineJobsTest, TargetStepCountsOnlyAStepThatWillHappen) {
+  auto engine = MakeEngine();
+  Result<int> job = engine->RegisterJob(SmallModel("target", 1, 0.0f, 1, StepMode::kExact));
+  ASSERT_TRUE(job.ok());
+  EXPECT_EQ(engine->TargetStep(*job), -1);  // no weights yet
+  for (int k = 0; k < 4; ++k) {
+    const UnitLayout l = *engine->Layout(*job, k);
+    ASSERT_TRUE(
+        engine->WriteWeights(*job, k, std::vector<float>(l.numel, 0.1f).data(), l.numel).ok());
+  }
+  EXPECT_EQ(engine->TargetStep(*job), 0);
+  for (int k = 3; k >= 1; --k) Ring(*engine, *job, k, 1, 0.5f);
+  EXPECT_EQ(engine->TargetStep(*job), 0) << "three of four units' grads make no step";
+  Ring(*engine, *job, 0, 1, 0.5f);
+  EXPECT_EQ(engine->TargetStep(*job), 1);
+  ASSERT_TRUE(engine->WaitPublished(*job, 3, 1, 30s).ok());
+  EXPECT_EQ(engine->TargetStep(*job), 1);
+  EXPECT_EQ(engine->TargetStep(12345), -1);
+}
+
 TEST(EngineJobsTest, BudgetsValidationAndUnregister) {
   auto engine = MakeEngine(uint64_t{64} << 20);
   Result<int> a = engine->RegisterJob(SmallModel("a", 1, 0.0f, 1, StepMode::kExact));

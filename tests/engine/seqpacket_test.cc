@@ -88,6 +88,26 @@ TEST(SeqPacketTest, OversizeAndTooManyFdsAreRefusedAndTheirFdsClosed) {
   EXPECT_NE(r.status().message().find("more than 2 file descriptors"), std::string::npos)
       << r.status();
   EXPECT_EQ(OpenFds(), before);
+  // An odd limit: the control buffer rounds up and has room for one more.
+  const int two[] = {m1.get(), m2.get()};
+  ASSERT_TRUE(a.Send("two", two).ok());
+  r = b.Receive(5s, 4096, 1);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kCorruption);
+  EXPECT_EQ(OpenFds(), before);
+}
+
+TEST(SeqPacketTest, APeerThatStopsReadingFailsTheSendInTime) {
+  auto pair = SeqPacketSocket::Pair();
+  ASSERT_TRUE(pair.ok());
+  auto& [a, b] = *pair;
+  const std::string big(32 << 10, 'x');
+  Status s;
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < 10000 && s.ok(); ++i) s = a.Send(big, {}, 200ms);
+  EXPECT_EQ(s.code(), StatusCode::kUnavailable) << s;
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 10s);
+  EXPECT_TRUE(b.valid());
 }
 
 TEST(SeqPacketTest, AGoneOrSilentPeerIsUnavailableNeverASignal) {
