@@ -182,6 +182,15 @@ struct DramPool::Impl {
 
   bool live(uint32_t r) const { return r < regions.size() && regions[r].base() != nullptr; }
 
+  // ResourceExhausted, naming the figures, when `size` more bytes would pass
+  // the budget.
+  Status CheckBudget(uint64_t size, std::string_view owner) const {
+    if (used + size <= options.budget_bytes) return Status::Ok();
+    return Status::ResourceExhausted(StrCat(owner, ": DRAM pool budget of ", options.budget_bytes,
+                                            " bytes exceeded (", used, " in use, ", size,
+                                            " more requested)"));
+  }
+
   // Unmaps region r (its memfd closed once every other mapping is gone);
   // its index is never reused.
   void Drop(uint32_t r) {
@@ -246,11 +255,7 @@ Result<DramBlock> DramPool::Allocate(uint64_t bytes, std::string_view owner) {
   if (bytes == 0) return Status::InvalidArgument(StrCat(owner, ": DRAM block of 0 bytes"));
   const uint64_t size = RoundUp(bytes, kPage);
   std::lock_guard<std::mutex> lock(p.mu);
-  if (p.used + size > p.options.budget_bytes) {
-    return Status::ResourceExhausted(StrCat(owner, ": DRAM pool budget of ", p.options.budget_bytes,
-                                            " bytes exceeded (", p.used, " in use, ", size,
-                                            " more requested)"));
-  }
+  ZT_RETURN_IF_ERROR(p.CheckBudget(size, owner));
   // First fit in an existing shared region.
   for (uint32_t r = 0; r < p.regions.size(); ++r) {
     if (!p.live(r) || p.dedicated[r]) continue;
@@ -290,11 +295,7 @@ Result<uint32_t> DramPool::CreateRegion(uint64_t bytes, std::string_view owner) 
   if (bytes == 0) return Status::InvalidArgument(StrCat(owner, ": a region of 0 bytes"));
   const uint64_t size = RoundUp(bytes, kPage);
   std::lock_guard<std::mutex> lock(p.mu);
-  if (p.used + size > p.options.budget_bytes) {
-    return Status::ResourceExhausted(StrCat(owner, ": DRAM pool budget of ", p.options.budget_bytes,
-                                            " bytes exceeded (", p.used, " in use, ", size,
-                                            " more requested)"));
-  }
+  ZT_RETURN_IF_ERROR(p.CheckBudget(size, owner));
   p.DropEmptySharedRegions(size);
   if (p.options.budget_bytes - p.reserved < size) {
     return Status::ResourceExhausted(StrCat(
