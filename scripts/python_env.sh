@@ -49,7 +49,20 @@ fi
 
 if [[ ! -x $python ]]; then
   echo "python_env: creating $venv with $("$base" --version 2>&1)"
-  "$base" -m venv "$venv"
+  if ! "$base" -m venv "$venv"; then
+    # Debian's python3 keeps venv (ensurepip) in a package of its own.
+    if command -v apt-get >/dev/null 2>&1; then
+      sudo=()
+      if [[ $(id -u) -ne 0 ]]; then sudo=(sudo); fi
+      echo "python_env: installing python3-venv (apt)"
+      "${sudo[@]}" apt-get install -y -qq --no-install-recommends python3-venv
+      rm -rf "$venv"
+      "$base" -m venv "$venv"
+    else
+      echo "python_env: $base cannot make a venv; install its venv module" >&2
+      exit 2
+    fi
+  fi
 fi
 pip=("$python" -m pip --disable-pip-version-check)
 "${pip[@]}" install -q --upgrade pip packaging
