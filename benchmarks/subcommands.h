@@ -8,6 +8,7 @@ namespace ztier::bench {
 int RunAdam(int argc, char** argv);
 int RunNvme(int argc, char** argv);
 int RunPcie(int argc, char** argv);
+int RunRpc(int argc, char** argv);
 int RunStep(int argc, char** argv);
 
 }  // namespace ztier::bench

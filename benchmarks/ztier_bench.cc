@@ -20,6 +20,8 @@ subcommands:
   nvme    striped swap-space write/read vs fio on the same drives
   pcie    host <-> device copies from the engine's pinned buffers vs the
           pinned cudaMemcpyAsync peak (CUDA) or same-size memcpy (host)
+  rpc     the daemon protocol's control round trip vs a bare SOCK_SEQPACKET
+          ping-pong of the same sizes
   step    the engine's optimizer step (states on NVMe or in DRAM) vs its
           I/O alone and compute alone: overlap efficiency
 
@@ -37,6 +39,7 @@ int main(int argc, char** argv) {
   if (sub == "adam") return ztier::bench::RunAdam(argc - 2, argv + 2);
   if (sub == "nvme") return ztier::bench::RunNvme(argc - 2, argv + 2);
   if (sub == "pcie") return ztier::bench::RunPcie(argc - 2, argv + 2);
+  if (sub == "rpc") return ztier::bench::RunRpc(argc - 2, argv + 2);
   if (sub == "step") return ztier::bench::RunStep(argc - 2, argv + 2);
   std::fprintf(stderr, "ztier-bench: unknown subcommand '%s'\n%s", argv[1], kUsage);
   return 2;

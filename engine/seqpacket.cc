@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <memory>
 
 namespace ztier::engine {
 namespace {
@@ -163,34 +164,33 @@ Status SeqPacketSocket::Send(std::string_view datagram, std::span<const int> fds
 
 Result<SeqPacketSocket::Received> SeqPacketSocket::Receive(std::chrono::milliseconds timeout,
                                                            size_t max_bytes, uint32_t max_fds) {
-  ZT_ASSIGN_OR_RETURN(bool readable, WaitReadable(fd_.get(), timeout));
-  if (!readable) {
-    return Status::Unavailable(StrCat("no message from the peer within ", timeout.count(), " ms"));
-  }
   Received out;
-  out.data.resize(max_bytes + 1);  // one more: a larger datagram shows as MSG_TRUNC anyway
-  iovec iov{.iov_base = out.data.data(), .iov_len = out.data.size()};
+  // One byte more than allowed (a larger datagram shows as MSG_TRUNC
+  // anyway); not zeroed: only what arrives is copied out.
+  std::unique_ptr<char[]> buf(new char[max_bytes + 1]);
+  iovec iov{.iov_base = buf.get(), .iov_len = max_bytes + 1};
   std::vector<char> control(CMSG_SPACE(sizeof(int) * std::max<uint32_t>(max_fds, 1)));
   msghdr msg{};
   msg.msg_iov = &iov;
   msg.msg_iovlen = 1;
   msg.msg_control = control.data();
   msg.msg_controllen = control.size();
-  // Non-blocking after the poll: another receiver may have taken the
-  // datagram, and then this one waits again rather than forever.
+  // Non-blocking, waiting in poll only when nothing is there: another
+  // receiver may take a datagram this one was woken for, and then this one
+  // waits again, never past the deadline.
   ssize_t n;
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   for (;;) {
     n = ::recvmsg(fd_.get(), &msg, MSG_CMSG_CLOEXEC | MSG_DONTWAIT);
-    if (n >= 0 || errno == EINTR) {
-      if (n >= 0) break;
-      continue;
-    }
-    if (errno != EAGAIN && errno != EWOULDBLOCK) break;
+    if (n >= 0) break;
+    const int err = errno;
+    if (err == EINTR) continue;
+    if (err == ECONNRESET) return Gone("receive", err);
+    if (err != EAGAIN && err != EWOULDBLOCK) return PosixError("recvmsg on a ztier socket", err);
     const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
         deadline - std::chrono::steady_clock::now());
-    ZT_ASSIGN_OR_RETURN(bool again, WaitReadable(fd_.get(), std::max(left, decltype(left)(0))));
-    if (!again) {
+    ZT_ASSIGN_OR_RETURN(bool readable, WaitReadable(fd_.get(), std::max(left, decltype(left)(0))));
+    if (!readable) {
       return Status::Unavailable(
           StrCat("no message from the peer within ", timeout.count(), " ms"));
     }
@@ -217,7 +217,7 @@ Result<SeqPacketSocket::Received> SeqPacketSocket::Receive(std::chrono::millisec
   if (n == 0 && out.fds.empty()) {
     return Status::Unavailable("receive: the peer closed the connection");
   }
-  out.data.resize(static_cast<size_t>(n));
+  out.data.assign(buf.get(), static_cast<size_t>(n));
   return out;
 }
 
