@@ -1,6 +1,8 @@
 // ztier-bench helpers (see bench_util.h).
 #include "benchmarks/bench_util.h"
 
+#include <algorithm>
+
 #include <charconv>
 #include <cmath>
 #include <cstdio>
@@ -144,6 +146,17 @@ std::string JsonArray(const std::vector<std::string>& items) {
     out += items[i];
   }
   return out + "]";
+}
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 == 1 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+double Quantile(std::vector<double> v, double q) {
+  std::sort(v.begin(), v.end());
+  return v[std::min(v.size() - 1, static_cast<size_t>(static_cast<double>(v.size()) * q))];
 }
 
 }  // namespace ztier::bench

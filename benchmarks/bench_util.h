@@ -110,6 +110,13 @@ std::string JsonQuote(std::string_view s);
 // JSON array of already-rendered values.
 std::string JsonArray(const std::vector<std::string>& items);
 
+// The median of `v` (the mean of the middle two for an even count); v not
+// empty.
+double Median(std::vector<double> v);
+// The `q` quantile of `v` (0 < q < 1), the nearest sample at or below it;
+// v not empty.
+double Quantile(std::vector<double> v, double q);
+
 inline double NowSeconds() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }

@@ -128,12 +128,6 @@ uint64_t BytesMoved(Direction d, uint64_t size, int copies) {
   return (d == Direction::kBoth ? 2 : 1) * size * static_cast<uint64_t>(copies);
 }
 
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 == 1 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
 // The buffers one round copies between.
 struct Buffers {
   const void* host_src;  // the engine's publish buffer

@@ -67,10 +67,7 @@ struct Percentiles {
   double p50_us = 0, p99_us = 0;
 };
 
-Percentiles Of(std::vector<double>& us) {
-  std::sort(us.begin(), us.end());
-  return {us[us.size() / 2], us[std::min(us.size() - 1, us.size() * 99 / 100)]};
-}
+Percentiles Of(const std::vector<double>& us) { return {Median(us), Quantile(us, 0.99)}; }
 
 // The protocol's round trip: the server decodes the request as ztierd
 // will and answers with a status and a step.

@@ -191,6 +191,19 @@ struct DramPool::Impl {
                                             " more requested)"));
   }
 
+  // Makes a region of `bytes`, binds it to the NUMA node and records it
+  // under the next index. A dedicated region keeps room for more seals.
+  Result<uint32_t> AddRegion(const DramPoolOptions& o, uint64_t bytes, bool dedicated_region) {
+    const uint32_t r = static_cast<uint32_t>(regions.size());
+    ZT_ASSIGN_OR_RETURN(Region region, Region::Make(o, bytes, r, /*final_seal=*/!dedicated_region));
+    ZT_RETURN_IF_ERROR(BindToNode(region));
+    reserved += region.bytes();
+    pages.emplace_back(region.bytes() / kPage);
+    dedicated.push_back(dedicated_region ? 1 : 0);
+    regions.push_back(std::move(region));
+    return r;
+  }
+
   // Unmaps region r (its memfd closed once every other mapping is gone);
   // its index is never reused.
   void Drop(uint32_t r) {
@@ -276,14 +289,7 @@ Result<DramBlock> DramPool::Allocate(uint64_t bytes, std::string_view owner) {
                                             " bytes and only ", room,
                                             " bytes are left to reserve"));
   }
-  ZT_ASSIGN_OR_RETURN(Region region,
-                      Region::Make(p.options, make, static_cast<uint32_t>(p.regions.size())));
-  ZT_RETURN_IF_ERROR(p.BindToNode(region));
-  const uint32_t r = static_cast<uint32_t>(p.regions.size());
-  p.reserved += region.bytes();
-  p.pages.emplace_back(region.bytes() / kPage);
-  p.dedicated.push_back(0);
-  p.regions.push_back(std::move(region));
+  ZT_ASSIGN_OR_RETURN(const uint32_t r, p.AddRegion(p.options, make, /*dedicated=*/false));
   uint64_t first = 0;
   ZT_CHECK(p.pages[r].AllocateContiguous(size / kPage, &first) && first == 0);
   p.used += size;
@@ -302,19 +308,13 @@ Result<uint32_t> DramPool::CreateRegion(uint64_t bytes, std::string_view owner) 
         owner, ": DRAM pool budget of ", p.options.budget_bytes, " bytes exceeded: ",
         p.options.budget_bytes - p.reserved, " bytes are left to reserve, ", size, " requested"));
   }
-  const uint32_t r = static_cast<uint32_t>(p.regions.size());
   // Never hugetlb: a client could punch holes in it and release the
   // reservation the engine's mapping faults on, and older kernels do not
   // enforce F_SEAL_FUTURE_WRITE on hugetlbfs.
   DramPoolOptions o = p.options;
   if (o.huge_pages == HugePages::kHugetlb) o.huge_pages = HugePages::kTransparent;
-  ZT_ASSIGN_OR_RETURN(Region region, Region::Make(o, size, r, /*final_seal=*/false));
-  ZT_RETURN_IF_ERROR(p.BindToNode(region));
-  p.reserved += region.bytes();
-  p.used += region.bytes();  // all of it is the owner's
-  p.pages.emplace_back(region.bytes() / kPage);
-  p.dedicated.push_back(1);
-  p.regions.push_back(std::move(region));
+  ZT_ASSIGN_OR_RETURN(const uint32_t r, p.AddRegion(o, size, /*dedicated=*/true));
+  p.used += p.regions[r].bytes();  // all of it is the owner's
   return r;
 }
 

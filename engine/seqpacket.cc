@@ -48,14 +48,19 @@ Result<Address> AddressOf(const std::string& path) {
   return a;
 }
 
-// Waits until `fd` is readable; false on timeout. Retries EINTR with the
-// time left.
-Result<bool> WaitReadable(int fd, std::chrono::milliseconds timeout) {
-  const auto deadline = std::chrono::steady_clock::now() + timeout;
+using Deadline = std::chrono::steady_clock::time_point;
+
+Deadline After(std::chrono::milliseconds timeout) {
+  return std::chrono::steady_clock::now() + timeout;
+}
+
+// Waits until `fd` has `events` (POLLIN, POLLOUT); false once `deadline`
+// has passed. Retries EINTR with the time left.
+Result<bool> WaitFor(int fd, short events, Deadline deadline) {
   for (;;) {
     const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
         deadline - std::chrono::steady_clock::now());
-    pollfd p{.fd = fd, .events = POLLIN, .revents = 0};
+    pollfd p{.fd = fd, .events = events, .revents = 0};
     const int n = ::poll(&p, 1, static_cast<int>(std::clamp<int64_t>(left.count(), 0, INT32_MAX)));
     if (n > 0) return true;
     if (n == 0) return false;
@@ -131,7 +136,7 @@ Status SeqPacketSocket::Send(std::string_view datagram, std::span<const int> fds
     c->cmsg_len = CMSG_LEN(sizeof(int) * fds.size());
     std::memcpy(CMSG_DATA(c), fds.data(), sizeof(int) * fds.size());
   }
-  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  const Deadline deadline = After(timeout);
   for (;;) {
     const ssize_t n = ::sendmsg(fd_.get(), &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
     if (n == static_cast<ssize_t>(datagram.size())) return Status::Ok();
@@ -140,14 +145,8 @@ Status SeqPacketSocket::Send(std::string_view datagram, std::span<const int> fds
     if (err == EINTR) continue;
     if (err == EAGAIN || err == EWOULDBLOCK) {
       // The peer does not read: wait for room, but not forever.
-      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
-          deadline - std::chrono::steady_clock::now());
-      pollfd pfd{.fd = fd_.get(), .events = POLLOUT, .revents = 0};
-      const int ready =
-          left.count() > 0
-              ? ::poll(&pfd, 1, static_cast<int>(std::min<int64_t>(left.count(), INT32_MAX)))
-              : 0;
-      if (ready == 0) {
+      ZT_ASSIGN_OR_RETURN(bool room, WaitFor(fd_.get(), POLLOUT, deadline));
+      if (!room) {
         return Status::Unavailable(StrCat("the peer has not read its messages for ",
                                           timeout.count(), " ms; giving up on it"));
       }
@@ -179,7 +178,7 @@ Result<SeqPacketSocket::Received> SeqPacketSocket::Receive(std::chrono::millisec
   // receiver may take a datagram this one was woken for, and then this one
   // waits again, never past the deadline.
   ssize_t n;
-  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  const Deadline deadline = After(timeout);
   for (;;) {
     n = ::recvmsg(fd_.get(), &msg, MSG_CMSG_CLOEXEC | MSG_DONTWAIT);
     if (n >= 0) break;
@@ -187,9 +186,7 @@ Result<SeqPacketSocket::Received> SeqPacketSocket::Receive(std::chrono::millisec
     if (err == EINTR) continue;
     if (err == ECONNRESET) return Gone("receive", err);
     if (err != EAGAIN && err != EWOULDBLOCK) return PosixError("recvmsg on a ztier socket", err);
-    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
-        deadline - std::chrono::steady_clock::now());
-    ZT_ASSIGN_OR_RETURN(bool readable, WaitReadable(fd_.get(), std::max(left, decltype(left)(0))));
+    ZT_ASSIGN_OR_RETURN(bool readable, WaitFor(fd_.get(), POLLIN, deadline));
     if (!readable) {
       return Status::Unavailable(
           StrCat("no message from the peer within ", timeout.count(), " ms"));
@@ -326,7 +323,7 @@ Result<SeqPacketListener> SeqPacketListener::FromFd(int raw_fd) {
 }
 
 Result<SeqPacketSocket> SeqPacketListener::Accept(std::chrono::milliseconds timeout) {
-  ZT_ASSIGN_OR_RETURN(bool readable, WaitReadable(fd_.get(), timeout));
+  ZT_ASSIGN_OR_RETURN(bool readable, WaitFor(fd_.get(), POLLIN, After(timeout)));
   if (!readable) return Status::Unavailable("no connection within the timeout");
   for (;;) {
     const int fd = ::accept4(fd_.get(), nullptr, nullptr, SOCK_CLOEXEC);
