@@ -17,14 +17,14 @@ Session::Session(std::shared_ptr<Transport> transport, engine::Settings settings
 Session::~Session() = default;
 
 Result<std::unique_ptr<Session>> Session::Open(const SessionOptions& options) {
-  if (!options.daemon_socket.empty()) {
-    return Status::Unavailable(
-        StrCat("daemon socket '", options.daemon_socket,
-               "': this build of libztier has only the embedded transport; leave the daemon "
-               "socket empty to run the engine in this process"));
+  const std::string& socket =
+      !options.daemon_socket.empty() ? options.daemon_socket : options.settings.daemon_socket;
+  std::shared_ptr<Transport> t;
+  if (!socket.empty()) {
+    ZT_ASSIGN_OR_RETURN(t, MakeDaemonTransport(socket));
+  } else {
+    ZT_ASSIGN_OR_RETURN(t, MakeEmbeddedTransport(options.settings, options.io_backend));
   }
-  ZT_ASSIGN_OR_RETURN(std::shared_ptr<Transport> t,
-                      MakeEmbeddedTransport(options.settings, options.io_backend));
   ZT_LOG(kInfo, "client") << "session open (" << t->name() << " engine)";
   return std::unique_ptr<Session>(new Session(std::move(t), options.settings));
 }

@@ -68,6 +68,12 @@ class Transport {
 Result<std::shared_ptr<Transport>> MakeEmbeddedTransport(
     const engine::Settings& settings, std::shared_ptr<nvme::IoBackend> io_backend);
 
+// ztierd at `socket_path`: connects and says hello (protocol versions).
+// Errors: Unavailable (nothing listens there, or the daemon refused: names
+// why), FailedPrecondition (permission denied on the socket, a protocol
+// version mismatch, a uid not allowed), as SeqPacketSocket::Connect.
+Result<std::shared_ptr<Transport>> MakeDaemonTransport(const std::string& socket_path);
+
 }  // namespace ztier::client
 
 #endif  // ZTIER_CLIENT_TRANSPORT_H_

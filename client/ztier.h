@@ -1,6 +1,6 @@
 // libztier (public header of the client component): a training process's
-// view of ztier. A Session opens the engine (embedded in this process today;
-// a daemon transport plugs in behind the same calls), a Model registers the
+// view of ztier. A Session opens the engine (embedded in this process, or
+// ztierd through its socket, behind the same calls), a Model registers the
 // units, and each local rank drives a Stage3Runner, which streams a unit's
 // bf16 params to the rank's device just ahead of the compute and streams the
 // unit's grads back to the engine as each unit's backward ends.
@@ -168,7 +168,10 @@ Result<std::vector<std::unique_ptr<Collectives>>> MakeNcclCollectives(
 
 struct SessionOptions {
   engine::Settings settings;  // the embedded engine's settings
-  // Where ztierd listens. Empty: the embedded engine in this process.
+  // Where ztierd listens. Empty: settings.daemon_socket (ztier.daemon_socket,
+  // ZTIER_DAEMON_SOCKET); both empty: the embedded engine in this process.
+  // Through a daemon the engine's settings are the daemon's; checkpoints and
+  // safetensors files are not moved through it yet (Unimplemented).
   std::string daemon_socket;
   // The embedded engine's NVMe I/O backend; null: io_uring. Tests pass a
   // fault-injecting one (nvme/io_backend.h).
@@ -180,8 +183,9 @@ class Model;
 
 class Session {
  public:
-  // Errors: as engine::Engine::Create; Unavailable for a daemon socket while
-  // this build has only the embedded transport.
+  // Errors: as engine::Engine::Create (embedded); as MakeDaemonTransport
+  // (client/transport.h): Unavailable when no ztierd answers at the socket,
+  // FailedPrecondition when it refuses this uid or speaks another version.
   static Result<std::unique_ptr<Session>> Open(const SessionOptions& options);
   ~Session();
   Session(const Session&) = delete;

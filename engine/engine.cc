@@ -856,6 +856,26 @@ Result<SharedBuffer> Engine::Locate(int job, const void* ptr, uint64_t bytes) co
       StrCat("job '", j->spec.name, "': ", bytes, " bytes at ", ptr, " are not in its regions"));
 }
 
+Result<std::vector<SharedBuffer>> Engine::SharedRegions(int job) const {
+  std::shared_ptr<Job> j;
+  {
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    ZT_ASSIGN_OR_RETURN(j, impl_->Find(job));
+  }
+  std::vector<SharedBuffer> out;
+  for (uint32_t r : j->shared_regions) {
+    const uint64_t size = impl_->pool->region(r).second;
+    if (size == 0) continue;
+    out.push_back(SharedBuffer{
+        .region = r,
+        .region_bytes = size,
+        .offset = 0,
+        .bytes = size,
+        .access = r == j->inbox_region ? RegionAccess::kReadWrite : RegionAccess::kReadOnly});
+  }
+  return out;
+}
+
 Result<UniqueFd> Engine::DupRegionFd(int job, uint32_t region) const {
   std::shared_ptr<Job> j;
   {

@@ -200,6 +200,10 @@ class Engine {
   // unregisters them before the job goes. Empty for an unknown job.
   std::vector<std::pair<void*, uint64_t>> PinnedRegions(int job) const;
 
+  // The job's regions as another process sees them: each one's index,
+  // size and access (offset 0, the whole region), in the order of
+  // PinnedRegions. Errors: NotFound (job).
+  Result<std::vector<SharedBuffer>> SharedRegions(int job) const;
   // Where `bytes` at `ptr`, a buffer this engine handed out for `job` (a
   // grad inbox, publish buffer or param cache slot), lie in the job's
   // regions, and what another process may do there: the daemon sends this

@@ -98,6 +98,11 @@ Result<T> Done(Reader& r, T v) {
 
 bool Finite(double x) { return std::isfinite(x); }
 
+bool ValidAccess(uint8_t access) {
+  return access == static_cast<uint8_t>(RegionAccess::kReadWrite) ||
+         access == static_cast<uint8_t>(RegionAccess::kReadOnly);
+}
+
 }  // namespace
 
 std::string_view MessageTypeName(MessageType type) {
@@ -128,6 +133,14 @@ std::string_view MessageTypeName(MessageType type) {
       return "counters";
     case MessageType::kPoolStats:
       return "pool_stats";
+    case MessageType::kTargetStep:
+      return "target_step";
+    case MessageType::kRegions:
+      return "regions";
+    case MessageType::kWriteWeights:
+      return "write_weights";
+    case MessageType::kReadState:
+      return "read_state";
   }
   return "unknown";
 }
@@ -391,15 +404,69 @@ Result<SharedBuffer> DecodeSharedBuffer(std::string_view bytes) {
   r.Get(&v.offset, "offset");
   r.Get(&v.bytes, "bytes");
   r.Get(&access, "access");
-  if (access != static_cast<uint8_t>(RegionAccess::kReadWrite) &&
-      access != static_cast<uint8_t>(RegionAccess::kReadOnly)) {
-    r.Fail(StrCat("access ", int{access}));
-  }
+  if (!ValidAccess(access)) r.Fail(StrCat("access ", int{access}));
   v.access = static_cast<RegionAccess>(access);
   const std::optional<uint64_t> end = CheckedAdd(v.offset, v.bytes);
   if (!end || *end > v.region_bytes || v.bytes == 0) {
     r.Fail(StrCat("the buffer [", v.offset, ", +", v.bytes, ") is not inside its region of ",
                   v.region_bytes, " bytes"));
+  }
+  return Done(r, v);
+}
+
+std::string Encode(const RegionList& v) {
+  Writer w;
+  w.Put(static_cast<uint32_t>(v.regions.size()));
+  for (const RegionInfo& r : v.regions) {
+    w.Put(r.region);
+    w.Put(r.bytes);
+    w.Put(static_cast<uint8_t>(r.access));
+  }
+  return w.Take();
+}
+
+Result<RegionList> DecodeRegionList(std::string_view bytes) {
+  Reader r(bytes, "region list");
+  RegionList v;
+  uint32_t n = 0;
+  if (r.Count(&n, "regions", kMaxFdsPerMessage, 13)) {
+    if (n == 0) r.Fail("no regions");
+    v.regions.resize(n);
+    for (RegionInfo& info : v.regions) {
+      uint8_t access = 0;
+      r.Get(&info.region, "region");
+      r.Get(&info.bytes, "bytes");
+      r.Get(&access, "access");
+      if (!r.ok()) break;
+      if (!ValidAccess(access)) r.Fail(StrCat("access ", int{access}));
+      // A region is a mapping of this machine's memory: 2^48 bytes is past any.
+      if (info.bytes == 0 || info.bytes > (uint64_t{1} << 48) || info.bytes % 4096 != 0) {
+        r.Fail(StrCat("region ", info.region, " of ", info.bytes, " bytes"));
+      }
+      info.access = static_cast<RegionAccess>(access);
+    }
+  }
+  return Done(r, std::move(v));
+}
+
+std::string Encode(const StagedData& v) {
+  Writer w;
+  w.Put(v.job);
+  w.Put(v.unit);
+  w.Put(v.bytes);
+  return w.Take();
+}
+
+Result<StagedData> DecodeStagedData(std::string_view bytes) {
+  Reader r(bytes, "staged data");
+  StagedData v;
+  r.Get(&v.job, "job");
+  r.Get(&v.unit, "unit");
+  r.Get(&v.bytes, "bytes");
+  if (v.job < 0 || v.unit < 0) r.Fail(StrCat("job ", v.job, ", unit ", v.unit, ": out of range"));
+  // Three fp32 copies of the largest unit, padded.
+  if (v.bytes == 0 || v.bytes > 3 * 4 * (kMaxUnitElements + kMaxRanks * kAlignElements)) {
+    r.Fail(StrCat("bytes ", v.bytes));
   }
   return Done(r, v);
 }

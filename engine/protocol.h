@@ -70,8 +70,12 @@ enum class MessageType : uint16_t {
   kPublishedStep = 11,  // UnitRef -> StepValue
   kCounters = 12,       // JobRef -> JobCounters
   kPoolStats = 13,      // () -> DramPoolStats
+  kTargetStep = 14,     // JobRef -> StepValue
+  kRegions = 15,        // JobRef -> RegionList, one memfd attached per region
+  kWriteWeights = 16,   // StagedData + the client's staging memfd (numel fp32) -> ()
+  kReadState = 17,      // StagedData + the client's staging memfd (3 x padded fp32) -> ()
 };
-inline constexpr uint16_t kLastMessageType = 13;
+inline constexpr uint16_t kLastMessageType = 17;
 std::string_view MessageTypeName(MessageType type);
 
 struct Header {
@@ -127,6 +131,25 @@ struct JobHandle {
   int32_t units = 0;
   int32_t ranks = 1;
 };
+// A job's shared regions, in the order their fds are attached to the reply.
+struct RegionInfo {
+  uint32_t region = 0;
+  uint64_t bytes = 0;
+  RegionAccess access = RegionAccess::kReadOnly;
+};
+struct RegionList {
+  std::vector<RegionInfo> regions;  // 1..kMaxFdsPerMessage
+};
+// Bulk data of a unit that moves through a staging memfd the client made
+// and attached (sealed against shrinking, so the daemon's mapping of it can
+// never fault): `bytes` of it are read (WriteWeights) or written
+// (ReadState).
+struct StagedData {
+  int32_t job = -1;
+  int32_t unit = -1;
+  uint64_t bytes = 0;
+};
+
 // Buffers travel as engine::SharedBuffer (wire_types.h): region, offset and
 // size, never a pointer; a region's memfd comes with the first reply that
 // names it.
@@ -145,6 +168,8 @@ std::string Encode(const StepValue& v);
 std::string Encode(const AttachRequest& v);
 std::string Encode(const JobHandle& v);
 std::string Encode(const SharedBuffer& v);
+std::string Encode(const RegionList& v);
+std::string Encode(const StagedData& v);
 std::string Encode(const JobSpec& v);
 std::string Encode(const UnitLayout& v);
 std::string Encode(const JobCounters& v);
@@ -158,6 +183,8 @@ Result<StepValue> DecodeStepValue(std::string_view bytes);
 Result<AttachRequest> DecodeAttachRequest(std::string_view bytes);
 Result<JobHandle> DecodeJobHandle(std::string_view bytes);
 Result<SharedBuffer> DecodeSharedBuffer(std::string_view bytes);
+Result<RegionList> DecodeRegionList(std::string_view bytes);
+Result<StagedData> DecodeStagedData(std::string_view bytes);
 // Also validates what the engine would refuse cheaply: names non-empty and
 // bounded, 1..kMaxDims positive dims, element counts overflow-checked and
 // within kMaxUnitElements / kMaxJobElements, ranks 1..kMaxRanks, finite

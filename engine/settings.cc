@@ -420,6 +420,17 @@ const std::vector<Tunable>& Table() {
          return Status::Ok();
        },
        [](const Settings& s) { return StrCat(s.wait_timeout_seconds); }},
+      {{"ztier.daemon_socket"},
+       "ZTIER_DAEMON_SOCKET",
+       JsonType::kString,
+       "",
+       "Client: the ztierd socket to train through (empty: the engine runs in this process). "
+       "With a daemon, the engine's settings (budget, swap paths, threads) are the daemon's.",
+       [](Settings& s, std::string_view t, std::string_view) -> Status {
+         s.daemon_socket = std::string(t);
+         return Status::Ok();
+       },
+       [](const Settings& s) { return s.daemon_socket; }},
       {{"ztier.poison_released_params"},
        "ZTIER_POISON_RELEASED_PARAMS",
        JsonType::kBool,

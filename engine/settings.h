@@ -95,6 +95,8 @@ struct Settings {
   // How long a client waits on the engine (a unit's publish, a cache slot)
   // before it fails with a message instead of hanging.
   uint32_t wait_timeout_seconds = 600;
+  // The ztierd socket a client trains through; empty: the embedded engine.
+  std::string daemon_socket;
   // Test mode: a param cache slot (params on NVMe) is filled with NaNs as
   // its last lease is released, so a client still reading it shows.
   bool poison_released_params = false;

@@ -20,6 +20,7 @@
 #include "nvme/io_backend.h"
 #include "tests/client/memory_trainer.h"
 #include "tests/testing/scratch_dir.h"
+#include "tests/testing/test_daemon.h"
 
 namespace ztier::client {
 namespace {
@@ -202,7 +203,8 @@ Status ReadMasters(Model& model, int64_t steps, RunResult* out) {
 
 Result<RunResult> RunZtier(const TrainSetup& s, int steps, bool timeline = false) {
   ScratchDir swap("runner-swap");
-  ZT_ASSIGN_OR_RETURN(std::unique_ptr<Session> session, Session::Open(Options(s, swap.path())));
+  ZT_ASSIGN_OR_RETURN(std::unique_ptr<Session> session,
+                      testing::OpenTestSession(Options(s, swap.path())));
   ZT_ASSIGN_OR_RETURN(std::unique_ptr<Model> model, RegisterWithWeights(*session, s, "gpt"));
   RunResult out;
   ZT_RETURN_IF_ERROR(TrainThroughRunner(s, *model, 0, steps * s.accumulation, &out, timeline));
@@ -212,7 +214,8 @@ Result<RunResult> RunZtier(const TrainSetup& s, int steps, bool timeline = false
 
 Result<RunResult> RunInMemory(const TrainSetup& s, int steps) {
   // The layouts of the same registration (padding depends on the ranks).
-  ZT_ASSIGN_OR_RETURN(std::unique_ptr<Session> session, Session::Open(Options(TrainSetup{}, "")));
+  ZT_ASSIGN_OR_RETURN(std::unique_ptr<Session> session,
+                      testing::OpenTestSession(Options(TrainSetup{}, "")));
   TrainSetup dram = s;
   dram.optimizer_tier = dram.param_tier = Tier::kDram;
   ZT_ASSIGN_OR_RETURN(std::unique_ptr<Model> model, session->RegisterModel(Spec(dram, "layouts")));
@@ -347,7 +350,7 @@ INSTANTIATE_TEST_SUITE_P(Placements, RunnerEquivalenceTest, ::testing::ValuesIn(
 TEST(RunnerTest, LearnsTheAcquireOrder) {
   TrainSetup s;
   s.gpt.tied_head = true;
-  auto session = Session::Open(Options(s, ""));
+  auto session = testing::OpenTestSession(Options(s, ""));
   ASSERT_TRUE(session.ok());
   auto model = RegisterWithWeights(**session, s, "order");
   ASSERT_TRUE(model.ok()) << model.status();
@@ -388,7 +391,7 @@ TEST(RunnerTest, LiveBytesCapHoldsAndTrainingIsUnchanged) {
   // two of those: prefetching is limited by bytes, not by depth.
   uint64_t largest = 0;
   {
-    auto session = Session::Open(Options(s, ""));
+    auto session = testing::OpenTestSession(Options(s, ""));
     ASSERT_TRUE(session.ok());
     auto model = (*session)->RegisterModel(Spec(s, "sizes"));
     ASSERT_TRUE(model.ok());
@@ -462,6 +465,7 @@ TEST(RunnerTest, PrefetchOverlapsCopiesWithCompute) {
 }
 
 TEST(RunnerTest, ResumeFromACheckpointMatchesAnUninterruptedRun) {
+  ZTIER_SKIP_UNDER_DAEMON("checkpoints are not moved through the daemon yet");
   TrainSetup s;
   s.optimizer_tier = Tier::kNvme;
   s.accumulation = 2;
@@ -473,7 +477,7 @@ TEST(RunnerTest, ResumeFromACheckpointMatchesAnUninterruptedRun) {
   RunResult first, second;
   {
     ScratchDir swap("runner-swap");
-    auto session = Session::Open(Options(s, swap.path()));
+    auto session = testing::OpenTestSession(Options(s, swap.path()));
     ASSERT_TRUE(session.ok());
     auto model = RegisterWithWeights(**session, s, "gpt");
     ASSERT_TRUE(model.ok()) << model.status();
@@ -484,7 +488,7 @@ TEST(RunnerTest, ResumeFromACheckpointMatchesAnUninterruptedRun) {
   {
     // A new engine: nothing survives but the checkpoint.
     ScratchDir swap("runner-swap");
-    auto session = Session::Open(Options(s, swap.path()));
+    auto session = testing::OpenTestSession(Options(s, swap.path()));
     ASSERT_TRUE(session.ok());
     auto model = (*session)->RegisterModel(Spec(s, "gpt"));
     ASSERT_TRUE(model.ok());
@@ -500,6 +504,7 @@ TEST(RunnerTest, ResumeFromACheckpointMatchesAnUninterruptedRun) {
 // nothing hangs, and a new model loaded from the step-2 checkpoint trains on
 // exactly as an uninterrupted run.
 TEST(RunnerTest, AFullDiskFailsTheStepClearlyAndTheCheckpointResumes) {
+  ZTIER_SKIP_UNDER_DAEMON("checkpoints are not moved through the daemon yet");
   TrainSetup s;
   s.optimizer_tier = Tier::kNvme;
   const int steps = 4, saved = 2;
@@ -510,7 +515,7 @@ TEST(RunnerTest, AFullDiskFailsTheStepClearlyAndTheCheckpointResumes) {
   auto fault = std::make_shared<nvme::FaultBackend>(nvme::MakeUringBackend());
   SessionOptions options = Options(s, swap.path());
   options.io_backend = fault;
-  auto session = Session::Open(options);
+  auto session = testing::OpenTestSession(options);
   ASSERT_TRUE(session.ok()) << session.status();
   RunResult first;
   {
@@ -543,7 +548,7 @@ TEST(RunnerTest, AFullDiskFailsTheStepClearlyAndTheCheckpointResumes) {
 class RunnerErrorsTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    auto session = Session::Open(Options(s_, ""));
+    auto session = testing::OpenTestSession(Options(s_, ""));
     ASSERT_TRUE(session.ok());
     session_ = *std::move(session);
     auto model = RegisterWithWeights(*session_, s_, "bad");
@@ -699,7 +704,7 @@ TEST_F(RunnerErrorsTest, PrefetchFetchesExactlyTheNextUnitsOfTheLearnedOrder) {
 // runner starts; rounds where it was not prove nothing and are counted.
 TEST(RunnerTest, ARunnerMadeWhileAStepRunsReadsThatStep) {
   TrainSetup s;
-  auto session = Session::Open(Options(s, ""));
+  auto session = testing::OpenTestSession(Options(s, ""));
   ASSERT_TRUE(session.ok()) << session.status();
   Session::ModelSpec spec{
       .name = "tail-heavy",
@@ -798,13 +803,27 @@ TEST_F(RunnerErrorsTest, ModelLargerThanTheTiers) {
   EXPECT_NE(model.status().ToString().find("too-big"), std::string::npos) << model.status();
 }
 
-TEST_F(RunnerErrorsTest, DaemonTransportIsNotInThisBuild) {
+TEST(SessionTest, ADaemonSocketWithNothingListeningIsUnavailableNamingIt) {
+  ScratchDir dir("no-daemon");
   SessionOptions o;
-  o.daemon_socket = "/run/ztier/ztierd.sock";
+  o.daemon_socket = dir.path() + "/ztierd.sock";
   auto session = Session::Open(o);
   ASSERT_FALSE(session.ok());
-  EXPECT_EQ(session.status().code(), StatusCode::kUnavailable);
-  EXPECT_NE(session.status().ToString().find("embedded"), std::string::npos) << session.status();
+  EXPECT_EQ(session.status().code(), StatusCode::kUnavailable) << session.status();
+  EXPECT_NE(session.status().ToString().find(o.daemon_socket), std::string::npos)
+      << session.status();
+  // The same through the setting (ztier.daemon_socket, ZTIER_DAEMON_SOCKET).
+  SessionOptions by_setting;
+  by_setting.settings.daemon_socket = o.daemon_socket;
+  session = Session::Open(by_setting);
+  ASSERT_FALSE(session.ok());
+  EXPECT_EQ(session.status().code(), StatusCode::kUnavailable) << session.status();
+}
+
+TEST(SessionTest, TheTransportIsTheOneAskedFor) {
+  auto session = testing::OpenTestSession(Options(TrainSetup{}, ""));
+  ASSERT_TRUE(session.ok()) << session.status();
+  EXPECT_EQ((*session)->transport_name(), testing::DaemonUnderTest() ? "daemon" : "embedded");
 }
 
 }  // namespace

@@ -159,9 +159,24 @@ TEST(ProtocolTest, SmallPayloadsRoundTripAndRefuseEveryPrefix) {
   p.regions = 1;
   EXPECT_EQ(DecodeDramPoolStats(Encode(p))->reserved_bytes, uint64_t{1} << 28);
   EveryPrefixIsRefused(Encode(p), DecodeDramPoolStats);
+  const RegionList regions{
+      .regions = {{.region = 4, .bytes = 1 << 20},
+                  {.region = 5, .bytes = 8192, .access = RegionAccess::kReadWrite}}};
+  ASSERT_TRUE(DecodeRegionList(Encode(regions)).ok());
+  EXPECT_EQ(DecodeRegionList(Encode(regions))->regions[1].access, RegionAccess::kReadWrite);
+  EveryPrefixIsRefused(Encode(regions), DecodeRegionList);
+  const StagedData staged{.job = 1, .unit = 2, .bytes = 4096};
+  EXPECT_EQ(DecodeStagedData(Encode(staged))->bytes, 4096u);
+  EveryPrefixIsRefused(Encode(staged), DecodeStagedData);
 }
 
 TEST(ProtocolTest, InconsistentValuesAreRefused) {
+  EXPECT_FALSE(DecodeRegionList(Encode(RegionList{})).ok());  // no regions
+  EXPECT_FALSE(DecodeRegionList(Encode(RegionList{.regions = {{.region = 1, .bytes = 100}}})).ok());
+  RegionList five;
+  five.regions.assign(kMaxFdsPerMessage + 1, RegionInfo{.region = 1, .bytes = 4096});
+  EXPECT_FALSE(DecodeRegionList(Encode(five)).ok());
+  EXPECT_FALSE(DecodeStagedData(Encode(StagedData{.job = 0, .unit = 0, .bytes = 0})).ok());
   EXPECT_FALSE(
       DecodeSharedBuffer(
           Encode(SharedBuffer{.region = 0, .region_bytes = 4096, .offset = 4096, .bytes = 1}))

@@ -1,0 +1,101 @@
+// ztier engine: ztierd's service, an Engine shared by the jobs of every
+// client that connects to a SOCK_SEQPACKET listener (the protocol of
+// engine/protocol.h; the program around it is engine/ztierd_main.cc).
+//
+// Each connection has its own thread. A connection's first message is its
+// hello (protocol versions); the peer's uid (SO_PEERCRED) must be root,
+// the daemon's own, or on the allow-list when one is set. Jobs belong to
+// (uid, connection): a job's name is scoped by its uid (two users may both
+// train "gpt"; "already exists" names only the caller's own jobs), its
+// handle is valid on the connection that registered it only, so no client
+// can name, probe, map or unregister another's job. Requests that may block
+// (a params acquire, a publish wait) run on a thread of their own so the
+// connection keeps serving; replies carry the request's id. Bulk data
+// (weights in, states out) moves through a staging memfd the client made,
+// never through a path the daemon opens. Per-uid quotas bound connections
+// and jobs, and each connection bounds its requests in flight; a refusal
+// names the quota and the figures.
+//
+// A connection that closes (the client exited or died) has its param leases
+// released, its jobs unregistered (waiters wake with Aborted) and its
+// threads joined; the engine's counters return to where they were. Stop()
+// stops accepting, tells every client why (an error reply with request id
+// 0, Unavailable), unregisters the jobs and joins every thread; the DRAM
+// state of the jobs is not kept (users resume from their checkpoints).
+//
+// Thread safety: Serve runs on one thread; Stop and stats from any thread.
+// Failure: a client's bad request gets an error reply naming what is wrong;
+// a protocol violation (bad framing, a wrong fd) closes that connection
+// only, with a log line.
+#ifndef ZTIER_ENGINE_DAEMON_H_
+#define ZTIER_ENGINE_DAEMON_H_
+
+#include <sys/types.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "common/status.h"
+#include "engine/engine.h"
+#include "engine/seqpacket.h"
+#include "engine/settings.h"
+
+namespace ztier::nvme {
+class IoBackend;
+}
+
+namespace ztier::engine {
+
+struct DaemonOptions {
+  // Who may connect besides root and the daemon's own uid; empty: every
+  // uid the socket's permissions let in (mode 0660, group ztier).
+  std::vector<uid_t> allowed_uids;
+  int max_connections_per_uid = 64;
+  int max_jobs_per_uid = 16;
+  // Requests one connection may have blocked in the daemon at once.
+  int max_requests_in_flight = 256;
+};
+
+struct DaemonStats {
+  int connections = 0;
+  int jobs = 0;
+  uint64_t requests = 0;  // answered, since start
+  uint64_t refused = 0;   // connections refused (uid, quota, protocol)
+};
+
+class Daemon {
+ public:
+  // Creates the engine (Engine::Create). Errors: as Engine::Create,
+  // InvalidArgument (options).
+  static Result<std::unique_ptr<Daemon>> Create(
+      const Settings& settings, const DaemonOptions& options,
+      std::shared_ptr<nvme::IoBackend> io_backend = nullptr);
+  // Call after Serve returned (or when it never ran).
+  ~Daemon();
+  Daemon(const Daemon&) = delete;
+  Daemon& operator=(const Daemon&) = delete;
+
+  // Accepts connections on `listener` and serves them until Stop(); returns
+  // once every connection is closed and every thread joined. Errors:
+  // PosixError from accept (other than a timeout).
+  Status Serve(SeqPacketListener& listener);
+  // Ends Serve: stops accepting and closes every connection, telling each
+  // client `reason`. Idempotent; from any thread (not a signal handler).
+  void Stop(std::string_view reason);
+
+  DaemonStats stats() const;
+  Engine& engine();
+
+  struct Impl;
+
+ private:
+  explicit Daemon(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace ztier::engine
+
+#endif  // ZTIER_ENGINE_DAEMON_H_

@@ -1,0 +1,270 @@
+// ztierd: the per-node offload service. One engine (pinned DRAM pool, NVMe
+// swap space, CPU AdamW) shared by the training jobs of every user allowed
+// to connect to its socket (engine/daemon.h).
+//
+//   ztierd --socket /run/ztier/ztierd.sock --config /etc/ztier/ztierd.json
+//   systemd: ztierd.socket hands the listening socket over (LISTEN_FDS)
+//
+// Settings come from --config (the same file format as ztier-train's: a
+// DeepSpeed ds_config with ztier's keys under "ztier"), then ZTIER_*
+// variables; only the engine's part (budget, swap paths, threads, pages)
+// matters here, since each job brings its own optimizer and placement.
+// Under systemd it speaks sd_notify: READY=1 once the engine and the
+// socket are up, STATUS= with the connections and jobs, WATCHDOG=1 at half
+// the interval systemd asks for, STOPPING=1 on SIGTERM. SIGTERM / SIGINT
+// stop accepting, tell every client why, free every job and exit 0.
+//
+// Exit codes: 0 stopped by a signal, 1 a runtime error (printed), 2 bad
+// usage (flags, config, environment).
+#include <grp.h>
+#include <pthread.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <charconv>
+#include <chrono>
+#include <condition_variable>
+#include <cstdio>
+#include <cstring>
+#include <iostream>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common/log.h"
+#include "engine/daemon.h"
+#include "engine/seqpacket.h"
+#include "engine/settings.h"
+#include "engine/systemd.h"
+
+extern char** environ;
+
+namespace ztier::ztierd {
+namespace {
+
+using engine::Daemon;
+using engine::DaemonOptions;
+
+struct Flags {
+  std::string socket;
+  std::string config;
+  mode_t socket_mode = 0660;
+  DaemonOptions daemon;
+};
+
+void Usage(std::ostream& out) {
+  out << "usage: ztierd [--socket PATH] [--config FILE] [--socket-mode OCTAL]\n"
+         "              [--allow-uid UID]... [--max-jobs-per-uid N]\n"
+         "              [--max-connections-per-uid N] [--max-requests-in-flight N]\n"
+         "\n"
+         "  --socket PATH   listen on PATH (not needed under systemd socket activation)\n"
+         "  --config FILE   engine settings: a ds_config with ztier's keys (DRAM budget,\n"
+         "                  NVMe swap paths, optimizer threads); ZTIER_* variables apply on top\n"
+         "  --socket-mode   permissions of the socket ztierd binds (default 0660)\n"
+         "  --allow-uid     a uid that may connect besides root and ztierd's own (repeat);\n"
+         "                  none: every uid the socket's permissions let in\n"
+         "  --max-jobs-per-uid, --max-connections-per-uid (defaults 16, 64),\n"
+         "  --max-requests-in-flight (per connection, default 256): quotas\n";
+}
+
+Result<int64_t> IntFlag(std::string_view flag, std::string_view text, int64_t lo, int64_t hi) {
+  int64_t v = 0;
+  auto [ptr, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+  if (ec != std::errc() || ptr != text.data() + text.size() || v < lo || v > hi) {
+    return Status::InvalidArgument(
+        StrCat(flag, ": '", text, "' is not an integer in ", lo, "..", hi));
+  }
+  return v;
+}
+
+Result<Flags> ParseFlags(int argc, char** argv) {
+  Flags f;
+  for (int i = 1; i < argc; ++i) {
+    const std::string_view a = argv[i];
+    if (a == "--help" || a == "-h") {
+      Usage(std::cout);
+      std::exit(0);
+    }
+    if (i + 1 >= argc) return Status::InvalidArgument(StrCat(a, " needs a value"));
+    const char* v = argv[++i];
+    if (a == "--socket") {
+      f.socket = v;
+    } else if (a == "--config") {
+      f.config = v;
+    } else if (a == "--socket-mode") {
+      char* end = nullptr;
+      const unsigned long mode = std::strtoul(v, &end, 8);
+      if (end == v || *end != '\0' || mode > 0777) {
+        return Status::InvalidArgument(StrCat("--socket-mode: '", v, "' is not an octal mode"));
+      }
+      f.socket_mode = static_cast<mode_t>(mode);
+    } else if (a == "--allow-uid") {
+      ZT_ASSIGN_OR_RETURN(int64_t uid, IntFlag(a, v, 0, UINT32_MAX - 1));
+      f.daemon.allowed_uids.push_back(static_cast<uid_t>(uid));
+    } else if (a == "--max-jobs-per-uid") {
+      ZT_ASSIGN_OR_RETURN(int64_t n, IntFlag(a, v, 1, 1 << 20));
+      f.daemon.max_jobs_per_uid = static_cast<int>(n);
+    } else if (a == "--max-connections-per-uid") {
+      ZT_ASSIGN_OR_RETURN(int64_t n, IntFlag(a, v, 1, 1 << 20));
+      f.daemon.max_connections_per_uid = static_cast<int>(n);
+    } else if (a == "--max-requests-in-flight") {
+      ZT_ASSIGN_OR_RETURN(int64_t n, IntFlag(a, v, 1, 1 << 16));
+      f.daemon.max_requests_in_flight = static_cast<int>(n);
+    } else {
+      return Status::InvalidArgument(StrCat("unknown flag '", a, "'"));
+    }
+  }
+  return f;
+}
+
+// The listening socket: systemd's (LISTEN_FDS, the one named "control" or
+// the only one), else --socket.
+Result<engine::SeqPacketListener> OpenListener(const Flags& f) {
+  ZT_ASSIGN_OR_RETURN(std::vector<engine::systemd::ListenFd> fds, engine::systemd::TakeListenFds());
+  if (!fds.empty()) {
+    int chosen = -1;
+    for (const auto& l : fds) {
+      if (l.name == "control" || fds.size() == 1) chosen = l.fd;
+    }
+    for (const auto& l : fds) {
+      if (l.fd != chosen) ::close(l.fd);
+    }
+    if (chosen < 0) {
+      return Status::InvalidArgument(
+          "systemd passed sockets, none named 'control' (FileDescriptorName=control)");
+    }
+    ZT_LOG(kInfo, "ztierd") << "listening on the socket systemd passed (fd " << chosen << ")";
+    return engine::SeqPacketListener::FromFd(chosen);
+  }
+  if (f.socket.empty()) {
+    return Status::InvalidArgument("no --socket and no socket from systemd (LISTEN_FDS)");
+  }
+  ZT_ASSIGN_OR_RETURN(engine::SeqPacketListener l,
+                      engine::SeqPacketListener::Listen(f.socket, f.socket_mode));
+  ZT_LOG(kInfo, "ztierd") << "listening on " << f.socket;
+  return l;
+}
+
+int Run(const Flags& f) {
+  // Signals are taken by one thread (sigwait); block them before any other
+  // thread starts so none of those gets them.
+  sigset_t stop_signals;
+  sigemptyset(&stop_signals);
+  sigaddset(&stop_signals, SIGTERM);
+  sigaddset(&stop_signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+  ::signal(SIGPIPE, SIG_IGN);
+
+  engine::Settings settings;
+  if (!f.config.empty()) {
+    Result<engine::Settings> s = engine::LoadSettings(f.config);
+    if (!s.ok()) {
+      std::fprintf(stderr, "ztierd: %s\n", s.status().ToString().c_str());
+      return 2;
+    }
+    settings = *std::move(s);
+  }
+  Result<engine::Settings> env = engine::ApplyEnvironment(settings, environ);
+  if (!env.ok()) {
+    std::fprintf(stderr, "ztierd: %s\n", env.status().ToString().c_str());
+    return 2;
+  }
+  settings = *std::move(env);
+  if (Status v = engine::Validate(settings); !v.ok()) {
+    std::fprintf(stderr, "ztierd: %s\n", v.ToString().c_str());
+    return 2;
+  }
+
+  Result<engine::systemd::Notifier> notifier = engine::systemd::Notifier::FromEnvironment();
+  if (!notifier.ok()) {
+    std::fprintf(stderr, "ztierd: %s\n", notifier.status().ToString().c_str());
+    return 2;
+  }
+  Result<std::optional<std::chrono::microseconds>> watchdog = engine::systemd::WatchdogInterval();
+  if (!watchdog.ok()) {
+    std::fprintf(stderr, "ztierd: %s\n", watchdog.status().ToString().c_str());
+    return 2;
+  }
+  Result<engine::SeqPacketListener> listener = OpenListener(f);
+  if (!listener.ok()) {
+    std::fprintf(stderr, "ztierd: %s\n", listener.status().ToString().c_str());
+    return listener.status().code() == StatusCode::kInvalidArgument ? 2 : 1;
+  }
+  (void)notifier->SetStatus("starting the engine");
+  Result<std::unique_ptr<Daemon>> daemon = Daemon::Create(settings, f.daemon);
+  if (!daemon.ok()) {
+    std::fprintf(stderr, "ztierd: %s\n", daemon.status().ToString().c_str());
+    (void)listener->Close();
+    return daemon.status().code() == StatusCode::kInvalidArgument ? 2 : 1;
+  }
+  Daemon& d = **daemon;
+
+  std::atomic<bool> done{false};
+  std::mutex mu;
+  std::condition_variable cv;
+  std::thread signals([&] {
+    int sig = 0;
+    while (sigwait(&stop_signals, &sig) == 0) {
+      if (sig == SIGTERM || sig == SIGINT) break;
+    }
+    if (done.load()) return;
+    ZT_LOG(kInfo, "ztierd") << "received " << (sig == SIGTERM ? "SIGTERM" : "SIGINT")
+                            << ": stopping";
+    (void)notifier->Stopping();
+    (void)notifier->ExtendTimeout(std::chrono::seconds(30));
+    d.Stop(StrCat("ztierd is stopping (", sig == SIGTERM ? "SIGTERM" : "SIGINT",
+                  "); the DRAM state of its jobs is gone: resume from a checkpoint"));
+  });
+  // The watchdog and the status line, from one thread.
+  std::thread pinger([&] {
+    const auto interval =
+        watchdog->has_value()
+            ? std::chrono::duration_cast<std::chrono::milliseconds>(**watchdog) / 2
+            : std::chrono::milliseconds(5000);
+    std::unique_lock<std::mutex> lock(mu);
+    while (!done.load()) {
+      const engine::DaemonStats s = d.stats();
+      (void)notifier->SetStatus(
+          StrCat("serving: ", s.connections, " connections, ", s.jobs, " jobs"));
+      if (watchdog->has_value()) (void)notifier->Watchdog();
+      cv.wait_for(lock, interval, [&] { return done.load(); });
+    }
+  });
+
+  (void)notifier->Notify("READY=1\nSTATUS=serving: 0 connections, 0 jobs");
+  ZT_LOG(kInfo, "ztierd") << "ready";
+  Status served = d.Serve(*listener);
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    done.store(true);
+  }
+  cv.notify_all();
+  pinger.join();
+  // Wake the signal thread if Serve ended on its own (an accept error).
+  pthread_kill(signals.native_handle(), SIGTERM);
+  signals.join();
+  (void)listener->Close();
+  daemon->reset();
+  if (!served.ok()) {
+    std::fprintf(stderr, "ztierd: %s\n", served.ToString().c_str());
+    return 1;
+  }
+  ZT_LOG(kInfo, "ztierd") << "stopped";
+  return 0;
+}
+
+}  // namespace
+}  // namespace ztier::ztierd
+
+int main(int argc, char** argv) {
+  ztier::Result<ztier::ztierd::Flags> flags = ztier::ztierd::ParseFlags(argc, argv);
+  if (!flags.ok()) {
+    std::fprintf(stderr, "ztierd: %s\n\n", flags.status().ToString().c_str());
+    ztier::ztierd::Usage(std::cerr);
+    return 2;
+  }
+  return ztier::ztierd::Run(*flags);
+}
