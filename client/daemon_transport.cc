@@ -361,6 +361,12 @@ class DaemonTransport final : public Transport {
     Status sent = sock_.Send(*msg, fds, std::chrono::seconds(30));
     if (!sent.ok()) {
       forget();
+      // A daemon that refused or stopped said why before it closed: give
+      // the receiver a moment to read that.
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait_for(lock, std::chrono::seconds(2), [&] { return !dead_.ok(); });
+      }
       return Gone(sent);
     }
     std::unique_lock<std::mutex> lock(mu_);

@@ -16,9 +16,9 @@
 //
 // Exit codes: 0 stopped by a signal, 1 a runtime error (printed), 2 bad
 // usage (flags, config, environment).
-#include <grp.h>
 #include <pthread.h>
 #include <signal.h>
+#include <stdlib.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -260,6 +260,8 @@ int Run(const Flags& f) {
 }  // namespace ztier::ztierd
 
 int main(int argc, char** argv) {
+  // A service logs its clients coming and going (ZTIER_LOG overrides).
+  ::setenv("ZTIER_LOG", "info", /*overwrite=*/0);
   ztier::Result<ztier::ztierd::Flags> flags = ztier::ztierd::ParseFlags(argc, argv);
   if (!flags.ok()) {
     std::fprintf(stderr, "ztierd: %s\n\n", flags.status().ToString().c_str());

@@ -1,0 +1,620 @@
+// ztierd (engine/daemon.h) and libztier's daemon transport, end to end:
+// what a client may and may not do over the socket (a hostile client's
+// framing, fds and memfds; other connections' jobs; writable mappings of
+// read-only regions), quotas and the allow-list, a client that dies, a
+// daemon that stops or dies, and two users (a client forked with uid
+// 65534 against the ztierd program run as root).
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/mman.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstring>
+#include <filesystem>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "client/ztier.h"
+#include "engine/protocol.h"
+#include "engine/seqpacket.h"
+#include "engine/shared_memory.h"
+#include "tests/testing/scratch_dir.h"
+#include "tests/testing/test_daemon.h"
+
+extern char** environ;
+
+namespace ztier::client {
+namespace {
+
+namespace p = engine::protocol;
+using engine::SeqPacketSocket;
+using engine::Tier;
+using testing::TestDaemon;
+using namespace std::chrono_literals;
+
+engine::Settings SmallEngine() {
+  engine::Settings s;
+  s.dram_budget_bytes = uint64_t{128} << 20;
+  s.huge_pages = engine::HugePages::kNone;
+  return s;
+}
+
+engine::JobSpec TwoUnits(const std::string& name) {
+  engine::JobSpec spec;
+  spec.name = name;
+  for (int u = 0; u < 2; ++u) {
+    spec.units.push_back(
+        {.name = StrCat("u", u), .tensors = {{.name = StrCat("u", u, ".w"), .shape = {1000}}}});
+  }
+  return spec;
+}
+
+Session::ModelSpec ModelOf(const engine::JobSpec& job) {
+  Session::ModelSpec m;
+  m.name = job.name;
+  m.units = job.units;
+  return m;
+}
+
+// A client that speaks the protocol by hand, to send what libztier never
+// would.
+class RawClient {
+ public:
+  struct Reply {
+    p::Header header;
+    Status status;        // the reply's status
+    std::string payload;  // the fields after it
+    std::vector<UniqueFd> fds;
+  };
+
+  static RawClient Connect(const std::string& path, bool hello = true) {
+    RawClient c;
+    Result<SeqPacketSocket> s = SeqPacketSocket::Connect(path);
+    EXPECT_TRUE(s.ok()) << s.status();
+    if (s.ok()) c.sock_ = *std::move(s);
+    if (hello) {
+      Result<Reply> r = c.Call(p::MessageType::kHello, p::Encode(p::Hello{.name = "raw"}));
+      EXPECT_TRUE(r.ok() && r->status.ok()) << (r.ok() ? r->status : r.status());
+    }
+    return c;
+  }
+
+  Status SendRaw(std::string_view datagram, std::span<const int> fds = {}) {
+    return sock_.Send(datagram, fds, 5s);
+  }
+  Status Send(p::MessageType type, std::string_view payload, std::span<const int> fds = {},
+              uint32_t flags = 0) {
+    Result<std::string> msg = p::EncodeMessage({.type = type,
+                                                .flags = flags,
+                                                .request_id = next_id_++,
+                                                .fds = static_cast<uint32_t>(fds.size())},
+                                               payload);
+    if (!msg.ok()) return msg.status();
+    return SendRaw(*msg, fds);
+  }
+  Result<Reply> Receive(std::chrono::milliseconds timeout = 10s) {
+    ZT_ASSIGN_OR_RETURN(SeqPacketSocket::Received got,
+                        sock_.Receive(timeout, p::kMaxMessageBytes, p::kMaxFdsPerMessage));
+    ZT_ASSIGN_OR_RETURN(p::Header h,
+                        p::DecodeHeader(got.data, static_cast<uint32_t>(got.fds.size())));
+    Reply r;
+    r.header = h;
+    r.fds = std::move(got.fds);
+    Result<std::string_view> body =
+        p::DecodeReplyStatus(std::string_view(got.data).substr(p::kHeaderBytes));
+    if (body.ok()) {
+      r.payload = std::string(*body);
+    } else {
+      r.status = body.status();
+    }
+    return r;
+  }
+  Result<Reply> Call(p::MessageType type, std::string_view payload, std::span<const int> fds = {},
+                     uint32_t flags = 0) {
+    ZT_RETURN_IF_ERROR(Send(type, payload, fds, flags));
+    return Receive();
+  }
+  // The connection was closed by the daemon (after an optional notice).
+  bool Closed() {
+    for (int k = 0; k < 3; ++k) {
+      Result<SeqPacketSocket::Received> got =
+          sock_.Receive(5s, p::kMaxMessageBytes, p::kMaxFdsPerMessage);
+      if (!got.ok()) return got.status().message().find("closed") != std::string_view::npos;
+    }
+    return false;
+  }
+  SeqPacketSocket& socket() { return sock_; }
+
+ private:
+  SeqPacketSocket sock_;
+  uint64_t next_id_ = 1;
+};
+
+class DaemonTest : public ::testing::Test {
+ protected:
+  void SetUp() override { Start({}); }
+  void Start(const engine::DaemonOptions& options) {
+    daemon_.reset();
+    Result<std::unique_ptr<TestDaemon>> d = TestDaemon::Start(SmallEngine(), options);
+    ASSERT_TRUE(d.ok()) << d.status();
+    daemon_ = *std::move(d);
+  }
+  std::string socket() const { return daemon_->socket(); }
+
+  // Registers through the raw client; returns the handle.
+  int32_t Register(RawClient& c, const std::string& name) {
+    Result<RawClient::Reply> r = c.Call(p::MessageType::kRegisterJob, p::Encode(TwoUnits(name)));
+    EXPECT_TRUE(r.ok()) << r.status();
+    if (!r.ok()) return -1;
+    EXPECT_TRUE(r->status.ok()) << r->status;
+    Result<p::JobHandle> h = p::DecodeJobHandle(r->payload);
+    EXPECT_TRUE(h.ok()) << h.status();
+    return h.ok() ? h->job : -1;
+  }
+
+  // Waits (bounded) for the daemon's figures to settle.
+  void WaitForStats(int connections, int jobs) {
+    const auto deadline = std::chrono::steady_clock::now() + 10s;
+    engine::DaemonStats s;
+    while (std::chrono::steady_clock::now() < deadline) {
+      s = daemon_->daemon().stats();
+      if (s.connections == connections && s.jobs == jobs) return;
+      std::this_thread::sleep_for(10ms);
+    }
+    ADD_FAILURE() << "ztierd has " << s.connections << " connections and " << s.jobs
+                  << " jobs, expected " << connections << " and " << jobs;
+  }
+
+  std::unique_ptr<TestDaemon> daemon_;
+};
+
+// ------------------------------------------------------- a hostile client
+
+TEST_F(DaemonTest, TheFirstMessageMustBeTheHello) {
+  RawClient c = RawClient::Connect(socket(), /*hello=*/false);
+  Result<RawClient::Reply> r = c.Call(p::MessageType::kPoolStats, "");
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->status.code(), StatusCode::kFailedPrecondition) << r->status;
+  EXPECT_NE(r->status.ToString().find("hello"), std::string::npos) << r->status;
+  EXPECT_TRUE(c.Closed());
+}
+
+TEST_F(DaemonTest, AnotherProtocolVersionIsRefusedNamingBoth) {
+  RawClient c = RawClient::Connect(socket(), /*hello=*/false);
+  Result<RawClient::Reply> r = c.Call(
+      p::MessageType::kHello, p::Encode(p::Hello{.min_version = 7, .max_version = 9, .name = "x"}));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->status.code(), StatusCode::kFailedPrecondition) << r->status;
+  EXPECT_NE(r->status.ToString().find("7..9"), std::string::npos) << r->status;
+  EXPECT_TRUE(c.Closed());
+}
+
+TEST_F(DaemonTest, BrokenFramingGetsANoticeAndTheConnectionCloses) {
+  Result<std::string> good = p::EncodeMessage({.type = p::MessageType::kPoolStats}, "");
+  ASSERT_TRUE(good.ok());
+  std::string bad_magic = *good;
+  bad_magic[0] ^= 0x55;
+  std::string truncated = *p::EncodeMessage({.type = p::MessageType::kLayout},
+                                            p::Encode(p::UnitRef{.job = 1, .unit = 0}));
+  truncated.resize(truncated.size() - 3);
+  std::string oversize = *good + std::string(p::kMaxMessageBytes, 'x');
+  for (const std::string& msg : {bad_magic, truncated, oversize}) {
+    RawClient c = RawClient::Connect(socket());
+    ASSERT_TRUE(c.SendRaw(msg).ok());
+    Result<RawClient::Reply> r = c.Receive();
+    if (msg.size() <= p::kMaxMessageBytes) {
+      ASSERT_TRUE(r.ok()) << r.status();
+      EXPECT_EQ(r->header.request_id, 0u);
+      EXPECT_EQ(r->status.code(), StatusCode::kCorruption) << r->status;
+    }
+    EXPECT_TRUE(c.Closed());
+  }
+  // The daemon serves the next client.
+  RawClient ok = RawClient::Connect(socket());
+  Result<RawClient::Reply> r = ok.Call(p::MessageType::kPoolStats, "");
+  ASSERT_TRUE(r.ok() && r->status.ok());
+  WaitForStats(1, 0);
+}
+
+TEST_F(DaemonTest, UnexpectedFdsAreRefusedAndClosedAndTheConnectionGoesOn) {
+  RawClient c = RawClient::Connect(socket());
+  Result<UniqueFd> fd = engine::MakeSealedMemfd("extra", 4096);
+  ASSERT_TRUE(fd.ok());
+  const int fds[] = {fd->get()};
+  Result<RawClient::Reply> r = c.Call(p::MessageType::kPoolStats, "", fds);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->status.code(), StatusCode::kInvalidArgument) << r->status;
+  r = c.Call(p::MessageType::kPoolStats, "");
+  ASSERT_TRUE(r.ok() && r->status.ok()) << (r.ok() ? r->status : r.status());
+  EXPECT_TRUE(p::DecodeDramPoolStats(r->payload).ok());
+}
+
+TEST_F(DaemonTest, StagingMemfdsMustBeSealedAndOfTheRightSize) {
+  RawClient c = RawClient::Connect(socket());
+  const int32_t job = Register(c, "weights");
+  const uint64_t bytes = 1000 * sizeof(float);
+  // Unsealed: a client could shrink it under the daemon's mapping.
+  UniqueFd unsealed(::memfd_create("unsealed", MFD_CLOEXEC | MFD_ALLOW_SEALING));
+  ASSERT_EQ(::ftruncate(unsealed.get(), bytes), 0);
+  const int fds[] = {unsealed.get()};
+  Result<RawClient::Reply> r =
+      c.Call(p::MessageType::kWriteWeights,
+             p::Encode(p::StagedData{.job = job, .unit = 0, .bytes = bytes}), fds);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->status.code(), StatusCode::kInvalidArgument) << r->status;
+  EXPECT_NE(r->status.ToString().find("F_SEAL_SHRINK"), std::string::npos) << r->status;
+  // Sealed but smaller than it says.
+  Result<UniqueFd> small = engine::MakeSealedMemfd("small", bytes - 4);
+  ASSERT_TRUE(small.ok());
+  const int small_fds[] = {small->get()};
+  r = c.Call(p::MessageType::kWriteWeights,
+             p::Encode(p::StagedData{.job = job, .unit = 0, .bytes = bytes}), small_fds);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->status.code(), StatusCode::kInvalidArgument) << r->status;
+  // A regular file is not a memfd.
+  UniqueFd file(::open("/proc/self/exe", O_RDONLY | O_CLOEXEC));
+  const int file_fds[] = {file.get()};
+  r = c.Call(p::MessageType::kWriteWeights,
+             p::Encode(p::StagedData{.job = job, .unit = 0, .bytes = bytes}), file_fds);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->status.code(), StatusCode::kInvalidArgument) << r->status;
+  // No fd at all.
+  r = c.Call(p::MessageType::kWriteWeights,
+             p::Encode(p::StagedData{.job = job, .unit = 0, .bytes = bytes}));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->status.code(), StatusCode::kInvalidArgument) << r->status;
+}
+
+TEST_F(DaemonTest, ReadOnlyRegionsCannotBeMappedWritableNotEvenThroughProc) {
+  RawClient c = RawClient::Connect(socket());
+  const int32_t job = Register(c, "ro");
+  Result<RawClient::Reply> r = c.Call(p::MessageType::kRegions, p::Encode(p::JobRef{.job = job}));
+  ASSERT_TRUE(r.ok() && r->status.ok()) << (r.ok() ? r->status : r.status());
+  Result<p::RegionList> list = p::DecodeRegionList(r->payload);
+  ASSERT_TRUE(list.ok()) << list.status();
+  ASSERT_EQ(list->regions.size(), r->fds.size());
+  int read_only = 0, read_write = 0;
+  for (size_t k = 0; k < r->fds.size(); ++k) {
+    const p::RegionInfo& info = list->regions[k];
+    const int fd = r->fds[k].get();
+    void* w = ::mmap(nullptr, info.bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (info.access == engine::RegionAccess::kReadOnly) {
+      ++read_only;
+      EXPECT_EQ(w, MAP_FAILED) << "region " << info.region << " mapped writable";
+      // Reopened read-write through /proc: still no writable mapping, and
+      // no hole punching (a write through the fd fails too).
+      UniqueFd again(::open(StrCat("/proc/self/fd/", fd).c_str(), O_RDWR | O_CLOEXEC));
+      if (again.valid()) {
+        void* w2 = ::mmap(nullptr, info.bytes, PROT_READ | PROT_WRITE, MAP_SHARED, again.get(), 0);
+        EXPECT_EQ(w2, MAP_FAILED);
+        if (w2 != MAP_FAILED) ::munmap(w2, info.bytes);
+        const char byte = 1;
+        EXPECT_EQ(::pwrite(again.get(), &byte, 1, 0), -1);
+      }
+      EXPECT_NE(::ftruncate(fd, 0), 0);  // sealed against shrinking
+    } else {
+      ++read_write;
+      EXPECT_NE(w, MAP_FAILED) << std::strerror(errno);
+      EXPECT_NE(::ftruncate(fd, 0), 0);
+    }
+    if (w != MAP_FAILED) ::munmap(w, info.bytes);
+  }
+  EXPECT_EQ(read_only, 1);
+  EXPECT_EQ(read_write, 1);
+}
+
+TEST_F(DaemonTest, AJobIsVisibleOnlyOnItsConnection) {
+  RawClient a = RawClient::Connect(socket());
+  RawClient b = RawClient::Connect(socket());
+  const int32_t job = Register(a, "mine");
+  for (p::MessageType t :
+       {p::MessageType::kLayout, p::MessageType::kGradInbox, p::MessageType::kGradsReady,
+        p::MessageType::kReleaseParams, p::MessageType::kPublishedStep}) {
+    Result<RawClient::Reply> r = b.Call(t, p::Encode(p::UnitRef{.job = job, .unit = 0}));
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->status.code(), StatusCode::kNotFound) << p::MessageTypeName(t) << r->status;
+  }
+  for (p::MessageType t : {p::MessageType::kRegions, p::MessageType::kUnregisterJob,
+                           p::MessageType::kCounters, p::MessageType::kTargetStep}) {
+    Result<RawClient::Reply> r = b.Call(t, p::Encode(p::JobRef{.job = job}));
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->status.code(), StatusCode::kNotFound) << p::MessageTypeName(t) << r->status;
+    EXPECT_TRUE(r->fds.empty());
+  }
+  // Its owner still has it.
+  Result<RawClient::Reply> r =
+      a.Call(p::MessageType::kLayout, p::Encode(p::UnitRef{.job = job, .unit = 0}));
+  ASSERT_TRUE(r.ok() && r->status.ok());
+}
+
+TEST_F(DaemonTest, NamesAreScopedByUidAndErrorsDoNotShowTheScope) {
+  RawClient a = RawClient::Connect(socket());
+  RawClient b = RawClient::Connect(socket());
+  Register(a, "gpt");
+  Result<RawClient::Reply> r = b.Call(p::MessageType::kRegisterJob, p::Encode(TwoUnits("gpt")));
+  ASSERT_TRUE(r.ok()) << r.status();
+  // The same uid: its own name is taken; the message names it as given.
+  EXPECT_EQ(r->status.code(), StatusCode::kAlreadyExists) << r->status;
+  EXPECT_NE(r->status.ToString().find("'gpt'"), std::string::npos) << r->status;
+  EXPECT_EQ(r->status.ToString().find("uid"), std::string::npos) << r->status;
+}
+
+TEST_F(DaemonTest, QuotasRefuseNamingTheQuotaAndTheFigures) {
+  engine::DaemonOptions quotas;
+  quotas.max_connections_per_uid = 2;
+  quotas.max_jobs_per_uid = 1;
+  Start(quotas);
+  RawClient a = RawClient::Connect(socket());
+  Register(a, "one");
+  Result<RawClient::Reply> r = a.Call(p::MessageType::kRegisterJob, p::Encode(TwoUnits("two")));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->status.code(), StatusCode::kResourceExhausted) << r->status;
+  EXPECT_NE(r->status.ToString().find("max_jobs_per_uid"), std::string::npos) << r->status;
+  RawClient b = RawClient::Connect(socket());
+  // The third connection of the uid is refused at its hello.
+  Result<SeqPacketSocket> third = SeqPacketSocket::Connect(socket());
+  ASSERT_TRUE(third.ok());
+  SessionOptions o;
+  o.daemon_socket = socket();
+  Result<std::unique_ptr<Session>> s = Session::Open(o);
+  ASSERT_FALSE(s.ok());
+  EXPECT_EQ(s.status().code(), StatusCode::kResourceExhausted) << s.status();
+  EXPECT_NE(s.status().ToString().find("max_connections_per_uid"), std::string::npos) << s.status();
+}
+
+// --------------------------------------------------------- lifecycle
+
+TEST_F(DaemonTest, AClientThatDiesHasItsLeasesWaitsAndJobsFreed) {
+  const engine::DramPoolStats before = daemon_->daemon().engine().pool_stats();
+  {
+    RawClient c = RawClient::Connect(socket());
+    const int32_t job = Register(c, "dies");
+    std::vector<float> w(1000, 0.5f);
+    Result<UniqueFd> fd = engine::MakeSealedMemfd("w", w.size() * 4);
+    ASSERT_TRUE(fd.ok());
+    ASSERT_EQ(::pwrite(fd->get(), w.data(), w.size() * 4, 0), 4000);
+    for (int unit = 0; unit < 2; ++unit) {
+      const int fds[] = {fd->get()};
+      Result<RawClient::Reply> r =
+          c.Call(p::MessageType::kWriteWeights,
+                 p::Encode(p::StagedData{.job = job, .unit = unit, .bytes = 4000}), fds);
+      ASSERT_TRUE(r.ok() && r->status.ok()) << (r.ok() ? r->status : r.status());
+    }
+    // A lease held, and a wait that cannot end (step 1 needs grads).
+    Result<RawClient::Reply> r =
+        c.Call(p::MessageType::kAcquireParams,
+               p::Encode(p::StepWait{.job = job, .unit = 0, .step = 0, .timeout = 1s}));
+    ASSERT_TRUE(r.ok() && r->status.ok()) << (r.ok() ? r->status : r.status());
+    ASSERT_TRUE(c.Send(p::MessageType::kWaitPublished,
+                       p::Encode(p::StepWait{.job = job, .unit = 1, .step = 1, .timeout = 600s}))
+                    .ok());
+    WaitForStats(1, 1);
+  }  // the socket closes: the client is gone
+  WaitForStats(0, 0);
+  const engine::DramPoolStats after = daemon_->daemon().engine().pool_stats();
+  EXPECT_EQ(after.used_bytes, before.used_bytes);
+}
+
+TEST_F(DaemonTest, AStoppingDaemonTellsEveryClientWhyAndNothingHangs) {
+  SessionOptions o;
+  o.daemon_socket = socket();
+  Result<std::unique_ptr<Session>> s = Session::Open(o);
+  ASSERT_TRUE(s.ok()) << s.status();
+  Result<std::unique_ptr<Model>> m = (*s)->RegisterModel(ModelOf(TwoUnits("stop")));
+  ASSERT_TRUE(m.ok()) << m.status();
+  std::vector<float> w(1000, 1.0f);
+  ASSERT_TRUE((*m)->SetWeights(0, w.data(), w.size()).ok());
+  ASSERT_TRUE((*m)->SetWeights(1, w.data(), w.size()).ok());
+  // A wait blocked in the daemon ends with the daemon's reason.
+  Status waited;
+  std::thread waiter([&] { waited = (*m)->WaitPublished(1, 600s); });
+  std::this_thread::sleep_for(100ms);
+  const auto t0 = std::chrono::steady_clock::now();
+  daemon_->Stop("maintenance at noon");
+  waiter.join();
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 5s);
+  EXPECT_FALSE(waited.ok());
+  EXPECT_TRUE(waited.code() == StatusCode::kUnavailable || waited.code() == StatusCode::kAborted)
+      << waited;
+  // Every later call fails at once, with the reason.
+  EXPECT_EQ((*m)->published_step(), -1);
+  Status again = (*m)->SetWeights(0, w.data(), w.size());
+  EXPECT_EQ(again.code(), StatusCode::kUnavailable) << again;
+  EXPECT_NE(again.ToString().find("maintenance at noon"), std::string::npos) << again;
+}
+
+TEST_F(DaemonTest, ALargeJobSpecTravelsInAMemfd) {
+  engine::JobSpec spec;
+  spec.name = "many-units";
+  for (int u = 0; u < 600; ++u) {
+    spec.units.push_back({.name = StrCat("layer.", u, std::string(100, 'x')),
+                          .tensors = {{.name = StrCat("w", u), .shape = {64}}}});
+  }
+  ASSERT_GT(p::Encode(spec).size(), p::kMaxMessageBytes);
+  SessionOptions o;
+  o.daemon_socket = socket();
+  Result<std::unique_ptr<Session>> s = Session::Open(o);
+  ASSERT_TRUE(s.ok()) << s.status();
+  Result<std::unique_ptr<Model>> m = (*s)->RegisterModel(ModelOf(spec));
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_EQ((*m)->units(), 600);
+  // Weights in, the master out, through staging memfds.
+  std::vector<float> w(64);
+  for (int k = 0; k < 64; ++k) w[k] = 0.25f * k;
+  ASSERT_TRUE((*m)->SetWeights(599, w.data(), w.size()).ok());
+  std::vector<float> master;
+  ASSERT_TRUE((*m)->ReadMaster(599, &master).ok());
+  ASSERT_GE(master.size(), 64u);
+  for (int k = 0; k < 64; ++k) EXPECT_EQ(master[k], w[k]);
+}
+
+// ------------------------------------------- the ztierd program, as root
+
+// ztierd run as a child process, on a socket every uid may reach.
+class ZtierdProcess {
+ public:
+  explicit ZtierdProcess(const std::vector<std::string>& extra) {
+    std::string d = "/tmp/ztierd-proc-XXXXXX";
+    EXPECT_NE(::mkdtemp(d.data()), nullptr);
+    ::chmod(d.c_str(), 0755);
+    dir_ = d;
+    std::vector<std::string> args = {ZTIERD_BINARY, "--socket", socket(), "--socket-mode", "0666"};
+    args.insert(args.end(), extra.begin(), extra.end());
+    std::vector<char*> argv;
+    for (std::string& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    std::vector<std::string> env_s = {"ZTIER_DRAM_BUDGET=128M", "ZTIER_HUGE_PAGES=none",
+                                      "ZTIER_LOG=info"};
+    std::vector<char*> env;
+    for (std::string& e : env_s) env.push_back(e.data());
+    env.push_back(nullptr);
+    posix_spawn_file_actions_t fa;
+    posix_spawn_file_actions_init(&fa);
+    posix_spawn_file_actions_addopen(&fa, 2, (dir_ + "/log").c_str(), O_WRONLY | O_CREAT | O_TRUNC,
+                                     0644);
+    EXPECT_EQ(posix_spawn(&pid_, argv[0], &fa, nullptr, argv.data(), env.data()), 0);
+    posix_spawn_file_actions_destroy(&fa);
+    // Ready once the socket answers.
+    for (int k = 0; k < 500 && !SeqPacketSocket::Connect(socket()).ok(); ++k) {
+      std::this_thread::sleep_for(10ms);
+    }
+  }
+  ~ZtierdProcess() {
+    if (pid_ > 0) {
+      ::kill(pid_, SIGKILL);
+      ::waitpid(pid_, nullptr, 0);
+    }
+    std::error_code ec;
+    std::filesystem::remove_all(dir_, ec);
+  }
+  std::string socket() const { return dir_ + "/ztierd.sock"; }
+  pid_t pid() const { return pid_; }
+  // Exit status after `sig`, or -1 past 10 s.
+  int SignalAndWait(int sig) {
+    ::kill(pid_, sig);
+    for (int k = 0; k < 1000; ++k) {
+      int st = 0;
+      if (::waitpid(pid_, &st, WNOHANG) == pid_) {
+        pid_ = -1;
+        return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+      }
+      std::this_thread::sleep_for(10ms);
+    }
+    return -1;
+  }
+  std::string log() const {
+    std::string out;
+    Result<std::string> r = ReadSmall(dir_ + "/log");
+    return r.ok() ? *r : "";
+  }
+
+ private:
+  static Result<std::string> ReadSmall(const std::string& path) {
+    UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+    if (!fd.valid()) return PosixError(path, errno);
+    std::string out(1 << 20, '\0');
+    const ssize_t n = ::read(fd.get(), out.data(), out.size());
+    out.resize(n > 0 ? n : 0);
+    return out;
+  }
+  std::string dir_;
+  pid_t pid_ = -1;
+};
+
+// Runs `body` in a child process as uid/gid 65534 (nobody); returns its
+// exit code (0: every check in it passed).
+template <class Body>
+int AsNobody(Body body) {
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    if (::setresgid(65534, 65534, 65534) != 0 || ::setresuid(65534, 65534, 65534) != 0) _exit(90);
+    _exit(body());
+  }
+  int st = 0;
+  ::waitpid(pid, &st, 0);
+  return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+}
+
+TEST(ZtierdProgramTest, TwoUsersEachSeeOnlyTheirOwnJobs) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root to run a client as another uid";
+  ZtierdProcess d({});
+  SessionOptions o;
+  o.daemon_socket = d.socket();
+  Result<std::unique_ptr<Session>> root = Session::Open(o);
+  ASSERT_TRUE(root.ok()) << root.status() << d.log();
+  Result<std::unique_ptr<Model>> mine = (*root)->RegisterModel(ModelOf(TwoUnits("gpt")));
+  ASSERT_TRUE(mine.ok()) << mine.status();
+  const int rc = AsNobody([&] {
+    RawClient c = RawClient::Connect(d.socket());
+    // Root's job is handle 1 on root's connection: on this one it does not exist.
+    Result<RawClient::Reply> r = c.Call(p::MessageType::kRegions, p::Encode(p::JobRef{.job = 1}));
+    if (!r.ok() || r->status.code() != StatusCode::kNotFound || !r->fds.empty()) return 1;
+    r = c.Call(p::MessageType::kUnregisterJob, p::Encode(p::JobRef{.job = 1}));
+    if (!r.ok() || r->status.code() != StatusCode::kNotFound) return 2;
+    // The same name in this uid's own namespace is free.
+    r = c.Call(p::MessageType::kRegisterJob, p::Encode(TwoUnits("gpt")));
+    if (!r.ok() || !r->status.ok()) return 3;
+    return 0;
+  });
+  EXPECT_EQ(rc, 0) << d.log();
+  // Root's job is untouched.
+  EXPECT_EQ((*mine)->published_step(), -1);
+  EXPECT_EQ((*mine)->counters().dram_bytes > 0, true);
+}
+
+TEST(ZtierdProgramTest, AUidOffTheAllowListIsRefusedAtItsHello) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root to run a client as another uid";
+  ZtierdProcess d({"--allow-uid", "4242"});
+  const int rc = AsNobody([&] {
+    SessionOptions o;
+    o.daemon_socket = d.socket();
+    Result<std::unique_ptr<Session>> s = Session::Open(o);
+    if (s.ok()) return 1;
+    if (s.status().ToString().find("uid 65534 is not on") == std::string::npos) return 2;
+    return 0;
+  });
+  EXPECT_EQ(rc, 0) << d.log();
+}
+
+TEST(ZtierdProgramTest, SigtermStopsCleanlyAndKillNineFailsClientsFast) {
+  {
+    ZtierdProcess d({});
+    SessionOptions o;
+    o.daemon_socket = d.socket();
+    Result<std::unique_ptr<Session>> s = Session::Open(o);
+    ASSERT_TRUE(s.ok()) << s.status() << d.log();
+    Result<std::unique_ptr<Model>> m = (*s)->RegisterModel(ModelOf(TwoUnits("t")));
+    ASSERT_TRUE(m.ok()) << m.status();
+    EXPECT_EQ(d.SignalAndWait(SIGTERM), 0) << d.log();
+    Status after = (*m)->WaitPublished(0, 5s);
+    EXPECT_EQ(after.code(), StatusCode::kUnavailable) << after;
+    EXPECT_NE(after.ToString().find("SIGTERM"), std::string::npos) << after;
+    EXPECT_NE(d.log().find("stopped"), std::string::npos) << d.log();
+  }
+  {
+    ZtierdProcess d({});
+    SessionOptions o;
+    o.daemon_socket = d.socket();
+    Result<std::unique_ptr<Session>> s = Session::Open(o);
+    ASSERT_TRUE(s.ok()) << s.status() << d.log();
+    Result<std::unique_ptr<Model>> m = (*s)->RegisterModel(ModelOf(TwoUnits("k")));
+    ASSERT_TRUE(m.ok()) << m.status();
+    Status waited;
+    std::thread waiter([&] { waited = (*m)->WaitPublished(1, 600s); });
+    std::this_thread::sleep_for(100ms);
+    const auto t0 = std::chrono::steady_clock::now();
+    EXPECT_EQ(d.SignalAndWait(SIGKILL), 128 + SIGKILL);
+    waiter.join();
+    EXPECT_LT(std::chrono::steady_clock::now() - t0, 5s);
+    EXPECT_EQ(waited.code(), StatusCode::kUnavailable) << waited;
+    EXPECT_NE(waited.ToString().find("resume from a checkpoint"), std::string::npos) << waited;
+  }
+}
+
+}  // namespace
+}  // namespace ztier::client
