@@ -81,8 +81,14 @@ struct Daemon::Impl {
 // holds leases on, and the threads of its blocking requests.
 class Daemon::Impl::Connection {
  public:
-  Connection(Impl& d, SeqPacketSocket sock, PeerCredentials peer)
-      : d_(d), sock_(std::move(sock)), peer_(peer), prefix_(ScopedPrefix(peer.uid)) {}
+  // `refusal` not OK: the connection only answers the client's hello with
+  // it (so the client reads why, rather than a reset) and closes.
+  Connection(Impl& d, SeqPacketSocket sock, PeerCredentials peer, Status refusal)
+      : d_(d),
+        sock_(std::move(sock)),
+        peer_(peer),
+        prefix_(ScopedPrefix(peer.uid)),
+        refusal_(std::move(refusal)) {}
 
   void Run() {
     Loop();
@@ -111,7 +117,9 @@ class Daemon::Impl::Connection {
   };
 
   void Loop() {
+    const auto refuse_by = Clock::now() + std::chrono::seconds(2);
     while (!d_.stopping.load()) {
+      if (!refusal_.ok() && Clock::now() > refuse_by) return;
       pollfd pfd{.fd = sock_.fd(), .events = POLLIN, .revents = 0};
       const int n = ::poll(&pfd, 1, static_cast<int>(kPollInterval.count()));
       ReapWorkers();
@@ -138,6 +146,10 @@ class Daemon::Impl::Connection {
       }
       if ((h->flags & p::kFlagReply) != 0) {
         SendError(0, h->type, Status::Corruption("a client sent a reply"));
+        return;
+      }
+      if (!refusal_.ok()) {
+        SendError(h->request_id, h->type, refusal_);
         return;
       }
       if (!hello_done_ && h->type != p::MessageType::kHello) {
@@ -513,6 +525,11 @@ class Daemon::Impl::Connection {
 
   // The client is gone or the daemon stops: free what the connection held.
   void Close() {
+    if (!refusal_.ok()) {
+      sock_.Shutdown();
+      finished_.store(true);
+      return;
+    }
     if (d_.stopping.load()) {
       std::string reason;
       {
@@ -560,6 +577,7 @@ class Daemon::Impl::Connection {
   SeqPacketSocket sock_;
   const PeerCredentials peer_;
   const std::string prefix_;
+  const Status refusal_;
   std::thread thread_;
   std::atomic<bool> finished_{false};
   bool hello_done_ = false;  // the connection thread's
@@ -666,13 +684,8 @@ Status Daemon::Serve(SeqPacketListener& listener) {
     if (!refuse.ok()) {
       ZT_LOG(kWarn, "ztierd") << "refused pid " << peer->pid << ": " << refuse;
       d.refused.fetch_add(1);
-      // The client's hello gets the refusal as its reply.
-      Result<std::string> msg = p::EncodeMessage(
-          {.type = p::MessageType::kHello, .flags = p::kFlagReply}, p::EncodeStatus(refuse));
-      if (msg.ok()) (void)sock->Send(*msg, {}, std::chrono::milliseconds(100));
-      continue;
     }
-    auto conn = std::make_unique<Impl::Connection>(d, *std::move(sock), *peer);
+    auto conn = std::make_unique<Impl::Connection>(d, *std::move(sock), *peer, refuse);
     Impl::Connection* c = conn.get();
     {
       std::lock_guard<std::mutex> lock(d.mu);
