@@ -59,10 +59,14 @@ class DaemonTransport final : public Transport {
     ZT_ASSIGN_OR_RETURN(SeqPacketSocket sock, SeqPacketSocket::Connect(path));
     auto t = std::shared_ptr<DaemonTransport>(new DaemonTransport(path, std::move(sock)));
     t->receiver_ = std::thread([raw = t.get()] { raw->ReceiveLoop(); });
-    ZT_ASSIGN_OR_RETURN(
-        Reply r,
-        t->Call(p::MessageType::kHello, p::Encode(p::Hello{.name = "libztier"}), {}, kCallTimeout));
-    ZT_ASSIGN_OR_RETURN(p::Hello h, p::DecodeHello(r.payload));
+    Result<Reply> r =
+        t->Call(p::MessageType::kHello, p::Encode(p::Hello{.name = "libztier"}), {}, kCallTimeout);
+    if (!r.ok()) {
+      const Status& s = r.status();
+      if (s.message().starts_with("ztierd at ")) return s;
+      return Status(s.code(), StrCat("ztierd at ", path, ": ", s.message()), s.sys_errno());
+    }
+    ZT_ASSIGN_OR_RETURN(p::Hello h, p::DecodeHello(r->payload));
     ZT_LOG(kInfo, "client") << "connected to " << h.name << " at " << path;
     return std::shared_ptr<Transport>(std::move(t));
   }
