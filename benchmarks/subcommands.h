@@ -6,6 +6,7 @@
 namespace ztier::bench {
 
 int RunAdam(int argc, char** argv);
+int RunDaemon(int argc, char** argv);
 int RunNvme(int argc, char** argv);
 int RunPcie(int argc, char** argv);
 int RunRpc(int argc, char** argv);

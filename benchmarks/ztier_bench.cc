@@ -2,6 +2,7 @@
 // path and prints its ratio to a limit measured in the same run.
 //
 //   ztier-bench adam [options]   CPU AdamW vs a same-pattern memory kernel
+//   ztier-bench daemon [options] a training step through ztierd vs embedded
 //   ztier-bench nvme [options]   swap-space I/O vs fio on the same directories
 //   ztier-bench pcie [options]   host <-> device copies vs the pinned cudaMemcpy peak
 //   ztier-bench step [options]   the engine's optimizer step vs I/O and compute alone
@@ -17,6 +18,8 @@ constexpr const char* kUsage = R"(usage: ztier-bench <subcommand> [options]
 
 subcommands:
   adam    fused CPU AdamW step vs the same-pattern memory limit
+  daemon  a model's stage-3 step through ztierd vs the embedded engine,
+          alternated; the daemon's control round trip
   nvme    striped swap-space write/read vs fio on the same drives
   pcie    host <-> device copies from the engine's pinned buffers vs the
           pinned cudaMemcpyAsync peak (CUDA) or same-size memcpy (host)
@@ -37,6 +40,7 @@ int main(int argc, char** argv) {
   }
   const std::string_view sub = argv[1];
   if (sub == "adam") return ztier::bench::RunAdam(argc - 2, argv + 2);
+  if (sub == "daemon") return ztier::bench::RunDaemon(argc - 2, argv + 2);
   if (sub == "nvme") return ztier::bench::RunNvme(argc - 2, argv + 2);
   if (sub == "pcie") return ztier::bench::RunPcie(argc - 2, argv + 2);
   if (sub == "rpc") return ztier::bench::RunRpc(argc - 2, argv + 2);

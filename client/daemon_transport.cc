@@ -14,6 +14,12 @@
 // (closed connection, no answer in time: every waiting call fails at once),
 // with the daemon's reason when it said one (a stop); InvalidArgument for a
 // region or buffer the daemon described wrongly.
+//
+// Checkpoints and safetensors files are read and written here, by the
+// client, with the format code the engine uses (engine/state_files.h); the
+// state moves through staging memfds, so the daemon never opens a path a
+// client names (it cannot be made to read or write another user's files).
+// The client holds the lock on a checkpoint directory it saves to.
 #include <poll.h>
 
 #include <algorithm>
@@ -21,6 +27,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstring>
+#include <filesystem>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -30,10 +37,12 @@
 #include <vector>
 
 #include "client/transport.h"
+#include "common/dir_lock.h"
 #include "common/log.h"
 #include "engine/protocol.h"
 #include "engine/seqpacket.h"
 #include "engine/shared_memory.h"
+#include "engine/state_files.h"
 
 namespace ztier::client {
 namespace {
@@ -51,6 +60,19 @@ constexpr std::chrono::seconds kCallTimeout{120};
 struct Reply {
   std::string payload;  // after the status
   std::vector<UniqueFd> fds;
+};
+
+// A memfd this process made to move bulk data through, mapped here.
+struct Staging {
+  static Result<Staging> Make(uint64_t bytes) {
+    Staging s;
+    ZT_ASSIGN_OR_RETURN(s.fd, engine::MakeSealedMemfd("ztier-staging", bytes));
+    ZT_ASSIGN_OR_RETURN(s.map, Mapping::Map(s.fd.get(), bytes, true, "the staging memfd"));
+    return s;
+  }
+  float* floats() const { return static_cast<float*>(map.data()); }
+  UniqueFd fd;
+  Mapping map;
 };
 
 class DaemonTransport final : public Transport {
@@ -98,7 +120,7 @@ class DaemonTransport final : public Transport {
       return Status::Internal(StrCat("ztierd registered job '", spec.name, "' with ", h.units,
                                      " units and ", h.ranks, " ranks"));
     }
-    Status mapped = MapRegions(h.job, static_cast<int>(spec.units.size()));
+    Status mapped = MapRegions(h.job, spec);
     if (!mapped.ok()) {
       (void)Call(p::MessageType::kUnregisterJob, p::Encode(p::JobRef{.job = h.job}), {},
                  kCallTimeout);
@@ -144,12 +166,9 @@ class DaemonTransport final : public Transport {
           StrCat("unit ", unit, ": ", numel, " weights given, the unit has ", l.numel));
     }
     const uint64_t bytes = numel * sizeof(float);
-    ZT_ASSIGN_OR_RETURN(UniqueFd fd, engine::MakeSealedMemfd("ztier-staging", bytes));
-    {
-      ZT_ASSIGN_OR_RETURN(Mapping m, Mapping::Map(fd.get(), bytes, true, "the staging memfd"));
-      std::memcpy(m.data(), flat, bytes);
-    }
-    const int fds[] = {fd.get()};
+    ZT_ASSIGN_OR_RETURN(Staging staging, Staging::Make(bytes));
+    std::memcpy(staging.floats(), flat, bytes);
+    const int fds[] = {staging.fd.get()};
     return Call(p::MessageType::kWriteWeights,
                 p::Encode(p::StagedData{.job = job, .unit = unit, .bytes = bytes}), fds,
                 kCallTimeout)
@@ -158,18 +177,12 @@ class DaemonTransport final : public Transport {
 
   Status ReadState(int job, int unit, float* master, float* m, float* v) override {
     ZT_ASSIGN_OR_RETURN(engine::UnitLayout l, Layout(job, unit));
-    const uint64_t one = l.padded * sizeof(float);
-    ZT_ASSIGN_OR_RETURN(UniqueFd fd, engine::MakeSealedMemfd("ztier-staging", 3 * one));
-    const int fds[] = {fd.get()};
-    ZT_RETURN_IF_ERROR(Call(p::MessageType::kReadState,
-                            p::Encode(p::StagedData{.job = job, .unit = unit, .bytes = 3 * one}),
-                            fds, kCallTimeout)
-                           .status());
-    ZT_ASSIGN_OR_RETURN(Mapping map, Mapping::Map(fd.get(), 3 * one, false, "the staging memfd"));
-    const char* base = static_cast<const char*>(map.data());
-    std::memcpy(master, base, one);
-    std::memcpy(m, base + one, one);
-    std::memcpy(v, base + 2 * one, one);
+    const uint64_t n = l.padded;
+    ZT_ASSIGN_OR_RETURN(Staging staging, Staging::Make(3 * n * sizeof(float)));
+    ZT_RETURN_IF_ERROR(StagedCall(p::MessageType::kReadState, job, unit, staging));
+    std::memcpy(master, staging.floats(), n * sizeof(float));
+    std::memcpy(m, staging.floats() + n, n * sizeof(float));
+    std::memcpy(v, staging.floats() + 2 * n, n * sizeof(float));
     return Status::Ok();
   }
 
@@ -226,13 +239,55 @@ class DaemonTransport final : public Transport {
     return StepQuery(p::MessageType::kTargetStep, p::Encode(p::JobRef{.job = job}));
   }
 
-  Status ClaimCheckpointDir(int, const std::string& dir) override { return NotThroughDaemon(dir); }
-  Status SaveCheckpoint(int, const std::string& dir) override { return NotThroughDaemon(dir); }
-  Status LoadCheckpoint(int, const std::string& dir) override { return NotThroughDaemon(dir); }
-  Status ExportSafetensors(int, const std::string& path, engine::ExportType) override {
-    return NotThroughDaemon(path);
+  Status ClaimCheckpointDir(int job, const std::string& dir) override {
+    ZT_RETURN_IF_ERROR(engine::CreateCheckpointDir(dir));
+    const std::string key = DirKey(dir);
+    std::lock_guard<std::mutex> lock(mu_);
+    auto j = jobs_.find(job);
+    if (j == jobs_.end()) return Status::NotFound(StrCat("no job ", job, " in this session"));
+    for (const auto& [id, other] : jobs_) {
+      if (other.dirs.count(key) != 0) {
+        if (id == job) return Status::Ok();
+        return Status::Unavailable(StrCat("checkpoint directory ", dir, " is used by job '",
+                                          other.spec.name,
+                                          "' of this process for its checkpoints; choose "
+                                          "another directory"));
+      }
+    }
+    ZT_ASSIGN_OR_RETURN(DirLock l,
+                        DirLock::Acquire(dir, engine::kCheckpointLockFile, "checkpoint directory",
+                                         DirLock::Mode::kExclusive));
+    j->second.dirs.emplace(key, std::move(l));
+    return Status::Ok();
   }
-  Status ImportSafetensors(int, const std::string& path) override { return NotThroughDaemon(path); }
+
+  Status SaveCheckpoint(int job, const std::string& dir) override {
+    ZT_RETURN_IF_ERROR(ClaimCheckpointDir(job, dir));
+    ZT_ASSIGN_OR_RETURN(engine::JobDescription d, Describe(job));
+    DaemonStateAccess state(*this, job, d);
+    return engine::SaveCheckpointFiles(d, state, dir)
+        .Annotate(StrCat("save checkpoint of job '", d.name, "'"))
+        .Annotate(dir);
+  }
+  Status LoadCheckpoint(int job, const std::string& dir) override {
+    ZT_ASSIGN_OR_RETURN(engine::JobDescription d, Describe(job));
+    DaemonStateAccess state(*this, job, d);
+    return engine::LoadCheckpointFiles(d, state, dir)
+        .Annotate(StrCat("load checkpoint of job '", d.name, "'"))
+        .Annotate(dir);
+  }
+  Status ExportSafetensors(int job, const std::string& path, engine::ExportType type) override {
+    ZT_ASSIGN_OR_RETURN(engine::JobDescription d, Describe(job));
+    DaemonStateAccess state(*this, job, d);
+    return engine::ExportSafetensorsFile(d, state, path, type)
+        .Annotate(StrCat("export safetensors of job '", d.name, "'"));
+  }
+  Status ImportSafetensors(int job, const std::string& path) override {
+    ZT_ASSIGN_OR_RETURN(engine::JobDescription d, Describe(job));
+    DaemonStateAccess state(*this, job, d);
+    return engine::ImportSafetensorsFile(d, state, path)
+        .Annotate(StrCat("import safetensors of job '", d.name, "'"));
+  }
 
   engine::JobCounters Counters(int job) override {
     Result<Reply> r =
@@ -274,8 +329,55 @@ class DaemonTransport final : public Transport {
     RegionAccess access = RegionAccess::kReadOnly;
   };
   struct Job {
+    engine::JobSpec spec;
     std::map<uint32_t, Region> regions;
     std::vector<engine::UnitLayout> layouts;  // numel 0: not fetched yet
+    std::map<std::string, DirLock> dirs;      // checkpoint directories claimed
+  };
+
+  // The job's state as the file code sees it: each unit through a staging
+  // memfd, read from or written to the daemon.
+  class DaemonStateAccess final : public engine::StateAccess {
+   public:
+    DaemonStateAccess(DaemonTransport& t, int job, const engine::JobDescription& d)
+        : t_(t), job_(job), d_(d) {}
+    Status Read(const Visit& fn) override { return Pass(fn, true, false); }
+    Status Overwrite(const Visit& fn) override { return Pass(fn, false, true); }
+    Status UpdateMaster(const Visit& fn) override { return Pass(fn, true, true); }
+    Status Commit(int64_t step, int64_t adam_step) override {
+      return t_.Call(p::MessageType::kCommitState,
+                     p::Encode(p::JobSteps{.job = job_, .step = step, .adam_step = adam_step}), {},
+                     kCallTimeout)
+          .status();
+    }
+
+   private:
+    Status Pass(const Visit& fn, bool read, bool write) {
+      uint64_t most = 0;
+      for (const engine::UnitLayout& l : d_.layouts) most = std::max(most, l.padded);
+      ZT_ASSIGN_OR_RETURN(Staging staging, Staging::Make(3 * most * sizeof(float)));
+      for (size_t k = 0; k < d_.layouts.size(); ++k) {
+        const int unit = static_cast<int>(k);
+        const uint64_t n = d_.layouts[k].padded;
+        float* f = staging.floats();
+        if (read) {
+          ZT_RETURN_IF_ERROR(t_.StagedCall(p::MessageType::kReadState, job_, unit, staging, 3 * n * sizeof(float)));
+        } else {
+          std::memset(f, 0, 3 * n * sizeof(float));
+        }
+        ZT_RETURN_IF_ERROR(
+            fn(k, engine::UnitState{.master = f, .exp_avg = f + n, .exp_avg_sq = f + 2 * n}));
+        if (write) {
+          ZT_RETURN_IF_ERROR(
+              t_.StagedCall(p::MessageType::kWriteState, job_, unit, staging, 3 * n * sizeof(float)));
+        }
+      }
+      return Status::Ok();
+    }
+
+    DaemonTransport& t_;
+    const int job_;
+    const engine::JobDescription& d_;
   };
   struct Pending {
     bool done = false;
@@ -285,11 +387,47 @@ class DaemonTransport final : public Transport {
   DaemonTransport(std::string path, SeqPacketSocket sock)
       : path_(std::move(path)), sock_(std::move(sock)) {}
 
-  static Status NotThroughDaemon(const std::string& path) {
-    return Status::Unimplemented(
-        StrCat("'", path,
-               "': checkpoints and safetensors files are not moved through ztierd by this "
-               "release; train with the embedded engine (no daemon socket) to save or load them"));
+  // A unit's state (3 x padded fp32, or `bytes` of it) in or out.
+  Status StagedCall(p::MessageType type, int job, int unit, const Staging& staging,
+                    uint64_t bytes = 0) {
+    if (bytes == 0) bytes = staging.map.bytes();
+    const int fds[] = {staging.fd.get()};
+    return Call(type, p::Encode(p::StagedData{.job = job, .unit = unit, .bytes = bytes}), fds,
+                kCallTimeout)
+        .status();
+  }
+
+  // What the state files record of the job: its spec, layouts and steps.
+  Result<engine::JobDescription> Describe(int job) {
+    engine::JobDescription d;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = jobs_.find(job);
+      if (it == jobs_.end()) return Status::NotFound(StrCat("no job ", job, " in this session"));
+      d.name = it->second.spec.name;
+      d.ranks = it->second.spec.ranks;
+      d.optimizer = it->second.spec.optimizer;
+      d.units = it->second.spec.units;
+    }
+    for (int k = 0; k < static_cast<int>(d.units.size()); ++k) {
+      ZT_ASSIGN_OR_RETURN(engine::UnitLayout l, Layout(job, k));
+      d.layouts.push_back(std::move(l));
+    }
+    ZT_ASSIGN_OR_RETURN(Reply r, Call(p::MessageType::kJobSteps, p::Encode(p::JobRef{.job = job}),
+                                      {}, kCallTimeout));
+    ZT_ASSIGN_OR_RETURN(p::JobSteps steps, p::DecodeJobSteps(r.payload));
+    d.step = steps.step;
+    d.adam_step = steps.adam_step;
+    return d;
+  }
+
+  // A checkpoint directory as one key, however it was spelled.
+  static std::string DirKey(const std::string& dir) {
+    std::error_code ec;
+    std::filesystem::path p = std::filesystem::absolute(dir, ec).lexically_normal();
+    std::string key = (ec ? std::filesystem::path(dir) : p).string();
+    while (key.size() > 1 && key.back() == '/') key.pop_back();
+    return key;
   }
 
   int64_t StepQuery(p::MessageType type, std::string payload) {
@@ -300,7 +438,7 @@ class DaemonTransport final : public Transport {
   }
 
   // Maps the job's regions, checking each memfd's size and seals first.
-  Status MapRegions(int32_t job, int units) {
+  Status MapRegions(int32_t job, const engine::JobSpec& spec) {
     ZT_ASSIGN_OR_RETURN(Reply r, Call(p::MessageType::kRegions, p::Encode(p::JobRef{.job = job}),
                                       {}, kCallTimeout));
     ZT_ASSIGN_OR_RETURN(p::RegionList list, p::DecodeRegionList(r.payload));
@@ -309,7 +447,8 @@ class DaemonTransport final : public Transport {
                                        " regions and sent ", r.fds.size(), " memfds"));
     }
     Job j;
-    j.layouts.resize(static_cast<size_t>(units));
+    j.spec = spec;
+    j.layouts.resize(spec.units.size());
     for (size_t k = 0; k < list.regions.size(); ++k) {
       const p::RegionInfo& info = list.regions[k];
       const std::string what = StrCat("region ", info.region, " from ztierd");

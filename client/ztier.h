@@ -170,8 +170,8 @@ struct SessionOptions {
   engine::Settings settings;  // the embedded engine's settings
   // Where ztierd listens. Empty: settings.daemon_socket (ztier.daemon_socket,
   // ZTIER_DAEMON_SOCKET); both empty: the embedded engine in this process.
-  // Through a daemon the engine's settings are the daemon's; checkpoints and
-  // safetensors files are not moved through it yet (Unimplemented).
+  // Through a daemon the engine's settings are the daemon's, and this
+  // process reads and writes checkpoints and safetensors files itself.
   std::string daemon_socket;
   // The embedded engine's NVMe I/O backend; null: io_uring. Tests pass a
   // fault-injecting one (nvme/io_backend.h).

@@ -7,7 +7,7 @@
 
 #include "common/crc32c.h"
 #include "common/numbers.h"
-#include "engine/engine.h"
+#include "engine/wire_types.h"
 
 namespace ztier::engine {
 namespace {

@@ -33,7 +33,6 @@
 #include <vector>
 
 #include "common/status.h"
-#include "engine/engine.h"
 #include "engine/wire_types.h"
 
 namespace ztier::engine {

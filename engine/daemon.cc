@@ -278,6 +278,7 @@ class Daemon::Impl::Connection {
     // Attached fds are expected only where the request carries one.
     const bool takes_fd = req.header.type == p::MessageType::kWriteWeights ||
                           req.header.type == p::MessageType::kReadState ||
+                          req.header.type == p::MessageType::kWriteState ||
                           (req.header.flags & p::kFlagMemfd) != 0;
     if (!takes_fd && !req.fds.empty()) {
       return Status::InvalidArgument(StrCat(p::MessageTypeName(req.header.type), ": ",
@@ -373,7 +374,20 @@ class Daemon::Impl::Connection {
         return OnRegions(req);
       case p::MessageType::kWriteWeights:
       case p::MessageType::kReadState:
+      case p::MessageType::kWriteState:
         return OnStaged(req);
+      case p::MessageType::kCommitState: {
+        ZT_ASSIGN_OR_RETURN(p::JobSteps s, p::DecodeJobSteps(in));
+        ZT_ASSIGN_OR_RETURN(JobEntry j, FindJob(s.job));
+        ZT_RETURN_IF_ERROR(d_.engine->CommitState(j.engine_job, s.step, s.adam_step));
+        return std::string();
+      }
+      case p::MessageType::kJobSteps: {
+        ZT_ASSIGN_OR_RETURN(p::JobRef r, p::DecodeJobRef(in));
+        ZT_ASSIGN_OR_RETURN(JobEntry j, FindJob(r.job));
+        ZT_ASSIGN_OR_RETURN(auto steps, d_.engine->Steps(j.engine_job));
+        return p::Encode(p::JobSteps{.job = r.job, .step = steps.first, .adam_step = steps.second});
+      }
     }
     return Status::InvalidArgument("unknown request");
   }
@@ -467,13 +481,14 @@ class Daemon::Impl::Connection {
     return p::Encode(list);
   }
 
-  // Weights in, or a unit's state out, through the client's staging memfd.
+  // Weights in, a unit's state out or in, through the client's staging memfd.
   Result<std::string> OnStaged(const Request& req) {
-    const bool write = req.header.type == p::MessageType::kWriteWeights;
+    const bool weights = req.header.type == p::MessageType::kWriteWeights;
+    const bool read = req.header.type == p::MessageType::kReadState;
     ZT_ASSIGN_OR_RETURN(p::StagedData s, p::DecodeStagedData(req.payload));
     ZT_ASSIGN_OR_RETURN(JobEntry j, FindJob(s.job));
     ZT_ASSIGN_OR_RETURN(UnitLayout l, d_.engine->Layout(j.engine_job, s.unit));
-    const uint64_t need = write ? l.numel * sizeof(float) : 3 * l.padded * sizeof(float);
+    const uint64_t need = weights ? l.numel * sizeof(float) : 3 * l.padded * sizeof(float);
     if (s.bytes != need) {
       return Status::InvalidArgument(StrCat("job '", j.name, "' unit ", s.unit, ": ", s.bytes,
                                             " staged bytes, the unit needs ", need));
@@ -482,13 +497,16 @@ class Daemon::Impl::Connection {
                                       "the staging memfd")
                            .status());
     ZT_ASSIGN_OR_RETURN(
-        Mapping m, Mapping::Map(req.fds[0].get(), need, /*writable=*/!write, "the staging memfd"));
+        Mapping m, Mapping::Map(req.fds[0].get(), need, /*writable=*/read, "the staging memfd"));
     auto* f = static_cast<float*>(m.data());
-    if (write) {
+    if (weights) {
       ZT_RETURN_IF_ERROR(d_.engine->WriteWeights(j.engine_job, s.unit, f, l.numel));
-    } else {
+    } else if (read) {
       ZT_RETURN_IF_ERROR(
           d_.engine->ReadState(j.engine_job, s.unit, f, f + l.padded, f + 2 * l.padded));
+    } else {
+      ZT_RETURN_IF_ERROR(
+          d_.engine->WriteState(j.engine_job, s.unit, f, f + l.padded, f + 2 * l.padded));
     }
     return std::string();
   }

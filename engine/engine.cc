@@ -1004,6 +1004,37 @@ Status Engine::ImportSafetensors(int job, const std::string& path) {
   });
 }
 
+Status Engine::WriteState(int job, int unit, const float* master, const float* exp_avg,
+                          const float* exp_avg_sq) {
+  return WithIdleJob(*impl_, job, "write state", [&](Job& j) -> Status {
+    if (unit < 0 || unit >= static_cast<int>(j.units.size())) {
+      return Status::OutOfRange(StrCat("unit ", unit, " of ", j.units.size()));
+    }
+    return WriteUnitStateImpl(
+        j, static_cast<size_t>(unit),
+        UnitState{.master = const_cast<float*>(master),
+                  .exp_avg = const_cast<float*>(exp_avg),
+                  .exp_avg_sq = const_cast<float*>(exp_avg_sq)});
+  });
+}
+
+Status Engine::CommitState(int job, int64_t step, int64_t adam_step) {
+  if (step < 0 || adam_step < 0 || adam_step > step) {
+    return Status::InvalidArgument(StrCat("step ", step, ", adam step ", adam_step));
+  }
+  Impl& e = *impl_;
+  return WithIdleJob(e, job, "commit state", [&](Job& j) {
+    return CommitStateImpl(j, step, adam_step,
+                           [&](Unit& u, int64_t s) { e.Publish(j, u, s, [] {}); });
+  });
+}
+
+Result<std::pair<int64_t, int64_t>> Engine::Steps(int job) const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  ZT_ASSIGN_OR_RETURN(std::shared_ptr<Job> j, impl_->Find(job));
+  return std::pair<int64_t, int64_t>{j->step, j->adam_step};
+}
+
 Status Engine::RoundTripStates(int job) {
   return WithIdleJob(*impl_, job, "round-trip states", [&](Job& j) {
     return ForEachUnitState(

@@ -97,6 +97,22 @@ class Engine {
   // checkpoints. Only meaningful while no step is running on the unit.
   Status ReadState(int job, int unit, float* master, float* exp_avg, float* exp_avg_sq) const;
 
+  // Overwrites a unit's fp32 master, m and v (layout.padded elements each)
+  // and sets its bf16 params from the master, without publishing them:
+  // loading a checkpoint whose files another process read (ztierd's
+  // clients) is WriteState per unit, then CommitState. Call between steps.
+  // Errors: FailedPrecondition (grads pending), NotFound, OutOfRange, IoError
+  // (NVMe tier).
+  Status WriteState(int job, int unit, const float* master, const float* exp_avg,
+                    const float* exp_avg_sq);
+  // The job holds `step` (and `adam_step`, the steps that updated the
+  // weights): every unit is published as `step`. Errors: InvalidArgument
+  // (negative, or adam_step > step), FailedPrecondition, NotFound.
+  Status CommitState(int job, int64_t step, int64_t adam_step);
+  // The job's completed steps and the steps that updated its weights (as a
+  // checkpoint records them). Errors: NotFound.
+  Result<std::pair<int64_t, int64_t>> Steps(int job) const;
+
   // Where rank `rank` writes its bf16 grad shard of `unit` (layout.shard
   // elements). Valid until the job is unregistered. With gradient
   // accumulation 1 the optimizer reads the inbox after the last unit's grads

@@ -16,6 +16,7 @@
 #include "common/dir_lock.h"
 #include "engine/dram_pool.h"
 #include "engine/engine.h"
+#include "engine/state_files.h"
 #include "nvme/swap_space.h"
 
 namespace ztier::engine {
@@ -202,6 +203,13 @@ Status SaveCheckpointImpl(Job& job, const std::string& dir, CheckpointDirs& dirs
 Status LoadCheckpointImpl(Job& job, const std::string& dir, const PublishFn& publish);
 Status ExportSafetensorsImpl(Job& job, const std::string& path, bool bf16_out);
 Status ImportSafetensorsImpl(Job& job, const std::string& path, const PublishFn& publish);
+// One unit's master, m and v (padded each) set from `from`, its params from
+// the master; not published (CommitStateImpl does).
+Status WriteUnitStateImpl(Job& job, size_t unit, const UnitState& from);
+// The job holds `step`: every unit published as it.
+Status CommitStateImpl(Job& job, int64_t step, int64_t adam_step, const PublishFn& publish);
+// What the state files (engine/state_files.h) record of the job.
+JobDescription Describe(const Job& job);
 
 }  // namespace ztier::engine
 

@@ -141,6 +141,12 @@ std::string_view MessageTypeName(MessageType type) {
       return "write_weights";
     case MessageType::kReadState:
       return "read_state";
+    case MessageType::kWriteState:
+      return "write_state";
+    case MessageType::kCommitState:
+      return "commit_state";
+    case MessageType::kJobSteps:
+      return "job_steps";
   }
   return "unknown";
 }
@@ -467,6 +473,27 @@ Result<StagedData> DecodeStagedData(std::string_view bytes) {
   // Three fp32 copies of the largest unit, padded.
   if (v.bytes == 0 || v.bytes > 3 * 4 * (kMaxUnitElements + kMaxRanks * kAlignElements)) {
     r.Fail(StrCat("bytes ", v.bytes));
+  }
+  return Done(r, v);
+}
+
+std::string Encode(const JobSteps& v) {
+  Writer w;
+  w.Put(v.job);
+  w.Put(v.step);
+  w.Put(v.adam_step);
+  return w.Take();
+}
+
+Result<JobSteps> DecodeJobSteps(std::string_view bytes) {
+  Reader r(bytes, "job steps");
+  JobSteps v;
+  r.Get(&v.job, "job");
+  r.Get(&v.step, "step");
+  r.Get(&v.adam_step, "adam_step");
+  if (v.job < 0) r.Fail(StrCat("job ", v.job, " is negative"));
+  if (v.step < 0 || v.adam_step < 0 || v.adam_step > v.step) {
+    r.Fail(StrCat("step ", v.step, ", adam_step ", v.adam_step));
   }
   return Done(r, v);
 }

@@ -74,8 +74,11 @@ enum class MessageType : uint16_t {
   kRegions = 15,        // JobRef -> RegionList, one memfd attached per region
   kWriteWeights = 16,   // StagedData + the client's staging memfd (numel fp32) -> ()
   kReadState = 17,      // StagedData + the client's staging memfd (3 x padded fp32) -> ()
+  kWriteState = 18,     // StagedData + the client's staging memfd (3 x padded fp32) -> ()
+  kCommitState = 19,    // JobSteps -> ()
+  kJobSteps = 20,       // JobRef -> JobSteps
 };
-inline constexpr uint16_t kLastMessageType = 17;
+inline constexpr uint16_t kLastMessageType = 20;
 std::string_view MessageTypeName(MessageType type);
 
 struct Header {
@@ -150,6 +153,13 @@ struct StagedData {
   uint64_t bytes = 0;
 };
 
+// A job's completed steps and the steps that updated its weights.
+struct JobSteps {
+  int32_t job = -1;
+  int64_t step = 0;
+  int64_t adam_step = 0;
+};
+
 // Buffers travel as engine::SharedBuffer (wire_types.h): region, offset and
 // size, never a pointer; a region's memfd comes with the first reply that
 // names it.
@@ -170,6 +180,7 @@ std::string Encode(const JobHandle& v);
 std::string Encode(const SharedBuffer& v);
 std::string Encode(const RegionList& v);
 std::string Encode(const StagedData& v);
+std::string Encode(const JobSteps& v);
 std::string Encode(const JobSpec& v);
 std::string Encode(const UnitLayout& v);
 std::string Encode(const JobCounters& v);
@@ -185,6 +196,7 @@ Result<JobHandle> DecodeJobHandle(std::string_view bytes);
 Result<SharedBuffer> DecodeSharedBuffer(std::string_view bytes);
 Result<RegionList> DecodeRegionList(std::string_view bytes);
 Result<StagedData> DecodeStagedData(std::string_view bytes);
+Result<JobSteps> DecodeJobSteps(std::string_view bytes);
 // Also validates what the engine would refuse cheaply: names non-empty and
 // bounded, 1..kMaxDims positive dims, element counts overflow-checked and
 // within kMaxUnitElements / kMaxJobElements, ranks 1..kMaxRanks, finite

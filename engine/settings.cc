@@ -1114,7 +1114,9 @@ Result<Settings> ApplySetting(const Settings& base, std::string_view key, std::s
 }
 
 Status Validate(const Settings& s) {
-  if ((s.optimizer_tier == Tier::kNvme || s.param_tier == Tier::kNvme) && s.nvme_paths.empty()) {
+  // Through a daemon the swap directories are the daemon's.
+  if ((s.optimizer_tier == Tier::kNvme || s.param_tier == Tier::kNvme) && s.nvme_paths.empty() &&
+      s.daemon_socket.empty()) {
     return Status::InvalidArgument(
         "device nvme needs swap directories: set zero_optimization.offload_optimizer.nvme_path "
         "or ZTIER_NVME_PATHS");

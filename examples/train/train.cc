@@ -120,6 +120,8 @@ void Usage(std::ostream& os) {
         "  --out DIR                checkpoint, log, export and swap go here (default ztier-run);\n"
         "                           one run at a time\n"
         "  --swap-dir DIR[,DIR..]   NVMe swap directories (default <out>/swap)\n"
+        "  --daemon SOCKET          train through the ztierd at SOCKET (its DRAM and swap;\n"
+        "                           optimizer states default to dram there)\n"
         "  --resume                 continue from <out>/checkpoint (and finish its export)\n"
         "  --overwrite              start over in an --out that holds a checkpoint, removing it\n"
         "  --checkpoint-every N     also checkpoint every N steps (default: at the end only)\n"
@@ -202,6 +204,8 @@ Result<Flags> ParseFlags(int argc, char** argv) {
       ZT_ASSIGN_OR_RETURN(f.config, value());
     } else if (a == "--swap-dir") {
       s = setting("ZTIER_NVME_PATHS", as_is);
+    } else if (a == "--daemon") {
+      s = setting("ztier.daemon_socket", as_is);
     } else if (a == "--steps") {
       s = integer(&f.steps, 1, 1 << 30);
     } else if (a == "--layers") {
@@ -289,7 +293,15 @@ Result<Plan> ResolvePlan(const Flags& f) {
     return Status::InvalidArgument(
         "params on nvme need the optimizer states on nvme (--params nvme needs --optimizer nvme)");
   }
-  if (s.optimizer_tier == engine::Tier::kNvme && s.nvme_paths.empty()) {
+  // Through a daemon the tiers are the daemon's: states go to its DRAM
+  // unless asked for (nvme then needs swap paths in the daemon's config).
+  const bool daemon = !s.daemon_socket.empty();
+  auto source = s.sources.find("zero_optimization.offload_optimizer.device");
+  if (daemon && source != s.sources.end() && source->second == kDefault) {
+    ZT_ASSIGN_OR_RETURN(
+        s, engine::ApplySetting(s, "zero_optimization.offload_optimizer.device", "cpu", kDefault));
+  }
+  if (!daemon && s.optimizer_tier == engine::Tier::kNvme && s.nvme_paths.empty()) {
     ZT_ASSIGN_OR_RETURN(s, engine::ApplySetting(s, "ZTIER_NVME_PATHS",
                                                 (fs::path(f.out) / "swap").string(), kDefault));
   }

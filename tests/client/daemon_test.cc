@@ -25,6 +25,7 @@
 #include "engine/shared_memory.h"
 #include "tests/testing/scratch_dir.h"
 #include "tests/testing/test_daemon.h"
+#include "tests/testing/ztierd_process.h"
 
 extern char** environ;
 
@@ -35,6 +36,7 @@ namespace p = engine::protocol;
 using engine::SeqPacketSocket;
 using engine::Tier;
 using testing::TestDaemon;
+using testing::ZtierdProcess;
 using namespace std::chrono_literals;
 
 engine::Settings SmallEngine() {
@@ -455,77 +457,6 @@ TEST_F(DaemonTest, ALargeJobSpecTravelsInAMemfd) {
 
 // ------------------------------------------- the ztierd program, as root
 
-// ztierd run as a child process, on a socket every uid may reach.
-class ZtierdProcess {
- public:
-  explicit ZtierdProcess(const std::vector<std::string>& extra) {
-    std::string d = "/tmp/ztierd-proc-XXXXXX";
-    EXPECT_NE(::mkdtemp(d.data()), nullptr);
-    ::chmod(d.c_str(), 0755);
-    dir_ = d;
-    std::vector<std::string> args = {ZTIERD_BINARY, "--socket", socket(), "--socket-mode", "0666"};
-    args.insert(args.end(), extra.begin(), extra.end());
-    std::vector<char*> argv;
-    for (std::string& a : args) argv.push_back(a.data());
-    argv.push_back(nullptr);
-    std::vector<std::string> env_s = {"ZTIER_DRAM_BUDGET=128M", "ZTIER_HUGE_PAGES=none",
-                                      "ZTIER_LOG=info"};
-    std::vector<char*> env;
-    for (std::string& e : env_s) env.push_back(e.data());
-    env.push_back(nullptr);
-    posix_spawn_file_actions_t fa;
-    posix_spawn_file_actions_init(&fa);
-    posix_spawn_file_actions_addopen(&fa, 2, (dir_ + "/log").c_str(), O_WRONLY | O_CREAT | O_TRUNC,
-                                     0644);
-    EXPECT_EQ(posix_spawn(&pid_, argv[0], &fa, nullptr, argv.data(), env.data()), 0);
-    posix_spawn_file_actions_destroy(&fa);
-    // Ready once the socket answers.
-    for (int k = 0; k < 500 && !SeqPacketSocket::Connect(socket()).ok(); ++k) {
-      std::this_thread::sleep_for(10ms);
-    }
-  }
-  ~ZtierdProcess() {
-    if (pid_ > 0) {
-      ::kill(pid_, SIGKILL);
-      ::waitpid(pid_, nullptr, 0);
-    }
-    std::error_code ec;
-    std::filesystem::remove_all(dir_, ec);
-  }
-  std::string socket() const { return dir_ + "/ztierd.sock"; }
-  pid_t pid() const { return pid_; }
-  // Exit status after `sig`, or -1 past 10 s.
-  int SignalAndWait(int sig) {
-    ::kill(pid_, sig);
-    for (int k = 0; k < 1000; ++k) {
-      int st = 0;
-      if (::waitpid(pid_, &st, WNOHANG) == pid_) {
-        pid_ = -1;
-        return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
-      }
-      std::this_thread::sleep_for(10ms);
-    }
-    return -1;
-  }
-  std::string log() const {
-    std::string out;
-    Result<std::string> r = ReadSmall(dir_ + "/log");
-    return r.ok() ? *r : "";
-  }
-
- private:
-  static Result<std::string> ReadSmall(const std::string& path) {
-    UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
-    if (!fd.valid()) return PosixError(path, errno);
-    std::string out(1 << 20, '\0');
-    const ssize_t n = ::read(fd.get(), out.data(), out.size());
-    out.resize(n > 0 ? n : 0);
-    return out;
-  }
-  std::string dir_;
-  pid_t pid_ = -1;
-};
-
 // Runs `body` in a child process as uid/gid 65534 (nobody); returns its
 // exit code (0: every check in it passed).
 template <class Body>
@@ -542,7 +473,7 @@ int AsNobody(Body body) {
 
 TEST(ZtierdProgramTest, TwoUsersEachSeeOnlyTheirOwnJobs) {
   if (::geteuid() != 0) GTEST_SKIP() << "needs root to run a client as another uid";
-  ZtierdProcess d({});
+  ZtierdProcess d(ZTIERD_BINARY, {});
   SessionOptions o;
   o.daemon_socket = d.socket();
   Result<std::unique_ptr<Session>> root = Session::Open(o);
@@ -569,7 +500,7 @@ TEST(ZtierdProgramTest, TwoUsersEachSeeOnlyTheirOwnJobs) {
 
 TEST(ZtierdProgramTest, AUidOffTheAllowListIsRefusedAtItsHello) {
   if (::geteuid() != 0) GTEST_SKIP() << "needs root to run a client as another uid";
-  ZtierdProcess d({"--allow-uid", "4242"});
+  ZtierdProcess d(ZTIERD_BINARY, {"--allow-uid", "4242"});
   const int rc = AsNobody([&] {
     SessionOptions o;
     o.daemon_socket = d.socket();
@@ -583,7 +514,7 @@ TEST(ZtierdProgramTest, AUidOffTheAllowListIsRefusedAtItsHello) {
 
 TEST(ZtierdProgramTest, SigtermStopsCleanlyAndKillNineFailsClientsFast) {
   {
-    ZtierdProcess d({});
+    ZtierdProcess d(ZTIERD_BINARY, {});
     SessionOptions o;
     o.daemon_socket = d.socket();
     Result<std::unique_ptr<Session>> s = Session::Open(o);
@@ -597,7 +528,7 @@ TEST(ZtierdProgramTest, SigtermStopsCleanlyAndKillNineFailsClientsFast) {
     EXPECT_NE(d.log().find("stopped"), std::string::npos) << d.log();
   }
   {
-    ZtierdProcess d({});
+    ZtierdProcess d(ZTIERD_BINARY, {});
     SessionOptions o;
     o.daemon_socket = d.socket();
     Result<std::unique_ptr<Session>> s = Session::Open(o);

@@ -465,7 +465,6 @@ TEST(RunnerTest, PrefetchOverlapsCopiesWithCompute) {
 }
 
 TEST(RunnerTest, ResumeFromACheckpointMatchesAnUninterruptedRun) {
-  ZTIER_SKIP_UNDER_DAEMON("checkpoints are not moved through the daemon yet");
   TrainSetup s;
   s.optimizer_tier = Tier::kNvme;
   s.accumulation = 2;
@@ -483,7 +482,8 @@ TEST(RunnerTest, ResumeFromACheckpointMatchesAnUninterruptedRun) {
     ASSERT_TRUE(model.ok()) << model.status();
     ASSERT_TRUE(TrainThroughRunner(s, **model, 0, stop_after * s.accumulation, &first).ok());
     ASSERT_TRUE(ReadMasters(**model, stop_after, &first).ok());
-    ASSERT_TRUE((*model)->SaveCheckpoint(ckpt.path()).ok());
+    Status checkpointed = (*model)->SaveCheckpoint(ckpt.path());
+    ASSERT_TRUE(checkpointed.ok()) << checkpointed;
   }
   {
     // A new engine: nothing survives but the checkpoint.
@@ -504,7 +504,6 @@ TEST(RunnerTest, ResumeFromACheckpointMatchesAnUninterruptedRun) {
 // nothing hangs, and a new model loaded from the step-2 checkpoint trains on
 // exactly as an uninterrupted run.
 TEST(RunnerTest, AFullDiskFailsTheStepClearlyAndTheCheckpointResumes) {
-  ZTIER_SKIP_UNDER_DAEMON("checkpoints are not moved through the daemon yet");
   TrainSetup s;
   s.optimizer_tier = Tier::kNvme;
   const int steps = 4, saved = 2;
@@ -523,7 +522,8 @@ TEST(RunnerTest, AFullDiskFailsTheStepClearlyAndTheCheckpointResumes) {
     ASSERT_TRUE(model.ok()) << model.status();
     ASSERT_TRUE(TrainThroughRunner(s, **model, 0, saved, &first).ok());
     ASSERT_TRUE((*model)->WaitPublished(saved, std::chrono::seconds(60)).ok());
-    ASSERT_TRUE((*model)->SaveCheckpoint(ckpt.path()).ok());
+    Status checkpointed = (*model)->SaveCheckpoint(ckpt.path());
+    ASSERT_TRUE(checkpointed.ok()) << checkpointed;
     fault->FailFrom(nvme::IoKind::kWrite, 1, ENOSPC);
     RunResult failed;
     Status st = TrainThroughRunner(s, **model, saved, steps, &failed);

@@ -168,6 +168,9 @@ TEST(ProtocolTest, SmallPayloadsRoundTripAndRefuseEveryPrefix) {
   const StagedData staged{.job = 1, .unit = 2, .bytes = 4096};
   EXPECT_EQ(DecodeStagedData(Encode(staged))->bytes, 4096u);
   EveryPrefixIsRefused(Encode(staged), DecodeStagedData);
+  const JobSteps steps{.job = 2, .step = 9, .adam_step = 8};
+  EXPECT_EQ(DecodeJobSteps(Encode(steps))->adam_step, 8);
+  EveryPrefixIsRefused(Encode(steps), DecodeJobSteps);
 }
 
 TEST(ProtocolTest, InconsistentValuesAreRefused) {
@@ -177,6 +180,7 @@ TEST(ProtocolTest, InconsistentValuesAreRefused) {
   five.regions.assign(kMaxFdsPerMessage + 1, RegionInfo{.region = 1, .bytes = 4096});
   EXPECT_FALSE(DecodeRegionList(Encode(five)).ok());
   EXPECT_FALSE(DecodeStagedData(Encode(StagedData{.job = 0, .unit = 0, .bytes = 0})).ok());
+  EXPECT_FALSE(DecodeJobSteps(Encode(JobSteps{.job = 0, .step = 3, .adam_step = 4})).ok());
   EXPECT_FALSE(
       DecodeSharedBuffer(
           Encode(SharedBuffer{.region = 0, .region_bytes = 4096, .offset = 4096, .bytes = 1}))

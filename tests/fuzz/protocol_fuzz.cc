@@ -34,9 +34,9 @@ void RoundTrip(std::string_view in, Decode decode) {
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (size == 0) return 0;
   const std::string_view in(reinterpret_cast<const char*>(data) + 1, size - 1);
-  switch (data[0] % 15) {
+  switch (data[0] % 16) {
     case 0: {
-      ztier::Result<p::Header> h = p::DecodeHeader(in, data[0] / 15 % 4);
+      ztier::Result<p::Header> h = p::DecodeHeader(in, data[0] / 16 % 4);
       if (!h.ok()) return 0;
       Require(h->payload_bytes == in.size() - p::kHeaderBytes);
       ztier::Result<std::string> again = p::EncodeMessage(*h, in.substr(p::kHeaderBytes));
@@ -108,6 +108,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     }
     case 14:
       RoundTrip(in, p::DecodeStagedData);
+      return 0;
+    case 15:
+      RoundTrip(in, p::DecodeJobSteps);
       return 0;
   }
   return 0;

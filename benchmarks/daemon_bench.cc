@@ -1,0 +1,219 @@
+// ztier-bench daemon: what training through ztierd costs against the same
+// training with the engine embedded, measured in the same run: a model's
+// stage-3 step through the client API (every unit acquired and released,
+// its grads pushed, the step waited for: the engine's optimizer included)
+// with a Session over a ztierd served by this process versus an embedded
+// Session, alternated so drift in the machine's load hits both; and the
+// control round trip through the daemon (a published-step query: request,
+// the daemon's handler, reply), p50 and p99. The limit is the embedded
+// step: the ratio is embedded / daemon (1.0: the daemon costs nothing).
+//
+// The step has no model compute, so the daemon's messages are as large a
+// share of it as they can be; a real model's compute dilutes them further.
+#include <stdlib.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "benchmarks/bench_util.h"
+#include "benchmarks/subcommands.h"
+#include "client/ztier.h"
+#include "engine/daemon.h"
+#include "engine/seqpacket.h"
+
+namespace ztier::bench {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+constexpr const char* kUsage = R"(usage: ztier-bench daemon [options]
+
+A model's stage-3 step (acquire and release every unit, push its grads, the
+engine's optimizer step) through ztierd (served by this process on a socket)
+against the same step with the engine embedded, alternated in one run; and
+the daemon's control round trip (a published-step query), p50 and p99.
+
+options:
+  --units N         units of the model (default 16)
+  --unit-params P   parameters per unit (default 1M; K/M suffixes)
+  --steps S         timed steps per measurement (default 20)
+  --rounds R        control round trips (default 5000)
+  --json            also print one JSON object as the last line
+)";
+
+struct Options {
+  uint64_t units = 16;
+  uint64_t unit_params = uint64_t{1} << 20;
+  uint64_t steps = 20;
+  uint64_t rounds = 5000;
+  bool json = false;
+};
+
+Result<Options> Parse(int argc, char** argv) {
+  Options o;
+  ArgReader args(argc, argv);
+  while (args.Next()) {
+    if (args.Is("--units")) {
+      ZT_RETURN_IF_ERROR(args.CountInto(&o.units, 1, 4096));
+    } else if (args.Is("--unit-params")) {
+      ZT_RETURN_IF_ERROR(args.CountInto(&o.unit_params, 64, uint64_t{1} << 30));
+    } else if (args.Is("--steps")) {
+      ZT_RETURN_IF_ERROR(args.CountInto(&o.steps, 2, 1 << 20));
+    } else if (args.Is("--rounds")) {
+      ZT_RETURN_IF_ERROR(args.CountInto(&o.rounds, 100, uint64_t{1} << 26));
+    } else if (args.Is("--json")) {
+      o.json = true;
+    } else {
+      return args.Unrecognized();
+    }
+  }
+  return o;
+}
+
+engine::Settings EngineSettings(const Options& o) {
+  engine::Settings s;
+  // States (12 B), params, inbox and grads (2 B each) per parameter, twice
+  // over for the probe model and slack.
+  s.dram_budget_bytes = 2 * o.units * o.unit_params * 20 + (uint64_t{256} << 20);
+  s.huge_pages = engine::HugePages::kNone;
+  return s;
+}
+
+client::Session::ModelSpec Spec(const std::string& name, uint64_t units, uint64_t params) {
+  client::Session::ModelSpec m;
+  m.name = name;
+  for (uint64_t u = 0; u < units; ++u) {
+    m.units.push_back({.name = StrCat("unit", u),
+                       .tensors = {{.name = StrCat("unit", u, ".w"),
+                                    .shape = {static_cast<int64_t>(params)}}}});
+  }
+  m.optimizer.hyper.lr = 1e-4f;
+  return m;
+}
+
+struct Measured {
+  std::vector<double> step_seconds;
+  std::vector<double> rtt_us;
+};
+
+// `steps` timed stage-3 steps (after two untimed), then `rounds` control
+// round trips, through `session`.
+Result<Measured> Measure(client::Session& session, const Options& o, bool rtt) {
+  ZT_ASSIGN_OR_RETURN(std::unique_ptr<client::Model> model,
+                      session.RegisterModel(Spec("bench", o.units, o.unit_params)));
+  std::vector<float> zeros(o.unit_params, 0.01f);
+  for (int u = 0; u < model->units(); ++u) {
+    ZT_RETURN_IF_ERROR(model->SetWeights(u, zeros.data(), zeros.size()));
+  }
+  ZT_ASSIGN_OR_RETURN(std::unique_ptr<client::Device> device, client::MakeHostDevice());
+  Measured out;
+  {
+    ZT_ASSIGN_OR_RETURN(std::unique_ptr<client::Stage3Runner> runner,
+                        client::Stage3Runner::Create(*model, 0, *device, nullptr, {}));
+    for (uint64_t step = 0; step < o.steps + 2; ++step) {
+      const auto t0 = Clock::now();
+      for (int u = 0; u < model->units(); ++u) {
+        ZT_RETURN_IF_ERROR(runner->Acquire(u).status());
+        ZT_RETURN_IF_ERROR(runner->Release(u));
+      }
+      for (int u = model->units() - 1; u >= 0; --u) {
+        ZT_RETURN_IF_ERROR(runner->GradBuffer(u).status());
+        ZT_RETURN_IF_ERROR(runner->PushGrads(u));
+      }
+      ZT_RETURN_IF_ERROR(runner->Step());
+      ZT_RETURN_IF_ERROR(model->WaitPublished(static_cast<int64_t>(step + 1)));
+      if (step >= 2) {
+        out.step_seconds.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+      }
+    }
+  }
+  if (rtt) {
+    ZT_ASSIGN_OR_RETURN(std::unique_ptr<client::Model> probe,
+                        session.RegisterModel(Spec("probe", 1, 64)));
+    for (uint64_t r = 0; r < o.rounds; ++r) {
+      const auto t0 = Clock::now();
+      if (probe->published_step() != -1) return Status::Internal("a probe without weights");
+      out.rtt_us.push_back(std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+int RunDaemon(int argc, char** argv) {
+  Result<Options> o = Parse(argc, argv);
+  if (!o.ok()) return UsageExit(o.status(), "daemon", kUsage);
+  const engine::Settings settings = EngineSettings(*o);
+
+  std::string dir = "/tmp/ztier-bench-daemon-XXXXXX";
+  if (::mkdtemp(dir.data()) == nullptr) return FailExit(PosixError("mkdtemp", errno), "daemon");
+  const std::string socket = dir + "/ztierd.sock";
+  Result<std::unique_ptr<engine::Daemon>> daemon = engine::Daemon::Create(settings, {});
+  if (!daemon.ok()) return FailExit(daemon.status(), "daemon");
+  Result<engine::SeqPacketListener> listener = engine::SeqPacketListener::Listen(socket, 0600);
+  if (!listener.ok()) return FailExit(listener.status(), "daemon");
+  std::thread serve([&] { (void)(*daemon)->Serve(*listener); });
+
+  std::vector<double> embedded_steps, daemon_steps, rtt_us;
+  Status failed;
+  for (int pass = 0; pass < 2 && failed.ok(); ++pass) {
+    for (bool through_daemon : {false, true}) {
+      client::SessionOptions so;
+      so.settings = settings;
+      if (through_daemon) so.daemon_socket = socket;
+      Result<std::unique_ptr<client::Session>> session = client::Session::Open(so);
+      if (!session.ok()) {
+        failed = session.status();
+        break;
+      }
+      Result<Measured> m = Measure(**session, *o, through_daemon && pass == 1);
+      if (!m.ok()) {
+        failed = m.status();
+        break;
+      }
+      auto& into = through_daemon ? daemon_steps : embedded_steps;
+      into.insert(into.end(), m->step_seconds.begin(), m->step_seconds.end());
+      rtt_us.insert(rtt_us.end(), m->rtt_us.begin(), m->rtt_us.end());
+    }
+  }
+  (*daemon)->Stop("the benchmark is done");
+  serve.join();
+  (void)listener->Close();
+  std::filesystem::remove_all(dir);
+  if (!failed.ok()) return FailExit(failed, "daemon");
+
+  const double embedded = Median(embedded_steps);
+  const double through = Median(daemon_steps);
+  const double ratio = embedded / through;
+  const double p50 = Median(rtt_us), p99 = Quantile(rtt_us, 0.99);
+  std::printf("ztier-bench daemon: %llu units x %s params, %llu steps per measurement, x2 each\n",
+              static_cast<unsigned long long>(o->units), FormatCount(o->unit_params).c_str(),
+              static_cast<unsigned long long>(o->steps));
+  std::printf("limit: embedded engine step   median %8.3f ms\n", embedded * 1e3);
+  std::printf("through ztierd step           median %8.3f ms   (%+.1f%%)\n", through * 1e3,
+              (through / embedded - 1) * 100);
+  std::printf("ztierd control round trip     p50 %.1f us   p99 %.1f us\n", p50, p99);
+  std::printf("ratio to the limit (median step, embedded / daemon): %.3f\n", ratio);
+  if (o->json) {
+    JsonObject j;
+    j.Add("units", o->units)
+        .Add("unit_params", o->unit_params)
+        .Add("steps", o->steps)
+        .Add("embedded_step_ms", embedded * 1e3)
+        .Add("daemon_step_ms", through * 1e3)
+        .Add("rtt_p50_us", p50)
+        .Add("rtt_p99_us", p99)
+        .Add("ratio", ratio);
+    std::printf("%s\n", j.str().c_str());
+  }
+  return 0;
+}
+
+}  // namespace ztier::bench

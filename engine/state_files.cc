@@ -1,0 +1,413 @@
+// ztier engine: checkpoints and safetensors files over a StateAccess (see
+// state_files.h).
+#include "engine/state_files.h"
+
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <random>
+#include <set>
+#include <utility>
+
+#include <nlohmann/json.hpp>
+
+#include "common/bf16.h"
+#include "common/crc32c.h"
+#include "common/file_util.h"
+#include "common/log.h"
+#include "engine/checkpoint_manifest.h"
+#include "engine/safetensors.h"
+
+namespace ztier::engine {
+namespace {
+
+namespace fs = std::filesystem;
+using Json = nlohmann::json;
+
+constexpr char kMagic[8] = {'Z', 'T', 'C', 'K', 'P', 'T', '0', '1'};
+
+std::string OptimizerJson(const OptimizerConfig& o) {
+  return Json{{"lr", o.hyper.lr},
+              {"beta1", o.hyper.beta1},
+              {"beta2", o.hyper.beta2},
+              {"eps", o.hyper.eps},
+              {"weight_decay", o.hyper.weight_decay},
+              {"mode", o.hyper.mode == cpu_adam::Mode::kAdamW ? "adamw" : "adam"},
+              {"bias_correction", o.hyper.bias_correction == cpu_adam::BiasCorrection::kOn},
+              {"clip_norm", o.clip_norm},
+              {"grad_accumulation", o.grad_accumulation},
+              {"step_mode", o.mode == StepMode::kExact ? "exact" : "eager"}}
+      .dump();
+}
+
+std::string ShapeText(const std::vector<int64_t>& shape) {
+  std::string out = "[";
+  for (size_t i = 0; i < shape.size(); ++i) out += StrCat(i ? ", " : "", shape[i]);
+  return out + "]";
+}
+
+// Removes the files of a failed save that the manifest now on disk does not
+// name (the manifest may have been renamed into place before the failure).
+void RemoveUncommitted(const std::string& dir, const std::vector<std::string>& written) {
+  std::set<std::string> named;
+  const std::string manifest = (fs::path(dir) / kCheckpointManifestName).string();
+  Result<std::string> text = ReadFileToString(manifest, kMaxManifestBytes);
+  if (text.ok()) {
+    Result<CheckpointManifest> m = DecodeCheckpointManifest(*text, manifest);
+    if (m.ok()) {
+      for (const CheckpointUnit& u : m->units) {
+        for (const CheckpointShard& s : u.shards) named.insert(s.file);
+      }
+    }
+  }
+  for (const std::string& name : written) {
+    if (named.count(name) != 0) continue;
+    Status s = RemoveFile((fs::path(dir) / name).string());
+    if (!s.ok()) {
+      ZT_LOG(kWarn, "engine") << "removing a file of a failed checkpoint save: " << s;
+    }
+  }
+}
+
+// A tag that makes this save's file names its own.
+std::string SaveTag() {
+  std::random_device rd;
+  char buf[16];
+  std::snprintf(buf, sizeof(buf), "%08x", rd());
+  return buf;
+}
+
+// The first difference between the checkpoint's units and the job's, named
+// down to the tensor and both shapes.
+Status CheckLayout(const JobDescription& job, const CheckpointManifest& m, const std::string& dir) {
+  auto mismatch = [&](std::string_view what) {
+    return Status::InvalidArgument(
+        StrCat("checkpoint ", dir, " does not fit job '", job.name, "': ", what));
+  };
+  if (m.units.size() != job.units.size()) {
+    return mismatch(StrCat("it has ", m.units.size(), " units, the job ", job.units.size()));
+  }
+  for (size_t k = 0; k < job.units.size(); ++k) {
+    const CheckpointUnit& cu = m.units[k];
+    const UnitSpec& us = job.units[k];
+    if (cu.name != us.name) {
+      return mismatch(StrCat("unit ", k, " is '", cu.name, "' there and '", us.name, "' here"));
+    }
+    const size_t common = std::min(cu.tensors.size(), us.tensors.size());
+    for (size_t t = 0; t < common; ++t) {
+      const CheckpointTensor& ct = cu.tensors[t];
+      const TensorSpec& ts = us.tensors[t];
+      if (ct.name != ts.name) {
+        return mismatch(StrCat("unit '", us.name, "' tensor ", t, " is '", ct.name, "' there and '",
+                               ts.name, "' here"));
+      }
+      if (ct.shape != ts.shape) {
+        return mismatch(StrCat("unit '", us.name, "' tensor '", ts.name, "' has shape ",
+                               ShapeText(ct.shape), " in the checkpoint and ", ShapeText(ts.shape),
+                               " in the job"));
+      }
+    }
+    if (cu.tensors.size() != us.tensors.size()) {
+      return mismatch(StrCat("unit '", us.name, "' has ", cu.tensors.size(), " tensors there and ",
+                             us.tensors.size(), " here"));
+    }
+  }
+  return Status::Ok();
+}
+
+// The manifest's text. Errors: NotFound naming what is missing, as
+// ReadFileToString.
+Result<std::string> ReadManifest(const std::string& dir) {
+  const std::string path = (fs::path(dir) / kCheckpointManifestName).string();
+  Result<std::string> text = ReadFileToString(path, kMaxManifestBytes);
+  if (!text.ok() && text.status().code() == StatusCode::kNotFound) {
+    std::error_code ec;
+    return Status::NotFound(StrCat("checkpoint ", dir,
+                                   fs::is_directory(dir, ec)
+                                       ? " has no manifest.json (not a checkpoint, or none "
+                                         "was ever committed there)"
+                                       : " does not exist"));
+  }
+  return text;
+}
+
+// Reads unit k's shards (as `m` names them) into flat buffers of the
+// checkpoint's layout, verifying sizes, checksums and headers; with
+// `apply`, lays the state out in the job's layout there.
+Status LoadUnit(const JobDescription& job, const CheckpointManifest& m, const std::string& dir,
+                size_t k, const UnitState* apply) {
+  const UnitLayout& layout = job.layouts[k];
+  const CheckpointUnit& cu = m.units[k];
+  std::vector<float> flat[3];
+  if (apply) {
+    for (auto& f : flat) f.assign(cu.padded, 0.0f);
+  }
+  const uint64_t shard = cu.padded / m.ranks;
+  for (int r = 0; r < m.ranks; ++r) {
+    const CheckpointShard& s = cu.shards[r];
+    const std::string where = (fs::path(dir) / s.file).string();
+    Result<std::string> data = ReadFileToString(where, s.bytes);
+    if (!data.ok()) {
+      if (data.status().code() == StatusCode::kResourceExhausted) {  // larger than it should be
+        return Status::Corruption(StrCat("checkpoint file ", where, " is larger than the ", s.bytes,
+                                         " bytes the manifest says"));
+      }
+      return data.status().Annotate("checkpoint file");
+    }
+    if (data->size() != s.bytes) {
+      return Status::Corruption(StrCat("checkpoint file ", where, " is ", data->size(),
+                                       " bytes, expected ", s.bytes, " (truncated?)"));
+    }
+    if (Crc32c(data->data(), data->size()) != s.crc32c) {
+      return Status::Corruption(StrCat("checkpoint file ", where, ": checksum mismatch"));
+    }
+    uint32_t fields[4];
+    uint64_t elements;
+    std::memcpy(fields, data->data() + 8, 16);
+    std::memcpy(&elements, data->data() + 24, 8);
+    if (std::memcmp(data->data(), kMagic, 8) != 0 || fields[0] != kCheckpointVersion ||
+        fields[1] != k || fields[2] != static_cast<uint32_t>(r) || elements != shard) {
+      return Status::Corruption(StrCat("checkpoint file ", where,
+                                       ": header does not match the manifest (unit ", k, ", rank ",
+                                       r, ")"));
+    }
+    if (!apply) continue;
+    for (int a = 0; a < 3; ++a) {
+      std::memcpy(flat[a].data() + r * shard, data->data() + kShardHeaderBytes + a * shard * 4,
+                  shard * 4);
+    }
+  }
+  if (!apply) return Status::Ok();
+  // Into this job's layout: the first numel elements, zero padding.
+  for (auto [a, out] : {std::pair{0, apply->master}, {1, apply->exp_avg}, {2, apply->exp_avg_sq}}) {
+    std::memcpy(out, flat[a].data(), layout.numel * 4);
+    std::memset(out + layout.numel, 0, (layout.padded - layout.numel) * 4);
+  }
+  return Status::Ok();
+}
+
+float HalfToFloat(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
+  uint32_t exp = (h >> 10) & 0x1f;
+  uint32_t mant = h & 0x3ff;
+  uint32_t bits;
+  if (exp == 0x1f) {
+    bits = sign | 0x7f800000u | (mant << 13);  // inf / NaN
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (mant << 13);
+  } else if (mant == 0) {
+    bits = sign;  // signed zero
+  } else {        // subnormal: normalise
+    exp = 113;
+    while ((mant & 0x400) == 0) {
+      mant <<= 1;
+      --exp;
+    }
+    bits = sign | (exp << 23) | ((mant & 0x3ff) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+}  // namespace
+
+Status CreateCheckpointDir(const std::string& dir) {
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec) return PosixError(StrCat("create checkpoint directory ", dir), ec.value());
+  return Status::Ok();
+}
+
+Status SaveCheckpointFiles(const JobDescription& job, StateAccess& state, const std::string& dir) {
+  CheckpointManifest manifest;
+  manifest.job = job.name;
+  manifest.step = job.step;
+  manifest.adam_step = job.adam_step;
+  manifest.ranks = job.ranks;
+  manifest.optimizer_json = OptimizerJson(job.optimizer);
+  const std::string tag = SaveTag();
+  std::vector<std::string> written;
+  Status s = state.Read([&](size_t k, const UnitState& unit) -> Status {
+        const UnitLayout& layout = job.layouts[k];
+        const UnitSpec& us = job.units[k];
+        CheckpointUnit& cu = manifest.units.emplace_back();
+        cu.name = us.name;
+        cu.numel = layout.numel;
+        cu.padded = layout.padded;
+        for (const TensorSpec& t : us.tensors) cu.tensors.push_back({t.name, t.shape});
+        for (int r = 0; r < job.ranks; ++r) {
+          const uint64_t n = layout.shard;
+          const uint64_t off = static_cast<uint64_t>(r) * n;
+          std::string data(ShardFileBytes(n), '\0');
+          std::memcpy(data.data(), kMagic, 8);
+          const uint32_t fields[4] = {kCheckpointVersion, static_cast<uint32_t>(k),
+                                      static_cast<uint32_t>(r), 0};
+          std::memcpy(data.data() + 8, fields, 16);
+          std::memcpy(data.data() + 24, &n, 8);
+          char* body = data.data() + kShardHeaderBytes;
+          std::memcpy(body, unit.master + off, n * 4);
+          std::memcpy(body + n * 4, unit.exp_avg + off, n * 4);
+          std::memcpy(body + 2 * n * 4, unit.exp_avg_sq + off, n * 4);
+          const std::string name =
+              StrCat("unit-", k, "-rank-", r, "-step-", job.step, "-", tag, ".bin");
+          // Listed before it is written: a write that fails after its rename
+          // (the directory fsync) leaves the file in place, to be removed.
+          written.push_back(name);
+          ZT_RETURN_IF_ERROR(WriteFileAtomically((fs::path(dir) / name).string(), data));
+          cu.shards.push_back({.file = name,
+                               .rank = r,
+                               .elements = n,
+                               .bytes = data.size(),
+                               .crc32c = Crc32c(data.data(), data.size())});
+        }
+        return Status::Ok();
+      });
+  if (s.ok()) s = FsyncPath(dir, /*directory=*/true);  // the shard files' names
+  if (s.ok()) {
+    s = WriteFileAtomically((fs::path(dir) / kCheckpointManifestName).string(),
+                            EncodeCheckpointManifest(manifest));
+  }
+  if (!s.ok()) {
+    // When only the directory fsync after the manifest's rename failed, the
+    // new checkpoint is in place but maybe not durable: the old files stay
+    // (a crash could bring the old manifest back), RemoveUncommitted keeps
+    // the new ones, and the next save that succeeds removes the leftovers.
+    RemoveUncommitted(dir, written);
+    return s;
+  }
+  // The new checkpoint is committed: drop the files of older ones.
+  const std::set<std::string> keep(written.begin(), written.end());
+  std::error_code ec;
+  for (const auto& entry : fs::directory_iterator(dir, ec)) {
+    const std::string name = entry.path().filename().string();
+    if (!name.starts_with("unit-") || keep.count(name) != 0) continue;
+    Status removed = RemoveFile(entry.path().string());
+    if (!removed.ok()) {
+      ZT_LOG(kWarn, "engine") << "removing a file of an older checkpoint: " << removed;
+    }
+  }
+  return Status::Ok();
+}
+
+// Loads take no lock: the manifest is replaced atomically and names files
+// no later save reuses, so a load sees one committed checkpoint or, when a
+// save commits and removes the files it is reading, a missing file; then it
+// starts again from the new manifest (a few times at most).
+Status LoadCheckpointFiles(const JobDescription& job, StateAccess& state, const std::string& dir) {
+  constexpr int kAttempts = 4;
+  Status st;
+  bool touched = false;  // the apply pass began: the job's state is no longer what it was
+  for (int attempt = 0; attempt < kAttempts; ++attempt) {
+    ZT_ASSIGN_OR_RETURN(const std::string text, ReadManifest(dir));
+    ZT_ASSIGN_OR_RETURN(
+        const CheckpointManifest m,
+        DecodeCheckpointManifest(text, (fs::path(dir) / kCheckpointManifestName).string()));
+    ZT_RETURN_IF_ERROR(CheckLayout(job, m, dir));
+    // Every file once without applying, so a damaged one leaves the job
+    // untouched; then again to apply (the state on the drives need not be
+    // read first: every element of master, m, v and the params is set).
+    st = Status::Ok();
+    for (size_t k = 0; k < job.units.size() && st.ok(); ++k) {
+      st = LoadUnit(job, m, dir, k, nullptr);
+    }
+    if (st.ok()) {
+      touched = true;
+      st = state.Overwrite(
+          [&](size_t k, const UnitState& unit) { return LoadUnit(job, m, dir, k, &unit); });
+      if (st.ok()) st = state.Commit(m.step, m.adam_step);
+      if (st.ok()) return Status::Ok();
+    }
+    // A file gone because a save committed meanwhile: read the new manifest.
+    Result<std::string> now = ReadManifest(dir);
+    if (st.code() != StatusCode::kNotFound || !now.ok() || *now == text) break;
+  }
+  return touched ? st.Annotate("the job's state is now partly loaded; load a checkpoint again")
+                 : st;
+}
+
+Status ExportSafetensorsFile(const JobDescription& job, StateAccess& state,
+                             const std::string& path, ExportType type) {
+  const bool bf16_out = type == ExportType::kBFloat16;
+  std::vector<StEntry> entries;
+  const uint64_t esize = bf16_out ? 2 : 4;
+  for (size_t k = 0; k < job.units.size(); ++k) {
+    const UnitSpec& us = job.units[k];
+    for (size_t t = 0; t < us.tensors.size(); ++t) {
+      const uint64_t begin = job.layouts[k].offsets[t];
+      const uint64_t end = t + 1 < us.tensors.size() ? job.layouts[k].offsets[t + 1]
+                                                     : job.layouts[k].numel;
+      entries.push_back({us.tensors[t].name, bf16_out ? "BF16" : "F32", us.tensors[t].shape,
+                         (end - begin) * esize});
+    }
+  }
+  std::string data = MakeSafetensorsHeader(entries);
+  ZT_RETURN_IF_ERROR(state.Read([&](size_t k, const UnitState& unit) {
+        const UnitLayout& layout = job.layouts[k];
+        const float* master = unit.master;
+        if (bf16_out) {
+          const size_t at = data.size();
+          data.resize(at + layout.numel * 2);
+          for (uint64_t i = 0; i < layout.numel; ++i) {
+            const uint16_t b = FloatToBf16(master[i]).bits;
+            std::memcpy(data.data() + at + i * 2, &b, 2);
+          }
+        } else {
+          data.append(reinterpret_cast<const char*>(master), layout.numel * 4);
+        }
+        return Status::Ok();
+      }));
+  return WriteFileAtomically(path, data);
+}
+
+Status ImportSafetensorsFile(const JobDescription& job, StateAccess& state,
+                             const std::string& path) {
+  ZT_ASSIGN_OR_RETURN(std::string file, ReadFileToString(path));
+  Result<StHeader> parsed = ParseSafetensorsHeader(file, file.size());
+  if (!parsed.ok()) return parsed.status().Annotate(path);
+  const StHeader& h = *parsed;
+  // Check every tensor before touching the job.
+  for (size_t k = 0; k < job.units.size(); ++k) {
+    for (const TensorSpec& ts : job.units[k].tensors) {
+      auto it = h.tensors.find(ts.name);
+      if (it == h.tensors.end()) {
+        return Status::NotFound(
+            StrCat(path, ": no tensor '", ts.name, "' (unit '", job.units[k].name, "')"));
+      }
+      if (it->second.shape != ts.shape) {
+        return Status::InvalidArgument(
+            StrCat(path, ": tensor '", ts.name, "' has another shape than the registered one"));
+      }
+      if (it->second.dtype == StDtype::kOther) {
+        return Status::InvalidArgument(StrCat(path, ": tensor '", ts.name, "' is ",
+                                              it->second.dtype_name,
+                                              "; ztier imports F32, BF16 and F16"));
+      }
+    }
+  }
+  ZT_RETURN_IF_ERROR(state.UpdateMaster([&](size_t k, const UnitState& unit) {
+        const UnitLayout& layout = job.layouts[k];
+        float* master = unit.master;
+        const std::vector<TensorSpec>& tensors = job.units[k].tensors;
+        for (size_t t = 0; t < tensors.size(); ++t) {
+          const StTensor& st = h.tensors.at(tensors[t].name);
+          const char* src = file.data() + h.data_start + st.begin;
+          float* dst = master + layout.offsets[t];
+          const uint64_t n = (st.end - st.begin) / (st.dtype == StDtype::kF32 ? 4 : 2);
+          for (uint64_t i = 0; i < n; ++i) {
+            if (st.dtype == StDtype::kF32) {
+              std::memcpy(dst + i, src + i * 4, 4);
+            } else {
+              uint16_t b;
+              std::memcpy(&b, src + i * 2, 2);
+              dst[i] = st.dtype == StDtype::kBF16 ? Bf16ToFloat(bf16{b}) : HalfToFloat(b);
+            }
+          }
+        }
+        std::memset(master + layout.numel, 0, (layout.padded - layout.numel) * 4);
+        return Status::Ok();
+      }));
+  return state.Commit(job.step, job.adam_step);
+}
+
+}  // namespace ztier::engine

@@ -1,0 +1,89 @@
+// ztier engine: a job's state in files, wherever the job runs: checkpoints
+// (the format of checkpoint_manifest.h) and safetensors exports and
+// imports, written and read through a StateAccess, so the same code serves
+// the engine in this process (engine/checkpoint.cc) and a client of ztierd,
+// which does the file I/O itself and moves the bytes through the daemon
+// (the daemon never opens a path a client names).
+//
+// SaveCheckpointFiles writes every shard file under a name no committed
+// checkpoint uses (the step and a random tag), fsyncs them and the
+// directory, then the manifest atomically; only then are the previous
+// checkpoint's files removed. A failed save removes the files it wrote that
+// the manifest on disk does not name, so a full disk keeps no half-written
+// checkpoint and the last committed one stays whole. The caller holds the
+// directory's lock. LoadCheckpointFiles reads every file once and checks it
+// (sizes, checksums, headers, the layout against the job's) before it
+// touches the job, then again to apply; a save that commits meanwhile makes
+// it start over from the new manifest. Imports check every tensor first.
+//
+// Thread safety: one call per job at a time. Failure: IoError /
+// ResourceExhausted (disk full) writing, NotFound / Corruption /
+// InvalidArgument reading, naming the file, the unit and the tensor; the
+// StateAccess's own errors.
+#ifndef ZTIER_ENGINE_STATE_FILES_H_
+#define ZTIER_ENGINE_STATE_FILES_H_
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+#include "engine/wire_types.h"
+
+namespace ztier::engine {
+
+// What the files record of a job besides its state.
+struct JobDescription {
+  std::string name;
+  int ranks = 1;
+  OptimizerConfig optimizer;
+  std::vector<UnitSpec> units;
+  std::vector<UnitLayout> layouts;  // one per unit
+  int64_t step = 0;                 // completed steps
+  int64_t adam_step = 0;            // steps that updated the weights
+};
+
+// A unit's fp32 state, `padded` elements each.
+struct UnitState {
+  float* master = nullptr;
+  float* exp_avg = nullptr;
+  float* exp_avg_sq = nullptr;
+};
+
+// Where a job's state lives. Each pass visits the units in forward order.
+class StateAccess {
+ public:
+  using Visit = std::function<Status(size_t unit, const UnitState& state)>;
+  virtual ~StateAccess() = default;
+  // Each unit's state to read.
+  virtual Status Read(const Visit& fn) = 0;
+  // Each unit's state to fill whole; stored (params from the master) after
+  // fn. Publishing waits for Commit.
+  virtual Status Overwrite(const Visit& fn) = 0;
+  // Each unit's state, read, to change the master of; stored after fn.
+  virtual Status UpdateMaster(const Visit& fn) = 0;
+  // The new state is complete: the job holds `step` (and `adam_step`), and
+  // every unit is published as `step`.
+  virtual Status Commit(int64_t step, int64_t adam_step) = 0;
+};
+
+Status SaveCheckpointFiles(const JobDescription& job, StateAccess& state, const std::string& dir);
+Status LoadCheckpointFiles(const JobDescription& job, StateAccess& state, const std::string& dir);
+Status ExportSafetensorsFile(const JobDescription& job, StateAccess& state,
+                             const std::string& path, ExportType type);
+// Sets the master weights (and params) from the file; m and v stay; the job
+// keeps its step.
+Status ImportSafetensorsFile(const JobDescription& job, StateAccess& state,
+                             const std::string& path);
+
+// Creates `dir` (and its parents) if missing. Errors: FailedPrecondition
+// (not a directory), IoError naming the errno.
+Status CreateCheckpointDir(const std::string& dir);
+// The name of the lock file (common/dir_lock.h) a checkpoint directory's
+// writer holds.
+inline constexpr char kCheckpointLockFile[] = "ztier-checkpoint.lock";
+
+}  // namespace ztier::engine
+
+#endif  // ZTIER_ENGINE_STATE_FILES_H_

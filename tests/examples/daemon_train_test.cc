@@ -1,0 +1,107 @@
+// ztier-train through ztierd, as a user runs it: the same model as the
+// embedded engine gives, bit for bit; a ztierd killed (SIGKILL) mid-run
+// makes the run fail at once with a clear error, and a restarted ztierd plus
+// `ztier-train --resume` ends with exactly the weights of an uninterrupted
+// run. Runs the installed-layout binaries (ZTIER_TRAIN_BINARY,
+// ZTIERD_BINARY) in a scratch dir.
+#include <gtest/gtest.h>
+#include <signal.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "tests/examples/train_testing.h"
+#include "tests/testing/scratch_dir.h"
+#include "tests/testing/ztierd_process.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+
+using ztier::testing::LogColumn;
+using ztier::testing::Losses;
+using ztier::testing::ScratchDir;
+using ztier::testing::Slurp;
+using ztier::testing::TrainProcess;
+using ztier::testing::WriteWordSalad;
+using ztier::testing::ZtierdProcess;
+
+int Train(const std::string& args) {
+  ::setenv("ZTIER_WAIT_TIMEOUT", "60", 1);
+  ScratchDir logs("train-log");
+  const auto [rc, output] = ztier::testing::RunTrain(args, logs / "output.txt");
+  std::printf("$ ztier-train%s\n%s(exit %d)\n", args.c_str(), output.c_str(), rc);
+  return rc;
+}
+
+constexpr char kSmall[] =
+    " --layers 2 --channels 64 --heads 4 --context 32 --batch 8 --lr 3e-3 --seed 7"
+    " --optimizer dram --ranks 2 --accumulation 2";
+
+TEST(DaemonTrainTest, ThroughZtierdTheModelIsTheEmbeddedOneBitForBit) {
+  ScratchDir dir("daemon-train");
+  const std::string data = dir / "words.txt";
+  WriteWordSalad(data, 32 << 10);
+  const std::string common = std::string(kSmall) + " --steps 8 --data " + data;
+  ASSERT_EQ(Train(common + " --out " + (dir / "embedded")), 0);
+  ZtierdProcess d(ZTIERD_BINARY, {});
+  ASSERT_EQ(Train(common + " --daemon " + d.socket() + " --out " + (dir / "daemon")), 0)
+      << d.log();
+  const std::string embedded = Slurp(dir / "embedded/model.safetensors");
+  ASSERT_FALSE(embedded.empty());
+  EXPECT_EQ(embedded, Slurp(dir / "daemon/model.safetensors"));
+  EXPECT_EQ(Losses(dir / "embedded/train_log.tsv"), Losses(dir / "daemon/train_log.tsv"));
+  // The checkpoint the client wrote is the embedded engine's format: it
+  // resumes embedded.
+  ASSERT_EQ(Train(std::string(kSmall) + " --steps 10 --data " + data + " --resume --out " +
+                  (dir / "daemon")),
+            0);
+}
+
+TEST(DaemonTrainTest, AKilledZtierdFailsTheRunFastAndARestartedOneResumesIt) {
+  ScratchDir dir("daemon-train");
+  const std::string data = dir / "words.txt";
+  WriteWordSalad(data, 32 << 10);
+  const int steps = 60;
+  const std::string common =
+      std::string(kSmall) + " --steps " + std::to_string(steps) + " --data " + data;
+  ASSERT_EQ(Train(common + " --out " + (dir / "whole")), 0);
+
+  ZtierdProcess d(ZTIERD_BINARY, {});
+  const std::string cut = dir / "cut";
+  ::setenv("ZTIER_WAIT_TIMEOUT", "60", 1);
+  TrainProcess run(common + " --checkpoint-every 5 --daemon " + d.socket() + " --out " + cut,
+                   dir / "cut-output.txt");
+  // Kill ztierd once the run has checkpointed and gone on.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::minutes(2);
+  while (std::chrono::steady_clock::now() < deadline && !run.TryWait().has_value() &&
+         LogColumn(cut + "/train_log.tsv", 0).size() < 8) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  ASSERT_FALSE(run.TryWait().has_value()) << run.output();
+  const auto killed = std::chrono::steady_clock::now();
+  ASSERT_EQ(d.SignalAndWait(SIGKILL), 128 + SIGKILL);
+  const int rc = run.Wait(std::chrono::seconds(60));
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - killed).count();
+  std::printf("ztier-train exited %d %.2f s after ztierd was killed:\n%s\n", rc, seconds,
+              run.output().c_str());
+  EXPECT_EQ(rc, 1);
+  EXPECT_LT(seconds, 10.0);
+  EXPECT_NE(run.output().find("ztierd at " + d.socket()), std::string::npos) << run.output();
+  EXPECT_FALSE(fs::exists(cut + "/model.safetensors"));
+
+  d.Start();  // a new ztierd on the same path; the DRAM state is gone
+  ASSERT_EQ(Train(common + " --resume --daemon " + d.socket() + " --out " + cut), 0) << d.log();
+  const std::string whole = Slurp(dir / "whole/model.safetensors");
+  ASSERT_FALSE(whole.empty());
+  EXPECT_EQ(whole, Slurp(cut + "/model.safetensors"));
+  EXPECT_EQ(Losses(dir / "whole/train_log.tsv"), Losses(cut + "/train_log.tsv"));
+}
+
+}  // namespace
