@@ -3,7 +3,8 @@
 // stage-3 step through the client API (every unit acquired and released,
 // its grads pushed, the step waited for: the engine's optimizer included)
 // with a Session over a ztierd served by this process versus an embedded
-// Session, alternated so drift in the machine's load hits both; and the
+// Session, the two taking turns step by step so drift in the machine's load
+// hits both alike; and the
 // control round trip through the daemon (a published-step query: request,
 // the daemon's handler, reply), p50 and p99. The limit is the embedded
 // step: the ratio is embedded / daemon (1.0: the daemon costs nothing).
@@ -42,7 +43,7 @@ the daemon's control round trip (a published-step query), p50 and p99.
 options:
   --units N         units of the model (default 16)
   --unit-params P   parameters per unit (default 1M; K/M suffixes)
-  --steps S         timed steps per measurement (default 20)
+  --steps S         timed steps of each (default 20)
   --rounds R        control round trips (default 5000)
   --json            also print one JSON object as the last line
 )";
@@ -89,60 +90,89 @@ client::Session::ModelSpec Spec(const std::string& name, uint64_t units, uint64_
   client::Session::ModelSpec m;
   m.name = name;
   for (uint64_t u = 0; u < units; ++u) {
-    m.units.push_back({.name = StrCat("unit", u),
-                       .tensors = {{.name = StrCat("unit", u, ".w"),
-                                    .shape = {static_cast<int64_t>(params)}}}});
+    m.units.push_back(
+        {.name = StrCat("unit", u),
+         .tensors = {{.name = StrCat("unit", u, ".w"), .shape = {static_cast<int64_t>(params)}}}});
   }
   m.optimizer.hyper.lr = 1e-4f;
   return m;
 }
 
-struct Measured {
+// One training setup: a session, its model, a host device and a runner.
+struct Rig {
+  std::unique_ptr<client::Session> session;
+  std::unique_ptr<client::Model> model;
+  std::unique_ptr<client::Device> device;
+  std::unique_ptr<client::Stage3Runner> runner;
+  int64_t steps = 0;
   std::vector<double> step_seconds;
-  std::vector<double> rtt_us;
+
+  static Result<std::unique_ptr<Rig>> Make(const client::SessionOptions& so, const Options& o) {
+    auto r = std::make_unique<Rig>();
+    ZT_ASSIGN_OR_RETURN(r->session, client::Session::Open(so));
+    ZT_ASSIGN_OR_RETURN(r->model, r->session->RegisterModel(Spec("bench", o.units, o.unit_params)));
+    std::vector<float> weights(o.unit_params, 0.01f);
+    for (int u = 0; u < r->model->units(); ++u) {
+      ZT_RETURN_IF_ERROR(r->model->SetWeights(u, weights.data(), weights.size()));
+    }
+    ZT_ASSIGN_OR_RETURN(r->device, client::MakeHostDevice());
+    ZT_ASSIGN_OR_RETURN(r->runner,
+                        client::Stage3Runner::Create(*r->model, 0, *r->device, nullptr, {}));
+    return r;
+  }
+
+  // One stage-3 step, timed when `timed`.
+  Status Step(bool timed) {
+    const auto t0 = Clock::now();
+    for (int u = 0; u < model->units(); ++u) {
+      ZT_RETURN_IF_ERROR(runner->Acquire(u).status());
+      ZT_RETURN_IF_ERROR(runner->Release(u));
+    }
+    for (int u = model->units() - 1; u >= 0; --u) {
+      ZT_RETURN_IF_ERROR(runner->GradBuffer(u).status());
+      ZT_RETURN_IF_ERROR(runner->PushGrads(u));
+    }
+    ZT_RETURN_IF_ERROR(runner->Step());
+    ZT_RETURN_IF_ERROR(model->WaitPublished(++steps, std::chrono::seconds(60)));
+    if (timed) step_seconds.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+    return Status::Ok();
+  }
 };
 
-// `steps` timed stage-3 steps (after two untimed), then `rounds` control
-// round trips, through `session`.
-Result<Measured> Measure(client::Session& session, const Options& o, bool rtt) {
-  ZT_ASSIGN_OR_RETURN(std::unique_ptr<client::Model> model,
-                      session.RegisterModel(Spec("bench", o.units, o.unit_params)));
-  std::vector<float> zeros(o.unit_params, 0.01f);
-  for (int u = 0; u < model->units(); ++u) {
-    ZT_RETURN_IF_ERROR(model->SetWeights(u, zeros.data(), zeros.size()));
+// Control round trips: a published-step query of a one-unit model.
+Result<std::vector<double>> RoundTrips(client::Session& session, uint64_t rounds) {
+  ZT_ASSIGN_OR_RETURN(std::unique_ptr<client::Model> probe,
+                      session.RegisterModel(Spec("probe", 1, 64)));
+  std::vector<double> us;
+  for (uint64_t r = 0; r < rounds; ++r) {
+    const auto t0 = Clock::now();
+    if (probe->published_step() != -1) return Status::Internal("a probe without weights");
+    us.push_back(std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
   }
-  ZT_ASSIGN_OR_RETURN(std::unique_ptr<client::Device> device, client::MakeHostDevice());
-  Measured out;
-  {
-    ZT_ASSIGN_OR_RETURN(std::unique_ptr<client::Stage3Runner> runner,
-                        client::Stage3Runner::Create(*model, 0, *device, nullptr, {}));
-    for (uint64_t step = 0; step < o.steps + 2; ++step) {
-      const auto t0 = Clock::now();
-      for (int u = 0; u < model->units(); ++u) {
-        ZT_RETURN_IF_ERROR(runner->Acquire(u).status());
-        ZT_RETURN_IF_ERROR(runner->Release(u));
-      }
-      for (int u = model->units() - 1; u >= 0; --u) {
-        ZT_RETURN_IF_ERROR(runner->GradBuffer(u).status());
-        ZT_RETURN_IF_ERROR(runner->PushGrads(u));
-      }
-      ZT_RETURN_IF_ERROR(runner->Step());
-      ZT_RETURN_IF_ERROR(model->WaitPublished(static_cast<int64_t>(step + 1)));
-      if (step >= 2) {
-        out.step_seconds.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
-      }
-    }
+  return us;
+}
+
+// Both rigs live at once and take turns step by step (the order swapped
+// every step), so drift in the machine's load hits both alike.
+Status Measure(const Options& o, const engine::Settings& settings, const std::string& socket,
+               std::vector<double>* embedded, std::vector<double>* daemon,
+               std::vector<double>* rtt_us) {
+  client::SessionOptions local;
+  local.settings = settings;
+  client::SessionOptions remote = local;
+  remote.daemon_socket = socket;
+  ZT_ASSIGN_OR_RETURN(std::unique_ptr<Rig> a, Rig::Make(local, o));
+  ZT_ASSIGN_OR_RETURN(std::unique_ptr<Rig> b, Rig::Make(remote, o));
+  for (uint64_t step = 0; step < o.steps + 2; ++step) {
+    Rig* first = step % 2 == 0 ? a.get() : b.get();
+    Rig* second = first == a.get() ? b.get() : a.get();
+    ZT_RETURN_IF_ERROR(first->Step(step >= 2));
+    ZT_RETURN_IF_ERROR(second->Step(step >= 2));
   }
-  if (rtt) {
-    ZT_ASSIGN_OR_RETURN(std::unique_ptr<client::Model> probe,
-                        session.RegisterModel(Spec("probe", 1, 64)));
-    for (uint64_t r = 0; r < o.rounds; ++r) {
-      const auto t0 = Clock::now();
-      if (probe->published_step() != -1) return Status::Internal("a probe without weights");
-      out.rtt_us.push_back(std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
-    }
-  }
-  return out;
+  *embedded = a->step_seconds;
+  *daemon = b->step_seconds;
+  ZT_ASSIGN_OR_RETURN(*rtt_us, RoundTrips(*b->session, o.rounds));
+  return Status::Ok();
 }
 
 }  // namespace
@@ -162,27 +192,7 @@ int RunDaemon(int argc, char** argv) {
   std::thread serve([&] { (void)(*daemon)->Serve(*listener); });
 
   std::vector<double> embedded_steps, daemon_steps, rtt_us;
-  Status failed;
-  for (int pass = 0; pass < 2 && failed.ok(); ++pass) {
-    for (bool through_daemon : {false, true}) {
-      client::SessionOptions so;
-      so.settings = settings;
-      if (through_daemon) so.daemon_socket = socket;
-      Result<std::unique_ptr<client::Session>> session = client::Session::Open(so);
-      if (!session.ok()) {
-        failed = session.status();
-        break;
-      }
-      Result<Measured> m = Measure(**session, *o, through_daemon && pass == 1);
-      if (!m.ok()) {
-        failed = m.status();
-        break;
-      }
-      auto& into = through_daemon ? daemon_steps : embedded_steps;
-      into.insert(into.end(), m->step_seconds.begin(), m->step_seconds.end());
-      rtt_us.insert(rtt_us.end(), m->rtt_us.begin(), m->rtt_us.end());
-    }
-  }
+  const Status failed = Measure(*o, settings, socket, &embedded_steps, &daemon_steps, &rtt_us);
   (*daemon)->Stop("the benchmark is done");
   serve.join();
   (void)listener->Close();
@@ -193,7 +203,7 @@ int RunDaemon(int argc, char** argv) {
   const double through = Median(daemon_steps);
   const double ratio = embedded / through;
   const double p50 = Median(rtt_us), p99 = Quantile(rtt_us, 0.99);
-  std::printf("ztier-bench daemon: %llu units x %s params, %llu steps per measurement, x2 each\n",
+  std::printf("ztier-bench daemon: %llu units x %s params, %llu steps each, taking turns\n",
               static_cast<unsigned long long>(o->units), FormatCount(o->unit_params).c_str(),
               static_cast<unsigned long long>(o->steps));
   std::printf("limit: embedded engine step   median %8.3f ms\n", embedded * 1e3);

@@ -169,6 +169,7 @@ class DaemonTransport final : public Transport {
     ZT_ASSIGN_OR_RETURN(Staging staging, Staging::Make(bytes));
     std::memcpy(staging.floats(), flat, bytes);
     const int fds[] = {staging.fd.get()};
+    Forget(job);
     return Call(p::MessageType::kWriteWeights,
                 p::Encode(p::StagedData{.job = job, .unit = unit, .bytes = bytes}), fds,
                 kCallTimeout)
@@ -214,21 +215,37 @@ class DaemonTransport final : public Transport {
       (void)ReleaseParams(job, unit);
       return ptr.status();
     }
+    Published(job, unit, step);
     return static_cast<const bf16*>(*ptr);
   }
 
+  // Sent without waiting for the reply (the daemon handles a connection's
+  // requests in order, so a later acquire sees the release); an error comes
+  // back from the next call.
   Status ReleaseParams(int job, int unit) override {
-    return Call(p::MessageType::kReleaseParams, p::Encode(p::UnitRef{.job = job, .unit = unit}), {},
-                kCallTimeout)
-        .status();
+    return Post(p::MessageType::kReleaseParams, p::Encode(p::UnitRef{.job = job, .unit = unit}),
+                StrCat("release of job ", job, " unit ", unit));
   }
 
+  // A step this client already saw published returns at once (steps only
+  // grow until weights or a checkpoint are loaded, which forget them).
   Status WaitPublished(int job, int unit, int64_t step,
                        std::chrono::milliseconds timeout) override {
-    return Call(p::MessageType::kWaitPublished,
-                p::Encode(p::StepWait{.job = job, .unit = unit, .step = step, .timeout = timeout}),
-                {}, timeout + kCallTimeout)
-        .status();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto j = jobs_.find(job);
+      if (j != jobs_.end() && unit >= 0 && unit < static_cast<int>(j->second.seen.size()) &&
+          j->second.seen[unit] >= step && dead_.ok()) {
+        return Status::Ok();
+      }
+    }
+    ZT_RETURN_IF_ERROR(
+        Call(p::MessageType::kWaitPublished,
+             p::Encode(p::StepWait{.job = job, .unit = unit, .step = step, .timeout = timeout}), {},
+             timeout + kCallTimeout)
+            .status());
+    Published(job, unit, step);
+    return Status::Ok();
   }
 
   int64_t PublishedStep(int job, int unit) override {
@@ -330,6 +347,7 @@ class DaemonTransport final : public Transport {
   };
   struct Job {
     engine::JobSpec spec;
+    std::vector<int64_t> seen;  // per unit, a step seen published (-1: none)
     std::map<uint32_t, Region> regions;
     std::vector<engine::UnitLayout> layouts;  // numel 0: not fetched yet
     std::map<std::string, DirLock> dirs;      // checkpoint directories claimed
@@ -345,9 +363,11 @@ class DaemonTransport final : public Transport {
     Status Overwrite(const Visit& fn) override { return Pass(fn, false, true); }
     Status UpdateMaster(const Visit& fn) override { return Pass(fn, true, true); }
     Status Commit(int64_t step, int64_t adam_step) override {
-      return t_.Call(p::MessageType::kCommitState,
-                     p::Encode(p::JobSteps{.job = job_, .step = step, .adam_step = adam_step}), {},
-                     kCallTimeout)
+      t_.Forget(job_);
+      return t_
+          .Call(p::MessageType::kCommitState,
+                p::Encode(p::JobSteps{.job = job_, .step = step, .adam_step = adam_step}), {},
+                kCallTimeout)
           .status();
     }
 
@@ -361,15 +381,16 @@ class DaemonTransport final : public Transport {
         const uint64_t n = d_.layouts[k].padded;
         float* f = staging.floats();
         if (read) {
-          ZT_RETURN_IF_ERROR(t_.StagedCall(p::MessageType::kReadState, job_, unit, staging, 3 * n * sizeof(float)));
+          ZT_RETURN_IF_ERROR(t_.StagedCall(p::MessageType::kReadState, job_, unit, staging,
+                                           3 * n * sizeof(float)));
         } else {
           std::memset(f, 0, 3 * n * sizeof(float));
         }
         ZT_RETURN_IF_ERROR(
             fn(k, engine::UnitState{.master = f, .exp_avg = f + n, .exp_avg_sq = f + 2 * n}));
         if (write) {
-          ZT_RETURN_IF_ERROR(
-              t_.StagedCall(p::MessageType::kWriteState, job_, unit, staging, 3 * n * sizeof(float)));
+          ZT_RETURN_IF_ERROR(t_.StagedCall(p::MessageType::kWriteState, job_, unit, staging,
+                                           3 * n * sizeof(float)));
         }
       }
       return Status::Ok();
@@ -382,10 +403,25 @@ class DaemonTransport final : public Transport {
   struct Pending {
     bool done = false;
     Result<Reply> reply = Status::Internal("no reply");
+    std::string posted;  // not empty: nobody waits; names the request in errors
   };
 
   DaemonTransport(std::string path, SeqPacketSocket sock)
       : path_(std::move(path)), sock_(std::move(sock)) {}
+
+  // The unit holds `step` or later.
+  void Published(int job, int unit, int64_t step) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto j = jobs_.find(job);
+    if (j == jobs_.end() || unit < 0 || unit >= static_cast<int>(j->second.seen.size())) return;
+    j->second.seen[unit] = std::max(j->second.seen[unit], step);
+  }
+  // New weights or a loaded state: the steps seen say nothing any more.
+  void Forget(int job) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto j = jobs_.find(job);
+    if (j != jobs_.end()) j->second.seen.assign(j->second.seen.size(), -1);
+  }
 
   // A unit's state (3 x padded fp32, or `bytes` of it) in or out.
   Status StagedCall(p::MessageType type, int job, int unit, const Staging& staging,
@@ -448,6 +484,7 @@ class DaemonTransport final : public Transport {
     }
     Job j;
     j.spec = spec;
+    j.seen.assign(spec.units.size(), -1);
     j.layouts.resize(spec.units.size());
     for (size_t k = 0; k < list.regions.size(); ++k) {
       const p::RegionInfo& info = list.regions[k];
@@ -479,6 +516,31 @@ class DaemonTransport final : public Transport {
     return static_cast<char*>(r->second.mapping.data()) + b.offset;  // bounds: DecodeSharedBuffer
   }
 
+  // Sends a request whose reply nobody waits for; an error it brings is
+  // returned by the next Call.
+  Status Post(p::MessageType type, std::string payload, std::string what) {
+    auto pending = std::make_shared<Pending>();
+    pending->posted = std::move(what);
+    uint64_t id;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!dead_.ok()) return dead_;
+      if (!deferred_.ok()) return std::exchange(deferred_, Status::Ok());
+      id = next_id_++;
+      pending_[id] = pending;
+    }
+    Result<std::string> msg =
+        p::EncodeMessage({.type = type, .flags = 0, .request_id = id, .fds = 0}, payload);
+    Status sent = msg.ok() ? sock_.Send(*msg, {}, std::chrono::seconds(30)) : msg.status();
+    if (!sent.ok()) {
+      std::lock_guard<std::mutex> lock(mu_);
+      pending_.erase(id);
+      return msg.ok() ? Status::Unavailable(StrCat("ztierd at ", path_, ": ", sent.message()))
+                      : sent;
+    }
+    return Status::Ok();
+  }
+
   // Sends a request and waits for its reply (or the connection's end).
   Result<Reply> Call(p::MessageType type, std::string payload, std::span<const int> fds,
                      std::chrono::milliseconds timeout, uint32_t flags = 0) {
@@ -487,6 +549,7 @@ class DaemonTransport final : public Transport {
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (!dead_.ok()) return dead_;
+      if (!deferred_.ok()) return std::exchange(deferred_, Status::Ok());
       id = next_id_++;
       pending_[id] = pending;
     }
@@ -572,6 +635,13 @@ class DaemonTransport final : public Transport {
       std::lock_guard<std::mutex> lock(mu_);
       auto it = pending_.find(h->request_id);
       if (it == pending_.end()) continue;  // its caller gave up
+      if (!it->second->posted.empty()) {
+        if (!body.ok() && deferred_.ok()) {
+          deferred_ = body.status().Annotate(StrCat("an earlier ", it->second->posted));
+        }
+        pending_.erase(it);
+        continue;
+      }
       if (body.ok()) {
         it->second->reply = Reply{.payload = std::string(*body), .fds = std::move(got->fds)};
       } else {
@@ -602,6 +672,7 @@ class DaemonTransport final : public Transport {
   std::condition_variable cv_;
   bool closing_ = false;
   Status dead_;
+  Status deferred_;  // the error of a posted request, for the next call
   uint64_t next_id_ = 1;
   std::map<uint64_t, std::shared_ptr<Pending>> pending_;
   std::map<int, Job> jobs_;

@@ -39,8 +39,8 @@ Status CheckpointDirs::Claim(const Job& job, const std::string& dir) {
                                       "' of this process for its checkpoints; choose another "
                                       "directory"));
   }
-  ZT_ASSIGN_OR_RETURN(DirLock l, DirLock::Acquire(dir, kCheckpointLockFile,
-                                                  "checkpoint directory", DirLock::Mode::kExclusive));
+  ZT_ASSIGN_OR_RETURN(DirLock l, DirLock::Acquire(dir, kCheckpointLockFile, "checkpoint directory",
+                                                  DirLock::Mode::kExclusive));
   entries_.emplace(key, Entry{std::move(l), job.id, job.spec.name});
   return Status::Ok();
 }

@@ -229,40 +229,40 @@ Status SaveCheckpointFiles(const JobDescription& job, StateAccess& state, const 
   const std::string tag = SaveTag();
   std::vector<std::string> written;
   Status s = state.Read([&](size_t k, const UnitState& unit) -> Status {
-        const UnitLayout& layout = job.layouts[k];
-        const UnitSpec& us = job.units[k];
-        CheckpointUnit& cu = manifest.units.emplace_back();
-        cu.name = us.name;
-        cu.numel = layout.numel;
-        cu.padded = layout.padded;
-        for (const TensorSpec& t : us.tensors) cu.tensors.push_back({t.name, t.shape});
-        for (int r = 0; r < job.ranks; ++r) {
-          const uint64_t n = layout.shard;
-          const uint64_t off = static_cast<uint64_t>(r) * n;
-          std::string data(ShardFileBytes(n), '\0');
-          std::memcpy(data.data(), kMagic, 8);
-          const uint32_t fields[4] = {kCheckpointVersion, static_cast<uint32_t>(k),
-                                      static_cast<uint32_t>(r), 0};
-          std::memcpy(data.data() + 8, fields, 16);
-          std::memcpy(data.data() + 24, &n, 8);
-          char* body = data.data() + kShardHeaderBytes;
-          std::memcpy(body, unit.master + off, n * 4);
-          std::memcpy(body + n * 4, unit.exp_avg + off, n * 4);
-          std::memcpy(body + 2 * n * 4, unit.exp_avg_sq + off, n * 4);
-          const std::string name =
-              StrCat("unit-", k, "-rank-", r, "-step-", job.step, "-", tag, ".bin");
-          // Listed before it is written: a write that fails after its rename
-          // (the directory fsync) leaves the file in place, to be removed.
-          written.push_back(name);
-          ZT_RETURN_IF_ERROR(WriteFileAtomically((fs::path(dir) / name).string(), data));
-          cu.shards.push_back({.file = name,
-                               .rank = r,
-                               .elements = n,
-                               .bytes = data.size(),
-                               .crc32c = Crc32c(data.data(), data.size())});
-        }
-        return Status::Ok();
-      });
+    const UnitLayout& layout = job.layouts[k];
+    const UnitSpec& us = job.units[k];
+    CheckpointUnit& cu = manifest.units.emplace_back();
+    cu.name = us.name;
+    cu.numel = layout.numel;
+    cu.padded = layout.padded;
+    for (const TensorSpec& t : us.tensors) cu.tensors.push_back({t.name, t.shape});
+    for (int r = 0; r < job.ranks; ++r) {
+      const uint64_t n = layout.shard;
+      const uint64_t off = static_cast<uint64_t>(r) * n;
+      std::string data(ShardFileBytes(n), '\0');
+      std::memcpy(data.data(), kMagic, 8);
+      const uint32_t fields[4] = {kCheckpointVersion, static_cast<uint32_t>(k),
+                                  static_cast<uint32_t>(r), 0};
+      std::memcpy(data.data() + 8, fields, 16);
+      std::memcpy(data.data() + 24, &n, 8);
+      char* body = data.data() + kShardHeaderBytes;
+      std::memcpy(body, unit.master + off, n * 4);
+      std::memcpy(body + n * 4, unit.exp_avg + off, n * 4);
+      std::memcpy(body + 2 * n * 4, unit.exp_avg_sq + off, n * 4);
+      const std::string name =
+          StrCat("unit-", k, "-rank-", r, "-step-", job.step, "-", tag, ".bin");
+      // Listed before it is written: a write that fails after its rename
+      // (the directory fsync) leaves the file in place, to be removed.
+      written.push_back(name);
+      ZT_RETURN_IF_ERROR(WriteFileAtomically((fs::path(dir) / name).string(), data));
+      cu.shards.push_back({.file = name,
+                           .rank = r,
+                           .elements = n,
+                           .bytes = data.size(),
+                           .crc32c = Crc32c(data.data(), data.size())});
+    }
+    return Status::Ok();
+  });
   if (s.ok()) s = FsyncPath(dir, /*directory=*/true);  // the shard files' names
   if (s.ok()) {
     s = WriteFileAtomically((fs::path(dir) / kCheckpointManifestName).string(),
@@ -326,8 +326,8 @@ Status LoadCheckpointFiles(const JobDescription& job, StateAccess& state, const 
                  : st;
 }
 
-Status ExportSafetensorsFile(const JobDescription& job, StateAccess& state,
-                             const std::string& path, ExportType type) {
+Status ExportSafetensorsFile(const JobDescription& job, StateAccess& state, const std::string& path,
+                             ExportType type) {
   const bool bf16_out = type == ExportType::kBFloat16;
   std::vector<StEntry> entries;
   const uint64_t esize = bf16_out ? 2 : 4;
@@ -335,28 +335,28 @@ Status ExportSafetensorsFile(const JobDescription& job, StateAccess& state,
     const UnitSpec& us = job.units[k];
     for (size_t t = 0; t < us.tensors.size(); ++t) {
       const uint64_t begin = job.layouts[k].offsets[t];
-      const uint64_t end = t + 1 < us.tensors.size() ? job.layouts[k].offsets[t + 1]
-                                                     : job.layouts[k].numel;
+      const uint64_t end =
+          t + 1 < us.tensors.size() ? job.layouts[k].offsets[t + 1] : job.layouts[k].numel;
       entries.push_back({us.tensors[t].name, bf16_out ? "BF16" : "F32", us.tensors[t].shape,
                          (end - begin) * esize});
     }
   }
   std::string data = MakeSafetensorsHeader(entries);
   ZT_RETURN_IF_ERROR(state.Read([&](size_t k, const UnitState& unit) {
-        const UnitLayout& layout = job.layouts[k];
-        const float* master = unit.master;
-        if (bf16_out) {
-          const size_t at = data.size();
-          data.resize(at + layout.numel * 2);
-          for (uint64_t i = 0; i < layout.numel; ++i) {
-            const uint16_t b = FloatToBf16(master[i]).bits;
-            std::memcpy(data.data() + at + i * 2, &b, 2);
-          }
-        } else {
-          data.append(reinterpret_cast<const char*>(master), layout.numel * 4);
-        }
-        return Status::Ok();
-      }));
+    const UnitLayout& layout = job.layouts[k];
+    const float* master = unit.master;
+    if (bf16_out) {
+      const size_t at = data.size();
+      data.resize(at + layout.numel * 2);
+      for (uint64_t i = 0; i < layout.numel; ++i) {
+        const uint16_t b = FloatToBf16(master[i]).bits;
+        std::memcpy(data.data() + at + i * 2, &b, 2);
+      }
+    } else {
+      data.append(reinterpret_cast<const char*>(master), layout.numel * 4);
+    }
+    return Status::Ok();
+  }));
   return WriteFileAtomically(path, data);
 }
 
@@ -386,27 +386,27 @@ Status ImportSafetensorsFile(const JobDescription& job, StateAccess& state,
     }
   }
   ZT_RETURN_IF_ERROR(state.UpdateMaster([&](size_t k, const UnitState& unit) {
-        const UnitLayout& layout = job.layouts[k];
-        float* master = unit.master;
-        const std::vector<TensorSpec>& tensors = job.units[k].tensors;
-        for (size_t t = 0; t < tensors.size(); ++t) {
-          const StTensor& st = h.tensors.at(tensors[t].name);
-          const char* src = file.data() + h.data_start + st.begin;
-          float* dst = master + layout.offsets[t];
-          const uint64_t n = (st.end - st.begin) / (st.dtype == StDtype::kF32 ? 4 : 2);
-          for (uint64_t i = 0; i < n; ++i) {
-            if (st.dtype == StDtype::kF32) {
-              std::memcpy(dst + i, src + i * 4, 4);
-            } else {
-              uint16_t b;
-              std::memcpy(&b, src + i * 2, 2);
-              dst[i] = st.dtype == StDtype::kBF16 ? Bf16ToFloat(bf16{b}) : HalfToFloat(b);
-            }
-          }
+    const UnitLayout& layout = job.layouts[k];
+    float* master = unit.master;
+    const std::vector<TensorSpec>& tensors = job.units[k].tensors;
+    for (size_t t = 0; t < tensors.size(); ++t) {
+      const StTensor& st = h.tensors.at(tensors[t].name);
+      const char* src = file.data() + h.data_start + st.begin;
+      float* dst = master + layout.offsets[t];
+      const uint64_t n = (st.end - st.begin) / (st.dtype == StDtype::kF32 ? 4 : 2);
+      for (uint64_t i = 0; i < n; ++i) {
+        if (st.dtype == StDtype::kF32) {
+          std::memcpy(dst + i, src + i * 4, 4);
+        } else {
+          uint16_t b;
+          std::memcpy(&b, src + i * 2, 2);
+          dst[i] = st.dtype == StDtype::kBF16 ? Bf16ToFloat(bf16{b}) : HalfToFloat(b);
         }
-        std::memset(master + layout.numel, 0, (layout.padded - layout.numel) * 4);
-        return Status::Ok();
-      }));
+      }
+    }
+    std::memset(master + layout.numel, 0, (layout.padded - layout.numel) * 4);
+    return Status::Ok();
+  }));
   return state.Commit(job.step, job.adam_step);
 }
 

@@ -70,8 +70,8 @@ class StateAccess {
 
 Status SaveCheckpointFiles(const JobDescription& job, StateAccess& state, const std::string& dir);
 Status LoadCheckpointFiles(const JobDescription& job, StateAccess& state, const std::string& dir);
-Status ExportSafetensorsFile(const JobDescription& job, StateAccess& state,
-                             const std::string& path, ExportType type);
+Status ExportSafetensorsFile(const JobDescription& job, StateAccess& state, const std::string& path,
+                             ExportType type);
 // Sets the master weights (and params) from the file; m and v stay; the job
 // keeps its step.
 Status ImportSafetensorsFile(const JobDescription& job, StateAccess& state,

@@ -50,8 +50,7 @@ TEST(DaemonTrainTest, ThroughZtierdTheModelIsTheEmbeddedOneBitForBit) {
   const std::string common = std::string(kSmall) + " --steps 8 --data " + data;
   ASSERT_EQ(Train(common + " --out " + (dir / "embedded")), 0);
   ZtierdProcess d(ZTIERD_BINARY, {});
-  ASSERT_EQ(Train(common + " --daemon " + d.socket() + " --out " + (dir / "daemon")), 0)
-      << d.log();
+  ASSERT_EQ(Train(common + " --daemon " + d.socket() + " --out " + (dir / "daemon")), 0) << d.log();
   const std::string embedded = Slurp(dir / "embedded/model.safetensors");
   ASSERT_FALSE(embedded.empty());
   EXPECT_EQ(embedded, Slurp(dir / "daemon/model.safetensors"));
