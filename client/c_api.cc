@@ -64,7 +64,28 @@ const char* ztier_version(void) { return "0.1.0"; }
 const char* ztier_last_error(void) { return last_error.c_str(); }
 
 ztier_status ztier_session_open(const char* config_path, ztier_session** out) {
+  ztier_session_options o;
+  ztier_session_options_init(&o);
+  o.config_path = config_path;
+  return ztier_session_open_with(&o, out);
+}
+
+void ztier_session_options_init(ztier_session_options* options) {
+  if (options == nullptr) return;
+  std::memset(options, 0, sizeof(*options));
+  options->struct_size = sizeof(*options);
+}
+
+ztier_status ztier_session_open_with(const ztier_session_options* options, ztier_session** out) {
   if (out == nullptr) return Null("out");
+  ztier_session_options o;
+  ztier_session_options_init(&o);
+  if (options != nullptr) {
+    if (Status s = CheckStruct(options, "session options"); !s.ok()) return Report(s);
+    // An older caller's smaller struct: the fields it lacks keep their defaults.
+    std::memcpy(&o, options, options->struct_size);
+  }
+  const char* config_path = o.config_path;
   ztier::engine::Settings settings;
   if (config_path != nullptr) {
     Result<ztier::engine::Settings> loaded = ztier::engine::LoadSettings(config_path);
@@ -73,8 +94,10 @@ ztier_status ztier_session_open(const char* config_path, ztier_session** out) {
   }
   Result<ztier::engine::Settings> env = ztier::engine::ApplyEnvironment(settings, environ);
   if (!env.ok()) return Report(env.status());
-  Result<std::unique_ptr<ztier::client::Session>> s =
-      ztier::client::Session::Open({.settings = *env, .daemon_socket = "", .io_backend = nullptr});
+  Result<std::unique_ptr<ztier::client::Session>> s = ztier::client::Session::Open(
+      {.settings = *env,
+       .daemon_socket = o.daemon_socket != nullptr ? o.daemon_socket : "",
+       .io_backend = nullptr});
   if (!s.ok()) return Report(s.status());
   *out = new ztier_session{*std::move(s)};
   return ZTIER_OK;

@@ -51,6 +51,19 @@ const char* ztier_last_error(void);
 /* Opens the embedded engine. `config_path` (a JSON config) may be NULL for
  * the defaults; ZTIER_* environment variables apply on top. */
 ztier_status ztier_session_open(const char* config_path, ztier_session** out);
+
+typedef struct ztier_session_options {
+  uint32_t struct_size;      /* sizeof(ztier_session_options) */
+  const char* config_path;   /* a JSON config, or NULL: the defaults */
+  const char* daemon_socket; /* ztierd's socket, or NULL: the config's
+                                ztier.daemon_socket / ZTIER_DAEMON_SOCKET,
+                                else the engine embedded in this process */
+} ztier_session_options;
+
+void ztier_session_options_init(ztier_session_options* options);
+/* Opens a session as `options` say (NULL: as ztier_session_open(NULL)).
+ * Through a daemon: ZTIER_UNAVAILABLE when none answers at the socket. */
+ztier_status ztier_session_open_with(const ztier_session_options* options, ztier_session** out);
 void ztier_session_close(ztier_session* session);
 
 typedef struct ztier_tensor_desc {

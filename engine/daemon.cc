@@ -59,6 +59,8 @@ struct Daemon::Impl {
   struct Usage {
     int connections = 0;
     int jobs = 0;
+    uint64_t dram_bytes = 0;  // of its jobs, as counted at registration
+    uint64_t nvme_bytes = 0;
   };
   std::map<uid_t, Usage> usage;  // guarded by mu
   int connections = 0;           // guarded by mu
@@ -109,6 +111,8 @@ class Daemon::Impl::Connection {
     int units = 0;
     int ranks = 1;
     Tier param_tier = Tier::kDram;
+    uint64_t dram_bytes = 0;  // charged to the uid
+    uint64_t nvme_bytes = 0;
   };
   struct Request {
     p::Header header;
@@ -432,13 +436,47 @@ class Daemon::Impl::Connection {
       --d_.usage[peer_.uid].jobs;
       return id.status();
     }
+    // The uid's share of the tiers, with this job's bytes as the engine
+    // holds them now.
+    const JobCounters held = d_.engine->counters(*id);
+    Status over;
+    {
+      std::lock_guard<std::mutex> lock(d_.mu);
+      Impl::Usage& u = d_.usage[peer_.uid];
+      const DaemonOptions& o = d_.options;
+      if (o.max_dram_bytes_per_uid != 0 &&
+          u.dram_bytes + held.dram_bytes > o.max_dram_bytes_per_uid) {
+        over = Status::ResourceExhausted(
+            StrCat("job '", name, "' needs ", held.dram_bytes, " bytes of pinned DRAM; uid ",
+                   peer_.uid, " holds ", u.dram_bytes, " of its quota of ",
+                   o.max_dram_bytes_per_uid, " (max_dram_bytes_per_uid)"));
+      } else if (o.max_nvme_bytes_per_uid != 0 &&
+                 u.nvme_bytes + held.nvme_bytes > o.max_nvme_bytes_per_uid) {
+        over = Status::ResourceExhausted(
+            StrCat("job '", name, "' needs ", held.nvme_bytes, " bytes of swap; uid ", peer_.uid,
+                   " holds ", u.nvme_bytes, " of its quota of ", o.max_nvme_bytes_per_uid,
+                   " (max_nvme_bytes_per_uid)"));
+      }
+      if (over.ok()) {
+        u.dram_bytes += held.dram_bytes;
+        u.nvme_bytes += held.nvme_bytes;
+      } else {
+        --u.jobs;
+      }
+    }
+    if (!over.ok()) {
+      (void)d_.engine->UnregisterJob(*id);
+      return over;
+    }
     std::lock_guard<std::mutex> lock(mu_);
     const int32_t handle = next_handle_++;
     jobs_[handle] = JobEntry{.engine_job = *id,
                              .name = name,
                              .units = static_cast<int>(spec.units.size()),
                              .ranks = spec.ranks,
-                             .param_tier = spec.param_tier};
+                             .param_tier = spec.param_tier,
+                             .dram_bytes = held.dram_bytes,
+                             .nvme_bytes = held.nvme_bytes};
     ZT_LOG(kInfo, "ztierd") << Who() << ": job '" << name << "' registered (" << spec.units.size()
                             << " units, " << spec.ranks << " ranks)";
     return p::Encode(p::JobHandle{
@@ -535,7 +573,10 @@ class Daemon::Impl::Connection {
     Status s = d_.engine->UnregisterJob(j.engine_job);
     {
       std::lock_guard<std::mutex> lock(d_.mu);
-      --d_.usage[peer_.uid].jobs;
+      Impl::Usage& u = d_.usage[peer_.uid];
+      --u.jobs;
+      u.dram_bytes -= j.dram_bytes;
+      u.nvme_bytes -= j.nvme_bytes;
     }
     ZT_LOG(kInfo, "ztierd") << Who() << ": job '" << j.name << "' unregistered";
     return s;

@@ -55,6 +55,10 @@ struct DaemonOptions {
   std::vector<uid_t> allowed_uids;
   int max_connections_per_uid = 64;
   int max_jobs_per_uid = 16;
+  // Pinned DRAM and swap bytes the jobs of one uid may hold together (as
+  // the engine counts them at registration); 0: only the engine's budget.
+  uint64_t max_dram_bytes_per_uid = 0;
+  uint64_t max_nvme_bytes_per_uid = 0;
   // Requests one connection may have blocked in the daemon at once.
   int max_requests_in_flight = 256;
 };

@@ -35,6 +35,7 @@
 #include <vector>
 
 #include "common/log.h"
+#include "common/numbers.h"
 #include "engine/daemon.h"
 #include "engine/seqpacket.h"
 #include "engine/settings.h"
@@ -59,6 +60,7 @@ void Usage(std::ostream& out) {
   out << "usage: ztierd [--socket PATH] [--config FILE] [--socket-mode OCTAL]\n"
          "              [--allow-uid UID]... [--max-jobs-per-uid N]\n"
          "              [--max-connections-per-uid N] [--max-requests-in-flight N]\n"
+         "              [--max-dram-per-uid SIZE] [--max-nvme-per-uid SIZE]\n"
          "\n"
          "  --socket PATH   listen on PATH (not needed under systemd socket activation)\n"
          "  --config FILE   engine settings: a ds_config with ztier's keys (DRAM budget,\n"
@@ -67,7 +69,8 @@ void Usage(std::ostream& out) {
          "  --allow-uid     a uid that may connect besides root and ztierd's own (repeat);\n"
          "                  none: every uid the socket's permissions let in\n"
          "  --max-jobs-per-uid, --max-connections-per-uid (defaults 16, 64),\n"
-         "  --max-requests-in-flight (per connection, default 256): quotas\n";
+         "  --max-requests-in-flight (per connection, default 256),\n"
+         "  --max-dram-per-uid, --max-nvme-per-uid (bytes, e.g. 64G; default: none): quotas\n";
 }
 
 Result<int64_t> IntFlag(std::string_view flag, std::string_view text, int64_t lo, int64_t hi) {
@@ -110,6 +113,11 @@ Result<Flags> ParseFlags(int argc, char** argv) {
     } else if (a == "--max-connections-per-uid") {
       ZT_ASSIGN_OR_RETURN(int64_t n, IntFlag(a, v, 1, 1 << 20));
       f.daemon.max_connections_per_uid = static_cast<int>(n);
+    } else if (a == "--max-dram-per-uid" || a == "--max-nvme-per-uid") {
+      Result<uint64_t> bytes = ParseSize(v);
+      if (!bytes.ok()) return bytes.status().Annotate(a);
+      (a == "--max-dram-per-uid" ? f.daemon.max_dram_bytes_per_uid
+                                 : f.daemon.max_nvme_bytes_per_uid) = *bytes;
     } else if (a == "--max-requests-in-flight") {
       ZT_ASSIGN_OR_RETURN(int64_t n, IntFlag(a, v, 1, 1 << 16));
       f.daemon.max_requests_in_flight = static_cast<int>(n);

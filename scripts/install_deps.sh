@@ -18,6 +18,7 @@ packages=(
   nlohmann-json3-dev                     # engine/ config files
   fio                                    # ztier-bench nvme reference
   strace                                 # durability test: the system calls of a checkpoint
+  systemd                                # deploy test: systemd-analyze, systemd-socket-activate
   clang libclang-rt-14-dev               # libFuzzer targets (scripts/fuzz.sh)
   fortunes                               # English text corpus for ztier-train (fortunes data files)
 )

@@ -34,6 +34,21 @@ static int failures = 0;
 int main(void) {
   EXPECT(ztier_abi_version() == ZTIER_ABI_VERSION);
   ztier_session* session = NULL;
+  {
+    /* A daemon socket where nothing listens: unavailable, naming it. */
+    ztier_session_options o;
+    ztier_session_options_init(&o);
+    EXPECT(o.struct_size == sizeof(o));
+    o.daemon_socket = "/nonexistent-dir/ztierd.sock";
+    EXPECT(ztier_session_open_with(&o, &session) == ZTIER_UNAVAILABLE);
+    EXPECT(strstr(ztier_last_error(), "/nonexistent-dir/ztierd.sock") != NULL);
+    EXPECT(session == NULL);
+    /* An older caller's struct without daemon_socket: the embedded engine. */
+    o.struct_size = (uint32_t)offsetof(ztier_session_options, daemon_socket);
+    ASSERT_OK(ztier_session_open_with(&o, &session));
+    ztier_session_close(session);
+    session = NULL;
+  }
   ASSERT_OK(ztier_session_open(NULL, &session));
 
   const int64_t w_shape[2] = {16, 8};

@@ -12,9 +12,11 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <filesystem>
+#include <random>
 #include <string>
 #include <thread>
 #include <vector>
@@ -369,6 +371,21 @@ TEST_F(DaemonTest, QuotasRefuseNamingTheQuotaAndTheFigures) {
   EXPECT_NE(s.status().ToString().find("max_connections_per_uid"), std::string::npos) << s.status();
 }
 
+TEST_F(DaemonTest, TheDramQuotaOfAUidRefusesNamingItAndHoldsNothing) {
+  engine::DaemonOptions quota;
+  quota.max_dram_bytes_per_uid = 16 << 10;  // two units of 1000 params need more
+  Start(quota);
+  const uint64_t before = daemon_->daemon().engine().pool_stats().used_bytes;
+  RawClient c = RawClient::Connect(socket());
+  Result<RawClient::Reply> r = c.Call(p::MessageType::kRegisterJob, p::Encode(TwoUnits("big")));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->status.code(), StatusCode::kResourceExhausted) << r->status;
+  EXPECT_NE(r->status.ToString().find("max_dram_bytes_per_uid"), std::string::npos) << r->status;
+  EXPECT_NE(r->status.ToString().find("16384"), std::string::npos) << r->status;
+  WaitForStats(1, 0);
+  EXPECT_EQ(daemon_->daemon().engine().pool_stats().used_bytes, before);
+}
+
 // --------------------------------------------------------- lifecycle
 
 TEST_F(DaemonTest, AClientThatDiesHasItsLeasesWaitsAndJobsFreed) {
@@ -510,6 +527,85 @@ TEST(ZtierdProgramTest, AUidOffTheAllowListIsRefusedAtItsHello) {
     return 0;
   });
   EXPECT_EQ(rc, 0) << d.log();
+}
+
+// Trains `job` through `session` for `steps` steps on a host device with
+// grads that depend only on (step, unit, element); returns every unit's
+// master.
+Result<std::vector<std::vector<float>>> TrainSteps(Session& session, const std::string& job,
+                                                   int steps) {
+  ZT_ASSIGN_OR_RETURN(std::unique_ptr<Model> m, session.RegisterModel(ModelOf(TwoUnits(job))));
+  std::vector<float> w(1000);
+  for (int u = 0; u < 2; ++u) {
+    for (int k = 0; k < 1000; ++k) w[k] = 0.001f * static_cast<float>((k * 7 + u) % 100);
+    ZT_RETURN_IF_ERROR(m->SetWeights(u, w.data(), w.size()));
+  }
+  ZT_ASSIGN_OR_RETURN(std::unique_ptr<Device> device, MakeHostDevice());
+  {
+    ZT_ASSIGN_OR_RETURN(std::unique_ptr<Stage3Runner> runner,
+                        Stage3Runner::Create(*m, 0, *device, nullptr, {}));
+    std::vector<bf16> grads(1000);
+    for (int step = 0; step < steps; ++step) {
+      for (int u = 0; u < 2; ++u) {
+        ZT_RETURN_IF_ERROR(runner->Acquire(u).status());
+        ZT_RETURN_IF_ERROR(runner->Release(u));
+      }
+      for (int u = 1; u >= 0; --u) {
+        for (int k = 0; k < 1000; ++k) {
+          grads[k] = FloatToBf16(0.01f * static_cast<float>((k + 31 * step + 7 * u) % 13 - 6));
+        }
+        ZT_ASSIGN_OR_RETURN(bf16 * buf, runner->GradBuffer(u));
+        std::copy(grads.begin(), grads.end(), buf);
+        ZT_RETURN_IF_ERROR(runner->PushGrads(u));
+      }
+      ZT_RETURN_IF_ERROR(runner->Step());
+    }
+  }
+  ZT_RETURN_IF_ERROR(m->WaitPublished(steps, 60s));
+  std::vector<std::vector<float>> out(2);
+  for (int u = 0; u < 2; ++u) ZT_RETURN_IF_ERROR(m->ReadMaster(u, &out[u]));
+  return out;
+}
+
+TEST(ZtierdProgramTest, ClientsKilledAtRandomLeaveNoTraceAndABystanderTrainsOn) {
+  ZtierdProcess d(ZTIERD_BINARY, {});
+  SessionOptions o;
+  o.daemon_socket = d.socket();
+  Result<std::unique_ptr<Session>> s = Session::Open(o);
+  ASSERT_TRUE(s.ok()) << s.status() << d.log();
+  const int steps = 40;
+  Result<std::vector<std::vector<float>>> solo = TrainSteps(**s, "solo", steps);
+  ASSERT_TRUE(solo.ok()) << solo.status();
+  const uint64_t baseline = (*s)->pool_stats().used_bytes;
+
+  // The bystander trains while clients are killed at random moments.
+  Result<std::vector<std::vector<float>>> beside = Status::Internal("not run");
+  std::thread bystander([&] { beside = TrainSteps(**s, "beside", steps); });
+  std::mt19937 rng(11);
+  for (int k = 0; k < 6; ++k) {
+    const pid_t pid = ::fork();
+    if (pid == 0) {
+      Result<std::unique_ptr<Session>> mine = Session::Open(o);
+      if (mine.ok()) (void)TrainSteps(**mine, StrCat("victim", k), 1 << 20);
+      _exit(0);
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20 + rng() % 200));
+    ::kill(pid, SIGKILL);
+    ::waitpid(pid, nullptr, 0);
+  }
+  bystander.join();
+  ASSERT_TRUE(beside.ok()) << beside.status() << d.log();
+  EXPECT_EQ(*beside, *solo);
+  // Every victim's job is gone: the pool holds what it held before (the
+  // bystander's job is unregistered by now too).
+  uint64_t used = 0;
+  for (int k = 0; k < 500; ++k) {
+    used = (*s)->pool_stats().used_bytes;
+    if (used == baseline) break;
+    std::this_thread::sleep_for(10ms);
+  }
+  EXPECT_EQ(used, baseline) << d.log();
+  EXPECT_NE(d.log().find("victim"), std::string::npos);
 }
 
 TEST(ZtierdProgramTest, SigtermStopsCleanlyAndKillNineFailsClientsFast) {
