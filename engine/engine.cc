@@ -3,8 +3,12 @@
 // Locking: `mu` guards the job map and every job's bookkeeping (arrivals,
 // micro-steps, norms, counters, step numbers). Grad accumulation and norms
 // run on the calling client thread outside the lock, on the caller's own
-// shard. Optimizer work runs on the engine thread, outside the lock, on units
-// whose grads are complete (no client writes them until the next step).
+// shard. Optimizer work runs on the engine's stepping threads, outside the
+// lock, on units whose grads are complete (no client writes them until the
+// next step). Each job's steps run one at a time and in order (a strand), and
+// different jobs' steps run side by side on up to kSteppingThreads threads,
+// so a job whose step waits on its drives does not hold up another job's
+// DRAM step; their compute shares the one Executor.
 #include "engine/engine.h"
 
 #include <fcntl.h>
@@ -20,6 +24,7 @@
 #include <map>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <thread>
 
 #include "common/log.h"
@@ -53,33 +58,57 @@ struct Engine::Impl {
   std::map<int, std::shared_ptr<Job>> jobs;
   int next_job = 1;
 
+  // Stepping: each job's tasks in order (its strand), jobs taking turns.
+  static constexpr int kSteppingThreads = 4;
   std::mutex task_mu;
   std::condition_variable task_cv;
-  std::deque<std::function<void()>> tasks;
+  std::map<int, std::deque<std::function<void()>>> tasks;  // by job
+  std::deque<int> runnable;  // jobs with tasks and no thread running one
+  std::set<int> running;     // jobs a thread runs a task of
   bool stop = false;
-  std::thread worker;
+  std::vector<std::thread> workers;
 
   explicit Impl(cpu_adam::Executor e) : executor(std::move(e)) {}
 
-  void Post(std::function<void()> task) {
+  void Post(int job, std::function<void()> task) {
     {
       std::lock_guard<std::mutex> lock(task_mu);
-      tasks.push_back(std::move(task));
+      std::deque<std::function<void()>>& q = tasks[job];
+      q.push_back(std::move(task));
+      if (q.size() == 1 && running.count(job) == 0) runnable.push_back(job);
     }
     task_cv.notify_one();
   }
 
+  // A stepping thread: the next job's next task, until stopped with
+  // nothing left to run.
   void Run() {
     for (;;) {
       std::function<void()> task;
+      int job;
       {
         std::unique_lock<std::mutex> lock(task_mu);
-        task_cv.wait(lock, [&] { return stop || !tasks.empty(); });
-        if (tasks.empty()) return;
-        task = std::move(tasks.front());
-        tasks.pop_front();
+        task_cv.wait(lock, [&] { return stop || !runnable.empty(); });
+        if (runnable.empty()) return;
+        job = runnable.front();
+        runnable.pop_front();
+        std::deque<std::function<void()>>& q = tasks[job];
+        task = std::move(q.front());
+        q.pop_front();
+        running.insert(job);
       }
       task();
+      {
+        std::lock_guard<std::mutex> lock(task_mu);
+        running.erase(job);
+        auto it = tasks.find(job);
+        if (it->second.empty()) {
+          tasks.erase(it);
+        } else {
+          runnable.push_back(job);  // behind the other jobs waiting
+          task_cv.notify_one();
+        }
+      }
     }
   }
 
@@ -286,7 +315,9 @@ struct Engine::Impl {
 };
 
 Engine::Engine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {
-  impl_->worker = std::thread([this] { impl_->Run(); });
+  for (int k = 0; k < Impl::kSteppingThreads; ++k) {
+    impl_->workers.emplace_back([this] { impl_->Run(); });
+  }
 }
 
 Engine::~Engine() {
@@ -294,8 +325,8 @@ Engine::~Engine() {
     std::lock_guard<std::mutex> lock(impl_->task_mu);
     impl_->stop = true;
   }
-  impl_->task_cv.notify_one();
-  impl_->worker.join();
+  impl_->task_cv.notify_all();
+  for (std::thread& t : impl_->workers) t.join();
   {
     std::lock_guard<std::mutex> lock(impl_->mu);
     impl_->jobs.clear();
@@ -664,9 +695,9 @@ Status Engine::GradsReady(int job, int unit, int rank) {
   u.micro = 0;
   u.ready = true;
   if (j->spec.optimizer.mode == StepMode::kEager) {
-    e.Post([&e, j, unit] { e.StepEager(j, static_cast<size_t>(unit)); });
+    e.Post(j->id, [&e, j, unit] { e.StepEager(j, static_cast<size_t>(unit)); });
   } else if (++j->ready_units == static_cast<int>(j->units.size())) {
-    e.Post([&e, j] { e.StepExact(j); });
+    e.Post(j->id, [&e, j] { e.StepExact(j); });
   }
   return Status::Ok();
 }
@@ -1010,11 +1041,10 @@ Status Engine::WriteState(int job, int unit, const float* master, const float* e
     if (unit < 0 || unit >= static_cast<int>(j.units.size())) {
       return Status::OutOfRange(StrCat("unit ", unit, " of ", j.units.size()));
     }
-    return WriteUnitStateImpl(
-        j, static_cast<size_t>(unit),
-        UnitState{.master = const_cast<float*>(master),
-                  .exp_avg = const_cast<float*>(exp_avg),
-                  .exp_avg_sq = const_cast<float*>(exp_avg_sq)});
+    return WriteUnitStateImpl(j, static_cast<size_t>(unit),
+                              UnitState{.master = const_cast<float*>(master),
+                                        .exp_avg = const_cast<float*>(exp_avg),
+                                        .exp_avg_sq = const_cast<float*>(exp_avg_sq)});
   });
 }
 

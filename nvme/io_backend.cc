@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <condition_variable>
 #include <cstdio>
 #include <cstring>
@@ -352,6 +353,8 @@ class FaultBackend::Queue final : public IoQueue {
       : owner_(owner), inner_(std::move(inner)) {}
 
   bool Prepare(const IoOp& op) override {
+    const int64_t delay = owner_->delay_ms_[static_cast<int>(op.kind)].load();
+    if (delay > 0) std::this_thread::sleep_for(std::chrono::milliseconds(delay));
     int err = 0;
     const Fate fate = owner_->Decide(op.kind, &err);
     if (fate == Fate::kFail) {
@@ -450,6 +453,7 @@ uint64_t FaultBackend::count(IoKind kind) const {
 }
 
 void FaultBackend::Reset() {
+  for (std::atomic<int64_t>& d : delay_ms_) d.store(0);
   std::lock_guard<std::mutex> lock(mu_);
   rules_.clear();
   refuse_direct_ = false;

@@ -24,6 +24,7 @@
 #include <sys/uio.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -128,6 +129,11 @@ class FaultBackend final : public IoBackend {
   void ShortNth(IoKind kind, uint64_t n);
   // The nth read from now returns its data with one bit flipped.
   void FlipBitOnNthRead(uint64_t n);
+  // Every op of `kind` is held `per_op` before it is queued (a slow or
+  // stalled drive, on the submitting thread); 0: no delay.
+  void SlowDown(IoKind kind, std::chrono::milliseconds per_op) {
+    delay_ms_[static_cast<int>(kind)].store(per_op.count());
+  }
   // open() with O_DIRECT fails with EINVAL, as on a filesystem without it.
   void RefuseDirectIo() { refuse_direct_ = true; }
   // fallocate() fails with -err (from the nth call on; 1: the next one).
@@ -158,6 +164,7 @@ class FaultBackend final : public IoBackend {
   uint64_t counts_[3] = {0, 0, 0};
   std::vector<Rule> rules_;
   std::atomic<bool> refuse_direct_{false};
+  std::atomic<int64_t> delay_ms_[3] = {0, 0, 0};
   int fail_prealloc_ = 0;  // under mu_
   uint64_t fail_prealloc_at_ = 0, prealloc_calls_ = 0;
 };
