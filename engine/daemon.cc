@@ -9,6 +9,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstring>
+#include <deque>
 #include <list>
 #include <map>
 #include <mutex>
@@ -80,7 +81,8 @@ struct Daemon::Impl {
 };
 
 // One client connection: its socket, its jobs (by handle), the params it
-// holds leases on, and the threads of its blocking requests.
+// holds leases on, and the pool that runs its blocking and computing
+// requests.
 class Daemon::Impl::Connection {
  public:
   // `refusal` not OK: the connection only answers the client's hello with
@@ -126,7 +128,6 @@ class Daemon::Impl::Connection {
       if (!refusal_.ok() && Clock::now() > refuse_by) return;
       pollfd pfd{.fd = sock_.fd(), .events = POLLIN, .revents = 0};
       const int n = ::poll(&pfd, 1, static_cast<int>(kPollInterval.count()));
-      ReapWorkers();
       if (n < 0 && errno == EINTR) continue;
       if (n < 0) {
         ZT_LOG(kWarn, "ztierd") << Who() << ": poll: " << std::strerror(errno);
@@ -163,8 +164,8 @@ class Daemon::Impl::Connection {
       }
       Request req{
           .header = *h, .payload = got->data.substr(p::kHeaderBytes), .fds = std::move(got->fds)};
-      if (IsBlocking(req)) {
-        if (!StartWorker(std::move(req))) return;
+      if (OnPool(req)) {
+        if (!Queue(std::move(req))) return;
         continue;
       }
       Result<std::string> reply = Handle(req);
@@ -173,11 +174,21 @@ class Daemon::Impl::Connection {
     }
   }
 
-  // Requests that may wait on the engine for long run on their own thread.
-  bool IsBlocking(const Request& req) {
-    if (req.header.type != p::MessageType::kAcquireParams &&
-        req.header.type != p::MessageType::kWaitPublished) {
-      return false;
+  // Requests that may wait on the engine (an acquire, a publish wait) or
+  // compute (a grad doorbell: norms and accumulation; staged copies) run on
+  // the connection's pool, so this thread only reads, decodes and answers.
+  bool OnPool(const Request& req) {
+    switch (req.header.type) {
+      case p::MessageType::kGradsReady:
+      case p::MessageType::kWriteWeights:
+      case p::MessageType::kReadState:
+      case p::MessageType::kWriteState:
+        return true;
+      case p::MessageType::kAcquireParams:
+      case p::MessageType::kWaitPublished:
+        break;
+      default:
+        return false;
     }
     // Already published params in DRAM are answered at once.
     Result<p::StepWait> w = p::DecodeStepWait(req.payload);
@@ -191,38 +202,45 @@ class Daemon::Impl::Connection {
     return d_.engine->PublishedStep(it->second.engine_job, w->unit) < w->step;
   }
 
-  bool StartWorker(Request req) {
+  // Hands a request to the pool: an idle thread takes it, or a new one
+  // (threads stay for the connection's life, as many as were ever busy at
+  // once, at most max_requests_in_flight).
+  bool Queue(Request req) {
     std::lock_guard<std::mutex> lock(mu_);
-    if (static_cast<int>(workers_.size()) >= d_.options.max_requests_in_flight) {
+    if (in_flight_ >= d_.options.max_requests_in_flight) {
       const Status s = Status::ResourceExhausted(
-          StrCat("requests in flight on one connection: ", workers_.size(), " of the quota of ",
+          StrCat("requests in flight on one connection: ", in_flight_, " of the quota of ",
                  d_.options.max_requests_in_flight, " (daemon max_requests_in_flight)"));
       return SendError(req.header.request_id, req.header.type, s);
     }
-    const uint64_t id = next_worker_++;
-    workers_.emplace(id, std::thread([this, id, r = std::move(req)]() mutable {
-                       Result<std::string> reply = Handle(r);
-                       (void)Reply(r.header, reply);
-                       std::lock_guard<std::mutex> l(mu_);
-                       done_workers_.push_back(id);
-                       workers_cv_.notify_all();
-                     }));
+    ++in_flight_;
+    queue_.push_back(std::move(req));
+    if (idle_ == 0) {
+      pool_.emplace_back([this] { PoolThread(); });
+    } else {
+      queue_cv_.notify_one();
+    }
     return true;
   }
 
-  void ReapWorkers() {
-    std::vector<std::thread> done;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      for (uint64_t id : done_workers_) {
-        auto it = workers_.find(id);
-        if (it == workers_.end()) continue;
-        done.push_back(std::move(it->second));
-        workers_.erase(it);
+  void PoolThread() {
+    std::unique_lock<std::mutex> lock(mu_);
+    for (;;) {
+      ++idle_;
+      queue_cv_.wait(lock, [&] { return closing_ || !queue_.empty(); });
+      --idle_;
+      if (queue_.empty()) return;  // closing
+      Request req = std::move(queue_.front());
+      queue_.pop_front();
+      const bool skip = closing_;  // the client is gone: nobody reads the reply
+      lock.unlock();
+      if (!skip) {
+        Result<std::string> reply = Handle(req);
+        (void)Reply(req.header, reply);
       }
-      done_workers_.clear();
+      lock.lock();
+      --in_flight_;
     }
-    for (std::thread& t : done) t.join();
   }
 
   bool Reply(const p::Header& req, const Result<std::string>& reply) {
@@ -582,6 +600,15 @@ class Daemon::Impl::Connection {
     return s;
   }
 
+  void UnregisterAll() {
+    std::vector<int32_t> handles;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (const auto& [h, j] : jobs_) handles.push_back(h);
+    }
+    for (int32_t h : handles) (void)Unregister(h);
+  }
+
   // The client is gone or the daemon stops: free what the connection held.
   void Close() {
     if (!refusal_.ok()) {
@@ -597,20 +624,22 @@ class Daemon::Impl::Connection {
       }
       (void)SendError(0, p::MessageType::kHello, Status::Unavailable(reason));
     }
-    std::vector<int32_t> handles;
+    // No queued request starts from now on; unregistering the jobs ends
+    // the waits of the requests running (Aborted), so the pool can be joined.
     {
       std::lock_guard<std::mutex> lock(mu_);
-      for (const auto& [h, j] : jobs_) handles.push_back(h);
+      closing_ = true;
     }
-    // Unregistering wakes the workers' waits (Aborted).
-    for (int32_t h : handles) (void)Unregister(h);
+    queue_cv_.notify_all();
+    UnregisterAll();
     sock_.Shutdown();
-    std::map<uint64_t, std::thread> workers;
+    std::vector<std::thread> pool;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      workers.swap(workers_);
+      pool.swap(pool_);
     }
-    for (auto& [id, t] : workers) t.join();
+    for (std::thread& t : pool) t.join();
+    UnregisterAll();  // any a running request registered meanwhile
     // A worker may have taken a lease after its job's handles were read.
     std::map<std::pair<int, int>, int> leases;
     {
@@ -645,10 +674,13 @@ class Daemon::Impl::Connection {
   std::map<int32_t, JobEntry> jobs_;
   int32_t next_handle_ = 1;
   std::map<std::pair<int, int>, int> leases_;  // (engine job, unit) -> acquires held
-  std::map<uint64_t, std::thread> workers_;
-  std::vector<uint64_t> done_workers_;
-  uint64_t next_worker_ = 0;
-  std::condition_variable workers_cv_;
+  // The pool (see Queue).
+  std::deque<Request> queue_;
+  std::vector<std::thread> pool_;
+  std::condition_variable queue_cv_;
+  int idle_ = 0;
+  int in_flight_ = 0;  // queued or running
+  bool closing_ = false;
   std::map<uint64_t, std::vector<UniqueFd>> reply_fds_;  // fds to attach to a reply
 };
 

@@ -9,8 +9,10 @@
 // train "gpt"; "already exists" names only the caller's own jobs), its
 // handle is valid on the connection that registered it only, so no client
 // can name, probe, map or unregister another's job. Requests that may block
-// (a params acquire, a publish wait) run on a thread of their own so the
-// connection keeps serving; replies carry the request's id. Bulk data
+// (a params acquire, a publish wait) or compute (a grad doorbell's norms and
+// accumulation, staged copies) run on the connection's pool of threads, so
+// the connection's own thread only reads and answers; replies carry the
+// request's id. Bulk data
 // (weights in, states out) moves through a staging memfd the client made,
 // never through a path the daemon opens. Per-uid quotas bound connections
 // and jobs, and each connection bounds its requests in flight; a refusal
