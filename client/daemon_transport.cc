@@ -516,19 +516,23 @@ class DaemonTransport final : public Transport {
     return static_cast<char*>(r->second.mapping.data()) + b.offset;  // bounds: DecodeSharedBuffer
   }
 
+  // A new request id, its reply to go to `pending`; or why no request can
+  // go now (the daemon is gone, or a posted request failed).
+  Result<uint64_t> Expect(std::shared_ptr<Pending> pending) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!dead_.ok()) return dead_;
+    if (!deferred_.ok()) return std::exchange(deferred_, Status::Ok());
+    const uint64_t id = next_id_++;
+    pending_[id] = std::move(pending);
+    return id;
+  }
+
   // Sends a request whose reply nobody waits for; an error it brings is
   // returned by the next Call.
   Status Post(p::MessageType type, std::string payload, std::string what) {
     auto pending = std::make_shared<Pending>();
     pending->posted = std::move(what);
-    uint64_t id;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (!dead_.ok()) return dead_;
-      if (!deferred_.ok()) return std::exchange(deferred_, Status::Ok());
-      id = next_id_++;
-      pending_[id] = pending;
-    }
+    ZT_ASSIGN_OR_RETURN(const uint64_t id, Expect(pending));
     Result<std::string> msg =
         p::EncodeMessage({.type = type, .flags = 0, .request_id = id, .fds = 0}, payload);
     Status sent = msg.ok() ? sock_.Send(*msg, {}, std::chrono::seconds(30)) : msg.status();
@@ -545,14 +549,7 @@ class DaemonTransport final : public Transport {
   Result<Reply> Call(p::MessageType type, std::string payload, std::span<const int> fds,
                      std::chrono::milliseconds timeout, uint32_t flags = 0) {
     auto pending = std::make_shared<Pending>();
-    uint64_t id;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (!dead_.ok()) return dead_;
-      if (!deferred_.ok()) return std::exchange(deferred_, Status::Ok());
-      id = next_id_++;
-      pending_[id] = pending;
-    }
+    ZT_ASSIGN_OR_RETURN(const uint64_t id, Expect(pending));
     auto forget = [&] {
       std::lock_guard<std::mutex> lock(mu_);
       pending_.erase(id);

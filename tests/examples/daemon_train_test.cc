@@ -32,11 +32,8 @@ using ztier::testing::WriteWordSalad;
 using ztier::testing::ZtierdProcess;
 
 int Train(const std::string& args) {
-  ::setenv("ZTIER_WAIT_TIMEOUT", "60", 1);
   ScratchDir logs("train-log");
-  const auto [rc, output] = ztier::testing::RunTrain(args, logs / "output.txt");
-  std::printf("$ ztier-train%s\n%s(exit %d)\n", args.c_str(), output.c_str(), rc);
-  return rc;
+  return ztier::testing::TrainPrinted(args, logs / "output.txt");
 }
 
 constexpr char kSmall[] =

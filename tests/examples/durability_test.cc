@@ -207,7 +207,8 @@ TEST(DurabilityTest, CheckpointAndExportReachTheDiskInOrder) {
   // LeakSanitizer cannot run under ptrace (a sanitizer build): leaks are
   // checked by every other test.
   const std::string cmd =
-      "ASAN_OPTIONS=\"$ASAN_OPTIONS:detect_leaks=0\" timeout -k 10 300 strace -f -qq -e trace=openat,fsync,fdatasync,close,rename,renameat,"
+      "ASAN_OPTIONS=\"$ASAN_OPTIONS:detect_leaks=0\" timeout -k 10 300 strace -f -qq -e "
+      "trace=openat,fsync,fdatasync,close,rename,renameat,"
       "renameat2 -o " +
       trace + " " + ZTIER_TRAIN_BINARY +
       " --no-progress --layers 2 --channels 32 --heads 2 --context 16 --batch 4 --steps 3 "

@@ -28,11 +28,8 @@ using ztier::testing::WriteWordSalad;
 // after 5 minutes and fails the test, and a rank that waits 60 s on the
 // engine fails with its own message.
 int Train(const std::string& args) {
-  ::setenv("ZTIER_WAIT_TIMEOUT", "60", 1);
   ScratchDir logs("train-log");
-  const auto [rc, output] = ztier::testing::RunTrain(args, logs / "output.txt");
-  std::printf("$ ztier-train%s\n%s(exit %d)\n", args.c_str(), output.c_str(), rc);
-  return rc;
+  return ztier::testing::TrainPrinted(args, logs / "output.txt");
 }
 
 // Relative, per step: see LossCurveMatchesTheRecordedOne.

@@ -14,6 +14,8 @@
 
 #include <chrono>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <optional>
 #include <random>
@@ -113,6 +115,15 @@ inline std::pair<int, std::string> RunTrain(const std::string& args, const std::
   TrainProcess p(args, log);
   const int rc = p.Wait();
   return {rc, p.output()};
+}
+
+// RunTrain with the waits on the engine bounded (ZTIER_WAIT_TIMEOUT 60 s)
+// and the command and its output printed; the exit code.
+inline int TrainPrinted(const std::string& args, const std::string& log) {
+  ::setenv("ZTIER_WAIT_TIMEOUT", "60", 1);
+  const auto [rc, output] = RunTrain(args, log);
+  std::printf("$ ztier-train%s\n%s(exit %d)\n", args.c_str(), output.c_str(), rc);
+  return rc;
 }
 
 // Column `column` (0: step) of every row of a train_log.tsv, as text.
