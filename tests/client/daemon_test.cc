@@ -14,11 +14,14 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <random>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "client/ztier.h"
@@ -37,6 +40,7 @@ namespace {
 namespace p = engine::protocol;
 using engine::SeqPacketSocket;
 using engine::Tier;
+using testing::ScratchDir;
 using testing::TestDaemon;
 using testing::ZtierdProcess;
 using namespace std::chrono_literals;
@@ -486,6 +490,55 @@ int AsNobody(Body body) {
   int st = 0;
   ::waitpid(pid, &st, 0);
   return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+}
+
+// ztierd with `args` to its end (at most 30 s): {exit code, its output}.
+std::pair<int, std::string> RunZtierd(const std::string& args) {
+  ScratchDir dir("ztierd-cli");
+  const std::string out = dir.path() + "/out.txt";
+  const int st = std::system(
+      StrCat("timeout -s KILL 30 ", ZTIERD_BINARY, " ", args, " >", out, " 2>&1").c_str());
+  std::string text;
+  if (FILE* f = std::fopen(out.c_str(), "r")) {
+    char buf[4096];
+    for (size_t n; (n = std::fread(buf, 1, sizeof(buf), f)) > 0;) text.append(buf, n);
+    std::fclose(f);
+  }
+  return {WIFEXITED(st) ? WEXITSTATUS(st) : -1, text};
+}
+
+TEST(ZtierdProgramTest, BadUsageAndASocketInUseAreClearErrors) {
+  auto [rc, out] = RunZtierd("--frobnicate 1");
+  EXPECT_EQ(rc, 2) << out;
+  EXPECT_NE(out.find("unknown flag '--frobnicate'"), std::string::npos) << out;
+  std::tie(rc, out) = RunZtierd("--max-jobs-per-uid 0 --socket /tmp/x.sock");
+  EXPECT_EQ(rc, 2) << out;
+  std::tie(rc, out) = RunZtierd("--max-dram-per-uid lots --socket /tmp/x.sock");
+  EXPECT_EQ(rc, 2) << out;
+  std::tie(rc, out) = RunZtierd("");  // no socket, not socket-activated
+  EXPECT_EQ(rc, 2) << out;
+  EXPECT_NE(out.find("--socket"), std::string::npos) << out;
+  std::tie(rc, out) = RunZtierd("--socket /nonexistent-dir/ztierd.sock");
+  EXPECT_NE(rc, 0) << out;
+  EXPECT_NE(out.find("/nonexistent-dir"), std::string::npos) << out;
+  ScratchDir cfg("ztierd-cfg");
+  {
+    std::FILE* f = std::fopen((cfg.path() + "/bad.json").c_str(), "w");
+    std::fputs("{\"ztier\": {\"dram_budjet\": \"1G\"}}", f);
+    std::fclose(f);
+  }
+  std::tie(rc, out) = RunZtierd("--socket /tmp/x.sock --config " + cfg.path() + "/bad.json");
+  EXPECT_EQ(rc, 2) << out;
+  EXPECT_NE(out.find("dram_budjet"), std::string::npos) << out;
+  // A second ztierd on a live socket: refused, naming it; the first one
+  // serves on.
+  ZtierdProcess d(ZTIERD_BINARY, {});
+  std::tie(rc, out) = RunZtierd("--socket " + d.socket());
+  EXPECT_EQ(rc, 1) << out;
+  EXPECT_NE(out.find("in use"), std::string::npos) << out;
+  SessionOptions o;
+  o.daemon_socket = d.socket();
+  EXPECT_TRUE(Session::Open(o).ok()) << d.log();
 }
 
 TEST(ZtierdProgramTest, TwoUsersEachSeeOnlyTheirOwnJobs) {
