@@ -202,9 +202,11 @@ class Daemon::Impl::Connection {
     return d_.engine->PublishedStep(it->second.engine_job, w->unit) < w->step;
   }
 
-  // Hands a request to the pool: an idle thread takes it, or a new one
+  // Hands a request to the pool: a waiting thread takes it, or a new one
   // (threads stay for the connection's life, as many as were ever busy at
-  // once, at most max_requests_in_flight).
+  // once, at most max_requests_in_flight). Every queued request needs a
+  // thread of its own: one may block until a later one (another rank's
+  // grads) has run, so a request never waits behind another.
   bool Queue(Request req) {
     std::lock_guard<std::mutex> lock(mu_);
     if (in_flight_ >= d_.options.max_requests_in_flight) {
@@ -215,7 +217,9 @@ class Daemon::Impl::Connection {
     }
     ++in_flight_;
     queue_.push_back(std::move(req));
-    if (idle_ == 0) {
+    // A woken thread stays counted as waiting until it runs, so a queue
+    // longer than the waiting threads gets a new one.
+    if (queue_.size() > static_cast<size_t>(waiting_)) {
       pool_.emplace_back([this] { PoolThread(); });
     } else {
       queue_cv_.notify_one();
@@ -226,9 +230,9 @@ class Daemon::Impl::Connection {
   void PoolThread() {
     std::unique_lock<std::mutex> lock(mu_);
     for (;;) {
-      ++idle_;
+      ++waiting_;
       queue_cv_.wait(lock, [&] { return closing_ || !queue_.empty(); });
-      --idle_;
+      --waiting_;
       if (queue_.empty()) return;  // closing
       Request req = std::move(queue_.front());
       queue_.pop_front();
@@ -678,7 +682,7 @@ class Daemon::Impl::Connection {
   std::deque<Request> queue_;
   std::vector<std::thread> pool_;
   std::condition_variable queue_cv_;
-  int idle_ = 0;
+  int waiting_ = 0;    // threads in queue_cv_.wait
   int in_flight_ = 0;  // queued or running
   bool closing_ = false;
   std::map<uint64_t, std::vector<UniqueFd>> reply_fds_;  // fds to attach to a reply

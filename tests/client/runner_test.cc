@@ -186,6 +186,8 @@ Status TrainThroughRunner(const TrainSetup& s, Model& model, int64_t first, int6
         if (r == 0) out->timeline = dev->timeline();
         return Status::Ok();
       }();
+      // Said at once: the other ranks may wait in a collective for long.
+      if (!status[r].ok()) std::fprintf(stderr, "rank %d: %s\n", r, status[r].ToString().c_str());
     });
   }
   for (auto& t : threads) t.join();
