@@ -620,6 +620,20 @@ Result<std::vector<std::vector<float>>> TrainSteps(Session& session, const std::
   return out;
 }
 
+// A client process for the test below: this test binary started again
+// with ZTIER_TEST_VICTIM=SOCKET,NAME, training until it is killed (a fresh
+// process, not a fork of the threaded test).
+TEST(ZtierdProgramTest, VictimClient) {
+  const char* victim = std::getenv("ZTIER_TEST_VICTIM");
+  if (victim == nullptr) GTEST_SKIP() << "a helper process of ClientsKilledAtRandom...";
+  const std::string spec = victim;
+  SessionOptions o;
+  o.daemon_socket = spec.substr(0, spec.find(','));
+  Result<std::unique_ptr<Session>> s = Session::Open(o);
+  ASSERT_TRUE(s.ok()) << s.status();
+  (void)TrainSteps(**s, spec.substr(spec.find(',') + 1), 1 << 20);
+}
+
 TEST(ZtierdProgramTest, ClientsKilledAtRandomLeaveNoTraceAndABystanderTrainsOn) {
   ZtierdProcess d(ZTIERD_BINARY, {});
   SessionOptions o;
@@ -631,18 +645,21 @@ TEST(ZtierdProgramTest, ClientsKilledAtRandomLeaveNoTraceAndABystanderTrainsOn) 
   ASSERT_TRUE(solo.ok()) << solo.status();
   const uint64_t baseline = (*s)->pool_stats().used_bytes;
 
-  // The bystander trains while clients are killed at random moments.
+  // The bystander trains while clients (processes of their own) are killed
+  // at random moments.
   Result<std::vector<std::vector<float>>> beside = Status::Internal("not run");
   std::thread bystander([&] { beside = TrainSteps(**s, "beside", steps); });
   std::mt19937 rng(11);
   for (int k = 0; k < 6; ++k) {
-    const pid_t pid = ::fork();
-    if (pid == 0) {
-      Result<std::unique_ptr<Session>> mine = Session::Open(o);
-      if (mine.ok()) (void)TrainSteps(**mine, StrCat("victim", k), 1 << 20);
-      _exit(0);
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(20 + rng() % 200));
+    std::string env_victim = StrCat("ZTIER_TEST_VICTIM=", d.socket(), ",victim", k);
+    std::string self = "/proc/self/exe", filter = "--gtest_filter=ZtierdProgramTest.VictimClient";
+    char* argv[] = {self.data(), filter.data(), nullptr};
+    std::vector<char*> env = {env_victim.data()};
+    for (char** e = environ; *e != nullptr; ++e) env.push_back(*e);
+    env.push_back(nullptr);
+    pid_t pid = -1;
+    ASSERT_EQ(posix_spawn(&pid, argv[0], nullptr, nullptr, argv, env.data()), 0);
+    std::this_thread::sleep_for(std::chrono::milliseconds(100 + rng() % 300));
     ::kill(pid, SIGKILL);
     ::waitpid(pid, nullptr, 0);
   }
