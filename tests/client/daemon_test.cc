@@ -659,7 +659,12 @@ TEST(ZtierdProgramTest, ClientsKilledAtRandomLeaveNoTraceAndABystanderTrainsOn) 
     env.push_back(nullptr);
     pid_t pid = -1;
     ASSERT_EQ(posix_spawn(&pid, argv[0], nullptr, nullptr, argv, env.data()), 0);
-    std::this_thread::sleep_for(std::chrono::milliseconds(100 + rng() % 300));
+    // Killed mid-training: once its job is registered, at a random moment.
+    const std::string registered = StrCat("job 'victim", k, "' registered");
+    for (int t = 0; t < 3000 && d.log().find(registered) == std::string::npos; ++t) {
+      std::this_thread::sleep_for(5ms);
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(rng() % 200));
     ::kill(pid, SIGKILL);
     ::waitpid(pid, nullptr, 0);
   }
@@ -675,7 +680,9 @@ TEST(ZtierdProgramTest, ClientsKilledAtRandomLeaveNoTraceAndABystanderTrainsOn) 
     std::this_thread::sleep_for(10ms);
   }
   EXPECT_EQ(used, baseline) << d.log();
-  EXPECT_NE(d.log().find("victim"), std::string::npos);
+  for (int k = 0; k < 6; ++k) {
+    EXPECT_NE(d.log().find(StrCat("job 'victim", k, "' registered")), std::string::npos) << d.log();
+  }
 }
 
 TEST(ZtierdProgramTest, SigtermStopsCleanlyAndKillNineFailsClientsFast) {
