@@ -27,7 +27,6 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstring>
-#include <filesystem>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -258,7 +257,7 @@ class DaemonTransport final : public Transport {
 
   Status ClaimCheckpointDir(int job, const std::string& dir) override {
     ZT_RETURN_IF_ERROR(engine::CreateCheckpointDir(dir));
-    const std::string key = DirKey(dir);
+    const std::string key = engine::CheckpointDirKey(dir);
     std::lock_guard<std::mutex> lock(mu_);
     auto j = jobs_.find(job);
     if (j == jobs_.end()) return Status::NotFound(StrCat("no job ", job, " in this session"));
@@ -455,15 +454,6 @@ class DaemonTransport final : public Transport {
     d.step = steps.step;
     d.adam_step = steps.adam_step;
     return d;
-  }
-
-  // A checkpoint directory as one key, however it was spelled.
-  static std::string DirKey(const std::string& dir) {
-    std::error_code ec;
-    std::filesystem::path p = std::filesystem::absolute(dir, ec).lexically_normal();
-    std::string key = (ec ? std::filesystem::path(dir) : p).string();
-    while (key.size() > 1 && key.back() == '/') key.pop_back();
-    return key;
   }
 
   int64_t StepQuery(p::MessageType type, std::string payload) {

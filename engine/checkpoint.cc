@@ -5,7 +5,6 @@
 // jobs save to. Called with the job idle and marked checkpointing.
 #include <algorithm>
 #include <cstring>
-#include <filesystem>
 #include <utility>
 
 #include "common/bf16.h"
@@ -13,23 +12,9 @@
 #include "engine/state_files.h"
 
 namespace ztier::engine {
-namespace {
-
-namespace fs = std::filesystem;
-
-// The directory as one key, however it was spelled.
-std::string DirKey(const std::string& dir) {
-  std::error_code ec;
-  fs::path p = fs::absolute(dir, ec).lexically_normal();
-  std::string key = (ec ? fs::path(dir) : p).string();
-  while (key.size() > 1 && key.back() == '/') key.pop_back();
-  return key;
-}
-
-}  // namespace
 
 Status CheckpointDirs::Claim(const Job& job, const std::string& dir) {
-  const std::string key = DirKey(dir);
+  const std::string key = CheckpointDirKey(dir);
   std::lock_guard<std::mutex> lock(mu_);
   auto it = entries_.find(key);
   if (it != entries_.end()) {

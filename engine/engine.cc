@@ -863,6 +863,14 @@ int64_t Engine::TargetStep(int job) const {
   return any_ready ? low + 1 : low;  // eager: a ready unit is being updated
 }
 
+namespace {
+// What a client may do in one of the job's regions: write its grad inboxes,
+// only read the rest.
+RegionAccess OthersAccess(const Job& j, uint32_t region) {
+  return region == j.inbox_region ? RegionAccess::kReadWrite : RegionAccess::kReadOnly;
+}
+}  // namespace
+
 Result<SharedBuffer> Engine::Locate(int job, const void* ptr, uint64_t bytes) const {
   std::shared_ptr<Job> j;
   {
@@ -876,12 +884,11 @@ Result<SharedBuffer> Engine::Locate(int job, const void* ptr, uint64_t bytes) co
     if (b == nullptr || p < b || p >= b + size) continue;
     const uint64_t offset = static_cast<uint64_t>(p - b);
     if (bytes > size - offset) break;
-    return SharedBuffer{
-        .region = r,
-        .region_bytes = size,
-        .offset = offset,
-        .bytes = bytes,
-        .access = r == j->inbox_region ? RegionAccess::kReadWrite : RegionAccess::kReadOnly};
+    return SharedBuffer{.region = r,
+                        .region_bytes = size,
+                        .offset = offset,
+                        .bytes = bytes,
+                        .access = OthersAccess(*j, r)};
   }
   return Status::InvalidArgument(
       StrCat("job '", j->spec.name, "': ", bytes, " bytes at ", ptr, " are not in its regions"));
@@ -897,12 +904,11 @@ Result<std::vector<SharedBuffer>> Engine::SharedRegions(int job) const {
   for (uint32_t r : j->shared_regions) {
     const uint64_t size = impl_->pool->region(r).second;
     if (size == 0) continue;
-    out.push_back(SharedBuffer{
-        .region = r,
-        .region_bytes = size,
-        .offset = 0,
-        .bytes = size,
-        .access = r == j->inbox_region ? RegionAccess::kReadWrite : RegionAccess::kReadOnly});
+    out.push_back(SharedBuffer{.region = r,
+                               .region_bytes = size,
+                               .offset = 0,
+                               .bytes = size,
+                               .access = OthersAccess(*j, r)});
   }
   return out;
 }

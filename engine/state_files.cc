@@ -212,6 +212,14 @@ float HalfToFloat(uint16_t h) {
 
 }  // namespace
 
+std::string CheckpointDirKey(const std::string& dir) {
+  std::error_code ec;
+  fs::path p = fs::absolute(dir, ec).lexically_normal();
+  std::string key = (ec ? fs::path(dir) : p).string();
+  while (key.size() > 1 && key.back() == '/') key.pop_back();
+  return key;
+}
+
 Status CreateCheckpointDir(const std::string& dir) {
   std::error_code ec;
   fs::create_directories(dir, ec);

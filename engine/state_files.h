@@ -80,6 +80,9 @@ Status ImportSafetensorsFile(const JobDescription& job, StateAccess& state,
 // Creates `dir` (and its parents) if missing. Errors: FailedPrecondition
 // (not a directory), IoError naming the errno.
 Status CreateCheckpointDir(const std::string& dir);
+// A checkpoint directory as one key, however it was spelled (absolute,
+// normalised, no trailing '/'): which directories a process holds.
+std::string CheckpointDirKey(const std::string& dir);
 // The name of the lock file (common/dir_lock.h) a checkpoint directory's
 // writer holds.
 inline constexpr char kCheckpointLockFile[] = "ztier-checkpoint.lock";
