@@ -212,6 +212,7 @@ class CudaDevice final : public Device {
 
   DeviceKind kind() const override { return DeviceKind::kCuda; }
   std::string name() const override { return name_; }
+  int ordinal() const override { return ordinal_; }
 
   Result<void*> Allocate(size_t bytes, MemoryPurpose purpose) override;
   void Free(void* ptr) override;

@@ -104,17 +104,8 @@ class DaemonTransport final : public Transport {
   std::string name() const override { return "daemon"; }
 
   Result<int> RegisterJob(const engine::JobSpec& spec) override {
-    std::string bytes = p::Encode(spec);
-    Result<Reply> r = Status::Internal("unsent");
-    if (bytes.size() <= p::kMaxMessageBytes - p::kHeaderBytes) {
-      r = Call(p::MessageType::kRegisterJob, std::move(bytes), {}, kCallTimeout);
-    } else {
-      ZT_ASSIGN_OR_RETURN(UniqueFd fd, engine::MemfdWithPayload("ztier-job-spec", bytes));
-      const int fds[] = {fd.get()};
-      r = Call(p::MessageType::kRegisterJob, "", fds, kCallTimeout, p::kFlagMemfd);
-    }
-    if (!r.ok()) return r.status();
-    ZT_ASSIGN_OR_RETURN(p::JobHandle h, p::DecodeJobHandle(r->payload));
+    ZT_ASSIGN_OR_RETURN(p::JobHandle h,
+                        SendSpec(p::MessageType::kRegisterJob, p::Encode(spec), kCallTimeout));
     if (h.units != static_cast<int32_t>(spec.units.size()) || h.ranks != spec.ranks) {
       return Status::Internal(StrCat("ztierd registered job '", spec.name, "' with ", h.units,
                                      " units and ", h.ranks, " ranks"));
@@ -126,6 +117,61 @@ class DaemonTransport final : public Transport {
       return mapped;
     }
     return h.job;
+  }
+
+  Result<int> AttachJob(const engine::JobSpec& spec, int rank,
+                        std::chrono::milliseconds timeout) override {
+    std::string bytes = p::Encode(p::AttachRequest{.rank = rank, .timeout = timeout, .spec = spec});
+    ZT_ASSIGN_OR_RETURN(p::JobHandle h, SendSpec(p::MessageType::kAttachJob, std::move(bytes),
+                                                 timeout + kCallTimeout));
+    if (h.units != static_cast<int32_t>(spec.units.size()) || h.ranks != spec.ranks) {
+      return Status::Internal(StrCat("ztierd attached job '", spec.name, "' with ", h.units,
+                                     " units and ", h.ranks, " ranks"));
+    }
+    Status mapped = MapRegions(h.job, spec);
+    if (!mapped.ok()) {
+      (void)Call(p::MessageType::kUnregisterJob, p::Encode(p::JobRef{.job = h.job}), {},
+                 kCallTimeout);
+      return mapped;
+    }
+    return h.job;
+  }
+
+  Result<void*> CollectiveRegion(int job, uint64_t bytes) override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto j = jobs_.find(job);
+      if (j == jobs_.end()) return Status::NotFound(StrCat("job ", job, " is not mapped"));
+      if (j->second.collectives.data() != nullptr) {
+        if (j->second.collectives.bytes() != bytes) {
+          return Status::InvalidArgument(
+              StrCat("job '", j->second.spec.name, "': its collective region has ",
+                     j->second.collectives.bytes(), " bytes, asked for ", bytes));
+        }
+        return j->second.collectives.data();
+      }
+    }
+    ZT_ASSIGN_OR_RETURN(
+        Reply r,
+        Call(p::MessageType::kCollectiveRegion,
+             p::Encode(p::CollectiveRegionRequest{.job = job, .bytes = bytes}), {}, kCallTimeout));
+    ZT_ASSIGN_OR_RETURN(p::RegionList list, p::DecodeRegionList(r.payload));
+    if (list.regions.size() != 1 || r.fds.size() != 1 || list.regions[0].bytes != bytes ||
+        list.regions[0].access != RegionAccess::kReadWrite) {
+      return Status::Corruption(StrCat("ztierd answered a collective region request with ",
+                                       list.regions.size(), " regions and ", r.fds.size(),
+                                       " memfds"));
+    }
+    ZT_RETURN_IF_ERROR(engine::CheckPeerMemfd(r.fds[0].get(), bytes, bytes,
+                                              RegionAccess::kReadWrite, "the collective region")
+                           .status());
+    ZT_ASSIGN_OR_RETURN(Mapping m,
+                        Mapping::Map(r.fds[0].get(), bytes, true, "the collective region"));
+    std::lock_guard<std::mutex> lock(mu_);
+    auto j = jobs_.find(job);
+    if (j == jobs_.end()) return Status::NotFound(StrCat("job ", job, " is not mapped"));
+    if (j->second.collectives.data() == nullptr) j->second.collectives = std::move(m);
+    return j->second.collectives.data();
   }
 
   Status UnregisterJob(int job) override {
@@ -350,6 +396,7 @@ class DaemonTransport final : public Transport {
     std::map<uint32_t, Region> regions;
     std::vector<engine::UnitLayout> layouts;  // numel 0: not fetched yet
     std::map<std::string, DirLock> dirs;      // checkpoint directories claimed
+    Mapping collectives;                      // the collective region, once asked for
   };
 
   // The job's state as the file code sees it: each unit through a staging
@@ -461,6 +508,22 @@ class DaemonTransport final : public Transport {
     if (!r.ok()) return -1;
     Result<p::StepValue> v = p::DecodeStepValue(r->payload);
     return v.ok() ? v->step : -1;
+  }
+
+  // A request that carries a job spec: in the datagram, or in a sealed
+  // memfd when it is too large for one.
+  Result<p::JobHandle> SendSpec(p::MessageType type, std::string bytes,
+                                std::chrono::milliseconds timeout) {
+    Result<Reply> r = Status::Internal("unsent");
+    if (bytes.size() <= p::kMaxMessageBytes - p::kHeaderBytes) {
+      r = Call(type, std::move(bytes), {}, timeout);
+    } else {
+      ZT_ASSIGN_OR_RETURN(UniqueFd fd, engine::MemfdWithPayload("ztier-job-spec", bytes));
+      const int fds[] = {fd.get()};
+      r = Call(type, "", fds, timeout, p::kFlagMemfd);
+    }
+    if (!r.ok()) return r.status();
+    return p::DecodeJobHandle(r->payload);
   }
 
   // Maps the job's regions, checking each memfd's size and seals first.

@@ -4,13 +4,16 @@
 //
 // Thread safety: as engine::Engine (every method from any thread).
 // Failure: the engine's errors, unchanged.
+#include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "client/transport.h"
 #include "engine/engine.h"
+#include "engine/shared_memory.h"
 
 namespace ztier::client {
 namespace {
@@ -21,7 +24,36 @@ class EmbeddedTransport final : public Transport {
   std::string name() const override { return "embedded"; }
 
   Result<int> RegisterJob(const engine::JobSpec& spec) override { return e_->RegisterJob(spec); }
-  Status UnregisterJob(int job) override { return e_->UnregisterJob(job); }
+  Result<int> AttachJob(const engine::JobSpec& spec, int rank,
+                        std::chrono::milliseconds /*timeout*/) override {
+    return Status::FailedPrecondition(
+        StrCat("model '", spec.name, "' rank ", rank,
+               ": ranks in other processes attach to a job through ztierd (set "
+               "ztier.daemon_socket); the embedded engine serves the ranks of this process"));
+  }
+  Result<void*> CollectiveRegion(int job, uint64_t bytes) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = regions_.find(job);
+    if (it == regions_.end()) {
+      ZT_ASSIGN_OR_RETURN(UniqueFd fd, engine::MakeSealedMemfd("ztier-collectives", bytes));
+      ZT_ASSIGN_OR_RETURN(engine::Mapping m,
+                          engine::Mapping::Map(fd.get(), bytes, true, "the collective region"));
+      it = regions_.emplace(job, std::move(m)).first;
+    }
+    if (it->second.bytes() != bytes) {
+      return Status::InvalidArgument(StrCat("job ", job, ": its collective region has ",
+                                            it->second.bytes(), " bytes, a rank asked for ",
+                                            bytes));
+    }
+    return it->second.data();
+  }
+  Status UnregisterJob(int job) override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      regions_.erase(job);
+    }
+    return e_->UnregisterJob(job);
+  }
   Result<engine::UnitLayout> Layout(int job, int unit) override { return e_->Layout(job, unit); }
   Status WriteWeights(int job, int unit, const float* flat, uint64_t numel) override {
     return e_->WriteWeights(job, unit, flat, numel);
@@ -69,6 +101,8 @@ class EmbeddedTransport final : public Transport {
 
  private:
   std::unique_ptr<engine::Engine> e_;
+  std::mutex mu_;
+  std::map<int, engine::Mapping> regions_;  // collective regions, by job
 };
 
 }  // namespace

@@ -98,6 +98,7 @@ class HostDevice final : public Device {
 
   DeviceKind kind() const override { return DeviceKind::kHost; }
   std::string name() const override { return "host"; }
+  int ordinal() const override { return 0; }
 
   Result<void*> Allocate(size_t bytes, MemoryPurpose purpose) override {
     const size_t rounded = std::max<size_t>(256, (bytes + 255) / 256 * 256);

@@ -25,6 +25,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <set>
 #include <string>
@@ -222,6 +223,42 @@ Result<std::vector<std::unique_ptr<Collectives>>> MakeNcclCollectives(
     out.push_back(std::make_unique<NcclCollectives>(comms[r], r, n, ordinals[r]));
   }
   return out;
+}
+
+Result<NcclId> MakeNcclId() {
+  static_assert(sizeof(ncclUniqueId) == sizeof(NcclId));
+  ncclUniqueId id;
+  ZT_NCCL_RETURN_IF_ERROR(ncclGetUniqueId(&id), "NCCL unique id", nullptr);
+  NcclId out;
+  std::memcpy(out.data(), &id, out.size());
+  return out;
+}
+
+Result<std::unique_ptr<Collectives>> MakeNcclRankCollectives(int ordinal, int rank, int world_size,
+                                                             const NcclId& id) {
+  const std::string who = StrCat("NCCL rank ", rank, "/", world_size, " (cuda:", ordinal, ")");
+  if (world_size < 1 || rank < 0 || rank >= world_size) {
+    return Status::InvalidArgument(StrCat(who, ": rank out of range"));
+  }
+  int count = 0;
+  if (const cudaError_t err = cudaGetDeviceCount(&count); err != cudaSuccess) {
+    cudaGetLastError();
+    return Status(StatusCode::kUnavailable,
+                  StrCat(who, ": no CUDA device: ", cudaGetErrorString(err), " (",
+                         cudaGetErrorName(err), ")"),
+                  static_cast<int>(err));
+  }
+  if (ordinal < 0 || ordinal >= count) {
+    return Status::Unavailable(
+        StrCat(who, ": no CUDA device ", ordinal, " (this machine has ", count, ")"));
+  }
+  ZT_CUDA_RETURN_IF_ERROR(cudaSetDevice(ordinal), who);
+  ncclUniqueId nid;
+  std::memcpy(&nid, id.data(), id.size());
+  ncclComm_t comm = nullptr;
+  ZT_NCCL_RETURN_IF_ERROR(ncclCommInitRank(&comm, world_size, nid, rank), who, nullptr);
+  return std::unique_ptr<Collectives>(
+      std::make_unique<NcclCollectives>(comm, rank, world_size, ordinal));
 }
 
 }  // namespace ztier::client

@@ -10,4 +10,14 @@ Result<std::vector<std::unique_ptr<Collectives>>> MakeNcclCollectives(
                                     "and nccl.h / libnccl at configure time)"));
 }
 
+Result<NcclId> MakeNcclId() {
+  return Status::Unavailable("NCCL unique id: this build of ztier has no NCCL");
+}
+
+Result<std::unique_ptr<Collectives>> MakeNcclRankCollectives(int ordinal, int rank, int world_size,
+                                                             const NcclId&) {
+  return Status::Unavailable(StrCat("NCCL rank ", rank, "/", world_size, " (cuda:", ordinal,
+                                    "): this build of ztier has no NCCL"));
+}
+
 }  // namespace ztier::client

@@ -393,6 +393,10 @@ Result<std::unique_ptr<Stage3Runner>> Stage3Runner::Create(Model& model, int ran
     return Status::InvalidArgument(
         StrCat(who, ": rank out of range for world size ", spec.world_size));
   }
+  if (model.attached_rank() >= 0 && rank != model.attached_rank()) {
+    return Status::InvalidArgument(
+        StrCat(who, ": this process attached to the model as rank ", model.attached_rank()));
+  }
   if (spec.world_size > 1 &&
       (collectives == nullptr || collectives->world_size() != spec.world_size ||
        collectives->rank() != rank)) {

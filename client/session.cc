@@ -34,6 +34,20 @@ std::string Session::transport_name() const { return transport_->name(); }
 engine::DramPoolStats Session::pool_stats() const { return transport_->PoolStats(); }
 
 Result<std::unique_ptr<Model>> Session::RegisterModel(const ModelSpec& spec) {
+  return OpenModel(spec, -1, std::chrono::milliseconds(0));
+}
+
+Result<std::unique_ptr<Model>> Session::AttachModel(const ModelSpec& spec, int rank,
+                                                    std::chrono::milliseconds timeout) {
+  if (rank < 0 || rank >= spec.world_size) {
+    return Status::InvalidArgument(StrCat("model '", spec.name, "': rank ", rank,
+                                          " out of range for world size ", spec.world_size));
+  }
+  return OpenModel(spec, rank, timeout);
+}
+
+Result<std::unique_ptr<Model>> Session::OpenModel(const ModelSpec& spec, int rank,
+                                                  std::chrono::milliseconds timeout) {
   if (spec.world_size < 1) {
     return Status::InvalidArgument(
         StrCat("model '", spec.name, "': world size ", spec.world_size, " < 1"));
@@ -44,7 +58,8 @@ Result<std::unique_ptr<Model>> Session::RegisterModel(const ModelSpec& spec) {
                       .optimizer = spec.optimizer,
                       .optimizer_tier = spec.optimizer_tier,
                       .param_tier = spec.param_tier};
-  ZT_ASSIGN_OR_RETURN(int id, transport_->RegisterJob(job));
+  ZT_ASSIGN_OR_RETURN(
+      int id, rank < 0 ? transport_->RegisterJob(job) : transport_->AttachJob(job, rank, timeout));
   std::vector<engine::UnitLayout> layouts;
   for (int u = 0; u < static_cast<int>(spec.units.size()); ++u) {
     Result<engine::UnitLayout> l = transport_->Layout(id, u);
@@ -54,7 +69,7 @@ Result<std::unique_ptr<Model>> Session::RegisterModel(const ModelSpec& spec) {
     }
     layouts.push_back(*std::move(l));
   }
-  return std::unique_ptr<Model>(new Model(transport_, id, spec, std::move(layouts)));
+  return std::unique_ptr<Model>(new Model(transport_, id, spec, std::move(layouts), rank));
 }
 
 RunnerOptions RunnerOptionsFrom(const engine::Settings& settings) {
@@ -69,11 +84,12 @@ RunnerOptions RunnerOptionsFrom(const engine::Settings& settings) {
 // -------------------------------------------------------------------- Model
 
 Model::Model(std::shared_ptr<Transport> transport, int job, Session::ModelSpec spec,
-             std::vector<engine::UnitLayout> layouts)
+             std::vector<engine::UnitLayout> layouts, int attached_rank)
     : transport_(std::move(transport)),
       job_(job),
       spec_(std::move(spec)),
-      layouts_(std::move(layouts)) {}
+      layouts_(std::move(layouts)),
+      attached_rank_(attached_rank) {}
 
 Model::~Model() {
   Status s = transport_->UnregisterJob(job_);

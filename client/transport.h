@@ -36,6 +36,19 @@ class Transport {
   virtual std::string name() const = 0;
 
   virtual Result<int> RegisterJob(const engine::JobSpec& spec) = 0;
+  // Joins the job `spec.name`, which rank 0 registers in another process,
+  // as `rank`, waiting up to `timeout` for the registration (ztierd only).
+  // Errors: FailedPrecondition (the embedded engine; a model that differs
+  // from the job's, naming the difference), NotFound (not registered in
+  // time), AlreadyExists (the rank is attached already).
+  virtual Result<int> AttachJob(const engine::JobSpec& spec, int rank,
+                                std::chrono::milliseconds timeout) = 0;
+  // The job's collective region (engine/wire_types.h): `bytes` of memory
+  // that every rank of the job maps read-write, zeroed when made. The first
+  // call makes it; every later one (from any rank) must ask for the same
+  // size. Mapped until the job is unregistered here. Errors:
+  // InvalidArgument (a size other than the region's).
+  virtual Result<void*> CollectiveRegion(int job, uint64_t bytes) = 0;
   virtual Status UnregisterJob(int job) = 0;
   virtual Result<engine::UnitLayout> Layout(int job, int unit) = 0;
   virtual Status WriteWeights(int job, int unit, const float* flat, uint64_t numel) = 0;

@@ -22,6 +22,7 @@
 #ifndef ZTIER_CLIENT_ZTIER_H_
 #define ZTIER_CLIENT_ZTIER_H_
 
+#include <array>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -75,6 +76,9 @@ class Device {
   virtual ~Device() = default;
   virtual DeviceKind kind() const = 0;
   virtual std::string name() const = 0;
+  // The device's index among those of its kind (the CUDA ordinal; 0 for
+  // the host).
+  virtual int ordinal() const = 0;
 
   // Device memory, 256 B aligned, uninitialised; accounted at the bytes asked
   // for. Errors: ResourceExhausted.
@@ -138,6 +142,8 @@ int CudaDeviceCount();
 
 // ------------------------------------------------------------ collectives --
 
+class Model;
+
 // Collectives among the R ranks of one job, one object per rank. Calls are
 // made in the same order by every rank; each is queued on `stream` of the
 // rank's device after the work already there (the local backend runs it on
@@ -159,6 +165,28 @@ class Collectives {
 
 // R ranks as threads of this process (host devices). Errors: InvalidArgument.
 Result<std::vector<std::unique_ptr<Collectives>>> MakeLocalCollectives(int world_size);
+// Rank `rank`'s collectives among the ranks of `model`'s job, wherever they
+// run (threads of this process, or processes attached through ztierd), met
+// in the job's collective region: on host devices the collectives run in
+// that shared memory, bit-identical to MakeLocalCollectives (the sum in
+// fp32 in rank order, rounded once); on CUDA devices they are NCCL, rank 0
+// making the unique id and handing it to the others through the region.
+// When a rank's process dies, ztierd tells the others' collectives, which
+// fail with Aborted naming the rank instead of waiting. Every rank calls
+// this, with the same kind of device. The collectives must go before the
+// model. Errors: InvalidArgument (rank), Aborted (a rank left), Unavailable
+// (a peer not there within the timeout), as MakeNcclRankCollectives.
+Result<std::unique_ptr<Collectives>> MakeJobCollectives(Model& model, int rank, Device& device);
+
+// NCCL's unique id (ncclUniqueId: 128 bytes), made by one rank
+// (MakeNcclId) and handed to the others, each of which makes its
+// communicator with it (ncclCommInitRank) on CUDA device `ordinal`.
+// Errors: Unavailable without NCCL or the device, NCCL's error naming the
+// call.
+using NcclId = std::array<uint8_t, 128>;
+Result<NcclId> MakeNcclId();
+Result<std::unique_ptr<Collectives>> MakeNcclRankCollectives(int ordinal, int rank, int world_size,
+                                                             const NcclId& id);
 // One NCCL communicator per CUDA device in `ordinals` (ranks 0..n-1 of one
 // process, ncclCommInitAll). Errors: Unavailable without NCCL or devices.
 Result<std::vector<std::unique_ptr<Collectives>>> MakeNcclCollectives(
@@ -179,7 +207,6 @@ struct SessionOptions {
 };
 
 class Transport;  // the seam between the client and an engine (client/transport.h)
-class Model;
 
 class Session {
  public:
@@ -205,18 +232,35 @@ class Session {
     engine::Tier param_tier = engine::Tier::kDram;
     int world_size = 1;  // local ranks
   };
-  // Registers the model's units with the engine. Errors: as
-  // engine::Engine::RegisterJob (ResourceExhausted when the model does not
-  // fit the configured tiers, naming the job, the unit and the budget).
+  // Registers the model's units with the engine. Its ranks run in this
+  // process (threads), or rank 0 here and the others in processes of their
+  // own that attach (AttachModel). Errors: as engine::Engine::RegisterJob
+  // (ResourceExhausted when the model does not fit the configured tiers,
+  // naming the job, the unit and the budget).
   Result<std::unique_ptr<Model>> RegisterModel(const ModelSpec& spec);
+  // Joins, as `rank` (1..world_size-1, or a rank whose process restarted),
+  // the model that rank 0 registers under spec.name through the same ztierd
+  // (one process per GPU, as torchrun starts them), waiting up to `timeout`
+  // for rank 0's registration. `spec` must be the model rank 0 registered
+  // (world size included). The job lives while any rank's Model does; this
+  // rank acts for itself only (its grads). Errors: FailedPrecondition (the
+  // embedded engine: ranks in other processes need ztierd; a spec that
+  // differs, naming the difference), NotFound (no registration in time),
+  // AlreadyExists (another process attached that rank), InvalidArgument.
+  Result<std::unique_ptr<Model>> AttachModel(
+      const ModelSpec& spec, int rank,
+      std::chrono::milliseconds timeout = std::chrono::minutes(10));
 
  private:
   Session(std::shared_ptr<Transport> transport, engine::Settings settings);
+  Result<std::unique_ptr<Model>> OpenModel(const ModelSpec& spec, int rank,
+                                           std::chrono::milliseconds timeout);
   std::shared_ptr<Transport> transport_;
   engine::Settings settings_;
 };
 
-// A registered model (an engine job). Unregistered when destroyed.
+// A registered or attached model (an engine job). Unregistered when
+// destroyed (an attached rank only lets go of the job).
 class Model {
  public:
   ~Model();
@@ -257,15 +301,20 @@ class Model {
 
   Transport& transport() const { return *transport_; }
   int job() const { return job_; }
+  // The rank this process attached as (Session::AttachModel); -1 when it
+  // registered the model (its ranks are this process's threads, or it is
+  // rank 0 of ranks in other processes).
+  int attached_rank() const { return attached_rank_; }
 
  private:
   friend class Session;
   Model(std::shared_ptr<Transport> transport, int job, Session::ModelSpec spec,
-        std::vector<engine::UnitLayout> layouts);
+        std::vector<engine::UnitLayout> layouts, int attached_rank);
   std::shared_ptr<Transport> transport_;
   int job_;
   Session::ModelSpec spec_;
   std::vector<engine::UnitLayout> layouts_;
+  int attached_rank_;
 };
 
 // --------------------------------------------------------- stage-3 runner --

@@ -2,7 +2,10 @@
 // thread per connection, and the handler of every request.
 #include "engine/daemon.h"
 
+#include <fcntl.h>
+#include <linux/futex.h>
 #include <poll.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -47,6 +50,43 @@ Status Unscoped(const Status& s, const std::string& prefix) {
   return Status(s.code(), std::move(msg), s.sys_errno());
 }
 
+// Blocking engine waits run in slices of this, so a connection that closes
+// gets its pool threads back within a slice even while its job lives on
+// (held by other ranks' connections).
+constexpr std::chrono::milliseconds kWaitSlice{500};
+
+// Why an attaching rank's model is not the job's: the first difference, or
+// empty when they match.
+std::string SpecDifference(const JobSpec& job, const JobSpec& rank) {
+  if (job.ranks != rank.ranks) {
+    return StrCat("a world size of ", rank.ranks, ", the job's is ", job.ranks);
+  }
+  if (job.units.size() != rank.units.size()) {
+    return StrCat(rank.units.size(), " units, the job has ", job.units.size());
+  }
+  for (size_t u = 0; u < job.units.size(); ++u) {
+    const UnitSpec& a = job.units[u];
+    const UnitSpec& b = rank.units[u];
+    if (a.name != b.name)
+      return StrCat("unit ", u, " is '", b.name, "', the job's is '", a.name, "'");
+    if (a.tensors.size() != b.tensors.size()) {
+      return StrCat("unit '", a.name, "' has ", b.tensors.size(), " tensors, the job's has ",
+                    a.tensors.size());
+    }
+    for (size_t t = 0; t < a.tensors.size(); ++t) {
+      if (a.tensors[t].name != b.tensors[t].name || a.tensors[t].shape != b.tensors[t].shape) {
+        return StrCat("unit '", a.name, "' tensor ", t, " ('", b.tensors[t].name,
+                      "') differs from the job's ('", a.tensors[t].name, "') in name or shape");
+      }
+    }
+  }
+  if (job.optimizer_tier != rank.optimizer_tier || job.param_tier != rank.param_tier) {
+    return "other tiers for the optimizer state or the params";
+  }
+  if (p::Encode(job) != p::Encode(rank)) return "other optimizer settings";
+  return std::string();
+}
+
 }  // namespace
 
 struct Daemon::Impl {
@@ -71,6 +111,76 @@ struct Daemon::Impl {
   class Connection;
   std::list<std::unique_ptr<Connection>> live;  // guarded by mu
   std::condition_variable all_closed;
+
+  // A registered job, shared by every connection holding a handle to it
+  // (the registering one, and ranks attached from other processes). It
+  // lives while any handle does; when the last goes with its connection
+  // (not by an unregister), it is parked for options.job_grace_period
+  // (ranks may attach again), then freed.
+  struct Job {
+    int engine_job = -1;
+    uid_t uid = 0;
+    JobSpec spec;             // as registered, with the client's (unscoped) name
+    uint64_t dram_bytes = 0;  // charged to the uid
+    uint64_t nvme_bytes = 0;
+    // Guarded by Impl::mu.
+    int holders = 0;                      // handles on live connections
+    std::vector<const void*> rank_owner;  // per rank: the connection that attached it
+    bool parked = false;
+    Clock::time_point parked_until;
+    bool freed = false;
+    Mapping collective_region;  // made on the first ask (kCollectiveRegion)
+    UniqueFd collective_fd;
+  };
+  std::map<std::pair<uid_t, std::string>, std::shared_ptr<Job>> jobs;  // guarded by mu
+  std::condition_variable jobs_changed;  // a job registered (attaches wait for it)
+
+  // Under mu: tells the job's ranks that `rank` left (kCollectiveAbortOffset)
+  // and wakes those waiting in its collective region.
+  static void AbortCollectivesLocked(Job& job, int rank) {
+    if (job.collective_region.data() == nullptr) return;
+    auto* base = static_cast<char*>(job.collective_region.data());
+    std::atomic_ref<uint32_t> abort(*reinterpret_cast<uint32_t*>(base + kCollectiveAbortOffset));
+    uint32_t none = 0;
+    abort.compare_exchange_strong(none, static_cast<uint32_t>(rank) + 1);
+    ::syscall(SYS_futex, base + kCollectiveFutexOffset, FUTEX_WAKE, INT32_MAX, nullptr, nullptr, 0);
+  }
+
+  // Unregisters a job nobody holds from the engine and uncharges its uid.
+  Status Free(const std::shared_ptr<Job>& job, std::string_view why) {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      if (job->freed) return Status::Ok();
+      job->freed = true;
+      auto it = jobs.find({job->uid, job->spec.name});
+      if (it != jobs.end() && it->second == job) jobs.erase(it);
+      Usage& u = usage[job->uid];
+      --u.jobs;
+      u.dram_bytes -= job->dram_bytes;
+      u.nvme_bytes -= job->nvme_bytes;
+    }
+    Status s = engine->UnregisterJob(job->engine_job);
+    ZT_LOG(kInfo, "ztierd") << "uid " << job->uid << " job '" << job->spec.name << "' freed ("
+                            << why << ")";
+    return s;
+  }
+
+  // Frees the parked jobs whose grace period is over (every of them when
+  // `all`).
+  void ReapParked(bool all) {
+    std::vector<std::shared_ptr<Job>> due;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      const auto now = Clock::now();
+      for (const auto& [key, job] : jobs) {
+        if (job->parked && job->holders == 0 && (all || now >= job->parked_until)) {
+          due.push_back(job);
+        }
+      }
+    }
+    for (const auto& job : due)
+      (void)Free(job, "its grace period after its last client left ended");
+  }
 
   bool Allowed(uid_t uid) const {
     if (uid == 0 || uid == self_uid) return true;
@@ -107,14 +217,14 @@ class Daemon::Impl::Connection {
   bool finished() const { return finished_.load(); }
 
  private:
+  // A handle: the job, and the rank it attached (-1: registered on this
+  // connection, which may act for every rank no other process attached).
   struct JobEntry {
+    std::shared_ptr<Impl::Job> job;
+    int rank = -1;
     int engine_job = -1;
     std::string name;
-    int units = 0;
-    int ranks = 1;
     Tier param_tier = Tier::kDram;
-    uint64_t dram_bytes = 0;  // charged to the uid
-    uint64_t nvme_bytes = 0;
   };
   struct Request {
     p::Header header;
@@ -180,6 +290,7 @@ class Daemon::Impl::Connection {
   bool OnPool(const Request& req) {
     switch (req.header.type) {
       case p::MessageType::kGradsReady:
+      case p::MessageType::kAttachJob:  // waits for the job to be registered
       case p::MessageType::kWriteWeights:
       case p::MessageType::kReadState:
       case p::MessageType::kWriteState:
@@ -316,7 +427,8 @@ class Daemon::Impl::Connection {
                                             " came"));
     }
     if ((req.header.flags & p::kFlagMemfd) != 0 &&
-        req.header.type != p::MessageType::kRegisterJob) {
+        req.header.type != p::MessageType::kRegisterJob &&
+        req.header.type != p::MessageType::kAttachJob) {
       return Status::InvalidArgument(
           StrCat(p::MessageTypeName(req.header.type), ": only a job spec travels in a memfd"));
     }
@@ -326,14 +438,14 @@ class Daemon::Impl::Connection {
       case p::MessageType::kRegisterJob:
         return OnRegister(req);
       case p::MessageType::kAttachJob:
-        return Status::Unimplemented(
-            "attaching ranks that run in other processes to one job is not supported by this "
-            "ztierd; run the ranks as threads of one process");
+        return OnAttach(req);
       case p::MessageType::kUnregisterJob: {
         ZT_ASSIGN_OR_RETURN(p::JobRef r, p::DecodeJobRef(in));
-        ZT_RETURN_IF_ERROR(Unregister(r.job));
+        ZT_RETURN_IF_ERROR(Unregister(r.job, /*closing=*/false));
         return std::string();
       }
+      case p::MessageType::kCollectiveRegion:
+        return OnCollectiveRegion(req);
       case p::MessageType::kLayout: {
         ZT_ASSIGN_OR_RETURN(p::UnitRef r, p::DecodeUnitRef(in));
         ZT_ASSIGN_OR_RETURN(JobEntry j, FindJob(r.job));
@@ -343,6 +455,7 @@ class Daemon::Impl::Connection {
       case p::MessageType::kGradInbox: {
         ZT_ASSIGN_OR_RETURN(p::UnitRef r, p::DecodeUnitRef(in));
         ZT_ASSIGN_OR_RETURN(JobEntry j, FindJob(r.job));
+        ZT_RETURN_IF_ERROR(CheckRank(j, r.rank));
         ZT_ASSIGN_OR_RETURN(UnitLayout l, d_.engine->Layout(j.engine_job, r.unit));
         ZT_ASSIGN_OR_RETURN(bf16 * inbox, d_.engine->GradInbox(j.engine_job, r.unit, r.rank));
         ZT_ASSIGN_OR_RETURN(SharedBuffer b,
@@ -352,6 +465,7 @@ class Daemon::Impl::Connection {
       case p::MessageType::kGradsReady: {
         ZT_ASSIGN_OR_RETURN(p::UnitRef r, p::DecodeUnitRef(in));
         ZT_ASSIGN_OR_RETURN(JobEntry j, FindJob(r.job));
+        ZT_RETURN_IF_ERROR(CheckRank(j, r.rank));
         ZT_RETURN_IF_ERROR(d_.engine->GradsReady(j.engine_job, r.unit, r.rank));
         return std::string();
       }
@@ -375,7 +489,9 @@ class Daemon::Impl::Connection {
       case p::MessageType::kWaitPublished: {
         ZT_ASSIGN_OR_RETURN(p::StepWait w, p::DecodeStepWait(in));
         ZT_ASSIGN_OR_RETURN(JobEntry j, FindJob(w.job));
-        ZT_RETURN_IF_ERROR(d_.engine->WaitPublished(j.engine_job, w.unit, w.step, w.timeout));
+        ZT_RETURN_IF_ERROR(Sliced(w.timeout, [&](std::chrono::milliseconds slice) {
+          return d_.engine->WaitPublished(j.engine_job, w.unit, w.step, slice);
+        }));
         return std::string();
       }
       case p::MessageType::kPublishedStep: {
@@ -441,6 +557,15 @@ class Daemon::Impl::Connection {
     }
     ZT_ASSIGN_OR_RETURN(JobSpec spec, p::DecodeJobSpec(spec_bytes));
     const std::string name = spec.name;
+    // A job of that name that its clients left (parked) gives way: a run
+    // that starts again starts afresh (from its checkpoint).
+    std::shared_ptr<Impl::Job> parked;
+    {
+      std::lock_guard<std::mutex> lock(d_.mu);
+      auto it = d_.jobs.find({peer_.uid, name});
+      if (it != d_.jobs.end() && it->second->holders == 0) parked = it->second;
+    }
+    if (parked != nullptr) (void)d_.Free(parked, "registered again");
     {
       std::lock_guard<std::mutex> lock(d_.mu);
       const int jobs = d_.usage[peer_.uid].jobs;
@@ -451,8 +576,9 @@ class Daemon::Impl::Connection {
       }
       ++d_.usage[peer_.uid].jobs;
     }
-    spec.name = prefix_ + name;
-    Result<int> id = d_.engine->RegisterJob(spec);
+    JobSpec scoped = spec;
+    scoped.name = prefix_ + name;
+    Result<int> id = d_.engine->RegisterJob(scoped);
     if (!id.ok()) {
       std::lock_guard<std::mutex> lock(d_.mu);
       --d_.usage[peer_.uid].jobs;
@@ -461,6 +587,14 @@ class Daemon::Impl::Connection {
     // The uid's share of the tiers, with this job's bytes as the engine
     // holds them now.
     const JobCounters held = d_.engine->counters(*id);
+    auto job = std::make_shared<Impl::Job>();
+    job->engine_job = *id;
+    job->uid = peer_.uid;
+    job->dram_bytes = held.dram_bytes;
+    job->nvme_bytes = held.nvme_bytes;
+    job->holders = 1;
+    job->rank_owner.assign(spec.ranks, nullptr);
+    job->spec = std::move(spec);
     Status over;
     {
       std::lock_guard<std::mutex> lock(d_.mu);
@@ -478,10 +612,15 @@ class Daemon::Impl::Connection {
             StrCat("job '", name, "' needs ", held.nvme_bytes, " bytes of swap; uid ", peer_.uid,
                    " holds ", u.nvme_bytes, " of its quota of ", o.max_nvme_bytes_per_uid,
                    " (max_nvme_bytes_per_uid)"));
+      } else if (d_.jobs.count({peer_.uid, name}) != 0) {
+        // The engine's names are unique, so this is a race with a parked
+        // job of the name being attached again.
+        over = Status::AlreadyExists(StrCat("job '", name, "' is registered already"));
       }
       if (over.ok()) {
         u.dram_bytes += held.dram_bytes;
         u.nvme_bytes += held.nvme_bytes;
+        d_.jobs[{peer_.uid, name}] = job;
       } else {
         --u.jobs;
       }
@@ -490,27 +629,168 @@ class Daemon::Impl::Connection {
       (void)d_.engine->UnregisterJob(*id);
       return over;
     }
+    d_.jobs_changed.notify_all();
+    const int32_t handle = AddHandle(job, -1);
+    ZT_LOG(kInfo, "ztierd") << Who() << ": job '" << name << "' registered ("
+                            << job->spec.units.size() << " units, " << job->spec.ranks << " ranks)";
+    return p::Encode(p::JobHandle{.job = handle,
+                                  .units = static_cast<int32_t>(job->spec.units.size()),
+                                  .ranks = job->spec.ranks});
+  }
+
+  int32_t AddHandle(const std::shared_ptr<Impl::Job>& job, int rank) {
     std::lock_guard<std::mutex> lock(mu_);
     const int32_t handle = next_handle_++;
-    jobs_[handle] = JobEntry{.engine_job = *id,
-                             .name = name,
-                             .units = static_cast<int>(spec.units.size()),
-                             .ranks = spec.ranks,
-                             .param_tier = spec.param_tier,
-                             .dram_bytes = held.dram_bytes,
-                             .nvme_bytes = held.nvme_bytes};
-    ZT_LOG(kInfo, "ztierd") << Who() << ": job '" << name << "' registered (" << spec.units.size()
-                            << " units, " << spec.ranks << " ranks)";
-    return p::Encode(p::JobHandle{
-        .job = handle, .units = static_cast<int32_t>(spec.units.size()), .ranks = spec.ranks});
+    jobs_[handle] = JobEntry{.job = job,
+                             .rank = rank,
+                             .engine_job = job->engine_job,
+                             .name = job->spec.name,
+                             .param_tier = job->spec.param_tier};
+    return handle;
+  }
+
+  // A rank in another process joins a job of its uid, waiting up to the
+  // request's timeout for the job to be registered.
+  Result<std::string> OnAttach(Request& req) {
+    std::string bytes;
+    if ((req.header.flags & p::kFlagMemfd) != 0) {
+      ZT_ASSIGN_OR_RETURN(bytes, ReadPayloadMemfd(req.fds[0].get(), p::kMaxMemfdPayloadBytes));
+    } else {
+      bytes = std::move(req.payload);
+    }
+    ZT_ASSIGN_OR_RETURN(p::AttachRequest a, p::DecodeAttachRequest(bytes));
+    const std::string& name = a.spec.name;
+    const auto deadline = Clock::now() + a.timeout;
+    std::shared_ptr<Impl::Job> job;
+    {
+      std::unique_lock<std::mutex> lock(d_.mu);
+      for (;;) {
+        auto it = d_.jobs.find({peer_.uid, name});
+        if (it != d_.jobs.end() && !it->second->freed) {
+          job = it->second;
+          break;
+        }
+        if (d_.stopping.load() || Closing() || Clock::now() >= deadline) {
+          return Status::NotFound(StrCat("no job '", name, "' of uid ", peer_.uid,
+                                         " was registered within ", a.timeout.count(),
+                                         " ms (rank 0 registers it, the other ranks attach)"));
+        }
+        d_.jobs_changed.wait_until(lock, std::min(deadline, Clock::now() + kPollInterval));
+      }
+      const std::string differs = SpecDifference(job->spec, a.spec);
+      if (!differs.empty()) {
+        return Status::FailedPrecondition(
+            StrCat("rank ", a.rank, "'s model does not match job '", name, "': it has ", differs));
+      }
+      if (job->rank_owner[a.rank] != nullptr) {
+        return Status::AlreadyExists(
+            StrCat("rank ", a.rank, " of job '", name, "' is attached already"));
+      }
+      job->rank_owner[a.rank] = this;
+      ++job->holders;
+      if (job->parked) {
+        job->parked = false;
+        ZT_LOG(kInfo, "ztierd") << Who() << ": parked job '" << name << "' attached again";
+      }
+    }
+    const int32_t handle = AddHandle(job, a.rank);
+    ZT_LOG(kInfo, "ztierd") << Who() << ": rank " << a.rank << " attached to job '" << name << "'";
+    return p::Encode(p::JobHandle{.job = handle,
+                                  .units = static_cast<int32_t>(job->spec.units.size()),
+                                  .ranks = job->spec.ranks});
+  }
+
+  // The job's collective region: made on the first ask, the same memory
+  // for every rank after.
+  Result<std::string> OnCollectiveRegion(const Request& req) {
+    ZT_ASSIGN_OR_RETURN(p::CollectiveRegionRequest c,
+                        p::DecodeCollectiveRegionRequest(req.payload));
+    ZT_ASSIGN_OR_RETURN(JobEntry j, FindJob(c.job));
+    UniqueFd dup;
+    {
+      std::lock_guard<std::mutex> lock(d_.mu);
+      Impl::Job& job = *j.job;
+      if (!job.collective_fd.valid()) {
+        ZT_ASSIGN_OR_RETURN(job.collective_fd, MakeSealedMemfd("ztier-collectives", c.bytes));
+        ZT_ASSIGN_OR_RETURN(job.collective_region,
+                            Mapping::Map(job.collective_fd.get(), kCollectiveHeaderBytes,
+                                         /*writable=*/true, "the collective region"));
+      }
+      ZT_ASSIGN_OR_RETURN(uint64_t bytes,
+                          CheckPeerMemfd(job.collective_fd.get(), 0, UINT64_MAX,
+                                         RegionAccess::kReadWrite, "the collective region"));
+      if (bytes != c.bytes) {
+        return Status::InvalidArgument(StrCat("job '", j.name, "': its collective region has ",
+                                              bytes, " bytes, a rank asked for ", c.bytes,
+                                              " (every rank must ask for the same)"));
+      }
+      const int fd = ::fcntl(job.collective_fd.get(), F_DUPFD_CLOEXEC, 0);
+      if (fd < 0) return PosixError("fcntl(F_DUPFD_CLOEXEC) of the collective region", errno);
+      dup = UniqueFd(fd);
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    reply_fds_[req.header.request_id].push_back(std::move(dup));
+    return p::Encode(
+        p::RegionList{.regions = {p::RegionInfo{
+                          .region = 0, .bytes = c.bytes, .access = RegionAccess::kReadWrite}}});
+  }
+
+  // A connection that attached rank r acts for r only; the registering one
+  // for every rank no other connection attached.
+  Status CheckRank(const JobEntry& j, int rank) {
+    if (j.rank >= 0) {
+      if (rank == j.rank) return Status::Ok();
+      return Status::FailedPrecondition(StrCat("job '", j.name, "': this connection attached rank ",
+                                               j.rank, "; it cannot act for rank ", rank));
+    }
+    std::lock_guard<std::mutex> lock(d_.mu);
+    const auto& owners = j.job->rank_owner;
+    if (rank >= 0 && rank < static_cast<int>(owners.size()) && owners[rank] != nullptr &&
+        owners[rank] != this) {
+      return Status::FailedPrecondition(
+          StrCat("job '", j.name, "': rank ", rank, " is attached by another process"));
+    }
+    return Status::Ok();
+  }
+
+  bool Closing() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return closing_;
+  }
+
+  // Runs an engine wait in slices of kWaitSlice until `timeout`, so a
+  // closing connection is not held up by a job others keep alive.
+  template <class Call>
+  auto Sliced(std::chrono::milliseconds timeout, Call call) -> decltype(call(timeout)) {
+    const auto deadline = Clock::now() + timeout;
+    for (;;) {
+      const auto left =
+          std::max(std::chrono::milliseconds(0),
+                   std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()));
+      const auto slice = std::min(left, kWaitSlice);
+      auto r = call(slice);
+      const Status s = StatusOf(r);
+      if (s.ok() || s.code() != StatusCode::kUnavailable) return r;
+      if (slice == left || Closing()) {
+        if (left == timeout) return r;
+        return Status(s.code(), StrCat(s.message(), " (", timeout.count(), " ms in all)"),
+                      s.sys_errno());
+      }
+    }
+  }
+  static Status StatusOf(const Status& s) { return s; }
+  template <class T>
+  static Status StatusOf(const Result<T>& r) {
+    return r.status();
   }
 
   Result<std::string> OnAcquire(std::string_view in) {
     ZT_ASSIGN_OR_RETURN(p::StepWait w, p::DecodeStepWait(in));
     ZT_ASSIGN_OR_RETURN(JobEntry j, FindJob(w.job));
     ZT_ASSIGN_OR_RETURN(UnitLayout l, d_.engine->Layout(j.engine_job, w.unit));
-    ZT_ASSIGN_OR_RETURN(const bf16* params,
-                        d_.engine->AcquireParams(j.engine_job, w.unit, w.step, w.timeout));
+    ZT_ASSIGN_OR_RETURN(const bf16* params, Sliced(w.timeout, [&](std::chrono::milliseconds slice) {
+                          return d_.engine->AcquireParams(j.engine_job, w.unit, w.step, slice);
+                        }));
     Result<SharedBuffer> b = d_.engine->Locate(j.engine_job, params, l.padded * sizeof(bf16));
     if (!b.ok()) {
       (void)d_.engine->ReleaseParams(j.engine_job, w.unit);
@@ -571,7 +851,11 @@ class Daemon::Impl::Connection {
     return std::string();
   }
 
-  Status Unregister(int32_t handle) {
+  // Drops a handle: its leases, its rank, its hold on the job. The last
+  // holder frees the job, or parks it when its connection closed
+  // (`closing`) and a grace period is set; a connection that closes while
+  // others hold the job tells their collectives it left.
+  Status Unregister(int32_t handle, bool closing) {
     JobEntry j;
     std::vector<std::pair<int, int>> held;
     {
@@ -582,7 +866,9 @@ class Daemon::Impl::Connection {
       }
       j = it->second;
       jobs_.erase(it);
-      for (auto l = leases_.begin(); l != leases_.end();) {
+      bool other_handle = false;
+      for (const auto& [h, e] : jobs_) other_handle |= e.engine_job == j.engine_job;
+      for (auto l = leases_.begin(); !other_handle && l != leases_.end();) {
         if (l->first.first == j.engine_job) {
           for (int k = 0; k < l->second; ++k) held.push_back(l->first);
           l = leases_.erase(l);
@@ -592,16 +878,30 @@ class Daemon::Impl::Connection {
       }
     }
     for (const auto& [job, unit] : held) (void)d_.engine->ReleaseParams(job, unit);
-    Status s = d_.engine->UnregisterJob(j.engine_job);
+    bool free = false;
     {
       std::lock_guard<std::mutex> lock(d_.mu);
-      Impl::Usage& u = d_.usage[peer_.uid];
-      --u.jobs;
-      u.dram_bytes -= j.dram_bytes;
-      u.nvme_bytes -= j.nvme_bytes;
+      Impl::Job& job = *j.job;
+      --job.holders;
+      if (j.rank >= 0 && job.rank_owner[j.rank] == this) job.rank_owner[j.rank] = nullptr;
+      const auto grace = d_.options.job_grace_period;
+      if (closing && (job.holders > 0 || grace.count() > 0)) {
+        Impl::AbortCollectivesLocked(job, std::max(j.rank, 0));
+      }
+      if (job.holders == 0) {
+        if (closing && grace.count() > 0 && !d_.stopping.load()) {
+          job.parked = true;
+          job.parked_until = Clock::now() + grace;
+          ZT_LOG(kInfo, "ztierd") << Who() << ": job '" << j.name << "' parked for "
+                                  << grace.count() << " ms (its last client left)";
+        } else {
+          free = true;
+        }
+      }
     }
-    ZT_LOG(kInfo, "ztierd") << Who() << ": job '" << j.name << "' unregistered";
-    return s;
+    ZT_LOG(kInfo, "ztierd") << Who() << ": handle of job '" << j.name << "' dropped";
+    if (!free) return Status::Ok();
+    return d_.Free(j.job, closing ? "its last client left" : "unregistered");
   }
 
   void UnregisterAll() {
@@ -610,7 +910,7 @@ class Daemon::Impl::Connection {
       std::lock_guard<std::mutex> lock(mu_);
       for (const auto& [h, j] : jobs_) handles.push_back(h);
     }
-    for (int32_t h : handles) (void)Unregister(h);
+    for (int32_t h : handles) (void)Unregister(h, /*closing=*/true);
   }
 
   // The client is gone or the daemon stops: free what the connection held.
@@ -695,6 +995,8 @@ Daemon::~Daemon() {
   std::unique_lock<std::mutex> lock(impl_->mu);
   impl_->all_closed.wait(lock, [&] { return impl_->connections == 0; });
   for (auto& c : impl_->live) c->Join();
+  lock.unlock();
+  impl_->ReapParked(/*all=*/true);
 }
 
 Result<std::unique_ptr<Daemon>> Daemon::Create(const Settings& settings,
@@ -703,6 +1005,9 @@ Result<std::unique_ptr<Daemon>> Daemon::Create(const Settings& settings,
   if (options.max_connections_per_uid < 1 || options.max_jobs_per_uid < 1 ||
       options.max_requests_in_flight < 1) {
     return Status::InvalidArgument("ztierd quotas must be at least 1");
+  }
+  if (options.job_grace_period.count() < 0) {
+    return Status::InvalidArgument("ztierd: the job grace period cannot be negative");
   }
   auto impl = std::make_unique<Impl>();
   impl->options = options;
@@ -735,6 +1040,7 @@ Status Daemon::Serve(SeqPacketListener& listener) {
   Impl& d = *impl_;
   Status result;
   while (!d.stopping.load()) {
+    d.ReapParked(/*all=*/false);
     // Join connections that ended.
     {
       std::lock_guard<std::mutex> lock(d.mu);
@@ -793,6 +1099,8 @@ Status Daemon::Serve(SeqPacketListener& listener) {
   d.all_closed.wait(lock, [&] { return d.connections == 0; });
   for (auto& c : d.live) c->Join();
   d.live.clear();
+  lock.unlock();
+  d.ReapParked(/*all=*/true);
   return result;
 }
 

@@ -18,9 +18,19 @@
 // and jobs, and each connection bounds its requests in flight; a refusal
 // names the quota and the figures.
 //
+// Ranks in other processes (one per GPU, as torchrun starts them) join a
+// job with an attach (the same model spec, a rank of their own; the daemon
+// waits a while for rank 0 to register it). A job lives while any of its
+// handles does; a connection that attached rank r acts for r only. Each job
+// has a collective region, memory all its ranks map read-write, in which
+// they meet for collectives (client/shm_collectives.cc) and hand out NCCL's
+// unique id.
+//
 // A connection that closes (the client exited or died) has its param leases
-// released, its jobs unregistered (waiters wake with Aborted) and its
-// threads joined; the engine's counters return to where they were. Stop()
+// released and its threads joined; a job it was the last holder of is
+// freed (waiters wake with Aborted), or parked for the grace period, and
+// the other ranks of a job it shared are told it left (their collectives
+// fail at once). The engine's counters return to where they were. Stop()
 // stops accepting, tells every client why (an error reply with request id
 // 0, Unavailable), unregisters the jobs and joins every thread; the DRAM
 // state of the jobs is not kept (users resume from their checkpoints).
@@ -34,6 +44,7 @@
 
 #include <sys/types.h>
 
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -63,6 +74,11 @@ struct DaemonOptions {
   uint64_t max_nvme_bytes_per_uid = 0;
   // Requests one connection may have blocked in the daemon at once.
   int max_requests_in_flight = 256;
+  // How long a job whose last client's connection closed (without
+  // unregistering it) is kept, so that a restarted rank may attach to it
+  // again; then it is freed. 0: freed at once. A registration of the same
+  // name replaces a parked job.
+  std::chrono::milliseconds job_grace_period{0};
 };
 
 struct DaemonStats {

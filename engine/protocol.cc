@@ -113,6 +113,8 @@ std::string_view MessageTypeName(MessageType type) {
       return "register_job";
     case MessageType::kAttachJob:
       return "attach_job";
+    case MessageType::kCollectiveRegion:
+      return "collective_region";
     case MessageType::kUnregisterJob:
       return "unregister_job";
     case MessageType::kLayout:
@@ -355,19 +357,56 @@ Result<StepValue> DecodeStepValue(std::string_view bytes) {
 
 std::string Encode(const AttachRequest& v) {
   Writer w;
-  w.Str(v.name);
   w.Put(v.rank);
-  return w.Take();
+  w.Put(static_cast<int64_t>(v.timeout.count()));
+  std::string out = w.Take();
+  out += Encode(v.spec);
+  return out;
 }
 
 Result<AttachRequest> DecodeAttachRequest(std::string_view bytes) {
   Reader r(bytes, "attach request");
   AttachRequest v;
-  r.Str(&v.name, "name", kMaxNameBytes);
+  int64_t timeout_ms = 0;
   r.Get(&v.rank, "rank");
-  if (v.name.empty()) r.Fail("name is empty");
-  if (v.rank < 0 || v.rank >= kMaxRanks) r.Fail(StrCat("rank ", v.rank, " out of range"));
-  return Done(r, std::move(v));
+  r.Get(&timeout_ms, "timeout");
+  if (!r.ok()) return r.status();
+  if (timeout_ms < 0 || timeout_ms > kMaxWait.count()) {
+    r.Fail(StrCat("timeout ", timeout_ms, " ms"));
+    return r.status();
+  }
+  v.timeout = std::chrono::milliseconds(timeout_ms);
+  Result<JobSpec> spec = DecodeJobSpec(r.rest());
+  if (!spec.ok()) {
+    return Status::Corruption(StrCat("attach request: ", spec.status().message()));
+  }
+  v.spec = *std::move(spec);
+  if (v.rank < 0 || v.rank >= v.spec.ranks) {
+    return Status::Corruption(
+        StrCat("attach request: rank ", v.rank, " out of range for ", v.spec.ranks, " ranks"));
+  }
+  return v;
+}
+
+std::string Encode(const CollectiveRegionRequest& v) {
+  Writer w;
+  w.Put(v.job);
+  w.Put(v.bytes);
+  return w.Take();
+}
+
+Result<CollectiveRegionRequest> DecodeCollectiveRegionRequest(std::string_view bytes) {
+  Reader r(bytes, "collective region request");
+  CollectiveRegionRequest v;
+  r.Get(&v.job, "job");
+  r.Get(&v.bytes, "bytes");
+  if (v.job < 0) r.Fail(StrCat("job ", v.job));
+  if (v.bytes < kCollectiveHeaderBytes || v.bytes > kMaxCollectiveRegionBytes ||
+      v.bytes % 4096 != 0) {
+    r.Fail(StrCat("bytes ", v.bytes, " (a multiple of 4096 in [", kCollectiveHeaderBytes, ", ",
+                  kMaxCollectiveRegionBytes, "])"));
+  }
+  return Done(r, v);
 }
 
 std::string Encode(const JobHandle& v) {

@@ -51,6 +51,8 @@ inline constexpr uint32_t kMaxUnits = 1 << 20;
 inline constexpr uint32_t kMaxTensorsPerUnit = 1 << 16;
 inline constexpr uint32_t kMaxDims = 8;
 inline constexpr int kMaxRanks = 1 << 16;
+// The longest a request may ask the daemon to wait (a day).
+inline constexpr std::chrono::milliseconds kMaxWait{int64_t{24} * 3600 * 1000};
 
 inline constexpr uint32_t kFlagReply = 1u << 0;
 inline constexpr uint32_t kFlagMemfd = 1u << 1;  // the payload is in the attached memfd
@@ -59,7 +61,7 @@ inline constexpr uint32_t kKnownFlags = kFlagReply | kFlagMemfd;
 enum class MessageType : uint16_t {
   kHello = 1,           // versions and identities; the first message of a connection
   kRegisterJob = 2,     // JobSpec -> JobHandle
-  kAttachJob = 3,       // {name, rank} -> JobHandle (ranks in other processes)
+  kAttachJob = 3,       // AttachRequest (rank, wait, the rank's JobSpec) -> JobHandle
   kUnregisterJob = 4,   // JobRef -> ()
   kLayout = 5,          // UnitRef -> UnitLayout
   kGradInbox = 6,       // UnitRef (rank) -> SharedBuffer (client read-write)
@@ -77,8 +79,11 @@ enum class MessageType : uint16_t {
   kWriteState = 18,     // StagedData + the client's staging memfd (3 x padded fp32) -> ()
   kCommitState = 19,    // JobSteps -> ()
   kJobSteps = 20,       // JobRef -> JobSteps
+  // CollectiveRegionRequest -> RegionList of one region (client read-write),
+  // its memfd attached: the memory the job's ranks meet in for collectives.
+  kCollectiveRegion = 21,
 };
-inline constexpr uint16_t kLastMessageType = 20;
+inline constexpr uint16_t kLastMessageType = 21;
 std::string_view MessageTypeName(MessageType type);
 
 struct Header {
@@ -125,9 +130,19 @@ struct StepWait {
 struct StepValue {
   int64_t step = -1;
 };
+// A rank that runs in another process joins a registered job: `spec` is
+// the model as this rank built it (it must match the job's, name included),
+// and the daemon waits up to `timeout` for the job to be registered.
 struct AttachRequest {
-  std::string name;
   int32_t rank = 0;
+  std::chrono::milliseconds timeout{0};
+  JobSpec spec;
+};
+// The job's collective region, of `bytes` (the first rank to ask sets the
+// size; later asks must name the same).
+struct CollectiveRegionRequest {
+  int32_t job = -1;
+  uint64_t bytes = 0;
 };
 struct JobHandle {
   int32_t job = -1;
@@ -181,6 +196,7 @@ std::string Encode(const SharedBuffer& v);
 std::string Encode(const RegionList& v);
 std::string Encode(const StagedData& v);
 std::string Encode(const JobSteps& v);
+std::string Encode(const CollectiveRegionRequest& v);
 std::string Encode(const JobSpec& v);
 std::string Encode(const UnitLayout& v);
 std::string Encode(const JobCounters& v);
@@ -197,6 +213,7 @@ Result<SharedBuffer> DecodeSharedBuffer(std::string_view bytes);
 Result<RegionList> DecodeRegionList(std::string_view bytes);
 Result<StagedData> DecodeStagedData(std::string_view bytes);
 Result<JobSteps> DecodeJobSteps(std::string_view bytes);
+Result<CollectiveRegionRequest> DecodeCollectiveRegionRequest(std::string_view bytes);
 // Also validates what the engine would refuse cheaply: names non-empty and
 // bounded, 1..kMaxDims positive dims, element counts overflow-checked and
 // within kMaxUnitElements / kMaxJobElements, ranks 1..kMaxRanks, finite

@@ -94,6 +94,17 @@ struct SharedBuffer {
   RegionAccess access = RegionAccess::kReadOnly;
 };
 
+// A job's collective region: memory every rank of the job maps read-write,
+// where ranks in different processes meet for collectives (client/
+// shm_collectives.cc lays it out). The daemon writes one word of it: when a
+// rank's connection closes while the job lives, the abort word becomes 1 +
+// that rank and its waiters are woken (FUTEX_WAKE on the futex word), so
+// the others fail at once instead of at their timeout.
+inline constexpr uint64_t kCollectiveAbortOffset = 0;  // u32
+inline constexpr uint64_t kCollectiveFutexOffset = 4;  // u32
+inline constexpr uint64_t kCollectiveHeaderBytes = 4096;
+inline constexpr uint64_t kMaxCollectiveRegionBytes = uint64_t{1} << 30;
+
 // A safetensors export's element type.
 enum class ExportType : uint8_t { kBFloat16, kFloat32 };
 

@@ -61,6 +61,7 @@ void Usage(std::ostream& out) {
          "              [--allow-uid UID]... [--max-jobs-per-uid N]\n"
          "              [--max-connections-per-uid N] [--max-requests-in-flight N]\n"
          "              [--max-dram-per-uid SIZE] [--max-nvme-per-uid SIZE]\n"
+         "              [--job-grace-seconds N]\n"
          "\n"
          "  --socket PATH   listen on PATH (not needed under systemd socket activation)\n"
          "  --config FILE   engine settings: a ds_config with ztier's keys (DRAM budget,\n"
@@ -70,7 +71,9 @@ void Usage(std::ostream& out) {
          "                  none: every uid the socket's permissions let in\n"
          "  --max-jobs-per-uid, --max-connections-per-uid (defaults 16, 64),\n"
          "  --max-requests-in-flight (per connection, default 256),\n"
-         "  --max-dram-per-uid, --max-nvme-per-uid (bytes, e.g. 64G; default: none): quotas\n";
+         "  --max-dram-per-uid, --max-nvme-per-uid (bytes, e.g. 64G; default: none): quotas\n"
+         "  --job-grace-seconds  keep a job whose last client died this long, so a\n"
+         "                  restarted rank can attach to it again (default 0: free it at once)\n";
 }
 
 Result<int64_t> IntFlag(std::string_view flag, std::string_view text, int64_t lo, int64_t hi) {
@@ -118,6 +121,9 @@ Result<Flags> ParseFlags(int argc, char** argv) {
       if (!bytes.ok()) return bytes.status().Annotate(a);
       (a == "--max-dram-per-uid" ? f.daemon.max_dram_bytes_per_uid
                                  : f.daemon.max_nvme_bytes_per_uid) = *bytes;
+    } else if (a == "--job-grace-seconds") {
+      ZT_ASSIGN_OR_RETURN(int64_t n, IntFlag(a, v, 0, 7 * 24 * 3600));
+      f.daemon.job_grace_period = std::chrono::seconds(n);
     } else if (a == "--max-requests-in-flight") {
       ZT_ASSIGN_OR_RETURN(int64_t n, IntFlag(a, v, 1, 1 << 16));
       f.daemon.max_requests_in_flight = static_cast<int>(n);

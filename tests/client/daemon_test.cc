@@ -7,7 +7,6 @@
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <signal.h>
-#include <spawn.h>
 #include <sys/mman.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -29,10 +28,9 @@
 #include "engine/seqpacket.h"
 #include "engine/shared_memory.h"
 #include "tests/testing/scratch_dir.h"
+#include "tests/testing/spawn_self.h"
 #include "tests/testing/test_daemon.h"
 #include "tests/testing/ztierd_process.h"
-
-extern char** environ;
 
 namespace ztier::client {
 namespace {
@@ -651,22 +649,17 @@ TEST(ZtierdProgramTest, ClientsKilledAtRandomLeaveNoTraceAndABystanderTrainsOn) 
   std::thread bystander([&] { beside = TrainSteps(**s, "beside", steps); });
   std::mt19937 rng(11);
   for (int k = 0; k < 6; ++k) {
-    std::string env_victim = StrCat("ZTIER_TEST_VICTIM=", d.socket(), ",victim", k);
-    std::string self = "/proc/self/exe", filter = "--gtest_filter=ZtierdProgramTest.VictimClient";
-    char* argv[] = {self.data(), filter.data(), nullptr};
-    std::vector<char*> env = {env_victim.data()};
-    for (char** e = environ; *e != nullptr; ++e) env.push_back(*e);
-    env.push_back(nullptr);
-    pid_t pid = -1;
-    ASSERT_EQ(posix_spawn(&pid, argv[0], nullptr, nullptr, argv, env.data()), 0);
+    Result<pid_t> pid = testing::SpawnSelf(
+        "ZtierdProgramTest.VictimClient", {StrCat("ZTIER_TEST_VICTIM=", d.socket(), ",victim", k)});
+    ASSERT_TRUE(pid.ok()) << pid.status();
     // Killed mid-training: once its job is registered, at a random moment.
     const std::string registered = StrCat("job 'victim", k, "' registered");
     for (int t = 0; t < 3000 && d.log().find(registered) == std::string::npos; ++t) {
       std::this_thread::sleep_for(5ms);
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(rng() % 200));
-    ::kill(pid, SIGKILL);
-    ::waitpid(pid, nullptr, 0);
+    ::kill(*pid, SIGKILL);
+    (void)testing::WaitChild(*pid);
   }
   bystander.join();
   ASSERT_TRUE(beside.ok()) << beside.status() << d.log();

@@ -7,6 +7,8 @@
 // checkpoint; and errors for bad use.
 #include <gtest/gtest.h>
 
+#include <signal.h>
+
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -20,6 +22,7 @@
 #include "nvme/io_backend.h"
 #include "tests/client/memory_trainer.h"
 #include "tests/testing/scratch_dir.h"
+#include "tests/testing/spawn_self.h"
 #include "tests/testing/test_daemon.h"
 
 namespace ztier::client {
@@ -66,13 +69,16 @@ struct TrainSetup {
   // Host devices in their test mode: copies wait 2 ms and fail the stream if
   // their source changes before they run (a lease released too early).
   bool checked_copies = false;
+  // The ranks meet in the job's collective region (MakeJobCollectives)
+  // rather than through local collectives.
+  bool job_collectives = false;
 };
 
 std::string Name(const TrainSetup& s) {
   return StrCat(
       s.optimizer_tier == Tier::kNvme ? (s.param_tier == Tier::kNvme ? "nvmeall" : "nvme") : "dram",
       "_r", s.ranks, s.clip > 0 ? "_clip" : "", "_acc", s.accumulation, "_d", s.prefetch,
-      s.checked_copies ? "_checked" : "");
+      s.checked_copies ? "_checked" : "", s.job_collectives ? "_job" : "");
 }
 
 engine::OptimizerConfig Optimizer(const TrainSetup& s) {
@@ -139,11 +145,12 @@ Result<std::unique_ptr<Model>> RegisterWithWeights(Session& session, const Train
   return model;
 }
 
-// Trains micro-steps [first, last) through the runner, one thread per rank.
+// Trains micro-steps [first, last) through the runner, one thread per rank
+// (or only rank `only_rank`, whose peers run in other processes).
 Status TrainThroughRunner(const TrainSetup& s, Model& model, int64_t first, int64_t last,
-                          RunResult* out, bool timeline = false) {
+                          RunResult* out, bool timeline = false, int only_rank = -1) {
   std::vector<std::unique_ptr<Collectives>> coll;
-  if (s.ranks > 1) {
+  if (s.ranks > 1 && !s.job_collectives) {
     ZT_ASSIGN_OR_RETURN(coll, MakeLocalCollectives(s.ranks));
   }
   out->losses.assign(last - first, std::vector<float>(s.ranks, 0.0f));
@@ -152,6 +159,7 @@ Status TrainThroughRunner(const TrainSetup& s, Model& model, int64_t first, int6
   std::vector<Status> status(s.ranks);
   std::vector<std::thread> threads;
   for (int r = 0; r < s.ranks; ++r) {
+    if (only_rank >= 0 && r != only_rank) continue;
     threads.emplace_back([&, r] {
       status[r] = [&]() -> Status {
         HostDeviceOptions device_options;
@@ -164,14 +172,19 @@ Status TrainThroughRunner(const TrainSetup& s, Model& model, int64_t first, int6
         for (int k = 0; k < model.units(); ++k) layouts.push_back(model.layout(k));
         ZT_ASSIGN_OR_RETURN(std::unique_ptr<gpt::Gpt> net,
                             gpt::Gpt::Create(s.gpt, s.batch, *dev, layouts));
+        std::unique_ptr<Collectives> job_coll;
+        if (s.job_collectives) {
+          ZT_ASSIGN_OR_RETURN(job_coll, MakeJobCollectives(model, r, *dev));
+        }
+        Collectives* rank_coll =
+            s.job_collectives ? job_coll.get() : (s.ranks > 1 ? coll[r].get() : nullptr);
         const RunnerOptions options{.prefetch_depth = s.prefetch,
                                     .max_live_bytes = s.max_live_bytes,
                                     .persistence_threshold = s.persistence_threshold,
                                     .timeout = std::chrono::seconds(60),
                                     .record_compute_spans = timeline};
-        ZT_ASSIGN_OR_RETURN(
-            std::unique_ptr<Stage3Runner> runner,
-            Stage3Runner::Create(model, r, *dev, s.ranks > 1 ? coll[r].get() : nullptr, options));
+        ZT_ASSIGN_OR_RETURN(std::unique_ptr<Stage3Runner> runner,
+                            Stage3Runner::Create(model, r, *dev, rank_coll, options));
         gpt::SourceOf<Stage3Runner> source(*runner);
         const float scale = 1.0f / static_cast<float>(s.ranks * s.accumulation);
         for (int64_t micro = first; micro < last; ++micro) {
@@ -328,6 +341,17 @@ std::vector<TrainSetup> EquivalenceCases() {
     s.clip = 0.05f;
     s.prefetch = depth;
     s.optimizer_tier = s.param_tier = Tier::kNvme;
+    cases.push_back(s);
+  }
+  // The ranks meet in the job's collective region: bit-identical to local
+  // collectives (and to the in-memory reference).
+  for (int ranks : {2, 3}) {
+    TrainSetup s;
+    s.ranks = ranks;
+    s.clip = 0.05f;
+    s.accumulation = ranks == 2 ? 2 : 1;
+    s.optimizer_tier = ranks == 2 ? Tier::kDram : Tier::kNvme;
+    s.job_collectives = true;
     cases.push_back(s);
   }
   // Slow, checked copies and poisoned param slots: a lease or buffer given
@@ -826,6 +850,227 @@ TEST(SessionTest, TheTransportIsTheOneAskedFor) {
   auto session = testing::OpenTestSession(Options(TrainSetup{}, ""));
   ASSERT_TRUE(session.ok()) << session.status();
   EXPECT_EQ((*session)->transport_name(), testing::DaemonUnderTest() ? "daemon" : "embedded");
+}
+
+// ------------------------------------------------------- ranks in processes
+
+constexpr int kProcessSteps = 3;
+
+TrainSetup ProcessSetup() {
+  TrainSetup s;
+  s.ranks = 3;
+  s.clip = 0.05f;
+  s.accumulation = 2;
+  s.job_collectives = true;
+  return s;
+}
+
+TrainSetup HoldSetup() {
+  TrainSetup s;
+  s.ranks = 2;
+  s.job_collectives = true;
+  return s;
+}
+
+// A rank that runs in a process of its own, for the tests below: this
+// binary started again with ZTIER_TEST_RANK=SOCKET,RANK,MODE[,READY_FILE].
+// MODE train: attach to model "mp" and train with the other ranks; hold:
+// attach to "hold", meet the others' collective region, create READY_FILE
+// and wait to be killed.
+TEST(RanksInProcessesTest, AttachedRank) {
+  const char* env = std::getenv("ZTIER_TEST_RANK");
+  if (env == nullptr) GTEST_SKIP() << "a helper process of the tests below";
+  std::vector<std::string> f;
+  for (std::string_view rest = env;;) {
+    const size_t comma = rest.find(',');
+    f.emplace_back(rest.substr(0, comma));
+    if (comma == std::string_view::npos) break;
+    rest.remove_prefix(comma + 1);
+  }
+  ASSERT_GE(f.size(), 3u) << env;
+  const int rank = std::stoi(f[1]);
+  const bool hold = f[2] == "hold";
+  SessionOptions o;
+  o.daemon_socket = f[0];
+  Result<std::unique_ptr<Session>> session = Session::Open(o);
+  ASSERT_TRUE(session.ok()) << session.status();
+  const TrainSetup s = hold ? HoldSetup() : ProcessSetup();
+  Result<std::unique_ptr<Model>> model =
+      (*session)->AttachModel(Spec(s, hold ? "hold" : "mp"), rank, std::chrono::seconds(60));
+  ASSERT_TRUE(model.ok()) << model.status();
+  EXPECT_EQ((*model)->attached_rank(), rank);
+  if (hold) {
+    Result<std::unique_ptr<Device>> dev = MakeHostDevice();
+    ASSERT_TRUE(dev.ok()) << dev.status();
+    Result<std::unique_ptr<Collectives>> coll = MakeJobCollectives(**model, rank, **dev);
+    ASSERT_TRUE(coll.ok()) << coll.status();
+    ASSERT_EQ(f.size(), 4u);
+    std::FILE* ready = std::fopen(f[3].c_str(), "w");
+    ASSERT_NE(ready, nullptr);
+    std::fclose(ready);
+    std::this_thread::sleep_for(std::chrono::minutes(10));
+    return;
+  }
+  RunResult out;
+  const Status st = TrainThroughRunner(s, **model, 0, kProcessSteps * s.accumulation, &out,
+                                       /*timeline=*/false, rank);
+  ASSERT_TRUE(st.ok()) << st;
+}
+
+TEST(RanksInProcessesTest, RanksInProcessesTrainBitIdenticalToRanksAsThreads) {
+  const TrainSetup s = ProcessSetup();
+  if (!testing::DaemonUnderTest()) {
+    // The embedded engine serves its own process's ranks only.
+    auto session = testing::OpenTestSession(Options(s, ""));
+    ASSERT_TRUE(session.ok()) << session.status();
+    auto m = (*session)->AttachModel(Spec(s, "mp"), 1, std::chrono::seconds(1));
+    ASSERT_FALSE(m.ok());
+    EXPECT_EQ(m.status().code(), StatusCode::kFailedPrecondition) << m.status();
+    EXPECT_NE(m.status().ToString().find("ztierd"), std::string::npos) << m.status();
+    return;
+  }
+  Result<RunResult> threads = RunZtier(s, kProcessSteps);
+  ASSERT_TRUE(threads.ok()) << threads.status();
+
+  auto d = testing::TestDaemon::Start(Options(s, "").settings);
+  ASSERT_TRUE(d.ok()) << d.status();
+  SessionOptions o;
+  o.daemon_socket = (*d)->socket();
+  Result<std::unique_ptr<Session>> session = Session::Open(o);
+  ASSERT_TRUE(session.ok()) << session.status();
+  // The other ranks start first: they wait for rank 0 to register.
+  std::vector<pid_t> pids;
+  for (int r = 1; r < s.ranks; ++r) {
+    Result<pid_t> pid =
+        testing::SpawnSelf("RanksInProcessesTest.AttachedRank",
+                           {StrCat("ZTIER_TEST_RANK=", o.daemon_socket, ",", r, ",train")});
+    ASSERT_TRUE(pid.ok()) << pid.status();
+    pids.push_back(*pid);
+  }
+  Result<std::unique_ptr<Model>> model = RegisterWithWeights(**session, s, "mp");
+  ASSERT_TRUE(model.ok()) << model.status();
+  RunResult out;
+  const Status st = TrainThroughRunner(s, **model, 0, kProcessSteps * s.accumulation, &out,
+                                       /*timeline=*/false, /*only_rank=*/0);
+  for (pid_t pid : pids) {
+    Result<int> code = testing::WaitChild(pid);
+    ASSERT_TRUE(code.ok()) << code.status();
+    EXPECT_EQ(*code, 0) << "the process of a rank failed (its output is above)";
+  }
+  ASSERT_TRUE(st.ok()) << st;
+  ASSERT_TRUE(ReadMasters(**model, kProcessSteps, &out).ok());
+  // Rank 0's losses and every master weight, bit for bit.
+  ASSERT_EQ(out.losses.size(), threads->losses.size());
+  for (size_t i = 0; i < out.losses.size(); ++i) {
+    EXPECT_EQ(std::memcmp(&out.losses[i][0], &threads->losses[i][0], sizeof(float)), 0)
+        << "micro-step " << i << ": " << out.losses[i][0] << " vs " << threads->losses[i][0];
+  }
+  ASSERT_EQ(out.master.size(), threads->master.size());
+  for (size_t k = 0; k < out.master.size(); ++k) {
+    EXPECT_EQ(std::memcmp(out.master[k].data(), threads->master[k].data(),
+                          out.master[k].size() * sizeof(float)),
+              0)
+        << "fp32 master of unit " << k;
+  }
+  EXPECT_NE(threads->losses.front()[0], threads->losses.back()[0]);
+}
+
+TEST(RanksInProcessesTest, AKilledRankFailsItsPeersCollectivesAtOnce) {
+  if (!testing::DaemonUnderTest()) GTEST_SKIP() << "ranks in other processes need ztierd";
+  const TrainSetup s = HoldSetup();
+  auto d = testing::TestDaemon::Start(Options(s, "").settings);
+  ASSERT_TRUE(d.ok()) << d.status();
+  SessionOptions o;
+  o.daemon_socket = (*d)->socket();
+  Result<std::unique_ptr<Session>> session = Session::Open(o);
+  ASSERT_TRUE(session.ok()) << session.status();
+  Result<std::unique_ptr<Model>> model = (*session)->RegisterModel(Spec(s, "hold"));
+  ASSERT_TRUE(model.ok()) << model.status();
+  ScratchDir dir("killed-rank");
+  const std::string ready = dir.path() + "/ready";
+  Result<pid_t> pid =
+      testing::SpawnSelf("RanksInProcessesTest.AttachedRank",
+                         {StrCat("ZTIER_TEST_RANK=", o.daemon_socket, ",1,hold,", ready)});
+  ASSERT_TRUE(pid.ok()) << pid.status();
+  for (int k = 0; k < 3000 && !std::filesystem::exists(ready); ++k) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  ASSERT_TRUE(std::filesystem::exists(ready)) << "rank 1 did not attach";
+  Result<std::unique_ptr<Device>> dev = MakeHostDevice();
+  ASSERT_TRUE(dev.ok()) << dev.status();
+  Result<std::unique_ptr<Collectives>> coll = MakeJobCollectives(**model, 0, **dev);
+  ASSERT_TRUE(coll.ok()) << coll.status();
+  std::vector<bf16> buffer(2 * 64);
+  Status gathered;
+  const auto t0 = std::chrono::steady_clock::now();
+  std::thread rank0(
+      [&] { gathered = (*coll)->AllGather(buffer.data(), 64, **dev, Stream::kCompute); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  ::kill(*pid, SIGKILL);
+  (void)testing::WaitChild(*pid);
+  rank0.join();
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(5));
+  EXPECT_EQ(gathered.code(), StatusCode::kAborted) << gathered;
+  EXPECT_NE(gathered.ToString().find("rank 1 left"), std::string::npos) << gathered;
+  // Later collectives fail at once too.
+  EXPECT_EQ((*coll)->AllGather(buffer.data(), 64, **dev, Stream::kCompute).code(),
+            StatusCode::kAborted);
+}
+
+TEST(RanksInProcessesTest, AttachRefusalsAndWhoMayActForWhichRank) {
+  if (!testing::DaemonUnderTest()) GTEST_SKIP() << "ranks in other processes need ztierd";
+  TrainSetup s;
+  s.ranks = 2;
+  auto d = testing::TestDaemon::Start(Options(s, "").settings);
+  ASSERT_TRUE(d.ok()) << d.status();
+  SessionOptions o;
+  o.daemon_socket = (*d)->socket();
+  Result<std::unique_ptr<Session>> a = Session::Open(o);
+  Result<std::unique_ptr<Session>> b = Session::Open(o);
+  ASSERT_TRUE(a.ok() && b.ok());
+  Result<std::unique_ptr<Model>> m0 = (*a)->RegisterModel(Spec(s, "r"));
+  ASSERT_TRUE(m0.ok()) << m0.status();
+  EXPECT_EQ((*m0)->attached_rank(), -1);
+
+  auto refused = [&](const TrainSetup& setup, const std::string& name, int rank, StatusCode code,
+                     const std::string& says) {
+    auto m = (*b)->AttachModel(Spec(setup, name), rank, std::chrono::milliseconds(200));
+    ASSERT_FALSE(m.ok()) << name;
+    EXPECT_EQ(m.status().code(), code) << m.status();
+    EXPECT_NE(m.status().ToString().find(says), std::string::npos) << m.status();
+  };
+  refused(s, "nope", 1, StatusCode::kNotFound, "'nope'");
+  TrainSetup wider = s;
+  wider.gpt.channels = 64;
+  refused(wider, "r", 1, StatusCode::kFailedPrecondition, "does not match");
+  TrainSetup three = s;
+  three.ranks = 3;
+  refused(three, "r", 1, StatusCode::kFailedPrecondition, "world size");
+  refused(s, "r", 2, StatusCode::kInvalidArgument, "rank 2");
+
+  Result<std::unique_ptr<Model>> m1 = (*b)->AttachModel(Spec(s, "r"), 1);
+  ASSERT_TRUE(m1.ok()) << m1.status();
+  EXPECT_EQ((*m1)->attached_rank(), 1);
+  refused(s, "r", 1, StatusCode::kAlreadyExists, "attached already");
+  // The attached rank acts for itself only; rank 0's process no longer
+  // acts for it.
+  Result<bf16*> inbox = (*m1)->transport().GradInbox((*m1)->job(), 0, 0);
+  ASSERT_FALSE(inbox.ok());
+  EXPECT_EQ(inbox.status().code(), StatusCode::kFailedPrecondition) << inbox.status();
+  const Status ready = (*m0)->transport().GradsReady((*m0)->job(), 0, 1);
+  EXPECT_EQ(ready.code(), StatusCode::kFailedPrecondition) << ready;
+  EXPECT_NE(ready.ToString().find("another process"), std::string::npos) << ready;
+  Result<std::unique_ptr<Device>> dev = MakeHostDevice();
+  ASSERT_TRUE(dev.ok());
+  EXPECT_EQ(Stage3Runner::Create(**m1, 0, **dev, nullptr, {}).status().code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(MakeJobCollectives(**m1, 0, **dev).status().code(), StatusCode::kInvalidArgument);
+  // The job lives while any rank holds it.
+  m0->reset();
+  EXPECT_TRUE((*m1)->transport().Layout((*m1)->job(), 0).ok());
+  EXPECT_EQ((*d)->daemon().stats().jobs, 1);
+  m1->reset();
+  EXPECT_EQ((*d)->daemon().stats().jobs, 0);
 }
 
 }  // namespace

@@ -129,9 +129,20 @@ TEST(ProtocolTest, SmallPayloadsRoundTripAndRefuseEveryPrefix) {
   const StepWait w{.job = 1, .unit = 2, .step = 40, .timeout = std::chrono::seconds(30)};
   EXPECT_EQ(DecodeStepWait(Encode(w))->timeout, std::chrono::seconds(30));
   EveryPrefixIsRefused(Encode(w), DecodeStepWait);
-  const AttachRequest a{.name = "gpt", .rank = 3};
-  EXPECT_EQ(DecodeAttachRequest(Encode(a))->rank, 3);
+  AttachRequest a{.rank = 1, .timeout = std::chrono::seconds(5), .spec = SampleSpec()};
+  a.spec.ranks = 2;
+  EXPECT_EQ(Encode(*DecodeAttachRequest(Encode(a))), Encode(a));
   EveryPrefixIsRefused(Encode(a), DecodeAttachRequest);
+  a.rank = 2;  // a rank the job does not have
+  EXPECT_FALSE(DecodeAttachRequest(Encode(a)).ok());
+  a.rank = 1;
+  a.timeout = std::chrono::milliseconds(-1);
+  EXPECT_FALSE(DecodeAttachRequest(Encode(a)).ok());
+  const CollectiveRegionRequest cr{.job = 2, .bytes = 1 << 20};
+  EXPECT_EQ(DecodeCollectiveRegionRequest(Encode(cr))->bytes, uint64_t{1} << 20);
+  EveryPrefixIsRefused(Encode(cr), DecodeCollectiveRegionRequest);
+  EXPECT_FALSE(
+      DecodeCollectiveRegionRequest(Encode(CollectiveRegionRequest{.job = 2, .bytes = 5000})).ok());
   const JobHandle h{.job = 0, .units = 14, .ranks = 2};
   EXPECT_EQ(DecodeJobHandle(Encode(h))->units, 14);
   EveryPrefixIsRefused(Encode(h), DecodeJobHandle);

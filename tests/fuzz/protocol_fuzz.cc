@@ -111,6 +111,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       return 0;
     case 15:
       RoundTrip(in, p::DecodeJobSteps);
+      RoundTrip(in, p::DecodeCollectiveRegionRequest);
       return 0;
   }
   return 0;
