@@ -439,6 +439,18 @@ class DaemonTransport final : public Transport {
                                            3 * n * sizeof(float)));
         }
       }
+      if (read && !write) {
+        // Each unit was read between steps (the daemon checks); the job
+        // must also not have stepped between the first unit and the last
+        // (a rank in another process that went on training).
+        ZT_ASSIGN_OR_RETURN(engine::JobDescription now, t_.Describe(job_));
+        if (now.step != d_.step) {
+          return Status::FailedPrecondition(
+              StrCat("job '", d_.name, "' went from step ", d_.step, " to ", now.step,
+                     " while its state was read; read it between steps, with every rank "
+                     "waiting"));
+        }
+      }
       return Status::Ok();
     }
 

@@ -606,9 +606,16 @@ Status Engine::ReadState(int job, int unit, float* master, float* exp_avg,
   {
     std::lock_guard<std::mutex> lock(impl_->mu);
     ZT_ASSIGN_OR_RETURN(j, impl_->Find(job));
-  }
-  if (unit < 0 || unit >= static_cast<int>(j->units.size())) {
-    return Status::OutOfRange(StrCat("job ", job, " has no unit ", unit));
+    if (unit < 0 || unit >= static_cast<int>(j->units.size())) {
+      return Status::OutOfRange(StrCat("job ", job, " has no unit ", unit));
+    }
+    const Unit& u = j->units[unit];
+    // (A failed job steps no more: what its units hold may be read.)
+    if (j->failure.ok() && (u.ready || u.arrived_count > 0 || u.micro > 0)) {
+      return Status::FailedPrecondition(
+          StrCat("read state: unit ", unit, " of job '", j->spec.name,
+                 "' has gradients of a step in flight; read it between steps"));
+    }
   }
   const size_t bytes = j->units[unit].layout.padded * sizeof(float);
   return WithUnitState(*j, unit, Access::kRead, [&](size_t, const StateView& state) {

@@ -94,7 +94,8 @@ class Engine {
   // master copy and publishes it as step 0.
   Status WriteWeights(int job, int unit, const float* flat, uint64_t numel);
   // Reads the fp32 master / m / v of a unit (padded elements), for tests and
-  // checkpoints. Only meaningful while no step is running on the unit.
+  // checkpoints, between the unit's steps. Errors: FailedPrecondition (grads
+  // of a step pending on the unit), NotFound, OutOfRange.
   Status ReadState(int job, int unit, float* master, float* exp_avg, float* exp_avg_sq) const;
 
   // Overwrites a unit's fp32 master, m and v (layout.padded elements each)

@@ -421,6 +421,47 @@ TEST_F(DaemonTest, AClientThatDiesHasItsLeasesWaitsAndJobsFreed) {
   EXPECT_EQ(after.used_bytes, before.used_bytes);
 }
 
+TEST_F(DaemonTest, AJobWhoseClientDiedIsParkedForTheGracePeriodThenFreed) {
+  engine::DaemonOptions options;
+  options.job_grace_period = 1s;
+  Start(options);
+  const engine::DramPoolStats before = daemon_->daemon().engine().pool_stats();
+  {
+    RawClient c = RawClient::Connect(socket());
+    const int32_t job = Register(c, "parked");
+    // A wait that cannot end: the connection still closes at once (its
+    // threads do not wait for a job that outlives it).
+    ASSERT_TRUE(c.Send(p::MessageType::kWaitPublished,
+                       p::Encode(p::StepWait{.job = job, .unit = 1, .step = 1, .timeout = 600s}))
+                    .ok());
+    WaitForStats(1, 1);
+  }
+  WaitForStats(0, 1);  // parked, not freed
+  std::this_thread::sleep_for(300ms);
+  EXPECT_EQ(daemon_->daemon().stats().jobs, 1);
+  {
+    // Within the grace period a rank attaches to it again.
+    RawClient c = RawClient::Connect(socket());
+    Result<RawClient::Reply> r =
+        c.Call(p::MessageType::kAttachJob,
+               p::Encode(p::AttachRequest{.rank = 0, .timeout = 1s, .spec = TwoUnits("parked")}));
+    ASSERT_TRUE(r.ok() && r->status.ok()) << (r.ok() ? r->status : r.status());
+    WaitForStats(1, 1);
+  }
+  WaitForStats(0, 1);  // parked again; then the grace period ends
+  WaitForStats(0, 0);
+  EXPECT_EQ(daemon_->daemon().engine().pool_stats().used_bytes, before.used_bytes);
+  // A registration of the name replaces a parked job at once.
+  {
+    RawClient c = RawClient::Connect(socket());
+    Register(c, "again");
+  }
+  WaitForStats(0, 1);
+  RawClient c = RawClient::Connect(socket());
+  EXPECT_GE(Register(c, "again"), 0);
+  WaitForStats(1, 1);
+}
+
 TEST_F(DaemonTest, AStoppingDaemonTellsEveryClientWhyAndNothingHangs) {
   SessionOptions o;
   o.daemon_socket = socket();
@@ -553,6 +594,10 @@ TEST(ZtierdProgramTest, TwoUsersEachSeeOnlyTheirOwnJobs) {
     // Root's job is handle 1 on root's connection: on this one it does not exist.
     Result<RawClient::Reply> r = c.Call(p::MessageType::kRegions, p::Encode(p::JobRef{.job = 1}));
     if (!r.ok() || r->status.code() != StatusCode::kNotFound || !r->fds.empty()) return 1;
+    // Nor can it attach to root's job: the name is not in its namespace.
+    r = c.Call(p::MessageType::kAttachJob,
+               p::Encode(p::AttachRequest{.rank = 0, .timeout = 100ms, .spec = TwoUnits("gpt")}));
+    if (!r.ok() || r->status.code() != StatusCode::kNotFound) return 4;
     r = c.Call(p::MessageType::kUnregisterJob, p::Encode(p::JobRef{.job = 1}));
     if (!r.ok() || r->status.code() != StatusCode::kNotFound) return 2;
     // The same name in this uid's own namespace is free.

@@ -846,6 +846,25 @@ TEST(SessionTest, ADaemonSocketWithNothingListeningIsUnavailableNamingIt) {
   EXPECT_EQ(session.status().code(), StatusCode::kUnavailable) << session.status();
 }
 
+TEST(SessionTest, ASaveWhileGradsOfAStepAreInFlightIsRefused) {
+  TrainSetup s;
+  s.clip = 0.05f;  // the step waits for every unit's grads (the global norm)
+  auto session = testing::OpenTestSession(Options(s, ""));
+  ASSERT_TRUE(session.ok()) << session.status();
+  auto model = RegisterWithWeights(**session, s, "mid-step");
+  ASSERT_TRUE(model.ok()) << model.status();
+  Model& m = **model;
+  const int last = m.units() - 1;
+  Result<bf16*> inbox = m.transport().GradInbox(m.job(), last, 0);
+  ASSERT_TRUE(inbox.ok()) << inbox.status();
+  std::fill(*inbox, *inbox + m.layout(last).shard, FloatToBf16(0.01f));
+  ASSERT_TRUE(m.transport().GradsReady(m.job(), last, 0).ok());
+  ScratchDir ckpt("mid-step-ckpt");
+  const Status saved = m.SaveCheckpoint(ckpt.path());
+  EXPECT_EQ(saved.code(), StatusCode::kFailedPrecondition) << saved;
+  EXPECT_NE(saved.ToString().find("in flight"), std::string::npos) << saved;
+}
+
 TEST(SessionTest, TheTransportIsTheOneAskedFor) {
   auto session = testing::OpenTestSession(Options(TrainSetup{}, ""));
   ASSERT_TRUE(session.ok()) << session.status();
