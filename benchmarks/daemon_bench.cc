@@ -5,8 +5,8 @@
 // with a Session over a ztierd served by this process versus an embedded
 // Session, the two taking turns step by step so drift in the machine's load
 // hits both alike; and the
-// control round trip through the daemon (a published-step query: request,
-// the daemon's handler, reply), p50 and p99. The limit is the embedded
+// control round trip through the daemon (a counters query: request, the
+// daemon's handler, reply), p50 and p99. The limit is the embedded
 // step: the ratio is embedded / daemon (1.0: the daemon costs nothing).
 //
 // The step has no model compute, so the daemon's messages are as large a
@@ -38,7 +38,7 @@ constexpr const char* kUsage = R"(usage: ztier-bench daemon [options]
 A model's stage-3 step (acquire and release every unit, push its grads, the
 engine's optimizer step) through ztierd (served by this process on a socket)
 against the same step with the engine embedded, alternated in one run; and
-the daemon's control round trip (a published-step query), p50 and p99.
+the daemon's control round trip (a counters query), p50 and p99.
 
 options:
   --units N         units of the model (default 16)
@@ -139,14 +139,15 @@ struct Rig {
   }
 };
 
-// Control round trips: a published-step query of a one-unit model.
+// Control round trips: a counters query of a one-unit model (published
+// steps are read from the step page, without a round trip).
 Result<std::vector<double>> RoundTrips(client::Session& session, uint64_t rounds) {
   ZT_ASSIGN_OR_RETURN(std::unique_ptr<client::Model> probe,
                       session.RegisterModel(Spec("probe", 1, 64)));
   std::vector<double> us;
   for (uint64_t r = 0; r < rounds; ++r) {
     const auto t0 = Clock::now();
-    if (probe->published_step() != -1) return Status::Internal("a probe without weights");
+    if (probe->counters().steps != 0) return Status::Internal("a probe that stepped");
     us.push_back(std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
   }
   return us;

@@ -214,7 +214,6 @@ class DaemonTransport final : public Transport {
     ZT_ASSIGN_OR_RETURN(Staging staging, Staging::Make(bytes));
     std::memcpy(staging.floats(), flat, bytes);
     const int fds[] = {staging.fd.get()};
-    Forget(job);
     return Call(p::MessageType::kWriteWeights,
                 p::Encode(p::StagedData{.job = job, .unit = unit, .bytes = bytes}), fds,
                 kCallTimeout)
@@ -247,8 +246,20 @@ class DaemonTransport final : public Transport {
         .status();
   }
 
+  // Params in DRAM stay where they are from step to step: once their place
+  // is known, an acquire of a step the step page shows published takes no
+  // round trip (nor does its release).
   Result<const bf16*> AcquireParams(int job, int unit, int64_t step,
                                     std::chrono::milliseconds timeout) override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto j = jobs_.find(job);
+      if (j != jobs_.end() && unit >= 0 && unit < static_cast<int>(j->second.params.size()) &&
+          j->second.params[unit] != nullptr && j->second.Step(unit) >= step && dead_.ok()) {
+        ++j->second.local_leases[unit];
+        return j->second.params[unit];
+      }
+    }
     ZT_ASSIGN_OR_RETURN(
         Reply r,
         Call(p::MessageType::kAcquireParams,
@@ -260,7 +271,12 @@ class DaemonTransport final : public Transport {
       (void)ReleaseParams(job, unit);
       return ptr.status();
     }
-    Published(job, unit, step);
+    std::lock_guard<std::mutex> lock(mu_);
+    auto j = jobs_.find(job);
+    if (j != jobs_.end() && j->second.spec.param_tier == engine::Tier::kDram && unit >= 0 &&
+        unit < static_cast<int>(j->second.params.size())) {
+      j->second.params[unit] = static_cast<const bf16*>(*ptr);
+    }
     return static_cast<const bf16*>(*ptr);
   }
 
@@ -268,19 +284,27 @@ class DaemonTransport final : public Transport {
   // requests in order, so a later acquire sees the release); an error comes
   // back from the next call.
   Status ReleaseParams(int job, int unit) override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto j = jobs_.find(job);
+      if (j != jobs_.end() && unit >= 0 && unit < static_cast<int>(j->second.local_leases.size()) &&
+          j->second.local_leases[unit] > 0) {
+        --j->second.local_leases[unit];
+        return Status::Ok();
+      }
+    }
     return Post(p::MessageType::kReleaseParams, p::Encode(p::UnitRef{.job = job, .unit = unit}),
                 StrCat("release of job ", job, " unit ", unit));
   }
 
-  // A step this client already saw published returns at once (steps only
-  // grow until weights or a checkpoint are loaded, which forget them).
+  // A step the step page shows published returns at once.
   Status WaitPublished(int job, int unit, int64_t step,
                        std::chrono::milliseconds timeout) override {
     {
       std::lock_guard<std::mutex> lock(mu_);
       auto j = jobs_.find(job);
-      if (j != jobs_.end() && unit >= 0 && unit < static_cast<int>(j->second.seen.size()) &&
-          j->second.seen[unit] >= step && dead_.ok()) {
+      if (j != jobs_.end() && unit >= 0 && unit < j->second.units() &&
+          j->second.Step(unit) >= step && dead_.ok()) {
         return Status::Ok();
       }
     }
@@ -289,11 +313,17 @@ class DaemonTransport final : public Transport {
              p::Encode(p::StepWait{.job = job, .unit = unit, .step = step, .timeout = timeout}), {},
              timeout + kCallTimeout)
             .status());
-    Published(job, unit, step);
     return Status::Ok();
   }
 
   int64_t PublishedStep(int job, int unit) override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto j = jobs_.find(job);
+      if (j != jobs_.end() && unit >= 0 && unit < j->second.units() && dead_.ok()) {
+        return j->second.Step(unit);
+      }
+    }
     return StepQuery(p::MessageType::kPublishedStep,
                      p::Encode(p::UnitRef{.job = job, .unit = unit}));
   }
@@ -392,7 +422,14 @@ class DaemonTransport final : public Transport {
   };
   struct Job {
     engine::JobSpec spec;
-    std::vector<int64_t> seen;  // per unit, a step seen published (-1: none)
+    // The job's step page (the daemon keeps it), in the params' mapping.
+    const int64_t* steps = nullptr;
+    std::vector<const bf16*> params;  // DRAM params by unit, once an acquire named them
+    std::vector<int> local_leases;    // acquires answered here, by unit
+    int units() const { return static_cast<int>(spec.units.size()); }
+    int64_t Step(int unit) const {
+      return steps == nullptr ? -1 : __atomic_load_n(steps + unit, __ATOMIC_ACQUIRE);
+    }
     std::map<uint32_t, Region> regions;
     std::vector<engine::UnitLayout> layouts;  // numel 0: not fetched yet
     std::map<std::string, DirLock> dirs;      // checkpoint directories claimed
@@ -409,7 +446,6 @@ class DaemonTransport final : public Transport {
     Status Overwrite(const Visit& fn) override { return Pass(fn, false, true); }
     Status UpdateMaster(const Visit& fn) override { return Pass(fn, true, true); }
     Status Commit(int64_t step, int64_t adam_step) override {
-      t_.Forget(job_);
       return t_
           .Call(p::MessageType::kCommitState,
                 p::Encode(p::JobSteps{.job = job_, .step = step, .adam_step = adam_step}), {},
@@ -468,18 +504,6 @@ class DaemonTransport final : public Transport {
       : path_(std::move(path)), sock_(std::move(sock)) {}
 
   // The unit holds `step` or later.
-  void Published(int job, int unit, int64_t step) {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto j = jobs_.find(job);
-    if (j == jobs_.end() || unit < 0 || unit >= static_cast<int>(j->second.seen.size())) return;
-    j->second.seen[unit] = std::max(j->second.seen[unit], step);
-  }
-  // New weights or a loaded state: the steps seen say nothing any more.
-  void Forget(int job) {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto j = jobs_.find(job);
-    if (j != jobs_.end()) j->second.seen.assign(j->second.seen.size(), -1);
-  }
 
   // A unit's state (3 x padded fp32, or `bytes` of it) in or out.
   Status StagedCall(p::MessageType type, int job, int unit, const Staging& staging,
@@ -549,7 +573,8 @@ class DaemonTransport final : public Transport {
     }
     Job j;
     j.spec = spec;
-    j.seen.assign(spec.units.size(), -1);
+    j.params.assign(spec.units.size(), nullptr);
+    j.local_leases.assign(spec.units.size(), 0);
     j.layouts.resize(spec.units.size());
     for (size_t k = 0; k < list.regions.size(); ++k) {
       const p::RegionInfo& info = list.regions[k];
@@ -561,8 +586,21 @@ class DaemonTransport final : public Transport {
                                                   info.access == RegionAccess::kReadWrite, what));
       j.regions[info.region] = Region{.mapping = std::move(m), .access = info.access};
     }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      jobs_[job] = std::move(j);
+    }
+    ZT_ASSIGN_OR_RETURN(Reply page, Call(p::MessageType::kStepPage,
+                                         p::Encode(p::JobRef{.job = job}), {}, kCallTimeout));
+    ZT_ASSIGN_OR_RETURN(SharedBuffer b, p::DecodeSharedBuffer(page.payload));
+    if (b.bytes != spec.units.size() * sizeof(int64_t) || b.offset % alignof(int64_t) != 0) {
+      return Status::Corruption(StrCat("ztierd's step page of job '", spec.name, "' has ", b.bytes,
+                                       " bytes at offset ", b.offset, " for ", spec.units.size(),
+                                       " units"));
+    }
+    ZT_ASSIGN_OR_RETURN(void* steps, Resolve(job, b, RegionAccess::kReadOnly));
     std::lock_guard<std::mutex> lock(mu_);
-    jobs_[job] = std::move(j);
+    jobs_[job].steps = static_cast<const int64_t*>(steps);
     return Status::Ok();
   }
 

@@ -446,6 +446,12 @@ class Daemon::Impl::Connection {
       }
       case p::MessageType::kCollectiveRegion:
         return OnCollectiveRegion(req);
+      case p::MessageType::kStepPage: {
+        ZT_ASSIGN_OR_RETURN(p::JobRef r, p::DecodeJobRef(in));
+        ZT_ASSIGN_OR_RETURN(JobEntry j, FindJob(r.job));
+        ZT_ASSIGN_OR_RETURN(SharedBuffer b, d_.engine->PublishedSteps(j.engine_job));
+        return p::Encode(b);
+      }
       case p::MessageType::kLayout: {
         ZT_ASSIGN_OR_RETURN(p::UnitRef r, p::DecodeUnitRef(in));
         ZT_ASSIGN_OR_RETURN(JobEntry j, FindJob(r.job));

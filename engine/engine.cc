@@ -132,6 +132,7 @@ struct Engine::Impl {
     }
     if (nvme_states) need += settings.buffer_count * page(slot);
     if (nvme_params) need += settings.buffer_count * page(param_slot);
+    need += page(job.units.size() * sizeof(int64_t));  // the step page
     const DramPoolStats pool_stats = pool->stats();
     const uint64_t left =
         pool_stats.budget_bytes - std::min(pool_stats.used_bytes, pool_stats.budget_bytes);
@@ -187,6 +188,9 @@ struct Engine::Impl {
     {
       std::lock_guard<std::mutex> lock(mu);
       u.published = step;
+      const size_t unit = static_cast<size_t>(&u - job.units.data());
+      std::atomic_ref<int64_t>(static_cast<int64_t*>(job.step_page.ptr)[unit])
+          .store(step, std::memory_order_release);
       if (job.params != nullptr) {  // cached copies of the unit are out of date
         const int k = static_cast<int>(&u - job.units.data());
         for (ParamSlot& slot : job.params->slots) {
@@ -484,6 +488,7 @@ Result<int> Engine::RegisterJob(const JobSpec& spec) {
     if (!nvme_params) publish_bytes += page(u.layout.padded * 2);
   }
   if (nvme_params) publish_bytes = e.settings.buffer_count * page(param_slot);
+  publish_bytes += page(job->units.size() * sizeof(int64_t));  // the step page
   ZT_ASSIGN_OR_RETURN(
       job->inbox_region,
       e.pool->CreateRegion(inbox_bytes, StrCat("job '", spec.name, "' grad inboxes")));
@@ -511,6 +516,10 @@ Result<int> Engine::RegisterJob(const JobSpec& spec) {
       }
     }
   }
+  ZT_ASSIGN_OR_RETURN(job->step_page,
+                      e.pool->AllocateIn(job->publish_region, spec.units.size() * sizeof(int64_t),
+                                         StrCat("job '", spec.name, "' step page")));
+  std::fill_n(static_cast<int64_t*>(job->step_page.ptr), spec.units.size(), int64_t{-1});
   for (size_t k = 0; k < spec.units.size(); ++k) {
     const UnitSpec& us = spec.units[k];
     Unit& u = job->units[k];
@@ -899,6 +908,15 @@ Result<SharedBuffer> Engine::Locate(int job, const void* ptr, uint64_t bytes) co
   }
   return Status::InvalidArgument(
       StrCat("job '", j->spec.name, "': ", bytes, " bytes at ", ptr, " are not in its regions"));
+}
+
+Result<SharedBuffer> Engine::PublishedSteps(int job) const {
+  std::shared_ptr<Job> j;
+  {
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    ZT_ASSIGN_OR_RETURN(j, impl_->Find(job));
+  }
+  return Locate(job, j->step_page.ptr, j->units.size() * sizeof(int64_t));
 }
 
 Result<std::vector<SharedBuffer>> Engine::SharedRegions(int job) const {

@@ -227,6 +227,11 @@ class Engine {
   // instead of a pointer. Errors: NotFound (job), InvalidArgument (not in
   // one of the job's regions).
   Result<SharedBuffer> Locate(int job, const void* ptr, uint64_t bytes) const;
+  // Where the job's step page lies: one int64 per unit, the step its params
+  // hold (-1: none), kept by every publish (and lowered by a loaded
+  // checkpoint), in the read-only params region. A client of the daemon
+  // reads published steps there instead of asking. Errors: NotFound.
+  Result<SharedBuffer> PublishedSteps(int job) const;
   // A new fd for one of the job's regions (the caller owns it), to pass to
   // a client; the params' region is sealed read-only for every mapping but
   // the engine's own. Errors: NotFound (job, or a region not the job's),

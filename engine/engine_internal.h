@@ -103,9 +103,12 @@ struct Job {
   // write) and publish buffers or the param cache (clients read).
   uint32_t inbox_region = 0, publish_region = 0;
   std::vector<uint32_t> shared_regions;  // made so far; destroyed with the job
-  std::unique_ptr<StateRing> ring;       // optimizer tier nvme only
-  std::unique_ptr<ParamCache> params;    // param tier nvme only
-  std::atomic<uint64_t> compute_ns{0};   // in cpu_adam::Step
+  // Each unit's published step (int64, -1: none), in the publish region:
+  // another process reads it there without asking (Engine::PublishedSteps).
+  DramBlock step_page;
+  std::unique_ptr<StateRing> ring;      // optimizer tier nvme only
+  std::unique_ptr<ParamCache> params;   // param tier nvme only
+  std::atomic<uint64_t> compute_ns{0};  // in cpu_adam::Step
 
   ~Job() {
     if (params != nullptr) {
@@ -114,6 +117,7 @@ struct Job {
         pool->Free(s.block);
       }
     }
+    if (step_page.ptr != nullptr) pool->Free(step_page);
     for (Unit& u : units) {
       for (DramBlock* b : {&u.master, &u.exp_avg, &u.exp_avg_sq, &u.publish, &u.inbox, &u.accum}) {
         if (b->ptr != nullptr) pool->Free(*b);

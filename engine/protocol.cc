@@ -115,6 +115,8 @@ std::string_view MessageTypeName(MessageType type) {
       return "attach_job";
     case MessageType::kCollectiveRegion:
       return "collective_region";
+    case MessageType::kStepPage:
+      return "step_page";
     case MessageType::kUnregisterJob:
       return "unregister_job";
     case MessageType::kLayout:

@@ -82,8 +82,11 @@ enum class MessageType : uint16_t {
   // CollectiveRegionRequest -> RegionList of one region (client read-write),
   // its memfd attached: the memory the job's ranks meet in for collectives.
   kCollectiveRegion = 21,
+  // JobRef -> SharedBuffer: the job's step page (engine::Engine::
+  // PublishedSteps), in its read-only params region.
+  kStepPage = 22,
 };
-inline constexpr uint16_t kLastMessageType = 21;
+inline constexpr uint16_t kLastMessageType = 22;
 std::string_view MessageTypeName(MessageType type);
 
 struct Header {
