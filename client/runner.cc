@@ -439,7 +439,14 @@ Result<std::unique_ptr<Stage3Runner>> Stage3Runner::Create(Model& model, int ran
     }
     ZT_ASSIGN_OR_RETURN(u.inbox, r.transport->GradInbox(r.job, k, rank));
     max_shard = std::max(max_shard, l.shard);
-    const int64_t published = r.transport->PublishedStep(r.job, k);
+    int64_t published = r.transport->PublishedStep(r.job, k);
+    if (published < 0 && model.attached_rank() >= 0) {
+      // A rank in another process starts beside rank 0, which sets the
+      // weights: wait for them (as long as a transfer may wait).
+      ZT_RETURN_IF_ERROR(r.transport->WaitPublished(r.job, k, 0, options.timeout)
+                             .Annotate(StrCat(who, ": waiting for rank 0 to set the weights")));
+      published = r.transport->PublishedStep(r.job, k);
+    }
     if (published < 0) {
       return Status::FailedPrecondition(
           StrCat(who, ": unit '", u.name,

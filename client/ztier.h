@@ -363,7 +363,9 @@ struct RunnerStats {
 class Stage3Runner {
  public:
   // `collectives` is required when world_size > 1 (else may be null). The
-  // model, device and collectives must outlive the runner. Errors:
+  // model, device and collectives must outlive the runner. The model's
+  // weights must be set; on a rank attached from another process, Create
+  // waits (up to options.timeout) for rank 0 to set them. Errors:
   // InvalidArgument (rank, collectives, options), as Device::RegisterHost.
   static Result<std::unique_ptr<Stage3Runner>> Create(Model& model, int rank, Device& device,
                                                       Collectives* collectives,

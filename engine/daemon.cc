@@ -129,6 +129,7 @@ struct Daemon::Impl {
     bool parked = false;
     Clock::time_point parked_until;
     bool freed = false;
+    int left_rank = -1;         // the first rank whose connection closed while others held it
     Mapping collective_region;  // made on the first ask (kCollectiveRegion)
     UniqueFd collective_fd;
   };
@@ -138,7 +139,8 @@ struct Daemon::Impl {
   // Under mu: tells the job's ranks that `rank` left (kCollectiveAbortOffset)
   // and wakes those waiting in its collective region.
   static void AbortCollectivesLocked(Job& job, int rank) {
-    if (job.collective_region.data() == nullptr) return;
+    if (job.left_rank < 0) job.left_rank = rank;
+    if (job.collective_region.data() == nullptr) return;  // marked when it is made
     auto* base = static_cast<char*>(job.collective_region.data());
     std::atomic_ref<uint32_t> abort(*reinterpret_cast<uint32_t*>(base + kCollectiveAbortOffset));
     uint32_t none = 0;
@@ -721,6 +723,9 @@ class Daemon::Impl::Connection {
         ZT_ASSIGN_OR_RETURN(job.collective_region,
                             Mapping::Map(job.collective_fd.get(), kCollectiveHeaderBytes,
                                          /*writable=*/true, "the collective region"));
+        // A rank that left before the region was made: its peers must not
+        // wait for it there.
+        if (job.left_rank >= 0) Impl::AbortCollectivesLocked(job, job.left_rank);
       }
       ZT_ASSIGN_OR_RETURN(uint64_t bytes,
                           CheckPeerMemfd(job.collective_fd.get(), 0, UINT64_MAX,
@@ -859,8 +864,8 @@ class Daemon::Impl::Connection {
 
   // Drops a handle: its leases, its rank, its hold on the job. The last
   // holder frees the job, or parks it when its connection closed
-  // (`closing`) and a grace period is set; a connection that closes while
-  // others hold the job tells their collectives it left.
+  // (`closing`) and a grace period is set; a handle that goes while others
+  // hold the job tells their collectives its rank left.
   Status Unregister(int32_t handle, bool closing) {
     JobEntry j;
     std::vector<std::pair<int, int>> held;
@@ -891,7 +896,9 @@ class Daemon::Impl::Connection {
       --job.holders;
       if (j.rank >= 0 && job.rank_owner[j.rank] == this) job.rank_owner[j.rank] = nullptr;
       const auto grace = d_.options.job_grace_period;
-      if (closing && (job.holders > 0 || grace.count() > 0)) {
+      // A rank that goes while others hold the job (or may attach again)
+      // takes part in no more collectives: its peers must not wait for it.
+      if (job.holders > 0 || (closing && grace.count() > 0)) {
         Impl::AbortCollectivesLocked(job, std::max(j.rank, 0));
       }
       if (job.holders == 0) {

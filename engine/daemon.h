@@ -12,7 +12,8 @@
 // (a params acquire, a publish wait) or compute (a grad doorbell's norms and
 // accumulation, staged copies) run on the connection's pool of threads, so
 // the connection's own thread only reads and answers; replies carry the
-// request's id. Bulk data
+// request's id. Published steps need no request: each job's step page (one
+// int64 per unit, in its read-only params region) shows them. Bulk data
 // (weights in, states out) moves through a staging memfd the client made,
 // never through a path the daemon opens. Per-uid quotas bound connections
 // and jobs, and each connection bounds its requests in flight; a refusal

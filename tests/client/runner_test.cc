@@ -1084,9 +1084,17 @@ TEST(RanksInProcessesTest, AttachRefusalsAndWhoMayActForWhichRank) {
   EXPECT_EQ(Stage3Runner::Create(**m1, 0, **dev, nullptr, {}).status().code(),
             StatusCode::kInvalidArgument);
   EXPECT_EQ(MakeJobCollectives(**m1, 0, **dev).status().code(), StatusCode::kInvalidArgument);
-  // The job lives while any rank holds it.
+  // The job lives while any rank holds it; a rank that went (here before
+  // the collective region was even made) takes part in no collectives, so
+  // its peers' fail at once rather than wait for it.
   m0->reset();
   EXPECT_TRUE((*m1)->transport().Layout((*m1)->job(), 0).ok());
+  Result<std::unique_ptr<Collectives>> coll = MakeJobCollectives(**m1, 1, **dev);
+  Status gathered =
+      coll.ok() ? (*coll)->AllGather(nullptr, 0, **dev, Stream::kCompute) : coll.status();
+  EXPECT_EQ(gathered.code(), StatusCode::kAborted) << gathered;
+  EXPECT_NE(gathered.ToString().find("rank 0 left"), std::string::npos) << gathered;
+  coll = Status::Aborted("dropped");
   EXPECT_EQ((*d)->daemon().stats().jobs, 1);
   m1->reset();
   EXPECT_EQ((*d)->daemon().stats().jobs, 0);
