@@ -104,37 +104,14 @@ class DaemonTransport final : public Transport {
   std::string name() const override { return "daemon"; }
 
   Result<int> RegisterJob(const engine::JobSpec& spec) override {
-    ZT_ASSIGN_OR_RETURN(p::JobHandle h,
-                        SendSpec(p::MessageType::kRegisterJob, p::Encode(spec), kCallTimeout));
-    if (h.units != static_cast<int32_t>(spec.units.size()) || h.ranks != spec.ranks) {
-      return Status::Internal(StrCat("ztierd registered job '", spec.name, "' with ", h.units,
-                                     " units and ", h.ranks, " ranks"));
-    }
-    Status mapped = MapRegions(h.job, spec);
-    if (!mapped.ok()) {
-      (void)Call(p::MessageType::kUnregisterJob, p::Encode(p::JobRef{.job = h.job}), {},
-                 kCallTimeout);
-      return mapped;
-    }
-    return h.job;
+    return OpenJob(p::MessageType::kRegisterJob, p::Encode(spec), spec, kCallTimeout);
   }
 
   Result<int> AttachJob(const engine::JobSpec& spec, int rank,
                         std::chrono::milliseconds timeout) override {
-    std::string bytes = p::Encode(p::AttachRequest{.rank = rank, .timeout = timeout, .spec = spec});
-    ZT_ASSIGN_OR_RETURN(p::JobHandle h, SendSpec(p::MessageType::kAttachJob, std::move(bytes),
-                                                 timeout + kCallTimeout));
-    if (h.units != static_cast<int32_t>(spec.units.size()) || h.ranks != spec.ranks) {
-      return Status::Internal(StrCat("ztierd attached job '", spec.name, "' with ", h.units,
-                                     " units and ", h.ranks, " ranks"));
-    }
-    Status mapped = MapRegions(h.job, spec);
-    if (!mapped.ok()) {
-      (void)Call(p::MessageType::kUnregisterJob, p::Encode(p::JobRef{.job = h.job}), {},
-                 kCallTimeout);
-      return mapped;
-    }
-    return h.job;
+    return OpenJob(p::MessageType::kAttachJob,
+                   p::Encode(p::AttachRequest{.rank = rank, .timeout = timeout, .spec = spec}),
+                   spec, timeout + kCallTimeout);
   }
 
   Result<void*> CollectiveRegion(int job, uint64_t bytes) override {
@@ -544,6 +521,24 @@ class DaemonTransport final : public Transport {
     if (!r.ok()) return -1;
     Result<p::StepValue> v = p::DecodeStepValue(r->payload);
     return v.ok() ? v->step : -1;
+  }
+
+  // Registers or attaches `spec` (the request `bytes`) and maps the job.
+  Result<int> OpenJob(p::MessageType type, std::string bytes, const engine::JobSpec& spec,
+                      std::chrono::milliseconds timeout) {
+    ZT_ASSIGN_OR_RETURN(p::JobHandle h, SendSpec(type, std::move(bytes), timeout));
+    if (h.units != static_cast<int32_t>(spec.units.size()) || h.ranks != spec.ranks) {
+      return Status::Internal(StrCat("ztierd answered ", p::MessageTypeName(type), " of job '",
+                                     spec.name, "' with ", h.units, " units and ", h.ranks,
+                                     " ranks"));
+    }
+    Status mapped = MapRegions(h.job, spec);
+    if (!mapped.ok()) {
+      (void)Call(p::MessageType::kUnregisterJob, p::Encode(p::JobRef{.job = h.job}), {},
+                 kCallTimeout);
+      return mapped;
+    }
+    return h.job;
   }
 
   // A request that carries a job spec: in the datagram, or in a sealed

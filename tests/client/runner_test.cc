@@ -896,6 +896,21 @@ TrainSetup HoldSetup() {
 // MODE train: attach to model "mp" and train with the other ranks; hold:
 // attach to "hold", meet the others' collective region, create READY_FILE
 // and wait to be killed.
+// A ztierd of its own for a test, and a session through it.
+struct DaemonAndSession {
+  std::unique_ptr<testing::TestDaemon> daemon;
+  std::unique_ptr<Session> session;
+  std::string socket() const { return daemon->socket(); }
+};
+Result<DaemonAndSession> StartDaemon(const TrainSetup& s) {
+  DaemonAndSession out;
+  ZT_ASSIGN_OR_RETURN(out.daemon, testing::TestDaemon::Start(Options(s, "").settings));
+  SessionOptions o;
+  o.daemon_socket = out.daemon->socket();
+  ZT_ASSIGN_OR_RETURN(out.session, Session::Open(o));
+  return out;
+}
+
 TEST(RanksInProcessesTest, AttachedRank) {
   const char* env = std::getenv("ZTIER_TEST_RANK");
   if (env == nullptr) GTEST_SKIP() << "a helper process of the tests below";
@@ -951,22 +966,19 @@ TEST(RanksInProcessesTest, RanksInProcessesTrainBitIdenticalToRanksAsThreads) {
   Result<RunResult> threads = RunZtier(s, kProcessSteps);
   ASSERT_TRUE(threads.ok()) << threads.status();
 
-  auto d = testing::TestDaemon::Start(Options(s, "").settings);
+  Result<DaemonAndSession> d = StartDaemon(s);
   ASSERT_TRUE(d.ok()) << d.status();
-  SessionOptions o;
-  o.daemon_socket = (*d)->socket();
-  Result<std::unique_ptr<Session>> session = Session::Open(o);
-  ASSERT_TRUE(session.ok()) << session.status();
+  Session* session = d->session.get();
   // The other ranks start first: they wait for rank 0 to register.
   std::vector<pid_t> pids;
   for (int r = 1; r < s.ranks; ++r) {
     Result<pid_t> pid =
         testing::SpawnSelf("RanksInProcessesTest.AttachedRank",
-                           {StrCat("ZTIER_TEST_RANK=", o.daemon_socket, ",", r, ",train")});
+                           {StrCat("ZTIER_TEST_RANK=", d->socket(), ",", r, ",train")});
     ASSERT_TRUE(pid.ok()) << pid.status();
     pids.push_back(*pid);
   }
-  Result<std::unique_ptr<Model>> model = RegisterWithWeights(**session, s, "mp");
+  Result<std::unique_ptr<Model>> model = RegisterWithWeights(*session, s, "mp");
   ASSERT_TRUE(model.ok()) << model.status();
   RunResult out;
   const Status st = TrainThroughRunner(s, **model, 0, kProcessSteps * s.accumulation, &out,
@@ -997,19 +1009,15 @@ TEST(RanksInProcessesTest, RanksInProcessesTrainBitIdenticalToRanksAsThreads) {
 TEST(RanksInProcessesTest, AKilledRankFailsItsPeersCollectivesAtOnce) {
   if (!testing::DaemonUnderTest()) GTEST_SKIP() << "ranks in other processes need ztierd";
   const TrainSetup s = HoldSetup();
-  auto d = testing::TestDaemon::Start(Options(s, "").settings);
+  Result<DaemonAndSession> d = StartDaemon(s);
   ASSERT_TRUE(d.ok()) << d.status();
-  SessionOptions o;
-  o.daemon_socket = (*d)->socket();
-  Result<std::unique_ptr<Session>> session = Session::Open(o);
-  ASSERT_TRUE(session.ok()) << session.status();
-  Result<std::unique_ptr<Model>> model = (*session)->RegisterModel(Spec(s, "hold"));
+  Result<std::unique_ptr<Model>> model = d->session->RegisterModel(Spec(s, "hold"));
   ASSERT_TRUE(model.ok()) << model.status();
   ScratchDir dir("killed-rank");
   const std::string ready = dir.path() + "/ready";
   Result<pid_t> pid =
       testing::SpawnSelf("RanksInProcessesTest.AttachedRank",
-                         {StrCat("ZTIER_TEST_RANK=", o.daemon_socket, ",1,hold,", ready)});
+                         {StrCat("ZTIER_TEST_RANK=", d->socket(), ",1,hold,", ready)});
   ASSERT_TRUE(pid.ok()) << pid.status();
   for (int k = 0; k < 3000 && !std::filesystem::exists(ready); ++k) {
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
@@ -1040,14 +1048,13 @@ TEST(RanksInProcessesTest, AttachRefusalsAndWhoMayActForWhichRank) {
   if (!testing::DaemonUnderTest()) GTEST_SKIP() << "ranks in other processes need ztierd";
   TrainSetup s;
   s.ranks = 2;
-  auto d = testing::TestDaemon::Start(Options(s, "").settings);
+  Result<DaemonAndSession> d = StartDaemon(s);
   ASSERT_TRUE(d.ok()) << d.status();
   SessionOptions o;
-  o.daemon_socket = (*d)->socket();
-  Result<std::unique_ptr<Session>> a = Session::Open(o);
-  Result<std::unique_ptr<Session>> b = Session::Open(o);
-  ASSERT_TRUE(a.ok() && b.ok());
-  Result<std::unique_ptr<Model>> m0 = (*a)->RegisterModel(Spec(s, "r"));
+  o.daemon_socket = d->socket();
+  Result<std::unique_ptr<Session>> b = Session::Open(o);  // a second connection
+  ASSERT_TRUE(b.ok()) << b.status();
+  Result<std::unique_ptr<Model>> m0 = d->session->RegisterModel(Spec(s, "r"));
   ASSERT_TRUE(m0.ok()) << m0.status();
   EXPECT_EQ((*m0)->attached_rank(), -1);
 
@@ -1095,9 +1102,9 @@ TEST(RanksInProcessesTest, AttachRefusalsAndWhoMayActForWhichRank) {
   EXPECT_EQ(gathered.code(), StatusCode::kAborted) << gathered;
   EXPECT_NE(gathered.ToString().find("rank 0 left"), std::string::npos) << gathered;
   coll = Status::Aborted("dropped");
-  EXPECT_EQ((*d)->daemon().stats().jobs, 1);
+  EXPECT_EQ(d->daemon->daemon().stats().jobs, 1);
   m1->reset();
-  EXPECT_EQ((*d)->daemon().stats().jobs, 0);
+  EXPECT_EQ(d->daemon->daemon().stats().jobs, 0);
 }
 
 }  // namespace
