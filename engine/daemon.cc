@@ -102,7 +102,32 @@ struct Daemon::Impl {
     int jobs = 0;
     uint64_t dram_bytes = 0;  // of its jobs, as counted at registration
     uint64_t nvme_bytes = 0;
+    uint64_t lingering_bytes = 0;  // of dram_bytes: see Lingering
   };
+  // A closed connection whose process lives on: its uid stays charged for
+  // the connection and for the shared regions of the jobs it had mapped and
+  // that were freed (a mapping keeps their memory alive), until its pidfd
+  // says the process exited.
+  struct Lingering {
+    UniqueFd pidfd;
+    uid_t uid = 0;
+    uint64_t bytes = 0;
+  };
+  std::vector<Lingering> lingering;  // guarded by mu
+
+  // Uncharges the lingering connections whose process exited (all: `all`).
+  void ReapLingering(bool all) {
+    std::lock_guard<std::mutex> lock(mu);
+    std::erase_if(lingering, [&](Lingering& l) {
+      pollfd pfd{.fd = l.pidfd.get(), .events = POLLIN, .revents = 0};
+      if (!all && ::poll(&pfd, 1, 0) == 0) return false;
+      Usage& u = usage[l.uid];
+      --u.connections;
+      u.dram_bytes -= l.bytes;
+      u.lingering_bytes -= l.bytes;
+      return true;
+    });
+  }
   std::map<uid_t, Usage> usage;  // guarded by mu
   int connections = 0;           // guarded by mu
   std::atomic<uint64_t> requests{0};
@@ -204,7 +229,10 @@ class Daemon::Impl::Connection {
         sock_(std::move(sock)),
         peer_(peer),
         prefix_(ScopedPrefix(peer.uid)),
-        refusal_(std::move(refusal)) {}
+        refusal_(std::move(refusal)) {
+    Result<UniqueFd> pidfd = sock_.PeerPidfd();
+    if (pidfd.ok()) pidfd_ = *std::move(pidfd);
+  }
 
   void Run() {
     Loop();
@@ -610,10 +638,15 @@ class Daemon::Impl::Connection {
       const DaemonOptions& o = d_.options;
       if (o.max_dram_bytes_per_uid != 0 &&
           u.dram_bytes + held.dram_bytes > o.max_dram_bytes_per_uid) {
-        over = Status::ResourceExhausted(
-            StrCat("job '", name, "' needs ", held.dram_bytes, " bytes of pinned DRAM; uid ",
-                   peer_.uid, " holds ", u.dram_bytes, " of its quota of ",
-                   o.max_dram_bytes_per_uid, " (max_dram_bytes_per_uid)"));
+        over = Status::ResourceExhausted(StrCat(
+            "job '", name, "' needs ", held.dram_bytes, " bytes of pinned DRAM; uid ", peer_.uid,
+            " holds ", u.dram_bytes, " of its quota of ", o.max_dram_bytes_per_uid,
+            " (max_dram_bytes_per_uid)",
+            u.lingering_bytes == 0
+                ? std::string()
+                : StrCat(", ", u.lingering_bytes,
+                         " of them mapped by processes that closed their connection but live "
+                         "on")));
       } else if (o.max_nvme_bytes_per_uid != 0 &&
                  u.nvme_bytes + held.nvme_bytes > o.max_nvme_bytes_per_uid) {
         over = Status::ResourceExhausted(
@@ -816,6 +849,12 @@ class Daemon::Impl::Connection {
     ZT_ASSIGN_OR_RETURN(p::JobRef r, p::DecodeJobRef(req.payload));
     ZT_ASSIGN_OR_RETURN(JobEntry j, FindJob(r.job));
     ZT_ASSIGN_OR_RETURN(std::vector<SharedBuffer> regions, d_.engine->SharedRegions(j.engine_job));
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      uint64_t& bytes = mapped_[j.engine_job];
+      bytes = 0;
+      for (const SharedBuffer& b : regions) bytes += b.region_bytes;
+    }
     if (regions.empty() || regions.size() > p::kMaxFdsPerMessage) {
       return Status::Internal(StrCat("job '", j.name, "' has ", regions.size(), " regions"));
     }
@@ -914,6 +953,12 @@ class Daemon::Impl::Connection {
     }
     ZT_LOG(kInfo, "ztierd") << Who() << ": handle of job '" << j.name << "' dropped";
     if (!free) return Status::Ok();
+    if (closing) {
+      // The client may still map the job's regions (see Impl::Lingering).
+      std::lock_guard<std::mutex> lock(mu_);
+      auto m = mapped_.find(j.engine_job);
+      if (m != mapped_.end()) lingering_bytes_ += m->second;
+    }
     return d_.Free(j.job, closing ? "its last client left" : "unregistered");
   }
 
@@ -966,9 +1011,23 @@ class Daemon::Impl::Connection {
     for (const auto& [key, n] : leases) {
       for (int k = 0; k < n; ++k) (void)d_.engine->ReleaseParams(key.first, key.second);
     }
+    // A process that outlives its connection while it may still map freed
+    // jobs' regions stays charged (Lingering); one that unregistered its
+    // jobs first (a session closed normally) does not.
+    pollfd pfd{.fd = pidfd_.get(), .events = POLLIN, .revents = 0};
+    const bool lives =
+        lingering_bytes_ > 0 && pidfd_.valid() && ::poll(&pfd, 1, 0) == 0 && !d_.stopping.load();
     {
       std::lock_guard<std::mutex> lock(d_.mu);
-      --d_.usage[peer_.uid].connections;
+      Impl::Usage& u = d_.usage[peer_.uid];
+      if (lives) {
+        u.dram_bytes += lingering_bytes_;
+        u.lingering_bytes += lingering_bytes_;
+        d_.lingering.push_back(
+            {.pidfd = std::move(pidfd_), .uid = peer_.uid, .bytes = lingering_bytes_});
+      } else {
+        --u.connections;
+      }
       --d_.connections;
     }
     ZT_LOG(kInfo, "ztierd") << Who() << ": connection closed";
@@ -991,6 +1050,9 @@ class Daemon::Impl::Connection {
   std::map<int32_t, JobEntry> jobs_;
   int32_t next_handle_ = 1;
   std::map<std::pair<int, int>, int> leases_;  // (engine job, unit) -> acquires held
+  std::map<int, uint64_t> mapped_;  // engine job -> bytes of its regions this client was sent
+  uint64_t lingering_bytes_ = 0;    // of jobs freed as it closed that it had mapped
+  UniqueFd pidfd_;                  // the client process (SO_PEERPIDFD), when the kernel has it
   // The pool (see Queue).
   std::deque<Request> queue_;
   std::vector<std::thread> pool_;
@@ -1054,6 +1116,7 @@ Status Daemon::Serve(SeqPacketListener& listener) {
   Status result;
   while (!d.stopping.load()) {
     d.ReapParked(/*all=*/false);
+    d.ReapLingering(/*all=*/false);
     // Join connections that ended.
     {
       std::lock_guard<std::mutex> lock(d.mu);
@@ -1114,6 +1177,7 @@ Status Daemon::Serve(SeqPacketListener& listener) {
   d.live.clear();
   lock.unlock();
   d.ReapParked(/*all=*/true);
+  d.ReapLingering(/*all=*/true);
   return result;
 }
 

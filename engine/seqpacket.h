@@ -68,6 +68,9 @@ class SeqPacketSocket {
 
   // The peer's pid, uid and gid as the kernel saw them at connect time.
   Result<PeerCredentials> Peer() const;
+  // A pidfd of the peer process (SO_PEERPIDFD): readable once it exits.
+  // Errors: Unimplemented (a kernel older than 6.5), PosixError.
+  Result<UniqueFd> PeerPidfd() const;
 
   int fd() const { return fd_.get(); }
   bool valid() const { return fd_.valid(); }

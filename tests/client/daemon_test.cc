@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/mman.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -666,6 +667,98 @@ Result<std::vector<std::vector<float>>> TrainSteps(Session& session, const std::
 // A client process for the test below: this test binary started again
 // with ZTIER_TEST_VICTIM=SOCKET,NAME, training until it is killed (a fresh
 // process, not a fork of the threaded test).
+// A client process for the test below (ZTIER_TEST_LINGER=SOCKET,READY):
+// registers a job, maps its regions, closes its connection (so the daemon
+// frees the job) and lives on with the mappings.
+TEST(ZtierdProgramTest, LingeringClient) {
+  const char* env = std::getenv("ZTIER_TEST_LINGER");
+  if (env == nullptr) GTEST_SKIP() << "a helper process of AProcessThatClosedItsConnection...";
+  const std::string spec = env;
+  std::vector<engine::Mapping> mappings;
+  {
+    RawClient c = RawClient::Connect(spec.substr(0, spec.find(',')));
+    Result<RawClient::Reply> r = c.Call(p::MessageType::kRegisterJob, p::Encode(TwoUnits("gone")));
+    ASSERT_TRUE(r.ok() && r->status.ok());
+    Result<p::JobHandle> h = p::DecodeJobHandle(r->payload);
+    ASSERT_TRUE(h.ok());
+    r = c.Call(p::MessageType::kRegions, p::Encode(p::JobRef{.job = h->job}));
+    ASSERT_TRUE(r.ok() && r->status.ok());
+    Result<p::RegionList> list = p::DecodeRegionList(r->payload);
+    ASSERT_TRUE(list.ok());
+    for (size_t k = 0; k < list->regions.size(); ++k) {
+      Result<engine::Mapping> m =
+          engine::Mapping::Map(r->fds[k].get(), list->regions[k].bytes, false, "region");
+      ASSERT_TRUE(m.ok()) << m.status();
+      mappings.push_back(*std::move(m));
+    }
+  }  // the connection closes; the mappings stay
+  std::FILE* ready = std::fopen(spec.substr(spec.find(',') + 1).c_str(), "w");
+  ASSERT_NE(ready, nullptr);
+  std::fclose(ready);
+  std::this_thread::sleep_for(std::chrono::minutes(10));
+}
+
+TEST(ZtierdProgramTest, AProcessThatClosedItsConnectionStaysChargedUntilItExits) {
+  {
+    int pair[2];
+    ASSERT_EQ(::socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, pair), 0);
+    int pidfd = -1;
+    socklen_t len = sizeof(pidfd);
+    const int rc = ::getsockopt(pair[0], SOL_SOCKET, 77 /* SO_PEERPIDFD */, &pidfd, &len);
+    ::close(pair[0]);
+    ::close(pair[1]);
+    if (rc != 0) GTEST_SKIP() << "this kernel has no SO_PEERPIDFD";
+    ::close(pidfd);
+  }
+  uint64_t job_bytes = 0;
+  {
+    ZtierdProcess probe(ZTIERD_BINARY, {});
+    SessionOptions o;
+    o.daemon_socket = probe.socket();
+    Result<std::unique_ptr<Session>> s = Session::Open(o);
+    ASSERT_TRUE(s.ok()) << s.status() << probe.log();
+    Result<std::unique_ptr<Model>> m = (*s)->RegisterModel(ModelOf(TwoUnits("probe")));
+    ASSERT_TRUE(m.ok()) << m.status();
+    job_bytes = (*m)->counters().dram_bytes;
+  }
+  // Room for one job, not for one beside another's regions.
+  ZtierdProcess d(ZTIERD_BINARY, {"--max-dram-per-uid", std::to_string(job_bytes + 4096)});
+  testing::ScratchDir dir("lingering");
+  const std::string ready = dir.path() + "/ready";
+  Result<pid_t> pid = testing::SpawnSelf("ZtierdProgramTest.LingeringClient",
+                                         {StrCat("ZTIER_TEST_LINGER=", d.socket(), ",", ready)});
+  ASSERT_TRUE(pid.ok()) << pid.status();
+  for (int k = 0; k < 3000 && !std::filesystem::exists(ready); ++k)
+    std::this_thread::sleep_for(10ms);
+  ASSERT_TRUE(std::filesystem::exists(ready)) << d.log();
+  SessionOptions o;
+  o.daemon_socket = d.socket();
+  Result<std::unique_ptr<Session>> s = Session::Open(o);
+  ASSERT_TRUE(s.ok()) << s.status() << d.log();
+  // Its job is freed, but the process maps its regions still: the uid is
+  // charged for them while it lives.
+  Result<std::unique_ptr<Model>> m = Status::Internal("not tried");
+  for (int k = 0; k < 200; ++k) {
+    m = (*s)->RegisterModel(ModelOf(TwoUnits("after")));
+    if (!m.ok() && m.status().ToString().find("live on") != std::string::npos) break;
+    m = Status::Internal(m.ok() ? "registered beside the lingering process's regions"
+                                : m.status().ToString());
+    std::this_thread::sleep_for(10ms);
+  }
+  ASSERT_FALSE(m.ok());
+  EXPECT_EQ(m.status().code(), StatusCode::kResourceExhausted) << m.status() << d.log();
+  EXPECT_NE(m.status().ToString().find("live on"), std::string::npos) << m.status();
+  // Once it exits, the charge goes.
+  ::kill(*pid, SIGKILL);
+  (void)testing::WaitChild(*pid);
+  for (int k = 0; k < 300; ++k) {
+    m = (*s)->RegisterModel(ModelOf(TwoUnits("after")));
+    if (m.ok()) break;
+    std::this_thread::sleep_for(10ms);
+  }
+  EXPECT_TRUE(m.ok()) << m.status() << d.log();
+}
+
 TEST(ZtierdProgramTest, VictimClient) {
   const char* victim = std::getenv("ZTIER_TEST_VICTIM");
   if (victim == nullptr) GTEST_SKIP() << "a helper process of ClientsKilledAtRandom...";
