@@ -65,6 +65,7 @@ Session::ModelSpec ModelOf(const engine::JobSpec& job) {
   Session::ModelSpec m;
   m.name = job.name;
   m.units = job.units;
+  m.world_size = job.ranks;
   return m;
 }
 
@@ -498,6 +499,7 @@ TEST_F(DaemonTest, ALargeJobSpecTravelsInAMemfd) {
     spec.units.push_back({.name = StrCat("layer.", u, std::string(100, 'x')),
                           .tensors = {{.name = StrCat("w", u), .shape = {64}}}});
   }
+  spec.ranks = 2;
   ASSERT_GT(p::Encode(spec).size(), p::kMaxMessageBytes);
   SessionOptions o;
   o.daemon_socket = socket();
@@ -506,6 +508,13 @@ TEST_F(DaemonTest, ALargeJobSpecTravelsInAMemfd) {
   Result<std::unique_ptr<Model>> m = (*s)->RegisterModel(ModelOf(spec));
   ASSERT_TRUE(m.ok()) << m.status();
   EXPECT_EQ((*m)->units(), 600);
+  // Rank 1 attaches from another connection with the same large spec.
+  Result<std::unique_ptr<Session>> s1 = Session::Open(o);
+  ASSERT_TRUE(s1.ok()) << s1.status();
+  Result<std::unique_ptr<Model>> m1 = (*s1)->AttachModel(ModelOf(spec), 1, 5s);
+  ASSERT_TRUE(m1.ok()) << m1.status();
+  EXPECT_EQ((*m1)->units(), 600);
+  EXPECT_EQ((*m1)->layout(599).shard, (*m)->layout(599).shard);
   // Weights in, the master out, through staging memfds.
   std::vector<float> w(64);
   for (int k = 0; k < 64; ++k) w[k] = 0.25f * k;
