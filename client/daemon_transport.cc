@@ -114,18 +114,18 @@ class DaemonTransport final : public Transport {
                    spec, timeout + kCallTimeout);
   }
 
-  Result<void*> CollectiveRegion(int job, uint64_t bytes) override {
+  Result<std::shared_ptr<void>> CollectiveRegion(int job, uint64_t bytes) override {
     {
       std::lock_guard<std::mutex> lock(mu_);
       auto j = jobs_.find(job);
       if (j == jobs_.end()) return Status::NotFound(StrCat("job ", job, " is not mapped"));
-      if (j->second.collectives.data() != nullptr) {
-        if (j->second.collectives.bytes() != bytes) {
-          return Status::InvalidArgument(
-              StrCat("job '", j->second.spec.name, "': its collective region has ",
-                     j->second.collectives.bytes(), " bytes, asked for ", bytes));
+      if (const auto& c = j->second.collectives; c != nullptr) {
+        if (c->bytes() != bytes) {
+          return Status::InvalidArgument(StrCat("job '", j->second.spec.name,
+                                                "': its collective region has ", c->bytes(),
+                                                " bytes, asked for ", bytes));
         }
-        return j->second.collectives.data();
+        return std::shared_ptr<void>(c, c->data());
       }
     }
     ZT_ASSIGN_OR_RETURN(
@@ -147,8 +147,9 @@ class DaemonTransport final : public Transport {
     std::lock_guard<std::mutex> lock(mu_);
     auto j = jobs_.find(job);
     if (j == jobs_.end()) return Status::NotFound(StrCat("job ", job, " is not mapped"));
-    if (j->second.collectives.data() == nullptr) j->second.collectives = std::move(m);
-    return j->second.collectives.data();
+    auto& c = j->second.collectives;
+    if (c == nullptr) c = std::make_shared<Mapping>(std::move(m));
+    return std::shared_ptr<void>(c, c->data());
   }
 
   Status UnregisterJob(int job) override {
@@ -410,7 +411,7 @@ class DaemonTransport final : public Transport {
     std::map<uint32_t, Region> regions;
     std::vector<engine::UnitLayout> layouts;  // numel 0: not fetched yet
     std::map<std::string, DirLock> dirs;      // checkpoint directories claimed
-    Mapping collectives;                      // the collective region, once asked for
+    std::shared_ptr<Mapping> collectives;     // the collective region, once asked for
   };
 
   // The job's state as the file code sees it: each unit through a staging
@@ -585,6 +586,18 @@ class DaemonTransport final : public Transport {
       std::lock_guard<std::mutex> lock(mu_);
       jobs_[job] = std::move(j);
     }
+    Result<const int64_t*> steps = StepPage(job, spec);
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!steps.ok()) {
+      jobs_.erase(job);  // unmaps what was mapped
+      return steps.status();
+    }
+    jobs_[job].steps = *steps;
+    return Status::Ok();
+  }
+
+  // Where the job's step page lies in its mapped params region.
+  Result<const int64_t*> StepPage(int32_t job, const engine::JobSpec& spec) {
     ZT_ASSIGN_OR_RETURN(Reply page, Call(p::MessageType::kStepPage,
                                          p::Encode(p::JobRef{.job = job}), {}, kCallTimeout));
     ZT_ASSIGN_OR_RETURN(SharedBuffer b, p::DecodeSharedBuffer(page.payload));
@@ -594,9 +607,7 @@ class DaemonTransport final : public Transport {
                                        " units"));
     }
     ZT_ASSIGN_OR_RETURN(void* steps, Resolve(job, b, RegionAccess::kReadOnly));
-    std::lock_guard<std::mutex> lock(mu_);
-    jobs_[job].steps = static_cast<const int64_t*>(steps);
-    return Status::Ok();
+    return static_cast<const int64_t*>(steps);
   }
 
   // A buffer the daemon named, as a pointer into the job's mapping.

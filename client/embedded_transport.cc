@@ -31,21 +31,21 @@ class EmbeddedTransport final : public Transport {
                ": ranks in other processes attach to a job through ztierd (set "
                "ztier.daemon_socket); the embedded engine serves the ranks of this process"));
   }
-  Result<void*> CollectiveRegion(int job, uint64_t bytes) override {
+  Result<std::shared_ptr<void>> CollectiveRegion(int job, uint64_t bytes) override {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = regions_.find(job);
     if (it == regions_.end()) {
       ZT_ASSIGN_OR_RETURN(UniqueFd fd, engine::MakeSealedMemfd("ztier-collectives", bytes));
       ZT_ASSIGN_OR_RETURN(engine::Mapping m,
                           engine::Mapping::Map(fd.get(), bytes, true, "the collective region"));
-      it = regions_.emplace(job, std::move(m)).first;
+      it = regions_.emplace(job, std::make_shared<engine::Mapping>(std::move(m))).first;
     }
-    if (it->second.bytes() != bytes) {
+    if (it->second->bytes() != bytes) {
       return Status::InvalidArgument(StrCat("job ", job, ": its collective region has ",
-                                            it->second.bytes(), " bytes, a rank asked for ",
+                                            it->second->bytes(), " bytes, a rank asked for ",
                                             bytes));
     }
-    return it->second.data();
+    return std::shared_ptr<void>(it->second, it->second->data());
   }
   Status UnregisterJob(int job) override {
     {
@@ -102,7 +102,7 @@ class EmbeddedTransport final : public Transport {
  private:
   std::unique_ptr<engine::Engine> e_;
   std::mutex mu_;
-  std::map<int, engine::Mapping> regions_;  // collective regions, by job
+  std::map<int, std::shared_ptr<engine::Mapping>> regions_;  // collective regions, by job
 };
 
 }  // namespace

@@ -11,6 +11,7 @@
 //   u32 world       the world size, set by the first rank (a check)
 //   u32 nccl_round  how many NCCL ids rank 0 has handed out
 //   u8[128] at 64   the latest NCCL unique id
+//   u32[] at 256    per rank: the NCCL ids it has taken
 //   from kCollectiveHeaderBytes: one slot of kSlotBytes per rank
 //
 // Host devices: a collective moves its buffers through the slots in chunks
@@ -36,8 +37,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstring>
-#include <map>
-#include <mutex>
+#include <memory>
 #include <thread>
 
 #include "client/transport.h"
@@ -54,6 +54,8 @@ constexpr uint64_t kArrivedOffset = 8;
 constexpr uint64_t kWorldOffset = 12;
 constexpr uint64_t kNcclRoundOffset = 16;
 constexpr uint64_t kNcclIdOffset = 64;
+constexpr uint64_t kNcclTakenOffset = 256;  // u32 per rank: the NCCL ids it has taken
+constexpr uint64_t kMaxNcclRanks = (engine::kCollectiveHeaderBytes - kNcclTakenOffset) / 4;
 constexpr std::chrono::minutes kTimeout{10};
 constexpr std::chrono::milliseconds kWakeCheck{100};  // abort checks while asleep
 
@@ -99,8 +101,13 @@ class RegionHeader {
 
 class ShmCollectives final : public Collectives {
  public:
-  ShmCollectives(void* region, int rank, int world, std::string who)
-      : h_(region), rank_(rank), world_(world), who_(std::move(who)) {}
+  // Shares the ownership of the mapping (`region`).
+  ShmCollectives(std::shared_ptr<void> region, int rank, int world, std::string who)
+      : region_(std::move(region)),
+        h_(region_.get()),
+        rank_(rank),
+        world_(world),
+        who_(std::move(who)) {}
   int rank() const override { return rank_; }
   int world_size() const override { return world_; }
 
@@ -177,25 +184,24 @@ class ShmCollectives final : public Collectives {
     return Status::Ok();
   }
 
+  const std::shared_ptr<void> region_;
   const RegionHeader h_;
   const int rank_;
   const int world_;
   const std::string who_;
 };
 
-// How many NCCL ids this process has taken from each region, by rank: the
-// ranks make their collectives in the same order, so the n-th call of every
-// rank uses rank 0's n-th id.
-std::mutex rounds_mu;
-std::map<std::pair<const void*, int>, uint32_t> rounds;  // guarded by rounds_mu
-
 Result<std::unique_ptr<Collectives>> MakeNcclForJob(const RegionHeader& h, int rank, int world,
                                                     Device& device, const std::string& who) {
-  uint32_t round = 0;
-  {
-    std::lock_guard<std::mutex> lock(rounds_mu);
-    round = ++rounds[{h.at(0), rank}];
+  // The ranks make their collectives in the same order, so the n-th call
+  // of every rank uses rank 0's n-th id; each rank counts its calls in its
+  // own word of the region.
+  if (static_cast<uint64_t>(world) > kMaxNcclRanks) {
+    return Status::InvalidArgument(
+        StrCat(who, ": at most ", kMaxNcclRanks, " NCCL ranks meet through the region"));
   }
+  const uint32_t round =
+      h.word(kNcclTakenOffset + static_cast<uint64_t>(rank) * 4).fetch_add(1) + 1;
   NcclId id;
   if (rank == 0) {
     ZT_ASSIGN_OR_RETURN(id, MakeNcclId());
@@ -234,8 +240,9 @@ Result<std::unique_ptr<Collectives>> MakeJobCollectives(Model& model, int rank, 
                                           bytes, " bytes, over the limit of ",
                                           engine::kMaxCollectiveRegionBytes));
   }
-  ZT_ASSIGN_OR_RETURN(void* base, model.transport().CollectiveRegion(model.job(), bytes));
-  const RegionHeader h(base);
+  ZT_ASSIGN_OR_RETURN(std::shared_ptr<void> region,
+                      model.transport().CollectiveRegion(model.job(), bytes));
+  const RegionHeader h(region.get());
   uint32_t expected = 0;
   if (!h.word(kWorldOffset).compare_exchange_strong(expected, static_cast<uint32_t>(world)) &&
       expected != static_cast<uint32_t>(world)) {
@@ -244,7 +251,8 @@ Result<std::unique_ptr<Collectives>> MakeJobCollectives(Model& model, int rank, 
   }
   ZT_RETURN_IF_ERROR(h.CheckAbort(who));
   if (device.kind() == DeviceKind::kCuda) return MakeNcclForJob(h, rank, world, device, who);
-  return std::unique_ptr<Collectives>(std::make_unique<ShmCollectives>(base, rank, world, who));
+  return std::unique_ptr<Collectives>(
+      std::make_unique<ShmCollectives>(std::move(region), rank, world, who));
 }
 
 }  // namespace ztier::client

@@ -46,9 +46,10 @@ class Transport {
   // The job's collective region (engine/wire_types.h): `bytes` of memory
   // that every rank of the job maps read-write, zeroed when made. The first
   // call makes it; every later one (from any rank) must ask for the same
-  // size. Mapped until the job is unregistered here. Errors:
-  // InvalidArgument (a size other than the region's).
-  virtual Result<void*> CollectiveRegion(int job, uint64_t bytes) = 0;
+  // size. Mapped while the job is registered here or a returned pointer
+  // lives (its owner). Errors: InvalidArgument (a size other than the
+  // region's).
+  virtual Result<std::shared_ptr<void>> CollectiveRegion(int job, uint64_t bytes) = 0;
   virtual Status UnregisterJob(int job) = 0;
   virtual Result<engine::UnitLayout> Layout(int job, int unit) = 0;
   virtual Status WriteWeights(int job, int unit, const float* flat, uint64_t numel) = 0;

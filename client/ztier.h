@@ -173,9 +173,9 @@ Result<std::vector<std::unique_ptr<Collectives>>> MakeLocalCollectives(int world
 // making the unique id and handing it to the others through the region.
 // When a rank's process dies, ztierd tells the others' collectives, which
 // fail with Aborted naming the rank instead of waiting. Every rank calls
-// this, with the same kind of device. The collectives must go before the
-// model. Errors: InvalidArgument (rank), Aborted (a rank left), Unavailable
-// (a peer not there within the timeout), as MakeNcclRankCollectives.
+// this, with the same kind of device. The collectives keep the region
+// mapped (they may outlive the model, of no use then). Errors: InvalidArgument (rank), Aborted (a
+// rank left), Unavailable (a peer not there within the timeout), as MakeNcclRankCollectives.
 Result<std::unique_ptr<Collectives>> MakeJobCollectives(Model& model, int rank, Device& device);
 
 // NCCL's unique id (ncclUniqueId: 128 bytes), made by one rank

@@ -174,18 +174,22 @@ struct Daemon::Impl {
   }
 
   // Unregisters a job nobody holds from the engine and uncharges its uid.
+  // Under mu, in the same hold that found nobody holds `job`: takes it out
+  // of the jobs (no attach can find it any more) and uncharges its uid.
+  // False if it was freed already.
+  bool MarkFreedLocked(Job& job) {
+    if (job.freed) return false;
+    job.freed = true;
+    auto it = jobs.find({job.uid, job.spec.name});
+    if (it != jobs.end() && it->second.get() == &job) jobs.erase(it);
+    Usage& u = usage[job.uid];
+    --u.jobs;
+    u.dram_bytes -= job.dram_bytes;
+    u.nvme_bytes -= job.nvme_bytes;
+    return true;
+  }
+  // Then, with no lock held: the engine lets the job go.
   Status Free(const std::shared_ptr<Job>& job, std::string_view why) {
-    {
-      std::lock_guard<std::mutex> lock(mu);
-      if (job->freed) return Status::Ok();
-      job->freed = true;
-      auto it = jobs.find({job->uid, job->spec.name});
-      if (it != jobs.end() && it->second == job) jobs.erase(it);
-      Usage& u = usage[job->uid];
-      --u.jobs;
-      u.dram_bytes -= job->dram_bytes;
-      u.nvme_bytes -= job->nvme_bytes;
-    }
     Status s = engine->UnregisterJob(job->engine_job);
     ZT_LOG(kInfo, "ztierd") << "uid " << job->uid << " job '" << job->spec.name << "' freed ("
                             << why << ")";
@@ -204,6 +208,7 @@ struct Daemon::Impl {
           due.push_back(job);
         }
       }
+      for (const auto& job : due) MarkFreedLocked(*job);
     }
     for (const auto& job : due)
       (void)Free(job, "its grace period after its last client left ended");
@@ -599,7 +604,10 @@ class Daemon::Impl::Connection {
     {
       std::lock_guard<std::mutex> lock(d_.mu);
       auto it = d_.jobs.find({peer_.uid, name});
-      if (it != d_.jobs.end() && it->second->holders == 0) parked = it->second;
+      if (it != d_.jobs.end() && it->second->holders == 0) {
+        parked = it->second;
+        d_.MarkFreedLocked(*parked);
+      }
     }
     if (parked != nullptr) (void)d_.Free(parked, "registered again");
     {
@@ -711,7 +719,12 @@ class Daemon::Impl::Connection {
           job = it->second;
           break;
         }
-        if (d_.stopping.load() || Closing() || Clock::now() >= deadline) {
+        if (d_.stopping.load() || Closing()) {
+          return Status::Unavailable(StrCat("attach to job '", name,
+                                            "': ztierd is stopping or "
+                                            "the connection closed"));
+        }
+        if (Clock::now() >= deadline) {
           return Status::NotFound(StrCat("no job '", name, "' of uid ", peer_.uid,
                                          " was registered within ", a.timeout.count(),
                                          " ms (rank 0 registers it, the other ranks attach)"));
@@ -816,8 +829,8 @@ class Daemon::Impl::Connection {
       const Status s = StatusOf(r);
       if (s.ok() || s.code() != StatusCode::kUnavailable) return r;
       if (slice == left || Closing()) {
-        if (left == timeout) return r;
-        return Status(s.code(), StrCat(s.message(), " (", timeout.count(), " ms in all)"),
+        if (timeout <= kWaitSlice) return r;
+        return Status(s.code(), StrCat(s.message(), "; waited ", timeout.count(), " ms in all"),
                       s.sys_errno());
       }
     }
@@ -944,10 +957,15 @@ class Daemon::Impl::Connection {
         if (closing && grace.count() > 0 && !d_.stopping.load()) {
           job.parked = true;
           job.parked_until = Clock::now() + grace;
+          // Ranks that attach again meet in a fresh region (the old one
+          // says a rank left, to whoever still maps it).
+          job.collective_region.Reset();
+          job.collective_fd = UniqueFd();
+          job.left_rank = -1;
           ZT_LOG(kInfo, "ztierd") << Who() << ": job '" << j.name << "' parked for "
                                   << grace.count() << " ms (its last client left)";
         } else {
-          free = true;
+          free = d_.MarkFreedLocked(job);
         }
       }
     }
@@ -1152,7 +1170,11 @@ Status Daemon::Serve(SeqPacketListener& listener) {
         refuse = Status::ResourceExhausted(
             StrCat("uid ", peer->uid, " has ", u.connections,
                    " connections, the quota (max_connections_per_uid) is ",
-                   d.options.max_connections_per_uid));
+                   d.options.max_connections_per_uid,
+                   u.lingering_bytes == 0
+                       ? std::string()
+                       : " (closed connections of processes that live on and may still map "
+                         "freed jobs' memory count until those processes exit)"));
       } else {
         ++u.connections;
         ++d.connections;

@@ -24,7 +24,7 @@
 // waits a while for rank 0 to register it). A job lives while any of its
 // handles does; a connection that attached rank r acts for r only. Each job
 // has a collective region, memory all its ranks map read-write, in which
-// they meet for collectives (client/shm_collectives.cc) and hand out NCCL's
+// they meet for collectives (client/job_collectives.cc) and hand out NCCL's
 // unique id.
 //
 // A connection that closes (the client exited or died) has its param leases

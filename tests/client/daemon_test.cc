@@ -431,6 +431,10 @@ TEST_F(DaemonTest, AJobWhoseClientDiedIsParkedForTheGracePeriodThenFreed) {
   {
     RawClient c = RawClient::Connect(socket());
     const int32_t job = Register(c, "parked");
+    Result<RawClient::Reply> region =
+        c.Call(p::MessageType::kCollectiveRegion,
+               p::Encode(p::CollectiveRegionRequest{.job = job, .bytes = 2 * 4096}));
+    ASSERT_TRUE(region.ok() && region->status.ok() && region->fds.size() == 1);
     // A wait that cannot end: the connection still closes at once (its
     // threads do not wait for a job that outlives it).
     ASSERT_TRUE(c.Send(p::MessageType::kWaitPublished,
@@ -448,6 +452,16 @@ TEST_F(DaemonTest, AJobWhoseClientDiedIsParkedForTheGracePeriodThenFreed) {
         c.Call(p::MessageType::kAttachJob,
                p::Encode(p::AttachRequest{.rank = 0, .timeout = 1s, .spec = TwoUnits("parked")}));
     ASSERT_TRUE(r.ok() && r->status.ok()) << (r.ok() ? r->status : r.status());
+    // Its collectives start afresh: the region of the ranks that left is
+    // not this one's (whose abort word would say a rank left).
+    Result<p::JobHandle> h = p::DecodeJobHandle(r->payload);
+    ASSERT_TRUE(h.ok());
+    r = c.Call(p::MessageType::kCollectiveRegion,
+               p::Encode(p::CollectiveRegionRequest{.job = h->job, .bytes = 2 * 4096}));
+    ASSERT_TRUE(r.ok() && r->status.ok() && r->fds.size() == 1);
+    Result<engine::Mapping> m = engine::Mapping::Map(r->fds[0].get(), 4096, false, "region");
+    ASSERT_TRUE(m.ok()) << m.status();
+    EXPECT_EQ(*static_cast<const uint32_t*>(m->data()), 0u) << "the abort word is set";
     WaitForStats(1, 1);
   }
   WaitForStats(0, 1);  // parked again; then the grace period ends
