@@ -96,7 +96,7 @@ struct SharedBuffer {
 
 // A job's collective region: memory every rank of the job maps read-write,
 // where ranks in different processes meet for collectives (client/
-// shm_collectives.cc lays it out). The daemon writes one word of it: when a
+// job_collectives.cc lays it out). The daemon writes one word of it: when a
 // rank's connection closes while the job lives, the abort word becomes 1 +
 // that rank and its waiters are woken (FUTEX_WAKE on the futex word), so
 // the others fail at once instead of at their timeout.
