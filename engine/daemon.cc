@@ -157,6 +157,7 @@ struct Daemon::Impl {
     int left_rank = -1;         // the first rank whose connection closed while others held it
     Mapping collective_region;  // made on the first ask (kCollectiveRegion)
     UniqueFd collective_fd;
+    uint64_t collective_bytes = 0;
   };
   std::map<std::pair<uid_t, std::string>, std::shared_ptr<Job>> jobs;  // guarded by mu
   std::condition_variable jobs_changed;  // a job registered (attaches wait for it)
@@ -589,13 +590,16 @@ class Daemon::Impl::Connection {
     return p::Encode(p::Hello{.name = "ztierd"});
   }
 
-  Result<std::string> OnRegister(Request& req) {
-    std::string spec_bytes;
+  // A request's payload: in its datagram, or in the memfd it carries.
+  static Result<std::string> Payload(Request& req) {
     if ((req.header.flags & p::kFlagMemfd) != 0) {
-      ZT_ASSIGN_OR_RETURN(spec_bytes, ReadPayloadMemfd(req.fds[0].get(), p::kMaxMemfdPayloadBytes));
-    } else {
-      spec_bytes = std::move(req.payload);
+      return ReadPayloadMemfd(req.fds[0].get(), p::kMaxMemfdPayloadBytes);
     }
+    return std::move(req.payload);
+  }
+
+  Result<std::string> OnRegister(Request& req) {
+    ZT_ASSIGN_OR_RETURN(std::string spec_bytes, Payload(req));
     ZT_ASSIGN_OR_RETURN(JobSpec spec, p::DecodeJobSpec(spec_bytes));
     const std::string name = spec.name;
     // A job of that name that its clients left (parked) gives way: a run
@@ -701,12 +705,7 @@ class Daemon::Impl::Connection {
   // A rank in another process joins a job of its uid, waiting up to the
   // request's timeout for the job to be registered.
   Result<std::string> OnAttach(Request& req) {
-    std::string bytes;
-    if ((req.header.flags & p::kFlagMemfd) != 0) {
-      ZT_ASSIGN_OR_RETURN(bytes, ReadPayloadMemfd(req.fds[0].get(), p::kMaxMemfdPayloadBytes));
-    } else {
-      bytes = std::move(req.payload);
-    }
+    ZT_ASSIGN_OR_RETURN(std::string bytes, Payload(req));
     ZT_ASSIGN_OR_RETURN(p::AttachRequest a, p::DecodeAttachRequest(bytes));
     const std::string& name = a.spec.name;
     const auto deadline = Clock::now() + a.timeout;
@@ -765,21 +764,20 @@ class Daemon::Impl::Connection {
       std::lock_guard<std::mutex> lock(d_.mu);
       Impl::Job& job = *j.job;
       if (!job.collective_fd.valid()) {
-        ZT_ASSIGN_OR_RETURN(job.collective_fd, MakeSealedMemfd("ztier-collectives", c.bytes));
+        ZT_ASSIGN_OR_RETURN(UniqueFd fd, MakeSealedMemfd("ztier-collectives", c.bytes));
         ZT_ASSIGN_OR_RETURN(job.collective_region,
-                            Mapping::Map(job.collective_fd.get(), kCollectiveHeaderBytes,
-                                         /*writable=*/true, "the collective region"));
+                            Mapping::Map(fd.get(), kCollectiveHeaderBytes, /*writable=*/true,
+                                         "the collective region"));
+        job.collective_fd = std::move(fd);
+        job.collective_bytes = c.bytes;
         // A rank that left before the region was made: its peers must not
         // wait for it there.
         if (job.left_rank >= 0) Impl::AbortCollectivesLocked(job, job.left_rank);
       }
-      ZT_ASSIGN_OR_RETURN(uint64_t bytes,
-                          CheckPeerMemfd(job.collective_fd.get(), 0, UINT64_MAX,
-                                         RegionAccess::kReadWrite, "the collective region"));
-      if (bytes != c.bytes) {
+      if (job.collective_bytes != c.bytes) {
         return Status::InvalidArgument(StrCat("job '", j.name, "': its collective region has ",
-                                              bytes, " bytes, a rank asked for ", c.bytes,
-                                              " (every rank must ask for the same)"));
+                                              job.collective_bytes, " bytes, a rank asked for ",
+                                              c.bytes, " (every rank must ask for the same)"));
       }
       const int fd = ::fcntl(job.collective_fd.get(), F_DUPFD_CLOEXEC, 0);
       if (fd < 0) return PosixError("fcntl(F_DUPFD_CLOEXEC) of the collective region", errno);
@@ -961,6 +959,7 @@ class Daemon::Impl::Connection {
           // says a rank left, to whoever still maps it).
           job.collective_region.Reset();
           job.collective_fd = UniqueFd();
+          job.collective_bytes = 0;
           job.left_rank = -1;
           ZT_LOG(kInfo, "ztierd") << Who() << ": job '" << j.name << "' parked for "
                                   << grace.count() << " ms (its last client left)";

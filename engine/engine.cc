@@ -620,7 +620,7 @@ Status Engine::ReadState(int job, int unit, float* master, float* exp_avg,
     }
     const Unit& u = j->units[unit];
     // (A failed job steps no more: what its units hold may be read.)
-    if (j->failure.ok() && (u.ready || u.arrived_count > 0 || u.micro > 0)) {
+    if (j->failure.ok() && u.StepInFlight()) {
       return Status::FailedPrecondition(
           StrCat("read state: unit ", unit, " of job '", j->spec.name,
                  "' has gradients of a step in flight; read it between steps"));
@@ -998,7 +998,7 @@ Status CheckIdle(const Job& j, std::string_view what) {
     return Status::FailedPrecondition(StrCat(what, ": another checkpoint is in progress"));
   }
   for (const Unit& u : j.units) {
-    if (u.ready || u.arrived_count > 0 || u.micro > 0) {
+    if (u.StepInFlight()) {
       return Status::FailedPrecondition(
           StrCat(what, ": job '", j.spec.name,
                  "' has gradients of a step in flight; checkpoint between steps"));

@@ -50,6 +50,8 @@ struct Unit {
   bool ready = false;            // grads complete for the pending step
   int64_t published = -1;        // step held by the publish buffer
   float* f(const DramBlock& b) const { return static_cast<float*>(b.ptr); }
+  // Grads of a step have reached the unit and its update is not published.
+  bool StepInFlight() const { return ready || arrived_count > 0 || micro > 0; }
 };
 
 // The pinned ring that stages NVMe-resident units: buffer_count slots, each

@@ -751,9 +751,7 @@ TEST(ZtierdProgramTest, AProcessThatClosedItsConnectionStaysChargedUntilItExits)
   Result<pid_t> pid = testing::SpawnSelf("ZtierdProgramTest.LingeringClient",
                                          {StrCat("ZTIER_TEST_LINGER=", d.socket(), ",", ready)});
   ASSERT_TRUE(pid.ok()) << pid.status();
-  for (int k = 0; k < 3000 && !std::filesystem::exists(ready); ++k)
-    std::this_thread::sleep_for(10ms);
-  ASSERT_TRUE(std::filesystem::exists(ready)) << d.log();
+  ASSERT_TRUE(testing::WaitForFile(ready)) << d.log();
   SessionOptions o;
   o.daemon_socket = d.socket();
   Result<std::unique_ptr<Session>> s = Session::Open(o);

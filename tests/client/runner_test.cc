@@ -1019,10 +1019,7 @@ TEST(RanksInProcessesTest, AKilledRankFailsItsPeersCollectivesAtOnce) {
       testing::SpawnSelf("RanksInProcessesTest.AttachedRank",
                          {StrCat("ZTIER_TEST_RANK=", d->socket(), ",1,hold,", ready)});
   ASSERT_TRUE(pid.ok()) << pid.status();
-  for (int k = 0; k < 3000 && !std::filesystem::exists(ready); ++k) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
-  ASSERT_TRUE(std::filesystem::exists(ready)) << "rank 1 did not attach";
+  ASSERT_TRUE(testing::WaitForFile(ready)) << "rank 1 did not attach";
   Result<std::unique_ptr<Device>> dev = MakeHostDevice();
   ASSERT_TRUE(dev.ok()) << dev.status();
   Result<std::unique_ptr<Collectives>> coll = MakeJobCollectives(**model, 0, **dev);

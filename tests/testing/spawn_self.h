@@ -1,6 +1,7 @@
 // Test support: this test binary started again as a helper process of its
 // own (a fresh process, not a fork of a threaded test), running the one test
-// `filter` names with extra environment variables, and waiting for it.
+// `filter` names with extra environment variables, and waiting for it (or
+// for a file it creates when ready).
 //
 // Thread safety: thread-safe. Failure: PosixError from posix_spawn /
 // waitpid.
@@ -10,7 +11,10 @@
 #include <spawn.h>
 #include <sys/wait.h>
 
+#include <chrono>
+#include <filesystem>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "common/status.h"
@@ -40,6 +44,17 @@ inline Result<int> WaitChild(pid_t pid) {
   if (::waitpid(pid, &status, 0) < 0) return PosixError("waitpid", errno);
   if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
   return WEXITSTATUS(status);
+}
+
+// Waits up to `timeout` for a helper to create `path` (it is ready).
+inline bool WaitForFile(const std::string& path,
+                        std::chrono::milliseconds timeout = std::chrono::seconds(30)) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  while (!std::filesystem::exists(path)) {
+    if (std::chrono::steady_clock::now() >= deadline) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return true;
 }
 
 }  // namespace ztier::testing
