@@ -209,6 +209,12 @@ class DaemonTransport final : public Transport {
     return Status::Ok();
   }
 
+  Status SetLearningRates(int job, const std::vector<float>& lrs) override {
+    return Call(p::MessageType::kSetLearningRates,
+                p::Encode(p::LearningRates{.job = job, .lrs = lrs}), {}, kCallTimeout)
+        .status();
+  }
+
   Result<bf16*> GradInbox(int job, int unit, int rank) override {
     ZT_ASSIGN_OR_RETURN(Reply r, Call(p::MessageType::kGradInbox,
                                       p::Encode(p::UnitRef{.job = job, .unit = unit, .rank = rank}),

@@ -61,6 +61,9 @@ class EmbeddedTransport final : public Transport {
   Status ReadState(int job, int unit, float* master, float* m, float* v) override {
     return e_->ReadState(job, unit, master, m, v);
   }
+  Status SetLearningRates(int job, const std::vector<float>& lrs) override {
+    return e_->SetLearningRates(job, lrs);
+  }
   Result<bf16*> GradInbox(int job, int unit, int rank) override {
     return e_->GradInbox(job, unit, rank);
   }

@@ -128,6 +128,10 @@ Status Model::LoadCheckpoint(const std::string& dir) {
   return transport_->LoadCheckpoint(job_, dir);
 }
 
+Status Model::SetLearningRates(const std::vector<float>& lrs) {
+  return transport_->SetLearningRates(job_, lrs);
+}
+
 Status Model::ReadMaster(int unit, std::vector<float>* master) const {
   if (unit < 0 || unit >= units()) {
     return Status::OutOfRange(StrCat("model '", spec_.name, "' has no unit ", unit));

@@ -55,6 +55,10 @@ class Transport {
   virtual Status WriteWeights(int job, int unit, const float* flat, uint64_t numel) = 0;
   virtual Status ReadState(int job, int unit, float* master, float* m, float* v) = 0;
 
+  // Each param group's learning rate from the job's next step on
+  // (engine::Engine::SetLearningRates); any rank's connection may set them.
+  virtual Status SetLearningRates(int job, const std::vector<float>& lrs) = 0;
+
   virtual Result<bf16*> GradInbox(int job, int unit, int rank) = 0;
   virtual Status GradsReady(int job, int unit, int rank) = 0;
   virtual Result<const bf16*> AcquireParams(int job, int unit, int64_t step,

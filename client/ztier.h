@@ -288,6 +288,15 @@ class Model {
   Status ClaimCheckpointDir(const std::string& dir);
   Status SaveCheckpoint(const std::string& dir);
   Status LoadCheckpoint(const std::string& dir);
+  // The learning rate of each optimizer param group (one per group of
+  // spec().optimizer: 1 when group_weight_decay is empty, else its size)
+  // for the steps that start from now on; until set, every group's is
+  // optimizer.hyper.lr. A learning rate scheduler calls it once per step,
+  // before the step's last grads are pushed (the engine takes the rates
+  // when the step starts; in eager mode, before the step's first grads).
+  // Any rank may set them, for the whole job. Errors: InvalidArgument (the
+  // count, or a rate not finite and >= 0, naming the group), NotFound.
+  Status SetLearningRates(const std::vector<float>& lrs);
   // The fp32 master weights of a unit (layout(unit).padded elements), for
   // tests and inspection, between steps.
   Status ReadMaster(int unit, std::vector<float>* master) const;

@@ -74,14 +74,36 @@ std::string SpecDifference(const JobSpec& job, const JobSpec& rank) {
                     a.tensors.size());
     }
     for (size_t t = 0; t < a.tensors.size(); ++t) {
-      if (a.tensors[t].name != b.tensors[t].name || a.tensors[t].shape != b.tensors[t].shape) {
-        return StrCat("unit '", a.name, "' tensor ", t, " ('", b.tensors[t].name,
-                      "') differs from the job's ('", a.tensors[t].name, "') in name or shape");
+      const TensorSpec& x = a.tensors[t];
+      const TensorSpec& y = b.tensors[t];
+      if (x.name != y.name || x.shape != y.shape) {
+        return StrCat("unit '", a.name, "' tensor ", t, " ('", y.name,
+                      "') differs from the job's ('", x.name, "') in name or shape");
+      }
+      if (x.group != y.group) {
+        return StrCat("unit '", a.name, "' tensor '", x.name, "' in param group ", y.group,
+                      ", the job's in ", x.group);
+      }
+      if (x.frozen != y.frozen) {
+        return StrCat("unit '", a.name, "' tensor '", x.name, "' ",
+                      y.frozen ? "frozen" : "not frozen", ", the job's ",
+                      x.frozen ? "frozen" : "not frozen");
       }
     }
   }
   if (job.optimizer_tier != rank.optimizer_tier || job.param_tier != rank.param_tier) {
     return "other tiers for the optimizer state or the params";
+  }
+  const std::vector<float>& x = job.optimizer.group_weight_decay;
+  const std::vector<float>& y = rank.optimizer.group_weight_decay;
+  if (x.size() != y.size()) {
+    return StrCat(y.size(), " param group weight decays (group_weight_decay), the job has ",
+                  x.size());
+  }
+  for (size_t g = 0; g < x.size(); ++g) {
+    if (x[g] != y[g]) {
+      return StrCat("weight decay ", y[g], " for param group ", g, ", the job's is ", x[g]);
+    }
   }
   if (p::Encode(job) != p::Encode(rank)) return "other optimizer settings";
   return std::string();
@@ -564,6 +586,14 @@ class Daemon::Impl::Connection {
         ZT_ASSIGN_OR_RETURN(p::JobSteps s, p::DecodeJobSteps(in));
         ZT_ASSIGN_OR_RETURN(JobEntry j, FindJob(s.job));
         ZT_RETURN_IF_ERROR(d_.engine->CommitState(j.engine_job, s.step, s.adam_step));
+        return std::string();
+      }
+      case p::MessageType::kSetLearningRates: {
+        // Any connection that holds the job: the one that registered it or
+        // an attached rank's.
+        ZT_ASSIGN_OR_RETURN(p::LearningRates l, p::DecodeLearningRates(in));
+        ZT_ASSIGN_OR_RETURN(JobEntry j, FindJob(l.job));
+        ZT_RETURN_IF_ERROR(d_.engine->SetLearningRates(j.engine_job, l.lrs));
         return std::string();
       }
       case p::MessageType::kJobSteps: {

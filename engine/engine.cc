@@ -160,22 +160,52 @@ struct Engine::Impl {
     return it->second;
   }
 
-  // Runs AdamW on one unit (all ranks' shards) whose state is in `state`;
-  // the bf16 copy lands in the publish buffer, which the caller publishes.
-  Status RunAdam(Job& job, Unit& u, const StateView& state, int64_t adam_step, float scale) {
+  // Runs AdamW on one unit (all ranks' shards) whose state is in `state`,
+  // with the param groups' learning rates `lrs`; the bf16 copy lands in the
+  // publish buffer, which the caller publishes. A unit of one group without
+  // frozen tensors is one pass; otherwise one pass per run of tensors
+  // (Unit::runs), a frozen run only rounding its master into the publish
+  // buffer (which may be a staging slot that must be filled whole).
+  Status RunAdam(Job& job, Unit& u, const StateView& state, int64_t adam_step, float scale,
+                 const std::vector<float>& lrs) {
     const auto t0 = std::chrono::steady_clock::now();
+    const OptimizerConfig& o = job.spec.optimizer;
     const cpu_adam::StepOptions opt{
         .step = adam_step, .grad_scale = scale, .grad_check = cpu_adam::GradCheck::kPrechecked};
-    const bool accum = job.spec.optimizer.grad_accumulation > 1;
-    const cpu_adam::Shard shard{
-        .count = u.layout.padded,
-        .grads = accum ? static_cast<const void*>(u.accum.ptr) : u.inbox.ptr,
-        .grad_type = accum ? cpu_adam::GradType::kFloat32 : cpu_adam::GradType::kBFloat16,
-        .params = state.master,
-        .exp_avg = state.exp_avg,
-        .exp_avg_sq = state.exp_avg_sq,
-        .params_out = state.publish};
-    Status s = cpu_adam::Step(job.spec.optimizer.hyper, opt, shard, executor).status();
+    const bool accum = o.grad_accumulation > 1;
+    // Elements [begin, end) of the unit, with `group`'s rates.
+    auto update = [&](uint64_t begin, uint64_t end, uint32_t group) {
+      cpu_adam::Hyper hyper = o.hyper;
+      hyper.lr = lrs[group];
+      if (!o.group_weight_decay.empty()) hyper.weight_decay = o.group_weight_decay[group];
+      const cpu_adam::Shard shard{
+          .count = end - begin,
+          .grads = accum ? static_cast<const void*>(u.f(u.accum) + begin)
+                         : static_cast<const void*>(static_cast<const bf16*>(u.inbox.ptr) + begin),
+          .grad_type = accum ? cpu_adam::GradType::kFloat32 : cpu_adam::GradType::kBFloat16,
+          .params = state.master + begin,
+          .exp_avg = state.exp_avg + begin,
+          .exp_avg_sq = state.exp_avg_sq + begin,
+          .params_out = state.publish + begin};
+      return cpu_adam::Step(hyper, opt, shard, executor).status();
+    };
+    Status s;
+    if (u.runs.empty()) {
+      s = update(0, u.layout.padded, 0);
+    } else {
+      for (const TensorRun& run : u.runs) {
+        if (run.frozen) {
+          executor.ParallelFor(run.end - run.begin, [&](size_t b, size_t e) {
+            for (size_t i = run.begin + b; i < run.begin + e; ++i) {
+              state.publish[i] = FloatToBf16(state.master[i]);
+            }
+          });
+          continue;
+        }
+        s = update(run.begin, run.end, run.group);
+        if (!s.ok()) break;
+      }
+    }
     AddElapsed(job.compute_ns, t0);
     return s;
   }
@@ -231,6 +261,7 @@ struct Engine::Impl {
     const auto t0 = std::chrono::steady_clock::now();
     double sq = 0.0;
     int64_t step, adam_step;
+    std::vector<float> lrs;  // the step's, whatever the client sets meanwhile
     {
       std::lock_guard<std::mutex> lock(mu);
       if (job.removed) return;
@@ -239,6 +270,7 @@ struct Engine::Impl {
       }
       step = job.step + 1;
       adam_step = job.adam_step + 1;
+      lrs = job.lrs;
     }
     const double norm = std::sqrt(sq);
     const bool finite = std::isfinite(norm);
@@ -275,7 +307,7 @@ struct Engine::Impl {
     Status s = ForEachUnitState(
         job, ForwardOrder(job), Access::kUpdate,
         [&](size_t k, const StateView& state) {
-          return RunAdam(job, job.units[k], state, adam_step, scale);
+          return RunAdam(job, job.units[k], state, adam_step, scale, lrs);
         },
         publish);
     if (!s.ok()) Fail(job, s.Annotate(StrCat("step ", step)));
@@ -287,12 +319,14 @@ struct Engine::Impl {
     const auto t0 = std::chrono::steady_clock::now();
     int64_t step, adam_step;
     double sq = 0.0;
+    std::vector<float> lrs;
     {
       std::lock_guard<std::mutex> lock(mu);
       if (job.removed) return;
       step = job.step + 1;
       adam_step = job.adam_step + 1;
       for (double s : job.units[unit].shard_sq) sq += s;
+      lrs = job.lrs;
     }
     if (!std::isfinite(sq)) {
       return Fail(
@@ -303,7 +337,7 @@ struct Engine::Impl {
     }
     // Published once the state is written back (NVMe tier).
     Status s = WithUnitState(job, unit, Access::kUpdate, [&](size_t k, const StateView& state) {
-      return RunAdam(job, job.units[k], state, adam_step, 1.0f);
+      return RunAdam(job, job.units[k], state, adam_step, 1.0f, lrs);
     });
     if (!s.ok()) return Fail(job, s.Annotate(StrCat("step ", step)));
     Publish(job, job.units[unit], step, [&] {
@@ -396,6 +430,15 @@ Result<int> Engine::RegisterJob(const JobSpec& spec) {
   }
   ZT_RETURN_IF_ERROR(
       cpu_adam::ValidateHyper(spec.optimizer.hyper).Annotate(StrCat("job '", spec.name, "'")));
+  const std::vector<float>& group_decay = spec.optimizer.group_weight_decay;
+  for (size_t g = 0; g < group_decay.size(); ++g) {
+    if (!std::isfinite(group_decay[g]) || group_decay[g] < 0.0f) {
+      return Status::InvalidArgument(StrCat("job '", spec.name, "': param group ", g,
+                                            " has weight decay ", group_decay[g],
+                                            "; it must be finite and >= 0"));
+    }
+  }
+  const uint64_t groups = group_decay.empty() ? 1 : group_decay.size();
   if (spec.param_tier == Tier::kNvme && spec.optimizer_tier != Tier::kNvme) {
     return Status::InvalidArgument(
         StrCat("job '", spec.name,
@@ -432,6 +475,13 @@ Result<int> Engine::RegisterJob(const JobSpec& spec) {
     job->ring = std::make_unique<StateRing>();
     job->ring->swap = e.swap.get();
   }
+  job->lrs.assign(groups, spec.optimizer.hyper.lr);
+  // Units are updated in runs of tensors when the job has groups or frozen
+  // tensors, in one pass otherwise (as they always were).
+  bool split = !group_decay.empty();
+  for (const UnitSpec& us : spec.units) {
+    for (const TensorSpec& t : us.tensors) split = split || t.frozen;
+  }
   const uint64_t granule = static_cast<uint64_t>(spec.ranks) * kAlignElements;
   uint64_t job_elements = 0;
   for (size_t k = 0; k < spec.units.size(); ++k) {
@@ -439,6 +489,11 @@ Result<int> Engine::RegisterJob(const JobSpec& spec) {
     Unit& u = job->units[k];
     const std::string where = StrCat("job '", spec.name, "' unit '", us.name, "'");
     for (const TensorSpec& t : us.tensors) {
+      if (t.group >= groups) {
+        return Status::InvalidArgument(StrCat(
+            where, " tensor '", t.name, "' is in param group ", t.group, "; the job has ", groups,
+            group_decay.empty() ? " (no group_weight_decay)" : " (group_weight_decay)"));
+      }
       uint64_t n = 1;
       for (int64_t d : t.shape) {
         if (d <= 0) {
@@ -462,6 +517,15 @@ Result<int> Engine::RegisterJob(const JobSpec& spec) {
     if (u.layout.numel == 0) return Status::InvalidArgument(StrCat(where, " is empty"));
     u.layout.padded = RoundUp(u.layout.numel, granule);
     u.layout.shard = u.layout.padded / spec.ranks;
+    for (size_t t = 0; split && t < us.tensors.size(); ++t) {
+      const TensorSpec& ts = us.tensors[t];
+      if (!u.runs.empty() && u.runs.back().group == ts.group && u.runs.back().frozen == ts.frozen) {
+        continue;
+      }
+      if (!u.runs.empty()) u.runs.back().end = u.layout.offsets[t];
+      u.runs.push_back({.begin = u.layout.offsets[t], .group = ts.group, .frozen = ts.frozen});
+    }
+    if (!u.runs.empty()) u.runs.back().end = u.layout.padded;  // the padding too
     u.arrived.assign(spec.ranks, 0);
     u.shard_sq.assign(spec.ranks, 0.0);
     job_elements += u.layout.padded;
@@ -633,6 +697,25 @@ Status Engine::ReadState(int job, int unit, float* master, float* exp_avg,
     if (exp_avg_sq) std::memcpy(exp_avg_sq, state.exp_avg_sq, bytes);
     return Status::Ok();
   });
+}
+
+Status Engine::SetLearningRates(int job, const std::vector<float>& lrs) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  ZT_ASSIGN_OR_RETURN(std::shared_ptr<Job> j, impl_->Find(job));
+  if (lrs.size() != j->lrs.size()) {
+    return Status::InvalidArgument(StrCat("job '", j->spec.name, "': ", lrs.size(),
+                                          " learning rates for its ", j->lrs.size(),
+                                          " param groups (one each)"));
+  }
+  for (size_t g = 0; g < lrs.size(); ++g) {
+    if (!std::isfinite(lrs[g]) || lrs[g] < 0.0f) {
+      return Status::InvalidArgument(StrCat("job '", j->spec.name,
+                                            "': the learning rate of param group ", g, " is ",
+                                            lrs[g], "; it must be finite and >= 0"));
+    }
+  }
+  j->lrs = lrs;
+  return Status::Ok();
 }
 
 Result<bf16*> Engine::GradInbox(int job, int unit, int rank) {

@@ -21,6 +21,14 @@
 // Every unit's publish buffer carries the step it holds; WaitPublished(unit,
 // step) waits for that unit only.
 //
+// Param groups and frozen tensors. Each tensor belongs to an optimizer param
+// group (TensorSpec::group) with a weight decay of its own (OptimizerConfig::
+// group_weight_decay) and a learning rate the client sets per step
+// (SetLearningRates); a frozen tensor is never updated. A unit is updated
+// as runs of adjacent tensors of one group (frozen or not), each run one
+// AdamW pass with its group's rates (the padding goes with the last run); a
+// job with one group and no frozen tensor is one pass over the unit.
+//
 // Optimizer states on NVMe (ZeRO-Infinity placement, optimizer_tier kNvme).
 // Each unit's fp32 master, m and v live in one swap object of the engine's
 // swap space (Settings::nvme_paths, striped across them). A step streams the
@@ -78,7 +86,10 @@ class Engine {
   Engine& operator=(const Engine&) = delete;
 
   // Errors: InvalidArgument (empty units, bad shapes, sizes past the limits
-  // below, ranks < 1, accumulation < 1, eager mode with clipping),
+  // below, ranks < 1, accumulation < 1, eager mode with clipping; a
+  // tensor's param group not below group_weight_decay's size, or 0 when it
+  // is empty, or a group's weight decay not finite and >= 0, naming the
+  // unit and the tensor),
   // AlreadyExists (name), ResourceExhausted (the pinned DRAM the job needs,
   // computed up front, exceeds what the budget has left, naming both
   // figures; or the swap space, naming the path), FailedPrecondition (states
@@ -113,6 +124,17 @@ class Engine {
   // The job's completed steps and the steps that updated its weights (as a
   // checkpoint records them). Errors: NotFound.
   Result<std::pair<int64_t, int64_t>> Steps(int job) const;
+
+  // The learning rate of each optimizer param group (one per group: 1 when
+  // the job's group_weight_decay is empty, else its size), for every step
+  // that starts after this call, until the next call; before any call each
+  // group's is hyper.lr. An exact step takes them when it starts (once the
+  // last unit's grads are in: call before delivering a step's last grads);
+  // an eager step takes them as each unit's update starts (call before the
+  // step's first unit is complete). Errors: NotFound (job),
+  // InvalidArgument (the count, or a rate not finite and >= 0, naming the
+  // group).
+  Status SetLearningRates(int job, const std::vector<float>& lrs);
 
   // Where rank `rank` writes its bf16 grad shard of `unit` (layout.shard
   // elements). Valid until the job is unregistered. With gradient

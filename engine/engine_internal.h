@@ -32,8 +32,19 @@ struct StateView {
   bf16* publish = nullptr;
 };
 
+// Adjacent tensors of a unit in one param group, frozen or not: [begin,
+// end) of the flat padded buffer (the last run ends at `padded`).
+struct TensorRun {
+  uint64_t begin = 0, end = 0;
+  uint32_t group = 0;
+  bool frozen = false;
+};
+
 struct Unit {
   UnitLayout layout;
+  // The unit's runs of tensors; empty when the job has one group and no
+  // frozen tensor (the unit is then one AdamW pass).
+  std::vector<TensorRun> runs;
   // fp32 state in DRAM (optimizer tier dram); empty blocks on the NVMe tier,
   // where the state is swap object `swap_object`: master, m, v back to back.
   DramBlock master, exp_avg, exp_avg_sq, publish, inbox, accum;
@@ -94,6 +105,9 @@ struct Job {
   std::vector<Unit> units;
   int64_t step = 0;       // completed steps (what clients wait for)
   int64_t adam_step = 0;  // steps that updated the weights (bias correction)
+  // The learning rate of each param group for the steps that start from now
+  // (Engine::SetLearningRates); a step takes a copy when it starts.
+  std::vector<float> lrs;
   int ready_units = 0;
   int eager_done = 0;
   Status failure;

@@ -117,6 +117,8 @@ std::string_view MessageTypeName(MessageType type) {
       return "collective_region";
     case MessageType::kStepPage:
       return "step_page";
+    case MessageType::kSetLearningRates:
+      return "set_learning_rates";
     case MessageType::kUnregisterJob:
       return "unregister_job";
     case MessageType::kLayout:
@@ -539,6 +541,27 @@ Result<JobSteps> DecodeJobSteps(std::string_view bytes) {
   return Done(r, v);
 }
 
+std::string Encode(const LearningRates& v) {
+  Writer w;
+  w.Put(v.job);
+  w.Put(static_cast<uint32_t>(v.lrs.size()));
+  for (float lr : v.lrs) w.Put(lr);
+  return w.Take();
+}
+
+Result<LearningRates> DecodeLearningRates(std::string_view bytes) {
+  Reader r(bytes, "learning rates");
+  LearningRates v;
+  uint32_t n = 0;
+  r.Get(&v.job, "job");
+  if (v.job < 0) r.Fail(StrCat("job ", v.job, " is negative"));
+  if (r.Count(&n, "learning rates", kMaxParamGroups, sizeof(float))) {
+    v.lrs.resize(n);
+    for (float& lr : v.lrs) r.Get(&lr, "learning rate");
+  }
+  return Done(r, std::move(v));
+}
+
 // ------------------------------------------------------------ job spec
 
 std::string Encode(const JobSpec& v) {
@@ -554,6 +577,8 @@ std::string Encode(const JobSpec& v) {
   w.Put(v.optimizer.clip_norm);
   w.Put(static_cast<int32_t>(v.optimizer.grad_accumulation));
   w.Put(static_cast<uint8_t>(v.optimizer.mode));
+  w.Put(static_cast<uint32_t>(v.optimizer.group_weight_decay.size()));
+  for (float f : v.optimizer.group_weight_decay) w.Put(f);
   w.Put(static_cast<uint32_t>(v.units.size()));
   for (const UnitSpec& u : v.units) {
     w.Str(u.name);
@@ -562,6 +587,8 @@ std::string Encode(const JobSpec& v) {
       w.Str(t.name);
       w.Put(static_cast<uint32_t>(t.shape.size()));
       for (int64_t d : t.shape) w.Put(d);
+      w.Put(t.group);
+      w.Put(static_cast<uint8_t>(t.frozen ? 1 : 0));
     }
   }
   return w.Take();
@@ -604,6 +631,17 @@ Result<JobSpec> DecodeJobSpec(std::string_view bytes) {
   h.bias_correction = static_cast<cpu_adam::BiasCorrection>(bias);
   v.optimizer.grad_accumulation = accumulation;
   v.optimizer.mode = static_cast<StepMode>(step_mode);
+  std::vector<float>& group_decay = v.optimizer.group_weight_decay;
+  uint32_t groups = 0;
+  if (r.Count(&groups, "group_weight_decay", kMaxParamGroups, sizeof(float))) {
+    group_decay.resize(groups);
+    for (float& f : group_decay) r.Get(&f, "group weight decay");
+  }
+  for (size_t g = 0; g < group_decay.size() && r.ok(); ++g) {
+    if (!Finite(group_decay[g]))
+      r.Fail(StrCat("the weight decay of param group ", g, " is not finite"));
+  }
+  const uint64_t job_groups = group_decay.empty() ? 1 : group_decay.size();
 
   uint32_t units = 0;
   // A unit is at least its name's length and its tensor count: 8 bytes.
@@ -615,8 +653,9 @@ Result<JobSpec> DecodeJobSpec(std::string_view bytes) {
     UnitSpec u;
     uint32_t tensors = 0;
     r.Str(&u.name, "unit name", kMaxNameBytes);
-    // A tensor is at least its name's length and its rank: 8 bytes.
-    if (!r.Count(&tensors, "tensors", kMaxTensorsPerUnit, 8)) break;
+    // A tensor is at least its name's length, its rank, its group and its
+    // frozen flag: 13 bytes.
+    if (!r.Count(&tensors, "tensors", kMaxTensorsPerUnit, 13)) break;
     if (tensors == 0) r.Fail(StrCat("unit ", k, " has no tensors"));
     uint64_t unit_elements = 0;
     u.tensors.reserve(tensors);
@@ -642,6 +681,16 @@ Result<JobSpec> DecodeJobSpec(std::string_view bytes) {
         elements = *e;
         ts.shape.push_back(dim);
       }
+      uint8_t frozen = 0;
+      r.Get(&ts.group, "group");
+      r.Get(&frozen, "frozen");
+      if (frozen > 1) r.Fail(StrCat("unit ", k, " tensor ", t, ": frozen ", int{frozen}));
+      if (r.ok() && ts.group >= job_groups) {
+        r.Fail(StrCat("unit ", k, " ('", u.name, "') tensor ", t, " ('", ts.name,
+                      "'): param group ", ts.group, ", the job has ", job_groups,
+                      group_decay.empty() ? " (no group_weight_decay)" : " (group_weight_decay)"));
+      }
+      ts.frozen = frozen == 1;
       if (ts.name.empty()) r.Fail(StrCat("unit ", k, " tensor ", t, ": empty name"));
       unit_elements += elements;  // each <= 2^40, at most 2^16 of them: no overflow
       u.tensors.push_back(std::move(ts));

@@ -37,7 +37,10 @@
 namespace ztier::engine::protocol {
 
 inline constexpr uint32_t kMagic = 0x5057545A;  // "ZTWP"
-inline constexpr uint16_t kVersion = 1;
+// Follows kWireVersion (engine/wire_types.h), whose structs it encodes; 2:
+// param groups and frozen tensors in a JobSpec, set_learning_rates.
+inline constexpr uint16_t kVersion = 2;
+static_assert(kVersion == kWireVersion, "a change of the wire types is a change of the protocol");
 inline constexpr size_t kHeaderBytes = 32;
 inline constexpr size_t kMaxMessageBytes = size_t{64} << 10;
 inline constexpr uint32_t kMaxFdsPerMessage = 4;
@@ -51,6 +54,8 @@ inline constexpr uint32_t kMaxUnits = 1 << 20;
 inline constexpr uint32_t kMaxTensorsPerUnit = 1 << 16;
 inline constexpr uint32_t kMaxDims = 8;
 inline constexpr int kMaxRanks = 1 << 16;
+// Optimizer param groups of a job (group_weight_decay, learning rates).
+inline constexpr uint32_t kMaxParamGroups = 1 << 16;
 // The longest a request may ask the daemon to wait (a day).
 inline constexpr std::chrono::milliseconds kMaxWait{int64_t{24} * 3600 * 1000};
 
@@ -85,8 +90,11 @@ enum class MessageType : uint16_t {
   // JobRef -> SharedBuffer: the job's step page (engine::Engine::
   // PublishedSteps), in its read-only params region.
   kStepPage = 22,
+  // LearningRates -> (): each param group's learning rate from the job's
+  // next step on (engine::Engine::SetLearningRates).
+  kSetLearningRates = 23,
 };
-inline constexpr uint16_t kLastMessageType = 22;
+inline constexpr uint16_t kLastMessageType = 23;
 std::string_view MessageTypeName(MessageType type);
 
 struct Header {
@@ -171,6 +179,14 @@ struct StagedData {
   uint64_t bytes = 0;
 };
 
+// A learning rate per optimizer param group of a job, for its next steps.
+// The decoder bounds the count (at most kMaxParamGroups); the count and the
+// values are the engine's to judge, so both transports refuse alike.
+struct LearningRates {
+  int32_t job = -1;
+  std::vector<float> lrs;
+};
+
 // A job's completed steps and the steps that updated its weights.
 struct JobSteps {
   int32_t job = -1;
@@ -200,6 +216,7 @@ std::string Encode(const RegionList& v);
 std::string Encode(const StagedData& v);
 std::string Encode(const JobSteps& v);
 std::string Encode(const CollectiveRegionRequest& v);
+std::string Encode(const LearningRates& v);
 std::string Encode(const JobSpec& v);
 std::string Encode(const UnitLayout& v);
 std::string Encode(const JobCounters& v);
@@ -217,10 +234,12 @@ Result<RegionList> DecodeRegionList(std::string_view bytes);
 Result<StagedData> DecodeStagedData(std::string_view bytes);
 Result<JobSteps> DecodeJobSteps(std::string_view bytes);
 Result<CollectiveRegionRequest> DecodeCollectiveRegionRequest(std::string_view bytes);
+Result<LearningRates> DecodeLearningRates(std::string_view bytes);
 // Also validates what the engine would refuse cheaply: names non-empty and
 // bounded, 1..kMaxDims positive dims, element counts overflow-checked and
 // within kMaxUnitElements / kMaxJobElements, ranks 1..kMaxRanks, finite
-// hyper-parameters, known enum values.
+// hyper-parameters and group weight decays, at most kMaxParamGroups
+// groups, each tensor's group one of the job's, known enum values.
 Result<JobSpec> DecodeJobSpec(std::string_view bytes);
 Result<UnitLayout> DecodeUnitLayout(std::string_view bytes);
 Result<JobCounters> DecodeJobCounters(std::string_view bytes);

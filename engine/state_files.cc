@@ -26,18 +26,23 @@ using Json = nlohmann::json;
 
 constexpr char kMagic[8] = {'Z', 'T', 'C', 'K', 'P', 'T', '0', '1'};
 
+// For people reading the manifest; a load never compares it. Param groups
+// (group_weight_decay) appear only when the job has them, and which group a
+// tensor is in, or whether it is frozen, is not part of the layout: a
+// checkpoint loads into a job with other groups.
 std::string OptimizerJson(const OptimizerConfig& o) {
-  return Json{{"lr", o.hyper.lr},
-              {"beta1", o.hyper.beta1},
-              {"beta2", o.hyper.beta2},
-              {"eps", o.hyper.eps},
-              {"weight_decay", o.hyper.weight_decay},
-              {"mode", o.hyper.mode == cpu_adam::Mode::kAdamW ? "adamw" : "adam"},
-              {"bias_correction", o.hyper.bias_correction == cpu_adam::BiasCorrection::kOn},
-              {"clip_norm", o.clip_norm},
-              {"grad_accumulation", o.grad_accumulation},
-              {"step_mode", o.mode == StepMode::kExact ? "exact" : "eager"}}
-      .dump();
+  Json j{{"lr", o.hyper.lr},
+         {"beta1", o.hyper.beta1},
+         {"beta2", o.hyper.beta2},
+         {"eps", o.hyper.eps},
+         {"weight_decay", o.hyper.weight_decay},
+         {"mode", o.hyper.mode == cpu_adam::Mode::kAdamW ? "adamw" : "adam"},
+         {"bias_correction", o.hyper.bias_correction == cpu_adam::BiasCorrection::kOn},
+         {"clip_norm", o.clip_norm},
+         {"grad_accumulation", o.grad_accumulation},
+         {"step_mode", o.mode == StepMode::kExact ? "exact" : "eager"}};
+  if (!o.group_weight_decay.empty()) j["group_weight_decay"] = o.group_weight_decay;
+  return j.dump();
 }
 
 std::string ShapeText(const std::vector<int64_t>& shape) {

@@ -17,7 +17,8 @@
 
 namespace ztier::engine {
 
-inline constexpr uint16_t kWireVersion = 1;
+// 2: a tensor's param group and frozen flag, the groups' weight decays.
+inline constexpr uint16_t kWireVersion = 2;
 
 enum class Tier : uint8_t { kDram, kNvme };
 
@@ -30,6 +31,14 @@ inline constexpr uint64_t kMaxJobElements = uint64_t{1} << 48;
 struct TensorSpec {
   std::string name;
   std::vector<int64_t> shape;
+  // The tensor's optimizer param group (OptimizerConfig::group_weight_decay;
+  // its learning rate is the group's, Engine::SetLearningRates).
+  uint32_t group = 0;
+  // Never updated (requires_grad false): its master, m and v stay as they
+  // are and its params stay the bf16 rounding of its master. Its grads are
+  // not applied, yet count in the global norm as delivered: clients push
+  // zeros for them.
+  bool frozen = false;
 };
 
 struct UnitSpec {
@@ -44,6 +53,12 @@ struct OptimizerConfig {
   float clip_norm = 0.0f;  // global-norm clipping threshold; 0: off
   int grad_accumulation = 1;
   StepMode mode = StepMode::kExact;
+  // The weight decay of each optimizer param group, by group index. Empty:
+  // one group (0) whose weight decay is hyper.weight_decay. Otherwise
+  // hyper.weight_decay is unused and every tensor's group is below its
+  // size. Every group starts at hyper.lr (Engine::SetLearningRates changes
+  // it).
+  std::vector<float> group_weight_decay;
 };
 
 struct JobSpec {

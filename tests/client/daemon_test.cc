@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -537,6 +538,77 @@ TEST_F(DaemonTest, ALargeJobSpecTravelsInAMemfd) {
   ASSERT_TRUE((*m)->ReadMaster(599, &master).ok());
   ASSERT_GE(master.size(), 64u);
   for (int k = 0; k < 64; ++k) EXPECT_EQ(master[k], w[k]);
+}
+
+// Learning rates through ztierd: the rank that registered the job and an
+// attached one may both set them (for the whole job); a connection without
+// the job may not; a rank whose model puts a tensor in another param group,
+// freezes another tensor or decays a group otherwise is refused, naming it.
+TEST_F(DaemonTest, AnyRankSetsTheLearningRatesAndAttachCompareParamGroups) {
+  engine::JobSpec spec = TwoUnits("groups");
+  spec.ranks = 2;
+  spec.units[0].tensors.push_back({.name = "u0.b", .shape = {10}, .group = 1});
+  spec.units[1].tensors[0].frozen = true;
+  Session::ModelSpec model = ModelOf(spec);
+  model.optimizer.group_weight_decay = {0.1f, 0.0f};
+  SessionOptions o;
+  o.daemon_socket = socket();
+  Result<std::unique_ptr<Session>> s0 = Session::Open(o);
+  Result<std::unique_ptr<Session>> s1 = Session::Open(o);
+  ASSERT_TRUE(s0.ok() && s1.ok()) << s0.status() << s1.status();
+  Result<std::unique_ptr<Model>> m0 = (*s0)->RegisterModel(model);
+  ASSERT_TRUE(m0.ok()) << m0.status();
+
+  auto refused = [&](const Session::ModelSpec& other, const std::string& says) {
+    Result<std::unique_ptr<Model>> m = (*s1)->AttachModel(other, 1, 2s);
+    ASSERT_FALSE(m.ok()) << says;
+    EXPECT_EQ(m.status().code(), StatusCode::kFailedPrecondition) << m.status();
+    EXPECT_NE(m.status().ToString().find("does not match job 'groups'"), std::string::npos)
+        << m.status();
+    EXPECT_NE(m.status().ToString().find(says), std::string::npos) << m.status();
+  };
+  Session::ModelSpec other = model;
+  other.units[0].tensors[1].group = 0;
+  refused(other, "unit 'u0' tensor 'u0.b' in param group 0, the job's in 1");
+  other = model;
+  other.units[1].tensors[0].frozen = false;
+  refused(other, "unit 'u1' tensor 'u1.w' not frozen, the job's frozen");
+  other = model;
+  other.optimizer.group_weight_decay[1] = 0.01f;
+  refused(other, "weight decay 0.01 for param group 1, the job's is 0");
+  other = model;
+  other.optimizer.group_weight_decay.push_back(0.0f);
+  refused(other, "3 param group weight decays");
+
+  Result<std::unique_ptr<Model>> m1 = (*s1)->AttachModel(model, 1, 2s);
+  ASSERT_TRUE(m1.ok()) << m1.status();
+  EXPECT_TRUE((*m0)->SetLearningRates({1e-3f, 2e-3f}).ok());
+  EXPECT_TRUE((*m1)->SetLearningRates({3e-3f, 0.0f}).ok());
+  Status bad = (*m1)->SetLearningRates({1e-3f});
+  EXPECT_EQ(bad.code(), StatusCode::kInvalidArgument) << bad;
+  EXPECT_NE(bad.ToString().find("job 'groups': 1 learning rates for its 2 param groups"),
+            std::string::npos)
+      << bad;  // the daemon's scope taken out of the name
+  bad = (*m0)->SetLearningRates({1e-3f, std::nanf("")});
+  EXPECT_EQ(bad.code(), StatusCode::kInvalidArgument) << bad;
+  EXPECT_NE(bad.ToString().find("param group 1"), std::string::npos) << bad;
+
+  // A connection without the job, by hand: not found; a malformed list is
+  // refused and the connection goes on.
+  RawClient c = RawClient::Connect(socket());
+  Result<RawClient::Reply> r =
+      c.Call(p::MessageType::kSetLearningRates,
+             p::Encode(p::LearningRates{.job = (*m0)->job(), .lrs = {1e-3f, 1e-3f}}));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->status.code(), StatusCode::kNotFound) << r->status;
+  std::string cut = p::Encode(p::LearningRates{.job = 0, .lrs = {1e-3f, 1e-3f}});
+  cut.resize(cut.size() - 1);
+  r = c.Call(p::MessageType::kSetLearningRates, cut);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->status.code(), StatusCode::kCorruption) << r->status;
+  r = c.Call(p::MessageType::kPoolStats, "");
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_TRUE(r->status.ok()) << r->status;
 }
 
 // ------------------------------------------- the ztierd program, as root

@@ -9,7 +9,9 @@
 
 #include <signal.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -869,6 +871,99 @@ TEST(SessionTest, TheTransportIsTheOneAskedFor) {
   auto session = testing::OpenTestSession(Options(TrainSetup{}, ""));
   ASSERT_TRUE(session.ok()) << session.status();
   EXPECT_EQ((*session)->transport_name(), testing::DaemonUnderTest() ? "daemon" : "embedded");
+}
+
+// Param groups and frozen tensors through a Model, and learning rates set
+// per step (Model::SetLearningRates): through either transport the job
+// steps bit for bit as an engine in this process driven the same way; a
+// group whose rate is 0 keeps its masters, a frozen tensor keeps its.
+TEST(SessionTest, LearningRatesSetThroughTheModelReachTheNextStep) {
+  engine::OptimizerConfig o;
+  o.hyper.lr = 1e-2f;
+  o.clip_norm = 1.0f;
+  o.group_weight_decay = {0.1f, 0.0f};
+  const std::vector<engine::UnitSpec> units = {
+      {.name = "a",
+       .tensors = {{.name = "w", .shape = {20, 9}, .group = 0},
+                   {.name = "b", .shape = {9}, .group = 1},
+                   {.name = "pos", .shape = {7, 9}, .group = 0, .frozen = true}}},
+      {.name = "b", .tensors = {{.name = "w", .shape = {9, 30}, .group = 0}}}};
+  const Session::ModelSpec spec{.name = "lrs", .units = units, .optimizer = o, .world_size = 2};
+  const std::vector<std::vector<float>> lrs = {{}, {0.0f, 5e-2f}, {3e-3f, 0.0f}};
+
+  // The same job in an engine of this process.
+  Result<std::unique_ptr<engine::Engine>> e =
+      engine::Engine::Create(Options(TrainSetup{}, "").settings);
+  ASSERT_TRUE(e.ok()) << e.status();
+  Result<int> ref = (*e)->RegisterJob({.name = "ref", .units = units, .ranks = 2, .optimizer = o});
+  ASSERT_TRUE(ref.ok()) << ref.status();
+
+  auto session = testing::OpenTestSession(Options(TrainSetup{}, ""));
+  ASSERT_TRUE(session.ok()) << session.status();
+  auto model = (*session)->RegisterModel(spec);
+  ASSERT_TRUE(model.ok()) << model.status();
+  Model& m = **model;
+  Transport& t = m.transport();
+  for (int k = 0; k < m.units(); ++k) {
+    std::vector<float> w(m.layout(k).numel);
+    for (size_t i = 0; i < w.size(); ++i) w[i] = 0.01f * static_cast<float>(i % 17) - 0.08f;
+    ASSERT_TRUE(m.SetWeights(k, w.data(), w.size()).ok());
+    ASSERT_TRUE((*e)->WriteWeights(*ref, k, w.data(), w.size()).ok());
+  }
+  std::vector<std::vector<float>> before(m.units());
+  for (int step = 1; step <= static_cast<int>(lrs.size()); ++step) {
+    const std::vector<float>& set = lrs[step - 1];
+    if (!set.empty()) {
+      ASSERT_TRUE(m.SetLearningRates(set).ok());
+      ASSERT_TRUE((*e)->SetLearningRates(*ref, set).ok());
+    }
+    for (int k = 0; k < m.units(); ++k) ASSERT_TRUE(m.ReadMaster(k, &before[k]).ok());
+    for (int k = m.units() - 1; k >= 0; --k) {
+      const uint64_t shard = m.layout(k).shard;
+      for (int r = 0; r < 2; ++r) {
+        std::vector<bf16> g(shard);
+        for (uint64_t i = 0; i < shard; ++i) {
+          g[i] = FloatToBf16(0.05f * static_cast<float>((i * 7 + step + r) % 11) - 0.25f);
+        }
+        Result<bf16*> inbox = t.GradInbox(m.job(), k, r);
+        ASSERT_TRUE(inbox.ok()) << inbox.status();
+        std::copy(g.begin(), g.end(), *inbox);
+        ASSERT_TRUE(t.GradsReady(m.job(), k, r).ok());
+        std::copy(g.begin(), g.end(), *(*e)->GradInbox(*ref, k, r));
+        ASSERT_TRUE((*e)->GradsReady(*ref, k, r).ok());
+      }
+    }
+    ASSERT_TRUE(m.WaitPublished(step, std::chrono::seconds(30)).ok());
+    for (int k = 0; k < m.units(); ++k) {
+      ASSERT_TRUE((*e)->WaitPublished(*ref, k, step, std::chrono::seconds(30)).ok());
+      std::vector<float> got, want(m.layout(k).padded);
+      ASSERT_TRUE(m.ReadMaster(k, &got).ok());
+      ASSERT_TRUE((*e)->ReadState(*ref, k, want.data(), nullptr, nullptr).ok());
+      ASSERT_EQ(got, want) << "unit " << k << " step " << step;
+    }
+    // Unit "a": w [0, 180) in group 0, b [180, 189) in group 1, pos frozen.
+    std::vector<float> a;
+    ASSERT_TRUE(m.ReadMaster(0, &a).ok());
+    auto moved = [&](uint64_t begin, uint64_t end) {
+      return !std::equal(a.begin() + begin, a.begin() + end, before[0].begin() + begin);
+    };
+    EXPECT_FALSE(moved(189, 252)) << "a frozen tensor moved at step " << step;
+    if (!set.empty()) {
+      EXPECT_EQ(moved(0, 180), set[0] > 0.0f) << "group 0 at step " << step;
+      EXPECT_EQ(moved(180, 189), set[1] > 0.0f) << "group 1 at step " << step;
+    }
+  }
+  // Refusals, named alike through either transport.
+  Status s = m.SetLearningRates({1e-3f});
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s;
+  EXPECT_NE(s.ToString().find("1 learning rates for its 2 param groups"), std::string::npos) << s;
+  EXPECT_NE(s.ToString().find("job 'lrs'"), std::string::npos) << s;
+  s = m.SetLearningRates({1e-3f, -1.0f});
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s;
+  EXPECT_NE(s.ToString().find("param group 1"), std::string::npos) << s;
+  s = m.SetLearningRates({std::nanf(""), 1e-3f});
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s;
+  EXPECT_NE(s.ToString().find("param group 0"), std::string::npos) << s;
 }
 
 // ------------------------------------------------------- ranks in processes

@@ -71,9 +71,12 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       ztier::Result<ztier::engine::JobSpec> spec = p::DecodeJobSpec(in);
       if (!spec.ok()) return 0;
       uint64_t total = 0;
+      const size_t groups = spec->optimizer.group_weight_decay.size();
+      Require(groups <= p::kMaxParamGroups);
       for (const auto& u : spec->units) {
         Require(!u.name.empty() && !u.tensors.empty());
         for (const auto& t : u.tensors) {
+          Require(t.group < (groups == 0 ? 1 : groups));
           uint64_t n = 1;
           Require(!t.shape.empty() && t.shape.size() <= p::kMaxDims);
           for (int64_t d : t.shape) {
@@ -109,10 +112,15 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     case 14:
       RoundTrip(in, p::DecodeStagedData);
       return 0;
-    case 15:
+    case 15: {
       RoundTrip(in, p::DecodeJobSteps);
       RoundTrip(in, p::DecodeCollectiveRegionRequest);
+      ztier::Result<p::LearningRates> lrs = p::DecodeLearningRates(in);
+      if (!lrs.ok()) return 0;
+      Require(lrs->lrs.size() <= p::kMaxParamGroups);
+      Require(p::Encode(*lrs) == in);
       return 0;
+    }
   }
   return 0;
 }
