@@ -21,6 +21,7 @@ packages=(
   systemd                                # deploy test: systemd-analyze, systemd-socket-activate
   clang libclang-rt-14-dev               # libFuzzer targets (scripts/fuzz.sh)
   fortunes                               # English text corpus for ztier-train (fortunes data files)
+  python3-dev python3-venv               # the Python package (scripts/python_env.sh)
 )
 
 missing=()

@@ -1,0 +1,113 @@
+"""ztier.hf: Hugging Face checkpoints in and out of ztier.
+
+``from_pretrained`` builds a model from a local checkpoint directory without
+its weights (parameters on the meta device, buffers real) and streams the
+safetensors shards (``model.safetensors`` or the shards that
+``model.safetensors.index.json`` maps) into the engine one unit at a time, so
+the host never holds a second full copy. Tied parameters (an output head
+sharing the embedding) are found under any of their names.
+
+Errors: FileNotFoundError (no checkpoint there), KeyError naming a tensor the
+checkpoint lacks, ValueError naming a tensor whose shape differs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from torch import nn
+
+SINGLE = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+
+
+def _weight_files(path: str) -> dict[str, str]:
+    """tensor name -> file, for a directory (single file or sharded) or a file."""
+    from safetensors import safe_open
+
+    if os.path.isdir(path):
+        index = os.path.join(path, INDEX)
+        if os.path.exists(index):
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+            return {k: os.path.join(path, v) for k, v in weight_map.items()}
+        single = os.path.join(path, SINGLE)
+        if not os.path.exists(single):
+            raise FileNotFoundError(f"ztier: no {SINGLE} or {INDEX} in {path}")
+        path = single
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"ztier: no checkpoint at {path}")
+    with safe_open(path, framework="pt") as f:
+        return {k: path for k in f.keys()}
+
+
+def _aliases(model: nn.Module) -> dict[int, list[str]]:
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return names
+
+
+def load_weights(z, path: str):
+    """Sets every unit's initial weights from the checkpoint at ``path``."""
+    from safetensors import safe_open
+
+    files = _weight_files(os.fspath(path))
+    aliases = _aliases(z.module)
+    handles: dict[str, object] = {}
+    try:
+        for u in z.units:
+            flat = torch.empty(u.numel, dtype=torch.float32)
+            for t in u.tensors:
+                key = next((n for n in aliases.get(id(t.param), [t.name]) if n in files), None)
+                if key is None:
+                    raise KeyError(f"ztier: the checkpoint at {path} has no tensor '{t.name}'")
+                file = files[key]
+                if file not in handles:
+                    handles[file] = safe_open(file, framework="pt").__enter__()
+                value = handles[file].get_tensor(key)
+                if tuple(value.shape) != t.shape:
+                    raise ValueError(f"ztier: tensor '{key}' in {file} has shape "
+                                     f"{tuple(value.shape)}, the model's is {t.shape}")
+                flat[t.offset:t.offset + t.numel] = value.reshape(-1).float()
+            z.job.set_weights(u.index, flat)
+    finally:
+        for h in handles.values():
+            h.__exit__(None, None, None)
+
+
+def _empty_parameters(model: nn.Module):
+    """Replaces meta parameters by placeholders (NaN, no memory), tied ones
+    by one shared placeholder, keeping requires_grad."""
+    fresh: dict[int, nn.Parameter] = {}
+    for m in model.modules():
+        for name, p in list(m._parameters.items()):
+            if p is None:
+                continue
+            q = fresh.get(id(p))
+            if q is None:
+                q = fresh[id(p)] = nn.Parameter(
+                    torch.full((), float("nan"), dtype=torch.bfloat16).expand(p.shape),
+                    requires_grad=p.requires_grad)
+            m._parameters[name] = q
+
+
+def from_pretrained(model_class, path: str, config=None, **offload_kwargs):
+    """(model, offload) for the checkpoint directory ``path``; see the module
+    docstring. ``config``: the model's config (default: ``path``'s)."""
+    from accelerate import init_empty_weights
+
+    from ztier import torch as zt
+
+    path = os.fspath(path)
+    if config is None:
+        config = model_class.config_class.from_pretrained(path)
+    with init_empty_weights(include_buffers=False):
+        model = model_class(config)
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+    _empty_parameters(model)
+    z = zt.offload(model, weights=path, **offload_kwargs)
+    return model, z

@@ -1,0 +1,759 @@
+"""ztier.torch: train a PyTorch ``nn.Module`` (a Hugging Face model among them)
+through ztier, ZeRO stage-3 style.
+
+    import ztier.torch as zt
+    z = zt.offload(model, device="cpu",
+                   optimizer=zt.AdamW(lr=2e-5, betas=(0.9, 0.95), weight_decay=0.1,
+                                      no_decay=("bias", "norm")),
+                   clip_grad_norm=1.0, grad_accumulation=4)
+    opt = z.optimizer          # a torch.optim.Optimizer: LR schedulers work
+    loss = model(**batch).loss; loss.backward(); opt.step(); sched.step(); opt.zero_grad()
+
+How it works. The model's parameters are cut into units: one per block (the
+classes the model names in ``_no_split_modules``, else the largest
+``ModuleList`` of one class), one for the parameters used before the first
+block (embeddings) and one for those after the last (final norm, head). A
+tied parameter lives in one unit and every module that uses it holds that
+unit. The fp32 master weights, AdamW moments and bf16 params live in the
+engine (pinned DRAM or NVMe); the module's parameters hold nothing between
+uses: read outside a forward or backward they are NaN of their shape.
+
+Hooks in the FSDP2 manner hold a unit while a module that uses it computes:
+- forward: a pre-hook acquires the unit's bf16 params (prefetched by the
+  runner in the learned order) and points each parameter at its slice; the
+  post-hook lets go of them;
+- backward: hooks on the module's outputs re-acquire the unit before its
+  backward runs; an identity autograd function on its inputs lets go once
+  the module's backward is done (activation checkpointing's recompute
+  re-enters the forward pre-hook during backward; holds then do not depend on
+  pre/post pairs);
+- grads: each trainable parameter's post-accumulate-grad hook copies its
+  grad into the unit's grad buffer and frees it; the unit's grads go to the
+  engine (bf16) once its last trainable grad is in; units that got none push
+  zeros at the end of backward.
+``optimizer.step()`` marks the accumulation boundary: it sends each param
+group's current lr and the boundary micro-step's last grads, and the engine
+clips (global norm) and runs AdamW, publishing each unit as it is done, so
+the next forward starts while the optimizer runs.
+
+Thread safety: one training thread drives a model (as in PyTorch). Errors:
+ztier's errors (``ztier.ZtierError`` subclasses) with the engine's message;
+misuse (``optimizer.step()`` before ``grad_accumulation`` backward passes, a
+training forward before the pending ``step()``) raises ``RuntimeError``
+naming the fix.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import re
+import uuid
+import weakref
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+import torch
+from torch import nn
+
+from ztier import _C
+
+__all__ = ["AdamW", "Offload", "offload", "open_session", "from_pretrained", "find_blocks"]
+
+
+# --------------------------------------------------------------- optimizer --
+
+
+@dataclass
+class AdamW:
+    """The engine's AdamW (decoupled weight decay, PyTorch's formulas).
+
+    ``no_decay``: parameters whose state-dict name contains any of these
+    substrings (case-insensitive) get weight decay 0 (their own param group).
+    Frozen parameters (``requires_grad=False``) are never updated.
+    """
+
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    no_decay: Sequence[str] = ()
+    bias_correction: bool = True
+    mode: str = "adamw"  # or "adam" (L2 decay)
+
+
+class _Optimizer(torch.optim.Optimizer):
+    """The optimizer a user (or Trainer, or an LR scheduler) drives.
+
+    ``step()`` ends the accumulation window: each group's ``lr`` is sent to the
+    engine, which runs the update. ``zero_grad()`` has nothing to clear: the
+    grads left the parameters when they reached the engine.
+    """
+
+    def __init__(self, owner: "Offload", groups: list[dict]):
+        self._owner = owner
+        defaults = dict(lr=owner._adamw.lr, betas=owner._adamw.betas, eps=owner._adamw.eps,
+                        weight_decay=owner._adamw.weight_decay)
+        super().__init__(groups, defaults)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._owner._optimizer_step([float(g["lr"]) for g in self.param_groups])
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True):
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.grad = None
+
+    def state_dict(self):
+        # The moments live in the engine (saved by Offload.save_checkpoint);
+        # this keeps what schedulers and Trainer look at.
+        return {"state": {}, "param_groups": [
+            {k: v for k, v in g.items() if k != "params"} | {"params": []}
+            for g in self.param_groups]}
+
+    def load_state_dict(self, state_dict):
+        for g, saved in zip(self.param_groups, state_dict.get("param_groups", [])):
+            for k, v in saved.items():
+                if k != "params":
+                    g[k] = v
+
+
+# ------------------------------------------------------------------- units --
+
+
+def find_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The model's repeated blocks, in registration order: modules whose class
+    the model names in ``_no_split_modules`` (Hugging Face), outermost only;
+    else the children of the largest ``ModuleList`` whose children are all of
+    one class. Empty when neither exists (the model is then one unit)."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    blocks: list[tuple[str, nn.Module]] = []
+    if names:
+        inside: set[int] = set()
+        for name, m in model.named_modules():
+            if id(m) in inside:
+                continue
+            if type(m).__name__ in names:
+                blocks.append((name, m))
+                inside.update(id(s) for s in m.modules())
+    if blocks:
+        return blocks
+    best: tuple[int, str, nn.ModuleList] | None = None
+    for name, m in model.named_modules():
+        if isinstance(m, nn.ModuleList) and len(m) > 0:
+            kinds = {type(c) for c in m}
+            size = sum(p.numel() for p in m.parameters())
+            if len(kinds) == 1 and (best is None or size > best[0]):
+                best = (size, name, m)
+    if best is None:
+        return []
+    return [(f"{best[1]}.{i}", c) for i, c in enumerate(best[2])]
+
+
+@dataclass
+class _Tensor:
+    name: str
+    param: nn.Parameter
+    shape: tuple[int, ...]
+    numel: int
+    offset: int = 0
+    group: int = 0
+    frozen: bool = False
+
+
+@dataclass
+class _Unit:
+    name: str
+    tensors: list[_Tensor] = field(default_factory=list)
+    index: int = 0
+    numel: int = 0
+    padded: int = 0
+    holds: int = 0
+    storage: torch.UntypedStorage | None = None  # the held bf16 params (empty when not held)
+    grads: torch.Tensor | None = None  # the grad buffer, once a grad arrived
+    arrived: set = field(default_factory=set)  # ids of params whose grad is in
+    trainable: int = 0
+    pushed: bool = False
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on a module's inputs; its backward runs once the module's
+    backward has produced the inputs' grads (the module is then done)."""
+
+    @staticmethod
+    def forward(ctx, owner, module_id, *inputs):
+        ctx.owner = owner
+        ctx.module_id = module_id
+        return inputs if len(inputs) > 1 else inputs[0]
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.owner._post_backward(ctx.module_id)
+        return (None, None) + grads
+
+
+def _placeholder(shape, device, dtype=torch.bfloat16) -> torch.Tensor:
+    # An expanded NaN scalar: reads as NaN of the right shape, takes no
+    # memory, and survives torch.save / CPU reads (a zero-byte storage does not).
+    return torch.full((), float("nan"), dtype=dtype, device=device).expand(shape)
+
+
+def _parse_device(device) -> torch.device:
+    d = torch.device(device)
+    if d.type not in ("cpu", "cuda"):
+        raise ValueError(f"ztier: device must be 'cpu' or 'cuda[:N]', got {device!r}")
+    if d.type == "cuda" and d.index is None:
+        d = torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_available() else 0)
+    return d
+
+
+class Offload:
+    """A model put on ztier by :func:`offload`; see the module's docstring."""
+
+    def __init__(self, model: nn.Module, *, device="cpu", optimizer: AdamW | None = None,
+                 clip_grad_norm: float = 0.0, grad_accumulation: int = 1,
+                 states: str | None = None, params: str | None = None,
+                 prefetch_depth: int | None = None, config: str | None = None,
+                 daemon: str | None = None, settings: dict | None = None,
+                 name: str | None = None, session: _C.Session | None = None,
+                 weights: str | None = None, compute_dtype: torch.dtype | None = None):
+        if grad_accumulation < 1:
+            raise ValueError(f"ztier: grad_accumulation must be >= 1, got {grad_accumulation}")
+        self.module = model
+        self.device = _parse_device(device)
+        # The params' dtype in the module: bf16 on a GPU; fp32 on the host,
+        # whose CPUs mostly lack bf16 matrix units (PyTorch's bf16 CPU kernels
+        # run an order of magnitude slower there). The values are the bf16
+        # params either way, and grads go to the engine as bf16.
+        if compute_dtype is None:
+            compute_dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        if compute_dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"ztier: compute_dtype must be torch.bfloat16 or torch.float32, "
+                             f"got {compute_dtype}")
+        self.compute_dtype = compute_dtype
+        self._elem_bytes = torch.empty((), dtype=compute_dtype).element_size()
+        self._adamw = optimizer or AdamW()
+        self.grad_accumulation = int(grad_accumulation)
+        self.session = session or open_session(config=config, settings=settings, daemon=daemon)
+        states = states or self.session.default_optimizer_tier
+        params = params or self.session.default_param_tier
+        self._build_units(model)
+        groups = self._groups(model)
+        job_units = [(u.name, [(t.name, list(t.shape), t.group, t.frozen) for t in u.tensors])
+                     for u in self.units]
+        a = self._adamw
+        self._group_decay = [g["weight_decay"] for g in groups]
+        cfg = _C.OptimizerConfig(lr=a.lr, beta1=a.betas[0], beta2=a.betas[1], eps=a.eps,
+                                 weight_decay=a.weight_decay, mode=a.mode,
+                                 bias_correction=a.bias_correction,
+                                 group_weight_decay=self._group_decay,
+                                 clip_norm=float(clip_grad_norm or 0.0),
+                                 grad_accumulation=self.grad_accumulation)
+        self.name = name or f"{type(model).__name__}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.job = self.session.register_model(self.name, job_units, cfg, states, params)
+        for u in self.units:
+            numel, padded, _, offsets = self.job.layout(u.index)
+            u.numel, u.padded = numel, padded
+            for t, off in zip(u.tensors, offsets):
+                t.offset = off
+        # Initial weights: the module's own values (fp32 masters), one unit at
+        # a time, unless they come from a file (from_pretrained).
+        if weights is None:
+            for u in self.units:
+                flat = torch.empty(u.numel, dtype=torch.float32)
+                for t in u.tensors:
+                    flat[t.offset:t.offset + t.numel] = t.param.detach().reshape(-1).float().cpu()
+                self.job.set_weights(u.index, flat)
+        else:
+            self._load_weights(weights)
+        if self.device.type == "cuda":
+            self._device = _C.cuda_device(self.device.index)
+        else:
+            self._device = _C.host_device()
+        self._prefetch = prefetch_depth if prefetch_depth is not None else self.session.prefetch_depth
+        self.runner = self._make_runner()
+        self._nan: dict[tuple, torch.Tensor] = {}
+        for u in self.units:
+            for t in u.tensors:
+                t.param.data = self._placeholder(t.shape)
+                t.param.grad = None
+        for name_, buf in list(model.named_buffers()):
+            if buf.device != self.device:
+                mod, _, leaf = name_.rpartition(".")
+                owner = model.get_submodule(mod) if mod else model
+                owner._buffers[leaf] = buf.to(self.device)
+        self._phase = "idle"  # idle | forward | backward
+        self._micro = 0  # backward passes since the last optimizer step
+        self._awaiting_step = False
+        self._deferred: list[_Unit] = []
+        self._bwd_held: set[int] = set()
+        self._post_done: set[int] = set()
+        self._callback_queued = False
+        self._hooks = []
+        self._install_hooks(model)
+        self.optimizer = _Optimizer(self, groups)
+        # Forward passes of hooked modules run again inside backward
+        # (activation checkpointing's recompute).
+        self.recomputes = 0
+
+    # ---- construction
+
+    def _build_units(self, model: nn.Module):
+        blocks = find_blocks(model)
+        owner: dict[int, int] = {}
+        names: dict[int, str] = {}
+        for pname, p in model.named_parameters():  # first name of a tied param
+            names[id(p)] = pname
+        units: list[_Unit] = []
+        block_of: dict[int, int] = {}
+        order = {id(m): i for i, (_, m) in enumerate(model.named_modules())}
+        first_block = order[id(blocks[0][1])] if blocks else None
+        # Units in forward order: embeddings (before the first block), blocks,
+        # the rest (after it). Without blocks the model is one unit.
+        embed, head = _Unit("embed"), _Unit("head")
+        block_units = []
+        for bname, b in blocks:
+            u = _Unit(bname)
+            for p in b.parameters():
+                if id(p) not in owner:
+                    owner[id(p)] = -1
+                    u.tensors.append(_Tensor(names[id(p)], p, tuple(p.shape), p.numel()))
+            block_units.append(u)
+            for m in b.modules():
+                block_of[id(m)] = len(block_units) - 1
+        for mname, m in model.named_modules():
+            if id(m) in block_of:
+                continue
+            for p in m._parameters.values():
+                if p is None or id(p) in owner:
+                    continue
+                owner[id(p)] = -1
+                target = embed if first_block is not None and order[id(m)] < first_block else head
+                target.tensors.append(_Tensor(names[id(p)], p, tuple(p.shape), p.numel()))
+        for u in [embed, *block_units, head]:
+            if u.tensors:
+                u.index = len(units)
+                units.append(u)
+        if not units:
+            raise ValueError("ztier: the model has no parameters")
+        self.units = units
+        self._unit_of: dict[int, _Unit] = {}
+        for u in units:
+            for t in u.tensors:
+                self._unit_of[id(t.param)] = u
+            u.trainable = sum(1 for t in u.tensors if t.param.requires_grad)
+        # The modules to hook and the units each one holds: every block, and
+        # every other module with parameters of its own.
+        self._module_units: dict[int, list[_Unit]] = {}
+        self._hooked: list[nn.Module] = []
+        for _, b in blocks:
+            us = {self._unit_of[id(p)].index: self._unit_of[id(p)] for p in b.parameters()}
+            self._module_units[id(b)] = [us[k] for k in sorted(us)]
+            self._hooked.append(b)
+        for _, m in model.named_modules():
+            if id(m) in block_of:
+                continue
+            own = [p for p in m._parameters.values() if p is not None]
+            if own:
+                us = {self._unit_of[id(p)].index: self._unit_of[id(p)] for p in own}
+                self._module_units[id(m)] = [us[k] for k in sorted(us)]
+                self._hooked.append(m)
+
+    def _groups(self, model: nn.Module) -> list[dict]:
+        a = self._adamw
+        patterns = [s.lower() for s in a.no_decay]
+        decay, no_decay = [], []
+        for u in self.units:
+            for t in u.tensors:
+                if not t.param.requires_grad:
+                    t.frozen = True
+                    continue
+                (no_decay if any(s in t.name.lower() for s in patterns) else decay).append(t)
+        groups = []
+        for tensors, wd in ((decay, a.weight_decay), (no_decay, 0.0)):
+            if not tensors:
+                continue
+            for t in tensors:
+                t.group = len(groups)
+            groups.append(dict(params=[t.param for t in tensors], lr=a.lr, betas=a.betas,
+                               eps=a.eps, weight_decay=wd))
+        if not groups:
+            raise ValueError("ztier: every parameter of the model is frozen (requires_grad=False)")
+        return groups
+
+    def _make_runner(self):
+        return _C.Runner(self.job, 0, self._device, None, prefetch_depth=self._prefetch,
+                         timeout=self.session.wait_timeout)
+
+    def _placeholder(self, shape) -> torch.Tensor:
+        t = self._nan.get(shape)
+        if t is None:
+            t = self._nan[shape] = _placeholder(shape, self.device, self.compute_dtype)
+        return t
+
+    def _load_weights(self, path: str):
+        from ztier import hf  # safetensors shards, one unit at a time
+        hf.load_weights(self, path)
+
+    # ---- streams (CUDA): torch's current stream and the runner's compute stream
+
+    def _torch_waits_runner(self):
+        if self.device.type == "cuda":
+            s = torch.cuda.ExternalStream(self._device.compute_stream, device=self.device)
+            torch.cuda.current_stream(self.device).wait_stream(s)
+
+    def _runner_waits_torch(self):
+        if self.device.type == "cuda":
+            s = torch.cuda.ExternalStream(self._device.compute_stream, device=self.device)
+            s.wait_stream(torch.cuda.current_stream(self.device))
+
+    # ---- holding units
+
+    def _hold(self, units: Iterable[_Unit]):
+        for u in units:
+            u.holds += 1
+            if u.holds > 1:
+                continue
+            # The runner's buffer is copied into the unit's own storage and
+            # given back at once: the storage object stays the same for the
+            # model's life (emptied on release, refilled on the next hold), so
+            # views autograd saved in forward (a weight's transpose) read the
+            # refilled values in backward.
+            src = self.runner.acquire(u.index)
+            self._torch_waits_runner()
+            if u.storage is None:
+                u.storage = torch.UntypedStorage(0, device=self.device)
+            u.storage.resize_(u.padded * self._elem_bytes)
+            flat = torch.empty(0, dtype=self.compute_dtype, device=self.device)
+            flat.set_(u.storage, 0, (u.padded,))
+            flat.copy_(src)
+            del src
+            self._runner_waits_torch()
+            self.runner.release(u.index)
+            for t in u.tensors:
+                t.param.data = flat[t.offset:t.offset + t.numel].view(t.shape)
+
+    def _let_go(self, units: Iterable[_Unit]):
+        for u in units:
+            if u.holds <= 0:
+                raise RuntimeError(f"ztier: unit '{u.name}' released more often than held")
+            u.holds -= 1
+            if u.holds == 0:
+                for t in u.tensors:
+                    t.param.data = self._placeholder(t.shape)
+                u.storage.resize_(0)
+
+    @contextlib.contextmanager
+    def gathered(self):
+        """Every unit's bf16 params in the module's parameters (at the version
+        the next forward reads), e.g. for ``model.state_dict()``."""
+        self._hold(self.units)
+        try:
+            yield self.module
+        finally:
+            self._let_go(self.units)
+
+    # ---- hooks
+
+    def _install_hooks(self, model: nn.Module):
+        self._hooks.append(model.register_forward_pre_hook(self._root_pre_forward))
+        for m in self._hooked:
+            self._hooks.append(m.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
+            self._hooks.append(m.register_forward_hook(self._post_forward))
+        for u in self.units:
+            for t in u.tensors:
+                if t.param.requires_grad:
+                    self._hooks.append(t.param.register_post_accumulate_grad_hook(self._grad_in))
+
+    def remove_hooks(self):
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
+    def _root_pre_forward(self, module, args):
+        if self._phase == "backward":
+            return  # activation checkpointing's recompute of the whole model
+        if torch.is_grad_enabled() and self.module.training and self._awaiting_step:
+            raise RuntimeError(
+                f"ztier: a training forward after {self._micro} backward passes, but "
+                f"grad_accumulation={self.grad_accumulation}: call optimizer.step() first")
+        self._phase = "forward"
+
+    def _pre_forward(self, module, args, kwargs):
+        units = self._module_units[id(module)]
+        if self._phase != "backward" and torch._C._current_graph_task_id() != -1:
+            self._enter_backward()  # a recompute is the first thing backward runs
+        if self._phase == "backward":
+            self.recomputes += 1
+            # Recompute (activation checkpointing) inside backward: hold until
+            # the module's backward is done (or the backward ends).
+            if id(module) not in self._bwd_held:
+                self._bwd_held.add(id(module))
+                self._post_done.discard(id(module))
+                self._hold(units)
+        else:
+            self._hold(units)
+        if torch.is_grad_enabled():
+            return self._wrap_inputs(module, args, kwargs)
+        return None
+
+    def _post_forward(self, module, args, output):
+        if self._phase == "backward":
+            return None  # recompute: the hold lasts until the module's backward ends
+        self._let_go(self._module_units[id(module)])
+        if torch.is_grad_enabled():
+            mid = id(module)
+            for t in _tensors(output):
+                if t.requires_grad:
+                    t.register_hook(lambda g, mid=mid: self._pre_backward(mid, g))
+        return None
+
+    def _wrap_inputs(self, module, args, kwargs):
+        mid = id(module)
+        pos = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
+        keys = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.requires_grad]
+        if not pos and not keys:
+            return None
+        tensors = [args[i] for i in pos] + [kwargs[k] for k in keys]
+        out = _PostBackward.apply(self, mid, *tensors)
+        if not isinstance(out, tuple):
+            out = (out,)
+        args = list(args)
+        for i, o in zip(pos, out[:len(pos)]):
+            args[i] = o
+        kwargs = dict(kwargs)
+        for k, o in zip(keys, out[len(pos):]):
+            kwargs[k] = o
+        return tuple(args), kwargs
+
+    def _enter_backward(self):
+        if self._phase != "backward":
+            self._phase = "backward"
+            self._bwd_held.clear()
+            self._post_done.clear()
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _pre_backward(self, mid: int, grad):
+        self._enter_backward()
+        if mid not in self._bwd_held and mid not in self._post_done:
+            self._bwd_held.add(mid)
+            self._hold(self._module_units[mid])
+        return grad
+
+    def _post_backward(self, mid: int):
+        if mid in self._bwd_held:
+            self._bwd_held.discard(mid)
+            self._post_done.add(mid)
+            self._let_go(self._module_units[mid])
+
+    def _grad_in(self, p: nn.Parameter):
+        u = self._unit_of[id(p)]
+        if u.pushed:
+            raise RuntimeError(f"ztier: a second grad for '{self._name_of(p)}' after unit "
+                               f"'{u.name}' was sent in this backward pass")
+        if u.grads is None:
+            u.grads = self.runner.grad_buffer(u.index)
+            self._torch_waits_runner()
+        t = next(t for t in u.tensors if t.param is p)
+        dst = u.grads[t.offset:t.offset + t.numel].view(t.shape)
+        if id(p) in u.arrived:
+            dst.add_(p.grad.to(torch.bfloat16))
+        else:
+            dst.copy_(p.grad)
+            u.arrived.add(id(p))
+        p.grad = None
+        if len(u.arrived) == u.trainable:
+            self._push(u)
+
+    def _name_of(self, p) -> str:
+        u = self._unit_of[id(p)]
+        return next(t.name for t in u.tensors if t.param is p)
+
+    def _push(self, u: _Unit):
+        boundary = self._micro + 1 == self.grad_accumulation
+        unpushed = sum(1 for v in self.units if not v.pushed and v not in self._deferred)
+        if boundary and unpushed == 1 and not self._deferred:
+            # The boundary's last unit: the engine starts the step when it
+            # lands, so it waits for optimizer.step() (and its lr).
+            self._deferred.append(u)
+            u.pushed = True
+            return
+        if u.grads is None:
+            u.grads = self.runner.grad_buffer(u.index)  # zeros
+        self._runner_waits_torch()
+        self.runner.push_grads(u.index)
+        u.grads = None
+        u.pushed = True
+
+    def _end_backward(self):
+        self._callback_queued = False
+        for mid in list(self._bwd_held):
+            self._bwd_held.discard(mid)
+            self._let_go(self._module_units[mid])
+        for u in self.units:
+            if not u.pushed:
+                self._push(u)
+        self._phase = "idle"
+        self._micro += 1
+        if self._micro < self.grad_accumulation:
+            self._end_micro_step()
+        else:
+            self._awaiting_step = True
+
+    def _end_micro_step(self):
+        self.runner.step()
+        for u in self.units:
+            u.pushed = False
+            u.arrived.clear()
+
+    def _optimizer_step(self, lrs: list[float]):
+        if not self._awaiting_step:
+            raise RuntimeError(
+                f"ztier: optimizer.step() after {self._micro} backward passes since the last "
+                f"step; offload(grad_accumulation={self.grad_accumulation}) steps after "
+                f"{self.grad_accumulation}")
+        self.job.set_learning_rates(lrs)
+        for u in self._deferred:
+            if u.grads is None:
+                u.grads = self.runner.grad_buffer(u.index)
+            self._runner_waits_torch()
+            self.runner.push_grads(u.index)
+            u.grads = None
+        self._deferred.clear()
+        self._end_micro_step()
+        self._awaiting_step = False
+        self._micro = 0
+
+    # ---- state between steps
+
+    @property
+    def step_count(self) -> int:
+        """Optimizer steps taken (the version the next forward reads)."""
+        return self.runner.version
+
+    def wait(self):
+        """Blocks until the optimizer has finished the last step."""
+        self.job.wait_published(self.runner.version, self.session.wait_timeout)
+
+    def grad_norm(self) -> float:
+        """The global grad norm (before clipping) of the last finished step."""
+        self.wait()
+        return self.job.counters()["last_grad_norm"]
+
+    def _between_steps(self, what: str):
+        if self._phase != "idle" or self._awaiting_step or self._micro != 0 or any(
+                u.holds for u in self.units):
+            raise RuntimeError(f"ztier: {what} between optimizer steps only (after "
+                               "optimizer.step(), outside forward and backward)")
+        self.wait()
+
+    def claim_checkpoint_dir(self, directory: str):
+        """Locks ``directory`` for this model's checkpoints until it is closed,
+        so a second run on it is refused at once (naming the holder's pid)."""
+        self.job.claim_checkpoint_dir(os.fspath(directory))
+
+    def save_checkpoint(self, directory: str):
+        """The fp32 masters and moments of every unit, and the step (atomic)."""
+        self._between_steps("save_checkpoint")
+        self.job.save_checkpoint(os.fspath(directory))
+
+    def load_checkpoint(self, directory: str):
+        self._between_steps("load_checkpoint")
+        self.runner = None  # its version is the old one
+        self.job.load_checkpoint(os.fspath(directory))
+        self.runner = self._make_runner()
+
+    def export_safetensors(self, path: str, dtype: str = "bfloat16"):
+        """The consolidated weights under the model's state-dict names."""
+        self._between_steps("export_safetensors")
+        self.job.export_safetensors(os.fspath(path), dtype)
+
+    def save_pretrained(self, directory: str, dtype: str = "bfloat16"):
+        """A Hugging Face model directory: config.json (when the model has a
+        config) and model.safetensors."""
+        os.makedirs(directory, exist_ok=True)
+        config = getattr(self.module, "config", None)
+        if config is not None and hasattr(config, "save_pretrained"):
+            config.save_pretrained(directory)
+        self.export_safetensors(os.path.join(directory, "model.safetensors"), dtype)
+
+    def master_weights(self) -> dict[str, torch.Tensor]:
+        """The fp32 master weights by tensor name (a copy; between steps)."""
+        self._between_steps("master_weights")
+        out = {}
+        for u in self.units:
+            flat = torch.empty(u.padded, dtype=torch.float32)
+            self.job.read_master(u.index, flat)
+            for t in u.tensors:
+                out[t.name] = flat[t.offset:t.offset + t.numel].view(t.shape).clone()
+        return out
+
+    def close(self):
+        """Unhooks the model and lets go of the engine's job."""
+        self.remove_hooks()
+        self.runner = None
+        self.job = None
+
+
+_sessions: "weakref.WeakValueDictionary[tuple, _C.Session]" = weakref.WeakValueDictionary()
+
+
+def open_session(config: str | None = None, settings: dict | None = None,
+                 daemon: str | None = None) -> _C.Session:
+    """The engine for these arguments, shared by every model of this process
+    that asks for the same (one embedded engine owns its DRAM budget and swap
+    directories; a second one on the same directories would be refused). It
+    lives while a model uses it."""
+    text = {str(k): str(v) for k, v in (settings or {}).items()}
+    key = (os.fspath(config) if config else None, tuple(sorted(text.items())), daemon or "")
+    session = _sessions.get(key)
+    if session is None:
+        session = _C.Session.open(key[0], text, key[2])
+        _sessions[key] = session
+    return session
+
+
+def _tensors(obj):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (tuple, list)):
+        for o in obj:
+            yield from _tensors(o)
+    elif isinstance(obj, dict):
+        for o in obj.values():
+            yield from _tensors(o)
+    elif hasattr(obj, "to_tuple"):  # Hugging Face ModelOutput
+        yield from _tensors(obj.to_tuple())
+
+
+def offload(model: nn.Module, device="cpu", optimizer: AdamW | None = None,
+            clip_grad_norm: float = 0.0, grad_accumulation: int = 1, states: str | None = None,
+            params: str | None = None, prefetch_depth: int | None = None,
+            config: str | None = None, daemon: str | None = None, **kwargs) -> Offload:
+    """Puts ``model`` on ztier; see the module's docstring. ``states`` /
+    ``params``: "dram" or "nvme" (default: the config's); ``config``: a
+    DeepSpeed-style JSON config; ``daemon``: a ztierd socket (default: the
+    engine embedded in this process, or ZTIER_DAEMON_SOCKET); ``settings``:
+    {key: value} as ztier-train's --set takes them; ``compute_dtype``: the
+    dtype the module computes in (default bf16 on a GPU, fp32 on the host)."""
+    return Offload(model, device=device, optimizer=optimizer, clip_grad_norm=clip_grad_norm,
+                   grad_accumulation=grad_accumulation, states=states, params=params,
+                   prefetch_depth=prefetch_depth, config=config, daemon=daemon, **kwargs)
+
+
+def from_pretrained(model_class, path: str, **kwargs) -> tuple[nn.Module, Offload]:
+    """Builds ``model_class`` from a local Hugging Face checkpoint directory
+    without materializing its weights, and streams the (sharded) safetensors
+    straight into the engine, one unit at a time. Returns (model, offload);
+    keyword arguments go to :func:`offload`."""
+    from ztier import hf
+    return hf.from_pretrained(model_class, path, **kwargs)
