@@ -226,6 +226,10 @@ class Offload:
                  weights: str | None = None, compute_dtype: torch.dtype | None = None):
         if grad_accumulation < 1:
             raise ValueError(f"ztier: grad_accumulation must be >= 1, got {grad_accumulation}")
+        previous = getattr(model, "_ztier_offload", None)
+        if previous is not None and previous() is not None:
+            raise ValueError("ztier: this model is already offloaded (its parameters live in the "
+                             "engine); close() that Offload first, or offload a fresh model")
         self.module = model
         self.device = _parse_device(device)
         # The params' dtype in the module: bf16 on a GPU; fp32 on the host,
@@ -299,6 +303,7 @@ class Offload:
         self._hooks = []
         self._install_hooks(model)
         self.optimizer = _Optimizer(self, groups)
+        model._ztier_offload = weakref.ref(self)
         # Forward passes of hooked modules run again inside backward
         # (activation checkpointing's recompute).
         self.recomputes = 0
@@ -450,6 +455,13 @@ class Offload:
                     t.param.data = self._placeholder(t.shape)
                 u.storage.resize_(0)
 
+    def _drop_holds(self):
+        for u in self.units:
+            if u.holds:
+                u.holds = 1
+                self._let_go([u])
+        self._bwd_held.clear()
+
     @contextlib.contextmanager
     def gathered(self):
         """Every unit's bf16 params in the module's parameters (at the version
@@ -478,8 +490,15 @@ class Offload:
         self._hooks.clear()
 
     def _root_pre_forward(self, module, args):
-        if self._phase == "backward":
+        if torch._C._current_graph_task_id() != -1:
             return  # activation checkpointing's recompute of the whole model
+        if self._phase == "backward" or any(u.pushed for u in self.units) and not self._awaiting_step:
+            raise RuntimeError(
+                "ztier: the previous backward pass did not finish (it raised?), and some of its "
+                "grads already reached the engine: this step cannot be completed; close() this "
+                "Offload and offload a fresh model (then load_checkpoint to resume)")
+        if any(u.holds for u in self.units):
+            self._drop_holds()  # a forward that raised left units held
         if torch.is_grad_enabled() and self.module.training and self._awaiting_step:
             raise RuntimeError(
                 f"ztier: a training forward after {self._micro} backward passes, but "
@@ -698,10 +717,12 @@ class Offload:
         return out
 
     def close(self):
-        """Unhooks the model and lets go of the engine's job."""
+        """Unhooks the model and lets go of the engine's job (its parameters
+        stay NaN placeholders: export or gather what you need first)."""
         self.remove_hooks()
         self.runner = None
         self.job = None
+        self.module._ztier_offload = None
 
 
 _sessions: "weakref.WeakValueDictionary[tuple, _C.Session]" = weakref.WeakValueDictionary()

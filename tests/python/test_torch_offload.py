@@ -273,10 +273,49 @@ def test_misuse_is_a_clear_error(settings):
     with pytest.raises(RuntimeError, match="between optimizer steps"):
         z.save_checkpoint("unused")
     z.optimizer.step()
+    with pytest.raises(ValueError, match="already offloaded"):
+        zt.offload(model, settings=settings)
     with pytest.raises(ValueError, match="grad_accumulation"):
         zt.offload(tiny_llama(), grad_accumulation=0, settings=settings)
     with pytest.raises(ztier.InvalidArgumentError, match="no setting"):
         zt.offload(tiny_llama(), settings={"no.such.key": "1"})
+
+
+def test_a_failed_forward_or_backward(settings):
+    model = tiny_llama()
+    z = zt.offload(model, settings=settings)
+    x = batch(0)
+    with pytest.raises(IndexError):
+        model(input_ids=x + VOCAB, labels=x)  # token ids past the vocabulary
+    assert any(u.holds for u in z.units)
+    loss = model(input_ids=x, labels=x).loss  # the stale holds are dropped
+    loss.backward()
+    z.optimizer.step()
+    assert all(u.holds == 0 for u in z.units)
+
+    def boom(grad):
+        raise ArithmeticError("boom")
+
+    loss = model(input_ids=x, labels=x).loss
+    loss.register_hook(boom)
+    with pytest.raises(ArithmeticError):
+        loss.backward()
+    loss = model(input_ids=x, labels=x).loss  # nothing reached the engine yet: fine
+    loss.backward()
+    z.optimizer.step()
+    z.wait()
+    # An error once some units' grads are in the engine: the step is lost,
+    # and the next forward says so instead of mixing steps.
+    def arm(module, args, out):
+        out.register_hook(boom)
+
+    handle = model.model.layers[0].register_forward_hook(arm)
+    loss = model(input_ids=x, labels=x).loss
+    with pytest.raises(ArithmeticError):
+        loss.backward()
+    handle.remove()
+    with pytest.raises(RuntimeError, match="did not finish"):
+        model(input_ids=x, labels=x)
 
 
 def test_eval_forward_between_steps(settings):
