@@ -230,6 +230,14 @@ cpu_adam::Executor& SharedExecutor() {
   return *executor;
 }
 
+// Throws OutOfRangeError unless `unit` is one of the model's.
+void CheckUnit(const client::Model& model, int unit) {
+  if (unit < 0 || unit >= model.units()) {
+    throw StatusError(Status::OutOfRange(StrCat("model '", model.spec().name, "' has no unit ",
+                                                unit, " (it has ", model.units(), ")")));
+  }
+}
+
 struct PyDevice {
   std::unique_ptr<client::Device> device;
 };
@@ -242,10 +250,7 @@ struct PyRunner {
   const client::Model* model = nullptr;
 
   uint64_t Padded(int unit) const {
-    if (unit < 0 || unit >= model->units()) {
-      throw StatusError(
-          Status::OutOfRange(StrCat("model '", model->spec().name, "' has no unit ", unit)));
-    }
+    CheckUnit(*model, unit);
     return model->layout(unit).padded;
   }
 };
@@ -334,18 +339,14 @@ NB_MODULE(_C, m) {
       .def(
           "unit_name",
           [](const Model& model, int unit) {
-            if (unit < 0 || unit >= model.units()) {
-              throw StatusError(Status::OutOfRange(StrCat("no unit ", unit)));
-            }
+            CheckUnit(model, unit);
             return model.spec().units[unit].name;
           },
           "unit"_a)
       .def(
           "layout",
           [](const Model& model, int unit) {
-            if (unit < 0 || unit >= model.units()) {
-              throw StatusError(Status::OutOfRange(StrCat("no unit ", unit)));
-            }
+            CheckUnit(model, unit);
             const engine::UnitLayout& l = model.layout(unit);
             return std::make_tuple(l.numel, l.padded, l.shard, l.offsets);
           },
@@ -362,9 +363,7 @@ NB_MODULE(_C, m) {
       .def(
           "read_master",
           [](const Model& model, int unit, FloatArray out) {
-            if (unit < 0 || unit >= model.units()) {
-              throw StatusError(Status::OutOfRange(StrCat("no unit ", unit)));
-            }
+            CheckUnit(model, unit);
             if (out.size() != model.layout(unit).padded) {
               throw StatusError(Status::InvalidArgument(
                   StrCat("read_master: unit ", unit, " has ", model.layout(unit).padded,

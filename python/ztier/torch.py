@@ -297,6 +297,7 @@ class Offload:
         self._micro = 0  # backward passes since the last optimizer step
         self._awaiting_step = False
         self._deferred: list[_Unit] = []
+        self._fwd_held: list[int] = []  # modules inside their forward
         self._bwd_held: set[int] = set()
         self._post_done: set[int] = set()
         self._callback_queued = False
@@ -455,12 +456,22 @@ class Offload:
                     t.param.data = self._placeholder(t.shape)
                 u.storage.resize_(0)
 
-    def _drop_holds(self):
-        for u in self.units:
-            if u.holds:
-                u.holds = 1
-                self._let_go([u])
+    def _reset_interrupted(self):
+        """Undoes what a forward or backward that raised left behind (holds,
+        grads taken but not sent); nothing of it reached the engine."""
+        for mid in self._fwd_held:
+            self._let_go(self._module_units[mid])
+        for mid in self._bwd_held:
+            self._let_go(self._module_units[mid])
+        self._fwd_held.clear()
         self._bwd_held.clear()
+        self._post_done.clear()
+        self._callback_queued = False
+        for u in self.units:
+            if u.grads is not None:
+                u.grads.zero_()
+            u.arrived.clear()
+        self._phase = "idle"
 
     @contextlib.contextmanager
     def gathered(self):
@@ -492,13 +503,13 @@ class Offload:
     def _root_pre_forward(self, module, args):
         if torch._C._current_graph_task_id() != -1:
             return  # activation checkpointing's recompute of the whole model
-        if self._phase == "backward" or any(u.pushed for u in self.units) and not self._awaiting_step:
+        if any(u.pushed for u in self.units) and not self._awaiting_step:
             raise RuntimeError(
                 "ztier: the previous backward pass did not finish (it raised?), and some of its "
                 "grads already reached the engine: this step cannot be completed; close() this "
                 "Offload and offload a fresh model (then load_checkpoint to resume)")
-        if any(u.holds for u in self.units):
-            self._drop_holds()  # a forward that raised left units held
+        if self._phase == "backward" or self._fwd_held:
+            self._reset_interrupted()  # the last forward or backward raised
         if torch.is_grad_enabled() and self.module.training and self._awaiting_step:
             raise RuntimeError(
                 f"ztier: a training forward after {self._micro} backward passes, but "
@@ -519,6 +530,7 @@ class Offload:
                 self._hold(units)
         else:
             self._hold(units)
+            self._fwd_held.append(id(module))
         if torch.is_grad_enabled():
             return self._wrap_inputs(module, args, kwargs)
         return None
@@ -526,6 +538,7 @@ class Offload:
     def _post_forward(self, module, args, output):
         if self._phase == "backward":
             return None  # recompute: the hold lasts until the module's backward ends
+        self._fwd_held.remove(id(module))
         self._let_go(self._module_units[id(module)])
         if torch.is_grad_enabled():
             mid = id(module)

@@ -279,6 +279,10 @@ def test_misuse_is_a_clear_error(settings):
         zt.offload(tiny_llama(), grad_accumulation=0, settings=settings)
     with pytest.raises(ztier.InvalidArgumentError, match="no setting"):
         zt.offload(tiny_llama(), settings={"no.such.key": "1"})
+    with pytest.raises(IndexError, match="has no unit 99"):  # ztier.OutOfRangeError
+        z.job.layout(99)
+    with pytest.raises(ztier.ResourceExhaustedError, match="dram_budget"):
+        zt.offload(tiny_llama(), settings={"ztier.dram_budget": "64K"})
 
 
 def test_a_failed_forward_or_backward(settings):
@@ -288,7 +292,10 @@ def test_a_failed_forward_or_backward(settings):
     with pytest.raises(IndexError):
         model(input_ids=x + VOCAB, labels=x)  # token ids past the vocabulary
     assert any(u.holds for u in z.units)
-    loss = model(input_ids=x, labels=x).loss  # the stale holds are dropped
+    with z.gathered():  # a gather is not mistaken for a stale hold
+        loss = model(input_ids=x, labels=x).loss  # the stale holds are dropped
+    assert all(u.holds == 0 for u in z.units)
+    loss = model(input_ids=x, labels=x).loss
     loss.backward()
     z.optimizer.step()
     assert all(u.holds == 0 for u in z.units)
@@ -300,6 +307,15 @@ def test_a_failed_forward_or_backward(settings):
     loss.register_hook(boom)
     with pytest.raises(ArithmeticError):
         loss.backward()
+    # Raised inside backward, before any unit's grads were sent.
+    def arm_head(module, args, out):
+        out.register_hook(boom)
+
+    handle = model.model.norm.register_forward_hook(arm_head)
+    loss = model(input_ids=x, labels=x).loss
+    with pytest.raises(ArithmeticError):
+        loss.backward()
+    handle.remove()
     loss = model(input_ids=x, labels=x).loss  # nothing reached the engine yet: fine
     loss.backward()
     z.optimizer.step()
