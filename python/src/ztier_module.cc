@@ -31,13 +31,17 @@
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <utility>
 #include <vector>
 
 #include "client/ztier.h"
+#include "common/log.h"
 #include "common/status.h"
 #include "cpu_adam/adamw.h"
+#include "engine/daemon.h"
+#include "engine/seqpacket.h"
 #include "engine/settings.h"
 
 extern char** environ;
@@ -236,6 +240,57 @@ void CheckUnit(const client::Model& model, int unit) {
     throw StatusError(Status::OutOfRange(StrCat("model '", model.spec().name, "' has no unit ",
                                                 unit, " (it has ", model.units(), ")")));
   }
+}
+
+// ztierd's service hosted by this process: the engine and a thread serving
+// the socket, for ranks in other processes of one node (torchrun) when no
+// shared ztierd is running. Stopped (clients told) and joined when closed.
+class HostedDaemon {
+ public:
+  HostedDaemon(const engine::Settings& settings, const std::string& socket, mode_t mode) {
+    daemon_ = Value(engine::Daemon::Create(settings, engine::DaemonOptions{}));
+    listener_ = std::make_unique<engine::SeqPacketListener>(
+        Value(engine::SeqPacketListener::Listen(socket, mode)));
+    thread_ = std::thread([this] {
+      const Status s = daemon_->Serve(*listener_);
+      if (!s.ok()) {
+        ZT_LOG(kError, "ztierd") << "serving stopped: " << s;
+      }
+    });
+  }
+  ~HostedDaemon() { Close(); }
+  void Close() {
+    if (!thread_.joinable()) return;
+    daemon_->Stop("the process hosting ztierd closed it");
+    thread_.join();
+    (void)listener_->Close();
+  }
+  nb::dict Stats() const {
+    const engine::DaemonStats st = daemon_->stats();
+    nb::dict d;
+    d["connections"] = st.connections;
+    d["jobs"] = st.jobs;
+    d["requests"] = st.requests;
+    d["refused"] = st.refused;
+    return d;
+  }
+
+ private:
+  std::unique_ptr<engine::Daemon> daemon_;
+  std::unique_ptr<engine::SeqPacketListener> listener_;
+  std::thread thread_;
+};
+
+engine::Settings SettingsFrom(const std::optional<std::string>& config,
+                              const std::map<std::string, std::string>& set) {
+  engine::Settings settings;
+  if (config) settings = Value(engine::LoadSettings(*config));
+  settings = Value(engine::ApplyEnvironment(settings, environ));
+  for (const auto& [key, text] : set) {
+    settings = Value(engine::ApplySetting(settings, key, text, StrCat("settings['", key, "']")));
+  }
+  Check(engine::Validate(settings));
+  return settings;
 }
 
 struct PyDevice {
@@ -456,14 +511,7 @@ NB_MODULE(_C, m) {
           "open",
           [](const std::optional<std::string>& config,
              const std::map<std::string, std::string>& set, const std::string& daemon_socket) {
-            engine::Settings settings;
-            if (config) settings = Value(engine::LoadSettings(*config));
-            settings = Value(engine::ApplyEnvironment(settings, environ));
-            for (const auto& [key, text] : set) {
-              settings =
-                  Value(engine::ApplySetting(settings, key, text, StrCat("settings['", key, "']")));
-            }
-            Check(engine::Validate(settings));
+            const engine::Settings settings = SettingsFrom(config, set);
             client::SessionOptions options{
                 .settings = settings, .daemon_socket = daemon_socket, .io_backend = nullptr};
             nb::gil_scoped_release release;
@@ -513,6 +561,24 @@ NB_MODULE(_C, m) {
           "name"_a, "units"_a, "optimizer"_a, "states"_a = "dram", "params"_a = "dram",
           "world_size"_a = 1, "rank"_a = 1, "timeout"_a = 600.0, nb::keep_alive<0, 1>(),
           "Joins, as `rank`, the model rank 0 registers under `name` through the same ztierd.");
+
+  nb::class_<HostedDaemon>(m, "HostedDaemon",
+                           "ztierd's service hosted by this process (engine and socket).")
+      .def(
+          "__init__",
+          [](HostedDaemon* d, const std::string& socket, const std::optional<std::string>& config,
+             const std::map<std::string, std::string>& set, int mode) {
+            const engine::Settings settings = SettingsFrom(config, set);
+            nb::gil_scoped_release release;
+            new (d) HostedDaemon(settings, socket, static_cast<mode_t>(mode));
+          },
+          "socket"_a, "config"_a = nb::none(), "settings"_a = std::map<std::string, std::string>{},
+          "mode"_a = 0600,
+          "Starts serving `socket` (created; mode 0600: this uid only) with an engine of these "
+          "settings.")
+      .def("close", &HostedDaemon::Close, nb::call_guard<nb::gil_scoped_release>(),
+           "Tells the clients and stops serving (idempotent).")
+      .def("stats", &HostedDaemon::Stats);
 
   m.def(
       "job_collectives",

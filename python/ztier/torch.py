@@ -45,6 +45,7 @@ naming the fix.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import math
 import os
@@ -245,6 +246,11 @@ class Offload:
         self._elem_bytes = torch.empty((), dtype=compute_dtype).element_size()
         self._adamw = optimizer or AdamW()
         self.grad_accumulation = int(grad_accumulation)
+        self.rank, self.world_size = _distributed()
+        self._hosted = None
+        name = name or f"{type(model).__name__}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        if self.world_size > 1:
+            daemon, name = self._meet_ranks(daemon, session, config, settings, name)
         self.session = session or open_session(config=config, settings=settings, daemon=daemon)
         states = states or self.session.default_optimizer_tier
         params = params or self.session.default_param_tier
@@ -260,8 +266,14 @@ class Offload:
                                  group_weight_decay=self._group_decay,
                                  clip_norm=float(clip_grad_norm or 0.0),
                                  grad_accumulation=self.grad_accumulation)
-        self.name = name or f"{type(model).__name__}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self.job = self.session.register_model(self.name, job_units, cfg, states, params)
+        self.name = name
+        if self.rank == 0:
+            self.job = self.session.register_model(self.name, job_units, cfg, states, params,
+                                                   self.world_size)
+        else:  # rank 0's registration, joined (the runner waits for its weights)
+            self.job = self.session.attach_model(self.name, job_units, cfg, states, params,
+                                                 self.world_size, self.rank,
+                                                 self.session.wait_timeout)
         for u in self.units:
             numel, padded, _, offsets = self.job.layout(u.index)
             u.numel, u.padded = numel, padded
@@ -269,7 +281,9 @@ class Offload:
                 t.offset = off
         # Initial weights: the module's own values (fp32 masters), one unit at
         # a time, unless they come from a file (from_pretrained).
-        if weights is None:
+        if self.rank != 0:
+            pass  # rank 0 sets the weights, as DDP broadcasts rank 0's
+        elif weights is None:
             for u in self.units:
                 flat = torch.empty(u.numel, dtype=torch.float32)
                 for t in u.tensors:
@@ -282,6 +296,7 @@ class Offload:
         else:
             self._device = _C.host_device()
         self._prefetch = prefetch_depth if prefetch_depth is not None else self.session.prefetch_depth
+        self._collectives = None
         self.runner = self._make_runner()
         self._nan: dict[tuple, torch.Tensor] = {}
         for u in self.units:
@@ -395,8 +410,42 @@ class Offload:
         return groups
 
     def _make_runner(self):
-        return _C.Runner(self.job, 0, self._device, None, prefetch_depth=self._prefetch,
-                         timeout=self.session.wait_timeout)
+        if self.world_size > 1 and self._collectives is None:
+            self._collectives = _C.job_collectives(self.job, self.rank, self._device)
+        return _C.Runner(self.job, self.rank, self._device, self._collectives,
+                         prefetch_depth=self._prefetch, timeout=self.session.wait_timeout)
+
+    def _meet_ranks(self, daemon, session, config, settings, name):
+        """World size > 1 (torch.distributed, one process per rank, one node):
+        the ranks share one engine through ztierd, rank 0 registering the
+        model and the others attaching. Without a ztierd named (``daemon``,
+        ZTIER_DAEMON_SOCKET), rank 0 hosts one (HostedDaemon) on a socket of
+        its own, for this job. Returns (daemon socket, job name), agreed on
+        by every rank."""
+        import tempfile
+
+        import torch.distributed as dist
+
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
+        if local != self.world_size:
+            raise NotImplementedError(
+                f"ztier.torch: {self.world_size} ranks on several nodes ({local} on this one); "
+                "ranks of one node only for now")
+        daemon = daemon or os.environ.get("ZTIER_DAEMON_SOCKET") or None
+        info = [daemon, name]
+        if self.rank == 0 and daemon is None and session is None:
+            directory = tempfile.mkdtemp(prefix="ztier-")
+            info[0] = os.path.join(directory, "ztierd.sock")
+            text = {str(k): str(v) for k, v in (settings or {}).items()}
+            self._hosted = _C.HostedDaemon(info[0], os.fspath(config) if config else None, text)
+            _hosted_daemons.append(self._hosted)
+        dist.broadcast_object_list(info, src=0)
+        return info[0], info[1]
+
+    def _barrier(self):
+        if self.world_size > 1:
+            import torch.distributed as dist
+            dist.barrier()
 
     def _placeholder(self, shape) -> torch.Tensor:
         t = self._nan.get(shape)
@@ -690,24 +739,36 @@ class Offload:
 
     def claim_checkpoint_dir(self, directory: str):
         """Locks ``directory`` for this model's checkpoints until it is closed,
-        so a second run on it is refused at once (naming the holder's pid)."""
-        self.job.claim_checkpoint_dir(os.fspath(directory))
+        so a second run on it is refused at once (naming the holder's pid).
+        With several ranks, rank 0 claims it (every rank calls this)."""
+        if self.rank == 0:
+            self.job.claim_checkpoint_dir(os.fspath(directory))
 
     def save_checkpoint(self, directory: str):
-        """The fp32 masters and moments of every unit, and the step (atomic)."""
+        """The fp32 masters and moments of every unit, and the step (atomic).
+        With several ranks every rank calls it; rank 0 writes."""
         self._between_steps("save_checkpoint")
-        self.job.save_checkpoint(os.fspath(directory))
+        if self.rank == 0:
+            self.job.save_checkpoint(os.fspath(directory))
+        self._barrier()
 
     def load_checkpoint(self, directory: str):
+        """Every rank calls it; rank 0 reads the files into the engine."""
         self._between_steps("load_checkpoint")
         self.runner = None  # its version is the old one
-        self.job.load_checkpoint(os.fspath(directory))
+        self._barrier()
+        if self.rank == 0:
+            self.job.load_checkpoint(os.fspath(directory))
+        self._barrier()
         self.runner = self._make_runner()
 
     def export_safetensors(self, path: str, dtype: str = "bfloat16"):
-        """The consolidated weights under the model's state-dict names."""
+        """The consolidated weights under the model's state-dict names (rank 0
+        writes; every rank calls it)."""
         self._between_steps("export_safetensors")
-        self.job.export_safetensors(os.fspath(path), dtype)
+        if self.rank == 0:
+            self.job.export_safetensors(os.fspath(path), dtype)
+        self._barrier()
 
     def save_pretrained(self, directory: str, dtype: str = "bfloat16"):
         """A Hugging Face model directory: config.json (when the model has a
@@ -734,11 +795,30 @@ class Offload:
         stay NaN placeholders: export or gather what you need first)."""
         self.remove_hooks()
         self.runner = None
+        self._collectives = None
         self.job = None
         self.module._ztier_offload = None
+        if self._hosted is not None:
+            self._hosted.close()
 
 
 _sessions: "weakref.WeakValueDictionary[tuple, _C.Session]" = weakref.WeakValueDictionary()
+_hosted_daemons: list = []  # closed at exit, before the interpreter tears down
+
+
+@atexit.register
+def _close_hosted_daemons():
+    for d in _hosted_daemons:
+        d.close()
+
+
+def _distributed() -> tuple[int, int]:
+    """(rank, world size) of torch.distributed when it is initialized, else (0, 1)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
 
 
 def open_session(config: str | None = None, settings: dict | None = None,

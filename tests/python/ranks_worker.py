@@ -1,0 +1,40 @@
+"""One rank of the two-process test (test_ranks.py): trains the tiny Llama
+through ztier.torch with torch.distributed (gloo) initialized, on its own
+micro-batch of each step, and saves its losses (and rank 0 the masters)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+
+def run(rank: int, world: int, directory: str, steps: int, settings: dict):
+    import ztier.torch as zt
+    from conftest import batch, tiny_llama
+
+    os.environ["LOCAL_WORLD_SIZE"] = str(world)
+    dist.init_process_group("gloo", init_method=f"file://{directory}/store", rank=rank,
+                            world_size=world)
+    try:
+        model = tiny_llama()
+        z = zt.offload(model, optimizer=zt.AdamW(lr=3e-3, weight_decay=0.1, no_decay=("norm",)),
+                       clip_grad_norm=1.0, settings=settings)
+        losses = []
+        for step in range(steps):
+            x = batch(step, micro=rank)
+            loss = model(input_ids=x, labels=x).loss
+            loss.backward()
+            z.optimizer.step()
+            losses.append(loss.detach())
+        z.wait()
+        out = {"losses": torch.stack(losses), "norm": z.grad_norm(),
+               "stats": z.runner.stats()}
+        if rank == 0:
+            out["masters"] = z.master_weights()
+        torch.save(out, os.path.join(directory, f"rank{rank}.pt"))
+        dist.barrier()
+        z.close()
+    finally:
+        dist.destroy_process_group()
