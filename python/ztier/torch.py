@@ -224,7 +224,8 @@ class Offload:
                  prefetch_depth: int | None = None, config: str | None = None,
                  daemon: str | None = None, settings: dict | None = None,
                  name: str | None = None, session: _C.Session | None = None,
-                 weights: str | None = None, compute_dtype: torch.dtype | None = None):
+                 weights: str | None = None, compute_dtype: torch.dtype | None = None,
+                 average_grads: bool = False):
         if grad_accumulation < 1:
             raise ValueError(f"ztier: grad_accumulation must be >= 1, got {grad_accumulation}")
         previous = getattr(model, "_ztier_offload", None)
@@ -251,6 +252,9 @@ class Offload:
         name = name or f"{type(model).__name__}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         if self.world_size > 1:
             daemon, name = self._meet_ranks(daemon, session, config, settings, name)
+        # The engine steps on the sum of the ranks' grads; with average_grads
+        # each rank's grads are divided by the world size first (DDP's mean).
+        self._grad_divisor = self.world_size if average_grads else 1
         self.session = session or open_session(config=config, settings=settings, daemon=daemon)
         states = states or self.session.default_optimizer_tier
         params = params or self.session.default_param_tier
@@ -646,10 +650,11 @@ class Offload:
             self._torch_waits_runner()
         t = next(t for t in u.tensors if t.param is p)
         dst = u.grads[t.offset:t.offset + t.numel].view(t.shape)
+        grad = p.grad if self._grad_divisor == 1 else p.grad / self._grad_divisor
         if id(p) in u.arrived:
-            dst.add_(p.grad.to(torch.bfloat16))
+            dst.add_(grad.to(torch.bfloat16))
         else:
-            dst.copy_(p.grad)
+            dst.copy_(grad)
             u.arrived.add(id(p))
         p.grad = None
         if len(u.arrived) == u.trainable:
@@ -858,7 +863,9 @@ def offload(model: nn.Module, device="cpu", optimizer: AdamW | None = None,
     DeepSpeed-style JSON config; ``daemon``: a ztierd socket (default: the
     engine embedded in this process, or ZTIER_DAEMON_SOCKET); ``settings``:
     {key: value} as ztier-train's --set takes them; ``compute_dtype``: the
-    dtype the module computes in (default bf16 on a GPU, fp32 on the host)."""
+    dtype the module computes in (default bf16 on a GPU, fp32 on the host);
+    ``average_grads``: with several ranks, step on the mean of their grads
+    (DDP's semantics) instead of the sum."""
     return Offload(model, device=device, optimizer=optimizer, clip_grad_norm=clip_grad_norm,
                    grad_accumulation=grad_accumulation, states=states, params=params,
                    prefetch_depth=prefetch_depth, config=config, daemon=daemon, **kwargs)

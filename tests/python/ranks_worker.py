@@ -10,17 +10,19 @@ import torch
 import torch.distributed as dist
 
 
-def run(rank: int, world: int, directory: str, steps: int, settings: dict):
+def run(rank: int, world: int, directory: str, steps: int, settings: dict,
+        average: bool = False):
     import ztier.torch as zt
     from conftest import batch, tiny_llama
 
     os.environ["LOCAL_WORLD_SIZE"] = str(world)
-    dist.init_process_group("gloo", init_method=f"file://{directory}/store", rank=rank,
+    store = os.path.join(directory, "store-mean" if average else "store")  # one per run
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
                             world_size=world)
     try:
         model = tiny_llama()
         z = zt.offload(model, optimizer=zt.AdamW(lr=3e-3, weight_decay=0.1, no_decay=("norm",)),
-                       clip_grad_norm=1.0, settings=settings)
+                       clip_grad_norm=1.0, settings=settings, average_grads=average)
         losses = []
         for step in range(steps):
             x = batch(step, micro=rank)
@@ -33,7 +35,7 @@ def run(rank: int, world: int, directory: str, steps: int, settings: dict):
                "stats": z.runner.stats()}
         if rank == 0:
             out["masters"] = z.master_weights()
-        torch.save(out, os.path.join(directory, f"rank{rank}.pt"))
+        torch.save(out, os.path.join(directory, f"rank{rank}{'-mean' if average else ''}.pt"))
         dist.barrier()
         z.close()
     finally:

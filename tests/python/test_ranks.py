@@ -26,6 +26,10 @@ def test_two_ranks_equal_one_rank_on_the_summed_grads(tmp_path):
     settings = {"ztier.dram_budget": "1G"}
     mp.spawn(ranks_worker.run, args=(2, str(tmp_path), STEPS, settings), nprocs=2, join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    # With average_grads (DDP's mean) the norm is half the sum's.
+    mp.spawn(ranks_worker.run, args=(2, str(tmp_path), 1, settings, True), nprocs=2, join=True)
+    mean = torch.load(tmp_path / "rank0-mean.pt")
+    assert torch.equal(mean["losses"][0], ranks[0]["losses"][0])
 
     model = tiny_llama()
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -39,12 +43,15 @@ def test_two_ranks_equal_one_rank_on_the_summed_grads(tmp_path):
             loss.backward()
             single.append(loss.detach())
         z.optimizer.step()
+        if step == 0:
+            first_norm = z.grad_norm()
     single = torch.stack(single).view(STEPS, 2)
     for r in range(2):
         assert torch.equal(ranks[r]["losses"][0], single[0, r])
         for step in range(1, STEPS):
             assert math.isclose(ranks[r]["losses"][step], single[step, r], rel_tol=2e-3)
     assert math.isclose(ranks[0]["norm"], z.grad_norm(), rel_tol=1e-2)
+    assert math.isclose(mean["norm"], 0.5 * first_norm, rel_tol=1e-2), (mean["norm"], first_norm)
     masters = z.master_weights()
     worst = moved = 0.0
     for name, value in ranks[0]["masters"].items():
