@@ -17,7 +17,9 @@
 // (R > 1), copy this rank's shard into the engine's grad inbox, ring the
 // doorbell (GradsReady), free the grad buffer.
 //
-// Prefetch: the acquire order of the first micro-step is learned; later, on
+// Prefetch: the acquire order of the first micro-step is learned (per kind
+// of pass, SetOrder: training's passes end at Step(), others at the next
+// SetOrder of their kind); later, on
 // Acquire(position i), the units at positions i+1 .. i+depth are queued if
 // absent and under the cap. A released unit that is acquired again within
 // that window stays on the device. Step() queues the first `depth` units of
@@ -30,6 +32,7 @@
 #include <algorithm>
 #include <condition_variable>
 #include <deque>
+#include <map>
 #include <mutex>
 #include <thread>
 
@@ -110,9 +113,18 @@ struct Stage3Runner::Impl {
   int64_t version = 0;
   int64_t micro = 0;
   uint64_t live_bytes = 0;  // param buffers allocated (resident or in flight)
+  // The active order (SetOrder's key `order_key`): learned, being recorded,
+  // and how far this pass follows it. Other keys' orders wait in `orders`.
   std::vector<int> learned, recording;
-  size_t position = 0;     // in `learned`, this micro-step
-  bool following = false;  // this micro-step still matches `learned`
+  size_t position = 0;     // in `learned`, this pass
+  bool following = false;  // this pass still matches `learned`
+  struct Order {
+    std::vector<int> learned, recording;
+    size_t position = 0;
+    bool following = false;
+  };
+  int order_key = 0;
+  std::map<int, Order> orders;
   RunnerStats stats;
 
   // Transfer thread.
@@ -363,6 +375,30 @@ struct Stage3Runner::Impl {
     return Status::Ok();
   }
 
+  // Ends the active order's pass: a pass that left the learned order (or
+  // the first pass) becomes the learned one; the next pass starts over.
+  void FinishPass() {
+    if (!recording.empty() && (learned.empty() || !following)) learned = recording;
+    recording.clear();
+    position = 0;
+    following = !learned.empty();
+  }
+
+  // Parks the active order and makes `key`'s active (empty if new).
+  void SwitchOrder(int key) {
+    orders[order_key] = Order{std::move(learned), std::move(recording), position, following};
+    Order next;
+    if (auto it = orders.find(key); it != orders.end()) {
+      next = std::move(it->second);
+      orders.erase(it);
+    }
+    learned = std::move(next.learned);
+    recording = std::move(next.recording);
+    position = next.position;
+    following = next.following;
+    order_key = key;
+  }
+
   void Learn(int unit) {
     recording.push_back(unit);
     if (!following) return;
@@ -603,12 +639,25 @@ Status Stage3Runner::Step() {
   }
   ++r.stats.micro_steps;
   if (++r.micro % r.accumulation == 0) ++r.version;
-  if (!r.recording.empty() && (r.learned.empty() || !r.following)) r.learned = r.recording;
-  r.recording.clear();
-  r.position = 0;
-  r.following = !r.learned.empty();
+  if (r.order_key != 0) {  // a pass of another kind was open: it ends here
+    r.FinishPass();
+    r.SwitchOrder(0);
+  }
+  r.FinishPass();
   return r.following ? r.Prefetch(0) : Status::Ok();
 }
+
+Status Stage3Runner::SetOrder(int key) {
+  Impl& r = *impl_;
+  if (key < 0) return Status::InvalidArgument(StrCat("SetOrder: key ", key, " < 0"));
+  if (key == r.order_key && key == 0) return Status::Ok();
+  if (r.order_key != 0) r.FinishPass();  // that kind's pass ends
+  if (key != r.order_key) r.SwitchOrder(key);
+  if (key != 0) r.FinishPass();  // a new pass of this kind
+  return r.following ? r.Prefetch(r.position) : Status::Ok();
+}
+
+int Stage3Runner::order_key() const { return impl_->order_key; }
 
 int64_t Stage3Runner::version() const { return impl_->version; }
 

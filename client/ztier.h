@@ -415,8 +415,20 @@ class Stage3Runner {
   // The version (optimizer steps) the current micro-step reads.
   int64_t version() const;
   RunnerStats stats() const;
-  // The learned acquire order (unit indices), empty before the first Step.
+  // The learned acquire order (unit indices) of the active kind of pass,
+  // empty before its first pass ended.
   std::vector<int> learned_order() const;
+
+  // Selects the kind of pass the next acquires belong to, each with a
+  // learned order of its own, so that passes of different kinds (training,
+  // evaluation, generation, a gather of every unit) do not make each other
+  // relearn. Key 0 is training: its pass is the micro-step, ended by Step()
+  // (which switches back to key 0). Any other key starts a new pass of that
+  // kind, ending the previous pass of the key that was active. Starting a
+  // pass whose order is known prefetches its first units. Errors:
+  // InvalidArgument (key < 0), a transfer error.
+  Status SetOrder(int key);
+  int order_key() const;
 
   struct Impl;
 

@@ -663,6 +663,16 @@ NB_MODULE(_C, m) {
             Check(r.runner->Step());
           },
           "Ends the micro-step (every grad of it pushed).")
+      .def(
+          "set_order",
+          [](PyRunner& r, int key) {
+            nb::gil_scoped_release release;
+            Check(r.runner->SetOrder(key));
+          },
+          "key"_a,
+          "The kind of pass the next acquires belong to (0: training, ended by step(); others: "
+          "a new pass of that kind), each with a learned order of its own.")
+      .def_prop_ro("order_key", [](const PyRunner& r) { return r.runner->order_key(); })
       .def_prop_ro("version", [](const PyRunner& r) { return r.runner->version(); })
       .def_prop_ro("learned_order", [](const PyRunner& r) { return r.runner->learned_order(); })
       .def("stats", [](const PyRunner& r) {

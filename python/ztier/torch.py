@@ -184,6 +184,10 @@ class _Unit:
     pushed: bool = False
 
 
+# The runner's kinds of pass (Runner.set_order), each with its learned order.
+_TRAIN, _EVAL, _GATHER = 0, 1, 2
+
+
 class _PostBackward(torch.autograd.Function):
     """Identity on a module's inputs; its backward runs once the module's
     backward has produced the inputs' grads (the module is then done)."""
@@ -530,11 +534,14 @@ class Offload:
     def gathered(self):
         """Every unit's bf16 params in the module's parameters (at the version
         the next forward reads), e.g. for ``model.state_dict()``."""
+        key = self.runner.order_key
+        self.runner.set_order(_GATHER)
         self._hold(self.units)
         try:
             yield self.module
         finally:
             self._let_go(self.units)
+            self.runner.set_order(key)
 
     # ---- hooks
 
@@ -563,10 +570,14 @@ class Offload:
                 "Offload and offload a fresh model (then load_checkpoint to resume)")
         if self._phase == "backward" or self._fwd_held:
             self._reset_interrupted()  # the last forward or backward raised
-        if torch.is_grad_enabled() and self.module.training and self._awaiting_step:
+        training = torch.is_grad_enabled() and self.module.training
+        if training and self._awaiting_step:
             raise RuntimeError(
                 f"ztier: a training forward after {self._micro} backward passes, but "
                 f"grad_accumulation={self.grad_accumulation}: call optimizer.step() first")
+        # Training and evaluation / generation forwards visit the units in
+        # different orders: the runner keeps one learned order per kind.
+        self.runner.set_order(_TRAIN if training else _EVAL)
         self._phase = "forward"
 
     def _pre_forward(self, module, args, kwargs):

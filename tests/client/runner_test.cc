@@ -695,6 +695,41 @@ TEST_F(RunnerErrorsTest, AChangedOrderIsCountedAndRelearned) {
   EXPECT_EQ(runner_->version(), 4);
 }
 
+// Passes of another kind (evaluation, key 1) between training micro-steps
+// keep an order of their own: neither kind makes the other relearn, and
+// each prefetches by its own order once learned.
+TEST_F(RunnerErrorsTest, PassesOfAnotherKindKeepTheirOwnOrder) {
+  const int n = model_->units();
+  std::vector<int> forward(n), reversed(n);
+  for (int k = 0; k < n; ++k) forward[k] = reversed[n - 1 - k] = k;
+  int64_t eval_hits = 0;
+  for (int round = 0; round < 3; ++round) {
+    SCOPED_TRACE(StrCat("round ", round));
+    ASSERT_TRUE(runner_->SetOrder(0).ok());
+    ASSERT_TRUE(MicroStep(*runner_, forward, n).ok());
+    EXPECT_EQ(runner_->learned_order(), forward);
+    ASSERT_TRUE(runner_->SetOrder(1).ok());
+    EXPECT_EQ(runner_->order_key(), 1);
+    const int64_t hits = runner_->stats().prefetch_hits;
+    for (int k : reversed) {
+      ASSERT_TRUE(runner_->Acquire(k).ok());
+      ASSERT_TRUE(runner_->Release(k).ok());
+    }
+    if (round > 0) {
+      EXPECT_EQ(runner_->learned_order(), reversed);
+      eval_hits += runner_->stats().prefetch_hits - hits;
+    }
+  }
+  EXPECT_EQ(runner_->stats().order_changes, 0);
+  EXPECT_GT(eval_hits, 0);  // evaluation passes prefetch by their own order
+  // Step() ends a pass of another kind and goes back to training's order.
+  ASSERT_TRUE(runner_->SetOrder(1).ok());
+  ASSERT_TRUE(MicroStep(*runner_, forward, n).ok());
+  EXPECT_EQ(runner_->order_key(), 0);
+  EXPECT_EQ(runner_->learned_order(), forward);
+  EXPECT_EQ(runner_->SetOrder(-1).code(), StatusCode::kInvalidArgument);
+}
+
 // Exact fetch and hit counts for a known order (the 4 units forward, each
 // released at once, no persistent units): the learning micro-step fetches
 // every unit; Step() then prefetches the first `depth` units of the next

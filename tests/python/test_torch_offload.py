@@ -349,6 +349,17 @@ def test_eval_forward_between_steps(settings):
         second = model(input_ids=x).logits
     assert not torch.equal(first, second)
     assert all(u.holds == 0 for u in z.units)
+    # Training and evaluation alternate without making the runner relearn.
+    for step in range(3):
+        model.train()
+        model(input_ids=x, labels=x).loss.backward()
+        z.optimizer.step()
+        model.eval()
+        with torch.no_grad():
+            model(input_ids=x)
+        with z.gathered():
+            pass
+    assert z.runner.stats()["order_changes"] == 0
 
 
 def test_checkpoint_round_trip(settings, tmp_path):
