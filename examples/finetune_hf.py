@@ -95,8 +95,16 @@ def build(args, torch, zt):
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
         cfg = AutoConfig.from_pretrained(args.model)
         cls = AutoModelForCausalLM._model_mapping[type(cfg)]
-        tok = AutoTokenizer.from_pretrained(args.model)
-        encode = lambda text: torch.tensor(tok(text.decode("utf-8", "replace"))["input_ids"])
+        try:
+            tok = AutoTokenizer.from_pretrained(args.model)
+            encode = lambda text: torch.tensor(tok(text.decode("utf-8", "replace"))["input_ids"])
+        except (OSError, ValueError) as e:
+            if cfg.vocab_size < 256:
+                raise SystemExit(f"finetune_hf: no tokenizer in {args.model} ({e})")
+            # A model exported by --tiny: byte-level tokens.
+            print(f"finetune_hf: no tokenizer in {args.model}: byte-level tokens",
+                  file=sys.stderr)
+            encode = lambda text: torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
         model, z = zt.from_pretrained(cls, args.model, **common)
     model.train()
     if args.checkpointing:

@@ -1,0 +1,47 @@
+"""examples/finetune_hf.py as a user runs it: a --tiny Llama on the fortunes
+corpus, whose loss falls; its export loads with --model; resume and bad
+arguments behave."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "finetune_hf.py")
+
+
+def run(*args, check=True):
+    p = subprocess.run([sys.executable, EXAMPLE, *args], capture_output=True, text=True,
+                       timeout=600)
+    if check and p.returncode != 0:
+        raise AssertionError(f"exit {p.returncode}: {p.stderr[-2000:]}")
+    return p
+
+
+@pytest.mark.skipif(not os.path.isdir("/usr/share/games/fortunes"),
+                    reason="the fortunes corpus is not installed")
+def test_tiny_fine_tune_loss_falls_then_resumes_and_reloads(tmp_path):
+    out = tmp_path / "run"
+    first = json.loads(run("--tiny", "--steps", "40", "--seq", "64", "--out", str(out),
+                           "--save-every", "20", "--json").stdout.splitlines()[-1])
+    assert first["last_loss"] < 0.8 * first["first_loss"], first
+    assert (out / "export" / "model.safetensors").exists()
+    refused = run("--tiny", "--steps", "5", "--out", str(out), check=False)
+    assert refused.returncode == 2 and "--resume" in refused.stderr
+    resumed = json.loads(run("--tiny", "--steps", "45", "--seq", "64", "--out", str(out),
+                             "--resume", "--json").stdout.splitlines()[-1])
+    assert resumed["steps"] == 5
+    reloaded = json.loads(run("--model", str(out / "export"), "--steps", "2", "--seq", "64",
+                              "--out", str(tmp_path / "again"), "--json").stdout.splitlines()[-1])
+    assert reloaded["first_loss"] < 0.9 * first["first_loss"]  # trained weights, not fresh
+
+
+def test_bad_arguments_exit_2(tmp_path):
+    assert run("--tiny", "--steps", "0", check=False).returncode == 2
+    bad = run("--tiny", "--data", str(tmp_path / "missing.txt"), check=False)
+    assert bad.returncode == 2 and "missing.txt" in bad.stderr
+    assert run("--states", "nvme", "--tiny", check=False).returncode == 2
