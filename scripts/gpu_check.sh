@@ -1,0 +1,126 @@
+#!/usr/bin/env bash
+# The one prepared check of ztier's GPU path, for a machine with a CUDA GPU
+# that has CUDA, CMake and a Python with torch and transformers but none of
+# ztier's Debian libraries and no network (the lent H200 machine), in two
+# halves:
+#
+#   scripts/gpu_check.sh pack   here (Debian, the CUDA toolkit, .venv): a
+#       release build with CUDA for sm_90, and into gpu-carry/ (git-ignored):
+#       the GPU tests, ztier-train and ztier-bench, stripped; the shared
+#       libraries they need that such a machine lacks (liburing, Highway,
+#       hwloc, oneTBB, libudev); the Python package with ztier._C built for
+#       that machine's Python (ZTIER_GPU_PYTHON, default Python 3.12).
+#       And 1 MiB of the fortunes text (that machine has no corpus).
+#   scripts/gpu_check.sh run    there, from the repository root with
+#       gpu-carry/ carried: the GPU tests (ctest's label gpu), ztier-bench
+#       pcie, ztier-train on cuda and on the host (20 steps, their losses
+#       side by side in the logs), the Python suite's CUDA tests and the host suite,
+#       finetune_hf.py --tiny on cuda and on the host, the throughput
+#       benchmark (ztier.torch against plain torch), one summary at the end.
+#       Logs go to $OUT (or gpu-check-out/) when set.
+#
+# Failure: pack stops at the first error; run goes on past a failed check
+# and exits 1 if any failed (the summary says which).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+carry=gpu-carry
+
+pack() {
+  set -e
+  local py=${ZTIER_GPU_PYTHON:-$HOME/.pyenv/versions/3.12.1/bin/python3.12}
+  [[ -x $py ]] || { echo "gpu_check: no $py for the GPU machine's Python (set ZTIER_GPU_PYTHON)" >&2; exit 2; }
+  [[ -x .venv/bin/python ]] || scripts/python_env.sh >/dev/null
+  scripts/install_deps.sh >/dev/null
+  local nb
+  nb=$(.venv/bin/python -m nanobind --cmake_dir)
+  cmake -S . -B build/gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DZTIER_CUDA=ON \
+    -DCMAKE_CUDA_ARCHITECTURES=90 -DZTIER_WERROR=ON -DZTIER_BUILD_PYTHON=ON \
+    -DPython_EXECUTABLE="$py" -Dnanobind_DIR="$nb" >/dev/null
+  local tests=(bf16_device_test cuda_device_test cuda_kernels_test nccl_collectives_test)
+  cmake --build build/gpu -j "$(nproc)" --target "${tests[@]}" ztier-train ztier-bench _C
+  rm -rf "$carry"
+  mkdir -p "$carry/bin" "$carry/lib" "$carry/python/ztier"
+  for t in "${tests[@]}"; do cp "build/gpu/tests/cuda/$t" "$carry/bin/"; done
+  cp build/gpu/examples/ztier-train build/gpu/benchmarks/ztier-bench "$carry/bin/"
+  cp build/gpu/python/ztier/_C*.so python/ztier/*.py "$carry/python/ztier/"
+  strip "$carry"/bin/* "$carry"/python/ztier/_C*.so
+  # The libraries those need from Debian (not CUDA's, NCCL's or libc's).
+  ldd "$carry"/bin/* "$carry"/python/ztier/_C*.so | awk '/=> \//{print $3}' | sort -u |
+    grep -E 'liburing|libhwy|libhwloc|libtbb|libudev|libnuma|libxml2|libicu|liblzma' |
+    while read -r lib; do cp -L "$lib" "$carry/lib/"; done
+  cat /usr/share/games/fortunes/fortunes /usr/share/games/fortunes/literature \
+    /usr/share/games/fortunes/science 2>/dev/null | head -c 1048576 >"$carry/text.txt"
+  du -sh "$carry"
+  local bytes
+  bytes=$(du -sb "$carry" | cut -f1)
+  if ((bytes > 60 * 1024 * 1024)); then
+    echo "gpu_check: $carry is $bytes bytes, over what a device call carries" >&2
+    exit 1
+  fi
+  grep -qxF "/$carry/" .git/info/exclude 2>/dev/null || echo "/$carry/" >>.git/info/exclude
+  echo "gpu_check: packed; on the GPU machine: scripts/gpu_check.sh run (carry $carry)"
+}
+
+run() {
+  local out=${OUT:-gpu-check-out}
+  mkdir -p "$out"
+  [[ -d $carry/bin ]] || { echo "gpu_check: no $carry/ (scripts/gpu_check.sh pack makes it)" >&2; exit 2; }
+  export LD_LIBRARY_PATH="$PWD/$carry/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
+  export PYTHONPATH="$PWD/$carry/python:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
+  local py=${ZTIER_GPU_RUN_PYTHON:-python3}
+  local -a summary=()
+  local failed=0
+  check() {  # check NAME COMMAND...: runs it, logs to $out/NAME.log, notes the result
+    local name=$1
+    shift
+    local t0=$SECONDS
+    if "$@" >"$out/$name.log" 2>&1; then
+      summary+=("ok    $name ($((SECONDS - t0)) s)")
+    else
+      summary+=("FAIL  $name ($((SECONDS - t0)) s): see $name.log")
+      failed=1
+    fi
+    tail -n 4 "$out/$name.log"
+  }
+  nvidia-smi -L | tee "$out/gpu.txt"
+  for t in "$carry"/bin/*_test; do check "$(basename "$t")" "$t"; done
+  check pcie "$carry/bin/ztier-bench" pcie --device cuda
+  local train=(--layers 4 --channels 128 --heads 4 --context 64 --batch 8 --steps 20
+               --optimizer dram --overwrite)
+  check train_cuda "$carry/bin/ztier-train" "${train[@]}" --data "$carry/text.txt" \
+    --device cuda --out "$out/train-cuda"
+  check train_host "$carry/bin/ztier-train" "${train[@]}" --data "$carry/text.txt" \
+    --device host --out "$out/train-host"
+  check python_cuda "$py" -m pytest -q -rs -p no:cacheprovider tests/python/test_cuda.py
+  check python_host "$py" -m pytest -q -rs -p no:cacheprovider tests/python -k "not cuda"
+  check finetune_cuda "$py" examples/finetune_hf.py --tiny --steps 60 --device cuda \
+    --data "$carry/text.txt" --out "$out/ft-cuda" --json
+  check finetune_host "$py" examples/finetune_hf.py --tiny --steps 60 --data "$carry/text.txt" \
+    --out "$out/ft-host" --json
+  check finetune_agree "$py" - "$out/finetune_cuda.log" "$out/finetune_host.log" <<'EOF'
+import json, math, sys
+cuda, host = (json.loads(open(p).read().splitlines()[-1]) for p in sys.argv[1:3])
+print(f"first loss {cuda['first_loss']:.4f} (cuda) vs {host['first_loss']:.4f} (host); "
+      f"last {cuda['last_loss']:.4f} vs {host['last_loss']:.4f}; "
+      f"{cuda['tokens_per_s']:,.0f} vs {host['tokens_per_s']:,.0f} tokens/s")
+assert math.isclose(cuda["first_loss"], host["first_loss"], rel_tol=2e-2)
+assert math.isclose(cuda["last_loss"], host["last_loss"], rel_tol=1e-1)
+EOF
+  check bench_small "$py" benchmarks/torch_offload_bench.py --device cuda --preset small \
+    --batch 4 --seq 1024 --steps 5
+  check bench_1b "$py" benchmarks/torch_offload_bench.py --device cuda --preset 1b \
+    --batch 4 --seq 1024 --steps 5
+  echo
+  echo "== gpu_check summary"
+  printf '%s\n' "${summary[@]}" | tee "$out/summary.txt"
+  return $failed
+}
+
+case ${1:-} in
+  pack) pack ;;
+  run) run ;;
+  *)
+    echo "usage: scripts/gpu_check.sh pack|run" >&2
+    exit 2
+    ;;
+esac
