@@ -73,14 +73,21 @@ class EngineStateAccess final : public StateAccess {
 
  private:
   Status Pass(Access access, const Visit& fn, bool writes) {
-    return ForEachUnitState(job_, ForwardOrder(job_), access,
-                            [&](size_t k, const StateView& view) -> Status {
-                              ZT_RETURN_IF_ERROR(fn(k, UnitState{.master = view.master,
-                                                                 .exp_avg = view.exp_avg,
-                                                                 .exp_avg_sq = view.exp_avg_sq}));
-                              if (writes) ParamsFromMaster(job_.units[k], view);
-                              return Status::Ok();
-                            });
+    std::vector<float> dropped;  // m and v written to a stateless unit
+    return ForEachUnitState(
+        job_, ForwardOrder(job_), access, [&](size_t k, const StateView& view) -> Status {
+          const Unit& u = job_.units[k];
+          UnitState state{
+              .master = view.master, .exp_avg = view.exp_avg, .exp_avg_sq = view.exp_avg_sq};
+          if (writes && u.stateless) {
+            dropped.resize(2 * u.layout.padded);
+            state.exp_avg = dropped.data();
+            state.exp_avg_sq = dropped.data() + u.layout.padded;
+          }
+          ZT_RETURN_IF_ERROR(fn(k, state));
+          if (writes) ParamsFromMaster(u, view);
+          return Status::Ok();
+        });
   }
 
   Job& job_;
@@ -114,8 +121,10 @@ Status WriteUnitStateImpl(Job& job, size_t unit, const UnitState& from) {
   return WithUnitState(job, unit, Access::kOverwrite, [&](size_t k, const StateView& view) {
     const uint64_t bytes = job.units[k].layout.padded * sizeof(float);
     std::memcpy(view.master, from.master, bytes);
-    std::memcpy(view.exp_avg, from.exp_avg, bytes);
-    std::memcpy(view.exp_avg_sq, from.exp_avg_sq, bytes);
+    if (!job.units[k].stateless) {  // a stateless unit keeps no m and v
+      std::memcpy(view.exp_avg, from.exp_avg, bytes);
+      std::memcpy(view.exp_avg_sq, from.exp_avg_sq, bytes);
+    }
     ParamsFromMaster(job.units[k], view);
     return Status::Ok();
   });

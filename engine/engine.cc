@@ -12,9 +12,11 @@
 #include "engine/engine.h"
 
 #include <fcntl.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
 #include <condition_variable>
 #include <cstring>
@@ -123,7 +125,7 @@ struct Engine::Impl {
     uint64_t need = 0, slot = 0, param_slot = 0;
     for (const Unit& u : job.units) {
       const uint64_t n = u.layout.padded;
-      if (!nvme_states) need += 3 * page(n * 4);
+      if (!nvme_states) need += (u.stateless ? 1 : 3) * page(n * 4);
       if (!nvme_params) need += page(n * 2);
       need += page(n * 2);  // grad inbox
       if (spec.optimizer.grad_accumulation > 1) need += page(n * 4);
@@ -484,6 +486,7 @@ Result<int> Engine::RegisterJob(const JobSpec& spec) {
   }
   const uint64_t granule = static_cast<uint64_t>(spec.ranks) * kAlignElements;
   uint64_t job_elements = 0;
+  uint64_t zero_elements = 0;  // the largest stateless unit
   for (size_t k = 0; k < spec.units.size(); ++k) {
     const UnitSpec& us = spec.units[k];
     Unit& u = job->units[k];
@@ -526,6 +529,10 @@ Result<int> Engine::RegisterJob(const JobSpec& spec) {
       u.runs.push_back({.begin = u.layout.offsets[t], .group = ts.group, .frozen = ts.frozen});
     }
     if (!u.runs.empty()) u.runs.back().end = u.layout.padded;  // the padding too
+    u.stateless = spec.optimizer_tier == Tier::kDram &&
+                  std::all_of(us.tensors.begin(), us.tensors.end(),
+                              [](const TensorSpec& t) { return t.frozen; });
+    if (u.stateless) zero_elements = std::max(zero_elements, u.layout.padded);
     u.arrived.assign(spec.ranks, 0);
     u.shard_sq.assign(spec.ranks, 0.0);
     job_elements += u.layout.padded;
@@ -535,6 +542,19 @@ Result<int> Engine::RegisterJob(const JobSpec& spec) {
     }
   }
   ZT_RETURN_IF_ERROR(e.CheckDramNeed(*job));
+  if (zero_elements > 0) {
+    const size_t bytes = zero_elements * sizeof(float);
+    void* zeros =
+        mmap(nullptr, bytes, PROT_READ, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (zeros == MAP_FAILED) {
+      return PosixError(StrCat("job '", spec.name, "': zeros for the frozen units' moments"),
+                        errno);
+    }
+    job->zero_state = std::shared_ptr<void>(zeros, [bytes](void* p) { munmap(p, bytes); });
+    for (Unit& u : job->units) {
+      if (u.stateless) u.zero_state = static_cast<const float*>(zeros);
+    }
+  }
   uint64_t slot = 0, param_slot = 0;
   for (const Unit& u : job->units) {
     slot = std::max(slot, StateBytes(u.layout) + (nvme_params ? ParamBytes(u.layout) : 0));
@@ -590,9 +610,10 @@ Result<int> Engine::RegisterJob(const JobSpec& spec) {
     const std::string owner = StrCat("job '", spec.name, "' unit '", us.name, "'");
     const uint64_t n = u.layout.padded;
     const bool dram_states = job->ring == nullptr;
+    const bool moments = dram_states && !u.stateless;
     for (auto [block, bytes] : {std::pair{&u.master, dram_states ? n * 4 : 0},
-                                {&u.exp_avg, dram_states ? n * 4 : 0},
-                                {&u.exp_avg_sq, dram_states ? n * 4 : 0},
+                                {&u.exp_avg, moments ? n * 4 : 0},
+                                {&u.exp_avg_sq, moments ? n * 4 : 0},
                                 {&u.accum, spec.optimizer.grad_accumulation > 1 ? n * 4 : 0}}) {
       if (bytes == 0) continue;
       ZT_ASSIGN_OR_RETURN(*block, e.pool->Allocate(bytes, owner));

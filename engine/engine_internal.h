@@ -48,6 +48,11 @@ struct Unit {
   // fp32 state in DRAM (optimizer tier dram); empty blocks on the NVMe tier,
   // where the state is swap object `swap_object`: master, m, v back to back.
   DramBlock master, exp_avg, exp_avg_sq, publish, inbox, accum;
+  // Every tensor frozen, states in DRAM: no m and v are kept (they are never
+  // used); they read as zeros (`zero_state`, a read-only mapping of the
+  // job's) and what is written to them (a loaded checkpoint's) is dropped.
+  bool stateless = false;
+  const float* zero_state = nullptr;
   uint64_t swap_object = 0;
   // Params on NVMe: two swap objects of bf16 params, written alternately so
   // that a write-back never overwrites the copy clients read;
@@ -125,6 +130,10 @@ struct Job {
   std::unique_ptr<StateRing> ring;      // optimizer tier nvme only
   std::unique_ptr<ParamCache> params;   // param tier nvme only
   std::atomic<uint64_t> compute_ns{0};  // in cpu_adam::Step
+
+  // Zeros for the m and v of stateless units (read-only anonymous memory:
+  // the kernel's zero page, no memory of its own).
+  std::shared_ptr<void> zero_state;
 
   ~Job() {
     if (params != nullptr) {

@@ -32,6 +32,10 @@ StateView SlotView(const Job& job, Unit& u, const DramBlock& slot) {
 }
 
 StateView BlockView(Unit& u) {
+  if (u.stateless) {  // only master is kept; m and v read as zeros
+    float* zeros = const_cast<float*>(u.zero_state);
+    return {u.f(u.master), zeros, zeros, static_cast<bf16*>(u.publish.ptr)};
+  }
   return {u.f(u.master), u.f(u.exp_avg), u.f(u.exp_avg_sq), static_cast<bf16*>(u.publish.ptr)};
 }
 

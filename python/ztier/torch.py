@@ -367,9 +367,18 @@ class Offload:
                 target = embed if first_block is not None and order[id(m)] < first_block else head
                 target.tensors.append(_Tensor(names[id(p)], p, tuple(p.shape), p.numel()))
         for u in [embed, *block_units, head]:
-            if u.tensors:
-                u.index = len(units)
-                units.append(u)
+            # A unit's frozen tensors (requires_grad False: a LoRA model's base
+            # weights) go to a unit of their own, for which the engine keeps
+            # no optimizer moments.
+            frozen = [t for t in u.tensors if not t.param.requires_grad]
+            parts = [u]
+            if frozen and len(frozen) < len(u.tensors):
+                u.tensors = [t for t in u.tensors if t.param.requires_grad]
+                parts.append(_Unit(f"{u.name}.frozen", frozen))
+            for part in parts:
+                if part.tensors:
+                    part.index = len(units)
+                    units.append(part)
         if not units:
             raise ValueError("ztier: the model has no parameters")
         self.units = units

@@ -12,7 +12,9 @@
 //  - a job without groups takes a new learning rate at its next step;
 //  - refusals: a learning rate count or value, an unknown job, a group out
 //    of range, a group's weight decay;
-//  - a checkpoint of a job with groups loads into one without.
+//  - a checkpoint of a job with groups loads into one without;
+//  - a unit whose tensors are all frozen keeps no m and v in DRAM (they read
+//    as zeros; what a checkpoint or WriteState brings for them is dropped).
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -87,6 +89,15 @@ std::vector<Run> RunsOf(const UnitSpec& us, const UnitLayout& l) {
   return runs;
 }
 
+// Every tensor of unit k frozen, states in DRAM: the engine keeps no m, v.
+bool Stateless(const JobSpec& spec, int k) {
+  if (spec.optimizer_tier != Tier::kDram) return false;
+  for (const TensorSpec& t : spec.units[k].tensors) {
+    if (!t.frozen) return false;
+  }
+  return true;
+}
+
 struct RefUnit {
   UnitLayout layout;
   std::vector<Run> runs;
@@ -116,6 +127,10 @@ std::vector<RefUnit> InitialState(Engine& e, int job, const JobSpec& spec, std::
     u.acc.assign(n, 0.0f);
     u.out.assign(n, bf16{0});
     EXPECT_TRUE(e.WriteState(job, k, u.p.data(), u.m.data(), u.v.data()).ok());
+    if (Stateless(spec, k)) {  // the engine keeps no m and v for it: they read as zeros
+      u.m.assign(n, 0.0f);
+      u.v.assign(n, 0.0f);
+    }
     u.p0 = u.p;
     u.m0 = u.m;
     u.v0 = u.v;
@@ -416,6 +431,43 @@ TEST(ParamGroupsJobTest, ACheckpointLoadsIntoAJobWithOtherGroups) {
     EXPECT_EQ(va, vb) << "unit " << k;
   }
   EXPECT_EQ(engine->PublishedStep(*b, 0), 2);
+}
+
+// A unit of frozen tensors only keeps its master and no m and v: the job
+// holds 8 bytes a param less for it, reads them as zeros, and a checkpoint
+// round trip through it (and WriteState with nonzero moments) works.
+TEST(ParamGroupsJobTest, AFrozenUnitKeepsNoMoments) {
+  auto engine = MakeEngine();
+  const JobSpec frozen = GroupedModel("frozen", 0.0f, 1, StepMode::kExact);
+  JobSpec trained = frozen;
+  trained.name = "trained";
+  for (TensorSpec& t : trained.units[2].tensors) t.frozen = false;
+  Result<int> a = engine->RegisterJob(frozen);
+  Result<int> b = engine->RegisterJob(trained);
+  ASSERT_TRUE(a.ok()) << a.status();
+  ASSERT_TRUE(b.ok()) << b.status();
+  const uint64_t n = engine->Layout(*a, 2)->padded;
+  EXPECT_GE(engine->counters(*b).dram_bytes - engine->counters(*a).dram_bytes, 2 * n * 4);
+  std::vector<float> p(n, 0.5f), m(n, 0.25f), v(n, 0.125f);
+  ASSERT_TRUE(engine->WriteState(*a, 2, p.data(), m.data(), v.data()).ok());
+  std::vector<float> rp(n), rm(n, 1.0f), rv(n, 1.0f);
+  ASSERT_TRUE(engine->ReadState(*a, 2, rp.data(), rm.data(), rv.data()).ok());
+  EXPECT_EQ(rp, p);
+  EXPECT_EQ(rm, std::vector<float>(n, 0.0f));
+  EXPECT_EQ(rv, std::vector<float>(n, 0.0f));
+  ASSERT_NO_FATAL_FAILURE(StepAgainstReference(*engine, *a, frozen, {{}, {}}, 9));
+  ScratchDir dir("ckpt");
+  ASSERT_TRUE(engine->SaveCheckpoint(*a, dir.path()).ok());
+  Status loaded = engine->LoadCheckpoint(*a, dir.path());
+  ASSERT_TRUE(loaded.ok()) << loaded;
+  // Into the job that trains that unit: its m and v are the zeros saved.
+  loaded = engine->LoadCheckpoint(*b, dir.path());
+  ASSERT_TRUE(loaded.ok()) << loaded;
+  ASSERT_TRUE(engine->ReadState(*b, 2, rp.data(), rm.data(), rv.data()).ok());
+  EXPECT_EQ(rm, std::vector<float>(n, 0.0f));
+  std::vector<float> ap(n);
+  ASSERT_TRUE(engine->ReadState(*a, 2, ap.data(), nullptr, nullptr).ok());
+  EXPECT_EQ(rp, ap);
 }
 
 }  // namespace
