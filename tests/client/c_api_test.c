@@ -6,6 +6,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "client/ztier_c.h"
@@ -120,6 +121,11 @@ int main(void) {
   EXPECT(ztier_runner_step(runner) == ZTIER_FAILED_PRECONDITION);
   EXPECT(ztier_runner_acquire(NULL, 0, &p) == ZTIER_INVALID_ARGUMENT);
   ztier_runner_close(runner);
+
+  /* The last step's optimizer may still be running (the runner's step ends
+   * the micro-step, not the engine's update): wait until every unit holds it. */
+  const struct timespec pause = {0, 5 * 1000 * 1000};
+  for (int i = 0; i < 2000 && ztier_model_published_step(model) < steps; ++i) nanosleep(&pause, NULL);
 
   /* With a constant grad, each AdamW step moves a weight by lr (bias-corrected
    * m / sqrt(v) is 1): 0.5 - 3 * 0.01. */
