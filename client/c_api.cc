@@ -5,6 +5,7 @@
 // Thread safety: as the C++ objects behind the handles.
 #include "client/ztier_c.h"
 
+#include <chrono>
 #include <cstring>
 #include <string>
 
@@ -252,6 +253,16 @@ ztier_status ztier_model_import_safetensors(ztier_model* model, const char* path
 
 int64_t ztier_model_published_step(const ztier_model* model) {
   return model == nullptr ? -1 : model->model->published_step();
+}
+
+ztier_status ztier_model_wait_published(const ztier_model* model, int64_t step,
+                                        int64_t timeout_ms) {
+  if (model == nullptr) return Null("model");
+  if (timeout_ms < 0) {
+    return Report(
+        Status::InvalidArgument(StrCat("wait_published: timeout ", timeout_ms, " ms < 0")));
+  }
+  return Report(model->model->WaitPublished(step, std::chrono::milliseconds(timeout_ms)));
 }
 
 ztier_status ztier_device_open_host(ztier_device** out) {

@@ -6,7 +6,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 #include <unistd.h>
 
 #include "client/ztier_c.h"
@@ -124,8 +123,9 @@ int main(void) {
 
   /* The last step's optimizer may still be running (the runner's step ends
    * the micro-step, not the engine's update): wait until every unit holds it. */
-  const struct timespec pause = {0, 5 * 1000 * 1000};
-  for (int i = 0; i < 2000 && ztier_model_published_step(model) < steps; ++i) nanosleep(&pause, NULL);
+  ASSERT_OK(ztier_model_wait_published(model, steps, 10000));
+  EXPECT(ztier_model_wait_published(model, steps, -1) == ZTIER_INVALID_ARGUMENT);
+  EXPECT(ztier_model_wait_published(NULL, steps, 0) == ZTIER_INVALID_ARGUMENT);
 
   /* With a constant grad, each AdamW step moves a weight by lr (bias-corrected
    * m / sqrt(v) is 1): 0.5 - 3 * 0.01. */
