@@ -157,7 +157,6 @@ def main(argv=None):
             sched.step()
         print(f"finetune_hf: resumed at step {start}", file=sys.stderr)
     z.claim_checkpoint_dir(ckpt)
-    gen = torch.Generator().manual_seed(args.seed)
     n = tokens.numel() - args.seq - 1
 
     def next_batch(step, micro):
@@ -166,7 +165,6 @@ def main(argv=None):
         rows = torch.stack([tokens[s:s + args.seq + 1] for s in starts.tolist()])
         return rows.to(z.device)
 
-    del gen
     first_loss = last_loss = None
     tokens_done = 0
     t0 = time.perf_counter()

@@ -47,9 +47,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import math
 import os
-import re
 import uuid
 import weakref
 from dataclasses import dataclass, field
@@ -383,9 +381,11 @@ class Offload:
             raise ValueError("ztier: the model has no parameters")
         self.units = units
         self._unit_of: dict[int, _Unit] = {}
+        self._tensor_of: dict[int, _Tensor] = {}
         for u in units:
             for t in u.tensors:
                 self._unit_of[id(t.param)] = u
+                self._tensor_of[id(t.param)] = t
             u.trainable = sum(1 for t in u.tensors if t.param.requires_grad)
         # The modules to hook and the units each one holds: every block, and
         # every other module with parameters of its own.
@@ -663,12 +663,12 @@ class Offload:
     def _grad_in(self, p: nn.Parameter):
         u = self._unit_of[id(p)]
         if u.pushed:
-            raise RuntimeError(f"ztier: a second grad for '{self._name_of(p)}' after unit "
+            raise RuntimeError(f"ztier: a second grad for '{self._tensor_of[id(p)].name}' after unit "
                                f"'{u.name}' was sent in this backward pass")
         if u.grads is None:
             u.grads = self.runner.grad_buffer(u.index)
             self._torch_waits_runner()
-        t = next(t for t in u.tensors if t.param is p)
+        t = self._tensor_of[id(p)]
         dst = u.grads[t.offset:t.offset + t.numel].view(t.shape)
         grad = p.grad if self._grad_divisor == 1 else p.grad / self._grad_divisor
         if id(p) in u.arrived:
@@ -679,10 +679,6 @@ class Offload:
         p.grad = None
         if len(u.arrived) == u.trainable:
             self._push(u)
-
-    def _name_of(self, p) -> str:
-        u = self._unit_of[id(p)]
-        return next(t.name for t in u.tensors if t.param is p)
 
     def _push(self, u: _Unit):
         boundary = self._micro + 1 == self.grad_accumulation
