@@ -182,6 +182,10 @@ struct Daemon::Impl {
     uint64_t collective_bytes = 0;
   };
   std::map<std::pair<uid_t, std::string>, std::shared_ptr<Job>> jobs;  // guarded by mu
+  // Jobs marked freed whose engine job is not yet unregistered (guarded by
+  // mu): stats() still counts them, so a job it no longer shows holds no
+  // memory.
+  int freeing = 0;
   std::condition_variable jobs_changed;  // a job registered (attaches wait for it)
 
   // Under mu: tells the job's ranks that `rank` left (kCollectiveAbortOffset)
@@ -203,6 +207,7 @@ struct Daemon::Impl {
   bool MarkFreedLocked(Job& job) {
     if (job.freed) return false;
     job.freed = true;
+    ++freeing;
     auto it = jobs.find({job.uid, job.spec.name});
     if (it != jobs.end() && it->second.get() == &job) jobs.erase(it);
     Usage& u = usage[job.uid];
@@ -214,6 +219,10 @@ struct Daemon::Impl {
   // Then, with no lock held: the engine lets the job go.
   Status Free(const std::shared_ptr<Job>& job, std::string_view why) {
     Status s = engine->UnregisterJob(job->engine_job);
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      --freeing;
+    }
     ZT_LOG(kInfo, "ztierd") << "uid " << job->uid << " job '" << job->spec.name << "' freed ("
                             << why << ")";
     return s;
@@ -1152,6 +1161,7 @@ DaemonStats Daemon::stats() const {
     std::lock_guard<std::mutex> lock(impl_->mu);
     s.connections = impl_->connections;
     for (const auto& [uid, u] : impl_->usage) s.jobs += u.jobs;
+    s.jobs += impl_->freeing;
   }
   s.requests = impl_->requests.load();
   s.refused = impl_->refused.load();

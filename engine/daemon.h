@@ -84,7 +84,7 @@ struct DaemonOptions {
 
 struct DaemonStats {
   int connections = 0;
-  int jobs = 0;
+  int jobs = 0;           // registered, parked, or still being freed
   uint64_t requests = 0;  // answered, since start
   uint64_t refused = 0;   // connections refused (uid, quota, protocol)
 };
