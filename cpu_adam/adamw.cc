@@ -41,29 +41,18 @@ bool Overlap(const void* a, size_t a_bytes, const void* b, size_t b_bytes) {
 
 size_t GradBytes(GradType t) { return t == GradType::kBFloat16 ? 2 : 4; }
 
-Status ValidateShard(const Shard& s) {
-  if (s.count == 0) return Status::Ok();
-  if (s.grads == nullptr || s.params == nullptr || s.exp_avg == nullptr ||
-      s.exp_avg_sq == nullptr) {
-    return Status::InvalidArgument(StrCat("AdamW shard of ", s.count,
-                                          " elements has a null grads/params/exp_avg/exp_avg_sq "
-                                          "buffer"));
-  }
-  const size_t fbytes = s.count * sizeof(float);
-  struct Buf {
-    const char* name;
-    const void* ptr;
-    size_t bytes;
-  };
-  const Buf bufs[] = {{"params", s.params, fbytes},
-                      {"exp_avg", s.exp_avg, fbytes},
-                      {"exp_avg_sq", s.exp_avg_sq, fbytes},
-                      {"params_out", s.params_out, s.count * sizeof(bf16)},
-                      {"grads", s.grads, s.count * GradBytes(s.grad_type)}};
-  // Every written buffer must be disjoint from every other buffer.
-  for (size_t i = 0; i < 4; ++i) {
+struct Buf {
+  const char* name;
+  const void* ptr;
+  size_t bytes;
+};
+
+// Every written buffer (the first `written`) must be disjoint from every
+// other buffer.
+Status CheckDisjoint(const Buf* bufs, size_t count, size_t written) {
+  for (size_t i = 0; i < written; ++i) {
     if (bufs[i].ptr == nullptr) continue;
-    for (size_t j = i + 1; j < 5; ++j) {
+    for (size_t j = i + 1; j < count; ++j) {
       if (bufs[j].ptr != nullptr &&
           Overlap(bufs[i].ptr, bufs[i].bytes, bufs[j].ptr, bufs[j].bytes)) {
         return Status::InvalidArgument(
@@ -74,7 +63,98 @@ Status ValidateShard(const Shard& s) {
   return Status::Ok();
 }
 
+Status ValidateShard(const Shard& s) {
+  if (s.count == 0) return Status::Ok();
+  if (s.grads == nullptr || s.params == nullptr || s.exp_avg == nullptr ||
+      s.exp_avg_sq == nullptr) {
+    return Status::InvalidArgument(StrCat("AdamW shard of ", s.count,
+                                          " elements has a null grads/params/exp_avg/exp_avg_sq "
+                                          "buffer"));
+  }
+  const size_t fbytes = s.count * sizeof(float);
+  const Buf bufs[] = {{"params", s.params, fbytes},
+                      {"exp_avg", s.exp_avg, fbytes},
+                      {"exp_avg_sq", s.exp_avg_sq, fbytes},
+                      {"params_out", s.params_out, s.count * sizeof(bf16)},
+                      {"grads", s.grads, s.count * GradBytes(s.grad_type)}};
+  return CheckDisjoint(bufs, 5, 4);
+}
+
+Status ValidateInt8Shard(const Int8Shard& s) {
+  if (s.count == 0) return Status::Ok();
+  const Int8Moments& q = s.moments;
+  if (s.grads == nullptr || s.params == nullptr || q.m == nullptr || q.v == nullptr ||
+      q.m_absmax == nullptr || q.v_absmax == nullptr) {
+    return Status::InvalidArgument(StrCat("8-bit AdamW shard of ", s.count,
+                                          " elements has a null grads/params/m/v/absmax buffer"));
+  }
+  const size_t scales = QuantBlocks(s.count) * sizeof(float);
+  const Buf bufs[] = {{"params", s.params, s.count * sizeof(float)},
+                      {"m", q.m, s.count},
+                      {"v", q.v, s.count},
+                      {"m_absmax", q.m_absmax, scales},
+                      {"v_absmax", q.v_absmax, scales},
+                      {"params_out", s.params_out, s.count * sizeof(bf16)},
+                      {"grads", s.grads, s.count * GradBytes(s.grad_type)}};
+  return CheckDisjoint(bufs, 7, 6);
+}
+
 bool FiniteNonNegative(float x) { return std::isfinite(x) && x >= 0.0f; }
+
+// Per-step constants, computed in double as PyTorch does in Python.
+internal::KernelConsts Consts(const Hyper& hyper, const StepOptions& options) {
+  const double b1 = hyper.beta1, b2 = hyper.beta2;
+  const bool bias = hyper.bias_correction == BiasCorrection::kOn;
+  const double bc1 = bias ? 1.0 - std::pow(b1, static_cast<double>(options.step)) : 1.0;
+  const double bc2 = bias ? 1.0 - std::pow(b2, static_cast<double>(options.step)) : 1.0;
+  internal::KernelConsts c{};
+  c.grad_scale = options.grad_scale;
+  c.beta1 = hyper.beta1;
+  c.one_minus_beta1 = static_cast<float>(1.0 - b1);
+  c.beta2 = hyper.beta2;
+  c.one_minus_beta2 = static_cast<float>(1.0 - b2);
+  c.step_size = static_cast<float>(hyper.lr / bc1);
+  c.inv_sqrt_bc2 = static_cast<float>(1.0 / std::sqrt(bc2));
+  c.eps = hyper.eps;
+  c.decay = static_cast<float>(1.0 - static_cast<double>(hyper.lr) * hyper.weight_decay);
+  c.l2 = hyper.weight_decay;
+  return c;
+}
+
+Status ValidateOptions(const Hyper& hyper, const StepOptions& options) {
+  ZT_RETURN_IF_ERROR(ValidateHyper(hyper));
+  if (options.step < 1) {
+    return Status::InvalidArgument(StrCat("AdamW step number must be >= 1, got ", options.step));
+  }
+  if (!std::isfinite(options.grad_scale) || options.grad_scale <= 0.0f) {
+    return Status::InvalidArgument(
+        StrCat("AdamW grad_scale must be finite and > 0, got ", options.grad_scale));
+  }
+  return Status::Ok();
+}
+
+// kScanFirst: the grads' sum of squares, tile by tile; `result` says
+// whether the step is skipped.
+void ScanGrads(const void* grads, GradType type, size_t count, Executor& executor,
+               std::vector<double>& partials, StepResult& result) {
+  ForEachTile(executor, count, [&](size_t t, size_t begin, size_t end) {
+    partials[t] = internal::SquareSumRange(grads, type, begin, end);
+  });
+  result.grad_sq_sum = SumInOrder(partials);
+  result.skipped = !std::isfinite(result.grad_sq_sum);
+}
+
+Status NonFiniteError(const std::vector<uint8_t>& non_finite, size_t count) {
+  for (size_t t = 0; t < non_finite.size(); ++t) {
+    if (non_finite[t] != 0) {
+      return Status::FailedPrecondition(
+          StrCat("AdamW grads passed as prechecked contain inf/NaN (first in elements [",
+                 t * kTileElements, ", ", std::min(count, (t + 1) * kTileElements),
+                 ")); the shard's params/m/v are now partly updated and must be restored"));
+    }
+  }
+  return Status::Ok();
+}
 
 }  // namespace
 
@@ -99,14 +179,7 @@ Status ValidateHyper(const Hyper& h) {
 
 Result<StepResult> Step(const Hyper& hyper, const StepOptions& options, const Shard& shard,
                         Executor& executor) {
-  ZT_RETURN_IF_ERROR(ValidateHyper(hyper));
-  if (options.step < 1) {
-    return Status::InvalidArgument(StrCat("AdamW step number must be >= 1, got ", options.step));
-  }
-  if (!std::isfinite(options.grad_scale) || options.grad_scale <= 0.0f) {
-    return Status::InvalidArgument(
-        StrCat("AdamW grad_scale must be finite and > 0, got ", options.grad_scale));
-  }
+  ZT_RETURN_IF_ERROR(ValidateOptions(hyper, options));
   ZT_RETURN_IF_ERROR(ValidateShard(shard));
   StepResult result;
   if (shard.count == 0) return result;
@@ -115,33 +188,13 @@ Result<StepResult> Step(const Hyper& hyper, const StepOptions& options, const Sh
   std::vector<double> partials(tiles, 0.0);
   bool have_sum = false;
   if (options.grad_check == GradCheck::kScanFirst) {
-    ForEachTile(executor, shard.count, [&](size_t t, size_t begin, size_t end) {
-      partials[t] = internal::SquareSumRange(shard.grads, shard.grad_type, begin, end);
-    });
-    result.grad_sq_sum = SumInOrder(partials);
+    ScanGrads(shard.grads, shard.grad_type, shard.count, executor, partials, result);
     have_sum = true;
-    if (!std::isfinite(result.grad_sq_sum)) {
-      result.skipped = true;
-      return result;
-    }
+    if (result.skipped) return result;
   }
 
-  // Per-step constants, computed in double as PyTorch does in Python.
-  const double b1 = hyper.beta1, b2 = hyper.beta2;
-  const bool bias = hyper.bias_correction == BiasCorrection::kOn;
-  const double bc1 = bias ? 1.0 - std::pow(b1, static_cast<double>(options.step)) : 1.0;
-  const double bc2 = bias ? 1.0 - std::pow(b2, static_cast<double>(options.step)) : 1.0;
   internal::UpdateArgs args{};
-  args.c.grad_scale = options.grad_scale;
-  args.c.beta1 = hyper.beta1;
-  args.c.one_minus_beta1 = static_cast<float>(1.0 - b1);
-  args.c.beta2 = hyper.beta2;
-  args.c.one_minus_beta2 = static_cast<float>(1.0 - b2);
-  args.c.step_size = static_cast<float>(hyper.lr / bc1);
-  args.c.inv_sqrt_bc2 = static_cast<float>(1.0 / std::sqrt(bc2));
-  args.c.eps = hyper.eps;
-  args.c.decay = static_cast<float>(1.0 - static_cast<double>(hyper.lr) * hyper.weight_decay);
-  args.c.l2 = hyper.weight_decay;
+  args.c = Consts(hyper, options);
   args.mode = hyper.mode;
   args.grads = shard.grads;
   args.grad_type = shard.grad_type;
@@ -165,15 +218,75 @@ Result<StepResult> Step(const Hyper& hyper, const StepOptions& options, const Sh
     non_finite[t] = r.non_finite ? 1 : 0;
   });
   if (args.sum_sq) result.grad_sq_sum = SumInOrder(partials);
-  for (size_t t = 0; t < tiles; ++t) {
-    if (non_finite[t] != 0) {
-      return Status::FailedPrecondition(
-          StrCat("AdamW grads passed as prechecked contain inf/NaN (first in elements [",
-                 t * kTileElements, ", ", std::min(shard.count, (t + 1) * kTileElements),
-                 ")); the shard's params/m/v are now partly updated and must be restored"));
+  ZT_RETURN_IF_ERROR(NonFiniteError(non_finite, shard.count));
+  return result;
+}
+
+Result<StepResult> StepInt8(const Hyper& hyper, const StepOptions& options, const Int8Shard& shard,
+                            const std::vector<Segment>& segments, Executor& executor) {
+  ZT_RETURN_IF_ERROR(ValidateOptions(hyper, options));
+  ZT_RETURN_IF_ERROR(ValidateInt8Shard(shard));
+  std::vector<internal::SegmentConsts> consts;
+  if (segments.empty()) {
+    consts.push_back({0, shard.count, Consts(hyper, options), false});
+  } else {
+    size_t at = 0;
+    for (const Segment& seg : segments) {
+      if (seg.begin != at || seg.end < seg.begin) {
+        return Status::InvalidArgument(StrCat("8-bit AdamW segment [", seg.begin, ", ", seg.end,
+                                              ") does not start where the previous ended (", at,
+                                              ")"));
+      }
+      if (!FiniteNonNegative(seg.lr) || !FiniteNonNegative(seg.weight_decay)) {
+        return Status::InvalidArgument(StrCat("8-bit AdamW segment [", seg.begin, ", ", seg.end,
+                                              ") has lr ", seg.lr, " and weight decay ",
+                                              seg.weight_decay, "; both must be finite and >= 0"));
+      }
+      Hyper h = hyper;
+      h.lr = seg.lr;
+      h.weight_decay = seg.weight_decay;
+      if (seg.end > seg.begin)
+        consts.push_back({seg.begin, seg.end, Consts(h, options), seg.frozen});
+      at = seg.end;
+    }
+    if (at != shard.count) {
+      return Status::InvalidArgument(StrCat("8-bit AdamW segments cover [0, ", at,
+                                            ") of a shard of ", shard.count, " elements"));
     }
   }
+  StepResult result;
+  if (shard.count == 0) return result;
+  const size_t tiles = TileCount(shard.count);
+  std::vector<double> partials(tiles, 0.0);
+  if (options.grad_check == GradCheck::kScanFirst) {
+    ScanGrads(shard.grads, shard.grad_type, shard.count, executor, partials, result);
+    if (result.skipped) return result;
+  } else if (options.want_grad_sq_sum) {
+    ZT_ASSIGN_OR_RETURN(result.grad_sq_sum,
+                        SquaredNorm(shard.grads, shard.grad_type, shard.count, executor));
+  }
+  const internal::Int8Args args{.mode = hyper.mode,
+                                .grads = shard.grads,
+                                .grad_type = shard.grad_type,
+                                .params = shard.params,
+                                .moments = shard.moments,
+                                .out = reinterpret_cast<uint16_t*>(shard.params_out),
+                                .segments = consts.data(),
+                                .segment_count = consts.size()};
+  std::vector<uint8_t> non_finite(tiles, 0);
+  ForEachTile(executor, shard.count, [&](size_t t, size_t begin, size_t end) {
+    non_finite[t] = internal::UpdateInt8Range(args, begin, end).non_finite ? 1 : 0;
+  });
+  ZT_RETURN_IF_ERROR(NonFiniteError(non_finite, shard.count));
   return result;
+}
+
+void Quantize(QuantMap map, const float* x, size_t count, uint8_t* codes, float* absmax) {
+  internal::QuantizeRange(map, x, 0, count, codes, absmax);
+}
+
+void Dequantize(QuantMap map, const uint8_t* codes, const float* absmax, size_t count, float* x) {
+  internal::DequantizeRange(map, codes, absmax, 0, count, x);
 }
 
 Result<double> SquaredNorm(const void* data, GradType type, size_t count, Executor& executor) {

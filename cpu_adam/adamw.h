@@ -30,6 +30,18 @@
 // order), are bit-identical whatever the thread count. Different SIMD targets
 // may differ in the last bit (fused vs unfused multiply-add).
 //
+// 8-bit states (StepInt8): m and v are stored as 8-bit codes of block-wise
+// dynamic quantization (Dettmers et al., "8-bit Optimizers via Block-wise
+// Quantization"): each block of kQuantBlock elements keeps one fp32 absmax,
+// and a code indexes a non-linear map of [-1, 1] (m: sign bit and 7 bits of
+// magnitude) or [0, 1] (v: 8 bits), dense near 1 and reaching down to 1e-6
+// (m) and 1e-7 (v) of the absmax. A code's bits are a run of e zeros (the
+// value's decade, 10^-e), a one, then a linear fraction of the decade; the
+// largest code is exactly 1. A step dequantizes a block, updates it in fp32
+// (the params use the new fp32 m and v), takes the new absmax and quantizes
+// to the nearest code (ties to the smaller), in one pass over memory. The
+// fp32 master is kept. Per parameter: 4 + 1 + 1 bytes and 8 per block.
+//
 // Thread safety: Step() and SquaredNorm() may be called concurrently on
 // disjoint shards, also on one Executor. Buffers must not be modified by
 // others during a call. Failure: only InvalidArgument (bad hyper-parameters,
@@ -91,6 +103,59 @@ struct StepResult {
 // small enough to stay in a core's L2.
 inline constexpr size_t kTileElements = size_t{1} << 14;
 
+// 8-bit states: elements per quantization block (one fp32 absmax for m and
+// one for v). Tiles are whole blocks, so results do not depend on the
+// thread count.
+inline constexpr size_t kQuantBlock = 256;
+static_assert(kTileElements % kQuantBlock == 0);
+inline constexpr size_t QuantBlocks(size_t count) {
+  return (count + kQuantBlock - 1) / kQuantBlock;
+}
+
+// The two maps: kSigned (m: code = sign << 7 | magnitude, 128 magnitudes)
+// and kUnsigned (v: 256 values in [0, 1]).
+enum class QuantMap : uint8_t { kSigned, kUnsigned };
+// The 256 values of a map's codes, ascending for kUnsigned; for kSigned,
+// codes 0..127 are the magnitudes ascending and code 128 + k is -value[k].
+const float* QuantMapValues(QuantMap map);
+
+// Block-wise quantization of x[0, count) (blocks of kQuantBlock from x[0];
+// absmax gets QuantBlocks(count) scales) and its inverse. A block whose
+// absmax is below the smallest normal float holds zeros (absmax 0). Single-threaded on the caller's
+// thread; any alignment. x must be finite.
+void Quantize(QuantMap map, const float* x, size_t count, uint8_t* codes, float* absmax);
+void Dequantize(QuantMap map, const uint8_t* codes, const float* absmax, size_t count, float* x);
+
+// A shard's 8-bit m and v (see the file comment): `count` codes each and
+// QuantBlocks(count) absmax values each.
+struct Int8Moments {
+  uint8_t* m = nullptr;
+  uint8_t* v = nullptr;
+  float* m_absmax = nullptr;
+  float* v_absmax = nullptr;
+};
+
+struct Int8Shard {
+  size_t count = 0;
+  const void* grads = nullptr;  // count elements of grad_type
+  GradType grad_type = GradType::kBFloat16;
+  float* params = nullptr;
+  Int8Moments moments;
+  bf16* params_out = nullptr;  // optional: receives bf16(params) after the update
+};
+
+// Elements [begin, end) of a shard with their own learning rate and weight
+// decay (optimizer param groups), or frozen: a frozen element's param, m
+// and v stay (its bf16 copy is still written). Segments are sorted, do not
+// overlap and cover the shard; they need not fall on block bounds (a block
+// that mixes segments is quantized once, after all of its elements).
+struct Segment {
+  size_t begin = 0, end = 0;
+  float lr = 0.0f;
+  float weight_decay = 0.0f;
+  bool frozen = false;
+};
+
 // Machine topology as hwloc reports it.
 struct Topology {
   int numa_nodes = 1;
@@ -136,6 +201,16 @@ class Executor {
 // overlapping buffers), FailedPrecondition (kPrechecked with non-finite grads).
 Result<StepResult> Step(const Hyper& hyper, const StepOptions& options, const Shard& shard,
                         Executor& executor);
+
+// The AdamW / Adam update of a shard with 8-bit m and v (see the file
+// comment), in one pass: per block, dequantize, update params, m and v in
+// fp32, publish bf16, quantize. `segments` empty: one segment with the
+// hyper-parameters' lr and weight decay. Grad checks, the grad norm and
+// skipping work as in Step(). A block entirely frozen is not written.
+// Errors: as Step(), and InvalidArgument for segments that are unsorted,
+// overlap, leave elements out or have bad rates.
+Result<StepResult> StepInt8(const Hyper& hyper, const StepOptions& options, const Int8Shard& shard,
+                            const std::vector<Segment>& segments, Executor& executor);
 
 // Sum of squares of `count` grads in fp64 (deterministic, like Step()).
 // Inf/NaN in the data makes the result inf/NaN: a non-finite result means the

@@ -9,8 +9,10 @@
 // last full vector go through the same code on a one-lane vector, so every
 // element sees the same sequence of IEEE operations and the result does not
 // depend on where a range starts.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 
 #include "cpu_adam/kernels.h"
 
@@ -109,6 +111,24 @@ HWY_INLINE void SqAddOneLane(V x, double& sum) {
 // prefetching each stream this far ahead lets it run at the memory limit.
 constexpr size_t kPrefetchElements = 1024;
 
+// The AdamW / Adam update of one vector: from the raw grads, the param and
+// the old m and v to the new param, m and v.
+template <Mode kMode, class D, class V>
+HWY_INLINE void AdamLanes(D d, const KernelConsts& c, V g_raw, V& param, V& m, V& v) {
+  auto grad = hn::Mul(g_raw, hn::Set(d, c.grad_scale));
+  if constexpr (kMode == Mode::kAdam) {
+    grad = hn::MulAdd(hn::Set(d, c.l2), param, grad);
+  }
+  m = hn::MulAdd(hn::Set(d, c.beta1), m, hn::Mul(hn::Set(d, c.one_minus_beta1), grad));
+  v = hn::MulAdd(hn::Set(d, c.beta2), v,
+                 hn::Mul(hn::Mul(hn::Set(d, c.one_minus_beta2), grad), grad));
+  const auto denom = hn::MulAdd(hn::Sqrt(v), hn::Set(d, c.inv_sqrt_bc2), hn::Set(d, c.eps));
+  if constexpr (kMode == Mode::kAdamW) {
+    param = hn::Mul(param, hn::Set(d, c.decay));
+  }
+  param = hn::NegMulAdd(hn::Set(d, c.step_size), hn::Div(m, denom), param);
+}
+
 // The AdamW / Adam update of Lanes(d) elements at index i. Returns the raw
 // (unscaled) grads for the caller's norm and finiteness bookkeeping.
 template <Mode kMode, OutKind kOut, class D, class G>
@@ -116,21 +136,10 @@ HWY_INLINE auto UpdateLanes(D d, const KernelConsts& c, const G* HWY_RESTRICT g,
                             float* HWY_RESTRICT p, float* HWY_RESTRICT m, float* HWY_RESTRICT v,
                             uint16_t* HWY_RESTRICT out, size_t i) {
   const auto g_raw = LoadGrad(d, g + i);
-  auto grad = hn::Mul(g_raw, hn::Set(d, c.grad_scale));
   auto param = hn::LoadU(d, p + i);
-  if constexpr (kMode == Mode::kAdam) {
-    grad = hn::MulAdd(hn::Set(d, c.l2), param, grad);
-  }
-  const auto exp_avg = hn::MulAdd(hn::Set(d, c.beta1), hn::LoadU(d, m + i),
-                                  hn::Mul(hn::Set(d, c.one_minus_beta1), grad));
-  const auto exp_avg_sq = hn::MulAdd(hn::Set(d, c.beta2), hn::LoadU(d, v + i),
-                                     hn::Mul(hn::Mul(hn::Set(d, c.one_minus_beta2), grad), grad));
-  const auto denom =
-      hn::MulAdd(hn::Sqrt(exp_avg_sq), hn::Set(d, c.inv_sqrt_bc2), hn::Set(d, c.eps));
-  if constexpr (kMode == Mode::kAdamW) {
-    param = hn::Mul(param, hn::Set(d, c.decay));
-  }
-  param = hn::NegMulAdd(hn::Set(d, c.step_size), hn::Div(exp_avg, denom), param);
+  auto exp_avg = hn::LoadU(d, m + i);
+  auto exp_avg_sq = hn::LoadU(d, v + i);
+  AdamLanes<kMode>(d, c, g_raw, param, exp_avg, exp_avg_sq);
   hn::StoreU(exp_avg, d, m + i);
   hn::StoreU(exp_avg_sq, d, v + i);
   hn::StoreU(param, d, p + i);
@@ -276,6 +285,188 @@ double SquareSumRangeImpl(const void* grads, GradType type, size_t begin, size_t
              : SquareSumRangeT(static_cast<const float*>(grads), begin, end);
 }
 
+// ---- 8-bit states ----
+
+// Codes [0, Lanes(d)) to their values times the block's absmax.
+template <class D>
+HWY_INLINE auto DequantLanes(D d, const float* HWY_RESTRICT table,
+                             const uint8_t* HWY_RESTRICT codes, float absmax) {
+  const hn::RebindToSigned<D> di;
+  const hn::Rebind<uint8_t, D> d8;
+  const auto idx = hn::PromoteTo(di, hn::LoadU(d8, codes));
+  return hn::Mul(hn::GatherIndex(d, table, idx), hn::Set(d, absmax));
+}
+
+// x (values of a block; inv = 1 / its absmax) to the nearest codes: the
+// bucket of |x| * inv gives a magnitude, one comparison with its upper
+// midpoint corrects it (QuantTables); m's codes add the sign bit.
+template <bool kSigned, class D, class V>
+HWY_INLINE void QuantLanes(D d, const QuantTables& t, V x, V inv, uint8_t* HWY_RESTRICT codes) {
+  const hn::RebindToSigned<D> di;
+  const hn::Rebind<uint8_t, D> d8;
+  constexpr int kShift = 23 - (kSigned ? kSignedBucketBits : kUnsignedBucketBits);
+  const auto a = hn::Min(hn::Mul(hn::Abs(x), inv), hn::Set(d, 1.0f));
+  auto i = hn::Sub(hn::ShiftRight<kShift>(hn::BitCast(di, a)), hn::Set(di, t.base));
+  i = hn::Min(hn::Max(i, hn::Zero(di)), hn::Set(di, t.buckets - 1));
+  auto code = hn::GatherIndex(di, t.bucket, i);
+  const auto up = hn::GatherIndex(d, t.upper, code);
+  code = hn::Add(code, hn::IfThenElseZero(hn::RebindMask(di, hn::Gt(a, up)), hn::Set(di, 1)));
+  if constexpr (kSigned) {
+    const auto neg =
+        hn::And(hn::RebindMask(di, hn::Lt(x, hn::Zero(d))), hn::Ne(code, hn::Zero(di)));
+    code = hn::Or(code, hn::IfThenElseZero(neg, hn::Set(di, 0x80)));
+  }
+  hn::StoreU(hn::DemoteTo(d8, code), d8, codes);
+}
+
+// Largest |x| (kSigned) or x of [0, n).
+template <bool kSigned>
+float BlockAbsMax(const float* HWY_RESTRICT x, size_t n) {
+  const hn::ScalableTag<float> d;
+  const hn::CappedTag<float, 1> d1;
+  const size_t lanes = hn::Lanes(d);
+  auto mx = hn::Zero(d);
+  auto mx1 = hn::Zero(d1);
+  size_t j = 0;
+  for (; j + lanes <= n; j += lanes) {
+    const auto v = hn::LoadU(d, x + j);
+    mx = hn::Max(mx, kSigned ? hn::Abs(v) : v);
+  }
+  for (; j < n; ++j) {
+    const auto v = hn::LoadU(d1, x + j);
+    mx1 = hn::Max(mx1, kSigned ? hn::Abs(v) : v);
+  }
+  return std::max(hn::GetLane(hn::MaxOfLanes(d, mx)), hn::GetLane(mx1));
+}
+
+// Quantizes x[0, n) (one block) into codes; returns its absmax.
+template <bool kSigned>
+float QuantBlock(const QuantTables& t, const float* HWY_RESTRICT x, size_t n,
+                 uint8_t* HWY_RESTRICT codes) {
+  const hn::ScalableTag<float> d;
+  const hn::CappedTag<float, 1> d1;
+  const size_t lanes = hn::Lanes(d);
+  // A block below the smallest normal float (whose inverse would overflow)
+  // is held as zeros.
+  float absmax = BlockAbsMax<kSigned>(x, n);
+  if (!(absmax >= std::numeric_limits<float>::min())) absmax = 0.0f;
+  const float inv = absmax > 0.0f ? 1.0f / absmax : 0.0f;
+  size_t j = 0;
+  for (; j + lanes <= n; j += lanes) {
+    QuantLanes<kSigned>(d, t, hn::LoadU(d, x + j), hn::Set(d, inv), codes + j);
+  }
+  for (; j < n; ++j) QuantLanes<kSigned>(d1, t, hn::LoadU(d1, x + j), hn::Set(d1, inv), codes + j);
+  return absmax;
+}
+
+void DequantBlock(const float* HWY_RESTRICT table, const uint8_t* HWY_RESTRICT codes, float absmax,
+                  size_t n, float* HWY_RESTRICT x) {
+  const hn::ScalableTag<float> d;
+  const hn::CappedTag<float, 1> d1;
+  const size_t lanes = hn::Lanes(d);
+  size_t j = 0;
+  for (; j + lanes <= n; j += lanes)
+    hn::StoreU(DequantLanes(d, table, codes + j, absmax), d, x + j);
+  for (; j < n; ++j) hn::StoreU(DequantLanes(d1, table, codes + j, absmax), d1, x + j);
+}
+
+template <Mode kMode, class G>
+RangeResult UpdateInt8RangeT(const Int8Args& a, size_t begin, size_t end) {
+  const hn::ScalableTag<float> d;
+  const hn::CappedTag<float, 1> d1;
+  const hn::Rebind<uint16_t, decltype(d)> d16;
+  const hn::Rebind<uint16_t, decltype(d1)> d16_1;
+  const size_t lanes = hn::Lanes(d);
+  const QuantTables& tm = Tables(QuantMap::kSigned);
+  const QuantTables& tv = Tables(QuantMap::kUnsigned);
+  const G* HWY_RESTRICT g = static_cast<const G*>(a.grads);
+  float* HWY_RESTRICT p = a.params;
+  uint16_t* HWY_RESTRICT out = a.out;
+  const Int8Moments& q = a.moments;
+  HWY_ALIGN float m_block[kQuantBlock];
+  HWY_ALIGN float v_block[kQuantBlock];
+
+  auto nf = hn::Zero(d);  // x - x: 0 for finite x, NaN for inf/NaN
+  float nf1 = 0.0f;
+  size_t seg = 0;
+  while (seg < a.segment_count && a.segments[seg].end <= begin) ++seg;
+  for (size_t s = begin; s < end; s += kQuantBlock) {
+    const size_t e = std::min(end, s + kQuantBlock);
+    const size_t b = s / kQuantBlock;
+    while (seg < a.segment_count && a.segments[seg].end <= s) ++seg;
+    bool updates = false;
+    for (size_t k = seg; k < a.segment_count && a.segments[k].begin < e; ++k) {
+      updates = updates || !a.segments[k].frozen;
+    }
+    if (updates) {
+      DequantBlock(tm.value, q.m + s, q.m_absmax[b], e - s, m_block);
+      DequantBlock(tv.value, q.v + s, q.v_absmax[b], e - s, v_block);
+    }
+    for (size_t k = seg; k < a.segment_count && a.segments[k].begin < e; ++k) {
+      const SegmentConsts& sc = a.segments[k];
+      size_t i = std::max(sc.begin, s);
+      const size_t hi = std::min(sc.end, e);
+      if (sc.frozen) {  // only the bf16 copy of the master
+        if (out == nullptr) continue;
+        for (; i + lanes <= hi; i += lanes) {
+          hn::StoreU(ToBf16Bits(d, hn::LoadU(d, p + i)), d16, out + i);
+        }
+        for (; i < hi; ++i) hn::StoreU(ToBf16Bits(d1, hn::LoadU(d1, p + i)), d16_1, out + i);
+        continue;
+      }
+      const auto lanes_at = [&](auto dd, auto d16x, size_t at) HWY_ATTR {
+        const auto g_raw = LoadGrad(dd, g + at);
+        auto param = hn::LoadU(dd, p + at);
+        auto m = hn::LoadU(dd, m_block + (at - s));
+        auto v = hn::LoadU(dd, v_block + (at - s));
+        AdamLanes<kMode>(dd, sc.c, g_raw, param, m, v);
+        hn::StoreU(m, dd, m_block + (at - s));
+        hn::StoreU(v, dd, v_block + (at - s));
+        hn::StoreU(param, dd, p + at);
+        if (out != nullptr) hn::StoreU(ToBf16Bits(dd, param), d16x, out + at);
+        return hn::Sub(g_raw, g_raw);
+      };
+      for (; i + lanes <= hi; i += lanes) nf = hn::Add(nf, lanes_at(d, d16, i));
+      for (; i < hi; ++i) nf1 += hn::GetLane(lanes_at(d1, d16_1, i));
+    }
+    if (updates) {
+      q.m_absmax[b] = QuantBlock<true>(tm, m_block, e - s, q.m + s);
+      q.v_absmax[b] = QuantBlock<false>(tv, v_block, e - s, q.v + s);
+    }
+  }
+  const float sum = hn::GetLane(hn::SumOfLanes(d, nf)) + nf1;
+  return {0.0, std::isnan(sum)};
+}
+
+RangeResult UpdateInt8RangeImpl(const Int8Args& a, size_t begin, size_t end) {
+  const bool bf = a.grad_type == GradType::kBFloat16;
+  if (a.mode == Mode::kAdam) {
+    return bf ? UpdateInt8RangeT<Mode::kAdam, uint16_t>(a, begin, end)
+              : UpdateInt8RangeT<Mode::kAdam, float>(a, begin, end);
+  }
+  return bf ? UpdateInt8RangeT<Mode::kAdamW, uint16_t>(a, begin, end)
+            : UpdateInt8RangeT<Mode::kAdamW, float>(a, begin, end);
+}
+
+void QuantizeRangeImpl(QuantMap map, const float* x, size_t begin, size_t end, uint8_t* codes,
+                       float* absmax) {
+  const QuantTables& t = Tables(map);
+  for (size_t s = begin; s < end; s += kQuantBlock) {
+    const size_t n = std::min(end, s + kQuantBlock) - s;
+    absmax[s / kQuantBlock] = map == QuantMap::kSigned ? QuantBlock<true>(t, x + s, n, codes + s)
+                                                       : QuantBlock<false>(t, x + s, n, codes + s);
+  }
+}
+
+void DequantizeRangeImpl(QuantMap map, const uint8_t* codes, const float* absmax, size_t begin,
+                         size_t end, float* x) {
+  const QuantTables& t = Tables(map);
+  for (size_t s = begin; s < end; s += kQuantBlock) {
+    DequantBlock(t.value, codes + s, absmax[s / kQuantBlock], std::min(end, s + kQuantBlock) - s,
+                 x + s);
+  }
+}
+
 }  // namespace HWY_NAMESPACE
 }  // namespace ztier::cpu_adam::internal
 HWY_AFTER_NAMESPACE();
@@ -285,6 +476,9 @@ namespace ztier::cpu_adam::internal {
 
 HWY_EXPORT(UpdateRangeImpl);
 HWY_EXPORT(SquareSumRangeImpl);
+HWY_EXPORT(UpdateInt8RangeImpl);
+HWY_EXPORT(QuantizeRangeImpl);
+HWY_EXPORT(DequantizeRangeImpl);
 
 RangeResult UpdateRange(const UpdateArgs& args, size_t begin, size_t end) {
   return HWY_DYNAMIC_DISPATCH(UpdateRangeImpl)(args, begin, end);
@@ -292,6 +486,20 @@ RangeResult UpdateRange(const UpdateArgs& args, size_t begin, size_t end) {
 
 double SquareSumRange(const void* grads, GradType type, size_t begin, size_t end) {
   return HWY_DYNAMIC_DISPATCH(SquareSumRangeImpl)(grads, type, begin, end);
+}
+
+RangeResult UpdateInt8Range(const Int8Args& args, size_t begin, size_t end) {
+  return HWY_DYNAMIC_DISPATCH(UpdateInt8RangeImpl)(args, begin, end);
+}
+
+void QuantizeRange(QuantMap map, const float* x, size_t begin, size_t end, uint8_t* codes,
+                   float* absmax) {
+  HWY_DYNAMIC_DISPATCH(QuantizeRangeImpl)(map, x, begin, end, codes, absmax);
+}
+
+void DequantizeRange(QuantMap map, const uint8_t* codes, const float* absmax, size_t begin,
+                     size_t end, float* x) {
+  HWY_DYNAMIC_DISPATCH(DequantizeRangeImpl)(map, codes, absmax, begin, end, x);
 }
 
 }  // namespace ztier::cpu_adam::internal

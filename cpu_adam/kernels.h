@@ -47,6 +47,58 @@ struct RangeResult {
   bool non_finite;  // some raw grad in the range was inf/NaN
 };
 
+// A quantization map's lookup tables (quant_maps.cc), built once:
+//   value[code]   the code's value (256; for the signed map, codes >= 128
+//                 are the negated magnitudes);
+//   upper[k]      the midpoint between magnitude k and k + 1 (2 for the
+//                 last), so magnitude k is the answer for a in
+//                 (upper[k - 1], upper[k]];
+//   bucket[i]     the magnitude nearest to the low end of bucket i, where
+//                 i = (bits(a) >> kShift) - base for a normalized magnitude
+//                 a in [0, 1], clamped to [0, buckets - 1]. Each bucket holds
+//                 at most one midpoint, so the magnitude of a is bucket[i]
+//                 + (a > upper[bucket[i]]).
+struct QuantTables {
+  bool is_signed;
+  int32_t base;
+  int32_t buckets;
+  const float* value;
+  const float* upper;
+  const int32_t* bucket;
+};
+// Bucket widths: 2^-kSignedBucketBits (m) and 2^-kUnsignedBucketBits (v)
+// of a binade; the tables check at build time that they are fine enough.
+inline constexpr int kSignedBucketBits = 6;
+inline constexpr int kUnsignedBucketBits = 7;
+const QuantTables& Tables(QuantMap map);
+
+// A segment of an 8-bit step with its constants.
+struct SegmentConsts {
+  size_t begin, end;
+  KernelConsts c;
+  bool frozen;
+};
+
+struct Int8Args {
+  Mode mode;
+  const void* grads;
+  GradType grad_type;
+  float* params;
+  Int8Moments moments;
+  uint16_t* out;  // bf16 bits, or null
+  const SegmentConsts* segments;
+  size_t segment_count;
+};
+
+// Updates the blocks of [begin, end) (begin a multiple of kQuantBlock, end
+// one or the shard's end). Never reports a sum of squares.
+RangeResult UpdateInt8Range(const Int8Args& args, size_t begin, size_t end);
+// Block-wise quantization of [begin, end) (same bounds as above).
+void QuantizeRange(QuantMap map, const float* x, size_t begin, size_t end, uint8_t* codes,
+                   float* absmax);
+void DequantizeRange(QuantMap map, const uint8_t* codes, const float* absmax, size_t begin,
+                     size_t end, float* x);
+
 // Updates elements [begin, end). Writes even when grads are non-finite: the
 // caller decides whether that is allowed (it is not, unless prechecked).
 RangeResult UpdateRange(const UpdateArgs& args, size_t begin, size_t end);
