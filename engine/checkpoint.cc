@@ -72,20 +72,29 @@ class EngineStateAccess final : public StateAccess {
   }
 
  private:
+  // The files see fp32 m and v: 8-bit ones are dequantized into `staged`
+  // before fn and quantized from it after.
   Status Pass(Access access, const Visit& fn, bool writes) {
-    std::vector<float> dropped;  // m and v written to a stateless unit
+    std::vector<float> staged;  // fp32 m and v: of 8-bit states, or dropped (stateless)
+    const bool int8 = job_.state_dtype == StateDtype::kInt8;
     return ForEachUnitState(
         job_, ForwardOrder(job_), access, [&](size_t k, const StateView& view) -> Status {
           const Unit& u = job_.units[k];
           UnitState state{
               .master = view.master, .exp_avg = view.exp_avg, .exp_avg_sq = view.exp_avg_sq};
-          if (writes && u.stateless) {
-            dropped.resize(2 * u.layout.padded);
-            state.exp_avg = dropped.data();
-            state.exp_avg_sq = dropped.data() + u.layout.padded;
+          if (int8 || (writes && u.stateless)) {
+            staged.resize(2 * u.layout.padded);
+            state.exp_avg = staged.data();
+            state.exp_avg_sq = staged.data() + u.layout.padded;
+            if (int8 && access != Access::kOverwrite) {
+              MomentsToFloat(job_, u, view, state.exp_avg, state.exp_avg_sq);
+            }
           }
           ZT_RETURN_IF_ERROR(fn(k, state));
-          if (writes) ParamsFromMaster(u, view);
+          if (!writes) return Status::Ok();
+          if (int8 && !u.stateless)
+            MomentsFromFloat(job_, u, view, state.exp_avg, state.exp_avg_sq);
+          ParamsFromMaster(u, view);
           return Status::Ok();
         });
   }
@@ -122,8 +131,7 @@ Status WriteUnitStateImpl(Job& job, size_t unit, const UnitState& from) {
     const uint64_t bytes = job.units[k].layout.padded * sizeof(float);
     std::memcpy(view.master, from.master, bytes);
     if (!job.units[k].stateless) {  // a stateless unit keeps no m and v
-      std::memcpy(view.exp_avg, from.exp_avg, bytes);
-      std::memcpy(view.exp_avg_sq, from.exp_avg_sq, bytes);
+      MomentsFromFloat(job, job.units[k], view, from.exp_avg, from.exp_avg_sq);
     }
     ParamsFromMaster(job.units[k], view);
     return Status::Ok();

@@ -49,7 +49,7 @@ enum class HugePages : uint8_t {
 };
 
 struct DramPoolOptions {
-  uint64_t budget_bytes = 0;                    // hard cap over all regions (> 0)
+  uint64_t budget_bytes = 0;  // hard cap over all regions (> 0)
   // Size of a shared region, at most a sixteenth of the budget (2 MiB at
   // least): the room a region reserves before it is full stays small.
   uint64_t region_bytes = uint64_t{256} << 20;

@@ -125,11 +125,19 @@ struct Engine::Impl {
     uint64_t need = 0, slot = 0, param_slot = 0;
     for (const Unit& u : job.units) {
       const uint64_t n = u.layout.padded;
-      if (!nvme_states) need += (u.stateless ? 1 : 3) * page(n * 4);
+      if (!nvme_states) {
+        need += page(n * 4);
+        if (!u.stateless && job.state_dtype == StateDtype::kInt8) {
+          need += page(MomentBytes(u.layout, StateDtype::kInt8));
+        } else if (!u.stateless) {
+          need += 2 * page(n * 4);
+        }
+      }
       if (!nvme_params) need += page(n * 2);
       need += page(n * 2);  // grad inbox
       if (spec.optimizer.grad_accumulation > 1) need += page(n * 4);
-      slot = std::max(slot, StateBytes(u.layout) + (nvme_params ? ParamBytes(u.layout) : 0));
+      slot = std::max(
+          slot, StateBytes(u.layout, job.state_dtype) + (nvme_params ? ParamBytes(u.layout) : 0));
       param_slot = std::max(param_slot, ParamBytes(u.layout));
     }
     if (nvme_states) need += settings.buffer_count * page(slot);
@@ -192,7 +200,33 @@ struct Engine::Impl {
       return cpu_adam::Step(hyper, opt, shard, executor).status();
     };
     Status s;
-    if (u.runs.empty()) {
+    if (job.state_dtype == StateDtype::kInt8) {
+      // One pass over the unit: its runs become the kernel's segments (a
+      // quantization block may hold several).
+      std::vector<cpu_adam::Segment> segments;
+      const auto group_decay = [&](uint32_t group) {
+        return o.group_weight_decay.empty() ? o.hyper.weight_decay : o.group_weight_decay[group];
+      };
+      if (u.runs.empty()) {
+        segments.push_back(
+            {.begin = 0, .end = u.layout.padded, .lr = lrs[0], .weight_decay = group_decay(0)});
+      }
+      for (const TensorRun& run : u.runs) {
+        segments.push_back({.begin = run.begin,
+                            .end = run.end,
+                            .lr = lrs[run.group],
+                            .weight_decay = group_decay(run.group),
+                            .frozen = run.frozen});
+      }
+      const cpu_adam::Int8Shard shard{
+          .count = u.layout.padded,
+          .grads = accum ? static_cast<const void*>(u.f(u.accum)) : u.inbox.ptr,
+          .grad_type = accum ? cpu_adam::GradType::kFloat32 : cpu_adam::GradType::kBFloat16,
+          .params = state.master,
+          .moments = state.q,
+          .params_out = state.publish};
+      s = cpu_adam::StepInt8(o.hyper, opt, shard, segments, executor).status();
+    } else if (u.runs.empty()) {
       s = update(0, u.layout.padded, 0);
     } else {
       for (const TensorRun& run : u.runs) {
@@ -464,6 +498,7 @@ Result<int> Engine::RegisterJob(const JobSpec& spec) {
 
   auto job = std::make_shared<Job>();
   job->spec = spec;
+  job->state_dtype = e.settings.state_dtype;
   job->pool = e.pool.get();
   {
     // Ids are never reused, so swap objects of a job that is still being
@@ -557,7 +592,8 @@ Result<int> Engine::RegisterJob(const JobSpec& spec) {
   }
   uint64_t slot = 0, param_slot = 0;
   for (const Unit& u : job->units) {
-    slot = std::max(slot, StateBytes(u.layout) + (nvme_params ? ParamBytes(u.layout) : 0));
+    slot = std::max(
+        slot, StateBytes(u.layout, job->state_dtype) + (nvme_params ? ParamBytes(u.layout) : 0));
     param_slot = std::max(param_slot, ParamBytes(u.layout));
   }
   // What clients touch lives in regions of the job's own, never shared with
@@ -611,10 +647,12 @@ Result<int> Engine::RegisterJob(const JobSpec& spec) {
     const uint64_t n = u.layout.padded;
     const bool dram_states = job->ring == nullptr;
     const bool moments = dram_states && !u.stateless;
-    for (auto [block, bytes] : {std::pair{&u.master, dram_states ? n * 4 : 0},
-                                {&u.exp_avg, moments ? n * 4 : 0},
-                                {&u.exp_avg_sq, moments ? n * 4 : 0},
-                                {&u.accum, spec.optimizer.grad_accumulation > 1 ? n * 4 : 0}}) {
+    const bool int8 = job->state_dtype == StateDtype::kInt8;  // m and v in one block
+    for (auto [block, bytes] :
+         {std::pair{&u.master, dram_states ? n * 4 : 0},
+          {&u.exp_avg, moments ? (int8 ? MomentBytes(u.layout, StateDtype::kInt8) : n * 4) : 0},
+          {&u.exp_avg_sq, moments && !int8 ? n * 4 : 0},
+          {&u.accum, spec.optimizer.grad_accumulation > 1 ? n * 4 : 0}}) {
       if (bytes == 0) continue;
       ZT_ASSIGN_OR_RETURN(*block, e.pool->Allocate(bytes, owner));
       job->counters.dram_bytes += block->bytes;
@@ -624,11 +662,11 @@ Result<int> Engine::RegisterJob(const JobSpec& spec) {
       ZT_ASSIGN_OR_RETURN(u.publish, e.pool->AllocateIn(job->publish_region, n * 2, owner));
     }
     if (!dram_states) {
-      Result<uint64_t> object =
-          e.swap->Allocate(StrCat("job", job->id, "/unit", k), StateBytes(u.layout));
+      Result<uint64_t> object = e.swap->Allocate(StrCat("job", job->id, "/unit", k),
+                                                 StateBytes(u.layout, job->state_dtype));
       if (!object.ok()) return object.status().Annotate(owner);
       u.swap_object = *object;
-      job->counters.nvme_bytes += StateBytes(u.layout);
+      job->counters.nvme_bytes += StateBytes(u.layout, job->state_dtype);
     }
     for (int copy = 0; nvme_params && copy < 2; ++copy) {
       Result<uint64_t> object = e.swap->Allocate(
@@ -712,10 +750,9 @@ Status Engine::ReadState(int job, int unit, float* master, float* exp_avg,
     }
   }
   const size_t bytes = j->units[unit].layout.padded * sizeof(float);
-  return WithUnitState(*j, unit, Access::kRead, [&](size_t, const StateView& state) {
+  return WithUnitState(*j, unit, Access::kRead, [&](size_t k, const StateView& state) {
     if (master) std::memcpy(master, state.master, bytes);
-    if (exp_avg) std::memcpy(exp_avg, state.exp_avg, bytes);
-    if (exp_avg_sq) std::memcpy(exp_avg_sq, state.exp_avg_sq, bytes);
+    MomentsToFloat(*j, j->units[k], state, exp_avg, exp_avg_sq);
     return Status::Ok();
   });
 }

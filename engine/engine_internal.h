@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "common/dir_lock.h"
+#include "cpu_adam/adamw.h"
 #include "engine/dram_pool.h"
 #include "engine/engine.h"
 #include "engine/state_files.h"
@@ -25,11 +26,14 @@ namespace ztier::engine {
 // or a ring slot holding it while it is staged from NVMe.
 // `publish` is where the unit's new bf16 params go: the DRAM publish buffer,
 // or the slot's bf16 area when params live on NVMe too.
+// With 8-bit states (StateDtype::kInt8) exp_avg and exp_avg_sq are null and
+// `q` holds m and v (codes, then absmax per block; StateLayout).
 struct StateView {
   float* master = nullptr;
   float* exp_avg = nullptr;
   float* exp_avg_sq = nullptr;
   bf16* publish = nullptr;
+  cpu_adam::Int8Moments q;
 };
 
 // Adjacent tensors of a unit in one param group, frozen or not: [begin,
@@ -47,6 +51,8 @@ struct Unit {
   std::vector<TensorRun> runs;
   // fp32 state in DRAM (optimizer tier dram); empty blocks on the NVMe tier,
   // where the state is swap object `swap_object`: master, m, v back to back.
+  // With 8-bit states `exp_avg` holds the compact m and v (MomentBytes) and
+  // `exp_avg_sq` is empty.
   DramBlock master, exp_avg, exp_avg_sq, publish, inbox, accum;
   // Every tensor frozen, states in DRAM: no m and v are kept (they are never
   // used); they read as zeros (`zero_state`, a read-only mapping of the
@@ -107,6 +113,7 @@ struct ParamCache {
 struct Job {
   int id = 0;
   JobSpec spec;
+  StateDtype state_dtype = StateDtype::kFp32;  // the engine's, when registered
   std::vector<Unit> units;
   int64_t step = 0;       // completed steps (what clients wait for)
   int64_t adam_step = 0;  // steps that updated the weights (bias correction)
@@ -167,10 +174,20 @@ inline void AddElapsed(std::atomic<uint64_t>& ns, std::chrono::steady_clock::tim
                std::memory_order_relaxed);
 }
 
-// Bytes of a unit's state as one swap object and one ring slot: master, m
-// and v of `padded` fp32 each, rounded up to 4 KiB so transfers go straight
-// to the drive.
-uint64_t StateBytes(const UnitLayout& layout);
+// Bytes of a unit's m and v: 2 x padded fp32, or (int8) padded codes of
+// each, then QuantBlocks(padded) fp32 absmax of each.
+uint64_t MomentBytes(const UnitLayout& layout, StateDtype dtype);
+// The compact m and v laid out at `base` (MomentBytes(layout, kInt8)).
+cpu_adam::Int8Moments Int8View(void* base, const UnitLayout& layout);
+// Bytes of a unit's state as one swap object and one ring slot: the fp32
+// master then m and v (MomentBytes), rounded up to 4 KiB so transfers go
+// straight to the drive.
+uint64_t StateBytes(const UnitLayout& layout, StateDtype dtype);
+// A unit's m and v as fp32 (`padded` each; dequantized when 8-bit), and
+// back (quantized when 8-bit).
+void MomentsToFloat(const Job& job, const Unit& u, const StateView& view, float* m, float* v);
+void MomentsFromFloat(const Job& job, const Unit& u, const StateView& view, const float* m,
+                      const float* v);
 // Bytes of a unit's bf16 params as one swap object (4 KiB multiple).
 uint64_t ParamBytes(const UnitLayout& layout);
 

@@ -84,6 +84,8 @@ struct Settings {
   Tier optimizer_tier = Tier::kDram;
   Tier param_tier = Tier::kDram;
   uint32_t buffer_count = 4;
+  // How m and v are kept (fp32, or int8: 6 bytes a parameter instead of 12).
+  StateDtype state_dtype = StateDtype::kFp32;
   // CPU threads of the optimizer, shared by all jobs (0: all cores).
   int optimizer_threads = 0;
   // Client side of stage 3 (each rank's Stage3Runner): the cap on params

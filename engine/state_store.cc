@@ -22,21 +22,48 @@ bool ParamsOnNvme(const Job& job) { return job.spec.param_tier == Tier::kNvme; }
 
 // A slot holds master, m, v and, with params on NVMe, the bf16 params after
 // StateBytes; otherwise the params go to the DRAM publish buffer.
+// m and v at `moments` (MomentBytes of the job's dtype).
+void SetMoments(const Job& job, const Unit& u, void* moments, StateView& view) {
+  if (job.state_dtype == StateDtype::kInt8) {
+    view.q = Int8View(moments, u.layout);
+  } else {
+    view.exp_avg = static_cast<float*>(moments);
+    view.exp_avg_sq = view.exp_avg + u.layout.padded;
+  }
+}
+
 StateView SlotView(const Job& job, Unit& u, const DramBlock& slot) {
   auto* base = static_cast<float*>(slot.ptr);
   const uint64_t n = u.layout.padded;
-  bf16* publish = ParamsOnNvme(job)
-                      ? reinterpret_cast<bf16*>(static_cast<char*>(slot.ptr) + StateBytes(u.layout))
-                      : static_cast<bf16*>(u.publish.ptr);
-  return {base, base + n, base + 2 * n, publish};
+  StateView view;
+  view.master = base;
+  view.publish = ParamsOnNvme(job) ? reinterpret_cast<bf16*>(static_cast<char*>(slot.ptr) +
+                                                             StateBytes(u.layout, job.state_dtype))
+                                   : static_cast<bf16*>(u.publish.ptr);
+  SetMoments(job, u, base + n, view);
+  return view;
 }
 
-StateView BlockView(Unit& u) {
+StateView BlockView(const Job& job, Unit& u) {
+  StateView view;
+  view.master = u.f(u.master);
+  view.publish = static_cast<bf16*>(u.publish.ptr);
   if (u.stateless) {  // only master is kept; m and v read as zeros
     float* zeros = const_cast<float*>(u.zero_state);
-    return {u.f(u.master), zeros, zeros, static_cast<bf16*>(u.publish.ptr)};
+    if (job.state_dtype == StateDtype::kInt8) {
+      view.q = Int8View(zeros, u.layout);
+    } else {
+      view.exp_avg = view.exp_avg_sq = zeros;
+    }
+    return view;
   }
-  return {u.f(u.master), u.f(u.exp_avg), u.f(u.exp_avg_sq), static_cast<bf16*>(u.publish.ptr)};
+  if (job.state_dtype == StateDtype::kInt8) {
+    view.q = Int8View(u.exp_avg.ptr, u.layout);
+  } else {
+    view.exp_avg = u.f(u.exp_avg);
+    view.exp_avg_sq = u.f(u.exp_avg_sq);
+  }
+  return view;
 }
 
 // Waits for a ticket, counting the time blocked as I/O wait.
@@ -50,7 +77,48 @@ Status WaitIo(StateRing& ring, const nvme::IoTicket& t) {
 
 }  // namespace
 
-uint64_t StateBytes(const UnitLayout& layout) { return RoundUp(layout.padded * 12, 4096); }
+uint64_t MomentBytes(const UnitLayout& layout, StateDtype dtype) {
+  const uint64_t n = layout.padded;
+  return dtype == StateDtype::kInt8 ? 2 * n + 2 * 4 * cpu_adam::QuantBlocks(n) : 2 * 4 * n;
+}
+
+cpu_adam::Int8Moments Int8View(void* base, const UnitLayout& layout) {
+  // padded is a multiple of kAlignElements, so the absmax arrays are aligned.
+  auto* bytes = static_cast<uint8_t*>(base);
+  const uint64_t n = layout.padded;
+  auto* scales = reinterpret_cast<float*>(bytes + 2 * n);
+  return {.m = bytes,
+          .v = bytes + n,
+          .m_absmax = scales,
+          .v_absmax = scales + cpu_adam::QuantBlocks(n)};
+}
+
+uint64_t StateBytes(const UnitLayout& layout, StateDtype dtype) {
+  return RoundUp(layout.padded * 4 + MomentBytes(layout, dtype), 4096);
+}
+
+void MomentsToFloat(const Job& job, const Unit& u, const StateView& view, float* m, float* v) {
+  const uint64_t n = u.layout.padded;
+  if (job.state_dtype == StateDtype::kInt8) {
+    if (m) cpu_adam::Dequantize(cpu_adam::QuantMap::kSigned, view.q.m, view.q.m_absmax, n, m);
+    if (v) cpu_adam::Dequantize(cpu_adam::QuantMap::kUnsigned, view.q.v, view.q.v_absmax, n, v);
+    return;
+  }
+  if (m) std::memcpy(m, view.exp_avg, n * sizeof(float));
+  if (v) std::memcpy(v, view.exp_avg_sq, n * sizeof(float));
+}
+
+void MomentsFromFloat(const Job& job, const Unit& u, const StateView& view, const float* m,
+                      const float* v) {
+  const uint64_t n = u.layout.padded;
+  if (job.state_dtype == StateDtype::kInt8) {
+    cpu_adam::Quantize(cpu_adam::QuantMap::kSigned, m, n, view.q.m, view.q.m_absmax);
+    cpu_adam::Quantize(cpu_adam::QuantMap::kUnsigned, v, n, view.q.v, view.q.v_absmax);
+    return;
+  }
+  std::memcpy(view.exp_avg, m, n * sizeof(float));
+  std::memcpy(view.exp_avg_sq, v, n * sizeof(float));
+}
 uint64_t ParamBytes(const UnitLayout& layout) { return RoundUp(layout.padded * 2, 4096); }
 
 std::vector<size_t> ForwardOrder(const Job& job) {
@@ -63,7 +131,7 @@ Status ForEachUnitState(Job& job, const std::vector<size_t>& order, Access acces
                         const StoredFn& stored) {
   if (job.ring == nullptr) {
     for (size_t k : order) {
-      ZT_RETURN_IF_ERROR(fn(k, BlockView(job.units[k])));
+      ZT_RETURN_IF_ERROR(fn(k, BlockView(job, job.units[k])));
       if (stored) stored(k);
     }
     return Status::Ok();
@@ -79,7 +147,7 @@ Status ForEachUnitState(Job& job, const std::vector<size_t>& order, Access acces
     const Unit& u = job.units[order[i]];
     return nvme::IoRange{.object = u.swap_object,
                          .offset = 0,
-                         .length = StateBytes(u.layout),
+                         .length = StateBytes(u.layout, job.state_dtype),
                          .buffer = ring.slots[slot].ptr};
   };
   // Waits for a slot's write-back, if any.
@@ -90,7 +158,7 @@ Status ForEachUnitState(Job& job, const std::vector<size_t>& order, Access acces
     if (!s.ok()) return s.Annotate(StrCat("write back ", unit_name(writing[slot])));
     Unit& u = job.units[order[writing[slot]]];
     ring.bytes_written.fetch_add(
-        StateBytes(u.layout) + (ParamsOnNvme(job) ? ParamBytes(u.layout) : 0),
+        StateBytes(u.layout, job.state_dtype) + (ParamsOnNvme(job) ? ParamBytes(u.layout) : 0),
         std::memory_order_relaxed);
     if (ParamsOnNvme(job)) u.param_current.fetch_xor(1, std::memory_order_release);
     if (stored) stored(order[writing[slot]]);
@@ -121,7 +189,7 @@ Status ForEachUnitState(Job& job, const std::vector<size_t>& order, Access acces
         status = status.Annotate(StrCat("read ", unit_name(i)));
         break;
       }
-      ring.bytes_read.fetch_add(StateBytes(u.layout), std::memory_order_relaxed);
+      ring.bytes_read.fetch_add(StateBytes(u.layout, job.state_dtype), std::memory_order_relaxed);
     }
     const StateView view = SlotView(job, u, ring.slots[slot]);
     status = fn(order[i], view);

@@ -21,6 +21,10 @@ namespace ztier::engine {
 inline constexpr uint16_t kWireVersion = 2;
 
 enum class Tier : uint8_t { kDram, kNvme };
+// How the engine keeps the AdamW moments m and v (ztier.state_dtype): fp32,
+// or 8-bit block-wise quantized (cpu_adam/adamw.h, StepInt8). The fp32
+// master is kept either way.
+enum class StateDtype : uint8_t { kFp32, kInt8 };
 
 inline constexpr uint64_t kAlignElements = 64;  // 256 B of fp32, 128 B of bf16
 // Limits on what a job may register (far above any real model; they keep

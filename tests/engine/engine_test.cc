@@ -2,7 +2,8 @@
 //  - bit-for-bit against calling cpu_adam directly on the same flat buffers
 //    in a plain loop (clipping on/off, accumulation 1 and 3, R = 1 and 2,
 //    exact and eager modes, states in DRAM or on NVMe through a 3-slot ring
-//    over two swap paths), with ranks as concurrent threads;
+//    over two swap paths, fp32 or 8-bit m and v), with ranks as concurrent
+//    threads;
 //  - overlap: eager updates a unit before the last grads arrive; exact
 //    mode publishes unit 0 while the last unit is still being updated;
 //  - inf/NaN grads skip the step in exact mode and fail it in eager mode;
@@ -44,6 +45,8 @@ struct Reference {
   struct U {
     UnitLayout layout;
     std::vector<float> p, m, v, acc;
+    std::vector<uint8_t> m8, v8;  // 8-bit states
+    std::vector<float> m_absmax, v_absmax;
     std::vector<bf16> out;
     std::vector<double> sq;
   };
@@ -61,17 +64,20 @@ JobSpec Place(JobSpec spec, Placement p) {
 }
 
 class EngineStepTest
-    : public ::testing::TestWithParam<std::tuple<int, float, int, StepMode, Placement>> {};
+    : public ::testing::TestWithParam<std::tuple<int, float, int, StepMode, Placement, StateDtype>> {
+};
 
 TEST_P(EngineStepTest, BitForBitWithPlainCpuAdamLoop) {
-  const auto [ranks, clip, accum, mode, placement] = GetParam();
+  const auto [ranks, clip, accum, mode, placement, dtype] = GetParam();
+  const bool int8 = dtype == StateDtype::kInt8;
   const Tier tier = placement == Placement::kDram ? Tier::kDram : Tier::kNvme;
   const uint64_t seed = std::random_device{}();
   SCOPED_TRACE(StrCat("seed ", seed));
   std::mt19937_64 rng(seed);
   std::normal_distribution<float> normal(0.0f, 1.0f);
   ScratchDir swap("swap");
-  auto engine = MakeEngine(uint64_t{1} << 30, tier == Tier::kNvme ? &swap : nullptr);
+  auto engine = MakeEngine(uint64_t{1} << 30, tier == Tier::kNvme ? &swap : nullptr,
+                           uint64_t{64} << 20, nullptr, dtype);
   const JobSpec spec = Place(SmallModel("eq", ranks, clip, accum, mode), placement);
   Result<int> job = engine->RegisterJob(spec);
   ASSERT_TRUE(job.ok()) << job.status();
@@ -92,6 +98,10 @@ TEST_P(EngineStepTest, BitForBitWithPlainCpuAdamLoop) {
     u.acc.assign(n, 0.0f);
     u.out.assign(n, bf16{0});
     u.sq.assign(ranks, 0.0);
+    u.m8.assign(n, 0);
+    u.v8.assign(n, 0);
+    u.m_absmax.assign(cpu_adam::QuantBlocks(n), 0.0f);
+    u.v_absmax.assign(cpu_adam::QuantBlocks(n), 0.0f);
     for (uint64_t i = 0; i < l->numel; ++i) u.p[i] = 0.1f * normal(rng);
     ASSERT_TRUE(engine->WriteWeights(*job, k, u.p.data(), l->numel).ok());
     ref.units.push_back(std::move(u));
@@ -170,12 +180,27 @@ TEST_P(EngineStepTest, BitForBitWithPlainCpuAdamLoop) {
           .exp_avg = u.m.data(),
           .exp_avg_sq = u.v.data(),
           .params_out = u.out.data()};
-      ASSERT_TRUE(cpu_adam::Step(spec.optimizer.hyper,
-                                 {.step = ref.adam_step,
-                                  .grad_scale = scale,
-                                  .grad_check = cpu_adam::GradCheck::kPrechecked},
-                                 shard, *exec)
-                      .ok());
+      const cpu_adam::StepOptions options{.step = ref.adam_step,
+                                          .grad_scale = scale,
+                                          .grad_check = cpu_adam::GradCheck::kPrechecked};
+      if (int8) {
+        const cpu_adam::Int8Shard shard8{.count = shard.count,
+                                         .grads = shard.grads,
+                                         .grad_type = shard.grad_type,
+                                         .params = shard.params,
+                                         .moments = {.m = u.m8.data(),
+                                                     .v = u.v8.data(),
+                                                     .m_absmax = u.m_absmax.data(),
+                                                     .v_absmax = u.v_absmax.data()},
+                                         .params_out = shard.params_out};
+        ASSERT_TRUE(cpu_adam::StepInt8(spec.optimizer.hyper, options, shard8, {}, *exec).ok());
+        cpu_adam::Dequantize(cpu_adam::QuantMap::kSigned, u.m8.data(), u.m_absmax.data(),
+                             shard.count, u.m.data());
+        cpu_adam::Dequantize(cpu_adam::QuantMap::kUnsigned, u.v8.data(), u.v_absmax.data(),
+                             shard.count, u.v.data());
+      } else {
+        ASSERT_TRUE(cpu_adam::Step(spec.optimizer.hyper, options, shard, *exec).ok());
+      }
     }
     // Engine side: wait for the step, then compare every byte.
     for (int k = 0; k < nunits; ++k) {
@@ -204,7 +229,11 @@ TEST_P(EngineStepTest, BitForBitWithPlainCpuAdamLoop) {
   }());
   if (tier == Tier::kNvme) {  // every step read and wrote every unit's state
     uint64_t state = 0;
-    for (const auto& u : ref.units) state += (u.layout.padded * 12 + 4095) / 4096 * 4096;
+    for (const auto& u : ref.units) {
+      const uint64_t n = u.layout.padded;
+      const uint64_t bytes = int8 ? 6 * n + 8 * cpu_adam::QuantBlocks(n) : 12 * n;
+      state += (bytes + 4095) / 4096 * 4096;
+    }
     EXPECT_GE(c.nvme_write_bytes, state * steps);
     EXPECT_GE(c.nvme_read_bytes, state * steps);
     uint64_t params = 0;
@@ -227,8 +256,10 @@ std::vector<EngineStepTest::ParamType> StepCases() {
       for (int accum : {1, 3}) {
         for (StepMode mode : {StepMode::kExact, StepMode::kEager}) {
           if (mode == StepMode::kEager && clip > 0.0f) continue;
-          for (Placement p : {Placement::kDram, Placement::kNvmeStates, Placement::kNvmeAll})
-            out.emplace_back(ranks, clip, accum, mode, p);
+          for (Placement p : {Placement::kDram, Placement::kNvmeStates, Placement::kNvmeAll}) {
+            out.emplace_back(ranks, clip, accum, mode, p, StateDtype::kFp32);
+            out.emplace_back(ranks, clip, accum, mode, p, StateDtype::kInt8);
+          }
         }
       }
     }
@@ -245,7 +276,8 @@ INSTANTIATE_TEST_SUITE_P(Modes, EngineStepTest, ::testing::ValuesIn(StepCases())
                                std::get<3>(p.param) == StepMode::kExact ? "_exact" : "_eager",
                                std::get<4>(p.param) == Placement::kDram         ? "_dram"
                                : std::get<4>(p.param) == Placement::kNvmeStates ? "_nvme_states"
-                                                                                : "_nvme_all");
+                                                                                : "_nvme_all",
+                               std::get<5>(p.param) == StateDtype::kInt8 ? "_int8" : "");
                          });
 
 TEST(EngineOverlapTest, EagerUpdatesAUnitBeforeTheLastGradsArrive) {

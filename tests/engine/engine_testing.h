@@ -28,8 +28,10 @@ using ztier::testing::ScratchDir;
 inline std::unique_ptr<Engine> MakeEngine(uint64_t budget = uint64_t{1} << 30,
                                           const ScratchDir* swap = nullptr,
                                           uint64_t swap_capacity = uint64_t{64} << 20,
-                                          std::shared_ptr<nvme::IoBackend> backend = nullptr) {
+                                          std::shared_ptr<nvme::IoBackend> backend = nullptr,
+                                          StateDtype state_dtype = StateDtype::kFp32) {
   Settings s;
+  s.state_dtype = state_dtype;
   s.dram_budget_bytes = budget;
   s.optimizer_threads = 2;
   s.pin_memory = false;
