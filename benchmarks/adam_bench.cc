@@ -7,7 +7,10 @@
 // ratio adam / limit. bytes/s counts the one-pass pattern: grads (2 or 4 B) +
 // params, m, v read and written (24 B) + the bf16 copy (2 B) per param; the
 // scan-first mode reads the grads a second time and is charged the same bytes,
-// so its ratio shows that cost.
+// so its ratio shows that cost. With --state-dtype int8 the step is
+// cpu_adam::StepInt8 and the limit the 8-bit pattern (Int8PatternRange):
+// grads + params read and written (8 B) + m and v codes read and written
+// (4 B) + the bf16 copy + 16 B of absmax per 256-element block.
 //
 // Single-threaded driver; the kernels run on a cpu_adam::Executor.
 #include <algorithm>
@@ -38,6 +41,7 @@ struct AdamOptions {
                                              cpu_adam::GradCheck::kScanFirst};
   int runs = 5;
   bool json = false;
+  bool int8 = false;  // --state-dtype int8
 };
 
 constexpr const char* kUsage = R"(usage: ztier-bench adam [options]
@@ -54,6 +58,9 @@ same run, and prints the ratio to that limit.
   --check prechecked|scan|both
                    prechecked: one pass (grads already scanned, the engine's
                    path); scan: scan grads for inf/NaN first (default both)
+  --state-dtype fp32|int8
+                   m and v in fp32 (Step) or 8-bit block-wise quantized
+                   (StepInt8; bf16 copy with regular stores) (default fp32)
   --runs N         timed runs of each kernel, best kept (default 5)
   --json           print one JSON object as the last line
 )";
@@ -108,6 +115,12 @@ Status ParseArgs(int argc, char** argv, AdamOptions* o) {
         o->checks = {cpu_adam::GradCheck::kPrechecked, cpu_adam::GradCheck::kScanFirst};
       else
         return Status::InvalidArgument(StrCat("--check ", v, ": want prechecked, scan or both"));
+    } else if (arg == "--state-dtype") {
+      ZT_ASSIGN_OR_RETURN(std::string_view v, args.Value());
+      if (v != "fp32" && v != "int8") {
+        return Status::InvalidArgument(StrCat("--state-dtype ", v, ": want fp32 or int8"));
+      }
+      o->int8 = v == "int8";
     } else if (arg == "--runs") {
       ZT_ASSIGN_OR_RETURN(uint64_t runs, args.Count(1, 1000));
       o->runs = static_cast<int>(runs);
@@ -127,21 +140,52 @@ Status ParseArgs(int argc, char** argv, AdamOptions* o) {
 
 // The shard's buffers, 64-byte aligned, filled in parallel so that pages are
 // placed by the threads that will use them.
+// With 8-bit states m and v are codes (m8, v8) and absmax per block.
 struct Buffers {
   uint64_t n;
-  hwy::AlignedFreeUniquePtr<float[]> p, m, v, g32;
+  bool int8;
+  hwy::AlignedFreeUniquePtr<float[]> p, m, v, g32, m_absmax, v_absmax;
   hwy::AlignedFreeUniquePtr<uint16_t[]> g16, out;
+  hwy::AlignedFreeUniquePtr<uint8_t[]> m8, v8;
 
-  explicit Buffers(uint64_t count, bool bf16_grads)
+  Buffers(uint64_t count, bool bf16_grads, bool int8_states)
       : n(count),
+        int8(int8_states),
         p(hwy::AllocateAligned<float>(count)),
-        m(hwy::AllocateAligned<float>(count)),
-        v(hwy::AllocateAligned<float>(count)),
+        m(int8 ? nullptr : hwy::AllocateAligned<float>(count)),
+        v(int8 ? nullptr : hwy::AllocateAligned<float>(count)),
         g32(bf16_grads ? nullptr : hwy::AllocateAligned<float>(count)),
+        m_absmax(int8 ? hwy::AllocateAligned<float>(cpu_adam::QuantBlocks(count)) : nullptr),
+        v_absmax(int8 ? hwy::AllocateAligned<float>(cpu_adam::QuantBlocks(count)) : nullptr),
         g16(bf16_grads ? hwy::AllocateAligned<uint16_t>(count) : nullptr),
-        out(hwy::AllocateAligned<uint16_t>(count)) {}
+        out(hwy::AllocateAligned<uint16_t>(count)),
+        m8(int8 ? hwy::AllocateAligned<uint8_t>(count) : nullptr),
+        v8(int8 ? hwy::AllocateAligned<uint8_t>(count) : nullptr) {}
 
-  bool ok() const { return p && m && v && (g32 || g16) && out; }
+  bool ok() const {
+    return p && (int8 ? m8 && v8 && m_absmax && v_absmax : m && v) && (g32 || g16) && out;
+  }
+
+  // The 8-bit m and v of the fp32 values Fill() makes, block by block on
+  // the threads that will use them.
+  void FillInt8(cpu_adam::Executor& executor) {
+    executor.ParallelFor(cpu_adam::QuantBlocks(n), [&](size_t first, size_t last) {
+      std::vector<float> mf(cpu_adam::kQuantBlock), vf(cpu_adam::kQuantBlock);
+      for (size_t b = first; b < last; ++b) {
+        const size_t begin = b * cpu_adam::kQuantBlock;
+        const size_t count = std::min<size_t>(n - begin, cpu_adam::kQuantBlock);
+        for (size_t i = 0; i < count; ++i) {
+          const float u = p[begin + i];
+          mf[i] = 0.01f * u;
+          vf[i] = 1e-4f * u * u;
+        }
+        cpu_adam::Quantize(cpu_adam::QuantMap::kSigned, mf.data(), count, m8.get() + begin,
+                           m_absmax.get() + b);
+        cpu_adam::Quantize(cpu_adam::QuantMap::kUnsigned, vf.data(), count, v8.get() + begin,
+                           v_absmax.get() + b);
+      }
+    });
+  }
 
   void Fill(cpu_adam::Executor& executor) {
     executor.ParallelFor(n, [&](size_t begin, size_t end) {
@@ -153,8 +197,8 @@ struct Buffers {
         z ^= z >> 31;
         const float u = static_cast<float>(z >> 40) * (1.0f / 16777216.0f) - 0.5f;  // [-0.5, 0.5)
         p[i] = u;
-        m[i] = 0.01f * u;
-        v[i] = 1e-4f * u * u;
+        if (m) m[i] = 0.01f * u;
+        if (v) v[i] = 1e-4f * u * u;
         const float grad = 0.02f * u;
         if (g32) g32[i] = grad;
         if (g16) g16[i] = FloatToBf16(grad).bits;
@@ -188,6 +232,7 @@ std::string CaseJson(const CaseResult& r, const AdamOptions& o) {
       .Add("threads", r.threads)
       .Add("grad", o.grad_type == cpu_adam::GradType::kBFloat16 ? "bf16" : "fp32")
       .Add("out", o.with_out ? "bf16" : "none")
+      .Add("state_dtype", o.int8 ? "int8" : "fp32")
       .Add("store", StoreName(r.store))
       .Add("check", CheckName(r.check))
       .Add("seconds", r.adam_seconds)
@@ -212,18 +257,22 @@ int RunAdam(int argc, char** argv) {
     if (cores > 1) o.threads.push_back(static_cast<uint64_t>(cores));
   }
   const bool bf16_grads = o.grad_type == cpu_adam::GradType::kBFloat16;
-  const double bytes_per_param = (bf16_grads ? 2.0 : 4.0) + 24.0 + (o.with_out ? 2.0 : 0.0);
+  const double state_bytes = o.int8 ? 8.0 + 4.0 + 16.0 / cpu_adam::kQuantBlock : 24.0;
+  const double bytes_per_param = (bf16_grads ? 2.0 : 4.0) + state_bytes + (o.with_out ? 2.0 : 0.0);
+  if (o.int8) o.stores = {cpu_adam::OutputStore::kRegular};  // StepInt8's only kind
 
-  std::printf("ztier-bench adam: SIMD target %s, %d core(s), grads %s, out %s, best of %d runs\n",
-              cpu_adam::ActiveTarget().c_str(), cores, bf16_grads ? "bf16" : "fp32",
-              o.with_out ? "bf16" : "none", o.runs);
+  std::printf(
+      "ztier-bench adam: SIMD target %s, %d core(s), grads %s, out %s, states %s, best of %d "
+      "runs\n",
+      cpu_adam::ActiveTarget().c_str(), cores, bf16_grads ? "bf16" : "fp32",
+      o.with_out ? "bf16" : "none", o.int8 ? "int8" : "fp32", o.runs);
   std::printf("%8s %7s %-10s %-7s %10s %13s %10s %13s %7s\n", "params", "threads", "check", "store",
               "seconds", "Mparams/s", "GB/s", "limit GB/s", "ratio");
 
   std::vector<CaseResult> results;
   const cpu_adam::Hyper hyper{.lr = 1e-4f, .weight_decay = 0.01f};
   for (uint64_t n : o.params) {
-    Buffers buf(n, bf16_grads);
+    Buffers buf(n, bf16_grads, o.int8);
     if (!buf.ok()) {
       std::fprintf(stderr, "ztier-bench adam: cannot allocate %.2f GiB for %s params\n",
                    bytes_per_param * static_cast<double>(n) / (1 << 30), FormatCount(n).c_str());
@@ -237,6 +286,7 @@ int RunAdam(int argc, char** argv) {
         return 1;
       }
       buf.Fill(*exec);
+      if (o.int8) buf.FillInt8(*exec);
       const cpu_adam::Shard shard{
           .count = n,
           .grads = bf16_grads ? static_cast<const void*>(buf.g16.get()) : buf.g32.get(),
@@ -245,6 +295,7 @@ int RunAdam(int argc, char** argv) {
           .exp_avg = buf.m.get(),
           .exp_avg_sq = buf.v.get(),
           .params_out = o.with_out ? reinterpret_cast<bf16*>(buf.out.get()) : nullptr};
+      // (fp32 only: StepInt8 takes shard8 below.)
       int64_t step = 0;
       for (cpu_adam::OutputStore store : o.stores) {
         const AdamPatternArgs pattern{.grads = shard.grads,
@@ -254,6 +305,23 @@ int RunAdam(int argc, char** argv) {
                                       .exp_avg_sq = buf.v.get(),
                                       .out = o.with_out ? buf.out.get() : nullptr,
                                       .stream_out = store == cpu_adam::OutputStore::kStreaming};
+        const Int8PatternArgs pattern8{.grads = shard.grads,
+                                       .grads_bf16 = bf16_grads,
+                                       .params = buf.p.get(),
+                                       .m = buf.m8.get(),
+                                       .v = buf.v8.get(),
+                                       .m_absmax = buf.m_absmax.get(),
+                                       .v_absmax = buf.v_absmax.get(),
+                                       .out = o.with_out ? buf.out.get() : nullptr};
+        const cpu_adam::Int8Shard shard8{.count = n,
+                                         .grads = shard.grads,
+                                         .grad_type = o.grad_type,
+                                         .params = buf.p.get(),
+                                         .moments = {.m = buf.m8.get(),
+                                                     .v = buf.v8.get(),
+                                                     .m_absmax = buf.m_absmax.get(),
+                                                     .v_absmax = buf.v_absmax.get()},
+                                         .params_out = shard.params_out};
         for (cpu_adam::GradCheck check : o.checks) {
           CaseResult r{n, static_cast<int>(t), check, store, 1e30, 1e30, bytes_per_param};
           // One untimed round of each first, then alternate timed rounds.
@@ -261,14 +329,24 @@ int RunAdam(int argc, char** argv) {
             double t0 = NowSeconds();
             exec->ParallelFor((n + cpu_adam::kTileElements - 1) / cpu_adam::kTileElements,
                               [&](size_t first, size_t last) {
-                                AdamPatternRange(
-                                    pattern, first * cpu_adam::kTileElements,
-                                    std::min<uint64_t>(n, last * cpu_adam::kTileElements));
+                                const size_t begin = first * cpu_adam::kTileElements;
+                                const size_t end =
+                                    std::min<uint64_t>(n, last * cpu_adam::kTileElements);
+                                if (o.int8) {
+                                  Int8PatternRange(pattern8, begin, end);
+                                } else {
+                                  AdamPatternRange(pattern, begin, end);
+                                }
                               });
             const double limit = NowSeconds() - t0;
+            // The pattern moved the 8-bit state: back to plausible moments.
+            if (o.int8) buf.FillInt8(*exec);
             t0 = NowSeconds();
-            Result<cpu_adam::StepResult> sr = cpu_adam::Step(
-                hyper, {.step = ++step, .grad_check = check, .output_store = store}, shard, *exec);
+            const cpu_adam::StepOptions options{
+                .step = ++step, .grad_check = check, .output_store = store};
+            Result<cpu_adam::StepResult> sr =
+                o.int8 ? cpu_adam::StepInt8(hyper, options, shard8, {}, *exec)
+                       : cpu_adam::Step(hyper, options, shard, *exec);
             const double adam = NowSeconds() - t0;
             if (!sr.ok() || sr->skipped) {
               std::fprintf(stderr, "ztier-bench adam: step failed: %s\n",

@@ -1,6 +1,8 @@
 // ztier-bench: per-target same-pattern memory kernels (see memory_pattern.h).
 #include "benchmarks/memory_pattern.h"
 
+#include <algorithm>
+
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "benchmarks/memory_pattern.cc"
 #include "hwy/cache_control.h"
@@ -108,6 +110,56 @@ void AdamPatternRangeImpl(const AdamPatternArgs& a, size_t begin, size_t end) {
   }
 }
 
+// Block by block, as the 8-bit kernel goes: the float streams, then the
+// block's codes in byte vectors, then its two absmax.
+template <class G>
+void Int8RangeT(const Int8PatternArgs& a, const G* HWY_RESTRICT g, size_t begin, size_t end) {
+  const hn::ScalableTag<float> d;
+  const hn::CappedTag<float, 1> d1;
+  const hn::ScalableTag<uint8_t> d8;
+  const hn::CappedTag<uint8_t, 1> d8_1;
+  const hn::RebindToUnsigned<decltype(d)> du;
+  const hn::RebindToSigned<decltype(d)> di;
+  const hn::RebindToUnsigned<decltype(d1)> du1;
+  const hn::RebindToSigned<decltype(d1)> di1;
+  const hn::Rebind<uint16_t, decltype(d)> d16;
+  const hn::Rebind<uint16_t, decltype(d1)> d16_1;
+  float* HWY_RESTRICT p = a.params;
+  uint16_t* HWY_RESTRICT out = a.out;
+  const auto floats = [&](auto dd, auto ddu, auto ddi, auto dd16, size_t i) HWY_ATTR {
+    const auto np = hn::Add(hn::LoadU(dd, p + i), LoadGrad(dd, g + i));
+    hn::StoreU(np, dd, p + i);
+    if (out != nullptr) {
+      hn::StoreU(hn::DemoteTo(dd16, hn::BitCast(ddi, hn::ShiftRight<16>(hn::BitCast(ddu, np)))),
+                 dd16, out + i);
+    }
+  };
+  const auto codes = [&](auto dd8, uint8_t* HWY_RESTRICT c, size_t i) HWY_ATTR {
+    hn::StoreU(hn::Add(hn::LoadU(dd8, c + i), hn::Set(dd8, uint8_t{1})), dd8, c + i);
+  };
+  for (size_t s = begin; s < end; s += 256) {
+    const size_t e = std::min(end, s + 256);
+    size_t i = s;
+    for (; i + hn::Lanes(d) <= e; i += hn::Lanes(d)) floats(d, du, di, d16, i);
+    for (; i < e; ++i) floats(d1, du1, di1, d16_1, i);
+    for (uint8_t* c : {a.m, a.v}) {
+      i = s;
+      for (; i + hn::Lanes(d8) <= e; i += hn::Lanes(d8)) codes(d8, c, i);
+      for (; i < e; ++i) codes(d8_1, c, i);
+    }
+    a.m_absmax[s / 256] += 1.0f;
+    a.v_absmax[s / 256] += 1.0f;
+  }
+}
+
+void Int8PatternRangeImpl(const Int8PatternArgs& a, size_t begin, size_t end) {
+  if (a.grads_bf16) {
+    Int8RangeT(a, static_cast<const uint16_t*>(a.grads), begin, end);
+  } else {
+    Int8RangeT(a, static_cast<const float*>(a.grads), begin, end);
+  }
+}
+
 }  // namespace HWY_NAMESPACE
 }  // namespace ztier::bench
 HWY_AFTER_NAMESPACE();
@@ -117,6 +169,10 @@ namespace ztier::bench {
 HWY_EXPORT(AdamPatternRangeImpl);
 void AdamPatternRange(const AdamPatternArgs& args, size_t begin, size_t end) {
   HWY_DYNAMIC_DISPATCH(AdamPatternRangeImpl)(args, begin, end);
+}
+HWY_EXPORT(Int8PatternRangeImpl);
+void Int8PatternRange(const Int8PatternArgs& args, size_t begin, size_t end) {
+  HWY_DYNAMIC_DISPATCH(Int8PatternRangeImpl)(args, begin, end);
 }
 }  // namespace ztier::bench
 #endif

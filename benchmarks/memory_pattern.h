@@ -29,6 +29,23 @@ struct AdamPatternArgs {
 
 void AdamPatternRange(const AdamPatternArgs& args, size_t begin, size_t end);
 
+// The 8-bit states' pattern (cpu_adam::StepInt8): grads read, params read
+// and written, m and v codes read and written, each 256-element block's two
+// absmax read and written, the bf16 copy written (regular stores). `begin`
+// is a multiple of cpu_adam::kQuantBlock.
+struct Int8PatternArgs {
+  const void* grads;
+  bool grads_bf16;
+  float* params;
+  uint8_t* m;
+  uint8_t* v;
+  float* m_absmax;
+  float* v_absmax;
+  uint16_t* out;  // bf16 bits or null
+};
+
+void Int8PatternRange(const Int8PatternArgs& args, size_t begin, size_t end);
+
 }  // namespace ztier::bench
 
 #endif  // ZTIER_BENCHMARKS_MEMORY_PATTERN_H_

@@ -6,7 +6,10 @@
 //   compute alone  cpu_adam::Step on every unit's size from DRAM buffers,
 //                  with the engine's thread count.
 // Overlap efficiency = max(io alone, compute alone) / step: 1.0 means the
-// pipeline hides the smaller of the two entirely.
+// pipeline hides the smaller of the two entirely. --state-dtype int8 keeps
+// m and v 8-bit (the compute alone is then cpu_adam::StepInt8); both runs
+// fp32 then int8 on the same drives and reports the ratio of their steps
+// and the NVMe bytes each step moved.
 //
 // The step is timed from the moment the last unit's grads are handed over
 // (the other units' grads are in, as at the end of a backward pass) until
@@ -51,6 +54,7 @@ struct StepBenchOptions {
   uint32_t qd = 16;
   bool checksums = true;
   bool json = false;
+  std::vector<engine::StateDtype> dtypes = {engine::StateDtype::kFp32};
 };
 
 constexpr const char* kUsage = R"(usage: ztier-bench step [options]
@@ -74,6 +78,8 @@ RSS against the pinned pool.
   --stripe N        stripe unit (default 1M)
   --qd N            queue depth per path (default 16)
   --no-checksums    turn off per-stripe CRC-32C
+  --state-dtype D   fp32, int8 (8-bit m and v) or both (fp32 then int8, and
+                    the ratio of their step times) (default fp32)
   --json            print one JSON object as the last line
 )";
 
@@ -109,6 +115,17 @@ Status ParseArgs(int argc, char** argv, StepBenchOptions* o) {
       ZT_RETURN_IF_ERROR(args.CountInto(&o->qd, 1, 4096));
     } else if (args.Is("--no-checksums")) {
       o->checksums = false;
+    } else if (args.Is("--state-dtype")) {
+      ZT_ASSIGN_OR_RETURN(std::string_view v, args.Value());
+      if (v == "fp32") {
+        o->dtypes = {engine::StateDtype::kFp32};
+      } else if (v == "int8") {
+        o->dtypes = {engine::StateDtype::kInt8};
+      } else if (v == "both") {
+        o->dtypes = {engine::StateDtype::kFp32, engine::StateDtype::kInt8};
+      } else {
+        return Status::InvalidArgument(StrCat("--state-dtype ", v, ": want fp32, int8 or both"));
+      }
     } else if (args.Is("--json")) {
       o->json = true;
     } else {
@@ -169,28 +186,39 @@ struct Buffer {
   Buffer& operator=(const Buffer&) = delete;
 };
 
-}  // namespace
+// What one run reports to the next (--state-dtype both).
+struct RunSummary {
+  double step_seconds = 0;
+  uint64_t read_bytes_per_step = 0, write_bytes_per_step = 0;
+  std::string json;
+};
 
-int RunStep(int argc, char** argv) {
-  StepBenchOptions o;
-  if (Status s = ParseArgs(argc, argv, &o); !s.ok()) return UsageExit(s, "step", kUsage);
+// One job of `dtype` states, timed; 0 or FailExit's code.
+int RunOnce(const StepBenchOptions& o, engine::StateDtype dtype, RunSummary* summary) {
   const auto fail = [](const Status& s) { return FailExit(s, "step"); };
   const bool nvme = o.tier == Tier::kNvme;
+  const bool int8 = dtype == engine::StateDtype::kInt8;
   const uint64_t units = (o.params + o.unit_params - 1) / o.unit_params;
-  const uint64_t state_bytes = o.params * 12;
+  // master + m + v: 12 B a param, or 6 B and two fp32 absmax per 256.
+  const double state_per_param = int8 ? 6.0 + 8.0 / cpu_adam::kQuantBlock : 12.0;
+  const uint64_t state_bytes =
+      static_cast<uint64_t>(static_cast<double>(o.params) * state_per_param);
+  const uint64_t slot_params =
+      static_cast<uint64_t>(static_cast<double>(o.unit_params) * state_per_param);
 
   engine::Settings settings;
   settings.optimizer_threads = o.threads;
   settings.buffer_count = o.buffer_count;
+  settings.state_dtype = dtype;
   // The pool holds the grad inbox and publish buffer (4 B a param), the fp32
   // state too in DRAM (12 B), and the ring (NVMe); plus slack for padding.
   const bool nvme_params = o.param_tier == Tier::kNvme;
   const uint64_t ring_bytes =
-      nvme ? uint64_t{o.buffer_count} * o.unit_params * (nvme_params ? 16 : 12) : 0;
+      nvme ? uint64_t{o.buffer_count} * (slot_params + (nvme_params ? 4 * o.unit_params : 0)) : 0;
   // The pool reserves 256 MiB regions: allow one region of fragmentation.
-  settings.dram_budget_bytes = o.params * (nvme_params ? 2
-                                           : nvme      ? 4
-                                                       : 16) +
+  settings.dram_budget_bytes = (nvme_params ? 2 * o.params
+                                : nvme      ? 4 * o.params
+                                            : 4 * o.params + state_bytes) +
                                ring_bytes + units * (uint64_t{64} << 10) + (uint64_t{320} << 20);
   if (nvme) {
     for (const std::string& p : o.paths) {
@@ -224,12 +252,13 @@ int RunStep(int argc, char** argv) {
   Result<int> job = e.RegisterJob(spec);
   if (!job.ok()) return fail(job.status());
   std::printf(
-      "ztier-bench step: %s params in %llu units, states %s (%.1f GiB fp32 master+m+v), params "
-      "%s%s, %s optimizer threads\n",
+      "ztier-bench step: %s params in %llu units, states %s (%.1f GiB: fp32 master, %s m+v), "
+      "params %s%s, %s optimizer threads\n",
       FormatCount(o.params).c_str(), static_cast<unsigned long long>(units),
-      nvme ? "on NVMe" : "in DRAM", Gib(state_bytes), nvme_params ? "on NVMe" : "in DRAM",
+      nvme ? "on NVMe" : "in DRAM", Gib(state_bytes), int8 ? "int8" : "fp32",
+      nvme_params ? "on NVMe" : "in DRAM",
       nvme ? StrCat(", ", o.paths.size(), " path(s), ring ", o.buffer_count, " x ",
-                    FormatCount(o.unit_params * 12), "B")
+                    FormatCount(slot_params), "B")
                  .c_str()
            : "",
       o.threads == 0 ? "all" : StrCat(o.threads).c_str());
@@ -267,6 +296,25 @@ int RunStep(int argc, char** argv) {
   auto compute_alone = [&](double* seconds) -> Status {
     const double t0 = NowSeconds();
     for (const engine::UnitLayout& l : layouts) {
+      const cpu_adam::StepOptions options{
+          .step = step + 1, .grad_scale = 0.5f, .grad_check = cpu_adam::GradCheck::kPrechecked};
+      if (int8) {  // codes in m's buffer, absmax in v's
+        auto* codes = static_cast<uint8_t*>(m.p);
+        auto* absmax = static_cast<float*>(v.p);
+        const cpu_adam::Int8Shard shard8{
+            .count = l.padded,
+            .grads = g.p,
+            .grad_type = cpu_adam::GradType::kBFloat16,
+            .params = static_cast<float*>(p.p),
+            .moments = {.m = codes,
+                        .v = codes + l.padded,
+                        .m_absmax = absmax,
+                        .v_absmax = absmax + cpu_adam::QuantBlocks(l.padded)},
+            .params_out = static_cast<bf16*>(out.p)};
+        ZT_RETURN_IF_ERROR(
+            cpu_adam::StepInt8(spec.optimizer.hyper, options, shard8, {}, *exec).status());
+        continue;
+      }
       const cpu_adam::Shard shard{.count = l.padded,
                                   .grads = g.p,
                                   .grad_type = cpu_adam::GradType::kBFloat16,
@@ -274,12 +322,7 @@ int RunStep(int argc, char** argv) {
                                   .exp_avg = static_cast<float*>(m.p),
                                   .exp_avg_sq = static_cast<float*>(v.p),
                                   .params_out = static_cast<bf16*>(out.p)};
-      ZT_RETURN_IF_ERROR(cpu_adam::Step(spec.optimizer.hyper,
-                                        {.step = step + 1,
-                                         .grad_scale = 0.5f,
-                                         .grad_check = cpu_adam::GradCheck::kPrechecked},
-                                        shard, *exec)
-                             .status());
+      ZT_RETURN_IF_ERROR(cpu_adam::Step(spec.optimizer.hyper, options, shard, *exec).status());
     }
     *seconds = NowSeconds() - t0;
     return Status::Ok();
@@ -295,6 +338,7 @@ int RunStep(int argc, char** argv) {
               "compute in", "io wait in", "efficiency");
 
   std::vector<Round> rounds;
+  uint64_t step_read = 0, step_written = 0;  // NVMe bytes in the timed steps
   for (int r = 0; r < o.steps; ++r) {
     Round round;
     if (nvme) {
@@ -308,6 +352,8 @@ int RunStep(int argc, char** argv) {
     const engine::JobCounters after = e.counters(*job);
     round.compute_in_step = after.compute_seconds - before.compute_seconds;
     round.io_wait_in_step = after.io_wait_seconds - before.io_wait_seconds;
+    step_read += after.nvme_read_bytes - before.nvme_read_bytes;
+    step_written += after.nvme_write_bytes - before.nvme_write_bytes;
     std::printf("%5lld %9.3f %9.3f %9.3f %11.3f %11.3f %10.3f\n", static_cast<long long>(step),
                 round.step, round.io, round.compute, round.compute_in_step, round.io_wait_in_step,
                 round.efficiency());
@@ -325,22 +371,26 @@ int RunStep(int argc, char** argv) {
   const uint64_t scratch = max_padded * 16;
   std::printf("mean: step %.3f s, io alone %.3f s, compute alone %.3f s, overlap efficiency %.3f\n",
               mean_step, mean_io, mean_compute, mean_eff);
+  const uint64_t read_per_step = step_read / rounds.size();
+  const uint64_t written_per_step = step_written / rounds.size();
   if (nvme) {
-    const uint64_t written = state_bytes + (nvme_params ? o.params * 2 : 0);
-    const double moved = static_cast<double>(state_bytes + written);
+    const double moved = static_cast<double>(read_per_step + written_per_step);
     std::printf(
         "traffic per step: %.2f GiB read + %.2f GiB written; %.2f GB/s in the step, "
         "%.2f GB/s alone\n",
-        Gib(state_bytes), Gib(written), moved / mean_step / 1e9, moved / mean_io / 1e9);
+        Gib(read_per_step), Gib(written_per_step), moved / mean_step / 1e9, moved / mean_io / 1e9);
   }
   std::printf(
       "%.1f Mparams/s; peak RSS %.2f GiB = pinned pool %.2f GiB (ring %.2f GiB) + "
-      "compute-alone scratch %.2f GiB + %.2f GiB other; fp32 state %.2f GiB\n",
+      "compute-alone scratch %.2f GiB + %.2f GiB other; state %.2f GiB\n",
       o.params / mean_step / 1e6, Gib(rss.peak), Gib(c.dram_bytes), Gib(ring_bytes), Gib(scratch),
       Gib(rss.peak > c.dram_bytes + scratch ? rss.peak - c.dram_bytes - scratch : 0),
       Gib(state_bytes));
 
-  if (o.json) {
+  summary->step_seconds = mean_step;
+  summary->read_bytes_per_step = read_per_step;
+  summary->write_bytes_per_step = written_per_step;
+  {
     std::vector<std::string> per_step, paths;
     for (const Round& r : rounds) {
       JsonObject j;
@@ -357,6 +407,7 @@ int RunStep(int argc, char** argv) {
     j.Add("bench", "step")
         .Add("tier", nvme ? "nvme" : "dram")
         .Add("param_tier", nvme_params ? "nvme" : "dram")
+        .Add("state_dtype", int8 ? "int8" : "fp32")
         .Add("params", o.params)
         .Add("units", units)
         .Add("state_bytes", state_bytes)
@@ -375,8 +426,10 @@ int RunStep(int argc, char** argv) {
         .Add("scratch_bytes", scratch)
         .Add("nvme_read_bytes", c.nvme_read_bytes)
         .Add("nvme_write_bytes", c.nvme_write_bytes)
+        .Add("nvme_read_bytes_per_step", read_per_step)
+        .Add("nvme_write_bytes_per_step", written_per_step)
         .AddRaw("steps", JsonArray(per_step));
-    std::printf("%s\n", j.str().c_str());
+    summary->json = j.str();
   }
   Status s = e.UnregisterJob(*job);
   created->reset();
@@ -384,6 +437,41 @@ int RunStep(int argc, char** argv) {
     for (const std::string& path : o.paths) fs::remove(fs::path(path) / "ztier.swap");
   }
   return s.ok() ? 0 : fail(s);
+}
+
+}  // namespace
+
+int RunStep(int argc, char** argv) {
+  StepBenchOptions o;
+  if (Status s = ParseArgs(argc, argv, &o); !s.ok()) return UsageExit(s, "step", kUsage);
+  std::vector<RunSummary> runs(o.dtypes.size());
+  for (size_t i = 0; i < o.dtypes.size(); ++i) {
+    if (i > 0) std::printf("\n");
+    if (int rc = RunOnce(o, o.dtypes[i], &runs[i]); rc != 0) return rc;
+  }
+  double ratio = 0;
+  if (runs.size() == 2) {
+    ratio = runs[1].step_seconds / runs[0].step_seconds;
+    std::printf(
+        "\nint8 / fp32: step %.3f / %.3f s = %.3f; NVMe bytes a step %.2f / %.2f GiB = %.3f\n",
+        runs[1].step_seconds, runs[0].step_seconds, ratio,
+        Gib(runs[1].read_bytes_per_step + runs[1].write_bytes_per_step),
+        Gib(runs[0].read_bytes_per_step + runs[0].write_bytes_per_step),
+        static_cast<double>(runs[1].read_bytes_per_step + runs[1].write_bytes_per_step) /
+            std::max<double>(1, runs[0].read_bytes_per_step + runs[0].write_bytes_per_step));
+  }
+  if (o.json) {
+    if (runs.size() == 1) {
+      std::printf("%s\n", runs[0].json.c_str());
+    } else {
+      std::vector<std::string> each;
+      for (const RunSummary& r : runs) each.push_back(r.json);
+      JsonObject j;
+      j.Add("bench", "step").Add("int8_over_fp32_step", ratio).AddRaw("runs", JsonArray(each));
+      std::printf("%s\n", j.str().c_str());
+    }
+  }
+  return 0;
 }
 
 }  // namespace ztier::bench

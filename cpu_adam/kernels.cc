@@ -308,9 +308,10 @@ HWY_INLINE void QuantLanes(D d, const QuantTables& t, V x, V inv, uint8_t* HWY_R
   const auto a = hn::Min(hn::Mul(hn::Abs(x), inv), hn::Set(d, 1.0f));
   auto i = hn::Sub(hn::ShiftRight<kShift>(hn::BitCast(di, a)), hn::Set(di, t.base));
   i = hn::Min(hn::Max(i, hn::Zero(di)), hn::Set(di, t.buckets - 1));
-  auto code = hn::GatherIndex(di, t.bucket, i);
-  const auto up = hn::GatherIndex(d, t.upper, code);
-  code = hn::Add(code, hn::IfThenElseZero(hn::RebindMask(di, hn::Gt(a, up)), hn::Set(di, 1)));
+  const auto entry = hn::GatherIndex(di, t.bucket, i);
+  const auto low = hn::And(hn::BitCast(di, a), hn::Set(di, (1 << kShift) - 1));
+  auto code = hn::And(entry, hn::Set(di, 0xff));
+  code = hn::Add(code, hn::IfThenElseZero(hn::Gt(low, hn::ShiftRight<8>(entry)), hn::Set(di, 1)));
   if constexpr (kSigned) {
     const auto neg =
         hn::And(hn::RebindMask(di, hn::Lt(x, hn::Zero(d))), hn::Ne(code, hn::Zero(di)));

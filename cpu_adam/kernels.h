@@ -53,11 +53,13 @@ struct RangeResult {
 //   upper[k]      the midpoint between magnitude k and k + 1 (2 for the
 //                 last), so magnitude k is the answer for a in
 //                 (upper[k - 1], upper[k]];
-//   bucket[i]     the magnitude nearest to the low end of bucket i, where
-//                 i = (bits(a) >> kShift) - base for a normalized magnitude
-//                 a in [0, 1], clamped to [0, buckets - 1]. Each bucket holds
-//                 at most one midpoint, so the magnitude of a is bucket[i]
-//                 + (a > upper[bucket[i]]).
+//   bucket[i]     for bucket i = (bits(a) >> kShift) - base of a
+//                 normalized magnitude a in [0, 1] (clamped to [0, buckets -
+//                 1]): the magnitude c nearest to the bucket's low end in
+//                 bits 0-7, and above them the low kShift bits of the one
+//                 midpoint the bucket may hold (all ones: none), so the
+//                 magnitude of a is c + (low bits of a > those bits): one
+//                 lookup per value.
 struct QuantTables {
   bool is_signed;
   int32_t base;

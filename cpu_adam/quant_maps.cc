@@ -50,9 +50,13 @@ struct Built {
       upper[c] = static_cast<float>((static_cast<double>(mag[c]) + mag[c + 1]) / 2.0);
     }
     upper[k - 1] = 2.0f;
-    // Buckets from the binade below the smallest midpoint up to 1.0.
+    // Buckets from two binades below the smallest midpoint up to 1.0: the
+    // lowest binade holds no midpoint, so a value below it, clamped into
+    // bucket 0, gets magnitude 0 whatever its low bits.
     const int shift = 23 - bucket_bits;
-    const int32_t lowest = std::bit_cast<int32_t>(std::bit_cast<uint32_t>(upper[0]) & 0xff800000u);
+    const int32_t low_mask = (1 << shift) - 1;
+    const int32_t lowest =
+        std::bit_cast<int32_t>(std::bit_cast<uint32_t>(upper[0] / 2) & 0xff800000u);
     const int32_t base = lowest >> shift;
     const int32_t buckets = (Bits(1.0f) >> shift) - base + 1;
     bucket.resize(static_cast<size_t>(buckets));
@@ -60,13 +64,15 @@ struct Built {
     for (int32_t i = 0; i < buckets; ++i) {
       const float lo = std::bit_cast<float>((base + i) << shift);
       while (c + 1 < k && upper[c] < lo) ++c;
-      bucket[static_cast<size_t>(i)] = static_cast<int32_t>(c);
       // At most one midpoint in [lo, next lo): the one-step correction finds
-      // the nearest magnitude.
+      // the nearest magnitude. Its low bits go in the entry (all ones: none).
       const float hi = std::bit_cast<float>((base + i + 1) << shift);
       size_t mids = 0;
       for (size_t j = c; j + 1 < k && upper[j] < hi; ++j) ++mids;
       ZT_CHECK_MSG(mids <= 1, "quantization bucket too coarse");
+      ZT_CHECK_MSG(i > 0 || mids == 0, "quantization bucket 0 holds a midpoint");
+      const int32_t mid_low = mids == 1 ? (Bits(upper[c]) & low_mask) : low_mask;
+      bucket[static_cast<size_t>(i)] = (mid_low << 8) | static_cast<int32_t>(c);
     }
     tables = {.is_signed = is_signed,
               .base = base,

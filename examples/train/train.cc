@@ -139,6 +139,8 @@ void Usage(std::ostream& os) {
         "placement and devices:\n"
         "  --optimizer dram|nvme    where fp32 master and moments live (default nvme)\n"
         "  --params dram|nvme       where the published bf16 params live (default dram)\n"
+        "  --state-dtype fp32|int8  how AdamW's m and v are kept (default fp32, "
+        "ztier.state_dtype)\n"
         "  --device host|cuda       compute device of each rank (default host)\n"
         "  --ranks R                local ranks: threads on the host, GPUs with cuda (default 1)\n"
         "  --prefetch D             units fetched ahead (default 2, ztier.prefetch_depth)\n"
@@ -234,6 +236,8 @@ Result<Flags> ParseFlags(int argc, char** argv) {
       s = setting("zero_optimization.offload_optimizer.device", device);
     } else if (a == "--params") {
       s = setting("zero_optimization.offload_param.device", device);
+    } else if (a == "--state-dtype") {
+      s = setting("ztier.state_dtype", as_is);
     } else if (a == "--prefetch") {
       s = setting("ztier.prefetch_depth", as_is);
     } else if (a == "--max-live-bytes") {

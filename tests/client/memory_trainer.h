@@ -5,7 +5,8 @@
 // one rounding to bf16, as the local collectives), accumulated in fp32 (as
 // the engine does), clipped by the global norm (per-shard squared norms
 // summed unit by unit, rank by rank, as the engine does) and stepped by the
-// same cpu_adam kernel. Ranks run one after the other on the caller's thread.
+// same cpu_adam kernel (StepInt8 for 8-bit states). Ranks run one after
+// the other on the caller's thread.
 #ifndef ZTIER_TESTS_CLIENT_MEMORY_TRAINER_H_
 #define ZTIER_TESTS_CLIENT_MEMORY_TRAINER_H_
 
@@ -25,9 +26,11 @@ class MemoryTrainer {
   static Result<std::unique_ptr<MemoryTrainer>> Create(
       const gpt::Config& config, const std::vector<engine::UnitLayout>& layouts,
       const engine::OptimizerConfig& optimizer, int ranks, int batch,
-      const std::vector<std::vector<float>>& initial /* per unit, numel */) {
+      const std::vector<std::vector<float>>& initial /* per unit, numel */,
+      engine::StateDtype state_dtype = engine::StateDtype::kFp32) {
     auto t = std::unique_ptr<MemoryTrainer>(new MemoryTrainer());
     t->optimizer_ = optimizer;
+    t->int8_ = state_dtype == engine::StateDtype::kInt8;
     t->ranks_ = ranks;
     ZT_ASSIGN_OR_RETURN(t->device_, client::MakeHostDevice());
     ZT_ASSIGN_OR_RETURN(cpu_adam::Executor exec, cpu_adam::Executor::Create({.threads = 2}));
@@ -39,6 +42,10 @@ class MemoryTrainer {
       u.p.assign(n, 0.0f);
       u.m.assign(n, 0.0f);
       u.v.assign(n, 0.0f);
+      u.m8.assign(n, 0);
+      u.v8.assign(n, 0);
+      u.m_absmax.assign(cpu_adam::QuantBlocks(n), 0.0f);
+      u.v_absmax.assign(cpu_adam::QuantBlocks(n), 0.0f);
       u.acc.assign(n, 0.0f);
       u.grads.assign(n, bf16{0});
       u.out.assign(n, bf16{0});
@@ -97,6 +104,8 @@ class MemoryTrainer {
   struct Unit {
     engine::UnitLayout layout;
     std::vector<float> p, m, v, acc;
+    std::vector<uint8_t> m8, v8;  // 8-bit states
+    std::vector<float> m_absmax, v_absmax;
     std::vector<bf16> grads, out;
   };
 
@@ -154,17 +163,29 @@ class MemoryTrainer {
           .exp_avg = u.m.data(),
           .exp_avg_sq = u.v.data(),
           .params_out = u.out.data()};
-      ZT_RETURN_IF_ERROR(cpu_adam::Step(optimizer_.hyper,
-                                        {.step = adam_step_,
-                                         .grad_scale = scale,
-                                         .grad_check = cpu_adam::GradCheck::kPrechecked},
-                                        shard, *exec_)
-                             .status());
+      const cpu_adam::StepOptions options{
+          .step = adam_step_, .grad_scale = scale, .grad_check = cpu_adam::GradCheck::kPrechecked};
+      if (int8_) {
+        const cpu_adam::Int8Shard shard8{.count = shard.count,
+                                         .grads = shard.grads,
+                                         .grad_type = shard.grad_type,
+                                         .params = shard.params,
+                                         .moments = {.m = u.m8.data(),
+                                                     .v = u.v8.data(),
+                                                     .m_absmax = u.m_absmax.data(),
+                                                     .v_absmax = u.v_absmax.data()},
+                                         .params_out = shard.params_out};
+        ZT_RETURN_IF_ERROR(
+            cpu_adam::StepInt8(optimizer_.hyper, options, shard8, {}, *exec_).status());
+        continue;
+      }
+      ZT_RETURN_IF_ERROR(cpu_adam::Step(optimizer_.hyper, options, shard, *exec_).status());
     }
     return Status::Ok();
   }
 
   engine::OptimizerConfig optimizer_;
+  bool int8_ = false;
   int ranks_ = 1;
   int micro_ = 0;
   int64_t adam_step_ = 0;

@@ -74,13 +74,15 @@ struct TrainSetup {
   // The ranks meet in the job's collective region (MakeJobCollectives)
   // rather than through local collectives.
   bool job_collectives = false;
+  engine::StateDtype state_dtype = engine::StateDtype::kFp32;
 };
 
 std::string Name(const TrainSetup& s) {
   return StrCat(
       s.optimizer_tier == Tier::kNvme ? (s.param_tier == Tier::kNvme ? "nvmeall" : "nvme") : "dram",
       "_r", s.ranks, s.clip > 0 ? "_clip" : "", "_acc", s.accumulation, "_d", s.prefetch,
-      s.checked_copies ? "_checked" : "", s.job_collectives ? "_job" : "");
+      s.checked_copies ? "_checked" : "", s.job_collectives ? "_job" : "",
+      s.state_dtype == engine::StateDtype::kInt8 ? "_int8" : "");
 }
 
 engine::OptimizerConfig Optimizer(const TrainSetup& s) {
@@ -99,6 +101,7 @@ SessionOptions Options(const TrainSetup& s, const std::string& swap_dir) {
   // Checked copies go with poisoned param slots: a lease given back before
   // its copy ran then always shows (params on NVMe).
   o.settings.poison_released_params = s.checked_copies;
+  o.settings.state_dtype = s.state_dtype;
   if (s.optimizer_tier == Tier::kNvme) {
     o.settings.nvme_paths = {swap_dir + "/a", swap_dir + "/b"};
     for (const std::string& p : o.settings.nvme_paths) std::filesystem::create_directories(p);
@@ -240,7 +243,7 @@ Result<RunResult> RunInMemory(const TrainSetup& s, int steps) {
   for (int k = 0; k < model->units(); ++k) layouts.push_back(model->layout(k));
   ZT_ASSIGN_OR_RETURN(std::unique_ptr<testing::MemoryTrainer> ref,
                       testing::MemoryTrainer::Create(s.gpt, layouts, Optimizer(s), s.ranks, s.batch,
-                                                     InitialWeights(s.gpt, *model)));
+                                                     InitialWeights(s.gpt, *model), s.state_dtype));
   RunResult out;
   for (int64_t micro = 0; micro < steps * s.accumulation; ++micro) {
     std::vector<std::vector<int32_t>> tokens;
@@ -371,6 +374,25 @@ std::vector<TrainSetup> EquivalenceCases() {
   }
   return cases;
 }
+
+// 8-bit m and v: the in-memory reference calls the same StepInt8.
+std::vector<TrainSetup> Int8Cases() {
+  std::vector<TrainSetup> cases;
+  for (Tier tier : {Tier::kDram, Tier::kNvme}) {
+    for (int ranks : {1, 2}) {
+      TrainSetup s;
+      s.ranks = ranks;
+      s.clip = ranks == 2 ? 0.05f : 0.0f;
+      s.accumulation = ranks;
+      s.optimizer_tier = s.param_tier = tier;
+      s.state_dtype = engine::StateDtype::kInt8;
+      cases.push_back(s);
+    }
+  }
+  return cases;
+}
+INSTANTIATE_TEST_SUITE_P(Int8States, RunnerEquivalenceTest, ::testing::ValuesIn(Int8Cases()),
+                         [](const auto& test) { return Name(test.param); });
 
 INSTANTIATE_TEST_SUITE_P(Placements, RunnerEquivalenceTest, ::testing::ValuesIn(EquivalenceCases()),
                          [](const auto& test) { return Name(test.param); });
