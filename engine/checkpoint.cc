@@ -42,7 +42,8 @@ JobDescription Describe(const Job& job) {
                    .units = job.spec.units,
                    .layouts = {},
                    .step = job.step,
-                   .adam_step = job.adam_step};
+                   .adam_step = job.adam_step,
+                   .state_dtype = job.state_dtype == StateDtype::kInt8 ? "int8" : "fp32"};
   for (const Unit& u : job.units) d.layouts.push_back(u.layout);
   return d;
 }

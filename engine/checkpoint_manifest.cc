@@ -105,6 +105,12 @@ Result<CheckpointManifest> Decode(const Json& m, const Fields& f) {
   ZT_ASSIGN_OR_RETURN(const Json* opt, f.Get(m, "optimizer", ""));
   if (!opt->is_object()) return f.Bad("'optimizer' is not an object");
   out.optimizer_json = opt->dump();
+  if (m.contains("state_dtype")) {
+    ZT_ASSIGN_OR_RETURN(out.state_dtype, f.String(m, "state_dtype", ""));
+    if (out.state_dtype != "fp32" && out.state_dtype != "int8") {
+      return f.Bad(StrCat("'state_dtype' is '", out.state_dtype, "', not fp32 or int8"));
+    }
+  }
   ZT_ASSIGN_OR_RETURN(const Json* units, f.Array(m, "units", "", 1, kMaxCheckpointUnits));
   std::set<std::string> files;
   out.units.reserve(units->size());
@@ -217,6 +223,7 @@ std::string EncodeCheckpointManifest(const CheckpointManifest& m) {
                    {"ranks", m.ranks},
                    {"optimizer", Json::parse(m.optimizer_json, nullptr, false)},
                    {"units", units}};
+  if (!m.state_dtype.empty()) manifest["state_dtype"] = m.state_dtype;
   manifest["checksum"] = ManifestChecksum(manifest);
   return manifest.dump(1);
 }

@@ -7,10 +7,14 @@
 // rank). manifest.json (version 1):
 //   {"format": "ztier-checkpoint", "version": 1, "job": name, "step": S,
 //    "adam_step": A, "ranks": R, "optimizer": {...},
+//    "state_dtype": "fp32" | "int8" (how the saving job kept m and v;
+//    optional: absent where the saver did not know it),
 //    "units": [{"name", "numel", "padded",
 //               "tensors": [{"name", "shape": [..]}],
 //               "shards": [{"file", "rank", "elements", "bytes", "crc32c"}]}],
 //    "checksum": crc32c of the canonical JSON without this field}
+// The shard files hold fp32 m and v whatever the state dtype (8-bit states
+// are dequantized into them), so a checkpoint loads into either dtype.
 // Shard file (little endian): "ZTCKPT01", u32 version, u32 unit, u32 rank,
 // u32 reserved, u64 elements, then elements x fp32 master, exp_avg and
 // exp_avg_sq.
@@ -70,6 +74,7 @@ struct CheckpointManifest {
   int64_t adam_step = 0;
   int ranks = 1;
   std::string optimizer_json = "{}";  // the job's optimizer config, for people reading it
+  std::string state_dtype;            // "fp32", "int8", or "" (not recorded)
   std::vector<CheckpointUnit> units;
 };
 

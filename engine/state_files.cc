@@ -239,6 +239,7 @@ Status SaveCheckpointFiles(const JobDescription& job, StateAccess& state, const 
   manifest.adam_step = job.adam_step;
   manifest.ranks = job.ranks;
   manifest.optimizer_json = OptimizerJson(job.optimizer);
+  manifest.state_dtype = job.state_dtype;
   const std::string tag = SaveTag();
   std::vector<std::string> written;
   Status s = state.Read([&](size_t k, const UnitState& unit) -> Status {
@@ -317,6 +318,14 @@ Status LoadCheckpointFiles(const JobDescription& job, StateAccess& state, const 
         const CheckpointManifest m,
         DecodeCheckpointManifest(text, (fs::path(dir) / kCheckpointManifestName).string()));
     ZT_RETURN_IF_ERROR(CheckLayout(job, m, dir));
+    if (!m.state_dtype.empty() && !job.state_dtype.empty() && m.state_dtype != job.state_dtype) {
+      ZT_LOG(kInfo, "checkpoint") << dir << ": m and v saved from " << m.state_dtype
+                                  << " states load into " << job.state_dtype << " states ("
+                                  << (job.state_dtype == "int8"
+                                          ? "quantized"
+                                          : "the saved 8-bit values, dequantized")
+                                  << ")";
+    }
     // Every file once without applying, so a damaged one leaves the job
     // untouched; then again to apply (the state on the drives need not be
     // read first: every element of master, m, v and the params is set).

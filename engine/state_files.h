@@ -42,6 +42,9 @@ struct JobDescription {
   std::vector<UnitLayout> layouts;  // one per unit
   int64_t step = 0;                 // completed steps
   int64_t adam_step = 0;            // steps that updated the weights
+  // How the job keeps m and v ("fp32", "int8"); "" where not known (a
+  // client of ztierd). Recorded in checkpoints.
+  std::string state_dtype;
 };
 
 // A unit's fp32 state, `padded` elements each.

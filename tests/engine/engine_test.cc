@@ -63,9 +63,8 @@ JobSpec Place(JobSpec spec, Placement p) {
   return spec;
 }
 
-class EngineStepTest
-    : public ::testing::TestWithParam<std::tuple<int, float, int, StepMode, Placement, StateDtype>> {
-};
+class EngineStepTest : public ::testing::TestWithParam<
+                           std::tuple<int, float, int, StepMode, Placement, StateDtype>> {};
 
 TEST_P(EngineStepTest, BitForBitWithPlainCpuAdamLoop) {
   const auto [ranks, clip, accum, mode, placement, dtype] = GetParam();
@@ -676,6 +675,46 @@ TEST_F(CheckpointTest, RefusedWhileGradsAreInFlight) {
   ASSERT_TRUE(j.ok());
   Ring(*e, *j, 3, 1, 0.1f);  // one unit's grads in, step pending
   EXPECT_EQ(e->SaveCheckpoint(*j, dir_.string()).code(), StatusCode::kFailedPrecondition);
+}
+
+// Checkpoints move between fp32 and 8-bit states both ways: int8 -> fp32
+// dequantizes (the fp32 job holds exactly the int8 job's values), fp32 ->
+// int8 quantizes (and quantizing those values again changes nothing), an
+// int8 job saved and loaded again (DRAM -> NVMe) trains on bit for bit.
+TEST_F(CheckpointTest, CheckpointsLoadAcrossStateDtypes) {
+  ScratchDir swap("swap");
+  auto i8 = MakeEngine(uint64_t{1} << 30, nullptr, uint64_t{64} << 20, nullptr, StateDtype::kInt8);
+  Result<int> ji = i8->RegisterJob(SmallModel("dtypes", 2, 1.0f, 1, StepMode::kExact));
+  ASSERT_TRUE(ji.ok()) << ji.status();
+  Train(*i8, *ji, 2, 0, 3, 21);
+  const State trained = Snapshot(*i8, *ji);
+  ASSERT_TRUE(i8->SaveCheckpoint(*ji, dir_.string()).ok());
+  auto manifest = [](const fs::path& dir) {
+    std::ifstream in(dir / "manifest.json");
+    return std::string(std::istreambuf_iterator<char>(in), {});
+  };
+  EXPECT_NE(manifest(dir_).find("\"state_dtype\": \"int8\""), std::string::npos);
+
+  auto f32 = MakeEngine();
+  Result<int> jf = f32->RegisterJob(SmallModel("dtypes", 1, 1.0f, 1, StepMode::kExact));
+  ASSERT_TRUE(jf.ok());
+  ASSERT_TRUE(f32->LoadCheckpoint(*jf, dir_.string()).ok());
+  EXPECT_TRUE(Same(Snapshot(*f32, *jf), trained)) << "int8 -> fp32 is not the dequantized state";
+  EXPECT_EQ(f32->PublishedStep(*jf, 0), 3);
+
+  const std::string back = (dir_ / "back").string();
+  ASSERT_TRUE(f32->SaveCheckpoint(*jf, back).ok());
+  EXPECT_NE(manifest(back).find("\"state_dtype\": \"fp32\""), std::string::npos);
+  auto n8 = MakeEngine(uint64_t{1} << 30, &swap, uint64_t{64} << 20, nullptr, StateDtype::kInt8);
+  JobSpec nspec = SmallModel("dtypes", 2, 1.0f, 1, StepMode::kExact);
+  nspec.optimizer_tier = Tier::kNvme;
+  Result<int> jn = n8->RegisterJob(nspec);
+  ASSERT_TRUE(jn.ok()) << jn.status();
+  ASSERT_TRUE(n8->LoadCheckpoint(*jn, back).ok());
+  EXPECT_TRUE(Same(Snapshot(*n8, *jn), trained)) << "fp32 -> int8 changed quantized values";
+  Train(*i8, *ji, 2, 3, 2, 22);
+  Train(*n8, *jn, 2, 3, 2, 22);
+  EXPECT_TRUE(Same(Snapshot(*i8, *ji), Snapshot(*n8, *jn)));
 }
 
 // States on NVMe give the same training as states in DRAM, and checkpoints
