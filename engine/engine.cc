@@ -253,6 +253,9 @@ struct Engine::Impl {
   void Publish(Job& job, Unit& u, int64_t step, F&& also) {
     {
       std::lock_guard<std::mutex> lock(mu);
+      // A unit made visible before its write-back is published again when
+      // the write is done; by then its grads for the next step may be in.
+      const bool first = u.published < step;
       u.published = step;
       const size_t unit = static_cast<size_t>(&u - job.units.data());
       std::atomic_ref<int64_t>(static_cast<int64_t*>(job.step_page.ptr)[unit])
@@ -268,13 +271,24 @@ struct Engine::Impl {
           }
         }
       }
-      if (u.ready) {
+      if (u.ready && (first || !u.writing_back)) {
         u.ready = false;
         if (job.spec.optimizer.mode == StepMode::kExact) --job.ready_units;
       }
       also();
     }
     published_cv.notify_all();
+  }
+
+  // Under `lock` (on mu): until no unit of the job is published with its
+  // write-back in flight (the step it belongs to is then complete), or the
+  // job failed or went.
+  void WaitWriteBacksLocked(std::unique_lock<std::mutex>& lock, const Job& job) {
+    published_cv.wait(lock, [&] {
+      if (!job.failure.ok() || job.removed) return true;
+      return std::none_of(job.units.begin(), job.units.end(),
+                          [](const Unit& u) { return u.writing_back; });
+    });
   }
 
   void Fail(Job& job, const Status& s) {
@@ -318,10 +332,14 @@ struct Engine::Impl {
                               << " skipped: inf/NaN in the gradients";
     }
     // Units are published as their write-backs finish (in any order); the
-    // step completes with the last of them.
+    // step completes with the last of them. With states on NVMe and params
+    // in DRAM a unit's params are visible as soon as it is updated (the next
+    // forward need not wait for the drives); it stays `writing_back` until
+    // its write-back is done, and the step completes after every one.
     size_t published = 0;
     auto publish = [&](size_t k) {
       Publish(job, job.units[k], step, [&] {
+        job.units[k].writing_back = false;
         if (++published < job.units.size()) return;
         job.step = step;
         if (finite) {
@@ -340,12 +358,18 @@ struct Engine::Impl {
     }
     // A unit is published once its write-back is done: a published unit is
     // on the drives, and an I/O error fails the step it belongs to.
+    StoredFn visible;
+    if (job.ring != nullptr && job.params == nullptr) {
+      visible = [&](size_t k) {
+        Publish(job, job.units[k], step, [&] { job.units[k].writing_back = true; });
+      };
+    }
     Status s = ForEachUnitState(
         job, ForwardOrder(job), Access::kUpdate,
         [&](size_t k, const StateView& state) {
           return RunAdam(job, job.units[k], state, adam_step, scale, lrs);
         },
-        publish);
+        publish, visible);
     if (!s.ok()) Fail(job, s.Annotate(StrCat("step ", step)));
   }
 
@@ -855,6 +879,11 @@ Status Engine::GradsReady(int job, int unit, int rank) {
     e.Post(j->id, [&e, j, unit] { e.StepEager(j, static_cast<size_t>(unit)); });
   } else if (++j->ready_units == static_cast<int>(j->units.size())) {
     e.Post(j->id, [&e, j] { e.StepExact(j); });
+  } else if (j->ready_units == 1 && j->ring != nullptr) {
+    // The step's first unit is ready, backward goes on: the step's first
+    // units' states are read from the drives meanwhile (after the previous
+    // step, on the job's strand), so the step starts with them in DRAM.
+    e.Post(j->id, [j] { PreloadUnitStates(*j, ForwardOrder(*j)); });
   }
   return Status::Ok();
 }
@@ -1109,10 +1138,13 @@ Status Engine::WaitPublished(int job, int unit, int64_t step, std::chrono::milli
   // A client reaches step s + 1 by sending the grads of step s: a wait for
   // more than one step past the job's can never end (a client that resumed
   // at the wrong step, say). Say so now rather than at the timeout.
-  if (step > j->step + 1) {
+  // (A unit made visible before its write-back is done is a step ahead of
+  // the job.)
+  const int64_t done = std::max(j->step, j->units[unit].published);
+  if (step > done + 1) {
     return Status::FailedPrecondition(
         StrCat("job '", j->spec.name, "': unit ", unit, " cannot reach step ", step,
-               ": the job has done ", j->step, " steps and only the grads of step ", j->step + 1,
+               ": the job has done ", done, " steps and only the grads of step ", done + 1,
                " can come next (a client at the wrong step, e.g. after a resume?)"));
   }
   const auto t0 = std::chrono::steady_clock::now();
@@ -1155,8 +1187,9 @@ template <class Fn>
 Status WithIdleJob(Engine::Impl& e, int job, std::string_view what, const Fn& fn) {
   std::shared_ptr<Job> j;
   {
-    std::lock_guard<std::mutex> lock(e.mu);
+    std::unique_lock<std::mutex> lock(e.mu);
     ZT_ASSIGN_OR_RETURN(j, e.Find(job));
+    e.WaitWriteBacksLocked(lock, *j);
     ZT_RETURN_IF_ERROR(CheckIdle(*j, what));
     j->checkpointing = true;
   }
@@ -1232,8 +1265,9 @@ Status Engine::CommitState(int job, int64_t step, int64_t adam_step) {
 }
 
 Result<std::pair<int64_t, int64_t>> Engine::Steps(int job) const {
-  std::lock_guard<std::mutex> lock(impl_->mu);
+  std::unique_lock<std::mutex> lock(impl_->mu);
   ZT_ASSIGN_OR_RETURN(std::shared_ptr<Job> j, impl_->Find(job));
+  impl_->WaitWriteBacksLocked(lock, *j);  // a step whose units are all visible completes
   return std::pair<int64_t, int64_t>{j->step, j->adam_step};
 }
 

@@ -71,6 +71,10 @@ struct Unit {
   std::vector<double> shard_sq;  // by rank, at the accumulation boundary
   bool ready = false;            // grads complete for the pending step
   int64_t published = -1;        // step held by the publish buffer
+  // Published (its params visible) while its state's write-back to the
+  // drives is still in flight (NVMe states, params in DRAM): the step
+  // completes, and checkpoints may start, once it is done.
+  bool writing_back = false;
   float* f(const DramBlock& b) const { return static_cast<float*>(b.ptr); }
   // Grads of a step have reached the unit and its update is not published.
   bool StepInFlight() const { return ready || arrived_count > 0 || micro > 0; }
@@ -85,6 +89,13 @@ struct StateRing {
   nvme::SwapSpace* swap = nullptr;
   std::mutex mu;
   std::vector<DramBlock> slots;
+  // Reads of the next pass's first units submitted ahead of it
+  // (PreloadUnitStates): slot i receives unit preload_units[i]. The next
+  // ForEachUnitState adopts them if its order starts with those units and
+  // it reads; otherwise it waits for them and drops their data. Guarded by
+  // `mu`.
+  std::vector<nvme::IoTicket> preload_reads;
+  std::vector<size_t> preload_units;
   // Traffic and time, read by counters() without `mu`.
   std::atomic<uint64_t> bytes_read{0}, bytes_written{0};
   std::atomic<uint64_t> io_wait_ns{0};  // the engine blocked on the drives
@@ -160,6 +171,9 @@ struct Job {
       }
     }
     if (ring != nullptr) {
+      for (nvme::IoTicket& t : ring->preload_reads) {
+        if (t.valid()) (void)t.Wait();  // no read may land in freed memory
+      }
       for (const DramBlock& b : ring->slots) pool->Free(b);
     }
     for (uint32_t r : shared_regions) pool->DestroyRegion(r);
@@ -204,13 +218,22 @@ enum class Access : uint8_t { kRead, kUpdate, kOverwrite };
 // one unit the ring reads ahead the next buffer_count - 2 units and writes
 // back the previous ones (as `access` says; with params on NVMe, the bf16
 // params go to the unit's other param object, which then becomes current).
-// `stored(k)`, if given, runs once unit k's write-back is done (at once
-// without one), in any order. Returns after every I/O is done. The first
+// `computed(k)`, if given, runs once fn has updated unit k, before its
+// write-back starts; `stored(k)`, if given, runs once unit k's write-back is
+// done (at once without one), in any order. Returns after every I/O is done. The first
 // error (fn's, or an I/O error naming the unit) stops it.
 using UnitFn = std::function<Status(size_t unit, const StateView& state)>;
 using StoredFn = std::function<void(size_t unit)>;
 Status ForEachUnitState(Job& job, const std::vector<size_t>& order, Access access, const UnitFn& fn,
-                        const StoredFn& stored = {});
+                        const StoredFn& stored = {}, const StoredFn& computed = {});
+// NVMe tier: submits the reads of the first units of `order` (as many as
+// the pass reads ahead at its start, buffer_count - 1) into the ring's
+// slots and returns at once, so that the next ForEachUnitState over that
+// order (the next step, while backward still runs) starts with them in
+// DRAM. A no-op on the DRAM tier or when reads are already preloaded. The
+// states on the drives must not change before that pass, except through
+// ForEachUnitState (which then drops the preloaded data).
+void PreloadUnitStates(Job& job, const std::vector<size_t>& order);
 // The same for one unit.
 Status WithUnitState(Job& job, size_t unit, Access access, const UnitFn& fn,
                      const StoredFn& stored = {});

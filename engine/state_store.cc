@@ -66,6 +66,14 @@ StateView BlockView(const Job& job, Unit& u) {
   return view;
 }
 
+// A unit's state as one read or write of `buffer` (a ring slot).
+nvme::IoRange StateRange(const Job& job, const Unit& u, void* buffer) {
+  return nvme::IoRange{.object = u.swap_object,
+                       .offset = 0,
+                       .length = StateBytes(u.layout, job.state_dtype),
+                       .buffer = buffer};
+}
+
 // Waits for a ticket, counting the time blocked as I/O wait.
 Status WaitIo(StateRing& ring, const nvme::IoTicket& t) {
   if (!t.valid()) return Status::Ok();
@@ -128,10 +136,11 @@ std::vector<size_t> ForwardOrder(const Job& job) {
 }
 
 Status ForEachUnitState(Job& job, const std::vector<size_t>& order, Access access, const UnitFn& fn,
-                        const StoredFn& stored) {
+                        const StoredFn& stored, const StoredFn& computed) {
   if (job.ring == nullptr) {
     for (size_t k : order) {
       ZT_RETURN_IF_ERROR(fn(k, BlockView(job, job.units[k])));
+      if (computed && access != Access::kRead) computed(k);
       if (stored) stored(k);
     }
     return Status::Ok();
@@ -144,12 +153,24 @@ Status ForEachUnitState(Job& job, const std::vector<size_t>& order, Access acces
   std::vector<size_t> writing(slots);  // index into order of the unit a slot writes back
   auto unit_name = [&](size_t i) { return StrCat("unit '", job.spec.units[order[i]].name, "'"); };
   auto state_range = [&](size_t i, size_t slot) {
-    const Unit& u = job.units[order[i]];
-    return nvme::IoRange{.object = u.swap_object,
-                         .offset = 0,
-                         .length = StateBytes(u.layout, job.state_dtype),
-                         .buffer = ring.slots[slot].ptr};
+    return StateRange(job, job.units[order[i]], ring.slots[slot].ptr);
   };
+  // Reads preloaded for this order are this pass's first; others are
+  // waited for and dropped.
+  size_t next_read = 0;
+  const std::vector<size_t>& pre = ring.preload_units;
+  const bool adopt = access != Access::kOverwrite && !pre.empty() && pre.size() <= order.size() &&
+                     std::equal(pre.begin(), pre.end(), order.begin());
+  for (size_t slot = 0; slot < ring.preload_reads.size(); ++slot) {
+    if (adopt) {
+      reads[slot] = std::move(ring.preload_reads[slot]);
+    } else if (ring.preload_reads[slot].valid()) {
+      (void)WaitIo(ring, ring.preload_reads[slot]);
+    }
+  }
+  if (adopt) next_read = pre.size();
+  ring.preload_reads.clear();
+  ring.preload_units.clear();
   // Waits for a slot's write-back, if any.
   auto finish_write = [&](size_t slot) -> Status {
     if (!writes[slot].valid()) return Status::Ok();
@@ -166,7 +187,6 @@ Status ForEachUnitState(Job& job, const std::vector<size_t>& order, Access acces
   };
 
   Status status;
-  size_t next_read = 0;
   for (size_t i = 0; i < order.size() && status.ok(); ++i) {
     // Reads ahead, each into a slot whose write-back is done.
     while (status.ok() && next_read < order.size() && next_read <= i + lookahead) {
@@ -198,6 +218,7 @@ Status ForEachUnitState(Job& job, const std::vector<size_t>& order, Access acces
       if (stored) stored(order[i]);
       continue;
     }
+    if (computed) computed(order[i]);
     std::vector<nvme::IoRange> ranges = {state_range(i, slot)};
     if (ParamsOnNvme(job)) {  // into the copy clients are not reading
       const uint8_t next = u.param_current.load(std::memory_order_acquire) ^ 1;
@@ -222,6 +243,19 @@ Status ForEachUnitState(Job& job, const std::vector<size_t>& order, Access acces
     if (status.ok()) status = w;
   }
   return status;
+}
+
+void PreloadUnitStates(Job& job, const std::vector<size_t>& order) {
+  if (job.ring == nullptr) return;
+  StateRing& ring = *job.ring;
+  std::lock_guard<std::mutex> lock(ring.mu);
+  if (!ring.preload_units.empty()) return;
+  const size_t count = std::min(order.size(), ring.slots.size() - 1);
+  for (size_t i = 0; i < count; ++i) {
+    const nvme::IoRange range = StateRange(job, job.units[order[i]], ring.slots[i].ptr);
+    ring.preload_reads.push_back(ring.swap->Submit(nvme::IoDirection::kRead, {&range, 1}));
+    ring.preload_units.push_back(order[i]);
+  }
 }
 
 Status WithUnitState(Job& job, size_t unit, Access access, const UnitFn& fn,

@@ -106,7 +106,10 @@ inline void Train(Engine& e, int job, int ranks, int from_step, int steps, uint6
         ASSERT_TRUE(e.GradsReady(job, k, r).ok());
       }
     }
-    for (int k = 0; k < 4; ++k) ASSERT_TRUE(e.WaitPublished(job, k, step, 30s).ok());
+    for (int k = 0; k < 4; ++k) {
+      const Status s = e.WaitPublished(job, k, step, 30s);
+      ASSERT_TRUE(s.ok()) << s;
+    }
   }
 }
 
@@ -120,7 +123,8 @@ inline State Snapshot(Engine& e, int job) {
   for (int k = 0; k < 4; ++k) {
     const UnitLayout l = *e.Layout(job, k);
     std::vector<float> p(l.padded), m(l.padded), v(l.padded);
-    EXPECT_TRUE(e.ReadState(job, k, p.data(), m.data(), v.data()).ok());
+    const Status read = e.ReadState(job, k, p.data(), m.data(), v.data());
+    EXPECT_TRUE(read.ok()) << read;
     // Only the first numel elements carry state; padding depends on R.
     p.resize(l.numel);
     m.resize(l.numel);
