@@ -17,6 +17,7 @@
 #include "client/ztier.h"
 #include "cpu_adam/adamw.h"
 #include "examples/gpt/gpt.h"
+#include "tests/testing/cpu_adam_testing.h"
 
 namespace ztier::testing {
 
@@ -42,10 +43,7 @@ class MemoryTrainer {
       u.p.assign(n, 0.0f);
       u.m.assign(n, 0.0f);
       u.v.assign(n, 0.0f);
-      u.m8.assign(n, 0);
-      u.v8.assign(n, 0);
-      u.m_absmax.assign(cpu_adam::QuantBlocks(n), 0.0f);
-      u.v_absmax.assign(cpu_adam::QuantBlocks(n), 0.0f);
+      u.q = adam_testing::Int8Moments(n);
       u.acc.assign(n, 0.0f);
       u.grads.assign(n, bf16{0});
       u.out.assign(n, bf16{0});
@@ -104,8 +102,7 @@ class MemoryTrainer {
   struct Unit {
     engine::UnitLayout layout;
     std::vector<float> p, m, v, acc;
-    std::vector<uint8_t> m8, v8;  // 8-bit states
-    std::vector<float> m_absmax, v_absmax;
+    adam_testing::Int8Moments q;  // 8-bit states
     std::vector<bf16> grads, out;
   };
 
@@ -166,17 +163,8 @@ class MemoryTrainer {
       const cpu_adam::StepOptions options{
           .step = adam_step_, .grad_scale = scale, .grad_check = cpu_adam::GradCheck::kPrechecked};
       if (int8_) {
-        const cpu_adam::Int8Shard shard8{.count = shard.count,
-                                         .grads = shard.grads,
-                                         .grad_type = shard.grad_type,
-                                         .params = shard.params,
-                                         .moments = {.m = u.m8.data(),
-                                                     .v = u.v8.data(),
-                                                     .m_absmax = u.m_absmax.data(),
-                                                     .v_absmax = u.v_absmax.data()},
-                                         .params_out = shard.params_out};
         ZT_RETURN_IF_ERROR(
-            cpu_adam::StepInt8(optimizer_.hyper, options, shard8, {}, *exec_).status());
+            cpu_adam::StepInt8(optimizer_.hyper, options, u.q.ShardOf(shard), {}, *exec_).status());
         continue;
       }
       ZT_RETURN_IF_ERROR(cpu_adam::Step(optimizer_.hyper, options, shard, *exec_).status());

@@ -32,6 +32,7 @@
 #include "cpu_adam/adamw.h"
 #include "hwy/highway.h"
 #include "hwy/tests/hwy_gtest.h"
+#include "tests/testing/cpu_adam_testing.h"
 
 namespace ztier::cpu_adam {
 namespace {
@@ -41,20 +42,8 @@ constexpr double kRelTol = 2e-6;
 // cancel); far below the size of any element in these tests.
 constexpr double kAbsTol = 1e-12;
 
-Executor& SharedExecutor(int threads = 2) {
-  static Executor* executors[9] = {};
-  if (executors[threads] == nullptr) {
-    Result<Executor> e = Executor::Create({.threads = threads});
-    ZT_CHECK_MSG(e.ok(), e.status().ToString());
-    executors[threads] = new Executor(std::move(e).value());
-  }
-  return *executors[threads];
-}
-
-uint64_t FreshSeed() {
-  std::random_device rd;
-  return (static_cast<uint64_t>(rd()) << 32) ^ rd();
-}
+using adam_testing::FreshSeed;
+using adam_testing::SharedExecutor;
 
 // Owns over-allocated storage and exposes views shifted by `misalign`
 // elements, so the kernel sees pointers that are not vector-aligned (and not

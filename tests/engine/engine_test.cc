@@ -12,6 +12,7 @@
 //    the job clearly, and the last committed checkpoint still loads.
 #include "engine/engine.h"
 #include "tests/engine/engine_testing.h"
+#include "tests/testing/cpu_adam_testing.h"
 #include "tests/testing/scratch_dir.h"
 
 #include <sys/mman.h>
@@ -45,8 +46,7 @@ struct Reference {
   struct U {
     UnitLayout layout;
     std::vector<float> p, m, v, acc;
-    std::vector<uint8_t> m8, v8;  // 8-bit states
-    std::vector<float> m_absmax, v_absmax;
+    ztier::adam_testing::Int8Moments q;  // 8-bit states
     std::vector<bf16> out;
     std::vector<double> sq;
   };
@@ -97,10 +97,7 @@ TEST_P(EngineStepTest, BitForBitWithPlainCpuAdamLoop) {
     u.acc.assign(n, 0.0f);
     u.out.assign(n, bf16{0});
     u.sq.assign(ranks, 0.0);
-    u.m8.assign(n, 0);
-    u.v8.assign(n, 0);
-    u.m_absmax.assign(cpu_adam::QuantBlocks(n), 0.0f);
-    u.v_absmax.assign(cpu_adam::QuantBlocks(n), 0.0f);
+    u.q = ztier::adam_testing::Int8Moments(n);
     for (uint64_t i = 0; i < l->numel; ++i) u.p[i] = 0.1f * normal(rng);
     ASSERT_TRUE(engine->WriteWeights(*job, k, u.p.data(), l->numel).ok());
     ref.units.push_back(std::move(u));
@@ -183,20 +180,9 @@ TEST_P(EngineStepTest, BitForBitWithPlainCpuAdamLoop) {
                                           .grad_scale = scale,
                                           .grad_check = cpu_adam::GradCheck::kPrechecked};
       if (int8) {
-        const cpu_adam::Int8Shard shard8{.count = shard.count,
-                                         .grads = shard.grads,
-                                         .grad_type = shard.grad_type,
-                                         .params = shard.params,
-                                         .moments = {.m = u.m8.data(),
-                                                     .v = u.v8.data(),
-                                                     .m_absmax = u.m_absmax.data(),
-                                                     .v_absmax = u.v_absmax.data()},
-                                         .params_out = shard.params_out};
-        ASSERT_TRUE(cpu_adam::StepInt8(spec.optimizer.hyper, options, shard8, {}, *exec).ok());
-        cpu_adam::Dequantize(cpu_adam::QuantMap::kSigned, u.m8.data(), u.m_absmax.data(),
-                             shard.count, u.m.data());
-        cpu_adam::Dequantize(cpu_adam::QuantMap::kUnsigned, u.v8.data(), u.v_absmax.data(),
-                             shard.count, u.v.data());
+        ASSERT_TRUE(
+            cpu_adam::StepInt8(spec.optimizer.hyper, options, u.q.ShardOf(shard), {}, *exec).ok());
+        u.q.Dequantize(u.m.data(), u.v.data());
       } else {
         ASSERT_TRUE(cpu_adam::Step(spec.optimizer.hyper, options, shard, *exec).ok());
       }
