@@ -360,15 +360,52 @@ float QuantBlock(const QuantTables& t, const float* HWY_RESTRICT x, size_t n,
   return absmax;
 }
 
-void DequantBlock(const float* HWY_RESTRICT table, const uint8_t* HWY_RESTRICT codes, float absmax,
-                  size_t n, float* HWY_RESTRICT x) {
+// Full vectors of codes to values by arithmetic (QuantTables: the top set
+// bit of the magnitude picks the decade's base and step, one fused
+// multiply-add gives the value, bit for bit the table's) on targets with FMA
+// and at least 8 lanes; elsewhere, and for the tail, by table lookup.
+#if HWY_TARGET == HWY_AVX2 || HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
+constexpr bool kArithmeticDequant = true;
+#else
+constexpr bool kArithmeticDequant = false;
+#endif
+
+template <class D>
+HWY_INLINE auto DequantArith(D d, const QuantTables& t, const uint8_t* HWY_RESTRICT codes,
+                             float absmax) {
+  const hn::RebindToSigned<D> di;
+  const hn::Rebind<uint8_t, D> d8;
+  auto mag = hn::PromoteTo(di, hn::LoadU(d8, codes));
+  const auto neg = hn::Ne(hn::And(mag, hn::Set(di, 0x80)), hn::Zero(di));
+  if (t.is_signed) mag = hn::And(mag, hn::Set(di, 0x7f));
+  const auto fm = hn::ConvertTo(d, mag);  // exact
+  const auto bits = hn::BitCast(di, fm);
+  const auto pos = hn::Max(hn::Sub(hn::ShiftRight<23>(bits), hn::Set(di, 127)), hn::Zero(di));
+  const auto pow2 = hn::BitCast(d, hn::And(bits, hn::Set(di, 0x7f800000)));
+  const auto f1 = hn::Add(hn::Sub(fm, pow2), hn::Set(d, 1.0f));
+  const auto idx = hn::IndicesFromVec(d, pos);
+  const auto base = hn::TableLookupLanes(hn::LoadU(d, t.decade_base), idx);
+  const auto step = hn::TableLookupLanes(hn::LoadU(d, t.decade_step), idx);
+  auto value =
+      hn::IfThenZeroElse(hn::RebindMask(d, hn::Eq(mag, hn::Zero(di))), hn::MulAdd(step, f1, base));
+  if (t.is_signed) value = hn::IfThenElse(hn::RebindMask(d, neg), hn::Neg(value), value);
+  return hn::Mul(value, hn::Set(d, absmax));
+}
+
+void DequantBlock(const QuantTables& t, const uint8_t* HWY_RESTRICT codes, float absmax, size_t n,
+                  float* HWY_RESTRICT x) {
   const hn::ScalableTag<float> d;
   const hn::CappedTag<float, 1> d1;
   const size_t lanes = hn::Lanes(d);
   size_t j = 0;
-  for (; j + lanes <= n; j += lanes)
-    hn::StoreU(DequantLanes(d, table, codes + j, absmax), d, x + j);
-  for (; j < n; ++j) hn::StoreU(DequantLanes(d1, table, codes + j, absmax), d1, x + j);
+  for (; j + lanes <= n; j += lanes) {
+    if constexpr (kArithmeticDequant) {
+      hn::StoreU(DequantArith(d, t, codes + j, absmax), d, x + j);
+    } else {
+      hn::StoreU(DequantLanes(d, t.value, codes + j, absmax), d, x + j);
+    }
+  }
+  for (; j < n; ++j) hn::StoreU(DequantLanes(d1, t.value, codes + j, absmax), d1, x + j);
 }
 
 template <Mode kMode, class G>
@@ -400,8 +437,8 @@ RangeResult UpdateInt8RangeT(const Int8Args& a, size_t begin, size_t end) {
       updates = updates || !a.segments[k].frozen;
     }
     if (updates) {
-      DequantBlock(tm.value, q.m + s, q.m_absmax[b], e - s, m_block);
-      DequantBlock(tv.value, q.v + s, q.v_absmax[b], e - s, v_block);
+      DequantBlock(tm, q.m + s, q.m_absmax[b], e - s, m_block);
+      DequantBlock(tv, q.v + s, q.v_absmax[b], e - s, v_block);
     }
     for (size_t k = seg; k < a.segment_count && a.segments[k].begin < e; ++k) {
       const SegmentConsts& sc = a.segments[k];
@@ -463,8 +500,7 @@ void DequantizeRangeImpl(QuantMap map, const uint8_t* codes, const float* absmax
                          size_t end, float* x) {
   const QuantTables& t = Tables(map);
   for (size_t s = begin; s < end; s += kQuantBlock) {
-    DequantBlock(t.value, codes + s, absmax[s / kQuantBlock], std::min(end, s + kQuantBlock) - s,
-                 x + s);
+    DequantBlock(t, codes + s, absmax[s / kQuantBlock], std::min(end, s + kQuantBlock) - s, x + s);
   }
 }
 

@@ -60,6 +60,9 @@ struct RangeResult {
 //                 midpoint the bucket may hold (all ones: none), so the
 //                 magnitude of a is c + (low bits of a > those bits): one
 //                 lookup per value.
+//   decade_base, decade_step  16 floats each (8 used): magnitude c >= 1
+//                 with top set bit at pos is fma(decade_step[pos], c - 2^pos
+//                 + 1, decade_base[pos]) (== value[c]).
 struct QuantTables {
   bool is_signed;
   int32_t base;
@@ -67,6 +70,8 @@ struct QuantTables {
   const float* value;
   const float* upper;
   const int32_t* bucket;
+  const float* decade_base;
+  const float* decade_step;
 };
 // Bucket widths: 2^-kSignedBucketBits (m) and 2^-kUnsignedBucketBits (v)
 // of a binade; the tables check at build time that they are fine enough.

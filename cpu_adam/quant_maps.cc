@@ -16,15 +16,22 @@ namespace {
 
 // Magnitudes of a map with `bits` bits: 0, then for each decade 10^-e (e
 // from bits - 2 down to 0, ascending values) 2^(bits - 2 - e) values at the
-// upper ends of equal steps of [0.1, 1] x 10^-e. The largest is exactly 1.
-std::vector<float> Magnitudes(int bits) {
+// upper ends of equal steps of [0.1, 1] x 10^-e. Magnitude code c >= 1 has
+// its top set bit at `pos` = bits - 2 - e and f = c - 2^pos; its value is
+// fma(step[pos], f + 1, base[pos]) in fp32 (base = 0.1 x 10^-e, step =
+// 0.9 x 10^-e / 2^pos), which the kernels evaluate the same way with a fused
+// multiply-add where the target has one. The largest is exactly 1.
+std::vector<float> Magnitudes(int bits, float* base, float* step) {
   std::vector<float> v = {0.0f};
   const int decades = bits - 1;
-  for (int e = decades - 1; e >= 0; --e) {
-    const int n = 1 << (decades - 1 - e);
+  for (int pos = 0; pos < decades; ++pos) {
+    const int e = decades - 1 - pos;
+    const int n = 1 << pos;
     const double scale = std::pow(10.0, -e);
+    base[pos] = static_cast<float>(0.1 * scale);
+    step[pos] = static_cast<float>(0.9 * scale / n);
     for (int f = 0; f < n; ++f) {
-      v.push_back(static_cast<float>(scale * (0.1 + 0.9 * (f + 1) / n)));
+      v.push_back(std::fma(step[pos], static_cast<float>(f + 1), base[pos]));
     }
   }
   return v;
@@ -36,11 +43,15 @@ struct Built {
   QuantTables tables;
   std::vector<float> value, upper;
   std::vector<int32_t> bucket;
+  alignas(64) float decade_base[16] = {};
+  alignas(64) float decade_step[16] = {};
 
   Built(bool is_signed, int bucket_bits) {
-    const std::vector<float> mag = Magnitudes(is_signed ? 8 : 9);
+    const std::vector<float> mag = Magnitudes(is_signed ? 8 : 9, decade_base, decade_step);
     const size_t k = mag.size();
     ZT_CHECK(k == (is_signed ? 128u : 256u));
+    ZT_CHECK_MSG(mag.back() == 1.0f, "the largest code of a quantization map is not 1");
+    for (size_t c = 1; c < k; ++c) ZT_CHECK_MSG(mag[c - 1] < mag[c], "map not ascending");
     value.resize(256);
     for (size_t c = 0; c < 256; ++c) {
       value[c] = is_signed ? (c < 128 ? mag[c] : -mag[c - 128]) : mag[c];
@@ -79,7 +90,9 @@ struct Built {
               .buckets = buckets,
               .value = value.data(),
               .upper = upper.data(),
-              .bucket = bucket.data()};
+              .bucket = bucket.data(),
+              .decade_base = decade_base,
+              .decade_step = decade_step};
   }
 };
 

@@ -90,6 +90,22 @@ TEST(Int8MapsTest, AscendingWithZeroAndOneAndSymmetricSigns) {
   EXPECT_NEAR(Magnitudes(QuantMap::kUnsigned)[1], 1e-7, 1e-13);
 }
 
+TEST_P(Int8Test, DequantizeGivesTheMapsValuesBitForBit) {
+  // Every code, in full vectors and in tails, with absmax 1.
+  std::vector<uint8_t> codes(kQuantBlock * 2 + 5);
+  for (size_t i = 0; i < codes.size(); ++i) codes[i] = static_cast<uint8_t>(i * 7 + i / 256);
+  const std::vector<float> ones(QuantBlocks(codes.size()), 1.0f);
+  for (QuantMap map : {QuantMap::kSigned, QuantMap::kUnsigned}) {
+    std::vector<float> x(codes.size());
+    Dequantize(map, codes.data(), ones.data(), codes.size(), x.data());
+    for (size_t i = 0; i < codes.size(); ++i) {
+      ASSERT_EQ(std::bit_cast<uint32_t>(x[i]),
+                std::bit_cast<uint32_t>(QuantMapValues(map)[codes[i]]))
+          << "code " << int{codes[i]} << " at " << i << " on " << hwy::TargetName(GetParam());
+    }
+  }
+}
+
 TEST_P(Int8Test, QuantizePicksTheNearestCode) {
   const uint64_t seed = FreshSeed();
   SCOPED_TRACE(StrCat("target ", hwy::TargetName(GetParam()), ", seed ", seed));
