@@ -323,6 +323,12 @@ struct Engine::Impl {
       lrs = job.lrs;
     }
     const double norm = std::sqrt(sq);
+    {
+      // Readable once the step's grads are in: a client that sees a unit of
+      // this step sees its norm, whether or not the write-backs are done.
+      std::lock_guard<std::mutex> lock(mu);
+      job.counters.last_grad_norm = norm;
+    }
     const bool finite = std::isfinite(norm);
     const float clip = job.spec.optimizer.clip_norm;
     const float scale =
@@ -349,7 +355,6 @@ struct Engine::Impl {
         }
         ++job.counters.steps;
         job.counters.optimizer_seconds += Since(t0);
-        job.counters.last_grad_norm = norm;
       });
     };
     if (!finite) {  // a skipped step publishes the same weights as the new step

@@ -82,11 +82,15 @@ struct UnitLayout {
 };
 
 struct JobCounters {
+  // Steps count once done: with states on NVMe and params in DRAM, a step's
+  // units are visible (WaitPublished) before its write-backs end.
   int64_t steps = 0;          // optimizer steps taken
   int64_t skipped_steps = 0;  // skipped for inf/NaN grads
   double optimizer_seconds = 0;
-  double stall_seconds = 0;            // clients blocked in WaitPublished
-  double last_grad_norm = 0;           // before clipping
+  double stall_seconds = 0;  // clients blocked in WaitPublished
+  // Before clipping, of the last step whose grads are all in (exact mode):
+  // set before any of its units is published.
+  double last_grad_norm = 0;
   double compute_seconds = 0;          // in the AdamW kernel
   double io_wait_seconds = 0;          // the optimizer blocked on the drives (NVMe tier)
   uint64_t dram_bytes = 0;             // pinned DRAM held (state, buffers, ring)
