@@ -36,7 +36,9 @@
 
 #include "common/log.h"
 #include "common/numbers.h"
+#include "common/version.h"
 #include "engine/daemon.h"
+#include "engine/protocol.h"
 #include "engine/seqpacket.h"
 #include "engine/settings.h"
 #include "engine/systemd.h"
@@ -57,7 +59,7 @@ struct Flags {
 };
 
 void Usage(std::ostream& out) {
-  out << "usage: ztierd [--socket PATH] [--config FILE] [--socket-mode OCTAL]\n"
+  out << "usage: ztierd [--version] [--socket PATH] [--config FILE] [--socket-mode OCTAL]\n"
          "              [--allow-uid UID]... [--max-jobs-per-uid N]\n"
          "              [--max-connections-per-uid N] [--max-requests-in-flight N]\n"
          "              [--max-dram-per-uid SIZE] [--max-nvme-per-uid SIZE]\n"
@@ -92,6 +94,11 @@ Result<Flags> ParseFlags(int argc, char** argv) {
     const std::string_view a = argv[i];
     if (a == "--help" || a == "-h") {
       Usage(std::cout);
+      std::exit(0);
+    }
+    if (a == "--version") {
+      std::printf("ztierd %s (protocol %d)\n", ZTIER_VERSION_STRING,
+                  static_cast<int>(engine::protocol::kVersion));
       std::exit(0);
     }
     if (i + 1 >= argc) return Status::InvalidArgument(StrCat(a, " needs a value"));
