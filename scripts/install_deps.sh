@@ -19,6 +19,7 @@ packages=(
   fio                                    # ztier-bench nvme reference
   strace                                 # durability test: the system calls of a checkpoint
   systemd                                # deploy test: systemd-analyze, systemd-socket-activate
+  dpkg-dev                               # scripts/package.sh: dpkg-shlibdeps (also in build-essential)
   clang libclang-rt-14-dev               # libFuzzer targets (scripts/fuzz.sh)
   fortunes                               # English text corpus for ztier-train (fortunes data files)
   python3-dev python3-venv               # the Python package (scripts/python_env.sh)
