@@ -1,8 +1,9 @@
 // ztier-bench helpers (see bench_util.h).
 #include "benchmarks/bench_util.h"
 
-#include <algorithm>
+#include <unistd.h>
 
+#include <algorithm>
 #include <charconv>
 #include <cmath>
 #include <cstdio>
@@ -157,6 +158,19 @@ double Median(std::vector<double> v) {
 double Quantile(std::vector<double> v, double q) {
   std::sort(v.begin(), v.end());
   return v[std::min(v.size() - 1, static_cast<size_t>(static_cast<double>(v.size()) * q))];
+}
+
+LinePacer::LinePacer(std::FILE* out, double every_seconds)
+    : terminal_(isatty(fileno(out)) == 1), every_seconds_(every_seconds) {}
+
+bool LinePacer::Due(int64_t i, int64_t count) {
+  const double now = NowSeconds();
+  if (terminal_ || i == 0 || i + 1 >= count || now - last_printed_ >= every_seconds_) {
+    last_printed_ = now;
+    return true;
+  }
+  ++held_back_;
+  return false;
 }
 
 }  // namespace ztier::bench

@@ -1,11 +1,13 @@
 // ztier-bench: small helpers shared by the subcommands — size and argument
-// parsing, exit codes, a flat JSON object writer, and a monotonic timer.
+// parsing, exit codes, a flat JSON object writer, a monotonic timer, and the
+// pacing of per-iteration lines.
 // Not thread-safe; used from the benchmark's main thread only.
 #ifndef ZTIER_BENCHMARKS_BENCH_UTIL_H_
 #define ZTIER_BENCHMARKS_BENCH_UTIL_H_
 
 #include <chrono>
 #include <cstdint>
+#include <cstdio>
 #include <initializer_list>
 #include <string>
 #include <string_view>
@@ -120,6 +122,26 @@ double Quantile(std::vector<double> v, double q);
 inline double NowSeconds() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
+
+// Which of a loop's per-iteration lines to print on `out`: every one when
+// `out` is a terminal; otherwise (a log file, CI) the first and the last,
+// and in between at most one every `every_seconds`, so that a long run
+// leaves a readable log.
+class LinePacer {
+ public:
+  explicit LinePacer(std::FILE* out, double every_seconds = 5.0);
+  // Whether to print the line of iteration `i` of `count` (0-based).
+  bool Due(int64_t i, int64_t count);
+  // Lines Due() has held back so far.
+  int64_t held_back() const { return held_back_; }
+  bool terminal() const { return terminal_; }
+
+ private:
+  bool terminal_;
+  double every_seconds_;
+  double last_printed_ = 0;
+  int64_t held_back_ = 0;
+};
 
 }  // namespace ztier::bench
 

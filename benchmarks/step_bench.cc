@@ -17,23 +17,41 @@
 // the job holds, to show that states larger than RAM stream through a
 // bounded ring.
 //
-// Single-threaded driver; the engine runs its own threads.
+// With --json, one more step after the timed ones is traced (not counted in
+// the figures above): each unit's read, compute and write-back as spans from
+// that step's start, for benchmarks/plot.py's timeline. The reads and writes
+// come from an I/O backend that wraps the swap space's and records each op
+// (queued, reaped, buffer); an op's buffer is a ring slot, which tells the
+// unit (see AttributeIo). The compute spans come from the job's compute
+// counter, polled by a thread: each rise is one unit's AdamW call ending.
+//
+// Single-threaded driver (plus the poller of the traced step); the engine
+// runs its own threads.
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <memory>
+#include <mutex>
+#include <optional>
+#include <span>
 #include <string>
+#include <thread>
+#include <unordered_map>
 #include <vector>
 
 #include "benchmarks/bench_util.h"
 #include "benchmarks/subcommands.h"
 #include "cpu_adam/adamw.h"
 #include "engine/engine.h"
+#include "nvme/io_backend.h"
 
 namespace ztier::bench {
 namespace {
@@ -54,6 +72,7 @@ struct StepBenchOptions {
   uint32_t qd = 16;
   bool checksums = true;
   bool json = false;
+  bool timeline = true;  // with --json: one more step, traced per unit
   std::vector<engine::StateDtype> dtypes = {engine::StateDtype::kFp32};
 };
 
@@ -80,7 +99,9 @@ RSS against the pinned pool.
   --no-checksums    turn off per-stripe CRC-32C
   --state-dtype D   fp32, int8 (8-bit m and v) or both (fp32 then int8, and
                     the ratio of their step times) (default fp32)
-  --json            print one JSON object as the last line
+  --json            print one JSON object as the last line; it holds the
+                    per-unit spans of one more, traced, step ("timeline")
+  --no-timeline     with --json: no traced step
 )";
 
 // The value of --tier or --param-tier.
@@ -128,6 +149,8 @@ Status ParseArgs(int argc, char** argv, StepBenchOptions* o) {
       }
     } else if (args.Is("--json")) {
       o->json = true;
+    } else if (args.Is("--no-timeline")) {
+      o->timeline = false;
     } else {
       return args.Unrecognized();
     }
@@ -186,6 +209,281 @@ struct Buffer {
   Buffer& operator=(const Buffer&) = delete;
 };
 
+// ---------------------------------------------------- the traced step --
+
+// Passes every call to another backend and, while on, records each read and
+// write op: when the swap space queued it (Prepare) and when its completion
+// was reaped, with its buffer and length. A queue is driven by one thread at
+// a time (IoQueue's contract); the record is shared under a mutex.
+class TracingBackend final : public nvme::IoBackend {
+ public:
+  struct Op {
+    nvme::IoKind kind;
+    uintptr_t buf;
+    uint64_t len;
+    double queued, done;  // NowSeconds(); done 0 until reaped
+  };
+
+  explicit TracingBackend(std::shared_ptr<nvme::IoBackend> inner) : inner_(std::move(inner)) {}
+  std::string_view name() const override { return inner_->name(); }
+  int OpenFile(const std::string& path, int flags, int mode) override {
+    return inner_->OpenFile(path, flags, mode);
+  }
+  int Preallocate(int fd, uint64_t offset, uint64_t bytes) override {
+    return inner_->Preallocate(fd, offset, bytes);
+  }
+  Result<std::unique_ptr<nvme::IoQueue>> OpenQueue(int fd, const std::string& path, uint32_t depth,
+                                                   std::span<const iovec> fixed) override {
+    ZT_ASSIGN_OR_RETURN(std::unique_ptr<nvme::IoQueue> q,
+                        inner_->OpenQueue(fd, path, depth, fixed));
+    return std::unique_ptr<nvme::IoQueue>(new Queue(this, std::move(q)));
+  }
+
+  void Start() {
+    std::lock_guard<std::mutex> lock(mu_);
+    ops_.clear();
+    ++generation_;
+    on_.store(true, std::memory_order_release);
+  }
+  std::vector<Op> Stop() {
+    on_.store(false, std::memory_order_release);
+    std::lock_guard<std::mutex> lock(mu_);
+    ++generation_;  // completions of ops still in flight are dropped
+    std::vector<Op> ops = std::move(ops_);
+    ops_.clear();
+    return ops;
+  }
+
+ private:
+  class Queue final : public nvme::IoQueue {
+   public:
+    Queue(TracingBackend* owner, std::unique_ptr<nvme::IoQueue> inner)
+        : owner_(owner), inner_(std::move(inner)) {}
+    bool Prepare(const nvme::IoOp& op) override {
+      if (!inner_->Prepare(op)) return false;
+      if (op.kind != nvme::IoKind::kFsync && owner_->on_.load(std::memory_order_acquire)) {
+        std::lock_guard<std::mutex> lock(owner_->mu_);
+        if (!owner_->on_.load(std::memory_order_relaxed)) return true;  // Stop() came between
+        pending_[op.user_data] = {owner_->generation_, owner_->ops_.size()};
+        owner_->ops_.push_back(
+            {op.kind, reinterpret_cast<uintptr_t>(op.buf), op.len, NowSeconds(), 0.0});
+      }
+      return true;
+    }
+    Status Submit(unsigned wait_for) override { return inner_->Submit(wait_for); }
+    size_t Reap(nvme::IoCompletion* out, size_t max) override {
+      const size_t n = inner_->Reap(out, max);
+      if (n == 0 || pending_.empty()) return n;
+      const double now = NowSeconds();
+      std::lock_guard<std::mutex> lock(owner_->mu_);
+      for (size_t i = 0; i < n; ++i) {
+        const auto it = pending_.find(out[i].user_data);
+        if (it == pending_.end()) continue;
+        if (it->second.generation == owner_->generation_) owner_->ops_[it->second.index].done = now;
+        pending_.erase(it);
+      }
+      return n;
+    }
+
+   private:
+    struct Pending {
+      uint64_t generation;
+      size_t index;
+    };
+    TracingBackend* owner_;
+    std::unique_ptr<nvme::IoQueue> inner_;
+    std::unordered_map<uint64_t, Pending> pending_;  // by user_data
+  };
+
+  std::shared_ptr<nvme::IoBackend> inner_;
+  std::atomic<bool> on_{false};
+  std::mutex mu_;
+  uint64_t generation_ = 0;  // under mu_
+  std::vector<Op> ops_;      // under mu_
+};
+
+// One unit's spans in the traced step, seconds from its start.
+struct UnitSpans {
+  std::optional<double> read_start, read_end, compute_start, compute_end, write_start, write_end;
+  uint64_t read_bytes = 0, write_bytes = 0;
+};
+
+// Attributes the traced ops to units. Unit i of the step goes to ring slot
+// i % slots, a slot is read into only after its last write-back is done,
+// and its unit is written back from it after the update
+// (engine/state_store.cc); a unit's state is read from and written to its
+// slot from the slot's start. So the ops whose buffers lie in
+// [base, base + slot_bytes) form one slot; the slots ranked by their first
+// read are slots 0, 1, ...; and slot r's ops in time order are read, write,
+// read, write ... of units r, r + slots, ... An empty string when every unit
+// got one read and one write, else what did not fit.
+std::string AttributeIo(std::vector<TracingBackend::Op> ops, uint64_t slot_bytes, double t0,
+                        std::vector<UnitSpans>* units) {
+  if (ops.empty()) return "no I/O was traced";
+  std::sort(ops.begin(), ops.end(), [](const auto& a, const auto& b) { return a.buf < b.buf; });
+  std::vector<std::vector<TracingBackend::Op>> slots;
+  uintptr_t base = 0;
+  for (const TracingBackend::Op& op : ops) {
+    if (slots.empty() || op.buf >= base + slot_bytes) {
+      slots.emplace_back();
+      base = op.buf;
+    }
+    slots.back().push_back(op);
+  }
+  struct Burst {
+    nvme::IoKind kind;
+    double start, end;
+    uint64_t bytes;
+  };
+  std::vector<std::vector<Burst>> bursts(slots.size());
+  for (size_t s = 0; s < slots.size(); ++s) {
+    std::sort(slots[s].begin(), slots[s].end(),
+              [](const auto& a, const auto& b) { return a.queued < b.queued; });
+    for (const TracingBackend::Op& op : slots[s]) {
+      const double done = op.done > 0 ? op.done : op.queued;
+      if (bursts[s].empty() || bursts[s].back().kind != op.kind) {
+        bursts[s].push_back({op.kind, op.queued, done, 0});
+      }
+      Burst& b = bursts[s].back();
+      b.end = std::max(b.end, done);
+      b.bytes += op.len;
+    }
+  }
+  std::vector<size_t> rank(slots.size());
+  for (size_t s = 0; s < rank.size(); ++s) rank[s] = s;
+  std::sort(rank.begin(), rank.end(),
+            [&](size_t a, size_t b) { return bursts[a].front().start < bursts[b].front().start; });
+  const size_t count = slots.size();
+  for (size_t r = 0; r < count; ++r) {
+    const std::vector<Burst>& seq = bursts[rank[r]];
+    for (size_t n = 0; n < seq.size(); ++n) {
+      const bool read = n % 2 == 0;
+      if (seq[n].kind != (read ? nvme::IoKind::kRead : nvme::IoKind::kWrite)) {
+        return StrCat("ring slot ", r, ": its I/O does not alternate read, write-back");
+      }
+      const size_t unit = r + (n / 2) * count;
+      if (unit >= units->size()) return StrCat("ring slot ", r, ": more I/O than units");
+      UnitSpans& u = (*units)[unit];
+      (read ? u.read_start : u.write_start) = seq[n].start - t0;
+      (read ? u.read_end : u.write_end) = seq[n].end - t0;
+      (read ? u.read_bytes : u.write_bytes) = seq[n].bytes;
+    }
+  }
+  for (size_t k = 0; k < units->size(); ++k) {
+    if (!(*units)[k].read_start || !(*units)[k].write_start) {
+      return StrCat("unit ", k, " has no read or no write-back");
+    }
+  }
+  return "";
+}
+
+// The bytes of unit state (and bf16 params with them) a ring slot holds, as
+// the engine lays a slot out: master, m and v (8-bit codes and absmax with
+// int8), rounded up to 4 KiB; the params after them, rounded likewise.
+uint64_t SlotBytes(uint64_t padded, bool int8, bool nvme_params) {
+  const auto round_up = [](uint64_t x) { return (x + 4095) / 4096 * 4096; };
+  const uint64_t moments = int8 ? 2 * padded + 8 * cpu_adam::QuantBlocks(padded) : 8 * padded;
+  return round_up(4 * padded + moments) + (nvme_params ? round_up(2 * padded) : 0);
+}
+
+// The traced step's "timeline" JSON. `run_step` runs one step and reports
+// its start (the last grads handed over) and time to the last unit's
+// publish; the step is over once its write-backs are done (the job's step
+// count has moved). `tracer` is null with states in DRAM.
+Result<std::string> TraceStep(engine::Engine& e, int job,
+                              const std::vector<engine::UnitLayout>& layouts, int64_t step,
+                              TracingBackend* tracer, uint64_t slot_bytes,
+                              const std::function<Status(double*, double*)>& run_step) {
+  constexpr auto kPoll = std::chrono::microseconds(100);
+  // Waits until the job has taken `steps` steps (write-backs done) or 10 min.
+  const auto wait_steps = [&](int64_t steps) -> Status {
+    const double t0 = NowSeconds();
+    while (e.counters(job).steps < steps) {
+      if (NowSeconds() - t0 > 600) return Status::Unavailable("a step's write-backs hang");
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    return Status::Ok();
+  };
+  // The step before has units still being written back: not this step's.
+  ZT_RETURN_IF_ERROR(wait_steps(step - 1));
+  std::vector<std::pair<double, double>> rises;  // (when seen, compute seconds added)
+  std::atomic<bool> stop{false};
+  const double compute_before = e.counters(job).compute_seconds;
+  std::thread poller([&] {
+    double last = compute_before;
+    while (!stop.load(std::memory_order_acquire)) {
+      const double c = e.counters(job).compute_seconds;
+      if (c != last) {
+        rises.emplace_back(NowSeconds(), c - last);
+        last = c;
+      }
+      std::this_thread::sleep_for(kPoll);
+    }
+  });
+  if (tracer != nullptr) tracer->Start();
+  double t0 = 0, seconds = 0;
+  Status s = run_step(&t0, &seconds);
+  if (s.ok()) s = wait_steps(step);
+  const double done = NowSeconds() - t0;
+  std::vector<TracingBackend::Op> ops;
+  if (tracer != nullptr) ops = tracer->Stop();
+  std::this_thread::sleep_for(4 * kPoll);  // the poller sees the last rise
+  stop.store(true, std::memory_order_release);
+  poller.join();
+  ZT_RETURN_IF_ERROR(s);
+
+  std::vector<UnitSpans> units(layouts.size());
+  std::vector<std::string> notes;
+  if (tracer != nullptr) {
+    const std::string io = AttributeIo(std::move(ops), slot_bytes, t0, &units);
+    if (!io.empty()) {
+      notes.push_back(StrCat("I/O not attributed to units: ", io));
+      units.assign(layouts.size(), UnitSpans{});
+    }
+  }
+  // One rise per unit, in forward order; a poll that saw several units end
+  // cannot tell them apart.
+  if (rises.size() == units.size()) {
+    for (size_t k = 0; k < units.size(); ++k) {
+      units[k].compute_end = rises[k].first - t0;
+      units[k].compute_start = rises[k].first - t0 - rises[k].second;
+    }
+  } else {
+    notes.push_back(StrCat("compute: ", rises.size(), " rises of the compute counter seen for ",
+                           units.size(), " units (units too small for a ", kPoll.count(),
+                           " us poll)"));
+  }
+  std::vector<std::string> per_unit;
+  for (size_t k = 0; k < units.size(); ++k) {
+    const UnitSpans& u = units[k];
+    JsonObject j;
+    j.Add("unit", static_cast<int64_t>(k)).Add("params", layouts[k].padded);
+    const auto span = [&](const char* name, const std::optional<double>& v) {
+      if (v) j.Add(name, *v);
+    };
+    span("read_start", u.read_start);
+    span("read_end", u.read_end);
+    span("compute_start", u.compute_start);
+    span("compute_end", u.compute_end);
+    span("write_start", u.write_start);
+    span("write_end", u.write_end);
+    if (u.read_start) j.Add("read_bytes", u.read_bytes).Add("write_bytes", u.write_bytes);
+    per_unit.push_back(j.str());
+  }
+  std::string note;
+  for (const std::string& n : notes) note += (note.empty() ? "" : "; ") + n;
+  JsonObject j;
+  j.Add("step", step)
+      .Add("step_seconds", seconds)
+      .Add("write_backs_done_seconds", done)
+      .Add("times", "seconds from the step's start (its last grads handed over)")
+      .Add("note", note)
+      .AddRaw("units", JsonArray(per_unit));
+  std::printf("traced step %lld: %.3f s (write-backs done at %.3f s)%s%s\n",
+              static_cast<long long>(step), seconds, done, note.empty() ? "" : ": ", note.c_str());
+  return j.str();
+}
+
 // What one run reports to the next (--state-dtype both).
 struct RunSummary {
   double step_seconds = 0;
@@ -234,7 +532,15 @@ int RunOnce(const StepBenchOptions& o, engine::StateDtype dtype, RunSummary* sum
     settings.nvme_capacity_per_path = (per_path + o.stripe - 1) / o.stripe * o.stripe;
     settings.optimizer_tier = Tier::kNvme;
   }
-  Result<std::unique_ptr<engine::Engine>> created = engine::Engine::Create(settings);
+  // With states on NVMe the swap space's I/O goes through a tracer (idle
+  // but for the traced step).
+  std::shared_ptr<TracingBackend> tracer;
+  if (nvme) {
+    Result<std::shared_ptr<nvme::IoBackend>> backend = nvme::MakeBackend(settings.io_backend);
+    if (!backend.ok()) return fail(backend.status());
+    tracer = std::make_shared<TracingBackend>(*std::move(backend));
+  }
+  Result<std::unique_ptr<engine::Engine>> created = engine::Engine::Create(settings, tracer);
   if (!created.ok()) return fail(created.status());
   engine::Engine& e = **created;
 
@@ -273,8 +579,9 @@ int RunOnce(const StepBenchOptions& o, engine::StateDtype dtype, RunSummary* sum
     layouts.push_back(*l);
   }
   int64_t step = 0;
-  // One step: units' grads handed over backward; timed from the last one.
-  auto run_step = [&](double* seconds) -> Status {
+  // One step: units' grads handed over backward; timed from the last one
+  // (`start`) to the last unit's publish.
+  auto run_step = [&](double* start, double* seconds) -> Status {
     ++step;
     for (uint64_t k = units; k-- > 1;)
       ZT_RETURN_IF_ERROR(e.GradsReady(*job, static_cast<int>(k), 0));
@@ -282,8 +589,10 @@ int RunOnce(const StepBenchOptions& o, engine::StateDtype dtype, RunSummary* sum
     ZT_RETURN_IF_ERROR(e.GradsReady(*job, 0, 0));
     ZT_RETURN_IF_ERROR(e.WaitPublished(*job, static_cast<int>(units - 1), step));
     *seconds = NowSeconds() - t0;
+    *start = t0;
     return Status::Ok();
   };
+  double started = 0;  // a step's start: only the traced step needs it
 
   // Compute alone: the same kernel calls on DRAM buffers of the largest unit.
   Result<cpu_adam::Executor> exec = cpu_adam::Executor::Create({.threads = o.threads});
@@ -331,7 +640,7 @@ int RunOnce(const StepBenchOptions& o, engine::StateDtype dtype, RunSummary* sum
   // Warm-up: the first step writes every state (reads of never-written
   // states cost no I/O) and faults in the scratch buffers.
   double warm = 0, warm_compute = 0;
-  if (Status s = run_step(&warm); !s.ok()) return fail(s);
+  if (Status s = run_step(&started, &warm); !s.ok()) return fail(s);
   if (Status s = compute_alone(&warm_compute); !s.ok()) return fail(s);
   std::printf("warm-up step %.2f s\n", warm);
   std::printf("%5s %9s %9s %9s %11s %11s %10s\n", "step", "step s", "io s", "compute s",
@@ -339,6 +648,9 @@ int RunOnce(const StepBenchOptions& o, engine::StateDtype dtype, RunSummary* sum
 
   std::vector<Round> rounds;
   uint64_t step_read = 0, step_written = 0;  // NVMe bytes in the timed steps
+  // Every step's row on a terminal; in a log, one every few seconds (all of
+  // them are in --json).
+  LinePacer pacer(stdout);
   for (int r = 0; r < o.steps; ++r) {
     Round round;
     if (nvme) {
@@ -348,16 +660,23 @@ int RunOnce(const StepBenchOptions& o, engine::StateDtype dtype, RunSummary* sum
     }
     if (Status s = compute_alone(&round.compute); !s.ok()) return fail(s);
     const engine::JobCounters before = e.counters(*job);
-    if (Status s = run_step(&round.step); !s.ok()) return fail(s);
+    if (Status s = run_step(&started, &round.step); !s.ok()) return fail(s);
     const engine::JobCounters after = e.counters(*job);
     round.compute_in_step = after.compute_seconds - before.compute_seconds;
     round.io_wait_in_step = after.io_wait_seconds - before.io_wait_seconds;
     step_read += after.nvme_read_bytes - before.nvme_read_bytes;
     step_written += after.nvme_write_bytes - before.nvme_write_bytes;
-    std::printf("%5lld %9.3f %9.3f %9.3f %11.3f %11.3f %10.3f\n", static_cast<long long>(step),
-                round.step, round.io, round.compute, round.compute_in_step, round.io_wait_in_step,
-                round.efficiency());
+    if (pacer.Due(r, o.steps)) {
+      std::printf("%5lld %9.3f %9.3f %9.3f %11.3f %11.3f %10.3f\n", static_cast<long long>(step),
+                  round.step, round.io, round.compute, round.compute_in_step, round.io_wait_in_step,
+                  round.efficiency());
+      std::fflush(stdout);
+    }
     rounds.push_back(round);
+  }
+  if (pacer.held_back() > 0) {
+    std::printf("(%lld of %d step rows not shown: stdout is not a terminal; --json has all)\n",
+                static_cast<long long>(pacer.held_back()), o.steps);
   }
   double mean_eff = 0, mean_step = 0, mean_io = 0, mean_compute = 0;
   for (const Round& r : rounds) {
@@ -429,6 +748,17 @@ int RunOnce(const StepBenchOptions& o, engine::StateDtype dtype, RunSummary* sum
         .Add("nvme_read_bytes_per_step", read_per_step)
         .Add("nvme_write_bytes_per_step", written_per_step)
         .AddRaw("steps", JsonArray(per_step));
+    // Last: the traced step comes after every figure above was taken.
+    if (o.json && o.timeline) {
+      uint64_t slot_bytes = 0;
+      for (const engine::UnitLayout& l : layouts) {
+        slot_bytes = std::max(slot_bytes, SlotBytes(l.padded, int8, nvme_params));
+      }
+      Result<std::string> timeline =
+          TraceStep(e, *job, layouts, step + 1, tracer.get(), slot_bytes, run_step);
+      if (!timeline.ok()) return fail(timeline.status());
+      j.AddRaw("timeline", *timeline);
+    }
     summary->json = j.str();
   }
   Status s = e.UnregisterJob(*job);
