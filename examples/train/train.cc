@@ -14,8 +14,10 @@
 // uninterrupted run would have. At the end (and every --checkpoint-every
 // steps) it writes a checkpoint, and at the end a safetensors export of the
 // weights. The progress line shows step, loss, tokens/s and the bytes moved
-// per tier (host <-> device copies, NVMe reads and writes); every step is
-// also a row of <out>/train_log.tsv.
+// per tier (host <-> device copies, NVMe reads and writes): a live bar on a
+// terminal; otherwise (a log file, CI) a line at most every
+// --progress-every seconds (5), plus the first and the last step. Every step
+// is a row of <out>/train_log.tsv.
 //
 // Settings come, in rising precedence, from ztier-train's defaults, the
 // --config file (a DeepSpeed ds_config), ZTIER_* variables and the flags;
@@ -89,8 +91,9 @@ struct Flags {
   bool resume = false;
   bool overwrite = false;
   uint64_t seed = 1;
-  bool progress = true;
-  int exit_after = 0;  // abrupt exit right after this step's checkpoint (crash testing)
+  bool progress = true;         // a bar when stderr is a terminal
+  double progress_every = 5.0;  // seconds between progress lines without a bar
+  int exit_after = 0;           // abrupt exit right after this step's checkpoint (crash testing)
   // Flags that set a setting, applied over the config and the environment:
   // {setting key, value, flag}.
   struct Override {
@@ -150,7 +153,9 @@ void Usage(std::ostream& os) {
         "                           optimizer, batch sizes, clipping, accumulation) with ztier.*\n"
         "                           keys; ZTIER_* variables override it, flags override both\n"
         "output:\n"
-        "  --no-progress            one line per step instead of a progress bar\n"
+        "  --no-progress            progress lines instead of a bar (as without a terminal)\n"
+        "  --progress-every S       without a bar, a line at most every S seconds, plus the\n"
+        "                           first and the last step (default 5; 0: every step)\n"
         "  --exit-after N           exit abruptly right after step N's checkpoint (crash tests)\n"
         "SIGINT / SIGTERM stop at the next step with a checkpoint and the export; a second\n"
         "signal stops at once. Exit codes: 0 done, 1 error, 2 bad usage, 128+signal stopped.\n";
@@ -263,6 +268,15 @@ Result<Flags> ParseFlags(int argc, char** argv) {
       f.seed = static_cast<uint64_t>(seed);
     } else if (a == "--no-progress") {
       f.progress = false;
+    } else if (a == "--progress-every") {
+      ZT_ASSIGN_OR_RETURN(std::string v, value());
+      char* end = nullptr;
+      const double x = std::strtod(v.c_str(), &end);
+      if (end == v.c_str() || *end != '\0' || !(x >= 0 && x <= 86400)) {
+        s = Status::InvalidArgument(
+            StrCat(a, " wants seconds from 0 to 86400 (0: every step), got '", v, "'"));
+      }
+      f.progress_every = x;
     } else if (a == "--exit-after") {
       s = integer(&f.exit_after, 1, 1 << 30);
     } else if (a == "-h" || a == "--help") {
@@ -481,12 +495,21 @@ Status PrepareLog(const std::string& path, int64_t first) {
   return WriteFileAtomically(path, kept);
 }
 
-// The progress line on stderr (a bar on a terminal, a line per step
-// otherwise), and the loss log: one row per step, appended.
+// The progress line on stderr and the loss log (one row per step,
+// appended). On a terminal the line is a bar redrawn every step; otherwise
+// (or without `bar`) lines: the run's first and last step, one the caller
+// asks for (Line::kAlways), and in between at most one every
+// `every_seconds` (0: every step), so that a log stays readable.
 class Progress {
  public:
-  Progress(int first, int last, bool bar, const std::string& log_path)
-      : first_(first), last_(last), bar_(bar && isatty(2)) {
+  enum class Line { kIfDue, kAlways };
+
+  Progress(int first, int last, bool bar, double every_seconds, const std::string& log_path)
+      : first_(first),
+        last_(last),
+        bar_(bar && isatty(2)),
+        every_(std::chrono::duration_cast<Clock::duration>(
+            std::chrono::duration<double>(every_seconds))) {
     log_ = std::fopen(log_path.c_str(), "a");
   }
   ~Progress() {
@@ -496,7 +519,7 @@ class Progress {
   Progress& operator=(const Progress&) = delete;
 
   void Update(int step, double loss, double tokens_per_s, const RunnerStats& runner,
-              const engine::JobCounters& engine) {
+              const engine::JobCounters& engine, Line show) {
     const int width = 24;
     const double done = static_cast<double>(step - first_) / std::max(1, last_ - first_);
     std::string line;
@@ -525,7 +548,12 @@ class Progress {
       std::fprintf(stderr, "\r%s\x1b[K", line.c_str());
       if (step == last_) std::fprintf(stderr, "\n");
     } else {
-      std::fprintf(stderr, "%s\n", line.c_str());
+      const Clock::time_point now = Clock::now();
+      if (show == Line::kAlways || step == first_ + 1 || step == last_ ||
+          now - last_line_ >= every_) {
+        std::fprintf(stderr, "%s\n", line.c_str());
+        last_line_ = now;
+      }
     }
     std::fflush(stderr);
   }
@@ -538,6 +566,8 @@ class Progress {
  private:
   int first_, last_;
   bool bar_;
+  Clock::duration every_;
+  Clock::time_point last_line_{};
   std::FILE* log_ = nullptr;
 };
 
@@ -648,7 +678,7 @@ Result<int> TrainSteps(const Flags& f, const Plan& p, const std::string& text, S
   stats->assign(f.ranks, RunnerStats{});
   std::vector<Status> status(f.ranks);
   int stop_signal = 0;  // written by rank 0 between the barriers
-  Progress progress(static_cast<int>(first), f.steps, f.progress, paths.log);
+  Progress progress(static_cast<int>(first), f.steps, f.progress, f.progress_every, paths.log);
   const double tokens_per_step =
       static_cast<double>(p.batch) * f.model.context * f.ranks * p.accumulation;
   auto rank_main = [&](int r) -> Status {
@@ -696,8 +726,9 @@ Result<int> TrainSteps(const Flags& f, const Plan& p, const std::string& text, S
               m.WaitPublished(done, std::chrono::seconds(p.settings.wait_timeout_seconds)));
         }
         const double secs = std::chrono::duration<double>(Clock::now() - t0).count();
+        // A stop's step is the run's last: its line is always shown.
         progress.Update(static_cast<int>(done), mean, tokens_per_step / std::max(secs, 1e-9), total,
-                        m.counters());
+                        m.counters(), sig != 0 ? Progress::Line::kAlways : Progress::Line::kIfDue);
         if (checkpoint) {
           ZT_RETURN_IF_ERROR(m.SaveCheckpoint(paths.checkpoint));
           if (f.exit_after > 0 && done == f.exit_after) {
