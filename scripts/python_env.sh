@@ -2,9 +2,10 @@
 # Creates (or completes) the project's Python environment in .venv: PyTorch
 # and NumPy (the independent oracle of the optimizer tests, torch.optim),
 # Hugging Face transformers / safetensors / accelerate and pytest (the Python
-# suite, tests/python), nanobind and scikit-build-core (the build of the
-# package), then builds and installs the ztier package itself
-# (pip install ./python: ztier._C over the C++ client, and ztier.torch).
+# suite, tests/python), matplotlib (benchmarks/plot.py), nanobind and
+# scikit-build-core (the build of the package), then builds and installs the
+# ztier package itself (pip install ./python: ztier._C over the C++ client,
+# and ztier.torch).
 # Idempotent: when .venv already has every package at the pinned versions
 # nothing is downloaded; pip's cache (~/.cache/pip) is reused, and the
 # package's CMake build (build/python/) is incremental. Never touches the
@@ -21,8 +22,8 @@ cd "$(dirname "$0")/.."
 # PyPI's torch wheel for Linux x86-64 is its CUDA build (it runs on a CPU
 # only machine too; the CUDA libraries come as nvidia-* wheels).
 requirements=("torch==2.15.0" "numpy>=2.0" "transformers==5.23.0" "safetensors==0.8.0"
-              "accelerate==1.15.0" "pytest==9.2.0" "nanobind==3.1.0" "scikit-build-core==1.1.2"
-              "$@")
+              "accelerate==1.15.0" "pytest==9.2.0" "matplotlib==3.11.2" "nanobind==3.1.0"
+              "scikit-build-core==1.1.2" "$@")
 
 venv=${ZTIER_VENV:-$PWD/.venv}
 python=$venv/bin/python
