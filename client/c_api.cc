@@ -35,6 +35,8 @@ using ztier::StrCat;
 thread_local std::string last_error;
 
 static_assert(static_cast<int>(ztier::StatusCode::kInternal) == ZTIER_INTERNAL);
+static_assert(static_cast<int>(ztier::StatusCode::kPermissionDenied) == ZTIER_PERMISSION_DENIED);
+static_assert(ztier::StatusCode::kLast == ztier::StatusCode::kPermissionDenied);
 
 ztier_status Report(const Status& s) {
   if (s.ok()) return ZTIER_OK;

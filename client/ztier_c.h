@@ -36,7 +36,8 @@ typedef enum ztier_status {
   ZTIER_UNAVAILABLE = 9,
   ZTIER_ABORTED = 10,
   ZTIER_UNIMPLEMENTED = 11,
-  ZTIER_INTERNAL = 12
+  ZTIER_INTERNAL = 12,
+  ZTIER_PERMISSION_DENIED = 13
 } ztier_status;
 
 typedef struct ztier_session ztier_session;

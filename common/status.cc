@@ -37,6 +37,8 @@ std::string_view StatusCodeName(StatusCode code) {
       return "unimplemented";
     case StatusCode::kInternal:
       return "internal";
+    case StatusCode::kPermissionDenied:
+      return "permission_denied";
   }
   return "unknown";
 }

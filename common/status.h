@@ -45,6 +45,8 @@ enum class StatusCode : int {
   kAborted,             // the operation was cancelled or its owner died
   kUnimplemented,       // a feature this build or machine lacks
   kInternal,            // an invariant of ztier itself broke
+  kPermissionDenied,    // the caller may not do this (an operator's call, a file's mode)
+  kLast = kPermissionDenied,
 };
 
 // Stable, lowercase name of a code ("invalid_argument"), for logs and the C ABI.
@@ -89,6 +91,9 @@ class [[nodiscard]] Status {
     return {StatusCode::kUnimplemented, std::move(msg)};
   }
   static Status Internal(std::string msg) { return {StatusCode::kInternal, std::move(msg)}; }
+  static Status PermissionDenied(std::string msg) {
+    return {StatusCode::kPermissionDenied, std::move(msg)};
+  }
 
   bool ok() const { return rep_ == nullptr; }
   StatusCode code() const { return rep_ ? rep_->code : StatusCode::kOk; }

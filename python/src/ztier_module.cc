@@ -64,7 +64,7 @@ class StatusError : public std::runtime_error {
   StatusCode code_;
 };
 
-constexpr int kCodes = static_cast<int>(StatusCode::kInternal) + 1;
+constexpr int kCodes = static_cast<int>(StatusCode::kLast) + 1;
 std::array<PyObject*, kCodes> g_error_types{};  // by StatusCode; [0] is ZtierError
 
 void Check(const Status& s) {
@@ -109,6 +109,7 @@ void DefineErrors(nb::module_& m) {
     if (code == StatusCode::kOutOfRange) builtin = PyExc_IndexError;
     if (code == StatusCode::kIoError) builtin = PyExc_OSError;
     if (code == StatusCode::kUnavailable) builtin = PyExc_TimeoutError;
+    if (code == StatusCode::kPermissionDenied) builtin = PyExc_PermissionError;
     PyObject* bases = builtin ? PyTuple_Pack(2, base, builtin) : PyTuple_Pack(1, base);
     PyObject* type = PyErr_NewException(("ztier._C." + name).c_str(), bases, nullptr);
     Py_DECREF(bases);

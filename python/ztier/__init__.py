@@ -20,6 +20,7 @@ from ztier._C import (  # noqa: F401
     IoError,
     NotFoundError,
     OutOfRangeError,
+    PermissionDeniedError,
     ResourceExhaustedError,
     UnavailableError,
     UnimplementedError,
