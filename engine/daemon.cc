@@ -10,17 +10,26 @@
 
 #include <algorithm>
 #include <atomic>
+#include <charconv>
 #include <condition_variable>
 #include <cstring>
 #include <deque>
+#include <filesystem>
 #include <list>
 #include <map>
 #include <mutex>
+#include <optional>
+#include <set>
 #include <thread>
 #include <utility>
 
+#include <nlohmann/json.hpp>
+
+#include "common/file_util.h"
 #include "common/log.h"
 #include "common/numbers.h"
+#include "common/version.h"
+#include "engine/metrics.h"
 #include "engine/protocol.h"
 #include "engine/shared_memory.h"
 
@@ -115,6 +124,7 @@ struct Daemon::Impl {
   DaemonOptions options;
   std::unique_ptr<Engine> engine;
   uid_t self_uid = ::geteuid();
+  const Clock::time_point started = Clock::now();
 
   std::atomic<bool> stopping{false};
   mutable std::mutex mu;
@@ -152,6 +162,145 @@ struct Daemon::Impl {
   }
   std::map<uid_t, Usage> usage;  // guarded by mu
   int connections = 0;           // guarded by mu
+  // The operator's settings (guarded by mu): quotas set per uid (ztierctl
+  // quota set; kept in options.quota_file when one is named), and drain
+  // (new jobs refused).
+  std::map<uid_t, Quota> custom_quotas;
+  bool draining = false;
+  // The engine's totals, sampled by Serve every few seconds over the last
+  // minute and a bit (guarded by mu): the window of DaemonStatus.
+  struct Sample {
+    Clock::time_point at;
+    TierBytes bytes;
+  };
+  std::deque<Sample> samples;
+
+  Quota DefaultQuota() const {
+    return Quota{.max_jobs = options.max_jobs_per_uid,
+                 .max_connections = options.max_connections_per_uid,
+                 .max_dram_bytes = options.max_dram_bytes_per_uid,
+                 .max_nvme_bytes = options.max_nvme_bytes_per_uid};
+  }
+  Quota QuotaForLocked(uid_t uid) const {
+    auto it = custom_quotas.find(uid);
+    return it == custom_quotas.end() ? DefaultQuota() : it->second;
+  }
+  QuotaInfo QuotaInfoLocked(uid_t uid) const {
+    QuotaInfo q{.uid = uid, .quota = QuotaForLocked(uid), .custom = custom_quotas.count(uid) != 0};
+    auto u = usage.find(uid);
+    if (u != usage.end()) {
+      q.jobs = u->second.jobs;
+      q.connections = u->second.connections;
+      q.dram_bytes = u->second.dram_bytes;
+      q.nvme_bytes = u->second.nvme_bytes;
+    }
+    return q;
+  }
+
+  // The custom quotas as the quota file holds them.
+  std::string QuotaFileTextLocked() const {
+    nlohmann::ordered_json quotas = nlohmann::ordered_json::object();
+    for (const auto& [uid, q] : custom_quotas) {
+      quotas[std::to_string(uid)] = {{"max_jobs", q.max_jobs},
+                                     {"max_connections", q.max_connections},
+                                     {"max_dram_bytes", q.max_dram_bytes},
+                                     {"max_nvme_bytes", q.max_nvme_bytes}};
+    }
+    nlohmann::ordered_json doc = {{"format", "ztierd-quotas"}, {"version", 1}, {"quotas", quotas}};
+    return doc.dump(2) + "\n";
+  }
+
+  // Reads options.quota_file (a missing file is no custom quota).
+  Status LoadQuotaFile() {
+    if (options.quota_file.empty()) return Status::Ok();
+    std::error_code ec;
+    if (!std::filesystem::exists(options.quota_file, ec)) return Status::Ok();
+    ZT_ASSIGN_OR_RETURN(std::string text, ReadFileToString(options.quota_file, 16 << 20));
+    const auto bad = [&](std::string_view why) {
+      return Status::InvalidArgument(StrCat("quota file ", options.quota_file, ": ", why));
+    };
+    nlohmann::json doc = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+    if (doc.is_discarded() || !doc.is_object()) return bad("not a JSON object");
+    if (doc.value("format", "") != "ztierd-quotas" || !doc.contains("version") ||
+        !doc["version"].is_number_integer() || doc["version"].get<int64_t>() != 1) {
+      return bad("not a ztierd quota file of version 1 (\"format\": \"ztierd-quotas\")");
+    }
+    if (!doc.contains("quotas") || !doc["quotas"].is_object()) return bad("no \"quotas\" object");
+    std::map<uid_t, Quota> loaded;
+    for (const auto& [key, q] : doc["quotas"].items()) {
+      uint64_t uid = 0;
+      auto [ptr, err] = std::from_chars(key.data(), key.data() + key.size(), uid);
+      if (err != std::errc() || ptr != key.data() + key.size() || uid >= UINT32_MAX) {
+        return bad(StrCat("'", key, "' is not a uid"));
+      }
+      if (!q.is_object()) return bad(StrCat("uid ", key, ": not an object"));
+      Quota v = DefaultQuota();
+      for (const auto& [field, value] : q.items()) {
+        if (!value.is_number_unsigned()) {
+          return bad(StrCat("uid ", key, ": ", field, " is not a non-negative integer"));
+        }
+        const uint64_t x = value.get<uint64_t>();
+        if (field == "max_jobs" || field == "max_connections") {
+          if (x < 1 || x > (1u << 20)) return bad(StrCat("uid ", key, ": ", field, " ", x));
+          (field == "max_jobs" ? v.max_jobs : v.max_connections) = static_cast<int32_t>(x);
+        } else if (field == "max_dram_bytes") {
+          v.max_dram_bytes = x;
+        } else if (field == "max_nvme_bytes") {
+          v.max_nvme_bytes = x;
+        } else {
+          return bad(StrCat("uid ", key, ": unknown field '", field, "'"));
+        }
+      }
+      loaded[static_cast<uid_t>(uid)] = v;
+    }
+    std::lock_guard<std::mutex> lock(mu);
+    custom_quotas = std::move(loaded);
+    ZT_LOG(kInfo, "ztierd") << "quotas of " << custom_quotas.size() << " uids from "
+                            << options.quota_file;
+    return Status::Ok();
+  }
+
+  // Applies an operator's change of one uid's quota, keeping the quota
+  // file (written atomically; the change is undone if it cannot be).
+  Result<QuotaInfo> SetQuota(const QuotaUpdate& up) {
+    std::lock_guard<std::mutex> lock(mu);
+    const auto before = custom_quotas;
+    if (up.reset) {
+      custom_quotas.erase(up.uid);
+    } else {
+      Quota q = QuotaForLocked(up.uid);
+      if ((up.set & kQuotaMaxJobs) != 0) q.max_jobs = up.quota.max_jobs;
+      if ((up.set & kQuotaMaxConnections) != 0) q.max_connections = up.quota.max_connections;
+      if ((up.set & kQuotaMaxDram) != 0) q.max_dram_bytes = up.quota.max_dram_bytes;
+      if ((up.set & kQuotaMaxNvme) != 0) q.max_nvme_bytes = up.quota.max_nvme_bytes;
+      custom_quotas[up.uid] = q;
+    }
+    if (!options.quota_file.empty()) {
+      Status s = WriteFileAtomically(options.quota_file, QuotaFileTextLocked());
+      if (!s.ok()) {
+        custom_quotas = before;
+        return s.Annotate("keeping the quota file (the quota is unchanged)");
+      }
+    }
+    return QuotaInfoLocked(up.uid);
+  }
+
+  // Adds a sample of the engine's totals and drops those older than the
+  // window needs.
+  void SampleTotals() {
+    const auto now = Clock::now();
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      if (!samples.empty() && now - samples.back().at < std::chrono::seconds(5)) return;
+    }
+    const EngineTotals t = engine->totals();
+    std::lock_guard<std::mutex> lock(mu);
+    samples.push_back({now, t.bytes});
+    while (samples.size() > 2 && now - samples[1].at >= std::chrono::seconds(60)) {
+      samples.pop_front();
+    }
+  }
+
   std::atomic<uint64_t> requests{0};
   std::atomic<uint64_t> refused{0};
 
@@ -180,6 +329,10 @@ struct Daemon::Impl {
     Mapping collective_region;  // made on the first ask (kCollectiveRegion)
     UniqueFd collective_fd;
     uint64_t collective_bytes = 0;
+    // Set once by an operator's evict (ztierctl evict): every later request
+    // on the job gets Aborted with `evicted_why` (written before the flag).
+    std::atomic<bool> evicted{false};
+    std::string evicted_why;
   };
   std::map<std::pair<uid_t, std::string>, std::shared_ptr<Job>> jobs;  // guarded by mu
   // Jobs marked freed whose engine job is not yet unregistered (guarded by
@@ -252,6 +405,123 @@ struct Daemon::Impl {
     return std::find(options.allowed_uids.begin(), options.allowed_uids.end(), uid) !=
            options.allowed_uids.end();
   }
+
+  // An operator: root, ztierd's own uid, or a member of the admin group.
+  bool Admin(uid_t uid, gid_t gid, const std::vector<gid_t>& groups) const {
+    if (uid == 0 || uid == self_uid) return true;
+    if (!options.admin_gid.has_value()) return false;
+    const gid_t admin = *options.admin_gid;
+    return gid == admin || std::find(groups.begin(), groups.end(), admin) != groups.end();
+  }
+  std::string AdminsText() const {
+    std::string who = StrCat("root, uid ", self_uid);
+    if (options.admin_gid.has_value()) {
+      who += StrCat(" or a member of group ",
+                    options.admin_group.empty() ? std::string() : "'" + options.admin_group + "' ",
+                    "(gid ", *options.admin_gid, ")");
+    }
+    return who;
+  }
+
+  DaemonStatus Report(bool admin) {
+    DaemonStatus s;
+    s.version = ZTIER_VERSION_STRING;
+    s.protocol = protocol::kVersion;
+    s.uptime_seconds = std::chrono::duration<double>(Clock::now() - started).count();
+    s.caller_is_admin = admin;
+    s.optimizer_threads = static_cast<uint32_t>(engine->optimizer_threads());
+    const DramPoolStats pool = engine->pool_stats();
+    s.dram_budget_bytes = pool.budget_bytes;
+    s.dram_reserved_bytes = pool.reserved_bytes;
+    s.dram_used_bytes = pool.used_bytes;
+    s.dram_page_bytes = pool.page_bytes;
+    s.swap = engine->swap_usage();
+    s.totals = engine->totals();
+    s.requests = requests.load();
+    s.refused = refused.load();
+    std::lock_guard<std::mutex> lock(mu);
+    s.draining = draining;
+    s.connections = connections;
+    for (const auto& [uid, u] : usage) s.jobs += u.jobs;
+    s.jobs += freeing;
+    if (!samples.empty()) {
+      const Sample& first = samples.front();
+      s.window_seconds = std::chrono::duration<double>(Clock::now() - first.at).count();
+      const auto less = [](uint64_t now, uint64_t then) { return now - std::min(now, then); };
+      const TierBytes& now = s.totals.bytes;
+      s.window = TierBytes{.nvme_read = less(now.nvme_read, first.bytes.nvme_read),
+                           .nvme_write = less(now.nvme_write, first.bytes.nvme_write),
+                           .host_to_device = less(now.host_to_device, first.bytes.host_to_device),
+                           .device_to_host = less(now.device_to_host, first.bytes.device_to_host)};
+    }
+    return s;
+  }
+
+  // The jobs (of `uid` only, unless null), by id, from after `after`.
+  std::vector<JobInfo> Jobs(std::optional<uid_t> uid, int64_t after) {
+    std::vector<std::shared_ptr<Job>> found;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      for (const auto& [key, job] : jobs) {
+        if (job->freed || job->engine_job <= after) continue;
+        if (uid.has_value() && job->uid != *uid) continue;
+        found.push_back(job);
+      }
+    }
+    std::sort(found.begin(), found.end(),
+              [](const auto& a, const auto& b) { return a->engine_job < b->engine_job; });
+    std::vector<JobInfo> out;
+    for (const auto& job : found) {
+      JobInfo j;
+      j.id = job->engine_job;
+      j.uid = job->uid;
+      j.name = job->spec.name;
+      j.world_size = job->spec.ranks;
+      j.optimizer_tier = job->spec.optimizer_tier;
+      j.param_tier = job->spec.param_tier;
+      j.counters = engine->counters(job->engine_job);
+      Result<std::pair<int64_t, int64_t>> steps = engine->Steps(job->engine_job);
+      if (!steps.ok()) continue;  // freed meanwhile
+      j.step = steps->first;
+      const ztier::Status failed = engine->failure(job->engine_job);
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        j.attached = job->holders;
+        j.state = job->parked ? JobState::kParked : JobState::kTraining;
+      }
+      if (!failed.ok()) {
+        j.state = JobState::kFailed;
+        j.failure = std::string(failed.message());
+      }
+      j.state_dtype = engine_state_dtype;
+      out.push_back(std::move(j));
+    }
+    return out;
+  }
+  StateDtype engine_state_dtype = StateDtype::kFp32;
+
+  // An operator frees a job: its clients' calls fail with Aborted naming
+  // `why`, its ranks' collectives are woken, its uid is uncharged.
+  ztier::Status Evict(int32_t id, const std::string& why) {
+    std::shared_ptr<Job> job;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      for (const auto& [key, j] : jobs) {
+        if (j->engine_job == id && !j->freed) job = j;
+      }
+      if (job == nullptr) {
+        return ztier::Status::NotFound(StrCat("no job ", id, " (ztierctl jobs lists them)"));
+      }
+      job->evicted_why = why;
+      job->evicted.store(true);
+      AbortCollectivesLocked(*job, 0);
+      MarkFreedLocked(*job);
+    }
+    return Free(job, why);
+  }
+
+  // The Prometheus text exposition of the daemon, its jobs and quotas.
+  std::string MetricsText();
 };
 
 // One client connection: its socket, its jobs (by handle), the params it
@@ -269,6 +539,8 @@ class Daemon::Impl::Connection {
         refusal_(std::move(refusal)) {
     Result<UniqueFd> pidfd = sock_.PeerPidfd();
     if (pidfd.ok()) pidfd_ = *std::move(pidfd);
+    Result<std::vector<gid_t>> groups = sock_.PeerGroups();
+    admin_ = d_.Admin(peer_.uid, peer_.gid, groups.ok() ? *groups : std::vector<gid_t>{});
   }
 
   void Run() {
@@ -469,12 +741,74 @@ class Daemon::Impl::Connection {
   // ---------------------------------------------------------- requests
 
   Result<JobEntry> FindJob(int32_t handle) {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = jobs_.find(handle);
-    if (it == jobs_.end()) {
-      return Status::NotFound(StrCat("no job ", handle, " on this connection"));
+    JobEntry e;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = jobs_.find(handle);
+      if (it == jobs_.end()) {
+        return Status::NotFound(StrCat("no job ", handle, " on this connection"));
+      }
+      e = it->second;
     }
-    return it->second;
+    if (e.job->evicted.load()) {
+      return Status::Aborted(StrCat("job '", e.name, "' was evicted by an operator of ztierd (",
+                                    e.job->evicted_why, "); resume from a checkpoint"));
+    }
+    return e;
+  }
+
+  // The operator's calls: refused (PermissionDenied) for others.
+  Status RequireAdmin(std::string_view what) const {
+    if (admin_) return Status::Ok();
+    return Status::PermissionDenied(StrCat(what, ": uid ", peer_.uid,
+                                           " is not an operator of this ztierd (operators: ",
+                                           d_.AdminsText(), ")"));
+  }
+
+  Result<std::string> OnListJobs(std::string_view in) {
+    ZT_ASSIGN_OR_RETURN(p::ListRequest l, p::DecodeListRequest(in));
+    std::vector<JobInfo> all =
+        d_.Jobs(admin_ ? std::nullopt : std::optional<uid_t>(peer_.uid), l.after);
+    // A page that fits in one reply (its header and status included).
+    p::JobList page;
+    size_t bytes = 64;
+    for (JobInfo& j : all) {
+      const size_t b = p::EncodedBytes(j);
+      if (page.jobs.size() >= p::kMaxListed || bytes + b > p::kMaxMessageBytes - p::kHeaderBytes) {
+        page.more = true;
+        break;
+      }
+      bytes += b;
+      page.jobs.push_back(std::move(j));
+    }
+    return p::Encode(page);
+  }
+
+  Result<std::string> OnGetQuota(std::string_view in) {
+    ZT_ASSIGN_OR_RETURN(p::QuotaQuery q, p::DecodeQuotaQuery(in));
+    if (q.all || q.uid != peer_.uid) {
+      ZT_RETURN_IF_ERROR(RequireAdmin(q.all ? "quota get (every uid)" : "quota get of another uid"));
+    }
+    p::QuotaList list;
+    std::lock_guard<std::mutex> lock(d_.mu);
+    list.defaults = d_.DefaultQuota();
+    if (!q.all) {
+      list.quotas.push_back(d_.QuotaInfoLocked(q.uid));
+      return p::Encode(list);
+    }
+    std::set<uid_t> uids;
+    for (const auto& [uid, u] : d_.usage) uids.insert(uid);
+    for (const auto& [uid, quota] : d_.custom_quotas) uids.insert(uid);
+    for (uid_t uid : uids) {
+      if (static_cast<int64_t>(uid) <= q.after) continue;
+      // At most 64 bytes a uid: a page of 900 fits in a datagram.
+      if (list.quotas.size() >= 900) {
+        list.more = true;
+        break;
+      }
+      list.quotas.push_back(d_.QuotaInfoLocked(uid));
+    }
+    return p::Encode(list);
   }
 
   Result<std::string> Handle(Request& req) {
@@ -611,6 +945,57 @@ class Daemon::Impl::Connection {
         ZT_ASSIGN_OR_RETURN(auto steps, d_.engine->Steps(j.engine_job));
         return p::Encode(p::JobSteps{.job = r.job, .step = steps.first, .adam_step = steps.second});
       }
+      case p::MessageType::kClientPage: {
+        ZT_ASSIGN_OR_RETURN(p::JobRef r, p::DecodeJobRef(in));
+        ZT_ASSIGN_OR_RETURN(JobEntry j, FindJob(r.job));
+        ZT_ASSIGN_OR_RETURN(SharedBuffer b, d_.engine->ClientPage(j.engine_job));
+        return p::Encode(b);
+      }
+      case p::MessageType::kDaemonStatus:
+        if (!in.empty()) return Status::InvalidArgument("daemon_status takes no fields");
+        return p::Encode(d_.Report(admin_));
+      case p::MessageType::kListJobs:
+        return OnListJobs(in);
+      case p::MessageType::kGetQuota:
+        return OnGetQuota(in);
+      case p::MessageType::kSetQuota: {
+        ZT_ASSIGN_OR_RETURN(QuotaUpdate u, p::DecodeQuotaUpdate(in));
+        ZT_RETURN_IF_ERROR(RequireAdmin("quota set"));
+        ZT_ASSIGN_OR_RETURN(QuotaInfo q, d_.SetQuota(u));
+        ZT_LOG(kInfo, "ztierd") << Who() << ": quota of uid " << u.uid
+                                << (u.reset ? " reset to the defaults" : " set") << ": jobs "
+                                << q.quota.max_jobs << ", connections " << q.quota.max_connections
+                                << ", DRAM " << q.quota.max_dram_bytes << " B, NVMe "
+                                << q.quota.max_nvme_bytes << " B";
+        p::QuotaList list;
+        {
+          std::lock_guard<std::mutex> lock(d_.mu);
+          list.defaults = d_.DefaultQuota();
+        }
+        list.quotas.push_back(q);
+        return p::Encode(list);
+      }
+      case p::MessageType::kDrain: {
+        ZT_ASSIGN_OR_RETURN(p::DrainRequest r, p::DecodeDrainRequest(in));
+        ZT_RETURN_IF_ERROR(RequireAdmin(r.on ? "drain" : "drain --off"));
+        {
+          std::lock_guard<std::mutex> lock(d_.mu);
+          d_.draining = r.on;
+        }
+        ZT_LOG(kInfo, "ztierd") << Who() << ": "
+                                << (r.on ? "draining: new jobs are refused, running jobs go on"
+                                         : "no longer draining: new jobs are accepted");
+        return std::string();
+      }
+      case p::MessageType::kEvictJob: {
+        ZT_ASSIGN_OR_RETURN(p::EvictRequest r, p::DecodeEvictRequest(in));
+        ZT_RETURN_IF_ERROR(RequireAdmin("evict"));
+        const std::string why =
+            StrCat("evicted by uid ", peer_.uid, r.reason.empty() ? "" : ": ", r.reason);
+        ZT_LOG(kWarn, "ztierd") << Who() << ": evicting job " << r.job << " (" << why << ")";
+        ZT_RETURN_IF_ERROR(d_.Evict(r.job, why));
+        return std::string();
+      }
     }
     return Status::InvalidArgument("unknown request");
   }
@@ -655,11 +1040,18 @@ class Daemon::Impl::Connection {
     if (parked != nullptr) (void)d_.Free(parked, "registered again");
     {
       std::lock_guard<std::mutex> lock(d_.mu);
+      if (d_.draining) {
+        return Status::Unavailable(StrCat(
+            "job '", name,
+            "' refused: this ztierd is draining (an operator ran ztierctl drain; running jobs go "
+            "on, new ones wait until ztierctl drain --off)"));
+      }
       const int jobs = d_.usage[peer_.uid].jobs;
-      if (jobs >= d_.options.max_jobs_per_uid) {
-        return Status::ResourceExhausted(
-            StrCat("uid ", peer_.uid, " has ", jobs, " jobs, the quota (max_jobs_per_uid) is ",
-                   d_.options.max_jobs_per_uid, "; job '", name, "' refused"));
+      const int quota = d_.QuotaForLocked(peer_.uid).max_jobs;
+      if (jobs >= quota) {
+        return Status::ResourceExhausted(StrCat("uid ", peer_.uid, " has ", jobs,
+                                                " jobs, the quota (max_jobs_per_uid) is ", quota,
+                                                "; job '", name, "' refused"));
       }
       ++d_.usage[peer_.uid].jobs;
     }
@@ -686,7 +1078,10 @@ class Daemon::Impl::Connection {
     {
       std::lock_guard<std::mutex> lock(d_.mu);
       Impl::Usage& u = d_.usage[peer_.uid];
-      const DaemonOptions& o = d_.options;
+      const Quota quota = d_.QuotaForLocked(peer_.uid);
+      const struct {
+        uint64_t max_dram_bytes_per_uid, max_nvme_bytes_per_uid;
+      } o{quota.max_dram_bytes, quota.max_nvme_bytes};
       if (o.max_dram_bytes_per_uid != 0 &&
           u.dram_bytes + held.dram_bytes > o.max_dram_bytes_per_uid) {
         over = Status::ResourceExhausted(StrCat(
@@ -1098,6 +1493,7 @@ class Daemon::Impl::Connection {
   const PeerCredentials peer_;
   const std::string prefix_;
   const Status refusal_;
+  bool admin_ = false;  // an operator (Impl::Admin)
   std::thread thread_;
   std::atomic<bool> finished_{false};
   bool hello_done_ = false;  // the connection thread's
@@ -1142,11 +1538,15 @@ Result<std::unique_ptr<Daemon>> Daemon::Create(const Settings& settings,
   }
   auto impl = std::make_unique<Impl>();
   impl->options = options;
+  impl->engine_state_dtype = settings.state_dtype;
+  ZT_RETURN_IF_ERROR(impl->LoadQuotaFile());
   ZT_ASSIGN_OR_RETURN(impl->engine, Engine::Create(settings, std::move(io_backend)));
   return std::unique_ptr<Daemon>(new Daemon(std::move(impl)));
 }
 
 Engine& Daemon::engine() { return *impl_->engine; }
+
+std::string Daemon::MetricsText() const { return impl_->MetricsText(); }
 
 void Daemon::Stop(std::string_view reason) {
   std::lock_guard<std::mutex> lock(impl_->mu);
@@ -1174,6 +1574,7 @@ Status Daemon::Serve(SeqPacketListener& listener) {
   while (!d.stopping.load()) {
     d.ReapParked(/*all=*/false);
     d.ReapLingering(/*all=*/false);
+    d.SampleTotals();
     // Join connections that ended.
     {
       std::lock_guard<std::mutex> lock(d.mu);
@@ -1205,11 +1606,11 @@ Status Daemon::Serve(SeqPacketListener& listener) {
       if (!d.Allowed(peer->uid)) {
         refuse = Status::FailedPrecondition(
             StrCat("uid ", peer->uid, " is not on this ztierd's list of allowed users"));
-      } else if (u.connections >= d.options.max_connections_per_uid) {
+      } else if (u.connections >= d.QuotaForLocked(peer->uid).max_connections) {
         refuse = Status::ResourceExhausted(
             StrCat("uid ", peer->uid, " has ", u.connections,
                    " connections, the quota (max_connections_per_uid) is ",
-                   d.options.max_connections_per_uid,
+                   d.QuotaForLocked(peer->uid).max_connections,
                    u.lingering_bytes == 0
                        ? std::string()
                        : " (closed connections of processes that live on and may still map "
@@ -1240,6 +1641,173 @@ Status Daemon::Serve(SeqPacketListener& listener) {
   d.ReapParked(/*all=*/true);
   d.ReapLingering(/*all=*/true);
   return result;
+}
+
+}  // namespace ztier::engine
+
+namespace ztier::engine {
+
+std::string Daemon::Impl::MetricsText() {
+  using Labels = PrometheusText::Labels;
+  const DaemonStatus s = Report(/*admin=*/true);
+  const std::vector<JobInfo> all = Jobs(std::nullopt, -1);
+  std::vector<QuotaInfo> quotas;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    std::set<uid_t> uids;
+    for (const auto& [uid, u] : usage) uids.insert(uid);
+    for (const auto& [uid, q] : custom_quotas) uids.insert(uid);
+    for (uid_t uid : uids) quotas.push_back(QuotaInfoLocked(uid));
+  }
+  PrometheusText t;
+  const auto one = [&](std::string_view name, std::string_view type, std::string_view help,
+                       double value, const Labels& labels = {}) {
+    t.Family(name, type, help);
+    t.Sample(name, labels, value);
+  };
+  one("ztier_build_info", "gauge", "ztierd's version and protocol (always 1).", 1,
+      {{"version", s.version}, {"protocol", std::to_string(s.protocol)}});
+  const double now_unix =
+      std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+  one("ztier_start_time_seconds", "gauge", "When ztierd started, in seconds since the epoch.",
+      std::floor(now_unix - s.uptime_seconds));
+  one("ztier_draining", "gauge", "1 while new jobs are refused (ztierctl drain).",
+      s.draining ? 1 : 0);
+  one("ztier_connections", "gauge", "Client connections open now.", s.connections);
+  one("ztier_requests_total", "counter", "Requests answered since start.",
+      static_cast<double>(s.requests));
+  one("ztier_refused_connections_total", "counter",
+      "Connections refused (uid not allowed, connection quota, protocol).",
+      static_cast<double>(s.refused));
+  one("ztier_optimizer_threads", "gauge", "CPU threads of the optimizer.", s.optimizer_threads);
+
+  one("ztier_pinned_budget_bytes", "gauge", "The pinned DRAM budget (ztier.dram_budget).",
+      static_cast<double>(s.dram_budget_bytes));
+  t.Family("ztier_pinned_bytes", "gauge",
+           "Pinned DRAM by state: used (handed to jobs), free (reserved, not handed out).");
+  t.Sample("ztier_pinned_bytes", {{"state", "used"}}, static_cast<double>(s.dram_used_bytes));
+  t.Sample("ztier_pinned_bytes", {{"state", "free"}},
+           static_cast<double>(s.dram_reserved_bytes - s.dram_used_bytes));
+
+  t.Family("ztier_swap_used_bytes", "gauge", "Swap bytes the jobs' objects take, per path.");
+  for (const SwapPathUsage& p : s.swap) {
+    t.Sample("ztier_swap_used_bytes", {{"path", p.path}}, static_cast<double>(p.used_bytes));
+  }
+  t.Family("ztier_swap_file_bytes", "gauge", "Size of the swap file, per path.");
+  for (const SwapPathUsage& p : s.swap) {
+    t.Sample("ztier_swap_file_bytes", {{"path", p.path}}, static_cast<double>(p.file_bytes));
+  }
+  t.Family("ztier_swap_capacity_bytes", "gauge",
+           "What the swap file may grow to, per path (its cap, or the file plus the free space).");
+  for (const SwapPathUsage& p : s.swap) {
+    t.Sample("ztier_swap_capacity_bytes", {{"path", p.path}},
+             static_cast<double>(p.capacity_bytes));
+  }
+
+  const EngineTotals& tot = s.totals;
+  one("ztier_nvme_read_bytes_total", "counter",
+      "Optimizer state and params read from the swap drives.",
+      static_cast<double>(tot.bytes.nvme_read));
+  one("ztier_nvme_written_bytes_total", "counter",
+      "Optimizer state and params written to the swap drives.",
+      static_cast<double>(tot.bytes.nvme_write));
+  t.Family("ztier_host_device_bytes_total", "counter",
+           "Bytes the jobs' ranks copied between their devices and ztierd's memory, as their "
+           "runners report them.");
+  t.Sample("ztier_host_device_bytes_total", {{"direction", "host_to_device"}},
+           static_cast<double>(tot.bytes.host_to_device));
+  t.Sample("ztier_host_device_bytes_total", {{"direction", "device_to_host"}},
+           static_cast<double>(tot.bytes.device_to_host));
+  one("ztier_grad_bytes_total", "counter", "bf16 grads delivered into the grad inboxes.",
+      static_cast<double>(tot.grad_bytes_in));
+  one("ztier_steps_total", "counter", "Optimizer steps of every job since start.",
+      static_cast<double>(tot.steps));
+  one("ztier_skipped_steps_total", "counter", "Steps skipped for inf/NaN grads since start.",
+      static_cast<double>(tot.skipped_steps));
+  one("ztier_optimizer_seconds_total", "counter", "Seconds the optimizer's steps took in all.",
+      tot.optimizer_seconds);
+  one("ztier_stall_seconds_total", "counter",
+      "Seconds clients waited for params to be published, in all.", tot.stall_seconds);
+  one("ztier_jobs_registered_total", "counter", "Jobs registered since start.",
+      static_cast<double>(tot.jobs_registered));
+
+  t.Family("ztier_jobs", "gauge", "Jobs by state.");
+  for (JobState state : {JobState::kTraining, JobState::kParked, JobState::kFailed}) {
+    int n = 0;
+    for (const JobInfo& j : all) n += j.state == state;
+    t.Sample("ztier_jobs", {{"state", std::string(p::JobStateName(state))}}, n);
+  }
+  const auto job_labels = [](const JobInfo& j) {
+    return Labels{{"uid", std::to_string(j.uid)}, {"job", j.name}};
+  };
+  const auto per_job = [&](std::string_view name, std::string_view type, std::string_view help,
+                           auto value) {
+    t.Family(name, type, help);
+    for (const JobInfo& j : all) t.Sample(name, job_labels(j), value(j));
+  };
+  per_job("ztier_job_steps_total", "counter", "The job's optimizer steps.",
+          [](const JobInfo& j) { return static_cast<double>(j.counters.steps); });
+  per_job("ztier_job_skipped_steps_total", "counter", "The job's steps skipped for inf/NaN grads.",
+          [](const JobInfo& j) { return static_cast<double>(j.counters.skipped_steps); });
+  per_job("ztier_job_stall_seconds_total", "counter",
+          "Seconds the job's clients waited for params to be published.",
+          [](const JobInfo& j) { return j.counters.stall_seconds; });
+  per_job("ztier_job_dram_bytes", "gauge", "Pinned DRAM the job holds.",
+          [](const JobInfo& j) { return static_cast<double>(j.counters.dram_bytes); });
+  per_job("ztier_job_nvme_bytes", "gauge", "Swap space the job holds.",
+          [](const JobInfo& j) { return static_cast<double>(j.counters.nvme_bytes); });
+  per_job("ztier_job_last_grad_norm", "gauge", "The global grad norm of the job's last step.",
+          [](const JobInfo& j) { return j.counters.last_grad_norm; });
+  t.Family("ztier_job_state", "gauge", "1 for the job's state (training, parked, failed).");
+  for (const JobInfo& j : all) {
+    Labels l = job_labels(j);
+    l.emplace_back("state", std::string(p::JobStateName(j.state)));
+    t.Sample("ztier_job_state", l, 1);
+  }
+  t.Family("ztier_optimizer_step_seconds", "histogram",
+           "How long each of the job's optimizer steps took.");
+  for (const JobInfo& j : all) {
+    t.Histogram("ztier_optimizer_step_seconds", job_labels(j), kStepSecondsBounds,
+                j.counters.step_seconds_buckets, j.counters.optimizer_seconds);
+  }
+
+  const auto per_uid = [&](std::string_view name, auto value, std::string_view tier) {
+    for (const QuotaInfo& q : quotas) {
+      Labels l{{"uid", std::to_string(q.uid)}};
+      if (!tier.empty()) l.emplace_back("tier", std::string(tier));
+      const double v = value(q);
+      if (v >= 0) t.Sample(name, l, v);
+    }
+  };
+  t.Family("ztier_quota_used_bytes", "gauge", "Bytes a uid's jobs hold, by tier.");
+  per_uid("ztier_quota_used_bytes", [](const QuotaInfo& q) { return double(q.dram_bytes); },
+          "dram");
+  per_uid("ztier_quota_used_bytes", [](const QuotaInfo& q) { return double(q.nvme_bytes); },
+          "nvme");
+  t.Family("ztier_quota_limit_bytes", "gauge",
+           "A uid's byte quota, by tier (absent: no limit but the budget).");
+  per_uid("ztier_quota_limit_bytes",
+          [](const QuotaInfo& q) {
+            return q.quota.max_dram_bytes == 0 ? -1.0 : double(q.quota.max_dram_bytes);
+          },
+          "dram");
+  per_uid("ztier_quota_limit_bytes",
+          [](const QuotaInfo& q) {
+            return q.quota.max_nvme_bytes == 0 ? -1.0 : double(q.quota.max_nvme_bytes);
+          },
+          "nvme");
+  t.Family("ztier_quota_jobs", "gauge", "Jobs a uid holds.");
+  per_uid("ztier_quota_jobs", [](const QuotaInfo& q) { return double(q.jobs); }, "");
+  t.Family("ztier_quota_max_jobs", "gauge", "A uid's job quota.");
+  per_uid("ztier_quota_max_jobs", [](const QuotaInfo& q) { return double(q.quota.max_jobs); },
+          "");
+  t.Family("ztier_quota_connections", "gauge", "Connections a uid holds.");
+  per_uid("ztier_quota_connections", [](const QuotaInfo& q) { return double(q.connections); },
+          "");
+  t.Family("ztier_quota_max_connections", "gauge", "A uid's connection quota.");
+  per_uid("ztier_quota_max_connections",
+          [](const QuotaInfo& q) { return double(q.quota.max_connections); }, "");
+  return t.Take();
 }
 
 }  // namespace ztier::engine

@@ -48,6 +48,7 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -80,6 +81,16 @@ struct DaemonOptions {
   // again; then it is freed. 0: freed at once. A registration of the same
   // name replaces a parked job.
   std::chrono::milliseconds job_grace_period{0};
+  // Operators (ztierctl quota set, drain, evict; everyone's jobs and
+  // quotas) besides root and the daemon's own uid: members of this group
+  // (primary or supplementary, SO_PEERGROUPS). `admin_group` is its name,
+  // for messages.
+  std::optional<gid_t> admin_gid;
+  std::string admin_group;
+  // Where quotas set by operators are kept across restarts (JSON, written
+  // atomically on each change; read at Create). Empty: they last until
+  // the daemon stops.
+  std::string quota_file;
 };
 
 struct DaemonStats {
@@ -111,6 +122,11 @@ class Daemon {
 
   DaemonStats stats() const;
   Engine& engine();
+  // The daemon in the Prometheus text exposition format 0.0.4: build,
+  // pinned DRAM, swap per path, bytes per tier, per job steps, step times
+  // (a histogram), stalls and state, quotas per uid (engine/metrics.h
+  // serves it). From any thread.
+  std::string MetricsText() const;
 
   struct Impl;
 

@@ -39,6 +39,11 @@ namespace {
 
 uint64_t RoundUp(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
 
+// The client page of a job (wire_types.h): kClientCounterWords u64 a rank.
+uint64_t ClientPageBytes(const JobSpec& spec) {
+  return static_cast<uint64_t>(spec.ranks) * kClientCounterWords * sizeof(uint64_t);
+}
+
 uint64_t PhysicalMemoryBytes() {
   const long pages = ::sysconf(_SC_PHYS_PAGES);
   const long page = ::sysconf(_SC_PAGESIZE);
@@ -59,6 +64,9 @@ struct Engine::Impl {
   std::condition_variable published_cv;
   std::map<int, std::shared_ptr<Job>> jobs;
   int next_job = 1;
+  // What the jobs unregistered so far counted (guarded by mu): totals()
+  // adds the live jobs' counters to it.
+  EngineTotals retired;
 
   // Stepping: each job's tasks in order (its strand), jobs taking turns.
   static constexpr int kSteppingThreads = 4;
@@ -143,6 +151,7 @@ struct Engine::Impl {
     if (nvme_states) need += settings.buffer_count * page(slot);
     if (nvme_params) need += settings.buffer_count * page(param_slot);
     need += page(job.units.size() * sizeof(int64_t));  // the step page
+    need += page(ClientPageBytes(spec));
     const DramPoolStats pool_stats = pool->stats();
     const uint64_t left =
         pool_stats.budget_bytes - std::min(pool_stats.used_bytes, pool_stats.budget_bytes);
@@ -162,6 +171,50 @@ struct Engine::Impl {
                                               " bytes of memory in all"));
     }
     return Status::Ok();
+  }
+
+  // One step of `seconds` done: the job's step-time counters (under mu).
+  static void CountStepTime(JobCounters& c, double seconds) {
+    c.optimizer_seconds += seconds;
+    c.last_step_seconds = seconds;
+    size_t b = 0;
+    while (b < kStepSecondsBounds.size() && seconds > kStepSecondsBounds[b]) ++b;
+    ++c.step_seconds_buckets[b];
+  }
+
+  // The job's counters, with the figures kept outside them (under mu).
+  JobCounters CountersLocked(const Job& j) const {
+    JobCounters c = j.counters;
+    c.dram_page_bytes = pool->stats().page_bytes;
+    c.compute_seconds = static_cast<double>(j.compute_ns.load(std::memory_order_relaxed)) * 1e-9;
+    if (j.ring != nullptr) {
+      c.nvme_read_bytes = j.ring->bytes_read.load(std::memory_order_relaxed);
+      c.nvme_write_bytes = j.ring->bytes_written.load(std::memory_order_relaxed);
+      if (j.params != nullptr) c.nvme_param_read_bytes = j.params->bytes_read.load();
+      c.io_wait_seconds =
+          static_cast<double>(j.ring->io_wait_ns.load(std::memory_order_relaxed)) * 1e-9;
+    }
+    const auto* page = static_cast<uint64_t*>(j.client_page.ptr);
+    for (int r = 0; page != nullptr && r < j.spec.ranks; ++r) {
+      uint64_t* slot = const_cast<uint64_t*>(page) + r * kClientCounterWords;
+      c.host_to_device_bytes +=
+          std::atomic_ref<uint64_t>(slot[kHostToDeviceBytes]).load(std::memory_order_relaxed);
+      c.device_to_host_bytes +=
+          std::atomic_ref<uint64_t>(slot[kDeviceToHostBytes]).load(std::memory_order_relaxed);
+    }
+    return c;
+  }
+
+  static void AddTotals(EngineTotals& t, const JobCounters& c) {
+    t.bytes.nvme_read += c.nvme_read_bytes + c.nvme_param_read_bytes;
+    t.bytes.nvme_write += c.nvme_write_bytes;
+    t.bytes.host_to_device += c.host_to_device_bytes;
+    t.bytes.device_to_host += c.device_to_host_bytes;
+    t.grad_bytes_in += c.grad_bytes_in;
+    t.steps += c.steps;
+    t.skipped_steps += c.skipped_steps;
+    t.optimizer_seconds += c.optimizer_seconds;
+    t.stall_seconds += c.stall_seconds;
   }
 
   Result<std::shared_ptr<Job>> Find(int job) const {
@@ -354,7 +407,7 @@ struct Engine::Impl {
           ++job.counters.skipped_steps;
         }
         ++job.counters.steps;
-        job.counters.optimizer_seconds += Since(t0);
+        CountStepTime(job.counters, Since(t0));
       });
     };
     if (!finite) {  // a skipped step publishes the same weights as the new step
@@ -406,12 +459,14 @@ struct Engine::Impl {
     });
     if (!s.ok()) return Fail(job, s.Annotate(StrCat("step ", step)));
     Publish(job, job.units[unit], step, [&] {
-      job.counters.optimizer_seconds += Since(t0);
+      job.eager_seconds += Since(t0);
       if (++job.eager_done == static_cast<int>(job.units.size())) {
         job.eager_done = 0;
         job.step = step;
         job.adam_step = adam_step;
         ++job.counters.steps;
+        CountStepTime(job.counters, job.eager_seconds);
+        job.eager_seconds = 0;
       }
     });
   }
@@ -636,6 +691,7 @@ Result<int> Engine::RegisterJob(const JobSpec& spec) {
     inbox_bytes += page(u.layout.padded * 2);
     if (!nvme_params) publish_bytes += page(u.layout.padded * 2);
   }
+  inbox_bytes += page(ClientPageBytes(spec));
   if (nvme_params) publish_bytes = e.settings.buffer_count * page(param_slot);
   publish_bytes += page(job->units.size() * sizeof(int64_t));  // the step page
   ZT_ASSIGN_OR_RETURN(
@@ -669,6 +725,10 @@ Result<int> Engine::RegisterJob(const JobSpec& spec) {
                       e.pool->AllocateIn(job->publish_region, spec.units.size() * sizeof(int64_t),
                                          StrCat("job '", spec.name, "' step page")));
   std::fill_n(static_cast<int64_t*>(job->step_page.ptr), spec.units.size(), int64_t{-1});
+  ZT_ASSIGN_OR_RETURN(job->client_page,
+                      e.pool->AllocateIn(job->inbox_region, ClientPageBytes(spec),
+                                         StrCat("job '", spec.name, "' client page")));
+  std::memset(job->client_page.ptr, 0, ClientPageBytes(spec));
   for (size_t k = 0; k < spec.units.size(); ++k) {
     const UnitSpec& us = spec.units[k];
     Unit& u = job->units[k];
@@ -720,6 +780,7 @@ Status Engine::UnregisterJob(int job) {
     ZT_ASSIGN_OR_RETURN(j, e.Find(job));
     j->removed = true;
     e.jobs.erase(job);
+    Impl::AddTotals(e.retired, e.CountersLocked(*j));
   }
   e.dirs.Release(job);
   e.published_cv.notify_all();
@@ -1312,18 +1373,53 @@ JobCounters Engine::counters(int job) const {
   std::lock_guard<std::mutex> lock(impl_->mu);
   Result<std::shared_ptr<Job>> r = impl_->Find(job);
   if (!r.ok()) return JobCounters{};
-  const Job& j = **r;
-  JobCounters c = j.counters;
-  c.dram_page_bytes = impl_->pool->stats().page_bytes;
-  c.compute_seconds = static_cast<double>(j.compute_ns.load(std::memory_order_relaxed)) * 1e-9;
-  if (j.ring != nullptr) {
-    c.nvme_read_bytes = j.ring->bytes_read.load(std::memory_order_relaxed);
-    c.nvme_write_bytes = j.ring->bytes_written.load(std::memory_order_relaxed);
-    if (j.params != nullptr) c.nvme_param_read_bytes = j.params->bytes_read.load();
-    c.io_wait_seconds =
-        static_cast<double>(j.ring->io_wait_ns.load(std::memory_order_relaxed)) * 1e-9;
+  return impl_->CountersLocked(**r);
+}
+
+EngineTotals Engine::totals() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  EngineTotals t = impl_->retired;
+  for (const auto& [id, j] : impl_->jobs) Impl::AddTotals(t, impl_->CountersLocked(*j));
+  t.jobs_registered = impl_->next_job - 1;
+  return t;
+}
+
+Status Engine::failure(int job) const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  ZT_ASSIGN_OR_RETURN(std::shared_ptr<Job> j, impl_->Find(job));
+  return j->failure;
+}
+
+std::vector<SwapPathUsage> Engine::swap_usage() const {
+  std::vector<SwapPathUsage> out;
+  if (impl_->swap == nullptr) return out;
+  for (nvme::SwapSpace::PathUsage& u : impl_->swap->path_usage()) {
+    out.push_back({.path = std::move(u.path),
+                   .used_bytes = u.used_bytes,
+                   .file_bytes = u.file_bytes,
+                   .capacity_bytes = u.capacity_bytes});
   }
-  return c;
+  return out;
+}
+
+int Engine::optimizer_threads() const { return impl_->executor.threads(); }
+
+Result<uint64_t*> Engine::ClientCounters(int job, int rank) const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  ZT_ASSIGN_OR_RETURN(std::shared_ptr<Job> j, impl_->Find(job));
+  if (rank < 0 || rank >= j->spec.ranks) {
+    return Status::InvalidArgument(StrCat("job ", job, " has no rank ", rank));
+  }
+  return static_cast<uint64_t*>(j->client_page.ptr) + rank * kClientCounterWords;
+}
+
+Result<SharedBuffer> Engine::ClientPage(int job) const {
+  std::shared_ptr<Job> j;
+  {
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    ZT_ASSIGN_OR_RETURN(j, impl_->Find(job));
+  }
+  return Locate(job, j->client_page.ptr, ClientPageBytes(j->spec));
 }
 
 }  // namespace ztier::engine

@@ -228,6 +228,26 @@ class Engine {
   Status RoundTripStates(int job);
 
   JobCounters counters(int job) const;
+  // Every job's counters added up since the engine started, the jobs
+  // unregistered since included.
+  EngineTotals totals() const;
+  // Why the engine failed the job (an I/O error during a step, inf/NaN
+  // grads in eager mode); OK while it is healthy. Errors: NotFound.
+  Status failure(int job) const;
+  // Each swap path's usage (engine/wire_types.h); empty without NVMe paths.
+  std::vector<SwapPathUsage> swap_usage() const;
+  // The optimizer's threads (ztier.optimizer_threads, 0 resolved).
+  int optimizer_threads() const;
+  // Rank `rank`'s words of the job's client page (kClientCounterWords u64,
+  // wire_types.h ClientCounter): its runner adds the bytes it copies
+  // between its device and the engine's memory there (std::atomic_ref,
+  // relaxed), and counters() reports their sums. Valid until the job is
+  // unregistered. Errors: NotFound, InvalidArgument (rank).
+  Result<uint64_t*> ClientCounters(int job, int rank) const;
+  // Where the client page lies in the job's grad-inbox region (which
+  // clients map read-write), for a client in another process. Errors:
+  // NotFound.
+  Result<SharedBuffer> ClientPage(int job) const;
   // The pinned DRAM pool: budget, bytes reserved and in use, regions locked,
   // and the page size it really got (engine/dram_pool.h).
   DramPoolStats pool_stats() const;

@@ -133,6 +133,7 @@ struct Job {
   std::vector<float> lrs;
   int ready_units = 0;
   int eager_done = 0;
+  double eager_seconds = 0;  // of the eager step in progress (its units' updates)
   Status failure;
   bool removed = false;
   bool checkpointing = false;  // a save or load owns the buffers
@@ -145,6 +146,9 @@ struct Job {
   // Each unit's published step (int64, -1: none), in the publish region:
   // another process reads it there without asking (Engine::PublishedSteps).
   DramBlock step_page;
+  // The client page (wire_types.h kClientCounterWords per rank), in the
+  // inbox region: each rank's runner adds its device traffic there.
+  DramBlock client_page;
   std::unique_ptr<StateRing> ring;      // optimizer tier nvme only
   std::unique_ptr<ParamCache> params;   // param tier nvme only
   std::atomic<uint64_t> compute_ns{0};  // in cpu_adam::Step
@@ -161,6 +165,7 @@ struct Job {
       }
     }
     if (step_page.ptr != nullptr) pool->Free(step_page);
+    if (client_page.ptr != nullptr) pool->Free(client_page);
     for (Unit& u : units) {
       for (DramBlock* b : {&u.master, &u.exp_avg, &u.exp_avg_sq, &u.publish, &u.inbox, &u.accum}) {
         if (b->ptr != nullptr) pool->Free(*b);

@@ -153,6 +153,32 @@ std::string_view MessageTypeName(MessageType type) {
       return "commit_state";
     case MessageType::kJobSteps:
       return "job_steps";
+    case MessageType::kClientPage:
+      return "client_page";
+    case MessageType::kDaemonStatus:
+      return "daemon_status";
+    case MessageType::kListJobs:
+      return "list_jobs";
+    case MessageType::kGetQuota:
+      return "get_quota";
+    case MessageType::kSetQuota:
+      return "set_quota";
+    case MessageType::kDrain:
+      return "drain";
+    case MessageType::kEvictJob:
+      return "evict_job";
+  }
+  return "unknown";
+}
+
+std::string_view JobStateName(JobState state) {
+  switch (state) {
+    case JobState::kTraining:
+      return "training";
+    case JobState::kParked:
+      return "parked";
+    case JobState::kFailed:
+      return "failed";
   }
   return "unknown";
 }
@@ -257,7 +283,7 @@ Result<std::string_view> DecodeReplyStatus(std::string_view bytes) {
   r.Get(&code, "code");
   r.Get(&sys_errno, "errno");
   r.Str(&message, "message", kMaxMessageText);
-  if (code > static_cast<uint16_t>(StatusCode::kInternal)) r.Fail(StrCat("unknown code ", code));
+  if (code > static_cast<uint16_t>(StatusCode::kLast)) r.Fail(StrCat("unknown code ", code));
   ZT_RETURN_IF_ERROR(r.status());
   if (code != 0) {
     if (!r.rest().empty()) return Status::Corruption("reply status: an error reply carries fields");
@@ -745,30 +771,33 @@ Result<UnitLayout> DecodeUnitLayout(std::string_view bytes) {
   return Done(r, std::move(v));
 }
 
-std::string Encode(const JobCounters& v) {
-  Writer w;
+namespace {
+
+void PutCounters(Writer& w, const JobCounters& v) {
   for (int64_t x : {v.steps, v.skipped_steps}) w.Put(x);
-  for (double x : {v.optimizer_seconds, v.stall_seconds, v.last_grad_norm, v.compute_seconds,
-                   v.io_wait_seconds}) {
+  for (double x : {v.optimizer_seconds, v.last_step_seconds, v.stall_seconds, v.last_grad_norm,
+                   v.compute_seconds, v.io_wait_seconds}) {
     w.Put(x);
   }
+  for (uint64_t x : v.step_seconds_buckets) w.Put(x);
   for (uint64_t x : {v.dram_bytes, v.dram_page_bytes, v.nvme_bytes, v.grad_bytes_in,
-                     v.nvme_read_bytes, v.nvme_write_bytes, v.nvme_param_read_bytes}) {
+                     v.nvme_read_bytes, v.nvme_write_bytes, v.nvme_param_read_bytes,
+                     v.host_to_device_bytes, v.device_to_host_bytes}) {
     w.Put(x);
   }
-  return w.Take();
 }
 
-Result<JobCounters> DecodeJobCounters(std::string_view bytes) {
-  Reader r(bytes, "job counters");
-  JobCounters v;
+void GetCounters(Reader& r, JobCounters* out) {
+  JobCounters& v = *out;
   r.Get(&v.steps, "steps");
   r.Get(&v.skipped_steps, "skipped_steps");
   r.Get(&v.optimizer_seconds, "optimizer_seconds");
+  r.Get(&v.last_step_seconds, "last_step_seconds");
   r.Get(&v.stall_seconds, "stall_seconds");
   r.Get(&v.last_grad_norm, "last_grad_norm");
   r.Get(&v.compute_seconds, "compute_seconds");
   r.Get(&v.io_wait_seconds, "io_wait_seconds");
+  for (uint64_t& b : v.step_seconds_buckets) r.Get(&b, "step_seconds_buckets");
   r.Get(&v.dram_bytes, "dram_bytes");
   r.Get(&v.dram_page_bytes, "dram_page_bytes");
   r.Get(&v.nvme_bytes, "nvme_bytes");
@@ -776,9 +805,121 @@ Result<JobCounters> DecodeJobCounters(std::string_view bytes) {
   r.Get(&v.nvme_read_bytes, "nvme_read_bytes");
   r.Get(&v.nvme_write_bytes, "nvme_write_bytes");
   r.Get(&v.nvme_param_read_bytes, "nvme_param_read_bytes");
+  r.Get(&v.host_to_device_bytes, "host_to_device_bytes");
+  r.Get(&v.device_to_host_bytes, "device_to_host_bytes");
+  if (!r.ok()) return;
   if (v.steps < 0 || v.skipped_steps < 0 || v.skipped_steps > v.steps) {
     r.Fail(StrCat("steps ", v.steps, ", skipped ", v.skipped_steps));
   }
+  uint64_t bucketed = 0;
+  for (uint64_t b : v.step_seconds_buckets) {
+    if (b > static_cast<uint64_t>(INT64_MAX) - bucketed) {
+      r.Fail("step_seconds_buckets overflow");
+      return;
+    }
+    bucketed += b;
+  }
+  if (v.steps >= 0 && bucketed > static_cast<uint64_t>(v.steps)) {
+    r.Fail(StrCat("step_seconds_buckets count ", bucketed, " steps of ", v.steps));
+  }
+  for (double x : {v.optimizer_seconds, v.last_step_seconds, v.stall_seconds, v.compute_seconds,
+                   v.io_wait_seconds}) {
+    if (!Finite(x) || x < 0) {
+      r.Fail(StrCat("a time of ", x, " s"));
+      break;
+    }
+  }
+}
+
+void PutTierBytes(Writer& w, const TierBytes& v) {
+  for (uint64_t x : {v.nvme_read, v.nvme_write, v.host_to_device, v.device_to_host}) w.Put(x);
+}
+
+void GetTierBytes(Reader& r, TierBytes* v, std::string_view field) {
+  r.Get(&v->nvme_read, field);
+  r.Get(&v->nvme_write, field);
+  r.Get(&v->host_to_device, field);
+  r.Get(&v->device_to_host, field);
+}
+
+void PutQuota(Writer& w, const Quota& q) {
+  w.Put(q.max_jobs);
+  w.Put(q.max_connections);
+  w.Put(q.max_dram_bytes);
+  w.Put(q.max_nvme_bytes);
+}
+
+void GetQuota(Reader& r, Quota* q) {
+  r.Get(&q->max_jobs, "max_jobs");
+  r.Get(&q->max_connections, "max_connections");
+  r.Get(&q->max_dram_bytes, "max_dram_bytes");
+  r.Get(&q->max_nvme_bytes, "max_nvme_bytes");
+  if (r.ok() && (q->max_jobs < 1 || q->max_connections < 1)) {
+    r.Fail(StrCat("max_jobs ", q->max_jobs, ", max_connections ", q->max_connections,
+                  " (at least 1 each)"));
+  }
+}
+
+void PutJobInfo(Writer& w, const JobInfo& v) {
+  w.Put(v.id);
+  w.Put(v.uid);
+  w.Str(v.name);
+  w.Put(static_cast<uint8_t>(v.state));
+  w.Str(std::string_view(v.failure).substr(0, kMaxMessageText));
+  w.Put(v.world_size);
+  w.Put(v.attached);
+  w.Put(v.step);
+  w.Put(static_cast<uint8_t>(v.state_dtype));
+  w.Put(static_cast<uint8_t>(v.optimizer_tier));
+  w.Put(static_cast<uint8_t>(v.param_tier));
+  PutCounters(w, v.counters);
+}
+
+void GetJobInfo(Reader& r, JobInfo* out) {
+  JobInfo& v = *out;
+  uint8_t state = 0, dtype = 0, otier = 0, ptier = 0;
+  r.Get(&v.id, "id");
+  r.Get(&v.uid, "uid");
+  r.Str(&v.name, "name", kMaxNameBytes);
+  r.Get(&state, "state");
+  r.Str(&v.failure, "failure", kMaxMessageText);
+  r.Get(&v.world_size, "world_size");
+  r.Get(&v.attached, "attached");
+  r.Get(&v.step, "step");
+  r.Get(&dtype, "state_dtype");
+  r.Get(&otier, "optimizer_tier");
+  r.Get(&ptier, "param_tier");
+  GetCounters(r, &v.counters);
+  if (!r.ok()) return;
+  if (state > static_cast<uint8_t>(JobState::kFailed)) r.Fail(StrCat("state ", int{state}));
+  if (dtype > static_cast<uint8_t>(StateDtype::kInt8)) r.Fail(StrCat("state_dtype ", int{dtype}));
+  if (otier > 1 || ptier > 1) r.Fail("tier");
+  if (v.world_size < 1 || v.world_size > kMaxRanks || v.attached < 0 || v.step < 0 || v.id < 0) {
+    r.Fail(StrCat("job ", v.id, ": world size ", v.world_size, ", attached ", v.attached,
+                  ", step ", v.step));
+  }
+  v.state = static_cast<JobState>(state);
+  v.state_dtype = static_cast<StateDtype>(dtype);
+  v.optimizer_tier = static_cast<Tier>(otier);
+  v.param_tier = static_cast<Tier>(ptier);
+}
+
+// The smallest an encoded JobInfo can be (empty strings), for Count().
+constexpr size_t kMinJobInfoBytes = 4 + 4 + 4 + 1 + 4 + 4 + 4 + 8 + 3 + 2 * 8 + 6 * 8 +
+                                    (kStepSecondsBounds.size() + 1) * 8 + 9 * 8;
+
+}  // namespace
+
+std::string Encode(const JobCounters& v) {
+  Writer w;
+  PutCounters(w, v);
+  return w.Take();
+}
+
+Result<JobCounters> DecodeJobCounters(std::string_view bytes) {
+  Reader r(bytes, "job counters");
+  JobCounters v;
+  GetCounters(r, &v);
   return Done(r, v);
 }
 
@@ -806,6 +947,274 @@ Result<DramPoolStats> DecodeDramPoolStats(std::string_view bytes) {
     r.Fail("used, locked or huge-page figures exceed the totals");
   }
   return Done(r, v);
+}
+
+}  // namespace ztier::engine::protocol
+
+namespace ztier::engine::protocol {
+
+std::string Encode(const ListRequest& v) {
+  Writer w;
+  w.Put(v.after);
+  return w.Take();
+}
+
+Result<ListRequest> DecodeListRequest(std::string_view bytes) {
+  Reader r(bytes, "list request");
+  ListRequest v;
+  r.Get(&v.after, "after");
+  if (v.after < -1) r.Fail(StrCat("after ", v.after));
+  return Done(r, v);
+}
+
+size_t EncodedBytes(const JobInfo& v) {
+  Writer w;
+  PutJobInfo(w, v);
+  return w.Take().size();
+}
+
+std::string Encode(const JobList& v) {
+  Writer w;
+  w.Put(static_cast<uint32_t>(v.jobs.size()));
+  for (const JobInfo& j : v.jobs) PutJobInfo(w, j);
+  w.Put(static_cast<uint8_t>(v.more));
+  return w.Take();
+}
+
+Result<JobList> DecodeJobList(std::string_view bytes) {
+  Reader r(bytes, "job list");
+  JobList v;
+  uint32_t n = 0;
+  uint8_t more = 0;
+  if (r.Count(&n, "jobs", kMaxListed, kMinJobInfoBytes)) {
+    v.jobs.resize(n);
+    for (JobInfo& j : v.jobs) GetJobInfo(r, &j);
+  }
+  r.Get(&more, "more");
+  if (more > 1) r.Fail(StrCat("more ", int{more}));
+  v.more = more == 1;
+  return Done(r, std::move(v));
+}
+
+std::string Encode(const QuotaQuery& v) {
+  Writer w;
+  w.Put(v.uid);
+  w.Put(static_cast<uint8_t>(v.all));
+  w.Put(v.after);
+  return w.Take();
+}
+
+Result<QuotaQuery> DecodeQuotaQuery(std::string_view bytes) {
+  Reader r(bytes, "quota query");
+  QuotaQuery v;
+  uint8_t all = 0;
+  r.Get(&v.uid, "uid");
+  r.Get(&all, "all");
+  r.Get(&v.after, "after");
+  if (all > 1) r.Fail(StrCat("all ", int{all}));
+  if (v.after < -1 || v.after > UINT32_MAX) r.Fail(StrCat("after ", v.after));
+  v.all = all == 1;
+  return Done(r, v);
+}
+
+std::string Encode(const QuotaList& v) {
+  Writer w;
+  PutQuota(w, v.defaults);
+  w.Put(static_cast<uint32_t>(v.quotas.size()));
+  for (const QuotaInfo& q : v.quotas) {
+    w.Put(q.uid);
+    PutQuota(w, q.quota);
+    w.Put(static_cast<uint8_t>(q.custom));
+    w.Put(q.jobs);
+    w.Put(q.connections);
+    w.Put(q.dram_bytes);
+    w.Put(q.nvme_bytes);
+  }
+  w.Put(static_cast<uint8_t>(v.more));
+  return w.Take();
+}
+
+Result<QuotaList> DecodeQuotaList(std::string_view bytes) {
+  Reader r(bytes, "quota list");
+  QuotaList v;
+  GetQuota(r, &v.defaults);
+  uint32_t n = 0;
+  if (r.Count(&n, "quotas", kMaxListed, 4 + 24 + 1 + 8 + 16)) {
+    v.quotas.resize(n);
+    for (QuotaInfo& q : v.quotas) {
+      uint8_t custom = 0;
+      r.Get(&q.uid, "uid");
+      GetQuota(r, &q.quota);
+      r.Get(&custom, "custom");
+      r.Get(&q.jobs, "jobs");
+      r.Get(&q.connections, "connections");
+      r.Get(&q.dram_bytes, "dram_bytes");
+      r.Get(&q.nvme_bytes, "nvme_bytes");
+      if (custom > 1 || q.jobs < 0 || q.connections < 0) r.Fail(StrCat("uid ", q.uid, ": usage"));
+      q.custom = custom == 1;
+      if (!r.ok()) break;
+    }
+  }
+  uint8_t more = 0;
+  r.Get(&more, "more");
+  if (more > 1) r.Fail(StrCat("more ", int{more}));
+  v.more = more == 1;
+  return Done(r, std::move(v));
+}
+
+std::string Encode(const QuotaUpdate& v) {
+  Writer w;
+  w.Put(v.uid);
+  w.Put(v.set);
+  w.Put(static_cast<uint8_t>(v.reset));
+  w.Put(v.quota.max_jobs);
+  w.Put(v.quota.max_connections);
+  w.Put(v.quota.max_dram_bytes);
+  w.Put(v.quota.max_nvme_bytes);
+  return w.Take();
+}
+
+Result<QuotaUpdate> DecodeQuotaUpdate(std::string_view bytes) {
+  Reader r(bytes, "quota update");
+  QuotaUpdate v;
+  uint8_t reset = 0;
+  r.Get(&v.uid, "uid");
+  r.Get(&v.set, "set");
+  r.Get(&reset, "reset");
+  r.Get(&v.quota.max_jobs, "max_jobs");
+  r.Get(&v.quota.max_connections, "max_connections");
+  r.Get(&v.quota.max_dram_bytes, "max_dram_bytes");
+  r.Get(&v.quota.max_nvme_bytes, "max_nvme_bytes");
+  constexpr uint32_t kKnown = kQuotaMaxJobs | kQuotaMaxConnections | kQuotaMaxDram | kQuotaMaxNvme;
+  if (reset > 1) r.Fail(StrCat("reset ", int{reset}));
+  if ((v.set & ~kKnown) != 0) r.Fail(StrCat("unknown quota fields 0x", v.set & ~kKnown));
+  if (reset == 1 && v.set != 0) r.Fail("a reset sets no fields");
+  if (reset == 0 && v.set == 0) r.Fail("a quota update sets at least one field");
+  if ((v.set & kQuotaMaxJobs) != 0 && (v.quota.max_jobs < 1 || v.quota.max_jobs > (1 << 20))) {
+    r.Fail(StrCat("max_jobs ", v.quota.max_jobs, " (1..", 1 << 20, ")"));
+  }
+  if ((v.set & kQuotaMaxConnections) != 0 &&
+      (v.quota.max_connections < 1 || v.quota.max_connections > (1 << 20))) {
+    r.Fail(StrCat("max_connections ", v.quota.max_connections, " (1..", 1 << 20, ")"));
+  }
+  v.reset = reset == 1;
+  return Done(r, v);
+}
+
+std::string Encode(const DrainRequest& v) {
+  Writer w;
+  w.Put(static_cast<uint8_t>(v.on));
+  return w.Take();
+}
+
+Result<DrainRequest> DecodeDrainRequest(std::string_view bytes) {
+  Reader r(bytes, "drain request");
+  uint8_t on = 0;
+  r.Get(&on, "on");
+  if (on > 1) r.Fail(StrCat("on ", int{on}));
+  return Done(r, DrainRequest{.on = on == 1});
+}
+
+std::string Encode(const EvictRequest& v) {
+  Writer w;
+  w.Put(v.job);
+  w.Str(v.reason);
+  return w.Take();
+}
+
+Result<EvictRequest> DecodeEvictRequest(std::string_view bytes) {
+  Reader r(bytes, "evict request");
+  EvictRequest v;
+  r.Get(&v.job, "job");
+  r.Str(&v.reason, "reason", kMaxNameBytes);
+  if (v.job < 0) r.Fail(StrCat("job ", v.job));
+  return Done(r, std::move(v));
+}
+
+std::string Encode(const DaemonStatus& v) {
+  Writer w;
+  w.Str(v.version);
+  w.Put(v.protocol);
+  w.Put(v.uptime_seconds);
+  w.Put(static_cast<uint8_t>(v.draining));
+  w.Put(static_cast<uint8_t>(v.caller_is_admin));
+  w.Put(v.optimizer_threads);
+  w.Put(v.connections);
+  w.Put(v.jobs);
+  for (uint64_t x : {v.requests, v.refused, v.dram_budget_bytes, v.dram_reserved_bytes,
+                     v.dram_used_bytes, v.dram_page_bytes}) {
+    w.Put(x);
+  }
+  w.Put(static_cast<uint32_t>(v.swap.size()));
+  for (const SwapPathUsage& p : v.swap) {
+    w.Str(p.path);
+    for (uint64_t x : {p.used_bytes, p.file_bytes, p.capacity_bytes}) w.Put(x);
+  }
+  const EngineTotals& t = v.totals;
+  PutTierBytes(w, t.bytes);
+  w.Put(t.grad_bytes_in);
+  w.Put(t.steps);
+  w.Put(t.skipped_steps);
+  w.Put(t.optimizer_seconds);
+  w.Put(t.stall_seconds);
+  w.Put(t.jobs_registered);
+  PutTierBytes(w, v.window);
+  w.Put(v.window_seconds);
+  return w.Take();
+}
+
+Result<DaemonStatus> DecodeDaemonStatus(std::string_view bytes) {
+  Reader r(bytes, "daemon status");
+  DaemonStatus v;
+  uint8_t draining = 0, admin = 0;
+  r.Str(&v.version, "version", kMaxNameBytes);
+  r.Get(&v.protocol, "protocol");
+  r.Get(&v.uptime_seconds, "uptime_seconds");
+  r.Get(&draining, "draining");
+  r.Get(&admin, "caller_is_admin");
+  r.Get(&v.optimizer_threads, "optimizer_threads");
+  r.Get(&v.connections, "connections");
+  r.Get(&v.jobs, "jobs");
+  r.Get(&v.requests, "requests");
+  r.Get(&v.refused, "refused");
+  r.Get(&v.dram_budget_bytes, "dram_budget_bytes");
+  r.Get(&v.dram_reserved_bytes, "dram_reserved_bytes");
+  r.Get(&v.dram_used_bytes, "dram_used_bytes");
+  r.Get(&v.dram_page_bytes, "dram_page_bytes");
+  uint32_t n = 0;
+  if (r.Count(&n, "swap", kMaxSwapPaths, 4 + 24)) {
+    v.swap.resize(n);
+    for (SwapPathUsage& p : v.swap) {
+      r.Str(&p.path, "swap path", kMaxNameBytes);
+      r.Get(&p.used_bytes, "used_bytes");
+      r.Get(&p.file_bytes, "file_bytes");
+      r.Get(&p.capacity_bytes, "capacity_bytes");
+      if (!r.ok()) break;
+    }
+  }
+  EngineTotals& t = v.totals;
+  GetTierBytes(r, &t.bytes, "totals");
+  r.Get(&t.grad_bytes_in, "grad_bytes_in");
+  r.Get(&t.steps, "steps");
+  r.Get(&t.skipped_steps, "skipped_steps");
+  r.Get(&t.optimizer_seconds, "optimizer_seconds");
+  r.Get(&t.stall_seconds, "stall_seconds");
+  r.Get(&t.jobs_registered, "jobs_registered");
+  GetTierBytes(r, &v.window, "window");
+  r.Get(&v.window_seconds, "window_seconds");
+  if (!r.ok()) return r.status();
+  if (draining > 1 || admin > 1) r.Fail("a flag is not 0 or 1");
+  if (!Finite(v.uptime_seconds) || v.uptime_seconds < 0 || !Finite(v.window_seconds) ||
+      v.window_seconds < 0 || !Finite(t.optimizer_seconds) || !Finite(t.stall_seconds)) {
+    r.Fail("a time is negative or not finite");
+  }
+  if (v.connections < 0 || v.jobs < 0 || t.steps < 0 || t.skipped_steps < 0 ||
+      t.jobs_registered < 0 || v.dram_used_bytes > v.dram_reserved_bytes) {
+    r.Fail("a count is negative, or DRAM in use exceeds what is reserved");
+  }
+  v.draining = draining == 1;
+  v.caller_is_admin = admin == 1;
+  return Done(r, std::move(v));
 }
 
 }  // namespace ztier::engine::protocol

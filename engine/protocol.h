@@ -38,8 +38,10 @@ namespace ztier::engine::protocol {
 
 inline constexpr uint32_t kMagic = 0x5057545A;  // "ZTWP"
 // Follows kWireVersion (engine/wire_types.h), whose structs it encodes; 2:
-// param groups and frozen tensors in a JobSpec, set_learning_rates.
-inline constexpr uint16_t kVersion = 2;
+// param groups and frozen tensors in a JobSpec, set_learning_rates; 3: the
+// client page, the operator's messages (status, jobs, quotas, drain,
+// evict), step times and device traffic in the counters.
+inline constexpr uint16_t kVersion = 3;
 static_assert(kVersion == kWireVersion, "a change of the wire types is a change of the protocol");
 inline constexpr size_t kHeaderBytes = 32;
 inline constexpr size_t kMaxMessageBytes = size_t{64} << 10;
@@ -56,6 +58,10 @@ inline constexpr uint32_t kMaxDims = 8;
 inline constexpr int kMaxRanks = 1 << 16;
 // Optimizer param groups of a job (group_weight_decay, learning rates).
 inline constexpr uint32_t kMaxParamGroups = 1 << 16;
+// The operator's lists (jobs, quotas) come in pages of at most this many
+// (each page's reply fits in a datagram; `more` says another follows).
+inline constexpr uint32_t kMaxListed = 4096;
+inline constexpr uint32_t kMaxSwapPaths = 256;
 // The longest a request may ask the daemon to wait (a day).
 inline constexpr std::chrono::milliseconds kMaxWait{int64_t{24} * 3600 * 1000};
 
@@ -93,9 +99,23 @@ enum class MessageType : uint16_t {
   // LearningRates -> (): each param group's learning rate from the job's
   // next step on (engine::Engine::SetLearningRates).
   kSetLearningRates = 23,
+  // JobRef -> SharedBuffer: the job's client page (engine::Engine::
+  // ClientPage), in its grad-inbox region, where runners count their
+  // device traffic.
+  kClientPage = 24,
+  // The operator's messages (ztierctl, for any uid unless it says admin;
+  // an admin is root, ztierd's own uid, or a member of its admin group):
+  kDaemonStatus = 25,  // () -> DaemonStatus
+  kListJobs = 26,      // ListRequest -> JobList (an admin's: every job; else the caller's)
+  kGetQuota = 27,      // QuotaQuery -> QuotaList (another uid's or all: admin)
+  kSetQuota = 28,      // QuotaUpdate -> QuotaList of the one uid (admin)
+  kDrain = 29,         // DrainRequest -> () (admin): new jobs refused, or accepted again
+  kEvictJob = 30,      // EvictRequest -> () (admin): the job is freed, its clients told why
 };
-inline constexpr uint16_t kLastMessageType = 23;
+inline constexpr uint16_t kLastMessageType = 30;
 std::string_view MessageTypeName(MessageType type);
+// "training", "parked", "failed": as ztierctl and the metrics spell a job's state.
+std::string_view JobStateName(JobState state);
 
 struct Header {
   uint16_t version = kVersion;
@@ -194,6 +214,35 @@ struct JobSteps {
   int64_t adam_step = 0;
 };
 
+// A page of a list, starting after `after` (a job id or a uid; -1: from
+// the start).
+struct ListRequest {
+  int64_t after = -1;
+};
+struct JobList {
+  std::vector<JobInfo> jobs;  // by id
+  bool more = false;          // ask again after the last one
+};
+// One uid's quota (`all` false), or every uid's the daemon knows of after
+// `after` (a page).
+struct QuotaQuery {
+  uint32_t uid = 0;
+  bool all = false;
+  int64_t after = -1;
+};
+struct QuotaList {
+  Quota defaults;  // the daemon's, for uids with none of their own
+  std::vector<QuotaInfo> quotas;
+  bool more = false;
+};
+struct DrainRequest {
+  bool on = true;
+};
+struct EvictRequest {
+  int32_t job = 0;     // JobInfo::id
+  std::string reason;  // told to the job's clients (may be empty)
+};
+
 // Buffers travel as engine::SharedBuffer (wire_types.h): region, offset and
 // size, never a pointer; a region's memfd comes with the first reply that
 // names it.
@@ -221,6 +270,16 @@ std::string Encode(const JobSpec& v);
 std::string Encode(const UnitLayout& v);
 std::string Encode(const JobCounters& v);
 std::string Encode(const DramPoolStats& v);
+std::string Encode(const ListRequest& v);
+std::string Encode(const JobList& v);
+std::string Encode(const QuotaQuery& v);
+std::string Encode(const QuotaList& v);
+std::string Encode(const QuotaUpdate& v);
+std::string Encode(const DrainRequest& v);
+std::string Encode(const EvictRequest& v);
+std::string Encode(const DaemonStatus& v);
+// Bytes Encode(JobInfo) takes in a JobList (a page is cut to fit).
+size_t EncodedBytes(const JobInfo& v);
 
 Result<Hello> DecodeHello(std::string_view bytes);
 Result<JobRef> DecodeJobRef(std::string_view bytes);
@@ -244,6 +303,15 @@ Result<JobSpec> DecodeJobSpec(std::string_view bytes);
 Result<UnitLayout> DecodeUnitLayout(std::string_view bytes);
 Result<JobCounters> DecodeJobCounters(std::string_view bytes);
 Result<DramPoolStats> DecodeDramPoolStats(std::string_view bytes);
+Result<ListRequest> DecodeListRequest(std::string_view bytes);
+Result<JobList> DecodeJobList(std::string_view bytes);
+Result<QuotaQuery> DecodeQuotaQuery(std::string_view bytes);
+Result<QuotaList> DecodeQuotaList(std::string_view bytes);
+// Also checks the fields it sets: counts >= 1, known bits.
+Result<QuotaUpdate> DecodeQuotaUpdate(std::string_view bytes);
+Result<DrainRequest> DecodeDrainRequest(std::string_view bytes);
+Result<EvictRequest> DecodeEvictRequest(std::string_view bytes);
+Result<DaemonStatus> DecodeDaemonStatus(std::string_view bytes);
 
 // A reply payload: the status, then (when OK) the rest. Returns the status
 // carried (an error the daemon sent) or the bytes after it.

@@ -227,6 +227,22 @@ Result<PeerCredentials> SeqPacketSocket::Peer() const {
   return PeerCredentials{.pid = cred.pid, .uid = cred.uid, .gid = cred.gid};
 }
 
+Result<std::vector<gid_t>> SeqPacketSocket::PeerGroups() const {
+  std::vector<gid_t> groups(64);
+  for (;;) {
+    socklen_t len = static_cast<socklen_t>(groups.size() * sizeof(gid_t));
+    if (::getsockopt(fd_.get(), SOL_SOCKET, SO_PEERGROUPS, groups.data(), &len) == 0) {
+      groups.resize(len / sizeof(gid_t));
+      return groups;
+    }
+    // ERANGE: `len` now says how many bytes it needs.
+    if (errno != ERANGE || len <= groups.size() * sizeof(gid_t)) {
+      return PosixError("getsockopt(SO_PEERGROUPS)", errno);
+    }
+    groups.resize(len / sizeof(gid_t));
+  }
+}
+
 Result<UniqueFd> SeqPacketSocket::PeerPidfd() const {
   constexpr int kSoPeerPidfd = 77;  // SO_PEERPIDFD, Linux 6.5; older headers lack it
   int pidfd = -1;

@@ -71,6 +71,9 @@ class SeqPacketSocket {
   // A pidfd of the peer process (SO_PEERPIDFD): readable once it exits.
   // Errors: Unimplemented (a kernel older than 6.5), PosixError.
   Result<UniqueFd> PeerPidfd() const;
+  // The peer's supplementary groups when it connected (SO_PEERGROUPS).
+  // Errors: PosixError.
+  Result<std::vector<gid_t>> PeerGroups() const;
 
   int fd() const { return fd_.get(); }
   bool valid() const { return fd_.valid(); }

@@ -9,6 +9,7 @@
 #ifndef ZTIER_ENGINE_WIRE_TYPES_H_
 #define ZTIER_ENGINE_WIRE_TYPES_H_
 
+#include <array>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -18,7 +19,10 @@
 namespace ztier::engine {
 
 // 2: a tensor's param group and frozen flag, the groups' weight decays.
-inline constexpr uint16_t kWireVersion = 2;
+// 3: the step-time histogram, the last step's time and the clients' device
+// traffic in JobCounters; the operator's types (DaemonStatus, JobInfo,
+// quotas).
+inline constexpr uint16_t kWireVersion = 3;
 
 enum class Tier : uint8_t { kDram, kNvme };
 // How the engine keeps the AdamW moments m and v (ztier.state_dtype): fp32,
@@ -81,12 +85,23 @@ struct UnitLayout {
   std::vector<uint64_t> offsets;  // of each tensor in the flat buffer
 };
 
+// Upper bounds (seconds) of the buckets of a job's step-time histogram
+// (JobCounters::step_seconds_buckets); the last bucket is everything above.
+inline constexpr std::array<double, 14> kStepSecondsBounds = {
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120};
+
 struct JobCounters {
   // Steps count once done: with states on NVMe and params in DRAM, a step's
   // units are visible (WaitPublished) before its write-backs end.
   int64_t steps = 0;          // optimizer steps taken
   int64_t skipped_steps = 0;  // skipped for inf/NaN grads
   double optimizer_seconds = 0;
+  // Of the last step done: from its start (the last grads in, exact mode;
+  // its first unit's update, eager mode) to its end.
+  double last_step_seconds = 0;
+  // How many steps took at most kStepSecondsBounds[i] (and more than the
+  // bound before); the last entry counts those above every bound.
+  std::array<uint64_t, kStepSecondsBounds.size() + 1> step_seconds_buckets{};
   double stall_seconds = 0;  // clients blocked in WaitPublished
   // Before clipping, of the last step whose grads are all in (exact mode):
   // set before any of its units is published.
@@ -100,6 +115,128 @@ struct JobCounters {
   uint64_t nvme_read_bytes = 0;        // optimizer state read from the drives
   uint64_t nvme_write_bytes = 0;       // optimizer state (and params) written to the drives
   uint64_t nvme_param_read_bytes = 0;  // params read into the param cache
+  // What the job's ranks copied between their devices and the engine's
+  // memory (params in, grads out), as their runners report it in the job's
+  // client page (Engine::ClientCounters).
+  uint64_t host_to_device_bytes = 0;
+  uint64_t device_to_host_bytes = 0;
+};
+
+// A job's client page: per rank, kClientCounterWords u64 that the rank's
+// runner adds its device traffic to (relaxed atomic adds), in the job's
+// grad-inbox region (clients write it); the engine sums them.
+inline constexpr uint64_t kClientCounterWords = 8;
+enum ClientCounter : uint32_t { kHostToDeviceBytes = 0, kDeviceToHostBytes = 1 };
+
+// Bytes moved per tier: engine-wide since start (retired jobs included), or
+// over a window.
+struct TierBytes {
+  uint64_t nvme_read = 0;   // optimizer state and params read from the drives
+  uint64_t nvme_write = 0;  // written to them
+  uint64_t host_to_device = 0;
+  uint64_t device_to_host = 0;
+};
+
+// The engine's totals since it started: every job it ever held.
+struct EngineTotals {
+  TierBytes bytes;
+  uint64_t grad_bytes_in = 0;
+  int64_t steps = 0;
+  int64_t skipped_steps = 0;
+  double optimizer_seconds = 0;
+  double stall_seconds = 0;
+  int64_t jobs_registered = 0;
+};
+
+// One swap path of the engine: its file's size now, the bytes its objects
+// take in it, and what it may grow to (the cap, else the file plus the
+// free space of its filesystem).
+struct SwapPathUsage {
+  std::string path;
+  uint64_t used_bytes = 0;
+  uint64_t file_bytes = 0;
+  uint64_t capacity_bytes = 0;
+};
+
+// ---- the operator's view of ztierd (ztierctl, the metrics endpoint)
+
+enum class JobState : uint8_t {
+  kTraining,  // held by a client's connection
+  kParked,    // its last client left; kept for the grace period
+  kFailed,    // the engine failed it (an I/O error, eager inf/NaN): see `failure`
+};
+
+// A job as the operator sees it. `id` names it to `ztierctl evict`.
+struct JobInfo {
+  int32_t id = 0;
+  uint32_t uid = 0;
+  std::string name;
+  JobState state = JobState::kTraining;
+  std::string failure;  // why it failed, when it did
+  int32_t world_size = 1;
+  int32_t attached = 0;  // connections holding it
+  int64_t step = 0;      // completed steps
+  StateDtype state_dtype = StateDtype::kFp32;
+  Tier optimizer_tier = Tier::kDram;
+  Tier param_tier = Tier::kDram;
+  JobCounters counters;
+};
+
+// Per-uid limits; 0 bytes: none (only the engine's budget).
+struct Quota {
+  int32_t max_jobs = 0;
+  int32_t max_connections = 0;
+  uint64_t max_dram_bytes = 0;
+  uint64_t max_nvme_bytes = 0;
+};
+
+// A uid's quota and what it holds now.
+struct QuotaInfo {
+  uint32_t uid = 0;
+  Quota quota;
+  bool custom = false;  // set for this uid (else the daemon's defaults)
+  int32_t jobs = 0;
+  int32_t connections = 0;
+  uint64_t dram_bytes = 0;
+  uint64_t nvme_bytes = 0;
+};
+
+// A change of one uid's quota: the fields whose bit is set in `set`
+// (kQuota* below), or `reset` to the daemon's defaults.
+inline constexpr uint32_t kQuotaMaxJobs = 1u << 0;
+inline constexpr uint32_t kQuotaMaxConnections = 1u << 1;
+inline constexpr uint32_t kQuotaMaxDram = 1u << 2;
+inline constexpr uint32_t kQuotaMaxNvme = 1u << 3;
+struct QuotaUpdate {
+  uint32_t uid = 0;
+  uint32_t set = 0;
+  bool reset = false;
+  Quota quota;
+};
+
+// ztierd as a whole (ztierctl status).
+struct DaemonStatus {
+  std::string version;  // "0.1.0"
+  uint16_t protocol = 0;
+  double uptime_seconds = 0;
+  bool draining = false;  // new jobs refused (ztierctl drain)
+  bool caller_is_admin = false;
+  uint32_t optimizer_threads = 0;
+  int32_t connections = 0;
+  int32_t jobs = 0;
+  uint64_t requests = 0;
+  uint64_t refused = 0;
+  // Pinned DRAM: the pool (budget, reserved, used), filled below.
+  uint64_t dram_budget_bytes = 0;
+  uint64_t dram_reserved_bytes = 0;
+  uint64_t dram_used_bytes = 0;
+  uint64_t dram_page_bytes = 0;
+  std::vector<SwapPathUsage> swap;
+  EngineTotals totals;
+  // Over the last `window_seconds` (about a minute once ztierd has run that
+  // long).
+  TierBytes window;
+  double window_seconds = 0;
 };
 
 // What another process (a client of the daemon) may do with a region of

@@ -16,6 +16,7 @@
 //
 // Exit codes: 0 stopped by a signal, 1 a runtime error (printed), 2 bad
 // usage (flags, config, environment).
+#include <grp.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdlib.h>
@@ -38,6 +39,7 @@
 #include "common/numbers.h"
 #include "common/version.h"
 #include "engine/daemon.h"
+#include "engine/metrics.h"
 #include "engine/protocol.h"
 #include "engine/seqpacket.h"
 #include "engine/settings.h"
@@ -55,6 +57,9 @@ struct Flags {
   std::string socket;
   std::string config;
   mode_t socket_mode = 0660;
+  std::string metrics;  // --metrics ADDRESS
+  std::string admin_group = "ztier-admin";
+  bool admin_group_named = false;
   DaemonOptions daemon;
 };
 
@@ -63,7 +68,8 @@ void Usage(std::ostream& out) {
          "              [--allow-uid UID]... [--max-jobs-per-uid N]\n"
          "              [--max-connections-per-uid N] [--max-requests-in-flight N]\n"
          "              [--max-dram-per-uid SIZE] [--max-nvme-per-uid SIZE]\n"
-         "              [--job-grace-seconds N]\n"
+         "              [--job-grace-seconds N] [--metrics ADDRESS]\n"
+         "              [--admin-group NAME] [--quota-file FILE]\n"
          "\n"
          "  --socket PATH   listen on PATH (not needed under systemd socket activation)\n"
          "  --config FILE   engine settings: a ds_config with ztier's keys (DRAM budget,\n"
@@ -75,7 +81,13 @@ void Usage(std::ostream& out) {
          "  --max-requests-in-flight (per connection, default 256),\n"
          "  --max-dram-per-uid, --max-nvme-per-uid (bytes, e.g. 64G; default: none): quotas\n"
          "  --job-grace-seconds  keep a job whose last client died this long, so a\n"
-         "                  restarted rank can attach to it again (default 0: free it at once)\n";
+         "                  restarted rank can attach to it again (default 0: free it at once)\n"
+         "  --metrics ADDRESS  serve Prometheus metrics at http://ADDRESS/metrics: HOST:PORT\n"
+         "                  (e.g. 127.0.0.1:9464) or unix:PATH; under systemd the socket\n"
+         "                  named \"metrics\" (ztierd-metrics.socket) is used instead\n"
+         "  --admin-group NAME  members may set quotas, drain and evict (ztierctl), besides\n"
+         "                  root and ztierd's own user (default ztier-admin, if it exists)\n"
+         "  --quota-file FILE  keep quotas set with ztierctl there across restarts\n";
 }
 
 Result<int64_t> IntFlag(std::string_view flag, std::string_view text, int64_t lo, int64_t hi) {
@@ -131,6 +143,13 @@ Result<Flags> ParseFlags(int argc, char** argv) {
     } else if (a == "--job-grace-seconds") {
       ZT_ASSIGN_OR_RETURN(int64_t n, IntFlag(a, v, 0, 7 * 24 * 3600));
       f.daemon.job_grace_period = std::chrono::seconds(n);
+    } else if (a == "--metrics") {
+      f.metrics = v;
+    } else if (a == "--admin-group") {
+      f.admin_group = v;
+      f.admin_group_named = true;
+    } else if (a == "--quota-file") {
+      f.daemon.quota_file = v;
     } else if (a == "--max-requests-in-flight") {
       ZT_ASSIGN_OR_RETURN(int64_t n, IntFlag(a, v, 1, 1 << 16));
       f.daemon.max_requests_in_flight = static_cast<int>(n);
@@ -141,17 +160,20 @@ Result<Flags> ParseFlags(int argc, char** argv) {
   return f;
 }
 
-// The listening socket: systemd's (LISTEN_FDS, the one named "control" or
-// the only one), else --socket.
-Result<engine::SeqPacketListener> OpenListener(const Flags& f) {
+// The listening sockets: systemd's (LISTEN_FDS: the one named "control",
+// or the only one; and the one named "metrics", kept in `*metrics_fd`),
+// else --socket.
+Result<engine::SeqPacketListener> OpenListener(const Flags& f, int* metrics_fd) {
   ZT_ASSIGN_OR_RETURN(std::vector<engine::systemd::ListenFd> fds, engine::systemd::TakeListenFds());
+  *metrics_fd = -1;
   if (!fds.empty()) {
     int chosen = -1;
     for (const auto& l : fds) {
       if (l.name == "control" || fds.size() == 1) chosen = l.fd;
+      if (l.name == "metrics" && fds.size() > 1) *metrics_fd = l.fd;
     }
     for (const auto& l : fds) {
-      if (l.fd != chosen) ::close(l.fd);
+      if (l.fd != chosen && l.fd != *metrics_fd) ::close(l.fd);
     }
     if (chosen < 0) {
       return Status::InvalidArgument(
@@ -209,13 +231,46 @@ int Run(const Flags& f) {
     std::fprintf(stderr, "ztierd: %s\n", watchdog.status().ToString().c_str());
     return 2;
   }
-  Result<engine::SeqPacketListener> listener = OpenListener(f);
+  int metrics_fd = -1;
+  Result<engine::SeqPacketListener> listener = OpenListener(f, &metrics_fd);
   if (!listener.ok()) {
     std::fprintf(stderr, "ztierd: %s\n", listener.status().ToString().c_str());
     return listener.status().code() == StatusCode::kInvalidArgument ? 2 : 1;
   }
+  // The metrics listener: systemd's socket, else --metrics.
+  std::unique_ptr<engine::MetricsServer> metrics;
+  if (metrics_fd >= 0 || !f.metrics.empty()) {
+    Result<std::unique_ptr<engine::MetricsServer>> m =
+        metrics_fd >= 0 ? engine::MetricsServer::FromFd(metrics_fd)
+                        : engine::MetricsServer::Listen(f.metrics);
+    if (!m.ok()) {
+      std::fprintf(stderr, "ztierd: %s\n", m.status().ToString().c_str());
+      return m.status().code() == StatusCode::kInvalidArgument ? 2 : 1;
+    }
+    metrics = *std::move(m);
+  }
+  // Operators: members of the admin group, when it exists.
+  DaemonOptions options = f.daemon;
+  {
+    std::vector<char> buf(16384);
+    group g{};
+    group* found = nullptr;
+    const int rc = ::getgrnam_r(f.admin_group.c_str(), &g, buf.data(), buf.size(), &found);
+    if (rc == 0 && found != nullptr) {
+      options.admin_gid = found->gr_gid;
+      options.admin_group = f.admin_group;
+      ZT_LOG(kInfo, "ztierd") << "operators: root, uid " << ::geteuid() << " and group "
+                              << f.admin_group << " (gid " << found->gr_gid << ")";
+    } else if (f.admin_group_named) {
+      std::fprintf(stderr, "ztierd: --admin-group: no group '%s'\n", f.admin_group.c_str());
+      return 2;
+    } else {
+      ZT_LOG(kInfo, "ztierd") << "operators: root and uid " << ::geteuid() << " (no group "
+                              << f.admin_group << ")";
+    }
+  }
   (void)notifier->SetStatus("starting the engine");
-  Result<std::unique_ptr<Daemon>> daemon = Daemon::Create(settings, f.daemon);
+  Result<std::unique_ptr<Daemon>> daemon = Daemon::Create(settings, options);
   if (!daemon.ok()) {
     std::fprintf(stderr, "ztierd: %s\n", daemon.status().ToString().c_str());
     (void)listener->Close();
@@ -255,9 +310,14 @@ int Run(const Flags& f) {
     }
   });
 
+  if (metrics != nullptr) {
+    metrics->Start([&d] { return d.MetricsText(); });
+    ZT_LOG(kInfo, "ztierd") << "metrics at http://" << metrics->address() << "/metrics";
+  }
   (void)notifier->Notify("READY=1\nSTATUS=serving: 0 connections, 0 jobs");
   ZT_LOG(kInfo, "ztierd") << "ready";
   Status served = d.Serve(*listener);
+  if (metrics != nullptr) metrics->Stop();
   {
     std::lock_guard<std::mutex> lock(mu);
     done.store(true);

@@ -947,6 +947,30 @@ uint64_t SwapSpace::free_bytes() const {
   return units * impl_->options.stripe_bytes;
 }
 
+std::vector<SwapSpace::PathUsage> SwapSpace::path_usage() const {
+  const Impl& sp = *impl_;
+  std::vector<PathUsage> out;
+  std::lock_guard<std::mutex> lock(sp.map_mu);
+  for (size_t i = 0; i < sp.paths.size(); ++i) {
+    PathUsage u;
+    u.path = i < sp.options.paths.size() ? sp.options.paths[i] : sp.paths[i]->file;
+    u.file_bytes = sp.file_bytes;
+    const uint64_t free_units = i < sp.allocators.size() ? sp.allocators[i].free_units() : 0;
+    u.used_bytes = sp.file_bytes - std::min(sp.file_bytes, free_units * sp.options.stripe_bytes);
+    if (sp.options.max_file_bytes != 0) {
+      u.capacity_bytes = sp.options.max_file_bytes;
+    } else {
+      struct statvfs fs;
+      u.capacity_bytes = sp.file_bytes;
+      if (sp.paths[i]->fd >= 0 && ::fstatvfs(sp.paths[i]->fd, &fs) == 0) {
+        u.capacity_bytes += static_cast<uint64_t>(fs.f_bavail) * fs.f_frsize;
+      }
+    }
+    out.push_back(std::move(u));
+  }
+  return out;
+}
+
 SwapStats SwapSpace::stats() const {
   const Impl& sp = *impl_;
   return SwapStats{sp.bytes_read.load(), sp.bytes_written.load(), sp.reads.load(),

@@ -184,6 +184,16 @@ class SwapSpace {
   // Bytes free inside the files now (more come by growing them).
   uint64_t free_bytes() const;
   SwapStats stats() const;
+  // Per path, in the order of options().paths: the swap file's size, the
+  // bytes its objects take in it, and what it may grow to (the cap,
+  // ztier.nvme_capacity, else the file plus its filesystem's free space).
+  struct PathUsage {
+    std::string path;
+    uint64_t used_bytes = 0;
+    uint64_t file_bytes = 0;
+    uint64_t capacity_bytes = 0;
+  };
+  std::vector<PathUsage> path_usage() const;
 
   struct Impl;
 

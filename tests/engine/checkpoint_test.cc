@@ -411,15 +411,15 @@ TEST(EngineLimitsTest, JobsAreSizedUpFront) {
     wide.units.push_back({StrCat("u", k), {{"w", {int64_t{1} << 20, int64_t{1} << 20}}}});
   }
   EXPECT_EQ(e->RegisterJob(wide).status().code(), StatusCode::kInvalidArgument);
-  // 8M parameters with states in DRAM: 128 MiB (and the 4 KiB step page)
-  // against a 64 MiB budget, refused before anything is allocated, with
+  // 8M parameters with states in DRAM: 128 MiB (and the 4 KiB step page
+  // and client page) against a 64 MiB budget, refused before anything is allocated, with
   // both figures.
   JobSpec big;
   big.name = "big";
   big.units = {{"w", {{"w", {2048, 4096}}}}};
   Result<int> b = e->RegisterJob(big);
   ASSERT_EQ(b.status().code(), StatusCode::kResourceExhausted) << b.status();
-  EXPECT_NE(b.status().message().find("needs 134221824 bytes"), std::string::npos) << b.status();
+  EXPECT_NE(b.status().message().find("needs 134225920 bytes"), std::string::npos) << b.status();
   EXPECT_NE(b.status().message().find("67108864"), std::string::npos) << b.status();
   EXPECT_EQ(e->pool_stats().used_bytes, 0u);
 }

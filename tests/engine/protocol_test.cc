@@ -284,6 +284,106 @@ TEST(ProtocolTest, SmallPayloadsRoundTripAndRefuseEveryPrefix) {
   EveryPrefixIsRefused(Encode(steps), DecodeJobSteps);
 }
 
+TEST(ProtocolTest, OperatorMessagesRoundTripAndRefuseEveryPrefix) {
+  JobInfo j;
+  j.id = 7;
+  j.uid = 1000;
+  j.name = "gpt";
+  j.state = JobState::kFailed;
+  j.failure = "step 3: io_error: pwrite /nvme0: Input/output error";
+  j.world_size = 2;
+  j.attached = 2;
+  j.step = 41;
+  j.state_dtype = StateDtype::kInt8;
+  j.optimizer_tier = Tier::kNvme;
+  j.counters.steps = 41;
+  j.counters.last_step_seconds = 0.25;
+  j.counters.step_seconds_buckets[5] = 41;
+  j.counters.host_to_device_bytes = 1 << 30;
+  const JobList list{.jobs = {j, j}, .more = true};
+  Result<JobList> back = DecodeJobList(Encode(list));
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(Encode(*back), Encode(list));
+  EXPECT_EQ(back->jobs[1].failure, j.failure);
+  EXPECT_EQ(back->jobs[1].counters.step_seconds_buckets[5], 41u);
+  EXPECT_EQ(back->jobs[0].state, JobState::kFailed);
+  EXPECT_TRUE(back->more);
+  EXPECT_EQ(EncodedBytes(j) * 2 + 5, Encode(list).size());
+  EveryPrefixIsRefused(Encode(list), DecodeJobList);
+  // More bucketed steps than steps, an unknown state: refused by name.
+  JobInfo bad = j;
+  bad.counters.step_seconds_buckets[0] = 1;
+  EXPECT_NE(DecodeJobList(Encode(JobList{.jobs = {bad}})).status().ToString().find(
+                "step_seconds_buckets"),
+            std::string::npos);
+  bad = j;
+  bad.state = static_cast<JobState>(9);
+  EXPECT_FALSE(DecodeJobList(Encode(JobList{.jobs = {bad}})).ok());
+
+  DaemonStatus s;
+  s.version = "0.1.0";
+  s.protocol = kVersion;
+  s.uptime_seconds = 12.5;
+  s.draining = true;
+  s.dram_budget_bytes = 1 << 30;
+  s.dram_reserved_bytes = 1 << 21;
+  s.dram_used_bytes = 1 << 20;
+  s.swap = {{.path = "/nvme0/ztier", .used_bytes = 1, .file_bytes = 2, .capacity_bytes = 3}};
+  s.totals.bytes.nvme_read = 99;
+  s.totals.steps = 3;
+  s.window.device_to_host = 5;
+  s.window_seconds = 60;
+  Result<DaemonStatus> sb = DecodeDaemonStatus(Encode(s));
+  ASSERT_TRUE(sb.ok()) << sb.status();
+  EXPECT_EQ(Encode(*sb), Encode(s));
+  EXPECT_EQ(sb->swap[0].path, "/nvme0/ztier");
+  EXPECT_TRUE(sb->draining);
+  EveryPrefixIsRefused(Encode(s), DecodeDaemonStatus);
+  s.dram_used_bytes = s.dram_reserved_bytes + 1;
+  EXPECT_FALSE(DecodeDaemonStatus(Encode(s)).ok());
+
+  const QuotaList quotas{
+      .defaults = {.max_jobs = 16, .max_connections = 64},
+      .quotas = {{.uid = 1000,
+                  .quota = {.max_jobs = 2, .max_connections = 8, .max_dram_bytes = 1 << 30},
+                  .custom = true,
+                  .jobs = 1,
+                  .dram_bytes = 4096}},
+      .more = false};
+  Result<QuotaList> qb = DecodeQuotaList(Encode(quotas));
+  ASSERT_TRUE(qb.ok()) << qb.status();
+  EXPECT_EQ(Encode(*qb), Encode(quotas));
+  EveryPrefixIsRefused(Encode(quotas), DecodeQuotaList);
+
+  const QuotaUpdate up{.uid = 1000,
+                       .set = kQuotaMaxJobs | kQuotaMaxNvme,
+                       .quota = {.max_jobs = 3, .max_nvme_bytes = 1 << 20}};
+  ASSERT_TRUE(DecodeQuotaUpdate(Encode(up)).ok());
+  EXPECT_EQ(DecodeQuotaUpdate(Encode(up))->quota.max_jobs, 3);
+  EveryPrefixIsRefused(Encode(up), DecodeQuotaUpdate);
+  EXPECT_FALSE(DecodeQuotaUpdate(Encode(QuotaUpdate{.uid = 1, .quota = {}})).ok());  // sets nothing
+  EXPECT_FALSE(DecodeQuotaUpdate(Encode(QuotaUpdate{.uid = 1, .set = 1u << 7, .quota = {}})).ok());
+  EXPECT_FALSE(
+      DecodeQuotaUpdate(Encode(QuotaUpdate{.uid = 1, .set = kQuotaMaxJobs, .quota = {}})).ok());
+  EXPECT_FALSE(DecodeQuotaUpdate(Encode(QuotaUpdate{.uid = 1, .set = kQuotaMaxJobs, .reset = true,
+                                                    .quota = {.max_jobs = 1}}))
+                   .ok());
+
+  for (const QuotaQuery& q : {QuotaQuery{.uid = 5}, QuotaQuery{.all = true, .after = 1000}}) {
+    ASSERT_TRUE(DecodeQuotaQuery(Encode(q)).ok());
+    EXPECT_EQ(Encode(*DecodeQuotaQuery(Encode(q))), Encode(q));
+    EveryPrefixIsRefused(Encode(q), DecodeQuotaQuery);
+  }
+  EXPECT_EQ(DecodeListRequest(Encode(ListRequest{.after = 9}))->after, 9);
+  EXPECT_FALSE(DecodeListRequest(Encode(ListRequest{.after = -2})).ok());
+  EXPECT_TRUE(DecodeDrainRequest(Encode(DrainRequest{.on = true}))->on);
+  EXPECT_FALSE(DecodeDrainRequest("\x02").ok());
+  const EvictRequest ev{.job = 4, .reason = "maintenance"};
+  EXPECT_EQ(DecodeEvictRequest(Encode(ev))->reason, "maintenance");
+  EveryPrefixIsRefused(Encode(ev), DecodeEvictRequest);
+  EXPECT_FALSE(DecodeEvictRequest(Encode(EvictRequest{.job = -1, .reason = ""})).ok());
+}
+
 TEST(ProtocolTest, InconsistentValuesAreRefused) {
   EXPECT_FALSE(DecodeRegionList(Encode(RegionList{})).ok());  // no regions
   EXPECT_FALSE(DecodeRegionList(Encode(RegionList{.regions = {{.region = 1, .bytes = 100}}})).ok());

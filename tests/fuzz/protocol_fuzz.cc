@@ -93,11 +93,19 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     case 10:
       RoundTrip(in, p::DecodeUnitLayout);
       return 0;
-    case 11:
+    case 11: {
       RoundTrip(in, p::DecodeJobCounters);
+      RoundTrip(in, p::DecodeDaemonStatus);
+      ztier::Result<p::JobList> jobs = p::DecodeJobList(in);
+      if (!jobs.ok()) return 0;
+      Require(jobs->jobs.size() <= p::kMaxListed);
+      Require(p::Encode(*jobs) == in);
       return 0;
+    }
     case 12: {
       RoundTrip(in, p::DecodeDramPoolStats);
+      RoundTrip(in, p::DecodeQuotaList);
+      RoundTrip(in, p::DecodeQuotaUpdate);
       ztier::Result<std::string_view> s = p::DecodeReplyStatus(in);
       (void)s;
       return 0;
@@ -111,6 +119,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     }
     case 14:
       RoundTrip(in, p::DecodeStagedData);
+      RoundTrip(in, p::DecodeListRequest);
+      RoundTrip(in, p::DecodeQuotaQuery);
+      RoundTrip(in, p::DecodeDrainRequest);
+      RoundTrip(in, p::DecodeEvictRequest);
       return 0;
     case 15: {
       RoundTrip(in, p::DecodeJobSteps);

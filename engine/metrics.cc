@@ -1,0 +1,348 @@
+// ztier engine: the Prometheus text writer and the metrics listener (see
+// metrics.h).
+#include "engine/metrics.h"
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <charconv>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+
+#include "common/log.h"
+
+namespace ztier::engine {
+namespace {
+
+constexpr size_t kMaxRequestBytes = 8192;
+constexpr auto kRequestTimeout = std::chrono::seconds(2);
+constexpr auto kSendTimeout = std::chrono::seconds(5);
+
+// Sends all of `data` (MSG_NOSIGNAL: a client gone is EPIPE, not SIGPIPE).
+bool SendAll(int fd, std::string_view data) {
+  while (!data.empty()) {
+    const ssize_t n = ::send(fd, data.data(), data.size(), MSG_NOSIGNAL);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return false;
+    data.remove_prefix(static_cast<size_t>(n));
+  }
+  return true;
+}
+
+void SetTimeout(int fd, int option, std::chrono::seconds t) {
+  timeval tv{.tv_sec = static_cast<time_t>(t.count()), .tv_usec = 0};
+  (void)::setsockopt(fd, SOL_SOCKET, option, &tv, sizeof(tv));
+}
+
+std::string Response(std::string_view status, std::string_view content_type,
+                     std::string_view body, bool head, std::string_view extra_headers = {}) {
+  std::string out = StrCat("HTTP/1.1 ", status, "\r\nContent-Type: ", content_type,
+                           "\r\nContent-Length: ", body.size(), "\r\n", extra_headers,
+                           "Connection: close\r\n\r\n");
+  if (!head) out += body;
+  return out;
+}
+
+// What kind of socket `fd` is and where it listens.
+Result<std::string> DescribeListener(int fd) {
+  int type = 0, listening = 0;
+  socklen_t len = sizeof(type);
+  if (::getsockopt(fd, SOL_SOCKET, SO_TYPE, &type, &len) != 0) {
+    return PosixError("the metrics socket: getsockopt(SO_TYPE)", errno);
+  }
+  len = sizeof(listening);
+  if (::getsockopt(fd, SOL_SOCKET, SO_ACCEPTCONN, &listening, &len) != 0) {
+    return PosixError("the metrics socket: getsockopt(SO_ACCEPTCONN)", errno);
+  }
+  if (type != SOCK_STREAM || listening == 0) {
+    return Status::InvalidArgument(
+        "the metrics socket is not a listening stream socket (ListenStream= in "
+        "ztierd-metrics.socket)");
+  }
+  sockaddr_storage ss{};
+  len = sizeof(ss);
+  if (::getsockname(fd, reinterpret_cast<sockaddr*>(&ss), &len) != 0) {
+    return PosixError("the metrics socket: getsockname", errno);
+  }
+  char host[INET6_ADDRSTRLEN] = {};
+  if (ss.ss_family == AF_INET) {
+    const auto* a = reinterpret_cast<const sockaddr_in*>(&ss);
+    ::inet_ntop(AF_INET, &a->sin_addr, host, sizeof(host));
+    return StrCat(host, ":", ntohs(a->sin_port));
+  }
+  if (ss.ss_family == AF_INET6) {
+    const auto* a = reinterpret_cast<const sockaddr_in6*>(&ss);
+    ::inet_ntop(AF_INET6, &a->sin6_addr, host, sizeof(host));
+    return StrCat("[", host, "]:", ntohs(a->sin6_port));
+  }
+  if (ss.ss_family == AF_UNIX) {
+    const auto* a = reinterpret_cast<const sockaddr_un*>(&ss);
+    return StrCat("unix:", std::string(a->sun_path, strnlen(a->sun_path, sizeof(a->sun_path))));
+  }
+  return Status::InvalidArgument(StrCat("the metrics socket's family ", ss.ss_family));
+}
+
+}  // namespace
+
+// ------------------------------------------------------------ the text
+
+std::string EscapeLabelValue(std::string_view value) {
+  std::string out;
+  out.reserve(value.size());
+  for (char c : value) {
+    if (c == '\\') {
+      out += "\\\\";
+    } else if (c == '"') {
+      out += "\\\"";
+    } else if (c == '\n') {
+      out += "\\n";
+    } else {
+      out += c;
+    }
+  }
+  return out;
+}
+
+std::string FormatMetricValue(double value) {
+  if (std::isnan(value)) return "NaN";
+  if (std::isinf(value)) return value > 0 ? "+Inf" : "-Inf";
+  if (value == std::floor(value) && std::fabs(value) < 9.007199254740992e15) {
+    return StrCat(static_cast<int64_t>(value));
+  }
+  // The shortest rendering that reads back as the same double.
+  char buf[32];
+  for (int digits = 6; digits <= 17; ++digits) {
+    std::snprintf(buf, sizeof(buf), "%.*g", digits, value);
+    if (std::strtod(buf, nullptr) == value) break;
+  }
+  return buf;
+}
+
+void PrometheusText::Family(std::string_view name, std::string_view type, std::string_view help) {
+  out_ += StrCat("# HELP ", name, " ", help, "\n# TYPE ", name, " ", type, "\n");
+}
+
+void PrometheusText::Line(std::string_view name, std::string_view suffix, const Labels& labels,
+                          std::string_view extra_label, std::string_view extra_value,
+                          double value) {
+  out_ += name;
+  out_ += suffix;
+  if (!labels.empty() || !extra_label.empty()) {
+    out_ += '{';
+    bool first = true;
+    for (const auto& [k, v] : labels) {
+      if (!first) out_ += ',';
+      first = false;
+      out_ += StrCat(k, "=\"", EscapeLabelValue(v), "\"");
+    }
+    if (!extra_label.empty()) {
+      if (!first) out_ += ',';
+      out_ += StrCat(extra_label, "=\"", extra_value, "\"");
+    }
+    out_ += '}';
+  }
+  out_ += ' ';
+  out_ += FormatMetricValue(value);
+  out_ += '\n';
+}
+
+void PrometheusText::Sample(std::string_view name, const Labels& labels, double value) {
+  Line(name, "", labels, "", "", value);
+}
+
+void PrometheusText::Histogram(std::string_view name, const Labels& labels,
+                               std::span<const double> bounds, std::span<const uint64_t> counts,
+                               double sum) {
+  uint64_t cumulative = 0;
+  for (size_t i = 0; i < bounds.size(); ++i) {
+    cumulative += i < counts.size() ? counts[i] : 0;
+    Line(name, "_bucket", labels, "le", FormatMetricValue(bounds[i]),
+         static_cast<double>(cumulative));
+  }
+  if (counts.size() > bounds.size()) cumulative += counts[bounds.size()];
+  Line(name, "_bucket", labels, "le", "+Inf", static_cast<double>(cumulative));
+  Line(name, "_sum", labels, "", "", sum);
+  Line(name, "_count", labels, "", "", static_cast<double>(cumulative));
+}
+
+// ------------------------------------------------------------ the listener
+
+MetricsServer::MetricsServer(UniqueFd fd, std::string address, std::string unix_path)
+    : listen_fd_(std::move(fd)), address_(std::move(address)), unix_path_(std::move(unix_path)) {}
+
+MetricsServer::~MetricsServer() {
+  Stop();
+  if (!unix_path_.empty()) ::unlink(unix_path_.c_str());
+}
+
+Result<std::unique_ptr<MetricsServer>> MetricsServer::Listen(std::string_view address) {
+  const auto bad = [&](std::string_view why) {
+    return Status::InvalidArgument(
+        StrCat("metrics address '", address, "': ", why,
+               " (HOST:PORT, e.g. 127.0.0.1:9464 or [::1]:9464, or unix:PATH)"));
+  };
+  if (address.starts_with("unix:")) {
+    const std::string path(address.substr(5));
+    sockaddr_un sa{};
+    sa.sun_family = AF_UNIX;
+    if (path.empty() || path.size() >= sizeof(sa.sun_path)) {
+      return bad(StrCat("a Unix socket's path takes 1 to ", sizeof(sa.sun_path) - 1, " bytes, this one ",
+                        path.size()));
+    }
+    std::memcpy(sa.sun_path, path.data(), path.size());
+    UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    if (!fd.valid()) return PosixError("socket(AF_UNIX) for the metrics", errno);
+    // A socket file a previous run left (nobody listens on it) is replaced.
+    struct stat st{};
+    if (::lstat(path.c_str(), &st) == 0) {
+      if (!S_ISSOCK(st.st_mode)) return bad("something other than a socket is there");
+      ::unlink(path.c_str());
+    }
+    if (::bind(fd.get(), reinterpret_cast<const sockaddr*>(&sa), sizeof(sa)) != 0) {
+      return PosixError(StrCat("bind the metrics socket ", path), errno);
+    }
+    if (::chmod(path.c_str(), 0660) != 0 || ::listen(fd.get(), 16) != 0) {
+      const int err = errno;
+      ::unlink(path.c_str());
+      return PosixError(StrCat("listen on the metrics socket ", path), err);
+    }
+    return std::unique_ptr<MetricsServer>(
+        new MetricsServer(std::move(fd), StrCat("unix:", path), path));
+  }
+  const size_t colon = address.rfind(':');
+  if (colon == std::string_view::npos || colon == 0) return bad("no port");
+  std::string_view host = address.substr(0, colon);
+  const std::string_view port_text = address.substr(colon + 1);
+  unsigned port = 0;
+  auto [ptr, ec] = std::from_chars(port_text.data(), port_text.data() + port_text.size(), port);
+  if (ec != std::errc() || ptr != port_text.data() + port_text.size() || port > 65535) {
+    return bad("the port is not a number in 0..65535");
+  }
+  sockaddr_storage ss{};
+  socklen_t len = 0;
+  int family = AF_INET;
+  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') {
+    family = AF_INET6;
+    const std::string h(host.substr(1, host.size() - 2));
+    auto* a = reinterpret_cast<sockaddr_in6*>(&ss);
+    a->sin6_family = AF_INET6;
+    a->sin6_port = htons(static_cast<uint16_t>(port));
+    if (::inet_pton(AF_INET6, h.c_str(), &a->sin6_addr) != 1) return bad("not an IPv6 address");
+    len = sizeof(sockaddr_in6);
+  } else {
+    const std::string h(host);
+    auto* a = reinterpret_cast<sockaddr_in*>(&ss);
+    a->sin_family = AF_INET;
+    a->sin_port = htons(static_cast<uint16_t>(port));
+    if (::inet_pton(AF_INET, h.c_str(), &a->sin_addr) != 1) return bad("not an IPv4 address");
+    len = sizeof(sockaddr_in);
+  }
+  UniqueFd fd(::socket(family, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  if (!fd.valid()) return PosixError("socket() for the metrics", errno);
+  const int one = 1;
+  (void)::setsockopt(fd.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+  if (::bind(fd.get(), reinterpret_cast<const sockaddr*>(&ss), len) != 0) {
+    return PosixError(StrCat("bind the metrics listener to ", address), errno);
+  }
+  if (::listen(fd.get(), 16) != 0) {
+    return PosixError(StrCat("listen on ", address, " for the metrics"), errno);
+  }
+  ZT_ASSIGN_OR_RETURN(std::string bound, DescribeListener(fd.get()));
+  return std::unique_ptr<MetricsServer>(new MetricsServer(std::move(fd), std::move(bound), ""));
+}
+
+Result<std::unique_ptr<MetricsServer>> MetricsServer::FromFd(int fd) {
+  UniqueFd owned(fd);
+  ZT_ASSIGN_OR_RETURN(std::string address, DescribeListener(owned.get()));
+  return std::unique_ptr<MetricsServer>(new MetricsServer(std::move(owned), std::move(address), ""));
+}
+
+void MetricsServer::Start(std::function<std::string()> render) {
+  render_ = std::move(render);
+  thread_ = std::thread([this] { Run(); });
+}
+
+void MetricsServer::Stop() {
+  stop_.store(true);
+  if (thread_.joinable()) thread_.join();
+}
+
+void MetricsServer::Run() {
+  while (!stop_.load()) {
+    pollfd pfd{.fd = listen_fd_.get(), .events = POLLIN, .revents = 0};
+    const int n = ::poll(&pfd, 1, 200);
+    if (n <= 0) continue;
+    const int c = ::accept4(listen_fd_.get(), nullptr, nullptr, SOCK_CLOEXEC);
+    if (c < 0) {
+      if (errno != EAGAIN && errno != EINTR && errno != ECONNABORTED) {
+        ZT_LOG(kWarn, "ztierd") << "metrics: accept: " << std::strerror(errno);
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      }
+      continue;
+    }
+    UniqueFd conn(c);
+    Answer(conn.get());
+  }
+}
+
+void MetricsServer::Answer(int fd) {
+  SetTimeout(fd, SO_SNDTIMEO, kSendTimeout);
+  // The request head, within kRequestTimeout in all.
+  std::string req;
+  const auto deadline = std::chrono::steady_clock::now() + kRequestTimeout;
+  while (req.find("\r\n\r\n") == std::string::npos && req.find("\n\n") == std::string::npos) {
+    if (req.size() >= kMaxRequestBytes) {
+      (void)SendAll(fd, Response("431 Request Header Fields Too Large", "text/plain",
+                                 "request too large\n", false));
+      return;
+    }
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+        deadline - std::chrono::steady_clock::now());
+    if (left.count() <= 0) return;
+    pollfd pfd{.fd = fd, .events = POLLIN, .revents = 0};
+    if (::poll(&pfd, 1, static_cast<int>(left.count())) <= 0) return;
+    char buf[2048];
+    const ssize_t n = ::recv(fd, buf, std::min(sizeof(buf), kMaxRequestBytes - req.size()), 0);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return;
+    req.append(buf, static_cast<size_t>(n));
+  }
+  // "METHOD SP TARGET SP HTTP/x.y"
+  const std::string_view line = std::string_view(req).substr(0, req.find_first_of("\r\n"));
+  const size_t sp1 = line.find(' ');
+  const size_t sp2 = sp1 == std::string_view::npos ? sp1 : line.find(' ', sp1 + 1);
+  if (sp2 == std::string_view::npos || !line.substr(sp2 + 1).starts_with("HTTP/")) {
+    (void)SendAll(fd, Response("400 Bad Request", "text/plain", "bad request\n", false));
+    return;
+  }
+  const std::string_view method = line.substr(0, sp1);
+  std::string_view target = line.substr(sp1 + 1, sp2 - sp1 - 1);
+  target = target.substr(0, target.find('?'));
+  const bool head = method == "HEAD";
+  if (method != "GET" && !head) {
+    (void)SendAll(fd, Response("405 Method Not Allowed", "text/plain", "GET /metrics\n", false,
+                               "Allow: GET, HEAD\r\n"));
+    return;
+  }
+  if (target != "/metrics") {
+    (void)SendAll(fd, Response("404 Not Found", "text/plain",
+                               "ztierd serves its metrics at /metrics\n", head));
+    return;
+  }
+  const std::string body = render_();
+  scrapes_.fetch_add(1);
+  if (!SendAll(fd, Response("200 OK", "text/plain; version=0.0.4; charset=utf-8", body, head))) {
+    ZT_LOG(kDebug, "ztierd") << "metrics: a scrape ended before its answer was sent";
+  }
+}
+
+}  // namespace ztier::engine
