@@ -74,9 +74,9 @@ struct Staging {
   Mapping map;
 };
 
-class DaemonTransport final : public Transport {
+class DaemonTransport final : public Transport, public ControlTransport {
  public:
-  static Result<std::shared_ptr<Transport>> Connect(const std::string& path) {
+  static Result<std::shared_ptr<DaemonTransport>> Connect(const std::string& path) {
     ZT_ASSIGN_OR_RETURN(SeqPacketSocket sock, SeqPacketSocket::Connect(path));
     auto t = std::shared_ptr<DaemonTransport>(new DaemonTransport(path, std::move(sock)));
     t->receiver_ = std::thread([raw = t.get()] { raw->ReceiveLoop(); });
@@ -89,7 +89,7 @@ class DaemonTransport final : public Transport {
     }
     ZT_ASSIGN_OR_RETURN(p::Hello h, p::DecodeHello(r->payload));
     ZT_LOG(kInfo, "client") << "connected to " << h.name << " at " << path;
-    return std::shared_ptr<Transport>(std::move(t));
+    return t;
   }
 
   ~DaemonTransport() override {
@@ -222,6 +222,69 @@ class DaemonTransport final : public Transport {
     ZT_ASSIGN_OR_RETURN(SharedBuffer b, p::DecodeSharedBuffer(r.payload));
     ZT_ASSIGN_OR_RETURN(void* ptr, Resolve(job, b, RegionAccess::kReadWrite));
     return static_cast<bf16*>(ptr);
+  }
+
+  Result<uint64_t*> ClientCounters(int job, int rank) override {
+    ZT_ASSIGN_OR_RETURN(Reply r, Call(p::MessageType::kClientPage,
+                                      p::Encode(p::JobRef{.job = job}), {}, kCallTimeout));
+    ZT_ASSIGN_OR_RETURN(SharedBuffer b, p::DecodeSharedBuffer(r.payload));
+    const uint64_t words = static_cast<uint64_t>(rank + 1) * engine::kClientCounterWords;
+    if (rank < 0 || b.bytes < words * sizeof(uint64_t) || b.offset % alignof(uint64_t) != 0) {
+      return Status::Corruption(StrCat("ztierd's client page of job ", job, " has ", b.bytes,
+                                       " bytes at offset ", b.offset, ", no room for rank ",
+                                       rank));
+    }
+    ZT_ASSIGN_OR_RETURN(void* page, Resolve(job, b, RegionAccess::kReadWrite));
+    return static_cast<uint64_t*>(page) + static_cast<uint64_t>(rank) * engine::kClientCounterWords;
+  }
+
+  // ---- the operator's calls
+
+  Result<engine::DaemonStatus> DaemonStatus() override {
+    ZT_ASSIGN_OR_RETURN(Reply r, Call(p::MessageType::kDaemonStatus, "", {}, kCallTimeout));
+    return p::DecodeDaemonStatus(r.payload);
+  }
+
+  Result<std::vector<engine::JobInfo>> ListJobs(int64_t after, bool* more) override {
+    ZT_ASSIGN_OR_RETURN(Reply r, Call(p::MessageType::kListJobs,
+                                      p::Encode(p::ListRequest{.after = after}), {}, kCallTimeout));
+    ZT_ASSIGN_OR_RETURN(p::JobList list, p::DecodeJobList(r.payload));
+    *more = list.more;
+    return std::move(list.jobs);
+  }
+
+  Result<std::vector<engine::QuotaInfo>> GetQuotas(uint32_t uid, bool all, int64_t after,
+                                                   engine::Quota* defaults, bool* more) override {
+    ZT_ASSIGN_OR_RETURN(
+        Reply r, Call(p::MessageType::kGetQuota,
+                      p::Encode(p::QuotaQuery{.uid = uid, .all = all, .after = after}), {},
+                      kCallTimeout));
+    ZT_ASSIGN_OR_RETURN(p::QuotaList list, p::DecodeQuotaList(r.payload));
+    *defaults = list.defaults;
+    *more = list.more;
+    return std::move(list.quotas);
+  }
+
+  Result<engine::QuotaInfo> SetQuota(const engine::QuotaUpdate& update) override {
+    ZT_ASSIGN_OR_RETURN(Reply r,
+                        Call(p::MessageType::kSetQuota, p::Encode(update), {}, kCallTimeout));
+    ZT_ASSIGN_OR_RETURN(p::QuotaList list, p::DecodeQuotaList(r.payload));
+    if (list.quotas.size() != 1 || list.quotas[0].uid != update.uid) {
+      return Status::Corruption(StrCat("ztierd answered a quota set of uid ", update.uid, " with ",
+                                       list.quotas.size(), " quotas"));
+    }
+    return list.quotas[0];
+  }
+
+  Status Drain(bool on) override {
+    return Call(p::MessageType::kDrain, p::Encode(p::DrainRequest{.on = on}), {}, kCallTimeout)
+        .status();
+  }
+
+  Status EvictJob(int32_t job, const std::string& reason) override {
+    return Call(p::MessageType::kEvictJob, p::Encode(p::EvictRequest{.job = job, .reason = reason}),
+                {}, kCallTimeout)
+        .status();
   }
 
   Status GradsReady(int job, int unit, int rank) override {
@@ -793,7 +856,13 @@ class DaemonTransport final : public Transport {
 }  // namespace
 
 Result<std::shared_ptr<Transport>> MakeDaemonTransport(const std::string& socket_path) {
-  return DaemonTransport::Connect(socket_path);
+  ZT_ASSIGN_OR_RETURN(std::shared_ptr<DaemonTransport> t, DaemonTransport::Connect(socket_path));
+  return std::shared_ptr<Transport>(std::move(t));
+}
+
+Result<std::shared_ptr<ControlTransport>> MakeDaemonControl(const std::string& socket_path) {
+  ZT_ASSIGN_OR_RETURN(std::shared_ptr<DaemonTransport> t, DaemonTransport::Connect(socket_path));
+  return std::shared_ptr<ControlTransport>(std::move(t));
 }
 
 }  // namespace ztier::client

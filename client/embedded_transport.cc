@@ -67,6 +67,9 @@ class EmbeddedTransport final : public Transport {
   Result<bf16*> GradInbox(int job, int unit, int rank) override {
     return e_->GradInbox(job, unit, rank);
   }
+  Result<uint64_t*> ClientCounters(int job, int rank) override {
+    return e_->ClientCounters(job, rank);
+  }
   Status GradsReady(int job, int unit, int rank) override {
     return e_->GradsReady(job, unit, rank);
   }

@@ -30,6 +30,7 @@
 // Failure: the first transfer error is kept; it fails the acquire or Step
 // that waits on it and every later call.
 #include <algorithm>
+#include <atomic>
 #include <condition_variable>
 #include <deque>
 #include <map>
@@ -135,7 +136,14 @@ struct Stage3Runner::Impl {
   bool stop = false;
   Status failure;  // first transfer error
   uint64_t h2d = 0, d2h = 0;
+  // This rank's words of the job's client page (engine/wire_types.h),
+  // where the engine (and ztierd's operators) see its device traffic.
+  uint64_t* client_counters = nullptr;
   std::thread thread;
+
+  void CountTraffic(engine::ClientCounter which, uint64_t bytes) {
+    std::atomic_ref<uint64_t>(client_counters[which]).fetch_add(bytes, std::memory_order_relaxed);
+  }
 
   ~Impl() {
     // Finish what is queued rather than drop it: with R > 1 a peer may
@@ -218,8 +226,10 @@ struct Stage3Runner::Impl {
     Status r = transport->ReleaseParams(job, t.unit);
     ZT_RETURN_IF_ERROR(s);
     ZT_RETURN_IF_ERROR(r);
+    const uint64_t bytes = world == 1 ? u.bytes : u.shard * sizeof(bf16);
+    CountTraffic(engine::kHostToDeviceBytes, bytes);
     std::lock_guard<std::mutex> lock(mu);
-    h2d += world == 1 ? u.bytes : u.shard * sizeof(bf16);
+    h2d += bytes;
     return Status::Ok();
   }
 
@@ -240,6 +250,7 @@ struct Stage3Runner::Impl {
     ZT_ASSIGN_OR_RETURN(std::unique_ptr<Event> done, device->Record(Stream::kCopy));
     ZT_RETURN_IF_ERROR(done->Synchronize());
     ZT_RETURN_IF_ERROR(transport->GradsReady(job, t.unit, rank));
+    CountTraffic(engine::kDeviceToHostBytes, u.shard * sizeof(bf16));
     std::lock_guard<std::mutex> lock(mu);
     d2h += u.shard * sizeof(bf16);
     return Status::Ok();
@@ -459,6 +470,7 @@ Result<std::unique_ptr<Stage3Runner>> Stage3Runner::Create(Model& model, int ran
   r.world = spec.world_size;
   r.job = model.job();
   r.accumulation = spec.optimizer.grad_accumulation;
+  ZT_ASSIGN_OR_RETURN(r.client_counters, r.transport->ClientCounters(r.job, rank));
   uint64_t max_shard = 0;
   for (int k = 0; k < model.units(); ++k) {
     const engine::UnitLayout& l = model.layout(k);

@@ -79,6 +79,30 @@ class Transport {
   // The job's host memory regions, for the client's device to register for
   // DMA (and unregister before the job goes): engine::Engine::PinnedRegions.
   virtual std::vector<std::pair<void*, uint64_t>> PinnedRegions(int job) = 0;
+  // Rank `rank`'s words of the job's client page (engine::Engine::
+  // ClientCounters): where its runner counts the bytes it copies between
+  // its device and the engine (relaxed atomic adds). Valid while the job is
+  // registered here.
+  virtual Result<uint64_t*> ClientCounters(int job, int rank) = 0;
+};
+
+// ztierd's operator calls (ztierctl; engine/protocol.h says which need an
+// operator: they are refused with PermissionDenied for others).
+class ControlTransport {
+ public:
+  virtual ~ControlTransport() = default;
+  virtual Result<engine::DaemonStatus> DaemonStatus() = 0;
+  // A page of jobs after job id `after` (-1: the first); `*more` says
+  // whether another page follows.
+  virtual Result<std::vector<engine::JobInfo>> ListJobs(int64_t after, bool* more) = 0;
+  // One uid's quota, or (all) a page of every uid's after `after`; the
+  // daemon's defaults in `*defaults`.
+  virtual Result<std::vector<engine::QuotaInfo>> GetQuotas(uint32_t uid, bool all, int64_t after,
+                                                           engine::Quota* defaults,
+                                                           bool* more) = 0;
+  virtual Result<engine::QuotaInfo> SetQuota(const engine::QuotaUpdate& update) = 0;
+  virtual Status Drain(bool on) = 0;
+  virtual Status EvictJob(int32_t job, const std::string& reason) = 0;
 };
 
 // The engine in this process, on `io_backend` (null: io_uring). Errors: as
@@ -91,6 +115,9 @@ Result<std::shared_ptr<Transport>> MakeEmbeddedTransport(
 // why), FailedPrecondition (permission denied on the socket, a protocol
 // version mismatch, a uid not allowed), as SeqPacketSocket::Connect.
 Result<std::shared_ptr<Transport>> MakeDaemonTransport(const std::string& socket_path);
+// The same connection, for the operator's calls. Errors: as
+// MakeDaemonTransport.
+Result<std::shared_ptr<ControlTransport>> MakeDaemonControl(const std::string& socket_path);
 
 }  // namespace ztier::client
 

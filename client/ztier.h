@@ -259,6 +259,46 @@ class Session {
   engine::Settings settings_;
 };
 
+// ztierd's operator interface (what ztierctl speaks): the daemon's status,
+// the jobs, quotas per uid, drain and evict. Anyone the socket lets in may
+// read the status, their own jobs and their own quota; the rest is for
+// operators (root, ztierd's uid, members of its admin group, by default
+// ztier-admin) and refused for others with PermissionDenied, naming who
+// may. Thread safety: as Session.
+class ControlTransport;  // client/transport.h
+class DaemonControl {
+ public:
+  // Errors: Unavailable (no ztierd listens at `socket`: not running),
+  // FailedPrecondition (it refused this uid, or speaks another protocol
+  // version), PermissionDenied is not returned here (the socket's own
+  // permissions: FailedPrecondition naming the path).
+  static Result<std::unique_ptr<DaemonControl>> Connect(const std::string& socket);
+  ~DaemonControl();
+  DaemonControl(const DaemonControl&) = delete;
+  DaemonControl& operator=(const DaemonControl&) = delete;
+
+  Result<engine::DaemonStatus> GetStatus();
+  // Every job an operator may see (all of them), or the caller's own.
+  Result<std::vector<engine::JobInfo>> Jobs();
+  // One uid's quota and use (another uid's: operators only).
+  Result<engine::QuotaInfo> GetQuota(uint32_t uid);
+  // Every uid's the daemon knows of (holding something, or with a quota
+  // of its own), and the defaults (operators only).
+  Result<std::vector<engine::QuotaInfo>> AllQuotas(engine::Quota* defaults);
+  // Errors: PermissionDenied, InvalidArgument (a count below 1),
+  // IoError (the quota file could not be written: nothing changed).
+  Result<engine::QuotaInfo> SetQuota(const engine::QuotaUpdate& update);
+  // New jobs refused (on) or accepted again (off); running jobs go on.
+  Status Drain(bool on);
+  // Frees job `id` (JobInfo::id): its clients' calls fail with Aborted
+  // naming `reason`. Errors: PermissionDenied, NotFound.
+  Status Evict(int32_t id, const std::string& reason);
+
+ private:
+  explicit DaemonControl(std::shared_ptr<ControlTransport> t) : t_(std::move(t)) {}
+  std::shared_ptr<ControlTransport> t_;
+};
+
 // A registered or attached model (an engine job). Unregistered when
 // destroyed (an attached rank only lets go of the job).
 class Model {

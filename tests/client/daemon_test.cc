@@ -29,6 +29,7 @@
 #include "engine/protocol.h"
 #include "engine/seqpacket.h"
 #include "engine/shared_memory.h"
+#include "tests/testing/as_nobody.h"
 #include "tests/testing/scratch_dir.h"
 #include "tests/testing/spawn_self.h"
 #include "tests/testing/test_daemon.h"
@@ -40,6 +41,7 @@ namespace {
 namespace p = engine::protocol;
 using engine::SeqPacketSocket;
 using engine::Tier;
+using testing::AsNobody;
 using testing::ScratchDir;
 using testing::TestDaemon;
 using testing::ZtierdProcess;
@@ -612,20 +614,6 @@ TEST_F(DaemonTest, AnyRankSetsTheLearningRatesAndAttachCompareParamGroups) {
 }
 
 // ------------------------------------------- the ztierd program, as root
-
-// Runs `body` in a child process as uid/gid 65534 (nobody); returns its
-// exit code (0: every check in it passed).
-template <class Body>
-int AsNobody(Body body) {
-  const pid_t pid = ::fork();
-  if (pid == 0) {
-    if (::setresgid(65534, 65534, 65534) != 0 || ::setresuid(65534, 65534, 65534) != 0) _exit(90);
-    _exit(body());
-  }
-  int st = 0;
-  ::waitpid(pid, &st, 0);
-  return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
-}
 
 // ztierd with `args` to its end (at most 30 s): {exit code, its output}.
 std::pair<int, std::string> RunZtierd(const std::string& args) {

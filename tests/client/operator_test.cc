@@ -1,0 +1,618 @@
+// ztierd's operator side, end to end:
+//  - DaemonControl (client/ztier.h) against a daemon in the test process:
+//    the status and the jobs with their counters (steps, step times, the
+//    runners' device traffic), quotas set, enforced, reset and kept in the
+//    quota file across a restart, a damaged quota file refused, drain and
+//    evict (the evicted job's client is told why, its uid uncharged);
+//  - the ztierctl program against the ztierd program: tables, --json,
+//    exit codes for "not running" (3), "refused" (4, a non-operator run as
+//    uid 65534) and bad arguments (2);
+//  - the Prometheus endpoint over TCP and a Unix socket: HTTP answers, the
+//    exposition checked by its own rules (every sample in a declared
+//    family, counters named _total, cumulative buckets whose +Inf is the
+//    count) and by `promtool check metrics` where installed
+//    (ZTIER_REQUIRE_PROMTOOL=1 makes a missing promtool a failure).
+#include <arpa/inet.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <regex>
+#include <set>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "client/ztier.h"
+#include "engine/daemon.h"
+#include "engine/protocol.h"
+#include "tests/testing/as_nobody.h"
+#include "tests/testing/scratch_dir.h"
+#include "tests/testing/test_daemon.h"
+#include "tests/testing/ztierd_process.h"
+
+namespace ztier::client {
+namespace {
+
+using engine::JobInfo;
+using engine::JobState;
+using testing::AsNobody;
+using testing::ScratchDir;
+using testing::TestDaemon;
+using testing::ZtierdProcess;
+using namespace std::chrono_literals;
+
+engine::Settings SmallEngine() {
+  engine::Settings s;
+  s.dram_budget_bytes = uint64_t{128} << 20;
+  s.huge_pages = engine::HugePages::kNone;
+  return s;
+}
+
+Session::ModelSpec TwoUnits(const std::string& name) {
+  Session::ModelSpec m;
+  m.name = name;
+  for (int u = 0; u < 2; ++u) {
+    m.units.push_back(
+        {.name = StrCat("u", u), .tensors = {{.name = StrCat("u", u, ".w"), .shape = {4096}}}});
+  }
+  return m;
+}
+
+Result<std::unique_ptr<Session>> OpenSession(const std::string& socket) {
+  SessionOptions o;
+  o.daemon_socket = socket;
+  return Session::Open(o);
+}
+
+// Sets weights, then `steps` steps through a runner on the host device;
+// returns the runner's stats (no prefetch: no fetch is in flight after the
+// last step, so they are the runner's whole traffic).
+Result<RunnerStats> Train(Model& m, int steps) {
+  std::vector<float> w(4096, 0.01f);
+  for (int u = 0; u < m.units(); ++u) ZT_RETURN_IF_ERROR(m.SetWeights(u, w.data(), w.size()));
+  ZT_ASSIGN_OR_RETURN(std::unique_ptr<Device> device, MakeHostDevice());
+  ZT_ASSIGN_OR_RETURN(std::unique_ptr<Stage3Runner> runner,
+                      Stage3Runner::Create(m, 0, *device, nullptr, {.prefetch_depth = 0}));
+  // The grads' host copies live until the last step is published.
+  std::vector<std::vector<bf16>> host(m.units());
+  for (int u = 0; u < m.units(); ++u) host[u].assign(m.layout(u).padded, FloatToBf16(0.5f));
+  for (int step = 0; step < steps; ++step) {
+    for (int u = 0; u < m.units(); ++u) {
+      ZT_RETURN_IF_ERROR(runner->Acquire(u).status());
+      ZT_RETURN_IF_ERROR(runner->Release(u));
+    }
+    for (int u = m.units() - 1; u >= 0; --u) {
+      ZT_RETURN_IF_ERROR(runner->Acquire(u).status());
+      ZT_ASSIGN_OR_RETURN(bf16 * g, runner->GradBuffer(u));
+      ZT_RETURN_IF_ERROR(device->CopyToDevice(g, host[u].data(), host[u].size() * sizeof(bf16),
+                                              Stream::kCompute));
+      ZT_RETURN_IF_ERROR(runner->PushGrads(u));
+      ZT_RETURN_IF_ERROR(runner->Release(u));
+    }
+    ZT_RETURN_IF_ERROR(runner->Step());
+  }
+  ZT_RETURN_IF_ERROR(m.WaitPublished(steps, 30s));
+  return runner->stats();
+}
+
+engine::DaemonOptions WithQuotaFile(const std::string& file) {
+  engine::DaemonOptions o;
+  o.quota_file = file;
+  return o;
+}
+
+// ------------------------------------------------------ DaemonControl
+
+TEST(OperatorTest, StatusAndJobsShowTheEngineAndTheRunnersTraffic) {
+  Result<std::unique_ptr<TestDaemon>> d = TestDaemon::Start(SmallEngine());
+  ASSERT_TRUE(d.ok()) << d.status();
+  Result<std::unique_ptr<Session>> s = OpenSession((*d)->socket());
+  ASSERT_TRUE(s.ok()) << s.status();
+  Result<std::unique_ptr<Model>> m = (*s)->RegisterModel(TwoUnits("gpt"));
+  ASSERT_TRUE(m.ok()) << m.status();
+  Result<RunnerStats> stats = Train(**m, 3);
+  ASSERT_TRUE(stats.ok()) << stats.status();
+
+  Result<std::unique_ptr<DaemonControl>> c = DaemonControl::Connect((*d)->socket());
+  ASSERT_TRUE(c.ok()) << c.status();
+  Result<engine::DaemonStatus> st = (*c)->GetStatus();
+  ASSERT_TRUE(st.ok()) << st.status();
+  EXPECT_EQ(st->protocol, engine::protocol::kVersion);
+  EXPECT_FALSE(st->version.empty());
+  EXPECT_TRUE(st->caller_is_admin);  // the test runs as the daemon's uid
+  EXPECT_FALSE(st->draining);
+  EXPECT_EQ(st->jobs, 1);
+  EXPECT_EQ(st->connections, 2);
+  EXPECT_EQ(st->dram_budget_bytes, uint64_t{128} << 20);
+  EXPECT_GT(st->dram_used_bytes, 0u);
+  EXPECT_GE(st->optimizer_threads, 1u);
+  EXPECT_TRUE(st->swap.empty());
+  EXPECT_EQ(st->totals.steps, 3);
+  EXPECT_EQ(st->totals.jobs_registered, 1);
+  EXPECT_EQ(st->totals.bytes.host_to_device, stats->h2d_bytes);
+  EXPECT_EQ(st->totals.bytes.device_to_host, stats->d2h_bytes);
+  EXPECT_GT(stats->h2d_bytes, 0u);
+
+  Result<std::vector<JobInfo>> jobs = (*c)->Jobs();
+  ASSERT_TRUE(jobs.ok()) << jobs.status();
+  ASSERT_EQ(jobs->size(), 1u);
+  const JobInfo& j = (*jobs)[0];
+  EXPECT_EQ(j.name, "gpt");
+  EXPECT_EQ(j.uid, ::geteuid());
+  EXPECT_EQ(j.state, JobState::kTraining);
+  EXPECT_EQ(j.step, 3);
+  EXPECT_EQ(j.attached, 1);
+  EXPECT_EQ(j.world_size, 1);
+  EXPECT_EQ(j.counters.steps, 3);
+  EXPECT_GT(j.counters.last_step_seconds, 0.0);
+  uint64_t bucketed = 0;
+  for (uint64_t b : j.counters.step_seconds_buckets) bucketed += b;
+  EXPECT_EQ(bucketed, 3u);
+  EXPECT_EQ(j.counters.host_to_device_bytes, stats->h2d_bytes);
+  EXPECT_EQ(j.counters.device_to_host_bytes, stats->d2h_bytes);
+  EXPECT_GT(j.counters.last_grad_norm, 0.0);
+
+  // A job that goes keeps its figures in the totals.
+  m->reset();
+  st = (*c)->GetStatus();
+  ASSERT_TRUE(st.ok());
+  EXPECT_EQ(st->totals.steps, 3);
+  EXPECT_EQ(st->totals.bytes.host_to_device, stats->h2d_bytes);
+  EXPECT_TRUE((*c)->Jobs()->empty());
+}
+
+TEST(OperatorTest, QuotasAreEnforcedResetAndKeptInTheQuotaFile) {
+  ScratchDir dir("quotas");
+  const std::string file = dir.path() + "/quotas.json";
+  const uint32_t me = ::geteuid();
+  {
+    Result<std::unique_ptr<TestDaemon>> d = TestDaemon::Start(SmallEngine(), WithQuotaFile(file));
+    ASSERT_TRUE(d.ok()) << d.status();
+    Result<std::unique_ptr<DaemonControl>> c = DaemonControl::Connect((*d)->socket());
+    ASSERT_TRUE(c.ok()) << c.status();
+    Result<engine::QuotaInfo> q = (*c)->GetQuota(me);
+    ASSERT_TRUE(q.ok()) << q.status();
+    EXPECT_FALSE(q->custom);
+    EXPECT_EQ(q->quota.max_jobs, 16);
+    q = (*c)->SetQuota(
+        {.uid = me, .set = engine::kQuotaMaxJobs, .quota = {.max_jobs = 1}});
+    ASSERT_TRUE(q.ok()) << q.status();
+    EXPECT_TRUE(q->custom);
+    EXPECT_EQ(q->quota.max_jobs, 1);
+    EXPECT_EQ(q->quota.max_connections, 64);  // the rest stays the default
+    ASSERT_TRUE((*c)
+                    ->SetQuota({.uid = 4242,
+                                .set = engine::kQuotaMaxDram | engine::kQuotaMaxNvme,
+                                .quota = {.max_dram_bytes = 1 << 20, .max_nvme_bytes = 2 << 20}})
+                    .ok());
+    // The job quota bites at once.
+    Result<std::unique_ptr<Session>> s = OpenSession((*d)->socket());
+    ASSERT_TRUE(s.ok());
+    Result<std::unique_ptr<Model>> a = (*s)->RegisterModel(TwoUnits("a"));
+    ASSERT_TRUE(a.ok()) << a.status();
+    Result<std::unique_ptr<Model>> b = (*s)->RegisterModel(TwoUnits("b"));
+    ASSERT_FALSE(b.ok());
+    EXPECT_EQ(b.status().code(), StatusCode::kResourceExhausted) << b.status();
+    EXPECT_NE(b.status().message().find("quota"), std::string::npos) << b.status();
+    q = (*c)->GetQuota(me);
+    ASSERT_TRUE(q.ok());
+    EXPECT_EQ(q->jobs, 1);
+    EXPECT_GT(q->dram_bytes, 0u);
+    engine::Quota defaults;
+    Result<std::vector<engine::QuotaInfo>> all = (*c)->AllQuotas(&defaults);
+    ASSERT_TRUE(all.ok()) << all.status();
+    EXPECT_EQ(defaults.max_jobs, 16);
+    std::set<uint32_t> uids;
+    for (const auto& info : *all) uids.insert(info.uid);
+    EXPECT_TRUE(uids.count(me) && uids.count(4242)) << all->size();
+    // Bad values are refused before anything changes.
+    EXPECT_EQ((*c)->SetQuota({.uid = me, .set = engine::kQuotaMaxJobs, .quota = {.max_jobs = 0}})
+                  .status()
+                  .code(),
+              StatusCode::kCorruption);
+  }
+  // A restarted daemon reads them back.
+  {
+    Result<std::unique_ptr<TestDaemon>> d = TestDaemon::Start(SmallEngine(), WithQuotaFile(file));
+    ASSERT_TRUE(d.ok()) << d.status();
+    Result<std::unique_ptr<DaemonControl>> c = DaemonControl::Connect((*d)->socket());
+    ASSERT_TRUE(c.ok());
+    Result<engine::QuotaInfo> q = (*c)->GetQuota(4242);
+    ASSERT_TRUE(q.ok()) << q.status();
+    EXPECT_TRUE(q->custom);
+    EXPECT_EQ(q->quota.max_dram_bytes, uint64_t{1} << 20);
+    EXPECT_EQ(q->quota.max_nvme_bytes, uint64_t{2} << 20);
+    EXPECT_EQ((*c)->GetQuota(me)->quota.max_jobs, 1);
+    q = (*c)->SetQuota({.uid = me, .set = 0, .reset = true, .quota = {}});
+    ASSERT_TRUE(q.ok()) << q.status();
+    EXPECT_FALSE(q->custom);
+    EXPECT_EQ(q->quota.max_jobs, 16);
+  }
+  std::ifstream in(file);
+  std::stringstream text;
+  text << in.rdbuf();
+  EXPECT_EQ(text.str().find("\"" + std::to_string(me) + "\""), std::string::npos) << text.str();
+  EXPECT_NE(text.str().find("\"4242\""), std::string::npos) << text.str();
+  // A damaged quota file stops the daemon from starting, naming the file.
+  for (const char* bad :
+       {"{", "{\"format\": \"ztierd-quotas\", \"version\": 2, \"quotas\": {}}",
+        "{\"format\": \"ztierd-quotas\", \"version\": 1, \"quotas\": {\"x\": {}}}",
+        "{\"format\": \"ztierd-quotas\", \"version\": 1, \"quotas\": {\"7\": {\"max_jobs\": 0}}}",
+        "{\"format\": \"ztierd-quotas\", \"version\": 1, \"quotas\": {\"7\": {\"jobz\": 1}}}"}) {
+    std::ofstream(file) << bad;
+    Result<std::unique_ptr<engine::Daemon>> d =
+        engine::Daemon::Create(SmallEngine(), WithQuotaFile(file));
+    ASSERT_FALSE(d.ok()) << bad;
+    EXPECT_EQ(d.status().code(), StatusCode::kInvalidArgument) << d.status();
+    EXPECT_NE(d.status().message().find(file), std::string::npos) << d.status();
+  }
+}
+
+TEST(OperatorTest, DrainRefusesNewJobsAndEvictFreesAJobAndTellsItsClient) {
+  Result<std::unique_ptr<TestDaemon>> d = TestDaemon::Start(SmallEngine());
+  ASSERT_TRUE(d.ok()) << d.status();
+  Result<std::unique_ptr<DaemonControl>> c = DaemonControl::Connect((*d)->socket());
+  ASSERT_TRUE(c.ok());
+  Result<std::unique_ptr<Session>> s = OpenSession((*d)->socket());
+  ASSERT_TRUE(s.ok());
+  Result<std::unique_ptr<Model>> running = (*s)->RegisterModel(TwoUnits("running"));
+  ASSERT_TRUE(running.ok()) << running.status();
+
+  ASSERT_TRUE((*c)->Drain(true).ok());
+  EXPECT_TRUE((*c)->GetStatus()->draining);
+  Result<std::unique_ptr<Model>> refused = (*s)->RegisterModel(TwoUnits("new"));
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), StatusCode::kUnavailable) << refused.status();
+  EXPECT_NE(refused.status().message().find("draining"), std::string::npos) << refused.status();
+  // The running job goes on.
+  ASSERT_TRUE(Train(**running, 2).ok());
+  ASSERT_TRUE((*c)->Drain(false).ok());
+  Result<std::unique_ptr<Model>> victim = (*s)->RegisterModel(TwoUnits("victim"));
+  ASSERT_TRUE(victim.ok()) << victim.status();
+
+  Result<std::vector<JobInfo>> jobs = (*c)->Jobs();
+  ASSERT_TRUE(jobs.ok());
+  ASSERT_EQ(jobs->size(), 2u);
+  int victim_id = -1;
+  for (const JobInfo& j : *jobs) {
+    if (j.name == "victim") victim_id = j.id;
+  }
+  ASSERT_GE(victim_id, 0);
+  const uint64_t held = (*c)->GetQuota(::geteuid())->dram_bytes;
+  ASSERT_TRUE((*c)->Evict(victim_id, "the node goes down for maintenance").ok());
+  // Its client is told why, on its next call.
+  std::vector<float> w(4096, 0.0f);
+  Status after = (*victim)->SetWeights(0, w.data(), w.size());
+  EXPECT_EQ(after.code(), StatusCode::kAborted) << after;
+  EXPECT_NE(after.message().find("maintenance"), std::string::npos) << after;
+  // It is gone and its uid no longer pays for it; the other job is whole.
+  jobs = (*c)->Jobs();
+  ASSERT_TRUE(jobs.ok());
+  ASSERT_EQ(jobs->size(), 1u);
+  EXPECT_EQ((*jobs)[0].name, "running");
+  EXPECT_EQ((*jobs)[0].step, 2);
+  EXPECT_LT((*c)->GetQuota(::geteuid())->dram_bytes, held);
+  EXPECT_EQ((*c)->GetQuota(::geteuid())->jobs, 1);
+  EXPECT_EQ((*c)->Evict(victim_id, "").code(), StatusCode::kNotFound);
+  victim->reset();
+}
+
+// ------------------------------------------------------ ztierctl
+
+struct CtlRun {
+  int code = -1;
+  std::string out;  // stdout then stderr
+};
+
+// Runs ztierctl with `args` (at most 30 s).
+CtlRun Ztierctl(const std::string& args, const std::string& dir) {
+  const std::string out = dir + "/ztierctl.out";
+  const int st = std::system(StrCat("timeout -s KILL 30 ", ZTIERCTL_BINARY, " ", args, " >", out,
+                                    " 2>&1")
+                                 .c_str());
+  CtlRun r;
+  r.code = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+  std::ifstream in(out);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  r.out = ss.str();
+  return r;
+}
+
+TEST(ZtierctlProgramTest, TablesJsonAndExitCodes) {
+  ScratchDir dir("ztierctl");
+  ZtierdProcess d(ZTIERD_BINARY, {});
+  Result<std::unique_ptr<Session>> s = OpenSession(d.socket());
+  ASSERT_TRUE(s.ok()) << s.status() << d.log();
+  Result<std::unique_ptr<Model>> m = (*s)->RegisterModel(TwoUnits("table-job"));
+  ASSERT_TRUE(m.ok()) << m.status();
+  ASSERT_TRUE(Train(**m, 2).ok());
+  const std::string sock = "--socket " + d.socket();
+
+  CtlRun r = Ztierctl(sock + " status", dir.path());
+  EXPECT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("pinned DRAM"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("host->device"), std::string::npos) << r.out;
+  r = Ztierctl(sock + " jobs", dir.path());
+  EXPECT_EQ(r.code, 0) << r.out;
+  EXPECT_TRUE(std::regex_search(r.out, std::regex(R"(ID +UID +NAME +STATE)"))) << r.out;
+  EXPECT_TRUE(std::regex_search(r.out, std::regex(R"(table-job +training +1/1 +2 )"))) << r.out;
+  // --json is one JSON object with the documented fields.
+  r = Ztierctl(sock + " --json jobs", dir.path());
+  ASSERT_EQ(r.code, 0) << r.out;
+  nlohmann::json j = nlohmann::json::parse(r.out, nullptr, false);
+  ASSERT_FALSE(j.is_discarded()) << r.out;
+  ASSERT_EQ(j["jobs"].size(), 1u);
+  EXPECT_EQ(j["jobs"][0]["name"], "table-job");
+  EXPECT_EQ(j["jobs"][0]["state"], "training");
+  EXPECT_EQ(j["jobs"][0]["step"], 2);
+  EXPECT_GT(j["jobs"][0]["host_to_device_bytes"].get<uint64_t>(), 0u);
+  r = Ztierctl(sock + " --json status", dir.path());
+  ASSERT_EQ(r.code, 0) << r.out;
+  j = nlohmann::json::parse(r.out, nullptr, false);
+  ASSERT_FALSE(j.is_discarded()) << r.out;
+  EXPECT_EQ(j["protocol"], engine::protocol::kVersion);
+  EXPECT_EQ(j["since_start"]["steps"], 2);
+  EXPECT_TRUE(j["dram"].contains("budget_bytes"));
+  r = Ztierctl(sock + " quota set 4242 --jobs 2 --dram 1G", dir.path());
+  EXPECT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("1.0 GiB"), std::string::npos) << r.out;
+  r = Ztierctl(sock + " --json quota get 4242", dir.path());
+  EXPECT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("\"max_jobs\": 2"), std::string::npos) << r.out;
+
+  // Bad arguments: 2, before any connection.
+  for (const char* bad : {"frobnicate", "quota set 4242", "quota set x --jobs 1",
+                          "quota set 1 --jobs 0", "quota set 1 --dram lots", "evict", "jobs extra",
+                          "--bogus status", ""}) {
+    r = Ztierctl(StrCat(sock, " ", bad), dir.path());
+    EXPECT_EQ(r.code, 2) << bad << ": " << r.out;
+  }
+  // An unknown job: ztierd answers with an error, 1.
+  r = Ztierctl(sock + " evict 999", dir.path());
+  EXPECT_EQ(r.code, 1) << r.out;
+  EXPECT_NE(r.out.find("no job 999"), std::string::npos) << r.out;
+  // Not running: 3, with a hint.
+  r = Ztierctl("--socket " + dir.path() + "/none.sock status", dir.path());
+  EXPECT_EQ(r.code, 3) << r.out;
+  EXPECT_NE(r.out.find("is ztierd running"), std::string::npos) << r.out;
+  // --help and --version need no daemon.
+  EXPECT_EQ(Ztierctl("--help", dir.path()).code, 0);
+  EXPECT_NE(Ztierctl("--version", dir.path()).out.find("ztierctl"), std::string::npos);
+}
+
+TEST(ZtierctlProgramTest, ANonOperatorIsRefusedWithExitCode4) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root to run ztierctl as another uid";
+  ScratchDir dir("ztierctl-nobody");
+  ::chmod(dir.path().c_str(), 0777);
+  ZtierdProcess d(ZTIERD_BINARY, {});
+  Result<std::unique_ptr<Session>> s = OpenSession(d.socket());
+  ASSERT_TRUE(s.ok()) << s.status() << d.log();
+  Result<std::unique_ptr<Model>> m = (*s)->RegisterModel(TwoUnits("roots-job"));
+  ASSERT_TRUE(m.ok()) << m.status();
+  const std::string sock = "--socket " + d.socket();
+  const int rc = AsNobody([&] {
+    // What anyone may do: the status, their own (no) jobs, their own quota.
+    CtlRun r = Ztierctl(sock + " status", dir.path());
+    if (r.code != 0) return 10;
+    r = Ztierctl(sock + " jobs", dir.path());
+    if (r.code != 0 || r.out.find("roots-job") != std::string::npos) return 11;
+    r = Ztierctl(sock + " quota get", dir.path());
+    if (r.code != 0 || r.out.find("65534") == std::string::npos) return 12;
+    // What operators may do: refused, 4, saying who may.
+    for (const char* op : {"drain", "drain --off", "quota set 65534 --jobs 100",
+                           "quota reset 65534", "quota get 0", "quota get all", "evict 1"}) {
+      r = Ztierctl(StrCat(sock, " ", op), dir.path());
+      if (r.code != 4 || r.out.find("not an operator") == std::string::npos) return 20;
+    }
+    return 0;
+  });
+  EXPECT_EQ(rc, 0) << d.log() << Ztierctl(sock + " status", dir.path()).out;
+  // Nothing changed, and root may.
+  EXPECT_FALSE(DaemonControl::Connect(d.socket()).value()->GetStatus()->draining);
+  EXPECT_EQ(Ztierctl(sock + " drain", dir.path()).code, 0);
+  EXPECT_EQ(Ztierctl(sock + " jobs", dir.path()).out.find("roots-job") != std::string::npos, true);
+}
+
+// ------------------------------------------------------ metrics
+
+// An HTTP request's whole answer (the server closes the connection).
+Result<std::string> Http(const std::string& address, const std::string& request) {
+  UniqueFd fd;
+  if (address.starts_with("unix:")) {
+    fd = UniqueFd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    sockaddr_un sa{};
+    sa.sun_family = AF_UNIX;
+    const std::string path = address.substr(5);
+    std::memcpy(sa.sun_path, path.data(), path.size());
+    if (::connect(fd.get(), reinterpret_cast<sockaddr*>(&sa), sizeof(sa)) != 0) {
+      return PosixError("connect " + address, errno);
+    }
+  } else {
+    const size_t colon = address.rfind(':');
+    fd = UniqueFd(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    sockaddr_in sa{};
+    sa.sin_family = AF_INET;
+    sa.sin_port = htons(static_cast<uint16_t>(std::stoi(address.substr(colon + 1))));
+    ::inet_pton(AF_INET, address.substr(0, colon).c_str(), &sa.sin_addr);
+    if (::connect(fd.get(), reinterpret_cast<sockaddr*>(&sa), sizeof(sa)) != 0) {
+      return PosixError("connect " + address, errno);
+    }
+  }
+  if (::send(fd.get(), request.data(), request.size(), MSG_NOSIGNAL) !=
+      static_cast<ssize_t>(request.size())) {
+    return PosixError("send", errno);
+  }
+  std::string out;
+  char buf[8192];
+  for (ssize_t n; (n = ::recv(fd.get(), buf, sizeof(buf), 0)) > 0;) out.append(buf, n);
+  return out;
+}
+
+// The exposition's own rules; empty when it keeps them, else the first
+// broken one.
+std::string CheckExposition(const std::string& text) {
+  std::map<std::string, std::string> type;  // family -> type
+  std::set<std::string> seen;               // name{labels}
+  // Histogram series: labels without le -> (cumulative so far, +Inf, count).
+  std::map<std::string, std::vector<double>> buckets;
+  std::map<std::string, double> counts;
+  std::istringstream in(text);
+  const std::regex sample(R"(^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(.*)\})? (\S+)$)");
+  for (std::string line; std::getline(in, line);) {
+    if (line.starts_with("# TYPE ")) {
+      std::istringstream t(line.substr(7));
+      std::string name, kind;
+      t >> name >> kind;
+      if (type.count(name)) return "family declared twice: " + name;
+      if (kind == "counter" && !name.ends_with("_total")) return "counter without _total: " + name;
+      type[name] = kind;
+      continue;
+    }
+    if (line.starts_with("#")) continue;
+    std::smatch mt;
+    if (!std::regex_match(line, mt, sample)) return "not a sample line: " + line;
+    const std::string name = mt[1], labels = mt[3], value = mt[4];
+    if (!seen.insert(name + "{" + labels + "}").second) return "duplicate series: " + line;
+    std::string family = name;
+    for (const char* suffix : {"_bucket", "_sum", "_count"}) {
+      const std::string base = name.substr(0, name.size() - std::strlen(suffix));
+      if (name.ends_with(suffix) && type.count(base) && type[base] == "histogram") family = base;
+    }
+    if (!type.count(family)) return "sample of an undeclared family: " + line;
+    const double v = value == "+Inf" ? INFINITY : std::stod(value);
+    if (type[family] == "counter" && v < 0) return "negative counter: " + line;
+    if (type[family] == "histogram") {
+      std::string key = std::regex_replace(labels, std::regex(R"(,?le="[^"]*")"), "");
+      if (name.ends_with("_bucket")) {
+        auto& b = buckets[family + "{" + key + "}"];
+        if (!b.empty() && v < b.back()) return "buckets not cumulative: " + line;
+        b.push_back(v);
+      } else if (name.ends_with("_count")) {
+        counts[family + "{" + key + "}"] = v;
+      }
+    }
+  }
+  for (const auto& [series, b] : buckets) {
+    if (!counts.count(series) || counts[series] != b.back()) {
+      return "the +Inf bucket of " + series + " is not its count";
+    }
+  }
+  return "";
+}
+
+// Where ztierd says it serves its metrics (its log line), within 5 s.
+std::string MetricsAddress(const ZtierdProcess& d) {
+  const std::regex at(R"(metrics at http://(\S+)/metrics)");
+  for (int k = 0; k < 500; ++k) {
+    std::smatch m;
+    const std::string log = d.log();
+    if (std::regex_search(log, m, at)) return m[1];
+    std::this_thread::sleep_for(10ms);
+  }
+  return "";
+}
+
+TEST(MetricsTest, AScrapeOfARunningDaemonIsValidExposition) {
+  ScratchDir dir("metrics");
+  // A Unix socket's path is short (108 bytes): in a directory of /tmp.
+  std::string sock_dir = "/tmp/ztier-metrics-XXXXXX";
+  ASSERT_NE(::mkdtemp(sock_dir.data()), nullptr);
+  for (const std::string& where : {std::string("127.0.0.1:0"), "unix:" + sock_dir + "/m.sock"}) {
+    SCOPED_TRACE(where);
+    ZtierdProcess d(ZTIERD_BINARY, {"--metrics", where});
+    const std::string address = MetricsAddress(d);
+    ASSERT_FALSE(address.empty()) << d.log();
+    Result<std::unique_ptr<Session>> s = OpenSession(d.socket());
+    ASSERT_TRUE(s.ok()) << s.status() << d.log();
+    Result<std::unique_ptr<Model>> m = (*s)->RegisterModel(TwoUnits("scraped \"job\"\n"));
+    ASSERT_TRUE(m.ok()) << m.status();
+    ASSERT_TRUE(Train(**m, 3).ok());
+
+    Result<std::string> answer = Http(address, "GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n");
+    ASSERT_TRUE(answer.ok()) << answer.status();
+    ASSERT_TRUE(answer->starts_with("HTTP/1.1 200 OK\r\n")) << *answer;
+    EXPECT_NE(answer->find("Content-Type: text/plain; version=0.0.4"), std::string::npos);
+    const std::string body = answer->substr(answer->find("\r\n\r\n") + 4);
+    EXPECT_EQ(CheckExposition(body), "") << body;
+    for (const char* series :
+         {"ztier_build_info{version=", "ztier_pinned_bytes{state=\"used\"}",
+          "ztier_nvme_read_bytes_total ", "ztier_host_device_bytes_total{direction=\"host_to_device\"}",
+          "ztier_steps_total 3", "ztier_jobs{state=\"training\"} 1",
+          "ztier_optimizer_step_seconds_count{uid=\"0\",job=\"scraped \\\"job\\\"\\n\"} 3",
+          "ztier_quota_used_bytes{uid=\"0\",tier=\"dram\"}", "ztier_stall_seconds_total"}) {
+      if (::geteuid() != 0 && std::string(series).find("uid=\"0\"") != std::string::npos) continue;
+      EXPECT_NE(body.find(series), std::string::npos) << series << "\n" << body;
+    }
+    // promtool, the format's own checker.
+    const bool required = std::getenv("ZTIER_REQUIRE_PROMTOOL") != nullptr &&
+                          std::string(std::getenv("ZTIER_REQUIRE_PROMTOOL")) == "1";
+    if (std::system("command -v promtool >/dev/null 2>&1") == 0) {
+      const std::string file = dir.path() + "/scrape.txt";
+      std::ofstream(file) << body;
+      const std::string out = dir.path() + "/promtool.txt";
+      const int st =
+          std::system(StrCat("promtool check metrics <", file, " >", out, " 2>&1").c_str());
+      std::ifstream pin(out);
+      std::stringstream ps;
+      ps << pin.rdbuf();
+      EXPECT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0) << ps.str();
+    } else {
+      EXPECT_FALSE(required) << "ZTIER_REQUIRE_PROMTOOL=1 but promtool is not installed "
+                                "(Debian: apt-get install prometheus)";
+    }
+    // Other paths and methods; a HEAD; a request that never ends.
+    Result<std::string> r = Http(address, "GET /other HTTP/1.1\r\n\r\n");
+    ASSERT_TRUE(r.ok());
+    EXPECT_TRUE(r->starts_with("HTTP/1.1 404")) << *r;
+    r = Http(address, "POST /metrics HTTP/1.1\r\n\r\n");
+    ASSERT_TRUE(r.ok());
+    EXPECT_TRUE(r->starts_with("HTTP/1.1 405")) << *r;
+    r = Http(address, "HEAD /metrics HTTP/1.0\r\n\r\n");
+    ASSERT_TRUE(r.ok());
+    EXPECT_TRUE(r->starts_with("HTTP/1.1 200")) << *r;
+    EXPECT_TRUE(r->ends_with("\r\n\r\n")) << *r;  // no body
+    const auto t0 = std::chrono::steady_clock::now();
+    r = Http(address, "GET /metrics HTTP/1.1\r\n");  // no end of head: cut after 2 s
+    EXPECT_LT(std::chrono::steady_clock::now() - t0, 10s);
+    r = Http(address, "garbage\r\n\r\n");
+    ASSERT_TRUE(r.ok());
+    EXPECT_TRUE(r->starts_with("HTTP/1.1 400")) << *r;
+    // ... and the server serves on.
+    r = Http(address, "GET /metrics HTTP/1.1\r\n\r\n");
+    ASSERT_TRUE(r.ok());
+    EXPECT_TRUE(r->starts_with("HTTP/1.1 200")) << *r;
+  }
+  std::filesystem::remove_all(sock_dir);
+}
+
+TEST(MetricsTest, ABadMetricsAddressIsAClearUsageError) {
+  ScratchDir dir("metrics-bad");
+  for (const char* bad : {"nowhere", "127.0.0.1:99999", "300.1.1.1:9", "[zz]:9", "unix:"}) {
+    const std::string out = dir.path() + "/out.txt";
+    const int st = std::system(StrCat("timeout -s KILL 30 ", ZTIERD_BINARY, " --socket ",
+                                      dir.path(), "/d.sock --metrics '", bad, "' >", out, " 2>&1")
+                                   .c_str());
+    std::ifstream in(out);
+    std::stringstream ss;
+    ss << in.rdbuf();
+    EXPECT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 2) << bad << ": " << ss.str();
+    EXPECT_NE(ss.str().find("metrics address"), std::string::npos) << ss.str();
+  }
+}
+
+}  // namespace
+}  // namespace ztier::client
