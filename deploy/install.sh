@@ -95,7 +95,7 @@ put() {
 echo "installing ztierd to ${destdir}${bin_path}"
 put "${destdir}${bin_path}" 0755 <"${binary}"
 
-for unit in ztierd.socket ztierd.service; do
+for unit in ztierd.socket ztierd-metrics.socket ztierd.service; do
   text=$(<"${script_dir}/${unit}")
   # The units name /usr/local/bin/ztierd; point them at this install.
   text=${text//\/usr\/local\/bin\/ztierd/"${bin_path}"}

@@ -13,6 +13,8 @@
 //    count) and by `promtool check metrics` where installed
 //    (ZTIER_REQUIRE_PROMTOOL=1 makes a missing promtool a failure).
 #include <arpa/inet.h>
+#include <fcntl.h>
+#include <signal.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
@@ -597,6 +599,69 @@ TEST(MetricsTest, AScrapeOfARunningDaemonIsValidExposition) {
     EXPECT_TRUE(r->starts_with("HTTP/1.1 200")) << *r;
   }
   std::filesystem::remove_all(sock_dir);
+}
+
+// ztierd under socket activation with both of ztierd.service's sockets
+// (LISTEN_FDS=2, LISTEN_FDNAMES=control:metrics), as systemd starts it.
+TEST(MetricsTest, ZtierdServesTheMetricsSocketSystemdPasses) {
+  std::string dir = "/tmp/ztier-activate-XXXXXX";
+  ASSERT_NE(::mkdtemp(dir.data()), nullptr);
+  const std::string control = dir + "/ztierd.sock";
+  UniqueFd c(::socket(AF_UNIX, SOCK_SEQPACKET, 0));
+  sockaddr_un su{};
+  su.sun_family = AF_UNIX;
+  std::memcpy(su.sun_path, control.data(), control.size());
+  ASSERT_EQ(::bind(c.get(), reinterpret_cast<sockaddr*>(&su), sizeof(su)), 0);
+  ASSERT_EQ(::listen(c.get(), 16), 0);
+  UniqueFd m(::socket(AF_INET, SOCK_STREAM, 0));
+  sockaddr_in si{};
+  si.sin_family = AF_INET;
+  si.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(::bind(m.get(), reinterpret_cast<sockaddr*>(&si), sizeof(si)), 0);
+  ASSERT_EQ(::listen(m.get(), 16), 0);
+  socklen_t len = sizeof(si);
+  ASSERT_EQ(::getsockname(m.get(), reinterpret_cast<sockaddr*>(&si), &len), 0);
+  const std::string address = StrCat("127.0.0.1:", ntohs(si.sin_port));
+  const std::string log = dir + "/ztierd.log";
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    const int out = ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    if (out < 0 || ::dup2(out, 2) < 0 || ::dup2(c.get(), 3) < 0 || ::dup2(m.get(), 4) < 0) {
+      _exit(91);
+    }
+    for (int fd = 5; fd < 1024; ++fd) ::close(fd);
+    const std::string pid_env = StrCat("LISTEN_PID=", ::getpid());
+    char* env[] = {const_cast<char*>(pid_env.c_str()), const_cast<char*>("LISTEN_FDS=2"),
+                   const_cast<char*>("LISTEN_FDNAMES=control:metrics"),
+                   const_cast<char*>("ZTIER_DRAM_BUDGET=128M"),
+                   const_cast<char*>("ZTIER_HUGE_PAGES=none"), nullptr};
+    ::execle(ZTIERD_BINARY, ZTIERD_BINARY, static_cast<char*>(nullptr), env);
+    _exit(92);
+  }
+  ASSERT_GT(pid, 0);
+  c.reset();
+  m.reset();
+  Result<std::string> r = Status::Unavailable("not tried");
+  for (int k = 0; k < 500; ++k) {
+    r = Http(address, "GET /metrics HTTP/1.1\r\n\r\n");
+    if (r.ok() && r->starts_with("HTTP/1.1 200")) break;
+    std::this_thread::sleep_for(10ms);
+  }
+  std::ifstream in(log);
+  std::stringstream text;
+  text << in.rdbuf();
+  ASSERT_TRUE(r.ok()) << r.status() << text.str();
+  EXPECT_TRUE(r->starts_with("HTTP/1.1 200")) << *r << text.str();
+  EXPECT_NE(r->find("ztier_build_info{"), std::string::npos) << *r;
+  EXPECT_EQ(CheckExposition(r->substr(r->find("\r\n\r\n") + 4)), "");
+  Result<std::unique_ptr<DaemonControl>> ctl = DaemonControl::Connect(control);
+  ASSERT_TRUE(ctl.ok()) << ctl.status() << text.str();
+  EXPECT_TRUE((*ctl)->GetStatus().ok());
+  ::kill(pid, SIGTERM);
+  int st = 0;
+  ::waitpid(pid, &st, 0);
+  EXPECT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0) << text.str();
+  std::filesystem::remove_all(dir);
 }
 
 TEST(MetricsTest, ABadMetricsAddressIsAClearUsageError) {

@@ -97,14 +97,15 @@ check "install.sh --destdir stages the files"
 bash "${install_sh}" --destdir "${root}" --binary "${ztierd}" >"${work}/install1.log" 2>&1 ||
   fail "install.sh failed: $(cat "${work}/install1.log")"
 for f in usr/local/bin/ztierd etc/systemd/system/ztierd.socket etc/systemd/system/ztierd.service \
+  etc/systemd/system/ztierd-metrics.socket \
   etc/sysusers.d/ztier.conf etc/tmpfiles.d/ztier.conf etc/ztier/ztierd.json; do
   [[ -f ${root}/${f} ]] || fail "install.sh did not install ${f}"
 done
 [[ -x ${root}/usr/local/bin/ztierd ]] || fail "the installed ztierd is not executable"
 cmp -s "${ztierd}" "${root}/usr/local/bin/ztierd" || fail "the installed ztierd differs from ${ztierd}"
-grep -qx 'ExecStart=/usr/local/bin/ztierd --config /etc/ztier/ztierd.json' \
+grep -qx 'ExecStart=/usr/local/bin/ztierd --config /etc/ztier/ztierd.json --quota-file /var/lib/ztier/quotas.json' \
   "${root}/etc/systemd/system/ztierd.service" ||
-  fail "ExecStart= of the installed service is not /usr/local/bin/ztierd --config /etc/ztier/ztierd.json"
+  fail "ExecStart= of the installed service is not /usr/local/bin/ztierd --config /etc/ztier/ztierd.json --quota-file /var/lib/ztier/quotas.json"
 
 check "a second install.sh gives the same tree"
 snapshot "${root}" >"${work}/tree1"
@@ -128,7 +129,7 @@ root_opt=${work}/root-opt
 bash "${install_sh}" --prefix /opt/ztier --destdir "${root_opt}" --binary "${ztierd}" \
   >"${work}/install4.log" 2>&1 || fail "install.sh --prefix failed: $(cat "${work}/install4.log")"
 [[ -x ${root_opt}/opt/ztier/bin/ztierd ]] || fail "--prefix /opt/ztier: no opt/ztier/bin/ztierd"
-grep -qx 'ExecStart=/opt/ztier/bin/ztierd --config /etc/ztier/ztierd.json' \
+grep -qx 'ExecStart=/opt/ztier/bin/ztierd --config /etc/ztier/ztierd.json --quota-file /var/lib/ztier/quotas.json' \
   "${root_opt}/etc/systemd/system/ztierd.service" || fail "--prefix /opt/ztier: ExecStart= not substituted"
 if grep -rq /usr/local/bin "${root_opt}/etc/systemd/system"; then
   fail "--prefix /opt/ztier: a unit still names /usr/local/bin"
@@ -160,7 +161,7 @@ fi
 # that it is executable).
 verify_dir=${work}/verify
 mkdir "${verify_dir}"
-for unit in ztierd.socket ztierd.service; do
+for unit in ztierd.socket ztierd-metrics.socket ztierd.service; do
   sed "s|/usr/local/bin/ztierd|${root}/usr/local/bin/ztierd|g" \
     "${root}/etc/systemd/system/${unit}" >"${verify_dir}/${unit}"
 done
@@ -172,8 +173,8 @@ done
 verify_units() {
   local dir=$1 out rc=0 bad lines
   out=$(systemd-analyze verify --man=no --recursive-errors=no \
-    "${dir}/ztierd.socket" "${dir}/ztierd.service" 2>&1) || rc=$?
-  bad=$(grep -E 'ztierd\.(service|socket)' <<<"${out}" |
+    "${dir}/ztierd.socket" "${dir}/ztierd-metrics.socket" "${dir}/ztierd.service" 2>&1) || rc=$?
+  bad=$(grep -E 'ztierd(-metrics)?\.(service|socket)' <<<"${out}" |
     grep -vE "(user|group) '?ztier'? .*(not found|does not exist|No such)" || true)
   if [[ -n ${out} && -z ${bad} ]]; then
     echo "  (systemd-analyze verify, about other units:)"

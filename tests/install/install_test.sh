@@ -78,7 +78,7 @@ for f in "${expect[@]}"; do
   [[ -e ${prefix}/${f} ]] || fail "missing ${prefix}/${f}"
 done
 # The service runs the installed ztierd with the installed config.
-want="ExecStart=${prefix}/bin/ztierd --config ${prefix}/etc/ztier/ztierd.json"
+want="ExecStart=${prefix}/bin/ztierd --config ${prefix}/etc/ztier/ztierd.json --quota-file /var/lib/ztier/quotas.json"
 grep -qxF "${want}" "${prefix}/lib/systemd/system/ztierd.service" ||
   fail "ztierd.service: no line '${want}':"$'\n'"$(grep ExecStart "${prefix}/lib/systemd/system/ztierd.service")"
 version=$("${prefix}/bin/ztierd" --version) || fail "${prefix}/bin/ztierd --version failed"

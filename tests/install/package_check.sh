@@ -100,7 +100,7 @@ root=${tmp}/root
 dpkg -x "${deb}" "${root}"
 unit=${root}/usr/lib/systemd/system/ztierd.service
 if [[ -f ${unit} ]]; then
-  grep -qxF "ExecStart=/usr/bin/ztierd --config /etc/ztier/ztierd.json" "${unit}" ||
+  grep -qxF "ExecStart=/usr/bin/ztierd --config /etc/ztier/ztierd.json --quota-file /var/lib/ztier/quotas.json" "${unit}" ||
     error "ztierd.service: $(grep '^ExecStart=' "${unit}"), not /usr/bin/ztierd with /etc/ztier/ztierd.json"
 fi
 for pc in ztier ztier_c; do
