@@ -1385,7 +1385,7 @@ class Daemon::Impl::Connection {
       if (job.holders > 0 || (closing && grace.count() > 0)) {
         Impl::AbortCollectivesLocked(job, std::max(j.rank, 0));
       }
-      if (job.holders == 0) {
+      if (job.holders == 0 && !job.freed) {  // (an evicted job is freed already)
         if (closing && grace.count() > 0 && !d_.stopping.load()) {
           job.parked = true;
           job.parked_until = Clock::now() + grace;
