@@ -885,8 +885,8 @@ Status WalkIgnoredChildren(const Json& node, const std::string& prefix, WalkStat
     if (IsIgnored(key)) {
       w.ignored.push_back(key);
     } else {
-      return Status::InvalidArgument(
-          StrCat(w.origin, ": unknown key '", key, "' (the README lists every setting)"));
+      return Status::InvalidArgument(StrCat(w.origin, ": unknown key '", key,
+                                            "' (docs/configuration.md lists every setting)"));
     }
   }
   return Status::Ok();
@@ -923,8 +923,8 @@ Status Walk(const Json& node, const std::string& prefix, Settings& s, WalkState&
         ZT_RETURN_IF_ERROR(Walk(it.value(), key, s, w));
         break;
       case Match::kNone:
-        return Status::InvalidArgument(
-            StrCat(w.origin, ": unknown key '", key, "' (the README lists every setting)"));
+        return Status::InvalidArgument(StrCat(w.origin, ": unknown key '", key,
+                                              "' (docs/configuration.md lists every setting)"));
     }
   }
   return Status::Ok();

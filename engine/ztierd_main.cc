@@ -87,7 +87,8 @@ void Usage(std::ostream& out) {
          "                  named \"metrics\" (ztierd-metrics.socket) is used instead\n"
          "  --admin-group NAME  members may set quotas, drain and evict (ztierctl), besides\n"
          "                  root and ztierd's own user (default ztier-admin, if it exists)\n"
-         "  --quota-file FILE  keep quotas set with ztierctl there across restarts\n";
+         "  --quota-file FILE  keep quotas set with ztierctl there across restarts\n"
+         "  --describe-settings  print every setting as a markdown table and exit\n";
 }
 
 Result<int64_t> IntFlag(std::string_view flag, std::string_view text, int64_t lo, int64_t hi) {
@@ -111,6 +112,10 @@ Result<Flags> ParseFlags(int argc, char** argv) {
     if (a == "--version") {
       std::printf("ztierd %s (protocol %d)\n", ZTIER_VERSION_STRING,
                   static_cast<int>(engine::protocol::kVersion));
+      std::exit(0);
+    }
+    if (a == "--describe-settings") {  // the table of docs/configuration.md
+      std::fputs(engine::DescribeSettings().c_str(), stdout);
       std::exit(0);
     }
     if (i + 1 >= argc) return Status::InvalidArgument(StrCat(a, " needs a value"));

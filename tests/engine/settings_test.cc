@@ -388,15 +388,73 @@ TEST(SettingsTest, RandomMutationsNeverCrash) {
   }
 }
 
-TEST(SettingsTest, ReadmeDocumentsEverySetting) {
-  std::ifstream in(std::string(ZTIER_SOURCE_DIR) + "/README.md");
-  ASSERT_TRUE(in) << "README.md not found";
-  const std::string readme((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  std::istringstream rows(DescribeSettings());
-  std::string row;
-  while (std::getline(rows, row)) {
-    EXPECT_NE(readme.find(row), std::string::npos) << "README lacks the settings line:\n" << row;
+std::string ReadSourceFile(const std::string& relative) {
+  std::ifstream in(std::string(ZTIER_SOURCE_DIR) + "/" + relative);
+  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+
+// docs/configuration.md is the home of the full table: the lines between its
+// two markers are exactly what DescribeSettings() prints.
+TEST(SettingsTest, ConfigurationDocHasTheTable) {
+  const std::string doc = ReadSourceFile("docs/configuration.md");
+  ASSERT_FALSE(doc.empty()) << "docs/configuration.md not found";
+  const std::string begin = "\n<!-- BEGIN ztierd --describe-settings";
+  const std::string end = "\n<!-- END ztierd --describe-settings";
+  const size_t b = doc.find(begin);
+  ASSERT_NE(b, std::string::npos) << "docs/configuration.md lacks the line starting" << begin;
+  const size_t table = doc.find('\n', b + 1) + 1;
+  const size_t e = doc.find(end, table - 1);
+  ASSERT_NE(e, std::string::npos) << "docs/configuration.md lacks the line starting" << end;
+  const std::string have = doc.substr(table, e + 1 - table);
+  const std::string want = DescribeSettings();
+  if (have == want) return;
+  // The first line that differs, rather than both tables whole.
+  std::istringstream have_lines(have), want_lines(want);
+  std::string h, w;
+  int line = 0;
+  while (true) {
+    const bool more_h = static_cast<bool>(std::getline(have_lines, h));
+    const bool more_w = static_cast<bool>(std::getline(want_lines, w));
+    ++line;
+    if (!more_h && !more_w) break;
+    if (more_h != more_w || h != w) break;
   }
+  ADD_FAILURE() << "docs/configuration.md's settings table is not what DescribeSettings() "
+                   "prints; its line "
+                << line << " of the table:\n  " << h << "\nshould be:\n  " << w
+                << "\nregenerate it: cmake --build build/release --target ztierd && "
+                   "scripts/configuration_md.sh build/release/engine/ztierd";
+}
+
+// README keeps a short table of the most used settings: each of its rows is
+// a row of the full table, and it links to docs/configuration.md.
+TEST(SettingsTest, ReadmeSettingsAreCurrent) {
+  const std::string readme = ReadSourceFile("README.md");
+  ASSERT_FALSE(readme.empty()) << "README.md not found";
+  const size_t start = readme.find("\n## Configuration\n");
+  ASSERT_NE(start, std::string::npos) << "README.md lacks its Configuration section";
+  const size_t stop = readme.find("\n## ", start + 1);
+  const std::string section = readme.substr(start, stop == std::string::npos ? stop : stop - start);
+  EXPECT_NE(section.find("(docs/configuration.md)"), std::string::npos)
+      << "README's Configuration section should link to docs/configuration.md";
+  // (Built by appending: GCC 12 warns wrongly about "\n" + std::string.)
+  std::string described = "\n";
+  described += DescribeSettings();
+  std::istringstream lines(section);
+  std::string line;
+  int rows = 0;
+  while (std::getline(lines, line)) {
+    if (!line.starts_with("| `")) continue;
+    ++rows;
+    std::string row = "\n";
+    row += line;
+    row += "\n";
+    EXPECT_NE(described.find(row), std::string::npos)
+        << "README's settings row is not a row of DescribeSettings() (copy it from "
+           "docs/configuration.md):\n"
+        << line;
+  }
+  EXPECT_GT(rows, 0) << "README's Configuration section has no settings rows";
 }
 
 TEST(SettingsTest, DescriptionListsEveryEnvironmentVariable) {
