@@ -22,6 +22,19 @@ Result<std::unique_ptr<Session>> Session::Open(const SessionOptions& options) {
   std::shared_ptr<Transport> t;
   if (!socket.empty()) {
     ZT_ASSIGN_OR_RETURN(t, MakeDaemonTransport(socket));
+    // The engine-wide settings are the daemon's: say so for each one this
+    // process set (its jobs' own, like ztier.state_dtype, travel with them).
+    for (const char* key :
+         {"ztier.dram_budget", "ztier.huge_pages", "zero_optimization.offload_optimizer.pin_memory",
+          "zero_optimization.offload_optimizer.nvme_path", "ztier.nvme_capacity", "aio.block_size",
+          "aio.queue_depth", "ztier.io_backend", "ztier.checksums",
+          "zero_optimization.offload_optimizer.buffer_count", "ztier.optimizer_threads"}) {
+      auto it = options.settings.sources.find(key);
+      if (it == options.settings.sources.end()) continue;
+      ZT_LOG(kWarn, "client") << key << " (from " << it->second
+                              << ") is an engine setting: through ztierd at " << socket
+                              << " the daemon's applies (its config, /etc/ztier/ztierd.json)";
+    }
   } else {
     ZT_ASSIGN_OR_RETURN(t, MakeEmbeddedTransport(options.settings, options.io_backend));
   }
@@ -57,7 +70,11 @@ Result<std::unique_ptr<Model>> Session::OpenModel(const ModelSpec& spec, int ran
                       .ranks = spec.world_size,
                       .optimizer = spec.optimizer,
                       .optimizer_tier = spec.optimizer_tier,
-                      .param_tier = spec.param_tier};
+                      .param_tier = spec.param_tier,
+                      .state_dtype = spec.state_dtype};
+  if (!job.state_dtype && settings_.sources.count("ztier.state_dtype") != 0) {
+    job.state_dtype = settings_.state_dtype;
+  }
   ZT_ASSIGN_OR_RETURN(
       int id, rank < 0 ? transport_->RegisterJob(job) : transport_->AttachJob(job, rank, timeout));
   std::vector<engine::UnitLayout> layouts;

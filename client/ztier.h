@@ -27,6 +27,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -231,6 +232,10 @@ class Session {
     engine::Tier optimizer_tier = engine::Tier::kDram;
     engine::Tier param_tier = engine::Tier::kDram;
     int world_size = 1;  // local ranks
+    // How the engine keeps the model's m and v. Unset: the session's
+    // ztier.state_dtype when a config, variable or flag set it (so it
+    // reaches a ztierd too), else the engine's own.
+    std::optional<engine::StateDtype> state_dtype = std::nullopt;
   };
   // Registers the model's units with the engine. Its ranks run in this
   // process (threads), or rank 0 here and the others in processes of their

@@ -493,7 +493,7 @@ struct Daemon::Impl {
         j.state = JobState::kFailed;
         j.failure = std::string(failed.message());
       }
-      j.state_dtype = engine_state_dtype;
+      j.state_dtype = job->spec.state_dtype.value_or(engine_state_dtype);
       out.push_back(std::move(j));
     }
     return out;

@@ -582,7 +582,7 @@ Result<int> Engine::RegisterJob(const JobSpec& spec) {
 
   auto job = std::make_shared<Job>();
   job->spec = spec;
-  job->state_dtype = e.settings.state_dtype;
+  job->state_dtype = spec.state_dtype.value_or(e.settings.state_dtype);
   job->pool = e.pool.get();
   {
     // Ids are never reused, so swap objects of a job that is still being

@@ -603,6 +603,8 @@ std::string Encode(const JobSpec& v) {
   w.Put(v.optimizer.clip_norm);
   w.Put(static_cast<int32_t>(v.optimizer.grad_accumulation));
   w.Put(static_cast<uint8_t>(v.optimizer.mode));
+  // 0: the engine's, else 1 + the dtype.
+  w.Put(static_cast<uint8_t>(v.state_dtype ? 1 + static_cast<uint8_t>(*v.state_dtype) : 0));
   w.Put(static_cast<uint32_t>(v.optimizer.group_weight_decay.size()));
   for (float f : v.optimizer.group_weight_decay) w.Put(f);
   w.Put(static_cast<uint32_t>(v.units.size()));
@@ -624,7 +626,7 @@ Result<JobSpec> DecodeJobSpec(std::string_view bytes) {
   Reader r(bytes, "job spec");
   JobSpec v;
   int32_t ranks = 0, accumulation = 0;
-  uint8_t opt_tier = 0, param_tier = 0, mode = 0, bias = 0, step_mode = 0;
+  uint8_t opt_tier = 0, param_tier = 0, mode = 0, bias = 0, step_mode = 0, dtype = 0;
   cpu_adam::Hyper& h = v.optimizer.hyper;
   r.Str(&v.name, "name", kMaxNameBytes);
   r.Get(&ranks, "ranks");
@@ -640,7 +642,10 @@ Result<JobSpec> DecodeJobSpec(std::string_view bytes) {
   r.Get(&v.optimizer.clip_norm, "clip_norm");
   r.Get(&accumulation, "grad_accumulation");
   r.Get(&step_mode, "step mode");
+  r.Get(&dtype, "state_dtype");
   if (v.name.empty()) r.Fail("name is empty");
+  if (dtype > 1 + static_cast<uint8_t>(StateDtype::kInt8)) r.Fail(StrCat("state_dtype ", int{dtype}));
+  if (dtype != 0) v.state_dtype = static_cast<StateDtype>(dtype - 1);
   if (ranks < 1 || ranks > kMaxRanks) r.Fail(StrCat("ranks ", ranks, " out of 1..", kMaxRanks));
   if (opt_tier > 1 || param_tier > 1) r.Fail("unknown tier");
   if (mode > 1 || bias > 1 || step_mode > 1) r.Fail("unknown optimizer enum value");

@@ -11,6 +11,7 @@
 
 #include <array>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -21,7 +22,7 @@ namespace ztier::engine {
 // 2: a tensor's param group and frozen flag, the groups' weight decays.
 // 3: the step-time histogram, the last step's time and the clients' device
 // traffic in JobCounters; the operator's types (DaemonStatus, JobInfo,
-// quotas).
+// quotas); a job's own state dtype in its JobSpec.
 inline constexpr uint16_t kWireVersion = 3;
 
 enum class Tier : uint8_t { kDram, kNvme };
@@ -76,6 +77,8 @@ struct JobSpec {
   OptimizerConfig optimizer;
   Tier optimizer_tier = Tier::kDram;
   Tier param_tier = Tier::kDram;
+  // How the job's m and v are kept; unset: the engine's ztier.state_dtype.
+  std::optional<StateDtype> state_dtype = std::nullopt;
 };
 
 struct UnitLayout {

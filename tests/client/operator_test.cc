@@ -176,6 +176,47 @@ TEST(OperatorTest, StatusAndJobsShowTheEngineAndTheRunnersTraffic) {
   EXPECT_TRUE((*c)->Jobs()->empty());
 }
 
+// A job's state dtype is its own: set on the model, or by the client's
+// ztier.state_dtype, it reaches a ztierd whose engine keeps fp32.
+TEST(OperatorTest, AJobsStateDtypeTravelsToTheDaemon) {
+  Result<std::unique_ptr<TestDaemon>> d = TestDaemon::Start(SmallEngine());
+  ASSERT_TRUE(d.ok()) << d.status();
+  Result<std::unique_ptr<Session>> s = OpenSession((*d)->socket());
+  ASSERT_TRUE(s.ok());
+  Result<std::unique_ptr<Model>> fp32 = (*s)->RegisterModel(TwoUnits("fp32"));
+  ASSERT_TRUE(fp32.ok()) << fp32.status();
+  Session::ModelSpec spec = TwoUnits("int8");
+  spec.state_dtype = engine::StateDtype::kInt8;
+  Result<std::unique_ptr<Model>> int8 = (*s)->RegisterModel(spec);
+  ASSERT_TRUE(int8.ok()) << int8.status();
+  Result<engine::Settings> set =
+      engine::ApplySetting(SmallEngine(), "ztier.state_dtype", "int8", "--state-dtype");
+  ASSERT_TRUE(set.ok()) << set.status();
+  SessionOptions o;
+  o.settings = *set;
+  o.daemon_socket = (*d)->socket();
+  Result<std::unique_ptr<Session>> s8 = Session::Open(o);
+  ASSERT_TRUE(s8.ok()) << s8.status();
+  Result<std::unique_ptr<Model>> by_setting = (*s8)->RegisterModel(TwoUnits("by-setting"));
+  ASSERT_TRUE(by_setting.ok()) << by_setting.status();
+  ASSERT_TRUE(Train(**by_setting, 2).ok());
+
+  Result<std::unique_ptr<DaemonControl>> c = DaemonControl::Connect((*d)->socket());
+  ASSERT_TRUE(c.ok());
+  Result<std::vector<JobInfo>> jobs = (*c)->Jobs();
+  ASSERT_TRUE(jobs.ok());
+  ASSERT_EQ(jobs->size(), 3u);
+  std::map<std::string, JobInfo> by_name;
+  for (const JobInfo& j : *jobs) by_name[j.name] = j;
+  EXPECT_EQ(by_name["fp32"].state_dtype, engine::StateDtype::kFp32);
+  EXPECT_EQ(by_name["int8"].state_dtype, engine::StateDtype::kInt8);
+  EXPECT_EQ(by_name["by-setting"].state_dtype, engine::StateDtype::kInt8);
+  // 8-bit m and v take less pinned DRAM: 6 bytes a parameter (plus scales)
+  // instead of 12.
+  EXPECT_LT(by_name["int8"].counters.dram_bytes, by_name["fp32"].counters.dram_bytes);
+  EXPECT_EQ(by_name["by-setting"].counters.steps, 2);
+}
+
 TEST(OperatorTest, QuotasAreEnforcedResetAndKeptInTheQuotaFile) {
   ScratchDir dir("quotas");
   const std::string file = dir.path() + "/quotas.json";

@@ -284,6 +284,21 @@ TEST(ProtocolTest, SmallPayloadsRoundTripAndRefuseEveryPrefix) {
   EveryPrefixIsRefused(Encode(steps), DecodeJobSteps);
 }
 
+TEST(ProtocolTest, AJobsOwnStateDtypeRoundTrips) {
+  for (std::optional<StateDtype> dtype :
+       {std::optional<StateDtype>(), std::optional(StateDtype::kFp32),
+        std::optional(StateDtype::kInt8)}) {
+    JobSpec j;
+    j.name = "q";
+    j.units = {{"u", {{"w", {8}}}}};
+    j.state_dtype = dtype;
+    Result<JobSpec> back = DecodeJobSpec(Encode(j));
+    ASSERT_TRUE(back.ok()) << back.status();
+    EXPECT_EQ(back->state_dtype, dtype);
+    EveryPrefixIsRefused(Encode(j), DecodeJobSpec);
+  }
+}
+
 TEST(ProtocolTest, OperatorMessagesRoundTripAndRefuseEveryPrefix) {
   JobInfo j;
   j.id = 7;
