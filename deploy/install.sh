@@ -18,15 +18,18 @@ repo_root=$(cd -- "${script_dir}/.." && pwd)
 prefix=/usr/local
 destdir=
 binary=${repo_root}/build/release/engine/ztierd
+ctl_binary=${repo_root}/build/release/client/ztierctl
 
 usage() {
   cat <<EOF
-usage: $0 [--prefix DIR] [--destdir DIR] [--binary PATH]
+usage: $0 [--prefix DIR] [--destdir DIR] [--binary PATH] [--ctl-binary PATH]
 
   --prefix DIR    where the binary goes: DIR/bin/ztierd (default /usr/local)
   --destdir DIR   staging root: every file goes under DIR, nothing is run
                   (default: none, install on this host)
   --binary PATH   the ztierd to install (default build/release/engine/ztierd)
+  --ctl-binary PATH  the ztierctl to install beside it (default
+                  build/release/client/ztierctl; skipped with a note when absent)
 EOF
 }
 
@@ -37,12 +40,12 @@ die() {
 
 while (($# > 0)); do
   case $1 in
-    --prefix | --destdir | --binary)
+    --prefix | --destdir | --binary | --ctl-binary)
       (($# >= 2)) || die "$1 needs a value"
       opt=$1 val=$2
       shift 2
       ;;
-    --prefix=* | --destdir=* | --binary=*)
+    --prefix=* | --destdir=* | --binary=* | --ctl-binary=*)
       opt=${1%%=*} val=${1#*=}
       shift
       ;;
@@ -59,6 +62,7 @@ while (($# > 0)); do
     --prefix) prefix=${val} ;;
     --destdir) destdir=${val} ;;
     --binary) binary=${val} ;;
+    --ctl-binary) ctl_binary=${val} ;;
   esac
 done
 
@@ -94,6 +98,12 @@ put() {
 
 echo "installing ztierd to ${destdir}${bin_path}"
 put "${destdir}${bin_path}" 0755 <"${binary}"
+if [[ -f ${ctl_binary} && -x ${ctl_binary} ]]; then
+  echo "installing ztierctl to ${destdir}${prefix%/}/bin/ztierctl"
+  put "${destdir}${prefix%/}/bin/ztierctl" 0755 <"${ctl_binary}"
+else
+  echo "note: no ztierctl at ${ctl_binary} (cmake --build build/release --target ztierctl); not installed"
+fi
 
 for unit in ztierd.socket ztierd-metrics.socket ztierd.service; do
   text=$(<"${script_dir}/${unit}")

@@ -992,8 +992,8 @@ class Daemon::Impl::Connection {
         ZT_RETURN_IF_ERROR(RequireAdmin("evict"));
         const std::string why =
             StrCat("evicted by uid ", peer_.uid, r.reason.empty() ? "" : ": ", r.reason);
-        ZT_LOG(kWarn, "ztierd") << Who() << ": evicting job " << r.job << " (" << why << ")";
         ZT_RETURN_IF_ERROR(d_.Evict(r.job, why));
+        ZT_LOG(kWarn, "ztierd") << Who() << ": evicted job " << r.job << " (" << why << ")";
         return std::string();
       }
     }

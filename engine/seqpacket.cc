@@ -2,6 +2,7 @@
 #include "engine/seqpacket.h"
 
 #include <fcntl.h>
+#include <grp.h>
 #include <poll.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -95,10 +96,21 @@ Result<SeqPacketSocket> SeqPacketSocket::Connect(const std::string& path) {
                     err);
     }
     if (err == EACCES || err == EPERM) {
+      // Name the socket's group as it is (ztierd.socket's is ztier).
+      std::string group = "its group";
+      struct stat st{};
+      if (::stat(path.c_str(), &st) == 0) {
+        group = StrCat("gid ", st.st_gid);
+        std::vector<char> buf(16384);
+        struct group g{};
+        struct group* found = nullptr;
+        if (::getgrgid_r(st.st_gid, &g, buf.data(), buf.size(), &found) == 0 && found) {
+          group = StrCat("group ", found->gr_name);
+        }
+      }
       return Status(StatusCode::kFailedPrecondition,
-                    StrCat("connecting to ", path,
-                           ": permission denied; the socket admits its "
-                           "group (ztier) only: ask the admin to add this user to it"),
+                    StrCat("connecting to ", path, ": permission denied; the socket admits ",
+                           group, " only: ask the admin to add this user to it"),
                     err);
     }
     return PosixError(StrCat("connect to ", path), err);

@@ -236,24 +236,6 @@ int Run(const Flags& f) {
     std::fprintf(stderr, "ztierd: %s\n", watchdog.status().ToString().c_str());
     return 2;
   }
-  int metrics_fd = -1;
-  Result<engine::SeqPacketListener> listener = OpenListener(f, &metrics_fd);
-  if (!listener.ok()) {
-    std::fprintf(stderr, "ztierd: %s\n", listener.status().ToString().c_str());
-    return listener.status().code() == StatusCode::kInvalidArgument ? 2 : 1;
-  }
-  // The metrics listener: systemd's socket, else --metrics.
-  std::unique_ptr<engine::MetricsServer> metrics;
-  if (metrics_fd >= 0 || !f.metrics.empty()) {
-    Result<std::unique_ptr<engine::MetricsServer>> m =
-        metrics_fd >= 0 ? engine::MetricsServer::FromFd(metrics_fd)
-                        : engine::MetricsServer::Listen(f.metrics);
-    if (!m.ok()) {
-      std::fprintf(stderr, "ztierd: %s\n", m.status().ToString().c_str());
-      return m.status().code() == StatusCode::kInvalidArgument ? 2 : 1;
-    }
-    metrics = *std::move(m);
-  }
   // Operators: members of the admin group, when it exists.
   DaemonOptions options = f.daemon;
   {
@@ -273,6 +255,24 @@ int Run(const Flags& f) {
       ZT_LOG(kInfo, "ztierd") << "operators: root and uid " << ::geteuid() << " (no group "
                               << f.admin_group << ")";
     }
+  }
+  int metrics_fd = -1;
+  Result<engine::SeqPacketListener> listener = OpenListener(f, &metrics_fd);
+  if (!listener.ok()) {
+    std::fprintf(stderr, "ztierd: %s\n", listener.status().ToString().c_str());
+    return listener.status().code() == StatusCode::kInvalidArgument ? 2 : 1;
+  }
+  // The metrics listener: systemd's socket, else --metrics.
+  std::unique_ptr<engine::MetricsServer> metrics;
+  if (metrics_fd >= 0 || !f.metrics.empty()) {
+    Result<std::unique_ptr<engine::MetricsServer>> m =
+        metrics_fd >= 0 ? engine::MetricsServer::FromFd(metrics_fd)
+                        : engine::MetricsServer::Listen(f.metrics);
+    if (!m.ok()) {
+      std::fprintf(stderr, "ztierd: %s\n", m.status().ToString().c_str());
+      return m.status().code() == StatusCode::kInvalidArgument ? 2 : 1;
+    }
+    metrics = *std::move(m);
   }
   (void)notifier->SetStatus("starting the engine");
   Result<std::unique_ptr<Daemon>> daemon = Daemon::Create(settings, options);
