@@ -954,9 +954,7 @@ Result<DramPoolStats> DecodeDramPoolStats(std::string_view bytes) {
   return Done(r, v);
 }
 
-}  // namespace ztier::engine::protocol
-
-namespace ztier::engine::protocol {
+// ------------------------------------------------------------ the operator's
 
 std::string Encode(const ListRequest& v) {
   Writer w;

@@ -43,16 +43,10 @@ using engine::SeqPacketSocket;
 using engine::Tier;
 using testing::AsNobody;
 using testing::ScratchDir;
+using testing::SmallEngine;
 using testing::TestDaemon;
 using testing::ZtierdProcess;
 using namespace std::chrono_literals;
-
-engine::Settings SmallEngine() {
-  engine::Settings s;
-  s.dram_budget_bytes = uint64_t{128} << 20;
-  s.huge_pages = engine::HugePages::kNone;
-  return s;
-}
 
 engine::JobSpec TwoUnits(const std::string& name) {
   engine::JobSpec spec;

@@ -52,16 +52,10 @@ using engine::JobInfo;
 using engine::JobState;
 using testing::AsNobody;
 using testing::ScratchDir;
+using testing::SmallEngine;
 using testing::TestDaemon;
 using testing::ZtierdProcess;
 using namespace std::chrono_literals;
-
-engine::Settings SmallEngine() {
-  engine::Settings s;
-  s.dram_budget_bytes = uint64_t{128} << 20;
-  s.huge_pages = engine::HugePages::kNone;
-  return s;
-}
 
 Session::ModelSpec TwoUnits(const std::string& name) {
   Session::ModelSpec m;

@@ -31,6 +31,14 @@
 
 namespace ztier::testing {
 
+// A small engine for daemon tests: a 128 MiB pinned budget on 4 KiB pages.
+inline engine::Settings SmallEngine() {
+  engine::Settings s;
+  s.dram_budget_bytes = uint64_t{128} << 20;
+  s.huge_pages = engine::HugePages::kNone;
+  return s;
+}
+
 class TestDaemon {
  public:
   static Result<std::unique_ptr<TestDaemon>> Start(
