@@ -514,6 +514,8 @@ struct Daemon::Impl {
       }
       job->evicted_why = why;
       job->evicted.store(true);
+      // Ranks waiting in a collective wake as if rank 0 had left; their
+      // next request to the daemon names the eviction (FindJob).
       AbortCollectivesLocked(*job, 0);
       MarkFreedLocked(*job);
     }
