@@ -297,27 +297,105 @@ HWY_INLINE auto DequantLanes(D d, const float* HWY_RESTRICT table,
   return hn::Mul(hn::GatherIndex(d, table, idx), hn::Set(d, absmax));
 }
 
-// x (values of a block; inv = 1 / its absmax) to the nearest codes: the
-// bucket of |x| * inv gives a magnitude, one comparison with its upper
-// midpoint corrects it (QuantTables); m's codes add the sign bit.
-template <bool kSigned, class D, class V>
-HWY_INLINE void QuantLanes(D d, const QuantTables& t, V x, V inv, uint8_t* HWY_RESTRICT codes) {
+// Full vectors of codes to values by arithmetic, and the per-decade values
+// of quantization, by in-register table lookups (QuantTables) on targets
+// with FMA and at least 8 lanes; elsewhere, and for the tails, by gathers
+// from the same tables. Both give the tables' values bit for bit.
+#if HWY_TARGET == HWY_AVX2 || HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
+constexpr bool kArithmeticCodes = true;
+#else
+constexpr bool kArithmeticCodes = false;
+#endif
+
+// A per-decade table (16 floats) as the lookups read it: with kPermute, in
+// a register (idx < 16, and < 8 on 8-lane vectors) read by in-register
+// table lookups; otherwise from memory by gathers. Loaded once per block.
+template <bool kPermute, class D>
+HWY_INLINE auto DecadeTable(D d, const float* HWY_RESTRICT table) {
+  if constexpr (kPermute) {
+    return hn::LoadU(d, table);
+  } else {
+    return table;
+  }
+}
+template <class D, class VI>
+HWY_INLINE auto Lookup(D d, const float* HWY_RESTRICT table, VI idx) {
+  return hn::GatherIndex(d, table, idx);
+}
+template <class D, class V, class VI>
+HWY_INLINE auto Lookup(D d, V table, VI idx) {
+  return hn::TableLookupLanes(table, hn::IndicesFromVec(d, idx));
+}
+
+// Whole floats in [0, 2^23) to int32 (and the low byte to a code): adding
+// 2^23 puts the value in the low mantissa bits. Cheaper than ConvertTo,
+// which handles the overflow this range cannot have.
+constexpr float kTwoTo23 = 8388608.0f;
+template <class D, class V>
+HWY_INLINE auto SmallWholeToInt(D d, V x) {
+  const hn::RebindToSigned<D> di;
+  return hn::Sub(hn::BitCast(di, hn::Add(x, hn::Set(d, kTwoTo23))),
+                 hn::BitCast(di, hn::Set(d, kTwoTo23)));
+}
+
+// Quantization in two steps (QuantTables), each a short dependency chain,
+// so that a block goes through each in its own pass and many vectors' steps
+// overlap. kVector: a full vector (the tails use one-lane vectors).
+//
+// Step 1: the normalized magnitudes a of x (inv = 1 / the block's absmax)
+// and their decades: an estimate (pos or pos - 1, never above the last),
+// then one comparison.
+template <class D, class V, class T>
+HWY_INLINE auto DecadeLanes(D d, const QuantTables& t, T top, V x, V inv, V& a) {
+  const hn::RebindToSigned<D> di;
+  a = hn::Min(hn::Mul(hn::Abs(x), inv), hn::Set(d, 1.0f));
+  const auto est = hn::Max(hn::Ceil(hn::MulAdd(hn::ConvertTo(d, hn::BitCast(di, a)),
+                                               hn::Set(d, t.log_scale), hn::Set(d, t.log_offset))),
+                           hn::Zero(d));
+  const auto pos = SmallWholeToInt(d, est);
+  const auto above = hn::Gt(a, Lookup(d, top, pos));
+  return hn::Sub(pos, hn::VecFromMask(di, hn::RebindMask(di, above)));
+}
+
+// Whole-number codes (as floats) to bytes.
+template <class D, class V>
+HWY_INLINE void StoreCodes(D d, V code, uint8_t* HWY_RESTRICT codes) {
   const hn::RebindToSigned<D> di;
   const hn::Rebind<uint8_t, D> d8;
-  constexpr int kShift = 23 - (kSigned ? kSignedBucketBits : kUnsignedBucketBits);
-  const auto a = hn::Min(hn::Mul(hn::Abs(x), inv), hn::Set(d, 1.0f));
-  auto i = hn::Sub(hn::ShiftRight<kShift>(hn::BitCast(di, a)), hn::Set(di, t.base));
-  i = hn::Min(hn::Max(i, hn::Zero(di)), hn::Set(di, t.buckets - 1));
-  const auto entry = hn::GatherIndex(di, t.bucket, i);
-  const auto low = hn::And(hn::BitCast(di, a), hn::Set(di, (1 << kShift) - 1));
-  auto code = hn::And(entry, hn::Set(di, 0xff));
-  code = hn::Add(code, hn::IfThenElseZero(hn::Gt(low, hn::ShiftRight<8>(entry)), hn::Set(di, 1)));
-  if constexpr (kSigned) {
-    const auto neg =
-        hn::And(hn::RebindMask(di, hn::Lt(x, hn::Zero(d))), hn::Ne(code, hn::Zero(di)));
-    code = hn::Or(code, hn::IfThenElseZero(neg, hn::Set(di, 0x80)));
+  const auto bits = hn::BitCast(di, hn::Add(code, hn::Set(d, kTwoTo23)));  // code in bits 0-7
+#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
+  if constexpr (hn::MaxLanes(D()) == 16) {
+    hn::StoreU(hn::Vec128<uint8_t>{_mm512_cvtepi32_epi8(bits.raw)}, d8, codes);
+    return;
   }
-  hn::StoreU(hn::DemoteTo(d8, code), d8, codes);
+#endif
+  const hn::RebindToUnsigned<D> du;
+  const auto low = hn::And(bits, hn::Set(di, 0xff));
+  hn::StoreU(hn::U8FromU32(hn::BitCast(du, low)), d8, codes);
+}
+
+// Step 2: from x, a and the decade to the nearest codes: the rounded place
+// in the decade, or near a midpoint the comparison with it; m's codes add
+// the sign bit.
+template <bool kSigned, class D, class V, class VI, class T>
+HWY_INLINE void CodeLanes(D d, const QuantTables& t, T below_codes, T inv_steps, T place_offsets,
+                          V x, V a, VI pos, uint8_t* HWY_RESTRICT codes) {
+  const auto below_code = Lookup(d, below_codes, pos);
+  const auto place = hn::MulAdd(a, Lookup(d, inv_steps, pos), Lookup(d, place_offsets, pos));
+  const auto nearest = hn::Round(place);
+  auto code = hn::Add(below_code, nearest);
+  const auto unsure = hn::Gt(hn::Abs(hn::Sub(place, nearest)), hn::Set(d, 0.5f - kMidpointSlack));
+  if (HWY_UNLIKELY(!hn::AllFalse(d, unsure))) {
+    const auto c = hn::Add(below_code, hn::Trunc(place));
+    const auto mid = hn::GatherIndex(d, t.upper, SmallWholeToInt(d, c));
+    const auto sure = hn::Add(c, hn::IfThenElseZero(hn::Gt(a, mid), hn::Set(d, 1.0f)));
+    code = hn::IfThenElse(unsure, sure, code);
+  }
+  if constexpr (kSigned) {
+    const auto neg = hn::And(hn::Lt(x, hn::Zero(d)), hn::Gt(code, hn::Zero(d)));
+    code = hn::Add(code, hn::IfThenElseZero(neg, hn::Set(d, 128.0f)));
+  }
+  StoreCodes(d, code, codes);
 }
 
 // Largest |x| (kSigned) or x of [0, n).
@@ -340,70 +418,84 @@ float BlockAbsMax(const float* HWY_RESTRICT x, size_t n) {
   return std::max(hn::GetLane(hn::MaxOfLanes(d, mx)), hn::GetLane(mx1));
 }
 
-// Quantizes x[0, n) (one block) into codes; returns its absmax.
+// Quantizes x[0, n) (one block, n <= kQuantBlock, whose largest |x| is
+// `largest`) into codes; returns its absmax.
 template <bool kSigned>
-float QuantBlock(const QuantTables& t, const float* HWY_RESTRICT x, size_t n,
+float QuantBlock(const QuantTables& t, const float* HWY_RESTRICT x, size_t n, float largest,
                  uint8_t* HWY_RESTRICT codes) {
   const hn::ScalableTag<float> d;
+  const hn::RebindToSigned<decltype(d)> di;
   const hn::CappedTag<float, 1> d1;
   const size_t lanes = hn::Lanes(d);
   // A block below the smallest normal float (whose inverse would overflow)
   // is held as zeros.
-  float absmax = BlockAbsMax<kSigned>(x, n);
-  if (!(absmax >= std::numeric_limits<float>::min())) absmax = 0.0f;
+  const float absmax = largest >= std::numeric_limits<float>::min() ? largest : 0.0f;
   const float inv = absmax > 0.0f ? 1.0f / absmax : 0.0f;
+  HWY_ALIGN float a[kQuantBlock];
+  HWY_ALIGN int32_t pos[kQuantBlock];
   size_t j = 0;
-  for (; j + lanes <= n; j += lanes) {
-    QuantLanes<kSigned>(d, t, hn::LoadU(d, x + j), hn::Set(d, inv), codes + j);
+  {
+    const auto top = DecadeTable<kArithmeticCodes>(d, t.top);
+    const auto below_code = DecadeTable<kArithmeticCodes>(d, t.below_code);
+    const auto inv_step = DecadeTable<kArithmeticCodes>(d, t.inv_step);
+    const auto place_offset = DecadeTable<kArithmeticCodes>(d, t.place_offset);
+    for (; j + lanes <= n; j += lanes) {
+      auto aj = hn::Zero(d);
+      hn::Store(DecadeLanes(d, t, top, hn::LoadU(d, x + j), hn::Set(d, inv), aj), di, pos + j);
+      hn::Store(aj, d, a + j);
+    }
+    const size_t full = j;
+    for (j = 0; j < full; j += lanes) {
+      CodeLanes<kSigned>(d, t, below_code, inv_step, place_offset, hn::LoadU(d, x + j),
+                         hn::Load(d, a + j), hn::Load(di, pos + j), codes + j);
+    }
   }
-  for (; j < n; ++j) QuantLanes<kSigned>(d1, t, hn::LoadU(d1, x + j), hn::Set(d1, inv), codes + j);
+  for (; j < n; ++j) {
+    auto aj = hn::Zero(d1);
+    const auto pj = DecadeLanes(d1, t, t.top, hn::LoadU(d1, x + j), hn::Set(d1, inv), aj);
+    CodeLanes<kSigned>(d1, t, t.below_code, t.inv_step, t.place_offset, hn::LoadU(d1, x + j), aj,
+                       pj, codes + j);
+  }
   return absmax;
 }
 
-// Full vectors of codes to values by arithmetic (QuantTables: the top set
-// bit of the magnitude picks the decade's base and step, one fused
-// multiply-add gives the value, bit for bit the table's) on targets with FMA
-// and at least 8 lanes; elsewhere, and for the tail, by table lookup.
-#if HWY_TARGET == HWY_AVX2 || HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
-constexpr bool kArithmeticDequant = true;
-#else
-constexpr bool kArithmeticDequant = false;
-#endif
-
-template <class D>
-HWY_INLINE auto DequantArith(D d, const QuantTables& t, const uint8_t* HWY_RESTRICT codes,
+template <bool kSigned, class D, class V>
+HWY_INLINE auto DequantArith(D d, V bases, V steps, const uint8_t* HWY_RESTRICT codes,
                              float absmax) {
   const hn::RebindToSigned<D> di;
   const hn::Rebind<uint8_t, D> d8;
   auto mag = hn::PromoteTo(di, hn::LoadU(d8, codes));
   const auto neg = hn::Ne(hn::And(mag, hn::Set(di, 0x80)), hn::Zero(di));
-  if (t.is_signed) mag = hn::And(mag, hn::Set(di, 0x7f));
+  if constexpr (kSigned) mag = hn::And(mag, hn::Set(di, 0x7f));
   const auto fm = hn::ConvertTo(d, mag);  // exact
   const auto bits = hn::BitCast(di, fm);
   const auto pos = hn::Max(hn::Sub(hn::ShiftRight<23>(bits), hn::Set(di, 127)), hn::Zero(di));
   const auto pow2 = hn::BitCast(d, hn::And(bits, hn::Set(di, 0x7f800000)));
   const auto f1 = hn::Add(hn::Sub(fm, pow2), hn::Set(d, 1.0f));
-  const auto idx = hn::IndicesFromVec(d, pos);
-  const auto base = hn::TableLookupLanes(hn::LoadU(d, t.decade_base), idx);
-  const auto step = hn::TableLookupLanes(hn::LoadU(d, t.decade_step), idx);
+  const auto base = Lookup(d, bases, pos);
+  const auto step = Lookup(d, steps, pos);
   auto value =
       hn::IfThenZeroElse(hn::RebindMask(d, hn::Eq(mag, hn::Zero(di))), hn::MulAdd(step, f1, base));
-  if (t.is_signed) value = hn::IfThenElse(hn::RebindMask(d, neg), hn::Neg(value), value);
+  if constexpr (kSigned) value = hn::IfThenElse(hn::RebindMask(d, neg), hn::Neg(value), value);
   return hn::Mul(value, hn::Set(d, absmax));
 }
 
+template <bool kSigned>
 void DequantBlock(const QuantTables& t, const uint8_t* HWY_RESTRICT codes, float absmax, size_t n,
                   float* HWY_RESTRICT x) {
   const hn::ScalableTag<float> d;
   const hn::CappedTag<float, 1> d1;
   const size_t lanes = hn::Lanes(d);
   size_t j = 0;
-  for (; j + lanes <= n; j += lanes) {
-    if constexpr (kArithmeticDequant) {
-      hn::StoreU(DequantArith(d, t, codes + j, absmax), d, x + j);
-    } else {
-      hn::StoreU(DequantLanes(d, t.value, codes + j, absmax), d, x + j);
+  if constexpr (kArithmeticCodes) {
+    const auto bases = hn::LoadU(d, t.base);
+    const auto steps = hn::LoadU(d, t.step);
+    for (; j + lanes <= n; j += lanes) {
+      hn::StoreU(DequantArith<kSigned>(d, bases, steps, codes + j, absmax), d, x + j);
     }
+  }
+  for (; j + lanes <= n; j += lanes) {
+    hn::StoreU(DequantLanes(d, t.value, codes + j, absmax), d, x + j);
   }
   for (; j < n; ++j) hn::StoreU(DequantLanes(d1, t.value, codes + j, absmax), d1, x + j);
 }
@@ -437,14 +529,23 @@ RangeResult UpdateInt8RangeT(const Int8Args& a, size_t begin, size_t end) {
       updates = updates || !a.segments[k].frozen;
     }
     if (updates) {
-      DequantBlock(tm, q.m + s, q.m_absmax[b], e - s, m_block);
-      DequantBlock(tv, q.v + s, q.v_absmax[b], e - s, v_block);
+      DequantBlock<true>(tm, q.m + s, q.m_absmax[b], e - s, m_block);
+      DequantBlock<false>(tv, q.v + s, q.v_absmax[b], e - s, v_block);
     }
+    // The block's new largest |m| and v, gathered as the update goes.
+    auto m_max = hn::Zero(d);
+    auto v_max = hn::Zero(d);
+    float m_max1 = 0.0f;
+    float v_max1 = 0.0f;
     for (size_t k = seg; k < a.segment_count && a.segments[k].begin < e; ++k) {
       const SegmentConsts& sc = a.segments[k];
       size_t i = std::max(sc.begin, s);
       const size_t hi = std::min(sc.end, e);
       if (sc.frozen) {  // only the bf16 copy of the master
+        if (updates) {  // its m and v are quantized again with the rest
+          m_max1 = std::max(m_max1, BlockAbsMax<true>(m_block + (i - s), hi - i));
+          v_max1 = std::max(v_max1, BlockAbsMax<false>(v_block + (i - s), hi - i));
+        }
         if (out == nullptr) continue;
         for (; i + lanes <= hi; i += lanes) {
           hn::StoreU(ToBf16Bits(d, hn::LoadU(d, p + i)), d16, out + i);
@@ -452,7 +553,7 @@ RangeResult UpdateInt8RangeT(const Int8Args& a, size_t begin, size_t end) {
         for (; i < hi; ++i) hn::StoreU(ToBf16Bits(d1, hn::LoadU(d1, p + i)), d16_1, out + i);
         continue;
       }
-      const auto lanes_at = [&](auto dd, auto d16x, size_t at) HWY_ATTR {
+      const auto lanes_at = [&](auto dd, auto d16x, size_t at, auto& mm, auto& vm) HWY_ATTR {
         const auto g_raw = LoadGrad(dd, g + at);
         auto param = hn::LoadU(dd, p + at);
         auto m = hn::LoadU(dd, m_block + (at - s));
@@ -462,14 +563,24 @@ RangeResult UpdateInt8RangeT(const Int8Args& a, size_t begin, size_t end) {
         hn::StoreU(v, dd, v_block + (at - s));
         hn::StoreU(param, dd, p + at);
         if (out != nullptr) hn::StoreU(ToBf16Bits(dd, param), d16x, out + at);
+        mm = hn::Max(mm, hn::Abs(m));
+        vm = hn::Max(vm, v);
         return hn::Sub(g_raw, g_raw);
       };
-      for (; i + lanes <= hi; i += lanes) nf = hn::Add(nf, lanes_at(d, d16, i));
-      for (; i < hi; ++i) nf1 += hn::GetLane(lanes_at(d1, d16_1, i));
+      for (; i + lanes <= hi; i += lanes) nf = hn::Add(nf, lanes_at(d, d16, i, m_max, v_max));
+      for (; i < hi; ++i) {
+        auto mm = hn::Zero(d1);
+        auto vm = hn::Zero(d1);
+        nf1 += hn::GetLane(lanes_at(d1, d16_1, i, mm, vm));
+        m_max1 = std::max(m_max1, hn::GetLane(mm));
+        v_max1 = std::max(v_max1, hn::GetLane(vm));
+      }
     }
     if (updates) {
-      q.m_absmax[b] = QuantBlock<true>(tm, m_block, e - s, q.m + s);
-      q.v_absmax[b] = QuantBlock<false>(tv, v_block, e - s, q.v + s);
+      const float m_largest = std::max(hn::GetLane(hn::MaxOfLanes(d, m_max)), m_max1);
+      const float v_largest = std::max(hn::GetLane(hn::MaxOfLanes(d, v_max)), v_max1);
+      q.m_absmax[b] = QuantBlock<true>(tm, m_block, e - s, m_largest, q.m + s);
+      q.v_absmax[b] = QuantBlock<false>(tv, v_block, e - s, v_largest, q.v + s);
     }
   }
   const float sum = hn::GetLane(hn::SumOfLanes(d, nf)) + nf1;
@@ -491,8 +602,10 @@ void QuantizeRangeImpl(QuantMap map, const float* x, size_t begin, size_t end, u
   const QuantTables& t = Tables(map);
   for (size_t s = begin; s < end; s += kQuantBlock) {
     const size_t n = std::min(end, s + kQuantBlock) - s;
-    absmax[s / kQuantBlock] = map == QuantMap::kSigned ? QuantBlock<true>(t, x + s, n, codes + s)
-                                                       : QuantBlock<false>(t, x + s, n, codes + s);
+    absmax[s / kQuantBlock] =
+        map == QuantMap::kSigned
+            ? QuantBlock<true>(t, x + s, n, BlockAbsMax<true>(x + s, n), codes + s)
+            : QuantBlock<false>(t, x + s, n, BlockAbsMax<false>(x + s, n), codes + s);
   }
 }
 
@@ -500,7 +613,12 @@ void DequantizeRangeImpl(QuantMap map, const uint8_t* codes, const float* absmax
                          size_t end, float* x) {
   const QuantTables& t = Tables(map);
   for (size_t s = begin; s < end; s += kQuantBlock) {
-    DequantBlock(t, codes + s, absmax[s / kQuantBlock], std::min(end, s + kQuantBlock) - s, x + s);
+    const size_t n = std::min(end, s + kQuantBlock) - s;
+    if (map == QuantMap::kSigned) {
+      DequantBlock<true>(t, codes + s, absmax[s / kQuantBlock], n, x + s);
+    } else {
+      DequantBlock<false>(t, codes + s, absmax[s / kQuantBlock], n, x + s);
+    }
   }
 }
 

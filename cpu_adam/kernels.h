@@ -47,36 +47,46 @@ struct RangeResult {
   bool non_finite;  // some raw grad in the range was inf/NaN
 };
 
-// A quantization map's lookup tables (quant_maps.cc), built once:
+// A quantization map's tables (quant_maps.cc), built once. The map's
+// magnitudes 1 .. k - 1 come in decades: magnitude c with its top set bit at
+// pos (c in [2^pos, 2^(pos+1))) is fma(step[pos], c - 2^pos + 1, base[pos])
+// in fp32 (== value[c]); the decade's top, its last code's value, is
+// top[pos]. Per-decade arrays hold 16 floats (`decades` used, the rest
+// copies of the last), so one in-register table lookup reads them.
 //   value[code]   the code's value (256; for the signed map, codes >= 128
 //                 are the negated magnitudes);
-//   upper[k]      the midpoint between magnitude k and k + 1 (2 for the
-//                 last), so magnitude k is the answer for a in
-//                 (upper[k - 1], upper[k]];
-//   bucket[i]     for bucket i = (bits(a) >> kShift) - base of a
-//                 normalized magnitude a in [0, 1] (clamped to [0, buckets -
-//                 1]): the magnitude c nearest to the bucket's low end in
-//                 bits 0-7, and above them the low kShift bits of the one
-//                 midpoint the bucket may hold (all ones: none), so the
-//                 magnitude of a is c + (low bits of a > those bits): one
-//                 lookup per value.
-//   decade_base, decade_step  16 floats each (8 used): magnitude c >= 1
-//                 with top set bit at pos is fma(decade_step[pos], c - 2^pos
-//                 + 1, decade_base[pos]) (== value[c]).
+//   upper[c]      the midpoint between magnitude c and c + 1 (2 for the
+//                 last): magnitude c is the nearest for a in
+//                 (upper[c - 1], upper[c]].
+// Quantizing a normalized magnitude a in [0, 1] (QuantLanes):
+//  1. the decade pos is the number of tops below a: an estimate of
+//     log10(a), ceil(fma(bits(a) as a float, log_scale, log_offset)), is
+//     pos or pos - 1, and one comparison with a top settles it;
+//  2. place = fma(a, inv_step[pos], place_offset[pos]) puts the codes
+//     below_code[pos] + j (j = 0 .. 2^pos; below_code = 2^pos - 1, the code
+//     just under the decade) at place j and the midpoints between them
+//     within kMidpointSlack / 4 of j + 1/2 (checked for every midpoint when
+//     the tables are built; the lowest decade measures from 0, the value of
+//     code 0), so rounding place gives the nearest code, except
+//  3. where place is within kMidpointSlack of a midpoint: there the
+//     comparison a > upper[c] with c = below_code + trunc(place) decides.
 struct QuantTables {
   bool is_signed;
-  int32_t base;
-  int32_t buckets;
+  int32_t decades;
   const float* value;
   const float* upper;
-  const int32_t* bucket;
-  const float* decade_base;
-  const float* decade_step;
+  const float* base;  // dequantization: base and step per decade
+  const float* step;
+  const float* top;
+  const float* inv_step;
+  const float* place_offset;
+  const float* below_code;
+  float log_scale;
+  float log_offset;
 };
-// Bucket widths: 2^-kSignedBucketBits (m) and 2^-kUnsignedBucketBits (v)
-// of a binade; the tables check at build time that they are fine enough.
-inline constexpr int kSignedBucketBits = 6;
-inline constexpr int kUnsignedBucketBits = 7;
+// How near (in steps) to a midpoint the rounded place is not trusted; far
+// above the rounding error of place (< 3e-5 steps).
+inline constexpr float kMidpointSlack = 1.0f / 4096;
 const QuantTables& Tables(QuantMap map);
 
 // A segment of an 8-bit step with its constants.

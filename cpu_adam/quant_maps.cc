@@ -3,6 +3,7 @@
 // use from double arithmetic rounded to fp32, so every SIMD target and the
 // tests' reference see the same values. Thread-safe (function-local
 // statics); a table that breaks its own invariant aborts at build time.
+#include <algorithm>
 #include <bit>
 #include <cmath>
 #include <cstdint>
@@ -37,17 +38,33 @@ std::vector<float> Magnitudes(int bits, float* base, float* step) {
   return v;
 }
 
-int32_t Bits(float x) { return std::bit_cast<int32_t>(x); }
+// The decade estimate of QuantLanes for a in [0, 1]: ceil(fma(bits(a), scale,
+// offset)) clamped to [0, decades - 1]. bits(a) / 2^23 - 127 is below
+// log2(a) by at most 0.0861, so the estimate is ceil(log10(a)) + decades - 1
+// or one less; the offset's 1e-4 margin covers the rounding of the
+// conversion and of the tops (fp32 powers of ten) and keeps the same bounds.
+constexpr double kLog10Of2 = 0.30102999566398120;
+
+int EstimateDecade(float a, float scale, float offset, int decades) {
+  const float bits = static_cast<float>(std::bit_cast<int32_t>(a));
+  const float est = std::ceil(std::fma(bits, scale, offset));
+  return static_cast<int>(std::clamp(est, 0.0f, static_cast<float>(decades - 1)));
+}
 
 struct Built {
   QuantTables tables;
   std::vector<float> value, upper;
-  std::vector<int32_t> bucket;
-  alignas(64) float decade_base[16] = {};
-  alignas(64) float decade_step[16] = {};
+  alignas(64) float base[16] = {};
+  alignas(64) float step[16] = {};
+  alignas(64) float top[16] = {};
+  alignas(64) float inv_step[16] = {};
+  alignas(64) float place_offset[16] = {};
+  alignas(64) float below_code[16] = {};
 
-  Built(bool is_signed, int bucket_bits) {
-    const std::vector<float> mag = Magnitudes(is_signed ? 8 : 9, decade_base, decade_step);
+  explicit Built(bool is_signed) {
+    const int bits = is_signed ? 8 : 9;
+    const int decades = bits - 1;
+    const std::vector<float> mag = Magnitudes(bits, base, step);
     const size_t k = mag.size();
     ZT_CHECK(k == (is_signed ? 128u : 256u));
     ZT_CHECK_MSG(mag.back() == 1.0f, "the largest code of a quantization map is not 1");
@@ -61,46 +78,61 @@ struct Built {
       upper[c] = static_cast<float>((static_cast<double>(mag[c]) + mag[c + 1]) / 2.0);
     }
     upper[k - 1] = 2.0f;
-    // Buckets from two binades below the smallest midpoint up to 1.0: the
-    // lowest binade holds no midpoint, so a value below it, clamped into
-    // bucket 0, gets magnitude 0 whatever its low bits.
-    const int shift = 23 - bucket_bits;
-    const int32_t low_mask = (1 << shift) - 1;
-    const int32_t lowest =
-        std::bit_cast<int32_t>(std::bit_cast<uint32_t>(upper[0] / 2) & 0xff800000u);
-    const int32_t base = lowest >> shift;
-    const int32_t buckets = (Bits(1.0f) >> shift) - base + 1;
-    bucket.resize(static_cast<size_t>(buckets));
-    size_t c = 0;  // magnitudes whose upper midpoint is below the bucket's low end
-    for (int32_t i = 0; i < buckets; ++i) {
-      const float lo = std::bit_cast<float>((base + i) << shift);
-      while (c + 1 < k && upper[c] < lo) ++c;
-      // At most one midpoint in [lo, next lo): the one-step correction finds
-      // the nearest magnitude. Its low bits go in the entry (all ones: none).
-      const float hi = std::bit_cast<float>((base + i + 1) << shift);
-      size_t mids = 0;
-      for (size_t j = c; j + 1 < k && upper[j] < hi; ++j) ++mids;
-      ZT_CHECK_MSG(mids <= 1, "quantization bucket too coarse");
-      ZT_CHECK_MSG(i > 0 || mids == 0, "quantization bucket 0 holds a midpoint");
-      const int32_t mid_low = mids == 1 ? (Bits(upper[c]) & low_mask) : low_mask;
-      bucket[static_cast<size_t>(i)] = (mid_low << 8) | static_cast<int32_t>(c);
+    double place_scale[16], place_origin[16];  // place = (a - origin) * scale
+    for (int pos = 0; pos < 16; ++pos) {
+      const int p = std::min(pos, decades - 1);
+      base[pos] = base[p];
+      step[pos] = step[p];
+      top[pos] = mag[(size_t{2} << p) - 1];
+      below_code[pos] = static_cast<float>((1 << p) - 1);
+      // The lowest decade's code below is 0, of value 0: its places count
+      // from 0 in steps of its one code's value.
+      place_origin[pos] = p == 0 ? 0.0 : static_cast<double>(base[p]);
+      place_scale[pos] = p == 0 ? 1.0 / mag[1] : 1.0 / static_cast<double>(step[p]);
+      inv_step[pos] = static_cast<float>(place_scale[pos]);
+      place_offset[pos] = static_cast<float>(-place_origin[pos] * place_scale[pos]);
+    }
+    // Every code sits at its integer place and every midpoint at j + 1/2, to
+    // well within the slack QuantLanes allows.
+    for (size_t c = 0; c + 1 < k; ++c) {
+      const int p = c + 1 < 2 ? 0 : std::bit_width(c + 1) - 1;  // decade of c + 1
+      const double j = static_cast<double>(c) - below_code[p];
+      const double place_c = (mag[c] - place_origin[p]) * place_scale[p];
+      const double place_mid = (upper[c] - place_origin[p]) * place_scale[p];
+      ZT_CHECK_MSG(std::fabs(place_c - j) < kMidpointSlack / 4, "a code is off its place");
+      ZT_CHECK_MSG(std::fabs(place_mid - (j + 0.5)) < kMidpointSlack / 4,
+                   "a midpoint is off its place");
+    }
+    const float log_scale = static_cast<float>(kLog10Of2 / (1 << 23));
+    const float log_offset = static_cast<float>(decades - 1 - 127 * kLog10Of2 - 1e-4);
+    // The estimate is the decade or the one below it at both ends of every
+    // decade, so everywhere (it does not decrease with a).
+    for (int pos = 0; pos < decades; ++pos) {
+      const float lo = pos == 0 ? 0.0f : std::nextafter(top[pos - 1], 2.0f);
+      const int at_lo = EstimateDecade(lo, log_scale, log_offset, decades);
+      const int at_hi = EstimateDecade(top[pos], log_scale, log_offset, decades);
+      ZT_CHECK_MSG(at_lo >= pos - 1 && at_hi <= pos, "decade estimate out of bounds");
     }
     tables = {.is_signed = is_signed,
-              .base = base,
-              .buckets = buckets,
+              .decades = decades,
               .value = value.data(),
               .upper = upper.data(),
-              .bucket = bucket.data(),
-              .decade_base = decade_base,
-              .decade_step = decade_step};
+              .base = base,
+              .step = step,
+              .top = top,
+              .inv_step = inv_step,
+              .place_offset = place_offset,
+              .below_code = below_code,
+              .log_scale = log_scale,
+              .log_offset = log_offset};
   }
 };
 
 }  // namespace
 
 const QuantTables& Tables(QuantMap map) {
-  static const Built kSigned(true, kSignedBucketBits);
-  static const Built kUnsigned(false, kUnsignedBucketBits);
+  static const Built kSigned(true);
+  static const Built kUnsigned(false);
   return map == QuantMap::kSigned ? kSigned.tables : kUnsigned.tables;
 }
 
