@@ -353,16 +353,17 @@ HWY_INLINE auto DecadeLanes(D d, const QuantTables& t, T top, V x, V inv, V& a) 
                                                hn::Set(d, t.log_scale), hn::Set(d, t.log_offset))),
                            hn::Zero(d));
   const auto pos = SmallWholeToInt(d, est);
-  const auto above = hn::Gt(a, Lookup(d, top, pos));
-  return hn::Sub(pos, hn::VecFromMask(di, hn::RebindMask(di, above)));
+  const auto above = hn::RebindMask(di, hn::Gt(a, Lookup(d, top, pos)));
+  return hn::IfThenElse(above, hn::Add(pos, hn::Set(di, 1)), pos);
 }
 
-// Whole-number codes (as floats) to bytes.
+// Codes held as 2^23 + code in floats (the code in the low mantissa bits)
+// to bytes.
 template <class D, class V>
-HWY_INLINE void StoreCodes(D d, V code, uint8_t* HWY_RESTRICT codes) {
+HWY_INLINE void StoreCodes(D /*d*/, V biased_code, uint8_t* HWY_RESTRICT codes) {
   const hn::RebindToSigned<D> di;
   const hn::Rebind<uint8_t, D> d8;
-  const auto bits = hn::BitCast(di, hn::Add(code, hn::Set(d, kTwoTo23)));  // code in bits 0-7
+  const auto bits = hn::BitCast(di, biased_code);
 #if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
   if constexpr (hn::MaxLanes(D()) == 16) {
     hn::StoreU(hn::Vec128<uint8_t>{_mm512_cvtepi32_epi8(bits.raw)}, d8, codes);
@@ -370,16 +371,16 @@ HWY_INLINE void StoreCodes(D d, V code, uint8_t* HWY_RESTRICT codes) {
   }
 #endif
   const hn::RebindToUnsigned<D> du;
-  const auto low = hn::And(bits, hn::Set(di, 0xff));
-  hn::StoreU(hn::U8FromU32(hn::BitCast(du, low)), d8, codes);
+  hn::StoreU(hn::U8FromU32(hn::BitCast(du, hn::And(bits, hn::Set(di, 0xff)))), d8, codes);
 }
 
 // Step 2: from x, a and the decade to the nearest codes: the rounded place
 // in the decade, or near a midpoint the comparison with it; m's codes add
-// the sign bit.
+// the sign bit. Codes are carried as 2^23 + code (below_code's bias).
 template <bool kSigned, class D, class V, class VI, class T>
 HWY_INLINE void CodeLanes(D d, const QuantTables& t, T below_codes, T inv_steps, T place_offsets,
                           V x, V a, VI pos, uint8_t* HWY_RESTRICT codes) {
+  const hn::RebindToSigned<D> di;
   const auto below_code = Lookup(d, below_codes, pos);
   const auto place = hn::MulAdd(a, Lookup(d, inv_steps, pos), Lookup(d, place_offsets, pos));
   const auto nearest = hn::Round(place);
@@ -387,13 +388,14 @@ HWY_INLINE void CodeLanes(D d, const QuantTables& t, T below_codes, T inv_steps,
   const auto unsure = hn::Gt(hn::Abs(hn::Sub(place, nearest)), hn::Set(d, 0.5f - kMidpointSlack));
   if (HWY_UNLIKELY(!hn::AllFalse(d, unsure))) {
     const auto c = hn::Add(below_code, hn::Trunc(place));
-    const auto mid = hn::GatherIndex(d, t.upper, SmallWholeToInt(d, c));
-    const auto sure = hn::Add(c, hn::IfThenElseZero(hn::Gt(a, mid), hn::Set(d, 1.0f)));
-    code = hn::IfThenElse(unsure, sure, code);
+    const auto index = hn::Sub(hn::BitCast(di, c), hn::BitCast(di, hn::Set(d, kTwoTo23)));
+    const auto mid = hn::GatherIndex(d, t.upper, index);
+    code = hn::IfThenElse(hn::And(unsure, hn::Gt(a, mid)), hn::Add(c, hn::Set(d, 1.0f)),
+                          hn::IfThenElse(unsure, c, code));
   }
   if constexpr (kSigned) {
-    const auto neg = hn::And(hn::Lt(x, hn::Zero(d)), hn::Gt(code, hn::Zero(d)));
-    code = hn::Add(code, hn::IfThenElseZero(neg, hn::Set(d, 128.0f)));
+    const auto neg = hn::And(hn::Lt(x, hn::Zero(d)), hn::Gt(code, hn::Set(d, kTwoTo23)));
+    code = hn::IfThenElse(neg, hn::Add(code, hn::Set(d, 128.0f)), code);
   }
   StoreCodes(d, code, codes);
 }

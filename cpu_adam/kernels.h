@@ -58,13 +58,14 @@ struct RangeResult {
 //   upper[c]      the midpoint between magnitude c and c + 1 (2 for the
 //                 last): magnitude c is the nearest for a in
 //                 (upper[c - 1], upper[c]].
-// Quantizing a normalized magnitude a in [0, 1] (QuantLanes):
+// Quantizing a normalized magnitude a in [0, 1] (DecadeLanes, CodeLanes):
 //  1. the decade pos is the number of tops below a: an estimate of
 //     log10(a), ceil(fma(bits(a) as a float, log_scale, log_offset)), is
 //     pos or pos - 1, and one comparison with a top settles it;
 //  2. place = fma(a, inv_step[pos], place_offset[pos]) puts the codes
 //     below_code[pos] + j (j = 0 .. 2^pos; below_code = 2^pos - 1, the code
-//     just under the decade) at place j and the midpoints between them
+//     just under the decade, held as 2^23 + 2^pos - 1 so that the sum's low
+//     mantissa bits are the code) at place j and the midpoints between them
 //     within kMidpointSlack / 4 of j + 1/2 (checked for every midpoint when
 //     the tables are built; the lowest decade measures from 0, the value of
 //     code 0), so rounding place gives the nearest code, except

@@ -84,7 +84,7 @@ struct Built {
       base[pos] = base[p];
       step[pos] = step[p];
       top[pos] = mag[(size_t{2} << p) - 1];
-      below_code[pos] = static_cast<float>((1 << p) - 1);
+      below_code[pos] = static_cast<float>((1 << p) - 1 + (1 << 23));
       // The lowest decade's code below is 0, of value 0: its places count
       // from 0 in steps of its one code's value.
       place_origin[pos] = p == 0 ? 0.0 : static_cast<double>(base[p]);
@@ -96,7 +96,7 @@ struct Built {
     // well within the slack QuantLanes allows.
     for (size_t c = 0; c + 1 < k; ++c) {
       const int p = c + 1 < 2 ? 0 : std::bit_width(c + 1) - 1;  // decade of c + 1
-      const double j = static_cast<double>(c) - below_code[p];
+      const double j = static_cast<double>(c) - (below_code[p] - (1 << 23));
       const double place_c = (mag[c] - place_origin[p]) * place_scale[p];
       const double place_mid = (upper[c] - place_origin[p]) * place_scale[p];
       ZT_CHECK_MSG(std::fabs(place_c - j) < kMidpointSlack / 4, "a code is off its place");
