@@ -12,7 +12,9 @@
 #       that machine's Python (ZTIER_GPU_PYTHON, default Python 3.12).
 #       And 1 MiB of the fortunes text (that machine has no corpus).
 #   scripts/gpu_check.sh run    there, from the repository root with
-#       gpu-carry/ carried: the GPU tests (ctest's label gpu), ztier-bench
+#       gpu-carry/ carried: the GPU tests (ctest's label gpu, with gpt_cuda_test:
+#       the whole GPT on cuda against the CPU, every byte value, teacher-forced),
+#       ztier-bench
 #       pcie, ztier-train on cuda and on the host (20 steps, their losses
 #       side by side in the logs), the Python suite's CUDA tests and the host suite,
 #       finetune_hf.py --tiny on cuda and on the host, the throughput
@@ -36,7 +38,8 @@ pack() {
   cmake -S . -B build/gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DZTIER_CUDA=ON \
     -DCMAKE_CUDA_ARCHITECTURES=90 -DZTIER_WERROR=ON -DZTIER_BUILD_PYTHON=ON \
     -DPython_EXECUTABLE="$py" -Dnanobind_DIR="$nb" >/dev/null
-  local tests=(bf16_device_test cuda_device_test cuda_kernels_test nccl_collectives_test)
+  local tests=(gpt_cuda_test bf16_device_test cuda_device_test cuda_kernels_test
+               nccl_collectives_test)
   cmake --build build/gpu -j "$(nproc)" --target "${tests[@]}" ztier-train ztier-bench _C
   rm -rf "$carry"
   mkdir -p "$carry/bin" "$carry/lib" "$carry/python/ztier"

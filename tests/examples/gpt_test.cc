@@ -19,6 +19,7 @@
 #include "common/bf16.h"
 #include "engine/engine.h"
 #include "examples/gpt/gpt.h"
+#include "tests/testing/gpt_testing.h"
 
 namespace ztier::gpt {
 namespace {
@@ -27,25 +28,8 @@ using client::Device;
 using client::MemoryPurpose;
 using client::Stream;
 
-// The engine's layout for one rank: tensors back to back, padded to
-// kAlignElements.
-std::vector<engine::UnitLayout> LayoutsFor(const Config& config) {
-  std::vector<engine::UnitLayout> layouts;
-  for (const engine::UnitSpec& unit : UnitSpecs(config)) {
-    engine::UnitLayout layout;
-    for (const engine::TensorSpec& tensor : unit.tensors) {
-      layout.offsets.push_back(layout.numel);
-      uint64_t n = 1;
-      for (int64_t d : tensor.shape) n *= static_cast<uint64_t>(d);
-      layout.numel += n;
-    }
-    layout.padded = (layout.numel + engine::kAlignElements - 1) / engine::kAlignElements *
-                    engine::kAlignElements;
-    layout.shard = layout.padded;
-    layouts.push_back(std::move(layout));
-  }
-  return layouts;
-}
+using testing::GptInitWeights;
+using testing::GptLayouts;
 
 uint64_t Mix(uint64_t x) {
   x += 0x9e3779b97f4a7c15ull;
@@ -86,17 +70,6 @@ std::vector<std::vector<float>> RandomWeights(const Config& config,
   return weights;
 }
 
-std::vector<std::vector<float>> InitWeights(const Config& config,
-                                            const std::vector<engine::UnitLayout>& layouts,
-                                            uint64_t seed) {
-  std::vector<std::vector<float>> weights(layouts.size());
-  for (size_t u = 0; u < layouts.size(); ++u) {
-    weights[u].resize(layouts[u].numel);
-    InitUnit(config, static_cast<int>(u), seed, layouts[u], weights[u]);
-  }
-  return weights;
-}
-
 std::vector<std::vector<float>> RoundedThroughBf16(std::vector<std::vector<float>> weights) {
   for (auto& unit : weights) {
     for (float& w : unit) w = Bf16ToFloat(FloatToBf16(w));
@@ -120,7 +93,7 @@ std::unique_ptr<Device> HostDevice() {
 }
 
 std::unique_ptr<Gpt> MakeGpt(const Config& config, int batch, Device& device) {
-  Result<std::unique_ptr<Gpt>> gpt = Gpt::Create(config, batch, device, LayoutsFor(config));
+  Result<std::unique_ptr<Gpt>> gpt = Gpt::Create(config, batch, device, GptLayouts(config));
   ZT_CHECK_MSG(gpt.ok(), gpt.status().ToString());
   return std::move(gpt).value();
 }
@@ -269,7 +242,7 @@ std::vector<FdResult> FiniteDifferenceErrors(const Config& config, float eps) {
   constexpr int kBatch = 2;
   std::unique_ptr<Device> device = HostDevice();
   std::unique_ptr<Gpt> gpt = MakeGpt(config, kBatch, *device);
-  const std::vector<engine::UnitLayout> layouts = LayoutsFor(config);
+  const std::vector<engine::UnitLayout> layouts = GptLayouts(config);
   const std::vector<engine::UnitSpec> specs = UnitSpecs(config);
   std::vector<std::vector<float>> weights = RandomWeights(config, layouts, 11);
   const std::vector<int32_t> tokens = RandomTokens(config, kBatch, 5);
@@ -330,7 +303,7 @@ TEST(GptTest, FiniteDifferenceCheckDetectsAWrongGrad) {
   const Config config = TinyConfig(true);
   std::unique_ptr<Device> device = HostDevice();
   std::unique_ptr<Gpt> gpt = MakeGpt(config, 2, *device);
-  const std::vector<engine::UnitLayout> layouts = LayoutsFor(config);
+  const std::vector<engine::UnitLayout> layouts = GptLayouts(config);
   std::vector<std::vector<float>> weights = RandomWeights(config, layouts, 11);
   const std::vector<int32_t> tokens = RandomTokens(config, 2, 5);
   std::vector<std::vector<float>> grads;
@@ -394,8 +367,8 @@ TEST(GptTest, ProtocolOrderAndSinglePushPerUnit) {
     const Config config = TinyConfig(tied);
     std::unique_ptr<Device> device = HostDevice();
     std::unique_ptr<Gpt> gpt = MakeGpt(config, 2, *device);
-    const std::vector<engine::UnitLayout> layouts = LayoutsFor(config);
-    const auto weights = InitWeights(config, layouts, 1);
+    const std::vector<engine::UnitLayout> layouts = GptLayouts(config);
+    const auto weights = GptInitWeights(config, layouts, 1);
     const std::vector<int32_t> tokens = RandomTokens(config, 2, 3);
 
     MemorySource train(*device, layouts, weights);
@@ -435,7 +408,7 @@ TEST(GptTest, CheckpointingGivesTheSameBits) {
     std::unique_ptr<Device> device = HostDevice();
     std::unique_ptr<Gpt> a = MakeGpt(plain, kBatch, *device);
     std::unique_ptr<Gpt> b = MakeGpt(checkpointed, kBatch, *device);
-    const std::vector<engine::UnitLayout> layouts = LayoutsFor(plain);
+    const std::vector<engine::UnitLayout> layouts = GptLayouts(plain);
     const auto weights = RandomWeights(plain, layouts, 21);
     const std::vector<int32_t> tokens = RandomTokens(plain, kBatch, 8);
 
@@ -455,7 +428,7 @@ TEST(GptTest, DeterministicAcrossRunsAndThreadCounts) {
   constexpr int kBatch = 4;
   std::unique_ptr<Device> device = HostDevice();
   std::unique_ptr<Gpt> gpt = MakeGpt(config, kBatch, *device);
-  const std::vector<engine::UnitLayout> layouts = LayoutsFor(config);
+  const std::vector<engine::UnitLayout> layouts = GptLayouts(config);
   const auto weights = RandomWeights(config, layouts, 31);
   const std::vector<int32_t> tokens = RandomTokens(config, kBatch, 9);
 
@@ -494,7 +467,7 @@ TEST(GptTest, TrainMicroStepMatchesFp32GradsRoundedToBf16) {
     constexpr int kBatch = 2;
     std::unique_ptr<Device> device = HostDevice();
     std::unique_ptr<Gpt> gpt = MakeGpt(config, kBatch, *device);
-    const std::vector<engine::UnitLayout> layouts = LayoutsFor(config);
+    const std::vector<engine::UnitLayout> layouts = GptLayouts(config);
     const auto weights = RoundedThroughBf16(RandomWeights(config, layouts, 41));
     const std::vector<int32_t> tokens = RandomTokens(config, kBatch, 10);
     std::vector<std::vector<float>> fp32;
@@ -527,8 +500,8 @@ TEST(GptTest, FailuresReleaseEveryHeldUnit) {
   const Config config = TinyConfig(true);
   std::unique_ptr<Device> device = HostDevice();
   std::unique_ptr<Gpt> gpt = MakeGpt(config, 2, *device);
-  const std::vector<engine::UnitLayout> layouts = LayoutsFor(config);
-  const auto weights = InitWeights(config, layouts, 1);
+  const std::vector<engine::UnitLayout> layouts = GptLayouts(config);
+  const auto weights = GptInitWeights(config, layouts, 1);
   const std::vector<int32_t> tokens = RandomTokens(config, 2, 3);
   const int acquires = static_cast<int>(TrainOrder(config).size());
   for (int n = 0; n < acquires; ++n) {
@@ -564,8 +537,8 @@ TEST(GptTest, AdamWLowersTheLoss) {
   constexpr int kBatch = 4;
   std::unique_ptr<Device> device = HostDevice();
   std::unique_ptr<Gpt> gpt = MakeGpt(config, kBatch, *device);
-  const std::vector<engine::UnitLayout> layouts = LayoutsFor(config);
-  auto weights = InitWeights(config, layouts, 7);
+  const std::vector<engine::UnitLayout> layouts = GptLayouts(config);
+  auto weights = GptInitWeights(config, layouts, 7);
 
   const std::string text = "the cat sat on the mat. ";
   std::vector<int32_t> tokens;
@@ -632,10 +605,10 @@ TEST(GptTest, UnitSpecsAndParameterCount) {
 TEST(GptTest, InitUnitIsGpt2InitAndDeterministic) {
   Config config;
   config.layers = 4;
-  const std::vector<engine::UnitLayout> layouts = LayoutsFor(config);
-  const auto a = InitWeights(config, layouts, 99);
-  const auto b = InitWeights(config, layouts, 99);
-  const auto c = InitWeights(config, layouts, 100);
+  const std::vector<engine::UnitLayout> layouts = GptLayouts(config);
+  const auto a = GptInitWeights(config, layouts, 99);
+  const auto b = GptInitWeights(config, layouts, 99);
+  const auto c = GptInitWeights(config, layouts, 100);
   EXPECT_EQ(a, b);
   EXPECT_NE(a, c);
   EXPECT_NE(a[1], a[2]) << "blocks draw from different streams";
@@ -685,14 +658,14 @@ TEST(GptTest, ValidateConfigNamesTheBadField) {
 TEST(GptTest, CreateAndStepRejectBadInput) {
   const Config config = TinyConfig(true);
   std::unique_ptr<Device> device = HostDevice();
-  std::vector<engine::UnitLayout> layouts = LayoutsFor(config);
+  std::vector<engine::UnitLayout> layouts = GptLayouts(config);
 
   std::vector<engine::UnitLayout> short_layouts(layouts.begin(), layouts.end() - 1);
   Result<std::unique_ptr<Gpt>> r = Gpt::Create(config, 2, *device, short_layouts);
   EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
   EXPECT_NE(r.status().message().find("layouts"), std::string::npos) << r.status();
 
-  std::vector<engine::UnitLayout> untied = LayoutsFor(TinyConfig(false));
+  std::vector<engine::UnitLayout> untied = GptLayouts(TinyConfig(false));
   r = Gpt::Create(config, 2, *device, untied);  // the head has one tensor too many
   EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << r.status();
 
@@ -704,7 +677,7 @@ TEST(GptTest, CreateAndStepRejectBadInput) {
   std::unique_ptr<Gpt> gpt = MakeGpt(config, 2, *device);
   EXPECT_EQ(gpt->config().vocab, 16);
   EXPECT_EQ(gpt->batch(), 2);
-  const auto weights = InitWeights(config, layouts, 1);
+  const auto weights = GptInitWeights(config, layouts, 1);
   std::vector<int32_t> tokens = RandomTokens(config, 2, 3);
   tokens[9] = config.vocab;  // row 1, position 2
   MemorySource source(*device, layouts, weights);
