@@ -47,10 +47,6 @@ using Clock = std::chrono::steady_clock;
 
 namespace {
 
-double Seconds(Clock::time_point t0) {
-  return std::chrono::duration<double>(Clock::now() - t0).count();
-}
-
 // Completion of one queued transfer.
 struct Ticket {
   std::mutex mu;
@@ -71,6 +67,13 @@ struct Ticket {
     cv.wait(lock, [&] { return done; });
     return status;
   }
+};
+
+// What the transfer thread was doing over an interval (runner stats).
+enum class Phase : uint8_t { kOptimizer, kHostToDevice, kDeviceToHost, kCollective, kCompute };
+struct PhaseSpan {
+  Clock::time_point start, end;
+  Phase phase;
 };
 
 struct Transfer {
@@ -136,6 +139,9 @@ struct Stage3Runner::Impl {
   bool stop = false;
   Status failure;  // first transfer error
   uint64_t h2d = 0, d2h = 0;
+  // The transfer thread's phases not yet laid against a wait of the caller
+  // (pruned at each wait's end: waits are sequential, on the caller thread).
+  std::deque<PhaseSpan> spans;
   // This rank's words of the job's client page (engine/wire_types.h),
   // where the engine (and ztierd's operators) see its device traffic.
   uint64_t* client_counters = nullptr;
@@ -192,6 +198,40 @@ struct Stage3Runner::Impl {
     }
   }
 
+  // Records that the transfer thread spent [start, now) in `phase`; returns
+  // now, the next phase's start.
+  Clock::time_point Mark(Phase phase, Clock::time_point start) {
+    const Clock::time_point now = Clock::now();
+    std::lock_guard<std::mutex> lock(mu);
+    spans.push_back({start, now, phase});
+    return now;
+  }
+
+  // Adds the caller's wait [t0, t1) to the stats by the phases it overlapped;
+  // the part no phase covers (the transfer thread between transfers) goes to
+  // `rest`. Spans that end by t1 are dropped: later waits start after it.
+  void Attribute(Clock::time_point t0, Clock::time_point t1, Phase rest) {
+    double by_phase[5] = {};
+    double covered = 0;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      for (const PhaseSpan& sp : spans) {
+        const Clock::time_point a = std::max(sp.start, t0), b = std::min(sp.end, t1);
+        if (b <= a) continue;
+        const double d = std::chrono::duration<double>(b - a).count();
+        by_phase[static_cast<int>(sp.phase)] += d;
+        covered += d;
+      }
+      while (!spans.empty() && spans.front().end <= t1) spans.pop_front();
+    }
+    by_phase[static_cast<int>(rest)] +=
+        std::max(0.0, std::chrono::duration<double>(t1 - t0).count() - covered);
+    stats.wait_optimizer_seconds += by_phase[static_cast<int>(Phase::kOptimizer)];
+    stats.wait_h2d_seconds += by_phase[static_cast<int>(Phase::kHostToDevice)];
+    stats.wait_d2h_seconds += by_phase[static_cast<int>(Phase::kDeviceToHost)];
+    stats.wait_collective_seconds += by_phase[static_cast<int>(Phase::kCollective)];
+  }
+
   Status failure_snapshot() {
     std::lock_guard<std::mutex> lock(mu);
     return failure;
@@ -206,22 +246,32 @@ struct Stage3Runner::Impl {
     cv.notify_all();
   }
 
+  // Waits for everything queued on the copy stream.
+  Status SyncCopies() {
+    ZT_ASSIGN_OR_RETURN(std::unique_ptr<Event> done, device->Record(Stream::kCopy));
+    return done->Synchronize();
+  }
+
   Status Fetch(const Transfer& t) {
     const UnitState& u = units[t.unit];
+    Clock::time_point at = Clock::now();
     ZT_ASSIGN_OR_RETURN(const bf16* host,
                         transport->AcquireParams(job, t.unit, t.version, options.timeout));
+    at = Mark(Phase::kOptimizer, at);
     auto* dst = static_cast<bf16*>(t.buffer);
     Status s;
     if (world == 1) {
       s = device->CopyToDevice(dst, host, u.bytes, Stream::kCopy);
+      if (s.ok()) s = SyncCopies();
+      Mark(Phase::kHostToDevice, at);
     } else {
       const uint64_t off = static_cast<uint64_t>(rank) * u.shard;
       s = device->CopyToDevice(dst + off, host + off, u.shard * sizeof(bf16), Stream::kCopy);
+      if (s.ok()) s = SyncCopies();
+      at = Mark(Phase::kHostToDevice, at);
       if (s.ok()) s = collectives->AllGather(dst, u.shard, *device, Stream::kCopy);
-    }
-    if (s.ok()) {
-      Result<std::unique_ptr<Event>> done = device->Record(Stream::kCopy);
-      s = done.ok() ? (*done)->Synchronize() : done.status();
+      if (s.ok()) s = SyncCopies();
+      Mark(Phase::kCollective, at);
     }
     Status r = transport->ReleaseParams(job, t.unit);
     ZT_RETURN_IF_ERROR(s);
@@ -235,20 +285,28 @@ struct Stage3Runner::Impl {
 
   Status Push(const Transfer& t) {
     const UnitState& u = units[t.unit];
+    // The compute stream's kernels that write the grads finish first (what
+    // a wait spends here is compute).
+    Clock::time_point at = Clock::now();
+    ZT_RETURN_IF_ERROR(t.ready->Synchronize());
     ZT_RETURN_IF_ERROR(device->Wait(Stream::kCopy, *t.ready));
+    at = Mark(Phase::kCompute, at);
     // The inbox is free once the engine has consumed the grads of the step
     // before: it has then published this version.
     ZT_RETURN_IF_ERROR(transport->WaitPublished(job, t.unit, t.version, options.timeout));
+    at = Mark(Phase::kOptimizer, at);
     const void* src = t.buffer;
     if (world > 1) {
       ZT_RETURN_IF_ERROR(collectives->ReduceScatter(static_cast<const bf16*>(t.buffer),
                                                     static_cast<bf16*>(shard_buffer), u.shard,
                                                     *device, Stream::kCopy));
+      ZT_RETURN_IF_ERROR(SyncCopies());
+      at = Mark(Phase::kCollective, at);
       src = shard_buffer;
     }
     ZT_RETURN_IF_ERROR(device->CopyToHost(u.inbox, src, u.shard * sizeof(bf16), Stream::kCopy));
-    ZT_ASSIGN_OR_RETURN(std::unique_ptr<Event> done, device->Record(Stream::kCopy));
-    ZT_RETURN_IF_ERROR(done->Synchronize());
+    ZT_RETURN_IF_ERROR(SyncCopies());
+    Mark(Phase::kDeviceToHost, at);
     ZT_RETURN_IF_ERROR(transport->GradsReady(job, t.unit, rank));
     CountTraffic(engine::kDeviceToHostBytes, u.shard * sizeof(bf16));
     std::lock_guard<std::mutex> lock(mu);
@@ -544,7 +602,9 @@ Result<const bf16*> Stage3Runner::Acquire(int unit) {
   if (r.following) ZT_RETURN_IF_ERROR(r.Prefetch(r.position));
   const Clock::time_point t0 = Clock::now();
   Status s = u.fetch != nullptr ? u.fetch->Wait() : Status::Ok();
-  r.stats.acquire_wait_seconds += Seconds(t0);
+  const Clock::time_point t1 = Clock::now();
+  r.stats.acquire_wait_seconds += std::chrono::duration<double>(t1 - t0).count();
+  r.Attribute(t0, t1, Phase::kHostToDevice);
   if (!s.ok()) return s.Annotate(StrCat("fetch unit '", u.name, "' at step ", u.version));
   // Kernels on the compute stream see the copy (complete: the fetch synchronized it).
   ++u.holds;
@@ -642,7 +702,9 @@ Status Stage3Runner::Step() {
   }
   const Clock::time_point t0 = Clock::now();
   Status s = r.Drain();
-  r.stats.step_wait_seconds += Seconds(t0);
+  const Clock::time_point t1 = Clock::now();
+  r.stats.step_wait_seconds += std::chrono::duration<double>(t1 - t0).count();
+  r.Attribute(t0, t1, Phase::kDeviceToHost);
   ZT_RETURN_IF_ERROR(s);
   for (UnitState& u : r.units) {
     u.pushed = false;

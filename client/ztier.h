@@ -403,6 +403,16 @@ struct RunnerStats {
   uint64_t d2h_bytes = 0;           // grads copied to the engine
   double acquire_wait_seconds = 0;  // the compute thread blocked in Acquire
   double step_wait_seconds = 0;     // Step() waiting for grads to land
+  // The same waits (Acquire's and Step's) by what the transfers were doing
+  // meanwhile, each second counted once: waiting for the engine (its
+  // optimizer to publish a unit, or to take the step before's grads: the
+  // optimizer's critical path), copying to the device, copying to the host,
+  // in collectives (R > 1). What is left of the waits (the device finishing
+  // the kernels that write the grads) is compute.
+  double wait_optimizer_seconds = 0;
+  double wait_h2d_seconds = 0;
+  double wait_d2h_seconds = 0;
+  double wait_collective_seconds = 0;
 };
 
 // One rank's stage-3 driver. Per micro-step the training loop calls, for

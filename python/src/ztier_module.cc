@@ -687,6 +687,10 @@ NB_MODULE(_C, m) {
         d["d2h_bytes"] = s.d2h_bytes;
         d["acquire_wait_seconds"] = s.acquire_wait_seconds;
         d["step_wait_seconds"] = s.step_wait_seconds;
+        d["wait_optimizer_seconds"] = s.wait_optimizer_seconds;
+        d["wait_h2d_seconds"] = s.wait_h2d_seconds;
+        d["wait_d2h_seconds"] = s.wait_d2h_seconds;
+        d["wait_collective_seconds"] = s.wait_collective_seconds;
         return d;
       });
 

@@ -514,6 +514,37 @@ TEST(RunnerTest, PrefetchOverlapsCopiesWithCompute) {
   ExpectSameTraining(*on, *off);
 }
 
+TEST(RunnerTest, WaitsAreSplitByWhatTheTransfersDidEachSecondOnce) {
+  // Checked copies take 2 ms each; without prefetch every acquire waits for
+  // its unit's copy, and each Step for at least the last push's.
+  for (Tier tier : {Tier::kDram, Tier::kNvme}) {
+    TrainSetup s;
+    s.optimizer_tier = tier;
+    s.prefetch = 0;
+    s.checked_copies = true;
+    const int steps = 4;
+    Result<RunResult> r = RunZtier(s, steps);
+    ASSERT_TRUE(r.ok()) << r.status();
+    const RunnerStats& st = r->stats[0];
+    const double waits = st.acquire_wait_seconds + st.step_wait_seconds;
+    const double split = st.wait_optimizer_seconds + st.wait_h2d_seconds + st.wait_d2h_seconds +
+                         st.wait_collective_seconds;
+    std::printf(
+        "%s: waits %.4f s = optimizer %.4f + h2d %.4f + d2h %.4f + collectives %.4f (+ compute "
+        "%.4f); %lld fetches\n",
+        tier == Tier::kNvme ? "nvme" : "dram", waits, st.wait_optimizer_seconds,
+        st.wait_h2d_seconds, st.wait_d2h_seconds, st.wait_collective_seconds, waits - split,
+        static_cast<long long>(st.fetches));
+    // Each second of a wait is counted once, in one of the parts (or left
+    // to compute), none below zero.
+    EXPECT_LE(split, waits + 1e-6);
+    EXPECT_GE(st.wait_optimizer_seconds, 0.0);
+    EXPECT_EQ(st.wait_collective_seconds, 0.0);  // one rank
+    EXPECT_GE(st.wait_h2d_seconds, 0.9 * 0.002 * static_cast<double>(st.fetches));
+    EXPECT_GE(st.wait_d2h_seconds, 0.9 * 0.002 * steps);
+  }
+}
+
 TEST(RunnerTest, ResumeFromACheckpointMatchesAnUninterruptedRun) {
   TrainSetup s;
   s.optimizer_tier = Tier::kNvme;
