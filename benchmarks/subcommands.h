@@ -11,6 +11,7 @@ int RunNvme(int argc, char** argv);
 int RunPcie(int argc, char** argv);
 int RunRpc(int argc, char** argv);
 int RunStep(int argc, char** argv);
+int RunTrain(int argc, char** argv);
 
 }  // namespace ztier::bench
 

@@ -6,6 +6,7 @@
 //   ztier-bench nvme [options]   swap-space I/O vs fio on the same directories
 //   ztier-bench pcie [options]   host <-> device copies vs the pinned cudaMemcpy peak
 //   ztier-bench step [options]   the engine's optimizer step vs I/O and compute alone
+//   ztier-bench train [options]  a GPT run with params streamed vs resident on the device
 #include <cstdio>
 #include <cstring>
 #include <string_view>
@@ -27,6 +28,9 @@ subcommands:
           ping-pong of the same sizes
   step    the engine's optimizer step (states on NVMe or in DRAM) vs its
           I/O alone and compute alone: overlap efficiency
+  train   the GPT example (ztier-train) with its params streamed to the
+          device vs resident there, states in DRAM and on NVMe: tokens/s,
+          the ratio, the step split into compute and waits
 
 'ztier-bench <subcommand> --help' lists a subcommand's options.
 )";
@@ -45,6 +49,7 @@ int main(int argc, char** argv) {
   if (sub == "pcie") return ztier::bench::RunPcie(argc - 2, argv + 2);
   if (sub == "rpc") return ztier::bench::RunRpc(argc - 2, argv + 2);
   if (sub == "step") return ztier::bench::RunStep(argc - 2, argv + 2);
+  if (sub == "train") return ztier::bench::RunTrain(argc - 2, argv + 2);
   std::fprintf(stderr, "ztier-bench: unknown subcommand '%s'\n%s", argv[1], kUsage);
   return 2;
 }

@@ -94,6 +94,8 @@ struct Flags {
   bool progress = true;         // a bar when stderr is a terminal
   double progress_every = 5.0;  // seconds between progress lines without a bar
   int exit_after = 0;           // abrupt exit right after this step's checkpoint (crash testing)
+  std::string summary;          // a JSON summary of the run's speed goes here (benchmarks)
+  int summary_skip = -1;        // steps left out of it (-1: min(5, steps / 4))
   // Flags that set a setting, applied over the config and the environment:
   // {setting key, value, flag}.
   struct Override {
@@ -157,6 +159,10 @@ void Usage(std::ostream& os) {
         "  --progress-every S       without a bar, a line at most every S seconds, plus the\n"
         "                           first and the last step (default 5; 0: every step)\n"
         "  --exit-after N           exit abruptly right after step N's checkpoint (crash tests)\n"
+        "  --summary PATH           write the run's speed as JSON: tokens/s and rank 0's step\n"
+        "                           time split into compute and its waits (optimizer, H2D,\n"
+        "                           D2H, collectives), over the steps after --summary-skip N\n"
+        "                           (default: 5, or a quarter of the steps if fewer)\n"
         "SIGINT / SIGTERM stop at the next step with a checkpoint and the export; a second\n"
         "signal stops at once. Exit codes: 0 done, 1 error, 2 bad usage, 128+signal stopped.\n";
 }
@@ -279,6 +285,10 @@ Result<Flags> ParseFlags(int argc, char** argv) {
       f.progress_every = x;
     } else if (a == "--exit-after") {
       s = integer(&f.exit_after, 1, 1 << 30);
+    } else if (a == "--summary") {
+      ZT_ASSIGN_OR_RETURN(f.summary, value());
+    } else if (a == "--summary-skip") {
+      s = integer(&f.summary_skip, 0, 1 << 30);
     } else if (a == "-h" || a == "--help") {
       Usage(std::cout);
       std::exit(0);
@@ -654,9 +664,20 @@ Result<int64_t> StartingPoint(const Flags& f, const OutPaths& paths, Model& m, u
 
 // Trains steps first+1 .. f.steps on every rank; returns the signal that
 // stopped it early (0 when it ran to the end).
+// Rank 0's figures over the steps a --summary measures.
+struct Measured {
+  int steps = 0;
+  double train_seconds = 0;  // rank 0 training (its steps' micro-steps), not reporting
+  RunnerStats at_start, at_end;
+};
+
+int SummarySkip(const Flags& f) {
+  return f.summary_skip >= 0 ? f.summary_skip : std::min(5, f.steps / 4);
+}
+
 Result<int> TrainSteps(const Flags& f, const Plan& p, const std::string& text, Session& session,
                        Model& m, const OutPaths& paths, int64_t first,
-                       std::vector<RunnerStats>* stats) {
+                       std::vector<RunnerStats>* stats, Measured* measured) {
   std::vector<std::unique_ptr<Collectives>> coll;
   if (f.ranks > 1) {
     Result<std::vector<std::unique_ptr<Collectives>>> c =
@@ -696,12 +717,21 @@ Result<int> TrainSteps(const Flags& f, const Plan& p, const std::string& text, S
     const float scale = 1.0f / static_cast<float>(f.ranks * p.accumulation);
     Clock::time_point t0 = Clock::now();
     for (int64_t step = first; step < f.steps; ++step) {
+      const bool measure = r == 0 && step - first >= SummarySkip(f);
+      if (measure && measured->steps == 0) measured->at_start = runner->stats();
+      const Clock::time_point step_start = Clock::now();
       double loss = 0;
       for (int micro = 0; micro < p.accumulation; ++micro) {
         const std::vector<int32_t> tokens = Batch(text, f, p.batch, step, micro, r);
         ZT_ASSIGN_OR_RETURN(float l, net->TrainMicroStep(source, tokens.data(), scale));
         loss += l / p.accumulation;
         ZT_RETURN_IF_ERROR(runner->Step());
+      }
+      if (measure) {
+        measured->train_seconds +=
+            std::chrono::duration<double>(Clock::now() - step_start).count();
+        ++measured->steps;
+        measured->at_end = runner->stats();
       }
       {
         std::lock_guard<std::mutex> lock(mu);
@@ -760,6 +790,49 @@ Result<int> TrainSteps(const Flags& f, const Plan& p, const std::string& text, S
   }
   for (auto& t : threads) t.join();
   return stop_signal;
+}
+
+// --summary: rank 0's speed over the measured steps, its step time split
+// into compute and the runner's waits by what the transfers were doing
+// (RunnerStats), each second counted once, so the parts add up to the step.
+Status WriteSummary(const Flags& f, const Plan& p, const Measured& m,
+                    const engine::JobCounters& c) {
+  if (m.steps == 0) {
+    return Status::InvalidArgument(StrCat("--summary: no step was measured (", f.steps,
+                                          " steps, --summary-skip ", SummarySkip(f), ")"));
+  }
+  const double n = m.steps;
+  const auto per_step = [&](double RunnerStats::*field) {
+    return (m.at_end.*field - m.at_start.*field) / n;
+  };
+  const double step_s = m.train_seconds / n;
+  const double opt = per_step(&RunnerStats::wait_optimizer_seconds);
+  const double h2d = per_step(&RunnerStats::wait_h2d_seconds);
+  const double d2h = per_step(&RunnerStats::wait_d2h_seconds);
+  const double coll = per_step(&RunnerStats::wait_collective_seconds);
+  const double tokens_per_step =
+      static_cast<double>(p.batch) * f.model.context * f.ranks * p.accumulation;
+  const auto tier = [](engine::Tier t) { return t == engine::Tier::kNvme ? "nvme" : "dram"; };
+  char buf[2048];
+  std::snprintf(
+      buf, sizeof(buf),
+      "{\"device\": \"%s\", \"ranks\": %d, \"layers\": %d, \"channels\": %d, \"heads\": %d, "
+      "\"context\": %d, \"batch\": %d, \"accumulation\": %d, \"optimizer\": \"%s\", "
+      "\"params\": \"%s\", \"state_dtype\": \"%s\", \"persistence_threshold_params\": %llu, "
+      "\"prefetch_depth\": %d, \"steps_measured\": %d, \"steps_skipped\": %d, "
+      "\"tokens_per_s\": %.1f, \"step_seconds\": %.6f, \"compute_seconds\": %.6f, "
+      "\"optimizer_wait_seconds\": %.6f, \"h2d_wait_seconds\": %.6f, \"d2h_wait_seconds\": %.6f, "
+      "\"collective_wait_seconds\": %.6f, \"h2d_bytes_per_step\": %.0f, "
+      "\"d2h_bytes_per_step\": %.0f, \"engine_optimizer_seconds\": %.3f}\n",
+      f.device.c_str(), f.ranks, f.model.layers, f.model.channels, f.model.heads, f.model.context,
+      p.batch, p.accumulation, tier(p.settings.optimizer_tier), tier(p.settings.param_tier),
+      p.settings.state_dtype == engine::StateDtype::kInt8 ? "int8" : "fp32",
+      static_cast<unsigned long long>(p.settings.param_persistence_threshold),
+      p.settings.prefetch_depth, m.steps, SummarySkip(f), tokens_per_step / step_s, step_s,
+      step_s - opt - h2d - d2h - coll, opt, h2d, d2h, coll,
+      static_cast<double>(m.at_end.h2d_bytes - m.at_start.h2d_bytes) / n,
+      static_cast<double>(m.at_end.d2h_bytes - m.at_start.d2h_bytes) / n, c.optimizer_seconds);
+  return WriteFileAtomically(f.summary, buf).Annotate("--summary");
 }
 
 int Run(const Flags& f, const Plan& p) {
@@ -823,9 +896,10 @@ int Run(const Flags& f, const Plan& p) {
 
   const Clock::time_point run_start = Clock::now();
   std::vector<RunnerStats> stats;
+  Measured measured;
   int stopped = 0;
   if (*first < f.steps) {
-    Result<int> trained = TrainSteps(f, p, *text, **session, m, paths, *first, &stats);
+    Result<int> trained = TrainSteps(f, p, *text, **session, m, paths, *first, &stats, &measured);
     if (!trained.ok()) return fail(trained.status());
     stopped = *trained;
   }
@@ -857,6 +931,9 @@ int Run(const Flags& f, const Plan& p) {
       static_cast<long long>(c.steps), static_cast<long long>(c.skipped_steps), run_s,
       c.optimizer_seconds, stats[0].acquire_wait_seconds, stats[0].step_wait_seconds,
       paths.checkpoint.c_str(), paths.exported.c_str());
+  if (!f.summary.empty()) {
+    if (Status w = WriteSummary(f, p, measured, c); !w.ok()) return fail(w);
+  }
   return 0;
 }
 

@@ -1,0 +1,368 @@
+// ztier-bench train: what offloading costs a training run. The GPT example
+// (ztier-train) on the chosen device, its params streamed to the device a
+// unit ahead of compute (offloaded: ztier-train's default persistence
+// threshold) against every unit kept on the device (resident), with the
+// optimizer states in DRAM and on NVMe, each pair run back to back in the
+// same invocation. Per run: tokens/s over the steps after the skipped ones,
+// and rank 0's step time split into compute and its waits by what the
+// runner's transfers were doing meanwhile (optimizer: the engine's critical
+// path; H2D; D2H; collectives), each second counted once, so the parts add
+// up to the step (RunnerStats). The ratio offloaded / resident is the cost
+// of streaming the params.
+//
+// Each run is a ztier-train process (--train, else next to this program or
+// in the build tree's examples/) writing --summary JSON into a scratch
+// directory removed afterwards; its output goes to a log there, shown when
+// it fails. Single-threaded driver.
+#include <fcntl.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "benchmarks/bench_util.h"
+#include "benchmarks/subcommands.h"
+
+extern char** environ;
+
+namespace ztier::bench {
+namespace {
+
+namespace fs = std::filesystem;
+
+constexpr const char* kUsage = R"(usage: ztier-bench train [options]
+
+The GPT example trained by ztier-train with its params streamed to the device
+(offloaded) and with every unit resident on it, for each optimizer placement:
+tokens/s, the ratio offloaded / resident, and each run's step split into
+compute and waits (optimizer critical path, H2D, D2H, collectives).
+
+options:
+  --device host|cuda       compute device (default host)
+  --optimizer LIST         dram, nvme or dram,nvme (default dram,nvme)
+  --layers N --channels C --heads H --context T --batch B
+                           model and micro-batch (default ztier-train's:
+                           4, 128, 4, 64, 8)
+  --ranks R                local ranks (default 1)
+  --steps N                steps per run (default 24)
+  --skip N                 first steps left out of the figures (default 5)
+  --data PATH              text to train on (default ztier-train's)
+  --dir DIR                scratch directory for the runs, swap included
+                           (default: a new one under $TMPDIR)
+  --train PATH             the ztier-train program (default: beside
+                           ztier-bench, or the build tree's examples/)
+  --repeat N               run each pair N times, alternating, and report each
+                           mode's median run (default 1; a noisy machine wants 3)
+  --json                   also print one JSON object with every figure
+)";
+
+struct Options {
+  std::string device = "host";
+  std::vector<std::string> placements = {"dram", "nvme"};
+  int layers = 4, channels = 128, heads = 4, context = 64, batch = 8, ranks = 1;
+  int steps = 24, skip = 5, repeat = 1;
+  std::string data, dir, train;
+  bool json = false;
+};
+
+Result<Options> Parse(int argc, char** argv) {
+  Options o;
+  ArgReader args(argc, argv);
+  while (args.Next()) {
+    if (args.Is("--device")) {
+      ZT_ASSIGN_OR_RETURN(o.device,
+                          args.Choice<std::string>({{"host", "host"}, {"cuda", "cuda"}}));
+    } else if (args.Is("--optimizer")) {
+      ZT_ASSIGN_OR_RETURN(o.placements,
+                          args.Choice<std::vector<std::string>>(
+                              {{"dram", {"dram"}}, {"nvme", {"nvme"}}, {"dram,nvme", {"dram", "nvme"}},
+                               {"nvme,dram", {"nvme", "dram"}}}));
+    } else if (args.Is("--layers")) {
+      ZT_RETURN_IF_ERROR(args.CountInto(&o.layers, 1, 1024));
+    } else if (args.Is("--channels")) {
+      ZT_RETURN_IF_ERROR(args.CountInto(&o.channels, 1, 65536));
+    } else if (args.Is("--heads")) {
+      ZT_RETURN_IF_ERROR(args.CountInto(&o.heads, 1, 1024));
+    } else if (args.Is("--context")) {
+      ZT_RETURN_IF_ERROR(args.CountInto(&o.context, 1, 65536));
+    } else if (args.Is("--batch")) {
+      ZT_RETURN_IF_ERROR(args.CountInto(&o.batch, 1, 65536));
+    } else if (args.Is("--ranks")) {
+      ZT_RETURN_IF_ERROR(args.CountInto(&o.ranks, 1, 64));
+    } else if (args.Is("--steps")) {
+      ZT_RETURN_IF_ERROR(args.CountInto(&o.steps, 2, 1 << 20));
+    } else if (args.Is("--skip")) {
+      ZT_RETURN_IF_ERROR(args.CountInto(&o.skip, 0, 1 << 20));
+    } else if (args.Is("--data")) {
+      ZT_ASSIGN_OR_RETURN(const std::string_view v, args.Value());
+      o.data = v;
+    } else if (args.Is("--dir")) {
+      ZT_ASSIGN_OR_RETURN(const std::string_view v, args.Value());
+      o.dir = v;
+    } else if (args.Is("--train")) {
+      ZT_ASSIGN_OR_RETURN(const std::string_view v, args.Value());
+      o.train = v;
+    } else if (args.Is("--repeat")) {
+      ZT_RETURN_IF_ERROR(args.CountInto(&o.repeat, 1, 100));
+    } else if (args.Is("--json")) {
+      o.json = true;
+    } else {
+      return args.Unrecognized();
+    }
+  }
+  if (o.skip >= o.steps) {
+    return Status::InvalidArgument(
+        StrCat("--skip ", o.skip, " leaves none of --steps ", o.steps, " to measure"));
+  }
+  return o;
+}
+
+// ztier-train: --train, else beside this program, else the build tree's.
+Result<std::string> FindTrain(const Options& o) {
+  if (!o.train.empty()) {
+    if (::access(o.train.c_str(), X_OK) != 0) {
+      return Status::NotFound(StrCat("--train ", o.train, ": not an executable file"));
+    }
+    return o.train;
+  }
+  std::error_code ec;
+  const fs::path self = fs::read_symlink("/proc/self/exe", ec);
+  if (!ec) {
+    for (const fs::path& p :
+         {self.parent_path() / "ztier-train", self.parent_path().parent_path() / "examples" /
+                                                  "ztier-train"}) {
+      if (::access(p.c_str(), X_OK) == 0) return p.string();
+    }
+  }
+  return Status::NotFound(
+      "no ztier-train beside ztier-bench or in the build tree's examples/; name it with --train");
+}
+
+// Runs argv[0] with its output to `log`; an error names the log's tail.
+Status RunLogged(const std::vector<std::string>& argv, const fs::path& log) {
+  std::vector<char*> args;
+  for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+  args.push_back(nullptr);
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_addopen(&actions, STDOUT_FILENO, log.c_str(),
+                                   O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  posix_spawn_file_actions_adddup2(&actions, STDOUT_FILENO, STDERR_FILENO);
+  pid_t pid = 0;
+  const int err = posix_spawn(&pid, args[0], &actions, nullptr, args.data(), environ);
+  posix_spawn_file_actions_destroy(&actions);
+  if (err != 0) return Status::IoError(StrCat("starting ", argv[0], ": ", std::strerror(err)));
+  int st = 0;
+  while (::waitpid(pid, &st, 0) < 0 && errno == EINTR) {
+  }
+  if (WIFEXITED(st) && WEXITSTATUS(st) == 0) return Status::Ok();
+  std::ifstream in(log);
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  if (text.size() > 2000) text = "..." + text.substr(text.size() - 2000);
+  return Status::Internal(StrCat(
+      argv[0], WIFEXITED(st) ? StrCat(" exited with ", WEXITSTATUS(st))
+                             : StrCat(" died of signal ", WTERMSIG(st)),
+      "; its output (", log.string(), "):\n", text));
+}
+
+// One number of ztier-train's --summary object.
+Result<double> Number(const std::string& json, const std::string& key) {
+  const std::string tag = "\"" + key + "\": ";
+  const size_t at = json.find(tag);
+  if (at == std::string::npos) return Status::Internal(StrCat("summary has no '", key, "'"));
+  const char* begin = json.c_str() + at + tag.size();
+  char* end = nullptr;
+  const double v = std::strtod(begin, &end);
+  if (end == begin) return Status::Internal(StrCat("summary's '", key, "' is not a number"));
+  return v;
+}
+
+struct Figures {
+  std::string placement, mode;
+  double tokens_per_s = 0, step = 0, compute = 0, optimizer = 0, h2d = 0, d2h = 0, coll = 0;
+  double h2d_bytes = 0, d2h_bytes = 0;
+};
+
+Result<Figures> RunOne(const Options& o, const std::string& train, const fs::path& dir,
+                       const std::string& placement, bool resident) {
+  const std::string name = placement + (resident ? "-resident" : "-offloaded");
+  const fs::path out = dir / name;
+  std::vector<std::string> argv = {train,
+                                   "--out",
+                                   out.string(),
+                                   "--overwrite",
+                                   "--no-progress",
+                                   "--device",
+                                   o.device,
+                                   "--optimizer",
+                                   placement,
+                                   "--layers",
+                                   StrCat(o.layers),
+                                   "--channels",
+                                   StrCat(o.channels),
+                                   "--heads",
+                                   StrCat(o.heads),
+                                   "--context",
+                                   StrCat(o.context),
+                                   "--batch",
+                                   StrCat(o.batch),
+                                   "--ranks",
+                                   StrCat(o.ranks),
+                                   "--steps",
+                                   StrCat(o.steps),
+                                   "--summary",
+                                   (dir / (name + ".json")).string(),
+                                   "--summary-skip",
+                                   StrCat(o.skip)};
+  // Resident: no unit is too large to stay (the threshold is in bytes).
+  if (resident) argv.insert(argv.end(), {"--persistence-threshold", "1T"});
+  if (!o.data.empty()) argv.insert(argv.end(), {"--data", o.data});
+  ZT_RETURN_IF_ERROR(RunLogged(argv, dir / (name + ".log")));
+  std::ifstream in(dir / (name + ".json"));
+  std::stringstream ss;
+  ss << in.rdbuf();
+  const std::string json = ss.str();
+  Figures f{.placement = placement, .mode = resident ? "resident" : "offloaded"};
+  ZT_ASSIGN_OR_RETURN(f.tokens_per_s, Number(json, "tokens_per_s"));
+  ZT_ASSIGN_OR_RETURN(f.step, Number(json, "step_seconds"));
+  ZT_ASSIGN_OR_RETURN(f.compute, Number(json, "compute_seconds"));
+  ZT_ASSIGN_OR_RETURN(f.optimizer, Number(json, "optimizer_wait_seconds"));
+  ZT_ASSIGN_OR_RETURN(f.h2d, Number(json, "h2d_wait_seconds"));
+  ZT_ASSIGN_OR_RETURN(f.d2h, Number(json, "d2h_wait_seconds"));
+  ZT_ASSIGN_OR_RETURN(f.coll, Number(json, "collective_wait_seconds"));
+  ZT_ASSIGN_OR_RETURN(f.h2d_bytes, Number(json, "h2d_bytes_per_step"));
+  ZT_ASSIGN_OR_RETURN(f.d2h_bytes, Number(json, "d2h_bytes_per_step"));
+  std::error_code ec;
+  fs::remove_all(out, ec);  // checkpoint, export and swap of the run
+  return f;
+}
+
+void PrintRow(const Figures& f, double ratio) {
+  const double ms = 1e3;
+  char r[32] = "";
+  if (ratio > 0) std::snprintf(r, sizeof(r), "%.3f", ratio);
+  std::printf("  %-9s %-10s %10.0f %9.1f %9.1f %9.1f %9.1f %9.1f %9.1f %9.2f %9.2f   %s\n",
+              f.placement.c_str(), f.mode.c_str(), f.tokens_per_s, f.step * ms, f.compute * ms,
+              f.optimizer * ms, f.h2d * ms, f.d2h * ms, f.coll * ms, f.h2d_bytes / 1e6,
+              f.d2h_bytes / 1e6, r);
+}
+
+}  // namespace
+
+int RunTrain(int argc, char** argv) {
+  Result<Options> parsed = Parse(argc, argv);
+  if (!parsed.ok()) return UsageExit(parsed.status(), "train", kUsage);
+  const Options& o = *parsed;
+  Result<std::string> train = FindTrain(o);
+  if (!train.ok()) return FailExit(train.status(), "train");
+  fs::path dir = o.dir;
+  bool made_dir = false;
+  if (dir.empty()) {
+    const char* tmp = std::getenv("TMPDIR");
+    std::string pattern = StrCat(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp", "/ztier-bench-train.XXXXXX");
+    if (::mkdtemp(pattern.data()) == nullptr) {
+      return FailExit(Status::IoError(StrCat("mkdtemp ", pattern, ": ", std::strerror(errno))),
+                      "train");
+    }
+    dir = pattern;
+    made_dir = true;
+  } else {
+    std::error_code ec;
+    fs::create_directories(dir, ec);
+    if (ec) {
+      return FailExit(Status::IoError(StrCat("--dir ", dir.string(), ": ", ec.message())),
+                      "train");
+    }
+  }
+  std::printf(
+      "ztier-bench train: %s, %d layers x %d channels, %d heads, context %d, batch %d, %d "
+      "rank(s); %d steps, figures over the last %d (median of %d); offloaded = params streamed (ztier-train's "
+      "persistence threshold), resident = every unit kept on the device\n",
+      o.device.c_str(), o.layers, o.channels, o.heads, o.context, o.batch, o.ranks, o.steps,
+      o.steps - o.skip, o.repeat);
+  std::printf("  %-9s %-10s %10s %9s %9s %9s %9s %9s %9s %9s %9s   %s\n", "optimizer", "params",
+              "tokens/s", "step ms", "compute", "opt wait", "h2d wait", "d2h wait", "coll",
+              "h2d MB", "d2h MB", "offloaded/resident");
+  std::vector<std::string> rows;
+  int status = 0;
+  // The run of median tokens/s among a mode's repeats.
+  const auto median = [](std::vector<Figures> runs) {
+    std::sort(runs.begin(), runs.end(),
+              [](const Figures& a, const Figures& b) { return a.tokens_per_s < b.tokens_per_s; });
+    return runs[runs.size() / 2];
+  };
+  for (const std::string& placement : o.placements) {
+    std::vector<Figures> offs, ress;
+    Status failed;
+    for (int i = 0; i < o.repeat && failed.ok(); ++i) {
+      Result<Figures> a = RunOne(o, *train, dir, placement, false);
+      Result<Figures> b = a.ok() ? RunOne(o, *train, dir, placement, true) : a.status();
+      if (!a.ok() || !b.ok()) {
+        failed = a.ok() ? b.status() : a.status();
+      } else {
+        offs.push_back(*a);
+        ress.push_back(*b);
+      }
+    }
+    if (!failed.ok()) {
+      status = FailExit(failed, "train");
+      break;
+    }
+    const Figures off_run = median(offs), res_run = median(ress);
+    const Figures* off = &off_run;
+    const Figures* res = &res_run;
+    const double ratio = off->tokens_per_s / res->tokens_per_s;
+    PrintRow(*off, ratio);
+    PrintRow(*res, 0);
+    for (const Figures* f : {off, res}) {
+      rows.push_back(JsonObject()
+                         .Add("optimizer", f->placement)
+                         .Add("params", f->mode)
+                         .Add("tokens_per_s", f->tokens_per_s)
+                         .Add("step_seconds", f->step)
+                         .Add("compute_seconds", f->compute)
+                         .Add("optimizer_wait_seconds", f->optimizer)
+                         .Add("h2d_wait_seconds", f->h2d)
+                         .Add("d2h_wait_seconds", f->d2h)
+                         .Add("collective_wait_seconds", f->coll)
+                         .Add("h2d_bytes_per_step", f->h2d_bytes)
+                         .Add("d2h_bytes_per_step", f->d2h_bytes)
+                         .Add("offloaded_over_resident", f == off ? ratio : 1.0)
+                         .str());
+    }
+  }
+  if (status == 0 && o.json) {
+    std::printf("%s\n", JsonObject()
+                            .Add("bench", "train")
+                            .Add("device", o.device)
+                            .Add("layers", o.layers)
+                            .Add("channels", o.channels)
+                            .Add("heads", o.heads)
+                            .Add("context", o.context)
+                            .Add("batch", o.batch)
+                            .Add("ranks", o.ranks)
+                            .Add("steps", o.steps)
+                            .Add("skip", o.skip)
+                            .Add("repeat", o.repeat)
+                            .AddRaw("runs", JsonArray(rows))
+                            .str()
+                            .c_str());
+  }
+  if (made_dir && status == 0) {
+    std::error_code ec;
+    fs::remove_all(dir, ec);
+  }
+  return status;
+}
+
+}  // namespace ztier::bench

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# ztier-bench train as a user runs it: a small GPT through ztier-train,
+# params streamed and resident, states in DRAM and on NVMe; every run
+# reports tokens/s and a step whose parts (compute and the waits) add up to
+# it; bad options are usage errors, a missing ztier-train a clear failure.
+set -euo pipefail
+bench=$1
+train=$2
+dir=$(mktemp -d)
+trap 'rm -rf "$dir"' EXIT
+json=$("$bench" train --train "$train" --layers 1 --channels 64 --heads 2 --context 16 \
+  --batch 2 --steps 4 --skip 1 --dir "$dir/runs" --json | tail -n 1)
+python3 - "$json" <<'PY'
+import json, sys
+o = json.loads(sys.argv[1])
+runs = o["runs"]
+assert [(r["optimizer"], r["params"]) for r in runs] == [
+    ("dram", "offloaded"), ("dram", "resident"), ("nvme", "offloaded"), ("nvme", "resident")], runs
+for r in runs:
+    assert r["tokens_per_s"] > 0, r
+    parts = (r["compute_seconds"] + r["optimizer_wait_seconds"] + r["h2d_wait_seconds"]
+             + r["d2h_wait_seconds"] + r["collective_wait_seconds"])
+    assert abs(parts - r["step_seconds"]) <= 1e-5 + 1e-3 * r["step_seconds"], r
+    assert min(r[k] for k in r if k.endswith("_wait_seconds")) >= 0, r
+    assert r["h2d_bytes_per_step"] > 0 and r["d2h_bytes_per_step"] > 0, r
+# A streamed unit (the block: 98 KB of bf16, over the 64 KiB threshold) is
+# fetched for the forward and again for the backward.
+assert runs[0]["h2d_bytes_per_step"] > runs[1]["h2d_bytes_per_step"], runs
+print("runs:", [(r["optimizer"], r["params"], round(r["tokens_per_s"])) for r in runs])
+PY
+status=0
+"$bench" train --steps 3 --skip 3 >/dev/null 2>&1 || status=$?
+[ "$status" -eq 2 ] || { echo "--skip 3 of --steps 3 gave exit $status, not a usage error"; exit 1; }
+status=0
+out=$("$bench" train --train "$dir/no-such-program" 2>&1) || status=$?
+[ "$status" -eq 1 ] && [[ $out == *"no-such-program"* ]] ||
+  { echo "a missing ztier-train gave exit $status: $out"; exit 1; }
+echo "train_bench_test: ok"
