@@ -15,7 +15,8 @@
 #       gpu-carry/ carried: the GPU tests (ctest's label gpu, with gpt_cuda_test:
 #       the whole GPT on cuda against the CPU, every byte value, teacher-forced),
 #       ztier-bench
-#       pcie, ztier-train on cuda and on the host (20 steps, their losses
+#       pcie, ztier-bench train (offloaded vs resident, GPT-2 small), ztier-train
+#       on cuda and on the host (20 steps, their losses
 #       side by side in the logs), the Python suite's CUDA tests and the host suite,
 #       finetune_hf.py --tiny on cuda and on the host, the throughput
 #       benchmark (ztier.torch against plain torch), one summary at the end.
@@ -94,6 +95,11 @@ run() {
     --device cuda --out "$out/train-cuda"
   check train_host "$carry/bin/ztier-train" "${train[@]}" --data "$carry/text.txt" \
     --device host --out "$out/train-host"
+  # What offloading costs at the GPT-2-small shape: params streamed vs
+  # resident, states in DRAM and on NVMe, the step split into its parts.
+  check train_bench "$carry/bin/ztier-bench" train --device cuda --train "$carry/bin/ztier-train" \
+    --layers 12 --channels 768 --heads 12 --context 256 --batch 8 --steps 16 --skip 4 \
+    --data "$carry/text.txt" --dir "$out/train-bench" --json
   check python_cuda "$py" -m pytest -q -rs -p no:cacheprovider tests/python/test_cuda.py
   check python_host "$py" -m pytest -q -rs -p no:cacheprovider tests/python -k "not cuda"
   check finetune_cuda "$py" examples/finetune_hf.py --tiny --steps 60 --device cuda \
