@@ -1,7 +1,8 @@
 // The CUDA device backend (client::MakeCudaDevice): a Device on one CUDA GPU.
 //
 // What it holds, all owned and released by the object:
-//   - two non-blocking streams, kCompute and kCopy, the Device's two queues;
+//   - three non-blocking streams, kCompute, kCopy and kCopyOut, the Device's
+//     queues;
 //   - two private helper streams: allocations are made on one that never
 //     waits on anything (so an allocation is usable at once from either
 //     queue), and frees are queued on another that first waits on both
@@ -246,23 +247,31 @@ class CudaDevice final : public Device {
     return Status::Ok();
   }
   cudaStream_t StreamOf(Stream s) const {
-    return s == Stream::kCompute ? compute_.get() : copy_.get();
+    switch (s) {
+      case Stream::kCompute:
+        return compute_.get();
+      case Stream::kCopy:
+        return copy_.get();
+      case Stream::kCopyOut:
+        return copy_out_.get();
+    }
+    return compute_.get();
   }
-  // Queues the release of `ptr` after everything queued so far on both
-  // streams. Caller holds no lock (CUDA calls only).
+  // Queues the release of `ptr` after everything queued so far on every
+  // stream. Caller holds no lock (CUDA calls only).
   Status QueueFree(void* ptr);
   std::string HeldBytes() const;  // requires mu_
 
   const int ordinal_;
   const std::string name_;
-  OwnedStream compute_, copy_;
+  OwnedStream compute_, copy_, copy_out_;
   OwnedStream alloc_stream_, free_stream_;  // only with a memory pool
   cudaMemPool_t pool_ = nullptr;            // null: cudaMalloc / cudaFree
 
-  // Orders frees after both queues; reused under free_mu_ (a wait captures
+  // Orders frees after every queue; reused under free_mu_ (a wait captures
   // the event's state when it is queued, so reuse is safe).
   std::mutex free_mu_;
-  OwnedEvent free_after_compute_, free_after_copy_;
+  OwnedEvent free_after_compute_, free_after_copy_, free_after_copy_out_;
 
   struct Allocation {
     size_t bytes;
@@ -291,8 +300,10 @@ Status CudaDevice::Init() {
   ZT_RETURN_IF_ERROR(Enter());
   ZT_CUDA_RETURN_IF_ERROR(compute_.Create());
   ZT_CUDA_RETURN_IF_ERROR(copy_.Create());
+  ZT_CUDA_RETURN_IF_ERROR(copy_out_.Create());
   ZT_CUDA_RETURN_IF_ERROR(free_after_compute_.Create());
   ZT_CUDA_RETURN_IF_ERROR(free_after_copy_.Create());
+  ZT_CUDA_RETURN_IF_ERROR(free_after_copy_out_.Create());
 
   int pools_supported = 0;
   ZT_CUDA_RETURN_IF_ERROR(
@@ -300,7 +311,7 @@ Status CudaDevice::Init() {
   if (pools_supported == 0) {
     ZT_LOG(kInfo, kLog) << name_
                         << ": no stream-ordered memory pools; using cudaMalloc, and Free "
-                           "synchronizes both streams";
+                           "synchronizes every stream";
     return Status::Ok();
   }
   ZT_CUDA_RETURN_IF_ERROR(alloc_stream_.Create());
@@ -328,6 +339,9 @@ CudaDevice::~CudaDevice() {
   // Let queued work finish before its memory and host ranges go away.
   if (compute_.get() != nullptr) ZT_CUDA_LOG_IF_ERROR(cudaStreamSynchronize(compute_.get()), name_);
   if (copy_.get() != nullptr) ZT_CUDA_LOG_IF_ERROR(cudaStreamSynchronize(copy_.get()), name_);
+  if (copy_out_.get() != nullptr) {
+    ZT_CUDA_LOG_IF_ERROR(cudaStreamSynchronize(copy_out_.get()), name_);
+  }
   std::unordered_map<void*, Allocation> leftover;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -425,14 +439,18 @@ Status CudaDevice::QueueFree(void* ptr) {
   if (pool_ == nullptr) {
     ZT_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(compute_.get()));
     ZT_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(copy_.get()));
+    ZT_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(copy_out_.get()));
     ZT_CUDA_RETURN_IF_ERROR(cudaFree(ptr));
     return Status::Ok();
   }
   std::lock_guard<std::mutex> lock(free_mu_);
   ZT_CUDA_RETURN_IF_ERROR(cudaEventRecord(free_after_compute_.get(), compute_.get()));
   ZT_CUDA_RETURN_IF_ERROR(cudaEventRecord(free_after_copy_.get(), copy_.get()));
+  ZT_CUDA_RETURN_IF_ERROR(cudaEventRecord(free_after_copy_out_.get(), copy_out_.get()));
   ZT_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(free_stream_.get(), free_after_compute_.get(), 0));
   ZT_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(free_stream_.get(), free_after_copy_.get(), 0));
+  ZT_CUDA_RETURN_IF_ERROR(
+      cudaStreamWaitEvent(free_stream_.get(), free_after_copy_out_.get(), 0));
   ZT_CUDA_RETURN_IF_ERROR(cudaFreeAsync(ptr, free_stream_.get()));
   return Status::Ok();
 }

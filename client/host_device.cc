@@ -1,18 +1,20 @@
 // The host device backend: "device" memory is host memory, kernels (the
-// kCompute stream) run on the caller's thread as they are issued, and the
-// kCopy stream is a thread that runs its copies in order. Copies on kCopy
-// therefore overlap the caller's compute exactly as DMA overlaps kernels on
-// a GPU, which is what lets the stage-3 runner's prefetching be tested and
-// timed without one. With the timeline on, every kCopy operation records
-// its span. Test mode (HostDeviceOptions): copies wait before they run, and
-// check that their source did not change between the call that queued them
-// and the moment they run, so ordering bugs between copies and the buffers
-// they read show on CPU.
+// kCompute stream) run on the caller's thread as they are issued, and each
+// copy stream (kCopy, kCopyOut) is a thread that runs its copies in order.
+// Copies therefore overlap the caller's compute exactly as DMA overlaps
+// kernels on a GPU, and the two copy directions overlap each other, which
+// is what lets the stage-3 runner's prefetching be tested and timed without
+// one. With the timeline on, every copy-stream operation records its span.
+// Test mode (HostDeviceOptions): copies wait before they run, and check that
+// their source did not change between the call that queued them and the
+// moment they run, so ordering bugs between copies and the buffers they
+// read show on CPU.
 //
 // Thread safety: every method may be called from any thread. Failure: an
 // allocation past the machine's memory is ResourceExhausted; nothing else
 // fails.
 #include <algorithm>
+#include <atomic>
 #include <condition_variable>
 #include <cstdlib>
 #include <cstring>
@@ -82,17 +84,26 @@ void Complete(EventState& s) {
   s.cv.notify_all();
 }
 
+bool IsCopy(Stream s) { return s != Stream::kCompute; }
+
 class HostDevice final : public Device {
  public:
-  explicit HostDevice(const HostDeviceOptions& options)
-      : options_(options), copy_thread_([this] { CopyLoop(); }) {}
-  ~HostDevice() override {
-    {
-      std::lock_guard<std::mutex> lock(queue_mu_);
-      stop_ = true;
+  explicit HostDevice(const HostDeviceOptions& options) : options_(options) {
+    for (Stream s : {Stream::kCopy, Stream::kCopyOut}) {
+      CopyQueue& q = Queue(s);
+      q.stream = s;
+      q.thread = std::thread([this, &q] { CopyLoop(q); });
     }
-    queue_cv_.notify_all();
-    copy_thread_.join();
+  }
+  ~HostDevice() override {
+    for (CopyQueue& q : queues_) {
+      {
+        std::lock_guard<std::mutex> lock(q.mu);
+        q.stop = true;
+      }
+      q.cv.notify_all();
+      q.thread.join();
+    }
     for (auto& [ptr, info] : allocations_) std::free(ptr);
   }
 
@@ -126,7 +137,13 @@ class HostDevice final : public Device {
       stats_[static_cast<int>(it->second.purpose)].bytes -= it->second.bytes;
       allocations_.erase(it);
     }
-    Enqueue({}, [ptr] { std::free(ptr); });
+    // Freed when both copy queues have reached this point.
+    auto pending = std::make_shared<std::atomic<int>>(2);
+    for (Stream q : {Stream::kCopy, Stream::kCopyOut}) {
+      Enqueue(q, {}, [ptr, pending] {
+        if (pending->fetch_sub(1) == 1) std::free(ptr);
+      });
+    }
   }
 
   MemoryStats memory(MemoryPurpose purpose) const override {
@@ -156,7 +173,7 @@ class HostDevice final : public Device {
     if (stream == Stream::kCompute) {
       state->done = true;  // compute work is done when it is issued
     } else {
-      Enqueue({}, [state] { Complete(*state); });
+      Enqueue(stream, {}, [state] { Complete(*state); });
     }
     return std::unique_ptr<Event>(std::make_unique<HostEvent>(std::move(state), hazard_));
   }
@@ -166,7 +183,7 @@ class HostDevice final : public Device {
     if (e == nullptr) return Status::InvalidArgument("host device: an event of another device");
     if (stream == Stream::kCompute) return e->Synchronize();
     std::shared_ptr<EventState> state = e->state();
-    Enqueue({}, [state] {
+    Enqueue(stream, {}, [state] {
       std::unique_lock<std::mutex> lock(state->mu);
       state->cv.wait(lock, [&] { return state->done; });
     });
@@ -175,7 +192,7 @@ class HostDevice final : public Device {
 
   Status Synchronize(Stream stream) override {
     if (stream == Stream::kCompute) return Status::Ok();
-    ZT_ASSIGN_OR_RETURN(std::unique_ptr<Event> e, Record(Stream::kCopy));
+    ZT_ASSIGN_OR_RETURN(std::unique_ptr<Event> e, Record(stream));
     return e->Synchronize();
   }
 
@@ -208,7 +225,7 @@ class HostDevice final : public Device {
 
   // A copy; in test mode, delayed and checked (see HostDeviceOptions).
   Status RunCopy(Stream stream, const char* label, void* dst, const void* src, size_t bytes) {
-    if (stream != Stream::kCopy || !options_.check_copy_sources) {
+    if (!IsCopy(stream) || !options_.check_copy_sources) {
       return Run(stream, label, [=] { std::memcpy(dst, src, bytes); });
     }
     const uint32_t queued = Crc32c(src, bytes);
@@ -225,31 +242,43 @@ class HostDevice final : public Device {
   }
 
   Status Run(Stream stream, const char* label, std::function<void()> fn) {
-    if (stream == Stream::kCopy) {
-      Enqueue(label, std::move(fn));
+    if (IsCopy(stream)) {
+      Enqueue(stream, label, std::move(fn));
       return Status::Ok();
     }
     fn();
     return Status::Ok();
   }
 
-  void Enqueue(std::string label, std::function<void()> fn) {
+  // One copy stream: its tasks, run in order by its thread.
+  struct CopyQueue {
+    Stream stream = Stream::kCopy;
+    std::mutex mu;
+    std::condition_variable cv;
+    std::deque<Task> tasks;
+    bool stop = false;
+    std::thread thread;
+  };
+  CopyQueue& Queue(Stream s) { return queues_[s == Stream::kCopyOut ? 1 : 0]; }
+
+  void Enqueue(Stream stream, std::string label, std::function<void()> fn) {
+    CopyQueue& q = Queue(stream);
     {
-      std::lock_guard<std::mutex> lock(queue_mu_);
-      queue_.push_back({std::move(label), std::move(fn)});
+      std::lock_guard<std::mutex> lock(q.mu);
+      q.tasks.push_back({std::move(label), std::move(fn)});
     }
-    queue_cv_.notify_one();
+    q.cv.notify_one();
   }
 
-  void CopyLoop() {
+  void CopyLoop(CopyQueue& q) {
     for (;;) {
       Task task;
       {
-        std::unique_lock<std::mutex> lock(queue_mu_);
-        queue_cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
-        if (queue_.empty()) return;  // stopping, and everything queued is done
-        task = std::move(queue_.front());
-        queue_.pop_front();
+        std::unique_lock<std::mutex> lock(q.mu);
+        q.cv.wait(lock, [&] { return q.stop || !q.tasks.empty(); });
+        if (q.tasks.empty()) return;  // stopping, and everything queued is done
+        task = std::move(q.tasks.front());
+        q.tasks.pop_front();
       }
       if (options_.copy_delay.count() > 0 && !task.label.empty()) {
         std::this_thread::sleep_for(options_.copy_delay);
@@ -257,7 +286,7 @@ class HostDevice final : public Device {
       const Clock::time_point t0 = Clock::now();
       task.fn();
       if (!task.label.empty()) {
-        AddSpan({.stream = Stream::kCopy, .label = task.label, .start = t0, .end = Clock::now()});
+        AddSpan({.stream = q.stream, .label = task.label, .start = t0, .end = Clock::now()});
       }
     }
   }
@@ -273,11 +302,7 @@ class HostDevice final : public Device {
   const HostDeviceOptions options_;
   const std::shared_ptr<Hazard> hazard_ = std::make_shared<Hazard>();
 
-  std::mutex queue_mu_;
-  std::condition_variable queue_cv_;
-  std::deque<Task> queue_;
-  bool stop_ = false;
-  std::thread copy_thread_;  // last: starts after everything it uses
+  CopyQueue queues_[2];  // kCopy, kCopyOut; last: their threads use the rest
 };
 
 }  // namespace

@@ -1,14 +1,18 @@
 // The stage-3 runner: one rank's unit fetches (engine -> device) and grad
 // pushes (device -> engine), around the rank's compute.
 //
-// Two threads. The rank's thread (the caller) makes every decision: which
-// unit to fetch, when, into which buffer, what to free; the transfer thread
-// only executes the queue of fetches and pushes, strictly in the order the
-// caller queued them. Decisions therefore depend only on the sequence of
-// calls, never on timing, so all ranks of a job queue the same collectives
-// in the same order (an NCCL requirement), and the live-bytes cap is exact:
-// a unit's device buffer is allocated when its fetch is queued, and a fetch
-// is queued only when the buffer fits under the cap.
+// The rank's thread (the caller) makes every decision: which unit to fetch,
+// when, into which buffer, what to free; transfer threads only execute the
+// queues of fetches and pushes, strictly in the order the caller queued
+// them. Decisions therefore depend only on the sequence of calls, never on
+// timing, and the live-bytes cap is exact: a unit's device buffer is
+// allocated when its fetch is queued, and a fetch is queued only when the
+// buffer fits under the cap. With R = 1 fetches and pushes have a thread and
+// a device stream each (kCopy, kCopyOut), so grads going to the host
+// overlap params coming in and a push waiting for the engine never holds up
+// a fetch. With R > 1 one thread runs both in the caller's order, so all
+// ranks of a job issue the same collectives in the same order (an NCCL
+// requirement); their copies still go on the two streams.
 //
 // A fetch of unit k for version v: wait until the engine has published k at
 // v (AcquireParams), copy the rank's shard (or, with R = 1, the unit) to the
@@ -74,6 +78,7 @@ enum class Phase : uint8_t { kOptimizer, kHostToDevice, kDeviceToHost, kCollecti
 struct PhaseSpan {
   Clock::time_point start, end;
   Phase phase;
+  bool push;  // of a push (else of a fetch)
 };
 
 struct Transfer {
@@ -131,10 +136,11 @@ struct Stage3Runner::Impl {
   std::map<int, Order> orders;
   RunnerStats stats;
 
-  // Transfer thread.
+  // Transfer threads: `thread` runs `queue` (fetches, and with R > 1 the
+  // pushes too); with R = 1 `push_thread` runs `push_queue`.
   std::mutex mu;
   std::condition_variable cv;
-  std::deque<Transfer> queue;
+  std::deque<Transfer> queue, push_queue;
   size_t in_flight = 0;  // queued or running
   bool stop = false;
   Status failure;  // first transfer error
@@ -145,7 +151,7 @@ struct Stage3Runner::Impl {
   // This rank's words of the job's client page (engine/wire_types.h),
   // where the engine (and ztierd's operators) see its device traffic.
   uint64_t* client_counters = nullptr;
-  std::thread thread;
+  std::thread thread, push_thread;
 
   void CountTraffic(engine::ClientCounter which, uint64_t bytes) {
     std::atomic_ref<uint64_t>(client_counters[which]).fetch_add(bytes, std::memory_order_relaxed);
@@ -162,6 +168,7 @@ struct Stage3Runner::Impl {
     }
     cv.notify_all();
     if (thread.joinable()) thread.join();
+    if (push_thread.joinable()) push_thread.join();
     for (UnitState& u : units) {
       device->Free(u.params);
       device->Free(u.grads);
@@ -177,15 +184,15 @@ struct Stage3Runner::Impl {
 
   // ---------------------------------------------------------- transfer side
 
-  void Loop() {
+  void Loop(std::deque<Transfer>& q) {
     for (;;) {
       Transfer t;
       {
         std::unique_lock<std::mutex> lock(mu);
-        cv.wait(lock, [&] { return stop || !queue.empty(); });
-        if (queue.empty()) return;
-        t = std::move(queue.front());
-        queue.pop_front();
+        cv.wait(lock, [&] { return stop || !q.empty(); });
+        if (q.empty()) return;
+        t = std::move(q.front());
+        q.pop_front();
       }
       Status s = failure_snapshot();
       if (s.ok()) s = t.kind == Transfer::Kind::kFetch ? Fetch(t) : Push(t);
@@ -198,24 +205,29 @@ struct Stage3Runner::Impl {
     }
   }
 
-  // Records that the transfer thread spent [start, now) in `phase`; returns
-  // now, the next phase's start.
-  Clock::time_point Mark(Phase phase, Clock::time_point start) {
+  // Records that a transfer thread spent [start, now) in `phase` for a
+  // fetch or a push; returns now, the next phase's start.
+  Clock::time_point Mark(Phase phase, bool push, Clock::time_point start) {
     const Clock::time_point now = Clock::now();
     std::lock_guard<std::mutex> lock(mu);
-    spans.push_back({start, now, phase});
+    spans.push_back({start, now, phase, push});
     return now;
   }
 
   // Adds the caller's wait [t0, t1) to the stats by the phases it overlapped;
-  // the part no phase covers (the transfer thread between transfers) goes to
-  // `rest`. Spans that end by t1 are dropped: later waits start after it.
-  void Attribute(Clock::time_point t0, Clock::time_point t1, Phase rest) {
+  // the part no phase covers (a transfer thread between transfers) goes to
+  // `rest`. A wait for a fetch (Acquire) counts the fetches' phases, one for
+  // the pushes (Step) the pushes': with R = 1 they run at once on their own
+  // threads, and each second is counted once. With R > 1 one thread runs
+  // both in order, and a fetch may wait behind a push: every phase counts.
+  // Spans that end by t1 are dropped: later waits start after it.
+  void Attribute(Clock::time_point t0, Clock::time_point t1, Phase rest, bool for_push) {
     double by_phase[5] = {};
     double covered = 0;
     {
       std::lock_guard<std::mutex> lock(mu);
       for (const PhaseSpan& sp : spans) {
+        if (world == 1 && sp.push != for_push) continue;
         const Clock::time_point a = std::max(sp.start, t0), b = std::min(sp.end, t1);
         if (b <= a) continue;
         const double d = std::chrono::duration<double>(b - a).count();
@@ -246,9 +258,9 @@ struct Stage3Runner::Impl {
     cv.notify_all();
   }
 
-  // Waits for everything queued on the copy stream.
-  Status SyncCopies() {
-    ZT_ASSIGN_OR_RETURN(std::unique_ptr<Event> done, device->Record(Stream::kCopy));
+  // Waits for everything queued on a copy stream.
+  Status SyncCopies(Stream stream) {
+    ZT_ASSIGN_OR_RETURN(std::unique_ptr<Event> done, device->Record(stream));
     return done->Synchronize();
   }
 
@@ -257,21 +269,21 @@ struct Stage3Runner::Impl {
     Clock::time_point at = Clock::now();
     ZT_ASSIGN_OR_RETURN(const bf16* host,
                         transport->AcquireParams(job, t.unit, t.version, options.timeout));
-    at = Mark(Phase::kOptimizer, at);
+    at = Mark(Phase::kOptimizer, false, at);
     auto* dst = static_cast<bf16*>(t.buffer);
     Status s;
     if (world == 1) {
       s = device->CopyToDevice(dst, host, u.bytes, Stream::kCopy);
-      if (s.ok()) s = SyncCopies();
-      Mark(Phase::kHostToDevice, at);
+      if (s.ok()) s = SyncCopies(Stream::kCopy);
+      Mark(Phase::kHostToDevice, false, at);
     } else {
       const uint64_t off = static_cast<uint64_t>(rank) * u.shard;
       s = device->CopyToDevice(dst + off, host + off, u.shard * sizeof(bf16), Stream::kCopy);
-      if (s.ok()) s = SyncCopies();
-      at = Mark(Phase::kHostToDevice, at);
+      if (s.ok()) s = SyncCopies(Stream::kCopy);
+      at = Mark(Phase::kHostToDevice, false, at);
       if (s.ok()) s = collectives->AllGather(dst, u.shard, *device, Stream::kCopy);
-      if (s.ok()) s = SyncCopies();
-      Mark(Phase::kCollective, at);
+      if (s.ok()) s = SyncCopies(Stream::kCopy);
+      Mark(Phase::kCollective, false, at);
     }
     Status r = transport->ReleaseParams(job, t.unit);
     ZT_RETURN_IF_ERROR(s);
@@ -289,24 +301,25 @@ struct Stage3Runner::Impl {
     // a wait spends here is compute).
     Clock::time_point at = Clock::now();
     ZT_RETURN_IF_ERROR(t.ready->Synchronize());
-    ZT_RETURN_IF_ERROR(device->Wait(Stream::kCopy, *t.ready));
-    at = Mark(Phase::kCompute, at);
+    ZT_RETURN_IF_ERROR(device->Wait(Stream::kCopyOut, *t.ready));
+    at = Mark(Phase::kCompute, true, at);
     // The inbox is free once the engine has consumed the grads of the step
     // before: it has then published this version.
     ZT_RETURN_IF_ERROR(transport->WaitPublished(job, t.unit, t.version, options.timeout));
-    at = Mark(Phase::kOptimizer, at);
+    at = Mark(Phase::kOptimizer, true, at);
     const void* src = t.buffer;
     if (world > 1) {
       ZT_RETURN_IF_ERROR(collectives->ReduceScatter(static_cast<const bf16*>(t.buffer),
                                                     static_cast<bf16*>(shard_buffer), u.shard,
-                                                    *device, Stream::kCopy));
-      ZT_RETURN_IF_ERROR(SyncCopies());
-      at = Mark(Phase::kCollective, at);
+                                                    *device, Stream::kCopyOut));
+      ZT_RETURN_IF_ERROR(SyncCopies(Stream::kCopyOut));
+      at = Mark(Phase::kCollective, true, at);
       src = shard_buffer;
     }
-    ZT_RETURN_IF_ERROR(device->CopyToHost(u.inbox, src, u.shard * sizeof(bf16), Stream::kCopy));
-    ZT_RETURN_IF_ERROR(SyncCopies());
-    Mark(Phase::kDeviceToHost, at);
+    ZT_RETURN_IF_ERROR(
+        device->CopyToHost(u.inbox, src, u.shard * sizeof(bf16), Stream::kCopyOut));
+    ZT_RETURN_IF_ERROR(SyncCopies(Stream::kCopyOut));
+    Mark(Phase::kDeviceToHost, true, at);
     ZT_RETURN_IF_ERROR(transport->GradsReady(job, t.unit, rank));
     CountTraffic(engine::kDeviceToHostBytes, u.shard * sizeof(bf16));
     std::lock_guard<std::mutex> lock(mu);
@@ -320,7 +333,8 @@ struct Stage3Runner::Impl {
     {
       std::lock_guard<std::mutex> lock(mu);
       ++in_flight;
-      queue.push_back(std::move(t));
+      (world == 1 && t.kind == Transfer::Kind::kPush ? push_queue : queue)
+          .push_back(std::move(t));
     }
     cv.notify_all();
   }
@@ -580,7 +594,8 @@ Result<std::unique_ptr<Stage3Runner>> Stage3Runner::Create(Model& model, int ran
     ZT_ASSIGN_OR_RETURN(r.shard_buffer,
                         device.Allocate(max_shard * sizeof(bf16), MemoryPurpose::kGrads));
   }
-  r.thread = std::thread([&r] { r.Loop(); });
+  r.thread = std::thread([&r] { r.Loop(r.queue); });
+  if (r.world == 1) r.push_thread = std::thread([&r] { r.Loop(r.push_queue); });
   return std::unique_ptr<Stage3Runner>(new Stage3Runner(std::move(impl)));
 }
 
@@ -604,7 +619,7 @@ Result<const bf16*> Stage3Runner::Acquire(int unit) {
   Status s = u.fetch != nullptr ? u.fetch->Wait() : Status::Ok();
   const Clock::time_point t1 = Clock::now();
   r.stats.acquire_wait_seconds += std::chrono::duration<double>(t1 - t0).count();
-  r.Attribute(t0, t1, Phase::kHostToDevice);
+  r.Attribute(t0, t1, Phase::kHostToDevice, /*for_push=*/false);
   if (!s.ok()) return s.Annotate(StrCat("fetch unit '", u.name, "' at step ", u.version));
   // Kernels on the compute stream see the copy (complete: the fetch synchronized it).
   ++u.holds;
@@ -704,7 +719,7 @@ Status Stage3Runner::Step() {
   Status s = r.Drain();
   const Clock::time_point t1 = Clock::now();
   r.stats.step_wait_seconds += std::chrono::duration<double>(t1 - t0).count();
-  r.Attribute(t0, t1, Phase::kDeviceToHost);
+  r.Attribute(t0, t1, Phase::kDeviceToHost, /*for_push=*/true);
   ZT_RETURN_IF_ERROR(s);
   for (UnitState& u : r.units) {
     u.pushed = false;

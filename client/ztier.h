@@ -41,9 +41,11 @@ namespace ztier::client {
 // ---------------------------------------------------------------- devices --
 
 enum class DeviceKind : uint8_t { kHost, kCuda };
-// The two in-order queues of a device: kernels run on kCompute, transfers
-// on kCopy (so a unit's copy overlaps another unit's compute).
-enum class Stream : uint8_t { kCompute, kCopy };
+// The in-order queues of a device: kernels run on kCompute, transfers to
+// the device (and the collectives of a fetch) on kCopy, transfers to the
+// host on kCopyOut. A unit's copy overlaps another unit's compute, and grads
+// going to the host overlap params coming in (both directions of the link).
+enum class Stream : uint8_t { kCompute, kCopy, kCopyOut };
 // What an allocation is for; the device keeps a byte count and a high-water
 // mark per purpose (the runner's cap on live params is checked against it).
 enum class MemoryPurpose : uint8_t { kParams, kGrads, kOther };
