@@ -98,95 +98,7 @@ std::unique_ptr<Gpt> MakeGpt(const Config& config, int batch, Device& device) {
   return std::move(gpt).value();
 }
 
-// A WeightSource over bf16 copies of fp32 weights in host-device memory. It
-// records the protocol (acquire order, holds, pushes), captures the pushed
-// grads and can fail the n-th Acquire or PushGrads.
-class MemorySource final : public WeightSource {
- public:
-  MemorySource(Device& device, const std::vector<engine::UnitLayout>& layouts,
-               const std::vector<std::vector<float>>& weights)
-      : device_(device), layouts_(layouts) {
-    const size_t units = layouts.size();
-    held_.assign(units, 0);
-    pushed_.assign(units, 0);
-    grads_.assign(units, {});
-    for (size_t u = 0; u < units; ++u) {
-      std::vector<bf16> host(layouts[u].padded, bf16{0});
-      for (uint64_t i = 0; i < layouts[u].numel; ++i) host[i] = FloatToBf16(weights[u][i]);
-      params_.push_back(Alloc(host.size(), MemoryPurpose::kParams));
-      grad_buffers_.push_back(Alloc(host.size(), MemoryPurpose::kGrads));
-      ZT_CHECK(device_
-                   .CopyToDevice(params_.back(), host.data(), host.size() * sizeof(bf16),
-                                 Stream::kCompute)
-                   .ok());
-    }
-  }
-  ~MemorySource() override {
-    for (bf16* p : params_) device_.Free(p);
-    for (bf16* p : grad_buffers_) device_.Free(p);
-  }
-
-  Result<const bf16*> Acquire(int unit) override {
-    if (acquires_++ == fail_acquire_at_) return Status::Unavailable("injected acquire failure");
-    ++held_[unit];
-    order_.push_back(unit);
-    return static_cast<const bf16*>(params_[unit]);
-  }
-  Status Release(int unit) override {
-    if (held_[unit] == 0) return Status::FailedPrecondition(StrCat("unit ", unit, " not held"));
-    --held_[unit];
-    return Status::Ok();
-  }
-  Result<bf16*> GradBuffer(int unit) override {
-    if (held_[unit] == 0) {
-      return Status::FailedPrecondition(StrCat("grad buffer of unit ", unit, " not held"));
-    }
-    if (pushed_[unit] != 0) return Status::FailedPrecondition(StrCat("unit ", unit, " pushed"));
-    ZT_RETURN_IF_ERROR(device_.Memset(grad_buffers_[unit], 0, layouts_[unit].padded * sizeof(bf16),
-                                      Stream::kCompute));
-    return grad_buffers_[unit];
-  }
-  Status PushGrads(int unit) override {
-    if (pushes_++ == fail_push_at_) return Status::IoError("injected push failure");
-    if (held_[unit] == 0) return Status::FailedPrecondition(StrCat("push of unit ", unit));
-    ++pushed_[unit];
-    grads_[unit].resize(layouts_[unit].padded);
-    ZT_RETURN_IF_ERROR(device_.CopyToHost(grads_[unit].data(), grad_buffers_[unit],
-                                          grads_[unit].size() * sizeof(bf16), Stream::kCompute));
-    return device_.Synchronize(Stream::kCompute);
-  }
-
-  void FailAcquireAt(int n) { fail_acquire_at_ = n; }
-  void FailPushAt(int n) { fail_push_at_ = n; }
-  int acquires() const { return acquires_; }
-  const std::vector<int>& order() const { return order_; }
-  const std::vector<int>& pushed() const { return pushed_; }
-  bool AllReleased() const {
-    return std::all_of(held_.begin(), held_.end(), [](int h) { return h == 0; });
-  }
-  // The unit's pushed bf16 grads (padded).
-  const std::vector<bf16>& grads(int unit) const { return grads_[unit]; }
-
- private:
-  bf16* Alloc(size_t elems, MemoryPurpose purpose) {
-    Result<void*> p = device_.Allocate(elems * sizeof(bf16), purpose);
-    ZT_CHECK_MSG(p.ok(), p.status().ToString());
-    return static_cast<bf16*>(*p);
-  }
-
-  Device& device_;
-  const std::vector<engine::UnitLayout>& layouts_;
-  std::vector<bf16*> params_;
-  std::vector<bf16*> grad_buffers_;
-  std::vector<int> held_;
-  std::vector<int> pushed_;
-  std::vector<std::vector<bf16>> grads_;
-  std::vector<int> order_;
-  int acquires_ = 0;
-  int pushes_ = 0;
-  int fail_acquire_at_ = -1;
-  int fail_push_at_ = -1;
-};
+using testing::GptMemorySource;
 
 // Expected acquire order of a training micro-step.
 std::vector<int> TrainOrder(const Config& config) {
@@ -323,7 +235,7 @@ struct StepResult {
 StepResult TrainStep(Gpt& gpt, Device& device, const std::vector<engine::UnitLayout>& layouts,
                      const std::vector<std::vector<float>>& weights,
                      const std::vector<int32_t>& tokens, float grad_scale = 1.0f) {
-  MemorySource source(device, layouts, weights);
+  GptMemorySource source(device, layouts, weights);
   Result<float> loss = gpt.TrainMicroStep(source, tokens.data(), grad_scale);
   ZT_CHECK_MSG(loss.ok(), loss.status().ToString());
   ZT_CHECK(source.AllReleased());
@@ -371,7 +283,7 @@ TEST(GptTest, ProtocolOrderAndSinglePushPerUnit) {
     const auto weights = GptInitWeights(config, layouts, 1);
     const std::vector<int32_t> tokens = RandomTokens(config, 2, 3);
 
-    MemorySource train(*device, layouts, weights);
+    GptMemorySource train(*device, layouts, weights);
     Result<float> loss = gpt->TrainMicroStep(train, tokens.data(), 1.0f);
     ASSERT_TRUE(loss.ok()) << loss.status();
     EXPECT_EQ(train.order(), TrainOrder(config)) << "tied " << tied;
@@ -386,7 +298,7 @@ TEST(GptTest, ProtocolOrderAndSinglePushPerUnit) {
 
     // Forward only: every unit once (the embedding again beside a tied
     // head), nothing pushed, the same loss.
-    MemorySource eval(*device, layouts, weights);
+    GptMemorySource eval(*device, layouts, weights);
     Result<float> eval_loss = gpt->Loss(eval, tokens.data());
     ASSERT_TRUE(eval_loss.ok()) << eval_loss.status();
     EXPECT_EQ(*eval_loss, *loss);
@@ -505,7 +417,7 @@ TEST(GptTest, FailuresReleaseEveryHeldUnit) {
   const std::vector<int32_t> tokens = RandomTokens(config, 2, 3);
   const int acquires = static_cast<int>(TrainOrder(config).size());
   for (int n = 0; n < acquires; ++n) {
-    MemorySource source(*device, layouts, weights);
+    GptMemorySource source(*device, layouts, weights);
     source.FailAcquireAt(n);
     Result<float> loss = gpt->TrainMicroStep(source, tokens.data(), 1.0f);
     ASSERT_FALSE(loss.ok()) << "acquire " << n;
@@ -514,7 +426,7 @@ TEST(GptTest, FailuresReleaseEveryHeldUnit) {
     EXPECT_TRUE(source.AllReleased()) << "acquire " << n;
   }
   for (int n = 0; n < static_cast<int>(layouts.size()); ++n) {
-    MemorySource source(*device, layouts, weights);
+    GptMemorySource source(*device, layouts, weights);
     source.FailPushAt(n);
     Result<float> loss = gpt->TrainMicroStep(source, tokens.data(), 1.0f);
     ASSERT_FALSE(loss.ok()) << "push " << n;
@@ -524,7 +436,7 @@ TEST(GptTest, FailuresReleaseEveryHeldUnit) {
     EXPECT_TRUE(source.AllReleased()) << "push " << n;
   }
   // After all that the model still trains.
-  MemorySource source(*device, layouts, weights);
+  GptMemorySource source(*device, layouts, weights);
   EXPECT_TRUE(gpt->TrainMicroStep(source, tokens.data(), 1.0f).ok());
   EXPECT_TRUE(source.AllReleased());
 }
@@ -680,7 +592,7 @@ TEST(GptTest, CreateAndStepRejectBadInput) {
   const auto weights = GptInitWeights(config, layouts, 1);
   std::vector<int32_t> tokens = RandomTokens(config, 2, 3);
   tokens[9] = config.vocab;  // row 1, position 2
-  MemorySource source(*device, layouts, weights);
+  GptMemorySource source(*device, layouts, weights);
   Result<float> loss = gpt->TrainMicroStep(source, tokens.data(), 1.0f);
   EXPECT_EQ(loss.status().code(), StatusCode::kInvalidArgument);
   EXPECT_NE(loss.status().message().find("row 1, position 2"), std::string::npos) << loss.status();
