@@ -269,7 +269,8 @@ int RunTrain(int argc, char** argv) {
   bool made_dir = false;
   if (dir.empty()) {
     const char* tmp = std::getenv("TMPDIR");
-    std::string pattern = StrCat(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp", "/ztier-bench-train.XXXXXX");
+    const std::string base = tmp != nullptr && *tmp != '\0' ? tmp : "/tmp";
+    std::string pattern = base + "/ztier-bench-train.XXXXXX";  // mkdtemp's template
     if (::mkdtemp(pattern.data()) == nullptr) {
       return FailExit(Status::IoError(StrCat("mkdtemp ", pattern, ": ", std::strerror(errno))),
                       "train");
