@@ -6,6 +6,7 @@
 #include "client/ztier_c.h"
 
 #include <chrono>
+#include <cstddef>
 #include <cstring>
 #include <string>
 
@@ -293,6 +294,7 @@ void ztier_runner_options_init(ztier_runner_options* options) {
   options->prefetch_depth = d.prefetch_depth;
   options->max_live_bytes = d.max_live_bytes;
   options->persistence_threshold = d.persistence_threshold;
+  options->coalesce_bytes = d.coalesce_bytes;
 }
 
 ztier_status ztier_runner_create(ztier_model* model, ztier_device* device,
@@ -306,6 +308,10 @@ ztier_status ztier_runner_create(ztier_model* model, ztier_device* device,
     o.prefetch_depth = options->prefetch_depth;
     o.max_live_bytes = options->max_live_bytes;
     o.persistence_threshold = options->persistence_threshold;
+    // An older caller's smaller struct: the fields it lacks keep their defaults.
+    if (options->struct_size >= offsetof(ztier_runner_options, coalesce_bytes) + sizeof(uint64_t)) {
+      o.coalesce_bytes = options->coalesce_bytes;
+    }
   }
   Result<std::unique_ptr<ztier::client::Stage3Runner>> r =
       ztier::client::Stage3Runner::Create(*model->model, 0, *device->device, nullptr, o);

@@ -165,7 +165,9 @@ class HostDevice final : public Device {
     return RunCopy(stream, "d2d", dst, src, bytes);
   }
   Status Memset(void* dst, int value, size_t bytes, Stream stream) override {
-    return Run(stream, "memset", [=] { std::memset(dst, value, bytes); });
+    return Run(
+        stream, "memset", [=] { std::memset(dst, value, bytes); }, static_cast<uint8_t*>(dst),
+        bytes);
   }
 
   Result<std::unique_ptr<Event>> Record(Stream stream) override {
@@ -221,29 +223,53 @@ class HostDevice final : public Device {
   struct Task {
     std::string label;  // empty: not a span of the timeline
     std::function<void()> fn;
+    // The bytes a copy or fill writes (checked copies: a later copy on the
+    // stream may read them before this task has run).
+    const uint8_t* write = nullptr;
+    size_t write_bytes = 0;
   };
+
+  // Whether work queued on `stream` and not yet finished writes into
+  // [src, src + bytes): a copy reading it then reads what that work leaves,
+  // in stream order, and its source may change before it runs.
+  bool WrittenAhead(Stream stream, const void* src, size_t bytes) {
+    CopyQueue& q = Queue(stream);
+    const auto* a = static_cast<const uint8_t*>(src);
+    const auto overlaps = [&](const uint8_t* w, size_t n) {
+      return w != nullptr && w < a + bytes && a < w + n;
+    };
+    std::lock_guard<std::mutex> lock(q.mu);
+    if (overlaps(q.running_write, q.running_write_bytes)) return true;
+    return std::any_of(q.tasks.begin(), q.tasks.end(),
+                       [&](const Task& t) { return overlaps(t.write, t.write_bytes); });
+  }
 
   // A copy; in test mode, delayed and checked (see HostDeviceOptions).
   Status RunCopy(Stream stream, const char* label, void* dst, const void* src, size_t bytes) {
-    if (!IsCopy(stream) || !options_.check_copy_sources) {
-      return Run(stream, label, [=] { std::memcpy(dst, src, bytes); });
+    const auto* written = static_cast<const uint8_t*>(dst);
+    if (!IsCopy(stream) || !options_.check_copy_sources || WrittenAhead(stream, src, bytes)) {
+      return Run(stream, label, [=] { std::memcpy(dst, src, bytes); }, written, bytes);
     }
     const uint32_t queued = Crc32c(src, bytes);
     std::shared_ptr<Hazard> hazard = hazard_;
-    return Run(stream, label, [=] {
+    return Run(
+        stream, label,
+        [=] {
       if (Crc32c(src, bytes) != queued) {
         hazard->Set(Status::Internal(
             StrCat("host device (checked copies): the source of a ", label, " copy of ", bytes,
                    " bytes changed between the call that queued it and its run: a buffer was "
                    "released or reused before its copy finished")));
       }
-      std::memcpy(dst, src, bytes);
-    });
+          std::memcpy(dst, src, bytes);
+        },
+        written, bytes);
   }
 
-  Status Run(Stream stream, const char* label, std::function<void()> fn) {
+  Status Run(Stream stream, const char* label, std::function<void()> fn,
+             const uint8_t* write = nullptr, size_t write_bytes = 0) {
     if (IsCopy(stream)) {
-      Enqueue(stream, label, std::move(fn));
+      Enqueue(stream, label, std::move(fn), write, write_bytes);
       return Status::Ok();
     }
     fn();
@@ -256,16 +282,19 @@ class HostDevice final : public Device {
     std::mutex mu;
     std::condition_variable cv;
     std::deque<Task> tasks;
+    const uint8_t* running_write = nullptr;  // of the task running now
+    size_t running_write_bytes = 0;
     bool stop = false;
     std::thread thread;
   };
   CopyQueue& Queue(Stream s) { return queues_[s == Stream::kCopyOut ? 1 : 0]; }
 
-  void Enqueue(Stream stream, std::string label, std::function<void()> fn) {
+  void Enqueue(Stream stream, std::string label, std::function<void()> fn,
+               const uint8_t* write = nullptr, size_t write_bytes = 0) {
     CopyQueue& q = Queue(stream);
     {
       std::lock_guard<std::mutex> lock(q.mu);
-      q.tasks.push_back({std::move(label), std::move(fn)});
+      q.tasks.push_back({std::move(label), std::move(fn), write, write_bytes});
     }
     q.cv.notify_one();
   }
@@ -279,12 +308,18 @@ class HostDevice final : public Device {
         if (q.tasks.empty()) return;  // stopping, and everything queued is done
         task = std::move(q.tasks.front());
         q.tasks.pop_front();
+        q.running_write = task.write;
+        q.running_write_bytes = task.write_bytes;
       }
       if (options_.copy_delay.count() > 0 && !task.label.empty()) {
         std::this_thread::sleep_for(options_.copy_delay);
       }
       const Clock::time_point t0 = Clock::now();
       task.fn();
+      {
+        std::lock_guard<std::mutex> lock(q.mu);
+        q.running_write = nullptr;
+      }
       if (!task.label.empty()) {
         AddSpan({.stream = q.stream, .label = task.label, .start = t0, .end = Clock::now()});
       }

@@ -31,6 +31,16 @@
 // their fetch waits on the engine's optimizer unit by unit, which is the
 // overlap of the optimizer with the next forward pass.
 //
+// Coalescing (options.coalesce_bytes): a fetch of a small unit takes along
+// the small units after it in the learned order, one copy of their span of
+// the engine's memory into a staging buffer, then device-side copies into
+// their buffers (each rank copies them whole: no all-gather); with R = 1
+// small pushes are held on the caller's side until they fill a copy, a
+// large unit is pushed, or Step(), then copied into the staging buffer laid
+// out as their inboxes are, and to the host in one copy. Where the units'
+// host buffers are not one span (params on NVMe: no fetch coalescing) the
+// copies go one by one.
+//
 // Failure: the first transfer error is kept; it fails the acquire or Step
 // that waits on it and every later call.
 #include <algorithm>
@@ -38,6 +48,7 @@
 #include <condition_variable>
 #include <deque>
 #include <map>
+#include <optional>
 #include <mutex>
 #include <thread>
 
@@ -81,13 +92,22 @@ struct PhaseSpan {
   bool push;  // of a push (else of a fetch)
 };
 
-struct Transfer {
-  enum class Kind : uint8_t { kFetch, kPush } kind;
+// One unit of a transfer: its buffer (a fetch's param buffer, a push's
+// grad buffer), the grads' readiness (push) and the caller's ticket.
+struct Part {
   int unit;
-  int64_t version;
-  void* buffer;                  // fetch: the unit's param buffer; push: the grad buffer
+  void* buffer;
   std::unique_ptr<Event> ready;  // push: the compute stream's grads are written
   std::shared_ptr<Ticket> ticket;
+};
+
+// A fetch or push of one unit, or of a coalesced run of small units (one
+// copy over the link through a staging buffer; parts in order).
+struct Transfer {
+  enum class Kind : uint8_t { kFetch, kPush } kind;
+  int64_t version;
+  bool coalesced = false;
+  std::vector<Part> parts;
 };
 
 // The caller's view of one unit.
@@ -116,6 +136,11 @@ struct Stage3Runner::Impl {
   int rank = 0, world = 1, job = 0, accumulation = 1;
   std::vector<UnitState> units;
   void* shard_buffer = nullptr;                         // reduce-scatter output (R > 1)
+  // Coalesced copies (options.coalesce_bytes): a staging buffer on the
+  // device for each direction, `staging_bytes` each; null when no unit is
+  // small enough.
+  void *fetch_staging = nullptr, *push_staging = nullptr;
+  uint64_t staging_bytes = 0;
   std::vector<std::pair<void*, uint64_t>> host_ranges;  // registered with the device
 
   // Caller-thread state.
@@ -135,6 +160,11 @@ struct Stage3Runner::Impl {
   int order_key = 0;
   std::map<int, Order> orders;
   RunnerStats stats;
+  // Small units' pushes (R = 1) held until they fill a coalesced copy, the
+  // next push of a large unit, or Step(); `pending_span` is their
+  // page-rounded bytes.
+  std::vector<Part> pending_pushes;
+  uint64_t pending_span = 0;
 
   // Transfer threads: `thread` runs `queue` (fetches, and with R > 1 the
   // pushes too); with R = 1 `push_thread` runs `push_queue`.
@@ -145,6 +175,7 @@ struct Stage3Runner::Impl {
   bool stop = false;
   Status failure;  // first transfer error
   uint64_t h2d = 0, d2h = 0;
+  int64_t h2d_copies = 0, d2h_copies = 0;
   // The transfer thread's phases not yet laid against a wait of the caller
   // (pruned at each wait's end: waits are sequential, on the caller thread).
   std::deque<PhaseSpan> spans;
@@ -161,6 +192,7 @@ struct Stage3Runner::Impl {
     // Finish what is queued rather than drop it: with R > 1 a peer may
     // already be inside the collective of a queued fetch, and would wait for
     // this rank forever. (After a failure the queue drains without work.)
+    (void)FlushPushes();
     (void)Drain();
     {
       std::lock_guard<std::mutex> lock(mu);
@@ -174,6 +206,8 @@ struct Stage3Runner::Impl {
       device->Free(u.grads);
     }
     device->Free(shard_buffer);
+    device->Free(fetch_staging);
+    device->Free(push_staging);
     for (const auto& [base, bytes] : host_ranges) {
       Status s = device->UnregisterHost(base, bytes);
       if (!s.ok()) {
@@ -200,7 +234,7 @@ struct Stage3Runner::Impl {
         std::lock_guard<std::mutex> lock(mu);
         if (failure.ok()) failure = s;
       }
-      t.ticket->Complete(s);
+      for (Part& p : t.parts) p.ticket->Complete(s);
       Finish(t);
     }
   }
@@ -250,7 +284,9 @@ struct Stage3Runner::Impl {
   }
 
   void Finish(Transfer& t) {
-    if (t.kind == Transfer::Kind::kPush) device->Free(t.buffer);
+    if (t.kind == Transfer::Kind::kPush) {
+      for (Part& p : t.parts) device->Free(p.buffer);
+    }
     {
       std::lock_guard<std::mutex> lock(mu);
       --in_flight;
@@ -264,13 +300,22 @@ struct Stage3Runner::Impl {
     return done->Synchronize();
   }
 
+  void CountCopies(uint64_t bytes, int64_t copies, bool to_device) {
+    CountTraffic(to_device ? engine::kHostToDeviceBytes : engine::kDeviceToHostBytes, bytes);
+    std::lock_guard<std::mutex> lock(mu);
+    (to_device ? h2d : d2h) += bytes;
+    (to_device ? h2d_copies : d2h_copies) += copies;
+  }
+
   Status Fetch(const Transfer& t) {
-    const UnitState& u = units[t.unit];
+    if (t.coalesced) return FetchCoalesced(t);
+    const int unit = t.parts[0].unit;
+    const UnitState& u = units[unit];
     Clock::time_point at = Clock::now();
     ZT_ASSIGN_OR_RETURN(const bf16* host,
-                        transport->AcquireParams(job, t.unit, t.version, options.timeout));
+                        transport->AcquireParams(job, unit, t.version, options.timeout));
     at = Mark(Phase::kOptimizer, false, at);
-    auto* dst = static_cast<bf16*>(t.buffer);
+    auto* dst = static_cast<bf16*>(t.parts[0].buffer);
     Status s;
     if (world == 1) {
       s = device->CopyToDevice(dst, host, u.bytes, Stream::kCopy);
@@ -285,31 +330,112 @@ struct Stage3Runner::Impl {
       if (s.ok()) s = SyncCopies(Stream::kCopy);
       Mark(Phase::kCollective, false, at);
     }
-    Status r = transport->ReleaseParams(job, t.unit);
+    Status r = transport->ReleaseParams(job, unit);
     ZT_RETURN_IF_ERROR(s);
     ZT_RETURN_IF_ERROR(r);
-    const uint64_t bytes = world == 1 ? u.bytes : u.shard * sizeof(bf16);
-    CountTraffic(engine::kHostToDeviceBytes, bytes);
-    std::lock_guard<std::mutex> lock(mu);
-    h2d += bytes;
+    CountCopies(world == 1 ? u.bytes : u.shard * sizeof(bf16), 1, /*to_device=*/true);
+    return Status::Ok();
+  }
+
+  // Where host ranges of `bytes[i]` at `host[i]` lie in one span that a
+  // staging buffer of `capacity` bytes holds: in address order, each after
+  // the one before, at most the rest of its page apart (the engine's buffers
+  // of a job are page-rounded blocks of one region, in unit order). Their
+  // offsets in the span, the span's start and its length; nothing when they
+  // do not (params on NVMe come from cache slots in any order), and the
+  // copies go one by one.
+  template <typename Byte>  // uint8_t (inboxes) or const uint8_t (params)
+  struct SpanLayout {
+    std::vector<uint64_t> offsets;
+    Byte* start;
+    uint64_t length;
+  };
+  template <typename Byte>
+  static std::optional<SpanLayout<Byte>> Span(const std::vector<Byte*>& host,
+                                              const std::vector<uint64_t>& bytes,
+                                              uint64_t capacity) {
+    std::vector<size_t> order(host.size());
+    for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+    std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return host[a] < host[b]; });
+    for (size_t i = 1; i < order.size(); ++i) {
+      const Byte* end = host[order[i - 1]] + bytes[order[i - 1]];
+      const Byte* next = host[order[i]];
+      if (next < end || next - end >= 4096) return std::nullopt;
+    }
+    Byte* start = host[order.front()];
+    const uint64_t length = host[order.back()] + bytes[order.back()] - start;
+    if (length > capacity) return std::nullopt;
+    SpanLayout<Byte> span{.offsets = std::vector<uint64_t>(host.size()), .start = start, .length = length};
+    for (size_t i = 0; i < host.size(); ++i) span.offsets[i] = host[i] - start;
+    return span;
+  }
+
+  // Small units, each whole on every rank (no all-gather: for units this
+  // small the collective's latency is what costs), in one copy to the
+  // staging buffer, then to their buffers on the device.
+  Status FetchCoalesced(const Transfer& t) {
+    Clock::time_point at = Clock::now();
+    std::vector<const uint8_t*> host;
+    std::vector<uint64_t> bytes;
+    Status s;
+    for (const Part& p : t.parts) {
+      Result<const bf16*> h = transport->AcquireParams(job, p.unit, t.version, options.timeout);
+      if (!h.ok()) {
+        s = h.status();
+        break;
+      }
+      host.push_back(reinterpret_cast<const uint8_t*>(*h));
+      bytes.push_back(units[p.unit].bytes);
+    }
+    at = Mark(Phase::kOptimizer, false, at);
+    uint64_t moved = 0;
+    int64_t copies = 0;
+    if (s.ok()) {
+      if (std::optional<SpanLayout<const uint8_t>> span = Span(host, bytes, staging_bytes)) {
+        s = device->CopyToDevice(fetch_staging, span->start, span->length, Stream::kCopy);
+        for (size_t i = 0; s.ok() && i < t.parts.size(); ++i) {
+          s = device->CopyOnDevice(t.parts[i].buffer,
+                                   static_cast<uint8_t*>(fetch_staging) + span->offsets[i],
+                                   bytes[i], Stream::kCopy);
+        }
+        moved = span->length;
+        copies = 1;
+      } else {
+        for (size_t i = 0; s.ok() && i < t.parts.size(); ++i) {
+          s = device->CopyToDevice(t.parts[i].buffer, host[i], bytes[i], Stream::kCopy);
+          moved += bytes[i];
+          ++copies;
+        }
+      }
+      if (s.ok()) s = SyncCopies(Stream::kCopy);
+      Mark(Phase::kHostToDevice, false, at);
+    }
+    for (size_t i = 0; i < host.size(); ++i) {
+      Status r = transport->ReleaseParams(job, t.parts[i].unit);
+      if (s.ok()) s = r;
+    }
+    ZT_RETURN_IF_ERROR(s);
+    CountCopies(moved, copies, /*to_device=*/true);
     return Status::Ok();
   }
 
   Status Push(const Transfer& t) {
-    const UnitState& u = units[t.unit];
+    if (t.coalesced) return PushCoalesced(t);
+    const int unit = t.parts[0].unit;
+    const UnitState& u = units[unit];
     // The compute stream's kernels that write the grads finish first (what
     // a wait spends here is compute).
     Clock::time_point at = Clock::now();
-    ZT_RETURN_IF_ERROR(t.ready->Synchronize());
-    ZT_RETURN_IF_ERROR(device->Wait(Stream::kCopyOut, *t.ready));
+    ZT_RETURN_IF_ERROR(t.parts[0].ready->Synchronize());
+    ZT_RETURN_IF_ERROR(device->Wait(Stream::kCopyOut, *t.parts[0].ready));
     at = Mark(Phase::kCompute, true, at);
     // The inbox is free once the engine has consumed the grads of the step
     // before: it has then published this version.
-    ZT_RETURN_IF_ERROR(transport->WaitPublished(job, t.unit, t.version, options.timeout));
+    ZT_RETURN_IF_ERROR(transport->WaitPublished(job, unit, t.version, options.timeout));
     at = Mark(Phase::kOptimizer, true, at);
-    const void* src = t.buffer;
+    const void* src = t.parts[0].buffer;
     if (world > 1) {
-      ZT_RETURN_IF_ERROR(collectives->ReduceScatter(static_cast<const bf16*>(t.buffer),
+      ZT_RETURN_IF_ERROR(collectives->ReduceScatter(static_cast<const bf16*>(src),
                                                     static_cast<bf16*>(shard_buffer), u.shard,
                                                     *device, Stream::kCopyOut));
       ZT_RETURN_IF_ERROR(SyncCopies(Stream::kCopyOut));
@@ -320,10 +446,52 @@ struct Stage3Runner::Impl {
         device->CopyToHost(u.inbox, src, u.shard * sizeof(bf16), Stream::kCopyOut));
     ZT_RETURN_IF_ERROR(SyncCopies(Stream::kCopyOut));
     Mark(Phase::kDeviceToHost, true, at);
-    ZT_RETURN_IF_ERROR(transport->GradsReady(job, t.unit, rank));
-    CountTraffic(engine::kDeviceToHostBytes, u.shard * sizeof(bf16));
-    std::lock_guard<std::mutex> lock(mu);
-    d2h += u.shard * sizeof(bf16);
+    ZT_RETURN_IF_ERROR(transport->GradsReady(job, unit, rank));
+    CountCopies(u.shard * sizeof(bf16), 1, /*to_device=*/false);
+    return Status::Ok();
+  }
+
+  // Small units' grads (R = 1) into the staging buffer on the device, laid
+  // out as their inboxes are on the host, then in one copy to the host.
+  Status PushCoalesced(const Transfer& t) {
+    Clock::time_point at = Clock::now();
+    for (const Part& p : t.parts) {
+      ZT_RETURN_IF_ERROR(p.ready->Synchronize());
+      ZT_RETURN_IF_ERROR(device->Wait(Stream::kCopyOut, *p.ready));
+    }
+    at = Mark(Phase::kCompute, true, at);
+    std::vector<uint8_t*> host;
+    std::vector<uint64_t> bytes;
+    for (const Part& p : t.parts) {
+      ZT_RETURN_IF_ERROR(transport->WaitPublished(job, p.unit, t.version, options.timeout));
+      host.push_back(reinterpret_cast<uint8_t*>(units[p.unit].inbox));
+      bytes.push_back(units[p.unit].shard * sizeof(bf16));
+    }
+    at = Mark(Phase::kOptimizer, true, at);
+    uint64_t moved = 0;
+    int64_t copies = 0;
+    if (std::optional<SpanLayout<uint8_t>> span = Span(host, bytes, staging_bytes)) {
+      for (size_t i = 0; i < t.parts.size(); ++i) {
+        ZT_RETURN_IF_ERROR(
+            device->CopyOnDevice(static_cast<uint8_t*>(push_staging) + span->offsets[i],
+                                 t.parts[i].buffer, bytes[i], Stream::kCopyOut));
+      }
+      ZT_RETURN_IF_ERROR(
+          device->CopyToHost(span->start, push_staging, span->length, Stream::kCopyOut));
+      moved = span->length;
+      copies = 1;
+    } else {
+      for (size_t i = 0; i < t.parts.size(); ++i) {
+        ZT_RETURN_IF_ERROR(device->CopyToHost(units[t.parts[i].unit].inbox, t.parts[i].buffer,
+                                              bytes[i], Stream::kCopyOut));
+        moved += bytes[i];
+        ++copies;
+      }
+    }
+    ZT_RETURN_IF_ERROR(SyncCopies(Stream::kCopyOut));
+    Mark(Phase::kDeviceToHost, true, at);
+    for (const Part& p : t.parts) ZT_RETURN_IF_ERROR(transport->GradsReady(job, p.unit, rank));
+    CountCopies(moved, copies, /*to_device=*/false);
     return Status::Ok();
   }
 
@@ -366,9 +534,19 @@ struct Stage3Runner::Impl {
   // Resident or in flight at the version this micro-step reads.
   bool Current(const UnitState& u) const { return u.params != nullptr && u.version == version; }
 
-  // Queues the fetch of `unit` at the current version into its buffer
-  // (allocated now unless a persistent buffer is kept).
-  Status QueueFetch(int unit) {
+  static uint64_t PageRound(uint64_t bytes) { return (bytes + 4095) / 4096 * 4096; }
+
+  // Whether a fetch or a push of this many bytes is coalesced with others.
+  bool SmallFetch(uint64_t bytes) const {
+    return fetch_staging != nullptr && bytes < options.coalesce_bytes;
+  }
+  bool SmallPush(uint64_t bytes) const {
+    return push_staging != nullptr && bytes < options.coalesce_bytes;
+  }
+
+  // Points the unit's buffer (allocated now unless a persistent buffer is
+  // kept) at the current version, for a fetch that `t` will carry.
+  Status AddFetchPart(Transfer& t, int unit) {
     UnitState& u = units[unit];
     if (u.params == nullptr) {
       ZT_ASSIGN_OR_RETURN(u.params, device->Allocate(u.bytes, MemoryPurpose::kParams));
@@ -377,12 +555,47 @@ struct Stage3Runner::Impl {
     u.version = version;
     u.fetch = std::make_shared<Ticket>();
     ++stats.fetches;
-    Enqueue({.kind = Transfer::Kind::kFetch,
-             .unit = unit,
-             .version = version,
-             .buffer = u.params,
-             .ready = nullptr,
-             .ticket = u.fetch});
+    t.parts.push_back({.unit = unit, .buffer = u.params, .ready = nullptr, .ticket = u.fetch});
+    return Status::Ok();
+  }
+
+  // Queues the fetch of `unit` at the current version. A small unit takes
+  // along the small units after it in the learned order from position
+  // `next` (while this pass follows it) that are not current, as long as
+  // they fit in one staging buffer and under the cap: one copy over the
+  // link for all of them.
+  Status QueueFetch(int unit, size_t next) {
+    Transfer t{.kind = Transfer::Kind::kFetch, .version = version, .coalesced = false, .parts = {}};
+    ZT_RETURN_IF_ERROR(AddFetchPart(t, unit));
+    if (SmallFetch(units[unit].bytes)) {
+      t.coalesced = true;
+      uint64_t span = PageRound(units[unit].bytes);
+      for (size_t i = next; following && i < learned.size(); ++i) {
+        const UnitState& w = units[learned[i]];
+        if (Current(w)) continue;  // resident, in flight, or already in this copy
+        if (!SmallFetch(w.bytes) || span + PageRound(w.bytes) > staging_bytes) break;
+        const uint64_t need = w.params == nullptr ? w.bytes : 0;
+        if (options.max_live_bytes > 0 && live_bytes + need > options.max_live_bytes) break;
+        // A unit the device cannot take now is fetched on its own later
+        // (AddFetchPart changes nothing when it fails).
+        if (!AddFetchPart(t, learned[i]).ok()) break;
+        span += PageRound(w.bytes);
+      }
+    }
+    Enqueue(std::move(t));
+    return Status::Ok();
+  }
+
+  // Queues the pushes held for coalescing as one transfer.
+  Status FlushPushes() {
+    if (pending_pushes.empty()) return Status::Ok();
+    Transfer t{.kind = Transfer::Kind::kPush,
+               .version = version,
+               .coalesced = true,
+               .parts = std::move(pending_pushes)};
+    pending_pushes.clear();
+    pending_span = 0;
+    Enqueue(std::move(t));
     return Status::Ok();
   }
 
@@ -414,7 +627,7 @@ struct Stage3Runner::Impl {
       if (Current(u)) continue;
       const uint64_t need = u.params == nullptr ? u.bytes : 0;
       if (options.max_live_bytes > 0 && live_bytes + need > options.max_live_bytes) break;
-      ZT_RETURN_IF_ERROR(QueueFetch(learned[i]));
+      ZT_RETURN_IF_ERROR(QueueFetch(learned[i], i + 1));
     }
     return Status::Ok();
   }
@@ -527,6 +740,10 @@ Result<std::unique_ptr<Stage3Runner>> Stage3Runner::Create(Model& model, int ran
                    : StrCat("rank ", collectives->rank(), " of ", collectives->world_size()),
                ")"));
   }
+  if (options.coalesce_bytes > (uint64_t{1} << 30)) {
+    return Status::InvalidArgument(StrCat(who, ": coalesce_bytes ", options.coalesce_bytes,
+                                          " is over 1 GiB"));
+  }
   if (options.prefetch_depth < 0) {
     return Status::InvalidArgument(
         StrCat(who, ": prefetch depth ", options.prefetch_depth, " < 0"));
@@ -594,6 +811,28 @@ Result<std::unique_ptr<Stage3Runner>> Stage3Runner::Create(Model& model, int ran
     ZT_ASSIGN_OR_RETURN(r.shard_buffer,
                         device.Allocate(max_shard * sizeof(bf16), MemoryPurpose::kGrads));
   }
+  // Staging for coalesced copies, when some unit is small: fetches with
+  // params in DRAM (the engine's publish buffers lie in unit order; on NVMe
+  // a fetch takes a param cache slot per unit, and a run of units could
+  // hold them all), pushes with one rank (with more, each unit's grads
+  // are reduce-scattered first).
+  r.staging_bytes = Impl::PageRound(options.coalesce_bytes);
+  const bool any_small =
+      std::any_of(r.units.begin(), r.units.end(),
+                  [&](const UnitState& u) { return u.bytes < options.coalesce_bytes; });
+  if (any_small) {
+    if (spec.param_tier == engine::Tier::kDram) {
+      ZT_ASSIGN_OR_RETURN(r.fetch_staging,
+                          device.Allocate(r.staging_bytes, MemoryPurpose::kOther));
+    }
+    if (r.world == 1) {
+      ZT_ASSIGN_OR_RETURN(r.push_staging, device.Allocate(r.staging_bytes, MemoryPurpose::kOther));
+      // What lies between the units' grads in a coalesced push reaches the
+      // host too (the unused tails of their inboxes' pages): zeros.
+      ZT_RETURN_IF_ERROR(device.Memset(r.push_staging, 0, r.staging_bytes, Stream::kCopyOut));
+      ZT_RETURN_IF_ERROR(r.SyncCopies(Stream::kCopyOut));
+    }
+  }
   r.thread = std::thread([&r] { r.Loop(r.queue); });
   if (r.world == 1) r.push_thread = std::thread([&r] { r.Loop(r.push_queue); });
   return std::unique_ptr<Stage3Runner>(new Stage3Runner(std::move(impl)));
@@ -612,7 +851,7 @@ Result<const bf16*> Stage3Runner::Acquire(int unit) {
           StrCat("Acquire: unit '", u.name, "' is still held from the previous step"));
     }
     ZT_RETURN_IF_ERROR(r.MakeRoom(unit));
-    ZT_RETURN_IF_ERROR(r.QueueFetch(unit));
+    ZT_RETURN_IF_ERROR(r.QueueFetch(unit, r.position));
   }
   if (r.following) ZT_RETURN_IF_ERROR(r.Prefetch(r.position));
   const Clock::time_point t0 = Clock::now();
@@ -664,14 +903,24 @@ Status Stage3Runner::PushGrads(int unit) {
   }
   ZT_RETURN_IF_ERROR(r.failure_snapshot());
   ZT_ASSIGN_OR_RETURN(std::unique_ptr<Event> ready, r.device->Record(Stream::kCompute));
-  r.Enqueue({.kind = Transfer::Kind::kPush,
-             .unit = unit,
-             .version = r.version,
-             .buffer = u.grads,
-             .ready = std::move(ready),
-             .ticket = std::make_shared<Ticket>()});
+  Part part{.unit = unit,
+            .buffer = u.grads,
+            .ready = std::move(ready),
+            .ticket = std::make_shared<Ticket>()};
   u.grads = nullptr;
   u.pushed = true;
+  const uint64_t bytes = u.shard * sizeof(bf16);
+  if (r.SmallPush(bytes)) {
+    // Held to go with the small pushes after it, in one copy.
+    if (r.pending_span + r.PageRound(bytes) > r.staging_bytes) ZT_RETURN_IF_ERROR(r.FlushPushes());
+    r.pending_pushes.push_back(std::move(part));
+    r.pending_span += r.PageRound(bytes);
+    return Status::Ok();
+  }
+  ZT_RETURN_IF_ERROR(r.FlushPushes());  // the engine sees grads in the order they were pushed
+  Transfer t{.kind = Transfer::Kind::kPush, .version = r.version, .coalesced = false, .parts = {}};
+  t.parts.push_back(std::move(part));
+  r.Enqueue(std::move(t));
   return Status::Ok();
 }
 
@@ -715,6 +964,7 @@ Status Stage3Runner::Step() {
           StrCat("Step: unit '", u.name, "' is still acquired; release every unit first"));
     }
   }
+  ZT_RETURN_IF_ERROR(r.FlushPushes());
   const Clock::time_point t0 = Clock::now();
   Status s = r.Drain();
   const Clock::time_point t1 = Clock::now();
@@ -756,6 +1006,8 @@ RunnerStats Stage3Runner::stats() const {
   std::lock_guard<std::mutex> lock(r.mu);
   s.h2d_bytes = r.h2d;
   s.d2h_bytes = r.d2h;
+  s.h2d_copies = r.h2d_copies;
+  s.d2h_copies = r.d2h_copies;
   return s;
 }
 

@@ -94,6 +94,7 @@ RunnerOptions RunnerOptionsFrom(const engine::Settings& settings) {
   o.prefetch_depth = settings.prefetch_depth;
   o.max_live_bytes = settings.max_live_parameters * sizeof(bf16);
   o.persistence_threshold = settings.param_persistence_threshold * sizeof(bf16);
+  o.coalesce_bytes = settings.coalesce_bytes;
   o.timeout = std::chrono::seconds(settings.wait_timeout_seconds);
   return o;
 }

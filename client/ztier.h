@@ -128,7 +128,8 @@ struct HostDeviceOptions {
   std::chrono::microseconds copy_delay{0};
   // Each kCopy copy checks that its source is unchanged between the call
   // that queued it and its run (a buffer released or reused before its copy
-  // finished); the first change fails every later Synchronize of the copy
+  // finished), unless work queued before it on its stream writes that
+  // source (stream order makes that change expected); the first change fails every later Synchronize of the copy
   // stream (and of its events' waiters) with a message naming the copy.
   bool check_copy_sources = false;
 };
@@ -384,6 +385,13 @@ struct RunnerOptions {
   // Units whose bf16 params take at most this many bytes stay on the device
   // once fetched (refreshed once per step), instead of being freed on release.
   uint64_t persistence_threshold = 0;
+  // Copies over the link smaller than this many bytes are coalesced: small
+  // units consecutive in the learned order are fetched in one copy (each
+  // whole on every rank, without an all-gather), and with world size 1
+  // their grads are pushed in one copy, through a staging buffer of this
+  // size on the device for each direction. 0: every unit is copied alone.
+  // At most 1 GiB.
+  uint64_t coalesce_bytes = uint64_t{4} << 20;
   // How long a transfer may wait on the engine (a published version, a slot).
   std::chrono::milliseconds timeout = std::chrono::minutes(10);
   // Adds each unit's compute span (acquire to release) to the device timeline.
@@ -392,7 +400,8 @@ struct RunnerOptions {
 
 // Runner options from the engine settings (config file keys
 // zero_optimization.stage3_max_live_parameters, .stage3_param_persistence_threshold,
-// ztier.prefetch_depth and ztier.wait_timeout, or their ZTIER_* variables);
+// ztier.prefetch_depth, ztier.coalesce_bytes and ztier.wait_timeout, or their
+// ZTIER_* variables);
 // bf16 params are 2 bytes.
 RunnerOptions RunnerOptionsFrom(const engine::Settings& settings);
 
@@ -403,6 +412,8 @@ struct RunnerStats {
   int64_t order_changes = 0;        // times the acquire order left the learned one
   uint64_t h2d_bytes = 0;           // params copied to this rank's device
   uint64_t d2h_bytes = 0;           // grads copied to the engine
+  int64_t h2d_copies = 0;           // copies over the link, each way (coalesced ones count once)
+  int64_t d2h_copies = 0;
   double acquire_wait_seconds = 0;  // the compute thread blocked in Acquire
   double step_wait_seconds = 0;     // Step() waiting for grads to land
   // The same waits (Acquire's and Step's) by what the transfers were doing
@@ -456,7 +467,9 @@ class Stage3Runner {
   // stream work queued so far): reduce-scatter when world_size > 1, copy of
   // this rank's shard into the engine's inbox, then the doorbell. The buffer
   // belongs to the runner again. Errors: OutOfRange, FailedPrecondition (no
-  // GradBuffer, or pushed twice in a micro-step).
+  // GradBuffer, or pushed twice in a micro-step). With one rank, a unit
+  // under options.coalesce_bytes is held until later pushes fill a copy
+  // (or a large unit's push, or Step()).
   Status PushGrads(int unit);
   // Pushes grads from the caller's own device buffer: `count` bf16 values,
   // the unit's numel or its padded size (the rest is zero), copied on the

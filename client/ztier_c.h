@@ -135,6 +135,7 @@ typedef struct ztier_runner_options {
   int32_t prefetch_depth;
   uint64_t max_live_bytes;        /* 0: no cap */
   uint64_t persistence_threshold; /* bytes */
+  uint64_t coalesce_bytes;        /* copies smaller than this are coalesced; 0: off */
 } ztier_runner_options;
 
 void ztier_runner_options_init(ztier_runner_options* options);

@@ -428,6 +428,20 @@ const std::vector<Tunable>& Table() {
          return Status::Ok();
        },
        [](const Settings& s) { return StrCat(s.prefetch_depth); }},
+      {{"ztier.coalesce_bytes"},
+       "ZTIER_COALESCE_BYTES",
+       JsonType::kSize,
+       "4M",
+       "Client: copies between host and device smaller than this are coalesced: small units "
+       "next to each other in the fetch order go in one copy each way (0: off; at most 1G).",
+       [](Settings& s, std::string_view t, std::string_view k) -> Status {
+         ZT_ASSIGN_OR_RETURN(s.coalesce_bytes, ParseSizeKey(t, k));
+         if (s.coalesce_bytes > (uint64_t{1} << 30)) {
+           return Status::InvalidArgument(StrCat(k, ": ", s.coalesce_bytes, " is over 1G"));
+         }
+         return Status::Ok();
+       },
+       [](const Settings& s) { return FormatSize(s.coalesce_bytes); }},
       {{"ztier.wait_timeout"},
        "ZTIER_WAIT_TIMEOUT",
        JsonType::kInteger,

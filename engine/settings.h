@@ -94,6 +94,9 @@ struct Settings {
   uint64_t max_live_parameters = 0;
   uint64_t param_persistence_threshold = 32768;
   int prefetch_depth = 2;
+  // Copies between host and device smaller than this are coalesced (bytes;
+  // 0: off).
+  uint64_t coalesce_bytes = uint64_t{4} << 20;
   // How long a client waits on the engine (a unit's publish, a cache slot)
   // before it fails with a message instead of hanging.
   uint32_t wait_timeout_seconds = 600;

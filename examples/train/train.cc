@@ -151,6 +151,8 @@ void Usage(std::ostream& os) {
         "  --prefetch D             units fetched ahead (default 2, ztier.prefetch_depth)\n"
         "  --max-live-bytes N       cap on param bytes on each device (default: none)\n"
         "  --persistence-threshold N  units up to N bytes stay on the device (default 64K)\n"
+        "  --coalesce N               copies to and from the device under N bytes are\n"
+        "                             coalesced (default 4M; 0: off)\n"
         "  --config PATH            settings file: a DeepSpeed ds_config.json (offload, aio,\n"
         "                           optimizer, batch sizes, clipping, accumulation) with ztier.*\n"
         "                           keys; ZTIER_* variables override it, flags override both\n"
@@ -255,6 +257,8 @@ Result<Flags> ParseFlags(int argc, char** argv) {
       s = setting("zero_optimization.stage3_max_live_parameters", bf16_bytes);
     } else if (a == "--persistence-threshold") {
       s = setting("zero_optimization.stage3_param_persistence_threshold", bf16_bytes);
+    } else if (a == "--coalesce") {
+      s = setting("ztier.coalesce_bytes", as_is);
     } else if (a == "--ranks") {
       s = integer(&f.ranks, 1, 1024);
     } else if (a == "--device") {
@@ -823,7 +827,8 @@ Status WriteSummary(const Flags& f, const Plan& p, const Measured& m,
       "\"tokens_per_s\": %.1f, \"step_seconds\": %.6f, \"compute_seconds\": %.6f, "
       "\"optimizer_wait_seconds\": %.6f, \"h2d_wait_seconds\": %.6f, \"d2h_wait_seconds\": %.6f, "
       "\"collective_wait_seconds\": %.6f, \"h2d_bytes_per_step\": %.0f, "
-      "\"d2h_bytes_per_step\": %.0f, \"engine_optimizer_seconds\": %.3f}\n",
+      "\"d2h_bytes_per_step\": %.0f, \"coalesce_bytes\": %llu, \"h2d_copies_per_step\": %.1f, "
+      "\"d2h_copies_per_step\": %.1f, \"engine_optimizer_seconds\": %.3f}\n",
       f.device.c_str(), f.ranks, f.model.layers, f.model.channels, f.model.heads, f.model.context,
       p.batch, p.accumulation, tier(p.settings.optimizer_tier), tier(p.settings.param_tier),
       p.settings.state_dtype == engine::StateDtype::kInt8 ? "int8" : "fp32",
@@ -831,7 +836,10 @@ Status WriteSummary(const Flags& f, const Plan& p, const Measured& m,
       p.settings.prefetch_depth, m.steps, SummarySkip(f), tokens_per_step / step_s, step_s,
       step_s - opt - h2d - d2h - coll, opt, h2d, d2h, coll,
       static_cast<double>(m.at_end.h2d_bytes - m.at_start.h2d_bytes) / n,
-      static_cast<double>(m.at_end.d2h_bytes - m.at_start.d2h_bytes) / n, c.optimizer_seconds);
+      static_cast<double>(m.at_end.d2h_bytes - m.at_start.d2h_bytes) / n,
+      static_cast<unsigned long long>(p.settings.coalesce_bytes),
+      static_cast<double>(m.at_end.h2d_copies - m.at_start.h2d_copies) / n,
+      static_cast<double>(m.at_end.d2h_copies - m.at_start.d2h_copies) / n, c.optimizer_seconds);
   return WriteFileAtomically(f.summary, buf).Annotate("--summary");
 }
 

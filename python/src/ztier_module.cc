@@ -534,6 +534,7 @@ NB_MODULE(_C, m) {
       .def_prop_ro("prefetch_depth", [](const Session& s) { return s.settings().prefetch_depth; })
       .def_prop_ro("wait_timeout",
                    [](const Session& s) { return double(s.settings().wait_timeout_seconds); })
+      .def_prop_ro("coalesce_bytes", [](const Session& s) { return s.settings().coalesce_bytes; })
       .def(
           "register_model",
           [](Session& s, const std::string& name, const std::vector<UnitTuple>& units,
@@ -597,11 +598,12 @@ NB_MODULE(_C, m) {
           "__init__",
           [](PyRunner* r, Model& model, int rank, PyDevice& device, PyCollectives* collectives,
              int prefetch_depth, uint64_t max_live_bytes, uint64_t persistence_threshold,
-             double timeout) {
+             uint64_t coalesce_bytes, double timeout) {
             client::RunnerOptions options{
                 .prefetch_depth = prefetch_depth,
                 .max_live_bytes = max_live_bytes,
                 .persistence_threshold = persistence_threshold,
+                .coalesce_bytes = coalesce_bytes,
                 .timeout = Millis(timeout),
                 .record_compute_spans = false,
             };
@@ -615,7 +617,8 @@ NB_MODULE(_C, m) {
             new (r) PyRunner{std::move(runner), device.device.get(), &model};
           },
           "model"_a, "rank"_a, "device"_a, "collectives"_a = nb::none(), "prefetch_depth"_a = 2,
-          "max_live_bytes"_a = 0, "persistence_threshold"_a = 0, "timeout"_a = 600.0,
+          "max_live_bytes"_a = 0, "persistence_threshold"_a = 0,
+          "coalesce_bytes"_a = client::RunnerOptions{}.coalesce_bytes, "timeout"_a = 600.0,
           nb::keep_alive<1, 2>(), nb::keep_alive<1, 4>(), nb::keep_alive<1, 5>())
       .def(
           "acquire",
@@ -685,6 +688,8 @@ NB_MODULE(_C, m) {
         d["order_changes"] = s.order_changes;
         d["h2d_bytes"] = s.h2d_bytes;
         d["d2h_bytes"] = s.d2h_bytes;
+        d["h2d_copies"] = s.h2d_copies;
+        d["d2h_copies"] = s.d2h_copies;
         d["acquire_wait_seconds"] = s.acquire_wait_seconds;
         d["step_wait_seconds"] = s.step_wait_seconds;
         d["wait_optimizer_seconds"] = s.wait_optimizer_seconds;

@@ -430,7 +430,9 @@ class Offload:
         if self.world_size > 1 and self._collectives is None:
             self._collectives = _C.job_collectives(self.job, self.rank, self._device)
         return _C.Runner(self.job, self.rank, self._device, self._collectives,
-                         prefetch_depth=self._prefetch, timeout=self.session.wait_timeout)
+                         prefetch_depth=self._prefetch,
+                         coalesce_bytes=self.session.coalesce_bytes,
+                         timeout=self.session.wait_timeout)
 
     def _meet_ranks(self, daemon, session, config, settings, name):
         """World size > 1 (torch.distributed, one process per rank, one node):

@@ -75,6 +75,9 @@ struct TrainSetup {
   // rather than through local collectives.
   bool job_collectives = false;
   engine::StateDtype state_dtype = engine::StateDtype::kFp32;
+  // Copies under this many bytes are coalesced (RunnerOptions; 0: each
+  // unit alone). The default takes every unit of the tiny GPT.
+  uint64_t coalesce_bytes = RunnerOptions{}.coalesce_bytes;
 };
 
 std::string Name(const TrainSetup& s) {
@@ -82,7 +85,11 @@ std::string Name(const TrainSetup& s) {
       s.optimizer_tier == Tier::kNvme ? (s.param_tier == Tier::kNvme ? "nvmeall" : "nvme") : "dram",
       "_r", s.ranks, s.clip > 0 ? "_clip" : "", "_acc", s.accumulation, "_d", s.prefetch,
       s.checked_copies ? "_checked" : "", s.job_collectives ? "_job" : "",
-      s.state_dtype == engine::StateDtype::kInt8 ? "_int8" : "");
+      s.state_dtype == engine::StateDtype::kInt8 ? "_int8" : "",
+      s.coalesce_bytes == 0 ? "_alone"
+      : s.coalesce_bytes == RunnerOptions{}.coalesce_bytes
+          ? ""
+          : StrCat("_coalesce", s.coalesce_bytes));
 }
 
 engine::OptimizerConfig Optimizer(const TrainSetup& s) {
@@ -186,6 +193,7 @@ Status TrainThroughRunner(const TrainSetup& s, Model& model, int64_t first, int6
         const RunnerOptions options{.prefetch_depth = s.prefetch,
                                     .max_live_bytes = s.max_live_bytes,
                                     .persistence_threshold = s.persistence_threshold,
+                                    .coalesce_bytes = s.coalesce_bytes,
                                     .timeout = std::chrono::seconds(60),
                                     .record_compute_spans = timeline};
         ZT_ASSIGN_OR_RETURN(std::unique_ptr<Stage3Runner> runner,
@@ -369,6 +377,21 @@ std::vector<TrainSetup> EquivalenceCases() {
       s.prefetch = 2;
       s.optimizer_tier = s.param_tier = tier;
       s.checked_copies = true;
+      cases.push_back(s);
+    }
+  }
+  // Each unit copied alone, and runs of units split between coalesced
+  // copies (a limit that takes two or three of the tiny GPT's units).
+  for (uint64_t coalesce : {uint64_t{0}, uint64_t{40} << 10}) {
+    for (int ranks : {1, 2}) {
+      TrainSetup s;
+      s.ranks = ranks;
+      s.clip = 0.05f;
+      s.accumulation = ranks;
+      s.prefetch = ranks;
+      s.checked_copies = ranks == 1;
+      s.persistence_threshold = coalesce == 0 ? 0 : 8192;
+      s.coalesce_bytes = coalesce;
       cases.push_back(s);
     }
   }
@@ -797,6 +820,7 @@ TEST_F(RunnerErrorsTest, PrefetchFetchesExactlyTheNextUnitsOfTheLearnedOrder) {
     RunnerOptions o;
     o.prefetch_depth = depth;
     o.persistence_threshold = 0;
+    o.coalesce_bytes = 0;  // each unit fetched alone (coalescing has its own test)
     runner_.reset();
     auto runner = Stage3Runner::Create(*model_, 0, *dev_, nullptr, o);
     ASSERT_TRUE(runner.ok()) << runner.status();
@@ -808,6 +832,80 @@ TEST_F(RunnerErrorsTest, PrefetchFetchesExactlyTheNextUnitsOfTheLearnedOrder) {
       EXPECT_EQ(st.prefetch_hits, depth == 0 ? 0 : (micro - 1) * n) << "after micro-step " << micro;
     }
   }
+}
+
+// Coalesced copies, counted exactly (the tiny GPT's 4 units are all under
+// the default limit, forward order, depth 2): the learning micro-step
+// fetches each unit alone (no order is known yet); from then on Step()
+// fetches the whole next micro-step in one copy (the prefetch of unit 0
+// takes along the small units after it, past the prefetch depth), and
+// every micro-step's 4 pushes go in one copy at Step(). The bytes moved are
+// the units' page-rounded spans; training matches each-unit-alone bit for
+// bit (the equivalence cases).
+TEST_F(RunnerErrorsTest, SmallUnitsGoInOneCopyEachWay) {
+  const int n = model_->units();
+  ASSERT_EQ(n, 4);
+  uint64_t bytes = 0, span = 0;
+  for (int k = 0; k < n; ++k) {
+    const uint64_t b = model_->layout(k).padded * sizeof(bf16);
+    ASSERT_LT(b, RunnerOptions{}.coalesce_bytes);
+    bytes += b;
+    span += k + 1 < n ? (b + 4095) / 4096 * 4096 : b;
+  }
+  runner_.reset();
+  RunnerOptions o;
+  o.persistence_threshold = 0;
+  auto runner = Stage3Runner::Create(*model_, 0, *dev_, nullptr, o);
+  ASSERT_TRUE(runner.ok()) << runner.status();
+  const std::vector<int> forward = {0, 1, 2, 3};
+  for (int micro = 1; micro <= 3; ++micro) {
+    SCOPED_TRACE(StrCat("micro-step ", micro));
+    for (int k : forward) {
+      ASSERT_TRUE((*runner)->Acquire(k).ok());
+      ASSERT_TRUE((*runner)->Release(k).ok());
+    }
+    RunnerStats stats = (*runner)->stats();  // every fetch of this micro-step is done
+    EXPECT_EQ(stats.fetches, n * micro);
+    EXPECT_EQ(stats.prefetch_hits, n * (micro - 1));
+    EXPECT_EQ(stats.h2d_copies, n + micro - 1);
+    EXPECT_EQ(stats.h2d_bytes, bytes + span * (micro - 1));
+    for (int k = n - 1; k >= 0; --k) {
+      ASSERT_TRUE((*runner)->GradBuffer(k).ok());
+      ASSERT_TRUE((*runner)->PushGrads(k).ok());
+    }
+    EXPECT_EQ((*runner)->stats().d2h_copies, micro - 1);  // held until Step()
+    ASSERT_TRUE((*runner)->Step().ok());
+    stats = (*runner)->stats();  // Step() waited for the pushes
+    EXPECT_EQ(stats.d2h_copies, micro);
+    EXPECT_EQ(stats.d2h_bytes, span * micro);
+  }
+  // Off: a copy per unit each way.
+  runner->reset();
+  o.coalesce_bytes = 0;
+  runner = Stage3Runner::Create(*model_, 0, *dev_, nullptr, o);
+  ASSERT_TRUE(runner.ok()) << runner.status();
+  ASSERT_TRUE(MicroStep(**runner, forward, n).ok());
+  ASSERT_TRUE(MicroStep(**runner, forward, n).ok());
+  for (int k : forward) {  // a third forward pass: every fetch queued so far has landed
+    ASSERT_TRUE((*runner)->Acquire(k).ok());
+    ASSERT_TRUE((*runner)->Release(k).ok());
+  }
+  const RunnerStats stats = (*runner)->stats();
+  EXPECT_EQ(stats.fetches, 3 * n);
+  EXPECT_EQ(stats.h2d_copies, stats.fetches);
+  EXPECT_EQ(stats.d2h_copies, 2 * n);
+  EXPECT_EQ(stats.d2h_bytes, 2 * bytes);
+}
+
+// A limit over 1 GiB is refused.
+TEST_F(RunnerErrorsTest, CoalesceLimitIsChecked) {
+  RunnerOptions o;
+  o.coalesce_bytes = (uint64_t{1} << 30) + 1;
+  auto runner = Stage3Runner::Create(*model_, 0, *dev_, nullptr, o);
+  ASSERT_FALSE(runner.ok());
+  EXPECT_EQ(runner.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(runner.status().ToString().find("coalesce_bytes"), std::string::npos)
+      << runner.status();
 }
 
 // A runner made right after another one's Step(), while the engine's
