@@ -191,6 +191,7 @@ struct Figures {
   std::string placement, mode;
   double tokens_per_s = 0, step = 0, compute = 0, optimizer = 0, h2d = 0, d2h = 0, coll = 0;
   double h2d_bytes = 0, d2h_bytes = 0;
+  double h2d_copies = 0, d2h_copies = 0;  // over the link, per step
 };
 
 Result<Figures> RunOne(const Options& o, const std::string& train, const fs::path& dir,
@@ -242,6 +243,8 @@ Result<Figures> RunOne(const Options& o, const std::string& train, const fs::pat
   ZT_ASSIGN_OR_RETURN(f.coll, Number(json, "collective_wait_seconds"));
   ZT_ASSIGN_OR_RETURN(f.h2d_bytes, Number(json, "h2d_bytes_per_step"));
   ZT_ASSIGN_OR_RETURN(f.d2h_bytes, Number(json, "d2h_bytes_per_step"));
+  ZT_ASSIGN_OR_RETURN(f.h2d_copies, Number(json, "h2d_copies_per_step"));
+  ZT_ASSIGN_OR_RETURN(f.d2h_copies, Number(json, "d2h_copies_per_step"));
   std::error_code ec;
   fs::remove_all(out, ec);  // checkpoint, export and swap of the run
   return f;
@@ -251,10 +254,11 @@ void PrintRow(const Figures& f, double ratio) {
   const double ms = 1e3;
   char r[32] = "";
   if (ratio > 0) std::snprintf(r, sizeof(r), "%.3f", ratio);
-  std::printf("  %-9s %-10s %10.0f %9.1f %9.1f %9.1f %9.1f %9.1f %9.1f %9.2f %9.2f   %s\n",
-              f.placement.c_str(), f.mode.c_str(), f.tokens_per_s, f.step * ms, f.compute * ms,
-              f.optimizer * ms, f.h2d * ms, f.d2h * ms, f.coll * ms, f.h2d_bytes / 1e6,
-              f.d2h_bytes / 1e6, r);
+  std::printf(
+      "  %-9s %-10s %10.0f %9.1f %9.1f %9.1f %9.1f %9.1f %9.1f %9.2f %9.2f %6.1f %6.1f   %s\n",
+      f.placement.c_str(), f.mode.c_str(), f.tokens_per_s, f.step * ms, f.compute * ms,
+      f.optimizer * ms, f.h2d * ms, f.d2h * ms, f.coll * ms, f.h2d_bytes / 1e6, f.d2h_bytes / 1e6,
+      f.h2d_copies, f.d2h_copies, r);
 }
 
 }  // namespace
@@ -291,9 +295,9 @@ int RunTrain(int argc, char** argv) {
       "persistence threshold), resident = every unit kept on the device\n",
       o.device.c_str(), o.layers, o.channels, o.heads, o.context, o.batch, o.ranks, o.steps,
       o.steps - o.skip, o.repeat);
-  std::printf("  %-9s %-10s %10s %9s %9s %9s %9s %9s %9s %9s %9s   %s\n", "optimizer", "params",
-              "tokens/s", "step ms", "compute", "opt wait", "h2d wait", "d2h wait", "coll",
-              "h2d MB", "d2h MB", "offloaded/resident");
+  std::printf("  %-9s %-10s %10s %9s %9s %9s %9s %9s %9s %9s %9s %6s %6s   %s\n", "optimizer",
+              "params", "tokens/s", "step ms", "compute", "opt wait", "h2d wait", "d2h wait",
+              "coll", "h2d MB", "d2h MB", "h2d #", "d2h #", "offloaded/resident");
   std::vector<std::string> rows;
   int status = 0;
   // The run of median tokens/s among a mode's repeats.
@@ -338,6 +342,8 @@ int RunTrain(int argc, char** argv) {
                          .Add("collective_wait_seconds", f->coll)
                          .Add("h2d_bytes_per_step", f->h2d_bytes)
                          .Add("d2h_bytes_per_step", f->d2h_bytes)
+                         .Add("h2d_copies_per_step", f->h2d_copies)
+                         .Add("d2h_copies_per_step", f->d2h_copies)
                          .Add("offloaded_over_resident", f == off ? ratio : 1.0)
                          .str());
     }

@@ -32,14 +32,15 @@
 // overlap of the optimizer with the next forward pass.
 //
 // Coalescing (options.coalesce_bytes): a fetch of a small unit takes along
-// the small units after it in the learned order, one copy of their span of
-// the engine's memory into a staging buffer, then device-side copies into
-// their buffers (each rank copies them whole: no all-gather); with R = 1
-// small pushes are held on the caller's side until they fill a copy, a
-// large unit is pushed, or Step(), then copied into the staging buffer laid
-// out as their inboxes are, and to the host in one copy. Where the units'
-// host buffers are not one span (params on NVMe: no fetch coalescing) the
-// copies go one by one.
+// the small units after it in the learned order; those the engine has
+// published when the first is copied go in one copy of their span of the
+// engine's memory into a staging buffer, then device-side copies into their
+// buffers (each rank copies them whole: no all-gather), and the rest follow
+// as they are published. With R = 1 a small push takes along the small
+// pushes queued behind it that are ready: into the staging buffer laid out
+// as their inboxes are, and to the host in one copy. Nothing waits for a
+// later unit to fill a copy. Where the units' host buffers are not one span
+// (params on NVMe: no fetch coalescing) the copies go one by one.
 //
 // Failure: the first transfer error is kept; it fails the acquire or Step
 // that waits on it and every later call.
@@ -99,6 +100,7 @@ struct Part {
   void* buffer;
   std::unique_ptr<Event> ready;  // push: the compute stream's grads are written
   std::shared_ptr<Ticket> ticket;
+  bool done = false;  // its ticket completed (a coalesced fetch completes parts as it goes)
 };
 
 // A fetch or push of one unit, or of a coalesced run of small units (one
@@ -160,12 +162,6 @@ struct Stage3Runner::Impl {
   int order_key = 0;
   std::map<int, Order> orders;
   RunnerStats stats;
-  // Small units' pushes (R = 1) held until they fill a coalesced copy, the
-  // next push of a large unit, or Step(); `pending_span` is their
-  // page-rounded bytes.
-  std::vector<Part> pending_pushes;
-  uint64_t pending_span = 0;
-
   // Transfer threads: `thread` runs `queue` (fetches, and with R > 1 the
   // pushes too); with R = 1 `push_thread` runs `push_queue`.
   std::mutex mu;
@@ -192,7 +188,6 @@ struct Stage3Runner::Impl {
     // Finish what is queued rather than drop it: with R > 1 a peer may
     // already be inside the collective of a queued fetch, and would wait for
     // this rank forever. (After a failure the queue drains without work.)
-    (void)FlushPushes();
     (void)Drain();
     {
       std::lock_guard<std::mutex> lock(mu);
@@ -234,8 +229,42 @@ struct Stage3Runner::Impl {
         std::lock_guard<std::mutex> lock(mu);
         if (failure.ok()) failure = s;
       }
-      for (Part& p : t.parts) p.ticket->Complete(s);
+      for (Part& p : t.parts) {
+        if (!p.done) p.ticket->Complete(s);
+      }
       Finish(t);
+    }
+  }
+
+  // Moves into `t` the small units' pushes queued behind it whose grads are
+  // written already and whose inboxes are free (R = 1), as far as one
+  // staging buffer holds them. Never waits for one: a push held for a
+  // later unit's backward, or for the engine, would hold back the engine's
+  // work on its grads, and its step.
+  void TakeReadyPushes(Transfer& t) {
+    const auto bytes = [&](const Part& p) { return units[p.unit].shard * sizeof(bf16); };
+    uint64_t span = PageRound(bytes(t.parts[0]));
+    for (;;) {
+      // This thread alone pops the queue, and the caller only appends to it
+      // (a deque's elements stay put): the front looked at stays valid, and
+      // stays the front, until this thread pops it.
+      const Part* p = nullptr;
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        if (push_queue.empty()) return;
+        const Transfer& next = push_queue.front();
+        if (next.version != t.version || next.parts.size() != 1) return;
+        p = &next.parts[0];
+      }
+      if (!SmallPush(bytes(*p)) || span + PageRound(bytes(*p)) > staging_bytes ||
+          !p->ready->Done() || transport->PublishedStep(job, p->unit) < t.version) {
+        return;
+      }
+      span += PageRound(bytes(*p));
+      std::lock_guard<std::mutex> lock(mu);
+      t.parts.push_back(std::move(push_queue.front().parts[0]));
+      push_queue.pop_front();
+      --in_flight;  // one transfer now (`t` still is, until it finishes)
     }
   }
 
@@ -307,7 +336,7 @@ struct Stage3Runner::Impl {
     (to_device ? h2d_copies : d2h_copies) += copies;
   }
 
-  Status Fetch(const Transfer& t) {
+  Status Fetch(Transfer& t) {
     if (t.coalesced) return FetchCoalesced(t);
     const int unit = t.parts[0].unit;
     const UnitState& u = units[unit];
@@ -372,55 +401,72 @@ struct Stage3Runner::Impl {
 
   // Small units, each whole on every rank (no all-gather: for units this
   // small the collective's latency is what costs), in one copy to the
-  // staging buffer, then to their buffers on the device.
-  Status FetchCoalesced(const Transfer& t) {
-    Clock::time_point at = Clock::now();
-    std::vector<const uint8_t*> host;
-    std::vector<uint64_t> bytes;
-    Status s;
-    for (const Part& p : t.parts) {
-      Result<const bf16*> h = transport->AcquireParams(job, p.unit, t.version, options.timeout);
-      if (!h.ok()) {
-        s = h.status();
-        break;
-      }
-      host.push_back(reinterpret_cast<const uint8_t*>(*h));
-      bytes.push_back(units[p.unit].bytes);
-    }
-    at = Mark(Phase::kOptimizer, false, at);
-    uint64_t moved = 0;
-    int64_t copies = 0;
-    if (s.ok()) {
-      if (std::optional<SpanLayout<const uint8_t>> span = Span(host, bytes, staging_bytes)) {
-        s = device->CopyToDevice(fetch_staging, span->start, span->length, Stream::kCopy);
-        for (size_t i = 0; s.ok() && i < t.parts.size(); ++i) {
-          s = device->CopyOnDevice(t.parts[i].buffer,
-                                   static_cast<uint8_t*>(fetch_staging) + span->offsets[i],
-                                   bytes[i], Stream::kCopy);
+  // staging buffer, then to their buffers on the device. The first unit not
+  // copied yet is waited for; the units after it that the engine has
+  // already published join its copy. A later unit is never waited for: that
+  // would hold the earlier ones back from the compute waiting on them (the
+  // next forward starts as soon as unit 0 is updated). So while the
+  // optimizer is publishing units one by one they go as it publishes them,
+  // and units published already (a step done, persistent units refreshed)
+  // go together. Parts complete as their copy lands.
+  Status FetchCoalesced(Transfer& t) {
+    for (size_t next = 0; next < t.parts.size();) {
+      Clock::time_point at = Clock::now();
+      std::vector<const uint8_t*> host;
+      std::vector<uint64_t> bytes;
+      Status s;
+      for (size_t i = next; i < t.parts.size(); ++i) {
+        const int unit = t.parts[i].unit;
+        if (i > next && transport->PublishedStep(job, unit) < t.version) break;
+        Result<const bf16*> h = transport->AcquireParams(job, unit, t.version, options.timeout);
+        if (!h.ok()) {
+          s = h.status();
+          break;
         }
-        moved = span->length;
-        copies = 1;
-      } else {
-        for (size_t i = 0; s.ok() && i < t.parts.size(); ++i) {
-          s = device->CopyToDevice(t.parts[i].buffer, host[i], bytes[i], Stream::kCopy);
-          moved += bytes[i];
-          ++copies;
-        }
+        host.push_back(reinterpret_cast<const uint8_t*>(*h));
+        bytes.push_back(units[unit].bytes);
       }
-      if (s.ok()) s = SyncCopies(Stream::kCopy);
-      Mark(Phase::kHostToDevice, false, at);
+      at = Mark(Phase::kOptimizer, false, at);
+      const size_t end = next + host.size();
+      uint64_t moved = 0;
+      int64_t copies = 0;
+      if (s.ok()) {
+        if (std::optional<SpanLayout<const uint8_t>> span = Span(host, bytes, staging_bytes)) {
+          s = device->CopyToDevice(fetch_staging, span->start, span->length, Stream::kCopy);
+          for (size_t i = 0; s.ok() && i < host.size(); ++i) {
+            s = device->CopyOnDevice(t.parts[next + i].buffer,
+                                     static_cast<uint8_t*>(fetch_staging) + span->offsets[i],
+                                     bytes[i], Stream::kCopy);
+          }
+          moved = span->length;
+          copies = 1;
+        } else {
+          for (size_t i = 0; s.ok() && i < host.size(); ++i) {
+            s = device->CopyToDevice(t.parts[next + i].buffer, host[i], bytes[i], Stream::kCopy);
+            moved += bytes[i];
+            ++copies;
+          }
+        }
+        if (s.ok()) s = SyncCopies(Stream::kCopy);
+        Mark(Phase::kHostToDevice, false, at);
+      }
+      for (size_t i = next; i < end; ++i) {
+        Status r = transport->ReleaseParams(job, t.parts[i].unit);
+        if (s.ok()) s = r;
+      }
+      ZT_RETURN_IF_ERROR(s);
+      CountCopies(moved, copies, /*to_device=*/true);
+      for (size_t i = next; i < end; ++i) {
+        t.parts[i].ticket->Complete(Status::Ok());
+        t.parts[i].done = true;
+      }
+      next = end;
     }
-    for (size_t i = 0; i < host.size(); ++i) {
-      Status r = transport->ReleaseParams(job, t.parts[i].unit);
-      if (s.ok()) s = r;
-    }
-    ZT_RETURN_IF_ERROR(s);
-    CountCopies(moved, copies, /*to_device=*/true);
     return Status::Ok();
   }
 
-  Status Push(const Transfer& t) {
-    if (t.coalesced) return PushCoalesced(t);
+  Status Push(Transfer& t) {
+    if (SmallPush(units[t.parts[0].unit].shard * sizeof(bf16))) return PushSmall(t);
     const int unit = t.parts[0].unit;
     const UnitState& u = units[unit];
     // The compute stream's kernels that write the grads finish first (what
@@ -451,26 +497,29 @@ struct Stage3Runner::Impl {
     return Status::Ok();
   }
 
-  // Small units' grads (R = 1) into the staging buffer on the device, laid
-  // out as their inboxes are on the host, then in one copy to the host.
-  Status PushCoalesced(const Transfer& t) {
+  // A small unit's grads (R = 1), with those of the small units queued
+  // behind it that are ready (TakeReadyPushes): into the staging buffer on
+  // the device, laid out as their inboxes are on the host, then in one copy
+  // to the host.
+  Status PushSmall(Transfer& t) {
     Clock::time_point at = Clock::now();
-    for (const Part& p : t.parts) {
-      ZT_RETURN_IF_ERROR(p.ready->Synchronize());
-      ZT_RETURN_IF_ERROR(device->Wait(Stream::kCopyOut, *p.ready));
-    }
+    ZT_RETURN_IF_ERROR(t.parts[0].ready->Synchronize());
     at = Mark(Phase::kCompute, true, at);
+    ZT_RETURN_IF_ERROR(transport->WaitPublished(job, t.parts[0].unit, t.version, options.timeout));
+    at = Mark(Phase::kOptimizer, true, at);
+    TakeReadyPushes(t);
     std::vector<uint8_t*> host;
     std::vector<uint64_t> bytes;
     for (const Part& p : t.parts) {
-      ZT_RETURN_IF_ERROR(transport->WaitPublished(job, p.unit, t.version, options.timeout));
+      ZT_RETURN_IF_ERROR(device->Wait(Stream::kCopyOut, *p.ready));
       host.push_back(reinterpret_cast<uint8_t*>(units[p.unit].inbox));
       bytes.push_back(units[p.unit].shard * sizeof(bf16));
     }
-    at = Mark(Phase::kOptimizer, true, at);
     uint64_t moved = 0;
     int64_t copies = 0;
-    if (std::optional<SpanLayout<uint8_t>> span = Span(host, bytes, staging_bytes)) {
+    std::optional<SpanLayout<uint8_t>> span;
+    if (t.parts.size() > 1) span = Span(host, bytes, staging_bytes);
+    if (span) {
       for (size_t i = 0; i < t.parts.size(); ++i) {
         ZT_RETURN_IF_ERROR(
             device->CopyOnDevice(static_cast<uint8_t*>(push_staging) + span->offsets[i],
@@ -482,8 +531,8 @@ struct Stage3Runner::Impl {
       copies = 1;
     } else {
       for (size_t i = 0; i < t.parts.size(); ++i) {
-        ZT_RETURN_IF_ERROR(device->CopyToHost(units[t.parts[i].unit].inbox, t.parts[i].buffer,
-                                              bytes[i], Stream::kCopyOut));
+        ZT_RETURN_IF_ERROR(
+            device->CopyToHost(host[i], t.parts[i].buffer, bytes[i], Stream::kCopyOut));
         moved += bytes[i];
         ++copies;
       }
@@ -582,19 +631,6 @@ struct Stage3Runner::Impl {
         span += PageRound(w.bytes);
       }
     }
-    Enqueue(std::move(t));
-    return Status::Ok();
-  }
-
-  // Queues the pushes held for coalescing as one transfer.
-  Status FlushPushes() {
-    if (pending_pushes.empty()) return Status::Ok();
-    Transfer t{.kind = Transfer::Kind::kPush,
-               .version = version,
-               .coalesced = true,
-               .parts = std::move(pending_pushes)};
-    pending_pushes.clear();
-    pending_span = 0;
     Enqueue(std::move(t));
     return Status::Ok();
   }
@@ -909,15 +945,6 @@ Status Stage3Runner::PushGrads(int unit) {
             .ticket = std::make_shared<Ticket>()};
   u.grads = nullptr;
   u.pushed = true;
-  const uint64_t bytes = u.shard * sizeof(bf16);
-  if (r.SmallPush(bytes)) {
-    // Held to go with the small pushes after it, in one copy.
-    if (r.pending_span + r.PageRound(bytes) > r.staging_bytes) ZT_RETURN_IF_ERROR(r.FlushPushes());
-    r.pending_pushes.push_back(std::move(part));
-    r.pending_span += r.PageRound(bytes);
-    return Status::Ok();
-  }
-  ZT_RETURN_IF_ERROR(r.FlushPushes());  // the engine sees grads in the order they were pushed
   Transfer t{.kind = Transfer::Kind::kPush, .version = r.version, .coalesced = false, .parts = {}};
   t.parts.push_back(std::move(part));
   r.Enqueue(std::move(t));
@@ -964,7 +991,6 @@ Status Stage3Runner::Step() {
           StrCat("Step: unit '", u.name, "' is still acquired; release every unit first"));
     }
   }
-  ZT_RETURN_IF_ERROR(r.FlushPushes());
   const Clock::time_point t0 = Clock::now();
   Status s = r.Drain();
   const Clock::time_point t1 = Clock::now();

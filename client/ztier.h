@@ -387,10 +387,12 @@ struct RunnerOptions {
   uint64_t persistence_threshold = 0;
   // Copies over the link smaller than this many bytes are coalesced: small
   // units consecutive in the learned order are fetched in one copy (each
-  // whole on every rank, without an all-gather), and with world size 1
-  // their grads are pushed in one copy, through a staging buffer of this
-  // size on the device for each direction. 0: every unit is copied alone.
-  // At most 1 GiB.
+  // whole on every rank, without an all-gather) as far as the engine has
+  // published them when the first is copied, and with world size 1 small
+  // pushes queued and ready together go in one copy, through a staging
+  // buffer of this size on the device for each direction; nothing waits
+  // for a later unit to fill a copy. 0: every unit is copied alone. At
+  // most 1 GiB.
   uint64_t coalesce_bytes = uint64_t{4} << 20;
   // How long a transfer may wait on the engine (a published version, a slot).
   std::chrono::milliseconds timeout = std::chrono::minutes(10);
@@ -467,9 +469,7 @@ class Stage3Runner {
   // stream work queued so far): reduce-scatter when world_size > 1, copy of
   // this rank's shard into the engine's inbox, then the doorbell. The buffer
   // belongs to the runner again. Errors: OutOfRange, FailedPrecondition (no
-  // GradBuffer, or pushed twice in a micro-step). With one rank, a unit
-  // under options.coalesce_bytes is held until later pushes fill a copy
-  // (or a large unit's push, or Step()).
+  // GradBuffer, or pushed twice in a micro-step).
   Status PushGrads(int unit);
   // Pushes grads from the caller's own device buffer: `count` bf16 values,
   // the unit's numel or its padded size (the rest is zero), copied on the

@@ -834,31 +834,46 @@ TEST_F(RunnerErrorsTest, PrefetchFetchesExactlyTheNextUnitsOfTheLearnedOrder) {
   }
 }
 
-// Coalesced copies, counted exactly (the tiny GPT's 4 units are all under
-// the default limit, forward order, depth 2): the learning micro-step
-// fetches each unit alone (no order is known yet); from then on Step()
-// fetches the whole next micro-step in one copy (the prefetch of unit 0
-// takes along the small units after it, past the prefetch depth), and
-// every micro-step's 4 pushes go in one copy at Step(). The bytes moved are
-// the units' page-rounded spans; training matches each-unit-alone bit for
-// bit (the equivalence cases).
-TEST_F(RunnerErrorsTest, SmallUnitsGoInOneCopyEachWay) {
-  const int n = model_->units();
+// Coalesced copies, counted exactly. The tiny GPT's 4 units are all under
+// the default limit; forward order, depth 2, two micro-steps a step. The
+// learning micro-step fetches each unit alone (no order is known yet);
+// its Step() fetches the whole next micro-step in one copy (the prefetch of
+// unit 0 takes along the small units after it, past the prefetch depth):
+// the version did not change, so every unit is published already. At a
+// step's end the fetch goes as the optimizer publishes the units (between
+// 1 and 4 copies), and the micro-step after it is one copy again. Pushes
+// take along the ones queued behind them: copies take 5 ms here, so the
+// first push's copy is under way while the other three are queued, and
+// they go together (2 copies a micro-step; 1 when all four were queued
+// before the first ran). The bytes moved are the units' page-rounded
+// spans; training matches each-unit-alone bit for bit (the equivalence
+// cases).
+TEST(RunnerTest, SmallUnitsGoInOneCopyEachWay) {
+  TrainSetup s;
+  s.accumulation = 2;
+  auto session = testing::OpenTestSession(Options(s, ""));
+  ASSERT_TRUE(session.ok()) << session.status();
+  auto model = RegisterWithWeights(**session, s, "small");
+  ASSERT_TRUE(model.ok()) << model.status();
+  auto dev = MakeHostDevice({.copy_delay = std::chrono::milliseconds(5)});
+  ASSERT_TRUE(dev.ok());
+  const int n = (*model)->units();
   ASSERT_EQ(n, 4);
   uint64_t bytes = 0, span = 0;
   for (int k = 0; k < n; ++k) {
-    const uint64_t b = model_->layout(k).padded * sizeof(bf16);
+    const uint64_t b = (*model)->layout(k).padded * sizeof(bf16);
     ASSERT_LT(b, RunnerOptions{}.coalesce_bytes);
     bytes += b;
     span += k + 1 < n ? (b + 4095) / 4096 * 4096 : b;
   }
-  runner_.reset();
   RunnerOptions o;
   o.persistence_threshold = 0;
-  auto runner = Stage3Runner::Create(*model_, 0, *dev_, nullptr, o);
+  auto runner = Stage3Runner::Create(**model, 0, **dev, nullptr, o);
   ASSERT_TRUE(runner.ok()) << runner.status();
   const std::vector<int> forward = {0, 1, 2, 3};
-  for (int micro = 1; micro <= 3; ++micro) {
+  int64_t copies = 0, pushes = 0;
+  uint64_t moved = 0, pushed = 0;
+  for (int micro = 1; micro <= 4; ++micro) {
     SCOPED_TRACE(StrCat("micro-step ", micro));
     for (int k : forward) {
       ASSERT_TRUE((*runner)->Acquire(k).ok());
@@ -867,22 +882,34 @@ TEST_F(RunnerErrorsTest, SmallUnitsGoInOneCopyEachWay) {
     RunnerStats stats = (*runner)->stats();  // every fetch of this micro-step is done
     EXPECT_EQ(stats.fetches, n * micro);
     EXPECT_EQ(stats.prefetch_hits, n * (micro - 1));
-    EXPECT_EQ(stats.h2d_copies, n + micro - 1);
-    EXPECT_EQ(stats.h2d_bytes, bytes + span * (micro - 1));
+    if (micro == 3) {  // the first micro-step of step 2
+      EXPECT_GE(stats.h2d_copies - copies, 1);
+      EXPECT_LE(stats.h2d_copies - copies, n);
+      EXPECT_GE(stats.h2d_bytes - moved, bytes);
+      EXPECT_LE(stats.h2d_bytes - moved, span);
+    } else {
+      EXPECT_EQ(stats.h2d_copies - copies, micro == 1 ? n : 1);
+      EXPECT_EQ(stats.h2d_bytes - moved, micro == 1 ? bytes : span);
+    }
+    copies = stats.h2d_copies;
+    moved = stats.h2d_bytes;
     for (int k = n - 1; k >= 0; --k) {
       ASSERT_TRUE((*runner)->GradBuffer(k).ok());
       ASSERT_TRUE((*runner)->PushGrads(k).ok());
     }
-    EXPECT_EQ((*runner)->stats().d2h_copies, micro - 1);  // held until Step()
     ASSERT_TRUE((*runner)->Step().ok());
     stats = (*runner)->stats();  // Step() waited for the pushes
-    EXPECT_EQ(stats.d2h_copies, micro);
-    EXPECT_EQ(stats.d2h_bytes, span * micro);
+    EXPECT_GE(stats.d2h_copies - pushes, 1);
+    EXPECT_LE(stats.d2h_copies - pushes, 2);
+    EXPECT_GE(stats.d2h_bytes - pushed, bytes);
+    EXPECT_LE(stats.d2h_bytes - pushed, span);
+    pushes = stats.d2h_copies;
+    pushed = stats.d2h_bytes;
   }
   // Off: a copy per unit each way.
   runner->reset();
   o.coalesce_bytes = 0;
-  runner = Stage3Runner::Create(*model_, 0, *dev_, nullptr, o);
+  runner = Stage3Runner::Create(**model, 0, **dev, nullptr, o);
   ASSERT_TRUE(runner.ok()) << runner.status();
   ASSERT_TRUE(MicroStep(**runner, forward, n).ok());
   ASSERT_TRUE(MicroStep(**runner, forward, n).ok());
@@ -960,6 +987,58 @@ TEST(RunnerTest, ARunnerMadeWhileAStepRunsReadsThatStep) {
     ASSERT_TRUE(st.ok()) << "round " << round << ": " << st;
   }
   std::printf("%d of 10 runners were made while a step ran\n", in_flight);
+}
+
+// A coalesced fetch never waits for a later unit: the next micro-step's
+// fetch queued at Step() takes all three units (the limit is set to take
+// even the 8 MB head), but unit 0 reaches the device as soon as the engine
+// has updated it, while the head's update (4M params) still runs. Waiting
+// for the whole run would put the optimizer's full step on the critical
+// path; rounds where the head was done first prove nothing and are
+// counted, and at least one round in twenty must show it.
+TEST(RunnerTest, ACoalescedFetchNeverWaitsForALaterUnit) {
+  TrainSetup s;
+  auto session = testing::OpenTestSession(Options(s, ""));
+  ASSERT_TRUE(session.ok()) << session.status();
+  Session::ModelSpec spec{
+      .name = "tail-heavy",
+      .units = {{"a", {{"w", {4096}}}}, {"b", {{"w", {4096}}}}, {"head", {{"w", {2048, 2048}}}}},
+      .optimizer = Optimizer(s)};
+  auto model = (*session)->RegisterModel(spec);
+  ASSERT_TRUE(model.ok()) << model.status();
+  for (int k = 0; k < 3; ++k) {
+    std::vector<float> w((*model)->layout(k).numel, 0.01f);
+    ASSERT_TRUE((*model)->SetWeights(k, w.data(), w.size()).ok());
+  }
+  auto dev = MakeHostDevice();
+  ASSERT_TRUE(dev.ok());
+  Transport& t = (*model)->transport();
+  const int job = (*model)->job();
+  auto runner = Stage3Runner::Create(**model, 0, **dev, nullptr,
+                                     {.prefetch_depth = 2, .coalesce_bytes = uint64_t{64} << 20});
+  ASSERT_TRUE(runner.ok()) << runner.status();
+  const std::vector<int> forward = {0, 1, 2};
+  ASSERT_TRUE(MicroStep(**runner, forward, 3).ok());  // learns the order
+  int early = 0;
+  for (int round = 0; round < 20; ++round) {
+    // Step() has queued the fetch of all three units at this version.
+    const int64_t version = (*runner)->version();
+    ASSERT_TRUE((*runner)->Acquire(0).ok());
+    early += t.PublishedStep(job, 2) < version;
+    ASSERT_TRUE((*runner)->Release(0).ok());
+    for (int k : {1, 2}) {
+      ASSERT_TRUE((*runner)->Acquire(k).ok());
+      ASSERT_TRUE((*runner)->Release(k).ok());
+    }
+    for (int k = 2; k >= 0; --k) {
+      ASSERT_TRUE((*runner)->GradBuffer(k).ok());
+      ASSERT_TRUE((*runner)->PushGrads(k).ok());
+    }
+    ASSERT_TRUE((*runner)->Step().ok());
+  }
+  std::printf("%d of 20 rounds had unit 0 on the device before the head was updated\n", early);
+  EXPECT_GE(early, 1);
+  EXPECT_EQ((*runner)->stats().prefetch_hits, 60);
 }
 
 TEST_F(RunnerErrorsTest, UnitLargerThanTheCap) {
