@@ -935,6 +935,22 @@ TEST_F(RunnerErrorsTest, CoalesceLimitIsChecked) {
       << runner.status();
 }
 
+// Two small units and a 4M-param head (a few milliseconds of AdamW, so
+// the engine's step is still running for a while after the head's grads
+// land), with weights set.
+Result<std::unique_ptr<Model>> RegisterTailHeavy(Session& session, const TrainSetup& s) {
+  Session::ModelSpec spec{
+      .name = "tail-heavy",
+      .units = {{"a", {{"w", {4096}}}}, {"b", {{"w", {4096}}}}, {"head", {{"w", {2048, 2048}}}}},
+      .optimizer = Optimizer(s)};
+  ZT_ASSIGN_OR_RETURN(std::unique_ptr<Model> model, session.RegisterModel(spec));
+  for (int k = 0; k < 3; ++k) {
+    std::vector<float> w(model->layout(k).numel, 0.01f);
+    ZT_RETURN_IF_ERROR(model->SetWeights(k, w.data(), w.size()));
+  }
+  return model;
+}
+
 // A runner made right after another one's Step(), while the engine's
 // optimizer still runs that step (exact mode publishes units in forward
 // order, so the first units already hold it), reads that step: the head it
@@ -947,16 +963,8 @@ TEST(RunnerTest, ARunnerMadeWhileAStepRunsReadsThatStep) {
   TrainSetup s;
   auto session = testing::OpenTestSession(Options(s, ""));
   ASSERT_TRUE(session.ok()) << session.status();
-  Session::ModelSpec spec{
-      .name = "tail-heavy",
-      .units = {{"a", {{"w", {4096}}}}, {"b", {{"w", {4096}}}}, {"head", {{"w", {2048, 2048}}}}},
-      .optimizer = Optimizer(s)};
-  auto model = (*session)->RegisterModel(spec);
+  auto model = RegisterTailHeavy(**session, s);
   ASSERT_TRUE(model.ok()) << model.status();
-  for (int k = 0; k < 3; ++k) {
-    std::vector<float> w((*model)->layout(k).numel, 0.01f);
-    ASSERT_TRUE((*model)->SetWeights(k, w.data(), w.size()).ok());
-  }
   auto dev = MakeHostDevice();
   ASSERT_TRUE(dev.ok());
   Transport& t = (*model)->transport();
@@ -1000,16 +1008,8 @@ TEST(RunnerTest, ACoalescedFetchNeverWaitsForALaterUnit) {
   TrainSetup s;
   auto session = testing::OpenTestSession(Options(s, ""));
   ASSERT_TRUE(session.ok()) << session.status();
-  Session::ModelSpec spec{
-      .name = "tail-heavy",
-      .units = {{"a", {{"w", {4096}}}}, {"b", {{"w", {4096}}}}, {"head", {{"w", {2048, 2048}}}}},
-      .optimizer = Optimizer(s)};
-  auto model = (*session)->RegisterModel(spec);
+  auto model = RegisterTailHeavy(**session, s);
   ASSERT_TRUE(model.ok()) << model.status();
-  for (int k = 0; k < 3; ++k) {
-    std::vector<float> w((*model)->layout(k).numel, 0.01f);
-    ASSERT_TRUE((*model)->SetWeights(k, w.data(), w.size()).ok());
-  }
   auto dev = MakeHostDevice();
   ASSERT_TRUE(dev.ok());
   Transport& t = (*model)->transport();
