@@ -108,7 +108,6 @@ struct Part {
 struct Transfer {
   enum class Kind : uint8_t { kFetch, kPush } kind;
   int64_t version;
-  bool coalesced = false;
   std::vector<Part> parts;
 };
 
@@ -337,7 +336,7 @@ struct Stage3Runner::Impl {
   }
 
   Status Fetch(Transfer& t) {
-    if (t.coalesced) return FetchCoalesced(t);
+    if (SmallFetch(units[t.parts[0].unit].bytes)) return FetchCoalesced(t);
     const int unit = t.parts[0].unit;
     const UnitState& u = units[unit];
     Clock::time_point at = Clock::now();
@@ -431,7 +430,10 @@ struct Stage3Runner::Impl {
       uint64_t moved = 0;
       int64_t copies = 0;
       if (s.ok()) {
-        if (std::optional<SpanLayout<const uint8_t>> span = Span(host, bytes, staging_bytes)) {
+        // One unit alone goes straight to its buffer.
+        std::optional<SpanLayout<const uint8_t>> span;
+        if (host.size() > 1) span = Span(host, bytes, staging_bytes);
+        if (span) {
           s = device->CopyToDevice(fetch_staging, span->start, span->length, Stream::kCopy);
           for (size_t i = 0; s.ok() && i < host.size(); ++i) {
             s = device->CopyOnDevice(t.parts[next + i].buffer,
@@ -614,10 +616,9 @@ struct Stage3Runner::Impl {
   // they fit in one staging buffer and under the cap: one copy over the
   // link for all of them.
   Status QueueFetch(int unit, size_t next) {
-    Transfer t{.kind = Transfer::Kind::kFetch, .version = version, .coalesced = false, .parts = {}};
+    Transfer t{.kind = Transfer::Kind::kFetch, .version = version, .parts = {}};
     ZT_RETURN_IF_ERROR(AddFetchPart(t, unit));
     if (SmallFetch(units[unit].bytes)) {
-      t.coalesced = true;
       uint64_t span = PageRound(units[unit].bytes);
       for (size_t i = next; following && i < learned.size(); ++i) {
         const UnitState& w = units[learned[i]];
@@ -945,7 +946,7 @@ Status Stage3Runner::PushGrads(int unit) {
             .ticket = std::make_shared<Ticket>()};
   u.grads = nullptr;
   u.pushed = true;
-  Transfer t{.kind = Transfer::Kind::kPush, .version = r.version, .coalesced = false, .parts = {}};
+  Transfer t{.kind = Transfer::Kind::kPush, .version = r.version, .parts = {}};
   t.parts.push_back(std::move(part));
   r.Enqueue(std::move(t));
   return Status::Ok();
