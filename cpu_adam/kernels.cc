@@ -357,6 +357,27 @@ HWY_INLINE auto DecadeLanes(D d, const QuantTables& t, T top, V x, V inv, V& a) 
   return hn::IfThenElse(above, hn::Add(pos, hn::Set(di, 1)), pos);
 }
 
+// Step 1 on 16-lane targets: the estimate is the decade of a's octave
+// (octave_decade, two registers).
+constexpr bool kOctaveDecades =
+    kArithmeticCodes && hn::MaxLanes(hn::ScalableTag<float>()) == 16;
+template <class D, class V, class T, class VI>
+HWY_INLINE auto OctaveDecadeLanes(D d, T top, VI octaves_lo, VI octaves_hi, V x, V inv, V& a) {
+  const hn::RebindToSigned<D> di;
+  a = hn::Min(hn::Mul(hn::Abs(x), inv), hn::Set(d, 1.0f));
+  const auto floor = hn::Set(di, kOctaveFloor);
+  const auto octave = hn::Sub(hn::Max(hn::ShiftRight<23>(hn::BitCast(di, a)), floor), floor);
+#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
+  const decltype(octave) pos{_mm512_permutex2var_epi32(octaves_lo.raw, octave.raw, octaves_hi.raw)};
+#else
+  const auto pos = octave;  // not used: kOctaveDecades is false here
+  (void)octaves_lo;
+  (void)octaves_hi;
+#endif
+  const auto above = hn::RebindMask(di, hn::Gt(a, Lookup(d, top, pos)));
+  return hn::IfThenElse(above, hn::Add(pos, hn::Set(di, 1)), pos);
+}
+
 // Codes held as 2^23 + code in floats (the code in the low mantissa bits)
 // to bytes.
 template <class D, class V>
@@ -441,6 +462,17 @@ float QuantBlock(const QuantTables& t, const float* HWY_RESTRICT x, size_t n, fl
     const auto below_code = DecadeTable<kArithmeticCodes>(d, t.below_code);
     const auto inv_step = DecadeTable<kArithmeticCodes>(d, t.inv_step);
     const auto place_offset = DecadeTable<kArithmeticCodes>(d, t.place_offset);
+    if constexpr (kOctaveDecades) {
+      const auto octaves_lo = hn::LoadU(di, t.octave_decade);
+      const auto octaves_hi = hn::LoadU(di, t.octave_decade + hn::MaxLanes(di));
+      for (; j + lanes <= n; j += lanes) {
+        auto aj = hn::Zero(d);
+        hn::Store(OctaveDecadeLanes(d, top, octaves_lo, octaves_hi, hn::LoadU(d, x + j),
+                                    hn::Set(d, inv), aj),
+                  di, pos + j);
+        hn::Store(aj, d, a + j);
+      }
+    }
     for (; j + lanes <= n; j += lanes) {
       auto aj = hn::Zero(d);
       hn::Store(DecadeLanes(d, t, top, hn::LoadU(d, x + j), hn::Set(d, inv), aj), di, pos + j);

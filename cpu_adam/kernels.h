@@ -60,8 +60,11 @@ struct RangeResult {
 //                 (upper[c - 1], upper[c]].
 // Quantizing a normalized magnitude a in [0, 1] (DecadeLanes, CodeLanes):
 //  1. the decade pos is the number of tops below a: an estimate of
-//     log10(a), ceil(fma(bits(a) as a float, log_scale, log_offset)), is
-//     pos or pos - 1, and one comparison with a top settles it;
+//     log10(a), ceil(fma(bits(a) as a float, log_scale, log_offset)), or on
+//     16-lane targets the decade of a's binary octave's lowest value
+//     (octave_decade[max(exponent, kOctaveFloor) - kOctaveFloor]: an octave
+//     spans less than a decade), is pos or pos - 1, and one comparison with
+//     a top settles it;
 //  2. place = fma(a, inv_step[pos], place_offset[pos]) puts the codes
 //     below_code[pos] + j (j = 0 .. 2^pos; below_code = 2^pos - 1, the code
 //     just under the decade, held as 2^23 + 2^pos - 1 so that the sum's low
@@ -84,7 +87,13 @@ struct QuantTables {
   const float* below_code;
   float log_scale;
   float log_offset;
+  const int32_t* octave_decade;  // kOctaves entries
 };
+// The octaves of octave_decade: biased exponents kOctaveFloor (values below
+// 2^-31, far under every map's smallest code, fall in its lowest octave)
+// to 127 (1.0).
+inline constexpr int32_t kOctaveFloor = 96;
+inline constexpr int32_t kOctaves = 128 - kOctaveFloor;
 // How near (in steps) to a midpoint the rounded place is not trusted; far
 // above the rounding error of place (< 3e-5 steps).
 inline constexpr float kMidpointSlack = 1.0f / 4096;

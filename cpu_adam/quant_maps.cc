@@ -60,6 +60,7 @@ struct Built {
   alignas(64) float inv_step[16] = {};
   alignas(64) float place_offset[16] = {};
   alignas(64) float below_code[16] = {};
+  alignas(64) int32_t octave_decade[kOctaves] = {};
 
   explicit Built(bool is_signed) {
     const int bits = is_signed ? 8 : 9;
@@ -113,6 +114,23 @@ struct Built {
       const int at_hi = EstimateDecade(top[pos], log_scale, log_offset, decades);
       ZT_CHECK_MSG(at_lo >= pos - 1 && at_hi <= pos, "decade estimate out of bounds");
     }
+    // Each octave's lowest value's decade; the decade of any value in the
+    // octave is that one or the next (checked at the octave's top).
+    const auto decade_of = [&](float a) {
+      int pos = 0;
+      while (pos + 1 < decades && a > top[pos]) ++pos;
+      return pos;
+    };
+    for (int32_t o = 0; o < kOctaves; ++o) {
+      const float lo = std::bit_cast<float>((o + kOctaveFloor) << 23);
+      const float hi = std::min(std::nextafter(2.0f * lo, 0.0f), 1.0f);
+      octave_decade[o] = decade_of(lo);
+      const int at_hi = decade_of(hi);
+      ZT_CHECK_MSG(at_hi == octave_decade[o] || at_hi == octave_decade[o] + 1,
+                   "an octave spans more than two decades");
+    }
+    ZT_CHECK_MSG(decade_of(std::bit_cast<float>(kOctaveFloor << 23)) == 0,
+                 "the lowest octave is above the lowest decade");
     tables = {.is_signed = is_signed,
               .decades = decades,
               .value = value.data(),
@@ -124,7 +142,8 @@ struct Built {
               .place_offset = place_offset,
               .below_code = below_code,
               .log_scale = log_scale,
-              .log_offset = log_offset};
+              .log_offset = log_offset,
+              .octave_decade = octave_decade};
   }
 };
 
