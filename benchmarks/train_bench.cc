@@ -49,6 +49,8 @@ compute and waits (optimizer critical path, H2D, D2H, collectives).
 
 options:
   --device host|cuda       compute device (default host)
+  --matmul fp32|bf16       ztier-train's matmuls (default fp32; bf16: bf16
+                           operands, fp32 sums, tensor cores on cuda)
   --optimizer LIST         dram, nvme or dram,nvme (default dram,nvme)
   --layers N --channels C --heads H --context T --batch B
                            model and micro-batch (default ztier-train's:
@@ -68,6 +70,7 @@ options:
 
 struct Options {
   std::string device = "host";
+  std::string matmul = "fp32";
   std::vector<std::string> placements = {"dram", "nvme"};
   int layers = 4, channels = 128, heads = 4, context = 64, batch = 8, ranks = 1;
   int steps = 24, skip = 5, repeat = 1;
@@ -82,6 +85,9 @@ Result<Options> Parse(int argc, char** argv) {
     if (args.Is("--device")) {
       ZT_ASSIGN_OR_RETURN(o.device,
                           args.Choice<std::string>({{"host", "host"}, {"cuda", "cuda"}}));
+    } else if (args.Is("--matmul")) {
+      ZT_ASSIGN_OR_RETURN(o.matmul,
+                          args.Choice<std::string>({{"fp32", "fp32"}, {"bf16", "bf16"}}));
     } else if (args.Is("--optimizer")) {
       ZT_ASSIGN_OR_RETURN(o.placements,
                           args.Choice<std::vector<std::string>>(
@@ -205,6 +211,8 @@ Result<Figures> RunOne(const Options& o, const std::string& train, const fs::pat
                                    "--no-progress",
                                    "--device",
                                    o.device,
+                                   "--matmul",
+                                   o.matmul,
                                    "--optimizer",
                                    placement,
                                    "--layers",
@@ -290,11 +298,11 @@ int RunTrain(int argc, char** argv) {
     }
   }
   std::printf(
-      "ztier-bench train: %s, %d layers x %d channels, %d heads, context %d, batch %d, %d "
+      "ztier-bench train: %s, %s matmuls, %d layers x %d channels, %d heads, context %d, batch %d, %d "
       "rank(s); %d steps, figures over the last %d (median of %d); offloaded = params streamed (ztier-train's "
       "persistence threshold), resident = every unit kept on the device\n",
-      o.device.c_str(), o.layers, o.channels, o.heads, o.context, o.batch, o.ranks, o.steps,
-      o.steps - o.skip, o.repeat);
+      o.device.c_str(), o.matmul.c_str(), o.layers, o.channels, o.heads, o.context, o.batch,
+      o.ranks, o.steps, o.steps - o.skip, o.repeat);
   std::printf("  %-9s %-10s %10s %9s %9s %9s %9s %9s %9s %9s %9s %6s %6s   %s\n", "optimizer",
               "params", "tokens/s", "step ms", "compute", "opt wait", "h2d wait", "d2h wait",
               "coll", "h2d MB", "d2h MB", "h2d #", "d2h #", "offloaded/resident");
@@ -352,6 +360,7 @@ int RunTrain(int argc, char** argv) {
     std::printf("%s\n", JsonObject()
                             .Add("bench", "train")
                             .Add("device", o.device)
+                            .Add("matmul", o.matmul)
                             .Add("layers", o.layers)
                             .Add("channels", o.channels)
                             .Add("heads", o.heads)

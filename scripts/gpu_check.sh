@@ -15,7 +15,8 @@
 #       gpu-carry/ carried: the GPU tests (ctest's label gpu, with gpt_cuda_test:
 #       the whole GPT on cuda against the CPU, every byte value, teacher-forced),
 #       ztier-bench
-#       pcie, ztier-bench train (offloaded vs resident, GPT-2 small), ztier-train
+#       pcie, ztier-bench train (offloaded vs resident, GPT-2 small; again with
+#       bf16 tensor-core matmuls), ztier-train
 #       on cuda and on the host (20 steps, their losses
 #       side by side in the logs), the Python suite's CUDA tests and the host suite,
 #       finetune_hf.py --tiny on cuda and on the host, the throughput
@@ -100,6 +101,12 @@ run() {
   check train_bench "$carry/bin/ztier-bench" train --device cuda --train "$carry/bin/ztier-train" \
     --layers 12 --channels 768 --heads 12 --context 256 --batch 8 --steps 16 --skip 4 \
     --data "$carry/text.txt" --dir "$out/train-bench" --json
+  # The same with bf16 tensor-core matmuls (states in DRAM): the example's
+  # fp32 SGEMMs no longer set the pace.
+  check train_bench_bf16 "$carry/bin/ztier-bench" train --device cuda --matmul bf16 \
+    --optimizer dram --train "$carry/bin/ztier-train" --layers 12 --channels 768 --heads 12 \
+    --context 256 --batch 8 --steps 16 --skip 4 --data "$carry/text.txt" \
+    --dir "$out/train-bench-bf16" --json
   check python_cuda "$py" -m pytest -q -rs -p no:cacheprovider tests/python/test_cuda.py
   check python_host "$py" -m pytest -q -rs -p no:cacheprovider tests/python -k "not cuda"
   check finetune_cuda "$py" examples/finetune_hf.py --tiny --steps 60 --device cuda \

@@ -154,6 +154,12 @@ constexpr float kGeluCubic = 0.044715f;
 
 class CpuKernels final : public Kernels {
  public:
+  Status SetMatmul(MatmulMath math, size_t max_operand) override {
+    math_ = math;
+    max_operand_ = max_operand;
+    return Status::Ok();
+  }
+
   void ToFloat(float* out, const bf16* in, size_t n) override {
     ParallelElements(n, [&](size_t b, size_t e) {
       for (size_t i = b; i < e; ++i) out[i] = Bf16ToFloat(in[i]);
@@ -302,6 +308,8 @@ class CpuKernels final : public Kernels {
 
   void Matmul(float* out, const float* inp, const float* weight, const float* bias, int N, int C,
               int OC) override {
+    inp = MatmulOperand(inp, static_cast<size_t>(N) * C, &round_inp_);
+    weight = MatmulOperand(weight, static_cast<size_t>(OC) * C, &round_weight_);
     // weight^T [C, OC], so that the inner loop runs over contiguous outputs.
     TransposeInto(&transposed_, weight, OC, C);
     const float* wt = transposed_.data();
@@ -323,6 +331,10 @@ class CpuKernels final : public Kernels {
 
   void MatmulBackward(float* dinp, float* dweight, float* dbias, const float* dout,
                       const float* inp, const float* weight, int N, int C, int OC) override {
+    // The products take the operands as Matmul does; dbias sums dout as is.
+    const float* dout_m = MatmulOperand(dout, static_cast<size_t>(N) * OC, &round_dout_);
+    inp = MatmulOperand(inp, static_cast<size_t>(N) * C, &round_inp_);
+    weight = MatmulOperand(weight, static_cast<size_t>(OC) * C, &round_weight_);
     // dinp[n, c] += sum over oc (in order) of dout[n, oc] * weight[oc, c]:
     // tasks own tiles of rows x a strip of channels.
     const int row_tiles = (N + kRows - 1) / kRows;
@@ -333,7 +345,7 @@ class CpuKernels final : public Kernels {
       float* d = dinp + static_cast<size_t>(n0) * C + c0;
       Tile tile(N - n0, C - c0);
       tile.Load(d, C);
-      tile.Accumulate(OC, dout + static_cast<size_t>(n0) * OC, OC, 1, weight + c0, C);
+      tile.Accumulate(OC, dout_m + static_cast<size_t>(n0) * OC, OC, 1, weight + c0, C);
       tile.Store(d, C);
     });
 
@@ -347,7 +359,7 @@ class CpuKernels final : public Kernels {
       float* d = dweight + static_cast<size_t>(o0) * C + c0;
       Tile tile(OC - o0, C - c0);
       tile.Load(d, C);
-      tile.Accumulate(N, dout + o0, 1, OC, inp + c0, C);
+      tile.Accumulate(N, dout_m + o0, 1, OC, inp + c0, C);
       tile.Store(d, C);
       // The first strip of channels also owns the tile's bias grads.
       if (dbias != nullptr && c0 == 0) {
@@ -492,6 +504,20 @@ class CpuKernels final : public Kernels {
 
  private:
   // dst = src^T for src [rows, cols] (dst [cols, rows]), in square blocks.
+  // A matmul operand of n elements as the products take it: itself (kFp32)
+  // or rounded to bf16 values in `scratch` (kBf16).
+  const float* MatmulOperand(const float* x, size_t n, std::vector<float>* scratch) {
+    if (math_ == MatmulMath::kFp32) return x;
+    ZT_CHECK_MSG(n <= max_operand_, "matmul operand of ", n, " elements; SetMatmul reserved ",
+                 max_operand_);
+    scratch->resize(n);
+    float* r = scratch->data();
+    ParallelElements(n, [&](size_t b, size_t e) {
+      for (size_t i = b; i < e; ++i) r[i] = Bf16ToFloat(FloatToBf16(x[i]));
+    });
+    return r;
+  }
+
   static void TransposeInto(std::vector<float>* dst, const float* src, int rows, int cols) {
     dst->resize(static_cast<size_t>(rows) * cols);
     float* d = dst->data();
@@ -511,6 +537,9 @@ class CpuKernels final : public Kernels {
     });
   }
 
+  MatmulMath math_ = MatmulMath::kFp32;
+  size_t max_operand_ = 0;
+  std::vector<float> round_inp_, round_weight_, round_dout_;  // kBf16 operands
   std::vector<float> transposed_;
   std::vector<int> order_;
   std::vector<int> group_starts_;

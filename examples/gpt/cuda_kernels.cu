@@ -498,7 +498,33 @@ int HeadThreads(int hs) {
 
 class CudaKernels final : public Kernels {
  public:
-  CudaKernels(int ordinal, cudaStream_t stream) : ordinal_(ordinal), stream_(stream) {}
+  CudaKernels(client::Device& device, int ordinal, cudaStream_t stream)
+      : device_(device), ordinal_(ordinal), stream_(stream) {}
+  ~CudaKernels() override {
+    for (uint16_t* p : operands_) {
+      if (p != nullptr) device_.Free(p);
+    }
+  }
+  CudaKernels(const CudaKernels&) = delete;
+  CudaKernels& operator=(const CudaKernels&) = delete;
+
+  Status SetMatmul(MatmulMath math, size_t max_operand) override {
+    if (math == MatmulMath::kBf16 && max_operand > max_operand_) {
+      for (uint16_t*& p : operands_) {
+        if (p != nullptr) device_.Free(p);
+        p = nullptr;
+      }
+      max_operand_ = 0;
+      for (uint16_t*& p : operands_) {
+        ZT_ASSIGN_OR_RETURN(void* room, device_.Allocate(max_operand * sizeof(uint16_t),
+                                                         client::MemoryPurpose::kOther));
+        p = static_cast<uint16_t*>(room);
+      }
+      max_operand_ = max_operand;
+    }
+    math_ = math;
+    return Status::Ok();
+  }
 
   Status Init() {
     ZT_RETURN_IF_ERROR(CudaStatus(cudaSetDevice(ordinal_), "cudaSetDevice"));
@@ -609,9 +635,16 @@ class CudaKernels final : public Kernels {
     // column-major out (OC x N) = weight^T (OC x C) * inp (C x N), weight
     // being the column-major C x OC matrix, transposed.
     const float one = 1.0f, zero = 0.0f;
-    ZT_CHECK_CUBLAS(cublasSgemm(cublas_.get(), CUBLAS_OP_T, CUBLAS_OP_N, OC, N, C, &one, weight, C,
-                                inp, C, &zero, out, OC),
-                    "Matmul N=", N, " C=", C, " OC=", OC);
+    if (math_ == MatmulMath::kBf16) {
+      const uint16_t* w = Operand(kWeight, weight, static_cast<size_t>(OC) * C);
+      const uint16_t* x = Operand(kInput, inp, static_cast<size_t>(N) * C);
+      ZT_CHECK_CUBLAS(Bf16Gemm(CUBLAS_OP_T, CUBLAS_OP_N, OC, N, C, w, C, x, C, 0.0f, out, OC),
+                      "Matmul (bf16) N=", N, " C=", C, " OC=", OC);
+    } else {
+      ZT_CHECK_CUBLAS(cublasSgemm(cublas_.get(), CUBLAS_OP_T, CUBLAS_OP_N, OC, N, C, &one, weight,
+                                  C, inp, C, &zero, out, OC),
+                      "Matmul N=", N, " C=", C, " OC=", OC);
+    }
     if (bias != nullptr) {
       const size_t n = static_cast<size_t>(N) * OC;
       AddBiasKernel<<<GridFor(n), kThreads, 0, stream_>>>(out, bias, static_cast<size_t>(N), OC);
@@ -624,19 +657,37 @@ class CudaKernels final : public Kernels {
     if (N <= 0 || C <= 0 || OC <= 0) return;
     if (!Enter()) return;
     const float one = 1.0f;
+    const bool bf16 = math_ == MatmulMath::kBf16;
+    // The bf16 operands, rounded once for both products (dbias sums dout
+    // as is).
+    const uint16_t* dout16 = bf16 ? Operand(kOutput, dout, static_cast<size_t>(N) * OC) : nullptr;
     if (dinp != nullptr) {
       // dinp[N,C] += dout[N,OC] @ weight[OC,C]: column-major dinp^T (C x N)
       // += weight (C x OC) * dout^T (OC x N).
-      ZT_CHECK_CUBLAS(cublasSgemm(cublas_.get(), CUBLAS_OP_N, CUBLAS_OP_N, C, N, OC, &one, weight,
-                                  C, dout, OC, &one, dinp, C),
-                      "MatmulBackward dinp N=", N, " C=", C, " OC=", OC);
+      if (bf16) {
+        const uint16_t* w = Operand(kWeight, weight, static_cast<size_t>(OC) * C);
+        ZT_CHECK_CUBLAS(Bf16Gemm(CUBLAS_OP_N, CUBLAS_OP_N, C, N, OC, w, C, dout16, OC, 1.0f, dinp,
+                                 C),
+                        "MatmulBackward (bf16) dinp N=", N, " C=", C, " OC=", OC);
+      } else {
+        ZT_CHECK_CUBLAS(cublasSgemm(cublas_.get(), CUBLAS_OP_N, CUBLAS_OP_N, C, N, OC, &one,
+                                    weight, C, dout, OC, &one, dinp, C),
+                        "MatmulBackward dinp N=", N, " C=", C, " OC=", OC);
+      }
     }
     if (dweight != nullptr) {
       // dweight[OC,C] += dout^T @ inp: column-major dweight^T (C x OC) +=
       // inp^T (C x N) * dout (N x OC).
-      ZT_CHECK_CUBLAS(cublasSgemm(cublas_.get(), CUBLAS_OP_N, CUBLAS_OP_T, C, OC, N, &one, inp, C,
-                                  dout, OC, &one, dweight, C),
-                      "MatmulBackward dweight N=", N, " C=", C, " OC=", OC);
+      if (bf16) {
+        const uint16_t* x = Operand(kInput, inp, static_cast<size_t>(N) * C);
+        ZT_CHECK_CUBLAS(Bf16Gemm(CUBLAS_OP_N, CUBLAS_OP_T, C, OC, N, x, C, dout16, OC, 1.0f,
+                                 dweight, C),
+                        "MatmulBackward (bf16) dweight N=", N, " C=", C, " OC=", OC);
+      } else {
+        ZT_CHECK_CUBLAS(cublasSgemm(cublas_.get(), CUBLAS_OP_N, CUBLAS_OP_T, C, OC, N, &one, inp,
+                                    C, dout, OC, &one, dweight, C),
+                        "MatmulBackward dweight N=", N, " C=", C, " OC=", OC);
+      }
     }
     if (dbias != nullptr) {
       LaunchColumnSums(nullptr, dbias, dout, nullptr, nullptr, nullptr, N, OC);
@@ -750,9 +801,37 @@ class CudaKernels final : public Kernels {
     return static_cast<unsigned>(blocks);
   }
 
+  // The rounded bf16 operands of kBf16 matmuls, one buffer per role.
+  enum Role { kInput, kWeight, kOutput, kRoles };
+
+  // x[0, n) rounded to bf16 (nearest even, as the CPU) into the role's
+  // buffer, queued on the stream.
+  const uint16_t* Operand(Role role, const float* x, size_t n) {
+    ZT_CHECK_MSG(n <= max_operand_, "matmul operand of ", n, " elements; SetMatmul reserved ",
+                 max_operand_);
+    uint16_t* out = operands_[role];
+    LaunchElementwise("ToBf16 (matmul operand)", ToBf16Kernel, n, out, x);
+    return out;
+  }
+
+  // Column-major C = A * B (+ beta C) on bf16 tensor cores with fp32
+  // accumulation; A and B bf16, C fp32.
+  cublasStatus_t Bf16Gemm(cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k,
+                          const uint16_t* a, int lda, const uint16_t* b, int ldb, float beta,
+                          float* c, int ldc) {
+    const float alpha = 1.0f;
+    return cublasGemmEx(cublas_.get(), ta, tb, m, n, k, &alpha, a, CUDA_R_16BF, lda, b,
+                        CUDA_R_16BF, ldb, &beta, c, CUDA_R_32F, ldc, CUBLAS_COMPUTE_32F,
+                        CUBLAS_GEMM_DEFAULT);
+  }
+
+  client::Device& device_;
   const int ordinal_;
   const cudaStream_t stream_;
   CublasHandle cublas_;
+  MatmulMath math_ = MatmulMath::kFp32;
+  size_t max_operand_ = 0;
+  uint16_t* operands_[kRoles] = {};
 };
 
 }  // namespace
@@ -771,7 +850,7 @@ Result<std::unique_ptr<Kernels>> MakeCudaKernels(client::Device& device) {
                          cudaGetErrorString(err), " (", cudaGetErrorName(err), ")"),
                   static_cast<int>(err));
   }
-  auto kernels = std::make_unique<CudaKernels>(ordinal, stream);
+  auto kernels = std::make_unique<CudaKernels>(device, ordinal, stream);
   ZT_RETURN_IF_ERROR(kernels->Init());
   return std::unique_ptr<Kernels>(std::move(kernels));
 }

@@ -397,6 +397,18 @@ uint64_t ParameterCount(const Config& config) {
          (config.tied_head ? 0 : V * C);
 }
 
+namespace {
+
+// The largest matmul operand (inp, weight or dout) of a micro-batch, in
+// elements: max(4C, V) x max(B T, C).
+double MatmulOperandMax(const Config& config, int batch) {
+  const double n = static_cast<double>(batch) * config.context;
+  return std::max(4.0 * config.channels, static_cast<double>(config.vocab)) *
+         std::max(n, static_cast<double>(config.channels));
+}
+
+}  // namespace
+
 uint64_t ActivationBytes(const Config& config, int batch) {
   // Gpt::Impl::Allocate's plan, in floats (before its 256-byte alignment).
   const double B = batch, T = config.context, C = config.channels, V = config.vocab,
@@ -407,7 +419,10 @@ uint64_t ActivationBytes(const Config& config, int batch) {
   const double head = nc + 2 * n + 2 * n * V + n + 13 * nc + scores;
   const double unit = std::max(12 * C * C + 13 * C, V * C + T * C);
   const double floats = (L + 1) * nc + acts + head + 4 * unit + 2 * n;
-  const double bytes = floats * 4;
+  // bf16 matmuls: the kernels' three rounded operands.
+  const double operands =
+      config.matmul == MatmulMath::kBf16 ? 3 * 2 * MatmulOperandMax(config, batch) : 0;
+  const double bytes = floats * 4 + operands;
   return bytes >= 1.8e19 ? UINT64_MAX : static_cast<uint64_t>(bytes);
 }
 
@@ -781,6 +796,8 @@ Result<std::unique_ptr<Gpt>> Gpt::Create(const Config& config, int batch, client
   if (impl->kernels == nullptr) {
     return Status::InvalidArgument(StrCat("no GPT kernels for device '", device.name(), "'"));
   }
+  ZT_RETURN_IF_ERROR(impl->kernels->SetMatmul(
+      config.matmul, static_cast<size_t>(MatmulOperandMax(config, batch))));
   ZT_RETURN_IF_ERROR(impl->Allocate());
   return std::unique_ptr<Gpt>(new Gpt(std::move(impl)));
 }

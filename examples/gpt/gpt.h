@@ -43,6 +43,9 @@ struct Config {
   // Keep only each block's input in the forward pass and recompute the
   // block's activations in its backward.
   bool checkpoint_activations = false;
+  // How the matmuls multiply (kernels.h): fp32, or bf16 operands with fp32
+  // sums (tensor cores on CUDA).
+  MatmulMath matmul = MatmulMath::kFp32;
 };
 
 // Errors: InvalidArgument naming the bad field (sizes are bounded: channels

@@ -28,9 +28,22 @@
 
 namespace ztier::gpt {
 
+// How the matmuls multiply (Config::matmul). kFp32: in fp32 throughout.
+// kBf16: both operands rounded to bf16 (nearest even), their products summed
+// in fp32: on CUDA bf16 tensor cores (cuBLAS, fp32 accumulation), on the
+// CPU the same rounding ahead of its fp32 loops, so that the two backends
+// still agree to fp32 summation order. Bias sums stay in fp32.
+enum class MatmulMath : uint8_t { kFp32, kBf16 };
+
 class Kernels {
  public:
   virtual ~Kernels() = default;
+
+  // Sets how Matmul and MatmulBackward multiply (kFp32 until called); with
+  // kBf16, reserves room for the rounded operands, each of at most
+  // `max_operand` elements (a larger one aborts). Errors: the device's
+  // ResourceExhausted.
+  virtual Status SetMatmul(MatmulMath math, size_t max_operand) = 0;
 
   // out[i] = float(in[i]); out[i] = bf16(in[i]) rounding to nearest even.
   virtual void ToFloat(float* out, const bf16* in, size_t n) = 0;

@@ -134,6 +134,8 @@ void Usage(std::ostream& os) {
         "  --layers N --channels C --heads H --context T   (default 4, 128, 4, 64)\n"
         "  --untied                 a separate output head instead of the tied embedding\n"
         "  --checkpoint-activations recompute each block's activations in its backward\n"
+        "  --matmul fp32|bf16       matmul operands in fp32 (default) or rounded to bf16, the\n"
+        "                           products summed in fp32 (bf16 tensor cores on cuda)\n"
         "training (each also a setting of the --config file):\n"
         "  --steps N                optimizer steps (default 500)\n"
         "  --batch B                sequences per rank and micro-step (default 8)\n"
@@ -233,6 +235,15 @@ Result<Flags> ParseFlags(int argc, char** argv) {
       s = integer(&f.model.context, 1, 1 << 30);
     } else if (a == "--untied") {
       f.model.tied_head = false;
+    } else if (a == "--matmul") {
+      ZT_ASSIGN_OR_RETURN(const std::string math, value());
+      if (math == "fp32") {
+        f.model.matmul = gpt::MatmulMath::kFp32;
+      } else if (math == "bf16") {
+        f.model.matmul = gpt::MatmulMath::kBf16;
+      } else {
+        s = Status::InvalidArgument(StrCat("--matmul: '", math, "' is not fp32 or bf16"));
+      }
     } else if (a == "--checkpoint-activations") {
       f.overrides.push_back({"ztier.activation_checkpointing", "true", a});
     } else if (a == "--batch") {
@@ -607,10 +618,12 @@ void PrintSetup(const Flags& f, const Plan& p, const Session& session, size_t te
   const engine::Settings& s = p.settings;
   std::fprintf(stderr,
                "ztier-train: %.2fM params (%d layers, %d channels, %d heads, context %d), %zu "
-               "bytes of text, %d rank(s) on %s, batch %d x %d micro-step(s), optimizer states in "
-               "%s, params in %s, %s engine\n",
+               "bytes of text, %d rank(s) on %s%s, batch %d x %d micro-step(s), optimizer states "
+               "in %s, params in %s, %s engine\n",
                p.params / 1e6, p.model.layers, p.model.channels, p.model.heads, p.model.context,
-               text_bytes, f.ranks, f.device.c_str(), p.batch, p.accumulation,
+               text_bytes, f.ranks, f.device.c_str(),
+               p.model.matmul == gpt::MatmulMath::kBf16 ? " (bf16 matmuls)" : "", p.batch,
+               p.accumulation,
                s.optimizer_tier == engine::Tier::kNvme ? "nvme" : "dram",
                s.param_tier == engine::Tier::kNvme ? "nvme" : "dram",
                session.transport_name().c_str());

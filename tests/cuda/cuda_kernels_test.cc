@@ -44,6 +44,9 @@ constexpr Tolerance kExact{0.0f, 0.0f};
 constexpr Tolerance kElementwise{1e-5f, 1e-5f};
 constexpr Tolerance kReduction{1e-4f, 1e-4f};
 constexpr Tolerance kMatmul{1e-3f, 1e-4f};
+// bf16 matmuls: the same rounded operands on both sides (exact products),
+// but tensor cores need not round each fp32 addition to nearest: 10x.
+constexpr Tolerance kMatmulBf16{1e-2f, 1e-3f};
 constexpr Tolerance kProbability{1e-12f, 1e-4f};
 
 class CudaKernelsTest : public ::testing::Test {
@@ -112,6 +115,8 @@ class CudaKernelsTest : public ::testing::Test {
     EXPECT_TRUE(s.ok()) << s;
     return host;
   }
+
+  void CheckMatmul(MatmulMath math);
 
   static void ExpectNear(const std::vector<float>& gpu, const std::vector<float>& cpu,
                          Tolerance tol, const std::string& what) {
@@ -263,7 +268,10 @@ TEST_F(CudaKernelsTest, LayerNormForwardBackward) {
   }
 }
 
-TEST_F(CudaKernelsTest, MatmulForwardBackward) {
+// Both backends with `math`; with kBf16 the CPU rounds the same operands
+// (cpu_kernels.cc), so they still agree to summation order.
+void CudaKernelsTest::CheckMatmul(MatmulMath math) {
+  const Tolerance kTol = math == MatmulMath::kBf16 ? kMatmulBf16 : kMatmul;
   struct Shape {
     int N, C, OC;
     bool bias;
@@ -271,9 +279,14 @@ TEST_F(CudaKernelsTest, MatmulForwardBackward) {
   for (const Shape& s : {Shape{1, 1, 1, true}, Shape{64, 96, 288, true}, Shape{130, 256, 64, false},
                          Shape{512, 1024, 256, true}, Shape{33, 17, 1000, false}}) {
     const std::string shape = "N=" + std::to_string(s.N) + " C=" + std::to_string(s.C) +
-                              " OC=" + std::to_string(s.OC) + (s.bias ? " bias" : " no bias");
+                              " OC=" + std::to_string(s.OC) + (s.bias ? " bias" : " no bias") +
+                              (math == MatmulMath::kBf16 ? " bf16" : " fp32");
     const size_t nc = static_cast<size_t>(s.N) * s.C, noc = static_cast<size_t>(s.N) * s.OC;
     const size_t occ = static_cast<size_t>(s.OC) * s.C;
+    const size_t largest = std::max({nc, noc, occ});
+    ASSERT_TRUE(cpu_->SetMatmul(math, largest).ok());
+    const Status reserved = gpu_->SetMatmul(math, largest);
+    ASSERT_TRUE(reserved.ok()) << reserved;
     std::vector<float> inp = Random(nc), w = Random(occ), bias = Random(s.OC);
     std::vector<float> out(noc);
     cpu_->Matmul(out.data(), inp.data(), w.data(), s.bias ? bias.data() : nullptr, s.N, s.C, s.OC);
@@ -281,7 +294,7 @@ TEST_F(CudaKernelsTest, MatmulForwardBackward) {
     float* d_inp = Up(inp);
     float* d_w = Up(w);
     gpu_->Matmul(d_out, d_inp, d_w, s.bias ? Up(bias) : nullptr, s.N, s.C, s.OC);
-    ExpectNear(Down(d_out, noc), out, kMatmul, "Matmul out " + shape);
+    ExpectNear(Down(d_out, noc), out, kTol, "Matmul out " + shape);
 
     std::vector<float> dout = Random(noc);
     std::vector<float> dinp = Random(nc), dw = Random(occ), db = Random(s.OC);
@@ -292,11 +305,14 @@ TEST_F(CudaKernelsTest, MatmulForwardBackward) {
                          inp.data(), w.data(), s.N, s.C, s.OC);
     gpu_->MatmulBackward(d_dinp, d_dw, s.bias ? d_db : nullptr, Up(dout), d_inp, d_w, s.N, s.C,
                          s.OC);
-    ExpectNear(Down(d_dinp, nc), dinp, kMatmul, "MatmulBackward dinp " + shape);
-    ExpectNear(Down(d_dw, occ), dw, kMatmul, "MatmulBackward dweight " + shape);
+    ExpectNear(Down(d_dinp, nc), dinp, kTol, "MatmulBackward dinp " + shape);
+    ExpectNear(Down(d_dw, occ), dw, kTol, "MatmulBackward dweight " + shape);
     ExpectNear(Down(d_db, s.OC), db, kMatmul, "MatmulBackward dbias " + shape);
   }
 }
+
+TEST_F(CudaKernelsTest, MatmulForwardBackward) { CheckMatmul(MatmulMath::kFp32); }
+TEST_F(CudaKernelsTest, Bf16MatmulForwardBackward) { CheckMatmul(MatmulMath::kBf16); }
 
 TEST_F(CudaKernelsTest, AttentionForwardBackward) {
   struct Shape {

@@ -12,7 +12,8 @@
 //  - teacher forcing over 40 AdamW steps: at every step both backends are
 //    evaluated on the CPU trajectory's weights and batch (text-like bytes
 //    with 2% >= 128), so rounding cannot make them drift apart, and they
-//    must agree at every step.
+//    must agree at every step;
+//  - the forward and backward again with bf16 matmuls on both backends.
 //
 // Tolerance, from fp32 summation order: cuBLAS and the CPU kernels sum the
 // same products in different orders, so each output differs by a few ulps
@@ -181,16 +182,17 @@ class GptCudaTest : public ::testing::Test {
     EXPECT_TRUE(lc.ok()) << lc.status();
     if (!lh.ok() || !lc.ok()) return false;
     bool same = true;
-    if (!(std::fabs(*lc - *lh) <= kLossRtol * std::max(1.0f, std::fabs(*lh)))) {
+    if (!(std::fabs(*lc - *lh) <= loss_rtol_ * std::max(1.0f, std::fabs(*lh)))) {
       ADD_FAILURE() << what << ": loss cuda " << *lc << ", cpu " << *lh;
       same = false;
     }
-    same = CompareGrads(gc, gh, kGradRtol, what) && same;
+    same = CompareGrads(gc, gh, grad_rtol_, what) && same;
     if (host_grads != nullptr) *host_grads = std::move(gh);
     return same;
   }
 
   Config config_ = DefaultShape();
+  double loss_rtol_ = kLossRtol, grad_rtol_ = kGradRtol;  // of Compare
   std::unique_ptr<client::Device> cuda_device_, host_device_;
   std::vector<engine::UnitLayout> layouts_;
   std::vector<engine::UnitSpec> specs_;
@@ -208,6 +210,27 @@ TEST_F(GptCudaTest, ForwardAndBackwardMatchTheCpuOnEveryByteValue) {
   for (int32_t& t : high) t = 128 + t % 128;
   EXPECT_TRUE(Compare(weights, low, "bytes < 128 only"));
   EXPECT_TRUE(Compare(weights, high, "bytes >= 128 only"));
+}
+
+// bf16 matmuls (tensor cores on CUDA, the same rounding ahead of fp32 loops
+// on the CPU). Where the backends' fp32 inputs of a matmul differ by an ulp
+// the operand's bf16 rounding may differ by one bf16 step (2^-8) on that
+// element: tolerances 10x the fp32 ones.
+TEST_F(GptCudaTest, Bf16MatmulsMatchTheCpusOnEveryByteValue) {
+  Config bf16 = config_;
+  bf16.matmul = MatmulMath::kBf16;
+  Result<std::unique_ptr<Gpt>> c = Gpt::Create(bf16, kBatch, *cuda_device_, layouts_);
+  ASSERT_TRUE(c.ok()) << c.status();
+  Result<std::unique_ptr<Gpt>> h = Gpt::Create(bf16, kBatch, *host_device_, layouts_);
+  ASSERT_TRUE(h.ok()) << h.status();
+  cuda_ = std::move(*c);
+  host_ = std::move(*h);
+  loss_rtol_ = 10 * kLossRtol;
+  grad_rtol_ = 10 * kGradRtol;
+  const std::vector<std::vector<float>> weights = testing::GptInitWeights(config_, layouts_, 1);
+  for (uint64_t seed : {1, 2}) {
+    EXPECT_TRUE(Compare(weights, EveryByte(config_, seed), StrCat("bf16 matmuls, seed ", seed)));
+  }
 }
 
 TEST_F(GptCudaTest, TrainMicroStepPushesTheCpusBf16Grads) {
