@@ -535,6 +535,28 @@ NB_MODULE(_C, m) {
       .def_prop_ro("wait_timeout",
                    [](const Session& s) { return double(s.settings().wait_timeout_seconds); })
       .def_prop_ro("coalesce_bytes", [](const Session& s) { return s.settings().coalesce_bytes; })
+      .def_prop_ro(
+          "training",
+          [](const Session& s) {
+            // What the config and the variables set of the training settings
+            // (DeepSpeed's optimizer, clipping, accumulation): unset ones are
+            // left out, for the program's own defaults.
+            const engine::TrainingSettings& t = s.settings().training;
+            nb::dict d;
+            if (t.optimizer_type) d["optimizer_type"] = *t.optimizer_type;
+            if (t.adam_w_mode) d["adam_w_mode"] = *t.adam_w_mode;
+            if (t.lr) d["lr"] = *t.lr;
+            if (t.beta1) d["beta1"] = *t.beta1;
+            if (t.beta2) d["beta2"] = *t.beta2;
+            if (t.eps) d["eps"] = *t.eps;
+            if (t.weight_decay) d["weight_decay"] = *t.weight_decay;
+            if (t.bias_correction) d["bias_correction"] = *t.bias_correction;
+            if (t.clip_norm) d["clip_norm"] = *t.clip_norm;
+            if (t.grad_accumulation) d["grad_accumulation"] = *t.grad_accumulation;
+            return d;
+          },
+          "The training settings the config file and ZTIER_* variables set (optimizer type and "
+          "params, gradient_clipping, gradient_accumulation_steps); unset ones are absent.")
       .def(
           "register_model",
           [](Session& s, const std::string& name, const std::vector<UnitTuple>& units,

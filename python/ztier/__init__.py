@@ -10,6 +10,15 @@ its kind (``InvalidArgumentError``, ``NotFoundError``, ``ResourceExhaustedError`
 unit, file or limit at fault.
 """
 
+# torch before ztier._C where it is installed: a CUDA build of torch brings
+# its own NCCL, newer than the CUDA toolkit's that ztier._C links against.
+# Whichever libnccl.so.2 loads first serves the whole process, and torch needs
+# its own (loaded second, it fails on a symbol the older one lacks).
+try:
+    import torch  # noqa: F401
+except ImportError:
+    pass
+
 from ztier._C import (  # noqa: F401
     AbortedError,
     AlreadyExistsError,

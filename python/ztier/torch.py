@@ -49,6 +49,7 @@ import atexit
 import contextlib
 import os
 import uuid
+import warnings
 import weakref
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
@@ -92,9 +93,22 @@ class _Optimizer(torch.optim.Optimizer):
 
     def __init__(self, owner: "Offload", groups: list[dict]):
         self._owner = owner
+        self._constructing = True
         defaults = dict(lr=owner._adamw.lr, betas=owner._adamw.betas, eps=owner._adamw.eps,
                         weight_decay=owner._adamw.weight_decay)
         super().__init__(groups, defaults)
+        self._constructing = False
+        # What the engine was given and keeps: only lr goes with each step.
+        self._fixed = [{k: g[k] for k in _FIXED_KEYS} for g in self.param_groups]
+        self._warned: set[tuple[int, str]] = set()
+
+    def add_param_group(self, param_group):
+        if not self._constructing:
+            raise RuntimeError(
+                "ztier: add_param_group after offload(): the engine's param groups are fixed "
+                "when the model is offloaded (its tensors' units and groups are laid out then); "
+                "offload a model with every parameter in it instead")
+        super().add_param_group(param_group)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -102,6 +116,14 @@ class _Optimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        for i, (g, fixed) in enumerate(zip(self.param_groups, self._fixed)):
+            for k in _FIXED_KEYS:
+                if _differs(g[k], fixed[k]) and (i, k) not in self._warned:
+                    self._warned.add((i, k))
+                    warnings.warn(
+                        f"ztier: param group {i}'s {k} changed to {g[k]!r}, but the engine takes "
+                        f"only lr with each step: it keeps {k}={fixed[k]!r} (set it in "
+                        f"zt.AdamW(...) when offloading)", RuntimeWarning, stacklevel=2)
         self._owner._optimizer_step([float(g["lr"]) for g in self.param_groups])
         return loss
 
@@ -122,6 +144,15 @@ class _Optimizer(torch.optim.Optimizer):
             for k, v in saved.items():
                 if k != "params":
                     g[k] = v
+
+
+_FIXED_KEYS = ("betas", "eps", "weight_decay")
+
+
+def _differs(a, b) -> bool:
+    if isinstance(a, (tuple, list)) or isinstance(b, (tuple, list)):
+        return tuple(float(x) for x in a) != tuple(float(x) for x in b)
+    return float(a) != float(b)
 
 
 # ------------------------------------------------------------------- units --
@@ -153,7 +184,15 @@ def find_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
                 best = (size, name, m)
     if best is None:
         return []
-    return [(f"{best[1]}.{i}", c) for i, c in enumerate(best[2])]
+    # A module listed more than once (one layer shared, ALBERT-style) is
+    # one block, under its first name.
+    seen: set[int] = set()
+    out = []
+    for i, c in enumerate(best[2]):
+        if id(c) not in seen:
+            seen.add(id(c))
+            out.append((f"{best[1]}.{i}", c))
+    return out
 
 
 @dataclass
@@ -191,14 +230,14 @@ class _PostBackward(torch.autograd.Function):
     backward has produced the inputs' grads (the module is then done)."""
 
     @staticmethod
-    def forward(ctx, owner, module_id, *inputs):
+    def forward(ctx, owner, call, *inputs):
         ctx.owner = owner
-        ctx.module_id = module_id
+        ctx.call = call  # (module id, call number)
         return inputs if len(inputs) > 1 else inputs[0]
 
     @staticmethod
     def backward(ctx, *grads):
-        ctx.owner._post_backward(ctx.module_id)
+        ctx.owner._post_backward(ctx.call)
         return (None, None) + grads
 
 
@@ -221,15 +260,18 @@ class Offload:
     """A model put on ztier by :func:`offload`; see the module's docstring."""
 
     def __init__(self, model: nn.Module, *, device="cpu", optimizer: AdamW | None = None,
-                 clip_grad_norm: float = 0.0, grad_accumulation: int = 1,
+                 clip_grad_norm: float | None = None, grad_accumulation: int | None = None,
                  states: str | None = None, params: str | None = None,
                  prefetch_depth: int | None = None, config: str | None = None,
                  daemon: str | None = None, settings: dict | None = None,
                  name: str | None = None, session: _C.Session | None = None,
                  weights: str | None = None, compute_dtype: torch.dtype | None = None,
                  average_grads: bool = False):
-        if grad_accumulation < 1:
-            raise ValueError(f"ztier: grad_accumulation must be >= 1, got {grad_accumulation}")
+        if grad_accumulation is not None and (not isinstance(grad_accumulation, int)
+                                              or isinstance(grad_accumulation, bool)
+                                              or grad_accumulation < 1):
+            raise ValueError(f"ztier: grad_accumulation must be an int >= 1, got "
+                             f"{grad_accumulation!r}")
         previous = getattr(model, "_ztier_offload", None)
         if previous is not None and previous() is not None:
             raise ValueError("ztier: this model is already offloaded (its parameters live in the "
@@ -247,8 +289,6 @@ class Offload:
                              f"got {compute_dtype}")
         self.compute_dtype = compute_dtype
         self._elem_bytes = torch.empty((), dtype=compute_dtype).element_size()
-        self._adamw = optimizer or AdamW()
-        self.grad_accumulation = int(grad_accumulation)
         self.rank, self.world_size = _distributed()
         self._hosted = None
         name = name or f"{type(model).__name__}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -258,6 +298,17 @@ class Offload:
         # each rank's grads are divided by the world size first (DDP's mean).
         self._grad_divisor = self.world_size if average_grads else 1
         self.session = session or open_session(config=config, settings=settings, daemon=daemon)
+        # What the arguments leave unset comes from the config's (or the
+        # ZTIER_* variables') optimizer, gradient_clipping and
+        # gradient_accumulation_steps, else the defaults.
+        training = self.session.training
+        self._adamw = optimizer or _adamw_from(training)
+        if grad_accumulation is None:
+            grad_accumulation = training.get("grad_accumulation", 1)
+        if clip_grad_norm is None:
+            clip_grad_norm = training.get("clip_norm", 0.0)
+        self.grad_accumulation = int(grad_accumulation)
+        self.clip_grad_norm = float(clip_grad_norm or 0.0)
         states = states or self.session.default_optimizer_tier
         params = params or self.session.default_param_tier
         self._build_units(model)
@@ -270,7 +321,7 @@ class Offload:
                                  weight_decay=a.weight_decay, mode=a.mode,
                                  bias_correction=a.bias_correction,
                                  group_weight_decay=self._group_decay,
-                                 clip_norm=float(clip_grad_norm or 0.0),
+                                 clip_norm=self.clip_grad_norm,
                                  grad_accumulation=self.grad_accumulation)
         self.name = name
         if self.rank == 0:
@@ -319,8 +370,13 @@ class Offload:
         self._awaiting_step = False
         self._deferred: list[_Unit] = []
         self._fwd_held: list[int] = []  # modules inside their forward
-        self._bwd_held: set[int] = set()
-        self._post_done: set[int] = set()
+        # Backward holds are per call of a module, (module id, call number):
+        # a module called several times in one forward (a shared layer) is
+        # held for each call's backward.
+        self._calls: dict[int, list[int]] = {}  # module id: its calls inside their forward
+        self._next_call = 0
+        self._bwd_held: set[tuple[int, int]] = set()
+        self._post_done: set[tuple[int, int]] = set()
         self._callback_queued = False
         self._hooks = []
         self._install_hooks(model)
@@ -529,9 +585,10 @@ class Offload:
         grads taken but not sent); nothing of it reached the engine."""
         for mid in self._fwd_held:
             self._let_go(self._module_units[mid])
-        for mid in self._bwd_held:
+        for mid, _ in self._bwd_held:
             self._let_go(self._module_units[mid])
         self._fwd_held.clear()
+        self._calls.clear()
         self._bwd_held.clear()
         self._post_done.clear()
         self._callback_queued = False
@@ -544,27 +601,55 @@ class Offload:
     @contextlib.contextmanager
     def gathered(self):
         """Every unit's bf16 params in the module's parameters (at the version
-        the next forward reads), e.g. for ``model.state_dict()``."""
+        the next forward reads), e.g. for ``model.state_dict()``. Read-only:
+        writes to them are not sent to the engine. Each unit not already held
+        is copied into storage of its own, which the parameters let go of on
+        leaving: views taken inside (a state dict) stay valid after it."""
+        self._require_open("gathered")
         key = self.runner.order_key
         self.runner.set_order(_GATHER)
-        self._hold(self.units)
+        gathered = []
         try:
+            for u in self.units:
+                u.holds += 1
+                gathered.append(u)
+                if u.holds > 1:
+                    continue  # held by a forward: its params already show the values
+                src = self.runner.acquire(u.index)
+                self._torch_waits_runner()
+                flat = torch.empty(u.padded, dtype=self.compute_dtype, device=self.device)
+                flat.copy_(src)
+                del src
+                self._runner_waits_torch()
+                self.runner.release(u.index)
+                for t in u.tensors:
+                    t.param.data = flat[t.offset:t.offset + t.numel].view(t.shape)
             yield self.module
         finally:
-            self._let_go(self.units)
+            for u in gathered:
+                u.holds -= 1
+                if u.holds == 0:
+                    for t in u.tensors:
+                        t.param.data = self._placeholder(t.shape)
             self.runner.set_order(key)
 
     # ---- hooks
 
     def _install_hooks(self, model: nn.Module):
-        self._hooks.append(model.register_forward_pre_hook(self._root_pre_forward))
+        # The hooks reach this object through a weak reference: the model
+        # (and the tensors' hooks, which the garbage collector cannot see
+        # through) must not keep an Offload its user dropped alive.
+        self._hooks.append(model.register_forward_pre_hook(_weak(self._root_pre_forward)))
+        self._hooks.append(model.register_forward_hook(_weak(self._root_post_forward)))
         for m in self._hooked:
-            self._hooks.append(m.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
-            self._hooks.append(m.register_forward_hook(self._post_forward))
+            self._hooks.append(m.register_forward_pre_hook(_weak(self._pre_forward),
+                                                           with_kwargs=True))
+            self._hooks.append(m.register_forward_hook(_weak(self._post_forward)))
         for u in self.units:
             for t in u.tensors:
                 if t.param.requires_grad:
-                    self._hooks.append(t.param.register_post_accumulate_grad_hook(self._grad_in))
+                    self._hooks.append(
+                        t.param.register_post_accumulate_grad_hook(_weak(self._grad_in)))
 
     def remove_hooks(self):
         for h in self._hooks:
@@ -591,45 +676,58 @@ class Offload:
         self.runner.set_order(_TRAIN if training else _EVAL)
         self._phase = "forward"
 
+    def _root_post_forward(self, module, args, output):
+        if torch._C._current_graph_task_id() != -1:
+            return None
+        # A forward no backward can follow (no grad, or nothing that needs
+        # one): done, and the model is between steps again.
+        if self._phase == "forward" and not any(t.requires_grad for t in _tensors(output)):
+            self._phase = "idle"
+        return None
+
     def _pre_forward(self, module, args, kwargs):
-        units = self._module_units[id(module)]
+        mid = id(module)
+        units = self._module_units[mid]
         if self._phase != "backward" and torch._C._current_graph_task_id() != -1:
             self._enter_backward()  # a recompute is the first thing backward runs
+        call = (mid, self._next_call)
+        self._next_call += 1
         if self._phase == "backward":
             self.recomputes += 1
             # Recompute (activation checkpointing) inside backward: hold until
-            # the module's backward is done (or the backward ends).
-            if id(module) not in self._bwd_held:
-                self._bwd_held.add(id(module))
-                self._post_done.discard(id(module))
+            # the module's backward is done (or the backward ends), unless
+            # its backward holds it already.
+            if not any(m == mid for m, _ in self._bwd_held):
+                self._bwd_held.add(call)
                 self._hold(units)
         else:
             self._hold(units)
-            self._fwd_held.append(id(module))
+            self._fwd_held.append(mid)
+            self._calls.setdefault(mid, []).append(call[1])
         if torch.is_grad_enabled():
-            return self._wrap_inputs(module, args, kwargs)
+            return self._wrap_inputs(call, args, kwargs)
         return None
 
     def _post_forward(self, module, args, output):
         if self._phase == "backward":
             return None  # recompute: the hold lasts until the module's backward ends
-        self._fwd_held.remove(id(module))
-        self._let_go(self._module_units[id(module)])
+        mid = id(module)
+        call = (mid, self._calls[mid].pop())
+        self._fwd_held.remove(mid)
+        self._let_go(self._module_units[mid])
         if torch.is_grad_enabled():
-            mid = id(module)
             for t in _tensors(output):
                 if t.requires_grad:
-                    t.register_hook(lambda g, mid=mid: self._pre_backward(mid, g))
+                    t.register_hook(lambda g, call=call: self._pre_backward(call, g))
         return None
 
-    def _wrap_inputs(self, module, args, kwargs):
-        mid = id(module)
+    def _wrap_inputs(self, call, args, kwargs):
         pos = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
         keys = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.requires_grad]
         if not pos and not keys:
             return None
         tensors = [args[i] for i in pos] + [kwargs[k] for k in keys]
-        out = _PostBackward.apply(self, mid, *tensors)
+        out = _PostBackward.apply(self, call, *tensors)
         if not isinstance(out, tuple):
             out = (out,)
         args = list(args)
@@ -641,6 +739,10 @@ class Offload:
         return tuple(args), kwargs
 
     def _enter_backward(self):
+        if self._awaiting_step:
+            raise RuntimeError(
+                f"ztier: a backward pass after {self._micro} backward passes, but "
+                f"grad_accumulation={self.grad_accumulation}: call optimizer.step() first")
         if self._phase != "backward":
             self._phase = "backward"
             self._bwd_held.clear()
@@ -649,18 +751,18 @@ class Offload:
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
-    def _pre_backward(self, mid: int, grad):
+    def _pre_backward(self, call: tuple[int, int], grad):
         self._enter_backward()
-        if mid not in self._bwd_held and mid not in self._post_done:
-            self._bwd_held.add(mid)
-            self._hold(self._module_units[mid])
+        if call not in self._bwd_held and call not in self._post_done:
+            self._bwd_held.add(call)
+            self._hold(self._module_units[call[0]])
         return grad
 
-    def _post_backward(self, mid: int):
-        if mid in self._bwd_held:
-            self._bwd_held.discard(mid)
-            self._post_done.add(mid)
-            self._let_go(self._module_units[mid])
+    def _post_backward(self, call: tuple[int, int]):
+        if call in self._bwd_held:
+            self._bwd_held.discard(call)
+            self._post_done.add(call)
+            self._let_go(self._module_units[call[0]])
 
     def _grad_in(self, p: nn.Parameter):
         u = self._unit_of[id(p)]
@@ -700,9 +802,9 @@ class Offload:
 
     def _end_backward(self):
         self._callback_queued = False
-        for mid in list(self._bwd_held):
-            self._bwd_held.discard(mid)
-            self._let_go(self._module_units[mid])
+        for call in list(self._bwd_held):
+            self._bwd_held.discard(call)
+            self._let_go(self._module_units[call[0]])
         for u in self.units:
             if not u.pushed:
                 self._push(u)
@@ -720,6 +822,7 @@ class Offload:
             u.arrived.clear()
 
     def _optimizer_step(self, lrs: list[float]):
+        self._require_open("optimizer.step()")
         if not self._awaiting_step:
             raise RuntimeError(
                 f"ztier: optimizer.step() after {self._micro} backward passes since the last "
@@ -746,6 +849,7 @@ class Offload:
 
     def wait(self):
         """Blocks until the optimizer has finished the last step."""
+        self._require_open("wait")
         self.job.wait_published(self.runner.version, self.session.wait_timeout)
 
     def grad_norm(self) -> float:
@@ -753,7 +857,13 @@ class Offload:
         self.wait()
         return self.job.counters()["last_grad_norm"]
 
+    def _require_open(self, what: str):
+        if self.job is None:
+            raise RuntimeError(f"ztier: {what} on a closed Offload (close() let go of the "
+                               "engine's job): offload the model again, then load_checkpoint")
+
     def _between_steps(self, what: str):
+        self._require_open(what)
         if self._phase != "idle" or self._awaiting_step or self._micro != 0 or any(
                 u.holds for u in self.units):
             raise RuntimeError(f"ztier: {what} between optimizer steps only (after "
@@ -764,6 +874,7 @@ class Offload:
         """Locks ``directory`` for this model's checkpoints until it is closed,
         so a second run on it is refused at once (naming the holder's pid).
         With several ranks, rank 0 claims it (every rank calls this)."""
+        self._require_open("claim_checkpoint_dir")
         if self.rank == 0:
             self.job.claim_checkpoint_dir(os.fspath(directory))
 
@@ -779,11 +890,15 @@ class Offload:
         """Every rank calls it; rank 0 reads the files into the engine."""
         self._between_steps("load_checkpoint")
         self.runner = None  # its version is the old one
-        self._barrier()
-        if self.rank == 0:
-            self.job.load_checkpoint(os.fspath(directory))
-        self._barrier()
-        self.runner = self._make_runner()
+        try:
+            self._barrier()
+            if self.rank == 0:
+                self.job.load_checkpoint(os.fspath(directory))
+            self._barrier()
+        finally:
+            # A load that failed changed nothing: the model goes on from its
+            # own state with a runner as before.
+            self.runner = self._make_runner()
 
     def export_safetensors(self, path: str, dtype: str = "bfloat16"):
         """The consolidated weights under the model's state-dict names (rank 0
@@ -815,8 +930,20 @@ class Offload:
 
     def close(self):
         """Unhooks the model and lets go of the engine's job (its parameters
-        stay NaN placeholders: export or gather what you need first)."""
+        stay NaN placeholders: export or gather what you need first). A step
+        left pending (backward without optimizer.step()) is dropped. Closing
+        again does nothing."""
         self.remove_hooks()
+        # Whatever still holds the runner's buffers (a pending step's grads).
+        self._deferred.clear()
+        for u in self.units:
+            u.grads = None
+            u.arrived.clear()
+            u.holds = 0
+            u.storage = None
+        for u in self.units:
+            for t in u.tensors:
+                t.param.data = self._placeholder(t.shape)
         self.runner = None
         self._collectives = None
         self.job = None
@@ -859,6 +986,32 @@ def open_session(config: str | None = None, settings: dict | None = None,
     return session
 
 
+def _weak(method):
+    """``method`` (bound) called through a weak reference to its object: a
+    hook that does nothing once the object is gone."""
+    ref = weakref.WeakMethod(method)
+
+    def hook(*args, **kwargs):
+        m = ref()
+        return None if m is None else m(*args, **kwargs)
+
+    return hook
+
+
+def _adamw_from(training: dict) -> AdamW:
+    """AdamW with what a config set of DeepSpeed's optimizer (Session.training)."""
+    a = AdamW()
+    kind = training.get("optimizer_type")
+    decoupled = training.get("adam_w_mode", True)
+    mode = a.mode if kind is None and "adam_w_mode" not in training else (
+        "adamw" if kind == "adamw" or decoupled else "adam")
+    return AdamW(lr=training.get("lr", a.lr),
+                 betas=(training.get("beta1", a.betas[0]), training.get("beta2", a.betas[1])),
+                 eps=training.get("eps", a.eps),
+                 weight_decay=training.get("weight_decay", a.weight_decay),
+                 bias_correction=training.get("bias_correction", a.bias_correction), mode=mode)
+
+
 def _tensors(obj):
     if isinstance(obj, torch.Tensor):
         yield obj
@@ -873,12 +1026,15 @@ def _tensors(obj):
 
 
 def offload(model: nn.Module, device="cpu", optimizer: AdamW | None = None,
-            clip_grad_norm: float = 0.0, grad_accumulation: int = 1, states: str | None = None,
+            clip_grad_norm: float | None = None, grad_accumulation: int | None = None,
+            states: str | None = None,
             params: str | None = None, prefetch_depth: int | None = None,
             config: str | None = None, daemon: str | None = None, **kwargs) -> Offload:
     """Puts ``model`` on ztier; see the module's docstring. ``states`` /
     ``params``: "dram" or "nvme" (default: the config's); ``config``: a
-    DeepSpeed-style JSON config; ``daemon``: a ztierd socket (default: the
+    DeepSpeed-style JSON config, whose optimizer, gradient_clipping and
+    gradient_accumulation_steps apply where ``optimizer``, ``clip_grad_norm``
+    and ``grad_accumulation`` are not given; ``daemon``: a ztierd socket (default: the
     engine embedded in this process, or ZTIER_DAEMON_SOCKET); ``settings``:
     {key: value} as ztier-train's --set takes them; ``compute_dtype``: the
     dtype the module computes in (default bf16 on a GPU, fp32 on the host);

@@ -1,0 +1,254 @@
+"""ztier.torch used the way people use PyTorch models, sometimes wrongly: what
+must keep working (views from gathered() after it, an evaluation forward
+before a save, a dropped Offload, a layer shared across a ModuleList, the
+config file's optimizer) and what must be a clear error instead of a crash
+or silently wrong training (a failed load, param-group edits the engine
+does not take, a closed Offload, a second backward before the step).
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import json
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import ztier
+import ztier.torch as zt
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1))
+
+
+def _train_step(model, z, x):
+    model(x).pow(2).sum().backward()
+    z.optimizer.step()
+
+
+def test_import_ztier_torch_first_in_a_fresh_interpreter():
+    # ztier._C links the CUDA toolkit's NCCL; torch's CUDA build brings a
+    # newer one, and whichever loads first serves the process.
+    r = subprocess.run([sys.executable, "-c", "import ztier.torch; print('ok')"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
+
+
+def test_views_from_gathered_stay_valid_after_it(settings):
+    model = _mlp()
+    z = zt.offload(model, settings=settings)
+    with z.gathered():
+        sd = model.state_dict()
+        inside = {k: v.clone() for k, v in sd.items()}
+    for k, v in sd.items():
+        assert v.untyped_storage().nbytes() >= v.numel() * v.element_size(), k
+        assert torch.equal(v, inside[k]), k
+    assert float(sum(v.sum() for v in sd.values())) == float(
+        sum(v.sum() for v in inside.values()))
+    # The parameters themselves are placeholders again, and training goes on.
+    assert torch.isnan(model[0].weight.float()).all()
+    _train_step(model, z, torch.randn(4, 6))
+    with z.gathered():
+        assert not torch.equal(model[0].weight, sd["0.weight"])
+    z.close()
+
+
+def test_a_failed_load_checkpoint_leaves_the_model_training(settings, tmp_path):
+    model = _mlp()
+    z = zt.offload(model, settings=settings)
+    x = torch.randn(4, 6)
+    _train_step(model, z, x)
+    before = z.master_weights()
+    with pytest.raises(ztier.NotFoundError):
+        z.load_checkpoint(str(tmp_path / "no-such-checkpoint"))
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "manifest.json").write_text("{ not json")
+    with pytest.raises(ztier.ZtierError):
+        z.load_checkpoint(str(bad))
+    after = z.master_weights()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    _train_step(model, z, x)  # the model still trains
+    z.save_checkpoint(str(tmp_path / "ok"))
+    z.close()
+
+
+def test_save_and_export_after_an_evaluation_forward(settings, tmp_path):
+    model = _mlp()
+    z = zt.offload(model, settings=settings)
+    x = torch.randn(4, 6)
+    _train_step(model, z, x)
+    with torch.no_grad():
+        model(x)
+    z.save_checkpoint(str(tmp_path / "a"))
+    with torch.inference_mode():
+        model(x)
+    z.export_safetensors(str(tmp_path / "m.safetensors"))
+    assert set(z.master_weights()) == {"0.weight", "0.bias", "2.weight", "2.bias"}
+    # A training forward still waits for its backward before a save.
+    loss = model(x).pow(2).sum()
+    with pytest.raises(RuntimeError, match="between optimizer steps only"):
+        z.save_checkpoint(str(tmp_path / "b"))
+    loss.backward()
+    z.optimizer.step()
+    z.save_checkpoint(str(tmp_path / "b"))
+    z.close()
+
+
+def test_a_dropped_offload_is_freed_with_its_dram(tmp_path):
+    # Each model takes most of the budget: a leaked one would make the next
+    # one's registration fail.
+    settings = {"ztier.dram_budget": "48M"}
+    for _ in range(4):
+        model = nn.Linear(1024, 1024)
+        z = zt.offload(model, settings=settings)
+        ref = __import__("weakref").ref(z)
+        _train_step(model, z, torch.randn(2, 1024))
+        del z, model
+        gc.collect()
+        assert ref() is None, "the Offload outlived its last reference"
+
+
+class _Albert(nn.Module):
+    """One layer applied three times, listed three times (ALBERT-style)."""
+
+    def __init__(self):
+        super().__init__()
+        layer = nn.Linear(6, 6)
+        self.inp = nn.Linear(3, 6)
+        self.layers = nn.ModuleList([layer] * 3)
+        self.out = nn.Linear(6, 1)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for layer in self.layers:
+            h = torch.tanh(layer(h))
+        return self.out(h)
+
+
+def test_a_layer_shared_across_a_module_list(settings):
+    torch.manual_seed(0)
+    model = _Albert()
+    ref = copy.deepcopy(model)
+    x = torch.randn(4, 3)
+    z = zt.offload(model, settings=settings, optimizer=zt.AdamW(lr=1e-3))
+    assert [u.name for u in z.units] == ["embed", "layers.0", "head"]
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.0)
+    for _ in range(3):
+        loss = model(x).pow(2).sum()
+        loss.backward()
+        z.optimizer.step()
+        want = ref(x).pow(2).sum()
+        want.backward()
+        opt.step()
+        opt.zero_grad()
+        # The forward reads bf16 params: within bf16's rounding of the loss.
+        assert abs(loss.item() - want.item()) <= 2e-2 * abs(want.item()) + 1e-4
+    assert all(u.holds == 0 for u in z.units)
+    z.close()
+
+
+def test_the_config_files_optimizer_clipping_and_accumulation_apply(settings, tmp_path):
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({
+        "gradient_accumulation_steps": 2, "gradient_clipping": 0.5,
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.25, "betas": [0.8, 0.9],
+                                                  "eps": 1e-6, "weight_decay": 0.3}}}))
+    model = _mlp()
+    z = zt.offload(model, config=str(config), settings=settings)
+    assert z.grad_accumulation == 2
+    a = z._adamw
+    assert (a.lr, *a.betas, a.eps, a.weight_decay) == pytest.approx((0.25, 0.8, 0.9, 1e-6, 0.3))
+    assert z.clip_grad_norm == pytest.approx(0.5)
+    assert z.optimizer.param_groups[0]["lr"] == pytest.approx(0.25)
+    x = torch.randn(4, 6)
+    model(x).sum().backward()
+    with pytest.raises(RuntimeError, match="grad_accumulation=2"):
+        z.optimizer.step()
+    model(x).sum().backward()
+    z.optimizer.step()
+    z.close()
+    # Arguments win over the file.
+    model = _mlp()
+    z = zt.offload(model, config=str(config), settings=settings, grad_accumulation=1,
+                   optimizer=zt.AdamW(lr=1e-3))
+    assert z.grad_accumulation == 1 and z._adamw.lr == 1e-3 and z.clip_grad_norm == 0.5
+    z.close()
+
+
+def test_param_group_edits_the_engine_does_not_take(settings):
+    model = _mlp()
+    z = zt.offload(model, settings=settings)
+    with pytest.raises(RuntimeError, match="add_param_group"):
+        z.optimizer.add_param_group({"params": [nn.Parameter(torch.zeros(3))]})
+    z.optimizer.param_groups[0]["weight_decay"] = 0.5
+    model(torch.randn(4, 6)).sum().backward()
+    with pytest.warns(RuntimeWarning, match="weight_decay changed"):
+        z.optimizer.step()
+    model(torch.randn(4, 6)).sum().backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once, not every step
+        z.optimizer.step()
+    z.close()
+
+
+def test_a_closed_offload_says_so(settings, tmp_path):
+    model = _mlp()
+    z = zt.offload(model, settings=settings)
+    d = str(tmp_path / "ck")
+    x = torch.randn(4, 6)
+    _train_step(model, z, x)
+    z.save_checkpoint(d)
+    model(x).sum().backward()  # a step left pending
+    z.close()
+    z.close()  # again: nothing
+    for call in (z.master_weights, lambda: z.save_checkpoint(d), z.wait,
+                 lambda: z.gathered().__enter__()):
+        with pytest.raises(RuntimeError, match="closed Offload"):
+            call()
+    gc.collect()
+    # The pending step's buffers went with it: the directory is free again.
+    other = _mlp()
+    z2 = zt.offload(other, settings=settings)
+    z2.load_checkpoint(d)
+    z2.close()
+
+
+def test_a_second_backward_before_the_step_names_the_fix(settings):
+    model = _mlp()
+    z = zt.offload(model, settings=settings)
+    x = torch.randn(4, 6)
+    l1 = model(x).sum()
+    l2 = model(x).sum()
+    l1.backward()
+    with pytest.raises(RuntimeError, match="call optimizer.step\\(\\) first"):
+        l2.backward()
+    z.close()
+
+
+def test_no_file_descriptors_or_threads_leak_over_many_models(settings):
+    def fds():
+        return len(os.listdir("/proc/self/fd"))
+
+    import threading
+
+    start = None
+    for i in range(12):
+        model = _mlp()
+        z = zt.offload(model, settings=settings)
+        _train_step(model, z, torch.randn(4, 6))
+        if i % 2:
+            z.close()
+        del z, model
+        gc.collect()
+        if i == 1:
+            start = (fds(), threading.active_count())
+    assert fds() <= start[0] + 2 and threading.active_count() <= start[1] + 1
