@@ -339,11 +339,12 @@ void PrintQuotas(const std::vector<QuotaInfo>& quotas) {
   PrintTable(rows, {true, true, true, true, true, false});
 }
 
-uint32_t ParseUid(std::string_view text) {
+// A uid, or with `what` another id ("a job id"): a decimal below 2^32 - 1.
+uint32_t ParseUid(std::string_view text, std::string_view what = "a uid") {
   uint64_t v = 0;
   auto [ptr, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
   if (ec != std::errc() || ptr != text.data() + text.size() || v >= UINT32_MAX) {
-    throw UsageError{StrCat("'", text, "' is not a uid")};
+    throw UsageError{StrCat("'", text, "' is not ", what)};
   }
   return static_cast<uint32_t>(v);
 }
@@ -443,7 +444,7 @@ int Run(const Options& o) {
     if (a.size() != 2 && !(a.size() == 4 && a[2] == "--reason")) {
       throw UsageError{"evict JOB [--reason TEXT]"};
     }
-    const uint32_t id = ParseUid(a[1]);
+    const uint32_t id = ParseUid(a[1], "a job id (the id column of `ztierctl jobs`)");
     if (id > INT32_MAX) throw UsageError{StrCat("'", a[1], "' is not a job id")};
     evict_id = static_cast<int32_t>(id);
     if (a.size() == 4) reason = a[3];

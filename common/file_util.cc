@@ -115,7 +115,9 @@ Status RemoveFile(const std::string& path) {
 }
 
 Result<std::string> ReadFileToString(const std::string& path, uint64_t max_bytes) {
-  const int fd = OpenFile(path, O_RDONLY);
+  // O_NONBLOCK: opening a FIFO would otherwise wait for a writer, before the
+  // check below could refuse it (regular files read the same either way).
+  const int fd = OpenFile(path, O_RDONLY | O_NONBLOCK);
   if (fd < 0) return PosixError(StrCat("open ", path), fd);
   UniqueFd guard(fd);
   struct stat st {};

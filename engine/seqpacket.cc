@@ -91,8 +91,9 @@ Result<SeqPacketSocket> SeqPacketSocket::Connect(const std::string& path) {
     if (err == ENOENT || err == ECONNREFUSED) {
       return Status(StatusCode::kUnavailable,
                     StrCat("no ztierd listens on ", path, " (", std::strerror(err),
-                           "): start it (systemctl start ztierd.socket) or leave the daemon "
-                           "socket unset to run the engine in this process"),
+                           "): start it (systemctl start ztierd.socket); a training program "
+                           "can instead leave the daemon socket unset and run the engine in "
+                           "its own process"),
                     err);
     }
     if (err == EACCES || err == EPERM) {

@@ -804,7 +804,8 @@ Result<std::optional<std::string>> LeafText(const Json& v, JsonType type, std::s
   if (v.is_string() && v.get<std::string>() == "auto") return std::optional<std::string>();
   auto wrong = [&](std::string_view want) {
     return Status::InvalidArgument(
-        StrCat(key, ": expected ", want, ", got ", v.type_name(), " ", v.dump().substr(0, 40)));
+        StrCat(key, ": expected ", want, ", got ",
+               v.is_null() ? std::string("null") : StrCat(v.type_name(), " ", v.dump().substr(0, 40))));
   };
   auto number_text = [](const Json& n) -> std::string {
     if (n.is_number_float()) {

@@ -118,7 +118,13 @@ Result<Flags> ParseFlags(int argc, char** argv) {
       std::fputs(engine::DescribeSettings().c_str(), stdout);
       std::exit(0);
     }
-    if (i + 1 >= argc) return Status::InvalidArgument(StrCat(a, " needs a value"));
+    if (a.rfind("--", 0) != 0) {
+      return Status::InvalidArgument(StrCat("unexpected argument '", a, "' (ztierd takes flags only)"));
+    }
+    if (i + 1 >= argc) {
+      return Status::InvalidArgument(
+          StrCat(a, " needs a value, or is not a flag of ztierd (--help lists them)"));
+    }
     const char* v = argv[++i];
     if (a == "--socket") {
       f.socket = v;

@@ -78,6 +78,7 @@ using Clock = std::chrono::steady_clock;
 constexpr char kFortunes[] = "/usr/share/games/fortunes";
 constexpr uint64_t kMaxTextBytes = uint64_t{2} << 30;
 constexpr char kDefault[] = "ztier-train's default";
+constexpr size_t kMaxJobName = 256;
 
 struct Flags {
   std::string data;  // empty: the fortunes corpus
@@ -95,6 +96,7 @@ struct Flags {
   double progress_every = 5.0;  // seconds between progress lines without a bar
   int exit_after = 0;           // abrupt exit right after this step's checkpoint (crash testing)
   std::string summary;          // a JSON summary of the run's speed goes here (benchmarks)
+  std::string job_name;         // the engine's name of the job (default: from --out)
   int summary_skip = -1;        // steps left out of it (-1: min(5, steps / 4))
   // Flags that set a setting, applied over the config and the environment:
   // {setting key, value, flag}.
@@ -130,6 +132,8 @@ void Usage(std::ostream& os) {
         "  --resume                 continue from <out>/checkpoint (and finish its export)\n"
         "  --overwrite              start over in an --out that holds a checkpoint, removing it\n"
         "  --checkpoint-every N     also checkpoint every N steps (default: at the end only)\n"
+        "  --job-name NAME          the job's name in the engine and ztierd (default: gpt:<the\n"
+        "                           absolute --out>, so runs on other --out never collide)\n"
         "model:\n"
         "  --layers N --channels C --heads H --context T   (default 4, 128, 4, 64)\n"
         "  --untied                 a separate output head instead of the tied embedding\n"
@@ -210,6 +214,10 @@ Result<Flags> ParseFlags(int argc, char** argv) {
     auto bf16_bytes = [&](const std::string& v) -> Result<std::string> {
       Result<uint64_t> n = ParseSize(v);
       if (!n.ok()) return Status::InvalidArgument(StrCat(a, ": ", n.status().message()));
+      if (a == "--max-live-bytes" && *n > 0 && *n < sizeof(bf16)) {
+        return Status::InvalidArgument(
+            StrCat(a, " ", v, " is less than one bf16 param (2 bytes); 0 means no cap"));
+      }
       return StrCat(*n / sizeof(bf16));
     };
     Status s;
@@ -302,6 +310,12 @@ Result<Flags> ParseFlags(int argc, char** argv) {
       s = integer(&f.exit_after, 1, 1 << 30);
     } else if (a == "--summary") {
       ZT_ASSIGN_OR_RETURN(f.summary, value());
+    } else if (a == "--job-name") {
+      ZT_ASSIGN_OR_RETURN(f.job_name, value());
+      if (f.job_name.empty() || f.job_name.size() > kMaxJobName) {
+        s = Status::InvalidArgument(
+            StrCat("--job-name wants 1 to ", kMaxJobName, " bytes, got ", f.job_name.size()));
+      }
     } else if (a == "--summary-skip") {
       s = integer(&f.summary_skip, 0, 1 << 30);
     } else if (a == "-h" || a == "--help") {
@@ -314,6 +328,41 @@ Result<Flags> ParseFlags(int argc, char** argv) {
   }
   if (f.resume && f.overwrite) {
     return Status::InvalidArgument("--resume and --overwrite contradict each other");
+  }
+  // What would only fail at the end of the run fails now.
+  if (f.exit_after > 0) {
+    const bool checkpointed =
+        f.exit_after == f.steps || (f.checkpoint_every > 0 && f.exit_after % f.checkpoint_every == 0);
+    if (f.exit_after > f.steps || !checkpointed) {
+      return Status::InvalidArgument(StrCat(
+          "--exit-after ", f.exit_after, ": step ", f.exit_after,
+          " has no checkpoint (the last step, ", f.steps, ", has one, and every multiple of "
+          "--checkpoint-every)"));
+    }
+  }
+  if (!f.summary.empty()) {
+    std::error_code ec;
+    const fs::path summary(f.summary);
+    const fs::path parent = summary.parent_path();
+    if (fs::is_directory(summary, ec)) {
+      return Status::InvalidArgument(StrCat("--summary ", f.summary, " is a directory"));
+    }
+    if (!parent.empty() && !fs::is_directory(parent, ec)) {
+      return Status::InvalidArgument(
+          StrCat("--summary ", f.summary, ": no directory ", parent.string()));
+    }
+    if (f.summary_skip >= f.steps) {
+      return Status::InvalidArgument(StrCat("--summary-skip ", f.summary_skip,
+                                            " leaves none of --steps ", f.steps, " to measure"));
+    }
+  }
+  if (f.job_name.empty()) {
+    // One job per --out (which one run at a time owns): runs of one user
+    // on one ztierd do not collide, and a resumed run is its own job again.
+    f.job_name = StrCat("gpt:", fs::absolute(f.out).lexically_normal().string());
+    if (f.job_name.size() > kMaxJobName) {
+      f.job_name = StrCat("gpt:...", f.job_name.substr(f.job_name.size() - (kMaxJobName - 7)));
+    }
   }
   ZT_RETURN_IF_ERROR(gpt::ValidateConfig(f.model));
   return f;
@@ -885,7 +934,7 @@ int Run(const Flags& f, const Plan& p) {
   opt.clip_norm = p.clip;
   opt.grad_accumulation = p.accumulation;
   Result<std::unique_ptr<Model>> model =
-      (*session)->RegisterModel({.name = "gpt",
+      (*session)->RegisterModel({.name = f.job_name,
                                  .units = gpt::UnitSpecs(p.model),
                                  .optimizer = opt,
                                  .optimizer_tier = p.settings.optimizer_tier,

@@ -66,6 +66,12 @@ TEST_F(FileUtilTest, ReadsOnlyRegularFiles) {
   ASSERT_FALSE(z.ok());
   EXPECT_NE(z.status().message().find("not a regular file"), std::string::npos) << z.status();
   EXPECT_EQ(ReadFileToString(dir / "missing").status().code(), StatusCode::kNotFound);
+  // A FIFO with no writer: refused at once, not a read that waits for one.
+  const std::string fifo = dir / "fifo";
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  Result<std::string> p = ReadFileToString(fifo);
+  ASSERT_FALSE(p.ok());
+  EXPECT_NE(p.status().message().find("not a regular file"), std::string::npos) << p.status();
 }
 
 TEST_F(FileUtilTest, ReadIsBounded) {

@@ -2,7 +2,7 @@
 // embedded engine gives, bit for bit; a ztierd killed (SIGKILL) mid-run
 // makes the run fail at once with a clear error, and a restarted ztierd plus
 // `ztier-train --resume` ends with exactly the weights of an uninterrupted
-// run. Runs the installed-layout binaries (ZTIER_TRAIN_BINARY,
+// run; two runs of one user share a ztierd. Runs the installed-layout binaries (ZTIER_TRAIN_BINARY,
 // ZTIERD_BINARY) in a scratch dir.
 #include <gtest/gtest.h>
 #include <signal.h>
@@ -98,6 +98,30 @@ TEST(DaemonTrainTest, AKilledZtierdFailsTheRunFastAndARestartedOneResumesIt) {
   ASSERT_FALSE(whole.empty());
   EXPECT_EQ(whole, Slurp(cut + "/model.safetensors"));
   EXPECT_EQ(Losses(dir / "whole/train_log.tsv"), Losses(cut + "/train_log.tsv"));
+}
+
+// Two runs of one user on one ztierd at once, on their own --out: each is
+// its own job (named from its --out), neither is refused or replaced, and
+// each ends with the model it trains alone.
+TEST(DaemonTrainTest, TwoRunsOfOneUserShareAZtierd) {
+  ScratchDir dir("daemon-train");
+  const std::string data = dir / "words.txt";
+  WriteWordSalad(data, 32 << 10);
+  const std::string common =
+      " --layers 2 --channels 32 --heads 2 --context 16 --batch 4 --optimizer dram --steps 12"
+      " --data " +
+      data;
+  ASSERT_EQ(Train(common + " --out " + (dir / "alone")), 0);
+  ZtierdProcess d(ZTIERD_BINARY, {});
+  ::setenv("ZTIER_WAIT_TIMEOUT", "60", 1);
+  TrainProcess a(common + " --daemon " + d.socket() + " --out " + (dir / "a"), dir / "a.txt");
+  TrainProcess b(common + " --daemon " + d.socket() + " --out " + (dir / "b"), dir / "b.txt");
+  EXPECT_EQ(a.Wait(std::chrono::seconds(120)), 0) << a.output() << d.log();
+  EXPECT_EQ(b.Wait(std::chrono::seconds(120)), 0) << b.output() << d.log();
+  const std::string alone = Slurp(dir / "alone/model.safetensors");
+  ASSERT_FALSE(alone.empty());
+  EXPECT_EQ(alone, Slurp(dir / "a/model.safetensors"));
+  EXPECT_EQ(alone, Slurp(dir / "b/model.safetensors"));
 }
 
 }  // namespace

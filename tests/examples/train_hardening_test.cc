@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <spawn.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -213,7 +214,17 @@ TEST_F(TrainHardeningTest, BadInputsAreClearErrorsNeverCrashes) {
       {"--data " + (dir_ / "adir"), 1, "is a directory"},
       {"--data " + (dir_ / "missing.txt"), 1, "missing.txt"},
       {"--config " + (dir_ / "adir"), 2, "is a directory"},
+      {"--data " + (dir_ / "fifo"), 1, "not a regular file"},  // never waits for a writer
+      {"--config " + (dir_ / "fifo"), 2, "not a regular file"},
+      {"--max-live-bytes 1", 2, "less than one bf16 param"},
+      {"--steps 4 --exit-after 2", 2, "has no checkpoint"},
+      {"--steps 4 --exit-after 5", 2, "has no checkpoint"},
+      {"--steps 4 --summary " + (dir_ / "adir"), 2, "is a directory"},
+      {"--steps 4 --summary " + (dir_ / "none/s.json"), 2, "no directory"},
+      {"--steps 4 --summary-skip 4 --summary " + (dir_ / "s.json"), 2, "leaves none"},
+      {"--job-name ''", 2, "--job-name"},
   };
+  ASSERT_EQ(::mkfifo((dir_ / "fifo").c_str(), 0600), 0);
   for (const Case& c : cases) {
     const auto start = std::chrono::steady_clock::now();
     auto [rc, text] = Train(Common() + out + " " + c.args, dir_);
