@@ -696,11 +696,27 @@ void PrintSetup(const Flags& f, const Plan& p, const Session& session, size_t te
 // The checkpoint's step when the run resumes, 0 when it starts afresh: a
 // fresh start in an --out that holds a checkpoint needs --overwrite, which
 // removes it (and the export) first.
+// What of the model its tensors' shapes do not tell: the head count (a
+// checkpoint of 4 heads has the shapes of one of 2), beside the checkpoint.
+std::string ModelNote(const gpt::Config& c) { return StrCat("heads ", c.heads, "\n"); }
+std::string ModelNotePath(const OutPaths& paths) {
+  return (fs::path(paths.checkpoint) / "ztier-train-model.txt").string();
+}
+
 Result<int64_t> StartingPoint(const Flags& f, const OutPaths& paths, Model& m, uint64_t seed) {
   const bool has_checkpoint = fs::exists(fs::path(paths.checkpoint) / "manifest.json");
   if (f.resume) {
     if (!has_checkpoint) {
       return Status::NotFound(StrCat("--resume: there is no checkpoint in ", paths.checkpoint));
+    }
+    // Older checkpoints have no note: their shapes are all there is to check.
+    if (Result<std::string> note = ReadFileToString(ModelNotePath(paths), 4096);
+        note.ok() && *note != ModelNote(f.model)) {
+      std::string saved = *note;
+      while (!saved.empty() && saved.back() == '\n') saved.pop_back();
+      return Status::InvalidArgument(StrCat("--resume: the checkpoint in ", paths.checkpoint,
+                                            " is of a model with ", saved, "; this run has ",
+                                            f.model.heads, " (--heads)"));
     }
     ZT_RETURN_IF_ERROR(m.LoadCheckpoint(paths.checkpoint).Annotate("--resume"));
     return m.published_step();
@@ -725,6 +741,8 @@ Result<int64_t> StartingPoint(const Flags& f, const OutPaths& paths, Model& m, u
     gpt::InitUnit(f.model, k, seed, m.layout(k), w);
     ZT_RETURN_IF_ERROR(m.SetWeights(k, w.data(), w.size()));
   }
+  ZT_RETURN_IF_ERROR(CreateDir(paths.checkpoint, "checkpoint directory"));
+  ZT_RETURN_IF_ERROR(WriteFileAtomically(ModelNotePath(paths), ModelNote(f.model)));
   return int64_t{0};
 }
 

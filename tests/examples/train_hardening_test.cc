@@ -19,6 +19,7 @@
 #include <sstream>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "tests/examples/train_testing.h"
@@ -158,6 +159,12 @@ TEST_F(TrainHardeningTest, ResumingAnotherShapeNamesTheTensorAndBothShapes) {
       text.find("tensor 'wte' has shape [256, 32] in the checkpoint and [256, 48] in the job"),
       std::string::npos)
       << text;
+  // Another head count has the same shapes: the checkpoint's note says.
+  std::tie(rc, text) = Train(Common() + " --heads 4 --steps 2 --resume --out " + out, dir_);
+  EXPECT_EQ(rc, 1) << text;
+  EXPECT_NE(text.find("is of a model with heads 2; this run has 4 (--heads)"), std::string::npos)
+      << text;
+  EXPECT_EQ(Train(Common() + " --steps 2 --resume --out " + out, dir_).first, 0);
 }
 
 TEST_F(TrainHardeningTest, TheFirstSignalStopsAtAStepWithACheckpointAndTheExport) {
