@@ -75,7 +75,10 @@ class TrainHardeningTest : public ::testing::Test {
 
 TEST_F(TrainHardeningTest, ASecondRunOnOneOutIsRefusedAtOnceAndTheFirstIsUntouched) {
   const std::string out = dir_ / "shared";
-  const std::string a_args = Common() + " --steps 60 --checkpoint-every 1 --ranks 2 --out " + out;
+  // Long enough that it is still running when the second run (started as
+  // it logs its second step, on a loaded machine perhaps seconds later)
+  // reaches the locks.
+  const std::string a_args = Common() + " --steps 240 --checkpoint-every 1 --ranks 2 --out " + out;
   Process a(a_args, dir_ / "a.txt");
   WaitForRows(out + "/train_log.tsv", 2, a.pid());
   // The same --out; then the same --out with the swap elsewhere, which only
@@ -90,10 +93,10 @@ TEST_F(TrainHardeningTest, ASecondRunOnOneOutIsRefusedAtOnceAndTheFirstIsUntouch
   }
   ASSERT_EQ(a.Wait(), 0) << a.output();
   // The first run's results are exactly those of a run nobody disturbed.
-  auto [rc, text] = Train(Common() + " --steps 60 --ranks 2 --out " + (dir_ / "alone"), dir_);
+  auto [rc, text] = Train(Common() + " --steps 240 --ranks 2 --out " + (dir_ / "alone"), dir_);
   ASSERT_EQ(rc, 0) << text;
   EXPECT_EQ(Slurp(out + "/model.safetensors"), Slurp(dir_ / "alone/model.safetensors"));
-  EXPECT_EQ(LogSteps(out + "/train_log.tsv"), Counting(1, 60));
+  EXPECT_EQ(LogSteps(out + "/train_log.tsv"), Counting(1, 240));
   EXPECT_EQ(Slurp(out + "/train_log.tsv").find('\0'), std::string::npos);
 }
 
