@@ -12,6 +12,7 @@ namespace {
 struct LogConfig {
   LogLevel level = LogLevel::kWarn;
   std::string subsystems;  // empty: all
+  std::string bad_level;   // a ZTIER_LOG that is no level (said once, at first use)
 
   LogConfig() {
     if (const char* env = std::getenv("ZTIER_LOG")) {
@@ -24,13 +25,23 @@ struct LogConfig {
         level = LogLevel::kInfo;
       else if (v == "debug")
         level = LogLevel::kDebug;
+      else
+        bad_level = v;
     }
     if (const char* env = std::getenv("ZTIER_LOG_SUBSYS")) subsystems = env;
   }
 };
 
 const LogConfig& Config() {
-  static const LogConfig config;
+  static const LogConfig config = [] {
+    LogConfig c;
+    if (!c.bad_level.empty()) {
+      const std::string line = "ztier warn log: ZTIER_LOG='" + c.bad_level +
+                               "' is not error, warn, info or debug; logging at warn\n";
+      [[maybe_unused]] ssize_t n = ::write(STDERR_FILENO, line.data(), line.size());
+    }
+    return c;
+  }();
   return config;
 }
 
