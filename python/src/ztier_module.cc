@@ -432,7 +432,10 @@ NB_MODULE(_C, m) {
             }
             std::memcpy(out.data(), master.data(), master.size() * sizeof(float));
           },
-          "unit"_a, "out"_a, "Copies a unit's fp32 master weights (padded) into `out`.")
+          // noconvert: `out` is written, so a float64 or strided tensor must be
+          // refused, not silently converted into a temporary copy.
+          "unit"_a, "out"_a.noconvert(),
+          "Copies a unit's fp32 master weights (padded) into `out` (float32, contiguous).")
       .def(
           "set_learning_rates",
           [](Model& model, const std::vector<float>& lrs) { Check(model.SetLearningRates(lrs)); },
@@ -765,10 +768,12 @@ NB_MODULE(_C, m) {
         }
         return std::make_pair(result.skipped, result.grad_sq_sum);
       },
-      "params"_a, "grads"_a, "exp_avg"_a, "exp_avg_sq"_a, nb::kw_only(), "step"_a, "lr"_a,
+      // noconvert: the arrays updated in place must be the caller's own.
+      "params"_a.noconvert(), "grads"_a, "exp_avg"_a.noconvert(), "exp_avg_sq"_a.noconvert(),
+      nb::kw_only(), "step"_a, "lr"_a,
       "beta1"_a = 0.9f, "beta2"_a = 0.999f, "eps"_a = 1e-8f, "weight_decay"_a = 0.0f,
       "mode"_a = "adamw", "bias_correction"_a = true, "grad_scale"_a = 1.0f,
-      "params_out"_a = nb::none(),
+      "params_out"_a.noconvert() = nb::none(),
       "ztier's fused AdamW on one shard, in place (the engine's kernel). Returns (skipped, "
       "sum of squares of the grads).");
   m.def(

@@ -252,3 +252,18 @@ def test_no_file_descriptors_or_threads_leak_over_many_models(settings):
         if i == 1:
             start = (fds(), threading.active_count())
     assert fds() <= start[0] + 2 and threading.active_count() <= start[1] + 1
+
+
+def test_arrays_written_in_place_are_never_silent_copies(settings):
+    # A float64 or strided array would be converted into a temporary that the
+    # call fills and throws away, leaving the caller's untouched.
+    model = _mlp()
+    z = zt.offload(model, settings=settings)
+    u = z.units[0]
+    for out in (torch.empty(u.padded, dtype=torch.float64), torch.empty(2 * u.padded)[::2]):
+        with pytest.raises(TypeError):
+            z.job.read_master(u.index, out)
+    with pytest.raises(TypeError):
+        ztier.adamw_step(torch.zeros(4, dtype=torch.float64), torch.ones(4), torch.zeros(4),
+                         torch.zeros(4), step=1, lr=0.1)
+    z.close()
