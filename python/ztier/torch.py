@@ -312,6 +312,13 @@ class Offload:
         states = states or self.session.default_optimizer_tier
         params = params or self.session.default_param_tier
         self._build_units(model)
+        if weights is None:
+            meta = [t.name for u in self.units for t in u.tensors if t.param.is_meta]
+            if meta:
+                raise ValueError(
+                    f"ztier: {len(meta)} parameters are on the meta device (no values), e.g. "
+                    f"'{meta[0]}': materialize the model first, or load its weights with "
+                    "zt.from_pretrained")
         groups = self._groups(model)
         job_units = [(u.name, [(t.name, list(t.shape), t.group, t.frozen) for t in u.tensors])
                      for u in self.units]

@@ -267,3 +267,10 @@ def test_arrays_written_in_place_are_never_silent_copies(settings):
         ztier.adamw_step(torch.zeros(4, dtype=torch.float64), torch.ones(4), torch.zeros(4),
                          torch.zeros(4), step=1, lr=0.1)
     z.close()
+
+
+def test_a_model_on_the_meta_device_is_named(settings):
+    with torch.device("meta"):
+        model = _mlp()
+    with pytest.raises(ValueError, match="meta device"):
+        zt.offload(model, settings=settings)
