@@ -525,9 +525,54 @@ Result<std::unique_ptr<Engine>> Engine::Create(const Settings& settings,
   return std::unique_ptr<Engine>(new Engine(std::move(impl)));
 }
 
+namespace {
+
+// Names go into JSON (checkpoint manifests, safetensors headers, ztierd's
+// status) and onto operators' terminals: valid UTF-8 without control
+// characters, or the first bad byte named.
+Status CheckName(std::string_view what, std::string_view name) {
+  for (size_t i = 0; i < name.size();) {
+    const auto c = static_cast<unsigned char>(name[i]);
+    size_t len = c < 0x80 ? 1 : (c >> 5) == 0x6 ? 2 : (c >> 4) == 0xe ? 3 : (c >> 3) == 0x1e ? 4 : 0;
+    bool ok = len != 0 && i + len <= name.size();
+    uint32_t cp = len == 1 ? c : len == 2 ? c & 0x1f : len == 3 ? c & 0x0f : c & 0x07;
+    for (size_t k = 1; ok && k < len; ++k) {
+      const auto cc = static_cast<unsigned char>(name[i + k]);
+      ok = (cc >> 6) == 0x2;
+      cp = (cp << 6) | (cc & 0x3f);
+    }
+    // Overlong forms, surrogates and code points past U+10FFFF are not UTF-8.
+    ok = ok && !(len == 2 && cp < 0x80) && !(len == 3 && cp < 0x800) &&
+         !(len == 4 && (cp < 0x10000 || cp > 0x10ffff)) && !(cp >= 0xd800 && cp <= 0xdfff);
+    if (!ok) {
+      return Status::InvalidArgument(StrCat(what, " is not valid UTF-8 (byte ", i, ": 0x",
+                                            "0123456789abcdef"[c >> 4], "0123456789abcdef"[c & 15],
+                                            ")"));
+    }
+    if (cp < 0x20 || cp == 0x7f) {
+      return Status::InvalidArgument(
+          StrCat(what, " holds a control character (byte ", i, ": ", cp, ")"));
+    }
+    i += len;
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
 Result<int> Engine::RegisterJob(const JobSpec& spec) {
   Impl& e = *impl_;
   if (spec.name.empty()) return Status::InvalidArgument("a job needs a name");
+  ZT_RETURN_IF_ERROR(CheckName("the job name", spec.name));
+  for (size_t k = 0; k < spec.units.size(); ++k) {
+    const UnitSpec& us = spec.units[k];
+    ZT_RETURN_IF_ERROR(CheckName(StrCat("job '", spec.name, "' unit ", k, "'s name"), us.name));
+    for (size_t t = 0; t < us.tensors.size(); ++t) {
+      ZT_RETURN_IF_ERROR(CheckName(
+          StrCat("job '", spec.name, "' unit '", us.name, "' tensor ", t, "'s name"),
+          us.tensors[t].name));
+    }
+  }
   if (spec.units.empty())
     return Status::InvalidArgument(StrCat("job '", spec.name, "' has no units"));
   if (spec.ranks < 1 || spec.ranks > 1024) {

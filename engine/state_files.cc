@@ -5,8 +5,10 @@
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
+#include <map>
 #include <random>
 #include <set>
+#include <string_view>
 #include <utility>
 
 #include <nlohmann/json.hpp>
@@ -348,11 +350,34 @@ Status LoadCheckpointFiles(const JobDescription& job, StateAccess& state, const 
                  : st;
 }
 
+namespace {
+
+// A safetensors file holds each name once: a job whose units repeat a
+// tensor name (legal for its checkpoints, which go by index) has no file.
+Status UniqueTensorNames(const JobDescription& job, std::string_view what) {
+  std::map<std::string_view, std::string_view> unit_of;
+  for (const UnitSpec& us : job.units) {
+    for (const TensorSpec& ts : us.tensors) {
+      const auto [at, fresh] = unit_of.emplace(ts.name, us.name);
+      if (!fresh) {
+        return Status::InvalidArgument(
+            StrCat(what, ": tensor name '", ts.name, "' is in unit '", at->second,
+                   "' and in unit '", us.name,
+                   "'; a safetensors file names each tensor once (give the tensors unique names)"));
+      }
+    }
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
 Status ExportSafetensorsFile(const JobDescription& job, StateAccess& state, const std::string& path,
                              ExportType type) {
   const bool bf16_out = type == ExportType::kBFloat16;
   std::vector<StEntry> entries;
   const uint64_t esize = bf16_out ? 2 : 4;
+  ZT_RETURN_IF_ERROR(UniqueTensorNames(job, StrCat("export ", path)));
   for (size_t k = 0; k < job.units.size(); ++k) {
     const UnitSpec& us = job.units[k];
     for (size_t t = 0; t < us.tensors.size(); ++t) {
@@ -384,6 +409,7 @@ Status ExportSafetensorsFile(const JobDescription& job, StateAccess& state, cons
 
 Status ImportSafetensorsFile(const JobDescription& job, StateAccess& state,
                              const std::string& path) {
+  ZT_RETURN_IF_ERROR(UniqueTensorNames(job, StrCat("import ", path)));
   ZT_ASSIGN_OR_RETURN(std::string file, ReadFileToString(path));
   Result<StHeader> parsed = ParseSafetensorsHeader(file, file.size());
   if (!parsed.ok()) return parsed.status().Annotate(path);

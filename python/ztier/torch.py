@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import numbers
 import os
 import uuid
 import warnings
@@ -219,6 +220,11 @@ class _Unit:
     arrived: set = field(default_factory=set)  # ids of params whose grad is in
     trainable: int = 0
     pushed: bool = False
+    # Module calls holding it in this training forward: a unit called more
+    # than once (a shared layer) may get its grads in several rounds (one per
+    # reentrant checkpoint region), so it goes to the engine at the end of
+    # backward instead of when its grads first are all in.
+    calls: int = 0
 
 
 # The runner's kinds of pass (Runner.set_order), each with its learned order.
@@ -267,15 +273,21 @@ class Offload:
                  name: str | None = None, session: _C.Session | None = None,
                  weights: str | None = None, compute_dtype: torch.dtype | None = None,
                  average_grads: bool = False):
-        if grad_accumulation is not None and (not isinstance(grad_accumulation, int)
-                                              or isinstance(grad_accumulation, bool)
-                                              or grad_accumulation < 1):
-            raise ValueError(f"ztier: grad_accumulation must be an int >= 1, got "
-                             f"{grad_accumulation!r}")
-        previous = getattr(model, "_ztier_offload", None)
-        if previous is not None and previous() is not None:
-            raise ValueError("ztier: this model is already offloaded (its parameters live in the "
-                             "engine); close() that Offload first, or offload a fresh model")
+        if grad_accumulation is not None:
+            if isinstance(grad_accumulation, bool) or not isinstance(
+                    grad_accumulation, numbers.Integral) or grad_accumulation < 1:
+                raise ValueError(f"ztier: grad_accumulation must be an int >= 1, got "
+                                 f"{grad_accumulation!r}")
+            grad_accumulation = int(grad_accumulation)
+        if hasattr(model, "_ztier_offload"):
+            previous = model._ztier_offload
+            if previous is not None and previous() is not None:
+                raise ValueError("ztier: this model is already offloaded (its parameters live in "
+                                 "the engine); close() that Offload first, or offload a fresh model")
+            if weights is None:
+                raise ValueError("ztier: this model was offloaded before, and its parameters are "
+                                 "the placeholders that Offload left (NaN): offload a fresh model "
+                                 "(then load_checkpoint to go on from a checkpoint)")
         self.module = model
         self.device = _parse_device(device)
         # The params' dtype in the module: bf16 on a GPU; fp32 on the host,
@@ -381,6 +393,14 @@ class Offload:
         # a module called several times in one forward (a shared layer) is
         # held for each call's backward.
         self._calls: dict[int, list[int]] = {}  # module id: its calls inside their forward
+        # A recompute (activation checkpointing) and the backward hook of the
+        # forward's call of the same module come in either order: each
+        # module's backward holds that no recompute has met yet, and the
+        # recompute holds that no backward hook has taken over yet. Whichever
+        # comes second shares the first one's hold (units are counted holds).
+        self._unmatched: dict[int, list[tuple[int, int]]] = {}
+        self._unadopted: dict[int, list[tuple[int, int]]] = {}
+        self._training_forward = False
         self._next_call = 0
         self._bwd_held: set[tuple[int, int]] = set()
         self._post_done: set[tuple[int, int]] = set()
@@ -596,6 +616,8 @@ class Offload:
             self._let_go(self._module_units[mid])
         self._fwd_held.clear()
         self._calls.clear()
+        self._unmatched.clear()
+        self._unadopted.clear()
         self._bwd_held.clear()
         self._post_done.clear()
         self._callback_queued = False
@@ -609,35 +631,34 @@ class Offload:
     def gathered(self):
         """Every unit's bf16 params in the module's parameters (at the version
         the next forward reads), e.g. for ``model.state_dict()``. Read-only:
-        writes to them are not sent to the engine. Each unit not already held
-        is copied into storage of its own, which the parameters let go of on
-        leaving: views taken inside (a state dict) stay valid after it."""
+        writes to them are not sent to the engine. Each unit is copied into
+        storage of its own, which the parameters let go of on leaving (they
+        go back to what they were): views taken inside, a state dict, stay
+        valid after it, whatever forwards run or fail meanwhile."""
         self._require_open("gathered")
         key = self.runner.order_key
         self.runner.set_order(_GATHER)
-        gathered = []
+        saved = []  # (tensor, its .data before)
         try:
             for u in self.units:
-                u.holds += 1
-                gathered.append(u)
-                if u.holds > 1:
-                    continue  # held by a forward: its params already show the values
-                src = self.runner.acquire(u.index)
-                self._torch_waits_runner()
                 flat = torch.empty(u.padded, dtype=self.compute_dtype, device=self.device)
-                flat.copy_(src)
-                del src
-                self._runner_waits_torch()
-                self.runner.release(u.index)
+                if u.holds > 0:  # a forward holds it: its params show the values
+                    for t in u.tensors:
+                        flat[t.offset:t.offset + t.numel].copy_(t.param.data.reshape(-1))
+                else:
+                    src = self.runner.acquire(u.index)
+                    self._torch_waits_runner()
+                    flat.copy_(src)
+                    del src
+                    self._runner_waits_torch()
+                    self.runner.release(u.index)
                 for t in u.tensors:
+                    saved.append((t, t.param.data))
                     t.param.data = flat[t.offset:t.offset + t.numel].view(t.shape)
             yield self.module
         finally:
-            for u in gathered:
-                u.holds -= 1
-                if u.holds == 0:
-                    for t in u.tensors:
-                        t.param.data = self._placeholder(t.shape)
+            for t, data in saved:
+                t.param.data = data
             self.runner.set_order(key)
 
     # ---- hooks
@@ -678,6 +699,12 @@ class Offload:
             raise RuntimeError(
                 f"ztier: a training forward after {self._micro} backward passes, but "
                 f"grad_accumulation={self.grad_accumulation}: call optimizer.step() first")
+        self._training_forward = torch.is_grad_enabled()
+        if self._training_forward and self._phase == "idle":
+            # The calls of the forward before (its backward done, or its
+            # graph dropped) are over.
+            for u in self.units:
+                u.calls = 0
         # Training and evaluation / generation forwards visit the units in
         # different orders: the runner keeps one learned order per kind.
         self.runner.set_order(_TRAIN if training else _EVAL)
@@ -701,16 +728,31 @@ class Offload:
         self._next_call += 1
         if self._phase == "backward":
             self.recomputes += 1
-            # Recompute (activation checkpointing) inside backward: hold until
-            # the module's backward is done (or the backward ends), unless
-            # its backward holds it already.
-            if not any(m == mid for m, _ in self._bwd_held):
+            # Recompute (activation checkpointing) inside backward. In the
+            # non-reentrant form the forward's own calls of the module get
+            # their backward later: the recompute takes the hold of the
+            # latest of them not yet held, which that backward then finds
+            # and releases (units are counted holds: which call's token does
+            # not matter). In the reentrant form the forward ran without
+            # grad (no such calls): the recompute's own inputs release it.
+            # A backward hook came first: share its hold (the recompute's
+            # own key stays unheld, so its inputs' release is a no-op).
+            # Else hold, for that hook to take over in the non-reentrant
+            # form, or for the recompute's inputs to release in the
+            # reentrant one (whose nested backward runs at once).
+            if self._unmatched.get(mid):
+                self._unmatched[mid].pop()
+            else:
                 self._bwd_held.add(call)
+                self._unadopted.setdefault(mid, []).append(call)
                 self._hold(units)
         else:
             self._hold(units)
             self._fwd_held.append(mid)
             self._calls.setdefault(mid, []).append(call[1])
+            if self._training_forward:  # also in a region that runs without grad
+                for u in units:
+                    u.calls += 1
         if torch.is_grad_enabled():
             return self._wrap_inputs(call, args, kwargs)
         return None
@@ -754,14 +796,23 @@ class Offload:
             self._phase = "backward"
             self._bwd_held.clear()
             self._post_done.clear()
+            self._unmatched.clear()
+            self._unadopted.clear()
         if not self._callback_queued:
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
     def _pre_backward(self, call: tuple[int, int], grad):
         self._enter_backward()
-        if call not in self._bwd_held and call not in self._post_done:
+        if call in self._bwd_held or call in self._post_done:
+            return grad
+        mid = call[0]
+        if self._unadopted.get(mid):  # a recompute holds it already: take that hold over
+            self._bwd_held.discard(self._unadopted[mid].pop())
             self._bwd_held.add(call)
+        else:
+            self._bwd_held.add(call)
+            self._unmatched.setdefault(mid, []).append(call)
             self._hold(self._module_units[call[0]])
         return grad
 
@@ -769,6 +820,9 @@ class Offload:
         if call in self._bwd_held:
             self._bwd_held.discard(call)
             self._post_done.add(call)
+            for pending in (self._unmatched, self._unadopted):
+                if call in pending.get(call[0], ()):
+                    pending[call[0]].remove(call)
             self._let_go(self._module_units[call[0]])
 
     def _grad_in(self, p: nn.Parameter):
@@ -788,7 +842,7 @@ class Offload:
             dst.copy_(grad)
             u.arrived.add(id(p))
         p.grad = None
-        if len(u.arrived) == u.trainable:
+        if len(u.arrived) == u.trainable and u.calls <= 1:
             self._push(u)
 
     def _push(self, u: _Unit):
@@ -809,6 +863,8 @@ class Offload:
 
     def _end_backward(self):
         self._callback_queued = False
+        self._unmatched.clear()
+        self._unadopted.clear()
         for call in list(self._bwd_held):
             self._bwd_held.discard(call)
             self._let_go(self._module_units[call[0]])
@@ -827,6 +883,7 @@ class Offload:
         for u in self.units:
             u.pushed = False
             u.arrived.clear()
+            u.calls = 0
 
     def _optimizer_step(self, lrs: list[float]):
         self._require_open("optimizer.step()")
@@ -852,6 +909,7 @@ class Offload:
     @property
     def step_count(self) -> int:
         """Optimizer steps taken (the version the next forward reads)."""
+        self._require_open("step_count")
         return self.runner.version
 
     def wait(self):
@@ -918,6 +976,7 @@ class Offload:
     def save_pretrained(self, directory: str, dtype: str = "bfloat16"):
         """A Hugging Face model directory: config.json (when the model has a
         config) and model.safetensors."""
+        self._between_steps("save_pretrained")
         os.makedirs(directory, exist_ok=True)
         config = getattr(self.module, "config", None)
         if config is not None and hasattr(config, "save_pretrained"):
@@ -940,6 +999,8 @@ class Offload:
         stay NaN placeholders: export or gather what you need first). A step
         left pending (backward without optimizer.step()) is dropped. Closing
         again does nothing."""
+        if self.job is None:
+            return
         self.remove_hooks()
         # Whatever still holds the runner's buffers (a pending step's grads).
         self._deferred.clear()
@@ -954,7 +1015,9 @@ class Offload:
         self.runner = None
         self._collectives = None
         self.job = None
-        self.module._ztier_offload = None
+        marker = getattr(self.module, "_ztier_offload", None)
+        if marker is not None and marker() is self:
+            self.module._ztier_offload = None
         if self._hosted is not None:
             self._hosted.close()
 
@@ -994,13 +1057,19 @@ def open_session(config: str | None = None, settings: dict | None = None,
 
 
 def _weak(method):
-    """``method`` (bound) called through a weak reference to its object: a
-    hook that does nothing once the object is gone."""
+    """``method`` (bound) called through a weak reference to its Offload. Once
+    the Offload is gone (dropped without close()) the model's parameters are
+    NaN placeholders: the hook raises instead of letting it compute NaN."""
     ref = weakref.WeakMethod(method)
 
     def hook(*args, **kwargs):
         m = ref()
-        return None if m is None else m(*args, **kwargs)
+        if m is None:
+            raise RuntimeError(
+                "ztier: this model's Offload was dropped without close() (nothing refers to it "
+                "any more), and its parameters went with it: keep the object zt.offload returns "
+                "while the model trains, and close() it when done")
+        return m(*args, **kwargs)
 
     return hook
 

@@ -621,7 +621,7 @@ TEST(MetricsTest, AScrapeOfARunningDaemonIsValidExposition) {
     ASSERT_FALSE(address.empty()) << d.log();
     Result<std::unique_ptr<Session>> s = OpenSession(d.socket());
     ASSERT_TRUE(s.ok()) << s.status() << d.log();
-    Result<std::unique_ptr<Model>> m = (*s)->RegisterModel(TwoUnits("scraped \"job\"\n"));
+    Result<std::unique_ptr<Model>> m = (*s)->RegisterModel(TwoUnits("scraped \"job\" \\"));
     ASSERT_TRUE(m.ok()) << m.status();
     ASSERT_TRUE(Train(**m, 3).ok());
 
@@ -635,7 +635,7 @@ TEST(MetricsTest, AScrapeOfARunningDaemonIsValidExposition) {
          {"ztier_build_info{version=", "ztier_pinned_bytes{state=\"used\"}",
           "ztier_nvme_read_bytes_total ", "ztier_host_device_bytes_total{direction=\"host_to_device\"}",
           "ztier_steps_total 3", "ztier_jobs{state=\"training\"} 1",
-          "ztier_optimizer_step_seconds_count{uid=\"0\",job=\"scraped \\\"job\\\"\\n\"} 3",
+          "ztier_optimizer_step_seconds_count{uid=\"0\",job=\"scraped \\\"job\\\" \\\\\"} 3",
           "ztier_quota_used_bytes{uid=\"0\",tier=\"dram\"}", "ztier_stall_seconds_total"}) {
       if (::geteuid() != 0 && std::string(series).find("uid=\"0\"") != std::string::npos) continue;
       EXPECT_NE(body.find(series), std::string::npos) << series << "\n" << body;

@@ -57,8 +57,9 @@ inline JobSpec SmallModel(const std::string& name, int ranks, float clip, int ac
   j.optimizer.mode = mode;
   j.units.push_back({"embed", {{"wte", {97, 24}}}});
   for (int b = 0; b < 2; ++b) {
-    j.units.push_back({"block" + std::to_string(b),
-                       {{"w1", {24, 40}}, {"b1", {40}}, {"w2", {40, 24}}, {"ln", {24}}}});
+    const std::string p = "block" + std::to_string(b);
+    j.units.push_back(
+        {p, {{p + ".w1", {24, 40}}, {p + ".b1", {40}}, {p + ".w2", {40, 24}}, {p + ".ln", {24}}}});
   }
   j.units.push_back({"head", {{"w", {24, 97}}}});
   return j;

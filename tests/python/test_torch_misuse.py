@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import gc
 import json
+import math
 import os
 import subprocess
 import sys
@@ -274,3 +275,163 @@ def test_a_model_on_the_meta_device_is_named(settings):
         model = _mlp()
     with pytest.raises(ValueError, match="meta device"):
         zt.offload(model, settings=settings)
+
+
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x))
+
+
+class _Patterns(nn.Module):
+    """Call patterns of one model: shared layers, checkpointed regions of
+    either form, parallel branches over one layer."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.kind = kind
+        self.inp = nn.Linear(4, 8)
+        self.layers = nn.ModuleList(_Block() for _ in range(4))
+        self.out = nn.Linear(8, 1)
+
+    def forward(self, x):
+        import torch.utils.checkpoint as cp
+
+        h = self.inp(x)
+        first = self.layers[0]
+        reentrant = self.kind.endswith("reentrant") and not self.kind.endswith("nonreentrant")
+        if self.kind == "chain":
+            h = first(first(h))
+        elif self.kind.startswith("shared"):
+            h = cp.checkpoint(first, h, use_reentrant=reentrant)
+            h = cp.checkpoint(first, h, use_reentrant=reentrant)
+        elif self.kind.startswith("twice_in_region"):
+            h = cp.checkpoint(lambda t: first(first(t)), h, use_reentrant=reentrant)
+        elif self.kind.startswith("parallel"):
+            h = first(h) + cp.checkpoint(first, h, use_reentrant=reentrant)
+        for layer in self.layers[1:]:
+            h = layer(h)
+        return self.out(h)
+
+
+@pytest.mark.parametrize("kind", [
+    "chain", "shared_reentrant", "shared_nonreentrant", "twice_in_region_reentrant",
+    "twice_in_region_nonreentrant", "parallel_reentrant", "parallel_nonreentrant"])
+def test_call_patterns_give_torchs_grads(settings, kind):
+    torch.manual_seed(0)
+    model = _Patterns(kind)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.bfloat16().float())  # the values the forward reads
+    ref = copy.deepcopy(model)
+    x = torch.randn(3, 4)
+    ref(x).pow(2).sum().backward()
+    want = math.sqrt(sum(float((p.grad.double() ** 2).sum()) for p in ref.parameters()))
+    z = zt.offload(model, settings=settings)
+    model(x).pow(2).sum().backward()
+    assert all(u.holds == 0 for u in z.units)
+    z.optimizer.step()
+    # Grads reach the engine in bf16 (2^-9 relative), a shared layer's
+    # rounds summed in bf16 too.
+    assert z.grad_norm() == pytest.approx(want, rel=4e-3)
+    z.close()
+
+
+class _Regions(nn.Module):
+    """Checkpointed regions of two blocks each (checkpoint_sequential's shape)."""
+
+    def __init__(self, reentrant):
+        super().__init__()
+        self.reentrant = reentrant
+        self.inp = nn.Linear(4, 8)
+        self.layers = nn.ModuleList(_Block() for _ in range(6))
+        self.out = nn.Linear(8, 1)
+
+    def forward(self, x):
+        import torch.utils.checkpoint as cp
+
+        h = self.inp(x)
+        for i in range(0, len(self.layers), 2):
+            a, b = self.layers[i], self.layers[i + 1]
+            h = cp.checkpoint(lambda t, a=a, b=b: b(a(t)), h, use_reentrant=self.reentrant)
+        return self.out(h)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_checkpointed_regions_hold_a_region_at_a_time(settings, reentrant):
+    torch.manual_seed(0)
+    model = _Regions(reentrant)
+    z = zt.offload(model, settings=settings)
+    peak = [0]
+    hold = z._hold
+
+    def counting(units):
+        hold(units)
+        peak[0] = max(peak[0], sum(1 for u in z.units if u.holds))
+
+    z._hold = counting
+    model(torch.randn(3, 4)).sum().backward()
+    z.optimizer.step()
+    assert peak[0] <= 2, f"{peak[0]} units held at once in backward"
+    z.close()
+
+
+def test_gathered_after_a_failed_forward(settings):
+    class Fails(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(4, 4)
+            self.b = nn.Linear(4, 1)
+            self.fail = False
+
+        def forward(self, x):
+            h = self.a(x)
+            if self.fail:
+                raise ValueError("bad batch")
+            return self.b(h)
+
+    model = Fails()
+    z = zt.offload(model, settings=settings)
+    x = torch.randn(2, 4)
+    _train_step(model, z, x)
+    model.fail = True
+    with pytest.raises(ValueError):
+        model(x)
+    with z.gathered():
+        sd = model.state_dict()
+        inside = {k: v.clone() for k, v in sd.items()}
+        with pytest.raises(ValueError):  # a forward failing inside gathered() too
+            model(x)
+    model.fail = False
+    _train_step(model, z, x)
+    _train_step(model, z, x)
+    assert all(torch.equal(sd[k], inside[k]) for k in sd)
+    z.close()
+
+
+def test_a_dropped_offloads_model_says_so(settings):
+    model = _mlp()
+    zt.offload(model, settings=settings)  # the Offload is not kept
+    gc.collect()
+    with pytest.raises(RuntimeError, match="dropped without close"):
+        model(torch.randn(2, 6))
+    with pytest.raises(ValueError, match="offloaded before"):
+        zt.offload(model, settings=settings)  # its parameters are placeholders
+
+
+def test_close_twice_leaves_a_later_offload_alone(settings, tmp_path):
+    model = _mlp()
+    z1 = zt.offload(model, settings=settings)
+    z1.close()
+    with pytest.raises(ValueError, match="offloaded before"):
+        zt.offload(model, settings=settings)
+    other = _mlp()
+    z2 = zt.offload(other, settings=settings)
+    z1.close()  # closed already: touches nothing of z2's
+    _train_step(other, z2, torch.randn(2, 6))
+    with pytest.raises(ValueError, match="already offloaded"):
+        zt.offload(other, settings=settings)
+    z2.close()
