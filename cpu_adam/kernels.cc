@@ -370,7 +370,10 @@ HWY_INLINE auto OctaveDecadeLanes(D d, T top, VI octaves_lo, VI octaves_hi, V x,
 #if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
   const decltype(octave) pos{_mm512_permutex2var_epi32(octaves_lo.raw, octave.raw, octaves_hi.raw)};
 #else
-  const auto pos = octave;  // not used: kOctaveDecades is false here
+  // Only the AVX3 targets read decades from octaves; a target added to
+  // kOctaveDecades needs its two-table lookup here first.
+  static_assert(!kOctaveDecades, "OctaveDecadeLanes has no lookup for this target");
+  const auto pos = octave;  // never used: kOctaveDecades is false here
   (void)octaves_lo;
   (void)octaves_hi;
 #endif

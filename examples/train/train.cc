@@ -347,7 +347,11 @@ Result<Flags> ParseFlags(int argc, char** argv) {
     if (fs::is_directory(summary, ec)) {
       return Status::InvalidArgument(StrCat("--summary ", f.summary, " is a directory"));
     }
-    if (!parent.empty() && !fs::is_directory(parent, ec)) {
+    // A directory in --out is made with it; any other must exist.
+    const fs::path out_dir = fs::absolute(f.out).lexically_normal();
+    const fs::path rel = fs::absolute(parent).lexically_normal().lexically_relative(out_dir);
+    const bool in_out = !rel.empty() && *rel.begin() != "..";
+    if (!parent.empty() && !in_out && !fs::is_directory(parent, ec)) {
       return Status::InvalidArgument(
           StrCat("--summary ", f.summary, ": no directory ", parent.string()));
     }
@@ -359,7 +363,12 @@ Result<Flags> ParseFlags(int argc, char** argv) {
   if (f.job_name.empty()) {
     // One job per --out (which one run at a time owns): runs of one user
     // on one ztierd do not collide, and a resumed run is its own job again.
-    f.job_name = StrCat("gpt:", fs::absolute(f.out).lexically_normal().string());
+    // One spelling of the directory: symlinks resolved, no trailing '/'.
+    std::error_code ec;
+    fs::path out = fs::weakly_canonical(fs::absolute(f.out), ec);
+    if (ec) out = fs::absolute(f.out).lexically_normal();
+    if (!out.has_filename() && out.has_parent_path()) out = out.parent_path();
+    f.job_name = StrCat("gpt:", out.string());
     if (f.job_name.size() > kMaxJobName) {
       f.job_name = StrCat("gpt:...", f.job_name.substr(f.job_name.size() - (kMaxJobName - 7)));
     }
@@ -709,16 +718,23 @@ Result<int64_t> StartingPoint(const Flags& f, const OutPaths& paths, Model& m, u
     if (!has_checkpoint) {
       return Status::NotFound(StrCat("--resume: there is no checkpoint in ", paths.checkpoint));
     }
-    // Older checkpoints have no note: their shapes are all there is to check.
-    if (Result<std::string> note = ReadFileToString(ModelNotePath(paths), 4096);
-        note.ok() && *note != ModelNote(f.model)) {
+    // The shapes first (the engine names a tensor that differs), then the
+    // note. An older checkpoint without one gets it now.
+    ZT_RETURN_IF_ERROR(m.LoadCheckpoint(paths.checkpoint).Annotate("--resume"));
+    Result<std::string> note = ReadFileToString(ModelNotePath(paths), 4096);
+    if (!note.ok() && note.status().code() != StatusCode::kNotFound) {
+      return note.status().Annotate("--resume: the checkpoint's model note");
+    }
+    if (note.ok() && *note != ModelNote(f.model)) {
       std::string saved = *note;
       while (!saved.empty() && saved.back() == '\n') saved.pop_back();
       return Status::InvalidArgument(StrCat("--resume: the checkpoint in ", paths.checkpoint,
                                             " is of a model with ", saved, "; this run has ",
                                             f.model.heads, " (--heads)"));
     }
-    ZT_RETURN_IF_ERROR(m.LoadCheckpoint(paths.checkpoint).Annotate("--resume"));
+    if (!note.ok()) {
+      ZT_RETURN_IF_ERROR(WriteFileAtomically(ModelNotePath(paths), ModelNote(f.model)));
+    }
     return m.published_step();
   }
   if (has_checkpoint && !f.overwrite) {

@@ -424,6 +424,61 @@ TEST(EngineLimitsTest, JobsAreSizedUpFront) {
   EXPECT_EQ(e->pool_stats().used_bytes, 0u);
 }
 
+// Names go into JSON files and onto terminals: a name that is not UTF-8, or
+// holds a control character, is refused when the job registers (a non-UTF-8
+// tensor name once aborted the process at its first checkpoint).
+TEST(EngineLimitsTest, NamesAreUtf8WithoutControlCharacters) {
+  auto e = MakeEngine();
+  const auto job = [](std::string name, std::string unit, std::string tensor) {
+    JobSpec j;
+    j.name = std::move(name);
+    j.units = {{std::move(unit), {{std::move(tensor), {8}}}}};
+    return j;
+  };
+  for (const auto& [spec, says] : std::vector<std::pair<JobSpec, std::string>>{
+           {job("j", "u", "\xff\xfe"), "tensor 0's name is not valid UTF-8 (byte 0: 0xff)"},
+           {job("j", "u", "w\xc3"), "is not valid UTF-8 (byte 1: 0xc3)"},
+           {job("j", "u", "\xc0\xaf"), "not valid UTF-8"},        // overlong '/'
+           {job("j", "u", "\xed\xa0\x80"), "not valid UTF-8"},   // a surrogate
+           {job("j", "u\nv", "w"), "unit 0's name holds a control character"},
+           {job("a\tb", "u", "w"), "the job name holds a control character"}}) {
+    Result<int> r = e->RegisterJob(spec);
+    EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << r.status();
+    EXPECT_NE(r.status().message().find(says), std::string::npos) << r.status();
+  }
+  // Any other UTF-8 is fine, and saves and exports.
+  ScratchDir dir("names");
+  Result<int> ok = e->RegisterJob(job("näme ✓ \"q\"", "ünit", "τ.weight"));
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  ASSERT_TRUE(e->WriteWeights(*ok, 0, std::vector<float>(8, 1.0f).data(), 8).ok());
+  EXPECT_TRUE(e->SaveCheckpoint(*ok, dir / "ck").ok());
+  EXPECT_TRUE(
+      e->ExportSafetensors(*ok, dir / "m.safetensors", Engine::ExportType::kFloat32)
+          .ok());
+}
+
+// A safetensors file names each tensor once: a job whose units repeat a name
+// (fine for its checkpoints, which go by index) is refused an export or an
+// import, naming both units.
+TEST(EngineLimitsTest, AnExportOfRepeatedTensorNamesIsRefused) {
+  auto e = MakeEngine();
+  JobSpec j;
+  j.name = "dup";
+  j.units = {{"a", {{"w", {4}}}}, {"b", {{"w", {6}}}}};
+  Result<int> id = e->RegisterJob(j);
+  ASSERT_TRUE(id.ok()) << id.status();
+  ASSERT_TRUE(e->WriteWeights(*id, 0, std::vector<float>(4, 1.0f).data(), 4).ok());
+  ASSERT_TRUE(e->WriteWeights(*id, 1, std::vector<float>(6, 2.0f).data(), 6).ok());
+  ScratchDir dir("dup");
+  const std::string path = dir / "m.safetensors";
+  const Status s = e->ExportSafetensors(*id, path, Engine::ExportType::kFloat32);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s;
+  EXPECT_NE(s.message().find("tensor name 'w' is in unit 'a' and in unit 'b'"), std::string::npos)
+      << s;
+  EXPECT_FALSE(std::filesystem::exists(path));
+  EXPECT_TRUE(e->SaveCheckpoint(*id, dir / "ck").ok());
+}
+
 TEST(EnginePoolTest, ThePoolReportsThePageSizeItGot) {
   auto e = MakeEngine();
   const int j = *e->RegisterJob(SmallModel("pages", 1, 0.0f, 1, StepMode::kExact));

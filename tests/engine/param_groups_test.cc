@@ -386,7 +386,7 @@ TEST(ParamGroupsJobTest, RegisterRefusesAGroupOutOfRangeAndABadWeightDecay) {
   refused(j, {"job 'g'", "unit 'block'", "tensor 'b2'", "param group 2", "has 2"});
   j = SmallModel("plain", 1, 0.0f, 1, StepMode::kExact);
   j.units[2].tensors[1].group = 1;  // no group_weight_decay: group 0 only
-  refused(j, {"job 'plain'", "unit 'block1'", "tensor 'b1'", "param group 1"});
+  refused(j, {"job 'plain'", "unit 'block1'", "tensor 'block1.b1'", "param group 1"});
   j = GroupedModel("g", 0.0f, 1, StepMode::kExact);
   j.optimizer.group_weight_decay[1] = -0.1f;
   refused(j, {"job 'g'", "param group 1", "weight decay"});

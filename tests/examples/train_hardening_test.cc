@@ -244,6 +244,16 @@ TEST_F(TrainHardeningTest, BadInputsAreClearErrorsNeverCrashes) {
   }
 }
 
+// What the up-front checks allow: a --summary in the --out the run makes.
+TEST_F(TrainHardeningTest, ASummaryInsideANewOutIsWritten) {
+  const std::string out = dir_ / "fresh/run";
+  auto [rc, text] = Train(Common() + " --steps 3 --summary-skip 1 --out " + out + " --summary " +
+                              out + "/speed.json",
+                          dir_);
+  EXPECT_EQ(rc, 0) << text;
+  EXPECT_TRUE(fs::exists(out + "/speed.json")) << text;
+}
+
 TEST_F(TrainHardeningTest, OutThatCannotBeCreatedNamesTheRealCause) {
   std::ofstream(dir_ / "file") << "x";
   auto [rc, text] = Train(Common() + " --steps 1 --out " + (dir_ / "file/sub"), dir_);
