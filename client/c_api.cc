@@ -5,9 +5,11 @@
 // Thread safety: as the C++ objects behind the handles.
 #include "client/ztier_c.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cstddef>
 #include <cstring>
+#include <initializer_list>
 #include <string>
 
 #include "client/ztier.h"
@@ -19,6 +21,7 @@ struct ztier_session {
 };
 struct ztier_model {
   std::unique_ptr<ztier::client::Model> model;
+  ztier::engine::Settings settings;  // its session's: the runner's defaults
 };
 struct ztier_device {
   std::unique_ptr<ztier::client::Device> device;
@@ -49,15 +52,27 @@ ztier_status Null(const char* what) {
   return Report(Status::InvalidArgument(StrCat(what, " is NULL")));
 }
 
+// A versioned struct: its struct_size is this library's sizeof(T) or one of
+// the `older` sizes it had (each ending after a whole field), never a size
+// that would cut a field in two.
 template <typename T>
-Status CheckStruct(const T* s, const char* what) {
+Status CheckStruct(const T* s, const char* what, std::initializer_list<size_t> older = {}) {
   if (s == nullptr) return Status::InvalidArgument(StrCat(what, " is NULL"));
-  if (s->struct_size < sizeof(uint32_t) || s->struct_size > sizeof(T)) {
+  bool known = s->struct_size == sizeof(T);
+  for (size_t size : older) known = known || s->struct_size == size;
+  if (!known) {
+    std::string sizes = StrCat(sizeof(T));
+    for (size_t size : older) sizes = StrCat(size, ", ", sizes);
     return Status::InvalidArgument(StrCat(what, ".struct_size is ", s->struct_size,
-                                          "; this libztier knows sizes up to ", sizeof(T)));
+                                          "; this libztier knows the sizes ", sizes,
+                                          " (set it to sizeof the struct)"));
   }
   return Status::Ok();
 }
+
+// Whether a caller's struct of `struct_size` bytes holds `member` whole.
+#define ZT_HAS_FIELD(ptr, type, member) \
+  ((ptr)->struct_size >= offsetof(type, member) + sizeof((ptr)->member))
 
 }  // namespace
 
@@ -85,7 +100,12 @@ ztier_status ztier_session_open_with(const ztier_session_options* options, ztier
   ztier_session_options o;
   ztier_session_options_init(&o);
   if (options != nullptr) {
-    if (Status s = CheckStruct(options, "session options"); !s.ok()) return Report(s);
+    // Older: before daemon_socket.
+    if (Status s = CheckStruct(options, "session options",
+                               {offsetof(ztier_session_options, daemon_socket)});
+        !s.ok()) {
+      return Report(s);
+    }
     // An older caller's smaller struct: the fields it lacks keep their defaults.
     std::memcpy(&o, options, options->struct_size);
   }
@@ -120,6 +140,8 @@ void ztier_model_desc_init(ztier_model_desc* desc) {
   desc->eps = h.eps;
   desc->weight_decay = h.weight_decay;
   desc->grad_accumulation = 1;
+  desc->optimizer_on_nvme = -1;  // the session's (config, ZTIER_* variables)
+  desc->params_on_nvme = -1;
   desc->world_size = 1;
 }
 
@@ -166,13 +188,17 @@ ztier_status ztier_model_register(ztier_session* session, const ztier_model_desc
   spec.optimizer.hyper.weight_decay = desc->weight_decay;
   spec.optimizer.clip_norm = desc->clip_norm;
   spec.optimizer.grad_accumulation = desc->grad_accumulation;
-  spec.optimizer_tier =
-      desc->optimizer_on_nvme ? ztier::engine::Tier::kNvme : ztier::engine::Tier::kDram;
-  spec.param_tier = desc->params_on_nvme ? ztier::engine::Tier::kNvme : ztier::engine::Tier::kDram;
+  const ztier::engine::Settings& settings = session->session->settings();
+  const auto tier = [](int32_t on_nvme, ztier::engine::Tier session_tier) {
+    return on_nvme < 0 ? session_tier
+                       : (on_nvme != 0 ? ztier::engine::Tier::kNvme : ztier::engine::Tier::kDram);
+  };
+  spec.optimizer_tier = tier(desc->optimizer_on_nvme, settings.optimizer_tier);
+  spec.param_tier = tier(desc->params_on_nvme, settings.param_tier);
   spec.world_size = 1;
   Result<std::unique_ptr<ztier::client::Model>> m = session->session->RegisterModel(spec);
   if (!m.ok()) return Report(m.status());
-  *out = new ztier_model{*std::move(m)};
+  *out = new ztier_model{*std::move(m), settings};
   return ZTIER_OK;
 }
 
@@ -265,7 +291,11 @@ ztier_status ztier_model_wait_published(const ztier_model* model, int64_t step,
     return Report(
         Status::InvalidArgument(StrCat("wait_published: timeout ", timeout_ms, " ms < 0")));
   }
-  return Report(model->model->WaitPublished(step, std::chrono::milliseconds(timeout_ms)));
+  // INT64_MAX ms and the like ("forever") would overflow the clock's
+  // nanoseconds inside the wait and time out at once: a century is forever.
+  constexpr int64_t kForeverMs = int64_t{100} * 365 * 24 * 3600 * 1000;
+  return Report(model->model->WaitPublished(
+      step, std::chrono::milliseconds(std::min(timeout_ms, kForeverMs))));
 }
 
 ztier_status ztier_device_open_host(ztier_device** out) {
@@ -302,14 +332,21 @@ ztier_status ztier_runner_create(ztier_model* model, ztier_device* device,
   if (model == nullptr) return Null("model");
   if (device == nullptr) return Null("device");
   if (out == nullptr) return Null("out");
-  ztier::client::RunnerOptions o;
+  // The session's settings (its config, the ZTIER_* variables), the wait
+  // timeout among them; the caller's options, where given, over them.
+  ztier::client::RunnerOptions o = ztier::client::RunnerOptionsFrom(model->settings);
   if (options != nullptr) {
-    if (Status s = CheckStruct(options, "runner options"); !s.ok()) return Report(s);
+    // Older: before coalesce_bytes.
+    if (Status s = CheckStruct(options, "runner options",
+                               {offsetof(ztier_runner_options, coalesce_bytes)});
+        !s.ok()) {
+      return Report(s);
+    }
     o.prefetch_depth = options->prefetch_depth;
     o.max_live_bytes = options->max_live_bytes;
     o.persistence_threshold = options->persistence_threshold;
-    // An older caller's smaller struct: the fields it lacks keep their defaults.
-    if (options->struct_size >= offsetof(ztier_runner_options, coalesce_bytes) + sizeof(uint64_t)) {
+    // An older caller's smaller struct: the fields it lacks keep the session's.
+    if (ZT_HAS_FIELD(options, ztier_runner_options, coalesce_bytes)) {
       o.coalesce_bytes = options->coalesce_bytes;
     }
   }

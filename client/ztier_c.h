@@ -87,13 +87,13 @@ typedef struct ztier_model_desc {
   float lr, beta1, beta2, eps, weight_decay;
   float clip_norm;           /* 0: off */
   int32_t grad_accumulation; /* >= 1 */
-  int32_t optimizer_on_nvme; /* 0: DRAM */
-  int32_t params_on_nvme;    /* 0: DRAM */
+  int32_t optimizer_on_nvme; /* 1: NVMe, 0: DRAM, -1: the session's (config, ZTIER_*) */
+  int32_t params_on_nvme;    /* 1: NVMe, 0: DRAM, -1: the session's */
   int32_t world_size;        /* 1 through the C ABI */
 } ztier_model_desc;
 
 /* Fills `desc` with the defaults (AdamW lr 1e-3, betas 0.9/0.999, eps 1e-8,
- * no decay, no clipping, accumulation 1, DRAM, world size 1). */
+ * no decay, no clipping, accumulation 1, the session's tiers, world size 1). */
 void ztier_model_desc_init(ztier_model_desc* desc);
 ztier_status ztier_model_register(ztier_session* session, const ztier_model_desc* desc,
                                   ztier_model** out);
@@ -138,8 +138,12 @@ typedef struct ztier_runner_options {
   uint64_t coalesce_bytes;        /* copies smaller than this are coalesced; 0: off */
 } ztier_runner_options;
 
+/* ztier's built-in defaults (not the session's: pass NULL options for those). */
 void ztier_runner_options_init(ztier_runner_options* options);
-/* Rank 0 of a world-size-1 model. The model and device outlive it. */
+/* Rank 0 of a world-size-1 model. The model and device outlive it. `options`
+ * NULL: the session's settings (its config and ZTIER_* variables: prefetch
+ * depth, live-bytes cap, persistence threshold, coalescing); given: its values.
+ * The wait timeout is the session's ztier.wait_timeout either way. */
 ztier_status ztier_runner_create(ztier_model* model, ztier_device* device,
                                  const ztier_runner_options* options, ztier_runner** out);
 void ztier_runner_close(ztier_runner* runner);

@@ -855,6 +855,18 @@ Status Engine::WriteWeights(int job, int unit, const float* flat, uint64_t numel
     return Status::InvalidArgument(StrCat("unit '", j->spec.units[unit].name, "' has ",
                                           u.layout.numel, " elements, got ", numel));
   }
+  {
+    // Weights published as step 0 after a step would leave clients waiting
+    // for a step that never comes: initial weights only.
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    if (j->step > 0 || u.StepInFlight()) {
+      return Status::FailedPrecondition(
+          StrCat("set weights: job '", j->spec.name, "' is at step ", j->step,
+                 u.StepInFlight() ? " with a step in flight" : "",
+                 "; initial weights go in before the first step (load a checkpoint or "
+                 "import safetensors to replace them later)"));
+    }
+  }
   return WithUnitState(
       *j, unit, Access::kUpdate,
       [&](size_t, const StateView& state) {
@@ -1259,7 +1271,10 @@ Status Engine::WaitPublished(int job, int unit, int64_t step, std::chrono::milli
                " can come next (a client at the wrong step, e.g. after a resume?)"));
   }
   const auto t0 = std::chrono::steady_clock::now();
-  const bool ok = e.published_cv.wait_for(lock, timeout, [&] {
+  // A timeout past a century is forever (and would overflow the clock).
+  const auto bounded = std::min<std::chrono::milliseconds>(
+      std::chrono::duration_cast<std::chrono::milliseconds>(timeout), std::chrono::hours(876000));
+  const bool ok = e.published_cv.wait_for(lock, bounded, [&] {
     return j->units[unit].published >= step || j->removed || !j->failure.ok();
   });
   j->counters.stall_seconds +=

@@ -3,6 +3,7 @@
  * and the errors a C caller sees for bad use. Exit code 0 on success. */
 #define _POSIX_C_SOURCE 200809L
 #include <math.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -48,6 +49,10 @@ int main(void) {
     ASSERT_OK(ztier_session_open_with(&o, &session));
     ztier_session_close(session);
     session = NULL;
+    /* A size that cuts a field in two is refused, never half-read. */
+    o.struct_size = 12;
+    EXPECT(ztier_session_open_with(&o, &session) == ZTIER_INVALID_ARGUMENT);
+    EXPECT(strstr(ztier_last_error(), "struct_size is 12") != NULL);
   }
   ASSERT_OK(ztier_session_open(NULL, &session));
 
@@ -87,6 +92,9 @@ int main(void) {
   ztier_runner_options_init(&options);
   options.prefetch_depth = 1;
   ztier_runner* runner = NULL;
+  ztier_runner_options cut = options;
+  cut.struct_size = 4;
+  EXPECT(ztier_runner_create(model, device, &cut, &runner) == ZTIER_INVALID_ARGUMENT);
   ASSERT_OK(ztier_runner_create(model, device, &options, &runner));
 
   const int steps = 3;
@@ -112,6 +120,9 @@ int main(void) {
     ASSERT_OK(ztier_runner_step(runner));
   }
   EXPECT(ztier_runner_version(runner) == steps);
+  /* Initial weights only: after a step they would be published as step 0. */
+  EXPECT(ztier_model_set_weights(model, 0, weights, numel[0]) == ZTIER_FAILED_PRECONDITION);
+  EXPECT(strstr(ztier_last_error(), "before the first step") != NULL);
 
   /* Bad use: an unknown unit, a second step with no grads. */
   const uint16_t* p = NULL;
@@ -123,7 +134,8 @@ int main(void) {
 
   /* The last step's optimizer may still be running (the runner's step ends
    * the micro-step, not the engine's update): wait until every unit holds it. */
-  ASSERT_OK(ztier_model_wait_published(model, steps, 10000));
+  /* INT64_MAX ms ("forever") waits, instead of overflowing into a timeout. */
+  ASSERT_OK(ztier_model_wait_published(model, steps, INT64_MAX));
   EXPECT(ztier_model_wait_published(model, steps, -1) == ZTIER_INVALID_ARGUMENT);
   EXPECT(ztier_model_wait_published(NULL, steps, 0) == ZTIER_INVALID_ARGUMENT);
 

@@ -186,8 +186,12 @@ TEST_P(Int8Test, RoundTripErrorIsWithinHalfAStepAndStable) {
           continue;
         }
         // Half the larger gap around the code, and the smallest code
-        // flushes values below half of it to zero.
-        const double bound = 0.5 * Step(map, codes[i]) * am * (1 + 1e-6) + 1e-45;
+        // flushes values below half of it to zero. The code is the nearest
+        // to a = |x| * (1 / absmax) and the value comes back as code value
+        // * absmax, each rounded: a few ulps of |x| on top (2^-21), far below
+        // the step a wrong code would be off by.
+        const double bound =
+            0.5 * Step(map, codes[i]) * am * (1 + 1e-6) + std::ldexp(std::fabs(x[i]), -21) + 1e-45;
         ASSERT_LE(std::fabs(y[i] - x[i]), bound)
             << "n " << n << " element " << i << ": " << x[i] << " came back as " << y[i];
       }

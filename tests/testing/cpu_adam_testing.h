@@ -8,6 +8,7 @@
 #define ZTIER_TESTS_TESTING_CPU_ADAM_TESTING_H_
 
 #include <cstdint>
+#include <cstdlib>
 #include <random>
 #include <vector>
 
@@ -26,7 +27,11 @@ inline cpu_adam::Executor& SharedExecutor(int threads = 2) {
   return *executors[threads];
 }
 
+// A new seed per run (the tests print it), or ZTIER_TEST_SEED's to replay one.
 inline uint64_t FreshSeed() {
+  if (const char* fixed = std::getenv("ZTIER_TEST_SEED"); fixed != nullptr && *fixed != '\0') {
+    return std::strtoull(fixed, nullptr, 10);
+  }
   std::random_device rd;
   return (static_cast<uint64_t>(rd()) << 32) ^ rd();
 }
