@@ -968,6 +968,9 @@ Status Stage3Runner::PushGrads(int unit, const bf16* grads, uint64_t count) {
 
 Status Stage3Runner::Step() {
   Impl& r = *impl_;
+  // A transfer that failed (a ztierd that went away, say) is the cause of
+  // whatever else is wrong with this micro-step: say it first.
+  ZT_RETURN_IF_ERROR(r.failure_snapshot());
   std::string missing;
   int pushed = 0;
   for (const UnitState& u : r.units) {
