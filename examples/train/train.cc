@@ -992,6 +992,11 @@ int Run(const Flags& f, const Plan& p) {
         Status::InvalidArgument(StrCat("the checkpoint is at step ", *first, ", past --steps ",
                                        f.steps, "; raise --steps to train on")));
   }
+  if (f.exit_after > 0 && f.exit_after <= *first) {
+    return fail(Status::InvalidArgument(StrCat("--exit-after ", f.exit_after,
+                                               ": the run resumes after step ", *first,
+                                               " and would never reach it")));
+  }
   if (Status s = PrepareLog(paths.log, *first); !s.ok()) return fail(s);
   if (f.resume) {
     std::fprintf(stderr, "ztier-train: resumed at step %lld of %d\n",

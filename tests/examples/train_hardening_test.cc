@@ -151,6 +151,11 @@ TEST_F(TrainHardeningTest, ResumeFinishesWhatTheRunHadLeftAndCutsTheLogBack) {
   auto [prc, ptext] = Train(Common() + " --steps 4 --resume --out " + cut, dir_);
   EXPECT_EQ(prc, 1) << ptext;
   EXPECT_NE(ptext.find("past --steps 4"), std::string::npos) << ptext;
+  // So is an --exit-after the resumed run would never reach.
+  auto [erc, etext] =
+      Train(Common() + " --steps 6 --checkpoint-every 3 --exit-after 3 --resume --out " + cut, dir_);
+  EXPECT_NE(erc, 0) << etext;
+  EXPECT_NE(etext.find("would never reach it"), std::string::npos) << etext;
 }
 
 TEST_F(TrainHardeningTest, ResumingAnotherShapeNamesTheTensorAndBothShapes) {
