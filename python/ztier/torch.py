@@ -639,6 +639,7 @@ class Offload:
         key = self.runner.order_key
         self.runner.set_order(_GATHER)
         saved = []  # (tensor, its .data before)
+        versions = []  # (unit, tensor, the parameter's version once pointed at the copy)
         try:
             for u in self.units:
                 flat = torch.empty(u.padded, dtype=self.compute_dtype, device=self.device)
@@ -655,11 +656,22 @@ class Offload:
                 for t in u.tensors:
                     saved.append((t, t.param.data))
                     t.param.data = flat[t.offset:t.offset + t.numel].view(t.shape)
+                    versions.append((u, t, t.param._version))
             yield self.module
         finally:
             for t, data in saved:
                 t.param.data = data
             self.runner.set_order(key)
+            # An in-place write (load_state_dict, fill_) bumps a parameter's
+            # version: say that it went nowhere.
+            written = list(dict.fromkeys(
+                u.name for u, t, version in versions if t.param._version != version))
+            if written:
+                warnings.warn(
+                    f"ztier: parameters of {len(written)} units (e.g. '{written[0]}') were "
+                    "written inside gathered(); its values are copies and the writes did not "
+                    "reach the engine (weights go in through load_checkpoint, from_pretrained "
+                    "or a fresh offload)", RuntimeWarning, stacklevel=3)
 
     # ---- hooks
 

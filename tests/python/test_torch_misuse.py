@@ -435,3 +435,20 @@ def test_close_twice_leaves_a_later_offload_alone(settings, tmp_path):
     with pytest.raises(ValueError, match="already offloaded"):
         zt.offload(other, settings=settings)
     z2.close()
+
+
+def test_writes_inside_gathered_are_said_to_go_nowhere(settings):
+    model = _mlp()
+    z = zt.offload(model, settings=settings)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # reading only: no warning
+        with z.gathered():
+            model.state_dict()
+    before = z.master_weights()
+    with pytest.warns(RuntimeWarning, match="did not reach the engine"):
+        with z.gathered():
+            with torch.no_grad():
+                model[0].bias.fill_(5.0)
+    after = z.master_weights()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    z.close()
