@@ -583,19 +583,27 @@ class Offload:
             # model's life (emptied on release, refilled on the next hold), so
             # views autograd saved in forward (a weight's transpose) read the
             # refilled values in backward.
-            src = self.runner.acquire(u.index)
-            self._torch_waits_runner()
             if u.storage is None:
                 u.storage = torch.UntypedStorage(0, device=self.device)
             u.storage.resize_(u.padded * self._elem_bytes)
             flat = torch.empty(0, dtype=self.compute_dtype, device=self.device)
             flat.set_(u.storage, 0, (u.padded,))
-            flat.copy_(src)
-            del src
-            self._runner_waits_torch()
-            self.runner.release(u.index)
-            for t in u.tensors:
-                t.param.data = flat[t.offset:t.offset + t.numel].view(t.shape)
+            self._fetch(u, flat)
+            self._point_params(u, flat)
+
+    def _fetch(self, u: _Unit, flat: torch.Tensor):
+        """The unit's published bf16 params into `flat`, the runner's buffer
+        given back at once."""
+        src = self.runner.acquire(u.index)
+        self._torch_waits_runner()
+        flat.copy_(src)
+        del src
+        self._runner_waits_torch()
+        self.runner.release(u.index)
+
+    def _point_params(self, u: _Unit, flat: torch.Tensor):
+        for t in u.tensors:
+            t.param.data = flat[t.offset:t.offset + t.numel].view(t.shape)
 
     def _let_go(self, units: Iterable[_Unit]):
         for u in units:
@@ -647,16 +655,10 @@ class Offload:
                     for t in u.tensors:
                         flat[t.offset:t.offset + t.numel].copy_(t.param.data.reshape(-1))
                 else:
-                    src = self.runner.acquire(u.index)
-                    self._torch_waits_runner()
-                    flat.copy_(src)
-                    del src
-                    self._runner_waits_torch()
-                    self.runner.release(u.index)
-                for t in u.tensors:
-                    saved.append((t, t.param.data))
-                    t.param.data = flat[t.offset:t.offset + t.numel].view(t.shape)
-                    versions.append((u, t, t.param._version))
+                    self._fetch(u, flat)
+                saved.extend((t, t.param.data) for t in u.tensors)
+                self._point_params(u, flat)
+                versions.extend((u, t, t.param._version) for t in u.tensors)
             yield self.module
         finally:
             for t, data in saved:
