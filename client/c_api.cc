@@ -5,7 +5,6 @@
 // Thread safety: as the C++ objects behind the handles.
 #include "client/ztier_c.h"
 
-#include <algorithm>
 #include <chrono>
 #include <cstddef>
 #include <cstring>
@@ -291,11 +290,7 @@ ztier_status ztier_model_wait_published(const ztier_model* model, int64_t step,
     return Report(
         Status::InvalidArgument(StrCat("wait_published: timeout ", timeout_ms, " ms < 0")));
   }
-  // INT64_MAX ms and the like ("forever") would overflow the clock's
-  // nanoseconds inside the wait and time out at once: a century is forever.
-  constexpr int64_t kForeverMs = int64_t{100} * 365 * 24 * 3600 * 1000;
-  return Report(model->model->WaitPublished(
-      step, std::chrono::milliseconds(std::min(timeout_ms, kForeverMs))));
+  return Report(model->model->WaitPublished(step, std::chrono::milliseconds(timeout_ms)));
 }
 
 ztier_status ztier_device_open_host(ztier_device** out) {

@@ -167,6 +167,8 @@ int64_t Model::published_step() const {
 }
 
 Status Model::WaitPublished(int64_t step, std::chrono::milliseconds timeout) const {
+  // Cut here for either transport (ztierd's adds its call timeout to it).
+  timeout = std::min<std::chrono::milliseconds>(timeout, engine::kForeverWait);
   for (int u = 0; u < units(); ++u) {
     ZT_RETURN_IF_ERROR(transport_->WaitPublished(job_, u, step, timeout));
   }

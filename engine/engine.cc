@@ -1271,10 +1271,8 @@ Status Engine::WaitPublished(int job, int unit, int64_t step, std::chrono::milli
                " can come next (a client at the wrong step, e.g. after a resume?)"));
   }
   const auto t0 = std::chrono::steady_clock::now();
-  // A timeout past a century is forever (and would overflow the clock).
-  const auto bounded = std::min<std::chrono::milliseconds>(
-      std::chrono::duration_cast<std::chrono::milliseconds>(timeout), std::chrono::hours(876000));
-  const bool ok = e.published_cv.wait_for(lock, bounded, [&] {
+  const bool ok = e.published_cv.wait_for(
+      lock, std::min<std::chrono::milliseconds>(timeout, kForeverWait), [&] {
     return j->units[unit].published >= step || j->removed || !j->failure.ok();
   });
   j->counters.stall_seconds +=

@@ -73,6 +73,11 @@ class IoBackend;
 
 namespace ztier::engine {
 
+// The longest wait: a century, forever to anyone waiting. Longer timeouts
+// (INT64_MAX ms, say) are cut to it, since the clock's nanoseconds would
+// overflow and time the wait out at once.
+inline constexpr std::chrono::hours kForeverWait{24 * 365 * 100};
+
 class Engine {
  public:
   // Creates the DRAM pool, the optimizer's thread arena and, when NVMe paths
@@ -167,10 +172,11 @@ class Engine {
   // client that starts reading while a step runs reads this step. -1 for an
   // unknown job or a job without weights.
   int64_t TargetStep(int job) const;
-  // Blocks until the unit holds step >= `step`. Errors: Unavailable on
-  // timeout (naming the unit, the step and what it holds), Aborted if the job
-  // failed or was unregistered, FailedPrecondition at once for a step more
-  // than one past the job's (no grads could ever make it).
+  // Blocks until the unit holds step >= `step`, at most `timeout` (cut to
+  // kForeverWait). Errors: Unavailable on timeout (naming the unit, the step
+  // and what it holds), Aborted if the job failed or was unregistered,
+  // FailedPrecondition at once for a step more than one past the job's (no
+  // grads could ever make it).
   Status WaitPublished(int job, int unit, int64_t step,
                        std::chrono::milliseconds timeout = std::chrono::minutes(10));
 
