@@ -350,6 +350,13 @@ int RunPcie(int argc, char** argv) {
   for (uint64_t s = kMinSize; s <= o.max_size; s *= 4) sizes.push_back(s);
   if (sizes.empty() || sizes.back() != o.max_size) sizes.push_back(o.max_size);
 
+  // The device first: without one the run ends here, before the engine
+  // pins its states (8 GiB for the default 1 GiB unit).
+  Result<std::unique_ptr<Device>> opened =
+      host_backend ? client::MakeHostDevice() : client::MakeCudaDevice(o.ordinal);
+  if (!opened.ok()) return fail(opened.status());
+  std::unique_ptr<Device> device = std::move(*opened);
+
   // The engine: one unit of max-size bytes of bf16 params, states in DRAM.
   const uint64_t elems = o.max_size / 2;
   engine::Settings settings;
@@ -376,11 +383,6 @@ int RunPcie(int argc, char** argv) {
   std::string device_name;
   const uint64_t peak_bytes = std::min(o.max_size, kPeakMax);
   {
-    Result<std::unique_ptr<Device>> opened =
-        host_backend ? client::MakeHostDevice() : client::MakeCudaDevice(o.ordinal);
-    if (!opened.ok()) return fail(opened.status());
-    // Destroyed (unregistering the engine's buffers) before the job goes.
-    std::unique_ptr<Device> device = std::move(*opened);
     device_name = device->name();
     const auto run = [&]() -> Status {
       void* src = const_cast<bf16*>(*published);
@@ -415,6 +417,8 @@ int RunPcie(int argc, char** argv) {
       return Sweep(*device, host_backend, bufs, o, sizes, peak, &rows);
     };
     status = run();
+    // Destroyed (unregistering the engine's buffers) before the job goes.
+    device.reset();
   }
   if (Status s = e.UnregisterJob(*job); status.ok()) status = s;
   if (!status.ok()) return fail(status);

@@ -21,10 +21,14 @@
 #       side by side in the logs), the Python suite's CUDA tests and the host suite,
 #       finetune_hf.py --tiny on cuda and on the host, the throughput
 #       benchmark (ztier.torch against plain torch), one summary at the end.
-#       Logs go to $OUT (or gpu-check-out/) when set.
+#       Logs go to $OUT (or gpu-check-out/) when set. The checks run most
+#       wanted first, each under a time limit of its own, all within
+#       ZTIER_GPU_CHECK_SECONDS (default 540, inside a device call's 10
+#       minutes); those the budget leaves no time for are listed as skipped.
 #
-# Failure: pack stops at the first error; run goes on past a failed check
-# and exits 1 if any failed (the summary says which).
+# Failure: pack stops at the first error; run goes on past a failed or
+# timed-out check and exits 1 if any failed or was skipped (the summary says
+# which).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 carry=gpu-carry
@@ -73,47 +77,68 @@ run() {
   export LD_LIBRARY_PATH="$PWD/$carry/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
   export PYTHONPATH="$PWD/$carry/python:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
   local py=${ZTIER_GPU_RUN_PYTHON:-python3}
+  # The whole run fits a budget (a device call is cut at 10 minutes; what
+  # is under $OUT comes back even then, but a check cut mid-way says
+  # nothing): each check gets at most its own limit and what is left, and
+  # the checks past the budget are listed as not run. Most wanted first.
+  local budget=${ZTIER_GPU_CHECK_SECONDS:-540}
+  local deadline=$((SECONDS + budget))
   local -a summary=()
   local failed=0
-  check() {  # check NAME COMMAND...: runs it, logs to $out/NAME.log, notes the result
-    local name=$1
-    shift
-    local t0=$SECONDS
-    if "$@" >"$out/$name.log" 2>&1; then
+  check() {  # check LIMIT_S NAME COMMAND...: runs it, logs to $out/NAME.log, notes the result
+    local limit=$1 name=$2
+    shift 2
+    local left=$((deadline - SECONDS))
+    if ((left < 15)); then
+      summary+=("skip  $name (the ${budget} s budget is spent)")
+      failed=1
+      return
+    fi
+    ((limit > left)) && limit=$left
+    local t0=$SECONDS rc=0
+    timeout --kill-after=10 "$limit" "$@" >"$out/$name.log" 2>&1 || rc=$?
+    if ((rc == 0)); then
       summary+=("ok    $name ($((SECONDS - t0)) s)")
+    elif ((rc == 124 || rc == 137)); then
+      summary+=("FAIL  $name: cut at its ${limit} s limit; see $name.log")
+      failed=1
     else
-      summary+=("FAIL  $name ($((SECONDS - t0)) s): see $name.log")
+      summary+=("FAIL  $name ($((SECONDS - t0)) s, exit $rc): see $name.log")
       failed=1
     fi
     tail -n 4 "$out/$name.log"
   }
   nvidia-smi -L | tee "$out/gpu.txt"
-  for t in "$carry"/bin/*_test; do check "$(basename "$t")" "$t"; done
-  check pcie "$carry/bin/ztier-bench" pcie --device cuda
-  local train=(--layers 4 --channels 128 --heads 4 --context 64 --batch 8 --steps 20
-               --optimizer dram --overwrite)
-  check train_cuda "$carry/bin/ztier-train" "${train[@]}" --data "$carry/text.txt" \
-    --device cuda --out "$out/train-cuda"
-  check train_host "$carry/bin/ztier-train" "${train[@]}" --data "$carry/text.txt" \
-    --device host --out "$out/train-host"
+  # The whole GPT on cuda against the CPU (every byte value, teacher-forced)
+  # first, then the other GPU tests.
+  check 180 gpt_cuda_test "$carry/bin/gpt_cuda_test"
+  for t in "$carry"/bin/*_test; do
+    [[ $(basename "$t") == gpt_cuda_test ]] || check 120 "$(basename "$t")" "$t"
+  done
   # What offloading costs at the GPT-2-small shape: params streamed vs
   # resident, states in DRAM and on NVMe, the step split into its parts.
-  check train_bench "$carry/bin/ztier-bench" train --device cuda --train "$carry/bin/ztier-train" \
-    --layers 12 --channels 768 --heads 12 --context 256 --batch 8 --steps 16 --skip 4 \
-    --data "$carry/text.txt" --dir "$out/train-bench" --json
+  check 180 train_bench "$carry/bin/ztier-bench" train --device cuda \
+    --train "$carry/bin/ztier-train" --layers 12 --channels 768 --heads 12 --context 256 \
+    --batch 8 --steps 16 --skip 4 --data "$carry/text.txt" --dir "$out/train-bench" --json
+  check 60 pcie "$carry/bin/ztier-bench" pcie --device cuda
+  local train=(--layers 4 --channels 128 --heads 4 --context 64 --batch 8 --steps 20
+               --optimizer dram --overwrite)
+  check 60 train_cuda "$carry/bin/ztier-train" "${train[@]}" --data "$carry/text.txt" \
+    --device cuda --out "$out/train-cuda"
+  check 60 train_host "$carry/bin/ztier-train" "${train[@]}" --data "$carry/text.txt" \
+    --device host --out "$out/train-host"
   # The same with bf16 tensor-core matmuls (states in DRAM): the example's
   # fp32 SGEMMs no longer set the pace.
-  check train_bench_bf16 "$carry/bin/ztier-bench" train --device cuda --matmul bf16 \
+  check 120 train_bench_bf16 "$carry/bin/ztier-bench" train --device cuda --matmul bf16 \
     --optimizer dram --train "$carry/bin/ztier-train" --layers 12 --channels 768 --heads 12 \
     --context 256 --batch 8 --steps 16 --skip 4 --data "$carry/text.txt" \
     --dir "$out/train-bench-bf16" --json
-  check python_cuda "$py" -m pytest -q -rs -p no:cacheprovider tests/python/test_cuda.py
-  check python_host "$py" -m pytest -q -rs -p no:cacheprovider tests/python -k "not cuda"
-  check finetune_cuda "$py" examples/finetune_hf.py --tiny --steps 60 --device cuda \
+  check 120 python_cuda "$py" -m pytest -q -rs -p no:cacheprovider tests/python/test_cuda.py
+  check 90 finetune_cuda "$py" examples/finetune_hf.py --tiny --steps 60 --device cuda \
     --data "$carry/text.txt" --out "$out/ft-cuda" --json
-  check finetune_host "$py" examples/finetune_hf.py --tiny --steps 60 --data "$carry/text.txt" \
+  check 90 finetune_host "$py" examples/finetune_hf.py --tiny --steps 60 --data "$carry/text.txt" \
     --out "$out/ft-host" --json
-  check finetune_agree "$py" - "$out/finetune_cuda.log" "$out/finetune_host.log" <<'EOF'
+  check 30 finetune_agree "$py" - "$out/finetune_cuda.log" "$out/finetune_host.log" <<'PY'
 import json, math, sys
 cuda, host = (json.loads(open(p).read().splitlines()[-1]) for p in sys.argv[1:3])
 print(f"first loss {cuda['first_loss']:.4f} (cuda) vs {host['first_loss']:.4f} (host); "
@@ -121,11 +146,14 @@ print(f"first loss {cuda['first_loss']:.4f} (cuda) vs {host['first_loss']:.4f} (
       f"{cuda['tokens_per_s']:,.0f} vs {host['tokens_per_s']:,.0f} tokens/s")
 assert math.isclose(cuda["first_loss"], host["first_loss"], rel_tol=2e-2)
 assert math.isclose(cuda["last_loss"], host["last_loss"], rel_tol=1e-1)
-EOF
-  check bench_small "$py" benchmarks/torch_offload_bench.py --device cuda --preset small \
+PY
+  check 120 bench_small "$py" benchmarks/torch_offload_bench.py --device cuda --preset small \
     --batch 4 --seq 1024 --steps 5
-  check bench_1b "$py" benchmarks/torch_offload_bench.py --device cuda --preset 1b \
+  check 180 bench_1b "$py" benchmarks/torch_offload_bench.py --device cuda --preset 1b \
     --batch 4 --seq 1024 --steps 5
+  # The host suite runs in CI already; here it checks the package built for
+  # this machine's Python.
+  check 240 python_host "$py" -m pytest -q -rs -p no:cacheprovider tests/python -k "not cuda"
   echo
   echo "== gpu_check summary"
   printf '%s\n' "${summary[@]}" | tee "$out/summary.txt"

@@ -951,6 +951,12 @@ int Run(const Flags& f, const Plan& p) {
         StrCat("the text has ", text->size(), " bytes, fewer than the context + 2")));
   }
   if (Status s = CheckHostMemory(f, p, text->size()); !s.ok()) return fail(s);
+  if (f.device == "cuda") {
+    // Rank r trains on GPU r: without the last one the run ends here, before
+    // the engine pins the states (seconds for a large model).
+    Result<std::unique_ptr<Device>> last = MakeCudaDevice(f.ranks - 1);
+    if (!last.ok()) return fail(last.status().Annotate(StrCat("--device cuda --ranks ", f.ranks)));
+  }
   if (Status s = CreateDir(f.out, "--out directory"); !s.ok()) return fail(s);
   for (const std::string& dir : p.settings.nvme_paths) {
     if (Status s = CreateDir(dir, "swap directory"); !s.ok()) return fail(s);

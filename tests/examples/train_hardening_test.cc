@@ -238,6 +238,8 @@ TEST_F(TrainHardeningTest, BadInputsAreClearErrorsNeverCrashes) {
       {"--steps 4 --summary " + (dir_ / "none/s.json"), 2, "no directory"},
       {"--steps 4 --summary-skip 4 --summary " + (dir_ / "s.json"), 2, "leaves none"},
       {"--job-name ''", 2, "--job-name"},
+      // No machine has GPU 1023: said before the engine pins the states.
+      {"--device cuda --ranks 1024", 1, "no CUDA device"},
   };
   ASSERT_EQ(::mkfifo((dir_ / "fifo").c_str(), 0600), 0);
   for (const Case& c : cases) {
