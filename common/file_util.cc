@@ -76,7 +76,10 @@ Status FsyncPath(const std::string& path, bool directory) {
 
 Status WriteFileAtomically(const std::string& path, std::string_view data) {
   const std::string tmp = path + ".tmp";
-  const int fd = OpenFile(tmp, O_WRONLY | O_CREAT | O_TRUNC, 0600);
+  // A new file of its own: a stale temp file (a killed writer's) or a link
+  // planted under its name goes first, never written through.
+  ::unlink(tmp.c_str());
+  const int fd = OpenFile(tmp, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW, 0600);
   if (fd < 0) return PosixError(StrCat("create ", tmp), fd);
   UniqueFd guard(fd);
   // Any failure from here on leaves no temp file behind.

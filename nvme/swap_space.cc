@@ -481,7 +481,11 @@ Status SwapSpace::Impl::OpenFiles(bool create) {
       return Status::Corruption(StrCat("swap file ", pio->file, " is ", fst.st_size,
                                        " bytes; the manifest says ", file_bytes));
     }
-    const int flags = O_RDWR | O_DIRECT | O_CLOEXEC | (create ? O_CREAT | O_TRUNC : 0);
+    // Never through a link, and emptied only once it is known to be a file
+    // of this process's user that nothing else names: a user who may write
+    // into a swap directory must not make a daemon running as root truncate
+    // (or keep everyone's optimizer states in) a file of their choosing.
+    const int flags = O_RDWR | O_DIRECT | O_CLOEXEC | O_NOFOLLOW | (create ? O_CREAT : 0);
     const int fd = backend->OpenFile(pio->file, flags, 0600);
     if (fd == -EINVAL) {
       return Status::FailedPrecondition(StrCat(
@@ -489,10 +493,23 @@ Status SwapSpace::Impl::OpenFiles(bool create) {
           " failed with EINVAL); put swap on a local disk filesystem such "
           "as ext4 or xfs"));
     }
+    if (fd == -ELOOP) {
+      return Status::FailedPrecondition(
+          StrCat("swap file ", pio->file, " is a symbolic link; refused (remove it)"));
+    }
     if (fd < 0) return PosixError(StrCat("open swap file ", pio->file), fd);
     pio->fd = fd;
     paths.push_back(std::move(pio));
     PathIo& p = *paths.back();
+    struct stat own {};
+    if (::fstat(fd, &own) != 0) return PosixError(StrCat("stat ", p.file), errno);
+    if (!S_ISREG(own.st_mode) || own.st_uid != ::geteuid() || own.st_nlink != 1) {
+      return Status::FailedPrecondition(
+          StrCat("swap file ", p.file, " is not a plain file of uid ", ::geteuid(),
+                 " with one name (", S_ISREG(own.st_mode) ? "" : "not a regular file, ",
+                 "owner uid ", own.st_uid, ", ", own.st_nlink, " links); refused (remove it)"));
+    }
+    if (create && ::ftruncate(fd, 0) != 0) return PosixError(StrCat("truncate ", p.file), errno);
     if (::fchmod(fd, 0600) != 0) return PosixError(StrCat("chmod 0600 ", p.file), errno);
     // Some filesystems accept O_DIRECT at open and refuse it at the first
     // I/O: probe one aligned block (written and read back on a new file,

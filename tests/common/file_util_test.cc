@@ -32,6 +32,18 @@ TEST_F(FileUtilTest, AtomicWriteReplacesAndReadsBack) {
   EXPECT_FALSE(fs::exists(path + ".tmp"));
 }
 
+TEST_F(FileUtilTest, ALinkPlantedAsTheTempFileIsNeverWrittenThrough) {
+  ScratchDir dir("file-util");
+  const std::string path = dir / "f";
+  const std::string victim = dir / "victim";
+  std::ofstream(victim) << "someone else's";
+  fs::create_symlink(victim, path + ".tmp");
+  ASSERT_TRUE(WriteFileAtomically(path, "mine").ok());
+  EXPECT_EQ(*ReadFileToString(path), "mine");
+  EXPECT_EQ(*ReadFileToString(victim), "someone else's");
+  EXPECT_FALSE(fs::is_symlink(path)) << "the link was renamed into place";
+}
+
 TEST_F(FileUtilTest, EveryFailingCallLeavesTheOldContentAndNoTempFile) {
   ScratchDir dir("file-util");
   const std::string path = dir / "f";

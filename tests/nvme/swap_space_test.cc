@@ -712,6 +712,41 @@ TEST_P(SwapSpaceTest, ASecondSwapSpaceOnAPathIsRefusedAndTheFirstKeepsItsData) {
   EXPECT_TRUE(SwapSpace::Create(other, Backend()).ok()) << "the lock outlived Close()";
 }
 
+TEST_P(SwapSpaceTest, APlantedLinkOrForeignFileIsRefusedAndLeftAlone) {
+  // Whoever may write into a swap directory could plant the swap file's
+  // name as a link to a file of someone else's: it is refused, never
+  // emptied or written through.
+  SwapOptions o = Options(1, 0);
+  const fs::path victim = root_ / "victim";
+  const std::string precious = "precious data of someone else's";
+  std::ofstream(victim) << precious;
+  const fs::path swap_file = fs::path(o.paths[0]) / o.file_name;
+  const auto victim_intact = [&] {
+    std::ifstream in(victim);
+    return std::string(std::istreambuf_iterator<char>(in), {}) == precious;
+  };
+
+  fs::create_symlink(victim, swap_file);
+  Status linked = SwapSpace::Create(o, Backend()).status();
+  EXPECT_EQ(linked.code(), StatusCode::kFailedPrecondition) << linked;
+  EXPECT_NE(linked.message().find("symbolic link"), std::string::npos) << linked;
+  EXPECT_TRUE(victim_intact());
+  fs::remove(swap_file);
+
+  fs::create_hard_link(victim, swap_file);
+  Status hard = SwapSpace::Create(o, Backend()).status();
+  EXPECT_EQ(hard.code(), StatusCode::kFailedPrecondition) << hard;
+  EXPECT_NE(hard.message().find("2 links"), std::string::npos) << hard;
+  EXPECT_TRUE(victim_intact());
+  fs::remove(swap_file);
+
+  // A stale swap file of this user's (a killed run's) is taken over.
+  std::ofstream(swap_file) << "stale";
+  std::unique_ptr<SwapSpace> space = MustCreate(o);
+  ASSERT_NE(space, nullptr);
+  EXPECT_TRUE(space->Allocate("fresh", kMiB).ok());
+}
+
 TEST_P(SwapSpaceTest, FilesGrowWithTheirObjectsAndGoAwayOnClose) {
   SwapOptions o = Options(2, 0, 256 * kKiB);
   o.growth_bytes = kMiB;
