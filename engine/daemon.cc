@@ -5,6 +5,7 @@
 #include <fcntl.h>
 #include <linux/futex.h>
 #include <poll.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -20,6 +21,7 @@
 #include <mutex>
 #include <optional>
 #include <set>
+#include <system_error>
 #include <thread>
 #include <utility>
 
@@ -135,6 +137,8 @@ struct Daemon::Impl {
     uint64_t dram_bytes = 0;  // of its jobs, as counted at registration
     uint64_t nvme_bytes = 0;
     uint64_t lingering_bytes = 0;  // of dram_bytes: see Lingering
+    int requests = 0;              // queued or running on its connections' pools
+    uint64_t payload_bytes = 0;    // held by its requests' handlers (see Payload)
   };
   // A closed connection whose process lives on: its uid stays charged for
   // the connection and for the shared regions of the jobs it had mapped and
@@ -660,23 +664,57 @@ class Daemon::Impl::Connection {
   // thread of its own: one may block until a later one (another rank's
   // grads) has run, so a request never waits behind another.
   bool Queue(Request req) {
-    std::lock_guard<std::mutex> lock(mu_);
+    const p::Header header = req.header;
+    {
+      std::lock_guard<std::mutex> lock(d_.mu);
+      Impl::Usage& u = d_.usage[peer_.uid];
+      if (u.requests >= d_.options.max_requests_in_flight_per_uid) {
+        return SendError(
+            header.request_id, header.type,
+            Status::ResourceExhausted(StrCat(
+                "requests in flight of uid ", peer_.uid, " on all its connections: ", u.requests,
+                " of the quota of ", d_.options.max_requests_in_flight_per_uid,
+                " (daemon max_requests_in_flight_per_uid)")));
+      }
+      ++u.requests;
+    }
+    std::unique_lock<std::mutex> lock(mu_);
+    Status refused;
     if (in_flight_ >= d_.options.max_requests_in_flight) {
-      const Status s = Status::ResourceExhausted(
+      refused = Status::ResourceExhausted(
           StrCat("requests in flight on one connection: ", in_flight_, " of the quota of ",
                  d_.options.max_requests_in_flight, " (daemon max_requests_in_flight)"));
-      return SendError(req.header.request_id, req.header.type, s);
-    }
-    ++in_flight_;
-    queue_.push_back(std::move(req));
-    // A woken thread stays counted as waiting until it runs, so a queue
-    // longer than the waiting threads gets a new one.
-    if (queue_.size() > static_cast<size_t>(waiting_)) {
-      pool_.emplace_back([this] { PoolThread(); });
     } else {
-      queue_cv_.notify_one();
+      ++in_flight_;
+      queue_.push_back(std::move(req));
+      // A woken thread stays counted as waiting until it runs, so a queue
+      // longer than the waiting threads gets a new one.
+      if (queue_.size() <= static_cast<size_t>(waiting_)) {
+        queue_cv_.notify_one();
+        return true;
+      }
+      try {
+        pool_.emplace_back([this] { PoolThread(); });
+        return true;
+      } catch (const std::system_error& e) {
+        // No thread to be had (the process's or the service's task limit):
+        // the request is refused and ztierd goes on.
+        queue_.pop_back();
+        --in_flight_;
+        refused = Status::ResourceExhausted(
+            StrCat("ztierd cannot start a thread for the request: ", e.what(),
+                   " (its task limit, or the machine's, is reached)"));
+      }
     }
-    return true;
+    lock.unlock();
+    RequestDone();
+    return SendError(header.request_id, header.type, refused);
+  }
+
+  // A pooled request has finished (or was refused): its uid's count drops.
+  void RequestDone() {
+    std::lock_guard<std::mutex> lock(d_.mu);
+    --d_.usage[peer_.uid].requests;
   }
 
   void PoolThread() {
@@ -694,6 +732,7 @@ class Daemon::Impl::Connection {
         Result<std::string> reply = Handle(req);
         (void)Reply(req.header, reply);
       }
+      RequestDone();
       lock.lock();
       --in_flight_;
     }
@@ -1016,16 +1055,60 @@ class Daemon::Impl::Connection {
     return p::Encode(p::Hello{.name = "ztierd"});
   }
 
-  // A request's payload: in its datagram, or in the memfd it carries.
-  static Result<std::string> Payload(Request& req) {
+  // A memfd payload's bytes charged to the uid while a handler holds them
+  // (DaemonOptions::max_spec_bytes_per_uid); given back when the charge goes.
+  class PayloadCharge {
+   public:
+    PayloadCharge() = default;
+    PayloadCharge(const PayloadCharge&) = delete;
+    PayloadCharge& operator=(const PayloadCharge&) = delete;
+    ~PayloadCharge() {
+      if (d_ == nullptr) return;
+      std::lock_guard<std::mutex> lock(d_->mu);
+      d_->usage[uid_].payload_bytes -= bytes_;
+    }
+    // Charges `bytes` to `uid` unless that passes the bound.
+    Status Take(Impl& d, uid_t uid, uint64_t bytes) {
+      std::lock_guard<std::mutex> lock(d.mu);
+      Impl::Usage& u = d.usage[uid];
+      if (u.payload_bytes + bytes > d.options.max_spec_bytes_per_uid) {
+        return Status::ResourceExhausted(
+            StrCat("uid ", uid, "'s requests hold ", u.payload_bytes,
+                   " bytes of job specs in ztierd; this one needs ", bytes,
+                   " more, past the quota of ", d.options.max_spec_bytes_per_uid,
+                   " (daemon max_spec_bytes_per_uid)"));
+      }
+      u.payload_bytes += bytes;
+      d_ = &d;
+      uid_ = uid;
+      bytes_ = bytes;
+      return Status::Ok();
+    }
+
+   private:
+    Impl* d_ = nullptr;
+    uid_t uid_ = 0;
+    uint64_t bytes_ = 0;
+  };
+
+  // A request's payload: in its datagram, or in the memfd it carries (then
+  // charged to the uid through `charge`, for as long as the caller keeps it:
+  // the bytes and their decoded form, twice the memfd's size).
+  Result<std::string> Payload(Request& req, PayloadCharge* charge) {
     if ((req.header.flags & p::kFlagMemfd) != 0) {
+      struct stat st {};
+      if (::fstat(req.fds[0].get(), &st) != 0) return PosixError("fstat of the payload memfd", errno);
+      const uint64_t size = std::min<uint64_t>(static_cast<uint64_t>(std::max<off_t>(st.st_size, 0)),
+                                               p::kMaxMemfdPayloadBytes);
+      ZT_RETURN_IF_ERROR(charge->Take(d_, peer_.uid, 2 * size));
       return ReadPayloadMemfd(req.fds[0].get(), p::kMaxMemfdPayloadBytes);
     }
     return std::move(req.payload);
   }
 
   Result<std::string> OnRegister(Request& req) {
-    ZT_ASSIGN_OR_RETURN(std::string spec_bytes, Payload(req));
+    PayloadCharge charge;
+    ZT_ASSIGN_OR_RETURN(std::string spec_bytes, Payload(req, &charge));
     ZT_ASSIGN_OR_RETURN(JobSpec spec, p::DecodeJobSpec(spec_bytes));
     const std::string name = spec.name;
     // A job of that name that its clients left (parked) gives way: a run
@@ -1141,8 +1224,10 @@ class Daemon::Impl::Connection {
   // A rank in another process joins a job of its uid, waiting up to the
   // request's timeout for the job to be registered.
   Result<std::string> OnAttach(Request& req) {
-    ZT_ASSIGN_OR_RETURN(std::string bytes, Payload(req));
+    PayloadCharge charge;
+    ZT_ASSIGN_OR_RETURN(std::string bytes, Payload(req, &charge));
     ZT_ASSIGN_OR_RETURN(p::AttachRequest a, p::DecodeAttachRequest(bytes));
+    bytes = std::string();  // the decoded spec is what the wait keeps
     const std::string& name = a.spec.name;
     const auto deadline = Clock::now() + a.timeout;
     std::shared_ptr<Impl::Job> job;
@@ -1532,7 +1617,8 @@ Result<std::unique_ptr<Daemon>> Daemon::Create(const Settings& settings,
                                                const DaemonOptions& options,
                                                std::shared_ptr<nvme::IoBackend> io_backend) {
   if (options.max_connections_per_uid < 1 || options.max_jobs_per_uid < 1 ||
-      options.max_requests_in_flight < 1) {
+      options.max_requests_in_flight < 1 || options.max_requests_in_flight_per_uid < 1 ||
+      options.max_spec_bytes_per_uid < 1) {
     return Status::InvalidArgument("ztierd quotas must be at least 1");
   }
   if (options.job_grace_period.count() < 0) {
@@ -1632,7 +1718,22 @@ Status Daemon::Serve(SeqPacketListener& listener) {
       std::lock_guard<std::mutex> lock(d.mu);
       d.live.push_back(std::move(conn));
     }
-    c->Start();
+    try {
+      c->Start();
+    } catch (const std::system_error& e) {
+      // No thread to be had (the task limit): this client's connection
+      // closes at once; ztierd and everyone else's go on.
+      ZT_LOG(kWarn, "ztierd") << "closed the connection of pid " << peer->pid
+                              << " at once: no thread for it: " << e.what();
+      d.refused.fetch_add(1);
+      std::lock_guard<std::mutex> lock(d.mu);
+      if (refuse.ok()) {
+        --d.usage[peer->uid].connections;
+        --d.connections;
+      }
+      d.live.remove_if([c](const std::unique_ptr<Impl::Connection>& x) { return x.get() == c; });
+      d.all_closed.notify_all();
+    }
   }
   d.stopping.store(true);
   std::unique_lock<std::mutex> lock(d.mu);

@@ -76,6 +76,13 @@ struct DaemonOptions {
   uint64_t max_nvme_bytes_per_uid = 0;
   // Requests one connection may have blocked in the daemon at once.
   int max_requests_in_flight = 256;
+  // What one uid's requests may hold at once across all its connections:
+  // requests in flight (each blocked one holds a thread), and bytes of job
+  // specs sent in memfds (counted twice: the bytes and their decoded form),
+  // so that one user cannot take the threads or the memory every user's
+  // jobs need. Past either a request is refused (ResourceExhausted).
+  int max_requests_in_flight_per_uid = 1024;
+  uint64_t max_spec_bytes_per_uid = uint64_t{1} << 30;
   // How long a job whose last client's connection closed (without
   // unregistering it) is kept, so that a restarted rank may attach to it
   // again; then it is freed. 0: freed at once. A registration of the same

@@ -536,6 +536,97 @@ TEST_F(DaemonTest, ALargeJobSpecTravelsInAMemfd) {
   for (int k = 0; k < 64; ++k) EXPECT_EQ(master[k], w[k]);
 }
 
+// One uid cannot take every thread of the daemon: its requests in flight
+// across all its connections are bounded (each blocked one holds a thread;
+// a user's flood of waits made ztierd start threads until it aborted). The
+// refusal names the quota, and the uid's requests go through again once
+// the others end.
+TEST_F(DaemonTest, OneUidsRequestsInFlightOnAllItsConnectionsAreBounded) {
+  engine::DaemonOptions o;
+  o.max_requests_in_flight = 2;
+  o.max_requests_in_flight_per_uid = 4;
+  Start(o);
+  const auto attach = [](std::chrono::milliseconds timeout) {
+    return p::Encode(p::AttachRequest{.rank = 0, .timeout = timeout, .spec = TwoUnits("nobody")});
+  };
+  // Two connections, two waits each, for a job nobody registers.
+  std::vector<RawClient> waiting;
+  for (int c = 0; c < 2; ++c) {
+    waiting.push_back(RawClient::Connect(socket()));
+    for (int k = 0; k < 2; ++k) {
+      ASSERT_TRUE(waiting.back().Send(p::MessageType::kAttachJob, attach(4s)).ok());
+    }
+  }
+  // Once the four are in, a fifth on a third connection is refused at once.
+  RawClient third = RawClient::Connect(socket());
+  Status refused;
+  const auto deadline = std::chrono::steady_clock::now() + 3s;
+  while (refused.ok() && std::chrono::steady_clock::now() < deadline) {
+    Result<RawClient::Reply> r = third.Call(p::MessageType::kAttachJob, attach(10ms));
+    ASSERT_TRUE(r.ok()) << r.status();
+    if (r->status.code() == StatusCode::kResourceExhausted) {
+      refused = r->status;
+    } else {
+      EXPECT_EQ(r->status.code(), StatusCode::kNotFound) << r->status;
+    }
+  }
+  EXPECT_EQ(refused.code(), StatusCode::kResourceExhausted) << refused;
+  EXPECT_NE(refused.message().find("max_requests_in_flight_per_uid"), std::string::npos)
+      << refused;
+  for (RawClient& c : waiting) {
+    for (int k = 0; k < 2; ++k) {
+      Result<RawClient::Reply> r = c.Receive(10s);
+      ASSERT_TRUE(r.ok()) << r.status();
+      EXPECT_EQ(r->status.code(), StatusCode::kNotFound) << r->status;
+    }
+  }
+  Result<RawClient::Reply> again = third.Call(p::MessageType::kAttachJob, attach(10ms));
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->status.code(), StatusCode::kNotFound) << again->status;
+}
+
+// Nor all its memory: the job specs one uid's requests hold (an attach
+// keeps its spec while it waits, up to a day; a user's large specs took
+// ztierd's memory without bound) are bounded, and given back as each ends.
+TEST_F(DaemonTest, TheJobSpecsOneUidsRequestsHoldAreBounded) {
+  engine::JobSpec spec;
+  spec.name = "large-spec";
+  for (int u = 0; u < 600; ++u) {
+    spec.units.push_back({.name = StrCat("layer.", u, std::string(100, 'x')),
+                          .tensors = {{.name = StrCat("w", u), .shape = {64}}}});
+  }
+  spec.ranks = 2;
+  const uint64_t bytes = p::Encode(spec).size();
+  ASSERT_GT(bytes, p::kMaxMessageBytes);  // it travels in a memfd
+  engine::DaemonOptions o;
+  o.max_spec_bytes_per_uid = 3 * bytes;  // one waiting attach holds about 2x
+  Start(o);
+  SessionOptions so;
+  so.daemon_socket = socket();
+  Result<std::unique_ptr<Session>> s1 = Session::Open(so);
+  Result<std::unique_ptr<Session>> s2 = Session::Open(so);
+  ASSERT_TRUE(s1.ok() && s2.ok());
+  Status first;
+  std::thread waiter([&] { first = (*s1)->AttachModel(ModelOf(spec), 1, 3s).status(); });
+  Status refused;
+  const auto deadline = std::chrono::steady_clock::now() + 2500ms;
+  while (refused.ok() && std::chrono::steady_clock::now() < deadline) {
+    Status st = (*s2)->AttachModel(ModelOf(spec), 1, 10ms).status();
+    if (st.code() == StatusCode::kResourceExhausted) {
+      refused = st;
+    } else {
+      EXPECT_EQ(st.code(), StatusCode::kNotFound) << st;
+    }
+  }
+  waiter.join();
+  EXPECT_EQ(refused.code(), StatusCode::kResourceExhausted) << refused;
+  EXPECT_NE(refused.message().find("max_spec_bytes_per_uid"), std::string::npos) << refused;
+  EXPECT_EQ(first.code(), StatusCode::kNotFound) << first;
+  // Every charge was given back: the same spec registers.
+  Result<std::unique_ptr<Model>> m = (*s2)->RegisterModel(ModelOf(spec));
+  EXPECT_TRUE(m.ok()) << m.status();
+}
+
 // Learning rates through ztierd: the rank that registered the job and an
 // attached one may both set them (for the whole job); a connection without
 // the job may not; a rank whose model puts a tensor in another param group,
