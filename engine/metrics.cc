@@ -17,6 +17,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
+#include <vector>
 
 #include "common/log.h"
 
@@ -26,6 +28,7 @@ namespace {
 constexpr size_t kMaxRequestBytes = 8192;
 constexpr auto kRequestTimeout = std::chrono::seconds(2);
 constexpr auto kSendTimeout = std::chrono::seconds(5);
+constexpr size_t kMaxPending = 64;
 
 // Sends all of `data` (MSG_NOSIGNAL: a client gone is EPIPE, not SIGPIPE).
 bool SendAll(int fd, std::string_view data) {
@@ -181,7 +184,13 @@ MetricsServer::MetricsServer(UniqueFd fd, std::string address, std::string unix_
 
 MetricsServer::~MetricsServer() {
   Stop();
-  if (!unix_path_.empty()) ::unlink(unix_path_.c_str());
+  // The socket file, if it is still the one this server bound (another
+  // server may have replaced it since).
+  struct stat st{};
+  if (!unix_path_.empty() && ::lstat(unix_path_.c_str(), &st) == 0 &&
+      std::pair(st.st_dev, st.st_ino) == unix_inode_) {
+    ::unlink(unix_path_.c_str());
+  }
 }
 
 Result<std::unique_ptr<MetricsServer>> MetricsServer::Listen(std::string_view address) {
@@ -201,22 +210,33 @@ Result<std::unique_ptr<MetricsServer>> MetricsServer::Listen(std::string_view ad
     std::memcpy(sa.sun_path, path.data(), path.size());
     UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
     if (!fd.valid()) return PosixError("socket(AF_UNIX) for the metrics", errno);
-    // A socket file a previous run left (nobody listens on it) is replaced.
+    // A socket file a previous run left (nobody listens on it) is replaced;
+    // one that a live server answers on is not taken over.
     struct stat st{};
     if (::lstat(path.c_str(), &st) == 0) {
       if (!S_ISSOCK(st.st_mode)) return bad("something other than a socket is there");
+      UniqueFd probe(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+      if (probe.valid() &&
+          ::connect(probe.get(), reinterpret_cast<const sockaddr*>(&sa), sizeof(sa)) == 0) {
+        return Status(StatusCode::kUnavailable,
+                      StrCat("metrics socket ", path,
+                             " is in use: a server (another ztierd?) answers there"));
+      }
       ::unlink(path.c_str());
     }
     if (::bind(fd.get(), reinterpret_cast<const sockaddr*>(&sa), sizeof(sa)) != 0) {
       return PosixError(StrCat("bind the metrics socket ", path), errno);
     }
-    if (::chmod(path.c_str(), 0660) != 0 || ::listen(fd.get(), 16) != 0) {
+    if (::chmod(path.c_str(), 0660) != 0 || ::listen(fd.get(), 16) != 0 ||
+        ::lstat(path.c_str(), &st) != 0) {
       const int err = errno;
       ::unlink(path.c_str());
       return PosixError(StrCat("listen on the metrics socket ", path), err);
     }
-    return std::unique_ptr<MetricsServer>(
+    auto server = std::unique_ptr<MetricsServer>(
         new MetricsServer(std::move(fd), StrCat("unix:", path), path));
+    server->unix_inode_ = {st.st_dev, st.st_ino};
+    return server;
   }
   const size_t colon = address.rfind(':');
   if (colon == std::string_view::npos || colon == 0) return bad("no port");
@@ -277,10 +297,50 @@ void MetricsServer::Stop() {
 }
 
 void MetricsServer::Run() {
+  // Connections whose request head is still coming in, read side by side:
+  // a client that connects and says nothing (or trickles) holds up nobody
+  // else's scrape. At most kMaxPending at once (the oldest goes first);
+  // each has kRequestTimeout for its head.
+  struct Pending {
+    UniqueFd fd;
+    std::string req;
+    std::chrono::steady_clock::time_point deadline;
+  };
+  std::deque<Pending> pending;
+  std::vector<pollfd> pfds;
   while (!stop_.load()) {
-    pollfd pfd{.fd = listen_fd_.get(), .events = POLLIN, .revents = 0};
-    const int n = ::poll(&pfd, 1, 200);
-    if (n <= 0) continue;
+    pfds.assign(1, pollfd{.fd = listen_fd_.get(), .events = POLLIN, .revents = 0});
+    for (const Pending& p : pending) pfds.push_back({.fd = p.fd.get(), .events = POLLIN, .revents = 0});
+    if (::poll(pfds.data(), pfds.size(), 200) < 0 && errno != EINTR) {
+      ZT_LOG(kWarn, "ztierd") << "metrics: poll: " << std::strerror(errno);
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      continue;
+    }
+    const auto now = std::chrono::steady_clock::now();
+    std::deque<Pending> still;
+    for (size_t i = 0; i < pending.size(); ++i) {
+      Pending& p = pending[i];
+      if ((pfds[i + 1].revents & (POLLIN | POLLHUP | POLLERR)) != 0) {
+        char buf[2048];
+        const ssize_t n =
+            ::recv(p.fd.get(), buf, std::min(sizeof(buf), kMaxRequestBytes - p.req.size()), 0);
+        if (n < 0 && (errno == EINTR || errno == EAGAIN)) {
+          still.push_back(std::move(p));
+          continue;
+        }
+        if (n <= 0) continue;  // gone: closed with `p`
+        p.req.append(buf, static_cast<size_t>(n));
+        const bool complete = p.req.find("\r\n\r\n") != std::string::npos ||
+                              p.req.find("\n\n") != std::string::npos;
+        if (complete || p.req.size() >= kMaxRequestBytes) {
+          Answer(p.fd.get(), p.req);
+          continue;
+        }
+      }
+      if (now < p.deadline) still.push_back(std::move(p));
+    }
+    pending.swap(still);
+    if ((pfds[0].revents & POLLIN) == 0) continue;
     const int c = ::accept4(listen_fd_.get(), nullptr, nullptr, SOCK_CLOEXEC);
     if (c < 0) {
       if (errno != EAGAIN && errno != EINTR && errno != ECONNABORTED) {
@@ -289,35 +349,20 @@ void MetricsServer::Run() {
       }
       continue;
     }
-    UniqueFd conn(c);
-    Answer(conn.get());
+    if (pending.size() >= kMaxPending) pending.pop_front();
+    pending.push_back({.fd = UniqueFd(c), .req = {}, .deadline = now + kRequestTimeout});
   }
 }
 
-void MetricsServer::Answer(int fd) {
+void MetricsServer::Answer(int fd, std::string_view req) {
   SetTimeout(fd, SO_SNDTIMEO, kSendTimeout);
-  // The request head, within kRequestTimeout in all.
-  std::string req;
-  const auto deadline = std::chrono::steady_clock::now() + kRequestTimeout;
-  while (req.find("\r\n\r\n") == std::string::npos && req.find("\n\n") == std::string::npos) {
-    if (req.size() >= kMaxRequestBytes) {
-      (void)SendAll(fd, Response("431 Request Header Fields Too Large", "text/plain",
-                                 "request too large\n", false));
-      return;
-    }
-    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
-        deadline - std::chrono::steady_clock::now());
-    if (left.count() <= 0) return;
-    pollfd pfd{.fd = fd, .events = POLLIN, .revents = 0};
-    if (::poll(&pfd, 1, static_cast<int>(left.count())) <= 0) return;
-    char buf[2048];
-    const ssize_t n = ::recv(fd, buf, std::min(sizeof(buf), kMaxRequestBytes - req.size()), 0);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) return;
-    req.append(buf, static_cast<size_t>(n));
+  if (req.find("\r\n\r\n") == std::string_view::npos && req.find("\n\n") == std::string_view::npos) {
+    (void)SendAll(fd, Response("431 Request Header Fields Too Large", "text/plain",
+                               "request too large\n", false));
+    return;
   }
   // "METHOD SP TARGET SP HTTP/x.y"
-  const std::string_view line = std::string_view(req).substr(0, req.find_first_of("\r\n"));
+  const std::string_view line = req.substr(0, req.find_first_of("\r\n"));
   const size_t sp1 = line.find(' ');
   const size_t sp2 = sp1 == std::string_view::npos ? sp1 : line.find(' ', sp1 + 1);
   if (sp2 == std::string_view::npos || !line.substr(sp2 + 1).starts_with("HTTP/")) {

@@ -22,6 +22,8 @@
 #ifndef ZTIER_ENGINE_METRICS_H_
 #define ZTIER_ENGINE_METRICS_H_
 
+#include <sys/types.h>
+
 #include <atomic>
 #include <cstdint>
 #include <functional>
@@ -72,9 +74,10 @@ class MetricsServer {
  public:
   // Binds and listens on `address`: "HOST:PORT" (an IPv4 address, or an
   // IPv6 one in brackets; port 0 picks a free one, see address()), or
-  // "unix:PATH" (a stale socket file there is replaced; mode 0660).
-  // Errors: InvalidArgument (the address), PosixError (socket, bind,
-  // listen: e.g. the port is taken).
+  // "unix:PATH" (a stale socket file there is replaced, a live one is
+  // not; mode 0660). Errors: InvalidArgument (the address), Unavailable (a
+  // server answers on PATH), PosixError (socket, bind, listen: e.g. the
+  // port is taken).
   static Result<std::unique_ptr<MetricsServer>> Listen(std::string_view address);
   // Serves on a listening stream socket someone else made (systemd's);
   // takes ownership. Errors: InvalidArgument (not a listening stream socket).
@@ -94,11 +97,13 @@ class MetricsServer {
  private:
   MetricsServer(UniqueFd fd, std::string address, std::string unix_path);
   void Run();
-  void Answer(int fd);
+  // Answers the request `req` (its head, or kMaxRequestBytes of it) on fd.
+  void Answer(int fd, std::string_view req);
 
   UniqueFd listen_fd_;
   std::string address_;
   std::string unix_path_;  // removed on destruction when we bound it
+  std::pair<dev_t, ino_t> unix_inode_{};  // of the socket file we bound
   std::function<std::string()> render_;
   std::atomic<bool> stop_{false};
   std::atomic<uint64_t> scrapes_{0};

@@ -276,6 +276,7 @@ int Run(const Flags& f) {
                         : engine::MetricsServer::Listen(f.metrics);
     if (!m.ok()) {
       std::fprintf(stderr, "ztierd: %s\n", m.status().ToString().c_str());
+      (void)listener->Close();  // the control socket goes too
       return m.status().code() == StatusCode::kInvalidArgument ? 2 : 1;
     }
     metrics = *std::move(m);

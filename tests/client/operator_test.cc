@@ -682,6 +682,53 @@ TEST(MetricsTest, AScrapeOfARunningDaemonIsValidExposition) {
   std::filesystem::remove_all(sock_dir);
 }
 
+// Clients that connect to the metrics listener and say nothing hold up
+// nobody's scrape (it answered one connection at a time, each given 2 s for
+// its request: five idle clients outlasted Prometheus' 10 s scrape
+// timeout). A second ztierd does not take over a live metrics socket (it
+// deleted the first one's), nor leave its control socket behind when it
+// fails to listen.
+TEST(MetricsTest, IdleClientsHoldUpNoScrapeAndALiveSocketIsNotTakenOver) {
+  std::string sock_dir = "/tmp/ztier-metrics-XXXXXX";
+  ASSERT_NE(::mkdtemp(sock_dir.data()), nullptr);
+  const std::string metrics = sock_dir + "/m.sock";
+  ZtierdProcess d(ZTIERD_BINARY, {"--metrics", "unix:" + metrics});
+  const std::string address = MetricsAddress(d);
+  ASSERT_FALSE(address.empty()) << d.log();
+  std::vector<UniqueFd> idle;
+  for (int k = 0; k < 10; ++k) {
+    UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    sockaddr_un sa{};
+    sa.sun_family = AF_UNIX;
+    std::memcpy(sa.sun_path, metrics.data(), metrics.size());
+    ASSERT_EQ(::connect(fd.get(), reinterpret_cast<sockaddr*>(&sa), sizeof(sa)), 0);
+    idle.push_back(std::move(fd));
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  Result<std::string> r = Http(address, "GET /metrics HTTP/1.1\r\n\r\n");
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_TRUE(r->starts_with("HTTP/1.1 200")) << *r;
+  // One at a time, 10 idle clients held it up 20 s.
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 10s);
+
+  ScratchDir dir("metrics-second");
+  const std::string second = dir.path() + "/d2.sock";
+  const std::string out = dir.path() + "/out.txt";
+  const int st = std::system(StrCat("timeout -s KILL 30 ", ZTIERD_BINARY, " --socket ", second,
+                                    " --metrics unix:", metrics, " >", out, " 2>&1")
+                                 .c_str());
+  std::ifstream in(out);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  EXPECT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 1) << ss.str();
+  EXPECT_NE(ss.str().find("is in use"), std::string::npos) << ss.str();
+  EXPECT_FALSE(std::filesystem::exists(second)) << "the control socket was left behind";
+  r = Http(address, "GET /metrics HTTP/1.1\r\n\r\n");
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_TRUE(r->starts_with("HTTP/1.1 200")) << *r;
+  std::filesystem::remove_all(sock_dir);
+}
+
 // ztierd under socket activation with both of ztierd.service's sockets
 // (LISTEN_FDS=2, LISTEN_FDNAMES=control:metrics), as systemd starts it.
 TEST(MetricsTest, ZtierdServesTheMetricsSocketSystemdPasses) {
