@@ -147,8 +147,15 @@ struct Job {
   // another process reads it there without asking (Engine::PublishedSteps).
   DramBlock step_page;
   // The client page (wire_types.h kClientCounterWords per rank), in the
-  // inbox region: each rank's runner adds its device traffic there.
+  // inbox region: each rank's runner adds its device traffic there. The
+  // client may write anything there; what the engine counts is `seen`
+  // (under the engine's mu): per rank and word, the largest value read so
+  // far, never less, and never more than a link could have moved since
+  // the job was registered (`registered`), so a client's bad words cannot
+  // make the totals of the engine (every user's) go back or jump.
   DramBlock client_page;
+  std::vector<uint64_t> seen;
+  std::chrono::steady_clock::time_point registered = std::chrono::steady_clock::now();
   std::unique_ptr<StateRing> ring;      // optimizer tier nvme only
   std::unique_ptr<ParamCache> params;   // param tier nvme only
   std::atomic<uint64_t> compute_ns{0};  // in cpu_adam::Step

@@ -490,6 +490,31 @@ TEST(EngineJobsTest, TargetStepCountsOnlyAStepThatWillHappen) {
   EXPECT_EQ(engine->TargetStep(12345), -1);
 }
 
+// The client page is the client's to write: a word that goes back, or
+// jumps past what any link could move, never reaches the engine's totals
+// (every user's, in the metrics), while the job runs or after it is gone.
+TEST(EngineJobsTest, BadClientCounterWordsNeverReachTheTotals) {
+  auto engine = MakeEngine(uint64_t{64} << 20);
+  Result<int> a = engine->RegisterJob(SmallModel("a", 2, 0.0f, 1, StepMode::kExact));
+  ASSERT_TRUE(a.ok());
+  Result<uint64_t*> rank1 = engine->ClientCounters(*a, 1);
+  ASSERT_TRUE(rank1.ok()) << rank1.status();
+  uint64_t& h2d = (*rank1)[kHostToDeviceBytes];
+  const auto total = [&] { return engine->totals().bytes.host_to_device; };
+  h2d = 1000;
+  EXPECT_EQ(total(), 1000u);
+  h2d = ~uint64_t{0} - 5;  // would make the sum wrap, and go back
+  EXPECT_EQ(total(), 1000u);
+  h2d = 500;  // back
+  EXPECT_EQ(total(), 1000u);
+  EXPECT_EQ(engine->counters(*a).host_to_device_bytes, 1000u);
+  h2d = 4000;
+  EXPECT_EQ(total(), 4000u);
+  h2d = ~uint64_t{0};
+  ASSERT_TRUE(engine->UnregisterJob(*a).ok());
+  EXPECT_EQ(total(), 4000u);
+}
+
 TEST(EngineJobsTest, BudgetsValidationAndUnregister) {
   auto engine = MakeEngine(uint64_t{64} << 20);
   Result<int> a = engine->RegisterJob(SmallModel("a", 1, 0.0f, 1, StepMode::kExact));
