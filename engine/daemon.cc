@@ -791,11 +791,20 @@ class Daemon::Impl::Connection {
       }
       e = it->second;
     }
-    if (e.job->evicted.load()) {
-      return Status::Aborted(StrCat("job '", e.name, "' was evicted by an operator of ztierd (",
-                                    e.job->evicted_why, "); resume from a checkpoint"));
-    }
+    if (e.job->evicted.load()) return Evicted(e);
     return e;
+  }
+
+  // What a request on an evicted job is told: who evicted it and why.
+  static Status Evicted(const JobEntry& e) {
+    return Status::Aborted(StrCat("job '", e.name, "' was evicted by an operator of ztierd (",
+                                  e.job->evicted_why, "); resume from a checkpoint"));
+  }
+  // A wait's failure, or the eviction that ended it (the engine's own
+  // words for a job freed under a wait name none of that).
+  static Status UnlessEvicted(const JobEntry& e, Status s) {
+    if (!s.ok() && e.job->evicted.load()) return Evicted(e);
+    return s;
   }
 
   // The operator's calls: refused (PermissionDenied) for others.
@@ -937,9 +946,10 @@ class Daemon::Impl::Connection {
       case p::MessageType::kWaitPublished: {
         ZT_ASSIGN_OR_RETURN(p::StepWait w, p::DecodeStepWait(in));
         ZT_ASSIGN_OR_RETURN(JobEntry j, FindJob(w.job));
-        ZT_RETURN_IF_ERROR(Sliced(w.timeout, [&](std::chrono::milliseconds slice) {
-          return d_.engine->WaitPublished(j.engine_job, w.unit, w.step, slice);
-        }));
+        ZT_RETURN_IF_ERROR(
+            UnlessEvicted(j, Sliced(w.timeout, [&](std::chrono::milliseconds slice) {
+                            return d_.engine->WaitPublished(j.engine_job, w.unit, w.step, slice);
+                          })));
         return std::string();
       }
       case p::MessageType::kPublishedStep: {
@@ -1364,9 +1374,11 @@ class Daemon::Impl::Connection {
     ZT_ASSIGN_OR_RETURN(p::StepWait w, p::DecodeStepWait(in));
     ZT_ASSIGN_OR_RETURN(JobEntry j, FindJob(w.job));
     ZT_ASSIGN_OR_RETURN(UnitLayout l, d_.engine->Layout(j.engine_job, w.unit));
-    ZT_ASSIGN_OR_RETURN(const bf16* params, Sliced(w.timeout, [&](std::chrono::milliseconds slice) {
-                          return d_.engine->AcquireParams(j.engine_job, w.unit, w.step, slice);
-                        }));
+    Result<const bf16*> acquired = Sliced(w.timeout, [&](std::chrono::milliseconds slice) {
+      return d_.engine->AcquireParams(j.engine_job, w.unit, w.step, slice);
+    });
+    ZT_RETURN_IF_ERROR(UnlessEvicted(j, acquired.status()));
+    const bf16* params = *acquired;
     Result<SharedBuffer> b = d_.engine->Locate(j.engine_job, params, l.padded * sizeof(bf16));
     if (!b.ok()) {
       (void)d_.engine->ReleaseParams(j.engine_job, w.unit);

@@ -329,7 +329,15 @@ TEST(OperatorTest, DrainRefusesNewJobsAndEvictFreesAJobAndTellsItsClient) {
   }
   ASSERT_GE(victim_id, 0);
   const uint64_t held = (*c)->GetQuota(::geteuid())->dram_bytes;
+  // A wait in progress is told why too (it heard the engine's "job N was
+  // unregistered").
+  Status waited;
+  std::thread waiter([&] { waited = (*victim)->WaitPublished(1, 30s); });
+  std::this_thread::sleep_for(300ms);
   ASSERT_TRUE((*c)->Evict(victim_id, "the node goes down for maintenance").ok());
+  waiter.join();
+  EXPECT_EQ(waited.code(), StatusCode::kAborted) << waited;
+  EXPECT_NE(waited.message().find("maintenance"), std::string::npos) << waited;
   // Its client is told why, on its next call.
   std::vector<float> w(4096, 0.0f);
   Status after = (*victim)->SetWeights(0, w.data(), w.size());
