@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import numbers
 import os
 import uuid
@@ -82,6 +83,21 @@ class AdamW:
     no_decay: Sequence[str] = ()
     bias_correction: bool = True
     mode: str = "adamw"  # or "adam" (L2 decay)
+
+    def __post_init__(self):
+        # One pattern given as a string is that pattern, not its letters
+        # (which nearly every name contains: nothing would be decayed).
+        if isinstance(self.no_decay, str):
+            self.no_decay = (self.no_decay,)
+        self.no_decay = tuple(self.no_decay)
+        if not all(isinstance(s, str) for s in self.no_decay):
+            raise TypeError(f"ztier: AdamW no_decay takes name substrings, got {self.no_decay!r}")
+        betas = tuple(self.betas) if isinstance(self.betas, (tuple, list)) else ()
+        if len(betas) != 2 or not all(isinstance(b, numbers.Real) for b in betas):
+            raise ValueError(f"ztier: AdamW betas must be two numbers, got {self.betas!r}")
+        self.betas = (float(betas[0]), float(betas[1]))
+        if self.mode not in ("adamw", "adam"):
+            raise ValueError(f"ztier: AdamW mode must be 'adamw' or 'adam', got {self.mode!r}")
 
 
 class _Optimizer(torch.optim.Optimizer):
@@ -288,6 +304,25 @@ class Offload:
                 raise ValueError("ztier: this model was offloaded before, and its parameters are "
                                  "the placeholders that Offload left (NaN): offload a fresh model "
                                  "(then load_checkpoint to go on from a checkpoint)")
+        # A part of an offloaded model, or a model holding an offloaded part:
+        # the parameters are another Offload's (or the placeholders it left).
+        for pname, p in model.named_parameters():
+            ref = getattr(p, "_ztier_owner", None)
+            if ref is None:
+                continue
+            other = ref()
+            if other is not None and other.job is not None:
+                t = other._tensor_of.get(id(p))
+                if t is not None and t.param is p:
+                    raise ValueError(
+                        f"ztier: parameter '{pname}' is already offloaded, by the Offload of a "
+                        f"{type(other.module).__name__} (a model holding this one, or held by "
+                        "it): one Offload per parameter; offload the whole model once")
+            elif weights is None and p.dim() > 0 and all(st == 0 for st in p.stride()):
+                raise ValueError(
+                    f"ztier: parameter '{pname}' was offloaded before, and holds the placeholder "
+                    "that Offload left (NaN): offload a fresh model (then load_checkpoint to go "
+                    "on from a checkpoint)")
         self.module = model
         self.device = _parse_device(device)
         # The params' dtype in the module: bf16 on a GPU; fp32 on the host,
@@ -409,6 +444,9 @@ class Offload:
         self._install_hooks(model)
         self.optimizer = _Optimizer(self, groups)
         model._ztier_offload = weakref.ref(self)
+        for u in self.units:
+            for t in u.tensors:
+                t.param._ztier_owner = weakref.ref(self)
         # Forward passes of hooked modules run again inside backward
         # (activation checkpointing's recompute).
         self.recomputes = 0
@@ -714,6 +752,8 @@ class Offload:
                 f"ztier: a training forward after {self._micro} backward passes, but "
                 f"grad_accumulation={self.grad_accumulation}: call optimizer.step() first")
         self._training_forward = torch.is_grad_enabled()
+        if self._training_forward:
+            self._check_frozen_set()
         if self._training_forward and self._phase == "idle":
             # The calls of the forward before (its backward done, or its
             # graph dropped) are over.
@@ -723,6 +763,21 @@ class Offload:
         # different orders: the runner keeps one learned order per kind.
         self.runner.set_order(_TRAIN if training else _EVAL)
         self._phase = "forward"
+
+    def _check_frozen_set(self):
+        """The engine's frozen tensors and the hooks that send grads are laid
+        out when offloading: a parameter whose requires_grad changed since
+        would be trained anyway (frozen) or never (unfrozen), silently."""
+        for u in self.units:
+            for t in u.tensors:
+                if t.param.requires_grad == t.frozen:
+                    now = "True" if t.param.requires_grad else "False"
+                    raise RuntimeError(
+                        f"ztier: '{t.name}' has requires_grad={now} now, {not t.frozen} when the "
+                        "model was offloaded: the engine's frozen tensors are fixed then (a "
+                        "tensor frozen later would still be updated, one unfrozen never); set "
+                        "requires_grad before zt.offload, or export_safetensors and offload "
+                        "again with weights= (or a fresh model and load_checkpoint)")
 
     def _root_post_forward(self, module, args, output):
         if torch._C._current_graph_task_id() != -1:
@@ -941,10 +996,23 @@ class Offload:
             raise RuntimeError(f"ztier: {what} on a closed Offload (close() let go of the "
                                "engine's job): offload the model again, then load_checkpoint")
 
-    def _between_steps(self, what: str):
+    def _between_steps(self, what: str, reads_only: bool = True):
+        """Refuses `what` unless the engine is between optimizer steps. A
+        finished forward whose graph may never get its backward (an
+        evaluation that kept grad on) leaves nothing pending: reading the
+        state (``reads_only``: save, export, masters) goes on; replacing it
+        (a load) does not, since a backward of that forward would then mix
+        the old weights' activations with the new weights."""
         self._require_open(what)
-        if self._phase != "idle" or self._awaiting_step or self._micro != 0 or any(
-                u.holds for u in self.units):
+        nothing_sent = not self._awaiting_step and self._micro == 0 and not any(
+            u.pushed for u in self.units)
+        if (self._phase == "backward" and nothing_sent
+                and torch._C._current_graph_task_id() == -1):
+            self._reset_interrupted()  # a backward that raised before any grad went out
+        inside = self._phase == "backward" or self._fwd_held or any(u.holds for u in self.units)
+        if not reads_only and self._phase != "idle":
+            inside = True
+        if inside or not nothing_sent:
             raise RuntimeError(f"ztier: {what} between optimizer steps only (after "
                                "optimizer.step(), outside forward and backward)")
         self.wait()
@@ -967,7 +1035,7 @@ class Offload:
 
     def load_checkpoint(self, directory: str):
         """Every rank calls it; rank 0 reads the files into the engine."""
-        self._between_steps("load_checkpoint")
+        self._between_steps("load_checkpoint", reads_only=False)
         self.runner = None  # its version is the old one
         try:
             self._barrier()
@@ -1085,7 +1153,10 @@ def _weak(method):
                 "while the model trains, and close() it when done")
         return m(*args, **kwargs)
 
-    return hook
+    # torch.compile traces around the hooks, never through them: they swap
+    # the parameters' storage, which a compiled graph would bake in.
+    disable = getattr(getattr(torch, "compiler", None), "disable", None)
+    return disable(hook) if disable is not None else hook
 
 
 def _adamw_from(training: dict) -> AdamW:
@@ -1113,6 +1184,9 @@ def _tensors(obj):
             yield from _tensors(o)
     elif hasattr(obj, "to_tuple"):  # Hugging Face ModelOutput
         yield from _tensors(obj.to_tuple())
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            yield from _tensors(getattr(obj, f.name))
 
 
 def offload(model: nn.Module, device="cpu", optimizer: AdamW | None = None,

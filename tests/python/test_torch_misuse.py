@@ -9,6 +9,7 @@ does not take, a closed Offload, a second backward before the step).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import gc
 import json
 import math
@@ -94,10 +95,13 @@ def test_save_and_export_after_an_evaluation_forward(settings, tmp_path):
         model(x)
     z.export_safetensors(str(tmp_path / "m.safetensors"))
     assert set(z.master_weights()) == {"0.weight", "0.bias", "2.weight", "2.bias"}
-    # A training forward still waits for its backward before a save.
+    # After a training forward the state can be read (nothing is pending
+    # in the engine) but not replaced: its backward would mix the old
+    # weights' activations with the loaded weights.
     loss = model(x).pow(2).sum()
+    z.save_checkpoint(str(tmp_path / "b"))
     with pytest.raises(RuntimeError, match="between optimizer steps only"):
-        z.save_checkpoint(str(tmp_path / "b"))
+        z.load_checkpoint(str(tmp_path / "a"))
     loss.backward()
     z.optimizer.step()
     z.save_checkpoint(str(tmp_path / "b"))
@@ -451,4 +455,153 @@ def test_writes_inside_gathered_are_said_to_go_nowhere(settings):
                 model[0].bias.fill_(5.0)
     after = z.master_weights()
     assert all(torch.equal(before[k], after[k]) for k in before)
+    z.close()
+
+
+def test_a_part_of_an_offloaded_model_is_refused_both_ways(settings):
+    # A second Offload of a submodule (or of the model holding an offloaded
+    # part) took the first one's NaN placeholders as its weights.
+    outer = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1)))
+    z = zt.offload(outer, settings=settings)
+    with pytest.raises(ValueError, match="already offloaded"):
+        zt.offload(outer[1], settings=settings)
+    z.close()
+    with pytest.raises(ValueError, match="placeholder"):
+        zt.offload(outer[1], settings=settings)
+    fresh = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1)))
+    inner = zt.offload(fresh[1], settings=settings)
+    with pytest.raises(ValueError, match="already offloaded"):
+        zt.offload(fresh, settings=settings)
+    inner.close()
+
+
+def test_no_decay_as_one_string_and_bad_adamw_arguments(settings):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.Linear(4, 1))
+    z = zt.offload(model, optimizer=zt.AdamW(lr=1e-2, weight_decay=0.1, no_decay="bias"),
+                   settings=settings)
+    groups = {}
+    for g in z.optimizer.param_groups:
+        for p in g["params"]:
+            groups[next(n for n, q in model.named_parameters() if q is p)] = g["weight_decay"]
+    # "bias" was read as its letters: every name has one, nothing was decayed.
+    assert groups == {"0.weight": 0.1, "1.weight": 0.1, "2.weight": 0.1,
+                      "0.bias": 0.0, "1.bias": 0.0, "2.bias": 0.0}
+    z.close()
+    with pytest.raises(ValueError, match="betas"):
+        zt.AdamW(betas=(0.9,))
+    with pytest.raises(ValueError, match="mode"):
+        zt.AdamW(mode="sgd")
+
+
+@pytest.mark.parametrize("change", ["freeze", "unfreeze"])
+def test_requires_grad_changed_after_offload_is_named(settings, change):
+    # A tensor frozen after offloading was still updated (zero grads, its
+    # moments and weight decay), one unfrozen never (no hook sent its grads).
+    model = _mlp()
+    if change == "unfreeze":
+        model[0].weight.requires_grad_(False)
+    z = zt.offload(model, optimizer=zt.AdamW(lr=1e-2, weight_decay=0.1), settings=settings)
+    model[0].weight.requires_grad_(change == "unfreeze")
+    with pytest.raises(RuntimeError, match="'0.weight' has requires_grad"):
+        _train_step(model, z, torch.randn(4, 6))
+    model[0].weight.requires_grad_(change == "freeze")
+    _train_step(model, z, torch.randn(4, 6))  # as offloaded: trains on
+    with torch.no_grad():  # an evaluation forward reads the flags not
+        model[0].weight.requires_grad_(change == "unfreeze")
+        model(torch.randn(2, 6))
+    z.close()
+
+
+@dataclasses.dataclass
+class _Out:
+    h: torch.Tensor
+
+
+class _DataclassBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return _Out(torch.tanh(self.lin(x)))
+
+
+class _DataclassModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(_DataclassBlock() for _ in range(3))
+        self.out = nn.Linear(8, 1)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x).h
+        return self.out(x)
+
+
+def test_blocks_returning_a_dataclass_give_torchs_grads(settings):
+    # The blocks' outputs got no backward hook: their units were not held
+    # when their backward ran (setStorage ... out of bounds).
+    torch.manual_seed(0)
+    model = _DataclassModel()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.bfloat16().float())
+    ref = copy.deepcopy(model)
+    x = torch.randn(4, 8)
+    ref(x).pow(2).sum().backward()
+    want = math.sqrt(sum(float((p.grad.double() ** 2).sum()) for p in ref.parameters()))
+    z = zt.offload(model, settings=settings)
+    model(x).pow(2).sum().backward()
+    z.optimizer.step()
+    assert z.grad_norm() == pytest.approx(want, rel=4e-3)
+    z.close()
+
+
+def test_save_after_a_forward_whose_graph_is_dropped(settings, tmp_path):
+    # A validation forward with grad on (no torch.no_grad) left the model
+    # "inside a forward": save, export and master_weights were refused
+    # until some no_grad forward ran.
+    model = _mlp()
+    z = zt.offload(model, settings=settings)
+    _train_step(model, z, torch.randn(4, 6))
+    model(torch.randn(4, 6)).sum().detach()  # the graph is dropped at once
+    z.save_checkpoint(str(tmp_path / "ck"))
+    assert "0.weight" in z.master_weights()
+    _train_step(model, z, torch.randn(4, 6))  # and training goes on
+    assert z.step_count == 2
+    z.close()
+
+
+def test_torch_compile_with_its_default_backend(settings):
+    # Inductor traced into the hooks and baked the parameters' placeholders
+    # (stride 0) into its graph: an assertion on the strides.
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+            self.out = nn.Linear(8, 1)
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = torch.tanh(layer(x))
+            return self.out(x)
+
+    torch.manual_seed(0)
+    model = Net()
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    z = zt.offload(model, optimizer=zt.AdamW(lr=1e-2), settings=settings)
+    compiled = torch.compile(model)
+    for step in range(2):
+        x = torch.randn(4, 8)
+        loss = compiled(x).pow(2).sum()
+        loss.backward()
+        z.optimizer.step()
+        want = ref(x).pow(2).sum()
+        want.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        # bf16 params in the forward
+        assert float(loss) == pytest.approx(float(want), rel=2e-2, abs=1e-3), step
     z.close()
