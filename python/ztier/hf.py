@@ -73,6 +73,16 @@ def load_weights(z, path: str):
                                      f"{tuple(value.shape)}, the model's is {t.shape}")
                 flat[t.offset:t.offset + t.numel] = value.reshape(-1).float()
             z.job.set_weights(u.index, flat)
+        # Persistent buffers (running statistics) the file holds.
+        found = {}
+        for name in z.persistent_buffers():
+            if name in files:
+                file = files[name]
+                if file not in handles:
+                    handles[file] = safe_open(file, framework="pt").__enter__()
+                found[name] = handles[file].get_tensor(name)
+        if found:
+            z._set_buffers(found, os.fspath(path))
     finally:
         for h in handles.values():
             h.__exit__(None, None, None)

@@ -1025,12 +1025,50 @@ class Offload:
         if self.rank == 0:
             self.job.claim_checkpoint_dir(os.fspath(directory))
 
+    def persistent_buffers(self) -> dict[str, torch.Tensor]:
+        """The module's persistent buffers (BatchNorm's running statistics,
+        say) by state-dict name: the engine holds parameters only, so these
+        go into checkpoints and exports beside them."""
+        out = {}
+        for mname, m in self.module.named_modules():
+            for bname, b in m._buffers.items():
+                if b is not None and bname not in m._non_persistent_buffers_set:
+                    out.setdefault(f"{mname}.{bname}" if mname else bname, b)
+        return out
+
+    def _set_buffers(self, values: dict[str, torch.Tensor], where: str):
+        buffers = self.persistent_buffers()
+        missing = [n for n in buffers if n not in values]
+        if missing:
+            warnings.warn(f"ztier: {where} has no value for {len(missing)} persistent buffers "
+                          f"(e.g. '{missing[0]}'); they keep the values they have",
+                          RuntimeWarning, stacklevel=3)
+        with torch.no_grad():
+            for name, b in buffers.items():
+                if name in values:
+                    v = values[name]
+                    if tuple(v.shape) != tuple(b.shape):
+                        raise ValueError(f"ztier: buffer '{name}' in {where} has shape "
+                                         f"{tuple(v.shape)}, the model's is {tuple(b.shape)}")
+                    b.copy_(v.to(device=b.device, dtype=b.dtype))
+
     def save_checkpoint(self, directory: str):
-        """The fp32 masters and moments of every unit, and the step (atomic).
-        With several ranks every rank calls it; rank 0 writes."""
+        """The fp32 masters and moments of every unit, and the step (atomic),
+        and the module's persistent buffers (``ztier-buffers.pt`` beside
+        them). With several ranks every rank calls it; rank 0 writes."""
         self._between_steps("save_checkpoint")
         if self.rank == 0:
-            self.job.save_checkpoint(os.fspath(directory))
+            directory = os.fspath(directory)
+            self.job.save_checkpoint(directory)
+            buffers = self.persistent_buffers()
+            path = os.path.join(directory, BUFFERS_FILE)
+            if buffers:
+                tmp = path + ".tmp"
+                torch.save({"step": self.runner.version,
+                            "buffers": {n: b.detach().cpu() for n, b in buffers.items()}}, tmp)
+                os.replace(tmp, path)
+            elif os.path.exists(path):
+                os.remove(path)  # another model's, from an earlier save here
         self._barrier()
 
     def load_checkpoint(self, directory: str):
@@ -1046,13 +1084,28 @@ class Offload:
             # A load that failed changed nothing: the model goes on from its
             # own state with a runner as before.
             self.runner = self._make_runner()
+        # Every rank keeps its module's buffers: each reads them.
+        if self.persistent_buffers():
+            path = os.path.join(os.fspath(directory), BUFFERS_FILE)
+            saved = {"buffers": {}}
+            if os.path.exists(path):
+                saved = torch.load(path, map_location="cpu", weights_only=True)
+                if saved.get("step") != self.runner.version:
+                    warnings.warn(f"ztier: {path} is of step {saved.get('step')}, the checkpoint "
+                                  f"of step {self.runner.version}", RuntimeWarning, stacklevel=2)
+            self._set_buffers(saved["buffers"], path)
 
     def export_safetensors(self, path: str, dtype: str = "bfloat16"):
         """The consolidated weights under the model's state-dict names (rank 0
         writes; every rank calls it)."""
         self._between_steps("export_safetensors")
         if self.rank == 0:
-            self.job.export_safetensors(os.fspath(path), dtype)
+            path = os.fspath(path)
+            self.job.export_safetensors(path, dtype)
+            buffers = self.persistent_buffers()
+            if buffers:
+                _add_to_safetensors(path, {n: b.detach().cpu().contiguous()
+                                           for n, b in buffers.items()})
         self._barrier()
 
     def save_pretrained(self, directory: str, dtype: str = "bfloat16"):
@@ -1171,6 +1224,28 @@ def _adamw_from(training: dict) -> AdamW:
                  eps=training.get("eps", a.eps),
                  weight_decay=training.get("weight_decay", a.weight_decay),
                  bias_correction=training.get("bias_correction", a.bias_correction), mode=mode)
+
+
+# A checkpoint's persistent buffers, beside the engine's files.
+BUFFERS_FILE = "ztier-buffers.pt"
+
+
+def _add_to_safetensors(path: str, extra: dict[str, torch.Tensor]):
+    """Rewrites the safetensors file at ``path`` with ``extra`` added (in
+    their own dtypes), atomically; its metadata is kept."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(path, framework="pt") as f:
+        metadata = f.metadata()
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    clash = sorted(set(tensors) & set(extra))
+    if clash:
+        raise ValueError(f"ztier: '{clash[0]}' is both a parameter and a buffer name")
+    tensors.update(extra)
+    tmp = path + ".tmp"
+    save_file(tensors, tmp, metadata=metadata)
+    os.replace(tmp, path)
 
 
 def _tensors(obj):
