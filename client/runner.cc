@@ -42,6 +42,25 @@
 // later unit to fill a copy. Where the units' host buffers are not one span
 // (params on NVMe: no fetch coalescing) the copies go one by one.
 //
+// With R > 1 a push whose shard is small is held by the caller in an open
+// run, which is queued as one transfer when the next push cannot join it
+// (not small, its whole inbox not next to the run's span, or the span would
+// outgrow the staging of R x coalesce_bytes), and at Step() or destruction:
+// the grouping follows the calls alone, so every rank queues the same
+// collectives (which pushes are ready when, TakeReadyPushes' rule, would
+// differ between ranks). A unit's inbox is its R shards in rank order and
+// a job's inboxes lie in unit order, page-rounded, so a run's whole inboxes
+// are one span of host memory: each unit's full grads go into the staging
+// at its offset in the span, one reduce-scatter cuts the span into R equal
+// chunks, and each rank copies its chunk (clipped to the span: the page
+// after it may hold another unit's grads, not yet consumed) to the host.
+// A rank's chunk holds parts of other ranks' shards, and GradsReady(unit,
+// rank) makes the engine read the rank's shard, so the doorbells ring only
+// after a small collective that no rank passes before every rank's copy
+// has landed. A held push keeps its grad buffer until its run goes (grads
+// do not count toward the live-bytes cap, which is for params); every rank
+// must be given the same coalesce_bytes (so it must for fetches too).
+//
 // Failure: the first transfer error is kept; it fails the acquire or Step
 // that waits on it and every later call.
 #include <algorithm>
@@ -124,6 +143,9 @@ struct UnitState {
   void* grads = nullptr;  // from GradBuffer until PushGrads
   bool pushed = false;    // this micro-step
   bf16* inbox = nullptr;  // the engine's inbox for this rank's shard
+  // The unit's whole inbox (every rank's shard, `bytes` long), for runs of
+  // pushes with R > 1; null where it does not lie in a registered region.
+  uint8_t* inbox_start = nullptr;
 };
 
 }  // namespace
@@ -138,9 +160,13 @@ struct Stage3Runner::Impl {
   std::vector<UnitState> units;
   void* shard_buffer = nullptr;                         // reduce-scatter output (R > 1)
   // Coalesced copies (options.coalesce_bytes): a staging buffer on the
-  // device for each direction, `staging_bytes` each; null when no unit is
-  // small enough.
+  // device for each direction, `staging_bytes` for fetches and R times that
+  // for pushes (a run's span of whole inboxes); null when no unit is small
+  // enough. With R > 1 a push run's reduce-scatter lands in `push_chunk`
+  // (`staging_bytes`), and `barrier` holds the R + 1 elements of the
+  // collective that tells every chunk has landed.
   void *fetch_staging = nullptr, *push_staging = nullptr;
+  void *push_chunk = nullptr, *barrier = nullptr;
   uint64_t staging_bytes = 0;
   std::vector<std::pair<void*, uint64_t>> host_ranges;  // registered with the device
 
@@ -160,6 +186,10 @@ struct Stage3Runner::Impl {
   };
   int order_key = 0;
   std::map<int, Order> orders;
+  // The open run of small pushes (R > 1), not queued yet, and the span of
+  // host memory its units' whole inboxes cover.
+  std::optional<Transfer> run;
+  uint8_t *run_start = nullptr, *run_end = nullptr;
   RunnerStats stats;
   // Transfer threads: `thread` runs `queue` (fetches, and with R > 1 the
   // pushes too); with R = 1 `push_thread` runs `push_queue`.
@@ -187,6 +217,8 @@ struct Stage3Runner::Impl {
     // Finish what is queued rather than drop it: with R > 1 a peer may
     // already be inside the collective of a queued fetch, and would wait for
     // this rank forever. (After a failure the queue drains without work.)
+    // A run of pushes still open goes too: the peers queue theirs.
+    QueueRun();
     (void)Drain();
     {
       std::lock_guard<std::mutex> lock(mu);
@@ -202,6 +234,8 @@ struct Stage3Runner::Impl {
     device->Free(shard_buffer);
     device->Free(fetch_staging);
     device->Free(push_staging);
+    device->Free(push_chunk);
+    device->Free(barrier);
     for (const auto& [base, bytes] : host_ranges) {
       Status s = device->UnregisterHost(base, bytes);
       if (!s.ok()) {
@@ -468,7 +502,8 @@ struct Stage3Runner::Impl {
   }
 
   Status Push(Transfer& t) {
-    if (SmallPush(units[t.parts[0].unit].shard * sizeof(bf16))) return PushSmall(t);
+    if (world > 1 && t.parts.size() > 1) return PushRun(t);
+    if (world == 1 && SmallPush(units[t.parts[0].unit].shard * sizeof(bf16))) return PushSmall(t);
     const int unit = t.parts[0].unit;
     const UnitState& u = units[unit];
     // The compute stream's kernels that write the grads finish first (what
@@ -546,6 +581,72 @@ struct Stage3Runner::Impl {
     return Status::Ok();
   }
 
+  // A run of small units' pushes (R > 1), grouped by the caller (QueuePush):
+  // each unit's full grads into the staging buffer at its inbox's offset in
+  // the run's span (the gaps zero), one reduce-scatter of the span cut into
+  // R chunks, this rank's chunk to the host, and the doorbells once every
+  // rank's chunk has landed. Every unit's grads go as they would alone: the
+  // sum over ranks is elementwise, so the grouping changes no bit.
+  Status PushRun(Transfer& t) {
+    Clock::time_point at = Clock::now();
+    for (const Part& p : t.parts) {
+      ZT_RETURN_IF_ERROR(p.ready->Synchronize());
+      ZT_RETURN_IF_ERROR(device->Wait(Stream::kCopyOut, *p.ready));
+    }
+    at = Mark(Phase::kCompute, true, at);
+    // Every inbox of the span is free: the engine consumed the step before's grads.
+    for (const Part& p : t.parts) {
+      ZT_RETURN_IF_ERROR(transport->WaitPublished(job, p.unit, t.version, options.timeout));
+    }
+    at = Mark(Phase::kOptimizer, true, at);
+    std::vector<uint8_t*> host;
+    std::vector<uint64_t> bytes;
+    for (const Part& p : t.parts) {
+      host.push_back(units[p.unit].inbox_start);
+      bytes.push_back(units[p.unit].bytes);
+    }
+    const std::optional<SpanLayout<uint8_t>> span = Span(host, bytes, PushSpanCapacity());
+    ZT_CHECK_MSG(span.has_value(), "a run of pushes whose inboxes are not one span");
+    // R equal chunks of whole kAlignElements blocks (aligned for the
+    // collective and the copy); the padding past the span is reduced but
+    // never copied.
+    const uint64_t quantum = static_cast<uint64_t>(world) * engine::kAlignElements * sizeof(bf16);
+    const uint64_t padded = (span->length + quantum - 1) / quantum * quantum;
+    const uint64_t chunk = padded / world;
+    auto* staging = static_cast<uint8_t*>(push_staging);
+    ZT_RETURN_IF_ERROR(device->Memset(staging, 0, padded, Stream::kCopyOut));
+    for (size_t i = 0; i < t.parts.size(); ++i) {
+      ZT_RETURN_IF_ERROR(device->CopyOnDevice(staging + span->offsets[i], t.parts[i].buffer,
+                                              bytes[i], Stream::kCopyOut));
+    }
+    ZT_RETURN_IF_ERROR(collectives->ReduceScatter(reinterpret_cast<const bf16*>(staging),
+                                                  static_cast<bf16*>(push_chunk),
+                                                  chunk / sizeof(bf16), *device, Stream::kCopyOut));
+    ZT_RETURN_IF_ERROR(SyncCopies(Stream::kCopyOut));
+    at = Mark(Phase::kCollective, true, at);
+    // This rank's chunk, clipped to the span: the page after it may be the
+    // next unit's inbox, holding grads the engine has not consumed.
+    const uint64_t begin = static_cast<uint64_t>(rank) * chunk;
+    const uint64_t mine = begin < span->length ? std::min(chunk, span->length - begin) : 0;
+    if (mine > 0) {
+      ZT_RETURN_IF_ERROR(
+          device->CopyToHost(span->start + begin, push_chunk, mine, Stream::kCopyOut));
+      ZT_RETURN_IF_ERROR(SyncCopies(Stream::kCopyOut));
+    }
+    at = Mark(Phase::kDeviceToHost, true, at);
+    // A rank's shard may have come in another rank's chunk. This collective
+    // completes on no rank before every rank has issued it, and each issues
+    // it only once its own copy is done: after it, the whole span is in.
+    auto* b = static_cast<bf16*>(barrier);
+    ZT_RETURN_IF_ERROR(
+        collectives->ReduceScatter(b, b + BarrierOutput(), 1, *device, Stream::kCopyOut));
+    ZT_RETURN_IF_ERROR(SyncCopies(Stream::kCopyOut));
+    Mark(Phase::kCollective, true, at);
+    for (const Part& p : t.parts) ZT_RETURN_IF_ERROR(transport->GradsReady(job, p.unit, rank));
+    CountCopies(mine, mine > 0 ? 1 : 0, /*to_device=*/false);
+    return Status::Ok();
+  }
+
   // ------------------------------------------------------------ caller side
 
   void Enqueue(Transfer t) {
@@ -556,6 +657,50 @@ struct Stage3Runner::Impl {
           .push_back(std::move(t));
     }
     cv.notify_all();
+  }
+
+  // Queues the push of `p`'s unit: with R > 1 a small one joins the open
+  // run if its whole inbox lies next to the run's span (pushes come in
+  // backward order, so before it, usually) and the span stays within the
+  // staging; whatever cannot join sends the run first.
+  void QueuePush(Part p) {
+    const UnitState& u = units[p.unit];
+    const bool small = world > 1 && u.inbox_start != nullptr && SmallPush(u.shard * sizeof(bf16));
+    uint8_t* const start = u.inbox_start;
+    uint8_t* const end = small ? start + u.bytes : nullptr;
+    if (run) {
+      bool joins = false;
+      if (small) {
+        const bool after = start >= run_end && start - run_end < 4096;
+        const bool before = run_start >= end && run_start - end < 4096;
+        const auto length =
+            static_cast<uint64_t>(std::max(end, run_end) - std::min(start, run_start));
+        joins = (after || before) && length <= PushSpanCapacity();
+      }
+      if (joins) {
+        run_start = std::min(start, run_start);
+        run_end = std::max(end, run_end);
+        run->parts.push_back(std::move(p));
+        return;
+      }
+      QueueRun();
+    }
+    Transfer t{.kind = Transfer::Kind::kPush, .version = version, .parts = {}};
+    t.parts.push_back(std::move(p));
+    if (!small) {
+      Enqueue(std::move(t));
+      return;
+    }
+    run = std::move(t);
+    run_start = start;
+    run_end = end;
+  }
+
+  // Queues the open run of pushes, if any (alone, a unit goes as any push).
+  void QueueRun() {
+    if (!run) return;
+    Enqueue(std::move(*run));
+    run.reset();
   }
 
   Status Drain() {
@@ -593,6 +738,14 @@ struct Stage3Runner::Impl {
   }
   bool SmallPush(uint64_t bytes) const {
     return push_staging != nullptr && bytes < options.coalesce_bytes;
+  }
+  // The longest span of inboxes a push's staging holds.
+  uint64_t PushSpanCapacity() const { return static_cast<uint64_t>(world) * staging_bytes; }
+  // Where the barrier's output element lies in `barrier`, after its R inputs
+  // (aligned as a buffer of its own).
+  uint64_t BarrierOutput() const {
+    return (static_cast<uint64_t>(world) + engine::kAlignElements - 1) / engine::kAlignElements *
+           engine::kAlignElements;
   }
 
   // Points the unit's buffer (allocated now unless a persistent buffer is
@@ -848,27 +1001,48 @@ Result<std::unique_ptr<Stage3Runner>> Stage3Runner::Create(Model& model, int ran
     ZT_ASSIGN_OR_RETURN(r.shard_buffer,
                         device.Allocate(max_shard * sizeof(bf16), MemoryPurpose::kGrads));
   }
+  // A unit's whole inbox, its R shards in rank order (Engine::GradInbox),
+  // for runs of pushes; one outside the registered regions (no engine lays
+  // it out so, but this rank could not copy it) is pushed alone.
+  for (UnitState& u : r.units) {
+    auto* start = reinterpret_cast<uint8_t*>(u.inbox - static_cast<uint64_t>(rank) * u.shard);
+    for (const auto& [base, bytes] : r.host_ranges) {
+      auto* b = static_cast<uint8_t*>(base);
+      if (start >= b && start + u.bytes <= b + bytes) u.inbox_start = start;
+    }
+  }
   // Staging for coalesced copies, when some unit is small: fetches with
   // params in DRAM (the engine's publish buffers lie in unit order; on NVMe
   // a fetch takes a param cache slot per unit, and a run of units could
-  // hold them all), pushes with one rank (with more, each unit's grads
-  // are reduce-scattered first).
+  // hold them all) and a unit under coalesce_bytes; pushes with a shard
+  // under it. With R > 1 a push run's staging holds the span of its units'
+  // whole inboxes (R x coalesce_bytes), the reduce-scatter's output one
+  // chunk of it (coalesce_bytes).
   r.staging_bytes = Impl::PageRound(options.coalesce_bytes);
-  const bool any_small =
-      std::any_of(r.units.begin(), r.units.end(),
-                  [&](const UnitState& u) { return u.bytes < options.coalesce_bytes; });
-  if (any_small) {
-    if (spec.param_tier == engine::Tier::kDram) {
-      ZT_ASSIGN_OR_RETURN(r.fetch_staging,
-                          device.Allocate(r.staging_bytes, MemoryPurpose::kOther));
-    }
+  const bool small_unit = std::any_of(r.units.begin(), r.units.end(), [&](const UnitState& u) {
+    return u.bytes < options.coalesce_bytes;
+  });
+  const bool small_shard = std::any_of(r.units.begin(), r.units.end(), [&](const UnitState& u) {
+    return u.shard * sizeof(bf16) < options.coalesce_bytes;
+  });
+  if (small_unit && spec.param_tier == engine::Tier::kDram) {
+    ZT_ASSIGN_OR_RETURN(r.fetch_staging, device.Allocate(r.staging_bytes, MemoryPurpose::kOther));
+  }
+  if (small_shard) {
+    ZT_ASSIGN_OR_RETURN(r.push_staging,
+                        device.Allocate(r.PushSpanCapacity(), MemoryPurpose::kOther));
     if (r.world == 1) {
-      ZT_ASSIGN_OR_RETURN(r.push_staging, device.Allocate(r.staging_bytes, MemoryPurpose::kOther));
       // What lies between the units' grads in a coalesced push reaches the
-      // host too (the unused tails of their inboxes' pages): zeros.
+      // host too (the unused tails of their inboxes' pages): zeros. (With
+      // R > 1 each run zeroes its span first.)
       ZT_RETURN_IF_ERROR(device.Memset(r.push_staging, 0, r.staging_bytes, Stream::kCopyOut));
-      ZT_RETURN_IF_ERROR(r.SyncCopies(Stream::kCopyOut));
+    } else {
+      ZT_ASSIGN_OR_RETURN(r.push_chunk, device.Allocate(r.staging_bytes, MemoryPurpose::kOther));
+      const uint64_t barrier_bytes = (r.BarrierOutput() + engine::kAlignElements) * sizeof(bf16);
+      ZT_ASSIGN_OR_RETURN(r.barrier, device.Allocate(barrier_bytes, MemoryPurpose::kOther));
+      ZT_RETURN_IF_ERROR(device.Memset(r.barrier, 0, barrier_bytes, Stream::kCopyOut));
     }
+    ZT_RETURN_IF_ERROR(r.SyncCopies(Stream::kCopyOut));
   }
   r.thread = std::thread([&r] { r.Loop(r.queue); });
   if (r.world == 1) r.push_thread = std::thread([&r] { r.Loop(r.push_queue); });
@@ -946,9 +1120,7 @@ Status Stage3Runner::PushGrads(int unit) {
             .ticket = std::make_shared<Ticket>()};
   u.grads = nullptr;
   u.pushed = true;
-  Transfer t{.kind = Transfer::Kind::kPush, .version = r.version, .parts = {}};
-  t.parts.push_back(std::move(part));
-  r.Enqueue(std::move(t));
+  r.QueuePush(std::move(part));
   return Status::Ok();
 }
 
@@ -968,6 +1140,9 @@ Status Stage3Runner::PushGrads(int unit, const bf16* grads, uint64_t count) {
 
 Status Stage3Runner::Step() {
   Impl& r = *impl_;
+  // The open run of pushes goes first, whatever Step finds wrong: the
+  // peers' runs go at their Step(), and a push made is a push sent.
+  r.QueueRun();
   // A transfer that failed (a ztierd that went away, say) is the cause of
   // whatever else is wrong with this micro-step: say it first.
   ZT_RETURN_IF_ERROR(r.failure_snapshot());

@@ -388,11 +388,16 @@ struct RunnerOptions {
   // Copies over the link smaller than this many bytes are coalesced: small
   // units consecutive in the learned order are fetched in one copy (each
   // whole on every rank, without an all-gather) as far as the engine has
-  // published them when the first is copied, and with world size 1 small
-  // pushes queued and ready together go in one copy, through a staging
-  // buffer of this size on the device for each direction; nothing waits
-  // for a later unit to fill a copy. 0: every unit is copied alone. At
-  // most 1 GiB.
+  // published them when the first is copied, through a staging buffer of
+  // this size on the device; nothing waits for a later unit to fill a
+  // copy. With world size 1 small pushes queued and ready together go in
+  // one copy, through a second such buffer. With world size R > 1 the
+  // pushes of units whose shard is small are grouped as the calls come
+  // (consecutive pushes of units side by side, up to R times this many
+  // bytes, sent when the next push cannot join or at Step()): one
+  // reduce-scatter and one copy of about this size per rank for the group,
+  // through device buffers of R + 1 times this size. Every rank must use
+  // the same value. 0: every unit is copied alone. At most 1 GiB.
   uint64_t coalesce_bytes = uint64_t{4} << 20;
   // How long a transfer may wait on the engine (a published version, a slot).
   std::chrono::milliseconds timeout = std::chrono::minutes(10);
@@ -467,9 +472,11 @@ class Stage3Runner {
   Result<bf16*> GradBuffer(int unit);
   // Sends the unit's grads (the buffer from GradBuffer, after the compute
   // stream work queued so far): reduce-scatter when world_size > 1, copy of
-  // this rank's shard into the engine's inbox, then the doorbell. The buffer
-  // belongs to the runner again. Errors: OutOfRange, FailedPrecondition (no
-  // GradBuffer, or pushed twice in a micro-step).
+  // this rank's shard into the engine's inbox, then the doorbell. With
+  // world_size > 1 the push of a unit whose shard is under coalesce_bytes
+  // may wait for the pushes after it, to go with them (at the latest at
+  // Step()). The buffer belongs to the runner again. Errors: OutOfRange,
+  // FailedPrecondition (no GradBuffer, or pushed twice in a micro-step).
   Status PushGrads(int unit);
   // Pushes grads from the caller's own device buffer: `count` bf16 values,
   // the unit's numel or its padded size (the rest is zero), copied on the

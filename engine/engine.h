@@ -142,7 +142,10 @@ class Engine {
   Status SetLearningRates(int job, const std::vector<float>& lrs);
 
   // Where rank `rank` writes its bf16 grad shard of `unit` (layout.shard
-  // elements). Valid until the job is unregistered. With gradient
+  // elements). A unit's inbox is its R shards in rank order (rank r's at
+  // rank 0's + r * shard), and a job's inboxes lie in unit order in one
+  // region, each starting on a page: clients copy runs of them at once.
+  // Valid until the job is unregistered. With gradient
   // accumulation 1 the optimizer reads the inbox after the last unit's grads
   // are in: write a unit's next grads only after WaitPublished(unit, step)
   // returned for the step they belong after (the forward pass does that).

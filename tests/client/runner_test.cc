@@ -924,6 +924,167 @@ TEST(RunnerTest, SmallUnitsGoInOneCopyEachWay) {
   EXPECT_EQ(stats.d2h_bytes, 2 * bytes);
 }
 
+// With R > 1 the pushes of units whose shard is small go in runs, grouped
+// as the calls come: the tiny GPT's backward pushes its four units in
+// reverse order, side by side in the engine's memory, so each rank makes
+// one copy a micro-step (one a unit without coalescing), the ranks' copies
+// together cover the run's span once, and training is the in-memory
+// reference's bit for bit (the sum over ranks is elementwise, so grouping
+// cannot change it). Three ranks cut the span into chunks padded to whole
+// blocks.
+TEST(RunnerTest, PushesOfSmallShardsGoInOneCopyPerRunAndRank) {
+  for (int ranks : {2, 3}) {
+    SCOPED_TRACE(StrCat(ranks, " ranks"));
+    TrainSetup s;
+    s.ranks = ranks;
+    s.clip = 0.05f;
+    s.accumulation = 2;
+    const int steps = 2;
+    const int64_t micro = steps * s.accumulation;
+    Result<RunResult> coalesced = RunZtier(s, steps);
+    ASSERT_TRUE(coalesced.ok()) << coalesced.status();
+    TrainSetup alone_setup = s;
+    alone_setup.coalesce_bytes = 0;
+    Result<RunResult> alone = RunZtier(alone_setup, steps);
+    ASSERT_TRUE(alone.ok()) << alone.status();
+    Result<RunResult> ref = RunInMemory(s, steps);
+    ASSERT_TRUE(ref.ok()) << ref.status();
+    ExpectSameTraining(*coalesced, *ref);
+    ExpectSameTraining(*alone, *ref);
+
+    // The span of the units' whole inboxes, each starting on a page.
+    auto session = testing::OpenTestSession(Options(s, ""));
+    ASSERT_TRUE(session.ok()) << session.status();
+    auto model = (*session)->RegisterModel(Spec(s, "layouts"));
+    ASSERT_TRUE(model.ok()) << model.status();
+    const int n = (*model)->units();
+    ASSERT_EQ(n, 4);
+    uint64_t span = 0, shards = 0;
+    for (int k = 0; k < n; ++k) {
+      const engine::UnitLayout& l = (*model)->layout(k);
+      ASSERT_LT(l.shard * sizeof(bf16), RunnerOptions{}.coalesce_bytes);
+      const uint64_t b = l.padded * sizeof(bf16);
+      span += k + 1 < n ? (b + 4095) / 4096 * 4096 : b;
+      shards += l.shard * sizeof(bf16);
+    }
+    uint64_t moved = 0;
+    for (int r = 0; r < ranks; ++r) {
+      SCOPED_TRACE(StrCat("rank ", r));
+      EXPECT_EQ(coalesced->stats[r].d2h_copies, micro);
+      EXPECT_EQ(alone->stats[r].d2h_copies, micro * n);
+      EXPECT_EQ(alone->stats[r].d2h_bytes, micro * shards);
+      moved += coalesced->stats[r].d2h_bytes;
+    }
+    EXPECT_EQ(moved, micro * span);
+  }
+}
+
+// A run's span is cut into R chunks padded to whole blocks, and the last
+// rank's chunk stops at the span's end: the page after it may be the inbox
+// of a unit whose grads the engine holds and has not used yet. Three ranks
+// push a large unit c first (alone: its shard is over the limit), then b
+// and a, small and before it in memory, in one run whose span (a's page,
+// b's three, up to c's inbox) is no whole number of blocks: copied
+// unclipped, rank 2's chunk would zero the start of c's grads before the
+// optimizer reads them (after a's). The masters are those of every unit
+// pushed alone, bit for bit, and the ranks' copies of the run add up to its
+// span exactly.
+TEST(RunnerTest, ARunsLastChunkStopsAtTheSpansEnd) {
+  constexpr int kRanks = 3;
+  constexpr int kSteps = 2;
+  const Session::ModelSpec spec{
+      .name = "clip",
+      .units = {{"a", {{"w", {192}}}}, {"b", {{"w", {6144}}}}, {"c", {{"w", {24576}}}}},
+      .optimizer = Optimizer(TrainSetup{}),
+      .world_size = kRanks};
+  const uint64_t limit = 16 << 10;  // takes a's and b's shards, not c's
+  struct Outcome {
+    std::vector<std::vector<float>> master;
+    std::vector<RunnerStats> stats;
+    uint64_t span = 0, c_shard = 0;
+  };
+  const auto train = [&](uint64_t coalesce_bytes) -> Result<Outcome> {
+    ZT_ASSIGN_OR_RETURN(std::unique_ptr<Session> session,
+                        testing::OpenTestSession(Options(TrainSetup{}, "")));
+    ZT_ASSIGN_OR_RETURN(std::unique_ptr<Model> model, session->RegisterModel(spec));
+    Outcome out;
+    // The premise: a and b make one span that ends where c's inbox starts.
+    Transport& t = model->transport();
+    std::vector<const uint8_t*> inbox;
+    for (int k = 0; k < 3; ++k) {
+      std::vector<float> w(model->layout(k).numel, 0.01f);
+      ZT_RETURN_IF_ERROR(model->SetWeights(k, w.data(), w.size()));
+      ZT_ASSIGN_OR_RETURN(bf16 * p, t.GradInbox(model->job(), k, 0));
+      inbox.push_back(reinterpret_cast<const uint8_t*>(p));
+    }
+    out.span = static_cast<uint64_t>(inbox[2] - inbox[0]);
+    out.c_shard = model->layout(2).shard * sizeof(bf16);
+    if (inbox[1] - inbox[0] != 4096 || out.span != 4 * 4096 ||
+        out.span % (kRanks * engine::kAlignElements * sizeof(bf16)) == 0) {
+      return Status::Internal(StrCat("inboxes at +", inbox[1] - inbox[0], " and +", out.span));
+    }
+    ZT_ASSIGN_OR_RETURN(std::vector<std::unique_ptr<Collectives>> coll,
+                        MakeLocalCollectives(kRanks));
+    out.stats.resize(kRanks);
+    std::vector<Status> status(kRanks);
+    std::vector<std::thread> threads;
+    for (int r = 0; r < kRanks; ++r) {
+      threads.emplace_back([&, r] {
+        status[r] = [&]() -> Status {
+          ZT_ASSIGN_OR_RETURN(std::unique_ptr<Device> dev, MakeHostDevice());
+          ZT_ASSIGN_OR_RETURN(std::unique_ptr<Stage3Runner> runner,
+                              Stage3Runner::Create(*model, r, *dev, coll[r].get(),
+                                                   {.coalesce_bytes = coalesce_bytes,
+                                                    .timeout = std::chrono::seconds(60)}));
+          for (int step = 0; step < kSteps; ++step) {
+            for (int k = 0; k < 3; ++k) {
+              ZT_RETURN_IF_ERROR(runner->Acquire(k).status());
+              ZT_RETURN_IF_ERROR(runner->Release(k));
+            }
+            for (int k = 2; k >= 0; --k) {
+              // Grads that differ by rank, unit, step and element, none zero.
+              std::vector<bf16> g(model->layout(k).padded);
+              for (size_t i = 0; i < g.size(); ++i) {
+                g[i] = FloatToBf16(0.01f *
+                                   static_cast<float>(1 + (i * 7 + k * 5 + r * 3 + step) % 23));
+              }
+              ZT_RETURN_IF_ERROR(runner->PushGrads(k, g.data(), g.size()));
+            }
+            ZT_RETURN_IF_ERROR(runner->Step());
+          }
+          out.stats[r] = runner->stats();
+          return Status::Ok();
+        }();
+        if (!status[r].ok()) std::fprintf(stderr, "rank %d: %s\n", r, status[r].ToString().c_str());
+      });
+    }
+    for (std::thread& th : threads) th.join();
+    for (const Status& st : status) ZT_RETURN_IF_ERROR(st);
+    ZT_RETURN_IF_ERROR(model->WaitPublished(kSteps, std::chrono::seconds(60)));
+    out.master.resize(3);
+    for (int k = 0; k < 3; ++k) ZT_RETURN_IF_ERROR(model->ReadMaster(k, &out.master[k]));
+    return out;
+  };
+  Result<Outcome> coalesced = train(limit);
+  ASSERT_TRUE(coalesced.ok()) << coalesced.status();
+  Result<Outcome> alone = train(0);
+  ASSERT_TRUE(alone.ok()) << alone.status();
+  for (int k = 0; k < 3; ++k) {
+    ASSERT_EQ(coalesced->master[k].size(), alone->master[k].size());
+    EXPECT_EQ(std::memcmp(coalesced->master[k].data(), alone->master[k].data(),
+                          alone->master[k].size() * sizeof(float)),
+              0)
+        << "fp32 master of unit " << k;
+  }
+  uint64_t moved = 0;
+  for (int r = 0; r < kRanks; ++r) {
+    EXPECT_EQ(coalesced->stats[r].d2h_copies, 2 * kSteps) << "rank " << r;  // c, then the run
+    EXPECT_EQ(alone->stats[r].d2h_copies, 3 * kSteps) << "rank " << r;
+    moved += coalesced->stats[r].d2h_bytes;
+  }
+  EXPECT_EQ(moved, kSteps * (kRanks * coalesced->c_shard + coalesced->span));
+}
+
 // A limit over 1 GiB is refused.
 TEST_F(RunnerErrorsTest, CoalesceLimitIsChecked) {
   RunnerOptions o;
