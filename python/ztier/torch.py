@@ -221,6 +221,11 @@ class _Tensor:
     offset: int = 0
     group: int = 0
     frozen: bool = False
+    # Its own NaN placeholder (a write to one must not show in others), and
+    # the parameter's version when it was last pointed at it: a later one
+    # means something wrote to the parameter outside the hooks.
+    placeholder: torch.Tensor | None = None
+    idle_version: int = -1
 
 
 @dataclass
@@ -409,10 +414,9 @@ class Offload:
         self._prefetch = prefetch_depth if prefetch_depth is not None else self.session.prefetch_depth
         self._collectives = None
         self.runner = self._make_runner()
-        self._nan: dict[tuple, torch.Tensor] = {}
         for u in self.units:
             for t in u.tensors:
-                t.param.data = self._placeholder(t.shape)
+                self._park(t)
                 t.param.grad = None
         for name_, buf in list(model.named_buffers()):
             if buf.device != self.device:
@@ -587,11 +591,12 @@ class Offload:
             import torch.distributed as dist
             dist.barrier()
 
-    def _placeholder(self, shape) -> torch.Tensor:
-        t = self._nan.get(shape)
-        if t is None:
-            t = self._nan[shape] = _placeholder(shape, self.device, self.compute_dtype)
-        return t
+    def _park(self, t: _Tensor):
+        """Points the parameter at its NaN placeholder (between uses)."""
+        if t.placeholder is None:
+            t.placeholder = _placeholder(t.shape, self.device, self.compute_dtype)
+        t.param.data = t.placeholder
+        t.idle_version = t.param._version
 
     def _load_weights(self, path: str):
         from ztier import hf  # safetensors shards, one unit at a time
@@ -650,7 +655,7 @@ class Offload:
             u.holds -= 1
             if u.holds == 0:
                 for t in u.tensors:
-                    t.param.data = self._placeholder(t.shape)
+                    self._park(t)
                 u.storage.resize_(0)
 
     def _reset_interrupted(self):
@@ -699,13 +704,16 @@ class Offload:
                 versions.extend((u, t, t.param._version) for t in u.tensors)
             yield self.module
         finally:
+            written_versions = {id(t): t.param._version for _, t, _ in versions}
             for t, data in saved:
                 t.param.data = data
+                if t.placeholder is not None and data is t.placeholder:
+                    t.idle_version = t.param._version  # said below, not again
             self.runner.set_order(key)
             # An in-place write (load_state_dict, fill_) bumps a parameter's
             # version: say that it went nowhere.
             written = list(dict.fromkeys(
-                u.name for u, t, version in versions if t.param._version != version))
+                u.name for u, t, version in versions if written_versions[id(t)] != version))
             if written:
                 warnings.warn(
                     f"ztier: parameters of {len(written)} units (e.g. '{written[0]}') were "
@@ -751,6 +759,7 @@ class Offload:
             raise RuntimeError(
                 f"ztier: a training forward after {self._micro} backward passes, but "
                 f"grad_accumulation={self.grad_accumulation}: call optimizer.step() first")
+        self._check_idle_params()
         self._training_forward = torch.is_grad_enabled()
         if self._training_forward:
             self._check_frozen_set()
@@ -763,6 +772,29 @@ class Offload:
         # different orders: the runner keeps one learned order per kind.
         self.runner.set_order(_TRAIN if training else _EVAL)
         self._phase = "forward"
+
+    def _check_idle_params(self):
+        """Between uses a parameter is its placeholder: one written to (an
+        init after offloading, a load_state_dict) or replaced (``.half()``,
+        ``.to(...)``) since would be silently dropped, its values living in
+        the engine."""
+        for u in self.units:
+            if u.holds:
+                continue
+            for t in u.tensors:
+                data = t.param.data
+                if data.dtype != self.compute_dtype or data.device != self.device:
+                    raise RuntimeError(
+                        f"ztier: '{t.name}' is {data.dtype} on {data.device} now, the model was "
+                        f"offloaded to compute in {self.compute_dtype} on {self.device}: its "
+                        "parameters' dtype and device are fixed then (offload(compute_dtype=, "
+                        "device=))")
+                if t.param._version != t.idle_version:
+                    raise RuntimeError(
+                        f"ztier: '{t.name}' was written to after the model was offloaded (its "
+                        "values live in the engine; the parameter is a placeholder between uses), "
+                        "and the write went nowhere: initialize before zt.offload, or bring "
+                        "weights in through load_checkpoint, weights= or zt.from_pretrained")
 
     def _check_frozen_set(self):
         """The engine's frozen tensors and the hooks that send grads are laid
@@ -1146,7 +1178,7 @@ class Offload:
             u.storage = None
         for u in self.units:
             for t in u.tensors:
-                t.param.data = self._placeholder(t.shape)
+                self._park(t)
         self.runner = None
         self._collectives = None
         self.job = None

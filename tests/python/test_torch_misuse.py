@@ -647,3 +647,23 @@ def test_persistent_buffers_go_with_checkpoints_and_exports(settings, tmp_path):
         # bf16 params either way; the export's are bf16 of the masters too
         assert torch.allclose(got, want, rtol=1e-2, atol=1e-2), how
         z2.close()
+
+
+def test_writes_and_casts_of_idle_parameters_are_named(settings):
+    # An init after offloading (zeros_, fill_) wrote into a placeholder
+    # that every parameter of the shape shared, silently: the engine kept
+    # its weights, other parameters read zeros instead of NaN.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 1))
+    z = zt.offload(model, settings=settings)
+    nn.init.zeros_(model[1].weight)
+    assert torch.isnan(model[0].weight).all()  # each parameter its own placeholder
+    with pytest.raises(RuntimeError, match="'1.weight' was written to after"):
+        model(torch.randn(2, 4))
+    z.close()
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    z = zt.offload(model, settings=settings)
+    model.double()
+    with pytest.raises(RuntimeError, match="torch.float64"):
+        model(torch.randn(2, 4, dtype=torch.float64))
+    z.close()
