@@ -799,17 +799,25 @@ class Offload:
     def _check_frozen_set(self):
         """The engine's frozen tensors and the hooks that send grads are laid
         out when offloading: a parameter whose requires_grad changed since
-        would be trained anyway (frozen) or never (unfrozen), silently."""
+        would be trained anyway (frozen: its unit's zero grads still move it)
+        or never (unfrozen: no hook sends its grads), silently. Freezing every
+        trainable parameter is the one change allowed: a pass that trains
+        another model through this one (a GAN's discriminator), whose
+        backward gives this model no grad and so is no micro-step of it."""
+        trainable = [t for u in self.units for t in u.tensors if not t.frozen]
+        if not any(t.param.requires_grad for t in trainable):
+            trainable = []  # all frozen for now
         for u in self.units:
             for t in u.tensors:
-                if t.param.requires_grad == t.frozen:
+                if t.param.requires_grad == t.frozen and (t.frozen or trainable):
                     now = "True" if t.param.requires_grad else "False"
                     raise RuntimeError(
                         f"ztier: '{t.name}' has requires_grad={now} now, {not t.frozen} when the "
                         "model was offloaded: the engine's frozen tensors are fixed then (a "
-                        "tensor frozen later would still be updated, one unfrozen never); set "
-                        "requires_grad before zt.offload, or export_safetensors and offload "
-                        "again with weights= (or a fresh model and load_checkpoint)")
+                        "tensor frozen later would still be updated, one unfrozen never; only "
+                        "the whole model may be frozen for a while); set requires_grad before "
+                        "zt.offload, or export_safetensors and offload again with weights= (or a "
+                        "fresh model and load_checkpoint)")
 
     def _root_post_forward(self, module, args, output):
         if torch._C._current_graph_task_id() != -1:
@@ -969,6 +977,11 @@ class Offload:
         for call in list(self._bwd_held):
             self._bwd_held.discard(call)
             self._let_go(self._module_units[call[0]])
+        if not self._deferred and not any(u.arrived or u.pushed for u in self.units):
+            # A backward that gave this model no grad (torch.autograd.grad of
+            # an input, a pass through it while it is frozen): no micro-step.
+            self._phase = "idle"
+            return
         for u in self.units:
             if not u.pushed:
                 self._push(u)

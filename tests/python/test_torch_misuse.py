@@ -498,6 +498,7 @@ def test_no_decay_as_one_string_and_bad_adamw_arguments(settings):
 def test_requires_grad_changed_after_offload_is_named(settings, change):
     # A tensor frozen after offloading was still updated (zero grads, its
     # moments and weight decay), one unfrozen never (no hook sent its grads).
+    # (Freezing the whole model for a while is allowed: see the GAN test.)
     model = _mlp()
     if change == "unfreeze":
         model[0].weight.requires_grad_(False)
@@ -667,3 +668,34 @@ def test_writes_and_casts_of_idle_parameters_are_named(settings):
     with pytest.raises(RuntimeError, match="torch.float64"):
         model(torch.randn(2, 4, dtype=torch.float64))
     z.close()
+
+
+def test_passes_that_give_the_model_no_grad_are_no_micro_steps(settings):
+    # A GAN's generator step through the frozen discriminator, and a
+    # saliency map (the grad of an input), counted as the discriminator's
+    # micro-step: its next training forward was refused, and the step that
+    # followed moved its weights by decay without a grad.
+    torch.manual_seed(0)
+    G = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 4))
+    D = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    zG = zt.offload(G, optimizer=zt.AdamW(lr=1e-2, weight_decay=0.1), settings=settings)
+    zD = zt.offload(D, optimizer=zt.AdamW(lr=1e-2, weight_decay=0.1), settings=settings)
+    noise = torch.randn(6, 4)
+    for _ in range(2):
+        before = zD.master_weights()
+        D.requires_grad_(False)
+        D(G(noise)).mean().backward()
+        zG.optimizer.step()
+        D.requires_grad_(True)
+        assert all(torch.equal(v, zD.master_weights()[k]) for k, v in before.items())
+        D(G(noise).detach()).pow(2).mean().backward()
+        zD.optimizer.step()
+    assert zG.step_count == 2 and zD.step_count == 2
+    x = torch.randn(3, 4, requires_grad=True)
+    (saliency,) = torch.autograd.grad(D(x).sum(), x)
+    assert saliency.shape == x.shape
+    assert zD.step_count == 2
+    _train_step(D, zD, torch.randn(3, 4))  # its next step trains as usual
+    assert zD.step_count == 3
+    zG.close()
+    zD.close()
