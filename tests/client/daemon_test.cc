@@ -608,6 +608,7 @@ TEST_F(DaemonTest, TheJobSpecsOneUidsRequestsHoldAreBounded) {
   ASSERT_TRUE(s1.ok() && s2.ok());
   Status first;
   std::thread waiter([&] { first = (*s1)->AttachModel(ModelOf(spec), 1, 3s).status(); });
+  std::this_thread::sleep_for(300ms);  // its request in first, as a rule
   Status refused;
   const auto deadline = std::chrono::steady_clock::now() + 2500ms;
   while (refused.ok() && std::chrono::steady_clock::now() < deadline) {
@@ -619,9 +620,14 @@ TEST_F(DaemonTest, TheJobSpecsOneUidsRequestsHoldAreBounded) {
     }
   }
   waiter.join();
+  // Whichever came second while the other waited was refused (on a loaded
+  // machine a probe may be the one waiting when the long wait arrives).
+  if (first.code() == StatusCode::kResourceExhausted) refused = first;
   EXPECT_EQ(refused.code(), StatusCode::kResourceExhausted) << refused;
   EXPECT_NE(refused.message().find("max_spec_bytes_per_uid"), std::string::npos) << refused;
-  EXPECT_EQ(first.code(), StatusCode::kNotFound) << first;
+  EXPECT_TRUE(first.code() == StatusCode::kNotFound ||
+              first.code() == StatusCode::kResourceExhausted)
+      << first;
   // Every charge was given back: the same spec registers.
   Result<std::unique_ptr<Model>> m = (*s2)->RegisterModel(ModelOf(spec));
   EXPECT_TRUE(m.ok()) << m.status();
