@@ -228,10 +228,46 @@ std::string EncodeCheckpointManifest(const CheckpointManifest& m) {
   return manifest.dump(1);
 }
 
+namespace {
+
+// How deep arrays and objects nest in JSON `text` (outside strings), up to
+// `limit` + 1: a manifest nests 5 deep, and nlohmann's copy and dump (the
+// checksum) recurse once a level, so 10^5 levels overflowed the stack.
+int NestingDepth(std::string_view text, int limit) {
+  int depth = 0, deepest = 0;
+  bool in_string = false, escaped = false;
+  for (const char c : text) {
+    if (in_string) {
+      if (escaped) {
+        escaped = false;
+      } else if (c == '\\') {
+        escaped = true;
+      } else if (c == '"') {
+        in_string = false;
+      }
+    } else if (c == '"') {
+      in_string = true;
+    } else if (c == '[' || c == '{') {
+      deepest = std::max(deepest, ++depth);
+      if (deepest > limit) return deepest;
+    } else if (c == ']' || c == '}') {
+      --depth;
+    }
+  }
+  return deepest;
+}
+
+constexpr int kMaxManifestDepth = 32;
+
+}  // namespace
+
 Result<CheckpointManifest> DecodeCheckpointManifest(std::string_view text,
                                                     std::string_view origin) {
   const Fields f(origin);
   if (text.size() > kMaxManifestBytes) return f.Bad(StrCat(text.size(), " bytes is too large"));
+  if (NestingDepth(text, kMaxManifestDepth) > kMaxManifestDepth) {
+    return f.Bad(StrCat("arrays and objects nest more than ", kMaxManifestDepth, " deep"));
+  }
   const Json m = Json::parse(text.begin(), text.end(), nullptr, /*allow_exceptions=*/false);
   if (m.is_discarded()) return f.Bad("not valid JSON (truncated?)");
   try {

@@ -251,6 +251,26 @@ TEST_F(CheckpointFaultTest, ForgedManifestsWithValidChecksumsAreRefusedAndTouchN
   EXPECT_TRUE(other->LoadCheckpoint(job, dir_.path()).ok());
 }
 
+// A manifest of 200 KB nesting arrays 10^5 deep overflowed the stack (the
+// checksum copies and dumps the tree, a call a level) before any check.
+TEST_F(CheckpointFaultTest, ADeeplyNestedManifestIsRefusedNotACrash) {
+  TrainAndSave(1);
+  auto other = MakeEngine();
+  const int job = *other->RegisterJob(SmallModel("victim", 1, 1.0f, 1, StepMode::kExact));
+  const int depth = 100000;
+  std::ofstream(dir_ / "manifest.json", std::ios::trunc)
+      << R"({"format": "ztier-checkpoint", "version": 1, "checksum": 1, "x": )"
+      << std::string(depth, '[') << std::string(depth, ']') << "}";
+  Status s = other->LoadCheckpoint(job, dir_.path());
+  EXPECT_EQ(s.code(), StatusCode::kCorruption) << s;
+  EXPECT_NE(s.message().find("nest more than"), std::string::npos) << s;
+  // Brackets inside strings are text, not nesting.
+  std::ofstream(dir_ / "manifest.json", std::ios::trunc)
+      << R"({"format": "ztier-checkpoint", "x": ")" << std::string(1000, '[') << R"(\"["})";
+  s = other->LoadCheckpoint(job, dir_.path());
+  EXPECT_EQ(s.message().find("nest more than"), std::string::npos) << s;
+}
+
 TEST_F(CheckpointFaultTest, ADirectoryWhereAFileShouldBeIsAnErrorNotACrash) {
   TrainAndSave(1);
   auto other = MakeEngine();
