@@ -261,6 +261,16 @@ int RunAdam(int argc, char** argv) {
   const double bytes_per_param = (bf16_grads ? 2.0 : 4.0) + state_bytes + (o.with_out ? 2.0 : 0.0);
   if (o.int8) o.stores = {cpu_adam::OutputStore::kRegular};  // StepInt8's only kind
 
+  for (uint64_t n : o.params) {
+    // Params, moments, grads and the bf16 out (always allocated).
+    const double held = (o.int8 ? 4.0 + 2.0 + 8.0 / cpu_adam::kQuantBlock : 12.0) +
+                        (bf16_grads ? 2.0 : 4.0) + 2.0;
+    if (Status s = CheckFitsInMemory(static_cast<uint64_t>(held * static_cast<double>(n)),
+                                     StrCat("--params ", FormatCount(n)));
+        !s.ok()) {
+      return FailExit(s, "adam");
+    }
+  }
   std::printf(
       "ztier-bench adam: SIMD target %s, %d core(s), grads %s, out %s, states %s, best of %d "
       "runs\n",

@@ -36,6 +36,12 @@ int FailExit(const Status& s, const char* subcommand);
 // "64M" style rendering for counts that are multiples of 1024.
 std::string FormatCount(uint64_t n);
 
+// InvalidArgument naming `what` and both figures when `bytes` of memory
+// would pass 90% of this machine's physical memory: said before allocating,
+// so a size meant for a bigger machine is a clear error here, not a run that
+// the kernel's OOM killer ends (taking others' memory meanwhile).
+Status CheckFitsInMemory(uint64_t bytes, std::string_view what);
+
 // Walks a subcommand's arguments: while (args.Next()) { if (args.Is("--x"))
 // ZT_ASSIGN_OR_RETURN(v, args.Value()); ... }
 class ArgReader {

@@ -101,13 +101,15 @@ Status ParseArgs(int argc, char** argv, NvmeOptions* o) {
     }
   }
   if (o->paths.empty()) o->paths.push_back(kDefaultPath);
-  if (o->stripe < 4096 || o->stripe % 4096 != 0) {
-    return Status::InvalidArgument("--stripe must be a multiple of 4096");
+  if (o->stripe < 4096 || o->stripe % 4096 != 0 || o->stripe > (uint64_t{1} << 30)) {
+    return Status::InvalidArgument("--stripe must be a multiple of 4096, at most 1G");
   }
+  if (o->paths.size() > 64) return Status::InvalidArgument("--path: at most 64 of them");
   const uint64_t unit = o->stripe * o->paths.size();
   if (o->size < unit) return Status::InvalidArgument("--size must hold one stripe per path");
   o->size = o->size / unit * unit;
-  return Status::Ok();
+  // Its data is written from one buffer and read back into another.
+  return CheckFitsInMemory(2 * o->size, StrCat("--size ", o->size, " (two buffers of it)"));
 }
 
 struct Throughput {
