@@ -519,6 +519,24 @@ Result<std::unique_ptr<Engine>> Engine::Create(const Settings& settings,
                                                     .huge_pages = settings.huge_pages,
                                                     .lock = settings.pin_memory}));
   if (!settings.nvme_paths.empty()) {
+    // The swap space's staging buffers (queue_depth x stripe_bytes a path,
+    // pinned as io_uring fixed buffers) come beside the pool: bounded by the
+    // budget and the machine (1G stripes made 17 GB of them for a 0.02M
+    // parameter model).
+    const double staging = static_cast<double>(settings.nvme_paths.size()) *
+                           settings.queue_depth * static_cast<double>(settings.stripe_bytes);
+    const uint64_t physical = PhysicalMemoryBytes();
+    if (staging > static_cast<double>(settings.dram_budget_bytes) ||
+        (physical != 0 && staging > 0.5 * static_cast<double>(physical))) {
+      return Status::InvalidArgument(StrCat(
+          "the swap space's staging buffers, ztier.queue_depth ", settings.queue_depth,
+          " x ztier.stripe_bytes ", settings.stripe_bytes, " x ", settings.nvme_paths.size(),
+          " path(s) = ", static_cast<uint64_t>(staging), " bytes, would pass ",
+          staging > static_cast<double>(settings.dram_budget_bytes)
+              ? StrCat("the DRAM budget (ztier.dram_budget ", settings.dram_budget_bytes, ")")
+              : StrCat("half of this machine's ", physical, " bytes of memory"),
+          ": lower the stripe or the queue depth"));
+    }
     if (io_backend == nullptr) {
       ZT_ASSIGN_OR_RETURN(io_backend, nvme::MakeBackend(settings.io_backend));
     }

@@ -490,6 +490,25 @@ TEST(EngineJobsTest, TargetStepCountsOnlyAStepThatWillHappen) {
   EXPECT_EQ(engine->TargetStep(12345), -1);
 }
 
+// The swap space's staging buffers (queue depth x stripe a path, pinned)
+// are bounded by the DRAM budget: 1G stripes took 17 GB for a tiny model.
+TEST(EngineJobsTest, SwapStagingPastTheBudgetIsRefusedUpFront) {
+  ScratchDir swap("swap");
+  Settings s;
+  s.dram_budget_bytes = uint64_t{1} << 30;
+  s.pin_memory = false;
+  s.nvme_paths = {swap.sub("d0"), swap.sub("d1")};
+  s.stripe_bytes = uint64_t{1} << 30;
+  s.queue_depth = 16;
+  Result<std::unique_ptr<Engine>> e = Engine::Create(s);
+  ASSERT_FALSE(e.ok());
+  EXPECT_EQ(e.status().code(), StatusCode::kInvalidArgument) << e.status();
+  EXPECT_NE(e.status().message().find("staging buffers"), std::string::npos) << e.status();
+  EXPECT_NE(e.status().message().find("ztier.stripe_bytes"), std::string::npos) << e.status();
+  s.stripe_bytes = uint64_t{1} << 20;  // 16 x 1M x 2 paths: fine
+  EXPECT_TRUE(Engine::Create(s).ok());
+}
+
 // The client page is the client's to write: a word that goes back, or
 // jumps past what any link could move, never reaches the engine's totals
 // (every user's, in the metrics), while the job runs or after it is gone.
