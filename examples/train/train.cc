@@ -55,6 +55,7 @@
 #include "common/file_util.h"
 #include "common/numbers.h"
 #include "examples/gpt/gpt.h"
+#include "nvme/swap_space.h"
 
 extern char** environ;
 
@@ -884,7 +885,16 @@ Result<int> TrainSteps(const Flags& f, const Plan& p, const std::string& text, S
       status[r] = rank_main(r);
       if (!status[r].ok()) {
         std::fprintf(stderr, "\nztier-train: rank %d: %s\n", r, status[r].ToString().c_str());
-        std::_Exit(1);  // the other ranks would wait for this one forever
+        // The process ends here (the other ranks would wait for this one
+        // forever), without closing the embedded engine: its swap files go
+        // now, as a clean close removes them (on a full disk they held the
+        // room the checkpoint needed). The checkpoint stays.
+        if (p.settings.daemon_socket.empty()) {
+          for (const std::string& dir : p.settings.nvme_paths) {
+            ::unlink((std::filesystem::path(dir) / nvme::SwapOptions().file_name).c_str());
+          }
+        }
+        std::_Exit(1);
       }
     });
   }

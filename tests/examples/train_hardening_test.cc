@@ -8,12 +8,14 @@
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <spawn.h>
+#include <sys/mount.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <chrono>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -249,6 +251,25 @@ TEST_F(TrainHardeningTest, BadInputsAreClearErrorsNeverCrashes) {
     EXPECT_NE(text.find(c.message), std::string::npos) << c.args << "\n" << text;
     EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(10)) << c.args;
   }
+}
+
+// A run that fails (here a full disk under its checkpoint) leaves no swap
+// file behind: it held exactly the room the checkpoint needed.
+TEST_F(TrainHardeningTest, AFailedRunLeavesNoSwapFileBehind) {
+  const std::string small = dir_ / "small";
+  fs::create_directories(small);
+  if (::mount("tmpfs", small.c_str(), "tmpfs", 0, "size=16m") != 0) {
+    GTEST_SKIP() << "cannot mount a small tmpfs here: " << std::strerror(errno);
+  }
+  auto [rc, text] = Train(" --out " + small + "/o --steps 10 --no-progress", dir_);
+  std::vector<std::string> left;
+  for (const auto& e : fs::directory_iterator(small + "/o/swap")) {
+    if (e.path().filename() != "ztier-swap.lock") left.push_back(e.path().filename());
+  }
+  ::umount2(small.c_str(), MNT_DETACH);
+  EXPECT_EQ(rc, 1) << text;
+  EXPECT_NE(text.find("No space left on device"), std::string::npos) << text;
+  EXPECT_TRUE(left.empty()) << left[0] << " left in the swap directory\n" << text;
 }
 
 // What the up-front checks allow: a --summary in the --out the run makes.
