@@ -176,6 +176,42 @@ void Usage(std::ostream& os) {
         "signal stops at once. Exit codes: 0 done, 1 error, 2 bad usage, 128+signal stopped.\n";
 }
 
+// The paths of one run in its --out directory.
+struct OutPaths {
+  std::string checkpoint, log, exported;
+  explicit OutPaths(const std::string& out)
+      : checkpoint((fs::path(out) / "checkpoint").string()),
+        log((fs::path(out) / "train_log.tsv").string()),
+        exported((fs::path(out) / "model.safetensors").string()) {}
+};
+
+// `text` with control characters (C0, DEL, C1) and bytes that are not
+// UTF-8 (or overlong, or surrogates) as '?'.
+std::string PrintableUtf8(std::string_view text) {
+  std::string out;
+  for (size_t i = 0; i < text.size();) {
+    const auto b = static_cast<unsigned char>(text[i]);
+    size_t n = b < 0x80 ? 1 : (b >> 5) == 6 ? 2 : (b >> 4) == 14 ? 3 : (b >> 3) == 30 ? 4 : 0;
+    uint32_t cp = n == 1 ? b : n == 2 ? (b & 0x1f) : n == 3 ? (b & 0x0f) : (b & 0x07);
+    for (size_t k = 1; n > 0 && k < n; ++k) {
+      const auto c = i + k < text.size() ? static_cast<unsigned char>(text[i + k]) : 0;
+      if ((c & 0xc0) != 0x80) n = 0;
+      cp = (cp << 6) | (c & 0x3f);
+    }
+    constexpr uint32_t kMin[] = {0, 0, 0x80, 0x800, 0x10000};
+    const bool ok = n > 0 && cp >= kMin[n] && cp <= 0x10ffff && !(cp >= 0xd800 && cp <= 0xdfff) &&
+                    cp >= 0x20 && cp != 0x7f && !(cp >= 0x80 && cp <= 0x9f);
+    if (ok) {
+      out.append(text.substr(i, n));
+      i += n;
+    } else {
+      out += '?';
+      i += 1;
+    }
+  }
+  return out;
+}
+
 Result<Flags> ParseFlags(int argc, char** argv) {
   Flags f;
   for (int i = 1; i < argc; ++i) {
@@ -313,6 +349,10 @@ Result<Flags> ParseFlags(int argc, char** argv) {
       ZT_ASSIGN_OR_RETURN(f.summary, value());
     } else if (a == "--job-name") {
       ZT_ASSIGN_OR_RETURN(f.job_name, value());
+      if (PrintableUtf8(f.job_name) != f.job_name) {
+        return Status::InvalidArgument(
+            "--job-name: a control character, or bytes that are not UTF-8");
+      }
       if (f.job_name.empty() || f.job_name.size() > kMaxJobName) {
         s = Status::InvalidArgument(
             StrCat("--job-name wants 1 to ", kMaxJobName, " bytes, got ", f.job_name.size()));
@@ -356,6 +396,16 @@ Result<Flags> ParseFlags(int argc, char** argv) {
       return Status::InvalidArgument(
           StrCat("--summary ", f.summary, ": no directory ", parent.string()));
     }
+    // Never over what the run writes (its checkpoint, log or export).
+    const fs::path summary_abs = fs::absolute(summary).lexically_normal();
+    const OutPaths run(out_dir.string());
+    const fs::path in_checkpoint = summary_abs.lexically_relative(run.checkpoint);
+    if (summary_abs == fs::path(run.log) || summary_abs == fs::path(run.exported) ||
+        (!in_checkpoint.empty() && *in_checkpoint.begin() != "..")) {
+      return Status::InvalidArgument(
+          StrCat("--summary ", f.summary, " is one of the run's own files (checkpoint, ",
+                 "train_log.tsv or model.safetensors)"));
+    }
     if (f.summary_skip >= f.steps) {
       return Status::InvalidArgument(StrCat("--summary-skip ", f.summary_skip,
                                             " leaves none of --steps ", f.steps, " to measure"));
@@ -369,7 +419,9 @@ Result<Flags> ParseFlags(int argc, char** argv) {
     fs::path out = fs::weakly_canonical(fs::absolute(f.out), ec);
     if (ec) out = fs::absolute(f.out).lexically_normal();
     if (!out.has_filename() && out.has_parent_path()) out = out.parent_path();
-    f.job_name = StrCat("gpt:", out.string());
+    // A name shows in ztierctl's table and in checkpoints' JSON: the
+    // directory's control characters and bytes that are not UTF-8 as '?'.
+    f.job_name = StrCat("gpt:", PrintableUtf8(out.string()));
     if (f.job_name.size() > kMaxJobName) {
       f.job_name = StrCat("gpt:...", f.job_name.substr(f.job_name.size() - (kMaxJobName - 7)));
     }
@@ -437,6 +489,15 @@ Result<Plan> ResolvePlan(const Flags& f) {
                                             t.micro_batch.value_or(p.batch), " x accumulation ",
                                             t.grad_accumulation.value_or(p.accumulation), " x ",
                                             f.ranks, " rank(s)"));
+    }
+    // What it gives holds to the bounds of the settings it stands for.
+    constexpr int kMaxDerived = 1 << 20;
+    if (p.batch > kMaxDerived || p.accumulation > kMaxDerived) {
+      return Status::InvalidArgument(StrCat(
+          "train_batch_size ", tb, " makes ",
+          p.batch > kMaxDerived ? StrCat("the micro batch ", p.batch)
+                                : StrCat("the gradient accumulation ", p.accumulation),
+          ", outside 1..", kMaxDerived));
     }
   }
   p.params = gpt::ParameterCount(p.model);
@@ -656,15 +717,6 @@ class Progress {
 };
 
 // ------------------------------------------------------------------- run --
-
-// The paths of one run in its --out directory.
-struct OutPaths {
-  std::string checkpoint, log, exported;
-  explicit OutPaths(const std::string& out)
-      : checkpoint((fs::path(out) / "checkpoint").string()),
-        log((fs::path(out) / "train_log.tsv").string()),
-        exported((fs::path(out) / "model.safetensors").string()) {}
-};
 
 Status CreateDir(const std::string& dir, std::string_view what) {
   std::error_code ec;

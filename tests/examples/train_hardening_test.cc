@@ -240,10 +240,18 @@ TEST_F(TrainHardeningTest, BadInputsAreClearErrorsNeverCrashes) {
       {"--steps 4 --summary " + (dir_ / "none/s.json"), 2, "no directory"},
       {"--steps 4 --summary-skip 4 --summary " + (dir_ / "s.json"), 2, "leaves none"},
       {"--job-name ''", 2, "--job-name"},
+      {"--config " + (dir_ / "big-batch.json"), 2, "the gradient accumulation 2000000, outside"},
+      // It replaced the checkpoint's manifest: the checkpoint was gone.
+      {"--steps 4 --summary " + (dir_ / "bad/checkpoint/manifest.json"), 2, "the run's own files"},
+      {"--steps 4 --summary " + (dir_ / "bad/model.safetensors"), 2, "the run's own files"},
+      {"--job-name a\x01b", 2, "a control character"},
       // No machine has GPU 1023: said before the engine pins the states.
       {"--device cuda --ranks 1024", 1, "no CUDA device"},
   };
   ASSERT_EQ(::mkfifo((dir_ / "fifo").c_str(), 0600), 0);
+  // (With --batch 4 that is 2000000 micro-steps a step: it ran, deaf to SIGTERM.)
+  std::ofstream(dir_ / "big-batch.json")
+      << R"({"train_batch_size": 8000000})";
   for (const Case& c : cases) {
     const auto start = std::chrono::steady_clock::now();
     auto [rc, text] = Train(Common() + out + " " + c.args, dir_);
@@ -270,6 +278,15 @@ TEST_F(TrainHardeningTest, AFailedRunLeavesNoSwapFileBehind) {
   EXPECT_EQ(rc, 1) << text;
   EXPECT_NE(text.find("No space left on device"), std::string::npos) << text;
   EXPECT_TRUE(left.empty()) << left[0] << " left in the swap directory\n" << text;
+}
+
+// A --out whose name holds a control character trains: the job's name
+// (derived from it) shows the character as '?' (it failed at registration,
+// after the directories were made).
+TEST_F(TrainHardeningTest, AnOutWithAControlCharacterTrains) {
+  auto [rc, text] = Train(Common() + " --steps 2 --out " + (dir_ / "a\x01b"), dir_);
+  EXPECT_EQ(rc, 0) << text;
+  EXPECT_TRUE(fs::exists(dir_ / "a\x01b/model.safetensors")) << text;
 }
 
 // What the up-front checks allow: a --summary in the --out the run makes.
