@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <set>
 
 #include <nlohmann/json.hpp>
 
@@ -58,8 +59,20 @@ Result<StHeader> ParseSafetensorsHeader(std::string_view prefix, uint64_t file_s
     return bad(StrCat("header length ", n, " runs past the end of the ", file_size, "-byte file"));
   }
   if (prefix.size() < 8 + n) return bad("header not fully read");
-  Json h = Json::parse(prefix.substr(8, n), nullptr, /*allow_exceptions=*/false);
+  // A name given twice is refused (as the reference reader does), not read
+  // as its last entry.
+  std::set<std::string> names;
+  std::string twice;
+  auto note_keys = [&](int depth, Json::parse_event_t event, Json& parsed) {
+    if (event == Json::parse_event_t::key && depth == 1 && twice.empty() &&
+        !names.insert(parsed.get<std::string>()).second) {
+      twice = parsed.get<std::string>();
+    }
+    return true;
+  };
+  Json h = Json::parse(prefix.substr(8, n), note_keys, /*allow_exceptions=*/false);
   if (h.is_discarded()) return bad("header is not valid JSON");
+  if (!twice.empty()) return bad(StrCat("the header names '", twice, "' twice"));
   if (!h.is_object()) return bad("header is not a JSON object");
   StHeader out;
   out.data_start = 8 + n;
@@ -97,6 +110,9 @@ Result<StHeader> ParseSafetensorsHeader(std::string_view prefix, uint64_t file_s
     for (const Json& d : shape) {
       if (!d.is_number_unsigned()) return bad(StrCat("tensor '", name, "' has a bad dimension"));
       const uint64_t dim = d.get<uint64_t>();
+      if (dim > static_cast<uint64_t>(INT64_MAX)) {
+        return bad(StrCat("tensor '", name, "' has a dimension past 2^63 - 1"));
+      }
       if (dim != 0 && count > UINT64_MAX / dim) {
         return bad(StrCat("tensor '", name, "' shape overflows"));
       }
@@ -116,9 +132,18 @@ Result<StHeader> ParseSafetensorsHeader(std::string_view prefix, uint64_t file_s
     ranges.emplace_back(t.begin, t.end);
     out.tensors.emplace(name, std::move(t));
   }
+  // The tensors' data tile the data region: no overlap, no hole, nothing
+  // before the first or after the last (bytes no tensor names are a damaged
+  // or forged file, as the reference reader holds).
   std::sort(ranges.begin(), ranges.end());
-  for (size_t i = 1; i < ranges.size(); ++i) {
-    if (ranges[i].first < ranges[i - 1].second) return bad("two tensors' data overlap");
+  uint64_t at = 0;
+  for (const auto& [begin, end] : ranges) {
+    if (begin < at) return bad("two tensors' data overlap");
+    if (begin > at) return bad(StrCat("bytes [", at, ", ", begin, ") of the data belong to no tensor"));
+    at = end;
+  }
+  if (at != data_size) {
+    return bad(StrCat("bytes [", at, ", ", data_size, ") after the last tensor's data belong to none"));
   }
   return out;
 }

@@ -207,6 +207,25 @@ TEST(SafetensorsHeaderTest, RejectsHeadersThatLie) {
                   "data_offsets": [0, 8]}})",
               8),
        "overflows"},
+      // What the reference reader refuses too (these were read: the last
+      // entry of a repeated name won, bytes no tensor names were skipped,
+      // a dimension past 2^63 became negative).
+      {Header(R"({"t": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+                  "t": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}})",
+              8),
+       "names 't' twice"},
+      {Header(R"({"t": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}})", 12),
+       "after the last tensor's data"},
+      {Header(R"({"t": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}})", 12),
+       "bytes [0, 4) of the data belong to no tensor"},
+      {Header(R"({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]},
+                  "b": {"dtype": "F32", "shape": [1], "data_offsets": [8, 12]}})",
+              12),
+       "bytes [4, 8) of the data belong to no tensor"},
+      {Header(R"({"t": {"dtype": "F32", "shape": [9223372036854775808, 0],
+                  "data_offsets": [0, 0]}})",
+              0),
+       "past 2^63 - 1"},
   };
   for (const Case& c : cases) {
     Result<StHeader> h = ParseSafetensorsHeader(c.file, c.file.size());
