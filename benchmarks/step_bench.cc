@@ -56,6 +56,8 @@
 namespace ztier::bench {
 namespace {
 
+constexpr char kDefaultSwapDir[] = "ztier-bench-swap";
+
 namespace fs = std::filesystem;
 using engine::Tier;
 
@@ -89,8 +91,8 @@ RSS against the pinned pool.
   --tier T          nvme or dram: where the optimizer states live (default nvme)
   --param-tier T    nvme or dram: where the bf16 params live (default dram;
                     nvme needs --tier nvme)
-  --path DIR        a swap directory, one per drive; repeat for several
-                    (default: ./ztier-bench-swap)
+  --path DIR        an existing swap directory, one per drive; repeat for
+                    several (default: ./ztier-bench-swap, created)
   --steps N         timed steps, after one untimed warm-up step (default 3)
   --threads N       optimizer threads (default 0: all cores)
   --buffer-count N  slots of the staging ring (default 4)
@@ -159,7 +161,7 @@ Status ParseArgs(int argc, char** argv, StepBenchOptions* o) {
     return Status::InvalidArgument("--param-tier nvme needs --tier nvme");
   }
   if (o->params == 0) o->params = o->tier == Tier::kNvme ? uint64_t{1} << 30 : uint64_t{256} << 20;
-  if (o->paths.empty()) o->paths.push_back("ztier-bench-swap");
+  if (o->paths.empty()) o->paths.push_back(kDefaultSwapDir);
   return Status::Ok();
 }
 
@@ -519,9 +521,15 @@ int RunOnce(const StepBenchOptions& o, engine::StateDtype dtype, RunSummary* sum
                                             : 4 * o.params + state_bytes) +
                                ring_bytes + units * (uint64_t{64} << 10) + (uint64_t{320} << 20);
   if (nvme) {
+    // The default is made; a --path must exist (a typo would measure
+    // another filesystem).
     for (const std::string& p : o.paths) {
       std::error_code ec;
-      fs::create_directories(p, ec);
+      if (p == kDefaultSwapDir) fs::create_directories(p, ec);
+      if (!fs::is_directory(p, ec)) {
+        return FailExit(Status::NotFound(StrCat("--path ", p, " is not an existing directory")),
+                        "step");
+      }
     }
     settings.nvme_paths = o.paths;
     settings.stripe_bytes = o.stripe;

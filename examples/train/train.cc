@@ -1020,7 +1020,16 @@ int Run(const Flags& f, const Plan& p) {
     if (!last.ok()) return fail(last.status().Annotate(StrCat("--device cuda --ranks ", f.ranks)));
   }
   if (Status s = CreateDir(f.out, "--out directory"); !s.ok()) return fail(s);
+  // A swap directory is made if its parent exists (<out>/swap, by default):
+  // a typo further up is an error, not a swap space on another filesystem.
   for (const std::string& dir : p.settings.nvme_paths) {
+    std::error_code ec;
+    if (fs::is_directory(dir, ec)) continue;
+    const fs::path parent = fs::absolute(dir).lexically_normal().parent_path();
+    if (!fs::is_directory(parent, ec)) {
+      return fail(Status::NotFound(
+          StrCat("swap directory ", dir, ": its parent ", parent.string(), " does not exist")));
+    }
     if (Status s = CreateDir(dir, "swap directory"); !s.ok()) return fail(s);
   }
   if (Status s = client::InstallStopHandlers(); !s.ok()) return fail(s);

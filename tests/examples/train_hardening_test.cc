@@ -245,6 +245,8 @@ TEST_F(TrainHardeningTest, BadInputsAreClearErrorsNeverCrashes) {
       {"--steps 4 --summary " + (dir_ / "bad/checkpoint/manifest.json"), 2, "the run's own files"},
       {"--steps 4 --summary " + (dir_ / "bad/model.safetensors"), 2, "the run's own files"},
       {"--job-name a\x01b", 2, "a control character"},
+      // A typo above the swap directory: it was made, on whatever was there.
+      {"--swap-dir " + (dir_ / "no/such/swap"), 1, "does not exist"},
       // No machine has GPU 1023: said before the engine pins the states.
       {"--device cuda --ranks 1024", 1, "no CUDA device"},
   };
