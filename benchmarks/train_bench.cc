@@ -130,6 +130,11 @@ Result<Options> Parse(int argc, char** argv) {
     return Status::InvalidArgument(
         StrCat("--skip ", o.skip, " leaves none of --steps ", o.steps, " to measure"));
   }
+  // The GPT's own rule (ztier-train would say it, after the bench began).
+  if (o.channels % o.heads != 0) {
+    return Status::InvalidArgument(
+        StrCat("--heads ", o.heads, " must divide --channels ", o.channels));
+  }
   return o;
 }
 

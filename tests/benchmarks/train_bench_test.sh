@@ -32,6 +32,10 @@ status=0
 "$bench" train --steps 3 --skip 3 >/dev/null 2>&1 || status=$?
 [ "$status" -eq 2 ] || { echo "--skip 3 of --steps 3 gave exit $status, not a usage error"; exit 1; }
 status=0
+out=$("$bench" train --heads 3 --channels 100 --steps 3 --skip 1 2>&1) || status=$?
+[[ $status -eq 2 && $out == *"--heads 3 must divide --channels 100"* ]] ||
+  { echo "heads that do not divide channels gave exit $status: $out"; exit 1; }
+status=0
 out=$("$bench" train --train "$dir/no-such-program" 2>&1) || status=$?
 [ "$status" -eq 1 ] && [[ $out == *"no-such-program"* ]] ||
   { echo "a missing ztier-train gave exit $status: $out"; exit 1; }
