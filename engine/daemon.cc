@@ -218,7 +218,18 @@ struct Daemon::Impl {
   Status LoadQuotaFile() {
     if (options.quota_file.empty()) return Status::Ok();
     std::error_code ec;
-    if (!std::filesystem::exists(options.quota_file, ec)) return Status::Ok();
+    if (!std::filesystem::exists(options.quota_file, ec)) {
+      // Written at the first quota set: where it can be, said now rather
+      // than to the operator who sets one.
+      std::filesystem::path dir = std::filesystem::path(options.quota_file).parent_path();
+      if (dir.empty()) dir = ".";
+      if (!std::filesystem::is_directory(dir, ec) || ::access(dir.c_str(), W_OK | X_OK) != 0) {
+        return Status::InvalidArgument(StrCat("quota file ", options.quota_file, ": ",
+                                              dir.string(), " is not a directory ztierd can ",
+                                              "write (the file is made at the first quota set)"));
+      }
+      return Status::Ok();
+    }
     ZT_ASSIGN_OR_RETURN(std::string text, ReadFileToString(options.quota_file, 16 << 20));
     const auto bad = [&](std::string_view why) {
       return Status::InvalidArgument(StrCat("quota file ", options.quota_file, ": ", why));

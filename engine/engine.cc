@@ -551,6 +551,14 @@ Result<std::unique_ptr<Engine>> Engine::Create(const Settings& settings,
   for (const std::string& line : NonDefaultSettings(settings)) {
     ZT_LOG(kInfo, "engine") << "setting " << line;
   }
+  // A cap, not an allocation: allowed, but the jobs it admits could pin
+  // more than the machine has.
+  if (const uint64_t physical = PhysicalMemoryBytes();
+      physical != 0 && settings.dram_budget_bytes > physical) {
+    ZT_LOG(kWarn, "engine") << "the DRAM budget (ztier.dram_budget " << settings.dram_budget_bytes
+                            << " bytes) is more than this machine's " << physical
+                            << " bytes of memory: jobs it admits may pin more than there is";
+  }
   return std::unique_ptr<Engine>(new Engine(std::move(impl)));
 }
 

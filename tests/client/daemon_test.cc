@@ -744,6 +744,13 @@ TEST(ZtierdProgramTest, BadUsageAndASocketInUseAreClearErrors) {
   std::tie(rc, out) = RunZtierd("--socket /tmp/x.sock --config " + cfg.path() + "/bad.json");
   EXPECT_EQ(rc, 2) << out;
   EXPECT_NE(out.find("dram_budjet"), std::string::npos) << out;
+  // A quota file it could never write (found at the first quota set).
+  std::tie(rc, out) = RunZtierd("--socket " + cfg.path() +
+                                "/q.sock --quota-file /nonexistent-dir/quotas.json");
+  EXPECT_EQ(rc, 2) << out;
+  EXPECT_NE(out.find("/nonexistent-dir is not a directory ztierd can write"), std::string::npos)
+      << out;
+  EXPECT_FALSE(std::filesystem::exists(cfg.path() + "/q.sock")) << "its socket was left behind";
   // A second ztierd on a live socket: refused, naming it; the first one
   // serves on.
   ZtierdProcess d(ZTIERD_BINARY, {});
