@@ -1123,7 +1123,20 @@ class Offload:
         try:
             self._barrier()
             if self.rank == 0:
-                self.job.load_checkpoint(os.fspath(directory))
+                try:
+                    self.job.load_checkpoint(os.fspath(directory))
+                except ValueError as e:
+                    if "does not fit" in str(e) and any(t.frozen for u in self.units
+                                                        for t in u.tensors):
+                        # A frozen tensor goes to a unit of its own: freezing
+                        # other tensors than the checkpoint's model did lays
+                        # the model out in other units.
+                        raise type(e)(
+                            f"{e} (this model freezes some parameters; a checkpoint of a model "
+                            "that froze others, or none, is laid out in other units: load it "
+                            "into the model as it was, export_safetensors, then offload this "
+                            "one with weights=)") from e
+                    raise
             self._barrier()
         finally:
             # A load that failed changed nothing: the model goes on from its

@@ -699,3 +699,25 @@ def test_passes_that_give_the_model_no_grad_are_no_micro_steps(settings):
     assert zD.step_count == 3
     zG.close()
     zD.close()
+
+
+def test_a_checkpoint_of_other_frozen_parameters_says_how_to_go_on(settings, tmp_path):
+    # A full fine-tune's checkpoint into the same model with a frozen base:
+    # "it has 1 units, the job 2" alone did not say why, nor the way on.
+    model = _mlp()
+    z = zt.offload(model, settings=settings)
+    _train_step(model, z, torch.randn(4, 6))
+    z.save_checkpoint(str(tmp_path / "ck"))
+    z.export_safetensors(str(tmp_path / "m.safetensors"))
+    z.close()
+    frozen = _mlp()
+    frozen[0].weight.requires_grad_(False)
+    z = zt.offload(frozen, settings=settings)
+    with pytest.raises(ValueError, match="freezes some parameters"):
+        z.load_checkpoint(str(tmp_path / "ck"))
+    z.close()
+    frozen = _mlp()
+    frozen[0].weight.requires_grad_(False)
+    z = zt.offload(frozen, settings=settings, weights=str(tmp_path / "m.safetensors"))
+    _train_step(frozen, z, torch.randn(4, 6))
+    z.close()
