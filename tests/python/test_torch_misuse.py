@@ -321,17 +321,14 @@ class _Patterns(nn.Module):
         return self.out(h)
 
 
-@pytest.mark.parametrize("kind", [
-    "chain", "shared_reentrant", "shared_nonreentrant", "twice_in_region_reentrant",
-    "twice_in_region_nonreentrant", "parallel_reentrant", "parallel_nonreentrant"])
-def test_call_patterns_give_torchs_grads(settings, kind):
-    torch.manual_seed(0)
-    model = _Patterns(kind)
+def _grad_norm_as_torchs(settings, model, x):
+    """Offloads `model` (its weights first rounded to the bf16 its forward
+    reads), runs one step on sum(model(x)^2), and checks the engine's grad
+    norm against torch's on a copy."""
     with torch.no_grad():
         for p in model.parameters():
-            p.copy_(p.bfloat16().float())  # the values the forward reads
+            p.copy_(p.bfloat16().float())
     ref = copy.deepcopy(model)
-    x = torch.randn(3, 4)
     ref(x).pow(2).sum().backward()
     want = math.sqrt(sum(float((p.grad.double() ** 2).sum()) for p in ref.parameters()))
     z = zt.offload(model, settings=settings)
@@ -342,6 +339,15 @@ def test_call_patterns_give_torchs_grads(settings, kind):
     # rounds summed in bf16 too.
     assert z.grad_norm() == pytest.approx(want, rel=4e-3)
     z.close()
+
+
+@pytest.mark.parametrize("kind", [
+    "chain", "shared_reentrant", "shared_nonreentrant", "twice_in_region_reentrant",
+    "twice_in_region_nonreentrant", "parallel_reentrant", "parallel_nonreentrant"])
+def test_call_patterns_give_torchs_grads(settings, kind):
+    torch.manual_seed(0)
+    model = _Patterns(kind)
+    _grad_norm_as_torchs(settings, model, torch.randn(3, 4))
 
 
 class _Regions(nn.Module):
@@ -545,18 +551,7 @@ def test_blocks_returning_a_dataclass_give_torchs_grads(settings):
     # when their backward ran (setStorage ... out of bounds).
     torch.manual_seed(0)
     model = _DataclassModel()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(p.bfloat16().float())
-    ref = copy.deepcopy(model)
-    x = torch.randn(4, 8)
-    ref(x).pow(2).sum().backward()
-    want = math.sqrt(sum(float((p.grad.double() ** 2).sum()) for p in ref.parameters()))
-    z = zt.offload(model, settings=settings)
-    model(x).pow(2).sum().backward()
-    z.optimizer.step()
-    assert z.grad_norm() == pytest.approx(want, rel=4e-3)
-    z.close()
+    _grad_norm_as_torchs(settings, model, torch.randn(4, 8))
 
 
 def test_save_after_a_forward_whose_graph_is_dropped(settings, tmp_path):
