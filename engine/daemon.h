@@ -16,8 +16,10 @@
 // int64 per unit, in its read-only params region) shows them. Bulk data
 // (weights in, states out) moves through a staging memfd the client made,
 // never through a path the daemon opens. Per-uid quotas bound connections
-// and jobs, and each connection bounds its requests in flight; a refusal
-// names the quota and the figures.
+// and jobs, requests in flight over all of a uid's connections and the job
+// specs they hold, and each connection bounds its requests in flight; a
+// refusal names the quota and the figures. A thread that cannot be had
+// refuses that request (or closes that connection), never stops the daemon.
 //
 // Ranks in other processes (one per GPU, as torchrun starts them) join a
 // job with an attach (the same model spec, a rank of their own; the daemon
