@@ -8,31 +8,11 @@
 #include <cmath>
 #include <cstdio>
 
+#include "common/numbers.h"
+
 namespace ztier::bench {
 
-Result<uint64_t> ParseCount(std::string_view text) {
-  uint64_t value = 0;
-  const char* first = text.data();
-  const char* last = text.data() + text.size();
-  auto [ptr, ec] = std::from_chars(first, last, value);
-  if (ec != std::errc() || ptr == first) {
-    return Status::InvalidArgument(StrCat("not a count: '", text, "' (use e.g. 4096, 16M, 1G)"));
-  }
-  std::string_view suffix(ptr, static_cast<size_t>(last - ptr));
-  if (!suffix.empty() && (suffix.back() == 'i' || suffix.back() == 'B')) suffix.remove_suffix(1);
-  uint64_t mult = 1;
-  if (suffix == "K" || suffix == "k")
-    mult = uint64_t{1} << 10;
-  else if (suffix == "M" || suffix == "m")
-    mult = uint64_t{1} << 20;
-  else if (suffix == "G" || suffix == "g")
-    mult = uint64_t{1} << 30;
-  else if (!suffix.empty()) {
-    return Status::InvalidArgument(StrCat("unknown suffix in '", text, "' (K, M or G)"));
-  }
-  if (value > UINT64_MAX / mult) return Status::InvalidArgument(StrCat("count too large: ", text));
-  return value * mult;
-}
+Result<uint64_t> ParseCount(std::string_view text) { return ParseSize(text); }
 
 Result<std::vector<uint64_t>> ParseCountList(std::string_view text) {
   std::vector<uint64_t> out;

@@ -18,7 +18,8 @@
 
 namespace ztier::bench {
 
-// "4096", "16M", "1G", "64Ki" -> count. K/M/G are powers of 1024.
+// "4096", "16M", "1G", "64Ki" -> count: common/numbers.h's ParseSize (K, M,
+// G, T are powers of 1024).
 Result<uint64_t> ParseCount(std::string_view text);
 
 // Comma-separated list of counts: "16M,64M".

@@ -19,7 +19,9 @@ Result<uint64_t> ParseSize(std::string_view text) {
   }
   std::string_view suffix(ptr, static_cast<size_t>(last - ptr));
   if (!suffix.empty() && (suffix.back() == 'B' || suffix.back() == 'b')) suffix.remove_suffix(1);
-  if (!suffix.empty() && suffix.back() == 'i') suffix.remove_suffix(1);
+  // "i" marks a binary unit ("64Ki"): after a unit's letter only ("64i" is
+  // no size).
+  if (suffix.size() >= 2 && suffix.back() == 'i') suffix.remove_suffix(1);
   int shift = 0;
   if (suffix == "K" || suffix == "k") {
     shift = 10;

@@ -18,7 +18,9 @@ TEST(NumbersTest, SizesWithSuffixes) {
 
 TEST(NumbersTest, RejectsWhatIsNotAWholeSize) {
   for (const char* bad : {"", "nan", "inf", "1e30", "-1", "+5", "1.5G", "12X", "G", " 1", "1 ",
-                          "0x10", "18446744073709551616", "16777216T"}) {
+                          "0x10", "18446744073709551616", "16777216T",
+                          // an "i" with no unit before it (read as 64 bytes)
+                          "64i", "64iB"}) {
     Result<uint64_t> r = ParseSize(bad);
     EXPECT_FALSE(r.ok()) << "'" << bad << "' parsed as " << (r.ok() ? *r : 0);
     if (!r.ok()) {
