@@ -365,17 +365,30 @@ uint64_t ParseBytes(std::string_view flag, std::string_view text) {
   return *b;
 }
 
+// With --json a failure is a JSON object on stdout too, so a script that
+// reads stdout learns why: {"error": {"code", "message", "exit"}}.
+int JsonError(bool json, std::string_view code, std::string_view message, int exit) {
+  if (json) {
+    PrintJson({{"error", {{"code", code}, {"message", message}, {"exit", exit}}}});
+  }
+  return exit;
+}
+
 // Turns a failed call into the exit code that says what kind it is.
-int Fail(const Status& s) {
+int Fail(const Status& s, bool json) {
   std::fprintf(stderr, "ztierctl: %s\n", s.ToString().c_str());
+  int exit = kExitError;
   switch (s.code()) {
     case StatusCode::kPermissionDenied:
-      return kExitRefused;
+      exit = kExitRefused;
+      break;
     case StatusCode::kInvalidArgument:
-      return kExitUsage;
+      exit = kExitUsage;
+      break;
     default:
-      return kExitError;
+      break;
   }
+  return JsonError(json, StatusCodeName(s.code()), s.message(), exit);
 }
 
 int Run(const Options& o) {
@@ -460,22 +473,22 @@ int Run(const Options& o) {
       std::fprintf(stderr,
                    "ztierctl: is ztierd running? (systemctl status ztierd.socket; or name its "
                    "socket with --socket)\n");
-      return kExitNotRunning;
+      return JsonError(o.json, StatusCodeName(s.code()), s.message(), kExitNotRunning);
     }
     if (s.code() == StatusCode::kFailedPrecondition || s.code() == StatusCode::kPermissionDenied) {
-      return kExitRefused;
+      return JsonError(o.json, StatusCodeName(s.code()), s.message(), kExitRefused);
     }
-    return kExitError;
+    return JsonError(o.json, StatusCodeName(s.code()), s.message(), kExitError);
   }
   client::DaemonControl& c = **conn;
 
   if (cmd == "status") {
     Result<DaemonStatus> s = c.GetStatus();
-    if (!s.ok()) return Fail(s.status());
+    if (!s.ok()) return Fail(s.status(), o.json);
     o.json ? PrintJson(StatusJson(*s)) : PrintStatus(*s);
   } else if (cmd == "jobs") {
     Result<std::vector<JobInfo>> jobs = c.Jobs();
-    if (!jobs.ok()) return Fail(jobs.status());
+    if (!jobs.ok()) return Fail(jobs.status(), o.json);
     if (o.json) {
       Json list = Json::array();
       for (const JobInfo& j : *jobs) list.push_back(JobJson(j));
@@ -488,11 +501,11 @@ int Run(const Options& o) {
     engine::Quota defaults;
     if (quota_all) {
       Result<std::vector<QuotaInfo>> all = c.AllQuotas(&defaults);
-      if (!all.ok()) return Fail(all.status());
+      if (!all.ok()) return Fail(all.status(), o.json);
       quotas = *std::move(all);
     } else {
       Result<QuotaInfo> q = c.GetQuota(quota_uid);
-      if (!q.ok()) return Fail(q.status());
+      if (!q.ok()) return Fail(q.status(), o.json);
       quotas.push_back(*q);
     }
     if (o.json) {
@@ -511,11 +524,11 @@ int Run(const Options& o) {
     }
   } else if (cmd == "quota") {
     Result<QuotaInfo> q = c.SetQuota(update);
-    if (!q.ok()) return Fail(q.status());
+    if (!q.ok()) return Fail(q.status(), o.json);
     o.json ? PrintJson({{"quotas", Json::array({QuotaInfoJson(*q)})}}) : PrintQuotas({*q});
   } else if (cmd == "drain") {
     Status s = c.Drain(drain_on);
-    if (!s.ok()) return Fail(s);
+    if (!s.ok()) return Fail(s, o.json);
     if (o.json) {
       PrintJson({{"draining", drain_on}});
     } else {
@@ -524,7 +537,7 @@ int Run(const Options& o) {
     }
   } else if (cmd == "evict") {
     Status s = c.Evict(evict_id, reason);
-    if (!s.ok()) return Fail(s);
+    if (!s.ok()) return Fail(s, o.json);
     o.json ? PrintJson({{"evicted", evict_id}}) : (void)std::printf("job %d evicted\n", evict_id);
   }
   return 0;
@@ -565,7 +578,7 @@ int Main(int argc, char** argv) {
   } catch (const UsageError& e) {
     std::fprintf(stderr, "ztierctl: %s\n\n", e.message.c_str());
     Usage(stderr);
-    return kExitUsage;
+    return JsonError(o.json, "usage", e.message, kExitUsage);
   }
 }
 

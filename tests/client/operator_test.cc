@@ -35,6 +35,7 @@
 #include <sstream>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "client/ztier.h"
@@ -456,6 +457,25 @@ TEST(ZtierctlProgramTest, TablesJsonAndExitCodes) {
   r = Ztierctl("--socket " + dir.path() + "/none.sock status", dir.path());
   EXPECT_EQ(r.code, 3) << r.out;
   EXPECT_NE(r.out.find("is ztierd running"), std::string::npos) << r.out;
+  // With --json a failure is a JSON object on stdout too (it printed
+  // nothing there: a script reading stdout learned nothing).
+  const std::string json_out = dir.path() + "/json.out";
+  for (const auto& [args, code, kind] :
+       {std::tuple<std::string, int, std::string>{"--socket " + dir.path() + "/none.sock --json status", 3,
+                                                  "unavailable"},
+        {sock + " --json evict 999", 1, "not_found"},
+        {sock + " --json frobnicate", 2, "usage"}}) {
+    const int st = std::system(StrCat("timeout -s KILL 30 ", ZTIERCTL_BINARY, " ", args, " >",
+                                      json_out, " 2>/dev/null")
+                                   .c_str());
+    EXPECT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == code) << args;
+    std::ifstream in(json_out);
+    const auto e = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+    ASSERT_TRUE(e.is_object() && e.contains("error")) << args;
+    EXPECT_EQ(e["error"]["code"], kind) << args;
+    EXPECT_EQ(e["error"]["exit"], code) << args;
+    EXPECT_FALSE(e["error"]["message"].get<std::string>().empty()) << args;
+  }
   // --help and --version need no daemon.
   EXPECT_EQ(Ztierctl("--help", dir.path()).code, 0);
   EXPECT_NE(Ztierctl("--version", dir.path()).out.find("ztierctl"), std::string::npos);
