@@ -277,6 +277,9 @@ TEST_F(TrainHardeningTest, AFailedRunLeavesNoSwapFileBehind) {
     if (e.path().filename() != "ztier-swap.lock") left.push_back(e.path().filename());
   }
   ::umount2(small.c_str(), MNT_DETACH);
+  if (text.find("does not support O_DIRECT") != std::string::npos) {
+    GTEST_SKIP() << "tmpfs takes no O_DIRECT on this kernel: no swap space there";
+  }
   EXPECT_EQ(rc, 1) << text;
   EXPECT_NE(text.find("No space left on device"), std::string::npos) << text;
   EXPECT_TRUE(left.empty()) << left[0] << " left in the swap directory\n" << text;
