@@ -1122,7 +1122,8 @@ class Daemon::Impl::Connection {
       const uint64_t size = std::min<uint64_t>(static_cast<uint64_t>(std::max<off_t>(st.st_size, 0)),
                                                p::kMaxMemfdPayloadBytes);
       ZT_RETURN_IF_ERROR(charge->Take(d_, peer_.uid, 2 * size));
-      return ReadPayloadMemfd(req.fds[0].get(), p::kMaxMemfdPayloadBytes);
+      // At most what was charged: a memfd grown since is refused.
+      return ReadPayloadMemfd(req.fds[0].get(), size);
     }
     return std::move(req.payload);
   }

@@ -215,9 +215,11 @@ Result<std::unique_ptr<MetricsServer>> MetricsServer::Listen(std::string_view ad
     struct stat st{};
     if (::lstat(path.c_str(), &st) == 0) {
       if (!S_ISSOCK(st.st_mode)) return bad("something other than a socket is there");
-      UniqueFd probe(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+      // Non-blocking: a live server with a full backlog says EAGAIN at once.
+      UniqueFd probe(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
       if (probe.valid() &&
-          ::connect(probe.get(), reinterpret_cast<const sockaddr*>(&sa), sizeof(sa)) == 0) {
+          (::connect(probe.get(), reinterpret_cast<const sockaddr*>(&sa), sizeof(sa)) == 0 ||
+           errno == EAGAIN)) {
         return Status(StatusCode::kUnavailable,
                       StrCat("metrics socket ", path,
                              " is in use: a server (another ztierd?) answers there"));

@@ -423,6 +423,7 @@ class Offload:
                 mod, _, leaf = name_.rpartition(".")
                 owner = model.get_submodule(mod) if mod else model
                 owner._buffers[leaf] = buf.to(self.device)
+        self._gathering = 0  # gathered() blocks open
         self._phase = "idle"  # idle | forward | backward
         self._micro = 0  # backward passes since the last optimizer step
         self._awaiting_step = False
@@ -689,6 +690,7 @@ class Offload:
         self._require_open("gathered")
         key = self.runner.order_key
         self.runner.set_order(_GATHER)
+        self._gathering += 1  # the parameters show copies, not placeholders
         saved = []  # (tensor, its .data before)
         versions = []  # (unit, tensor, the parameter's version once pointed at the copy)
         try:
@@ -699,16 +701,19 @@ class Offload:
                         flat[t.offset:t.offset + t.numel].copy_(t.param.data.reshape(-1))
                 else:
                     self._fetch(u, flat)
-                saved.extend((t, t.param.data) for t in u.tensors)
+                # Held units get their views back; the others their placeholder.
+                saved.extend((t, t.param.data if u.holds > 0 else None) for t in u.tensors)
                 self._point_params(u, flat)
                 versions.extend((u, t, t.param._version) for t in u.tensors)
             yield self.module
         finally:
+            self._gathering -= 1
             written_versions = {id(t): t.param._version for _, t, _ in versions}
             for t, data in saved:
-                t.param.data = data
-                if t.placeholder is not None and data is t.placeholder:
-                    t.idle_version = t.param._version  # said below, not again
+                if data is None:
+                    self._park(t)  # a write said below, not again at the next forward
+                else:
+                    t.param.data = data
             self.runner.set_order(key)
             # An in-place write (load_state_dict, fill_) bumps a parameter's
             # version: say that it went nowhere.
@@ -759,7 +764,7 @@ class Offload:
             raise RuntimeError(
                 f"ztier: a training forward after {self._micro} backward passes, but "
                 f"grad_accumulation={self.grad_accumulation}: call optimizer.step() first")
-        self._check_idle_params()
+        self._check_idle_params(values=training)
         self._training_forward = torch.is_grad_enabled()
         if self._training_forward:
             self._check_frozen_set()
@@ -773,28 +778,47 @@ class Offload:
         self.runner.set_order(_TRAIN if training else _EVAL)
         self._phase = "forward"
 
-    def _check_idle_params(self):
+    def _check_idle_params(self, values: bool):
         """Between uses a parameter is its placeholder: one written to (an
-        init after offloading, a load_state_dict) or replaced (``.half()``,
-        ``.to(...)``) since would be silently dropped, its values living in
-        the engine."""
-        for u in self.units:
-            if u.holds:
-                continue
-            for t in u.tensors:
-                data = t.param.data
-                if data.dtype != self.compute_dtype or data.device != self.device:
-                    raise RuntimeError(
-                        f"ztier: '{t.name}' is {data.dtype} on {data.device} now, the model was "
-                        f"offloaded to compute in {self.compute_dtype} on {self.device}: its "
-                        "parameters' dtype and device are fixed then (offload(compute_dtype=, "
-                        "device=))")
-                if t.param._version != t.idle_version:
-                    raise RuntimeError(
-                        f"ztier: '{t.name}' was written to after the model was offloaded (its "
-                        "values live in the engine; the parameter is a placeholder between uses), "
-                        "and the write went nowhere: initialize before zt.offload, or bring "
-                        "weights in through load_checkpoint, weights= or zt.from_pretrained")
+        init after offloading, through the parameter or its ``.data``),
+        replaced (``p.data = ...``) or cast (``.half()``, ``.to(...)``) since
+        would be silently dropped, its values living in the engine. With
+        ``values`` the placeholders' NaN are read too (one device sync: a
+        ``.data`` write bumps no version), for training forwards only. What
+        was found is said once: the parameters are put back on fresh
+        placeholders."""
+        if self._gathering:
+            return
+        bad = None
+        idle = [t for u in self.units if not u.holds for t in u.tensors]
+        for t in idle:
+            data = t.param.data
+            if data.dtype != self.compute_dtype or data.device != self.device:
+                bad = bad or (
+                    f"ztier: '{t.name}' is {data.dtype} on {data.device} now, the model was "
+                    f"offloaded to compute in {self.compute_dtype} on {self.device}: its "
+                    "parameters' dtype and device are fixed then (offload(compute_dtype=, "
+                    "device=))")
+            elif (t.param._version != t.idle_version or t.placeholder is None
+                  or data.data_ptr() != t.placeholder.data_ptr()):
+                bad = bad or self._written(t)
+        shown = [t for t in idle if t.numel > 0]
+        if bad is None and values and shown:
+            nan = torch.stack([t.placeholder.reshape(-1)[0] for t in shown]).isnan()
+            if not bool(nan.all()):
+                bad = self._written(shown[int((~nan).nonzero()[0])])
+        if bad is not None:
+            for t in idle:
+                t.placeholder = None  # a write may have gone into it
+                self._park(t)
+            raise RuntimeError(bad)
+
+    @staticmethod
+    def _written(t: _Tensor) -> str:
+        return (f"ztier: '{t.name}' was written to after the model was offloaded (its values "
+                "live in the engine; the parameter is a placeholder between uses), and the write "
+                "went nowhere: initialize before zt.offload, or bring weights in through "
+                "load_checkpoint, weights= or zt.from_pretrained")
 
     def _check_frozen_set(self):
         """The engine's frozen tensors and the hooks that send grads are laid
@@ -977,9 +1001,12 @@ class Offload:
         for call in list(self._bwd_held):
             self._bwd_held.discard(call)
             self._let_go(self._module_units[call[0]])
-        if not self._deferred and not any(u.arrived or u.pushed for u in self.units):
+        if (self.world_size == 1 and not self._deferred
+                and not any(u.arrived or u.pushed for u in self.units)):
             # A backward that gave this model no grad (torch.autograd.grad of
             # an input, a pass through it while it is frozen): no micro-step.
+            # (With several ranks every rank pushes, zeros where it got no
+            # grad, so that their collectives stay in step.)
             self._phase = "idle"
             return
         for u in self.units:

@@ -656,6 +656,24 @@ def test_writes_and_casts_of_idle_parameters_are_named(settings):
     assert torch.isnan(model[0].weight).all()  # each parameter its own placeholder
     with pytest.raises(RuntimeError, match="'1.weight' was written to after"):
         model(torch.randn(2, 4))
+    model(torch.randn(2, 4))  # said once: the placeholders are fresh again
+    # Through .data (no version bump: found by value at a training forward)
+    # and by replacing .data.
+    model[2].bias.data.zero_()
+    with pytest.raises(RuntimeError, match="'2.bias' was written to after"):
+        _train_step(model, z, torch.randn(2, 4))
+    model[0].weight.data = torch.ones(4, 4)
+    with pytest.raises(RuntimeError, match="'0.weight' was written to after"):
+        model(torch.randn(2, 4))
+    assert torch.isnan(model[0].weight).all()
+    _train_step(model, z, torch.randn(2, 4))
+    # A write inside gathered() is warned of there, and training goes on.
+    with z.gathered():
+        sd = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.warns(RuntimeWarning, match="written inside gathered"):
+        with z.gathered():
+            model.load_state_dict(sd)
+    _train_step(model, z, torch.randn(2, 4))
     z.close()
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
     z = zt.offload(model, settings=settings)
