@@ -73,19 +73,27 @@ def load_weights(z, path: str):
                                      f"{tuple(value.shape)}, the model's is {t.shape}")
                 flat[t.offset:t.offset + t.numel] = value.reshape(-1).float()
             z.job.set_weights(u.index, flat)
-        # Persistent buffers (running statistics) the file holds.
-        found = {}
-        for name in z.persistent_buffers():
-            if name in files:
-                file = files[name]
-                if file not in handles:
-                    handles[file] = safe_open(file, framework="pt").__enter__()
-                found[name] = handles[file].get_tensor(name)
-        if found:
-            z._set_buffers(found, os.fspath(path))
     finally:
         for h in handles.values():
             h.__exit__(None, None, None)
+
+
+def load_buffers(z, path: str):
+    """Sets the module's persistent buffers (running statistics) that the
+    checkpoint at ``path`` holds; every rank reads them (each has its own)."""
+    from safetensors import safe_open
+
+    wanted = z.persistent_buffers()
+    if not wanted:
+        return
+    files = _weight_files(os.fspath(path))
+    found = {}
+    for name in wanted:
+        if name in files:
+            with safe_open(files[name], framework="pt") as f:
+                found[name] = f.get_tensor(name)
+    if found:
+        z._set_buffers(found, os.fspath(path))
 
 
 def _empty_parameters(model: nn.Module):

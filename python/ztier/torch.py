@@ -407,6 +407,9 @@ class Offload:
                 self.job.set_weights(u.index, flat)
         else:
             self._load_weights(weights)
+        if weights is not None:
+            from ztier import hf
+            hf.load_buffers(self, weights)  # every rank: each module has its own
         if self.device.type == "cuda":
             self._device = _C.cuda_device(self.device.index)
         else:
@@ -630,10 +633,15 @@ class Offload:
             if u.storage is None:
                 u.storage = torch.UntypedStorage(0, device=self.device)
             u.storage.resize_(u.padded * self._elem_bytes)
-            flat = torch.empty(0, dtype=self.compute_dtype, device=self.device)
-            flat.set_(u.storage, 0, (u.padded,))
+            flat = self._storage_view(u)
             self._fetch(u, flat)
             self._point_params(u, flat)
+
+    def _storage_view(self, u: _Unit) -> torch.Tensor:
+        """The unit's own storage as a flat tensor of its params."""
+        flat = torch.empty(0, dtype=self.compute_dtype, device=self.device)
+        flat.set_(u.storage, 0, (u.padded,))
+        return flat
 
     def _fetch(self, u: _Unit, flat: torch.Tensor):
         """The unit's published bf16 params into `flat`, the runner's buffer
@@ -691,7 +699,7 @@ class Offload:
         key = self.runner.order_key
         self.runner.set_order(_GATHER)
         self._gathering += 1  # the parameters show copies, not placeholders
-        saved = []  # (tensor, its .data before)
+        saved = []  # the units pointed at copies
         versions = []  # (unit, tensor, the parameter's version once pointed at the copy)
         try:
             for u in self.units:
@@ -701,19 +709,22 @@ class Offload:
                         flat[t.offset:t.offset + t.numel].copy_(t.param.data.reshape(-1))
                 else:
                     self._fetch(u, flat)
-                # Held units get their views back; the others their placeholder.
-                saved.extend((t, t.param.data if u.holds > 0 else None) for t in u.tensors)
+                saved.append(u)
                 self._point_params(u, flat)
                 versions.extend((u, t, t.param._version) for t in u.tensors)
             yield self.module
         finally:
             self._gathering -= 1
             written_versions = {id(t): t.param._version for _, t, _ in versions}
-            for t, data in saved:
-                if data is None:
-                    self._park(t)  # a write said below, not again at the next forward
+            # Each unit as its holds now say (a forward inside may have
+            # taken or dropped some): on its storage, or on placeholders
+            # (a write is said below, not again at the next forward).
+            for u in saved:
+                if u.holds > 0:
+                    self._point_params(u, self._storage_view(u))
                 else:
-                    t.param.data = data
+                    for t in u.tensors:
+                        self._park(t)
             self.runner.set_order(key)
             # An in-place write (load_state_dict, fill_) bumps a parameter's
             # version: say that it went nowhere.
@@ -1315,21 +1326,48 @@ def _adamw_from(training: dict) -> AdamW:
 BUFFERS_FILE = "ztier-buffers.pt"
 
 
-def _add_to_safetensors(path: str, extra: dict[str, torch.Tensor]):
-    """Rewrites the safetensors file at ``path`` with ``extra`` added (in
-    their own dtypes), atomically; its metadata is kept."""
-    from safetensors import safe_open
-    from safetensors.torch import save_file
+_ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
+              torch.bfloat16: "BF16", torch.int64: "I64", torch.int32: "I32", torch.int16: "I16",
+              torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
 
-    with safe_open(path, framework="pt") as f:
-        metadata = f.metadata()
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
-    clash = sorted(set(tensors) & set(extra))
-    if clash:
-        raise ValueError(f"ztier: '{clash[0]}' is both a parameter and a buffer name")
-    tensors.update(extra)
-    tmp = path + ".tmp"
-    save_file(tensors, tmp, metadata=metadata)
+
+def _add_to_safetensors(path: str, extra: dict[str, torch.Tensor]):
+    """Rewrites the safetensors file at ``path`` with ``extra`` appended (in
+    their own dtypes), atomically; the tensors already there are copied as
+    bytes (never all in memory at once), their metadata kept."""
+    import json
+    import shutil
+    import struct
+
+    blobs = []
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+        data_start = 8 + n
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"),
+                  default=0)
+        for name, t in extra.items():
+            if name in header:
+                raise ValueError(f"ztier: '{name}' is both a parameter and a buffer name")
+            if t.dtype not in _ST_DTYPES:
+                raise ValueError(f"ztier: buffer '{name}' is {t.dtype}, which safetensors lacks")
+            b = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+            header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape),
+                            "data_offsets": [end, end + len(b)]}
+            end += len(b)
+            blobs.append(b)
+        text = json.dumps(header, separators=(",", ":")).encode()
+        text += b" " * ((8 - len(text) % 8) % 8)  # the data region 8-aligned, as writers do
+        tmp = path + ".tmp"
+        with open(tmp, "wb") as out:
+            out.write(struct.pack("<Q", len(text)))
+            out.write(text)
+            f.seek(data_start)
+            shutil.copyfileobj(f, out, 16 << 20)
+            for b in blobs:
+                out.write(b)
+            out.flush()
+            os.fsync(out.fileno())
     os.replace(tmp, path)
 
 
