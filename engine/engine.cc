@@ -31,6 +31,7 @@
 
 #include "common/log.h"
 #include "common/numbers.h"
+#include "common/utf8.h"
 #include "engine/dram_pool.h"
 #include "engine/engine_internal.h"
 
@@ -569,28 +570,18 @@ namespace {
 // characters, or the first bad byte named.
 Status CheckName(std::string_view what, std::string_view name) {
   for (size_t i = 0; i < name.size();) {
-    const auto c = static_cast<unsigned char>(name[i]);
-    size_t len = c < 0x80 ? 1 : (c >> 5) == 0x6 ? 2 : (c >> 4) == 0xe ? 3 : (c >> 3) == 0x1e ? 4 : 0;
-    bool ok = len != 0 && i + len <= name.size();
-    uint32_t cp = len == 1 ? c : len == 2 ? c & 0x1f : len == 3 ? c & 0x0f : c & 0x07;
-    for (size_t k = 1; ok && k < len; ++k) {
-      const auto cc = static_cast<unsigned char>(name[i + k]);
-      ok = (cc >> 6) == 0x2;
-      cp = (cp << 6) | (cc & 0x3f);
-    }
-    // Overlong forms, surrogates and code points past U+10FFFF are not UTF-8.
-    ok = ok && !(len == 2 && cp < 0x80) && !(len == 3 && cp < 0x800) &&
-         !(len == 4 && (cp < 0x10000 || cp > 0x10ffff)) && !(cp >= 0xd800 && cp <= 0xdfff);
-    if (!ok) {
+    const Utf8Char ch = DecodeUtf8(name, i);
+    if (ch.length == 0) {
+      const auto c = static_cast<unsigned char>(name[i]);
       return Status::InvalidArgument(StrCat(what, " is not valid UTF-8 (byte ", i, ": 0x",
                                             "0123456789abcdef"[c >> 4], "0123456789abcdef"[c & 15],
                                             ")"));
     }
-    if (cp < 0x20 || cp == 0x7f) {
+    if (ch.code_point < 0x20 || ch.code_point == 0x7f) {
       return Status::InvalidArgument(
-          StrCat(what, " holds a control character (byte ", i, ": ", cp, ")"));
+          StrCat(what, " holds a control character (byte ", i, ": ", ch.code_point, ")"));
     }
-    i += len;
+    i += ch.length;
   }
   return Status::Ok();
 }

@@ -54,6 +54,7 @@
 #include "client/ztier.h"
 #include "common/file_util.h"
 #include "common/numbers.h"
+#include "common/utf8.h"
 #include "examples/gpt/gpt.h"
 #include "nvme/swap_space.h"
 
@@ -190,23 +191,14 @@ struct OutPaths {
 std::string PrintableUtf8(std::string_view text) {
   std::string out;
   for (size_t i = 0; i < text.size();) {
-    const auto b = static_cast<unsigned char>(text[i]);
-    size_t n = b < 0x80 ? 1 : (b >> 5) == 6 ? 2 : (b >> 4) == 14 ? 3 : (b >> 3) == 30 ? 4 : 0;
-    uint32_t cp = n == 1 ? b : n == 2 ? (b & 0x1f) : n == 3 ? (b & 0x0f) : (b & 0x07);
-    for (size_t k = 1; n > 0 && k < n; ++k) {
-      const auto c = i + k < text.size() ? static_cast<unsigned char>(text[i + k]) : 0;
-      if ((c & 0xc0) != 0x80) n = 0;
-      cp = (cp << 6) | (c & 0x3f);
-    }
-    constexpr uint32_t kMin[] = {0, 0, 0x80, 0x800, 0x10000};
-    const bool ok = n > 0 && cp >= kMin[n] && cp <= 0x10ffff && !(cp >= 0xd800 && cp <= 0xdfff) &&
-                    cp >= 0x20 && cp != 0x7f && !(cp >= 0x80 && cp <= 0x9f);
-    if (ok) {
-      out.append(text.substr(i, n));
-      i += n;
-    } else {
+    const Utf8Char ch = DecodeUtf8(text, i);
+    const uint32_t cp = ch.code_point;
+    if (ch.length == 0 || cp < 0x20 || cp == 0x7f || (cp >= 0x80 && cp <= 0x9f)) {
       out += '?';
       i += 1;
+    } else {
+      out.append(text.substr(i, ch.length));
+      i += ch.length;
     }
   }
   return out;

@@ -1,0 +1,22 @@
+// UTF-8 decoding (see utf8.h).
+#include "common/utf8.h"
+
+namespace ztier {
+
+Utf8Char DecodeUtf8(std::string_view text, size_t i) {
+  const auto c = static_cast<unsigned char>(text[i]);
+  const size_t len =
+      c < 0x80 ? 1 : (c >> 5) == 0x6 ? 2 : (c >> 4) == 0xe ? 3 : (c >> 3) == 0x1e ? 4 : 0;
+  if (len == 0 || i + len > text.size()) return {};
+  uint32_t cp = len == 1 ? c : len == 2 ? c & 0x1f : len == 3 ? c & 0x0f : c & 0x07;
+  for (size_t k = 1; k < len; ++k) {
+    const auto cc = static_cast<unsigned char>(text[i + k]);
+    if ((cc >> 6) != 0x2) return {};
+    cp = (cp << 6) | (cc & 0x3f);
+  }
+  constexpr uint32_t kLeast[] = {0, 0, 0x80, 0x800, 0x10000};  // shorter forms are overlong
+  if (cp < kLeast[len] || cp > 0x10ffff || (cp >= 0xd800 && cp <= 0xdfff)) return {};
+  return {.length = len, .code_point = cp};
+}
+
+}  // namespace ztier

@@ -1,0 +1,27 @@
+// UTF-8 decoding, one code point at a time: what names (jobs, units,
+// tensors) are checked or shown by, wherever they come from.
+//
+// Thread safety: pure functions. Failure: none; bytes that are not UTF-8
+// decode to a length of 0.
+#ifndef ZTIER_COMMON_UTF8_H_
+#define ZTIER_COMMON_UTF8_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <string_view>
+
+namespace ztier {
+
+struct Utf8Char {
+  size_t length = 0;  // bytes; 0: not UTF-8 at this position
+  uint32_t code_point = 0;
+};
+
+// The code point at text[i] (i < text.size()). Length 0 for a truncated or
+// malformed sequence, an overlong form, a surrogate or a code point past
+// U+10FFFF.
+Utf8Char DecodeUtf8(std::string_view text, size_t i);
+
+}  // namespace ztier
+
+#endif  // ZTIER_COMMON_UTF8_H_
