@@ -75,6 +75,15 @@ using client::Session;
 using client::Stage3Runner;
 
 namespace fs = std::filesystem;
+
+// `p` absolute (an empty path is the working directory) and lexically
+// normal; where the working directory cannot be read (removed under the
+// run) a relative path stays relative instead of throwing.
+fs::path AbsoluteNormal(const fs::path& p) {
+  std::error_code ec;
+  const fs::path a = fs::absolute(p.empty() ? fs::path(".") : p, ec);
+  return (ec ? p : a).lexically_normal();
+}
 using Clock = std::chrono::steady_clock;
 
 constexpr char kFortunes[] = "/usr/share/games/fortunes";
@@ -364,13 +373,13 @@ Result<Flags> ParseFlags(int argc, char** argv) {
   }
   // What would only fail at the end of the run fails now.
   if (f.exit_after > 0) {
-    const bool checkpointed =
-        f.exit_after == f.steps || (f.checkpoint_every > 0 && f.exit_after % f.checkpoint_every == 0);
+    const bool checkpointed = f.exit_after == f.steps ||
+                              (f.checkpoint_every > 0 && f.exit_after % f.checkpoint_every == 0);
     if (f.exit_after > f.steps || !checkpointed) {
-      return Status::InvalidArgument(StrCat(
-          "--exit-after ", f.exit_after, ": step ", f.exit_after,
-          " has no checkpoint (the last step, ", f.steps, ", has one, and every multiple of "
-          "--checkpoint-every)"));
+      return Status::InvalidArgument(StrCat("--exit-after ", f.exit_after, ": step ", f.exit_after,
+                                            " has no checkpoint (the last step, ", f.steps,
+                                            ", has one, and every multiple of "
+                                            "--checkpoint-every)"));
     }
   }
   if (!f.summary.empty()) {
@@ -381,22 +390,22 @@ Result<Flags> ParseFlags(int argc, char** argv) {
       return Status::InvalidArgument(StrCat("--summary ", f.summary, " is a directory"));
     }
     // A directory in --out is made with it; any other must exist.
-    const fs::path out_dir = fs::absolute(f.out).lexically_normal();
-    const fs::path rel = fs::absolute(parent).lexically_normal().lexically_relative(out_dir);
+    const fs::path out_dir = AbsoluteNormal(f.out);
+    const fs::path rel = AbsoluteNormal(parent).lexically_relative(out_dir);
     const bool in_out = !rel.empty() && *rel.begin() != "..";
     if (!parent.empty() && !in_out && !fs::is_directory(parent, ec)) {
       return Status::InvalidArgument(
           StrCat("--summary ", f.summary, ": no directory ", parent.string()));
     }
     // Never over what the run writes (its checkpoint, log or export).
-    const fs::path summary_abs = fs::absolute(summary).lexically_normal();
+    const fs::path summary_abs = AbsoluteNormal(summary);
     const OutPaths run(out_dir.string());
     const fs::path in_checkpoint = summary_abs.lexically_relative(run.checkpoint);
     if (summary_abs == fs::path(run.log) || summary_abs == fs::path(run.exported) ||
         (!in_checkpoint.empty() && *in_checkpoint.begin() != "..")) {
-      return Status::InvalidArgument(
-          StrCat("--summary ", f.summary, " is one of the run's own files (checkpoint, ",
-                 "train_log.tsv or model.safetensors)"));
+      return Status::InvalidArgument(StrCat("--summary ", f.summary,
+                                            " is one of the run's own files (checkpoint, ",
+                                            "train_log.tsv or model.safetensors)"));
     }
     if (f.summary_skip >= f.steps) {
       return Status::InvalidArgument(StrCat("--summary-skip ", f.summary_skip,
@@ -408,8 +417,8 @@ Result<Flags> ParseFlags(int argc, char** argv) {
     // on one ztierd do not collide, and a resumed run is its own job again.
     // One spelling of the directory: symlinks resolved, no trailing '/'.
     std::error_code ec;
-    fs::path out = fs::weakly_canonical(fs::absolute(f.out), ec);
-    if (ec) out = fs::absolute(f.out).lexically_normal();
+    fs::path out = fs::weakly_canonical(AbsoluteNormal(f.out), ec);
+    if (ec) out = AbsoluteNormal(f.out);
     if (!out.has_filename() && out.has_parent_path()) out = out.parent_path();
     // A name shows in ztierctl's table and in checkpoints' JSON: the
     // directory's control characters and bytes that are not UTF-8 as '?'.
@@ -485,11 +494,11 @@ Result<Plan> ResolvePlan(const Flags& f) {
     // What it gives holds to the bounds of the settings it stands for.
     constexpr int kMaxDerived = 1 << 20;
     if (p.batch > kMaxDerived || p.accumulation > kMaxDerived) {
-      return Status::InvalidArgument(StrCat(
-          "train_batch_size ", tb, " makes ",
-          p.batch > kMaxDerived ? StrCat("the micro batch ", p.batch)
-                                : StrCat("the gradient accumulation ", p.accumulation),
-          ", outside 1..", kMaxDerived));
+      return Status::InvalidArgument(
+          StrCat("train_batch_size ", tb, " makes ",
+                 p.batch > kMaxDerived ? StrCat("the micro batch ", p.batch)
+                                       : StrCat("the gradient accumulation ", p.accumulation),
+                 ", outside 1..", kMaxDerived));
     }
   }
   p.params = gpt::ParameterCount(p.model);
@@ -719,17 +728,15 @@ Status CreateDir(const std::string& dir, std::string_view what) {
 
 void PrintSetup(const Flags& f, const Plan& p, const Session& session, size_t text_bytes) {
   const engine::Settings& s = p.settings;
-  std::fprintf(stderr,
-               "ztier-train: %.2fM params (%d layers, %d channels, %d heads, context %d), %zu "
-               "bytes of text, %d rank(s) on %s%s, batch %d x %d micro-step(s), optimizer states "
-               "in %s, params in %s, %s engine\n",
-               p.params / 1e6, p.model.layers, p.model.channels, p.model.heads, p.model.context,
-               text_bytes, f.ranks, f.device.c_str(),
-               p.model.matmul == gpt::MatmulMath::kBf16 ? " (bf16 matmuls)" : "", p.batch,
-               p.accumulation,
-               s.optimizer_tier == engine::Tier::kNvme ? "nvme" : "dram",
-               s.param_tier == engine::Tier::kNvme ? "nvme" : "dram",
-               session.transport_name().c_str());
+  std::fprintf(
+      stderr,
+      "ztier-train: %.2fM params (%d layers, %d channels, %d heads, context %d), %zu "
+      "bytes of text, %d rank(s) on %s%s, batch %d x %d micro-step(s), optimizer states "
+      "in %s, params in %s, %s engine\n",
+      p.params / 1e6, p.model.layers, p.model.channels, p.model.heads, p.model.context, text_bytes,
+      f.ranks, f.device.c_str(), p.model.matmul == gpt::MatmulMath::kBf16 ? " (bf16 matmuls)" : "",
+      p.batch, p.accumulation, s.optimizer_tier == engine::Tier::kNvme ? "nvme" : "dram",
+      s.param_tier == engine::Tier::kNvme ? "nvme" : "dram", session.transport_name().c_str());
   const engine::DramPoolStats pool = session.pool_stats();
   std::string pages = "pinned DRAM pool: budget " + GiB(pool.budget_bytes);
   if (pool.page_bytes != 0) {
@@ -873,8 +880,7 @@ Result<int> TrainSteps(const Flags& f, const Plan& p, const std::string& text, S
         ZT_RETURN_IF_ERROR(runner->Step());
       }
       if (measure) {
-        measured->train_seconds +=
-            std::chrono::duration<double>(Clock::now() - step_start).count();
+        measured->train_seconds += std::chrono::duration<double>(Clock::now() - step_start).count();
         ++measured->steps;
         measured->at_end = runner->stats();
       }
@@ -1017,7 +1023,7 @@ int Run(const Flags& f, const Plan& p) {
   for (const std::string& dir : p.settings.nvme_paths) {
     std::error_code ec;
     if (fs::is_directory(dir, ec)) continue;
-    const fs::path parent = fs::absolute(dir).lexically_normal().parent_path();
+    const fs::path parent = AbsoluteNormal(dir).parent_path();
     if (!fs::is_directory(parent, ec)) {
       return fail(Status::NotFound(
           StrCat("swap directory ", dir, ": its parent ", parent.string(), " does not exist")));

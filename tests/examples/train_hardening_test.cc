@@ -154,8 +154,8 @@ TEST_F(TrainHardeningTest, ResumeFinishesWhatTheRunHadLeftAndCutsTheLogBack) {
   EXPECT_EQ(prc, 1) << ptext;
   EXPECT_NE(ptext.find("past --steps 4"), std::string::npos) << ptext;
   // So is an --exit-after the resumed run would never reach.
-  auto [erc, etext] =
-      Train(Common() + " --steps 6 --checkpoint-every 3 --exit-after 3 --resume --out " + cut, dir_);
+  auto [erc, etext] = Train(
+      Common() + " --steps 6 --checkpoint-every 3 --exit-after 3 --resume --out " + cut, dir_);
   EXPECT_NE(erc, 0) << etext;
   EXPECT_NE(etext.find("would never reach it"), std::string::npos) << etext;
 }
@@ -252,8 +252,7 @@ TEST_F(TrainHardeningTest, BadInputsAreClearErrorsNeverCrashes) {
   };
   ASSERT_EQ(::mkfifo((dir_ / "fifo").c_str(), 0600), 0);
   // (With --batch 4 that is 2000000 micro-steps a step: it ran, deaf to SIGTERM.)
-  std::ofstream(dir_ / "big-batch.json")
-      << R"({"train_batch_size": 8000000})";
+  std::ofstream(dir_ / "big-batch.json") << R"({"train_batch_size": 8000000})";
   for (const Case& c : cases) {
     const auto start = std::chrono::steady_clock::now();
     auto [rc, text] = Train(Common() + out + " " + c.args, dir_);
@@ -297,11 +296,33 @@ TEST_F(TrainHardeningTest, AnOutWithAControlCharacterTrains) {
 // What the up-front checks allow: a --summary in the --out the run makes.
 TEST_F(TrainHardeningTest, ASummaryInsideANewOutIsWritten) {
   const std::string out = dir_ / "fresh/run";
-  auto [rc, text] = Train(Common() + " --steps 3 --summary-skip 1 --out " + out + " --summary " +
-                              out + "/speed.json",
-                          dir_);
+  auto [rc, text] = Train(
+      Common() + " --steps 3 --summary-skip 1 --out " + out + " --summary " + out + "/speed.json",
+      dir_);
   EXPECT_EQ(rc, 0) << text;
   EXPECT_TRUE(fs::exists(out + "/speed.json")) << text;
+}
+
+// Relative names in the working directory, as a user types them: a
+// --summary with no directory part (it threw from std::filesystem and
+// aborted the run before it started), and a run whose working directory
+// was removed before it started.
+TEST_F(TrainHardeningTest, RelativeNamesInTheWorkingDirectory) {
+  const fs::path here = fs::current_path();
+  ASSERT_EQ(::chdir(dir_.path().c_str()), 0);
+  auto [rc, text] =
+      Train(Common() + " --steps 2 --summary-skip 1 --out rel --summary s.json", dir_);
+  fs::create_directories(dir_ / "gone");
+  ASSERT_EQ(::chdir((dir_ / "gone").c_str()), 0);
+  fs::remove(dir_ / "gone");
+  auto [grc, gtext] = Train(
+      Common() + " --steps 1 --out " + (dir_ / "g") + " --summary s.json " + "--job-name gone",
+      dir_);
+  ASSERT_EQ(::chdir(here.c_str()), 0);
+  EXPECT_EQ(rc, 0) << text;
+  EXPECT_TRUE(fs::exists(dir_ / "s.json")) << text;
+  EXPECT_TRUE(fs::exists(dir_ / "rel/model.safetensors")) << text;
+  EXPECT_LT(grc, 128) << gtext;
 }
 
 TEST_F(TrainHardeningTest, OutThatCannotBeCreatedNamesTheRealCause) {
