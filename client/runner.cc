@@ -42,6 +42,19 @@
 // later unit to fill a copy. Where the units' host buffers are not one span
 // (params on NVMe: no fetch coalescing) the copies go one by one.
 //
+// With R > 1 a fetch of a unit that is not small but whose shard is, and
+// that was fetched at this version before (the backward's fetches, after
+// the forward's), takes along the units after it in the learned order that
+// are the same and lie next to it in the engine's memory (the publish
+// buffers of a job are in unit order, page-rounded), while their span
+// stays within R x coalesce_bytes. The grouping follows the calls alone,
+// since every rank must issue the same all-gather, so a run waits for all
+// its units; fetched before at this version, they are published, and a run
+// never holds a unit back for the optimizer's work on a later one. Each
+// rank copies its R-th of the span, and one all-gather fills in the rest:
+// a copy a rank for the run where there was one a unit, each about R times
+// larger.
+//
 // With R > 1 a push whose shard is small is held by the caller in an open
 // run, which is queued as one transfer when the next push cannot join it
 // (not small, its whole inbox not next to the run's span, or the span would
@@ -68,8 +81,8 @@
 #include <condition_variable>
 #include <deque>
 #include <map>
-#include <optional>
 #include <mutex>
+#include <optional>
 #include <thread>
 
 #include "client/transport.h"
@@ -128,6 +141,7 @@ struct Transfer {
   enum class Kind : uint8_t { kFetch, kPush } kind;
   int64_t version;
   std::vector<Part> parts;
+  bool run = false;  // a fetch run of units whose shard is small (R > 1)
 };
 
 // The caller's view of one unit.
@@ -137,6 +151,7 @@ struct UnitState {
   bool persistent = false;
   void* params = nullptr;         // device buffer, while resident or in flight
   int64_t version = -1;           // version the buffer holds (or is being fetched at)
+  int64_t fetched = -1;           // the last version a fetch of it was queued at
   std::shared_ptr<Ticket> fetch;  // the fetch filling `params`
   int holds = 0;
   Clock::time_point acquired_at;
@@ -158,7 +173,7 @@ struct Stage3Runner::Impl {
   RunnerOptions options;
   int rank = 0, world = 1, job = 0, accumulation = 1;
   std::vector<UnitState> units;
-  void* shard_buffer = nullptr;                         // reduce-scatter output (R > 1)
+  void* shard_buffer = nullptr;  // reduce-scatter output (R > 1)
   // Coalesced copies (options.coalesce_bytes): a staging buffer on the
   // device for each direction, `staging_bytes` for fetches and R times that
   // for pushes (a run's span of whole inboxes); null when no unit is small
@@ -168,6 +183,9 @@ struct Stage3Runner::Impl {
   void *fetch_staging = nullptr, *push_staging = nullptr;
   void *push_chunk = nullptr, *barrier = nullptr;
   uint64_t staging_bytes = 0;
+  // Fetches of units whose shard is small go in runs (R > 1, params in
+  // DRAM: the publish buffers lie side by side in unit order).
+  bool fetch_runs = false;
   std::vector<std::pair<void*, uint64_t>> host_ranges;  // registered with the device
 
   // Caller-thread state.
@@ -371,6 +389,7 @@ struct Stage3Runner::Impl {
 
   Status Fetch(Transfer& t) {
     if (SmallFetch(units[t.parts[0].unit].bytes)) return FetchCoalesced(t);
+    if (t.run) return FetchRun(t);
     const int unit = t.parts[0].unit;
     const UnitState& u = units[unit];
     Clock::time_point at = Clock::now();
@@ -427,7 +446,8 @@ struct Stage3Runner::Impl {
     Byte* start = host[order.front()];
     const uint64_t length = host[order.back()] + bytes[order.back()] - start;
     if (length > capacity) return std::nullopt;
-    SpanLayout<Byte> span{.offsets = std::vector<uint64_t>(host.size()), .start = start, .length = length};
+    SpanLayout<Byte> span{
+        .offsets = std::vector<uint64_t>(host.size()), .start = start, .length = length};
     for (size_t i = 0; i < host.size(); ++i) span.offsets[i] = host[i] - start;
     return span;
   }
@@ -501,6 +521,101 @@ struct Stage3Runner::Impl {
     return Status::Ok();
   }
 
+  // Where the units of a fetch run (R > 1) lie in its span: ordered by unit,
+  // each at the next page after the one before, as the engine lays out a
+  // job's publish buffers. Offsets by part, and the span's length.
+  struct RunLayout {
+    std::vector<uint64_t> offsets;
+    uint64_t length = 0;
+  };
+  RunLayout LayRun(const std::vector<Part>& parts) const {
+    std::vector<size_t> order(parts.size());
+    for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+    std::sort(order.begin(), order.end(),
+              [&](size_t a, size_t b) { return parts[a].unit < parts[b].unit; });
+    RunLayout layout{.offsets = std::vector<uint64_t>(parts.size()), .length = 0};
+    for (size_t i : order) {
+      layout.offsets[i] = PageRound(layout.length);
+      layout.length = layout.offsets[i] + units[parts[i].unit].bytes;
+    }
+    return layout;
+  }
+
+  // A run of units whose shards are small (R > 1), grouped by the caller
+  // (QueueFetch), all published at the version first: the run's span (its
+  // units side by side, LayRun) is cut into R chunks of whole blocks; each
+  // rank copies its chunk (clipped to the span) into the staging buffer at
+  // the chunk's offset, one all-gather fills in the rest, and the units go
+  // from there to their buffers. The chunks follow from the units' sizes
+  // alone, so every rank makes the same collectives. Where the units' host
+  // buffers are not laid out as the span (no engine does so, but a rank
+  // could not tell) a rank copies its chunk unit by unit.
+  Status FetchRun(Transfer& t) {
+    const RunLayout layout = LayRun(t.parts);
+    Clock::time_point at = Clock::now();
+    std::vector<const uint8_t*> host;
+    Status s;
+    for (const Part& p : t.parts) {
+      Result<const bf16*> h = transport->AcquireParams(job, p.unit, t.version, options.timeout);
+      if (!h.ok()) {
+        s = h.status();
+        break;
+      }
+      host.push_back(reinterpret_cast<const uint8_t*>(*h));
+    }
+    at = Mark(Phase::kOptimizer, false, at);
+    uint64_t moved = 0;
+    int64_t copies = 0;
+    if (s.ok()) {
+      const uint64_t quantum = static_cast<uint64_t>(world) * engine::kAlignElements * sizeof(bf16);
+      const uint64_t chunk = (layout.length + quantum - 1) / quantum * quantum / world;
+      const uint64_t lo = std::min(layout.length, static_cast<uint64_t>(rank) * chunk);
+      const uint64_t hi = std::min(layout.length, lo + chunk);
+      auto* staging = static_cast<uint8_t*>(push_staging);
+      // The host span's start, where its units lie as laid out.
+      const uint8_t* start = host[0] - layout.offsets[0];
+      bool as_laid = true;
+      for (size_t i = 0; i < host.size(); ++i)
+        as_laid = as_laid && host[i] == start + layout.offsets[i];
+      if (hi > lo && as_laid) {
+        s = device->CopyToDevice(staging + lo, start + lo, hi - lo, Stream::kCopy);
+        moved = hi - lo;
+        copies = 1;
+      } else {
+        for (size_t i = 0; s.ok() && i < host.size(); ++i) {
+          const uint64_t a = std::max(lo, layout.offsets[i]);
+          const uint64_t b = std::min(hi, layout.offsets[i] + units[t.parts[i].unit].bytes);
+          if (b <= a) continue;
+          s = device->CopyToDevice(staging + a, host[i] + (a - layout.offsets[i]), b - a,
+                                   Stream::kCopy);
+          moved += b - a;
+          ++copies;
+        }
+      }
+      if (s.ok()) s = SyncCopies(Stream::kCopy);
+      at = Mark(Phase::kHostToDevice, false, at);
+      if (s.ok()) {
+        s = collectives->AllGather(reinterpret_cast<bf16*>(staging), chunk / sizeof(bf16), *device,
+                                   Stream::kCopy);
+        if (s.ok()) s = SyncCopies(Stream::kCopy);
+        at = Mark(Phase::kCollective, false, at);
+      }
+      for (size_t i = 0; s.ok() && i < t.parts.size(); ++i) {
+        s = device->CopyOnDevice(t.parts[i].buffer, staging + layout.offsets[i],
+                                 units[t.parts[i].unit].bytes, Stream::kCopy);
+      }
+      if (s.ok()) s = SyncCopies(Stream::kCopy);
+      Mark(Phase::kHostToDevice, false, at);
+    }
+    for (size_t i = 0; i < host.size(); ++i) {
+      Status r = transport->ReleaseParams(job, t.parts[i].unit);
+      if (s.ok()) s = r;
+    }
+    ZT_RETURN_IF_ERROR(s);
+    CountCopies(moved, copies, /*to_device=*/true);
+    return Status::Ok();
+  }
+
   Status Push(Transfer& t) {
     if (world > 1 && t.parts.size() > 1) return PushRun(t);
     if (world == 1 && SmallPush(units[t.parts[0].unit].shard * sizeof(bf16))) return PushSmall(t);
@@ -525,8 +640,7 @@ struct Stage3Runner::Impl {
       at = Mark(Phase::kCollective, true, at);
       src = shard_buffer;
     }
-    ZT_RETURN_IF_ERROR(
-        device->CopyToHost(u.inbox, src, u.shard * sizeof(bf16), Stream::kCopyOut));
+    ZT_RETURN_IF_ERROR(device->CopyToHost(u.inbox, src, u.shard * sizeof(bf16), Stream::kCopyOut));
     ZT_RETURN_IF_ERROR(SyncCopies(Stream::kCopyOut));
     Mark(Phase::kDeviceToHost, true, at);
     ZT_RETURN_IF_ERROR(transport->GradsReady(job, unit, rank));
@@ -653,8 +767,7 @@ struct Stage3Runner::Impl {
     {
       std::lock_guard<std::mutex> lock(mu);
       ++in_flight;
-      (world == 1 && t.kind == Transfer::Kind::kPush ? push_queue : queue)
-          .push_back(std::move(t));
+      (world == 1 && t.kind == Transfer::Kind::kPush ? push_queue : queue).push_back(std::move(t));
     }
     cv.notify_all();
   }
@@ -739,6 +852,15 @@ struct Stage3Runner::Impl {
   bool SmallPush(uint64_t bytes) const {
     return push_staging != nullptr && bytes < options.coalesce_bytes;
   }
+  // Whether a unit's fetch may go in a run of them (R > 1): not small, but
+  // its shard is, and fetched at this version before (so published: a run
+  // waits for every unit in it, and must never wait on the optimizer). A
+  // run borrows the push staging: with R > 1 one thread runs every
+  // transfer, one at a time.
+  bool RunFetch(const UnitState& u) const {
+    return world > 1 && fetch_runs && push_staging != nullptr && u.fetched == version &&
+           u.bytes >= options.coalesce_bytes && SmallPush(u.shard * sizeof(bf16));
+  }
   // The longest span of inboxes a push's staging holds.
   uint64_t PushSpanCapacity() const { return static_cast<uint64_t>(world) * staging_bytes; }
   // Where the barrier's output element lies in `barrier`, after its R inputs
@@ -757,6 +879,7 @@ struct Stage3Runner::Impl {
       live_bytes += u.bytes;
     }
     u.version = version;
+    u.fetched = version;
     u.fetch = std::make_shared<Ticket>();
     ++stats.fetches;
     t.parts.push_back({.unit = unit, .buffer = u.params, .ready = nullptr, .ticket = u.fetch});
@@ -767,9 +890,11 @@ struct Stage3Runner::Impl {
   // along the small units after it in the learned order from position
   // `next` (while this pass follows it) that are not current, as long as
   // they fit in one staging buffer and under the cap: one copy over the
-  // link for all of them.
+  // link for all of them. A unit that may go in a run (RunFetch) takes
+  // along those after it that may too and lie next to the run's units.
   Status QueueFetch(int unit, size_t next) {
     Transfer t{.kind = Transfer::Kind::kFetch, .version = version, .parts = {}};
+    const bool run = RunFetch(units[unit]);
     ZT_RETURN_IF_ERROR(AddFetchPart(t, unit));
     if (SmallFetch(units[unit].bytes)) {
       uint64_t span = PageRound(units[unit].bytes);
@@ -784,6 +909,28 @@ struct Stage3Runner::Impl {
         if (!AddFetchPart(t, learned[i]).ok()) break;
         span += PageRound(w.bytes);
       }
+    } else if (run) {
+      // Units side by side in the engine's memory (each next to the run's
+      // units, in either direction), while their span fits the staging.
+      int lo = unit, hi = unit;
+      for (size_t i = next; following && i < learned.size(); ++i) {
+        const int k = learned[i];
+        const UnitState& w = units[k];
+        if (Current(w)) continue;
+        if (!RunFetch(w) || (k != lo - 1 && k != hi + 1)) break;
+        uint64_t span = 0;
+        for (int j = std::min(lo, k); j <= std::max(hi, k); ++j) {
+          span = PageRound(span) + units[j].bytes;
+        }
+        if (span > PushSpanCapacity()) break;
+        const uint64_t need = w.params == nullptr ? w.bytes : 0;
+        if (options.max_live_bytes > 0 && live_bytes + need > options.max_live_bytes) break;
+        if (!AddFetchPart(t, k).ok()) break;
+        lo = std::min(lo, k);
+        hi = std::max(hi, k);
+      }
+      // Alone, a unit goes as any (straight into its buffer).
+      t.run = t.parts.size() > 1;
     }
     Enqueue(std::move(t));
     return Status::Ok();
@@ -931,8 +1078,8 @@ Result<std::unique_ptr<Stage3Runner>> Stage3Runner::Create(Model& model, int ran
                ")"));
   }
   if (options.coalesce_bytes > (uint64_t{1} << 30)) {
-    return Status::InvalidArgument(StrCat(who, ": coalesce_bytes ", options.coalesce_bytes,
-                                          " is over 1 GiB"));
+    return Status::InvalidArgument(
+        StrCat(who, ": coalesce_bytes ", options.coalesce_bytes, " is over 1 GiB"));
   }
   if (options.prefetch_depth < 0) {
     return Status::InvalidArgument(
@@ -1025,6 +1172,7 @@ Result<std::unique_ptr<Stage3Runner>> Stage3Runner::Create(Model& model, int ran
   const bool small_shard = std::any_of(r.units.begin(), r.units.end(), [&](const UnitState& u) {
     return u.shard * sizeof(bf16) < options.coalesce_bytes;
   });
+  r.fetch_runs = r.world > 1 && spec.param_tier == engine::Tier::kDram;
   if (small_unit && spec.param_tier == engine::Tier::kDram) {
     ZT_ASSIGN_OR_RETURN(r.fetch_staging, device.Allocate(r.staging_bytes, MemoryPurpose::kOther));
   }

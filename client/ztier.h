@@ -396,7 +396,11 @@ struct RunnerOptions {
   // (consecutive pushes of units side by side, up to R times this many
   // bytes, sent when the next push cannot join or at Step()): one
   // reduce-scatter and one copy of about this size per rank for the group,
-  // through device buffers of R + 1 times this size. Every rank must use
+  // through device buffers of R + 1 times this size; the fetches of units
+  // over this size whose shard is under it are grouped so too once fetched
+  // at the step's version before (the backward's; units side by side in
+  // the engine's memory, params in DRAM): one copy per rank of its R-th of
+  // the group's span, and one all-gather. Every rank must use
   // the same value. 0: every unit is copied alone. At most 1 GiB.
   uint64_t coalesce_bytes = uint64_t{4} << 20;
   // How long a transfer may wait on the engine (a published version, a slot).

@@ -84,6 +84,7 @@ fs::path AbsoluteNormal(const fs::path& p) {
   const fs::path a = fs::absolute(p.empty() ? fs::path(".") : p, ec);
   return (ec ? p : a).lexically_normal();
 }
+
 using Clock = std::chrono::steady_clock;
 
 constexpr char kFortunes[] = "/usr/share/games/fortunes";

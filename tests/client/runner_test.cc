@@ -86,10 +86,10 @@ std::string Name(const TrainSetup& s) {
       "_r", s.ranks, s.clip > 0 ? "_clip" : "", "_acc", s.accumulation, "_d", s.prefetch,
       s.checked_copies ? "_checked" : "", s.job_collectives ? "_job" : "",
       s.state_dtype == engine::StateDtype::kInt8 ? "_int8" : "",
-      s.coalesce_bytes == 0 ? "_alone"
-      : s.coalesce_bytes == RunnerOptions{}.coalesce_bytes
-          ? ""
-          : StrCat("_coalesce", s.coalesce_bytes));
+      s.gpt.layers != TinyGpt().layers ? StrCat("_l", s.gpt.layers) : "",
+      s.coalesce_bytes == 0                                ? "_alone"
+      : s.coalesce_bytes == RunnerOptions{}.coalesce_bytes ? ""
+                                                           : StrCat("_coalesce", s.coalesce_bytes));
 }
 
 engine::OptimizerConfig Optimizer(const TrainSetup& s) {
@@ -394,6 +394,20 @@ std::vector<TrainSetup> EquivalenceCases() {
       s.coalesce_bytes = coalesce;
       cases.push_back(s);
     }
+  }
+  // Fetch runs (R > 1): a four-layer tiny GPT and a limit its blocks are
+  // just over (a block's 25.6 KB whole, its shard under half of it): two or
+  // three side by side take an all-gather of one span, a block left over
+  // one of its own; checked copies with two ranks.
+  for (int ranks : {2, 3}) {
+    TrainSetup s;
+    s.ranks = ranks;
+    s.clip = 0.05f;
+    s.accumulation = 2;
+    s.gpt.layers = 4;
+    s.checked_copies = ranks == 2;
+    s.coalesce_bytes = 25000;
+    cases.push_back(s);
   }
   return cases;
 }
@@ -1083,6 +1097,119 @@ TEST(RunnerTest, ARunsLastChunkStopsAtTheSpansEnd) {
     moved += coalesced->stats[r].d2h_bytes;
   }
   EXPECT_EQ(moved, kSteps * (kRanks * coalesced->c_shard + coalesced->span));
+}
+
+// With R > 1 the fetches of units whose shard is small (but not the whole
+// unit) go in runs of units side by side in the engine's memory, grouped
+// as the calls come, once fetched at the step's version before. Three
+// ranks, a 16 KiB limit: a, b and c take 24 KiB each (8 KiB shards), d 60
+// KiB (a 20 KiB shard, fetched as before). Once the order is learned, the
+// forward fetches a unit at a time (the first at the version: a run would
+// wait for the optimizer's later units), and the backward, d still held,
+// fetches c and b in one span of 48 KiB (b's page-rounded block, then c):
+// a chunk of 16 KiB a rank and one all-gather; a cannot join (the span
+// would outgrow 3 x 16 KiB) and goes as before. What each rank acquires is
+// what it acquires with every unit fetched alone, byte for byte, and the
+// copies and bytes a rank makes are exactly those.
+TEST(RunnerTest, FetchesOfSmallShardsGoInRunsOfOneCopyARank) {
+  constexpr int kRanks = 3;
+  constexpr int kSteps = 3;
+  constexpr uint64_t kLimit = 16 << 10;
+  const Session::ModelSpec spec{.name = "fetch-runs",
+                                .units = {{"a", {{"w", {12288}}}},
+                                          {"b", {{"w", {12288}}}},
+                                          {"c", {{"w", {12288}}}},
+                                          {"d", {{"w", {30720}}}}},
+                                .optimizer = Optimizer(TrainSetup{}),
+                                .world_size = kRanks};
+  struct Outcome {
+    std::vector<std::vector<std::vector<uint8_t>>> seen;  // [rank][step * 8 + acquire]
+    std::vector<RunnerStats> stats;
+  };
+  const auto train = [&](uint64_t coalesce_bytes) -> Result<Outcome> {
+    ZT_ASSIGN_OR_RETURN(std::unique_ptr<Session> session,
+                        testing::OpenTestSession(Options(TrainSetup{}, "")));
+    ZT_ASSIGN_OR_RETURN(std::unique_ptr<Model> model, session->RegisterModel(spec));
+    for (int k = 0; k < 4; ++k) {
+      std::vector<float> w(model->layout(k).numel);
+      for (size_t i = 0; i < w.size(); ++i) w[i] = 0.001f * static_cast<float>((i * 13 + k) % 97);
+      ZT_RETURN_IF_ERROR(model->SetWeights(k, w.data(), w.size()));
+    }
+    ZT_ASSIGN_OR_RETURN(std::vector<std::unique_ptr<Collectives>> coll,
+                        MakeLocalCollectives(kRanks));
+    Outcome out;
+    out.seen.resize(kRanks);
+    out.stats.resize(kRanks);
+    std::vector<Status> status(kRanks);
+    std::vector<std::thread> threads;
+    for (int r = 0; r < kRanks; ++r) {
+      threads.emplace_back([&, r] {
+        status[r] = [&]() -> Status {
+          ZT_ASSIGN_OR_RETURN(std::unique_ptr<Device> dev,
+                              MakeHostDevice({.copy_delay = std::chrono::milliseconds(1),
+                                              .check_copy_sources = true}));
+          ZT_ASSIGN_OR_RETURN(std::unique_ptr<Stage3Runner> runner,
+                              Stage3Runner::Create(*model, r, *dev, coll[r].get(),
+                                                   {.prefetch_depth = 2,
+                                                    .coalesce_bytes = coalesce_bytes,
+                                                    .timeout = std::chrono::seconds(60)}));
+          const auto see = [&](int k) -> Status {
+            ZT_ASSIGN_OR_RETURN(const bf16* p, runner->Acquire(k));
+            const auto* b = reinterpret_cast<const uint8_t*>(p);
+            out.seen[r].emplace_back(b, b + model->layout(k).padded * sizeof(bf16));
+            return Status::Ok();
+          };
+          for (int step = 0; step < kSteps; ++step) {
+            for (int k = 0; k < 4; ++k) {
+              ZT_RETURN_IF_ERROR(see(k));
+              ZT_RETURN_IF_ERROR(runner->Release(k));
+            }
+            for (int k = 3; k >= 0; --k) {
+              ZT_RETURN_IF_ERROR(see(k));
+              std::vector<bf16> g(model->layout(k).padded);
+              for (size_t i = 0; i < g.size(); ++i) {
+                g[i] = FloatToBf16(0.01f *
+                                   static_cast<float>(1 + (i * 7 + k * 5 + r * 3 + step) % 23));
+              }
+              ZT_RETURN_IF_ERROR(runner->PushGrads(k, g.data(), g.size()));
+              ZT_RETURN_IF_ERROR(runner->Release(k));
+            }
+            ZT_RETURN_IF_ERROR(runner->Step());
+          }
+          out.stats[r] = runner->stats();
+          return Status::Ok();
+        }();
+        if (!status[r].ok()) std::fprintf(stderr, "rank %d: %s\n", r, status[r].ToString().c_str());
+      });
+    }
+    for (std::thread& th : threads) th.join();
+    for (const Status& st : status) ZT_RETURN_IF_ERROR(st);
+    return out;
+  };
+  Result<Outcome> runs = train(kLimit);
+  ASSERT_TRUE(runs.ok()) << runs.status();
+  Result<Outcome> alone = train(0);
+  ASSERT_TRUE(alone.ok()) << alone.status();
+  for (int r = 0; r < kRanks; ++r) {
+    SCOPED_TRACE(StrCat("rank ", r));
+    ASSERT_EQ(runs->seen[r].size(), alone->seen[r].size());
+    for (size_t i = 0; i < alone->seen[r].size(); ++i) {
+      EXPECT_TRUE(runs->seen[r][i] == alone->seen[r][i]) << "step " << i / 8 << " unit "
+                                                         << "abcddcba"[i % 8] << " differs";
+      if (r > 0) {
+        EXPECT_TRUE(alone->seen[r][i] == alone->seen[0][i]);
+      }
+    }
+    // The first step follows no learned order: a copy a fetch, each unit
+    // twice. Then each step: a unit at a time forward; backward the run's
+    // chunk and a's shard (d held since the forward).
+    const uint64_t shard = 8 << 10, d_shard = 20 << 10;
+    const uint64_t forward = 3 * shard + d_shard;
+    EXPECT_EQ(runs->stats[r].h2d_copies, 8 + (kSteps - 1) * (4 + 2));
+    EXPECT_EQ(runs->stats[r].h2d_bytes, 2 * forward + (kSteps - 1) * (forward + 2 * shard + shard));
+    EXPECT_EQ(alone->stats[r].h2d_copies, 8 + (kSteps - 1) * (4 + 3));
+    EXPECT_EQ(alone->stats[r].h2d_bytes, 2 * forward + (kSteps - 1) * (forward + 3 * shard));
+  }
 }
 
 // A limit over 1 GiB is refused.
