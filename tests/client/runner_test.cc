@@ -15,6 +15,7 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <string>
 #include <thread>
 
@@ -938,6 +939,32 @@ TEST(RunnerTest, SmallUnitsGoInOneCopyEachWay) {
   EXPECT_EQ(stats.d2h_bytes, 2 * bytes);
 }
 
+// Runs `rank(r)` for r in [0, ranks) on a thread each; the first error.
+// Each rank's error is said at once: the others may wait for it in a
+// collective for long.
+Status OnRankThreads(int ranks, const std::function<Status(int)>& rank) {
+  std::vector<Status> status(ranks);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < ranks; ++r) {
+    threads.emplace_back([&, r] {
+      status[r] = rank(r);
+      if (!status[r].ok()) std::fprintf(stderr, "rank %d: %s\n", r, status[r].ToString().c_str());
+    });
+  }
+  for (std::thread& th : threads) th.join();
+  for (const Status& st : status) ZT_RETURN_IF_ERROR(st);
+  return Status::Ok();
+}
+
+// Grads that differ by unit, rank, step and element, none zero.
+std::vector<bf16> SyntheticGrads(size_t n, int unit, int rank, int step) {
+  std::vector<bf16> g(n);
+  for (size_t i = 0; i < n; ++i) {
+    g[i] = FloatToBf16(0.01f * static_cast<float>(1 + (i * 7 + unit * 5 + rank * 3 + step) % 23));
+  }
+  return g;
+}
+
 // With R > 1 the pushes of units whose shard is small go in runs, grouped
 // as the calls come: the tiny GPT's backward pushes its four units in
 // reverse order, side by side in the engine's memory, so each rank makes
@@ -1040,40 +1067,26 @@ TEST(RunnerTest, ARunsLastChunkStopsAtTheSpansEnd) {
     ZT_ASSIGN_OR_RETURN(std::vector<std::unique_ptr<Collectives>> coll,
                         MakeLocalCollectives(kRanks));
     out.stats.resize(kRanks);
-    std::vector<Status> status(kRanks);
-    std::vector<std::thread> threads;
-    for (int r = 0; r < kRanks; ++r) {
-      threads.emplace_back([&, r] {
-        status[r] = [&]() -> Status {
-          ZT_ASSIGN_OR_RETURN(std::unique_ptr<Device> dev, MakeHostDevice());
-          ZT_ASSIGN_OR_RETURN(std::unique_ptr<Stage3Runner> runner,
-                              Stage3Runner::Create(*model, r, *dev, coll[r].get(),
-                                                   {.coalesce_bytes = coalesce_bytes,
-                                                    .timeout = std::chrono::seconds(60)}));
-          for (int step = 0; step < kSteps; ++step) {
-            for (int k = 0; k < 3; ++k) {
-              ZT_RETURN_IF_ERROR(runner->Acquire(k).status());
-              ZT_RETURN_IF_ERROR(runner->Release(k));
-            }
-            for (int k = 2; k >= 0; --k) {
-              // Grads that differ by rank, unit, step and element, none zero.
-              std::vector<bf16> g(model->layout(k).padded);
-              for (size_t i = 0; i < g.size(); ++i) {
-                g[i] = FloatToBf16(0.01f *
-                                   static_cast<float>(1 + (i * 7 + k * 5 + r * 3 + step) % 23));
-              }
-              ZT_RETURN_IF_ERROR(runner->PushGrads(k, g.data(), g.size()));
-            }
-            ZT_RETURN_IF_ERROR(runner->Step());
-          }
-          out.stats[r] = runner->stats();
-          return Status::Ok();
-        }();
-        if (!status[r].ok()) std::fprintf(stderr, "rank %d: %s\n", r, status[r].ToString().c_str());
-      });
-    }
-    for (std::thread& th : threads) th.join();
-    for (const Status& st : status) ZT_RETURN_IF_ERROR(st);
+    ZT_RETURN_IF_ERROR(OnRankThreads(kRanks, [&](int r) -> Status {
+      ZT_ASSIGN_OR_RETURN(std::unique_ptr<Device> dev, MakeHostDevice());
+      ZT_ASSIGN_OR_RETURN(std::unique_ptr<Stage3Runner> runner,
+                          Stage3Runner::Create(*model, r, *dev, coll[r].get(),
+                                               {.coalesce_bytes = coalesce_bytes,
+                                                .timeout = std::chrono::seconds(60)}));
+      for (int step = 0; step < kSteps; ++step) {
+        for (int k = 0; k < 3; ++k) {
+          ZT_RETURN_IF_ERROR(runner->Acquire(k).status());
+          ZT_RETURN_IF_ERROR(runner->Release(k));
+        }
+        for (int k = 2; k >= 0; --k) {
+          const std::vector<bf16> g = SyntheticGrads(model->layout(k).padded, k, r, step);
+          ZT_RETURN_IF_ERROR(runner->PushGrads(k, g.data(), g.size()));
+        }
+        ZT_RETURN_IF_ERROR(runner->Step());
+      }
+      out.stats[r] = runner->stats();
+      return Status::Ok();
+    }));
     ZT_RETURN_IF_ERROR(model->WaitPublished(kSteps, std::chrono::seconds(60)));
     out.master.resize(3);
     for (int k = 0; k < 3; ++k) ZT_RETURN_IF_ERROR(model->ReadMaster(k, &out.master[k]));
@@ -1140,50 +1153,37 @@ TEST(RunnerTest, FetchesOfSmallShardsGoInRunsOfOneCopyARank) {
     Outcome out;
     out.seen.resize(kRanks);
     out.stats.resize(kRanks);
-    std::vector<Status> status(kRanks);
-    std::vector<std::thread> threads;
-    for (int r = 0; r < kRanks; ++r) {
-      threads.emplace_back([&, r] {
-        status[r] = [&]() -> Status {
-          ZT_ASSIGN_OR_RETURN(std::unique_ptr<Device> dev,
-                              MakeHostDevice({.copy_delay = std::chrono::milliseconds(1),
-                                              .check_copy_sources = true}));
-          ZT_ASSIGN_OR_RETURN(std::unique_ptr<Stage3Runner> runner,
-                              Stage3Runner::Create(*model, r, *dev, coll[r].get(),
-                                                   {.prefetch_depth = 2,
-                                                    .coalesce_bytes = coalesce_bytes,
-                                                    .timeout = std::chrono::seconds(60)}));
-          const auto see = [&](int k) -> Status {
-            ZT_ASSIGN_OR_RETURN(const bf16* p, runner->Acquire(k));
-            const auto* b = reinterpret_cast<const uint8_t*>(p);
-            out.seen[r].emplace_back(b, b + model->layout(k).padded * sizeof(bf16));
-            return Status::Ok();
-          };
-          for (int step = 0; step < kSteps; ++step) {
-            for (int k = 0; k < 4; ++k) {
-              ZT_RETURN_IF_ERROR(see(k));
-              ZT_RETURN_IF_ERROR(runner->Release(k));
-            }
-            for (int k = 3; k >= 0; --k) {
-              ZT_RETURN_IF_ERROR(see(k));
-              std::vector<bf16> g(model->layout(k).padded);
-              for (size_t i = 0; i < g.size(); ++i) {
-                g[i] = FloatToBf16(0.01f *
-                                   static_cast<float>(1 + (i * 7 + k * 5 + r * 3 + step) % 23));
-              }
-              ZT_RETURN_IF_ERROR(runner->PushGrads(k, g.data(), g.size()));
-              ZT_RETURN_IF_ERROR(runner->Release(k));
-            }
-            ZT_RETURN_IF_ERROR(runner->Step());
-          }
-          out.stats[r] = runner->stats();
-          return Status::Ok();
-        }();
-        if (!status[r].ok()) std::fprintf(stderr, "rank %d: %s\n", r, status[r].ToString().c_str());
-      });
-    }
-    for (std::thread& th : threads) th.join();
-    for (const Status& st : status) ZT_RETURN_IF_ERROR(st);
+    ZT_RETURN_IF_ERROR(OnRankThreads(kRanks, [&](int r) -> Status {
+      ZT_ASSIGN_OR_RETURN(
+          std::unique_ptr<Device> dev,
+          MakeHostDevice({.copy_delay = std::chrono::milliseconds(1), .check_copy_sources = true}));
+      ZT_ASSIGN_OR_RETURN(std::unique_ptr<Stage3Runner> runner,
+                          Stage3Runner::Create(*model, r, *dev, coll[r].get(),
+                                               {.prefetch_depth = 2,
+                                                .coalesce_bytes = coalesce_bytes,
+                                                .timeout = std::chrono::seconds(60)}));
+      const auto see = [&](int k) -> Status {
+        ZT_ASSIGN_OR_RETURN(const bf16* p, runner->Acquire(k));
+        const auto* b = reinterpret_cast<const uint8_t*>(p);
+        out.seen[r].emplace_back(b, b + model->layout(k).padded * sizeof(bf16));
+        return Status::Ok();
+      };
+      for (int step = 0; step < kSteps; ++step) {
+        for (int k = 0; k < 4; ++k) {
+          ZT_RETURN_IF_ERROR(see(k));
+          ZT_RETURN_IF_ERROR(runner->Release(k));
+        }
+        for (int k = 3; k >= 0; --k) {
+          ZT_RETURN_IF_ERROR(see(k));
+          const std::vector<bf16> g = SyntheticGrads(model->layout(k).padded, k, r, step);
+          ZT_RETURN_IF_ERROR(runner->PushGrads(k, g.data(), g.size()));
+          ZT_RETURN_IF_ERROR(runner->Release(k));
+        }
+        ZT_RETURN_IF_ERROR(runner->Step());
+      }
+      out.stats[r] = runner->stats();
+      return Status::Ok();
+    }));
     return out;
   };
   Result<Outcome> runs = train(kLimit);
