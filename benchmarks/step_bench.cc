@@ -13,7 +13,11 @@
 //
 // The step is timed from the moment the last unit's grads are handed over
 // (the other units' grads are in, as at the end of a backward pass) until
-// the last unit is published. Peak RSS is reported against the pinned pool
+// its last write-back is done (the job's step count moves): io alone reads
+// and writes every state, so a step must too to be held to it (timed to
+// the last unit's publish, its write-backs would fall into the next round's
+// io alone). The time to the last publish, when training's next forward
+// could have every unit, is reported beside it. Peak RSS is reported against the pinned pool
 // the job holds, to show that states larger than RAM stream through a
 // bounded ring.
 //
@@ -195,7 +199,7 @@ void FillGrads(bf16* g, uint64_t n, uint64_t seed) {
 }
 
 struct Round {
-  double step = 0, io = 0, compute = 0;
+  double step = 0, published = 0, io = 0, compute = 0;
   double compute_in_step = 0, io_wait_in_step = 0;
   double efficiency() const { return std::max(io, compute) / step; }
 };
@@ -388,26 +392,28 @@ uint64_t SlotBytes(uint64_t padded, bool int8, bool nvme_params) {
   return round_up(4 * padded + moments) + (nvme_params ? round_up(2 * padded) : 0);
 }
 
+// Waits until `job` has taken `steps` steps, its write-backs done, or 10
+// minutes (Unavailable).
+Status WaitSteps(engine::Engine& e, int job, int64_t steps) {
+  const double t0 = NowSeconds();
+  while (e.counters(job).steps < steps) {
+    if (NowSeconds() - t0 > 600) return Status::Unavailable("a step's write-backs hang");
+    std::this_thread::sleep_for(std::chrono::microseconds(20));
+  }
+  return Status::Ok();
+}
+
 // The traced step's "timeline" JSON. `run_step` runs one step and reports
-// its start (the last grads handed over) and time to the last unit's
-// publish; the step is over once its write-backs are done (the job's step
-// count has moved). `tracer` is null with states in DRAM.
+// its start (the last grads handed over), the time to the last unit's
+// publish and the time to its last write-back. `tracer` is null with
+// states in DRAM.
 Result<std::string> TraceStep(engine::Engine& e, int job,
                               const std::vector<engine::UnitLayout>& layouts, int64_t step,
                               TracingBackend* tracer, uint64_t slot_bytes,
-                              const std::function<Status(double*, double*)>& run_step) {
+                              const std::function<Status(double*, double*, double*)>& run_step) {
   constexpr auto kPoll = std::chrono::microseconds(100);
-  // Waits until the job has taken `steps` steps (write-backs done) or 10 min.
-  const auto wait_steps = [&](int64_t steps) -> Status {
-    const double t0 = NowSeconds();
-    while (e.counters(job).steps < steps) {
-      if (NowSeconds() - t0 > 600) return Status::Unavailable("a step's write-backs hang");
-      std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    }
-    return Status::Ok();
-  };
-  // The step before has units still being written back: not this step's.
-  ZT_RETURN_IF_ERROR(wait_steps(step - 1));
+  // The step before may have units still being written back: not this step's.
+  ZT_RETURN_IF_ERROR(WaitSteps(e, job, step - 1));
   std::vector<std::pair<double, double>> rises;  // (when seen, compute seconds added)
   std::atomic<bool> stop{false};
   const double compute_before = e.counters(job).compute_seconds;
@@ -423,10 +429,8 @@ Result<std::string> TraceStep(engine::Engine& e, int job,
     }
   });
   if (tracer != nullptr) tracer->Start();
-  double t0 = 0, seconds = 0;
-  Status s = run_step(&t0, &seconds);
-  if (s.ok()) s = wait_steps(step);
-  const double done = NowSeconds() - t0;
+  double t0 = 0, seconds = 0, done = 0;
+  Status s = run_step(&t0, &seconds, &done);
   std::vector<TracingBackend::Op> ops;
   if (tracer != nullptr) ops = tracer->Stop();
   std::this_thread::sleep_for(4 * kPoll);  // the poller sees the last rise
@@ -588,19 +592,22 @@ int RunOnce(const StepBenchOptions& o, engine::StateDtype dtype, RunSummary* sum
   }
   int64_t step = 0;
   // One step: units' grads handed over backward; timed from the last one
-  // (`start`) to the last unit's publish.
-  auto run_step = [&](double* start, double* seconds) -> Status {
+  // (`start`) to the last unit's publish (`published`) and to the step's
+  // last write-back (`seconds`).
+  auto run_step = [&](double* start, double* published, double* seconds) -> Status {
     ++step;
     for (uint64_t k = units; k-- > 1;)
       ZT_RETURN_IF_ERROR(e.GradsReady(*job, static_cast<int>(k), 0));
     const double t0 = NowSeconds();
     ZT_RETURN_IF_ERROR(e.GradsReady(*job, 0, 0));
     ZT_RETURN_IF_ERROR(e.WaitPublished(*job, static_cast<int>(units - 1), step));
+    *published = NowSeconds() - t0;
+    ZT_RETURN_IF_ERROR(WaitSteps(e, *job, step));
     *seconds = NowSeconds() - t0;
     *start = t0;
     return Status::Ok();
   };
-  double started = 0;  // a step's start: only the traced step needs it
+  double started = 0, published = 0;  // only the traced step needs these
 
   // Compute alone: the same kernel calls on DRAM buffers of the largest unit.
   Result<cpu_adam::Executor> exec = cpu_adam::Executor::Create({.threads = o.threads});
@@ -648,7 +655,7 @@ int RunOnce(const StepBenchOptions& o, engine::StateDtype dtype, RunSummary* sum
   // Warm-up: the first step writes every state (reads of never-written
   // states cost no I/O) and faults in the scratch buffers.
   double warm = 0, warm_compute = 0;
-  if (Status s = run_step(&started, &warm); !s.ok()) return fail(s);
+  if (Status s = run_step(&started, &published, &warm); !s.ok()) return fail(s);
   if (Status s = compute_alone(&warm_compute); !s.ok()) return fail(s);
   std::printf("warm-up step %.2f s\n", warm);
   std::printf("%5s %9s %9s %9s %11s %11s %10s\n", "step", "step s", "io s", "compute s",
@@ -668,7 +675,7 @@ int RunOnce(const StepBenchOptions& o, engine::StateDtype dtype, RunSummary* sum
     }
     if (Status s = compute_alone(&round.compute); !s.ok()) return fail(s);
     const engine::JobCounters before = e.counters(*job);
-    if (Status s = run_step(&started, &round.step); !s.ok()) return fail(s);
+    if (Status s = run_step(&started, &round.published, &round.step); !s.ok()) return fail(s);
     const engine::JobCounters after = e.counters(*job);
     round.compute_in_step = after.compute_seconds - before.compute_seconds;
     round.io_wait_in_step = after.io_wait_seconds - before.io_wait_seconds;
@@ -686,18 +693,21 @@ int RunOnce(const StepBenchOptions& o, engine::StateDtype dtype, RunSummary* sum
     std::printf("(%lld of %d step rows not shown: stdout is not a terminal; --json has all)\n",
                 static_cast<long long>(pacer.held_back()), o.steps);
   }
-  double mean_eff = 0, mean_step = 0, mean_io = 0, mean_compute = 0;
+  double mean_eff = 0, mean_step = 0, mean_published = 0, mean_io = 0, mean_compute = 0;
   for (const Round& r : rounds) {
     mean_eff += r.efficiency() / rounds.size();
     mean_step += r.step / rounds.size();
+    mean_published += r.published / rounds.size();
     mean_io += r.io / rounds.size();
     mean_compute += r.compute / rounds.size();
   }
   const engine::JobCounters c = e.counters(*job);
   const Rss rss = ReadRss();
   const uint64_t scratch = max_padded * 16;
-  std::printf("mean: step %.3f s, io alone %.3f s, compute alone %.3f s, overlap efficiency %.3f\n",
-              mean_step, mean_io, mean_compute, mean_eff);
+  std::printf(
+      "mean: step %.3f s (every unit published at %.3f s), io alone %.3f s, compute alone %.3f s, "
+      "overlap efficiency %.3f\n",
+      mean_step, mean_published, mean_io, mean_compute, mean_eff);
   const uint64_t read_per_step = step_read / rounds.size();
   const uint64_t written_per_step = step_written / rounds.size();
   if (nvme) {
@@ -722,6 +732,7 @@ int RunOnce(const StepBenchOptions& o, engine::StateDtype dtype, RunSummary* sum
     for (const Round& r : rounds) {
       JsonObject j;
       j.Add("step_seconds", r.step)
+          .Add("published_seconds", r.published)
           .Add("io_alone_seconds", r.io)
           .Add("compute_alone_seconds", r.compute)
           .Add("compute_in_step_seconds", r.compute_in_step)
@@ -744,6 +755,7 @@ int RunOnce(const StepBenchOptions& o, engine::StateDtype dtype, RunSummary* sum
         .Add("checksums", o.checksums)
         .Add("overlap_efficiency", mean_eff)
         .Add("step_seconds", mean_step)
+        .Add("published_seconds", mean_published)
         .Add("io_alone_seconds", mean_io)
         .Add("compute_alone_seconds", mean_compute)
         .Add("params_per_second", o.params / mean_step)
