@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdlib>
 #include <filesystem>
 #include <memory>
 #include <mutex>
@@ -74,7 +75,35 @@ Status FsyncPath(const std::string& path, bool directory) {
   return Status::Ok();
 }
 
-Status WriteFileAtomically(const std::string& path, std::string_view data) {
+Result<std::string> ReplaceableTarget(const std::string& path) {
+  struct stat st {};
+  if (::lstat(path.c_str(), &st) != 0) {
+    if (errno == ENOENT) return path;
+    return PosixError(StrCat("stat ", path), errno);
+  }
+  if (S_ISREG(st.st_mode)) return path;
+  if (S_ISLNK(st.st_mode)) {
+    std::unique_ptr<char, decltype(&std::free)> real(::realpath(path.c_str(), nullptr), &std::free);
+    if (real == nullptr) {
+      return PosixError(StrCat(path,
+                               " is a symbolic link to nothing that can be written; "
+                               "not replaced"),
+                        errno);
+    }
+    if (::stat(real.get(), &st) == 0 && S_ISREG(st.st_mode)) return std::string(real.get());
+    return Status::InvalidArgument(
+        StrCat(path, " links to ", real.get(), ", which is not a regular file; not replaced"));
+  }
+  return Status::InvalidArgument(StrCat(path, " is not a regular file (",
+                                        S_ISDIR(st.st_mode)                          ? "a directory"
+                                        : S_ISCHR(st.st_mode) || S_ISBLK(st.st_mode) ? "a device"
+                                        : S_ISFIFO(st.st_mode)                       ? "a pipe"
+                                                                                     : "a socket",
+                                        "); not replaced"));
+}
+
+Status WriteFileAtomically(const std::string& named, std::string_view data) {
+  ZT_ASSIGN_OR_RETURN(const std::string path, ReplaceableTarget(named));
   const std::string tmp = path + ".tmp";
   // A new file of its own: a stale temp file (a killed writer's) or a link
   // planted under its name goes first, never written through.

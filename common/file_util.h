@@ -5,6 +5,10 @@
 // WriteFileAtomically writes to "<path>.tmp", fsyncs it, renames it over
 // `path` and fsyncs the directory, so after a crash `path` holds either the
 // old or the new content, never a mix. A failure removes the temp file.
+// Only a regular file (or nothing) is replaced: a symbolic link is followed
+// to the regular file it names (the link stays), and a device, a pipe, a
+// socket, a directory or a link to one of them is refused (a rename over
+// /dev/full replaced the device with a file).
 // ReadFileToString reads regular files only (a directory, a device such as
 // /dev/zero or a FIFO is an error, not an endless read) up to a bound.
 //
@@ -48,6 +52,10 @@ void SetFileFaultHook(FileFaultHook hook);
 Status FsyncPath(const std::string& path, bool directory);
 
 Status WriteFileAtomically(const std::string& path, std::string_view data);
+// The file WriteFileAtomically(path) would replace: `path`, or the regular
+// file a symbolic link names. Errors: InvalidArgument (not a regular file,
+// naming what it is), PosixError (a dangling link, a failed stat).
+Result<std::string> ReplaceableTarget(const std::string& path);
 
 // unlink(2); a missing file is not an error.
 Status RemoveFile(const std::string& path);

@@ -46,6 +46,7 @@
 #include <filesystem>
 #include <iostream>
 #include <mutex>
+#include <new>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -408,6 +409,19 @@ Result<Flags> ParseFlags(int argc, char** argv) {
                                             " is one of the run's own files (checkpoint, ",
                                             "train_log.tsv or model.safetensors)"));
     }
+    // Only a new or a regular file is replaced (a rename over /dev/full made
+    // the device a file), and never the text or the config the run reads.
+    Result<std::string> target = ReplaceableTarget(f.summary);
+    if (!target.ok()) {
+      return Status::InvalidArgument(StrCat("--summary: ", target.status().message()));
+    }
+    for (const auto& [flag, input] :
+         {std::pair<const char*, std::string>{"--data", f.data}, {"--config", f.config}}) {
+      if (!input.empty() && fs::equivalent(*target, input, ec)) {
+        return Status::InvalidArgument(
+            StrCat("--summary ", f.summary, " is the ", flag, " file the run reads"));
+      }
+    }
     if (f.summary_skip >= f.steps) {
       return Status::InvalidArgument(StrCat("--summary-skip ", f.summary_skip,
                                             " leaves none of --steps ", f.steps, " to measure"));
@@ -487,10 +501,16 @@ Result<Plan> ResolvePlan(const Flags& f) {
       p.batch = static_cast<int>(tb / f.ranks);
     }
     if (p.batch < 1 || p.accumulation < 1 || int64_t{p.batch} * p.accumulation * f.ranks != tb) {
-      return Status::InvalidArgument(StrCat("train_batch_size ", tb, " is not micro batch ",
-                                            t.micro_batch.value_or(p.batch), " x accumulation ",
-                                            t.grad_accumulation.value_or(p.accumulation), " x ",
-                                            f.ranks, " rank(s)"));
+      // Named by what was given: a derived figure rounded down (0) says nothing.
+      std::string given;
+      if (t.micro_batch) given += StrCat(" x micro batch ", *t.micro_batch);
+      if (t.grad_accumulation) given += StrCat(" x accumulation ", *t.grad_accumulation);
+      const bool both = t.micro_batch && t.grad_accumulation;
+      return Status::InvalidArgument(StrCat("train_batch_size ", tb,
+                                            both ? " is not " : " is not a whole multiple of ",
+                                            f.ranks, " rank(s)", given,
+                                            " (DeepSpeed's rule: train batch = micro batch x "
+                                            "accumulation x ranks)"));
     }
     // What it gives holds to the bounds of the settings it stands for.
     constexpr int kMaxDerived = 1 << 20;
@@ -528,11 +548,16 @@ Result<std::string> LoadText(const std::string& path) {
     }
     std::sort(files.begin(), files.end());
   }
+  // One copy of the text in memory: a file read in place, several appended.
   std::string text;
   for (const fs::path& p : files) {
     Result<std::string> part = ReadFileToString(p.string(), kMaxTextBytes - text.size());
     if (!part.ok()) return part.status().Annotate("--data");
-    text += *part;
+    if (text.empty()) {
+      text = *std::move(part);
+    } else {
+      text += *part;
+    }
   }
   return text;
 }
@@ -1138,5 +1163,15 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "ztier-train: %s\n", plan.status().ToString().c_str());
     return 2;
   }
-  return ztier::train::Run(*flags, *plan);
+  // What the up-front checks cannot see (a ulimit, memory taken by others
+  // meanwhile) ends in a message, not an abort.
+  try {
+    return ztier::train::Run(*flags, *plan);
+  } catch (const std::bad_alloc&) {
+    std::fprintf(stderr,
+                 "\nztier-train: resource_exhausted: out of host memory (a ulimit -v, or other "
+                 "processes took what the checks counted on); make the model, the batch or "
+                 "--data smaller\n");
+    return 1;
+  }
 }

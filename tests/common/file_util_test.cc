@@ -44,6 +44,47 @@ TEST_F(FileUtilTest, ALinkPlantedAsTheTempFileIsNeverWrittenThrough) {
   EXPECT_FALSE(fs::is_symlink(path)) << "the link was renamed into place";
 }
 
+// Only a regular file is replaced: a FIFO, a socket-like special file, a
+// directory or a link to one is refused and left as it was (a rename over
+// /dev/full made it a file); a link to a regular file is written through
+// and stays a link.
+TEST_F(FileUtilTest, OnlyARegularFileIsReplacedAndALinkIsFollowed) {
+  ScratchDir dir("file-util");
+  const std::string fifo = dir / "fifo";
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  Status s = WriteFileAtomically(fifo, "x");
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s;
+  EXPECT_NE(s.message().find("a pipe"), std::string::npos) << s;
+  EXPECT_TRUE(fs::is_fifo(fifo));
+  EXPECT_FALSE(fs::exists(fifo + ".tmp"));
+
+  fs::create_directories(dir / "d");
+  s = WriteFileAtomically(dir / "d", "x");
+  EXPECT_NE(s.message().find("a directory"), std::string::npos) << s;
+  EXPECT_TRUE(fs::is_directory(dir / "d"));
+
+  const std::string link = dir / "to-fifo";
+  fs::create_symlink(fifo, link);
+  s = WriteFileAtomically(link, "x");
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s;
+  EXPECT_TRUE(fs::is_symlink(link));
+
+  const std::string dangling = dir / "dangling";
+  fs::create_symlink(dir / "none/f", dangling);
+  EXPECT_FALSE(WriteFileAtomically(dangling, "x").ok());
+  EXPECT_TRUE(fs::is_symlink(dangling));
+
+  const std::string target = dir / "target";
+  std::ofstream(target) << "old";
+  const std::string to_target = dir / "to-target";
+  fs::create_symlink(target, to_target);
+  ASSERT_TRUE(WriteFileAtomically(to_target, "new").ok());
+  EXPECT_TRUE(fs::is_symlink(to_target));
+  EXPECT_EQ(*ReadFileToString(target), "new");
+  EXPECT_EQ(*ReplaceableTarget(to_target), fs::canonical(target).string());
+  EXPECT_EQ(*ReplaceableTarget(dir / "absent"), dir / "absent");
+}
+
 TEST_F(FileUtilTest, EveryFailingCallLeavesTheOldContentAndNoTempFile) {
   ScratchDir dir("file-util");
   const std::string path = dir / "f";

@@ -241,9 +241,17 @@ TEST_F(TrainHardeningTest, BadInputsAreClearErrorsNeverCrashes) {
       {"--steps 4 --summary-skip 4 --summary " + (dir_ / "s.json"), 2, "leaves none"},
       {"--job-name ''", 2, "--job-name"},
       {"--config " + (dir_ / "big-batch.json"), 2, "the gradient accumulation 2000000, outside"},
+      // The accumulation it derived, rounded down to 0, was named as given.
+      {"--config " + (dir_ / "odd-batch.json"), 2,
+       "train_batch_size 3 is not a whole multiple of 1 rank(s) x micro batch 4"},
       // It replaced the checkpoint's manifest: the checkpoint was gone.
       {"--steps 4 --summary " + (dir_ / "bad/checkpoint/manifest.json"), 2, "the run's own files"},
       {"--steps 4 --summary " + (dir_ / "bad/model.safetensors"), 2, "the run's own files"},
+      // A rename over them made a device or a FIFO a plain file, and the
+      // text the run trains on JSON.
+      {"--steps 4 --summary " + (dir_ / "fifo"), 2, "is not a regular file (a pipe)"},
+      {"--steps 4 --summary /dev/null", 2, "is not a regular file (a device)"},
+      {"--steps 4 --summary " + (dir_ / "text.txt"), 2, "is the --data file"},
       {"--job-name a\x01b", 2, "a control character"},
       // A typo above the swap directory: it was made, on whatever was there.
       {"--swap-dir " + (dir_ / "no/such/swap"), 1, "does not exist"},
@@ -253,6 +261,7 @@ TEST_F(TrainHardeningTest, BadInputsAreClearErrorsNeverCrashes) {
   ASSERT_EQ(::mkfifo((dir_ / "fifo").c_str(), 0600), 0);
   // (With --batch 4 that is 2000000 micro-steps a step: it ran, deaf to SIGTERM.)
   std::ofstream(dir_ / "big-batch.json") << R"({"train_batch_size": 8000000})";
+  std::ofstream(dir_ / "odd-batch.json") << R"({"train_batch_size": 3})";
   for (const Case& c : cases) {
     const auto start = std::chrono::steady_clock::now();
     auto [rc, text] = Train(Common() + out + " " + c.args, dir_);
