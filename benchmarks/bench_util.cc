@@ -1,12 +1,15 @@
 // ztier-bench helpers (see bench_util.h).
 #include "benchmarks/bench_util.h"
 
+#include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <charconv>
 #include <cmath>
 #include <cstdio>
+#include <map>
 
 #include "common/numbers.h"
 
@@ -60,8 +63,32 @@ Status CheckFitsInMemory(uint64_t bytes, std::string_view what) {
   if (pages <= 0 || page <= 0) return Status::Ok();  // unknown: let the allocation say
   const uint64_t physical = static_cast<uint64_t>(pages) * static_cast<uint64_t>(page);
   if (static_cast<double>(bytes) <= 0.9 * static_cast<double>(physical)) return Status::Ok();
-  return Status::InvalidArgument(StrCat(what, " needs ", bytes, " bytes of memory; this machine has ",
-                                        physical, " (choose a smaller size)"));
+  return Status::InvalidArgument(StrCat(what, " needs ", bytes,
+                                        " bytes of memory; this machine has ", physical,
+                                        " (choose a smaller size)"));
+}
+
+Status CheckFitsOnDisk(const std::vector<std::string>& paths, uint64_t bytes_per_path,
+                       std::string_view what) {
+  std::map<dev_t, std::pair<std::string, uint64_t>> need;  // by filesystem: a path, the bytes
+  for (const std::string& p : paths) {
+    struct stat st {};
+    if (::stat(p.c_str(), &st) != 0) continue;
+    auto [it, fresh] = need.try_emplace(st.st_dev, p, 0);
+    it->second.second += bytes_per_path;
+  }
+  for (const auto& [dev, entry] : need) {
+    const auto& [path, bytes] = entry;
+    struct statvfs vfs {};
+    if (::statvfs(path.c_str(), &vfs) != 0) continue;
+    const uint64_t free = static_cast<uint64_t>(vfs.f_bavail) * vfs.f_frsize;
+    if (bytes > free) {
+      return Status::ResourceExhausted(StrCat(what, " needs ", bytes,
+                                              " bytes on the filesystem of ", path, ", which has ",
+                                              free, " free (choose a smaller size)"));
+    }
+  }
+  return Status::Ok();
 }
 
 std::string FormatCount(uint64_t n) {

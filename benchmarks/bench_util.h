@@ -43,6 +43,14 @@ std::string FormatCount(uint64_t n);
 // the kernel's OOM killer ends (taking others' memory meanwhile).
 Status CheckFitsInMemory(uint64_t bytes, std::string_view what);
 
+// ResourceExhausted naming `what`, the filesystem's path and both figures
+// when `bytes_per_path` on each of `paths` (those on one filesystem added
+// up) would not fit the space free there: said before a swap file grows,
+// so a size meant for bigger drives does not fill this machine's disk
+// first. A path that cannot be asked passes (the writes will say).
+Status CheckFitsOnDisk(const std::vector<std::string>& paths, uint64_t bytes_per_path,
+                       std::string_view what);
+
 // Walks a subcommand's arguments: while (args.Next()) { if (args.Is("--x"))
 // ZT_ASSIGN_OR_RETURN(v, args.Value()); ... }
 class ArgReader {

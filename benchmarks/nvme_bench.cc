@@ -44,6 +44,19 @@ struct NvmeOptions {
   int runs = 3;
 };
 
+// A run's data goes as swap objects of up to 256 MiB (whole stripes over
+// the paths), written from and read back into buffers of a window of up to
+// 1 GiB of them: memory stays bounded however large --size is.
+uint64_t ObjectBytes(const NvmeOptions& o, uint64_t total) {
+  const uint64_t unit = o.stripe * o.paths.size();
+  return std::max<uint64_t>(std::min<uint64_t>(total, uint64_t{256} << 20) / unit, 1) * unit;
+}
+uint64_t WindowBytes(const NvmeOptions& o, uint64_t total) {
+  const uint64_t object = ObjectBytes(o, total);
+  const uint64_t window = std::max<uint64_t>((uint64_t{1} << 30) / object, 1) * object;
+  return std::min(window, (total + object - 1) / object * object);
+}
+
 constexpr const char* kUsage = R"(usage: ztier-bench nvme [options]
 
 Sequential write then read of striped swap objects through the swap space,
@@ -54,7 +67,8 @@ same block size, queue depth and total size.
                  drives (default: ./ztier-bench-swap, created)
   --backend B    the swap space's I/O: auto (io_uring where the kernel allows
                  it, else threads), io_uring, threads, or both (default auto)
-  --size N       total bytes, e.g. 2G (default 2G)
+  --size N       total bytes, e.g. 2G (default 2G); memory: two buffers of
+                 up to 1G, whatever the size
   --stripe N     stripe unit = fio block size (default 1M)
   --qd N         queue depth per path (default 16)
   --no-fio       skip the fio comparison
@@ -108,8 +122,14 @@ Status ParseArgs(int argc, char** argv, NvmeOptions* o) {
   const uint64_t unit = o->stripe * o->paths.size();
   if (o->size < unit) return Status::InvalidArgument("--size must hold one stripe per path");
   o->size = o->size / unit * unit;
-  // Its data is written from one buffer and read back into another.
-  return CheckFitsInMemory(2 * o->size, StrCat("--size ", o->size, " (two buffers of it)"));
+  // Its data is written from one buffer and read back into another, each
+  // at most a window of 1 GiB; the swap space stages a stripe for each I/O
+  // in flight on each path (the sweep goes up to 64).
+  const uint64_t staging = uint64_t{std::max(o->qd, o->sweep ? 64u : 0u)} * unit;
+  return CheckFitsInMemory(
+      2 * WindowBytes(*o, o->size) + staging,
+      StrCat("--size ", o->size, " with --stripe ", o->stripe, " (two buffers of up to 1 GiB, and ",
+             "the swap space's staging: a stripe for each I/O in flight on each path)"));
 }
 
 struct Throughput {
@@ -124,8 +144,11 @@ struct Pages {
   ~Pages() { std::free(p); }
 };
 
-// Writes `total` bytes as objects of up to 256 MiB, all in flight at once,
-// then reads them back; times each phase. Verifies the data read.
+// Writes `total` bytes as objects (ObjectBytes), all in flight at once,
+// each from its place in the window of `src` (object i from slot i mod the
+// window's objects), then reads them back a window at a time into `dst`
+// (WindowBytes each) and checks each window against `src`; times each
+// phase, the checks left out.
 Result<Throughput> RunSwap(const NvmeOptions& o, std::shared_ptr<nvme::IoBackend> backend,
                            uint64_t total, uint32_t qd, bool checksums, const uint8_t* src,
                            uint8_t* dst) {
@@ -138,23 +161,35 @@ Result<Throughput> RunSwap(const NvmeOptions& o, std::shared_ptr<nvme::IoBackend
   so.file_name = "ztier-bench.swap";
   ZT_ASSIGN_OR_RETURN(std::unique_ptr<nvme::SwapSpace> space,
                       nvme::SwapSpace::Create(so, std::move(backend)));
-  const uint64_t object_bytes = std::min<uint64_t>(total, uint64_t{256} << 20) /
-                                (o.stripe * o.paths.size()) * (o.stripe * o.paths.size());
+  const uint64_t object_bytes = ObjectBytes(o, total);
+  const uint64_t slots = WindowBytes(o, total) / object_bytes;
   std::vector<nvme::IoRange> writes, reads;
   for (uint64_t off = 0; off < total; off += object_bytes) {
     const uint64_t n = std::min(object_bytes, total - off);
+    const uint64_t slot = (off / object_bytes) % slots * object_bytes;
     ZT_ASSIGN_OR_RETURN(uint64_t id, space->Allocate(StrCat("obj", off), n));
-    writes.push_back({id, 0, n, const_cast<uint8_t*>(src + off)});
-    reads.push_back({id, 0, n, dst + off});
+    writes.push_back({id, 0, n, const_cast<uint8_t*>(src + slot)});
+    reads.push_back({id, 0, n, dst + slot});
   }
   Throughput t;
   double t0 = NowSeconds();
   ZT_RETURN_IF_ERROR(space->Submit(nvme::IoDirection::kWrite, writes).Wait());
   t.write_bytes_per_s = static_cast<double>(total) / (NowSeconds() - t0);
-  t0 = NowSeconds();
-  ZT_RETURN_IF_ERROR(space->Submit(nvme::IoDirection::kRead, reads).Wait());
-  t.read_bytes_per_s = static_cast<double>(total) / (NowSeconds() - t0);
-  if (std::memcmp(src, dst, total) != 0) return Status::Corruption("data read back differs");
+  double reading = 0;
+  for (size_t first = 0; first < reads.size(); first += slots) {
+    const size_t last = std::min(reads.size(), first + slots);
+    const std::vector<nvme::IoRange> wave(reads.begin() + first, reads.begin() + last);
+    t0 = NowSeconds();
+    ZT_RETURN_IF_ERROR(space->Submit(nvme::IoDirection::kRead, wave).Wait());
+    reading += NowSeconds() - t0;
+    for (const nvme::IoRange& r : wave) {
+      const uint64_t slot = static_cast<uint64_t>(static_cast<uint8_t*>(r.buffer) - dst);
+      if (std::memcmp(src + slot, r.buffer, r.length) != 0) {
+        return Status::Corruption("data read back differs");
+      }
+    }
+  }
+  t.read_bytes_per_s = static_cast<double>(total) / reading;
   ZT_RETURN_IF_ERROR(space->Close());  // removes the swap files
   return t;
 }
@@ -216,6 +251,12 @@ int RunNvme(int argc, char** argv) {
           StrCat("--path ", p, " is not an existing directory (create it on the drive to test)")));
     }
   }
+  // Each path holds its share of the data, then fio's file of the same size.
+  if (Status s =
+          CheckFitsOnDisk(o.paths, o.size / o.paths.size() + o.stripe, StrCat("--size ", o.size));
+      !s.ok()) {
+    return fail(s);
+  }
   const bool uring_ok = nvme::ProbeUringSetup().ok();
   std::vector<std::pair<std::string, std::shared_ptr<nvme::IoBackend>>> backends;
   auto add = [&](nvme::BackendChoice c) -> Status {
@@ -240,14 +281,15 @@ int RunNvme(int argc, char** argv) {
       break;
   }
   if (!chosen.ok()) return fail(chosen);
-  Pages src(o.size), dst(o.size);
+  const uint64_t window = WindowBytes(o, o.size);
+  Pages src(window), dst(window);
   if (src.p == nullptr || dst.p == nullptr) {
     std::fprintf(stderr, "ztier-bench nvme: cannot allocate 2 x %llu bytes\n",
-                 static_cast<unsigned long long>(o.size));
+                 static_cast<unsigned long long>(window));
     return 1;
   }
   std::mt19937_64 rng(42);
-  for (uint64_t i = 0; i < o.size; i += 8) {
+  for (uint64_t i = 0; i < window; i += 8) {
     const uint64_t x = rng();
     std::memcpy(src.p + i, &x, 8);
   }
@@ -258,7 +300,7 @@ int RunNvme(int argc, char** argv) {
 
   // Fault the destination in before timing: O_DIRECT into untouched pages
   // would time the page faults, not the drive.
-  std::memset(dst.p, 0, o.size);
+  std::memset(dst.p, 0, window);
 
   auto keep_best = [](Throughput* best, const Throughput& t) {
     best->write_bytes_per_s = std::max(best->write_bytes_per_s, t.write_bytes_per_s);

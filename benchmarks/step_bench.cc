@@ -542,6 +542,11 @@ int RunOnce(const StepBenchOptions& o, engine::StateDtype dtype, RunSummary* sum
     const uint64_t per_path =
         (state_bytes + (nvme_params ? o.params * 4 : 0)) / o.paths.size() + units * 4 * o.stripe;
     settings.nvme_capacity_per_path = (per_path + o.stripe - 1) / o.stripe * o.stripe;
+    if (Status s = CheckFitsOnDisk(o.paths, settings.nvme_capacity_per_path,
+                                   StrCat("--params ", o.params, " (states on nvme)"));
+        !s.ok()) {
+      return fail(s);
+    }
     settings.optimizer_tier = Tier::kNvme;
   }
   // With states on NVMe the swap space's I/O goes through a tracer (idle

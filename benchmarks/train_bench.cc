@@ -83,16 +83,15 @@ Result<Options> Parse(int argc, char** argv) {
   ArgReader args(argc, argv);
   while (args.Next()) {
     if (args.Is("--device")) {
-      ZT_ASSIGN_OR_RETURN(o.device,
-                          args.Choice<std::string>({{"host", "host"}, {"cuda", "cuda"}}));
+      ZT_ASSIGN_OR_RETURN(o.device, args.Choice<std::string>({{"host", "host"}, {"cuda", "cuda"}}));
     } else if (args.Is("--matmul")) {
-      ZT_ASSIGN_OR_RETURN(o.matmul,
-                          args.Choice<std::string>({{"fp32", "fp32"}, {"bf16", "bf16"}}));
+      ZT_ASSIGN_OR_RETURN(o.matmul, args.Choice<std::string>({{"fp32", "fp32"}, {"bf16", "bf16"}}));
     } else if (args.Is("--optimizer")) {
       ZT_ASSIGN_OR_RETURN(o.placements,
-                          args.Choice<std::vector<std::string>>(
-                              {{"dram", {"dram"}}, {"nvme", {"nvme"}}, {"dram,nvme", {"dram", "nvme"}},
-                               {"nvme,dram", {"nvme", "dram"}}}));
+                          args.Choice<std::vector<std::string>>({{"dram", {"dram"}},
+                                                                 {"nvme", {"nvme"}},
+                                                                 {"dram,nvme", {"dram", "nvme"}},
+                                                                 {"nvme,dram", {"nvme", "dram"}}}));
     } else if (args.Is("--layers")) {
       ZT_RETURN_IF_ERROR(args.CountInto(&o.layers, 1, 1024));
     } else if (args.Is("--channels")) {
@@ -149,9 +148,8 @@ Result<std::string> FindTrain(const Options& o) {
   std::error_code ec;
   const fs::path self = fs::read_symlink("/proc/self/exe", ec);
   if (!ec) {
-    for (const fs::path& p :
-         {self.parent_path() / "ztier-train", self.parent_path().parent_path() / "examples" /
-                                                  "ztier-train"}) {
+    for (const fs::path& p : {self.parent_path() / "ztier-train",
+                              self.parent_path().parent_path() / "examples" / "ztier-train"}) {
       if (::access(p.c_str(), X_OK) == 0) return p.string();
     }
   }
@@ -180,10 +178,10 @@ Status RunLogged(const std::vector<std::string>& argv, const fs::path& log) {
   std::ifstream in(log);
   std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   if (text.size() > 2000) text = "..." + text.substr(text.size() - 2000);
-  return Status::Internal(StrCat(
-      argv[0], WIFEXITED(st) ? StrCat(" exited with ", WEXITSTATUS(st))
-                             : StrCat(" died of signal ", WTERMSIG(st)),
-      "; its output (", log.string(), "):\n", text));
+  return Status::Internal(StrCat(argv[0],
+                                 WIFEXITED(st) ? StrCat(" exited with ", WEXITSTATUS(st))
+                                               : StrCat(" died of signal ", WTERMSIG(st)),
+                                 "; its output (", log.string(), "):\n", text));
 }
 
 // One number of ztier-train's --summary object.
@@ -298,13 +296,14 @@ int RunTrain(int argc, char** argv) {
     std::error_code ec;
     fs::create_directories(dir, ec);
     if (ec) {
-      return FailExit(Status::IoError(StrCat("--dir ", dir.string(), ": ", ec.message())),
-                      "train");
+      return FailExit(Status::IoError(StrCat("--dir ", dir.string(), ": ", ec.message())), "train");
     }
   }
   std::printf(
-      "ztier-bench train: %s, %s matmuls, %d layers x %d channels, %d heads, context %d, batch %d, %d "
-      "rank(s); %d steps, figures over the last %d (median of %d); offloaded = params streamed (ztier-train's "
+      "ztier-bench train: %s, %s matmuls, %d layers x %d channels, %d heads, context %d, batch %d, "
+      "%d "
+      "rank(s); %d steps, figures over the last %d (median of %d); offloaded = params streamed "
+      "(ztier-train's "
       "persistence threshold), resident = every unit kept on the device\n",
       o.device.c_str(), o.matmul.c_str(), o.layers, o.channels, o.heads, o.context, o.batch,
       o.ranks, o.steps, o.steps - o.skip, o.repeat);

@@ -20,14 +20,20 @@ leftovers=$(find "$dir" -type f)
 [ -z "$leftovers" ] || { echo "files left behind: $leftovers"; exit 1; }
 # Sizes are checked before anything is allocated: a stripe that made the
 # stripe unit wrap to 0 divided by it (SIGFPE); sizes past this machine's
-# memory are said up front instead of the OOM killer ending the run.
+# memory are said up front instead of the OOM killer ending the run, and
+# sizes past the drive's free space before a swap file fills it.
 status=0
 "$bench" nvme --stripe 9223372036854775808 --path "$dir" --path "$dir" >/dev/null 2>&1 || status=$?
 [ "$status" -eq 2 ] || { echo "a 2^63 --stripe gave exit $status, not a usage error"; exit 1; }
 status=0
 out=$("$bench" nvme --path "$dir" --size 1048576G --no-fio 2>&1) || status=$?
-[[ $status -eq 2 && $out == *"bytes of memory; this machine has"* ]] ||
+[[ $status -eq 1 && $out == *"bytes on the filesystem of $dir, which has"* ]] ||
   { echo "--size 1048576G gave exit $status: $out"; exit 1; }
+[ -z "$(find "$dir" -type f)" ] || { echo "--size 1048576G left files"; exit 1; }
+status=0
+out=$("$bench" nvme --path "$dir" --size 1G --stripe 1G --no-fio 2>&1) || status=$?
+[[ $status -eq 2 && $out == *"bytes of memory; this machine has"* ]] ||
+  { echo "--stripe 1G --size 1G gave exit $status: $out"; exit 1; }
 status=0
 out=$("$bench" adam --params 1048576G --runs 1 2>&1) || status=$?
 [[ $status -eq 1 && $out == *"bytes of memory; this machine has"* ]] ||
