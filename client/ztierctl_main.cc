@@ -36,6 +36,7 @@
 #include "common/numbers.h"
 #include "common/version.h"
 #include "engine/protocol.h"
+#include "engine/seqpacket.h"
 
 namespace ztier::ztierctl {
 namespace {
@@ -276,8 +277,7 @@ void PrintStatus(const DaemonStatus& s) {
     std::printf("swap:\n");
     std::vector<std::vector<std::string>> rows = {{"PATH", "USED", "FILE", "CAPACITY"}};
     for (const auto& p : s.swap) {
-      rows.push_back(
-          {p.path, Bytes(p.used_bytes), Bytes(p.file_bytes), Bytes(p.capacity_bytes)});
+      rows.push_back({p.path, Bytes(p.used_bytes), Bytes(p.file_bytes), Bytes(p.capacity_bytes)});
     }
     PrintTable(rows, {false, true, true, true}, "  ");
   }
@@ -294,12 +294,11 @@ void PrintStatus(const DaemonStatus& s) {
   row("host->device", a.host_to_device, w.host_to_device);
   row("device->host", a.device_to_host, w.device_to_host);
   PrintTable(rows, {false, true, true, true}, "  ");
-  std::printf("steps: %lld (%lld skipped) by %lld jobs since start, optimizer %s, stalls %s\n",
-              static_cast<long long>(s.totals.steps),
-              static_cast<long long>(s.totals.skipped_steps),
-              static_cast<long long>(s.totals.jobs_registered),
-              Duration(s.totals.optimizer_seconds).c_str(),
-              Duration(s.totals.stall_seconds).c_str());
+  std::printf(
+      "steps: %lld (%lld skipped) by %lld jobs since start, optimizer %s, stalls %s\n",
+      static_cast<long long>(s.totals.steps), static_cast<long long>(s.totals.skipped_steps),
+      static_cast<long long>(s.totals.jobs_registered),
+      Duration(s.totals.optimizer_seconds).c_str(), Duration(s.totals.stall_seconds).c_str());
 }
 
 void PrintJobs(const std::vector<JobInfo>& jobs) {
@@ -312,13 +311,12 @@ void PrintJobs(const std::vector<JobInfo>& jobs) {
                                                  "GRAD NORM"}};
   for (const JobInfo& j : jobs) {
     const engine::JobCounters& c = j.counters;
-    rows.push_back({std::to_string(j.id), std::to_string(j.uid), j.name,
-                    std::string(engine::protocol::JobStateName(j.state)),
-                    StrCat(j.attached, "/", j.world_size), std::to_string(j.step),
-                    Bytes(c.dram_bytes), Bytes(c.nvme_bytes),
-                    c.steps == 0 ? "-" : Fixed(c.last_step_seconds, 3) + " s",
-                    Fixed(c.stall_seconds, 2) + " s",
-                    c.steps == 0 ? "-" : Fixed(c.last_grad_norm, 4)});
+    rows.push_back(
+        {std::to_string(j.id), std::to_string(j.uid), j.name,
+         std::string(engine::protocol::JobStateName(j.state)),
+         StrCat(j.attached, "/", j.world_size), std::to_string(j.step), Bytes(c.dram_bytes),
+         Bytes(c.nvme_bytes), c.steps == 0 ? "-" : Fixed(c.last_step_seconds, 3) + " s",
+         Fixed(c.stall_seconds, 2) + " s", c.steps == 0 ? "-" : Fixed(c.last_grad_norm, 4)});
   }
   PrintTable(rows, {true, true, false, false, true, true, true, true, true, true, true});
   for (const JobInfo& j : jobs) {
@@ -461,6 +459,10 @@ int Run(const Options& o) {
     if (id > INT32_MAX) throw UsageError{StrCat("'", a[1], "' is not a job id")};
     evict_id = static_cast<int32_t>(id);
     if (a.size() == 4) reason = a[3];
+    if (reason.size() > engine::protocol::kMaxNameBytes) {
+      throw UsageError{StrCat("evict --reason: ", reason.size(), " bytes, over the limit of ",
+                              engine::protocol::kMaxNameBytes)};
+    }
   } else {
     throw UsageError{StrCat("unknown command '", cmd, "'")};
   }
@@ -574,6 +576,9 @@ int Main(int argc, char** argv) {
       }
     }
     if (o.socket.empty()) throw UsageError{"--socket: an empty path"};
+    if (Status s = engine::CheckSocketPath(o.socket); !s.ok()) {
+      throw UsageError{StrCat("--socket: ", s.message())};
+    }
     return Run(o);
   } catch (const UsageError& e) {
     std::fprintf(stderr, "ztierctl: %s\n\n", e.message.c_str());

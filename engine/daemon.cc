@@ -45,6 +45,8 @@ using Clock = std::chrono::steady_clock;
 // quiet, and how long a reply may wait for room in the client's socket.
 constexpr std::chrono::milliseconds kPollInterval{200};
 constexpr std::chrono::seconds kSendTimeout{30};
+// The stop's last word to a client: not worth holding the stop for.
+constexpr std::chrono::milliseconds kFarewellTimeout{500};
 
 // A job's name in the engine: scoped by its owner's uid, so each user has
 // a namespace of their own.
@@ -224,8 +226,8 @@ struct Daemon::Impl {
       std::filesystem::path dir = std::filesystem::path(options.quota_file).parent_path();
       if (dir.empty()) dir = ".";
       if (!std::filesystem::is_directory(dir, ec) || ::access(dir.c_str(), W_OK | X_OK) != 0) {
-        return Status::InvalidArgument(StrCat("quota file ", options.quota_file, ": ",
-                                              dir.string(), " is not a directory ztierd can ",
+        return Status::InvalidArgument(StrCat("quota file ", options.quota_file, ": ", dir.string(),
+                                              " is not a directory ztierd can ",
                                               "write (the file is made at the first quota set)"));
       }
       return Status::Ok();
@@ -676,19 +678,22 @@ class Daemon::Impl::Connection {
   // grads) has run, so a request never waits behind another.
   bool Queue(Request req) {
     const p::Header header = req.header;
+    Status over;
     {
       std::lock_guard<std::mutex> lock(d_.mu);
       Impl::Usage& u = d_.usage[peer_.uid];
       if (u.requests >= d_.options.max_requests_in_flight_per_uid) {
-        return SendError(
-            header.request_id, header.type,
-            Status::ResourceExhausted(StrCat(
-                "requests in flight of uid ", peer_.uid, " on all its connections: ", u.requests,
-                " of the quota of ", d_.options.max_requests_in_flight_per_uid,
-                " (daemon max_requests_in_flight_per_uid)")));
+        over = Status::ResourceExhausted(
+            StrCat("requests in flight of uid ", peer_.uid, " on all its connections: ", u.requests,
+                   " of the quota of ", d_.options.max_requests_in_flight_per_uid,
+                   " (daemon max_requests_in_flight_per_uid)"));
+      } else {
+        ++u.requests;
       }
-      ++u.requests;
     }
+    // Said with the daemon's lock released: a client that does not read
+    // may hold the send for kSendTimeout, and the lock is everyone's.
+    if (!over.ok()) return SendError(header.request_id, header.type, over);
     std::unique_lock<std::mutex> lock(mu_);
     Status refused;
     if (in_flight_ >= d_.options.max_requests_in_flight) {
@@ -765,13 +770,16 @@ class Daemon::Impl::Connection {
     return sent;
   }
 
-  bool SendError(uint64_t id, p::MessageType type, const Status& s) {
+  // Never called with d_.mu held: a send may wait `timeout` for a client
+  // that does not read.
+  bool SendError(uint64_t id, p::MessageType type, const Status& s,
+                 std::chrono::milliseconds timeout = kSendTimeout) {
     d_.requests.fetch_add(1, std::memory_order_relaxed);
-    return SendMessage(id, type, p::EncodeStatus(Unscoped(s, prefix_)), {});
+    return SendMessage(id, type, p::EncodeStatus(Unscoped(s, prefix_)), {}, timeout);
   }
 
   bool SendMessage(uint64_t id, p::MessageType type, const std::string& payload,
-                   const std::vector<int>& fds) {
+                   const std::vector<int>& fds, std::chrono::milliseconds timeout = kSendTimeout) {
     Result<std::string> msg = p::EncodeMessage({.type = type,
                                                 .flags = p::kFlagReply,
                                                 .request_id = id,
@@ -781,7 +789,7 @@ class Daemon::Impl::Connection {
       ZT_LOG(kError, "ztierd") << Who() << ": " << msg.status();
       return false;
     }
-    Status s = sock_.Send(*msg, fds, kSendTimeout);
+    Status s = sock_.Send(*msg, fds, timeout, &d_.stopping);
     if (!s.ok()) {
       ZT_LOG(kInfo, "ztierd") << Who() << ": " << s << "; closing the connection";
       sock_.Shutdown();
@@ -821,9 +829,9 @@ class Daemon::Impl::Connection {
   // The operator's calls: refused (PermissionDenied) for others.
   Status RequireAdmin(std::string_view what) const {
     if (admin_) return Status::Ok();
-    return Status::PermissionDenied(StrCat(what, ": uid ", peer_.uid,
-                                           " is not an operator of this ztierd (operators: ",
-                                           d_.AdminsText(), ")"));
+    return Status::PermissionDenied(
+        StrCat(what, ": uid ", peer_.uid,
+               " is not an operator of this ztierd (operators: ", d_.AdminsText(), ")"));
   }
 
   Result<std::string> OnListJobs(std::string_view in) {
@@ -848,7 +856,8 @@ class Daemon::Impl::Connection {
   Result<std::string> OnGetQuota(std::string_view in) {
     ZT_ASSIGN_OR_RETURN(p::QuotaQuery q, p::DecodeQuotaQuery(in));
     if (q.all || q.uid != peer_.uid) {
-      ZT_RETURN_IF_ERROR(RequireAdmin(q.all ? "quota get (every uid)" : "quota get of another uid"));
+      ZT_RETURN_IF_ERROR(
+          RequireAdmin(q.all ? "quota get (every uid)" : "quota get of another uid"));
     }
     p::QuotaList list;
     std::lock_guard<std::mutex> lock(d_.mu);
@@ -957,10 +966,10 @@ class Daemon::Impl::Connection {
       case p::MessageType::kWaitPublished: {
         ZT_ASSIGN_OR_RETURN(p::StepWait w, p::DecodeStepWait(in));
         ZT_ASSIGN_OR_RETURN(JobEntry j, FindJob(w.job));
-        ZT_RETURN_IF_ERROR(
-            UnlessEvicted(j, Sliced(w.timeout, [&](std::chrono::milliseconds slice) {
-                            return d_.engine->WaitPublished(j.engine_job, w.unit, w.step, slice);
-                          })));
+        ZT_RETURN_IF_ERROR(UnlessEvicted(j, Sliced(w.timeout, [&](std::chrono::milliseconds slice) {
+                                           return d_.engine->WaitPublished(j.engine_job, w.unit,
+                                                                           w.step, slice);
+                                         })));
         return std::string();
       }
       case p::MessageType::kPublishedStep: {
@@ -1093,11 +1102,10 @@ class Daemon::Impl::Connection {
       std::lock_guard<std::mutex> lock(d.mu);
       Impl::Usage& u = d.usage[uid];
       if (u.payload_bytes + bytes > d.options.max_spec_bytes_per_uid) {
-        return Status::ResourceExhausted(
-            StrCat("uid ", uid, "'s requests hold ", u.payload_bytes,
-                   " bytes of job specs in ztierd; this one needs ", bytes,
-                   " more, past the quota of ", d.options.max_spec_bytes_per_uid,
-                   " (daemon max_spec_bytes_per_uid)"));
+        return Status::ResourceExhausted(StrCat(
+            "uid ", uid, "'s requests hold ", u.payload_bytes,
+            " bytes of job specs in ztierd; this one needs ", bytes, " more, past the quota of ",
+            d.options.max_spec_bytes_per_uid, " (daemon max_spec_bytes_per_uid)"));
       }
       u.payload_bytes += bytes;
       d_ = &d;
@@ -1118,9 +1126,11 @@ class Daemon::Impl::Connection {
   Result<std::string> Payload(Request& req, PayloadCharge* charge) {
     if ((req.header.flags & p::kFlagMemfd) != 0) {
       struct stat st {};
-      if (::fstat(req.fds[0].get(), &st) != 0) return PosixError("fstat of the payload memfd", errno);
-      const uint64_t size = std::min<uint64_t>(static_cast<uint64_t>(std::max<off_t>(st.st_size, 0)),
-                                               p::kMaxMemfdPayloadBytes);
+      if (::fstat(req.fds[0].get(), &st) != 0)
+        return PosixError("fstat of the payload memfd", errno);
+      const uint64_t size = std::min<uint64_t>(
+          static_cast<uint64_t>(std::max<off_t>(st.st_size, 0)), p::kMaxMemfdPayloadBytes);
+      if (size == 0) return Status::InvalidArgument("the payload memfd is empty");
       ZT_RETURN_IF_ERROR(charge->Take(d_, peer_.uid, 2 * size));
       // At most what was charged: a memfd grown since is refused.
       return ReadPayloadMemfd(req.fds[0].get(), size);
@@ -1546,7 +1556,8 @@ class Daemon::Impl::Connection {
         std::lock_guard<std::mutex> lock(d_.mu);
         reason = d_.stop_reason;
       }
-      (void)SendError(0, p::MessageType::kHello, Status::Unavailable(reason));
+      // Briefly: a client that does not read must not hold up the stop.
+      (void)SendError(0, p::MessageType::kHello, Status::Unavailable(reason), kFarewellTimeout);
     }
     // No queued request starts from now on; unregistering the jobs ends
     // the waits of the requests running (Aborted), so the pool can be joined.
@@ -1907,33 +1918,37 @@ std::string Daemon::Impl::MetricsText() {
     }
   };
   t.Family("ztier_quota_used_bytes", "gauge", "Bytes a uid's jobs hold, by tier.");
-  per_uid("ztier_quota_used_bytes", [](const QuotaInfo& q) { return double(q.dram_bytes); },
-          "dram");
-  per_uid("ztier_quota_used_bytes", [](const QuotaInfo& q) { return double(q.nvme_bytes); },
-          "nvme");
+  per_uid(
+      "ztier_quota_used_bytes", [](const QuotaInfo& q) { return double(q.dram_bytes); }, "dram");
+  per_uid(
+      "ztier_quota_used_bytes", [](const QuotaInfo& q) { return double(q.nvme_bytes); }, "nvme");
   t.Family("ztier_quota_limit_bytes", "gauge",
            "A uid's byte quota, by tier (absent: no limit but the budget).");
-  per_uid("ztier_quota_limit_bytes",
-          [](const QuotaInfo& q) {
-            return q.quota.max_dram_bytes == 0 ? -1.0 : double(q.quota.max_dram_bytes);
-          },
-          "dram");
-  per_uid("ztier_quota_limit_bytes",
-          [](const QuotaInfo& q) {
-            return q.quota.max_nvme_bytes == 0 ? -1.0 : double(q.quota.max_nvme_bytes);
-          },
-          "nvme");
+  per_uid(
+      "ztier_quota_limit_bytes",
+      [](const QuotaInfo& q) {
+        return q.quota.max_dram_bytes == 0 ? -1.0 : double(q.quota.max_dram_bytes);
+      },
+      "dram");
+  per_uid(
+      "ztier_quota_limit_bytes",
+      [](const QuotaInfo& q) {
+        return q.quota.max_nvme_bytes == 0 ? -1.0 : double(q.quota.max_nvme_bytes);
+      },
+      "nvme");
   t.Family("ztier_quota_jobs", "gauge", "Jobs a uid holds.");
-  per_uid("ztier_quota_jobs", [](const QuotaInfo& q) { return double(q.jobs); }, "");
+  per_uid(
+      "ztier_quota_jobs", [](const QuotaInfo& q) { return double(q.jobs); }, "");
   t.Family("ztier_quota_max_jobs", "gauge", "A uid's job quota.");
-  per_uid("ztier_quota_max_jobs", [](const QuotaInfo& q) { return double(q.quota.max_jobs); },
-          "");
+  per_uid(
+      "ztier_quota_max_jobs", [](const QuotaInfo& q) { return double(q.quota.max_jobs); }, "");
   t.Family("ztier_quota_connections", "gauge", "Connections a uid holds.");
-  per_uid("ztier_quota_connections", [](const QuotaInfo& q) { return double(q.connections); },
-          "");
+  per_uid(
+      "ztier_quota_connections", [](const QuotaInfo& q) { return double(q.connections); }, "");
   t.Family("ztier_quota_max_connections", "gauge", "A uid's connection quota.");
-  per_uid("ztier_quota_max_connections",
-          [](const QuotaInfo& q) { return double(q.quota.max_connections); }, "");
+  per_uid(
+      "ztier_quota_max_connections",
+      [](const QuotaInfo& q) { return double(q.quota.max_connections); }, "");
   return t.Take();
 }
 

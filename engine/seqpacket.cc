@@ -25,7 +25,12 @@ struct Address {
   UniqueFd dir;
 };
 
+// The longest file name a long path may have: what /proc/self/fd/<fd>/
+// leaves of sun_path (an fd of up to 5 digits).
+constexpr size_t kMaxLongPathName = sizeof(sockaddr_un{}.sun_path) - 1 - 20;
+
 Result<Address> AddressOf(const std::string& path) {
+  ZT_RETURN_IF_ERROR(CheckSocketPath(path));
   Address a;
   a.addr.sun_family = AF_UNIX;
   std::string name = path;
@@ -40,10 +45,9 @@ Result<Address> AddressOf(const std::string& path) {
     name = StrCat("/proc/self/fd/", a.dir.get(), "/",
                   slash == std::string::npos ? path : path.substr(slash + 1));
   }
-  if (path.empty() || name.size() >= sizeof(a.addr.sun_path)) {
-    return Status::InvalidArgument(StrCat("socket path '", path,
-                                          "': empty, or a file name longer than ",
-                                          sizeof(a.addr.sun_path) - 1 - 20, " bytes"));
+  if (name.size() >= sizeof(a.addr.sun_path)) {  // an fd of more digits than allowed for
+    return Status::InvalidArgument(
+        StrCat("socket path '", path, "': a file name longer than ", kMaxLongPathName, " bytes"));
   }
   std::memcpy(a.addr.sun_path, name.data(), name.size());
   return a;
@@ -76,6 +80,17 @@ Status Gone(std::string_view what, int err) {
 
 }  // namespace
 
+Status CheckSocketPath(const std::string& path) {
+  const size_t slash = path.rfind('/');
+  const size_t name = slash == std::string::npos ? path.size() : path.size() - slash - 1;
+  if (path.empty() || (path.size() >= sizeof(sockaddr_un{}.sun_path) && name > kMaxLongPathName)) {
+    return Status::InvalidArgument(StrCat("socket path '", path,
+                                          "': empty, or a file name longer than ", kMaxLongPathName,
+                                          " bytes"));
+  }
+  return Status::Ok();
+}
+
 // ------------------------------------------------------------ socket
 
 Result<SeqPacketSocket> SeqPacketSocket::Connect(const std::string& path) {
@@ -99,19 +114,19 @@ Result<SeqPacketSocket> SeqPacketSocket::Connect(const std::string& path) {
     if (err == EACCES || err == EPERM) {
       // Name the socket's group as it is (ztierd.socket's is ztier).
       std::string group = "its group";
-      struct stat st{};
+      struct stat st {};
       if (::stat(path.c_str(), &st) == 0) {
         group = StrCat("gid ", st.st_gid);
         std::vector<char> buf(16384);
-        struct group g{};
+        struct group g {};
         struct group* found = nullptr;
         if (::getgrgid_r(st.st_gid, &g, buf.data(), buf.size(), &found) == 0 && found) {
           group = StrCat("group ", found->gr_name);
         }
       }
       return Status(StatusCode::kFailedPrecondition,
-                    StrCat("connecting to ", path, ": permission denied; the socket admits ",
-                           group, " only: ask the admin to add this user to it"),
+                    StrCat("connecting to ", path, ": permission denied; the socket admits ", group,
+                           " only: ask the admin to add this user to it"),
                     err);
     }
     return PosixError(StrCat("connect to ", path), err);
@@ -129,7 +144,7 @@ Result<std::pair<SeqPacketSocket, SeqPacketSocket>> SeqPacketSocket::Pair() {
 }
 
 Status SeqPacketSocket::Send(std::string_view datagram, std::span<const int> fds,
-                             std::chrono::milliseconds timeout) {
+                             std::chrono::milliseconds timeout, const std::atomic<bool>* give_up) {
   constexpr size_t kMaxFds = 16;
   if (fds.size() > kMaxFds) {
     return Status::InvalidArgument(StrCat(fds.size(), " fds in one message; at most ", kMaxFds));
@@ -157,13 +172,18 @@ Status SeqPacketSocket::Send(std::string_view datagram, std::span<const int> fds
     const int err = errno;
     if (err == EINTR) continue;
     if (err == EAGAIN || err == EWOULDBLOCK) {
-      // The peer does not read: wait for room, but not forever.
-      ZT_ASSIGN_OR_RETURN(bool room, WaitFor(fd_.get(), POLLOUT, deadline));
-      if (!room) {
-        return Status::Unavailable(StrCat("the peer has not read its messages for ",
-                                          timeout.count(), " ms; giving up on it"));
+      // The peer does not read: wait for room, but not forever (nor past
+      // `give_up`, looked at every 100 ms).
+      const Deadline slice =
+          give_up == nullptr ? deadline : std::min(deadline, After(std::chrono::milliseconds(100)));
+      ZT_ASSIGN_OR_RETURN(bool room, WaitFor(fd_.get(), POLLOUT, slice));
+      if (room) continue;
+      if (give_up != nullptr && give_up->load()) {
+        return Status::Unavailable("the peer has not read its messages; given up on (stopping)");
       }
-      continue;
+      if (std::chrono::steady_clock::now() < deadline) continue;
+      return Status::Unavailable(StrCat("the peer has not read its messages for ", timeout.count(),
+                                        " ms; giving up on it"));
     }
     if (err == EPIPE || err == ECONNRESET || err == ENOTCONN) return Gone("send", err);
     if (err == EMSGSIZE) {

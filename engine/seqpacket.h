@@ -17,6 +17,7 @@
 
 #include <sys/types.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <span>
@@ -35,6 +36,12 @@ struct PeerCredentials {
   uid_t uid = 0;
   gid_t gid = 0;
 };
+
+// Whether `path` can name a socket at all: not empty, and a path past
+// sun_path's 108 bytes has a file name short enough to be reached through
+// its directory (/proc/self/fd/<fd>/<name>). Nothing is opened: a check of
+// the text, for arguments (InvalidArgument).
+Status CheckSocketPath(const std::string& path);
 
 class SeqPacketSocket {
  public:
@@ -58,8 +65,11 @@ class SeqPacketSocket {
   // most `timeout` for room when the peer does not read. Errors:
   // Unavailable (the peer is gone or stuck), InvalidArgument (too large, too
   // many fds), PosixError.
+  // A send waiting for room also ends (Unavailable) once `give_up` is set,
+  // within 100 ms (a daemon that stops).
   Status Send(std::string_view datagram, std::span<const int> fds = {},
-              std::chrono::milliseconds timeout = std::chrono::seconds(30));
+              std::chrono::milliseconds timeout = std::chrono::seconds(30),
+              const std::atomic<bool>* give_up = nullptr);
   // The next datagram, waiting at most `timeout`. Datagrams are at most
   // `max_bytes`, with at most `max_fds` fds. Errors: Unavailable (the peer
   // closed, or nothing within the timeout: names it), Corruption (larger,

@@ -119,7 +119,8 @@ Result<Flags> ParseFlags(int argc, char** argv) {
       std::exit(0);
     }
     if (a.rfind("--", 0) != 0) {
-      return Status::InvalidArgument(StrCat("unexpected argument '", a, "' (ztierd takes flags only)"));
+      return Status::InvalidArgument(
+          StrCat("unexpected argument '", a, "' (ztierd takes flags only)"));
     }
     if (i + 1 >= argc) {
       return Status::InvalidArgument(
@@ -293,6 +294,7 @@ int Run(const Flags& f) {
   std::atomic<bool> done{false};
   std::mutex mu;
   std::condition_variable cv;
+  std::atomic<bool> stop_requested{false};
   std::thread signals([&] {
     int sig = 0;
     while (sigwait(&stop_signals, &sig) == 0) {
@@ -301,6 +303,7 @@ int Run(const Flags& f) {
     if (done.load()) return;
     ZT_LOG(kInfo, "ztierd") << "received " << (sig == SIGTERM ? "SIGTERM" : "SIGINT")
                             << ": stopping";
+    stop_requested.store(true);
     (void)notifier->Stopping();
     (void)notifier->ExtendTimeout(std::chrono::seconds(30));
     d.Stop(StrCat("ztierd is stopping (", sig == SIGTERM ? "SIGTERM" : "SIGINT",
@@ -315,8 +318,8 @@ int Run(const Flags& f) {
     std::unique_lock<std::mutex> lock(mu);
     while (!done.load()) {
       const engine::DaemonStats s = d.stats();
-      (void)notifier->SetStatus(
-          StrCat("serving: ", s.connections, " connections, ", s.jobs, " jobs"));
+      (void)notifier->SetStatus(StrCat(stop_requested.load() ? "stopping: " : "serving: ",
+                                       s.connections, " connections, ", s.jobs, " jobs"));
       if (watchdog->has_value()) (void)notifier->Watchdog();
       cv.wait_for(lock, interval, [&] { return done.load(); });
     }

@@ -89,18 +89,19 @@ class RawClient {
     return c;
   }
 
-  Status SendRaw(std::string_view datagram, std::span<const int> fds = {}) {
-    return sock_.Send(datagram, fds, 5s);
+  Status SendRaw(std::string_view datagram, std::span<const int> fds = {},
+                 std::chrono::milliseconds timeout = 5s) {
+    return sock_.Send(datagram, fds, timeout);
   }
   Status Send(p::MessageType type, std::string_view payload, std::span<const int> fds = {},
-              uint32_t flags = 0) {
+              uint32_t flags = 0, std::chrono::milliseconds timeout = 5s) {
     Result<std::string> msg = p::EncodeMessage({.type = type,
                                                 .flags = flags,
                                                 .request_id = next_id_++,
                                                 .fds = static_cast<uint32_t>(fds.size())},
                                                payload);
     if (!msg.ok()) return msg.status();
-    return SendRaw(*msg, fds);
+    return SendRaw(*msg, fds, timeout);
   }
   Result<Reply> Receive(std::chrono::milliseconds timeout = 10s) {
     ZT_ASSIGN_OR_RETURN(SeqPacketSocket::Received got,
@@ -571,8 +572,7 @@ TEST_F(DaemonTest, OneUidsRequestsInFlightOnAllItsConnectionsAreBounded) {
     }
   }
   EXPECT_EQ(refused.code(), StatusCode::kResourceExhausted) << refused;
-  EXPECT_NE(refused.message().find("max_requests_in_flight_per_uid"), std::string::npos)
-      << refused;
+  EXPECT_NE(refused.message().find("max_requests_in_flight_per_uid"), std::string::npos) << refused;
   for (RawClient& c : waiting) {
     for (int k = 0; k < 2; ++k) {
       Result<RawClient::Reply> r = c.Receive(10s);
@@ -583,6 +583,38 @@ TEST_F(DaemonTest, OneUidsRequestsInFlightOnAllItsConnectionsAreBounded) {
   Result<RawClient::Reply> again = third.Call(p::MessageType::kAttachJob, attach(10ms));
   ASSERT_TRUE(again.ok()) << again.status();
   EXPECT_EQ(again->status.code(), StatusCode::kNotFound) << again->status;
+}
+
+// A client that sends requests and reads no reply: once its socket holds
+// no more refusals, the daemon's send to it waits (up to 30 s) for room.
+// That wait was made with the daemon's lock held, so every other client's
+// hello, ztierctl and the watchdog's ping stalled for as long (past
+// WatchdogSec: systemd would have killed ztierd). Others are served at
+// once.
+TEST_F(DaemonTest, AClientThatReadsNoRepliesHoldsUpNobodyElse) {
+  engine::DaemonOptions o;
+  o.max_requests_in_flight = 2;
+  o.max_requests_in_flight_per_uid = 2;
+  Start(o);
+  RawClient flood = RawClient::Connect(socket());
+  const std::string wait =
+      p::Encode(p::AttachRequest{.rank = 0, .timeout = 20s, .spec = TwoUnits("nobody")});
+  // Two waits in flight, then refusals, until the daemon stops reading
+  // (blocked sending to us) and our sends find no room.
+  int sent = 0;
+  while (sent < 100000 && flood.Send(p::MessageType::kAttachJob, wait, {}, 0, 300ms).ok()) ++sent;
+  ASSERT_LT(sent, 100000) << "the daemon never stopped reading";
+  const auto t0 = std::chrono::steady_clock::now();
+  RawClient other = RawClient::Connect(socket());
+  Result<RawClient::Reply> status = other.Call(p::MessageType::kDaemonStatus, "");
+  ASSERT_TRUE(status.ok()) << status.status();
+  EXPECT_TRUE(status->status.ok()) << status->status;
+  (void)daemon_->daemon().stats();  // what the watchdog's ping reads
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 5s) << "after " << sent << " requests";
+  // Nor does it hold up a stop (it did, until its send gave up at 30 s).
+  const auto t1 = std::chrono::steady_clock::now();
+  daemon_->Stop("stopping beside a client that reads nothing");
+  EXPECT_LT(std::chrono::steady_clock::now() - t1, 5s);
 }
 
 // Nor all its memory: the job specs one uid's requests hold (an attach
@@ -745,8 +777,8 @@ TEST(ZtierdProgramTest, BadUsageAndASocketInUseAreClearErrors) {
   EXPECT_EQ(rc, 2) << out;
   EXPECT_NE(out.find("dram_budjet"), std::string::npos) << out;
   // A quota file it could never write (found at the first quota set).
-  std::tie(rc, out) = RunZtierd("--socket " + cfg.path() +
-                                "/q.sock --quota-file /nonexistent-dir/quotas.json");
+  std::tie(rc, out) =
+      RunZtierd("--socket " + cfg.path() + "/q.sock --quota-file /nonexistent-dir/quotas.json");
   EXPECT_EQ(rc, 2) << out;
   EXPECT_NE(out.find("/nonexistent-dir is not a directory ztierd can write"), std::string::npos)
       << out;

@@ -449,6 +449,14 @@ TEST(ZtierctlProgramTest, TablesJsonAndExitCodes) {
     r = Ztierctl(StrCat(sock, " ", bad), dir.path());
     EXPECT_EQ(r.code, 2) << bad << ": " << r.out;
   }
+  // Arguments the daemon would refuse are said here, as usage errors (they
+  // went to ztierd, and came back as a corrupt request or an error, 1).
+  r = Ztierctl(StrCat(sock, " evict 1 --reason ", std::string(1025, 'x')), dir.path());
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_NE(r.out.find("over the limit of 1024"), std::string::npos) << r.out;
+  r = Ztierctl(StrCat("--socket ", dir.path(), "/", std::string(200, 'a'), " status"), dir.path());
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_NE(r.out.find("a file name longer than"), std::string::npos) << r.out;
   // An unknown job: ztierd answers with an error, 1.
   r = Ztierctl(sock + " evict 999", dir.path());
   EXPECT_EQ(r.code, 1) << r.out;
