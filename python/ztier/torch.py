@@ -50,6 +50,7 @@ import contextlib
 import dataclasses
 import numbers
 import os
+import sys
 import uuid
 import warnings
 import weakref
@@ -70,6 +71,10 @@ __all__ = ["AdamW", "Offload", "offload", "open_session", "from_pretrained", "fi
 @dataclass
 class AdamW:
     """The engine's AdamW (decoupled weight decay, PyTorch's formulas).
+
+    The defaults are DeepSpeed's (weight_decay 0.0); torch.optim.AdamW's
+    default weight_decay is 0.01: name it when porting code that relies on
+    torch's default.
 
     ``no_decay``: parameters whose state-dict name contains any of these
     substrings (case-insensitive) get weight decay 0 (their own param group).
@@ -140,7 +145,8 @@ class _Optimizer(torch.optim.Optimizer):
                     warnings.warn(
                         f"ztier: param group {i}'s {k} changed to {g[k]!r}, but the engine takes "
                         f"only lr with each step: it keeps {k}={fixed[k]!r} (set it in "
-                        f"zt.AdamW(...) when offloading)", RuntimeWarning, stacklevel=2)
+                        f"zt.AdamW(...) when offloading)", RuntimeWarning,
+                        stacklevel=_user_stacklevel())
         self._owner._optimizer_step([float(g["lr"]) for g in self.param_groups])
         return loss
 
@@ -301,11 +307,10 @@ class Offload:
                                  f"{grad_accumulation!r}")
             grad_accumulation = int(grad_accumulation)
         if hasattr(model, "_ztier_offload"):
-            previous = model._ztier_offload
-            if previous is not None and previous() is not None:
+            if _offloaded(model):
                 raise ValueError("ztier: this model is already offloaded (its parameters live in "
                                  "the engine); close() that Offload first, or offload a fresh model")
-            if weights is None:
+            if weights is None and _holds_placeholders(model):
                 raise ValueError("ztier: this model was offloaded before, and its parameters are "
                                  "the placeholders that Offload left (NaN): offload a fresh model "
                                  "(then load_checkpoint to go on from a checkpoint)")
@@ -480,7 +485,10 @@ class Offload:
             for p in b.parameters():
                 if id(p) not in owner:
                     owner[id(p)] = -1
-                    u.tensors.append(_Tensor(names[id(p)], p, tuple(p.shape), p.numel()))
+                    # A parameter of no elements holds nothing to offload
+                    # or train: it stays as it is.
+                    if p.numel() > 0:
+                        u.tensors.append(_Tensor(names[id(p)], p, tuple(p.shape), p.numel()))
             block_units.append(u)
             for m in b.modules():
                 block_of[id(m)] = len(block_units) - 1
@@ -491,6 +499,8 @@ class Offload:
                 if p is None or id(p) in owner:
                     continue
                 owner[id(p)] = -1
+                if p.numel() == 0:
+                    continue
                 target = embed if first_block is not None and order[id(m)] < first_block else head
                 target.tensors.append(_Tensor(names[id(p)], p, tuple(p.shape), p.numel()))
         for u in [embed, *block_units, head]:
@@ -521,7 +531,8 @@ class Offload:
         self._module_units: dict[int, list[_Unit]] = {}
         self._hooked: list[nn.Module] = []
         for _, b in blocks:
-            us = {self._unit_of[id(p)].index: self._unit_of[id(p)] for p in b.parameters()}
+            us = {self._unit_of[id(p)].index: self._unit_of[id(p)] for p in b.parameters()
+                  if id(p) in self._unit_of}
             self._module_units[id(b)] = [us[k] for k in sorted(us)]
             self._hooked.append(b)
         for _, m in model.named_modules():
@@ -529,7 +540,15 @@ class Offload:
                 continue
             own = [p for p in m._parameters.values() if p is not None]
             if own:
-                us = {self._unit_of[id(p)].index: self._unit_of[id(p)] for p in own}
+                # A module below the root with no block inside also holds
+                # its children's units: a module may read a child's weight
+                # without calling it (nn.MultiheadAttention reads
+                # out_proj.weight), and a child frozen apart from it is in
+                # another unit (it read a placeholder: NaN).
+                if m is not model and not any(id(c) in block_of for c in m.modules()):
+                    own = list(m.parameters())
+                us = {self._unit_of[id(p)].index: self._unit_of[id(p)] for p in own
+                      if id(p) in self._unit_of}
                 self._module_units[id(m)] = [us[k] for k in sorted(us)]
                 self._hooked.append(m)
 
@@ -743,17 +762,30 @@ class Offload:
         # The hooks reach this object through a weak reference: the model
         # (and the tensors' hooks, which the garbage collector cannot see
         # through) must not keep an Offload its user dropped alive.
-        self._hooks.append(model.register_forward_pre_hook(_weak(self._root_pre_forward)))
-        self._hooks.append(model.register_forward_hook(_weak(self._root_post_forward)))
+        self._hooks.append(model.register_forward_pre_hook(
+            _weak(self._root_pre_forward, model, root=True)))
+        self._hooks.append(model.register_forward_hook(_weak(self._root_post_forward, model)))
+        self._hooks.append(model._register_load_state_dict_pre_hook(
+            _weak(self._root_load_state_dict, model), with_module=True))
         for m in self._hooked:
-            self._hooks.append(m.register_forward_pre_hook(_weak(self._pre_forward),
+            self._hooks.append(m.register_forward_pre_hook(_weak(self._pre_forward, m),
                                                            with_kwargs=True))
-            self._hooks.append(m.register_forward_hook(_weak(self._post_forward)))
+            self._hooks.append(m.register_forward_hook(_weak(self._post_forward, m)))
         for u in self.units:
             for t in u.tensors:
                 if t.param.requires_grad:
-                    self._hooks.append(
-                        t.param.register_post_accumulate_grad_hook(_weak(self._grad_in)))
+                    self._hooks.append(t.param.register_post_accumulate_grad_hook(
+                        _weak(self._grad_in, t.param)))
+
+    def _root_load_state_dict(self, module, *args):
+        if self._gathering:
+            return  # gathered() says on exit that the writes went nowhere
+        raise RuntimeError(
+            "ztier: load_state_dict on an offloaded model: its parameters are placeholders "
+            "between uses (their values live in the engine), so a copy into them goes nowhere; "
+            "bring weights in through load_checkpoint (a ztier checkpoint), weights= at "
+            "zt.offload (safetensors) or zt.from_pretrained, or load the state dict before "
+            "zt.offload")
 
     def remove_hooks(self):
         for h in self._hooks:
@@ -1249,6 +1281,9 @@ class Offload:
         marker = getattr(self.module, "_ztier_offload", None)
         if marker is not None and marker() is self:
             self.module._ztier_offload = None
+        # Its parameters are placeholders now: a forward would compute NaN.
+        self.module.register_forward_pre_hook(_closed)
+        self.module._register_load_state_dict_pre_hook(_closed)
         if self._hosted is not None:
             self._hosted.close()
 
@@ -1287,13 +1322,68 @@ def open_session(config: str | None = None, settings: dict | None = None,
     return session
 
 
-def _weak(method):
-    """``method`` (bound) called through a weak reference to its Offload. Once
-    the Offload is gone (dropped without close()) the model's parameters are
-    NaN placeholders: the hook raises instead of letting it compute NaN."""
+def _closed(*args, **kwargs):
+    """The hook a closed Offload leaves on its model."""
+    raise RuntimeError(
+        "ztier: this model's Offload was closed, and its parameters went with it (they are "
+        "NaN placeholders): export_safetensors or gathered() before close(), then load the "
+        "weights into a fresh model (or offload one with weights=)")
+
+
+def _user_stacklevel() -> int:
+    """warnings.warn's stacklevel, from the caller of this, that points at
+    the first frame outside ztier and torch (torch wraps an optimizer's step
+    in frames of its own)."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_globals.get("__name__", "").split(".")[0] in (
+            "ztier", "torch"):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def _holds_placeholders(model: nn.Module) -> bool:
+    """Whether some parameter of ``model`` is an Offload's placeholder (one
+    NaN expanded: every stride 0), or a copy of one (all NaN)."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 0 and p.numel() > 1 and all(st == 0 for st in p.stride()):
+                return True
+            flat = p.detach().reshape(-1)
+            if flat.numel() > 0 and flat.is_floating_point() and bool(flat[0].isnan()) and bool(
+                    flat.isnan().all()):
+                return True
+    return False
+
+
+def _offloaded(model: nn.Module) -> bool:
+    """Whether ``model`` is offloaded by an Offload that is open. (A copy
+    of an offloaded model carries the marker of the model it copies.)"""
+    marker = getattr(model, "_ztier_offload", None)
+    prev = marker() if marker is not None else None
+    return prev is not None and prev.module is model
+
+
+def _weak(method, target, root: bool = False):
+    """``method`` (bound) called through a weak reference to its Offload, as
+    a hook of ``target`` (a module or a parameter). Once the Offload is gone
+    (dropped without close()) the model's parameters are NaN placeholders:
+    the hook raises instead of letting it compute NaN.
+
+    A copy of the model (copy.deepcopy) carries its hooks, called with the
+    copy's modules and parameters: those are let be. One made inside
+    gathered() holds the weights and runs as a plain model; one made outside
+    holds placeholders, which its ``root`` hook says before a forward."""
     ref = weakref.WeakMethod(method)
+    own = weakref.ref(target)
 
     def hook(*args, **kwargs):
+        if args[0] is not own():
+            if root and not _offloaded(args[0]) and _holds_placeholders(args[0]):
+                raise RuntimeError(
+                    "ztier: a copy of an offloaded model (copy.deepcopy) made outside "
+                    "gathered(): its parameters are the original's placeholders (NaN); make "
+                    "the copy inside `with offload.gathered():`, which copies the weights")
+            return None
         m = ref()
         if m is None:
             raise RuntimeError(

@@ -196,8 +196,10 @@ def test_param_group_edits_the_engine_does_not_take(settings):
         z.optimizer.add_param_group({"params": [nn.Parameter(torch.zeros(3))]})
     z.optimizer.param_groups[0]["weight_decay"] = 0.5
     model(torch.randn(4, 6)).sum().backward()
-    with pytest.warns(RuntimeWarning, match="weight_decay changed"):
+    with pytest.warns(RuntimeWarning, match="weight_decay changed") as caught:
         z.optimizer.step()
+    # Pointed at the caller's line, not at torch's wrapper of step().
+    assert caught[0].filename == __file__, caught[0].filename
     model(torch.randn(4, 6)).sum().backward()
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # said once, not every step
@@ -733,4 +735,122 @@ def test_a_checkpoint_of_other_frozen_parameters_says_how_to_go_on(settings, tmp
     frozen[0].weight.requires_grad_(False)
     z = zt.offload(frozen, settings=settings, weights=str(tmp_path / "m.safetensors"))
     _train_step(frozen, z, torch.randn(4, 6))
+    z.close()
+
+
+class _Attention(nn.Module):
+    """nn.MultiheadAttention outside any block: its forward reads
+    out_proj.weight without calling out_proj."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(32, 16)
+        self.att = nn.MultiheadAttention(16, 2, batch_first=True)
+        self.head = nn.Linear(16, 32)
+
+    def forward(self, x):
+        h = self.emb(x)
+        return self.head(self.att(h, h, h)[0])
+
+
+@pytest.mark.parametrize("frozen", ["att.out_proj", "att.in_proj", "emb"])
+def test_a_module_reading_a_frozen_childs_weight_gives_torchs_numbers(settings, frozen):
+    # The frozen child went to a unit of its own, which the module reading
+    # its weight did not hold: the forward read a placeholder (NaN loss).
+    torch.manual_seed(0)
+    model = _Attention()
+    for name, p in model.named_parameters():
+        if name.startswith(frozen):
+            p.requires_grad_(False)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.bfloat16().float())
+    ref = copy.deepcopy(model)
+    x = torch.randint(0, 32, (4, 8))
+    want_loss = ref(x).pow(2).mean()
+    want_loss.backward()
+    want = math.sqrt(sum(float((p.grad.double() ** 2).sum()) for p in ref.parameters()
+                         if p.grad is not None))
+    z = zt.offload(model, settings=settings)
+    loss = model(x).pow(2).mean()
+    assert math.isfinite(loss.item())
+    assert loss.item() == pytest.approx(want_loss.item(), rel=1e-5)
+    loss.backward()
+    z.optimizer.step()
+    assert z.grad_norm() == pytest.approx(want, rel=4e-3)
+    with torch.no_grad():
+        assert math.isfinite(model(x).pow(2).mean().item())
+    z.close()
+
+
+def test_a_closed_offloads_model_and_load_state_dict_say_so(settings):
+    # After close() a forward computed NaN from the placeholders, silently;
+    # load_state_dict on an offloaded model ended in torch's errors about
+    # expanded tensors (11 lines, no word of what to do).
+    model = _mlp()
+    state = copy.deepcopy(model.state_dict())
+    z = zt.offload(model, settings=settings)
+    with pytest.raises(RuntimeError, match="load_state_dict on an offloaded model.*load_checkpoint"):
+        model.load_state_dict(state)
+    x = torch.randn(4, 6)
+    _train_step(model, z, x)  # the refused load changed nothing
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with z.gathered():
+            model.load_state_dict(state)  # copies: said on leaving, as any write there
+    assert any("written inside gathered()" in str(w.message) for w in caught), caught
+    z.close()
+    with pytest.raises(RuntimeError, match="Offload was closed"):
+        model(x)
+    with pytest.raises(RuntimeError, match="Offload was closed"):
+        model.load_state_dict(state)
+
+
+def test_a_deep_copy_of_an_offloaded_model(settings):
+    # A copy (an EMA or teacher model) carried the hooks and the marker of
+    # the original: its forward raised a bare KeyError, and offloading it
+    # was refused as "already offloaded".
+    model = _mlp()
+    z = zt.offload(model, settings=settings)
+    x = torch.randn(4, 6)
+    _train_step(model, z, x)
+    with z.gathered():
+        copy_ = copy.deepcopy(model)
+        want = model(x)
+    with torch.no_grad():
+        assert torch.equal(copy_(x), want)
+    _train_step(model, z, x)  # the original goes on; the copy is its own
+    with torch.no_grad():
+        assert torch.equal(copy_(x), want)
+    z2 = zt.offload(copy_, settings=settings)
+    _train_step(copy_, z2, x)
+    z2.close()
+    # Outside gathered() the copy holds placeholders: said, not computed.
+    stale = copy.deepcopy(model)
+    with pytest.raises(RuntimeError, match="copy of an offloaded model.*gathered"):
+        stale(x)
+    _train_step(model, z, x)
+    z.close()
+
+
+def test_a_parameter_of_no_elements_is_left_as_it_is(settings, tmp_path):
+    # The engine refused the model ("a dimension <= 0"): such a parameter
+    # holds nothing to offload or train.
+    class WithEmpty(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mlp = _mlp()
+            self.empty = nn.Linear(8, 0)
+
+        def forward(self, x):
+            return self.mlp(x) + self.empty(torch.zeros(x.shape[0], 8)).sum()
+
+    model = WithEmpty()
+    z = zt.offload(model, settings=settings)
+    x = torch.randn(4, 6)
+    _train_step(model, z, x)
+    _train_step(model, z, x)
+    assert model.empty.weight.shape == (0, 8)
+    z.save_checkpoint(str(tmp_path / "ck"))
+    z.export_safetensors(str(tmp_path / "w.safetensors"))
     z.close()
