@@ -795,11 +795,8 @@ class Offload:
     def _root_pre_forward(self, module, args):
         if torch._C._current_graph_task_id() != -1:
             return  # activation checkpointing's recompute of the whole model
-        if any(u.pushed for u in self.units) and not self._awaiting_step:
-            raise RuntimeError(
-                "ztier: the previous backward pass did not finish (it raised?), and some of its "
-                "grads already reached the engine: this step cannot be completed; close() this "
-                "Offload and offload a fresh model (then load_checkpoint to resume)")
+        if self._stranded():
+            raise RuntimeError(self._stranded_message("a forward"))
         if self._phase == "backward" or self._fwd_held:
             self._reset_interrupted()  # the last forward or backward raised
         training = torch.is_grad_enabled() and self.module.training
@@ -1069,8 +1066,24 @@ class Offload:
             u.arrived.clear()
             u.calls = 0
 
+    def _stranded(self) -> bool:
+        """Whether a backward pass ended (raised) after some of its grads
+        reached the engine: its step can neither be completed nor undone."""
+        return (any(u.pushed for u in self.units) and not self._awaiting_step
+                and torch._C._current_graph_task_id() == -1)
+
+    @staticmethod
+    def _stranded_message(what: str) -> str:
+        return (f"ztier: {what} after a backward pass that did not finish (it raised, or was "
+                "interrupted) when some of its grads had already reached the engine: that step "
+                "can neither be completed nor undone, and nothing since the last checkpoint can "
+                "be saved (gathered() still shows the last step's bf16 weights); close() this "
+                "Offload and offload a fresh model, then load_checkpoint to resume")
+
     def _optimizer_step(self, lrs: list[float]):
         self._require_open("optimizer.step()")
+        if self._stranded():
+            raise RuntimeError(self._stranded_message("optimizer.step()"))
         if not self._awaiting_step:
             raise RuntimeError(
                 f"ztier: optimizer.step() after {self._micro} backward passes since the last "
@@ -1119,6 +1132,8 @@ class Offload:
         (a load) does not, since a backward of that forward would then mix
         the old weights' activations with the new weights."""
         self._require_open(what)
+        if self._stranded():
+            raise RuntimeError(self._stranded_message(what))
         nothing_sent = not self._awaiting_step and self._micro == 0 and not any(
             u.pushed for u in self.units)
         if (self._phase == "backward" and nothing_sent

@@ -323,7 +323,7 @@ def test_misuse_is_a_clear_error(settings):
         zt.offload(tiny_llama(), settings={"ztier.dram_budget": "64K"})
 
 
-def test_a_failed_forward_or_backward(settings):
+def test_a_failed_forward_or_backward(settings, tmp_path):
     model = tiny_llama()
     z = zt.offload(model, settings=settings)
     x = batch(0)
@@ -370,6 +370,11 @@ def test_a_failed_forward_or_backward(settings):
     handle.remove()
     with pytest.raises(RuntimeError, match="did not finish"):
         model(input_ids=x, labels=x)
+    # Every way on says the same (they named a fix the next one refused).
+    for call in (z.optimizer.step, lambda: z.save_checkpoint(str(tmp_path / "ck")),
+                 z.master_weights):
+        with pytest.raises(RuntimeError, match="did not finish.*load_checkpoint to resume"):
+            call()
 
 
 def test_eval_forward_between_steps(settings):
