@@ -524,14 +524,14 @@ Result<std::unique_ptr<Engine>> Engine::Create(const Settings& settings,
     // pinned as io_uring fixed buffers) come beside the pool: bounded by the
     // budget and the machine (1G stripes made 17 GB of them for a 0.02M
     // parameter model).
-    const double staging = static_cast<double>(settings.nvme_paths.size()) *
-                           settings.queue_depth * static_cast<double>(settings.stripe_bytes);
+    const double staging = static_cast<double>(settings.nvme_paths.size()) * settings.queue_depth *
+                           static_cast<double>(settings.stripe_bytes);
     const uint64_t physical = PhysicalMemoryBytes();
     if (staging > static_cast<double>(settings.dram_budget_bytes) ||
         (physical != 0 && staging > 0.5 * static_cast<double>(physical))) {
       return Status::InvalidArgument(StrCat(
-          "the swap space's staging buffers, ztier.queue_depth ", settings.queue_depth,
-          " x ztier.stripe_bytes ", settings.stripe_bytes, " x ", settings.nvme_paths.size(),
+          "the swap space's staging buffers, aio.queue_depth ", settings.queue_depth,
+          " x aio.block_size ", settings.stripe_bytes, " x ", settings.nvme_paths.size(),
           " path(s) = ", static_cast<uint64_t>(staging), " bytes, would pass ",
           staging > static_cast<double>(settings.dram_budget_bytes)
               ? StrCat("the DRAM budget (ztier.dram_budget ", settings.dram_budget_bytes, ")")
@@ -596,9 +596,9 @@ Result<int> Engine::RegisterJob(const JobSpec& spec) {
     const UnitSpec& us = spec.units[k];
     ZT_RETURN_IF_ERROR(CheckName(StrCat("job '", spec.name, "' unit ", k, "'s name"), us.name));
     for (size_t t = 0; t < us.tensors.size(); ++t) {
-      ZT_RETURN_IF_ERROR(CheckName(
-          StrCat("job '", spec.name, "' unit '", us.name, "' tensor ", t, "'s name"),
-          us.tensors[t].name));
+      ZT_RETURN_IF_ERROR(
+          CheckName(StrCat("job '", spec.name, "' unit '", us.name, "' tensor ", t, "'s name"),
+                    us.tensors[t].name));
     }
   }
   if (spec.units.empty())
@@ -1300,9 +1300,8 @@ Status Engine::WaitPublished(int job, int unit, int64_t step, std::chrono::milli
   }
   const auto t0 = std::chrono::steady_clock::now();
   const bool ok = e.published_cv.wait_for(
-      lock, std::min<std::chrono::milliseconds>(timeout, kForeverWait), [&] {
-    return j->units[unit].published >= step || j->removed || !j->failure.ok();
-  });
+      lock, std::min<std::chrono::milliseconds>(timeout, kForeverWait),
+      [&] { return j->units[unit].published >= step || j->removed || !j->failure.ok(); });
   j->counters.stall_seconds +=
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   if (j->removed) return Status::Aborted(StrCat("job ", job, " was unregistered"));

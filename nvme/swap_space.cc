@@ -648,12 +648,30 @@ void SwapSpace::Impl::StopThreads() {
 
 namespace {
 
+// Whether two swap paths name one directory: spelled alike once normal
+// ("d", "d/" and "./d"), or the same inode (a link to it).
+bool SameDirectory(const std::string& a, const std::string& b) {
+  const auto normal = [](const std::string& p) {
+    std::filesystem::path n = std::filesystem::path(p).lexically_normal();
+    if (!n.has_filename() && n.has_parent_path() && n != n.root_path()) n = n.parent_path();
+    return n;
+  };
+  if (normal(a) == normal(b)) return true;
+  struct stat sa {
+  }, sb{};
+  return ::stat(a.c_str(), &sa) == 0 && ::stat(b.c_str(), &sb) == 0 && sa.st_dev == sb.st_dev &&
+         sa.st_ino == sb.st_ino;
+}
+
 Status ValidateOptions(const SwapOptions& o) {
   if (o.paths.empty()) return Status::InvalidArgument("swap space needs at least one path");
   for (size_t i = 0; i < o.paths.size(); ++i) {
     for (size_t j = i + 1; j < o.paths.size(); ++j) {
-      if (o.paths[i] == o.paths[j]) {
-        return Status::InvalidArgument(StrCat("swap path ", o.paths[i], " is listed twice"));
+      if (SameDirectory(o.paths[i], o.paths[j])) {
+        return Status::InvalidArgument(
+            o.paths[i] == o.paths[j]
+                ? StrCat("swap path ", o.paths[i], " is listed twice")
+                : StrCat("swap path ", o.paths[i], " is listed twice (also as ", o.paths[j], ")"));
       }
     }
   }

@@ -650,15 +650,32 @@ Status PrepareLog(const std::string& path, int64_t first) {
   if (first > 0) {
     Result<std::string> old = ReadFileToString(path, uint64_t{1} << 30);
     if (old.ok()) {
-      std::istringstream rows(*old);
-      std::string row;
-      std::getline(rows, row);  // header
-      while (std::getline(rows, row)) {
-        char* end = nullptr;
-        const long long step = std::strtoll(row.c_str(), &end, 10);
-        if (end == row.c_str() || *end != '\t' || step < 1 || step > first) continue;
-        if (row.find('\0') != std::string::npos) continue;
+      // Whole rows only (a row cut short by a crash has no newline), of
+      // the log's six fields, each step once, in order.
+      const std::string_view text = *old;
+      size_t at = text.find('\n');  // past the header
+      long long last = 0, rows = 0;
+      while (at != std::string_view::npos && at + 1 < text.size()) {
+        const size_t end = text.find('\n', at + 1);
+        if (end == std::string_view::npos) break;  // torn
+        const std::string row(text.substr(at + 1, end - at - 1));
+        at = end;
+        char* stop = nullptr;
+        const long long step = std::strtoll(row.c_str(), &stop, 10);
+        if (stop == row.c_str() || *stop != '\t' || step <= last || step > first) continue;
+        if (row.find('\0') != std::string::npos || std::count(row.begin(), row.end(), '\t') != 5) {
+          continue;
+        }
         kept += row + "\n";
+        last = step;
+        ++rows;
+      }
+      if (rows < first) {
+        std::fprintf(stderr,
+                     "ztier-train: the loss log %s holds %lld of the %lld steps before the "
+                     "checkpoint (rows lost or damaged); the run logs from step %lld on\n",
+                     path.c_str(), rows, static_cast<long long>(first),
+                     static_cast<long long>(first) + 1);
       }
     } else if (old.status().code() != StatusCode::kNotFound) {
       return old.status();
@@ -748,8 +765,15 @@ class Progress {
 Status CreateDir(const std::string& dir, std::string_view what) {
   std::error_code ec;
   fs::create_directories(dir, ec);
-  if (ec) return PosixError(StrCat("cannot create ", what, " ", dir), ec.value());
-  return Status::Ok();
+  if (!ec) return Status::Ok();
+  // A symbolic link to nothing "exists" as a name, but not as a directory.
+  std::error_code link_ec;
+  if (fs::is_symlink(dir, link_ec) && !fs::exists(dir, link_ec)) {
+    return Status::NotFound(StrCat("cannot create ", what, " ", dir, ": it is a symbolic link to ",
+                                   fs::read_symlink(dir, link_ec).string(),
+                                   ", which does not exist"));
+  }
+  return PosixError(StrCat("cannot create ", what, " ", dir), ec.value());
 }
 
 void PrintSetup(const Flags& f, const Plan& p, const Session& session, size_t text_bytes) {
@@ -806,6 +830,12 @@ Result<int64_t> StartingPoint(const Flags& f, const OutPaths& paths, Model& m, u
     if (note.ok() && *note != ModelNote(f.model)) {
       std::string saved = *note;
       while (!saved.empty() && saved.back() == '\n') saved.pop_back();
+      if (!saved.starts_with("heads ")) {
+        return Status::Corruption(
+            StrCat("--resume: the checkpoint's model note ", ModelNotePath(paths), " holds '",
+                   PrintableUtf8(saved.substr(0, 64)), "', not 'heads N' (damaged? write 'heads ",
+                   f.model.heads, "' there if this run's --heads is the checkpoint's)"));
+      }
       return Status::InvalidArgument(StrCat("--resume: the checkpoint in ", paths.checkpoint,
                                             " is of a model with ", saved, "; this run has ",
                                             f.model.heads, " (--heads)"));

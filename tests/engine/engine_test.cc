@@ -504,7 +504,7 @@ TEST(EngineJobsTest, SwapStagingPastTheBudgetIsRefusedUpFront) {
   ASSERT_FALSE(e.ok());
   EXPECT_EQ(e.status().code(), StatusCode::kInvalidArgument) << e.status();
   EXPECT_NE(e.status().message().find("staging buffers"), std::string::npos) << e.status();
-  EXPECT_NE(e.status().message().find("ztier.stripe_bytes"), std::string::npos) << e.status();
+  EXPECT_NE(e.status().message().find("aio.block_size"), std::string::npos) << e.status();
   s.stripe_bytes = uint64_t{1} << 20;  // 16 x 1M x 2 paths: fine
   EXPECT_TRUE(Engine::Create(s).ok());
 }

@@ -149,6 +149,27 @@ TEST_F(TrainHardeningTest, ResumeFinishesWhatTheRunHadLeftAndCutsTheLogBack) {
   EXPECT_EQ(LogSteps(cut + "/train_log.tsv"), Counting(1, 6));
   EXPECT_EQ(Slurp(cut + "/model.safetensors"), Slurp(whole + "/model.safetensors"));
   EXPECT_EQ(Slurp(cut + "/train_log.tsv").find("9.999"), std::string::npos);
+
+  // A log cut short before the checkpoint, its last row torn: the torn row
+  // is dropped (it was kept, and the next run's rows appended to it), and
+  // the rows lost are said.
+  const std::string short_log = dir_ / "short";
+  ASSERT_EQ(
+      Train(Common() + " --steps 6 --checkpoint-every 3 --exit-after 3 --out " + short_log, dir_)
+          .first,
+      3);
+  {
+    const std::string log = Slurp(short_log + "/train_log.tsv");
+    const size_t second = log.find("\n2\t");
+    ASSERT_NE(second, std::string::npos) << log;
+    std::ofstream(short_log + "/train_log.tsv") << log.substr(0, second + 5);  // "...\n2\t1."
+  }
+  auto [src, stext] = Train(Common() + " --steps 6 --resume --out " + short_log, dir_);
+  ASSERT_EQ(src, 0) << stext;
+  EXPECT_NE(stext.find("holds 1 of the 3 steps before the checkpoint"), std::string::npos)
+      << stext;
+  EXPECT_EQ(LogSteps(short_log + "/train_log.tsv"),
+            (std::vector<std::string>{"1", "4", "5", "6"}));
   // A checkpoint past --steps is named, not silently "done".
   auto [prc, ptext] = Train(Common() + " --steps 4 --resume --out " + cut, dir_);
   EXPECT_EQ(prc, 1) << ptext;
@@ -253,12 +274,15 @@ TEST_F(TrainHardeningTest, BadInputsAreClearErrorsNeverCrashes) {
       {"--steps 4 --summary /dev/null", 2, "is not a regular file (a device)"},
       {"--steps 4 --summary " + (dir_ / "text.txt"), 2, "is the --data file"},
       {"--job-name a\x01b", 2, "a control character"},
+      // A link to nothing was "File exists".
+      {"--out " + (dir_ / "dangling"), 1, "is a symbolic link to "},
       // A typo above the swap directory: it was made, on whatever was there.
       {"--swap-dir " + (dir_ / "no/such/swap"), 1, "does not exist"},
       // No machine has GPU 1023: said before the engine pins the states.
       {"--device cuda --ranks 1024", 1, "no CUDA device"},
   };
   ASSERT_EQ(::mkfifo((dir_ / "fifo").c_str(), 0600), 0);
+  fs::create_symlink(dir_ / "nowhere", dir_ / "dangling");
   // (With --batch 4 that is 2000000 micro-steps a step: it ran, deaf to SIGTERM.)
   std::ofstream(dir_ / "big-batch.json") << R"({"train_batch_size": 8000000})";
   std::ofstream(dir_ / "odd-batch.json") << R"({"train_batch_size": 3})";

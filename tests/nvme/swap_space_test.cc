@@ -712,6 +712,25 @@ TEST_P(SwapSpaceTest, ASecondSwapSpaceOnAPathIsRefusedAndTheFirstKeepsItsData) {
   EXPECT_TRUE(SwapSpace::Create(other, Backend()).ok()) << "the lock outlived Close()";
 }
 
+// One directory named twice, spelled otherwise ("d/", "./d", a link to
+// it), is said to be listed twice (it was taken for another process's
+// swap space holding it).
+TEST_P(SwapSpaceTest, ADirectoryListedTwiceInOtherSpellingsIsNamed) {
+  const std::string d = (root_ / "d").string();
+  fs::create_directories(d);
+  fs::create_directory_symlink(d, root_ / "link");
+  for (const std::string& again :
+       {d + "/", (root_ / "." / "d").string(), (root_ / "link").string()}) {
+    SwapOptions o = Options(1, 0);
+    o.paths = {d, again};
+    Result<std::unique_ptr<SwapSpace>> s = SwapSpace::Create(o, Backend());
+    ASSERT_FALSE(s.ok()) << again;
+    EXPECT_EQ(s.status().code(), StatusCode::kInvalidArgument) << s.status();
+    EXPECT_NE(s.status().message().find("listed twice (also as " + again), std::string::npos)
+        << s.status();
+  }
+}
+
 TEST_P(SwapSpaceTest, APlantedLinkOrForeignFileIsRefusedAndLeftAlone) {
   // Whoever may write into a swap directory could plant the swap file's
   // name as a link to a file of someone else's: it is refused, never
