@@ -71,10 +71,14 @@ Status ParseArgs(int argc, char** argv, AdamOptions* o) {
     const std::string_view arg = args.arg();
     if (arg == "--params") {
       ZT_ASSIGN_OR_RETURN(std::string_view v, args.Value());
-      ZT_ASSIGN_OR_RETURN(o->params, ParseCountList(v));
+      Result<std::vector<uint64_t>> params = ParseCountList(v);
+      if (!params.ok()) return params.status().Annotate("--params");
+      o->params = *std::move(params);
     } else if (arg == "--threads") {
       ZT_ASSIGN_OR_RETURN(std::string_view v, args.Value());
-      ZT_ASSIGN_OR_RETURN(o->threads, ParseCountList(v));
+      Result<std::vector<uint64_t>> threads = ParseCountList(v);
+      if (!threads.ok()) return threads.status().Annotate("--threads");
+      o->threads = *std::move(threads);
       for (uint64_t t : o->threads) {
         if (t < 1 || t > 1024)
           return Status::InvalidArgument(StrCat("--threads ", t, ": want 1..1024"));

@@ -21,7 +21,9 @@ Result<std::vector<uint64_t>> ParseCountList(std::string_view text) {
   std::vector<uint64_t> out;
   while (!text.empty()) {
     const size_t comma = text.find(',');
-    ZT_ASSIGN_OR_RETURN(uint64_t v, ParseCount(text.substr(0, comma)));
+    const std::string_view item = text.substr(0, comma);
+    if (item.empty()) return Status::InvalidArgument("an empty item in a comma-separated list");
+    ZT_ASSIGN_OR_RETURN(uint64_t v, ParseCount(item));
     out.push_back(v);
     if (comma == std::string_view::npos) break;
     text.remove_prefix(comma + 1);

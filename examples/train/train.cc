@@ -1073,6 +1073,12 @@ int Run(const Flags& f, const Plan& p) {
     Result<std::unique_ptr<Device>> last = MakeCudaDevice(f.ranks - 1);
     if (!last.ok()) return fail(last.status().Annotate(StrCat("--device cuda --ranks ", f.ranks)));
   }
+  // Nothing is made for a --resume with nothing to resume (it left an
+  // empty checkpoint and swap directory behind).
+  if (f.resume && !fs::exists(fs::path(OutPaths(f.out).checkpoint) / "manifest.json")) {
+    return fail(Status::NotFound(
+        StrCat("--resume: there is no checkpoint in ", OutPaths(f.out).checkpoint)));
+  }
   if (Status s = CreateDir(f.out, "--out directory"); !s.ok()) return fail(s);
   // A swap directory is made if its parent exists (<out>/swap, by default):
   // a typo further up is an error, not a swap space on another filesystem.

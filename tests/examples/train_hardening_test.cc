@@ -121,6 +121,7 @@ TEST_F(TrainHardeningTest, ARunNeverReplacesACheckpointItDidNotResume) {
   auto [nrc, ntext] = Train(Common() + " --steps 2 --resume --out " + (dir_ / "none"), dir_);
   EXPECT_EQ(nrc, 1) << ntext;
   EXPECT_NE(ntext.find("no checkpoint"), std::string::npos) << ntext;
+  EXPECT_FALSE(fs::exists(dir_ / "none")) << "the refused --resume made its --out";
 }
 
 TEST_F(TrainHardeningTest, ResumeFinishesWhatTheRunHadLeftAndCutsTheLogBack) {
@@ -166,10 +167,8 @@ TEST_F(TrainHardeningTest, ResumeFinishesWhatTheRunHadLeftAndCutsTheLogBack) {
   }
   auto [src, stext] = Train(Common() + " --steps 6 --resume --out " + short_log, dir_);
   ASSERT_EQ(src, 0) << stext;
-  EXPECT_NE(stext.find("holds 1 of the 3 steps before the checkpoint"), std::string::npos)
-      << stext;
-  EXPECT_EQ(LogSteps(short_log + "/train_log.tsv"),
-            (std::vector<std::string>{"1", "4", "5", "6"}));
+  EXPECT_NE(stext.find("holds 1 of the 3 steps before the checkpoint"), std::string::npos) << stext;
+  EXPECT_EQ(LogSteps(short_log + "/train_log.tsv"), (std::vector<std::string>{"1", "4", "5", "6"}));
   // A checkpoint past --steps is named, not silently "done".
   auto [prc, ptext] = Train(Common() + " --steps 4 --resume --out " + cut, dir_);
   EXPECT_EQ(prc, 1) << ptext;
