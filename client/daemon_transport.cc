@@ -225,14 +225,13 @@ class DaemonTransport final : public Transport, public ControlTransport {
   }
 
   Result<uint64_t*> ClientCounters(int job, int rank) override {
-    ZT_ASSIGN_OR_RETURN(Reply r, Call(p::MessageType::kClientPage,
-                                      p::Encode(p::JobRef{.job = job}), {}, kCallTimeout));
+    ZT_ASSIGN_OR_RETURN(Reply r, Call(p::MessageType::kClientPage, p::Encode(p::JobRef{.job = job}),
+                                      {}, kCallTimeout));
     ZT_ASSIGN_OR_RETURN(SharedBuffer b, p::DecodeSharedBuffer(r.payload));
     const uint64_t words = static_cast<uint64_t>(rank + 1) * engine::kClientCounterWords;
     if (rank < 0 || b.bytes < words * sizeof(uint64_t) || b.offset % alignof(uint64_t) != 0) {
       return Status::Corruption(StrCat("ztierd's client page of job ", job, " has ", b.bytes,
-                                       " bytes at offset ", b.offset, ", no room for rank ",
-                                       rank));
+                                       " bytes at offset ", b.offset, ", no room for rank ", rank));
     }
     ZT_ASSIGN_OR_RETURN(void* page, Resolve(job, b, RegionAccess::kReadWrite));
     return static_cast<uint64_t*>(page) + static_cast<uint64_t>(rank) * engine::kClientCounterWords;
@@ -256,9 +255,9 @@ class DaemonTransport final : public Transport, public ControlTransport {
   Result<std::vector<engine::QuotaInfo>> GetQuotas(uint32_t uid, bool all, int64_t after,
                                                    engine::Quota* defaults, bool* more) override {
     ZT_ASSIGN_OR_RETURN(
-        Reply r, Call(p::MessageType::kGetQuota,
-                      p::Encode(p::QuotaQuery{.uid = uid, .all = all, .after = after}), {},
-                      kCallTimeout));
+        Reply r,
+        Call(p::MessageType::kGetQuota,
+             p::Encode(p::QuotaQuery{.uid = uid, .all = all, .after = after}), {}, kCallTimeout));
     ZT_ASSIGN_OR_RETURN(p::QuotaList list, p::DecodeQuotaList(r.payload));
     *defaults = list.defaults;
     *more = list.more;
@@ -400,7 +399,13 @@ class DaemonTransport final : public Transport, public ControlTransport {
     return Status::Ok();
   }
 
+  Status Health() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    return dead_;
+  }
+
   Status SaveCheckpoint(int job, const std::string& dir) override {
+    ZT_RETURN_IF_ERROR(Health());  // before the directory is made
     ZT_RETURN_IF_ERROR(ClaimCheckpointDir(job, dir));
     ZT_ASSIGN_OR_RETURN(engine::JobDescription d, Describe(job));
     DaemonStateAccess state(*this, job, d);

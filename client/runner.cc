@@ -172,6 +172,7 @@ struct Stage3Runner::Impl {
   Collectives* collectives = nullptr;
   RunnerOptions options;
   int rank = 0, world = 1, job = 0, accumulation = 1;
+  bool claimed_rank = false;  // in model->runner_ranks_
   std::vector<UnitState> units;
   void* shard_buffer = nullptr;  // reduce-scatter output (R > 1)
   // Coalesced copies (options.coalesce_bytes): a staging buffer on the
@@ -259,6 +260,10 @@ struct Stage3Runner::Impl {
       if (!s.ok()) {
         ZT_LOG(kWarn, "client") << "runner: " << s;
       }
+    }
+    if (claimed_rank) {
+      std::lock_guard<std::mutex> lock(model->runners_mu_);
+      model->runner_ranks_.erase(rank);
     }
   }
 
@@ -361,6 +366,20 @@ struct Stage3Runner::Impl {
   Status failure_snapshot() {
     std::lock_guard<std::mutex> lock(mu);
     return failure;
+  }
+
+  // The first transfer error, or the transport's own once it knows the
+  // engine is gone (kept as the failure): a call that needs no transfer
+  // (a resident unit's acquire, a push that is only queued) says so too,
+  // before any complaint about the call itself.
+  Status CheckAlive() {
+    Status s = failure_snapshot();
+    if (s.ok()) s = transport->Health();
+    if (!s.ok()) {
+      std::lock_guard<std::mutex> lock(mu);
+      if (failure.ok()) failure = s;
+    }
+    return s;
   }
 
   void Finish(Transfer& t) {
@@ -1093,6 +1112,15 @@ Result<std::unique_ptr<Stage3Runner>> Stage3Runner::Create(Model& model, int ran
   r.collectives = collectives;
   r.options = options;
   r.rank = rank;
+  {
+    std::lock_guard<std::mutex> lock(model.runners_mu_);
+    if (!model.runner_ranks_.insert(rank).second) {
+      return Status::FailedPrecondition(
+          StrCat(who, ": this process already has a runner for that rank (its pushes would add ",
+                 "to the other's in one step); destroy that runner first"));
+    }
+  }
+  r.claimed_rank = true;
   r.world = spec.world_size;
   r.job = model.job();
   r.accumulation = spec.optimizer.grad_accumulation;
@@ -1199,6 +1227,7 @@ Result<std::unique_ptr<Stage3Runner>> Stage3Runner::Create(Model& model, int ran
 
 Result<const bf16*> Stage3Runner::Acquire(int unit) {
   Impl& r = *impl_;
+  ZT_RETURN_IF_ERROR(r.CheckAlive());
   ZT_RETURN_IF_ERROR(r.CheckUnit(unit, "Acquire"));
   UnitState& u = r.units[unit];
   r.Learn(unit);
@@ -1243,6 +1272,7 @@ Status Stage3Runner::Release(int unit) {
 
 Result<bf16*> Stage3Runner::GradBuffer(int unit) {
   Impl& r = *impl_;
+  ZT_RETURN_IF_ERROR(r.CheckAlive());
   ZT_RETURN_IF_ERROR(r.CheckGradsOpen(unit, "GradBuffer"));
   UnitState& u = r.units[unit];
   if (u.grads == nullptr) {
@@ -1254,13 +1284,13 @@ Result<bf16*> Stage3Runner::GradBuffer(int unit) {
 
 Status Stage3Runner::PushGrads(int unit) {
   Impl& r = *impl_;
+  ZT_RETURN_IF_ERROR(r.CheckAlive());
   ZT_RETURN_IF_ERROR(r.CheckGradsOpen(unit, "PushGrads"));
   UnitState& u = r.units[unit];
   if (u.grads == nullptr) {
     return Status::FailedPrecondition(
         StrCat("PushGrads: unit '", u.name, "' has no grad buffer (call GradBuffer first)"));
   }
-  ZT_RETURN_IF_ERROR(r.failure_snapshot());
   ZT_ASSIGN_OR_RETURN(std::unique_ptr<Event> ready, r.device->Record(Stream::kCompute));
   Part part{.unit = unit,
             .buffer = u.grads,
@@ -1274,6 +1304,7 @@ Status Stage3Runner::PushGrads(int unit) {
 
 Status Stage3Runner::PushGrads(int unit, const bf16* grads, uint64_t count) {
   Impl& r = *impl_;
+  ZT_RETURN_IF_ERROR(r.CheckAlive());
   ZT_RETURN_IF_ERROR(r.CheckUnit(unit, "PushGrads"));
   const engine::UnitLayout& l = r.model->layout(unit);
   if (grads == nullptr || (count != l.numel && count != l.padded)) {
@@ -1293,7 +1324,7 @@ Status Stage3Runner::Step() {
   r.QueueRun();
   // A transfer that failed (a ztierd that went away, say) is the cause of
   // whatever else is wrong with this micro-step: say it first.
-  ZT_RETURN_IF_ERROR(r.failure_snapshot());
+  ZT_RETURN_IF_ERROR(r.CheckAlive());
   std::string missing;
   int pushed = 0;
   for (const UnitState& u : r.units) {

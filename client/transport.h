@@ -34,6 +34,10 @@ class Transport {
  public:
   virtual ~Transport() = default;
   virtual std::string name() const = 0;
+  // Ok while the engine behind it is reachable; once the transport knows it
+  // is gone (ztierd died or stopped: seen within half a second, without a
+  // round trip), the error every later call gets. Cheap.
+  virtual Status Health() { return Status::Ok(); }
 
   virtual Result<int> RegisterJob(const engine::JobSpec& spec) = 0;
   // Joins the job `spec.name`, which rank 0 registers in another process,
@@ -98,8 +102,7 @@ class ControlTransport {
   // One uid's quota, or (all) a page of every uid's after `after`; the
   // daemon's defaults in `*defaults`.
   virtual Result<std::vector<engine::QuotaInfo>> GetQuotas(uint32_t uid, bool all, int64_t after,
-                                                           engine::Quota* defaults,
-                                                           bool* more) = 0;
+                                                           engine::Quota* defaults, bool* more) = 0;
   virtual Result<engine::QuotaInfo> SetQuota(const engine::QuotaUpdate& update) = 0;
   virtual Status Drain(bool on) = 0;
   virtual Status EvictJob(int32_t job, const std::string& reason) = 0;

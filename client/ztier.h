@@ -27,7 +27,9 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -129,8 +131,8 @@ struct HostDeviceOptions {
   // Each kCopy copy checks that its source is unchanged between the call
   // that queued it and its run (a buffer released or reused before its copy
   // finished), unless work queued before it on its stream writes that
-  // source (stream order makes that change expected); the first change fails every later Synchronize of the copy
-  // stream (and of its events' waiters) with a message naming the copy.
+  // source (stream order makes that change expected); the first change fails every later
+  // Synchronize of the copy stream (and of its events' waiters) with a message naming the copy.
   bool check_copy_sources = false;
 };
 
@@ -365,6 +367,7 @@ class Model {
 
  private:
   friend class Session;
+  friend class Stage3Runner;
   Model(std::shared_ptr<Transport> transport, int job, Session::ModelSpec spec,
         std::vector<engine::UnitLayout> layouts, int attached_rank);
   std::shared_ptr<Transport> transport_;
@@ -372,6 +375,10 @@ class Model {
   Session::ModelSpec spec_;
   std::vector<engine::UnitLayout> layouts_;
   int attached_rank_;
+  // The ranks a Stage3Runner of this process serves (one runner a rank:
+  // a second one's pushes would add to the first's in the same step).
+  std::mutex runners_mu_;
+  std::set<int> runner_ranks_;
 };
 
 // --------------------------------------------------------- stage-3 runner --
@@ -418,12 +425,12 @@ RunnerOptions RunnerOptionsFrom(const engine::Settings& settings);
 
 struct RunnerStats {
   int64_t micro_steps = 0;
-  int64_t fetches = 0;              // unit fetches (host -> device)
-  int64_t prefetch_hits = 0;        // acquires whose unit was already fetched or in flight
-  int64_t order_changes = 0;        // times the acquire order left the learned one
-  uint64_t h2d_bytes = 0;           // params copied to this rank's device
-  uint64_t d2h_bytes = 0;           // grads copied to the engine
-  int64_t h2d_copies = 0;           // copies over the link, each way (coalesced ones count once)
+  int64_t fetches = 0;        // unit fetches (host -> device)
+  int64_t prefetch_hits = 0;  // acquires whose unit was already fetched or in flight
+  int64_t order_changes = 0;  // times the acquire order left the learned one
+  uint64_t h2d_bytes = 0;     // params copied to this rank's device
+  uint64_t d2h_bytes = 0;     // grads copied to the engine
+  int64_t h2d_copies = 0;     // copies over the link, each way (coalesced ones count once)
   int64_t d2h_copies = 0;
   double acquire_wait_seconds = 0;  // the compute thread blocked in Acquire
   double step_wait_seconds = 0;     // Step() waiting for grads to land

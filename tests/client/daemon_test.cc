@@ -1060,6 +1060,54 @@ TEST(ZtierdProgramTest, SigtermStopsCleanlyAndKillNineFailsClientsFast) {
     EXPECT_EQ(waited.code(), StatusCode::kUnavailable) << waited;
     EXPECT_NE(waited.ToString().find("resume from a checkpoint"), std::string::npos) << waited;
   }
+  // A runner whose units stay on its device needs no transfer to acquire
+  // them or to queue a push: after a kill -9 those calls returned OK (the
+  // params stale), and once Step failed the next push was refused as
+  // "already pushed". Every call now says the daemon is gone, and a save
+  // makes no directory.
+  {
+    ZtierdProcess d(ZTIERD_BINARY, {});
+    SessionOptions o;
+    o.daemon_socket = d.socket();
+    Result<std::unique_ptr<Session>> s = Session::Open(o);
+    ASSERT_TRUE(s.ok()) << s.status() << d.log();
+    Result<std::unique_ptr<Model>> m = (*s)->RegisterModel(ModelOf(TwoUnits("r")));
+    ASSERT_TRUE(m.ok()) << m.status();
+    std::vector<float> w(1000, 1.0f);
+    ASSERT_TRUE((*m)->SetWeights(0, w.data(), w.size()).ok());
+    ASSERT_TRUE((*m)->SetWeights(1, w.data(), w.size()).ok());
+    Result<std::unique_ptr<Device>> dev = MakeHostDevice();
+    ASSERT_TRUE(dev.ok()) << dev.status();
+    Result<std::unique_ptr<Stage3Runner>> r =
+        Stage3Runner::Create(**m, 0, **dev, nullptr, {.persistence_threshold = uint64_t{1} << 30});
+    ASSERT_TRUE(r.ok()) << r.status();
+    const auto micro_step = [&]() -> Status {
+      for (int k = 0; k < 2; ++k) {
+        ZT_RETURN_IF_ERROR((*r)->Acquire(k).status());
+        ZT_RETURN_IF_ERROR((*r)->Release(k));
+      }
+      for (int k = 1; k >= 0; --k) {
+        ZT_RETURN_IF_ERROR((*r)->GradBuffer(k).status());
+        ZT_RETURN_IF_ERROR((*r)->PushGrads(k));
+      }
+      return (*r)->Step();
+    };
+    ASSERT_TRUE(micro_step().ok());
+    EXPECT_EQ(d.SignalAndWait(SIGKILL), 128 + SIGKILL);
+    std::this_thread::sleep_for(1s);  // the transport sees the hang-up within 0.5 s
+    const auto gone = [](const Status& st) {
+      return st.code() == StatusCode::kUnavailable &&
+             st.ToString().find("resume from a checkpoint") != std::string::npos;
+    };
+    Status acquired = (*r)->Acquire(0).status();
+    EXPECT_TRUE(gone(acquired)) << acquired;
+    EXPECT_TRUE(gone(micro_step())) << micro_step();
+    EXPECT_TRUE(gone((*r)->PushGrads(1))) << (*r)->PushGrads(1);
+    ScratchDir dir("killed-daemon");
+    const std::string ck = dir / "ck";
+    EXPECT_TRUE(gone((*m)->SaveCheckpoint(ck)));
+    EXPECT_FALSE(std::filesystem::exists(ck)) << "a save to a gone daemon made its directory";
+  }
 }
 
 }  // namespace

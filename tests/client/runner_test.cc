@@ -1330,6 +1330,7 @@ TEST(RunnerTest, ACoalescedFetchNeverWaitsForALaterUnit) {
 }
 
 TEST_F(RunnerErrorsTest, UnitLargerThanTheCap) {
+  runner_.reset();  // one runner a rank
   auto r = Stage3Runner::Create(*model_, 0, *dev_, nullptr, {.max_live_bytes = 1024});
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
@@ -1337,6 +1338,7 @@ TEST_F(RunnerErrorsTest, UnitLargerThanTheCap) {
 }
 
 TEST_F(RunnerErrorsTest, HeldUnitsFillingTheCap) {
+  runner_.reset();  // one runner a rank
   const uint64_t two = (model_->layout(1).padded + model_->layout(2).padded) * sizeof(bf16);
   auto r = Stage3Runner::Create(*model_, 0, *dev_, nullptr,
                                 {.prefetch_depth = 0, .max_live_bytes = two});
@@ -1349,6 +1351,20 @@ TEST_F(RunnerErrorsTest, HeldUnitsFillingTheCap) {
   EXPECT_NE(third.status().ToString().find("h.0"), std::string::npos) << third.status();
   ASSERT_TRUE((*r)->Release(1).ok());
   ASSERT_TRUE((*r)->Release(2).ok());
+}
+
+// A second runner for a rank this process serves already is refused: its
+// pushes went to the same inboxes as the first's, and the engine took two
+// optimizer steps for one. The rank is free again once the first is gone.
+TEST_F(RunnerErrorsTest, ASecondRunnerForARankIsRefused) {
+  auto second = Stage3Runner::Create(*model_, 0, *dev_, nullptr, {});
+  ASSERT_FALSE(second.ok());
+  EXPECT_EQ(second.status().code(), StatusCode::kFailedPrecondition) << second.status();
+  EXPECT_NE(second.status().message().find("already has a runner"), std::string::npos)
+      << second.status();
+  runner_.reset();
+  second = Stage3Runner::Create(*model_, 0, *dev_, nullptr, {});
+  EXPECT_TRUE(second.ok()) << second.status();
 }
 
 TEST_F(RunnerErrorsTest, BadRanksAndCollectives) {
