@@ -9,9 +9,10 @@ The text is the fortunes corpus (Debian's 'fortunes' package) unless --data
 names a file. The model's parameters live in the engine (fp32 masters and
 AdamW moments in pinned DRAM, or on NVMe with --states nvme and --nvme DIR),
 streamed to the device a block at a time; the optimizer overlaps the next
-forward. Every --save-every steps a checkpoint goes to OUT/checkpoint (with
-the data position in OUT/progress.json), and at the end the weights go to
-OUT/export as a Hugging Face directory (config.json + model.safetensors).
+forward. Every --save-every steps a checkpoint goes to OUT/checkpoint (its
+step is the data position: a batch follows from the step and --seed), and at
+the end the weights go to OUT/export as a Hugging Face directory
+(config.json + model.safetensors); a --resume of a run that is done says so.
 --json prints a last line {"first_loss", "last_loss", "tokens_per_s", ...}.
 Exit status: 0, 2 for bad arguments or missing input, 1 for a training error.
 """
@@ -56,11 +57,24 @@ def parse_args(argv):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print a JSON summary as the last line")
     args = p.parse_args(argv)
-    for name in ("steps", "batch", "seq", "accumulation"):
+    for name in ("steps", "batch", "seq", "accumulation", "save_every"):
         if getattr(args, name) < 1:
-            p.error(f"--{name} must be >= 1")
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    for name in ("lr", "clip", "weight_decay"):
+        value = getattr(args, name)
+        if not math.isfinite(value) or value < 0:
+            p.error(f"--{name.replace('_', '-')} must be a finite number >= 0, got {value}")
+    if args.warmup < 0:
+        p.error("--warmup must be >= 0")
+    if not (args.device == "cpu" or args.device == "cuda"
+            or (args.device.startswith("cuda:") and args.device[5:].isdigit())):
+        p.error(f"--device must be cpu, cuda or cuda:N, got {args.device!r}")
     if args.states == "nvme" and not args.nvme:
         p.error("--states nvme needs --nvme DIR (an existing directory)")
+    if args.nvme and not os.path.isdir(args.nvme):
+        p.error(f"--nvme {args.nvme} is not an existing directory")
+    if args.model and not os.path.isdir(args.model):
+        p.error(f"--model {args.model} is not a directory (a local Hugging Face checkpoint)")
     return args
 
 
@@ -125,16 +139,19 @@ def main(argv=None):
     import ztier.torch as zt
 
     ckpt = os.path.join(args.out, "checkpoint")
-    progress_file = os.path.join(args.out, "progress.json")
     if os.path.exists(ckpt) and not args.resume:
         print(f"finetune_hf: {ckpt} exists: pass --resume to continue it, or another --out",
               file=sys.stderr)
         return 2
-    if args.resume and not os.path.exists(progress_file):
+    if args.resume and not os.path.exists(os.path.join(ckpt, "manifest.json")):
         print(f"finetune_hf: --resume: no checkpoint in {args.out}", file=sys.stderr)
         return 2
-    os.makedirs(args.out, exist_ok=True)
-    model, z, encode = build(args, torch, zt)
+    try:
+        model, z, encode = build(args, torch, zt)
+    except ValueError as e:  # a setting the engine refuses (a budget, a path)
+        print(f"finetune_hf: {e}", file=sys.stderr)
+        return 2
+    os.makedirs(args.out, exist_ok=True)  # once there is a run to keep
     tokens = encode(text)
     if tokens.numel() < args.seq + 2:
         print("finetune_hf: the text is shorter than one sequence", file=sys.stderr)
@@ -151,8 +168,13 @@ def main(argv=None):
     start = 0
     if args.resume:
         z.load_checkpoint(ckpt)
-        with open(progress_file) as f:
-            start = json.load(f)["step"]
+        start = z.step_count  # the checkpoint's own step: nothing beside it can disagree
+        if start >= args.steps:
+            what = "nothing to do" if start == args.steps else "below it"
+            print(f"finetune_hf: {ckpt} is at step {start}, --steps {args.steps}: {what}",
+                  file=sys.stderr)
+            z.close()
+            return 0 if start == args.steps else 2
         for _ in range(start):
             sched.step()
         print(f"finetune_hf: resumed at step {start}", file=sys.stderr)
@@ -191,10 +213,6 @@ def main(argv=None):
             print(line, file=sys.stderr, flush=True)
         if (step + 1) % args.save_every == 0 or step + 1 == args.steps:
             z.save_checkpoint(ckpt)
-            tmp = progress_file + ".tmp"
-            with open(tmp, "w") as f:
-                json.dump({"step": step + 1}, f)
-            os.replace(tmp, progress_file)
     if bar:
         print(file=sys.stderr)
     elapsed = time.perf_counter() - t0

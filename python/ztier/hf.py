@@ -120,6 +120,11 @@ def from_pretrained(model_class, path: str, config=None, **offload_kwargs):
     from ztier import torch as zt
 
     path = os.fspath(path)
+    # A local directory only: a name that is none went to the Hub (five
+    # tries, half a minute offline) before any word of a missing directory.
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"ztier: {path} is not a directory (a local checkpoint: "
+                                "config.json and safetensors)")
     if config is None:
         config = model_class.config_class.from_pretrained(path)
     with init_empty_weights(include_buffers=False):

@@ -614,6 +614,25 @@ class Offload:
             import torch.distributed as dist
             dist.barrier()
 
+    def _on_rank0(self, fn):
+        """Runs ``fn`` on rank 0 (the files are its to read and write) and
+        tells every rank how it went: an error there is raised on every rank
+        (the others waited for it in a barrier, and both ranks hung)."""
+        error = None
+        if self.rank == 0:
+            try:
+                fn()
+            except BaseException as e:  # noqa: BLE001 -- told to the other ranks, then raised
+                error = e
+        if self.world_size > 1:
+            import torch.distributed as dist
+            said = [None if error is None else f"{type(error).__name__}: {error}"]
+            dist.broadcast_object_list(said, src=0)
+            if self.rank != 0 and said[0] is not None:
+                raise RuntimeError(f"ztier: on rank 0: {said[0]}")
+        if error is not None:
+            raise error
+
     def _park(self, t: _Tensor):
         """Points the parameter at its NaN placeholder (between uses)."""
         if t.placeholder is None:
@@ -1152,8 +1171,7 @@ class Offload:
         so a second run on it is refused at once (naming the holder's pid).
         With several ranks, rank 0 claims it (every rank calls this)."""
         self._require_open("claim_checkpoint_dir")
-        if self.rank == 0:
-            self.job.claim_checkpoint_dir(os.fspath(directory))
+        self._on_rank0(lambda: self.job.claim_checkpoint_dir(os.fspath(directory)))
 
     def persistent_buffers(self) -> dict[str, torch.Tensor]:
         """The module's persistent buffers (BatchNorm's running statistics,
@@ -1187,8 +1205,9 @@ class Offload:
         and the module's persistent buffers (``ztier-buffers.pt`` beside
         them). With several ranks every rank calls it; rank 0 writes."""
         self._between_steps("save_checkpoint")
-        if self.rank == 0:
-            directory = os.fspath(directory)
+        directory = os.fspath(directory)
+
+        def save():
             self.job.save_checkpoint(directory)
             buffers = self.persistent_buffers()
             path = os.path.join(directory, BUFFERS_FILE)
@@ -1199,40 +1218,56 @@ class Offload:
                 os.replace(tmp, path)
             elif os.path.exists(path):
                 os.remove(path)  # another model's, from an earlier save here
-        self._barrier()
+
+        self._on_rank0(save)
 
     def load_checkpoint(self, directory: str):
         """Every rank calls it; rank 0 reads the files into the engine."""
         self._between_steps("load_checkpoint", reads_only=False)
+        path = os.path.join(os.fspath(directory), BUFFERS_FILE)
+        wants_buffers = bool(self.persistent_buffers())
+        saved = {"buffers": {}}
+
+        def read_buffers():
+            # Before any state is replaced: a damaged file changes nothing
+            # (it failed after the engine had loaded, the buffers stale).
+            nonlocal saved
+            if wants_buffers and os.path.exists(path):
+                try:
+                    saved = torch.load(path, map_location="cpu", weights_only=True)
+                except Exception as e:
+                    raise RuntimeError(f"ztier: the checkpoint's buffers, {path}, cannot be read "
+                                       f"({e}); nothing was loaded") from e
+
+        def load():
+            read_buffers()
+            try:
+                self.job.load_checkpoint(os.fspath(directory))
+            except ValueError as e:
+                if "does not fit" in str(e) and any(t.frozen for u in self.units
+                                                    for t in u.tensors):
+                    # A frozen tensor goes to a unit of its own: freezing
+                    # other tensors than the checkpoint's model did lays
+                    # the model out in other units.
+                    raise type(e)(
+                        f"{e} (this model freezes some parameters; a checkpoint of a model "
+                        "that froze others, or none, is laid out in other units: load it "
+                        "into the model as it was, export_safetensors, then offload this "
+                        "one with weights=)") from e
+                raise
+
         self.runner = None  # its version is the old one
         try:
             self._barrier()
-            if self.rank == 0:
-                try:
-                    self.job.load_checkpoint(os.fspath(directory))
-                except ValueError as e:
-                    if "does not fit" in str(e) and any(t.frozen for u in self.units
-                                                        for t in u.tensors):
-                        # A frozen tensor goes to a unit of its own: freezing
-                        # other tensors than the checkpoint's model did lays
-                        # the model out in other units.
-                        raise type(e)(
-                            f"{e} (this model freezes some parameters; a checkpoint of a model "
-                            "that froze others, or none, is laid out in other units: load it "
-                            "into the model as it was, export_safetensors, then offload this "
-                            "one with weights=)") from e
-                    raise
-            self._barrier()
+            self._on_rank0(load)
+            if self.rank != 0:
+                read_buffers()  # every rank keeps its module's buffers
         finally:
             # A load that failed changed nothing: the model goes on from its
             # own state with a runner as before.
             self.runner = self._make_runner()
-        # Every rank keeps its module's buffers: each reads them.
-        if self.persistent_buffers():
-            path = os.path.join(os.fspath(directory), BUFFERS_FILE)
-            saved = {"buffers": {}}
+        if wants_buffers:
             if os.path.exists(path):
-                saved = torch.load(path, map_location="cpu", weights_only=True)
                 if saved.get("step") != self.runner.version:
                     warnings.warn(f"ztier: {path} is of step {saved.get('step')}, the checkpoint "
                                   f"of step {self.runner.version}", RuntimeWarning, stacklevel=2)
@@ -1242,14 +1277,16 @@ class Offload:
         """The consolidated weights under the model's state-dict names (rank 0
         writes; every rank calls it)."""
         self._between_steps("export_safetensors")
-        if self.rank == 0:
-            path = os.fspath(path)
+        path = os.fspath(path)
+
+        def export():
             self.job.export_safetensors(path, dtype)
             buffers = self.persistent_buffers()
             if buffers:
                 _add_to_safetensors(path, {n: b.detach().cpu().contiguous()
                                            for n, b in buffers.items()})
-        self._barrier()
+
+        self._on_rank0(export)
 
     def save_pretrained(self, directory: str, dtype: str = "bfloat16"):
         """A Hugging Face model directory: config.json (when the model has a

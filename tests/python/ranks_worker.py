@@ -32,9 +32,23 @@ def run(rank: int, world: int, directory: str, steps: int, settings: dict,
             losses.append(loss.detach())
         z.wait()
         out = {"losses": torch.stack(losses), "norm": z.grad_norm(),
-               "stats": z.runner.stats()}
+               "stats": z.runner.stats(), "refusals": []}
         if rank == 0:
             out["masters"] = z.master_weights()
+        if not average:
+            # Rank 0 reads and writes the files; when it fails every rank
+            # is told (rank 1 waited for it in a barrier: both hung), and
+            # both train on.
+            for fail in (lambda: z.load_checkpoint(os.path.join(directory, "none")),
+                         lambda: z.save_checkpoint("/proc/no/such/dir")):
+                try:
+                    fail()
+                except Exception as e:  # noqa: BLE001 -- what each rank is told
+                    out["refusals"].append(str(e))
+            x = batch(steps, micro=rank)
+            model(input_ids=x, labels=x).loss.backward()
+            z.optimizer.step()
+            z.wait()
         torch.save(out, os.path.join(directory, f"rank{rank}{'-mean' if average else ''}.pt"))
         dist.barrier()
         z.close()

@@ -45,3 +45,30 @@ def test_bad_arguments_exit_2(tmp_path):
     bad = run("--tiny", "--data", str(tmp_path / "missing.txt"), check=False)
     assert bad.returncode == 2 and "missing.txt" in bad.stderr
     assert run("--states", "nvme", "--tiny", check=False).returncode == 2
+    # They ended in tracebacks, exit 1 (--save-every 0 after a step had
+    # trained), and left an empty --out behind.
+    out = tmp_path / "never"
+    for bad in (["--save-every", "0"], ["--lr", "nan"], ["--clip", "-1"],
+                ["--device", "mps"], ["--dram-budget", "lots"],
+                ["--states", "nvme", "--nvme", str(tmp_path / "none")]):
+        p = run("--tiny", "--steps", "2", "--out", str(out), *bad, check=False)
+        assert p.returncode == 2 and "Traceback" not in p.stderr, (bad, p.stderr[-800:])
+    p = run("--model", str(tmp_path / "nothing"), "--out", str(out), check=False)
+    assert p.returncode == 2 and "not a directory" in p.stderr, p.stderr[-800:]
+    assert not out.exists()
+
+
+def test_a_finished_or_mismatched_run_resumes_from_its_checkpoints_step(tmp_path):
+    # The step came from progress.json, written after the checkpoint: a kill
+    # between the two resumed at the older step on the newer weights; a
+    # --resume of a finished run crashed formatting a loss it never had.
+    out = tmp_path / "run"
+    args = ["--tiny", "--steps", "4", "--seq", "32", "--batch", "2", "--out", str(out)]
+    run(*args, "--save-every", "2")
+    done = run(*args, "--resume", check=False)
+    assert done.returncode == 0 and "nothing to do" in done.stderr, done.stderr[-800:]
+    below = run(*args[:-2], "--steps", "3", "--out", str(out), "--resume", check=False)
+    assert below.returncode == 2 and "below it" in below.stderr, below.stderr[-800:]
+    (out / "progress.json").write_text('{"step": 1}')  # what an older run could leave
+    more = run(*args[:2], "6", *args[3:], "--resume", "--json")
+    assert json.loads(more.stdout.splitlines()[-1])["steps"] == 2

@@ -26,6 +26,9 @@ def test_two_ranks_equal_one_rank_on_the_summed_grads(tmp_path):
     settings = {"ztier.dram_budget": "1G"}
     mp.spawn(ranks_worker.run, args=(2, str(tmp_path), STEPS, settings), nprocs=2, join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    for r in range(2):
+        assert len(ranks[r]["refusals"]) == 2, ranks[r]["refusals"]
+    assert all("on rank 0" in said for said in ranks[1]["refusals"]), ranks[1]["refusals"]
     # With average_grads (DDP's mean) the norm is half the sum's.
     mp.spawn(ranks_worker.run, args=(2, str(tmp_path), 1, settings, True), nprocs=2, join=True)
     mean = torch.load(tmp_path / "rank0-mean.pt")

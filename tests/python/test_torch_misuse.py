@@ -645,6 +645,21 @@ def test_persistent_buffers_go_with_checkpoints_and_exports(settings, tmp_path):
         # bf16 params either way; the export's are bf16 of the masters too
         assert torch.allclose(got, want, rtol=1e-2, atol=1e-2), how
         z2.close()
+    # A damaged buffers file is found before any state is replaced (the
+    # engine had loaded the checkpoint, then torch.load failed: the masters
+    # new, the statistics old, and a zip error the only word).
+    path = tmp_path / "ck" / "ztier-buffers.pt"
+    os.truncate(path, 100)
+    fresh = make()
+    z3 = zt.offload(fresh, optimizer=zt.AdamW(lr=1e-2), settings=settings)
+    before = z3.master_weights()
+    with pytest.raises(RuntimeError, match="ztier-buffers.pt, cannot be read.*nothing was loaded"):
+        z3.load_checkpoint(str(tmp_path / "ck"))
+    assert z3.step_count == 0
+    after = z3.master_weights()
+    assert all(torch.equal(before[n], after[n]) for n in before)
+    _train_step(fresh, z3, torch.randn(16, 4))  # and it trains on
+    z3.close()
 
 
 def test_writes_and_casts_of_idle_parameters_are_named(settings):
