@@ -23,12 +23,22 @@ Result<std::unique_ptr<Session>> Session::Open(const SessionOptions& options) {
   if (!socket.empty()) {
     ZT_ASSIGN_OR_RETURN(t, MakeDaemonTransport(socket));
     // The engine-wide settings are the daemon's: say so for each one this
-    // process set (its jobs' own, like ztier.state_dtype, travel with them).
-    for (const char* key :
-         {"ztier.dram_budget", "ztier.huge_pages", "zero_optimization.offload_optimizer.pin_memory",
-          "zero_optimization.offload_optimizer.nvme_path", "ztier.nvme_capacity", "aio.block_size",
-          "aio.queue_depth", "ztier.io_backend", "ztier.checksums",
-          "zero_optimization.offload_optimizer.buffer_count", "ztier.optimizer_threads"}) {
+    // process set (its jobs' own, like ztier.state_dtype, travel with
+    // them), unless the daemon was made with them.
+    static constexpr const char* kEngineKeys[] = {
+        "ztier.dram_budget",
+        "ztier.huge_pages",
+        "zero_optimization.offload_optimizer.pin_memory",
+        "zero_optimization.offload_optimizer.nvme_path",
+        "ztier.nvme_capacity",
+        "aio.block_size",
+        "aio.queue_depth",
+        "ztier.io_backend",
+        "ztier.checksums",
+        "zero_optimization.offload_optimizer.buffer_count",
+        "ztier.optimizer_threads"};
+    for (const char* key : kEngineKeys) {
+      if (options.daemon_has_these_settings) break;
       auto it = options.settings.sources.find(key);
       if (it == options.settings.sources.end()) continue;
       ZT_LOG(kWarn, "client") << key << " (from " << it->second

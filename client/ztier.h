@@ -210,6 +210,9 @@ struct SessionOptions {
   // The embedded engine's NVMe I/O backend; null: io_uring. Tests pass a
   // fault-injecting one (nvme/io_backend.h).
   std::shared_ptr<nvme::IoBackend> io_backend;
+  // The ztierd at daemon_socket was made with these settings (one that a
+  // process hosts for its ranks): no warning that the daemon's apply.
+  bool daemon_has_these_settings = false;
 };
 
 class Transport;  // the seam between the client and an engine (client/transport.h)

@@ -118,6 +118,36 @@ std::string SpecDifference(const JobSpec& job, const JobSpec& rank) {
       return StrCat("weight decay ", y[g], " for param group ", g, ", the job's is ", x[g]);
     }
   }
+  // The settings each rank gives, named where they differ.
+  const OptimizerConfig& a = job.optimizer;
+  const OptimizerConfig& b = rank.optimizer;
+  const auto differs = [](std::string_view what, auto mine, auto jobs) {
+    return StrCat(what, " ", mine, ", the job's ", jobs);
+  };
+  if (b.hyper.lr != a.hyper.lr) return differs("learning rate", b.hyper.lr, a.hyper.lr);
+  if (b.hyper.beta1 != a.hyper.beta1) return differs("beta1", b.hyper.beta1, a.hyper.beta1);
+  if (b.hyper.beta2 != a.hyper.beta2) return differs("beta2", b.hyper.beta2, a.hyper.beta2);
+  if (b.hyper.eps != a.hyper.eps) return differs("eps", b.hyper.eps, a.hyper.eps);
+  if (b.hyper.weight_decay != a.hyper.weight_decay) {
+    return differs("weight decay", b.hyper.weight_decay, a.hyper.weight_decay);
+  }
+  if (b.hyper.mode != a.hyper.mode) {
+    return differs("mode", b.hyper.mode == cpu_adam::Mode::kAdamW ? "adamw" : "adam",
+                   a.hyper.mode == cpu_adam::Mode::kAdamW ? "adamw" : "adam");
+  }
+  if (b.hyper.bias_correction != a.hyper.bias_correction) {
+    return differs("bias correction",
+                   b.hyper.bias_correction == cpu_adam::BiasCorrection::kOn ? "on" : "off",
+                   a.hyper.bias_correction == cpu_adam::BiasCorrection::kOn ? "on" : "off");
+  }
+  if (b.clip_norm != a.clip_norm) return differs("clipping norm", b.clip_norm, a.clip_norm);
+  if (b.grad_accumulation != a.grad_accumulation) {
+    return differs("gradient accumulation", b.grad_accumulation, a.grad_accumulation);
+  }
+  if (b.mode != a.mode) {
+    return differs("step mode", b.mode == StepMode::kExact ? "exact" : "eager",
+                   a.mode == StepMode::kExact ? "exact" : "eager");
+  }
   if (p::Encode(job) != p::Encode(rank)) return "other optimizer settings";
   return std::string();
 }

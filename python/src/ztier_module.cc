@@ -514,17 +514,22 @@ NB_MODULE(_C, m) {
       .def_static(
           "open",
           [](const std::optional<std::string>& config,
-             const std::map<std::string, std::string>& set, const std::string& daemon_socket) {
+             const std::map<std::string, std::string>& set, const std::string& daemon_socket,
+             bool daemon_has_these_settings) {
             const engine::Settings settings = SettingsFrom(config, set);
-            client::SessionOptions options{
-                .settings = settings, .daemon_socket = daemon_socket, .io_backend = nullptr};
+            client::SessionOptions options{.settings = settings,
+                                           .daemon_socket = daemon_socket,
+                                           .io_backend = nullptr,
+                                           .daemon_has_these_settings = daemon_has_these_settings};
             nb::gil_scoped_release release;
             return Value(Session::Open(options));
           },
           "config"_a = nb::none(), "settings"_a = std::map<std::string, std::string>{},
-          "daemon_socket"_a = "",
+          "daemon_socket"_a = "", "daemon_has_these_settings"_a = false,
           "Opens the engine. `config`: a ds_config JSON file; `settings`: {key: value} as "
-          "ztier-train's --set takes them; ZTIER_* variables apply in between.")
+          "ztier-train's --set takes them; ZTIER_* variables apply in between. "
+          "`daemon_has_these_settings`: the ztierd at `daemon_socket` was made with them (no "
+          "warning that its own apply).")
       .def_prop_ro("transport", &Session::transport_name)
       .def_prop_ro("default_optimizer_tier",
                    [](const Session& s) {
@@ -770,10 +775,9 @@ NB_MODULE(_C, m) {
       },
       // noconvert: the arrays updated in place must be the caller's own.
       "params"_a.noconvert(), "grads"_a, "exp_avg"_a.noconvert(), "exp_avg_sq"_a.noconvert(),
-      nb::kw_only(), "step"_a, "lr"_a,
-      "beta1"_a = 0.9f, "beta2"_a = 0.999f, "eps"_a = 1e-8f, "weight_decay"_a = 0.0f,
-      "mode"_a = "adamw", "bias_correction"_a = true, "grad_scale"_a = 1.0f,
-      "params_out"_a.noconvert() = nb::none(),
+      nb::kw_only(), "step"_a, "lr"_a, "beta1"_a = 0.9f, "beta2"_a = 0.999f, "eps"_a = 1e-8f,
+      "weight_decay"_a = 0.0f, "mode"_a = "adamw", "bias_correction"_a = true,
+      "grad_scale"_a = 1.0f, "params_out"_a.noconvert() = nb::none(),
       "ztier's fused AdamW on one shard, in place (the engine's kernel). Returns (skipped, "
       "sum of squares of the grads).");
   m.def(

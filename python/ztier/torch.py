@@ -348,13 +348,16 @@ class Offload:
         self._elem_bytes = torch.empty((), dtype=compute_dtype).element_size()
         self.rank, self.world_size = _distributed()
         self._hosted = None
+        self._daemon_has_settings = False  # _meet_ranks: the hosted ztierd has ours
         name = name or f"{type(model).__name__}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         if self.world_size > 1:
             daemon, name = self._meet_ranks(daemon, session, config, settings, name)
         # The engine steps on the sum of the ranks' grads; with average_grads
         # each rank's grads are divided by the world size first (DDP's mean).
         self._grad_divisor = self.world_size if average_grads else 1
-        self.session = session or open_session(config=config, settings=settings, daemon=daemon)
+        self.session = session or open_session(
+            config=config, settings=settings, daemon=daemon,
+            daemon_has_these_settings=self._daemon_has_settings)
         # What the arguments leave unset comes from the config's (or the
         # ZTIER_* variables') optimizer, gradient_clipping and
         # gradient_accumulation_steps, else the defaults.
@@ -599,14 +602,19 @@ class Offload:
                 f"ztier.torch: {self.world_size} ranks on several nodes ({local} on this one); "
                 "ranks of one node only for now")
         daemon = daemon or os.environ.get("ZTIER_DAEMON_SOCKET") or None
-        info = [daemon, name]
+        text = {str(k): str(v) for k, v in (settings or {}).items()}
+        where = os.fspath(config) if config else None
+        info = [daemon, name, None]
         if self.rank == 0 and daemon is None and session is None:
             directory = tempfile.mkdtemp(prefix="ztier-")
             info[0] = os.path.join(directory, "ztierd.sock")
-            text = {str(k): str(v) for k, v in (settings or {}).items()}
-            self._hosted = _C.HostedDaemon(info[0], os.fspath(config) if config else None, text)
+            self._hosted = _C.HostedDaemon(info[0], where, text)
             _hosted_daemons.append(self._hosted)
+            info[2] = (where, text)  # what the hosted daemon was made with
         dist.broadcast_object_list(info, src=0)
+        # A rank given what the daemon was made with is not warned that the
+        # daemon's settings apply.
+        self._daemon_has_settings = info[2] == (where, text)
         return info[0], info[1]
 
     def _barrier(self):
@@ -1360,16 +1368,18 @@ def _distributed() -> tuple[int, int]:
 
 
 def open_session(config: str | None = None, settings: dict | None = None,
-                 daemon: str | None = None) -> _C.Session:
+                 daemon: str | None = None,
+                 daemon_has_these_settings: bool = False) -> _C.Session:
     """The engine for these arguments, shared by every model of this process
     that asks for the same (one embedded engine owns its DRAM budget and swap
     directories; a second one on the same directories would be refused). It
-    lives while a model uses it."""
+    lives while a model uses it. ``daemon_has_these_settings``: the ztierd at
+    ``daemon`` was made with them (no warning that its own apply)."""
     text = {str(k): str(v) for k, v in (settings or {}).items()}
     key = (os.fspath(config) if config else None, tuple(sorted(text.items())), daemon or "")
     session = _sessions.get(key)
     if session is None:
-        session = _C.Session.open(key[0], text, key[2])
+        session = _C.Session.open(key[0], text, key[2], daemon_has_these_settings)
         _sessions[key] = session
     return session
 

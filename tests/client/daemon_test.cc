@@ -704,6 +704,16 @@ TEST_F(DaemonTest, AnyRankSetsTheLearningRatesAndAttachCompareParamGroups) {
   other = model;
   other.optimizer.group_weight_decay.push_back(0.0f);
   refused(other, "3 param group weight decays");
+  // Named (they were all "other optimizer settings").
+  other = model;
+  other.optimizer.clip_norm = 1.0f;
+  refused(other, "clipping norm 1, the job's 0");
+  other = model;
+  other.optimizer.grad_accumulation = 2;
+  refused(other, "gradient accumulation 2, the job's 1");
+  other = model;
+  other.optimizer.hyper.beta2 = 0.95f;
+  refused(other, "beta2 0.95, the job's 0.999");
 
   Result<std::unique_ptr<Model>> m1 = (*s1)->AttachModel(model, 1, 2s);
   ASSERT_TRUE(m1.ok()) << m1.status();

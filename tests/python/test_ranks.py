@@ -20,11 +20,14 @@ from conftest import batch, tiny_llama
 STEPS = 4
 
 
-def test_two_ranks_equal_one_rank_on_the_summed_grads(tmp_path):
+def test_two_ranks_equal_one_rank_on_the_summed_grads(tmp_path, capfd):
     import ranks_worker
 
     settings = {"ztier.dram_budget": "1G"}
     mp.spawn(ranks_worker.run, args=(2, str(tmp_path), STEPS, settings), nprocs=2, join=True)
+    # The ztierd rank 0 hosts is made with these settings: no rank is told
+    # that the daemon's own apply (each was).
+    assert "is an engine setting" not in capfd.readouterr().err
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     for r in range(2):
         assert len(ranks[r]["refusals"]) == 2, ranks[r]["refusals"]
