@@ -337,7 +337,8 @@ int RunAdam(int argc, char** argv) {
                                                      .v_absmax = buf.v_absmax.get()},
                                          .params_out = shard.params_out};
         for (cpu_adam::GradCheck check : o.checks) {
-          CaseResult r{n, static_cast<int>(t), check, store, 1e30, 1e30, bytes_per_param};
+          // (The executor's count: oneTBB runs no more than the machine does.)
+          CaseResult r{n, exec->threads(), check, store, 1e30, 1e30, bytes_per_param};
           // One untimed round of each first, then alternate timed rounds.
           for (int run = -1; run < o.runs; ++run) {
             double t0 = NowSeconds();

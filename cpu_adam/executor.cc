@@ -115,7 +115,16 @@ Result<Executor> Executor::Create(const Options& options) {
                                 << " (tbbbind missing?): optimizer threads are not NUMA-local";
     }
   }
-  const int threads = options.threads > 0 ? options.threads : cores;
+  // No more than oneTBB runs at once in this process (the machine's, or its
+  // affinity mask's): asked for more, it would run fewer and say so only on
+  // stderr, while threads() named the count asked for.
+  const int most = std::max(1, oneapi::tbb::info::default_concurrency());
+  int threads = options.threads > 0 ? options.threads : cores;
+  if (threads > most) {
+    ZT_LOG(kWarn, "cpu_adam") << "executor: " << threads << " threads asked for; this process "
+                              << "runs " << most << " at once: " << most;
+    threads = most;
+  }
   constraints.set_max_concurrency(threads);
   auto impl = std::make_unique<Impl>(constraints, threads, node);
   impl->arena.initialize();

@@ -803,9 +803,9 @@ bool IsIgnored(const std::string& key) {
 Result<std::optional<std::string>> LeafText(const Json& v, JsonType type, std::string_view key) {
   if (v.is_string() && v.get<std::string>() == "auto") return std::optional<std::string>();
   auto wrong = [&](std::string_view want) {
-    return Status::InvalidArgument(
-        StrCat(key, ": expected ", want, ", got ",
-               v.is_null() ? std::string("null") : StrCat(v.type_name(), " ", v.dump().substr(0, 40))));
+    return Status::InvalidArgument(StrCat(
+        key, ": expected ", want, ", got ",
+        v.is_null() ? std::string("null") : StrCat(v.type_name(), " ", v.dump().substr(0, 40))));
   };
   auto number_text = [](const Json& n) -> std::string {
     if (n.is_number_float()) {
@@ -1069,6 +1069,24 @@ Result<Json> ParseStrict(const std::string& text, std::string_view origin) {
       (void)probe;
     } catch (const Json::exception& e) {  // parse_error, or out_of_range for huge numbers
       why = e.what();
+    }
+    // "[json.exception.parse_error.101] parse error at line L, column C:
+    // ...; last read: '<everything since the last token>'": without the tag,
+    // and only the end of what was read (it quoted whole lines of a file
+    // that is not JSON, control characters spelled <U+000A>).
+    if (why.starts_with("[json.exception")) {
+      if (const size_t tag = why.find("] "); tag != std::string::npos) why = why.substr(tag + 2);
+    }
+    if (const size_t read = why.find("; last read: '"); read != std::string::npos) {
+      std::string near = why.substr(read + 14);
+      if (!near.empty() && near.back() == '\'') near.pop_back();
+      // Its last line, trimmed (the error's line and column say where).
+      if (const size_t nl = near.rfind("<U+000A>"); nl != std::string::npos) {
+        near = near.substr(nl + 8);
+      }
+      near.erase(0, std::min(near.size(), near.find_first_not_of(" \t")));
+      if (near.size() > 40) near = near.substr(0, 40) + "...";
+      why = near.empty() ? why.substr(0, read) : StrCat(why.substr(0, read), "; at '", near, "'");
     }
     return Status::InvalidArgument(StrCat(origin, ": ", why));
   }

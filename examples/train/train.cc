@@ -1040,7 +1040,7 @@ Status WriteSummary(const Flags& f, const Plan& p, const Measured& m,
       "\"optimizer_wait_seconds\": %.6f, \"h2d_wait_seconds\": %.6f, \"d2h_wait_seconds\": %.6f, "
       "\"collective_wait_seconds\": %.6f, \"h2d_bytes_per_step\": %.0f, "
       "\"d2h_bytes_per_step\": %.0f, \"coalesce_bytes\": %llu, \"h2d_copies_per_step\": %.1f, "
-      "\"d2h_copies_per_step\": %.1f, \"engine_optimizer_seconds\": %.3f}\n",
+      "\"d2h_copies_per_step\": %.1f, \"engine_optimizer_seconds\": %.6f}\n",
       f.device.c_str(), f.ranks, f.model.layers, f.model.channels, f.model.heads, f.model.context,
       p.batch, p.accumulation, tier(p.settings.optimizer_tier), tier(p.settings.param_tier),
       p.settings.state_dtype == engine::StateDtype::kInt8 ? "int8" : "fp32",

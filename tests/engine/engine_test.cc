@@ -30,6 +30,8 @@
 
 #include <gtest/gtest.h>
 
+#include <limits>
+
 #include "nvme/io_backend.h"
 
 namespace ztier::engine {
@@ -507,6 +509,40 @@ TEST(EngineJobsTest, SwapStagingPastTheBudgetIsRefusedUpFront) {
   EXPECT_NE(e.status().message().find("aio.block_size"), std::string::npos) << e.status();
   s.stripe_bytes = uint64_t{1} << 20;  // 16 x 1M x 2 paths: fine
   EXPECT_TRUE(Engine::Create(s).ok());
+}
+
+// A tensor name is a key of checkpoint and export files: a name given twice
+// (in one unit or two) was accepted, and the export refused later. A weight
+// that is not finite would make every step's grads so (every step
+// skipped): refused, naming the tensor and element.
+TEST(EngineJobsTest, DuplicateTensorNamesAndNonFiniteWeightsAreRefused) {
+  Settings s;
+  s.dram_budget_bytes = uint64_t{256} << 20;
+  s.pin_memory = false;
+  Result<std::unique_ptr<Engine>> e = Engine::Create(s);
+  ASSERT_TRUE(e.ok()) << e.status();
+  JobSpec spec;
+  spec.name = "dups";
+  spec.units = {{"u0", {{"w", {8}}, {"b", {8}}}}, {"u1", {{"w", {8}}}}};
+  Result<int> job = (*e)->RegisterJob(spec);
+  ASSERT_FALSE(job.ok());
+  EXPECT_EQ(job.status().code(), StatusCode::kInvalidArgument) << job.status();
+  EXPECT_NE(job.status().message().find("unit 'u1' tensor 'w': the name is taken (by a tensor "
+                                        "of unit 'u0')"),
+            std::string::npos)
+      << job.status();
+  spec.units = {{"u0", {{"w", {8}}, {"w", {8}}}}};
+  EXPECT_FALSE((*e)->RegisterJob(spec).ok());
+  spec.units = {{"u0", {{"w", {8}}, {"b", {8}}}}};
+  job = (*e)->RegisterJob(spec);
+  ASSERT_TRUE(job.ok()) << job.status();
+  std::vector<float> w(16, 0.5f);
+  w[11] = std::numeric_limits<float>::infinity();
+  Status bad = (*e)->WriteWeights(*job, 0, w.data(), w.size());
+  EXPECT_EQ(bad.code(), StatusCode::kInvalidArgument) << bad;
+  EXPECT_NE(bad.message().find("tensor 'b' element 3 is inf"), std::string::npos) << bad;
+  w[11] = 0.5f;
+  EXPECT_TRUE((*e)->WriteWeights(*job, 0, w.data(), w.size()).ok());
 }
 
 // The client page is the client's to write: a word that goes back, or
