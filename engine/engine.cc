@@ -27,9 +27,7 @@
 #include <mutex>
 #include <optional>
 #include <set>
-#include <string_view>
 #include <thread>
-#include <unordered_map>
 
 #include "common/log.h"
 #include "common/numbers.h"
@@ -681,19 +679,11 @@ Result<int> Engine::RegisterJob(const JobSpec& spec) {
   const uint64_t granule = static_cast<uint64_t>(spec.ranks) * kAlignElements;
   uint64_t job_elements = 0;
   uint64_t zero_elements = 0;  // the largest stateless unit
-  // A tensor's name is its key in checkpoints' and exports' files: one
-  // tensor a name (two were accepted, and their export refused later).
-  std::unordered_map<std::string_view, std::string_view> unit_of_tensor;
   for (size_t k = 0; k < spec.units.size(); ++k) {
     const UnitSpec& us = spec.units[k];
     Unit& u = job->units[k];
     const std::string where = StrCat("job '", spec.name, "' unit '", us.name, "'");
     for (const TensorSpec& t : us.tensors) {
-      if (auto [it, fresh] = unit_of_tensor.emplace(t.name, us.name); !fresh) {
-        return Status::InvalidArgument(StrCat(where, " tensor '", t.name,
-                                              "': the name is taken (by a tensor of unit '",
-                                              it->second, "'); tensor names must be unique"));
-      }
       if (t.group >= groups) {
         return Status::InvalidArgument(StrCat(
             where, " tensor '", t.name, "' is in param group ", t.group, "; the job has ", groups,
