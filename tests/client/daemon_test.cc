@@ -1037,31 +1037,40 @@ TEST(ZtierdProgramTest, ClientsKilledAtRandomLeaveNoTraceAndABystanderTrainsOn) 
   }
 }
 
+// A session through `d` and a model of two units named `name` registered
+// through it.
+struct DaemonClient {
+  std::unique_ptr<Session> session;
+  std::unique_ptr<Model> model;
+};
+Result<DaemonClient> RegisterThrough(const ZtierdProcess& d, const std::string& name) {
+  SessionOptions o;
+  o.daemon_socket = d.socket();
+  DaemonClient c;
+  ZT_ASSIGN_OR_RETURN(c.session, Session::Open(o));
+  ZT_ASSIGN_OR_RETURN(c.model, c.session->RegisterModel(ModelOf(TwoUnits(name))));
+  return c;
+}
+
 TEST(ZtierdProgramTest, SigtermStopsCleanlyAndKillNineFailsClientsFast) {
   {
     ZtierdProcess d(ZTIERD_BINARY, {});
-    SessionOptions o;
-    o.daemon_socket = d.socket();
-    Result<std::unique_ptr<Session>> s = Session::Open(o);
-    ASSERT_TRUE(s.ok()) << s.status() << d.log();
-    Result<std::unique_ptr<Model>> m = (*s)->RegisterModel(ModelOf(TwoUnits("t")));
-    ASSERT_TRUE(m.ok()) << m.status();
+    Result<DaemonClient> c = RegisterThrough(d, "t");
+    ASSERT_TRUE(c.ok()) << c.status() << d.log();
+    std::unique_ptr<Model>& m = c->model;
     EXPECT_EQ(d.SignalAndWait(SIGTERM), 0) << d.log();
-    Status after = (*m)->WaitPublished(0, 5s);
+    Status after = m->WaitPublished(0, 5s);
     EXPECT_EQ(after.code(), StatusCode::kUnavailable) << after;
     EXPECT_NE(after.ToString().find("SIGTERM"), std::string::npos) << after;
     EXPECT_NE(d.log().find("stopped"), std::string::npos) << d.log();
   }
   {
     ZtierdProcess d(ZTIERD_BINARY, {});
-    SessionOptions o;
-    o.daemon_socket = d.socket();
-    Result<std::unique_ptr<Session>> s = Session::Open(o);
-    ASSERT_TRUE(s.ok()) << s.status() << d.log();
-    Result<std::unique_ptr<Model>> m = (*s)->RegisterModel(ModelOf(TwoUnits("k")));
-    ASSERT_TRUE(m.ok()) << m.status();
+    Result<DaemonClient> c = RegisterThrough(d, "k");
+    ASSERT_TRUE(c.ok()) << c.status() << d.log();
+    std::unique_ptr<Model>& m = c->model;
     Status waited;
-    std::thread waiter([&] { waited = (*m)->WaitPublished(1, 600s); });
+    std::thread waiter([&] { waited = m->WaitPublished(1, 600s); });
     std::this_thread::sleep_for(100ms);
     const auto t0 = std::chrono::steady_clock::now();
     EXPECT_EQ(d.SignalAndWait(SIGKILL), 128 + SIGKILL);
@@ -1077,19 +1086,16 @@ TEST(ZtierdProgramTest, SigtermStopsCleanlyAndKillNineFailsClientsFast) {
   // makes no directory.
   {
     ZtierdProcess d(ZTIERD_BINARY, {});
-    SessionOptions o;
-    o.daemon_socket = d.socket();
-    Result<std::unique_ptr<Session>> s = Session::Open(o);
-    ASSERT_TRUE(s.ok()) << s.status() << d.log();
-    Result<std::unique_ptr<Model>> m = (*s)->RegisterModel(ModelOf(TwoUnits("r")));
-    ASSERT_TRUE(m.ok()) << m.status();
+    Result<DaemonClient> c = RegisterThrough(d, "r");
+    ASSERT_TRUE(c.ok()) << c.status() << d.log();
+    std::unique_ptr<Model>& m = c->model;
     std::vector<float> w(1000, 1.0f);
-    ASSERT_TRUE((*m)->SetWeights(0, w.data(), w.size()).ok());
-    ASSERT_TRUE((*m)->SetWeights(1, w.data(), w.size()).ok());
+    ASSERT_TRUE(m->SetWeights(0, w.data(), w.size()).ok());
+    ASSERT_TRUE(m->SetWeights(1, w.data(), w.size()).ok());
     Result<std::unique_ptr<Device>> dev = MakeHostDevice();
     ASSERT_TRUE(dev.ok()) << dev.status();
     Result<std::unique_ptr<Stage3Runner>> r =
-        Stage3Runner::Create(**m, 0, **dev, nullptr, {.persistence_threshold = uint64_t{1} << 30});
+        Stage3Runner::Create(*m, 0, **dev, nullptr, {.persistence_threshold = uint64_t{1} << 30});
     ASSERT_TRUE(r.ok()) << r.status();
     const auto micro_step = [&]() -> Status {
       for (int k = 0; k < 2; ++k) {
@@ -1115,7 +1121,7 @@ TEST(ZtierdProgramTest, SigtermStopsCleanlyAndKillNineFailsClientsFast) {
     EXPECT_TRUE(gone((*r)->PushGrads(1))) << (*r)->PushGrads(1);
     ScratchDir dir("killed-daemon");
     const std::string ck = dir / "ck";
-    EXPECT_TRUE(gone((*m)->SaveCheckpoint(ck)));
+    EXPECT_TRUE(gone(m->SaveCheckpoint(ck)));
     EXPECT_FALSE(std::filesystem::exists(ck)) << "a save to a gone daemon made its directory";
   }
 }
