@@ -35,9 +35,12 @@ Result<std::vector<uint64_t>> ParseCountList(std::string_view text) {
 Result<uint64_t> ArgReader::Count(uint64_t lo, uint64_t hi) {
   const std::string option(arg());
   ZT_ASSIGN_OR_RETURN(std::string_view v, Value());
-  ZT_ASSIGN_OR_RETURN(uint64_t n, ParseCount(v));
-  if (n < lo || n > hi) return Status::InvalidArgument(StrCat(option, ": want ", lo, "..", hi));
-  return n;
+  Result<uint64_t> n = ParseCount(v);
+  if (!n.ok() || *n < lo || *n > hi) {
+    // Named by its option and range ('-1' was "not a size" of no option).
+    return Status::InvalidArgument(StrCat(option, " ", v, ": want ", lo, "..", hi));
+  }
+  return *n;
 }
 
 Status ArgReader::Unrecognized() const {

@@ -25,4 +25,10 @@ for bad in "--max-size 3" "--reps 0" "--device tpu" "--bogus"; do
   "$bench" pcie $bad >/dev/null 2>&1 || status=$?
   [ "$status" -eq 2 ] || { echo "'$bad' gave exit $status, not a usage error"; exit 1; }
 done
+# A count that does not parse is named by its flag and range (it was "'-1'
+# is not a size", of no flag).
+status=0
+err=$("$bench" pcie --ordinal -1 2>&1 >/dev/null) || status=$?
+[[ $status -eq 2 && $err == *"--ordinal -1: want 0..1023"* ]] ||
+  { echo "--ordinal -1 gave exit $status: $err"; exit 1; }
 echo "pcie_bench_test: ok"
