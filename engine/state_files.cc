@@ -47,6 +47,26 @@ std::string OptimizerJson(const OptimizerConfig& o) {
   return j.dump();
 }
 
+// The moments a checkpoint holds were made with its optimizer's settings;
+// the job's apply from here on. Where they differ (the learning rate aside,
+// which schedules change every step) a person resuming is told so.
+void WarnOfOtherOptimizer(const JobDescription& job, const CheckpointManifest& m,
+                          const std::string& dir) {
+  const Json saved = Json::parse(m.optimizer_json, nullptr, /*allow_exceptions=*/false);
+  const Json now = Json::parse(OptimizerJson(job.optimizer));
+  if (!saved.is_object()) return;
+  std::string differs;
+  for (const auto& [key, value] : now.items()) {
+    if (key == "lr" || !saved.contains(key) || saved[key] == value) continue;
+    differs +=
+        StrCat(differs.empty() ? "" : ", ", key, " ", saved[key].dump(), " -> ", value.dump());
+  }
+  if (!differs.empty()) {
+    ZT_LOG(kWarn, "checkpoint") << dir << " was saved with other optimizer settings; this "
+                                << "job's apply from here on: " << differs;
+  }
+}
+
 std::string ShapeText(const std::vector<int64_t>& shape) {
   std::string out = "[";
   for (size_t i = 0; i < shape.size(); ++i) out += StrCat(i ? ", " : "", shape[i]);
@@ -320,6 +340,7 @@ Status LoadCheckpointFiles(const JobDescription& job, StateAccess& state, const 
         const CheckpointManifest m,
         DecodeCheckpointManifest(text, (fs::path(dir) / kCheckpointManifestName).string()));
     ZT_RETURN_IF_ERROR(CheckLayout(job, m, dir));
+    if (attempt == 0) WarnOfOtherOptimizer(job, m, dir);
     if (!m.state_dtype.empty() && !job.state_dtype.empty() && m.state_dtype != job.state_dtype) {
       ZT_LOG(kInfo, "checkpoint") << dir << ": m and v saved from " << m.state_dtype
                                   << " states load into " << job.state_dtype << " states ("

@@ -643,6 +643,31 @@ TEST_F(CheckpointTest, RoundTripSameAndDifferentRanks) {
   }
 }
 
+// The moments were made with the checkpoint's optimizer settings: loading
+// them into a job with others (here clipping off) is said, naming what
+// differs (it was silent); the learning rate, which schedules move, is not.
+TEST_F(CheckpointTest, OtherOptimizerSettingsAreSaidAtLoad) {
+  auto a = MakeEngine();
+  Result<int> ja = a->RegisterJob(SmallModel("ckpt", 1, 1.0f, 1, StepMode::kExact));
+  ASSERT_TRUE(ja.ok());
+  Train(*a, *ja, 1, 0, 1, 7);
+  ASSERT_TRUE(a->SaveCheckpoint(*ja, dir_.string()).ok());
+  for (float clip : {1.0f, 0.0f}) {
+    auto b = MakeEngine();
+    Result<int> jb = b->RegisterJob(SmallModel("ckpt", 1, clip, 1, StepMode::kExact));
+    ASSERT_TRUE(jb.ok());
+    ::testing::internal::CaptureStderr();
+    Status s = b->LoadCheckpoint(*jb, dir_.string());
+    const std::string said = ::testing::internal::GetCapturedStderr();
+    ASSERT_TRUE(s.ok()) << s;
+    const bool warned = said.find("saved with other optimizer settings") != std::string::npos;
+    EXPECT_EQ(warned, clip == 0.0f) << said;
+    if (clip == 0.0f) {
+      EXPECT_NE(said.find("clip_norm 1.0 -> 0.0"), std::string::npos) << said;
+    }
+  }
+}
+
 TEST_F(CheckpointTest, OlderFilesGoOnlyAfterTheNewManifestIsIn) {
   auto e = MakeEngine();
   Result<int> j = e->RegisterJob(SmallModel("ckpt", 1, 0.0f, 1, StepMode::kExact));
