@@ -126,6 +126,18 @@ def from_pretrained(model_class, path: str, config=None, **offload_kwargs):
         raise FileNotFoundError(f"ztier: {path} is not a directory (a local checkpoint: "
                                 "config.json and safetensors)")
     if config is None:
+        # Another kind of model's directory built a default-sized model of
+        # this class, refused for its DRAM: say what differs instead.
+        saved_type = None
+        config_file = os.path.join(path, "config.json")
+        if os.path.isfile(config_file):
+            with open(config_file) as f:
+                saved = json.load(f)
+            saved_type = saved.get("model_type") if isinstance(saved, dict) else None
+        want = getattr(model_class.config_class, "model_type", None)
+        if saved_type and want and saved_type != want:
+            raise ValueError(f"ztier: {path} holds a '{saved_type}' model; "
+                             f"{model_class.__name__} is a '{want}' one")
         config = model_class.config_class.from_pretrained(path)
     with init_empty_weights(include_buffers=False):
         model = model_class(config)

@@ -451,6 +451,11 @@ def test_export_then_from_pretrained(settings, tmp_path):
     with torch.no_grad():
         got = model2(input_ids=x).logits
     assert torch.equal(got, want)
+    # Another class's directory is named as such (a default-sized model of
+    # the class asked for was built from it, and refused for its DRAM).
+    from transformers import GPT2LMHeadModel
+    with pytest.raises(ValueError, match="holds a 'llama' model; GPT2LMHeadModel is a 'gpt2'"):
+        zt.from_pretrained(GPT2LMHeadModel, tmp_path / "export", settings=settings)
 
 
 def test_from_pretrained_reads_sharded_checkpoints(settings, tmp_path):
