@@ -540,6 +540,14 @@ struct Stage3Runner::Impl {
     return Status::Ok();
   }
 
+  // A run's span of `length` bytes (R > 1, a fetch's or a push's) is cut
+  // into R equal chunks of whole kAlignElements blocks, aligned for the
+  // collective and the copy: the bytes of one.
+  uint64_t RunChunk(uint64_t length) const {
+    const uint64_t quantum = static_cast<uint64_t>(world) * engine::kAlignElements * sizeof(bf16);
+    return (length + quantum - 1) / quantum * quantum / world;
+  }
+
   // Where the units of a fetch run (R > 1) lie in its span: ordered by unit,
   // each at the next page after the one before, as the engine lays out a
   // job's publish buffers. Offsets by part, and the span's length.
@@ -586,8 +594,7 @@ struct Stage3Runner::Impl {
     uint64_t moved = 0;
     int64_t copies = 0;
     if (s.ok()) {
-      const uint64_t quantum = static_cast<uint64_t>(world) * engine::kAlignElements * sizeof(bf16);
-      const uint64_t chunk = (layout.length + quantum - 1) / quantum * quantum / world;
+      const uint64_t chunk = RunChunk(layout.length);
       const uint64_t lo = std::min(layout.length, static_cast<uint64_t>(rank) * chunk);
       const uint64_t hi = std::min(layout.length, lo + chunk);
       auto* staging = static_cast<uint8_t*>(push_staging);
@@ -740,12 +747,9 @@ struct Stage3Runner::Impl {
     }
     const std::optional<SpanLayout<uint8_t>> span = Span(host, bytes, PushSpanCapacity());
     ZT_CHECK_MSG(span.has_value(), "a run of pushes whose inboxes are not one span");
-    // R equal chunks of whole kAlignElements blocks (aligned for the
-    // collective and the copy); the padding past the span is reduced but
-    // never copied.
-    const uint64_t quantum = static_cast<uint64_t>(world) * engine::kAlignElements * sizeof(bf16);
-    const uint64_t padded = (span->length + quantum - 1) / quantum * quantum;
-    const uint64_t chunk = padded / world;
+    // The padding past the span is reduced but never copied.
+    const uint64_t chunk = RunChunk(span->length);
+    const uint64_t padded = chunk * world;
     auto* staging = static_cast<uint8_t*>(push_staging);
     ZT_RETURN_IF_ERROR(device->Memset(staging, 0, padded, Stream::kCopyOut));
     for (size_t i = 0; i < t.parts.size(); ++i) {

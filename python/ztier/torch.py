@@ -328,7 +328,7 @@ class Offload:
                         f"ztier: parameter '{pname}' is already offloaded, by the Offload of a "
                         f"{type(other.module).__name__} (a model holding this one, or held by "
                         "it): one Offload per parameter; offload the whole model once")
-            elif weights is None and p.dim() > 0 and all(st == 0 for st in p.stride()):
+            elif weights is None and _is_placeholder(p):
                 raise ValueError(
                     f"ztier: parameter '{pname}' was offloaded before, and holds the placeholder "
                     "that Offload left (NaN): offload a fresh model (then load_checkpoint to go "
@@ -1403,12 +1403,18 @@ def _user_stacklevel() -> int:
     return level
 
 
+def _is_placeholder(p: torch.Tensor) -> bool:
+    """Whether ``p`` is an Offload's placeholder: one NaN expanded (every
+    stride 0)."""
+    return p.dim() > 0 and all(st == 0 for st in p.stride())
+
+
 def _holds_placeholders(model: nn.Module) -> bool:
-    """Whether some parameter of ``model`` is an Offload's placeholder (one
-    NaN expanded: every stride 0), or a copy of one (all NaN)."""
+    """Whether some parameter of ``model`` is an Offload's placeholder, or a
+    copy of one (all NaN)."""
     with torch.no_grad():
         for p in model.parameters():
-            if p.dim() > 0 and p.numel() > 1 and all(st == 0 for st in p.stride()):
+            if _is_placeholder(p):
                 return True
             flat = p.detach().reshape(-1)
             if flat.numel() > 0 and flat.is_floating_point() and bool(flat[0].isnan()) and bool(

@@ -514,23 +514,19 @@ TEST(EngineJobsTest, SwapStagingPastTheBudgetIsRefusedUpFront) {
 // A weight that is not finite would make every step's grads so (every step
 // skipped): refused, naming the tensor and element.
 TEST(EngineJobsTest, NonFiniteWeightsAreRefused) {
-  Settings s;
-  s.dram_budget_bytes = uint64_t{256} << 20;
-  s.pin_memory = false;
-  Result<std::unique_ptr<Engine>> e = Engine::Create(s);
-  ASSERT_TRUE(e.ok()) << e.status();
+  std::unique_ptr<Engine> engine = MakeEngine();
   JobSpec spec;
   spec.name = "finite";
   spec.units = {{"u0", {{"w", {8}}, {"b", {8}}}}};
-  Result<int> job = (*e)->RegisterJob(spec);
+  Result<int> job = engine->RegisterJob(spec);
   ASSERT_TRUE(job.ok()) << job.status();
   std::vector<float> w(16, 0.5f);
   w[11] = std::numeric_limits<float>::infinity();
-  Status bad = (*e)->WriteWeights(*job, 0, w.data(), w.size());
+  Status bad = engine->WriteWeights(*job, 0, w.data(), w.size());
   EXPECT_EQ(bad.code(), StatusCode::kInvalidArgument) << bad;
   EXPECT_NE(bad.message().find("tensor 'b' element 3 is inf"), std::string::npos) << bad;
   w[11] = 0.5f;
-  EXPECT_TRUE((*e)->WriteWeights(*job, 0, w.data(), w.size()).ok());
+  EXPECT_TRUE(engine->WriteWeights(*job, 0, w.data(), w.size()).ok());
 }
 
 // The client page is the client's to write: a word that goes back, or
