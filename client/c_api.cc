@@ -394,6 +394,13 @@ ztier_status ztier_runner_step(ztier_runner* runner) {
   return Report(runner->runner->Step());
 }
 
+ztier_status ztier_runner_abort_step(ztier_runner* runner, int32_t* discarded) {
+  if (runner == nullptr) return Null("runner");
+  Result<int> r = runner->runner->AbortStep();
+  if (r.ok() && discarded != nullptr) *discarded = *r;
+  return Report(r.status());
+}
+
 int64_t ztier_runner_version(const ztier_runner* runner) {
   return runner == nullptr ? -1 : runner->runner->version();
 }

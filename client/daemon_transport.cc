@@ -292,6 +292,13 @@ class DaemonTransport final : public Transport, public ControlTransport {
         .status();
   }
 
+  Result<int> AbortStep(int job) override {
+    ZT_ASSIGN_OR_RETURN(Reply r, Call(p::MessageType::kAbortStep, p::Encode(p::JobRef{.job = job}),
+                                      {}, kCallTimeout));
+    ZT_ASSIGN_OR_RETURN(p::StepValue v, p::DecodeStepValue(r.payload));
+    return static_cast<int>(v.step);
+  }
+
   // Params in DRAM stay where they are from step to step: once their place
   // is known, an acquire of a step the step page shows published takes no
   // round trip (nor does its release).

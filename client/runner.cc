@@ -1374,6 +1374,38 @@ Status Stage3Runner::Step() {
   return r.following ? r.Prefetch(0) : Status::Ok();
 }
 
+Result<int> Stage3Runner::AbortStep() {
+  Impl& r = *impl_;
+  ZT_RETURN_IF_ERROR(r.CheckAlive());
+  if (r.world > 1) {
+    return Status::FailedPrecondition(
+        StrCat("AbortStep: model '", r.model->spec().name, "' trains on ", r.world,
+               " ranks, whose collectives a failed backward on one leaves waiting: restart the "
+               "job from its last checkpoint"));
+  }
+  for (const UnitState& u : r.units) {
+    if (u.holds > 0) {
+      return Status::FailedPrecondition(
+          StrCat("AbortStep: unit '", u.name, "' is still acquired; release every unit first"));
+    }
+  }
+  ZT_RETURN_IF_ERROR(r.Drain());
+  ZT_ASSIGN_OR_RETURN(int complete, r.transport->AbortStep(r.job));
+  for (UnitState& u : r.units) {
+    u.pushed = false;
+    if (u.grads != nullptr) {
+      ZT_RETURN_IF_ERROR(r.device->Memset(u.grads, 0, u.bytes, Stream::kCompute));
+    }
+  }
+  r.micro -= r.micro % r.accumulation;
+  if (r.order_key != 0) r.SwitchOrder(0);
+  r.recording.clear();  // a pass cut short teaches no order
+  r.position = 0;
+  r.following = !r.learned.empty();
+  ZT_RETURN_IF_ERROR(r.following ? r.Prefetch(0) : Status::Ok());
+  return complete;
+}
+
 Status Stage3Runner::SetOrder(int key) {
   Impl& r = *impl_;
   if (key < 0) return Status::InvalidArgument(StrCat("SetOrder: key ", key, " < 0"));

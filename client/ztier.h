@@ -502,6 +502,19 @@ class Stage3Runner {
   // Ends the micro-step. Errors: FailedPrecondition (a unit without grads,
   // naming it, e.g. Step called twice), the first transfer error.
   Status Step();
+  // Undoes the step in progress after a backward pass that failed (an
+  // exception, an interrupt) once some of its grads were pushed: waits for
+  // the pushes queued, then the engine drops every grad delivered since the
+  // last optimizer step (with gradient accumulation, the earlier
+  // micro-steps' too), and the next micro-step starts that step afresh at
+  // the same version; grad buffers handed out and not pushed are zeroed.
+  // The pass's acquire order is not learned. Returns the micro-steps that
+  // were discarded whole. World size 1 only (with more ranks, a rank whose
+  // backward failed has left its peers' collectives waiting: the job must
+  // restart from a checkpoint). Errors: FailedPrecondition (world size >
+  // 1; a unit still acquired; the engine has begun the step: eager mode, or
+  // every unit's grads were in), the first transfer error.
+  Result<int> AbortStep();
 
   // The version (optimizer steps) the current micro-step reads.
   int64_t version() const;

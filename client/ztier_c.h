@@ -157,6 +157,12 @@ ztier_status ztier_runner_push_grads(ztier_runner* runner, int32_t unit);
 ztier_status ztier_runner_push_grads_from(ztier_runner* runner, int32_t unit, const uint16_t* grads,
                                           uint64_t count);
 ztier_status ztier_runner_step(ztier_runner* runner);
+/* After a backward pass that failed once some grads were pushed: drops every
+ * grad delivered since the last optimizer step, so the next micro-step starts
+ * it afresh (Stage3Runner::AbortStep). `discarded` (may be NULL) gets the
+ * micro-steps discarded whole. ZTIER_FAILED_PRECONDITION once the engine has
+ * begun the step. */
+ztier_status ztier_runner_abort_step(ztier_runner* runner, int32_t* discarded);
 int64_t ztier_runner_version(const ztier_runner* runner);
 
 #ifdef __cplusplus

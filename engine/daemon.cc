@@ -1040,6 +1040,13 @@ class Daemon::Impl::Connection {
         ZT_RETURN_IF_ERROR(d_.engine->SetLearningRates(j.engine_job, l.lrs));
         return std::string();
       }
+      case p::MessageType::kAbortStep: {
+        // Any connection that holds the job, as set_learning_rates.
+        ZT_ASSIGN_OR_RETURN(p::JobRef r, p::DecodeJobRef(in));
+        ZT_ASSIGN_OR_RETURN(JobEntry j, FindJob(r.job));
+        ZT_ASSIGN_OR_RETURN(int complete, d_.engine->AbortStep(j.engine_job));
+        return p::Encode(p::StepValue{.step = complete});
+      }
       case p::MessageType::kJobSteps: {
         ZT_ASSIGN_OR_RETURN(p::JobRef r, p::DecodeJobRef(in));
         ZT_ASSIGN_OR_RETURN(JobEntry j, FindJob(r.job));

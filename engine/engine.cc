@@ -1001,6 +1001,7 @@ Status Engine::GradsReady(int job, int unit, int rank) {
     }
     u.arrived[rank] = 1;
     micro = u.micro;
+    ++j->delivering;
   }
   // Outside the lock: this rank's shard only.
   Unit& u = j->units[unit];
@@ -1008,7 +1009,7 @@ Status Engine::GradsReady(int job, int unit, int rank) {
   const uint64_t off = static_cast<uint64_t>(rank) * u.layout.shard;
   const bf16* g = static_cast<const bf16*>(u.inbox.ptr) + off;
   const bool last_micro = micro == accum_steps - 1;
-  double sq = 0.0;
+  Result<double> norm = 0.0;
   if (accum_steps > 1) {
     float* acc = u.f(u.accum) + off;
     if (micro == 0) {
@@ -1017,14 +1018,18 @@ Status Engine::GradsReady(int job, int unit, int rank) {
       for (uint64_t i = 0; i < u.layout.shard; ++i) acc[i] += Bf16ToFloat(g[i]);
     }
     if (last_micro) {
-      ZT_ASSIGN_OR_RETURN(
-          sq, cpu_adam::SquaredNorm(acc, cpu_adam::GradType::kFloat32, u.layout.shard, e.executor));
+      norm = cpu_adam::SquaredNorm(acc, cpu_adam::GradType::kFloat32, u.layout.shard, e.executor);
     }
   } else {
-    ZT_ASSIGN_OR_RETURN(
-        sq, cpu_adam::SquaredNorm(g, cpu_adam::GradType::kBFloat16, u.layout.shard, e.executor));
+    norm = cpu_adam::SquaredNorm(g, cpu_adam::GradType::kBFloat16, u.layout.shard, e.executor);
   }
   std::lock_guard<std::mutex> lock(e.mu);
+  --j->delivering;
+  if (!norm.ok()) {  // null data only: never for a registered unit
+    u.arrived[rank] = 0;
+    return norm.status();
+  }
+  const double sq = *norm;
   j->counters.grad_bytes_in += u.layout.shard * sizeof(bf16);
   if (last_micro) u.shard_sq[rank] = sq;
   if (++u.arrived_count < j->spec.ranks) return Status::Ok();
@@ -1048,6 +1053,64 @@ Status Engine::GradsReady(int job, int unit, int rank) {
     e.Post(j->id, [j] { PreloadUnitStates(*j, ForwardOrder(*j)); });
   }
   return Status::Ok();
+}
+
+Result<int> Engine::AbortStep(int job) {
+  Impl& e = *impl_;
+  std::lock_guard<std::mutex> lock(e.mu);
+  ZT_ASSIGN_OR_RETURN(std::shared_ptr<Job> j, e.Find(job));
+  if (!j->failure.ok()) return Status::Aborted(StrCat("job failed: ", j->failure.ToString()));
+  const std::string what =
+      StrCat("job '", j->spec.name, "': cannot discard the grads of step ", j->step + 1);
+  if (j->checkpointing) {
+    return Status::FailedPrecondition(StrCat(what, ": a checkpoint save or load is in progress"));
+  }
+  if (j->delivering > 0) {
+    return Status::FailedPrecondition(
+        StrCat(what, ": grads are being delivered (", j->delivering,
+               " GradsReady in flight); every rank's pushes must have returned"));
+  }
+  const bool exact = j->spec.optimizer.mode == StepMode::kExact;
+  // Begun: an exact step is queued (every unit's grads in) or has published
+  // some units; an eager one has a unit queued or published.
+  const int64_t step = j->step;
+  const bool begun = (exact && j->ready_units == static_cast<int>(j->units.size())) ||
+                     std::any_of(j->units.begin(), j->units.end(), [&](const Unit& u) {
+                       return (!exact && u.ready) || u.published > step;
+                     });
+  if (begun) {
+    return Status::FailedPrecondition(
+        StrCat(what, ": the optimizer has begun to apply them (",
+               exact ? "every unit's grads are in" : "eager mode: a unit's grads are in",
+               "); wait for the step"));
+  }
+  // Micro-steps complete on a unit: a ready unit's are all of the step's.
+  const int accum = j->spec.optimizer.grad_accumulation;
+  auto done = [&](const Unit& u) { return u.ready ? accum : u.micro; };
+  int complete = accum;
+  for (const Unit& u : j->units) complete = std::min(complete, done(u));
+  bool partial = false;
+  for (Unit& u : j->units) {
+    partial = partial || done(u) > complete || u.arrived_count > 0;
+    std::fill(u.arrived.begin(), u.arrived.end(), 0);
+    std::fill(u.shard_sq.begin(), u.shard_sq.end(), 0.0);
+    u.arrived_count = 0;
+    u.micro = 0;
+    u.ready = false;
+  }
+  j->ready_units = 0;
+  if (complete > 0 || partial) {
+    std::string which = "some units'";
+    if (accum > 1) {
+      which = complete == 0 ? std::string("part of its first micro-step")
+                            : StrCat(complete, " of its ", accum, " micro-steps",
+                                     partial ? ", and part of the next" : "");
+    }
+    ZT_LOG(kWarn, "engine") << "job '" << j->spec.name
+                            << "': discarded the grads delivered toward step " << j->step + 1
+                            << " (" << which << "); the job holds step " << j->step;
+  }
+  return complete;
 }
 
 Result<const bf16*> Engine::Published(int job, int unit) const {

@@ -153,6 +153,16 @@ class Engine {
   // Rank's shard of unit is in. Errors: FailedPrecondition (rang twice in one
   // micro-step, or the job failed), NotFound, InvalidArgument.
   Status GradsReady(int job, int unit, int rank);
+  // Drops every grad delivered since the job's last step (every rank's, of
+  // every micro-step toward the next step): the job is as it was after that
+  // step, and the next grads start the step afresh. For a training loop
+  // whose backward pass failed after some of its grads went out. Returns
+  // the micro-steps that were complete on every unit (discarded with the
+  // partial one). Call with no GradsReady of the job in flight. Errors:
+  // FailedPrecondition (the step's update has begun: in exact mode every
+  // unit's grads are in, in eager mode a unit's; or a GradsReady is in
+  // flight, or a checkpoint is), Aborted (the job failed), NotFound.
+  Result<int> AbortStep(int job);
 
   // The unit's published bf16 params (layout.padded elements) and the step
   // they hold. Params in DRAM only (FailedPrecondition otherwise).

@@ -133,6 +133,10 @@ struct Job {
   std::vector<float> lrs;
   int ready_units = 0;
   int eager_done = 0;
+  // GradsReady calls between their two holds of the engine lock (the
+  // accumulation and norm of a shard run outside it): AbortStep is
+  // refused while there are any.
+  int delivering = 0;
   double eager_seconds = 0;  // of the eager step in progress (its units' updates)
   Status failure;
   bool removed = false;

@@ -119,6 +119,8 @@ std::string_view MessageTypeName(MessageType type) {
       return "step_page";
     case MessageType::kSetLearningRates:
       return "set_learning_rates";
+    case MessageType::kAbortStep:
+      return "abort_step";
     case MessageType::kUnregisterJob:
       return "unregister_job";
     case MessageType::kLayout:
@@ -644,7 +646,8 @@ Result<JobSpec> DecodeJobSpec(std::string_view bytes) {
   r.Get(&step_mode, "step mode");
   r.Get(&dtype, "state_dtype");
   if (v.name.empty()) r.Fail("name is empty");
-  if (dtype > 1 + static_cast<uint8_t>(StateDtype::kInt8)) r.Fail(StrCat("state_dtype ", int{dtype}));
+  if (dtype > 1 + static_cast<uint8_t>(StateDtype::kInt8))
+    r.Fail(StrCat("state_dtype ", int{dtype}));
   if (dtype != 0) v.state_dtype = static_cast<StateDtype>(dtype - 1);
   if (ranks < 1 || ranks > kMaxRanks) r.Fail(StrCat("ranks ", ranks, " out of 1..", kMaxRanks));
   if (opt_tier > 1 || param_tier > 1) r.Fail("unknown tier");
@@ -900,8 +903,8 @@ void GetJobInfo(Reader& r, JobInfo* out) {
   if (dtype > static_cast<uint8_t>(StateDtype::kInt8)) r.Fail(StrCat("state_dtype ", int{dtype}));
   if (otier > 1 || ptier > 1) r.Fail("tier");
   if (v.world_size < 1 || v.world_size > kMaxRanks || v.attached < 0 || v.step < 0 || v.id < 0) {
-    r.Fail(StrCat("job ", v.id, ": world size ", v.world_size, ", attached ", v.attached,
-                  ", step ", v.step));
+    r.Fail(StrCat("job ", v.id, ": world size ", v.world_size, ", attached ", v.attached, ", step ",
+                  v.step));
   }
   v.state = static_cast<JobState>(state);
   v.state_dtype = static_cast<StateDtype>(dtype);
@@ -910,8 +913,8 @@ void GetJobInfo(Reader& r, JobInfo* out) {
 }
 
 // The smallest an encoded JobInfo can be (empty strings), for Count().
-constexpr size_t kMinJobInfoBytes = 4 + 4 + 4 + 1 + 4 + 4 + 4 + 8 + 3 + 2 * 8 + 6 * 8 +
-                                    (kStepSecondsBounds.size() + 1) * 8 + 9 * 8;
+constexpr size_t kMinJobInfoBytes =
+    4 + 4 + 4 + 1 + 4 + 4 + 4 + 8 + 3 + 2 * 8 + 6 * 8 + (kStepSecondsBounds.size() + 1) * 8 + 9 * 8;
 
 }  // namespace
 

@@ -40,8 +40,8 @@ inline constexpr uint32_t kMagic = 0x5057545A;  // "ZTWP"
 // Follows kWireVersion (engine/wire_types.h), whose structs it encodes; 2:
 // param groups and frozen tensors in a JobSpec, set_learning_rates; 3: the
 // client page, the operator's messages (status, jobs, quotas, drain,
-// evict), step times and device traffic in the counters.
-inline constexpr uint16_t kVersion = 3;
+// evict), step times and device traffic in the counters; 4: abort_step.
+inline constexpr uint16_t kVersion = 4;
 static_assert(kVersion == kWireVersion, "a change of the wire types is a change of the protocol");
 inline constexpr size_t kHeaderBytes = 32;
 inline constexpr size_t kMaxMessageBytes = size_t{64} << 10;
@@ -111,8 +111,12 @@ enum class MessageType : uint16_t {
   kSetQuota = 28,      // QuotaUpdate -> QuotaList of the one uid (admin)
   kDrain = 29,         // DrainRequest -> () (admin): new jobs refused, or accepted again
   kEvictJob = 30,      // EvictRequest -> () (admin): the job is freed, its clients told why
+  // JobRef -> StepValue: the grads delivered since the job's last step are
+  // dropped (engine::Engine::AbortStep); `step` is the micro-steps that
+  // were complete.
+  kAbortStep = 31,
 };
-inline constexpr uint16_t kLastMessageType = 30;
+inline constexpr uint16_t kLastMessageType = 31;
 std::string_view MessageTypeName(MessageType type);
 // "training", "parked", "failed": as ztierctl and the metrics spell a job's state.
 std::string_view JobStateName(JobState state);

@@ -23,7 +23,9 @@ namespace ztier::engine {
 // 3: the step-time histogram, the last step's time and the clients' device
 // traffic in JobCounters; the operator's types (DaemonStatus, JobInfo,
 // quotas); a job's own state dtype in its JobSpec.
-inline constexpr uint16_t kWireVersion = 3;
+// 4: no struct changed; the protocol's version moves with this one
+// (protocol.h), and it gained abort_step.
+inline constexpr uint16_t kWireVersion = 4;
 
 enum class Tier : uint8_t { kDram, kNvme };
 // How the engine keeps the AdamW moments m and v (ztier.state_dtype): fp32,

@@ -526,8 +526,8 @@ NB_MODULE(_C, m) {
           },
           "config"_a = nb::none(), "settings"_a = std::map<std::string, std::string>{},
           "daemon_socket"_a = "", "daemon_has_these_settings"_a = false,
-          "Opens the engine. `config`: a ds_config JSON file; `settings`: {key: value} as "
-          "ztier-train's --set takes them; ZTIER_* variables apply in between. "
+          "Opens the engine. `config`: a ds_config JSON file; `settings`: {key: value} of the "
+          "config's dotted keys, as text; ZTIER_* variables apply in between. "
           "`daemon_has_these_settings`: the ztierd at `daemon_socket` was made with them (no "
           "warning that its own apply).")
       .def_prop_ro("transport", &Session::transport_name)
@@ -697,6 +697,15 @@ NB_MODULE(_C, m) {
             Check(r.runner->Step());
           },
           "Ends the micro-step (every grad of it pushed).")
+      .def(
+          "abort_step",
+          [](PyRunner& r) {
+            nb::gil_scoped_release release;
+            return Value(r.runner->AbortStep());
+          },
+          "After a backward pass that failed once some grads were pushed: the engine drops every "
+          "grad delivered since the last optimizer step, and the next micro-step starts that "
+          "step afresh at the same version. Returns the micro-steps discarded whole.")
       .def(
           "set_order",
           [](PyRunner& r, int key) {

@@ -602,7 +602,7 @@ class Offload:
                 f"ztier.torch: {self.world_size} ranks on several nodes ({local} on this one); "
                 "ranks of one node only for now")
         daemon = daemon or os.environ.get("ZTIER_DAEMON_SOCKET") or None
-        text = {str(k): str(v) for k, v in (settings or {}).items()}
+        text = _settings_text(settings)
         where = os.fspath(config) if config else None
         info = [daemon, name, None]
         if self.rank == 0 and daemon is None and session is None:
@@ -823,7 +823,7 @@ class Offload:
         if torch._C._current_graph_task_id() != -1:
             return  # activation checkpointing's recompute of the whole model
         if self._stranded():
-            raise RuntimeError(self._stranded_message("a forward"))
+            self._undo_stranded("a forward")
         if self._phase == "backward" or self._fwd_held:
             self._reset_interrupted()  # the last forward or backward raised
         training = torch.is_grad_enabled() and self.module.training
@@ -1095,22 +1095,46 @@ class Offload:
 
     def _stranded(self) -> bool:
         """Whether a backward pass ended (raised) after some of its grads
-        reached the engine: its step can neither be completed nor undone."""
+        reached the engine: its step cannot be completed."""
         return (any(u.pushed for u in self.units) and not self._awaiting_step
                 and torch._C._current_graph_task_id() == -1)
 
-    @staticmethod
-    def _stranded_message(what: str) -> str:
-        return (f"ztier: {what} after a backward pass that did not finish (it raised, or was "
-                "interrupted) when some of its grads had already reached the engine: that step "
-                "can neither be completed nor undone, and nothing since the last checkpoint can "
-                "be saved (gathered() still shows the last step's bf16 weights); close() this "
-                "Offload and offload a fresh model, then load_checkpoint to resume")
+    def _undo_stranded(self, what: str):
+        """Drops the step a backward that raised midway left half sent (the
+        engine discards every grad delivered since the last optimizer step),
+        so that training goes on from that step; says so. With several ranks
+        the peers' collectives wait for the failed rank: the job must restart."""
+        if self.world_size > 1:
+            raise RuntimeError(
+                f"ztier: {what} after a backward pass that did not finish (it raised, or was "
+                "interrupted) when some of its grads had already reached the engine: with "
+                f"{self.world_size} ranks the other ranks' collectives wait for this one, so the "
+                "step cannot be undone; restart the job from its last checkpoint")
+        self._reset_interrupted()
+        self.runner.abort_step()
+        for u in self.units:
+            u.pushed = False
+            u.calls = 0
+        self._deferred.clear()
+        earlier = self._micro
+        self._micro = 0
+        warnings.warn(
+            f"ztier: {what} after a backward pass that did not finish (it raised, or was "
+            "interrupted) when some of its grads had already reached the engine: that step's "
+            "grads were discarded" +
+            (f", with the {earlier} micro-batches before it (grad_accumulation="
+             f"{self.grad_accumulation})" if earlier else "") +
+            f"; the model is as after step {self.step_count}, and training goes on from there",
+            stacklevel=_user_stacklevel())
 
     def _optimizer_step(self, lrs: list[float]):
         self._require_open("optimizer.step()")
         if self._stranded():
-            raise RuntimeError(self._stranded_message("optimizer.step()"))
+            self._undo_stranded("optimizer.step()")
+            raise RuntimeError(
+                "ztier: optimizer.step() after a backward pass that did not finish: its step "
+                f"was discarded, none was taken (the model is as after step {self.step_count}); "
+                "run the forward and backward again")
         if not self._awaiting_step:
             raise RuntimeError(
                 f"ztier: optimizer.step() after {self._micro} backward passes since the last "
@@ -1160,7 +1184,7 @@ class Offload:
         the old weights' activations with the new weights."""
         self._require_open(what)
         if self._stranded():
-            raise RuntimeError(self._stranded_message(what))
+            self._undo_stranded(what)
         nothing_sent = not self._awaiting_step and self._micro == 0 and not any(
             u.pushed for u in self.units)
         if (self._phase == "backward" and nothing_sent
@@ -1338,6 +1362,9 @@ class Offload:
         self.runner = None
         self._collectives = None
         self.job = None
+        # The engine goes once no other model of this process uses it (its
+        # swap directories and DRAM free for another session at once).
+        self.session = None
         marker = getattr(self.module, "_ztier_offload", None)
         if marker is not None and marker() is self:
             self.module._ztier_offload = None
@@ -1375,13 +1402,35 @@ def open_session(config: str | None = None, settings: dict | None = None,
     directories; a second one on the same directories would be refused). It
     lives while a model uses it. ``daemon_has_these_settings``: the ztierd at
     ``daemon`` was made with them (no warning that its own apply)."""
-    text = {str(k): str(v) for k, v in (settings or {}).items()}
+    text = _settings_text(settings)
     key = (os.fspath(config) if config else None, tuple(sorted(text.items())), daemon or "")
     session = _sessions.get(key)
     if session is None:
         session = _C.Session.open(key[0], text, key[2], daemon_has_these_settings)
         _sessions[key] = session
     return session
+
+
+def _settings_text(settings: dict | None) -> dict[str, str]:
+    """``settings=`` as the config's text: lists and tuples (swap paths,
+    betas) comma-separated, booleans true / false, paths as paths."""
+    def text(key, value) -> str:
+        if isinstance(value, bool):
+            return "true" if value else "false"
+        if isinstance(value, (list, tuple)):
+            items = [text(key, v) for v in value]
+            if any("," in i for i in items):
+                raise ValueError(f"ztier: settings[{key!r}]: an item of {value!r} holds a comma, "
+                                 "which separates the items")
+            return ",".join(items)
+        if isinstance(value, os.PathLike):
+            return os.fspath(value)
+        if isinstance(value, (str, numbers.Number)):
+            return str(value)
+        raise TypeError(f"ztier: settings[{key!r}] is a {type(value).__name__}; give a string, "
+                        "a number, a bool, a path, or a list or tuple of them")
+
+    return {str(k): text(k, v) for k, v in (settings or {}).items()}
 
 
 def _closed(*args, **kwargs):
@@ -1556,7 +1605,8 @@ def offload(model: nn.Module, device="cpu", optimizer: AdamW | None = None,
     gradient_accumulation_steps apply where ``optimizer``, ``clip_grad_norm``
     and ``grad_accumulation`` are not given; ``daemon``: a ztierd socket (default: the
     engine embedded in this process, or ZTIER_DAEMON_SOCKET); ``settings``:
-    {key: value} as ztier-train's --set takes them; ``compute_dtype``: the
+    {key: value} of the config's dotted keys (docs/configuration.md), e.g.
+    {"ztier.dram_budget": "8G", "optimizer.params.betas": (0.9, 0.95)}; ``compute_dtype``: the
     dtype the module computes in (default bf16 on a GPU, fp32 on the host);
     ``average_grads``: with several ranks, step on the mean of their grads
     (DDP's semantics) instead of the sum."""

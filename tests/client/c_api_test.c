@@ -13,23 +13,22 @@
 
 static int failures = 0;
 
-#define EXPECT(cond)                                                        \
-  do {                                                                      \
-    if (!(cond)) {                                                          \
-      fprintf(stderr, "%s:%d: expected %s (last error: %s)\n", __FILE__, \
-              __LINE__, #cond, ztier_last_error());                         \
-      ++failures;                                                           \
-    }                                                                       \
+#define EXPECT(cond)                                                                      \
+  do {                                                                                    \
+    if (!(cond)) {                                                                        \
+      fprintf(stderr, "%s:%d: expected %s (last error: %s)\n", __FILE__, __LINE__, #cond, \
+              ztier_last_error());                                                        \
+      ++failures;                                                                         \
+    }                                                                                     \
   } while (0)
 
-#define ASSERT_OK(call)                                                          \
-  do {                                                                           \
-    ztier_status s_ = (call);                                                    \
-    if (s_ != ZTIER_OK) {                                                        \
-      fprintf(stderr, "%s:%d: %s failed: %s\n", __FILE__, __LINE__, #call,      \
-              ztier_last_error());                                               \
-      return 1;                                                                  \
-    }                                                                            \
+#define ASSERT_OK(call)                                                                         \
+  do {                                                                                          \
+    ztier_status s_ = (call);                                                                   \
+    if (s_ != ZTIER_OK) {                                                                       \
+      fprintf(stderr, "%s:%d: %s failed: %s\n", __FILE__, __LINE__, #call, ztier_last_error()); \
+      return 1;                                                                                 \
+    }                                                                                           \
   } while (0)
 
 int main(void) {
@@ -109,6 +108,17 @@ int main(void) {
     /* Unit 1 from the caller's own buffer (the host device's memory is host
      * memory), unit 0 through the runner's grad buffer. */
     uint16_t mine[8];
+    if (step == 1) {
+      /* A backward that fails after its first push: the step is undone, and
+       * its grads (-1.0) reach no weight. */
+      for (int i = 0; i < 8; ++i) mine[i] = 0xbf80; /* -1.0 */
+      ASSERT_OK(ztier_runner_push_grads_from(runner, 1, mine, numel[1]));
+      int32_t discarded = -1;
+      ASSERT_OK(ztier_runner_abort_step(runner, &discarded));
+      EXPECT(discarded == 0);
+      EXPECT(ztier_runner_version(runner) == 1);
+      EXPECT(ztier_runner_abort_step(NULL, NULL) == ZTIER_INVALID_ARGUMENT);
+    }
     for (int i = 0; i < 8; ++i) mine[i] = 0x3f80; /* 1.0 */
     EXPECT(ztier_runner_push_grads_from(runner, 1, mine, 5) == ZTIER_INVALID_ARGUMENT);
     EXPECT(strstr(ztier_last_error(), "takes 8 grads") != NULL);

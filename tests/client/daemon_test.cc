@@ -325,8 +325,9 @@ TEST_F(DaemonTest, AJobIsVisibleOnlyOnItsConnection) {
     ASSERT_TRUE(r.ok()) << r.status();
     EXPECT_EQ(r->status.code(), StatusCode::kNotFound) << p::MessageTypeName(t) << r->status;
   }
-  for (p::MessageType t : {p::MessageType::kRegions, p::MessageType::kUnregisterJob,
-                           p::MessageType::kCounters, p::MessageType::kTargetStep}) {
+  for (p::MessageType t :
+       {p::MessageType::kRegions, p::MessageType::kUnregisterJob, p::MessageType::kCounters,
+        p::MessageType::kTargetStep, p::MessageType::kAbortStep}) {
     Result<RawClient::Reply> r = b.Call(t, p::Encode(p::JobRef{.job = job}));
     ASSERT_TRUE(r.ok()) << r.status();
     EXPECT_EQ(r->status.code(), StatusCode::kNotFound) << p::MessageTypeName(t) << r->status;
@@ -744,6 +745,35 @@ TEST_F(DaemonTest, AnyRankSetsTheLearningRatesAndAttachCompareParamGroups) {
   r = c.Call(p::MessageType::kPoolStats, "");
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_TRUE(r->status.ok()) << r->status;
+}
+
+// A step's grads dropped through the daemon (the runner's AbortStep after
+// a failed backward): the same grads may go again, and the step is taken.
+TEST_F(DaemonTest, AStepIsAbortedThroughTheDaemon) {
+  SessionOptions o;
+  o.daemon_socket = socket();
+  Result<std::unique_ptr<Session>> s = Session::Open(o);
+  ASSERT_TRUE(s.ok()) << s.status();
+  Result<std::unique_ptr<Model>> m = (*s)->RegisterModel(ModelOf(TwoUnits("abort")));
+  ASSERT_TRUE(m.ok()) << m.status();
+  std::vector<float> w(1000, 1.0f);
+  ASSERT_TRUE((*m)->SetWeights(0, w.data(), w.size()).ok());
+  ASSERT_TRUE((*m)->SetWeights(1, w.data(), w.size()).ok());
+  Result<std::unique_ptr<Device>> dev = MakeHostDevice();
+  ASSERT_TRUE(dev.ok());
+  Result<std::unique_ptr<Stage3Runner>> runner = Stage3Runner::Create(**m, 0, **dev, nullptr, {});
+  ASSERT_TRUE(runner.ok()) << runner.status();
+  ASSERT_TRUE((*runner)->GradBuffer(1).ok());
+  ASSERT_TRUE((*runner)->PushGrads(1).ok());
+  Result<int> discarded = (*runner)->AbortStep();
+  ASSERT_TRUE(discarded.ok()) << discarded.status();
+  EXPECT_EQ(*discarded, 0);
+  for (int k : {1, 0}) {
+    ASSERT_TRUE((*runner)->GradBuffer(k).ok());
+    ASSERT_TRUE((*runner)->PushGrads(k).ok());
+  }
+  ASSERT_TRUE((*runner)->Step().ok());
+  EXPECT_TRUE((*m)->WaitPublished(1, 30s).ok());
 }
 
 // ------------------------------------------- the ztierd program, as root

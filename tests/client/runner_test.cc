@@ -16,6 +16,7 @@
 #include <cstring>
 #include <filesystem>
 #include <functional>
+#include <map>
 #include <string>
 #include <thread>
 
@@ -664,6 +665,107 @@ TEST(RunnerTest, AFullDiskFailsTheStepClearlyAndTheCheckpointResumes) {
 
 // ------------------------------------------------------------- bad use --
 
+// A weight source that interrupts a backward pass: the push after
+// `FailAfter(n)`'s n more pushes fails (as a KeyboardInterrupt or an error
+// in the training loop would, midway), and the units the pass held are
+// released afterwards, as a training loop's cleanup does.
+class InterruptingSource final : public gpt::WeightSource {
+ public:
+  explicit InterruptingSource(Stage3Runner& runner) : runner_(runner) {}
+  void FailAfter(int pushes) { left_ = pushes; }
+  Result<const bf16*> Acquire(int unit) override {
+    ZT_ASSIGN_OR_RETURN(const bf16* p, runner_.Acquire(unit));
+    held_.push_back(unit);
+    return p;
+  }
+  Status Release(int unit) override {
+    ZT_RETURN_IF_ERROR(runner_.Release(unit));
+    held_.erase(std::find(held_.begin(), held_.end(), unit));
+    return Status::Ok();
+  }
+  Result<bf16*> GradBuffer(int unit) override { return runner_.GradBuffer(unit); }
+  Status PushGrads(int unit) override {
+    if (left_ == 0) {
+      left_ = -1;
+      return Status::Aborted("interrupted");
+    }
+    if (left_ > 0) --left_;
+    return runner_.PushGrads(unit);
+  }
+  Status ReleaseHeld() {
+    while (!held_.empty()) ZT_RETURN_IF_ERROR(Release(held_.back()));
+    return Status::Ok();
+  }
+
+ private:
+  Stage3Runner& runner_;
+  int left_ = -1;
+  std::vector<int> held_;
+};
+
+// Backward passes interrupted midway, their steps aborted and trained
+// again: the run ends bit for bit as the in-memory one that was never
+// interrupted (losses, fp32 masters), with gradient accumulation (the
+// step's earlier micro-steps go too) and with states on NVMe; in the first
+// step (no order learned yet) and a later one (prefetching by the order).
+TEST(RunnerTest, AnAbortedStepLeavesNoTraceOfItsGrads) {
+  TrainSetup accumulating;
+  accumulating.accumulation = 2;
+  TrainSetup nvme;
+  nvme.optimizer_tier = Tier::kNvme;
+  for (const TrainSetup& s : {accumulating, nvme}) {
+    SCOPED_TRACE(Name(s));
+    const int steps = 3;
+    Result<RunResult> expected = RunInMemory(s, steps);
+    ASSERT_TRUE(expected.ok()) << expected.status();
+    ScratchDir swap("runner-swap");
+    auto session = testing::OpenTestSession(Options(s, swap.path()));
+    ASSERT_TRUE(session.ok()) << session.status();
+    auto model = RegisterWithWeights(**session, s, "gpt");
+    ASSERT_TRUE(model.ok()) << model.status();
+    auto dev = MakeHostDevice();
+    ASSERT_TRUE(dev.ok());
+    std::vector<engine::UnitLayout> layouts;
+    for (int k = 0; k < (*model)->units(); ++k) layouts.push_back((*model)->layout(k));
+    auto net = gpt::Gpt::Create(s.gpt, s.batch, **dev, layouts);
+    ASSERT_TRUE(net.ok()) << net.status();
+    auto runner = Stage3Runner::Create(**model, 0, **dev, nullptr, {.prefetch_depth = s.prefetch});
+    ASSERT_TRUE(runner.ok()) << runner.status();
+    InterruptingSource source(**runner);
+    const int acc = s.accumulation;
+    // Micro-step -> the pushes its first attempt makes before it fails.
+    std::map<int64_t, int> interrupt = {{acc - 1, 2}, {acc, 1}};
+    RunResult got;
+    for (int64_t micro = 0; micro < steps * acc;) {
+      const std::vector<int32_t> tokens = Tokens(s.gpt, s.batch, micro, 0, 1);
+      const auto it = interrupt.find(micro);
+      if (it != interrupt.end()) {
+        source.FailAfter(it->second);
+        interrupt.erase(it);
+        Result<float> loss = (*net)->TrainMicroStep(source, tokens.data(), 1.0f / acc);
+        ASSERT_FALSE(loss.ok());
+        EXPECT_NE(loss.status().ToString().find("interrupted"), std::string::npos) << loss.status();
+        ASSERT_TRUE(source.ReleaseHeld().ok());
+        Result<int> discarded = (*runner)->AbortStep();
+        ASSERT_TRUE(discarded.ok()) << discarded.status();
+        EXPECT_EQ(*discarded, micro % acc);
+        EXPECT_EQ((*runner)->version(), micro / acc);
+        micro -= micro % acc;  // the step starts afresh
+        got.losses.resize(micro);
+        continue;
+      }
+      Result<float> loss = (*net)->TrainMicroStep(source, tokens.data(), 1.0f / acc);
+      ASSERT_TRUE(loss.ok()) << loss.status();
+      got.losses.push_back({*loss});
+      ASSERT_TRUE((*runner)->Step().ok());
+      ++micro;
+    }
+    EXPECT_TRUE(interrupt.empty());
+    ASSERT_TRUE(ReadMasters(**model, steps, &got).ok());
+    ExpectSameTraining(got, *expected);
+  }
+}
+
 class RunnerErrorsTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -752,6 +854,19 @@ TEST_F(RunnerErrorsTest, StepWhileAUnitIsHeld) {
   EXPECT_NE(s.ToString().find("still acquired"), std::string::npos) << s;
   ASSERT_TRUE(runner_->Release(1).ok());
   EXPECT_TRUE(runner_->Step().ok());
+}
+
+TEST_F(RunnerErrorsTest, AnAbortWhileAUnitIsHeldIsRefused) {
+  ASSERT_TRUE(runner_->GradBuffer(3).ok());
+  ASSERT_TRUE(runner_->PushGrads(3).ok());
+  ASSERT_TRUE(runner_->Acquire(1).ok());
+  Result<int> s = runner_->AbortStep();
+  EXPECT_EQ(s.status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(s.status().ToString().find("still acquired"), std::string::npos) << s.status();
+  ASSERT_TRUE(runner_->Release(1).ok());
+  ASSERT_TRUE(runner_->AbortStep().ok());
+  // Unit 3 takes grads again in the step started afresh.
+  EXPECT_TRUE(runner_->GradBuffer(3).ok());
 }
 
 // One micro-step acquiring `order`, then every unit's grads, then Step().

@@ -366,6 +366,121 @@ TEST(EngineFaultTest, NonFiniteGradsFailAnEagerStepLoudly) {
   EXPECT_EQ(engine->GradsReady(*job, 2, 0).code(), StatusCode::kAborted);
 }
 
+// Delivers one step's grads (value everywhere) for every unit, backward.
+void RingAll(Engine& e, int job, float value) {
+  for (int k = 3; k >= 0; --k) Ring(e, job, k, 1, value);
+}
+
+// Waits until the job finishes step `step` or fails; the first unit status
+// that is not Ok.
+Status WaitStep(Engine& e, int job, int64_t step) {
+  for (int k = 0; k < 4; ++k) ZT_RETURN_IF_ERROR(e.WaitPublished(job, k, step, 30s));
+  return Status::Ok();
+}
+
+// Delivers one micro-step's grads (normal values) of every unit and rank,
+// backward.
+void DeliverMicroStep(Engine& e, int job, int ranks, std::mt19937_64& rng) {
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (int k = 3; k >= 0; --k) {
+    const UnitLayout l = *e.Layout(job, k);
+    for (int r = 0; r < ranks; ++r) {
+      bf16* g = *e.GradInbox(job, k, r);
+      for (uint64_t i = 0; i < l.shard; ++i) g[i] = FloatToBf16(normal(rng));
+      ASSERT_TRUE(e.GradsReady(job, k, r).ok());
+    }
+  }
+}
+
+// A step's grads delivered in part (a backward that failed), then
+// discarded: the job trains on exactly as one that never saw them, for
+// gradient accumulation 1 and 3, one rank and two, states in DRAM and on
+// NVMe (whose first units' states are read ahead once the step's first
+// unit is ready).
+class EngineAbortTest : public ::testing::TestWithParam<std::tuple<int, int, Placement, StepMode>> {
+};
+
+TEST_P(EngineAbortTest, DiscardedGradsLeaveNoTrace) {
+  const auto [accum, ranks, placement, mode] = GetParam();
+  ScratchDir swap("swap");
+  auto e = MakeEngine(uint64_t{1} << 30, &swap);
+  const float clip = mode == StepMode::kExact ? 1.0f : 0.0f;
+  Result<int> a = e->RegisterJob(Place(SmallModel("a", ranks, clip, accum, mode), placement));
+  Result<int> b = e->RegisterJob(Place(SmallModel("b", ranks, clip, accum, mode), placement));
+  ASSERT_TRUE(a.ok() && b.ok()) << a.status() << b.status();
+  Train(*e, *a, ranks, 0, 0, 5);  // the same initial weights
+  Train(*e, *b, ranks, 0, 0, 5);
+  std::mt19937_64 junk(99);
+  // Complete micro-steps (accumulation > 1), then part of one: units 3 and
+  // 2 from every rank, unit 1 from rank 0 (exact mode; eager mode would
+  // update unit 3 at once).
+  for (int m = 0; m + 1 < accum; ++m) DeliverMicroStep(*e, *a, ranks, junk);
+  if (mode == StepMode::kExact) {
+    for (int k : {3, 2}) Ring(*e, *a, k, ranks, 9.0f);
+  }
+  Ring(*e, *a, 1, 1, 9.0f);
+  Result<int> complete = e->AbortStep(*a);
+  ASSERT_TRUE(complete.ok()) << complete.status();
+  EXPECT_EQ(*complete, accum - 1);
+  EXPECT_EQ(e->TargetStep(*a), 0);
+  // Nothing is left to discard; the same grads may be delivered again.
+  EXPECT_EQ(*e->AbortStep(*a), 0);
+  for (int step = 1; step <= 2; ++step) {
+    for (int job : {*a, *b}) {
+      std::mt19937_64 rng(step);
+      for (int m = 0; m < accum; ++m) DeliverMicroStep(*e, job, ranks, rng);
+      for (int k = 0; k < 4; ++k) ASSERT_TRUE(e->WaitPublished(job, k, step, 30s).ok());
+    }
+  }
+  EXPECT_TRUE(Same(Snapshot(*e, *a), Snapshot(*e, *b)));
+  EXPECT_EQ(e->counters(*a).steps, 2);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Cases, EngineAbortTest,
+    ::testing::Values(std::make_tuple(1, 1, Placement::kDram, StepMode::kExact),
+                      std::make_tuple(3, 2, Placement::kDram, StepMode::kExact),
+                      std::make_tuple(1, 2, Placement::kNvmeStates, StepMode::kExact),
+                      std::make_tuple(3, 1, Placement::kNvmeAll, StepMode::kExact),
+                      std::make_tuple(2, 2, Placement::kDram, StepMode::kEager)),
+    [](const auto& p) {
+      return StrCat("acc", std::get<0>(p.param), "_r", std::get<1>(p.param),
+                    std::get<2>(p.param) == Placement::kDram ? "_dram" : "_nvme",
+                    std::get<3>(p.param) == StepMode::kExact ? "_exact" : "_eager",
+                    std::get<2>(p.param) == Placement::kNvmeAll ? "_params" : "");
+    });
+
+// Grads the optimizer has begun to apply are not discarded: an exact step
+// whose every unit's grads are in (its write-backs slowed, so it is still
+// running), a unit updated in eager mode. The step completes as usual.
+TEST(EngineAbortTest, AStepUnderWayIsNotDiscarded) {
+  ScratchDir swap("swap");
+  auto fault = std::make_shared<nvme::FaultBackend>(nvme::MakeUringBackend());
+  auto e = MakeEngine(uint64_t{1} << 30, &swap, uint64_t{64} << 20, fault);
+  Result<int> exact = e->RegisterJob(
+      Place(SmallModel("exact", 1, 1.0f, 1, StepMode::kExact), Placement::kNvmeStates));
+  Result<int> eager = e->RegisterJob(SmallModel("eager", 1, 0.0f, 1, StepMode::kEager));
+  ASSERT_TRUE(exact.ok() && eager.ok()) << exact.status() << eager.status();
+  Train(*e, *exact, 1, 0, 0, 5);
+  Train(*e, *eager, 1, 0, 0, 5);
+  fault->SlowDown(nvme::IoKind::kWrite, 200ms);
+  RingAll(*e, *exact, 0.1f);
+  Result<int> refused = e->AbortStep(*exact);
+  EXPECT_EQ(refused.status().code(), StatusCode::kFailedPrecondition) << refused.status();
+  EXPECT_NE(refused.status().message().find("every unit's grads are in"), std::string::npos)
+      << refused.status();
+  fault->SlowDown(nvme::IoKind::kWrite, 0ms);
+  EXPECT_TRUE(WaitStep(*e, *exact, 1).ok());
+
+  Ring(*e, *eager, 3, 1, 0.1f);
+  refused = e->AbortStep(*eager);
+  EXPECT_EQ(refused.status().code(), StatusCode::kFailedPrecondition) << refused.status();
+  EXPECT_NE(refused.status().message().find("eager"), std::string::npos) << refused.status();
+  for (int k = 2; k >= 0; --k) Ring(*e, *eager, k, 1, 0.1f);
+  EXPECT_TRUE(WaitStep(*e, *eager, 1).ok());
+  EXPECT_EQ(e->AbortStep(9).status().code(), StatusCode::kNotFound);
+}
+
 // What a job hands its clients (grad inboxes, publish buffers, the param
 // cache) lies in regions of its own: never another job's, the params'
 // sealed so no other process can map them writable, and gone with the job.
@@ -977,18 +1092,6 @@ TEST(EngineSwapTest, ParamCacheLeasesPrefetchAndFreshness) {
     EXPECT_EQ((*p)[0].bits, FloatToBf16(master[0]).bits) << "unit " << k;
     ASSERT_TRUE(e->ReleaseParams(*j, k).ok());
   }
-}
-
-// Delivers one step's grads (value everywhere) for every unit, backward.
-void RingAll(Engine& e, int job, float value) {
-  for (int k = 3; k >= 0; --k) Ring(e, job, k, 1, value);
-}
-
-// Waits until the job finishes step `step` or fails; the first unit status
-// that is not Ok.
-Status WaitStep(Engine& e, int job, int64_t step) {
-  for (int k = 0; k < 4; ++k) ZT_RETURN_IF_ERROR(e.WaitPublished(job, k, step, 30s));
-  return Status::Ok();
 }
 
 TEST_F(CheckpointTest, NvmeFaultsDuringAStepFailClearlyAndTheCheckpointStillLoads) {

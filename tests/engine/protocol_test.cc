@@ -154,6 +154,7 @@ TEST(ProtocolTest, LearningRatesRoundTripAndTheirCountIsBounded) {
   EXPECT_NE(short_list.status().message().find("cannot fit"), std::string::npos)
       << short_list.status();
   EXPECT_EQ(MessageTypeName(MessageType::kSetLearningRates), "set_learning_rates");
+  EXPECT_EQ(MessageTypeName(MessageType::kAbortStep), "abort_step");
   Result<std::string> m = EncodeMessage({.type = MessageType::kSetLearningRates}, Encode(l));
   ASSERT_TRUE(m.ok());
   Result<Header> h = DecodeHeader(*m, 0);
@@ -328,8 +329,10 @@ TEST(ProtocolTest, OperatorMessagesRoundTripAndRefuseEveryPrefix) {
   // More bucketed steps than steps, an unknown state: refused by name.
   JobInfo bad = j;
   bad.counters.step_seconds_buckets[0] = 1;
-  EXPECT_NE(DecodeJobList(Encode(JobList{.jobs = {bad}})).status().ToString().find(
-                "step_seconds_buckets"),
+  EXPECT_NE(DecodeJobList(Encode(JobList{.jobs = {bad}}))
+                .status()
+                .ToString()
+                .find("step_seconds_buckets"),
             std::string::npos);
   bad = j;
   bad.state = static_cast<JobState>(9);
@@ -380,8 +383,9 @@ TEST(ProtocolTest, OperatorMessagesRoundTripAndRefuseEveryPrefix) {
   EXPECT_FALSE(DecodeQuotaUpdate(Encode(QuotaUpdate{.uid = 1, .set = 1u << 7, .quota = {}})).ok());
   EXPECT_FALSE(
       DecodeQuotaUpdate(Encode(QuotaUpdate{.uid = 1, .set = kQuotaMaxJobs, .quota = {}})).ok());
-  EXPECT_FALSE(DecodeQuotaUpdate(Encode(QuotaUpdate{.uid = 1, .set = kQuotaMaxJobs, .reset = true,
-                                                    .quota = {.max_jobs = 1}}))
+  EXPECT_FALSE(DecodeQuotaUpdate(
+                   Encode(QuotaUpdate{
+                       .uid = 1, .set = kQuotaMaxJobs, .reset = true, .quota = {.max_jobs = 1}}))
                    .ok());
 
   for (const QuotaQuery& q : {QuotaQuery{.uid = 5}, QuotaQuery{.all = true, .after = 1000}}) {
