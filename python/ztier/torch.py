@@ -1216,7 +1216,23 @@ class Offload:
                     out.setdefault(f"{mname}.{bname}" if mname else bname, b)
         return out
 
+    def _check_buffers(self, values, where: str, then: str = ""):
+        """Refuses buffer values that would not fit the module's; `then` ends
+        the message (a load checks before it replaces any state)."""
+        if not isinstance(values, dict):
+            raise ValueError(f"ztier: {where} holds no dict of buffers{then}")
+        for name, b in self.persistent_buffers().items():
+            v = values.get(name)
+            if v is None:
+                continue
+            if not isinstance(v, torch.Tensor) or tuple(v.shape) != tuple(b.shape):
+                what = (f"shape {tuple(v.shape)}" if isinstance(v, torch.Tensor)
+                        else f"a {type(v).__name__}")
+                raise ValueError(f"ztier: buffer '{name}' in {where} has {what}, the model's "
+                                 f"has shape {tuple(b.shape)}{then}")
+
     def _set_buffers(self, values: dict[str, torch.Tensor], where: str):
+        self._check_buffers(values, where)
         buffers = self.persistent_buffers()
         missing = [n for n in buffers if n not in values]
         if missing:
@@ -1226,11 +1242,7 @@ class Offload:
         with torch.no_grad():
             for name, b in buffers.items():
                 if name in values:
-                    v = values[name]
-                    if tuple(v.shape) != tuple(b.shape):
-                        raise ValueError(f"ztier: buffer '{name}' in {where} has shape "
-                                         f"{tuple(v.shape)}, the model's is {tuple(b.shape)}")
-                    b.copy_(v.to(device=b.device, dtype=b.dtype))
+                    b.copy_(values[name].to(device=b.device, dtype=b.dtype))
 
     def save_checkpoint(self, directory: str):
         """The fp32 masters and moments of every unit, and the step (atomic),
@@ -1270,6 +1282,10 @@ class Offload:
                 except Exception as e:
                     raise RuntimeError(f"ztier: the checkpoint's buffers, {path}, cannot be read "
                                        f"({e}); nothing was loaded") from e
+                if not isinstance(saved, dict):
+                    raise ValueError(f"ztier: {path} holds no checkpoint's buffers; nothing was "
+                                     "loaded")
+                self._check_buffers(saved.get("buffers"), path, "; nothing was loaded")
 
         def load():
             read_buffers()

@@ -14,9 +14,9 @@
 //    (ZTIER_REQUIRE_PROMTOOL=1 makes a missing promtool a failure).
 #include <arpa/inet.h>
 #include <fcntl.h>
-#include <signal.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>
+#include <signal.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -94,8 +94,8 @@ Result<RunnerStats> Train(Model& m, int steps) {
     for (int u = m.units() - 1; u >= 0; --u) {
       ZT_RETURN_IF_ERROR(runner->Acquire(u).status());
       ZT_ASSIGN_OR_RETURN(bf16 * g, runner->GradBuffer(u));
-      ZT_RETURN_IF_ERROR(device->CopyToDevice(g, host[u].data(), host[u].size() * sizeof(bf16),
-                                              Stream::kCompute));
+      ZT_RETURN_IF_ERROR(
+          device->CopyToDevice(g, host[u].data(), host[u].size() * sizeof(bf16), Stream::kCompute));
       ZT_RETURN_IF_ERROR(runner->PushGrads(u));
       ZT_RETURN_IF_ERROR(runner->Release(u));
     }
@@ -225,14 +225,12 @@ TEST(OperatorTest, QuotasAreEnforcedResetAndKeptInTheQuotaFile) {
     ASSERT_TRUE(q.ok()) << q.status();
     EXPECT_FALSE(q->custom);
     EXPECT_EQ(q->quota.max_jobs, 16);
-    q = (*c)->SetQuota(
-        {.uid = me, .set = engine::kQuotaMaxJobs, .quota = {.max_jobs = 1}});
+    q = (*c)->SetQuota({.uid = me, .set = engine::kQuotaMaxJobs, .quota = {.max_jobs = 1}});
     ASSERT_TRUE(q.ok()) << q.status();
     EXPECT_TRUE(q->custom);
     EXPECT_EQ(q->quota.max_jobs, 1);
     EXPECT_EQ(q->quota.max_connections, 64);  // the rest stays the default
-    ASSERT_TRUE((*c)
-                    ->SetQuota({.uid = 4242,
+    ASSERT_TRUE((*c)->SetQuota({.uid = 4242,
                                 .set = engine::kQuotaMaxDram | engine::kQuotaMaxNvme,
                                 .quota = {.max_dram_bytes = 1 << 20, .max_nvme_bytes = 2 << 20}})
                     .ok());
@@ -381,9 +379,8 @@ std::vector<std::string> Words(const std::string& text, const std::string& word)
 // Runs ztierctl with `args` (at most 30 s).
 CtlRun Ztierctl(const std::string& args, const std::string& dir) {
   const std::string out = dir + "/ztierctl.out";
-  const int st = std::system(StrCat("timeout -s KILL 30 ", ZTIERCTL_BINARY, " ", args, " >", out,
-                                    " 2>&1")
-                                 .c_str());
+  const int st = std::system(
+      StrCat("timeout -s KILL 30 ", ZTIERCTL_BINARY, " ", args, " >", out, " 2>&1").c_str());
   CtlRun r;
   r.code = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
   std::ifstream in(out);
@@ -409,9 +406,9 @@ TEST(ZtierctlProgramTest, TablesJsonAndExitCodes) {
   EXPECT_NE(r.out.find("host->device"), std::string::npos) << r.out;
   r = Ztierctl(sock + " jobs", dir.path());
   EXPECT_EQ(r.code, 0) << r.out;
-  EXPECT_EQ(Words(r.out, "ID"), (std::vector<std::string>{"ID", "UID", "NAME", "STATE", "RANKS",
-                                                          "STEP", "DRAM", "NVME", "LAST", "STEP",
-                                                          "STALLS", "GRAD", "NORM"}))
+  EXPECT_EQ(Words(r.out, "ID"),
+            (std::vector<std::string>{"ID", "UID", "NAME", "STATE", "RANKS", "STEP", "DRAM", "NVME",
+                                      "LAST", "STEP", "STALLS", "GRAD", "NORM"}))
       << r.out;
   const std::vector<std::string> row = Words(r.out, "table-job");
   ASSERT_GE(row.size(), 4u) << r.out;
@@ -443,9 +440,9 @@ TEST(ZtierctlProgramTest, TablesJsonAndExitCodes) {
   EXPECT_NE(r.out.find("\"max_jobs\": 2"), std::string::npos) << r.out;
 
   // Bad arguments: 2, before any connection.
-  for (const char* bad : {"frobnicate", "quota set 4242", "quota set x --jobs 1",
-                          "quota set 1 --jobs 0", "quota set 1 --dram lots", "evict", "jobs extra",
-                          "--bogus status", ""}) {
+  for (const char* bad :
+       {"frobnicate", "quota set 4242", "quota set x --jobs 1", "quota set 1 --jobs 0",
+        "quota set 1 --dram lots", "evict", "jobs extra", "--bogus status", ""}) {
     r = Ztierctl(StrCat(sock, " ", bad), dir.path());
     EXPECT_EQ(r.code, 2) << bad << ": " << r.out;
   }
@@ -469,13 +466,13 @@ TEST(ZtierctlProgramTest, TablesJsonAndExitCodes) {
   // nothing there: a script reading stdout learned nothing).
   const std::string json_out = dir.path() + "/json.out";
   for (const auto& [args, code, kind] :
-       {std::tuple<std::string, int, std::string>{"--socket " + dir.path() + "/none.sock --json status", 3,
-                                                  "unavailable"},
+       {std::tuple<std::string, int, std::string>{
+            "--socket " + dir.path() + "/none.sock --json status", 3, "unavailable"},
         {sock + " --json evict 999", 1, "not_found"},
         {sock + " --json frobnicate", 2, "usage"}}) {
-    const int st = std::system(StrCat("timeout -s KILL 30 ", ZTIERCTL_BINARY, " ", args, " >",
-                                      json_out, " 2>/dev/null")
-                                   .c_str());
+    const int st = std::system(
+        StrCat("timeout -s KILL 30 ", ZTIERCTL_BINARY, " ", args, " >", json_out, " 2>/dev/null")
+            .c_str());
     EXPECT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == code) << args;
     std::ifstream in(json_out);
     const auto e = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
@@ -669,8 +666,9 @@ TEST(MetricsTest, AScrapeOfARunningDaemonIsValidExposition) {
     EXPECT_EQ(CheckExposition(body), "") << body;
     for (const char* series :
          {"ztier_build_info{version=", "ztier_pinned_bytes{state=\"used\"}",
-          "ztier_nvme_read_bytes_total ", "ztier_host_device_bytes_total{direction=\"host_to_device\"}",
-          "ztier_steps_total 3", "ztier_jobs{state=\"training\"} 1",
+          "ztier_nvme_read_bytes_total ",
+          "ztier_host_device_bytes_total{direction=\"host_to_device\"}", "ztier_steps_total 3",
+          "ztier_jobs{state=\"training\"} 1",
           "ztier_optimizer_step_seconds_count{uid=\"0\",job=\"scraped \\\"job\\\" \\\\\"} 3",
           "ztier_quota_used_bytes{uid=\"0\",tier=\"dram\"}", "ztier_stall_seconds_total"}) {
       if (::geteuid() != 0 && std::string(series).find("uid=\"0\"") != std::string::npos) continue;
@@ -795,10 +793,12 @@ TEST(MetricsTest, ZtierdServesTheMetricsSocketSystemdPasses) {
     }
     for (int fd = 5; fd < 1024; ++fd) ::close(fd);
     const std::string pid_env = StrCat("LISTEN_PID=", ::getpid());
-    char* env[] = {const_cast<char*>(pid_env.c_str()), const_cast<char*>("LISTEN_FDS=2"),
+    char* env[] = {const_cast<char*>(pid_env.c_str()),
+                   const_cast<char*>("LISTEN_FDS=2"),
                    const_cast<char*>("LISTEN_FDNAMES=control:metrics"),
                    const_cast<char*>("ZTIER_DRAM_BUDGET=128M"),
-                   const_cast<char*>("ZTIER_HUGE_PAGES=none"), nullptr};
+                   const_cast<char*>("ZTIER_HUGE_PAGES=none"),
+                   nullptr};
     ::execle(ZTIERD_BINARY, ZTIERD_BINARY, static_cast<char*>(nullptr), env);
     _exit(92);
   }

@@ -659,7 +659,48 @@ def test_persistent_buffers_go_with_checkpoints_and_exports(settings, tmp_path):
     after = z3.master_weights()
     assert all(torch.equal(before[n], after[n]) for n in before)
     _train_step(fresh, z3, torch.randn(16, 4))  # and it trains on
+    # A buffer of another shape is refused before the engine loads (it was
+    # found while copying them: the step and some buffers replaced).
+    torch.save({"step": 3, "buffers": {"1.running_mean": torch.zeros(99)}}, path)
+    with pytest.raises(ValueError, match="'1.running_mean'.*shape \\(99,\\).*nothing was loaded"):
+        z3.load_checkpoint(str(tmp_path / "ck"))
+    assert z3.step_count == 1
     z3.close()
+
+
+def test_close_lets_go_of_the_engine_at_once(tmp_path):
+    # The session (its swap directory's lock, its DRAM) stayed until the
+    # garbage collector found the Offload's reference cycles.
+    swap = tmp_path / "swap"
+    swap.mkdir()
+    gc.disable()
+    try:
+        for dtype in ("fp32", "int8"):
+            model = _mlp()
+            z = zt.offload(model, states="nvme", settings={
+                "ztier.dram_budget": "256M", "ztier.state_dtype": dtype,
+                "zero_optimization.offload_optimizer.nvme_path": swap})
+            _train_step(model, z, torch.randn(4, 6))
+            z.close()
+    finally:
+        gc.enable()
+
+
+def test_settings_take_lists_bools_and_paths(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    model = _mlp()
+    z = zt.offload(model, states="nvme", settings={
+        "ztier.dram_budget": "256M", "zero_optimization.offload_optimizer.nvme_path": [a, str(b)],
+        "optimizer.params.betas": (0.9, 0.95), "ztier.checksums": False})
+    _train_step(model, z, torch.randn(4, 6))
+    assert sorted(os.listdir(a)) and sorted(os.listdir(b))  # a swap file in each
+    z.close()
+    with pytest.raises(TypeError, match="settings\\['ztier.dram_budget'\\] is a dict"):
+        zt.offload(_mlp(), settings={"ztier.dram_budget": {"G": 1}})
+    with pytest.raises(ValueError, match="holds a comma"):
+        zt.offload(_mlp(), settings={"ZTIER_NVME_PATHS": ["/a,b"]})
 
 
 def test_writes_and_casts_of_idle_parameters_are_named(settings):
