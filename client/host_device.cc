@@ -24,6 +24,7 @@
 #include <thread>
 #include <unordered_map>
 
+#include "client/transport.h"
 #include "client/ztier.h"
 #include "common/crc32c.h"
 
@@ -96,7 +97,14 @@ class HostDevice final : public Device {
     }
   }
   ~HostDevice() override {
-    for (CopyQueue& q : queues_) {
+    if (owner_.forked()) {
+      // The copy threads, and the waiters on the queues' condition
+      // variables, are the parent's (ProcessOwner): the queues are left.
+      (void)queues_.release();
+      return;
+    }
+    for (int i = 0; i < 2; ++i) {
+      CopyQueue& q = queues_[i];
       {
         std::lock_guard<std::mutex> lock(q.mu);
         q.stop = true;
@@ -248,19 +256,20 @@ class HostDevice final : public Device {
   Status RunCopy(Stream stream, const char* label, void* dst, const void* src, size_t bytes) {
     const auto* written = static_cast<const uint8_t*>(dst);
     if (!IsCopy(stream) || !options_.check_copy_sources || WrittenAhead(stream, src, bytes)) {
-      return Run(stream, label, [=] { std::memcpy(dst, src, bytes); }, written, bytes);
+      return Run(
+          stream, label, [=] { std::memcpy(dst, src, bytes); }, written, bytes);
     }
     const uint32_t queued = Crc32c(src, bytes);
     std::shared_ptr<Hazard> hazard = hazard_;
     return Run(
         stream, label,
         [=] {
-      if (Crc32c(src, bytes) != queued) {
-        hazard->Set(Status::Internal(
-            StrCat("host device (checked copies): the source of a ", label, " copy of ", bytes,
-                   " bytes changed between the call that queued it and its run: a buffer was "
-                   "released or reused before its copy finished")));
-      }
+          if (Crc32c(src, bytes) != queued) {
+            hazard->Set(Status::Internal(
+                StrCat("host device (checked copies): the source of a ", label, " copy of ", bytes,
+                       " bytes changed between the call that queued it and its run: a buffer was "
+                       "released or reused before its copy finished")));
+          }
           std::memcpy(dst, src, bytes);
         },
         written, bytes);
@@ -335,9 +344,11 @@ class HostDevice final : public Device {
   std::vector<TimelineSpan> timeline_;
 
   const HostDeviceOptions options_;
+  ProcessOwner owner_;
   const std::shared_ptr<Hazard> hazard_ = std::make_shared<Hazard>();
 
-  CopyQueue queues_[2];  // kCopy, kCopyOut; last: their threads use the rest
+  // kCopy, kCopyOut; last: their threads use the rest.
+  std::unique_ptr<CopyQueue[]> queues_ = std::make_unique<CopyQueue[]>(2);
 };
 
 }  // namespace

@@ -227,6 +227,7 @@ struct Stage3Runner::Impl {
   // where the engine (and ztierd's operators) see its device traffic.
   uint64_t* client_counters = nullptr;
   std::thread thread, push_thread;
+  ProcessOwner owner;
 
   void CountTraffic(engine::ClientCounter which, uint64_t bytes) {
     std::atomic_ref<uint64_t>(client_counters[which]).fetch_add(bytes, std::memory_order_relaxed);
@@ -1074,7 +1075,12 @@ struct Stage3Runner::Impl {
 };
 
 Stage3Runner::Stage3Runner(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
-Stage3Runner::~Stage3Runner() = default;
+Stage3Runner::~Stage3Runner() {
+  // A forked child's copy is left alone (client/transport.h ProcessOwner):
+  // its transfer threads, their condition variables' waiters, the device
+  // and the engine are the parent's.
+  if (impl_->owner.forked()) (void)impl_.release();
+}
 
 Result<std::unique_ptr<Stage3Runner>> Stage3Runner::Create(Model& model, int rank, Device& device,
                                                            Collectives* collectives,

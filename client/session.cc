@@ -49,7 +49,7 @@ Result<std::unique_ptr<Session>> Session::Open(const SessionOptions& options) {
     ZT_ASSIGN_OR_RETURN(t, MakeEmbeddedTransport(options.settings, options.io_backend));
   }
   ZT_LOG(kInfo, "client") << "session open (" << t->name() << " engine)";
-  return std::unique_ptr<Session>(new Session(std::move(t), options.settings));
+  return std::unique_ptr<Session>(new Session(ForkSafe(std::move(t)), options.settings));
 }
 
 std::string Session::transport_name() const { return transport_->name(); }
@@ -120,6 +120,9 @@ Model::Model(std::shared_ptr<Transport> transport, int job, Session::ModelSpec s
       attached_rank_(attached_rank) {}
 
 Model::~Model() {
+  // Nothing to let go of where the engine is gone, or is the parent's of a
+  // forked child (client/transport.h ProcessOwner).
+  if (!transport_->Health().ok()) return;
   Status s = transport_->UnregisterJob(job_);
   if (!s.ok()) {
     ZT_LOG(kWarn, "client") << "unregister model '" << spec_.name << "': " << s;

@@ -14,6 +14,7 @@
 #include <chrono>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -110,6 +111,29 @@ class ControlTransport {
   virtual Status Drain(bool on) = 0;
   virtual Status EvictJob(int32_t job, const std::string& reason) = 0;
 };
+
+// The process that made an object. A forked child holds copies of its
+// parent's objects (the daemon connection, shared mappings, the engine's
+// state and io_uring rings) but none of their threads: it must neither use
+// them (ztierd would take its requests for the parent's, a unit's grads
+// would land in the parent's inbox) nor tear them down (joining threads it
+// does not have, shutting the parent's connection down).
+class ProcessOwner {
+ public:
+  ProcessOwner();
+  bool forked() const;
+  // FailedPrecondition in a forked child, naming `what`.
+  Status Check(std::string_view what) const;
+
+ private:
+  int pid_;
+};
+
+// `inner` for the process that made it only: in a forked child every call
+// fails with FailedPrecondition (the ones with no status return what a gone
+// engine would), and destroying it leaves `inner` alone (leaked in the
+// child, whose exit frees it).
+std::shared_ptr<Transport> ForkSafe(std::shared_ptr<Transport> inner);
 
 // The engine in this process, on `io_backend` (null: io_uring). Errors: as
 // engine::Engine::Create.

@@ -14,7 +14,10 @@
 // A Stage3Runner belongs to one rank and is driven from one thread (the
 // rank's training loop); its transfers run on a thread of its own. A Device
 // may be shared by the runner's threads (its methods are thread-safe); a
-// Collectives object belongs to one rank.
+// Collectives object belongs to one rank. Sessions, models, runners and
+// host devices belong to the process that made them: in a forked child (a
+// data loader's worker) their calls fail with FailedPrecondition, and
+// destroying them there frees nothing of the parent's.
 //
 // Errors: every call returns Status / Result with a message naming the unit,
 // the limit or the file at fault; bad use (an unknown unit, a second Step

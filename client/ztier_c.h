@@ -9,7 +9,10 @@
  * Versioning: structs passed in start with `struct_size` (set it to
  * sizeof the struct); fields are only ever appended.
  * Thread safety: as the C++ API: a runner is driven by one thread; sessions
- * and models may be used from any thread. */
+ * and models may be used from any thread.
+ * fork(): handles belong to the process that opened them. In a forked child
+ * every call on them fails with ZTIER_FAILED_PRECONDITION, and closing them
+ * there frees nothing of the parent's (its job, its ztierd connection). */
 #ifndef ZTIER_CLIENT_ZTIER_C_H_
 #define ZTIER_CLIENT_ZTIER_C_H_
 

@@ -776,6 +776,69 @@ TEST_F(DaemonTest, AStepIsAbortedThroughTheDaemon) {
   EXPECT_TRUE((*m)->WaitPublished(1, 30s).ok());
 }
 
+// A forked child (a data loader's worker) holds copies of its parent's
+// session, model and runner: using them is refused, and dropping them
+// leaves the parent's job alone (the child's close unregistered the
+// parent's job through the shared connection, and its destructors
+// shut that connection down and joined threads it does not have).
+TEST_F(DaemonTest, AForkedChildNeitherUsesNorClosesItsParentsModel) {
+  for (bool through_daemon : {true, false}) {
+    SCOPED_TRACE(through_daemon ? "ztierd" : "embedded");
+    SessionOptions o;
+    if (through_daemon) o.daemon_socket = socket();
+    o.settings.dram_budget_bytes = uint64_t{64} << 20;
+    o.settings.pin_memory = false;
+    Result<std::unique_ptr<Session>> s = Session::Open(o);
+    ASSERT_TRUE(s.ok()) << s.status();
+    Result<std::unique_ptr<Model>> m = (*s)->RegisterModel(ModelOf(TwoUnits("forked")));
+    ASSERT_TRUE(m.ok()) << m.status();
+    std::vector<float> w(1000, 1.0f);
+    ASSERT_TRUE((*m)->SetWeights(0, w.data(), w.size()).ok());
+    ASSERT_TRUE((*m)->SetWeights(1, w.data(), w.size()).ok());
+    Result<std::unique_ptr<Device>> dev = MakeHostDevice();
+    ASSERT_TRUE(dev.ok());
+    Result<std::unique_ptr<Stage3Runner>> runner = Stage3Runner::Create(**m, 0, **dev, nullptr, {});
+    ASSERT_TRUE(runner.ok()) << runner.status();
+    ASSERT_TRUE((*runner)->Acquire(0).ok());
+    ASSERT_TRUE((*runner)->Release(0).ok());
+
+    const pid_t child = ::fork();
+    ASSERT_GE(child, 0);
+    if (child == 0) {
+      auto refused = [](const Status& st) {
+        return st.code() == StatusCode::kFailedPrecondition &&
+               st.ToString().find("forked from process") != std::string::npos;
+      };
+      bool ok = refused((*m)->SetWeights(0, w.data(), w.size())) &&
+                refused((*runner)->Acquire(1).status()) && refused((*m)->WaitPublished(0, 1s)) &&
+                (*m)->published_step() == -1;
+      runner->reset();
+      dev->reset();
+      m->reset();
+      s->reset();
+      ::_exit(ok ? 0 : 1);
+    }
+    int status = 0;
+    const auto deadline = std::chrono::steady_clock::now() + 30s;
+    while (::waitpid(child, &status, WNOHANG) == 0) {
+      if (std::chrono::steady_clock::now() > deadline) {
+        ::kill(child, SIGKILL);
+        ::waitpid(child, &status, 0);
+        FAIL() << "the child hung dropping its copies";
+      }
+      std::this_thread::sleep_for(10ms);
+    }
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+    // The parent trains on.
+    for (int k : {1, 0}) {
+      ASSERT_TRUE((*runner)->GradBuffer(k).ok());
+      ASSERT_TRUE((*runner)->PushGrads(k).ok());
+    }
+    ASSERT_TRUE((*runner)->Step().ok());
+    EXPECT_TRUE((*m)->WaitPublished(1, 30s).ok());
+  }
+}
+
 // ------------------------------------------- the ztierd program, as root
 
 // ztierd with `args` to its end (at most 30 s): {exit code, its output}.
