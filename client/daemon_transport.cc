@@ -798,6 +798,16 @@ class DaemonTransport final : public Transport, public ControlTransport {
         return;
       }
       Result<p::Header> h = p::DecodeHeader(got->data, static_cast<uint32_t>(got->fds.size()));
+      if (!h.ok() && h.status().code() == StatusCode::kFailedPrecondition) {
+        // Another protocol version (an upgrade left the old ztierd running):
+        // ztierd is there and lost nothing, it speaks another language.
+        std::lock_guard<std::mutex> lock(mu_);
+        if (dead_.ok()) {
+          dead_ = Status::FailedPrecondition(
+              StrCat("ztierd at ", path_, " speaks another protocol: ", h.status().message(),
+                     " (after an upgrade, restart ztierd once its jobs are done)"));
+        }
+      }
       if (!h.ok() || (h->flags & p::kFlagReply) == 0) {
         FailAll(h.ok() ? Status::Corruption("ztierd sent a request") : h.status());
         return;

@@ -39,6 +39,7 @@ namespace ztier::client {
 namespace {
 
 namespace p = engine::protocol;
+using engine::SeqPacketListener;
 using engine::SeqPacketSocket;
 using engine::Tier;
 using testing::AsNobody;
@@ -837,6 +838,41 @@ TEST_F(DaemonTest, AForkedChildNeitherUsesNorClosesItsParentsModel) {
     ASSERT_TRUE((*runner)->Step().ok());
     EXPECT_TRUE((*m)->WaitPublished(1, 30s).ok());
   }
+}
+
+// A ztierd of another release (left running by an upgrade) is named as
+// such: it was said to be gone, with the DRAM state of its jobs.
+TEST(DaemonClientTest, ADaemonOfAnotherProtocolVersionIsNamedAsSuch) {
+  ScratchDir dir("old-ztierd");
+  const std::string path = dir.path() + "/z.sock";
+  Result<SeqPacketListener> listener = SeqPacketListener::Listen(path, 0600);
+  ASSERT_TRUE(listener.ok()) << listener.status();
+  std::thread old_daemon([&] {
+    Result<SeqPacketSocket> c = listener->Accept(10s);
+    if (!c.ok()) return;
+    Result<SeqPacketSocket::Received> hello = c->Receive(10s, p::kMaxMessageBytes, 4);
+    if (!hello.ok()) return;
+    Result<p::Header> h = p::DecodeHeader(hello->data, 0);
+    if (!h.ok()) return;
+    Result<std::string> reply = p::EncodeMessage({.version = p::kVersion - 1,
+                                                  .type = p::MessageType::kHello,
+                                                  .flags = p::kFlagReply,
+                                                  .request_id = h->request_id},
+                                                 "");
+    if (reply.ok()) (void)c->Send(*reply);
+    std::this_thread::sleep_for(500ms);
+  });
+  SessionOptions o;
+  o.daemon_socket = path;
+  Result<std::unique_ptr<Session>> s = Session::Open(o);
+  old_daemon.join();
+  ASSERT_FALSE(s.ok());
+  EXPECT_EQ(s.status().code(), StatusCode::kFailedPrecondition) << s.status();
+  EXPECT_NE(s.status().ToString().find(StrCat("protocol version ", p::kVersion - 1)),
+            std::string::npos)
+      << s.status();
+  EXPECT_EQ(s.status().ToString().find("resume from a checkpoint"), std::string::npos)
+      << s.status();
 }
 
 // ------------------------------------------- the ztierd program, as root
