@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <filesystem>
 #include <memory>
 
 namespace ztier::engine {
@@ -303,6 +304,20 @@ Status SeqPacketSocket::Close() {
 Result<SeqPacketListener> SeqPacketListener::Listen(const std::string& path, mode_t mode,
                                                     int backlog) {
   ZT_ASSIGN_OR_RETURN(Address a, AddressOf(path));
+  // One listener a path: two started at once both found a stale file
+  // stale (a socket bound but not yet listening refuses connections too),
+  // and both bound the path, one of them then unreachable.
+  const std::filesystem::path where(path);
+  const std::string dir = where.has_parent_path() ? where.parent_path().string() : ".";
+  Result<DirLock> lock = DirLock::Acquire(dir, StrCat(where.filename().string(), ".lock"),
+                                          "the directory of the socket", DirLock::Mode::kExclusive);
+  if (!lock.ok()) {
+    if (lock.status().code() != StatusCode::kUnavailable) return lock.status();
+    return Status::Unavailable(StrCat(path,
+                                      " is in use: another ztierd listens there or is "
+                                      "starting (",
+                                      lock.status().message(), ")"));
+  }
   // A socket file already there: live (someone accepts) is an error; stale
   // (its process died) is replaced.
   struct stat st {};
@@ -337,6 +352,11 @@ Result<SeqPacketListener> SeqPacketListener::Listen(const std::string& path, mod
   if (bound != 0) return PosixError(StrCat("bind ", path), bind_err);
   SeqPacketListener l;
   l.path_ = path;
+  l.lock_ = *std::move(lock);
+  if (struct stat bound_st{}; ::lstat(path.c_str(), &bound_st) == 0) {
+    l.dev_ = bound_st.st_dev;
+    l.ino_ = bound_st.st_ino;
+  }
   if (::chmod(path.c_str(), mode) != 0) {
     const int err = errno;
     ::unlink(path.c_str());
@@ -401,11 +421,15 @@ Result<SeqPacketSocket> SeqPacketListener::Accept(std::chrono::milliseconds time
 
 Status SeqPacketListener::Close() {
   Status s;
-  if (!path_.empty() && ::unlink(path_.c_str()) != 0 && errno != ENOENT) {
+  // Only the file it bound: one that replaced it there is another's.
+  struct stat st {};
+  if (!path_.empty() && ::lstat(path_.c_str(), &st) == 0 && st.st_dev == dev_ &&
+      st.st_ino == ino_ && ::unlink(path_.c_str()) != 0 && errno != ENOENT) {
     const int err = errno;
     s = PosixError(StrCat("removing ", path_), err);
   }
   path_.clear();
+  lock_.Release();
   if (const int err = fd_.Close(); err != 0 && s.ok()) {
     s = PosixError("close of the ztierd socket", err);
   }

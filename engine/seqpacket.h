@@ -26,6 +26,7 @@
 #include <utility>
 #include <vector>
 
+#include "common/dir_lock.h"
 #include "common/status.h"
 #include "common/unique_fd.h"
 
@@ -102,8 +103,11 @@ class SeqPacketListener {
   SeqPacketListener() = default;
   // Binds `path` (a stale socket file left by a dead process is replaced;
   // a live one is Unavailable: "in use") with `mode` permissions, and
-  // listens. Sets the process umask for the bind: call it before other
-  // threads create files. Errors: Unavailable, InvalidArgument, PosixError.
+  // listens. One listener a path: `path`.lock beside it is locked
+  // (common/dir_lock.h) from before the stale check until Close, so two
+  // started at once never both bind it. Sets the process umask for the
+  // bind: call it before other threads create files. Errors: Unavailable,
+  // InvalidArgument, PosixError, as DirLock::Acquire.
   static Result<SeqPacketListener> Listen(const std::string& path, mode_t mode, int backlog = 64);
   // Takes an fd that already listens (systemd's LISTEN_FDS) and owns it
   // from then on (a refused one is closed); checks that it is an AF_UNIX
@@ -115,12 +119,16 @@ class SeqPacketListener {
   Result<SeqPacketSocket> Accept(std::chrono::milliseconds timeout);
   int fd() const { return fd_.get(); }
   const std::string& path() const { return path_; }
-  // Removes the socket file it bound (not one it was handed).
+  // Removes the socket file it bound (not one it was handed, nor one that
+  // replaced it at the path since).
   Status Close();
 
  private:
   UniqueFd fd_;
   std::string path_;  // empty when handed over
+  DirLock lock_;      // on path_.lock while bound
+  dev_t dev_ = 0;     // the socket file bound
+  ino_t ino_ = 0;
 };
 
 }  // namespace ztier::engine
