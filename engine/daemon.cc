@@ -47,6 +47,11 @@ constexpr std::chrono::milliseconds kPollInterval{200};
 constexpr std::chrono::seconds kSendTimeout{30};
 // The stop's last word to a client: not worth holding the stop for.
 constexpr std::chrono::milliseconds kFarewellTimeout{500};
+// Connections an operator (Impl::Admin) may open past its uid's quota, for
+// the operator's messages only (status, jobs, quotas, drain, evict): a uid
+// whose jobs filled its quota (root's, in a container) can still be looked
+// at and helped.
+constexpr int kOperatorReserve = 4;
 
 // A job's name in the engine: scoped by its owner's uid, so each user has
 // a namespace of their own.
@@ -165,6 +170,7 @@ struct Daemon::Impl {
   std::string stop_reason;
   struct Usage {
     int connections = 0;
+    int reserve = 0;  // operators' connections past the quota (kOperatorReserve)
     int jobs = 0;
     uint64_t dram_bytes = 0;  // of its jobs, as counted at registration
     uint64_t nvme_bytes = 0;
@@ -580,16 +586,19 @@ class Daemon::Impl::Connection {
  public:
   // `refusal` not OK: the connection only answers the client's hello with
   // it (so the client reads why, rather than a reset) and closes.
-  Connection(Impl& d, SeqPacketSocket sock, PeerCredentials peer, Status refusal)
+  // `reserve`: an operator's connection past its uid's quota (operator's
+  // messages only).
+  Connection(Impl& d, SeqPacketSocket sock, PeerCredentials peer, bool admin, bool reserve,
+             Status refusal)
       : d_(d),
         sock_(std::move(sock)),
         peer_(peer),
         prefix_(ScopedPrefix(peer.uid)),
-        refusal_(std::move(refusal)) {
+        refusal_(std::move(refusal)),
+        admin_(admin),
+        reserve_(reserve) {
     Result<UniqueFd> pidfd = sock_.PeerPidfd();
     if (pidfd.ok()) pidfd_ = *std::move(pidfd);
-    Result<std::vector<gid_t>> groups = sock_.PeerGroups();
-    admin_ = d_.Admin(peer_.uid, peer_.gid, groups.ok() ? *groups : std::vector<gid_t>{});
   }
 
   void Run() {
@@ -622,8 +631,16 @@ class Daemon::Impl::Connection {
 
   void Loop() {
     const auto refuse_by = Clock::now() + std::chrono::seconds(2);
+    const auto hello_by = Clock::now() + d_.options.hello_timeout;
     while (!d_.stopping.load()) {
       if (!refusal_.ok() && Clock::now() > refuse_by) return;
+      if (!hello_done_ && Clock::now() > hello_by) {
+        const Status why = Status::Unavailable(
+            StrCat("no hello within ", d_.options.hello_timeout.count(), " ms of connecting"));
+        ZT_LOG(kWarn, "ztierd") << Who() << ": " << why.message() << "; closing the connection";
+        SendError(0, p::MessageType::kHello, why);
+        return;
+      }
       pollfd pfd{.fd = sock_.fd(), .events = POLLIN, .revents = 0};
       const int n = ::poll(&pfd, 1, static_cast<int>(kPollInterval.count()));
       if (n < 0 && errno == EINTR) continue;
@@ -659,6 +676,18 @@ class Daemon::Impl::Connection {
         SendError(h->request_id, h->type,
                   Status::FailedPrecondition("the first message of a connection is its hello"));
         return;
+      }
+      if (reserve_ && h->type != p::MessageType::kHello &&
+          (h->type < p::MessageType::kDaemonStatus || h->type > p::MessageType::kEvictJob)) {
+        if (!SendError(h->request_id, h->type,
+                       Status::ResourceExhausted(
+                           StrCat("uid ", peer_.uid,
+                                  " is at its connection quota (max_connections_per_uid): "
+                                  "this connection, past it on the operators' reserve, takes the "
+                                  "operator's messages only (ztierctl)")))) {
+          return;
+        }
+        continue;
       }
       Request req{
           .header = *h, .payload = got->data.substr(p::kHeaderBytes), .fds = std::move(got->fds)};
@@ -1630,7 +1659,9 @@ class Daemon::Impl::Connection {
     {
       std::lock_guard<std::mutex> lock(d_.mu);
       Impl::Usage& u = d_.usage[peer_.uid];
-      if (lives) {
+      if (reserve_) {
+        --u.reserve;
+      } else if (lives) {
         u.dram_bytes += lingering_bytes_;
         u.lingering_bytes += lingering_bytes_;
         d_.lingering.push_back(
@@ -1652,7 +1683,8 @@ class Daemon::Impl::Connection {
   const PeerCredentials peer_;
   const std::string prefix_;
   const Status refusal_;
-  bool admin_ = false;  // an operator (Impl::Admin)
+  bool admin_ = false;    // an operator (Impl::Admin)
+  bool reserve_ = false;  // past the uid's quota, on the operators' reserve
   std::thread thread_;
   std::atomic<bool> finished_{false};
   bool hello_done_ = false;  // the connection thread's
@@ -1759,14 +1791,22 @@ Status Daemon::Serve(SeqPacketListener& listener) {
       d.refused.fetch_add(1);
       continue;
     }
+    Result<std::vector<gid_t>> groups = sock->PeerGroups();
+    const bool admin = d.Admin(peer->uid, peer->gid, groups.ok() ? *groups : std::vector<gid_t>{});
     Status refuse;
+    bool reserve = false;
     {
       std::lock_guard<std::mutex> lock(d.mu);
       Impl::Usage& u = d.usage[peer->uid];
+      const int quota = d.QuotaForLocked(peer->uid).max_connections;
       if (!d.Allowed(peer->uid)) {
         refuse = Status::FailedPrecondition(
             StrCat("uid ", peer->uid, " is not on this ztierd's list of allowed users"));
-      } else if (u.connections >= d.QuotaForLocked(peer->uid).max_connections) {
+      } else if (admin && u.connections >= quota && u.reserve < kOperatorReserve) {
+        reserve = true;
+        ++u.reserve;
+        ++d.connections;
+      } else if (u.connections >= quota) {
         refuse = Status::ResourceExhausted(
             StrCat("uid ", peer->uid, " has ", u.connections,
                    " connections, the quota (max_connections_per_uid) is ",
@@ -1784,7 +1824,8 @@ Status Daemon::Serve(SeqPacketListener& listener) {
       ZT_LOG(kWarn, "ztierd") << "refused pid " << peer->pid << ": " << refuse;
       d.refused.fetch_add(1);
     }
-    auto conn = std::make_unique<Impl::Connection>(d, *std::move(sock), *peer, refuse);
+    auto conn =
+        std::make_unique<Impl::Connection>(d, *std::move(sock), *peer, admin, reserve, refuse);
     Impl::Connection* c = conn.get();
     {
       std::lock_guard<std::mutex> lock(d.mu);
@@ -1800,7 +1841,7 @@ Status Daemon::Serve(SeqPacketListener& listener) {
       d.refused.fetch_add(1);
       std::lock_guard<std::mutex> lock(d.mu);
       if (refuse.ok()) {
-        --d.usage[peer->uid].connections;
+        --(reserve ? d.usage[peer->uid].reserve : d.usage[peer->uid].connections);
         --d.connections;
       }
       d.live.remove_if([c](const std::unique_ptr<Impl::Connection>& x) { return x.get() == c; });

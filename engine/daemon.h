@@ -90,6 +90,9 @@ struct DaemonOptions {
   // again; then it is freed. 0: freed at once. A registration of the same
   // name replaces a parked job.
   std::chrono::milliseconds job_grace_period{0};
+  // A connection that has not said its hello within this is closed (a
+  // silent one held its uid's connection quota for good).
+  std::chrono::milliseconds hello_timeout{10000};
   // Operators (ztierctl quota set, drain, evict; everyone's jobs and
   // quotas) besides root and the daemon's own uid: members of this group
   // (primary or supplementary, SO_PEERGROUPS). `admin_group` is its name,

@@ -364,15 +364,51 @@ TEST_F(DaemonTest, QuotasRefuseNamingTheQuotaAndTheFigures) {
   EXPECT_EQ(r->status.code(), StatusCode::kResourceExhausted) << r->status;
   EXPECT_NE(r->status.ToString().find("max_jobs_per_uid"), std::string::npos) << r->status;
   RawClient b = RawClient::Connect(socket());
-  // The third connection of the uid is refused at its hello.
-  Result<SeqPacketSocket> third = SeqPacketSocket::Connect(socket());
-  ASSERT_TRUE(third.ok());
+  // Past the quota an operator (this test's uid is the daemon's own) has a
+  // reserve of connections for the operator's messages, so that a uid
+  // whose jobs filled its quota can still be looked at and helped.
+  std::vector<std::unique_ptr<RawClient>> reserve;
+  for (int i = 0; i < 4; ++i) {
+    reserve.push_back(std::make_unique<RawClient>(RawClient::Connect(socket())));
+    r = reserve.back()->Call(p::MessageType::kDaemonStatus, "");
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_TRUE(r->status.ok()) << r->status;
+  }
+  r = reserve[0]->Call(p::MessageType::kRegisterJob, p::Encode(TwoUnits("three")));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->status.code(), StatusCode::kResourceExhausted) << r->status;
+  EXPECT_NE(r->status.ToString().find("operator's messages only"), std::string::npos) << r->status;
+  // Past the reserve too, a connection is refused at its hello.
   SessionOptions o;
   o.daemon_socket = socket();
   Result<std::unique_ptr<Session>> s = Session::Open(o);
   ASSERT_FALSE(s.ok());
   EXPECT_EQ(s.status().code(), StatusCode::kResourceExhausted) << s.status();
   EXPECT_NE(s.status().ToString().find("max_connections_per_uid"), std::string::npos) << s.status();
+}
+
+// A connection that never says its hello is closed (silent ones held their
+// uid's connection quota for good, locking its jobs and operators out).
+TEST_F(DaemonTest, AConnectionWithoutAHelloIsClosed) {
+  engine::DaemonOptions quick;
+  quick.hello_timeout = 300ms;
+  Start(quick);
+  Result<SeqPacketSocket> silent = SeqPacketSocket::Connect(socket());
+  ASSERT_TRUE(silent.ok()) << silent.status();
+  WaitForStats(1, 0);
+  Result<SeqPacketSocket::Received> notice = silent->Receive(5s, p::kMaxMessageBytes, 4);
+  ASSERT_TRUE(notice.ok()) << notice.status();
+  Result<std::string_view> body =
+      p::DecodeReplyStatus(std::string_view(notice->data).substr(p::kHeaderBytes));
+  ASSERT_FALSE(body.ok());
+  EXPECT_NE(body.status().ToString().find("no hello within 300 ms"), std::string::npos)
+      << body.status();
+  WaitForStats(0, 0);
+  // One that says it in time stays.
+  RawClient talker = RawClient::Connect(socket());
+  std::this_thread::sleep_for(600ms);
+  EXPECT_TRUE(talker.Call(p::MessageType::kPoolStats, "").ok());
+  WaitForStats(1, 0);
 }
 
 TEST_F(DaemonTest, TheDramQuotaOfAUidRefusesNamingItAndHoldsNothing) {
