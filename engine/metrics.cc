@@ -3,6 +3,7 @@
 #include "engine/metrics.h"
 
 #include <arpa/inet.h>
+#include <fcntl.h>
 #include <netinet/in.h>
 #include <poll.h>
 #include <sys/socket.h>
@@ -41,13 +42,14 @@ bool SendAll(int fd, std::string_view data) {
   return true;
 }
 
-void SetTimeout(int fd, int option, std::chrono::seconds t) {
-  timeval tv{.tv_sec = static_cast<time_t>(t.count()), .tv_usec = 0};
+void SetTimeout(int fd, int option, std::chrono::microseconds t) {
+  timeval tv{.tv_sec = static_cast<time_t>(t.count() / 1000000),
+             .tv_usec = static_cast<suseconds_t>(t.count() % 1000000)};
   (void)::setsockopt(fd, SOL_SOCKET, option, &tv, sizeof(tv));
 }
 
-std::string Response(std::string_view status, std::string_view content_type,
-                     std::string_view body, bool head, std::string_view extra_headers = {}) {
+std::string Response(std::string_view status, std::string_view content_type, std::string_view body,
+                     bool head, std::string_view extra_headers = {}) {
   std::string out = StrCat("HTTP/1.1 ", status, "\r\nContent-Type: ", content_type,
                            "\r\nContent-Length: ", body.size(), "\r\n", extra_headers,
                            "Connection: close\r\n\r\n");
@@ -180,13 +182,17 @@ void PrometheusText::Histogram(std::string_view name, const Labels& labels,
 // ------------------------------------------------------------ the listener
 
 MetricsServer::MetricsServer(UniqueFd fd, std::string address, std::string unix_path)
-    : listen_fd_(std::move(fd)), address_(std::move(address)), unix_path_(std::move(unix_path)) {}
+    : listen_fd_(std::move(fd)), address_(std::move(address)), unix_path_(std::move(unix_path)) {
+  // Non-blocking: Run accepts every connection waiting, until EAGAIN.
+  const int flags = ::fcntl(listen_fd_.get(), F_GETFL);
+  if (flags >= 0) (void)::fcntl(listen_fd_.get(), F_SETFL, flags | O_NONBLOCK);
+}
 
 MetricsServer::~MetricsServer() {
   Stop();
   // The socket file, if it is still the one this server bound (another
   // server may have replaced it since).
-  struct stat st{};
+  struct stat st {};
   if (!unix_path_.empty() && ::lstat(unix_path_.c_str(), &st) == 0 &&
       std::pair(st.st_dev, st.st_ino) == unix_inode_) {
     ::unlink(unix_path_.c_str());
@@ -204,15 +210,15 @@ Result<std::unique_ptr<MetricsServer>> MetricsServer::Listen(std::string_view ad
     sockaddr_un sa{};
     sa.sun_family = AF_UNIX;
     if (path.empty() || path.size() >= sizeof(sa.sun_path)) {
-      return bad(StrCat("a Unix socket's path takes 1 to ", sizeof(sa.sun_path) - 1, " bytes, this one ",
-                        path.size()));
+      return bad(StrCat("a Unix socket's path takes 1 to ", sizeof(sa.sun_path) - 1,
+                        " bytes, this one ", path.size()));
     }
     std::memcpy(sa.sun_path, path.data(), path.size());
     UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
     if (!fd.valid()) return PosixError("socket(AF_UNIX) for the metrics", errno);
     // A socket file a previous run left (nobody listens on it) is replaced;
     // one that a live server answers on is not taken over.
-    struct stat st{};
+    struct stat st {};
     if (::lstat(path.c_str(), &st) == 0) {
       if (!S_ISSOCK(st.st_mode)) return bad("something other than a socket is there");
       // Non-blocking: a live server with a full backlog says EAGAIN at once.
@@ -229,7 +235,7 @@ Result<std::unique_ptr<MetricsServer>> MetricsServer::Listen(std::string_view ad
     if (::bind(fd.get(), reinterpret_cast<const sockaddr*>(&sa), sizeof(sa)) != 0) {
       return PosixError(StrCat("bind the metrics socket ", path), errno);
     }
-    if (::chmod(path.c_str(), 0660) != 0 || ::listen(fd.get(), 16) != 0 ||
+    if (::chmod(path.c_str(), 0660) != 0 || ::listen(fd.get(), 128) != 0 ||
         ::lstat(path.c_str(), &st) != 0) {
       const int err = errno;
       ::unlink(path.c_str());
@@ -243,6 +249,7 @@ Result<std::unique_ptr<MetricsServer>> MetricsServer::Listen(std::string_view ad
   const size_t colon = address.rfind(':');
   if (colon == std::string_view::npos || colon == 0) return bad("no port");
   std::string_view host = address.substr(0, colon);
+  if (host == "localhost") host = "127.0.0.1";
   const std::string_view port_text = address.substr(colon + 1);
   unsigned port = 0;
   auto [ptr, ec] = std::from_chars(port_text.data(), port_text.data() + port_text.size(), port);
@@ -275,7 +282,7 @@ Result<std::unique_ptr<MetricsServer>> MetricsServer::Listen(std::string_view ad
   if (::bind(fd.get(), reinterpret_cast<const sockaddr*>(&ss), len) != 0) {
     return PosixError(StrCat("bind the metrics listener to ", address), errno);
   }
-  if (::listen(fd.get(), 16) != 0) {
+  if (::listen(fd.get(), 128) != 0) {
     return PosixError(StrCat("listen on ", address, " for the metrics"), errno);
   }
   ZT_ASSIGN_OR_RETURN(std::string bound, DescribeListener(fd.get()));
@@ -285,7 +292,8 @@ Result<std::unique_ptr<MetricsServer>> MetricsServer::Listen(std::string_view ad
 Result<std::unique_ptr<MetricsServer>> MetricsServer::FromFd(int fd) {
   UniqueFd owned(fd);
   ZT_ASSIGN_OR_RETURN(std::string address, DescribeListener(owned.get()));
-  return std::unique_ptr<MetricsServer>(new MetricsServer(std::move(owned), std::move(address), ""));
+  return std::unique_ptr<MetricsServer>(
+      new MetricsServer(std::move(owned), std::move(address), ""));
 }
 
 void MetricsServer::Start(std::function<std::string()> render) {
@@ -312,7 +320,8 @@ void MetricsServer::Run() {
   std::vector<pollfd> pfds;
   while (!stop_.load()) {
     pfds.assign(1, pollfd{.fd = listen_fd_.get(), .events = POLLIN, .revents = 0});
-    for (const Pending& p : pending) pfds.push_back({.fd = p.fd.get(), .events = POLLIN, .revents = 0});
+    for (const Pending& p : pending)
+      pfds.push_back({.fd = p.fd.get(), .events = POLLIN, .revents = 0});
     if (::poll(pfds.data(), pfds.size(), 200) < 0 && errno != EINTR) {
       ZT_LOG(kWarn, "ztierd") << "metrics: poll: " << std::strerror(errno);
       std::this_thread::sleep_for(std::chrono::milliseconds(100));
@@ -332,8 +341,8 @@ void MetricsServer::Run() {
         }
         if (n <= 0) continue;  // gone: closed with `p`
         p.req.append(buf, static_cast<size_t>(n));
-        const bool complete = p.req.find("\r\n\r\n") != std::string::npos ||
-                              p.req.find("\n\n") != std::string::npos;
+        const bool complete =
+            p.req.find("\r\n\r\n") != std::string::npos || p.req.find("\n\n") != std::string::npos;
         if (complete || p.req.size() >= kMaxRequestBytes) {
           Answer(p.fd.get(), p.req);
           continue;
@@ -343,24 +352,41 @@ void MetricsServer::Run() {
     }
     pending.swap(still);
     if ((pfds[0].revents & POLLIN) == 0) continue;
-    const int c = ::accept4(listen_fd_.get(), nullptr, nullptr, SOCK_CLOEXEC);
-    if (c < 0) {
-      if (errno != EAGAIN && errno != EINTR && errno != ECONNABORTED) {
-        ZT_LOG(kWarn, "ztierd") << "metrics: accept: " << std::strerror(errno);
-        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    // Every connection waiting (one a round left a burst of scrapers in
+    // the backlog, retrying their SYNs a second later).
+    for (size_t taken = 0; taken < kMaxPending; ++taken) {
+      const int c = ::accept4(listen_fd_.get(), nullptr, nullptr, SOCK_CLOEXEC);
+      if (c < 0) {
+        if (errno == ECONNABORTED || errno == EINTR) continue;
+        if (errno != EAGAIN && errno != EWOULDBLOCK) {
+          ZT_LOG(kWarn, "ztierd") << "metrics: accept: " << std::strerror(errno);
+          std::this_thread::sleep_for(std::chrono::milliseconds(100));
+        }
+        break;
       }
-      continue;
+      if (pending.size() >= kMaxPending) pending.pop_front();
+      pending.push_back({.fd = UniqueFd(c), .req = {}, .deadline = now + kRequestTimeout});
     }
-    if (pending.size() >= kMaxPending) pending.pop_front();
-    pending.push_back({.fd = UniqueFd(c), .req = {}, .deadline = now + kRequestTimeout});
   }
 }
 
 void MetricsServer::Answer(int fd, std::string_view req) {
   SetTimeout(fd, SO_SNDTIMEO, kSendTimeout);
-  if (req.find("\r\n\r\n") == std::string_view::npos && req.find("\n\n") == std::string_view::npos) {
+  if (req.find("\r\n\r\n") == std::string_view::npos &&
+      req.find("\n\n") == std::string_view::npos) {
     (void)SendAll(fd, Response("431 Request Header Fields Too Large", "text/plain",
                                "request too large\n", false));
+    // The rest of the request is read (briefly, boundedly) before the
+    // close: closing with input unread resets the connection, and the
+    // client then sees a reset instead of the answer.
+    ::shutdown(fd, SHUT_WR);
+    SetTimeout(fd, SO_RCVTIMEO, std::chrono::milliseconds(100));
+    char sink[4096];
+    for (size_t drained = 0; drained < (size_t{1} << 20);) {
+      const ssize_t n = ::recv(fd, sink, sizeof(sink), 0);
+      if (n <= 0) break;
+      drained += static_cast<size_t>(n);
+    }
     return;
   }
   // "METHOD SP TARGET SP HTTP/x.y"

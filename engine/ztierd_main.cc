@@ -15,12 +15,16 @@
 // stop accepting, tell every client why, free every job and exit 0.
 //
 // Exit codes: 0 stopped by a signal, 1 a runtime error (printed), 2 bad
-// usage (flags, config, environment).
+// usage (flags, config, environment; an engine the settings cannot make,
+// such as a swap directory missing or read-only).
 #include <grp.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdlib.h>
 #include <unistd.h>
+
+#include <cerrno>
+#include <cstdlib>
 
 #include <atomic>
 #include <charconv>
@@ -172,6 +176,28 @@ Result<Flags> ParseFlags(int argc, char** argv) {
   return f;
 }
 
+// Says why the engine could not be made; the exit code: 2 where starting
+// again cannot help until the settings change (a bad value, a swap
+// directory missing, read-only or not ztierd's to write: systemd's
+// RestartPreventExitStatus=2 then stops the restarts), 1 otherwise.
+int EngineFailure(const Status& s) {
+  std::fprintf(stderr, "ztierd: %s\n", s.ToString().c_str());
+  const int err = s.sys_errno();
+  const bool denied = err == EROFS || err == EACCES || err == EPERM;
+  if (denied && std::getenv("INVOCATION_ID") != nullptr) {  // started by systemd
+    std::fprintf(stderr,
+                 "ztierd: under systemd (ProtectSystem=strict) every swap directory must be "
+                 "listed in ReadWritePaths= of ztierd.service: systemctl edit ztierd.service "
+                 "(deploy/README.md)\n");
+  }
+  const StatusCode c = s.code();
+  const bool settings = c == StatusCode::kInvalidArgument || c == StatusCode::kNotFound ||
+                        c == StatusCode::kFailedPrecondition ||
+                        c == StatusCode::kPermissionDenied || denied || err == ENOENT ||
+                        err == ENOTDIR;
+  return settings ? 2 : 1;
+}
+
 // The listening sockets: systemd's (LISTEN_FDS: the one named "control",
 // or the only one; and the one named "metrics", kept in `*metrics_fd`),
 // else --socket.
@@ -285,9 +311,8 @@ int Run(const Flags& f) {
   (void)notifier->SetStatus("starting the engine");
   Result<std::unique_ptr<Daemon>> daemon = Daemon::Create(settings, options);
   if (!daemon.ok()) {
-    std::fprintf(stderr, "ztierd: %s\n", daemon.status().ToString().c_str());
     (void)listener->Close();
-    return daemon.status().code() == StatusCode::kInvalidArgument ? 2 : 1;
+    return EngineFailure(daemon.status());
   }
   Daemon& d = **daemon;
 

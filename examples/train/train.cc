@@ -139,7 +139,7 @@ void Usage(std::ostream& os) {
      << ")\n"
         "  --out DIR                checkpoint, log, export and swap go here (default ztier-run);\n"
         "                           one run at a time\n"
-        "  --swap-dir DIR[,DIR..]   NVMe swap directories (default <out>/swap)\n"
+        "  --swap-dir DIR[,DIR..]   NVMe swap directories, which must exist (default <out>/swap)\n"
         "  --daemon SOCKET          train through the ztierd at SOCKET (its DRAM and swap;\n"
         "                           optimizer states default to dram there)\n"
         "  --resume                 continue from <out>/checkpoint (and finish its export)\n"
@@ -1080,15 +1080,18 @@ int Run(const Flags& f, const Plan& p) {
         StrCat("--resume: there is no checkpoint in ", OutPaths(f.out).checkpoint)));
   }
   if (Status s = CreateDir(f.out, "--out directory"); !s.ok()) return fail(s);
-  // A swap directory is made if its parent exists (<out>/swap, by default):
-  // a typo further up is an error, not a swap space on another filesystem.
+  // Swap directories must exist, the default <out>/swap aside (made here):
+  // one made under a drive's mount point that is not mounted would put the
+  // swap space on the root filesystem, silently.
+  const std::string default_swap = (fs::path(f.out) / "swap").string();
   for (const std::string& dir : p.settings.nvme_paths) {
     std::error_code ec;
     if (fs::is_directory(dir, ec)) continue;
-    const fs::path parent = AbsoluteNormal(dir).parent_path();
-    if (!fs::is_directory(parent, ec)) {
-      return fail(Status::NotFound(
-          StrCat("swap directory ", dir, ": its parent ", parent.string(), " does not exist")));
+    if (dir != default_swap) {
+      return fail(
+          Status::NotFound(StrCat("swap directory ", dir,
+                                  " does not exist (swap directories must: create it on "
+                                  "the drive, mounted, or leave --swap-dir out for <out>/swap)")));
     }
     if (Status s = CreateDir(dir, "swap directory"); !s.ok()) return fail(s);
   }

@@ -914,11 +914,12 @@ TEST(DaemonClientTest, ADaemonOfAnotherProtocolVersionIsNamedAsSuch) {
 // ------------------------------------------- the ztierd program, as root
 
 // ztierd with `args` to its end (at most 30 s): {exit code, its output}.
-std::pair<int, std::string> RunZtierd(const std::string& args) {
+// `env`: VAR=value words before it.
+std::pair<int, std::string> RunZtierd(const std::string& args, const std::string& env = "") {
   ScratchDir dir("ztierd-cli");
   const std::string out = dir.path() + "/out.txt";
   const int st = std::system(
-      StrCat("timeout -s KILL 30 ", ZTIERD_BINARY, " ", args, " >", out, " 2>&1").c_str());
+      StrCat(env, " timeout -s KILL 30 ", ZTIERD_BINARY, " ", args, " >", out, " 2>&1").c_str());
   std::string text;
   if (FILE* f = std::fopen(out.c_str(), "r")) {
     char buf[4096];
@@ -958,6 +959,12 @@ TEST(ZtierdProgramTest, BadUsageAndASocketInUseAreClearErrors) {
   EXPECT_NE(out.find("/nonexistent-dir is not a directory ztierd can write"), std::string::npos)
       << out;
   EXPECT_FALSE(std::filesystem::exists(cfg.path() + "/q.sock")) << "its socket was left behind";
+  // A swap directory that is not there: a settings error (2), which
+  // systemd does not restart in a loop (it was 1, a runtime error).
+  std::tie(rc, out) =
+      RunZtierd("--socket " + cfg.path() + "/s.sock", "ZTIER_NVME_PATHS=" + cfg.path() + "/none");
+  EXPECT_EQ(rc, 2) << out;
+  EXPECT_NE(out.find(cfg.path() + "/none"), std::string::npos) << out;
   // A second ztierd on a live socket: refused, naming it; the first one
   // serves on.
   ZtierdProcess d(ZTIERD_BINARY, {});
