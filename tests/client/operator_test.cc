@@ -652,6 +652,11 @@ TEST(MetricsTest, AScrapeOfARunningDaemonIsValidExposition) {
     ZtierdProcess d(ZTIERD_BINARY, {"--metrics", where});
     const std::string address = MetricsAddress(d);
     ASSERT_FALSE(address.empty()) << d.log();
+    // An oversized request gets its 431 (it got a reset: closed unread).
+    Result<std::string> big =
+        Http(address, "GET /" + std::string(20000, 'a') + " HTTP/1.1\r\n\r\n");
+    ASSERT_TRUE(big.ok()) << big.status();
+    EXPECT_TRUE(big->starts_with("HTTP/1.1 431")) << *big;
     Result<std::unique_ptr<Session>> s = OpenSession(d.socket());
     ASSERT_TRUE(s.ok()) << s.status() << d.log();
     Result<std::unique_ptr<Model>> m = (*s)->RegisterModel(TwoUnits("scraped \"job\" \\"));
