@@ -3,6 +3,7 @@
 #include "engine/state_files.h"
 
 #include <cerrno>
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <map>
@@ -161,6 +162,35 @@ Result<std::string> ReadManifest(const std::string& dir) {
 // Reads unit k's shards (as `m` names them) into flat buffers of the
 // checkpoint's layout, verifying sizes, checksums and headers; with
 // `apply`, lays the state out in the job's layout there.
+// A shard's master, m and v (`shard` elements each, back to back, from
+// element `first` of unit k) hold what an optimizer could have left:
+// finite values, v >= 0. A checkpoint whose checksums were rewritten over
+// other values (or saved by another program) trained on as NaN, every step
+// skipped. Corruption, naming the file, the tensor and the element.
+Status CheckFinite(const JobDescription& job, size_t k, uint64_t first, const float* data,
+                   uint64_t shard, const std::string& where) {
+  static constexpr const char* kArrays[3] = {"fp32 master", "m (exp_avg)", "v (exp_avg_sq)"};
+  for (int a = 0; a < 3; ++a) {
+    const float* x = data + a * shard;
+    for (uint64_t i = 0; i < shard; ++i) {
+      if (std::isfinite(x[i]) && (a < 2 || x[i] >= 0.0f)) continue;
+      const uint64_t at = first + i;
+      const UnitLayout& l = job.layouts[k];
+      std::string what = "its padding";
+      for (size_t t = l.offsets.size(); t-- > 0;) {
+        if (at < l.numel && l.offsets[t] <= at) {
+          what = StrCat("tensor '", job.units[k].tensors[t].name, "' element ", at - l.offsets[t]);
+          break;
+        }
+      }
+      return Status::Corruption(StrCat("checkpoint file ", where, ": unit '", job.units[k].name,
+                                       "' ", what, " has ", kArrays[a], " ", x[i],
+                                       ", which no training leaves; nothing was loaded"));
+    }
+  }
+  return Status::Ok();
+}
+
 Status LoadUnit(const JobDescription& job, const CheckpointManifest& m, const std::string& dir,
                 size_t k, const UnitState* apply) {
   const UnitLayout& layout = job.layouts[k];
@@ -198,7 +228,12 @@ Status LoadUnit(const JobDescription& job, const CheckpointManifest& m, const st
                                        ": header does not match the manifest (unit ", k, ", rank ",
                                        r, ")"));
     }
-    if (!apply) continue;
+    if (!apply) {
+      ZT_RETURN_IF_ERROR(CheckFinite(
+          job, k, r * shard, reinterpret_cast<const float*>(data->data() + kShardHeaderBytes),
+          shard, where));
+      continue;
+    }
     for (int a = 0; a < 3; ++a) {
       std::memcpy(flat[a].data() + r * shard, data->data() + kShardHeaderBytes + a * shard * 4,
                   shard * 4);

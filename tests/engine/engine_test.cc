@@ -32,6 +32,8 @@
 
 #include <limits>
 
+#include "common/crc32c.h"
+#include "engine/checkpoint_manifest.h"
 #include "nvme/io_backend.h"
 
 namespace ztier::engine {
@@ -849,6 +851,28 @@ TEST_F(CheckpointTest, DamagedCheckpointsAreRejectedClearly) {
   put(manifest, good_manifest.substr(0, good_manifest.size() / 2));
   s = load();
   EXPECT_EQ(s.code(), StatusCode::kCorruption) << s;
+  put(manifest, good_manifest);
+
+  // Values no training leaves (NaN in a master, v < 0) under checksums
+  // made over them: refused, naming the tensor (it trained on as NaN, every
+  // step skipped).
+  for (const auto& [array, value] : {std::pair{0, NAN}, {2, -1.0f}}) {
+    std::string forged = good_unit;
+    const uint64_t shard = (good_unit.size() - kShardHeaderBytes) / 12;
+    std::memcpy(forged.data() + kShardHeaderBytes + (array * shard + 3) * 4, &value, 4);
+    put(unit_file, forged);
+    Result<CheckpointManifest> m = DecodeCheckpointManifest(good_manifest, "manifest");
+    ASSERT_TRUE(m.ok()) << m.status();
+    m->units[1].shards[0].crc32c = Crc32c(forged.data(), forged.size());
+    put(manifest, EncodeCheckpointManifest(*m));
+    s = load();
+    EXPECT_EQ(s.code(), StatusCode::kCorruption) << s;
+    EXPECT_NE(s.message().find("tensor 'block0.w1' element 3"), std::string::npos) << s;
+    EXPECT_NE(s.message().find(array == 0 ? "fp32 master nan" : "v (exp_avg_sq) -1"),
+              std::string::npos)
+        << s;
+  }
+  put(unit_file, good_unit);
   put(manifest, good_manifest);
 
   // A job of another shape is refused, naming the unit.
