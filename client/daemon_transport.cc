@@ -38,6 +38,7 @@
 #include "client/transport.h"
 #include "common/dir_lock.h"
 #include "common/log.h"
+#include "engine/engine.h"
 #include "engine/protocol.h"
 #include "engine/seqpacket.h"
 #include "engine/shared_memory.h"
@@ -104,11 +105,13 @@ class DaemonTransport final : public Transport, public ControlTransport {
   std::string name() const override { return "daemon"; }
 
   Result<int> RegisterJob(const engine::JobSpec& spec) override {
+    ZT_RETURN_IF_ERROR(engine::ValidateJobSpec(spec));  // as the embedded engine says it
     return OpenJob(p::MessageType::kRegisterJob, p::Encode(spec), spec, kCallTimeout);
   }
 
   Result<int> AttachJob(const engine::JobSpec& spec, int rank,
                         std::chrono::milliseconds timeout) override {
+    ZT_RETURN_IF_ERROR(engine::ValidateJobSpec(spec));
     return OpenJob(p::MessageType::kAttachJob,
                    p::Encode(p::AttachRequest{.rank = rank, .timeout = timeout, .spec = spec}),
                    spec, timeout + kCallTimeout);

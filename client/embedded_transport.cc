@@ -23,7 +23,10 @@ class EmbeddedTransport final : public Transport {
   explicit EmbeddedTransport(std::unique_ptr<engine::Engine> engine) : e_(std::move(engine)) {}
   std::string name() const override { return "embedded"; }
 
-  Result<int> RegisterJob(const engine::JobSpec& spec) override { return e_->RegisterJob(spec); }
+  Result<int> RegisterJob(const engine::JobSpec& spec) override {
+    ZT_RETURN_IF_ERROR(engine::ValidateJobSpec(spec));  // as a client of ztierd checks it
+    return e_->RegisterJob(spec);
+  }
   Result<int> AttachJob(const engine::JobSpec& spec, int rank,
                         std::chrono::milliseconds /*timeout*/) override {
     return Status::FailedPrecondition(

@@ -568,7 +568,11 @@ namespace {
 // Names go into JSON (checkpoint manifests, safetensors headers, ztierd's
 // status) and onto operators' terminals: valid UTF-8 without control
 // characters, or the first bad byte named.
-Status CheckName(std::string_view what, std::string_view name) {
+Status CheckName(std::string_view what, std::string_view name, size_t prefix_bytes = 0) {
+  if (name.size() > kMaxNameBytes + prefix_bytes) {
+    return Status::InvalidArgument(
+        StrCat(what, " is ", name.size(), " bytes, more than ", kMaxNameBytes + prefix_bytes));
+  }
   for (size_t i = 0; i < name.size();) {
     const Utf8Char ch = DecodeUtf8(name, i);
     if (ch.length == 0) {
@@ -588,28 +592,24 @@ Status CheckName(std::string_view what, std::string_view name) {
 
 }  // namespace
 
-Result<int> Engine::RegisterJob(const JobSpec& spec) {
-  Impl& e = *impl_;
+Status ValidateJobSpec(const JobSpec& spec, size_t name_prefix_bytes) {
   if (spec.name.empty()) return Status::InvalidArgument("a job needs a name");
-  ZT_RETURN_IF_ERROR(CheckName("the job name", spec.name));
-  for (size_t k = 0; k < spec.units.size(); ++k) {
-    const UnitSpec& us = spec.units[k];
-    ZT_RETURN_IF_ERROR(CheckName(StrCat("job '", spec.name, "' unit ", k, "'s name"), us.name));
-    for (size_t t = 0; t < us.tensors.size(); ++t) {
-      ZT_RETURN_IF_ERROR(
-          CheckName(StrCat("job '", spec.name, "' unit '", us.name, "' tensor ", t, "'s name"),
-                    us.tensors[t].name));
-    }
-  }
+  ZT_RETURN_IF_ERROR(CheckName("the job name", spec.name, name_prefix_bytes));
   if (spec.units.empty())
     return Status::InvalidArgument(StrCat("job '", spec.name, "' has no units"));
+  if (spec.units.size() > kMaxUnits) {
+    return Status::InvalidArgument(
+        StrCat("job '", spec.name, "' has ", spec.units.size(), " units, more than ", kMaxUnits));
+  }
   if (spec.ranks < 1 || spec.ranks > 1024) {
     return Status::InvalidArgument(
         StrCat("job '", spec.name, "': ranks ", spec.ranks, " not in 1..1024"));
   }
-  if (spec.optimizer.grad_accumulation < 1) {
-    return Status::InvalidArgument(
-        StrCat("job '", spec.name, "': gradient accumulation must be >= 1"));
+  if (spec.optimizer.grad_accumulation < 1 ||
+      spec.optimizer.grad_accumulation > kMaxGradAccumulation) {
+    return Status::InvalidArgument(StrCat("job '", spec.name, "': gradient accumulation ",
+                                          spec.optimizer.grad_accumulation, " not in 1..",
+                                          kMaxGradAccumulation));
   }
   if (spec.optimizer.mode == StepMode::kEager && spec.optimizer.clip_norm > 0.0f) {
     return Status::InvalidArgument(
@@ -624,6 +624,10 @@ Result<int> Engine::RegisterJob(const JobSpec& spec) {
   ZT_RETURN_IF_ERROR(
       cpu_adam::ValidateHyper(spec.optimizer.hyper).Annotate(StrCat("job '", spec.name, "'")));
   const std::vector<float>& group_decay = spec.optimizer.group_weight_decay;
+  if (group_decay.size() > kMaxParamGroups) {
+    return Status::InvalidArgument(StrCat("job '", spec.name, "' has ", group_decay.size(),
+                                          " param groups, more than ", kMaxParamGroups));
+  }
   for (size_t g = 0; g < group_decay.size(); ++g) {
     if (!std::isfinite(group_decay[g]) || group_decay[g] < 0.0f) {
       return Status::InvalidArgument(StrCat("job '", spec.name, "': param group ", g,
@@ -638,6 +642,71 @@ Result<int> Engine::RegisterJob(const JobSpec& spec) {
                "': bf16 params on nvme need the optimizer states on nvme too (params take 2 of "
                "the 16 bytes a parameter needs; move the other 12 first)"));
   }
+  uint64_t job_elements = 0;
+  for (size_t k = 0; k < spec.units.size(); ++k) {
+    const UnitSpec& us = spec.units[k];
+    if (us.name.empty()) {
+      return Status::InvalidArgument(StrCat("job '", spec.name, "' unit ", k, " has no name"));
+    }
+    ZT_RETURN_IF_ERROR(CheckName(StrCat("job '", spec.name, "' unit ", k, "'s name"), us.name));
+    const std::string where = StrCat("job '", spec.name, "' unit '", us.name, "'");
+    if (us.tensors.empty()) return Status::InvalidArgument(StrCat(where, " is empty"));
+    if (us.tensors.size() > kMaxTensorsPerUnit) {
+      return Status::InvalidArgument(
+          StrCat(where, " has ", us.tensors.size(), " tensors, more than ", kMaxTensorsPerUnit));
+    }
+    uint64_t unit_elements = 0;
+    for (size_t t = 0; t < us.tensors.size(); ++t) {
+      const TensorSpec& ts = us.tensors[t];
+      if (ts.name.empty()) {
+        return Status::InvalidArgument(StrCat(where, " tensor ", t, " has no name"));
+      }
+      ZT_RETURN_IF_ERROR(CheckName(StrCat(where, " tensor ", t, "'s name"), ts.name));
+      if (ts.group >= groups) {
+        return Status::InvalidArgument(StrCat(
+            where, " tensor '", ts.name, "' is in param group ", ts.group, "; the job has ", groups,
+            group_decay.empty() ? " (no group_weight_decay)" : " (group_weight_decay)"));
+      }
+      if (ts.shape.size() > kMaxDims) {
+        return Status::InvalidArgument(StrCat(where, " tensor '", ts.name, "' has ",
+                                              ts.shape.size(), " dimensions, more than ",
+                                              kMaxDims));
+      }
+      uint64_t n = 1;
+      for (int64_t d : ts.shape) {
+        if (d <= 0) {
+          return Status::InvalidArgument(
+              StrCat(where, " tensor '", ts.name, "' has a dimension <= 0"));
+        }
+        const std::optional<uint64_t> p = CheckedMul(n, static_cast<uint64_t>(d));
+        if (!p || *p > kMaxUnitElements) {
+          return Status::InvalidArgument(StrCat(where, " tensor '", ts.name, "' has more than ",
+                                                kMaxUnitElements, " elements"));
+        }
+        n = *p;
+      }
+      unit_elements += n;
+      if (unit_elements > kMaxUnitElements) {
+        return Status::InvalidArgument(
+            StrCat(where, " has more than ", kMaxUnitElements, " elements; split it"));
+      }
+    }
+    job_elements += unit_elements;
+    if (job_elements > kMaxJobElements) {
+      return Status::InvalidArgument(
+          StrCat("job '", spec.name, "' has more than ", kMaxJobElements, " elements"));
+    }
+  }
+  return Status::Ok();
+}
+
+Result<int> Engine::RegisterJob(const JobSpec& spec) {
+  Impl& e = *impl_;
+  // Room for ztierd's scope before the name ("uid4294967295/"); its client
+  // checked the name without it.
+  ZT_RETURN_IF_ERROR(ValidateJobSpec(spec, /*name_prefix_bytes=*/16));
+  const std::vector<float>& group_decay = spec.optimizer.group_weight_decay;
+  const uint64_t groups = group_decay.empty() ? 1 : group_decay.size();
   if (spec.optimizer_tier == Tier::kNvme && e.swap == nullptr) {
     return Status::FailedPrecondition(
         StrCat("job '", spec.name,
@@ -682,34 +751,12 @@ Result<int> Engine::RegisterJob(const JobSpec& spec) {
   for (size_t k = 0; k < spec.units.size(); ++k) {
     const UnitSpec& us = spec.units[k];
     Unit& u = job->units[k];
-    const std::string where = StrCat("job '", spec.name, "' unit '", us.name, "'");
-    for (const TensorSpec& t : us.tensors) {
-      if (t.group >= groups) {
-        return Status::InvalidArgument(StrCat(
-            where, " tensor '", t.name, "' is in param group ", t.group, "; the job has ", groups,
-            group_decay.empty() ? " (no group_weight_decay)" : " (group_weight_decay)"));
-      }
+    for (const TensorSpec& t : us.tensors) {  // ValidateJobSpec bounded every figure
       uint64_t n = 1;
-      for (int64_t d : t.shape) {
-        if (d <= 0) {
-          return Status::InvalidArgument(
-              StrCat(where, " tensor '", t.name, "' has a dimension <= 0"));
-        }
-        const std::optional<uint64_t> p = CheckedMul(n, static_cast<uint64_t>(d));
-        if (!p || *p > kMaxUnitElements) {
-          return Status::InvalidArgument(StrCat(where, " tensor '", t.name, "' has more than ",
-                                                kMaxUnitElements, " elements"));
-        }
-        n = *p;
-      }
+      for (int64_t d : t.shape) n *= static_cast<uint64_t>(d);
       u.layout.offsets.push_back(u.layout.numel);
       u.layout.numel += n;
-      if (u.layout.numel > kMaxUnitElements) {
-        return Status::InvalidArgument(
-            StrCat(where, " has more than ", kMaxUnitElements, " elements; split it"));
-      }
     }
-    if (u.layout.numel == 0) return Status::InvalidArgument(StrCat(where, " is empty"));
     u.layout.padded = RoundUp(u.layout.numel, granule);
     u.layout.shard = u.layout.padded / spec.ranks;
     for (size_t t = 0; split && t < us.tensors.size(); ++t) {

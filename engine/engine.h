@@ -73,6 +73,17 @@ class IoBackend;
 
 namespace ztier::engine {
 
+// What Engine::RegisterJob checks of a spec on its own, before anything
+// of the engine's: names (non-empty where they must be, valid UTF-8
+// without control characters, at most kMaxNameBytes), the counts and
+// figures of engine/wire_types.h's limits (a scalar tensor has no dims),
+// ranks 1..1024, the optimizer's settings and tiers. A client of ztierd
+// checks its spec with it before sending it, so both ways say the same.
+// `name_prefix_bytes`: of the job's name, a prefix its sender put there
+// (ztierd's scope, "uid<N>/"), not counted against the limit. Errors:
+// InvalidArgument, naming the job, unit and tensor.
+Status ValidateJobSpec(const JobSpec& spec, size_t name_prefix_bytes = 0);
+
 // The longest wait: a century, forever to anyone waiting. Longer timeouts
 // (INT64_MAX ms, say) are cut to it, since the clock's nanoseconds would
 // overflow and time the wait out at once.

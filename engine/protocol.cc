@@ -697,8 +697,7 @@ Result<JobSpec> DecodeJobSpec(std::string_view bytes) {
       TensorSpec ts;
       uint32_t dims = 0;
       r.Str(&ts.name, "tensor name", kMaxNameBytes);
-      if (!r.Count(&dims, "dims", kMaxDims, 8)) break;
-      if (dims == 0) r.Fail(StrCat("unit ", k, " tensor ", t, " has no dims"));
+      if (!r.Count(&dims, "dims", kMaxDims, 8)) break;  // 0: a scalar
       uint64_t elements = 1;
       for (uint32_t d = 0; d < dims; ++d) {
         int64_t dim = 0;

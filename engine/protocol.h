@@ -49,15 +49,15 @@ inline constexpr uint32_t kMaxFdsPerMessage = 4;
 // A JobSpec in a memfd: bounded so a client cannot make the daemon read
 // gigabytes (a million tensors' names and shapes fit).
 inline constexpr uint64_t kMaxMemfdPayloadBytes = uint64_t{256} << 20;
-// Limits of the decoders (each far above real models).
-inline constexpr uint32_t kMaxNameBytes = 1024;
+// Limits of the decoders (each far above real models): a JobSpec's are
+// engine/wire_types.h's, which the engine keeps too (ValidateJobSpec).
+using engine::kMaxDims;
+using engine::kMaxNameBytes;
+using engine::kMaxParamGroups;
+using engine::kMaxTensorsPerUnit;
+using engine::kMaxUnits;
 inline constexpr uint32_t kMaxMessageText = 4096;
-inline constexpr uint32_t kMaxUnits = 1 << 20;
-inline constexpr uint32_t kMaxTensorsPerUnit = 1 << 16;
-inline constexpr uint32_t kMaxDims = 8;
 inline constexpr int kMaxRanks = 1 << 16;
-// Optimizer param groups of a job (group_weight_decay, learning rates).
-inline constexpr uint32_t kMaxParamGroups = 1 << 16;
 // The operator's lists (jobs, quotas) come in pages of at most this many
 // (each page's reply fits in a datagram; `more` says another follows).
 inline constexpr uint32_t kMaxListed = 4096;

@@ -19,6 +19,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <random>
 #include <string>
 #include <thread>
@@ -811,6 +812,58 @@ TEST_F(DaemonTest, AStepIsAbortedThroughTheDaemon) {
   }
   ASSERT_TRUE((*runner)->Step().ok());
   EXPECT_TRUE((*m)->WaitPublished(1, 30s).ok());
+}
+
+// A bad model is refused with the same code and words through ztierd as
+// by the embedded engine (the daemon's decoder said "corruption" for a
+// negative dimension or a NaN learning rate; it refused a scalar tensor
+// the engine takes, and the engine a name the decoder would not).
+TEST_F(DaemonTest, ABadModelIsRefusedAsTheEmbeddedEngineRefusesIt) {
+  struct Case {
+    const char* what;
+    std::function<void(Session::ModelSpec&)> spoil;
+  };
+  const std::vector<Case> cases = {
+      {"a negative dimension", [](Session::ModelSpec& m) { m.units[0].tensors[0].shape = {-5}; }},
+      {"a zero dimension",
+       [](Session::ModelSpec& m) {
+         m.units[1].tensors[0].shape = {4, 0};
+       }},
+      {"no name", [](Session::ModelSpec& m) { m.name.clear(); }},
+      {"a name of 2000 bytes", [](Session::ModelSpec& m) { m.name.assign(2000, 'n'); }},
+      {"a control character", [](Session::ModelSpec& m) { m.name = "quo\"te\nnew"; }},
+      {"accumulation 0", [](Session::ModelSpec& m) { m.optimizer.grad_accumulation = 0; }},
+      {"a NaN learning rate", [](Session::ModelSpec& m) { m.optimizer.hyper.lr = std::nanf(""); }},
+      {"a tensor without a name", [](Session::ModelSpec& m) { m.units[0].tensors[0].name = ""; }},
+      {"nine dimensions", [](Session::ModelSpec& m) { m.units[0].tensors[0].shape.assign(9, 1); }},
+  };
+  SessionOptions through;
+  through.daemon_socket = socket();
+  SessionOptions embedded;
+  embedded.settings.dram_budget_bytes = uint64_t{64} << 20;
+  embedded.settings.pin_memory = false;
+  Result<std::unique_ptr<Session>> d = Session::Open(through);
+  Result<std::unique_ptr<Session>> e = Session::Open(embedded);
+  ASSERT_TRUE(d.ok() && e.ok()) << d.status() << e.status();
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.what);
+    Session::ModelSpec m = ModelOf(TwoUnits("bad"));
+    c.spoil(m);
+    Result<std::unique_ptr<Model>> via_daemon = (*d)->RegisterModel(m);
+    Result<std::unique_ptr<Model>> in_process = (*e)->RegisterModel(m);
+    ASSERT_FALSE(via_daemon.ok());
+    ASSERT_FALSE(in_process.ok());
+    EXPECT_EQ(via_daemon.status().code(), StatusCode::kInvalidArgument) << via_daemon.status();
+    EXPECT_EQ(via_daemon.status().ToString(), in_process.status().ToString());
+  }
+  // A scalar (a learned temperature, say) is a tensor like any other.
+  Session::ModelSpec scalar = ModelOf(TwoUnits("scalar"));
+  scalar.units[1].tensors.push_back({.name = "u1.temperature", .shape = {}});
+  Result<std::unique_ptr<Model>> via_daemon = (*d)->RegisterModel(scalar);
+  Result<std::unique_ptr<Model>> in_process = (*e)->RegisterModel(scalar);
+  ASSERT_TRUE(via_daemon.ok()) << via_daemon.status();
+  ASSERT_TRUE(in_process.ok()) << in_process.status();
+  EXPECT_EQ((*via_daemon)->layout(1).numel, 1001u);
 }
 
 // A forked child (a data loader's worker) holds copies of its parent's

@@ -78,7 +78,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         for (const auto& t : u.tensors) {
           Require(t.group < (groups == 0 ? 1 : groups));
           uint64_t n = 1;
-          Require(!t.shape.empty() && t.shape.size() <= p::kMaxDims);
+          Require(t.shape.size() <= p::kMaxDims);
           for (int64_t d : t.shape) {
             Require(d >= 1);
             n *= static_cast<uint64_t>(d);  // bounded by the decoder's checks
