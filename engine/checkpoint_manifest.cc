@@ -43,6 +43,13 @@ class Fields {
     return v->get<std::string>();
   }
   // An integer in [lo, hi].
+  // "'key' n is outside lo..hi", or where only one value will do (a size
+  // the layout fixes) "'key' is n, where the layout has lo".
+  template <class T>
+  static std::string OutOf(std::string_view where, const char* key, T n, T lo, T hi) {
+    if (lo == hi) return StrCat(where, "'", key, "' is ", n, ", where the layout has ", lo);
+    return StrCat(where, "'", key, "' ", n, " is outside ", lo, "..", hi);
+  }
   Result<int64_t> Int(const Json& o, const char* key, std::string_view where, int64_t lo,
                       int64_t hi) const {
     ZT_ASSIGN_OR_RETURN(const Json* v, Get(o, key, where));
@@ -51,8 +58,7 @@ class Fields {
       return Bad(StrCat(where, "'", key, "' ", v->dump(), " is outside ", lo, "..", hi));
     }
     const int64_t n = v->get<int64_t>();
-    if (n < lo || n > hi)
-      return Bad(StrCat(where, "'", key, "' ", n, " is outside ", lo, "..", hi));
+    if (n < lo || n > hi) return Bad(OutOf(where, key, n, lo, hi));
     return n;
   }
   Result<uint64_t> Uint(const Json& o, const char* key, std::string_view where, uint64_t lo,
@@ -62,8 +68,7 @@ class Fields {
       return Bad(StrCat(where, "'", key, "' is not a non-negative integer"));
     }
     const uint64_t n = v->get<uint64_t>();
-    if (n < lo || n > hi)
-      return Bad(StrCat(where, "'", key, "' ", n, " is outside ", lo, "..", hi));
+    if (n < lo || n > hi) return Bad(OutOf(where, key, n, lo, hi));
     return n;
   }
   Result<const Json*> Array(const Json& o, const char* key, std::string_view where, size_t lo,
@@ -172,7 +177,11 @@ Result<CheckpointManifest> Decode(const Json& m, const Fields& f) {
         return f.Bad(StrCat(sw, "file name '", s.file, "' is not a plain name in the directory"));
       }
       if (!files.insert(s.file).second) return f.Bad(StrCat(sw, "file '", s.file, "' used twice"));
-      ZT_ASSIGN_OR_RETURN(int64_t rank, f.Int(cs, "rank", sw, r, r));
+      ZT_ASSIGN_OR_RETURN(int64_t rank, f.Int(cs, "rank", sw, 0, out.ranks - 1));
+      if (rank != r) {
+        return f.Bad(StrCat(sw, "'rank' is ", rank, ", in rank ", r,
+                            "'s place: a unit's shards are listed in rank order"));
+      }
       s.rank = static_cast<int>(rank);
       ZT_ASSIGN_OR_RETURN(s.elements, f.Uint(cs, "elements", sw, shard, shard));
       ZT_ASSIGN_OR_RETURN(s.bytes,

@@ -251,6 +251,20 @@ TEST_F(CheckpointFaultTest, ForgedManifestsWithValidChecksumsAreRefusedAndTouchN
   EXPECT_TRUE(other->LoadCheckpoint(job, dir_.path()).ok());
 }
 
+// Shards listed out of rank order are named as such (it said "'rank' 1 is
+// outside 0..0").
+TEST_F(CheckpointFaultTest, ShardsOutOfRankOrderAreNamedAsSuch) {
+  auto e = MakeEngine();
+  const int job = *e->RegisterJob(SmallModel("two", 2, 1.0f, 1, StepMode::kExact));
+  Train(*e, job, 2, 0, 1, 3);
+  ASSERT_TRUE(e->SaveCheckpoint(job, dir_.path()).ok());
+  Forge(dir_.path(),
+        [](Json& m) { std::swap(m["units"][1]["shards"][0], m["units"][1]["shards"][1]); });
+  Status s = e->LoadCheckpoint(job, dir_.path());
+  EXPECT_EQ(s.code(), StatusCode::kCorruption) << s;
+  EXPECT_NE(s.message().find("'rank' is 1, in rank 0's place"), std::string::npos) << s;
+}
+
 // A manifest of 200 KB nesting arrays 10^5 deep overflowed the stack (the
 // checksum copies and dumps the tree, a call a level) before any check.
 TEST_F(CheckpointFaultTest, ADeeplyNestedManifestIsRefusedNotACrash) {
@@ -458,8 +472,8 @@ TEST(EngineLimitsTest, NamesAreUtf8WithoutControlCharacters) {
   for (const auto& [spec, says] : std::vector<std::pair<JobSpec, std::string>>{
            {job("j", "u", "\xff\xfe"), "tensor 0's name is not valid UTF-8 (byte 0: 0xff)"},
            {job("j", "u", "w\xc3"), "is not valid UTF-8 (byte 1: 0xc3)"},
-           {job("j", "u", "\xc0\xaf"), "not valid UTF-8"},        // overlong '/'
-           {job("j", "u", "\xed\xa0\x80"), "not valid UTF-8"},   // a surrogate
+           {job("j", "u", "\xc0\xaf"), "not valid UTF-8"},      // overlong '/'
+           {job("j", "u", "\xed\xa0\x80"), "not valid UTF-8"},  // a surrogate
            {job("j", "u\nv", "w"), "unit 0's name holds a control character"},
            {job("a\tb", "u", "w"), "the job name holds a control character"}}) {
     Result<int> r = e->RegisterJob(spec);
@@ -472,9 +486,7 @@ TEST(EngineLimitsTest, NamesAreUtf8WithoutControlCharacters) {
   ASSERT_TRUE(ok.ok()) << ok.status();
   ASSERT_TRUE(e->WriteWeights(*ok, 0, std::vector<float>(8, 1.0f).data(), 8).ok());
   EXPECT_TRUE(e->SaveCheckpoint(*ok, dir / "ck").ok());
-  EXPECT_TRUE(
-      e->ExportSafetensors(*ok, dir / "m.safetensors", Engine::ExportType::kFloat32)
-          .ok());
+  EXPECT_TRUE(e->ExportSafetensors(*ok, dir / "m.safetensors", Engine::ExportType::kFloat32).ok());
 }
 
 // A safetensors file names each tensor once: a job whose units repeat a name
