@@ -1437,10 +1437,13 @@ class Daemon::Impl::Connection {
   template <class Call>
   auto Sliced(std::chrono::milliseconds timeout, Call call) -> decltype(call(timeout)) {
     const auto deadline = Clock::now() + timeout;
-    for (;;) {
-      const auto left =
-          std::max(std::chrono::milliseconds(0),
-                   std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()));
+    for (bool first = true;; first = false) {
+      // The first slice from the timeout itself (a wait of 300 ms said it
+      // waited 299, the clock having moved on).
+      const auto left = first ? timeout
+                              : std::max(std::chrono::milliseconds(0),
+                                         std::chrono::duration_cast<std::chrono::milliseconds>(
+                                             deadline - Clock::now()));
       const auto slice = std::min(left, kWaitSlice);
       auto r = call(slice);
       const Status s = StatusOf(r);

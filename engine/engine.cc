@@ -1428,9 +1428,9 @@ Status Engine::WaitPublished(int job, int unit, int64_t step, std::chrono::milli
   if (j->removed) return Status::Aborted(StrCat("job ", job, " was unregistered"));
   if (!j->failure.ok()) return Status::Aborted(StrCat("job failed: ", j->failure.ToString()));
   if (!ok) {
-    return Status::Unavailable(StrCat("unit ", unit, " of job ", job, " did not reach step ", step,
-                                      " within ", timeout.count(), " ms (holds step ",
-                                      j->units[unit].published, ")"));
+    return Status::Unavailable(StrCat("job '", j->spec.name, "' unit '", j->spec.units[unit].name,
+                                      "' did not reach step ", step, " within ", timeout.count(),
+                                      " ms (holds step ", j->units[unit].published, ")"));
   }
   return Status::Ok();
 }

@@ -353,8 +353,13 @@ TEST(EngineFaultTest, AWaitForAStepNoGradsCanReachFailsAtOnce) {
   EXPECT_LT(std::chrono::steady_clock::now() - t0, 5s);
   EXPECT_EQ(engine->AcquireParams(*job, 1, 4, 60s).status().code(),
             StatusCode::kFailedPrecondition);
-  // One step ahead is what a client waits for after sending its grads.
-  EXPECT_EQ(engine->WaitPublished(*job, 1, 3, 10ms).code(), StatusCode::kUnavailable);
+  // One step ahead is what a client waits for after sending its grads;
+  // its timeout names the job and the unit (it said "unit 1 of job 0").
+  s = engine->WaitPublished(*job, 1, 3, 10ms);
+  EXPECT_EQ(s.code(), StatusCode::kUnavailable);
+  EXPECT_NE(s.message().find("job 'ahead' unit 'block0' did not reach step 3 within 10 ms"),
+            std::string::npos)
+      << s;
 }
 
 TEST(EngineFaultTest, NonFiniteGradsFailAnEagerStepLoudly) {
