@@ -7,26 +7,35 @@
 
 #include <chrono>
 #include <cstddef>
+#include <cstdio>
 #include <cstring>
 #include <initializer_list>
+#include <memory>
+#include <mutex>
 #include <string>
+#include <unordered_set>
 
 #include "client/ztier.h"
 
 extern char** environ;
 
+// Handles own their objects jointly where one needs another: a runner
+// keeps its model and device alive, so closing them first (a garbage
+// collector's order) frees them only once the runner is closed too.
 struct ztier_session {
   std::unique_ptr<ztier::client::Session> session;
 };
 struct ztier_model {
-  std::unique_ptr<ztier::client::Model> model;
+  std::shared_ptr<ztier::client::Model> model;
   ztier::engine::Settings settings;  // its session's: the runner's defaults
 };
 struct ztier_device {
-  std::unique_ptr<ztier::client::Device> device;
+  std::shared_ptr<ztier::client::Device> device;
 };
 struct ztier_runner {
-  std::unique_ptr<ztier::client::Stage3Runner> runner;
+  std::shared_ptr<ztier::client::Model> model;
+  std::shared_ptr<ztier::client::Device> device;
+  std::unique_ptr<ztier::client::Stage3Runner> runner;  // last: goes first
 };
 
 namespace {
@@ -49,6 +58,45 @@ ztier_status Report(const Status& s) {
 
 ztier_status Null(const char* what) {
   return Report(Status::InvalidArgument(StrCat(what, " is NULL")));
+}
+
+// The handles open now, so that one closed twice, or used after its close,
+// is an error rather than a double free or a read of freed memory.
+std::mutex handles_mu;
+std::unordered_set<const void*>& Handles() {
+  static auto* open = new std::unordered_set<const void*>;  // never destroyed: atexit order
+  return *open;
+}
+template <typename T>
+T* Opened(T* h) {
+  std::lock_guard<std::mutex> lock(handles_mu);
+  Handles().insert(h);
+  return h;
+}
+// Null, or not open: the error for `what`; Ok for an open handle.
+Status CheckOpen(const void* h, const char* what) {
+  if (h == nullptr) return Status::InvalidArgument(StrCat(what, " is NULL"));
+  std::lock_guard<std::mutex> lock(handles_mu);
+  if (Handles().count(h) == 0) {
+    return Status::FailedPrecondition(
+        StrCat(what, " is not an open handle (used after its close?)"));
+  }
+  return Status::Ok();
+}
+// Closes an open handle; a null one is nothing to close, and one that is
+// not open (closed twice) is said on stderr and left alone.
+template <typename T>
+void Close(T* h, const char* what) {
+  if (h == nullptr) return;
+  {
+    std::lock_guard<std::mutex> lock(handles_mu);
+    if (Handles().erase(h) == 0) {
+      std::fprintf(stderr,
+                   "ztier: %s_close of a handle that is not open (closed twice?): ignored\n", what);
+      return;
+    }
+  }
+  delete h;
 }
 
 // A versioned struct: its struct_size is this library's sizeof(T) or one of
@@ -122,11 +170,11 @@ ztier_status ztier_session_open_with(const ztier_session_options* options, ztier
        .daemon_socket = o.daemon_socket != nullptr ? o.daemon_socket : "",
        .io_backend = nullptr});
   if (!s.ok()) return Report(s.status());
-  *out = new ztier_session{*std::move(s)};
+  *out = Opened(new ztier_session{*std::move(s)});
   return ZTIER_OK;
 }
 
-void ztier_session_close(ztier_session* session) { delete session; }
+void ztier_session_close(ztier_session* session) { Close(session, "ztier_session"); }
 
 void ztier_model_desc_init(ztier_model_desc* desc) {
   if (desc == nullptr) return;
@@ -146,7 +194,7 @@ void ztier_model_desc_init(ztier_model_desc* desc) {
 
 ztier_status ztier_model_register(ztier_session* session, const ztier_model_desc* desc,
                                   ztier_model** out) {
-  if (session == nullptr) return Null("session");
+  if (Status s = CheckOpen(session, "session"); !s.ok()) return Report(s);
   if (out == nullptr) return Null("out");
   if (Status s = CheckStruct(desc, "model desc"); !s.ok()) return Report(s);
   if (desc->struct_size != sizeof(ztier_model_desc)) {
@@ -197,15 +245,15 @@ ztier_status ztier_model_register(ztier_session* session, const ztier_model_desc
   spec.world_size = 1;
   Result<std::unique_ptr<ztier::client::Model>> m = session->session->RegisterModel(spec);
   if (!m.ok()) return Report(m.status());
-  *out = new ztier_model{*std::move(m), settings};
+  *out = Opened(new ztier_model{*std::move(m), settings});
   return ZTIER_OK;
 }
 
-void ztier_model_close(ztier_model* model) { delete model; }
+void ztier_model_close(ztier_model* model) { Close(model, "ztier_model"); }
 
 ztier_status ztier_model_unit_layout(const ztier_model* model, int32_t unit, uint64_t* numel,
                                      uint64_t* padded) {
-  if (model == nullptr) return Null("model");
+  if (Status s = CheckOpen(model, "model"); !s.ok()) return Report(s);
   if (unit < 0 || unit >= model->model->units()) {
     return Report(Status::OutOfRange(StrCat("model has no unit ", unit)));
   }
@@ -217,14 +265,14 @@ ztier_status ztier_model_unit_layout(const ztier_model* model, int32_t unit, uin
 
 ztier_status ztier_model_set_weights(ztier_model* model, int32_t unit, const float* flat,
                                      uint64_t numel) {
-  if (model == nullptr) return Null("model");
+  if (Status s = CheckOpen(model, "model"); !s.ok()) return Report(s);
   if (flat == nullptr) return Null("weights");
   return Report(model->model->SetWeights(unit, flat, numel));
 }
 
 ztier_status ztier_model_read_master(const ztier_model* model, int32_t unit, float* out,
                                      uint64_t padded) {
-  if (model == nullptr) return Null("model");
+  if (Status s = CheckOpen(model, "model"); !s.ok()) return Report(s);
   if (out == nullptr) return Null("out");
   std::vector<float> master;
   if (Status s = model->model->ReadMaster(unit, &master); !s.ok()) return Report(s);
@@ -238,7 +286,7 @@ ztier_status ztier_model_read_master(const ztier_model* model, int32_t unit, flo
 }
 
 ztier_status ztier_model_claim_checkpoint_dir(ztier_model* model, const char* dir) {
-  if (model == nullptr) return Null("model");
+  if (Status s = CheckOpen(model, "model"); !s.ok()) return Report(s);
   if (dir == nullptr) return Null("dir");
   return Report(model->model->ClaimCheckpointDir(dir));
 }
@@ -250,19 +298,19 @@ ztier_status ztier_install_stop_handlers(void) {
 int ztier_stop_requested(void) { return ztier::client::StopRequested(); }
 
 ztier_status ztier_model_save_checkpoint(ztier_model* model, const char* dir) {
-  if (model == nullptr) return Null("model");
+  if (Status s = CheckOpen(model, "model"); !s.ok()) return Report(s);
   if (dir == nullptr) return Null("dir");
   return Report(model->model->SaveCheckpoint(dir));
 }
 
 ztier_status ztier_model_load_checkpoint(ztier_model* model, const char* dir) {
-  if (model == nullptr) return Null("model");
+  if (Status s = CheckOpen(model, "model"); !s.ok()) return Report(s);
   if (dir == nullptr) return Null("dir");
   return Report(model->model->LoadCheckpoint(dir));
 }
 
 ztier_status ztier_model_export_safetensors(ztier_model* model, const char* path, int32_t dtype) {
-  if (model == nullptr) return Null("model");
+  if (Status s = CheckOpen(model, "model"); !s.ok()) return Report(s);
   if (path == nullptr) return Null("path");
   if (dtype != 0 && dtype != 1) {
     return Report(
@@ -274,18 +322,18 @@ ztier_status ztier_model_export_safetensors(ztier_model* model, const char* path
 }
 
 ztier_status ztier_model_import_safetensors(ztier_model* model, const char* path) {
-  if (model == nullptr) return Null("model");
+  if (Status s = CheckOpen(model, "model"); !s.ok()) return Report(s);
   if (path == nullptr) return Null("path");
   return Report(model->model->ImportSafetensors(path));
 }
 
 int64_t ztier_model_published_step(const ztier_model* model) {
-  return model == nullptr ? -1 : model->model->published_step();
+  return CheckOpen(model, "model").ok() ? model->model->published_step() : -1;
 }
 
 ztier_status ztier_model_wait_published(const ztier_model* model, int64_t step,
                                         int64_t timeout_ms) {
-  if (model == nullptr) return Null("model");
+  if (Status s = CheckOpen(model, "model"); !s.ok()) return Report(s);
   if (timeout_ms < 0) {
     return Report(
         Status::InvalidArgument(StrCat("wait_published: timeout ", timeout_ms, " ms < 0")));
@@ -297,7 +345,7 @@ ztier_status ztier_device_open_host(ztier_device** out) {
   if (out == nullptr) return Null("out");
   Result<std::unique_ptr<ztier::client::Device>> d = ztier::client::MakeHostDevice();
   if (!d.ok()) return Report(d.status());
-  *out = new ztier_device{*std::move(d)};
+  *out = Opened(new ztier_device{*std::move(d)});
   return ZTIER_OK;
 }
 
@@ -305,11 +353,11 @@ ztier_status ztier_device_open_cuda(int32_t ordinal, ztier_device** out) {
   if (out == nullptr) return Null("out");
   Result<std::unique_ptr<ztier::client::Device>> d = ztier::client::MakeCudaDevice(ordinal);
   if (!d.ok()) return Report(d.status());
-  *out = new ztier_device{*std::move(d)};
+  *out = Opened(new ztier_device{*std::move(d)});
   return ZTIER_OK;
 }
 
-void ztier_device_close(ztier_device* device) { delete device; }
+void ztier_device_close(ztier_device* device) { Close(device, "ztier_device"); }
 
 void ztier_runner_options_init(ztier_runner_options* options) {
   if (options == nullptr) return;
@@ -324,8 +372,8 @@ void ztier_runner_options_init(ztier_runner_options* options) {
 
 ztier_status ztier_runner_create(ztier_model* model, ztier_device* device,
                                  const ztier_runner_options* options, ztier_runner** out) {
-  if (model == nullptr) return Null("model");
-  if (device == nullptr) return Null("device");
+  if (Status s = CheckOpen(model, "model"); !s.ok()) return Report(s);
+  if (Status s = CheckOpen(device, "device"); !s.ok()) return Report(s);
   if (out == nullptr) return Null("out");
   // The session's settings (its config, the ZTIER_* variables), the wait
   // timeout among them; the caller's options, where given, over them.
@@ -348,14 +396,14 @@ ztier_status ztier_runner_create(ztier_model* model, ztier_device* device,
   Result<std::unique_ptr<ztier::client::Stage3Runner>> r =
       ztier::client::Stage3Runner::Create(*model->model, 0, *device->device, nullptr, o);
   if (!r.ok()) return Report(r.status());
-  *out = new ztier_runner{*std::move(r)};
+  *out = Opened(new ztier_runner{model->model, device->device, *std::move(r)});
   return ZTIER_OK;
 }
 
-void ztier_runner_close(ztier_runner* runner) { delete runner; }
+void ztier_runner_close(ztier_runner* runner) { Close(runner, "ztier_runner"); }
 
 ztier_status ztier_runner_acquire(ztier_runner* runner, int32_t unit, const uint16_t** params) {
-  if (runner == nullptr) return Null("runner");
+  if (Status s = CheckOpen(runner, "runner"); !s.ok()) return Report(s);
   if (params == nullptr) return Null("params");
   Result<const ztier::bf16*> p = runner->runner->Acquire(unit);
   if (!p.ok()) return Report(p.status());
@@ -364,12 +412,12 @@ ztier_status ztier_runner_acquire(ztier_runner* runner, int32_t unit, const uint
 }
 
 ztier_status ztier_runner_release(ztier_runner* runner, int32_t unit) {
-  if (runner == nullptr) return Null("runner");
+  if (Status s = CheckOpen(runner, "runner"); !s.ok()) return Report(s);
   return Report(runner->runner->Release(unit));
 }
 
 ztier_status ztier_runner_grad_buffer(ztier_runner* runner, int32_t unit, uint16_t** grads) {
-  if (runner == nullptr) return Null("runner");
+  if (Status s = CheckOpen(runner, "runner"); !s.ok()) return Report(s);
   if (grads == nullptr) return Null("grads");
   Result<ztier::bf16*> g = runner->runner->GradBuffer(unit);
   if (!g.ok()) return Report(g.status());
@@ -378,31 +426,31 @@ ztier_status ztier_runner_grad_buffer(ztier_runner* runner, int32_t unit, uint16
 }
 
 ztier_status ztier_runner_push_grads(ztier_runner* runner, int32_t unit) {
-  if (runner == nullptr) return Null("runner");
+  if (Status s = CheckOpen(runner, "runner"); !s.ok()) return Report(s);
   return Report(runner->runner->PushGrads(unit));
 }
 
 ztier_status ztier_runner_push_grads_from(ztier_runner* runner, int32_t unit, const uint16_t* grads,
                                           uint64_t count) {
-  if (runner == nullptr) return Null("runner");
+  if (Status s = CheckOpen(runner, "runner"); !s.ok()) return Report(s);
   return Report(
       runner->runner->PushGrads(unit, reinterpret_cast<const ztier::bf16*>(grads), count));
 }
 
 ztier_status ztier_runner_step(ztier_runner* runner) {
-  if (runner == nullptr) return Null("runner");
+  if (Status s = CheckOpen(runner, "runner"); !s.ok()) return Report(s);
   return Report(runner->runner->Step());
 }
 
 ztier_status ztier_runner_abort_step(ztier_runner* runner, int32_t* discarded) {
-  if (runner == nullptr) return Null("runner");
+  if (Status s = CheckOpen(runner, "runner"); !s.ok()) return Report(s);
   Result<int> r = runner->runner->AbortStep();
   if (r.ok() && discarded != nullptr) *discarded = *r;
   return Report(r.status());
 }
 
 int64_t ztier_runner_version(const ztier_runner* runner) {
-  return runner == nullptr ? -1 : runner->runner->version();
+  return CheckOpen(runner, "runner").ok() ? runner->runner->version() : -1;
 }
 
 }  // extern "C"

@@ -10,6 +10,9 @@
  * sizeof the struct); fields are only ever appended.
  * Thread safety: as the C++ API: a runner is driven by one thread; sessions
  * and models may be used from any thread.
+ * Handles: a handle closed twice, or used after its close, is an error
+ * (ZTIER_FAILED_PRECONDITION; a second close is said on stderr), never a
+ * double free.
  * fork(): handles belong to the process that opened them. In a forked child
  * every call on them fails with ZTIER_FAILED_PRECONDITION, and closing them
  * there frees nothing of the parent's (its job, its ztierd connection). */
@@ -143,7 +146,8 @@ typedef struct ztier_runner_options {
 
 /* ztier's built-in defaults (not the session's: pass NULL options for those). */
 void ztier_runner_options_init(ztier_runner_options* options);
-/* Rank 0 of a world-size-1 model. The model and device outlive it. `options`
+/* Rank 0 of a world-size-1 model. It keeps its model and device: they may be
+ * closed before it (in any order), and go when it is closed. `options`
  * NULL: the session's settings (its config and ZTIER_* variables: prefetch
  * depth, live-bytes cap, persistence threshold, coalescing); given: its values.
  * The wait timeout is the session's ztier.wait_timeout either way. */

@@ -175,6 +175,28 @@ int main(void) {
   EXPECT(ztier_model_load_checkpoint(second, dir) == ZTIER_OK);
   ztier_model_close(model);
   EXPECT(ztier_model_claim_checkpoint_dir(second, dir) == ZTIER_OK);
+
+  /* Handles closed in any order (a garbage collector's): a runner keeps its
+   * model and device until it is closed, and trains on meanwhile. */
+  ztier_device* dev2 = NULL;
+  ASSERT_OK(ztier_device_open_host(&dev2));
+  ztier_runner* r2 = NULL;
+  ASSERT_OK(ztier_runner_create(second, dev2, &options, &r2));
+  ztier_model_close(second);
+  ztier_device_close(dev2);
+  for (int u = 1; u >= 0; --u) {
+    uint16_t* g = NULL;
+    ASSERT_OK(ztier_runner_grad_buffer(r2, u, &g));
+    ASSERT_OK(ztier_runner_push_grads(r2, u));
+  }
+  ASSERT_OK(ztier_runner_step(r2));
+  ztier_runner_close(r2);
+  /* A handle closed twice, or used after its close, is an error, not a
+   * double free. */
+  ztier_runner_close(r2);
+  EXPECT(ztier_runner_step(r2) == ZTIER_FAILED_PRECONDITION);
+  EXPECT(strstr(ztier_last_error(), "not an open handle") != NULL);
+  EXPECT(ztier_model_published_step(second) == -1);
   ztier_model_close(second);
   char rm[96];
   snprintf(rm, sizeof(rm), "rm -rf %s", dir);
