@@ -1528,7 +1528,34 @@ def _weak(method, target, root: bool = False):
     # torch.compile traces around the hooks, never through them: they swap
     # the parameters' storage, which a compiled graph would bake in.
     disable = getattr(getattr(torch, "compiler", None), "disable", None)
-    return disable(hook) if disable is not None else hook
+    return _Hook(disable(hook) if disable is not None else hook)
+
+
+class _Hook:
+    """A hook of an offloaded model: called as the function it holds; copied
+    as itself (copy.deepcopy shares it, as it shares a function); pickled
+    (torch.save of the whole model) never, with the ways that work said."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self, *args, **kwargs):
+        return self.fn(*args, **kwargs)
+
+    def __copy__(self):
+        return self
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __reduce__(self):
+        raise RuntimeError(
+            "ztier: an offloaded model cannot be pickled (torch.save(model)): its parameters "
+            "are placeholders between uses, its values in the engine; save the weights with "
+            "export_safetensors(path), or torch.save(model.state_dict()) inside gathered(), "
+            "and the training state with save_checkpoint(dir)")
 
 
 def _adamw_from(training: dict) -> AdamW:

@@ -668,6 +668,22 @@ def test_persistent_buffers_go_with_checkpoints_and_exports(settings, tmp_path):
     z3.close()
 
 
+def test_pickling_an_offloaded_model_names_the_ways_that_work(settings, tmp_path):
+    # torch.save(model) failed with "Can't pickle local object" about a hook.
+    model = _mlp()
+    z = zt.offload(model, settings=settings)
+    _train_step(model, z, torch.randn(4, 6))
+    with pytest.raises(RuntimeError, match="cannot be pickled.*export_safetensors"):
+        torch.save(model, tmp_path / "model.pt")
+    with z.gathered():
+        torch.save(model.state_dict(), tmp_path / "state.pt")
+        twin = copy.deepcopy(model)  # copies still share the hooks, as before
+    state = torch.load(tmp_path / "state.pt")
+    assert all(torch.isfinite(v).all() for v in state.values())
+    assert torch.equal(twin[0].weight, state["0.weight"])
+    z.close()
+
+
 def test_close_lets_go_of_the_engine_at_once(tmp_path):
     # The session (its swap directory's lock, its DRAM) stayed until the
     # garbage collector found the Offload's reference cycles.
