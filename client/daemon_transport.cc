@@ -77,12 +77,14 @@ struct Staging {
 
 class DaemonTransport final : public Transport, public ControlTransport {
  public:
-  static Result<std::shared_ptr<DaemonTransport>> Connect(const std::string& path) {
+  // `name`: the hello's ("libztier", or the operator's tool's).
+  static Result<std::shared_ptr<DaemonTransport>> Connect(const std::string& path,
+                                                          std::string_view name = "libztier") {
     ZT_ASSIGN_OR_RETURN(SeqPacketSocket sock, SeqPacketSocket::Connect(path));
     auto t = std::shared_ptr<DaemonTransport>(new DaemonTransport(path, std::move(sock)));
     t->receiver_ = std::thread([raw = t.get()] { raw->ReceiveLoop(); });
-    Result<Reply> r =
-        t->Call(p::MessageType::kHello, p::Encode(p::Hello{.name = "libztier"}), {}, kCallTimeout);
+    Result<Reply> r = t->Call(p::MessageType::kHello,
+                              p::Encode(p::Hello{.name = std::string(name)}), {}, kCallTimeout);
     if (!r.ok()) {
       const Status& s = r.status();
       if (s.message().starts_with("ztierd at ")) return s;
@@ -886,7 +888,8 @@ Result<std::shared_ptr<Transport>> MakeDaemonTransport(const std::string& socket
 }
 
 Result<std::shared_ptr<ControlTransport>> MakeDaemonControl(const std::string& socket_path) {
-  ZT_ASSIGN_OR_RETURN(std::shared_ptr<DaemonTransport> t, DaemonTransport::Connect(socket_path));
+  ZT_ASSIGN_OR_RETURN(std::shared_ptr<DaemonTransport> t,
+                      DaemonTransport::Connect(socket_path, p::kOperatorClientName));
   return std::shared_ptr<ControlTransport>(std::move(t));
 }
 

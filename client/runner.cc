@@ -374,6 +374,9 @@ struct Stage3Runner::Impl {
   // (a resident unit's acquire, a push that is only queued) says so too,
   // before any complaint about the call itself.
   Status CheckAlive() {
+    // First, before any lock: in a forked child the parent's transfer
+    // threads may have held one at the fork, for good.
+    ZT_RETURN_IF_ERROR(owner.Check("a runner call"));
     Status s = failure_snapshot();
     if (s.ok()) s = transport->Health();
     if (!s.ok()) {
@@ -1266,6 +1269,7 @@ Result<const bf16*> Stage3Runner::Acquire(int unit) {
 
 Status Stage3Runner::Release(int unit) {
   Impl& r = *impl_;
+  ZT_RETURN_IF_ERROR(r.owner.Check("Release"));
   ZT_RETURN_IF_ERROR(r.CheckUnit(unit, "Release"));
   UnitState& u = r.units[unit];
   if (u.holds == 0) {
@@ -1412,8 +1416,20 @@ Result<int> Stage3Runner::AbortStep() {
   return complete;
 }
 
+Result<int> Stage3Runner::ReleaseAll() {
+  int released = 0;
+  for (int k = 0; k < static_cast<int>(impl_->units.size()); ++k) {
+    while (impl_->units[k].holds > 0) {
+      ZT_RETURN_IF_ERROR(Release(k));
+      ++released;
+    }
+  }
+  return released;
+}
+
 Status Stage3Runner::SetOrder(int key) {
   Impl& r = *impl_;
+  ZT_RETURN_IF_ERROR(r.owner.Check("SetOrder"));
   if (key < 0) return Status::InvalidArgument(StrCat("SetOrder: key ", key, " < 0"));
   if (key == r.order_key && key == 0) return Status::Ok();
   if (r.order_key != 0) r.FinishPass();  // that kind's pass ends

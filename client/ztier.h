@@ -483,6 +483,10 @@ class Stage3Runner {
   Result<const bf16*> Acquire(int unit);
   // Errors: OutOfRange, FailedPrecondition (not held).
   Status Release(int unit);
+  // Releases every unit held, as often as it was acquired: the cleanup of
+  // a pass interrupted between an acquire and its release (an exception,
+  // Ctrl-C). Returns the releases made. Errors: as Release.
+  Result<int> ReleaseAll();
   // A zeroed device buffer for the unit's grads (layout.padded elements), to
   // be filled by the compute stream and passed to PushGrads. Errors:
   // OutOfRange, FailedPrecondition (grads already pushed this micro-step).

@@ -1140,6 +1140,15 @@ class Daemon::Impl::Connection {
   Result<std::string> OnHello(std::string_view in) {
     ZT_ASSIGN_OR_RETURN(p::Hello h, p::DecodeHello(in));
     if (hello_done_) return Status::FailedPrecondition("a second hello on one connection");
+    if (reserve_ && h.name != p::kOperatorClientName) {
+      // Past the uid's quota on the operators' reserve: for their tool only
+      // (a training session there would lock ztierctl out).
+      return Status::ResourceExhausted(
+          StrCat("uid ", peer_.uid,
+                 " is at its connection quota (max_connections_per_uid); past "
+                 "it ztierd lets in only the operator's tool (",
+                 p::kOperatorClientName, ")"));
+    }
     if (h.min_version > p::kVersion || h.max_version < p::kVersion) {
       return Status::FailedPrecondition(
           StrCat("the client (", h.name, ") speaks protocol versions ", h.min_version, "..",
@@ -1811,8 +1820,9 @@ Status Daemon::Serve(SeqPacketListener& listener) {
         ++d.connections;
       } else if (u.connections >= quota) {
         refuse = Status::ResourceExhausted(
-            StrCat("uid ", peer->uid, " has ", u.connections,
-                   " connections, the quota (max_connections_per_uid) is ",
+            StrCat("uid ", peer->uid, " has ", u.connections, " connections",
+                   u.reserve > 0 ? StrCat(" (and ", u.reserve, " on the operators' reserve)") : "",
+                   ", the quota (max_connections_per_uid) is ",
                    d.QuotaForLocked(peer->uid).max_connections,
                    u.lingering_bytes == 0
                        ? std::string()

@@ -1104,8 +1104,15 @@ Status Engine::GradsReady(int job, int unit, int rank) {
 
 Result<int> Engine::AbortStep(int job) {
   Impl& e = *impl_;
-  std::lock_guard<std::mutex> lock(e.mu);
+  std::unique_lock<std::mutex> lock(e.mu);
   ZT_ASSIGN_OR_RETURN(std::shared_ptr<Job> j, e.Find(job));
+  // With states on NVMe the step before may still be writing back, its
+  // units published already: it completes first (they are not this step's).
+  if (!(j->spec.optimizer.mode == StepMode::kExact &&
+        j->ready_units == static_cast<int>(j->units.size()))) {
+    e.WaitWriteBacksLocked(lock, *j);
+  }
+  if (j->removed) return Status::Aborted(StrCat("job ", job, " was unregistered"));
   if (!j->failure.ok()) return Status::Aborted(StrCat("job failed: ", j->failure.ToString()));
   const std::string what =
       StrCat("job '", j->spec.name, "': cannot discard the grads of step ", j->step + 1);

@@ -57,6 +57,9 @@ using engine::kMaxParamGroups;
 using engine::kMaxTensorsPerUnit;
 using engine::kMaxUnits;
 inline constexpr uint32_t kMaxMessageText = 4096;
+// The hello name of the operator's tool (DaemonControl, ztierctl): the only
+// connections ztierd lets in on the operators' reserve past a uid's quota.
+inline constexpr std::string_view kOperatorClientName = "ztierctl";
 inline constexpr int kMaxRanks = 1 << 16;
 // The operator's lists (jobs, quotas) come in pages of at most this many
 // (each page's reply fits in a datagram; `more` says another follows).

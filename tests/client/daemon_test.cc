@@ -79,13 +79,14 @@ class RawClient {
     std::vector<UniqueFd> fds;
   };
 
-  static RawClient Connect(const std::string& path, bool hello = true) {
+  static RawClient Connect(const std::string& path, bool hello = true,
+                           const std::string& name = "raw") {
     RawClient c;
     Result<SeqPacketSocket> s = SeqPacketSocket::Connect(path);
     EXPECT_TRUE(s.ok()) << s.status();
     if (s.ok()) c.sock_ = *std::move(s);
     if (hello) {
-      Result<Reply> r = c.Call(p::MessageType::kHello, p::Encode(p::Hello{.name = "raw"}));
+      Result<Reply> r = c.Call(p::MessageType::kHello, p::Encode(p::Hello{.name = name}));
       EXPECT_TRUE(r.ok() && r->status.ok()) << (r.ok() ? r->status : r.status());
     }
     return c;
@@ -366,11 +367,27 @@ TEST_F(DaemonTest, QuotasRefuseNamingTheQuotaAndTheFigures) {
   EXPECT_NE(r->status.ToString().find("max_jobs_per_uid"), std::string::npos) << r->status;
   RawClient b = RawClient::Connect(socket());
   // Past the quota an operator (this test's uid is the daemon's own) has a
-  // reserve of connections for the operator's messages, so that a uid
-  // whose jobs filled its quota can still be looked at and helped.
+  // reserve of connections for its tool's messages, so that a uid whose
+  // jobs filled its quota can still be looked at and helped. A training
+  // session is refused there at its hello (one took the reserve, locking
+  // ztierctl out).
+  SessionOptions session;
+  session.daemon_socket = socket();
+  for (int i = 0; i < 6; ++i) {
+    Result<std::unique_ptr<Session>> refused = Session::Open(session);
+    ASSERT_FALSE(refused.ok());
+    EXPECT_EQ(refused.status().code(), StatusCode::kResourceExhausted) << refused.status();
+    // (At its hello on the reserve; at once, while the reserve is held by
+    // the ones refused just before, their connections not closed yet.)
+    const std::string why = refused.status().ToString();
+    EXPECT_TRUE(why.find("only the operator's tool") != std::string::npos ||
+                why.find("max_connections_per_uid") != std::string::npos)
+        << why;
+  }
+  WaitForStats(2, 1);
   std::vector<std::unique_ptr<RawClient>> reserve;
   for (int i = 0; i < 4; ++i) {
-    reserve.push_back(std::make_unique<RawClient>(RawClient::Connect(socket())));
+    reserve.push_back(std::make_unique<RawClient>(RawClient::Connect(socket(), true, "ztierctl")));
     r = reserve.back()->Call(p::MessageType::kDaemonStatus, "");
     ASSERT_TRUE(r.ok()) << r.status();
     EXPECT_TRUE(r->status.ok()) << r->status;
@@ -386,6 +403,8 @@ TEST_F(DaemonTest, QuotasRefuseNamingTheQuotaAndTheFigures) {
   ASSERT_FALSE(s.ok());
   EXPECT_EQ(s.status().code(), StatusCode::kResourceExhausted) << s.status();
   EXPECT_NE(s.status().ToString().find("max_connections_per_uid"), std::string::npos) << s.status();
+  EXPECT_NE(s.status().ToString().find("(and 4 on the operators' reserve)"), std::string::npos)
+      << s.status();
 }
 
 // A connection that never says its hello is closed (silent ones held their

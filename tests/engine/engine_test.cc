@@ -478,6 +478,21 @@ TEST(EngineAbortTest, AStepUnderWayIsNotDiscarded) {
       << refused.status();
   fault->SlowDown(nvme::IoKind::kWrite, 0ms);
   EXPECT_TRUE(WaitStep(*e, *exact, 1).ok());
+  // The step before still writing back (its units published already, as
+  // states on NVMe allow) is not this step under way: the abort waits for
+  // it, then drops the new grads (it was refused, naming the wrong step).
+  fault->SlowDown(nvme::IoKind::kWrite, 100ms);
+  RingAll(*e, *exact, 0.1f);
+  for (int k = 0; k < 4; ++k) {
+    while (e->PublishedStep(*exact, k) < 2) std::this_thread::sleep_for(1ms);
+  }
+  Ring(*e, *exact, 3, 1, 0.1f);  // step 3's first grads
+  Result<int> dropped = e->AbortStep(*exact);
+  EXPECT_TRUE(dropped.ok()) << dropped.status();
+  EXPECT_EQ(e->Steps(*exact)->first, 2);
+  fault->SlowDown(nvme::IoKind::kWrite, 0ms);
+  RingAll(*e, *exact, 0.1f);
+  EXPECT_TRUE(WaitStep(*e, *exact, 3).ok());
 
   Ring(*e, *eager, 3, 1, 0.1f);
   refused = e->AbortStep(*eager);
