@@ -110,15 +110,16 @@ void JsonObject::Key(std::string_view key) {
   body_ += "\":";
 }
 
+std::string JsonNumber(double value) {
+  if (!std::isfinite(value)) return "null";
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%.6g", value);
+  return buf;
+}
+
 JsonObject& JsonObject::Add(std::string_view key, double value) {
   Key(key);
-  if (!std::isfinite(value)) {
-    body_ += "null";
-  } else {
-    char buf[32];
-    std::snprintf(buf, sizeof(buf), "%.6g", value);
-    body_ += buf;
-  }
+  body_ += JsonNumber(value);
   return *this;
 }
 

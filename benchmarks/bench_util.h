@@ -123,6 +123,8 @@ class JsonObject {
 
 // A JSON string literal with quotes and escapes.
 std::string JsonQuote(std::string_view s);
+// A JSON number, 6 significant digits; null for NaN and infinities.
+std::string JsonNumber(double value);
 
 // JSON array of already-rendered values.
 std::string JsonArray(const std::vector<std::string>& items);

@@ -214,7 +214,8 @@ int RunDaemon(int argc, char** argv) {
   std::printf("ratio to the limit (median step, embedded / daemon): %.3f\n", ratio);
   if (o->json) {
     JsonObject j;
-    j.Add("units", o->units)
+    j.Add("bench", "daemon")
+        .Add("units", o->units)
         .Add("unit_params", o->unit_params)
         .Add("steps", o->steps)
         .Add("embedded_step_ms", embedded * 1e3)

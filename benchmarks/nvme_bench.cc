@@ -121,7 +121,15 @@ Status ParseArgs(int argc, char** argv, NvmeOptions* o) {
   if (o->paths.size() > 64) return Status::InvalidArgument("--path: at most 64 of them");
   const uint64_t unit = o->stripe * o->paths.size();
   if (o->size < unit) return Status::InvalidArgument("--size must hold one stripe per path");
-  o->size = o->size / unit * unit;
+  if (o->size % unit != 0) {
+    const uint64_t whole = o->size / unit * unit;
+    std::fprintf(stderr,
+                 "ztier-bench nvme: --size %s is measured as %s (whole stripes of %s on each of "
+                 "%zu path(s))\n",
+                 FormatCount(o->size).c_str(), FormatCount(whole).c_str(),
+                 FormatCount(o->stripe).c_str(), o->paths.size());
+    o->size = whole;
+  }
   // Its data is written from one buffer and read back into another, each
   // at most a window of 1 GiB; the swap space stages a stripe for each I/O
   // in flight on each path (the sweep goes up to 64).
@@ -374,6 +382,9 @@ int RunNvme(int argc, char** argv) {
   }
 
   if (o.json) {
+    // Without fio (--no-fio, or none installed) its figures are null (NaN is
+    // written as null), not 0.
+    constexpr double kNone = std::numeric_limits<double>::quiet_NaN();
     std::vector<std::string> paths, per_backend;
     for (const std::string& p : o.paths) paths.push_back(JsonQuote(p));
     for (const BackendResult& r : results) {
@@ -383,8 +394,8 @@ int RunNvme(int argc, char** argv) {
           .Add("write_bytes_per_s", r.plain.write_bytes_per_s)
           .Add("read_bytes_per_s_checksums", r.crc.read_bytes_per_s)
           .Add("write_bytes_per_s_checksums", r.crc.write_bytes_per_s)
-          .Add("read_ratio_to_fio", fio ? r.plain.read_bytes_per_s / fio_r : 0.0)
-          .Add("write_ratio_to_fio", fio ? r.plain.write_bytes_per_s / fio_w : 0.0);
+          .Add("read_ratio_to_fio", fio ? r.plain.read_bytes_per_s / fio_r : kNone)
+          .Add("write_ratio_to_fio", fio ? r.plain.write_bytes_per_s / fio_w : kNone);
       per_backend.push_back(b.str());
     }
     const BackendResult& head = results[0];
@@ -395,11 +406,11 @@ int RunNvme(int argc, char** argv) {
         .Add("write_bytes_per_s", head.plain.write_bytes_per_s)
         .Add("read_bytes_per_s_checksums", head.crc.read_bytes_per_s)
         .Add("write_bytes_per_s_checksums", head.crc.write_bytes_per_s)
-        .Add("fio_engine", fio_engine)
-        .Add("fio_read_bytes_per_s", fio ? fio_r : 0.0)
-        .Add("fio_write_bytes_per_s", fio ? fio_w : 0.0)
-        .Add("read_ratio_to_fio", fio ? head.plain.read_bytes_per_s / fio_r : 0.0)
-        .Add("write_ratio_to_fio", fio ? head.plain.write_bytes_per_s / fio_w : 0.0)
+        .AddRaw("fio_engine", fio ? JsonQuote(fio_engine) : "null")
+        .Add("fio_read_bytes_per_s", fio ? fio_r : kNone)
+        .Add("fio_write_bytes_per_s", fio ? fio_w : kNone)
+        .Add("read_ratio_to_fio", fio ? head.plain.read_bytes_per_s / fio_r : kNone)
+        .Add("write_ratio_to_fio", fio ? head.plain.write_bytes_per_s / fio_w : kNone)
         .AddRaw("backends", JsonArray(per_backend))
         .AddRaw("paths", JsonArray(paths))
         .Add("stripe_bytes", o.stripe)

@@ -114,7 +114,8 @@ def plot_nvme(plt, obj: dict):
                       hint="run ztier-bench nvme without --no-sweep")
     paths = need(obj, "paths", list)
     qd = need(obj, "queue_depth")
-    fio_w, fio_r = need(obj, "fio_write_bytes_per_s"), need(obj, "fio_read_bytes_per_s")
+    # null without fio (--no-fio, or none installed)
+    fio_w, fio_r = obj.get("fio_write_bytes_per_s"), obj.get("fio_read_bytes_per_s")
     fig, ax = plt.subplots(figsize=SIZE)
     depths = [r["queue_depth"] for r in sweep]
     colors = {"write": "tab:red", "read": "tab:blue"}
@@ -124,7 +125,7 @@ def plot_nvme(plt, obj: dict):
         ax.plot([qd], [need(obj, f"{what}_bytes_per_s") / 1e9], "D", color=colors[what],
                 markersize=8, markerfacecolor="none",
                 label=f"ztier {what}, full size (best of the rounds)")
-    fio = fio_w > 0 and fio_r > 0
+    fio = bool(fio_w) and bool(fio_r)
     if fio:
         engine = obj.get("fio_engine", "fio")
         ax.axhline(fio_w / 1e9, color=colors["write"], linestyle="--",

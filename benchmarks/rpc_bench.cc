@@ -206,7 +206,8 @@ int RunRpc(int argc, char** argv) {
   std::printf("ratio to the limit (p50, bare / protocol): %.3f\n", ratio);
   if (o->json) {
     JsonObject j;
-    j.Add("rounds", o->rounds)
+    j.Add("bench", "rpc")
+        .Add("rounds", o->rounds)
         .Add("bare_p50_us", bare.p50_us)
         .Add("bare_p99_us", bare.p99_us)
         .Add("rpc_p50_us", proto.p50_us)

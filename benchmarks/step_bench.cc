@@ -173,6 +173,16 @@ Status ParseArgs(int argc, char** argv, StepBenchOptions* o) {
 struct Rss {
   uint64_t peak = 0, now = 0;
 };
+// Starts the peak over (the kernel's VmHWM, reset through clear_refs), so
+// that each run's peak is its own, not the process's so far. False where
+// the kernel does not allow it.
+bool ResetPeakRss() {
+  std::ofstream out("/proc/self/clear_refs");
+  out << "5";
+  out.flush();
+  return static_cast<bool>(out);
+}
+
 Rss ReadRss() {
   Rss r;
   std::ifstream in("/proc/self/status");
@@ -185,6 +195,13 @@ Rss ReadRss() {
 }
 
 double Gib(uint64_t b) { return static_cast<double>(b) / (1u << 30); }
+// "96", "48.3": MiB, one decimal where it is not whole.
+std::string Mib(uint64_t b) {
+  char buf[32];
+  const double m = static_cast<double>(b) / (1u << 20);
+  std::snprintf(buf, sizeof(buf), b % (1u << 20) == 0 ? "%.0f" : "%.1f", m);
+  return buf;
+}
 
 // Pseudo-random bf16 grads in about [-1, 1) (xorshift; the values only need
 // to be finite and varied).
@@ -503,12 +520,16 @@ int RunOnce(const StepBenchOptions& o, engine::StateDtype dtype, RunSummary* sum
   const bool nvme = o.tier == Tier::kNvme;
   const bool int8 = dtype == engine::StateDtype::kInt8;
   const uint64_t units = (o.params + o.unit_params - 1) / o.unit_params;
+  const uint64_t largest_unit = std::min(o.unit_params, o.params);  // the ring's slots hold it
+  // This run's peak RSS, not the process's so far (a run before it, of the
+  // other state dtype, set it).
+  const bool own_peak = ResetPeakRss();
   // master + m + v: 12 B a param, or 6 B and two fp32 absmax per 256.
   const double state_per_param = int8 ? 6.0 + 8.0 / cpu_adam::kQuantBlock : 12.0;
   const uint64_t state_bytes =
       static_cast<uint64_t>(static_cast<double>(o.params) * state_per_param);
   const uint64_t slot_params =
-      static_cast<uint64_t>(static_cast<double>(o.unit_params) * state_per_param);
+      static_cast<uint64_t>(static_cast<double>(largest_unit) * state_per_param);
 
   engine::Settings settings;
   settings.optimizer_threads = o.threads;
@@ -518,7 +539,7 @@ int RunOnce(const StepBenchOptions& o, engine::StateDtype dtype, RunSummary* sum
   // state too in DRAM (12 B), and the ring (NVMe); plus slack for padding.
   const bool nvme_params = o.param_tier == Tier::kNvme;
   const uint64_t ring_bytes =
-      nvme ? uint64_t{o.buffer_count} * (slot_params + (nvme_params ? 4 * o.unit_params : 0)) : 0;
+      nvme ? uint64_t{o.buffer_count} * (slot_params + (nvme_params ? 4 * largest_unit : 0)) : 0;
   // The pool reserves 256 MiB regions: allow one region of fragmentation.
   settings.dram_budget_bytes = (nvme_params ? 2 * o.params
                                 : nvme      ? 4 * o.params
@@ -575,13 +596,13 @@ int RunOnce(const StepBenchOptions& o, engine::StateDtype dtype, RunSummary* sum
   Result<int> job = e.RegisterJob(spec);
   if (!job.ok()) return fail(job.status());
   std::printf(
-      "ztier-bench step: %s params in %llu units, states %s (%.1f GiB: fp32 master, %s m+v), "
+      "ztier-bench step: %s params in %llu units, states %s (%.2f GiB: fp32 master, %s m+v), "
       "params %s%s, %s optimizer threads\n",
       FormatCount(o.params).c_str(), static_cast<unsigned long long>(units),
       nvme ? "on NVMe" : "in DRAM", Gib(state_bytes), int8 ? "int8" : "fp32",
       nvme_params ? "on NVMe" : "in DRAM",
       nvme ? StrCat(", ", o.paths.size(), " path(s), ring ", o.buffer_count, " x ",
-                    FormatCount(slot_params), "B")
+                    Mib(slot_params), " MiB")
                  .c_str()
            : "",
       o.threads == 0 ? "all" : StrCat(o.threads).c_str());
@@ -698,14 +719,16 @@ int RunOnce(const StepBenchOptions& o, engine::StateDtype dtype, RunSummary* sum
     std::printf("(%lld of %d step rows not shown: stdout is not a terminal; --json has all)\n",
                 static_cast<long long>(pacer.held_back()), o.steps);
   }
-  double mean_eff = 0, mean_step = 0, mean_published = 0, mean_io = 0, mean_compute = 0;
+  double mean_step = 0, mean_published = 0, mean_io = 0, mean_compute = 0;
   for (const Round& r : rounds) {
-    mean_eff += r.efficiency() / rounds.size();
     mean_step += r.step / rounds.size();
     mean_published += r.published / rounds.size();
     mean_io += r.io / rounds.size();
     mean_compute += r.compute / rounds.size();
   }
+  // Of the means printed beside it (a mean of the steps' ratios did not
+  // follow from them).
+  const double mean_eff = std::max(mean_io, mean_compute) / mean_step;
   const engine::JobCounters c = e.counters(*job);
   const Rss rss = ReadRss();
   const uint64_t scratch = max_padded * 16;
@@ -723,9 +746,10 @@ int RunOnce(const StepBenchOptions& o, engine::StateDtype dtype, RunSummary* sum
         Gib(read_per_step), Gib(written_per_step), moved / mean_step / 1e9, moved / mean_io / 1e9);
   }
   std::printf(
-      "%.1f Mparams/s; peak RSS %.2f GiB = pinned pool %.2f GiB (ring %.2f GiB) + "
+      "%.1f Mparams/s; peak RSS%s %.2f GiB = pinned pool %.2f GiB (ring %.2f GiB) + "
       "compute-alone scratch %.2f GiB + %.2f GiB other; state %.2f GiB\n",
-      o.params / mean_step / 1e6, Gib(rss.peak), Gib(c.dram_bytes), Gib(ring_bytes), Gib(scratch),
+      o.params / mean_step / 1e6, own_peak ? "" : " (of the process: not reset)", Gib(rss.peak),
+      Gib(c.dram_bytes), Gib(ring_bytes), Gib(scratch),
       Gib(rss.peak > c.dram_bytes + scratch ? rss.peak - c.dram_bytes - scratch : 0),
       Gib(state_bytes));
 

@@ -64,7 +64,8 @@ options:
   --train PATH             the ztier-train program (default: beside
                            ztier-bench, or the build tree's examples/)
   --repeat N               run each pair N times, alternating, and report each
-                           mode's median run (default 1; a noisy machine wants 3)
+                           mode's median run (default 1; a noisy machine wants 3);
+                           the JSON has every repeat's tokens/s too
   --json                   also print one JSON object with every figure
 )";
 
@@ -178,10 +179,12 @@ Status RunLogged(const std::vector<std::string>& argv, const fs::path& log) {
   std::ifstream in(log);
   std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   if (text.size() > 2000) text = "..." + text.substr(text.size() - 2000);
-  return Status::Internal(StrCat(argv[0],
-                                 WIFEXITED(st) ? StrCat(" exited with ", WEXITSTATUS(st))
-                                               : StrCat(" died of signal ", WTERMSIG(st)),
-                                 "; its output (", log.string(), "):\n", text));
+  // ztier-train's own words say what was wrong (a --data file, no GPU): a
+  // run that failed, not a fault of this program's.
+  return Status::FailedPrecondition(StrCat(argv[0],
+                                           WIFEXITED(st) ? StrCat(" exited with ", WEXITSTATUS(st))
+                                                         : StrCat(" died of signal ", WTERMSIG(st)),
+                                           "; its output (", log.string(), "):\n", text));
 }
 
 // One number of ztier-train's --summary object.
@@ -293,8 +296,16 @@ int RunTrain(int argc, char** argv) {
     dir = pattern;
     made_dir = true;
   } else {
+    // Made if its parent exists; a typo further up is an error, as for the
+    // other benchmarks' paths (it made directories from the root down).
     std::error_code ec;
-    fs::create_directories(dir, ec);
+    const fs::path parent = fs::absolute(dir, ec).parent_path();
+    if (!fs::is_directory(dir, ec) && !fs::is_directory(parent, ec)) {
+      return FailExit(Status::NotFound(StrCat("--dir ", dir.string(), ": its parent ",
+                                              parent.string(), " is not an existing directory")),
+                      "train");
+    }
+    fs::create_directory(dir, ec);
     if (ec) {
       return FailExit(Status::IoError(StrCat("--dir ", dir.string(), ": ", ec.message())), "train");
     }
@@ -341,8 +352,15 @@ int RunTrain(int argc, char** argv) {
     const double ratio = off->tokens_per_s / res->tokens_per_s;
     PrintRow(*off, ratio);
     PrintRow(*res, 0);
+    // Every repeat's tokens/s beside the median run's figures.
+    const auto each = [](const std::vector<Figures>& runs) {
+      std::vector<std::string> v;
+      for (const Figures& r : runs) v.push_back(JsonNumber(r.tokens_per_s));
+      return JsonArray(v);
+    };
     for (const Figures* f : {off, res}) {
       rows.push_back(JsonObject()
+                         .AddRaw("tokens_per_s_of_each_repeat", each(f == off ? offs : ress))
                          .Add("optimizer", f->placement)
                          .Add("params", f->mode)
                          .Add("tokens_per_s", f->tokens_per_s)
