@@ -235,6 +235,13 @@ ztier_status ztier_model_register(ztier_session* session, const ztier_model_desc
   spec.optimizer.hyper.weight_decay = desc->weight_decay;
   spec.optimizer.clip_norm = desc->clip_norm;
   spec.optimizer.grad_accumulation = desc->grad_accumulation;
+  for (const auto& [field, value] : {std::pair{"optimizer_on_nvme", desc->optimizer_on_nvme},
+                                     std::pair{"params_on_nvme", desc->params_on_nvme}}) {
+    if (value < -1 || value > 1) {
+      return Report(Status::InvalidArgument(StrCat("model desc: ", field, " is ", value,
+                                                   "; 1 (NVMe), 0 (DRAM) or -1 (the session's)")));
+    }
+  }
   const ztier::engine::Settings& settings = session->session->settings();
   const auto tier = [](int32_t on_nvme, ztier::engine::Tier session_tier) {
     return on_nvme < 0 ? session_tier

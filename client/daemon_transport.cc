@@ -782,7 +782,8 @@ class DaemonTransport final : public Transport, public ControlTransport {
     if (dead_.ok()) {
       dead_ = Status::Unavailable(StrCat("ztierd at ", path_, " is gone (", why.message(),
                                          "); the DRAM state of this session's jobs went with "
-                                         "it: resume from a checkpoint"));
+                                         "it: resume from the last checkpoint, if one was "
+                                         "saved"));
     }
     return dead_;
   }

@@ -420,8 +420,13 @@ int Run(const Options& o) {
       if (a.size() < 3) throw UsageError{"quota set UID [--jobs N] ..."};
       update.uid = ParseUid(a[2]);
       for (size_t i = 3; i < a.size(); i += 2) {
-        if (i + 1 >= a.size()) throw UsageError{StrCat(a[i], " needs a value")};
         const std::string& f = a[i];
+        if (!f.starts_with("--")) {
+          throw UsageError{StrCat("quota set: '", f,
+                                  "' is not a flag (--jobs, --connections, "
+                                  "--dram, --nvme)")};
+        }
+        if (i + 1 >= a.size()) throw UsageError{StrCat(f, " needs a value")};
         const std::string& v = a[i + 1];
         if (f == "--jobs") {
           update.quota.max_jobs = ParseCount(f, v);

@@ -876,7 +876,8 @@ class Daemon::Impl::Connection {
   // What a request on an evicted job is told: who evicted it and why.
   static Status Evicted(const JobEntry& e) {
     return Status::Aborted(StrCat("job '", e.name, "' was evicted by an operator of ztierd (",
-                                  e.job->evicted_why, "); resume from a checkpoint"));
+                                  e.job->evicted_why,
+                                  "); resume from the last checkpoint, if one was saved"));
   }
   // A wait's failure, or the eviction that ended it (the engine's own
   // words for a job freed under a wait name none of that).
@@ -1097,7 +1098,7 @@ class Daemon::Impl::Connection {
         return OnGetQuota(in);
       case p::MessageType::kSetQuota: {
         ZT_ASSIGN_OR_RETURN(QuotaUpdate u, p::DecodeQuotaUpdate(in));
-        ZT_RETURN_IF_ERROR(RequireAdmin("quota set"));
+        ZT_RETURN_IF_ERROR(RequireAdmin(u.reset ? "quota reset" : "quota set"));
         ZT_ASSIGN_OR_RETURN(QuotaInfo q, d_.SetQuota(u));
         ZT_LOG(kInfo, "ztierd") << Who() << ": quota of uid " << u.uid
                                 << (u.reset ? " reset to the defaults" : " set") << ": jobs "

@@ -332,7 +332,8 @@ int Run(const Flags& f) {
     (void)notifier->Stopping();
     (void)notifier->ExtendTimeout(std::chrono::seconds(30));
     d.Stop(StrCat("ztierd is stopping (", sig == SIGTERM ? "SIGTERM" : "SIGINT",
-                  "); the DRAM state of its jobs is gone: resume from a checkpoint"));
+                  "); the DRAM state of its jobs is gone: resume from the last checkpoint, if one "
+                  "was saved"));
   });
   // The watchdog and the status line, from one thread.
   std::thread pinger([&] {

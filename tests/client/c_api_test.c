@@ -73,6 +73,10 @@ int main(void) {
   ztier_model* model = NULL;
   EXPECT(ztier_model_register(session, &bad, &model) == ZTIER_INVALID_ARGUMENT);
   EXPECT(strstr(ztier_last_error(), "struct_size") != NULL);
+  bad = desc;
+  bad.optimizer_on_nvme = 5; /* 1, 0 or -1 */
+  EXPECT(ztier_model_register(session, &bad, &model) == ZTIER_INVALID_ARGUMENT);
+  EXPECT(strstr(ztier_last_error(), "optimizer_on_nvme is 5") != NULL);
   ASSERT_OK(ztier_model_register(session, &desc, &model));
 
   uint64_t numel[2], padded[2];

@@ -979,7 +979,7 @@ TEST(DaemonClientTest, ADaemonOfAnotherProtocolVersionIsNamedAsSuch) {
   EXPECT_NE(s.status().ToString().find(StrCat("protocol version ", p::kVersion - 1)),
             std::string::npos)
       << s.status();
-  EXPECT_EQ(s.status().ToString().find("resume from a checkpoint"), std::string::npos)
+  EXPECT_EQ(s.status().ToString().find("resume from the last checkpoint"), std::string::npos)
       << s.status();
 }
 
@@ -1321,7 +1321,8 @@ TEST(ZtierdProgramTest, SigtermStopsCleanlyAndKillNineFailsClientsFast) {
     waiter.join();
     EXPECT_LT(std::chrono::steady_clock::now() - t0, 5s);
     EXPECT_EQ(waited.code(), StatusCode::kUnavailable) << waited;
-    EXPECT_NE(waited.ToString().find("resume from a checkpoint"), std::string::npos) << waited;
+    EXPECT_NE(waited.ToString().find("resume from the last checkpoint"), std::string::npos)
+        << waited;
   }
   // A runner whose units stay on its device needs no transfer to acquire
   // them or to queue a push: after a kill -9 those calls returned OK (the
@@ -1357,7 +1358,7 @@ TEST(ZtierdProgramTest, SigtermStopsCleanlyAndKillNineFailsClientsFast) {
     std::this_thread::sleep_for(1s);  // the transport sees the hang-up within 0.5 s
     const auto gone = [](const Status& st) {
       return st.code() == StatusCode::kUnavailable &&
-             st.ToString().find("resume from a checkpoint") != std::string::npos;
+             st.ToString().find("resume from the last checkpoint") != std::string::npos;
     };
     Status acquired = (*r)->Acquire(0).status();
     EXPECT_TRUE(gone(acquired)) << acquired;
