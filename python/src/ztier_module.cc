@@ -698,6 +698,14 @@ NB_MODULE(_C, m) {
           },
           "Ends the micro-step (every grad of it pushed).")
       .def(
+          "release_all",
+          [](PyRunner& r) {
+            nb::gil_scoped_release release;
+            return Value(r.runner->ReleaseAll());
+          },
+          "Releases every unit held (the cleanup of a pass interrupted between an acquire and "
+          "its release). Returns the releases made.")
+      .def(
           "abort_step",
           [](PyRunner& r) {
             nb::gil_scoped_release release;

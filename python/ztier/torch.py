@@ -247,6 +247,9 @@ class _Unit:
     arrived: set = field(default_factory=set)  # ids of params whose grad is in
     trainable: int = 0
     pushed: bool = False
+    # Its grads went to the runner this micro-step (a deferred unit is
+    # `pushed` before it is sent, at optimizer.step()).
+    sent: bool = False
     # Module calls holding it in this training forward: a unit called more
     # than once (a shared layer) may get its grads in several rounds (one per
     # reentrant checkpoint region), so it goes to the engine at the end of
@@ -667,21 +670,30 @@ class Offload:
     # ---- holding units
 
     def _hold(self, units: Iterable[_Unit]):
-        for u in units:
-            u.holds += 1
-            if u.holds > 1:
-                continue
-            # The runner's buffer is copied into the unit's own storage and
-            # given back at once: the storage object stays the same for the
-            # model's life (emptied on release, refilled on the next hold), so
-            # views autograd saved in forward (a weight's transpose) read the
-            # refilled values in backward.
-            if u.storage is None:
-                u.storage = torch.UntypedStorage(0, device=self.device)
-            u.storage.resize_(u.padded * self._elem_bytes)
-            flat = self._storage_view(u)
-            self._fetch(u, flat)
-            self._point_params(u, flat)
+        """Holds every unit of `units`, or (an error, Ctrl-C) none: a hold
+        counted without its values let the next forward compute with empty
+        storage, and one its caller did not record was never let go."""
+        taken = []
+        try:
+            for u in units:
+                u.holds += 1
+                taken.append(u)
+                if u.holds > 1:
+                    continue
+                # The runner's buffer is copied into the unit's own storage
+                # and given back at once: the storage object stays the same
+                # for the model's life (emptied on release, refilled on the
+                # next hold), so views autograd saved in forward (a weight's
+                # transpose) read the refilled values in backward.
+                if u.storage is None:
+                    u.storage = torch.UntypedStorage(0, device=self.device)
+                u.storage.resize_(u.padded * self._elem_bytes)
+                flat = self._storage_view(u)
+                self._fetch(u, flat)
+                self._point_params(u, flat)
+        except BaseException:
+            self._let_go(taken)
+            raise
 
     def _storage_view(self, u: _Unit) -> torch.Tensor:
         """The unit's own storage as a flat tensor of its params."""
@@ -693,11 +705,13 @@ class Offload:
         """The unit's published bf16 params into `flat`, the runner's buffer
         given back at once."""
         src = self.runner.acquire(u.index)
-        self._torch_waits_runner()
-        flat.copy_(src)
-        del src
-        self._runner_waits_torch()
-        self.runner.release(u.index)
+        try:
+            self._torch_waits_runner()
+            flat.copy_(src)
+            del src
+            self._runner_waits_torch()
+        finally:
+            self.runner.release(u.index)
 
     def _point_params(self, u: _Unit, flat: torch.Tensor):
         for t in u.tensors:
@@ -711,11 +725,16 @@ class Offload:
             if u.holds == 0:
                 for t in u.tensors:
                     self._park(t)
-                u.storage.resize_(0)
+                if u.storage is not None:
+                    u.storage.resize_(0)
 
     def _reset_interrupted(self):
         """Undoes what a forward or backward that raised left behind (holds,
         grads taken but not sent); nothing of it reached the engine."""
+        # An interrupt between an acquire and its release left the runner
+        # holding a unit (every later abort was refused for it).
+        if self.runner is not None:
+            self.runner.release_all()
         for mid in self._fwd_held:
             self._let_go(self._module_units[mid])
         for mid, _ in self._bwd_held:
@@ -826,6 +845,11 @@ class Offload:
             self._undo_stranded("a forward")
         if self._phase == "backward" or self._fwd_held:
             self._reset_interrupted()  # the last forward or backward raised
+        else:
+            # Between passes the runner holds nothing of this model's (each
+            # fetch gives its unit back at once): a hold now is one an
+            # interrupt (Ctrl-C) left between an acquire and its release.
+            self.runner.release_all()
         training = torch.is_grad_enabled() and self.module.training
         if training and self._awaiting_step:
             raise RuntimeError(
@@ -943,9 +967,9 @@ class Offload:
             if self._unmatched.get(mid):
                 self._unmatched[mid].pop()
             else:
+                self._hold(units)  # all or none, then recorded
                 self._bwd_held.add(call)
                 self._unadopted.setdefault(mid, []).append(call)
-                self._hold(units)
         else:
             self._hold(units)
             self._fwd_held.append(mid)
@@ -1011,9 +1035,9 @@ class Offload:
             self._bwd_held.discard(self._unadopted[mid].pop())
             self._bwd_held.add(call)
         else:
+            self._hold(self._module_units[call[0]])  # all or none, then recorded
             self._bwd_held.add(call)
             self._unmatched.setdefault(mid, []).append(call)
-            self._hold(self._module_units[call[0]])
         return grad
 
     def _post_backward(self, call: tuple[int, int]):
@@ -1054,12 +1078,27 @@ class Offload:
             self._deferred.append(u)
             u.pushed = True
             return
+        u.pushed = True
+        try:
+            self._send(u)
+        except _C.ZtierError:
+            u.pushed = False
+            raise
+
+    def _send(self, u: _Unit):
+        """The unit's grad buffer to the runner. The bookkeeping goes first:
+        an interrupt (Ctrl-C) raised the moment the call returns must find
+        the buffer handed over (zeroing it then wrote into freed memory)."""
         if u.grads is None:
             u.grads = self.runner.grad_buffer(u.index)  # zeros
         self._runner_waits_torch()
-        self.runner.push_grads(u.index)
-        u.grads = None
-        u.pushed = True
+        grads, u.grads = u.grads, None
+        u.sent = True
+        try:
+            self.runner.push_grads(u.index)
+        except _C.ZtierError:  # refused: the buffer is still this unit's
+            u.grads, u.sent = grads, False
+            raise
 
     def _end_backward(self):
         self._callback_queued = False
@@ -1090,6 +1129,7 @@ class Offload:
         self.runner.step()
         for u in self.units:
             u.pushed = False
+            u.sent = False
             u.arrived.clear()
             u.calls = 0
 
@@ -1114,6 +1154,7 @@ class Offload:
         self.runner.abort_step()
         for u in self.units:
             u.pushed = False
+            u.sent = False
             u.calls = 0
         self._deferred.clear()
         earlier = self._micro
@@ -1142,11 +1183,8 @@ class Offload:
                 f"{self.grad_accumulation}")
         self.job.set_learning_rates(lrs)
         for u in self._deferred:
-            if u.grads is None:
-                u.grads = self.runner.grad_buffer(u.index)
-            self._runner_waits_torch()
-            self.runner.push_grads(u.index)
-            u.grads = None
+            if not u.sent:  # (an interrupted optimizer.step() sent it already)
+                self._send(u)
         self._deferred.clear()
         self._end_micro_step()
         self._awaiting_step = False
