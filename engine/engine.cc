@@ -734,6 +734,11 @@ Result<int> Engine::RegisterJob(const JobSpec& spec) {
   }
   job->units = std::vector<Unit>(spec.units.size());
   const bool nvme_params = spec.param_tier == Tier::kNvme;
+  // What a swap object of `bytes` takes on the drives: whole stripe units
+  // (the quotas and ztierctl count this, the space the files give up).
+  const auto SwapFootprint = [&](uint64_t bytes) {
+    return RoundUp(bytes, e.settings.stripe_bytes);
+  };
   if (spec.optimizer_tier == Tier::kNvme) {
     job->ring = std::make_unique<StateRing>();
     job->ring->swap = e.swap.get();
@@ -875,14 +880,14 @@ Result<int> Engine::RegisterJob(const JobSpec& spec) {
                                                  StateBytes(u.layout, job->state_dtype));
       if (!object.ok()) return object.status().Annotate(owner);
       u.swap_object = *object;
-      job->counters.nvme_bytes += StateBytes(u.layout, job->state_dtype);
+      job->counters.nvme_bytes += SwapFootprint(StateBytes(u.layout, job->state_dtype));
     }
     for (int copy = 0; nvme_params && copy < 2; ++copy) {
       Result<uint64_t> object = e.swap->Allocate(
           StrCat("job", job->id, "/unit", k, "/params", copy), ParamBytes(u.layout));
       if (!object.ok()) return object.status().Annotate(owner);
       u.param_objects[copy] = *object;
-      job->counters.nvme_bytes += ParamBytes(u.layout);
+      job->counters.nvme_bytes += SwapFootprint(ParamBytes(u.layout));
     }
   }
   ZT_RETURN_IF_ERROR(e.pool->SealRegion(job->inbox_region, RegionAccess::kReadWrite));

@@ -416,10 +416,12 @@ Status UniqueTensorNames(const JobDescription& job, std::string_view what) {
     for (const TensorSpec& ts : us.tensors) {
       const auto [at, fresh] = unit_of.emplace(ts.name, us.name);
       if (!fresh) {
+        const std::string where = at->second == us.name ? StrCat("is twice in unit '", us.name, "'")
+                                                        : StrCat("is in unit '", at->second,
+                                                                 "' and in unit '", us.name, "'");
         return Status::InvalidArgument(
-            StrCat(what, ": tensor name '", ts.name, "' is in unit '", at->second,
-                   "' and in unit '", us.name,
-                   "'; a safetensors file names each tensor once (give the tensors unique names)"));
+            StrCat(what, ": tensor name '", ts.name, "' ", where,
+                   "; a safetensors file names each tensor once (give the tensors unique names)"));
       }
     }
   }

@@ -1074,6 +1074,11 @@ TEST(EngineSwapTest, TheThreadBackendTrainsExactlyAsIoUring) {
   Train(*threads, *jt, 2, 0, 3, 21);
   EXPECT_TRUE(Same(Snapshot(*uring, *ju), Snapshot(*threads, *jt)));
   EXPECT_GT(threads->counters(*jt).nvme_write_bytes, 0u);
+  // A job's swap bytes (what quotas count) are the space its objects take
+  // in the files, whole stripes (they were the objects' sizes).
+  uint64_t used = 0;
+  for (const SwapPathUsage& p : threads->swap_usage()) used += p.used_bytes;
+  EXPECT_EQ(threads->counters(*jt).nvme_bytes, used);
 }
 
 // Params on NVMe: leases hold cache slots, a full cache times out clearly,
