@@ -804,33 +804,48 @@ TEST_F(DaemonTest, AnyRankSetsTheLearningRatesAndAttachCompareParamGroups) {
   EXPECT_TRUE(r->status.ok()) << r->status;
 }
 
+// A session as `o` says, the model TwoUnits(name) with its weights, a host
+// device and rank 0's runner: what a one-rank training loop holds.
+struct Trainer {
+  std::unique_ptr<Session> session;
+  std::unique_ptr<Model> model;
+  std::unique_ptr<Device> device;
+  std::unique_ptr<Stage3Runner> runner;
+};
+Result<Trainer> OpenTrainer(const SessionOptions& o, const std::string& name) {
+  Trainer t;
+  ZT_ASSIGN_OR_RETURN(t.session, Session::Open(o));
+  ZT_ASSIGN_OR_RETURN(t.model, t.session->RegisterModel(ModelOf(TwoUnits(name))));
+  std::vector<float> w(1000, 1.0f);
+  for (int k : {0, 1}) ZT_RETURN_IF_ERROR(t.model->SetWeights(k, w.data(), w.size()));
+  ZT_ASSIGN_OR_RETURN(t.device, MakeHostDevice());
+  ZT_ASSIGN_OR_RETURN(t.runner, Stage3Runner::Create(*t.model, 0, *t.device, nullptr, {}));
+  return t;
+}
+
+// Both units' (zero) grads, backward, then Step().
+Status PushBothAndStep(Stage3Runner& runner) {
+  for (int k : {1, 0}) {
+    ZT_RETURN_IF_ERROR(runner.GradBuffer(k).status());
+    ZT_RETURN_IF_ERROR(runner.PushGrads(k));
+  }
+  return runner.Step();
+}
+
 // A step's grads dropped through the daemon (the runner's AbortStep after
 // a failed backward): the same grads may go again, and the step is taken.
 TEST_F(DaemonTest, AStepIsAbortedThroughTheDaemon) {
   SessionOptions o;
   o.daemon_socket = socket();
-  Result<std::unique_ptr<Session>> s = Session::Open(o);
-  ASSERT_TRUE(s.ok()) << s.status();
-  Result<std::unique_ptr<Model>> m = (*s)->RegisterModel(ModelOf(TwoUnits("abort")));
-  ASSERT_TRUE(m.ok()) << m.status();
-  std::vector<float> w(1000, 1.0f);
-  ASSERT_TRUE((*m)->SetWeights(0, w.data(), w.size()).ok());
-  ASSERT_TRUE((*m)->SetWeights(1, w.data(), w.size()).ok());
-  Result<std::unique_ptr<Device>> dev = MakeHostDevice();
-  ASSERT_TRUE(dev.ok());
-  Result<std::unique_ptr<Stage3Runner>> runner = Stage3Runner::Create(**m, 0, **dev, nullptr, {});
-  ASSERT_TRUE(runner.ok()) << runner.status();
-  ASSERT_TRUE((*runner)->GradBuffer(1).ok());
-  ASSERT_TRUE((*runner)->PushGrads(1).ok());
-  Result<int> discarded = (*runner)->AbortStep();
+  Result<Trainer> t = OpenTrainer(o, "abort");
+  ASSERT_TRUE(t.ok()) << t.status();
+  ASSERT_TRUE(t->runner->GradBuffer(1).ok());
+  ASSERT_TRUE(t->runner->PushGrads(1).ok());
+  Result<int> discarded = t->runner->AbortStep();
   ASSERT_TRUE(discarded.ok()) << discarded.status();
   EXPECT_EQ(*discarded, 0);
-  for (int k : {1, 0}) {
-    ASSERT_TRUE((*runner)->GradBuffer(k).ok());
-    ASSERT_TRUE((*runner)->PushGrads(k).ok());
-  }
-  ASSERT_TRUE((*runner)->Step().ok());
-  EXPECT_TRUE((*m)->WaitPublished(1, 30s).ok());
+  ASSERT_TRUE(PushBothAndStep(*t->runner).ok());
+  EXPECT_TRUE(t->model->WaitPublished(1, 30s).ok());
 }
 
 // A bad model is refused with the same code and words through ztierd as
@@ -897,19 +912,11 @@ TEST_F(DaemonTest, AForkedChildNeitherUsesNorClosesItsParentsModel) {
     if (through_daemon) o.daemon_socket = socket();
     o.settings.dram_budget_bytes = uint64_t{64} << 20;
     o.settings.pin_memory = false;
-    Result<std::unique_ptr<Session>> s = Session::Open(o);
-    ASSERT_TRUE(s.ok()) << s.status();
-    Result<std::unique_ptr<Model>> m = (*s)->RegisterModel(ModelOf(TwoUnits("forked")));
-    ASSERT_TRUE(m.ok()) << m.status();
+    Result<Trainer> t = OpenTrainer(o, "forked");
+    ASSERT_TRUE(t.ok()) << t.status();
     std::vector<float> w(1000, 1.0f);
-    ASSERT_TRUE((*m)->SetWeights(0, w.data(), w.size()).ok());
-    ASSERT_TRUE((*m)->SetWeights(1, w.data(), w.size()).ok());
-    Result<std::unique_ptr<Device>> dev = MakeHostDevice();
-    ASSERT_TRUE(dev.ok());
-    Result<std::unique_ptr<Stage3Runner>> runner = Stage3Runner::Create(**m, 0, **dev, nullptr, {});
-    ASSERT_TRUE(runner.ok()) << runner.status();
-    ASSERT_TRUE((*runner)->Acquire(0).ok());
-    ASSERT_TRUE((*runner)->Release(0).ok());
+    ASSERT_TRUE(t->runner->Acquire(0).ok());
+    ASSERT_TRUE(t->runner->Release(0).ok());
 
     const pid_t child = ::fork();
     ASSERT_GE(child, 0);
@@ -918,13 +925,13 @@ TEST_F(DaemonTest, AForkedChildNeitherUsesNorClosesItsParentsModel) {
         return st.code() == StatusCode::kFailedPrecondition &&
                st.ToString().find("forked from process") != std::string::npos;
       };
-      bool ok = refused((*m)->SetWeights(0, w.data(), w.size())) &&
-                refused((*runner)->Acquire(1).status()) && refused((*m)->WaitPublished(0, 1s)) &&
-                (*m)->published_step() == -1;
-      runner->reset();
-      dev->reset();
-      m->reset();
-      s->reset();
+      bool ok = refused(t->model->SetWeights(0, w.data(), w.size())) &&
+                refused(t->runner->Acquire(1).status()) &&
+                refused(t->model->WaitPublished(0, 1s)) && t->model->published_step() == -1;
+      t->runner.reset();
+      t->device.reset();
+      t->model.reset();
+      t->session.reset();
       ::_exit(ok ? 0 : 1);
     }
     int status = 0;
@@ -939,12 +946,8 @@ TEST_F(DaemonTest, AForkedChildNeitherUsesNorClosesItsParentsModel) {
     }
     EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
     // The parent trains on.
-    for (int k : {1, 0}) {
-      ASSERT_TRUE((*runner)->GradBuffer(k).ok());
-      ASSERT_TRUE((*runner)->PushGrads(k).ok());
-    }
-    ASSERT_TRUE((*runner)->Step().ok());
-    EXPECT_TRUE((*m)->WaitPublished(1, 30s).ok());
+    ASSERT_TRUE(PushBothAndStep(*t->runner).ok());
+    EXPECT_TRUE(t->model->WaitPublished(1, 30s).ok());
   }
 }
 

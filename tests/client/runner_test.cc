@@ -159,6 +159,13 @@ Result<std::unique_ptr<Model>> RegisterWithWeights(Session& session, const Train
   return model;
 }
 
+// The GPT of `s` on `device`, laid out as `model`'s units are.
+Result<std::unique_ptr<gpt::Gpt>> GptFor(const TrainSetup& s, const Model& model, Device& device) {
+  std::vector<engine::UnitLayout> layouts;
+  for (int k = 0; k < model.units(); ++k) layouts.push_back(model.layout(k));
+  return gpt::Gpt::Create(s.gpt, s.batch, device, layouts);
+}
+
 // Trains micro-steps [first, last) through the runner, one thread per rank
 // (or only rank `only_rank`, whose peers run in other processes).
 Status TrainThroughRunner(const TrainSetup& s, Model& model, int64_t first, int64_t last,
@@ -182,10 +189,7 @@ Status TrainThroughRunner(const TrainSetup& s, Model& model, int64_t first, int6
         }
         ZT_ASSIGN_OR_RETURN(std::unique_ptr<Device> dev, MakeHostDevice(device_options));
         dev->EnableTimeline(timeline);
-        std::vector<engine::UnitLayout> layouts;
-        for (int k = 0; k < model.units(); ++k) layouts.push_back(model.layout(k));
-        ZT_ASSIGN_OR_RETURN(std::unique_ptr<gpt::Gpt> net,
-                            gpt::Gpt::Create(s.gpt, s.batch, *dev, layouts));
+        ZT_ASSIGN_OR_RETURN(std::unique_ptr<gpt::Gpt> net, GptFor(s, model, *dev));
         std::unique_ptr<Collectives> job_coll;
         if (s.job_collectives) {
           ZT_ASSIGN_OR_RETURN(job_coll, MakeJobCollectives(model, r, *dev));
@@ -445,9 +449,7 @@ TEST(RunnerTest, LearnsTheAcquireOrder) {
   ASSERT_TRUE(model.ok()) << model.status();
   auto dev = MakeHostDevice();
   ASSERT_TRUE(dev.ok());
-  std::vector<engine::UnitLayout> layouts;
-  for (int k = 0; k < (*model)->units(); ++k) layouts.push_back((*model)->layout(k));
-  auto net = gpt::Gpt::Create(s.gpt, s.batch, **dev, layouts);
+  auto net = GptFor(s, **model, **dev);
   ASSERT_TRUE(net.ok());
   auto runner = Stage3Runner::Create(**model, 0, **dev, nullptr, {});
   ASSERT_TRUE(runner.ok()) << runner.status();
@@ -725,9 +727,7 @@ TEST(RunnerTest, AnAbortedStepLeavesNoTraceOfItsGrads) {
     ASSERT_TRUE(model.ok()) << model.status();
     auto dev = MakeHostDevice();
     ASSERT_TRUE(dev.ok());
-    std::vector<engine::UnitLayout> layouts;
-    for (int k = 0; k < (*model)->units(); ++k) layouts.push_back((*model)->layout(k));
-    auto net = gpt::Gpt::Create(s.gpt, s.batch, **dev, layouts);
+    auto net = GptFor(s, **model, **dev);
     ASSERT_TRUE(net.ok()) << net.status();
     auto runner = Stage3Runner::Create(**model, 0, **dev, nullptr, {.prefetch_depth = s.prefetch});
     ASSERT_TRUE(runner.ok()) << runner.status();

@@ -324,6 +324,23 @@ def test_misuse_is_a_clear_error(settings):
         zt.offload(tiny_llama(), settings={"ztier.dram_budget": "64K"})
 
 
+def _backward_failing_in_layer0(model, x):
+    """A forward and a backward that raises once its grads reach the first
+    layer: the units after it have sent theirs to the engine by then."""
+    def boom(grad):
+        raise ArithmeticError("boom")
+
+    def arm(module, args, out):
+        out.register_hook(boom)  # (a forward hook that returns a value replaces the output)
+
+    handle = model.model.layers[0].register_forward_hook(arm)
+    try:
+        with pytest.raises(ArithmeticError):
+            model(input_ids=x, labels=x).loss.backward()
+    finally:
+        handle.remove()
+
+
 def test_a_failed_forward_or_backward(settings, tmp_path):
     model = tiny_llama()
     z = zt.offload(model, settings=settings)
@@ -361,14 +378,7 @@ def test_a_failed_forward_or_backward(settings, tmp_path):
     z.wait()
     # An error once some units' grads are in the engine: the next forward
     # drops that step (the engine discards its grads) and says so.
-    def arm(module, args, out):
-        out.register_hook(boom)
-
-    handle = model.model.layers[0].register_forward_hook(arm)
-    loss = model(input_ids=x, labels=x).loss
-    with pytest.raises(ArithmeticError):
-        loss.backward()
-    handle.remove()
+    _backward_failing_in_layer0(model, x)
     with pytest.warns(UserWarning, match="did not finish.*discarded.*as after step 2"):
         loss = model(input_ids=x, labels=x).loss
     loss.backward()
@@ -376,18 +386,11 @@ def test_a_failed_forward_or_backward(settings, tmp_path):
     assert z.step_count == 3
     # optimizer.step() after such a backward takes no step, and says so;
     # saving, after one, saves the step before it.
-    handle = model.model.layers[0].register_forward_hook(arm)
-    loss = model(input_ids=x, labels=x).loss
-    with pytest.raises(ArithmeticError):
-        loss.backward()
-    handle.remove()
+    _backward_failing_in_layer0(model, x)
     with pytest.warns(UserWarning, match="did not finish"):
         with pytest.raises(RuntimeError, match="none was taken.*run the forward and backward"):
             z.optimizer.step()
-    handle = model.model.layers[0].register_forward_hook(arm)
-    with pytest.raises(ArithmeticError):
-        model(input_ids=x, labels=x).loss.backward()
-    handle.remove()
+    _backward_failing_in_layer0(model, x)
     with pytest.warns(UserWarning, match="did not finish"):
         z.save_checkpoint(str(tmp_path / "ck"))
     model(input_ids=x, labels=x).loss.backward()
@@ -406,20 +409,11 @@ def test_an_interrupted_backward_leaves_no_trace(settings):
     za = zt.offload(model, grad_accumulation=2, settings=settings, name="interrupted")
     zb = zt.offload(twin, grad_accumulation=2, settings=settings, name="plain")
 
-    def boom(grad):
-        raise ArithmeticError("boom")
-
-    def arm(module, args, out):
-        out.register_hook(boom)
-
     for step in range(3):
         for micro in range(2):
             x = batch(step, micro)
             if step == 1 and micro == 1:  # the step's last micro-batch fails once
-                handle = model.model.layers[0].register_forward_hook(arm)
-                with pytest.raises(ArithmeticError):
-                    model(input_ids=x, labels=x).loss.backward()
-                handle.remove()
+                _backward_failing_in_layer0(model, x)
                 with pytest.warns(UserWarning, match="with the 1 micro-batches before it"):
                     model(input_ids=batch(step, 0), labels=batch(step, 0)).loss.backward()
             model(input_ids=x, labels=x).loss.backward()
