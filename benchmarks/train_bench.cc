@@ -299,7 +299,9 @@ int RunTrain(int argc, char** argv) {
     // Made if its parent exists; a typo further up is an error, as for the
     // other benchmarks' paths (it made directories from the root down).
     std::error_code ec;
-    const fs::path parent = fs::absolute(dir, ec).parent_path();
+    fs::path whole = fs::absolute(dir, ec).lexically_normal();
+    if (!whole.has_filename()) whole = whole.parent_path();  // a trailing '/'
+    const fs::path parent = whole.parent_path();
     if (!fs::is_directory(dir, ec) && !fs::is_directory(parent, ec)) {
       return FailExit(Status::NotFound(StrCat("--dir ", dir.string(), ": its parent ",
                                               parent.string(), " is not an existing directory")),

@@ -449,8 +449,7 @@ Status CudaDevice::QueueFree(void* ptr) {
   ZT_CUDA_RETURN_IF_ERROR(cudaEventRecord(free_after_copy_out_.get(), copy_out_.get()));
   ZT_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(free_stream_.get(), free_after_compute_.get(), 0));
   ZT_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(free_stream_.get(), free_after_copy_.get(), 0));
-  ZT_CUDA_RETURN_IF_ERROR(
-      cudaStreamWaitEvent(free_stream_.get(), free_after_copy_out_.get(), 0));
+  ZT_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(free_stream_.get(), free_after_copy_out_.get(), 0));
   ZT_CUDA_RETURN_IF_ERROR(cudaFreeAsync(ptr, free_stream_.get()));
   return Status::Ok();
 }

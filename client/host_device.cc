@@ -179,6 +179,7 @@ class HostDevice final : public Device {
   }
 
   Result<std::unique_ptr<Event>> Record(Stream stream) override {
+    ZT_RETURN_IF_ERROR(owner_.Check("a host device event"));
     auto state = std::make_shared<EventState>();
     if (stream == Stream::kCompute) {
       state->done = true;  // compute work is done when it is issued
@@ -189,6 +190,7 @@ class HostDevice final : public Device {
   }
 
   Status Wait(Stream stream, Event& event) override {
+    ZT_RETURN_IF_ERROR(owner_.Check("a host device wait"));
     auto* e = dynamic_cast<HostEvent*>(&event);
     if (e == nullptr) return Status::InvalidArgument("host device: an event of another device");
     if (stream == Stream::kCompute) return e->Synchronize();
@@ -254,6 +256,7 @@ class HostDevice final : public Device {
 
   // A copy; in test mode, delayed and checked (see HostDeviceOptions).
   Status RunCopy(Stream stream, const char* label, void* dst, const void* src, size_t bytes) {
+    ZT_RETURN_IF_ERROR(owner_.Check("a host device copy"));  // no copy thread in a child
     const auto* written = static_cast<const uint8_t*>(dst);
     if (!IsCopy(stream) || !options_.check_copy_sources || WrittenAhead(stream, src, bytes)) {
       return Run(
@@ -277,6 +280,7 @@ class HostDevice final : public Device {
 
   Status Run(Stream stream, const char* label, std::function<void()> fn,
              const uint8_t* write = nullptr, size_t write_bytes = 0) {
+    ZT_RETURN_IF_ERROR(owner_.Check("a host device call"));
     if (IsCopy(stream)) {
       Enqueue(stream, label, std::move(fn), write, write_bytes);
       return Status::Ok();

@@ -1333,6 +1333,7 @@ Status Stage3Runner::PushGrads(int unit, const bf16* grads, uint64_t count) {
 
 Status Stage3Runner::Step() {
   Impl& r = *impl_;
+  ZT_RETURN_IF_ERROR(r.owner.Check("Step"));  // before QueueRun's lock
   // The open run of pushes goes first, whatever Step finds wrong: the
   // peers' runs go at their Step(), and a push made is a push sent.
   r.QueueRun();
@@ -1401,17 +1402,26 @@ Result<int> Stage3Runner::AbortStep() {
   }
   ZT_RETURN_IF_ERROR(r.Drain());
   ZT_ASSIGN_OR_RETURN(int complete, r.transport->AbortStep(r.job));
+  // The runner's own state first, as the engine's now is: the step afresh.
+  for (UnitState& u : r.units) u.pushed = false;
+  r.micro -= r.micro % r.accumulation;
+  // A pass cut short teaches no order: neither the active kind's (parked
+  // by the switch, it was learned at that kind's next pass) nor training's.
+  const auto forget_pass = [&r] {
+    r.recording.clear();
+    r.position = 0;
+    r.following = !r.learned.empty();
+  };
+  forget_pass();
+  if (r.order_key != 0) {
+    r.SwitchOrder(0);
+    forget_pass();
+  }
   for (UnitState& u : r.units) {
-    u.pushed = false;
     if (u.grads != nullptr) {
       ZT_RETURN_IF_ERROR(r.device->Memset(u.grads, 0, u.bytes, Stream::kCompute));
     }
   }
-  r.micro -= r.micro % r.accumulation;
-  if (r.order_key != 0) r.SwitchOrder(0);
-  r.recording.clear();  // a pass cut short teaches no order
-  r.position = 0;
-  r.following = !r.learned.empty();
   ZT_RETURN_IF_ERROR(r.following ? r.Prefetch(0) : Status::Ok());
   return complete;
 }
@@ -1445,6 +1455,7 @@ int64_t Stage3Runner::version() const { return impl_->version; }
 RunnerStats Stage3Runner::stats() const {
   Impl& r = *impl_;
   RunnerStats s = r.stats;
+  if (r.owner.forked()) return s;  // the transfer threads' lock is the parent's
   std::lock_guard<std::mutex> lock(r.mu);
   s.h2d_bytes = r.h2d;
   s.d2h_bytes = r.d2h;

@@ -120,11 +120,11 @@ Model::Model(std::shared_ptr<Transport> transport, int job, Session::ModelSpec s
       attached_rank_(attached_rank) {}
 
 Model::~Model() {
-  // Nothing to let go of where the engine is gone, or is the parent's of a
-  // forked child (client/transport.h ProcessOwner).
-  if (!transport_->Health().ok()) return;
+  // Always: a gone ztierd's transport still lets go of the job's mappings
+  // and checkpoint directory here. Said only where the engine is there to
+  // say it to (not gone, nor the parent's of a forked child).
   Status s = transport_->UnregisterJob(job_);
-  if (!s.ok()) {
+  if (!s.ok() && transport_->Health().ok()) {
     ZT_LOG(kWarn, "client") << "unregister model '" << spec_.name << "': " << s;
   }
 }

@@ -12,7 +12,9 @@
  * and models may be used from any thread.
  * Handles: a handle closed twice, or used after its close, is an error
  * (ZTIER_FAILED_PRECONDITION; a second close is said on stderr), never a
- * double free.
+ * double free, as long as no new handle took its place (a new one may get
+ * the same address; the library cannot tell them apart). Closing a handle
+ * while another thread uses it is undefined, as freeing any object is.
  * fork(): handles belong to the process that opened them. In a forked child
  * every call on them fails with ZTIER_FAILED_PRECONDITION, and closing them
  * there frees nothing of the parent's (its job, its ztierd connection). */

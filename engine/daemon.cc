@@ -711,6 +711,7 @@ class Daemon::Impl::Connection {
       case p::MessageType::kWriteWeights:
       case p::MessageType::kReadState:
       case p::MessageType::kWriteState:
+      case p::MessageType::kAbortStep:  // may wait for the step before's write-backs
         return true;
       case p::MessageType::kAcquireParams:
       case p::MessageType::kWaitPublished:

@@ -379,10 +379,14 @@ void MetricsServer::Answer(int fd, std::string_view req) {
     // The rest of the request is read (briefly, boundedly) before the
     // close: closing with input unread resets the connection, and the
     // client then sees a reset instead of the answer.
+    // At most 200 ms in all: a client trickling bytes must not hold the
+    // metrics thread (every scrape waits on it).
     ::shutdown(fd, SHUT_WR);
-    SetTimeout(fd, SO_RCVTIMEO, std::chrono::milliseconds(100));
+    SetTimeout(fd, SO_RCVTIMEO, std::chrono::milliseconds(50));
+    const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(200);
     char sink[4096];
-    for (size_t drained = 0; drained < (size_t{1} << 20);) {
+    for (size_t drained = 0;
+         drained < (size_t{1} << 20) && std::chrono::steady_clock::now() < until;) {
       const ssize_t n = ::recv(fd, sink, sizeof(sink), 0);
       if (n <= 0) break;
       drained += static_cast<size_t>(n);
