@@ -735,10 +735,12 @@ class Offload:
         # holding a unit (every later abort was refused for it).
         if self.runner is not None:
             self.runner.release_all()
-        for mid in self._fwd_held:
-            self._let_go(self._module_units[mid])
-        for mid, _ in self._bwd_held:
-            self._let_go(self._module_units[mid])
+        # Every hold goes, recorded or not (an interrupt between a record's
+        # removal and its let-go kept a unit held, to train on old weights).
+        for u in self.units:
+            if u.holds > 0:
+                u.holds = 1
+                self._let_go([u])
         self._fwd_held.clear()
         self._calls.clear()
         self._unmatched.clear()
@@ -1126,17 +1128,26 @@ class Offload:
             self._awaiting_step = True
 
     def _end_micro_step(self):
-        self.runner.step()
+        """The runner's Step(), the bookkeeping first: an interrupt (Ctrl-C)
+        raised the moment it returns must find the micro-step ended (it left
+        the runner a micro-step ahead and the model refusing everything)."""
+        saved = [(u.pushed, u.sent, set(u.arrived), u.calls) for u in self.units]
         for u in self.units:
             u.pushed = False
             u.sent = False
             u.arrived.clear()
             u.calls = 0
+        try:
+            self.runner.step()
+        except _C.ZtierError:  # refused: the micro-step is still open
+            for u, (pushed, sent, arrived, calls) in zip(self.units, saved):
+                u.pushed, u.sent, u.arrived, u.calls = pushed, sent, arrived, calls
+            raise
 
     def _stranded(self) -> bool:
         """Whether a backward pass ended (raised) after some of its grads
         reached the engine: its step cannot be completed."""
-        return (any(u.pushed for u in self.units) and not self._awaiting_step
+        return (any(u.sent for u in self.units) and not self._awaiting_step
                 and torch._C._current_graph_task_id() == -1)
 
     def _undo_stranded(self, what: str):
@@ -1186,9 +1197,12 @@ class Offload:
             if not u.sent:  # (an interrupted optimizer.step() sent it already)
                 self._send(u)
         self._deferred.clear()
-        self._end_micro_step()
-        self._awaiting_step = False
-        self._micro = 0
+        micro, self._micro, self._awaiting_step = self._micro, 0, False
+        try:
+            self._end_micro_step()
+        except _C.ZtierError:
+            self._micro, self._awaiting_step = micro, True
+            raise
 
     # ---- state between steps
 
