@@ -403,12 +403,7 @@ def test_an_interrupted_backward_leaves_no_trace(settings):
     the model ends exactly as one trained without them (fp32 masters and m,
     v through the next steps), with gradient accumulation (the step's
     earlier micro-batch goes too)."""
-    torch.manual_seed(0)
-    model = tiny_llama()
-    twin = copy.deepcopy(model)
-    za = zt.offload(model, grad_accumulation=2, settings=settings, name="interrupted")
-    zb = zt.offload(twin, grad_accumulation=2, settings=settings, name="plain")
-
+    model, twin, za, zb = _twins(settings, grad_accumulation=2)
     for step in range(3):
         for micro in range(2):
             x = batch(step, micro)
@@ -421,6 +416,21 @@ def test_an_interrupted_backward_leaves_no_trace(settings):
         za.optimizer.step()
         zb.optimizer.step()
         assert za.grad_norm() == zb.grad_norm(), step
+    _assert_same_masters(za, zb)
+
+
+def _twins(settings, **kwargs):
+    """Two offloads of one tiny Llama ("interrupted", "plain"): a run that
+    fails somewhere against one that does not."""
+    torch.manual_seed(0)
+    model = tiny_llama()
+    twin = copy.deepcopy(model)
+    za = zt.offload(model, settings=settings, name="interrupted", **kwargs)
+    zb = zt.offload(twin, settings=settings, name="plain", **kwargs)
+    return model, twin, za, zb
+
+
+def _assert_same_masters(za, zb):
     a, b = za.master_weights(), zb.master_weights()
     assert a.keys() == b.keys()
     for name in a:
@@ -456,11 +466,7 @@ def test_an_interrupt_the_moment_a_runner_call_returns(settings, method, n):
     buffer: a crash) or right after an acquire (the runner kept the unit held
     and every undo after was refused): undone, and the run ends as one that
     was never interrupted."""
-    torch.manual_seed(0)
-    model = tiny_llama()
-    twin = copy.deepcopy(model)
-    za = zt.offload(model, settings=settings, name="interrupted")
-    zb = zt.offload(twin, settings=settings, name="plain")
+    model, twin, za, zb = _twins(settings)
     for step in range(3):
         x = batch(step)
         if step == 1:
@@ -477,20 +483,14 @@ def test_an_interrupt_the_moment_a_runner_call_returns(settings, method, n):
         za.optimizer.step()
         twin(input_ids=x, labels=x).loss.backward()
         zb.optimizer.step()
-    a, b = za.master_weights(), zb.master_weights()
-    for name in a:
-        assert torch.equal(a[name], b[name]), name
+    _assert_same_masters(za, zb)
 
 
 def test_an_interrupt_the_moment_the_runners_step_returns(settings):
     """Ctrl-C as optimizer.step() returns from the runner's Step(): the step
     was taken (the runner a micro-step on, and the model refused every call
     after); training goes on as if it was never interrupted."""
-    torch.manual_seed(0)
-    model = tiny_llama()
-    twin = copy.deepcopy(model)
-    za = zt.offload(model, settings=settings, name="interrupted")
-    zb = zt.offload(twin, settings=settings, name="plain")
+    model, twin, za, zb = _twins(settings)
     for step in range(3):
         x = batch(step)
         model(input_ids=x, labels=x).loss.backward()
@@ -505,9 +505,7 @@ def test_an_interrupt_the_moment_the_runners_step_returns(settings):
         twin(input_ids=x, labels=x).loss.backward()
         zb.optimizer.step()
     za.save_checkpoint(str(settings["ZTIER_NVME_PATHS"]) + "/../ck")
-    a, b = za.master_weights(), zb.master_weights()
-    for name in a:
-        assert torch.equal(a[name], b[name]), name
+    _assert_same_masters(za, zb)
 
 
 def test_eval_forward_between_steps(settings):
