@@ -857,6 +857,17 @@ struct Stage3Runner::Impl {
     return Status::Ok();
   }
 
+  // No unit is acquired (what ends or undoes a micro-step needs).
+  Status CheckNothingHeld(const char* what) const {
+    for (const UnitState& u : units) {
+      if (u.holds > 0) {
+        return Status::FailedPrecondition(
+            StrCat(what, ": unit '", u.name, "' is still acquired; release every unit first"));
+      }
+    }
+    return Status::Ok();
+  }
+
   // A known unit whose grads were not pushed yet this micro-step.
   Status CheckGradsOpen(int unit, const char* what) const {
     ZT_RETURN_IF_ERROR(CheckUnit(unit, what));
@@ -1358,12 +1369,7 @@ Status Stage3Runner::Step() {
     return Status::FailedPrecondition(StrCat("Step: ", r.units.size() - pushed,
                                              " units have no grads this micro-step: ", missing));
   }
-  for (const UnitState& u : r.units) {
-    if (u.holds > 0) {
-      return Status::FailedPrecondition(
-          StrCat("Step: unit '", u.name, "' is still acquired; release every unit first"));
-    }
-  }
+  ZT_RETURN_IF_ERROR(r.CheckNothingHeld("Step"));
   const Clock::time_point t0 = Clock::now();
   Status s = r.Drain();
   const Clock::time_point t1 = Clock::now();
@@ -1394,12 +1400,7 @@ Result<int> Stage3Runner::AbortStep() {
                " ranks, whose collectives a failed backward on one leaves waiting: restart the "
                "job from its last checkpoint"));
   }
-  for (const UnitState& u : r.units) {
-    if (u.holds > 0) {
-      return Status::FailedPrecondition(
-          StrCat("AbortStep: unit '", u.name, "' is still acquired; release every unit first"));
-    }
-  }
+  ZT_RETURN_IF_ERROR(r.CheckNothingHeld("AbortStep"));
   ZT_RETURN_IF_ERROR(r.Drain());
   ZT_ASSIGN_OR_RETURN(int complete, r.transport->AbortStep(r.job));
   // The runner's own state first, as the engine's now is: the step afresh.

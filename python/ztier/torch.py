@@ -1127,16 +1127,20 @@ class Offload:
         else:
             self._awaiting_step = True
 
-    def _end_micro_step(self):
-        """The runner's Step(), the bookkeeping first: an interrupt (Ctrl-C)
-        raised the moment it returns must find the micro-step ended (it left
-        the runner a micro-step ahead and the model refusing everything)."""
-        saved = [(u.pushed, u.sent, set(u.arrived), u.calls) for u in self.units]
+    def _forget_micro_step(self):
+        """Every unit's marks of the micro-step (grads in, sent, calls)."""
         for u in self.units:
             u.pushed = False
             u.sent = False
             u.arrived.clear()
             u.calls = 0
+
+    def _end_micro_step(self):
+        """The runner's Step(), the bookkeeping first: an interrupt (Ctrl-C)
+        raised the moment it returns must find the micro-step ended (it left
+        the runner a micro-step ahead and the model refusing everything)."""
+        saved = [(u.pushed, u.sent, set(u.arrived), u.calls) for u in self.units]
+        self._forget_micro_step()
         try:
             self.runner.step()
         except _C.ZtierError:  # refused: the micro-step is still open
@@ -1163,10 +1167,7 @@ class Offload:
                 "step cannot be undone; restart the job from its last checkpoint")
         self._reset_interrupted()
         self.runner.abort_step()
-        for u in self.units:
-            u.pushed = False
-            u.sent = False
-            u.calls = 0
+        self._forget_micro_step()
         self._deferred.clear()
         earlier = self._micro
         self._micro = 0
