@@ -157,6 +157,11 @@ struct SwapSpace::Impl {
     uint32_t index = 0;
     std::string file;
     int fd = -1;
+    bool sparse_warned = false;  // told once that this path cannot preallocate
+    // The file passed the ownership check (a plain file of ours with one
+    // name): only then is it removed with the space. One that was refused
+    // stays where it is, as the message says.
+    bool owned = false;
     std::unique_ptr<IoQueue> queue;
     std::vector<AlignedBuffer> staging;
     bool fixed = false;
@@ -387,7 +392,8 @@ Status SwapSpace::Impl::PathIo::Pump() {
       starting.push_back(p);
     }
   }
-  for (Piece* p : starting) {
+  for (size_t i = 0; i < starting.size(); ++i) {
+    Piece* p = starting[i];
     bool work = false;
     if (p->kind == IoKind::kWrite) {
       // Checksum the caller's bytes, then stage them if they cannot go to
@@ -407,7 +413,14 @@ Status SwapSpace::Impl::PathIo::Pump() {
     Start(p);
     ++prepared;
     if (work) {
-      ZT_RETURN_IF_ERROR(queue->Submit(0));
+      if (Status s = queue->Submit(0); !s.ok()) {
+        // The pieces not yet in the ring end here with the error (they
+        // would be forgotten otherwise, and their waiters hang); those in
+        // it go in with a later submit, or fail with the ring.
+        for (size_t j = i + 1; j < starting.size(); ++j) Finish(starting[j], s);
+        starting.clear();
+        return s;
+      }
       prepared = 0;
     }
   }
@@ -509,6 +522,7 @@ Status SwapSpace::Impl::OpenFiles(bool create) {
                  " with one name (", S_ISREG(own.st_mode) ? "" : "not a regular file, ",
                  "owner uid ", own.st_uid, ", ", own.st_nlink, " links); refused (remove it)"));
     }
+    p.owned = true;
     if (create && ::ftruncate(fd, 0) != 0) return PosixError(StrCat("truncate ", p.file), errno);
     if (::fchmod(fd, 0600) != 0) return PosixError(StrCat("chmod 0600 ", p.file), errno);
     // Some filesystems accept O_DIRECT at open and refuse it at the first
@@ -550,14 +564,29 @@ Status SwapSpace::Impl::Grow(uint64_t units) {
   step = (step + stripe - 1) / stripe * stripe;
   uint64_t target = std::max(need, file_bytes + step);
   if (cap != 0) target = std::min(target, cap);
+  // A failed attempt gives back what it took: fallocate keeps the blocks it
+  // got before running out, and the paths before the failing one grew in
+  // full. Several paths may share one filesystem, so the free bytes are
+  // told once all of it is back.
+  const auto shrink_back = [&] {
+    for (auto& p : paths) (void)::ftruncate(p->fd, static_cast<off_t>(file_bytes));
+  };
   for (const uint64_t size : {target, need}) {
     Status s;
     for (auto& p : paths) {
       int rc = backend->Preallocate(p->fd, file_bytes, size - file_bytes);
       if (rc == -EOPNOTSUPP) {  // no fallocate here: a sparse file
+        if (!p->sparse_warned) {
+          p->sparse_warned = true;
+          ZT_LOG(kWarn, "nvme")
+              << "the filesystem of swap path " << options.paths[p->index]
+              << " cannot preallocate (no fallocate): its space is not reserved, and a full "
+                 "disk shows up as a write error during a step";
+        }
         rc = ::ftruncate(p->fd, static_cast<off_t>(size)) == 0 ? 0 : -errno;
       }
       if (rc == -ENOSPC || rc == -EDQUOT || rc == -EFBIG) {
+        shrink_back();
         struct statvfs vfs {};
         const std::string dir = options.paths[p->index];
         const uint64_t avail =
@@ -570,6 +599,7 @@ Status SwapSpace::Impl::Grow(uint64_t units) {
         break;
       }
       if (rc < 0) {
+        shrink_back();
         return PosixError(
             StrCat("fallocate ", size - file_bytes, " bytes at ", file_bytes, " of ", p->file), rc);
       }
@@ -633,7 +663,7 @@ void SwapSpace::Impl::StopThreads() {
     if (p->fd >= 0) ::close(p->fd);
     p->fd = -1;
     // Scratch files go with their owner; a new space starts from nothing.
-    if (!options.keep_files) {
+    if (!options.keep_files && p->owned) {
       Status s = RemoveFile(p->file);
       if (!s.ok()) {
         ZT_LOG(kWarn, "nvme") << s;
@@ -732,6 +762,13 @@ Result<uint64_t> SwapSpace::Allocate(std::string_view name, uint64_t bytes) {
   ZT_RETURN_IF_ERROR(sp.CheckUsable());
   if (bytes == 0) return Status::InvalidArgument(StrCat("swap object '", name, "' of 0 bytes"));
   if (name.empty()) return Status::InvalidArgument("swap object needs a name");
+  // Far beyond any disk, and the file offsets below cannot overflow.
+  constexpr uint64_t kMaxObjectBytes = uint64_t{1} << 56;
+  if (bytes > kMaxObjectBytes) {
+    return Status::InvalidArgument(StrCat("swap object '", name, "' of ", bytes,
+                                          " bytes: more than the most one object can be (",
+                                          kMaxObjectBytes, ")"));
+  }
   const uint64_t stripe = sp.options.stripe_bytes;
   const uint64_t units = (bytes + stripe - 1) / stripe;
   const uint32_t npaths = static_cast<uint32_t>(sp.paths.size());

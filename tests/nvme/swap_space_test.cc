@@ -757,6 +757,8 @@ TEST_P(SwapSpaceTest, APlantedLinkOrForeignFileIsRefusedAndLeftAlone) {
   EXPECT_EQ(hard.code(), StatusCode::kFailedPrecondition) << hard;
   EXPECT_NE(hard.message().find("2 links"), std::string::npos) << hard;
   EXPECT_TRUE(victim_intact());
+  // The message says "remove it": the refused name is left for its owner.
+  EXPECT_TRUE(fs::exists(swap_file)) << "a refused swap file was removed";
   fs::remove(swap_file);
 
   // A stale swap file of this user's (a killed run's) is taken over.
@@ -840,12 +842,19 @@ TEST_P(SwapSpaceTest, TheCapAndAFullDiskRefuseGrowthAndKeepEveryObject) {
   ASSERT_TRUE(a.ok());
   ASSERT_TRUE(space->Write(*a, 0, data.data(), data.size()).ok());
   const uint64_t before = space->file_bytes();
-  fault->FailPreallocate(ENOSPC);
+  // The first path grows, the second finds the disk full: the first gives
+  // its growth back (the paths may share a filesystem, which it would
+  // otherwise keep full).
+  fault->FailPreallocate(ENOSPC, 2);
   Result<uint64_t> big = space->Allocate("big", 1024 * kMiB);
   ASSERT_FALSE(big.ok());
   EXPECT_EQ(big.status().code(), StatusCode::kResourceExhausted) << big.status();
   EXPECT_NE(big.status().message().find("out of space"), std::string::npos) << big.status();
   EXPECT_EQ(space->file_bytes(), before);
+  for (const std::string& p : Options(2, 0).paths) {
+    EXPECT_EQ(fs::file_size(fs::path(p) / o.file_name), before / 2)
+        << p << ": a failed growth kept what it took";
+  }
   EXPECT_FALSE(space->Find("big").ok()) << "a failed allocation left an object";
   ASSERT_TRUE(space->Read(*a, 0, back.data(), back.size()).ok());
   EXPECT_EQ(back, data);
