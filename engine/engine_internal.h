@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "common/dir_lock.h"
+#include "common/log.h"
 #include "cpu_adam/adamw.h"
 #include "engine/dram_pool.h"
 #include "engine/engine.h"
@@ -169,6 +170,14 @@ struct Job {
   std::shared_ptr<void> zero_state;
 
   ~Job() {
+    // Reads in flight first: none may land in freed memory, and the swap
+    // space refuses to free an object with I/O in flight (its space would
+    // stay taken for the daemon's life).
+    if (ring != nullptr) {
+      for (nvme::IoTicket& t : ring->preload_reads) {
+        if (t.valid()) (void)t.Wait();
+      }
+    }
     if (params != nullptr) {
       for (ParamSlot& s : params->slots) {
         if (s.read.valid()) (void)s.read.Wait();  // no read may land in freed memory
@@ -183,13 +192,13 @@ struct Job {
       }
       if (ring == nullptr) continue;
       for (uint64_t id : {u.swap_object, u.param_objects[0], u.param_objects[1]}) {
-        if (id != 0) (void)ring->swap->Free(id);
+        if (id == 0) continue;
+        if (Status s = ring->swap->Free(id); !s.ok()) {
+          ZT_LOG(kWarn, "engine") << "job teardown: " << s;
+        }
       }
     }
     if (ring != nullptr) {
-      for (nvme::IoTicket& t : ring->preload_reads) {
-        if (t.valid()) (void)t.Wait();  // no read may land in freed memory
-      }
       for (const DramBlock& b : ring->slots) pool->Free(b);
     }
     for (uint32_t r : shared_regions) pool->DestroyRegion(r);

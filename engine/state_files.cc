@@ -80,13 +80,19 @@ void RemoveUncommitted(const std::string& dir, const std::vector<std::string>& w
   std::set<std::string> named;
   const std::string manifest = (fs::path(dir) / kCheckpointManifestName).string();
   Result<std::string> text = ReadFileToString(manifest, kMaxManifestBytes);
-  if (text.ok()) {
-    Result<CheckpointManifest> m = DecodeCheckpointManifest(*text, manifest);
-    if (m.ok()) {
-      for (const CheckpointUnit& u : m->units) {
-        for (const CheckpointShard& s : u.shards) named.insert(s.file);
-      }
+  Result<CheckpointManifest> m = text.ok() ? DecodeCheckpointManifest(*text, manifest)
+                                           : Result<CheckpointManifest>(text.status());
+  if (m.ok()) {
+    for (const CheckpointUnit& u : m->units) {
+      for (const CheckpointShard& s : u.shards) named.insert(s.file);
     }
+  } else if (text.ok() || text.status().code() != StatusCode::kNotFound) {
+    // The manifest there cannot be read: it may be this save's, renamed
+    // into place before the failure, and name these files. They stay.
+    ZT_LOG(kWarn, "engine") << "a failed checkpoint save leaves its files in " << dir
+                            << " (the manifest there cannot be read to tell which are unused: "
+                            << m.status() << ")";
+    return;
   }
   for (const std::string& name : written) {
     if (named.count(name) != 0) continue;
@@ -284,8 +290,17 @@ std::string CheckpointDirKey(const std::string& dir) {
 
 Status CreateCheckpointDir(const std::string& dir) {
   std::error_code ec;
-  fs::create_directories(dir, ec);
+  const bool created = fs::create_directories(dir, ec);
   if (ec) return PosixError(StrCat("create checkpoint directory ", dir), ec.value());
+  // The new directory's name is made durable with its parent, as a file's
+  // is by WriteFileAtomically.
+  if (created) {
+    fs::path path = fs::path(dir).lexically_normal();
+    if (!path.has_filename()) path = path.parent_path();  // "a/b/"
+    std::string parent = path.parent_path().string();
+    if (parent.empty()) parent = ".";
+    ZT_RETURN_IF_ERROR(FsyncPath(parent, /*directory=*/true));
+  }
   return Status::Ok();
 }
 

@@ -180,6 +180,43 @@ TEST_F(CheckpointFaultTest, EveryFailingCallOfASaveIsReportedAndACheckpointStill
   EXPECT_GT(cases, 8);
 }
 
+TEST_F(CheckpointFaultTest, ASaveWhoseManifestCannotBeReadBackKeepsTheFilesItMayName) {
+  TrainAndSave(2);
+  Train(*engine_, job_, 1, step_, 1, 7);
+  saved_[3] = Snapshot(*engine_, job_);
+  int fsync_dirs = 0;  // a save's directory syncs; the last one follows the manifest's rename
+  SetFileFaultHook([&](FileOp op, const std::string&) {
+    if (op == FileOp::kFsyncDir) ++fsync_dirs;
+    return 0;
+  });
+  {
+    ScratchDir probe("ckpt-probe");
+    auto e = MakeEngine();
+    const int j = *e->RegisterJob(SmallModel("probe", 1, 1.0f, 1, StepMode::kExact));
+    ASSERT_TRUE(e->SaveCheckpoint(j, probe.path()).ok());
+    fsync_dirs = 0;
+    ASSERT_TRUE(e->SaveCheckpoint(j, probe.path()).ok());
+  }
+  SetFileFaultHook({});
+  ASSERT_GT(fsync_dirs, 0);
+  // The manifest is renamed in, the directory's sync fails, and the
+  // manifest cannot be read back to tell which files it names: the new
+  // files must stay, for that manifest may name them.
+  std::atomic<int> seen{0};
+  std::atomic<bool> renamed{false};
+  SetFileFaultHook([&, last = fsync_dirs](FileOp op, const std::string&) {
+    if (op == FileOp::kFsyncDir && ++seen == last) {
+      renamed = true;
+      return EIO;
+    }
+    return op == FileOp::kRead && renamed ? EIO : 0;
+  });
+  Status s = engine_->SaveCheckpoint(job_, dir_.path());
+  SetFileFaultHook({});
+  EXPECT_EQ(s.sys_errno(), EIO) << s;
+  EXPECT_EQ(LoadFresh(), 3) << "the manifest on disk names files a failed save removed";
+}
+
 // Rewrites the manifest with `edit` applied and a valid checksum.
 void Forge(const fs::path& dir, const std::function<void(Json&)>& edit) {
   const fs::path path = dir / "manifest.json";
