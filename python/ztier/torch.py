@@ -16,7 +16,9 @@ block (embeddings) and one for those after the last (final norm, head). A
 tied parameter lives in one unit and every module that uses it holds that
 unit. The fp32 master weights, AdamW moments and bf16 params live in the
 engine (pinned DRAM or NVMe); the module's parameters hold nothing between
-uses: read outside a forward or backward they are NaN of their shape.
+uses: read outside a forward or backward they are NaN of their shape
+(``model.state_dict()`` fetches the values; ``gathered()`` shows them in the
+parameters).
 
 Hooks in the FSDP2 manner hold a unit while a module that uses it computes:
 - forward: a pre-hook acquires the unit's bf16 params (prefetched by the
@@ -51,6 +53,7 @@ import dataclasses
 import numbers
 import os
 import sys
+import threading
 import uuid
 import warnings
 import weakref
@@ -113,6 +116,10 @@ class _Optimizer(torch.optim.Optimizer):
     grads left the parameters when they reached the engine.
     """
 
+    # torch.amp.GradScaler then hands step() its scale (grad_scale) instead
+    # of looking for grads on the parameters (they went to the engine).
+    _step_supports_amp_scaling = True
+
     def __init__(self, owner: "Offload", groups: list[dict]):
         self._owner = owner
         self._constructing = True
@@ -134,6 +141,17 @@ class _Optimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
+        if hasattr(self, "grad_scale"):  # GradScaler.step(optimizer)
+            del self.grad_scale
+            if hasattr(self, "found_inf"):
+                del self.found_inf
+            self._owner._discard_step("a GradScaler's step")
+            raise RuntimeError(
+                "ztier: a GradScaler (loss scaling) with an offloaded model: its grads reached "
+                "the engine scaled, and the engine takes true grads; no step was taken (its "
+                f"grads were discarded: the model is as after step {self._owner.step_count}). "
+                "Loss scaling is for fp16 compute: ztier computes in bf16 or fp32, whose range "
+                "needs none; drop the GradScaler")
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -163,7 +181,21 @@ class _Optimizer(torch.optim.Optimizer):
             for g in self.param_groups]}
 
     def load_state_dict(self, state_dict):
-        for g, saved in zip(self.param_groups, state_dict.get("param_groups", [])):
+        """The param groups' settings (lr, as a scheduler left them) from a
+        state dict this optimizer made; the moments come from
+        Offload.load_checkpoint."""
+        if state_dict.get("state"):
+            raise ValueError(
+                f"ztier: this optimizer state dict holds moments of {len(state_dict['state'])} "
+                "parameters (another optimizer's, such as torch.optim.AdamW): the engine's "
+                "moments come only from a ztier checkpoint (Offload.load_checkpoint); to take "
+                "its param groups' settings alone, pass {'state': {}, 'param_groups': ...}")
+        saved_groups = state_dict.get("param_groups", [])
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(
+                f"ztier: the state dict has {len(saved_groups)} param groups, this optimizer "
+                f"{len(self.param_groups)} (the offloaded model's decay and no-decay groups)")
+        for g, saved in zip(self.param_groups, saved_groups):
             for k, v in saved.items():
                 if k != "params":
                     g[k] = v
@@ -232,6 +264,9 @@ class _Tensor:
     # means something wrote to the parameter outside the hooks.
     placeholder: torch.Tensor | None = None
     idle_version: int = -1
+    # The parameter's version when it was pointed at its unit's values: a
+    # later one when the unit is let go means the forward wrote to it.
+    held_version: int = -1
 
 
 @dataclass
@@ -348,6 +383,23 @@ class Offload:
             raise ValueError(f"ztier: compute_dtype must be torch.bfloat16 or torch.float32, "
                              f"got {compute_dtype}")
         self.compute_dtype = compute_dtype
+        # The engine keeps fp32 masters and publishes bf16 params: a model of
+        # another floating type changes precision (a bf16 one does not).
+        other = sorted({str(p.dtype) for p in model.parameters() if _offloadable(p)} -
+                       {str(torch.float32), str(torch.bfloat16)})
+        if other:
+            warnings.warn(
+                f"ztier: the model's parameters of {', '.join(other)} become fp32 master weights "
+                f"in the engine and compute as bf16 values in {compute_dtype} (offload("
+                "compute_dtype=): torch.bfloat16 or torch.float32); the floating-point inputs "
+                "of its forward are cast to that", RuntimeWarning, stacklevel=3)
+        for mname, m in model.named_modules():
+            if getattr(m, "sparse", False) is True and isinstance(m, (nn.Embedding,
+                                                                      nn.EmbeddingBag)):
+                raise ValueError(
+                    f"ztier: '{mname or type(m).__name__}' is an embedding with sparse=True: its "
+                    "grads are sparse tensors, and the engine takes dense ones; offload it with "
+                    "sparse=False")
         self._elem_bytes = torch.empty((), dtype=compute_dtype).element_size()
         self.rank, self.world_size = _distributed()
         self._hosted = None
@@ -437,6 +489,9 @@ class Offload:
                 mod, _, leaf = name_.rpartition(".")
                 owner = model.get_submodule(mod) if mod else model
                 owner._buffers[leaf] = buf.to(self.device)
+        for p in model.parameters():  # those it keeps as they are (an index table)
+            if id(p) not in self._tensor_of and p.device != self.device:
+                p.data = p.data.to(self.device)
         self._gathering = 0  # gathered() blocks open
         self._phase = "idle"  # idle | forward | backward
         self._micro = 0  # backward passes since the last optimizer step
@@ -460,6 +515,8 @@ class Offload:
         self._post_done: set[tuple[int, int]] = set()
         self._callback_queued = False
         self._hooks = []
+        self._sd_values = None  # units fetched for the state_dict() being made
+        self._known_params = {id(p): n for n, p in model.named_parameters()}
         self._install_hooks(model)
         self.optimizer = _Optimizer(self, groups)
         model._ztier_offload = weakref.ref(self)
@@ -491,9 +548,10 @@ class Offload:
             for p in b.parameters():
                 if id(p) not in owner:
                     owner[id(p)] = -1
-                    # A parameter of no elements holds nothing to offload
-                    # or train: it stays as it is.
-                    if p.numel() > 0:
+                    # A parameter of no elements, or not of floating point
+                    # (an index table), holds nothing to offload or train:
+                    # it stays as it is.
+                    if _offloadable(p):
                         u.tensors.append(_Tensor(names[id(p)], p, tuple(p.shape), p.numel()))
             block_units.append(u)
             for m in b.modules():
@@ -505,7 +563,7 @@ class Offload:
                 if p is None or id(p) in owner:
                     continue
                 owner[id(p)] = -1
-                if p.numel() == 0:
+                if not _offloadable(p):
                     continue
                 target = embed if first_block is not None and order[id(m)] < first_block else head
                 target.tensors.append(_Tensor(names[id(p)], p, tuple(p.shape), p.numel()))
@@ -716,17 +774,31 @@ class Offload:
     def _point_params(self, u: _Unit, flat: torch.Tensor):
         for t in u.tensors:
             t.param.data = flat[t.offset:t.offset + t.numel].view(t.shape)
+            t.held_version = t.param._version
 
-    def _let_go(self, units: Iterable[_Unit]):
+    def _let_go(self, units: Iterable[_Unit], check: bool = False):
+        """Releases one hold of each unit. With ``check`` (a module's forward
+        ends), a write the forward made to a parameter it let go of is said:
+        it went into a copy of the published values, never to the engine."""
+        written = None
         for u in units:
             if u.holds <= 0:
                 raise RuntimeError(f"ztier: unit '{u.name}' released more often than held")
             u.holds -= 1
             if u.holds == 0:
                 for t in u.tensors:
+                    if check and written is None and t.param._version != t.held_version:
+                        written = t.name
                     self._park(t)
                 if u.storage is not None:
                     u.storage.resize_(0)
+        if written is not None:
+            raise RuntimeError(
+                f"ztier: the forward wrote to parameter '{written}' in place (nn.Embedding("
+                "max_norm=...) renormalizes its rows so, as does any in-place op on a weight): "
+                "the parameter is a copy of the engine's values while its module runs, and the "
+                "write went nowhere; the engine's optimizer alone changes the weights (for "
+                "max_norm: renormalize the looked-up rows instead, e.g. F.normalize)")
 
     def _reset_interrupted(self):
         """Undoes what a forward or backward that raised left behind (holds,
@@ -757,7 +829,8 @@ class Offload:
     @contextlib.contextmanager
     def gathered(self):
         """Every unit's bf16 params in the module's parameters (at the version
-        the next forward reads), e.g. for ``model.state_dict()``. Read-only:
+        the next forward reads), e.g. to read them or copy.deepcopy the model
+        (``model.state_dict()`` shows them anywhere). Read-only:
         writes to them are not sent to the engine. Each unit is copied into
         storage of its own, which the parameters let go of on leaving (they
         go back to what they were): views taken inside, a state dict, stay
@@ -810,20 +883,71 @@ class Offload:
         # The hooks reach this object through a weak reference: the model
         # (and the tensors' hooks, which the garbage collector cannot see
         # through) must not keep an Offload its user dropped alive.
+        # The pre-hooks go before the user's own: one that reads parameters
+        # (torch.nn.utils.weight_norm computes `weight` from its params in
+        # one) must find the values, not the placeholders. The root's goes
+        # first of all (prepended last), also where the root is a hooked
+        # module itself.
+        for m in self._hooked:
+            self._hooks.append(m.register_forward_pre_hook(_weak(self._pre_forward, m),
+                                                           prepend=True, with_kwargs=True))
+            self._hooks.append(m.register_forward_hook(_weak(self._post_forward, m)))
         self._hooks.append(model.register_forward_pre_hook(
-            _weak(self._root_pre_forward, model, root=True)))
+            _weak(self._root_pre_forward, model, root=True), prepend=True, with_kwargs=True))
         self._hooks.append(model.register_forward_hook(_weak(self._root_post_forward, model)))
         self._hooks.append(model._register_load_state_dict_pre_hook(
             _weak(self._root_load_state_dict, model), with_module=True))
-        for m in self._hooked:
-            self._hooks.append(m.register_forward_pre_hook(_weak(self._pre_forward, m),
-                                                           with_kwargs=True))
-            self._hooks.append(m.register_forward_hook(_weak(self._post_forward, m)))
         for u in self.units:
             for t in u.tensors:
                 if t.param.requires_grad:
                     self._hooks.append(t.param.register_post_accumulate_grad_hook(
                         _weak(self._grad_in, t.param)))
+        # state_dict() (save_pretrained, Trainer's checkpoints) shows the
+        # values, not the placeholders: each module that owns parameters
+        # fills in its own, the units fetched once per call of the root's.
+        self._hooks.append(model.register_state_dict_pre_hook(
+            _weak(self._root_state_dict_pre, model)))
+        for m in model.modules():
+            if any(id(p) in self._tensor_of for p in m._parameters.values() if p is not None):
+                self._hooks.append(m._register_state_dict_hook(_weak(self._state_dict_fill, m)))
+        self._hooks.append(model._register_state_dict_hook(
+            _weak(self._root_state_dict_post, model)))
+
+    def _root_state_dict_pre(self, module, prefix, keep_vars):
+        self._sd_values = {}
+
+    def _root_state_dict_post(self, module, state_dict, prefix, local_metadata):
+        self._sd_values = None
+
+    def _state_dict_fill(self, module, state_dict, prefix, local_metadata):
+        """The module's own offloaded parameters in ``state_dict``: the values
+        the next forward reads (as gathered() shows them), where the entry is
+        a placeholder (between uses). Each a tensor of its own (tensors
+        sharing storage read as tied weights to save_pretrained); a unit's
+        fetch is kept until its last tensor is filled."""
+        for name, p in module._parameters.items():
+            t = self._tensor_of.get(id(p)) if p is not None else None
+            key = prefix + name
+            if t is None or t.param is not p or key not in state_dict or not _is_placeholder(
+                    state_dict[key]):
+                continue
+            u = self._unit_of[id(p)]
+            cache = self._sd_values if self._sd_values is not None else {}
+            entry = cache.get(u.index)
+            if entry is None:
+                self._require_open("state_dict")
+                flat = torch.empty(u.padded, dtype=self.compute_dtype, device=self.device)
+                order = self.runner.order_key
+                self.runner.set_order(_GATHER)
+                try:
+                    self._fetch(u, flat)
+                finally:
+                    self.runner.set_order(order)
+                entry = cache[u.index] = [flat, len(u.tensors)]
+            state_dict[key] = entry[0][t.offset:t.offset + t.numel].view(t.shape).clone()
+            entry[1] -= 1
+            if entry[1] == 0:
+                del cache[u.index]
 
     def _root_load_state_dict(self, module, *args):
         if self._gathering:
@@ -840,9 +964,9 @@ class Offload:
             h.remove()
         self._hooks.clear()
 
-    def _root_pre_forward(self, module, args):
+    def _root_pre_forward(self, module, args, kwargs):
         if torch._C._current_graph_task_id() != -1:
-            return  # activation checkpointing's recompute of the whole model
+            return None  # activation checkpointing's recompute of the whole model
         if self._stranded():
             self._undo_stranded("a forward")
         if self._phase == "backward" or self._fwd_held:
@@ -856,7 +980,11 @@ class Offload:
         if training and self._awaiting_step:
             raise RuntimeError(
                 f"ztier: a training forward after {self._micro} backward passes, but "
-                f"grad_accumulation={self.grad_accumulation}: call optimizer.step() first")
+                f"grad_accumulation={self.grad_accumulation}: call optimizer.step() first (a "
+                "backward through this model that gave its parameters grads counts as one, "
+                "also one that trains another model through it: freeze it with "
+                "requires_grad_(False) for such passes)")
+        self._check_same_parameters()
         self._check_idle_params(values=training)
         self._training_forward = torch.is_grad_enabled()
         if self._training_forward:
@@ -870,6 +998,48 @@ class Offload:
         # different orders: the runner keeps one learned order per kind.
         self.runner.set_order(_TRAIN if training else _EVAL)
         self._phase = "forward"
+        return self._cast_inputs(args, kwargs)
+
+    def _cast_inputs(self, args, kwargs):
+        """The model's floating-point inputs in its compute dtype (as the
+        parameters are): a float32 batch into a model computing in bf16
+        otherwise fails at its first matmul."""
+        changed = False
+
+        def cast(x):
+            nonlocal changed
+            if isinstance(x, torch.Tensor):
+                if x.is_floating_point() and x.dtype != self.compute_dtype:
+                    changed = True
+                    return x.to(self.compute_dtype)
+                return x
+            if isinstance(x, (tuple, list)) and not hasattr(x, "_fields"):
+                return type(x)(cast(v) for v in x)
+            if type(x) is dict:
+                return {k: cast(v) for k, v in x.items()}
+            return x
+
+        new_args, new_kwargs = cast(tuple(args)), cast(dict(kwargs))
+        return (new_args, new_kwargs) if changed else None
+
+    def _check_same_parameters(self):
+        """The model's parameters are still those it was offloaded with: a
+        module replaced or added since (``model.head = nn.Linear(...)``,
+        ``resize_token_embeddings``) was never laid out in the engine, and
+        would silently never train; one removed still is."""
+        now = {id(p): n for n, p in self.module.named_parameters()}
+        if now.keys() == self._known_params.keys():
+            return
+        new = [n for i, n in now.items() if i not in self._known_params]
+        gone = [n for i, n in self._known_params.items() if i not in now]
+        what = (f"'{new[0]}' is a parameter the engine does not hold (its module was added or "
+                "replaced after zt.offload, and would never train)" if new else
+                f"'{gone[0]}' is no longer in the model (its module was removed or replaced "
+                "after zt.offload)")
+        raise RuntimeError(
+            f"ztier: the model's parameters changed since it was offloaded: {what}; change "
+            "the model before zt.offload, or export_safetensors, change a fresh model and "
+            "offload it with weights=")
 
     def _check_idle_params(self, values: bool):
         """Between uses a parameter is its placeholder: one written to (an
@@ -989,7 +1159,7 @@ class Offload:
         mid = id(module)
         call = (mid, self._calls[mid].pop())
         self._fwd_held.remove(mid)
-        self._let_go(self._module_units[mid])
+        self._let_go(self._module_units[mid], check=True)
         if torch.is_grad_enabled():
             for t in _tensors(output):
                 if t.requires_grad:
@@ -1017,7 +1187,10 @@ class Offload:
         if self._awaiting_step:
             raise RuntimeError(
                 f"ztier: a backward pass after {self._micro} backward passes, but "
-                f"grad_accumulation={self.grad_accumulation}: call optimizer.step() first")
+                f"grad_accumulation={self.grad_accumulation}: call optimizer.step() first (a "
+                "backward through this model that gave its parameters grads counts as one, "
+                "also one that trains another model through it: freeze it with "
+                "requires_grad_(False) for such passes)")
         if self._phase != "backward":
             self._phase = "backward"
             self._bwd_held.clear()
@@ -1029,6 +1202,13 @@ class Offload:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
     def _pre_backward(self, call: tuple[int, int], grad):
+        if torch.is_grad_enabled():  # the backward records a graph of its own
+            raise RuntimeError(
+                "ztier: a backward with create_graph=True (a gradient penalty, a double "
+                "backward) through an offloaded model is not supported: each module's weights "
+                "are let go once its backward ends, and the graph it records would read them "
+                "later; compute the penalty on inputs of a model that is not offloaded, or "
+                "without create_graph")
         self._enter_backward()
         if call in self._bwd_held or call in self._post_done:
             return grad
@@ -1159,18 +1339,10 @@ class Offload:
         engine discards every grad delivered since the last optimizer step),
         so that training goes on from that step; says so. With several ranks
         the peers' collectives wait for the failed rank: the job must restart."""
-        if self.world_size > 1:
-            raise RuntimeError(
-                f"ztier: {what} after a backward pass that did not finish (it raised, or was "
-                "interrupted) when some of its grads had already reached the engine: with "
-                f"{self.world_size} ranks the other ranks' collectives wait for this one, so the "
-                "step cannot be undone; restart the job from its last checkpoint")
-        self._reset_interrupted()
-        self.runner.abort_step()
-        self._forget_micro_step()
-        self._deferred.clear()
         earlier = self._micro
-        self._micro = 0
+        self._discard_step(f"{what} after a backward pass that did not finish (it raised, or "
+                           "was interrupted) when some of its grads had already reached the "
+                           "engine")
         warnings.warn(
             f"ztier: {what} after a backward pass that did not finish (it raised, or was "
             "interrupted) when some of its grads had already reached the engine: that step's "
@@ -1179,6 +1351,22 @@ class Offload:
              f"{self.grad_accumulation})" if earlier else "") +
             f"; the model is as after step {self.step_count}, and training goes on from there",
             stacklevel=_user_stacklevel())
+
+    def _discard_step(self, what: str):
+        """Drops every grad sent since the last optimizer step (the engine's
+        pending step, and this model's marks of it). With several ranks the
+        peers' collectives wait for this one: refused, the job must restart."""
+        if self.world_size > 1:
+            raise RuntimeError(
+                f"ztier: {what}: with {self.world_size} ranks the other ranks' collectives wait "
+                "for this one, so the step cannot be undone; restart the job from its last "
+                "checkpoint")
+        self._reset_interrupted()
+        self.runner.abort_step()
+        self._forget_micro_step()
+        self._deferred.clear()
+        self._micro = 0
+        self._awaiting_step = False
 
     def _optimizer_step(self, lrs: list[float]):
         self._require_open("optimizer.step()")
@@ -1445,6 +1633,7 @@ class Offload:
 
 
 _sessions: "weakref.WeakValueDictionary[tuple, _C.Session]" = weakref.WeakValueDictionary()
+_sessions_lock = threading.Lock()
 _hosted_daemons: list = []  # closed at exit, before the interpreter tears down
 
 
@@ -1473,10 +1662,11 @@ def open_session(config: str | None = None, settings: dict | None = None,
     ``daemon`` was made with them (no warning that its own apply)."""
     text = _settings_text(settings)
     key = (os.fspath(config) if config else None, tuple(sorted(text.items())), daemon or "")
-    session = _sessions.get(key)
-    if session is None:
-        session = _C.Session.open(key[0], text, key[2], daemon_has_these_settings)
-        _sessions[key] = session
+    with _sessions_lock:  # two threads offloading at once share one
+        session = _sessions.get(key)
+        if session is None:
+            session = _C.Session.open(key[0], text, key[2], daemon_has_these_settings)
+            _sessions[key] = session
     return session
 
 
@@ -1519,6 +1709,12 @@ def _user_stacklevel() -> int:
             "ztier", "torch"):
         frame, level = frame.f_back, level + 1
     return level
+
+
+def _offloadable(p: nn.Parameter) -> bool:
+    """Whether the engine keeps ``p``: a floating-point parameter with
+    elements (the others, an integer index table, stay as they are)."""
+    return p.numel() > 0 and p.is_floating_point()
 
 
 def _is_placeholder(p: torch.Tensor) -> bool:
@@ -1607,7 +1803,7 @@ class _Hook:
         raise RuntimeError(
             "ztier: an offloaded model cannot be pickled (torch.save(model)): its parameters "
             "are placeholders between uses, its values in the engine; save the weights with "
-            "export_safetensors(path), or torch.save(model.state_dict()) inside gathered(), "
+            "export_safetensors(path), or torch.save(model.state_dict()), "
             "and the training state with save_checkpoint(dir)")
 
 
@@ -1674,20 +1870,33 @@ def _add_to_safetensors(path: str, extra: dict[str, torch.Tensor]):
     os.replace(tmp, path)
 
 
-def _tensors(obj):
+def _tensors(obj, seen=None):
+    """The tensors in a module's output: in tuples, lists, dicts, Hugging
+    Face ModelOutputs, dataclasses, and the attributes of other objects (a
+    block's own output class), each object looked into once."""
     if isinstance(obj, torch.Tensor):
         yield obj
-    elif isinstance(obj, (tuple, list)):
+        return
+    if obj is None or isinstance(obj, (str, bytes, numbers.Number, type, nn.Module)):
+        return
+    seen = set() if seen is None else seen
+    if id(obj) in seen:
+        return
+    seen.add(id(obj))
+    if isinstance(obj, (tuple, list)):
         for o in obj:
-            yield from _tensors(o)
+            yield from _tensors(o, seen)
     elif isinstance(obj, dict):
         for o in obj.values():
-            yield from _tensors(o)
+            yield from _tensors(o, seen)
     elif hasattr(obj, "to_tuple"):  # Hugging Face ModelOutput
-        yield from _tensors(obj.to_tuple())
-    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        yield from _tensors(obj.to_tuple(), seen)
+    elif dataclasses.is_dataclass(obj):
         for f in dataclasses.fields(obj):
-            yield from _tensors(getattr(obj, f.name))
+            yield from _tensors(getattr(obj, f.name), seen)
+    elif hasattr(obj, "__dict__"):
+        for o in list(vars(obj).values()):
+            yield from _tensors(o, seen)
 
 
 def offload(model: nn.Module, device="cpu", optimizer: AdamW | None = None,

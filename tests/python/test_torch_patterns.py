@@ -1,0 +1,285 @@
+"""ztier.torch on the ways people write models and training loops: hooks of
+their own on modules (weight_norm), state_dict() for saving (save_pretrained,
+Trainer), blocks returning objects of their own, index tables as parameters,
+inputs of another dtype, threads. Each either trains exactly as the
+reference (reference.py) does, or is refused with a message that names the
+way that works; none trains wrong silently.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+import ztier.torch as zt
+from conftest import tiny_gpt2
+from reference import Reference
+
+ADAMW = zt.AdamW(lr=1e-2, weight_decay=0.0)
+
+
+def _against_reference(make, settings, inputs, steps=3, **kwargs):
+    """Trains a model `make()` builds through ztier and a second one through
+    the reference on `inputs` (a batch per step); every loss must be equal.
+    Returns the model and its Offload."""
+    torch.manual_seed(0)
+    model = make()
+    torch.manual_seed(0)
+    ref_model = make()
+    z = zt.offload(model, optimizer=ADAMW, settings=settings, **kwargs)
+    ref = Reference(ref_model, z, ADAMW)
+    for step in range(steps):
+        x = inputs(step)
+        loss = model(x).float().pow(2).mean()
+        loss.backward()
+        ref_loss = ref_model(x).float().pow(2).mean()
+        ref.backward(ref_loss)
+        assert torch.isfinite(loss), step
+        assert torch.equal(loss, ref_loss), (step, loss.item(), ref_loss.item())
+        z.optimizer.step()
+        ref.step([g["lr"] for g in z.optimizer.param_groups])
+    return model, z
+
+
+def _x(step):
+    return torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+
+
+def test_a_module_with_a_pre_hook_of_its_own_reads_the_values(settings):
+    # torch.nn.utils.weight_norm computes `weight` from weight_g and
+    # weight_v in a forward pre-hook, which ran before ztier's and read the
+    # placeholders: every loss was NaN.
+    def make():
+        return nn.Sequential(torch.nn.utils.weight_norm(nn.Linear(8, 16)), nn.Tanh(),
+                             nn.Linear(16, 1))
+
+    _against_reference(make, settings, _x)
+
+
+class _Out:
+    """A block's output of a class of its own (no tuple, dict or dataclass)."""
+
+    def __init__(self, h):
+        self.h = h
+
+
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return _Out(x + torch.tanh(self.a(x)))
+
+
+class _Stack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([_Block(), _Block()])
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x).h
+        return self.head(x)
+
+
+def test_a_block_returning_an_object_of_its_own_class(settings):
+    # Its tensors went unseen: no backward hook re-held the unit, and its
+    # backward read freed storage ("setStorage: ... storage of size 0").
+    _against_reference(_Stack, settings, _x)
+
+
+def test_state_dict_shows_the_values_outside_gathered(settings, tmp_path):
+    # model.state_dict() outside gathered() was all NaN placeholders, and so
+    # were save_pretrained's files and Trainer's checkpoints, silently.
+    from transformers import GPT2LMHeadModel
+
+    model = tiny_gpt2()
+    z = zt.offload(model, optimizer=ADAMW, settings=settings)
+    x = torch.randint(0, 96, (2, 12))
+    model(input_ids=x, labels=x).loss.backward()
+    z.optimizer.step()
+    with z.gathered():
+        want = {k: v.clone() for k, v in model.state_dict().items()}
+    got = model.state_dict()
+    assert got.keys() == want.keys()
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+    # A submodule's own state dict, too; the parameters stay placeholders.
+    block = model.transformer.h[1].state_dict()
+    assert torch.equal(block["mlp.c_fc.weight"], want["transformer.h.1.mlp.c_fc.weight"])
+    assert torch.isnan(model.transformer.h[1].mlp.c_fc.weight).all()
+    # Hugging Face's own save reads the weights back.
+    model.save_pretrained(tmp_path / "hf")
+    plain = GPT2LMHeadModel.from_pretrained(tmp_path / "hf")
+    for k, v in plain.state_dict().items():
+        if k in want:
+            assert torch.equal(v, want[k].to(v.dtype)), k
+    # Training goes on as before.
+    model(input_ids=x, labels=x).loss.backward()
+    z.optimizer.step()
+    z.close()
+
+
+def test_a_forward_writing_to_a_parameter_in_place_is_refused(settings):
+    # nn.Embedding(max_norm=) renormalizes rows of its weight in place: the
+    # write went into the held copy and was lost, and training went its own
+    # way silently.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(20, 8, max_norm=1.0), nn.Linear(8, 1))
+    z = zt.offload(model, settings=settings)
+    with pytest.raises(RuntimeError, match=r"wrote to parameter '0.weight' in place.*max_norm"):
+        model(torch.tensor([[1, 2, 3]]))
+    model[0].max_norm = None
+    model(torch.tensor([[1, 2, 3]])).sum().backward()  # the model goes on without it
+    z.optimizer.step()
+    z.close()
+
+
+def test_a_module_replaced_after_offload_is_refused(settings):
+    # The new module was never laid out in the engine: it never trained,
+    # silently, while the old one's unit decayed.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    z = zt.offload(model, settings=settings)
+    old = model[2]
+    model[2] = nn.Linear(16, 1)
+    with pytest.raises(RuntimeError, match=r"'2.weight' is a parameter the engine does not hold"):
+        model(_x(0))
+    del model[2]
+    with pytest.raises(RuntimeError, match=r"'2.weight' is no longer in the model"):
+        model(_x(0))
+    model.append(old)
+    model(_x(0)).sum().backward()
+    z.optimizer.step()
+    z.close()
+
+
+def test_a_double_backward_is_refused(settings):
+    # A gradient penalty (create_graph=True) crashed in torch with
+    # "setStorage: ... storage of size 0".
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    z = zt.offload(model, settings=settings)
+    x = _x(0).requires_grad_(True)
+    out = model(x)
+    with pytest.raises(RuntimeError, match="create_graph=True"):
+        torch.autograd.grad(out.sum(), x, create_graph=True)
+    model(_x(1)).sum().backward()  # the next pass trains as ever
+    z.optimizer.step()
+    z.close()
+
+
+def test_an_index_table_parameter_stays_as_it_is(settings):
+    # An integer Parameter (a permutation, requires_grad=False) became a
+    # float placeholder: "tensors used as indices must be long".
+    class Permuted(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.perm = nn.Parameter(torch.randperm(8), requires_grad=False)
+            self.lin = nn.Linear(8, 1)
+
+        def forward(self, x):
+            return self.lin(x[:, self.perm])
+
+    model, z = _against_reference(Permuted, settings, _x)
+    torch.manual_seed(0)
+    assert model.perm.dtype == torch.int64 and torch.equal(model.perm, Permuted().perm)
+    assert [t.name for u in z.units for t in u.tensors] == ["lin.weight", "lin.bias"]
+
+
+def test_a_sparse_embedding_is_refused_at_offload(settings):
+    model = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 1))
+    with pytest.raises(ValueError, match=r"'0' is an embedding with sparse=True"):
+        zt.offload(model, settings=settings)
+
+
+def test_inputs_are_cast_to_the_compute_dtype(settings):
+    # A float32 batch into a model computing in bf16 (the default on a GPU)
+    # failed at its first matmul: "mat1 and mat2 must have the same dtype".
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    z = zt.offload(model, settings=settings, compute_dtype=torch.bfloat16)
+    out = model(_x(0))
+    assert out.dtype == torch.bfloat16
+    out.float().pow(2).mean().backward()
+    z.optimizer.step()
+    z.close()
+    # A float64 model is said to change precision, and takes its own inputs.
+    model = nn.Sequential(nn.Linear(8, 1)).double()
+    with pytest.warns(RuntimeWarning, match="torch.float64 become fp32 master weights"):
+        z = zt.offload(model, settings=settings)
+    model(_x(0).double()).pow(2).mean().backward()
+    z.optimizer.step()
+    z.close()
+
+
+def test_two_threads_offloading_at_once_share_the_engine(settings):
+    # Both opened an engine on the same swap directory: "is in use by this
+    # process".
+    barrier = threading.Barrier(2)
+    errors, offloads = [], []
+
+    def run():
+        try:
+            model = nn.Linear(4, 4)
+            barrier.wait()
+            offloads.append(zt.offload(model, settings=settings))
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert offloads[0].session is offloads[1].session
+    for z in offloads:
+        z.close()
+
+
+def test_a_grad_scaler_is_refused_and_training_goes_on(settings):
+    # GradScaler failed with "No inf checks were recorded" after the
+    # engine had taken grads scaled by 65536.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    z = zt.offload(model, settings=settings)
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(model(_x(0)).pow(2).mean()).backward()
+    with pytest.raises(RuntimeError, match="GradScaler.*no step was taken"):
+        scaler.step(z.optimizer)
+    assert z.step_count == 0
+    # Its grads are gone: the next step is the first, from the same weights.
+    masters = z.master_weights()
+    model(_x(0)).pow(2).mean().backward()
+    z.optimizer.step()
+    assert z.step_count == 1
+    assert z.grad_norm() < 1e3, "the scaled grads stayed in the step"
+    assert any(not torch.equal(masters[k], v) for k, v in z.master_weights().items())
+    z.close()
+
+
+def test_a_foreign_optimizer_state_dict_is_refused(settings):
+    # A torch AdamW's moments were dropped silently, its groups matched by
+    # position.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 1))
+    plain = torch.optim.AdamW(copy.deepcopy(model).parameters())
+    plain.param_groups[0]["params"][0].grad = torch.ones(1, 8)
+    plain.step()
+    z = zt.offload(model, settings=settings)
+    with pytest.raises(ValueError, match="moments of 1 parameters.*load_checkpoint"):
+        z.optimizer.load_state_dict(plain.state_dict())
+    own = z.optimizer.state_dict()
+    own["param_groups"][0]["lr"] = 0.5
+    z.optimizer.load_state_dict(own)
+    assert z.optimizer.param_groups[0]["lr"] == 0.5
+    with pytest.raises(ValueError, match="has 3 param groups"):
+        z.optimizer.load_state_dict({"state": {}, "param_groups": own["param_groups"] * 3})
+    z.close()
