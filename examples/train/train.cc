@@ -53,6 +53,7 @@
 #include <vector>
 
 #include "client/ztier.h"
+#include "common/crc32c.h"
 #include "common/file_util.h"
 #include "common/numbers.h"
 #include "common/utf8.h"
@@ -439,7 +440,18 @@ Result<Flags> ParseFlags(int argc, char** argv) {
     // directory's control characters and bytes that are not UTF-8 as '?'.
     f.job_name = StrCat("gpt:", PrintableUtf8(out.string()));
     if (f.job_name.size() > kMaxJobName) {
-      f.job_name = StrCat("gpt:...", f.job_name.substr(f.job_name.size() - (kMaxJobName - 7)));
+      // Too long: the path's end, whole characters only, after a hash of
+      // all of it (two long paths with one end stay two names).
+      const std::string& path = out.string();
+      char tag[24];
+      std::snprintf(tag, sizeof(tag), "%08x%08x", Crc32c(path.data(), path.size()),
+                    Crc32c(path.data(), path.size(), 0x9e3779b9u));
+      const std::string head = StrCat("gpt:", tag, ":...");
+      size_t from = f.job_name.size() - (kMaxJobName - head.size());
+      while (from < f.job_name.size() && (static_cast<uint8_t>(f.job_name[from]) & 0xC0) == 0x80) {
+        ++from;  // not inside a character
+      }
+      f.job_name = head + f.job_name.substr(from);
     }
   }
   ZT_RETURN_IF_ERROR(gpt::ValidateConfig(f.model));
@@ -1114,7 +1126,13 @@ int Run(const Flags& f, const Plan& p) {
                                  .optimizer_tier = p.settings.optimizer_tier,
                                  .param_tier = p.settings.param_tier,
                                  .world_size = f.ranks});
-  if (!model.ok()) return fail(model.status());
+  if (!model.ok()) {
+    if (model.status().code() == StatusCode::kAlreadyExists) {
+      return fail(model.status().Annotate(
+          "another job has this name (--job-name NAME gives this run another)"));
+    }
+    return fail(model.status());
+  }
   Model& m = **model;
   const OutPaths paths(f.out);
   if (Status s = m.ClaimCheckpointDir(paths.checkpoint); !s.ok()) return fail(s);

@@ -325,6 +325,32 @@ TEST_F(TrainHardeningTest, AnOutWithAControlCharacterTrains) {
   EXPECT_TRUE(fs::exists(dir_ / "a\x01b/model.safetensors")) << text;
 }
 
+// The job's name from a long --out: whole UTF-8 characters (cutting one in
+// half was refused: "the job name is not valid UTF-8"), and two paths with
+// one long end stay two names (one ztierd refused the second run's job).
+TEST_F(TrainHardeningTest, LongOutPathsGiveValidAndDistinctJobNames) {
+  std::string tail;
+  for (int i = 0; i < 40; ++i) tail += "\u6570\u636e";  // 240 bytes of 3-byte characters
+  tail += "/";
+  for (int i = 0; i < 30; ++i) tail += "\u5b9e\u9a8c";
+  tail += "a";
+  std::vector<std::string> names;
+  for (const char* root : {"one", "two"}) {
+    const fs::path out = fs::path(dir_ / root) / tail;
+    fs::create_directories(out);
+    auto [rc, text] = Train(Common() + " --steps 1 --optimizer dram --out " + out.string(), dir_);
+    ASSERT_EQ(rc, 0) << text;
+    const std::string manifest = Slurp(out / "checkpoint/manifest.json");
+    const size_t at = manifest.find("\"job\"");
+    ASSERT_NE(at, std::string::npos) << manifest;
+    const size_t open = manifest.find('"', manifest.find(':', at)) + 1;
+    names.push_back(manifest.substr(open, manifest.find('"', open) - open));
+    EXPECT_LE(names.back().size(), 256u) << names.back();
+    EXPECT_TRUE(names.back().ends_with(tail.substr(tail.size() - 30))) << names.back();
+  }
+  EXPECT_NE(names[0], names[1]);
+}
+
 // What the up-front checks allow: a --summary in the --out the run makes.
 TEST_F(TrainHardeningTest, ASummaryInsideANewOutIsWritten) {
   const std::string out = dir_ / "fresh/run";
