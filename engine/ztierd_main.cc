@@ -236,6 +236,11 @@ int Run(const Flags& f) {
   sigemptyset(&stop_signals);
   sigaddset(&stop_signals, SIGTERM);
   sigaddset(&stop_signals, SIGINT);
+  // Taken too, and said, never fatal: an operator's habitual `kill -HUP`
+  // (reload) or a stray SIGUSR1 ended every user's job silently.
+  sigaddset(&stop_signals, SIGHUP);
+  sigaddset(&stop_signals, SIGUSR1);
+  sigaddset(&stop_signals, SIGUSR2);
   pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
   ::signal(SIGPIPE, SIG_IGN);
 
@@ -324,6 +329,15 @@ int Run(const Flags& f) {
     int sig = 0;
     while (sigwait(&stop_signals, &sig) == 0) {
       if (sig == SIGTERM || sig == SIGINT) break;
+      if (done.load()) return;
+      if (sig == SIGHUP) {
+        ZT_LOG(kWarn, "ztierd") << "received SIGHUP: ignored (ztierd reads its configuration "
+                                   "only at start; restarting it applies a change, and ends "
+                                   "every job: quotas change at once with ztierctl quota set)";
+      } else {
+        ZT_LOG(kWarn, "ztierd") << "received " << (sig == SIGUSR1 ? "SIGUSR1" : "SIGUSR2")
+                                << ": ignored";
+      }
     }
     if (done.load()) return;
     ZT_LOG(kInfo, "ztierd") << "received " << (sig == SIGTERM ? "SIGTERM" : "SIGINT")

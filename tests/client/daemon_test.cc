@@ -1299,6 +1299,28 @@ Result<DaemonClient> RegisterThrough(const ZtierdProcess& d, const std::string& 
   return c;
 }
 
+// An operator's habitual `kill -HUP` (reload) and a stray SIGUSR1/2 killed
+// ztierd silently, and every user's job with it.
+TEST(ZtierdProgramTest, HangupAndUserSignalsAreSaidAndIgnored) {
+  ZtierdProcess d(ZTIERD_BINARY, {});
+  Result<DaemonClient> c = RegisterThrough(d, "h");
+  ASSERT_TRUE(c.ok()) << c.status() << d.log();
+  for (int sig : {SIGHUP, SIGUSR1, SIGUSR2}) ASSERT_EQ(::kill(d.pid(), sig), 0);
+  for (int i = 0; i < 200 && d.log().find("SIGUSR2: ignored") == std::string::npos; ++i) {
+    std::this_thread::sleep_for(10ms);
+  }
+  EXPECT_NE(d.log().find("received SIGHUP: ignored (ztierd reads its configuration only at "
+                         "start"),
+            std::string::npos)
+      << d.log();
+  EXPECT_NE(d.log().find("received SIGUSR1: ignored"), std::string::npos) << d.log();
+  // It serves on, the first client's job still registered.
+  Result<DaemonClient> again = RegisterThrough(d, "h");
+  EXPECT_EQ(again.status().code(), StatusCode::kAlreadyExists) << again.status() << d.log();
+  EXPECT_TRUE(RegisterThrough(d, "h2").ok()) << d.log();
+  EXPECT_EQ(d.SignalAndWait(SIGTERM), 0) << d.log();
+}
+
 TEST(ZtierdProgramTest, SigtermStopsCleanlyAndKillNineFailsClientsFast) {
   {
     ZtierdProcess d(ZTIERD_BINARY, {});
