@@ -35,6 +35,7 @@
 #include "client/ztier.h"
 #include "common/numbers.h"
 #include "common/version.h"
+#include "engine/engine.h"
 #include "engine/protocol.h"
 #include "engine/seqpacket.h"
 
@@ -464,9 +465,8 @@ int Run(const Options& o) {
     if (id > INT32_MAX) throw UsageError{StrCat("'", a[1], "' is not a job id")};
     evict_id = static_cast<int32_t>(id);
     if (a.size() == 4) reason = a[3];
-    if (reason.size() > engine::protocol::kMaxNameBytes) {
-      throw UsageError{StrCat("evict --reason: ", reason.size(), " bytes, over the limit of ",
-                              engine::protocol::kMaxNameBytes)};
+    if (Status s = engine::CheckName("evict --reason", reason); !s.ok()) {
+      throw UsageError{std::string(s.message())};
     }
   } else {
     throw UsageError{StrCat("unknown command '", cmd, "'")};

@@ -1129,6 +1129,8 @@ class Daemon::Impl::Connection {
       case p::MessageType::kEvictJob: {
         ZT_ASSIGN_OR_RETURN(p::EvictRequest r, p::DecodeEvictRequest(in));
         ZT_RETURN_IF_ERROR(RequireAdmin("evict"));
+        // The reason goes into the log and onto the job's user's terminal.
+        ZT_RETURN_IF_ERROR(CheckName("evict's reason", r.reason));
         const std::string why =
             StrCat("evicted by uid ", peer_.uid, r.reason.empty() ? "" : ": ", r.reason);
         ZT_RETURN_IF_ERROR(d_.Evict(r.job, why));
@@ -1142,20 +1144,27 @@ class Daemon::Impl::Connection {
   Result<std::string> OnHello(std::string_view in) {
     ZT_ASSIGN_OR_RETURN(p::Hello h, p::DecodeHello(in));
     if (hello_done_) return Status::FailedPrecondition("a second hello on one connection");
+    // A refusal here counts with those of the accept loop (the metrics'
+    // refused connections, status's), and is logged as they are.
+    const auto refuse = [&](Status s) {
+      ZT_LOG(kWarn, "ztierd") << "refused " << Who() << ": " << s.message();
+      d_.refused.fetch_add(1);
+      return s;
+    };
     if (reserve_ && h.name != p::kOperatorClientName) {
       // Past the uid's quota on the operators' reserve: for their tool only
       // (a training session there would lock ztierctl out).
-      return Status::ResourceExhausted(
+      return refuse(Status::ResourceExhausted(
           StrCat("uid ", peer_.uid,
                  " is at its connection quota (max_connections_per_uid); past "
                  "it ztierd lets in only the operator's tool (",
-                 p::kOperatorClientName, ")"));
+                 p::kOperatorClientName, ")")));
     }
     if (h.min_version > p::kVersion || h.max_version < p::kVersion) {
-      return Status::FailedPrecondition(
+      return refuse(Status::FailedPrecondition(
           StrCat("the client (", h.name, ") speaks protocol versions ", h.min_version, "..",
                  h.max_version, "; this ztierd speaks ", p::kVersion,
-                 ": use a libztier and a ztierd of the same release"));
+                 ": use a libztier and a ztierd of the same release")));
     }
     hello_done_ = true;
     ZT_LOG(kInfo, "ztierd") << Who() << ": " << h.name << " connected";

@@ -563,12 +563,7 @@ Result<std::unique_ptr<Engine>> Engine::Create(const Settings& settings,
   return std::unique_ptr<Engine>(new Engine(std::move(impl)));
 }
 
-namespace {
-
-// Names go into JSON (checkpoint manifests, safetensors headers, ztierd's
-// status) and onto operators' terminals: valid UTF-8 without control
-// characters, or the first bad byte named.
-Status CheckName(std::string_view what, std::string_view name, size_t prefix_bytes = 0) {
+Status CheckName(std::string_view what, std::string_view name, size_t prefix_bytes) {
   if (name.size() > kMaxNameBytes + prefix_bytes) {
     return Status::InvalidArgument(
         StrCat(what, " is ", name.size(), " bytes, more than ", kMaxNameBytes + prefix_bytes));
@@ -581,7 +576,7 @@ Status CheckName(std::string_view what, std::string_view name, size_t prefix_byt
                                             "0123456789abcdef"[c >> 4], "0123456789abcdef"[c & 15],
                                             ")"));
     }
-    if (ch.code_point < 0x20 || ch.code_point == 0x7f) {
+    if (ch.code_point < 0x20 || (ch.code_point >= 0x7f && ch.code_point < 0xa0)) {
       return Status::InvalidArgument(
           StrCat(what, " holds a control character (byte ", i, ": ", ch.code_point, ")"));
     }
@@ -589,8 +584,6 @@ Status CheckName(std::string_view what, std::string_view name, size_t prefix_byt
   }
   return Status::Ok();
 }
-
-}  // namespace
 
 Status ValidateJobSpec(const JobSpec& spec, size_t name_prefix_bytes) {
   if (spec.name.empty()) return Status::InvalidArgument("a job needs a name");

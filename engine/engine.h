@@ -84,6 +84,13 @@ namespace ztier::engine {
 // InvalidArgument, naming the job, unit and tensor.
 Status ValidateJobSpec(const JobSpec& spec, size_t name_prefix_bytes = 0);
 
+// A name or a text that goes into JSON, logs and onto operators' terminals
+// (a job's name, ztierctl evict's reason): valid UTF-8 of at most
+// kMaxNameBytes (+ `prefix_bytes`), with no control character (C0, DEL or
+// C1: a terminal's escape sequences). Errors: InvalidArgument naming `what`
+// and the first bad byte.
+Status CheckName(std::string_view what, std::string_view name, size_t prefix_bytes = 0);
+
 // The longest wait: a century, forever to anyone waiting. Longer timeouts
 // (INT64_MAX ms, say) are cut to it, since the clock's nanoseconds would
 // overflow and time the wait out at once.

@@ -201,6 +201,8 @@ TEST_F(DaemonTest, AnotherProtocolVersionIsRefusedNamingBoth) {
   EXPECT_EQ(r->status.code(), StatusCode::kFailedPrecondition) << r->status;
   EXPECT_NE(r->status.ToString().find("7..9"), std::string::npos) << r->status;
   EXPECT_TRUE(c.Closed());
+  // Counted with the other refused connections (the metrics, status).
+  EXPECT_EQ(daemon_->daemon().stats().refused, 1u);
 }
 
 TEST_F(DaemonTest, BrokenFramingGetsANoticeAndTheConnectionCloses) {

@@ -333,6 +333,11 @@ TEST(OperatorTest, DrainRefusesNewJobsAndEvictFreesAJobAndTellsItsClient) {
   Status waited;
   std::thread waiter([&] { waited = (*victim)->WaitPublished(1, 30s); });
   std::this_thread::sleep_for(300ms);
+  // A reason with a control character (a forged log line, a terminal's
+  // escape sequence on the user's screen) is refused, the job untouched.
+  Status forged = (*c)->Evict(victim_id, "x\nztier warn ztierd: forged\x1b[31m");
+  EXPECT_EQ(forged.code(), StatusCode::kInvalidArgument) << forged;
+  EXPECT_NE(forged.message().find("control character"), std::string::npos) << forged;
   ASSERT_TRUE((*c)->Evict(victim_id, "the node goes down for maintenance").ok());
   waiter.join();
   EXPECT_EQ(waited.code(), StatusCode::kAborted) << waited;
@@ -450,7 +455,10 @@ TEST(ZtierctlProgramTest, TablesJsonAndExitCodes) {
   // went to ztierd, and came back as a corrupt request or an error, 1).
   r = Ztierctl(StrCat(sock, " evict 1 --reason ", std::string(1025, 'x')), dir.path());
   EXPECT_EQ(r.code, 2) << r.out;
-  EXPECT_NE(r.out.find("over the limit of 1024"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("1025 bytes, more than 1024"), std::string::npos) << r.out;
+  r = Ztierctl(StrCat(sock, " evict 1 --reason \"$(printf 'a\\033[31mb')\""), dir.path());
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_NE(r.out.find("control character"), std::string::npos) << r.out;
   r = Ztierctl(StrCat("--socket ", dir.path(), "/", std::string(200, 'a'), " status"), dir.path());
   EXPECT_EQ(r.code, 2) << r.out;
   EXPECT_NE(r.out.find("a file name longer than"), std::string::npos) << r.out;
