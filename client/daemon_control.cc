@@ -5,9 +5,10 @@
 
 namespace ztier::client {
 
-Result<std::unique_ptr<DaemonControl>> DaemonControl::Connect(const std::string& socket) {
+Result<std::unique_ptr<DaemonControl>> DaemonControl::Connect(
+    const std::string& socket, std::chrono::milliseconds call_timeout) {
   if (socket.empty()) return Status::InvalidArgument("no ztierd socket named");
-  ZT_ASSIGN_OR_RETURN(std::shared_ptr<ControlTransport> t, MakeDaemonControl(socket));
+  ZT_ASSIGN_OR_RETURN(std::shared_ptr<ControlTransport> t, MakeDaemonControl(socket, call_timeout));
   return std::unique_ptr<DaemonControl>(new DaemonControl(std::move(t)));
 }
 

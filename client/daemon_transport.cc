@@ -78,13 +78,16 @@ struct Staging {
 class DaemonTransport final : public Transport, public ControlTransport {
  public:
   // `name`: the hello's ("libztier", or the operator's tool's).
-  static Result<std::shared_ptr<DaemonTransport>> Connect(const std::string& path,
-                                                          std::string_view name = "libztier") {
+  // `call_timeout`: how long a call that does not wait on training may take.
+  static Result<std::shared_ptr<DaemonTransport>> Connect(
+      const std::string& path, std::string_view name = "libztier",
+      std::chrono::milliseconds call_timeout = kCallTimeout) {
     ZT_ASSIGN_OR_RETURN(SeqPacketSocket sock, SeqPacketSocket::Connect(path));
     auto t = std::shared_ptr<DaemonTransport>(new DaemonTransport(path, std::move(sock)));
+    t->call_timeout_ = call_timeout;
     t->receiver_ = std::thread([raw = t.get()] { raw->ReceiveLoop(); });
     Result<Reply> r = t->Call(p::MessageType::kHello,
-                              p::Encode(p::Hello{.name = std::string(name)}), {}, kCallTimeout);
+                              p::Encode(p::Hello{.name = std::string(name)}), {}, t->call_timeout_);
     if (!r.ok()) {
       const Status& s = r.status();
       if (s.message().starts_with("ztierd at ")) return s;
@@ -108,7 +111,7 @@ class DaemonTransport final : public Transport, public ControlTransport {
 
   Result<int> RegisterJob(const engine::JobSpec& spec) override {
     ZT_RETURN_IF_ERROR(engine::ValidateJobSpec(spec));  // as the embedded engine says it
-    return OpenJob(p::MessageType::kRegisterJob, p::Encode(spec), spec, kCallTimeout);
+    return OpenJob(p::MessageType::kRegisterJob, p::Encode(spec), spec, call_timeout_);
   }
 
   Result<int> AttachJob(const engine::JobSpec& spec, int rank,
@@ -116,7 +119,7 @@ class DaemonTransport final : public Transport, public ControlTransport {
     ZT_RETURN_IF_ERROR(engine::ValidateJobSpec(spec));
     return OpenJob(p::MessageType::kAttachJob,
                    p::Encode(p::AttachRequest{.rank = rank, .timeout = timeout, .spec = spec}),
-                   spec, timeout + kCallTimeout);
+                   spec, timeout + call_timeout_);
   }
 
   Result<std::shared_ptr<void>> CollectiveRegion(int job, uint64_t bytes) override {
@@ -136,7 +139,7 @@ class DaemonTransport final : public Transport, public ControlTransport {
     ZT_ASSIGN_OR_RETURN(
         Reply r,
         Call(p::MessageType::kCollectiveRegion,
-             p::Encode(p::CollectiveRegionRequest{.job = job, .bytes = bytes}), {}, kCallTimeout));
+             p::Encode(p::CollectiveRegionRequest{.job = job, .bytes = bytes}), {}, call_timeout_));
     ZT_ASSIGN_OR_RETURN(p::RegionList list, p::DecodeRegionList(r.payload));
     if (list.regions.size() != 1 || r.fds.size() != 1 || list.regions[0].bytes != bytes ||
         list.regions[0].access != RegionAccess::kReadWrite) {
@@ -159,7 +162,7 @@ class DaemonTransport final : public Transport, public ControlTransport {
 
   Status UnregisterJob(int job) override {
     Result<Reply> r =
-        Call(p::MessageType::kUnregisterJob, p::Encode(p::JobRef{.job = job}), {}, kCallTimeout);
+        Call(p::MessageType::kUnregisterJob, p::Encode(p::JobRef{.job = job}), {}, call_timeout_);
     // The mappings go either way: the job is gone or the daemon is.
     std::lock_guard<std::mutex> lock(mu_);
     jobs_.erase(job);
@@ -216,14 +219,14 @@ class DaemonTransport final : public Transport, public ControlTransport {
 
   Status SetLearningRates(int job, const std::vector<float>& lrs) override {
     return Call(p::MessageType::kSetLearningRates,
-                p::Encode(p::LearningRates{.job = job, .lrs = lrs}), {}, kCallTimeout)
+                p::Encode(p::LearningRates{.job = job, .lrs = lrs}), {}, call_timeout_)
         .status();
   }
 
   Result<bf16*> GradInbox(int job, int unit, int rank) override {
     ZT_ASSIGN_OR_RETURN(Reply r, Call(p::MessageType::kGradInbox,
                                       p::Encode(p::UnitRef{.job = job, .unit = unit, .rank = rank}),
-                                      {}, kCallTimeout));
+                                      {}, call_timeout_));
     ZT_ASSIGN_OR_RETURN(SharedBuffer b, p::DecodeSharedBuffer(r.payload));
     ZT_ASSIGN_OR_RETURN(void* ptr, Resolve(job, b, RegionAccess::kReadWrite));
     return static_cast<bf16*>(ptr);
@@ -231,7 +234,7 @@ class DaemonTransport final : public Transport, public ControlTransport {
 
   Result<uint64_t*> ClientCounters(int job, int rank) override {
     ZT_ASSIGN_OR_RETURN(Reply r, Call(p::MessageType::kClientPage, p::Encode(p::JobRef{.job = job}),
-                                      {}, kCallTimeout));
+                                      {}, call_timeout_));
     ZT_ASSIGN_OR_RETURN(SharedBuffer b, p::DecodeSharedBuffer(r.payload));
     const uint64_t words = static_cast<uint64_t>(rank + 1) * engine::kClientCounterWords;
     if (rank < 0 || b.bytes < words * sizeof(uint64_t) || b.offset % alignof(uint64_t) != 0) {
@@ -245,13 +248,14 @@ class DaemonTransport final : public Transport, public ControlTransport {
   // ---- the operator's calls
 
   Result<engine::DaemonStatus> DaemonStatus() override {
-    ZT_ASSIGN_OR_RETURN(Reply r, Call(p::MessageType::kDaemonStatus, "", {}, kCallTimeout));
+    ZT_ASSIGN_OR_RETURN(Reply r, Call(p::MessageType::kDaemonStatus, "", {}, call_timeout_));
     return p::DecodeDaemonStatus(r.payload);
   }
 
   Result<std::vector<engine::JobInfo>> ListJobs(int64_t after, bool* more) override {
-    ZT_ASSIGN_OR_RETURN(Reply r, Call(p::MessageType::kListJobs,
-                                      p::Encode(p::ListRequest{.after = after}), {}, kCallTimeout));
+    ZT_ASSIGN_OR_RETURN(
+        Reply r, Call(p::MessageType::kListJobs, p::Encode(p::ListRequest{.after = after}), {},
+                      call_timeout_));
     ZT_ASSIGN_OR_RETURN(p::JobList list, p::DecodeJobList(r.payload));
     *more = list.more;
     return std::move(list.jobs);
@@ -262,7 +266,7 @@ class DaemonTransport final : public Transport, public ControlTransport {
     ZT_ASSIGN_OR_RETURN(
         Reply r,
         Call(p::MessageType::kGetQuota,
-             p::Encode(p::QuotaQuery{.uid = uid, .all = all, .after = after}), {}, kCallTimeout));
+             p::Encode(p::QuotaQuery{.uid = uid, .all = all, .after = after}), {}, call_timeout_));
     ZT_ASSIGN_OR_RETURN(p::QuotaList list, p::DecodeQuotaList(r.payload));
     *defaults = list.defaults;
     *more = list.more;
@@ -271,7 +275,7 @@ class DaemonTransport final : public Transport, public ControlTransport {
 
   Result<engine::QuotaInfo> SetQuota(const engine::QuotaUpdate& update) override {
     ZT_ASSIGN_OR_RETURN(Reply r,
-                        Call(p::MessageType::kSetQuota, p::Encode(update), {}, kCallTimeout));
+                        Call(p::MessageType::kSetQuota, p::Encode(update), {}, call_timeout_));
     ZT_ASSIGN_OR_RETURN(p::QuotaList list, p::DecodeQuotaList(r.payload));
     if (list.quotas.size() != 1 || list.quotas[0].uid != update.uid) {
       return Status::Corruption(StrCat("ztierd answered a quota set of uid ", update.uid, " with ",
@@ -281,25 +285,25 @@ class DaemonTransport final : public Transport, public ControlTransport {
   }
 
   Status Drain(bool on) override {
-    return Call(p::MessageType::kDrain, p::Encode(p::DrainRequest{.on = on}), {}, kCallTimeout)
+    return Call(p::MessageType::kDrain, p::Encode(p::DrainRequest{.on = on}), {}, call_timeout_)
         .status();
   }
 
   Status EvictJob(int32_t job, const std::string& reason) override {
     return Call(p::MessageType::kEvictJob, p::Encode(p::EvictRequest{.job = job, .reason = reason}),
-                {}, kCallTimeout)
+                {}, call_timeout_)
         .status();
   }
 
   Status GradsReady(int job, int unit, int rank) override {
     return Call(p::MessageType::kGradsReady,
-                p::Encode(p::UnitRef{.job = job, .unit = unit, .rank = rank}), {}, kCallTimeout)
+                p::Encode(p::UnitRef{.job = job, .unit = unit, .rank = rank}), {}, call_timeout_)
         .status();
   }
 
   Result<int> AbortStep(int job) override {
     ZT_ASSIGN_OR_RETURN(Reply r, Call(p::MessageType::kAbortStep, p::Encode(p::JobRef{.job = job}),
-                                      {}, kCallTimeout));
+                                      {}, call_timeout_));
     ZT_ASSIGN_OR_RETURN(p::StepValue v, p::DecodeStepValue(r.payload));
     return static_cast<int>(v.step);
   }
@@ -322,7 +326,7 @@ class DaemonTransport final : public Transport, public ControlTransport {
         Reply r,
         Call(p::MessageType::kAcquireParams,
              p::Encode(p::StepWait{.job = job, .unit = unit, .step = step, .timeout = timeout}), {},
-             timeout + kCallTimeout));
+             timeout + call_timeout_));
     ZT_ASSIGN_OR_RETURN(SharedBuffer b, p::DecodeSharedBuffer(r.payload));
     Result<void*> ptr = Resolve(job, b, RegionAccess::kReadOnly);
     if (!ptr.ok()) {
@@ -369,7 +373,7 @@ class DaemonTransport final : public Transport, public ControlTransport {
     ZT_RETURN_IF_ERROR(
         Call(p::MessageType::kWaitPublished,
              p::Encode(p::StepWait{.job = job, .unit = unit, .step = step, .timeout = timeout}), {},
-             timeout + kCallTimeout)
+             timeout + call_timeout_)
             .status());
     return Status::Ok();
   }
@@ -447,7 +451,7 @@ class DaemonTransport final : public Transport, public ControlTransport {
 
   engine::JobCounters Counters(int job) override {
     Result<Reply> r =
-        Call(p::MessageType::kCounters, p::Encode(p::JobRef{.job = job}), {}, kCallTimeout);
+        Call(p::MessageType::kCounters, p::Encode(p::JobRef{.job = job}), {}, call_timeout_);
     if (r.ok()) {
       Result<engine::JobCounters> c = p::DecodeJobCounters(r->payload);
       if (c.ok()) return *c;
@@ -458,7 +462,7 @@ class DaemonTransport final : public Transport, public ControlTransport {
   }
 
   engine::DramPoolStats PoolStats() override {
-    Result<Reply> r = Call(p::MessageType::kPoolStats, "", {}, kCallTimeout);
+    Result<Reply> r = Call(p::MessageType::kPoolStats, "", {}, call_timeout_);
     if (r.ok()) {
       Result<engine::DramPoolStats> s = p::DecodeDramPoolStats(r->payload);
       if (s.ok()) return *s;
@@ -596,7 +600,7 @@ class DaemonTransport final : public Transport, public ControlTransport {
       d.layouts.push_back(std::move(l));
     }
     ZT_ASSIGN_OR_RETURN(Reply r, Call(p::MessageType::kJobSteps, p::Encode(p::JobRef{.job = job}),
-                                      {}, kCallTimeout));
+                                      {}, call_timeout_));
     ZT_ASSIGN_OR_RETURN(p::JobSteps steps, p::DecodeJobSteps(r.payload));
     d.step = steps.step;
     d.adam_step = steps.adam_step;
@@ -604,7 +608,7 @@ class DaemonTransport final : public Transport, public ControlTransport {
   }
 
   int64_t StepQuery(p::MessageType type, std::string payload) {
-    Result<Reply> r = Call(type, std::move(payload), {}, kCallTimeout);
+    Result<Reply> r = Call(type, std::move(payload), {}, call_timeout_);
     if (!r.ok()) return -1;
     Result<p::StepValue> v = p::DecodeStepValue(r->payload);
     return v.ok() ? v->step : -1;
@@ -647,7 +651,7 @@ class DaemonTransport final : public Transport, public ControlTransport {
   // Maps the job's regions, checking each memfd's size and seals first.
   Status MapRegions(int32_t job, const engine::JobSpec& spec) {
     ZT_ASSIGN_OR_RETURN(Reply r, Call(p::MessageType::kRegions, p::Encode(p::JobRef{.job = job}),
-                                      {}, kCallTimeout));
+                                      {}, call_timeout_));
     ZT_ASSIGN_OR_RETURN(p::RegionList list, p::DecodeRegionList(r.payload));
     if (list.regions.size() != r.fds.size()) {
       return Status::Corruption(StrCat("ztierd described ", list.regions.size(),
@@ -685,7 +689,7 @@ class DaemonTransport final : public Transport, public ControlTransport {
   // Where the job's step page lies in its mapped params region.
   Result<const int64_t*> StepPage(int32_t job, const engine::JobSpec& spec) {
     ZT_ASSIGN_OR_RETURN(Reply page, Call(p::MessageType::kStepPage,
-                                         p::Encode(p::JobRef{.job = job}), {}, kCallTimeout));
+                                         p::Encode(p::JobRef{.job = job}), {}, call_timeout_));
     ZT_ASSIGN_OR_RETURN(SharedBuffer b, p::DecodeSharedBuffer(page.payload));
     if (b.bytes != spec.units.size() * sizeof(int64_t) || b.offset % alignof(int64_t) != 0) {
       return Status::Corruption(StrCat("ztierd's step page of job '", spec.name, "' has ", b.bytes,
@@ -879,6 +883,7 @@ class DaemonTransport final : public Transport, public ControlTransport {
   uint64_t next_id_ = 1;
   std::map<uint64_t, std::shared_ptr<Pending>> pending_;
   std::map<int, Job> jobs_;
+  std::chrono::milliseconds call_timeout_ = kCallTimeout;  // set once, before the hello
 };
 
 }  // namespace
@@ -888,9 +893,10 @@ Result<std::shared_ptr<Transport>> MakeDaemonTransport(const std::string& socket
   return std::shared_ptr<Transport>(std::move(t));
 }
 
-Result<std::shared_ptr<ControlTransport>> MakeDaemonControl(const std::string& socket_path) {
+Result<std::shared_ptr<ControlTransport>> MakeDaemonControl(
+    const std::string& socket_path, std::chrono::milliseconds call_timeout) {
   ZT_ASSIGN_OR_RETURN(std::shared_ptr<DaemonTransport> t,
-                      DaemonTransport::Connect(socket_path, p::kOperatorClientName));
+                      DaemonTransport::Connect(socket_path, p::kOperatorClientName, call_timeout));
   return std::shared_ptr<ControlTransport>(std::move(t));
 }
 

@@ -43,7 +43,8 @@ Result<std::unique_ptr<Session>> Session::Open(const SessionOptions& options) {
       if (it == options.settings.sources.end()) continue;
       ZT_LOG(kWarn, "client") << key << " (from " << it->second
                               << ") is an engine setting: through ztierd at " << socket
-                              << " the daemon's applies (its config, /etc/ztier/ztierd.json)";
+                              << " the daemon's own applies (its --config, "
+                                 "/etc/ztier/ztierd.json under systemd)";
     }
   } else {
     ZT_ASSIGN_OR_RETURN(t, MakeEmbeddedTransport(options.settings, options.io_backend));

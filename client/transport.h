@@ -147,7 +147,9 @@ Result<std::shared_ptr<Transport>> MakeEmbeddedTransport(
 Result<std::shared_ptr<Transport>> MakeDaemonTransport(const std::string& socket_path);
 // The same connection, for the operator's calls. Errors: as
 // MakeDaemonTransport.
-Result<std::shared_ptr<ControlTransport>> MakeDaemonControl(const std::string& socket_path);
+// `call_timeout`: how long ztierd may take to answer each call.
+Result<std::shared_ptr<ControlTransport>> MakeDaemonControl(const std::string& socket_path,
+                                                            std::chrono::milliseconds call_timeout);
 
 }  // namespace ztier::client
 

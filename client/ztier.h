@@ -287,8 +287,12 @@ class DaemonControl {
   // Errors: Unavailable (no ztierd listens at `socket`: not running),
   // FailedPrecondition (it refused this uid, or speaks another protocol
   // version), PermissionDenied is not returned here (the socket's own
-  // permissions: FailedPrecondition naming the path).
-  static Result<std::unique_ptr<DaemonControl>> Connect(const std::string& socket);
+  // permissions: FailedPrecondition naming the path), InvalidArgument
+  // (`socket` is no socket); Unavailable also when ztierd does not answer
+  // within `call_timeout`, which bounds every call of this object.
+  static Result<std::unique_ptr<DaemonControl>> Connect(
+      const std::string& socket,
+      std::chrono::milliseconds call_timeout = std::chrono::seconds(120));
   ~DaemonControl();
   DaemonControl(const DaemonControl&) = delete;
   DaemonControl& operator=(const DaemonControl&) = delete;

@@ -76,6 +76,8 @@ void Usage(std::FILE* out) {
                "options:\n"
                "  --socket PATH   ztierd's socket (default $ZTIER_DAEMON_SOCKET, else %s)\n"
                "  --json          one JSON object on stdout instead of tables\n"
+               "  --timeout S     wait at most S seconds for ztierd's answer (default 10;\n"
+               "                  a stopped or hung ztierd is then said, exit 3)\n"
                "  --version, --help\n"
                "\n"
                "exit codes: 0 done, 1 ztierd answered with an error, 2 bad arguments,\n"
@@ -257,6 +259,7 @@ void PrintJson(const Json& j) { std::printf("%s\n", j.dump(2).c_str()); }
 struct Options {
   std::string socket;
   bool json = false;
+  int timeout_seconds = 10;       // --timeout: for ztierd's answer to each call
   std::vector<std::string> args;  // the command and its arguments
 };
 
@@ -472,7 +475,8 @@ int Run(const Options& o) {
     throw UsageError{StrCat("unknown command '", cmd, "'")};
   }
 
-  Result<std::unique_ptr<client::DaemonControl>> conn = client::DaemonControl::Connect(o.socket);
+  Result<std::unique_ptr<client::DaemonControl>> conn =
+      client::DaemonControl::Connect(o.socket, std::chrono::seconds(o.timeout_seconds));
   if (!conn.ok()) {
     const Status& s = conn.status();
     std::fprintf(stderr, "ztierctl: %s\n", s.ToString().c_str());
@@ -484,6 +488,9 @@ int Run(const Options& o) {
     }
     if (s.code() == StatusCode::kFailedPrecondition || s.code() == StatusCode::kPermissionDenied) {
       return JsonError(o.json, StatusCodeName(s.code()), s.message(), kExitRefused);
+    }
+    if (s.code() == StatusCode::kInvalidArgument) {  // --socket names no socket
+      return JsonError(o.json, StatusCodeName(s.code()), s.message(), kExitUsage);
     }
     return JsonError(o.json, StatusCodeName(s.code()), s.message(), kExitError);
   }
@@ -574,6 +581,20 @@ int Main(int argc, char** argv) {
         o.socket = argv[++i];
       } else if (arg.starts_with("--socket=")) {
         o.socket = std::string(arg.substr(9));
+      } else if (arg == "--timeout" || arg.starts_with("--timeout=")) {
+        std::string_view v;
+        if (arg == "--timeout") {
+          if (i + 1 >= argc) throw UsageError{"--timeout needs a number of seconds"};
+          v = argv[++i];
+        } else {
+          v = arg.substr(10);
+        }
+        int n = 0;
+        auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), n);
+        if (ec != std::errc() || end != v.data() + v.size() || n < 1 || n > 3600) {
+          throw UsageError{StrCat("--timeout '", v, "': a whole number of seconds, 1..3600")};
+        }
+        o.timeout_seconds = n;
       } else if (arg.starts_with("-") && o.args.empty()) {
         throw UsageError{StrCat("unknown option '", arg, "'")};
       } else {

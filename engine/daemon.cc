@@ -1264,6 +1264,16 @@ class Daemon::Impl::Connection {
     if (!id.ok()) {
       std::lock_guard<std::mutex> lock(d_.mu);
       --d_.usage[peer_.uid].jobs;
+      if (spec.optimizer_tier == Tier::kNvme && d_.engine->swap_usage().empty()) {
+        // The engine's message names settings of its own, which a client
+        // of ztierd cannot change.
+        return Status::FailedPrecondition(
+            StrCat("job '", name,
+                   "': this ztierd has no swap directories, so optimizer states go to its DRAM "
+                   "only (ztier-train --optimizer dram, ztier.torch states=\"dram\"); its "
+                   "administrator sets swap directories in ztierd's configuration "
+                   "(zero_optimization.offload_optimizer.nvme_path)"));
+      }
       return id.status();
     }
     // The uid's share of the tiers, with this job's bytes as the engine

@@ -105,6 +105,14 @@ Result<SeqPacketSocket> SeqPacketSocket::Connect(const std::string& path) {
     }
     const int err = errno;
     if (err == EINTR) continue;
+    struct stat there {};
+    if (err == ECONNREFUSED && ::stat(path.c_str(), &there) == 0 && !S_ISSOCK(there.st_mode)) {
+      return Status(StatusCode::kInvalidArgument,
+                    StrCat(path, " is ", S_ISDIR(there.st_mode) ? "a directory" : "not a socket",
+                           ": name ztierd's socket (its --socket; ztierd.socket's is "
+                           "/run/ztier/ztierd.sock)"),
+                    err);
+    }
     if (err == ENOENT || err == ECONNREFUSED) {
       return Status(StatusCode::kUnavailable,
                     StrCat("no ztierd listens on ", path, " (", std::strerror(err),

@@ -471,17 +471,23 @@ Result<Plan> ResolvePlan(const Flags& f) {
   for (const Flags::Override& o : f.overrides) {
     ZT_ASSIGN_OR_RETURN(s, engine::ApplySetting(s, o.key, o.text, o.flag));
   }
-  if (s.param_tier == engine::Tier::kNvme && s.optimizer_tier != engine::Tier::kNvme) {
-    return Status::InvalidArgument(
-        "params on nvme need the optimizer states on nvme (--params nvme needs --optimizer nvme)");
-  }
   // Through a daemon the tiers are the daemon's: states go to its DRAM
   // unless asked for (nvme then needs swap paths in the daemon's config).
   const bool daemon = !s.daemon_socket.empty();
   auto source = s.sources.find("zero_optimization.offload_optimizer.device");
   if (daemon && source != s.sources.end() && source->second == kDefault) {
-    ZT_ASSIGN_OR_RETURN(
-        s, engine::ApplySetting(s, "zero_optimization.offload_optimizer.device", "cpu", kDefault));
+    ZT_ASSIGN_OR_RETURN(s, engine::ApplySetting(s, "zero_optimization.offload_optimizer.device",
+                                                "cpu", "ztier-train's default through ztierd"));
+  }
+  if (s.param_tier == engine::Tier::kNvme && s.optimizer_tier != engine::Tier::kNvme) {
+    const auto from = [&](const char* key) {
+      auto it = s.sources.find(key);
+      return it == s.sources.end() ? std::string("the default") : it->second;
+    };
+    return Status::InvalidArgument(
+        StrCat("params on nvme (", from("zero_optimization.offload_param.device"),
+               ") need the optimizer states on nvme, which are in dram (",
+               from("zero_optimization.offload_optimizer.device"), "): --optimizer nvme"));
   }
   if (!daemon && s.optimizer_tier == engine::Tier::kNvme && s.nvme_paths.empty()) {
     ZT_ASSIGN_OR_RETURN(s, engine::ApplySetting(s, "ZTIER_NVME_PATHS",

@@ -462,6 +462,27 @@ TEST(ZtierctlProgramTest, TablesJsonAndExitCodes) {
   r = Ztierctl(StrCat("--socket ", dir.path(), "/", std::string(200, 'a'), " status"), dir.path());
   EXPECT_EQ(r.code, 2) << r.out;
   EXPECT_NE(r.out.find("a file name longer than"), std::string::npos) << r.out;
+  // A --socket that names a file or a directory says so (it said that no
+  // ztierd listens there, "is ztierd running?").
+  std::ofstream(dir.path() + "/plain") << "x";
+  for (const std::string& what : {std::string("/plain"), std::string("")}) {
+    r = Ztierctl(StrCat("--socket ", dir.path(), what, " status"), dir.path());
+    EXPECT_EQ(r.code, 2) << r.out;
+    EXPECT_NE(r.out.find(what.empty() ? "is a directory" : "is not a socket"), std::string::npos)
+        << r.out;
+  }
+  // A ztierd that takes connections but does not answer (stopped) is said
+  // after --timeout, not after two minutes.
+  ASSERT_EQ(::kill(d.pid(), SIGSTOP), 0);
+  const auto t0 = std::chrono::steady_clock::now();
+  r = Ztierctl(sock + " --timeout 1 status", dir.path());
+  const auto waited = std::chrono::steady_clock::now() - t0;
+  ASSERT_EQ(::kill(d.pid(), SIGCONT), 0);
+  EXPECT_EQ(r.code, 3) << r.out;
+  EXPECT_NE(r.out.find("did not answer hello within 1 s"), std::string::npos) << r.out;
+  EXPECT_LT(waited, 10s);
+  r = Ztierctl(sock + " --timeout 0 status", dir.path());
+  EXPECT_EQ(r.code, 2) << r.out;
   // An unknown job: ztierd answers with an error, 1.
   r = Ztierctl(sock + " evict 999", dir.path());
   EXPECT_EQ(r.code, 1) << r.out;

@@ -13,6 +13,7 @@
 #include <filesystem>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "tests/examples/train_testing.h"
@@ -57,6 +58,29 @@ TEST(DaemonTrainTest, ThroughZtierdTheModelIsTheEmbeddedOneBitForBit) {
   ASSERT_EQ(Train(std::string(kSmall) + " --steps 10 --data " + data + " --resume --out " +
                   (dir / "daemon")),
             0);
+}
+
+// NVMe placements through a ztierd without swap directories name what the
+// user can change (the engine's own message named its swap settings, which
+// only ztierd's administrator can set; --params nvme blamed a flag not given).
+TEST(DaemonTrainTest, NvmePlacementsOnAZtierdWithoutSwapSayWhatToDo) {
+  ScratchDir dir("daemon-noswap");
+  const std::string data = dir / "words.txt";
+  WriteWordSalad(data, 32 << 10);
+  ZtierdProcess d(ZTIERD_BINARY, {});
+  const std::string common = " --layers 2 --channels 32 --heads 2 --context 16 --steps 1 --data " +
+                             data + " --daemon " + d.socket();
+  auto [rc, out] =
+      ztier::testing::RunTrain(common + " --optimizer nvme --out " + (dir / "a"), dir / "a.txt");
+  EXPECT_EQ(rc, 1) << out;
+  EXPECT_NE(out.find("this ztierd has no swap directories"), std::string::npos) << out;
+  EXPECT_NE(out.find("--optimizer dram"), std::string::npos) << out;
+  std::tie(rc, out) =
+      ztier::testing::RunTrain(common + " --params nvme --out " + (dir / "b"), dir / "b.txt");
+  EXPECT_EQ(rc, 2) << out;
+  EXPECT_NE(out.find("which are in dram (ztier-train's default through ztierd): --optimizer nvme"),
+            std::string::npos)
+      << out;
 }
 
 TEST(DaemonTrainTest, AKilledZtierdFailsTheRunFastAndARestartedOneResumesIt) {
