@@ -5,8 +5,11 @@ namespace ztier {
 
 Utf8Char DecodeUtf8(std::string_view text, size_t i) {
   const auto c = static_cast<unsigned char>(text[i]);
-  const size_t len =
-      c < 0x80 ? 1 : (c >> 5) == 0x6 ? 2 : (c >> 4) == 0xe ? 3 : (c >> 3) == 0x1e ? 4 : 0;
+  const size_t len = c < 0x80           ? 1
+                     : (c >> 5) == 0x6  ? 2
+                     : (c >> 4) == 0xe  ? 3
+                     : (c >> 3) == 0x1e ? 4
+                                        : 0;
   if (len == 0 || i + len > text.size()) return {};
   uint32_t cp = len == 1 ? c : len == 2 ? c & 0x1f : len == 3 ? c & 0x0f : c & 0x07;
   for (size_t k = 1; k < len; ++k) {
@@ -17,6 +20,22 @@ Utf8Char DecodeUtf8(std::string_view text, size_t i) {
   constexpr uint32_t kLeast[] = {0, 0, 0x80, 0x800, 0x10000};  // shorter forms are overlong
   if (cp < kLeast[len] || cp > 0x10ffff || (cp >= 0xd800 && cp <= 0xdfff)) return {};
   return {.length = len, .code_point = cp};
+}
+
+std::string PrintableUtf8(std::string_view text) {
+  std::string out;
+  for (size_t i = 0; i < text.size();) {
+    const Utf8Char ch = DecodeUtf8(text, i);
+    const uint32_t cp = ch.code_point;
+    if (ch.length == 0 || cp < 0x20 || cp == 0x7f || (cp >= 0x80 && cp <= 0x9f)) {
+      out += '?';
+      i += 1;
+    } else {
+      out.append(text.substr(i, ch.length));
+      i += ch.length;
+    }
+  }
+  return out;
 }
 
 }  // namespace ztier

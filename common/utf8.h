@@ -8,6 +8,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 #include <string_view>
 
 namespace ztier {
@@ -21,6 +22,11 @@ struct Utf8Char {
 // malformed sequence, an overlong form, a surrogate or a code point past
 // U+10FFFF.
 Utf8Char DecodeUtf8(std::string_view text, size_t i);
+
+// `text` with control characters (C0, DEL, C1: a terminal's escape
+// sequences, a NUL that cuts a C string) and bytes that are not UTF-8 as
+// '?': for what goes onto a terminal or into a name from outside.
+std::string PrintableUtf8(std::string_view text);
 
 }  // namespace ztier
 

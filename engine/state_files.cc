@@ -4,6 +4,8 @@
 
 #include <cerrno>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <map>
@@ -48,6 +50,28 @@ std::string OptimizerJson(const OptimizerConfig& o) {
   return j.dump();
 }
 
+// A setting's value as a person wrote it: the fp32 settings in the fewest
+// digits that read back as the same float (0.1, not 0.10000000149011612).
+std::string SettingText(const Json& v) {
+  if (v.is_number_float()) {
+    const float f = static_cast<float>(v.get<double>());
+    char buf[32];
+    for (int digits = 1; digits <= 9; ++digits) {
+      std::snprintf(buf, sizeof(buf), "%.*g", digits, f);
+      if (std::strtof(buf, nullptr) == f) break;
+    }
+    std::string text = buf;
+    if (text.find_first_of(".eni") == std::string::npos) text += ".0";  // a float, as written
+    return text;
+  }
+  if (v.is_array()) {
+    std::string out = "[";
+    for (size_t i = 0; i < v.size(); ++i) out += StrCat(i ? ", " : "", SettingText(v[i]));
+    return out + "]";
+  }
+  return v.dump();
+}
+
 // The moments a checkpoint holds were made with its optimizer's settings;
 // the job's apply from here on. Where they differ (the learning rate aside,
 // which schedules change every step) a person resuming is told so.
@@ -59,8 +83,8 @@ void WarnOfOtherOptimizer(const JobDescription& job, const CheckpointManifest& m
   std::string differs;
   for (const auto& [key, value] : now.items()) {
     if (key == "lr" || !saved.contains(key) || saved[key] == value) continue;
-    differs +=
-        StrCat(differs.empty() ? "" : ", ", key, " ", saved[key].dump(), " -> ", value.dump());
+    differs += StrCat(differs.empty() ? "" : ", ", key, " ", SettingText(saved[key]), " -> ",
+                      SettingText(value));
   }
   if (!differs.empty()) {
     ZT_LOG(kWarn, "checkpoint") << dir << " was saved with other optimizer settings; this "

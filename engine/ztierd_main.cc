@@ -41,6 +41,7 @@
 
 #include "common/log.h"
 #include "common/numbers.h"
+#include "common/utf8.h"
 #include "common/version.h"
 #include "engine/daemon.h"
 #include "engine/metrics.h"
@@ -181,7 +182,7 @@ Result<Flags> ParseFlags(int argc, char** argv) {
 // directory missing, read-only or not ztierd's to write: systemd's
 // RestartPreventExitStatus=2 then stops the restarts), 1 otherwise.
 int EngineFailure(const Status& s) {
-  std::fprintf(stderr, "ztierd: %s\n", s.ToString().c_str());
+  std::fprintf(stderr, "ztierd: %s\n", ztier::PrintableUtf8(s.ToString()).c_str());
   const int err = s.sys_errno();
   const bool denied = err == EROFS || err == EACCES || err == EPERM;
   if (denied && std::getenv("INVOCATION_ID") != nullptr) {  // started by systemd
@@ -248,30 +249,32 @@ int Run(const Flags& f) {
   if (!f.config.empty()) {
     Result<engine::Settings> s = engine::LoadSettings(f.config);
     if (!s.ok()) {
-      std::fprintf(stderr, "ztierd: %s\n", s.status().ToString().c_str());
+      std::fprintf(stderr, "ztierd: %s\n", ztier::PrintableUtf8(s.status().ToString()).c_str());
       return 2;
     }
     settings = *std::move(s);
   }
   Result<engine::Settings> env = engine::ApplyEnvironment(settings, environ);
   if (!env.ok()) {
-    std::fprintf(stderr, "ztierd: %s\n", env.status().ToString().c_str());
+    std::fprintf(stderr, "ztierd: %s\n", ztier::PrintableUtf8(env.status().ToString()).c_str());
     return 2;
   }
   settings = *std::move(env);
   if (Status v = engine::Validate(settings); !v.ok()) {
-    std::fprintf(stderr, "ztierd: %s\n", v.ToString().c_str());
+    std::fprintf(stderr, "ztierd: %s\n", ztier::PrintableUtf8(v.ToString()).c_str());
     return 2;
   }
 
   Result<engine::systemd::Notifier> notifier = engine::systemd::Notifier::FromEnvironment();
   if (!notifier.ok()) {
-    std::fprintf(stderr, "ztierd: %s\n", notifier.status().ToString().c_str());
+    std::fprintf(stderr, "ztierd: %s\n",
+                 ztier::PrintableUtf8(notifier.status().ToString()).c_str());
     return 2;
   }
   Result<std::optional<std::chrono::microseconds>> watchdog = engine::systemd::WatchdogInterval();
   if (!watchdog.ok()) {
-    std::fprintf(stderr, "ztierd: %s\n", watchdog.status().ToString().c_str());
+    std::fprintf(stderr, "ztierd: %s\n",
+                 ztier::PrintableUtf8(watchdog.status().ToString()).c_str());
     return 2;
   }
   // Operators: members of the admin group, when it exists.
@@ -297,7 +300,8 @@ int Run(const Flags& f) {
   int metrics_fd = -1;
   Result<engine::SeqPacketListener> listener = OpenListener(f, &metrics_fd);
   if (!listener.ok()) {
-    std::fprintf(stderr, "ztierd: %s\n", listener.status().ToString().c_str());
+    std::fprintf(stderr, "ztierd: %s\n",
+                 ztier::PrintableUtf8(listener.status().ToString()).c_str());
     return listener.status().code() == StatusCode::kInvalidArgument ? 2 : 1;
   }
   // The metrics listener: systemd's socket, else --metrics.
@@ -307,7 +311,7 @@ int Run(const Flags& f) {
         metrics_fd >= 0 ? engine::MetricsServer::FromFd(metrics_fd)
                         : engine::MetricsServer::Listen(f.metrics);
     if (!m.ok()) {
-      std::fprintf(stderr, "ztierd: %s\n", m.status().ToString().c_str());
+      std::fprintf(stderr, "ztierd: %s\n", ztier::PrintableUtf8(m.status().ToString()).c_str());
       (void)listener->Close();  // the control socket goes too
       return m.status().code() == StatusCode::kInvalidArgument ? 2 : 1;
     }
@@ -385,7 +389,7 @@ int Run(const Flags& f) {
   (void)listener->Close();
   daemon->reset();
   if (!served.ok()) {
-    std::fprintf(stderr, "ztierd: %s\n", served.ToString().c_str());
+    std::fprintf(stderr, "ztierd: %s\n", ztier::PrintableUtf8(served.ToString()).c_str());
     return 1;
   }
   ZT_LOG(kInfo, "ztierd") << "stopped";
@@ -400,7 +404,7 @@ int main(int argc, char** argv) {
   ::setenv("ZTIER_LOG", "info", /*overwrite=*/0);
   ztier::Result<ztier::ztierd::Flags> flags = ztier::ztierd::ParseFlags(argc, argv);
   if (!flags.ok()) {
-    std::fprintf(stderr, "ztierd: %s\n\n", flags.status().ToString().c_str());
+    std::fprintf(stderr, "ztierd: %s\n\n", ztier::PrintableUtf8(flags.status().ToString()).c_str());
     ztier::ztierd::Usage(std::cerr);
     return 2;
   }

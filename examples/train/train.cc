@@ -38,6 +38,7 @@
 
 #include <algorithm>
 #include <barrier>
+#include <cctype>
 #include <chrono>
 #include <cmath>
 #include <csignal>
@@ -198,24 +199,6 @@ struct OutPaths {
         exported((fs::path(out) / "model.safetensors").string()) {}
 };
 
-// `text` with control characters (C0, DEL, C1) and bytes that are not
-// UTF-8 (or overlong, or surrogates) as '?'.
-std::string PrintableUtf8(std::string_view text) {
-  std::string out;
-  for (size_t i = 0; i < text.size();) {
-    const Utf8Char ch = DecodeUtf8(text, i);
-    const uint32_t cp = ch.code_point;
-    if (ch.length == 0 || cp < 0x20 || cp == 0x7f || (cp >= 0x80 && cp <= 0x9f)) {
-      out += '?';
-      i += 1;
-    } else {
-      out.append(text.substr(i, ch.length));
-      i += ch.length;
-    }
-  }
-  return out;
-}
-
 Result<Flags> ParseFlags(int argc, char** argv) {
   Flags f;
   for (int i = 1; i < argc; ++i) {
@@ -231,7 +214,11 @@ Result<Flags> ParseFlags(int argc, char** argv) {
       char* end = nullptr;
       errno = 0;
       const long n = std::strtol(v.c_str(), &end, 10);
-      if (end == v.c_str() || *end != '\0' || errno != 0 || n < min || n > max) {
+      // (strtol skips leading blanks and takes a sign: " 5" and "+5" are not
+      // how the other flags, read as settings, take a count.)
+      const bool digits_first = !v.empty() && (std::isdigit(static_cast<unsigned char>(v[0])) ||
+                                               (v[0] == '-' && v.size() > 1));
+      if (!digits_first || end == v.c_str() || *end != '\0' || errno != 0 || n < min || n > max) {
         return Status::InvalidArgument(
             StrCat(a, " wants an integer in ", min, "..", max, ", got '", v, "'"));
       }
@@ -410,6 +397,7 @@ Result<Flags> ParseFlags(int argc, char** argv) {
                                             " is one of the run's own files (checkpoint, ",
                                             "train_log.tsv or model.safetensors)"));
     }
+
     // Only a new or a regular file is replaced (a rename over /dev/full made
     // the device a file), and never the text or the config the run reads.
     Result<std::string> target = ReplaceableTarget(f.summary);
@@ -845,9 +833,13 @@ Result<int64_t> StartingPoint(const Flags& f, const OutPaths& paths, Model& m, u
     if (!note.ok() && note.status().code() != StatusCode::kNotFound) {
       return note.status().Annotate("--resume: the checkpoint's model note");
     }
-    if (note.ok() && *note != ModelNote(f.model)) {
-      std::string saved = *note;
-      while (!saved.empty() && saved.back() == '\n') saved.pop_back();
+    // Compared without trailing blanks (an editor's CRLF or a space).
+    const auto trimmed = [](std::string t) {
+      while (!t.empty() && std::isspace(static_cast<unsigned char>(t.back()))) t.pop_back();
+      return t;
+    };
+    if (note.ok() && trimmed(*note) != trimmed(ModelNote(f.model))) {
+      const std::string saved = trimmed(*note);
       if (!saved.starts_with("heads ")) {
         return Status::Corruption(
             StrCat("--resume: the checkpoint's model note ", ModelNotePath(paths), " holds '",
@@ -895,10 +887,14 @@ struct Measured {
   int steps = 0;
   double train_seconds = 0;  // rank 0 training (its steps' micro-steps), not reporting
   RunnerStats at_start, at_end;
+  double engine_optimizer_at_start = 0;  // the job's optimizer seconds so far
 };
 
-int SummarySkip(const Flags& f) {
-  return f.summary_skip >= 0 ? f.summary_skip : std::min(5, f.steps / 4);
+// The steps a --summary leaves out of a run that trains steps first+1 ..
+// f.steps (a resumed run counts from where it resumed).
+int SummarySkip(const Flags& f, int64_t first) {
+  return f.summary_skip >= 0 ? f.summary_skip
+                             : static_cast<int>(std::min<int64_t>(5, (f.steps - first) / 4));
 }
 
 Result<int> TrainSteps(const Flags& f, const Plan& p, const std::string& text, Session& session,
@@ -943,8 +939,11 @@ Result<int> TrainSteps(const Flags& f, const Plan& p, const std::string& text, S
     const float scale = 1.0f / static_cast<float>(f.ranks * p.accumulation);
     Clock::time_point t0 = Clock::now();
     for (int64_t step = first; step < f.steps; ++step) {
-      const bool measure = r == 0 && step - first >= SummarySkip(f);
-      if (measure && measured->steps == 0) measured->at_start = runner->stats();
+      const bool measure = r == 0 && step - first >= SummarySkip(f, first);
+      if (measure && measured->steps == 0) {
+        measured->at_start = runner->stats();
+        measured->engine_optimizer_at_start = m.counters().optimizer_seconds;
+      }
       const Clock::time_point step_start = Clock::now();
       double loss = 0;
       for (int micro = 0; micro < p.accumulation; ++micro) {
@@ -1029,11 +1028,12 @@ Result<int> TrainSteps(const Flags& f, const Plan& p, const std::string& text, S
 // --summary: rank 0's speed over the measured steps, its step time split
 // into compute and the runner's waits by what the transfers were doing
 // (RunnerStats), each second counted once, so the parts add up to the step.
-Status WriteSummary(const Flags& f, const Plan& p, const Measured& m,
-                    const engine::JobCounters& c) {
-  if (m.steps == 0) {
-    return Status::InvalidArgument(StrCat("--summary: no step was measured (", f.steps,
-                                          " steps, --summary-skip ", SummarySkip(f), ")"));
+Status WriteSummary(const Flags& f, const Plan& p, const Measured& m, const engine::JobCounters& c,
+                    int64_t first) {
+  if (m.steps == 0) {  // (checked before training: a run stopped by a signal)
+    return Status::InvalidArgument(StrCat("--summary: no step was measured (steps ", first + 1,
+                                          "..", f.steps, ", --summary-skip ", SummarySkip(f, first),
+                                          ")"));
   }
   const double n = m.steps;
   const auto per_step = [&](double RunnerStats::*field) {
@@ -1063,19 +1063,20 @@ Status WriteSummary(const Flags& f, const Plan& p, const Measured& m,
       p.batch, p.accumulation, tier(p.settings.optimizer_tier), tier(p.settings.param_tier),
       p.settings.state_dtype == engine::StateDtype::kInt8 ? "int8" : "fp32",
       static_cast<unsigned long long>(p.settings.param_persistence_threshold),
-      p.settings.prefetch_depth, m.steps, SummarySkip(f), tokens_per_step / step_s, step_s,
+      p.settings.prefetch_depth, m.steps, SummarySkip(f, first), tokens_per_step / step_s, step_s,
       step_s - opt - h2d - d2h - coll, opt, h2d, d2h, coll,
       static_cast<double>(m.at_end.h2d_bytes - m.at_start.h2d_bytes) / n,
       static_cast<double>(m.at_end.d2h_bytes - m.at_start.d2h_bytes) / n,
       static_cast<unsigned long long>(p.settings.coalesce_bytes),
       static_cast<double>(m.at_end.h2d_copies - m.at_start.h2d_copies) / n,
-      static_cast<double>(m.at_end.d2h_copies - m.at_start.d2h_copies) / n, c.optimizer_seconds);
+      static_cast<double>(m.at_end.d2h_copies - m.at_start.d2h_copies) / n,
+      (c.optimizer_seconds - m.engine_optimizer_at_start) / n);
   return WriteFileAtomically(f.summary, buf).Annotate("--summary");
 }
 
 int Run(const Flags& f, const Plan& p) {
   auto fail = [](const Status& s) {
-    std::fprintf(stderr, "\nztier-train: %s\n", s.ToString().c_str());
+    std::fprintf(stderr, "\nztier-train: %s\n", PrintableUtf8(s.ToString()).c_str());
     return 1;
   };
   Result<std::string> text = LoadText(f.data);
@@ -1098,6 +1099,27 @@ int Run(const Flags& f, const Plan& p) {
         StrCat("--resume: there is no checkpoint in ", OutPaths(f.out).checkpoint)));
   }
   if (Status s = CreateDir(f.out, "--out directory"); !s.ok()) return fail(s);
+  if (!f.summary.empty()) {
+    // Its directory (one in --out is made now) must take the file: said
+    // before training, not once the run is over.
+    const fs::path dir = fs::path(f.summary).parent_path().empty()
+                             ? fs::path(".")
+                             : fs::path(f.summary).parent_path();
+    std::error_code ec;
+    // Not in a swap directory, whose files the engine removes as it closes.
+    for (const std::string& swap : p.settings.nvme_paths) {
+      if (AbsoluteNormal(dir) == AbsoluteNormal(swap) || fs::equivalent(dir, swap, ec)) {
+        return fail(
+            Status::InvalidArgument(StrCat("--summary ", f.summary, " is in swap directory ", swap,
+                                           ", whose files the engine removes")));
+      }
+    }
+    fs::create_directories(dir, ec);
+    if (ec) return fail(PosixError(StrCat("--summary: create ", dir.string()), ec.value()));
+    if (::access(dir.c_str(), W_OK) != 0) {
+      return fail(PosixError(StrCat("--summary: ", dir.string(), " cannot be written"), errno));
+    }
+  }
   // Swap directories must exist, the default <out>/swap aside (made here):
   // one made under a drive's mount point that is not mounted would put the
   // swap space on the root filesystem, silently.
@@ -1145,7 +1167,7 @@ int Run(const Flags& f, const Plan& p) {
   Result<int64_t> first = StartingPoint(f, paths, m, f.seed);
   if (!first.ok()) {
     if (first.status().code() == StatusCode::kAlreadyExists) {
-      std::fprintf(stderr, "ztier-train: %s\n", std::string(first.status().message()).c_str());
+      std::fprintf(stderr, "ztier-train: %s\n", PrintableUtf8(first.status().message()).c_str());
       return 2;
     }
     return fail(first.status());
@@ -1160,6 +1182,15 @@ int Run(const Flags& f, const Plan& p) {
     return fail(Status::InvalidArgument(StrCat("--exit-after ", f.exit_after,
                                                ": the run resumes after step ", *first,
                                                " and would never reach it")));
+  }
+  if (!f.summary.empty() && SummarySkip(f, *first) >= f.steps - *first) {
+    // Said before training, not after it (a resumed run trains fewer steps).
+    return fail(Status::InvalidArgument(
+        *first == f.steps ? StrCat("--summary: the checkpoint is at step ", f.steps,
+                                   " (--steps): this run trains no step to measure (raise --steps)")
+                          : StrCat("--summary: this run trains steps ", *first + 1, "..", f.steps,
+                                   " (", f.steps - *first, "), and --summary-skip ",
+                                   SummarySkip(f, *first), " leaves none of them to measure")));
   }
   if (Status s = PrepareLog(paths.log, *first); !s.ok()) return fail(s);
   if (f.resume) {
@@ -1205,7 +1236,7 @@ int Run(const Flags& f, const Plan& p) {
       c.optimizer_seconds, stats[0].acquire_wait_seconds, stats[0].step_wait_seconds,
       paths.checkpoint.c_str(), paths.exported.c_str());
   if (!f.summary.empty()) {
-    if (Status w = WriteSummary(f, p, measured, c); !w.ok()) return fail(w);
+    if (Status w = WriteSummary(f, p, measured, c, *first); !w.ok()) return fail(w);
   }
   return 0;
 }
@@ -1217,13 +1248,15 @@ int main(int argc, char** argv) {
   using ztier::train::Usage;
   ztier::Result<ztier::train::Flags> flags = ztier::train::ParseFlags(argc, argv);
   if (!flags.ok()) {
-    std::fprintf(stderr, "ztier-train: %s\n\n", flags.status().ToString().c_str());
+    std::fprintf(stderr, "ztier-train: %s\n\n",
+                 ztier::PrintableUtf8(flags.status().ToString()).c_str());
     Usage(std::cerr);
     return 2;
   }
   ztier::Result<ztier::train::Plan> plan = ztier::train::ResolvePlan(*flags);
   if (!plan.ok()) {
-    std::fprintf(stderr, "ztier-train: %s\n", plan.status().ToString().c_str());
+    std::fprintf(stderr, "ztier-train: %s\n",
+                 ztier::PrintableUtf8(plan.status().ToString()).c_str());
     return 2;
   }
   // What the up-front checks cannot see (a ulimit, memory taken by others

@@ -361,6 +361,42 @@ TEST_F(TrainHardeningTest, ASummaryInsideANewOutIsWritten) {
   EXPECT_TRUE(fs::exists(out + "/speed.json")) << text;
 }
 
+// --summary's problems are said before training, not once the run is over
+// (a directory below --out was never made: exit 1 after every step), a
+// resumed run measures the steps it trains (its skip was counted from step
+// 0: "no step was measured"), and a summary in a swap directory is refused
+// (the engine removed it as it closed: exit 0 and no file).
+TEST_F(TrainHardeningTest, SummaryPathsAndResumedRunsAreCheckedUpFront) {
+  const std::string out = dir_ / "sum";
+  auto [rc, text] = Train(
+      Common() + " --steps 8 --out " + out + " --summary " + out + "/sub/deeper/s.json", dir_);
+  EXPECT_EQ(rc, 0) << text;
+  EXPECT_TRUE(fs::exists(out + "/sub/deeper/s.json")) << text;
+  std::tie(rc, text) = Train(Common() + " --steps 8 --out " + (dir_ / "sw") + " --summary " +
+                                 (dir_ / "sw/swap/ztier.swap"),
+                             dir_);
+  EXPECT_NE(rc, 0) << text;
+  EXPECT_NE(text.find("is in swap directory"), std::string::npos) << text;
+  EXPECT_EQ(text.find("step 1 "), std::string::npos) << "trained first: " << text;
+  // Resumed at step 36 of 40: the default skip is of its 4 steps (1).
+  std::tie(rc, text) = Train(
+      Common() + " --steps 40 --checkpoint-every 36 --exit-after 36 --out " + (dir_ / "res"), dir_);
+  ASSERT_NE(rc, 0) << text;  // --exit-after exits abruptly
+  std::tie(rc, text) = Train(Common() + " --steps 40 --resume --out " + (dir_ / "res") +
+                                 " --summary " + (dir_ / "res.json"),
+                             dir_);
+  EXPECT_EQ(rc, 0) << text;
+  EXPECT_NE(Slurp(dir_ / "res.json").find("\"steps_measured\": 3, \"steps_skipped\": 1"),
+            std::string::npos)
+      << Slurp(dir_ / "res.json");
+  // At --steps already: no step to measure, said at once.
+  std::tie(rc, text) = Train(Common() + " --steps 40 --resume --out " + (dir_ / "res") +
+                                 " --summary " + (dir_ / "res2.json"),
+                             dir_);
+  EXPECT_NE(rc, 0) << text;
+  EXPECT_NE(text.find("this run trains no step to measure"), std::string::npos) << text;
+}
+
 // Relative names in the working directory, as a user types them: a
 // --summary with no directory part (it threw from std::filesystem and
 // aborted the run before it started), and a run whose working directory
