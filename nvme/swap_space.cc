@@ -561,6 +561,15 @@ Status SwapSpace::Impl::Grow(uint64_t units) {
   // model's units do not cost an fallocate each; the exact need if the
   // disk cannot give the step.
   uint64_t step = std::max(options.growth_bytes, file_bytes / 8);
+  // Growth ahead of the need takes at most half of what a path's
+  // filesystem has free: on a small one the rest is left for what else
+  // goes there (a checkpoint beside the default <out>/swap).
+  for (const std::string& dir : options.paths) {
+    struct statvfs vfs {};
+    if (::statvfs(dir.c_str(), &vfs) == 0) {
+      step = std::min(step, uint64_t{vfs.f_bavail} * vfs.f_frsize / 2);
+    }
+  }
   step = (step + stripe - 1) / stripe * stripe;
   uint64_t target = std::max(need, file_bytes + step);
   if (cap != 0) target = std::min(target, cap);

@@ -15,7 +15,8 @@
 // a multiple of 4 KiB) laid round-robin across the paths, so reading one
 // object keeps every drive busy. Each file has a free-extent allocator (first
 // fit, coalescing on free). Files start empty and grow as objects need room:
-// every file by the same step (growth_bytes, or an eighth of its size, with
+// every file by the same step (growth_bytes, or an eighth of its size, but
+// at most half of what its filesystem has free beyond the need; with
 // fallocate so that space is reserved up front), up to max_file_bytes when it
 // is set. Out of space (the cap, or a full disk) is ResourceExhausted naming
 // the path and changes nothing; files do not shrink until closed.
