@@ -633,11 +633,17 @@ def test_hf_trainer_smoke(settings, tmp_path):
                    grad_accumulation=2, settings=settings)
     args = TrainingArguments(output_dir=str(tmp_path / "out"), per_device_train_batch_size=2,
                              gradient_accumulation_steps=2, max_grad_norm=1.0, num_train_epochs=2,
-                             learning_rate=1e-2, save_strategy="no", report_to=[],
-                             logging_steps=1, use_cpu=True, disable_tqdm=True)
+                             learning_rate=1e-2, save_strategy="steps", save_steps=8,
+                             report_to=[], logging_steps=1, use_cpu=True, disable_tqdm=True)
     trainer = Trainer(model=model, args=args, train_dataset=Fixed(), optimizers=(z.optimizer, None))
     result = trainer.train()
     assert z.step_count == 8
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     assert losses[-1] < losses[0], losses
     assert math.isfinite(result.training_loss)
+    # Its checkpoint holds the trained weights (they were NaN placeholders).
+    from safetensors.torch import load_file
+    saved = load_file(str(tmp_path / "out" / "checkpoint-8" / "model.safetensors"))
+    with z.gathered():
+        want = {k: v.clone() for k, v in model.state_dict().items()}
+    assert saved and all(torch.equal(v, want[k].to(v.dtype)) for k, v in saved.items())
