@@ -34,6 +34,7 @@
 
 #include "client/ztier.h"
 #include "common/numbers.h"
+#include "common/utf8.h"
 #include "common/version.h"
 #include "engine/engine.h"
 #include "engine/protocol.h"
@@ -135,19 +136,20 @@ std::string Fixed(double v, int digits) {
   return buf;
 }
 
-// Rows of cells printed with each column as wide as its widest cell
+// Rows of cells printed with each column as wide as its widest cell on a
+// terminal (a name in CJK characters takes two columns a character)
 // (numbers right-aligned: columns named in `right`).
 void PrintTable(const std::vector<std::vector<std::string>>& rows, const std::vector<bool>& right,
                 std::string_view indent = "") {
   std::vector<size_t> width;
   for (const auto& r : rows) {
     if (width.size() < r.size()) width.resize(r.size(), 0);
-    for (size_t c = 0; c < r.size(); ++c) width[c] = std::max(width[c], r[c].size());
+    for (size_t c = 0; c < r.size(); ++c) width[c] = std::max(width[c], DisplayWidth(r[c]));
   }
   for (const auto& r : rows) {
     std::string line(indent);
     for (size_t c = 0; c < r.size(); ++c) {
-      const size_t pad = width[c] - r[c].size();
+      const size_t pad = width[c] - DisplayWidth(r[c]);
       const bool last = c + 1 == r.size();
       if (c < right.size() && right[c]) {
         line += std::string(pad, ' ') + r[c];

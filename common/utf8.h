@@ -28,6 +28,11 @@ Utf8Char DecodeUtf8(std::string_view text, size_t i);
 // '?': for what goes onto a terminal or into a name from outside.
 std::string PrintableUtf8(std::string_view text);
 
+// The columns `text` takes on a terminal: East Asian wide characters (CJK,
+// Hangul, fullwidth forms, emoji) 2, combining marks 0, others 1 (a byte
+// that is not UTF-8: 1). For aligning tables of names.
+size_t DisplayWidth(std::string_view text);
+
 }  // namespace ztier
 
 #endif  // ZTIER_COMMON_UTF8_H_
