@@ -434,6 +434,28 @@ struct Daemon::Impl {
     return s;
   }
 
+  // For a quota refusal: how much of `uid`'s use is parked jobs (their
+  // clients went away), and when the first of them goes. Under mu.
+  std::string ParkedNoteLocked(uid_t uid) const {
+    int n = 0;
+    uint64_t dram = 0;
+    Clock::time_point first = Clock::time_point::max();
+    for (const auto& [key, job] : jobs) {
+      if (key.first != uid || !job->parked) continue;
+      ++n;
+      dram += job->dram_bytes;
+      first = std::min(first, job->parked_until);
+    }
+    if (n == 0) return "";
+    const auto left = std::chrono::duration_cast<std::chrono::seconds>(first - Clock::now());
+    return StrCat("; ", n, " of its jobs (", dram,
+                  " bytes of DRAM) are parked: their clients went away, and they wait for a "
+                  "resume (registering the same name takes one over) until their grace period "
+                  "ends, the first in ",
+                  std::max<int64_t>(0, left.count()),
+                  " s (ztierctl jobs; ztierctl evict frees one)");
+  }
+
   // Frees the parked jobs whose grace period is over (every of them when
   // `all`).
   void ReapParked(bool all) {
@@ -1252,9 +1274,9 @@ class Daemon::Impl::Connection {
       const int jobs = d_.usage[peer_.uid].jobs;
       const int quota = d_.QuotaForLocked(peer_.uid).max_jobs;
       if (jobs >= quota) {
-        return Status::ResourceExhausted(StrCat("uid ", peer_.uid, " has ", jobs,
-                                                " jobs, the quota (max_jobs_per_uid) is ", quota,
-                                                "; job '", name, "' refused"));
+        return Status::ResourceExhausted(
+            StrCat("uid ", peer_.uid, " has ", jobs, " jobs, the quota (max_jobs_per_uid) is ",
+                   quota, "; job '", name, "' refused", d_.ParkedNoteLocked(peer_.uid)));
       }
       ++d_.usage[peer_.uid].jobs;
     }
@@ -1305,13 +1327,14 @@ class Daemon::Impl::Connection {
                 ? std::string()
                 : StrCat(", ", u.lingering_bytes,
                          " of them mapped by processes that closed their connection but live "
-                         "on")));
+                         "on"),
+            d_.ParkedNoteLocked(peer_.uid)));
       } else if (o.max_nvme_bytes_per_uid != 0 &&
                  u.nvme_bytes + held.nvme_bytes > o.max_nvme_bytes_per_uid) {
         over = Status::ResourceExhausted(
             StrCat("job '", name, "' needs ", held.nvme_bytes, " bytes of swap; uid ", peer_.uid,
                    " holds ", u.nvme_bytes, " of its quota of ", o.max_nvme_bytes_per_uid,
-                   " (max_nvme_bytes_per_uid)"));
+                   " (max_nvme_bytes_per_uid)", d_.ParkedNoteLocked(peer_.uid)));
       } else if (d_.jobs.count({peer_.uid, name}) != 0) {
         // The engine's names are unique, so this is a race with a parked
         // job of the name being attached again.

@@ -536,6 +536,28 @@ TEST_F(DaemonTest, AJobWhoseClientDiedIsParkedForTheGracePeriodThenFreed) {
   WaitForStats(1, 1);
 }
 
+// A quota refusal says how much of the use is parked jobs and when they go
+// (it said only "uid N has 1 jobs": the user saw no job of theirs running).
+TEST_F(DaemonTest, AQuotaRefusalNamesTheParkedJobs) {
+  engine::DaemonOptions options;
+  options.job_grace_period = 60s;
+  options.max_jobs_per_uid = 1;
+  Start(options);
+  {
+    RawClient c = RawClient::Connect(socket());
+    Register(c, "left");
+  }
+  WaitForStats(0, 1);  // parked
+  RawClient c = RawClient::Connect(socket());
+  Result<RawClient::Reply> r = c.Call(p::MessageType::kRegisterJob, p::Encode(TwoUnits("other")));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->status.code(), StatusCode::kResourceExhausted) << r->status;
+  EXPECT_NE(r->status.message().find("1 of its jobs ("), std::string::npos) << r->status;
+  EXPECT_NE(r->status.message().find("are parked"), std::string::npos) << r->status;
+  // Its own name takes the parked job over.
+  EXPECT_GE(Register(c, "left"), 0);
+}
+
 TEST_F(DaemonTest, AStoppingDaemonTellsEveryClientWhyAndNothingHangs) {
   SessionOptions o;
   o.daemon_socket = socket();
