@@ -442,7 +442,15 @@ Result<Flags> ParseFlags(int argc, char** argv) {
       f.job_name = head + f.job_name.substr(from);
     }
   }
-  ZT_RETURN_IF_ERROR(gpt::ValidateConfig(f.model));
+  if (Status v = gpt::ValidateConfig(f.model); !v.ok()) {
+    // The model's settings by their flags' names (config.heads: --heads).
+    std::string message(v.message());
+    for (size_t at = message.find("config."); at != std::string::npos;
+         at = message.find("config.", at)) {
+      message.replace(at, 7, "--");
+    }
+    return Status(v.code(), message);
+  }
   return f;
 }
 
