@@ -38,4 +38,22 @@ status=0
 out=$("$bench" adam --params 1048576G --runs 1 2>&1) || status=$?
 [[ $status -eq 1 && $out == *"bytes of memory; this machine has"* ]] ||
   { echo "adam --params 1048576G gave exit $status: $out"; exit 1; }
+# fio's comparison: a path with a colon (fio split its filename there and
+# wrote beside it), and a fio that fails says why while ztier's figures
+# stand (the run ended with "fio failed (cmd)" and exit 1, its figures lost).
+mkdir -p "$dir/fake" "$dir/a:b"
+printf '#!/bin/sh\n[ "$1" = --version ] && exit 0\necho "fio: no such engine" >&2\nexit 1\n' \
+  > "$dir/fake/fio"
+chmod +x "$dir/fake/fio"
+json=$(PATH="$dir/fake:$PATH" "$bench" nvme --path "$dir/a:b" --no-sweep --runs 1 --size 4M \
+  --json 2>"$dir/err" | tail -n 1)
+[[ $json == *'"fio_error":"fio --rw=write failed (exit code 1): fio: no such engine"'* &&
+   $json == *'"read_bytes_per_s":'[0-9]* ]] || { echo "a failing fio: $json $(cat "$dir/err")"; exit 1; }
+rm -rf "$dir/fake" "$dir/err"
+if command -v fio >/dev/null; then
+  json=$("$bench" nvme --path "$dir/a:b" --no-sweep --runs 1 --size 4M --json | tail -n 1)
+  [[ $json == *'"fio_error":null'* && $json == *'"fio_read_bytes_per_s":'[0-9]* ]] ||
+    { echo "fio on a path with a colon: $json"; exit 1; }
+fi
+[ -z "$(find "$dir" -type f)" ] || { echo "files left behind: $(find "$dir" -type f)"; exit 1; }
 echo "nvme_bench_test: ok"
