@@ -43,7 +43,7 @@ HWY_INLINE void ScalarStep(const AdamPatternArgs& a, const G* g, size_t i) {
   }
   a.params[i] += x;
   a.exp_avg[i] += x;
-  a.exp_avg_sq[i] += x;
+  a.exp_avg_sq[i] += x * x;  // stays >= 0: the AdamW runs after it read a valid v
   if (a.out != nullptr) {
     uint32_t bits;
     __builtin_memcpy(&bits, &a.params[i], 4);
@@ -79,7 +79,7 @@ void RangeT(const AdamPatternArgs& a, const G* HWY_RESTRICT g, size_t begin, siz
     const auto x = LoadGrad(d, g + i);
     const auto np = hn::Add(hn::LoadU(d, p + i), x);
     hn::StoreU(hn::Add(hn::LoadU(d, m + i), x), d, m + i);
-    hn::StoreU(hn::Add(hn::LoadU(d, v + i), x), d, v + i);
+    hn::StoreU(hn::MulAdd(x, x, hn::LoadU(d, v + i)), d, v + i);
     hn::StoreU(np, d, p + i);
     if constexpr (kOut) {
       // Truncating bf16: the same store traffic as the real conversion.

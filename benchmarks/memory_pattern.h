@@ -4,8 +4,9 @@
 // The AdamW limit kernel touches memory exactly like cpu_adam::Step():
 // reads grads (bf16 or fp32), params, exp_avg, exp_avg_sq; writes params,
 // exp_avg, exp_avg_sq in place; writes a bf16 copy of params (regular or
-// streaming stores) — with trivial arithmetic, so its time is the machine's
-// memory time for that pattern. Highway dynamic dispatch, so it runs at the
+// streaming stores) — with trivial arithmetic (v gains g*g, so it stays a
+// valid second moment for the AdamW runs that share the buffers), so its
+// time is the machine's memory time for that pattern. Highway dynamic dispatch, so it runs at the
 // same SIMD width as the kernel it bounds.
 //
 // Thread safety: pure function of its arguments over [begin, end).

@@ -277,7 +277,8 @@ def plot_step(plt, obj: dict):
                  "compute": "AdamW", "write": "write-back"}
         handles = [Patch(color=colors[w], label=names[w]) for w in names
                    if any(isinstance(u.get(f"{w}_start"), (int, float)) for u in units)]
-        step = need(tl, "step_seconds")
+        # The last unit's publish ("step_seconds" in files of older versions).
+        step = tl["published_seconds"] if "published_seconds" in tl else need(tl, "step_seconds")
         io_alone = need(run, "io_alone_seconds")
         compute_alone = need(run, "compute_alone_seconds")
         ax.axvline(step, color="black", linewidth=1.5, label=f"last unit published {step:.2f} s")

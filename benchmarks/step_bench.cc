@@ -497,12 +497,12 @@ Result<std::string> TraceStep(engine::Engine& e, int job,
   for (const std::string& n : notes) note += (note.empty() ? "" : "; ") + n;
   JsonObject j;
   j.Add("step", step)
-      .Add("step_seconds", seconds)
+      .Add("published_seconds", seconds)  // the last unit published
       .Add("write_backs_done_seconds", done)
       .Add("times", "seconds from the step's start (its last grads handed over)")
       .Add("note", note)
       .AddRaw("units", JsonArray(per_unit));
-  std::printf("traced step %lld: %.3f s (write-backs done at %.3f s)%s%s\n",
+  std::printf("traced step %lld: every unit published at %.3f s, write-backs done at %.3f s%s%s\n",
               static_cast<long long>(step), seconds, done, note.empty() ? "" : ": ", note.c_str());
   return j.str();
 }
@@ -635,43 +635,56 @@ int RunOnce(const StepBenchOptions& o, engine::StateDtype dtype, RunSummary* sum
   };
   double started = 0, published = 0;  // only the traced step needs these
 
-  // Compute alone: the same kernel calls on DRAM buffers of the largest unit.
+  // Compute alone: the same kernel calls on DRAM buffers, each unit in
+  // turn on the next of a ring of slots of the largest unit's size, as many
+  // as the units or as make 256 MiB (the step touches memory of its own
+  // for each unit: one reused slot stayed in the cache for small units, and
+  // the limit came out faster than memory allows).
   Result<cpu_adam::Executor> exec = cpu_adam::Executor::Create({.threads = o.threads});
   if (!exec.ok()) return fail(exec.status());
-  const uint64_t max_padded = layouts.front().padded;
-  Buffer p(max_padded * 4), m(max_padded * 4), v(max_padded * 4), g(max_padded * 2),
-      out(max_padded * 2);
+  uint64_t max_padded = 0;
+  for (const engine::UnitLayout& l : layouts) max_padded = std::max(max_padded, l.padded);
+  constexpr uint64_t kSlotBytesPerParam = 4 + 4 + 4 + 2 + 2;  // p, m, v, g, out
+  const uint64_t slots = std::clamp<uint64_t>(
+      (uint64_t{256} << 20) / (max_padded * kSlotBytesPerParam), 1, layouts.size());
+  const uint64_t span = max_padded * slots;
+  Buffer p(span * 4), m(span * 4), v(span * 4), g(span * 2), out(span * 2);
   if (!p.p || !m.p || !v.p || !g.p || !out.p) return fail(Status::ResourceExhausted("scratch"));
-  FillGrads(static_cast<bf16*>(g.p), max_padded, 99);
+  FillGrads(static_cast<bf16*>(g.p), span, 99);
   auto compute_alone = [&](double* seconds) -> Status {
     const double t0 = NowSeconds();
-    for (const engine::UnitLayout& l : layouts) {
+    for (size_t k = 0; k < layouts.size(); ++k) {
+      const engine::UnitLayout& l = layouts[k];
+      const uint64_t at = k % slots * max_padded;  // this unit's slot, in elements
       const cpu_adam::StepOptions options{
           .step = step + 1, .grad_scale = 0.5f, .grad_check = cpu_adam::GradCheck::kPrechecked};
-      if (int8) {  // codes in m's buffer, absmax in v's
-        auto* codes = static_cast<uint8_t*>(m.p);
-        auto* absmax = static_cast<float*>(v.p);
+      auto* const grads = static_cast<bf16*>(g.p) + at;
+      auto* const params = static_cast<float*>(p.p) + at;
+      auto* const params_out = static_cast<bf16*>(out.p) + at;
+      if (int8) {  // codes in m's slot, absmax in v's
+        auto* codes = static_cast<uint8_t*>(m.p) + at * 4;
+        auto* absmax = static_cast<float*>(v.p) + at;
         const cpu_adam::Int8Shard shard8{
             .count = l.padded,
-            .grads = g.p,
+            .grads = grads,
             .grad_type = cpu_adam::GradType::kBFloat16,
-            .params = static_cast<float*>(p.p),
+            .params = params,
             .moments = {.m = codes,
                         .v = codes + l.padded,
                         .m_absmax = absmax,
                         .v_absmax = absmax + cpu_adam::QuantBlocks(l.padded)},
-            .params_out = static_cast<bf16*>(out.p)};
+            .params_out = params_out};
         ZT_RETURN_IF_ERROR(
             cpu_adam::StepInt8(spec.optimizer.hyper, options, shard8, {}, *exec).status());
         continue;
       }
       const cpu_adam::Shard shard{.count = l.padded,
-                                  .grads = g.p,
+                                  .grads = grads,
                                   .grad_type = cpu_adam::GradType::kBFloat16,
-                                  .params = static_cast<float*>(p.p),
-                                  .exp_avg = static_cast<float*>(m.p),
-                                  .exp_avg_sq = static_cast<float*>(v.p),
-                                  .params_out = static_cast<bf16*>(out.p)};
+                                  .params = params,
+                                  .exp_avg = static_cast<float*>(m.p) + at,
+                                  .exp_avg_sq = static_cast<float*>(v.p) + at,
+                                  .params_out = params_out};
       ZT_RETURN_IF_ERROR(cpu_adam::Step(spec.optimizer.hyper, options, shard, *exec).status());
     }
     *seconds = NowSeconds() - t0;
@@ -731,7 +744,7 @@ int RunOnce(const StepBenchOptions& o, engine::StateDtype dtype, RunSummary* sum
   const double mean_eff = std::max(mean_io, mean_compute) / mean_step;
   const engine::JobCounters c = e.counters(*job);
   const Rss rss = ReadRss();
-  const uint64_t scratch = max_padded * 16;
+  const uint64_t scratch = span * kSlotBytesPerParam;
   std::printf(
       "mean: step %.3f s (every unit published at %.3f s), io alone %.3f s, compute alone %.3f s, "
       "overlap efficiency %.3f\n",
