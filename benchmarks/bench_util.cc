@@ -27,6 +27,7 @@ Result<std::vector<uint64_t>> ParseCountList(std::string_view text) {
     out.push_back(v);
     if (comma == std::string_view::npos) break;
     text.remove_prefix(comma + 1);
+    if (text.empty()) return Status::InvalidArgument("an empty item in a comma-separated list");
   }
   if (out.empty()) return Status::InvalidArgument("empty list");
   return out;

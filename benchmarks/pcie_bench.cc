@@ -364,6 +364,13 @@ int RunPcie(int argc, char** argv) {
   // master, m, v (12 B), publish and inbox (2 B each) a param, plus slack for
   // padding and the pool's 256 MiB regions.
   settings.dram_budget_bytes = elems * 16 + (uint64_t{320} << 20);
+  // Said up front, as the other subcommands do: the pool, the device's two
+  // buffers (host memory on the host backend) and the peak's pair.
+  if (Status s = CheckFitsInMemory(settings.dram_budget_bytes + 4 * o.max_size,
+                                   StrCat("--max-size ", FormatCount(o.max_size)));
+      !s.ok()) {
+    return fail(s);
+  }
   Result<std::unique_ptr<engine::Engine>> created = engine::Engine::Create(settings);
   if (!created.ok()) return fail(created.status());
   engine::Engine& e = **created;
