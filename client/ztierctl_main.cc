@@ -389,6 +389,9 @@ int Fail(const Status& s, bool json) {
     case StatusCode::kInvalidArgument:
       exit = kExitUsage;
       break;
+    case StatusCode::kUnavailable:  // gone, or no answer within --timeout
+      exit = kExitNotRunning;
+      break;
     default:
       break;
   }

@@ -314,15 +314,19 @@ std::string CheckpointDirKey(const std::string& dir) {
 
 Status CreateCheckpointDir(const std::string& dir) {
   std::error_code ec;
-  const bool created = fs::create_directories(dir, ec);
+  fs::path path = fs::path(dir).lexically_normal();
+  if (!path.has_filename()) path = path.parent_path();  // "a/b/"
+  // The levels made now: each one's name is made durable with its parent,
+  // as a file's is by WriteFileAtomically.
+  std::vector<fs::path> made;
+  for (fs::path p = path; !p.empty() && !fs::exists(p, ec); p = p.parent_path()) {
+    made.push_back(p);
+    if (p == p.parent_path()) break;
+  }
+  fs::create_directories(path, ec);
   if (ec) return PosixError(StrCat("create checkpoint directory ", dir), ec.value());
-  // The new directory's name is made durable with its parent, as a file's
-  // is by WriteFileAtomically.
-  if (created) {
-    fs::path path = fs::path(dir).lexically_normal();
-    if (!path.has_filename()) path = path.parent_path();  // "a/b/"
-    std::string parent = path.parent_path().string();
-    if (parent.empty()) parent = ".";
+  for (const fs::path& p : made) {
+    const std::string parent = p.parent_path().empty() ? "." : p.parent_path().string();
     ZT_RETURN_IF_ERROR(FsyncPath(parent, /*directory=*/true));
   }
   return Status::Ok();

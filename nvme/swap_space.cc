@@ -564,12 +564,16 @@ Status SwapSpace::Impl::Grow(uint64_t units) {
   // Growth ahead of the need takes at most half of what a path's
   // filesystem has free: on a small one the rest is left for what else
   // goes there (a checkpoint beside the default <out>/swap).
+  // Paths on one filesystem share its half.
+  std::map<unsigned long, uint64_t> sharing;                // by f_fsid: the paths there
+  std::vector<std::pair<unsigned long, uint64_t>> free_of;  // per path: fsid, bytes free
   for (const std::string& dir : options.paths) {
     struct statvfs vfs {};
-    if (::statvfs(dir.c_str(), &vfs) == 0) {
-      step = std::min(step, uint64_t{vfs.f_bavail} * vfs.f_frsize / 2);
-    }
+    if (::statvfs(dir.c_str(), &vfs) != 0) continue;
+    ++sharing[vfs.f_fsid];
+    free_of.emplace_back(vfs.f_fsid, uint64_t{vfs.f_bavail} * vfs.f_frsize);
   }
+  for (const auto& [fsid, bytes] : free_of) step = std::min(step, bytes / 2 / sharing[fsid]);
   step = (step + stripe - 1) / stripe * stripe;
   uint64_t target = std::max(need, file_bytes + step);
   if (cap != 0) target = std::min(target, cap);

@@ -105,6 +105,11 @@ def _empty_parameters(model: nn.Module):
             if p is None:
                 continue
             q = fresh.get(id(p))
+            if q is None and not p.is_floating_point():
+                # Kept by the module, not the engine (an index table): real
+                # memory of its dtype, filled from the checkpoint as buffers are.
+                q = fresh[id(p)] = nn.Parameter(torch.zeros(p.shape, dtype=p.dtype),
+                                                requires_grad=False)
             if q is None:
                 q = fresh[id(p)] = nn.Parameter(
                     torch.full((), float("nan"), dtype=torch.bfloat16).expand(p.shape),

@@ -337,7 +337,7 @@ class Offload:
                  daemon: str | None = None, settings: dict | None = None,
                  name: str | None = None, session: _C.Session | None = None,
                  weights: str | None = None, compute_dtype: torch.dtype | None = None,
-                 average_grads: bool = False):
+                 average_grads: bool = False, cast_inputs: bool = True):
         if grad_accumulation is not None:
             if isinstance(grad_accumulation, bool) or not isinstance(
                     grad_accumulation, numbers.Integral) or grad_accumulation < 1:
@@ -383,6 +383,7 @@ class Offload:
             raise ValueError(f"ztier: compute_dtype must be torch.bfloat16 or torch.float32, "
                              f"got {compute_dtype}")
         self.compute_dtype = compute_dtype
+        self._cast_inputs_on = bool(cast_inputs)
         # The engine keeps fp32 masters and publishes bf16 params: a model of
         # another floating type changes precision (a bf16 one does not).
         other = sorted({str(p.dtype) for p in model.parameters() if _offloadable(p)} -
@@ -904,9 +905,9 @@ class Offload:
                         _weak(self._grad_in, t.param)))
         # state_dict() (save_pretrained, Trainer's checkpoints) shows the
         # values, not the placeholders: each module that owns parameters
-        # fills in its own, the units fetched once per call of the root's.
+        # fills in its own, each unit read once per call of the root's.
         self._hooks.append(model.register_state_dict_pre_hook(
-            _weak(self._root_state_dict_pre, model)))
+            _weak(self._root_state_dict_pre, model, root=True)))
         for m in model.modules():
             if any(id(p) in self._tensor_of for p in m._parameters.values() if p is not None):
                 self._hooks.append(m._register_state_dict_hook(_weak(self._state_dict_fill, m)))
@@ -921,33 +922,40 @@ class Offload:
 
     def _state_dict_fill(self, module, state_dict, prefix, local_metadata):
         """The module's own offloaded parameters in ``state_dict``: the values
-        the next forward reads (as gathered() shows them), where the entry is
-        a placeholder (between uses). Each a tensor of its own (tensors
-        sharing storage read as tied weights to save_pretrained); a unit's
-        fetch is kept until its last tensor is filled."""
+        the next forward reads, on the host (the bf16 rounding of the
+        engine's fp32 masters, as published, in the compute dtype). Read
+        from the engine, not through the runner: no collective (one rank
+        may save alone), no device memory (a model too large for the GPU
+        saves too), and a module running now gets values that outlive its
+        storage. Each entry a tensor of its own (tensors sharing storage
+        read as tied weights to save_pretrained). Inside gathered() the
+        parameters' copies are shown as they are; with keep_vars the
+        parameters themselves."""
+        if self._gathering:
+            return
         for name, p in module._parameters.items():
             t = self._tensor_of.get(id(p)) if p is not None else None
             key = prefix + name
-            if t is None or t.param is not p or key not in state_dict or not _is_placeholder(
-                    state_dict[key]):
+            if t is None or t.param is not p or key not in state_dict or state_dict[key] is p:
                 continue
             u = self._unit_of[id(p)]
+            self._require_open("state_dict")
+            # A unit read once per root call and version (a call that raised
+            # midway leaves a cache that serves only its own version).
+            # Each kept until its last tensor is filled (not the whole model).
             cache = self._sd_values if self._sd_values is not None else {}
-            entry = cache.get(u.index)
+            version = self.runner.version
+            entry = cache.get((version, u.index))
             if entry is None:
-                self._require_open("state_dict")
-                flat = torch.empty(u.padded, dtype=self.compute_dtype, device=self.device)
-                order = self.runner.order_key
-                self.runner.set_order(_GATHER)
-                try:
-                    self._fetch(u, flat)
-                finally:
-                    self.runner.set_order(order)
-                entry = cache[u.index] = [flat, len(u.tensors)]
+                self.job.wait_published(version, self.session.wait_timeout)
+                master = torch.empty(u.padded, dtype=torch.float32)
+                self.job.read_master(u.index, master)
+                entry = [master.to(torch.bfloat16).to(self.compute_dtype), len(u.tensors)]
+                cache[(version, u.index)] = entry
             state_dict[key] = entry[0][t.offset:t.offset + t.numel].view(t.shape).clone()
             entry[1] -= 1
             if entry[1] == 0:
-                del cache[u.index]
+                del cache[(version, u.index)]
 
     def _root_load_state_dict(self, module, *args):
         if self._gathering:
@@ -984,7 +992,8 @@ class Offload:
                 "backward through this model that gave its parameters grads counts as one, "
                 "also one that trains another model through it: freeze it with "
                 "requires_grad_(False) for such passes)")
-        self._check_same_parameters()
+        if torch.is_grad_enabled():  # a forward that may train (not each generated token)
+            self._check_same_parameters()
         self._check_idle_params(values=training)
         self._training_forward = torch.is_grad_enabled()
         if self._training_forward:
@@ -998,7 +1007,7 @@ class Offload:
         # different orders: the runner keeps one learned order per kind.
         self.runner.set_order(_TRAIN if training else _EVAL)
         self._phase = "forward"
-        return self._cast_inputs(args, kwargs)
+        return self._cast_inputs(args, kwargs) if self._cast_inputs_on else None
 
     def _cast_inputs(self, args, kwargs):
         """The model's floating-point inputs in its compute dtype (as the
@@ -1006,14 +1015,23 @@ class Offload:
         otherwise fails at its first matmul."""
         changed = False
 
+        info = torch.finfo(self.compute_dtype)
+
         def cast(x):
             nonlocal changed
             if isinstance(x, torch.Tensor):
                 if x.is_floating_point() and x.dtype != self.compute_dtype:
                     changed = True
+                    if torch.finfo(x.dtype).max > info.max:
+                        # Past the range saturates, not to inf: an fp32
+                        # additive mask of finfo.min stays a large negative
+                        # number (-inf made fully masked rows NaN).
+                        x = x.clamp(info.min, info.max)
                     return x.to(self.compute_dtype)
                 return x
-            if isinstance(x, (tuple, list)) and not hasattr(x, "_fields"):
+            if isinstance(x, tuple) and hasattr(x, "_fields"):  # a namedtuple
+                return type(x)(*(cast(v) for v in x))
+            if isinstance(x, (tuple, list)):
                 return type(x)(cast(v) for v in x)
             if type(x) is dict:
                 return {k: cast(v) for k, v in x.items()}
@@ -1361,6 +1379,7 @@ class Offload:
                 f"ztier: {what}: with {self.world_size} ranks the other ranks' collectives wait "
                 "for this one, so the step cannot be undone; restart the job from its last "
                 "checkpoint")
+        self._require_open("the step's undo")
         self._reset_interrupted()
         self.runner.abort_step()
         self._forget_micro_step()
@@ -1448,13 +1467,19 @@ class Offload:
 
     def persistent_buffers(self) -> dict[str, torch.Tensor]:
         """The module's persistent buffers (BatchNorm's running statistics,
-        say) by state-dict name: the engine holds parameters only, so these
-        go into checkpoints and exports beside them."""
+        say) by state-dict name, and the parameters the engine does not keep
+        (not floating point): the engine holds the others only, so these go
+        into checkpoints and exports beside them."""
         out = {}
         for mname, m in self.module.named_modules():
             for bname, b in m._buffers.items():
                 if b is not None and bname not in m._non_persistent_buffers_set:
                     out.setdefault(f"{mname}.{bname}" if mname else bname, b)
+        # And the parameters the engine does not keep (an integer index
+        # table), which stay in the module as buffers do.
+        for name, p in self.module.named_parameters():
+            if id(p) not in self._tensor_of and p.numel() > 0:
+                out.setdefault(name, p)
         return out
 
     def _check_buffers(self, values, where: str, then: str = ""):
@@ -1628,6 +1653,7 @@ class Offload:
         # Its parameters are placeholders now: a forward would compute NaN.
         self.module.register_forward_pre_hook(_closed)
         self.module._register_load_state_dict_pre_hook(_closed)
+        self.module.register_state_dict_pre_hook(_closed)  # it would be NaN
         if self._hosted is not None:
             self._hosted.close()
 
@@ -1914,7 +1940,10 @@ def offload(model: nn.Module, device="cpu", optimizer: AdamW | None = None,
     {"ztier.dram_budget": "8G", "optimizer.params.betas": (0.9, 0.95)}; ``compute_dtype``: the
     dtype the module computes in (default bf16 on a GPU, fp32 on the host);
     ``average_grads``: with several ranks, step on the mean of their grads
-    (DDP's semantics) instead of the sum."""
+    (DDP's semantics) instead of the sum; ``cast_inputs``: the floating-point
+    tensors given to the model's forward are cast to ``compute_dtype``
+    (saturating: past its range they become its largest values), unless
+    False."""
     return Offload(model, device=device, optimizer=optimizer, clip_grad_norm=clip_grad_norm,
                    grad_accumulation=grad_accumulation, states=states, params=params,
                    prefetch_depth=prefetch_depth, config=config, daemon=daemon, **kwargs)

@@ -35,6 +35,8 @@ def run(rank: int, world: int, directory: str, steps: int, settings: dict,
                "stats": z.runner.stats(), "refusals": []}
         if rank == 0:
             out["masters"] = z.master_weights()
+            # One rank alone (as Trainer saves): no collective, or both hung.
+            out["state_dict"] = {k: v.clone() for k, v in model.state_dict().items()}
         if not average:
             # Rank 0 reads and writes the files; when it fails every rank
             # is told (rank 1 waited for it in a barrier: both hung), and

@@ -32,6 +32,9 @@ def test_two_ranks_equal_one_rank_on_the_summed_grads(tmp_path, capfd):
     for r in range(2):
         assert len(ranks[r]["refusals"]) == 2, ranks[r]["refusals"]
     assert all("on rank 0" in said for said in ranks[1]["refusals"]), ranks[1]["refusals"]
+    for name, master in ranks[0]["masters"].items():  # rank 0's state_dict, taken alone
+        got = ranks[0]["state_dict"][name]
+        assert torch.equal(got, master.to(torch.bfloat16).to(got.dtype)), name
     # With average_grads (DDP's mean) the norm is half the sum's.
     mp.spawn(ranks_worker.run, args=(2, str(tmp_path), 1, settings, True), nprocs=2, join=True)
     mean = torch.load(tmp_path / "rank0-mean.pt")

@@ -283,3 +283,107 @@ def test_a_foreign_optimizer_state_dict_is_refused(settings):
     with pytest.raises(ValueError, match="has 3 param groups"):
         z.optimizer.load_state_dict({"state": {}, "param_groups": own["param_groups"] * 3})
     z.close()
+
+
+def test_state_dict_inside_a_forward_at_a_version_and_of_scalars(settings):
+    # Taken inside a running module its entries were views of storage the
+    # module then let go of (reading them crashed); a 0-dim parameter stayed
+    # NaN; a state_dict() that raised midway left a cache that served old
+    # weights after the next step.
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 1)
+            self.scale = nn.Parameter(torch.tensor(2.5))
+            self.inside = None
+
+        def forward(self, x):
+            if self.inside is None:
+                self.inside = self.state_dict()
+            return self.lin(x) * self.scale
+
+    torch.manual_seed(0)
+    model = Scaled()
+    z = zt.offload(model, optimizer=ADAMW, settings=settings)
+    model(_x(0)).pow(2).mean().backward()
+    z.optimizer.step()
+    with z.gathered():
+        want = {k: v.clone() for k, v in model.state_dict().items()}
+    inside = model.inside
+    assert float(inside["scale"]) == 2.5
+    assert torch.isfinite(inside["lin.weight"]).all()
+    now = model.state_dict()
+    assert float(now["scale"]) == float(want["scale"]) != 2.5
+    assert all(torch.equal(now[k], want[k]) for k in want)
+    # A root call that raised midway, then a step: a submodule's is fresh.
+    z._sd_values = {(z.runner.version, z.units[0].index): [torch.zeros(z.units[0].padded), 9]}
+    model(_x(1)).pow(2).mean().backward()
+    z.optimizer.step()
+    with z.gathered():
+        fresh = model.lin.state_dict()["weight"].clone()
+    assert torch.equal(model.lin.state_dict()["weight"], fresh)
+    z.close()
+    with pytest.raises(RuntimeError, match="Offload was closed"):
+        model.state_dict()
+
+
+def test_a_copy_made_outside_gathered_refuses_its_state_dict(settings):
+    model = nn.Sequential(nn.Linear(8, 1))
+    z = zt.offload(model, settings=settings)
+    twin = copy.deepcopy(model)
+    with pytest.raises(RuntimeError, match="copy of an offloaded model"):
+        twin.state_dict()
+    z.close()
+
+
+def test_an_index_table_goes_into_exports_and_comes_back(settings, tmp_path):
+    class Permuted(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.perm = nn.Parameter(torch.randperm(300), requires_grad=False)
+            self.lin = nn.Linear(300, 1)
+
+        def forward(self, x):
+            return self.lin(x[:, self.perm])
+
+    torch.manual_seed(0)
+    model = Permuted()
+    z = zt.offload(model, settings=settings)
+    z.export_safetensors(tmp_path / "m.safetensors", dtype="float32")
+    fresh = Permuted()  # another permutation
+    assert not torch.equal(fresh.perm, model.perm)
+    z2 = zt.offload(fresh, settings=settings, weights=str(tmp_path / "m.safetensors"))
+    assert fresh.perm.dtype == torch.int64 and torch.equal(fresh.perm, model.perm)
+    x = torch.randn(2, 300)
+    with torch.no_grad():
+        assert torch.equal(fresh(x), model(x))
+    z.close()
+    z2.close()
+
+
+def test_cast_inputs_saturate_keep_namedtuples_and_can_be_off(settings):
+    import collections
+
+    Pair = collections.namedtuple("Pair", "x mask")
+
+    class Masked(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 1)
+
+        def forward(self, p):
+            return self.lin(p.x) + p.mask
+
+    torch.manual_seed(0)
+    model = Masked()
+    z = zt.offload(model, settings=settings, compute_dtype=torch.bfloat16)
+    mask = torch.full((4, 1), torch.finfo(torch.float32).min)
+    out = model(Pair(_x(0), mask))
+    assert out.dtype == torch.bfloat16
+    assert torch.isfinite(out).all(), "fp32's finfo.min became -inf"
+    z.close()
+    model = Masked()
+    z = zt.offload(model, settings=settings, compute_dtype=torch.bfloat16, cast_inputs=False)
+    with pytest.raises(RuntimeError, match="dtype"):
+        model(Pair(_x(0), mask))
+    z.close()
