@@ -242,7 +242,7 @@ TEST_F(TrainHardeningTest, BadInputsAreClearErrorsNeverCrashes) {
       {"--lr nan", 2, "not a finite number"},
       {"--clip -1", 2, "is outside"},
       {"--batch 0", 2, "is outside"},
-      {"--layers 1000000000", 2, "config.layers"},
+      {"--layers 1000000000", 2, "--layers 1000000000 is more than"},
       {"--steps 1e9", 2, "--steps"},
       {"--resume --overwrite", 2, "contradict"},
       {"--params nvme --optimizer dram", 2, "optimizer states on nvme"},
