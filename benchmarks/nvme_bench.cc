@@ -220,12 +220,14 @@ Result<double> RunFio(const NvmeOptions& o, const std::string& rw, const char* e
     for (size_t i = 0; i < o.paths.size(); ++i) {
       // fio splits filename= on ':' (several files): a colon in the path
       // is escaped, or fio wrote to the part before it.
-      std::string name = (fs::path(o.paths[i]) / "ztier-bench.fio").string();
-      if (name.find('\n') != std::string::npos) {
+      const std::string path = (fs::path(o.paths[i]) / "ztier-bench.fio").string();
+      if (path.find('\n') != std::string::npos) {
         return Status::InvalidArgument(StrCat("--path ", o.paths[i], " holds a newline"));
       }
-      for (size_t at = name.find(':'); at != std::string::npos; at = name.find(':', at + 2)) {
-        name.insert(at, "\\");
+      std::string name;
+      for (const char c : path) {
+        if (c == ':') name.push_back('\\');
+        name.push_back(c);
       }
       f << "[path" << i << "]\nfilename=" << name << "\n";
     }
@@ -258,7 +260,7 @@ Result<double> RunFio(const NvmeOptions& o, const std::string& rw, const char* e
   if (rc != 0) return PosixError("start fio", rc);
   if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
     while (!why.empty() && std::isspace(static_cast<unsigned char>(why.back()))) why.pop_back();
-    if (why.size() > 400) why = "..." + why.substr(why.size() - 400);
+    if (why.size() > 400) why = StrCat("...", std::string_view(why).substr(why.size() - 400));
     return Status::Unavailable(StrCat("fio --rw=", rw, " failed (",
                                       WIFEXITED(status) ? StrCat("exit code ", WEXITSTATUS(status))
                                                         : StrCat("signal ", WTERMSIG(status)),
