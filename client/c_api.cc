@@ -5,6 +5,8 @@
 // Thread safety: as the C++ objects behind the handles.
 #include "client/ztier_c.h"
 
+#include <pthread.h>
+
 #include <chrono>
 #include <cstddef>
 #include <cstdio>
@@ -13,7 +15,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
-#include <unordered_set>
+#include <unordered_map>
 
 #include "client/ztier.h"
 
@@ -60,41 +62,78 @@ ztier_status Null(const char* what) {
   return Report(Status::InvalidArgument(StrCat(what, " is NULL")));
 }
 
-// The handles open now, so that one closed twice, or used after its close,
-// is an error rather than a double free or a read of freed memory.
+// The handles open now, by kind, so that one closed twice, used after its
+// close, or passed where another kind goes (a binding that types every
+// handle as void*, two arguments swapped) is an error rather than a double
+// free or a read of freed memory or of another type's.
+template <typename T>
+constexpr const char* kKind = nullptr;
+template <>
+constexpr const char* kKind<ztier_session> = "ztier_session";
+template <>
+constexpr const char* kKind<ztier_model> = "ztier_model";
+template <>
+constexpr const char* kKind<ztier_device> = "ztier_device";
+template <>
+constexpr const char* kKind<ztier_runner> = "ztier_runner";
+
 std::mutex handles_mu;
-std::unordered_set<const void*>& Handles() {
-  static auto* open = new std::unordered_set<const void*>;  // never destroyed: atexit order
+std::unordered_map<const void*, const char*>& Handles() {
+  // Never destroyed (atexit order). A child forked while another thread
+  // held the lock would wait for it forever: the lock is taken around
+  // fork() and given back on both sides.
+  static auto* open = [] {
+    ::pthread_atfork([] { handles_mu.lock(); }, [] { handles_mu.unlock(); },
+                     [] { handles_mu.unlock(); });
+    return new std::unordered_map<const void*, const char*>;
+  }();
   return *open;
 }
 template <typename T>
 T* Opened(T* h) {
+  std::unordered_map<const void*, const char*>& open = Handles();
   std::lock_guard<std::mutex> lock(handles_mu);
-  Handles().insert(h);
+  open[h] = kKind<T>;
   return h;
 }
-// Null, or not open: the error for `what`; Ok for an open handle.
-Status CheckOpen(const void* h, const char* what) {
+// Null, or not an open handle of its kind: the error for `what`; Ok for an
+// open one.
+template <typename T>
+Status CheckOpen(const T* h, const char* what) {
   if (h == nullptr) return Status::InvalidArgument(StrCat(what, " is NULL"));
+  std::unordered_map<const void*, const char*>& open = Handles();
   std::lock_guard<std::mutex> lock(handles_mu);
-  if (Handles().count(h) == 0) {
+  auto it = open.find(h);
+  if (it == open.end()) {
     return Status::FailedPrecondition(
         StrCat(what, " is not an open handle (used after its close?)"));
+  }
+  if (it->second != kKind<T>) {
+    return Status::FailedPrecondition(
+        StrCat(what, " is an open ", it->second, ", not a ", kKind<T>, " (arguments swapped?)"));
   }
   return Status::Ok();
 }
 // Closes an open handle; a null one is nothing to close, and one that is
-// not open (closed twice) is said on stderr and left alone.
+// not open (closed twice), or of another kind, is said on stderr and left
+// alone.
 template <typename T>
 void Close(T* h, const char* what) {
   if (h == nullptr) return;
   {
+    std::unordered_map<const void*, const char*>& open = Handles();
     std::lock_guard<std::mutex> lock(handles_mu);
-    if (Handles().erase(h) == 0) {
+    auto it = open.find(h);
+    if (it == open.end()) {
       std::fprintf(stderr,
                    "ztier: %s_close of a handle that is not open (closed twice?): ignored\n", what);
       return;
     }
+    if (it->second != kKind<T>) {
+      std::fprintf(stderr, "ztier: %s_close of an open %s: ignored\n", what, it->second);
+      return;
+    }
+    open.erase(it);
   }
   delete h;
 }

@@ -44,6 +44,18 @@ Result<uint64_t> ParseCount(std::string_view text, std::string_view key) {
   return static_cast<uint64_t>(d);
 }
 
+// A count of parameters whose bytes (2 a bf16 param) are counted in a
+// uint64_t: at most 2^60 (far past any device), so the bytes cannot wrap.
+Result<uint64_t> ParseParamCount(std::string_view text, std::string_view key) {
+  ZT_ASSIGN_OR_RETURN(uint64_t n, ParseCount(text, key));
+  constexpr uint64_t kMax = uint64_t{1} << 60;
+  if (n > kMax) {
+    return Status::InvalidArgument(
+        StrCat(key, ": ", n, " parameters is more than ", kMax, " (0 means no limit)"));
+  }
+  return n;
+}
+
 // An integer; a whole number written as 5e2 is accepted, as DeepSpeed does.
 Result<int64_t> ParseInt(std::string_view text, std::string_view key, int64_t lo, int64_t hi) {
   int64_t v = 0;
@@ -401,7 +413,7 @@ const std::vector<Tunable>& Table() {
        "Client: cap on the bf16 params each rank keeps on its device (held, prefetched, in "
        "flight), in parameters; 0: no cap.",
        [](Settings& s, std::string_view t, std::string_view k) -> Status {
-         ZT_ASSIGN_OR_RETURN(s.max_live_parameters, ParseCount(t, k));
+         ZT_ASSIGN_OR_RETURN(s.max_live_parameters, ParseParamCount(t, k));
          return Status::Ok();
        },
        [](const Settings& s) { return StrCat(s.max_live_parameters); }},
@@ -413,7 +425,7 @@ const std::vector<Tunable>& Table() {
        "Client: units of at most this many parameters stay on the device once fetched "
        "(refreshed once per step).",
        [](Settings& s, std::string_view t, std::string_view k) -> Status {
-         ZT_ASSIGN_OR_RETURN(s.param_persistence_threshold, ParseCount(t, k));
+         ZT_ASSIGN_OR_RETURN(s.param_persistence_threshold, ParseParamCount(t, k));
          return Status::Ok();
        },
        [](const Settings& s) { return StrCat(s.param_persistence_threshold); }},

@@ -201,6 +201,16 @@ int main(void) {
   EXPECT(ztier_runner_step(r2) == ZTIER_FAILED_PRECONDITION);
   EXPECT(strstr(ztier_last_error(), "not an open handle") != NULL);
   EXPECT(ztier_model_published_step(second) == -1);
+  /* A handle of one kind where another goes (a binding passing every
+   * handle as void*, arguments swapped) is refused by its kind, not read
+   * as the other type (a runner's call on a model crashed). */
+  EXPECT(ztier_runner_step((ztier_runner*)session) == ZTIER_FAILED_PRECONDITION);
+  EXPECT(strstr(ztier_last_error(), "is an open ztier_session, not a ztier_runner") != NULL);
+  EXPECT(ztier_runner_version((ztier_runner*)session) == -1);
+  uint64_t count = 0;
+  EXPECT(ztier_model_unit_layout((const ztier_model*)session, 0, &count, NULL) ==
+         ZTIER_FAILED_PRECONDITION);
+  ztier_model_close((ztier_model*)session); /* said on stderr; the session stays open */
   ztier_model_close(second);
   char rm[96];
   snprintf(rm, sizeof(rm), "rm -rf %s", dir);

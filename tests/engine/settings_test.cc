@@ -72,6 +72,16 @@ TEST(SettingsTest, ReadsStage3ClientSettingsAsDeepSpeedWritesThem) {
   ASSERT_TRUE(e.ok()) << e.status();
   EXPECT_EQ(e->prefetch_depth, 0);
   EXPECT_EQ(e->max_live_parameters, uint64_t{64} << 20);
+  // Counts whose bytes would wrap (2^63 + 1 parameters: a cap of 2 bytes;
+  // 2^63: of 0, no cap) are refused.
+  for (const char* over : {"ZTIER_MAX_LIVE_PARAMETERS=9223372036854775809",
+                           "ZTIER_PARAM_PERSISTENCE_THRESHOLD=9223372036854775808"}) {
+    const char* big[] = {over, nullptr};
+    Result<Settings> wrapped = ApplyEnvironment(*s, big);
+    ASSERT_FALSE(wrapped.ok()) << over;
+    EXPECT_NE(wrapped.status().ToString().find("parameters is more than"), std::string::npos)
+        << wrapped.status();
+  }
 }
 
 TEST(SettingsTest, EmptyObjectKeepsDefaults) {
