@@ -364,7 +364,9 @@ class Model {
   // new forward pass reads).
   int64_t published_step() const;
   // Waits until every unit holds step >= `step` (the optimizer has finished
-  // it). Errors: Unavailable on timeout, Aborted if the job failed.
+  // it). Errors: Unavailable on timeout, Aborted if the job failed,
+  // FailedPrecondition at once for a step past the one whose grads the job
+  // takes next (it would wait on grads not yet pushed).
   Status WaitPublished(int64_t step, std::chrono::milliseconds timeout) const;
   engine::JobCounters counters() const;
 

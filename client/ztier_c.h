@@ -123,7 +123,10 @@ ztier_status ztier_model_import_safetensors(ztier_model* model, const char* path
 int64_t ztier_model_published_step(const ztier_model* model);
 /* Blocks until every unit holds step >= `step` (the optimizer has finished
  * it: after a runner's last step, before reading or saving the state).
- * ZTIER_UNAVAILABLE after `timeout_ms`, ZTIER_ABORTED if the job failed. */
+ * ZTIER_UNAVAILABLE after `timeout_ms`, ZTIER_ABORTED if the job failed,
+ * ZTIER_FAILED_PRECONDITION at once for a step past the one whose grads
+ * the job takes next (it would wait on grads not yet pushed: wait for each
+ * step after its runner's step). */
 ztier_status ztier_model_wait_published(const ztier_model* model, int64_t step, int64_t timeout_ms);
 
 /* A clean stop: after ztier_install_stop_handlers(), the first SIGINT or
