@@ -18,6 +18,7 @@
 #include <unordered_map>
 
 #include "client/ztier.h"
+#include "common/version.h"
 
 extern char** environ;
 
@@ -165,7 +166,7 @@ Status CheckStruct(const T* s, const char* what, std::initializer_list<size_t> o
 extern "C" {
 
 int ztier_abi_version(void) { return ZTIER_ABI_VERSION; }
-const char* ztier_version(void) { return "0.1.0"; }
+const char* ztier_version(void) { return ZTIER_VERSION_STRING; }
 const char* ztier_last_error(void) { return last_error.c_str(); }
 
 ztier_status ztier_session_open(const char* config_path, ztier_session** out) {
