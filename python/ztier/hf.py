@@ -7,8 +7,14 @@ safetensors shards (``model.safetensors`` or the shards that
 the host never holds a second full copy. Tied parameters (an output head
 sharing the embedding) are found under any of their names.
 
+A checkpoint that lacks some of the model's tensor names (one transformers
+converts as it loads: renamed or fused tensors; a new head on a base model)
+is loaded by the class's own ``from_pretrained`` instead, holding one full
+copy in host memory, with a warning.
+
 Errors: FileNotFoundError (no checkpoint there), KeyError naming a tensor the
-checkpoint lacks, ValueError naming a tensor whose shape differs.
+checkpoint lacks (``load_weights``), ValueError naming a tensor whose shape
+differs.
 """
 
 from __future__ import annotations
@@ -148,6 +154,26 @@ def from_pretrained(model_class, path: str, config=None, **offload_kwargs):
         model = model_class(config)
     if hasattr(model, "tie_weights"):
         model.tie_weights()
+    # Names the checkpoint lacks: one transformers converts when loading
+    # (renamed or fused tensors: GPT-NeoX's embed_out, ViT, Mixtral's
+    # experts), a head the checkpoint's model had not (a classifier on a
+    # base model) or a prefix it had not. Transformers' own loading knows
+    # them: the model is materialized by it once, then offloaded.
+    files = _weight_files(path)
+    missing = [names[0] for names in _aliases(model).values()
+               if not any(n in files for n in names)]
+    if missing:
+        import warnings
+
+        warnings.warn(
+            f"ztier: the checkpoint at {path} has no tensor named as {len(missing)} of "
+            f"{model_class.__name__}'s (e.g. '{missing[0]}': a checkpoint transformers converts "
+            "as it loads, or a head or prefix the checkpoint's model had not): it is loaded by "
+            f"{model_class.__name__}.from_pretrained, which holds the whole model in host memory "
+            "once, then offloaded", RuntimeWarning, stacklevel=3)
+        del model
+        model = model_class.from_pretrained(path, config=config)
+        return model, zt.offload(model, **offload_kwargs)
     _empty_parameters(model)
     z = zt.offload(model, weights=path, **offload_kwargs)
     return model, z

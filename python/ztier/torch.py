@@ -965,7 +965,9 @@ class Offload:
             "between uses (their values live in the engine), so a copy into them goes nowhere; "
             "bring weights in through load_checkpoint (a ztier checkpoint), weights= at "
             "zt.offload (safetensors) or zt.from_pretrained, or load the state dict before "
-            "zt.offload")
+            "zt.offload (Trainer's resume_from_checkpoint is this: its checkpoints hold no "
+            "AdamW moments either; save with z.save_checkpoint in a TrainerCallback's on_save "
+            "and call z.load_checkpoint before trainer.train())")
 
     def remove_hooks(self):
         for h in self._hooks:

@@ -647,3 +647,22 @@ def test_hf_trainer_smoke(settings, tmp_path):
     with z.gathered():
         want = {k: v.clone() for k, v in model.state_dict().items()}
     assert saved and all(torch.equal(v, want[k].to(v.dtype)) for k, v in saved.items())
+
+
+def test_from_pretrained_of_a_checkpoint_with_other_names(settings, tmp_path):
+    # A classifier on a causal LM's checkpoint (its head is new), which
+    # transformers initializes and ztier refused with a KeyError; so were
+    # checkpoints transformers converts as it loads (GPT-NeoX, ViT, Mixtral).
+    from transformers import LlamaForSequenceClassification
+
+    base = tiny_llama()
+    base.save_pretrained(tmp_path / "base")
+    with pytest.warns(RuntimeWarning, match="no tensor named as 1 of .*'score.weight'"):
+        model, z = zt.from_pretrained(LlamaForSequenceClassification, tmp_path / "base",
+                                      settings=settings)
+    masters = z.master_weights()
+    for name, p in base.model.named_parameters():
+        assert torch.equal(masters[f"model.{name}"], p.detach().float()), name
+    out = model(input_ids=batch(0, rows=1)).logits
+    assert torch.isfinite(out).all()
+    z.close()
