@@ -3,10 +3,13 @@
  * and the errors a C caller sees for bad use. Exit code 0 on success. */
 #define _POSIX_C_SOURCE 200809L
 #include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include "client/ztier_c.h"
@@ -30,6 +33,18 @@ static int failures = 0;
       return 1;                                                                                 \
     }                                                                                           \
   } while (0)
+
+/* A thread that calls into the library until told to stop. */
+struct hammer {
+  ztier_model* model;
+  atomic_int stop;
+};
+static void* Hammer(void* arg) {
+  struct hammer* h = (struct hammer*)arg;
+  uint64_t n = 0;
+  while (!atomic_load(&h->stop)) (void)ztier_model_unit_layout(h->model, 0, &n, NULL);
+  return NULL;
+}
 
 int main(void) {
   EXPECT(ztier_abi_version() == ZTIER_ABI_VERSION);
@@ -87,6 +102,37 @@ int main(void) {
     ASSERT_OK(ztier_model_set_weights(model, u, weights, numel[u]));
   }
   EXPECT(numel[0] == 136 && numel[1] == 8);
+
+  /* fork() while another thread is inside the library: the child's first
+   * call answers (a child forked while that thread held the handles' lock
+   * waited for it forever). */
+  {
+    struct hammer h;
+    h.model = model;
+    atomic_init(&h.stop, 0);
+    pthread_t thread;
+    EXPECT(pthread_create(&thread, NULL, Hammer, &h) == 0);
+    int hung = 0;
+    for (int i = 0; i < 100; ++i) {
+      const pid_t pid = fork();
+      if (pid == 0) {
+        alarm(2);
+        uint64_t n = 0;
+        const ztier_status rc = ztier_model_unit_layout(model, 0, &n, NULL);
+        _exit(rc == ZTIER_OK || rc == ZTIER_FAILED_PRECONDITION ? 0 : 3);
+      }
+      int st = 0;
+      EXPECT(waitpid(pid, &st, 0) == pid);
+      if (WIFSIGNALED(st)) {
+        ++hung;
+      } else {
+        EXPECT(WEXITSTATUS(st) == 0);
+      }
+    }
+    atomic_store(&h.stop, 1);
+    EXPECT(pthread_join(thread, NULL) == 0);
+    EXPECT(hung == 0);
+  }
   EXPECT(ztier_model_set_weights(model, 0, weights, 3) == ZTIER_INVALID_ARGUMENT);
 
   ztier_device* device = NULL;
