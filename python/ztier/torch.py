@@ -1661,7 +1661,8 @@ class Offload:
 
 
 _sessions: "weakref.WeakValueDictionary[tuple, _C.Session]" = weakref.WeakValueDictionary()
-_sessions_lock = threading.Lock()
+_sessions_lock = threading.Lock()  # guards _session_locks
+_session_locks: dict[tuple, threading.Lock] = {}
 _hosted_daemons: list = []  # closed at exit, before the interpreter tears down
 
 
@@ -1690,7 +1691,12 @@ def open_session(config: str | None = None, settings: dict | None = None,
     ``daemon`` was made with them (no warning that its own apply)."""
     text = _settings_text(settings)
     key = (os.fspath(config) if config else None, tuple(sorted(text.items())), daemon or "")
-    with _sessions_lock:  # two threads offloading at once share one
+    # Two threads asking for one engine at once share it (each opened its
+    # own, and the second was refused its swap directories); threads asking
+    # for different ones do not wait on each other.
+    with _sessions_lock:
+        key_lock = _session_locks.setdefault(key, threading.Lock())
+    with key_lock:
         session = _sessions.get(key)
         if session is None:
             session = _C.Session.open(key[0], text, key[2], daemon_has_these_settings)
