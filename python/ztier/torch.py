@@ -948,9 +948,8 @@ class Offload:
             entry = cache.get((version, u.index))
             if entry is None:
                 self.job.wait_published(version, self.session.wait_timeout)
-                master = torch.empty(u.padded, dtype=torch.float32)
-                self.job.read_master(u.index, master)
-                entry = [master.to(torch.bfloat16).to(self.compute_dtype), len(u.tensors)]
+                values = self._read_master(u).to(torch.bfloat16).to(self.compute_dtype)
+                entry = [values, len(u.tensors)]
                 cache[(version, u.index)] = entry
             state_dict[key] = entry[0][t.offset:t.offset + t.numel].view(t.shape).clone()
             entry[1] -= 1
@@ -1614,13 +1613,18 @@ class Offload:
             config.save_pretrained(directory)
         self.export_safetensors(os.path.join(directory, "model.safetensors"), dtype)
 
+    def _read_master(self, u: _Unit) -> torch.Tensor:
+        """The unit's fp32 masters (padded, on the host), read from the engine."""
+        flat = torch.empty(u.padded, dtype=torch.float32)
+        self.job.read_master(u.index, flat)
+        return flat
+
     def master_weights(self) -> dict[str, torch.Tensor]:
         """The fp32 master weights by tensor name (a copy; between steps)."""
         self._between_steps("master_weights")
         out = {}
         for u in self.units:
-            flat = torch.empty(u.padded, dtype=torch.float32)
-            self.job.read_master(u.index, flat)
+            flat = self._read_master(u)
             for t in u.tensors:
                 out[t.name] = flat[t.offset:t.offset + t.numel].view(t.shape).clone()
         return out
