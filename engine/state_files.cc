@@ -420,7 +420,7 @@ Status LoadCheckpointFiles(const JobDescription& job, StateAccess& state, const 
     ZT_RETURN_IF_ERROR(CheckLayout(job, m, dir));
     if (attempt == 0) WarnOfOtherOptimizer(job, m, dir);
     if (!m.state_dtype.empty() && !job.state_dtype.empty() && m.state_dtype != job.state_dtype) {
-      ZT_LOG(kInfo, "checkpoint") << dir << ": m and v saved from " << m.state_dtype
+      ZT_LOG(kWarn, "checkpoint") << dir << ": m and v saved from " << m.state_dtype
                                   << " states load into " << job.state_dtype << " states ("
                                   << (job.state_dtype == "int8"
                                           ? "quantized"

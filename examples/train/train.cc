@@ -39,6 +39,7 @@
 #include <algorithm>
 #include <barrier>
 #include <cctype>
+#include <charconv>
 #include <chrono>
 #include <cmath>
 #include <csignal>
@@ -46,6 +47,7 @@
 #include <cstring>
 #include <filesystem>
 #include <iostream>
+#include <map>
 #include <mutex>
 #include <new>
 #include <sstream>
@@ -691,7 +693,12 @@ Status PrepareLog(const std::string& path, int64_t first) {
                      path.c_str(), rows, static_cast<long long>(first),
                      static_cast<long long>(first) + 1);
       }
-    } else if (old.status().code() != StatusCode::kNotFound) {
+    } else if (old.status().code() == StatusCode::kNotFound) {
+      std::fprintf(stderr,
+                   "ztier-train: the loss log %s is gone (the %lld steps before the checkpoint "
+                   "are not in it); the run logs from step %lld on\n",
+                   path.c_str(), static_cast<long long>(first), static_cast<long long>(first) + 1);
+    } else {
       return old.status();
     }
   }
@@ -821,46 +828,103 @@ void PrintSetup(const Flags& f, const Plan& p, const Session& session, size_t te
 // The checkpoint's step when the run resumes, 0 when it starts afresh: a
 // fresh start in an --out that holds a checkpoint needs --overwrite, which
 // removes it (and the export) first.
-// What of the model its tensors' shapes do not tell: the head count (a
-// checkpoint of 4 heads has the shapes of one of 2), beside the checkpoint.
-std::string ModelNote(const gpt::Config& c) { return StrCat("heads ", c.heads, "\n"); }
+// What of the run its tensors' shapes do not tell, beside the checkpoint, a
+// "key value" line each: the head count (a checkpoint of 4 heads has the
+// shapes of one of 2), which a resume must match, and what sets the batches
+// and the update (seed, batch, ranks, text, lr, matmul), which a resume may
+// change but is told of.
+std::vector<std::pair<std::string, std::string>> RunNote(const Flags& f, const Plan& p,
+                                                         std::string_view text) {
+  char lr[32];
+  const auto lr_end = std::to_chars(lr, lr + sizeof(lr), p.hyper.lr).ptr;
+  char crc[16];
+  std::snprintf(crc, sizeof(crc), "%08x", Crc32c(text.data(), text.size()));
+  return {{"heads", StrCat(f.model.heads)},
+          {"seed", StrCat(f.seed)},
+          {"batch", StrCat(p.batch)},
+          {"ranks", StrCat(f.ranks)},
+          {"data", StrCat(text.size(), " bytes, crc32c ", crc)},
+          {"lr", std::string(lr, lr_end)},
+          {"matmul", p.model.matmul == gpt::MatmulMath::kBf16 ? "bf16" : "fp32"}};
+}
+std::string RunNoteText(const std::vector<std::pair<std::string, std::string>>& note) {
+  std::string out;
+  for (const auto& [key, value] : note) out += StrCat(key, " ", value, "\n");
+  return out;
+}
 std::string ModelNotePath(const OutPaths& paths) {
   return (fs::path(paths.checkpoint) / "ztier-train-model.txt").string();
 }
 
-Result<int64_t> StartingPoint(const Flags& f, const OutPaths& paths, Model& m, uint64_t seed) {
-  const bool has_checkpoint = fs::exists(fs::path(paths.checkpoint) / "manifest.json");
+// Compares the checkpoint's note with this run's: another head count is
+// refused; other batches or updates are said once, in one warning.
+Status CheckRunNote(const Flags& f, const OutPaths& paths,
+                    const std::vector<std::pair<std::string, std::string>>& now) {
+  const std::string path = ModelNotePath(paths);
+  Result<std::string> note = ReadFileToString(path, 4096);
+  if (!note.ok() && note.status().code() == StatusCode::kNotFound) {
+    std::fprintf(stderr,
+                 "ztier-train: warning: the checkpoint has no %s: its head count cannot be checked "
+                 "(the tensors' shapes match; this run's --heads %d is taken)\n",
+                 path.c_str(), f.model.heads);
+    return Status::Ok();
+  }
+  if (!note.ok()) return note.status().Annotate("--resume: the checkpoint's model note");
+  std::map<std::string, std::string> saved;
+  std::istringstream lines(*note);
+  for (std::string line; std::getline(lines, line);) {
+    // Without trailing blanks (an editor's CRLF or a space).
+    while (!line.empty() && std::isspace(static_cast<unsigned char>(line.back()))) line.pop_back();
+    if (line.empty()) continue;
+    const size_t space = line.find(' ');
+    if (space == std::string::npos) break;
+    saved[line.substr(0, space)] = line.substr(space + 1);
+  }
+  const auto heads = saved.find("heads");
+  if (heads == saved.end()) {
+    return Status::Corruption(StrCat("--resume: the checkpoint's model note ", path, " holds '",
+                                     PrintableUtf8(note->substr(0, 64)),
+                                     "', not 'heads N' (damaged? write 'heads ", f.model.heads,
+                                     "' there if this run's --heads is the checkpoint's)"));
+  }
+  if (heads->second != now[0].second) {
+    return Status::InvalidArgument(StrCat("--resume: the checkpoint in ", paths.checkpoint,
+                                          " is of a model with heads ", heads->second,
+                                          "; this run has ", f.model.heads, " (--heads)"));
+  }
+  std::string changed;
+  for (const auto& [key, value] : now) {
+    const auto it = saved.find(key);
+    if (key == "heads" || it == saved.end() || it->second == value) continue;
+    if (!changed.empty()) changed += ", ";
+    changed += key == "data" ? StrCat("other text (--data: ", value, "; before: ", it->second, ")")
+                             : StrCat("--", key, " ", value, " (before: ", it->second, ")");
+  }
+  if (!changed.empty()) {
+    std::fprintf(stderr,
+                 "ztier-train: warning: resuming with %s; the steps from here differ from those "
+                 "an uninterrupted run would take\n",
+                 PrintableUtf8(changed).c_str());
+  }
+  return Status::Ok();
+}
+
+Result<int64_t> StartingPoint(const Flags& f, const Plan& p, std::string_view text,
+                              const OutPaths& paths, Model& m) {
+  const std::vector<std::pair<std::string, std::string>> note = RunNote(f, p, text);
+  std::error_code exists_ec;
+  const std::string manifest = (fs::path(paths.checkpoint) / "manifest.json").string();
+  const bool has_checkpoint = fs::exists(manifest, exists_ec);
+  if (exists_ec) return PosixError(StrCat("cannot look for ", manifest), exists_ec.value());
   if (f.resume) {
     if (!has_checkpoint) {
       return Status::NotFound(StrCat("--resume: there is no checkpoint in ", paths.checkpoint));
     }
     // The shapes first (the engine names a tensor that differs), then the
-    // note. An older checkpoint without one gets it now.
+    // note, which then describes this run.
     ZT_RETURN_IF_ERROR(m.LoadCheckpoint(paths.checkpoint).Annotate("--resume"));
-    Result<std::string> note = ReadFileToString(ModelNotePath(paths), 4096);
-    if (!note.ok() && note.status().code() != StatusCode::kNotFound) {
-      return note.status().Annotate("--resume: the checkpoint's model note");
-    }
-    // Compared without trailing blanks (an editor's CRLF or a space).
-    const auto trimmed = [](std::string t) {
-      while (!t.empty() && std::isspace(static_cast<unsigned char>(t.back()))) t.pop_back();
-      return t;
-    };
-    if (note.ok() && trimmed(*note) != trimmed(ModelNote(f.model))) {
-      const std::string saved = trimmed(*note);
-      if (!saved.starts_with("heads ")) {
-        return Status::Corruption(
-            StrCat("--resume: the checkpoint's model note ", ModelNotePath(paths), " holds '",
-                   PrintableUtf8(saved.substr(0, 64)), "', not 'heads N' (damaged? write 'heads ",
-                   f.model.heads, "' there if this run's --heads is the checkpoint's)"));
-      }
-      return Status::InvalidArgument(StrCat("--resume: the checkpoint in ", paths.checkpoint,
-                                            " is of a model with ", saved, "; this run has ",
-                                            f.model.heads, " (--heads)"));
-    }
-    if (!note.ok()) {
-      ZT_RETURN_IF_ERROR(WriteFileAtomically(ModelNotePath(paths), ModelNote(f.model)));
-    }
+    ZT_RETURN_IF_ERROR(CheckRunNote(f, paths, note));
+    ZT_RETURN_IF_ERROR(WriteFileAtomically(ModelNotePath(paths), RunNoteText(note)));
     return m.published_step();
   }
   if (has_checkpoint && !f.overwrite) {
@@ -880,11 +944,11 @@ Result<int64_t> StartingPoint(const Flags& f, const OutPaths& paths, Model& m, u
   }
   for (int k = 0; k < m.units(); ++k) {
     std::vector<float> w(m.layout(k).numel);
-    gpt::InitUnit(f.model, k, seed, m.layout(k), w);
+    gpt::InitUnit(f.model, k, f.seed, m.layout(k), w);
     ZT_RETURN_IF_ERROR(m.SetWeights(k, w.data(), w.size()));
   }
   ZT_RETURN_IF_ERROR(CreateDir(paths.checkpoint, "checkpoint directory"));
-  ZT_RETURN_IF_ERROR(WriteFileAtomically(ModelNotePath(paths), ModelNote(f.model)));
+  ZT_RETURN_IF_ERROR(WriteFileAtomically(ModelNotePath(paths), RunNoteText(note)));
   return int64_t{0};
 }
 
@@ -1102,9 +1166,14 @@ int Run(const Flags& f, const Plan& p) {
   }
   // Nothing is made for a --resume with nothing to resume (it left an
   // empty checkpoint and swap directory behind).
-  if (f.resume && !fs::exists(fs::path(OutPaths(f.out).checkpoint) / "manifest.json")) {
-    return fail(Status::NotFound(
-        StrCat("--resume: there is no checkpoint in ", OutPaths(f.out).checkpoint)));
+  if (f.resume) {
+    const std::string manifest = (fs::path(OutPaths(f.out).checkpoint) / "manifest.json").string();
+    std::error_code ec;
+    if (!fs::exists(manifest, ec)) {
+      return fail(ec ? PosixError(StrCat("--resume: cannot look for ", manifest), ec.value())
+                     : Status::NotFound(StrCat("--resume: there is no checkpoint in ",
+                                               OutPaths(f.out).checkpoint)));
+    }
   }
   if (Status s = CreateDir(f.out, "--out directory"); !s.ok()) return fail(s);
   if (!f.summary.empty()) {
@@ -1172,7 +1241,7 @@ int Run(const Flags& f, const Plan& p) {
   Model& m = **model;
   const OutPaths paths(f.out);
   if (Status s = m.ClaimCheckpointDir(paths.checkpoint); !s.ok()) return fail(s);
-  Result<int64_t> first = StartingPoint(f, paths, m, f.seed);
+  Result<int64_t> first = StartingPoint(f, p, *text, paths, m);
   if (!first.ok()) {
     if (first.status().code() == StatusCode::kAlreadyExists) {
       std::fprintf(stderr, "ztier-train: %s\n", PrintableUtf8(first.status().message()).c_str());

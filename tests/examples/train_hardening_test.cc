@@ -197,6 +197,70 @@ TEST_F(TrainHardeningTest, ResumingAnotherShapeNamesTheTensorAndBothShapes) {
   EXPECT_EQ(Train(Common() + " --steps 2 --resume --out " + out, dir_).first, 0);
 }
 
+// What the shapes do not tell is in the checkpoint's note: a resume that
+// changes the batches or the update is told so, naming each change; one
+// whose note is gone is told the head count cannot be checked.
+TEST_F(TrainHardeningTest, ResumingWithOtherBatchesOrUpdatesSaysWhatChanged) {
+  const std::string out = dir_ / "changed";
+  ASSERT_EQ(Train(Common() + " --steps 1 --out " + out, dir_).first, 0);
+  {
+    std::ofstream other(dir_ / "other.txt");
+    for (int i = 0; i < 300; ++i) other << "The quick brown fox jumps over the lazy dog " << i;
+  }
+  auto [rc, text] = Train(
+      " --layers 2 --channels 32 --heads 2 --context 16 --batch 2 --seed 7 "
+      "--lr 0.01 --matmul bf16 --steps 2 --resume --data " +
+          (dir_ / "other.txt") + " --out " + out,
+      dir_);
+  EXPECT_EQ(rc, 0) << text;
+  for (const char* said :
+       {"warning: resuming with", "--seed 7 (before: 1)", "--batch 2 (before: 4)",
+        "--lr 0.01 (before: 0.002)", "--matmul bf16 (before: fp32)", "other text (--data: "}) {
+    EXPECT_NE(text.find(said), std::string::npos) << said << "\n" << text;
+  }
+  // The note now describes the run that resumed: the same flags again are
+  // a plain resume.
+  std::tie(rc, text) = Train(
+      " --layers 2 --channels 32 --heads 2 --context 16 --batch 2 --seed 7 "
+      "--lr 0.01 --matmul bf16 --steps 3 --resume --data " +
+          (dir_ / "other.txt") + " --out " + out,
+      dir_);
+  EXPECT_EQ(rc, 0) << text;
+  EXPECT_EQ(text.find("warning"), std::string::npos) << text;
+  // Without its note the head count is taken on trust, and said to be.
+  fs::remove(fs::path(out) / "checkpoint/ztier-train-model.txt");
+  std::tie(rc, text) = Train(
+      " --layers 2 --channels 32 --heads 4 --context 16 --batch 2 --seed 7 "
+      "--lr 0.01 --matmul bf16 --steps 4 --resume --data " +
+          (dir_ / "other.txt") + " --out " + out,
+      dir_);
+  EXPECT_EQ(rc, 0) << text;
+  EXPECT_NE(text.find("its head count cannot be checked"), std::string::npos) << text;
+  // A loss log that is gone is said to be, not restarted in silence.
+  fs::remove(fs::path(out) / "train_log.tsv");
+  std::tie(rc, text) = Train(
+      " --layers 2 --channels 32 --heads 4 --context 16 --batch 2 --seed 7 "
+      "--lr 0.01 --matmul bf16 --steps 5 --resume --data " +
+          (dir_ / "other.txt") + " --out " + out,
+      dir_);
+  EXPECT_EQ(rc, 0) << text;
+  EXPECT_NE(text.find("train_log.tsv is gone"), std::string::npos) << text;
+}
+
+// A checkpoint manifest or directory that is a loop of symbolic links was an
+// uncaught std::filesystem exception (abort): now an error naming it.
+TEST_F(TrainHardeningTest, ALoopOfLinksOverTheCheckpointIsAnError) {
+  for (const char* mode : {"", " --resume", " --overwrite"}) {
+    const fs::path out = dir_ / "loop";
+    fs::remove_all(out);
+    fs::create_directories(out / "checkpoint");
+    fs::create_symlink("manifest.json", out / "checkpoint/manifest.json");
+    auto [rc, text] = Train(Common() + " --steps 1" + mode + " --out " + out.string(), dir_);
+    EXPECT_EQ(rc, 1) << mode << "\n" << text;
+    EXPECT_NE(text.find("Too many levels of symbolic links"), std::string::npos) << text;
+  }
+}
+
 TEST_F(TrainHardeningTest, TheFirstSignalStopsAtAStepWithACheckpointAndTheExport) {
   const std::string args = Common() + " --layers 3 --channels 64 --context 32 --steps 400";
   for (int sig : {SIGINT, SIGTERM}) {
