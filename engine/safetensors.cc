@@ -81,7 +81,7 @@ Result<StHeader> ParseSafetensorsHeader(std::string_view prefix, uint64_t file_s
   for (auto it = h.begin(); it != h.end(); ++it) {
     const std::string& name = it.key();
     const Json& v = it.value();
-    if (name == "__metadata__") {
+    if (name == kSafetensorsMetadataKey) {
       if (!v.is_object()) return bad("__metadata__ is not an object");
       for (auto m = v.begin(); m != v.end(); ++m) {
         if (!m.value().is_string()) return bad("__metadata__ values must be strings");
@@ -139,11 +139,13 @@ Result<StHeader> ParseSafetensorsHeader(std::string_view prefix, uint64_t file_s
   uint64_t at = 0;
   for (const auto& [begin, end] : ranges) {
     if (begin < at) return bad("two tensors' data overlap");
-    if (begin > at) return bad(StrCat("bytes [", at, ", ", begin, ") of the data belong to no tensor"));
+    if (begin > at)
+      return bad(StrCat("bytes [", at, ", ", begin, ") of the data belong to no tensor"));
     at = end;
   }
   if (at != data_size) {
-    return bad(StrCat("bytes [", at, ", ", data_size, ") after the last tensor's data belong to none"));
+    return bad(
+        StrCat("bytes [", at, ", ", data_size, ") after the last tensor's data belong to none"));
   }
   return out;
 }
@@ -156,7 +158,7 @@ std::string MakeSafetensorsHeader(const std::vector<StEntry>& entries) {
         {"dtype", e.dtype_name}, {"shape", e.shape}, {"data_offsets", {off, off + e.bytes}}};
     off += e.bytes;
   }
-  h["__metadata__"] = {{"format", "pt"}, {"producer", "ztier"}};
+  h[std::string(kSafetensorsMetadataKey)] = {{"format", "pt"}, {"producer", "ztier"}};
   std::string json = h.dump();
   json.append((8 - json.size() % 8) % 8, ' ');  // align the data region to 8
   const uint64_t n = json.size();

@@ -37,6 +37,9 @@ struct StHeader {
   std::map<std::string, StTensor> tensors;
 };
 
+// The header's key for the file's metadata: no tensor may have this name.
+inline constexpr std::string_view kSafetensorsMetadataKey = "__metadata__";
+
 // Parses the header of a safetensors file whose first bytes are `prefix` and
 // whose total size is `file_size`. `prefix` must hold at least the 8-byte
 // length and the whole header when it is complete (callers read
@@ -44,7 +47,8 @@ struct StHeader {
 Result<StHeader> ParseSafetensorsHeader(std::string_view prefix, uint64_t file_size);
 
 // The header bytes (length prefix included, padded with spaces to a
-// multiple of 8) for tensors laid out in the given order.
+// multiple of 8) for tensors laid out in the given order; no entry may be
+// named kSafetensorsMetadataKey.
 struct StEntry {
   std::string name;
   std::string dtype_name;  // "BF16" or "F32"

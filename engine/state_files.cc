@@ -451,12 +451,18 @@ Status LoadCheckpointFiles(const JobDescription& job, StateAccess& state, const 
 
 namespace {
 
-// A safetensors file holds each name once: a job whose units repeat a
-// tensor name (legal for its checkpoints, which go by index) has no file.
+// A safetensors file holds each name once, and none named __metadata__: a
+// job whose units repeat a tensor name, or use that one (legal for its
+// checkpoints, which go by index), has no file.
 Status UniqueTensorNames(const JobDescription& job, std::string_view what) {
   std::map<std::string_view, std::string_view> unit_of;
   for (const UnitSpec& us : job.units) {
     for (const TensorSpec& ts : us.tensors) {
+      if (ts.name == kSafetensorsMetadataKey) {
+        return Status::InvalidArgument(
+            StrCat(what, ": unit '", us.name, "' has a tensor named '", ts.name,
+                   "', the name a safetensors header keeps for its metadata (rename the tensor)"));
+      }
       const auto [at, fresh] = unit_of.emplace(ts.name, us.name);
       if (!fresh) {
         const std::string where = at->second == us.name ? StrCat("is twice in unit '", us.name, "'")
@@ -515,6 +521,20 @@ Status ImportSafetensorsFile(const JobDescription& job, StateAccess& state,
   Result<StHeader> parsed = ParseSafetensorsHeader(file, file.size());
   if (!parsed.ok()) return parsed.status().Annotate(path);
   const StHeader& h = *parsed;
+  const auto element_count = [](const StTensor& st) {
+    return (st.end - st.begin) / (st.dtype == StDtype::kF32 ? 4 : 2);
+  };
+  const auto element = [&](const StTensor& st, uint64_t i) {
+    const char* src = file.data() + h.data_start + st.begin;
+    if (st.dtype == StDtype::kF32) {
+      float x;
+      std::memcpy(&x, src + i * 4, 4);
+      return x;
+    }
+    uint16_t b;
+    std::memcpy(&b, src + i * 2, 2);
+    return st.dtype == StDtype::kBF16 ? Bf16ToFloat(bf16{b}) : HalfToFloat(b);
+  };
   // Check every tensor before touching the job.
   for (size_t k = 0; k < job.units.size(); ++k) {
     for (const TensorSpec& ts : job.units[k].tensors) {
@@ -532,6 +552,17 @@ Status ImportSafetensorsFile(const JobDescription& job, StateAccess& state,
                                               it->second.dtype_name,
                                               "; ztier imports F32, BF16 and F16"));
       }
+      // A NaN or an infinity would train as NaN, every step skipped.
+      const StTensor& st = it->second;
+      for (uint64_t i = 0; i < element_count(st); ++i) {
+        const float x = element(st, i);
+        if (!std::isfinite(x)) {
+          return Status::InvalidArgument(StrCat(path, ": tensor '", ts.name, "' element ", i,
+                                                " is ", x,
+                                                "; weights must be finite (nothing was "
+                                                "imported)"));
+        }
+      }
     }
   }
   ZT_RETURN_IF_ERROR(state.UpdateMaster([&](size_t k, const UnitState& unit) {
@@ -540,18 +571,8 @@ Status ImportSafetensorsFile(const JobDescription& job, StateAccess& state,
     const std::vector<TensorSpec>& tensors = job.units[k].tensors;
     for (size_t t = 0; t < tensors.size(); ++t) {
       const StTensor& st = h.tensors.at(tensors[t].name);
-      const char* src = file.data() + h.data_start + st.begin;
       float* dst = master + layout.offsets[t];
-      const uint64_t n = (st.end - st.begin) / (st.dtype == StDtype::kF32 ? 4 : 2);
-      for (uint64_t i = 0; i < n; ++i) {
-        if (st.dtype == StDtype::kF32) {
-          std::memcpy(dst + i, src + i * 4, 4);
-        } else {
-          uint16_t b;
-          std::memcpy(&b, src + i * 2, 2);
-          dst[i] = st.dtype == StDtype::kBF16 ? Bf16ToFloat(bf16{b}) : HalfToFloat(b);
-        }
-      }
+      for (uint64_t i = 0; i < element_count(st); ++i) dst[i] = element(st, i);
     }
     std::memset(master + layout.numel, 0, (layout.padded - layout.numel) * 4);
     return Status::Ok();

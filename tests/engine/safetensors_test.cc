@@ -167,6 +167,43 @@ TEST_F(SafetensorsTest, ImportsF16AndRefusesMissingOrMisshapenTensors) {
   EXPECT_FALSE(s.ok());
 }
 
+// A NaN or an infinity in the file trained as NaN (every step skipped),
+// while a checkpoint holding one is refused: the import refuses it too,
+// naming the tensor and the element, and leaves the job as it was.
+TEST_F(SafetensorsTest, ImportRefusesWeightsThatAreNotFinite) {
+  std::vector<std::vector<float>> weights;
+  const int j = Job("nan", 1, &weights);
+  const std::vector<StEntry> entries = {{"wte", "F16", {50, 16}, 50 * 16 * 2},
+                                        {"attn.w", "F16", {16, 48}, 16 * 48 * 2},
+                                        {"attn.b", "F16", {48}, 48 * 2},
+                                        {"ln.w", "F16", {16}, 16 * 2}};
+  for (const uint16_t bad : {uint16_t{0x7c00}, uint16_t{0xfc00}, uint16_t{0x7e00}}) {
+    std::string data(50 * 16 * 2 + 16 * 48 * 2 + 48 * 2 + 16 * 2, '\0');
+    std::memcpy(data.data() + 50 * 16 * 2 + 16 * 48 * 2 + 3 * 2, &bad, 2);  // attn.b[3]
+    const fs::path p = dir_ / "bad.safetensors";
+    WriteAll(p, MakeSafetensorsHeader(entries) + data);
+    const Status s = engine_->ImportSafetensors(j, p.string());
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s;
+    EXPECT_NE(s.message().find("tensor 'attn.b' element 3 is "), std::string::npos) << s;
+    EXPECT_EQ(Master(j, 0), weights[0]);
+  }
+}
+
+// A tensor named __metadata__ took the header's metadata key: the export
+// wrote a file no reader takes. It is refused, export and import alike.
+TEST_F(SafetensorsTest, ATensorNamedLikeTheMetadataHasNoFile) {
+  JobSpec spec = Model("meta", 1);
+  spec.units[1].tensors[0].name = "__metadata__";
+  const int j = *engine_->RegisterJob(spec);
+  const fs::path p = dir_ / "meta.safetensors";
+  Status s = engine_->ExportSafetensors(j, p.string(), ExportType::kFloat32);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s;
+  EXPECT_NE(s.message().find("a tensor named '__metadata__'"), std::string::npos) << s;
+  EXPECT_FALSE(fs::exists(p));
+  s = engine_->ImportSafetensors(j, p.string());
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s;
+}
+
 std::string Header(const std::string& json, uint64_t data_bytes) {
   std::string out(8, '\0');
   const uint64_t n = json.size();
