@@ -135,13 +135,13 @@ Status ValidateOptions(const Hyper& hyper, const StepOptions& options) {
 
 // kScanFirst: the grads' sum of squares, tile by tile; `result` says
 // whether the step is skipped.
-void ScanGrads(const void* grads, GradType type, size_t count, Executor& executor,
+void ScanGrads(const void* grads, GradType type, size_t count, float grad_scale, Executor& executor,
                std::vector<double>& partials, StepResult& result) {
   ForEachTile(executor, count, [&](size_t t, size_t begin, size_t end) {
     partials[t] = internal::SquareSumRange(grads, type, begin, end);
   });
   result.grad_sq_sum = SumInOrder(partials);
-  result.skipped = !std::isfinite(result.grad_sq_sum);
+  result.skipped = GradsOverflow(result.grad_sq_sum, grad_scale);
 }
 
 Status NonFiniteError(const std::vector<uint8_t>& non_finite, size_t count) {
@@ -188,7 +188,8 @@ Result<StepResult> Step(const Hyper& hyper, const StepOptions& options, const Sh
   std::vector<double> partials(tiles, 0.0);
   bool have_sum = false;
   if (options.grad_check == GradCheck::kScanFirst) {
-    ScanGrads(shard.grads, shard.grad_type, shard.count, executor, partials, result);
+    ScanGrads(shard.grads, shard.grad_type, shard.count, options.grad_scale, executor, partials,
+              result);
     have_sum = true;
     if (result.skipped) return result;
   }
@@ -259,7 +260,8 @@ Result<StepResult> StepInt8(const Hyper& hyper, const StepOptions& options, cons
   const size_t tiles = TileCount(shard.count);
   std::vector<double> partials(tiles, 0.0);
   if (options.grad_check == GradCheck::kScanFirst) {
-    ScanGrads(shard.grads, shard.grad_type, shard.count, executor, partials, result);
+    ScanGrads(shard.grads, shard.grad_type, shard.count, options.grad_scale, executor, partials,
+              result);
     if (result.skipped) return result;
   } else if (options.want_grad_sq_sum) {
     ZT_ASSIGN_OR_RETURN(result.grad_sq_sum,

@@ -18,9 +18,11 @@
 //   p  = p - (lr / bc1) * m / (sqrt(v) / sqrt(bc2) + eps)
 //
 // Non-finite grads: with GradCheck::kScanFirst (the default) the grads are
-// scanned before anything is written; if any is inf/NaN, Step() returns
-// StepResult{.skipped = true} and params, m, v and the output are untouched
-// (mixed-precision step skipping). GradCheck::kPrechecked is for callers that
+// scanned before anything is written; if any is inf/NaN, or they are so
+// large that v could overflow fp32 (GradsOverflow: finite bf16 grads reach
+// 3e38, whose square does not fit), Step() returns StepResult{.skipped =
+// true} and params, m, v and the output are untouched (mixed-precision step
+// skipping). GradCheck::kPrechecked is for callers that
 // already scanned these grads (the engine computes SquaredNorm() as grads
 // arrive): one pass over memory, and a non-finite grad found anyway is a
 // FailedPrecondition error that says the shard is now partly updated.
@@ -73,6 +75,16 @@ enum class OutputStore : uint8_t { kStreaming, kRegular };
 // eps > 0 and weight_decay >= 0, all finite.
 Status ValidateHyper(const Hyper& h);
 
+// The largest sum of squared grads (after grad_scale) a step takes: every
+// grad's square is then at most FLT_MAX / 4, so g * g and v stay finite.
+inline constexpr double kMaxGradSqSum = 3.4028234663852886e38 / 4;
+// Whether a step whose grads' fp64 sum of squares (before grad_scale) is
+// `sq_sum` must be skipped: inf/NaN grads, or grads past kMaxGradSqSum.
+inline bool GradsOverflow(double sq_sum, float grad_scale) {
+  const double scale = grad_scale;
+  return !(sq_sum * scale * scale <= kMaxGradSqSum);
+}
+
 struct StepOptions {
   int64_t step = 1;         // 1-based optimizer step number (bias correction)
   float grad_scale = 1.0f;  // grads are multiplied by this (clipping, loss-scale); finite, > 0
@@ -94,7 +106,7 @@ struct Shard {
 };
 
 struct StepResult {
-  bool skipped = false;      // a grad was inf/NaN; nothing was written
+  bool skipped = false;      // a grad was inf/NaN or too large (GradsOverflow); nothing written
   double grad_sq_sum = 0.0;  // sum of squares of the grads before grad_scale, if asked
 };
 

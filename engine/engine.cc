@@ -394,13 +394,18 @@ struct Engine::Impl {
       std::lock_guard<std::mutex> lock(mu);
       job.counters.last_grad_norm = norm;
     }
-    const bool finite = std::isfinite(norm);
     const float clip = job.spec.optimizer.clip_norm;
-    const float scale =
-        clip > 0.0f && finite && norm > clip ? static_cast<float>(clip / (norm + 1e-6)) : 1.0f;
+    const float scale = clip > 0.0f && std::isfinite(norm) && norm > clip
+                            ? static_cast<float>(clip / (norm + 1e-6))
+                            : 1.0f;
+    // Skipped: inf/NaN grads, or grads so large that v would overflow.
+    const bool finite = !cpu_adam::GradsOverflow(sq, scale);
     if (!finite) {
-      ZT_LOG(kWarn, "engine") << "job '" << job.spec.name << "': step " << step
-                              << " skipped: inf/NaN in the gradients";
+      ZT_LOG(kWarn, "engine") << "job '" << job.spec.name << "': step " << step << " skipped: "
+                              << (std::isfinite(norm)
+                                      ? StrCat("grad norm ", norm,
+                                               " (unclipped) is past what fp32 moments hold")
+                                      : std::string("inf/NaN in the gradients"));
     }
     // Units are published as their write-backs finish (in any order); the
     // step completes with the last of them. With states on NVMe and params
@@ -458,12 +463,15 @@ struct Engine::Impl {
       for (double s : job.units[unit].shard_sq) sq += s;
       lrs = job.lrs;
     }
-    if (!std::isfinite(sq)) {
-      return Fail(
-          job, Status::Aborted(
-                   StrCat("step ", step, ": inf/NaN gradients in unit '", job.spec.units[unit].name,
-                          "' with eager updates, which cannot skip a step; use exact mode "
-                          "(the default) for loss scaling")));
+    if (cpu_adam::GradsOverflow(sq, 1.0f)) {
+      return Fail(job, Status::Aborted(
+                           StrCat("step ", step, ": ",
+                                  std::isfinite(sq) ? StrCat("grads of norm ", std::sqrt(sq),
+                                                             " (past what fp32 moments hold)")
+                                                    : std::string("inf/NaN gradients"),
+                                  " in unit '", job.spec.units[unit].name,
+                                  "' with eager updates, which cannot skip a step; use exact mode "
+                                  "(the default) for loss scaling")));
     }
     // Published once the state is written back (NVMe tier).
     Status s = WithUnitState(job, unit, Access::kUpdate, [&](size_t k, const StateView& state) {

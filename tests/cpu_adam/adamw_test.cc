@@ -353,6 +353,43 @@ TEST_P(AdamWTest, BitwiseSameForAnyThreadCount) {
   }
 }
 
+// Finite grads whose squares overflow fp32 (bf16 reaches 3e38) made v
+// infinite: every later update of the element was 0, and a checkpoint of
+// the state could not be loaded. Such a step is skipped like an inf/NaN one,
+// also when grad_scale is what takes the grads past the limit.
+TEST_P(AdamWTest, GradsWhoseSquaresOverflowSkipTheStep) {
+  std::mt19937_64 rng(5);
+  for (GradType gt : {GradType::kBFloat16, GradType::kFloat32}) {
+    for (const auto& [value, scale] :
+         {std::pair{1e30f, 1.0f}, std::pair{1e20f, 1e20f}, std::pair{2e19f, 1.0f}}) {
+      SCOPED_TRACE(StrCat("grad ", value, " scale ", scale));
+      State s(33, 1);
+      s.Randomize(rng);
+      s.NewGrads(rng, 1.0f);
+      s.g32[7] = value;
+      s.g16[7] = FloatToBf16(value);
+      const std::vector<uint8_t> before = Snapshot(s);
+      Result<StepResult> r =
+          Step({}, {.step = 2, .grad_scale = scale}, s.View(gt, true), SharedExecutor());
+      ASSERT_TRUE(r.ok()) << r.status();
+      EXPECT_TRUE(r->skipped);
+      EXPECT_TRUE(Snapshot(s) == before) << "a skipped step wrote to the shard";
+    }
+    // Large, but within what fp32 moments hold: a normal step, v finite.
+    State s(33, 1);
+    s.Randomize(rng);
+    s.NewGrads(rng, 1.0f);
+    s.g32[7] = 1e18f;
+    s.g16[7] = FloatToBf16(1e18f);
+    Result<StepResult> r = Step({}, {.step = 2}, s.View(gt, true), SharedExecutor());
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_FALSE(r->skipped);
+    for (size_t i = 0; i < 33; ++i) {
+      ASSERT_TRUE(std::isfinite(s.v[i]) && std::isfinite(s.m[i]) && std::isfinite(s.p[i])) << i;
+    }
+  }
+}
+
 TEST_P(AdamWTest, NonFiniteGradsSkipTheStepAndWriteNothing) {
   const float bad_values[] = {std::numeric_limits<float>::infinity(),
                               -std::numeric_limits<float>::infinity(),

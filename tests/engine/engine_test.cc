@@ -340,6 +340,39 @@ TEST(EngineFaultTest, NonFiniteGradsSkipTheStepInExactMode) {
   EXPECT_EQ(engine->counters(*job).steps, 2);
 }
 
+// Finite grads too large for fp32 moments (v would be inf) skip the step
+// as inf/NaN ones do; with clipping on they are clipped and train.
+TEST(EngineFaultTest, GradsTooLargeForTheMomentsSkipTheStepUnlessClipped) {
+  auto engine = MakeEngine();
+  for (const float clip : {0.0f, 1.0f}) {
+    Result<int> job = engine->RegisterJob(
+        SmallModel(clip > 0 ? "huge-clipped" : "huge", 1, clip, 1, StepMode::kExact));
+    ASSERT_TRUE(job.ok()) << job.status();
+    const int n = 4;
+    std::vector<std::vector<float>> before(n);
+    for (int k = 0; k < n; ++k) {
+      const UnitLayout l = *engine->Layout(*job, k);
+      std::vector<float> w(l.numel, 0.5f);
+      ASSERT_TRUE(engine->WriteWeights(*job, k, w.data(), w.size()).ok());
+      before[k].resize(l.padded);
+      ASSERT_TRUE(engine->ReadState(*job, k, before[k].data(), nullptr, nullptr).ok());
+    }
+    for (int k = n - 1; k >= 0; --k) Ring(*engine, *job, k, 1, k == 1 ? 1e30f : 0.1f);
+    for (int k = 0; k < n; ++k) {
+      ASSERT_TRUE(engine->WaitPublished(*job, k, 1, 10s).ok());
+      std::vector<float> master(before[k].size()), m(master.size()), v(master.size());
+      ASSERT_TRUE(engine->ReadState(*job, k, master.data(), m.data(), v.data()).ok());
+      for (size_t i = 0; i < v.size(); ++i) {
+        ASSERT_TRUE(std::isfinite(v[i])) << k << " " << i;
+      }
+      if (clip == 0.0f) {
+        EXPECT_EQ(master, before[k]) << "a skipped step changed unit " << k;
+      }
+    }
+    EXPECT_EQ(engine->counters(*job).skipped_steps, clip == 0.0f ? 1 : 0);
+  }
+}
+
 // A wait that no grads can ever end fails at once, naming the steps.
 TEST(EngineFaultTest, AWaitForAStepNoGradsCanReachFailsAtOnce) {
   auto engine = MakeEngine();
