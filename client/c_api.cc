@@ -6,6 +6,7 @@
 #include "client/ztier_c.h"
 
 #include <pthread.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <cstddef>
@@ -18,6 +19,7 @@
 #include <unordered_map>
 
 #include "client/ztier.h"
+#include "common/utf8.h"
 #include "common/version.h"
 
 extern char** environ;
@@ -55,7 +57,9 @@ static_assert(ztier::StatusCode::kLast == ztier::StatusCode::kPermissionDenied);
 
 ztier_status Report(const Status& s) {
   if (s.ok()) return ZTIER_OK;
-  last_error = s.ToString();
+  // Paths and names a caller gave may be any bytes: the message is UTF-8
+  // (a binding decodes it as such).
+  last_error = ztier::PrintableUtf8(s.ToString());
   return static_cast<ztier_status>(s.code());
 }
 
@@ -78,23 +82,30 @@ constexpr const char* kKind<ztier_device> = "ztier_device";
 template <>
 constexpr const char* kKind<ztier_runner> = "ztier_runner";
 
+// An open handle: its kind and the process that opened it (a forked child
+// holds copies of its parent's, which are the parent's to use).
+struct OpenHandle {
+  const char* kind;
+  pid_t pid;
+};
+
 std::mutex handles_mu;
-std::unordered_map<const void*, const char*>& Handles() {
+std::unordered_map<const void*, OpenHandle>& Handles() {
   // Never destroyed (atexit order). A child forked while another thread
   // held the lock would wait for it forever: the lock is taken around
   // fork() and given back on both sides.
   static auto* open = [] {
     ::pthread_atfork([] { handles_mu.lock(); }, [] { handles_mu.unlock(); },
                      [] { handles_mu.unlock(); });
-    return new std::unordered_map<const void*, const char*>;
+    return new std::unordered_map<const void*, OpenHandle>;
   }();
   return *open;
 }
 template <typename T>
 T* Opened(T* h) {
-  std::unordered_map<const void*, const char*>& open = Handles();
+  std::unordered_map<const void*, OpenHandle>& open = Handles();
   std::lock_guard<std::mutex> lock(handles_mu);
-  open[h] = kKind<T>;
+  open[h] = {kKind<T>, ::getpid()};
   return h;
 }
 // Null, or not an open handle of its kind: the error for `what`; Ok for an
@@ -102,16 +113,22 @@ T* Opened(T* h) {
 template <typename T>
 Status CheckOpen(const T* h, const char* what) {
   if (h == nullptr) return Status::InvalidArgument(StrCat(what, " is NULL"));
-  std::unordered_map<const void*, const char*>& open = Handles();
+  std::unordered_map<const void*, OpenHandle>& open = Handles();
   std::lock_guard<std::mutex> lock(handles_mu);
   auto it = open.find(h);
   if (it == open.end()) {
     return Status::FailedPrecondition(
         StrCat(what, " is not an open handle (used after its close?)"));
   }
-  if (it->second != kKind<T>) {
+  if (it->second.kind != kKind<T>) {
+    return Status::FailedPrecondition(StrCat(what, " is an open ", it->second.kind, ", not a ",
+                                             kKind<T>, " (arguments swapped?)"));
+  }
+  if (it->second.pid != ::getpid()) {
     return Status::FailedPrecondition(
-        StrCat(what, " is an open ", it->second, ", not a ", kKind<T>, " (arguments swapped?)"));
+        StrCat(what, " was opened by process ", it->second.pid, "; process ", ::getpid(),
+               " is a child forked from it, which cannot use its parent's handles (open a "
+               "session of its own)"));
   }
   return Status::Ok();
 }
@@ -122,7 +139,7 @@ template <typename T>
 void Close(T* h, const char* what) {
   if (h == nullptr) return;
   {
-    std::unordered_map<const void*, const char*>& open = Handles();
+    std::unordered_map<const void*, OpenHandle>& open = Handles();
     std::lock_guard<std::mutex> lock(handles_mu);
     auto it = open.find(h);
     if (it == open.end()) {
@@ -130,8 +147,8 @@ void Close(T* h, const char* what) {
                    "ztier: %s_close of a handle that is not open (closed twice?): ignored\n", what);
       return;
     }
-    if (it->second != kKind<T>) {
-      std::fprintf(stderr, "ztier: %s_close of an open %s: ignored\n", what, it->second);
+    if (it->second.kind != kKind<T>) {
+      std::fprintf(stderr, "ztier: %s_close of an open %s: ignored\n", what, it->second.kind);
       return;
     }
     open.erase(it);

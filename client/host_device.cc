@@ -120,8 +120,10 @@ class HostDevice final : public Device {
   int ordinal() const override { return 0; }
 
   Result<void*> Allocate(size_t bytes, MemoryPurpose purpose) override {
-    const size_t rounded = std::max<size_t>(256, (bytes + 255) / 256 * 256);
-    void* p = std::aligned_alloc(256, rounded);
+    // (Rounded up, a size within 255 of SIZE_MAX wrapped to 0: 256 bytes.)
+    const size_t rounded =
+        bytes > SIZE_MAX - 255 ? 0 : std::max<size_t>(256, (bytes + 255) / 256 * 256);
+    void* p = rounded == 0 ? nullptr : std::aligned_alloc(256, rounded);
     if (p == nullptr) {
       return Status::ResourceExhausted(
           StrCat("host device: cannot allocate ", bytes, " bytes of device memory"));

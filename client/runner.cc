@@ -1109,7 +1109,7 @@ Result<std::unique_ptr<Stage3Runner>> Stage3Runner::Create(Model& model, int ran
     return Status::InvalidArgument(
         StrCat(who, ": this process attached to the model as rank ", model.attached_rank()));
   }
-  if (spec.world_size > 1 &&
+  if ((spec.world_size > 1 || collectives != nullptr) &&
       (collectives == nullptr || collectives->world_size() != spec.world_size ||
        collectives->rank() != rank)) {
     return Status::InvalidArgument(
@@ -1127,6 +1127,10 @@ Result<std::unique_ptr<Stage3Runner>> Stage3Runner::Create(Model& model, int ran
   if (options.prefetch_depth < 0) {
     return Status::InvalidArgument(
         StrCat(who, ": prefetch depth ", options.prefetch_depth, " < 0"));
+  }
+  if (options.timeout.count() < 0) {
+    return Status::InvalidArgument(
+        StrCat(who, ": timeout ", options.timeout.count(), " ms is negative"));
   }
   auto impl = std::make_unique<Impl>();
   Impl& r = *impl;

@@ -141,6 +141,7 @@ Status Model::SetWeights(int unit, const float* flat, uint64_t numel) {
   if (unit < 0 || unit >= units()) {
     return Status::OutOfRange(StrCat("model '", spec_.name, "' has no unit ", unit));
   }
+  if (flat == nullptr) return Status::InvalidArgument("SetWeights: null weights");
   return transport_->WriteWeights(job_, unit, flat, numel);
 }
 
@@ -168,6 +169,7 @@ Status Model::ReadMaster(int unit, std::vector<float>* master) const {
   if (unit < 0 || unit >= units()) {
     return Status::OutOfRange(StrCat("model '", spec_.name, "' has no unit ", unit));
   }
+  if (master == nullptr) return Status::InvalidArgument("ReadMaster: null vector");
   const uint64_t n = layouts_[unit].padded;
   master->assign(n, 0.0f);
   std::vector<float> m(n), v(n);
@@ -182,7 +184,7 @@ int64_t Model::published_step() const {
 
 Status Model::WaitPublished(int64_t step, std::chrono::milliseconds timeout) const {
   // Cut here for either transport (ztierd's adds its call timeout to it).
-  timeout = std::min<std::chrono::milliseconds>(timeout, engine::kForeverWait);
+  timeout = engine::ClampWait(timeout);
   for (int u = 0; u < units(); ++u) {
     ZT_RETURN_IF_ERROR(transport_->WaitPublished(job_, u, step, timeout));
   }

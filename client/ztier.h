@@ -329,13 +329,18 @@ class Model {
 
   const Session::ModelSpec& spec() const { return spec_; }
   int units() const { return static_cast<int>(spec_.units.size()); }
-  // The unit's flat layout (tensor offsets, padded size, shard size).
-  const engine::UnitLayout& layout(int unit) const { return layouts_[unit]; }
+  // The unit's flat layout (tensor offsets, padded size, shard size); an
+  // unknown unit's is empty (numel 0), and every call with it an error.
+  const engine::UnitLayout& layout(int unit) const {
+    static const engine::UnitLayout kNone{};
+    return unit >= 0 && unit < units() ? layouts_[unit] : kNone;
+  }
   // The index of the unit named `name`. Errors: NotFound.
   Result<int> FindUnit(const std::string& name) const;
 
   // Initial weights, flat fp32 (layout(unit).numel elements), published as
-  // step 0. Errors: InvalidArgument (size), OutOfRange (unit).
+  // step 0. Errors: InvalidArgument (null, the size, a value not finite),
+  // OutOfRange (unit).
   Status SetWeights(int unit, const float* flat, uint64_t numel);
   Status ImportSafetensors(const std::string& path);
   Status ExportSafetensors(const std::string& path, engine::Engine::ExportType type);
@@ -469,7 +474,8 @@ struct RunnerStats {
 // which the next forward pass's acquires wait for, unit by unit.
 class Stage3Runner {
  public:
-  // `collectives` is required when world_size > 1 (else may be null). The
+  // `collectives` is required when world_size > 1 (else may be null); when
+  // given, its world size and rank must be the model's and `rank`. The
   // model, device and collectives must outlive the runner. The model's
   // weights must be set; on a rank attached from another process, Create
   // waits (up to options.timeout) for rank 0 to set them. Errors:

@@ -5,7 +5,8 @@
  *
  * Errors: every function returns a ztier_status; on failure,
  * ztier_last_error() gives the message of the calling thread's last failed
- * call (valid until its next call into the library).
+ * call (valid until its next call into the library), in UTF-8: bytes of a
+ * path or name that are not UTF-8, and control characters, show as '?'.
  * Versioning: structs passed in start with `struct_size` (set it to
  * sizeof the struct); fields are only ever appended.
  * Thread safety: as the C++ API: a runner is driven by one thread; sessions
@@ -16,7 +17,8 @@
  * the same address; the library cannot tell them apart). Closing a handle
  * while another thread uses it is undefined, as freeing any object is.
  * fork(): handles belong to the process that opened them. In a forked child
- * every call on them fails with ZTIER_FAILED_PRECONDITION, and closing them
+ * every call on them fails with ZTIER_FAILED_PRECONDITION (one that returns
+ * no status, ztier_runner_version, gives -1), and closing them
  * there frees nothing of the parent's (its job, its ztierd connection). */
 #ifndef ZTIER_CLIENT_ZTIER_C_H_
 #define ZTIER_CLIENT_ZTIER_C_H_
@@ -175,6 +177,8 @@ ztier_status ztier_runner_step(ztier_runner* runner);
  * micro-steps discarded whole. ZTIER_FAILED_PRECONDITION once the engine has
  * begun the step. */
 ztier_status ztier_runner_abort_step(ztier_runner* runner, int32_t* discarded);
+/* The version the runner's next forward pass reads; -1 for a handle that
+ * is not an open runner of this process. */
 int64_t ztier_runner_version(const ztier_runner* runner);
 
 #ifdef __cplusplus

@@ -41,15 +41,29 @@ bool Overlap(const void* a, size_t a_bytes, const void* b, size_t b_bytes) {
 
 size_t GradBytes(GradType t) { return t == GradType::kBFloat16 ? 2 : 4; }
 
+Status ValidateGradType(GradType t) {
+  if (t == GradType::kBFloat16 || t == GradType::kFloat32) return Status::Ok();
+  return Status::InvalidArgument(StrCat("AdamW grad type ", static_cast<int>(t), " is unknown"));
+}
+
 struct Buf {
   const char* name;
   const void* ptr;
   size_t bytes;
+  size_t align;  // its elements' size
 };
 
-// Every written buffer (the first `written`) must be disjoint from every
-// other buffer.
+// Every buffer must be aligned to its elements (a float at an odd address
+// is no float), and every written buffer (the first `written`) disjoint
+// from every other buffer.
 Status CheckDisjoint(const Buf* bufs, size_t count, size_t written) {
+  for (size_t i = 0; i < count; ++i) {
+    if (reinterpret_cast<uintptr_t>(bufs[i].ptr) % bufs[i].align != 0) {
+      return Status::InvalidArgument(StrCat("AdamW buffer ", bufs[i].name, " at ", bufs[i].ptr,
+                                            " is not aligned to its ", bufs[i].align,
+                                            "-byte elements"));
+    }
+  }
   for (size_t i = 0; i < written; ++i) {
     if (bufs[i].ptr == nullptr) continue;
     for (size_t j = i + 1; j < count; ++j) {
@@ -71,12 +85,13 @@ Status ValidateShard(const Shard& s) {
                                           " elements has a null grads/params/exp_avg/exp_avg_sq "
                                           "buffer"));
   }
+  ZT_RETURN_IF_ERROR(ValidateGradType(s.grad_type));
   const size_t fbytes = s.count * sizeof(float);
-  const Buf bufs[] = {{"params", s.params, fbytes},
-                      {"exp_avg", s.exp_avg, fbytes},
-                      {"exp_avg_sq", s.exp_avg_sq, fbytes},
-                      {"params_out", s.params_out, s.count * sizeof(bf16)},
-                      {"grads", s.grads, s.count * GradBytes(s.grad_type)}};
+  const Buf bufs[] = {{"params", s.params, fbytes, 4},
+                      {"exp_avg", s.exp_avg, fbytes, 4},
+                      {"exp_avg_sq", s.exp_avg_sq, fbytes, 4},
+                      {"params_out", s.params_out, s.count * sizeof(bf16), 2},
+                      {"grads", s.grads, s.count * GradBytes(s.grad_type), GradBytes(s.grad_type)}};
   return CheckDisjoint(bufs, 5, 4);
 }
 
@@ -88,14 +103,15 @@ Status ValidateInt8Shard(const Int8Shard& s) {
     return Status::InvalidArgument(StrCat("8-bit AdamW shard of ", s.count,
                                           " elements has a null grads/params/m/v/absmax buffer"));
   }
+  ZT_RETURN_IF_ERROR(ValidateGradType(s.grad_type));
   const size_t scales = QuantBlocks(s.count) * sizeof(float);
-  const Buf bufs[] = {{"params", s.params, s.count * sizeof(float)},
-                      {"m", q.m, s.count},
-                      {"v", q.v, s.count},
-                      {"m_absmax", q.m_absmax, scales},
-                      {"v_absmax", q.v_absmax, scales},
-                      {"params_out", s.params_out, s.count * sizeof(bf16)},
-                      {"grads", s.grads, s.count * GradBytes(s.grad_type)}};
+  const Buf bufs[] = {{"params", s.params, s.count * sizeof(float), 4},
+                      {"m", q.m, s.count, 1},
+                      {"v", q.v, s.count, 1},
+                      {"m_absmax", q.m_absmax, scales, 4},
+                      {"v_absmax", q.v_absmax, scales, 4},
+                      {"params_out", s.params_out, s.count * sizeof(bf16), 2},
+                      {"grads", s.grads, s.count * GradBytes(s.grad_type), GradBytes(s.grad_type)}};
   return CheckDisjoint(bufs, 7, 6);
 }
 
@@ -130,6 +146,15 @@ Status ValidateOptions(const Hyper& hyper, const StepOptions& options) {
     return Status::InvalidArgument(
         StrCat("AdamW grad_scale must be finite and > 0, got ", options.grad_scale));
   }
+  if (options.grad_check != GradCheck::kScanFirst && options.grad_check != GradCheck::kPrechecked) {
+    return Status::InvalidArgument(
+        StrCat("AdamW grad_check ", static_cast<int>(options.grad_check), " is unknown"));
+  }
+  if (options.output_store != OutputStore::kStreaming &&
+      options.output_store != OutputStore::kRegular) {
+    return Status::InvalidArgument(
+        StrCat("AdamW output_store ", static_cast<int>(options.output_store), " is unknown"));
+  }
   return Status::Ok();
 }
 
@@ -159,6 +184,13 @@ Status NonFiniteError(const std::vector<uint8_t>& non_finite, size_t count) {
 }  // namespace
 
 Status ValidateHyper(const Hyper& h) {
+  if (h.mode != Mode::kAdamW && h.mode != Mode::kAdam) {
+    return Status::InvalidArgument(StrCat("AdamW mode ", static_cast<int>(h.mode), " is unknown"));
+  }
+  if (h.bias_correction != BiasCorrection::kOn && h.bias_correction != BiasCorrection::kOff) {
+    return Status::InvalidArgument(
+        StrCat("AdamW bias_correction ", static_cast<int>(h.bias_correction), " is unknown"));
+  }
   if (!FiniteNonNegative(h.lr))
     return Status::InvalidArgument(StrCat("AdamW lr must be finite and >= 0, got ", h.lr));
   if (!FiniteNonNegative(h.beta1) || h.beta1 >= 1.0f) {
@@ -295,6 +327,11 @@ Result<double> SquaredNorm(const void* data, GradType type, size_t count, Execut
   if (count == 0) return 0.0;
   if (data == nullptr) {
     return Status::InvalidArgument(StrCat("SquaredNorm of ", count, " elements with null data"));
+  }
+  ZT_RETURN_IF_ERROR(ValidateGradType(type));
+  if (reinterpret_cast<uintptr_t>(data) % GradBytes(type) != 0) {
+    return Status::InvalidArgument(StrCat("SquaredNorm of data at ", data, ", not aligned to its ",
+                                          GradBytes(type), "-byte elements"));
   }
   std::vector<double> partials(TileCount(count), 0.0);
   ForEachTile(executor, count, [&](size_t t, size_t begin, size_t end) {

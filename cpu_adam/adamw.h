@@ -46,8 +46,9 @@
 //
 // Thread safety: Step() and SquaredNorm() may be called concurrently on
 // disjoint shards, also on one Executor. Buffers must not be modified by
-// others during a call. Failure: only InvalidArgument (bad hyper-parameters,
-// null or overlapping buffers), FailedPrecondition (see kPrechecked); no
+// others during a call. Failure: only InvalidArgument (bad hyper-parameters
+// or options, an unknown enum value, null, misaligned or overlapping
+// buffers), FailedPrecondition (see kPrechecked); no
 // allocation-dependent failures.
 #ifndef ZTIER_CPU_ADAM_ADAMW_H_
 #define ZTIER_CPU_ADAM_ADAMW_H_
@@ -94,7 +95,9 @@ struct StepOptions {
 };
 
 // One contiguous shard. All arrays have `count` elements; params, exp_avg,
-// exp_avg_sq and params_out must not overlap. Any alignment works.
+// exp_avg_sq and params_out must not overlap. Each array must be aligned to
+// its elements (4 bytes for fp32, 2 for bf16; InvalidArgument otherwise);
+// no wider alignment is needed.
 struct Shard {
   size_t count = 0;
   const void* grads = nullptr;  // count elements of grad_type

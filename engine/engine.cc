@@ -612,6 +612,22 @@ Status ValidateJobSpec(const JobSpec& spec, size_t name_prefix_bytes) {
                                           spec.optimizer.grad_accumulation, " not in 1..",
                                           kMaxGradAccumulation));
   }
+  if (spec.optimizer.mode != StepMode::kExact && spec.optimizer.mode != StepMode::kEager) {
+    return Status::InvalidArgument(StrCat("job '", spec.name, "': step mode ",
+                                          static_cast<int>(spec.optimizer.mode), " is unknown"));
+  }
+  for (const auto& [what, tier] :
+       {std::pair{"optimizer", spec.optimizer_tier}, std::pair{"param", spec.param_tier}}) {
+    if (tier != Tier::kDram && tier != Tier::kNvme) {
+      return Status::InvalidArgument(
+          StrCat("job '", spec.name, "': ", what, " tier ", static_cast<int>(tier), " is unknown"));
+    }
+  }
+  if (spec.state_dtype.has_value() && *spec.state_dtype != StateDtype::kFp32 &&
+      *spec.state_dtype != StateDtype::kInt8) {
+    return Status::InvalidArgument(StrCat("job '", spec.name, "': state dtype ",
+                                          static_cast<int>(*spec.state_dtype), " is unknown"));
+  }
   if (spec.optimizer.mode == StepMode::kEager && spec.optimizer.clip_norm > 0.0f) {
     return Status::InvalidArgument(
         StrCat("job '", spec.name,
@@ -932,6 +948,7 @@ Status Engine::WriteWeights(int job, int unit, const float* flat, uint64_t numel
     return Status::OutOfRange(StrCat("job ", job, " has no unit ", unit));
   }
   Unit& u = j->units[unit];
+  if (flat == nullptr) return Status::InvalidArgument("WriteWeights: null weights");
   if (numel != u.layout.numel) {
     return Status::InvalidArgument(StrCat("unit '", j->spec.units[unit].name, "' has ",
                                           u.layout.numel, " elements, got ", numel));
@@ -1189,6 +1206,7 @@ Result<const bf16*> Engine::Published(int job, int unit) const {
 Result<const bf16*> Engine::AcquireParams(int job, int unit, int64_t step,
                                           std::chrono::milliseconds timeout) {
   Impl& e = *impl_;
+  timeout = ClampWait(timeout);
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   ZT_RETURN_IF_ERROR(WaitPublished(job, unit, step, timeout));
   std::unique_lock<std::mutex> lock(e.mu);
@@ -1433,9 +1451,9 @@ Status Engine::WaitPublished(int job, int unit, int64_t step, std::chrono::milli
                " can come next (a client at the wrong step, e.g. after a resume?)"));
   }
   const auto t0 = std::chrono::steady_clock::now();
-  const bool ok = e.published_cv.wait_for(
-      lock, std::min<std::chrono::milliseconds>(timeout, kForeverWait),
-      [&] { return j->units[unit].published >= step || j->removed || !j->failure.ok(); });
+  const bool ok = e.published_cv.wait_for(lock, ClampWait(timeout), [&] {
+    return j->units[unit].published >= step || j->removed || !j->failure.ok();
+  });
   j->counters.stall_seconds +=
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   if (j->removed) return Status::Aborted(StrCat("job ", job, " was unregistered"));
@@ -1512,6 +1530,10 @@ Status Engine::LoadCheckpoint(int job, const std::string& dir) {
 }
 
 Status Engine::ExportSafetensors(int job, const std::string& path, ExportType type) {
+  if (type != ExportType::kFloat32 && type != ExportType::kBFloat16) {
+    return Status::InvalidArgument(
+        StrCat("export ", path, ": export type ", static_cast<int>(type), " is unknown"));
+  }
   return WithIdleJob(*impl_, job, "export safetensors", [&](Job& j) {
     return ExportSafetensorsImpl(j, path, type == ExportType::kBFloat16);
   });
@@ -1530,6 +1552,9 @@ Status Engine::WriteState(int job, int unit, const float* master, const float* e
   return WithIdleJob(*impl_, job, "write state", [&](Job& j) -> Status {
     if (unit < 0 || unit >= static_cast<int>(j.units.size())) {
       return Status::OutOfRange(StrCat("unit ", unit, " of ", j.units.size()));
+    }
+    if (master == nullptr || exp_avg == nullptr || exp_avg_sq == nullptr) {
+      return Status::InvalidArgument("WriteState: null master, m or v");
     }
     return WriteUnitStateImpl(j, static_cast<size_t>(unit),
                               UnitState{.master = const_cast<float*>(master),

@@ -53,6 +53,7 @@
 #ifndef ZTIER_ENGINE_ENGINE_H_
 #define ZTIER_ENGINE_ENGINE_H_
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <memory>
@@ -95,6 +96,11 @@ Status CheckName(std::string_view what, std::string_view name, size_t prefix_byt
 // (INT64_MAX ms, say) are cut to it, since the clock's nanoseconds would
 // overflow and time the wait out at once.
 inline constexpr std::chrono::hours kForeverWait{24 * 365 * 100};
+// A timeout as the engine's waits take it: cut to [0, kForeverWait] (a
+// negative one, milliseconds::min() say, is no wait at all).
+inline std::chrono::milliseconds ClampWait(std::chrono::milliseconds timeout) {
+  return std::clamp<std::chrono::milliseconds>(timeout, std::chrono::milliseconds{0}, kForeverWait);
+}
 
 class Engine {
  public:
@@ -125,19 +131,21 @@ class Engine {
   Result<UnitLayout> Layout(int job, int unit) const;
 
   // Initial weights of a unit, flat fp32 (layout.numel elements): sets the
-  // master copy and publishes it as step 0.
+  // master copy and publishes it as step 0. Errors: InvalidArgument (null,
+  // the count, a value not finite), NotFound, OutOfRange.
   Status WriteWeights(int job, int unit, const float* flat, uint64_t numel);
   // Reads the fp32 master / m / v of a unit (padded elements), for tests and
-  // checkpoints, between the unit's steps. Errors: FailedPrecondition (grads
-  // of a step pending on the unit), NotFound, OutOfRange.
+  // checkpoints, between the unit's steps; a null array is not read.
+  // Errors: FailedPrecondition (grads of a step pending on the unit),
+  // NotFound, OutOfRange.
   Status ReadState(int job, int unit, float* master, float* exp_avg, float* exp_avg_sq) const;
 
   // Overwrites a unit's fp32 master, m and v (layout.padded elements each)
   // and sets its bf16 params from the master, without publishing them:
   // loading a checkpoint whose files another process read (ztierd's
   // clients) is WriteState per unit, then CommitState. Call between steps.
-  // Errors: FailedPrecondition (grads pending), NotFound, OutOfRange, IoError
-  // (NVMe tier).
+  // Errors: InvalidArgument (a null array), FailedPrecondition (grads
+  // pending), NotFound, OutOfRange, IoError (NVMe tier).
   Status WriteState(int job, int unit, const float* master, const float* exp_avg,
                     const float* exp_avg_sq);
   // The job holds `step` (and `adam_step`, the steps that updated the
@@ -194,7 +202,9 @@ class Engine {
   // the timeout; IoError / Corruption reading the drives.
   Result<const bf16*> AcquireParams(int job, int unit, int64_t step,
                                     std::chrono::milliseconds timeout = std::chrono::minutes(10));
-  // Errors: FailedPrecondition (not acquired), NotFound, OutOfRange.
+  // Errors: FailedPrecondition (not acquired: params on NVMe; with params
+  // in DRAM an acquire holds nothing, and a release without one is not
+  // told apart), NotFound, OutOfRange.
   Status ReleaseParams(int job, int unit);
   int64_t PublishedStep(int job, int unit) const;
   // The step every unit will hold once the optimizer has applied the grads
@@ -203,8 +213,8 @@ class Engine {
   // client that starts reading while a step runs reads this step. -1 for an
   // unknown job or a job without weights.
   int64_t TargetStep(int job) const;
-  // Blocks until the unit holds step >= `step`, at most `timeout` (cut to
-  // kForeverWait). Errors: Unavailable on timeout (naming the unit, the step
+  // Blocks until the unit holds step >= `step`, at most `timeout` (cut by
+  // ClampWait). Errors: Unavailable on timeout (naming the unit, the step
   // and what it holds), Aborted if the job failed or was unregistered,
   // FailedPrecondition at once for a step more than one past the job's (no
   // grads could ever make it).

@@ -58,6 +58,11 @@ int main(void) {
     EXPECT(ztier_session_open_with(&o, &session) == ZTIER_UNAVAILABLE);
     EXPECT(strstr(ztier_last_error(), "/nonexistent-dir/ztierd.sock") != NULL);
     EXPECT(session == NULL);
+    /* Bytes that are not UTF-8 in a path come back as '?': the message is
+     * UTF-8 whatever the caller passed. */
+    o.daemon_socket = "/nonexistent-dir/\xff\xfe.sock";
+    EXPECT(ztier_session_open_with(&o, &session) == ZTIER_UNAVAILABLE);
+    EXPECT(strstr(ztier_last_error(), "/nonexistent-dir/??.sock") != NULL);
     /* An older caller's struct without daemon_socket: the embedded engine. */
     o.struct_size = (uint32_t)offsetof(ztier_session_options, daemon_socket);
     ASSERT_OK(ztier_session_open_with(&o, &session));
@@ -180,6 +185,22 @@ int main(void) {
     ASSERT_OK(ztier_runner_step(runner));
   }
   EXPECT(ztier_runner_version(runner) == steps);
+  /* A forked child's calls on its parent's handles fail, also those that
+   * need no engine (a layout, the runner's version). */
+  {
+    const pid_t pid = fork();
+    if (pid == 0) {
+      uint64_t n = 0;
+      int bad = 0;
+      if (ztier_model_unit_layout(model, 0, &n, NULL) != ZTIER_FAILED_PRECONDITION) bad |= 1;
+      if (strstr(ztier_last_error(), "forked") == NULL) bad |= 2;
+      if (ztier_runner_version(runner) != -1) bad |= 4;
+      _exit(bad);
+    }
+    int st = 0;
+    EXPECT(waitpid(pid, &st, 0) == pid);
+    EXPECT(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+  }
   /* Initial weights only: after a step they would be published as step 0. */
   EXPECT(ztier_model_set_weights(model, 0, weights, numel[0]) == ZTIER_FAILED_PRECONDITION);
   EXPECT(strstr(ztier_last_error(), "before the first step") != NULL);

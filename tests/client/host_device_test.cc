@@ -36,6 +36,18 @@ TEST(HostDeviceTest, AccountsMemoryPerPurpose) {
   EXPECT_EQ(d.memory(MemoryPurpose::kParams).bytes, 0u);
 }
 
+// A size within 255 bytes of SIZE_MAX, rounded up to 256, wrapped to 0:
+// 256 bytes were handed out for it.
+TEST(HostDeviceTest, AnImpossibleSizeIsResourceExhausted) {
+  auto dev = MakeHostDevice();
+  ASSERT_TRUE(dev.ok()) << dev.status();
+  for (const size_t bytes : {SIZE_MAX, SIZE_MAX - 100, SIZE_MAX - 255}) {
+    auto p = (*dev)->Allocate(bytes, MemoryPurpose::kOther);
+    EXPECT_EQ(p.status().code(), StatusCode::kResourceExhausted) << bytes;
+  }
+  EXPECT_EQ((*dev)->memory(MemoryPurpose::kOther).bytes, 0u);
+}
+
 TEST(HostDeviceTest, CopiesRunInOrderOnTheCopyThreadAndEventsTrackThem) {
   auto dev = MakeHostDevice();
   ASSERT_TRUE(dev.ok());

@@ -1444,6 +1444,28 @@ TEST(RunnerTest, ACoalescedFetchNeverWaitsForALaterUnit) {
   EXPECT_EQ((*runner)->stats().prefetch_hits, 60);
 }
 
+// Bad use of the C++ API is an error, never a crash: null buffers, an
+// unknown unit's layout, a negative timeout, collectives of another world.
+TEST_F(RunnerErrorsTest, NullBuffersUnknownUnitsAndBadOptionsAreErrors) {
+  EXPECT_EQ(model_->SetWeights(0, nullptr, model_->layout(0).numel).code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(model_->ReadMaster(0, nullptr).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(model_->layout(model_->units()).numel, 0u);
+  EXPECT_EQ(model_->layout(-1).numel, 0u);
+  // milliseconds::min() overflowed into a wait (UB): now no wait at all.
+  const Status s = model_->WaitPublished(5, std::chrono::milliseconds::min());
+  EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << s;  // no grads can reach step 5
+  EXPECT_TRUE(model_->WaitPublished(0, std::chrono::milliseconds::min()).ok());
+  runner_.reset();  // one runner a rank
+  auto r = Stage3Runner::Create(*model_, 0, *dev_, nullptr, {.timeout = std::chrono::seconds(-1)});
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << r.status();
+  auto coll = MakeLocalCollectives(2);
+  ASSERT_TRUE(coll.ok()) << coll.status();
+  r = Stage3Runner::Create(*model_, 0, *dev_, (*coll)[0].get(), {});
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << r.status();
+  EXPECT_NE(r.status().ToString().find("world size 1"), std::string::npos) << r.status();
+}
+
 TEST_F(RunnerErrorsTest, UnitLargerThanTheCap) {
   runner_.reset();  // one runner a rank
   auto r = Stage3Runner::Create(*model_, 0, *dev_, nullptr, {.max_live_bytes = 1024});

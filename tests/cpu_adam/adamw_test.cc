@@ -486,6 +486,27 @@ TEST(AdamWValidationTest, RejectsBadHyperParametersAndBuffers) {
   EXPECT_EQ(code({}, {}, empty), StatusCode::kOk);
   EXPECT_EQ(SquaredNorm(nullptr, GradType::kFloat32, 4, e).status().code(),
             StatusCode::kInvalidArgument);
+  // Enum values out of range were taken as some mode (kGradCheck(9): no scan).
+  EXPECT_EQ(code({.mode = static_cast<Mode>(9)}, {}, s), StatusCode::kInvalidArgument);
+  EXPECT_EQ(code({.bias_correction = static_cast<BiasCorrection>(9)}, {}, s),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(code({}, {.grad_check = static_cast<GradCheck>(9)}, s), StatusCode::kInvalidArgument);
+  EXPECT_EQ(code({}, {.output_store = static_cast<OutputStore>(9)}, s),
+            StatusCode::kInvalidArgument);
+  Shard bad_type = s;
+  bad_type.grad_type = static_cast<GradType>(9);
+  EXPECT_EQ(code({}, {}, bad_type), StatusCode::kInvalidArgument);
+  EXPECT_EQ(SquaredNorm(g.data(), static_cast<GradType>(9), 4, e).status().code(),
+            StatusCode::kInvalidArgument);
+  // fp32 grads at an odd address are no floats (a misaligned load, UB).
+  std::vector<char> bytes(8 * 4 + 1);
+  Shard odd = s;
+  odd.grads = bytes.data() + 1;
+  r = Step({}, {}, odd, e);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("grads at"), std::string::npos) << r.status();
+  EXPECT_EQ(SquaredNorm(bytes.data() + 1, GradType::kFloat32, 8, e).status().code(),
+            StatusCode::kInvalidArgument);
 }
 
 TEST(ExecutorTest, ValidatesOptionsAndReportsTopology) {

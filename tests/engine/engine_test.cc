@@ -754,6 +754,20 @@ TEST(EngineJobsTest, BudgetsValidationAndUnregister) {
   JobSpec zero = SmallModel("e", 1, 0, 1, StepMode::kExact);
   zero.units[0].tensors[0].shape = {0, 3};
   EXPECT_EQ(engine->RegisterJob(zero).status().code(), StatusCode::kInvalidArgument);
+  // Enum values out of range were taken as some mode or tier.
+  JobSpec odd = SmallModel("f", 1, 0, 1, static_cast<StepMode>(7));
+  EXPECT_EQ(engine->RegisterJob(odd).status().code(), StatusCode::kInvalidArgument);
+  odd = SmallModel("f", 1, 0, 1, StepMode::kExact);
+  odd.param_tier = static_cast<Tier>(7);
+  EXPECT_EQ(engine->RegisterJob(odd).status().code(), StatusCode::kInvalidArgument);
+  odd = SmallModel("f", 1, 0, 1, StepMode::kExact);
+  odd.state_dtype = static_cast<StateDtype>(7);
+  EXPECT_EQ(engine->RegisterJob(odd).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(
+      engine
+          ->ExportSafetensors(*a, "/nonexistent/x.safetensors", static_cast<Engine::ExportType>(7))
+          .code(),
+      StatusCode::kInvalidArgument);
 
   // Double delivery in one micro-step is refused.
   Ring(*engine, *a, 3, 1, 0.1f);
