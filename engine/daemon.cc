@@ -681,8 +681,15 @@ class Daemon::Impl::Connection {
       }
       Result<p::Header> h = p::DecodeHeader(got->data, static_cast<uint32_t>(got->fds.size()));
       if (!h.ok()) {
-        // The request id cannot be trusted: say why (id 0) and close.
-        ZT_LOG(kWarn, "ztierd") << Who() << ": " << h.status() << "; closing the connection";
+        // The request id cannot be trusted: say why (id 0) and close. Before
+        // the hello (another release's protocol version, not ztier at all)
+        // that is a refused connection, counted and logged as the others.
+        if (!hello_done_) {
+          ZT_LOG(kWarn, "ztierd") << "refused " << Who() << ": " << h.status().message();
+          d_.refused.fetch_add(1);
+        } else {
+          ZT_LOG(kWarn, "ztierd") << Who() << ": " << h.status() << "; closing the connection";
+        }
         SendError(0, p::MessageType::kHello, h.status());
         return;
       }

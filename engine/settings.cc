@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstring>
 #include <functional>
+#include <map>
 #include <set>
 #include <type_traits>
 
@@ -901,6 +902,9 @@ void Record(Settings& s, const Tunable& t, std::string_view origin) {
 struct WalkState {
   std::string_view origin;
   std::vector<std::string> ignored;
+  // The settings this file set: {key, value}, by row (two keys of one row,
+  // offload_param's and offload_optimizer's, must agree).
+  std::map<const Tunable*, std::pair<std::string, std::string>> set;
 };
 
 Status Walk(const Json& node, const std::string& prefix, Settings& s, WalkState& w);
@@ -930,6 +934,13 @@ Status Walk(const Json& node, const std::string& prefix, Settings& s, WalkState&
         if (!text->has_value()) break;  // "auto"
         Status st = t->set(s, **text, key);
         if (!st.ok()) return st.Annotate(w.origin);
+        const auto [earlier, first] = w.set.try_emplace(t, key, **text);
+        if (!first && earlier->second.second != **text) {
+          return Status::InvalidArgument(StrCat(w.origin, ": '", key, "' is ", **text, " but '",
+                                                earlier->second.first, "', the same setting, is ",
+                                                earlier->second.second,
+                                                "; give one value (or the same in both)"));
+        }
         Record(s, *t, w.origin);
         if (t->type == JsonType::kFlagOrSection && it.value().is_object()) {
           ZT_RETURN_IF_ERROR(WalkIgnoredChildren(it.value(), key, w));
@@ -1123,7 +1134,7 @@ const Tunable* FindRow(std::string_view key) {
 Result<Settings> ParseSettings(std::string_view json, std::string_view origin,
                                const Settings& base) {
   Settings s = base;
-  WalkState w{origin, {}};
+  WalkState w{origin, {}, {}};
   try {
     ZT_ASSIGN_OR_RETURN(Json doc, ParseStrict(RelaxedToJson(json), origin));
     if (!doc.is_object()) {

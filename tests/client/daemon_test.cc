@@ -203,6 +203,20 @@ TEST_F(DaemonTest, AnotherProtocolVersionIsRefusedNamingBoth) {
   EXPECT_TRUE(c.Closed());
   // Counted with the other refused connections (the metrics, status).
   EXPECT_EQ(daemon_->daemon().stats().refused, 1u);
+  // A first message in another release's framing (its header's version) is
+  // refused before any hello is read: counted too.
+  RawClient old = RawClient::Connect(socket(), /*hello=*/false);
+  Result<std::string> msg = p::EncodeMessage(
+      {.version = p::kVersion - 1, .type = p::MessageType::kHello}, p::Encode(p::Hello{}));
+  ASSERT_TRUE(msg.ok()) << msg.status();
+  ASSERT_TRUE(old.SendRaw(*msg).ok());
+  r = old.Receive();
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_NE(r->status.ToString().find(StrCat("protocol version ", p::kVersion - 1)),
+            std::string::npos)
+      << r->status;
+  EXPECT_TRUE(old.Closed());
+  EXPECT_EQ(daemon_->daemon().stats().refused, 2u);
 }
 
 TEST_F(DaemonTest, BrokenFramingGetsANoticeAndTheConnectionCloses) {

@@ -91,6 +91,18 @@ TEST(SettingsTest, EmptyObjectKeepsDefaults) {
   EXPECT_TRUE(NonDefaultSettings(*s).empty());
 }
 
+// DeepSpeed's configs give offload_param's and offload_optimizer's copies
+// of a setting alike: that is one value.
+TEST(SettingsTest, TwoKeysOfOneSettingThatAgreeAreOneValue) {
+  Result<Settings> s = ParseSettings(
+      R"({"zero_optimization": {"offload_optimizer": {"buffer_count": 6, "pin_memory": false},
+                                "offload_param": {"buffer_count": 6, "pin_memory": false}}})",
+      "x");
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_EQ(s->buffer_count, 6u);
+  EXPECT_FALSE(s->pin_memory);
+}
+
 struct BadCase {
   const char* json;
   const char* message;
@@ -135,6 +147,18 @@ TEST(SettingsTest, RejectsBadConfigsNamingTheKey) {
       {R"({"zero_optimization": {"offload_optimizer": {"nvme_path": "/a"},
                                   "offload_param": {"nvme_path": "/b"}}})",
        "both must name the same list"},
+      // Two keys of one setting that disagree (the keys go in sorted order):
+      // one value won, and was logged under the other's key.
+      {R"({"zero_optimization": {"offload_optimizer": {"buffer_count": 8},
+                                  "offload_param": {"buffer_count": 3}}})",
+       "'zero_optimization.offload_param.buffer_count' is 3 but "
+       "'zero_optimization.offload_optimizer.buffer_count', the same setting, is 8"},
+      {R"({"zero_optimization": {"offload_param": {"pin_memory": false},
+                                  "offload_optimizer": {"pin_memory": true}}})",
+       "the same setting, is true"},
+      {R"({"zero_optimization": {"stage3_param_persistence_threshold": 100,
+                                  "param_persistence_threshold": 200}})",
+       "the same setting, is 200"},
       {R"([1, 2])", "must be a JSON object"},
       {"{\"aio\": {\"queue_depth\": 4 5}}", "parse error"},
       {"", "parse error"},
