@@ -112,10 +112,12 @@ def _empty_parameters(model: nn.Module):
                 continue
             q = fresh.get(id(p))
             if q is None and not p.is_floating_point():
-                # Kept by the module, not the engine (an index table): real
-                # memory of its dtype, filled from the checkpoint as buffers are.
+                # Kept by the module, not the engine (an index table, a
+                # frozen complex parameter): real memory of its dtype, filled
+                # from the checkpoint as buffers are. A trainable complex one
+                # stays so, for offload to refuse.
                 q = fresh[id(p)] = nn.Parameter(torch.zeros(p.shape, dtype=p.dtype),
-                                                requires_grad=False)
+                                                requires_grad=p.requires_grad)
             if q is None:
                 q = fresh[id(p)] = nn.Parameter(
                     torch.full((), float("nan"), dtype=torch.bfloat16).expand(p.shape),

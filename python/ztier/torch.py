@@ -32,17 +32,25 @@ Hooks in the FSDP2 manner hold a unit while a module that uses it computes:
 - grads: each trainable parameter's post-accumulate-grad hook copies its
   grad into the unit's grad buffer and frees it; the unit's grads go to the
   engine (bf16) once its last trainable grad is in; units that got none push
-  zeros at the end of backward.
+  zeros at the end of backward. A unit called more than once (a shared
+  layer) sums the grads one backward gives a parameter (one per reentrant
+  checkpoint region) in fp32, rounding the sum to bf16 once.
 ``optimizer.step()`` marks the accumulation boundary: it sends each param
 group's current lr and the boundary micro-step's last grads, and the engine
 clips (global norm) and runs AdamW, publishing each unit as it is done, so
-the next forward starts while the optimizer runs.
+the next forward starts while the optimizer runs. After fewer backward
+passes than ``grad_accumulation`` (an epoch's last window) it completes the
+window with zero grads: the engine sums the micro-steps' grads, so the step
+is the one on the sum of the passes' grads.
+Floating-point buffers follow the compute dtype (a rotary embedding's
+excepted); the others stay as they are.
 
 Thread safety: one training thread drives a model (as in PyTorch). Errors:
 ztier's errors (``ztier.ZtierError`` subclasses) with the engine's message;
-misuse (``optimizer.step()`` before ``grad_accumulation`` backward passes, a
-training forward before the pending ``step()``) raises ``RuntimeError``
-naming the fix.
+misuse (``optimizer.step()`` with no backward pass since the last, a
+training forward before the pending ``step()``, a trainable complex
+parameter) raises ``RuntimeError`` (``ValueError`` at ``offload``) naming the
+fix.
 """
 
 from __future__ import annotations
@@ -280,6 +288,13 @@ class _Unit:
     storage: torch.UntypedStorage | None = None  # the held bf16 params (empty when not held)
     grads: torch.Tensor | None = None  # the grad buffer, once a grad arrived
     arrived: set = field(default_factory=set)  # ids of params whose grad is in
+    # A unit called more than once (below) keeps each parameter's first grad
+    # of a backward as it came, {param id: (tensor, grad)}, until a second
+    # one comes or the unit is pushed; a second one sums them into `acc`
+    # (fp32, the unit's padded size), made then: each grad is rounded to
+    # bf16 once, from the sum (reentrant checkpoint regions each give one).
+    held: dict = field(default_factory=dict)
+    acc: torch.Tensor | None = None
     trainable: int = 0
     pushed: bool = False
     # Its grads went to the runner this micro-step (a deferred unit is
@@ -401,6 +416,13 @@ class Offload:
                     f"ztier: '{mname or type(m).__name__}' is an embedding with sparse=True: its "
                     "grads are sparse tensors, and the engine takes dense ones; offload it with "
                     "sparse=False")
+        # A complex parameter is no floating-point one: a frozen one stays in
+        # the module (as an index table does); a trainable one would never
+        # be trained.
+        self._complex = [(n, p) for n, p in model.named_parameters() if p.is_complex()]
+        for pname, p in self._complex:
+            if p.requires_grad:
+                raise ValueError(_complex_trainable(pname, p, "is complex"))
         self._elem_bytes = torch.empty((), dtype=compute_dtype).element_size()
         self.rank, self.world_size = _distributed()
         self._hosted = None
@@ -485,11 +507,7 @@ class Offload:
             for t in u.tensors:
                 self._park(t)
                 t.param.grad = None
-        for name_, buf in list(model.named_buffers()):
-            if buf.device != self.device:
-                mod, _, leaf = name_.rpartition(".")
-                owner = model.get_submodule(mod) if mod else model
-                owner._buffers[leaf] = buf.to(self.device)
+        self._place_buffers(model)
         for p in model.parameters():  # those it keeps as they are (an index table)
             if id(p) not in self._tensor_of and p.device != self.device:
                 p.data = p.data.to(self.device)
@@ -616,6 +634,24 @@ class Offload:
                       if id(p) in self._unit_of}
                 self._module_units[id(m)] = [us[k] for k in sorted(us)]
                 self._hooked.append(m)
+
+    def _place_buffers(self, model: nn.Module):
+        """The module's buffers on the device, the floating-point ones in the
+        compute dtype as the parameters are (model.to(dtype) casts them so):
+        BatchNorm's running statistics and a positional table meet the
+        activations in it. A rotary embedding's keep theirs
+        (_keeps_buffer_dtype), as do the others (integer counters, masks).
+        A buffer shared by several modules stays shared."""
+        placed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id: (buffer, placed)
+        for m in model.modules():
+            for name, b in m._buffers.items():
+                if b is None:
+                    continue
+                if id(b) not in placed:
+                    dtype = (self.compute_dtype if b.is_floating_point()
+                             and not _keeps_buffer_dtype(m) else b.dtype)
+                    placed[id(b)] = (b, b.to(device=self.device, dtype=dtype))
+                m._buffers[name] = placed[id(b)][1]
 
     def _groups(self, model: nn.Module) -> list[dict]:
         a = self._adamw
@@ -825,6 +861,8 @@ class Offload:
             if u.grads is not None:
                 u.grads.zero_()
             u.arrived.clear()
+            u.held.clear()
+            u.acc = None
         self._phase = "idle"
 
     @contextlib.contextmanager
@@ -1124,6 +1162,11 @@ class Offload:
                         "the whole model may be frozen for a while); set requires_grad before "
                         "zt.offload, or export_safetensors and offload again with weights= (or a "
                         "fresh model and load_checkpoint)")
+        for name, p in self._complex:
+            if p.requires_grad:
+                raise RuntimeError(_complex_trainable(
+                    name, p, "has requires_grad=True now, False when the model was "
+                    "offloaded; it is complex"))
 
     def _root_post_forward(self, module, args, output):
         if torch._C._current_graph_task_id() != -1:
@@ -1209,7 +1252,9 @@ class Offload:
                 f"grad_accumulation={self.grad_accumulation}: call optimizer.step() first (a "
                 "backward through this model that gave its parameters grads counts as one, "
                 "also one that trains another model through it: freeze it with "
-                "requires_grad_(False) for such passes)")
+                "requires_grad_(False) for such passes); to train on several losses of one "
+                "forward, backward their sum ((l1 + l2).backward()), or set "
+                "grad_accumulation to the number of backward passes per step")
         if self._phase != "backward":
             self._phase = "backward"
             self._bwd_held.clear()
@@ -1252,25 +1297,58 @@ class Offload:
 
     def _grad_in(self, p: nn.Parameter):
         u = self._unit_of[id(p)]
-        if u.pushed:
-            raise RuntimeError(f"ztier: a second grad for '{self._tensor_of[id(p)].name}' after unit "
-                               f"'{u.name}' was sent in this backward pass")
-        if u.grads is None:
-            u.grads = self.runner.grad_buffer(u.index)
-            self._torch_waits_runner()
         t = self._tensor_of[id(p)]
-        dst = u.grads[t.offset:t.offset + t.numel].view(t.shape)
+        if u.pushed:
+            raise RuntimeError(f"ztier: a second grad for '{t.name}' after unit "
+                               f"'{u.name}' was sent in this backward pass")
         grad = p.grad if self._grad_divisor == 1 else p.grad / self._grad_divisor
-        if id(p) in u.arrived:
-            dst.add_(grad.to(torch.bfloat16))
-        else:
-            dst.copy_(grad)
-            u.arrived.add(id(p))
         p.grad = None
+        if u.acc is not None or id(p) in u.arrived:
+            # A second grad in this backward (each reentrant checkpoint
+            # region of a shared layer gives one): summed in fp32, rounded
+            # to bf16 once when the unit is pushed.
+            self._accumulator(u)[t.offset:t.offset + t.numel].add_(grad.reshape(-1))
+        elif u.calls > 1:
+            u.held[id(p)] = (t, grad)  # a second one may come: kept as it is for now
+        else:
+            self._grad_buffer(u)[t.offset:t.offset + t.numel].view(t.shape).copy_(grad)
+        u.arrived.add(id(p))
         if len(u.arrived) == u.trainable and u.calls <= 1:
             self._push(u)
 
+    def _grad_buffer(self, u: _Unit) -> torch.Tensor:
+        """The unit's grad buffer (bf16, the runner's), taken at its first use."""
+        if u.grads is None:
+            u.grads = self.runner.grad_buffer(u.index)
+            self._torch_waits_runner()
+        return u.grads
+
+    def _accumulator(self, u: _Unit) -> torch.Tensor:
+        """The unit's fp32 sum of this backward's grads, made at its first
+        second grad from what came before (in the grad buffer or held)."""
+        if u.acc is None:
+            acc = torch.zeros(u.padded, dtype=torch.float32, device=self.device)
+            if u.grads is not None:
+                acc.copy_(u.grads)
+            for t, g in u.held.values():
+                acc[t.offset:t.offset + t.numel].copy_(g.reshape(-1))
+            u.held.clear()
+            u.acc = acc
+        return u.acc
+
+    def _collect_grads(self, u: _Unit):
+        """The unit's held grads, or its fp32 sum, into its grad buffer."""
+        if u.acc is not None:
+            self._grad_buffer(u).copy_(u.acc)
+            u.acc = None
+        elif u.held:
+            flat = self._grad_buffer(u)
+            for t, g in u.held.values():
+                flat[t.offset:t.offset + t.numel].view(t.shape).copy_(g)
+            u.held.clear()
+
     def _push(self, u: _Unit):
+        self._collect_grads(u)
         boundary = self._micro + 1 == self.grad_accumulation
         unpushed = sum(1 for v in self.units if not v.pushed and v not in self._deferred)
         if boundary and unpushed == 1 and not self._deferred:
@@ -1397,10 +1475,13 @@ class Offload:
                 f"was discarded, none was taken (the model is as after step {self.step_count}); "
                 "run the forward and backward again")
         if not self._awaiting_step:
-            raise RuntimeError(
-                f"ztier: optimizer.step() after {self._micro} backward passes since the last "
-                f"step; offload(grad_accumulation={self.grad_accumulation}) steps after "
-                f"{self.grad_accumulation}")
+            if self._micro == 0:
+                raise RuntimeError(
+                    "ztier: optimizer.step() after 0 backward passes since the last step: "
+                    f"offload(grad_accumulation={self.grad_accumulation}) steps on the grads "
+                    "of the backward passes before it; run one first")
+            self._complete_window(lrs)
+            return
         self.job.set_learning_rates(lrs)
         for u in self._deferred:
             if not u.sent:  # (an interrupted optimizer.step() sent it already)
@@ -1412,6 +1493,34 @@ class Offload:
         except _C.ZtierError:
             self._micro, self._awaiting_step = micro, True
             raise
+
+    def _complete_window(self, lrs: list[float]):
+        """optimizer.step() after fewer backward passes than grad_accumulation
+        (an epoch's last window; Trainer steps so): the window's missing
+        micro-steps push zero grads for every unit. The engine sums the
+        micro-steps' grads, so the step is the one on the sum of the passes'
+        grads, as torch's optimizers take it."""
+        if torch._C._current_graph_task_id() != -1:
+            raise RuntimeError("ztier: optimizer.step() inside a backward pass; call it after "
+                               "the backward returns")
+        if self._phase == "backward" or self._fwd_held:
+            self._reset_interrupted()  # a pass that raised before any grad went out
+        self.job.set_learning_rates(lrs)
+        last = False
+        while not last:
+            for u in self.units:
+                if not u.sent:  # (an interrupted step() sent some already)
+                    self._send(u)  # its zeroed grad buffer
+            # The count first: an interrupt (Ctrl-C) raised the moment the
+            # runner's Step() returns must find the micro-step counted.
+            micro = self._micro
+            last = micro + 1 == self.grad_accumulation
+            self._micro = 0 if last else micro + 1
+            try:
+                self._end_micro_step()
+            except _C.ZtierError:  # refused: the micro-step is still open
+                self._micro = micro
+                raise
 
     # ---- state between steps
 
@@ -1642,6 +1751,8 @@ class Offload:
         for u in self.units:
             u.grads = None
             u.arrived.clear()
+            u.held.clear()
+            u.acc = None
             u.holds = 0
             u.storage = None
         for u in self.units:
@@ -1751,8 +1862,28 @@ def _user_stacklevel() -> int:
 
 def _offloadable(p: nn.Parameter) -> bool:
     """Whether the engine keeps ``p``: a floating-point parameter with
-    elements (the others, an integer index table, stay as they are)."""
+    elements (the others, an integer index table or a frozen complex
+    parameter, stay as they are)."""
     return p.numel() > 0 and p.is_floating_point()
+
+
+def _complex_trainable(name: str, p: nn.Parameter, what: str) -> str:
+    return (f"ztier: parameter '{name}' {what} ({p.dtype}) and trainable: the engine trains "
+            "real parameters only (fp32 masters, bf16 values), and it would never be updated; "
+            "store its real and imaginary parts as a real parameter, "
+            "nn.Parameter(torch.view_as_real(w)) of shape (..., 2), and take "
+            "torch.view_as_complex(w.float()) of it in the forward, or freeze it "
+            "(requires_grad=False: it then stays in the module as it is)")
+
+
+def _keeps_buffer_dtype(module: nn.Module) -> bool:
+    """Whether ``module``'s floating-point buffers keep their dtype instead
+    of following the compute dtype: a rotary embedding's (Hugging Face's
+    ``*RotaryEmbedding`` classes, which transformers finds by that name
+    too). Its frequencies rounded to bf16 move each position's angle by up
+    to 2^-9 of it (radians at a few thousand tokens), and those models read
+    them as fp32 whatever the compute dtype."""
+    return "rotary" in type(module).__name__.lower()
 
 
 def _is_placeholder(p: torch.Tensor) -> bool:

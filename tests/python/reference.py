@@ -49,11 +49,18 @@ class Reference:
         self.dtype = z.compute_dtype  # the params' dtype in the module
         self.adam_step = 0
         self.micro = 0
+        # Floating-point buffers in the compute dtype, a rotary embedding's
+        # excepted, as ztier.torch puts them.
+        for m in model.modules():
+            if "rotary" in type(m).__name__.lower():
+                continue
+            for name, b in m._buffers.items():
+                if b is not None and b.is_floating_point():
+                    m._buffers[name] = b.to(self.dtype)
         self._publish_all()
 
     def _publish_all(self):
-        # The model's params become the bf16 rounding of the fp32 masters
-        # (buffers keep their dtype, as ztier.torch leaves them).
+        # The model's params become the bf16 rounding of the fp32 masters.
         for u in self.units:
             pub = u["master"].to(torch.bfloat16)
             for name, off, n, _, _ in u["tensors"]:

@@ -176,9 +176,9 @@ def test_the_config_files_optimizer_clipping_and_accumulation_apply(settings, tm
     assert z.optimizer.param_groups[0]["lr"] == pytest.approx(0.25)
     x = torch.randn(4, 6)
     model(x).sum().backward()
-    with pytest.raises(RuntimeError, match="grad_accumulation=2"):
-        z.optimizer.step()
     model(x).sum().backward()
+    with pytest.raises(RuntimeError, match="grad_accumulation=2"):
+        model(x)  # a third training forward before the step
     z.optimizer.step()
     z.close()
     # Arguments win over the file.
@@ -239,6 +239,34 @@ def test_a_second_backward_before_the_step_names_the_fix(settings):
     with pytest.raises(RuntimeError, match="call optimizer.step\\(\\) first"):
         l2.backward()
     z.close()
+
+
+def test_two_losses_of_one_forward_are_told_how_to_train(settings):
+    # l1.backward(retain_graph=True); l2.backward() was told only to call
+    # optimizer.step() in between, which trains another algorithm.
+    x = torch.randn(4, 6)
+    model = _mlp()
+    z = zt.offload(model, settings=settings)
+    out = model(x)
+    out.pow(2).mean().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match=r"call optimizer.step\(\) first.*backward their sum "
+                       r"\(\(l1 \+ l2\)\.backward\(\)\).*grad_accumulation to the number"):
+        out.abs().mean().backward()
+    z.close()
+    # Both ways named work.
+    for accumulation in (1, 2):
+        model = _mlp()
+        z = zt.offload(model, grad_accumulation=accumulation, settings=settings)
+        out = model(x)
+        l1, l2 = out.pow(2).mean(), out.abs().mean()
+        if accumulation == 1:
+            (l1 + l2).backward()
+        else:
+            l1.backward(retain_graph=True)
+            l2.backward()
+        z.optimizer.step()
+        assert z.step_count == 1
+        z.close()
 
 
 def test_no_file_descriptors_or_threads_leak_over_many_models(settings):
@@ -338,7 +366,7 @@ def _grad_norm_as_torchs(settings, model, x):
     assert all(u.holds == 0 for u in z.units)
     z.optimizer.step()
     # Grads reach the engine in bf16 (2^-9 relative), a shared layer's
-    # rounds summed in bf16 too.
+    # rounds summed in fp32 first.
     assert z.grad_norm() == pytest.approx(want, rel=4e-3)
     z.close()
 
@@ -350,6 +378,43 @@ def test_call_patterns_give_torchs_grads(settings, kind):
     torch.manual_seed(0)
     model = _Patterns(kind)
     _grad_norm_as_torchs(settings, model, torch.randn(3, 4))
+
+
+class _SharedCheckpointed(nn.Module):
+    """One block listed eight times (ALBERT-style), each call checkpointed."""
+
+    def __init__(self, reentrant):
+        super().__init__()
+        self.reentrant = reentrant
+        self.inp = nn.Linear(4, 8)
+        self.layers = nn.ModuleList([_Block()] * 8)
+        self.out = nn.Linear(8, 1)
+
+    def forward(self, x):
+        import torch.utils.checkpoint as cp
+
+        h = self.inp(x)
+        for layer in self.layers:
+            h = cp.checkpoint(layer, h, use_reentrant=self.reentrant)
+        return self.out(h)
+
+
+def test_a_shared_layer_checkpointed_reentrantly_sums_its_grads_once(settings):
+    # Each reentrant region's grads of the shared layer were rounded to bf16
+    # and summed in bf16 (the norm off by 4e-4); non-reentrant, torch sums
+    # them first and they are rounded once.
+    norms = {}
+    for reentrant in (False, True):
+        torch.manual_seed(0)
+        model = _SharedCheckpointed(reentrant)
+        z = zt.offload(model, settings=settings)
+        x = torch.randn(16, 4, generator=torch.Generator().manual_seed(1))
+        model(x).pow(2).sum().backward()
+        z.optimizer.step()
+        norms[reentrant] = z.grad_norm()
+        assert all(u.holds == 0 for u in z.units)
+        z.close()
+    assert norms[True] == pytest.approx(norms[False], rel=1e-6)
 
 
 class _Regions(nn.Module):

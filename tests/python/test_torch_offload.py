@@ -297,6 +297,51 @@ def test_against_torch_adamw(settings):
         assert math.isclose(loss.item(), ref_loss.item(), rel_tol=1e-3), (step, loss, ref_loss)
 
 
+def test_a_short_accumulation_window_steps_on_the_sum_of_its_grads(settings):
+    """optimizer.step() after fewer backward passes than grad_accumulation
+    (an epoch's last window) was refused. The engine sums the micro-steps'
+    grads: the window is completed with zero grads, and the step is torch's
+    AdamW on the sum of the passes' (bf16) grads."""
+    lr = 1e-3
+    model = tiny_llama()
+    ref_model = copy.deepcopy(model)
+    fp32 = {n: torch.nn.Parameter(p.detach().clone()) for n, p in ref_model.named_parameters()}
+    opt = torch.optim.AdamW(fp32.values(), lr=lr, betas=(0.9, 0.999), eps=1e-8,
+                            weight_decay=0.01)
+    z = zt.offload(model, optimizer=zt.AdamW(lr=lr, weight_decay=0.01), grad_accumulation=3,
+                   settings=settings)
+    for p in ref_model.parameters():
+        p.data = p.data.to(torch.bfloat16).to(z.compute_dtype)
+    ref_params = dict(ref_model.named_parameters())
+    for micro in range(2):
+        x = batch(0, micro)
+        model(input_ids=x, labels=x).loss.backward()
+        ref_model(input_ids=x, labels=x).loss.backward()
+        for n, p in ref_params.items():
+            g = p.grad.to(torch.bfloat16).float()  # the grads ztier's engine gets
+            fp32[n].grad = g if fp32[n].grad is None else fp32[n].grad + g
+            p.grad = None
+    z.optimizer.step()
+    want = math.sqrt(sum(float(p.grad.double().pow(2).sum()) for p in fp32.values()))
+    opt.step()
+    assert z.step_count == 1
+    assert z.grad_norm() == pytest.approx(want, rel=1e-6)
+    ours = z.master_weights()
+    for n in fp32:
+        assert torch.allclose(ours[n], fp32[n].detach(), rtol=0, atol=1e-5 * lr), n
+    # The next window is a whole one again.
+    for micro in range(3):
+        x = batch(1, micro)
+        model(input_ids=x, labels=x).loss.backward()
+    with pytest.raises(RuntimeError, match="call optimizer.step"):
+        model(input_ids=x, labels=x)
+    z.optimizer.step()
+    assert z.step_count == 2
+    with pytest.raises(RuntimeError, match="after 0 backward passes"):
+        z.optimizer.step()
+    z.close()
+
+
 def test_misuse_is_a_clear_error(settings):
     model = tiny_llama()
     z = zt.offload(model, grad_accumulation=2, settings=settings)
@@ -304,8 +349,6 @@ def test_misuse_is_a_clear_error(settings):
         z.optimizer.step()
     x = batch(0)
     model(input_ids=x, labels=x).loss.backward()
-    with pytest.raises(RuntimeError, match="optimizer.step"):
-        z.optimizer.step()
     model(input_ids=x, labels=x).loss.backward()
     with pytest.raises(RuntimeError, match="call optimizer.step"):
         model(input_ids=x, labels=x)
@@ -647,6 +690,33 @@ def test_hf_trainer_smoke(settings, tmp_path):
     with z.gathered():
         want = {k: v.clone() for k, v in model.state_dict().items()}
     assert saved and all(torch.equal(v, want[k].to(v.dtype)) for k, v in saved.items())
+
+
+def test_hf_trainer_with_an_epoch_of_odd_micro_batches(settings, tmp_path):
+    # 7 micro-batches an epoch with gradient_accumulation_steps=2: Trainer
+    # steps after the epoch's last micro-batch alone, which was refused.
+    from torch.utils.data import Dataset
+    from transformers import Trainer, TrainingArguments
+
+    class Fixed(Dataset):
+        def __len__(self):
+            return 14
+
+        def __getitem__(self, i):
+            x = batch(i, rows=1)[0]
+            return {"input_ids": x, "labels": x}
+
+    model = tiny_llama()
+    z = zt.offload(model, optimizer=zt.AdamW(lr=1e-3), grad_accumulation=2, settings=settings)
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), per_device_train_batch_size=2,
+                             gradient_accumulation_steps=2, num_train_epochs=2,
+                             learning_rate=1e-3, save_strategy="no", report_to=[],
+                             logging_steps=1, use_cpu=True, disable_tqdm=True)
+    trainer = Trainer(model=model, args=args, train_dataset=Fixed(),
+                      optimizers=(z.optimizer, None))
+    result = trainer.train()
+    assert z.step_count == trainer.state.global_step == 8
+    assert math.isfinite(result.training_loss)
 
 
 def test_from_pretrained_of_a_checkpoint_with_other_names(settings, tmp_path):

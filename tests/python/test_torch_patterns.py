@@ -387,3 +387,106 @@ def test_cast_inputs_saturate_keep_namedtuples_and_can_be_off(settings):
     with pytest.raises(RuntimeError, match="dtype"):
         model(Pair(_x(0), mask))
     z.close()
+
+
+class _Spectral(nn.Module):
+    """A spectral filter: a complex parameter (FNO-style)."""
+
+    def __init__(self, trainable):
+        super().__init__()
+        self.filt = nn.Parameter(torch.randn(5, dtype=torch.cfloat), requires_grad=trainable)
+        self.lin = nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.lin(torch.fft.irfft(torch.fft.rfft(x) * self.filt, n=x.shape[-1]))
+
+
+def test_a_trainable_complex_parameter_is_refused_and_a_frozen_one_stays(settings):
+    # A complex parameter was taken for an index table: left out of the
+    # engine and the param groups, it never trained (its grads piled up).
+    torch.manual_seed(0)
+    with pytest.raises(ValueError, match=r"'filt' is complex .*view_as_real"):
+        zt.offload(_Spectral(trainable=True), settings=settings)
+    model = _Spectral(trainable=False)
+    want = model.filt.detach().clone()
+    z = zt.offload(model, settings=settings)
+    assert [t.name for u in z.units for t in u.tensors] == ["lin.weight", "lin.bias"]
+    model(_x(0)).pow(2).mean().backward()
+    z.optimizer.step()
+    assert model.filt.dtype == torch.cfloat and torch.equal(model.filt.detach(), want)
+    # Unfrozen later, it would never train: said at the next training forward.
+    model.filt.requires_grad_(True)
+    with pytest.raises(RuntimeError, match="'filt' has requires_grad=True now.*view_as_real"):
+        model(_x(1))
+    z.close()
+
+
+class _Normed(nn.Module):
+    """BatchNorm's running statistics and a positional table: buffers."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("pe", torch.randn(8))
+        self.fc = nn.Linear(8, 8)
+        self.bn = nn.BatchNorm1d(8)
+        self.out = nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.out(torch.relu(self.bn(self.fc(x + self.pe))))
+
+
+def test_floating_point_buffers_follow_the_compute_dtype(settings, tmp_path):
+    # They kept their own dtype: fp32 running statistics and an fp32 table
+    # failed in a model computing in bf16 ("expected scalar type BFloat16
+    # but found Float"), and a model cast to bf16 computing in fp32 too.
+    # It trains as the reference, whose buffers are cast as model.to() does.
+    _against_reference(_Normed, settings, lambda step: _x(step).bfloat16(),
+                       compute_dtype=torch.bfloat16)[1].close()
+    torch.manual_seed(0)
+    model = _Normed()
+    z = zt.offload(model, compute_dtype=torch.bfloat16, settings=settings)
+    assert model.pe.dtype == model.bn.running_mean.dtype == torch.bfloat16
+    assert model.bn.num_batches_tracked.dtype == torch.int64
+    for step in range(2):
+        model(_x(step)).float().pow(2).mean().backward()
+        z.optimizer.step()
+    model.eval()
+    with torch.no_grad():
+        assert model(_x(2)).dtype == torch.bfloat16
+    sd = model.state_dict()
+    assert sd["bn.running_mean"].dtype == torch.bfloat16
+    assert int(sd["bn.num_batches_tracked"]) == 2
+    z.save_checkpoint(str(tmp_path / "ck"))
+    # Into a model computing in fp32: cast into its fp32 buffers.
+    fresh = _Normed()
+    z2 = zt.offload(fresh, settings=settings)
+    z2.load_checkpoint(str(tmp_path / "ck"))
+    assert fresh.bn.running_mean.dtype == torch.float32
+    assert torch.equal(fresh.bn.running_mean, model.bn.running_mean.float())
+    assert torch.equal(fresh.pe, model.pe.float())
+    fresh(_x(0)).pow(2).mean().backward()
+    z2.optimizer.step()
+    z.close()
+    z2.close()
+    # A model cast to bf16, computing in fp32 (the host's default).
+    model = _Normed().to(torch.bfloat16)
+    z = zt.offload(model, settings=settings)
+    assert model.bn.running_var.dtype == model.pe.dtype == torch.float32
+    model(_x(0)).pow(2).mean().backward()
+    z.optimizer.step()
+    z.close()
+
+
+def test_a_rotary_embeddings_frequencies_stay_fp32(settings):
+    # Rounded to bf16, a rotary embedding's frequencies move the positions'
+    # angles by up to pi at a few thousand tokens; Hugging Face's models
+    # keep them fp32 and read them so in any dtype.
+    from conftest import batch, tiny_llama
+
+    model = tiny_llama()
+    z = zt.offload(model, compute_dtype=torch.bfloat16, settings=settings)
+    assert model.model.rotary_emb.inv_freq.dtype == torch.float32
+    x = batch(0)
+    model(input_ids=x, labels=x).loss.backward()
+    z.optimizer.step()
+    z.close()
