@@ -31,6 +31,7 @@
 #include "common/log.h"
 #include "common/numbers.h"
 #include "common/version.h"
+#include "engine/json_strict.h"
 #include "engine/metrics.h"
 #include "engine/protocol.h"
 #include "engine/shared_memory.h"
@@ -272,8 +273,11 @@ struct Daemon::Impl {
     const auto bad = [&](std::string_view why) {
       return Status::InvalidArgument(StrCat("quota file ", options.quota_file, ": ", why));
     };
-    nlohmann::json doc = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
-    if (doc.is_discarded() || !doc.is_object()) return bad("not a JSON object");
+    Result<nlohmann::json> parsed =
+        ParseJsonStrict(text, StrCat("quota file ", options.quota_file));
+    if (!parsed.ok()) return parsed.status();
+    nlohmann::json& doc = *parsed;
+    if (!doc.is_object()) return bad("not a JSON object");
     if (doc.value("format", "") != "ztierd-quotas" || !doc.contains("version") ||
         !doc["version"].is_number_integer() || doc["version"].get<int64_t>() != 1) {
       return bad("not a ztierd quota file of version 1 (\"format\": \"ztierd-quotas\")");
@@ -332,6 +336,11 @@ struct Daemon::Impl {
       Status s = WriteFileAtomically(options.quota_file, QuotaFileTextLocked());
       if (!s.ok()) {
         custom_quotas = before;
+        // What is wrong is the file (a directory there, say), never the
+        // operator's request: not InvalidArgument, ztierctl's usage error.
+        if (s.code() == StatusCode::kInvalidArgument) {
+          s = Status(StatusCode::kFailedPrecondition, std::string(s.message()), s.sys_errno());
+        }
         return s.Annotate("keeping the quota file (the quota is unchanged)");
       }
     }

@@ -153,7 +153,9 @@ Result<Flags> ParseFlags(int argc, char** argv) {
       ZT_ASSIGN_OR_RETURN(int64_t n, IntFlag(a, v, 1, 1 << 20));
       f.daemon.max_connections_per_uid = static_cast<int>(n);
     } else if (a == "--max-dram-per-uid" || a == "--max-nvme-per-uid") {
-      Result<uint64_t> bytes = ParseSize(v);
+      // 0 or none: no limit (as ztierctl quota set takes it).
+      Result<uint64_t> bytes =
+          std::string_view(v) == "none" ? Result<uint64_t>(uint64_t{0}) : ParseSize(v);
       if (!bytes.ok()) return bytes.status().Annotate(a);
       (a == "--max-dram-per-uid" ? f.daemon.max_dram_bytes_per_uid
                                  : f.daemon.max_nvme_bytes_per_uid) = *bytes;

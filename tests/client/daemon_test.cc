@@ -1050,6 +1050,10 @@ TEST(ZtierdProgramTest, BadUsageAndASocketInUseAreClearErrors) {
   EXPECT_EQ(rc, 2) << out;
   std::tie(rc, out) = RunZtierd("--max-dram-per-uid lots --socket /tmp/x.sock");
   EXPECT_EQ(rc, 2) << out;
+  // "none" is no limit, as ztierctl quota set takes it (parsing goes on).
+  std::tie(rc, out) = RunZtierd("--max-nvme-per-uid none --frobnicate 1");
+  EXPECT_EQ(rc, 2) << out;
+  EXPECT_NE(out.find("unknown flag '--frobnicate'"), std::string::npos) << out;
   std::tie(rc, out) = RunZtierd("");  // no socket, not socket-activated
   EXPECT_EQ(rc, 2) << out;
   EXPECT_NE(out.find("--socket"), std::string::npos) << out;

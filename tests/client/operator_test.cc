@@ -287,7 +287,10 @@ TEST(OperatorTest, QuotasAreEnforcedResetAndKeptInTheQuotaFile) {
        {"{", "{\"format\": \"ztierd-quotas\", \"version\": 2, \"quotas\": {}}",
         "{\"format\": \"ztierd-quotas\", \"version\": 1, \"quotas\": {\"x\": {}}}",
         "{\"format\": \"ztierd-quotas\", \"version\": 1, \"quotas\": {\"7\": {\"max_jobs\": 0}}}",
-        "{\"format\": \"ztierd-quotas\", \"version\": 1, \"quotas\": {\"7\": {\"jobz\": 1}}}"}) {
+        "{\"format\": \"ztierd-quotas\", \"version\": 1, \"quotas\": {\"7\": {\"jobz\": 1}}}",
+        // A key twice: the last one won, silently.
+        "{\"format\": \"ztierd-quotas\", \"version\": 1, \"quotas\": {\"7\": {\"max_jobs\": 2, "
+        "\"max_jobs\": 3}}}"}) {
     std::ofstream(file) << bad;
     Result<std::unique_ptr<engine::Daemon>> d =
         engine::Daemon::Create(SmallEngine(), WithQuotaFile(file));
@@ -295,6 +298,27 @@ TEST(OperatorTest, QuotasAreEnforcedResetAndKeptInTheQuotaFile) {
     EXPECT_EQ(d.status().code(), StatusCode::kInvalidArgument) << d.status();
     EXPECT_NE(d.status().message().find(file), std::string::npos) << d.status();
   }
+}
+
+// A quota file that cannot be replaced (a directory in its place) is the
+// daemon's trouble, not a bad request: FailedPrecondition (ztierctl's exit
+// 1), never InvalidArgument (its usage error, exit 2); the quota is unchanged.
+TEST(OperatorTest, AQuotaFileThatCannotBeWrittenIsNotABadRequest) {
+  ScratchDir dir("quota-dir");
+  const std::string file = dir.path() + "/quotas.json";
+  Result<std::unique_ptr<TestDaemon>> d = TestDaemon::Start(SmallEngine(), WithQuotaFile(file));
+  ASSERT_TRUE(d.ok()) << d.status();
+  std::filesystem::create_directory(file);
+  Result<std::unique_ptr<DaemonControl>> c = DaemonControl::Connect((*d)->socket());
+  ASSERT_TRUE(c.ok()) << c.status();
+  Result<engine::QuotaInfo> q =
+      (*c)->SetQuota({.uid = 7, .set = engine::kQuotaMaxJobs, .quota = {.max_jobs = 2}});
+  ASSERT_FALSE(q.ok());
+  EXPECT_EQ(q.status().code(), StatusCode::kFailedPrecondition) << q.status();
+  EXPECT_NE(q.status().message().find("the quota is unchanged"), std::string::npos) << q.status();
+  q = (*c)->GetQuota(7);
+  ASSERT_TRUE(q.ok()) << q.status();
+  EXPECT_FALSE(q->custom);
 }
 
 TEST(OperatorTest, DrainRefusesNewJobsAndEvictFreesAJobAndTellsItsClient) {
