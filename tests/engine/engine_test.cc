@@ -313,19 +313,26 @@ TEST(EngineOverlapTest, ExactModePublishesUnitZeroBeforeTheLastUnitIsDone) {
   EXPECT_TRUE(engine->WaitPublished(*job, 1, 1, 30s).ok());
 }
 
+// Sets units 0..n-1 of `job` to weights of 0.5; returns each unit's fp32
+// master (padded) as the engine then holds it.
+std::vector<std::vector<float>> HalvesAndTheirMasters(Engine& engine, int job, int n) {
+  std::vector<std::vector<float>> masters(n);
+  for (int k = 0; k < n; ++k) {
+    const UnitLayout l = *engine.Layout(job, k);
+    std::vector<float> w(l.numel, 0.5f);
+    EXPECT_TRUE(engine.WriteWeights(job, k, w.data(), w.size()).ok());
+    masters[k].resize(l.padded);
+    EXPECT_TRUE(engine.ReadState(job, k, masters[k].data(), nullptr, nullptr).ok());
+  }
+  return masters;
+}
+
 TEST(EngineFaultTest, NonFiniteGradsSkipTheStepInExactMode) {
   auto engine = MakeEngine();
   Result<int> job = engine->RegisterJob(SmallModel("nan", 1, 1.0f, 1, StepMode::kExact));
   ASSERT_TRUE(job.ok());
   const int n = 4;
-  std::vector<std::vector<float>> before(n);
-  for (int k = 0; k < n; ++k) {
-    const UnitLayout l = *engine->Layout(*job, k);
-    std::vector<float> w(l.numel, 0.5f);
-    ASSERT_TRUE(engine->WriteWeights(*job, k, w.data(), w.size()).ok());
-    before[k].resize(l.padded);
-    ASSERT_TRUE(engine->ReadState(*job, k, before[k].data(), nullptr, nullptr).ok());
-  }
+  const std::vector<std::vector<float>> before = HalvesAndTheirMasters(*engine, *job, n);
   for (int k = n - 1; k >= 0; --k) Ring(*engine, *job, k, 1, k == 2 ? NAN : 0.1f);
   for (int k = 0; k < n; ++k) {
     ASSERT_TRUE(engine->WaitPublished(*job, k, 1, 10s).ok());
@@ -349,14 +356,7 @@ TEST(EngineFaultTest, GradsTooLargeForTheMomentsSkipTheStepUnlessClipped) {
         SmallModel(clip > 0 ? "huge-clipped" : "huge", 1, clip, 1, StepMode::kExact));
     ASSERT_TRUE(job.ok()) << job.status();
     const int n = 4;
-    std::vector<std::vector<float>> before(n);
-    for (int k = 0; k < n; ++k) {
-      const UnitLayout l = *engine->Layout(*job, k);
-      std::vector<float> w(l.numel, 0.5f);
-      ASSERT_TRUE(engine->WriteWeights(*job, k, w.data(), w.size()).ok());
-      before[k].resize(l.padded);
-      ASSERT_TRUE(engine->ReadState(*job, k, before[k].data(), nullptr, nullptr).ok());
-    }
+    const std::vector<std::vector<float>> before = HalvesAndTheirMasters(*engine, *job, n);
     for (int k = n - 1; k >= 0; --k) Ring(*engine, *job, k, 1, k == 1 ? 1e30f : 0.1f);
     for (int k = 0; k < n; ++k) {
       ASSERT_TRUE(engine->WaitPublished(*job, k, 1, 10s).ok());

@@ -218,31 +218,28 @@ TEST_F(TrainHardeningTest, ResumingWithOtherBatchesOrUpdatesSaysWhatChanged) {
         "--lr 0.01 (before: 0.002)", "--matmul bf16 (before: fp32)", "other text (--data: "}) {
     EXPECT_NE(text.find(said), std::string::npos) << said << "\n" << text;
   }
+  // The resumes below: the changed flags, with this --heads, up to --steps.
+  const auto resume = [&](int heads, int steps) {
+    return Train(
+        " --layers 2 --channels 32 --context 16 --batch 2 --seed 7 --lr 0.01 "
+        "--matmul bf16 --resume --heads " +
+            std::to_string(heads) + " --steps " + std::to_string(steps) + " --data " +
+            (dir_ / "other.txt") + " --out " + out,
+        dir_);
+  };
   // The note now describes the run that resumed: the same flags again are
   // a plain resume.
-  std::tie(rc, text) = Train(
-      " --layers 2 --channels 32 --heads 2 --context 16 --batch 2 --seed 7 "
-      "--lr 0.01 --matmul bf16 --steps 3 --resume --data " +
-          (dir_ / "other.txt") + " --out " + out,
-      dir_);
+  std::tie(rc, text) = resume(2, 3);
   EXPECT_EQ(rc, 0) << text;
   EXPECT_EQ(text.find("warning"), std::string::npos) << text;
   // Without its note the head count is taken on trust, and said to be.
   fs::remove(fs::path(out) / "checkpoint/ztier-train-model.txt");
-  std::tie(rc, text) = Train(
-      " --layers 2 --channels 32 --heads 4 --context 16 --batch 2 --seed 7 "
-      "--lr 0.01 --matmul bf16 --steps 4 --resume --data " +
-          (dir_ / "other.txt") + " --out " + out,
-      dir_);
+  std::tie(rc, text) = resume(4, 4);
   EXPECT_EQ(rc, 0) << text;
   EXPECT_NE(text.find("its head count cannot be checked"), std::string::npos) << text;
   // A loss log that is gone is said to be, not restarted in silence.
   fs::remove(fs::path(out) / "train_log.tsv");
-  std::tie(rc, text) = Train(
-      " --layers 2 --channels 32 --heads 4 --context 16 --batch 2 --seed 7 "
-      "--lr 0.01 --matmul bf16 --steps 5 --resume --data " +
-          (dir_ / "other.txt") + " --out " + out,
-      dir_);
+  std::tie(rc, text) = resume(4, 5);
   EXPECT_EQ(rc, 0) << text;
   EXPECT_NE(text.find("train_log.tsv is gone"), std::string::npos) << text;
 }
