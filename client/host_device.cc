@@ -13,6 +13,8 @@
 // Thread safety: every method may be called from any thread. Failure: an
 // allocation past the machine's memory is ResourceExhausted; nothing else
 // fails.
+#include <unistd.h>
+
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
@@ -120,9 +122,11 @@ class HostDevice final : public Device {
   int ordinal() const override { return 0; }
 
   Result<void*> Allocate(size_t bytes, MemoryPurpose purpose) override {
-    // (Rounded up, a size within 255 of SIZE_MAX wrapped to 0: 256 bytes.)
-    const size_t rounded =
-        bytes > SIZE_MAX - 255 ? 0 : std::max<size_t>(256, (bytes + 255) / 256 * 256);
+    // More than the machine's memory is refused before the allocator sees it
+    // (rounded up, a size within 255 of SIZE_MAX wrapped to 0: 256 bytes).
+    static const uint64_t physical = static_cast<uint64_t>(::sysconf(_SC_PHYS_PAGES)) *
+                                     static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
+    const size_t rounded = bytes > physical ? 0 : std::max<size_t>(256, (bytes + 255) / 256 * 256);
     void* p = rounded == 0 ? nullptr : std::aligned_alloc(256, rounded);
     if (p == nullptr) {
       return Status::ResourceExhausted(
