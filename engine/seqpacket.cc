@@ -122,20 +122,33 @@ Result<SeqPacketSocket> SeqPacketSocket::Connect(const std::string& path) {
                     err);
     }
     if (err == EACCES || err == EPERM) {
-      // Name the socket's group as it is (ztierd.socket's is ztier).
-      std::string group = "its group";
+      // Who the socket admits, as its mode and group say (ztierd.socket's
+      // is group ztier, 0660); a directory on the way may be closed too.
+      const std::string denied = StrCat("connecting to ", path, ": permission denied; ");
       struct stat st {};
-      if (::stat(path.c_str(), &st) == 0) {
-        group = StrCat("gid ", st.st_gid);
-        std::vector<char> buf(16384);
-        struct group g {};
-        struct group* found = nullptr;
-        if (::getgrgid_r(st.st_gid, &g, buf.data(), buf.size(), &found) == 0 && found) {
-          group = StrCat("group ", found->gr_name);
-        }
+      if (::stat(path.c_str(), &st) != 0) {
+        return Status(StatusCode::kFailedPrecondition,
+                      StrCat(denied, "a directory on its path is closed to this user (",
+                             std::strerror(errno), ")"),
+                      err);
+      }
+      if ((st.st_mode & S_IWGRP) == 0) {
+        return Status(StatusCode::kFailedPrecondition,
+                      StrCat(denied, "the socket (mode 0", std::oct, (st.st_mode & 07777), std::dec,
+                             ") admits its owner, uid ", st.st_uid,
+                             ", only: ask the admin to open it to a group of this user's "
+                             "(ztierd --socket-mode 0660)"),
+                      err);
+      }
+      std::string group = StrCat("gid ", st.st_gid);
+      std::vector<char> buf(16384);
+      struct group g {};
+      struct group* found = nullptr;
+      if (::getgrgid_r(st.st_gid, &g, buf.data(), buf.size(), &found) == 0 && found) {
+        group = StrCat("group ", found->gr_name);
       }
       return Status(StatusCode::kFailedPrecondition,
-                    StrCat("connecting to ", path, ": permission denied; the socket admits ", group,
+                    StrCat(denied, "the socket admits ", group,
                            " only: ask the admin to add this user to it"),
                     err);
     }

@@ -182,6 +182,55 @@ TEST(SeqPacketTest, ListenerBindsWithItsModeAndRefusesALiveSocket) {
   EXPECT_NE(none.status().message().find(path), std::string::npos) << none.status();
 }
 
+// Who a refused user may ask to be let in depends on the socket's mode:
+// on a 0600 socket it named the group, whose members were refused too.
+TEST(SeqPacketTest, APermissionRefusalSaysWhomTheSocketAdmits) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root to connect as another uid";
+  char tmpl[] = "/tmp/seqpacket-perm-XXXXXX";
+  ASSERT_NE(::mkdtemp(tmpl), nullptr);
+  const std::string dir = tmpl;
+  ASSERT_EQ(::chmod(dir.c_str(), 0755), 0);
+  const std::string path = dir + "/ztierd.sock";
+  // What uid 65534 is told connecting: {mode of the socket, of its directory}.
+  const auto told = [&](mode_t sock_mode, mode_t dir_mode) {
+    Result<SeqPacketListener> l = SeqPacketListener::Listen(path, sock_mode);
+    EXPECT_TRUE(l.ok()) << l.status();
+    EXPECT_EQ(::chmod(dir.c_str(), dir_mode), 0);
+    int fds[2];
+    EXPECT_EQ(::pipe(fds), 0);
+    const pid_t pid = ::fork();
+    if (pid == 0) {
+      ::close(fds[0]);
+      std::string said = "connected";
+      if (::setgid(65534) == 0 && ::setuid(65534) == 0) {
+        Result<SeqPacketSocket> c = SeqPacketSocket::Connect(path);
+        if (!c.ok()) said = c.status().ToString();
+      } else {
+        said = "setuid failed";
+      }
+      (void)!::write(fds[1], said.data(), said.size());
+      ::_exit(0);
+    }
+    ::close(fds[1]);
+    std::string said;
+    char buf[512];
+    for (ssize_t n; (n = ::read(fds[0], buf, sizeof(buf))) > 0;) said.append(buf, n);
+    ::close(fds[0]);
+    int st = 0;
+    ::waitpid(pid, &st, 0);
+    EXPECT_EQ(::chmod(dir.c_str(), 0755), 0);
+    return said;
+  };
+  std::string said = told(0600, 0755);
+  EXPECT_NE(said.find("the socket (mode 0600) admits its owner, uid 0, only"), std::string::npos)
+      << said;
+  said = told(0660, 0755);
+  EXPECT_NE(said.find("the socket admits group "), std::string::npos) << said;
+  said = told(0666, 0700);
+  EXPECT_NE(said.find("a directory on its path is closed to this user"), std::string::npos) << said;
+  std::filesystem::remove_all(dir);
+}
+
 TEST(SeqPacketTest, AStaleSocketFileIsReplacedAndOtherFilesAreNot) {
   ScratchDir dir("seqpacket");
   const std::string path = dir / "ztierd.sock";
