@@ -55,6 +55,8 @@ Result<std::unique_ptr<Session>> Session::Open(const SessionOptions& options) {
 
 std::string Session::transport_name() const { return transport_->name(); }
 
+Status Session::Health() const { return transport_->Health(); }
+
 engine::DramPoolStats Session::pool_stats() const { return transport_->PoolStats(); }
 
 Result<std::unique_ptr<Model>> Session::RegisterModel(const ModelSpec& spec) {

@@ -231,6 +231,10 @@ class Session {
   Session& operator=(const Session&) = delete;
 
   std::string transport_name() const;  // "embedded" or "daemon"
+  // Whether the session can still serve: Ok, or why not (its ztierd is gone
+  // or stopping: every later call fails so; open a new session). In a forked
+  // child: FailedPrecondition. An embedded session is always Ok in its process.
+  Status Health() const;
   // The engine's pinned DRAM pool: budget, use, and the page size it got.
   engine::DramPoolStats pool_stats() const;
   // The settings the session was opened with (runner defaults among them).

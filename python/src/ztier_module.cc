@@ -531,6 +531,13 @@ NB_MODULE(_C, m) {
           "`daemon_has_these_settings`: the ztierd at `daemon_socket` was made with them (no "
           "warning that its own apply).")
       .def_prop_ro("transport", &Session::transport_name)
+      .def_prop_ro(
+          "health",
+          [](const Session& s) {
+            const Status st = s.Health();
+            return st.ok() ? std::string() : st.ToString();
+          },
+          "'' while the session serves; else why not (its ztierd gone, a forked child).")
       .def_prop_ro("default_optimizer_tier",
                    [](const Session& s) {
                      return s.settings().optimizer_tier == engine::Tier::kNvme ? "nvme" : "dram";

@@ -58,6 +58,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
+import functools
 import numbers
 import os
 import sys
@@ -317,14 +318,25 @@ class _PostBackward(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, owner, call, *inputs):
-        ctx.owner = owner
+        # Weakly: a loss kept alive (a loop's last `loss`) holds the graph,
+        # which must not hold the Offload and its engine job.
+        ctx.owner = weakref.ref(owner)
         ctx.call = call  # (module id, call number)
         return inputs if len(inputs) > 1 else inputs[0]
 
     @staticmethod
     def backward(ctx, *grads):
-        ctx.owner._post_backward(ctx.call)
+        owner = ctx.owner()
+        if owner is not None:
+            owner._post_backward(ctx.call)
         return (None, None) + grads
+
+
+def _pre_backward_hook(owner_ref, call, grad):
+    """An output's grad hook: the module's backward begins. It holds the
+    Offload weakly (the graph may outlive it)."""
+    owner = owner_ref()
+    return None if owner is None else owner._pre_backward(call, grad)
 
 
 def _placeholder(shape, device, dtype=torch.bfloat16) -> torch.Tensor:
@@ -468,6 +480,12 @@ class Offload:
                                  group_weight_decay=self._group_decay,
                                  clip_norm=self.clip_grad_norm,
                                  grad_accumulation=self.grad_accumulation)
+        try:
+            name.encode("utf-8")
+        except UnicodeEncodeError as e:  # a surrogate-escaped str (os.fsdecode of raw bytes)
+            raise ValueError(
+                f"ztier: the job name {name!r} is not UTF-8 text (character {e.start} is a "
+                "stand-in for a byte that is not UTF-8); give a name of UTF-8 text") from None
         self.name = name
         if self.rank == 0:
             self.job = self.session.register_model(self.name, job_units, cfg, states, params,
@@ -1225,7 +1243,7 @@ class Offload:
         if torch.is_grad_enabled():
             for t in _tensors(output):
                 if t.requires_grad:
-                    t.register_hook(lambda g, call=call: self._pre_backward(call, g))
+                    t.register_hook(functools.partial(_pre_backward_hook, weakref.ref(self), call))
         return None
 
     def _wrap_inputs(self, call, args, kwargs):
@@ -1813,6 +1831,10 @@ def open_session(config: str | None = None, settings: dict | None = None,
         key_lock = _session_locks.setdefault(key, threading.Lock())
     with key_lock:
         session = _sessions.get(key)
+        if session is not None and session.health:
+            # Its ztierd is gone (restarted since), or this is a child forked
+            # from the process that opened it: a session of its own.
+            session = None
         if session is None:
             session = _C.Session.open(key[0], text, key[2], daemon_has_these_settings)
             _sessions[key] = session

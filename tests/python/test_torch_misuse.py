@@ -122,6 +122,88 @@ def test_a_dropped_offload_is_freed_with_its_dram(tmp_path):
         assert ref() is None, "the Offload outlived its last reference"
 
 
+def test_a_dropped_offload_is_freed_while_its_last_loss_lives():
+    # A training loop leaves its last `loss` bound: its graph held the
+    # Offload (and its engine job, its DRAM) through the autograd nodes.
+    settings = {"ztier.dram_budget": "48M"}
+    losses = []
+    for _ in range(3):
+        model = nn.Sequential(nn.Linear(1024, 1024), nn.Tanh(), nn.Linear(1024, 1024))
+        z = zt.offload(model, settings=settings)
+        ref = __import__("weakref").ref(z)
+        loss = model(torch.randn(2, 1024)).pow(2).sum()
+        loss.backward()
+        z.optimizer.step()
+        losses.append(loss)  # kept, with its graph
+        del z, model
+        gc.collect()
+        assert ref() is None, "the Offload outlived its last reference (held by a loss's graph)"
+
+
+def _offload_in_a_forked_child(queue):
+    try:
+        model = _mlp()
+        z = zt.offload(model)
+        _train_step(model, z, torch.randn(4, 6))
+        z.close()
+        queue.put("ok")
+    except Exception as e:  # noqa: BLE001 (the parent shows it)
+        queue.put(f"{type(e).__name__}: {e}")
+
+
+def test_a_forked_child_opens_a_session_of_its_own():
+    # The parent's session, cached for its arguments, was handed to a forked
+    # child (a multiprocessing worker), whose every call it refused.
+    import multiprocessing
+
+    model = _mlp()
+    z = zt.offload(model)
+    _train_step(model, z, torch.randn(4, 6))
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_offload_in_a_forked_child, args=(queue,))
+    child.start()
+    said = queue.get(timeout=120)
+    child.join(timeout=60)
+    assert said == "ok", said
+    _train_step(model, z, torch.randn(4, 6))  # the parent's goes on
+    z.close()
+
+
+def test_a_session_whose_ztierd_is_gone_is_not_handed_out_again(tmp_path):
+    # After its ztierd went away and a new one came up on the socket, a new
+    # offload got the dead session and failed "resume from the last checkpoint".
+    sock = str(tmp_path / "d.sock")
+    hosted = ztier._C.HostedDaemon(sock)
+    model = _mlp()
+    z = zt.offload(model, daemon=sock)
+    _train_step(model, z, torch.randn(4, 6))
+    z.save_checkpoint(str(tmp_path / "ckpt"))
+    hosted.close()
+    session = z.session
+    for _ in range(100):
+        if session.health:
+            break
+        __import__("time").sleep(0.05)
+    assert "ztierd" in session.health
+    hosted = ztier._C.HostedDaemon(sock)
+    try:
+        again = _mlp()
+        z2 = zt.offload(again, daemon=sock)
+        z2.load_checkpoint(str(tmp_path / "ckpt"))
+        _train_step(again, z2, torch.randn(4, 6))
+        assert z2.step_count == 2
+        z2.close()
+    finally:
+        hosted.close()
+
+
+def test_a_job_name_that_is_not_utf8_is_a_clear_error():
+    name = b"run-\xff".decode("utf-8", "surrogateescape")  # os.fsdecode of raw bytes
+    with pytest.raises(ValueError, match="not UTF-8 text"):
+        zt.offload(_mlp(), name=name)
+
+
 class _Albert(nn.Module):
     """One layer applied three times, listed three times (ALBERT-style)."""
 
