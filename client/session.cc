@@ -7,6 +7,7 @@
 #include "client/transport.h"
 #include "client/ztier.h"
 #include "common/log.h"
+#include "engine/state_files.h"
 
 namespace ztier::client {
 
@@ -152,6 +153,10 @@ Status Model::ImportSafetensors(const std::string& path) {
 }
 Status Model::ExportSafetensors(const std::string& path, engine::Engine::ExportType type) {
   return transport_->ExportSafetensors(job_, path, type);
+}
+Status Model::TidyCheckpointDir(const std::string& dir) {
+  ZT_RETURN_IF_ERROR(ClaimCheckpointDir(dir));
+  return engine::RemoveUnnamedCheckpointFiles(dir);
 }
 Status Model::ClaimCheckpointDir(const std::string& dir) {
   return transport_->ClaimCheckpointDir(job_, dir);

@@ -357,6 +357,12 @@ class Model {
   Status ClaimCheckpointDir(const std::string& dir);
   Status SaveCheckpoint(const std::string& dir);
   Status LoadCheckpoint(const std::string& dir);
+  // Claims `dir` and removes the files of older checkpoints that its
+  // manifest no longer names (a save killed between writing its manifest
+  // and removing them leaves them; the next save would). For a run that
+  // resumes and may save no more. Errors: as ClaimCheckpointDir; a file
+  // that cannot be removed.
+  Status TidyCheckpointDir(const std::string& dir);
   // The learning rate of each optimizer param group (one per group of
   // spec().optimizer: 1 when group_weight_decay is empty, else its size)
   // for the steps that start from now on; until set, every group's is

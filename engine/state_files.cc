@@ -98,33 +98,55 @@ std::string ShapeText(const std::vector<int64_t>& shape) {
   return out + "]";
 }
 
+// The files the manifest in `dir` names; NotFound without one, the read's or
+// the decode's error when it cannot be read.
+Result<std::set<std::string>> NamedFiles(const std::string& dir) {
+  const std::string manifest = (fs::path(dir) / kCheckpointManifestName).string();
+  ZT_ASSIGN_OR_RETURN(const std::string text, ReadFileToString(manifest, kMaxManifestBytes));
+  ZT_ASSIGN_OR_RETURN(const CheckpointManifest m, DecodeCheckpointManifest(text, manifest));
+  std::set<std::string> named;
+  for (const CheckpointUnit& u : m.units) {
+    for (const CheckpointShard& s : u.shards) named.insert(s.file);
+  }
+  return named;
+}
+
 // Removes the files of a failed save that the manifest now on disk does not
 // name (the manifest may have been renamed into place before the failure).
 void RemoveUncommitted(const std::string& dir, const std::vector<std::string>& written) {
-  std::set<std::string> named;
-  const std::string manifest = (fs::path(dir) / kCheckpointManifestName).string();
-  Result<std::string> text = ReadFileToString(manifest, kMaxManifestBytes);
-  Result<CheckpointManifest> m = text.ok() ? DecodeCheckpointManifest(*text, manifest)
-                                           : Result<CheckpointManifest>(text.status());
-  if (m.ok()) {
-    for (const CheckpointUnit& u : m->units) {
-      for (const CheckpointShard& s : u.shards) named.insert(s.file);
-    }
-  } else if (text.ok() || text.status().code() != StatusCode::kNotFound) {
+  Result<std::set<std::string>> named = NamedFiles(dir);
+  if (!named.ok() && named.status().code() != StatusCode::kNotFound) {
     // The manifest there cannot be read: it may be this save's, renamed
     // into place before the failure, and name these files. They stay.
     ZT_LOG(kWarn, "engine") << "a failed checkpoint save leaves its files in " << dir
                             << " (the manifest there cannot be read to tell which are unused: "
-                            << m.status() << ")";
+                            << named.status() << ")";
     return;
   }
   for (const std::string& name : written) {
-    if (named.count(name) != 0) continue;
+    if (named.ok() && named->count(name) != 0) continue;
     Status s = RemoveFile((fs::path(dir) / name).string());
     if (!s.ok()) {
       ZT_LOG(kWarn, "engine") << "removing a file of a failed checkpoint save: " << s;
     }
   }
+}
+
+// Removes the unit files in `dir` not in `keep` (an older checkpoint's);
+// the first failure is returned, after trying every file.
+Status RemoveUnnamed(const std::string& dir, const std::set<std::string>& keep) {
+  Status first;
+  std::error_code ec;
+  for (const auto& entry : fs::directory_iterator(dir, ec)) {
+    const std::string name = entry.path().filename().string();
+    if (!name.starts_with("unit-") || keep.count(name) != 0) continue;
+    Status removed = RemoveFile(entry.path().string());
+    if (!removed.ok()) {
+      ZT_LOG(kWarn, "engine") << "removing a file of an older checkpoint: " << removed;
+      if (first.ok()) first = removed;
+    }
+  }
+  return first;
 }
 
 // A tag that makes this save's file names its own.
@@ -391,17 +413,14 @@ Status SaveCheckpointFiles(const JobDescription& job, StateAccess& state, const 
     return s;
   }
   // The new checkpoint is committed: drop the files of older ones.
-  const std::set<std::string> keep(written.begin(), written.end());
-  std::error_code ec;
-  for (const auto& entry : fs::directory_iterator(dir, ec)) {
-    const std::string name = entry.path().filename().string();
-    if (!name.starts_with("unit-") || keep.count(name) != 0) continue;
-    Status removed = RemoveFile(entry.path().string());
-    if (!removed.ok()) {
-      ZT_LOG(kWarn, "engine") << "removing a file of an older checkpoint: " << removed;
-    }
-  }
+  (void)RemoveUnnamed(dir, std::set<std::string>(written.begin(), written.end()));  // logged
   return Status::Ok();
+}
+
+Status RemoveUnnamedCheckpointFiles(const std::string& dir) {
+  Result<std::set<std::string>> named = NamedFiles(dir);
+  if (!named.ok()) return Status::Ok();  // nothing to tell the unused ones by
+  return RemoveUnnamed(dir, *named);
 }
 
 // Loads take no lock: the manifest is replaced atomically and names files

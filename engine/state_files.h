@@ -72,6 +72,12 @@ class StateAccess {
 };
 
 Status SaveCheckpointFiles(const JobDescription& job, StateAccess& state, const std::string& dir);
+// Removes the unit files in `dir` that its manifest does not name: a save
+// killed after its manifest and before its cleanup leaves the older
+// checkpoint's files, which only a later save removed. Call holding the
+// directory's claim (no other save writing there). A manifest that cannot
+// be read, or none, removes nothing. Errors: a file that cannot be removed.
+Status RemoveUnnamedCheckpointFiles(const std::string& dir);
 Status LoadCheckpointFiles(const JobDescription& job, StateAccess& state, const std::string& dir);
 Status ExportSafetensorsFile(const JobDescription& job, StateAccess& state, const std::string& path,
                              ExportType type);

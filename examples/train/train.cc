@@ -923,6 +923,9 @@ Result<int64_t> StartingPoint(const Flags& f, const Plan& p, std::string_view te
     // The shapes first (the engine names a tensor that differs), then the
     // note, which then describes this run.
     ZT_RETURN_IF_ERROR(m.LoadCheckpoint(paths.checkpoint).Annotate("--resume"));
+    // An older checkpoint's files a kill left (after the last save's
+    // manifest): the run may save no more, which would remove them.
+    ZT_RETURN_IF_ERROR(m.TidyCheckpointDir(paths.checkpoint).Annotate("--resume"));
     ZT_RETURN_IF_ERROR(CheckRunNote(f, paths, note));
     ZT_RETURN_IF_ERROR(WriteFileAtomically(ModelNotePath(paths), RunNoteText(note)));
     return m.published_step();

@@ -244,6 +244,25 @@ TEST_F(TrainHardeningTest, ResumingWithOtherBatchesOrUpdatesSaysWhatChanged) {
   EXPECT_NE(text.find("train_log.tsv is gone"), std::string::npos) << text;
 }
 
+// A kill after the last save's manifest and before its cleanup left the
+// older checkpoint's files; the resume (which saves no more: the run was
+// done) kept them for good. It removes the files the manifest does not name.
+TEST_F(TrainHardeningTest, AResumeRemovesAnOlderCheckpointsLeftoverFiles) {
+  const std::string out = dir_ / "tidy";
+  ASSERT_EQ(Train(Common() + " --steps 2 --out " + out, dir_).first, 0);
+  const fs::path ckpt = fs::path(out) / "checkpoint";
+  std::ofstream(ckpt / "unit-0-rank-0-step-1-0badc0de.bin") << "an older checkpoint's";
+  std::ofstream(ckpt / "notes.txt") << "the user's";
+  auto [rc, text] = Train(Common() + " --steps 2 --resume --out " + out, dir_);
+  EXPECT_EQ(rc, 0) << text;
+  EXPECT_FALSE(fs::exists(ckpt / "unit-0-rank-0-step-1-0badc0de.bin"));
+  EXPECT_TRUE(fs::exists(ckpt / "notes.txt"));
+  EXPECT_TRUE(fs::exists(ckpt / "manifest.json"));
+  // What the manifest names stays: the checkpoint still resumes.
+  std::tie(rc, text) = Train(Common() + " --steps 3 --resume --out " + out, dir_);
+  EXPECT_EQ(rc, 0) << text;
+}
+
 // A checkpoint manifest or directory that is a loop of symbolic links was an
 // uncaught std::filesystem exception (abort): now an error naming it.
 TEST_F(TrainHardeningTest, ALoopOfLinksOverTheCheckpointIsAnError) {
