@@ -852,6 +852,15 @@ std::string RunNoteText(const std::vector<std::pair<std::string, std::string>>& 
   for (const auto& [key, value] : note) out += StrCat(key, " ", value, "\n");
   return out;
 }
+// Whether --out holds a checkpoint (its manifest); an error when that cannot
+// be told (a loop of links, a directory that cannot be searched).
+Result<bool> HasCheckpoint(const OutPaths& paths) {
+  const std::string manifest = (fs::path(paths.checkpoint) / "manifest.json").string();
+  std::error_code ec;
+  const bool exists = fs::exists(manifest, ec);
+  if (ec) return PosixError(StrCat("cannot look for ", manifest), ec.value());
+  return exists;
+}
 std::string ModelNotePath(const OutPaths& paths) {
   return (fs::path(paths.checkpoint) / "ztier-train-model.txt").string();
 }
@@ -887,7 +896,7 @@ Status CheckRunNote(const Flags& f, const OutPaths& paths,
                                      "', not 'heads N' (damaged? write 'heads ", f.model.heads,
                                      "' there if this run's --heads is the checkpoint's)"));
   }
-  if (heads->second != now[0].second) {
+  if (heads->second != StrCat(f.model.heads)) {
     return Status::InvalidArgument(StrCat("--resume: the checkpoint in ", paths.checkpoint,
                                           " is of a model with heads ", heads->second,
                                           "; this run has ", f.model.heads, " (--heads)"));
@@ -912,10 +921,7 @@ Status CheckRunNote(const Flags& f, const OutPaths& paths,
 Result<int64_t> StartingPoint(const Flags& f, const Plan& p, std::string_view text,
                               const OutPaths& paths, Model& m) {
   const std::vector<std::pair<std::string, std::string>> note = RunNote(f, p, text);
-  std::error_code exists_ec;
-  const std::string manifest = (fs::path(paths.checkpoint) / "manifest.json").string();
-  const bool has_checkpoint = fs::exists(manifest, exists_ec);
-  if (exists_ec) return PosixError(StrCat("cannot look for ", manifest), exists_ec.value());
+  ZT_ASSIGN_OR_RETURN(const bool has_checkpoint, HasCheckpoint(paths));
   if (f.resume) {
     if (!has_checkpoint) {
       return Status::NotFound(StrCat("--resume: there is no checkpoint in ", paths.checkpoint));
@@ -1170,12 +1176,11 @@ int Run(const Flags& f, const Plan& p) {
   // Nothing is made for a --resume with nothing to resume (it left an
   // empty checkpoint and swap directory behind).
   if (f.resume) {
-    const std::string manifest = (fs::path(OutPaths(f.out).checkpoint) / "manifest.json").string();
-    std::error_code ec;
-    if (!fs::exists(manifest, ec)) {
-      return fail(ec ? PosixError(StrCat("--resume: cannot look for ", manifest), ec.value())
-                     : Status::NotFound(StrCat("--resume: there is no checkpoint in ",
-                                               OutPaths(f.out).checkpoint)));
+    Result<bool> has = HasCheckpoint(OutPaths(f.out));
+    if (!has.ok()) return fail(has.status().Annotate("--resume"));
+    if (!*has) {
+      return fail(Status::NotFound(
+          StrCat("--resume: there is no checkpoint in ", OutPaths(f.out).checkpoint)));
     }
   }
   if (Status s = CreateDir(f.out, "--out directory"); !s.ok()) return fail(s);
