@@ -1505,12 +1505,7 @@ class Offload:
             if not u.sent:  # (an interrupted optimizer.step() sent it already)
                 self._send(u)
         self._deferred.clear()
-        micro, self._micro, self._awaiting_step = self._micro, 0, False
-        try:
-            self._end_micro_step()
-        except _C.ZtierError:
-            self._micro, self._awaiting_step = micro, True
-            raise
+        self._close_micro_step(0)
 
     def _complete_window(self, lrs: list[float]):
         """optimizer.step() after fewer backward passes than grad_accumulation
@@ -1529,16 +1524,21 @@ class Offload:
             for u in self.units:
                 if not u.sent:  # (an interrupted step() sent some already)
                     self._send(u)  # its zeroed grad buffer
-            # The count first: an interrupt (Ctrl-C) raised the moment the
-            # runner's Step() returns must find the micro-step counted.
-            micro = self._micro
-            last = micro + 1 == self.grad_accumulation
-            self._micro = 0 if last else micro + 1
-            try:
-                self._end_micro_step()
-            except _C.ZtierError:  # refused: the micro-step is still open
-                self._micro = micro
-                raise
+            last = self._micro + 1 == self.grad_accumulation
+            self._close_micro_step(0 if last else self._micro + 1)
+
+    def _close_micro_step(self, micro: int):
+        """Ends the micro-step with the runner's Step(), the count (``micro``
+        micro-steps toward the next optimizer step, none awaited) first: an
+        interrupt (Ctrl-C) raised the moment Step() returns must find the
+        micro-step counted. A refused Step() leaves both as they were."""
+        before = self._micro, self._awaiting_step
+        self._micro, self._awaiting_step = micro, False
+        try:
+            self._end_micro_step()
+        except _C.ZtierError:  # refused: the micro-step is still open
+            self._micro, self._awaiting_step = before
+            raise
 
     # ---- state between steps
 

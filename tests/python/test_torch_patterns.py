@@ -175,21 +175,25 @@ def test_a_double_backward_is_refused(settings):
     z.close()
 
 
+class _Permuted(nn.Module):
+    """A linear layer over a fixed permutation of its n inputs: an integer
+    Parameter (requires_grad=False), an index table."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.perm = nn.Parameter(torch.randperm(n), requires_grad=False)
+        self.lin = nn.Linear(n, 1)
+
+    def forward(self, x):
+        return self.lin(x[:, self.perm])
+
+
 def test_an_index_table_parameter_stays_as_it_is(settings):
     # An integer Parameter (a permutation, requires_grad=False) became a
     # float placeholder: "tensors used as indices must be long".
-    class Permuted(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.perm = nn.Parameter(torch.randperm(8), requires_grad=False)
-            self.lin = nn.Linear(8, 1)
-
-        def forward(self, x):
-            return self.lin(x[:, self.perm])
-
-    model, z = _against_reference(Permuted, settings, _x)
+    model, z = _against_reference(lambda: _Permuted(8), settings, _x)
     torch.manual_seed(0)
-    assert model.perm.dtype == torch.int64 and torch.equal(model.perm, Permuted().perm)
+    assert model.perm.dtype == torch.int64 and torch.equal(model.perm, _Permuted(8).perm)
     assert [t.name for u in z.units for t in u.tensors] == ["lin.weight", "lin.bias"]
 
 
@@ -337,20 +341,11 @@ def test_a_copy_made_outside_gathered_refuses_its_state_dict(settings):
 
 
 def test_an_index_table_goes_into_exports_and_comes_back(settings, tmp_path):
-    class Permuted(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.perm = nn.Parameter(torch.randperm(300), requires_grad=False)
-            self.lin = nn.Linear(300, 1)
-
-        def forward(self, x):
-            return self.lin(x[:, self.perm])
-
     torch.manual_seed(0)
-    model = Permuted()
+    model = _Permuted(300)
     z = zt.offload(model, settings=settings)
     z.export_safetensors(tmp_path / "m.safetensors", dtype="float32")
-    fresh = Permuted()  # another permutation
+    fresh = _Permuted(300)  # another permutation
     assert not torch.equal(fresh.perm, model.perm)
     z2 = zt.offload(fresh, settings=settings, weights=str(tmp_path / "m.safetensors"))
     assert fresh.perm.dtype == torch.int64 and torch.equal(fresh.perm, model.perm)
