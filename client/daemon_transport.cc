@@ -432,9 +432,14 @@ class DaemonTransport final : public Transport, public ControlTransport {
   Status LoadCheckpoint(int job, const std::string& dir) override {
     ZT_ASSIGN_OR_RETURN(engine::JobDescription d, Describe(job));
     DaemonStateAccess state(*this, job, d);
-    return engine::LoadCheckpointFiles(d, state, dir)
-        .Annotate(StrCat("load checkpoint of job '", d.name, "'"))
-        .Annotate(dir);
+    Status st = engine::LoadCheckpointFiles(d, state, dir);
+    if (!st.ok()) {
+      // ztierd gone midway took the job with it: there is no partly loaded
+      // state to load again, only the job to register anew.
+      Status gone = Health();
+      if (!gone.ok()) st = std::move(gone);
+    }
+    return st.Annotate(StrCat("load checkpoint of job '", d.name, "'")).Annotate(dir);
   }
   Status ExportSafetensors(int job, const std::string& path, engine::ExportType type) override {
     ZT_ASSIGN_OR_RETURN(engine::JobDescription d, Describe(job));

@@ -1438,5 +1438,44 @@ TEST(ZtierdProgramTest, SigtermStopsCleanlyAndKillNineFailsClientsFast) {
   }
 }
 
+// ztierd killed while a load applied a checkpoint: the error said the job
+// was gone with ztierd and, after it, that its state was partly loaded and
+// to load again, which no job left could do. It now says only the first.
+TEST(ZtierdProgramTest, ALoadThatZtierdDiesDuringSaysTheJobIsGone) {
+  ZtierdProcess d(ZTIERD_BINARY, {});
+  SessionOptions o;
+  o.daemon_socket = d.socket();
+  Result<std::unique_ptr<Session>> s = Session::Open(o);
+  ASSERT_TRUE(s.ok()) << s.status() << d.log();
+  engine::JobSpec spec;
+  spec.name = "load";
+  constexpr int kUnits = 4;
+  constexpr int64_t kElements = int64_t{1} << 20;  // the files take a while to check
+  for (int u = 0; u < kUnits; ++u) {
+    spec.units.push_back({.name = StrCat("u", u),
+                          .tensors = {{.name = StrCat("u", u, ".w"), .shape = {kElements}}}});
+  }
+  Result<std::unique_ptr<Model>> m = (*s)->RegisterModel(ModelOf(spec));
+  ASSERT_TRUE(m.ok()) << m.status() << d.log();
+  std::vector<float> w(kElements, 0.5f);
+  for (int u = 0; u < kUnits; ++u) ASSERT_TRUE((*m)->SetWeights(u, w.data(), w.size()).ok());
+  ScratchDir dir("load-killed-daemon");
+  const std::string ck = dir / "ck";
+  ASSERT_TRUE((*m)->SaveCheckpoint(ck).ok()) << d.log();
+  Status loaded;
+  std::thread loader([&] { loaded = (*m)->LoadCheckpoint(ck); });
+  // Stopped after the load described the job (its first call) and while it
+  // checks the files, it hangs on its first write of state; then killed.
+  std::this_thread::sleep_for(2ms);
+  ASSERT_EQ(::kill(d.pid(), SIGSTOP), 0);
+  std::this_thread::sleep_for(200ms);
+  EXPECT_EQ(d.SignalAndWait(SIGKILL), 128 + SIGKILL);
+  loader.join();
+  if (loaded.ok()) GTEST_SKIP() << "the load finished before ztierd stopped";
+  EXPECT_EQ(loaded.code(), StatusCode::kUnavailable) << loaded;
+  EXPECT_NE(loaded.ToString().find("resume from the last checkpoint"), std::string::npos) << loaded;
+  EXPECT_EQ(loaded.ToString().find("partly loaded"), std::string::npos) << loaded;
+}
+
 }  // namespace
 }  // namespace ztier::client
