@@ -48,8 +48,8 @@ excepted); the others stay as they are.
 Thread safety: one training thread drives a model (as in PyTorch). Errors:
 ztier's errors (``ztier.ZtierError`` subclasses) with the engine's message;
 misuse (``optimizer.step()`` with no backward pass since the last, a
-training forward before the pending ``step()``, a trainable complex
-parameter) raises ``RuntimeError`` (``ValueError`` at ``offload``) naming the
+training forward before the pending ``step()``, the backward of a forward
+run before the last ``step()``, a trainable complex parameter) raises ``RuntimeError`` (``ValueError`` at ``offload``) naming the
 fix.
 """
 
@@ -548,6 +548,7 @@ class Offload:
         self._unadopted: dict[int, list[tuple[int, int]]] = {}
         self._training_forward = False
         self._next_call = 0
+        self._first_call = 0  # the first call after the last optimizer step
         self._bwd_held: set[tuple[int, int]] = set()
         self._post_done: set[tuple[int, int]] = set()
         self._callback_queued = False
@@ -1291,6 +1292,12 @@ class Offload:
                 "are let go once its backward ends, and the graph it records would read them "
                 "later; compute the penalty on inputs of a model that is not offloaded, or "
                 "without create_graph")
+        if call[1] < self._first_call:
+            raise RuntimeError(
+                "ztier: a backward pass of a forward run before the last optimizer.step(): "
+                "its grads are of the weights that step replaced (torch refuses the same, a "
+                "weight needed for the gradient having been modified in place); run the "
+                "forward again")
         self._enter_backward()
         if call in self._bwd_held or call in self._post_done:
             return grad
@@ -1539,6 +1546,8 @@ class Offload:
         except _C.ZtierError:  # refused: the micro-step is still open
             self._micro, self._awaiting_step = before
             raise
+        if micro == 0:  # a step: the forwards before it cannot train
+            self._first_call = self._next_call
 
     # ---- state between steps
 

@@ -351,6 +351,27 @@ def test_two_losses_of_one_forward_are_told_how_to_train(settings):
         z.close()
 
 
+def test_a_backward_of_a_forward_before_the_step_is_refused(settings):
+    # A forward, then optimizer.step() (a short window's step), then that
+    # forward's backward: its grads, of the weights the step replaced, went
+    # silently into the next step. torch refuses it (a weight the backward
+    # needs was modified in place); so does ztier now, and training goes on.
+    x = torch.randn(4, 6)
+    model = _mlp()
+    z = zt.offload(model, grad_accumulation=2, settings=settings)
+    model(x).sum().backward()
+    stale = model(x).sum()
+    z.optimizer.step()
+    assert z.step_count == 1
+    with pytest.raises(RuntimeError, match=r"forward run before the last optimizer.step\(\)"):
+        stale.backward()
+    for _ in range(2):
+        model(x).sum().backward()
+    z.optimizer.step()
+    assert z.step_count == 2
+    z.close()
+
+
 def test_no_file_descriptors_or_threads_leak_over_many_models(settings):
     def fds():
         return len(os.listdir("/proc/self/fd"))
