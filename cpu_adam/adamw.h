@@ -53,6 +53,7 @@
 #ifndef ZTIER_CPU_ADAM_ADAMW_H_
 #define ZTIER_CPU_ADAM_ADAMW_H_
 
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -84,6 +85,16 @@ inline constexpr double kMaxGradSqSum = 3.4028234663852886e38 / 4;
 inline bool GradsOverflow(double sq_sum, float grad_scale) {
   const double scale = grad_scale;
   return !(sq_sum * scale * scale <= kMaxGradSqSum);
+}
+
+// Global-norm clipping's grad_scale for grads of global norm `norm`, as
+// torch.nn.utils.clip_grad_norm_ takes it: clip / (norm + 1e-6) wherever that
+// is below 1 (a norm a hair under `clip` included), else 1. Also 1 when
+// clipping is off (`clip` 0) or the norm is not finite (the step is skipped).
+inline float ClipScale(double norm, float clip) {
+  if (!(clip > 0.0f) || !std::isfinite(norm)) return 1.0f;
+  const double coef = clip / (norm + 1e-6);
+  return coef < 1.0 ? static_cast<float>(coef) : 1.0f;
 }
 
 struct StepOptions {

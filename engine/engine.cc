@@ -394,10 +394,7 @@ struct Engine::Impl {
       std::lock_guard<std::mutex> lock(mu);
       job.counters.last_grad_norm = norm;
     }
-    const float clip = job.spec.optimizer.clip_norm;
-    const float scale = clip > 0.0f && std::isfinite(norm) && norm > clip
-                            ? static_cast<float>(clip / (norm + 1e-6))
-                            : 1.0f;
+    const float scale = cpu_adam::ClipScale(norm, job.spec.optimizer.clip_norm);
     // Skipped: inf/NaN grads, or grads so large that v would overflow.
     const bool finite = !cpu_adam::GradsOverflow(sq, scale);
     if (!finite) {

@@ -148,8 +148,7 @@ class MemoryTrainer {
     }
     const double norm = std::sqrt(total);
     const float clip = optimizer_.clip_norm;
-    const float scale =
-        clip > 0.0f && norm > clip ? static_cast<float>(clip / (norm + 1e-6)) : 1.0f;
+    const float scale = cpu_adam::ClipScale(norm, clip);
     ++adam_step_;
     for (Unit& u : units_) {
       const cpu_adam::Shard shard{

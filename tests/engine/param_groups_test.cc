@@ -219,8 +219,7 @@ void StepAgainstReference(Engine& e, int job, const JobSpec& spec,
     }
     const double norm = std::sqrt(total);
     const float clip = o.clip_norm;
-    const float scale =
-        clip > 0.0f && norm > clip ? static_cast<float>(clip / (norm + 1e-6)) : 1.0f;
+    const float scale = cpu_adam::ClipScale(norm, clip);
     for (int k = 0; k < nunits; ++k) {
       RefUnit& u = ref[k];
       for (const Run& run : u.runs) {

@@ -98,7 +98,7 @@ class Reference:
             return norm
         scale = 1.0
         clip = float(np.float32(self.clip))
-        if clip > 0 and norm > clip:
+        if clip > 0 and clip / (norm + 1e-6) < 1:  # as clip_grad_norm_
             scale = float(np.float32(clip / (norm + 1e-6)))
         self.adam_step += 1
         a = self.adamw

@@ -297,6 +297,41 @@ def test_against_torch_adamw(settings):
         assert math.isclose(loss.item(), ref_loss.item(), rel_tol=1e-3), (step, loss, ref_loss)
 
 
+@pytest.mark.parametrize("margin", [8e-7, 1e-7])
+def test_clipping_scales_as_clip_grad_norm_(settings, margin):
+    """torch.nn.utils.clip_grad_norm_ scales the grads by clip / (norm + 1e-6)
+    wherever that is below 1, for a norm up to 1e-6 under the clip too;
+    ztier scaled only a norm over the clip. With grads as small as AdamW's eps
+    the scale shows in the update (a clip of 1e-6 trained 5% off torch)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 16))
+    ref = copy.deepcopy(model)
+    x, y = torch.randn(8, 16), torch.randn(8, 16)
+
+    def loss_of(m):
+        return ((m(x) - y) ** 2).mean() * 1e-7  # grads of norm ~2e-7
+
+    masters = [p.detach().clone() for p in ref.parameters()]
+    for p in ref.parameters():
+        p.data = p.data.to(torch.bfloat16).float()  # what ztier's forward reads
+    loss_of(ref).backward()
+    for p, w in zip(ref.parameters(), masters):
+        w.grad = p.grad.to(torch.bfloat16).float()  # the grads ztier's engine gets
+    norm = math.sqrt(sum(float(w.grad.double().pow(2).sum()) for w in masters))
+    clip = norm + margin  # the norm is under the clip
+    z = zt.offload(model, optimizer=zt.AdamW(lr=1e-3, weight_decay=0.0), clip_grad_norm=clip,
+                   settings=settings)
+    loss_of(model).backward()
+    z.optimizer.step()
+    assert z.grad_norm() == pytest.approx(norm, rel=1e-6)
+    opt = torch.optim.AdamW(masters, lr=1e-3, weight_decay=0.0)
+    torch.nn.utils.clip_grad_norm_(masters, clip)
+    opt.step()
+    for a, b in zip(z.master_weights().values(), masters):
+        assert torch.allclose(a, b.detach(), rtol=0, atol=1e-7), (a - b).abs().max()
+    z.close()
+
+
 def test_a_short_accumulation_window_steps_on_the_sum_of_its_grads(settings):
     """optimizer.step() after fewer backward passes than grad_accumulation
     (an epoch's last window) was refused. The engine sums the micro-steps'
