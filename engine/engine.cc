@@ -336,10 +336,7 @@ struct Engine::Impl {
           }
         }
       }
-      if (u.ready && (first || !u.writing_back)) {
-        u.ready = false;
-        if (job.spec.optimizer.mode == StepMode::kExact) --job.ready_units;
-      }
+      if (u.ready && (first || !u.writing_back)) u.ready = false;
       also();
     }
     published_cv.notify_all();
@@ -415,6 +412,7 @@ struct Engine::Impl {
         job.units[k].writing_back = false;
         if (++published < job.units.size()) return;
         job.step = step;
+        job.step_queued = false;
         if (finite) {
           job.adam_step = adam_step;
         } else {
@@ -1112,6 +1110,11 @@ Status Engine::GradsReady(int job, int unit, int rank) {
   if (j->spec.optimizer.mode == StepMode::kEager) {
     e.Post(j->id, [&e, j, unit] { e.StepEager(j, static_cast<size_t>(unit)); });
   } else if (++j->ready_units == static_cast<int>(j->units.size())) {
+    // Each unit took these grads after its publish of the step before, so
+    // that step has published every unit (its write-backs may still run: the
+    // job's tasks run one at a time).
+    j->ready_units = 0;
+    j->step_queued = true;
     e.Post(j->id, [&e, j] { e.StepExact(j); });
   } else if (j->ready_units == 1 && j->ring != nullptr) {
     // The step's first unit is ready, backward goes on: the step's first
@@ -1126,10 +1129,18 @@ Result<int> Engine::AbortStep(int job) {
   Impl& e = *impl_;
   std::unique_lock<std::mutex> lock(e.mu);
   ZT_ASSIGN_OR_RETURN(std::shared_ptr<Job> j, e.Find(job));
-  // With states on NVMe the step before may still be writing back, its
-  // units published already: it completes first (they are not this step's).
-  if (!(j->spec.optimizer.mode == StepMode::kExact &&
-        j->ready_units == static_cast<int>(j->units.size()))) {
+  // A step queued or running whose units took grads of the next one
+  // meanwhile (published already, or only made visible before their
+  // write-backs with states on NVMe): those are what is discarded, once it
+  // completes. A queued step without such grads is the one asked about.
+  if (j->spec.optimizer.mode == StepMode::kExact && j->step_queued) {
+    const bool next = j->ready_units > 0 ||
+                      std::any_of(j->units.begin(), j->units.end(),
+                                  [](const Unit& u) { return u.micro > 0 || u.arrived_count > 0; });
+    if (next) {
+      e.published_cv.wait(lock, [&] { return !j->step_queued || !j->failure.ok() || j->removed; });
+    }
+  } else {
     e.WaitWriteBacksLocked(lock, *j);
   }
   if (j->removed) return Status::Aborted(StrCat("job ", job, " was unregistered"));
@@ -1148,7 +1159,7 @@ Result<int> Engine::AbortStep(int job) {
   // Begun: an exact step is queued (every unit's grads in) or has published
   // some units; an eager one has a unit queued or published.
   const int64_t step = j->step;
-  const bool begun = (exact && j->ready_units == static_cast<int>(j->units.size())) ||
+  const bool begun = (exact && j->step_queued) ||
                      std::any_of(j->units.begin(), j->units.end(), [&](const Unit& u) {
                        return (!exact && u.ready) || u.published > step;
                      });

@@ -132,7 +132,11 @@ struct Job {
   // The learning rate of each param group for the steps that start from now
   // (Engine::SetLearningRates); a step takes a copy when it starts.
   std::vector<float> lrs;
+  // Exact mode: units whose grads for the next step not yet queued are all
+  // in; the step is queued when every unit's are (and the count starts over:
+  // a unit published by the running step may take its next grads meanwhile).
   int ready_units = 0;
+  bool step_queued = false;  // exact mode: a step queued or running, not complete
   int eager_done = 0;
   // GradsReady calls between their two holds of the engine lock (the
   // accumulation and norm of a shard run outside it): AbortStep is

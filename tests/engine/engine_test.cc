@@ -167,8 +167,7 @@ TEST_P(EngineStepTest, BitForBitWithPlainCpuAdamLoop) {
       for (double s : u.sq) total += s;
     }
     const double norm = std::sqrt(total);
-    const float scale =
-        clip > 0.0f && norm > clip ? static_cast<float>(clip / (norm + 1e-6)) : 1.0f;
+    const float scale = cpu_adam::ClipScale(norm, clip);
     ++ref.adam_step;
     for (int k = 0; k < nunits; ++k) {
       Reference::U& u = ref.units[k];
@@ -311,6 +310,59 @@ TEST(EngineOverlapTest, ExactModePublishesUnitZeroBeforeTheLastUnitIsDone) {
   seen_zero_first = engine->PublishedStep(*job, 1) < 1;
   EXPECT_TRUE(seen_zero_first) << "unit 0 was published only after the last unit";
   EXPECT_TRUE(engine->WaitPublished(*job, 1, 1, 30s).ok());
+}
+
+// A unit's grads for the next step, delivered once the unit is published
+// (as WaitPublished's contract allows: a unit a forward skips lets the
+// others' next grads in early) while a bigger unit of the step is still
+// being updated. The job-wide count of ready units took them for the
+// step's: a second step was queued at once, which updated the big unit again
+// with its old grads, and the job then stalled. Each step counts its own.
+TEST(EngineOverlapTest, NextStepGradsOfAPublishedUnitWaitForTheirStep) {
+  auto engine = MakeEngine();
+  JobSpec spec;
+  spec.name = "early";
+  spec.units = {{"small", {{"w", {64, 64}}}}, {"huge", {{"w", {4096, 4096}}}}};
+  JobSpec in_order = spec;
+  in_order.name = "in-order";
+  Result<int> job = engine->RegisterJob(spec);
+  Result<int> ref = engine->RegisterJob(in_order);
+  ASSERT_TRUE(job.ok() && ref.ok()) << job.status() << ref.status();
+  for (int j : {*job, *ref}) {
+    for (int k = 0; k < 2; ++k) {
+      std::vector<float> w(engine->Layout(j, k)->numel, 0.5f);
+      ASSERT_TRUE(engine->WriteWeights(j, k, w.data(), w.size()).ok());
+    }
+  }
+  Ring(*engine, *job, 1, 1, 0.25f);
+  Ring(*engine, *job, 0, 1, 0.25f);
+  ASSERT_TRUE(engine->WaitPublished(*job, 0, 1, 60s).ok());
+  Ring(*engine, *job, 0, 1, -0.5f);  // step 2's, the 16M-element unit 1 likely still updating
+  ASSERT_TRUE(engine->WaitPublished(*job, 1, 1, 60s).ok());
+  EXPECT_EQ(engine->TargetStep(*job), 1);  // unit 1's step-2 grads are not in
+  Ring(*engine, *job, 1, 1, -0.5f);
+  for (int k = 0; k < 2; ++k) {
+    const Status s = engine->WaitPublished(*job, k, 2, 60s);
+    ASSERT_TRUE(s.ok()) << s;
+  }
+  for (float g : {0.25f, -0.5f}) {
+    Ring(*engine, *ref, 1, 1, g);
+    Ring(*engine, *ref, 0, 1, g);
+    for (int k = 0; k < 2; ++k)
+      ASSERT_TRUE(engine->WaitPublished(*ref, k, g > 0 ? 1 : 2, 60s).ok());
+  }
+  for (int k = 0; k < 2; ++k) {
+    const UnitLayout l = *engine->Layout(*job, k);
+    std::vector<float> a(l.padded), b(l.padded);
+    ASSERT_TRUE(engine->ReadState(*job, k, a.data(), nullptr, nullptr).ok());
+    ASSERT_TRUE(engine->ReadState(*ref, k, b.data(), nullptr, nullptr).ok());
+    EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0) << "unit " << k;
+  }
+  EXPECT_EQ(engine->Steps(*job)->first, 2);
+  // And the next step goes as usual.
+  Ring(*engine, *job, 1, 1, 0.1f);
+  Ring(*engine, *job, 0, 1, 0.1f);
+  for (int k = 0; k < 2; ++k) EXPECT_TRUE(engine->WaitPublished(*job, k, 3, 60s).ok());
 }
 
 // Sets units 0..n-1 of `job` to weights of 0.5; returns each unit's fp32
