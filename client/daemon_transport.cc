@@ -495,6 +495,7 @@ class DaemonTransport final : public Transport, public ControlTransport {
   };
   struct Job {
     engine::JobSpec spec;
+    engine::StateDtype state_dtype = engine::StateDtype::kFp32;  // as ztierd keeps m and v
     // The job's step page (the daemon keeps it), in the params' mapping.
     const int64_t* steps = nullptr;
     std::vector<const bf16*> params;  // DRAM params by unit, once an acquire named them
@@ -599,6 +600,7 @@ class DaemonTransport final : public Transport, public ControlTransport {
       d.ranks = it->second.spec.ranks;
       d.optimizer = it->second.spec.optimizer;
       d.units = it->second.spec.units;
+      d.state_dtype = it->second.state_dtype == engine::StateDtype::kInt8 ? "int8" : "fp32";
     }
     for (int k = 0; k < static_cast<int>(d.units.size()); ++k) {
       ZT_ASSIGN_OR_RETURN(engine::UnitLayout l, Layout(job, k));
@@ -628,7 +630,7 @@ class DaemonTransport final : public Transport, public ControlTransport {
                                      spec.name, "' with ", h.units, " units and ", h.ranks,
                                      " ranks"));
     }
-    Status mapped = MapRegions(h.job, spec);
+    Status mapped = MapRegions(h.job, spec, h.state_dtype);
     if (!mapped.ok()) {
       (void)Call(p::MessageType::kUnregisterJob, p::Encode(p::JobRef{.job = h.job}), {},
                  kCallTimeout);
@@ -654,7 +656,7 @@ class DaemonTransport final : public Transport, public ControlTransport {
   }
 
   // Maps the job's regions, checking each memfd's size and seals first.
-  Status MapRegions(int32_t job, const engine::JobSpec& spec) {
+  Status MapRegions(int32_t job, const engine::JobSpec& spec, engine::StateDtype state_dtype) {
     ZT_ASSIGN_OR_RETURN(Reply r, Call(p::MessageType::kRegions, p::Encode(p::JobRef{.job = job}),
                                       {}, call_timeout_));
     ZT_ASSIGN_OR_RETURN(p::RegionList list, p::DecodeRegionList(r.payload));
@@ -664,6 +666,7 @@ class DaemonTransport final : public Transport, public ControlTransport {
     }
     Job j;
     j.spec = spec;
+    j.state_dtype = state_dtype;
     j.params.assign(spec.units.size(), nullptr);
     j.local_leases.assign(spec.units.size(), 0);
     j.layouts.resize(spec.units.size());

@@ -1372,9 +1372,11 @@ class Daemon::Impl::Connection {
     const int32_t handle = AddHandle(job, -1);
     ZT_LOG(kInfo, "ztierd") << Who() << ": job '" << name << "' registered ("
                             << job->spec.units.size() << " units, " << job->spec.ranks << " ranks)";
-    return p::Encode(p::JobHandle{.job = handle,
-                                  .units = static_cast<int32_t>(job->spec.units.size()),
-                                  .ranks = job->spec.ranks});
+    return p::Encode(
+        p::JobHandle{.job = handle,
+                     .units = static_cast<int32_t>(job->spec.units.size()),
+                     .ranks = job->spec.ranks,
+                     .state_dtype = job->spec.state_dtype.value_or(d_.engine_state_dtype)});
   }
 
   int32_t AddHandle(const std::shared_ptr<Impl::Job>& job, int rank) {
@@ -1436,9 +1438,11 @@ class Daemon::Impl::Connection {
     }
     const int32_t handle = AddHandle(job, a.rank);
     ZT_LOG(kInfo, "ztierd") << Who() << ": rank " << a.rank << " attached to job '" << name << "'";
-    return p::Encode(p::JobHandle{.job = handle,
-                                  .units = static_cast<int32_t>(job->spec.units.size()),
-                                  .ranks = job->spec.ranks});
+    return p::Encode(
+        p::JobHandle{.job = handle,
+                     .units = static_cast<int32_t>(job->spec.units.size()),
+                     .ranks = job->spec.ranks,
+                     .state_dtype = job->spec.state_dtype.value_or(d_.engine_state_dtype)});
   }
 
   // The job's collective region: made on the first ask, the same memory

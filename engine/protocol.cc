@@ -446,19 +446,24 @@ std::string Encode(const JobHandle& v) {
   w.Put(v.job);
   w.Put(v.units);
   w.Put(v.ranks);
+  w.Put(static_cast<uint8_t>(v.state_dtype));
   return w.Take();
 }
 
 Result<JobHandle> DecodeJobHandle(std::string_view bytes) {
   Reader r(bytes, "job handle");
   JobHandle v;
+  uint8_t dtype = 0;
   r.Get(&v.job, "job");
   r.Get(&v.units, "units");
   r.Get(&v.ranks, "ranks");
+  r.Get(&dtype, "state_dtype");
   if (v.job < 0 || v.units < 1 || v.units > static_cast<int32_t>(kMaxUnits) || v.ranks < 1 ||
       v.ranks > kMaxRanks) {
     r.Fail(StrCat("job ", v.job, ", ", v.units, " units, ", v.ranks, " ranks: out of range"));
   }
+  if (dtype > static_cast<uint8_t>(StateDtype::kInt8)) r.Fail(StrCat("state_dtype ", int{dtype}));
+  v.state_dtype = static_cast<StateDtype>(dtype);
   return Done(r, v);
 }
 

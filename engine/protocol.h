@@ -40,8 +40,9 @@ inline constexpr uint32_t kMagic = 0x5057545A;  // "ZTWP"
 // Follows kWireVersion (engine/wire_types.h), whose structs it encodes; 2:
 // param groups and frozen tensors in a JobSpec, set_learning_rates; 3: the
 // client page, the operator's messages (status, jobs, quotas, drain,
-// evict), step times and device traffic in the counters; 4: abort_step.
-inline constexpr uint16_t kVersion = 4;
+// evict), step times and device traffic in the counters; 4: abort_step;
+// 5: the job's state dtype in its handle.
+inline constexpr uint16_t kVersion = 5;
 static_assert(kVersion == kWireVersion, "a change of the wire types is a change of the protocol");
 inline constexpr size_t kHeaderBytes = 32;
 inline constexpr size_t kMaxMessageBytes = size_t{64} << 10;
@@ -186,6 +187,7 @@ struct JobHandle {
   int32_t job = -1;
   int32_t units = 0;
   int32_t ranks = 1;
+  StateDtype state_dtype = StateDtype::kFp32;  // the job's (its own, else the engine's)
 };
 // A job's shared regions, in the order their fds are attached to the reply.
 struct RegionInfo {

@@ -19,7 +19,10 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <functional>
+#include <iterator>
+#include <optional>
 #include <random>
 #include <string>
 #include <thread>
@@ -1435,6 +1438,33 @@ TEST(ZtierdProgramTest, SigtermStopsCleanlyAndKillNineFailsClientsFast) {
     const std::string ck = dir / "ck";
     EXPECT_TRUE(gone(m->SaveCheckpoint(ck)));
     EXPECT_FALSE(std::filesystem::exists(ck)) << "a save to a gone daemon made its directory";
+  }
+}
+
+// A checkpoint saved through ztierd did not record how its m and v were
+// kept (the manifest's state_dtype): a resume into the other dtype was not
+// told of the conversion, as one of an embedded engine's checkpoint is.
+TEST(ZtierdProgramTest, ACheckpointSavedThroughZtierdRecordsItsStateDtype) {
+  ZtierdProcess d(ZTIERD_BINARY, {});
+  SessionOptions o;
+  o.daemon_socket = d.socket();
+  Result<std::unique_ptr<Session>> s = Session::Open(o);
+  ASSERT_TRUE(s.ok()) << s.status() << d.log();
+  ScratchDir dir("daemon-state-dtype");
+  for (const auto& [dtype, said] : {std::pair<std::optional<engine::StateDtype>, std::string>{
+                                        engine::StateDtype::kInt8, "int8"},
+                                    {std::nullopt, "fp32"}}) {  // ztierd's own
+    Session::ModelSpec spec = ModelOf(TwoUnits(said));
+    spec.state_dtype = dtype;
+    Result<std::unique_ptr<Model>> m = (*s)->RegisterModel(spec);
+    ASSERT_TRUE(m.ok()) << m.status() << d.log();
+    const std::string ck = dir / said;
+    ASSERT_TRUE((*m)->SaveCheckpoint(ck).ok()) << d.log();
+    std::ifstream in(ck + "/manifest.json");
+    const std::string manifest((std::istreambuf_iterator<char>(in)),
+                               std::istreambuf_iterator<char>());
+    EXPECT_NE(manifest.find(StrCat("\"state_dtype\": \"", said, "\"")), std::string::npos)
+        << manifest;
   }
 }
 

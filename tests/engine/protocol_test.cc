@@ -244,8 +244,9 @@ TEST(ProtocolTest, SmallPayloadsRoundTripAndRefuseEveryPrefix) {
   EveryPrefixIsRefused(Encode(cr), DecodeCollectiveRegionRequest);
   EXPECT_FALSE(
       DecodeCollectiveRegionRequest(Encode(CollectiveRegionRequest{.job = 2, .bytes = 5000})).ok());
-  const JobHandle h{.job = 0, .units = 14, .ranks = 2};
+  const JobHandle h{.job = 0, .units = 14, .ranks = 2, .state_dtype = StateDtype::kInt8};
   EXPECT_EQ(DecodeJobHandle(Encode(h))->units, 14);
+  EXPECT_EQ(DecodeJobHandle(Encode(h))->state_dtype, StateDtype::kInt8);
   EveryPrefixIsRefused(Encode(h), DecodeJobHandle);
   const SharedBuffer rr{.region = 2,
                         .region_bytes = 1 << 20,
