@@ -563,8 +563,9 @@ Status ImportSafetensorsFile(const JobDescription& job, StateAccess& state,
             StrCat(path, ": no tensor '", ts.name, "' (unit '", job.units[k].name, "')"));
       }
       if (it->second.shape != ts.shape) {
-        return Status::InvalidArgument(
-            StrCat(path, ": tensor '", ts.name, "' has another shape than the registered one"));
+        return Status::InvalidArgument(StrCat(path, ": tensor '", ts.name, "' has shape ",
+                                              ShapeText(it->second.shape), " in the file and ",
+                                              ShapeText(ts.shape), " in the job"));
       }
       if (it->second.dtype == StDtype::kOther) {
         return Status::InvalidArgument(StrCat(path, ": tensor '", ts.name, "' is ",
