@@ -1140,6 +1140,23 @@ Status Validate(const Settings& s) {
     return Status::InvalidArgument(StrCat("ztier.nvme_capacity (", s.nvme_capacity_per_path,
                                           ") is smaller than one stripe (", s.stripe_bytes, ")"));
   }
+  // What the parser range-checks, for Settings made in code: a ring of
+  // fewer than 3 slots read every unit into one slot (2 read nothing ahead).
+  if (s.buffer_count < 3 || s.buffer_count > 1024) {
+    return Status::InvalidArgument(
+        StrCat("buffer_count ", s.buffer_count, ": the ring takes 3 to 1024 slots"));
+  }
+  if (s.queue_depth < 1 || s.queue_depth > 4096) {
+    return Status::InvalidArgument(StrCat("aio.queue_depth ", s.queue_depth, ": 1 to 4096"));
+  }
+  if (s.stripe_bytes < 4096 || s.stripe_bytes % 4096 != 0 || s.stripe_bytes > (1u << 30)) {
+    return Status::InvalidArgument(
+        StrCat("aio.block_size ", s.stripe_bytes, ": a multiple of 4096 in 4K..1G"));
+  }
+  if (s.optimizer_threads < 0 || s.optimizer_threads > 4096) {
+    return Status::InvalidArgument(
+        StrCat("ztier.optimizer_threads ", s.optimizer_threads, ": 0 (all cores) to 4096"));
+  }
   return Status::Ok();
 }
 

@@ -3,6 +3,8 @@
 // contradicting paths, validation and the non-default listing.
 #include "engine/settings.h"
 
+#include "engine/engine.h"
+
 #include <unistd.h>
 
 #include <algorithm>
@@ -392,6 +394,36 @@ TEST(SettingsTest, ValidateNeedsPathsForNvme) {
   EXPECT_NE(v.message().find("nvme_path"), std::string::npos) << v;
   s.nvme_paths = {"/x"};
   EXPECT_TRUE(Validate(s).ok());
+}
+
+// Settings made in code skip the parser's ranges: a ring of one slot read
+// every unit's state into that slot (each unit then trained on the last
+// unit's state), none divided by zero. Validate (Engine::Create) checks them.
+TEST(SettingsTest, ValidateChecksWhatTheParserRangeChecks) {
+  const auto refused = [](auto set, std::string_view said) {
+    Settings s;
+    set(s);
+    const Status v = Validate(s);
+    EXPECT_EQ(v.code(), StatusCode::kInvalidArgument) << said;
+    EXPECT_NE(v.message().find(said), std::string::npos) << v;
+  };
+  refused([](Settings& s) { s.buffer_count = 1; }, "buffer_count 1");
+  refused([](Settings& s) { s.buffer_count = 0; }, "buffer_count 0");
+  refused([](Settings& s) { s.queue_depth = 0; }, "aio.queue_depth 0");
+  refused([](Settings& s) { s.stripe_bytes = 1000; }, "aio.block_size 1000");
+  refused([](Settings& s) { s.optimizer_threads = -1; }, "ztier.optimizer_threads -1");
+  Settings ok;
+  ok.buffer_count = 3;
+  EXPECT_TRUE(Validate(ok).ok());
+  EXPECT_EQ(Engine::Create([] {
+              Settings s;
+              s.buffer_count = 1;
+              s.dram_budget_bytes = uint64_t{64} << 20;
+              return s;
+            }())
+                .status()
+                .code(),
+            StatusCode::kInvalidArgument);
 }
 
 TEST(SettingsTest, LoadsFilesAndReportsMissingOnes) {
