@@ -68,6 +68,7 @@ class EngineStateAccess final : public StateAccess {
   Status Commit(int64_t step, int64_t adam_step) override {
     job_.step = step;
     job_.adam_step = adam_step;
+    job_.partly_written = false;
     for (Unit& u : job_.units) publish_(u, step);
     return Status::Ok();
   }
@@ -76,6 +77,7 @@ class EngineStateAccess final : public StateAccess {
   // The files see fp32 m and v: 8-bit ones are dequantized into `staged`
   // before fn and quantized from it after.
   Status Pass(Access access, const Visit& fn, bool writes) {
+    if (writes) job_.partly_written = true;  // until Commit
     std::vector<float> staged;  // fp32 m and v: of 8-bit states, or dropped (stateless)
     const bool int8 = job_.state_dtype == StateDtype::kInt8;
     return ForEachUnitState(
@@ -128,6 +130,7 @@ Status ImportSafetensorsImpl(Job& job, const std::string& path, const PublishFn&
 }
 
 Status WriteUnitStateImpl(Job& job, size_t unit, const UnitState& from) {
+  job.partly_written = true;  // until CommitStateImpl
   return WithUnitState(job, unit, Access::kOverwrite, [&](size_t k, const StateView& view) {
     const uint64_t bytes = job.units[k].layout.padded * sizeof(float);
     std::memcpy(view.master, from.master, bytes);

@@ -51,6 +51,16 @@ uint64_t PhysicalMemoryBytes() {
   return pages > 0 && page > 0 ? static_cast<uint64_t>(pages) * static_cast<uint64_t>(page) : 0;
 }
 
+// A job that a failed load or import left holding a mix of two states
+// trains, saves and exports nothing until a load or import commits.
+Status PartlyWritten(const Job& j) {
+  if (!j.partly_written) return Status::Ok();
+  return Status::FailedPrecondition(
+      StrCat("job '", j.spec.name,
+             "': a checkpoint load or safetensors import failed midway, leaving some units' "
+             "state from the file and the rest as it was; load a checkpoint (or import) again"));
+}
+
 }  // namespace
 
 struct Engine::Impl {
@@ -913,11 +923,15 @@ Status Engine::UnregisterJob(int job) {
   Impl& e = *impl_;
   std::shared_ptr<Job> j;
   {
-    std::lock_guard<std::mutex> lock(e.mu);
+    std::unique_lock<std::mutex> lock(e.mu);
     ZT_ASSIGN_OR_RETURN(j, e.Find(job));
     j->removed = true;
     e.jobs.erase(job);
     Impl::AddTotals(e.retired, e.CountersLocked(*j));
+    // A save under way keeps its directory's claim until it is done: let go
+    // sooner, another job could claim the directory and each save remove
+    // the other's files.
+    e.published_cv.wait(lock, [&] { return !j->checkpointing; });
   }
   e.dirs.Release(job);
   e.published_cv.notify_all();
@@ -1054,6 +1068,7 @@ Status Engine::GradsReady(int job, int unit, int rank) {
       return Status::FailedPrecondition(
           StrCat("job '", j->spec.name, "': a checkpoint save or load is in progress"));
     }
+    ZT_RETURN_IF_ERROR(PartlyWritten(*j));
     if (u.ready) {
       return Status::FailedPrecondition(StrCat("unit '", j->spec.units[unit].name,
                                                "': grads for the next step arrived before the "
@@ -1451,6 +1466,7 @@ Status Engine::WaitPublished(int job, int unit, int64_t step, std::chrono::milli
   // at the wrong step, say). Say so now rather than at the timeout.
   // (A unit made visible before its write-back is done is a step ahead of
   // the job.)
+  if (!j->checkpointing) ZT_RETURN_IF_ERROR(PartlyWritten(*j));
   const int64_t done = std::max(j->step, j->units[unit].published);
   if (step > done + 1) {
     return Status::FailedPrecondition(
@@ -1478,6 +1494,7 @@ namespace {
 // Under the engine lock: the job has no grads of a step pending.
 Status CheckIdle(const Job& j, std::string_view what) {
   if (!j.failure.ok()) return Status::Aborted(StrCat("job failed: ", j.failure.ToString()));
+  if (what.starts_with("save") || what.starts_with("export")) ZT_RETURN_IF_ERROR(PartlyWritten(j));
   if (j.checkpointing) {
     return Status::FailedPrecondition(StrCat(what, ": another checkpoint is in progress"));
   }
@@ -1507,8 +1524,11 @@ Status WithIdleJob(Engine::Impl& e, int job, std::string_view what, const Fn& fn
   // Steps publish every unit before the job looks idle, so the buffers are
   // stable while the mark keeps new grads out.
   Status s = fn(*j);
-  std::lock_guard<std::mutex> lock(e.mu);
-  j->checkpointing = false;
+  {
+    std::lock_guard<std::mutex> lock(e.mu);
+    j->checkpointing = false;
+  }
+  e.published_cv.notify_all();  // an unregister waits for it
   return s.Annotate(StrCat(what, " of job '", j->spec.name, "'"));
 }
 
@@ -1521,7 +1541,13 @@ Status Engine::ClaimCheckpointDir(int job, const std::string& dir) {
   std::error_code ec;
   std::filesystem::create_directories(dir, ec);
   if (ec) return PosixError(StrCat("create checkpoint directory ", dir), ec.value());
-  return impl_->dirs.Claim(*j, dir);
+  ZT_RETURN_IF_ERROR(impl_->dirs.Claim(*j, dir));
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  if (j->removed) {  // unregistered meanwhile, its claims let go before this one
+    impl_->dirs.Release(job);
+    return Status::Aborted(StrCat("job ", job, " was unregistered"));
+  }
+  return Status::Ok();
 }
 
 Status Engine::SaveCheckpoint(int job, const std::string& dir) {

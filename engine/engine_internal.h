@@ -146,6 +146,10 @@ struct Job {
   Status failure;
   bool removed = false;
   bool checkpointing = false;  // a save or load owns the buffers
+  // A load or import wrote some units' state and did not commit it (it
+  // failed midway): the job holds a mix of two states until one commits.
+  // Written while the job is marked checkpointing.
+  std::atomic<bool> partly_written{false};
   JobCounters counters;
   DramPool* pool = nullptr;
   // The job's own regions (DramPool::CreateRegion): grad inboxes (clients

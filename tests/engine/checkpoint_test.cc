@@ -18,6 +18,7 @@
 
 #include <atomic>
 #include <cerrno>
+#include <condition_variable>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -107,6 +108,42 @@ TEST_F(CheckpointFaultTest, AFullDiskDuringASaveRemovesWhatItWroteAndKeepsTheLas
   ASSERT_TRUE(engine_->SaveCheckpoint(job_, dir_.path()).ok());
   saved_[3] = Snapshot(*engine_, job_);
   EXPECT_EQ(LoadFresh(), 3);
+}
+
+// A load whose apply pass failed midway (a shard file unreadable the
+// second time) returned its error, but the job trained on a mix of the
+// file's units and its own, and could save that mix. It now refuses grads,
+// waits, saves and exports until a load commits; then it trains as usual.
+TEST_F(CheckpointFaultTest, ALoadThatFailsMidwayFencesTheJobUntilALoadCommits) {
+  TrainAndSave(2);
+  Train(*engine_, job_, 1, step_, 1, 31);  // the job holds step 3, the file step 2
+  std::atomic<int> opens{0};
+  SetFileFaultHook([&](FileOp op, const std::string& path) {
+    const bool apply = op == FileOp::kOpen && path.find("/unit-2-") != std::string::npos &&
+                       opens.fetch_add(1) == 1;  // the first open checks, the second applies
+    return apply ? EIO : 0;
+  });
+  Status s = engine_->LoadCheckpoint(job_, dir_.path());
+  SetFileFaultHook({});
+  ASSERT_EQ(s.code(), StatusCode::kIoError) << s;
+  EXPECT_NE(s.message().find("partly loaded"), std::string::npos) << s;
+  const auto fenced = [&](const Status& st) {
+    return st.code() == StatusCode::kFailedPrecondition &&
+           st.message().find("failed midway") != std::string::npos;
+  };
+  const UnitLayout l = *engine_->Layout(job_, 3);
+  std::fill_n(*engine_->GradInbox(job_, 3, 0), l.shard, FloatToBf16(0.1f));
+  EXPECT_TRUE(fenced(engine_->GradsReady(job_, 3, 0))) << engine_->GradsReady(job_, 3, 0);
+  EXPECT_TRUE(fenced(engine_->WaitPublished(job_, 0, 3, 1s)));
+  EXPECT_TRUE(fenced(engine_->SaveCheckpoint(job_, dir_.path())));
+  ScratchDir out("partly");
+  EXPECT_TRUE(
+      fenced(engine_->ExportSafetensors(job_, out / "m.safetensors", ExportType::kFloat32)));
+  // A load that commits lifts it: the file's state, trained on as usual.
+  ASSERT_TRUE(engine_->LoadCheckpoint(job_, dir_.path()).ok());
+  EXPECT_TRUE(Same(Snapshot(*engine_, job_), saved_[2]));
+  Train(*engine_, job_, 1, 2, 1, 31);
+  EXPECT_EQ(engine_->Steps(job_)->first, 3);
 }
 
 TEST_F(CheckpointFaultTest, EveryFailingCallOfASaveIsReportedAndACheckpointStillLoads) {
@@ -375,6 +412,57 @@ TEST_F(CheckpointFaultTest, RandomManifestMutationsNeverCrashAndWhatLoadsIsAComm
     }
   }
   RecordProperty("harmless_mutations", loaded);
+}
+
+// A job unregistered while its save ran let go of the directory at once:
+// another job could claim it and save there, each save removing the other's
+// files (the manifest then named a file gone). The claim now lasts until
+// the save is done; the unregister waits for it.
+TEST(CheckpointDirTest, AnUnregisterDuringASaveKeepsTheDirectoryUntilTheSaveIsDone) {
+  ScratchDir dir("ckpt-unregister");
+  const std::string d = dir / "ck";
+  auto e = MakeEngine();
+  const int a = *e->RegisterJob(SmallModel("a", 1, 0.0f, 1, StepMode::kExact));
+  const int b = *e->RegisterJob(SmallModel("b", 1, 0.0f, 1, StepMode::kExact));
+  Train(*e, a, 1, 0, 1, 1);
+  std::mutex mu;
+  std::condition_variable cv;
+  bool writing = false, go_on = false;
+  SetFileFaultHook([&](FileOp op, const std::string&) {
+    if (op != FileOp::kWrite) return 0;
+    std::unique_lock<std::mutex> lock(mu);
+    writing = true;
+    cv.notify_all();
+    cv.wait(lock, [&] { return go_on; });  // the save holds here
+    return 0;
+  });
+  Status saved;
+  std::thread saver([&] { saved = e->SaveCheckpoint(a, d); });
+  {
+    std::unique_lock<std::mutex> lock(mu);
+    cv.wait(lock, [&] { return writing; });
+  }
+  std::atomic<bool> unregistered{false};
+  std::thread unregister([&] {
+    EXPECT_TRUE(e->UnregisterJob(a).ok());
+    unregistered = true;
+  });
+  std::this_thread::sleep_for(200ms);
+  EXPECT_FALSE(unregistered) << "the unregister did not wait for the save";
+  const Status claimed = e->ClaimCheckpointDir(b, d);
+  EXPECT_EQ(claimed.code(), StatusCode::kUnavailable) << claimed;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    go_on = true;
+  }
+  cv.notify_all();
+  saver.join();
+  unregister.join();
+  SetFileFaultHook({});
+  EXPECT_TRUE(saved.ok()) << saved;
+  // The save done and the job gone, the directory is free; what it saved loads.
+  ASSERT_TRUE(e->ClaimCheckpointDir(b, d).ok());
+  EXPECT_TRUE(e->LoadCheckpoint(b, d).ok());
 }
 
 TEST(CheckpointDirTest, OneSavingUserAtATimeAcrossJobsAndProcesses) {
