@@ -927,13 +927,14 @@ Result<int64_t> StartingPoint(const Flags& f, const Plan& p, std::string_view te
       return Status::NotFound(StrCat("--resume: there is no checkpoint in ", paths.checkpoint));
     }
     // The shapes first (the engine names a tensor that differs), then the
-    // note, which then describes this run.
+    // note. It describes the checkpoint beside it: this run's settings go in
+    // with its first save (a resume that fails, is refused or is killed
+    // before one leaves it as it was).
     ZT_RETURN_IF_ERROR(m.LoadCheckpoint(paths.checkpoint).Annotate("--resume"));
     // An older checkpoint's files a kill left (after the last save's
     // manifest): the run may save no more, which would remove them.
     ZT_RETURN_IF_ERROR(m.TidyCheckpointDir(paths.checkpoint).Annotate("--resume"));
     ZT_RETURN_IF_ERROR(CheckRunNote(f, paths, note));
-    ZT_RETURN_IF_ERROR(WriteFileAtomically(ModelNotePath(paths), RunNoteText(note)));
     return m.published_step();
   }
   if (has_checkpoint && !f.overwrite) {
@@ -998,6 +999,7 @@ Result<int> TrainSteps(const Flags& f, const Plan& p, const std::string& text, S
   // stop decided there is seen by every rank after the second barrier.
   std::barrier sync(f.ranks);
   std::mutex mu;
+  bool noted = !f.resume;  // a resumed run's note goes in with its first save
   std::vector<double> step_loss(f.ranks, 0.0);
   stats->assign(f.ranks, RunnerStats{});
   std::vector<Status> status(f.ranks);
@@ -1065,6 +1067,11 @@ Result<int> TrainSteps(const Flags& f, const Plan& p, const std::string& text, S
         progress.Update(static_cast<int>(done), mean, tokens_per_step / std::max(secs, 1e-9), total,
                         m.counters(), sig != 0 ? Progress::Line::kAlways : Progress::Line::kIfDue);
         if (checkpoint) {
+          if (!noted) {
+            ZT_RETURN_IF_ERROR(
+                WriteFileAtomically(ModelNotePath(paths), RunNoteText(RunNote(f, p, text))));
+            noted = true;
+          }
           ZT_RETURN_IF_ERROR(m.SaveCheckpoint(paths.checkpoint));
           if (f.exit_after > 0 && done == f.exit_after) {
             std::fprintf(stderr, "ztier-train: exiting abruptly after step %lld (--exit-after)\n",

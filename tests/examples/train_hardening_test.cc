@@ -227,8 +227,18 @@ TEST_F(TrainHardeningTest, ResumingWithOtherBatchesOrUpdatesSaysWhatChanged) {
             (dir_ / "other.txt") + " --out " + out,
         dir_);
   };
-  // The note now describes the run that resumed: the same flags again are
-  // a plain resume.
+  // A resume that saves nothing (refused here: the checkpoint is past its
+  // --steps) leaves the note alone: it rewrote it at the start, and the
+  // next resume was warned of changes against flags no checkpoint had.
+  std::tie(rc, text) = Train(
+      " --layers 2 --channels 32 --heads 2 --context 16 --batch 3 --seed 9 --lr 0.01 "
+      "--matmul bf16 --steps 1 --resume --data " +
+          (dir_ / "other.txt") + " --out " + out,
+      dir_);
+  EXPECT_EQ(rc, 1) << text;
+  EXPECT_NE(text.find("past --steps 1"), std::string::npos) << text;
+  // The note describes the run that saved last: the same flags again are a
+  // plain resume.
   std::tie(rc, text) = resume(2, 3);
   EXPECT_EQ(rc, 0) << text;
   EXPECT_EQ(text.find("warning"), std::string::npos) << text;
