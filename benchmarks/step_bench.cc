@@ -294,6 +294,7 @@ class TracingBackend final : public nvme::IoBackend {
       return true;
     }
     Status Submit(unsigned wait_for) override { return inner_->Submit(wait_for); }
+    size_t Unsubmitted() const override { return inner_->Unsubmitted(); }
     size_t Reap(nvme::IoCompletion* out, size_t max) override {
       const size_t n = inner_->Reap(out, max);
       if (n == 0 || pending_.empty()) return n;

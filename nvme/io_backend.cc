@@ -115,6 +115,8 @@ class UringQueue final : public IoQueue {
     }
   }
 
+  size_t Unsubmitted() const override { return io_uring_sq_ready(&ring_); }
+
   size_t Reap(IoCompletion* out, size_t max) override {
     io_uring_cqe* cqes[64];
     size_t got = 0;
@@ -201,6 +203,8 @@ class ThreadQueue final : public IoQueue {
     prepared_.push_back(op);
     return true;
   }
+
+  size_t Unsubmitted() const override { return prepared_.size(); }
 
   Status Submit(unsigned wait_for) override {
     std::unique_lock<std::mutex> lock(mu_);
@@ -369,7 +373,12 @@ class FaultBackend::Queue final : public IoQueue {
     return inner_->Prepare(real);
   }
 
+  size_t Unsubmitted() const override { return inner_->Unsubmitted(); }
+
   Status Submit(unsigned wait_for) override {
+    if (const int err = owner_->fail_submit_.load(); err != 0) {
+      return PosixError("io_uring_enter (injected)", err);
+    }
     // Synthetic completions are ready at once; do not block waiting for them.
     const unsigned ready = static_cast<unsigned>(synthetic_.size());
     return inner_->Submit(wait_for > ready ? wait_for - ready : 0);

@@ -65,6 +65,9 @@ class IoQueue {
   virtual Status Submit(unsigned wait_for) = 0;
   // Moves up to `max` ready completions into `out` without a syscall.
   virtual size_t Reap(IoCompletion* out, size_t max) = 0;
+  // Prepared ops not yet taken by a Submit (after one that failed, those
+  // that never reach the disk unless a later Submit succeeds).
+  virtual size_t Unsubmitted() const = 0;
 };
 
 class IoBackend {
@@ -136,6 +139,9 @@ class FaultBackend final : public IoBackend {
   }
   // open() with O_DIRECT fails with EINVAL, as on a filesystem without it.
   void RefuseDirectIo() { refuse_direct_ = true; }
+  // Every Submit fails with -err, its ops left unsubmitted (io_uring_enter
+  // refused for good, by a seccomp filter say); 0: off.
+  void FailSubmits(int err) { fail_submit_.store(err); }
   // fallocate() fails with -err (from the nth call on; 1: the next one).
   void FailPreallocate(int err, uint64_t from = 1) {
     std::lock_guard<std::mutex> lock(mu_);
@@ -164,6 +170,7 @@ class FaultBackend final : public IoBackend {
   uint64_t counts_[3] = {0, 0, 0};
   std::vector<Rule> rules_;
   std::atomic<bool> refuse_direct_{false};
+  std::atomic<int> fail_submit_{0};
   std::atomic<int64_t> delay_ms_[3] = {0, 0, 0};
   int fail_prealloc_ = 0;  // under mu_
   uint64_t fail_prealloc_at_ = 0, prealloc_calls_ = 0;

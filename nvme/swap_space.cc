@@ -24,6 +24,7 @@
 #include <mutex>
 #include <thread>
 #include <unordered_map>
+#include <unordered_set>
 
 #include "common/crc32c.h"
 #include "common/dir_lock.h"
@@ -171,6 +172,8 @@ struct SwapSpace::Impl {
     std::deque<Piece*> pending;
     uint32_t inflight = 0;                // owned by the thread
     std::vector<Piece*> retry, starting;  // owned by the thread
+    std::unordered_set<Piece*> in_ring;   // the inflight ones; owned by the thread
+    Status broken;  // the ring's submits failed for good: every piece fails so; the thread's
     bool stop = false;
     std::thread thread;
 
@@ -276,6 +279,7 @@ void SwapSpace::Impl::PathIo::Start(Piece* p) {
   const bool ok = queue->Prepare(op);
   ZT_CHECK_MSG(ok, "submission queue full with ", inflight, " in flight");
   ++inflight;
+  in_ring.insert(p);
 }
 
 void SwapSpace::Impl::PathIo::Finish(Piece* p, const Status& s) {
@@ -290,6 +294,7 @@ void SwapSpace::Impl::PathIo::Finish(Piece* p, const Status& s) {
 
 void SwapSpace::Impl::PathIo::Complete(Piece* p, int32_t res, std::vector<Piece*>* retry) {
   --inflight;
+  in_ring.erase(p);
   Impl& sp = *owner;
   if (p->kind == IoKind::kFsync) {
     if (res < 0) {
@@ -429,19 +434,20 @@ Status SwapSpace::Impl::PathIo::Pump() {
 }
 
 void SwapSpace::Impl::PathIo::Run() {
+  // Turns in a row whose submit failed and that completed nothing, before
+  // the pieces no submit took are given up (a transient failure passes).
+  constexpr int kBrokenTurns = 100;
   std::vector<IoCompletion> done(owner->options.queue_depth + 8);
+  int stuck = 0;
+  std::string said;  // the error logged last
   for (;;) {
     {
       std::unique_lock<std::mutex> lock(mu);
       cv.wait(lock, [&] { return stop || !pending.empty() || inflight > 0 || !retry.empty(); });
       if (stop && pending.empty() && inflight == 0 && retry.empty()) return;
     }
-    Status s = Pump();
+    Status s = broken.ok() ? Pump() : broken;
     if (s.ok() && inflight > 0) s = queue->Submit(1);  // wait for a completion
-    if (!s.ok()) {
-      ZT_LOG(kError, "nvme") << s;
-      owner->Fail(s);
-    }
     const size_t n = queue->Reap(done.data(), done.size());
     for (size_t i = 0; i < n; ++i) {
       Complete(reinterpret_cast<Piece*>(done[i].user_data), done[i].res, &retry);
@@ -449,18 +455,43 @@ void SwapSpace::Impl::PathIo::Run() {
       // while the drive works on the new piece.
       if (s.ok() && i + 1 < n) s = Pump();
     }
-    if (!s.ok() && n == 0) {
-      // The ring is broken: fail what is waiting rather than spin.
-      std::deque<Piece*> orphans;
-      {
-        std::lock_guard<std::mutex> lock(mu);
-        orphans.swap(pending);
-      }
-      for (Piece* p : orphans) Finish(p, s);
-      for (Piece* p : retry) Finish(p, s);
-      retry.clear();
-      if (inflight > 0) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    if (s.ok()) {
+      stuck = 0;
+      continue;
     }
+    // A write the ring did not take leaves its unit's old bytes: the space
+    // fails (reads say so). The same error again is not logged again.
+    if (s.message() != said) {
+      said = std::string(s.message());
+      ZT_LOG(kError, "nvme") << s;
+    }
+    owner->Fail(s);
+    if (n > 0) {
+      stuck = 0;
+      continue;
+    }
+    // The ring is broken: fail what is waiting rather than spin.
+    std::deque<Piece*> orphans;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      orphans.swap(pending);
+    }
+    for (Piece* p : orphans) Finish(p, s);
+    for (Piece* p : retry) Finish(p, s);
+    retry.clear();
+    if (inflight == 0) continue;
+    if (++stuck >= kBrokenTurns && queue->Unsubmitted() >= inflight) {
+      // Every piece left in the ring is one that no submit took, and none
+      // goes in: the ring is broken for good. They fail (the kernel never
+      // saw them, so no I/O reaches their buffers), as does every piece
+      // from now on; the ring is never entered again.
+      broken = s;
+      for (Piece* p : in_ring) Finish(p, s);
+      in_ring.clear();
+      inflight = 0;
+      continue;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
 }
 

@@ -501,6 +501,26 @@ TEST_P(SwapFaultTest, FsyncFailureIsFatal) {
   EXPECT_EQ(space_->Allocate("new", 1).status().code(), StatusCode::kFailedPrecondition);
 }
 
+// A submit that fails for good (io_uring_enter refused by a seccomp filter
+// after the ring was set up) left the pieces already in the ring waiting
+// for ever: the write hung, and the I/O thread logged the error a thousand
+// times a second. Those pieces now fail with it, once the failure has
+// lasted; the space is failed, and closes.
+TEST_P(SwapFaultTest, ASubmitThatFailsForGoodFailsTheRequestInsteadOfHanging) {
+  fault_->FailSubmits(EPERM);
+  const auto t0 = std::chrono::steady_clock::now();
+  Status s = space_->Write(victim_, 0, data_.data(), data_.size());
+  EXPECT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("io_uring_enter"), std::string::npos) << s;
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(30));
+  fault_->FailSubmits(0);
+  // The ring is not entered again: the space is failed, and says why.
+  Status again = space_->Write(victim_, 0, data_.data(), data_.size());
+  EXPECT_EQ(again.code(), StatusCode::kFailedPrecondition) << again;
+  EXPECT_NE(again.message().find("io_uring_enter"), std::string::npos) << again;
+  (void)space_->Close();  // returns: nothing is left in flight (a hang times the test out)
+}
+
 // ---- manifests ----
 
 TEST_P(SwapSpaceTest, ManifestRoundTripRestoresEveryObject) {
