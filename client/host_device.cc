@@ -29,6 +29,7 @@
 #include "client/transport.h"
 #include "client/ztier.h"
 #include "common/crc32c.h"
+#include "common/thread.h"
 
 namespace ztier::client {
 namespace {
@@ -91,12 +92,16 @@ bool IsCopy(Stream s) { return s != Stream::kCompute; }
 
 class HostDevice final : public Device {
  public:
-  explicit HostDevice(const HostDeviceOptions& options) : options_(options) {
+  explicit HostDevice(const HostDeviceOptions& options) : options_(options) {}
+  // The copy threads (one a copy stream); those started stop with the device.
+  Status Start() {
     for (Stream s : {Stream::kCopy, Stream::kCopyOut}) {
       CopyQueue& q = Queue(s);
       q.stream = s;
-      q.thread = std::thread([this, &q] { CopyLoop(q); });
+      ZT_ASSIGN_OR_RETURN(q.thread,
+                          StartThread("a host device copy thread", [this, &q] { CopyLoop(q); }));
     }
+    return Status::Ok();
   }
   ~HostDevice() override {
     if (owner_.forked()) {
@@ -112,7 +117,7 @@ class HostDevice final : public Device {
         q.stop = true;
       }
       q.cv.notify_all();
-      q.thread.join();
+      if (q.thread.joinable()) q.thread.join();
     }
     for (auto& [ptr, info] : allocations_) std::free(ptr);
   }
@@ -364,7 +369,9 @@ class HostDevice final : public Device {
 }  // namespace
 
 Result<std::unique_ptr<Device>> MakeHostDevice(const HostDeviceOptions& options) {
-  return std::unique_ptr<Device>(std::make_unique<HostDevice>(options));
+  auto device = std::make_unique<HostDevice>(options);
+  ZT_RETURN_IF_ERROR(device->Start());
+  return std::unique_ptr<Device>(std::move(device));
 }
 
 }  // namespace ztier::client

@@ -88,6 +88,7 @@
 #include "client/transport.h"
 #include "client/ztier.h"
 #include "common/log.h"
+#include "common/thread.h"
 
 namespace ztier::client {
 
@@ -1248,8 +1249,12 @@ Result<std::unique_ptr<Stage3Runner>> Stage3Runner::Create(Model& model, int ran
     }
     ZT_RETURN_IF_ERROR(r.SyncCopies(Stream::kCopyOut));
   }
-  r.thread = std::thread([&r] { r.Loop(r.queue); });
-  if (r.world == 1) r.push_thread = std::thread([&r] { r.Loop(r.push_queue); });
+  ZT_ASSIGN_OR_RETURN(r.thread,
+                      StartThread("the runner's transfer thread", [&r] { r.Loop(r.queue); }));
+  if (r.world == 1) {
+    ZT_ASSIGN_OR_RETURN(r.push_thread, StartThread("the runner's grad push thread",
+                                                   [&r] { r.Loop(r.push_queue); }));
+  }
   return std::unique_ptr<Stage3Runner>(new Stage3Runner(std::move(impl)));
 }
 

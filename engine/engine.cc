@@ -31,6 +31,7 @@
 
 #include "common/log.h"
 #include "common/numbers.h"
+#include "common/thread.h"
 #include "common/utf8.h"
 #include "engine/dram_pool.h"
 #include "engine/engine_internal.h"
@@ -118,7 +119,21 @@ struct Engine::Impl {
         q.pop_front();
         running.insert(job);
       }
-      task();
+      try {
+        task();
+      } catch (const std::exception& e) {
+        // oneTBB's, when it cannot start a worker thread: the job fails (its
+        // waiters are told), the engine and its other jobs go on.
+        std::shared_ptr<Job> j;
+        {
+          std::lock_guard<std::mutex> lock(mu);
+          auto it = jobs.find(job);
+          if (it != jobs.end()) j = it->second;
+        }
+        if (j != nullptr) {
+          Fail(*j, Status::ResourceExhausted(StrCat("the optimizer's task failed: ", e.what())));
+        }
+      }
       {
         std::lock_guard<std::mutex> lock(task_mu);
         running.erase(job);
@@ -497,11 +512,7 @@ struct Engine::Impl {
   }
 };
 
-Engine::Engine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {
-  for (int k = 0; k < Impl::kSteppingThreads; ++k) {
-    impl_->workers.emplace_back([this] { impl_->Run(); });
-  }
-}
+Engine::Engine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
 Engine::~Engine() {
   {
@@ -573,7 +584,15 @@ Result<std::unique_ptr<Engine>> Engine::Create(const Settings& settings,
                             << " bytes) is more than this machine's " << physical
                             << " bytes of memory: jobs it admits may pin more than there is";
   }
-  return std::unique_ptr<Engine>(new Engine(std::move(impl)));
+  std::unique_ptr<Engine> engine(new Engine(std::move(impl)));
+  // Stepping threads (those started stop with the engine on an error).
+  for (int k = 0; k < Impl::kSteppingThreads; ++k) {
+    Impl* i = engine->impl_.get();
+    ZT_ASSIGN_OR_RETURN(std::thread t,
+                        StartThread("the engine's stepping thread", [i] { i->Run(); }));
+    i->workers.push_back(std::move(t));
+  }
+  return engine;
 }
 
 Status CheckName(std::string_view what, std::string_view name, size_t prefix_bytes) {

@@ -31,6 +31,7 @@
 #include "common/extent_allocator.h"
 #include "common/file_util.h"
 #include "common/log.h"
+#include "common/thread.h"
 #include "nvme/io_backend.h"
 #include "nvme/swap_manifest.h"
 
@@ -686,7 +687,8 @@ Status SwapSpace::Impl::StartThreads() {
     }
     if (!q.ok()) return q.status();
     p.queue = std::move(q).value();
-    p.thread = std::thread([&p] { p.Run(); });
+    ZT_ASSIGN_OR_RETURN(
+        p.thread, StartThread(StrCat("the I/O thread of swap path ", p.file), [&p] { p.Run(); }));
   }
   return Status::Ok();
 }
