@@ -7,6 +7,8 @@
 //   ztier-bench pcie [options]   host <-> device copies vs the pinned cudaMemcpy peak
 //   ztier-bench step [options]   the engine's optimizer step vs I/O and compute alone
 //   ztier-bench train [options]  a GPT run with params streamed vs resident on the device
+#include <signal.h>
+
 #include <cstdio>
 #include <cstring>
 #include <string_view>
@@ -38,6 +40,7 @@ subcommands:
 }  // namespace
 
 int main(int argc, char** argv) {
+  ::signal(SIGXFSZ, SIG_IGN);  // past ulimit -f: EFBIG, said, not a silent death
   if (argc < 2 || std::strcmp(argv[1], "--help") == 0 || std::strcmp(argv[1], "-h") == 0) {
     std::fputs(kUsage, argc < 2 ? stderr : stdout);
     return argc < 2 ? 2 : 0;

@@ -246,6 +246,7 @@ int Run(const Flags& f) {
   sigaddset(&stop_signals, SIGUSR2);
   pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
   ::signal(SIGPIPE, SIG_IGN);
+  ::signal(SIGXFSZ, SIG_IGN);  // past ulimit -f: EFBIG, said, not a silent death
 
   engine::Settings settings;
   if (!f.config.empty()) {

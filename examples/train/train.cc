@@ -34,13 +34,17 @@
 //
 // Exit codes: 0 done, 1 a runtime error (printed), 2 bad usage (flags,
 // config, environment), 3 --exit-after, 128 + signal when stopped.
+#include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <barrier>
 #include <cctype>
+#include <cerrno>
 #include <charconv>
 #include <chrono>
+#include <climits>
 #include <cmath>
 #include <csignal>
 #include <cstdio>
@@ -59,6 +63,8 @@
 #include "common/crc32c.h"
 #include "common/file_util.h"
 #include "common/numbers.h"
+#include "common/thread.h"
+#include "common/unique_fd.h"
 #include "common/utf8.h"
 #include "examples/gpt/gpt.h"
 #include "nvme/swap_space.h"
@@ -706,10 +712,11 @@ Status PrepareLog(const std::string& path, int64_t first) {
 }
 
 // The progress line on stderr and the loss log (one row per step,
-// appended). On a terminal the line is a bar redrawn every step; otherwise
-// (or without `bar`) lines: the run's first and last step, one the caller
-// asks for (Line::kAlways), and in between at most one every
-// `every_seconds` (0: every step), so that a log stays readable.
+// appended, each in one write: a row the disk refuses, whole or in part, is
+// taken back and said; the run goes on). On a terminal the line is a bar redrawn every step;
+// otherwise (or without `bar`) lines: the run's first and last step, one the caller asks for
+// (Line::kAlways), and in between at most one every `every_seconds` (0: every step), so that a log
+// stays readable.
 class Progress {
  public:
   enum class Line { kIfDue, kAlways };
@@ -719,11 +726,24 @@ class Progress {
         last_(last),
         bar_(bar && isatty(2)),
         every_(std::chrono::duration_cast<Clock::duration>(
-            std::chrono::duration<double>(every_seconds))) {
-    log_ = std::fopen(log_path.c_str(), "a");
+            std::chrono::duration<double>(every_seconds))),
+        log_path_(log_path) {
+    log_ = UniqueFd(::open(log_path.c_str(), O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0644));
+    struct stat st {};
+    if (!log_.valid() || ::fstat(log_.get(), &st) != 0) {
+      std::fprintf(stderr, "ztier-train: warning: cannot open %s (%s): the run keeps no loss log\n",
+                   PrintableUtf8(log_path).c_str(), std::strerror(errno));
+      log_.reset();
+    } else {
+      log_bytes_ = st.st_size;
+    }
   }
   ~Progress() {
-    if (log_ != nullptr) std::fclose(log_);
+    if (missing_ > 0) {
+      std::fprintf(
+          stderr, "ztier-train: warning: %s misses the rows of %lld steps (from step %d)\n",
+          PrintableUtf8(log_path_).c_str(), static_cast<long long>(missing_), first_missing_);
+    }
   }
   Progress(const Progress&) = delete;
   Progress& operator=(const Progress&) = delete;
@@ -746,13 +766,14 @@ class Progress {
                   Gb(engine.nvme_read_bytes + engine.nvme_param_read_bytes).c_str(),
                   Gb(engine.nvme_write_bytes).c_str(), Gb(engine.dram_bytes).c_str());
     line += buf;
-    if (log_ != nullptr) {
-      std::fprintf(
-          log_, "%d\t%.6f\t%.1f\t%llu\t%llu\t%llu\n", step, loss, tokens_per_s,
+    if (log_.valid()) {
+      char row[160];
+      const int n = std::snprintf(
+          row, sizeof(row), "%d\t%.6f\t%.1f\t%llu\t%llu\t%llu\n", step, loss, tokens_per_s,
           static_cast<unsigned long long>(runner.h2d_bytes + runner.d2h_bytes),
           static_cast<unsigned long long>(engine.nvme_read_bytes + engine.nvme_param_read_bytes),
           static_cast<unsigned long long>(engine.nvme_write_bytes));
-      std::fflush(log_);
+      AppendRow(step, row, static_cast<size_t>(n));
     }
     if (bar_) {
       std::fprintf(stderr, "\r%s\x1b[K", line.c_str());
@@ -768,6 +789,29 @@ class Progress {
     std::fflush(stderr);
   }
 
+  // One write; a part the disk took of a row it refused is cut off again
+  // (the next row would merge with it). The first refusal is said at once.
+  void AppendRow(int step, const char* row, size_t n) {
+    ssize_t w;
+    do {
+      w = ::write(log_.get(), row, n);
+    } while (w < 0 && errno == EINTR);
+    if (w == static_cast<ssize_t>(n)) {
+      log_bytes_ += static_cast<off_t>(n);
+      return;
+    }
+    const int err = w < 0 ? errno : ENOSPC;
+    if (w > 0) (void)::ftruncate(log_.get(), log_bytes_);
+    if (missing_++ == 0) {
+      first_missing_ = step;
+      if (bar_) std::fprintf(stderr, "\n");
+      std::fprintf(stderr,
+                   "ztier-train: warning: cannot append step %d's row to %s (%s): the loss log "
+                   "misses the steps it cannot take (the run goes on)\n",
+                   step, PrintableUtf8(log_path_).c_str(), std::strerror(err));
+    }
+  }
+
   // Ends a bar line early (a stop between steps).
   void Break() {
     if (bar_) std::fprintf(stderr, "\n");
@@ -778,7 +822,11 @@ class Progress {
   bool bar_;
   Clock::duration every_;
   Clock::time_point last_line_{};
-  std::FILE* log_ = nullptr;
+  std::string log_path_;
+  UniqueFd log_;
+  off_t log_bytes_ = 0;    // the log's size after the last whole row
+  int64_t missing_ = 0;    // rows the disk refused
+  int first_missing_ = 0;  // the step of the first
 };
 
 // ------------------------------------------------------------------- run --
@@ -1090,24 +1138,31 @@ Result<int> TrainSteps(const Flags& f, const Plan& p, const std::string& text, S
     }
     return Status::Ok();
   };
+  // A rank that fails ends the process (the other ranks would wait for it
+  // forever), without closing the embedded engine: its swap files go now,
+  // as a clean close removes them (on a full disk they held the room the
+  // checkpoint needed). The checkpoint stays.
+  const auto abandon = [&](int r, const Status& s) {
+    std::fprintf(stderr, "\nztier-train: rank %d: %s\n", r, s.ToString().c_str());
+    if (p.settings.daemon_socket.empty()) {
+      for (const std::string& dir : p.settings.nvme_paths) {
+        ::unlink((std::filesystem::path(dir) / nvme::SwapOptions().file_name).c_str());
+      }
+    }
+    std::_Exit(1);
+  };
   std::vector<std::thread> threads;
   for (int r = 0; r < f.ranks; ++r) {
-    threads.emplace_back([&, r] {
-      status[r] = rank_main(r);
-      if (!status[r].ok()) {
-        std::fprintf(stderr, "\nztier-train: rank %d: %s\n", r, status[r].ToString().c_str());
-        // The process ends here (the other ranks would wait for this one
-        // forever), without closing the embedded engine: its swap files go
-        // now, as a clean close removes them (on a full disk they held the
-        // room the checkpoint needed). The checkpoint stays.
-        if (p.settings.daemon_socket.empty()) {
-          for (const std::string& dir : p.settings.nvme_paths) {
-            ::unlink((std::filesystem::path(dir) / nvme::SwapOptions().file_name).c_str());
-          }
-        }
-        std::_Exit(1);
+    Result<std::thread> t = StartThread(StrCat("the thread of rank ", r), [&, r] {
+      try {
+        status[r] = rank_main(r);
+      } catch (const std::exception& e) {  // oneTBB's, when it cannot start a worker
+        status[r] = Status::ResourceExhausted(StrCat("the kernels failed: ", e.what()));
       }
+      if (!status[r].ok()) abandon(r, status[r]);
     });
+    if (!t.ok()) abandon(r, t.status());
+    threads.push_back(std::move(*t));
   }
   for (auto& t : threads) t.join();
   return stop_signal;
@@ -1285,6 +1340,19 @@ int Run(const Flags& f, const Plan& p) {
                                    SummarySkip(f, *first), " leaves none of them to measure")));
   }
   if (Status s = PrepareLog(paths.log, *first); !s.ok()) return fail(s);
+  // What would fail only once every step has run fails now: an export that
+  // could not replace what is there, and a checkpoint whose longest file
+  // path (a shard of the last step's, while written) is past the system's.
+  if (Result<std::string> t = ReplaceableTarget(paths.exported); !t.ok()) return fail(t.status());
+  const std::string longest =
+      (fs::path(paths.checkpoint) / StrCat("unit-", m.units() - 1, "-rank-", f.ranks - 1, "-step-",
+                                           f.steps, "-00000000.bin.tmp"))
+          .string();
+  if (longest.size() >= PATH_MAX) {
+    return fail(Status::InvalidArgument(
+        StrCat("--out ", f.out, ": the checkpoint's files would have paths of ", longest.size(),
+               " bytes, past the system's ", PATH_MAX - 1, " (choose a shorter --out)")));
+  }
   if (f.resume) {
     std::fprintf(stderr, "ztier-train: resumed at step %lld of %d\n",
                  static_cast<long long>(*first), f.steps);
@@ -1338,6 +1406,9 @@ int Run(const Flags& f, const Plan& p) {
 
 int main(int argc, char** argv) {
   using ztier::train::Usage;
+  // A file size limit (ulimit -f) past which a write or an ftruncate of the
+  // pool's memory files would kill the process without a word: EFBIG, said.
+  ::signal(SIGXFSZ, SIG_IGN);
   ztier::Result<ztier::train::Flags> flags = ztier::train::ParseFlags(argc, argv);
   if (!flags.ok()) {
     std::fprintf(stderr, "ztier-train: %s\n\n",

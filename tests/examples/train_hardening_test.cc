@@ -9,10 +9,12 @@
 #include <signal.h>
 #include <spawn.h>
 #include <sys/mount.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -404,6 +406,117 @@ TEST_F(TrainHardeningTest, AFailedRunLeavesNoSwapFileBehind) {
   EXPECT_EQ(rc, 1) << text;
   EXPECT_NE(text.find("No space left on device"), std::string::npos) << text;
   EXPECT_TRUE(left.empty()) << left[0] << " left in the swap directory\n" << text;
+}
+
+// A loss log the disk refused rows of lost them without a word, and the
+// row cut short merged with the next one; the run said "done". The row the
+// disk took part of is cut off again, the first refusal and the count are
+// said, and every row left is whole. (The log is a link to a file on a
+// small tmpfs, the rest of the run on the scratch disk.)
+TEST_F(TrainHardeningTest, RowsTheDiskRefusesAreSaidAndNoRowIsTorn) {
+  const std::string small = dir_ / "tiny";
+  fs::create_directories(small);
+  if (::mount("tmpfs", small.c_str(), "tmpfs", 0, "size=8k") != 0) {
+    GTEST_SKIP() << "cannot mount a small tmpfs here: " << std::strerror(errno);
+  }
+  std::ofstream(small + "/filler") << std::string(4096, 'x');  // one of its two pages
+  std::ofstream(small + "/log.tsv").flush();
+  const std::string out = dir_ / "logfull";
+  fs::create_directories(out);
+  fs::create_symlink(small + "/log.tsv", out + "/train_log.tsv");
+  auto [rc, text] =
+      Train(Common() + " --steps 150 --optimizer dram --no-progress --out " + out, dir_);
+  const std::string log = Slurp(small + "/log.tsv");
+  ::umount2(small.c_str(), MNT_DETACH);
+  EXPECT_EQ(rc, 0) << text;
+  EXPECT_NE(text.find("cannot append step "), std::string::npos) << text;
+  EXPECT_NE(text.find("No space left on device"), std::string::npos) << text;
+  EXPECT_NE(text.find("misses the rows of "), std::string::npos) << text;
+  std::istringstream rows(log);
+  std::string row;
+  int n = 0, last = 0;
+  std::getline(rows, row);  // the header
+  while (std::getline(rows, row)) {
+    EXPECT_EQ(std::count(row.begin(), row.end(), '\t'), 5) << "torn row: " << row;
+    EXPECT_EQ(std::stoi(row), ++last) << row;
+    ++n;
+  }
+  EXPECT_GT(n, 10);
+  EXPECT_LT(n, 150);
+}
+
+// What would fail only once every step had run fails before the first: an
+// --out so deep that the checkpoint's file names pass the system's path
+// limit, an export path that cannot be replaced (a directory there).
+TEST_F(TrainHardeningTest, AnOutTheCheckpointOrExportCannotUseIsRefusedUpFront) {
+  std::string deep = dir_ / "deep";
+  while (deep.size() < 4040) deep += "/" + std::string(200, 'd');
+  deep.resize(4056);  // its own files fit, a checkpoint shard's (50 bytes more) does not
+  fs::create_directories(deep);
+  auto [rc, text] = Train(Common() + " --steps 50 --no-progress --out " + deep, dir_);
+  const std::string said = text.substr(text.size() > 300 ? text.size() - 300 : 0);
+  EXPECT_EQ(rc, 1) << said;
+  EXPECT_NE(text.find("past the system's"), std::string::npos) << said;
+  EXPECT_EQ(text.find("step 1/"), std::string::npos) << "it trained first\n" << said;
+  const std::string out = dir_ / "direxport";
+  fs::create_directories(out + "/model.safetensors");
+  std::tie(rc, text) = Train(Common() + " --steps 50 --no-progress --out " + out, dir_);
+  EXPECT_EQ(rc, 1) << text;
+  EXPECT_NE(text.find("model.safetensors is not a regular file (a directory)"), std::string::npos)
+      << text;
+  EXPECT_FALSE(fs::exists(out + "/checkpoint/manifest.json")) << text;
+}
+
+// A file size limit (ulimit -f) killed the run with SIGXFSZ before its first
+// step, printing nothing: the pool's memory files are sized with ftruncate.
+// The run now says what the limit refused.
+TEST_F(TrainHardeningTest, AFileSizeLimitIsAnErrorNotASilentDeath) {
+  const std::string out = dir_ / "fsize";
+  rlimit before{};
+  ASSERT_EQ(::getrlimit(RLIMIT_FSIZE, &before), 0);
+  rlimit limit = before;
+  limit.rlim_cur = 70000000;  // under the pool's 256 MiB memory files
+  ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &limit), 0);
+  Process r(Common() + " --steps 3 --out " + out, dir_ / "fsize.txt");  // inherits it
+  ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &before), 0);
+  const int rc = r.Wait();
+  EXPECT_EQ(rc, 1) << r.output();
+  EXPECT_NE(r.output().find("File too large"), std::string::npos) << r.output();
+}
+
+// No thread to be had (the task limit of a user, a cgroup's pids.max)
+// aborted the run with "terminate called" (exit 134) wherever the engine,
+// the device, the runner or the kernels started one. Each is an error that
+// names the thread. (As uid 65534: root has no task limit.)
+TEST_F(TrainHardeningTest, NoThreadToBeHadIsAnErrorNotAnAbort) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root, to run as uid 65534 with a task limit";
+  if (std::system("command -v setpriv >/dev/null && command -v prlimit >/dev/null") != 0) {
+    GTEST_SKIP() << "no setpriv or prlimit (util-linux)";
+  }
+  std::string tmp = "/tmp/ztier-nproc-XXXXXX";
+  ASSERT_NE(::mkdtemp(tmp.data()), nullptr);
+  ::chmod(tmp.c_str(), 0777);
+  fs::copy_file(dir_ / "text.txt", tmp + "/text.txt");
+  ::chmod((tmp + "/text.txt").c_str(), 0644);
+  for (int tasks : {3, 6, 9, 11}) {
+    const std::string out = tmp + "/o" + std::to_string(tasks);
+    const std::string cmd = "setpriv --reuid=65534 --regid=65534 --clear-groups prlimit --nproc=" +
+                            std::to_string(tasks) + " " + ZTIER_TRAIN_BINARY +
+                            " --layers 2 --channels 32 --heads 2 --context 16 --batch 4 --data " +
+                            tmp + "/text.txt --steps 3 --no-progress --out " + out + " > " + tmp +
+                            "/said.txt 2>&1";
+    const int st = std::system(cmd.c_str());
+    const std::string text = Slurp(tmp + "/said.txt");
+    ASSERT_TRUE(WIFEXITED(st)) << tasks << "\n" << text;
+    if (WEXITSTATUS(st) == 0) continue;  // enough for this run
+    EXPECT_EQ(WEXITSTATUS(st), 1) << tasks << "\n" << text;
+    EXPECT_TRUE(text.find("cannot start ") != std::string::npos ||
+                text.find("pthread_create") != std::string::npos)
+        << tasks << "\n"
+        << text;
+    EXPECT_EQ(text.find("terminate called"), std::string::npos) << tasks << "\n" << text;
+  }
+  fs::remove_all(tmp);
 }
 
 // A --out whose name holds a control character trains: the job's name
