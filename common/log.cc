@@ -3,16 +3,24 @@
 
 #include <unistd.h>
 
+#include <algorithm>
+#include <array>
 #include <cstdlib>
 #include <string>
+#include <string_view>
 
 namespace ztier {
 namespace {
+
+// The subsystems ZT_LOG lines name (ZTIER_LOG_SUBSYS selects among them).
+constexpr std::array<std::string_view, 7> kSubsystems = {
+    "checkpoint", "client", "cpu_adam", "engine", "nvme", "test", "ztierd"};
 
 struct LogConfig {
   LogLevel level = LogLevel::kWarn;
   std::string subsystems;  // empty: all
   std::string bad_level;   // a ZTIER_LOG that is no level (said once, at first use)
+  std::string unknown;     // names in ZTIER_LOG_SUBSYS no part of ztier logs as
 
   LogConfig() {
     if (const char* env = std::getenv("ZTIER_LOG")) {
@@ -28,7 +36,19 @@ struct LogConfig {
       else
         bad_level = v;
     }
-    if (const char* env = std::getenv("ZTIER_LOG_SUBSYS")) subsystems = env;
+    if (const char* env = std::getenv("ZTIER_LOG_SUBSYS")) {
+      subsystems = env;
+      std::string_view list(subsystems);
+      while (!list.empty()) {
+        const size_t comma = list.find(',');
+        const std::string_view name = list.substr(0, comma);
+        if (std::find(kSubsystems.begin(), kSubsystems.end(), name) == kSubsystems.end()) {
+          unknown += std::string(unknown.empty() ? "" : ", ") + "'" + std::string(name) + "'";
+        }
+        if (comma == std::string_view::npos) break;
+        list.remove_prefix(comma + 1);
+      }
+    }
   }
 };
 
@@ -38,6 +58,14 @@ const LogConfig& Config() {
     if (!c.bad_level.empty()) {
       const std::string line = "ztier warn log: ZTIER_LOG='" + c.bad_level +
                                "' is not error, warn, info or debug; logging at warn\n";
+      [[maybe_unused]] ssize_t n = ::write(STDERR_FILENO, line.data(), line.size());
+    }
+    if (!c.unknown.empty()) {  // a typo would hide every line, warnings included
+      std::string known;
+      for (std::string_view k : kSubsystems)
+        known += std::string(known.empty() ? "" : ", ") + std::string(k);
+      const std::string line = "ztier warn log: ZTIER_LOG_SUBSYS names " + c.unknown +
+                               ", which nothing logs as (the names: " + known + ")\n";
       [[maybe_unused]] ssize_t n = ::write(STDERR_FILENO, line.data(), line.size());
     }
     return c;

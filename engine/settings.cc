@@ -93,7 +93,8 @@ Result<float> ParseReal(std::string_view text, std::string_view key, double lo, 
 Result<bool> ParseBool(std::string_view text, std::string_view key) {
   if (text == "true" || text == "1" || text == "on" || text == "yes") return true;
   if (text == "false" || text == "0" || text == "off" || text == "no") return false;
-  return Status::InvalidArgument(StrCat(key, ": '", text, "' is not a boolean (true/false)"));
+  return Status::InvalidArgument(
+      StrCat(key, ": '", text, "' is not a boolean (true, false, 1, 0, on, off, yes or no)"));
 }
 
 Result<Tier> ParseTier(std::string_view text, std::string_view key) {
