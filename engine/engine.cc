@@ -401,7 +401,7 @@ struct Engine::Impl {
     std::vector<float> lrs;  // the step's, whatever the client sets meanwhile
     {
       std::lock_guard<std::mutex> lock(mu);
-      if (job.removed) return;
+      if (job.removed || !job.failure.ok()) return;  // a failed job steps no more
       for (const Unit& u : job.units) {
         for (double s : u.shard_sq) sq += s;  // unit, then rank order: deterministic
       }
@@ -477,7 +477,7 @@ struct Engine::Impl {
     std::vector<float> lrs;
     {
       std::lock_guard<std::mutex> lock(mu);
-      if (job.removed) return;
+      if (job.removed || !job.failure.ok()) return;  // a failed job steps no more
       step = job.step + 1;
       adam_step = job.adam_step + 1;
       for (double s : job.units[unit].shard_sq) sq += s;
