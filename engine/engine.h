@@ -250,7 +250,11 @@ class Engine {
   // Errors: NotFound (no checkpoint there), Corruption (a checksum, a
   // truncated, forged or malformed manifest or file, naming it),
   // InvalidArgument (layout differs, naming the unit, the tensor and both
-  // shapes), FailedPrecondition (step pending).
+  // shapes), FailedPrecondition (step pending). A load that fails once it
+  // began to write the job's state (an I/O error on its second pass) leaves
+  // the job fenced: GradsReady, WaitPublished, saves and exports are
+  // FailedPrecondition until a load or import commits (WriteState without
+  // CommitState likewise).
   Status LoadCheckpoint(int job, const std::string& dir);
 
   // Writes the job's consolidated weights as a safetensors file: every
