@@ -14,6 +14,7 @@
 #include <string_view>
 
 #include "benchmarks/subcommands.h"
+#include "common/file_util.h"
 
 namespace {
 
@@ -41,6 +42,7 @@ subcommands:
 
 int main(int argc, char** argv) {
   ::signal(SIGXFSZ, SIG_IGN);  // past ulimit -f: EFBIG, said, not a silent death
+  ztier::OpenClosedStandardFds();
   if (argc < 2 || std::strcmp(argv[1], "--help") == 0 || std::strcmp(argv[1], "-h") == 0) {
     std::fputs(kUsage, argc < 2 ? stderr : stdout);
     return argc < 2 ? 2 : 0;

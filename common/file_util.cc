@@ -75,6 +75,14 @@ Status FsyncPath(const std::string& path, bool directory) {
   return Status::Ok();
 }
 
+void OpenClosedStandardFds() {
+  for (int fd = 0; fd <= 2; ++fd) {
+    if (::fcntl(fd, F_GETFD) >= 0 || errno != EBADF) continue;
+    const int opened = ::open("/dev/null", O_RDWR);  // the lowest free number: fd
+    if (opened >= 0 && opened != fd) ::close(opened);
+  }
+}
+
 Result<std::string> ReplaceableTarget(const std::string& path) {
   struct stat st {};
   if (::lstat(path.c_str(), &st) != 0) {

@@ -65,6 +65,12 @@ Status RemoveFile(const std::string& path);
 // ResourceExhausted (larger than max_bytes, naming both), IoError.
 Result<std::string> ReadFileToString(const std::string& path, uint64_t max_bytes = UINT64_MAX);
 
+// For a program's main, first thing: standard input, output or error that
+// the caller closed (`2>&-`) is opened on /dev/null, so the next file the
+// program opens (a lock file, a swap file) does not get its number and
+// receive the progress lines meant for stderr.
+void OpenClosedStandardFds();
+
 }  // namespace ztier
 
 #endif  // ZTIER_COMMON_FILE_UTIL_H_

@@ -39,6 +39,7 @@
 #include <thread>
 #include <vector>
 
+#include "common/file_util.h"
 #include "common/log.h"
 #include "common/numbers.h"
 #include "common/utf8.h"
@@ -403,6 +404,7 @@ int Run(const Flags& f) {
 }  // namespace ztier::ztierd
 
 int main(int argc, char** argv) {
+  ztier::OpenClosedStandardFds();  // a closed stderr is not the next socket's number
   // A service logs its clients coming and going (ZTIER_LOG overrides).
   ::setenv("ZTIER_LOG", "info", /*overwrite=*/0);
   ztier::Result<ztier::ztierd::Flags> flags = ztier::ztierd::ParseFlags(argc, argv);

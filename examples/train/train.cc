@@ -1409,6 +1409,11 @@ int main(int argc, char** argv) {
   // A file size limit (ulimit -f) past which a write or an ftruncate of the
   // pool's memory files would kill the process without a word: EFBIG, said.
   ::signal(SIGXFSZ, SIG_IGN);
+  // A reader of stderr gone (`| tee log` with the terminal's Ctrl-C, which
+  // reaches tee too) killed the run as it said it was stopping, before the
+  // stop's checkpoint: the lines go nowhere instead.
+  ::signal(SIGPIPE, SIG_IGN);
+  ztier::OpenClosedStandardFds();
   ztier::Result<ztier::train::Flags> flags = ztier::train::ParseFlags(argc, argv);
   if (!flags.ok()) {
     std::fprintf(stderr, "ztier-train: %s\n\n",

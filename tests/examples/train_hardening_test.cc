@@ -484,6 +484,51 @@ TEST_F(TrainHardeningTest, AFileSizeLimitIsAnErrorNotASilentDeath) {
   EXPECT_NE(r.output().find("File too large"), std::string::npos) << r.output();
 }
 
+// `ztier-train ... 2>&1 | tee log` and a terminal's Ctrl-C, which reaches
+// tee too: the run died of SIGPIPE as it said it was stopping, before the
+// stop's checkpoint (or a reader gone early: `| head -3`). Output to a
+// reader that is gone now goes nowhere, and the run ends as it would have.
+TEST_F(TrainHardeningTest, AnOutputReaderThatIsGoneDoesNotKillTheRun) {
+  int fds[2];
+  ASSERT_EQ(::pipe2(fds, O_CLOEXEC), 0);
+  ::close(fds[0]);  // the reader is gone
+  const std::string out = dir_ / "nopipe";
+  std::vector<std::string> args = {ZTIER_TRAIN_BINARY,
+                                   "--layers",
+                                   "2",
+                                   "--channels",
+                                   "32",
+                                   "--heads",
+                                   "2",
+                                   "--context",
+                                   "16",
+                                   "--batch",
+                                   "4",
+                                   "--data",
+                                   dir_ / "text.txt",
+                                   "--steps",
+                                   "5",
+                                   "--out",
+                                   out};
+  std::vector<char*> argv;
+  for (std::string& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  posix_spawn_file_actions_t fa;
+  posix_spawn_file_actions_init(&fa);
+  posix_spawn_file_actions_adddup2(&fa, fds[1], 1);
+  posix_spawn_file_actions_adddup2(&fa, fds[1], 2);
+  pid_t pid = -1;
+  ASSERT_EQ(posix_spawn(&pid, argv[0], &fa, nullptr, argv.data(), environ), 0);
+  posix_spawn_file_actions_destroy(&fa);
+  ::close(fds[1]);
+  int st = 0;
+  ASSERT_EQ(::waitpid(pid, &st, 0), pid);
+  EXPECT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0)
+      << (WIFSIGNALED(st) ? ztier::StrCat("killed by signal ", WTERMSIG(st)) : std::string("exit"));
+  EXPECT_TRUE(fs::exists(out + "/checkpoint/manifest.json"));
+  EXPECT_TRUE(fs::exists(out + "/model.safetensors"));
+}
+
 // No thread to be had (the task limit of a user, a cgroup's pids.max)
 // aborted the run with "terminate called" (exit 134) wherever the engine,
 // the device, the runner or the kernels started one. Each is an error that
