@@ -15,6 +15,7 @@
 // directory removed afterwards; its output goes to a log there, shown when
 // it fails. Single-threaded driver.
 #include <fcntl.h>
+#include <signal.h>
 #include <spawn.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -158,22 +159,55 @@ Result<std::string> FindTrain(const Options& o) {
       "no ztier-train beside ztier-bench or in the build tree's examples/; name it with --train");
 }
 
-// Runs argv[0] with its output to `log`; an error names the log's tail.
+// The stop signal (SIGINT, SIGTERM, SIGHUP) this program got while a run
+// was going: it went on to the run, which stopped; 0 when none came.
+int stopped_by = 0;
+
+// Runs argv[0] with its output to `log`; an error names the log's tail. The
+// run has a process group of its own: a stop signal to this program goes on
+// to it once (a terminal's Ctrl-C reaches only this one), and this waits for
+// it to end (ztier-train stops at its next step), never leaving it running.
 Status RunLogged(const std::vector<std::string>& argv, const fs::path& log) {
   std::vector<char*> args;
   for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
   args.push_back(nullptr);
+  sigset_t stops, before;
+  sigemptyset(&stops);
+  for (int sig : {SIGINT, SIGTERM, SIGHUP}) sigaddset(&stops, sig);
+  pthread_sigmask(SIG_BLOCK, &stops, &before);
+  posix_spawnattr_t attr;
+  posix_spawnattr_init(&attr);
+  posix_spawnattr_setsigmask(&attr, &before);  // the run's signals as this program's were
+  posix_spawnattr_setpgroup(&attr, 0);
+  posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETSIGMASK | POSIX_SPAWN_SETPGROUP);
   posix_spawn_file_actions_t actions;
   posix_spawn_file_actions_init(&actions);
   posix_spawn_file_actions_addopen(&actions, STDOUT_FILENO, log.c_str(),
                                    O_WRONLY | O_CREAT | O_TRUNC, 0644);
   posix_spawn_file_actions_adddup2(&actions, STDOUT_FILENO, STDERR_FILENO);
   pid_t pid = 0;
-  const int err = posix_spawn(&pid, args[0], &actions, nullptr, args.data(), environ);
+  const int err = posix_spawn(&pid, args[0], &actions, &attr, args.data(), environ);
   posix_spawn_file_actions_destroy(&actions);
-  if (err != 0) return Status::IoError(StrCat("starting ", argv[0], ": ", std::strerror(err)));
+  posix_spawnattr_destroy(&attr);
+  if (err != 0) {
+    pthread_sigmask(SIG_SETMASK, &before, nullptr);
+    return Status::IoError(StrCat("starting ", argv[0], ": ", std::strerror(err)));
+  }
   int st = 0;
-  while (::waitpid(pid, &st, 0) < 0 && errno == EINTR) {
+  for (;;) {
+    const pid_t done = ::waitpid(pid, &st, WNOHANG);
+    if (done == pid || (done < 0 && errno != EINTR)) break;
+    const timespec tick{.tv_sec = 0, .tv_nsec = 100'000'000};
+    const int sig = ::sigtimedwait(&stops, nullptr, &tick);
+    if (sig > 0) {
+      ::kill(pid, sig);
+      if (stopped_by == 0) stopped_by = sig;
+    }
+  }
+  pthread_sigmask(SIG_SETMASK, &before, nullptr);
+  if (stopped_by != 0) {
+    return Status::Aborted(StrCat("stopped by ", strsignal(stopped_by), " (", argv[0],
+                                  " too; its output: ", log.string(), ")"));
   }
   if (WIFEXITED(st) && WEXITSTATUS(st) == 0) return Status::Ok();
   std::ifstream in(log);
@@ -346,6 +380,7 @@ int RunTrain(int argc, char** argv) {
     }
     if (!failed.ok()) {
       status = FailExit(failed, "train");
+      if (stopped_by != 0) status = 128 + stopped_by;
       break;
     }
     const Figures off_run = median(offs), res_run = median(ress);
@@ -398,7 +433,7 @@ int RunTrain(int argc, char** argv) {
                             .str()
                             .c_str());
   }
-  if (made_dir && status == 0) {
+  if (made_dir && (status == 0 || stopped_by != 0)) {  // a failed run's logs stay
     std::error_code ec;
     fs::remove_all(dir, ec);
   }

@@ -39,4 +39,25 @@ status=0
 out=$("$bench" train --train "$dir/no-such-program" 2>&1) || status=$?
 [ "$status" -eq 1 ] && [[ $out == *"no-such-program"* ]] ||
   { echo "a missing ztier-train gave exit $status: $out"; exit 1; }
+# A SIGTERM to the bench (a scheduler's, a CI's) left its ztier-train
+# training on under init, and its scratch directory behind. The run now stops
+# with it (signal passed on), the bench exits 143 and removes what it made.
+mkdir "$dir/tmp"
+TMPDIR="$dir/tmp" "$bench" train --train "$train" --layers 1 --channels 64 --heads 2 \
+  --context 16 --batch 2 --steps 100000 --skip 1 --optimizer dram >"$dir/term.txt" 2>&1 &
+b=$!
+for _ in $(seq 300); do
+  compgen -G "$dir/tmp/ztier-bench-train.*/*.log" >/dev/null && break
+  sleep 0.1
+done
+sleep 1
+kill -TERM "$b"
+status=0
+wait "$b" || status=$?
+[ "$status" -eq 143 ] || { echo "a SIGTERM'd bench exited $status"; cat "$dir/term.txt"; exit 1; }
+if pgrep -f -- "--out $dir/tmp/" >/dev/null; then
+  echo "ztier-train runs on after the bench was stopped"; pkill -f -- "--out $dir/tmp/"; exit 1
+fi
+left=$(ls -A "$dir/tmp")
+[ -z "$left" ] || { echo "the bench left $left in TMPDIR"; exit 1; }
 echo "train_bench_test: ok"
