@@ -174,7 +174,9 @@ class _Optimizer(torch.optim.Optimizer):
                         f"only lr with each step: it keeps {k}={fixed[k]!r} (set it in "
                         f"zt.AdamW(...) when offloading)", RuntimeWarning,
                         stacklevel=_user_stacklevel())
-        self._owner._optimizer_step([float(g["lr"]) for g in self.param_groups])
+        lrs = [float(g["lr"]) for g in self.param_groups]
+        with _interrupts_deferred():
+            self._owner._optimizer_step(lrs)
         return loss
 
     def zero_grad(self, set_to_none: bool = True):
@@ -558,6 +560,7 @@ class Offload:
         self._install_hooks(model)
         self.optimizer = _Optimizer(self, groups)
         model._ztier_offload = weakref.ref(self)
+        _live_offloads.add(self)  # closed at exit if still open
         for u in self.units:
             for t in u.tensors:
                 t.param._ztier_owner = weakref.ref(self)
@@ -1035,8 +1038,11 @@ class Offload:
             return None  # activation checkpointing's recompute of the whole model
         if self._stranded():
             self._undo_stranded("a forward")
-        if self._phase == "backward" or self._fwd_held:
-            self._reset_interrupted()  # the last forward or backward raised
+        if self._phase == "backward" or self._fwd_held or any(u.holds for u in self.units):
+            # The last forward or backward raised, or was interrupted (between
+            # passes no unit is held: a hold an interrupt left unrecorded
+            # computed with old or empty weights for the rest of the run).
+            self._reset_interrupted()
         else:
             # Between passes the runner holds nothing of this model's (each
             # fetch gives its unit back at once): a hold now is one an
@@ -1812,6 +1818,49 @@ _hosted_daemons: list = []  # closed at exit, before the interpreter tears down
 def _close_hosted_daemons():
     for d in _hosted_daemons:
         d.close()
+
+
+_live_offloads: "weakref.WeakSet[Offload]" = weakref.WeakSet()
+
+
+@atexit.register  # runs before _close_hosted_daemons (registered after it)
+def _close_offloads():
+    """Offloads still open at exit (a live loss's graph can hold one past
+    the interpreter's teardown) close, so their engines go: the swap files
+    and locks with them."""
+    for z in list(_live_offloads):
+        try:
+            z.close()
+        except Exception:  # exiting: what one cannot close, the OS frees
+            pass
+
+
+@contextlib.contextmanager
+def _interrupts_deferred():
+    """A Ctrl-C (SIGINT) that arrives inside is raised when it ends: the
+    bookkeeping of an optimizer step and the engine's Step() happen both or
+    neither (an interrupt between them left the engine holding a step the
+    model never took). Only on the main thread, which alone gets signals."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    import signal
+
+    got = []
+    try:
+        before = signal.signal(signal.SIGINT, lambda sig, frame: got.append(frame))
+    except ValueError:  # not the main interpreter
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before)
+        if got:
+            if callable(before):
+                before(signal.SIGINT, got[0])
+            elif before == signal.SIG_DFL:
+                os.kill(os.getpid(), signal.SIGINT)  # its default action, now
 
 
 def _distributed() -> tuple[int, int]:

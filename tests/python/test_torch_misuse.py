@@ -14,6 +14,7 @@ import gc
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 import warnings
@@ -370,6 +371,153 @@ def test_a_backward_of_a_forward_before_the_step_is_refused(settings):
     z.optimizer.step()
     assert z.step_count == 2
     z.close()
+
+
+class _Blocks(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Linear(6, 8)
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x):
+        h = self.emb(x)
+        for b in self.blocks:
+            h = torch.tanh(b(h))
+        return self.head(h)
+
+
+def _train(model, z, batches, hook=None):
+    """Trains a step per batch; ``hook(step)`` before each (it may raise);
+    a step that raised KeyboardInterrupt is trained again, as a user would."""
+    for i, x in enumerate(batches):
+        while True:
+            before = z.step_count
+            try:
+                if hook is not None:
+                    hook(i)
+                model(x).pow(2).sum().backward()
+                z.optimizer.step()
+                break
+            except KeyboardInterrupt:
+                if z.step_count > before:  # the step was taken (said after it)
+                    break
+
+
+def test_a_ctrl_c_inside_optimizer_step_is_raised_after_the_step(settings, monkeypatch):
+    # A Ctrl-C between the step's bookkeeping and the engine's Step() left
+    # the engine holding a step the model never took: every later forward
+    # and save refused ("wait for the step") for good, or the step was
+    # applied while a warning said it was discarded (the retried batch then
+    # trained twice). The interrupt now waits for the step to be taken.
+    batches = [torch.randn(4, 6, generator=torch.Generator().manual_seed(i)) for i in range(5)]
+    ref_model = _Blocks()
+    ref = zt.offload(ref_model, settings=settings)
+    _train(ref_model, ref, batches)
+    want = ref.master_weights()
+    ref.close()
+    model = _Blocks()
+    z = zt.offload(model, settings=settings)
+    real = zt.Offload._forget_micro_step
+    sent = []
+
+    def interrupted(self):
+        if len(sent) == 0 and self.step_count == 2:
+            sent.append(1)
+            os.kill(os.getpid(), signal.SIGINT)  # a Ctrl-C, delivered inside
+        return real(self)
+
+    monkeypatch.setattr(zt.Offload, "_forget_micro_step", interrupted)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "that step's grads were discarded"
+        _train(model, z, batches)
+    assert sent
+    assert z.step_count == 5
+    got = z.master_weights()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    z.save_checkpoint(str(settings["ZTIER_NVME_PATHS"]) + "/../ck")
+    z.close()
+
+
+def test_a_hold_an_interrupted_forward_left_goes_at_the_next_forward(settings, monkeypatch):
+    # An interrupt between a unit's hold and its record left the unit held:
+    # each later forward computed with its old (or empty: NaN) weights, in
+    # silence. The next forward now lets go of every hold a pass left.
+    batches = [torch.randn(4, 6, generator=torch.Generator().manual_seed(i)) for i in range(5)]
+    ref_model = _Blocks()
+    ref = zt.offload(ref_model, settings=settings)
+    _train(ref_model, ref, batches)
+    want = ref.master_weights()
+    ref.close()
+    for where in ("_hold", "_let_go"):
+        model = _Blocks()
+        z = zt.offload(model, settings=settings)
+        real = getattr(zt.Offload, where)
+        hits = []
+
+        def interrupted(self, units, *args, real=real, hits=hits, where=where, **kwargs):
+            first = not hits and self.step_count == 2
+            if first and where == "_let_go" and kwargs.get("check"):
+                hits.append(1)
+                raise KeyboardInterrupt  # a forward's end: before its hold goes
+            out = real(self, units, *args, **kwargs)
+            if first and where == "_hold":
+                hits.append(1)
+                raise KeyboardInterrupt  # held, not yet recorded
+            return out
+
+        monkeypatch.setattr(zt.Offload, where, interrupted)
+        _train(model, z, batches)
+        monkeypatch.setattr(zt.Offload, where, real)
+        assert hits, where
+        assert all(u.holds == 0 for u in z.units), where
+        got = z.master_weights()
+        assert all(torch.equal(got[k], want[k]) for k in want), where
+        z.close()
+
+
+def test_an_offload_left_open_at_exit_takes_its_swap_files_with_it(tmp_path):
+    # A live loss whose graph holds a custom autograd Function kept the
+    # Offload past the interpreter's teardown: its engine never closed, and
+    # the swap file (12 bytes a parameter) and its lock stayed on disk.
+    swap = tmp_path / "swap"
+    swap.mkdir()
+    script = f"""
+import torch, ztier.torch as zt
+from torch import nn
+
+class Twice(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return 2 * x
+
+    @staticmethod
+    def backward(ctx, g):
+        return 2 * g
+
+class M(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(64, 64) for _ in range(2))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = Twice.apply(b(x))
+        return x.sum()
+
+m = M()
+z = zt.offload(m, states="nvme", settings={{"ZTIER_NVME_PATHS": {str(swap)!r},
+                                           "ztier.dram_budget": "256M"}})
+loss = m(torch.randn(2, 64))
+loss.backward()
+z.optimizer.step()
+loss = m(torch.randn(2, 64))  # alive at exit, its graph holding the Offload
+assert any(p.name == "ztier.swap" for p in __import__("pathlib").Path({str(swap)!r}).iterdir())
+"""
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert sorted(p.name for p in swap.iterdir()) == [], r.stderr
 
 
 def test_no_file_descriptors_or_threads_leak_over_many_models(settings):
