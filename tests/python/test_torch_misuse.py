@@ -405,18 +405,24 @@ def _train(model, z, batches, hook=None):
                     break
 
 
+def _batches_and_their_masters(settings):
+    """Five batches, and the masters an uninterrupted run trains from them."""
+    batches = [torch.randn(4, 6, generator=torch.Generator().manual_seed(i)) for i in range(5)]
+    model = _Blocks()
+    z = zt.offload(model, settings=settings)
+    _train(model, z, batches)
+    want = z.master_weights()
+    z.close()
+    return batches, want
+
+
 def test_a_ctrl_c_inside_optimizer_step_is_raised_after_the_step(settings, monkeypatch):
     # A Ctrl-C between the step's bookkeeping and the engine's Step() left
     # the engine holding a step the model never took: every later forward
     # and save refused ("wait for the step") for good, or the step was
     # applied while a warning said it was discarded (the retried batch then
     # trained twice). The interrupt now waits for the step to be taken.
-    batches = [torch.randn(4, 6, generator=torch.Generator().manual_seed(i)) for i in range(5)]
-    ref_model = _Blocks()
-    ref = zt.offload(ref_model, settings=settings)
-    _train(ref_model, ref, batches)
-    want = ref.master_weights()
-    ref.close()
+    batches, want = _batches_and_their_masters(settings)
     model = _Blocks()
     z = zt.offload(model, settings=settings)
     real = zt.Offload._forget_micro_step
@@ -444,12 +450,7 @@ def test_a_hold_an_interrupted_forward_left_goes_at_the_next_forward(settings, m
     # An interrupt between a unit's hold and its record left the unit held:
     # each later forward computed with its old (or empty: NaN) weights, in
     # silence. The next forward now lets go of every hold a pass left.
-    batches = [torch.randn(4, 6, generator=torch.Generator().manual_seed(i)) for i in range(5)]
-    ref_model = _Blocks()
-    ref = zt.offload(ref_model, settings=settings)
-    _train(ref_model, ref, batches)
-    want = ref.master_weights()
-    ref.close()
+    batches, want = _batches_and_their_masters(settings)
     for where in ("_hold", "_let_go"):
         model = _Blocks()
         z = zt.offload(model, settings=settings)
