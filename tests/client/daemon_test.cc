@@ -1335,11 +1335,16 @@ struct DaemonClient {
   std::unique_ptr<Session> session;
   std::unique_ptr<Model> model;
 };
-Result<DaemonClient> RegisterThrough(const ZtierdProcess& d, const std::string& name) {
+// A session through `d`.
+Result<std::unique_ptr<Session>> SessionThrough(const ZtierdProcess& d) {
   SessionOptions o;
   o.daemon_socket = d.socket();
+  return Session::Open(o);
+}
+
+Result<DaemonClient> RegisterThrough(const ZtierdProcess& d, const std::string& name) {
   DaemonClient c;
-  ZT_ASSIGN_OR_RETURN(c.session, Session::Open(o));
+  ZT_ASSIGN_OR_RETURN(c.session, SessionThrough(d));
   ZT_ASSIGN_OR_RETURN(c.model, c.session->RegisterModel(ModelOf(TwoUnits(name))));
   return c;
 }
@@ -1446,9 +1451,7 @@ TEST(ZtierdProgramTest, SigtermStopsCleanlyAndKillNineFailsClientsFast) {
 // told of the conversion, as one of an embedded engine's checkpoint is.
 TEST(ZtierdProgramTest, ACheckpointSavedThroughZtierdRecordsItsStateDtype) {
   ZtierdProcess d(ZTIERD_BINARY, {});
-  SessionOptions o;
-  o.daemon_socket = d.socket();
-  Result<std::unique_ptr<Session>> s = Session::Open(o);
+  Result<std::unique_ptr<Session>> s = SessionThrough(d);
   ASSERT_TRUE(s.ok()) << s.status() << d.log();
   ScratchDir dir("daemon-state-dtype");
   for (const auto& [dtype, said] : {std::pair<std::optional<engine::StateDtype>, std::string>{
@@ -1473,9 +1476,7 @@ TEST(ZtierdProgramTest, ACheckpointSavedThroughZtierdRecordsItsStateDtype) {
 // to load again, which no job left could do. It now says only the first.
 TEST(ZtierdProgramTest, ALoadThatZtierdDiesDuringSaysTheJobIsGone) {
   ZtierdProcess d(ZTIERD_BINARY, {});
-  SessionOptions o;
-  o.daemon_socket = d.socket();
-  Result<std::unique_ptr<Session>> s = Session::Open(o);
+  Result<std::unique_ptr<Session>> s = SessionThrough(d);
   ASSERT_TRUE(s.ok()) << s.status() << d.log();
   engine::JobSpec spec;
   spec.name = "load";
