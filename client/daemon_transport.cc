@@ -600,7 +600,7 @@ class DaemonTransport final : public Transport, public ControlTransport {
       d.ranks = it->second.spec.ranks;
       d.optimizer = it->second.spec.optimizer;
       d.units = it->second.spec.units;
-      d.state_dtype = it->second.state_dtype == engine::StateDtype::kInt8 ? "int8" : "fp32";
+      d.state_dtype = engine::StateDtypeName(it->second.state_dtype);
     }
     for (int k = 0; k < static_cast<int>(d.units.size()); ++k) {
       ZT_ASSIGN_OR_RETURN(engine::UnitLayout l, Layout(job, k));

@@ -219,7 +219,7 @@ Json JobJson(const JobInfo& j) {
           {"world_size", j.world_size},
           {"attached", j.attached},
           {"step", j.step},
-          {"state_dtype", j.state_dtype == engine::StateDtype::kInt8 ? "int8" : "fp32"},
+          {"state_dtype", std::string(engine::StateDtypeName(j.state_dtype))},
           {"optimizer_tier", j.optimizer_tier == engine::Tier::kNvme ? "nvme" : "dram"},
           {"param_tier", j.param_tier == engine::Tier::kNvme ? "nvme" : "dram"},
           {"dram_bytes", c.dram_bytes},

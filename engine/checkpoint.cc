@@ -43,7 +43,7 @@ JobDescription Describe(const Job& job) {
                    .layouts = {},
                    .step = job.step,
                    .adam_step = job.adam_step,
-                   .state_dtype = job.state_dtype == StateDtype::kInt8 ? "int8" : "fp32"};
+                   .state_dtype = std::string(StateDtypeName(job.state_dtype))};
   for (const Unit& u : job.units) d.layouts.push_back(u.layout);
   return d;
 }

@@ -577,12 +577,16 @@ struct Daemon::Impl {
         j.state = JobState::kFailed;
         j.failure = std::string(failed.message());
       }
-      j.state_dtype = job->spec.state_dtype.value_or(engine_state_dtype);
+      j.state_dtype = StateDtypeOf(*job);
       out.push_back(std::move(j));
     }
     return out;
   }
   StateDtype engine_state_dtype = StateDtype::kFp32;
+  // How a job keeps m and v: its own choice, else the engine's.
+  StateDtype StateDtypeOf(const Job& job) const {
+    return job.spec.state_dtype.value_or(engine_state_dtype);
+  }
 
   // An operator frees a job: its clients' calls fail with Aborted naming
   // `why`, its ranks' collectives are woken, its uid is uncharged.
@@ -1372,11 +1376,15 @@ class Daemon::Impl::Connection {
     const int32_t handle = AddHandle(job, -1);
     ZT_LOG(kInfo, "ztierd") << Who() << ": job '" << name << "' registered ("
                             << job->spec.units.size() << " units, " << job->spec.ranks << " ranks)";
-    return p::Encode(
-        p::JobHandle{.job = handle,
-                     .units = static_cast<int32_t>(job->spec.units.size()),
-                     .ranks = job->spec.ranks,
-                     .state_dtype = job->spec.state_dtype.value_or(d_.engine_state_dtype)});
+    return HandleReply(handle, *job);
+  }
+
+  // What a register or an attach answers: the job's handle on this connection.
+  std::string HandleReply(int32_t handle, const Impl::Job& job) const {
+    return p::Encode(p::JobHandle{.job = handle,
+                                  .units = static_cast<int32_t>(job.spec.units.size()),
+                                  .ranks = job.spec.ranks,
+                                  .state_dtype = d_.StateDtypeOf(job)});
   }
 
   int32_t AddHandle(const std::shared_ptr<Impl::Job>& job, int rank) {
@@ -1438,11 +1446,7 @@ class Daemon::Impl::Connection {
     }
     const int32_t handle = AddHandle(job, a.rank);
     ZT_LOG(kInfo, "ztierd") << Who() << ": rank " << a.rank << " attached to job '" << name << "'";
-    return p::Encode(
-        p::JobHandle{.job = handle,
-                     .units = static_cast<int32_t>(job->spec.units.size()),
-                     .ranks = job->spec.ranks,
-                     .state_dtype = job->spec.state_dtype.value_or(d_.engine_state_dtype)});
+    return HandleReply(handle, *job);
   }
 
   // The job's collective region: made on the first ask, the same memory

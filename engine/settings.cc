@@ -406,9 +406,7 @@ const std::vector<Tunable>& Table() {
          }
          return Status::Ok();
        },
-       [](const Settings& s) {
-         return std::string(s.state_dtype == StateDtype::kInt8 ? "int8" : "fp32");
-       }},
+       [](const Settings& s) { return std::string(StateDtypeName(s.state_dtype)); }},
       {{"zero_optimization.stage3_max_live_parameters", "zero_optimization.max_live_parameters"},
        "ZTIER_MAX_LIVE_PARAMETERS",
        JsonType::kSize,

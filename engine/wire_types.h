@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "cpu_adam/hyper.h"
@@ -32,6 +33,10 @@ enum class Tier : uint8_t { kDram, kNvme };
 // or 8-bit block-wise quantized (cpu_adam/adamw.h, StepInt8). The fp32
 // master is kept either way.
 enum class StateDtype : uint8_t { kFp32, kInt8 };
+// "fp32" or "int8", as settings, manifests and ztierctl spell it.
+inline std::string_view StateDtypeName(StateDtype d) {
+  return d == StateDtype::kInt8 ? "int8" : "fp32";
+}
 
 inline constexpr uint64_t kAlignElements = 64;  // 256 B of fp32, 128 B of bf16
 // Limits on what a job may register (far above any real model; they keep
