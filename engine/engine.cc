@@ -1513,7 +1513,6 @@ namespace {
 // Under the engine lock: the job has no grads of a step pending.
 Status CheckIdle(const Job& j, std::string_view what) {
   if (!j.failure.ok()) return Status::Aborted(StrCat("job failed: ", j.failure.ToString()));
-  if (what.starts_with("save") || what.starts_with("export")) ZT_RETURN_IF_ERROR(PartlyWritten(j));
   if (j.checkpointing) {
     return Status::FailedPrecondition(StrCat(what, ": another checkpoint is in progress"));
   }
@@ -1570,8 +1569,10 @@ Status Engine::ClaimCheckpointDir(int job, const std::string& dir) {
 }
 
 Status Engine::SaveCheckpoint(int job, const std::string& dir) {
-  return WithIdleJob(*impl_, job, "save checkpoint",
-                     [&](Job& j) { return SaveCheckpointImpl(j, dir, impl_->dirs).Annotate(dir); });
+  return WithIdleJob(*impl_, job, "save checkpoint", [&](Job& j) -> Status {
+    ZT_RETURN_IF_ERROR(PartlyWritten(j));  // a mix of two states is no checkpoint
+    return SaveCheckpointImpl(j, dir, impl_->dirs).Annotate(dir);
+  });
 }
 
 Status Engine::LoadCheckpoint(int job, const std::string& dir) {
@@ -1587,7 +1588,8 @@ Status Engine::ExportSafetensors(int job, const std::string& path, ExportType ty
     return Status::InvalidArgument(
         StrCat("export ", path, ": export type ", static_cast<int>(type), " is unknown"));
   }
-  return WithIdleJob(*impl_, job, "export safetensors", [&](Job& j) {
+  return WithIdleJob(*impl_, job, "export safetensors", [&](Job& j) -> Status {
+    ZT_RETURN_IF_ERROR(PartlyWritten(j));
     return ExportSafetensorsImpl(j, path, type == ExportType::kBFloat16);
   });
 }
