@@ -171,9 +171,8 @@ struct SwapSpace::Impl {
     std::mutex mu;
     std::condition_variable cv;
     std::deque<Piece*> pending;
-    uint32_t inflight = 0;                // owned by the thread
     std::vector<Piece*> retry, starting;  // owned by the thread
-    std::unordered_set<Piece*> in_ring;   // the inflight ones; owned by the thread
+    std::unordered_set<Piece*> in_ring;   // queued on the ring or on disk; the thread's
     Status broken;  // the ring's submits failed for good: every piece fails so; the thread's
     bool stop = false;
     std::thread thread;
@@ -276,10 +275,9 @@ void SwapSpace::Impl::PathIo::Start(Piece* p) {
     op.buf = base + p->done;
     op.len = p->disk_len - p->done;
   }
-  // The queue has room: inflight < depth is checked by the caller.
+  // The queue has room: in_ring.size() < depth is checked by the caller.
   const bool ok = queue->Prepare(op);
-  ZT_CHECK_MSG(ok, "submission queue full with ", inflight, " in flight");
-  ++inflight;
+  ZT_CHECK_MSG(ok, "submission queue full with ", in_ring.size(), " in flight");
   in_ring.insert(p);
 }
 
@@ -294,7 +292,6 @@ void SwapSpace::Impl::PathIo::Finish(Piece* p, const Status& s) {
 }
 
 void SwapSpace::Impl::PathIo::Complete(Piece* p, int32_t res, std::vector<Piece*>* retry) {
-  --inflight;
   in_ring.erase(p);
   Impl& sp = *owner;
   if (p->kind == IoKind::kFsync) {
@@ -386,7 +383,7 @@ Status SwapSpace::Impl::PathIo::Pump() {
   starting.clear();
   {
     std::lock_guard<std::mutex> lock(mu);
-    while (!pending.empty() && inflight + starting.size() < depth) {
+    while (!pending.empty() && in_ring.size() + starting.size() < depth) {
       Piece* p = pending.front();
       const bool needs_staging = p->kind != IoKind::kFsync && !p->direct;
       if (needs_staging && free_staging.empty()) break;
@@ -444,11 +441,11 @@ void SwapSpace::Impl::PathIo::Run() {
   for (;;) {
     {
       std::unique_lock<std::mutex> lock(mu);
-      cv.wait(lock, [&] { return stop || !pending.empty() || inflight > 0 || !retry.empty(); });
-      if (stop && pending.empty() && inflight == 0 && retry.empty()) return;
+      cv.wait(lock, [&] { return stop || !pending.empty() || !in_ring.empty() || !retry.empty(); });
+      if (stop && pending.empty() && in_ring.empty() && retry.empty()) return;
     }
     Status s = broken.ok() ? Pump() : broken;
-    if (s.ok() && inflight > 0) s = queue->Submit(1);  // wait for a completion
+    if (s.ok() && !in_ring.empty()) s = queue->Submit(1);  // wait for a completion
     const size_t n = queue->Reap(done.data(), done.size());
     for (size_t i = 0; i < n; ++i) {
       Complete(reinterpret_cast<Piece*>(done[i].user_data), done[i].res, &retry);
@@ -480,8 +477,8 @@ void SwapSpace::Impl::PathIo::Run() {
     for (Piece* p : orphans) Finish(p, s);
     for (Piece* p : retry) Finish(p, s);
     retry.clear();
-    if (inflight == 0) continue;
-    if (++stuck >= kBrokenTurns && queue->Unsubmitted() >= inflight) {
+    if (in_ring.empty()) continue;
+    if (++stuck >= kBrokenTurns && queue->Unsubmitted() >= in_ring.size()) {
       // Every piece left in the ring is one that no submit took, and none
       // goes in: the ring is broken for good. They fail (the kernel never
       // saw them, so no I/O reaches their buffers), as does every piece
@@ -489,7 +486,6 @@ void SwapSpace::Impl::PathIo::Run() {
       broken = s;
       for (Piece* p : in_ring) Finish(p, s);
       in_ring.clear();
-      inflight = 0;
       continue;
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
