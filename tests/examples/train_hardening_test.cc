@@ -538,7 +538,7 @@ TEST_F(TrainHardeningTest, NoThreadToBeHadIsAnErrorNotAnAbort) {
   if (std::system("command -v setpriv >/dev/null && command -v prlimit >/dev/null") != 0) {
     GTEST_SKIP() << "no setpriv or prlimit (util-linux)";
   }
-  std::string tmp = "/tmp/ztier-nproc-XXXXXX";
+  std::string tmp = "/tmp/ztier-nproc-XXXXXX";  // mkdtemp's template: uid 65534 reaches it
   ASSERT_NE(::mkdtemp(tmp.data()), nullptr);
   ::chmod(tmp.c_str(), 0777);
   fs::copy_file(dir_ / "text.txt", tmp + "/text.txt");
