@@ -8,6 +8,7 @@
 #include <pthread.h>
 #include <unistd.h>
 
+#include <charconv>
 #include <chrono>
 #include <cstddef>
 #include <cstdio>
@@ -178,6 +179,17 @@ Status CheckStruct(const T* s, const char* what, std::initializer_list<size_t> o
 #define ZT_HAS_FIELD(ptr, type, member) \
   ((ptr)->struct_size >= offsetof(type, member) + sizeof((ptr)->member))
 
+// A C float beta as the decimal its caller wrote: the shortest decimal that
+// rounds to it, read in double (0.99999f gives 0.99999, not 0.99998999...),
+// so 1 - beta comes out as from a double beta.
+double ShortestDecimal(float f) {
+  char text[32];
+  const auto [end, ec] = std::to_chars(text, text + sizeof(text), f);
+  double d = f;
+  if (ec == std::errc()) std::from_chars(text, end, d);
+  return d;
+}
+
 }  // namespace
 
 extern "C" {
@@ -239,8 +251,8 @@ void ztier_model_desc_init(ztier_model_desc* desc) {
   const ztier::cpu_adam::Hyper h;
   desc->struct_size = sizeof(*desc);
   desc->lr = h.lr;
-  desc->beta1 = h.beta1;
-  desc->beta2 = h.beta2;
+  desc->beta1 = static_cast<float>(h.beta1);
+  desc->beta2 = static_cast<float>(h.beta2);
   desc->eps = h.eps;
   desc->weight_decay = h.weight_decay;
   desc->grad_accumulation = 1;
@@ -286,8 +298,8 @@ ztier_status ztier_model_register(ztier_session* session, const ztier_model_desc
     spec.units.push_back(std::move(unit));
   }
   spec.optimizer.hyper.lr = desc->lr;
-  spec.optimizer.hyper.beta1 = desc->beta1;
-  spec.optimizer.hyper.beta2 = desc->beta2;
+  spec.optimizer.hyper.beta1 = ShortestDecimal(desc->beta1);
+  spec.optimizer.hyper.beta2 = ShortestDecimal(desc->beta2);
   spec.optimizer.hyper.eps = desc->eps;
   spec.optimizer.hyper.weight_decay = desc->weight_decay;
   spec.optimizer.clip_norm = desc->clip_norm;

@@ -94,9 +94,10 @@ typedef struct ztier_model_desc {
   const char* name;
   int32_t num_units; /* in forward order */
   const ztier_unit_desc* units;
-  float lr, beta1, beta2, eps, weight_decay;
-  float clip_norm;           /* 0: off */
-  int32_t grad_accumulation; /* >= 1 */
+  float lr, beta1, beta2, eps, weight_decay; /* a beta is taken as the shortest
+                                               decimal that rounds to it */
+  float clip_norm;                           /* 0: off */
+  int32_t grad_accumulation;                 /* >= 1 */
   int32_t optimizer_on_nvme; /* 1: NVMe, 0: DRAM, -1: the session's (config, ZTIER_*) */
   int32_t params_on_nvme;    /* 1: NVMe, 0: DRAM, -1: the session's */
   int32_t world_size;        /* 1 through the C ABI */

@@ -115,7 +115,7 @@ Status ValidateInt8Shard(const Int8Shard& s) {
   return CheckDisjoint(bufs, 7, 6);
 }
 
-bool FiniteNonNegative(float x) { return std::isfinite(x) && x >= 0.0f; }
+bool FiniteNonNegative(double x) { return std::isfinite(x) && x >= 0.0; }
 
 // Per-step constants, computed in double as PyTorch does in Python.
 internal::KernelConsts Consts(const Hyper& hyper, const StepOptions& options) {
@@ -125,9 +125,9 @@ internal::KernelConsts Consts(const Hyper& hyper, const StepOptions& options) {
   const double bc2 = bias ? 1.0 - std::pow(b2, static_cast<double>(options.step)) : 1.0;
   internal::KernelConsts c{};
   c.grad_scale = options.grad_scale;
-  c.beta1 = hyper.beta1;
+  c.beta1 = static_cast<float>(b1);
   c.one_minus_beta1 = static_cast<float>(1.0 - b1);
-  c.beta2 = hyper.beta2;
+  c.beta2 = static_cast<float>(b2);
   c.one_minus_beta2 = static_cast<float>(1.0 - b2);
   c.step_size = static_cast<float>(hyper.lr / bc1);
   c.inv_sqrt_bc2 = static_cast<float>(1.0 / std::sqrt(bc2));
@@ -193,10 +193,10 @@ Status ValidateHyper(const Hyper& h) {
   }
   if (!FiniteNonNegative(h.lr))
     return Status::InvalidArgument(StrCat("AdamW lr must be finite and >= 0, got ", h.lr));
-  if (!FiniteNonNegative(h.beta1) || h.beta1 >= 1.0f) {
+  if (!FiniteNonNegative(h.beta1) || h.beta1 >= 1.0) {
     return Status::InvalidArgument(StrCat("AdamW beta1 must be in [0, 1), got ", h.beta1));
   }
-  if (!FiniteNonNegative(h.beta2) || h.beta2 >= 1.0f) {
+  if (!FiniteNonNegative(h.beta2) || h.beta2 >= 1.0) {
     return Status::InvalidArgument(StrCat("AdamW beta2 must be in [0, 1), got ", h.beta2));
   }
   if (!std::isfinite(h.eps) || h.eps <= 0.0f) {

@@ -15,10 +15,13 @@ enum class Mode : uint8_t {
 };
 enum class BiasCorrection : uint8_t { kOn, kOff };
 
+// The betas are double, as PyTorch's are (Python floats): 1 - beta and
+// beta^step are taken from them, and a float beta2 of 0.99999 would make
+// 1 - beta2 0.14% off. The kernels still apply each constant in float.
 struct Hyper {
   float lr = 1e-3f;
-  float beta1 = 0.9f;
-  float beta2 = 0.999f;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
   float eps = 1e-8f;
   float weight_decay = 0.0f;
   Mode mode = Mode::kAdamW;

@@ -604,7 +604,11 @@ std::string Encode(const JobSpec& v) {
   w.Put(static_cast<uint8_t>(v.optimizer_tier));
   w.Put(static_cast<uint8_t>(v.param_tier));
   const cpu_adam::Hyper& h = v.optimizer.hyper;
-  for (float f : {h.lr, h.beta1, h.beta2, h.eps, h.weight_decay}) w.Put(f);
+  w.Put(h.lr);
+  w.Put(h.beta1);
+  w.Put(h.beta2);
+  w.Put(h.eps);
+  w.Put(h.weight_decay);
   w.Put(static_cast<uint8_t>(h.mode));
   w.Put(static_cast<uint8_t>(h.bias_correction));
   w.Put(v.optimizer.clip_norm);
@@ -657,7 +661,8 @@ Result<JobSpec> DecodeJobSpec(std::string_view bytes) {
   if (ranks < 1 || ranks > kMaxRanks) r.Fail(StrCat("ranks ", ranks, " out of 1..", kMaxRanks));
   if (opt_tier > 1 || param_tier > 1) r.Fail("unknown tier");
   if (mode > 1 || bias > 1 || step_mode > 1) r.Fail("unknown optimizer enum value");
-  for (float f : {h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, v.optimizer.clip_norm}) {
+  for (double f : {double{h.lr}, h.beta1, h.beta2, double{h.eps}, double{h.weight_decay},
+                   double{v.optimizer.clip_norm}}) {
     if (!Finite(f)) r.Fail("a hyper-parameter is not finite");
   }
   if (accumulation < 1 || accumulation > (1 << 20)) {

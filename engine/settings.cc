@@ -78,7 +78,7 @@ Result<int64_t> ParseInt(std::string_view text, std::string_view key, int64_t lo
 }
 
 // A finite number in [lo, hi].
-Result<float> ParseReal(std::string_view text, std::string_view key, double lo, double hi) {
+Result<double> ParseDouble(std::string_view text, std::string_view key, double lo, double hi) {
   double d = 0;
   auto [ptr, ec] = std::from_chars(text.data(), text.data() + text.size(), d);
   if (ec != std::errc() || ptr != text.data() + text.size() || !std::isfinite(d)) {
@@ -87,6 +87,11 @@ Result<float> ParseReal(std::string_view text, std::string_view key, double lo, 
   if (d < lo || d > hi) {
     return Status::InvalidArgument(StrCat(key, ": ", text, " is outside ", lo, "..", hi));
   }
+  return d;
+}
+
+Result<float> ParseReal(std::string_view text, std::string_view key, double lo, double hi) {
+  ZT_ASSIGN_OR_RETURN(double d, ParseDouble(text, key, lo, hi));
   return static_cast<float>(d);
 }
 
@@ -536,9 +541,9 @@ const std::vector<Tunable>& Table() {
          if (parts.size() != 2) {
            return Status::InvalidArgument(StrCat(k, ": '", t, "' is not two numbers"));
          }
-         ZT_ASSIGN_OR_RETURN(float b1, ParseReal(parts[0], k, 0, 1));
-         ZT_ASSIGN_OR_RETURN(float b2, ParseReal(parts[1], k, 0, 1));
-         if (b1 >= 1.0f || b2 >= 1.0f) {
+         ZT_ASSIGN_OR_RETURN(double b1, ParseDouble(parts[0], k, 0, 1));
+         ZT_ASSIGN_OR_RETURN(double b2, ParseDouble(parts[1], k, 0, 1));
+         if (b1 >= 1.0 || b2 >= 1.0) {
            return Status::InvalidArgument(StrCat(k, ": betas must be below 1 (got ", t, ")"));
          }
          s.training.beta1 = b1;

@@ -55,7 +55,8 @@ namespace ztier::engine {
 struct TrainingSettings {
   std::optional<std::string> optimizer_type;  // "adam" or "adamw"
   std::optional<bool> adam_w_mode;            // DeepSpeed's; default true for "adam"
-  std::optional<float> lr, beta1, beta2, eps, weight_decay;
+  std::optional<float> lr, eps, weight_decay;
+  std::optional<double> beta1, beta2;  // double, as cpu_adam::Hyper's
   std::optional<bool> bias_correction;
   std::optional<float> clip_norm;
   std::optional<int> grad_accumulation;

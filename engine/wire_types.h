@@ -26,7 +26,9 @@ namespace ztier::engine {
 // quotas); a job's own state dtype in its JobSpec.
 // 4: no struct changed; the protocol's version moves with this one
 // (protocol.h), and it gained abort_step.
-inline constexpr uint16_t kWireVersion = 5;
+// 5: the job's state dtype in its JobHandle.
+// 6: cpu_adam::Hyper's betas are double.
+inline constexpr uint16_t kWireVersion = 6;
 
 enum class Tier : uint8_t { kDram, kNvme };
 // How the engine keeps the AdamW moments m and v (ztier.state_dtype): fp32,

@@ -162,7 +162,9 @@ using TensorTuple = std::tuple<std::string, std::vector<int64_t>, uint32_t, bool
 using UnitTuple = std::pair<std::string, std::vector<TensorTuple>>;
 
 struct OptimizerArgs {
-  float lr = 1e-3f, beta1 = 0.9f, beta2 = 0.999f, eps = 1e-8f, weight_decay = 0.0f;
+  float lr = 1e-3f;
+  double beta1 = 0.9, beta2 = 0.999;  // Python's floats, as PyTorch takes them
+  float eps = 1e-8f, weight_decay = 0.0f;
   std::string mode = "adamw";
   bool bias_correction = true;
   std::vector<float> group_weight_decay;
@@ -171,7 +173,7 @@ struct OptimizerArgs {
   bool eager = false;
 };
 
-cpu_adam::Hyper MakeHyper(float lr, float beta1, float beta2, float eps, float weight_decay,
+cpu_adam::Hyper MakeHyper(float lr, double beta1, double beta2, float eps, float weight_decay,
                           const std::string& mode, bool bias_correction) {
   cpu_adam::Hyper h;
   h.lr = lr;
@@ -483,7 +485,7 @@ NB_MODULE(_C, m) {
   nb::class_<OptimizerArgs>(m, "OptimizerConfig", "The engine's optimizer for a model.")
       .def(
           "__init__",
-          [](OptimizerArgs* o, float lr, float beta1, float beta2, float eps, float weight_decay,
+          [](OptimizerArgs* o, float lr, double beta1, double beta2, float eps, float weight_decay,
              const std::string& mode, bool bias_correction,
              const std::vector<float>& group_weight_decay, float clip_norm, int grad_accumulation,
              bool eager) {
@@ -499,7 +501,7 @@ NB_MODULE(_C, m) {
                                   .grad_accumulation = grad_accumulation,
                                   .eager = eager};
           },
-          nb::kw_only(), "lr"_a = 1e-3f, "beta1"_a = 0.9f, "beta2"_a = 0.999f, "eps"_a = 1e-8f,
+          nb::kw_only(), "lr"_a = 1e-3f, "beta1"_a = 0.9, "beta2"_a = 0.999, "eps"_a = 1e-8f,
           "weight_decay"_a = 0.0f, "mode"_a = "adamw", "bias_correction"_a = true,
           "group_weight_decay"_a = std::vector<float>{}, "clip_norm"_a = 0.0f,
           "grad_accumulation"_a = 1, "eager"_a = false)
@@ -757,7 +759,7 @@ NB_MODULE(_C, m) {
   m.def(
       "adamw_step",
       [](FloatArray params, HostArray grads, FloatArray exp_avg, FloatArray exp_avg_sq,
-         int64_t step, float lr, float beta1, float beta2, float eps, float weight_decay,
+         int64_t step, float lr, double beta1, double beta2, float eps, float weight_decay,
          const std::string& mode, bool bias_correction, float grad_scale,
          std::optional<HostArray> params_out) {
         const size_t n = params.size();
@@ -799,7 +801,7 @@ NB_MODULE(_C, m) {
       },
       // noconvert: the arrays updated in place must be the caller's own.
       "params"_a.noconvert(), "grads"_a, "exp_avg"_a.noconvert(), "exp_avg_sq"_a.noconvert(),
-      nb::kw_only(), "step"_a, "lr"_a, "beta1"_a = 0.9f, "beta2"_a = 0.999f, "eps"_a = 1e-8f,
+      nb::kw_only(), "step"_a, "lr"_a, "beta1"_a = 0.9, "beta2"_a = 0.999, "eps"_a = 1e-8f,
       "weight_decay"_a = 0.0f, "mode"_a = "adamw", "bias_correction"_a = true,
       "grad_scale"_a = 1.0f, "params_out"_a.noconvert() = nb::none(),
       "ztier's fused AdamW on one shard, in place (the engine's kernel). Returns (skipped, "

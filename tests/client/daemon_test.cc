@@ -811,7 +811,7 @@ TEST_F(DaemonTest, AnyRankSetsTheLearningRatesAndAttachCompareParamGroups) {
   other.optimizer.grad_accumulation = 2;
   refused(other, "gradient accumulation 2, the job's 1");
   other = model;
-  other.optimizer.hyper.beta2 = 0.95f;
+  other.optimizer.hyper.beta2 = 0.95;
   refused(other, "beta2 0.95, the job's 0.999");
 
   Result<std::unique_ptr<Model>> m1 = (*s1)->AttachModel(model, 1, 2s);

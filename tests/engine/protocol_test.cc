@@ -18,8 +18,8 @@ JobSpec SampleSpec() {
   j.name = "gpt";
   j.ranks = 2;
   j.optimizer.hyper = {.lr = 3e-4f,
-                       .beta1 = 0.8f,
-                       .beta2 = 0.95f,
+                       .beta1 = 0.8,
+                       .beta2 = 0.99999,
                        .eps = 1e-6f,
                        .weight_decay = 0.1f,
                        .mode = cpu_adam::Mode::kAdam};
@@ -54,7 +54,7 @@ TEST(ProtocolTest, JobSpecRoundTripsAndEveryPrefixIsRefused) {
   EXPECT_EQ(back->name, "gpt");
   EXPECT_EQ(back->ranks, 2);
   EXPECT_EQ(back->optimizer.hyper.mode, cpu_adam::Mode::kAdam);
-  EXPECT_FLOAT_EQ(back->optimizer.hyper.beta2, 0.95f);
+  EXPECT_EQ(back->optimizer.hyper.beta2, 0.99999);  // double, not its float
   EXPECT_EQ(back->optimizer.grad_accumulation, 4);
   EXPECT_EQ(back->optimizer_tier, Tier::kNvme);
   ASSERT_EQ(back->units.size(), 2u);
@@ -116,7 +116,8 @@ TEST(ProtocolTest, ParamGroupFaultsAreRefusedWithTheFieldNamed) {
   refused(Encode(j), "over the limit");
   // The group weight decays sit after the fixed fields: a count past the
   // bytes left is refused before anything is allocated.
-  const size_t at = 4 + 3 + 4 + 1 + 1 + 5 * 4 + 2 + 4 + 4 + 1;
+  const size_t at =
+      4 + 3 + 4 + 1 + 1 + 3 * 4 + 2 * 8 + 2 + 4 + 4 + 1;  // float lr, eps, wd; double betas
   std::string bytes = Encode(GroupedSpec());
   const uint32_t many = kMaxParamGroups;
   std::memcpy(bytes.data() + at, &many, 4);
@@ -212,7 +213,7 @@ TEST(ProtocolTest, CountsThatCannotFitAreRefusedBeforeAllocating) {
   std::string bytes = Encode(SampleSpec());
   // The unit count sits right after the fixed fields and the (empty) group
   // weight decays; claim a million units.
-  const size_t at = 4 + 3 + 4 + 1 + 1 + 5 * 4 + 2 + 4 + 4 + 1 + 4;
+  const size_t at = 4 + 3 + 4 + 1 + 1 + 3 * 4 + 2 * 8 + 2 + 4 + 4 + 1 + 4;
   const uint32_t units = 1 << 20;
   std::memcpy(bytes.data() + at, &units, 4);
   Result<JobSpec> r = DecodeJobSpec(bytes);

@@ -297,6 +297,25 @@ def test_against_torch_adamw(settings):
         assert math.isclose(loss.item(), ref_loss.item(), rel_tol=1e-3), (step, loss, ref_loss)
 
 
+def test_the_kernel_takes_the_betas_in_double():
+    """As torch's AdamW takes Python floats: 1 - beta2 from the float nearest
+    0.99999 would be 0.14% off, and without bias correction nothing cancels it."""
+    gen = torch.Generator().manual_seed(3)
+    g = torch.randn(4096, generator=gen)
+    p = torch.randn(4096, generator=gen)
+    m, v = torch.zeros(4096), torch.zeros(4096)
+    p0 = p.double()
+    skipped, _ = ztier.adamw_step(p, g, m, v, step=1, lr=1e-3, beta1=0.95, beta2=0.99999,
+                                  bias_correction=False)
+    assert not skipped
+    g64 = g.double()
+    m_ref, v_ref = (1 - 0.95) * g64, (1 - 0.99999) * g64 * g64
+    assert torch.allclose(m.double(), m_ref, rtol=1e-6, atol=0)
+    assert torch.allclose(v.double(), v_ref, rtol=1e-6, atol=0)
+    p_ref = p0 - 1e-3 * m_ref / (v_ref.sqrt() + 1e-8)
+    assert torch.allclose(p.double(), p_ref, rtol=1e-6, atol=1e-7)  # the update is 1.6e-2
+
+
 @pytest.mark.parametrize("margin", [8e-7, 1e-7])
 def test_clipping_scales_as_clip_grad_norm_(settings, margin):
     """torch.nn.utils.clip_grad_norm_ scales the grads by clip / (norm + 1e-6)
