@@ -484,6 +484,22 @@ TEST_F(TrainHardeningTest, AFileSizeLimitIsAnErrorNotASilentDeath) {
   EXPECT_NE(r.output().find("File too large"), std::string::npos) << r.output();
 }
 
+// Threads took `ulimit -s` as their stack size, and the rank threads'
+// kernels overflowed 128 KiB of it: the run died of SIGSEGV at its first
+// step. ztier's threads now get at least 8 MiB whatever the limit.
+TEST_F(TrainHardeningTest, ASmallStackLimitTrains) {
+  const std::string out = dir_ / "stack";
+  rlimit before{};
+  ASSERT_EQ(::getrlimit(RLIMIT_STACK, &before), 0);
+  rlimit limit = before;
+  limit.rlim_cur = 128 << 10;
+  ASSERT_EQ(::setrlimit(RLIMIT_STACK, &limit), 0);
+  Process r(Common() + " --steps 3 --out " + out, dir_ / "stack.txt");  // inherits it
+  ASSERT_EQ(::setrlimit(RLIMIT_STACK, &before), 0);
+  EXPECT_EQ(r.Wait(), 0) << r.output();
+  EXPECT_TRUE(fs::exists(out + "/model.safetensors")) << r.output();
+}
+
 // `ztier-train ... 2>&1 | tee log` and a terminal's Ctrl-C, which reaches
 // tee too: the run died of SIGPIPE as it said it was stopping, before the
 // stop's checkpoint (or a reader gone early: `| head -3`). Output to a
