@@ -415,7 +415,14 @@ FaultBackend::FaultBackend(std::unique_ptr<IoBackend> inner) : inner_(std::move(
 FaultBackend::~FaultBackend() = default;
 
 int FaultBackend::OpenFile(const std::string& path, int flags, int mode) {
-  if (refuse_direct_ && (flags & O_DIRECT) != 0) return -EINVAL;
+  if (refuse_direct_ && (flags & O_DIRECT) != 0) {
+    // As the kernel on ramfs: O_CREAT makes the file before O_DIRECT is refused.
+    if ((flags & O_CREAT) != 0) {
+      const int fd = ::open(path.c_str(), flags & ~O_DIRECT, mode);
+      if (fd >= 0) ::close(fd);
+    }
+    return -EINVAL;
+  }
   return inner_->OpenFile(path, flags, mode);
 }
 

@@ -137,7 +137,8 @@ class FaultBackend final : public IoBackend {
   void SlowDown(IoKind kind, std::chrono::milliseconds per_op) {
     delay_ms_[static_cast<int>(kind)].store(per_op.count());
   }
-  // open() with O_DIRECT fails with EINVAL, as on a filesystem without it.
+  // open() with O_DIRECT fails with EINVAL, as on a filesystem without it
+  // (ramfs: a file O_CREAT asked for is made all the same).
   void RefuseDirectIo() { refuse_direct_ = true; }
   // Every Submit fails with -err, its ops left unsubmitted (io_uring_enter
   // refused for good, by a seccomp filter say); 0: off.

@@ -528,6 +528,15 @@ Status SwapSpace::Impl::OpenFiles(bool create) {
     // (or keep everyone's optimizer states in) a file of their choosing.
     const int flags = O_RDWR | O_DIRECT | O_CLOEXEC | O_NOFOLLOW | (create ? O_CREAT : 0);
     const int fd = backend->OpenFile(pio->file, flags, 0600);
+    if (fd < 0 && create && !exists) {
+      // The kernel may have made the file before refusing the open (ramfs
+      // does, for O_DIRECT): an empty plain file of ours there now goes.
+      struct stat made {};
+      if (::lstat(pio->file.c_str(), &made) == 0 && S_ISREG(made.st_mode) &&
+          made.st_uid == ::geteuid() && made.st_size == 0) {
+        ::unlink(pio->file.c_str());
+      }
+    }
     if (fd == -EINVAL) {
       return Status::FailedPrecondition(StrCat(
           "swap path ", dir, ": its filesystem does not support O_DIRECT (open of ", pio->file,

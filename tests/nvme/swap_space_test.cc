@@ -673,9 +673,12 @@ TEST_P(SwapSpaceTest, RejectsMissingFullAndNonDirectPaths) {
 
   std::shared_ptr<FaultBackend> fault = Faulty();
   fault->RefuseDirectIo();
-  Status direct = SwapSpace::Create(Options(1, 8 * kMiB), fault).status();
+  const SwapOptions refused = Options(1, 8 * kMiB);
+  Status direct = SwapSpace::Create(refused, fault).status();
   EXPECT_EQ(direct.code(), StatusCode::kFailedPrecondition) << direct;
   EXPECT_NE(direct.message().find("does not support O_DIRECT"), std::string::npos) << direct;
+  // The refused open made the file (as ramfs does); it is not left behind.
+  EXPECT_FALSE(fs::exists(fs::path(refused.paths[0]) / refused.file_name));
 
   SwapOptions bad_stripe = Options(1, 8 * kMiB, 1000);
   EXPECT_EQ(SwapSpace::Create(bad_stripe, Backend()).status().code(), StatusCode::kInvalidArgument);
