@@ -1,14 +1,19 @@
 // ztier-bench helpers (see bench_util.h).
 #include "benchmarks/bench_util.h"
 
+#include <fcntl.h>
+#include <spawn.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <charconv>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <map>
 
 #include "common/numbers.h"
@@ -181,6 +186,79 @@ double Median(std::vector<double> v) {
 double Quantile(std::vector<double> v, double q) {
   std::sort(v.begin(), v.end());
   return v[std::min(v.size() - 1, static_cast<size_t>(static_cast<double>(v.size()) * q))];
+}
+
+StopSignals::StopSignals() {
+  sigemptyset(&stops_);
+  for (int sig : {SIGINT, SIGTERM, SIGHUP}) sigaddset(&stops_, sig);
+  pthread_sigmask(SIG_BLOCK, &stops_, &before_);
+}
+
+StopSignals::~StopSignals() {
+  // A stop that came and was handled is not raised again as the mask lifts.
+  const timespec none{};
+  while (::sigtimedwait(&stops_, nullptr, &none) > 0) {
+  }
+  pthread_sigmask(SIG_SETMASK, &before_, nullptr);
+}
+
+int StopSignals::Stopped() {
+  const timespec none{};
+  for (int sig; (sig = ::sigtimedwait(&stops_, nullptr, &none)) > 0;) {
+    if (stopped_ == 0) stopped_ = sig;
+  }
+  return stopped_;
+}
+
+Status StopSignals::Error(std::string_view what) const {
+  return Status::Aborted(StrCat("stopped by ", strsignal(stopped_), " (", what, ")"));
+}
+
+Result<int> StopSignals::Run(const std::vector<std::string>& argv, const std::string& out,
+                             const std::string& err) {
+  if (Stopped() != 0) return Error(StrCat(argv[0], " not started"));
+  std::vector<char*> args;
+  for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+  args.push_back(nullptr);
+  posix_spawnattr_t attr;
+  posix_spawnattr_init(&attr);
+  posix_spawnattr_setsigmask(&attr, &before_);  // its signals as this program's were
+  posix_spawnattr_setpgroup(&attr, 0);
+  posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETSIGMASK | POSIX_SPAWN_SETPGROUP);
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  const auto redirect = [&](int fd, const std::string& path) {
+    if (path.empty()) {
+      posix_spawn_file_actions_addopen(&actions, fd, "/dev/null", O_WRONLY, 0);
+    } else {
+      posix_spawn_file_actions_addopen(&actions, fd, path.c_str(), O_WRONLY | O_CREAT | O_TRUNC,
+                                       0644);
+    }
+  };
+  redirect(STDOUT_FILENO, out);
+  if (!err.empty() && err == out) {
+    posix_spawn_file_actions_adddup2(&actions, STDOUT_FILENO, STDERR_FILENO);
+  } else {
+    redirect(STDERR_FILENO, err);
+  }
+  pid_t pid = 0;
+  const int rc = posix_spawnp(&pid, args[0], &actions, &attr, args.data(), environ);
+  posix_spawn_file_actions_destroy(&actions);
+  posix_spawnattr_destroy(&attr);
+  if (rc != 0) return Status::IoError(StrCat("starting ", argv[0], ": ", std::strerror(rc)));
+  int status = 0;
+  for (;;) {
+    const pid_t done = ::waitpid(pid, &status, WNOHANG);
+    if (done == pid) break;
+    if (done < 0 && errno != EINTR) return PosixError(StrCat("wait for ", argv[0]), errno);
+    const timespec tick{.tv_sec = 0, .tv_nsec = 100'000'000};
+    const int sig = ::sigtimedwait(&stops_, nullptr, &tick);
+    if (sig > 0) {
+      ::kill(pid, sig);
+      if (stopped_ == 0) stopped_ = sig;
+    }
+  }
+  return status;
 }
 
 LinePacer::LinePacer(std::FILE* out, double every_seconds)

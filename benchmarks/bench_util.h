@@ -5,6 +5,8 @@
 #ifndef ZTIER_BENCHMARKS_BENCH_UTIL_H_
 #define ZTIER_BENCHMARKS_BENCH_UTIL_H_
 
+#include <signal.h>
+
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
@@ -50,6 +52,39 @@ Status CheckFitsInMemory(uint64_t bytes, std::string_view what);
 // first. A path that cannot be asked passes (the writes will say).
 Status CheckFitsOnDisk(const std::vector<std::string>& paths, uint64_t bytes_per_path,
                        std::string_view what);
+
+// The stop signals (SIGINT, SIGTERM, SIGHUP) of a subcommand that makes
+// files or runs programs: while a StopSignals lives they are blocked in the
+// thread that made it, and in the threads it starts after (make it before
+// any), and only recorded. The subcommand asks Stopped() between its
+// steps, removes what it made and exits with ExitCode(); a program it runs
+// through Run() gets each stop passed on, and is waited for.
+class StopSignals {
+ public:
+  StopSignals();
+  ~StopSignals();
+  StopSignals(const StopSignals&) = delete;
+  StopSignals& operator=(const StopSignals&) = delete;
+
+  // The first stop signal that came, 0 while none has (takes any pending).
+  int Stopped();
+  // 128 + the signal: the exit code of a stopped program.
+  int ExitCode() const { return 128 + stopped_; }
+  // Aborted: "stopped by <signal> (<what>)".
+  Status Error(std::string_view what) const;
+
+  // Runs argv (argv[0] looked up in PATH when it has no '/') in a process
+  // group of its own (a terminal's Ctrl-C reaches only this program, which
+  // passes it on once), standard output to `out` and standard error to
+  // `err` (the same path: both to one file; empty: /dev/null), and waits
+  // for it to end. Returns its wait status; an error if it could not start.
+  Result<int> Run(const std::vector<std::string>& argv, const std::string& out,
+                  const std::string& err);
+
+ private:
+  sigset_t stops_{}, before_{};
+  int stopped_ = 0;
+};
 
 // Walks a subcommand's arguments: while (args.Next()) { if (args.Is("--x"))
 // ZT_ASSIGN_OR_RETURN(v, args.Value()); ... }

@@ -4,8 +4,6 @@
 // ratios ours / fio. Also the cost of checksums and a queue-depth sweep.
 //
 // Single-threaded driver; the swap space runs its own I/O threads.
-#include <fcntl.h>
-#include <spawn.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -25,8 +23,6 @@
 #include "benchmarks/subcommands.h"
 #include "nvme/io_backend.h"
 #include "nvme/swap_space.h"
-
-extern char** environ;
 
 namespace ztier::bench {
 namespace {
@@ -159,10 +155,12 @@ struct Pages {
 // each from its place in the window of `src` (object i from slot i mod the
 // window's objects), then reads them back a window at a time into `dst`
 // (WindowBytes each) and checks each window against `src`; times each
-// phase, the checks left out.
-Result<Throughput> RunSwap(const NvmeOptions& o, std::shared_ptr<nvme::IoBackend> backend,
-                           uint64_t total, uint32_t qd, bool checksums, const uint8_t* src,
-                           uint8_t* dst) {
+// phase, the checks left out. A stop signal ends it between phases (the
+// swap files go with the space).
+Result<Throughput> RunSwap(StopSignals& stops, const NvmeOptions& o,
+                           std::shared_ptr<nvme::IoBackend> backend, uint64_t total, uint32_t qd,
+                           bool checksums, const uint8_t* src, uint8_t* dst) {
+  if (stops.Stopped() != 0) return stops.Error("before a run");
   nvme::SwapOptions so;
   so.paths = o.paths;
   so.stripe_bytes = o.stripe;
@@ -188,6 +186,7 @@ Result<Throughput> RunSwap(const NvmeOptions& o, std::shared_ptr<nvme::IoBackend
   t.write_bytes_per_s = static_cast<double>(total) / (NowSeconds() - t0);
   double reading = 0;
   for (size_t first = 0; first < reads.size(); first += slots) {
+    if (stops.Stopped() != 0) return stops.Error("the swap files are removed");
     const size_t last = std::min(reads.size(), first + slots);
     const std::vector<nvme::IoRange> wave(reads.begin() + first, reads.begin() + last);
     t0 = NowSeconds();
@@ -207,7 +206,8 @@ Result<Throughput> RunSwap(const NvmeOptions& o, std::shared_ptr<nvme::IoBackend
 
 // Runs fio with one job per path (the same layout the swap space uses) and
 // returns the aggregate bandwidth of `rw` (write or read).
-Result<double> RunFio(const NvmeOptions& o, const std::string& rw, const char* engine) {
+Result<double> RunFio(StopSignals& stops, const NvmeOptions& o, const std::string& rw,
+                      const char* engine) {
   const fs::path tmp = fs::temp_directory_path();
   const std::string stem = StrCat("ztier-bench-fio-", getpid());
   const fs::path job = tmp / (stem + ".fio"), out = tmp / (stem + ".json"),
@@ -236,28 +236,17 @@ Result<double> RunFio(const NvmeOptions& o, const std::string& rw, const char* e
   // fio's own complaint is kept for the message.
   const std::string output_arg = StrCat("--output=", out.string());
   const std::string job_arg = job.string();
-  std::vector<char*> argv = {const_cast<char*>("fio"), const_cast<char*>("--output-format=json"),
-                             const_cast<char*>(output_arg.c_str()),
-                             const_cast<char*>(job_arg.c_str()), nullptr};
-  posix_spawn_file_actions_t fa;
-  posix_spawn_file_actions_init(&fa);
-  posix_spawn_file_actions_addopen(&fa, 1, "/dev/null", O_WRONLY, 0);
-  posix_spawn_file_actions_addopen(&fa, 2, err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
-  pid_t pid = -1;
-  int rc = posix_spawnp(&pid, "fio", &fa, nullptr, argv.data(), environ);
-  posix_spawn_file_actions_destroy(&fa);
-  int status = 0;
-  if (rc == 0) {
-    while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
-    }
-  }
+  const Result<int> ran =
+      stops.Run({"fio", "--output-format=json", output_arg, job_arg}, "", err.string());
   std::ifstream in(out);
   const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   std::ifstream err_in(err);
   std::string why((std::istreambuf_iterator<char>(err_in)), std::istreambuf_iterator<char>());
   std::error_code ec;
   for (const fs::path& f : {job, out, err}) fs::remove(f, ec);
-  if (rc != 0) return PosixError("start fio", rc);
+  if (!ran.ok()) return ran.status();
+  if (stops.Stopped() != 0) return stops.Error("fio too");
+  const int status = *ran;
   if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
     while (!why.empty() && std::isspace(static_cast<unsigned char>(why.back()))) why.pop_back();
     if (why.size() > 400) why = StrCat("...", std::string_view(why).substr(why.size() - 400));
@@ -289,6 +278,13 @@ int RunNvme(int argc, char** argv) {
   auto fail = [](const Status& s) {
     std::fprintf(stderr, "ztier-bench nvme: %s\n", s.ToString().c_str());
     return 1;
+  };
+  // Before any thread starts: a stop ends the run at its next phase, its
+  // files removed, with 128 + the signal.
+  StopSignals stops;
+  auto stopped_or_fail = [&](const Status& s) {
+    const int code = fail(s);
+    return stops.Stopped() != 0 ? stops.ExitCode() : code;
   };
   // Paths are the user's drives: a missing one is a mistake, not something
   // to create (the default scratch directory is ours).
@@ -369,15 +365,19 @@ int RunNvme(int argc, char** argv) {
       for (int k = 0; k < 2; ++k) {
         const bool checksums = (k + run) % 2 == 1;
         Result<Throughput> t =
-            RunSwap(o, backends[i].second, o.size, o.qd, checksums, src.p, dst.p);
-        if (!t.ok()) return fail(t.status());
+            RunSwap(stops, o, backends[i].second, o.size, o.qd, checksums, src.p, dst.p);
+        if (!t.ok()) return stopped_or_fail(t.status());
         keep_best(checksums ? &results[i].crc : &results[i].plain, *t);
       }
     }
     if (fio) {
-      Result<double> w = RunFio(o, "write", fio_engine);
-      Result<double> r = w.ok() ? RunFio(o, "read", fio_engine) : w;
-      for (const std::string& p : o.paths) fs::remove(fs::path(p) / "ztier-bench.fio");
+      Result<double> w = RunFio(stops, o, "write", fio_engine);
+      Result<double> r = w.ok() ? RunFio(stops, o, "read", fio_engine) : w;
+      for (const std::string& p : o.paths) {
+        std::error_code ec;
+        fs::remove(fs::path(p) / "ztier-bench.fio", ec);
+      }
+      if (stops.Stopped() != 0) return stopped_or_fail(w.ok() ? r.status() : w.status());
       if (!w.ok() || !r.ok()) {
         fio_error = std::string((w.ok() ? r.status() : w.status()).message());
         std::fprintf(stderr, "ztier-bench nvme: %s\n", fio_error.c_str());
@@ -418,8 +418,9 @@ int RunNvme(int argc, char** argv) {
     std::printf("queue-depth sweep (%s, %s, checksums off):\n", FormatCount(sweep_size).c_str(),
                 results[0].name.c_str());
     for (uint32_t qd : {1u, 4u, 16u, 64u}) {
-      Result<Throughput> t = RunSwap(o, backends[0].second, sweep_size, qd, false, src.p, dst.p);
-      if (!t.ok()) return fail(t.status());
+      Result<Throughput> t =
+          RunSwap(stops, o, backends[0].second, sweep_size, qd, false, src.p, dst.p);
+      if (!t.ok()) return stopped_or_fail(t.status());
       std::printf("  qd %3u  write %7.3f GB/s  read %7.3f GB/s\n", qd, t->write_bytes_per_s / 1e9,
                   t->read_bytes_per_s / 1e9);
       JsonObject j;

@@ -14,9 +14,6 @@
 // in the build tree's examples/) writing --summary JSON into a scratch
 // directory removed afterwards; its output goes to a log there, shown when
 // it fails. Single-threaded driver.
-#include <fcntl.h>
-#include <signal.h>
-#include <spawn.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -33,8 +30,6 @@
 
 #include "benchmarks/bench_util.h"
 #include "benchmarks/subcommands.h"
-
-extern char** environ;
 
 namespace ztier::bench {
 namespace {
@@ -159,55 +154,13 @@ Result<std::string> FindTrain(const Options& o) {
       "no ztier-train beside ztier-bench or in the build tree's examples/; name it with --train");
 }
 
-// The stop signal (SIGINT, SIGTERM, SIGHUP) this program got while a run
-// was going: it went on to the run, which stopped; 0 when none came.
-int stopped_by = 0;
-
-// Runs argv[0] with its output to `log`; an error names the log's tail. The
-// run has a process group of its own: a stop signal to this program goes on
-// to it once (a terminal's Ctrl-C reaches only this one), and this waits for
-// it to end (ztier-train stops at its next step), never leaving it running.
-Status RunLogged(const std::vector<std::string>& argv, const fs::path& log) {
-  std::vector<char*> args;
-  for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
-  args.push_back(nullptr);
-  sigset_t stops, before;
-  sigemptyset(&stops);
-  for (int sig : {SIGINT, SIGTERM, SIGHUP}) sigaddset(&stops, sig);
-  pthread_sigmask(SIG_BLOCK, &stops, &before);
-  posix_spawnattr_t attr;
-  posix_spawnattr_init(&attr);
-  posix_spawnattr_setsigmask(&attr, &before);  // the run's signals as this program's were
-  posix_spawnattr_setpgroup(&attr, 0);
-  posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETSIGMASK | POSIX_SPAWN_SETPGROUP);
-  posix_spawn_file_actions_t actions;
-  posix_spawn_file_actions_init(&actions);
-  posix_spawn_file_actions_addopen(&actions, STDOUT_FILENO, log.c_str(),
-                                   O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  posix_spawn_file_actions_adddup2(&actions, STDOUT_FILENO, STDERR_FILENO);
-  pid_t pid = 0;
-  const int err = posix_spawn(&pid, args[0], &actions, &attr, args.data(), environ);
-  posix_spawn_file_actions_destroy(&actions);
-  posix_spawnattr_destroy(&attr);
-  if (err != 0) {
-    pthread_sigmask(SIG_SETMASK, &before, nullptr);
-    return Status::IoError(StrCat("starting ", argv[0], ": ", std::strerror(err)));
-  }
-  int st = 0;
-  for (;;) {
-    const pid_t done = ::waitpid(pid, &st, WNOHANG);
-    if (done == pid || (done < 0 && errno != EINTR)) break;
-    const timespec tick{.tv_sec = 0, .tv_nsec = 100'000'000};
-    const int sig = ::sigtimedwait(&stops, nullptr, &tick);
-    if (sig > 0) {
-      ::kill(pid, sig);
-      if (stopped_by == 0) stopped_by = sig;
-    }
-  }
-  pthread_sigmask(SIG_SETMASK, &before, nullptr);
-  if (stopped_by != 0) {
-    return Status::Aborted(StrCat("stopped by ", strsignal(stopped_by), " (", argv[0],
-                                  " too; its output: ", log.string(), ")"));
+// Runs argv[0] with its output to `log`; an error names the log's tail. A
+// stop signal goes on to the run (ztier-train stops at its next step), which
+// is waited for, never left running.
+Status RunLogged(StopSignals& stops, const std::vector<std::string>& argv, const fs::path& log) {
+  ZT_ASSIGN_OR_RETURN(const int st, stops.Run(argv, log.string(), log.string()));
+  if (stops.Stopped() != 0) {
+    return stops.Error(StrCat(argv[0], " too; its output: ", log.string()));
   }
   if (WIFEXITED(st) && WEXITSTATUS(st) == 0) return Status::Ok();
   std::ifstream in(log);
@@ -240,8 +193,8 @@ struct Figures {
   double h2d_copies = 0, d2h_copies = 0;  // over the link, per step
 };
 
-Result<Figures> RunOne(const Options& o, const std::string& train, const fs::path& dir,
-                       const std::string& placement, bool resident) {
+Result<Figures> RunOne(StopSignals& stops, const Options& o, const std::string& train,
+                       const fs::path& dir, const std::string& placement, bool resident) {
   const std::string name = placement + (resident ? "-resident" : "-offloaded");
   const fs::path out = dir / name;
   std::vector<std::string> argv = {train,
@@ -276,7 +229,7 @@ Result<Figures> RunOne(const Options& o, const std::string& train, const fs::pat
   // Resident: no unit is too large to stay (the threshold is in bytes).
   if (resident) argv.insert(argv.end(), {"--persistence-threshold", "1T"});
   if (!o.data.empty()) argv.insert(argv.end(), {"--data", o.data});
-  ZT_RETURN_IF_ERROR(RunLogged(argv, dir / (name + ".log")));
+  ZT_RETURN_IF_ERROR(RunLogged(stops, argv, dir / (name + ".log")));
   std::ifstream in(dir / (name + ".json"));
   std::stringstream ss;
   ss << in.rdbuf();
@@ -317,6 +270,7 @@ int RunTrain(int argc, char** argv) {
   const Options& o = *parsed;
   Result<std::string> train = FindTrain(o);
   if (!train.ok()) return FailExit(train.status(), "train");
+  StopSignals stops;  // a stop ends the run going and then this one
   fs::path dir = o.dir;
   bool made_dir = false;
   if (dir.empty()) {
@@ -369,8 +323,8 @@ int RunTrain(int argc, char** argv) {
     std::vector<Figures> offs, ress;
     Status failed;
     for (int i = 0; i < o.repeat && failed.ok(); ++i) {
-      Result<Figures> a = RunOne(o, *train, dir, placement, false);
-      Result<Figures> b = a.ok() ? RunOne(o, *train, dir, placement, true) : a.status();
+      Result<Figures> a = RunOne(stops, o, *train, dir, placement, false);
+      Result<Figures> b = a.ok() ? RunOne(stops, o, *train, dir, placement, true) : a.status();
       if (!a.ok() || !b.ok()) {
         failed = a.ok() ? b.status() : a.status();
       } else {
@@ -380,7 +334,7 @@ int RunTrain(int argc, char** argv) {
     }
     if (!failed.ok()) {
       status = FailExit(failed, "train");
-      if (stopped_by != 0) status = 128 + stopped_by;
+      if (stops.Stopped() != 0) status = stops.ExitCode();
       break;
     }
     const Figures off_run = median(offs), res_run = median(ress);
@@ -433,7 +387,7 @@ int RunTrain(int argc, char** argv) {
                             .str()
                             .c_str());
   }
-  if (made_dir && (status == 0 || stopped_by != 0)) {  // a failed run's logs stay
+  if (made_dir && (status == 0 || stops.Stopped() != 0)) {  // a failed run's logs stay
     std::error_code ec;
     fs::remove_all(dir, ec);
   }

@@ -50,6 +50,26 @@ json=$(PATH="$dir/fake:$PATH" "$bench" nvme --path "$dir/a:b" --no-sweep --runs 
 [[ $json == *'"fio_error":"fio --rw=write failed (exit code 1): fio: no such engine"'* &&
    $json == *'"read_bytes_per_s":'[0-9]* ]] || { echo "a failing fio: $json $(cat "$dir/err")"; exit 1; }
 rm -rf "$dir/fake" "$dir/err"
+# A SIGTERM while fio ran ended the bench at once and left fio writing its
+# file in the user's drive directory. The stop now goes on to fio, which is
+# waited for; the bench exits 143 and removes what it and fio made.
+mkdir -p "$dir/fake"
+printf '#!/bin/sh\n[ "$1" = --version ] && exit 0\ntouch "%s/a:b/ztier-bench.fio" "%s/fio-ran"\nexec sleep 37.25\n' \
+  "$dir" "$dir" > "$dir/fake/fio"
+chmod +x "$dir/fake/fio"
+PATH="$dir/fake:$PATH" "$bench" nvme --path "$dir/a:b" --no-sweep --runs 1 --size 4M \
+  >"$dir/term.txt" 2>&1 &
+b=$!
+for _ in $(seq 300); do [ -e "$dir/fio-ran" ] && break; sleep 0.1; done
+kill -TERM "$b"
+status=0
+wait "$b" || status=$?
+[ "$status" -eq 143 ] || { echo "a SIGTERM'd bench exited $status"; cat "$dir/term.txt"; exit 1; }
+if pgrep -f "sleep 37.25" >/dev/null; then
+  echo "fio runs on after the bench was stopped"; pkill -f "sleep 37.25"; exit 1
+fi
+grep -q "stopped by" "$dir/term.txt" || { echo "no word of the stop: $(cat "$dir/term.txt")"; exit 1; }
+rm -rf "$dir/fake" "$dir/fio-ran" "$dir/term.txt"
 if command -v fio >/dev/null; then
   json=$("$bench" nvme --path "$dir/a:b" --no-sweep --runs 1 --size 4M --json | tail -n 1)
   [[ $json == *'"fio_error":null'* && $json == *'"fio_read_bytes_per_s":'[0-9]* ]] ||
