@@ -729,6 +729,12 @@ class DaemonTransport final : public Transport, public ControlTransport {
     std::lock_guard<std::mutex> lock(mu_);
     if (!dead_.ok()) return dead_;
     if (!deferred_.ok()) return std::exchange(deferred_, Status::Ok());
+    if (!unanswered_.empty()) {
+      return Status::Unavailable(StrCat("ztierd at ", path_, " did not answer ", unanswered_,
+                                        " and has said nothing since (stopped or stuck? "
+                                        "ztierctl status tells): calls are refused until it "
+                                        "answers again"));
+    }
     const uint64_t id = next_id_++;
     pending_[id] = std::move(pending);
     return id;
@@ -782,9 +788,9 @@ class DaemonTransport final : public Transport, public ControlTransport {
     std::unique_lock<std::mutex> lock(mu_);
     if (!cv_.wait_for(lock, timeout, [&] { return pending->done; })) {
       pending_.erase(id);
-      return Status::Unavailable(
-          StrCat("ztierd at ", path_, " did not answer ", p::MessageTypeName(type), " within ",
-                 std::chrono::duration_cast<std::chrono::seconds>(timeout).count(), " s"));
+      unanswered_ = StrCat(p::MessageTypeName(type), " within ",
+                           std::chrono::duration_cast<std::chrono::seconds>(timeout).count(), " s");
+      return Status::Unavailable(StrCat("ztierd at ", path_, " did not answer ", unanswered_));
     }
     return std::move(pending->reply);
   }
@@ -848,6 +854,7 @@ class DaemonTransport final : public Transport, public ControlTransport {
         return;
       }
       std::lock_guard<std::mutex> lock(mu_);
+      unanswered_.clear();  // it answers again
       auto it = pending_.find(h->request_id);
       if (it == pending_.end()) continue;  // its caller gave up
       if (!it->second->posted.empty()) {
@@ -888,6 +895,10 @@ class DaemonTransport final : public Transport, public ControlTransport {
   bool closing_ = false;
   Status dead_;
   Status deferred_;  // the error of a posted request, for the next call
+  // A call ztierd left unanswered past its timeout ("kind within N s"):
+  // until ztierd sends anything again, calls are refused at once instead
+  // of each waiting out its own timeout on a stopped or stuck daemon.
+  std::string unanswered_;
   uint64_t next_id_ = 1;
   std::map<uint64_t, std::shared_ptr<Pending>> pending_;
   std::map<int, Job> jobs_;

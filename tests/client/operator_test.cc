@@ -539,6 +539,34 @@ TEST(ZtierctlProgramTest, TablesJsonAndExitCodes) {
   EXPECT_NE(Ztierctl("--version", dir.path()).out.find("ztierctl"), std::string::npos);
 }
 
+// A stopped ztierd cost every call its whole timeout (two minutes each: a
+// model's close, the session's). After one call goes unanswered the next
+// are refused at once, until ztierd says anything again.
+TEST(OperatorTest, AfterACallGoesUnansweredTheNextAreRefusedAtOnceUntilItAnswers) {
+  ZtierdProcess d(ZTIERD_BINARY, {});
+  Result<std::unique_ptr<DaemonControl>> c = DaemonControl::Connect(d.socket(), 500ms);
+  ASSERT_TRUE(c.ok()) << c.status() << d.log();
+  ASSERT_TRUE((*c)->GetStatus().ok());
+  ASSERT_EQ(::kill(d.pid(), SIGSTOP), 0);
+  Result<engine::DaemonStatus> first = (*c)->GetStatus();
+  EXPECT_EQ(first.status().code(), StatusCode::kUnavailable) << first.status();
+  EXPECT_NE(first.status().message().find("did not answer"), std::string::npos) << first.status();
+  const auto t0 = std::chrono::steady_clock::now();
+  Result<std::vector<engine::JobInfo>> next = (*c)->Jobs();
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 250ms);
+  EXPECT_EQ(next.status().code(), StatusCode::kUnavailable) << next.status();
+  EXPECT_NE(next.status().message().find("has said nothing since"), std::string::npos)
+      << next.status();
+  ASSERT_EQ(::kill(d.pid(), SIGCONT), 0);
+  // Its late answer to the first call clears the refusal.
+  Result<engine::DaemonStatus> again = Status::Unavailable("not yet");
+  for (int i = 0; i < 100 && !again.ok(); ++i) {
+    std::this_thread::sleep_for(20ms);
+    again = (*c)->GetStatus();
+  }
+  EXPECT_TRUE(again.ok()) << again.status();
+}
+
 TEST(ZtierctlProgramTest, ANonOperatorIsRefusedWithExitCode4) {
   if (::geteuid() != 0) GTEST_SKIP() << "needs root to run ztierctl as another uid";
   ScratchDir dir("ztierctl-nobody");
