@@ -202,7 +202,8 @@ struct SwapSpace::Impl {
   std::unordered_map<std::string, uint64_t> by_name;
   uint64_t next_id = 1;
   uint32_t next_start_path = 0;
-  std::condition_variable idle_cv;  // an object's inflight reached 0
+  std::condition_variable idle_cv;  // an object's inflight, or `syncing`, reached 0
+  int syncing = 0;                  // Sync calls with fsyncs queued (under map_mu)
 
   std::atomic<bool> failed{false};
   Status failure;     // under map_mu
@@ -211,6 +212,8 @@ struct SwapSpace::Impl {
   ~Impl() {
     if (event_fd >= 0) ::close(event_fd);
   }
+  // Set by Close under map_mu: a call that finds it clear there (and
+  // counts its I/O there) is waited for before the threads stop.
   std::atomic<bool> closed{false};
 
   std::atomic<uint64_t> bytes_read{0}, bytes_written{0}, reads{0}, writes{0}, retries{0},
@@ -825,6 +828,8 @@ Result<uint64_t> SwapSpace::Allocate(std::string_view name, uint64_t bytes) {
   const uint32_t npaths = static_cast<uint32_t>(sp.paths.size());
 
   std::lock_guard<std::mutex> lock(sp.map_mu);
+  // Growing the files needs them open: Close may have come since the check.
+  if (sp.closed.load()) return Status::FailedPrecondition("swap space is closed");
   if (sp.by_name.count(std::string(name)) != 0) {
     return Status::AlreadyExists(StrCat("swap object '", name, "' already exists"));
   }
@@ -938,7 +943,12 @@ IoTicket SwapSpace::Submit(IoDirection dir, std::span<const IoRange> ranges,
   Status error;
   {
     std::lock_guard<std::mutex> lock(sp.map_mu);
+    // Pieces are counted under the lock Close sets `closed` under: either
+    // Close waits for them or they are refused here, never queued to
+    // threads that stopped.
+    if (sp.closed.load()) error = Status::FailedPrecondition("swap space is closed");
     for (const IoRange& r : ranges) {
+      if (!error.ok()) break;
       auto it = sp.objects.find(r.object);
       if (it == sp.objects.end()) {
         error = Status::NotFound(StrCat("swap object ", r.object, " does not exist"));
@@ -1040,6 +1050,11 @@ Status SwapSpace::Read(uint64_t object, uint64_t offset, void* data, uint64_t le
 Status SwapSpace::Sync() {
   Impl& sp = *impl_;
   ZT_RETURN_IF_ERROR(sp.CheckUsable());
+  {
+    std::lock_guard<std::mutex> lock(sp.map_mu);  // as Submit's pieces
+    if (sp.closed.load()) return Status::FailedPrecondition("swap space is closed");
+    ++sp.syncing;
+  }
   auto state = std::make_shared<IoTicket::State>();
   state->pending = static_cast<int>(sp.paths.size());
   for (auto& path : sp.paths) {
@@ -1050,6 +1065,10 @@ Status SwapSpace::Sync() {
   }
   IoTicket ticket(state);
   Status s = ticket.Wait();
+  {
+    std::lock_guard<std::mutex> lock(sp.map_mu);
+    if (--sp.syncing == 0) sp.idle_cv.notify_all();
+  }
   if (!s.ok()) return s.Annotate("swap space is now failed");
   return Status::Ok();
 }
@@ -1102,11 +1121,13 @@ SwapStats SwapSpace::stats() const {
 
 Status SwapSpace::Close() {
   Impl& sp = *impl_;
-  if (sp.closed.exchange(true)) return Status::Ok();
   {
-    // Wait for requests in flight (their pieces hold inflight counts).
+    // Wait for requests in flight (their pieces hold inflight counts, a
+    // Sync the syncing count).
     std::unique_lock<std::mutex> lock(sp.map_mu);
+    if (sp.closed.exchange(true)) return Status::Ok();
     sp.idle_cv.wait(lock, [&] {
+      if (sp.syncing > 0) return false;
       for (const auto& [id, o] : sp.objects) {
         if (o.inflight > 0) return false;
       }

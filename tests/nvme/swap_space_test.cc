@@ -15,6 +15,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <mutex>
 #include <random>
 #include <string>
 #include <thread>
@@ -707,6 +708,56 @@ TEST_P(SwapSpaceTest, TmpfsWithoutDirectIoIsRejected) {
   if (supported)
     GTEST_SKIP() << "tmpfs on this kernel supports O_DIRECT; the refusal is tested "
                     "through the fault backend instead";
+}
+
+// Close racing the I/O calls: a Submit or Sync that passed its check as
+// Close began queued its pieces to threads that had stopped, and waited
+// for ever. Every call now ends, done or refused as closed.
+TEST_P(SwapSpaceTest, CloseRacingSubmitAndSyncLeavesNoCallWaiting) {
+  // The window is narrow: a stress over rounds that close at staggered times.
+  for (int round = 0; round < 60; ++round) {
+    std::unique_ptr<SwapSpace> space = MustCreate(Options(2, 0));
+    ASSERT_NE(space, nullptr);
+    std::vector<uint64_t> ids;  // one object per thread: each writes it, reads it, syncs
+    for (int t = 0; t < 4; ++t) {
+      Result<uint64_t> id = space->Allocate(StrCat("obj", t), 2 * kMiB);
+      ASSERT_TRUE(id.ok()) << id.status();
+      ids.push_back(*id);
+    }
+    std::atomic<int> finished{0};
+    std::mutex mu;
+    std::string bad;  // the first failure that is not "closed"
+    std::vector<std::thread> callers;
+    for (int t = 0; t < 4; ++t) {
+      callers.emplace_back([&, t] {
+        std::vector<uint8_t> buf(2 * kMiB, static_cast<uint8_t>(t));
+        for (int i = 0; i < 300; ++i) {
+          const Status s = i % 3 == 0   ? space->Write(ids[t], 0, buf.data(), buf.size())
+                           : i % 3 == 1 ? space->Read(ids[t], 0, buf.data(), buf.size())
+                                        : space->Sync();
+          if (!s.ok()) {
+            std::lock_guard<std::mutex> lock(mu);
+            if (s.code() != StatusCode::kFailedPrecondition && bad.empty()) bad = s.ToString();
+            break;
+          }
+        }
+        ++finished;
+      });
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(97 * round));
+    EXPECT_TRUE(space->Close().ok());
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+    while (finished.load() < 4 && std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    if (finished.load() < 4) {
+      ADD_FAILURE() << "round " << round << ": " << 4 - finished.load()
+                    << " call(s) still wait after Close";
+      std::_Exit(1);  // their threads cannot be joined
+    }
+    for (std::thread& c : callers) c.join();
+    EXPECT_EQ(bad, "") << "round " << round;
+  }
 }
 
 // ---- ownership and size ----
