@@ -308,6 +308,9 @@ class _Unit:
     # reentrant checkpoint region), so it goes to the engine at the end of
     # backward instead of when its grads first are all in.
     calls: int = 0
+    # Inside gathered(): the unit's copy, which its parameters show whenever
+    # no forward holds it (a forward inside lets go back to it).
+    gathered: torch.Tensor | None = None
 
 
 # The runner's kinds of pass (Runner.set_order), each with its learned order.
@@ -848,7 +851,10 @@ class Offload:
                 for t in u.tensors:
                     if check and written is None and t.param._version != t.held_version:
                         written = t.name
-                    self._park(t)
+                    if u.gathered is None:
+                        self._park(t)
+                if u.gathered is not None:  # inside gathered(): back to its copy
+                    self._point_params(u, u.gathered)
                 if u.storage is not None:
                     u.storage.resize_(0)
         if written is not None:
@@ -900,7 +906,7 @@ class Offload:
         key = self.runner.order_key
         self.runner.set_order(_GATHER)
         self._gathering += 1  # the parameters show copies, not placeholders
-        saved = []  # the units pointed at copies
+        saved = []  # (unit, the copy an enclosing gathered() gave it)
         versions = []  # (unit, tensor, the parameter's version once pointed at the copy)
         try:
             for u in self.units:
@@ -910,7 +916,8 @@ class Offload:
                         flat[t.offset:t.offset + t.numel].copy_(t.param.data.reshape(-1))
                 else:
                     self._fetch(u, flat)
-                saved.append(u)
+                saved.append((u, u.gathered))
+                u.gathered = flat  # a forward inside lets go back to it
                 self._point_params(u, flat)
                 versions.extend((u, t, t.param._version) for t in u.tensors)
             yield self.module
@@ -918,11 +925,15 @@ class Offload:
             self._gathering -= 1
             written_versions = {id(t): t.param._version for _, t, _ in versions}
             # Each unit as its holds now say (a forward inside may have
-            # taken or dropped some): on its storage, or on placeholders
-            # (a write is said below, not again at the next forward).
-            for u in saved:
+            # taken or dropped some): on its storage, on an enclosing
+            # gathered()'s copy, or on placeholders (a write is said below,
+            # not again at the next forward).
+            for u, outer in saved:
+                u.gathered = outer
                 if u.holds > 0:
                     self._point_params(u, self._storage_view(u))
+                elif outer is not None:
+                    self._point_params(u, outer)
                 else:
                     for t in u.tensors:
                         self._park(t)

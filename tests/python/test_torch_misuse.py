@@ -64,6 +64,32 @@ def test_views_from_gathered_stay_valid_after_it(settings):
     z.close()
 
 
+def test_a_forward_inside_gathered_leaves_its_values_showing(settings):
+    # An eval forward (or generate()) inside gathered() let go of its units
+    # onto the NaN placeholders: a state_dict or deepcopy taken after it in
+    # the block was NaN, silently. It lets go back to gathered()'s copies.
+    model = _mlp()
+    z = zt.offload(model, settings=settings)
+    x = torch.randn(4, 6)
+    _train_step(model, z, x)
+    with z.gathered():
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        with torch.no_grad():
+            out = model(x)
+        assert torch.isfinite(out).all()
+        after = model.state_dict()
+        copy_ = copy.deepcopy(model)
+        with z.gathered():  # nested: the inner one's copies go, the outer's show again
+            model(x)
+        assert torch.equal(model[0].weight, before["0.weight"])
+    for k, v in before.items():
+        assert torch.equal(after[k], v), k
+        assert torch.equal(dict(copy_.named_parameters())[k], v), k
+    assert torch.isnan(model[0].weight.float()).all()  # placeholders again after it
+    _train_step(model, z, x)
+    z.close()
+
+
 def test_a_failed_load_checkpoint_leaves_the_model_training(settings, tmp_path):
     model = _mlp()
     z = zt.offload(model, settings=settings)
