@@ -635,7 +635,9 @@ class Offload:
                 self._tensor_of[id(t.param)] = t
             u.trainable = sum(1 for t in u.tensors if t.param.requires_grad)
         # The modules to hook and the units each one holds: every block, and
-        # every other module with parameters of its own.
+        # every other module with parameters of its own (those of its
+        # ParameterList / ParameterDict children included: the containers
+        # are never called, the module that owns one reads them).
         self._module_units: dict[int, list[_Unit]] = {}
         self._hooked: list[nn.Module] = []
         for _, b in blocks:
@@ -644,9 +646,9 @@ class Offload:
             self._module_units[id(b)] = [us[k] for k in sorted(us)]
             self._hooked.append(b)
         for _, m in model.named_modules():
-            if id(m) in block_of:
+            if id(m) in block_of or isinstance(m, _PARAM_CONTAINERS):
                 continue
-            own = [p for p in m._parameters.values() if p is not None]
+            own = _own_params(m)
             if own:
                 # A module below the root with no block inside also holds
                 # its children's units: a module may read a child's weight
@@ -1949,6 +1951,20 @@ def _user_stacklevel() -> int:
             "ztier", "torch"):
         frame, level = frame.f_back, level + 1
     return level
+
+
+def _own_params(m: nn.Module) -> list:
+    """The parameters a call of ``m`` reads as its own: its direct ones and
+    those of its nn.ParameterList / nn.ParameterDict children, which hold
+    parameters for it and are never called themselves."""
+    own = [p for p in m._parameters.values() if p is not None]
+    for c in m.children():
+        if isinstance(c, _PARAM_CONTAINERS):
+            own.extend(_own_params(c))
+    return own
+
+
+_PARAM_CONTAINERS = (nn.ParameterList, nn.ParameterDict)
 
 
 def _offloadable(p: nn.Parameter) -> bool:
