@@ -1013,6 +1013,12 @@ class Offload:
                 continue
             u = self._unit_of[id(p)]
             self._require_open("state_dict")
+            if self._grads_sent():
+                raise RuntimeError(
+                    "ztier: state_dict() after a backward and before its optimizer.step(): "
+                    "the engine holds that step's grads and reads no state until it runs; "
+                    "take it after optimizer.step(), or inside `with z.gathered():` before "
+                    "the backward")
             # A unit read once per root call and version (a call that raised
             # midway leaves a cache that serves only its own version).
             # Each kept until its last tensor is filled (not the whole model).
@@ -1591,6 +1597,12 @@ class Offload:
             raise RuntimeError(f"ztier: {what} on a closed Offload (close() let go of the "
                                "engine's job): offload the model again, then load_checkpoint")
 
+    def _grads_sent(self) -> bool:
+        """Whether grads of the coming optimizer step went to the engine
+        (a backward, or micro-steps of an accumulation window, since the
+        last step): until that step, the engine refuses reads of its state."""
+        return self._awaiting_step or self._micro > 0 or any(u.pushed for u in self.units)
+
     def _between_steps(self, what: str, reads_only: bool = True):
         """Refuses `what` unless the engine is between optimizer steps. A
         finished forward whose graph may never get its backward (an
@@ -1601,8 +1613,7 @@ class Offload:
         self._require_open(what)
         if self._stranded():
             self._undo_stranded(what)
-        nothing_sent = not self._awaiting_step and self._micro == 0 and not any(
-            u.pushed for u in self.units)
+        nothing_sent = not self._grads_sent()
         if (self._phase == "backward" and nothing_sent
                 and torch._C._current_graph_task_id() == -1):
             self._reset_interrupted()  # a backward that raised before any grad went out

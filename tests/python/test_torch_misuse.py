@@ -90,6 +90,21 @@ def test_a_forward_inside_gathered_leaves_its_values_showing(settings):
     z.close()
 
 
+def test_state_dict_between_backward_and_step_is_refused_in_ztiers_words(settings):
+    # It raised the engine's "gradients of a step in flight" from deep inside.
+    model = _mlp()
+    z = zt.offload(model, settings=settings, grad_accumulation=2)
+    x = torch.randn(4, 6)
+    model(x).pow(2).sum().backward()
+    for sd in (model.state_dict, model[2].state_dict):
+        with pytest.raises(RuntimeError, match="after a backward and before its optimizer.step"):
+            sd()
+    model(x).pow(2).sum().backward()
+    z.optimizer.step()
+    assert all(torch.isfinite(v).all() for v in model.state_dict().values())
+    z.close()
+
+
 def test_a_failed_load_checkpoint_leaves_the_model_training(settings, tmp_path):
     model = _mlp()
     z = zt.offload(model, settings=settings)
