@@ -45,7 +45,8 @@ is the one on the sum of the passes' grads.
 Floating-point buffers follow the compute dtype (a rotary embedding's
 excepted); the others stay as they are.
 
-Thread safety: one training thread drives a model (as in PyTorch). Errors:
+Thread safety: one thread at a time drives a model: a forward, backward or
+``optimizer.step()`` while another thread is inside a pass is refused. Errors:
 ztier's errors (``ztier.ZtierError`` subclasses) with the engine's message;
 misuse (``optimizer.step()`` with no backward pass since the last, a
 training forward before the pending ``step()``, the backward of a forward
@@ -540,6 +541,11 @@ class Offload:
         self._awaiting_step = False
         self._deferred: list[_Unit] = []
         self._fwd_held: list[int] = []  # modules inside their forward
+        # The thread of the latest pass or step: one thread at a time drives
+        # the model (the hooks' state is the model's, not a thread's).
+        self._pass_thread: int | None = None
+        self._in_forward = False  # a root forward began and has not returned
+        self._thread_lock = threading.Lock()
         # Backward holds are per call of a module, (module id, call number):
         # a module called several times in one forward (a shared layer) is
         # held for each call's backward.
@@ -1055,6 +1061,7 @@ class Offload:
     def _root_pre_forward(self, module, args, kwargs):
         if torch._C._current_graph_task_id() != -1:
             return None  # activation checkpointing's recompute of the whole model
+        self._claim_thread("a forward", forward=True)
         if self._stranded():
             self._undo_stranded("a forward")
         if self._phase == "backward" or self._fwd_held or any(u.holds for u in self.units):
@@ -1215,6 +1222,7 @@ class Offload:
     def _root_post_forward(self, module, args, output):
         if torch._C._current_graph_task_id() != -1:
             return None
+        self._in_forward = False
         # A forward no backward can follow (no grad, or nothing that needs
         # one): done, and the model is between steps again.
         if self._phase == "forward" and not any(t.requires_grad for t in _tensors(output)):
@@ -1290,6 +1298,8 @@ class Offload:
         return tuple(args), kwargs
 
     def _enter_backward(self):
+        if self._phase != "backward":
+            self._claim_thread("a backward")
         if self._awaiting_step:
             raise RuntimeError(
                 f"ztier: a backward pass after {self._micro} backward passes, but "
@@ -1516,8 +1526,31 @@ class Offload:
         self._micro = 0
         self._awaiting_step = False
 
+    def _claim_thread(self, what: str, forward: bool = False):
+        """Makes this thread the one driving the model (``forward``: a root
+        forward begins), unless another live thread is inside a forward or
+        backward of it: two threads' passes took each other's holds and
+        grads (NaN outputs, grads dropped, crashes), so the second is
+        refused, naming the way that works."""
+        me = threading.get_ident()
+        with self._thread_lock:
+            owner = self._pass_thread
+            busy = (self._in_forward or self._phase == "backward" or self._fwd_held
+                    or any(u.holds for u in self.units))
+            if owner is not None and owner != me and busy and any(
+                    t.ident == owner for t in threading.enumerate()):
+                raise RuntimeError(
+                    f"ztier: {what} in thread '{threading.current_thread().name}' while "
+                    "another thread is inside a forward or backward of this model: one thread "
+                    "at a time drives an offloaded model (evaluate in the training thread "
+                    "between steps, or hold a lock around each pass and optimizer.step())")
+            self._pass_thread = me
+            if forward:
+                self._in_forward = True
+
     def _optimizer_step(self, lrs: list[float]):
         self._require_open("optimizer.step()")
+        self._claim_thread("optimizer.step()")
         if self._stranded():
             self._undo_stranded("optimizer.step()")
             raise RuntimeError(

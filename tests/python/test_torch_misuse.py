@@ -105,6 +105,47 @@ def test_state_dict_between_backward_and_step_is_refused_in_ztiers_words(setting
     z.close()
 
 
+def test_a_second_thread_inside_a_pass_is_refused_not_mixed_in(settings):
+    # An evaluation thread's forward beside the training loop took the
+    # training pass's holds and grads: NaN outputs, grads dropped, and at
+    # times a crash (a heap corruption, a failed check in the host device).
+    import threading
+    model = _mlp()
+    z = zt.offload(model, settings=settings)
+    x = torch.randn(4, 6)
+    entered, leave = threading.Event(), threading.Event()
+
+    class _Wait(nn.Module):
+        def forward(self, h):
+            if threading.current_thread() is not threading.main_thread():
+                entered.set()
+                leave.wait(30)
+            return h
+
+    model.insert(1, _Wait())  # inside the root forward, after the first unit
+    errors = []
+
+    def evaluate():
+        try:
+            with torch.no_grad():
+                errors.append(("eval", torch.isfinite(model(x)).all().item()))
+        except Exception as e:  # noqa: BLE001 - recorded for the asserts
+            errors.append(("eval", e))
+
+    t = threading.Thread(target=evaluate, name="evaluator")
+    t.start()
+    assert entered.wait(30)
+    with pytest.raises(RuntimeError, match="another thread is inside a forward"):
+        model(x)
+    with pytest.raises(RuntimeError, match="another thread is inside a forward"):
+        z.optimizer.step()
+    leave.set()
+    t.join(30)
+    assert errors == [("eval", True)]
+    _train_step(model, z, x)  # the training thread goes on once the other is done
+    z.close()
+
+
 def test_a_failed_load_checkpoint_leaves_the_model_training(settings, tmp_path):
     model = _mlp()
     z = zt.offload(model, settings=settings)
