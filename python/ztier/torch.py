@@ -1053,7 +1053,7 @@ class Offload:
             "AdamW moments either; save with z.save_checkpoint in a TrainerCallback's on_save "
             "and call z.load_checkpoint before trainer.train())")
 
-    def remove_hooks(self):
+    def _remove_hooks(self):
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
@@ -1320,6 +1320,7 @@ class Offload:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
     def _pre_backward(self, call: tuple[int, int], grad):
+        self._require_open("a backward")  # of a graph made before close()
         if torch.is_grad_enabled():  # the backward records a graph of its own
             raise RuntimeError(
                 "ztier: a backward with create_graph=True (a gradient penalty, a double "
@@ -1356,6 +1357,7 @@ class Offload:
             self._let_go(self._module_units[call[0]])
 
     def _grad_in(self, p: nn.Parameter):
+        self._require_open("a backward")
         u = self._unit_of[id(p)]
         t = self._tensor_of[id(p)]
         if u.pushed:
@@ -1835,7 +1837,7 @@ class Offload:
         again does nothing."""
         if self.job is None:
             return
-        self.remove_hooks()
+        self._remove_hooks()
         # Whatever still holds the runner's buffers (a pending step's grads).
         self._deferred.clear()
         for u in self.units:

@@ -146,6 +146,16 @@ def test_a_second_thread_inside_a_pass_is_refused_not_mixed_in(settings):
     z.close()
 
 
+def test_a_backward_of_a_graph_made_before_close_says_closed(settings):
+    # It died in the hooks with "'NoneType' object has no attribute 'acquire'".
+    model = _mlp()
+    z = zt.offload(model, settings=settings)
+    loss = model(torch.randn(4, 6)).pow(2).sum()
+    z.close()
+    with pytest.raises(RuntimeError, match="a backward on a closed Offload"):
+        loss.backward()
+
+
 def test_a_failed_load_checkpoint_leaves_the_model_training(settings, tmp_path):
     model = _mlp()
     z = zt.offload(model, settings=settings)
