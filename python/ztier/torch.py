@@ -2096,10 +2096,16 @@ def _weak(method, target, root: bool = False):
                 "while the model trains, and close() it when done")
         return m(*args, **kwargs)
 
-    # torch.compile traces around the hooks, never through them: they swap
-    # the parameters' storage, which a compiled graph would bake in.
+    return _Hook(hook)
+
+
+def _not_compiled(fn):
+    """``fn`` kept out of torch.compile: the hooks swap the parameters'
+    storage, which a compiled graph would bake in, and a hook compiled as a
+    frame of its own was recompiled for each module type until dynamo's
+    limit (warnings each step)."""
     disable = getattr(getattr(torch, "compiler", None), "disable", None)
-    return _Hook(disable(hook) if disable is not None else hook)
+    return disable(fn) if disable is not None else fn
 
 
 class _Hook:
@@ -2112,6 +2118,7 @@ class _Hook:
     def __init__(self, fn):
         self.fn = fn
 
+    @_not_compiled
     def __call__(self, *args, **kwargs):
         return self.fn(*args, **kwargs)
 
