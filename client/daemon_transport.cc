@@ -117,6 +117,8 @@ class DaemonTransport final : public Transport, public ControlTransport {
   Result<int> AttachJob(const engine::JobSpec& spec, int rank,
                         std::chrono::milliseconds timeout) override {
     ZT_RETURN_IF_ERROR(engine::ValidateJobSpec(spec));
+    // The daemon waits a day at most (a longer wait is one day's).
+    timeout = std::min(timeout, p::kMaxWait);
     return OpenJob(p::MessageType::kAttachJob,
                    p::Encode(p::AttachRequest{.rank = rank, .timeout = timeout, .spec = spec}),
                    spec, timeout + call_timeout_);
@@ -166,6 +168,7 @@ class DaemonTransport final : public Transport, public ControlTransport {
     // The mappings go either way: the job is gone or the daemon is.
     std::lock_guard<std::mutex> lock(mu_);
     jobs_.erase(job);
+    deferred_.erase(job);
     return r.status();
   }
 
@@ -219,7 +222,7 @@ class DaemonTransport final : public Transport, public ControlTransport {
 
   Status SetLearningRates(int job, const std::vector<float>& lrs) override {
     return Call(p::MessageType::kSetLearningRates,
-                p::Encode(p::LearningRates{.job = job, .lrs = lrs}), {}, call_timeout_)
+                p::Encode(p::LearningRates{.job = job, .lrs = lrs}), {}, call_timeout_, 0, job)
         .status();
   }
 
@@ -297,7 +300,8 @@ class DaemonTransport final : public Transport, public ControlTransport {
 
   Status GradsReady(int job, int unit, int rank) override {
     return Call(p::MessageType::kGradsReady,
-                p::Encode(p::UnitRef{.job = job, .unit = unit, .rank = rank}), {}, call_timeout_)
+                p::Encode(p::UnitRef{.job = job, .unit = unit, .rank = rank}), {}, call_timeout_, 0,
+                job)
         .status();
   }
 
@@ -322,11 +326,12 @@ class DaemonTransport final : public Transport, public ControlTransport {
         return j->second.params[unit];
       }
     }
+    timeout = std::min(timeout, p::kMaxStepWait);  // "for ever": as long as ztierd waits
     ZT_ASSIGN_OR_RETURN(
         Reply r,
         Call(p::MessageType::kAcquireParams,
              p::Encode(p::StepWait{.job = job, .unit = unit, .step = step, .timeout = timeout}), {},
-             timeout + call_timeout_));
+             timeout + call_timeout_, 0, job));
     ZT_ASSIGN_OR_RETURN(SharedBuffer b, p::DecodeSharedBuffer(r.payload));
     Result<void*> ptr = Resolve(job, b, RegionAccess::kReadOnly);
     if (!ptr.ok()) {
@@ -356,7 +361,7 @@ class DaemonTransport final : public Transport, public ControlTransport {
       }
     }
     return Post(p::MessageType::kReleaseParams, p::Encode(p::UnitRef{.job = job, .unit = unit}),
-                StrCat("release of job ", job, " unit ", unit));
+                job, StrCat("release of job ", job, " unit ", unit));
   }
 
   // A step the step page shows published returns at once.
@@ -370,10 +375,11 @@ class DaemonTransport final : public Transport, public ControlTransport {
         return Status::Ok();
       }
     }
+    timeout = std::min(timeout, p::kMaxStepWait);
     ZT_RETURN_IF_ERROR(
         Call(p::MessageType::kWaitPublished,
              p::Encode(p::StepWait{.job = job, .unit = unit, .step = step, .timeout = timeout}), {},
-             timeout + call_timeout_)
+             timeout + call_timeout_, 0, job)
             .status());
     return Status::Ok();
   }
@@ -572,6 +578,7 @@ class DaemonTransport final : public Transport, public ControlTransport {
     bool done = false;
     Result<Reply> reply = Status::Internal("no reply");
     std::string posted;  // not empty: nobody waits; names the request in errors
+    int job = -1;        // a posted request's job
   };
 
   DaemonTransport(std::string path, SeqPacketSocket sock)
@@ -724,11 +731,15 @@ class DaemonTransport final : public Transport, public ControlTransport {
   }
 
   // A new request id, its reply to go to `pending`; or why no request can
-  // go now (the daemon is gone, or a posted request failed).
-  Result<uint64_t> Expect(std::shared_ptr<Pending> pending) {
+  // go now (the daemon is gone, or a posted request of `job` failed).
+  Result<uint64_t> Expect(std::shared_ptr<Pending> pending, int job) {
     std::lock_guard<std::mutex> lock(mu_);
     if (!dead_.ok()) return dead_;
-    if (!deferred_.ok()) return std::exchange(deferred_, Status::Ok());
+    if (auto d = deferred_.find(job); job >= 0 && d != deferred_.end()) {
+      Status s = std::move(d->second);
+      deferred_.erase(d);
+      return s;
+    }
     if (!unanswered_.empty()) {
       return Status::Unavailable(StrCat("ztierd at ", path_, " did not answer ", unanswered_,
                                         " and has said nothing since (stopped or stuck? "
@@ -742,10 +753,11 @@ class DaemonTransport final : public Transport, public ControlTransport {
 
   // Sends a request whose reply nobody waits for; an error it brings is
   // returned by the next Call.
-  Status Post(p::MessageType type, std::string payload, std::string what) {
+  Status Post(p::MessageType type, std::string payload, int job, std::string what) {
     auto pending = std::make_shared<Pending>();
     pending->posted = std::move(what);
-    ZT_ASSIGN_OR_RETURN(const uint64_t id, Expect(pending));
+    pending->job = job;
+    ZT_ASSIGN_OR_RETURN(const uint64_t id, Expect(pending, -1));  // always sent
     Result<std::string> msg =
         p::EncodeMessage({.type = type, .flags = 0, .request_id = id, .fds = 0}, payload);
     Status sent = msg.ok() ? sock_.Send(*msg, {}, std::chrono::seconds(30)) : msg.status();
@@ -759,10 +771,12 @@ class DaemonTransport final : public Transport, public ControlTransport {
   }
 
   // Sends a request and waits for its reply (or the connection's end).
+  // `job`: the job a call of the runner's is for, to get an error of that
+  // job's posted requests instead of going (-1: always goes).
   Result<Reply> Call(p::MessageType type, std::string payload, std::span<const int> fds,
-                     std::chrono::milliseconds timeout, uint32_t flags = 0) {
+                     std::chrono::milliseconds timeout, uint32_t flags = 0, int job = -1) {
     auto pending = std::make_shared<Pending>();
-    ZT_ASSIGN_OR_RETURN(const uint64_t id, Expect(pending));
+    ZT_ASSIGN_OR_RETURN(const uint64_t id, Expect(pending, job));
     auto forget = [&] {
       std::lock_guard<std::mutex> lock(mu_);
       pending_.erase(id);
@@ -858,8 +872,11 @@ class DaemonTransport final : public Transport, public ControlTransport {
       auto it = pending_.find(h->request_id);
       if (it == pending_.end()) continue;  // its caller gave up
       if (!it->second->posted.empty()) {
-        if (!body.ok() && deferred_.ok()) {
-          deferred_ = body.status().Annotate(StrCat("an earlier ", it->second->posted));
+        // For that job's next call (a job unregistered meanwhile is gone).
+        if (!body.ok() && jobs_.count(it->second->job) != 0 &&
+            deferred_.count(it->second->job) == 0) {
+          deferred_[it->second->job] =
+              body.status().Annotate(StrCat("an earlier ", it->second->posted));
         }
         pending_.erase(it);
         continue;
@@ -894,7 +911,10 @@ class DaemonTransport final : public Transport, public ControlTransport {
   std::condition_variable cv_;
   bool closing_ = false;
   Status dead_;
-  Status deferred_;  // the error of a posted request, for the next call
+  // The error of a posted request, by job: the job's next call of those
+  // that pass `job` to Call returns it instead of being sent (never
+  // another job's, an unregister or a release, which always go).
+  std::map<int, Status> deferred_;
   // A call ztierd left unanswered past its timeout ("kind within N s"):
   // until ztierd sends anything again, calls are refused at once instead
   // of each waiting out its own timeout on a stopped or stuck daemon.

@@ -367,8 +367,7 @@ Result<StepWait> DecodeStepWait(std::string_view bytes) {
   r.Get(&ms, "timeout_ms");
   if (v.job < 0 || v.unit < 0) r.Fail(StrCat("job ", v.job, ", unit ", v.unit, ": out of range"));
   if (v.step < 0) r.Fail(StrCat("step ", v.step, " is negative"));
-  // A week: longer is a bug, not a wait.
-  if (ms < 0 || ms > int64_t{7} * 24 * 3600 * 1000) r.Fail(StrCat("timeout_ms ", ms));
+  if (ms < 0 || ms > kMaxStepWait.count()) r.Fail(StrCat("timeout_ms ", ms));
   v.timeout = std::chrono::milliseconds(ms);
   return Done(r, v);
 }

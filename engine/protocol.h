@@ -66,8 +66,10 @@ inline constexpr int kMaxRanks = 1 << 16;
 // (each page's reply fits in a datagram; `more` says another follows).
 inline constexpr uint32_t kMaxListed = 4096;
 inline constexpr uint32_t kMaxSwapPaths = 256;
-// The longest a request may ask the daemon to wait (a day).
+// The longest a request may ask the daemon to wait (a day), and a step
+// wait (a week: longer is a bug, not a wait). Clients ask for at most these.
 inline constexpr std::chrono::milliseconds kMaxWait{int64_t{24} * 3600 * 1000};
+inline constexpr std::chrono::milliseconds kMaxStepWait{int64_t{7} * 24 * 3600 * 1000};
 
 inline constexpr uint32_t kFlagReply = 1u << 0;
 inline constexpr uint32_t kFlagMemfd = 1u << 1;  // the payload is in the attached memfd

@@ -38,6 +38,7 @@
 #include <tuple>
 #include <vector>
 
+#include "client/transport.h"
 #include "client/ztier.h"
 #include "engine/daemon.h"
 #include "engine/protocol.h"
@@ -383,6 +384,66 @@ TEST(OperatorTest, DrainRefusesNewJobsAndEvictFreesAJobAndTellsItsClient) {
   victim->reset();
 }
 
+// A release is sent without waiting for its answer, and its error went to
+// the next call on the connection whatever its job: an evicted job's failed
+// release failed another job's next call, or its unregister, which then
+// was never sent (the daemon kept that job, its memory and its name).
+TEST(OperatorTest, AnEvictedJobsFailedReleaseIsNoOtherJobsError) {
+  Result<std::unique_ptr<TestDaemon>> d = TestDaemon::Start(SmallEngine());
+  ASSERT_TRUE(d.ok()) << d.status();
+  Result<std::unique_ptr<DaemonControl>> c = DaemonControl::Connect((*d)->socket());
+  ASSERT_TRUE(c.ok());
+  Result<std::unique_ptr<Session>> s = OpenSession((*d)->socket());
+  ASSERT_TRUE(s.ok());
+  Result<std::unique_ptr<Model>> a = (*s)->RegisterModel(TwoUnits("evicted"));
+  Result<std::unique_ptr<Model>> b = (*s)->RegisterModel(TwoUnits("bystander"));
+  ASSERT_TRUE(a.ok() && b.ok());
+  for (int u = 0; u < (*a)->units(); ++u) {  // no runner: its acquire goes to the daemon
+    std::vector<float> w((*a)->layout(u).numel, 0.5f);
+    ASSERT_TRUE((*a)->SetWeights(u, w.data(), w.size()).ok());
+  }
+  client::Transport& t = (*a)->transport();
+  ASSERT_TRUE(t.AcquireParams((*a)->job(), 0, 0, 10s).ok());
+  Result<std::vector<JobInfo>> jobs = (*c)->Jobs();
+  ASSERT_TRUE(jobs.ok()) << jobs.status();
+  for (const JobInfo& j : *jobs) {
+    if (j.name == "evicted") {
+      ASSERT_TRUE((*c)->Evict(j.id, "a test").ok());
+    }
+  }
+  ASSERT_TRUE(t.ReleaseParams((*a)->job(), 0).ok());  // its refusal comes later
+  std::this_thread::sleep_for(300ms);
+  Status other = (*b)->transport().SetLearningRates((*b)->job(), {1e-3f});
+  EXPECT_TRUE(other.ok()) << other;
+  b->reset();  // its unregister goes
+  Result<std::unique_ptr<Model>> again = (*s)->RegisterModel(TwoUnits("bystander"));
+  EXPECT_TRUE(again.ok()) << again.status();
+  // The evicted job's own next call says why.
+  EXPECT_EQ((*a)->transport().SetLearningRates((*a)->job(), {1e-3f}).code(), StatusCode::kAborted);
+}
+
+// A wait "for ever" (milliseconds::max(): the C ABI's INT64_MAX) worked
+// embedded and failed through ztierd: the daemon refuses waits over a week
+// (Corruption), and timeout + the call's margin overflowed.
+TEST(OperatorTest, AWaitForEverThroughTheDaemonIsAWait) {
+  Result<std::unique_ptr<TestDaemon>> d = TestDaemon::Start(SmallEngine());
+  ASSERT_TRUE(d.ok()) << d.status();
+  Result<std::unique_ptr<Session>> s = OpenSession((*d)->socket());
+  ASSERT_TRUE(s.ok());
+  Result<std::unique_ptr<Model>> m = (*s)->RegisterModel(TwoUnits("patient"));
+  ASSERT_TRUE(m.ok());
+  for (int u = 0; u < (*m)->units(); ++u) {
+    std::vector<float> w((*m)->layout(u).numel, 0.5f);
+    ASSERT_TRUE((*m)->SetWeights(u, w.data(), w.size()).ok());
+  }
+  client::Transport& t = (*m)->transport();
+  const auto forever = std::chrono::milliseconds::max();
+  Result<const bf16*> p = t.AcquireParams((*m)->job(), 1, 0, forever);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_TRUE(t.ReleaseParams((*m)->job(), 1).ok());
+  EXPECT_TRUE(t.WaitPublished((*m)->job(), 1, 0, forever).ok());
+}
+
 // ------------------------------------------------------ ztierctl
 
 struct CtlRun {
@@ -548,6 +609,15 @@ TEST(OperatorTest, AfterACallGoesUnansweredTheNextAreRefusedAtOnceUntilItAnswers
   ASSERT_TRUE(c.ok()) << c.status() << d.log();
   ASSERT_TRUE((*c)->GetStatus().ok());
   ASSERT_EQ(::kill(d.pid(), SIGSTOP), 0);
+  // Stopped once /proc says so (a signal lands a moment after kill returns).
+  for (int i = 0; i < 500; ++i) {
+    std::ifstream stat(StrCat("/proc/", d.pid(), "/stat"));
+    std::string line;
+    std::getline(stat, line);
+    const size_t paren = line.rfind(')');
+    if (paren != std::string::npos && paren + 2 < line.size() && line[paren + 2] == 'T') break;
+    std::this_thread::sleep_for(2ms);
+  }
   Result<engine::DaemonStatus> first = (*c)->GetStatus();
   EXPECT_EQ(first.status().code(), StatusCode::kUnavailable) << first.status();
   EXPECT_NE(first.status().message().find("did not answer"), std::string::npos) << first.status();
