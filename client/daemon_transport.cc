@@ -188,6 +188,22 @@ class DaemonTransport final : public Transport, public ControlTransport {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = jobs_.find(job);
     if (it != jobs_.end() && unit >= 0 && unit < static_cast<int>(it->second.layouts.size())) {
+      // The runner's copies are sized by it: it must be the spec's unit.
+      const engine::JobSpec& spec = it->second.spec;
+      uint64_t numel = 0;
+      for (const engine::TensorSpec& t : spec.units[unit].tensors) {
+        uint64_t n = 1;
+        for (const int64_t d : t.shape) n *= static_cast<uint64_t>(d);
+        numel += n;
+      }
+      if (l.numel != numel || l.shard * static_cast<uint64_t>(spec.ranks) != l.padded ||
+          l.offsets.size() != spec.units[unit].tensors.size()) {
+        return Status::Corruption(
+            StrCat("ztierd described unit ", unit, " of job '", spec.name, "' as ", l.numel,
+                   " elements in ", l.padded, " (", l.shard, " per rank, ", l.offsets.size(),
+                   " tensors); its spec has ", numel, " elements in ",
+                   spec.units[unit].tensors.size(), " tensors over ", spec.ranks, " ranks"));
+      }
       it->second.layouts[unit] = l;
     }
     return l;
@@ -231,7 +247,9 @@ class DaemonTransport final : public Transport, public ControlTransport {
                                       p::Encode(p::UnitRef{.job = job, .unit = unit, .rank = rank}),
                                       {}, call_timeout_));
     ZT_ASSIGN_OR_RETURN(SharedBuffer b, p::DecodeSharedBuffer(r.payload));
-    ZT_ASSIGN_OR_RETURN(void* ptr, Resolve(job, b, RegionAccess::kReadWrite));
+    ZT_ASSIGN_OR_RETURN(engine::UnitLayout l, Layout(job, unit));
+    ZT_ASSIGN_OR_RETURN(void* ptr,
+                        Resolve(job, b, RegionAccess::kReadWrite, l.shard * sizeof(bf16)));
     return static_cast<bf16*>(ptr);
   }
 
@@ -244,7 +262,7 @@ class DaemonTransport final : public Transport, public ControlTransport {
       return Status::Corruption(StrCat("ztierd's client page of job ", job, " has ", b.bytes,
                                        " bytes at offset ", b.offset, ", no room for rank ", rank));
     }
-    ZT_ASSIGN_OR_RETURN(void* page, Resolve(job, b, RegionAccess::kReadWrite));
+    ZT_ASSIGN_OR_RETURN(void* page, Resolve(job, b, RegionAccess::kReadWrite, 0));  // checked
     return static_cast<uint64_t*>(page) + static_cast<uint64_t>(rank) * engine::kClientCounterWords;
   }
 
@@ -333,7 +351,9 @@ class DaemonTransport final : public Transport, public ControlTransport {
              p::Encode(p::StepWait{.job = job, .unit = unit, .step = step, .timeout = timeout}), {},
              timeout + call_timeout_, 0, job));
     ZT_ASSIGN_OR_RETURN(SharedBuffer b, p::DecodeSharedBuffer(r.payload));
-    Result<void*> ptr = Resolve(job, b, RegionAccess::kReadOnly);
+    Result<engine::UnitLayout> l = Layout(job, unit);
+    Result<void*> ptr =
+        l.ok() ? Resolve(job, b, RegionAccess::kReadOnly, l->padded * sizeof(bf16)) : l.status();
     if (!ptr.ok()) {
       (void)ReleaseParams(job, unit);
       return ptr.status();
@@ -711,12 +731,18 @@ class DaemonTransport final : public Transport, public ControlTransport {
                                        " bytes at offset ", b.offset, " for ", spec.units.size(),
                                        " units"));
     }
-    ZT_ASSIGN_OR_RETURN(void* steps, Resolve(job, b, RegionAccess::kReadOnly));
+    ZT_ASSIGN_OR_RETURN(void* steps, Resolve(job, b, RegionAccess::kReadOnly, 0));  // checked
     return static_cast<const int64_t*>(steps);
   }
 
-  // A buffer the daemon named, as a pointer into the job's mapping.
-  Result<void*> Resolve(int job, const SharedBuffer& b, RegionAccess want) {
+  // A buffer the daemon named, as a pointer into the job's mapping: of at
+  // least `need` bytes (what the caller reads or writes there), aligned for
+  // bf16.
+  Result<void*> Resolve(int job, const SharedBuffer& b, RegionAccess want, uint64_t need) {
+    if (b.bytes < need || b.offset % alignof(bf16) != 0) {
+      return Status::Corruption(StrCat("ztierd named a buffer of ", b.bytes, " bytes at offset ",
+                                       b.offset, " for ", need, " bytes"));
+    }
     std::lock_guard<std::mutex> lock(mu_);
     auto j = jobs_.find(job);
     if (j == jobs_.end()) return Status::NotFound(StrCat("job ", job, " is not mapped"));

@@ -29,6 +29,7 @@
 #include <tuple>
 #include <vector>
 
+#include "client/transport.h"
 #include "client/ztier.h"
 #include "engine/protocol.h"
 #include "engine/seqpacket.h"
@@ -43,8 +44,10 @@ namespace ztier::client {
 namespace {
 
 namespace p = engine::protocol;
+using engine::RegionAccess;
 using engine::SeqPacketListener;
 using engine::SeqPacketSocket;
+using engine::SharedBuffer;
 using engine::Tier;
 using testing::AsNobody;
 using testing::ScratchDir;
@@ -1506,6 +1509,92 @@ TEST(ZtierdProgramTest, ALoadThatZtierdDiesDuringSaysTheJobIsGone) {
   EXPECT_EQ(loaded.code(), StatusCode::kUnavailable) << loaded;
   EXPECT_NE(loaded.ToString().find("resume from the last checkpoint"), std::string::npos) << loaded;
   EXPECT_EQ(loaded.ToString().find("partly loaded"), std::string::npos) << loaded;
+}
+
+// A daemon that names a buffer smaller than the unit's (a bug, or not
+// ztierd at all): the transport took it, and the runner's copy of a
+// shard there ran past the mapping (SIGSEGV, or another mapping overwritten).
+TEST(DaemonTransportTest, ABufferSmallerThanTheUnitsIsRefused) {
+  ScratchDir dir("fake-daemon");
+  const std::string path = dir / "fake.sock";
+  Result<engine::SeqPacketListener> l = engine::SeqPacketListener::Listen(path, 0600);
+  ASSERT_TRUE(l.ok()) << l.status();
+  constexpr uint64_t kRegion = 1 << 20;
+  constexpr int64_t kElements = 100000;  // a shard of 200000 bytes
+  std::jthread server([&] {              // ends when the client's connection closes
+    Result<engine::SeqPacketSocket> c = l->Accept(10s);
+    if (!c.ok()) return;
+    Result<UniqueFd> inbox = engine::MakeSealedMemfd("inbox", kRegion);
+    // Read-only for the client: sealed against its writes too.
+    UniqueFd params(::memfd_create("params", MFD_ALLOW_SEALING | MFD_CLOEXEC));
+    if (!inbox.ok() || ::ftruncate(params.get(), kRegion) != 0 ||
+        ::fcntl(params.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_FUTURE_WRITE) !=
+            0) {
+      return;
+    }
+    for (;;) {
+      Result<engine::SeqPacketSocket::Received> got =
+          c->Receive(10s, p::kMaxMessageBytes, p::kMaxFdsPerMessage);
+      if (!got.ok()) return;
+      Result<p::Header> h = p::DecodeHeader(got->data, static_cast<uint32_t>(got->fds.size()));
+      if (!h.ok()) return;
+      std::string body;
+      std::vector<int> fds;
+      Status status;
+      switch (h->type) {
+        case p::MessageType::kHello:
+          body = p::Encode(p::Hello{.name = "fake"});
+          break;
+        case p::MessageType::kRegisterJob:
+          body = p::Encode(p::JobHandle{.job = 1, .units = 1, .ranks = 1});
+          break;
+        case p::MessageType::kRegions:
+          body = p::Encode(p::RegionList{
+              .regions = {{.region = 0, .bytes = kRegion, .access = RegionAccess::kReadWrite},
+                          {.region = 1, .bytes = kRegion, .access = RegionAccess::kReadOnly}}});
+          fds = {inbox->get(), params.get()};
+          break;
+        case p::MessageType::kStepPage:
+          body = p::Encode(SharedBuffer{.region = 1,
+                                        .region_bytes = kRegion,
+                                        .offset = 0,
+                                        .bytes = 8,
+                                        .access = RegionAccess::kReadOnly});
+          break;
+        case p::MessageType::kLayout:
+          body = p::Encode(engine::UnitLayout{
+              .numel = kElements, .padded = 100032, .shard = 100032, .offsets = {0}});
+          break;
+        case p::MessageType::kGradInbox:  // 2 bytes at the very end of the region
+          body = p::Encode(SharedBuffer{.region = 0,
+                                        .region_bytes = kRegion,
+                                        .offset = kRegion - 2,
+                                        .bytes = 2,
+                                        .access = RegionAccess::kReadWrite});
+          break;
+        default:
+          status = Status::Unimplemented("fake");
+      }
+      Result<std::string> msg =
+          p::EncodeMessage({.type = h->type,
+                            .flags = p::kFlagReply,
+                            .request_id = h->request_id,
+                            .fds = static_cast<uint32_t>(fds.size())},
+                           p::EncodeStatus(status) + (status.ok() ? body : ""));
+      if (!msg.ok() || !c->Send(*msg, fds, 5s).ok()) return;
+    }
+  });
+  Result<std::shared_ptr<Transport>> t = MakeDaemonTransport(path);
+  ASSERT_TRUE(t.ok()) << t.status();
+  engine::JobSpec spec;
+  spec.name = "fake";
+  spec.units.push_back({.name = "u0", .tensors = {{.name = "u0.w", .shape = {kElements}}}});
+  Result<int> job = (*t)->RegisterJob(spec);
+  ASSERT_TRUE(job.ok()) << job.status();
+  Result<bf16*> grads = (*t)->GradInbox(*job, 0, 0);
+  EXPECT_EQ(grads.status().code(), StatusCode::kCorruption) << grads.status();
+  EXPECT_NE(grads.status().message().find("a buffer of 2 bytes"), std::string::npos)
+      << grads.status();
 }
 
 }  // namespace
