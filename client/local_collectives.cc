@@ -7,21 +7,25 @@
 //
 // Thread safety: each rank's object is used by one thread; the shared group
 // is synchronised. Failure: a rank that does not arrive within the timeout
-// fails the call with Unavailable (the others are not left hanging forever).
+// fails the call with Unavailable for the ranks waiting (they are not left
+// hanging forever), and the group is aborted: every later call fails, so
+// no rank passes a rendezvous whose peer gave up (and read a buffer that
+// peer may have freed since).
+#include <chrono>
 #include <condition_variable>
 #include <cstring>
 #include <mutex>
+#include <string>
 
 #include "client/ztier.h"
 
 namespace ztier::client {
 namespace {
 
-constexpr std::chrono::minutes kRendezvousTimeout{10};
-
 class Group {
  public:
-  explicit Group(int world) : world_(world), buffers_(world) {}
+  Group(int world, std::chrono::milliseconds timeout)
+      : world_(world), timeout_(timeout), buffers_(world) {}
 
   // Publishes this rank's buffer and waits for every rank to have done so.
   Status Arrive(int rank, const void* buffer, const char* what) {
@@ -38,6 +42,7 @@ class Group {
 
  private:
   Status BarrierLocked(std::unique_lock<std::mutex>& lock, const char* what) {
+    if (!aborted_.empty()) return Status::Aborted(aborted_);
     const uint64_t generation = generation_;
     if (++arrived_ == world_) {
       arrived_ = 0;
@@ -45,15 +50,24 @@ class Group {
       cv_.notify_all();
       return Status::Ok();
     }
-    if (!cv_.wait_for(lock, kRendezvousTimeout, [&] { return generation_ != generation; })) {
-      return Status::Unavailable(StrCat("local collectives: ", what, ": only ", arrived_, " of ",
-                                        world_, " ranks arrived within 10 minutes"));
+    const bool met = cv_.wait_for(lock, timeout_,
+                                  [&] { return generation_ != generation || !aborted_.empty(); });
+    if (generation_ != generation) return Status::Ok();
+    if (!met) {
+      aborted_ = StrCat("local collectives: ", what, ": only ", arrived_, " of ", world_,
+                        " ranks arrived within ",
+                        std::chrono::duration_cast<std::chrono::seconds>(timeout_).count(),
+                        " s; the group's collectives are over");
+      cv_.notify_all();
+      return Status::Unavailable(aborted_);
     }
-    return Status::Ok();
+    return Status::Aborted(aborted_);
   }
 
   const int world_;
+  const std::chrono::milliseconds timeout_;
   std::mutex mu_;
+  std::string aborted_;  // why the group's collectives are over ("": they are not)
   std::condition_variable cv_;
   int arrived_ = 0;
   uint64_t generation_ = 0;
@@ -110,11 +124,15 @@ class LocalCollectives final : public Collectives {
 
 }  // namespace
 
-Result<std::vector<std::unique_ptr<Collectives>>> MakeLocalCollectives(int world_size) {
+Result<std::vector<std::unique_ptr<Collectives>>> MakeLocalCollectives(
+    int world_size, std::chrono::milliseconds timeout) {
   if (world_size < 1) {
     return Status::InvalidArgument(StrCat("local collectives: world size ", world_size, " < 1"));
   }
-  auto group = std::make_shared<Group>(world_size);
+  if (timeout.count() <= 0) {
+    return Status::InvalidArgument("local collectives: the timeout must be positive");
+  }
+  auto group = std::make_shared<Group>(world_size, timeout);
   std::vector<std::unique_ptr<Collectives>> ranks;
   for (int r = 0; r < world_size; ++r)
     ranks.push_back(std::make_unique<LocalCollectives>(group, r));

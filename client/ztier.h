@@ -172,8 +172,12 @@ class Collectives {
                                Stream stream) = 0;
 };
 
-// R ranks as threads of this process (host devices). Errors: InvalidArgument.
-Result<std::vector<std::unique_ptr<Collectives>>> MakeLocalCollectives(int world_size);
+// R ranks as threads of this process (host devices). A rank that does not
+// arrive at a collective within `timeout` fails it for the ranks waiting
+// (Unavailable), and every later collective of the group fails (Aborted):
+// no rank goes on with a peer that gave up. Errors: InvalidArgument.
+Result<std::vector<std::unique_ptr<Collectives>>> MakeLocalCollectives(
+    int world_size, std::chrono::milliseconds timeout = std::chrono::minutes(10));
 // Rank `rank`'s collectives among the ranks of `model`'s job, wherever they
 // run (threads of this process, or processes attached through ztierd), met
 // in the job's collective region: on host devices the collectives run in

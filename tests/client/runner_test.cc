@@ -1466,6 +1466,27 @@ TEST_F(RunnerErrorsTest, NullBuffersUnknownUnitsAndBadOptionsAreErrors) {
   EXPECT_NE(r.status().ToString().find("world size 1"), std::string::npos) << r.status();
 }
 
+// A rank that gave up on a rendezvous (timed out) stayed counted: the next
+// rank to arrive passed it alone and read the departed rank's buffer, which
+// may be freed by then. The group is over once a rank gives up.
+TEST(LocalCollectivesTest, ARankThatGaveUpEndsTheGroupsCollectives) {
+  auto coll = MakeLocalCollectives(2, std::chrono::milliseconds(100));
+  ASSERT_TRUE(coll.ok()) << coll.status();
+  auto dev = MakeHostDevice();
+  ASSERT_TRUE(dev.ok()) << dev.status();
+  std::vector<bf16> zero(8, FloatToBf16(0.0f)), one(8, FloatToBf16(1.0f));
+  const Status alone = (*coll)[0]->AllGather(zero.data(), 4, **dev, Stream::kCompute);
+  EXPECT_EQ(alone.code(), StatusCode::kUnavailable) << alone;
+  // Rank 1 comes late: refused, never passing with rank 0's buffer.
+  const Status late = (*coll)[1]->AllGather(one.data(), 4, **dev, Stream::kCompute);
+  EXPECT_EQ(late.code(), StatusCode::kAborted) << late;
+  EXPECT_EQ(Bf16ToFloat(one[0]), 1.0f);
+  EXPECT_EQ((*coll)[0]->ReduceScatter(zero.data(), one.data(), 4, **dev, Stream::kCompute).code(),
+            StatusCode::kAborted);
+  EXPECT_EQ(MakeLocalCollectives(2, std::chrono::milliseconds(0)).status().code(),
+            StatusCode::kInvalidArgument);
+}
+
 TEST_F(RunnerErrorsTest, UnitLargerThanTheCap) {
   runner_.reset();  // one runner a rank
   auto r = Stage3Runner::Create(*model_, 0, *dev_, nullptr, {.max_live_bytes = 1024});
