@@ -612,6 +612,15 @@ Status CheckName(std::string_view what, std::string_view name, size_t prefix_byt
       return Status::InvalidArgument(
           StrCat(what, " holds a control character (byte ", i, ": ", ch.code_point, ")"));
     }
+    // Text-direction marks and overrides reorder what follows them on an
+    // operator's screen (a job's uid or state column), and line separators
+    // start a line of their own in a log.
+    const uint32_t c = ch.code_point;
+    if (c == 0x061c || c == 0x200e || c == 0x200f || (c >= 0x2028 && c <= 0x202e) ||
+        (c >= 0x2066 && c <= 0x2069)) {
+      return Status::InvalidArgument(StrCat(what, " holds a text-direction or line-separator ",
+                                            "character (byte ", i, ": code point ", c, ")"));
+    }
     i += ch.length;
   }
   return Status::Ok();

@@ -600,7 +600,11 @@ TEST(EngineLimitsTest, NamesAreUtf8WithoutControlCharacters) {
            {job("j", "u", "\xc0\xaf"), "not valid UTF-8"},      // overlong '/'
            {job("j", "u", "\xed\xa0\x80"), "not valid UTF-8"},  // a surrogate
            {job("j", "u\nv", "w"), "unit 0's name holds a control character"},
-           {job("a\tb", "u", "w"), "the job name holds a control character"}}) {
+           {job("a\tb", "u", "w"), "the job name holds a control character"},
+           // U+202E (right-to-left override), U+2066 (isolate), U+2028 (line separator)
+           {job("gpt\xe2\x80\xae", "u", "w"), "the job name holds a text-direction"},
+           {job("j", "\xe2\x81\xa6u", "w"), "unit 0's name holds a text-direction"},
+           {job("j\xe2\x80\xa8k", "u", "w"), "line-separator character (byte 1"}}) {
     Result<int> r = e->RegisterJob(spec);
     EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << r.status();
     EXPECT_NE(r.status().message().find(says), std::string::npos) << r.status();
