@@ -184,6 +184,17 @@ Result<Flags> ParseFlags(int argc, char** argv) {
 // again cannot help until the settings change (a bad value, a swap
 // directory missing, read-only or not ztierd's to write: systemd's
 // RestartPreventExitStatus=2 then stops the restarts), 1 otherwise.
+// Whether only a change of settings can fix `s` (exit 2: systemd does not
+// restart it every 2 s for ever), not a retry (exit 1).
+bool SettingsError(const Status& s) {
+  const int err = s.sys_errno();
+  const StatusCode c = s.code();
+  return c == StatusCode::kInvalidArgument || c == StatusCode::kNotFound ||
+         c == StatusCode::kFailedPrecondition || c == StatusCode::kPermissionDenied ||
+         err == EROFS || err == EACCES || err == EPERM || err == ENOENT || err == ENOTDIR ||
+         err == EISDIR || err == ENAMETOOLONG;
+}
+
 int EngineFailure(const Status& s) {
   std::fprintf(stderr, "ztierd: %s\n", ztier::PrintableUtf8(s.ToString()).c_str());
   const int err = s.sys_errno();
@@ -194,12 +205,7 @@ int EngineFailure(const Status& s) {
                  "listed in ReadWritePaths= of ztierd.service: systemctl edit ztierd.service "
                  "(deploy/README.md)\n");
   }
-  const StatusCode c = s.code();
-  const bool settings = c == StatusCode::kInvalidArgument || c == StatusCode::kNotFound ||
-                        c == StatusCode::kFailedPrecondition ||
-                        c == StatusCode::kPermissionDenied || denied || err == ENOENT ||
-                        err == ENOTDIR;
-  return settings ? 2 : 1;
+  return SettingsError(s) ? 2 : 1;
 }
 
 // The listening sockets: systemd's (LISTEN_FDS: the one named "control",
@@ -306,7 +312,7 @@ int Run(const Flags& f) {
   if (!listener.ok()) {
     std::fprintf(stderr, "ztierd: %s\n",
                  ztier::PrintableUtf8(listener.status().ToString()).c_str());
-    return listener.status().code() == StatusCode::kInvalidArgument ? 2 : 1;
+    return SettingsError(listener.status()) ? 2 : 1;
   }
   // The metrics listener: systemd's socket, else --metrics.
   std::unique_ptr<engine::MetricsServer> metrics;
@@ -317,7 +323,7 @@ int Run(const Flags& f) {
     if (!m.ok()) {
       std::fprintf(stderr, "ztierd: %s\n", ztier::PrintableUtf8(m.status().ToString()).c_str());
       (void)listener->Close();  // the control socket goes too
-      return m.status().code() == StatusCode::kInvalidArgument ? 2 : 1;
+      return SettingsError(m.status()) ? 2 : 1;
     }
     metrics = *std::move(m);
   }
