@@ -27,6 +27,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "common/dir_lock.h"
 #include "common/file_util.h"
 #include "common/log.h"
 #include "common/numbers.h"
@@ -209,6 +210,9 @@ struct Daemon::Impl {
   // quota set; kept in options.quota_file when one is named), and drain
   // (new jobs refused).
   std::map<uid_t, Quota> custom_quotas;
+  // One ztierd per quota file: each rewrites the whole file at a quota set,
+  // so two would undo each other's changes.
+  DirLock quota_lock;
   bool draining = false;
   // The engine's totals, sampled by Serve every few seconds over the last
   // minute and a bit (guarded by mu): the window of DaemonStatus.
@@ -253,9 +257,37 @@ struct Daemon::Impl {
     return doc.dump(2) + "\n";
   }
 
+  // Takes the quota file for this ztierd (a lock file beside it). Another
+  // ztierd's is refused; a directory where no lock file can be made (read
+  // only: no quota set could write the file either) is let be, said.
+  Status LockQuotaFile() {
+    const std::filesystem::path file(options.quota_file);
+    std::filesystem::path dir = file.parent_path();
+    if (dir.empty()) dir = ".";
+    std::error_code ec;
+    if (!std::filesystem::is_directory(dir, ec)) return Status::Ok();  // said by the caller
+    Result<DirLock> lock = DirLock::Acquire(
+        dir.string(), StrCat(".", file.filename().string(), ".lock"),
+        StrCat("quota file ", options.quota_file, " (its directory)"), DirLock::Mode::kExclusive);
+    if (lock.ok()) {
+      quota_lock = std::move(lock).value();
+      return Status::Ok();
+    }
+    if (lock.status().code() == StatusCode::kUnavailable) {
+      return Status::FailedPrecondition(
+          StrCat(lock.status().message(), ": another ztierd keeps this quota file (each rewrites ",
+                 "it whole at a quota set); give each ztierd a --quota-file of its own"));
+    }
+    ZT_LOG(kWarn, "ztierd") << "quota file " << options.quota_file
+                            << ": no lock beside it, so nothing keeps a second ztierd off it ("
+                            << lock.status() << ")";
+    return Status::Ok();
+  }
+
   // Reads options.quota_file (a missing file is no custom quota).
   Status LoadQuotaFile() {
     if (options.quota_file.empty()) return Status::Ok();
+    ZT_RETURN_IF_ERROR(LockQuotaFile());
     std::error_code ec;
     if (!std::filesystem::exists(options.quota_file, ec)) {
       // Written at the first quota set: where it can be, said now rather

@@ -1098,7 +1098,13 @@ TEST(ZtierdProgramTest, BadUsageAndASocketInUseAreClearErrors) {
   EXPECT_NE(out.find(cfg.path() + "/none"), std::string::npos) << out;
   // A second ztierd on a live socket: refused, naming it; the first one
   // serves on.
-  ZtierdProcess d(ZTIERD_BINARY, {});
+  const std::string quotas = cfg.path() + "/quotas.json";
+  ZtierdProcess d(ZTIERD_BINARY, {"--quota-file", quotas});
+  // Nor on the first one's quota file: each rewrites it whole at a quota
+  // set, undoing the other's changes.
+  std::tie(rc, out) = RunZtierd("--socket " + cfg.path() + "/q2.sock --quota-file " + quotas);
+  EXPECT_EQ(rc, 2) << out;
+  EXPECT_NE(out.find("another ztierd keeps this quota file"), std::string::npos) << out;
   std::tie(rc, out) = RunZtierd("--socket " + d.socket());
   EXPECT_EQ(rc, 1) << out;
   EXPECT_NE(out.find("in use"), std::string::npos) << out;
