@@ -62,6 +62,7 @@ import dataclasses
 import functools
 import numbers
 import os
+import shutil
 import sys
 import threading
 import uuid
@@ -739,7 +740,11 @@ class Offload:
         if self.rank == 0 and daemon is None and session is None:
             directory = tempfile.mkdtemp(prefix="ztier-")
             info[0] = os.path.join(directory, "ztierd.sock")
-            self._hosted = _C.HostedDaemon(info[0], where, text)
+            try:
+                self._hosted = _HostedDaemon(_C.HostedDaemon(info[0], where, text), directory)
+            except BaseException:
+                shutil.rmtree(directory, ignore_errors=True)
+                raise
             _hosted_daemons.append(self._hosted)
             info[2] = (where, text)  # what the hosted daemon was made with
         dist.broadcast_object_list(info, src=0)
@@ -1871,6 +1876,21 @@ _sessions: "weakref.WeakValueDictionary[tuple, _C.Session]" = weakref.WeakValueD
 _sessions_lock = threading.Lock()  # guards _session_locks
 _session_locks: dict[tuple, threading.Lock] = {}
 _hosted_daemons: list = []  # closed at exit, before the interpreter tears down
+
+
+class _HostedDaemon:
+    """The ztierd rank 0 hosts for its node's ranks, and the temporary
+    directory of its socket, which goes with it (closing again does nothing)."""
+
+    def __init__(self, daemon, directory: str):
+        self.daemon = daemon
+        self.directory = directory
+
+    def close(self):
+        self.daemon.close()
+        if self.directory is not None:
+            shutil.rmtree(self.directory, ignore_errors=True)
+            self.directory = None
 
 
 @atexit.register

@@ -20,11 +20,16 @@ from conftest import batch, tiny_llama
 STEPS = 4
 
 
-def test_two_ranks_equal_one_rank_on_the_summed_grads(tmp_path, capfd):
+def test_two_ranks_equal_one_rank_on_the_summed_grads(tmp_path, capfd, monkeypatch):
     import ranks_worker
 
     settings = {"ztier.dram_budget": "1G"}
+    scratch = tmp_path / "tmp"  # where rank 0's ztierd puts its socket
+    scratch.mkdir()
+    monkeypatch.setenv("TMPDIR", str(scratch))
     mp.spawn(ranks_worker.run, args=(2, str(tmp_path), STEPS, settings), nprocs=2, join=True)
+    # The socket's directory goes with the daemon (one was left each run).
+    assert list(scratch.iterdir()) == []
     # The ztierd rank 0 hosts is made with these settings: no rank is told
     # that the daemon's own apply (each was).
     assert "is an engine setting" not in capfd.readouterr().err
