@@ -85,6 +85,7 @@ class DaemonTransport final : public Transport, public ControlTransport {
     ZT_ASSIGN_OR_RETURN(SeqPacketSocket sock, SeqPacketSocket::Connect(path));
     auto t = std::shared_ptr<DaemonTransport>(new DaemonTransport(path, std::move(sock)));
     t->call_timeout_ = call_timeout;
+    t->operator_ = name == p::kOperatorClientName;
     t->receiver_ = std::thread([raw = t.get()] { raw->ReceiveLoop(); });
     Result<Reply> r = t->Call(p::MessageType::kHello,
                               p::Encode(p::Hello{.name = std::string(name)}), {}, t->call_timeout_);
@@ -422,22 +423,40 @@ class DaemonTransport final : public Transport, public ControlTransport {
   Status ClaimCheckpointDir(int job, const std::string& dir) override {
     ZT_RETURN_IF_ERROR(engine::CreateCheckpointDir(dir));
     const std::string key = engine::CheckpointDirKey(dir);
-    std::lock_guard<std::mutex> lock(mu_);
-    auto j = jobs_.find(job);
-    if (j == jobs_.end()) return Status::NotFound(StrCat("no job ", job, " in this session"));
-    for (const auto& [id, other] : jobs_) {
-      if (other.dirs.count(key) != 0) {
-        if (id == job) return Status::Ok();
-        return Status::Unavailable(StrCat("checkpoint directory ", dir, " is used by job '",
-                                          other.spec.name,
-                                          "' of this process for its checkpoints; choose "
-                                          "another directory"));
+    // Whether the job (or another of this process) has it: Ok when the
+    // job has, `claimed` set; under mu_.
+    const auto held = [&](bool* claimed) -> Status {
+      *claimed = false;
+      if (jobs_.count(job) == 0)
+        return Status::NotFound(StrCat("no job ", job, " in this session"));
+      for (const auto& [id, other] : jobs_) {
+        if (other.dirs.count(key) != 0) {
+          if (id == job) {
+            *claimed = true;
+            return Status::Ok();
+          }
+          return Status::Unavailable(StrCat("checkpoint directory ", dir, " is used by job '",
+                                            other.spec.name,
+                                            "' of this process for its checkpoints; choose "
+                                            "another directory"));
+        }
       }
+      return Status::Ok();
+    };
+    bool claimed = false;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      ZT_RETURN_IF_ERROR(held(&claimed));
+      if (claimed) return Status::Ok();
     }
+    // The lock's file I/O without mu_: on a slow or hung filesystem it
+    // would stall the reply thread, and with it every job's transfers.
     ZT_ASSIGN_OR_RETURN(DirLock l,
                         DirLock::Acquire(dir, engine::kCheckpointLockFile, "checkpoint directory",
                                          DirLock::Mode::kExclusive));
-    j->second.dirs.emplace(key, std::move(l));
+    std::lock_guard<std::mutex> lock(mu_);
+    ZT_RETURN_IF_ERROR(held(&claimed));  // a claim may have come meanwhile
+    if (!claimed) jobs_[job].dirs.emplace(key, std::move(l));
     return Status::Ok();
   }
 
@@ -838,10 +857,12 @@ class DaemonTransport final : public Transport, public ControlTransport {
   Status Gone(const Status& why) {
     std::lock_guard<std::mutex> lock(mu_);
     if (dead_.ok()) {
-      dead_ = Status::Unavailable(StrCat("ztierd at ", path_, " is gone (", why.message(),
-                                         "); the DRAM state of this session's jobs went with "
-                                         "it: resume from the last checkpoint, if one was "
-                                         "saved"));
+      // A session with jobs lost their DRAM state; the operator's tool had none.
+      dead_ = Status::Unavailable(StrCat(
+          "ztierd at ", path_, " is gone (", why.message(), ")",
+          operator_ ? ""
+                    : "; the DRAM state of this session's jobs went with it: resume from the "
+                      "last checkpoint, if one was saved"));
     }
     return dead_;
   }
@@ -945,6 +966,7 @@ class DaemonTransport final : public Transport, public ControlTransport {
   // until ztierd sends anything again, calls are refused at once instead
   // of each waiting out its own timeout on a stopped or stuck daemon.
   std::string unanswered_;
+  bool operator_ = false;  // the operator's tool's connection (no jobs)
   uint64_t next_id_ = 1;
   std::map<uint64_t, std::shared_ptr<Pending>> pending_;
   std::map<int, Job> jobs_;

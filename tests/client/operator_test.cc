@@ -635,6 +635,11 @@ TEST(OperatorTest, AfterACallGoesUnansweredTheNextAreRefusedAtOnceUntilItAnswers
     again = (*c)->GetStatus();
   }
   EXPECT_TRUE(again.ok()) << again.status();
+  // Gone: the operator's tool is not told of jobs' DRAM state it had none of.
+  EXPECT_EQ(d.SignalAndWait(SIGKILL), 128 + SIGKILL);
+  Result<engine::DaemonStatus> gone = (*c)->GetStatus();
+  EXPECT_EQ(gone.status().code(), StatusCode::kUnavailable) << gone.status();
+  EXPECT_EQ(gone.status().message().find("DRAM state"), std::string::npos) << gone.status();
 }
 
 TEST(ZtierctlProgramTest, ANonOperatorIsRefusedWithExitCode4) {
