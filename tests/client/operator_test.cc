@@ -75,6 +75,21 @@ Result<std::unique_ptr<Session>> OpenSession(const std::string& socket) {
   return Session::Open(o);
 }
 
+// An in-process ztierd with the operator's control and a user's session.
+struct OperatedDaemon {
+  std::unique_ptr<TestDaemon> daemon;
+  std::unique_ptr<DaemonControl> control;
+  std::unique_ptr<Session> session;
+};
+
+Result<OperatedDaemon> StartOperatedDaemon() {
+  OperatedDaemon o;
+  ZT_ASSIGN_OR_RETURN(o.daemon, TestDaemon::Start(SmallEngine()));
+  ZT_ASSIGN_OR_RETURN(o.control, DaemonControl::Connect(o.daemon->socket()));
+  ZT_ASSIGN_OR_RETURN(o.session, OpenSession(o.daemon->socket()));
+  return o;
+}
+
 // Sets weights, then `steps` steps through a runner on the host device;
 // returns the runner's stats (no prefetch: no fetch is in flight after the
 // last step, so they are the runner's whole traffic).
@@ -323,12 +338,10 @@ TEST(OperatorTest, AQuotaFileThatCannotBeWrittenIsNotABadRequest) {
 }
 
 TEST(OperatorTest, DrainRefusesNewJobsAndEvictFreesAJobAndTellsItsClient) {
-  Result<std::unique_ptr<TestDaemon>> d = TestDaemon::Start(SmallEngine());
-  ASSERT_TRUE(d.ok()) << d.status();
-  Result<std::unique_ptr<DaemonControl>> c = DaemonControl::Connect((*d)->socket());
-  ASSERT_TRUE(c.ok());
-  Result<std::unique_ptr<Session>> s = OpenSession((*d)->socket());
-  ASSERT_TRUE(s.ok());
+  Result<OperatedDaemon> node = StartOperatedDaemon();
+  ASSERT_TRUE(node.ok()) << node.status();
+  std::unique_ptr<DaemonControl>* c = &node->control;
+  std::unique_ptr<Session>* s = &node->session;
   Result<std::unique_ptr<Model>> running = (*s)->RegisterModel(TwoUnits("running"));
   ASSERT_TRUE(running.ok()) << running.status();
 
@@ -389,12 +402,10 @@ TEST(OperatorTest, DrainRefusesNewJobsAndEvictFreesAJobAndTellsItsClient) {
 // release failed another job's next call, or its unregister, which then
 // was never sent (the daemon kept that job, its memory and its name).
 TEST(OperatorTest, AnEvictedJobsFailedReleaseIsNoOtherJobsError) {
-  Result<std::unique_ptr<TestDaemon>> d = TestDaemon::Start(SmallEngine());
-  ASSERT_TRUE(d.ok()) << d.status();
-  Result<std::unique_ptr<DaemonControl>> c = DaemonControl::Connect((*d)->socket());
-  ASSERT_TRUE(c.ok());
-  Result<std::unique_ptr<Session>> s = OpenSession((*d)->socket());
-  ASSERT_TRUE(s.ok());
+  Result<OperatedDaemon> node = StartOperatedDaemon();
+  ASSERT_TRUE(node.ok()) << node.status();
+  std::unique_ptr<DaemonControl>* c = &node->control;
+  std::unique_ptr<Session>* s = &node->session;
   Result<std::unique_ptr<Model>> a = (*s)->RegisterModel(TwoUnits("evicted"));
   Result<std::unique_ptr<Model>> b = (*s)->RegisterModel(TwoUnits("bystander"));
   ASSERT_TRUE(a.ok() && b.ok());

@@ -37,6 +37,15 @@ def _train_step(model, z, x):
     z.optimizer.step()
 
 
+def _trained_mlp(settings):
+    """_mlp() offloaded and one step trained on a batch: (model, z, batch)."""
+    model = _mlp()
+    z = zt.offload(model, settings=settings)
+    x = torch.randn(4, 6)
+    _train_step(model, z, x)
+    return model, z, x
+
+
 def test_import_ztier_torch_first_in_a_fresh_interpreter():
     # ztier._C links the CUDA toolkit's NCCL; torch's CUDA build brings a
     # newer one, and whichever loads first serves the process.
@@ -68,10 +77,7 @@ def test_a_forward_inside_gathered_leaves_its_values_showing(settings):
     # An eval forward (or generate()) inside gathered() let go of its units
     # onto the NaN placeholders: a state_dict or deepcopy taken after it in
     # the block was NaN, silently. It lets go back to gathered()'s copies.
-    model = _mlp()
-    z = zt.offload(model, settings=settings)
-    x = torch.randn(4, 6)
-    _train_step(model, z, x)
+    model, z, x = _trained_mlp(settings)
     with z.gathered():
         before = {k: v.clone() for k, v in model.state_dict().items()}
         with torch.no_grad():
@@ -1296,10 +1302,7 @@ def test_a_deep_copy_of_an_offloaded_model(settings):
     # A copy (an EMA or teacher model) carried the hooks and the marker of
     # the original: its forward raised a bare KeyError, and offloading it
     # was refused as "already offloaded".
-    model = _mlp()
-    z = zt.offload(model, settings=settings)
-    x = torch.randn(4, 6)
-    _train_step(model, z, x)
+    model, z, x = _trained_mlp(settings)
     with z.gathered():
         copy_ = copy.deepcopy(model)
         want = model(x)
