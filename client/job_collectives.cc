@@ -76,7 +76,8 @@ class RegionHeader {
     const uint32_t a = abort().load();
     if (a == 0) return Status::Ok();
     return Status::Aborted(
-        StrCat(who, ": rank ", a - 1, " left the job (its process exited, or it gave up waiting)"));
+        StrCat(who, ": rank ", a - 1,
+               " left the job (its process exited, it failed, or it gave up waiting)"));
   }
   // Marks the region aborted by `rank` (the first mark stays) and wakes
   // every waiter.
@@ -110,6 +111,10 @@ class ShmCollectives final : public Collectives {
         who_(std::move(who)) {}
   int rank() const override { return rank_; }
   int world_size() const override { return world_; }
+  void Abort(std::string_view reason) override {
+    (void)reason;  // the region keeps the rank, which its peers name
+    h_.Abort(rank_);
+  }
 
   Status AllGather(bf16* buffer, size_t shard_elems, Device& device, Stream stream) override {
     ZT_RETURN_IF_ERROR(CheckHost(device));

@@ -38,6 +38,11 @@ class Group {
     return BarrierLocked(lock, what);
   }
   const void* buffer(int rank) const { return buffers_[rank]; }  // between barriers
+  void Abort(std::string_view reason) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (aborted_.empty()) aborted_ = StrCat("local collectives: ", reason);
+    cv_.notify_all();
+  }
   int world() const { return world_; }
 
  private:
@@ -80,6 +85,7 @@ class LocalCollectives final : public Collectives {
       : group_(std::move(group)), rank_(rank) {}
   int rank() const override { return rank_; }
   int world_size() const override { return group_->world(); }
+  void Abort(std::string_view reason) override { group_->Abort(reason); }
 
   Status AllGather(bf16* buffer, size_t shard_elems, Device& device, Stream stream) override {
     ZT_RETURN_IF_ERROR(CheckHost(device));

@@ -283,10 +283,7 @@ struct Stage3Runner::Impl {
       }
       Status s = failure_snapshot();
       if (s.ok()) s = t.kind == Transfer::Kind::kFetch ? Fetch(t) : Push(t);
-      if (!s.ok()) {
-        std::lock_guard<std::mutex> lock(mu);
-        if (failure.ok()) failure = s;
-      }
+      if (!s.ok()) RecordFailure(s);
       for (Part& p : t.parts) {
         if (!p.done) p.ticket->Complete(s);
       }
@@ -380,11 +377,22 @@ struct Stage3Runner::Impl {
     ZT_RETURN_IF_ERROR(owner.Check("a runner call"));
     Status s = failure_snapshot();
     if (s.ok()) s = transport->Health();
-    if (!s.ok()) {
-      std::lock_guard<std::mutex> lock(mu);
-      if (failure.ok()) failure = s;
-    }
+    if (!s.ok()) RecordFailure(s);
     return s;
+  }
+
+  // Keeps the first failure. From then on this rank makes no collectives
+  // (its queue drains without work): its peers' are ended at once, rather
+  // than left to wait out their timeout for it.
+  void RecordFailure(const Status& s) {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      if (!failure.ok()) return;
+      failure = s;
+    }
+    if (collectives != nullptr && collectives->world_size() > 1) {
+      collectives->Abort(StrCat("rank ", rank, " failed: ", s.message()));
+    }
   }
 
   void Finish(Transfer& t) {

@@ -170,6 +170,12 @@ class Collectives {
   // local backend; NCCL's bf16 sum rounds per hop).
   virtual Status ReduceScatter(const bf16* input, bf16* output, size_t shard_elems, Device& device,
                                Stream stream) = 0;
+  // Ends the group's collectives for every rank: their calls in progress
+  // and later ones fail with Aborted. A rank whose runner failed calls it,
+  // so that its peers stop at once instead of waiting for it (their
+  // timeout). The shared-memory and local backends end; NCCL's does not yet
+  // (its peers wait for the failed rank's process to exit).
+  virtual void Abort(std::string_view reason) { (void)reason; }
 };
 
 // R ranks as threads of this process (host devices). A rank that does not

@@ -1487,6 +1487,71 @@ TEST(LocalCollectivesTest, ARankThatGaveUpEndsTheGroupsCollectives) {
             StatusCode::kInvalidArgument);
 }
 
+// Rank 1's collectives, whose first all-gather fails (a transfer error of
+// its own); the rest goes to the group's.
+class FailingFirstGather final : public Collectives {
+ public:
+  explicit FailingFirstGather(Collectives* inner) : inner_(inner) {}
+  int rank() const override { return inner_->rank(); }
+  int world_size() const override { return inner_->world_size(); }
+  Status AllGather(bf16* buffer, size_t shard_elems, Device& device, Stream stream) override {
+    if (!failed_) {
+      failed_ = true;
+      return Status::IoError("a copy that failed");
+    }
+    return inner_->AllGather(buffer, shard_elems, device, stream);
+  }
+  Status ReduceScatter(const bf16* input, bf16* output, size_t shard_elems, Device& device,
+                       Stream stream) override {
+    return inner_->ReduceScatter(input, output, shard_elems, device, stream);
+  }
+  void Abort(std::string_view reason) override { inner_->Abort(reason); }
+
+ private:
+  Collectives* inner_;
+  bool failed_ = false;
+};
+
+// A rank whose transfer failed made no more collectives, and its peers
+// waited for it until their timeout (10 minutes; for ever under NCCL).
+// They now fail at once, told which rank failed.
+TEST(RunnerTest, ARankThatFailsEndsItsPeersCollectivesAtOnce) {
+  constexpr int kRanks = 2;
+  const Session::ModelSpec spec{.name = "peers",
+                                .units = {{"a", {{"w", {4096}}}}, {"b", {{"w", {4096}}}}},
+                                .optimizer = Optimizer(TrainSetup{}),
+                                .world_size = kRanks};
+  Result<std::unique_ptr<Session>> session = testing::OpenTestSession(Options(TrainSetup{}, ""));
+  ASSERT_TRUE(session.ok()) << session.status();
+  Result<std::unique_ptr<Model>> model = (*session)->RegisterModel(spec);
+  ASSERT_TRUE(model.ok()) << model.status();
+  for (int k = 0; k < 2; ++k) {
+    std::vector<float> w((*model)->layout(k).numel, 0.01f);
+    ASSERT_TRUE((*model)->SetWeights(k, w.data(), w.size()).ok());
+  }
+  auto coll = MakeLocalCollectives(kRanks, std::chrono::seconds(60));
+  ASSERT_TRUE(coll.ok()) << coll.status();
+  FailingFirstGather failing((*coll)[1].get());
+  std::vector<Status> acquired(kRanks);
+  const auto t0 = std::chrono::steady_clock::now();
+  const Status ran = OnRankThreads(kRanks, [&](int r) -> Status {
+    ZT_ASSIGN_OR_RETURN(std::unique_ptr<Device> dev, MakeHostDevice());
+    Collectives* c = r == 1 ? static_cast<Collectives*>(&failing) : (*coll)[0].get();
+    ZT_ASSIGN_OR_RETURN(std::unique_ptr<Stage3Runner> runner,
+                        Stage3Runner::Create(**model, r, *dev, c,
+                                             {.prefetch_depth = 0,
+                                              .coalesce_bytes = 0,  // an all-gather a unit
+                                              .timeout = std::chrono::seconds(60)}));
+    acquired[r] = runner->Acquire(0).status();
+    return Status::Ok();
+  });
+  ASSERT_TRUE(ran.ok()) << ran;
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(20));
+  EXPECT_EQ(acquired[1].code(), StatusCode::kIoError) << acquired[1];
+  EXPECT_EQ(acquired[0].code(), StatusCode::kAborted) << acquired[0];
+  EXPECT_NE(acquired[0].message().find("rank 1 failed"), std::string::npos) << acquired[0];
+}
+
 TEST_F(RunnerErrorsTest, UnitLargerThanTheCap) {
   runner_.reset();  // one runner a rank
   auto r = Stage3Runner::Create(*model_, 0, *dev_, nullptr, {.max_live_bytes = 1024});
