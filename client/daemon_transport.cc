@@ -30,6 +30,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <utility>
@@ -618,6 +619,9 @@ class DaemonTransport final : public Transport, public ControlTransport {
     Result<Reply> reply = Status::Internal("no reply");
     std::string posted;  // not empty: nobody waits; names the request in errors
     int job = -1;        // a posted request's job
+    // An acquire whose caller gave up (a timeout): a lease its late answer
+    // brings is given back, not left held in ztierd (job, unit).
+    std::optional<std::pair<int, int>> release_if_late;
   };
 
   DaemonTransport(std::string path, SeqPacketSocket sock)
@@ -846,7 +850,12 @@ class DaemonTransport final : public Transport, public ControlTransport {
     }
     std::unique_lock<std::mutex> lock(mu_);
     if (!cv_.wait_for(lock, timeout, [&] { return pending->done; })) {
-      pending_.erase(id);
+      if (Result<p::StepWait> w = p::DecodeStepWait(payload);
+          type == p::MessageType::kAcquireParams && w.ok()) {
+        pending->release_if_late = std::make_pair(w->job, w->unit);  // kept for its answer
+      } else {
+        pending_.erase(id);
+      }
       unanswered_ = StrCat(p::MessageTypeName(type), " within ",
                            std::chrono::duration_cast<std::chrono::seconds>(timeout).count(), " s");
       return Status::Unavailable(StrCat("ztierd at ", path_, " did not answer ", unanswered_));
@@ -914,10 +923,19 @@ class DaemonTransport final : public Transport, public ControlTransport {
         FailAll(why);
         return;
       }
-      std::lock_guard<std::mutex> lock(mu_);
+      std::unique_lock<std::mutex> lock(mu_);
       unanswered_.clear();  // it answers again
       auto it = pending_.find(h->request_id);
       if (it == pending_.end()) continue;  // its caller gave up
+      if (it->second->release_if_late) {
+        const auto [job, unit] = *it->second->release_if_late;
+        pending_.erase(it);
+        if (!body.ok()) continue;
+        lock.unlock();  // Post takes it
+        (void)Post(p::MessageType::kReleaseParams, p::Encode(p::UnitRef{.job = job, .unit = unit}),
+                   job, StrCat("release of job ", job, " unit ", unit, " (a late acquire's)"));
+        continue;
+      }
       if (!it->second->posted.empty()) {
         // For that job's next call (a job unregistered meanwhile is gone).
         if (!body.ok() && jobs_.count(it->second->job) != 0 &&
@@ -975,8 +993,10 @@ class DaemonTransport final : public Transport, public ControlTransport {
 
 }  // namespace
 
-Result<std::shared_ptr<Transport>> MakeDaemonTransport(const std::string& socket_path) {
-  ZT_ASSIGN_OR_RETURN(std::shared_ptr<DaemonTransport> t, DaemonTransport::Connect(socket_path));
+Result<std::shared_ptr<Transport>> MakeDaemonTransport(const std::string& socket_path,
+                                                       std::chrono::milliseconds call_timeout) {
+  ZT_ASSIGN_OR_RETURN(std::shared_ptr<DaemonTransport> t,
+                      DaemonTransport::Connect(socket_path, "libztier", call_timeout));
   return std::shared_ptr<Transport>(std::move(t));
 }
 

@@ -144,7 +144,11 @@ Result<std::shared_ptr<Transport>> MakeEmbeddedTransport(
 // Errors: Unavailable (nothing listens there, or the daemon refused: names
 // why), FailedPrecondition (permission denied on the socket, a protocol
 // version mismatch, a uid not allowed), as SeqPacketSocket::Connect.
-Result<std::shared_ptr<Transport>> MakeDaemonTransport(const std::string& socket_path);
+// `call_timeout`: how long ztierd may take to answer a call (beyond what a
+// wait asks for).
+Result<std::shared_ptr<Transport>> MakeDaemonTransport(
+    const std::string& socket_path,
+    std::chrono::milliseconds call_timeout = std::chrono::seconds(120));
 // The same connection, for the operator's calls. Errors: as
 // MakeDaemonTransport.
 // `call_timeout`: how long ztierd may take to answer each call.

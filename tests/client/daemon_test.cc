@@ -657,13 +657,14 @@ TEST_F(DaemonTest, OneUidsRequestsInFlightOnAllItsConnectionsAreBounded) {
   for (int c = 0; c < 2; ++c) {
     waiting.push_back(RawClient::Connect(socket()));
     for (int k = 0; k < 2; ++k) {
-      ASSERT_TRUE(waiting.back().Send(p::MessageType::kAttachJob, attach(4s)).ok());
+      ASSERT_TRUE(waiting.back().Send(p::MessageType::kAttachJob, attach(8s)).ok());
     }
   }
-  // Once the four are in, a fifth on a third connection is refused at once.
+  // Once the four are in, a fifth on a third connection is refused at once
+  // (the four wait 8 s: in until then on a loaded machine too).
   RawClient third = RawClient::Connect(socket());
   Status refused;
-  const auto deadline = std::chrono::steady_clock::now() + 3s;
+  const auto deadline = std::chrono::steady_clock::now() + 6s;
   while (refused.ok() && std::chrono::steady_clock::now() < deadline) {
     Result<RawClient::Reply> r = third.Call(p::MessageType::kAttachJob, attach(10ms));
     ASSERT_TRUE(r.ok()) << r.status();

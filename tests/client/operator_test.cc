@@ -75,6 +75,19 @@ Result<std::unique_ptr<Session>> OpenSession(const std::string& socket) {
   return Session::Open(o);
 }
 
+// Returns once /proc says `pid` is stopped (a SIGSTOP lands a moment after
+// kill returns), or after a second.
+void WaitUntilStopped(pid_t pid) {
+  for (int i = 0; i < 500; ++i) {
+    std::ifstream stat(StrCat("/proc/", pid, "/stat"));
+    std::string line;
+    std::getline(stat, line);
+    const size_t paren = line.rfind(')');
+    if (paren != std::string::npos && paren + 2 < line.size() && line[paren + 2] == 'T') return;
+    std::this_thread::sleep_for(2ms);
+  }
+}
+
 // An in-process ztierd with the operator's control and a user's session.
 struct OperatedDaemon {
   std::unique_ptr<TestDaemon> daemon;
@@ -433,6 +446,42 @@ TEST(OperatorTest, AnEvictedJobsFailedReleaseIsNoOtherJobsError) {
   EXPECT_EQ((*a)->transport().SetLearningRates((*a)->job(), {1e-3f}).code(), StatusCode::kAborted);
 }
 
+// An acquire whose caller gave up (ztierd did not answer in time) left the
+// lease its late answer brought held in ztierd for the connection's life
+// (with params on NVMe, a cache slot). The late lease is given back: a
+// release of the caller's own then finds none to release.
+TEST(OperatorTest, ALeaseALateAcquireBringsIsGivenBack) {
+  ZtierdProcess d(ZTIERD_BINARY, {});
+  Result<std::shared_ptr<client::Transport>> t = client::MakeDaemonTransport(d.socket(), 300ms);
+  ASSERT_TRUE(t.ok()) << t.status() << d.log();
+  engine::JobSpec spec;
+  spec.name = "late";
+  spec.units.push_back({.name = "u0", .tensors = {{.name = "u0.w", .shape = {4096}}}});
+  Result<int> job = (*t)->RegisterJob(spec);
+  ASSERT_TRUE(job.ok()) << job.status();
+  std::vector<float> w(4096, 0.5f);
+  ASSERT_TRUE((*t)->WriteWeights(*job, 0, w.data(), w.size()).ok());
+  ASSERT_EQ(::kill(d.pid(), SIGSTOP), 0);
+  WaitUntilStopped(d.pid());
+  Result<const bf16*> p = (*t)->AcquireParams(*job, 0, 0, 0ms);
+  EXPECT_EQ(p.status().code(), StatusCode::kUnavailable) << p.status();
+  ASSERT_EQ(::kill(d.pid(), SIGCONT), 0);
+  Status answered = Status::Unavailable("not yet");  // its late answer clears the refusal
+  for (int i = 0; i < 100 && !answered.ok(); ++i) {
+    std::this_thread::sleep_for(20ms);
+    answered = (*t)->SetLearningRates(*job, {1e-3f});
+  }
+  ASSERT_TRUE(answered.ok()) << answered;
+  ASSERT_TRUE((*t)->ReleaseParams(*job, 0).ok());  // posted; ztierd's answer comes later
+  Status next = Status::Ok();
+  for (int i = 0; i < 100 && next.ok(); ++i) {
+    std::this_thread::sleep_for(20ms);
+    next = (*t)->SetLearningRates(*job, {1e-3f});
+  }
+  EXPECT_NE(next.message().find("released without an acquire"), std::string::npos) << next;
+  EXPECT_TRUE((*t)->UnregisterJob(*job).ok());
+}
+
 // A wait "for ever" (milliseconds::max(): the C ABI's INT64_MAX) worked
 // embedded and failed through ztierd: the daemon refuses waits over a week
 // (Corruption), and timeout + the call's margin overflowed.
@@ -620,15 +669,7 @@ TEST(OperatorTest, AfterACallGoesUnansweredTheNextAreRefusedAtOnceUntilItAnswers
   ASSERT_TRUE(c.ok()) << c.status() << d.log();
   ASSERT_TRUE((*c)->GetStatus().ok());
   ASSERT_EQ(::kill(d.pid(), SIGSTOP), 0);
-  // Stopped once /proc says so (a signal lands a moment after kill returns).
-  for (int i = 0; i < 500; ++i) {
-    std::ifstream stat(StrCat("/proc/", d.pid(), "/stat"));
-    std::string line;
-    std::getline(stat, line);
-    const size_t paren = line.rfind(')');
-    if (paren != std::string::npos && paren + 2 < line.size() && line[paren + 2] == 'T') break;
-    std::this_thread::sleep_for(2ms);
-  }
+  WaitUntilStopped(d.pid());
   Result<engine::DaemonStatus> first = (*c)->GetStatus();
   EXPECT_EQ(first.status().code(), StatusCode::kUnavailable) << first.status();
   EXPECT_NE(first.status().message().find("did not answer"), std::string::npos) << first.status();
