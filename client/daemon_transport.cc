@@ -190,21 +190,16 @@ class DaemonTransport final : public Transport, public ControlTransport {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = jobs_.find(job);
     if (it != jobs_.end() && unit >= 0 && unit < static_cast<int>(it->second.layouts.size())) {
-      // The runner's copies are sized by it: it must be the spec's unit.
+      // The runner's copies are sized by it: it must be the spec's unit's.
       const engine::JobSpec& spec = it->second.spec;
-      uint64_t numel = 0;
-      for (const engine::TensorSpec& t : spec.units[unit].tensors) {
-        uint64_t n = 1;
-        for (const int64_t d : t.shape) n *= static_cast<uint64_t>(d);
-        numel += n;
-      }
-      if (l.numel != numel || l.shard * static_cast<uint64_t>(spec.ranks) != l.padded ||
-          l.offsets.size() != spec.units[unit].tensors.size()) {
+      const engine::UnitLayout want = engine::UnitLayoutOf(spec, unit);
+      if (l.numel != want.numel || l.padded != want.padded || l.shard != want.shard ||
+          l.offsets != want.offsets) {
         return Status::Corruption(
             StrCat("ztierd described unit ", unit, " of job '", spec.name, "' as ", l.numel,
                    " elements in ", l.padded, " (", l.shard, " per rank, ", l.offsets.size(),
-                   " tensors); its spec has ", numel, " elements in ",
-                   spec.units[unit].tensors.size(), " tensors over ", spec.ranks, " ranks"));
+                   " tensors); its spec makes ", want.numel, " in ", want.padded, " (", want.shard,
+                   " per rank, ", want.offsets.size(), " tensors)"));
       }
       it->second.layouts[unit] = l;
     }
@@ -850,8 +845,10 @@ class DaemonTransport final : public Transport, public ControlTransport {
     }
     std::unique_lock<std::mutex> lock(mu_);
     if (!cv_.wait_for(lock, timeout, [&] { return pending->done; })) {
-      if (Result<p::StepWait> w = p::DecodeStepWait(payload);
-          type == p::MessageType::kAcquireParams && w.ok()) {
+      Result<p::StepWait> w = type == p::MessageType::kAcquireParams
+                                  ? p::DecodeStepWait(payload)
+                                  : Result<p::StepWait>(Status::NotFound("not an acquire"));
+      if (w.ok()) {
         pending->release_if_late = std::make_pair(w->job, w->unit);  // kept for its answer
       } else {
         pending_.erase(id);

@@ -595,6 +595,19 @@ Result<std::unique_ptr<Engine>> Engine::Create(const Settings& settings,
   return engine;
 }
 
+UnitLayout UnitLayoutOf(const JobSpec& spec, size_t unit) {
+  UnitLayout l;
+  for (const TensorSpec& t : spec.units[unit].tensors) {
+    uint64_t n = 1;
+    for (int64_t d : t.shape) n *= static_cast<uint64_t>(d);
+    l.offsets.push_back(l.numel);
+    l.numel += n;
+  }
+  l.padded = RoundUp(l.numel, static_cast<uint64_t>(spec.ranks) * kAlignElements);
+  l.shard = l.padded / spec.ranks;
+  return l;
+}
+
 Status CheckName(std::string_view what, std::string_view name, size_t prefix_bytes) {
   if (name.size() > kMaxNameBytes + prefix_bytes) {
     return Status::InvalidArgument(
@@ -800,20 +813,12 @@ Result<int> Engine::RegisterJob(const JobSpec& spec) {
   for (const UnitSpec& us : spec.units) {
     for (const TensorSpec& t : us.tensors) split = split || t.frozen;
   }
-  const uint64_t granule = static_cast<uint64_t>(spec.ranks) * kAlignElements;
   uint64_t job_elements = 0;
   uint64_t zero_elements = 0;  // the largest stateless unit
   for (size_t k = 0; k < spec.units.size(); ++k) {
     const UnitSpec& us = spec.units[k];
     Unit& u = job->units[k];
-    for (const TensorSpec& t : us.tensors) {  // ValidateJobSpec bounded every figure
-      uint64_t n = 1;
-      for (int64_t d : t.shape) n *= static_cast<uint64_t>(d);
-      u.layout.offsets.push_back(u.layout.numel);
-      u.layout.numel += n;
-    }
-    u.layout.padded = RoundUp(u.layout.numel, granule);
-    u.layout.shard = u.layout.padded / spec.ranks;
+    u.layout = UnitLayoutOf(spec, k);  // ValidateJobSpec bounded every figure
     for (size_t t = 0; split && t < us.tensors.size(); ++t) {
       const TensorSpec& ts = us.tensors[t];
       if (!u.runs.empty() && u.runs.back().group == ts.group && u.runs.back().frozen == ts.frozen) {

@@ -85,6 +85,11 @@ namespace ztier::engine {
 // InvalidArgument, naming the job, unit and tensor.
 Status ValidateJobSpec(const JobSpec& spec, size_t name_prefix_bytes = 0);
 
+// Unit `unit`'s layout in a job of `spec` (one ValidateJobSpec passed): its
+// tensors one after the other, padded to ranks x kAlignElements. The
+// engine lays its units out so; a client of ztierd checks what it is told.
+UnitLayout UnitLayoutOf(const JobSpec& spec, size_t unit);
+
 // A name or a text that goes into JSON, logs and onto operators' terminals
 // (a job's name, ztierctl evict's reason): valid UTF-8 of at most
 // kMaxNameBytes (+ `prefix_bytes`), with no control character (C0, DEL or
