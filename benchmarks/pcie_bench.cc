@@ -393,8 +393,8 @@ int RunPcie(int argc, char** argv) {
     device_name = device->name();
     const auto run = [&]() -> Status {
       void* src = const_cast<bf16*>(*published);
-      ZT_RETURN_IF_ERROR(device->RegisterHost(src, o.max_size));
-      ZT_RETURN_IF_ERROR(device->RegisterHost(*inbox, o.max_size));
+      ZT_RETURN_IF_ERROR(device->RegisterHost(src, o.max_size, client::HostAccess::kReadWrite));
+      ZT_RETURN_IF_ERROR(device->RegisterHost(*inbox, o.max_size, client::HostAccess::kReadWrite));
       DeviceBuffer a, b;
       ZT_ASSIGN_OR_RETURN(a.ptr, device->Allocate(o.max_size, client::MemoryPurpose::kParams));
       a.device = device.get();

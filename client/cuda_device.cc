@@ -230,7 +230,7 @@ class CudaDevice final : public Device {
   Status Synchronize(Stream stream) override;
   void* native_stream(Stream stream) const override { return StreamOf(stream); }
 
-  Status RegisterHost(void* ptr, size_t bytes) override;
+  Status RegisterHost(void* ptr, size_t bytes, HostAccess access) override;
   Status UnregisterHost(void* ptr, size_t bytes) override;
 
   void EnableTimeline(bool on) override;
@@ -539,7 +539,7 @@ Status CudaDevice::Synchronize(Stream stream) {
   return Status::Ok();
 }
 
-Status CudaDevice::RegisterHost(void* ptr, size_t bytes) {
+Status CudaDevice::RegisterHost(void* ptr, size_t bytes, HostAccess access) {
   if (bytes == 0) return Status::Ok();
   if (ptr == nullptr) {
     return Status::InvalidArgument(
@@ -551,7 +551,26 @@ Status CudaDevice::RegisterHost(void* ptr, size_t bytes) {
   auto it = HostPins().find(key);
   if (it == HostPins().end()) {
     ZT_RETURN_IF_ERROR(Enter());
-    const cudaError_t err = cudaHostRegister(ptr, bytes, cudaHostRegisterPortable);
+    unsigned flags = cudaHostRegisterPortable;
+    if (access == HostAccess::kReadOnly) {
+      // A PROT_READ mapping (ztierd's sealed publish buffers) is pinned only
+      // with the read-only flag, unless the device reads host memory through
+      // the host's page tables (then it is not needed, and maybe refused).
+      int read_only = 0, host_tables = 0;
+      ZT_CUDA_RETURN_IF_ERROR(
+          cudaDeviceGetAttribute(&read_only, cudaDevAttrHostRegisterReadOnlySupported, ordinal_));
+      ZT_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(
+          &host_tables, cudaDevAttrPageableMemoryAccessUsesHostPageTables, ordinal_));
+      if (read_only != 0) {
+        flags |= cudaHostRegisterReadOnly;
+      } else if (host_tables == 0) {
+        return Status::FailedPrecondition(StrCat(
+            name_, ": cannot pin ", bytes, " B of read-only host memory at ", ptr,
+            ": this device supports neither cudaHostRegisterReadOnly nor host page tables "
+            "(a driver too old for the daemon's sealed buffers; run the engine embedded)"));
+      }
+    }
+    const cudaError_t err = cudaHostRegister(ptr, bytes, flags);
     bool ours = true;
     if (err == cudaErrorHostMemoryAlreadyRegistered) {
       // Pinned already by someone else (the caller, or a range that

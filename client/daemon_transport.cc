@@ -401,7 +401,7 @@ class DaemonTransport final : public Transport, public ControlTransport {
     return Status::Ok();
   }
 
-  int64_t PublishedStep(int job, int unit) override {
+  Result<int64_t> PublishedStep(int job, int unit) override {
     {
       std::lock_guard<std::mutex> lock(mu_);
       auto j = jobs_.find(job);
@@ -412,7 +412,7 @@ class DaemonTransport final : public Transport, public ControlTransport {
     return StepQuery(p::MessageType::kPublishedStep,
                      p::Encode(p::UnitRef{.job = job, .unit = unit}));
   }
-  int64_t TargetStep(int job) override {
+  Result<int64_t> TargetStep(int job) override {
     return StepQuery(p::MessageType::kTargetStep, p::Encode(p::JobRef{.job = job}));
   }
 
@@ -518,13 +518,18 @@ class DaemonTransport final : public Transport, public ControlTransport {
     return {};
   }
 
-  std::vector<std::pair<void*, uint64_t>> PinnedRegions(int job) override {
-    std::vector<std::pair<void*, uint64_t>> out;
+  std::vector<HostRegion> PinnedRegions(int job) override {
+    std::vector<HostRegion> out;
     std::lock_guard<std::mutex> lock(mu_);
     auto it = jobs_.find(job);
     if (it == jobs_.end()) return out;
     for (const auto& [index, region] : it->second.regions) {
-      out.emplace_back(region.mapping.data(), region.mapping.bytes());
+      // Mapped as ztierd shares it: publish buffers and the param cache
+      // PROT_READ (sealed), the grad inbox read-write.
+      out.push_back({.base = region.mapping.data(),
+                     .bytes = region.mapping.bytes(),
+                     .access = region.access == RegionAccess::kReadWrite ? HostAccess::kReadWrite
+                                                                         : HostAccess::kReadOnly});
     }
     return out;
   }
@@ -659,11 +664,10 @@ class DaemonTransport final : public Transport, public ControlTransport {
     return d;
   }
 
-  int64_t StepQuery(p::MessageType type, std::string payload) {
-    Result<Reply> r = Call(type, std::move(payload), {}, call_timeout_);
-    if (!r.ok()) return -1;
-    Result<p::StepValue> v = p::DecodeStepValue(r->payload);
-    return v.ok() ? v->step : -1;
+  Result<int64_t> StepQuery(p::MessageType type, std::string payload) {
+    ZT_ASSIGN_OR_RETURN(Reply r, Call(type, std::move(payload), {}, call_timeout_));
+    ZT_ASSIGN_OR_RETURN(p::StepValue v, p::DecodeStepValue(r.payload));
+    return v.step;
   }
 
   // Registers or attaches `spec` (the request `bytes`) and maps the job.

@@ -86,8 +86,8 @@ class EmbeddedTransport final : public Transport {
                        std::chrono::milliseconds timeout) override {
     return e_->WaitPublished(job, unit, step, timeout);
   }
-  int64_t PublishedStep(int job, int unit) override { return e_->PublishedStep(job, unit); }
-  int64_t TargetStep(int job) override { return e_->TargetStep(job); }
+  Result<int64_t> PublishedStep(int job, int unit) override { return e_->PublishedStep(job, unit); }
+  Result<int64_t> TargetStep(int job) override { return e_->TargetStep(job); }
   Status ClaimCheckpointDir(int job, const std::string& dir) override {
     return e_->ClaimCheckpointDir(job, dir);
   }
@@ -105,8 +105,13 @@ class EmbeddedTransport final : public Transport {
   }
   engine::JobCounters Counters(int job) override { return e_->counters(job); }
   engine::DramPoolStats PoolStats() override { return e_->pool_stats(); }
-  std::vector<std::pair<void*, uint64_t>> PinnedRegions(int job) override {
-    return e_->PinnedRegions(job);
+  std::vector<HostRegion> PinnedRegions(int job) override {
+    // The engine's own mappings, in this process: read-write.
+    std::vector<HostRegion> out;
+    for (const auto& [base, bytes] : e_->PinnedRegions(job)) {
+      out.push_back({.base = base, .bytes = bytes, .access = HostAccess::kReadWrite});
+    }
+    return out;
   }
 
  private:

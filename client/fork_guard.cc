@@ -97,10 +97,14 @@ class ForkSafeTransport final : public Transport {
     ZT_RETURN_IF_ERROR(owner_.Check("waiting for a step"));
     return inner_->WaitPublished(job, unit, step, timeout);
   }
-  int64_t PublishedStep(int job, int unit) override {
-    return owner_.forked() ? -1 : inner_->PublishedStep(job, unit);
+  Result<int64_t> PublishedStep(int job, int unit) override {
+    ZT_RETURN_IF_ERROR(owner_.Check("reading a unit's step"));
+    return inner_->PublishedStep(job, unit);
   }
-  int64_t TargetStep(int job) override { return owner_.forked() ? -1 : inner_->TargetStep(job); }
+  Result<int64_t> TargetStep(int job) override {
+    ZT_RETURN_IF_ERROR(owner_.Check("reading the job's step"));
+    return inner_->TargetStep(job);
+  }
   Status ClaimCheckpointDir(int job, const std::string& dir) override {
     ZT_RETURN_IF_ERROR(owner_.Check("claiming a checkpoint directory"));
     return inner_->ClaimCheckpointDir(job, dir);
@@ -127,7 +131,7 @@ class ForkSafeTransport final : public Transport {
   engine::DramPoolStats PoolStats() override {
     return owner_.forked() ? engine::DramPoolStats{} : inner_->PoolStats();
   }
-  std::vector<std::pair<void*, uint64_t>> PinnedRegions(int job) override {
+  std::vector<HostRegion> PinnedRegions(int job) override {
     if (owner_.forked()) return {};
     return inner_->PinnedRegions(job);
   }

@@ -17,6 +17,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <charconv>
 #include <condition_variable>
 #include <cstdlib>
 #include <cstring>
@@ -29,12 +30,45 @@
 #include "client/transport.h"
 #include "client/ztier.h"
 #include "common/crc32c.h"
+#include "common/file_util.h"
 #include "common/thread.h"
 
 namespace ztier::client {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+
+// Whether every page of [ptr, ptr + bytes) is mapped writable in this
+// process, from /proc/self/maps; InvalidArgument where part of it is not
+// mapped at all.
+Result<bool> MappedWritable(const void* ptr, size_t bytes) {
+  ZT_ASSIGN_OR_RETURN(std::string maps, ReadFileToString("/proc/self/maps"));
+  uintptr_t at = reinterpret_cast<uintptr_t>(ptr);
+  const uintptr_t end = at + bytes;
+  std::string_view rest = maps;
+  while (!rest.empty() && at < end) {
+    const size_t eol = std::min(rest.find('\n'), rest.size());
+    const std::string_view line = rest.substr(0, eol);
+    rest.remove_prefix(std::min(eol + 1, rest.size()));
+    // "start-end perms offset dev inode path", addresses in hex, sorted.
+    uintptr_t lo = 0, hi = 0;
+    const char* p = line.data();
+    const char* stop = p + line.size();
+    auto [dash, e1] = std::from_chars(p, stop, lo, 16);
+    if (e1 != std::errc() || dash == stop || *dash != '-') continue;
+    auto [space, e2] = std::from_chars(dash + 1, stop, hi, 16);
+    if (e2 != std::errc() || stop - space < 3) continue;
+    if (hi <= at) continue;
+    if (lo > at) break;  // a hole
+    if (space[2] != 'w') return false;
+    at = hi;
+  }
+  if (at < end) {
+    return Status::InvalidArgument(StrCat("host device: RegisterHost of ", bytes, " B at ", ptr,
+                                          ": the range is not all mapped"));
+  }
+  return true;
+}
 
 // Completion flag shared by an event and the copy-thread task that sets it.
 struct EventState {
@@ -220,7 +254,24 @@ class HostDevice final : public Device {
   }
 
   void* native_stream(Stream) const override { return nullptr; }
-  Status RegisterHost(void*, size_t) override { return Status::Ok(); }
+  Status RegisterHost(void* ptr, size_t bytes, HostAccess access) override {
+    if (bytes == 0) return Status::Ok();
+    if (ptr == nullptr) {
+      return Status::InvalidArgument(StrCat("host device: RegisterHost of a null pointer (", bytes,
+                                            " B)"));
+    }
+    if (access == HostAccess::kReadOnly) return Status::Ok();
+    // As CUDA: a read-only mapping pinned without cudaHostRegisterReadOnly
+    // is refused, so the runner's registrations are checked on CPU too.
+    ZT_ASSIGN_OR_RETURN(bool writable, MappedWritable(ptr, bytes));
+    if (!writable) {
+      return Status::InvalidArgument(
+          StrCat("host device: RegisterHost of ", bytes, " B at ", ptr,
+                 " for read-write access, but the range is mapped read-only (register it "
+                 "with HostAccess::kReadOnly)"));
+    }
+    return Status::Ok();
+  }
   Status UnregisterHost(void*, size_t) override { return Status::Ok(); }
 
   void EnableTimeline(bool on) override {

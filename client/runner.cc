@@ -312,7 +312,7 @@ struct Stage3Runner::Impl {
         p = &next.parts[0];
       }
       if (!SmallPush(bytes(*p)) || span + PageRound(bytes(*p)) > staging_bytes ||
-          !p->ready->Done() || transport->PublishedStep(job, p->unit) < t.version) {
+          !p->ready->Done() || !Published(p->unit, t.version)) {
         return;
       }
       span += PageRound(bytes(*p));
@@ -360,6 +360,13 @@ struct Stage3Runner::Impl {
     stats.wait_h2d_seconds += by_phase[static_cast<int>(Phase::kHostToDevice)];
     stats.wait_d2h_seconds += by_phase[static_cast<int>(Phase::kDeviceToHost)];
     stats.wait_collective_seconds += by_phase[static_cast<int>(Phase::kCollective)];
+  }
+
+  // Whether the engine has published `unit` at `version` already (an error
+  // asking is a no: the acquire that waits for it then says what it is).
+  bool Published(int unit, int64_t version) {
+    Result<int64_t> step = transport->PublishedStep(job, unit);
+    return step.ok() && *step >= version;
   }
 
   Status failure_snapshot() {
@@ -502,7 +509,7 @@ struct Stage3Runner::Impl {
       Status s;
       for (size_t i = next; i < t.parts.size(); ++i) {
         const int unit = t.parts[i].unit;
-        if (i > next && transport->PublishedStep(job, unit) < t.version) break;
+        if (i > next && !Published(unit, t.version)) break;
         Result<const bf16*> h = transport->AcquireParams(job, unit, t.version, options.timeout);
         if (!h.ok()) {
           s = h.status();
@@ -1178,15 +1185,16 @@ Result<std::unique_ptr<Stage3Runner>> Stage3Runner::Create(Model& model, int ran
     }
     ZT_ASSIGN_OR_RETURN(u.inbox, r.transport->GradInbox(r.job, k, rank));
     max_shard = std::max(max_shard, l.shard);
-    int64_t published = r.transport->PublishedStep(r.job, k);
-    if (published < 0 && model.attached_rank() >= 0) {
+    Result<int64_t> published = r.transport->PublishedStep(r.job, k);
+    if (published.ok() && *published < 0 && model.attached_rank() >= 0) {
       // A rank in another process starts beside rank 0, which sets the
       // weights: wait for them (as long as a transfer may wait).
       ZT_RETURN_IF_ERROR(r.transport->WaitPublished(r.job, k, 0, options.timeout)
                              .Annotate(StrCat(who, ": waiting for rank 0 to set the weights")));
       published = r.transport->PublishedStep(r.job, k);
     }
-    if (published < 0) {
+    if (!published.ok()) return published.status().Annotate(who);
+    if (*published < 0) {
       return Status::FailedPrecondition(
           StrCat(who, ": unit '", u.name,
                  "' has no weights yet; set them (SetWeights, ImportSafetensors or "
@@ -1199,15 +1207,17 @@ Result<std::unique_ptr<Stage3Runner>> Stage3Runner::Create(Model& model, int ran
   // order): this runner reads the step the engine is heading to. (The lowest
   // published step would copy params the optimizer is rewriting and push
   // grads into an inbox it still reads.)
-  r.version = r.transport->TargetStep(r.job);
+  Result<int64_t> target = r.transport->TargetStep(r.job);
+  if (!target.ok()) return target.status().Annotate(who);
+  r.version = *target;
   if (r.version < 0) {
     return Status::FailedPrecondition(StrCat(who, ": the job is gone or has no weights"));
   }
   // The job's regions, for DMA; unregistered when the runner goes (before
   // the job, which unmaps them).
-  for (const auto& [base, bytes] : r.transport->PinnedRegions(r.job)) {
-    ZT_RETURN_IF_ERROR(device.RegisterHost(base, bytes));
-    r.host_ranges.emplace_back(base, bytes);
+  for (const HostRegion& region : r.transport->PinnedRegions(r.job)) {
+    ZT_RETURN_IF_ERROR(device.RegisterHost(region.base, region.bytes, region.access));
+    r.host_ranges.emplace_back(region.base, region.bytes);
   }
   if (r.world > 1) {
     ZT_ASSIGN_OR_RETURN(r.shard_buffer,

@@ -185,7 +185,10 @@ Status Model::ReadMaster(int unit, std::vector<float>* master) const {
 
 int64_t Model::published_step() const {
   int64_t step = INT64_MAX;
-  for (int u = 0; u < units(); ++u) step = std::min(step, transport_->PublishedStep(job_, u));
+  for (int u = 0; u < units(); ++u) {
+    Result<int64_t> s = transport_->PublishedStep(job_, u);
+    step = std::min(step, s.ok() ? *s : -1);
+  }
   return step;
 }
 

@@ -18,6 +18,7 @@
 #include <utility>
 #include <vector>
 
+#include "client/ztier.h"
 #include "common/bf16.h"
 #include "common/status.h"
 #include "engine/wire_types.h"
@@ -30,6 +31,13 @@ class IoBackend;
 }
 
 namespace ztier::client {
+
+// One of a job's host regions as this process maps it.
+struct HostRegion {
+  void* base = nullptr;
+  uint64_t bytes = 0;
+  HostAccess access = HostAccess::kReadWrite;
+};
 
 class Transport {
  public:
@@ -74,8 +82,11 @@ class Transport {
   virtual Status ReleaseParams(int job, int unit) = 0;
   virtual Status WaitPublished(int job, int unit, int64_t step,
                                std::chrono::milliseconds timeout) = 0;
-  virtual int64_t PublishedStep(int job, int unit) = 0;
-  virtual int64_t TargetStep(int job) = 0;  // engine::Engine::TargetStep
+  // The step unit `unit` holds (-1: no weights yet) and the step the job is
+  // heading to (engine::Engine::PublishedStep, TargetStep); an error where
+  // the engine cannot be asked (ztierd gone or silent, a forked child).
+  virtual Result<int64_t> PublishedStep(int job, int unit) = 0;
+  virtual Result<int64_t> TargetStep(int job) = 0;
 
   virtual Status ClaimCheckpointDir(int job, const std::string& dir) = 0;
   virtual Status SaveCheckpoint(int job, const std::string& dir) = 0;
@@ -84,9 +95,10 @@ class Transport {
   virtual Status ImportSafetensors(int job, const std::string& path) = 0;
   virtual engine::JobCounters Counters(int job) = 0;
   virtual engine::DramPoolStats PoolStats() = 0;
-  // The job's host memory regions, for the client's device to register for
-  // DMA (and unregister before the job goes): engine::Engine::PinnedRegions.
-  virtual std::vector<std::pair<void*, uint64_t>> PinnedRegions(int job) = 0;
+  // The job's host memory regions as this process maps them, for the
+  // client's device to register for DMA (and unregister before the job
+  // goes): engine::Engine::PinnedRegions, each with its access here.
+  virtual std::vector<HostRegion> PinnedRegions(int job) = 0;
   // Rank `rank`'s words of the job's client page (engine::Engine::
   // ClientCounters): where its runner counts the bytes it copies between
   // its device and the engine (relaxed atomic adds). Valid while the job is

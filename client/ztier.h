@@ -79,6 +79,12 @@ struct TimelineSpan {
   std::chrono::steady_clock::time_point start, end;
 };
 
+// What the process may do to a host range it registers for DMA: a mapping
+// made PROT_READ (ztierd's publish buffers and param cache, sealed against
+// writes) is kReadOnly, and must be registered so (CUDA refuses to pin a
+// read-only mapping without cudaHostRegisterReadOnly).
+enum class HostAccess : uint8_t { kReadWrite, kReadOnly };
+
 class Device {
  public:
   virtual ~Device() = default;
@@ -111,12 +117,15 @@ class Device {
   // for kernels launched by the caller.
   virtual void* native_stream(Stream stream) const = 0;
 
-  // Page-locks a host range for DMA (cudaHostRegister). Counted per range:
+  // Page-locks a host range for DMA (cudaHostRegister; with kReadOnly,
+  // cudaHostRegisterReadOnly: the device only reads it). Counted per range:
   // registering a range again is cheap, and each registration is undone by
   // one UnregisterHost; the last one unregisters it (cudaHostUnregister),
-  // which must happen before the range is unmapped. No-ops on the host
-  // backend. UnregisterHost errors: InvalidArgument (not registered).
-  virtual Status RegisterHost(void* ptr, size_t bytes) = 0;
+  // which must happen before the range is unmapped. The host backend pins
+  // nothing, but checks `access` as CUDA does. RegisterHost errors:
+  // InvalidArgument (null, or kReadWrite for a range not mapped writable),
+  // the device's. UnregisterHost errors: InvalidArgument (not registered).
+  virtual Status RegisterHost(void* ptr, size_t bytes, HostAccess access) = 0;
   virtual Status UnregisterHost(void* ptr, size_t bytes) = 0;
 
   // Timeline of spans (host backend: every copy-stream operation; both
@@ -386,7 +395,8 @@ class Model {
   // tests and inspection, between steps.
   Status ReadMaster(int unit, std::vector<float>* master) const;
   // Optimizer steps the engine has published for every unit (the version a
-  // new forward pass reads).
+  // new forward pass reads); -1 while some unit has no weights, or when the
+  // engine cannot be asked (ztierd gone, or not answering).
   int64_t published_step() const;
   // Waits until every unit holds step >= `step` (the optimizer has finished
   // it). Errors: Unavailable on timeout, Aborted if the job failed,

@@ -1,6 +1,7 @@
 // The host device backend: memory accounting per purpose, ordered copies on
 // the copy thread, events and stream waits, and the timeline.
 #include <gtest/gtest.h>
+#include <sys/mman.h>
 
 #include <algorithm>
 #include <atomic>
@@ -34,6 +35,34 @@ TEST(HostDeviceTest, AccountsMemoryPerPurpose) {
   d.Free(*g);
   d.Free(nullptr);
   EXPECT_EQ(d.memory(MemoryPurpose::kParams).bytes, 0u);
+}
+
+// As CUDA: a range mapped PROT_READ (ztierd's sealed publish buffers) is
+// registered read-only; asked for read-write, it is refused (cudaHostRegister
+// fails so without cudaHostRegisterReadOnly, and the runner asked so).
+TEST(HostDeviceTest, ARangeMappedReadOnlyIsRegisteredReadOnly) {
+  auto dev = MakeHostDevice();
+  ASSERT_TRUE(dev.ok()) << dev.status();
+  const size_t n = 3 * 4096;
+  void* m = ::mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  ASSERT_NE(m, MAP_FAILED);
+  auto* bytes = static_cast<uint8_t*>(m);
+  EXPECT_TRUE((*dev)->RegisterHost(m, n, HostAccess::kReadWrite).ok());
+  // The last page read-only: the range is not all writable.
+  ASSERT_EQ(::mprotect(bytes + 2 * 4096, 4096, PROT_READ), 0);
+  Status s = (*dev)->RegisterHost(m, n, HostAccess::kReadWrite);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s;
+  EXPECT_NE(s.message().find("HostAccess::kReadOnly"), std::string::npos) << s;
+  EXPECT_TRUE((*dev)->RegisterHost(m, n, HostAccess::kReadOnly).ok());
+  EXPECT_TRUE((*dev)->RegisterHost(m, 2 * 4096, HostAccess::kReadWrite).ok());
+  // Past the mapping's end: not mapped at all.
+  ASSERT_EQ(::munmap(bytes + 2 * 4096, 4096), 0);
+  s = (*dev)->RegisterHost(m, n, HostAccess::kReadWrite);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s;
+  EXPECT_NE(s.message().find("not all mapped"), std::string::npos) << s;
+  EXPECT_EQ((*dev)->RegisterHost(nullptr, 64, HostAccess::kReadOnly).code(),
+            StatusCode::kInvalidArgument);
+  ::munmap(m, 2 * 4096);
 }
 
 // A size within 255 bytes of SIZE_MAX, rounded up to 256, wrapped to 0:

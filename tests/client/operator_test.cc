@@ -482,6 +482,39 @@ TEST(OperatorTest, ALeaseALateAcquireBringsIsGivenBack) {
   EXPECT_TRUE((*t)->UnregisterJob(*job).ok());
 }
 
+// The step queries said -1 for any error, so a runner made while ztierd
+// was silent said the job "has no weights yet; set them".
+TEST(OperatorTest, AStepQueryZtierdLeavesUnansweredSaysSo) {
+  ZtierdProcess d(ZTIERD_BINARY, {});
+  Result<std::shared_ptr<client::Transport>> t = client::MakeDaemonTransport(d.socket(), 300ms);
+  ASSERT_TRUE(t.ok()) << t.status() << d.log();
+  engine::JobSpec spec;
+  spec.name = "asked";
+  spec.units.push_back({.name = "u0", .tensors = {{.name = "u0.w", .shape = {4096}}}});
+  Result<int> job = (*t)->RegisterJob(spec);
+  ASSERT_TRUE(job.ok()) << job.status();
+  Result<int64_t> none = (*t)->TargetStep(*job);
+  ASSERT_TRUE(none.ok()) << none.status();
+  EXPECT_EQ(*none, -1);  // no weights yet: a value, not an error
+  std::vector<float> w(4096, 0.5f);
+  ASSERT_TRUE((*t)->WriteWeights(*job, 0, w.data(), w.size()).ok());
+  ASSERT_EQ(::kill(d.pid(), SIGSTOP), 0);
+  WaitUntilStopped(d.pid());
+  Result<int64_t> target = (*t)->TargetStep(*job);
+  EXPECT_EQ(target.status().code(), StatusCode::kUnavailable) << target.status();
+  EXPECT_NE(target.status().message().find("did not answer"), std::string::npos)
+      << target.status();
+  ASSERT_EQ(::kill(d.pid(), SIGCONT), 0);
+  Result<int64_t> again = Status::Unavailable("not yet");
+  for (int i = 0; i < 100 && !again.ok(); ++i) {
+    std::this_thread::sleep_for(20ms);
+    again = (*t)->TargetStep(*job);
+  }
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(*again, 0);
+  EXPECT_TRUE((*t)->UnregisterJob(*job).ok());
+}
+
 // A wait "for ever" (milliseconds::max(): the C ABI's INT64_MAX) worked
 // embedded and failed through ztierd: the daemon refuses waits over a week
 // (Corruption), and timeout + the call's margin overflowed.

@@ -1379,8 +1379,8 @@ TEST(RunnerTest, ARunnerMadeWhileAStepRunsReadsThatStep) {
     ASSERT_TRUE(runner.ok()) << runner.status();
     int64_t low = INT64_MAX, high = -1;
     for (int k = 0; k < 3; ++k) {
-      low = std::min(low, t.PublishedStep(job, k));
-      high = std::max(high, t.PublishedStep(job, k));
+      low = std::min(low, t.PublishedStep(job, k).value());
+      high = std::max(high, t.PublishedStep(job, k).value());
     }
     in_flight += low < high;
     const int64_t version = (*runner)->version();
@@ -1392,7 +1392,7 @@ TEST(RunnerTest, ARunnerMadeWhileAStepRunsReadsThatStep) {
     // Once the engine is done every unit holds exactly the runner's step.
     for (int k = 0; k < 3; ++k) {
       ASSERT_TRUE(t.WaitPublished(job, k, version, std::chrono::seconds(30)).ok());
-      EXPECT_EQ(t.PublishedStep(job, k), version) << "round " << round << ", unit " << k;
+      EXPECT_EQ(t.PublishedStep(job, k).value(), version) << "round " << round << ", unit " << k;
     }
     const Status st = MicroStep(**runner, {}, 3);
     ASSERT_TRUE(st.ok()) << "round " << round << ": " << st;
@@ -1427,7 +1427,7 @@ TEST(RunnerTest, ACoalescedFetchNeverWaitsForALaterUnit) {
     // Step() has queued the fetch of all three units at this version.
     const int64_t version = (*runner)->version();
     ASSERT_TRUE((*runner)->Acquire(0).ok());
-    early += t.PublishedStep(job, 2) < version;
+    early += t.PublishedStep(job, 2).value() < version;
     ASSERT_TRUE((*runner)->Release(0).ok());
     for (int k : {1, 2}) {
       ASSERT_TRUE((*runner)->Acquire(k).ok());

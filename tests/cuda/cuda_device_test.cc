@@ -15,6 +15,8 @@
 
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include "client/ztier.h"
 
@@ -159,8 +161,8 @@ TEST_F(CudaDeviceTest, RoundTripOnBothStreamsWithEvents) {
     const Stream down = up == Stream::kCopy ? Stream::kCompute : Stream::kCopy;
     std::vector<uint8_t>& src = RandomHost(n, up == Stream::kCopy ? 1 : 2);
     std::vector<uint8_t>& dst = Host(n, 0);
-    ASSERT_TRUE(device_->RegisterHost(src.data(), n).ok());
-    ASSERT_TRUE(device_->RegisterHost(dst.data(), n).ok());
+    ASSERT_TRUE(device_->RegisterHost(src.data(), n, HostAccess::kReadWrite).ok());
+    ASSERT_TRUE(device_->RegisterHost(dst.data(), n, HostAccess::kReadWrite).ok());
     Buffer buf(device_.get(), Alloc(n));
     ASSERT_NE(buf.ptr, nullptr);
 
@@ -186,8 +188,8 @@ TEST_F(CudaDeviceTest, StreamWaitOrdersWorkAcrossStreams) {
   const size_t n = size_t{64} << 20;
   std::vector<uint8_t>& src = Host(n, 0x22);
   std::vector<uint8_t>& dst = Host(n, 0);
-  ASSERT_TRUE(device_->RegisterHost(src.data(), n).ok());
-  ASSERT_TRUE(device_->RegisterHost(dst.data(), n).ok());
+  ASSERT_TRUE(device_->RegisterHost(src.data(), n, HostAccess::kReadWrite).ok());
+  ASSERT_TRUE(device_->RegisterHost(dst.data(), n, HostAccess::kReadWrite).ok());
   Buffer buf(device_.get(), Alloc(n));
   ASSERT_NE(buf.ptr, nullptr);
   for (int round = 0; round < 3; ++round) {
@@ -213,8 +215,8 @@ TEST_F(CudaDeviceTest, FreeIsOrderedAfterQueuedWork) {
   const size_t n = size_t{32} << 20;
   std::vector<uint8_t>& host = Host(n, 0x5a);
   std::vector<uint8_t>& back = Host(n, 0);
-  ASSERT_TRUE(device_->RegisterHost(host.data(), n).ok());
-  ASSERT_TRUE(device_->RegisterHost(back.data(), n).ok());
+  ASSERT_TRUE(device_->RegisterHost(host.data(), n, HostAccess::kReadWrite).ok());
+  ASSERT_TRUE(device_->RegisterHost(back.data(), n, HostAccess::kReadWrite).ok());
   for (int i = 0; i < 8; ++i) {
     void* p = Alloc(n, MemoryPurpose::kParams);
     ASSERT_NE(p, nullptr);
@@ -235,21 +237,49 @@ TEST_F(CudaDeviceTest, RegisterHostIsIdempotent) {
   const size_t n = size_t{4} << 20;
   std::vector<uint8_t>& host = RandomHost(n, 7);
   std::vector<uint8_t>& back = Host(n, 0);
-  Status s = device_->RegisterHost(host.data(), n);
+  Status s = device_->RegisterHost(host.data(), n, HostAccess::kReadWrite);
   ASSERT_TRUE(s.ok()) << s;
-  s = device_->RegisterHost(host.data(), n);
+  s = device_->RegisterHost(host.data(), n, HostAccess::kReadWrite);
   EXPECT_TRUE(s.ok()) << s;
   // A range inside one already registered is pinned already: tolerated.
-  s = device_->RegisterHost(host.data() + 4096, n / 2);
+  s = device_->RegisterHost(host.data() + 4096, n / 2, HostAccess::kReadWrite);
   EXPECT_TRUE(s.ok()) << s;
-  EXPECT_TRUE(device_->RegisterHost(host.data(), 0).ok());
-  EXPECT_EQ(device_->RegisterHost(nullptr, 64).code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(device_->RegisterHost(host.data(), 0, HostAccess::kReadWrite).ok());
+  EXPECT_EQ(device_->RegisterHost(nullptr, 64, HostAccess::kReadWrite).code(), StatusCode::kInvalidArgument);
 
   Buffer buf(device_.get(), Alloc(n));
   ASSERT_TRUE(device_->CopyToDevice(buf.ptr, host.data(), n, Stream::kCopy).ok());
   ASSERT_TRUE(device_->CopyToHost(back.data(), buf.ptr, n, Stream::kCopy).ok());
   ASSERT_TRUE(device_->Synchronize(Stream::kCopy).ok());
   EXPECT_TRUE(host == back);
+}
+
+// ztierd's publish buffers are a sealed memfd the client maps PROT_READ:
+// pinned without cudaHostRegisterReadOnly, every runner through ztierd
+// failed to start on a GPU.
+TEST_F(CudaDeviceTest, AReadOnlyMappingIsPinnedAndCopiedFrom) {
+  const size_t n = size_t{2} << 20;
+  const int fd = ::memfd_create("ztier-ro-test", MFD_CLOEXEC);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(::ftruncate(fd, static_cast<off_t>(n)), 0);
+  void* w = ::mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  void* r = ::mmap(nullptr, n, PROT_READ, MAP_SHARED, fd, 0);
+  ::close(fd);
+  ASSERT_NE(w, MAP_FAILED);
+  ASSERT_NE(r, MAP_FAILED);
+  std::vector<uint8_t>& want = RandomHost(n, 11);
+  std::memcpy(w, want.data(), n);
+  std::vector<uint8_t>& back = Host(n, 0);
+  Status s = device_->RegisterHost(r, n, HostAccess::kReadOnly);
+  ASSERT_TRUE(s.ok()) << s;
+  Buffer buf(device_.get(), Alloc(n));
+  ASSERT_TRUE(device_->CopyToDevice(buf.ptr, r, n, Stream::kCopy).ok());
+  ASSERT_TRUE(device_->CopyToHost(back.data(), buf.ptr, n, Stream::kCopy).ok());
+  ASSERT_TRUE(device_->Synchronize(Stream::kCopy).ok());
+  EXPECT_TRUE(want == back);
+  EXPECT_TRUE(device_->UnregisterHost(r, n).ok());
+  ::munmap(r, n);
+  ::munmap(w, n);
 }
 
 // Registrations are counted: the last UnregisterHost unpins the range (a
@@ -259,8 +289,8 @@ TEST_F(CudaDeviceTest, UnregisterHostUndoesOneRegistrationAtATime) {
   const size_t n = size_t{1} << 20;
   std::vector<uint8_t>& host = Host(n, 3);
   unsigned flags = 0;
-  ASSERT_TRUE(device_->RegisterHost(host.data(), n).ok());
-  ASSERT_TRUE(device_->RegisterHost(host.data(), n).ok());
+  ASSERT_TRUE(device_->RegisterHost(host.data(), n, HostAccess::kReadWrite).ok());
+  ASSERT_TRUE(device_->RegisterHost(host.data(), n, HostAccess::kReadWrite).ok());
   ASSERT_TRUE(device_->UnregisterHost(host.data(), n).ok());
   EXPECT_EQ(cudaHostGetFlags(&flags, host.data()), cudaSuccess) << "unpinned while still held";
   ASSERT_TRUE(device_->UnregisterHost(host.data(), n).ok());
@@ -279,12 +309,12 @@ TEST_F(CudaDeviceTest, RegisterHostSharedBetweenDeviceObjects) {
   unsigned flags = 0;
   Result<std::unique_ptr<Device>> other = MakeCudaDevice(0);
   ASSERT_TRUE(other.ok()) << other.status();
-  EXPECT_TRUE(device_->RegisterHost(host.data(), n).ok());
-  Status s = (*other)->RegisterHost(host.data(), n);
+  EXPECT_TRUE(device_->RegisterHost(host.data(), n, HostAccess::kReadWrite).ok());
+  Status s = (*other)->RegisterHost(host.data(), n, HostAccess::kReadWrite);
   EXPECT_TRUE(s.ok()) << s;
   ASSERT_TRUE(device_->UnregisterHost(host.data(), n).ok());
   EXPECT_EQ(cudaHostGetFlags(&flags, host.data()), cudaSuccess) << "unpinned under the other";
-  ASSERT_TRUE(device_->RegisterHost(host.data(), n).ok());
+  ASSERT_TRUE(device_->RegisterHost(host.data(), n, HostAccess::kReadWrite).ok());
   other->reset();
   EXPECT_EQ(cudaHostGetFlags(&flags, host.data()), cudaSuccess) << "unpinned under this one";
   ASSERT_TRUE(device_->UnregisterHost(host.data(), n).ok());
