@@ -564,10 +564,10 @@ Status CudaDevice::RegisterHost(void* ptr, size_t bytes, HostAccess access) {
       if (read_only != 0) {
         flags |= cudaHostRegisterReadOnly;
       } else if (host_tables == 0) {
-        return Status::FailedPrecondition(StrCat(
-            name_, ": cannot pin ", bytes, " B of read-only host memory at ", ptr,
-            ": this device supports neither cudaHostRegisterReadOnly nor host page tables "
-            "(a driver too old for the daemon's sealed buffers; run the engine embedded)"));
+        return Status::FailedPrecondition(
+            StrCat(name_, ": cannot pin ", bytes, " B of read-only host memory at ", ptr,
+                   ": this device supports neither cudaHostRegisterReadOnly nor host page tables "
+                   "(a driver too old for the daemon's sealed buffers; run the engine embedded)"));
       }
     }
     const cudaError_t err = cudaHostRegister(ptr, bytes, flags);

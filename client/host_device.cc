@@ -257,8 +257,8 @@ class HostDevice final : public Device {
   Status RegisterHost(void* ptr, size_t bytes, HostAccess access) override {
     if (bytes == 0) return Status::Ok();
     if (ptr == nullptr) {
-      return Status::InvalidArgument(StrCat("host device: RegisterHost of a null pointer (", bytes,
-                                            " B)"));
+      return Status::InvalidArgument(
+          StrCat("host device: RegisterHost of a null pointer (", bytes, " B)"));
     }
     if (access == HostAccess::kReadOnly) return Status::Ok();
     // As CUDA: a read-only mapping pinned without cudaHostRegisterReadOnly

@@ -502,8 +502,7 @@ TEST(OperatorTest, AStepQueryZtierdLeavesUnansweredSaysSo) {
   WaitUntilStopped(d.pid());
   Result<int64_t> target = (*t)->TargetStep(*job);
   EXPECT_EQ(target.status().code(), StatusCode::kUnavailable) << target.status();
-  EXPECT_NE(target.status().message().find("did not answer"), std::string::npos)
-      << target.status();
+  EXPECT_NE(target.status().message().find("did not answer"), std::string::npos) << target.status();
   ASSERT_EQ(::kill(d.pid(), SIGCONT), 0);
   Result<int64_t> again = Status::Unavailable("not yet");
   for (int i = 0; i < 100 && !again.ok(); ++i) {

@@ -245,7 +245,8 @@ TEST_F(CudaDeviceTest, RegisterHostIsIdempotent) {
   s = device_->RegisterHost(host.data() + 4096, n / 2, HostAccess::kReadWrite);
   EXPECT_TRUE(s.ok()) << s;
   EXPECT_TRUE(device_->RegisterHost(host.data(), 0, HostAccess::kReadWrite).ok());
-  EXPECT_EQ(device_->RegisterHost(nullptr, 64, HostAccess::kReadWrite).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(device_->RegisterHost(nullptr, 64, HostAccess::kReadWrite).code(),
+            StatusCode::kInvalidArgument);
 
   Buffer buf(device_.get(), Alloc(n));
   ASSERT_TRUE(device_->CopyToDevice(buf.ptr, host.data(), n, Stream::kCopy).ok());

@@ -45,7 +45,8 @@ Status RunRank(Device& device, Collectives& coll, size_t shard, std::vector<bf16
                std::string* failure) {
   const int R = coll.world_size(), r = coll.rank();
   const size_t total = shard * R;
-  ZT_RETURN_IF_ERROR(device.RegisterHost(host.data(), total * sizeof(bf16), client::HostAccess::kReadWrite));
+  ZT_RETURN_IF_ERROR(
+      device.RegisterHost(host.data(), total * sizeof(bf16), client::HostAccess::kReadWrite));
 
   // All-gather in place: only this rank's shard is filled in.
   ZT_ASSIGN_OR_RETURN(void* gathered,
