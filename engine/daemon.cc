@@ -694,6 +694,12 @@ class Daemon::Impl::Connection {
     p::Header header;
     std::string payload;
     std::vector<UniqueFd> fds;
+    // Fds the reply carries (a job's regions, the collective region), owned
+    // by the request until its reply is sent. Never looked up by request id:
+    // the id is the client's to choose, and two requests of one id in
+    // flight shared one entry, whose erase by one reply closed the fds the
+    // other was sending (their numbers then named another user's memory).
+    std::vector<UniqueFd> reply_fds;
   };
 
   void Loop() {
@@ -763,14 +769,16 @@ class Daemon::Impl::Connection {
         }
         continue;
       }
-      Request req{
-          .header = *h, .payload = got->data.substr(p::kHeaderBytes), .fds = std::move(got->fds)};
+      Request req{.header = *h,
+                  .payload = got->data.substr(p::kHeaderBytes),
+                  .fds = std::move(got->fds),
+                  .reply_fds = {}};
       if (OnPool(req)) {
         if (!Queue(std::move(req))) return;
         continue;
       }
       Result<std::string> reply = Handle(req);
-      if (!Reply(req.header, reply)) return;
+      if (!Reply(req, reply)) return;
       if (req.header.type == p::MessageType::kHello && !reply.ok()) return;
     }
   }
@@ -880,7 +888,7 @@ class Daemon::Impl::Connection {
       lock.unlock();
       if (!skip) {
         Result<std::string> reply = Handle(req);
-        (void)Reply(req.header, reply);
+        (void)Reply(req, reply);
       }
       RequestDone();
       lock.lock();
@@ -888,20 +896,16 @@ class Daemon::Impl::Connection {
     }
   }
 
-  bool Reply(const p::Header& req, const Result<std::string>& reply) {
-    if (!reply.ok()) return SendError(req.request_id, req.type, reply.status());
+  // Sends the reply to `req` with its fds, which close when `req` goes.
+  bool Reply(const Request& req, const Result<std::string>& reply) {
+    const p::Header& h = req.header;
+    if (!reply.ok()) return SendError(h.request_id, h.type, reply.status());
     d_.requests.fetch_add(1, std::memory_order_relaxed);
     std::string payload = p::EncodeStatus(Status::Ok());
     payload += *reply;
     std::vector<int> fds;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      for (const UniqueFd& fd : reply_fds_[req.request_id]) fds.push_back(fd.get());
-    }
-    const bool sent = SendMessage(req.request_id, req.type, payload, fds);
-    std::lock_guard<std::mutex> lock(mu_);
-    reply_fds_.erase(req.request_id);
-    return sent;
+    for (const UniqueFd& fd : req.reply_fds) fds.push_back(fd.get());
+    return SendMessage(h.request_id, h.type, payload, fds);
   }
 
   // Never called with d_.mu held: a send may wait `timeout` for a client
@@ -1483,7 +1487,7 @@ class Daemon::Impl::Connection {
 
   // The job's collective region: made on the first ask, the same memory
   // for every rank after.
-  Result<std::string> OnCollectiveRegion(const Request& req) {
+  Result<std::string> OnCollectiveRegion(Request& req) {
     ZT_ASSIGN_OR_RETURN(p::CollectiveRegionRequest c,
                         p::DecodeCollectiveRegionRequest(req.payload));
     ZT_ASSIGN_OR_RETURN(JobEntry j, FindJob(c.job));
@@ -1511,8 +1515,7 @@ class Daemon::Impl::Connection {
       if (fd < 0) return PosixError("fcntl(F_DUPFD_CLOEXEC) of the collective region", errno);
       dup = UniqueFd(fd);
     }
-    std::lock_guard<std::mutex> lock(mu_);
-    reply_fds_[req.header.request_id].push_back(std::move(dup));
+    req.reply_fds.push_back(std::move(dup));
     return p::Encode(
         p::RegionList{.regions = {p::RegionInfo{
                           .region = 0, .bytes = c.bytes, .access = RegionAccess::kReadWrite}}});
@@ -1589,7 +1592,7 @@ class Daemon::Impl::Connection {
     return p::Encode(*b);
   }
 
-  Result<std::string> OnRegions(const Request& req) {
+  Result<std::string> OnRegions(Request& req) {
     ZT_ASSIGN_OR_RETURN(p::JobRef r, p::DecodeJobRef(req.payload));
     ZT_ASSIGN_OR_RETURN(JobEntry j, FindJob(r.job));
     ZT_ASSIGN_OR_RETURN(std::vector<SharedBuffer> regions, d_.engine->SharedRegions(j.engine_job));
@@ -1610,8 +1613,7 @@ class Daemon::Impl::Connection {
       list.regions.push_back(
           p::RegionInfo{.region = b.region, .bytes = b.region_bytes, .access = b.access});
     }
-    std::lock_guard<std::mutex> lock(mu_);
-    reply_fds_[req.header.request_id] = std::move(fds);
+    req.reply_fds = std::move(fds);
     return p::Encode(list);
   }
 
@@ -1815,7 +1817,6 @@ class Daemon::Impl::Connection {
   int waiting_ = 0;    // threads in queue_cv_.wait
   int in_flight_ = 0;  // queued or running
   bool closing_ = false;
-  std::map<uint64_t, std::vector<UniqueFd>> reply_fds_;  // fds to attach to a reply
 };
 
 Daemon::Daemon(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}

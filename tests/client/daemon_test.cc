@@ -9,10 +9,12 @@
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -299,6 +301,73 @@ TEST_F(DaemonTest, StagingMemfdsMustBeSealedAndOfTheRightSize) {
              p::Encode(p::StagedData{.job = job, .unit = 0, .bytes = bytes}));
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->status.code(), StatusCode::kInvalidArgument) << r->status;
+}
+
+// A request id is the client's to choose. The fds of a reply were kept in
+// a map by request id: with an abort (pooled) and a regions request (inline)
+// of one id in flight, the abort's reply took the regions' fds, and the
+// first reply's erase closed them while the other was still sending their
+// numbers, which by then named whatever another connection had opened (a
+// second user got the first one's job memory, sockets and pidfds that way).
+TEST_F(DaemonTest, AReplyCarriesItsOwnRequestsFdsWhateverTheIds) {
+  RawClient c = RawClient::Connect(socket());
+  const int32_t job = Register(c, "ids");
+  Result<RawClient::Reply> first =
+      c.Call(p::MessageType::kRegions, p::Encode(p::JobRef{.job = job}));
+  ASSERT_TRUE(first.ok() && first->status.ok()) << (first.ok() ? first->status : first.status());
+  const auto inode = [](int fd) {
+    struct stat st {};
+    return ::fstat(fd, &st) == 0 ? st.st_ino : ino_t{0};
+  };
+  std::vector<ino_t> own;
+  for (const UniqueFd& fd : first->fds) own.push_back(inode(fd.get()));
+  // Another connection opens and closes fds in ztierd meanwhile.
+  std::atomic<bool> done{false};
+  std::thread churn([&] {
+    RawClient other = RawClient::Connect(socket(), true, "churn");
+    const int32_t j = Register(other, "churn");
+    while (!done.load()) {
+      (void)other.Call(p::MessageType::kRegions, p::Encode(p::JobRef{.job = j}));
+    }
+  });
+  struct Stop {  // also when an assertion below returns early
+    std::atomic<bool>& done;
+    std::thread& churn;
+    ~Stop() {
+      done = true;
+      churn.join();
+    }
+  } stop{done, churn};
+  int abort_fds = 0, regions_short = 0, foreign = 0, errors = 0;
+  for (uint64_t i = 0; i < 300; ++i) {
+    const uint64_t id = 1000000 + i;
+    for (p::MessageType type : {p::MessageType::kAbortStep, p::MessageType::kRegions}) {
+      Result<std::string> msg =
+          p::EncodeMessage({.type = type, .request_id = id}, p::Encode(p::JobRef{.job = job}));
+      ASSERT_TRUE(msg.ok());
+      ASSERT_TRUE(c.SendRaw(*msg).ok());
+    }
+    for (int k = 0; k < 2; ++k) {
+      Result<RawClient::Reply> r = c.Receive();
+      ASSERT_TRUE(r.ok()) << r.status();
+      if (!r->status.ok()) {
+        ++errors;
+        continue;
+      }
+      if (r->header.type == p::MessageType::kAbortStep) {
+        abort_fds += !r->fds.empty();
+        continue;
+      }
+      regions_short += r->fds.size() != own.size();
+      for (const UniqueFd& fd : r->fds) {
+        foreign += std::find(own.begin(), own.end(), inode(fd.get())) == own.end();
+      }
+    }
+  }
+  EXPECT_EQ(errors, 0);
+  EXPECT_EQ(abort_fds, 0) << "abort replies carried the regions' fds";
+  EXPECT_EQ(regions_short, 0) << "regions replies lost their fds";
+  EXPECT_EQ(foreign, 0) << "fds that are not the job's regions";
 }
 
 TEST_F(DaemonTest, ReadOnlyRegionsCannotBeMappedWritableNotEvenThroughProc) {
