@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <charconv>
 #include <condition_variable>
 #include <cstring>
@@ -46,6 +47,15 @@ using Clock = std::chrono::steady_clock;
 // How often a connection thread looks at the stop flag while its client is
 // quiet, and how long a reply may wait for room in the client's socket.
 constexpr std::chrono::milliseconds kPollInterval{200};
+// Refused connections held at once to tell their clients why (each a thread
+// and a socket for up to 2 s); past it a refused connection closes at once,
+// so a flood of them (from a uid over its quota, or one not allowed) costs
+// ztierd no more than this.
+constexpr int kMaxRefusedHeld = 32;
+// How long the accept loop waits when the process is out of fds or kernel
+// memory (EMFILE, ENFILE, ENOBUFS, ENOMEM): the connection stays in the
+// listen backlog, and ztierd and every client it serves go on.
+constexpr std::chrono::milliseconds kAcceptBackoff{100};
 constexpr std::chrono::seconds kSendTimeout{30};
 // The stop's last word to a client: not worth holding the stop for.
 constexpr std::chrono::milliseconds kFarewellTimeout{500};
@@ -397,6 +407,7 @@ struct Daemon::Impl {
 
   std::atomic<uint64_t> requests{0};
   std::atomic<uint64_t> refused{0};
+  std::atomic<int> refused_held{0};  // refused connections telling why (kMaxRefusedHeld)
 
   class Connection;
   std::list<std::unique_ptr<Connection>> live;  // guarded by mu
@@ -664,6 +675,7 @@ class Daemon::Impl::Connection {
         refusal_(std::move(refusal)),
         admin_(admin),
         reserve_(reserve) {
+    if (!refusal_.ok()) return;  // nothing to watch: it only says why and goes
     Result<UniqueFd> pidfd = sock_.PeerPidfd();
     if (pidfd.ok()) pidfd_ = *std::move(pidfd);
   }
@@ -1727,6 +1739,7 @@ class Daemon::Impl::Connection {
   void Close() {
     if (!refusal_.ok()) {
       sock_.Shutdown();
+      d_.refused_held.fetch_sub(1);
       finished_.store(true);
       return;
     }
@@ -1876,6 +1889,7 @@ DaemonStats Daemon::stats() const {
 Status Daemon::Serve(SeqPacketListener& listener) {
   Impl& d = *impl_;
   Status result;
+  Clock::time_point next_accept_warning{};
   while (!d.stopping.load()) {
     d.ReapParked(/*all=*/false);
     d.ReapLingering(/*all=*/false);
@@ -1895,6 +1909,18 @@ Status Daemon::Serve(SeqPacketListener& listener) {
     Result<SeqPacketSocket> sock = listener.Accept(kPollInterval);
     if (!sock.ok()) {
       if (sock.status().code() == StatusCode::kUnavailable) continue;
+      const int err = sock.status().sys_errno();
+      if (err == EMFILE || err == ENFILE || err == ENOBUFS || err == ENOMEM) {
+        // A flood of connections (or the jobs' fds) took the process's fd
+        // limit: not a reason to end every user's jobs. Said once a while.
+        if (const Clock::time_point now = Clock::now(); now >= next_accept_warning) {
+          ZT_LOG(kWarn, "ztierd") << sock.status() << ": new connections wait until fds are "
+                                  << "free (" << d.connections << " connections open)";
+          next_accept_warning = now + std::chrono::seconds(10);
+        }
+        std::this_thread::sleep_for(kAcceptBackoff);
+        continue;
+      }
       result = sock.status();
       break;
     }
@@ -1937,6 +1963,10 @@ Status Daemon::Serve(SeqPacketListener& listener) {
     if (!refuse.ok()) {
       ZT_LOG(kWarn, "ztierd") << "refused pid " << peer->pid << ": " << refuse;
       d.refused.fetch_add(1);
+      if (d.refused_held.fetch_add(1) >= kMaxRefusedHeld) {
+        d.refused_held.fetch_sub(1);
+        continue;  // closed at once: too many are being told why already
+      }
     }
     auto conn =
         std::make_unique<Impl::Connection>(d, *std::move(sock), *peer, admin, reserve, refuse);
@@ -1957,6 +1987,8 @@ Status Daemon::Serve(SeqPacketListener& listener) {
       if (refuse.ok()) {
         --(reserve ? d.usage[peer->uid].reserve : d.usage[peer->uid].connections);
         --d.connections;
+      } else {
+        d.refused_held.fetch_sub(1);
       }
       d.live.remove_if([c](const std::unique_ptr<Impl::Connection>& x) { return x.get() == c; });
       d.all_closed.notify_all();

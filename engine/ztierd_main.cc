@@ -21,6 +21,7 @@
 #include <pthread.h>
 #include <signal.h>
 #include <stdlib.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -254,6 +255,18 @@ int Run(const Flags& f) {
   pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
   ::signal(SIGPIPE, SIG_IGN);
   ::signal(SIGXFSZ, SIG_IGN);  // past ulimit -f: EFBIG, said, not a silent death
+  // Each connection holds a socket and a pidfd, each job its regions'
+  // memfds: the soft fd limit systemd gives a service (1024) is far below
+  // what the hard one allows and what many users' jobs need. (ztierd never
+  // uses select(), which the soft limit protects.)
+  if (rlimit nofile{};
+      ::getrlimit(RLIMIT_NOFILE, &nofile) == 0 && nofile.rlim_cur < nofile.rlim_max) {
+    nofile.rlim_cur = nofile.rlim_max;
+    if (::setrlimit(RLIMIT_NOFILE, &nofile) != 0) {
+      ZT_LOG(kWarn, "ztierd") << "cannot raise the fd limit to " << nofile.rlim_max << ": "
+                              << std::strerror(errno);
+    }
+  }
 
   engine::Settings settings;
   if (!f.config.empty()) {

@@ -17,6 +17,7 @@
 #include <gtest/gtest.h>
 #include <netinet/in.h>
 #include <signal.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -695,6 +696,65 @@ TEST(ZtierctlProgramTest, TablesJsonAndExitCodes) {
 // A stopped ztierd cost every call its whole timeout (two minutes each: a
 // model's close, the session's). After one call goes unanswered the next
 // are refused at once, until ztierd says anything again.
+// Out of fds (a flood of connections from one uid; any uid's, since even
+// refused ones took a socket each), accept failed with EMFILE and ztierd
+// exited: every user's jobs went with it.
+TEST(OperatorTest, ZtierdOutOfFdsWaitsForThemAndServesOn) {
+  ZtierdProcess d(ZTIERD_BINARY, {});
+  const rlimit few{.rlim_cur = 40, .rlim_max = 40};
+  ASSERT_EQ(::prlimit(d.pid(), RLIMIT_NOFILE, &few, nullptr), 0) << std::strerror(errno);
+  std::vector<std::unique_ptr<DaemonControl>> flood;
+  for (int k = 0; k < 40; ++k) {
+    Result<std::unique_ptr<DaemonControl>> c = DaemonControl::Connect(d.socket(), 1s);
+    if (!c.ok()) break;  // ztierd has no fd left for it: it waits in the backlog
+    flood.push_back(*std::move(c));
+  }
+  EXPECT_LT(flood.size(), 40u) << "the fd limit was never reached";
+  EXPECT_EQ(::kill(d.pid(), 0), 0);
+  int status = 0;
+  ASSERT_EQ(::waitpid(d.pid(), &status, WNOHANG), 0) << "ztierd exited: " << d.log();
+  flood.clear();  // their fds come back
+  Result<std::unique_ptr<DaemonControl>> again = Status::Unavailable("not yet");
+  for (int k = 0; k < 50 && !again.ok(); ++k) {
+    again = DaemonControl::Connect(d.socket(), 1s);
+    if (!again.ok()) std::this_thread::sleep_for(100ms);
+  }
+  ASSERT_TRUE(again.ok()) << again.status() << d.log();
+  EXPECT_TRUE((*again)->GetStatus().ok());
+  EXPECT_NE(d.log().find("new connections wait until fds are free"), std::string::npos) << d.log();
+}
+
+// A refused connection is kept for up to 2 s to tell its client why, with a
+// thread of its own: a flood of them (a uid past its connection quota)
+// took a thread and fds each, unbounded.
+TEST(OperatorTest, AFloodOfRefusedConnectionsCostsZtierdABoundedNumberOfThreads) {
+  ZtierdProcess d(ZTIERD_BINARY, {"--max-connections-per-uid", "1"});
+  Result<std::unique_ptr<DaemonControl>> held = DaemonControl::Connect(d.socket(), 5s);
+  ASSERT_TRUE(held.ok()) << held.status() << d.log();
+  const auto threads = [&] {
+    std::ifstream in(StrCat("/proc/", d.pid(), "/status"));
+    std::string line;
+    while (std::getline(in, line)) {
+      if (line.rfind("Threads:", 0) == 0) return std::atoi(line.c_str() + 8);
+    }
+    return -1;
+  };
+  const int before = threads();
+  std::vector<engine::SeqPacketSocket> flood;
+  for (int k = 0; k < 150; ++k) {
+    Result<engine::SeqPacketSocket> s = engine::SeqPacketSocket::Connect(d.socket());
+    if (s.ok()) flood.push_back(*std::move(s));
+  }
+  int most = 0;
+  for (int k = 0; k < 10; ++k) {
+    std::this_thread::sleep_for(50ms);
+    most = std::max(most, threads());
+  }
+  EXPECT_LE(most - before, 40) << "threads " << before << " -> " << most;
+  // The quota's holder is served throughout.
+  EXPECT_TRUE((*held)->GetStatus().ok());
+}
+
 TEST(OperatorTest, AfterACallGoesUnansweredTheNextAreRefusedAtOnceUntilItAnswers) {
   ZtierdProcess d(ZTIERD_BINARY, {});
   Result<std::unique_ptr<DaemonControl>> c = DaemonControl::Connect(d.socket(), 500ms);
