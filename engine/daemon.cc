@@ -826,8 +826,10 @@ class Daemon::Impl::Connection {
   }
 
   // Hands a request to the pool: a waiting thread takes it, or a new one
-  // (threads stay for the connection's life, as many as were ever busy at
-  // once, at most max_requests_in_flight). Every queued request needs a
+  // (a thread idle for options.pool_thread_idle ends, so a connection keeps about as many
+  // as it has requests in flight, at most max_requests_in_flight: kept for
+  // the connection's life, one burst of waits left a uid's idle connections
+  // holding thousands). Every queued request needs a
   // thread of its own: one may block until a later one (another rank's
   // grads) has run, so a request never waits behind another.
   bool Queue(Request req) {
@@ -849,6 +851,7 @@ class Daemon::Impl::Connection {
     // may hold the send for kSendTimeout, and the lock is everyone's.
     if (!over.ok()) return SendError(header.request_id, header.type, over);
     std::unique_lock<std::mutex> lock(mu_);
+    std::list<std::thread> ended;  // pool threads that ended, joined below
     Status refused;
     if (in_flight_ >= d_.options.max_requests_in_flight) {
       refused = Status::ResourceExhausted(
@@ -864,11 +867,19 @@ class Daemon::Impl::Connection {
         return true;
       }
       try {
-        pool_.emplace_back([this] { PoolThread(); });
+        // The thread takes mu_ first, so it sees its own entry set.
+        pool_.emplace_back();
+        const auto self = std::prev(pool_.end());
+        *self = std::thread([this, self] { PoolThread(self); });
+        ended = std::move(ended_);
+        ended_.clear();
+        lock.unlock();
+        for (std::thread& t : ended) t.join();
         return true;
       } catch (const std::system_error& e) {
         // No thread to be had (the process's or the service's task limit):
         // the request is refused and ztierd goes on.
+        pool_.pop_back();
         queue_.pop_back();
         --in_flight_;
         refused = Status::ResourceExhausted(
@@ -887,12 +898,19 @@ class Daemon::Impl::Connection {
     --d_.usage[peer_.uid].requests;
   }
 
-  void PoolThread() {
+  // `self`: the thread's entry in pool_, which it moves to ended_ when it
+  // ends idle (joined by a later Queue, or Close).
+  void PoolThread(std::list<std::thread>::iterator self) {
     std::unique_lock<std::mutex> lock(mu_);
     for (;;) {
       ++waiting_;
-      queue_cv_.wait(lock, [&] { return closing_ || !queue_.empty(); });
+      const bool woken = queue_cv_.wait_for(lock, d_.options.pool_thread_idle,
+                                            [&] { return closing_ || !queue_.empty(); });
       --waiting_;
+      if (!woken) {
+        ended_.splice(ended_.end(), pool_, self);
+        return;
+      }
       if (queue_.empty()) return;  // closing
       Request req = std::move(queue_.front());
       queue_.pop_front();
@@ -1761,10 +1779,13 @@ class Daemon::Impl::Connection {
     queue_cv_.notify_all();
     UnregisterAll();
     sock_.Shutdown();
-    std::vector<std::thread> pool;
+    // No thread ends idle once closing_ is set (its wait sees it), so the
+    // lists are final here.
+    std::list<std::thread> pool;
     {
       std::lock_guard<std::mutex> lock(mu_);
       pool.swap(pool_);
+      pool.splice(pool.end(), ended_);
     }
     for (std::thread& t : pool) t.join();
     UnregisterAll();  // any a running request registered meanwhile
@@ -1825,7 +1846,7 @@ class Daemon::Impl::Connection {
   UniqueFd pidfd_;                  // the client process (SO_PEERPIDFD), when the kernel has it
   // The pool (see Queue).
   std::deque<Request> queue_;
-  std::vector<std::thread> pool_;
+  std::list<std::thread> pool_, ended_;  // running or waiting; ended idle, to join
   std::condition_variable queue_cv_;
   int waiting_ = 0;    // threads in queue_cv_.wait
   int in_flight_ = 0;  // queued or running

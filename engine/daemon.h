@@ -93,6 +93,9 @@ struct DaemonOptions {
   // A connection that has not said its hello within this is closed (a
   // silent one held its uid's connection quota for good).
   std::chrono::milliseconds hello_timeout{10000};
+  // A connection's pool thread (one per request in flight) idle this long
+  // ends, so a burst of blocked requests does not leave its threads behind.
+  std::chrono::milliseconds pool_thread_idle{5000};
   // Operators (ztierctl quota set, drain, evict; everyone's jobs and
   // quotas) besides root and the daemon's own uid: members of this group
   // (primary or supplementary, SO_PEERGROUPS). `admin_group` is its name,

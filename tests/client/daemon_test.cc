@@ -78,6 +78,16 @@ Session::ModelSpec ModelOf(const engine::JobSpec& job) {
 
 // A client that speaks the protocol by hand, to send what libztier never
 // would.
+// Threads of this process now (the in-process daemon's included).
+int ProcessThreads() {
+  std::ifstream in("/proc/self/status");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind("Threads:", 0) == 0) return std::atoi(line.c_str() + 8);
+  }
+  return -1;
+}
+
 class RawClient {
  public:
   struct Reply {
@@ -570,6 +580,46 @@ TEST_F(DaemonTest, AClientThatDiesHasItsLeasesWaitsAndJobsFreed) {
   EXPECT_EQ(after.used_bytes, before.used_bytes);
 }
 
+// A connection's pool kept as many threads as it ever had requests blocked
+// at once, for its whole life: one burst of waits on a uid's idle
+// connections held thousands of threads, and others' connections then got
+// none.
+TEST_F(DaemonTest, PoolThreadsOfABurstOfWaitsEndOnceIdle) {
+  engine::DaemonOptions options;
+  options.pool_thread_idle = 200ms;
+  Start(options);
+  const auto threads = ProcessThreads;
+  RawClient c = RawClient::Connect(socket());
+  const int before = threads();
+  constexpr int kWaits = 40;
+  for (int k = 0; k < kWaits; ++k) {
+    ASSERT_TRUE(c.Send(p::MessageType::kAttachJob,
+                       p::Encode(p::AttachRequest{
+                           .rank = 0, .timeout = 300ms, .spec = TwoUnits("nobody-registers")}))
+                    .ok());
+  }
+  for (int k = 0; k < kWaits; ++k) {
+    Result<RawClient::Reply> r = c.Receive();
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->status.code(), StatusCode::kNotFound) << r->status.ToString();
+  }
+  EXPECT_GE(threads(), before + kWaits / 2) << "the waits did not run at once";
+  int now = threads();
+  for (int k = 0; k < 100 && now > before + 2; ++k) {
+    std::this_thread::sleep_for(20ms);
+    now = threads();
+  }
+  EXPECT_LE(now, before + 2) << "threads " << before << " before the waits";
+  // The pool still serves: a new burst gets threads again.
+  ASSERT_TRUE(c.Send(p::MessageType::kAttachJob,
+                     p::Encode(p::AttachRequest{
+                         .rank = 0, .timeout = 50ms, .spec = TwoUnits("nobody-registers")}))
+                  .ok());
+  Result<RawClient::Reply> r = c.Receive();
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->status.code(), StatusCode::kNotFound) << r->status;
+}
+
 TEST_F(DaemonTest, AJobWhoseClientDiedIsParkedForTheGracePeriodThenFreed) {
   engine::DaemonOptions options;
   // Long enough that a loaded machine's scheduling leaves the reattach
@@ -725,11 +775,17 @@ TEST_F(DaemonTest, OneUidsRequestsInFlightOnAllItsConnectionsAreBounded) {
   };
   // Two connections, two waits each, for a job nobody registers.
   std::vector<RawClient> waiting;
-  for (int c = 0; c < 2; ++c) {
-    waiting.push_back(RawClient::Connect(socket()));
+  for (int c = 0; c < 2; ++c) waiting.push_back(RawClient::Connect(socket()));
+  const int before = ProcessThreads();
+  for (RawClient& c : waiting) {
     for (int k = 0; k < 2; ++k) {
-      ASSERT_TRUE(waiting.back().Send(p::MessageType::kAttachJob, attach(8s)).ok());
+      ASSERT_TRUE(c.Send(p::MessageType::kAttachJob, attach(8s)).ok());
     }
+  }
+  // In once each has its pool thread (sent is not in: a loaded machine's
+  // reader threads may not have read them when the third's call arrives).
+  for (int k = 0; k < 500 && ProcessThreads() < before + 4; ++k) {
+    std::this_thread::sleep_for(10ms);
   }
   // Once the four are in, a fifth on a third connection is refused at once
   // (the four wait 8 s: in until then on a loaded machine too).
