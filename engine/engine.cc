@@ -391,23 +391,18 @@ struct Engine::Impl {
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   }
 
-  // Exact mode: every unit's grads are in. Norm, skip or clip, then units in
-  // forward order, each published when done.
-  void StepExact(const std::shared_ptr<Job>& jp) {
+  // Exact mode: every unit's grads are in, their squared norm `sq` and the
+  // learning rates `lrs` taken as the last arrived. Skip or clip, then units
+  // in forward order, each published when done.
+  void StepExact(const std::shared_ptr<Job>& jp, double sq, const std::vector<float>& lrs) {
     Job& job = *jp;
     const auto t0 = std::chrono::steady_clock::now();
-    double sq = 0.0;
     int64_t step, adam_step;
-    std::vector<float> lrs;  // the step's, whatever the client sets meanwhile
     {
       std::lock_guard<std::mutex> lock(mu);
       if (job.removed || !job.failure.ok()) return;  // a failed job steps no more
-      for (const Unit& u : job.units) {
-        for (double s : u.shard_sq) sq += s;  // unit, then rank order: deterministic
-      }
       step = job.step + 1;
       adam_step = job.adam_step + 1;
-      lrs = job.lrs;
     }
     const double norm = std::sqrt(sq);
     {
@@ -437,7 +432,7 @@ struct Engine::Impl {
         job.units[k].writing_back = false;
         if (++published < job.units.size()) return;
         job.step = step;
-        job.step_queued = false;
+        --job.steps_queued;
         if (finite) {
           job.adam_step = adam_step;
         } else {
@@ -469,19 +464,19 @@ struct Engine::Impl {
   }
 
   // Eager mode: one unit's grads are in; update it now.
-  void StepEager(const std::shared_ptr<Job>& jp, size_t unit) {
+  // Eager mode: `unit`'s grads are in, the learning rates `lrs` taken as
+  // they arrived.
+  void StepEager(const std::shared_ptr<Job>& jp, size_t unit, const std::vector<float>& lrs) {
     Job& job = *jp;
     const auto t0 = std::chrono::steady_clock::now();
     int64_t step, adam_step;
     double sq = 0.0;
-    std::vector<float> lrs;
     {
       std::lock_guard<std::mutex> lock(mu);
       if (job.removed || !job.failure.ok()) return;  // a failed job steps no more
       step = job.step + 1;
       adam_step = job.adam_step + 1;
       for (double s : job.units[unit].shard_sq) sq += s;
-      lrs = job.lrs;
     }
     if (cpu_adam::GradsOverflow(sq, 1.0f)) {
       return Fail(job, Status::Aborted(
@@ -1156,14 +1151,19 @@ Status Engine::GradsReady(int job, int unit, int rank) {
   u.micro = 0;
   u.ready = true;
   if (j->spec.optimizer.mode == StepMode::kEager) {
-    e.Post(j->id, [&e, j, unit] { e.StepEager(j, static_cast<size_t>(unit)); });
+    e.Post(j->id, [&e, j, unit, lrs = j->lrs] { e.StepEager(j, static_cast<size_t>(unit), lrs); });
   } else if (++j->ready_units == static_cast<int>(j->units.size())) {
     // Each unit took these grads after its publish of the step before, so
     // that step has published every unit (its write-backs may still run: the
-    // job's tasks run one at a time).
+    // job's tasks run one at a time). The norm and the rates are the step's
+    // from here, whatever a later call does before its task runs.
     j->ready_units = 0;
-    j->step_queued = true;
-    e.Post(j->id, [&e, j] { e.StepExact(j); });
+    ++j->steps_queued;
+    double step_sq = 0.0;
+    for (const Unit& each : j->units) {
+      for (double s : each.shard_sq) step_sq += s;  // unit, then rank order: deterministic
+    }
+    e.Post(j->id, [&e, j, step_sq, lrs = j->lrs] { e.StepExact(j, step_sq, lrs); });
   } else if (j->ready_units == 1 && j->ring != nullptr) {
     // The step's first unit is ready, backward goes on: the step's first
     // units' states are read from the drives meanwhile (after the previous
@@ -1181,20 +1181,21 @@ Result<int> Engine::AbortStep(int job) {
   // meanwhile (published already, or only made visible before their
   // write-backs with states on NVMe): those are what is discarded, once it
   // completes. A queued step without such grads is the one asked about.
-  if (j->spec.optimizer.mode == StepMode::kExact && j->step_queued) {
+  if (j->spec.optimizer.mode == StepMode::kExact && j->steps_queued > 0) {
     const bool next = j->ready_units > 0 ||
                       std::any_of(j->units.begin(), j->units.end(),
                                   [](const Unit& u) { return u.micro > 0 || u.arrived_count > 0; });
     if (next) {
-      e.published_cv.wait(lock, [&] { return !j->step_queued || !j->failure.ok() || j->removed; });
+      e.published_cv.wait(lock,
+                          [&] { return j->steps_queued == 0 || !j->failure.ok() || j->removed; });
     }
   } else {
     e.WaitWriteBacksLocked(lock, *j);
   }
   if (j->removed) return Status::Aborted(StrCat("job ", job, " was unregistered"));
   if (!j->failure.ok()) return Status::Aborted(StrCat("job failed: ", j->failure.ToString()));
-  const std::string what =
-      StrCat("job '", j->spec.name, "': cannot discard the grads of step ", j->step + 1);
+  const std::string what = StrCat("job '", j->spec.name, "': cannot discard the grads of step ",
+                                  j->step + std::max(j->steps_queued, 1));
   if (j->checkpointing) {
     return Status::FailedPrecondition(StrCat(what, ": a checkpoint save or load is in progress"));
   }
@@ -1207,7 +1208,7 @@ Result<int> Engine::AbortStep(int job) {
   // Begun: an exact step is queued (every unit's grads in) or has published
   // some units; an eager one has a unit queued or published.
   const int64_t step = j->step;
-  const bool begun = (exact && j->step_queued) ||
+  const bool begun = (exact && j->steps_queued > 0) ||
                      std::any_of(j->units.begin(), j->units.end(), [&](const Unit& u) {
                        return (!exact && u.ready) || u.published > step;
                      });

@@ -163,11 +163,12 @@ class Engine {
 
   // The learning rate of each optimizer param group (one per group: 1 when
   // the job's group_weight_decay is empty, else its size), for every step
-  // that starts after this call, until the next call; before any call each
-  // group's is hyper.lr. An exact step takes them when it starts (once the
-  // last unit's grads are in: call before delivering a step's last grads);
-  // an eager step takes them as each unit's update starts (call before the
-  // step's first unit is complete). Errors: NotFound (job),
+  // whose grads complete after this call, until the next call; before any
+  // call each group's is hyper.lr. An exact step takes them as its last
+  // unit's grads arrive (call before delivering a step's last grads); an
+  // eager step takes them as each unit's grads are complete (call before
+  // the step's first unit is). When the step's task runs does not matter.
+  // Errors: NotFound (job),
   // InvalidArgument (the count, or a rate not finite and >= 0, naming the
   // group).
   Status SetLearningRates(int job, const std::vector<float>& lrs);

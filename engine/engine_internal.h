@@ -129,14 +129,21 @@ struct Job {
   std::vector<Unit> units;
   int64_t step = 0;       // completed steps (what clients wait for)
   int64_t adam_step = 0;  // steps that updated the weights (bias correction)
-  // The learning rate of each param group for the steps that start from now
-  // (Engine::SetLearningRates); a step takes a copy when it starts.
+  // The learning rate of each param group for the steps whose grads complete
+  // from now (Engine::SetLearningRates): a step takes a copy when its last
+  // grads are in (exact), or each unit's are (eager), never later, so the
+  // rates it runs at follow the calls alone, not when its task runs.
   std::vector<float> lrs;
   // Exact mode: units whose grads for the next step not yet queued are all
   // in; the step is queued when every unit's are (and the count starts over:
   // a unit published by the running step may take its next grads meanwhile).
   int ready_units = 0;
-  bool step_queued = false;  // exact mode: a step queued or running, not complete
+  // Exact mode: steps queued or running, not complete. Two can be: with
+  // states on NVMe a unit is visible before its write-back, so the next
+  // step's grads can all be in while this one writes back (a bool here was
+  // cleared by the first's completion, and AbortStep then zeroed the grads
+  // of the second, which ran anyway).
+  int steps_queued = 0;
   int eager_done = 0;
   // GradsReady calls between their two holds of the engine lock (the
   // accumulation and norm of a shard run outside it): AbortStep is

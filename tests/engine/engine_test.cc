@@ -588,6 +588,72 @@ TEST(EngineAbortTest, AStepUnderWayIsNotDiscarded) {
   EXPECT_EQ(e->AbortStep(9).status().code(), StatusCode::kNotFound);
 }
 
+// With states on NVMe a unit is visible before its write-back, so all of
+// the next step's grads can be in while the step before writes back: that
+// step is queued behind it. One flag stood for both and the first's
+// completion cleared it: an abort then said it discarded the queued step's
+// grads (zeroing their norm) and the step ran anyway, unclipped.
+TEST(EngineAbortTest, AStepQueuedBehindOneWritingBackIsNotDiscarded) {
+  ScratchDir swap("swap");
+  auto fault = std::make_shared<nvme::FaultBackend>(nvme::MakeUringBackend());
+  auto e = MakeEngine(uint64_t{1} << 30, &swap, uint64_t{64} << 20, fault);
+  Result<int> job = e->RegisterJob(
+      Place(SmallModel("queued", 1, 1.0f, 1, StepMode::kExact), Placement::kNvmeStates));
+  ASSERT_TRUE(job.ok()) << job.status();
+  Train(*e, *job, 1, 0, 1, 5);
+  fault->SlowDown(nvme::IoKind::kWrite, 100ms);
+  RingAll(*e, *job, 0.1f);  // step 2
+  for (int k = 0; k < 4; ++k) {
+    while (e->PublishedStep(*job, k) < 2) std::this_thread::sleep_for(1ms);
+  }
+  RingAll(*e, *job, 100.0f);            // all of step 3's: queued behind step 2's write-backs
+  ASSERT_EQ(e->Steps(*job)->first, 2);  // step 2 is complete, step 3 still queued or running
+  Result<int> refused = e->AbortStep(*job);
+  EXPECT_EQ(refused.status().code(), StatusCode::kFailedPrecondition) << refused.status();
+  EXPECT_NE(refused.status().message().find("every unit's grads are in"), std::string::npos)
+      << refused.status();
+  fault->SlowDown(nvme::IoKind::kWrite, 0ms);
+  ASSERT_TRUE(WaitStep(*e, *job, 3).ok());
+  EXPECT_GT(e->counters(*job).last_grad_norm, 100.0) << "step 3 ran without its grads' norm";
+  EXPECT_EQ(e->Steps(*job)->first, 3);
+}
+
+// A step's learning rates are those set before its last grads arrived: a
+// rate set after them (a C++ loop's schedule for the next step, right after
+// Step()) went into the step whose task had not started yet, so the result
+// depended on when the job's strand got to it.
+TEST(EngineOverlapTest, ARateSetAfterAStepsLastGradsIsTheNextSteps) {
+  ScratchDir swap("swap");
+  auto fault = std::make_shared<nvme::FaultBackend>(nvme::MakeUringBackend());
+  auto e = MakeEngine(uint64_t{1} << 30, &swap, uint64_t{64} << 20, fault);
+  Result<int> job = e->RegisterJob(
+      Place(SmallModel("late-lr", 1, 1.0f, 1, StepMode::kExact), Placement::kNvmeStates));
+  Result<int> ref = e->RegisterJob(
+      Place(SmallModel("ref-lr", 1, 1.0f, 1, StepMode::kExact), Placement::kNvmeStates));
+  ASSERT_TRUE(job.ok() && ref.ok()) << job.status() << ref.status();
+  Train(*e, *job, 1, 0, 1, 5);
+  Train(*e, *ref, 1, 0, 1, 5);
+  for (int j : {*ref, *job}) {
+    fault->SlowDown(nvme::IoKind::kWrite, j == *job ? 100ms : 0ms);
+    RingAll(*e, j, 0.1f);  // step 2
+    for (int k = 0; k < 4; ++k) {
+      while (e->PublishedStep(j, k) < 2) std::this_thread::sleep_for(1ms);
+    }
+    RingAll(*e, j, -0.2f);  // step 3's last grads: queued behind step 2's write-backs
+    // For step 4; the reference sets it once step 3 is done.
+    if (j == *job) {
+      ASSERT_TRUE(e->SetLearningRates(j, {0.0f}).ok());
+    }
+    fault->SlowDown(nvme::IoKind::kWrite, 0ms);
+    ASSERT_TRUE(WaitStep(*e, j, 3).ok());
+    if (j == *ref) {
+      ASSERT_TRUE(e->SetLearningRates(j, {0.0f}).ok());
+    }
+  }
+  EXPECT_TRUE(Same(Snapshot(*e, *job), Snapshot(*e, *ref)))
+      << "step 3 ran at the rate set after its grads";
+}
+
 // What a job hands its clients (grad inboxes, publish buffers, the param
 // cache) lies in regions of its own: never another job's, the params'
 // sealed so no other process can map them writable, and gone with the job.
