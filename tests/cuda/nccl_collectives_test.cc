@@ -1,6 +1,7 @@
-// NCCL collectives (client/nccl_collectives.cc): with two or more CUDA
-// devices, an in-place all-gather and a reduce-scatter across one thread per
-// rank give the expected values (small integers, exact in bf16 whatever the
+// NCCL collectives (client/nccl_collectives.cc): with every CUDA device of
+// the machine (up to 8; one runs NCCL's calls on a world of one), an
+// in-place all-gather and a reduce-scatter across one thread per rank give
+// the expected values (small integers, exact in bf16 whatever the
 // summation order). Without enough devices, creating them is Unavailable and
 // says why; the device tests skip with that reason.
 #include <cstdint>
@@ -98,11 +99,11 @@ Status RunRank(Device& device, Collectives& coll, size_t shard, std::vector<bf16
   return Status::Ok();
 }
 
+// With one device (R = 1) NCCL's calls, bf16 types, streams and pool
+// memory are still exercised; with more, the values cross devices.
 TEST(NcclCollectivesTest, AllGatherAndReduceScatterAcrossDevices) {
   const int have = CudaDeviceCount();
-  if (have < 2) {
-    GTEST_SKIP() << "NCCL collectives need at least 2 CUDA devices; this machine has " << have;
-  }
+  if (have < 1) GTEST_SKIP() << "no CUDA device";
   const int R = have < 8 ? have : 8;
   const std::vector<size_t> shards = {1, 4099, size_t{1} << 20};
   // Host staging buffers, one per (shard size, rank); declared before the
