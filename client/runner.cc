@@ -131,7 +131,10 @@ struct PhaseSpan {
 struct Part {
   int unit;
   void* buffer;
-  std::unique_ptr<Event> ready;  // push: the compute stream's grads are written
+  // Push: the compute stream's grads are written. Fetch into a buffer kept
+  // (a persistent unit's, refreshed): the compute stream's work queued
+  // before the fetch, which may still read the old params, is done.
+  std::unique_ptr<Event> ready;
   std::shared_ptr<Ticket> ticket;
   bool done = false;  // its ticket completed (a coalesced fetch completes parts as it goes)
 };
@@ -427,6 +430,12 @@ struct Stage3Runner::Impl {
   }
 
   Status Fetch(Transfer& t) {
+    // A buffer refreshed in place is written only after the compute queued
+    // before its fetch (a forward or an eval between the backward and
+    // Step(), reading the old params) is done.
+    for (const Part& p : t.parts) {
+      if (p.ready != nullptr) ZT_RETURN_IF_ERROR(device->Wait(Stream::kCopy, *p.ready));
+    }
     if (SmallFetch(units[t.parts[0].unit].bytes)) return FetchCoalesced(t);
     if (t.run) return FetchRun(t);
     const int unit = t.parts[0].unit;
@@ -928,15 +937,19 @@ struct Stage3Runner::Impl {
   // kept) at the current version, for a fetch that `t` will carry.
   Status AddFetchPart(Transfer& t, int unit) {
     UnitState& u = units[unit];
+    std::unique_ptr<Event> reads_done;
     if (u.params == nullptr) {
       ZT_ASSIGN_OR_RETURN(u.params, device->Allocate(u.bytes, MemoryPurpose::kParams));
       live_bytes += u.bytes;
+    } else {
+      ZT_ASSIGN_OR_RETURN(reads_done, device->Record(Stream::kCompute));
     }
     u.version = version;
     u.fetched = version;
     u.fetch = std::make_shared<Ticket>();
     ++stats.fetches;
-    t.parts.push_back({.unit = unit, .buffer = u.params, .ready = nullptr, .ticket = u.fetch});
+    t.parts.push_back(
+        {.unit = unit, .buffer = u.params, .ready = std::move(reads_done), .ticket = u.fetch});
     return Status::Ok();
   }
 
