@@ -388,6 +388,10 @@ Result<void*> CudaDevice::Allocate(size_t bytes, MemoryPurpose purpose) {
     return Status::InvalidArgument(StrCat(name_, ": Allocate with an unknown memory purpose"));
   }
   if (bytes == 0) return static_cast<void*>(nullptr);
+  if (bytes > SIZE_MAX - kAlignment) {  // the rounding below would wrap to a tiny size
+    return Status::ResourceExhausted(
+        StrCat(name_, ": cannot allocate ", bytes, " B of ", PurposeName(purpose)));
+  }
   ZT_RETURN_IF_ERROR(Enter());
   const size_t rounded = (bytes + kAlignment - 1) / kAlignment * kAlignment;
   void* ptr = nullptr;

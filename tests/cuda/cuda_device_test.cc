@@ -103,6 +103,16 @@ TEST_F(CudaDeviceTest, NameKindAndStreams) {
   EXPECT_NE(device_->native_stream(Stream::kCompute), device_->native_stream(Stream::kCopy));
 }
 
+// A size within 255 B of SIZE_MAX rounded up to 256 wrapped to 0: the
+// allocation "succeeded" with a null pointer, accounted at the bytes asked.
+TEST_F(CudaDeviceTest, AnImpossibleSizeIsResourceExhausted) {
+  for (const size_t bytes : {SIZE_MAX, SIZE_MAX - 100, SIZE_MAX - 255}) {
+    Result<void*> p = device_->Allocate(bytes, MemoryPurpose::kOther);
+    EXPECT_EQ(p.status().code(), StatusCode::kResourceExhausted) << bytes;
+  }
+  EXPECT_EQ(device_->memory(MemoryPurpose::kOther).bytes, 0u);
+}
+
 TEST_F(CudaDeviceTest, AllocationAccountingAndHighWater) {
   Result<void*> zero = device_->Allocate(0, MemoryPurpose::kParams);
   ASSERT_TRUE(zero.ok()) << zero.status();
