@@ -1368,10 +1368,35 @@ class Daemon::Impl::Connection {
     }
     JobSpec scoped = spec;
     scoped.name = prefix_ + name;
-    Result<int> id = d_.engine->RegisterJob(scoped);
+    // Over the uid's DRAM quota (requires d_.mu): the refusal, naming it.
+    const auto dram_over = [&](const Impl::Usage& u, uint64_t need, uint64_t quota) {
+      return Status::ResourceExhausted(StrCat(
+          "job '", name, "' needs ", need, " bytes of pinned DRAM; uid ", peer_.uid, " holds ",
+          u.dram_bytes, " of its quota of ", quota, " (max_dram_bytes_per_uid)",
+          u.lingering_bytes == 0
+              ? std::string()
+              : StrCat(", ", u.lingering_bytes,
+                       " of them mapped by processes that closed their connection but live on"),
+          d_.ParkedNoteLocked(peer_.uid)));
+    };
+    // The quota is checked, and the job's need held in the uid's use, before
+    // the engine allocates any of it: a job over the quota never holds the
+    // budget (for others' registrations) while it is being refused.
+    uint64_t reserved = 0;
+    const auto admit = [&](uint64_t need) -> Status {
+      std::lock_guard<std::mutex> lock(d_.mu);
+      Impl::Usage& u = d_.usage[peer_.uid];
+      const uint64_t quota = d_.QuotaForLocked(peer_.uid).max_dram_bytes;
+      if (quota != 0 && u.dram_bytes + need > quota) return dram_over(u, need, quota);
+      u.dram_bytes += need;
+      reserved = need;
+      return Status::Ok();
+    };
+    Result<int> id = d_.engine->RegisterJob(scoped, admit);
     if (!id.ok()) {
       std::lock_guard<std::mutex> lock(d_.mu);
       --d_.usage[peer_.uid].jobs;
+      d_.usage[peer_.uid].dram_bytes -= reserved;
       if (spec.optimizer_tier == Tier::kNvme && d_.engine->swap_usage().empty()) {
         // The engine's message names settings of its own, which a client
         // of ztierd cannot change.
@@ -1399,22 +1424,14 @@ class Daemon::Impl::Connection {
     {
       std::lock_guard<std::mutex> lock(d_.mu);
       Impl::Usage& u = d_.usage[peer_.uid];
+      u.dram_bytes -= reserved;  // now counted as the engine holds it
       const Quota quota = d_.QuotaForLocked(peer_.uid);
       const struct {
         uint64_t max_dram_bytes_per_uid, max_nvme_bytes_per_uid;
       } o{quota.max_dram_bytes, quota.max_nvme_bytes};
       if (o.max_dram_bytes_per_uid != 0 &&
           u.dram_bytes + held.dram_bytes > o.max_dram_bytes_per_uid) {
-        over = Status::ResourceExhausted(StrCat(
-            "job '", name, "' needs ", held.dram_bytes, " bytes of pinned DRAM; uid ", peer_.uid,
-            " holds ", u.dram_bytes, " of its quota of ", o.max_dram_bytes_per_uid,
-            " (max_dram_bytes_per_uid)",
-            u.lingering_bytes == 0
-                ? std::string()
-                : StrCat(", ", u.lingering_bytes,
-                         " of them mapped by processes that closed their connection but live "
-                         "on"),
-            d_.ParkedNoteLocked(peer_.uid)));
+        over = dram_over(u, held.dram_bytes, o.max_dram_bytes_per_uid);
       } else if (o.max_nvme_bytes_per_uid != 0 &&
                  u.nvme_bytes + held.nvme_bytes > o.max_nvme_bytes_per_uid) {
         over = Status::ResourceExhausted(

@@ -151,7 +151,7 @@ struct Engine::Impl {
   // The pinned DRAM a job's layout needs (ring, param cache, per-unit
   // buffers, as RegisterJob allocates them), against what the budget has
   // left and what the machine has: refused up front, with the figures.
-  Status CheckDramNeed(const Job& job) const {
+  Result<uint64_t> CheckDramNeed(const Job& job) const {
     const JobSpec& spec = job.spec;
     const bool nvme_states = spec.optimizer_tier == Tier::kNvme;
     const bool nvme_params = spec.param_tier == Tier::kNvme;
@@ -196,7 +196,7 @@ struct Engine::Impl {
                                               " bytes of pinned DRAM; this machine has ", physical,
                                               " bytes of memory in all"));
     }
-    return Status::Ok();
+    return need;
   }
 
   // One step of `seconds` done: the job's step-time counters (under mu).
@@ -758,7 +758,8 @@ Status ValidateJobSpec(const JobSpec& spec, size_t name_prefix_bytes) {
   return Status::Ok();
 }
 
-Result<int> Engine::RegisterJob(const JobSpec& spec) {
+Result<int> Engine::RegisterJob(const JobSpec& spec,
+                                const std::function<Status(uint64_t dram_bytes)>& admit) {
   Impl& e = *impl_;
   // Room for ztierd's scope before the name ("uid4294967295/"); its client
   // checked the name without it.
@@ -835,7 +836,8 @@ Result<int> Engine::RegisterJob(const JobSpec& spec) {
           StrCat("job '", spec.name, "' has more than ", kMaxJobElements, " elements"));
     }
   }
-  ZT_RETURN_IF_ERROR(e.CheckDramNeed(*job));
+  ZT_ASSIGN_OR_RETURN(const uint64_t dram_need, e.CheckDramNeed(*job));
+  if (admit) ZT_RETURN_IF_ERROR(admit(dram_need));
   if (zero_elements > 0) {
     const size_t bytes = zero_elements * sizeof(float);
     void* zeros =
