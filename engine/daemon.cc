@@ -211,6 +211,7 @@ struct Daemon::Impl {
       --u.connections;
       u.dram_bytes -= l.bytes;
       u.lingering_bytes -= l.bytes;
+      engine->ReleaseDram(l.bytes);
       return true;
     });
   }
@@ -1829,6 +1830,8 @@ class Daemon::Impl::Connection {
       } else if (lives) {
         u.dram_bytes += lingering_bytes_;
         u.lingering_bytes += lingering_bytes_;
+        // Still in use (its mapping keeps the pages): the budget counts it.
+        d_.engine->HoldDram(lingering_bytes_);
         d_.lingering.push_back(
             {.pidfd = std::move(pidfd_), .uid = peer_.uid, .bytes = lingering_bytes_});
       } else {

@@ -179,16 +179,27 @@ struct DramPool::Impl {
   std::vector<uint8_t> dedicated;      // per region: one owner's, never carved for others
   uint64_t reserved = 0;
   uint64_t used = 0;
+  uint64_t outside = 0;  // HoldOutside: in use, in no region of this pool
+
+  // What the budget has left to reserve (0 when outside holds pass it).
+  uint64_t Left() const {
+    return options.budget_bytes - std::min(options.budget_bytes, reserved + outside);
+  }
 
   bool live(uint32_t r) const { return r < regions.size() && regions[r].base() != nullptr; }
 
   // ResourceExhausted, naming the figures, when `size` more bytes would pass
   // the budget.
   Status CheckBudget(uint64_t size, std::string_view owner) const {
-    if (used + size <= options.budget_bytes) return Status::Ok();
+    if (used + outside + size <= options.budget_bytes) return Status::Ok();
     return Status::ResourceExhausted(StrCat(owner, ": DRAM pool budget of ", options.budget_bytes,
-                                            " bytes exceeded (", used, " in use, ", size,
-                                            " more requested)"));
+                                            " bytes exceeded (", used + outside, " in use",
+                                            outside == 0
+                                                ? ""
+                                                : StrCat(", ", outside,
+                                                         " of them freed jobs' memory that "
+                                                         "live clients still map"),
+                                            ", ", size, " more requested)"));
   }
 
   // Makes a region of `bytes`, binds it to the NUMA node and records it
@@ -215,7 +226,7 @@ struct DramPool::Impl {
   // Makes room for `size` more reserved bytes by dropping empty shared
   // regions (kept only to save their making again).
   void DropEmptySharedRegions(uint64_t size) {
-    for (uint32_t r = 0; r < regions.size() && options.budget_bytes - reserved < size; ++r) {
+    for (uint32_t r = 0; r < regions.size() && Left() < size; ++r) {
       if (live(r) && !dedicated[r] && pages[r].free_units() == pages[r].total_units()) Drop(r);
     }
   }
@@ -281,7 +292,7 @@ Result<DramBlock> DramPool::Allocate(uint64_t bytes, std::string_view owner) {
   // A new region: the standard size, or one just for this block, never
   // reserving past the budget (pinned memory is what the budget protects).
   p.DropEmptySharedRegions(size);
-  const uint64_t room = (p.options.budget_bytes - p.reserved) / kPage * kPage;
+  const uint64_t room = p.Left() / kPage * kPage;
   const uint64_t make = std::min(std::max(p.options.region_bytes, RoundUp(size, kHugePage)), room);
   if (make < size) {
     return Status::ResourceExhausted(StrCat(owner, ": DRAM pool budget of ", p.options.budget_bytes,
@@ -303,10 +314,10 @@ Result<uint32_t> DramPool::CreateRegion(uint64_t bytes, std::string_view owner) 
   std::lock_guard<std::mutex> lock(p.mu);
   ZT_RETURN_IF_ERROR(p.CheckBudget(size, owner));
   p.DropEmptySharedRegions(size);
-  if (p.options.budget_bytes - p.reserved < size) {
-    return Status::ResourceExhausted(StrCat(
-        owner, ": DRAM pool budget of ", p.options.budget_bytes, " bytes exceeded: ",
-        p.options.budget_bytes - p.reserved, " bytes are left to reserve, ", size, " requested"));
+  if (p.Left() < size) {
+    return Status::ResourceExhausted(StrCat(owner, ": DRAM pool budget of ", p.options.budget_bytes,
+                                            " bytes exceeded: ", p.Left(),
+                                            " bytes are left to reserve, ", size, " requested"));
   }
   // Never hugetlb: a client could punch holes in it and release the
   // reservation the engine's mapping faults on, and older kernels do not
@@ -420,8 +431,8 @@ DramPoolStats DramPool::stats() const {
   std::lock_guard<std::mutex> lock(p.mu);
   DramPoolStats s;
   s.budget_bytes = p.options.budget_bytes;
-  s.reserved_bytes = p.reserved;
-  s.used_bytes = p.used;
+  s.reserved_bytes = p.reserved + p.outside;
+  s.used_bytes = p.used + p.outside;
   for (const Region& r : p.regions) {
     if (r.base() == nullptr) continue;
     ++s.regions;
@@ -429,9 +440,20 @@ DramPoolStats DramPool::stats() const {
     s.hugetlb_regions += r.hugetlb() ? 1 : 0;
     s.huge_page_bytes += r.huge_bytes();
   }
-  if (s.reserved_bytes > 0)
-    s.page_bytes = 2 * s.huge_page_bytes >= s.reserved_bytes ? kHugePage : kPage;
+  if (p.reserved > 0) s.page_bytes = 2 * s.huge_page_bytes >= p.reserved ? kHugePage : kPage;
   return s;
+}
+
+void DramPool::HoldOutside(uint64_t bytes) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  impl_->outside += bytes;
+}
+
+void DramPool::ReleaseOutside(uint64_t bytes) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  ZT_CHECK_MSG(bytes <= impl_->outside, "ReleaseOutside of ", bytes, " B, more than held (",
+               impl_->outside, ")");
+  impl_->outside -= bytes;
 }
 
 std::string ShmemHugePagePolicy() {

@@ -107,6 +107,13 @@ class DramPool {
   // Unmaps a dedicated region (the memory lives on while another process
   // still maps it) and returns its bytes to the budget.
   void DestroyRegion(uint32_t region);
+  // Memory in use that is in no live region: a destroyed region that a
+  // live client still maps (its pages stay allocated). Counted against the
+  // budget, as reserved and used, until released; may take the pool past
+  // its budget (it is in use already), which then refuses new blocks.
+  // Releasing more than is held is a programmer error.
+  void HoldOutside(uint64_t bytes);
+  void ReleaseOutside(uint64_t bytes);
 
   // The memfd of a live region, for passing to another process; -1 if none.
   int region_fd(uint32_t region) const;

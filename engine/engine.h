@@ -314,6 +314,10 @@ class Engine {
   // The pinned DRAM pool: budget, bytes reserved and in use, regions locked,
   // and the page size it really got (engine/dram_pool.h).
   DramPoolStats pool_stats() const;
+  // DramPool::HoldOutside / ReleaseOutside: pinned memory of freed jobs that
+  // live clients still map (ztierd's lingering connections).
+  void HoldDram(uint64_t bytes);
+  void ReleaseDram(uint64_t bytes);
 
   // The job's own pinned regions, {base, bytes}: every pointer the engine
   // hands its clients (grad inboxes, publish buffers, the param cache) lies

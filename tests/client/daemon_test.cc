@@ -1406,6 +1406,14 @@ TEST(ZtierdProgramTest, AProcessThatClosedItsConnectionStaysChargedUntilItExits)
   ASSERT_FALSE(m.ok());
   EXPECT_EQ(m.status().code(), StatusCode::kResourceExhausted) << m.status() << d.log();
   EXPECT_NE(m.status().ToString().find("live on"), std::string::npos) << m.status();
+  // And the pool's budget still counts the memory (it went back to the
+  // budget when the job was freed, though the mapping kept it allocated).
+  Result<std::unique_ptr<DaemonControl>> c = DaemonControl::Connect(d.socket(), 10s);
+  ASSERT_TRUE(c.ok()) << c.status();
+  Result<engine::DaemonStatus> st = (*c)->GetStatus();
+  ASSERT_TRUE(st.ok()) << st.status();
+  EXPECT_GT(st->dram_used_bytes, 0u)
+      << "the lingering regions left the budget (no job is registered)";
   // Once it exits, the charge goes.
   ::kill(*pid, SIGKILL);
   (void)testing::WaitChild(*pid);
@@ -1415,6 +1423,10 @@ TEST(ZtierdProgramTest, AProcessThatClosedItsConnectionStaysChargedUntilItExits)
     std::this_thread::sleep_for(10ms);
   }
   EXPECT_TRUE(m.ok()) << m.status() << d.log();
+  m->reset();
+  st = (*c)->GetStatus();
+  ASSERT_TRUE(st.ok()) << st.status();
+  EXPECT_EQ(st->dram_used_bytes, 0u) << "still counted after the process exited";
 }
 
 TEST(ZtierdProgramTest, VictimClient) {
