@@ -189,6 +189,7 @@ struct Daemon::Impl {
     uint64_t lingering_bytes = 0;  // of dram_bytes: see Lingering
     int requests = 0;              // queued or running on its connections' pools
     uint64_t payload_bytes = 0;    // held by its requests' handlers (see Payload)
+    uint64_t spec_bytes = 0;       // its registered jobs' specs as ztierd keeps them (SpecHeap)
   };
   // A closed connection whose process lives on: its uid stays charged for
   // the connection and for the shared regions of the jobs it had mapped and
@@ -425,6 +426,7 @@ struct Daemon::Impl {
     JobSpec spec;             // as registered, with the client's (unscoped) name
     uint64_t dram_bytes = 0;  // charged to the uid
     uint64_t nvme_bytes = 0;
+    uint64_t spec_bytes = 0;  // SpecHeap(spec), charged to the uid
     // Guarded by Impl::mu.
     int holders = 0;                      // handles on live connections
     std::vector<const void*> rank_owner;  // per rank: the connection that attached it
@@ -473,6 +475,7 @@ struct Daemon::Impl {
     --u.jobs;
     u.dram_bytes -= job.dram_bytes;
     u.nvme_bytes -= job.nvme_bytes;
+    u.spec_bytes -= job.spec_bytes;
     return true;
   }
   // Then, with no lock held: the engine lets the job go.
@@ -1280,6 +1283,23 @@ class Daemon::Impl::Connection {
     return p::Encode(p::Hello{.name = "ztierd"});
   }
 
+  // About the heap a registered job's spec takes in this process: ztierd's
+  // copy and the engine's (with its scoped name), and the engine's layout
+  // (an offset a tensor). A spec of millions of scalar tensors took
+  // hundreds of MiB that no quota counted.
+  static uint64_t SpecHeap(const JobSpec& spec) {
+    uint64_t bytes = 0;
+    for (const UnitSpec& u : spec.units) {
+      bytes += sizeof(UnitSpec) + u.name.size() + 64;
+      for (const TensorSpec& t : u.tensors) {
+        bytes += sizeof(TensorSpec) + t.name.size() + t.shape.size() * sizeof(int64_t);
+      }
+    }
+    uint64_t tensors = 0;
+    for (const UnitSpec& u : spec.units) tensors += u.tensors.size();
+    return 2 * bytes + sizeof(uint64_t) * tensors;
+  }
+
   // A memfd payload's bytes charged to the uid while a handler holds them
   // (DaemonOptions::max_spec_bytes_per_uid); given back when the charge goes.
   class PayloadCharge {
@@ -1296,10 +1316,11 @@ class Daemon::Impl::Connection {
     Status Take(Impl& d, uid_t uid, uint64_t bytes) {
       std::lock_guard<std::mutex> lock(d.mu);
       Impl::Usage& u = d.usage[uid];
-      if (u.payload_bytes + bytes > d.options.max_spec_bytes_per_uid) {
+      if (u.payload_bytes + u.spec_bytes + bytes > d.options.max_spec_bytes_per_uid) {
         return Status::ResourceExhausted(StrCat(
-            "uid ", uid, "'s requests hold ", u.payload_bytes,
-            " bytes of job specs in ztierd; this one needs ", bytes, " more, past the quota of ",
+            "uid ", uid, "'s requests hold ", u.payload_bytes, " bytes of job specs in ztierd",
+            u.spec_bytes == 0 ? "" : StrCat(" and its registered jobs ", u.spec_bytes),
+            "; this one needs ", bytes, " more, past the quota of ",
             d.options.max_spec_bytes_per_uid, " (daemon max_spec_bytes_per_uid)"));
       }
       u.payload_bytes += bytes;
@@ -1419,6 +1440,7 @@ class Daemon::Impl::Connection {
     job->dram_bytes = held.dram_bytes;
     job->nvme_bytes = held.nvme_bytes;
     job->holders = 1;
+    job->spec_bytes = SpecHeap(spec);
     job->rank_owner.assign(spec.ranks, nullptr);
     job->spec = std::move(spec);
     Status over;
@@ -1439,6 +1461,12 @@ class Daemon::Impl::Connection {
             StrCat("job '", name, "' needs ", held.nvme_bytes, " bytes of swap; uid ", peer_.uid,
                    " holds ", u.nvme_bytes, " of its quota of ", o.max_nvme_bytes_per_uid,
                    " (max_nvme_bytes_per_uid)", d_.ParkedNoteLocked(peer_.uid)));
+      } else if (u.spec_bytes + job->spec_bytes > d_.options.max_spec_bytes_per_uid) {
+        over = Status::ResourceExhausted(
+            StrCat("job '", name, "': its spec takes about ", job->spec_bytes, " bytes in ztierd (",
+                   job->spec.units.size(), " units); uid ", peer_.uid, "'s registered jobs hold ",
+                   u.spec_bytes, " of the quota of ", d_.options.max_spec_bytes_per_uid,
+                   " (daemon max_spec_bytes_per_uid: fewer, larger tensors take less)"));
       } else if (d_.jobs.count({peer_.uid, name}) != 0) {
         // The engine's names are unique, so this is a race with a parked
         // job of the name being attached again.
@@ -1447,6 +1475,7 @@ class Daemon::Impl::Connection {
       if (over.ok()) {
         u.dram_bytes += held.dram_bytes;
         u.nvme_bytes += held.nvme_bytes;
+        u.spec_bytes += job->spec_bytes;
         d_.jobs[{peer_.uid, name}] = job;
       } else {
         --u.jobs;

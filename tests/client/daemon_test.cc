@@ -620,6 +620,41 @@ TEST_F(DaemonTest, PoolThreadsOfABurstOfWaitsEndOnceIdle) {
   EXPECT_EQ(r->status.code(), StatusCode::kNotFound) << r->status;
 }
 
+// A registered job's spec stays in ztierd's heap (twice, with the engine's
+// layout) for the job's life: one uid's jobs of millions of scalar tensors
+// took gigabytes that only the specs in flight were counted for.
+TEST_F(DaemonTest, RegisteredJobsSpecsCountTowardTheSpecQuota) {
+  engine::DaemonOptions options;
+  options.max_spec_bytes_per_uid = 256 << 10;
+  Start(options);
+  engine::JobSpec many;
+  many.name = "scalars";
+  many.units.push_back({.name = "u0", .tensors = {}});
+  for (int t = 0; t < 1500; ++t) {
+    many.units[0].tensors.push_back({.name = StrCat("t", t), .shape = {1}});
+  }
+  RawClient c = RawClient::Connect(socket());
+  const int32_t first = [&] {
+    Result<RawClient::Reply> r = c.Call(p::MessageType::kRegisterJob, p::Encode(many));
+    EXPECT_TRUE(r.ok() && r->status.ok()) << (r.ok() ? r->status : r.status());
+    Result<p::JobHandle> h = p::DecodeJobHandle(r.ok() ? r->payload : "");
+    return h.ok() ? h->job : -1;
+  }();
+  ASSERT_GE(first, 0);
+  many.name = "more-scalars";
+  Result<RawClient::Reply> r = c.Call(p::MessageType::kRegisterJob, p::Encode(many));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->status.code(), StatusCode::kResourceExhausted) << r->status;
+  EXPECT_NE(r->status.message().find("max_spec_bytes_per_uid"), std::string::npos) << r->status;
+  EXPECT_EQ(daemon_->daemon().stats().jobs, 1);
+  // Unregistered, its spec's bytes come back.
+  r = c.Call(p::MessageType::kUnregisterJob, p::Encode(p::JobRef{.job = first}));
+  ASSERT_TRUE(r.ok() && r->status.ok()) << (r.ok() ? r->status : r.status());
+  r = c.Call(p::MessageType::kRegisterJob, p::Encode(many));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_TRUE(r->status.ok()) << r->status;
+}
+
 TEST_F(DaemonTest, AJobWhoseClientDiedIsParkedForTheGracePeriodThenFreed) {
   engine::DaemonOptions options;
   // Long enough that a loaded machine's scheduling leaves the reattach
@@ -890,9 +925,13 @@ TEST_F(DaemonTest, TheJobSpecsOneUidsRequestsHoldAreBounded) {
   EXPECT_TRUE(first.code() == StatusCode::kNotFound ||
               first.code() == StatusCode::kResourceExhausted)
       << first;
-  // Every charge was given back: the same spec registers.
+  // Every charge was given back: the same spec is in flight again. (It
+  // could not be registered: kept, its spec takes more than the quota.)
+  Status again = (*s2)->AttachModel(ModelOf(spec), 1, 10ms).status();
+  EXPECT_EQ(again.code(), StatusCode::kNotFound) << again;
   Result<std::unique_ptr<Model>> m = (*s2)->RegisterModel(ModelOf(spec));
-  EXPECT_TRUE(m.ok()) << m.status();
+  EXPECT_EQ(m.status().code(), StatusCode::kResourceExhausted) << m.status();
+  EXPECT_NE(m.status().message().find("its spec takes about"), std::string::npos) << m.status();
 }
 
 // Learning rates through ztierd: the rank that registered the job and an
