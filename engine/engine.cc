@@ -6,9 +6,11 @@
 // shard. Optimizer work runs on the engine's stepping threads, outside the
 // lock, on units whose grads are complete (no client writes them until the
 // next step). Each job's steps run one at a time and in order (a strand), and
-// different jobs' steps run side by side on up to kSteppingThreads threads,
-// so a job whose step waits on its drives does not hold up another job's
-// DRAM step; their compute shares the one Executor.
+// different jobs' steps run side by side on the stepping threads of their
+// lane: jobs with states or params on NVMe, whose steps wait on the drives,
+// have threads of their own, so however many of them wait (one uid may have
+// 16), a job in DRAM never waits behind them; their compute shares the one
+// Executor.
 #include "engine/engine.h"
 
 #include <fcntl.h>
@@ -80,40 +82,45 @@ struct Engine::Impl {
   // adds the live jobs' counters to it.
   EngineTotals retired;
 
-  // Stepping: each job's tasks in order (its strand), jobs taking turns.
-  static constexpr int kSteppingThreads = 4;
+  // Stepping: each job's tasks in order (its strand), jobs of a lane taking
+  // turns on its threads. Lane 0: jobs all in DRAM; lane 1: jobs whose
+  // steps read and write the drives.
+  static constexpr int kLanes = 2;
+  static constexpr int kSteppingThreadsPerLane = 4;
+  static int LaneOf(const Job& j) { return j.ring != nullptr || j.params != nullptr ? 1 : 0; }
   std::mutex task_mu;
-  std::condition_variable task_cv;
+  std::condition_variable task_cv[kLanes];
   std::map<int, std::deque<std::function<void()>>> tasks;  // by job
-  std::deque<int> runnable;  // jobs with tasks and no thread running one
-  std::set<int> running;     // jobs a thread runs a task of
+  std::deque<int> runnable[kLanes];  // jobs with tasks and no thread running one
+  std::set<int> running;             // jobs a thread runs a task of
   bool stop = false;
   std::vector<std::thread> workers;
 
   explicit Impl(cpu_adam::Executor e) : executor(std::move(e)) {}
 
-  void Post(int job, std::function<void()> task) {
+  void Post(const Job& j, std::function<void()> task) {
+    const int lane = LaneOf(j);
     {
       std::lock_guard<std::mutex> lock(task_mu);
-      std::deque<std::function<void()>>& q = tasks[job];
+      std::deque<std::function<void()>>& q = tasks[j.id];
       q.push_back(std::move(task));
-      if (q.size() == 1 && running.count(job) == 0) runnable.push_back(job);
+      if (q.size() == 1 && running.count(j.id) == 0) runnable[lane].push_back(j.id);
     }
-    task_cv.notify_one();
+    task_cv[lane].notify_one();
   }
 
-  // A stepping thread: the next job's next task, until stopped with
-  // nothing left to run.
-  void Run() {
+  // A stepping thread of `lane`: the next job's next task, until stopped
+  // with nothing left to run.
+  void Run(int lane) {
     for (;;) {
       std::function<void()> task;
       int job;
       {
         std::unique_lock<std::mutex> lock(task_mu);
-        task_cv.wait(lock, [&] { return stop || !runnable.empty(); });
-        if (runnable.empty()) return;
-        job = runnable.front();
-        runnable.pop_front();
+        task_cv[lane].wait(lock, [&] { return stop || !runnable[lane].empty(); });
+        if (runnable[lane].empty()) return;
+        job = runnable[lane].front();
+        runnable[lane].pop_front();
         std::deque<std::function<void()>>& q = tasks[job];
         task = std::move(q.front());
         q.pop_front();
@@ -141,8 +148,8 @@ struct Engine::Impl {
         if (it->second.empty()) {
           tasks.erase(it);
         } else {
-          runnable.push_back(job);  // behind the other jobs waiting
-          task_cv.notify_one();
+          runnable[lane].push_back(job);  // behind the other jobs waiting
+          task_cv[lane].notify_one();
         }
       }
     }
@@ -514,7 +521,7 @@ Engine::~Engine() {
     std::lock_guard<std::mutex> lock(impl_->task_mu);
     impl_->stop = true;
   }
-  impl_->task_cv.notify_all();
+  for (std::condition_variable& cv : impl_->task_cv) cv.notify_all();
   for (std::thread& t : impl_->workers) t.join();
   {
     std::lock_guard<std::mutex> lock(impl_->mu);
@@ -581,10 +588,11 @@ Result<std::unique_ptr<Engine>> Engine::Create(const Settings& settings,
   }
   std::unique_ptr<Engine> engine(new Engine(std::move(impl)));
   // Stepping threads (those started stop with the engine on an error).
-  for (int k = 0; k < Impl::kSteppingThreads; ++k) {
+  for (int k = 0; k < Impl::kLanes * Impl::kSteppingThreadsPerLane; ++k) {
     Impl* i = engine->impl_.get();
+    const int lane = k % Impl::kLanes;
     ZT_ASSIGN_OR_RETURN(std::thread t,
-                        StartThread("the engine's stepping thread", [i] { i->Run(); }));
+                        StartThread("the engine's stepping thread", [i, lane] { i->Run(lane); }));
     i->workers.push_back(std::move(t));
   }
   return engine;
@@ -1153,7 +1161,7 @@ Status Engine::GradsReady(int job, int unit, int rank) {
   u.micro = 0;
   u.ready = true;
   if (j->spec.optimizer.mode == StepMode::kEager) {
-    e.Post(j->id, [&e, j, unit, lrs = j->lrs] { e.StepEager(j, static_cast<size_t>(unit), lrs); });
+    e.Post(*j, [&e, j, unit, lrs = j->lrs] { e.StepEager(j, static_cast<size_t>(unit), lrs); });
   } else if (++j->ready_units == static_cast<int>(j->units.size())) {
     // Each unit took these grads after its publish of the step before, so
     // that step has published every unit (its write-backs may still run: the
@@ -1165,12 +1173,12 @@ Status Engine::GradsReady(int job, int unit, int rank) {
     for (const Unit& each : j->units) {
       for (double s : each.shard_sq) step_sq += s;  // unit, then rank order: deterministic
     }
-    e.Post(j->id, [&e, j, step_sq, lrs = j->lrs] { e.StepExact(j, step_sq, lrs); });
+    e.Post(*j, [&e, j, step_sq, lrs = j->lrs] { e.StepExact(j, step_sq, lrs); });
   } else if (j->ready_units == 1 && j->ring != nullptr) {
     // The step's first unit is ready, backward goes on: the step's first
     // units' states are read from the drives meanwhile (after the previous
     // step, on the job's strand), so the step starts with them in DRAM.
-    e.Post(j->id, [j] { PreloadUnitStates(*j, ForwardOrder(*j)); });
+    e.Post(*j, [j] { PreloadUnitStates(*j, ForwardOrder(*j)); });
   }
   return Status::Ok();
 }
