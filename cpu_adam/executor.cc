@@ -16,6 +16,7 @@
 #include <oneapi/tbb/task_arena.h>
 
 #include "common/log.h"
+#include "common/tsan.h"
 #include "cpu_adam/adamw.h"
 
 namespace ztier::cpu_adam {
@@ -147,12 +148,19 @@ void Executor::ParallelFor(size_t n, const std::function<void(size_t, size_t)>& 
     body(0, n);
     return;
   }
+  TsanEdge start, done;  // oneTBB's hand-off, as TSan cannot see it (common/tsan.h)
+  start.Release();
   impl_->arena.execute([&] {
     oneapi::tbb::parallel_for(
         oneapi::tbb::blocked_range<size_t>(0, n),
-        [&](const oneapi::tbb::blocked_range<size_t>& r) { body(r.begin(), r.end()); },
+        [&](const oneapi::tbb::blocked_range<size_t>& r) {
+          start.Acquire();
+          body(r.begin(), r.end());
+          done.Release();
+        },
         oneapi::tbb::static_partitioner());
   });
+  done.Acquire();
 }
 
 }  // namespace ztier::cpu_adam

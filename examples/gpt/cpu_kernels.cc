@@ -33,6 +33,7 @@
 #include <numeric>
 #include <vector>
 
+#include "common/tsan.h"
 #include "examples/gpt/kernels.h"
 
 namespace ztier::gpt {
@@ -47,17 +48,30 @@ constexpr int kRows = 4;
 constexpr size_t kElementGrain = size_t{1} << 14;
 constexpr float kLayerNormEps = 1e-5f;
 
+// The two fan-outs state oneTBB's hand-off for TSan (common/tsan.h).
 template <typename F>
 void ParallelElements(size_t n, F f) {
+  TsanEdge start, done;
+  start.Release();
   tbb::parallel_for(tbb::blocked_range<size_t>(0, n, kElementGrain),
-                    [&](const tbb::blocked_range<size_t>& r) { f(r.begin(), r.end()); });
+                    [&](const tbb::blocked_range<size_t>& r) {
+                      start.Acquire();
+                      f(r.begin(), r.end());
+                      done.Release();
+                    });
+  done.Acquire();
 }
 
 template <typename F>
 void ParallelIndices(int n, F f) {
+  TsanEdge start, done;
+  start.Release();
   tbb::parallel_for(tbb::blocked_range<int>(0, n), [&](const tbb::blocked_range<int>& r) {
+    start.Acquire();
     for (int i = r.begin(); i != r.end(); ++i) f(i);
+    done.Release();
   });
+  done.Acquire();
 }
 
 // y[0..kLanes) += a * x[0..kLanes), and its runtime-length tail. The two
