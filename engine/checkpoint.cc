@@ -60,16 +60,14 @@ void ParamsFromMaster(const Unit& u, const StateView& view) {
 // The engine's job as the file code sees it: passes over ForEachUnitState.
 class EngineStateAccess final : public StateAccess {
  public:
-  EngineStateAccess(Job& job, PublishFn publish) : job_(job), publish_(std::move(publish)) {}
+  EngineStateAccess(Job& job, CommitFn commit) : job_(job), commit_(std::move(commit)) {}
 
   Status Read(const Visit& fn) override { return Pass(Access::kRead, fn, false); }
   Status Overwrite(const Visit& fn) override { return Pass(Access::kOverwrite, fn, true); }
   Status UpdateMaster(const Visit& fn) override { return Pass(Access::kUpdate, fn, true); }
   Status Commit(int64_t step, int64_t adam_step) override {
-    job_.step = step;
-    job_.adam_step = adam_step;
+    commit_(step, adam_step);
     job_.partly_written = false;
-    for (Unit& u : job_.units) publish_(u, step);
     return Status::Ok();
   }
 
@@ -103,29 +101,29 @@ class EngineStateAccess final : public StateAccess {
   }
 
   Job& job_;
-  PublishFn publish_;
+  CommitFn commit_;
 };
 
 Status SaveCheckpointImpl(Job& job, const std::string& dir, CheckpointDirs& dirs) {
   ZT_RETURN_IF_ERROR(CreateCheckpointDir(dir));
   ZT_RETURN_IF_ERROR(dirs.Claim(job, dir));
-  EngineStateAccess state(job, [](Unit&, int64_t) {});
+  EngineStateAccess state(job, [](int64_t, int64_t) {});
   return SaveCheckpointFiles(Describe(job), state, dir);
 }
 
-Status LoadCheckpointImpl(Job& job, const std::string& dir, const PublishFn& publish) {
-  EngineStateAccess state(job, publish);
+Status LoadCheckpointImpl(Job& job, const std::string& dir, const CommitFn& commit) {
+  EngineStateAccess state(job, commit);
   return LoadCheckpointFiles(Describe(job), state, dir);
 }
 
 Status ExportSafetensorsImpl(Job& job, const std::string& path, bool bf16_out) {
-  EngineStateAccess state(job, [](Unit&, int64_t) {});
+  EngineStateAccess state(job, [](int64_t, int64_t) {});
   return ExportSafetensorsFile(Describe(job), state, path,
                                bf16_out ? ExportType::kBFloat16 : ExportType::kFloat32);
 }
 
-Status ImportSafetensorsImpl(Job& job, const std::string& path, const PublishFn& publish) {
-  EngineStateAccess state(job, publish);
+Status ImportSafetensorsImpl(Job& job, const std::string& path, const CommitFn& commit) {
+  EngineStateAccess state(job, commit);
   return ImportSafetensorsFile(Describe(job), state, path);
 }
 
@@ -142,8 +140,8 @@ Status WriteUnitStateImpl(Job& job, size_t unit, const UnitState& from) {
   });
 }
 
-Status CommitStateImpl(Job& job, int64_t step, int64_t adam_step, const PublishFn& publish) {
-  EngineStateAccess state(job, publish);
+Status CommitStateImpl(Job& job, int64_t step, int64_t adam_step, const CommitFn& commit) {
+  EngineStateAccess state(job, commit);
   return state.Commit(step, adam_step);
 }
 

@@ -233,7 +233,10 @@ struct Engine::Impl {
     // word is the client's garbage, not traffic.
     const double seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - j.registered).count();
-    const uint64_t most = (uint64_t{1} << 30) + static_cast<uint64_t>(seconds * 0x1p40);
+    // (After 2^23 s, 97 days, the bound would pass 2^63: it stops there.)
+    const uint64_t most =
+        seconds < 0x1p23 ? (uint64_t{1} << 30) + static_cast<uint64_t>(seconds * 0x1p40)
+                         : uint64_t{1} << 63;
     j.seen.resize(static_cast<size_t>(j.spec.ranks) * kClientCounterWords, 0);
     const auto word = [&](int rank, int w) {
       uint64_t& seen = j.seen[static_cast<size_t>(rank) * kClientCounterWords + w];
@@ -372,6 +375,18 @@ struct Engine::Impl {
       also();
     }
     published_cv.notify_all();
+  }
+
+  // The CommitFn of a load, import or commit of `job` (engine_internal.h).
+  CommitFn Committer(Job& job) {
+    return [this, &job](int64_t step, int64_t adam_step) {
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        job.step = step;
+        job.adam_step = adam_step;
+      }
+      for (Unit& u : job.units) Publish(job, u, step, [] {});
+    };
   }
 
   // Under `lock` (on mu): until no unit of the job is published with its
@@ -1603,8 +1618,7 @@ Status Engine::SaveCheckpoint(int job, const std::string& dir) {
 Status Engine::LoadCheckpoint(int job, const std::string& dir) {
   Impl& e = *impl_;
   return WithIdleJob(e, job, "load checkpoint", [&](Job& j) {
-    return LoadCheckpointImpl(j, dir, [&](Unit& u, int64_t step) { e.Publish(j, u, step, [] {}); })
-        .Annotate(dir);
+    return LoadCheckpointImpl(j, dir, e.Committer(j)).Annotate(dir);
   });
 }
 
@@ -1622,8 +1636,7 @@ Status Engine::ExportSafetensors(int job, const std::string& path, ExportType ty
 Status Engine::ImportSafetensors(int job, const std::string& path) {
   Impl& e = *impl_;
   return WithIdleJob(e, job, "import safetensors", [&](Job& j) {
-    return ImportSafetensorsImpl(j, path,
-                                 [&](Unit& u, int64_t step) { e.Publish(j, u, step, [] {}); });
+    return ImportSafetensorsImpl(j, path, e.Committer(j));
   });
 }
 
@@ -1649,8 +1662,7 @@ Status Engine::CommitState(int job, int64_t step, int64_t adam_step) {
   }
   Impl& e = *impl_;
   return WithIdleJob(e, job, "commit state", [&](Job& j) {
-    return CommitStateImpl(j, step, adam_step,
-                           [&](Unit& u, int64_t s) { e.Publish(j, u, s, [] {}); });
+    return CommitStateImpl(j, step, adam_step, e.Committer(j));
   });
 }
 

@@ -280,8 +280,10 @@ Status WithUnitState(Job& job, size_t unit, Access access, const UnitFn& fn,
 // 0, 1, ..., units - 1.
 std::vector<size_t> ForwardOrder(const Job& job);
 
-// Publishes a unit as holding `step` (engine.cc: under the engine lock).
-using PublishFn = std::function<void(Unit&, int64_t step)>;
+// The job holds `step` and `adam_step`: sets them and publishes every unit
+// as holding `step` (engine.cc: under the engine lock, which readers of the
+// job's step hold).
+using CommitFn = std::function<void(int64_t step, int64_t adam_step)>;
 
 // The checkpoint directories the engine's jobs save to. Each is locked
 // (common/dir_lock.h, exclusive) from a job's first claim or save until the
@@ -309,14 +311,14 @@ class CheckpointDirs {
 
 // Called with the job idle (no grads pending) and marked checkpointing.
 Status SaveCheckpointImpl(Job& job, const std::string& dir, CheckpointDirs& dirs);
-Status LoadCheckpointImpl(Job& job, const std::string& dir, const PublishFn& publish);
+Status LoadCheckpointImpl(Job& job, const std::string& dir, const CommitFn& commit);
 Status ExportSafetensorsImpl(Job& job, const std::string& path, bool bf16_out);
-Status ImportSafetensorsImpl(Job& job, const std::string& path, const PublishFn& publish);
+Status ImportSafetensorsImpl(Job& job, const std::string& path, const CommitFn& commit);
 // One unit's master, m and v (padded each) set from `from`, its params from
 // the master; not published (CommitStateImpl does).
 Status WriteUnitStateImpl(Job& job, size_t unit, const UnitState& from);
 // The job holds `step`: every unit published as it.
-Status CommitStateImpl(Job& job, int64_t step, int64_t adam_step, const PublishFn& publish);
+Status CommitStateImpl(Job& job, int64_t step, int64_t adam_step, const CommitFn& commit);
 // What the state files (engine/state_files.h) record of the job.
 JobDescription Describe(const Job& job);
 

@@ -10,7 +10,9 @@
 //    and across jobs of one engine, and a dead holder never blocks;
 //  - loads take no lock and see one committed checkpoint while another run
 //    keeps saving into the directory;
-//  - jobs are sized up front against the limits and the DRAM budget.
+//  - jobs are sized up front against the limits and the DRAM budget;
+//  - a query of the job's step while a load commits sees one step or the
+//    other (the commit sets it under the engine lock: a TSan build checks).
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/wait.h>
@@ -144,6 +146,25 @@ TEST_F(CheckpointFaultTest, ALoadThatFailsMidwayFencesTheJobUntilALoadCommits) {
   EXPECT_TRUE(Same(Snapshot(*engine_, job_), saved_[2]));
   Train(*engine_, job_, 1, 2, 1, 31);
   EXPECT_EQ(engine_->Steps(job_)->first, 3);
+}
+
+TEST_F(CheckpointFaultTest, AStepQueryDuringALoadSeesOneStepOrTheOther) {
+  TrainAndSave(2);
+  Train(*engine_, job_, 1, step_, 1, 41);  // the job holds step 3, the file step 2
+  std::atomic<bool> done{false};
+  std::set<int64_t> seen;
+  std::thread reader([&] {
+    while (!done.load()) {
+      Result<std::pair<int64_t, int64_t>> steps = engine_->Steps(job_);
+      if (steps.ok()) seen.insert(steps->first);
+    }
+  });
+  Status s = engine_->LoadCheckpoint(job_, dir_.path());
+  done = true;
+  reader.join();
+  ASSERT_TRUE(s.ok()) << s;
+  EXPECT_EQ(engine_->Steps(job_)->first, 2);
+  for (int64_t step : seen) EXPECT_TRUE(step == 2 || step == 3) << step;
 }
 
 TEST_F(CheckpointFaultTest, EveryFailingCallOfASaveIsReportedAndACheckpointStillLoads) {
