@@ -234,9 +234,9 @@ struct Engine::Impl {
     const double seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - j.registered).count();
     // (After 2^23 s, 97 days, the bound would pass 2^63: it stops there.)
-    const uint64_t most =
-        seconds < 0x1p23 ? (uint64_t{1} << 30) + static_cast<uint64_t>(seconds * 0x1p40)
-                         : uint64_t{1} << 63;
+    const uint64_t most = seconds < 0x1p23
+                              ? (uint64_t{1} << 30) + static_cast<uint64_t>(seconds * 0x1p40)
+                              : uint64_t{1} << 63;
     j.seen.resize(static_cast<size_t>(j.spec.ranks) * kClientCounterWords, 0);
     const auto word = [&](int rank, int w) {
       uint64_t& seen = j.seen[static_cast<size_t>(rank) * kClientCounterWords + w];
@@ -1635,9 +1635,8 @@ Status Engine::ExportSafetensors(int job, const std::string& path, ExportType ty
 
 Status Engine::ImportSafetensors(int job, const std::string& path) {
   Impl& e = *impl_;
-  return WithIdleJob(e, job, "import safetensors", [&](Job& j) {
-    return ImportSafetensorsImpl(j, path, e.Committer(j));
-  });
+  return WithIdleJob(e, job, "import safetensors",
+                     [&](Job& j) { return ImportSafetensorsImpl(j, path, e.Committer(j)); });
 }
 
 Status Engine::WriteState(int job, int unit, const float* master, const float* exp_avg,
@@ -1661,9 +1660,8 @@ Status Engine::CommitState(int job, int64_t step, int64_t adam_step) {
     return Status::InvalidArgument(StrCat("step ", step, ", adam step ", adam_step));
   }
   Impl& e = *impl_;
-  return WithIdleJob(e, job, "commit state", [&](Job& j) {
-    return CommitStateImpl(j, step, adam_step, e.Committer(j));
-  });
+  return WithIdleJob(e, job, "commit state",
+                     [&](Job& j) { return CommitStateImpl(j, step, adam_step, e.Committer(j)); });
 }
 
 Result<std::pair<int64_t, int64_t>> Engine::Steps(int job) const {
