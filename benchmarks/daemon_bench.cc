@@ -147,7 +147,8 @@ Result<std::vector<double>> RoundTrips(client::Session& session, uint64_t rounds
   std::vector<double> us;
   for (uint64_t r = 0; r < rounds; ++r) {
     const auto t0 = Clock::now();
-    if (probe->counters().steps != 0) return Status::Internal("a probe that stepped");
+    ZT_ASSIGN_OR_RETURN(const engine::JobCounters counters, probe->counters());
+    if (counters.steps != 0) return Status::Internal("a probe that stepped");
     us.push_back(std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
   }
   return us;

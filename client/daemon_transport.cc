@@ -495,16 +495,10 @@ class DaemonTransport final : public Transport, public ControlTransport {
         .Annotate(StrCat("import safetensors of job '", d.name, "'"));
   }
 
-  engine::JobCounters Counters(int job) override {
-    Result<Reply> r =
-        Call(p::MessageType::kCounters, p::Encode(p::JobRef{.job = job}), {}, call_timeout_);
-    if (r.ok()) {
-      Result<engine::JobCounters> c = p::DecodeJobCounters(r->payload);
-      if (c.ok()) return *c;
-      r = c.status();
-    }
-    ZT_LOG(kWarn, "client") << "counters of job " << job << ": " << r.status();
-    return {};
+  Result<engine::JobCounters> Counters(int job) override {
+    ZT_ASSIGN_OR_RETURN(Reply r, Call(p::MessageType::kCounters, p::Encode(p::JobRef{.job = job}),
+                                      {}, call_timeout_));
+    return p::DecodeJobCounters(r.payload);
   }
 
   engine::DramPoolStats PoolStats() override {

@@ -103,7 +103,7 @@ class EmbeddedTransport final : public Transport {
   Status ImportSafetensors(int job, const std::string& path) override {
     return e_->ImportSafetensors(job, path);
   }
-  engine::JobCounters Counters(int job) override { return e_->counters(job); }
+  Result<engine::JobCounters> Counters(int job) override { return e_->counters(job); }
   engine::DramPoolStats PoolStats() override { return e_->pool_stats(); }
   std::vector<HostRegion> PinnedRegions(int job) override {
     // The engine's own mappings, in this process: read-write.

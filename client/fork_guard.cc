@@ -125,8 +125,9 @@ class ForkSafeTransport final : public Transport {
     ZT_RETURN_IF_ERROR(owner_.Check("importing weights"));
     return inner_->ImportSafetensors(job, path);
   }
-  engine::JobCounters Counters(int job) override {
-    return owner_.forked() ? engine::JobCounters{} : inner_->Counters(job);
+  Result<engine::JobCounters> Counters(int job) override {
+    ZT_RETURN_IF_ERROR(owner_.Check("reading counters"));
+    return inner_->Counters(job);
   }
   engine::DramPoolStats PoolStats() override {
     return owner_.forked() ? engine::DramPoolStats{} : inner_->PoolStats();

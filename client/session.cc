@@ -3,6 +3,7 @@
 // Thread safety: as client/ztier.h. Failure: errors come back from the
 // engine with the model's name added.
 #include <algorithm>
+#include <chrono>
 
 #include "client/transport.h"
 #include "client/ztier.h"
@@ -194,13 +195,18 @@ int64_t Model::published_step() const {
 
 Status Model::WaitPublished(int64_t step, std::chrono::milliseconds timeout) const {
   // Cut here for either transport (ztierd's adds its call timeout to it).
+  // One deadline for every unit: each unit's wait gets what is left of it.
   timeout = engine::ClampWait(timeout);
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
   for (int u = 0; u < units(); ++u) {
-    ZT_RETURN_IF_ERROR(transport_->WaitPublished(job_, u, step, timeout));
+    const auto left = std::max<std::chrono::milliseconds>(
+        std::chrono::milliseconds{0},
+        std::chrono::ceil<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now()));
+    ZT_RETURN_IF_ERROR(transport_->WaitPublished(job_, u, step, left));
   }
   return Status::Ok();
 }
 
-engine::JobCounters Model::counters() const { return transport_->Counters(job_); }
+Result<engine::JobCounters> Model::counters() const { return transport_->Counters(job_); }
 
 }  // namespace ztier::client

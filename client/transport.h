@@ -93,7 +93,8 @@ class Transport {
   virtual Status LoadCheckpoint(int job, const std::string& dir) = 0;
   virtual Status ExportSafetensors(int job, const std::string& path, engine::ExportType type) = 0;
   virtual Status ImportSafetensors(int job, const std::string& path) = 0;
-  virtual engine::JobCounters Counters(int job) = 0;
+  // Errors: as the call (ztierd gone or silent: Unavailable).
+  virtual Result<engine::JobCounters> Counters(int job) = 0;
   virtual engine::DramPoolStats PoolStats() = 0;
   // The job's host memory regions as this process maps them, for the
   // client's device to register for DMA (and unregister before the job

@@ -403,7 +403,9 @@ class Model {
   // FailedPrecondition at once for a step past the one whose grads the job
   // takes next (it would wait on grads not yet pushed).
   Status WaitPublished(int64_t step, std::chrono::milliseconds timeout) const;
-  engine::JobCounters counters() const;
+  // The job's traffic and time so far. Errors: Unavailable when ztierd is
+  // gone or does not answer.
+  Result<engine::JobCounters> counters() const;
 
   Transport& transport() const { return *transport_; }
   int job() const { return job_; }

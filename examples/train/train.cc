@@ -1073,7 +1073,8 @@ Result<int> TrainSteps(const Flags& f, const Plan& p, const std::string& text, S
       const bool measure = r == 0 && step - first >= SummarySkip(f, first);
       if (measure && measured->steps == 0) {
         measured->at_start = runner->stats();
-        measured->engine_optimizer_at_start = m.counters().optimizer_seconds;
+        ZT_ASSIGN_OR_RETURN(const engine::JobCounters at_start, m.counters());
+        measured->engine_optimizer_at_start = at_start.optimizer_seconds;
       }
       const Clock::time_point step_start = Clock::now();
       double loss = 0;
@@ -1112,8 +1113,9 @@ Result<int> TrainSteps(const Flags& f, const Plan& p, const std::string& text, S
         }
         const double secs = std::chrono::duration<double>(Clock::now() - t0).count();
         // A stop's step is the run's last: its line is always shown.
+        ZT_ASSIGN_OR_RETURN(const engine::JobCounters counters, m.counters());
         progress.Update(static_cast<int>(done), mean, tokens_per_step / std::max(secs, 1e-9), total,
-                        m.counters(), sig != 0 ? Progress::Line::kAlways : Progress::Line::kIfDue);
+                        counters, sig != 0 ? Progress::Line::kAlways : Progress::Line::kIfDue);
         if (checkpoint) {
           if (!noted) {
             ZT_RETURN_IF_ERROR(
@@ -1369,7 +1371,9 @@ int Run(const Flags& f, const Plan& p) {
   }
   Status s = m.ExportSafetensors(paths.exported, engine::Engine::ExportType::kBFloat16);
   if (!s.ok()) return fail(s);
-  const engine::JobCounters c = m.counters();
+  Result<engine::JobCounters> counters = m.counters();
+  if (!counters.ok()) return fail(counters.status());
+  const engine::JobCounters& c = *counters;
   const double run_s = std::chrono::duration<double>(Clock::now() - run_start).count();
   if (stopped != 0) {
     std::fprintf(stderr,

@@ -1308,7 +1308,7 @@ TEST(ZtierdProgramTest, TwoUsersEachSeeOnlyTheirOwnJobs) {
   EXPECT_EQ(rc, 0) << d.log();
   // Root's job is untouched.
   EXPECT_EQ((*mine)->published_step(), -1);
-  EXPECT_EQ((*mine)->counters().dram_bytes > 0, true);
+  EXPECT_GT((*mine)->counters()->dram_bytes, 0u);
 }
 
 TEST(ZtierdProgramTest, AUidOffTheAllowListIsRefusedAtItsHello) {
@@ -1418,7 +1418,7 @@ TEST(ZtierdProgramTest, AProcessThatClosedItsConnectionStaysChargedUntilItExits)
     ASSERT_TRUE(s.ok()) << s.status() << probe.log();
     Result<std::unique_ptr<Model>> m = (*s)->RegisterModel(ModelOf(TwoUnits("probe")));
     ASSERT_TRUE(m.ok()) << m.status();
-    job_bytes = (*m)->counters().dram_bytes;
+    job_bytes = (*m)->counters()->dram_bytes;
   }
   // Room for one job, not for one beside another's regions.
   ZtierdProcess d(ZTIERD_BINARY, {"--max-dram-per-uid", std::to_string(job_bytes + 4096)});

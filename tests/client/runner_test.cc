@@ -665,6 +665,39 @@ TEST(RunnerTest, AFullDiskFailsTheStepClearlyAndTheCheckpointResumes) {
   ExpectResumedEqualsWhole(first, second, *whole);
 }
 
+// Model::WaitPublished's timeout bounds the whole call: units that publish
+// one after another, each within the timeout of the one before, are not
+// waited for up to units x timeout (each unit's wait had the whole timeout).
+TEST(RunnerTest, WaitPublishedsTimeoutBoundsTheWholeCall) {
+  using namespace std::chrono_literals;
+  TrainSetup s;
+  s.optimizer_tier = Tier::kNvme;
+  s.prefetch = 0;  // the runner, gone, waits for no fetch of step 2's params
+  ScratchDir swap("runner-swap");
+  auto fault = std::make_shared<nvme::FaultBackend>(nvme::MakeUringBackend());
+  SessionOptions options = Options(s, swap.path());
+  options.io_backend = fault;
+  auto session = testing::OpenTestSession(options);
+  ASSERT_TRUE(session.ok()) << session.status();
+  auto model = RegisterWithWeights(**session, s, "gpt");
+  ASSERT_TRUE(model.ok()) << model.status();
+  ASSERT_GE((*model)->units(), 3);
+  RunResult out;
+  ASSERT_TRUE(TrainThroughRunner(s, **model, 0, 1, &out).ok());
+  ASSERT_TRUE((*model)->WaitPublished(1, std::chrono::seconds(60)).ok());
+  fault->SlowDown(nvme::IoKind::kRead, 120ms);                   // each unit's states come slowly
+  ASSERT_TRUE(TrainThroughRunner(s, **model, 1, 2, &out).ok());  // step 2's grads are in
+  const auto t0 = std::chrono::steady_clock::now();
+  Status waited = (*model)->WaitPublished(2, 400ms);
+  const auto took = std::chrono::steady_clock::now() - t0;
+  std::printf("WaitPublished(2, 400 ms): %s after %.0f ms\n", waited.ToString().c_str(),
+              std::chrono::duration<double, std::milli>(took).count());
+  EXPECT_EQ(waited.code(), StatusCode::kUnavailable) << waited;
+  EXPECT_LT(took, 1200ms);
+  fault->SlowDown(nvme::IoKind::kRead, 0ms);
+  EXPECT_TRUE((*model)->WaitPublished(2, std::chrono::seconds(60)).ok());
+}
+
 // ------------------------------------------------------------- bad use --
 
 // A weight source that interrupts a backward pass: the push after
