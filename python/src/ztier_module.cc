@@ -223,6 +223,9 @@ std::chrono::milliseconds Millis(double seconds) {
   if (!(seconds >= 0)) {
     throw StatusError(Status::InvalidArgument(StrCat("timeout ", seconds, " s is not >= 0")));
   }
+  // Past what milliseconds hold (inf included): a wait for ever (the
+  // client cuts it to the longest wait ztierd takes).
+  if (seconds * 1000.0 >= 0x1p63) return engine::kForeverWait;
   return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000.0));
 }
 
@@ -473,14 +476,24 @@ NB_MODULE(_C, m) {
           "load_checkpoint",
           [](Model& model, const std::string& dir) { Check(model.LoadCheckpoint(dir)); }, "dir"_a,
           nb::call_guard<nb::gil_scoped_release>())
-      .def_prop_ro("published_step", &Model::published_step)
+      .def_prop_ro("published_step",
+                   [](const Model& model) {
+                     nb::gil_scoped_release unlocked;  // a round trip to ztierd per unit
+                     return model.published_step();
+                   })
       .def(
           "wait_published",
           [](const Model& model, int64_t step, double timeout) {
             Check(model.WaitPublished(step, Millis(timeout)));
           },
           "step"_a, "timeout"_a = 600.0, nb::call_guard<nb::gil_scoped_release>())
-      .def("counters", [](const Model& model) { return CountersDict(model.counters()); });
+      .def("counters", [](const Model& model) {
+        Result<engine::JobCounters> counters = [&] {
+          nb::gil_scoped_release unlocked;  // a round trip to ztierd
+          return model.counters();
+        }();
+        return CountersDict(Value(std::move(counters)));
+      });
 
   nb::class_<OptimizerArgs>(m, "OptimizerConfig", "The engine's optimizer for a model.")
       .def(

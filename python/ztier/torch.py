@@ -709,6 +709,14 @@ class Offload:
             raise ValueError("ztier: every parameter of the model is frozen (requires_grad=False)")
         return groups
 
+    def _drop_runner(self):
+        """Lets go of the runner and of every view of its buffers first: a
+        unit's grad buffer left from a backward that raised kept the runner
+        (and its claim on this rank) alive, so no new one could be made."""
+        for u in self.units:
+            u.grads = None
+        self.runner = None
+
     def _make_runner(self):
         if self.world_size > 1 and self._collectives is None:
             self._collectives = _C.job_collectives(self.job, self.rank, self._device)
@@ -1777,7 +1785,7 @@ class Offload:
                         "one with weights=)") from e
                 raise
 
-        self.runner = None  # its version is the old one
+        self._drop_runner()  # its version is the old one
         try:
             self._barrier()
             self._on_rank0(load)
@@ -1846,7 +1854,6 @@ class Offload:
         # Whatever still holds the runner's buffers (a pending step's grads).
         self._deferred.clear()
         for u in self.units:
-            u.grads = None
             u.arrived.clear()
             u.held.clear()
             u.acc = None
@@ -1855,7 +1862,7 @@ class Offload:
         for u in self.units:
             for t in u.tensors:
                 self._park(t)
-        self.runner = None
+        self._drop_runner()
         self._collectives = None
         self.job = None
         # The engine goes once no other model of this process uses it (its

@@ -285,6 +285,9 @@ def test_a_session_whose_ztierd_is_gone_is_not_handed_out_again(tmp_path):
             break
         __import__("time").sleep(0.05)
     assert "ztierd" in session.health
+    # Its counters say so (grad_norm() was 0.0, the error only logged).
+    with pytest.raises(ztier.UnavailableError):
+        z.grad_norm()
     hosted = ztier._C.HostedDaemon(sock)
     try:
         again = _mlp()
@@ -1342,4 +1345,85 @@ def test_a_parameter_of_no_elements_is_left_as_it_is(settings, tmp_path):
     assert model.empty.weight.shape == (0, 8)
     z.save_checkpoint(str(tmp_path / "ck"))
     z.export_safetensors(str(tmp_path / "w.safetensors"))
+    z.close()
+
+
+class _FailsInBackward(torch.autograd.Function):
+    """The identity, whose backward raises while `fail` is set."""
+    fail = False
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        if _FailsInBackward.fail:
+            raise RuntimeError("a backward that fails")
+        return g
+
+
+class _FailingBlock(nn.Module):
+    """One unit whose backward can fail between its two layers' grads."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.b(_FailsInBackward.apply(torch.tanh(self.a(x))))
+
+
+class _FailingBlocks(nn.Module):
+    """Two _FailingBlocks, each a unit of its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([_FailingBlock(), _FailingBlock()])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_load_checkpoint_after_a_backward_that_raised_midway_through_a_unit(settings, tmp_path):
+    # The unit's grad buffer, taken for its first layer's grads and kept
+    # (zeroed) after the backward raised, kept the runner alive: the load
+    # then could not make a new runner, and the model was left without one.
+    torch.manual_seed(0)
+    model = _FailingBlocks()
+    z = zt.offload(model, settings=settings)
+    assert len(z.units) == 2
+    x = torch.randn(4, 8)
+    _train_step(model, z, x)
+    z.save_checkpoint(str(tmp_path / "ck"))
+    saved = z.master_weights()
+    _train_step(model, z, x)
+    _FailsInBackward.fail = True
+    try:
+        with pytest.raises(RuntimeError, match="a backward that fails"):
+            model(x).pow(2).sum().backward()
+    finally:
+        _FailsInBackward.fail = False
+    z.load_checkpoint(str(tmp_path / "ck"))
+    assert z.runner is not None
+    loaded = z.master_weights()
+    assert all(torch.equal(saved[k], loaded[k]) for k in saved)
+    _train_step(model, z, x)  # trains on from the checkpoint
+    assert z.step_count == 2
+    z.close()
+
+
+def test_a_timeout_of_inf_or_past_int64_milliseconds_waits(settings):
+    # seconds * 1000 past int64 was cast as it came (undefined; INT64_MIN on
+    # x86): "wait for ever" failed at once.
+    model, z, _ = _trained_mlp(settings)
+    for forever in (math.inf, 1e300, 1e17):
+        z.job.wait_published(1, forever)
+    with pytest.raises(ztier.InvalidArgumentError, match="not >= 0"):
+        z.job.wait_published(1, -1.0)
+    with pytest.raises(ztier.InvalidArgumentError, match="not >= 0"):
+        z.job.wait_published(1, math.nan)
     z.close()
