@@ -343,7 +343,8 @@ int RunAdam(int argc, char** argv) {
                                          .moments = {.m = buf.m8.get(),
                                                      .v = buf.v8.get(),
                                                      .m_absmax = buf.m_absmax.get(),
-                                                     .v_absmax = buf.v_absmax.get()},
+                                                     .v_absmax = buf.v_absmax.get(),
+                                                     .cuts = {}},
                                          .params_out = shard.params_out};
         for (cpu_adam::GradCheck check : o.checks) {
           // (The executor's count: oneTBB runs no more than the machine does.)

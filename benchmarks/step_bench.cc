@@ -673,7 +673,8 @@ int RunOnce(const StepBenchOptions& o, engine::StateDtype dtype, RunSummary* sum
             .moments = {.m = codes,
                         .v = codes + l.padded,
                         .m_absmax = absmax,
-                        .v_absmax = absmax + cpu_adam::QuantBlocks(l.padded)},
+                        .v_absmax = absmax + cpu_adam::QuantBlocks(l.padded),
+                        .cuts = {}},
             .params_out = params_out};
         ZT_RETURN_IF_ERROR(
             cpu_adam::StepInt8(spec.optimizer.hyper, options, shard8, {}, *exec).status());

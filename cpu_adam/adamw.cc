@@ -3,6 +3,7 @@
 // See adamw.h for the contract.
 #include "cpu_adam/adamw.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -104,7 +105,16 @@ Status ValidateInt8Shard(const Int8Shard& s) {
                                           " elements has a null grads/params/m/v/absmax buffer"));
   }
   ZT_RETURN_IF_ERROR(ValidateGradType(s.grad_type));
-  const size_t scales = QuantBlocks(s.count) * sizeof(float);
+  for (size_t i = 0; i < q.cuts.size(); ++i) {
+    const size_t cut = q.cuts[i];
+    if (cut == 0 || cut >= s.count || cut % kQuantBlock == 0 || (i > 0 && cut <= q.cuts[i - 1])) {
+      return Status::InvalidArgument(
+          StrCat("8-bit AdamW shard of ", s.count, " elements: its cut ", i, " at ", cut,
+                 " is not as QuantCuts makes them (sorted, unique, in (0, count), off the ",
+                 kQuantBlock, "-element block grid)"));
+    }
+  }
+  const size_t scales = QuantGroups(s.count, q.cuts) * sizeof(float);
   const Buf bufs[] = {{"params", s.params, s.count * sizeof(float), 4},
                       {"m", q.m, s.count, 1},
                       {"v", q.v, s.count, 1},
@@ -315,12 +325,24 @@ Result<StepResult> StepInt8(const Hyper& hyper, const StepOptions& options, cons
   return result;
 }
 
-void Quantize(QuantMap map, const float* x, size_t count, uint8_t* codes, float* absmax) {
-  internal::QuantizeRange(map, x, 0, count, codes, absmax);
+std::vector<size_t> QuantCuts(std::span<const size_t> starts, size_t count) {
+  std::vector<size_t> cuts;
+  for (size_t at : starts) {
+    if (at > 0 && at < count && at % kQuantBlock != 0) cuts.push_back(at);
+  }
+  std::sort(cuts.begin(), cuts.end());
+  cuts.erase(std::unique(cuts.begin(), cuts.end()), cuts.end());
+  return cuts;
 }
 
-void Dequantize(QuantMap map, const uint8_t* codes, const float* absmax, size_t count, float* x) {
-  internal::DequantizeRange(map, codes, absmax, 0, count, x);
+void Quantize(QuantMap map, const float* x, size_t count, uint8_t* codes, float* absmax,
+              std::span<const size_t> cuts) {
+  internal::QuantizeRange(map, x, 0, count, codes, absmax, cuts);
+}
+
+void Dequantize(QuantMap map, const uint8_t* codes, const float* absmax, size_t count, float* x,
+                std::span<const size_t> cuts) {
+  internal::DequantizeRange(map, codes, absmax, 0, count, x, cuts);
 }
 
 Result<double> SquaredNorm(const void* data, GradType type, size_t count, Executor& executor) {

@@ -34,15 +34,21 @@
 //
 // 8-bit states (StepInt8): m and v are stored as 8-bit codes of block-wise
 // dynamic quantization (Dettmers et al., "8-bit Optimizers via Block-wise
-// Quantization"): each block of kQuantBlock elements keeps one fp32 absmax,
+// Quantization"): each group of elements keeps one fp32 absmax,
 // and a code indexes a non-linear map of [-1, 1] (m: sign bit and 7 bits of
 // magnitude) or [0, 1] (v: 8 bits), dense near 1 and reaching down to 1e-6
 // (m) and 1e-7 (v) of the absmax. A code's bits are a run of e zeros (the
 // value's decade, 10^-e), a one, then a linear fraction of the decade; the
-// largest code is exactly 1. A step dequantizes a block, updates it in fp32
+// largest code is exactly 1. A step dequantizes a group, updates it in fp32
 // (the params use the new fp32 m and v), takes the new absmax and quantizes
 // to the nearest code (ties to the smaller), in one pass over memory. The
-// fp32 master is kept. Per parameter: 4 + 1 + 1 bytes and 8 per block.
+// fp32 master is kept. Per parameter: 4 + 1 + 1 bytes and 8 per group.
+// Groups are the blocks of kQuantBlock elements from the shard's start, cut
+// again at the moments' `cuts` (where the shard's tensors start): a group
+// never holds parts of two tensors, whose moments may differ by orders of
+// magnitude (a small one sharing a larger one's absmax would lose its v to
+// zero, and its steps would grow by as much), and a frozen tensor's groups
+// are never written.
 //
 // Thread safety: Step() and SquaredNorm() may be called concurrently on
 // disjoint shards, also on one Executor. Buffers must not be modified by
@@ -58,6 +64,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -138,6 +145,16 @@ inline constexpr size_t QuantBlocks(size_t count) {
   return (count + kQuantBlock - 1) / kQuantBlock;
 }
 
+// Where a shard's quantization groups start besides the block grid: of
+// `starts` (a shard's tensor offsets, say; any order, repeats allowed), those
+// in (0, count) that are not multiples of kQuantBlock, sorted and unique.
+std::vector<size_t> QuantCuts(std::span<const size_t> starts, size_t count);
+// The groups of a shard of `count` elements cut at `cuts` (as QuantCuts
+// makes them): its blocks, one more for each cut.
+inline size_t QuantGroups(size_t count, std::span<const size_t> cuts) {
+  return QuantBlocks(count) + cuts.size();
+}
+
 // The two maps: kSigned (m: code = sign << 7 | magnitude, 128 magnitudes)
 // and kUnsigned (v: 256 values in [0, 1]).
 enum class QuantMap : uint8_t { kSigned, kUnsigned };
@@ -145,20 +162,25 @@ enum class QuantMap : uint8_t { kSigned, kUnsigned };
 // codes 0..127 are the magnitudes ascending and code 128 + k is -value[k].
 const float* QuantMapValues(QuantMap map);
 
-// Block-wise quantization of x[0, count) (blocks of kQuantBlock from x[0];
-// absmax gets QuantBlocks(count) scales) and its inverse. A block whose
-// absmax is below the smallest normal float holds zeros (absmax 0). Single-threaded on the caller's
-// thread; any alignment. x must be finite.
-void Quantize(QuantMap map, const float* x, size_t count, uint8_t* codes, float* absmax);
-void Dequantize(QuantMap map, const uint8_t* codes, const float* absmax, size_t count, float* x);
+// Group-wise quantization of x[0, count) (blocks of kQuantBlock from x[0],
+// cut at `cuts`, which must be as QuantCuts makes them; absmax gets
+// QuantGroups(count, cuts) scales) and its inverse. A group whose absmax is
+// below the smallest normal float holds zeros (absmax 0). Single-threaded on
+// the caller's thread; any alignment. x must be finite.
+void Quantize(QuantMap map, const float* x, size_t count, uint8_t* codes, float* absmax,
+              std::span<const size_t> cuts = {});
+void Dequantize(QuantMap map, const uint8_t* codes, const float* absmax, size_t count, float* x,
+                std::span<const size_t> cuts = {});
 
 // A shard's 8-bit m and v (see the file comment): `count` codes each and
-// QuantBlocks(count) absmax values each.
+// QuantGroups(count, cuts) absmax values each. `cuts` (as QuantCuts makes
+// them; empty: the block grid alone) is viewed, not owned.
 struct Int8Moments {
   uint8_t* m = nullptr;
   uint8_t* v = nullptr;
   float* m_absmax = nullptr;
   float* v_absmax = nullptr;
+  std::span<const size_t> cuts;
 };
 
 struct Int8Shard {
@@ -173,8 +195,10 @@ struct Int8Shard {
 // Elements [begin, end) of a shard with their own learning rate and weight
 // decay (optimizer param groups), or frozen: a frozen element's param, m
 // and v stay (its bf16 copy is still written). Segments are sorted, do not
-// overlap and cover the shard; they need not fall on block bounds (a block
-// that mixes segments is quantized once, after all of its elements).
+// overlap and cover the shard. A segment that starts at a cut or on the
+// block grid has groups of its own (a frozen one's are never written);
+// otherwise a group that mixes segments is quantized once, after all of its
+// elements.
 struct Segment {
   size_t begin = 0, end = 0;
   float lr = 0.0f;
@@ -229,12 +253,13 @@ Result<StepResult> Step(const Hyper& hyper, const StepOptions& options, const Sh
                         Executor& executor);
 
 // The AdamW / Adam update of a shard with 8-bit m and v (see the file
-// comment), in one pass: per block, dequantize, update params, m and v in
+// comment), in one pass: per group, dequantize, update params, m and v in
 // fp32, publish bf16, quantize. `segments` empty: one segment with the
 // hyper-parameters' lr and weight decay. Grad checks, the grad norm and
-// skipping work as in Step(). A block entirely frozen is not written.
+// skipping work as in Step(). A group entirely frozen is not written.
 // Errors: as Step(), and InvalidArgument for segments that are unsorted,
-// overlap, leave elements out or have bad rates.
+// overlap, leave elements out or have bad rates, and for cuts that are not
+// as QuantCuts makes them.
 Result<StepResult> StepInt8(const Hyper& hyper, const StepOptions& options, const Int8Shard& shard,
                             const std::vector<Segment>& segments, Executor& executor);
 

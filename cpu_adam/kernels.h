@@ -8,8 +8,10 @@
 #ifndef ZTIER_CPU_ADAM_KERNELS_H_
 #define ZTIER_CPU_ADAM_KERNELS_H_
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <span>
 
 #include "cpu_adam/adamw.h"
 
@@ -117,14 +119,40 @@ struct Int8Args {
   size_t segment_count;
 };
 
-// Updates the blocks of [begin, end) (begin a multiple of kQuantBlock, end
+// Walks the quantization groups (adamw.h) from `begin`, a multiple of
+// kQuantBlock: `index` is the group at hand, which ends at End(block_end).
+class GroupCursor {
+ public:
+  GroupCursor(std::span<const size_t> cuts, size_t begin)
+      : cuts_(cuts),
+        next_(
+            static_cast<size_t>(std::lower_bound(cuts.begin(), cuts.end(), begin) - cuts.begin())),
+        index_(begin / kQuantBlock + next_) {}
+  size_t index() const { return index_; }
+  // Where the group at hand ends, in a block that ends at `block_end`.
+  size_t End(size_t block_end) const {
+    return next_ < cuts_.size() && cuts_[next_] < block_end ? cuts_[next_] : block_end;
+  }
+  // On to the group that starts at `end` (the End() of the one at hand).
+  void Next(size_t end) {
+    if (next_ < cuts_.size() && cuts_[next_] == end) ++next_;
+    ++index_;
+  }
+
+ private:
+  std::span<const size_t> cuts_;
+  size_t next_;   // the first cut not passed
+  size_t index_;  // the group at hand
+};
+
+// Updates the groups of [begin, end) (begin a multiple of kQuantBlock, end
 // one or the shard's end). Never reports a sum of squares.
 RangeResult UpdateInt8Range(const Int8Args& args, size_t begin, size_t end);
-// Block-wise quantization of [begin, end) (same bounds as above).
+// Group-wise quantization of [begin, end) (same bounds as above).
 void QuantizeRange(QuantMap map, const float* x, size_t begin, size_t end, uint8_t* codes,
-                   float* absmax);
+                   float* absmax, std::span<const size_t> cuts);
 void DequantizeRange(QuantMap map, const uint8_t* codes, const float* absmax, size_t begin,
-                     size_t end, float* x);
+                     size_t end, float* x, std::span<const size_t> cuts);
 
 // Updates elements [begin, end). Writes even when grads are non-finite: the
 // caller decides whether that is allowed (it is not, unless prechecked).

@@ -169,7 +169,7 @@ struct Engine::Impl {
       if (!nvme_states) {
         need += page(n * 4);
         if (!u.stateless && job.state_dtype == StateDtype::kInt8) {
-          need += page(MomentBytes(u.layout, StateDtype::kInt8));
+          need += page(MomentBytes(u, StateDtype::kInt8));
         } else if (!u.stateless) {
           need += 2 * page(n * 4);
         }
@@ -177,8 +177,8 @@ struct Engine::Impl {
       if (!nvme_params) need += page(n * 2);
       need += page(n * 2);  // grad inbox
       if (spec.optimizer.grad_accumulation > 1) need += page(n * 4);
-      slot = std::max(
-          slot, StateBytes(u.layout, job.state_dtype) + (nvme_params ? ParamBytes(u.layout) : 0));
+      slot =
+          std::max(slot, StateBytes(u, job.state_dtype) + (nvme_params ? ParamBytes(u.layout) : 0));
       param_slot = std::max(param_slot, ParamBytes(u.layout));
     }
     if (nvme_states) need += settings.buffer_count * page(slot);
@@ -301,8 +301,9 @@ struct Engine::Impl {
     };
     Status s;
     if (job.state_dtype == StateDtype::kInt8) {
-      // One pass over the unit: its runs become the kernel's segments (a
-      // quantization block may hold several).
+      // One pass over the unit: its runs become the kernel's segments
+      // (each starts at a tensor's offset, one of the unit's quantization
+      // cuts or on the block grid: no group mixes two).
       std::vector<cpu_adam::Segment> segments;
       const auto group_decay = [&](uint32_t group) {
         return o.group_weight_decay.empty() ? o.hyper.weight_decay : o.group_weight_decay[group];
@@ -838,6 +839,7 @@ Result<int> Engine::RegisterJob(const JobSpec& spec,
     const UnitSpec& us = spec.units[k];
     Unit& u = job->units[k];
     u.layout = UnitLayoutOf(spec, k);  // ValidateJobSpec bounded every figure
+    u.quant_cuts = cpu_adam::QuantCuts(u.layout.offsets, u.layout.padded);
     for (size_t t = 0; split && t < us.tensors.size(); ++t) {
       const TensorSpec& ts = us.tensors[t];
       if (!u.runs.empty() && u.runs.back().group == ts.group && u.runs.back().frozen == ts.frozen) {
@@ -850,7 +852,10 @@ Result<int> Engine::RegisterJob(const JobSpec& spec,
     u.stateless = spec.optimizer_tier == Tier::kDram &&
                   std::all_of(us.tensors.begin(), us.tensors.end(),
                               [](const TensorSpec& t) { return t.frozen; });
-    if (u.stateless) zero_elements = std::max(zero_elements, u.layout.padded);
+    if (u.stateless) {  // its zeros read as fp32 or as 8-bit m and v
+      zero_elements =
+          std::max({zero_elements, u.layout.padded, (MomentBytes(u, StateDtype::kInt8) + 3) / 4});
+    }
     u.arrived.assign(spec.ranks, 0);
     u.shard_sq.assign(spec.ranks, 0.0);
     job_elements += u.layout.padded;
@@ -876,8 +881,8 @@ Result<int> Engine::RegisterJob(const JobSpec& spec,
   }
   uint64_t slot = 0, param_slot = 0;
   for (const Unit& u : job->units) {
-    slot = std::max(
-        slot, StateBytes(u.layout, job->state_dtype) + (nvme_params ? ParamBytes(u.layout) : 0));
+    slot =
+        std::max(slot, StateBytes(u, job->state_dtype) + (nvme_params ? ParamBytes(u.layout) : 0));
     param_slot = std::max(param_slot, ParamBytes(u.layout));
   }
   // What clients touch lives in regions of the job's own, never shared with
@@ -939,7 +944,7 @@ Result<int> Engine::RegisterJob(const JobSpec& spec,
     const bool int8 = job->state_dtype == StateDtype::kInt8;  // m and v in one block
     for (auto [block, bytes] :
          {std::pair{&u.master, dram_states ? n * 4 : 0},
-          {&u.exp_avg, moments ? (int8 ? MomentBytes(u.layout, StateDtype::kInt8) : n * 4) : 0},
+          {&u.exp_avg, moments ? (int8 ? MomentBytes(u, StateDtype::kInt8) : n * 4) : 0},
           {&u.exp_avg_sq, moments && !int8 ? n * 4 : 0},
           {&u.accum, spec.optimizer.grad_accumulation > 1 ? n * 4 : 0}}) {
       if (bytes == 0) continue;
@@ -951,11 +956,11 @@ Result<int> Engine::RegisterJob(const JobSpec& spec,
       ZT_ASSIGN_OR_RETURN(u.publish, e.pool->AllocateIn(job->publish_region, n * 2, owner));
     }
     if (!dram_states) {
-      Result<uint64_t> object = e.swap->Allocate(StrCat("job", job->id, "/unit", k),
-                                                 StateBytes(u.layout, job->state_dtype));
+      Result<uint64_t> object =
+          e.swap->Allocate(StrCat("job", job->id, "/unit", k), StateBytes(u, job->state_dtype));
       if (!object.ok()) return object.status().Annotate(owner);
       u.swap_object = *object;
-      job->counters.nvme_bytes += SwapFootprint(StateBytes(u.layout, job->state_dtype));
+      job->counters.nvme_bytes += SwapFootprint(StateBytes(u, job->state_dtype));
     }
     for (int copy = 0; nvme_params && copy < 2; ++copy) {
       Result<uint64_t> object = e.swap->Allocate(

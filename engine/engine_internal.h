@@ -47,6 +47,10 @@ struct TensorRun {
 
 struct Unit {
   UnitLayout layout;
+  // Where its 8-bit moments' quantization groups start besides the block
+  // grid: its tensors' offsets (cpu_adam::QuantCuts), so no group holds
+  // parts of two tensors.
+  std::vector<size_t> quant_cuts;
   // The unit's runs of tensors; empty when the job has one group and no
   // frozen tensor (the unit is then one AdamW pass).
   std::vector<TensorRun> runs;
@@ -229,14 +233,15 @@ inline void AddElapsed(std::atomic<uint64_t>& ns, std::chrono::steady_clock::tim
 }
 
 // Bytes of a unit's m and v: 2 x padded fp32, or (int8) padded codes of
-// each, then QuantBlocks(padded) fp32 absmax of each.
-uint64_t MomentBytes(const UnitLayout& layout, StateDtype dtype);
-// The compact m and v laid out at `base` (MomentBytes(layout, kInt8)).
-cpu_adam::Int8Moments Int8View(void* base, const UnitLayout& layout);
+// each, then QuantGroups(padded, quant_cuts) fp32 absmax of each.
+uint64_t MomentBytes(const Unit& u, StateDtype dtype);
+// The compact m and v laid out at `base` (MomentBytes(u, kInt8)); they view
+// u.quant_cuts.
+cpu_adam::Int8Moments Int8View(void* base, const Unit& u);
 // Bytes of a unit's state as one swap object and one ring slot: the fp32
 // master then m and v (MomentBytes), rounded up to 4 KiB so transfers go
 // straight to the drive.
-uint64_t StateBytes(const UnitLayout& layout, StateDtype dtype);
+uint64_t StateBytes(const Unit& u, StateDtype dtype);
 // A unit's m and v as fp32 (`padded` each; dequantized when 8-bit), and
 // back (quantized when 8-bit).
 void MomentsToFloat(const Job& job, const Unit& u, const StateView& view, float* m, float* v);

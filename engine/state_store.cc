@@ -25,7 +25,7 @@ bool ParamsOnNvme(const Job& job) { return job.spec.param_tier == Tier::kNvme; }
 // m and v at `moments` (MomentBytes of the job's dtype).
 void SetMoments(const Job& job, const Unit& u, void* moments, StateView& view) {
   if (job.state_dtype == StateDtype::kInt8) {
-    view.q = Int8View(moments, u.layout);
+    view.q = Int8View(moments, u);
   } else {
     view.exp_avg = static_cast<float*>(moments);
     view.exp_avg_sq = view.exp_avg + u.layout.padded;
@@ -37,9 +37,10 @@ StateView SlotView(const Job& job, Unit& u, const DramBlock& slot) {
   const uint64_t n = u.layout.padded;
   StateView view;
   view.master = base;
-  view.publish = ParamsOnNvme(job) ? reinterpret_cast<bf16*>(static_cast<char*>(slot.ptr) +
-                                                             StateBytes(u.layout, job.state_dtype))
-                                   : static_cast<bf16*>(u.publish.ptr);
+  view.publish =
+      ParamsOnNvme(job)
+          ? reinterpret_cast<bf16*>(static_cast<char*>(slot.ptr) + StateBytes(u, job.state_dtype))
+          : static_cast<bf16*>(u.publish.ptr);
   SetMoments(job, u, base + n, view);
   return view;
 }
@@ -51,14 +52,14 @@ StateView BlockView(const Job& job, Unit& u) {
   if (u.stateless) {  // only master is kept; m and v read as zeros
     float* zeros = const_cast<float*>(u.zero_state);
     if (job.state_dtype == StateDtype::kInt8) {
-      view.q = Int8View(zeros, u.layout);
+      view.q = Int8View(zeros, u);
     } else {
       view.exp_avg = view.exp_avg_sq = zeros;
     }
     return view;
   }
   if (job.state_dtype == StateDtype::kInt8) {
-    view.q = Int8View(u.exp_avg.ptr, u.layout);
+    view.q = Int8View(u.exp_avg.ptr, u);
   } else {
     view.exp_avg = u.f(u.exp_avg);
     view.exp_avg_sq = u.f(u.exp_avg_sq);
@@ -70,7 +71,7 @@ StateView BlockView(const Job& job, Unit& u) {
 nvme::IoRange StateRange(const Job& job, const Unit& u, void* buffer) {
   return nvme::IoRange{.object = u.swap_object,
                        .offset = 0,
-                       .length = StateBytes(u.layout, job.state_dtype),
+                       .length = StateBytes(u, job.state_dtype),
                        .buffer = buffer};
 }
 
@@ -85,31 +86,39 @@ Status WaitIo(StateRing& ring, const nvme::IoTicket& t) {
 
 }  // namespace
 
-uint64_t MomentBytes(const UnitLayout& layout, StateDtype dtype) {
-  const uint64_t n = layout.padded;
-  return dtype == StateDtype::kInt8 ? 2 * n + 2 * 4 * cpu_adam::QuantBlocks(n) : 2 * 4 * n;
+uint64_t MomentBytes(const Unit& u, StateDtype dtype) {
+  const uint64_t n = u.layout.padded;
+  return dtype == StateDtype::kInt8 ? 2 * n + 2 * 4 * cpu_adam::QuantGroups(n, u.quant_cuts)
+                                    : 2 * 4 * n;
 }
 
-cpu_adam::Int8Moments Int8View(void* base, const UnitLayout& layout) {
+cpu_adam::Int8Moments Int8View(void* base, const Unit& u) {
   // padded is a multiple of kAlignElements, so the absmax arrays are aligned.
   auto* bytes = static_cast<uint8_t*>(base);
-  const uint64_t n = layout.padded;
+  const uint64_t n = u.layout.padded;
   auto* scales = reinterpret_cast<float*>(bytes + 2 * n);
   return {.m = bytes,
           .v = bytes + n,
           .m_absmax = scales,
-          .v_absmax = scales + cpu_adam::QuantBlocks(n)};
+          .v_absmax = scales + cpu_adam::QuantGroups(n, u.quant_cuts),
+          .cuts = u.quant_cuts};
 }
 
-uint64_t StateBytes(const UnitLayout& layout, StateDtype dtype) {
-  return RoundUp(layout.padded * 4 + MomentBytes(layout, dtype), 4096);
+uint64_t StateBytes(const Unit& u, StateDtype dtype) {
+  return RoundUp(u.layout.padded * 4 + MomentBytes(u, dtype), 4096);
 }
 
 void MomentsToFloat(const Job& job, const Unit& u, const StateView& view, float* m, float* v) {
   const uint64_t n = u.layout.padded;
   if (job.state_dtype == StateDtype::kInt8) {
-    if (m) cpu_adam::Dequantize(cpu_adam::QuantMap::kSigned, view.q.m, view.q.m_absmax, n, m);
-    if (v) cpu_adam::Dequantize(cpu_adam::QuantMap::kUnsigned, view.q.v, view.q.v_absmax, n, v);
+    if (m) {
+      cpu_adam::Dequantize(cpu_adam::QuantMap::kSigned, view.q.m, view.q.m_absmax, n, m,
+                           view.q.cuts);
+    }
+    if (v) {
+      cpu_adam::Dequantize(cpu_adam::QuantMap::kUnsigned, view.q.v, view.q.v_absmax, n, v,
+                           view.q.cuts);
+    }
     return;
   }
   if (m) std::memcpy(m, view.exp_avg, n * sizeof(float));
@@ -120,8 +129,8 @@ void MomentsFromFloat(const Job& job, const Unit& u, const StateView& view, cons
                       const float* v) {
   const uint64_t n = u.layout.padded;
   if (job.state_dtype == StateDtype::kInt8) {
-    cpu_adam::Quantize(cpu_adam::QuantMap::kSigned, m, n, view.q.m, view.q.m_absmax);
-    cpu_adam::Quantize(cpu_adam::QuantMap::kUnsigned, v, n, view.q.v, view.q.v_absmax);
+    cpu_adam::Quantize(cpu_adam::QuantMap::kSigned, m, n, view.q.m, view.q.m_absmax, view.q.cuts);
+    cpu_adam::Quantize(cpu_adam::QuantMap::kUnsigned, v, n, view.q.v, view.q.v_absmax, view.q.cuts);
     return;
   }
   std::memcpy(view.exp_avg, m, n * sizeof(float));
@@ -179,7 +188,7 @@ Status ForEachUnitState(Job& job, const std::vector<size_t>& order, Access acces
     if (!s.ok()) return s.Annotate(StrCat("write back ", unit_name(writing[slot])));
     Unit& u = job.units[order[writing[slot]]];
     ring.bytes_written.fetch_add(
-        StateBytes(u.layout, job.state_dtype) + (ParamsOnNvme(job) ? ParamBytes(u.layout) : 0),
+        StateBytes(u, job.state_dtype) + (ParamsOnNvme(job) ? ParamBytes(u.layout) : 0),
         std::memory_order_relaxed);
     if (ParamsOnNvme(job)) u.param_current.fetch_xor(1, std::memory_order_release);
     if (stored) stored(order[writing[slot]]);
@@ -209,7 +218,7 @@ Status ForEachUnitState(Job& job, const std::vector<size_t>& order, Access acces
         status = status.Annotate(StrCat("read ", unit_name(i)));
         break;
       }
-      ring.bytes_read.fetch_add(StateBytes(u.layout, job.state_dtype), std::memory_order_relaxed);
+      ring.bytes_read.fetch_add(StateBytes(u, job.state_dtype), std::memory_order_relaxed);
     }
     const StateView view = SlotView(job, u, ring.slots[slot]);
     status = fn(order[i], view);

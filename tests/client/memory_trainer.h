@@ -43,7 +43,7 @@ class MemoryTrainer {
       u.p.assign(n, 0.0f);
       u.m.assign(n, 0.0f);
       u.v.assign(n, 0.0f);
-      u.q = adam_testing::Int8Moments(n);
+      u.q = adam_testing::Int8Moments(n, u.layout.offsets);
       u.acc.assign(n, 0.0f);
       u.grads.assign(n, bf16{0});
       u.out.assign(n, bf16{0});

@@ -8,8 +8,10 @@
 //    absmax, and a quantized block quantizes again to the same codes;
 //  - StepInt8 against a double-precision reference of the same algorithm
 //    (dequantize, update, new absmax, nearest code), with param groups and
-//    frozen segments that cut blocks anywhere, both grad dtypes, AdamW and
-//    Adam, several steps;
+//    frozen segments that cut blocks anywhere, in groups of the block grid
+//    or cut where each segment starts (a frozen one's then never written),
+//    both grad dtypes, AdamW and Adam, several steps; bad cuts refused;
+//  - a tensor beside one with 1e4 times its grads steps as in fp32;
 //  - the same bits for any thread count; inf/NaN grads skip the step and
 //    write nothing; argument validation;
 //  - a least-squares fit on a fixed batch: the 8-bit run's loss tracks the
@@ -18,10 +20,12 @@
 #include <bit>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <limits>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -202,9 +206,24 @@ TEST_P(Int8Test, RoundTripErrorIsWithinHalfAStepAndStable) {
   }
 }
 
-// A shard with 8-bit moments, misaligned views into padded storage.
+// The quantization groups [lo, hi) of `n` elements cut at `cuts`, in
+// order: the block grid and the cuts, sorted.
+std::vector<std::pair<size_t, size_t>> Groups(size_t n, const std::vector<size_t>& cuts) {
+  std::vector<size_t> starts(cuts);
+  for (size_t b = 0; b < n; b += kQuantBlock) starts.push_back(b);
+  std::sort(starts.begin(), starts.end());
+  std::vector<std::pair<size_t, size_t>> groups;
+  for (size_t k = 0; k < starts.size(); ++k) {
+    groups.emplace_back(starts[k], k + 1 < starts.size() ? starts[k + 1] : n);
+  }
+  return groups;
+}
+
+// A shard with 8-bit moments, misaligned views into padded storage, its
+// groups cut at `cuts`.
 struct State8 {
   size_t n;
+  std::vector<size_t> cuts;
   std::vector<float> p_store, g32_store;
   std::vector<bf16> g16_store, out_store;
   std::vector<uint8_t> m, v;
@@ -214,7 +233,8 @@ struct State8 {
   bf16* g16;
   bf16* out;
 
-  State8(size_t count, size_t misalign) : n(count) {
+  State8(size_t count, size_t misalign, std::vector<size_t> group_cuts = {})
+      : n(count), cuts(std::move(group_cuts)) {
     p_store.assign(n + 32, 0.0f);
     g32_store.assign(n + 32, 0.0f);
     g16_store.assign(n + 32, bf16{0});
@@ -225,8 +245,8 @@ struct State8 {
     out = out_store.data() + (misalign * 7) % 16;
     m.assign(n, 0);
     v.assign(n, 0);
-    m_absmax.assign(QuantBlocks(n), 0.0f);
-    v_absmax.assign(QuantBlocks(n), 0.0f);
+    m_absmax.assign(QuantGroups(n, cuts), 0.0f);
+    v_absmax.assign(QuantGroups(n, cuts), 0.0f);
   }
 
   void Randomize(std::mt19937_64& rng) {
@@ -237,8 +257,8 @@ struct State8 {
       m0[i] = 0.1f * normal(rng);
       v0[i] = i % 4 == 0 ? 0.0f : 0.01f * std::fabs(normal(rng));
     }
-    Quantize(QuantMap::kSigned, m0.data(), n, m.data(), m_absmax.data());
-    Quantize(QuantMap::kUnsigned, v0.data(), n, v.data(), v_absmax.data());
+    Quantize(QuantMap::kSigned, m0.data(), n, m.data(), m_absmax.data(), cuts);
+    Quantize(QuantMap::kUnsigned, v0.data(), n, v.data(), v_absmax.data(), cuts);
   }
 
   void NewGrads(std::mt19937_64& rng) {
@@ -257,7 +277,8 @@ struct State8 {
             .moments = {.m = m.data(),
                         .v = v.data(),
                         .m_absmax = m_absmax.data(),
-                        .v_absmax = v_absmax.data()},
+                        .v_absmax = v_absmax.data(),
+                        .cuts = cuts},
             .params_out = out};
   }
   double RawGrad(GradType type, size_t i) const {
@@ -282,23 +303,39 @@ std::vector<Segment> Segments(size_t n, std::mt19937_64& rng) {
   return segs;
 }
 
-::testing::AssertionResult RunAndCheck(GradType type, Mode mode, size_t n, bool segmented,
-                                       int steps, uint64_t seed) {
+// How a shard's segments meet its quantization groups.
+enum class Layout {
+  kOne,       // one segment, the block grid
+  kMixed,     // segments that cut blocks anywhere, the block grid (groups mix them)
+  kCutAtEach  // the same segments, the groups cut where each starts (as tensors)
+};
+
+::testing::AssertionResult RunAndCheck(GradType type, Mode mode, size_t n, Layout layout, int steps,
+                                       uint64_t seed) {
   std::mt19937_64 rng(seed);
-  State8 s(n, seed % 5);
-  s.Randomize(rng);
   const Hyper h{.lr = 1e-2f,
                 .beta1 = 0.9f,
                 .beta2 = 0.999f,
                 .eps = 1e-8f,
                 .weight_decay = 0.1f,
                 .mode = mode};
+  const bool segmented = layout != Layout::kOne;
   const std::vector<Segment> segs =
       segmented ? Segments(n, rng)
                 : std::vector<Segment>{{.begin = 0, .end = n, .lr = h.lr, .weight_decay = 0.1f}};
+  std::vector<size_t> starts;
+  for (const Segment& sg : segs) starts.push_back(sg.begin);
+  State8 s(n, seed % 5,
+           layout == Layout::kCutAtEach ? QuantCuts(starts, n) : std::vector<size_t>{});
+  s.Randomize(rng);
   std::vector<const Segment*> seg_of(n);
   for (const Segment& sg : segs) {
     for (size_t i = sg.begin; i < sg.end; ++i) seg_of[i] = &sg;
+  }
+  const std::vector<std::pair<size_t, size_t>> groups = Groups(n, s.cuts);
+  std::vector<size_t> group_of(n);
+  for (size_t k = 0; k < groups.size(); ++k) {
+    for (size_t i = groups[k].first; i < groups[k].second; ++i) group_of[i] = k;
   }
   for (int step = 1; step <= steps; ++step) {
     s.NewGrads(rng);
@@ -317,8 +354,8 @@ std::vector<Segment> Segments(size_t n, std::mt19937_64& rng) {
     std::vector<double> m_ref(n), v_ref(n), m_terms(n, 0.0), v_terms(n, 0.0);
     for (size_t i = 0; i < n; ++i) {
       const Segment& sg = *seg_of[i];
-      const double m_old = CodeValue(QuantMap::kSigned, m0[i]) * ma0[i / kQuantBlock];
-      const double v_old = CodeValue(QuantMap::kUnsigned, v0[i]) * va0[i / kQuantBlock];
+      const double m_old = CodeValue(QuantMap::kSigned, m0[i]) * ma0[group_of[i]];
+      const double v_old = CodeValue(QuantMap::kUnsigned, v0[i]) * va0[group_of[i]];
       if (sg.frozen) {
         m_ref[i] = m_old;
         v_ref[i] = v_old;
@@ -353,8 +390,8 @@ std::vector<Segment> Segments(size_t n, std::mt19937_64& rng) {
         return ::testing::AssertionFailure() << "element " << i << ": bf16 out is not the param";
       }
     }
-    for (size_t b = 0; b < QuantBlocks(n); ++b) {
-      const size_t lo = b * kQuantBlock, hi = std::min(n, lo + kQuantBlock);
+    for (size_t b = 0; b < groups.size(); ++b) {
+      const auto [lo, hi] = groups[b];
       bool updated = false;
       double ma = 0, va = 0, m_tol = 0, v_tol = 0;
       for (size_t i = lo; i < hi; ++i) {
@@ -368,14 +405,14 @@ std::vector<Segment> Segments(size_t n, std::mt19937_64& rng) {
         if (s.m_absmax[b] != ma0[b] || s.v_absmax[b] != va0[b] ||
             !std::equal(s.m.begin() + lo, s.m.begin() + hi, m0.begin() + lo) ||
             !std::equal(s.v.begin() + lo, s.v.begin() + hi, v0.begin() + lo)) {
-          return ::testing::AssertionFailure() << "frozen block " << b << " was written";
+          return ::testing::AssertionFailure() << "frozen group " << b << " was written";
         }
         continue;
       }
       if (std::fabs(s.m_absmax[b] - ma) > m_tol + 1e-6 * ma ||
           std::fabs(s.v_absmax[b] - va) > v_tol + 1e-6 * va) {
         return ::testing::AssertionFailure()
-               << "step " << step << " block " << b << ": absmax m " << s.m_absmax[b] << " want "
+               << "step " << step << " group " << b << ": absmax m " << s.m_absmax[b] << " want "
                << ma << ", v " << s.v_absmax[b] << " want " << va;
       }
       // The nearest code, or its neighbour where the fp32 value sits within
@@ -406,15 +443,18 @@ std::vector<Segment> Segments(size_t n, std::mt19937_64& rng) {
 TEST_P(Int8Test, StepMatchesDoubleReference) {
   for (GradType type : {GradType::kBFloat16, GradType::kFloat32}) {
     for (Mode mode : {Mode::kAdamW, Mode::kAdam}) {
-      for (bool segmented : {false, true}) {
+      for (Layout layout : {Layout::kOne, Layout::kMixed, Layout::kCutAtEach}) {
         for (size_t n :
              {size_t{1}, size_t{17}, kQuantBlock + 3, size_t{5000}, (size_t{1} << 16) + 9}) {
           const uint64_t seed = FreshSeed();
           SCOPED_TRACE(StrCat("target ", hwy::TargetName(GetParam()), ", n ", n, ", ",
                               type == GradType::kBFloat16 ? "bf16" : "fp32", " grads, ",
                               mode == Mode::kAdamW ? "AdamW" : "Adam",
-                              segmented ? ", segments" : "", ", seed ", seed));
-          ASSERT_TRUE(RunAndCheck(type, mode, n, segmented, 3, seed));
+                              layout == Layout::kOne     ? ""
+                              : layout == Layout::kMixed ? ", segments"
+                                                         : ", segments with groups of their own",
+                              ", seed ", seed));
+          ASSERT_TRUE(RunAndCheck(type, mode, n, layout, 3, seed));
         }
       }
     }
@@ -507,6 +547,55 @@ TEST(Int8ValidationTest, RejectsBadSegmentsAndBuffers) {
   EXPECT_EQ(StepInt8({}, {.step = 1}, bad, {}, e).status().code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(StepInt8({}, {.step = 0}, s.View(GradType::kBFloat16), {}, e).status().code(),
             StatusCode::kInvalidArgument);
+  // Cuts not as QuantCuts makes them (the absmax arrays are sized by them).
+  for (const std::vector<size_t>& cuts :
+       std::vector<std::vector<size_t>>{{0}, {1000}, {256}, {300, 300}, {600, 300}, {2000}}) {
+    bad = s.View(GradType::kBFloat16);
+    bad.moments.cuts = cuts;
+    Status st = StepInt8({}, {.step = 1}, bad, {}, e).status();
+    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st;
+  }
+  const std::vector<size_t> ok_cuts =
+      QuantCuts(std::vector<size_t>{0, 600, 256, 300, 300, 1000}, 1000);
+  EXPECT_EQ(ok_cuts, (std::vector<size_t>{300, 600}));
+  EXPECT_EQ(QuantGroups(1000, ok_cuts), QuantBlocks(1000) + 2);
+}
+
+// A tensor whose grads are 1e4 times smaller than its neighbour's in the
+// same shard: with groups cut where it starts its 8-bit steps follow fp32's.
+// Sharing a block with the neighbour (its absmax), its v fell below the
+// smallest code and read as 0, and its steps grew tenfold and more.
+TEST(Int8TrainingTest, ASmallTensorBesideALargeOneStepsAsInFp32) {
+  const size_t big = 128, small = 384, n = big + small;  // the small one starts mid-block
+  const std::vector<size_t> starts = {0, big};
+  adam_testing::Int8Moments q(n, starts);
+  ASSERT_EQ(q.cuts, std::vector<size_t>{big});
+  std::vector<float> p8(n, 0.5f), p32(n, 0.5f), m32(n, 0.0f), v32(n, 0.0f), g(n);
+  std::mt19937_64 rng(7);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  const Hyper h{.lr = 1e-3f, .weight_decay = 0.0f};
+  double moved8 = 0, moved32 = 0;  // the small tensor's summed |step|
+  for (int step = 1; step <= 300; ++step) {
+    for (size_t i = 0; i < n; ++i) g[i] = normal(rng) * (i < big ? 1e-2f : 1e-6f);
+    const std::vector<float> before8(p8), before32(p32);
+    const Shard fp32{.count = n,
+                     .grads = g.data(),
+                     .grad_type = GradType::kFloat32,
+                     .params = p32.data(),
+                     .exp_avg = m32.data(),
+                     .exp_avg_sq = v32.data()};
+    ASSERT_TRUE(Step(h, {.step = step}, fp32, SharedExecutor()).ok());
+    Shard int8 = fp32;
+    int8.params = p8.data();
+    ASSERT_TRUE(StepInt8(h, {.step = step}, q.ShardOf(int8), {}, SharedExecutor()).ok());
+    for (size_t i = big; i < n; ++i) {
+      moved8 += std::fabs(p8[i] - before8[i]);
+      moved32 += std::fabs(p32[i] - before32[i]);
+    }
+  }
+  std::printf("the small tensor moved %.4g with 8-bit states, %.4g with fp32\n", moved8, moved32);
+  EXPECT_LT(moved8, 1.25 * moved32);
+  EXPECT_GT(moved8, 0.8 * moved32);
 }
 
 // Least squares on a fixed batch, y = X w*: the 8-bit moments' loss curve
@@ -561,7 +650,8 @@ TEST(Int8TrainingTest, LossTracksFp32OnAFixedBatch) {
                           .moments = {.m = m8.data(),
                                       .v = v8.data(),
                                       .m_absmax = ma.data(),
-                                      .v_absmax = va.data()}},
+                                      .v_absmax = va.data(),
+                                      .cuts = {}}},
                          {}, SharedExecutor())
                     .ok());
   }

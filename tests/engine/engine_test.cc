@@ -101,7 +101,7 @@ TEST_P(EngineStepTest, BitForBitWithPlainCpuAdamLoop) {
     u.acc.assign(n, 0.0f);
     u.out.assign(n, bf16{0});
     u.sq.assign(ranks, 0.0);
-    u.q = ztier::adam_testing::Int8Moments(n);
+    u.q = ztier::adam_testing::Int8Moments(n, l->offsets);
     for (uint64_t i = 0; i < l->numel; ++i) u.p[i] = 0.1f * normal(rng);
     ASSERT_TRUE(engine->WriteWeights(*job, k, u.p.data(), l->numel).ok());
     ref.units.push_back(std::move(u));
@@ -228,7 +228,7 @@ TEST_P(EngineStepTest, BitForBitWithPlainCpuAdamLoop) {
     uint64_t state = 0;
     for (const auto& u : ref.units) {
       const uint64_t n = u.layout.padded;
-      const uint64_t bytes = int8 ? 6 * n + 8 * cpu_adam::QuantBlocks(n) : 12 * n;
+      const uint64_t bytes = int8 ? 6 * n + 8 * cpu_adam::QuantGroups(n, u.q.cuts) : 12 * n;
       state += (bytes + 4095) / 4096 * 4096;
     }
     EXPECT_GE(c.nvme_write_bytes, state * steps);

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <random>
+#include <span>
 #include <vector>
 
 #include "cpu_adam/adamw.h"
@@ -36,16 +37,19 @@ inline uint64_t FreshSeed() {
   return (static_cast<uint64_t>(rd()) << 32) ^ rd();
 }
 
-// The 8-bit m and v of `n` elements, all zero (as a new job's).
+// The 8-bit m and v of `n` elements, all zero (as a new job's), their
+// groups cut where the tensors at `starts` begin (cpu_adam::QuantCuts).
 struct Int8Moments {
   std::vector<uint8_t> m, v;
+  std::vector<size_t> cuts;
   std::vector<float> m_absmax, v_absmax;
 
-  explicit Int8Moments(size_t n = 0)
+  explicit Int8Moments(size_t n = 0, std::span<const size_t> starts = {})
       : m(n, 0),
         v(n, 0),
-        m_absmax(cpu_adam::QuantBlocks(n), 0.0f),
-        v_absmax(cpu_adam::QuantBlocks(n), 0.0f) {}
+        cuts(cpu_adam::QuantCuts(starts, n)),
+        m_absmax(cpu_adam::QuantGroups(n, cuts), 0.0f),
+        v_absmax(cpu_adam::QuantGroups(n, cuts), 0.0f) {}
 
   // `fp32`'s grads, params and bf16 output with these moments.
   cpu_adam::Int8Shard ShardOf(const cpu_adam::Shard& fp32) {
@@ -56,13 +60,16 @@ struct Int8Moments {
             .moments = {.m = m.data(),
                         .v = v.data(),
                         .m_absmax = m_absmax.data(),
-                        .v_absmax = v_absmax.data()},
+                        .v_absmax = v_absmax.data(),
+                        .cuts = cuts},
             .params_out = fp32.params_out};
   }
   // The fp32 values of the moments.
   void Dequantize(float* m_out, float* v_out) const {
-    cpu_adam::Dequantize(cpu_adam::QuantMap::kSigned, m.data(), m_absmax.data(), m.size(), m_out);
-    cpu_adam::Dequantize(cpu_adam::QuantMap::kUnsigned, v.data(), v_absmax.data(), v.size(), v_out);
+    cpu_adam::Dequantize(cpu_adam::QuantMap::kSigned, m.data(), m_absmax.data(), m.size(), m_out,
+                         cuts);
+    cpu_adam::Dequantize(cpu_adam::QuantMap::kUnsigned, v.data(), v_absmax.data(), v.size(), v_out,
+                         cuts);
   }
 };
 
