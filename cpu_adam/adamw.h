@@ -59,10 +59,12 @@
 #ifndef ZTIER_CPU_ADAM_ADAMW_H_
 #define ZTIER_CPU_ADAM_ADAMW_H_
 
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <span>
 #include <string>
@@ -98,10 +100,14 @@ inline bool GradsOverflow(double sq_sum, float grad_scale) {
 // torch.nn.utils.clip_grad_norm_ takes it: clip / (norm + 1e-6) wherever that
 // is below 1 (a norm a hair under `clip` included), else 1. Also 1 when
 // clipping is off (`clip` 0) or the norm is not finite (the step is skipped).
+// At least the smallest float: a scale that rounds to 0 in fp32 (a clip of
+// 1e-40) takes the grads to nothing, as torch's does, where a grad_scale of
+// 0 would be refused and the step fail.
 inline float ClipScale(double norm, float clip) {
   if (!(clip > 0.0f) || !std::isfinite(norm)) return 1.0f;
   const double coef = clip / (norm + 1e-6);
-  return coef < 1.0 ? static_cast<float>(coef) : 1.0f;
+  if (!(coef < 1.0)) return 1.0f;
+  return std::max(static_cast<float>(coef), std::numeric_limits<float>::denorm_min());
 }
 
 struct StepOptions {

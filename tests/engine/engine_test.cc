@@ -23,14 +23,13 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <map>
 #include <random>
 #include <thread>
 #include <vector>
 
 #include <gtest/gtest.h>
-
-#include <limits>
 
 #include "common/crc32c.h"
 #include "engine/checkpoint_manifest.h"
@@ -541,6 +540,20 @@ INSTANTIATE_TEST_SUITE_P(
                     std::get<3>(p.param) == StepMode::kExact ? "_exact" : "_eager",
                     std::get<2>(p.param) == Placement::kNvmeAll ? "_params" : "");
     });
+
+// A clip so small that clip / norm rounds to 0 in fp32 scales the grads to
+// nothing, as torch's clip_grad_norm_ does (that grad_scale of 0 was
+// refused by the kernel and failed the job).
+TEST(EngineClipTest, AClipWhoseScaleRoundsToZeroStillSteps) {
+  auto e = MakeEngine();
+  Result<int> job = e->RegisterJob(
+      SmallModel("tiny-clip", 1, std::numeric_limits<float>::denorm_min(), 1, StepMode::kExact));
+  ASSERT_TRUE(job.ok()) << job.status();
+  Train(*e, *job, 1, 0, 2, 3);
+  EXPECT_TRUE(e->failure(*job).ok()) << e->failure(*job);
+  EXPECT_EQ(e->counters(*job).steps, 2);
+  EXPECT_EQ(e->counters(*job).skipped_steps, 0);
+}
 
 // Grads the optimizer has begun to apply are not discarded: an exact step
 // whose every unit's grads are in (its write-backs slowed, so it is still
