@@ -571,6 +571,8 @@ class Offload:
         self.optimizer = _Optimizer(self, groups)
         model._ztier_offload = weakref.ref(self)
         _live_offloads.add(self)  # closed at exit if still open
+        self._clip_warned = False
+        _watch_clip_grad_norm()
         for u in self.units:
             for t in u.tensors:
                 t.param._ztier_owner = weakref.ref(self)
@@ -1907,6 +1909,42 @@ def _close_hosted_daemons():
 
 
 _live_offloads: "weakref.WeakSet[Offload]" = weakref.WeakSet()
+
+
+_torch_clip_grad_norm = None  # torch's, once _watch_clip_grad_norm wrapped it
+
+
+def _watch_clip_grad_norm():
+    """torch.nn.utils.clip_grad_norm_ on an offloaded model's parameters
+    clips nothing (their grads left for the engine as they were made) and
+    counts them as 0, silently: transformers' Trainer calls it with its
+    default max_grad_norm of 1.0. torch's is wrapped (once) to warn of it,
+    once for each Offload without the engine's clipping; it still does what
+    torch's does."""
+    global _torch_clip_grad_norm
+    if _torch_clip_grad_norm is not None:
+        return
+    original = _torch_clip_grad_norm = torch.nn.utils.clip_grad_norm_
+
+    @functools.wraps(original)
+    def clip_grad_norm_(parameters, *args, **kwargs):
+        if isinstance(parameters, torch.Tensor):
+            parameters = [parameters]
+        parameters = list(parameters)
+        ids = {id(p) for p in parameters}
+        for z in list(_live_offloads):
+            if (z.job is None or z.clip_grad_norm or z._clip_warned
+                    or ids.isdisjoint(z._tensor_of.keys())):
+                continue
+            z._clip_warned = True
+            warnings.warn(
+                "ztier: torch.nn.utils.clip_grad_norm_ clips nothing on an offloaded model's "
+                "parameters (their grads left for the engine as they were made) and counts them "
+                "as 0; give the clipping to the engine: offload(..., clip_grad_norm=...)",
+                RuntimeWarning, stacklevel=2)
+        return original(parameters, *args, **kwargs)
+
+    torch.nn.utils.clip_grad_norm_ = clip_grad_norm_
 
 
 @atexit.register  # runs before _close_hosted_daemons (registered after it)

@@ -1427,3 +1427,30 @@ def test_a_timeout_of_inf_or_past_int64_milliseconds_waits(settings):
     with pytest.raises(ztier.InvalidArgumentError, match="not >= 0"):
         z.job.wait_published(1, math.nan)
     z.close()
+
+
+def test_clip_grad_norm_on_offloaded_parameters_without_the_engines_clipping_is_warned_of(
+        settings):
+    # It clips nothing (the grads left for the engine) and returned 0 in
+    # silence: transformers' Trainer calls it with max_grad_norm 1.0.
+    model, z, x = _trained_mlp(settings)
+    model(x).pow(2).sum().backward()
+    with pytest.warns(RuntimeWarning, match="clips nothing.*clip_grad_norm="):
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    assert float(norm) == 0.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # once an Offload
+        plain = nn.Linear(3, 1)
+        plain(torch.ones(2, 3)).sum().backward()
+        assert float(torch.nn.utils.clip_grad_norm_(plain.parameters(), 1.0)) > 0  # not ours
+    z.optimizer.step()
+    z.close()
+    clipped = _mlp()
+    zc = zt.offload(clipped, settings=settings, clip_grad_norm=1.0)
+    clipped(x).pow(2).sum().backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the engine clips: nothing to warn of
+        torch.nn.utils.clip_grad_norm_(clipped.parameters(), 1.0)
+    zc.optimizer.step()
+    zc.close()
