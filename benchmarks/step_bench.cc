@@ -403,10 +403,14 @@ std::string AttributeIo(std::vector<TracingBackend::Op> ops, uint64_t slot_bytes
 
 // The bytes of unit state (and bf16 params with them) a ring slot holds, as
 // the engine lays a slot out: master, m and v (8-bit codes and absmax with
-// int8), rounded up to 4 KiB; the params after them, rounded likewise.
-uint64_t SlotBytes(uint64_t padded, bool int8, bool nvme_params) {
+// int8, a group's per block and per tensor off the block grid), rounded up
+// to 4 KiB; the params after them, rounded likewise.
+uint64_t SlotBytes(const engine::UnitLayout& l, bool int8, bool nvme_params) {
   const auto round_up = [](uint64_t x) { return (x + 4095) / 4096 * 4096; };
-  const uint64_t moments = int8 ? 2 * padded + 8 * cpu_adam::QuantBlocks(padded) : 8 * padded;
+  const uint64_t padded = l.padded;
+  const uint64_t moments =
+      int8 ? 2 * padded + 8 * cpu_adam::QuantGroups(padded, cpu_adam::QuantCuts(l.offsets, padded))
+           : 8 * padded;
   return round_up(4 * padded + moments) + (nvme_params ? round_up(2 * padded) : 0);
 }
 
@@ -816,7 +820,7 @@ int RunOnce(const StepBenchOptions& o, engine::StateDtype dtype, RunSummary* sum
     if (o.json && o.timeline) {
       uint64_t slot_bytes = 0;
       for (const engine::UnitLayout& l : layouts) {
-        slot_bytes = std::max(slot_bytes, SlotBytes(l.padded, int8, nvme_params));
+        slot_bytes = std::max(slot_bytes, SlotBytes(l, int8, nvme_params));
       }
       Result<std::string> timeline =
           TraceStep(e, *job, layouts, step + 1, tracer.get(), slot_bytes, run_step);

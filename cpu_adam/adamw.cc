@@ -96,6 +96,20 @@ Status ValidateShard(const Shard& s) {
   return CheckDisjoint(bufs, 5, 4);
 }
 
+// InvalidArgument unless `cuts` are as QuantCuts makes them for `count`
+// elements (the absmax arrays are sized, and the groups walked, by them).
+Status CheckCuts(size_t count, std::span<const size_t> cuts) {
+  for (size_t i = 0; i < cuts.size(); ++i) {
+    const size_t cut = cuts[i];
+    if (cut == 0 || cut >= count || cut % kQuantBlock == 0 || (i > 0 && cut <= cuts[i - 1])) {
+      return Status::InvalidArgument(StrCat(
+          "cut ", i, " at ", cut, " of ", count, " elements is not as QuantCuts makes ",
+          "them (sorted, unique, in (0, count), off the ", kQuantBlock, "-element block grid)"));
+    }
+  }
+  return Status::Ok();
+}
+
 Status ValidateInt8Shard(const Int8Shard& s) {
   if (s.count == 0) return Status::Ok();
   const Int8Moments& q = s.moments;
@@ -105,15 +119,7 @@ Status ValidateInt8Shard(const Int8Shard& s) {
                                           " elements has a null grads/params/m/v/absmax buffer"));
   }
   ZT_RETURN_IF_ERROR(ValidateGradType(s.grad_type));
-  for (size_t i = 0; i < q.cuts.size(); ++i) {
-    const size_t cut = q.cuts[i];
-    if (cut == 0 || cut >= s.count || cut % kQuantBlock == 0 || (i > 0 && cut <= q.cuts[i - 1])) {
-      return Status::InvalidArgument(
-          StrCat("8-bit AdamW shard of ", s.count, " elements: its cut ", i, " at ", cut,
-                 " is not as QuantCuts makes them (sorted, unique, in (0, count), off the ",
-                 kQuantBlock, "-element block grid)"));
-    }
-  }
+  ZT_RETURN_IF_ERROR(CheckCuts(s.count, q.cuts).Annotate("8-bit AdamW shard"));
   const size_t scales = QuantGroups(s.count, q.cuts) * sizeof(float);
   const Buf bufs[] = {{"params", s.params, s.count * sizeof(float), 4},
                       {"m", q.m, s.count, 1},
@@ -337,11 +343,15 @@ std::vector<size_t> QuantCuts(std::span<const size_t> starts, size_t count) {
 
 void Quantize(QuantMap map, const float* x, size_t count, uint8_t* codes, float* absmax,
               std::span<const size_t> cuts) {
+  const Status checked = CheckCuts(count, cuts);
+  ZT_CHECK_MSG(checked.ok(), checked.ToString());
   internal::QuantizeRange(map, x, 0, count, codes, absmax, cuts);
 }
 
 void Dequantize(QuantMap map, const uint8_t* codes, const float* absmax, size_t count, float* x,
                 std::span<const size_t> cuts) {
+  const Status checked = CheckCuts(count, cuts);
+  ZT_CHECK_MSG(checked.ok(), checked.ToString());
   internal::DequantizeRange(map, codes, absmax, 0, count, x, cuts);
 }
 

@@ -172,7 +172,8 @@ const float* QuantMapValues(QuantMap map);
 // cut at `cuts`, which must be as QuantCuts makes them; absmax gets
 // QuantGroups(count, cuts) scales) and its inverse. A group whose absmax is
 // below the smallest normal float holds zeros (absmax 0). Single-threaded on
-// the caller's thread; any alignment. x must be finite.
+// the caller's thread; any alignment. x must be finite. Cuts that are not
+// as QuantCuts makes them are a programmer error (the process aborts).
 void Quantize(QuantMap map, const float* x, size_t count, uint8_t* codes, float* absmax,
               std::span<const size_t> cuts = {});
 void Dequantize(QuantMap map, const uint8_t* codes, const float* absmax, size_t count, float* x,
@@ -201,10 +202,10 @@ struct Int8Shard {
 // Elements [begin, end) of a shard with their own learning rate and weight
 // decay (optimizer param groups), or frozen: a frozen element's param, m
 // and v stay (its bf16 copy is still written). Segments are sorted, do not
-// overlap and cover the shard. A segment that starts at a cut or on the
-// block grid has groups of its own (a frozen one's are never written);
-// otherwise a group that mixes segments is quantized once, after all of its
-// elements.
+// overlap and cover the shard. A segment whose bounds are cuts, on the
+// block grid or the shard's end has groups of its own (a frozen one's are
+// never written); otherwise a group that mixes segments is quantized once,
+// after all of its elements.
 struct Segment {
   size_t begin = 0, end = 0;
   float lr = 0.0f;

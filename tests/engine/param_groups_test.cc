@@ -17,6 +17,7 @@
 //    as zeros; what a checkpoint or WriteState brings for them is dropped).
 #include <gtest/gtest.h>
 
+#include <bit>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -470,4 +471,53 @@ TEST(ParamGroupsJobTest, AFrozenUnitKeepsNoMoments) {
 }
 
 }  // namespace
+// 8-bit states: a frozen tensor between trained ones, all off the block
+// grid, keeps its m and v to the bit while its neighbours train with grads
+// 100 times its moments (its quantization groups are its own: sharing
+// blocks with them, its moments were quantized again under their growing
+// absmax every step, and drifted).
+TEST(ParamGroupsJobTest, AFrozenTensorsEightBitMomentsStayPut) {
+  auto engine =
+      MakeEngine(uint64_t{1} << 30, nullptr, uint64_t{64} << 20, nullptr, StateDtype::kInt8);
+  JobSpec spec;
+  spec.name = "frozen8";
+  spec.ranks = 1;
+  spec.optimizer.hyper = {.lr = 1e-2f};
+  spec.units.push_back({"u",
+                        {{.name = "a", .shape = {300}},
+                         {.name = "frozen", .shape = {200}, .frozen = true},
+                         {.name = "b", .shape = {333}}}});
+  Result<int> job = engine->RegisterJob(spec);
+  ASSERT_TRUE(job.ok()) << job.status();
+  const UnitLayout l = *engine->Layout(*job, 0);
+  const uint64_t n = l.padded, lo = l.offsets[1], hi = l.offsets[2];
+  std::mt19937_64 rng(11);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<float> p(n, 0.0f), m(n, 0.0f), v(n, 0.0f);
+  for (uint64_t i = 0; i < l.numel; ++i) {
+    p[i] = normal(rng);
+    m[i] = 1e-3f * normal(rng);
+    v[i] = 1e-6f * std::fabs(normal(rng));
+  }
+  ASSERT_TRUE(engine->WriteState(*job, 0, p.data(), m.data(), v.data()).ok());
+  ASSERT_TRUE(engine->CommitState(*job, 0, 0).ok());
+  std::vector<float> m0(n), v0(n);
+  ASSERT_TRUE(engine->ReadState(*job, 0, nullptr, m0.data(), v0.data()).ok());
+  for (int step = 1; step <= 20; ++step) {
+    std::vector<bf16> g(n, bf16{0});
+    for (uint64_t i = 0; i < l.numel; ++i) g[i] = FloatToBf16(0.1f * step * normal(rng));
+    std::memcpy(*engine->GradInbox(*job, 0, 0), g.data(), n * sizeof(bf16));
+    ASSERT_TRUE(engine->GradsReady(*job, 0, 0).ok());
+    ASSERT_TRUE(engine->WaitPublished(*job, 0, step, 30s).ok());
+  }
+  std::vector<float> m1(n), v1(n);
+  ASSERT_TRUE(engine->ReadState(*job, 0, nullptr, m1.data(), v1.data()).ok());
+  for (uint64_t i = lo; i < hi; ++i) {
+    ASSERT_EQ(std::bit_cast<uint32_t>(m1[i]), std::bit_cast<uint32_t>(m0[i])) << "m, element " << i;
+    ASSERT_EQ(std::bit_cast<uint32_t>(v1[i]), std::bit_cast<uint32_t>(v0[i])) << "v, element " << i;
+  }
+  EXPECT_NE(m1[0], m0[0]);  // the neighbours trained
+  EXPECT_NE(m1[hi], m0[hi]);
+}
+
 }  // namespace ztier::engine
