@@ -619,8 +619,11 @@ TEST(EngineAbortTest, AStepQueuedBehindOneWritingBackIsNotDiscarded) {
   for (int k = 0; k < 4; ++k) {
     while (e->PublishedStep(*job, k) < 2) std::this_thread::sleep_for(1ms);
   }
-  RingAll(*e, *job, 100.0f);            // all of step 3's: queued behind step 2's write-backs
-  ASSERT_EQ(e->Steps(*job)->first, 2);  // step 2 is complete, step 3 still queued or running
+  RingAll(*e, *job, 100.0f);  // all of step 3's: queued behind step 2's write-backs
+  // Step 3 is still queued or running: its write-backs are slowed. (Not
+  // Steps(), which waits for write-backs: on a loaded machine it could miss
+  // the moment between step 2's and step 3's and see step 3 done.)
+  ASSERT_LT(e->counters(*job).steps, 3);
   Result<int> refused = e->AbortStep(*job);
   EXPECT_EQ(refused.status().code(), StatusCode::kFailedPrecondition) << refused.status();
   EXPECT_NE(refused.status().message().find("every unit's grads are in"), std::string::npos)
