@@ -1078,6 +1078,9 @@ Result<Settings> ParseSettings(std::string_view json, std::string_view origin,
                                const Settings& base) {
   Settings s = base;
   WalkState w{origin, {}, {}};
+  // A byte-order mark, as Windows editors write one, is not the config's
+  // (taken as a value, a comment or line break after it made a comma appear).
+  if (json.starts_with("\xEF\xBB\xBF")) json.remove_prefix(3);
   try {
     ZT_ASSIGN_OR_RETURN(Json doc, ParseJsonStrict(RelaxedToJson(json), origin));
     if (!doc.is_object()) {

@@ -86,6 +86,19 @@ TEST(SettingsTest, ReadsStage3ClientSettingsAsDeepSpeedWritesThem) {
   }
 }
 
+// A byte-order mark (Windows editors write one) before a comment or a line
+// break: it was taken as a value, and a comma the user never wrote failed
+// the parse.
+TEST(SettingsTest, AByteOrderMarkIsNotTheConfigs) {
+  for (const char* text :
+       {"\xEF\xBB\xBF// DeepSpeed config\n{\n \"gradient_clipping\": 0.5\n}\n",
+        "\xEF\xBB\xBF\n{\"gradient_clipping\": 0.5}", "\xEF\xBB\xBF{\"gradient_clipping\": 0.5}"}) {
+    Result<Settings> s = ParseSettings(text, "c.json");
+    ASSERT_TRUE(s.ok()) << s.status();
+    EXPECT_EQ(s->training.clip_norm, 0.5f);
+  }
+}
+
 TEST(SettingsTest, EmptyObjectKeepsDefaults) {
   Result<Settings> s = ParseSettings("{}", "x");
   ASSERT_TRUE(s.ok());
