@@ -254,7 +254,12 @@ Json QuotaInfoJson(const QuotaInfo& q) {
             {"nvme_bytes", q.nvme_bytes}}}};
 }
 
-void PrintJson(const Json& j) { std::printf("%s\n", j.dump(2).c_str()); }
+// Text that is not UTF-8 (a path, a value as the user typed it) is printed
+// with U+FFFD for its bad bytes: nlohmann's dump() throws on it, which ended
+// ztierctl with an abort and a core dump.
+void PrintJson(const Json& j) {
+  std::printf("%s\n", j.dump(2, ' ', false, Json::error_handler_t::replace).c_str());
+}
 
 // ------------------------------------------------------------ commands
 

@@ -629,6 +629,17 @@ TEST(ZtierctlProgramTest, TablesJsonAndExitCodes) {
     r = Ztierctl(StrCat(sock, " ", bad), dir.path());
     EXPECT_EQ(r.code, 2) << bad << ": " << r.out;
   }
+  // --json with bytes that are not UTF-8 in what it prints: an error object
+  // (nlohmann's dump threw on them and ztierctl aborted, exit 134).
+  r = Ztierctl(StrCat(sock, " --json quota set 5 --dram \"$(printf '\\377')\""), dir.path());
+  EXPECT_EQ(r.code, 2) << r.out;
+  {  // stdout's object, among the usage lines on stderr
+    const size_t at = r.out.find("{\n  \"error\"");
+    ASSERT_NE(at, std::string::npos) << r.out;
+    j = nlohmann::json::parse(r.out.substr(at, r.out.find("\n}\n", at) + 3 - at), nullptr, false);
+  }
+  ASSERT_FALSE(j.is_discarded()) << r.out;
+  EXPECT_TRUE(j.contains("error")) << r.out;
   // Arguments the daemon would refuse are said here, as usage errors (they
   // went to ztierd, and came back as a corrupt request or an error, 1).
   r = Ztierctl(StrCat(sock, " evict 1 --reason ", std::string(1025, 'x')), dir.path());
