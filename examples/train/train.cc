@@ -494,6 +494,14 @@ Result<Plan> ResolvePlan(const Flags& f) {
                from("zero_optimization.offload_optimizer.device"), "): --optimizer nvme"));
   }
   if (!daemon && s.optimizer_tier == engine::Tier::kNvme && s.nvme_paths.empty()) {
+    // The swap paths' text is a comma-separated list: a comma in --out
+    // made two paths of <out>/swap, and the error named --swap-dir.
+    if (f.out.find(',') != std::string::npos) {
+      return Status::InvalidArgument(
+          StrCat("--out '", f.out, "' holds a comma, so its swap directory (<out>/swap, where ",
+                 "states on nvme go by default) cannot be named: give --swap-dir, or an --out ",
+                 "without one"));
+    }
     ZT_ASSIGN_OR_RETURN(s, engine::ApplySetting(s, "ZTIER_NVME_PATHS",
                                                 (fs::path(f.out) / "swap").string(), kDefault));
   }

@@ -465,6 +465,14 @@ TEST_F(TrainHardeningTest, AnOutTheCheckpointOrExportCannotUseIsRefusedUpFront) 
   EXPECT_NE(text.find("model.safetensors is not a regular file (a directory)"), std::string::npos)
       << text;
   EXPECT_FALSE(fs::exists(out + "/checkpoint/manifest.json")) << text;
+  // A comma in --out, with states on nvme in <out>/swap by default: the
+  // swap paths' list split it in two, and the error blamed --swap-dir.
+  std::tie(rc, text) =
+      Train(Common() + " --steps 5 --optimizer nvme --no-progress --out " + (dir_ / "run,1"), dir_);
+  EXPECT_NE(rc, 0) << text;
+  EXPECT_NE(text.find("holds a comma"), std::string::npos) << text;
+  EXPECT_EQ(text.find("--swap-dir was"), std::string::npos) << text;
+  EXPECT_EQ(text.find("step 1/"), std::string::npos) << "it trained first\n" << text;
 }
 
 // A file size limit (ulimit -f) killed the run with SIGXFSZ before its first
