@@ -556,72 +556,67 @@ RangeResult UpdateInt8RangeT(const Int8Args& a, size_t begin, size_t end) {
   float nf1 = 0.0f;
   size_t seg = 0;
   while (seg < a.segment_count && a.segments[seg].end <= begin) ++seg;
-  GroupCursor group(q.cuts, begin);
-  for (size_t block = begin; block < end; block += kQuantBlock) {
-    const size_t block_end = std::min(end, block + kQuantBlock);
-    // One group at a time: [s, e), its absmax at b.
-    for (size_t s = block, e = 0; s < block_end; s = e, group.Next(e)) {
-      e = group.End(block_end);
-      const size_t b = group.index();
-      while (seg < a.segment_count && a.segments[seg].end <= s) ++seg;
-      bool updates = false;
-      for (size_t k = seg; k < a.segment_count && a.segments[k].begin < e; ++k) {
-        updates = updates || !a.segments[k].frozen;
-      }
-      if (updates) {
-        DequantBlock<true>(tm, q.m + s, q.m_absmax[b], e - s, m_block);
-        DequantBlock<false>(tv, q.v + s, q.v_absmax[b], e - s, v_block);
-      }
-      // The group's new largest |m| and v, gathered as the update goes.
-      auto m_max = hn::Zero(d);
-      auto v_max = hn::Zero(d);
-      float m_max1 = 0.0f;
-      float v_max1 = 0.0f;
-      for (size_t k = seg; k < a.segment_count && a.segments[k].begin < e; ++k) {
-        const SegmentConsts& sc = a.segments[k];
-        size_t i = std::max(sc.begin, s);
-        const size_t hi = std::min(sc.end, e);
-        if (sc.frozen) {  // only the bf16 copy of the master
-          if (updates) {  // its m and v are quantized again with the rest
-            m_max1 = std::max(m_max1, BlockAbsMax<true>(m_block + (i - s), hi - i));
-            v_max1 = std::max(v_max1, BlockAbsMax<false>(v_block + (i - s), hi - i));
-          }
-          if (out == nullptr) continue;
-          for (; i + lanes <= hi; i += lanes) {
-            hn::StoreU(ToBf16Bits(d, hn::LoadU(d, p + i)), d16, out + i);
-          }
-          for (; i < hi; ++i) hn::StoreU(ToBf16Bits(d1, hn::LoadU(d1, p + i)), d16_1, out + i);
-          continue;
+  // One group at a time: [s, e), its absmax at b.
+  for (GroupCursor group(q.cuts, begin, end); !group.done(); group.Next()) {
+    const size_t s = group.begin(), e = group.end(), b = group.index();
+    while (seg < a.segment_count && a.segments[seg].end <= s) ++seg;
+    bool updates = false;
+    for (size_t k = seg; k < a.segment_count && a.segments[k].begin < e; ++k) {
+      updates = updates || !a.segments[k].frozen;
+    }
+    if (updates) {
+      DequantBlock<true>(tm, q.m + s, q.m_absmax[b], e - s, m_block);
+      DequantBlock<false>(tv, q.v + s, q.v_absmax[b], e - s, v_block);
+    }
+    // The group's new largest |m| and v, gathered as the update goes.
+    auto m_max = hn::Zero(d);
+    auto v_max = hn::Zero(d);
+    float m_max1 = 0.0f;
+    float v_max1 = 0.0f;
+    for (size_t k = seg; k < a.segment_count && a.segments[k].begin < e; ++k) {
+      const SegmentConsts& sc = a.segments[k];
+      size_t i = std::max(sc.begin, s);
+      const size_t hi = std::min(sc.end, e);
+      if (sc.frozen) {  // only the bf16 copy of the master
+        if (updates) {  // its m and v are quantized again with the rest
+          m_max1 = std::max(m_max1, BlockAbsMax<true>(m_block + (i - s), hi - i));
+          v_max1 = std::max(v_max1, BlockAbsMax<false>(v_block + (i - s), hi - i));
         }
-        const auto lanes_at = [&](auto dd, auto d16x, size_t at, auto& mm, auto& vm) HWY_ATTR {
-          const auto g_raw = LoadGrad(dd, g + at);
-          auto param = hn::LoadU(dd, p + at);
-          auto m = hn::LoadU(dd, m_block + (at - s));
-          auto v = hn::LoadU(dd, v_block + (at - s));
-          AdamLanes<kMode>(dd, sc.c, g_raw, param, m, v);
-          hn::StoreU(m, dd, m_block + (at - s));
-          hn::StoreU(v, dd, v_block + (at - s));
-          hn::StoreU(param, dd, p + at);
-          if (out != nullptr) hn::StoreU(ToBf16Bits(dd, param), d16x, out + at);
-          mm = hn::Max(mm, hn::Abs(m));
-          vm = hn::Max(vm, v);
-          return hn::Sub(g_raw, g_raw);
-        };
-        for (; i + lanes <= hi; i += lanes) nf = hn::Add(nf, lanes_at(d, d16, i, m_max, v_max));
-        for (; i < hi; ++i) {
-          auto mm = hn::Zero(d1);
-          auto vm = hn::Zero(d1);
-          nf1 += hn::GetLane(lanes_at(d1, d16_1, i, mm, vm));
-          m_max1 = std::max(m_max1, hn::GetLane(mm));
-          v_max1 = std::max(v_max1, hn::GetLane(vm));
+        if (out == nullptr) continue;
+        for (; i + lanes <= hi; i += lanes) {
+          hn::StoreU(ToBf16Bits(d, hn::LoadU(d, p + i)), d16, out + i);
         }
+        for (; i < hi; ++i) hn::StoreU(ToBf16Bits(d1, hn::LoadU(d1, p + i)), d16_1, out + i);
+        continue;
       }
-      if (updates) {
-        const float m_largest = std::max(hn::GetLane(hn::MaxOfLanes(d, m_max)), m_max1);
-        const float v_largest = std::max(hn::GetLane(hn::MaxOfLanes(d, v_max)), v_max1);
-        q.m_absmax[b] = QuantBlock<true>(tm, m_block, e - s, m_largest, q.m + s);
-        q.v_absmax[b] = QuantBlock<false>(tv, v_block, e - s, v_largest, q.v + s);
+      const auto lanes_at = [&](auto dd, auto d16x, size_t at, auto& mm, auto& vm) HWY_ATTR {
+        const auto g_raw = LoadGrad(dd, g + at);
+        auto param = hn::LoadU(dd, p + at);
+        auto m = hn::LoadU(dd, m_block + (at - s));
+        auto v = hn::LoadU(dd, v_block + (at - s));
+        AdamLanes<kMode>(dd, sc.c, g_raw, param, m, v);
+        hn::StoreU(m, dd, m_block + (at - s));
+        hn::StoreU(v, dd, v_block + (at - s));
+        hn::StoreU(param, dd, p + at);
+        if (out != nullptr) hn::StoreU(ToBf16Bits(dd, param), d16x, out + at);
+        mm = hn::Max(mm, hn::Abs(m));
+        vm = hn::Max(vm, v);
+        return hn::Sub(g_raw, g_raw);
+      };
+      for (; i + lanes <= hi; i += lanes) nf = hn::Add(nf, lanes_at(d, d16, i, m_max, v_max));
+      for (; i < hi; ++i) {
+        auto mm = hn::Zero(d1);
+        auto vm = hn::Zero(d1);
+        nf1 += hn::GetLane(lanes_at(d1, d16_1, i, mm, vm));
+        m_max1 = std::max(m_max1, hn::GetLane(mm));
+        v_max1 = std::max(v_max1, hn::GetLane(vm));
       }
+    }
+    if (updates) {
+      const float m_largest = std::max(hn::GetLane(hn::MaxOfLanes(d, m_max)), m_max1);
+      const float v_largest = std::max(hn::GetLane(hn::MaxOfLanes(d, v_max)), v_max1);
+      q.m_absmax[b] = QuantBlock<true>(tm, m_block, e - s, m_largest, q.m + s);
+      q.v_absmax[b] = QuantBlock<false>(tv, v_block, e - s, v_largest, q.v + s);
     }
   }
   const float sum = hn::GetLane(hn::SumOfLanes(d, nf)) + nf1;
@@ -641,33 +636,24 @@ RangeResult UpdateInt8RangeImpl(const Int8Args& a, size_t begin, size_t end) {
 void QuantizeRangeImpl(QuantMap map, const float* x, size_t begin, size_t end, uint8_t* codes,
                        float* absmax, std::span<const size_t> cuts) {
   const QuantTables& t = Tables(map);
-  GroupCursor group(cuts, begin);
-  for (size_t block = begin; block < end; block += kQuantBlock) {
-    const size_t block_end = std::min(end, block + kQuantBlock);
-    for (size_t s = block, e = 0; s < block_end; s = e, group.Next(e)) {
-      e = group.End(block_end);
-      const size_t n = e - s;
-      absmax[group.index()] =
-          map == QuantMap::kSigned
-              ? QuantBlock<true>(t, x + s, n, BlockAbsMax<true>(x + s, n), codes + s)
-              : QuantBlock<false>(t, x + s, n, BlockAbsMax<false>(x + s, n), codes + s);
-    }
+  for (GroupCursor group(cuts, begin, end); !group.done(); group.Next()) {
+    const size_t s = group.begin(), n = group.end() - s;
+    absmax[group.index()] =
+        map == QuantMap::kSigned
+            ? QuantBlock<true>(t, x + s, n, BlockAbsMax<true>(x + s, n), codes + s)
+            : QuantBlock<false>(t, x + s, n, BlockAbsMax<false>(x + s, n), codes + s);
   }
 }
 
 void DequantizeRangeImpl(QuantMap map, const uint8_t* codes, const float* absmax, size_t begin,
                          size_t end, float* x, std::span<const size_t> cuts) {
   const QuantTables& t = Tables(map);
-  GroupCursor group(cuts, begin);
-  for (size_t block = begin; block < end; block += kQuantBlock) {
-    const size_t block_end = std::min(end, block + kQuantBlock);
-    for (size_t s = block, e = 0; s < block_end; s = e, group.Next(e)) {
-      e = group.End(block_end);
-      if (map == QuantMap::kSigned) {
-        DequantBlock<true>(t, codes + s, absmax[group.index()], e - s, x + s);
-      } else {
-        DequantBlock<false>(t, codes + s, absmax[group.index()], e - s, x + s);
-      }
+  for (GroupCursor group(cuts, begin, end); !group.done(); group.Next()) {
+    const size_t s = group.begin(), n = group.end() - s;
+    if (map == QuantMap::kSigned) {
+      DequantBlock<true>(t, codes + s, absmax[group.index()], n, x + s);
+    } else {
+      DequantBlock<false>(t, codes + s, absmax[group.index()], n, x + s);
     }
   }
 }

@@ -119,30 +119,42 @@ struct Int8Args {
   size_t segment_count;
 };
 
-// Walks the quantization groups (adamw.h) from `begin`, a multiple of
-// kQuantBlock: `index` is the group at hand, which ends at End(block_end).
+// Walks the quantization groups (adamw.h) of [begin, end), begin a
+// multiple of kQuantBlock: the group at hand is [begin(), end()), its
+// absmax at index().
 class GroupCursor {
  public:
-  GroupCursor(std::span<const size_t> cuts, size_t begin)
+  GroupCursor(std::span<const size_t> cuts, size_t begin, size_t end)
       : cuts_(cuts),
+        limit_(end),
         next_(
             static_cast<size_t>(std::lower_bound(cuts.begin(), cuts.end(), begin) - cuts.begin())),
-        index_(begin / kQuantBlock + next_) {}
+        index_(begin / kQuantBlock + next_),
+        begin_(begin),
+        end_(GroupEnd()) {}
+  bool done() const { return begin_ >= limit_; }
+  size_t begin() const { return begin_; }
+  size_t end() const { return end_; }
   size_t index() const { return index_; }
-  // Where the group at hand ends, in a block that ends at `block_end`.
-  size_t End(size_t block_end) const {
-    return next_ < cuts_.size() && cuts_[next_] < block_end ? cuts_[next_] : block_end;
-  }
-  // On to the group that starts at `end` (the End() of the one at hand).
-  void Next(size_t end) {
-    if (next_ < cuts_.size() && cuts_[next_] == end) ++next_;
+  void Next() {
+    if (next_ < cuts_.size() && cuts_[next_] == end_) ++next_;
     ++index_;
+    begin_ = end_;
+    end_ = GroupEnd();
   }
 
  private:
+  // The next cut or block bound after begin_, at most limit_.
+  size_t GroupEnd() const {
+    const size_t block_end = std::min(limit_, (begin_ / kQuantBlock + 1) * kQuantBlock);
+    return next_ < cuts_.size() && cuts_[next_] < block_end ? cuts_[next_] : block_end;
+  }
+
   std::span<const size_t> cuts_;
-  size_t next_;   // the first cut not passed
-  size_t index_;  // the group at hand
+  size_t limit_;
+  size_t next_;  // the first cut not passed
+  size_t index_;
+  size_t begin_, end_;
 };
 
 // Updates the groups of [begin, end) (begin a multiple of kQuantBlock, end
