@@ -8,6 +8,7 @@
 #include <cstring>
 #include <functional>
 #include <map>
+#include <mutex>
 #include <set>
 #include <type_traits>
 
@@ -902,6 +903,56 @@ Match Classify(const std::string& key, const Tunable** tunable) {
   return section ? Match::kSection : Match::kNone;
 }
 
+// ---- suggestions for a misspelled key or variable
+
+// Levenshtein distance, case-insensitive (keys and variables are short).
+size_t EditDistance(std::string_view a, std::string_view b) {
+  std::vector<size_t> row(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    size_t diagonal = row[0];
+    row[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      const bool same = std::tolower(static_cast<unsigned char>(a[i - 1])) ==
+                        std::tolower(static_cast<unsigned char>(b[j - 1]));
+      const size_t next = std::min({row[j] + 1, row[j - 1] + 1, diagonal + (same ? 0 : 1)});
+      diagonal = row[j];
+      row[j] = next;
+    }
+  }
+  return row[b.size()];
+}
+
+// "; did you mean 'X'?" for the setting's name closest to `name` (config
+// keys and ignored DeepSpeed keys, or with `variables` the environment
+// variables), when one is a plausible misspelling of it; else "".
+std::string DidYouMean(std::string_view name, bool variables) {
+  std::string_view best;
+  size_t best_distance = std::max<size_t>(2, name.size() / 5) + 1;
+  auto consider = [&](std::string_view candidate) {
+    // A name cut short (gradient_clip) is as close as one typo.
+    const bool cut = candidate.starts_with(name) && name.size() * 2 >= candidate.size();
+    const size_t d = cut ? 1 : EditDistance(name, candidate);
+    if (d < best_distance) {
+      best = candidate;
+      best_distance = d;
+    }
+  };
+  for (const Tunable& t : Table()) {
+    if (variables) {
+      if (t.env[0] != '\0') consider(t.env);
+    } else {
+      for (const char* k : t.json_keys) consider(k);
+    }
+  }
+  if (variables) {
+    for (const char* v : {"ZTIER_LOG", "ZTIER_LOG_SUBSYS"}) consider(v);
+  } else {
+    for (const char* k : IgnoredKeys()) consider(k);
+  }
+  return best.empty() ? "" : StrCat("; did you mean '", best, "'?");
+}
+
 void Record(Settings& s, const Tunable& t, std::string_view origin) {
   s.sources[t.key()] = std::string(origin);
 }
@@ -923,8 +974,9 @@ Status WalkIgnoredChildren(const Json& node, const std::string& prefix, WalkStat
     if (IsIgnored(key)) {
       w.ignored.push_back(key);
     } else {
-      return Status::InvalidArgument(StrCat(w.origin, ": unknown key '", key,
-                                            "' (docs/configuration.md lists every setting)"));
+      return Status::InvalidArgument(StrCat(w.origin, ": unknown key '", key, "'",
+                                            DidYouMean(key, false),
+                                            " (docs/configuration.md lists every setting)"));
     }
   }
   return Status::Ok();
@@ -968,8 +1020,9 @@ Status Walk(const Json& node, const std::string& prefix, Settings& s, WalkState&
         ZT_RETURN_IF_ERROR(Walk(it.value(), key, s, w));
         break;
       case Match::kNone:
-        return Status::InvalidArgument(StrCat(w.origin, ": unknown key '", key,
-                                              "' (docs/configuration.md lists every setting)"));
+        return Status::InvalidArgument(StrCat(w.origin, ": unknown key '", key, "'",
+                                              DidYouMean(key, false),
+                                              " (docs/configuration.md lists every setting)"));
     }
   }
   return Status::Ok();
@@ -1072,6 +1125,55 @@ const Tunable* FindRow(std::string_view key) {
   return nullptr;
 }
 
+// The ZTIER_ variables that are not settings: logging (common/log.h) and
+// the project's scripts and tests (ZTIER_TEST_* too).
+constexpr std::string_view kOtherVariables[] = {
+    "ZTIER_LOG",
+    "ZTIER_LOG_SUBSYS",
+    "ZTIER_SOAK_SECONDS",
+    "ZTIER_REQUIRE_TORCH",
+    "ZTIER_REQUIRE_PROMTOOL",
+    "ZTIER_TORCH_PYTHON",
+    "ZTIER_VENV",
+    "ZTIER_PYTHON",
+    "ZTIER_PYTHON_PACKAGE",
+    "ZTIER_SANITIZE",
+    "ZTIER_GPU_CHECK_SECONDS",
+    "ZTIER_GPU_PYTHON",
+    "ZTIER_GPU_RUN_PYTHON",
+    "ZTIER_KEEP_INSTALL_TEST",
+    "ZTIER_LOG_TEST_OUT",
+    "ZTIER_RECORD_LOSS_CURVE",
+    "ZTIER_COMPARE_ADAM_REEXEC",
+    "ZTIER_PLOT_REEXEC",
+};
+
+bool KnownVariable(std::string_view name) {
+  if (name.starts_with("ZTIER_TEST_")) return true;
+  for (std::string_view v : kOtherVariables) {
+    if (name == v) return true;
+  }
+  for (const Tunable& t : Table()) {
+    if (name == t.env) return true;
+  }
+  return false;
+}
+
+// A misspelled variable would otherwise be dropped in silence and its
+// setting keep its default; once per name and process (a Python process
+// opens many sessions).
+void WarnUnknownVariable(std::string_view name) {
+  static std::mutex mu;
+  static std::set<std::string, std::less<>> warned;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    if (!warned.emplace(name).second) return;
+  }
+  ZT_LOG(kWarn, "engine") << name << " is set but names no setting and is ignored"
+                          << DidYouMean(name, true)
+                          << " (docs/configuration.md lists every variable)";
+}
+
 }  // namespace
 
 Result<Settings> ParseSettings(std::string_view json, std::string_view origin,
@@ -1120,13 +1222,22 @@ Result<Settings> ApplyEnvironment(const Settings& base, const char* const* env) 
       Record(s, t, t.env);
     }
   }
+  for (const char* const* e = env; *e != nullptr; ++e) {
+    const std::string_view entry(*e);
+    const std::string_view name = entry.substr(0, entry.find('='));
+    if (name.starts_with("ZTIER_") && !KnownVariable(name)) WarnUnknownVariable(name);
+  }
   return s;
 }
 
 Result<Settings> ApplySetting(const Settings& base, std::string_view key, std::string_view text,
                               std::string_view origin) {
   const Tunable* t = FindRow(key);
-  if (t == nullptr) return Status::InvalidArgument(StrCat(origin, ": no setting '", key, "'"));
+  if (t == nullptr) {
+    const bool variable = key.starts_with("ZTIER_");
+    return Status::InvalidArgument(
+        StrCat(origin, ": no setting '", key, "'", DidYouMean(key, variable)));
+  }
   Settings s = base;
   if (t->type == JsonType::kPaths) s.nvme_paths.clear();  // replaces, as a variable does
   Status st = t->set(s, text, origin);

@@ -544,5 +544,47 @@ TEST(SettingsTest, DescriptionListsEveryEnvironmentVariable) {
   }
 }
 
+TEST(SettingsTest, AMisspelledKeyOrVariableNamesTheSettingItIsClosestTo) {
+  Result<Settings> key = ParseSettings(R"({"aio": {"queue_dept": 8}})", "f.json");
+  ASSERT_FALSE(key.ok());
+  EXPECT_NE(key.status().message().find("did you mean 'aio.queue_depth'"), std::string::npos)
+      << key.status();
+  Result<Settings> top = ParseSettings(R"({"gradient_clip": 1.0})", "f.json");
+  ASSERT_FALSE(top.ok());
+  EXPECT_NE(top.status().message().find("did you mean 'gradient_clipping'"), std::string::npos)
+      << top.status();
+  Result<Settings> far = ParseSettings(R"({"colour": 1})", "f.json");
+  ASSERT_FALSE(far.ok());
+  EXPECT_EQ(far.status().message().find("did you mean"), std::string::npos) << far.status();
+  Result<Settings> flag = ApplySetting(Settings(), "ZTIER_QUEUE_DEPT", "8", "--set");
+  ASSERT_FALSE(flag.ok());
+  EXPECT_NE(flag.status().message().find("did you mean 'ZTIER_QUEUE_DEPTH'"), std::string::npos)
+      << flag.status();
+
+  // A misspelled variable is warned of once a process; the variables that
+  // are not settings (logging, tests) are not.
+  const char* env[] = {"ZTIER_DRAM_BUGET=1G", "ZTIER_LOG=warn",      "ZTIER_TEST_ANYTHING=1",
+                       "ZTIER_QUEUE_DEPTH=8", "ZTIER_NOT_A_THING=1", nullptr};
+  ::testing::internal::CaptureStderr();
+  Result<Settings> s = ApplyEnvironment(Settings(), env);
+  Result<Settings> again = ApplyEnvironment(Settings(), env);
+  const std::string log = ::testing::internal::GetCapturedStderr();
+  ASSERT_TRUE(s.ok()) << s.status();
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(s->dram_budget_bytes, Settings().dram_budget_bytes);
+  EXPECT_NE(log.find("ZTIER_DRAM_BUGET is set but names no setting and is ignored; did you mean "
+                     "'ZTIER_DRAM_BUDGET'?"),
+            std::string::npos)
+      << log;
+  EXPECT_NE(log.find("ZTIER_NOT_A_THING is set but names no setting and is ignored"),
+            std::string::npos)
+      << log;
+  EXPECT_EQ(log.find("ZTIER_NOT_A_THING", log.find("ZTIER_NOT_A_THING") + 1), std::string::npos)
+      << "warned of twice: " << log;
+  EXPECT_EQ(log.find("ZTIER_LOG "), std::string::npos) << log;
+  EXPECT_EQ(log.find("ZTIER_TEST_"), std::string::npos) << log;
+  EXPECT_EQ(log.find("ZTIER_QUEUE_DEPTH"), std::string::npos) << log;
+}
+
 }  // namespace
 }  // namespace ztier::engine
