@@ -57,8 +57,9 @@ options:
   --data PATH              text to train on (default ztier-train's)
   --dir DIR                scratch directory for the runs, swap included
                            (default: a new one under $TMPDIR)
-  --train PATH             the ztier-train program (default: beside
-                           ztier-bench, or the build tree's examples/)
+  --train PATH             the ztier-train program, a path or a name in PATH
+                           (default: beside ztier-bench, or the build
+                           tree's examples/)
   --repeat N               run each pair N times, alternating, and report each
                            mode's median run (default 1; a noisy machine wants 3);
                            the JSON has every repeat's tokens/s too
@@ -134,20 +135,42 @@ Result<Options> Parse(int argc, char** argv) {
   return o;
 }
 
-// ztier-train: --train, else beside this program, else the build tree's.
+bool IsExecutableFile(const fs::path& p) {
+  std::error_code ec;
+  return fs::is_regular_file(p, ec) && ::access(p.c_str(), X_OK) == 0;
+}
+
+// ztier-train: --train (a path, or as a shell finds a command, a name
+// without a slash looked up in PATH), else beside this program, else the
+// build tree's. The run starts the file found, never another of that name.
 Result<std::string> FindTrain(const Options& o) {
   if (!o.train.empty()) {
-    if (::access(o.train.c_str(), X_OK) != 0) {
-      return Status::NotFound(StrCat("--train ", o.train, ": not an executable file"));
+    if (o.train.find('/') != std::string::npos) {
+      if (!IsExecutableFile(o.train)) {
+        return Status::NotFound(StrCat("--train ", o.train, ": not an executable file"));
+      }
+      return o.train;
     }
-    return o.train;
+    const char* path = std::getenv("PATH");
+    std::string_view dirs = path != nullptr ? path : "";
+    while (true) {
+      const size_t colon = dirs.find(':');
+      const std::string_view dir = dirs.substr(0, colon);
+      const fs::path candidate = fs::path(dir.empty() ? "." : std::string(dir)) / o.train;
+      if (IsExecutableFile(candidate)) return fs::absolute(candidate).string();
+      if (colon == std::string_view::npos) break;
+      dirs.remove_prefix(colon + 1);
+    }
+    return Status::NotFound(StrCat("--train ", o.train,
+                                   ": no executable of that name in PATH (give a path, e.g. ./",
+                                   o.train, ")"));
   }
   std::error_code ec;
   const fs::path self = fs::read_symlink("/proc/self/exe", ec);
   if (!ec) {
     for (const fs::path& p : {self.parent_path() / "ztier-train",
                               self.parent_path().parent_path() / "examples" / "ztier-train"}) {
-      if (::access(p.c_str(), X_OK) == 0) return p.string();
+      if (IsExecutableFile(p)) return p.string();
     }
   }
   return Status::NotFound(

@@ -39,6 +39,24 @@ status=0
 out=$("$bench" train --train "$dir/no-such-program" 2>&1) || status=$?
 [ "$status" -eq 1 ] && [[ $out == *"no-such-program"* ]] ||
   { echo "a missing ztier-train gave exit $status: $out"; exit 1; }
+# A name without a slash is found as a shell finds a command, in PATH (the
+# check looked in the working directory, and the run then searched PATH):
+# a name PATH lacks is refused even with a file of that name here, and a
+# directory is not a program.
+mkdir -p "$dir/bin" "$dir/cwd"
+ln -s "$(realpath "$train")" "$dir/bin/my-train"
+cp /bin/true "$dir/cwd/only-here"
+out=$(cd "$dir/cwd" && PATH="$dir/bin:$PATH" "$bench" train --train my-train --layers 1 \
+  --channels 64 --heads 2 --context 16 --batch 2 --steps 2 --skip 1 --optimizer dram \
+  --dir "$dir/runs2" 2>&1) || { echo "--train NAME in PATH failed: $out"; exit 1; }
+status=0
+out=$(cd "$dir/cwd" && "$bench" train --train only-here 2>&1) || status=$?
+[[ $status -eq 1 && $out == *"no executable of that name in PATH"* ]] ||
+  { echo "--train NAME not in PATH gave exit $status: $out"; exit 1; }
+status=0
+out=$("$bench" train --train "$dir/bin" 2>&1) || status=$?
+[[ $status -eq 1 && $out == *"not an executable file"* ]] ||
+  { echo "--train DIRECTORY gave exit $status: $out"; exit 1; }
 # A SIGTERM to the bench (a scheduler's, a CI's) left its ztier-train
 # training on under init, and its scratch directory behind. The run now stops
 # with it (signal passed on), the bench exits 143 and removes what it made.
