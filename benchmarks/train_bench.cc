@@ -26,10 +26,14 @@
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <string_view>
+#include <utility>
 #include <vector>
 
 #include "benchmarks/bench_util.h"
 #include "benchmarks/subcommands.h"
+
+extern char** environ;
 
 namespace ztier::bench {
 namespace {
@@ -331,6 +335,22 @@ int RunTrain(int argc, char** argv) {
       "persistence threshold), resident = every unit kept on the device\n",
       o.device.c_str(), o.matmul.c_str(), o.layers, o.channels, o.heads, o.context, o.batch,
       o.ranks, o.steps, o.steps - o.skip, o.repeat);
+  // ztier-train reads its settings from ZTIER_ variables too (under the
+  // flags the bench gives): the figures are of those settings, so say them.
+  std::vector<std::pair<std::string, std::string>> inherited;
+  for (char** e = environ; *e != nullptr; ++e) {
+    const std::string_view entry(*e);
+    const size_t eq = entry.find('=');
+    if (entry.starts_with("ZTIER_") && eq != std::string_view::npos) {
+      inherited.emplace_back(entry.substr(0, eq), entry.substr(eq + 1));
+    }
+  }
+  std::sort(inherited.begin(), inherited.end());
+  if (!inherited.empty()) {
+    std::string list;
+    for (const auto& [name, value] : inherited) list += StrCat(" ", name, "=", value);
+    std::printf("  the runs inherit from the environment:%s\n", list.c_str());
+  }
   std::printf("  %-9s %-10s %10s %9s %9s %9s %9s %9s %9s %9s %9s %6s %6s   %s\n", "optimizer",
               "params", "tokens/s", "step ms", "compute", "opt wait", "h2d wait", "d2h wait",
               "coll", "h2d MB", "d2h MB", "h2d #", "d2h #", "offloaded/resident");
@@ -406,6 +426,14 @@ int RunTrain(int argc, char** argv) {
                             .Add("steps", o.steps)
                             .Add("skip", o.skip)
                             .Add("repeat", o.repeat)
+                            .AddRaw("environment",
+                                    [&] {
+                                      JsonObject env;
+                                      for (const auto& [name, value] : inherited) {
+                                        env.Add(name, value);
+                                      }
+                                      return env.str();
+                                    }())
                             .AddRaw("runs", JsonArray(rows))
                             .str()
                             .c_str());
