@@ -278,8 +278,8 @@ int RunAdam(int argc, char** argv) {
     // Params, moments, grads and the bf16 out (always allocated).
     const double held =
         (o.int8 ? 4.0 + 2.0 + 8.0 / cpu_adam::kQuantBlock : 12.0) + (bf16_grads ? 2.0 : 4.0) + 2.0;
-    if (Status s = CheckFitsInMemory(static_cast<uint64_t>(held * static_cast<double>(n)),
-                                     StrCat("--params ", FormatCount(n)));
+    if (Status s =
+            CheckFitsInMemory(held * static_cast<double>(n), StrCat("--params ", FormatCount(n)));
         !s.ok()) {
       return FailExit(s, "adam");
     }

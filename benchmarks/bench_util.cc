@@ -69,12 +69,14 @@ int FailExit(const Status& s, const char* subcommand) {
   return 1;
 }
 
-Status CheckFitsInMemory(uint64_t bytes, std::string_view what) {
+Status CheckFitsInMemory(double bytes, std::string_view what) {
   const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
   if (pages <= 0 || page <= 0) return Status::Ok();  // unknown: let the allocation say
   const uint64_t physical = static_cast<uint64_t>(pages) * static_cast<uint64_t>(page);
-  if (static_cast<double>(bytes) <= 0.9 * static_cast<double>(physical)) return Status::Ok();
-  return Status::InvalidArgument(StrCat(what, " needs ", bytes,
+  if (bytes <= 0.9 * static_cast<double>(physical)) return Status::Ok();
+  char needed[32];
+  std::snprintf(needed, sizeof(needed), "%.0f", bytes);
+  return Status::InvalidArgument(StrCat(what, " needs ", needed,
                                         " bytes of memory; this machine has ", physical,
                                         " (choose a smaller size)"));
 }

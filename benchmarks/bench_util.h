@@ -42,8 +42,9 @@ std::string FormatCount(uint64_t n);
 // InvalidArgument naming `what` and both figures when `bytes` of memory
 // would pass 90% of this machine's physical memory: said before allocating,
 // so a size meant for a bigger machine is a clear error here, not a run that
-// the kernel's OOM killer ends (taking others' memory meanwhile).
-Status CheckFitsInMemory(uint64_t bytes, std::string_view what);
+// the kernel's OOM killer ends (taking others' memory meanwhile). A double,
+// so a product of sizes past 2^64 is still counted, not wrapped.
+Status CheckFitsInMemory(double bytes, std::string_view what);
 
 // ResourceExhausted naming `what`, the filesystem's path and both figures
 // when `bytes_per_path` on each of `paths` (those on one filesystem added
