@@ -149,7 +149,8 @@ void Usage(std::ostream& os) {
      << ")\n"
         "  --out DIR                checkpoint, log, export and swap go here (default ztier-run);\n"
         "                           one run at a time\n"
-        "  --swap-dir DIR[,DIR..]   NVMe swap directories, which must exist (default <out>/swap)\n"
+        "  --swap-dir DIR[,DIR..]   NVMe swap directories, which must exist (default <out>/swap;\n"
+        "                           with --daemon, ztierd's)\n"
         "  --daemon SOCKET          train through the ztierd at SOCKET (its DRAM and swap;\n"
         "                           optimizer states default to dram there)\n"
         "  --resume                 continue from <out>/checkpoint (and finish its export)\n"
@@ -482,6 +483,19 @@ Result<Plan> ResolvePlan(const Flags& f) {
   if (daemon && source != s.sources.end() && source->second == kDefault) {
     ZT_ASSIGN_OR_RETURN(s, engine::ApplySetting(s, "zero_optimization.offload_optimizer.device",
                                                 "cpu", "ztier-train's default through ztierd"));
+  }
+  // The swap directories are the engine's, so ztierd's through a daemon:
+  // --swap-dir beside --daemon asks for what cannot be, and a config's or
+  // the environment's paths are not this run's (nor checked as if they were).
+  const auto paths = s.sources.find("zero_optimization.offload_optimizer.nvme_path");
+  if (daemon && paths != s.sources.end()) {
+    if (paths->second == "--swap-dir") {
+      return Status::InvalidArgument(
+          "--swap-dir: through --daemon the swap directories are ztierd's (nvme_path in its "
+          "config); leave --swap-dir out");
+    }
+    s.nvme_paths.clear();
+    s.sources.erase(paths);
   }
   if (s.param_tier == engine::Tier::kNvme && s.optimizer_tier != engine::Tier::kNvme) {
     const auto from = [&](const char* key) {

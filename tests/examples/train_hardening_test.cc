@@ -445,6 +445,26 @@ TEST_F(TrainHardeningTest, RowsTheDiskRefusesAreSaidAndNoRowIsTorn) {
   EXPECT_LT(n, 150);
 }
 
+// Through --daemon the swap directories are ztierd's: --swap-dir is refused
+// naming why, and a ZTIER_NVME_PATHS of the shell is not checked as this
+// run's (it failed on a directory the run would never use).
+TEST_F(TrainHardeningTest, SwapDirectoriesThroughADaemonAreTheDaemons) {
+  const std::string socket = dir_ / "no.sock";
+  auto [rc, text] = Train(Common() + " --steps 2 --daemon " + socket + " --swap-dir " +
+                              (dir_ / "missing") + " --out " + (dir_ / "a"),
+                          dir_);
+  EXPECT_EQ(rc, 2) << text;
+  EXPECT_NE(text.find("--swap-dir: through --daemon the swap directories are ztierd's"),
+            std::string::npos)
+      << text;
+  ::setenv("ZTIER_NVME_PATHS", (dir_ / "missing").c_str(), 1);
+  std::tie(rc, text) =
+      Train(Common() + " --steps 2 --daemon " + socket + " --out " + (dir_ / "b"), dir_);
+  ::unsetenv("ZTIER_NVME_PATHS");
+  EXPECT_EQ(text.find("does not exist"), std::string::npos) << text;
+  EXPECT_NE(text.find("no ztierd listens on " + socket), std::string::npos) << text;
+}
+
 // What would fail only once every step had run fails before the first: an
 // --out so deep that the checkpoint's file names pass the system's path
 // limit, an export path that cannot be replaced (a directory there).
