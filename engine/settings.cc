@@ -1174,6 +1174,29 @@ void WarnUnknownVariable(std::string_view name) {
                           << " (docs/configuration.md lists every variable)";
 }
 
+// DeepSpeed's old spellings (zero_optimization.cpu_offload: true) beside the
+// setting they stand for, set otherwise (offload_optimizer.device nvme): the
+// file's order of keys decided which won, in silence. False means only that
+// the old spelling offloads nothing, so it never contradicts.
+Status CheckOldSpellings(const WalkState& w) {
+  for (const auto& [row, set] : w.set) {
+    if (row->source_key == nullptr || set.second != "true") continue;
+    const Tunable* main = FindRow(row->source_key);
+    const auto other = w.set.find(main);
+    if (main == nullptr || other == w.set.end()) continue;
+    Settings old_alone, main_alone;
+    ZT_RETURN_IF_ERROR(row->set(old_alone, set.second, set.first));
+    ZT_RETURN_IF_ERROR(main->set(main_alone, other->second.second, other->second.first));
+    if (main->get(old_alone) != main->get(main_alone)) {
+      return Status::InvalidArgument(
+          StrCat(w.origin, ": '", set.first, "' (DeepSpeed's old spelling) is true, which means ",
+                 main->key(), " ", main->get(old_alone), ", but '", other->second.first, "' is ",
+                 other->second.second, "; give one of the two"));
+    }
+  }
+  return Status::Ok();
+}
+
 }  // namespace
 
 Result<Settings> ParseSettings(std::string_view json, std::string_view origin,
@@ -1189,6 +1212,7 @@ Result<Settings> ParseSettings(std::string_view json, std::string_view origin,
       return Status::InvalidArgument(StrCat(origin, ": the config must be a JSON object"));
     }
     ZT_RETURN_IF_ERROR(Walk(doc, "", s, w));
+    ZT_RETURN_IF_ERROR(CheckOldSpellings(w));
   } catch (const Json::exception& e) {  // nothing escapes this component
     return Status::InvalidArgument(StrCat(origin, ": ", e.what()));
   }

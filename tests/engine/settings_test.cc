@@ -586,5 +586,35 @@ TEST(SettingsTest, AMisspelledKeyOrVariableNamesTheSettingItIsClosestTo) {
   EXPECT_EQ(log.find("ZTIER_QUEUE_DEPTH"), std::string::npos) << log;
 }
 
+// DeepSpeed's old cpu_offload beside an offload_optimizer.device that says
+// otherwise: the keys' order picked one in silence.
+TEST(SettingsTest, AnOldSpellingThatContradictsItsSettingIsRefused) {
+  Result<Settings> both = ParseSettings(
+      R"({"zero_optimization": {"cpu_offload": true,
+          "offload_optimizer": {"device": "nvme", "nvme_path": "/x"}}})",
+      "f.json");
+  ASSERT_FALSE(both.ok());
+  EXPECT_NE(both.status().message().find("'zero_optimization.cpu_offload' (DeepSpeed's old "
+                                         "spelling) is true"),
+            std::string::npos)
+      << both.status();
+  EXPECT_NE(both.status().message().find("'zero_optimization.offload_optimizer.device' is nvme"),
+            std::string::npos)
+      << both.status();
+  Result<Settings> params = ParseSettings(
+      R"({"zero_optimization": {"offload_param": {"device": "nvme"}, "cpu_offload_params": true}})",
+      "f.json");
+  EXPECT_FALSE(params.ok());
+  for (
+      const char* agree : {
+          R"({"zero_optimization": {"cpu_offload": true, "offload_optimizer": {"device": "cpu"}}})",
+          R"({"zero_optimization": {"cpu_offload": false,
+               "offload_optimizer": {"device": "nvme", "nvme_path": "/x"}}})",
+      }) {
+    Result<Settings> s = ParseSettings(agree, "f.json");
+    EXPECT_TRUE(s.ok()) << agree << ": " << s.status();
+  }
+}
+
 }  // namespace
 }  // namespace ztier::engine
