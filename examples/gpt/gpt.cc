@@ -759,17 +759,18 @@ Result<std::unique_ptr<Gpt>> Gpt::Create(const Config& config, int batch, client
                                          std::vector<engine::UnitLayout> layouts) {
   ZT_RETURN_IF_ERROR(ValidateConfig(config));
   if (batch < 1) return Status::InvalidArgument(StrCat("batch must be >= 1, got ", batch));
-  std::vector<engine::UnitSpec> specs = UnitSpecs(config);
-  ZT_RETURN_IF_ERROR(CheckLayouts(specs, layouts));
   // The kernels count rows and attention scores (B x NH x T x T, the
-  // largest of their task counts) in int.
+  // largest of their task counts) in int. Counted in double: at the largest
+  // dimensions the product passes 2^63.
   const int64_t rows = int64_t{batch} * config.context;
-  if (rows * config.heads * config.context > INT_MAX) {
+  if (static_cast<double>(rows) * config.heads * config.context > INT_MAX) {
     return Status::InvalidArgument(StrCat("batch ", batch, " x heads ", config.heads,
                                           " x context^2 ", config.context,
                                           "^2 attention scores exceed the kernels' int range; "
                                           "lower the batch or the context"));
   }
+  std::vector<engine::UnitSpec> specs = UnitSpecs(config);
+  ZT_RETURN_IF_ERROR(CheckLayouts(specs, layouts));
 
   auto impl = std::make_unique<Impl>();
   impl->config = config;

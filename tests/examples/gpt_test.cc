@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <bit>
+#include <climits>
 #include <cmath>
 #include <cstring>
 #include <memory>
@@ -458,13 +459,16 @@ TEST(GptTest, Bf16MatmulsAreFp32MatmulsOfRoundedOperands) {
 // significant bits; through the model that stays within a few percent) and
 // the runs are deterministic.
 TEST(GptTest, Bf16MatmulsTrackFp32) {
-  for (const auto& [config, batch] :
-       {std::pair{Config{.vocab = 256, .context = 8, .channels = 16, .layers = 1, .heads = 2,
-                         .tied_head = false},
-                  1},
-        std::pair{MediumConfig(true), 3}}) {
-    SCOPED_TRACE(::testing::Message() << "vocab " << config.vocab << " channels "
-                                      << config.channels << " batch " << batch);
+  for (const auto& [config, batch] : {std::pair{Config{.vocab = 256,
+                                     .context = 8,
+                                     .channels = 16,
+                                     .layers = 1,
+                                     .heads = 2,
+                                     .tied_head = false},
+                                                1},
+                                      std::pair{MediumConfig(true), 3}}) {
+    SCOPED_TRACE(::testing::Message() << "vocab " << config.vocab << " channels " << config.channels
+                                      << " batch " << batch);
     Config with_bf16 = config;
     with_bf16.matmul = MatmulMath::kBf16;
     EXPECT_GT(ActivationBytes(with_bf16, batch), ActivationBytes(config, batch));
@@ -673,6 +677,14 @@ TEST(GptTest, CreateAndStepRejectBadInput) {
   bad.heads = 3;
   EXPECT_EQ(Gpt::Create(bad, 2, *device, layouts).status().code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(Gpt::Create(config, 0, *device, layouts).status().code(), StatusCode::kInvalidArgument);
+  // The largest dimensions there are: the attention scores' count passes
+  // 2^63, and the int64 product that checked it wrapped (and passed).
+  Config huge = config;
+  huge.channels = huge.context = huge.heads = 1 << 16;
+  r = Gpt::Create(huge, INT_MAX, *device, {});
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << r.status();
+  EXPECT_NE(r.status().message().find("exceed the kernels' int range"), std::string::npos)
+      << r.status();
 
   std::unique_ptr<Gpt> gpt = MakeGpt(config, 2, *device);
   EXPECT_EQ(gpt->config().vocab, 16);
