@@ -28,6 +28,7 @@
 #include <cstring>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -265,7 +266,10 @@ class HostedDaemon {
     });
   }
   ~HostedDaemon() { Close(); }
+  // Idempotent, and safe from two threads at once (the GIL is released):
+  // the second waits for the first and finds it done.
   void Close() {
+    std::lock_guard<std::mutex> lock(close_mu_);
     if (!thread_.joinable()) return;
     daemon_->Stop("the process hosting ztierd closed it");
     thread_.join();
@@ -284,6 +288,7 @@ class HostedDaemon {
  private:
   std::unique_ptr<engine::Daemon> daemon_;
   std::unique_ptr<engine::SeqPacketListener> listener_;
+  std::mutex close_mu_;
   std::thread thread_;
 };
 

@@ -300,6 +300,32 @@ def test_a_session_whose_ztierd_is_gone_is_not_handed_out_again(tmp_path):
         hosted.close()
 
 
+def test_a_hosted_ztierd_closed_from_two_threads_at_once_closes_once(tmp_path):
+    # Both saw the serving thread joinable and joined it: the second join
+    # raised (or worse) in whichever thread lost.
+    import threading
+
+    for i in range(20):
+        hosted = ztier._C.HostedDaemon(str(tmp_path / f"d{i}.sock"))
+        errors = []
+        start = threading.Barrier(2)
+
+        def close():
+            start.wait()
+            try:
+                hosted.close()
+            except Exception as e:  # noqa: BLE001 - any is the failure
+                errors.append(e)
+
+        threads = [threading.Thread(target=close) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert errors == []
+        hosted.close()
+
+
 def test_a_job_name_that_is_not_utf8_is_a_clear_error():
     name = b"run-\xff".decode("utf-8", "surrogateescape")  # os.fsdecode of raw bytes
     with pytest.raises(ValueError, match="not UTF-8 text"):
