@@ -1134,12 +1134,21 @@ class Offload:
                         x = x.clamp(info.min, info.max)
                     return x.to(self.compute_dtype)
                 return x
-            if isinstance(x, tuple) and hasattr(x, "_fields"):  # a namedtuple
-                return type(x)(*(cast(v) for v in x))
+            # A container is rebuilt only when something in it was cast:
+            # the caller's own list or dict otherwise reaches the model, which
+            # may fill it (an incremental decoding state, auxiliary losses).
             if isinstance(x, (tuple, list)):
-                return type(x)(cast(v) for v in x)
+                items = [cast(v) for v in x]
+                if all(a is b for a, b in zip(items, x)):
+                    return x
+                if isinstance(x, tuple) and hasattr(x, "_fields"):  # a namedtuple
+                    return type(x)(*items)
+                return type(x)(items)
             if type(x) is dict:
-                return {k: cast(v) for k, v in x.items()}
+                items = {k: cast(v) for k, v in x.items()}
+                if all(items[k] is v for k, v in x.items()):
+                    return x
+                return items
             return x
 
         new_args, new_kwargs = cast(tuple(args)), cast(dict(kwargs))

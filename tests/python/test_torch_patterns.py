@@ -418,6 +418,35 @@ def test_cast_inputs_saturate_keep_namedtuples_and_can_be_off(settings):
     z.close()
 
 
+def test_cast_inputs_hand_the_model_the_callers_own_containers(settings):
+    # A list or dict holding nothing to cast was copied once any input was
+    # cast: what the model wrote into it (an incremental decoding state,
+    # auxiliary losses to train) went into the copy, lost to the caller.
+    class Filling(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 1)
+
+        def forward(self, x, state, aux, pair):
+            state["calls"] = state.get("calls", 0) + 1
+            y = self.lin(x)
+            aux.append(y.float().pow(2).mean())
+            return y + pair[0]
+
+    torch.manual_seed(0)
+    model = Filling()
+    z = zt.offload(model, settings=settings, compute_dtype=torch.bfloat16)
+    state, aux = {"seen": [1]}, []
+    pair = [torch.ones(4, 1), "tag"]
+    with torch.no_grad():
+        out = model(_x(0), state, aux=aux, pair=pair)
+    assert out.dtype == torch.bfloat16
+    assert state == {"seen": [1], "calls": 1}
+    assert len(aux) == 1
+    assert pair[0].dtype == torch.float32, "the caller's tensor was changed in place"
+    z.close()
+
+
 class _Spectral(nn.Module):
     """A spectral filter: a complex parameter (FNO-style)."""
 
