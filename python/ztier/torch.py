@@ -476,6 +476,13 @@ class Offload:
                     f"ztier: {len(meta)} parameters are on the meta device (no values), e.g. "
                     f"'{meta[0]}': materialize the model first, or load its weights with "
                     "zt.from_pretrained")
+            meta = [f"{m}.{n}" if m else n for m, mod in model.named_modules()
+                    for n, b in mod._buffers.items() if b is not None and b.is_meta]
+            if meta:
+                raise ValueError(
+                    f"ztier: {len(meta)} buffers are on the meta device (no values), e.g. "
+                    f"'{meta[0]}': materialize the model first (its buffers too), or load its "
+                    "weights with zt.from_pretrained")
         groups = self._groups(model)
         job_units = [(u.name, [(t.name, list(t.shape), t.group, t.frozen) for t in u.tensors])
                      for u in self.units]
@@ -528,6 +535,39 @@ class Offload:
         self._prefetch = prefetch_depth if prefetch_depth is not None else self.session.prefetch_depth
         self._collectives = None
         self.runner = self._make_runner()
+        self._hooks = []
+        # What taking the model over changes in it, put back if it fails
+        # midway (a buffer that cannot move, an interrupt): the model as it
+        # was, not NaN placeholders that a second offload takes for weights.
+        kept = [(t.param, t.param.data, t.param.grad) for u in self.units for t in u.tensors]
+        kept += [(p, p.data, p.grad) for p in model.parameters() if id(p) not in self._tensor_of]
+        kept_buffers = [(m, n, b) for m in model.modules() for n, b in m._buffers.items()]
+        try:
+            self._take_over(model, groups)
+        except BaseException:
+            self._remove_hooks()
+            for m, n, b in kept_buffers:
+                m._buffers[n] = b
+            for p, data, grad in kept:
+                p.data = data
+                p.grad = grad
+                owner = getattr(p, "_ztier_owner", None)
+                if owner is not None and owner() is self:
+                    del p._ztier_owner
+            marker = getattr(model, "_ztier_offload", None)
+            if marker is not None and marker() is self:
+                model._ztier_offload = None
+            _live_offloads.discard(self)
+            self._drop_runner()
+            self._collectives = None
+            self.job = None
+            if self._hosted is not None:
+                self._hosted.close()
+            raise
+
+    def _take_over(self, model: nn.Module, groups: list[dict]):
+        """The model's parameters become placeholders, its buffers move to
+        the device, and the hooks go in (the end of __init__)."""
         for u in self.units:
             for t in u.tensors:
                 self._park(t)
@@ -564,7 +604,6 @@ class Offload:
         self._bwd_held: set[tuple[int, int]] = set()
         self._post_done: set[tuple[int, int]] = set()
         self._callback_queued = False
-        self._hooks = []
         self._sd_values = None  # units fetched for the state_dict() being made
         self._known_params = {id(p): n for n, p in model.named_parameters()}
         self._install_hooks(model)

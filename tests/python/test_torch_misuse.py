@@ -1480,3 +1480,43 @@ def test_clip_grad_norm_on_offloaded_parameters_without_the_engines_clipping_is_
         torch.nn.utils.clip_grad_norm_(clipped.parameters(), 1.0)
     zc.optimizer.step()
     zc.close()
+
+
+def test_an_offload_that_fails_midway_leaves_the_model_as_it_was(settings, monkeypatch):
+    # The parameters became NaN placeholders before the steps that could
+    # still fail (buffers moved, hooks put in), and stayed so: the weights
+    # were lost, and a second offload refused them as NaN.
+    torch.manual_seed(0)
+    model = _mlp()
+    model[0].register_buffer("scale", torch.full((6,), 2.0))
+    model(torch.randn(3, 6)).sum().backward()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    def interrupted(self, model):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(zt.Offload, "_install_hooks", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            zt.offload(model, settings=settings)
+    for n, p in model.named_parameters():
+        assert torch.equal(p.detach(), before[n]), n
+        assert torch.equal(p.grad, grads[n]), n
+    assert model[0].scale.dtype == torch.float32 and model[0].scale.eq(2.0).all()
+    assert getattr(model, "_ztier_offload", None) is None
+    model(torch.randn(3, 6))  # no hook of the failed offload is left
+    model.zero_grad(set_to_none=True)
+    z = zt.offload(model, settings=settings)
+    _train_step(model, z, torch.randn(4, 6))
+    assert z.step_count == 1
+    z.close()
+
+
+def test_a_buffer_on_the_meta_device_is_refused_before_anything_changes(settings):
+    model = _mlp()
+    model[0].register_buffer("table", torch.empty(3, device="meta"), persistent=False)
+    before = model[0].weight.detach().clone()
+    with pytest.raises(ValueError, match=r"buffers are on the meta device .*'0\.table'"):
+        zt.offload(model, settings=settings)
+    assert torch.equal(model[0].weight.detach(), before)
