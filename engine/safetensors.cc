@@ -40,10 +40,13 @@ StDtype ParseDtype(const std::string& s) {
 // Sizes of the other dtypes the format defines, so that files carrying them
 // are still validated (ztier only imports F32/BF16/F16 into its units).
 uint64_t OtherDtypeBytes(const std::string& s) {
-  if (s == "F64" || s == "I64" || s == "U64") return 8;
+  if (s == "F64" || s == "I64" || s == "U64" || s == "C64") return 8;
   if (s == "I32" || s == "U32") return 4;
   if (s == "I16" || s == "U16") return 2;
-  if (s == "I8" || s == "U8" || s == "BOOL" || s == "F8_E4M3" || s == "F8_E5M2") return 1;
+  if (s == "I8" || s == "U8" || s == "BOOL" || s == "F8_E4M3" || s == "F8_E5M2" || s == "F8_E8M0" ||
+      s == "F8_E4M3FNUZ" || s == "F8_E5M2FNUZ") {
+    return 1;
+  }
   return 0;
 }
 

@@ -1859,11 +1859,26 @@ class Offload:
         path = os.fspath(path)
 
         def export():
-            self.job.export_safetensors(path, dtype)
-            buffers = self.persistent_buffers()
-            if buffers:
-                _add_to_safetensors(path, {n: b.detach().cpu().contiguous()
-                                           for n, b in buffers.items()})
+            buffers = {n: b.detach().cpu().contiguous()
+                       for n, b in self.persistent_buffers().items()}
+            if not buffers:
+                self.job.export_safetensors(path, dtype)
+                return
+            # The weights go to a file beside it, and the whole file replaces
+            # `path` at once: a buffer safetensors cannot hold, or a name
+            # taken twice, fails with the file there as it was (it was left
+            # holding the weights alone).
+            for name, b in buffers.items():
+                if b.dtype not in _ST_DTYPES:
+                    raise ValueError(f"ztier: buffer '{name}' is {b.dtype}, which safetensors "
+                                     "lacks; make it a dtype the format has, or non-persistent")
+            weights = path + ".weights"
+            try:
+                self.job.export_safetensors(weights, dtype)
+                _add_to_safetensors(weights, buffers, path)
+            finally:
+                if os.path.exists(weights):
+                    os.unlink(weights)
 
         self._on_rank0(export)
 
@@ -2269,19 +2284,23 @@ BUFFERS_FILE = "ztier-buffers.pt"
 
 _ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
               torch.bfloat16: "BF16", torch.int64: "I64", torch.int32: "I32", torch.int16: "I16",
-              torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
+              torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
+              torch.complex64: "C64"}
+_ST_DTYPES.update({getattr(torch, t): n for t, n in (
+    ("uint16", "U16"), ("uint32", "U32"), ("uint64", "U64"),
+    ("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2")) if hasattr(torch, t)})
 
 
-def _add_to_safetensors(path: str, extra: dict[str, torch.Tensor]):
-    """Rewrites the safetensors file at ``path`` with ``extra`` appended (in
-    their own dtypes), atomically; the tensors already there are copied as
-    bytes (never all in memory at once), their metadata kept."""
+def _add_to_safetensors(source: str, extra: dict[str, torch.Tensor], path: str):
+    """Writes at ``path``, atomically, the safetensors file at ``source``
+    with ``extra`` appended (in their own dtypes); the tensors already there
+    are copied as bytes (never all in memory at once), their metadata kept."""
     import json
     import shutil
     import struct
 
     blobs = []
-    with open(path, "rb") as f:
+    with open(source, "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
         header = json.loads(f.read(n))
         data_start = 8 + n

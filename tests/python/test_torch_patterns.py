@@ -9,6 +9,7 @@ way that works; none trains wrong silently.
 from __future__ import annotations
 
 import copy
+import os
 import threading
 
 import pytest
@@ -459,7 +460,7 @@ class _Spectral(nn.Module):
         return self.lin(torch.fft.irfft(torch.fft.rfft(x) * self.filt, n=x.shape[-1]))
 
 
-def test_a_trainable_complex_parameter_is_refused_and_a_frozen_one_stays(settings):
+def test_a_trainable_complex_parameter_is_refused_and_a_frozen_one_stays(settings, tmp_path):
     # A complex parameter was taken for an index table: left out of the
     # engine and the param groups, it never trained (its grads piled up).
     torch.manual_seed(0)
@@ -476,6 +477,34 @@ def test_a_trainable_complex_parameter_is_refused_and_a_frozen_one_stays(setting
     model.filt.requires_grad_(True)
     with pytest.raises(RuntimeError, match="'filt' has requires_grad=True now.*view_as_real"):
         model(_x(1))
+    model.filt.requires_grad_(False)
+    # Into the export too (safetensors' C64: refused as a dtype it lacked).
+    from safetensors.torch import load_file
+
+    path = str(tmp_path / "spectral.safetensors")
+    z.export_safetensors(path)
+    assert torch.equal(load_file(path)["filt"], want)
+    z.close()
+
+
+def test_an_export_that_fails_leaves_the_file_there_as_it_was(settings, tmp_path):
+    # The weights were written over `path` first, and a buffer checked after:
+    # a failed export left the weights alone where the last export had been.
+    from safetensors.torch import load_file
+
+    model = nn.Sequential(nn.Linear(8, 1))
+    model.register_buffer("ids", torch.arange(4).to(torch.uint16))
+    z = zt.offload(model, settings=settings)
+    path = str(tmp_path / "m.safetensors")
+    z.export_safetensors(path)  # every dtype safetensors has is exported
+    first = load_file(path)
+    assert first["ids"].dtype == torch.uint16 and first["ids"].int().tolist() == [0, 1, 2, 3]
+    z.module.ids = torch.zeros(2, dtype=torch.complex128)
+    with pytest.raises(ValueError, match="buffer 'ids' is torch.complex128, which safetensors"):
+        z.export_safetensors(path)
+    again = load_file(path)
+    assert again.keys() == first.keys() and torch.equal(again["ids"], first["ids"])
+    assert [f for f in os.listdir(tmp_path) if f.startswith("m.")] == ["m.safetensors"]
     z.close()
 
 
