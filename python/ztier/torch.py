@@ -1295,6 +1295,15 @@ class Offload:
     def _pre_forward(self, module, args, kwargs):
         mid = id(module)
         units = self._module_units[mid]
+        if (not self._in_forward and self._phase != "backward"
+                and any(m is self.module for m in self._hooked)
+                and torch._C._current_graph_task_id() == -1 and self._forward_called_directly()):
+            own = next(n for n, p in self.module.named_parameters(recurse=False)
+                       if id(p) in self._tensor_of)
+            raise RuntimeError(
+                "ztier: model.forward(...) was called directly, past the model's own hooks, and "
+                f"its own parameters ('{own}') were never fetched (they would read as NaN): call "
+                "the model itself, model(...)")
         if self._phase != "backward" and torch._C._current_graph_task_id() != -1:
             self._enter_backward()  # a recompute is the first thing backward runs
         call = (mid, self._next_call)
@@ -1329,6 +1338,22 @@ class Offload:
         if torch.is_grad_enabled():
             return self._wrap_inputs(call, args, kwargs)
         return None
+
+    def _forward_called_directly(self) -> bool:
+        """The root's forward is on this stack but not through its __call__:
+        model.forward(x) (its hooks skipped). Looked for only where a hooked
+        module runs outside a root forward, which a submodule called on its
+        own does too."""
+        code = getattr(getattr(type(self.module).forward, "__func__",
+                               type(self.module).forward), "__code__", None)
+        if code is None or code.co_argcount == 0:
+            return False
+        f = sys._getframe(1)
+        while f is not None:
+            if f.f_code is code and f.f_locals.get(code.co_varnames[0]) is self.module:
+                return True
+            f = f.f_back
+        return False
 
     def _post_forward(self, module, args, output):
         if self._phase == "backward":

@@ -1520,3 +1520,32 @@ def test_a_buffer_on_the_meta_device_is_refused_before_anything_changes(settings
     with pytest.raises(ValueError, match=r"buffers are on the meta device .*'0\.table'"):
         zt.offload(model, settings=settings)
     assert torch.equal(model[0].weight.detach(), before)
+
+
+def test_model_forward_called_directly_past_the_roots_hooks_is_a_clear_error(settings):
+    # The root's own parameters are fetched by the root's hooks, which
+    # model.forward(x) skips: they read as NaN placeholders, every step was
+    # skipped for NaN grads, with only the engine's warnings to say so.
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale = nn.Parameter(torch.ones(8))
+            self.l1 = nn.Linear(4, 8)
+            self.l2 = nn.Linear(8, 1)
+
+        def forward(this, x):  # noqa: N805 - not named self, as some code does
+            return this.l2(torch.relu(this.l1(x)) * this.scale)
+
+    torch.manual_seed(0)
+    model = Scaled()
+    z = zt.offload(model, settings=settings)
+    x = torch.randn(8, 4)
+    with pytest.raises(RuntimeError, match=r"model.forward\(...\) was called directly.*'scale'"):
+        model.forward(x)
+    # It recovers: the model called as a model trains, and a submodule
+    # called on its own (no root forward on the stack) still works.
+    _train_step(model, z, x)
+    assert z.step_count == 1 and math.isfinite(z.grad_norm())
+    with torch.no_grad():
+        assert torch.isfinite(model.l1(x)).all()
+    z.close()
