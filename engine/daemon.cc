@@ -1404,14 +1404,28 @@ class Daemon::Impl::Connection {
     // The quota is checked, and the job's need held in the uid's use, before
     // the engine allocates any of it: a job over the quota never holds the
     // budget (for others' registrations) while it is being refused.
-    uint64_t reserved = 0;
-    const auto admit = [&](uint64_t need) -> Status {
+    // So is the swap quota, before the swap files grow for the job.
+    const auto nvme_over = [&](const Impl::Usage& u, uint64_t need, uint64_t quota) {
+      return Status::ResourceExhausted(
+          StrCat("job '", name, "' needs ", need, " bytes of swap; uid ", peer_.uid, " holds ",
+                 u.nvme_bytes, " of its quota of ", quota, " (max_nvme_bytes_per_uid)",
+                 d_.ParkedNoteLocked(peer_.uid)));
+    };
+    uint64_t reserved = 0, reserved_nvme = 0;
+    const auto admit = [&](uint64_t need, uint64_t nvme_need) -> Status {
       std::lock_guard<std::mutex> lock(d_.mu);
       Impl::Usage& u = d_.usage[peer_.uid];
-      const uint64_t quota = d_.QuotaForLocked(peer_.uid).max_dram_bytes;
-      if (quota != 0 && u.dram_bytes + need > quota) return dram_over(u, need, quota);
+      const Quota quota = d_.QuotaForLocked(peer_.uid);
+      if (quota.max_dram_bytes != 0 && u.dram_bytes + need > quota.max_dram_bytes) {
+        return dram_over(u, need, quota.max_dram_bytes);
+      }
+      if (quota.max_nvme_bytes != 0 && u.nvme_bytes + nvme_need > quota.max_nvme_bytes) {
+        return nvme_over(u, nvme_need, quota.max_nvme_bytes);
+      }
       u.dram_bytes += need;
+      u.nvme_bytes += nvme_need;
       reserved = need;
+      reserved_nvme = nvme_need;
       return Status::Ok();
     };
     Result<int> id = d_.engine->RegisterJob(scoped, admit);
@@ -1419,6 +1433,7 @@ class Daemon::Impl::Connection {
       std::lock_guard<std::mutex> lock(d_.mu);
       --d_.usage[peer_.uid].jobs;
       d_.usage[peer_.uid].dram_bytes -= reserved;
+      d_.usage[peer_.uid].nvme_bytes -= reserved_nvme;
       if (spec.optimizer_tier == Tier::kNvme && d_.engine->swap_usage().empty()) {
         // The engine's message names settings of its own, which a client
         // of ztierd cannot change.
@@ -1448,6 +1463,7 @@ class Daemon::Impl::Connection {
       std::lock_guard<std::mutex> lock(d_.mu);
       Impl::Usage& u = d_.usage[peer_.uid];
       u.dram_bytes -= reserved;  // now counted as the engine holds it
+      u.nvme_bytes -= reserved_nvme;
       const Quota quota = d_.QuotaForLocked(peer_.uid);
       const struct {
         uint64_t max_dram_bytes_per_uid, max_nvme_bytes_per_uid;
@@ -1457,10 +1473,7 @@ class Daemon::Impl::Connection {
         over = dram_over(u, held.dram_bytes, o.max_dram_bytes_per_uid);
       } else if (o.max_nvme_bytes_per_uid != 0 &&
                  u.nvme_bytes + held.nvme_bytes > o.max_nvme_bytes_per_uid) {
-        over = Status::ResourceExhausted(
-            StrCat("job '", name, "' needs ", held.nvme_bytes, " bytes of swap; uid ", peer_.uid,
-                   " holds ", u.nvme_bytes, " of its quota of ", o.max_nvme_bytes_per_uid,
-                   " (max_nvme_bytes_per_uid)", d_.ParkedNoteLocked(peer_.uid)));
+        over = nvme_over(u, held.nvme_bytes, o.max_nvme_bytes_per_uid);
       } else if (u.spec_bytes + job->spec_bytes > d_.options.max_spec_bytes_per_uid) {
         over = Status::ResourceExhausted(
             StrCat("job '", name, "': its spec takes about ", job->spec_bytes, " bytes in ztierd (",

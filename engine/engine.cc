@@ -782,8 +782,9 @@ Status ValidateJobSpec(const JobSpec& spec, size_t name_prefix_bytes) {
   return Status::Ok();
 }
 
-Result<int> Engine::RegisterJob(const JobSpec& spec,
-                                const std::function<Status(uint64_t dram_bytes)>& admit) {
+Result<int> Engine::RegisterJob(
+    const JobSpec& spec,
+    const std::function<Status(uint64_t dram_bytes, uint64_t nvme_bytes)>& admit) {
   Impl& e = *impl_;
   // Room for ztierd's scope before the name ("uid4294967295/"); its client
   // checked the name without it.
@@ -865,7 +866,13 @@ Result<int> Engine::RegisterJob(const JobSpec& spec,
     }
   }
   ZT_ASSIGN_OR_RETURN(const uint64_t dram_need, e.CheckDramNeed(*job));
-  if (admit) ZT_RETURN_IF_ERROR(admit(dram_need));
+  // The swap objects the loop below allocates, counted as it counts them.
+  uint64_t nvme_need = 0;
+  for (const Unit& u : job->units) {
+    if (job->ring != nullptr) nvme_need += SwapFootprint(StateBytes(u, job->state_dtype));
+    if (nvme_params) nvme_need += 2 * SwapFootprint(ParamBytes(u.layout));
+  }
+  if (admit) ZT_RETURN_IF_ERROR(admit(dram_need, nvme_need));
   if (zero_elements > 0) {
     const size_t bytes = zero_elements * sizeof(float);
     void* zeros =

@@ -130,12 +130,14 @@ class Engine {
   // figures; or the swap space, naming the path), FailedPrecondition (states
   // on NVMe without swap paths); InvalidArgument also for params on NVMe
   // with states in DRAM. Limits: 2^40 elements a unit, 2^48 a job.
-  // `admit`, when given, is called with the pinned DRAM bytes the job
-  // needs once they are known and before any is allocated; its error is
-  // RegisterJob's (ztierd's per-uid quota: a job over it never holds the
-  // budget others need, not even for a moment).
-  Result<int> RegisterJob(const JobSpec& spec,
-                          const std::function<Status(uint64_t dram_bytes)>& admit = {});
+  // `admit`, when given, is called with the pinned DRAM bytes and the swap
+  // bytes (whole stripe units) the job needs once they are known and before
+  // any is allocated; its error is RegisterJob's (ztierd's per-uid quotas:
+  // a job over one never holds the budget others need, nor grows the swap
+  // files, not even for a moment).
+  Result<int> RegisterJob(
+      const JobSpec& spec,
+      const std::function<Status(uint64_t dram_bytes, uint64_t nvme_bytes)>& admit = {});
   // Frees everything the job holds. Errors: NotFound.
   Status UnregisterJob(int job);
 

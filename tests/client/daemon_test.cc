@@ -547,6 +547,40 @@ TEST_F(DaemonTest, TheDramQuotaOfAUidRefusesNamingItAndHoldsNothing) {
   EXPECT_EQ(daemon_->daemon().engine().pool_stats().used_bytes, before);
 }
 
+// The swap quota too is checked before anything is allocated: a job over it
+// grew the shared swap files (to 729 MiB for a quota of 4 MiB) and left them
+// grown, the drive's room gone for everyone.
+TEST_F(DaemonTest, TheSwapQuotaOfAUidRefusesBeforeTheSwapFilesGrow) {
+  ScratchDir dir("nvme-quota");
+  engine::Settings settings = SmallEngine();
+  settings.nvme_paths = {dir.path()};
+  settings.stripe_bytes = 64 << 10;
+  engine::DaemonOptions quota;
+  quota.max_nvme_bytes_per_uid = 64 << 10;  // one stripe; two units take one each
+  daemon_.reset();
+  Result<std::unique_ptr<TestDaemon>> d = TestDaemon::Start(settings, quota);
+  ASSERT_TRUE(d.ok()) << d.status();
+  daemon_ = *std::move(d);
+  RawClient c = RawClient::Connect(socket());
+  engine::JobSpec spec = TwoUnits("big");
+  spec.optimizer_tier = engine::Tier::kNvme;
+  Result<RawClient::Reply> r = c.Call(p::MessageType::kRegisterJob, p::Encode(spec));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->status.code(), StatusCode::kResourceExhausted) << r->status;
+  EXPECT_NE(r->status.ToString().find("131072 bytes of swap"), std::string::npos) << r->status;
+  EXPECT_NE(r->status.ToString().find("max_nvme_bytes_per_uid"), std::string::npos) << r->status;
+  WaitForStats(1, 0);
+  for (const engine::SwapPathUsage& u : daemon_->daemon().engine().swap_usage()) {
+    EXPECT_EQ(u.file_bytes, 0u) << u.path << ": the swap file grew for a refused job";
+  }
+  // One unit fits, and is charged.
+  spec.units.resize(1);
+  spec.name = "small";
+  r = c.Call(p::MessageType::kRegisterJob, p::Encode(spec));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_TRUE(r->status.ok()) << r->status;
+}
+
 // --------------------------------------------------------- lifecycle
 
 TEST_F(DaemonTest, AClientThatDiesHasItsLeasesWaitsAndJobsFreed) {

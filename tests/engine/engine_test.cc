@@ -865,22 +865,22 @@ TEST(EngineJobsTest, AdmitSeesTheNeedBeforeAnyOfItIsAllocated) {
   auto engine = MakeEngine(uint64_t{256} << 20);
   const uint64_t used = engine->pool_stats().used_bytes;
   uint64_t asked = 0, used_then = UINT64_MAX;
-  Result<int> refused =
-      engine->RegisterJob(SmallModel("over", 1, 0.0f, 1, StepMode::kExact), [&](uint64_t dram) {
-        asked = dram;
-        used_then = engine->pool_stats().used_bytes;
-        return Status::ResourceExhausted("over its quota");
-      });
+  Result<int> refused = engine->RegisterJob(SmallModel("over", 1, 0.0f, 1, StepMode::kExact),
+                                            [&](uint64_t dram, uint64_t) {
+                                              asked = dram;
+                                              used_then = engine->pool_stats().used_bytes;
+                                              return Status::ResourceExhausted("over its quota");
+                                            });
   EXPECT_EQ(refused.status().code(), StatusCode::kResourceExhausted) << refused.status();
   EXPECT_EQ(refused.status().message(), "over its quota");
   EXPECT_EQ(used_then, used);
   EXPECT_EQ(engine->pool_stats().used_bytes, used);
   // Admitted, the job holds about what it was said to need.
-  Result<int> job =
-      engine->RegisterJob(SmallModel("over", 1, 0.0f, 1, StepMode::kExact), [&](uint64_t dram) {
-        EXPECT_EQ(dram, asked);
-        return Status::Ok();
-      });
+  Result<int> job = engine->RegisterJob(SmallModel("over", 1, 0.0f, 1, StepMode::kExact),
+                                        [&](uint64_t dram, uint64_t) {
+                                          EXPECT_EQ(dram, asked);
+                                          return Status::Ok();
+                                        });
   ASSERT_TRUE(job.ok()) << job.status();
   EXPECT_GT(asked, 0u);
   EXPECT_EQ(engine->counters(*job).dram_bytes, asked);
