@@ -221,7 +221,13 @@ struct Daemon::Impl {
   // The operator's settings (guarded by mu): quotas set per uid (ztierctl
   // quota set; kept in options.quota_file when one is named), and drain
   // (new jobs refused).
-  std::map<uid_t, Quota> custom_quotas;
+  // Only the fields an operator named (`set`, kQuota* bits) are the uid's
+  // own; the others follow the defaults of the flags, changed or not.
+  struct CustomQuota {
+    Quota quota;
+    uint32_t set = 0;
+  };
+  std::map<uid_t, CustomQuota> custom_quotas;
   // One ztierd per quota file: each rewrites the whole file at a quota set,
   // so two would undo each other's changes.
   DirLock quota_lock;
@@ -241,8 +247,15 @@ struct Daemon::Impl {
                  .max_nvme_bytes = options.max_nvme_bytes_per_uid};
   }
   Quota QuotaForLocked(uid_t uid) const {
+    Quota q = DefaultQuota();
     auto it = custom_quotas.find(uid);
-    return it == custom_quotas.end() ? DefaultQuota() : it->second;
+    if (it == custom_quotas.end()) return q;
+    const CustomQuota& c = it->second;
+    if ((c.set & kQuotaMaxJobs) != 0) q.max_jobs = c.quota.max_jobs;
+    if ((c.set & kQuotaMaxConnections) != 0) q.max_connections = c.quota.max_connections;
+    if ((c.set & kQuotaMaxDram) != 0) q.max_dram_bytes = c.quota.max_dram_bytes;
+    if ((c.set & kQuotaMaxNvme) != 0) q.max_nvme_bytes = c.quota.max_nvme_bytes;
+    return q;
   }
   QuotaInfo QuotaInfoLocked(uid_t uid) const {
     QuotaInfo q{.uid = uid, .quota = QuotaForLocked(uid), .custom = custom_quotas.count(uid) != 0};
@@ -259,11 +272,13 @@ struct Daemon::Impl {
   // The custom quotas as the quota file holds them.
   std::string QuotaFileTextLocked() const {
     nlohmann::ordered_json quotas = nlohmann::ordered_json::object();
-    for (const auto& [uid, q] : custom_quotas) {
-      quotas[std::to_string(uid)] = {{"max_jobs", q.max_jobs},
-                                     {"max_connections", q.max_connections},
-                                     {"max_dram_bytes", q.max_dram_bytes},
-                                     {"max_nvme_bytes", q.max_nvme_bytes}};
+    for (const auto& [uid, c] : custom_quotas) {
+      nlohmann::ordered_json fields = nlohmann::ordered_json::object();
+      if ((c.set & kQuotaMaxJobs) != 0) fields["max_jobs"] = c.quota.max_jobs;
+      if ((c.set & kQuotaMaxConnections) != 0) fields["max_connections"] = c.quota.max_connections;
+      if ((c.set & kQuotaMaxDram) != 0) fields["max_dram_bytes"] = c.quota.max_dram_bytes;
+      if ((c.set & kQuotaMaxNvme) != 0) fields["max_nvme_bytes"] = c.quota.max_nvme_bytes;
+      quotas[std::to_string(uid)] = fields;
     }
     nlohmann::ordered_json doc = {{"format", "ztierd-quotas"}, {"version", 1}, {"quotas", quotas}};
     return doc.dump(2) + "\n";
@@ -327,7 +342,7 @@ struct Daemon::Impl {
       return bad("not a ztierd quota file of version 1 (\"format\": \"ztierd-quotas\")");
     }
     if (!doc.contains("quotas") || !doc["quotas"].is_object()) return bad("no \"quotas\" object");
-    std::map<uid_t, Quota> loaded;
+    std::map<uid_t, CustomQuota> loaded;
     for (const auto& [key, q] : doc["quotas"].items()) {
       uint64_t uid = 0;
       auto [ptr, err] = std::from_chars(key.data(), key.data() + key.size(), uid);
@@ -335,7 +350,7 @@ struct Daemon::Impl {
         return bad(StrCat("'", key, "' is not a uid"));
       }
       if (!q.is_object()) return bad(StrCat("uid ", key, ": not an object"));
-      Quota v = DefaultQuota();
+      CustomQuota v;
       for (const auto& [field, value] : q.items()) {
         if (!value.is_number_unsigned()) {
           return bad(StrCat("uid ", key, ": ", field, " is not a non-negative integer"));
@@ -343,16 +358,24 @@ struct Daemon::Impl {
         const uint64_t x = value.get<uint64_t>();
         if (field == "max_jobs" || field == "max_connections") {
           if (x < 1 || x > (1u << 20)) return bad(StrCat("uid ", key, ": ", field, " ", x));
-          (field == "max_jobs" ? v.max_jobs : v.max_connections) = static_cast<int32_t>(x);
+          (field == "max_jobs" ? v.quota.max_jobs : v.quota.max_connections) =
+              static_cast<int32_t>(x);
+          v.set |= field == "max_jobs" ? kQuotaMaxJobs : kQuotaMaxConnections;
         } else if (field == "max_dram_bytes") {
-          v.max_dram_bytes = x;
+          v.quota.max_dram_bytes = x;
+          v.set |= kQuotaMaxDram;
         } else if (field == "max_nvme_bytes") {
-          v.max_nvme_bytes = x;
+          v.quota.max_nvme_bytes = x;
+          v.set |= kQuotaMaxNvme;
         } else {
           return bad(StrCat("uid ", key, ": unknown field '", field, "'"));
         }
       }
-      loaded[static_cast<uid_t>(uid)] = v;
+      // "1001" and "01001" are one uid: which of the two would win is
+      // the file's order, never what its editor meant.
+      if (!loaded.emplace(static_cast<uid_t>(uid), v).second) {
+        return bad(StrCat("uid ", uid, " is named twice ('", key, "')"));
+      }
     }
     std::lock_guard<std::mutex> lock(mu);
     custom_quotas = std::move(loaded);
@@ -369,12 +392,12 @@ struct Daemon::Impl {
     if (up.reset) {
       custom_quotas.erase(up.uid);
     } else {
-      Quota q = QuotaForLocked(up.uid);
-      if ((up.set & kQuotaMaxJobs) != 0) q.max_jobs = up.quota.max_jobs;
-      if ((up.set & kQuotaMaxConnections) != 0) q.max_connections = up.quota.max_connections;
-      if ((up.set & kQuotaMaxDram) != 0) q.max_dram_bytes = up.quota.max_dram_bytes;
-      if ((up.set & kQuotaMaxNvme) != 0) q.max_nvme_bytes = up.quota.max_nvme_bytes;
-      custom_quotas[up.uid] = q;
+      CustomQuota& c = custom_quotas[up.uid];
+      if ((up.set & kQuotaMaxJobs) != 0) c.quota.max_jobs = up.quota.max_jobs;
+      if ((up.set & kQuotaMaxConnections) != 0) c.quota.max_connections = up.quota.max_connections;
+      if ((up.set & kQuotaMaxDram) != 0) c.quota.max_dram_bytes = up.quota.max_dram_bytes;
+      if ((up.set & kQuotaMaxNvme) != 0) c.quota.max_nvme_bytes = up.quota.max_nvme_bytes;
+      c.set |= up.set & (kQuotaMaxJobs | kQuotaMaxConnections | kQuotaMaxDram | kQuotaMaxNvme);
     }
     if (!options.quota_file.empty()) {
       Status s = WriteFileAtomically(options.quota_file, QuotaFileTextLocked());

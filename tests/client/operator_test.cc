@@ -290,9 +290,13 @@ TEST(OperatorTest, QuotasAreEnforcedResetAndKeptInTheQuotaFile) {
                   .code(),
               StatusCode::kCorruption);
   }
-  // A restarted daemon reads them back.
+  // A restarted daemon reads them back. The fields no one set follow the
+  // defaults, changed since (they were written down as the old defaults,
+  // and kept those for good).
   {
-    Result<std::unique_ptr<TestDaemon>> d = TestDaemon::Start(SmallEngine(), WithQuotaFile(file));
+    engine::DaemonOptions tighter = WithQuotaFile(file);
+    tighter.max_jobs_per_uid = 4;
+    Result<std::unique_ptr<TestDaemon>> d = TestDaemon::Start(SmallEngine(), tighter);
     ASSERT_TRUE(d.ok()) << d.status();
     Result<std::unique_ptr<DaemonControl>> c = DaemonControl::Connect((*d)->socket());
     ASSERT_TRUE(c.ok());
@@ -301,17 +305,19 @@ TEST(OperatorTest, QuotasAreEnforcedResetAndKeptInTheQuotaFile) {
     EXPECT_TRUE(q->custom);
     EXPECT_EQ(q->quota.max_dram_bytes, uint64_t{1} << 20);
     EXPECT_EQ(q->quota.max_nvme_bytes, uint64_t{2} << 20);
+    EXPECT_EQ(q->quota.max_jobs, 4);
     EXPECT_EQ((*c)->GetQuota(me)->quota.max_jobs, 1);
     q = (*c)->SetQuota({.uid = me, .set = 0, .reset = true, .quota = {}});
     ASSERT_TRUE(q.ok()) << q.status();
     EXPECT_FALSE(q->custom);
-    EXPECT_EQ(q->quota.max_jobs, 16);
+    EXPECT_EQ(q->quota.max_jobs, 4);
   }
   std::ifstream in(file);
   std::stringstream text;
   text << in.rdbuf();
   EXPECT_EQ(text.str().find("\"" + std::to_string(me) + "\""), std::string::npos) << text.str();
   EXPECT_NE(text.str().find("\"4242\""), std::string::npos) << text.str();
+  EXPECT_EQ(text.str().find("max_jobs"), std::string::npos) << text.str();
   // A damaged quota file stops the daemon from starting, naming the file.
   for (const char* bad :
        {"{", "{\"format\": \"ztierd-quotas\", \"version\": 2, \"quotas\": {}}",
@@ -320,7 +326,10 @@ TEST(OperatorTest, QuotasAreEnforcedResetAndKeptInTheQuotaFile) {
         "{\"format\": \"ztierd-quotas\", \"version\": 1, \"quotas\": {\"7\": {\"jobz\": 1}}}",
         // A key twice: the last one won, silently.
         "{\"format\": \"ztierd-quotas\", \"version\": 1, \"quotas\": {\"7\": {\"max_jobs\": 2, "
-        "\"max_jobs\": 3}}}"}) {
+        "\"max_jobs\": 3}}}",
+        // A uid twice, written two ways: one won, by the file's order.
+        "{\"format\": \"ztierd-quotas\", \"version\": 1, \"quotas\": {\"7\": {\"max_jobs\": 2}, "
+        "\"07\": {\"max_jobs\": 3}}}"}) {
     std::ofstream(file) << bad;
     Result<std::unique_ptr<engine::Daemon>> d =
         engine::Daemon::Create(SmallEngine(), WithQuotaFile(file));
