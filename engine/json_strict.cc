@@ -10,6 +10,15 @@ namespace ztier::engine {
 
 Result<nlohmann::json> ParseJsonStrict(const std::string& text, std::string_view origin) {
   using Json = nlohmann::json;
+  // nlohmann's parser ends the input at a NUL byte: whatever followed one
+  // (a second half of the file) was dropped in silence.
+  if (const size_t nul = text.find('\0'); nul != std::string::npos) {
+    const size_t line_start = text.rfind('\n', nul);
+    const size_t line = 1 + static_cast<size_t>(std::count(text.begin(), text.begin() + nul, '\n'));
+    const size_t column = nul - (line_start == std::string::npos ? 0 : line_start + 1) + 1;
+    return Status::InvalidArgument(StrCat(origin, ": a NUL byte at line ", line, ", column ",
+                                          column, " (JSON is text; is this the right file?)"));
+  }
   std::vector<std::set<std::string>> seen;
   std::vector<std::string> path;
   std::string duplicate;

@@ -1040,8 +1040,9 @@ std::string RelaxedToJson(std::string_view in) {
   Last last = Last::kNone;
   size_t last_comma = std::string::npos;  // in `out`
   bool newline_since_value = false;
+  int depth = 0;  // of objects and arrays: between two top-level values no comma goes
   auto value_start = [&] {
-    if (last == Last::kValue && newline_since_value) out += ',';
+    if (last == Last::kValue && newline_since_value && depth > 0) out += ',';
   };
   for (size_t i = 0; i < in.size(); ++i) {
     const char c = in[i];
@@ -1080,12 +1081,14 @@ std::string RelaxedToJson(std::string_view in) {
       out += c;
       last = Last::kComma;
     } else if (c == '}' || c == ']') {
+      --depth;
       if (last == Last::kComma) out[last_comma] = ' ';
       out += c;
       last = Last::kValue;
       newline_since_value = false;
     } else if (c == '{' || c == '[') {
       value_start();
+      ++depth;
       out += c;
       last = Last::kOpen;
     } else if (c == ':') {

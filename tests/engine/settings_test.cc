@@ -616,5 +616,26 @@ TEST(SettingsTest, AnOldSpellingThatContradictsItsSettingIsRefused) {
   }
 }
 
+// What follows a NUL byte was dropped (the parser ends its input there), and
+// two top-level objects got a comma between them in the error, which the
+// user never wrote.
+TEST(SettingsTest, ANulByteOrASecondTopLevelValueIsNamedAsSuch) {
+  const std::string nul = std::string(R"({"ztier": {"dram_budget": "1G"}})") + '\0' + "garbage";
+  Result<Settings> a = ParseSettings(nul, "nul.json");
+  ASSERT_FALSE(a.ok());
+  EXPECT_NE(a.status().message().find("nul.json: a NUL byte at line 1, column 33"),
+            std::string::npos)
+      << a.status();
+  Result<Settings> b =
+      ParseSettings("{\"aio\": {\"queue_depth\": 8}}\n{\"aio\": {}}\n", "two.json");
+  ASSERT_FALSE(b.ok());
+  EXPECT_EQ(b.status().message().find("','"), std::string::npos) << b.status();
+  EXPECT_NE(b.status().message().find("line 2"), std::string::npos) << b.status();
+  // A line break between members still separates them (hjson, as DeepSpeed reads).
+  Result<Settings> c =
+      ParseSettings("{\"aio\": {\"queue_depth\": 8\n\"block_size\": \"1M\"}}", "c.json");
+  EXPECT_TRUE(c.ok()) << c.status();
+}
+
 }  // namespace
 }  // namespace ztier::engine
