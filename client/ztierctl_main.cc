@@ -474,8 +474,9 @@ int Run(const Options& o) {
     if (a.size() != 2 && !(a.size() == 4 && a[2] == "--reason")) {
       throw UsageError{"evict JOB [--reason TEXT]"};
     }
-    const uint32_t id = ParseUid(a[1], "a job id (the id column of `ztierctl jobs`)");
-    if (id > INT32_MAX) throw UsageError{StrCat("'", a[1], "' is not a job id")};
+    constexpr const char* kJobId = "a job id (the id column of `ztierctl jobs`)";
+    const uint32_t id = ParseUid(a[1], kJobId);
+    if (id > INT32_MAX) throw UsageError{StrCat("'", a[1], "' is not ", kJobId)};
     evict_id = static_cast<int32_t>(id);
     if (a.size() == 4) reason = a[3];
     if (Status s = engine::CheckName("evict --reason", reason); !s.ok()) {

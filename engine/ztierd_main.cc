@@ -135,6 +135,7 @@ Result<Flags> ParseFlags(int argc, char** argv) {
     }
     const char* v = argv[++i];
     if (a == "--socket") {
+      if (*v == '\0') return Status::InvalidArgument("--socket: an empty path");
       f.socket = v;
     } else if (a == "--config") {
       f.config = v;

@@ -1264,6 +1264,9 @@ TEST(ZtierdProgramTest, BadUsageAndASocketInUseAreClearErrors) {
   std::tie(rc, out) = RunZtierd("");  // no socket, not socket-activated
   EXPECT_EQ(rc, 2) << out;
   EXPECT_NE(out.find("--socket"), std::string::npos) << out;
+  std::tie(rc, out) = RunZtierd("--socket ''");  // it said no --socket was given
+  EXPECT_EQ(rc, 2) << out;
+  EXPECT_NE(out.find("--socket: an empty path"), std::string::npos) << out;
   // A socket path only a change of settings mends: 2, not 1 (a runtime
   // error, which systemd restarts every 2 s for ever).
   std::tie(rc, out) = RunZtierd("--socket /nonexistent-dir/ztierd.sock");

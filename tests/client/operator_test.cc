@@ -685,6 +685,12 @@ TEST(ZtierctlProgramTest, TablesJsonAndExitCodes) {
   r = Ztierctl(sock + " evict 999", dir.path());
   EXPECT_EQ(r.code, 1) << r.out;
   EXPECT_NE(r.out.find("no job 999"), std::string::npos) << r.out;
+  // An id out of range says what an id is, as any other bad one does.
+  for (const char* bad : {"-1", "2147483648"}) {
+    r = Ztierctl(sock + " evict " + bad, dir.path());
+    EXPECT_EQ(r.code, 2) << r.out;
+    EXPECT_NE(r.out.find("the id column of `ztierctl jobs`"), std::string::npos) << bad << r.out;
+  }
   // Not running: 3, with a hint.
   r = Ztierctl("--socket " + dir.path() + "/none.sock status", dir.path());
   EXPECT_EQ(r.code, 3) << r.out;
