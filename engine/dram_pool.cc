@@ -37,6 +37,8 @@ class Region {
     std::swap(base_, o.base_);
     std::swap(bytes_, o.bytes_);
     std::swap(locked_, o.locked_);
+    std::swap(lock_error_, o.lock_error_);
+    std::swap(name_, o.name_);
     std::swap(hugetlb_, o.hugetlb_);
     std::swap(huge_bytes_, o.huge_bytes_);
     return *this;
@@ -101,19 +103,8 @@ class Region {
       }
     }
     if (!r.locked_ && !r.hugetlb_) Prefault(p, bytes);
-    if (o.lock && !r.locked_) {
-      {
-        const int err = lock_err;
-        rlimit lim{};
-        ::getrlimit(RLIMIT_MEMLOCK, &lim);
-        ZT_LOG(kWarn, "engine") << "DRAM pool region " << name << " (" << bytes
-                                << " bytes) is not locked: mlock failed with " << std::strerror(err)
-                                << "; RLIMIT_MEMLOCK is "
-                                << (lim.rlim_cur == RLIM_INFINITY ? std::string("unlimited")
-                                                                  : StrCat(lim.rlim_cur, " bytes"))
-                                << " (set LimitMEMLOCK=infinity or ulimit -l unlimited)";
-      }
-    }
+    r.lock_error_ = lock_err;
+    r.name_ = name;
     r.huge_bytes_ = r.hugetlb_ ? bytes : HugeBytesOf(p);
     return r;
   }
@@ -157,6 +148,8 @@ class Region {
   uint64_t bytes() const { return bytes_; }
   int fd() const { return fd_; }
   bool locked() const { return locked_; }
+  int lock_error() const { return lock_error_; }  // mlock's errno, 0 if locked or not asked
+  const std::string& name() const { return name_; }
   bool hugetlb() const { return hugetlb_; }
   uint64_t huge_bytes() const { return huge_bytes_; }
 
@@ -165,6 +158,8 @@ class Region {
   void* base_ = nullptr;
   uint64_t bytes_ = 0;
   bool locked_ = false;
+  int lock_error_ = 0;
+  std::string name_;
   bool hugetlb_ = false;
   uint64_t huge_bytes_ = 0;
 };
@@ -207,12 +202,34 @@ struct DramPool::Impl {
   Result<uint32_t> AddRegion(const DramPoolOptions& o, uint64_t bytes, bool dedicated_region) {
     const uint32_t r = static_cast<uint32_t>(regions.size());
     ZT_ASSIGN_OR_RETURN(Region region, Region::Make(o, bytes, r, /*final_seal=*/!dedicated_region));
+    if (region.lock_error() != 0) WarnUnlocked(region);
     ZT_RETURN_IF_ERROR(BindToNode(region));
     reserved += region.bytes();
     pages.emplace_back(region.bytes() / kPage);
     dedicated.push_back(dedicated_region ? 1 : 0);
     regions.push_back(std::move(region));
     return r;
+  }
+
+  // A region mlock refused: warned of once a pool (every job's regions
+  // said it again, seven lines for one job), the later ones at info.
+  bool unlocked_warned = false;
+  void WarnUnlocked(const Region& region) {
+    rlimit lim{};
+    ::getrlimit(RLIMIT_MEMLOCK, &lim);
+    const std::string limit =
+        lim.rlim_cur == RLIM_INFINITY ? std::string("unlimited") : StrCat(lim.rlim_cur, " bytes");
+    if (unlocked_warned) {
+      ZT_LOG(kInfo, "engine") << "DRAM pool region " << region.name() << " (" << region.bytes()
+                              << " bytes) is not locked either";
+      return;
+    }
+    unlocked_warned = true;
+    ZT_LOG(kWarn, "engine") << "DRAM pool region " << region.name() << " (" << region.bytes()
+                            << " bytes) is not locked: mlock failed with "
+                            << std::strerror(region.lock_error()) << "; RLIMIT_MEMLOCK is " << limit
+                            << " (set LimitMEMLOCK=infinity or ulimit -l unlimited; the pool's "
+                               "later regions that are not locked are logged at info)";
   }
 
   // Unmaps region r (its memfd closed once every other mapping is gone);

@@ -7,6 +7,7 @@
 
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -16,6 +17,8 @@
 #include <vector>
 
 #include <gtest/gtest.h>
+
+#include "tests/testing/as_nobody.h"
 
 namespace ztier::engine {
 namespace {
@@ -274,6 +277,39 @@ TEST(DramPoolDeathTest, DoubleFreeAborts) {
   ASSERT_TRUE(a.ok());
   pool->Free(*a);
   EXPECT_DEATH(pool->Free(*a), "freed twice");
+}
+
+
+// Without the right to lock, the pool warned of each region it made: seven
+// lines for one job. One warning a pool; the later regions at info.
+TEST(DramPoolTest, RegionsThatCannotBeLockedAreWarnedOfOnce) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root, to drop to nobody (who lacks CAP_IPC_LOCK)";
+  const int rc = testing::AsNobody([] {
+    const rlimit small{.rlim_cur = 64 << 10, .rlim_max = 64 << 10};
+    if (::setrlimit(RLIMIT_MEMLOCK, &small) != 0) return 2;
+    ::testing::internal::CaptureStderr();
+    int made = 0;
+    {
+      Result<std::unique_ptr<DramPool>> pool = DramPool::Create(
+          {.budget_bytes = 64 * kMiB, .region_bytes = 4 * kMiB, .huge_pages = HugePages::kNone});
+      if (!pool.ok()) return 3;
+      for (int i = 0; i < 3; ++i) made += (*pool)->CreateRegion(kMiB, "job region").ok() ? 1 : 0;
+      made += (*pool)->Allocate(kMiB, "shared").ok() ? 1 : 0;
+    }
+    const std::string log = ::testing::internal::GetCapturedStderr();
+    if (made != 4) return 4;
+    size_t warnings = 0;
+    for (size_t at = log.find("is not locked: mlock failed"); at != std::string::npos;
+         at = log.find("is not locked: mlock failed", at + 1)) {
+      ++warnings;
+    }
+    if (warnings != 1) {
+      std::fprintf(stdout, "%zu warnings:\n%s", warnings, log.c_str());
+      return 5;
+    }
+    return 0;
+  });
+  EXPECT_EQ(rc, 0);
 }
 
 }  // namespace
