@@ -199,6 +199,14 @@ struct Daemon::Impl {
     UniqueFd pidfd;
     uid_t uid = 0;
     uint64_t bytes = 0;
+    // Its connection is charged too (closed while the process lives on);
+    // false: a job freed under a live connection (evicted), or a parked
+    // job freed after (ReapParked), whose memory a process still maps.
+    bool connection = true;
+    // A job's mapper (LingerMappersLocked): its connection, and the job,
+    // whose unregister on that connection ends the charge (ForgetMapping).
+    const void* conn = nullptr;
+    int engine_job = -1;
   };
   std::vector<Lingering> lingering;  // guarded by mu
 
@@ -209,7 +217,7 @@ struct Daemon::Impl {
       pollfd pfd{.fd = l.pidfd.get(), .events = POLLIN, .revents = 0};
       if (!all && ::poll(&pfd, 1, 0) == 0) return false;
       Usage& u = usage[l.uid];
-      --u.connections;
+      if (l.connection) --u.connections;
       u.dram_bytes -= l.bytes;
       u.lingering_bytes -= l.bytes;
       engine->ReleaseDram(l.bytes);
@@ -464,6 +472,16 @@ struct Daemon::Impl {
     // on the job gets Aborted with `evicted_why` (written before the flag).
     std::atomic<bool> evicted{false};
     std::string evicted_why;
+    // The processes sent the job's regions (OnRegions), by connection: the
+    // mappings keep the memory alive past the job. A connection that
+    // unregistered the job itself drops out (the client library unmaps
+    // first); the others' processes, alive when the job is freed, stay
+    // charged for it until they exit (LingerMappersLocked).
+    struct Mapper {
+      UniqueFd pidfd;
+      uint64_t bytes = 0;
+    };
+    std::map<const void*, Mapper> mappers;
   };
   std::map<std::pair<uid_t, std::string>, std::shared_ptr<Job>> jobs;  // guarded by mu
   // Jobs marked freed whose engine job is not yet unregistered (guarded by
@@ -488,6 +506,43 @@ struct Daemon::Impl {
   // Under mu, in the same hold that found nobody holds `job`: takes it out
   // of the jobs (no attach can find it any more) and uncharges its uid.
   // False if it was freed already.
+  // Charges the uid of each live process that still maps the freed job's
+  // regions for them, until it exits (ReapLingering): an evicted job, or a
+  // parked one freed after its client went, was uncharged while its memory
+  // lived on in the client's mapping.
+  void LingerMappersLocked(Job& job) {
+    for (auto& [conn, m] : job.mappers) {
+      pollfd pfd{.fd = m.pidfd.get(), .events = POLLIN, .revents = 0};
+      if (!m.pidfd.valid() || m.bytes == 0 || stopping.load() || ::poll(&pfd, 1, 0) != 0) {
+        continue;
+      }
+      Usage& u = usage[job.uid];
+      u.dram_bytes += m.bytes;
+      u.lingering_bytes += m.bytes;
+      engine->HoldDram(m.bytes);
+      lingering.push_back({.pidfd = std::move(m.pidfd),
+                           .uid = job.uid,
+                           .bytes = m.bytes,
+                           .connection = false,
+                           .conn = conn,
+                           .engine_job = job.engine_job});
+    }
+    job.mappers.clear();
+  }
+
+  // A connection unregistered a job freed under it (evicted): its client
+  // unmapped the regions first, so its charge for them ends.
+  void ForgetMappingLocked(const void* conn, int engine_job) {
+    std::erase_if(lingering, [&](Lingering& l) {
+      if (l.conn != conn || l.engine_job != engine_job) return false;
+      Usage& u = usage[l.uid];
+      u.dram_bytes -= l.bytes;
+      u.lingering_bytes -= l.bytes;
+      engine->ReleaseDram(l.bytes);
+      return true;
+    });
+  }
+
   bool MarkFreedLocked(Job& job) {
     if (job.freed) return false;
     job.freed = true;
@@ -547,7 +602,9 @@ struct Daemon::Impl {
           due.push_back(job);
         }
       }
-      for (const auto& job : due) MarkFreedLocked(*job);
+      for (const auto& job : due) {
+        if (MarkFreedLocked(*job)) LingerMappersLocked(*job);
+      }
     }
     for (const auto& job : due)
       (void)Free(job, "its grace period after its last client left ended");
@@ -676,6 +733,7 @@ struct Daemon::Impl {
       // next request to the daemon names the eviction (FindJob).
       AbortCollectivesLocked(*job, 0);
       MarkFreedLocked(*job);
+      LingerMappersLocked(*job);
     }
     return Free(job, why);
   }
@@ -1709,11 +1767,19 @@ class Daemon::Impl::Connection {
     ZT_ASSIGN_OR_RETURN(p::JobRef r, p::DecodeJobRef(req.payload));
     ZT_ASSIGN_OR_RETURN(JobEntry j, FindJob(r.job));
     ZT_ASSIGN_OR_RETURN(std::vector<SharedBuffer> regions, d_.engine->SharedRegions(j.engine_job));
+    uint64_t region_bytes = 0;
+    for (const SharedBuffer& b : regions) region_bytes += b.region_bytes;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      uint64_t& bytes = mapped_[j.engine_job];
-      bytes = 0;
-      for (const SharedBuffer& b : regions) bytes += b.region_bytes;
+      mapped_[j.engine_job] = region_bytes;
+    }
+    {
+      std::lock_guard<std::mutex> lock(d_.mu);
+      Impl::Job::Mapper& m = j.job->mappers[this];
+      if (!m.pidfd.valid() && pidfd_.valid()) {
+        m.pidfd = UniqueFd(::fcntl(pidfd_.get(), F_DUPFD_CLOEXEC, 0));
+      }
+      m.bytes = region_bytes;
     }
     if (regions.empty() || regions.size() > p::kMaxFdsPerMessage) {
       return Status::Internal(StrCat("job '", j.name, "' has ", regions.size(), " regions"));
@@ -1767,6 +1833,7 @@ class Daemon::Impl::Connection {
   Status Unregister(int32_t handle, bool closing) {
     JobEntry j;
     std::vector<std::pair<int, int>> held;
+    bool other_handle = false;
     {
       std::lock_guard<std::mutex> lock(mu_);
       auto it = jobs_.find(handle);
@@ -1775,7 +1842,6 @@ class Daemon::Impl::Connection {
       }
       j = it->second;
       jobs_.erase(it);
-      bool other_handle = false;
       for (const auto& [h, e] : jobs_) other_handle |= e.engine_job == j.engine_job;
       for (auto l = leases_.begin(); !other_handle && l != leases_.end();) {
         if (l->first.first == j.engine_job) {
@@ -1799,6 +1865,13 @@ class Daemon::Impl::Connection {
       if (job.holders > 0 || (closing && grace.count() > 0)) {
         Impl::AbortCollectivesLocked(job, std::max(j.rank, 0));
       }
+      // Who unregistered the job itself unmapped it (the client library
+      // does first); a connection closing is covered as it closes
+      // (lingering_bytes_) if the job goes now, else when it goes.
+      if (!closing && !other_handle) {
+        job.mappers.erase(this);
+        if (job.freed) d_.ForgetMappingLocked(this, j.engine_job);
+      }
       if (job.holders == 0 && !job.freed) {  // (an evicted job is freed already)
         if (closing && grace.count() > 0 && !d_.stopping.load()) {
           job.parked = true;
@@ -1813,6 +1886,10 @@ class Daemon::Impl::Connection {
                                   << grace.count() << " ms (its last client left)";
         } else {
           free = d_.MarkFreedLocked(job);
+          if (free) {
+            if (closing) job.mappers.erase(this);  // lingering_bytes_ below
+            d_.LingerMappersLocked(job);           // other ranks' processes that went first
+          }
         }
       }
     }

@@ -1410,7 +1410,10 @@ TEST(ZtierdProgramTest, LingeringClient) {
   const char* env = std::getenv("ZTIER_TEST_LINGER");
   if (env == nullptr) GTEST_SKIP() << "a helper process of AProcessThatClosedItsConnection...";
   const std::string spec = env;
+  // ZTIER_TEST_LINGER_OPEN: the connection stays open too (an evicted job).
+  const bool stay_connected = std::getenv("ZTIER_TEST_LINGER_OPEN") != nullptr;
   std::vector<engine::Mapping> mappings;
+  std::optional<RawClient> kept;
   {
     RawClient c = RawClient::Connect(spec.substr(0, spec.find(',')));
     Result<RawClient::Reply> r = c.Call(p::MessageType::kRegisterJob, p::Encode(TwoUnits("gone")));
@@ -1427,7 +1430,8 @@ TEST(ZtierdProgramTest, LingeringClient) {
       ASSERT_TRUE(m.ok()) << m.status();
       mappings.push_back(*std::move(m));
     }
-  }  // the connection closes; the mappings stay
+    if (stay_connected) kept.emplace(std::move(c));
+  }  // the connection closes (unless kept); the mappings stay
   std::FILE* ready = std::fopen(spec.substr(spec.find(',') + 1).c_str(), "w");
   ASSERT_NE(ready, nullptr);
   std::fclose(ready);
@@ -1435,17 +1439,7 @@ TEST(ZtierdProgramTest, LingeringClient) {
 }
 
 TEST(ZtierdProgramTest, AProcessThatClosedItsConnectionStaysChargedUntilItExits) {
-  {
-    int pair[2];
-    ASSERT_EQ(::socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, pair), 0);
-    int pidfd = -1;
-    socklen_t len = sizeof(pidfd);
-    const int rc = ::getsockopt(pair[0], SOL_SOCKET, 77 /* SO_PEERPIDFD */, &pidfd, &len);
-    ::close(pair[0]);
-    ::close(pair[1]);
-    if (rc != 0) GTEST_SKIP() << "this kernel has no SO_PEERPIDFD";
-    ::close(pidfd);
-  }
+  if (!testing::HavePeerPidfd()) GTEST_SKIP() << "this kernel has no SO_PEERPIDFD";
   uint64_t job_bytes = 0;
   {
     ZtierdProcess probe(ZTIERD_BINARY, {});
@@ -1503,6 +1497,93 @@ TEST(ZtierdProgramTest, AProcessThatClosedItsConnectionStaysChargedUntilItExits)
   st = (*c)->GetStatus();
   ASSERT_TRUE(st.ok()) << st.status();
   EXPECT_EQ(st->dram_used_bytes, 0u) << "still counted after the process exited";
+}
+
+// A job freed while a live process maps its regions keeps that process's
+// uid charged for them until it exits, however the job went: evicted under
+// its open connection, or parked when its client closed and freed when the
+// grace period ended (both uncharged it while the memory lived on).
+void ExpectChargedUntilTheMapperExits(bool evict) {
+  uint64_t job_bytes = 0;
+  {
+    ZtierdProcess probe(ZTIERD_BINARY, {});
+    SessionOptions o;
+    o.daemon_socket = probe.socket();
+    Result<std::unique_ptr<Session>> s = Session::Open(o);
+    ASSERT_TRUE(s.ok()) << s.status() << probe.log();
+    Result<std::unique_ptr<Model>> m = (*s)->RegisterModel(ModelOf(TwoUnits("probe")));
+    ASSERT_TRUE(m.ok()) << m.status();
+    job_bytes = (*m)->counters()->dram_bytes;
+  }
+  std::vector<std::string> flags = {"--max-dram-per-uid", std::to_string(job_bytes + 4096)};
+  if (!evict) flags.insert(flags.end(), {"--job-grace-seconds", "1"});
+  ZtierdProcess d(ZTIERD_BINARY, flags);
+  testing::ScratchDir dir("lingering");
+  const std::string ready = dir.path() + "/ready";
+  std::vector<std::string> env = {StrCat("ZTIER_TEST_LINGER=", d.socket(), ",", ready)};
+  if (evict) env.push_back("ZTIER_TEST_LINGER_OPEN=1");
+  Result<pid_t> pid = testing::SpawnSelf("ZtierdProgramTest.LingeringClient", env);
+  ASSERT_TRUE(pid.ok()) << pid.status();
+  // A failed check leaves no helper sleeping on (ten minutes).
+  struct KillOnExit {
+    pid_t pid;
+    bool done = false;
+    ~KillOnExit() {
+      if (!done) {
+        ::kill(pid, SIGKILL);
+        (void)testing::WaitChild(pid);
+      }
+    }
+  } helper{*pid};
+  ASSERT_TRUE(testing::WaitForFile(ready)) << d.log();
+  Result<std::unique_ptr<DaemonControl>> c = DaemonControl::Connect(d.socket(), 10s);
+  ASSERT_TRUE(c.ok()) << c.status();
+  if (evict) {
+    Result<std::vector<engine::JobInfo>> jobs = (*c)->Jobs();
+    ASSERT_TRUE(jobs.ok() && jobs->size() == 1) << d.log();
+    ASSERT_TRUE((*c)->Evict((*jobs)[0].id, "room for another").ok()) << d.log();
+  }
+  // Freed (evicted, or reaped once the grace period ended): no job left.
+  for (int k = 0; k < 500; ++k) {
+    Result<std::vector<engine::JobInfo>> jobs = (*c)->Jobs();
+    if (jobs.ok() && jobs->empty()) break;
+    std::this_thread::sleep_for(10ms);
+  }
+  ASSERT_TRUE((*c)->Jobs()->empty()) << d.log();
+  SessionOptions o;
+  o.daemon_socket = d.socket();
+  Result<std::unique_ptr<Session>> s = Session::Open(o);
+  ASSERT_TRUE(s.ok()) << s.status() << d.log();
+  Result<std::unique_ptr<Model>> m = (*s)->RegisterModel(ModelOf(TwoUnits("after")));
+  ASSERT_FALSE(m.ok()) << "registered beside the regions a live process maps";
+  EXPECT_EQ(m.status().code(), StatusCode::kResourceExhausted) << m.status();
+  EXPECT_NE(m.status().ToString().find("live on"), std::string::npos) << m.status();
+  Result<engine::DaemonStatus> st = (*c)->GetStatus();
+  ASSERT_TRUE(st.ok()) << st.status();
+  EXPECT_GT(st->dram_used_bytes, 0u) << "the mapped regions left the budget";
+  ::kill(*pid, SIGKILL);
+  (void)testing::WaitChild(*pid);
+  helper.done = true;
+  for (int k = 0; k < 300; ++k) {
+    m = (*s)->RegisterModel(ModelOf(TwoUnits("after")));
+    if (m.ok()) break;
+    std::this_thread::sleep_for(10ms);
+  }
+  EXPECT_TRUE(m.ok()) << m.status() << d.log();
+  m->reset();
+  st = (*c)->GetStatus();
+  ASSERT_TRUE(st.ok()) << st.status();
+  EXPECT_EQ(st->dram_used_bytes, 0u) << "still counted after the process exited";
+}
+
+TEST(ZtierdProgramTest, AnEvictedJobsLiveClientStaysChargedForItsMappingUntilItExits) {
+  if (!testing::HavePeerPidfd()) GTEST_SKIP() << "this kernel has no SO_PEERPIDFD";
+  ExpectChargedUntilTheMapperExits(/*evict=*/true);
+}
+
+TEST(ZtierdProgramTest, AParkedJobFreedLaterKeepsItsLiveMapperCharged) {
+  if (!testing::HavePeerPidfd()) GTEST_SKIP() << "this kernel has no SO_PEERPIDFD";
+  ExpectChargedUntilTheMapperExits(/*evict=*/false);
 }
 
 TEST(ZtierdProgramTest, VictimClient) {

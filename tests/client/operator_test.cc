@@ -339,6 +339,36 @@ TEST(OperatorTest, QuotasAreEnforcedResetAndKeptInTheQuotaFile) {
   }
 }
 
+// An evicted job's memory lives on in its client's mapping: the client's
+// uid stays charged for it until the client unregisters the job (the
+// library unmaps first) or exits; then the room is there again.
+TEST(OperatorTest, AnEvictedJobsClientIsChargedForItsMappingUntilItLetsGo) {
+  if (!testing::HavePeerPidfd()) GTEST_SKIP() << "this kernel has no SO_PEERPIDFD";
+  Result<std::unique_ptr<TestDaemon>> d = TestDaemon::Start(SmallEngine());
+  ASSERT_TRUE(d.ok()) << d.status();
+  Result<std::unique_ptr<Session>> s = OpenSession((*d)->socket());
+  ASSERT_TRUE(s.ok()) << s.status();
+  Result<std::unique_ptr<Model>> a = (*s)->RegisterModel(TwoUnits("a"));
+  ASSERT_TRUE(a.ok()) << a.status();
+  ASSERT_TRUE(Train(**a, 1).ok());
+  const uint64_t job_bytes = (*a)->counters()->dram_bytes;
+  Result<std::unique_ptr<DaemonControl>> c = DaemonControl::Connect((*d)->socket());
+  ASSERT_TRUE(c.ok()) << c.status();
+  ASSERT_TRUE((*c)->SetQuota({.uid = ::geteuid(),
+                              .set = engine::kQuotaMaxDram,
+                              .quota = {.max_dram_bytes = job_bytes + 4096}})
+                  .ok());
+  Result<std::vector<JobInfo>> jobs = (*c)->Jobs();
+  ASSERT_TRUE(jobs.ok() && jobs->size() == 1);
+  ASSERT_TRUE((*c)->Evict((*jobs)[0].id, "room").ok());
+  Result<std::unique_ptr<Model>> b = (*s)->RegisterModel(TwoUnits("b"));
+  ASSERT_FALSE(b.ok()) << "registered beside the evicted job's mapped regions";
+  EXPECT_NE(b.status().ToString().find("live on"), std::string::npos) << b.status();
+  a->reset();  // unregisters: the library unmapped the regions
+  b = (*s)->RegisterModel(TwoUnits("b"));
+  EXPECT_TRUE(b.ok()) << b.status();
+}
+
 // A quota file that cannot be replaced (a directory in its place) is the
 // daemon's trouble, not a bad request: FailedPrecondition (ztierctl's exit
 // 1), never InvalidArgument (its usage error, exit 2); the quota is unchanged.
