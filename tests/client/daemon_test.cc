@@ -1438,72 +1438,14 @@ TEST(ZtierdProgramTest, LingeringClient) {
   std::this_thread::sleep_for(std::chrono::minutes(10));
 }
 
-TEST(ZtierdProgramTest, AProcessThatClosedItsConnectionStaysChargedUntilItExits) {
-  if (!testing::HavePeerPidfd()) GTEST_SKIP() << "this kernel has no SO_PEERPIDFD";
-  uint64_t job_bytes = 0;
-  {
-    ZtierdProcess probe(ZTIERD_BINARY, {});
-    SessionOptions o;
-    o.daemon_socket = probe.socket();
-    Result<std::unique_ptr<Session>> s = Session::Open(o);
-    ASSERT_TRUE(s.ok()) << s.status() << probe.log();
-    Result<std::unique_ptr<Model>> m = (*s)->RegisterModel(ModelOf(TwoUnits("probe")));
-    ASSERT_TRUE(m.ok()) << m.status();
-    job_bytes = (*m)->counters()->dram_bytes;
-  }
-  // Room for one job, not for one beside another's regions.
-  ZtierdProcess d(ZTIERD_BINARY, {"--max-dram-per-uid", std::to_string(job_bytes + 4096)});
-  testing::ScratchDir dir("lingering");
-  const std::string ready = dir.path() + "/ready";
-  Result<pid_t> pid = testing::SpawnSelf("ZtierdProgramTest.LingeringClient",
-                                         {StrCat("ZTIER_TEST_LINGER=", d.socket(), ",", ready)});
-  ASSERT_TRUE(pid.ok()) << pid.status();
-  ASSERT_TRUE(testing::WaitForFile(ready)) << d.log();
-  SessionOptions o;
-  o.daemon_socket = d.socket();
-  Result<std::unique_ptr<Session>> s = Session::Open(o);
-  ASSERT_TRUE(s.ok()) << s.status() << d.log();
-  // Its job is freed, but the process maps its regions still: the uid is
-  // charged for them while it lives.
-  Result<std::unique_ptr<Model>> m = Status::Internal("not tried");
-  for (int k = 0; k < 200; ++k) {
-    m = (*s)->RegisterModel(ModelOf(TwoUnits("after")));
-    if (!m.ok() && m.status().ToString().find("live on") != std::string::npos) break;
-    m = Status::Internal(m.ok() ? "registered beside the lingering process's regions"
-                                : m.status().ToString());
-    std::this_thread::sleep_for(10ms);
-  }
-  ASSERT_FALSE(m.ok());
-  EXPECT_EQ(m.status().code(), StatusCode::kResourceExhausted) << m.status() << d.log();
-  EXPECT_NE(m.status().ToString().find("live on"), std::string::npos) << m.status();
-  // And the pool's budget still counts the memory (it went back to the
-  // budget when the job was freed, though the mapping kept it allocated).
-  Result<std::unique_ptr<DaemonControl>> c = DaemonControl::Connect(d.socket(), 10s);
-  ASSERT_TRUE(c.ok()) << c.status();
-  Result<engine::DaemonStatus> st = (*c)->GetStatus();
-  ASSERT_TRUE(st.ok()) << st.status();
-  EXPECT_GT(st->dram_used_bytes, 0u)
-      << "the lingering regions left the budget (no job is registered)";
-  // Once it exits, the charge goes.
-  ::kill(*pid, SIGKILL);
-  (void)testing::WaitChild(*pid);
-  for (int k = 0; k < 300; ++k) {
-    m = (*s)->RegisterModel(ModelOf(TwoUnits("after")));
-    if (m.ok()) break;
-    std::this_thread::sleep_for(10ms);
-  }
-  EXPECT_TRUE(m.ok()) << m.status() << d.log();
-  m->reset();
-  st = (*c)->GetStatus();
-  ASSERT_TRUE(st.ok()) << st.status();
-  EXPECT_EQ(st->dram_used_bytes, 0u) << "still counted after the process exited";
-}
-
 // A job freed while a live process maps its regions keeps that process's
-// uid charged for them until it exits, however the job went: evicted under
-// its open connection, or parked when its client closed and freed when the
-// grace period ended (both uncharged it while the memory lived on).
-void ExpectChargedUntilTheMapperExits(bool evict) {
+// uid charged for them until it exits, however the job went: freed as its
+// client closed the connection, evicted under its open connection, or
+// parked when its client closed and freed when the grace period ended (the
+// last two uncharged it while the memory lived on).
+enum class Freed { kAtClose, kEvicted, kAfterGrace };
+void ExpectChargedUntilTheMapperExits(Freed how) {
+  const bool evict = how == Freed::kEvicted;
   uint64_t job_bytes = 0;
   {
     ZtierdProcess probe(ZTIERD_BINARY, {});
@@ -1516,7 +1458,7 @@ void ExpectChargedUntilTheMapperExits(bool evict) {
     job_bytes = (*m)->counters()->dram_bytes;
   }
   std::vector<std::string> flags = {"--max-dram-per-uid", std::to_string(job_bytes + 4096)};
-  if (!evict) flags.insert(flags.end(), {"--job-grace-seconds", "1"});
+  if (how == Freed::kAfterGrace) flags.insert(flags.end(), {"--job-grace-seconds", "1"});
   ZtierdProcess d(ZTIERD_BINARY, flags);
   testing::ScratchDir dir("lingering");
   const std::string ready = dir.path() + "/ready";
@@ -1543,7 +1485,7 @@ void ExpectChargedUntilTheMapperExits(bool evict) {
     ASSERT_TRUE(jobs.ok() && jobs->size() == 1) << d.log();
     ASSERT_TRUE((*c)->Evict((*jobs)[0].id, "room for another").ok()) << d.log();
   }
-  // Freed (evicted, or reaped once the grace period ended): no job left.
+  // Freed (at once, evicted, or reaped once the grace period ended).
   for (int k = 0; k < 500; ++k) {
     Result<std::vector<engine::JobInfo>> jobs = (*c)->Jobs();
     if (jobs.ok() && jobs->empty()) break;
@@ -1576,14 +1518,19 @@ void ExpectChargedUntilTheMapperExits(bool evict) {
   EXPECT_EQ(st->dram_used_bytes, 0u) << "still counted after the process exited";
 }
 
+TEST(ZtierdProgramTest, AProcessThatClosedItsConnectionStaysChargedUntilItExits) {
+  if (!testing::HavePeerPidfd()) GTEST_SKIP() << "this kernel has no SO_PEERPIDFD";
+  ExpectChargedUntilTheMapperExits(Freed::kAtClose);
+}
+
 TEST(ZtierdProgramTest, AnEvictedJobsLiveClientStaysChargedForItsMappingUntilItExits) {
   if (!testing::HavePeerPidfd()) GTEST_SKIP() << "this kernel has no SO_PEERPIDFD";
-  ExpectChargedUntilTheMapperExits(/*evict=*/true);
+  ExpectChargedUntilTheMapperExits(Freed::kEvicted);
 }
 
 TEST(ZtierdProgramTest, AParkedJobFreedLaterKeepsItsLiveMapperCharged) {
   if (!testing::HavePeerPidfd()) GTEST_SKIP() << "this kernel has no SO_PEERPIDFD";
-  ExpectChargedUntilTheMapperExits(/*evict=*/false);
+  ExpectChargedUntilTheMapperExits(Freed::kAfterGrace);
 }
 
 TEST(ZtierdProgramTest, VictimClient) {
