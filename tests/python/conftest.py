@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 
 import pytest
 import torch
@@ -50,3 +51,26 @@ def settings(tmp_path):
     swap = tmp_path / "swap"
     swap.mkdir()
     return {"ztier.dram_budget": "1G", "ZTIER_NVME_PATHS": str(swap)}
+
+
+def at_once(fn, threads: int = 2) -> list:
+    """Runs ``fn()`` in `threads` threads released together; what each
+    returned, in no order. The first exception any raised is raised here."""
+    barrier = threading.Barrier(threads)
+    results, errors = [], []
+
+    def run():
+        try:
+            barrier.wait()
+            results.append(fn())
+        except Exception as e:  # noqa: BLE001 - raised below
+            errors.append(e)
+
+    ts = [threading.Thread(target=run) for _ in range(threads)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    if errors:
+        raise errors[0]
+    return results

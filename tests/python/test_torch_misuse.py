@@ -25,6 +25,7 @@ from torch import nn
 
 import ztier
 import ztier.torch as zt
+from conftest import at_once
 
 
 def _mlp():
@@ -303,26 +304,9 @@ def test_a_session_whose_ztierd_is_gone_is_not_handed_out_again(tmp_path):
 def test_a_hosted_ztierd_closed_from_two_threads_at_once_closes_once(tmp_path):
     # Both saw the serving thread joinable and joined it: the second join
     # raised (or worse) in whichever thread lost.
-    import threading
-
     for i in range(20):
         hosted = ztier._C.HostedDaemon(str(tmp_path / f"d{i}.sock"))
-        errors = []
-        start = threading.Barrier(2)
-
-        def close():
-            start.wait()
-            try:
-                hosted.close()
-            except Exception as e:  # noqa: BLE001 - any is the failure
-                errors.append(e)
-
-        threads = [threading.Thread(target=close) for _ in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        assert errors == []
+        at_once(hosted.close)
         hosted.close()
 
 

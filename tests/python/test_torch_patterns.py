@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import ztier.torch as zt
-from conftest import tiny_gpt2
+from conftest import at_once, tiny_gpt2
 from reference import Reference
 
 ADAMW = zt.AdamW(lr=1e-2, weight_decay=0.0)
@@ -261,23 +261,7 @@ def test_inputs_are_cast_to_the_compute_dtype(settings):
 def test_two_threads_offloading_at_once_share_the_engine(settings):
     # Both opened an engine on the same swap directory: "is in use by this
     # process".
-    barrier = threading.Barrier(2)
-    errors, offloads = [], []
-
-    def run():
-        try:
-            model = nn.Linear(4, 4)
-            barrier.wait()
-            offloads.append(zt.offload(model, settings=settings))
-        except Exception as e:  # noqa: BLE001 - reported below
-            errors.append(e)
-
-    threads = [threading.Thread(target=run) for _ in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    offloads = at_once(lambda: zt.offload(nn.Linear(4, 4), settings=settings))
     assert offloads[0].session is offloads[1].session
     for z in offloads:
         z.close()
