@@ -904,6 +904,21 @@ Status SwapSpace::Free(uint64_t id) {
   }
   sp.by_name.erase(it->second.name);
   sp.objects.erase(it);
+  // The last object gone, the files give their room back to the drives
+  // (they grew in steps for jobs that are gone, or for one that was
+  // refused halfway, and held the space from everything else there).
+  if (sp.objects.empty() && sp.file_bytes > 0 && !sp.options.keep_files) {
+    bool shrunk = true;
+    for (auto& path : sp.paths) shrunk = ::ftruncate(path->fd, 0) == 0 && shrunk;
+    if (shrunk) {
+      sp.file_bytes = 0;
+      for (ExtentAllocator& a : sp.allocators) a = ExtentAllocator(0);
+    } else {  // the files keep their size: the allocators still hold
+      for (auto& path : sp.paths) {
+        (void)::ftruncate(path->fd, static_cast<off_t>(sp.file_bytes));
+      }
+    }
+  }
   return Status::Ok();
 }
 
