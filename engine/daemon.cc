@@ -191,37 +191,45 @@ struct Daemon::Impl {
     uint64_t payload_bytes = 0;    // held by its requests' handlers (see Payload)
     uint64_t spec_bytes = 0;       // its registered jobs' specs as ztierd keeps them (SpecHeap)
   };
-  // A closed connection whose process lives on: its uid stays charged for
-  // the connection and for the shared regions of the jobs it had mapped and
-  // that were freed (a mapping keeps their memory alive), until its pidfd
-  // says the process exited.
+  // What outlives its connection or its job, charged to a uid until the
+  // processes holding it exit (their pidfds say so):
+  // - a closed connection whose process lives on (`connection`): the
+  //   connection stays counted;
+  // - a freed job whose regions live processes still map (`engine_job`,
+  //   LingerMappersLocked): its region bytes stay counted, once however
+  //   many ranks' processes map them, until the last of them exits or
+  //   unregisters it (ForgetMappingLocked).
   struct Lingering {
-    UniqueFd pidfd;
     uid_t uid = 0;
     uint64_t bytes = 0;
-    // Its connection is charged too (closed while the process lives on);
-    // false: a job freed under a live connection (evicted), or a parked
-    // job freed after (ReapParked), whose memory a process still maps.
-    bool connection = true;
-    // A job's mapper (LingerMappersLocked): its connection, and the job,
-    // whose unregister on that connection ends the charge (ForgetMapping).
-    const void* conn = nullptr;
+    bool connection = false;
+    UniqueFd pidfd;  // the connection's process
     int engine_job = -1;
+    std::map<const void*, UniqueFd> mappers;  // the job's: by connection, their processes
   };
   std::vector<Lingering> lingering;  // guarded by mu
 
-  // Uncharges the lingering connections whose process exited (all: `all`).
+  static bool Exited(const UniqueFd& pidfd) {
+    pollfd pfd{.fd = pidfd.get(), .events = POLLIN, .revents = 0};
+    return ::poll(&pfd, 1, 0) != 0;
+  }
+  // Under mu: uncharges what `l` holds.
+  void UnchargeLocked(const Lingering& l) {
+    Usage& u = usage[l.uid];
+    if (l.connection) --u.connections;
+    u.dram_bytes -= l.bytes;
+    u.lingering_bytes -= l.bytes;
+    engine->ReleaseDram(l.bytes);
+  }
+
+  // Uncharges what the exited processes held (everything: `all`).
   void ReapLingering(bool all) {
     std::lock_guard<std::mutex> lock(mu);
     std::erase_if(lingering, [&](Lingering& l) {
-      pollfd pfd{.fd = l.pidfd.get(), .events = POLLIN, .revents = 0};
-      if (!all && ::poll(&pfd, 1, 0) == 0) return false;
-      Usage& u = usage[l.uid];
-      if (l.connection) --u.connections;
-      u.dram_bytes -= l.bytes;
-      u.lingering_bytes -= l.bytes;
-      engine->ReleaseDram(l.bytes);
-      return true;
+      std::erase_if(l.mappers, [&](const auto& m) { return all || Exited(m.second); });
+      const bool done = l.connection ? all || Exited(l.pidfd) : l.mappers.empty();
+      if (done) UnchargeLocked(l);
+      return done;
     });
   }
   std::map<uid_t, Usage> usage;  // guarded by mu
@@ -511,34 +519,33 @@ struct Daemon::Impl {
   // parked one freed after its client went, was uncharged while its memory
   // lived on in the client's mapping.
   void LingerMappersLocked(Job& job) {
+    Lingering l;
+    l.uid = job.uid;
+    l.engine_job = job.engine_job;
     for (auto& [conn, m] : job.mappers) {
-      pollfd pfd{.fd = m.pidfd.get(), .events = POLLIN, .revents = 0};
-      if (!m.pidfd.valid() || m.bytes == 0 || stopping.load() || ::poll(&pfd, 1, 0) != 0) {
-        continue;
-      }
-      Usage& u = usage[job.uid];
-      u.dram_bytes += m.bytes;
-      u.lingering_bytes += m.bytes;
-      engine->HoldDram(m.bytes);
-      lingering.push_back({.pidfd = std::move(m.pidfd),
-                           .uid = job.uid,
-                           .bytes = m.bytes,
-                           .connection = false,
-                           .conn = conn,
-                           .engine_job = job.engine_job});
+      if (!m.pidfd.valid() || stopping.load() || Exited(m.pidfd)) continue;
+      l.bytes = std::max(l.bytes, m.bytes);  // the same regions, whichever rank
+      l.mappers.emplace(conn, std::move(m.pidfd));
     }
     job.mappers.clear();
+    if (l.mappers.empty() || l.bytes == 0) return;
+    Usage& u = usage[job.uid];
+    u.dram_bytes += l.bytes;
+    u.lingering_bytes += l.bytes;
+    engine->HoldDram(l.bytes);
+    lingering.push_back(std::move(l));
   }
 
-  // A connection unregistered a job freed under it (evicted): its client
-  // unmapped the regions first, so its charge for them ends.
+  // A connection unregistered a job freed under it (evicted): the client
+  // library unmaps the regions as it unregisters, so the charge ends with
+  // the last of the job's mappers.
   void ForgetMappingLocked(const void* conn, int engine_job) {
     std::erase_if(lingering, [&](Lingering& l) {
-      if (l.conn != conn || l.engine_job != engine_job) return false;
-      Usage& u = usage[l.uid];
-      u.dram_bytes -= l.bytes;
-      u.lingering_bytes -= l.bytes;
-      engine->ReleaseDram(l.bytes);
+      if (l.connection || l.engine_job != engine_job || l.mappers.erase(conn) == 0 ||
+          !l.mappers.empty()) {
+        return false;
+      }
+      UnchargeLocked(l);
       return true;
     });
   }
@@ -1448,7 +1455,7 @@ class Daemon::Impl::Connection {
       auto it = d_.jobs.find({peer_.uid, name});
       if (it != d_.jobs.end() && it->second->holders == 0) {
         parked = it->second;
-        d_.MarkFreedLocked(*parked);
+        if (d_.MarkFreedLocked(*parked)) d_.LingerMappersLocked(*parked);
       }
     }
     if (parked != nullptr) (void)d_.Free(parked, "registered again");
@@ -1769,18 +1776,6 @@ class Daemon::Impl::Connection {
     ZT_ASSIGN_OR_RETURN(std::vector<SharedBuffer> regions, d_.engine->SharedRegions(j.engine_job));
     uint64_t region_bytes = 0;
     for (const SharedBuffer& b : regions) region_bytes += b.region_bytes;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      mapped_[j.engine_job] = region_bytes;
-    }
-    {
-      std::lock_guard<std::mutex> lock(d_.mu);
-      Impl::Job::Mapper& m = j.job->mappers[this];
-      if (!m.pidfd.valid() && pidfd_.valid()) {
-        m.pidfd = UniqueFd(::fcntl(pidfd_.get(), F_DUPFD_CLOEXEC, 0));
-      }
-      m.bytes = region_bytes;
-    }
     if (regions.empty() || regions.size() > p::kMaxFdsPerMessage) {
       return Status::Internal(StrCat("job '", j.name, "' has ", regions.size(), " regions"));
     }
@@ -1791,6 +1786,21 @@ class Daemon::Impl::Connection {
       fds.push_back(std::move(fd));
       list.regions.push_back(
           p::RegionInfo{.region = b.region, .bytes = b.region_bytes, .access = b.access});
+    }
+    {
+      // Recorded as the fds go out, unless the job was freed meanwhile (an
+      // evict between FindJob and here): its charge was settled without
+      // this mapping, so none is handed out.
+      std::lock_guard<std::mutex> lock(d_.mu);
+      if (j.job->freed) {
+        return Status::Aborted(StrCat("job '", j.name, "' was freed",
+                                      j.job->evicted.load() ? ": " + j.job->evicted_why : ""));
+      }
+      Impl::Job::Mapper& m = j.job->mappers[this];
+      if (!m.pidfd.valid() && pidfd_.valid()) {
+        m.pidfd = UniqueFd(::fcntl(pidfd_.get(), F_DUPFD_CLOEXEC, 0));
+      }
+      m.bytes = region_bytes;
     }
     req.reply_fds = std::move(fds);
     return p::Encode(list);
@@ -1865,9 +1875,9 @@ class Daemon::Impl::Connection {
       if (job.holders > 0 || (closing && grace.count() > 0)) {
         Impl::AbortCollectivesLocked(job, std::max(j.rank, 0));
       }
-      // Who unregistered the job itself unmapped it (the client library
-      // does first); a connection closing is covered as it closes
-      // (lingering_bytes_) if the job goes now, else when it goes.
+      // Who unregistered the job itself unmaps it (the client library
+      // does, as it unregisters); a connection that closes keeps its place
+      // among the mappers, charged when the job goes if its process lives.
       if (!closing && !other_handle) {
         job.mappers.erase(this);
         if (job.freed) d_.ForgetMappingLocked(this, j.engine_job);
@@ -1887,20 +1897,15 @@ class Daemon::Impl::Connection {
         } else {
           free = d_.MarkFreedLocked(job);
           if (free) {
-            if (closing) job.mappers.erase(this);  // lingering_bytes_ below
-            d_.LingerMappersLocked(job);           // other ranks' processes that went first
+            // This connection stays counted too while its process lives.
+            if (closing && job.mappers.count(this) != 0) linger_connection_ = true;
+            d_.LingerMappersLocked(job);
           }
         }
       }
     }
     ZT_LOG(kInfo, "ztierd") << Who() << ": handle of job '" << j.name << "' dropped";
     if (!free) return Status::Ok();
-    if (closing) {
-      // The client may still map the job's regions (see Impl::Lingering).
-      std::lock_guard<std::mutex> lock(mu_);
-      auto m = mapped_.find(j.engine_job);
-      if (m != mapped_.end()) lingering_bytes_ += m->second;
-    }
     return d_.Free(j.job, closing ? "its last client left" : "unregistered");
   }
 
@@ -1958,24 +1963,23 @@ class Daemon::Impl::Connection {
     for (const auto& [key, n] : leases) {
       for (int k = 0; k < n; ++k) (void)d_.engine->ReleaseParams(key.first, key.second);
     }
-    // A process that outlives its connection while it may still map freed
-    // jobs' regions stays charged (Lingering); one that unregistered its
+    // A process that outlives its connection while it may still map jobs
+    // freed as it closed stays charged for the connection (Lingering; the
+    // jobs' bytes are charged with the jobs); one that unregistered its
     // jobs first (a session closed normally) does not.
-    pollfd pfd{.fd = pidfd_.get(), .events = POLLIN, .revents = 0};
-    const bool lives =
-        lingering_bytes_ > 0 && pidfd_.valid() && ::poll(&pfd, 1, 0) == 0 && !d_.stopping.load();
     {
       std::lock_guard<std::mutex> lock(d_.mu);
+      const bool lives =
+          linger_connection_ && pidfd_.valid() && !Impl::Exited(pidfd_) && !d_.stopping.load();
       Impl::Usage& u = d_.usage[peer_.uid];
       if (reserve_) {
         --u.reserve;
       } else if (lives) {
-        u.dram_bytes += lingering_bytes_;
-        u.lingering_bytes += lingering_bytes_;
-        // Still in use (its mapping keeps the pages): the budget counts it.
-        d_.engine->HoldDram(lingering_bytes_);
-        d_.lingering.push_back(
-            {.pidfd = std::move(pidfd_), .uid = peer_.uid, .bytes = lingering_bytes_});
+        Impl::Lingering l;
+        l.uid = peer_.uid;
+        l.connection = true;
+        l.pidfd = std::move(pidfd_);
+        d_.lingering.push_back(std::move(l));
       } else {
         --u.connections;
       }
@@ -2003,8 +2007,8 @@ class Daemon::Impl::Connection {
   std::map<int32_t, JobEntry> jobs_;
   int32_t next_handle_ = 1;
   std::map<std::pair<int, int>, int> leases_;  // (engine job, unit) -> acquires held
-  std::map<int, uint64_t> mapped_;  // engine job -> bytes of its regions this client was sent
-  uint64_t lingering_bytes_ = 0;    // of jobs freed as it closed that it had mapped
+  // It closed while its process mapped a job freed then (Impl::Lingering).
+  bool linger_connection_ = false;  // guarded by Impl::mu
   UniqueFd pidfd_;                  // the client process (SO_PEERPIDFD), when the kernel has it
   // The pool (see Queue).
   std::deque<Request> queue_;

@@ -561,6 +561,10 @@ class Offload:
             self._drop_runner()
             self._collectives = None
             self.job = None
+            # The engine goes with the last model of this process using it
+            # (a traceback that keeps this object must not keep the swap
+            # directories locked from a retry).
+            self.session = None
             if self._hosted is not None:
                 self._hosted.close()
             raise

@@ -369,6 +369,36 @@ TEST(OperatorTest, AnEvictedJobsClientIsChargedForItsMappingUntilItLetsGo) {
   EXPECT_TRUE(b.ok()) << b.status();
 }
 
+// Two ranks map one job's regions: its memory lives once, and is charged
+// once, until the last of them lets go (each was charged the whole regions).
+TEST(OperatorTest, AnEvictedJobMappedByTwoRanksIsChargedOnceUntilBothLetGo) {
+  if (!testing::HavePeerPidfd()) GTEST_SKIP() << "this kernel has no SO_PEERPIDFD";
+  Result<std::unique_ptr<TestDaemon>> d = TestDaemon::Start(SmallEngine());
+  ASSERT_TRUE(d.ok()) << d.status();
+  Result<std::unique_ptr<Session>> s0 = OpenSession((*d)->socket());
+  Result<std::unique_ptr<Session>> s1 = OpenSession((*d)->socket());
+  ASSERT_TRUE(s0.ok() && s1.ok());
+  Session::ModelSpec spec = TwoUnits("two");
+  spec.world_size = 2;
+  Result<std::unique_ptr<Model>> r0 = (*s0)->RegisterModel(spec);
+  ASSERT_TRUE(r0.ok()) << r0.status();
+  Result<std::unique_ptr<Model>> r1 = (*s1)->AttachModel(spec, 1, 10s);
+  ASSERT_TRUE(r1.ok()) << r1.status();
+  Result<std::unique_ptr<DaemonControl>> c = DaemonControl::Connect((*d)->socket());
+  ASSERT_TRUE(c.ok()) << c.status();
+  Result<std::vector<JobInfo>> jobs = (*c)->Jobs();
+  ASSERT_TRUE(jobs.ok() && jobs->size() == 1);
+  const uint64_t job_bytes = (*jobs)[0].counters.dram_bytes;
+  ASSERT_TRUE((*c)->Evict((*jobs)[0].id, "room").ok());
+  const uint64_t lingering = (*c)->GetQuota(::geteuid())->dram_bytes;
+  EXPECT_GT(lingering, 0u);
+  EXPECT_LT(lingering, job_bytes) << "the regions were charged once a rank";
+  r0->reset();  // rank 0 unregisters (unmapped); rank 1 maps them still
+  EXPECT_EQ((*c)->GetQuota(::geteuid())->dram_bytes, lingering);
+  r1->reset();
+  EXPECT_EQ((*c)->GetQuota(::geteuid())->dram_bytes, 0u);
+}
+
 // A quota file that cannot be replaced (a directory in its place) is the
 // daemon's trouble, not a bad request: FailedPrecondition (ztierctl's exit
 // 1), never InvalidArgument (its usage error, exit 2); the quota is unchanged.
