@@ -482,9 +482,9 @@ struct Daemon::Impl {
     std::string evicted_why;
     // The processes sent the job's regions (OnRegions), by connection: the
     // mappings keep the memory alive past the job. A connection that
-    // unregistered the job itself drops out (the client library unmaps
-    // first); the others' processes, alive when the job is freed, stay
-    // charged for it until they exit (LingerMappersLocked).
+    // unregistered the job itself drops out (the client library unmaps as
+    // it unregisters); the others' processes, alive when the job is freed,
+    // stay charged for it until they exit (LingerMappersLocked).
     struct Mapper {
       UniqueFd pidfd;
       uint64_t bytes = 0;
@@ -511,9 +511,6 @@ struct Daemon::Impl {
   }
 
   // Unregisters a job nobody holds from the engine and uncharges its uid.
-  // Under mu, in the same hold that found nobody holds `job`: takes it out
-  // of the jobs (no attach can find it any more) and uncharges its uid.
-  // False if it was freed already.
   // Charges the uid of each live process that still maps the freed job's
   // regions for them, until it exits (ReapLingering): an evicted job, or a
   // parked one freed after its client went, was uncharged while its memory
@@ -550,6 +547,10 @@ struct Daemon::Impl {
     });
   }
 
+  // Under mu, in the same hold that found nobody holds `job`: takes it out
+  // of the jobs (no attach can find it any more) and uncharges its uid,
+  // which stays charged for the regions live processes still map
+  // (LingerMappersLocked). False if it was freed already.
   bool MarkFreedLocked(Job& job) {
     if (job.freed) return false;
     job.freed = true;
@@ -561,6 +562,7 @@ struct Daemon::Impl {
     u.dram_bytes -= job.dram_bytes;
     u.nvme_bytes -= job.nvme_bytes;
     u.spec_bytes -= job.spec_bytes;
+    LingerMappersLocked(job);
     return true;
   }
   // Then, with no lock held: the engine lets the job go.
@@ -609,9 +611,7 @@ struct Daemon::Impl {
           due.push_back(job);
         }
       }
-      for (const auto& job : due) {
-        if (MarkFreedLocked(*job)) LingerMappersLocked(*job);
-      }
+      for (const auto& job : due) MarkFreedLocked(*job);
     }
     for (const auto& job : due)
       (void)Free(job, "its grace period after its last client left ended");
@@ -740,7 +740,6 @@ struct Daemon::Impl {
       // next request to the daemon names the eviction (FindJob).
       AbortCollectivesLocked(*job, 0);
       MarkFreedLocked(*job);
-      LingerMappersLocked(*job);
     }
     return Free(job, why);
   }
@@ -1455,7 +1454,7 @@ class Daemon::Impl::Connection {
       auto it = d_.jobs.find({peer_.uid, name});
       if (it != d_.jobs.end() && it->second->holders == 0) {
         parked = it->second;
-        if (d_.MarkFreedLocked(*parked)) d_.LingerMappersLocked(*parked);
+        d_.MarkFreedLocked(*parked);
       }
     }
     if (parked != nullptr) (void)d_.Free(parked, "registered again");
@@ -1895,12 +1894,10 @@ class Daemon::Impl::Connection {
           ZT_LOG(kInfo, "ztierd") << Who() << ": job '" << j.name << "' parked for "
                                   << grace.count() << " ms (its last client left)";
         } else {
+          // A closing connection that maps the job stays counted too while
+          // its process lives (the job's bytes go with the job's mappers).
+          linger_connection_ = linger_connection_ || (closing && job.mappers.count(this) != 0);
           free = d_.MarkFreedLocked(job);
-          if (free) {
-            // This connection stays counted too while its process lives.
-            if (closing && job.mappers.count(this) != 0) linger_connection_ = true;
-            d_.LingerMappersLocked(job);
-          }
         }
       }
     }

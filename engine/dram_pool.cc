@@ -215,16 +215,16 @@ struct DramPool::Impl {
   // said it again, seven lines for one job), the later ones at info.
   bool unlocked_warned = false;
   void WarnUnlocked(const Region& region) {
-    rlimit lim{};
-    ::getrlimit(RLIMIT_MEMLOCK, &lim);
-    const std::string limit =
-        lim.rlim_cur == RLIM_INFINITY ? std::string("unlimited") : StrCat(lim.rlim_cur, " bytes");
     if (unlocked_warned) {
       ZT_LOG(kInfo, "engine") << "DRAM pool region " << region.name() << " (" << region.bytes()
                               << " bytes) is not locked either";
       return;
     }
     unlocked_warned = true;
+    rlimit lim{};
+    ::getrlimit(RLIMIT_MEMLOCK, &lim);
+    const std::string limit =
+        lim.rlim_cur == RLIM_INFINITY ? std::string("unlimited") : StrCat(lim.rlim_cur, " bytes");
     ZT_LOG(kWarn, "engine") << "DRAM pool region " << region.name() << " (" << region.bytes()
                             << " bytes) is not locked: mlock failed with "
                             << std::strerror(region.lock_error()) << "; RLIMIT_MEMLOCK is " << limit

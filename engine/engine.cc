@@ -866,13 +866,14 @@ Result<int> Engine::RegisterJob(
     }
   }
   ZT_ASSIGN_OR_RETURN(const uint64_t dram_need, e.CheckDramNeed(*job));
-  // The swap objects the loop below allocates, counted as it counts them.
+  // The swap objects the loop below allocates, in whole stripe units.
   uint64_t nvme_need = 0;
   for (const Unit& u : job->units) {
     if (job->ring != nullptr) nvme_need += SwapFootprint(StateBytes(u, job->state_dtype));
     if (nvme_params) nvme_need += 2 * SwapFootprint(ParamBytes(u.layout));
   }
   if (admit) ZT_RETURN_IF_ERROR(admit(dram_need, nvme_need));
+  job->counters.nvme_bytes = nvme_need;  // what the job holds once registered
   if (zero_elements > 0) {
     const size_t bytes = zero_elements * sizeof(float);
     void* zeros =
@@ -967,14 +968,12 @@ Result<int> Engine::RegisterJob(
           e.swap->Allocate(StrCat("job", job->id, "/unit", k), StateBytes(u, job->state_dtype));
       if (!object.ok()) return object.status().Annotate(owner);
       u.swap_object = *object;
-      job->counters.nvme_bytes += SwapFootprint(StateBytes(u, job->state_dtype));
     }
     for (int copy = 0; nvme_params && copy < 2; ++copy) {
       Result<uint64_t> object = e.swap->Allocate(
           StrCat("job", job->id, "/unit", k, "/params", copy), ParamBytes(u.layout));
       if (!object.ok()) return object.status().Annotate(owner);
       u.param_objects[copy] = *object;
-      job->counters.nvme_bytes += SwapFootprint(ParamBytes(u.layout));
     }
   }
   ZT_RETURN_IF_ERROR(e.pool->SealRegion(job->inbox_region, RegionAccess::kReadWrite));

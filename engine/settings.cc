@@ -906,6 +906,29 @@ Match Classify(const std::string& key, const Tunable** tunable) {
 
 // ---- suggestions for a misspelled key or variable
 
+// The ZTIER_ variables that are not settings: logging (common/log.h) and
+// the project's scripts and tests (ZTIER_TEST_* too).
+constexpr std::string_view kOtherVariables[] = {
+    "ZTIER_LOG",
+    "ZTIER_LOG_SUBSYS",
+    "ZTIER_SOAK_SECONDS",
+    "ZTIER_REQUIRE_TORCH",
+    "ZTIER_REQUIRE_PROMTOOL",
+    "ZTIER_TORCH_PYTHON",
+    "ZTIER_VENV",
+    "ZTIER_PYTHON",
+    "ZTIER_PYTHON_PACKAGE",
+    "ZTIER_SANITIZE",
+    "ZTIER_GPU_CHECK_SECONDS",
+    "ZTIER_GPU_PYTHON",
+    "ZTIER_GPU_RUN_PYTHON",
+    "ZTIER_KEEP_INSTALL_TEST",
+    "ZTIER_LOG_TEST_OUT",
+    "ZTIER_RECORD_LOSS_CURVE",
+    "ZTIER_COMPARE_ADAM_REEXEC",
+    "ZTIER_PLOT_REEXEC",
+};
+
 // Levenshtein distance, case-insensitive (keys and variables are short).
 size_t EditDistance(std::string_view a, std::string_view b) {
   std::vector<size_t> row(b.size() + 1);
@@ -947,7 +970,7 @@ std::string DidYouMean(std::string_view name, bool variables) {
     }
   }
   if (variables) {
-    for (const char* v : {"ZTIER_LOG", "ZTIER_LOG_SUBSYS"}) consider(v);
+    for (std::string_view v : kOtherVariables) consider(v);
   } else {
     for (const char* k : IgnoredKeys()) consider(k);
   }
@@ -1129,38 +1152,12 @@ const Tunable* FindRow(std::string_view key) {
   return nullptr;
 }
 
-// The ZTIER_ variables that are not settings: logging (common/log.h) and
-// the project's scripts and tests (ZTIER_TEST_* too).
-constexpr std::string_view kOtherVariables[] = {
-    "ZTIER_LOG",
-    "ZTIER_LOG_SUBSYS",
-    "ZTIER_SOAK_SECONDS",
-    "ZTIER_REQUIRE_TORCH",
-    "ZTIER_REQUIRE_PROMTOOL",
-    "ZTIER_TORCH_PYTHON",
-    "ZTIER_VENV",
-    "ZTIER_PYTHON",
-    "ZTIER_PYTHON_PACKAGE",
-    "ZTIER_SANITIZE",
-    "ZTIER_GPU_CHECK_SECONDS",
-    "ZTIER_GPU_PYTHON",
-    "ZTIER_GPU_RUN_PYTHON",
-    "ZTIER_KEEP_INSTALL_TEST",
-    "ZTIER_LOG_TEST_OUT",
-    "ZTIER_RECORD_LOSS_CURVE",
-    "ZTIER_COMPARE_ADAM_REEXEC",
-    "ZTIER_PLOT_REEXEC",
-};
-
 bool KnownVariable(std::string_view name) {
   if (name.starts_with("ZTIER_TEST_")) return true;
   for (std::string_view v : kOtherVariables) {
     if (name == v) return true;
   }
-  for (const Tunable& t : Table()) {
-    if (name == t.env) return true;
-  }
-  return false;
+  return FindRow(name) != nullptr;
 }
 
 // A misspelled variable would otherwise be dropped in silence and its

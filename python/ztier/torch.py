@@ -1897,10 +1897,6 @@ class Offload:
             # `path` at once: a buffer safetensors cannot hold, or a name
             # taken twice, fails with the file there as it was (it was left
             # holding the weights alone).
-            for name, b in buffers.items():
-                if b.dtype not in _ST_DTYPES:
-                    raise ValueError(f"ztier: buffer '{name}' is {b.dtype}, which safetensors "
-                                     "lacks; make it a dtype the format has, or non-persistent")
             weights = path + ".weights"
             try:
                 self.job.export_safetensors(weights, dtype)
@@ -2339,7 +2335,8 @@ def _add_to_safetensors(source: str, extra: dict[str, torch.Tensor], path: str):
             if name in header:
                 raise ValueError(f"ztier: '{name}' is both a parameter and a buffer name")
             if t.dtype not in _ST_DTYPES:
-                raise ValueError(f"ztier: buffer '{name}' is {t.dtype}, which safetensors lacks")
+                raise ValueError(f"ztier: buffer '{name}' is {t.dtype}, which safetensors "
+                                 "lacks; make it a dtype the format has, or non-persistent")
             b = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
             header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape),
                             "data_offsets": [end, end + len(b)]}
