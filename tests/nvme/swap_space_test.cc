@@ -16,6 +16,7 @@
 #include <filesystem>
 #include <fstream>
 #include <mutex>
+#include <optional>
 #include <random>
 #include <string>
 #include <thread>
@@ -27,6 +28,7 @@
 #include "common/extent_allocator.h"
 #include "nvme/io_backend.h"
 #include "nvme/swap_space.h"
+#include "tests/testing/scratch_dir.h"
 
 namespace ztier::nvme {
 namespace {
@@ -81,15 +83,10 @@ class SwapSpaceTest : public ::testing::TestWithParam<BackendKind> {
       if (probe.ok()) probe = ProbeUringSetup();
       if (!probe.ok()) GTEST_SKIP() << "kernel lacks io_uring support needed: " << probe;
     }
-    root_ = fs::current_path() / "nvme-test-tmp" /
-            (std::string(::testing::UnitTest::GetInstance()->current_test_info()->name()) + "_" +
-             std::to_string(getpid()));
-    fs::remove_all(root_);
-    fs::create_directories(root_);
+    scratch_.emplace("swap");
+    root_ = scratch_->path();
   }
-  void TearDown() override {
-    if (!root_.empty()) fs::remove_all(root_);
-  }
+  void TearDown() override { scratch_.reset(); }
 
   // `cap`: the files' size limit per path (0: none).
   SwapOptions Options(int npaths, uint64_t cap, uint64_t stripe = kMiB) {
@@ -123,6 +120,7 @@ class SwapSpaceTest : public ::testing::TestWithParam<BackendKind> {
     return s.ok() ? std::move(s).value() : nullptr;
   }
 
+  std::optional<ztier::testing::ScratchDir> scratch_;
   fs::path root_;
 };
 
