@@ -11,8 +11,8 @@
 // read show on CPU.
 //
 // Thread safety: every method may be called from any thread. Failure: an
-// allocation past the machine's memory is ResourceExhausted; nothing else
-// fails.
+// allocation past the machine's memory, or past the device memory the
+// options give it, is ResourceExhausted; nothing else fails.
 #include <unistd.h>
 
 #include <algorithm>
@@ -166,13 +166,20 @@ class HostDevice final : public Device {
     static const uint64_t physical = static_cast<uint64_t>(::sysconf(_SC_PHYS_PAGES)) *
                                      static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
     const size_t rounded = bytes > physical ? 0 : std::max<size_t>(256, (bytes + 255) / 256 * 256);
+    std::lock_guard<std::mutex> lock(mem_mu_);
+    const uint64_t limit = options_.memory_bytes;
+    if (limit > 0 && (bytes > limit || allocated_ > limit - bytes)) {
+      return Status::ResourceExhausted(StrCat("host device: cannot allocate ", bytes,
+                                              " bytes of device memory: ", allocated_, " of its ",
+                                              limit, " are allocated"));
+    }
     void* p = rounded == 0 ? nullptr : std::aligned_alloc(256, rounded);
     if (p == nullptr) {
       return Status::ResourceExhausted(
           StrCat("host device: cannot allocate ", bytes, " bytes of device memory"));
     }
-    std::lock_guard<std::mutex> lock(mem_mu_);
     allocations_[p] = {bytes, purpose};
+    allocated_ += bytes;
     MemoryStats& s = stats_[static_cast<int>(purpose)];
     s.bytes += bytes;
     s.high_water = std::max(s.high_water, s.bytes);
@@ -188,6 +195,7 @@ class HostDevice final : public Device {
       auto it = allocations_.find(ptr);
       ZT_CHECK(it != allocations_.end());
       stats_[static_cast<int>(it->second.purpose)].bytes -= it->second.bytes;
+      allocated_ -= it->second.bytes;
       allocations_.erase(it);
     }
     // Freed when both copy queues have reached this point.
@@ -403,6 +411,7 @@ class HostDevice final : public Device {
 
   mutable std::mutex mem_mu_;
   std::unordered_map<void*, Allocation> allocations_;
+  uint64_t allocated_ = 0;  // the bytes of allocations_, every purpose
   MemoryStats stats_[kMemoryPurposes];
 
   mutable std::mutex timeline_mu_;

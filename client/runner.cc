@@ -1023,17 +1023,32 @@ struct Stage3Runner::Impl {
   }
 
   // Queues the units at positions [from, from + depth) of the learned order
-  // that are not current, while they fit under the cap.
-  Status Prefetch(size_t from) {
+  // that are not current, while they fit under the cap. Best effort: it
+  // stops at a unit it cannot queue now (the device out of memory, say),
+  // which its own Acquire fetches then, making room under the cap or
+  // failing with the reason; the call that prefetched (another unit's
+  // Acquire, a Step the engine already took) does not fail for it.
+  void Prefetch(size_t from) {
     const size_t end = std::min(learned.size(), from + std::max(0, options.prefetch_depth));
     for (size_t i = from; i < end; ++i) {
       UnitState& u = units[learned[i]];
       if (Current(u)) continue;
       const uint64_t need = u.params == nullptr ? u.bytes : 0;
       if (options.max_live_bytes > 0 && live_bytes + need > options.max_live_bytes) break;
-      ZT_RETURN_IF_ERROR(QueueFetch(learned[i], i + 1));
+      const Status s = QueueFetch(learned[i], i + 1);
+      if (!s.ok()) {
+        ++stats.prefetches_refused;
+        if (stats.prefetches_refused == 1) {
+          ZT_LOG(kWarn, "client")
+              << "model '" << model->spec().name << "' rank " << rank << ": prefetch of unit '"
+              << u.name << "' stopped (" << s
+              << "); it is fetched when acquired. A cap on the live bytes "
+                 "(max_live_bytes) below the device's free memory keeps the prefetch "
+                 "within it (said once)";
+        }
+        break;
+      }
     }
-    return Status::Ok();
   }
 
   // Makes room under the cap for `unit` by evicting unheld units, the ones
@@ -1305,7 +1320,7 @@ Result<const bf16*> Stage3Runner::Acquire(int unit) {
     ZT_RETURN_IF_ERROR(r.MakeRoom(unit));
     ZT_RETURN_IF_ERROR(r.QueueFetch(unit, r.position));
   }
-  if (r.following) ZT_RETURN_IF_ERROR(r.Prefetch(r.position));
+  if (r.following) r.Prefetch(r.position);
   const Clock::time_point t0 = Clock::now();
   Status s = u.fetch != nullptr ? u.fetch->Wait() : Status::Ok();
   const Clock::time_point t1 = Clock::now();
@@ -1428,7 +1443,8 @@ Status Stage3Runner::Step() {
     r.SwitchOrder(0);
   }
   r.FinishPass();
-  return r.following ? r.Prefetch(0) : Status::Ok();
+  if (r.following) r.Prefetch(0);
+  return Status::Ok();
 }
 
 Result<int> Stage3Runner::AbortStep() {
@@ -1463,7 +1479,7 @@ Result<int> Stage3Runner::AbortStep() {
       ZT_RETURN_IF_ERROR(r.device->Memset(u.grads, 0, u.bytes, Stream::kCompute));
     }
   }
-  ZT_RETURN_IF_ERROR(r.following ? r.Prefetch(0) : Status::Ok());
+  if (r.following) r.Prefetch(0);
   return complete;
 }
 
@@ -1486,7 +1502,8 @@ Status Stage3Runner::SetOrder(int key) {
   if (r.order_key != 0) r.FinishPass();  // that kind's pass ends
   if (key != r.order_key) r.SwitchOrder(key);
   if (key != 0) r.FinishPass();  // a new pass of this kind
-  return r.following ? r.Prefetch(r.position) : Status::Ok();
+  if (r.following) r.Prefetch(r.position);
+  return Status::Ok();
 }
 
 int Stage3Runner::order_key() const { return impl_->order_key; }

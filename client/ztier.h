@@ -146,6 +146,9 @@ struct HostDeviceOptions {
   // source (stream order makes that change expected); the first change fails every later
   // Synchronize of the copy stream (and of its events' waiters) with a message naming the copy.
   bool check_copy_sources = false;
+  // The device's memory, as a GPU's: an allocation that would take what is
+  // allocated past it is ResourceExhausted (0: the machine's memory only).
+  uint64_t memory_bytes = 0;
 };
 
 // Host backend: device memory is host memory; kCompute work runs on the
@@ -477,9 +480,12 @@ struct RunnerStats {
   int64_t fetches = 0;        // unit fetches (host -> device)
   int64_t prefetch_hits = 0;  // acquires whose unit was already fetched or in flight
   int64_t order_changes = 0;  // times the acquire order left the learned one
-  uint64_t h2d_bytes = 0;     // params copied to this rank's device
-  uint64_t d2h_bytes = 0;     // grads copied to the engine
-  int64_t h2d_copies = 0;     // copies over the link, each way (coalesced ones count once)
+  // Times a prefetch stopped at a unit it could not queue (the device out
+  // of memory): that unit was fetched when acquired instead.
+  int64_t prefetches_refused = 0;
+  uint64_t h2d_bytes = 0;  // params copied to this rank's device
+  uint64_t d2h_bytes = 0;  // grads copied to the engine
+  int64_t h2d_copies = 0;  // copies over the link, each way (coalesced ones count once)
   int64_t d2h_copies = 0;
   double acquire_wait_seconds = 0;  // the compute thread blocked in Acquire
   double step_wait_seconds = 0;     // Step() waiting for grads to land
@@ -550,8 +556,9 @@ class Stage3Runner {
   // InvalidArgument (count, naming the unit and the sizes it takes), as
   // GradBuffer and PushGrads.
   Status PushGrads(int unit, const bf16* grads, uint64_t count);
-  // Ends the micro-step. Errors: FailedPrecondition (a unit without grads,
-  // naming it, e.g. Step called twice), the first transfer error.
+  // Ends the micro-step, and prefetches the next one's first units (as
+  // SetOrder). Errors: FailedPrecondition (a unit without grads, naming it,
+  // e.g. Step called twice), the first transfer error of its grads.
   Status Step();
   // Undoes the step in progress after a backward pass that failed (an
   // exception, an interrupt) once some of its grads were pushed: waits for
@@ -580,8 +587,9 @@ class Stage3Runner {
   // relearn. Key 0 is training: its pass is the micro-step, ended by Step()
   // (which switches back to key 0). Any other key starts a new pass of that
   // kind, ending the previous pass of the key that was active. Starting a
-  // pass whose order is known prefetches its first units. Errors:
-  // InvalidArgument (key < 0), a transfer error.
+  // pass whose order is known prefetches its first units (as far as the
+  // device has room: a unit it cannot take now is fetched when acquired).
+  // Errors: InvalidArgument (key < 0).
   Status SetOrder(int key);
   int order_key() const;
 

@@ -760,6 +760,7 @@ NB_MODULE(_C, m) {
         d["fetches"] = s.fetches;
         d["prefetch_hits"] = s.prefetch_hits;
         d["order_changes"] = s.order_changes;
+        d["prefetches_refused"] = s.prefetches_refused;
         d["h2d_bytes"] = s.h2d_bytes;
         d["d2h_bytes"] = s.d2h_bytes;
         d["h2d_copies"] = s.h2d_copies;

@@ -77,6 +77,27 @@ TEST(HostDeviceTest, AnImpossibleSizeIsResourceExhausted) {
   EXPECT_EQ((*dev)->memory(MemoryPurpose::kOther).bytes, 0u);
 }
 
+// A device given a memory size refuses what would pass it, as a GPU's
+// allocator does, and takes again what was freed.
+TEST(HostDeviceTest, ADeviceOfAGivenSizeRefusesAllocationsPastIt) {
+  auto dev = MakeHostDevice({.memory_bytes = 1000});
+  ASSERT_TRUE(dev.ok());
+  Result<void*> a = (*dev)->Allocate(600, MemoryPurpose::kParams);
+  ASSERT_TRUE(a.ok()) << a.status();
+  Result<void*> b = (*dev)->Allocate(401, MemoryPurpose::kGrads);
+  ASSERT_FALSE(b.ok());
+  EXPECT_EQ(b.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_NE(b.status().ToString().find("600 of its 1000"), std::string::npos) << b.status();
+  EXPECT_FALSE((*dev)->Allocate(~size_t{0}, MemoryPurpose::kOther).ok());
+  Result<void*> c = (*dev)->Allocate(400, MemoryPurpose::kGrads);
+  ASSERT_TRUE(c.ok()) << c.status();
+  (*dev)->Free(*a);
+  Result<void*> d = (*dev)->Allocate(600, MemoryPurpose::kOther);
+  ASSERT_TRUE(d.ok()) << d.status();
+  (*dev)->Free(*c);
+  (*dev)->Free(*d);
+}
+
 TEST(HostDeviceTest, CopiesRunInOrderOnTheCopyThreadAndEventsTrackThem) {
   auto dev = MakeHostDevice();
   ASSERT_TRUE(dev.ok());

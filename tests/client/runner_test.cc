@@ -1585,6 +1585,51 @@ TEST(RunnerTest, ARankThatFailsEndsItsPeersCollectivesAtOnce) {
   EXPECT_NE(acquired[0].message().find("rank 1 failed"), std::string::npos) << acquired[0];
 }
 
+// A device too small for the whole prefetch window (no cap set): the
+// prefetch stops at the unit the device cannot take, and neither the call
+// that prefetched (SetOrder starting a pass, another unit's Acquire; Step
+// and AbortStep alike) fails for it; that unit is fetched when acquired,
+// once there is room. Evaluation passes (no grads) on a device that holds
+// three of the four units but not the window of three after unit 0.
+TEST_F(RunnerErrorsTest, APrefetchTheDeviceCannotHoldFailsNoOtherCall) {
+  const int n = model_->units();
+  ASSERT_EQ(n, 4);
+  const RunnerOptions o{.prefetch_depth = 3, .persistence_threshold = 0, .coalesce_bytes = 0};
+  runner_.reset();
+  const auto allocated = [](const Device& dev) {
+    uint64_t total = 0;
+    for (int p = 0; p < kMemoryPurposes; ++p) {
+      total += dev.memory(static_cast<MemoryPurpose>(p)).bytes;
+    }
+    return total;
+  };
+  uint64_t base = 0;  // what a runner allocates up front
+  {
+    auto runner = Stage3Runner::Create(*model_, 0, *dev_, nullptr, o);
+    ASSERT_TRUE(runner.ok()) << runner.status();
+    base = allocated(*dev_);
+  }
+  std::vector<uint64_t> bytes;
+  for (int k = 0; k < n; ++k) bytes.push_back(model_->layout(k).padded * sizeof(bf16));
+  auto small = MakeHostDevice({.memory_bytes = base + bytes[0] + bytes[1] + bytes[2] - 1});
+  ASSERT_TRUE(small.ok());
+  auto runner = Stage3Runner::Create(*model_, 0, **small, nullptr, o);
+  ASSERT_TRUE(runner.ok()) << runner.status();
+  for (int pass = 1; pass <= 3; ++pass) {
+    SCOPED_TRACE(StrCat("pass ", pass));
+    const Status started = (*runner)->SetOrder(1);
+    ASSERT_TRUE(started.ok()) << started;
+    for (int k = 0; k < n; ++k) {
+      const Result<const bf16*> p = (*runner)->Acquire(k);
+      ASSERT_TRUE(p.ok()) << p.status();
+      ASSERT_TRUE((*runner)->Release(k).ok());
+    }
+  }
+  const RunnerStats st = (*runner)->stats();
+  EXPECT_GT(st.prefetches_refused, 0);
+  EXPECT_GT(st.prefetch_hits, 0);  // what fits is still prefetched
+}
+
 TEST_F(RunnerErrorsTest, UnitLargerThanTheCap) {
   runner_.reset();  // one runner a rank
   auto r = Stage3Runner::Create(*model_, 0, *dev_, nullptr, {.max_live_bytes = 1024});
