@@ -275,8 +275,9 @@ const std::vector<Tunable>& Table() {
        JsonType::kSize,
        "0",
        "Cap on each path's swap file; 0: none. Swap files start empty, grow with their jobs "
-       "(fallocate, in steps), are emptied when their last job goes and are deleted when the "
-       "engine closes.",
+       "(fallocate, in steps), give a finished job's blocks back to the drive (holes; the files "
+       "keep their size) and are emptied when their last job goes; deleted when the engine "
+       "closes.",
        [](Settings& s, std::string_view t, std::string_view k) -> Status {
          ZT_ASSIGN_OR_RETURN(s.nvme_capacity_per_path, ParseSizeKey(t, k));
          return Status::Ok();

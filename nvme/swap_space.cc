@@ -160,6 +160,10 @@ struct SwapSpace::Impl {
     std::string file;
     int fd = -1;
     bool sparse_warned = false;  // told once that this path cannot preallocate
+    // By stripe unit of the file: freed, and its blocks given back to the
+    // drive (a hole), to be reserved again before it is handed out. Under
+    // map_mu.
+    std::vector<bool> punched;
     // The file passed the ownership check (a plain file of ours with one
     // name): only then is it removed with the space. One that was refused
     // stays where it is, as the message says.
@@ -239,6 +243,17 @@ struct SwapSpace::Impl {
   // Grows every swap file so that each path has `units` more free stripe
   // units than now. Under map_mu. Errors: ResourceExhausted (the cap, or
   // the disk full, naming the path and its free bytes), IoError.
+  // Reserves the blocks of the units in `extents` of path `p` that are
+  // holes. Errors: ResourceExhausted (the drive is full, naming it and its
+  // free bytes), the fallocate's.
+  Status ReserveHoles(uint32_t p, const std::vector<Extent>& extents);
+  // Frees the units in `extents` of path `p`, their blocks given back to
+  // the drive first when `punch` (where the filesystem can).
+  void Release(uint32_t p, const std::vector<Extent>& extents, bool punch = true);
+  // An errno (negated) that says the drive or the user's quota is full.
+  static bool OutOfSpace(int rc);
+  // ResourceExhausted for `what` on path `p`, naming the path's free bytes.
+  Status OutOfSpaceError(uint32_t p, const std::string& what, int rc) const;
   Status Grow(uint64_t units);
   Status StartThreads();
   // After setup `s`: starts the I/O threads, or on any error stops what was
@@ -584,6 +599,10 @@ Status SwapSpace::Impl::OpenFiles(bool create) {
     }
     if (create && ::ftruncate(fd, 0) != 0) return PosixError(StrCat("truncate ", p.file), errno);
     allocators.emplace_back(file_bytes / options.stripe_bytes);
+    // A file opened again may have holes anywhere its objects are not:
+    // every unit is reserved before it is handed out (cheap where it is not
+    // a hole).
+    p.punched.assign(file_bytes / options.stripe_bytes, !create);
   }
   return Status::Ok();
 }
@@ -638,17 +657,11 @@ Status SwapSpace::Impl::Grow(uint64_t units) {
         }
         rc = ::ftruncate(p->fd, static_cast<off_t>(size)) == 0 ? 0 : -errno;
       }
-      if (rc == -ENOSPC || rc == -EDQUOT || rc == -EFBIG) {
+      if (OutOfSpace(rc)) {
         shrink_back();
-        struct statvfs vfs {};
-        const std::string dir = options.paths[p->index];
-        const uint64_t avail =
-            ::statvfs(dir.c_str(), &vfs) == 0 ? uint64_t{vfs.f_bavail} * vfs.f_frsize : 0;
-        s = Status(StatusCode::kResourceExhausted,
-                   StrCat("swap path ", dir, " is out of space: growing ", p->file, " from ",
-                          file_bytes, " to ", size, " bytes failed (", std::strerror(-rc), "; ",
-                          avail, " bytes free)"),
-                   -rc);
+        s = OutOfSpaceError(
+            p->index, StrCat("growing ", p->file, " from ", file_bytes, " to ", size, " bytes"),
+            rc);
         break;
       }
       if (rc < 0) {
@@ -663,10 +676,66 @@ Status SwapSpace::Impl::Grow(uint64_t units) {
     }
     file_bytes = size;
     for (ExtentAllocator& a : allocators) a.Grow(size / stripe);
+    for (auto& p : paths) p->punched.resize(size / stripe, false);
     ZT_LOG(kDebug, "nvme") << "swap files grown to " << size << " bytes per path";
     return Status::Ok();
   }
   return Status::Internal("unreachable");
+}
+
+bool SwapSpace::Impl::OutOfSpace(int rc) { return rc == -ENOSPC || rc == -EDQUOT || rc == -EFBIG; }
+
+Status SwapSpace::Impl::OutOfSpaceError(uint32_t p, const std::string& what, int rc) const {
+  struct statvfs vfs {};
+  const std::string& dir = options.paths[p];
+  const uint64_t avail =
+      ::statvfs(dir.c_str(), &vfs) == 0 ? uint64_t{vfs.f_bavail} * vfs.f_frsize : 0;
+  return Status(StatusCode::kResourceExhausted,
+                StrCat("swap path ", dir, " is out of space: ", what, " failed (",
+                       std::strerror(-rc), "; ", avail, " bytes free)"),
+                -rc);
+}
+
+Status SwapSpace::Impl::ReserveHoles(uint32_t p, const std::vector<Extent>& extents) {
+  PathIo& path = *paths[p];
+  const uint64_t stripe = options.stripe_bytes;
+  for (const Extent& e : extents) {
+    uint64_t u = e.start;
+    const uint64_t end = e.start + e.count;
+    while (u < end) {
+      if (!path.punched[u]) {
+        ++u;
+        continue;
+      }
+      uint64_t run = u;
+      while (run < end && path.punched[run]) ++run;
+      const int rc = backend->Preallocate(path.fd, u * stripe, (run - u) * stripe);
+      if (rc < 0 && rc != -EOPNOTSUPP) {
+        const std::string what =
+            StrCat("reserving ", (run - u) * stripe, " bytes at ", u * stripe, " of ", path.file);
+        return OutOfSpace(rc) ? OutOfSpaceError(p, what, rc) : PosixError(what, rc);
+      }
+      for (uint64_t k = u; k < run; ++k) path.punched[k] = false;
+      u = run;
+    }
+  }
+  return Status::Ok();
+}
+
+void SwapSpace::Impl::Release(uint32_t p, const std::vector<Extent>& extents, bool punch) {
+  PathIo& path = *paths[p];
+  const uint64_t stripe = options.stripe_bytes;
+  for (const Extent& e : extents) {
+    // Before the allocator has the units back: another object may get them
+    // as soon as it does, and a hole punched then would take its data.
+    if (punch && ::fallocate(path.fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
+                             static_cast<off_t>(e.start * stripe),
+                             static_cast<off_t>(e.count * stripe)) == 0) {
+      for (uint64_t k = e.start; k < e.start + e.count; ++k) path.punched[k] = true;
+    }
+    const bool freed = allocators[p].Free(e.start, e.count);
+    ZT_CHECK_MSG(freed, "swap unit freed twice");
+  }
 }
 
 Status SwapSpace::Impl::StartThreads() {
@@ -843,19 +912,20 @@ Result<uint64_t> SwapSpace::Allocate(std::string_view name, uint64_t bytes) {
       deficit = std::max(deficit, need[p] - sp.allocators[p].free_units());
     }
   }
+  const auto full = [&](const Status& why) {
+    std::string detail;
+    for (uint32_t q = 0; q < npaths; ++q) {
+      detail += StrCat(q ? ", " : "", sp.options.paths[q], ": ",
+                       sp.allocators[q].free_units() * stripe, " bytes free in its file");
+    }
+    return Status(why.code(),
+                  StrCat("swap space full: object '", name, "' needs ", units * stripe, " bytes; ",
+                         why.message(), " (", detail, ")"),
+                  why.sys_errno());
+  };
   if (deficit > 0) {
     Status grown = sp.Grow(deficit);
-    if (!grown.ok()) {
-      std::string detail;
-      for (uint32_t q = 0; q < npaths; ++q) {
-        detail += StrCat(q ? ", " : "", sp.options.paths[q], ": ",
-                         sp.allocators[q].free_units() * stripe, " bytes free in its file");
-      }
-      return Status(grown.code(),
-                    StrCat("swap space full: object '", name, "' needs ", units * stripe,
-                           " bytes; ", grown.message(), " (", detail, ")"),
-                    grown.sys_errno());
-    }
+    if (!grown.ok()) return full(grown);
   }
   Object obj;
   obj.id = sp.next_id++;
@@ -863,9 +933,23 @@ Result<uint64_t> SwapSpace::Allocate(std::string_view name, uint64_t bytes) {
   obj.size = bytes;
   obj.start_path = start;
   obj.units.resize(units);
+  std::vector<std::vector<Extent>> extents(npaths);
+  for (uint32_t p = 0; p < npaths; ++p) {
+    if (need[p] > 0) extents[p] = sp.allocators[p].Allocate(need[p]);
+  }
+  // Units an earlier object freed may be holes: their blocks are reserved
+  // again now, so a full drive refuses the object here rather than failing
+  // a write in the middle of a step.
+  for (uint32_t p = 0; p < npaths; ++p) {
+    Status reserved = sp.ReserveHoles(p, extents[p]);
+    if (!reserved.ok()) {
+      for (uint32_t q = 0; q < npaths; ++q) sp.Release(q, extents[q]);
+      return full(reserved);
+    }
+  }
   for (uint32_t p = 0; p < npaths; ++p) {
     if (need[p] == 0) continue;
-    std::vector<Extent> ext = sp.allocators[p].Allocate(need[p]);
+    const std::vector<Extent>& ext = extents[p];
     // Hand this path's units out in order.
     size_t e = 0;
     uint64_t k = 0;
@@ -897,22 +981,32 @@ Status SwapSpace::Free(uint64_t id) {
   }
   const uint64_t stripe = sp.options.stripe_bytes;
   const uint32_t npaths = static_cast<uint32_t>(sp.paths.size());
-  for (size_t u = 0; u < it->second.units.size(); ++u) {
-    const uint32_t p = (it->second.start_path + u) % npaths;
-    const bool freed = sp.allocators[p].Free(it->second.units[u].file_offset / stripe, 1);
-    ZT_CHECK_MSG(freed, "swap unit freed twice");
-  }
-  sp.by_name.erase(it->second.name);
-  sp.objects.erase(it);
   // The last object gone, the files give their room back to the drives
   // (they grew in steps for jobs that are gone, or for one that was
   // refused halfway, and held the space from everything else there).
-  if (sp.objects.empty() && sp.file_bytes > 0 && !sp.options.keep_files) {
+  // Before that, each object's units do (a job that leaves gives its
+  // space back while others run on).
+  const bool last = sp.objects.size() == 1 && sp.file_bytes > 0 && !sp.options.keep_files;
+  std::vector<std::vector<Extent>> units(npaths);
+  for (size_t u = 0; u < it->second.units.size(); ++u) {
+    const uint32_t p = (it->second.start_path + u) % npaths;
+    const uint64_t unit = it->second.units[u].file_offset / stripe;
+    if (!units[p].empty() && units[p].back().start + units[p].back().count == unit) {
+      ++units[p].back().count;  // one call for a run of units
+    } else {
+      units[p].push_back({unit, 1});
+    }
+  }
+  for (uint32_t p = 0; p < npaths; ++p) sp.Release(p, units[p], /*punch=*/!last);
+  sp.by_name.erase(it->second.name);
+  sp.objects.erase(it);
+  if (last) {
     bool shrunk = true;
     for (auto& path : sp.paths) shrunk = ::ftruncate(path->fd, 0) == 0 && shrunk;
     if (shrunk) {
       sp.file_bytes = 0;
       for (ExtentAllocator& a : sp.allocators) a = ExtentAllocator(0);
+      for (auto& path : sp.paths) path->punched.clear();
     } else {  // the files keep their size: the allocators still hold
       for (auto& path : sp.paths) {
         (void)::ftruncate(path->fd, static_cast<off_t>(sp.file_bytes));

@@ -146,11 +146,15 @@ class SwapSpace {
   SwapSpace(const SwapSpace&) = delete;
   SwapSpace& operator=(const SwapSpace&) = delete;
 
-  // A new object of `bytes` bytes (> 0), growing the files if needed.
+  // A new object of `bytes` bytes (> 0), growing the files if needed; units
+  // an earlier object freed have their blocks reserved again first.
   // Errors: AlreadyExists (name taken), ResourceExhausted (the cap or a full
   // disk, naming the path, free and needed bytes), InvalidArgument, IoError.
   Result<uint64_t> Allocate(std::string_view name, uint64_t bytes);
-  // Frees the object's space. Errors: NotFound.
+  // Frees the object's space: its blocks go back to the drives (a hole in
+  // the file, where the filesystem can punch one; the files keep their
+  // size), and the last object freed empties the files. Errors: NotFound,
+  // FailedPrecondition (I/O in flight).
   Status Free(uint64_t id);
   Result<ObjectInfo> Find(std::string_view name) const;
   std::vector<ObjectInfo> Objects() const;

@@ -475,6 +475,31 @@ TEST_P(SwapFaultTest, FullDiskIsResourceExhausted) {
   ExpectKeepIntact();
 }
 
+// Units freed and given back to the drive, which then fills: an object
+// that would reuse them is refused up front, naming the path, rather
+// than failing a write mid-step; nothing leaks, and the space takes the
+// object once the drive has room.
+TEST_P(SwapFaultTest, ReusingFreedUnitsOnAFullDriveIsRefusedUpFront) {
+  ASSERT_TRUE(space_->Free(victim_).ok());
+  const uint64_t size = space_->file_bytes();
+  fault_->FailPreallocate(ENOSPC);
+  Result<uint64_t> id = space_->Allocate("again", kMiB);
+  ASSERT_FALSE(id.ok());
+  EXPECT_EQ(id.status().code(), StatusCode::kResourceExhausted) << id.status();
+  EXPECT_NE(id.status().message().find("out of space: reserving"), std::string::npos)
+      << id.status();
+  EXPECT_FALSE(space_->Find("again").ok());
+  fault_->Reset();
+  id = space_->Allocate("again", kMiB);
+  ASSERT_TRUE(id.ok()) << id.status();
+  EXPECT_EQ(space_->file_bytes(), size) << "the units were not given back";
+  ASSERT_TRUE(space_->Write(*id, 0, data_.data(), data_.size()).ok());
+  std::vector<uint8_t> back(data_.size());
+  ASSERT_TRUE(space_->Read(*id, 0, back.data(), back.size()).ok());
+  EXPECT_EQ(back, data_);
+  ExpectKeepIntact();
+}
+
 TEST_P(SwapFaultTest, BitFlipIsCorruption) {
   ASSERT_TRUE(space_->Write(victim_, 0, data_.data(), data_.size()).ok());
   fault_->FlipBitOnNthRead(1);
@@ -897,6 +922,59 @@ TEST_P(SwapSpaceTest, FilesGrowWithTheirObjectsAndGoAwayOnClose) {
     EXPECT_FALSE(fs::exists(fs::path(p) / "ztier-swap.lock")) << "lock file left after Close";
     EXPECT_TRUE(fs::is_directory(p)) << "the user's directory must stay";
   }
+}
+
+// The blocks the swap files hold on their drives (what `du` counts).
+uint64_t BlocksHeld(const SwapOptions& o) {
+  uint64_t bytes = 0;
+  for (const std::string& p : o.paths) {
+    struct stat st {};
+    if (::stat((fs::path(p) / o.file_name).c_str(), &st) == 0)
+      bytes += uint64_t(st.st_blocks) * 512;
+  }
+  return bytes;
+}
+
+// A freed object gives its blocks back to the drives while other objects
+// stay (a job that leaves a shared ztierd), the files keeping their size;
+// an object that gets those units again has them reserved before any
+// write, and every object reads back what was written.
+TEST_P(SwapSpaceTest, AFreedObjectGivesItsBlocksBackWhileOthersStay) {
+  SwapOptions o = Options(2, 0, 256 * kKiB);
+  o.growth_bytes = kMiB;
+  std::unique_ptr<SwapSpace> space = MustCreate(o);
+  ASSERT_NE(space, nullptr);
+  std::mt19937_64 rng(FreshSeed());
+  Result<uint64_t> big = space->Allocate("big", 16 * kMiB);
+  Result<uint64_t> stays = space->Allocate("stays", 2 * kMiB + 5);
+  ASSERT_TRUE(big.ok() && stays.ok());
+  const std::vector<uint8_t> big_data = RandomBytes(rng, 16 * kMiB);
+  const std::vector<uint8_t> stays_data = RandomBytes(rng, 2 * kMiB + 5);
+  ASSERT_TRUE(space->Write(*big, 0, big_data.data(), big_data.size()).ok());
+  ASSERT_TRUE(space->Write(*stays, 0, stays_data.data(), stays_data.size()).ok());
+  const uint64_t size = space->file_bytes();
+  const uint64_t held = BlocksHeld(o);
+  ASSERT_GE(held, 18 * kMiB);
+  ASSERT_TRUE(space->Free(*big).ok());
+  EXPECT_EQ(space->file_bytes(), size);
+  EXPECT_LE(BlocksHeld(o), held - 16 * kMiB) << "the freed object's blocks are still held";
+  std::vector<uint8_t> back(stays_data.size());
+  ASSERT_TRUE(space->Read(*stays, 0, back.data(), back.size()).ok());
+  EXPECT_EQ(back, stays_data);
+  // The same units again: reserved at once, then written and read.
+  Result<uint64_t> again = space->Allocate("again", 16 * kMiB);
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(space->file_bytes(), size) << "the freed units were not reused";
+  EXPECT_GE(BlocksHeld(o), held) << "the reused units are not reserved";
+  const std::vector<uint8_t> again_data = RandomBytes(rng, 16 * kMiB);
+  ASSERT_TRUE(space->Write(*again, 0, again_data.data(), again_data.size()).ok());
+  back.resize(again_data.size());
+  ASSERT_TRUE(space->Read(*again, 0, back.data(), back.size()).ok());
+  EXPECT_EQ(back, again_data);
+  back.resize(stays_data.size());
+  ASSERT_TRUE(space->Read(*stays, 0, back.data(), back.size()).ok());
+  EXPECT_EQ(back, stays_data);
+  ASSERT_TRUE(space->Close().ok());
 }
 
 TEST_P(SwapSpaceTest, KeepFilesLeavesThemForAManifest) {
