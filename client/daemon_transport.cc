@@ -568,7 +568,19 @@ class DaemonTransport final : public Transport, public ControlTransport {
     }
 
    private:
+    // The job's units hold one state (ztierd's engine says): not a failed
+    // job's, some units of which stepped, nor a mix a failed load left.
+    Status CheckConsistent() {
+      return t_
+          .Call(p::MessageType::kCheckConsistent, p::Encode(p::JobRef{.job = job_}), {},
+                kCallTimeout)
+          .status();
+    }
+
     Status Pass(const Visit& fn, bool read, bool write) {
+      // What is read whole (a save, an export) is one state, before the
+      // first unit and after the last.
+      if (read && !write) ZT_RETURN_IF_ERROR(CheckConsistent());
       uint64_t most = 0;
       for (const engine::UnitLayout& l : d_.layouts) most = std::max(most, l.padded);
       ZT_ASSIGN_OR_RETURN(Staging staging, Staging::Make(3 * most * sizeof(float)));
@@ -600,6 +612,7 @@ class DaemonTransport final : public Transport, public ControlTransport {
                      " while its state was read; read it between steps, with every rank "
                      "waiting"));
         }
+        ZT_RETURN_IF_ERROR(CheckConsistent());
       }
       return Status::Ok();
     }

@@ -1277,6 +1277,12 @@ class Daemon::Impl::Connection {
         ZT_ASSIGN_OR_RETURN(int complete, d_.engine->AbortStep(j.engine_job));
         return p::Encode(p::StepValue{.step = complete});
       }
+      case p::MessageType::kCheckConsistent: {
+        ZT_ASSIGN_OR_RETURN(p::JobRef r, p::DecodeJobRef(in));
+        ZT_ASSIGN_OR_RETURN(JobEntry j, FindJob(r.job));
+        ZT_RETURN_IF_ERROR(d_.engine->CheckConsistent(j.engine_job));
+        return std::string();
+      }
       case p::MessageType::kJobSteps: {
         ZT_ASSIGN_OR_RETURN(p::JobRef r, p::DecodeJobRef(in));
         ZT_ASSIGN_OR_RETURN(JobEntry j, FindJob(r.job));

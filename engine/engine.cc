@@ -1619,6 +1619,13 @@ Status Engine::ClaimCheckpointDir(int job, const std::string& dir) {
   return Status::Ok();
 }
 
+Status Engine::CheckConsistent(int job) const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  ZT_ASSIGN_OR_RETURN(std::shared_ptr<Job> j, impl_->Find(job));
+  ZT_RETURN_IF_ERROR(CheckIdle(*j, "read the state"));
+  return PartlyWritten(*j);
+}
+
 Status Engine::SaveCheckpoint(int job, const std::string& dir) {
   return WithIdleJob(*impl_, job, "save checkpoint", [&](Job& j) -> Status {
     ZT_RETURN_IF_ERROR(PartlyWritten(j));  // a mix of two states is no checkpoint

@@ -256,6 +256,14 @@ class Engine {
   // ResourceExhausted (disk full), Unavailable (directory in use),
   // FailedPrecondition (grads of a step pending), NotFound.
   Status SaveCheckpoint(int job, const std::string& dir);
+  // Whether the job's units hold one state, as a save or an export made
+  // from ReadState (ztierd's clients write those themselves) needs: what
+  // SaveCheckpoint checks before it writes. ReadState reads a failed job's
+  // units too (to look at them), which may then be at different steps.
+  // Errors: Aborted (the job failed), FailedPrecondition (a load or import
+  // failed midway; a checkpoint in progress; grads of a step pending),
+  // NotFound.
+  Status CheckConsistent(int job) const;
   // Loads a checkpoint into a registered job whose units have the same names
   // and shapes; its rank count may differ (the state is resharded). Takes no
   // lock: a checkpoint another run is still writing loads as its last

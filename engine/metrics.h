@@ -102,7 +102,7 @@ class MetricsServer {
 
   UniqueFd listen_fd_;
   std::string address_;
-  std::string unix_path_;  // removed on destruction when we bound it
+  std::string unix_path_;                 // removed on destruction when we bound it
   std::pair<dev_t, ino_t> unix_inode_{};  // of the socket file we bound
   std::function<std::string()> render_;
   std::atomic<bool> stop_{false};

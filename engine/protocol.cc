@@ -121,6 +121,8 @@ std::string_view MessageTypeName(MessageType type) {
       return "set_learning_rates";
     case MessageType::kAbortStep:
       return "abort_step";
+    case MessageType::kCheckConsistent:
+      return "check_consistent";
     case MessageType::kUnregisterJob:
       return "unregister_job";
     case MessageType::kLayout:

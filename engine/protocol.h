@@ -41,8 +41,9 @@ inline constexpr uint32_t kMagic = 0x5057545A;  // "ZTWP"
 // param groups and frozen tensors in a JobSpec, set_learning_rates; 3: the
 // client page, the operator's messages (status, jobs, quotas, drain,
 // evict), step times and device traffic in the counters; 4: abort_step;
-// 5: the job's state dtype in its handle; 6: the betas in double.
-inline constexpr uint16_t kVersion = 6;
+// 5: the job's state dtype in its handle; 6: the betas in double; 7:
+// check_consistent.
+inline constexpr uint16_t kVersion = 7;
 static_assert(kVersion == kWireVersion, "a change of the wire types is a change of the protocol");
 inline constexpr size_t kHeaderBytes = 32;
 inline constexpr size_t kMaxMessageBytes = size_t{64} << 10;
@@ -121,8 +122,12 @@ enum class MessageType : uint16_t {
   // dropped (engine::Engine::AbortStep); `step` is the micro-steps that
   // were complete.
   kAbortStep = 31,
+  // JobRef -> (): the job's units hold one state, as a save or an export
+  // the client writes from read_state needs (engine::Engine::
+  // CheckConsistent); asked before and after the units are read.
+  kCheckConsistent = 32,
 };
-inline constexpr uint16_t kLastMessageType = 31;
+inline constexpr uint16_t kLastMessageType = 32;
 std::string_view MessageTypeName(MessageType type);
 // "training", "parked", "failed": as ztierctl and the metrics spell a job's state.
 std::string_view JobStateName(JobState state);

@@ -28,7 +28,8 @@ namespace ztier::engine {
 // (protocol.h), and it gained abort_step.
 // 5: the job's state dtype in its JobHandle.
 // 6: cpu_adam::Hyper's betas are double.
-inline constexpr uint16_t kWireVersion = 6;
+// 7: no struct changed; the protocol gained check_consistent.
+inline constexpr uint16_t kWireVersion = 7;
 
 enum class Tier : uint8_t { kDram, kNvme };
 // How the engine keeps the AdamW moments m and v (ztier.state_dtype): fp32,

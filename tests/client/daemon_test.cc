@@ -33,6 +33,7 @@
 
 #include "client/transport.h"
 #include "client/ztier.h"
+#include "common/file_util.h"
 #include "engine/protocol.h"
 #include "engine/seqpacket.h"
 #include "engine/shared_memory.h"
@@ -213,11 +214,15 @@ TEST_F(DaemonTest, TheFirstMessageMustBeTheHello) {
 
 TEST_F(DaemonTest, AnotherProtocolVersionIsRefusedNamingBoth) {
   RawClient c = RawClient::Connect(socket(), /*hello=*/false);
-  Result<RawClient::Reply> r = c.Call(
-      p::MessageType::kHello, p::Encode(p::Hello{.min_version = 7, .max_version = 9, .name = "x"}));
+  Result<RawClient::Reply> r =
+      c.Call(p::MessageType::kHello,
+             p::Encode(p::Hello{
+                 .min_version = p::kVersion + 1, .max_version = p::kVersion + 3, .name = "x"}));
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->status.code(), StatusCode::kFailedPrecondition) << r->status;
-  EXPECT_NE(r->status.ToString().find("7..9"), std::string::npos) << r->status;
+  EXPECT_NE(r->status.ToString().find(StrCat(p::kVersion + 1, "..", p::kVersion + 3)),
+            std::string::npos)
+      << r->status;
   EXPECT_TRUE(c.Closed());
   // Counted with the other refused connections (the metrics, status).
   EXPECT_EQ(daemon_->daemon().stats().refused, 1u);
@@ -1091,6 +1096,74 @@ TEST_F(DaemonTest, AStepIsAbortedThroughTheDaemon) {
   EXPECT_EQ(*discarded, 0);
   ASSERT_TRUE(PushBothAndStep(*t->runner).ok());
   EXPECT_TRUE(t->model->WaitPublished(1, 30s).ok());
+}
+
+// A save or an export through ztierd is written by the client from the
+// units it reads; ztierd let it read a job that held no one state, and the
+// file passed every check on load: a job a load failed midway in (units
+// from the file beside units of its own, saved under the file's step), or
+// a failed eager job (units a step apart). Each is refused now, as the
+// embedded engine refuses it.
+TEST_F(DaemonTest, ASaveOrExportThroughZtierdRefusesUnitsThatHoldNoOneState) {
+  SessionOptions o;
+  o.daemon_socket = socket();
+  Result<Trainer> t = OpenTrainer(o, "mixed");
+  ASSERT_TRUE(t.ok()) << t.status();
+  ScratchDir dir("daemon-mixed");
+  const std::string ck = dir / "ck";
+  ASSERT_TRUE(PushBothAndStep(*t->runner).ok());
+  ASSERT_TRUE(t->model->SaveCheckpoint(ck).ok());
+  ASSERT_TRUE(PushBothAndStep(*t->runner).ok());
+  ASSERT_TRUE(t->model->WaitPublished(2, 30s).ok());
+  std::atomic<int> opens{0};
+  SetFileFaultHook([&](FileOp op, const std::string& path) {
+    const bool apply = op == FileOp::kOpen && path.find("/unit-1-") != std::string::npos &&
+                       opens.fetch_add(1) == 1;  // the first open checks, the second applies
+    return apply ? EIO : 0;
+  });
+  const Status load = t->model->LoadCheckpoint(ck);
+  SetFileFaultHook({});
+  ASSERT_FALSE(load.ok());
+  EXPECT_NE(load.message().find("partly loaded"), std::string::npos) << load;
+  const auto refused = [](const Status& st, std::string_view why) {
+    return !st.ok() && st.message().find(why) != std::string_view::npos;
+  };
+  Status save = t->model->SaveCheckpoint(dir / "mix");
+  EXPECT_TRUE(refused(save, "failed midway")) << save;
+  Status out =
+      t->model->ExportSafetensors(dir / "mix.safetensors", engine::Engine::ExportType::kFloat32);
+  EXPECT_TRUE(refused(out, "failed midway")) << out;
+  EXPECT_FALSE(std::filesystem::exists(dir / "mix.safetensors"));
+  // A load that commits lifts it.
+  ASSERT_TRUE(t->model->LoadCheckpoint(ck).ok());
+  save = t->model->SaveCheckpoint(dir / "mix");
+  EXPECT_TRUE(save.ok()) << save;
+
+  // An eager job whose step failed after one unit had stepped.
+  Session::ModelSpec spec = ModelOf(TwoUnits("eager"));
+  spec.optimizer.mode = engine::StepMode::kEager;
+  Result<std::unique_ptr<Model>> m = t->session->RegisterModel(spec);
+  ASSERT_TRUE(m.ok()) << m.status();
+  std::vector<float> w(1000, 1.0f);
+  for (int k : {0, 1}) ASSERT_TRUE((*m)->SetWeights(k, w.data(), w.size()).ok());
+  Result<std::unique_ptr<Device>> dev = MakeHostDevice();
+  ASSERT_TRUE(dev.ok());
+  Result<std::unique_ptr<Stage3Runner>> r = Stage3Runner::Create(**m, 0, **dev, nullptr, {});
+  ASSERT_TRUE(r.ok()) << r.status();
+  for (int k : {1, 0}) {
+    Result<bf16*> g = (*r)->GradBuffer(k);
+    ASSERT_TRUE(g.ok()) << g.status();
+    std::fill_n(*g, 1000, FloatToBf16(k == 0 ? std::nanf("") : 0.5f));
+    ASSERT_TRUE((*r)->PushGrads(k).ok());
+  }
+  (void)(*r)->Step();
+  // Unit 1 stepped, unit 0's NaN failed the job.
+  const Status waited = (*m)->WaitPublished(1, 30s);
+  ASSERT_TRUE(refused(waited, "job failed")) << waited;
+  save = (*m)->SaveCheckpoint(dir / "eager");
+  EXPECT_TRUE(refused(save, "job failed")) << save;
+  out = (*m)->ExportSafetensors(dir / "eager.safetensors", engine::Engine::ExportType::kFloat32);
+  EXPECT_TRUE(refused(out, "job failed")) << out;
 }
 
 // A bad model is refused with the same code and words through ztierd as
