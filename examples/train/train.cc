@@ -917,9 +917,13 @@ std::vector<std::pair<std::string, std::string>> RunNote(const Flags& f, const P
           {"lr", std::string(lr, lr_end)},
           {"matmul", p.model.matmul == gpt::MatmulMath::kBf16 ? "bf16" : "fp32"}};
 }
-std::string RunNoteText(const std::vector<std::pair<std::string, std::string>>& note) {
+// With the step of the checkpoint it was written beside (after its save
+// committed), when there is one.
+std::string RunNoteText(const std::vector<std::pair<std::string, std::string>>& note,
+                        int64_t step = -1) {
   std::string out;
   for (const auto& [key, value] : note) out += StrCat(key, " ", value, "\n");
+  if (step >= 0) out += StrCat("step ", step, "\n");
   return out;
 }
 // Whether --out holds a checkpoint (its manifest); an error when that cannot
@@ -936,9 +940,11 @@ std::string ModelNotePath(const OutPaths& paths) {
 }
 
 // Compares the checkpoint's note with this run's: another head count is
-// refused; other batches or updates are said once, in one warning.
+// refused; other batches or updates are said once, in one warning. A note
+// of another step than the checkpoint's (`step`: a run stopped between its
+// save and the note) is said to be.
 Status CheckRunNote(const Flags& f, const OutPaths& paths,
-                    const std::vector<std::pair<std::string, std::string>>& now) {
+                    const std::vector<std::pair<std::string, std::string>>& now, int64_t step) {
   const std::string path = ModelNotePath(paths);
   Result<std::string> note = ReadFileToString(path, 4096);
   if (!note.ok() && note.status().code() == StatusCode::kNotFound) {
@@ -971,6 +977,16 @@ Status CheckRunNote(const Flags& f, const OutPaths& paths,
                                           " is of a model with heads ", heads->second,
                                           "; this run has ", f.model.heads, " (--heads)"));
   }
+  const auto noted_step = saved.find("step");
+  if (noted_step != saved.end() && noted_step->second != StrCat(step)) {
+    std::fprintf(stderr,
+                 "ztier-train: warning: the checkpoint is of step %lld, its note %s of step %s "
+                 "(the run that saved it stopped before its note): what this run is compared "
+                 "with below are the settings at step %s\n",
+                 static_cast<long long>(step), path.c_str(),
+                 PrintableUtf8(noted_step->second).c_str(),
+                 PrintableUtf8(noted_step->second).c_str());
+  }
   std::string changed;
   for (const auto& [key, value] : now) {
     const auto it = saved.find(key);
@@ -998,13 +1014,13 @@ Result<int64_t> StartingPoint(const Flags& f, const Plan& p, std::string_view te
     }
     // The shapes first (the engine names a tensor that differs), then the
     // note. It describes the checkpoint beside it: this run's settings go in
-    // with its first save (a resume that fails, is refused or is killed
-    // before one leaves it as it was).
+    // once its first save has committed (a resume that fails, is refused or
+    // is killed before leaves it as it was).
     ZT_RETURN_IF_ERROR(m.LoadCheckpoint(paths.checkpoint).Annotate("--resume"));
     // An older checkpoint's files a kill left (after the last save's
     // manifest): the run may save no more, which would remove them.
     ZT_RETURN_IF_ERROR(m.TidyCheckpointDir(paths.checkpoint).Annotate("--resume"));
-    ZT_RETURN_IF_ERROR(CheckRunNote(f, paths, note));
+    ZT_RETURN_IF_ERROR(CheckRunNote(f, paths, note, m.published_step()));
     return m.published_step();
   }
   if (has_checkpoint && !f.overwrite) {
@@ -1069,7 +1085,6 @@ Result<int> TrainSteps(const Flags& f, const Plan& p, const std::string& text, S
   // stop decided there is seen by every rank after the second barrier.
   std::barrier sync(f.ranks);
   std::mutex mu;
-  bool noted = !f.resume;  // a resumed run's note goes in with its first save
   std::vector<double> step_loss(f.ranks, 0.0);
   stats->assign(f.ranks, RunnerStats{});
   std::vector<Status> status(f.ranks);
@@ -1139,12 +1154,11 @@ Result<int> TrainSteps(const Flags& f, const Plan& p, const std::string& text, S
         progress.Update(static_cast<int>(done), mean, tokens_per_step / std::max(secs, 1e-9), total,
                         counters, sig != 0 ? Progress::Line::kAlways : Progress::Line::kIfDue);
         if (checkpoint) {
-          if (!noted) {
-            ZT_RETURN_IF_ERROR(
-                WriteFileAtomically(ModelNotePath(paths), RunNoteText(RunNote(f, p, text))));
-            noted = true;
-          }
           ZT_RETURN_IF_ERROR(m.SaveCheckpoint(paths.checkpoint));
+          // The note follows the save that committed: one that failed or was
+          // cut short leaves the checkpoint before it, and that one's note.
+          ZT_RETURN_IF_ERROR(
+              WriteFileAtomically(ModelNotePath(paths), RunNoteText(RunNote(f, p, text), done)));
           if (f.exit_after > 0 && done == f.exit_after) {
             std::fprintf(stderr, "ztier-train: exiting abruptly after step %lld (--exit-after)\n",
                          static_cast<long long>(done));

@@ -386,6 +386,62 @@ TEST_F(TrainHardeningTest, BadInputsAreClearErrorsNeverCrashes) {
   }
 }
 
+// The note beside the checkpoint describes the run that saved it. A
+// resume wrote it before its first save, so a save that then failed (a
+// full disk here) or was killed left the last checkpoint with the new
+// run's note: the next resume with the first run's flags was warned of
+// changes, and one with the failed run's flags was not. The note now
+// follows each save that committed, with its step; a note of another step
+// (a kill between the save and the note) is said to be.
+TEST_F(TrainHardeningTest, TheNoteFollowsTheSaveThatCommitted) {
+  const std::string small = dir_ / "note-small";
+  fs::create_directories(small);
+  if (::mount("tmpfs", small.c_str(), "tmpfs", 0, "size=4m") != 0) {
+    GTEST_SKIP() << "cannot mount a small tmpfs here: " << std::strerror(errno);
+  }
+  struct Unmount {
+    std::string path;
+    ~Unmount() { ::umount2(path.c_str(), MNT_DETACH); }
+  } unmount{small};
+  const std::string out = small + "/o";
+  const std::string note = out + "/checkpoint/ztier-train-model.txt";
+  const std::string flags = Common() + " --optimizer dram --no-progress --checkpoint-every 5";
+  auto [rc, text] = Train(flags + " --steps 5 --out " + out, dir_);
+  ASSERT_EQ(rc, 0) << text;
+  std::string noted = Slurp(note);
+  EXPECT_NE(noted.find("lr 0.002\n"), std::string::npos) << noted;
+  EXPECT_NE(noted.find("step 5\n"), std::string::npos) << noted;
+  // The disk all but full (room for a note and the log's rows, not for a
+  // checkpoint): the resume's save at step 10 fails, step 5's stays.
+  {
+    std::ofstream filler(small + "/filler", std::ios::binary);
+    const std::string page(4096, 'x');
+    while (filler.write(page.data(), page.size())) {
+    }
+  }
+  fs::resize_file(small + "/filler", fs::file_size(small + "/filler") - (64 << 10));
+  std::tie(rc, text) = Train(flags + " --steps 10 --lr 0.001 --resume --out " + out, dir_);
+  EXPECT_EQ(rc, 1) << text;
+  EXPECT_NE(text.find("No space left on device"), std::string::npos) << text;
+  EXPECT_EQ(Slurp(note), noted) << "a failed save changed the note";
+  fs::remove(small + "/filler");
+  std::tie(rc, text) = Train(flags + " --steps 5 --resume --out " + out, dir_);
+  EXPECT_EQ(rc, 0) << text;
+  EXPECT_EQ(text.find("warning"), std::string::npos) << text;
+  // A resume that saves writes its own settings and step.
+  std::tie(rc, text) = Train(flags + " --steps 10 --lr 0.001 --resume --out " + out, dir_);
+  ASSERT_EQ(rc, 0) << text;
+  EXPECT_NE(text.find("--lr 0.001 (before: 0.002)"), std::string::npos) << text;
+  noted = Slurp(note);
+  EXPECT_NE(noted.find("lr 0.001\n"), std::string::npos) << noted;
+  EXPECT_NE(noted.find("step 10\n"), std::string::npos) << noted;
+  // As a kill between the save and its note leaves it.
+  { std::ofstream(note, std::ios::trunc) << noted.substr(0, noted.find("step ")) << "step 5\n"; }
+  std::tie(rc, text) = Train(flags + " --steps 11 --lr 0.001 --resume --out " + out, dir_);
+  EXPECT_EQ(rc, 0) << text;
+  EXPECT_NE(text.find("the checkpoint is of step 10, its note"), std::string::npos) << text;
+}
+
 // A run that fails (here a full disk under its checkpoint) leaves no swap
 // file behind: it held exactly the room the checkpoint needed.
 TEST_F(TrainHardeningTest, AFailedRunLeavesNoSwapFileBehind) {
