@@ -1452,13 +1452,37 @@ class Daemon::Impl::Connection {
     ZT_ASSIGN_OR_RETURN(std::string spec_bytes, Payload(req, &charge));
     ZT_ASSIGN_OR_RETURN(JobSpec spec, p::DecodeJobSpec(spec_bytes));
     const std::string name = spec.name;
+    // What refuses the job whatever else this ztierd holds comes first: a
+    // refusal changes nothing (a parked job of the name stays parked).
+    ZT_RETURN_IF_ERROR(ValidateJobSpec(spec));
+    // Under d_.mu: the refusals that do not depend on the job's size. A
+    // parked job of the name (`parked`) is counted as gone.
+    const auto refused = [&](bool parked) -> Status {
+      if (d_.draining) {
+        return Status::Unavailable(StrCat(
+            "job '", name,
+            "' refused: this ztierd is draining (an operator ran ztierctl drain; running jobs go "
+            "on, new ones wait until ztierctl drain --off)"));
+      }
+      const int jobs = d_.usage[peer_.uid].jobs - (parked ? 1 : 0);
+      const int quota = d_.QuotaForLocked(peer_.uid).max_jobs;
+      if (jobs >= quota) {
+        return Status::ResourceExhausted(
+            StrCat("uid ", peer_.uid, " has ", jobs, " jobs, the quota (max_jobs_per_uid) is ",
+                   quota, "; job '", name, "' refused", d_.ParkedNoteLocked(peer_.uid)));
+      }
+      return Status::Ok();
+    };
     // A job of that name that its clients left (parked) gives way: a run
-    // that starts again starts afresh (from its checkpoint).
+    // that starts again starts afresh (from its checkpoint). Not for a
+    // registration refused anyway.
     std::shared_ptr<Impl::Job> parked;
     {
       std::lock_guard<std::mutex> lock(d_.mu);
       auto it = d_.jobs.find({peer_.uid, name});
-      if (it != d_.jobs.end() && it->second->holders == 0) {
+      const bool has_parked = it != d_.jobs.end() && it->second->holders == 0;
+      ZT_RETURN_IF_ERROR(refused(has_parked));
+      if (has_parked) {
         parked = it->second;
         d_.MarkFreedLocked(*parked);
       }
@@ -1466,19 +1490,7 @@ class Daemon::Impl::Connection {
     if (parked != nullptr) (void)d_.Free(parked, "registered again");
     {
       std::lock_guard<std::mutex> lock(d_.mu);
-      if (d_.draining) {
-        return Status::Unavailable(StrCat(
-            "job '", name,
-            "' refused: this ztierd is draining (an operator ran ztierctl drain; running jobs go "
-            "on, new ones wait until ztierctl drain --off)"));
-      }
-      const int jobs = d_.usage[peer_.uid].jobs;
-      const int quota = d_.QuotaForLocked(peer_.uid).max_jobs;
-      if (jobs >= quota) {
-        return Status::ResourceExhausted(
-            StrCat("uid ", peer_.uid, " has ", jobs, " jobs, the quota (max_jobs_per_uid) is ",
-                   quota, "; job '", name, "' refused", d_.ParkedNoteLocked(peer_.uid)));
-      }
+      ZT_RETURN_IF_ERROR(refused(false));  // (things changed meanwhile)
       ++d_.usage[peer_.uid].jobs;
     }
     JobSpec scoped = spec;

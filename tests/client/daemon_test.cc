@@ -751,6 +751,32 @@ TEST_F(DaemonTest, AJobWhoseClientDiedIsParkedForTheGracePeriodThenFreed) {
   WaitForStats(1, 1);
 }
 
+// A registration refused while ztierd drains took the parked job of its
+// name with it (freed as "registered again" before the refusal): a drain
+// lets jobs live, and a refusal changes nothing.
+TEST_F(DaemonTest, ARefusedRegistrationLeavesTheParkedJobOfItsNameParked) {
+  engine::DaemonOptions options;
+  options.job_grace_period = 60s;
+  Start(options);
+  {
+    RawClient c = RawClient::Connect(socket());
+    Register(c, "left");
+  }
+  WaitForStats(0, 1);  // parked
+  RawClient c = RawClient::Connect(socket());
+  Result<RawClient::Reply> r =
+      c.Call(p::MessageType::kDrain, p::Encode(p::DrainRequest{.on = true}));
+  ASSERT_TRUE(r.ok() && r->status.ok()) << (r.ok() ? r->status : r.status());
+  r = c.Call(p::MessageType::kRegisterJob, p::Encode(TwoUnits("left")));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->status.code(), StatusCode::kUnavailable) << r->status;
+  EXPECT_EQ(daemon_->daemon().stats().jobs, 1) << "the parked job was freed";
+  r = c.Call(p::MessageType::kDrain, p::Encode(p::DrainRequest{.on = false}));
+  ASSERT_TRUE(r.ok() && r->status.ok());
+  EXPECT_GE(Register(c, "left"), 0);
+  WaitForStats(1, 1);
+}
+
 // A quota refusal says how much of the use is parked jobs and when they go
 // (it said only "uid N has 1 jobs": the user saw no job of theirs running).
 TEST_F(DaemonTest, AQuotaRefusalNamesTheParkedJobs) {
