@@ -103,6 +103,28 @@ bool LogEnabled(LogLevel level, std::string_view subsys) {
   return false;
 }
 
+bool LogRate::Allow(std::string* note) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const auto now = std::chrono::steady_clock::now();
+  if (last_ != std::chrono::steady_clock::time_point{}) {
+    const double refill = std::chrono::duration<double>(now - last_).count() /
+                          std::chrono::duration<double>(period_).count() * burst_;
+    tokens_ = std::min<double>(burst_, tokens_ + refill);
+  }
+  last_ = now;
+  if (tokens_ < 1) {
+    ++skipped_;
+    return false;
+  }
+  tokens_ -= 1;
+  note->clear();
+  if (skipped_ > 0) {
+    *note = " (" + std::to_string(skipped_) + " more like it not logged)";
+    skipped_ = 0;
+  }
+  return true;
+}
+
 namespace detail {
 LogLine::~LogLine() {
   std::string line = "ztier ";

@@ -11,7 +11,11 @@
 #ifndef ZTIER_COMMON_LOG_H_
 #define ZTIER_COMMON_LOG_H_
 
+#include <chrono>
+#include <cstdint>
+#include <mutex>
 #include <sstream>
+#include <string>
 #include <string_view>
 
 namespace ztier {
@@ -20,6 +24,28 @@ enum class LogLevel : int { kError = 0, kWarn = 1, kInfo = 2, kDebug = 3 };
 
 // True if a line at `level` for `subsys` would be printed.
 bool LogEnabled(LogLevel level, std::string_view subsys);
+
+// A budget for a line that others can make a process repeat at will (a
+// connection closed, a connection refused): `burst` lines at once, then
+// `burst` a `period`; the lines over it are counted, and said with the next
+// one logged. So a flood neither fills the log (nor journald's rate limit,
+// which would drop the lines that matter) nor goes unseen. Thread-safe.
+class LogRate {
+ public:
+  LogRate(int burst, std::chrono::steady_clock::duration period)
+      : burst_(burst), period_(period), tokens_(burst) {}
+  // Whether to log a line now; then *note is what to append to it ("" or
+  // " (N more like it not logged)").
+  bool Allow(std::string* note);
+
+ private:
+  const int burst_;
+  const std::chrono::steady_clock::duration period_;
+  std::mutex mu_;
+  double tokens_;
+  std::chrono::steady_clock::time_point last_{};
+  uint64_t skipped_ = 0;
+};
 
 namespace detail {
 class LogLine {

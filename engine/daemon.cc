@@ -449,6 +449,10 @@ struct Daemon::Impl {
   std::atomic<uint64_t> requests{0};
   std::atomic<uint64_t> refused{0};
   std::atomic<int> refused_held{0};  // refused connections telling why (kMaxRefusedHeld)
+  // The log lines any local user can make ztierd repeat (a connection
+  // refused, dropped for garbage, closed): bounded, the rest counted.
+  LogRate refusal_log{20, std::chrono::seconds(10)};
+  LogRate connection_log{20, std::chrono::seconds(10)};
 
   class Connection;
   std::list<std::unique_ptr<Connection>> live;  // guarded by mu
@@ -828,8 +832,10 @@ class Daemon::Impl::Connection {
       Result<SeqPacketSocket::Received> got =
           sock_.Receive(std::chrono::milliseconds(0), p::kMaxMessageBytes, p::kMaxFdsPerMessage);
       if (!got.ok()) {
-        if (got.status().code() != StatusCode::kUnavailable) {
-          ZT_LOG(kWarn, "ztierd") << Who() << ": " << got.status() << "; closing the connection";
+        std::string more;
+        if (got.status().code() != StatusCode::kUnavailable && d_.refusal_log.Allow(&more)) {
+          ZT_LOG(kWarn, "ztierd") << Who() << ": " << got.status() << "; closing the connection"
+                                  << more;
         }
         return;
       }
@@ -838,11 +844,16 @@ class Daemon::Impl::Connection {
         // The request id cannot be trusted: say why (id 0) and close. Before
         // the hello (another release's protocol version, not ztier at all)
         // that is a refused connection, counted and logged as the others.
+        std::string more;
+        const bool log = d_.refusal_log.Allow(&more);
         if (!hello_done_) {
-          ZT_LOG(kWarn, "ztierd") << "refused " << Who() << ": " << h.status().message();
+          if (log) {
+            ZT_LOG(kWarn, "ztierd") << "refused " << Who() << ": " << h.status().message() << more;
+          }
           d_.refused.fetch_add(1);
-        } else {
-          ZT_LOG(kWarn, "ztierd") << Who() << ": " << h.status() << "; closing the connection";
+        } else if (log) {
+          ZT_LOG(kWarn, "ztierd") << Who() << ": " << h.status() << "; closing the connection"
+                                  << more;
         }
         SendError(0, p::MessageType::kHello, h.status());
         return;
@@ -1050,7 +1061,10 @@ class Daemon::Impl::Connection {
     }
     Status s = sock_.Send(*msg, fds, timeout, &d_.stopping);
     if (!s.ok()) {
-      ZT_LOG(kInfo, "ztierd") << Who() << ": " << s << "; closing the connection";
+      std::string more;
+      if (d_.connection_log.Allow(&more)) {
+        ZT_LOG(kInfo, "ztierd") << Who() << ": " << s << "; closing the connection" << more;
+      }
       sock_.Shutdown();
       return false;
     }
@@ -1352,7 +1366,10 @@ class Daemon::Impl::Connection {
     // A refusal here counts with those of the accept loop (the metrics'
     // refused connections, status's), and is logged as they are.
     const auto refuse = [&](Status s) {
-      ZT_LOG(kWarn, "ztierd") << "refused " << Who() << ": " << s.message();
+      std::string more;
+      if (d_.refusal_log.Allow(&more)) {
+        ZT_LOG(kWarn, "ztierd") << "refused " << Who() << ": " << s.message() << more;
+      }
       d_.refused.fetch_add(1);
       return s;
     };
@@ -1372,7 +1389,10 @@ class Daemon::Impl::Connection {
                  ": use a libztier and a ztierd of the same release")));
     }
     hello_done_ = true;
-    ZT_LOG(kInfo, "ztierd") << Who() << ": " << h.name << " connected";
+    std::string more;
+    if (d_.connection_log.Allow(&more)) {
+      ZT_LOG(kInfo, "ztierd") << Who() << ": " << h.name << " connected" << more;
+    }
     return p::Encode(p::Hello{.name = "ztierd"});
   }
 
@@ -2000,7 +2020,10 @@ class Daemon::Impl::Connection {
       }
       --d_.connections;
     }
-    ZT_LOG(kInfo, "ztierd") << Who() << ": connection closed";
+    std::string more;
+    if (d_.connection_log.Allow(&more)) {
+      ZT_LOG(kInfo, "ztierd") << Who() << ": connection closed" << more;
+    }
     finished_.store(true);
     d_.all_closed.notify_all();
   }
@@ -2163,7 +2186,10 @@ Status Daemon::Serve(SeqPacketListener& listener) {
       }
     }
     if (!refuse.ok()) {
-      ZT_LOG(kWarn, "ztierd") << "refused pid " << peer->pid << ": " << refuse;
+      std::string more;
+      if (d.refusal_log.Allow(&more)) {
+        ZT_LOG(kWarn, "ztierd") << "refused pid " << peer->pid << ": " << refuse << more;
+      }
       d.refused.fetch_add(1);
       if (d.refused_held.fetch_add(1) >= kMaxRefusedHeld) {
         d.refused_held.fetch_sub(1);
@@ -2301,8 +2327,9 @@ std::string Daemon::Impl::MetricsText() {
     for (const JobInfo& j : all) n += j.state == state;
     t.Sample("ztier_jobs", {{"state", std::string(p::JobStateName(state))}}, n);
   }
-  const auto job_labels = [](const JobInfo& j) {
-    return Labels{{"uid", std::to_string(j.uid)}, {"job", j.name}};
+  const auto job_labels = [&](const JobInfo& j) {
+    return Labels{{"uid", std::to_string(j.uid)},
+                  {"job", options.metrics_job_names ? j.name : std::to_string(j.id)}};
   };
   const auto per_job = [&](std::string_view name, std::string_view type, std::string_view help,
                            auto value) {

@@ -106,6 +106,11 @@ struct DaemonOptions {
   // atomically on each change; read at Create). Empty: they last until
   // the daemon stops.
   std::string quota_file;
+  // Whether the metrics label each job with its name; else with its id (the
+  // id ztierctl jobs shows). The metrics endpoint answers whoever can reach
+  // it, and a job's name is its user's (gpt:<their output path>): names
+  // only where the endpoint is the operators' alone.
+  bool metrics_job_names = false;
 };
 
 struct DaemonStats {

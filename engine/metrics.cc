@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "common/log.h"
+#include "common/utf8.h"
 
 namespace ztier::engine {
 namespace {
@@ -100,7 +101,10 @@ Result<std::string> DescribeListener(int fd) {
 
 // ------------------------------------------------------------ the text
 
-std::string EscapeLabelValue(std::string_view value) {
+std::string EscapeLabelValue(std::string_view raw) {
+  // The format is UTF-8: a byte that is not (a swap path's, say) would make
+  // every scrape unparseable.
+  const std::string value = PrintableUtf8(raw);
   std::string out;
   out.reserve(value.size());
   for (char c : value) {

@@ -76,7 +76,8 @@ void Usage(std::ostream& out) {
          "              [--max-connections-per-uid N] [--max-requests-in-flight N]\n"
          "              [--max-dram-per-uid SIZE] [--max-nvme-per-uid SIZE]\n"
          "              [--job-grace-seconds N] [--metrics ADDRESS]\n"
-         "              [--admin-group NAME] [--quota-file FILE]\n"
+         "              [--metrics-job-names yes|no] [--admin-group NAME]\n"
+         "              [--quota-file FILE]\n"
          "\n"
          "  --socket PATH   listen on PATH (not needed under systemd socket activation)\n"
          "  --config FILE   engine settings: a ds_config with ztier's keys (DRAM budget,\n"
@@ -92,6 +93,8 @@ void Usage(std::ostream& out) {
          "  --metrics ADDRESS  serve Prometheus metrics at http://ADDRESS/metrics: HOST:PORT\n"
          "                  (e.g. 127.0.0.1:9464) or unix:PATH; under systemd the socket\n"
          "                  named \"metrics\" (ztierd-metrics.socket) is used instead\n"
+         "  --metrics-job-names  label each job's metrics with its name (yes) or its id\n"
+         "                  (no, the default: whoever reaches the endpoint reads them)\n"
          "  --admin-group NAME  members may set quotas, drain and evict (ztierctl), besides\n"
          "                  root and ztierd's own user (default ztier-admin, if it exists)\n"
          "  --quota-file FILE  keep quotas set with ztierctl there across restarts\n"
@@ -134,8 +137,11 @@ Result<Flags> ParseFlags(int argc, char** argv) {
           StrCat(a, " needs a value, or is not a flag of ztierd (--help lists them)"));
     }
     const char* v = argv[++i];
+    // An empty value (a unit's ${VARIABLE} unset, say) is no value: the
+    // default it would leave in silence (no quota file, no config) is not
+    // what was asked for.
+    if (*v == '\0') return Status::InvalidArgument(StrCat(a, ": an empty value"));
     if (a == "--socket") {
-      if (*v == '\0') return Status::InvalidArgument("--socket: an empty path");
       f.socket = v;
     } else if (a == "--config") {
       f.config = v;
@@ -167,6 +173,13 @@ Result<Flags> ParseFlags(int argc, char** argv) {
       f.daemon.job_grace_period = std::chrono::seconds(n);
     } else if (a == "--metrics") {
       f.metrics = v;
+    } else if (a == "--metrics-job-names") {
+      const std::string_view yes_no = v;
+      if (yes_no != "yes" && yes_no != "no") {
+        return Status::InvalidArgument(
+            StrCat("--metrics-job-names: '", yes_no, "' is not yes or no"));
+      }
+      f.daemon.metrics_job_names = yes_no == "yes";
     } else if (a == "--admin-group") {
       f.admin_group = v;
       f.admin_group_named = true;
@@ -217,13 +230,22 @@ Result<engine::SeqPacketListener> OpenListener(const Flags& f, int* metrics_fd) 
   ZT_ASSIGN_OR_RETURN(std::vector<engine::systemd::ListenFd> fds, engine::systemd::TakeListenFds());
   *metrics_fd = -1;
   if (!fds.empty()) {
-    int chosen = -1;
+    int chosen = -1, metrics = 0;
     for (const auto& l : fds) {
       if (l.name == "control" || fds.size() == 1) chosen = l.fd;
-      if (l.name == "metrics" && fds.size() > 1) *metrics_fd = l.fd;
+      if (l.name == "metrics" && fds.size() > 1) {
+        *metrics_fd = l.fd;
+        ++metrics;
+      }
     }
     for (const auto& l : fds) {
       if (l.fd != chosen && l.fd != *metrics_fd) ::close(l.fd);
+    }
+    if (metrics > 1) {  // one would be served, the others' scrapes left hanging
+      return Status::InvalidArgument(StrCat(
+          "systemd passed ", metrics,
+          " sockets named 'metrics'; ztierd serves one (a drop-in of ztierd-metrics.socket that "
+          "sets ListenStream= must clear the unit's first, with an empty ListenStream= line)"));
     }
     if (chosen < 0) {
       return Status::InvalidArgument(

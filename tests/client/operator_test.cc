@@ -42,6 +42,7 @@
 #include "client/transport.h"
 #include "client/ztier.h"
 #include "engine/daemon.h"
+#include "engine/metrics.h"
 #include "engine/protocol.h"
 #include "tests/testing/as_nobody.h"
 #include "tests/testing/scratch_dir.h"
@@ -1033,9 +1034,12 @@ TEST(MetricsTest, AScrapeOfARunningDaemonIsValidExposition) {
   // A Unix socket's path is short (108 bytes): in a directory of /tmp.
   std::string sock_dir = "/tmp/ztier-metrics-XXXXXX";
   ASSERT_NE(::mkdtemp(sock_dir.data()), nullptr);
-  for (const std::string& where : {std::string("127.0.0.1:0"), "unix:" + sock_dir + "/m.sock"}) {
+  // Jobs by name where asked for (the name here needs escaping), else by id.
+  for (const auto& [where, names] : {std::pair<std::string, bool>{"127.0.0.1:0", true},
+                                     {"unix:" + sock_dir + "/m.sock", false}}) {
     SCOPED_TRACE(where);
-    ZtierdProcess d(ZTIERD_BINARY, {"--metrics", where});
+    ZtierdProcess d(ZTIERD_BINARY,
+                    {"--metrics", where, "--metrics-job-names", names ? "yes" : "no"});
     const std::string address = MetricsAddress(d);
     ASSERT_FALSE(address.empty()) << d.log();
     // An oversized request gets its 431 (it got a reset: closed unread).
@@ -1060,10 +1064,14 @@ TEST(MetricsTest, AScrapeOfARunningDaemonIsValidExposition) {
           "ztier_nvme_read_bytes_total ",
           "ztier_host_device_bytes_total{direction=\"host_to_device\"}", "ztier_steps_total 3",
           "ztier_jobs{state=\"training\"} 1",
-          "ztier_optimizer_step_seconds_count{uid=\"0\",job=\"scraped \\\"job\\\" \\\\\"} 3",
+          names ? "ztier_optimizer_step_seconds_count{uid=\"0\",job=\"scraped \\\"job\\\" \\\\\"} 3"
+                : "ztier_optimizer_step_seconds_count{uid=\"0\",job=\"1\"} 3",
           "ztier_quota_used_bytes{uid=\"0\",tier=\"dram\"}", "ztier_stall_seconds_total"}) {
       if (::geteuid() != 0 && std::string(series).find("uid=\"0\"") != std::string::npos) continue;
       EXPECT_NE(body.find(series), std::string::npos) << series << "\n" << body;
+    }
+    if (!names) {
+      EXPECT_EQ(body.find("scraped"), std::string::npos) << "a job's name is served\n" << body;
     }
     // promtool, the format's own checker.
     const bool required = std::getenv("ZTIER_REQUIRE_PROMTOOL") != nullptr &&
@@ -1105,6 +1113,14 @@ TEST(MetricsTest, AScrapeOfARunningDaemonIsValidExposition) {
     EXPECT_TRUE(r->starts_with("HTTP/1.1 200")) << *r;
   }
   std::filesystem::remove_all(sock_dir);
+}
+
+// The format is UTF-8: a label value that is not (a swap path's bytes)
+// made every scrape unparseable.
+TEST(MetricsTest, LabelValuesAreEscapedAndUtf8) {
+  EXPECT_EQ(engine::EscapeLabelValue("a\\b\"c"), "a\\\\b\\\"c");
+  EXPECT_EQ(engine::EscapeLabelValue("/x/sw\xff\"x"), "/x/sw?\\\"x");
+  EXPECT_EQ(engine::EscapeLabelValue("caf\xc3\xa9\n"), "caf\xc3\xa9?");
 }
 
 // Clients that connect to the metrics listener and say nothing hold up
@@ -1216,6 +1232,59 @@ TEST(MetricsTest, ZtierdServesTheMetricsSocketSystemdPasses) {
   int st = 0;
   ::waitpid(pid, &st, 0);
   EXPECT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0) << text.str();
+  std::filesystem::remove_all(dir);
+}
+
+// Two sockets named "metrics" (a drop-in that adds a ListenStream= without
+// clearing the unit's): one was served, the other's scrapes hung, with no
+// word. ztierd now refuses to start, naming the fix.
+TEST(MetricsTest, TwoMetricsSocketsFromSystemdAreAClearError) {
+  std::string dir = "/tmp/ztier-activate-XXXXXX";
+  ASSERT_NE(::mkdtemp(dir.data()), nullptr);
+  std::vector<UniqueFd> fds;
+  fds.emplace_back(::socket(AF_UNIX, SOCK_SEQPACKET, 0));
+  sockaddr_un su{};
+  su.sun_family = AF_UNIX;
+  const std::string control = dir + "/ztierd.sock";
+  std::memcpy(su.sun_path, control.data(), control.size());
+  ASSERT_EQ(::bind(fds[0].get(), reinterpret_cast<sockaddr*>(&su), sizeof(su)), 0);
+  ASSERT_EQ(::listen(fds[0].get(), 16), 0);
+  for (int k = 0; k < 2; ++k) {
+    fds.emplace_back(::socket(AF_INET, SOCK_STREAM, 0));
+    sockaddr_in si{};
+    si.sin_family = AF_INET;
+    si.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    ASSERT_EQ(::bind(fds.back().get(), reinterpret_cast<sockaddr*>(&si), sizeof(si)), 0);
+    ASSERT_EQ(::listen(fds.back().get(), 16), 0);
+  }
+  const std::string log = dir + "/ztierd.log";
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    const int out = ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    if (out < 0 || ::dup2(out, 2) < 0) _exit(91);
+    for (int k = 0; k < 3; ++k) {
+      if (::dup2(fds[k].get(), 3 + k) < 0) _exit(91);
+    }
+    for (int fd = 6; fd < 1024; ++fd) ::close(fd);
+    const std::string pid_env = StrCat("LISTEN_PID=", ::getpid());
+    char* env[] = {const_cast<char*>(pid_env.c_str()),
+                   const_cast<char*>("LISTEN_FDS=3"),
+                   const_cast<char*>("LISTEN_FDNAMES=control:metrics:metrics"),
+                   const_cast<char*>("ZTIER_DRAM_BUDGET=128M"),
+                   const_cast<char*>("ZTIER_HUGE_PAGES=none"),
+                   nullptr};
+    ::execle(ZTIERD_BINARY, ZTIERD_BINARY, static_cast<char*>(nullptr), env);
+    _exit(92);
+  }
+  ASSERT_GT(pid, 0);
+  fds.clear();
+  int st = 0;
+  ::waitpid(pid, &st, 0);
+  std::ifstream in(log);
+  std::stringstream text;
+  text << in.rdbuf();
+  EXPECT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 2) << st << text.str();
+  EXPECT_NE(text.str().find("2 sockets named 'metrics'"), std::string::npos) << text.str();
   std::filesystem::remove_all(dir);
 }
 

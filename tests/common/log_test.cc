@@ -10,6 +10,7 @@
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <thread>
 
 #include <gtest/gtest.h>
 
@@ -61,6 +62,29 @@ TEST(LogTest, UnknownSubsystemsAreWarnedOf) {
   text = LogOf("engine,nvme");
   EXPECT_EQ(text.find("ZTIER_LOG_SUBSYS names"), std::string::npos) << text;
   EXPECT_NE(text.find("a line of engine"), std::string::npos) << text;
+}
+
+}  // namespace
+}  // namespace ztier
+
+namespace ztier {
+namespace {
+
+// A line others can make repeat at will is logged `burst` times, then
+// `burst` a period; the lines left out are said with the next one.
+TEST(LogRateTest, ABurstThenTheRestCountedAndSaidWithTheNextLine) {
+  LogRate rate(3, std::chrono::milliseconds(200));
+  std::string note = "x";
+  for (int k = 0; k < 3; ++k) {
+    ASSERT_TRUE(rate.Allow(&note)) << k;
+    EXPECT_EQ(note, "");
+  }
+  for (int k = 0; k < 5; ++k) EXPECT_FALSE(rate.Allow(&note)) << k;
+  std::this_thread::sleep_for(std::chrono::milliseconds(150));  // 2.25 lines' worth
+  ASSERT_TRUE(rate.Allow(&note));
+  EXPECT_EQ(note, " (5 more like it not logged)");
+  ASSERT_TRUE(rate.Allow(&note));
+  EXPECT_EQ(note, "");
 }
 
 }  // namespace
