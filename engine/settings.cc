@@ -1320,6 +1320,18 @@ std::vector<std::string> NonDefaultSettings(const Settings& s) {
   return out;
 }
 
+std::vector<std::string> ClientOnlySettingsSet(const Settings& s) {
+  std::vector<std::string> out;
+  for (const Tunable& t : Table()) {
+    if (t.hidden()) continue;
+    const std::string_view doc = t.doc;
+    if (!doc.starts_with("Client:") && !doc.starts_with("Training:")) continue;
+    auto src = s.sources.find(t.key());
+    if (src != s.sources.end()) out.push_back(StrCat(t.key(), " (from ", src->second, ")"));
+  }
+  return out;
+}
+
 cpu_adam::Hyper TrainingHyper(const Settings& s, cpu_adam::Hyper h) {
   const TrainingSettings& t = s.training;
   if (t.optimizer_type) {

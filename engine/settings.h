@@ -138,6 +138,12 @@ Status Validate(const Settings& s);
 // default or was set by a config, a variable or a flag (the engine logs them
 // at start; ztier-train prints them).
 std::vector<std::string> NonDefaultSettings(const Settings& s);
+// The settings set (by a config, a variable or a flag) that only a client
+// reads (a runner's, the training's: the rows whose description starts
+// "Client:" or "Training:"), "key (from origin)" each: through ztierd each
+// job brings its own, so ztierd's own config or environment setting them
+// changes nothing, which it says.
+std::vector<std::string> ClientOnlySettingsSet(const Settings& s);
 // The AdamW hyper-parameters: `defaults` with the training settings that
 // are set applied (the optimizer type, Adam's adam_w_mode, lr, betas, eps,
 // weight decay, bias correction).

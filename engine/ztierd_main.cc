@@ -310,6 +310,14 @@ int Run(const Flags& f) {
     std::fprintf(stderr, "ztierd: %s\n", ztier::PrintableUtf8(v.ToString()).c_str());
     return 2;
   }
+  if (const std::vector<std::string> client = engine::ClientOnlySettingsSet(settings);
+      !client.empty()) {
+    std::string list;
+    for (const std::string& c : client) list += StrCat(list.empty() ? "" : ", ", c);
+    ZT_LOG(kWarn, "ztierd") << "settings that only a client reads change nothing here (each job "
+                               "brings its own, from its config, variables or flags): "
+                            << ztier::PrintableUtf8(list);
+  }
 
   Result<engine::systemd::Notifier> notifier = engine::systemd::Notifier::FromEnvironment();
   if (!notifier.ok()) {

@@ -1739,6 +1739,24 @@ TEST(ZtierdProgramTest, HangupAndUserSignalsAreSaidAndIgnored) {
   EXPECT_EQ(d.SignalAndWait(SIGTERM), 0) << d.log();
 }
 
+// ztierd logged a client's settings in its config (the learning rate, the
+// socket to train through) as set, and then used each job's own: it now
+// says they change nothing there.
+TEST(ZtierdProgramTest, SettingsOnlyAClientReadsAreSaidToChangeNothing) {
+  ScratchDir dir("ztierd-client-settings");
+  const std::string config = dir / "ztierd.json";
+  std::ofstream(config) << R"({"ztier": {"daemon_socket": "/tmp/other.sock"},
+                               "optimizer": {"params": {"lr": 5}}})";
+  ZtierdProcess d(ZTIERD_BINARY, {"--config", config});
+  ASSERT_TRUE(RegisterThrough(d, "c").ok()) << d.log();
+  const std::string log = d.log();
+  const size_t at = log.find("settings that only a client reads change nothing here");
+  ASSERT_NE(at, std::string::npos) << log;
+  const std::string line = log.substr(at, log.find('\n', at) - at);
+  EXPECT_NE(line.find("ztier.daemon_socket"), std::string::npos) << line;
+  EXPECT_NE(line.find("optimizer.params.lr"), std::string::npos) << line;
+}
+
 // Any local user could make ztierd log a line per connection, thousands a
 // second (connect, close), past journald's rate limit, which then drops the
 // lines that matter. The lines a connection makes are bounded now, and
