@@ -441,7 +441,12 @@ struct Engine::Impl {
       ZT_LOG(kWarn, "engine") << "job '" << job.spec.name << "': step " << step << " skipped: "
                               << (std::isfinite(norm)
                                       ? StrCat("grad norm ", norm,
-                                               " (unclipped) is past what fp32 moments hold")
+                                               " (unclipped) is past the most the engine steps "
+                                               "with (a sum of squared grads of ",
+                                               cpu_adam::kMaxGradSqSum,
+                                               ", so that no squared grad can pass fp32's "
+                                               "range): clip the grads (gradient_clipping) or "
+                                               "scale the loss down")
                                       : std::string("inf/NaN in the gradients"));
     }
     // Units are published as their write-backs finish (in any order); the

@@ -93,7 +93,15 @@ Result<double> ParseDouble(std::string_view text, std::string_view key, double l
 
 Result<float> ParseReal(std::string_view text, std::string_view key, double lo, double hi) {
   ZT_ASSIGN_OR_RETURN(double d, ParseDouble(text, key, lo, hi));
-  return static_cast<float>(d);
+  // Kept in fp32: a value it cannot hold would become inf or 0 (an lr of
+  // 1e-50 trained at lr 0) without a word.
+  const float f = static_cast<float>(d);
+  if (!std::isfinite(f) || (d != 0 && f == 0)) {
+    return Status::InvalidArgument(StrCat(key, ": ", text,
+                                          " is outside what fp32 holds (magnitudes from about "
+                                          "1e-45 to 3.4e38, or 0)"));
+  }
+  return f;
 }
 
 Result<bool> ParseBool(std::string_view text, std::string_view key) {
@@ -540,8 +548,9 @@ const std::vector<Tunable>& Table() {
        "(program's)",
        "Training: AdamW's beta1, beta2 (a list of two; the variable is \"0.9,0.95\").",
        [](Settings& s, std::string_view t, std::string_view k) -> Status {
+         // Exactly two items: "0.9,,0.95" is a typo, not two betas.
          const std::vector<std::string> parts = SplitList(t);
-         if (parts.size() != 2) {
+         if (parts.size() != 2 || std::count(t.begin(), t.end(), ',') != 1) {
            return Status::InvalidArgument(StrCat(k, ": '", t, "' is not two numbers"));
          }
          ZT_ASSIGN_OR_RETURN(double b1, ParseDouble(parts[0], k, 0, 1));

@@ -571,6 +571,18 @@ NB_MODULE(_C, m) {
                    [](const Session& s) { return double(s.settings().wait_timeout_seconds); })
       .def_prop_ro("coalesce_bytes", [](const Session& s) { return s.settings().coalesce_bytes; })
       .def_prop_ro(
+          "max_live_bytes",
+          [](const Session& s) { return client::RunnerOptionsFrom(s.settings()).max_live_bytes; },
+          "The cap on the bf16 params a rank keeps on its device, in bytes "
+          "(zero_optimization.stage3_max_live_parameters x 2; 0: none).")
+      .def_prop_ro(
+          "persistence_threshold",
+          [](const Session& s) {
+            return client::RunnerOptionsFrom(s.settings()).persistence_threshold;
+          },
+          "Units of at most this many bytes of bf16 params stay on the device once fetched "
+          "(zero_optimization.stage3_param_persistence_threshold x 2).")
+      .def_prop_ro(
           "training",
           [](const Session& s) {
             // What the config and the variables set of the training settings
@@ -588,10 +600,16 @@ NB_MODULE(_C, m) {
             if (t.bias_correction) d["bias_correction"] = *t.bias_correction;
             if (t.clip_norm) d["clip_norm"] = *t.clip_norm;
             if (t.grad_accumulation) d["grad_accumulation"] = *t.grad_accumulation;
+            if (t.micro_batch) d["micro_batch"] = *t.micro_batch;
+            if (t.train_batch) d["train_batch"] = *t.train_batch;
+            if (t.activation_checkpointing) {
+              d["activation_checkpointing"] = *t.activation_checkpointing;
+            }
             return d;
           },
           "The training settings the config file and ZTIER_* variables set (optimizer type and "
-          "params, gradient_clipping, gradient_accumulation_steps); unset ones are absent.")
+          "params, gradient_clipping, gradient_accumulation_steps, the batch sizes, "
+          "activation_checkpointing); unset ones are absent.")
       .def(
           "register_model",
           [](Session& s, const std::string& name, const std::vector<UnitTuple>& units,

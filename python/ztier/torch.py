@@ -60,6 +60,7 @@ import atexit
 import contextlib
 import dataclasses
 import functools
+import math
 import numbers
 import os
 import shutil
@@ -117,6 +118,10 @@ class AdamW:
         self.betas = (float(betas[0]), float(betas[1]))
         if self.mode not in ("adamw", "adam"):
             raise ValueError(f"ztier: AdamW mode must be 'adamw' or 'adam', got {self.mode!r}")
+        # The engine keeps lr, eps and weight decay in fp32: a value it
+        # cannot hold would reach it as inf or 0, and be refused as that.
+        for what in ("lr", "eps", "weight_decay"):
+            _check_fp32(f"AdamW {what}", getattr(self, what))
 
 
 class _Optimizer(torch.optim.Optimizer):
@@ -181,6 +186,18 @@ class _Optimizer(torch.optim.Optimizer):
             self._owner._optimizer_step(lrs)
         return loss
 
+    def _check_supported(self):
+        """ValueError for an option of torch's AdamW that changes the update
+        and that the engine lacks (a state dict loaded from one, a group set
+        by hand): before a training forward, so no grads of it go out."""
+        for i, g in enumerate(self.param_groups):
+            for k in _UNSUPPORTED_KEYS:
+                if g.get(k):
+                    raise ValueError(
+                        f"ztier: param group {i} has {k}={g[k]!r}, which the engine's AdamW does "
+                        "not do (it minimizes, with plain AdamW moments); set it to False (a "
+                        f"state dict of torch's AdamW(..., {k}=True) cannot be continued here)")
+
     def zero_grad(self, set_to_none: bool = True):
         for group in self.param_groups:
             for p in group["params"]:
@@ -215,6 +232,8 @@ class _Optimizer(torch.optim.Optimizer):
 
 
 _FIXED_KEYS = ("betas", "eps", "weight_decay")
+# torch's AdamW options that change the update, which the engine lacks.
+_UNSUPPORTED_KEYS = ("maximize", "amsgrad")
 
 
 def _differs(a, b) -> bool:
@@ -372,6 +391,13 @@ class Offload:
                  name: str | None = None, session: _C.Session | None = None,
                  weights: str | None = None, compute_dtype: torch.dtype | None = None,
                  average_grads: bool = False, cast_inputs: bool = True):
+        if optimizer is not None and not isinstance(optimizer, AdamW):
+            what = (f"a {type(optimizer).__module__}.{type(optimizer).__qualname__}"
+                    if not isinstance(optimizer, type) else f"the class {optimizer.__qualname__}")
+            raise TypeError(f"ztier: optimizer= takes a ztier.torch.AdamW (its settings: lr, betas, "
+                            f"eps, weight_decay, ...), got {what}; the engine runs the optimizer "
+                            "itself: e.g. optimizer=zt.AdamW(lr=1e-4, weight_decay=0.01), and "
+                            "after offload() use the model's .optimizer for torch's LR schedulers")
         if grad_accumulation is not None:
             if isinstance(grad_accumulation, bool) or not isinstance(
                     grad_accumulation, numbers.Integral) or grad_accumulation < 1:
@@ -461,7 +487,11 @@ class Offload:
         training = self.session.training
         self._adamw = optimizer or _adamw_from(training)
         if grad_accumulation is None:
-            grad_accumulation = training.get("grad_accumulation", 1)
+            grad_accumulation = _accumulation_from(training, self.world_size)
+        if training.get("activation_checkpointing"):
+            warnings.warn("ztier: activation_checkpointing in the config does nothing here: "
+                          "checkpoint activations in the model (torch.utils.checkpoint)",
+                          RuntimeWarning, stacklevel=3)
         if clip_grad_norm is None:
             clip_grad_norm = training.get("clip_norm", 0.0)
         self.grad_accumulation = int(grad_accumulation)
@@ -767,6 +797,8 @@ class Offload:
             self._collectives = _C.job_collectives(self.job, self.rank, self._device)
         return _C.Runner(self.job, self.rank, self._device, self._collectives,
                          prefetch_depth=self._prefetch,
+                         max_live_bytes=self.session.max_live_bytes,
+                         persistence_threshold=self.session.persistence_threshold,
                          coalesce_bytes=self.session.coalesce_bytes,
                          timeout=self.session.wait_timeout)
 
@@ -1142,6 +1174,8 @@ class Offload:
                 "requires_grad_(False) for such passes)")
         if torch.is_grad_enabled():  # a forward that may train (not each generated token)
             self._check_same_parameters()
+            if getattr(self, "optimizer", None) is not None:
+                self.optimizer._check_supported()
         self._check_idle_params(values=training)
         self._training_forward = torch.is_grad_enabled()
         if self._training_forward:
@@ -2287,6 +2321,47 @@ class _Hook:
             "are placeholders between uses, its values in the engine; save the weights with "
             "export_safetensors(path), or torch.save(model.state_dict()), "
             "and the training state with save_checkpoint(dir)")
+
+
+def _check_fp32(what: str, value) -> None:
+    """ValueError when `value` is a finite number fp32 cannot hold (it would
+    become inf, or 0), naming it as given."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return  # the engine's own check names what is wrong
+    v = float(value)
+    if not math.isfinite(v):
+        return
+    f = torch.tensor(v, dtype=torch.float32).item()
+    if not math.isfinite(f) or (v != 0 and f == 0):
+        raise ValueError(f"ztier: {what} {value!r} is outside what fp32 holds (magnitudes from "
+                         "about 1e-45 to 3.4e38, or 0)")
+
+
+def _accumulation_from(training: dict, world_size: int) -> int:
+    """The gradient accumulation a config sets: its gradient_accumulation_steps,
+    or what DeepSpeed's rule gives (train batch = micro batch x accumulation
+    x ranks) from train_batch_size and train_micro_batch_size_per_gpu, as
+    ztier-train takes them. The micro batch itself is the data loader's."""
+    acc = training.get("grad_accumulation")
+    micro = training.get("micro_batch")
+    total = training.get("train_batch")
+    if total is None:
+        return acc if acc is not None else 1
+    given = "".join(f" x {what} {v}" for what, v in (("micro batch", micro),
+                                                      ("accumulation", acc)) if v is not None)
+    rule = " (DeepSpeed's rule: train batch = micro batch x accumulation x ranks)"
+    if micro is not None and acc is not None:
+        if micro * acc * world_size != total:
+            raise ValueError(f"ztier: train_batch_size {total} is not {world_size} rank(s)"
+                             f"{given}{rule}")
+        return acc
+    unit = (micro if micro is not None else acc if acc is not None else 1) * world_size
+    if total % unit != 0 or total < unit:
+        raise ValueError(f"ztier: train_batch_size {total} is not a whole multiple of "
+                         f"{world_size} rank(s){given}{rule}")
+    if micro is not None:
+        return total // unit
+    return acc if acc is not None else 1
 
 
 def _adamw_from(training: dict) -> AdamW:

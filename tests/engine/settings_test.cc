@@ -146,6 +146,11 @@ TEST(SettingsTest, RejectsBadConfigsNamingTheKey) {
        "buffer_count: expected a number, got string"},
       {R"({"zero_optimization": {"offload_param": {"pin_memory": "true"}}})",
        "pin_memory: expected true or false, got string"},
+      // fp32 keeps them: an lr of 1e-50 trained at 0, one of 1e39 was "inf".
+      {R"({"optimizer": {"params": {"lr": 1e-50}}})",
+       "optimizer.params.lr: 1e-50 is outside what fp32 holds"},
+      {R"({"optimizer": {"params": {"weight_decay": 1e-46}}})",
+       "weight_decay: 1e-46 is outside what fp32 holds"},
       {R"({"aio": {"queue_depth": 4}, "aio": {"queue_depth": 8}})", "key 'aio' is given twice"},
       {R"({"aio": {"queue_depth": 4, "queue_depth": 8}})", "key 'aio.queue_depth' is given twice"},
       {R"({"optimizer": {"type": "Lamb"}})", "'Lamb' is not an optimizer ztier runs"},
@@ -542,6 +547,20 @@ TEST(SettingsTest, DescriptionListsEveryEnvironmentVariable) {
                           "ZTIER_STRIPE_BYTES", "ZTIER_CHECKSUMS", "ZTIER_BUFFER_COUNT"}) {
     EXPECT_NE(d.find(env), std::string::npos) << env;
   }
+}
+
+// A list with an empty item is a typo ("0.9,,0.95"), not two betas.
+TEST(SettingsTest, BetasWithAnEmptyItemAreRefused) {
+  for (const char* bad : {"ZTIER_BETAS=0.9,,0.95", "ZTIER_BETAS=,0.9,0.95", "ZTIER_BETAS=0.9,"}) {
+    const char* env[] = {bad, nullptr};
+    Result<Settings> s = ApplyEnvironment(Settings{}, env);
+    ASSERT_FALSE(s.ok()) << bad;
+    EXPECT_NE(s.status().message().find("is not two numbers"), std::string::npos) << s.status();
+  }
+  const char* good[] = {"ZTIER_BETAS=0.9,0.95", nullptr};
+  Result<Settings> s = ApplyEnvironment(Settings{}, good);
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_EQ(*s->training.beta2, 0.95);
 }
 
 TEST(SettingsTest, AMisspelledKeyOrVariableNamesTheSettingItIsClosestTo) {

@@ -383,6 +383,69 @@ def test_the_config_files_optimizer_clipping_and_accumulation_apply(settings, tm
     z.close()
 
 
+def test_the_config_files_batch_sizes_set_the_accumulation(settings, tmp_path):
+    # DeepSpeed's rule, as ztier-train takes it: train batch = micro batch x
+    # accumulation x ranks. They were dropped in silence: one micro-batch a
+    # step, a batch 8 times smaller than the config said.
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4,
+                                  "activation_checkpointing": {}}))
+    model = _mlp()
+    with pytest.warns(RuntimeWarning, match="activation_checkpointing"):
+        z = zt.offload(model, config=str(config), settings=settings)
+    assert z.grad_accumulation == 8
+    z.close()
+    for bad in ({"train_batch_size": 7, "train_micro_batch_size_per_gpu": 2,
+                 "gradient_accumulation_steps": 4},
+                {"train_batch_size": 30, "train_micro_batch_size_per_gpu": 4}):
+        config.write_text(json.dumps(bad))
+        model = _mlp()
+        with pytest.raises(ValueError, match="DeepSpeed's rule"):
+            zt.offload(model, config=str(config), settings=settings)
+
+
+def test_the_configs_live_cap_and_persistence_reach_the_runner(settings):
+    # They were left out of the runner ztier.torch makes: no cap at all on
+    # a GPU whose memory the user had set one for.
+    model = _mlp()
+    s = dict(settings or {})
+    s["zero_optimization.stage3_max_live_parameters"] = 1
+    with pytest.raises(ValueError, match="live-bytes cap of 2"):
+        zt.offload(model, settings=s)
+    model = _mlp()
+    z = zt.offload(model, settings=settings)
+    assert z.session.persistence_threshold == 2 * 32768  # the documented default
+    z.close()
+
+
+def test_a_torch_optimizer_given_to_offload_names_what_it_takes(settings):
+    model = _mlp()
+    for wrong in (torch.optim.AdamW(model.parameters(), lr=1e-3), torch.optim.AdamW):
+        with pytest.raises(TypeError, match=r"optimizer= takes a ztier.torch.AdamW"):
+            zt.offload(model, optimizer=wrong, settings=settings)
+    with pytest.raises(ValueError, match="1e\\+39 is outside what fp32 holds"):
+        zt.AdamW(lr=1e39)
+    with pytest.raises(ValueError, match="1e-50 is outside what fp32 holds"):
+        zt.AdamW(eps=1e-50)
+
+
+def test_maximize_or_amsgrad_in_a_param_group_is_refused_before_a_training_forward(settings):
+    # A state dict of torch's AdamW(maximize=True) loaded into the model's
+    # optimizer trained the other way, without a word.
+    model, z, x = _trained_mlp(settings)
+    for key in ("maximize", "amsgrad"):
+        z.optimizer.param_groups[0][key] = True
+        with pytest.raises(ValueError, match=f"{key}=True"):
+            model(x)
+        assert z.step_count == 1
+        with torch.no_grad():
+            model(x)  # evaluation trains nothing: it goes on
+        z.optimizer.param_groups[0][key] = False
+    _train_step(model, z, x)
+    assert z.step_count == 2
+    z.close()
+
+
 def test_param_group_edits_the_engine_does_not_take(settings):
     model = _mlp()
     z = zt.offload(model, settings=settings)
