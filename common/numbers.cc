@@ -17,6 +17,20 @@ Result<uint64_t> ParseSize(std::string_view text) {
   if (ec != std::errc() || ptr == first) {
     return Status::InvalidArgument(StrCat("'", text, "' is not a size (e.g. 65536, 64K, 1G)"));
   }
+  if (ptr != last && (*ptr == '.' || *ptr == 'e' || *ptr == 'E')) {
+    // A whole number written as the config file's JSON may write it (1e9,
+    // 1.5e9, 1500000000.0): the same size in a variable as in the file.
+    double d = 0;
+    auto [dptr, dec] = std::from_chars(first, last, d);
+    if (dec == std::errc() && dptr == last && d >= 0 && d < 18446744073709551616.0 &&
+        d == static_cast<double>(static_cast<uint64_t>(d))) {
+      return static_cast<uint64_t>(d);
+    }
+    return Status::InvalidArgument(
+        StrCat("'", text,
+               "' is not a size (a whole number of bytes, or one with K, M, G or T; "
+               "e.g. 64K, 1G)"));
+  }
   std::string_view suffix(ptr, static_cast<size_t>(last - ptr));
   if (!suffix.empty() && (suffix.back() == 'B' || suffix.back() == 'b')) suffix.remove_suffix(1);
   // "i" marks a binary unit ("64Ki"): after a unit's letter only ("64i" is

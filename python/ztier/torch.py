@@ -2159,6 +2159,8 @@ def _settings_text(settings: dict | None) -> dict[str, str]:
             return ",".join(items)
         if isinstance(value, os.PathLike):
             return os.fspath(value)
+        if isinstance(value, float) and value.is_integer() and abs(value) < 2.0**63:
+            return str(int(value))  # 1.5e9 bytes, not "1500000000.0"
         if isinstance(value, (str, numbers.Number)):
             return str(value)
         raise TypeError(f"ztier: settings[{key!r}] is a {type(value).__name__}; give a string, "

@@ -14,13 +14,19 @@ TEST(NumbersTest, SizesWithSuffixes) {
   EXPECT_EQ(*ParseSize("16Mi"), 16u << 20);
   EXPECT_EQ(*ParseSize("2GB"), uint64_t{2} << 30);
   EXPECT_EQ(*ParseSize("1TiB"), uint64_t{1} << 40);
+  // A whole number as the config's JSON may write it: the same in a
+  // variable as in the file.
+  EXPECT_EQ(*ParseSize("1e9"), 1000000000u);
+  EXPECT_EQ(*ParseSize("1.5e9"), 1500000000u);
+  EXPECT_EQ(*ParseSize("1500000000.0"), 1500000000u);
 }
 
 TEST(NumbersTest, RejectsWhatIsNotAWholeSize) {
-  for (const char* bad : {"", "nan", "inf", "1e30", "-1", "+5", "1.5G", "12X", "G", " 1", "1 ",
-                          "0x10", "18446744073709551616", "16777216T",
-                          // an "i" with no unit before it (read as 64 bytes)
-                          "64i", "64iB"}) {
+  for (const char* bad :
+       {"", "nan", "inf", "1e30", "-1", "+5", "1.5G", "12X", "G", " 1", "1 ", "1.5", "1e-3",
+        "2.5e0", "1e9K", "18446744073709551616.0", "0x10", "18446744073709551616", "16777216T",
+        // an "i" with no unit before it (read as 64 bytes)
+        "64i", "64iB"}) {
     Result<uint64_t> r = ParseSize(bad);
     EXPECT_FALSE(r.ok()) << "'" << bad << "' parsed as " << (r.ok() ? *r : 0);
     if (!r.ok()) {

@@ -418,6 +418,15 @@ def test_the_configs_live_cap_and_persistence_reach_the_runner(settings):
     z.close()
 
 
+def test_a_size_given_as_a_float_is_that_size(settings):
+    # settings={"ztier.dram_budget": 1.5e9} went as "1500000000.0": "not a size".
+    s = dict(settings or {})
+    s["ztier.dram_budget"] = 1.5e9
+    model = _mlp()
+    z = zt.offload(model, settings=s)
+    z.close()
+
+
 def test_a_torch_optimizer_given_to_offload_names_what_it_takes(settings):
     model = _mlp()
     for wrong in (torch.optim.AdamW(model.parameters(), lr=1e-3), torch.optim.AdamW):
