@@ -1036,6 +1036,12 @@ struct Stage3Runner::Impl {
       const uint64_t need = u.params == nullptr ? u.bytes : 0;
       if (options.max_live_bytes > 0 && live_bytes + need > options.max_live_bytes) break;
       const Status s = QueueFetch(learned[i], i + 1);
+      if (!s.ok() && s.code() != StatusCode::kResourceExhausted) {
+        // Another error (the device's) is the unit's: its Acquire meets it
+        // again and says it; nothing more is prefetched past it now.
+        ZT_LOG(kDebug, "client") << "prefetch of unit '" << u.name << "': " << s;
+        break;
+      }
       if (!s.ok()) {
         ++stats.prefetches_refused;
         if (stats.prefetches_refused == 1) {

@@ -2,10 +2,13 @@
 #include "common/file_util.h"
 
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cctype>
 #include <cerrno>
 #include <cstdlib>
 #include <filesystem>
@@ -110,12 +113,53 @@ Result<std::string> ReplaceableTarget(const std::string& path) {
                                         "); not replaced"));
 }
 
+namespace {
+
+// "<path>.<pid>-<n>.tmp": a temp file of this writer's own. Two writers of
+// one path (two threads, two processes) each rename only their own, and no
+// file the caller did not name ("<path>.tmp", say) is ever removed.
+std::string TempNameFor(const std::string& path) {
+  static std::atomic<uint64_t> next{0};
+  return StrCat(path, ".", ::getpid(), "-", next.fetch_add(1), ".tmp");
+}
+
+// Removes the temp files of `path` that writers which are gone (killed
+// mid-write) left: "<path>.<pid>-<n>.tmp" of a pid no process has.
+void RemoveStaleTemps(const std::string& path) {
+  const std::filesystem::path p(path);
+  const std::string prefix = p.filename().string() + ".";
+  std::error_code ec;
+  const std::filesystem::path dir = p.parent_path().empty() ? "." : p.parent_path();
+  for (const auto& e : std::filesystem::directory_iterator(dir, ec)) {
+    const std::string name = e.path().filename().string();
+    if (!name.starts_with(prefix) || !name.ends_with(".tmp")) continue;
+    const std::string_view rest =
+        std::string_view(name).substr(prefix.size(), name.size() - prefix.size() - 4);
+    const size_t dash = rest.find('-');
+    if (dash == std::string_view::npos || dash == 0 || dash + 1 == rest.size()) continue;
+    if (!std::all_of(rest.begin(), rest.end(), [](char c) {
+          return c == '-' || std::isdigit(static_cast<unsigned char>(c));
+        })) {
+      continue;
+    }
+    const long pid = std::strtol(std::string(rest.substr(0, dash)).c_str(), nullptr, 10);
+    if (pid <= 0 || pid == ::getpid() || ::kill(static_cast<pid_t>(pid), 0) == 0 ||
+        errno != ESRCH) {
+      continue;
+    }
+    struct stat st {};
+    if (::lstat(e.path().c_str(), &st) == 0 && S_ISREG(st.st_mode)) ::unlink(e.path().c_str());
+  }
+}
+
+}  // namespace
+
 Status WriteFileAtomically(const std::string& named, std::string_view data) {
+  if (named.empty()) return Status::InvalidArgument("an empty path names no file");
   ZT_ASSIGN_OR_RETURN(const std::string path, ReplaceableTarget(named));
-  const std::string tmp = path + ".tmp";
-  // A new file of its own: a stale temp file (a killed writer's) or a link
-  // planted under its name goes first, never written through.
-  ::unlink(tmp.c_str());
+  RemoveStaleTemps(path);
+  const std::string tmp = TempNameFor(path);
+  // A new file of its own (O_EXCL, no link followed).
   const int fd = OpenFile(tmp, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW, 0600);
   if (fd < 0) return PosixError(StrCat("create ", tmp), fd);
   UniqueFd guard(fd);

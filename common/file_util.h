@@ -2,9 +2,12 @@
 // swap-space manifest, checkpoints, exports and configs; and the fault hook
 // that lets tests fail any of their system calls.
 //
-// WriteFileAtomically writes to "<path>.tmp", fsyncs it, renames it over
-// `path` and fsyncs the directory, so after a crash `path` holds either the
-// old or the new content, never a mix. A failure removes the temp file.
+// WriteFileAtomically writes to a temp file of its own beside `path`
+// ("<path>.<pid>-<n>.tmp"), fsyncs it, renames it over `path` and fsyncs the
+// directory, so after a crash `path` holds either the old or the new
+// content, never a mix, and of two writers at once each success is its own
+// file. A failure removes the temp file; those of writers that were killed
+// are removed by the next write of `path`. An empty path is refused.
 // Only a regular file (or nothing) is replaced: a symbolic link is followed
 // to the regular file it names (the link stays), and a device, a pipe, a
 // socket, a directory or a link to one of them is refused (a rename over
@@ -52,6 +55,9 @@ void SetFileFaultHook(FileFaultHook hook);
 Status FsyncPath(const std::string& path, bool directory);
 
 Status WriteFileAtomically(const std::string& path, std::string_view data);
+// The most bytes WriteFileAtomically's temp name adds to `path`
+// (".<pid>-<n>.tmp"): a caller checking its paths against PATH_MAX adds it.
+inline constexpr size_t kAtomicTempSuffixBytes = 1 + 10 + 1 + 20 + 4;
 // The file WriteFileAtomically(path) would replace: `path`, or the regular
 // file a symbolic link names. Errors: InvalidArgument (not a regular file,
 // naming what it is), PosixError (a dangling link, a failed stat).

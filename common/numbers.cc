@@ -22,7 +22,8 @@ Result<uint64_t> ParseSize(std::string_view text) {
     // 1.5e9, 1500000000.0): the same size in a variable as in the file.
     double d = 0;
     auto [dptr, dec] = std::from_chars(first, last, d);
-    if (dec == std::errc() && dptr == last && d >= 0 && d < 18446744073709551616.0 &&
+    // Below 2^53, where every whole number is a double exactly.
+    if (dec == std::errc() && dptr == last && d >= 0 && d < 9007199254740992.0 &&
         d == static_cast<double>(static_cast<uint64_t>(d))) {
       return static_cast<uint64_t>(d);
     }

@@ -728,9 +728,11 @@ void SwapSpace::Impl::Release(uint32_t p, const std::vector<Extent>& extents, bo
   for (const Extent& e : extents) {
     // Before the allocator has the units back: another object may get them
     // as soon as it does, and a hole punched then would take its data.
-    if (punch && ::fallocate(path.fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
-                             static_cast<off_t>(e.start * stripe),
-                             static_cast<off_t>(e.count * stripe)) == 0) {
+    // Marked even when the punch failed (it may have freed part of the
+    // range): reserving a range that holds its blocks is cheap.
+    if (punch) {
+      (void)::fallocate(path.fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
+                        static_cast<off_t>(e.start * stripe), static_cast<off_t>(e.count * stripe));
       for (uint64_t k = e.start; k < e.start + e.count; ++k) path.punched[k] = true;
     }
     const bool freed = allocators[p].Free(e.start, e.count);
@@ -997,7 +999,10 @@ Status SwapSpace::Free(uint64_t id) {
       units[p].push_back({unit, 1});
     }
   }
-  for (uint32_t p = 0; p < npaths; ++p) sp.Release(p, units[p], /*punch=*/!last);
+  // Files kept for a manifest (keep_files) keep the data of what they
+  // held: a manifest saved before this Free still names the object.
+  const bool punch = !last && !sp.options.keep_files;
+  for (uint32_t p = 0; p < npaths; ++p) sp.Release(p, units[p], punch);
   sp.by_name.erase(it->second.name);
   sp.objects.erase(it);
   if (last) {

@@ -1157,8 +1157,16 @@ Result<int> TrainSteps(const Flags& f, const Plan& p, const std::string& text, S
           ZT_RETURN_IF_ERROR(m.SaveCheckpoint(paths.checkpoint));
           // The note follows the save that committed: one that failed or was
           // cut short leaves the checkpoint before it, and that one's note.
-          ZT_RETURN_IF_ERROR(
-              WriteFileAtomically(ModelNotePath(paths), RunNoteText(RunNote(f, p, text), done)));
+          // A note that cannot be written ends no run: the checkpoint is
+          // committed; a resume then says the note is of another step.
+          if (Status noted =
+                  WriteFileAtomically(ModelNotePath(paths), RunNoteText(RunNote(f, p, text), done));
+              !noted.ok()) {
+            std::fprintf(stderr,
+                         "ztier-train: warning: the checkpoint of step %lld is saved, its note "
+                         "is not: %s\n",
+                         static_cast<long long>(done), PrintableUtf8(noted.ToString()).c_str());
+          }
           if (f.exit_after > 0 && done == f.exit_after) {
             std::fprintf(stderr, "ztier-train: exiting abruptly after step %lld (--exit-after)\n",
                          static_cast<long long>(done));
@@ -1349,6 +1357,21 @@ int Run(const Flags& f, const Plan& p) {
   Model& m = **model;
   const OutPaths paths(f.out);
   if (Status s = m.ClaimCheckpointDir(paths.checkpoint); !s.ok()) return fail(s);
+  // A checkpoint whose longest file path (a shard of the last step's, the
+  // note, while written to a temp file beside it) is past the system's
+  // fails now, before the run writes anything.
+  const size_t longest =
+      std::max((fs::path(paths.checkpoint) / StrCat("unit-", m.units() - 1, "-rank-", f.ranks - 1,
+                                                    "-step-", f.steps, "-00000000.bin"))
+                   .string()
+                   .size(),
+               std::max(ModelNotePath(paths).size(), paths.exported.size())) +
+      kAtomicTempSuffixBytes;
+  if (longest >= PATH_MAX) {
+    return fail(Status::InvalidArgument(
+        StrCat("--out ", f.out, ": the checkpoint's files would have paths of ", longest,
+               " bytes, past the system's ", PATH_MAX - 1, " (choose a shorter --out)")));
+  }
   Result<int64_t> first = StartingPoint(f, p, *text, paths, m);
   if (!first.ok()) {
     if (first.status().code() == StatusCode::kAlreadyExists) {
@@ -1379,18 +1402,8 @@ int Run(const Flags& f, const Plan& p) {
   }
   if (Status s = PrepareLog(paths.log, *first); !s.ok()) return fail(s);
   // What would fail only once every step has run fails now: an export that
-  // could not replace what is there, and a checkpoint whose longest file
-  // path (a shard of the last step's, while written) is past the system's.
+  // could not replace what is there.
   if (Result<std::string> t = ReplaceableTarget(paths.exported); !t.ok()) return fail(t.status());
-  const std::string longest =
-      (fs::path(paths.checkpoint) / StrCat("unit-", m.units() - 1, "-rank-", f.ranks - 1, "-step-",
-                                           f.steps, "-00000000.bin.tmp"))
-          .string();
-  if (longest.size() >= PATH_MAX) {
-    return fail(Status::InvalidArgument(
-        StrCat("--out ", f.out, ": the checkpoint's files would have paths of ", longest.size(),
-               " bytes, past the system's ", PATH_MAX - 1, " (choose a shorter --out)")));
-  }
   if (f.resume) {
     std::fprintf(stderr, "ztier-train: resumed at step %lld of %d\n",
                  static_cast<long long>(*first), f.steps);

@@ -496,6 +496,8 @@ class Offload:
             clip_grad_norm = training.get("clip_norm", 0.0)
         self.grad_accumulation = int(grad_accumulation)
         self.clip_grad_norm = float(clip_grad_norm or 0.0)
+        if self.clip_grad_norm == math.inf:
+            self.clip_grad_norm = 0.0  # as torch's clip_grad_norm_(max_norm=inf): no clipping
         states = states or self.session.default_optimizer_tier
         params = params or self.session.default_param_tier
         self._build_units(model)

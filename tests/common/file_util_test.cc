@@ -4,10 +4,13 @@
 
 #include <gtest/gtest.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <cerrno>
 #include <filesystem>
 #include <fstream>
+#include <string>
+#include <thread>
 
 #include "tests/testing/scratch_dir.h"
 
@@ -30,6 +33,38 @@ TEST_F(FileUtilTest, AtomicWriteReplacesAndReadsBack) {
   ASSERT_TRUE(WriteFileAtomically(path, "new content").ok());
   EXPECT_EQ(*ReadFileToString(path), "new content");
   EXPECT_FALSE(fs::exists(path + ".tmp"));
+}
+
+// The temp file was "<path>.tmp", unlinked first: a file of the caller's
+// by that name was lost, an empty path removed "./.tmp", and of two writers
+// of one path the one told OK could find the other's content in place.
+TEST_F(FileUtilTest, TwoWritersOfOnePathEachWriteTheirOwnAndNoOtherFileGoes) {
+  ScratchDir dir("file-util");
+  const std::string path = dir / "w.st";
+  std::ofstream(path + ".tmp") << "my notes";
+  EXPECT_EQ(WriteFileAtomically("", "x").code(), StatusCode::kInvalidArgument);
+  for (int round = 0; round < 20; ++round) {
+    const std::string a(1 << 20, 'a'), b(1 << 18, 'b');
+    Status sa, sb;
+    std::thread ta([&] { sa = WriteFileAtomically(path, a); });
+    std::thread tb([&] { sb = WriteFileAtomically(path, b); });
+    ta.join();
+    tb.join();
+    ASSERT_TRUE(sa.ok() && sb.ok()) << sa << " " << sb;
+    const std::string now = *ReadFileToString(path, 2 << 20);
+    EXPECT_TRUE(now == a || now == b) << "a mix of " << now.size() << " bytes";
+  }
+  EXPECT_EQ(*ReadFileToString(path + ".tmp"), "my notes");
+  // A killed writer's temp file goes with the next write; a live one's stays.
+  std::ofstream(path + ".999999999-0.tmp") << "stale";
+  const std::string live = StrCat(path, ".", ::getppid(), "-7.tmp");
+  std::ofstream(live) << "live";
+  ASSERT_TRUE(WriteFileAtomically(path, "z").ok());
+  EXPECT_FALSE(fs::exists(path + ".999999999-0.tmp"));
+  EXPECT_TRUE(fs::exists(live));
+  size_t files = 0;
+  for (const auto& e : fs::directory_iterator(dir.path())) files += e.is_regular_file();
+  EXPECT_EQ(files, 3u);  // w.st, w.st.tmp, the live one's
 }
 
 TEST_F(FileUtilTest, ALinkPlantedAsTheTempFileIsNeverWrittenThrough) {

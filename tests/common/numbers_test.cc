@@ -19,6 +19,7 @@ TEST(NumbersTest, SizesWithSuffixes) {
   EXPECT_EQ(*ParseSize("1e9"), 1000000000u);
   EXPECT_EQ(*ParseSize("1.5e9"), 1500000000u);
   EXPECT_EQ(*ParseSize("1500000000.0"), 1500000000u);
+  EXPECT_FALSE(ParseSize("9007199254740993.0").ok());  // past 2^53: not exact
 }
 
 TEST(NumbersTest, RejectsWhatIsNotAWholeSize) {

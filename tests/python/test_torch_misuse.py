@@ -418,6 +418,14 @@ def test_the_configs_live_cap_and_persistence_reach_the_runner(settings):
     z.close()
 
 
+def test_clip_grad_norm_inf_clips_nothing_as_torchs_does(settings):
+    model = _mlp()
+    z = zt.offload(model, settings=settings, clip_grad_norm=math.inf)
+    assert z.clip_grad_norm == 0.0
+    _train_step(model, z, torch.randn(4, 6))
+    z.close()
+
+
 def test_a_size_given_as_a_float_is_that_size(settings):
     # settings={"ztier.dram_budget": 1.5e9} went as "1500000000.0": "not a size".
     s = dict(settings or {})
