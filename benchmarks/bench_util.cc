@@ -113,9 +113,8 @@ std::string FormatCount(uint64_t n) {
 
 void JsonObject::Key(std::string_view key) {
   if (!body_.empty()) body_ += ",";
-  body_ += "\"";
-  body_ += key;
-  body_ += "\":";
+  body_ += JsonQuote(key);  // keys come from outside too (the environment's names)
+  body_ += ":";
 }
 
 std::string JsonNumber(double value) {

@@ -279,6 +279,10 @@ int RunNvme(int argc, char** argv) {
     std::fprintf(stderr, "ztier-bench nvme: %s\n", s.ToString().c_str());
     return 1;
   };
+  // Asked before the stop signals are held: std::system ignores SIGINT
+  // while fio --version runs, which threw away a Ctrl-C held by then (the
+  // whole run went on and exited 0).
+  const bool have_fio = o.fio && HaveFio();
   // Before any thread starts: a stop ends the run at its next phase, its
   // files removed, with 128 + the signal.
   StopSignals stops;
@@ -356,7 +360,7 @@ int RunNvme(int argc, char** argv) {
   std::vector<BackendResult> results;
   for (const auto& [name, b] : backends) results.push_back({name, {}, {}});
   Throughput fio_best;
-  bool fio = o.fio && HaveFio();
+  bool fio = have_fio;
   std::string fio_error;  // fio ran and failed: ztier's figures stand, without the ratio
   for (int run = 0; run < o.runs; ++run) {
     for (size_t i = 0; i < backends.size(); ++i) {

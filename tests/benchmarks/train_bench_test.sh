@@ -8,7 +8,8 @@ bench=$1
 train=$2
 dir=$(mktemp -d)
 trap 'rm -rf "$dir"' EXIT
-json=$(ZTIER_CHECKSUMS=false "$bench" train --train "$train" --layers 1 --channels 64 --heads 2 --context 16 \
+# (A variable's name with a quote in it: the JSON's keys are escaped too.)
+json=$(env 'ZTIER_TEST_Q"UOTE=1' ZTIER_CHECKSUMS=false "$bench" train --train "$train" --layers 1 --channels 64 --heads 2 --context 16 \
   --batch 2 --steps 4 --skip 1 --dir "$dir/runs" --json | tail -n 1)
 python3 - "$json" <<'PY'
 import json, sys
@@ -16,6 +17,7 @@ o = json.loads(sys.argv[1])
 runs = o["runs"]
 # The settings the runs took from the environment are part of the figures.
 assert o["environment"].get("ZTIER_CHECKSUMS") == "false", o["environment"]
+assert o["environment"].get('ZTIER_TEST_Q"UOTE') == "1", o["environment"]
 assert [(r["optimizer"], r["params"]) for r in runs] == [
     ("dram", "offloaded"), ("dram", "resident"), ("nvme", "offloaded"), ("nvme", "resident")], runs
 for r in runs:
