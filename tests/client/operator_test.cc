@@ -1170,6 +1170,30 @@ TEST(MetricsTest, IdleClientsHoldUpNoScrapeAndALiveSocketIsNotTakenOver) {
   std::filesystem::remove_all(sock_dir);
 }
 
+// ztierd started as systemd starts a socket-activated service: `fds` as
+// fds 3.. (LISTEN_FDS), named `names` (LISTEN_FDNAMES), its stderr in
+// `log`. Returns its pid (or -1).
+pid_t StartActivated(const std::vector<int>& fds, const std::string& names,
+                     const std::string& log) {
+  const pid_t pid = ::fork();
+  if (pid != 0) return pid;
+  const int out = ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  if (out < 0 || ::dup2(out, 2) < 0) _exit(91);
+  for (size_t k = 0; k < fds.size(); ++k) {
+    if (::dup2(fds[k], static_cast<int>(3 + k)) < 0) _exit(91);
+  }
+  for (int fd = static_cast<int>(3 + fds.size()); fd < 1024; ++fd) ::close(fd);
+  const std::string pid_env = StrCat("LISTEN_PID=", ::getpid());
+  const std::string fds_env = StrCat("LISTEN_FDS=", fds.size());
+  const std::string names_env = StrCat("LISTEN_FDNAMES=", names);
+  char* env[] = {
+      const_cast<char*>(pid_env.c_str()),         const_cast<char*>(fds_env.c_str()),
+      const_cast<char*>(names_env.c_str()),       const_cast<char*>("ZTIER_DRAM_BUDGET=128M"),
+      const_cast<char*>("ZTIER_HUGE_PAGES=none"), nullptr};
+  ::execle(ZTIERD_BINARY, ZTIERD_BINARY, static_cast<char*>(nullptr), env);
+  _exit(92);
+}
+
 // ztierd under socket activation with both of ztierd.service's sockets
 // (LISTEN_FDS=2, LISTEN_FDNAMES=control:metrics), as systemd starts it.
 TEST(MetricsTest, ZtierdServesTheMetricsSocketSystemdPasses) {
@@ -1192,23 +1216,7 @@ TEST(MetricsTest, ZtierdServesTheMetricsSocketSystemdPasses) {
   ASSERT_EQ(::getsockname(m.get(), reinterpret_cast<sockaddr*>(&si), &len), 0);
   const std::string address = StrCat("127.0.0.1:", ntohs(si.sin_port));
   const std::string log = dir + "/ztierd.log";
-  const pid_t pid = ::fork();
-  if (pid == 0) {
-    const int out = ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    if (out < 0 || ::dup2(out, 2) < 0 || ::dup2(c.get(), 3) < 0 || ::dup2(m.get(), 4) < 0) {
-      _exit(91);
-    }
-    for (int fd = 5; fd < 1024; ++fd) ::close(fd);
-    const std::string pid_env = StrCat("LISTEN_PID=", ::getpid());
-    char* env[] = {const_cast<char*>(pid_env.c_str()),
-                   const_cast<char*>("LISTEN_FDS=2"),
-                   const_cast<char*>("LISTEN_FDNAMES=control:metrics"),
-                   const_cast<char*>("ZTIER_DRAM_BUDGET=128M"),
-                   const_cast<char*>("ZTIER_HUGE_PAGES=none"),
-                   nullptr};
-    ::execle(ZTIERD_BINARY, ZTIERD_BINARY, static_cast<char*>(nullptr), env);
-    _exit(92);
-  }
+  const pid_t pid = StartActivated({c.get(), m.get()}, "control:metrics", log);
   ASSERT_GT(pid, 0);
   c.reset();
   m.reset();
@@ -1258,24 +1266,8 @@ TEST(MetricsTest, TwoMetricsSocketsFromSystemdAreAClearError) {
     ASSERT_EQ(::listen(fds.back().get(), 16), 0);
   }
   const std::string log = dir + "/ztierd.log";
-  const pid_t pid = ::fork();
-  if (pid == 0) {
-    const int out = ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    if (out < 0 || ::dup2(out, 2) < 0) _exit(91);
-    for (int k = 0; k < 3; ++k) {
-      if (::dup2(fds[k].get(), 3 + k) < 0) _exit(91);
-    }
-    for (int fd = 6; fd < 1024; ++fd) ::close(fd);
-    const std::string pid_env = StrCat("LISTEN_PID=", ::getpid());
-    char* env[] = {const_cast<char*>(pid_env.c_str()),
-                   const_cast<char*>("LISTEN_FDS=3"),
-                   const_cast<char*>("LISTEN_FDNAMES=control:metrics:metrics"),
-                   const_cast<char*>("ZTIER_DRAM_BUDGET=128M"),
-                   const_cast<char*>("ZTIER_HUGE_PAGES=none"),
-                   nullptr};
-    ::execle(ZTIERD_BINARY, ZTIERD_BINARY, static_cast<char*>(nullptr), env);
-    _exit(92);
-  }
+  const pid_t pid =
+      StartActivated({fds[0].get(), fds[1].get(), fds[2].get()}, "control:metrics:metrics", log);
   ASSERT_GT(pid, 0);
   fds.clear();
   int st = 0;
