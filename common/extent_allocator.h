@@ -77,6 +77,23 @@ class ExtentAllocator {
     total_ = units;
   }
 
+  // Cuts the range back to [0, units) (units <= total_units()); false (and
+  // no change) unless every unit past `units` is free.
+  [[nodiscard]] bool Shrink(uint64_t units) {
+    if (units >= total_) return units == total_;
+    if (runs_.empty()) return false;
+    auto last = std::prev(runs_.end());
+    if (last->first > units || last->first + last->second != total_) return false;
+    if (last->first == units) {
+      runs_.erase(last);
+    } else {
+      last->second = units - last->first;
+    }
+    free_ -= total_ - units;
+    total_ = units;
+    return true;
+  }
+
   // Marks [start, start+count) used; false if any unit of it is not free.
   bool Reserve(uint64_t start, uint64_t count) {
     auto it = runs_.upper_bound(start);

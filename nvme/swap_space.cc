@@ -162,8 +162,17 @@ struct SwapSpace::Impl {
     bool sparse_warned = false;  // told once that this path cannot preallocate
     // By stripe unit of the file: freed, and its blocks given back to the
     // drive (a hole), to be reserved again before it is handed out. Under
-    // map_mu.
+    // map_mu, as is `holes`, the count of units marked so.
     std::vector<bool> punched;
+    uint64_t holes = 0;
+    void MarkHoles(uint64_t start, uint64_t count, bool hole) {
+      for (uint64_t k = start; k < start + count; ++k) {
+        if (punched[k] != hole) {
+          punched[k] = hole;
+          holes += hole ? 1 : uint64_t(-1);
+        }
+      }
+    }
     // The file passed the ownership check (a plain file of ours with one
     // name): only then is it removed with the space. One that was refused
     // stays where it is, as the message says.
@@ -206,8 +215,11 @@ struct SwapSpace::Impl {
   std::unordered_map<std::string, uint64_t> by_name;
   uint64_t next_id = 1;
   uint32_t next_start_path = 0;
-  std::condition_variable idle_cv;  // an object's inflight, or `syncing`, reached 0
+  std::condition_variable idle_cv;  // inflight, `syncing` or `releasing` reached 0
   int syncing = 0;                  // Sync calls with fsyncs queued (under map_mu)
+  // Free calls punching holes outside map_mu, their units not yet back in
+  // the allocators (under map_mu; idle_cv when it reaches 0).
+  int releasing = 0;
 
   std::atomic<bool> failed{false};
   Status failure;     // under map_mu
@@ -240,21 +252,39 @@ struct SwapSpace::Impl {
 
   Status LockPaths();
   Status OpenFiles(bool create);
-  // Grows every swap file so that each path has `units` more free stripe
-  // units than now. Under map_mu. Errors: ResourceExhausted (the cap, or
-  // the disk full, naming the path and its free bytes), IoError.
   // Reserves the blocks of the units in `extents` of path `p` that are
-  // holes. Errors: ResourceExhausted (the drive is full, naming it and its
-  // free bytes), the fallocate's.
-  Status ReserveHoles(uint32_t p, const std::vector<Extent>& extents);
-  // Frees the units in `extents` of path `p`, their blocks given back to
-  // the drive first when `punch` (where the filesystem can).
-  void Release(uint32_t p, const std::vector<Extent>& extents, bool punch = true);
+  // holes, adding each range reserved to `reserved`. Errors:
+  // ResourceExhausted (the drive is full, naming it and its free bytes),
+  // the fallocate's.
+  Status ReserveHoles(uint32_t p, const std::vector<Extent>& extents,
+                      std::vector<Extent>* reserved);
+  // Gives the blocks of the units in `extents` of path `p` back to the
+  // drive (where the filesystem can). Needs no lock: the caller holds the
+  // units (not in the allocator) and keeps Close out.
+  void Punch(uint32_t p, const std::vector<Extent>& extents) const;
+  // Under map_mu: frees the units in `extents` of path `p`, marked as holes
+  // when `punched` (Punch came first).
+  void Release(uint32_t p, const std::vector<Extent>& extents, bool punched);
   // An errno (negated) that says the drive or the user's quota is full.
   static bool OutOfSpace(int rc);
   // ResourceExhausted for `what` on path `p`, naming the path's free bytes.
   Status OutOfSpaceError(uint32_t p, const std::string& what, int rc) const;
-  Status Grow(uint64_t units);
+  // Grows every swap file so that each path has `units` more free stripe
+  // units than now, and a step more when `ahead`. Under map_mu. Errors:
+  // ResourceExhausted (the cap, or the disk full, naming the path and its
+  // free bytes), IoError.
+  Status Grow(uint64_t units, bool ahead);
+  // Under map_mu: cuts every swap file back to `bytes` (no more than now;
+  // every unit past it free). False, and the files as they were, if the
+  // filesystem refuses.
+  bool CutFiles(uint64_t bytes);
+  // Units freed and given back to the drive, on any path (under map_mu).
+  bool AnyHoles() const {
+    for (const auto& p : paths) {
+      if (p->holes > 0) return true;
+    }
+    return false;
+  }
   Status StartThreads();
   // After setup `s`: starts the I/O threads, or on any error stops what was
   // started and leaves the space closed.
@@ -603,11 +633,12 @@ Status SwapSpace::Impl::OpenFiles(bool create) {
     // every unit is reserved before it is handed out (cheap where it is not
     // a hole).
     p.punched.assign(file_bytes / options.stripe_bytes, !create);
+    p.holes = create ? 0 : file_bytes / options.stripe_bytes;
   }
   return Status::Ok();
 }
 
-Status SwapSpace::Impl::Grow(uint64_t units) {
+Status SwapSpace::Impl::Grow(uint64_t units, bool ahead) {
   const uint64_t stripe = options.stripe_bytes;
   const uint64_t cap = options.max_file_bytes;
   const uint64_t need = file_bytes + units * stripe;
@@ -619,7 +650,7 @@ Status SwapSpace::Impl::Grow(uint64_t units) {
   // Grow in steps (the configured step, or an eighth of the file), so a
   // model's units do not cost an fallocate each; the exact need if the
   // disk cannot give the step.
-  uint64_t step = std::max(options.growth_bytes, file_bytes / 8);
+  uint64_t step = ahead ? std::max(options.growth_bytes, file_bytes / 8) : 0;
   // Growth ahead of the need takes at most half of what a path's
   // filesystem has free: on a small one the rest is left for what else
   // goes there (a checkpoint beside the default <out>/swap).
@@ -696,7 +727,8 @@ Status SwapSpace::Impl::OutOfSpaceError(uint32_t p, const std::string& what, int
                 -rc);
 }
 
-Status SwapSpace::Impl::ReserveHoles(uint32_t p, const std::vector<Extent>& extents) {
+Status SwapSpace::Impl::ReserveHoles(uint32_t p, const std::vector<Extent>& extents,
+                                     std::vector<Extent>* reserved) {
   PathIo& path = *paths[p];
   const uint64_t stripe = options.stripe_bytes;
   for (const Extent& e : extents) {
@@ -715,29 +747,54 @@ Status SwapSpace::Impl::ReserveHoles(uint32_t p, const std::vector<Extent>& exte
             StrCat("reserving ", (run - u) * stripe, " bytes at ", u * stripe, " of ", path.file);
         return OutOfSpace(rc) ? OutOfSpaceError(p, what, rc) : PosixError(what, rc);
       }
-      for (uint64_t k = u; k < run; ++k) path.punched[k] = false;
+      path.MarkHoles(u, run - u, false);
+      reserved->push_back({u, run - u});
       u = run;
     }
   }
   return Status::Ok();
 }
 
-void SwapSpace::Impl::Release(uint32_t p, const std::vector<Extent>& extents, bool punch) {
-  PathIo& path = *paths[p];
+void SwapSpace::Impl::Punch(uint32_t p, const std::vector<Extent>& extents) const {
+  const PathIo& path = *paths[p];
   const uint64_t stripe = options.stripe_bytes;
+  // Before the allocator has the units back: another object may get them
+  // as soon as it does, and a hole punched then would take its data.
   for (const Extent& e : extents) {
-    // Before the allocator has the units back: another object may get them
-    // as soon as it does, and a hole punched then would take its data.
+    (void)::fallocate(path.fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
+                      static_cast<off_t>(e.start * stripe), static_cast<off_t>(e.count * stripe));
+  }
+}
+
+void SwapSpace::Impl::Release(uint32_t p, const std::vector<Extent>& extents, bool punched) {
+  PathIo& path = *paths[p];
+  for (const Extent& e : extents) {
     // Marked even when the punch failed (it may have freed part of the
     // range): reserving a range that holds its blocks is cheap.
-    if (punch) {
-      (void)::fallocate(path.fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
-                        static_cast<off_t>(e.start * stripe), static_cast<off_t>(e.count * stripe));
-      for (uint64_t k = e.start; k < e.start + e.count; ++k) path.punched[k] = true;
-    }
+    if (punched) path.MarkHoles(e.start, e.count, true);
     const bool freed = allocators[p].Free(e.start, e.count);
     ZT_CHECK_MSG(freed, "swap unit freed twice");
   }
+}
+
+bool SwapSpace::Impl::CutFiles(uint64_t bytes) {
+  bool cut = true;
+  for (auto& path : paths) cut = ::ftruncate(path->fd, static_cast<off_t>(bytes)) == 0 && cut;
+  if (!cut) {  // the files keep their size: the allocators still hold
+    for (auto& path : paths) (void)::ftruncate(path->fd, static_cast<off_t>(file_bytes));
+    return false;
+  }
+  const uint64_t units = bytes / options.stripe_bytes;
+  for (ExtentAllocator& a : allocators) {
+    const bool shrunk = a.Shrink(units);
+    ZT_CHECK_MSG(shrunk, "swap files cut over units in use");
+  }
+  for (auto& path : paths) {
+    path->MarkHoles(units, path->punched.size() - units, false);
+    path->punched.resize(units);
+  }
+  file_bytes = bytes;
+  return true;
 }
 
 Status SwapSpace::Impl::StartThreads() {
@@ -925,8 +982,12 @@ Result<uint64_t> SwapSpace::Allocate(std::string_view name, uint64_t bytes) {
                          why.message(), " (", detail, ")"),
                   why.sys_errno());
   };
+  // Where freed units gave their blocks back, they are reused before the
+  // files' new tail is: the files grow by what this object needs and no
+  // step more, so the growth leaves the drive the room those holes need.
+  const uint64_t file_bytes_before = sp.file_bytes;
   if (deficit > 0) {
-    Status grown = sp.Grow(deficit);
+    Status grown = sp.Grow(deficit, /*ahead=*/!sp.AnyHoles());
     if (!grown.ok()) return full(grown);
   }
   Object obj;
@@ -942,11 +1003,19 @@ Result<uint64_t> SwapSpace::Allocate(std::string_view name, uint64_t bytes) {
   // Units an earlier object freed may be holes: their blocks are reserved
   // again now, so a full drive refuses the object here rather than failing
   // a write in the middle of a step.
+  std::vector<std::vector<Extent>> reserved(npaths);
   for (uint32_t p = 0; p < npaths; ++p) {
-    Status reserved = sp.ReserveHoles(p, extents[p]);
-    if (!reserved.ok()) {
-      for (uint32_t q = 0; q < npaths; ++q) sp.Release(q, extents[q]);
-      return full(reserved);
+    Status s = sp.ReserveHoles(p, extents[p], &reserved[p]);
+    if (!s.ok()) {
+      // Nothing of the refused object stays: the holes it reserved are
+      // holes again, the files their size before.
+      for (uint32_t q = 0; q < npaths; ++q) {
+        sp.Release(q, extents[q], /*punched=*/false);
+        sp.Punch(q, reserved[q]);
+        for (const Extent& e : reserved[q]) sp.paths[q]->MarkHoles(e.start, e.count, true);
+      }
+      if (sp.file_bytes != file_bytes_before) (void)sp.CutFiles(file_bytes_before);
+      return full(s);
     }
   }
   for (uint32_t p = 0; p < npaths; ++p) {
@@ -973,7 +1042,7 @@ Result<uint64_t> SwapSpace::Allocate(std::string_view name, uint64_t bytes) {
 
 Status SwapSpace::Free(uint64_t id) {
   Impl& sp = *impl_;
-  std::lock_guard<std::mutex> lock(sp.map_mu);
+  std::unique_lock<std::mutex> lock(sp.map_mu);
   auto it = sp.objects.find(id);
   if (it == sp.objects.end())
     return Status::NotFound(StrCat("swap object ", id, " does not exist"));
@@ -983,12 +1052,6 @@ Status SwapSpace::Free(uint64_t id) {
   }
   const uint64_t stripe = sp.options.stripe_bytes;
   const uint32_t npaths = static_cast<uint32_t>(sp.paths.size());
-  // The last object gone, the files give their room back to the drives
-  // (they grew in steps for jobs that are gone, or for one that was
-  // refused halfway, and held the space from everything else there).
-  // Before that, each object's units do (a job that leaves gives its
-  // space back while others run on).
-  const bool last = sp.objects.size() == 1 && sp.file_bytes > 0 && !sp.options.keep_files;
   std::vector<std::vector<Extent>> units(npaths);
   for (size_t u = 0; u < it->second.units.size(); ++u) {
     const uint32_t p = (it->second.start_path + u) % npaths;
@@ -999,25 +1062,35 @@ Status SwapSpace::Free(uint64_t id) {
       units[p].push_back({unit, 1});
     }
   }
-  // Files kept for a manifest (keep_files) keep the data of what they
-  // held: a manifest saved before this Free still names the object.
-  const bool punch = !last && !sp.options.keep_files;
-  for (uint32_t p = 0; p < npaths; ++p) sp.Release(p, units[p], punch);
   sp.by_name.erase(it->second.name);
   sp.objects.erase(it);
-  if (last) {
-    bool shrunk = true;
-    for (auto& path : sp.paths) shrunk = ::ftruncate(path->fd, 0) == 0 && shrunk;
-    if (shrunk) {
-      sp.file_bytes = 0;
-      for (ExtentAllocator& a : sp.allocators) a = ExtentAllocator(0);
-      for (auto& path : sp.paths) path->punched.clear();
-    } else {  // the files keep their size: the allocators still hold
-      for (auto& path : sp.paths) {
-        (void)::ftruncate(path->fd, static_cast<off_t>(sp.file_bytes));
-      }
+  // The last object gone, the files give their room back to the drives
+  // (they grew in steps for jobs that are gone, or for one that was
+  // refused halfway, and held the space from everything else there).
+  // Before that, each object's units do, a hole punched in them (a job
+  // that leaves gives its space back while others run on). Files kept for
+  // a manifest (keep_files) keep the data of what they held: a manifest
+  // saved before this Free still names the object.
+  const auto cut_if_unused = [&] {
+    if (sp.objects.empty() && sp.releasing == 0 && sp.file_bytes > 0 && !sp.options.keep_files) {
+      (void)sp.CutFiles(0);
     }
+  };
+  if (sp.options.keep_files || (sp.objects.empty() && sp.releasing == 0)) {
+    for (uint32_t p = 0; p < npaths; ++p) sp.Release(p, units[p], /*punched=*/false);
+    cut_if_unused();
+    return Status::Ok();
   }
+  // A multi-GB punch takes a while: other objects' I/O and allocations go
+  // on meanwhile (Close waits for it). The units come back to the
+  // allocator after it, so nothing can be placed in them before.
+  ++sp.releasing;
+  lock.unlock();
+  for (uint32_t p = 0; p < npaths; ++p) sp.Punch(p, units[p]);
+  lock.lock();
+  for (uint32_t p = 0; p < npaths; ++p) sp.Release(p, units[p], /*punched=*/true);
+  if (--sp.releasing == 0) sp.idle_cv.notify_all();
+  cut_if_unused();
   return Status::Ok();
 }
 
@@ -1210,17 +1283,21 @@ std::vector<SwapSpace::PathUsage> SwapSpace::path_usage() const {
   for (size_t i = 0; i < sp.paths.size(); ++i) {
     PathUsage u;
     u.path = i < sp.options.paths.size() ? sp.options.paths[i] : sp.paths[i]->file;
-    u.file_bytes = sp.file_bytes;
     const uint64_t free_units = i < sp.allocators.size() ? sp.allocators[i].free_units() : 0;
     u.used_bytes = sp.file_bytes - std::min(sp.file_bytes, free_units * sp.options.stripe_bytes);
+    // The blocks the file holds: the holes of freed units are the
+    // filesystem's free blocks, and counted there.
+    struct statvfs fs;
+    struct stat st;
+    const int fd = sp.paths[i]->fd;
+    const bool stated = fd >= 0 && ::fstatvfs(fd, &fs) == 0 && ::fstat(fd, &st) == 0;
+    u.file_bytes = sp.file_bytes;
+    if (stated) u.file_bytes = std::min(u.file_bytes, static_cast<uint64_t>(st.st_blocks) * 512);
     if (sp.options.max_file_bytes != 0) {
       u.capacity_bytes = sp.options.max_file_bytes;
     } else {
-      struct statvfs fs;
-      u.capacity_bytes = sp.file_bytes;
-      if (sp.paths[i]->fd >= 0 && ::fstatvfs(sp.paths[i]->fd, &fs) == 0) {
-        u.capacity_bytes += static_cast<uint64_t>(fs.f_bavail) * fs.f_frsize;
-      }
+      u.capacity_bytes = u.file_bytes;
+      if (stated) u.capacity_bytes += static_cast<uint64_t>(fs.f_bavail) * fs.f_frsize;
     }
     out.push_back(std::move(u));
   }
@@ -1241,7 +1318,7 @@ Status SwapSpace::Close() {
     std::unique_lock<std::mutex> lock(sp.map_mu);
     if (sp.closed.exchange(true)) return Status::Ok();
     sp.idle_cv.wait(lock, [&] {
-      if (sp.syncing > 0) return false;
+      if (sp.syncing > 0 || sp.releasing > 0) return false;
       for (const auto& [id, o] : sp.objects) {
         if (o.inflight > 0) return false;
       }
@@ -1332,9 +1409,10 @@ Result<std::unique_ptr<SwapSpace>> SwapSpace::Open(const std::string& manifest_p
       for (size_t u = 0; u < mo.units.size(); ++u) {
         const ManifestUnit& mu = mo.units[u];
         // The decoder checked that no two units overlap.
-        const bool reserved =
-            sp.allocators[(obj.start_path + u) % npaths].Reserve(mu.file_offset / stripe, 1);
+        const uint32_t p = (obj.start_path + u) % npaths;
+        const bool reserved = sp.allocators[p].Reserve(mu.file_offset / stripe, 1);
         ZT_CHECK(reserved);
+        sp.paths[p]->MarkHoles(mu.file_offset / stripe, 1, false);  // it holds data
         obj.units.push_back(Unit{mu.file_offset, mu.crc, static_cast<UnitState>(mu.state)});
       }
       sp.by_name[obj.name] = obj.id;

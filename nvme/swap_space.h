@@ -189,9 +189,11 @@ class SwapSpace {
   // Bytes free inside the files now (more come by growing them).
   uint64_t free_bytes() const;
   SwapStats stats() const;
-  // Per path, in the order of options().paths: the swap file's size, the
+  // Per path, in the order of options().paths: the bytes the swap file
+  // holds on the drive (its size less the holes of freed units), the
   // bytes its objects take in it, and what it may grow to (the cap,
-  // ztier.nvme_capacity, else the file plus its filesystem's free space).
+  // ztier.nvme_capacity, else what it holds plus its filesystem's free
+  // space).
   struct PathUsage {
     std::string path;
     uint64_t used_bytes = 0;

@@ -7,7 +7,9 @@
 // kernel lacks an io_uring feature they need.
 #include <fcntl.h>
 #include <poll.h>
+#include <sys/mount.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -162,6 +164,24 @@ TEST(ExtentAllocatorTest, FirstFitCoalescesAndReserves) {
   EXPECT_TRUE(b.Reserve(2, 3));
   EXPECT_FALSE(b.Reserve(4, 1));  // already used
   EXPECT_EQ(b.free_units(), 5u);
+}
+
+TEST(ExtentAllocatorTest, ShrinksOnlyOverAFreeTail) {
+  ExtentAllocator a(10);
+  auto e = a.Allocate(4);
+  a.Grow(16);
+  EXPECT_FALSE(a.Shrink(3)) << "units 0-3 are in use";
+  EXPECT_FALSE(a.Shrink(17)) << "past the end";
+  EXPECT_TRUE(a.Shrink(16));
+  EXPECT_TRUE(a.Shrink(6));
+  EXPECT_EQ(a.total_units(), 6u);
+  EXPECT_EQ(a.free_units(), 2u);
+  EXPECT_TRUE(a.Shrink(4)) << "the free run ends where the range starts";
+  EXPECT_EQ(a.free_units(), 0u);
+  EXPECT_TRUE(a.Allocate(1).empty());
+  a.Grow(5);
+  EXPECT_EQ(a.Allocate(1)[0].start, 4u);
+  EXPECT_FALSE(a.Shrink(4));
 }
 
 TEST_P(SwapSpaceTest, RoundTripsRandomSizesAcrossPaths) {
@@ -974,6 +994,134 @@ TEST_P(SwapSpaceTest, AFreedObjectGivesItsBlocksBackWhileOthersStay) {
   back.resize(stays_data.size());
   ASSERT_TRUE(space->Read(*stays, 0, back.data(), back.size()).ok());
   EXPECT_EQ(back, stays_data);
+  ASSERT_TRUE(space->Close().ok());
+}
+
+// On a drive nearly full, an object that reuses freed units (holes) and
+// needs the files to grow: the growth took a step ahead of the need and
+// with it the room the holes needed, so an object that fit was refused,
+// and the files stayed grown by the refused object. The files now grow
+// by the need alone while holes are there, and a refusal leaves them as
+// they were. (On a small tmpfs, which punches and preallocates.)
+TEST_P(SwapSpaceTest, GrowingTheFilesLeavesTheRoomTheHolesNeed) {
+  const fs::path small = root_ / "small";
+  fs::create_directories(small);
+  if (::mount("tmpfs", small.c_str(), "tmpfs", 0, "size=32m") != 0) {
+    GTEST_SKIP() << "cannot mount a small tmpfs here: " << std::strerror(errno);
+  }
+  struct Unmount {
+    std::string path;
+    ~Unmount() { ::umount2(path.c_str(), MNT_DETACH); }
+  } unmount{small.string()};
+  SwapOptions o;
+  o.paths = {(small / "swap").string()};
+  fs::create_directories(o.paths[0]);
+  o.stripe_bytes = kMiB;
+  o.queue_depth = 8;
+  o.growth_bytes = 4 * kMiB;
+  Result<std::unique_ptr<SwapSpace>> created = SwapSpace::Create(o, Backend());
+  if (!created.ok() && created.status().message().find("O_DIRECT") != std::string::npos) {
+    GTEST_SKIP() << "tmpfs takes no O_DIRECT on this kernel: " << created.status();
+  }
+  ASSERT_TRUE(created.ok()) << created.status();
+  std::unique_ptr<SwapSpace> space = std::move(created).value();
+  Result<uint64_t> a = space->Allocate("a", 6 * kMiB);
+  Result<uint64_t> b = space->Allocate("b", 2 * kMiB);
+  ASSERT_TRUE(a.ok() && b.ok());
+  const uint64_t size = space->file_bytes();
+  const uint64_t tail = space->free_bytes();  // free in the files, not holes
+  const SwapSpace::PathUsage before = space->path_usage().at(0);
+  ASSERT_TRUE(space->Free(*a).ok());
+  const uint64_t held = BlocksHeld(o);
+  ASSERT_LE(held, size - 6 * kMiB) << "no hole was punched";
+  // What the path holds and may grow to: the holes are the drive's free
+  // space, not counted in the file as well.
+  const SwapSpace::PathUsage after = space->path_usage().at(0);
+  EXPECT_EQ(after.file_bytes, held);
+  EXPECT_EQ(after.used_bytes, before.used_bytes - 6 * kMiB);
+  EXPECT_EQ(after.capacity_bytes, before.capacity_bytes);
+  // An object of the holes, the free tail and two units more: the files
+  // grow by 2 MiB and the holes take 6 MiB again, 8 MiB of room.
+  const uint64_t object = 6 * kMiB + tail + 2 * kMiB;
+  const std::string filler = (small / "filler").string();
+  const auto leave_free = [&](uint64_t room) {
+    fs::remove(filler);
+    struct statvfs vfs {};
+    ASSERT_EQ(::statvfs(small.c_str(), &vfs), 0);
+    const uint64_t avail = uint64_t{vfs.f_bavail} * vfs.f_frsize;
+    ASSERT_GT(avail, room);
+    const int fd = ::open(filler.c_str(), O_CREAT | O_WRONLY | O_CLOEXEC, 0600);
+    ASSERT_GE(fd, 0);
+    ASSERT_EQ(::fallocate(fd, 0, 0, static_cast<off_t>(avail - room)), 0) << std::strerror(errno);
+    ::close(fd);
+  };
+  // 7 MiB free: refused, and nothing of it stays.
+  leave_free(7 * kMiB);
+  Result<uint64_t> c = space->Allocate("c", object);
+  ASSERT_FALSE(c.ok());
+  EXPECT_EQ(c.status().code(), StatusCode::kResourceExhausted) << c.status();
+  EXPECT_EQ(space->file_bytes(), size) << "the refused object left the files grown";
+  EXPECT_LE(BlocksHeld(o), held) << "the refused object left blocks held";
+  EXPECT_EQ(space->free_bytes(), tail + 6 * kMiB);
+  // 9 MiB free: room for the object, though not for a growth of a step
+  // (4 MiB) and the holes.
+  leave_free(9 * kMiB);
+  c = space->Allocate("c", object);
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(space->file_bytes(), size + 2 * kMiB);
+  std::mt19937_64 rng(FreshSeed());
+  const std::vector<uint8_t> data = RandomBytes(rng, object);
+  ASSERT_TRUE(space->Write(*c, 0, data.data(), data.size()).ok());
+  std::vector<uint8_t> back(data.size());
+  ASSERT_TRUE(space->Read(*c, 0, back.data(), back.size()).ok());
+  EXPECT_EQ(back, data);
+  ASSERT_TRUE(space->Close().ok());
+}
+
+// Objects allocated, written, read and freed from several threads at
+// once: a Free punches its holes outside the map lock while the others'
+// I/O and allocations go on, and the last one out cuts the files. Every
+// object reads back what was written to it; at the end the files are
+// gone to nothing.
+TEST_P(SwapSpaceTest, ObjectsComingAndGoingFromSeveralThreadsKeepTheirData) {
+  SwapOptions o = Options(2, 0, 256 * kKiB);
+  o.growth_bytes = kMiB;
+  std::unique_ptr<SwapSpace> space = MustCreate(o);
+  ASSERT_NE(space, nullptr);
+  const uint64_t seed = FreshSeed();
+  SCOPED_TRACE(StrCat("seed ", seed));
+  std::atomic<int> failures{0};
+  std::mutex report_mu;
+  std::string report;
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&, t] {
+      std::mt19937_64 rng(seed + t);
+      for (int round = 0; round < 25 && failures.load() == 0; ++round) {
+        const uint64_t size = std::uniform_int_distribution<uint64_t>(1, 3 * kMiB)(rng);
+        const std::vector<uint8_t> data = RandomBytes(rng, size);
+        Status s;
+        Result<uint64_t> id = space->Allocate(StrCat("t", t, "-", round), size);
+        s = id.status();
+        if (s.ok()) s = space->Write(*id, 0, data.data(), size);
+        std::vector<uint8_t> back(size);
+        if (s.ok()) s = space->Read(*id, 0, back.data(), size);
+        if (s.ok() && back != data) s = Status::Corruption("read back other bytes");
+        if (id.ok()) {
+          Status freed = space->Free(*id);
+          if (s.ok()) s = freed;
+        }
+        if (!s.ok()) {
+          ++failures;
+          std::lock_guard<std::mutex> lock(report_mu);
+          report += StrCat("thread ", t, " round ", round, ": ", s.ToString(), "\n");
+        }
+      }
+    });
+  }
+  for (std::thread& th : threads) th.join();
+  EXPECT_EQ(failures.load(), 0) << report;
+  EXPECT_EQ(space->file_bytes(), 0u) << "the last object out left the files grown";
   ASSERT_TRUE(space->Close().ok());
 }
 
