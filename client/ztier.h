@@ -377,6 +377,12 @@ class Model {
   // fail before training. Errors: Unavailable (in use), IoError (cannot
   // create it: a read-only filesystem, ...).
   Status ClaimCheckpointDir(const std::string& dir);
+  // Between steps. From another thread while a runner trains: refused
+  // (FailedPrecondition, "in flight") while grads of a step are pending;
+  // embedded, the runner's next grads wait while it reads the state;
+  // through ztierd, a step taken meanwhile fails it (FailedPrecondition,
+  // "went from step") and training goes on. Either way, retry at a step
+  // boundary.
   Status SaveCheckpoint(const std::string& dir);
   Status LoadCheckpoint(const std::string& dir);
   // Claims `dir` and removes the files of older checkpoints that its

@@ -118,6 +118,11 @@ ztier_status ztier_model_read_master(const ztier_model* model, int32_t unit, flo
 /* Locks `dir` for this model's checkpoints until the model is closed; a
  * second user of it is refused (ZTIER_UNAVAILABLE, naming the holder). */
 ztier_status ztier_model_claim_checkpoint_dir(ztier_model* model, const char* dir);
+/* Save and export: between steps. Called from another thread while a
+ * runner trains, they are refused (ZTIER_FAILED_PRECONDITION) while grads
+ * of a step are pending or, through ztierd, when a step is taken meanwhile;
+ * training goes on (embedded, the runner's grads wait while the state is
+ * read). Retry at a step boundary. */
 ztier_status ztier_model_save_checkpoint(ztier_model* model, const char* dir);
 ztier_status ztier_model_load_checkpoint(ztier_model* model, const char* dir);
 /* dtype: 0 bf16, 1 fp32 */

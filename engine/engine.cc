@@ -1125,18 +1125,20 @@ Status Engine::GradsReady(int job, int unit, int rank) {
   std::shared_ptr<Job> j;
   int micro;
   {
-    std::lock_guard<std::mutex> lock(e.mu);
+    std::unique_lock<std::mutex> lock(e.mu);
     ZT_ASSIGN_OR_RETURN(j, e.Find(job));
-    if (!j->failure.ok()) return Status::Aborted(StrCat("job failed: ", j->failure.ToString()));
     if (unit < 0 || unit >= static_cast<int>(j->units.size()) || rank < 0 ||
         rank >= j->spec.ranks) {
       return Status::OutOfRange(StrCat("job ", job, ": no unit ", unit, " rank ", rank));
     }
+    // A save, export or load began between steps (from another thread
+    // while training goes on): the grads of the next step wait for it, as
+    // its copy must be of one step. (Refused, they had failed the runner
+    // that pushed them for good.)
+    e.published_cv.wait(lock, [&] { return !j->checkpointing || j->removed; });
+    if (j->removed) return Status::Aborted(StrCat("job ", job, " was unregistered"));
+    if (!j->failure.ok()) return Status::Aborted(StrCat("job failed: ", j->failure.ToString()));
     Unit& u = j->units[unit];
-    if (j->checkpointing) {
-      return Status::FailedPrecondition(
-          StrCat("job '", j->spec.name, "': a checkpoint save or load is in progress"));
-    }
     ZT_RETURN_IF_ERROR(PartlyWritten(*j));
     if (u.ready) {
       return Status::FailedPrecondition(StrCat("unit '", j->spec.units[unit].name,

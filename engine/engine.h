@@ -190,8 +190,10 @@ class Engine {
   // are in: write a unit's next grads only after WaitPublished(unit, step)
   // returned for the step they belong after (the forward pass does that).
   Result<bf16*> GradInbox(int job, int unit, int rank);
-  // Rank's shard of unit is in. Errors: FailedPrecondition (rang twice in one
-  // micro-step, or the job failed), NotFound, InvalidArgument.
+  // Rank's shard of unit is in; during a checkpoint save, export, load or
+  // import of the job (called from another thread), once that is done.
+  // Errors: FailedPrecondition (rang twice in one micro-step), Aborted (the
+  // job failed or was unregistered), NotFound, OutOfRange.
   Status GradsReady(int job, int unit, int rank);
   // Drops every grad delivered since the job's last step (every rank's, of
   // every micro-step toward the next step): the job is as it was after that

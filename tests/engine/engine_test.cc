@@ -1129,6 +1129,45 @@ TEST_F(CheckpointTest, RefusedWhileGradsAreInFlight) {
   EXPECT_EQ(e->SaveCheckpoint(*j, dir_.string()).code(), StatusCode::kFailedPrecondition);
 }
 
+// A save from another thread while training goes on: the next step's
+// grads that arrive during it wait for it, and the checkpoint holds the
+// step it began at. (They were refused, and the runner that pushed them
+// failed for good.) The save is slowed by a slow drive under the states.
+TEST_F(CheckpointTest, GradsArrivingDuringASaveWaitForItsEnd) {
+  ScratchDir swap("swap");
+  auto fault = std::make_shared<nvme::FaultBackend>(nvme::MakeThreadBackend());
+  auto e = MakeEngine(uint64_t{1} << 30, &swap, uint64_t{64} << 20, fault);
+  Result<int> j = e->RegisterJob(
+      Place(SmallModel("busy", 1, 0.0f, 1, StepMode::kExact), Placement::kNvmeStates));
+  ASSERT_TRUE(j.ok()) << j.status();
+  Train(*e, *j, 1, 0, 1, 7);
+  const State at_one = Snapshot(*e, *j);
+  fault->SlowDown(nvme::IoKind::kRead, 40ms);
+  Status saved = Status::Internal("not run");
+  std::thread saver([&] { saved = e->SaveCheckpoint(*j, dir_.string()); });
+  // The save under way (a second one is refused as such), the next
+  // step's grads come.
+  bool saving = false;
+  for (int i = 0; i < 500 && !saving; ++i) {
+    const Status busy = e->CheckConsistent(*j);
+    saving = busy.message().find("another checkpoint is in progress") != std::string::npos;
+    if (!saving) std::this_thread::sleep_for(2ms);
+  }
+  EXPECT_TRUE(saving) << "the save was never seen under way";
+  for (int k = 3; k >= 0; --k) Ring(*e, *j, k, 1, 0.25f);
+  saver.join();
+  ASSERT_TRUE(saved.ok()) << saved;
+  fault->Reset();
+  for (int k = 0; k < 4; ++k) ASSERT_TRUE(e->WaitPublished(*j, k, 2, 30s).ok());
+  EXPECT_FALSE(Same(Snapshot(*e, *j), at_one)) << "the step did not run";
+  auto b = MakeEngine();
+  Result<int> jb = b->RegisterJob(SmallModel("busy", 1, 0.0f, 1, StepMode::kExact));
+  ASSERT_TRUE(jb.ok());
+  ASSERT_TRUE(b->LoadCheckpoint(*jb, dir_.string()).ok());
+  EXPECT_TRUE(Same(Snapshot(*b, *jb), at_one));
+  EXPECT_EQ(b->PublishedStep(*jb, 0), 1);
+}
+
 // Checkpoints move between fp32 and 8-bit states both ways: int8 -> fp32
 // dequantizes (the fp32 job holds exactly the int8 job's values), fp32 ->
 // int8 quantizes (and quantizing those values again changes nothing), an
