@@ -404,7 +404,9 @@ ztier_status ztier_model_import_safetensors(ztier_model* model, const char* path
 }
 
 int64_t ztier_model_published_step(const ztier_model* model) {
-  return CheckOpen(model, "model").ok() ? model->model->published_step() : -1;
+  const Status open = CheckOpen(model, "model");
+  if (!open.ok()) return (void)Report(open), -1;
+  return model->model->published_step();
 }
 
 ztier_status ztier_model_wait_published(const ztier_model* model, int64_t step,
@@ -526,7 +528,9 @@ ztier_status ztier_runner_abort_step(ztier_runner* runner, int32_t* discarded) {
 }
 
 int64_t ztier_runner_version(const ztier_runner* runner) {
-  return CheckOpen(runner, "runner").ok() ? runner->runner->version() : -1;
+  const Status open = CheckOpen(runner, "runner");
+  if (!open.ok()) return (void)Report(open), -1;
+  return runner->runner->version();
 }
 
 }  // extern "C"

@@ -128,6 +128,8 @@ ztier_status ztier_model_load_checkpoint(ztier_model* model, const char* dir);
 /* dtype: 0 bf16, 1 fp32 */
 ztier_status ztier_model_export_safetensors(ztier_model* model, const char* path, int32_t dtype);
 ztier_status ztier_model_import_safetensors(ztier_model* model, const char* path);
+/* -1 for a handle that is not an open model of this process (ztier_last_error()
+ * says why). */
 int64_t ztier_model_published_step(const ztier_model* model);
 /* Blocks until every unit holds step >= `step` (the optimizer has finished
  * it: after a runner's last step, before reading or saving the state).
@@ -184,7 +186,7 @@ ztier_status ztier_runner_step(ztier_runner* runner);
  * begun the step. */
 ztier_status ztier_runner_abort_step(ztier_runner* runner, int32_t* discarded);
 /* The version the runner's next forward pass reads; -1 for a handle that
- * is not an open runner of this process. */
+ * is not an open runner of this process (ztier_last_error() says why). */
 int64_t ztier_runner_version(const ztier_runner* runner);
 
 #ifdef __cplusplus

@@ -195,6 +195,9 @@ int main(void) {
       if (ztier_model_unit_layout(model, 0, &n, NULL) != ZTIER_FAILED_PRECONDITION) bad |= 1;
       if (strstr(ztier_last_error(), "forked") == NULL) bad |= 2;
       if (ztier_runner_version(runner) != -1) bad |= 4;
+      (void)ztier_model_save_checkpoint(NULL, "x");
+      if (ztier_model_published_step(model) != -1 || strstr(ztier_last_error(), "forked") == NULL)
+        bad |= 8;
       _exit(bad);
     }
     int st = 0;
@@ -273,7 +276,12 @@ int main(void) {
    * as the other type (a runner's call on a model crashed). */
   EXPECT(ztier_runner_step((ztier_runner*)session) == ZTIER_FAILED_PRECONDITION);
   EXPECT(strstr(ztier_last_error(), "is an open ztier_session, not a ztier_runner") != NULL);
+  /* The getters without a status say why they gave -1. */
+  EXPECT(ztier_model_save_checkpoint(NULL, "x") != ZTIER_OK);
   EXPECT(ztier_runner_version((ztier_runner*)session) == -1);
+  EXPECT(strstr(ztier_last_error(), "is an open ztier_session, not a ztier_runner") != NULL);
+  EXPECT(ztier_model_published_step((ztier_model*)session) == -1);
+  EXPECT(strstr(ztier_last_error(), "not a ztier_model") != NULL);
   uint64_t count = 0;
   EXPECT(ztier_model_unit_layout((const ztier_model*)session, 0, &count, NULL) ==
          ZTIER_FAILED_PRECONDITION);
