@@ -437,6 +437,13 @@ ztier_status ztier_device_open_cuda(int32_t ordinal, ztier_device** out) {
 
 void ztier_device_close(ztier_device* device) { Close(device, "ztier_device"); }
 
+ztier_status ztier_device_compute_stream(const ztier_device* device, void** stream) {
+  if (Status s = CheckOpen(device, "device"); !s.ok()) return Report(s);
+  if (stream == nullptr) return Null("stream");
+  *stream = device->device->native_stream(ztier::client::Stream::kCompute);
+  return ZTIER_OK;
+}
+
 void ztier_runner_options_init(ztier_runner_options* options) {
   if (options == nullptr) return;
   const ztier::client::RunnerOptions d;

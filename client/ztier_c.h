@@ -150,6 +150,12 @@ int ztier_stop_requested(void);
 ztier_status ztier_device_open_host(ztier_device** out);
 ztier_status ztier_device_open_cuda(int32_t ordinal, ztier_device** out);
 void ztier_device_close(ztier_device* device);
+/* The stream a runner's acquired params are ready on and its grad buffers
+ * are read from after a push (a cudaStream_t for CUDA, NULL for the host
+ * device): launch the unit's kernels there, or make the caller's stream
+ * wait for it (an event) before them and it wait for the caller's before a
+ * push. Valid until the device is closed. */
+ztier_status ztier_device_compute_stream(const ztier_device* device, void** stream);
 
 typedef struct ztier_runner_options {
   uint32_t struct_size; /* sizeof(ztier_runner_options) */

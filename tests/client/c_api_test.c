@@ -142,6 +142,13 @@ int main(void) {
 
   ztier_device* device = NULL;
   ASSERT_OK(ztier_device_open_host(&device));
+  /* The host device has no native stream; a CUDA device's is tested on a GPU. */
+  void* stream = &stream;
+  ASSERT_OK(ztier_device_compute_stream(device, &stream));
+  EXPECT(stream == NULL);
+  EXPECT(ztier_device_compute_stream(device, NULL) == ZTIER_INVALID_ARGUMENT);
+  EXPECT(ztier_device_compute_stream((const ztier_device*)model, &stream) ==
+         ZTIER_FAILED_PRECONDITION);
   ztier_runner_options options;
   ztier_runner_options_init(&options);
   options.prefetch_depth = 1;
