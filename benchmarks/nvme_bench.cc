@@ -4,15 +4,19 @@
 // ratios ours / fio. Also the cost of checksums and a queue-depth sweep.
 //
 // Single-threaded driver; the swap space runs its own I/O threads.
+#include <linux/magic.h>
+#include <sys/statfs.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cctype>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <memory>
 #include <random>
 #include <string>
@@ -204,11 +208,32 @@ Result<Throughput> RunSwap(StopSignals& stops, const NvmeOptions& o,
   return t;
 }
 
+// fio's figures are of whole milliseconds: a run shorter than this is
+// said to be too short for them.
+constexpr double kFioShortestMs = 200;
+
+// What fio measured of `rw` (write or read), over every job.
+struct FioResult {
+  double bytes_per_s = 0;
+  double runtime_ms = 0;
+};
+
+// The number after "`key`" : in fio's JSON from `from`; NaN if none.
+double FioNumber(const std::string& text, size_t from, std::string_view key) {
+  const size_t at = text.find(StrCat("\"", key, "\""), from);
+  if (at == std::string::npos) return std::numeric_limits<double>::quiet_NaN();
+  const size_t colon = text.find(':', at);
+  if (colon == std::string::npos) return std::numeric_limits<double>::quiet_NaN();
+  return std::strtod(text.c_str() + colon + 1, nullptr);
+}
+
 // Runs fio with one job per path (the same layout the swap space uses) and
-// returns the aggregate bandwidth of `rw` (write or read).
-Result<double> RunFio(StopSignals& stops, const NvmeOptions& o, const std::string& rw,
-                      const char* engine) {
-  const fs::path tmp = fs::temp_directory_path();
+// returns the aggregate bandwidth of `rw` (write or read). Its job file and
+// output go beside its data in the first path (not TMPDIR, which may be
+// unset, missing or a small tmpfs).
+Result<FioResult> RunFio(StopSignals& stops, const NvmeOptions& o, const std::string& rw,
+                         const char* engine) {
+  const fs::path tmp = o.paths[0];
   const std::string stem = StrCat("ztier-bench-fio-", getpid());
   const fs::path job = tmp / (stem + ".fio"), out = tmp / (stem + ".json"),
                  err = tmp / (stem + ".err");
@@ -255,12 +280,13 @@ Result<double> RunFio(StopSignals& stops, const NvmeOptions& o, const std::strin
                                                         : StrCat("signal ", WTERMSIG(status)),
                                       "): ", why.empty() ? "it said nothing" : why));
   }
-  // group_reporting: the first job holds the aggregate; find "<rw>": {... "bw_bytes" : N
+  // group_reporting: the first job holds the aggregate; find "<rw>": {...
+  // "bw_bytes" : N, ... "runtime" : ms
   const size_t section = text.find(StrCat("\"", rw, "\" : {"));
-  const size_t key = section == std::string::npos ? section : text.find("\"bw_bytes\"", section);
-  if (key == std::string::npos) return Status::Internal("cannot find bw_bytes in fio output");
-  const size_t colon = text.find(':', key);
-  return std::strtod(text.c_str() + colon + 1, nullptr);
+  if (section == std::string::npos) return Status::Internal(StrCat("no ", rw, " in fio's output"));
+  FioResult r{FioNumber(text, section, "bw_bytes"), FioNumber(text, section, "runtime")};
+  if (!(r.bytes_per_s > 0)) return Status::Internal("no bw_bytes in fio's output");
+  return r;
 }
 
 bool HaveFio() { return std::system("fio --version >/dev/null 2>&1") == 0; }
@@ -291,13 +317,32 @@ int RunNvme(int argc, char** argv) {
     return stops.Stopped() != 0 ? stops.ExitCode() : code;
   };
   // Paths are the user's drives: a missing one is a mistake, not something
-  // to create (the default scratch directory is ours).
+  // to create (the default scratch directory is ours, and goes at the end
+  // if empty, however the run ends).
+  struct DefaultDir {
+    bool made = false;
+    ~DefaultDir() {
+      std::error_code ec;
+      if (made) fs::remove(kDefaultPath, ec);  // only if empty
+    }
+  } default_dir;
   for (const std::string& p : o.paths) {
     std::error_code ec;
-    if (p == kDefaultPath) fs::create_directories(p, ec);
+    if (p == kDefaultPath && !fs::exists(p, ec)) {
+      default_dir.made = fs::create_directories(p, ec);
+    }
     if (!fs::is_directory(p, ec)) {
       return fail(Status::NotFound(
           StrCat("--path ", p, " is not an existing directory (create it on the drive to test)")));
+    }
+    // Memory, not a drive: its figures would be the RAM's.
+    struct statfs sfs {};
+    if (::statfs(p.c_str(), &sfs) == 0 &&
+        (sfs.f_type == TMPFS_MAGIC || sfs.f_type == RAMFS_MAGIC)) {
+      return fail(Status::InvalidArgument(
+          StrCat("--path ", p, " is on ", sfs.f_type == TMPFS_MAGIC ? "tmpfs" : "ramfs",
+                 ", which is memory: its figures would be the RAM's, not a drive's (give a "
+                 "directory on the drive to test)")));
     }
   }
   // Each path holds its share of the data, then fio's file of the same size.
@@ -360,6 +405,7 @@ int RunNvme(int argc, char** argv) {
   std::vector<BackendResult> results;
   for (const auto& [name, b] : backends) results.push_back({name, {}, {}});
   Throughput fio_best;
+  double fio_shortest_ms = std::numeric_limits<double>::infinity();
   bool fio = have_fio;
   std::string fio_error;  // fio ran and failed: ztier's figures stand, without the ratio
   for (int run = 0; run < o.runs; ++run) {
@@ -375,8 +421,8 @@ int RunNvme(int argc, char** argv) {
       }
     }
     if (fio) {
-      Result<double> w = RunFio(stops, o, "write", fio_engine);
-      Result<double> r = w.ok() ? RunFio(stops, o, "read", fio_engine) : w;
+      Result<FioResult> w = RunFio(stops, o, "write", fio_engine);
+      Result<FioResult> r = w.ok() ? RunFio(stops, o, "read", fio_engine) : w;
       for (const std::string& p : o.paths) {
         std::error_code ec;
         fs::remove(fs::path(p) / "ztier-bench.fio", ec);
@@ -387,7 +433,8 @@ int RunNvme(int argc, char** argv) {
         std::fprintf(stderr, "ztier-bench nvme: %s\n", fio_error.c_str());
         fio = false;
       } else {
-        keep_best(&fio_best, Throughput{*w, *r});
+        keep_best(&fio_best, Throughput{w->bytes_per_s, r->bytes_per_s});
+        fio_shortest_ms = std::min({fio_shortest_ms, w->runtime_ms, r->runtime_ms});
       }
     }
   }
@@ -408,6 +455,12 @@ int RunNvme(int argc, char** argv) {
     for (const BackendResult& r : results) {
       std::printf("%-34s %10.3f %10.3f\n", StrCat("ratio ztier ", r.name, "/fio (crc off)").c_str(),
                   r.plain.write_bytes_per_s / fio_w, r.plain.read_bytes_per_s / fio_r);
+    }
+    if (fio_shortest_ms < kFioShortestMs) {
+      std::printf(
+          "note: a fio run took %.0f ms, and fio times in whole milliseconds: its figures and the "
+          "ratios are rough; a larger --size makes them exact\n",
+          fio_shortest_ms);
     }
   } else {
     std::printf("fio comparison skipped (%s)\n", !fio_error.empty() ? "fio failed, said above"
@@ -464,6 +517,7 @@ int RunNvme(int argc, char** argv) {
         .AddRaw("fio_error", fio_error.empty() ? "null" : JsonQuote(fio_error))
         .Add("fio_read_bytes_per_s", fio ? fio_r : kNone)
         .Add("fio_write_bytes_per_s", fio ? fio_w : kNone)
+        .Add("fio_shortest_run_ms", fio ? fio_shortest_ms : kNone)
         .Add("read_ratio_to_fio", fio ? head.plain.read_bytes_per_s / fio_r : kNone)
         .Add("write_ratio_to_fio", fio ? head.plain.write_bytes_per_s / fio_w : kNone)
         .AddRaw("backends", JsonArray(per_backend))

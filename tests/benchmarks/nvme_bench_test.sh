@@ -76,4 +76,21 @@ if command -v fio >/dev/null; then
     { echo "fio on a path with a colon: $json"; exit 1; }
 fi
 [ -z "$(find "$dir" -type f)" ] || { echo "files left behind: $(find "$dir" -type f)"; exit 1; }
+# The default directory (./ztier-bench-swap) is made for the run and goes
+# with it (an empty one was left behind); a TMPDIR that is not there is no
+# matter (fio's job file went there, and the run aborted on it).
+mkdir -p "$dir/cwd"
+(cd "$dir/cwd" && TMPDIR="$dir/none" "$bench" nvme --no-sweep --runs 1 --size 4M >/dev/null) ||
+  { echo "a run with the default path and a missing TMPDIR failed"; exit 1; }
+[ -z "$(ls -A "$dir/cwd")" ] || { echo "left in the working directory: $(ls -A "$dir/cwd")"; exit 1; }
+# A path on tmpfs is memory: refused, rather than its figures given as a
+# drive's.
+if [ "$(stat -f -c %T /dev/shm 2>/dev/null)" = tmpfs ]; then
+  shm=$(mktemp -d -p /dev/shm nvme-bench-test.XXXXXX)
+  status=0
+  out=$("$bench" nvme --path "$shm" --no-fio --no-sweep --runs 1 --size 4M 2>&1) || status=$?
+  rm -rf "$shm"
+  [[ $status -eq 1 && $out == *"is on tmpfs, which is memory"* ]] ||
+    { echo "a path on tmpfs gave exit $status: $out"; exit 1; }
+fi
 echo "nvme_bench_test: ok"
