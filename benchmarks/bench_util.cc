@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <map>
 
 #include "common/numbers.h"
@@ -187,6 +188,16 @@ double Median(std::vector<double> v) {
 double Quantile(std::vector<double> v, double q) {
   std::sort(v.begin(), v.end());
   return v[std::min(v.size() - 1, static_cast<size_t>(static_cast<double>(v.size()) * q))];
+}
+
+DefaultDir::DefaultDir(std::string path) : path_(std::move(path)) {
+  std::error_code ec;
+  if (!std::filesystem::exists(path_, ec)) made_ = std::filesystem::create_directories(path_, ec);
+}
+
+DefaultDir::~DefaultDir() {
+  std::error_code ec;
+  if (made_) std::filesystem::remove(path_, ec);  // only if empty
 }
 
 StopSignals::StopSignals() {

@@ -54,6 +54,21 @@ Status CheckFitsInMemory(double bytes, std::string_view what);
 Status CheckFitsOnDisk(const std::vector<std::string>& paths, uint64_t bytes_per_path,
                        std::string_view what);
 
+// A subcommand's default scratch directory: made when missing, and
+// removed when this goes if it made it and it is empty, however the run
+// ended (an empty ./ztier-bench-swap was left behind after each run).
+class DefaultDir {
+ public:
+  explicit DefaultDir(std::string path);
+  ~DefaultDir();
+  DefaultDir(const DefaultDir&) = delete;
+  DefaultDir& operator=(const DefaultDir&) = delete;
+
+ private:
+  std::string path_;
+  bool made_ = false;
+};
+
 // The stop signals (SIGINT, SIGTERM, SIGHUP) of a subcommand that makes
 // files or runs programs: while a StopSignals lives they are blocked in the
 // thread that made it, and in the threads it starts after (make it before

@@ -141,11 +141,13 @@ struct Rig {
 
 // Control round trips: a counters query of a one-unit model (published
 // steps are read from the step page, without a round trip).
-Result<std::vector<double>> RoundTrips(client::Session& session, uint64_t rounds) {
+Result<std::vector<double>> RoundTrips(StopSignals& stops, client::Session& session,
+                                       uint64_t rounds) {
   ZT_ASSIGN_OR_RETURN(std::unique_ptr<client::Model> probe,
                       session.RegisterModel(Spec("probe", 1, 64)));
   std::vector<double> us;
   for (uint64_t r = 0; r < rounds; ++r) {
+    if (r % 256 == 0 && stops.Stopped() != 0) return stops.Error("the round trips");
     const auto t0 = Clock::now();
     ZT_ASSIGN_OR_RETURN(const engine::JobCounters counters, probe->counters());
     if (counters.steps != 0) return Status::Internal("a probe that stepped");
@@ -156,9 +158,9 @@ Result<std::vector<double>> RoundTrips(client::Session& session, uint64_t rounds
 
 // Both rigs live at once and take turns step by step (the order swapped
 // every step), so drift in the machine's load hits both alike.
-Status Measure(const Options& o, const engine::Settings& settings, const std::string& socket,
-               std::vector<double>* embedded, std::vector<double>* daemon,
-               std::vector<double>* rtt_us) {
+Status Measure(StopSignals& stops, const Options& o, const engine::Settings& settings,
+               const std::string& socket, std::vector<double>* embedded,
+               std::vector<double>* daemon, std::vector<double>* rtt_us) {
   client::SessionOptions local;
   local.settings = settings;
   client::SessionOptions remote = local;
@@ -166,6 +168,7 @@ Status Measure(const Options& o, const engine::Settings& settings, const std::st
   ZT_ASSIGN_OR_RETURN(std::unique_ptr<Rig> a, Rig::Make(local, o));
   ZT_ASSIGN_OR_RETURN(std::unique_ptr<Rig> b, Rig::Make(remote, o));
   for (uint64_t step = 0; step < o.steps + 2; ++step) {
+    if (stops.Stopped() != 0) return stops.Error("the steps");
     Rig* first = step % 2 == 0 ? a.get() : b.get();
     Rig* second = first == a.get() ? b.get() : a.get();
     ZT_RETURN_IF_ERROR(first->Step(step >= 2));
@@ -173,7 +176,7 @@ Status Measure(const Options& o, const engine::Settings& settings, const std::st
   }
   *embedded = a->step_seconds;
   *daemon = b->step_seconds;
-  ZT_ASSIGN_OR_RETURN(*rtt_us, RoundTrips(*b->session, o.rounds));
+  ZT_ASSIGN_OR_RETURN(*rtt_us, RoundTrips(stops, *b->session, o.rounds));
   return Status::Ok();
 }
 
@@ -183,23 +186,46 @@ int RunDaemon(int argc, char** argv) {
   Result<Options> o = Parse(argc, argv);
   if (!o.ok()) return UsageExit(o.status(), "daemon", kUsage);
   const engine::Settings settings = EngineSettings(*o);
+  // Two engines (the embedded one, ztierd's) each hold the model's states,
+  // params, inbox and grads; the device side is host memory here too.
+  if (Status s = CheckFitsInMemory(
+          2.0 * 20 * static_cast<double>(o->units) * static_cast<double>(o->unit_params) +
+              2.0 * (uint64_t{256} << 20),
+          StrCat("--units ", o->units, " x --unit-params ", o->unit_params,
+                 " (two engines of the model)"));
+      !s.ok()) {
+    return FailExit(s, "daemon");
+  }
+  // Before any thread starts: a stop ends the run at its next step, the
+  // socket's directory removed, with 128 + the signal.
+  StopSignals stops;
 
   std::string dir = "/tmp/ztier-bench-daemon-XXXXXX";
   if (::mkdtemp(dir.data()) == nullptr) return FailExit(PosixError("mkdtemp", errno), "daemon");
   const std::string socket = dir + "/ztierd.sock";
   Result<std::unique_ptr<engine::Daemon>> daemon = engine::Daemon::Create(settings, {});
-  if (!daemon.ok()) return FailExit(daemon.status(), "daemon");
+  if (!daemon.ok()) {
+    std::filesystem::remove_all(dir);
+    return FailExit(daemon.status(), "daemon");
+  }
   Result<engine::SeqPacketListener> listener = engine::SeqPacketListener::Listen(socket, 0600);
-  if (!listener.ok()) return FailExit(listener.status(), "daemon");
+  if (!listener.ok()) {
+    std::filesystem::remove_all(dir);
+    return FailExit(listener.status(), "daemon");
+  }
   std::thread serve([&] { (void)(*daemon)->Serve(*listener); });
 
   std::vector<double> embedded_steps, daemon_steps, rtt_us;
-  const Status failed = Measure(*o, settings, socket, &embedded_steps, &daemon_steps, &rtt_us);
+  const Status failed =
+      Measure(stops, *o, settings, socket, &embedded_steps, &daemon_steps, &rtt_us);
   (*daemon)->Stop("the benchmark is done");
   serve.join();
   (void)listener->Close();
   std::filesystem::remove_all(dir);
-  if (!failed.ok()) return FailExit(failed, "daemon");
+  if (!failed.ok()) {
+    const int code = FailExit(failed, "daemon");
+    return stops.Stopped() != 0 ? stops.ExitCode() : code;
+  }
 
   const double embedded = Median(embedded_steps);
   const double through = Median(daemon_steps);

@@ -18,6 +18,7 @@
 #include <fstream>
 #include <limits>
 #include <memory>
+#include <optional>
 #include <random>
 #include <string>
 #include <string_view>
@@ -319,18 +320,10 @@ int RunNvme(int argc, char** argv) {
   // Paths are the user's drives: a missing one is a mistake, not something
   // to create (the default scratch directory is ours, and goes at the end
   // if empty, however the run ends).
-  struct DefaultDir {
-    bool made = false;
-    ~DefaultDir() {
-      std::error_code ec;
-      if (made) fs::remove(kDefaultPath, ec);  // only if empty
-    }
-  } default_dir;
+  std::optional<DefaultDir> default_dir;
   for (const std::string& p : o.paths) {
     std::error_code ec;
-    if (p == kDefaultPath && !fs::exists(p, ec)) {
-      default_dir.made = fs::create_directories(p, ec);
-    }
+    if (p == kDefaultPath && !default_dir) default_dir.emplace(p);
     if (!fs::is_directory(p, ec)) {
       return fail(Status::NotFound(
           StrCat("--path ", p, " is not an existing directory (create it on the drive to test)")));

@@ -519,9 +519,18 @@ struct RunSummary {
   std::string json;
 };
 
-// One job of `dtype` states, timed; 0 or FailExit's code.
-int RunOnce(const StepBenchOptions& o, engine::StateDtype dtype, RunSummary* summary) {
-  const auto fail = [](const Status& s) { return FailExit(s, "step"); };
+// One job of `dtype` states, timed; 0, FailExit's code, or 128 + the
+// signal after a stop (asked between steps; the swap files go with the
+// engine).
+int RunOnce(StopSignals& stops, const StepBenchOptions& o, engine::StateDtype dtype,
+            RunSummary* summary) {
+  const auto fail = [&stops](const Status& s) {
+    const int code = FailExit(s, "step");
+    return stops.Stopped() != 0 ? stops.ExitCode() : code;
+  };
+  const auto stopped = [&stops] {
+    return stops.Stopped() != 0 ? stops.Error("the swap files are removed") : Status::Ok();
+  };
   const bool nvme = o.tier == Tier::kNvme;
   const bool int8 = dtype == engine::StateDtype::kInt8;
   const uint64_t units = (o.params + o.unit_params - 1) / o.unit_params;
@@ -551,11 +560,9 @@ int RunOnce(const StepBenchOptions& o, engine::StateDtype dtype, RunSummary* sum
                                             : 4 * o.params + state_bytes) +
                                ring_bytes + units * (uint64_t{64} << 10) + (uint64_t{320} << 20);
   if (nvme) {
-    // The default is made; a --path must exist (a typo would measure
-    // another filesystem).
+    // A --path must exist (the default was made by RunStep).
     for (const std::string& p : o.paths) {
       std::error_code ec;
-      if (p == kDefaultSwapDir) fs::create_directories(p, ec);
       if (!fs::is_directory(p, ec)) {
         return FailExit(Status::NotFound(StrCat("--path ", p, " is not an existing directory")),
                         "step");
@@ -700,6 +707,7 @@ int RunOnce(const StepBenchOptions& o, engine::StateDtype dtype, RunSummary* sum
   // Warm-up: the first step writes every state (reads of never-written
   // states cost no I/O) and faults in the scratch buffers.
   double warm = 0, warm_compute = 0;
+  if (Status s = stopped(); !s.ok()) return fail(s);
   if (Status s = run_step(&started, &published, &warm); !s.ok()) return fail(s);
   if (Status s = compute_alone(&warm_compute); !s.ok()) return fail(s);
   std::printf("warm-up step %.2f s\n", warm);
@@ -712,6 +720,7 @@ int RunOnce(const StepBenchOptions& o, engine::StateDtype dtype, RunSummary* sum
   // them are in --json).
   LinePacer pacer(stdout);
   for (int r = 0; r < o.steps; ++r) {
+    if (Status s = stopped(); !s.ok()) return fail(s);
     Round round;
     if (nvme) {
       const double t0 = NowSeconds();
@@ -842,10 +851,19 @@ int RunOnce(const StepBenchOptions& o, engine::StateDtype dtype, RunSummary* sum
 int RunStep(int argc, char** argv) {
   StepBenchOptions o;
   if (Status s = ParseArgs(argc, argv, &o); !s.ok()) return UsageExit(s, "step", kUsage);
+  // The default swap directory is made (a --path must exist: a typo would
+  // measure another filesystem), and goes with the run if empty.
+  std::optional<DefaultDir> default_dir;
+  if (o.tier == Tier::kNvme &&
+      std::find(o.paths.begin(), o.paths.end(), kDefaultSwapDir) != o.paths.end()) {
+    default_dir.emplace(kDefaultSwapDir);
+  }
+  // Before any thread starts: a stop ends the run at its next step.
+  StopSignals stops;
   std::vector<RunSummary> runs(o.dtypes.size());
   for (size_t i = 0; i < o.dtypes.size(); ++i) {
     if (i > 0) std::printf("\n");
-    if (int rc = RunOnce(o, o.dtypes[i], &runs[i]); rc != 0) return rc;
+    if (int rc = RunOnce(stops, o, o.dtypes[i], &runs[i]); rc != 0) return rc;
   }
   double ratio = 0;
   if (runs.size() == 2) {

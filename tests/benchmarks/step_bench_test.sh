@@ -25,4 +25,22 @@ for s in r["steps"]:
     assert s["overlap_efficiency"] <= 1.5, (args, s)
 PY
 done
+# A stop between steps ends the run with 128 + the signal; the swap file
+# goes, and the default directory made for the run with it (both were left).
+mkdir -p "$dir/cwd"
+(cd "$dir/cwd" && exec "$bench" step --params 8M --unit-params 1M --steps 1000 --threads 1 \
+  --no-timeline >"$dir/out.txt" 2>&1) &
+b=$!
+for _ in $(seq 300); do
+  [ -e "$dir/cwd/ztier-bench-swap/ztier.swap" ] && break
+  kill -0 "$b" 2>/dev/null || break
+  sleep 0.1
+done
+[ -e "$dir/cwd/ztier-bench-swap/ztier.swap" ] || { kill -KILL "$b" 2>/dev/null || true; echo "no swap file made"; exit 1; }
+kill -TERM "$b"
+status=0
+wait "$b" || status=$?
+[ "$status" -eq 143 ] || { echo "a SIGTERM'd step bench exited $status: $(cat "$dir/out.txt")"; exit 1; }
+grep -q "stopped by" "$dir/out.txt" || { echo "no word of the stop: $(cat "$dir/out.txt")"; exit 1; }
+[ -z "$(ls -A "$dir/cwd")" ] || { echo "left behind: $(find "$dir/cwd")"; exit 1; }
 echo "step_bench_test: ok"
