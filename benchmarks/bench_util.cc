@@ -43,10 +43,14 @@ Result<uint64_t> ArgReader::Count(uint64_t lo, uint64_t hi) {
   const std::string option(arg());
   ZT_ASSIGN_OR_RETURN(std::string_view v, Value());
   Result<uint64_t> n = ParseCount(v);
-  if (!n.ok() || *n < lo || *n > hi) {
-    // Named by its option and range ('-1' was "not a size" of no option).
-    return Status::InvalidArgument(StrCat(option, " ", v, ": want ", lo, "..", hi));
+  // Named by its option and range ('-1' was "not a size" of no option),
+  // with why it is not a count ("1.5K: want 1..N" did not say).
+  const std::string range = hi == UINT64_MAX ? StrCat("at least ", lo) : StrCat(lo, "..", hi);
+  if (!n.ok()) {
+    return Status::InvalidArgument(
+        StrCat(option, " ", v, ": ", n.status().message(), "; want ", range));
   }
+  if (*n < lo || *n > hi) return Status::InvalidArgument(StrCat(option, " ", v, ": want ", range));
   return *n;
 }
 

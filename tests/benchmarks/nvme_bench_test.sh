@@ -26,6 +26,10 @@ status=0
 "$bench" nvme --stripe 9223372036854775808 --path "$dir" --path "$dir" >/dev/null 2>&1 || status=$?
 [ "$status" -eq 2 ] || { echo "a 2^63 --stripe gave exit $status, not a usage error"; exit 1; }
 status=0
+out=$("$bench" nvme --path "$dir" --size 1.5K 2>&1) || status=$?
+[[ $status -eq 2 && $out == *"--size 1.5K: '1.5K' is not a size"* ]] ||
+  { echo "--size 1.5K gave exit $status without saying why: $out"; exit 1; }
+status=0
 out=$("$bench" nvme --path "$dir" --size 1048576G --no-fio 2>&1) || status=$?
 [[ $status -eq 1 && $out == *"bytes on the filesystem of $dir, which has"* ]] ||
   { echo "--size 1048576G gave exit $status: $out"; exit 1; }
