@@ -8,7 +8,6 @@
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <spawn.h>
-#include <sys/mount.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -28,11 +27,13 @@
 
 #include "tests/examples/train_testing.h"
 #include "tests/testing/scratch_dir.h"
+#include "tests/testing/small_tmpfs.h"
 
 namespace {
 
 namespace fs = std::filesystem;
 using ztier::testing::ScratchDir;
+using ztier::testing::SmallTmpfs;
 
 using ztier::testing::Slurp;
 using Process = ztier::testing::TrainProcess;
@@ -395,14 +396,8 @@ TEST_F(TrainHardeningTest, BadInputsAreClearErrorsNeverCrashes) {
 // (a kill between the save and the note) is said to be.
 TEST_F(TrainHardeningTest, TheNoteFollowsTheSaveThatCommitted) {
   const std::string small = dir_ / "note-small";
-  fs::create_directories(small);
-  if (::mount("tmpfs", small.c_str(), "tmpfs", 0, "size=4m") != 0) {
-    GTEST_SKIP() << "cannot mount a small tmpfs here: " << std::strerror(errno);
-  }
-  struct Unmount {
-    std::string path;
-    ~Unmount() { ::umount2(path.c_str(), MNT_DETACH); }
-  } unmount{small};
+  SmallTmpfs tmpfs(small, "4m");
+  if (!tmpfs.mounted()) GTEST_SKIP() << "cannot mount a small tmpfs here: " << tmpfs.error();
   const std::string out = small + "/o";
   const std::string note = out + "/checkpoint/ztier-train-model.txt";
   const std::string flags = Common() + " --optimizer dram --no-progress --checkpoint-every 5";
@@ -446,16 +441,14 @@ TEST_F(TrainHardeningTest, TheNoteFollowsTheSaveThatCommitted) {
 // file behind: it held exactly the room the checkpoint needed.
 TEST_F(TrainHardeningTest, AFailedRunLeavesNoSwapFileBehind) {
   const std::string small = dir_ / "small";
-  fs::create_directories(small);
-  if (::mount("tmpfs", small.c_str(), "tmpfs", 0, "size=16m") != 0) {
-    GTEST_SKIP() << "cannot mount a small tmpfs here: " << std::strerror(errno);
-  }
+  SmallTmpfs tmpfs(small, "16m");
+  if (!tmpfs.mounted()) GTEST_SKIP() << "cannot mount a small tmpfs here: " << tmpfs.error();
   auto [rc, text] = Train(" --out " + small + "/o --steps 10 --no-progress", dir_);
   std::vector<std::string> left;
   for (const auto& e : fs::directory_iterator(small + "/o/swap")) {
     if (e.path().filename() != "ztier-swap.lock") left.push_back(e.path().filename());
   }
-  ::umount2(small.c_str(), MNT_DETACH);
+  tmpfs.Unmount();
   if (text.find("does not support O_DIRECT") != std::string::npos) {
     GTEST_SKIP() << "tmpfs takes no O_DIRECT on this kernel: no swap space there";
   }
@@ -471,10 +464,8 @@ TEST_F(TrainHardeningTest, AFailedRunLeavesNoSwapFileBehind) {
 // small tmpfs, the rest of the run on the scratch disk.)
 TEST_F(TrainHardeningTest, RowsTheDiskRefusesAreSaidAndNoRowIsTorn) {
   const std::string small = dir_ / "tiny";
-  fs::create_directories(small);
-  if (::mount("tmpfs", small.c_str(), "tmpfs", 0, "size=8k") != 0) {
-    GTEST_SKIP() << "cannot mount a small tmpfs here: " << std::strerror(errno);
-  }
+  SmallTmpfs tmpfs(small, "8k");
+  if (!tmpfs.mounted()) GTEST_SKIP() << "cannot mount a small tmpfs here: " << tmpfs.error();
   std::ofstream(small + "/filler") << std::string(4096, 'x');  // one of its two pages
   std::ofstream(small + "/log.tsv").flush();
   const std::string out = dir_ / "logfull";
@@ -483,7 +474,7 @@ TEST_F(TrainHardeningTest, RowsTheDiskRefusesAreSaidAndNoRowIsTorn) {
   auto [rc, text] =
       Train(Common() + " --steps 150 --optimizer dram --no-progress --out " + out, dir_);
   const std::string log = Slurp(small + "/log.tsv");
-  ::umount2(small.c_str(), MNT_DETACH);
+  tmpfs.Unmount();
   EXPECT_EQ(rc, 0) << text;
   EXPECT_NE(text.find("cannot append step "), std::string::npos) << text;
   EXPECT_NE(text.find("No space left on device"), std::string::npos) << text;

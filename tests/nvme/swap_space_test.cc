@@ -7,7 +7,6 @@
 // kernel lacks an io_uring feature they need.
 #include <fcntl.h>
 #include <poll.h>
-#include <sys/mount.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
@@ -31,6 +30,7 @@
 #include "nvme/io_backend.h"
 #include "nvme/swap_space.h"
 #include "tests/testing/scratch_dir.h"
+#include "tests/testing/small_tmpfs.h"
 
 namespace ztier::nvme {
 namespace {
@@ -1005,14 +1005,8 @@ TEST_P(SwapSpaceTest, AFreedObjectGivesItsBlocksBackWhileOthersStay) {
 // they were. (On a small tmpfs, which punches and preallocates.)
 TEST_P(SwapSpaceTest, GrowingTheFilesLeavesTheRoomTheHolesNeed) {
   const fs::path small = root_ / "small";
-  fs::create_directories(small);
-  if (::mount("tmpfs", small.c_str(), "tmpfs", 0, "size=32m") != 0) {
-    GTEST_SKIP() << "cannot mount a small tmpfs here: " << std::strerror(errno);
-  }
-  struct Unmount {
-    std::string path;
-    ~Unmount() { ::umount2(path.c_str(), MNT_DETACH); }
-  } unmount{small.string()};
+  ztier::testing::SmallTmpfs tmpfs(small.string(), "32m");
+  if (!tmpfs.mounted()) GTEST_SKIP() << "cannot mount a small tmpfs here: " << tmpfs.error();
   SwapOptions o;
   o.paths = {(small / "swap").string()};
   fs::create_directories(o.paths[0]);
