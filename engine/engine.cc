@@ -1131,13 +1131,20 @@ Status Engine::GradsReady(int job, int unit, int rank) {
         rank >= j->spec.ranks) {
       return Status::OutOfRange(StrCat("job ", job, ": no unit ", unit, " rank ", rank));
     }
-    // A save, export or load began between steps (from another thread
-    // while training goes on): the grads of the next step wait for it, as
-    // its copy must be of one step. (Refused, they had failed the runner
-    // that pushed them for good.)
+    // A save or export began between steps (from another thread while
+    // training goes on): the grads of the next step wait for it, as its
+    // copy must be of one step. (Refused, they had failed the runner that
+    // pushed them for good.) Grads that waited through a load, an import
+    // or a state write are of the state before it: refused.
+    const uint64_t replacements = j->state_replacements;
     e.published_cv.wait(lock, [&] { return !j->checkpointing || j->removed; });
     if (j->removed) return Status::Aborted(StrCat("job ", job, " was unregistered"));
     if (!j->failure.ok()) return Status::Aborted(StrCat("job failed: ", j->failure.ToString()));
+    if (j->state_replacements != replacements) {
+      return Status::FailedPrecondition(
+          StrCat("job '", j->spec.name, "': its state was replaced (a checkpoint load, an import ",
+                 "or a state write) while these grads waited: they are of the state before"));
+    }
     Unit& u = j->units[unit];
     ZT_RETURN_IF_ERROR(PartlyWritten(*j));
     if (u.ready) {
@@ -1585,10 +1592,14 @@ Status CheckIdle(const Job& j, std::string_view what) {
 }
 }  // namespace
 
-// Runs fn(job) with the job idle and marked checkpointing (grads refused
-// meanwhile), then clears the mark.
+// What a call under WithIdleJob does to the job's state.
+enum class StateUse { kReads, kReplaces };
+
+// Runs fn(job) with the job idle and marked checkpointing (grads wait
+// meanwhile, and are refused after a call that replaces the state), then
+// clears the mark.
 template <class Fn>
-Status WithIdleJob(Engine::Impl& e, int job, std::string_view what, const Fn& fn) {
+Status WithIdleJob(Engine::Impl& e, int job, std::string_view what, StateUse use, const Fn& fn) {
   std::shared_ptr<Job> j;
   {
     std::unique_lock<std::mutex> lock(e.mu);
@@ -1603,8 +1614,9 @@ Status WithIdleJob(Engine::Impl& e, int job, std::string_view what, const Fn& fn
   {
     std::lock_guard<std::mutex> lock(e.mu);
     j->checkpointing = false;
+    if (use == StateUse::kReplaces) ++j->state_replacements;  // even when it failed midway
   }
-  e.published_cv.notify_all();  // an unregister waits for it
+  e.published_cv.notify_all();  // an unregister and GradsReady wait for it
   return s.Annotate(StrCat(what, " of job '", j->spec.name, "'"));
 }
 
@@ -1634,7 +1646,7 @@ Status Engine::CheckConsistent(int job) const {
 }
 
 Status Engine::SaveCheckpoint(int job, const std::string& dir) {
-  return WithIdleJob(*impl_, job, "save checkpoint", [&](Job& j) -> Status {
+  return WithIdleJob(*impl_, job, "save checkpoint", StateUse::kReads, [&](Job& j) -> Status {
     ZT_RETURN_IF_ERROR(PartlyWritten(j));  // a mix of two states is no checkpoint
     return SaveCheckpointImpl(j, dir, impl_->dirs).Annotate(dir);
   });
@@ -1642,7 +1654,7 @@ Status Engine::SaveCheckpoint(int job, const std::string& dir) {
 
 Status Engine::LoadCheckpoint(int job, const std::string& dir) {
   Impl& e = *impl_;
-  return WithIdleJob(e, job, "load checkpoint", [&](Job& j) {
+  return WithIdleJob(e, job, "load checkpoint", StateUse::kReplaces, [&](Job& j) {
     return LoadCheckpointImpl(j, dir, e.Committer(j)).Annotate(dir);
   });
 }
@@ -1652,7 +1664,7 @@ Status Engine::ExportSafetensors(int job, const std::string& path, ExportType ty
     return Status::InvalidArgument(
         StrCat("export ", path, ": export type ", static_cast<int>(type), " is unknown"));
   }
-  return WithIdleJob(*impl_, job, "export safetensors", [&](Job& j) -> Status {
+  return WithIdleJob(*impl_, job, "export safetensors", StateUse::kReads, [&](Job& j) -> Status {
     ZT_RETURN_IF_ERROR(PartlyWritten(j));
     return ExportSafetensorsImpl(j, path, type == ExportType::kBFloat16);
   });
@@ -1660,13 +1672,13 @@ Status Engine::ExportSafetensors(int job, const std::string& path, ExportType ty
 
 Status Engine::ImportSafetensors(int job, const std::string& path) {
   Impl& e = *impl_;
-  return WithIdleJob(e, job, "import safetensors",
+  return WithIdleJob(e, job, "import safetensors", StateUse::kReplaces,
                      [&](Job& j) { return ImportSafetensorsImpl(j, path, e.Committer(j)); });
 }
 
 Status Engine::WriteState(int job, int unit, const float* master, const float* exp_avg,
                           const float* exp_avg_sq) {
-  return WithIdleJob(*impl_, job, "write state", [&](Job& j) -> Status {
+  return WithIdleJob(*impl_, job, "write state", StateUse::kReplaces, [&](Job& j) -> Status {
     if (unit < 0 || unit >= static_cast<int>(j.units.size())) {
       return Status::OutOfRange(StrCat("unit ", unit, " of ", j.units.size()));
     }
@@ -1685,7 +1697,7 @@ Status Engine::CommitState(int job, int64_t step, int64_t adam_step) {
     return Status::InvalidArgument(StrCat("step ", step, ", adam step ", adam_step));
   }
   Impl& e = *impl_;
-  return WithIdleJob(e, job, "commit state",
+  return WithIdleJob(e, job, "commit state", StateUse::kReplaces,
                      [&](Job& j) { return CommitStateImpl(j, step, adam_step, e.Committer(j)); });
 }
 
@@ -1697,7 +1709,7 @@ Result<std::pair<int64_t, int64_t>> Engine::Steps(int job) const {
 }
 
 Status Engine::RoundTripStates(int job) {
-  return WithIdleJob(*impl_, job, "round-trip states", [&](Job& j) {
+  return WithIdleJob(*impl_, job, "round-trip states", StateUse::kReads, [&](Job& j) {
     return ForEachUnitState(
         j, ForwardOrder(j), Access::kUpdate, [&](size_t k, const StateView& state) {
           if (j.params != nullptr) {  // the params written back are bf16(master)

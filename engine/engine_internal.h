@@ -157,6 +157,10 @@ struct Job {
   Status failure;
   bool removed = false;
   bool checkpointing = false;  // a save or load owns the buffers
+  // Counts the checkpointing calls that may have replaced the state (a
+  // load, an import, a state write or commit), at their end: grads that
+  // waited through one are of the state before it.
+  uint64_t state_replacements = 0;
   // A load or import wrote some units' state and did not commit it (it
   // failed midway): the job holds a mix of two states until one commits.
   // Written while the job is marked checkpointing.

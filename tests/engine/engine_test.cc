@@ -1168,6 +1168,46 @@ TEST_F(CheckpointTest, GradsArrivingDuringASaveWaitForItsEnd) {
   EXPECT_EQ(b->PublishedStep(*jb, 0), 1);
 }
 
+// Grads that arrive during a load from another thread are of the state
+// the load replaces: refused, naming why, once it is done (waited through,
+// they were applied to the loaded state: its next step was made from
+// grads of other weights). The job then trains on from the loaded step.
+TEST_F(CheckpointTest, GradsArrivingDuringALoadAreRefusedOnceItIsDone) {
+  ScratchDir swap("swap");
+  auto fault = std::make_shared<nvme::FaultBackend>(nvme::MakeThreadBackend());
+  auto e = MakeEngine(uint64_t{1} << 30, &swap, uint64_t{64} << 20, fault);
+  Result<int> j = e->RegisterJob(
+      Place(SmallModel("busy", 1, 0.0f, 1, StepMode::kExact), Placement::kNvmeStates));
+  ASSERT_TRUE(j.ok()) << j.status();
+  Train(*e, *j, 1, 0, 1, 7);
+  const State at_one = Snapshot(*e, *j);
+  ASSERT_TRUE(e->SaveCheckpoint(*j, dir_.string()).ok());
+  Train(*e, *j, 1, 1, 2, 8);
+  fault->SlowDown(nvme::IoKind::kWrite, 40ms);
+  Status loaded = Status::Internal("not run");
+  std::thread loader([&] { loaded = e->LoadCheckpoint(*j, dir_.string()); });
+  bool loading = false;
+  for (int i = 0; i < 500 && !loading; ++i) {
+    const Status busy = e->CheckConsistent(*j);
+    loading = busy.message().find("another checkpoint is in progress") != std::string::npos;
+    if (!loading) std::this_thread::sleep_for(2ms);
+  }
+  EXPECT_TRUE(loading) << "the load was never seen under way";
+  const UnitLayout l = *e->Layout(*j, 3);
+  bf16* g = *e->GradInbox(*j, 3, 0);
+  std::fill(g, g + l.shard, FloatToBf16(0.25f));
+  const Status late = e->GradsReady(*j, 3, 0);
+  loader.join();
+  ASSERT_TRUE(loaded.ok()) << loaded;
+  EXPECT_EQ(late.code(), StatusCode::kFailedPrecondition) << late;
+  EXPECT_NE(late.message().find("its state was replaced"), std::string::npos) << late;
+  fault->Reset();
+  EXPECT_TRUE(Same(Snapshot(*e, *j), at_one));
+  EXPECT_EQ(e->PublishedStep(*j, 3), 1);
+  Train(*e, *j, 1, 1, 1, 9);
+  EXPECT_EQ(e->PublishedStep(*j, 3), 2);
+}
+
 // Checkpoints move between fp32 and 8-bit states both ways: int8 -> fp32
 // dequantizes (the fp32 job holds exactly the int8 job's values), fp32 ->
 // int8 quantizes (and quantizing those values again changes nothing), an
