@@ -260,7 +260,8 @@ struct SwapSpace::Impl {
                       std::vector<Extent>* reserved);
   // Gives the blocks of the units in `extents` of path `p` back to the
   // drive (where the filesystem can). Needs no lock: the caller holds the
-  // units (not in the allocator) and keeps Close out.
+  // units (not in the allocator), and Close waits for it (`releasing`) or
+  // came before it (Free then touches no file).
   void Punch(uint32_t p, const std::vector<Extent>& extents) const;
   // Under map_mu: frees the units in `extents` of path `p`, marked as holes
   // when `punched` (Punch came first).
@@ -780,11 +781,15 @@ void SwapSpace::Impl::Release(uint32_t p, const std::vector<Extent>& extents, bo
 bool SwapSpace::Impl::CutFiles(uint64_t bytes) {
   bool cut = true;
   for (auto& path : paths) cut = ::ftruncate(path->fd, static_cast<off_t>(bytes)) == 0 && cut;
+  const uint64_t units = bytes / options.stripe_bytes;
   if (!cut) {  // the files keep their size: the allocators still hold
-    for (auto& path : paths) (void)::ftruncate(path->fd, static_cast<off_t>(file_bytes));
+    for (auto& path : paths) {
+      (void)::ftruncate(path->fd, static_cast<off_t>(file_bytes));
+      // Their blocks past `bytes` may be gone: reserved again before use.
+      path->MarkHoles(units, path->punched.size() - units, true);
+    }
     return false;
   }
-  const uint64_t units = bytes / options.stripe_bytes;
   for (ExtentAllocator& a : allocators) {
     const bool shrunk = a.Shrink(units);
     ZT_CHECK_MSG(shrunk, "swap files cut over units in use");
@@ -1049,6 +1054,14 @@ Status SwapSpace::Free(uint64_t id) {
   if (it->second.inflight > 0) {
     return Status::FailedPrecondition(StrCat("swap object '", it->second.name, "' has ",
                                              it->second.inflight, " I/O(s) in flight"));
+  }
+  if (sp.closed.load()) {
+    // The files are closed (and gone, unless kept): nothing to give back,
+    // and their descriptors may be another file's by now (a job freed as
+    // its engine closes).
+    sp.by_name.erase(it->second.name);
+    sp.objects.erase(it);
+    return Status::Ok();
   }
   const uint64_t stripe = sp.options.stripe_bytes;
   const uint32_t npaths = static_cast<uint32_t>(sp.paths.size());
