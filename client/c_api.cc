@@ -406,7 +406,9 @@ ztier_status ztier_model_import_safetensors(ztier_model* model, const char* path
 int64_t ztier_model_published_step(const ztier_model* model) {
   const Status open = CheckOpen(model, "model");
   if (!open.ok()) return (void)Report(open), -1;
-  return model->model->published_step();
+  Result<int64_t> step = model->model->PublishedStep();
+  if (!step.ok()) return (void)Report(step.status()), -1;
+  return *step;
 }
 
 ztier_status ztier_model_wait_published(const ztier_model* model, int64_t step,

@@ -184,13 +184,22 @@ Status Model::ReadMaster(int unit, std::vector<float>* master) const {
   return transport_->ReadState(job_, unit, master->data(), m.data(), v.data());
 }
 
-int64_t Model::published_step() const {
+Result<int64_t> Model::PublishedStep() const {
   int64_t step = INT64_MAX;
   for (int u = 0; u < units(); ++u) {
-    Result<int64_t> s = transport_->PublishedStep(job_, u);
-    step = std::min(step, s.ok() ? *s : -1);
+    ZT_ASSIGN_OR_RETURN(const int64_t s, transport_->PublishedStep(job_, u));
+    if (s < 0) {
+      return Status::FailedPrecondition(
+          StrCat("model '", spec_.name, "': unit '", spec_.units[u].name, "' has no weights yet"));
+    }
+    step = std::min(step, s);
   }
   return step;
+}
+
+int64_t Model::published_step() const {
+  Result<int64_t> step = PublishedStep();
+  return step.ok() ? *step : -1;
 }
 
 Status Model::WaitPublished(int64_t step, std::chrono::milliseconds timeout) const {

@@ -407,6 +407,9 @@ class Model {
   // new forward pass reads); -1 while some unit has no weights, or when the
   // engine cannot be asked (ztierd gone, or not answering).
   int64_t published_step() const;
+  // The same, with why there is none: FailedPrecondition (a unit without
+  // weights, naming it), the transport's error.
+  Result<int64_t> PublishedStep() const;
   // Waits until every unit holds step >= `step` (the optimizer has finished
   // it). Errors: Unavailable on timeout, Aborted if the job failed,
   // FailedPrecondition at once for a step past the one whose grads the job

@@ -128,8 +128,9 @@ ztier_status ztier_model_load_checkpoint(ztier_model* model, const char* dir);
 /* dtype: 0 bf16, 1 fp32 */
 ztier_status ztier_model_export_safetensors(ztier_model* model, const char* path, int32_t dtype);
 ztier_status ztier_model_import_safetensors(ztier_model* model, const char* path);
-/* -1 for a handle that is not an open model of this process (ztier_last_error()
- * says why). */
+/* -1 while a unit has no weights, when the engine cannot be asked, or for a
+ * handle that is not an open model of this process; ztier_last_error() says
+ * which. */
 int64_t ztier_model_published_step(const ztier_model* model);
 /* Blocks until every unit holds step >= `step` (the optimizer has finished
  * it: after a runner's last step, before reading or saving the state).

@@ -98,6 +98,9 @@ int main(void) {
   EXPECT(ztier_model_register(session, &bad, &model) == ZTIER_INVALID_ARGUMENT);
   EXPECT(strstr(ztier_last_error(), "optimizer_on_nvme is 5") != NULL);
   ASSERT_OK(ztier_model_register(session, &desc, &model));
+  /* No weights yet: -1, and why. */
+  EXPECT(ztier_model_published_step(model) == -1);
+  EXPECT(strstr(ztier_last_error(), "has no weights yet") != NULL);
 
   uint64_t numel[2], padded[2];
   float weights[136];
