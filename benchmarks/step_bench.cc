@@ -531,6 +531,8 @@ int RunOnce(StopSignals& stops, const StepBenchOptions& o, engine::StateDtype dt
   const auto stopped = [&stops] {
     return stops.Stopped() != 0 ? stops.Error("the swap files are removed") : Status::Ok();
   };
+  // A stop during the run before (--state-dtype both) ends it here.
+  if (Status s = stopped(); !s.ok()) return fail(s);
   const bool nvme = o.tier == Tier::kNvme;
   const bool int8 = dtype == engine::StateDtype::kInt8;
   const uint64_t units = (o.params + o.unit_params - 1) / o.unit_params;
