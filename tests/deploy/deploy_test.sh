@@ -156,6 +156,15 @@ else
   echo "note: tmpfiles.d/ztier.conf not checked (needs systemd-tmpfiles and root, for its chown)"
 fi
 
+# The metrics socket listens only where the admin enabled it (any account
+# on the host can read it): the service does not pull it in (Sockets=
+# implies Wants=, and it listened whenever ztierd ran).
+if grep -nE '^(Sockets|Wants|Requires|BindsTo|Upholds)=.*ztierd-metrics' \
+  "${root}/etc/systemd/system/ztierd.service"; then
+  echo "FAIL: ztierd.service pulls in ztierd-metrics.socket"
+  exit 1
+fi
+
 # ---- b. systemd-analyze verify
 # The units, with ExecStart= pointing at the staged binary (verify checks
 # that it is executable).
