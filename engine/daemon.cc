@@ -603,6 +603,36 @@ struct Daemon::Impl {
                   " s (ztierctl jobs; ztierctl evict frees one)");
   }
 
+  // With no job (registered, parked or being freed) for
+  // options.idle_dram_release, gives the pool's empty regions back to the
+  // system, once per idle spell. Serve's thread only.
+  Clock::time_point idle_since{};
+  bool idle_released = false;
+  void ReleaseIdleDram() {
+    int jobs = 0;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      jobs = freeing;
+      for (const auto& [uid, u] : usage) jobs += u.jobs;
+    }
+    const auto now = Clock::now();
+    if (jobs > 0) {
+      idle_since = {};
+      idle_released = false;
+      return;
+    }
+    if (idle_since == Clock::time_point{}) idle_since = now;
+    if (idle_released || now - idle_since < options.idle_dram_release) return;
+    idle_released = true;
+    const uint64_t bytes = engine->ReleaseIdleDram();
+    if (bytes > 0) {
+      ZT_LOG(kInfo, "ztierd")
+          << "no jobs for "
+          << std::chrono::duration_cast<std::chrono::seconds>(options.idle_dram_release).count()
+          << " s: " << bytes << " bytes of pinned DRAM kept for the next job given back";
+    }
+  }
+
   // Frees the parked jobs whose grace period is over (every of them when
   // `all`).
   void ReapParked(bool all) {
@@ -2076,6 +2106,9 @@ Result<std::unique_ptr<Daemon>> Daemon::Create(const Settings& settings,
       options.max_spec_bytes_per_uid < 1) {
     return Status::InvalidArgument("ztierd quotas must be at least 1");
   }
+  if (options.idle_dram_release.count() < 0) {
+    return Status::InvalidArgument("ztierd: the idle DRAM release time cannot be negative");
+  }
   if (options.job_grace_period.count() < 0) {
     return Status::InvalidArgument("ztierd: the job grace period cannot be negative");
   }
@@ -2118,6 +2151,7 @@ Status Daemon::Serve(SeqPacketListener& listener) {
   while (!d.stopping.load()) {
     d.ReapParked(/*all=*/false);
     d.ReapLingering(/*all=*/false);
+    d.ReleaseIdleDram();
     d.SampleTotals();
     // Join connections that ended.
     {

@@ -90,6 +90,11 @@ struct DaemonOptions {
   // again; then it is freed. 0: freed at once. A registration of the same
   // name replaces a parked job.
   std::chrono::milliseconds job_grace_period{0};
+  // With no job for this long, the pinned DRAM the pool kept for the next
+  // one (its empty regions) goes back to the system: one large job left
+  // tens of GiB locked on a shared machine until a restart. 0: when the
+  // last job goes.
+  std::chrono::milliseconds idle_dram_release{60000};
   // A connection that has not said its hello within this is closed (a
   // silent one held its uid's connection quota for good).
   std::chrono::milliseconds hello_timeout{10000};

@@ -324,6 +324,14 @@ Result<DramBlock> DramPool::Allocate(uint64_t bytes, std::string_view owner) {
   return DramBlock{p.regions[r].base(), size, r, 0};
 }
 
+uint64_t DramPool::ReleaseEmpty() {
+  Impl& p = *impl_;
+  std::lock_guard<std::mutex> lock(p.mu);
+  const uint64_t before = p.reserved;
+  p.DropEmptySharedRegions(UINT64_MAX);
+  return before - p.reserved;
+}
+
 Result<uint32_t> DramPool::CreateRegion(uint64_t bytes, std::string_view owner) {
   Impl& p = *impl_;
   if (bytes == 0) return Status::InvalidArgument(StrCat(owner, ": a region of 0 bytes"));

@@ -19,7 +19,7 @@
 // ResourceExhausted naming the budget. Freed blocks are zeroed before they can
 // be handed to anyone else. Empty regions are kept (they are pinned and
 // prefaulted: making them again is the expensive part) until a dedicated
-// region needs their room.
+// region needs their room, or ReleaseEmpty (a daemon with no jobs).
 //
 // Shared regions hold what never leaves this process (optimizer states,
 // rings); dedicated regions (CreateRegion) hold what a job shares with its
@@ -114,6 +114,9 @@ class DramPool {
   // Releasing more than is held is a programmer error.
   void HoldOutside(uint64_t bytes);
   void ReleaseOutside(uint64_t bytes);
+  // Unmaps every shared region that holds no block, giving its pinned
+  // memory back to the system; returns the bytes released.
+  uint64_t ReleaseEmpty();
 
   // The memfd of a live region, for passing to another process; -1 if none.
   int region_fd(uint32_t region) const;

@@ -326,6 +326,10 @@ class Engine {
   // The pinned DRAM pool: budget, bytes reserved and in use, regions locked,
   // and the page size it really got (engine/dram_pool.h).
   DramPoolStats pool_stats() const;
+  // Gives the pool's empty regions back to the system (they are kept, pinned,
+  // for the next job otherwise): for a daemon that has no jobs. Returns the
+  // bytes released.
+  uint64_t ReleaseIdleDram();
   // DramPool::HoldOutside / ReleaseOutside: pinned memory of freed jobs that
   // live clients still map (ztierd's lingering connections).
   void HoldDram(uint64_t bytes);

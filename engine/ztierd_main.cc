@@ -75,9 +75,9 @@ void Usage(std::ostream& out) {
          "              [--allow-uid UID]... [--max-jobs-per-uid N]\n"
          "              [--max-connections-per-uid N] [--max-requests-in-flight N]\n"
          "              [--max-dram-per-uid SIZE] [--max-nvme-per-uid SIZE]\n"
-         "              [--job-grace-seconds N] [--metrics ADDRESS]\n"
-         "              [--metrics-job-names yes|no] [--admin-group NAME]\n"
-         "              [--quota-file FILE]\n"
+         "              [--job-grace-seconds N] [--idle-release-seconds N]\n"
+         "              [--metrics ADDRESS] [--metrics-job-names yes|no]\n"
+         "              [--admin-group NAME] [--quota-file FILE] [--describe-settings]\n"
          "\n"
          "  --socket PATH   listen on PATH (not needed under systemd socket activation)\n"
          "  --config FILE   engine settings: a ds_config with ztier's keys (DRAM budget,\n"
@@ -90,6 +90,9 @@ void Usage(std::ostream& out) {
          "  --max-dram-per-uid, --max-nvme-per-uid (bytes, e.g. 64G; default: none): quotas\n"
          "  --job-grace-seconds  keep a job whose last client died this long, so a\n"
          "                  restarted rank can attach to it again (default 0: free it at once)\n"
+         "  --idle-release-seconds  with no job this long, give the pinned DRAM kept for\n"
+         "                  the next job back to the system (default 60; 0: when the last\n"
+         "                  job goes)\n"
          "  --metrics ADDRESS  serve Prometheus metrics at http://ADDRESS/metrics: HOST:PORT\n"
          "                  (e.g. 127.0.0.1:9464) or unix:PATH; under systemd the socket\n"
          "                  named \"metrics\" (ztierd-metrics.socket) is used instead\n"
@@ -171,6 +174,9 @@ Result<Flags> ParseFlags(int argc, char** argv) {
     } else if (a == "--job-grace-seconds") {
       ZT_ASSIGN_OR_RETURN(int64_t n, IntFlag(a, v, 0, 7 * 24 * 3600));
       f.daemon.job_grace_period = std::chrono::seconds(n);
+    } else if (a == "--idle-release-seconds") {
+      ZT_ASSIGN_OR_RETURN(int64_t n, IntFlag(a, v, 0, 7 * 24 * 3600));
+      f.daemon.idle_dram_release = std::chrono::seconds(n);
     } else if (a == "--metrics") {
       f.metrics = v;
     } else if (a == "--metrics-job-names") {

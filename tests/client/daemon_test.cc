@@ -538,6 +538,34 @@ TEST_F(DaemonTest, AConnectionWithoutAHelloIsClosed) {
   WaitForStats(1, 0);
 }
 
+// With no job for --idle-release-seconds, the pinned DRAM the pool kept
+// for the next job goes back to the system (one large job left it locked
+// until a restart); while a job is there, none of it goes.
+TEST_F(DaemonTest, AnIdleDaemonGivesItsPinnedDramBack) {
+  engine::DaemonOptions options;
+  options.idle_dram_release = 300ms;
+  Start(options);
+  const auto reserved = [&] { return daemon_->daemon().engine().pool_stats().reserved_bytes; };
+  RawClient c = RawClient::Connect(socket());
+  const int32_t job = Register(c, "a");
+  ASSERT_GE(job, 0);
+  std::this_thread::sleep_for(800ms);
+  const uint64_t with_job = reserved();
+  EXPECT_GT(with_job, 0u);
+  Result<RawClient::Reply> r =
+      c.Call(p::MessageType::kUnregisterJob, p::Encode(p::JobRef{.job = job}));
+  ASSERT_TRUE(r.ok() && r->status.ok()) << (r.ok() ? r->status : r.status());
+  WaitForStats(1, 0);
+  EXPECT_GT(reserved(), 0u) << "released before the idle time";
+  const auto deadline = std::chrono::steady_clock::now() + 10s;
+  while (reserved() > 0 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(20ms);
+  }
+  EXPECT_EQ(reserved(), 0u) << "an idle ztierd kept its pinned DRAM";
+  // The next job makes its regions again.
+  EXPECT_GE(Register(c, "b"), 0);
+}
+
 TEST_F(DaemonTest, TheDramQuotaOfAUidRefusesNamingItAndHoldsNothing) {
   engine::DaemonOptions quota;
   quota.max_dram_bytes_per_uid = 16 << 10;  // two units of 1000 params need more
