@@ -5,6 +5,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "engine/json_strict.h"
+
 #include "common/crc32c.h"
 #include "common/numbers.h"
 #include "engine/wire_types.h"
@@ -277,8 +279,11 @@ Result<CheckpointManifest> DecodeCheckpointManifest(std::string_view text,
   if (NestingDepth(text, kMaxManifestDepth) > kMaxManifestDepth) {
     return f.Bad(StrCat("arrays and objects nest more than ", kMaxManifestDepth, " deep"));
   }
-  const Json m = Json::parse(text.begin(), text.end(), nullptr, /*allow_exceptions=*/false);
-  if (m.is_discarded()) return f.Bad("not valid JSON (truncated?)");
+  // Strictly: a key given twice is refused, and nothing after a NUL byte
+  // is dropped in silence (a manifest with garbage past one resumed).
+  Result<Json> parsed = ParseJsonStrict(std::string(text), "its JSON");
+  if (!parsed.ok()) return f.Bad(StrCat(parsed.status().message(), " (truncated?)"));
+  const Json& m = *parsed;
   try {
     return Decode(m, f);
   } catch (const Json::exception& e) {  // nothing escapes: a type the checks above missed

@@ -7,6 +7,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "engine/json_strict.h"
+
 namespace ztier::engine {
 namespace {
 
@@ -37,16 +39,19 @@ StDtype ParseDtype(const std::string& s) {
   return StDtype::kOther;
 }
 
-// Sizes of the other dtypes the format defines, so that files carrying them
-// are still validated (ztier only imports F32/BF16/F16 into its units).
-uint64_t OtherDtypeBytes(const std::string& s) {
-  if (s == "F64" || s == "I64" || s == "U64" || s == "C64") return 8;
-  if (s == "I32" || s == "U32") return 4;
-  if (s == "I16" || s == "U16") return 2;
+// Sizes in bits of the other dtypes the format defines, so that files
+// carrying them are still validated (ztier only imports F32/BF16/F16 into
+// its units); the 4- and 6-bit ones pack their elements.
+uint64_t OtherDtypeBits(const std::string& s) {
+  if (s == "F64" || s == "I64" || s == "U64" || s == "C64") return 64;
+  if (s == "I32" || s == "U32") return 32;
+  if (s == "I16" || s == "U16") return 16;
   if (s == "I8" || s == "U8" || s == "BOOL" || s == "F8_E4M3" || s == "F8_E5M2" || s == "F8_E8M0" ||
       s == "F8_E4M3FNUZ" || s == "F8_E5M2FNUZ") {
-    return 1;
+    return 8;
   }
+  if (s == "F6_E2M3" || s == "F6_E3M2") return 6;
+  if (s == "F4") return 4;
   return 0;
 }
 
@@ -62,20 +67,13 @@ Result<StHeader> ParseSafetensorsHeader(std::string_view prefix, uint64_t file_s
     return bad(StrCat("header length ", n, " runs past the end of the ", file_size, "-byte file"));
   }
   if (prefix.size() < 8 + n) return bad("header not fully read");
-  // A name given twice is refused (as the reference reader does), not read
-  // as its last entry.
-  std::set<std::string> names;
-  std::string twice;
-  auto note_keys = [&](int depth, Json::parse_event_t event, Json& parsed) {
-    if (event == Json::parse_event_t::key && depth == 1 && twice.empty() &&
-        !names.insert(parsed.get<std::string>()).second) {
-      twice = parsed.get<std::string>();
-    }
-    return true;
-  };
-  Json h = Json::parse(prefix.substr(8, n), note_keys, /*allow_exceptions=*/false);
-  if (h.is_discarded()) return bad("header is not valid JSON");
-  if (!twice.empty()) return bad(StrCat("the header names '", twice, "' twice"));
+  // Strictly, as the reference reader: a key given twice at any depth (a
+  // tensor named twice, or an entry's "dtype" given twice, whose last one
+  // read fp16 bytes as bf16) is refused, and so is anything after a NUL
+  // byte. In time linear in the header's size.
+  Result<Json> parsed = ParseJsonStrict(std::string(prefix.substr(8, n)), "header");
+  if (!parsed.ok()) return bad(parsed.status().message());
+  const Json& h = *parsed;
   if (!h.is_object()) return bad("header is not a JSON object");
   StHeader out;
   out.data_start = 8 + n;
@@ -105,10 +103,9 @@ Result<StHeader> ParseSafetensorsHeader(std::string_view prefix, uint64_t file_s
     StTensor t;
     t.dtype_name = dt.get<std::string>();
     t.dtype = ParseDtype(t.dtype_name);
-    const uint64_t esize =
-        t.dtype != StDtype::kOther ? DtypeBytes(t.dtype) : OtherDtypeBytes(t.dtype_name);
-    if (esize == 0)
-      return bad(StrCat("tensor '", name, "' has unknown dtype '", t.dtype_name, "'"));
+    const uint64_t bits =
+        t.dtype != StDtype::kOther ? 8 * DtypeBytes(t.dtype) : OtherDtypeBits(t.dtype_name);
+    if (bits == 0) return bad(StrCat("tensor '", name, "' has unknown dtype '", t.dtype_name, "'"));
     uint64_t count = 1;
     for (const Json& d : shape) {
       if (!d.is_number_unsigned()) return bad(StrCat("tensor '", name, "' has a bad dimension"));
@@ -128,9 +125,17 @@ Result<StHeader> ParseSafetensorsHeader(std::string_view prefix, uint64_t file_s
       return bad(StrCat("tensor '", name, "' data_offsets [", t.begin, ", ", t.end,
                         ") fall outside the ", data_size, "-byte data region"));
     }
-    if (count > UINT64_MAX / esize || t.end - t.begin != count * esize) {
+    if (count > UINT64_MAX / bits) {
+      return bad(
+          StrCat("tensor '", name, "' of ", count, " ", t.dtype_name, " elements: past 2^64 bits"));
+    }
+    if (count * bits % 8 != 0) {
+      return bad(StrCat("tensor '", name, "' of ", count, " ", t.dtype_name,
+                        " elements is no whole number of bytes"));
+    }
+    if (t.end - t.begin != count * bits / 8) {
       return bad(StrCat("tensor '", name, "' has ", t.end - t.begin,
-                        " bytes of data but its shape ", "and dtype need ", count * esize));
+                        " bytes of data but its shape and dtype need ", count * bits / 8));
     }
     ranges.emplace_back(t.begin, t.end);
     out.tensors.emplace(name, std::move(t));

@@ -1080,6 +1080,11 @@ TEST_F(CheckpointTest, DamagedCheckpointsAreRejectedClearly) {
   put(manifest, good_manifest.substr(0, good_manifest.size() / 2));
   s = load();
   EXPECT_EQ(s.code(), StatusCode::kCorruption) << s;
+  // Bytes after a NUL were dropped, and the damaged manifest loaded.
+  put(manifest, good_manifest + std::string(1, '\0') + "garbage");
+  s = load();
+  EXPECT_EQ(s.code(), StatusCode::kCorruption) << s;
+  EXPECT_NE(s.message().find("a NUL byte"), std::string::npos) << s;
   put(manifest, good_manifest);
 
   // Values no training leaves (NaN in a master, v < 0) under checksums

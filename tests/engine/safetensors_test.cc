@@ -227,7 +227,7 @@ TEST(SafetensorsHeaderTest, RejectsHeadersThatLie) {
       {"abc", "shorter than"},
       {lying_length + "{}", "implausible"},
       {Header("{}", 0).substr(0, 9), "runs past the end"},
-      {Header("{not json", 0), "not valid JSON"},
+      {Header("{not json", 0), "header: parse error at line 1, column 3"},
       {Header("[1]", 0), "not a JSON object"},
       {Header(R"({"t": {"dtype": "F32", "shape": [2]}})", 8), "lacks"},
       {Header(R"({"t": {"dtype": "Q7", "shape": [2], "data_offsets": [0, 8]}})", 8),
@@ -254,7 +254,23 @@ TEST(SafetensorsHeaderTest, RejectsHeadersThatLie) {
       {Header(R"({"t": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
                   "t": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}})",
               8),
-       "names 't' twice"},
+       "key 't' is given twice"},
+      // A key given twice inside an entry: the last "dtype" read fp16
+      // bytes as bf16. Anything after a NUL byte was dropped.
+      {Header(R"({"t": {"dtype": "F16", "dtype": "BF16", "shape": [2], "data_offsets": [0, 4]}})",
+              4),
+       "key 't.dtype' is given twice"},
+      {Header(std::string(R"({"t": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}})") +
+                  std::string(1, '\0') + "{{{",
+              4),
+       "a NUL byte"},
+      // A shape whose byte count wraps: said as such (it was "needs 0").
+      {Header(R"({"t": {"dtype": "F32", "shape": [2147483648, 2147483648],
+                  "data_offsets": [0, 512]}})",
+              512),
+       "past 2^64 bits"},
+      {Header(R"({"t": {"dtype": "F4", "shape": [3], "data_offsets": [0, 2]}})", 2),
+       "no whole number of bytes"},
       {Header(R"({"t": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}})", 12),
        "after the last tensor's data"},
       {Header(R"({"t": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}})", 12),
@@ -298,6 +314,32 @@ TEST(SafetensorsHeaderTest, ReadsEveryDtypeTheWritersWrite) {
     Result<StHeader> h = ParseSafetensorsHeader(file, file.size());
     EXPECT_TRUE(h.ok()) << dtype << ": " << h.status();
   }
+  // The packed 4- and 6-bit ones: 4 elements in 2 and 3 bytes (a file
+  // with one beside the tensors a job takes was refused whole).
+  for (const auto& [dtype, bytes] : {std::pair{"F4", 2}, {"F6_E2M3", 3}, {"F6_E3M2", 3}}) {
+    const std::string file =
+        Header(StrCat(R"({"t": {"dtype": ")", dtype, R"(", "shape": [2, 2], "data_offsets": [0, )",
+                      bytes, "]}}"),
+               bytes);
+    Result<StHeader> h = ParseSafetensorsHeader(file, file.size());
+    EXPECT_TRUE(h.ok()) << dtype << ": " << h.status();
+  }
+}
+
+// A header of many entries is read in time linear in its size: the parser
+// rescanned an object each time one of its members closed, and 200k
+// entries (13 MB) never finished. (ctest's timeout holds this one.)
+TEST(SafetensorsHeaderTest, AHeaderOfManyEntriesIsRead) {
+  std::string json = "{";
+  for (int i = 0; i < 200000; ++i) {
+    json += StrCat(i ? "," : "", R"("t)", i, R"(": {"dtype": "F32", "shape": [0], )",
+                   R"("data_offsets": [0, 0]})");
+  }
+  json += "}";
+  const std::string file = Header(json, 0);
+  Result<StHeader> h = ParseSafetensorsHeader(file, file.size());
+  ASSERT_TRUE(h.ok()) << h.status();
+  EXPECT_EQ(h->tensors.size(), 200000u);
 }
 
 TEST(SafetensorsHeaderTest, RandomMutationsAreRejectedOrDescribeAConsistentFile) {
