@@ -14,7 +14,8 @@ copy in host memory, with a warning.
 
 Errors: FileNotFoundError (no checkpoint there), KeyError naming a tensor the
 checkpoint lacks (``load_weights``), ValueError naming a tensor whose shape
-differs.
+differs, one that is not floating point, or a file that cannot be read (a
+damaged header or index), with the file.
 """
 
 from __future__ import annotations
@@ -29,15 +30,36 @@ SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 
 
-def _weight_files(path: str) -> dict[str, str]:
-    """tensor name -> file, for a directory (single file or sharded) or a file."""
+def _unreadable(file: str, e: Exception) -> ValueError:
+    """What cannot read ``file`` (safetensors' own errors do not name it)."""
+    return ValueError(f"ztier: cannot read {file}: {e}")
+
+
+def _open(file: str):
+    """An open safetensors file; its errors name it."""
     from safetensors import safe_open
 
+    try:
+        return safe_open(file, framework="pt")
+    except FileNotFoundError:
+        raise
+    except Exception as e:  # safetensors' SafetensorError, OSError
+        raise _unreadable(file, e) from e
+
+
+def _weight_files(path: str) -> dict[str, str]:
+    """tensor name -> file, for a directory (single file or sharded) or a file."""
     if os.path.isdir(path):
         index = os.path.join(path, INDEX)
         if os.path.exists(index):
-            with open(index) as f:
-                weight_map = json.load(f)["weight_map"]
+            try:
+                with open(index) as f:
+                    weight_map = json.load(f)["weight_map"]
+                if not isinstance(weight_map, dict) or not all(
+                        isinstance(v, str) for v in weight_map.values()):
+                    raise ValueError("weight_map is not a map of tensor names to files")
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                raise _unreadable(index, e) from e
             return {k: os.path.join(path, v) for k, v in weight_map.items()}
         single = os.path.join(path, SINGLE)
         if not os.path.exists(single):
@@ -45,7 +67,7 @@ def _weight_files(path: str) -> dict[str, str]:
         path = single
     if not os.path.exists(path):
         raise FileNotFoundError(f"ztier: no checkpoint at {path}")
-    with safe_open(path, framework="pt") as f:
+    with _open(path) as f:
         return {k: path for k in f.keys()}
 
 
@@ -58,8 +80,6 @@ def _aliases(model: nn.Module) -> dict[int, list[str]]:
 
 def load_weights(z, path: str):
     """Sets every unit's initial weights from the checkpoint at ``path``."""
-    from safetensors import safe_open
-
     files = _weight_files(os.fspath(path))
     aliases = _aliases(z.module)
     handles: dict[str, object] = {}
@@ -72,13 +92,24 @@ def load_weights(z, path: str):
                     raise KeyError(f"ztier: the checkpoint at {path} has no tensor '{t.name}'")
                 file = files[key]
                 if file not in handles:
-                    handles[file] = safe_open(file, framework="pt").__enter__()
-                value = handles[file].get_tensor(key)
+                    handles[file] = _open(file).__enter__()
+                try:
+                    value = handles[file].get_tensor(key)
+                except Exception as e:  # a tensor the index maps to the wrong shard, ...
+                    raise _unreadable(file, e) from e
                 if tuple(value.shape) != t.shape:
                     raise ValueError(f"ztier: tensor '{key}' in {file} has shape "
                                      f"{tuple(value.shape)}, the model's is {t.shape}")
+                # An integer or bool tensor where a weight goes is another
+                # file's (it was cast to floats without a word).
+                if not value.is_floating_point():
+                    raise ValueError(f"ztier: tensor '{key}' in {file} is {value.dtype}, "
+                                     f"not floating point: no weights")
                 flat[t.offset:t.offset + t.numel] = value.reshape(-1).float()
-            z.job.set_weights(u.index, flat)
+            try:
+                z.job.set_weights(u.index, flat)
+            except ValueError as e:  # a value not finite: which checkpoint
+                raise ValueError(f"{e} (in the checkpoint at {path})") from e
     finally:
         for h in handles.values():
             h.__exit__(None, None, None)
@@ -87,8 +118,6 @@ def load_weights(z, path: str):
 def load_buffers(z, path: str):
     """Sets the module's persistent buffers (running statistics) that the
     checkpoint at ``path`` holds; every rank reads them (each has its own)."""
-    from safetensors import safe_open
-
     wanted = z.persistent_buffers()
     if not wanted:
         return
@@ -96,8 +125,11 @@ def load_buffers(z, path: str):
     found = {}
     for name in wanted:
         if name in files:
-            with safe_open(files[name], framework="pt") as f:
-                found[name] = f.get_tensor(name)
+            with _open(files[name]) as f:
+                try:
+                    found[name] = f.get_tensor(name)
+                except Exception as e:
+                    raise _unreadable(files[name], e) from e
     if found:
         z._set_buffers(found, os.fspath(path))
 

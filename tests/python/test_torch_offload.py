@@ -22,6 +22,7 @@ import ztier
 import ztier.torch as zt
 from conftest import VOCAB, batch, tiny_gpt2, tiny_llama
 from reference import Reference
+from ztier.hf import INDEX
 
 ADAMW = zt.AdamW(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
                  no_decay=("bias", "norm", "ln_"))
@@ -711,6 +712,55 @@ def test_from_pretrained_reads_sharded_checkpoints(settings, tmp_path):
     with pytest.raises(FileNotFoundError):
         zt.from_pretrained(LlamaForCausalLM, tmp_path / "nothing", settings=settings,
                            config=model.config)
+
+
+def test_from_pretrained_names_the_file_it_cannot_use(settings, tmp_path):
+    """A damaged index or shard, a tensor the index maps to the wrong shard,
+    an integer tensor where a weight goes, a NaN weight: each error names
+    the file (safetensors' own did not), and nothing is cast in silence
+    (an int64 or bool tensor of the right shape was loaded as floats)."""
+    import json
+    from safetensors.torch import save_file
+    from transformers import LlamaForCausalLM
+
+    model = tiny_llama()
+    sd = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
+    keys = sorted(sd)
+
+    def checkpoint(name, tensors, weight_map=None):
+        out = tmp_path / name
+        out.mkdir()
+        model.config.save_pretrained(out)
+        save_file(tensors, out / "model-00001-of-00001.safetensors")
+        index = {"weight_map": weight_map if weight_map is not None
+                 else {k: "model-00001-of-00001.safetensors" for k in tensors}}
+        (out / INDEX).write_text(json.dumps(index))
+        return out
+
+    broken = checkpoint("broken-index", sd)
+    (broken / INDEX).write_text('{"weight_map": ')
+    with pytest.raises(ValueError, match=f"cannot read {broken / INDEX}"):
+        zt.from_pretrained(LlamaForCausalLM, broken, settings=settings)
+    damaged = checkpoint("damaged", sd)
+    shard = damaged / "model-00001-of-00001.safetensors"
+    shard.write_bytes(b"\xff" * 8 + shard.read_bytes()[8:])
+    with pytest.raises(ValueError, match=f"cannot read {shard}"):
+        zt.from_pretrained(LlamaForCausalLM, damaged, settings=settings)
+    wrong = checkpoint("wrong-shard", {k: sd[k] for k in keys[1:]},
+                       {k: "model-00001-of-00001.safetensors" for k in keys})
+    with pytest.raises(ValueError, match="cannot read .*wrong-shard"):
+        zt.from_pretrained(LlamaForCausalLM, wrong, settings=settings)
+    ints = dict(sd)
+    name = next(k for k in keys if k.endswith("q_proj.weight"))
+    ints[name] = torch.ones_like(sd[name], dtype=torch.int64)
+    with pytest.raises(ValueError, match=f"tensor '{name}' in .* is torch.int64, not floating"):
+        zt.from_pretrained(LlamaForCausalLM, checkpoint("ints", ints), settings=settings)
+    nan = dict(sd)
+    nan[name] = sd[name].clone()
+    nan[name].view(-1)[3] = float("nan")
+    where = checkpoint("nan", nan)
+    with pytest.raises(ValueError, match=f"is nan; .*in the checkpoint at {where}"):
+        zt.from_pretrained(LlamaForCausalLM, where, settings=settings)
 
 
 def test_hf_trainer_smoke(settings, tmp_path):
