@@ -37,6 +37,13 @@ constexpr bf16 FloatToBf16(float f) {
   return bf16{static_cast<uint16_t>((u + rounding_bias) >> 16)};
 }
 
+// Whether `f` is finite in bf16 too: NaN, the infinities and the fp32
+// values past 3.3961775e38 (which round to +/-Inf) are not. A weight that
+// is not would be published to the forward pass as Inf or NaN.
+constexpr bool FiniteInBf16(float f) {
+  return (std::bit_cast<uint32_t>(Bf16ToFloat(FloatToBf16(f))) & 0x7f800000u) != 0x7f800000u;
+}
+
 }  // namespace ztier
 
 #endif  // ZTIER_COMMON_BF16_H_

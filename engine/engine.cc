@@ -31,6 +31,7 @@
 #include <set>
 #include <thread>
 
+#include "common/bf16.h"
 #include "common/log.h"
 #include "common/numbers.h"
 #include "common/thread.h"
@@ -1032,15 +1033,16 @@ Status Engine::WriteWeights(int job, int unit, const float* flat, uint64_t numel
                                           u.layout.numel, " elements, got ", numel));
   }
   // A NaN or infinite master would make every step's grads non-finite, and
-  // every step skipped: refused, naming where.
+  // every step skipped; one past bf16's range is published as Inf:
+  // refused, naming where.
   for (uint64_t i = 0; i < numel; ++i) {
-    if (std::isfinite(flat[i])) continue;
+    if (FiniteInBf16(flat[i])) continue;
     const std::vector<uint64_t>& off = u.layout.offsets;
     const size_t t = std::upper_bound(off.begin(), off.end(), i) - off.begin() - 1;
     return Status::InvalidArgument(StrCat("set weights: unit '", j->spec.units[unit].name,
                                           "' tensor '", j->spec.units[unit].tensors[t].name,
-                                          "' element ", i - off[t], " is ", flat[i],
-                                          "; weights must be finite"));
+                                          "' element ", i - off[t], " is ", flat[i], "; ",
+                                          kWeightsInBf16Range));
   }
   {
     // Weights published as step 0 after a step would leave clients waiting

@@ -225,7 +225,8 @@ Status CheckFinite(const JobDescription& job, size_t k, uint64_t first, const fl
   for (int a = 0; a < 3; ++a) {
     const float* x = data + a * shard;
     for (uint64_t i = 0; i < shard; ++i) {
-      if (std::isfinite(x[i]) && (a < 2 || x[i] >= 0.0f)) continue;
+      // The master also within bf16's range: it is published as bf16.
+      if ((a == 0 ? FiniteInBf16(x[i]) : std::isfinite(x[i])) && (a < 2 || x[i] >= 0.0f)) continue;
       const uint64_t at = first + i;
       const UnitLayout& l = job.layouts[k];
       std::string what = "its padding";
@@ -572,15 +573,16 @@ Status ImportSafetensorsFile(const JobDescription& job, StateAccess& state,
                                               it->second.dtype_name,
                                               "; ztier imports F32, BF16 and F16"));
       }
-      // A NaN or an infinity would train as NaN, every step skipped.
+      // A NaN or an infinity would train as NaN, every step skipped; a
+      // value past bf16's range is published as Inf (and its own export
+      // was then refused).
       const StTensor& st = it->second;
       for (uint64_t i = 0; i < element_count(st); ++i) {
         const float x = element(st, i);
-        if (!std::isfinite(x)) {
+        if (!FiniteInBf16(x)) {
           return Status::InvalidArgument(StrCat(path, ": tensor '", ts.name, "' element ", i,
-                                                " is ", x,
-                                                "; weights must be finite (nothing was "
-                                                "imported)"));
+                                                " is ", x, "; ", kWeightsInBf16Range,
+                                                " (nothing was imported)"));
         }
       }
     }

@@ -95,6 +95,11 @@ std::string CheckpointDirKey(const std::string& dir);
 // The name of the lock file (common/dir_lock.h) a checkpoint directory's
 // writer holds.
 inline constexpr char kCheckpointLockFile[] = "ztier-checkpoint.lock";
+// What a weight must be, in the errors that refuse one (set, imported or
+// loaded): the forward pass reads it as bf16.
+inline constexpr char kWeightsInBf16Range[] =
+    "weights must be finite and within bf16's range (|x| < 3.39e38: the forward pass reads them "
+    "as bf16)";
 
 }  // namespace ztier::engine
 

@@ -45,6 +45,19 @@ TEST(Bf16Test, Infinities) {
   EXPECT_EQ(Bits(-std::numeric_limits<float>::infinity()), 0xff80);
 }
 
+// Finite in bf16: up to the largest bf16 and what rounds to it; the fp32
+// values from the halfway point up round to Inf.
+TEST(Bf16Test, FiniteInBf16StopsWhereRoundingReachesInf) {
+  EXPECT_TRUE(FiniteInBf16(0.0f));
+  EXPECT_TRUE(FiniteInBf16(-1e-45f));
+  EXPECT_TRUE(FiniteInBf16(F(0x7f7f0000)));    // the largest bf16
+  EXPECT_TRUE(FiniteInBf16(F(0x7f7f7fff)));    // just under halfway: rounds down
+  EXPECT_FALSE(FiniteInBf16(F(0x7f7f8000)));   // halfway: to even, Inf
+  EXPECT_FALSE(FiniteInBf16(-F(0x7f7fffff)));  // the largest fp32
+  EXPECT_FALSE(FiniteInBf16(std::numeric_limits<float>::infinity()));
+  EXPECT_FALSE(FiniteInBf16(std::numeric_limits<float>::quiet_NaN()));
+}
+
 TEST(Bf16Test, NaNStaysQuietNaNWithSign) {
   EXPECT_EQ(Bits(std::numeric_limits<float>::quiet_NaN()), 0x7fc0);
   EXPECT_EQ(Bits(-std::numeric_limits<float>::quiet_NaN()), 0xffc0);

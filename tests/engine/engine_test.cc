@@ -829,6 +829,13 @@ TEST(EngineJobsTest, NonFiniteWeightsAreRefused) {
   Status bad = engine->WriteWeights(*job, 0, w.data(), w.size());
   EXPECT_EQ(bad.code(), StatusCode::kInvalidArgument) << bad;
   EXPECT_NE(bad.message().find("tensor 'b' element 3 is inf"), std::string::npos) << bad;
+  // Finite in fp32, Inf in bf16: the forward pass would read Inf.
+  w[11] = -3.4e38f;
+  bad = engine->WriteWeights(*job, 0, w.data(), w.size());
+  EXPECT_EQ(bad.code(), StatusCode::kInvalidArgument) << bad;
+  EXPECT_NE(bad.message().find("within bf16's range"), std::string::npos) << bad;
+  w[11] = 3.38e38f;  // the largest bf16 is 3.3895e38
+  EXPECT_TRUE(engine->WriteWeights(*job, 0, w.data(), w.size()).ok());
   w[11] = 0.5f;
   EXPECT_TRUE(engine->WriteWeights(*job, 0, w.data(), w.size()).ok());
 }

@@ -181,6 +181,21 @@ TEST_F(SafetensorsTest, ImportRefusesWeightsThatAreNotFinite) {
                                         {"attn.w", "F16", {16, 48}, 16 * 48 * 2},
                                         {"attn.b", "F16", {48}, 48 * 2},
                                         {"ln.w", "F16", {16}, 16 * 2}};
+  // An F32 past bf16's range (3.4e38: ztier refused its own export of it).
+  {
+    std::vector<StEntry> f32 = entries;
+    f32[2] = {"attn.b", "F32", {48}, 48 * 4};
+    std::string data(50 * 16 * 2 + 16 * 48 * 2 + 48 * 4 + 16 * 2, '\0');
+    const float huge = 3.4e38f;
+    std::memcpy(data.data() + 50 * 16 * 2 + 16 * 48 * 2 + 3 * 4, &huge, 4);  // attn.b[3]
+    const fs::path p = dir_ / "huge.safetensors";
+    WriteAll(p, MakeSafetensorsHeader(f32) + data);
+    const Status s = engine_->ImportSafetensors(j, p.string());
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s;
+    EXPECT_NE(s.message().find("tensor 'attn.b' element 3 is 3.4e+38"), std::string::npos) << s;
+    EXPECT_NE(s.message().find("within bf16's range"), std::string::npos) << s;
+    EXPECT_EQ(Master(j, 0), weights[0]);
+  }
   for (const uint16_t bad : {uint16_t{0x7c00}, uint16_t{0xfc00}, uint16_t{0x7e00}}) {
     std::string data(50 * 16 * 2 + 16 * 48 * 2 + 48 * 2 + 16 * 2, '\0');
     std::memcpy(data.data() + 50 * 16 * 2 + 16 * 48 * 2 + 3 * 2, &bad, 2);  // attn.b[3]
