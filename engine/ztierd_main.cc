@@ -2,7 +2,8 @@
 // swap space, CPU AdamW) shared by the training jobs of every user allowed
 // to connect to its socket (engine/daemon.h).
 //
-//   ztierd --socket /run/ztier/ztierd.sock --config /etc/ztier/ztierd.json
+//   ztierd --socket /tmp/ztierd.sock --config /etc/ztier/ztierd.json
+//   (by hand; /run/ztier is root's, for the socket unit)
 //   systemd: ztierd.socket hands the listening socket over (LISTEN_FDS)
 //
 // Settings come from --config (the same file format as ztier-train's: a
@@ -219,12 +220,18 @@ bool SettingsError(const Status& s) {
 int EngineFailure(const Status& s) {
   std::fprintf(stderr, "ztierd: %s\n", ztier::PrintableUtf8(s.ToString()).c_str());
   const int err = s.sys_errno();
-  const bool denied = err == EROFS || err == EACCES || err == EPERM;
-  if (denied && std::getenv("INVOCATION_ID") != nullptr) {  // started by systemd
+  // Under ProtectSystem=strict a path left out of ReadWritePaths= is
+  // read-only (EROFS); one listed there but not user ztier's is EACCES.
+  if (err == EROFS && std::getenv("INVOCATION_ID") != nullptr) {  // started by systemd
     std::fprintf(stderr,
                  "ztierd: under systemd (ProtectSystem=strict) every swap directory must be "
                  "listed in ReadWritePaths= of ztierd.service: systemctl edit ztierd.service "
                  "(deploy/README.md)\n");
+  } else if (err == EACCES || err == EPERM) {
+    std::fprintf(stderr,
+                 "ztierd: the directory must be writable by the user ztierd runs as (uid %u; "
+                 "the service's is ztier: chown ztier:ztier DIR)\n",
+                 static_cast<unsigned>(::geteuid()));
   }
   return SettingsError(s) ? 2 : 1;
 }

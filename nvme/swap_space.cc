@@ -8,8 +8,10 @@
 #include "nvme/swap_space.h"
 
 #include <fcntl.h>
+#include <linux/magic.h>
 #include <sys/eventfd.h>
 #include <sys/stat.h>
+#include <sys/statfs.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
 
@@ -562,6 +564,16 @@ Status SwapSpace::Impl::OpenFiles(bool create) {
     pio->index = i;
     const std::string& dir = options.paths[i];
     pio->file = (std::filesystem::path(dir) / options.file_name).string();
+    // Memory, not a drive: what is swapped there takes RAM that no DRAM
+    // budget counts (and is lost with the machine, as RAM is).
+    struct statfs sfs {};
+    if (::statfs(dir.c_str(), &sfs) == 0 &&
+        (sfs.f_type == TMPFS_MAGIC || sfs.f_type == RAMFS_MAGIC)) {
+      ZT_LOG(kWarn, "nvme") << "swap path " << dir << " is on "
+                            << (sfs.f_type == TMPFS_MAGIC ? "tmpfs" : "ramfs")
+                            << ", which is memory: what goes there takes RAM that the DRAM budget "
+                               "(ztier.dram_budget) does not count; give a directory on a drive";
+    }
     struct stat fst {};
     const bool exists = ::stat(pio->file.c_str(), &fst) == 0;
     if (!create && !exists) {

@@ -1435,6 +1435,24 @@ TEST(ZtierdProgramTest, BadUsageAndASocketInUseAreClearErrors) {
       RunZtierd("--socket " + cfg.path() + "/s.sock", "ZTIER_NVME_PATHS=" + cfg.path() + "/none");
   EXPECT_EQ(rc, 2) << out;
   EXPECT_NE(out.find(cfg.path() + "/none"), std::string::npos) << out;
+  // A swap directory ztierd's user cannot write (EACCES) is said as such;
+  // under systemd it was said to be missing from ReadWritePaths=, which
+  // gives EROFS instead.
+  if (::geteuid() == 0 && std::system("command -v setpriv >/dev/null 2>&1") == 0) {
+    const std::string open_dir = cfg.path() + "/open", theirs = cfg.path() + "/roots";
+    std::filesystem::create_directories(open_dir);
+    std::filesystem::create_directories(theirs);
+    ::chmod(cfg.path().c_str(), 0755);
+    ::chmod(open_dir.c_str(), 0777);
+    ::chmod(theirs.c_str(), 0755);
+    std::tie(rc, out) = RunZtierd("--socket " + open_dir + "/n.sock",
+                                  "INVOCATION_ID=test ZTIER_NVME_PATHS=" + theirs +
+                                      " setpriv --reuid 65534 --regid 65534 --clear-groups");
+    EXPECT_EQ(rc, 2) << out;
+    EXPECT_NE(out.find("must be writable by the user ztierd runs as (uid 65534"), std::string::npos)
+        << out;
+    EXPECT_EQ(out.find("ReadWritePaths="), std::string::npos) << out;
+  }
   // A second ztierd on a live socket: refused, naming it; the first one
   // serves on.
   const std::string quotas = cfg.path() + "/quotas.json";
