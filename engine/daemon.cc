@@ -244,6 +244,10 @@ struct Daemon::Impl {
     uint32_t set = 0;
   };
   std::map<uid_t, CustomQuota> custom_quotas;
+  // The quota file as ztierd last read or wrote it (nullopt: there was
+  // none), guarded by mu: a file changed since (edited by hand) is not
+  // overwritten by the next quota set.
+  std::optional<std::string> quota_file_text;
   // One ztierd per quota file: each rewrites the whole file at a quota set,
   // so two would undo each other's changes.
   DirLock quota_lock;
@@ -345,6 +349,10 @@ struct Daemon::Impl {
       return Status::Ok();
     }
     ZT_ASSIGN_OR_RETURN(std::string text, ReadFileToString(options.quota_file, 16 << 20));
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      quota_file_text = text;
+    }
     const auto bad = [&](std::string_view why) {
       return Status::InvalidArgument(StrCat("quota file ", options.quota_file, ": ", why));
     };
@@ -404,6 +412,23 @@ struct Daemon::Impl {
   // file (written atomically; the change is undone if it cannot be).
   Result<QuotaInfo> SetQuota(const QuotaUpdate& up) {
     std::lock_guard<std::mutex> lock(mu);
+    if (!options.quota_file.empty()) {
+      // Changed since ztierd read or wrote it (edited by hand while ztierd
+      // ran): rewritten whole, the edit was lost without a word.
+      std::error_code ec;
+      std::optional<std::string> now;
+      if (std::filesystem::exists(options.quota_file, ec)) {
+        Result<std::string> text = ReadFileToString(options.quota_file, 16 << 20);
+        if (text.ok()) now = *std::move(text);
+      }
+      if (now != quota_file_text) {
+        return Status::FailedPrecondition(StrCat(
+            "quota file ", options.quota_file,
+            " was changed since ztierd read it (edited by hand?); a quota set would overwrite "
+            "that change, so none was made: restart ztierd to take the file as it is, or put it "
+            "back (while ztierd runs, set quotas with ztierctl only)"));
+      }
+    }
     const auto before = custom_quotas;
     if (up.reset) {
       custom_quotas.erase(up.uid);
@@ -416,7 +441,9 @@ struct Daemon::Impl {
       c.set |= up.set & (kQuotaMaxJobs | kQuotaMaxConnections | kQuotaMaxDram | kQuotaMaxNvme);
     }
     if (!options.quota_file.empty()) {
-      Status s = WriteFileAtomically(options.quota_file, QuotaFileTextLocked());
+      std::string text = QuotaFileTextLocked();
+      Status s = WriteFileAtomically(options.quota_file, text);
+      if (s.ok()) quota_file_text = std::move(text);
       if (!s.ok()) {
         custom_quotas = before;
         // What is wrong is the file (a directory there, say), never the

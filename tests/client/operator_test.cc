@@ -312,6 +312,35 @@ TEST(OperatorTest, QuotasAreEnforcedResetAndKeptInTheQuotaFile) {
     ASSERT_TRUE(q.ok()) << q.status();
     EXPECT_FALSE(q->custom);
     EXPECT_EQ(q->quota.max_jobs, 4);
+    // The file edited by hand while ztierd runs: the next quota set
+    // refuses to overwrite the edit (it was lost without a word), and
+    // changes nothing; put back, sets work again.
+    std::string kept;
+    {
+      std::ifstream in(file);
+      std::stringstream t;
+      t << in.rdbuf();
+      kept = t.str();
+    }
+    std::string by_hand = kept;
+    by_hand.insert(by_hand.find("\"4242\""), "\"1234\": {\"max_jobs\": 2}, ");
+    std::ofstream(file) << by_hand;
+    q = (*c)->SetQuota({.uid = 4321, .set = engine::kQuotaMaxJobs, .quota = {.max_jobs = 5}});
+    ASSERT_FALSE(q.ok());
+    EXPECT_EQ(q.status().code(), StatusCode::kFailedPrecondition) << q.status();
+    EXPECT_NE(q.status().message().find("was changed since ztierd read it"), std::string::npos)
+        << q.status();
+    EXPECT_FALSE((*c)->GetQuota(4321)->custom);
+    {
+      std::ifstream in(file);
+      std::stringstream t;
+      t << in.rdbuf();
+      EXPECT_EQ(t.str(), by_hand) << "the edit was overwritten";
+    }
+    std::ofstream(file) << kept;
+    EXPECT_TRUE(
+        (*c)->SetQuota({.uid = 4321, .set = engine::kQuotaMaxJobs, .quota = {.max_jobs = 5}}).ok());
+    EXPECT_TRUE((*c)->SetQuota({.uid = 4321, .set = 0, .reset = true, .quota = {}}).ok());
   }
   std::ifstream in(file);
   std::stringstream text;
