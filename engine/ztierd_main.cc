@@ -468,7 +468,18 @@ int Run(const Flags& f) {
 
 int main(int argc, char** argv) {
   ztier::OpenClosedStandardFds();  // a closed stderr is not the next socket's number
-  // A service logs its clients coming and going (ZTIER_LOG overrides).
+  // A service logs its clients coming and going (ZTIER_LOG overrides). A
+  // ZTIER_LOG that is no level (a typo in the unit) keeps the service's
+  // info, said (the library's fallback, warn, hid those lines).
+  if (const char* set = std::getenv("ZTIER_LOG")) {
+    const std::string_view v(set);
+    if (v != "error" && v != "warn" && v != "info" && v != "debug") {
+      std::fprintf(stderr,
+                   "ztierd: ZTIER_LOG='%s' is not error, warn, info or debug; logging at info\n",
+                   ztier::PrintableUtf8(v).c_str());
+      ::setenv("ZTIER_LOG", "info", /*overwrite=*/1);
+    }
+  }
   ::setenv("ZTIER_LOG", "info", /*overwrite=*/0);
   ztier::Result<ztier::ztierd::Flags> flags = ztier::ztierd::ParseFlags(argc, argv);
   if (!flags.ok()) {

@@ -1399,6 +1399,12 @@ TEST(ZtierdProgramTest, BadUsageAndASocketInUseAreClearErrors) {
     EXPECT_EQ(rc, 2) << out;
     EXPECT_NE(out.find(StrCat(flag, ": an empty value")), std::string::npos) << out;
   }
+  // A ZTIER_LOG that is no level keeps the service's info, said (it fell
+  // to warn, hiding the lines a service logs at info).
+  std::tie(rc, out) = RunZtierd("--frobnicate 1", "ZTIER_LOG=verbose");
+  EXPECT_NE(out.find("ZTIER_LOG='verbose' is not error, warn, info or debug; logging at info"),
+            std::string::npos)
+      << out;
   std::tie(rc, out) = RunZtierd("--socket /tmp/x.sock --metrics-job-names 1");
   EXPECT_EQ(rc, 2) << out;
   EXPECT_NE(out.find("is not yes or no"), std::string::npos) << out;
