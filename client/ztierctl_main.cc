@@ -19,9 +19,11 @@
 // exist, a quota file it could not write); 2 bad arguments; 3 ztierd is
 // not running (nothing listens at the socket); 4 refused (not an operator,
 // or the socket's permissions or ztierd's list of users keep this uid out).
+#include <pwd.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <charconv>
 #include <cmath>
 #include <cstdio>
@@ -68,6 +70,7 @@ void Usage(std::FILE* out) {
                "  quota set UID [--jobs N] [--connections N] [--dram SIZE] [--nvme SIZE]\n"
                "                              (SIZE: 64G, 512M, ...; 0 or none: no limit)\n"
                "  quota reset UID             back to ztierd's defaults\n"
+               "                              (UID: a number or a user's name)\n"
                "  drain [--off]               refuse new jobs (running ones go on), or stop\n"
                "  evict JOB [--reason TEXT]   free a job (its id from `jobs`); its clients\n"
                "                              are told why\n"
@@ -348,14 +351,29 @@ void PrintQuotas(const std::vector<QuotaInfo>& quotas) {
   PrintTable(rows, {true, true, true, true, true, false});
 }
 
-// A uid, or with `what` another id ("a job id"): a decimal below 2^32 - 1.
-uint32_t ParseUid(std::string_view text, std::string_view what = "a uid") {
+// An id ("a job id"): a decimal below 2^32 - 1.
+uint32_t ParseId(std::string_view text, std::string_view what) {
   uint64_t v = 0;
   auto [ptr, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
   if (ec != std::errc() || ptr != text.data() + text.size() || v >= UINT32_MAX) {
     throw UsageError{StrCat("'", text, "' is not ", what)};
   }
   return static_cast<uint32_t>(v);
+}
+
+// A uid: a decimal, or a user's name (the passwd database's).
+uint32_t ParseUid(std::string_view text) {
+  if (!text.empty() && std::isdigit(static_cast<unsigned char>(text[0]))) {
+    return ParseId(text, "a uid");
+  }
+  const std::string name(text);
+  std::vector<char> buf(16384);
+  struct passwd pw {};
+  struct passwd* found = nullptr;
+  if (::getpwnam_r(name.c_str(), &pw, buf.data(), buf.size(), &found) != 0 || found == nullptr) {
+    throw UsageError{StrCat("'", text, "' is not a uid, nor a user's name here")};
+  }
+  return static_cast<uint32_t>(found->pw_uid);
 }
 
 int32_t ParseCount(std::string_view flag, std::string_view text) {
@@ -475,7 +493,7 @@ int Run(const Options& o) {
       throw UsageError{"evict JOB [--reason TEXT]"};
     }
     constexpr const char* kJobId = "a job id (the id column of `ztierctl jobs`)";
-    const uint32_t id = ParseUid(a[1], kJobId);
+    const uint32_t id = ParseId(a[1], kJobId);
     if (id > INT32_MAX) throw UsageError{StrCat("'", a[1], "' is not ", kJobId)};
     evict_id = static_cast<int32_t>(id);
     if (a.size() == 4) reason = a[3];

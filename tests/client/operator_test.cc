@@ -16,6 +16,7 @@
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>
+#include <pwd.h>
 #include <signal.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
@@ -720,6 +721,16 @@ TEST(ZtierctlProgramTest, TablesJsonAndExitCodes) {
   r = Ztierctl(sock + " --json quota get 4242", dir.path());
   EXPECT_EQ(r.code, 0) << r.out;
   EXPECT_NE(r.out.find("\"max_jobs\": 2"), std::string::npos) << r.out;
+
+  // A user's name stands for its uid ('alice' was "not a uid").
+  if (const struct passwd* nobody = ::getpwnam("nobody"); nobody != nullptr) {
+    r = Ztierctl(sock + " --json quota get nobody", dir.path());
+    EXPECT_EQ(r.code, 0) << r.out;
+    EXPECT_NE(r.out.find(StrCat("\"uid\": ", nobody->pw_uid)), std::string::npos) << r.out;
+  }
+  r = Ztierctl(sock + " quota get no-such-user-here", dir.path());
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_NE(r.out.find("is not a uid, nor a user's name here"), std::string::npos) << r.out;
 
   // Bad arguments: 2, before any connection.
   for (const char* bad :
