@@ -229,8 +229,8 @@ int EngineFailure(const Status& s) {
                  "(deploy/README.md)\n");
   } else if (err == EACCES || err == EPERM) {
     std::fprintf(stderr,
-                 "ztierd: the directory must be writable by the user ztierd runs as (uid %u; "
-                 "the service's is ztier: chown ztier:ztier DIR)\n",
+                 "ztierd: the path named above must be usable by the user ztierd runs as (uid "
+                 "%u; the service's is ztier: chown ztier:ztier PATH)\n",
                  static_cast<unsigned>(::geteuid()));
   }
   return SettingsError(s) ? 2 : 1;

@@ -1455,7 +1455,7 @@ TEST(ZtierdProgramTest, BadUsageAndASocketInUseAreClearErrors) {
                                   "INVOCATION_ID=test ZTIER_NVME_PATHS=" + theirs +
                                       " setpriv --reuid 65534 --regid 65534 --clear-groups");
     EXPECT_EQ(rc, 2) << out;
-    EXPECT_NE(out.find("must be writable by the user ztierd runs as (uid 65534"), std::string::npos)
+    EXPECT_NE(out.find("must be usable by the user ztierd runs as (uid 65534"), std::string::npos)
         << out;
     EXPECT_EQ(out.find("ReadWritePaths="), std::string::npos) << out;
   }
