@@ -28,6 +28,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <iostream>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -363,14 +364,19 @@ uint32_t ParseId(std::string_view text, std::string_view what) {
 
 // A uid: a decimal, or a user's name (the passwd database's).
 uint32_t ParseUid(std::string_view text) {
-  if (!text.empty() && std::isdigit(static_cast<unsigned char>(text[0]))) {
-    return ParseId(text, "a uid");
-  }
+  const bool digits = !text.empty() && std::all_of(text.begin(), text.end(), [](char c) {
+    return std::isdigit(static_cast<unsigned char>(c)) != 0;
+  });
+  if (digits) return ParseId(text, "a uid");
   const std::string name(text);
   std::vector<char> buf(16384);
   struct passwd pw {};
   struct passwd* found = nullptr;
-  if (::getpwnam_r(name.c_str(), &pw, buf.data(), buf.size(), &found) != 0 || found == nullptr) {
+  const int err = ::getpwnam_r(name.c_str(), &pw, buf.data(), buf.size(), &found);
+  if (err != 0) {
+    throw UsageError{StrCat("cannot look up the user '", text, "': ", std::strerror(err))};
+  }
+  if (found == nullptr) {
     throw UsageError{StrCat("'", text, "' is not a uid, nor a user's name here")};
   }
   return static_cast<uint32_t>(found->pw_uid);

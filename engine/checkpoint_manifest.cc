@@ -282,7 +282,7 @@ Result<CheckpointManifest> DecodeCheckpointManifest(std::string_view text,
   // Strictly: a key given twice is refused, and nothing after a NUL byte
   // is dropped in silence (a manifest with garbage past one resumed).
   Result<Json> parsed = ParseJsonStrict(std::string(text), "its JSON");
-  if (!parsed.ok()) return f.Bad(StrCat(parsed.status().message(), " (truncated?)"));
+  if (!parsed.ok()) return f.Bad(parsed.status().message());
   const Json& m = *parsed;
   try {
     return Decode(m, f);

@@ -419,7 +419,14 @@ struct Daemon::Impl {
       std::optional<std::string> now;
       if (std::filesystem::exists(options.quota_file, ec)) {
         Result<std::string> text = ReadFileToString(options.quota_file, 16 << 20);
-        if (text.ok()) now = *std::move(text);
+        if (!text.ok()) {
+          return Status(StatusCode::kFailedPrecondition,
+                        StrCat("cannot read the quota file to check it before a quota set (the "
+                               "quota is unchanged): ",
+                               text.status().message()),
+                        text.status().sys_errno());
+        }
+        now = *std::move(text);
       }
       if (now != quota_file_text) {
         return Status::FailedPrecondition(StrCat(
@@ -443,6 +450,16 @@ struct Daemon::Impl {
     if (!options.quota_file.empty()) {
       std::string text = QuotaFileTextLocked();
       Status s = WriteFileAtomically(options.quota_file, text);
+      if (!s.ok()) {
+        // Failed after its rename (the directory's fsync): the file holds
+        // the change, which stands, said; the next start reads it.
+        Result<std::string> there = ReadFileToString(options.quota_file, 16 << 20);
+        if (there.ok() && *there == text) {
+          ZT_LOG(kWarn, "ztierd") << "quota file " << options.quota_file
+                                  << " was written, but may not survive a crash: " << s;
+          s = Status::Ok();
+        }
+      }
       if (s.ok()) quota_file_text = std::move(text);
       if (!s.ok()) {
         custom_quotas = before;
@@ -632,9 +649,9 @@ struct Daemon::Impl {
 
   // With no job (registered, parked or being freed) for
   // options.idle_dram_release, gives the pool's empty regions back to the
-  // system, once per idle spell. Serve's thread only.
+  // system, at every check from then on (a registration refused between
+  // two checks makes regions too). Serve's thread only.
   Clock::time_point idle_since{};
-  bool idle_released = false;
   void ReleaseIdleDram() {
     int jobs = 0;
     {
@@ -645,12 +662,10 @@ struct Daemon::Impl {
     const auto now = Clock::now();
     if (jobs > 0) {
       idle_since = {};
-      idle_released = false;
       return;
     }
     if (idle_since == Clock::time_point{}) idle_since = now;
-    if (idle_released || now - idle_since < options.idle_dram_release) return;
-    idle_released = true;
+    if (now - idle_since < options.idle_dram_release) return;
     const uint64_t bytes = engine->ReleaseIdleDram();
     if (bytes > 0) {
       ZT_LOG(kInfo, "ztierd")

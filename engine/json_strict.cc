@@ -5,6 +5,7 @@
 #include "engine/json_strict.h"
 
 #include <algorithm>
+#include <optional>
 #include <set>
 #include <utility>
 #include <vector>
@@ -19,7 +20,9 @@ using Json = nlohmann::json;
 class StrictBuilder final : public nlohmann::json_sax<Json> {
  public:
   Json& root() { return root_; }
-  const std::string& duplicate() const { return duplicate_; }
+  // The first key given twice in one object, dotted with the keys open
+  // around it; nullopt if none (a key may be "").
+  const std::optional<std::string>& duplicate() const { return duplicate_; }
   const std::string& error() const { return error_; }
 
   bool null() override { return Add(Json(nullptr)) != nullptr; }
@@ -37,12 +40,13 @@ class StrictBuilder final : public nlohmann::json_sax<Json> {
   bool end_array() override { return Close(); }
   bool key(string_t& k) override {
     Frame& f = frames_.back();
-    if (!f.keys.insert(k).second && duplicate_.empty()) {
+    if (!f.keys.insert(k).second && !duplicate_) {
       // Dotted: the members open in the objects around this one, then it.
+      std::string path;
       for (size_t i = 0; i + 1 < frames_.size(); ++i) {
-        if (frames_[i].container->is_object()) duplicate_ += frames_[i].key + ".";
+        if (frames_[i].container->is_object()) path += frames_[i].key + ".";
       }
-      duplicate_ += k;
+      duplicate_ = path + k;
     }
     f.key = std::move(k);
     return true;
@@ -89,7 +93,7 @@ class StrictBuilder final : public nlohmann::json_sax<Json> {
 
   Json root_;
   std::vector<Frame> frames_;
-  std::string duplicate_;
+  std::optional<std::string> duplicate_;
   std::string error_;
 };
 
@@ -130,9 +134,9 @@ Result<nlohmann::json> ParseJsonStrict(const std::string& text, std::string_view
     }
     return Status::InvalidArgument(StrCat(origin, ": ", why));
   }
-  if (!builder.duplicate().empty()) {
+  if (builder.duplicate()) {
     return Status::InvalidArgument(
-        StrCat(origin, ": key '", builder.duplicate(), "' is given twice"));
+        StrCat(origin, ": key '", *builder.duplicate(), "' is given twice"));
   }
   return std::move(builder.root());
 }

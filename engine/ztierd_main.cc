@@ -227,7 +227,7 @@ int EngineFailure(const Status& s) {
                  "ztierd: under systemd (ProtectSystem=strict) every swap directory must be "
                  "listed in ReadWritePaths= of ztierd.service: systemctl edit ztierd.service "
                  "(deploy/README.md)\n");
-  } else if (err == EACCES || err == EPERM) {
+  } else if (err == EACCES) {  // (EPERM is also io_uring disabled by sysctl)
     std::fprintf(stderr,
                  "ztierd: the path named above must be usable by the user ztierd runs as (uid "
                  "%u; the service's is ztier: chown ztier:ztier PATH)\n",

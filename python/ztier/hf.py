@@ -109,7 +109,8 @@ def load_weights(z, path: str):
             try:
                 z.job.set_weights(u.index, flat)
             except ValueError as e:  # a value not finite: which checkpoint
-                raise ValueError(f"{e} (in the checkpoint at {path})") from e
+                # The same type (ztier's InvalidArgumentError, with its code).
+                raise type(e)(f"{e} (in the checkpoint at {path})") from e
     finally:
         for h in handles.values():
             h.__exit__(None, None, None)

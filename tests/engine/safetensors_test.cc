@@ -275,6 +275,11 @@ TEST(SafetensorsHeaderTest, RejectsHeadersThatLie) {
       {Header(R"({"t": {"dtype": "F16", "dtype": "BF16", "shape": [2], "data_offsets": [0, 4]}})",
               4),
        "key 't.dtype' is given twice"},
+      // An empty name given twice (a duplicate of '' went unseen).
+      {Header(R"({"": {"dtype": "F16", "shape": [2], "data_offsets": [0, 4]},
+                  "": {"dtype": "BF16", "shape": [2], "data_offsets": [0, 4]}})",
+              4),
+       "key '' is given twice"},
       {Header(std::string(R"({"t": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}})") +
                   std::string(1, '\0') + "{{{",
               4),

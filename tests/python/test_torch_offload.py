@@ -759,7 +759,7 @@ def test_from_pretrained_names_the_file_it_cannot_use(settings, tmp_path):
     nan[name] = sd[name].clone()
     nan[name].view(-1)[3] = float("nan")
     where = checkpoint("nan", nan)
-    with pytest.raises(ValueError, match=f"is nan; .*in the checkpoint at {where}"):
+    with pytest.raises(ztier.InvalidArgumentError, match=f"is nan; .*in the checkpoint at {where}"):
         zt.from_pretrained(LlamaForCausalLM, where, settings=settings)
 
 
