@@ -963,6 +963,39 @@ class CheckpointTest : public ::testing::Test {
     fs::remove_all(dir_);
   }
   void TearDown() override { fs::remove_all(dir_); }
+
+  // An engine whose swap drive can be slowed (its fault backend), with a
+  // job of states on NVMe trained one step.
+  struct SlowDriveJob {
+    SlowDriveJob()
+        : swap("swap"),
+          fault(std::make_shared<nvme::FaultBackend>(nvme::MakeThreadBackend())),
+          engine(MakeEngine(uint64_t{1} << 30, &swap, uint64_t{64} << 20, fault)) {
+      Result<int> j = engine->RegisterJob(
+          Place(SmallModel("busy", 1, 0.0f, 1, StepMode::kExact), Placement::kNvmeStates));
+      EXPECT_TRUE(j.ok()) << j.status();
+      job = j.ok() ? *j : -1;
+      if (job >= 0) Train(*engine, job, 1, 0, 1, 7);
+    }
+    ScratchDir swap;
+    std::shared_ptr<nvme::FaultBackend> fault;
+    std::unique_ptr<Engine> engine;
+    int job = -1;
+  };
+
+  // Waits (bounded) until a save, load or other checkpointing call of the
+  // job is under way: a second one is refused as such meanwhile.
+  static bool CheckpointUnderWay(Engine& e, int job) {
+    for (int i = 0; i < 500; ++i) {
+      const Status busy = e.CheckConsistent(job);
+      if (busy.message().find("another checkpoint is in progress") != std::string::npos) {
+        return true;
+      }
+      std::this_thread::sleep_for(2ms);
+    }
+    return false;
+  }
+
   fs::path dir_;
 };
 
@@ -1146,32 +1179,22 @@ TEST_F(CheckpointTest, RefusedWhileGradsAreInFlight) {
 // step it began at. (They were refused, and the runner that pushed them
 // failed for good.) The save is slowed by a slow drive under the states.
 TEST_F(CheckpointTest, GradsArrivingDuringASaveWaitForItsEnd) {
-  ScratchDir swap("swap");
-  auto fault = std::make_shared<nvme::FaultBackend>(nvme::MakeThreadBackend());
-  auto e = MakeEngine(uint64_t{1} << 30, &swap, uint64_t{64} << 20, fault);
-  Result<int> j = e->RegisterJob(
-      Place(SmallModel("busy", 1, 0.0f, 1, StepMode::kExact), Placement::kNvmeStates));
-  ASSERT_TRUE(j.ok()) << j.status();
-  Train(*e, *j, 1, 0, 1, 7);
-  const State at_one = Snapshot(*e, *j);
-  fault->SlowDown(nvme::IoKind::kRead, 40ms);
+  SlowDriveJob r;
+  ASSERT_GE(r.job, 0);
+  Engine* e = r.engine.get();
+  const int j = r.job;
+  const State at_one = Snapshot(*e, j);
+  r.fault->SlowDown(nvme::IoKind::kRead, 40ms);
   Status saved = Status::Internal("not run");
-  std::thread saver([&] { saved = e->SaveCheckpoint(*j, dir_.string()); });
-  // The save under way (a second one is refused as such), the next
-  // step's grads come.
-  bool saving = false;
-  for (int i = 0; i < 500 && !saving; ++i) {
-    const Status busy = e->CheckConsistent(*j);
-    saving = busy.message().find("another checkpoint is in progress") != std::string::npos;
-    if (!saving) std::this_thread::sleep_for(2ms);
-  }
-  EXPECT_TRUE(saving) << "the save was never seen under way";
-  for (int k = 3; k >= 0; --k) Ring(*e, *j, k, 1, 0.25f);
+  std::thread saver([&] { saved = e->SaveCheckpoint(j, dir_.string()); });
+  // The save under way, the next step's grads come.
+  EXPECT_TRUE(CheckpointUnderWay(*e, j)) << "the save was never seen under way";
+  for (int k = 3; k >= 0; --k) Ring(*e, j, k, 1, 0.25f);
   saver.join();
   ASSERT_TRUE(saved.ok()) << saved;
-  fault->Reset();
-  for (int k = 0; k < 4; ++k) ASSERT_TRUE(e->WaitPublished(*j, k, 2, 30s).ok());
-  EXPECT_FALSE(Same(Snapshot(*e, *j), at_one)) << "the step did not run";
+  r.fault->Reset();
+  for (int k = 0; k < 4; ++k) ASSERT_TRUE(e->WaitPublished(j, k, 2, 30s).ok());
+  EXPECT_FALSE(Same(Snapshot(*e, j), at_one)) << "the step did not run";
   auto b = MakeEngine();
   Result<int> jb = b->RegisterJob(SmallModel("busy", 1, 0.0f, 1, StepMode::kExact));
   ASSERT_TRUE(jb.ok());
@@ -1185,39 +1208,30 @@ TEST_F(CheckpointTest, GradsArrivingDuringASaveWaitForItsEnd) {
 // they were applied to the loaded state: its next step was made from
 // grads of other weights). The job then trains on from the loaded step.
 TEST_F(CheckpointTest, GradsArrivingDuringALoadAreRefusedOnceItIsDone) {
-  ScratchDir swap("swap");
-  auto fault = std::make_shared<nvme::FaultBackend>(nvme::MakeThreadBackend());
-  auto e = MakeEngine(uint64_t{1} << 30, &swap, uint64_t{64} << 20, fault);
-  Result<int> j = e->RegisterJob(
-      Place(SmallModel("busy", 1, 0.0f, 1, StepMode::kExact), Placement::kNvmeStates));
-  ASSERT_TRUE(j.ok()) << j.status();
-  Train(*e, *j, 1, 0, 1, 7);
-  const State at_one = Snapshot(*e, *j);
-  ASSERT_TRUE(e->SaveCheckpoint(*j, dir_.string()).ok());
-  Train(*e, *j, 1, 1, 2, 8);
-  fault->SlowDown(nvme::IoKind::kWrite, 40ms);
+  SlowDriveJob r;
+  ASSERT_GE(r.job, 0);
+  Engine* e = r.engine.get();
+  const int j = r.job;
+  const State at_one = Snapshot(*e, j);
+  ASSERT_TRUE(e->SaveCheckpoint(j, dir_.string()).ok());
+  Train(*e, j, 1, 1, 2, 8);
+  r.fault->SlowDown(nvme::IoKind::kWrite, 40ms);
   Status loaded = Status::Internal("not run");
-  std::thread loader([&] { loaded = e->LoadCheckpoint(*j, dir_.string()); });
-  bool loading = false;
-  for (int i = 0; i < 500 && !loading; ++i) {
-    const Status busy = e->CheckConsistent(*j);
-    loading = busy.message().find("another checkpoint is in progress") != std::string::npos;
-    if (!loading) std::this_thread::sleep_for(2ms);
-  }
-  EXPECT_TRUE(loading) << "the load was never seen under way";
-  const UnitLayout l = *e->Layout(*j, 3);
-  bf16* g = *e->GradInbox(*j, 3, 0);
+  std::thread loader([&] { loaded = e->LoadCheckpoint(j, dir_.string()); });
+  EXPECT_TRUE(CheckpointUnderWay(*e, j)) << "the load was never seen under way";
+  const UnitLayout l = *e->Layout(j, 3);
+  bf16* g = *e->GradInbox(j, 3, 0);
   std::fill(g, g + l.shard, FloatToBf16(0.25f));
-  const Status late = e->GradsReady(*j, 3, 0);
+  const Status late = e->GradsReady(j, 3, 0);
   loader.join();
   ASSERT_TRUE(loaded.ok()) << loaded;
   EXPECT_EQ(late.code(), StatusCode::kFailedPrecondition) << late;
   EXPECT_NE(late.message().find("its state was replaced"), std::string::npos) << late;
-  fault->Reset();
-  EXPECT_TRUE(Same(Snapshot(*e, *j), at_one));
-  EXPECT_EQ(e->PublishedStep(*j, 3), 1);
-  Train(*e, *j, 1, 1, 1, 9);
-  EXPECT_EQ(e->PublishedStep(*j, 3), 2);
+  r.fault->Reset();
+  EXPECT_TRUE(Same(Snapshot(*e, j), at_one));
+  EXPECT_EQ(e->PublishedStep(j, 3), 1);
+  Train(*e, j, 1, 1, 1, 9);
+  EXPECT_EQ(e->PublishedStep(j, 3), 2);
 }
 
 // Checkpoints move between fp32 and 8-bit states both ways: int8 -> fp32
