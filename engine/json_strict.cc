@@ -15,6 +15,10 @@ namespace {
 
 using Json = nlohmann::json;
 
+// Deeper than any file of ztier's nests: a header of 100 MiB of '[' held
+// gigabytes of open containers.
+constexpr size_t kMaxDepth = 256;
+
 // Builds the document from the parser's events, refusing (by remembering
 // the first) a key given twice in one object.
 class StrictBuilder final : public nlohmann::json_sax<Json> {
@@ -82,6 +86,10 @@ class StrictBuilder final : public nlohmann::json_sax<Json> {
     return &slot;
   }
   bool Open(Json empty) {
+    if (frames_.size() >= kMaxDepth) {
+      error_ = StrCat("arrays and objects nest more than ", kMaxDepth, " deep");
+      return false;
+    }
     Json* c = Add(std::move(empty));
     frames_.push_back(Frame{c, {}, {}});
     return true;

@@ -280,6 +280,7 @@ TEST(SafetensorsHeaderTest, RejectsHeadersThatLie) {
                   "": {"dtype": "BF16", "shape": [2], "data_offsets": [0, 4]}})",
               4),
        "key '' is given twice"},
+      {Header(std::string(300, '[') + std::string(300, ']'), 0), "nest more than 256 deep"},
       {Header(std::string(R"({"t": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}})") +
                   std::string(1, '\0') + "{{{",
               4),
