@@ -18,9 +18,9 @@ flags=(-std=c++20 -O1 -g -I. -fsanitize=fuzzer,address,undefined -fno-sanitize-r
 common=(common/status.cc common/log.cc common/crc32c.cc)
 common+=(common/file_util.cc common/numbers.cc)
 declare -A sources=(
-  [safetensors_header]="engine/safetensors.cc"
+  [safetensors_header]="engine/safetensors.cc engine/json_strict.cc"
   [settings]="engine/settings.cc engine/json_strict.cc"
-  [checkpoint_manifest]="engine/checkpoint_manifest.cc"
+  [checkpoint_manifest]="engine/checkpoint_manifest.cc engine/json_strict.cc"
   [swap_manifest]="nvme/swap_manifest.cc"
   [protocol]="engine/protocol.cc"
 )
