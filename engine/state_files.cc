@@ -20,6 +20,7 @@
 #include "common/crc32c.h"
 #include "common/file_util.h"
 #include "common/log.h"
+#include "cpu_adam/adamw.h"  // kMaxGradSqSum only (a constant)
 #include "engine/checkpoint_manifest.h"
 #include "engine/safetensors.h"
 
@@ -215,18 +216,33 @@ Result<std::string> ReadManifest(const std::string& dir) {
 // checkpoint's layout, verifying sizes, checksums and headers; with
 // `apply`, lays the state out in the job's layout there.
 // A shard's master, m and v (`shard` elements each, back to back, from
-// element `first` of unit k) hold what an optimizer could have left:
-// finite values, v >= 0. A checkpoint whose checksums were rewritten over
-// other values (or saved by another program) trained on as NaN, every step
-// skipped. Corruption, naming the file, the tensor and the element.
+// element `first` of unit k) hold what an optimizer could have left: a
+// master finite in bf16 (it is published as bf16), and m and v within what
+// a step's grads bound them to (every step taken has grads whose squares
+// are at most cpu_adam::kMaxGradSqSum, after their scale: m is a running
+// mean of those grads, v of their squares; twice that, for rounding). A
+// checkpoint whose checksums were rewritten over other values (or saved by
+// another program) trained on as NaN (every step skipped), or stepped its
+// master to Inf. Corruption, naming the file, the tensor and the element.
 Status CheckFinite(const JobDescription& job, size_t k, uint64_t first, const float* data,
                    uint64_t shard, const std::string& where) {
   static constexpr const char* kArrays[3] = {"fp32 master", "m (exp_avg)", "v (exp_avg_sq)"};
+  static const float kMaxM = static_cast<float>(2 * std::sqrt(cpu_adam::kMaxGradSqSum));
+  static constexpr float kMaxV = static_cast<float>(2 * cpu_adam::kMaxGradSqSum);
+  const auto possible = [](int a, float x) {
+    switch (a) {
+      case 0:
+        return FiniteInBf16(x);
+      case 1:
+        return std::fabs(x) <= kMaxM;  // false for NaN
+      default:
+        return x >= 0.0f && x <= kMaxV;
+    }
+  };
   for (int a = 0; a < 3; ++a) {
     const float* x = data + a * shard;
     for (uint64_t i = 0; i < shard; ++i) {
-      // The master also within bf16's range: it is published as bf16.
-      if ((a == 0 ? FiniteInBf16(x[i]) : std::isfinite(x[i])) && (a < 2 || x[i] >= 0.0f)) continue;
+      if (possible(a, x[i])) continue;
       const uint64_t at = first + i;
       const UnitLayout& l = job.layouts[k];
       std::string what = "its padding";

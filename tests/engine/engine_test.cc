@@ -1130,7 +1130,10 @@ TEST_F(CheckpointTest, DamagedCheckpointsAreRejectedClearly) {
   // Values no training leaves (NaN in a master, v < 0) under checksums
   // made over them: refused, naming the tensor (it trained on as NaN, every
   // step skipped).
-  for (const auto& [array, value] : {std::pair{0, NAN}, {2, -1.0f}}) {
+  // Nor an m or v past what a step's grads bound them to: a forged m of
+  // 3e38 loaded, and its first step took the master to -inf.
+  for (const auto& [array, value] :
+       {std::pair{0, NAN}, {2, -1.0f}, {1, 3e38f}, {2, 3e38f}, {0, 3.4e38f}}) {
     std::string forged = good_unit;
     const uint64_t shard = (good_unit.size() - kShardHeaderBytes) / 12;
     std::memcpy(forged.data() + kShardHeaderBytes + (array * shard + 3) * 4, &value, 4);
@@ -1142,9 +1145,11 @@ TEST_F(CheckpointTest, DamagedCheckpointsAreRejectedClearly) {
     s = load();
     EXPECT_EQ(s.code(), StatusCode::kCorruption) << s;
     EXPECT_NE(s.message().find("tensor 'block0.w1' element 3"), std::string::npos) << s;
-    EXPECT_NE(s.message().find(array == 0 ? "fp32 master nan" : "v (exp_avg_sq) -1"),
-              std::string::npos)
-        << s;
+    const std::string said = StrCat(array == 0   ? "fp32 master "
+                                    : array == 1 ? "m (exp_avg) "
+                                                 : "v (exp_avg_sq) ",
+                                    value);
+    EXPECT_NE(s.message().find(said), std::string::npos) << said << ": " << s;
   }
   put(unit_file, good_unit);
   put(manifest, good_manifest);
