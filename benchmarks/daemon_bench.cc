@@ -202,17 +202,19 @@ int RunDaemon(int argc, char** argv) {
 
   std::string dir = "/tmp/ztier-bench-daemon-XXXXXX";
   if (::mkdtemp(dir.data()) == nullptr) return FailExit(PosixError("mkdtemp", errno), "daemon");
+  // Goes however the run ends (after the daemon and its socket, made below).
+  struct RemovedAtEnd {
+    const std::string& path;
+    ~RemovedAtEnd() {
+      std::error_code ec;
+      std::filesystem::remove_all(path, ec);
+    }
+  } removed_at_end{dir};
   const std::string socket = dir + "/ztierd.sock";
   Result<std::unique_ptr<engine::Daemon>> daemon = engine::Daemon::Create(settings, {});
-  if (!daemon.ok()) {
-    std::filesystem::remove_all(dir);
-    return FailExit(daemon.status(), "daemon");
-  }
+  if (!daemon.ok()) return FailExit(daemon.status(), "daemon");
   Result<engine::SeqPacketListener> listener = engine::SeqPacketListener::Listen(socket, 0600);
-  if (!listener.ok()) {
-    std::filesystem::remove_all(dir);
-    return FailExit(listener.status(), "daemon");
-  }
+  if (!listener.ok()) return FailExit(listener.status(), "daemon");
   std::thread serve([&] { (void)(*daemon)->Serve(*listener); });
 
   std::vector<double> embedded_steps, daemon_steps, rtt_us;
@@ -221,7 +223,6 @@ int RunDaemon(int argc, char** argv) {
   (*daemon)->Stop("the benchmark is done");
   serve.join();
   (void)listener->Close();
-  std::filesystem::remove_all(dir);
   if (!failed.ok()) {
     const int code = FailExit(failed, "daemon");
     return stops.Stopped() != 0 ? stops.ExitCode() : code;

@@ -4,8 +4,6 @@
 // ratios ours / fio. Also the cost of checksums and a queue-depth sweep.
 //
 // Single-threaded driver; the swap space runs its own I/O threads.
-#include <linux/magic.h>
-#include <sys/statfs.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -26,6 +24,7 @@
 
 #include "benchmarks/bench_util.h"
 #include "benchmarks/subcommands.h"
+#include "common/file_util.h"
 #include "nvme/io_backend.h"
 #include "nvme/swap_space.h"
 
@@ -329,11 +328,9 @@ int RunNvme(int argc, char** argv) {
           StrCat("--path ", p, " is not an existing directory (create it on the drive to test)")));
     }
     // Memory, not a drive: its figures would be the RAM's.
-    struct statfs sfs {};
-    if (::statfs(p.c_str(), &sfs) == 0 &&
-        (sfs.f_type == TMPFS_MAGIC || sfs.f_type == RAMFS_MAGIC)) {
+    if (const std::string_view memory = MemoryFilesystemOf(p); !memory.empty()) {
       return fail(Status::InvalidArgument(
-          StrCat("--path ", p, " is on ", sfs.f_type == TMPFS_MAGIC ? "tmpfs" : "ramfs",
+          StrCat("--path ", p, " is on ", memory,
                  ", which is memory: its figures would be the RAM's, not a drive's (give a "
                  "directory on the drive to test)")));
     }

@@ -2,8 +2,10 @@
 #include "common/file_util.h"
 
 #include <fcntl.h>
+#include <linux/magic.h>
 #include <signal.h>
 #include <sys/stat.h>
+#include <sys/statfs.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -76,6 +78,14 @@ Status FsyncPath(const std::string& path, bool directory) {
   if (err == 0 && ::fsync(fd) != 0) err = errno;
   if (err != 0) return PosixError(StrCat("fsync ", path), err);
   return Status::Ok();
+}
+
+std::string_view MemoryFilesystemOf(const std::string& path) {
+  struct statfs sfs {};
+  if (::statfs(path.c_str(), &sfs) != 0) return "";
+  if (sfs.f_type == TMPFS_MAGIC) return "tmpfs";
+  if (sfs.f_type == RAMFS_MAGIC) return "ramfs";
+  return "";
 }
 
 void OpenClosedStandardFds() {

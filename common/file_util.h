@@ -71,6 +71,11 @@ Status RemoveFile(const std::string& path);
 // ResourceExhausted (larger than max_bytes, naming both), IoError.
 Result<std::string> ReadFileToString(const std::string& path, uint64_t max_bytes = UINT64_MAX);
 
+// "tmpfs" or "ramfs" when `path` lies on one (memory, not a drive: a swap
+// file or a drive benchmark there measures and holds RAM), else "" (also
+// when it cannot be asked).
+std::string_view MemoryFilesystemOf(const std::string& path);
+
 // For a program's main, first thing: standard input, output or error that
 // the caller closed (`2>&-`) is opened on /dev/null, so the next file the
 // program opens (a lock file, a swap file) does not get its number and

@@ -29,15 +29,13 @@ class StrictBuilder final : public nlohmann::json_sax<Json> {
   const std::optional<std::string>& duplicate() const { return duplicate_; }
   const std::string& error() const { return error_; }
 
-  bool null() override { return Add(Json(nullptr)) != nullptr; }
-  bool boolean(bool v) override { return Add(Json(v)) != nullptr; }
-  bool number_integer(number_integer_t v) override { return Add(Json(v)) != nullptr; }
-  bool number_unsigned(number_unsigned_t v) override { return Add(Json(v)) != nullptr; }
-  bool number_float(number_float_t v, const string_t& /*text*/) override {
-    return Add(Json(v)) != nullptr;
-  }
-  bool string(string_t& v) override { return Add(Json(std::move(v))) != nullptr; }
-  bool binary(binary_t& v) override { return Add(Json::binary(std::move(v))) != nullptr; }
+  bool null() override { return Value(Json(nullptr)); }
+  bool boolean(bool v) override { return Value(Json(v)); }
+  bool number_integer(number_integer_t v) override { return Value(Json(v)); }
+  bool number_unsigned(number_unsigned_t v) override { return Value(Json(v)); }
+  bool number_float(number_float_t v, const string_t& /*text*/) override { return Value(Json(v)); }
+  bool string(string_t& v) override { return Value(Json(std::move(v))); }
+  bool binary(binary_t& v) override { return Value(Json::binary(std::move(v))); }
   bool start_object(std::size_t /*elements*/) override { return Open(Json::object()); }
   bool start_array(std::size_t /*elements*/) override { return Open(Json::array()); }
   bool end_object() override { return Close(); }
@@ -84,6 +82,10 @@ class StrictBuilder final : public nlohmann::json_sax<Json> {
     Json& slot = (*f.container)[f.key];
     slot = std::move(v);
     return &slot;
+  }
+  bool Value(Json v) {
+    Add(std::move(v));
+    return true;
   }
   bool Open(Json empty) {
     if (frames_.size() >= kMaxDepth) {

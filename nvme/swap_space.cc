@@ -8,10 +8,8 @@
 #include "nvme/swap_space.h"
 
 #include <fcntl.h>
-#include <linux/magic.h>
 #include <sys/eventfd.h>
 #include <sys/stat.h>
-#include <sys/statfs.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
 
@@ -566,11 +564,8 @@ Status SwapSpace::Impl::OpenFiles(bool create) {
     pio->file = (std::filesystem::path(dir) / options.file_name).string();
     // Memory, not a drive: what is swapped there takes RAM that no DRAM
     // budget counts (and is lost with the machine, as RAM is).
-    struct statfs sfs {};
-    if (::statfs(dir.c_str(), &sfs) == 0 &&
-        (sfs.f_type == TMPFS_MAGIC || sfs.f_type == RAMFS_MAGIC)) {
-      ZT_LOG(kWarn, "nvme") << "swap path " << dir << " is on "
-                            << (sfs.f_type == TMPFS_MAGIC ? "tmpfs" : "ramfs")
+    if (const std::string_view memory = MemoryFilesystemOf(dir); !memory.empty()) {
+      ZT_LOG(kWarn, "nvme") << "swap path " << dir << " is on " << memory
                             << ", which is memory: what goes there takes RAM that the DRAM budget "
                                "(ztier.dram_budget) does not count; give a directory on a drive";
     }
@@ -1312,17 +1307,19 @@ std::vector<SwapSpace::PathUsage> SwapSpace::path_usage() const {
     u.used_bytes = sp.file_bytes - std::min(sp.file_bytes, free_units * sp.options.stripe_bytes);
     // The blocks the file holds: the holes of freed units are the
     // filesystem's free blocks, and counted there.
-    struct statvfs fs;
-    struct stat st;
     const int fd = sp.paths[i]->fd;
-    const bool stated = fd >= 0 && ::fstatvfs(fd, &fs) == 0 && ::fstat(fd, &st) == 0;
+    struct stat st;
     u.file_bytes = sp.file_bytes;
-    if (stated) u.file_bytes = std::min(u.file_bytes, static_cast<uint64_t>(st.st_blocks) * 512);
-    if (sp.options.max_file_bytes != 0) {
-      u.capacity_bytes = sp.options.max_file_bytes;
-    } else {
+    if (fd >= 0 && ::fstat(fd, &st) == 0) {
+      u.file_bytes = std::min(u.file_bytes, static_cast<uint64_t>(st.st_blocks) * 512);
+    }
+    u.capacity_bytes = sp.options.max_file_bytes;
+    if (u.capacity_bytes == 0) {
+      struct statvfs fs;
       u.capacity_bytes = u.file_bytes;
-      if (stated) u.capacity_bytes += static_cast<uint64_t>(fs.f_bavail) * fs.f_frsize;
+      if (fd >= 0 && ::fstatvfs(fd, &fs) == 0) {
+        u.capacity_bytes += static_cast<uint64_t>(fs.f_bavail) * fs.f_frsize;
+      }
     }
     out.push_back(std::move(u));
   }
