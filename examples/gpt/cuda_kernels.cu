@@ -49,8 +49,8 @@ namespace ztier::gpt {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kMaxT = 8192;
-constexpr int kMaxHeadSize = 1024;
+constexpr int kMaxT = kCudaMaxContext;
+constexpr int kMaxHeadSize = kCudaMaxHeadSize;
 constexpr float kGeluScale = 0.7978845608028654f;  // sqrt(2 / pi)
 
 // ------------------------------------------------------------ error checks --

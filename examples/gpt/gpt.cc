@@ -755,9 +755,26 @@ Result<float> Gpt::Impl::Run(UnitIo& io, const int32_t* tokens, Pass pass, float
   return loss;
 }
 
+Status ValidateConfigFor(const Config& config, client::DeviceKind device) {
+  ZT_RETURN_IF_ERROR(ValidateConfig(config));
+  if (device != client::DeviceKind::kCuda) return Status::Ok();
+  if (config.context > kCudaMaxContext) {
+    return Status::InvalidArgument(StrCat("config.context ", config.context,
+                                          " is past the most the CUDA kernels take (",
+                                          kCudaMaxContext, ")"));
+  }
+  if (config.channels / config.heads > kCudaMaxHeadSize) {
+    return Status::InvalidArgument(
+        StrCat("config.channels / config.heads (a head's size, ", config.channels / config.heads,
+               ") is past the most the CUDA kernels take (", kCudaMaxHeadSize,
+               "): raise config.heads or lower config.channels"));
+  }
+  return Status::Ok();
+}
+
 Result<std::unique_ptr<Gpt>> Gpt::Create(const Config& config, int batch, client::Device& device,
                                          std::vector<engine::UnitLayout> layouts) {
-  ZT_RETURN_IF_ERROR(ValidateConfig(config));
+  ZT_RETURN_IF_ERROR(ValidateConfigFor(config, device.kind()));
   if (batch < 1) return Status::InvalidArgument(StrCat("batch must be >= 1, got ", batch));
   // The kernels count rows and attention scores (B x NH x T x T, the
   // largest of their task counts) in int. Counted in double: at the largest

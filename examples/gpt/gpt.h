@@ -51,6 +51,12 @@ struct Config {
 // Errors: InvalidArgument naming the bad field (sizes are bounded: channels
 // and context 2^16, layers 2^16, vocab 2^24).
 Status ValidateConfig(const Config& config);
+// InvalidArgument naming the field where a valid config's shape is past
+// what `device`'s kernels take (CUDA: kCudaMaxContext and
+// kCudaMaxHeadSize, kernels.h; the CPU
+// kernels take every valid shape), so a run refuses it before it trains
+// rather than stopping at the first attention.
+Status ValidateConfigFor(const Config& config, client::DeviceKind device);
 // The units to register with the engine (names and tensor shapes).
 std::vector<engine::UnitSpec> UnitSpecs(const Config& config);
 // Parameters of a valid config, computed without building its units.

@@ -98,6 +98,12 @@ class Kernels {
 
 // CPU kernels (oneTBB). For the host device.
 std::unique_ptr<Kernels> MakeCpuKernels();
+// The largest context and head size (channels / heads) the CUDA kernels
+// take: attention keeps a row of T scores and a head's vector in a block's
+// shared memory. Gpt::Create refuses larger shapes on CUDA
+// (ValidateConfigFor); the kernels stop the process on them.
+inline constexpr int kCudaMaxContext = 8192;
+inline constexpr int kCudaMaxHeadSize = 1024;
 // CUDA kernels (cuBLAS) on `device`'s compute stream. Errors: Unavailable
 // when the build has no CUDA; the cuBLAS error otherwise.
 Result<std::unique_ptr<Kernels>> MakeCudaKernels(client::Device& device);

@@ -451,7 +451,9 @@ Result<Flags> ParseFlags(int argc, char** argv) {
       f.job_name = head + f.job_name.substr(from);
     }
   }
-  if (Status v = gpt::ValidateConfig(f.model); !v.ok()) {
+  if (Status v = gpt::ValidateConfigFor(
+          f.model, f.device == "cuda" ? client::DeviceKind::kCuda : client::DeviceKind::kHost);
+      !v.ok()) {
     // The model's settings by their flags' names (config.heads: --heads).
     std::string message(v.message());
     for (size_t at = message.find("config."); at != std::string::npos;

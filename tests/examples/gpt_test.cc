@@ -30,6 +30,7 @@ namespace ztier::gpt {
 namespace {
 
 using client::Device;
+using client::DeviceKind;
 using client::MemoryPurpose;
 using client::Stream;
 
@@ -657,6 +658,25 @@ TEST(GptTest, ValidateConfigNamesTheBadField) {
     EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << test.field;
     EXPECT_NE(s.message().find(test.field), std::string::npos) << s;
   }
+}
+
+// The CUDA kernels' limits are said for the device before a run trains:
+// past them the first attention stopped the process.
+TEST(GptTest, ShapesPastTheCudaKernelsAreRefusedForCudaOnly) {
+  Config config;
+  config.channels = 2 * kCudaMaxHeadSize;
+  config.heads = 1;
+  EXPECT_TRUE(ValidateConfigFor(config, DeviceKind::kHost).ok());
+  Status s = ValidateConfigFor(config, DeviceKind::kCuda);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s;
+  EXPECT_NE(s.message().find("a head's size, 2048"), std::string::npos) << s;
+  config.heads = 2;
+  EXPECT_TRUE(ValidateConfigFor(config, DeviceKind::kCuda).ok());
+  config.context = kCudaMaxContext + 1;
+  EXPECT_TRUE(ValidateConfigFor(config, DeviceKind::kHost).ok());
+  s = ValidateConfigFor(config, DeviceKind::kCuda);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s;
+  EXPECT_NE(s.message().find("config.context 8193"), std::string::npos) << s;
 }
 
 TEST(GptTest, CreateAndStepRejectBadInput) {

@@ -372,6 +372,10 @@ TEST_F(TrainHardeningTest, BadInputsAreClearErrorsNeverCrashes) {
       {"--swap-dir " + (dir_ / "no/such/swap"), 1, "does not exist"},
       // No machine has GPU 1023: said before the engine pins the states.
       {"--device cuda --ranks 1024", 1, "no CUDA device"},
+      // Shapes the CPU kernels take and the CUDA ones do not: the run
+      // stopped (SIGABRT) at its first attention, its model registered.
+      {"--device cuda --channels 2048 --heads 1", 2, "--channels / --heads (a head's size, 2048)"},
+      {"--device cuda --context 16384 --batch 1", 2, "--context 16384 is past the most the CUDA"},
   };
   ASSERT_EQ(::mkfifo((dir_ / "fifo").c_str(), 0600), 0);
   fs::create_symlink(dir_ / "nowhere", dir_ / "dangling");
