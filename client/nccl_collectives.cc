@@ -36,8 +36,8 @@
 #include "common/log.h"
 #include "common/status.h"
 
-#if !defined(NCCL_VERSION_CODE) || NCCL_VERSION_CODE < NCCL_VERSION(2, 10, 0)
-#error "ztier needs NCCL 2.10 or newer (ncclBfloat16)"
+#if !defined(NCCL_VERSION_CODE) || NCCL_VERSION_CODE < NCCL_VERSION(2, 13, 0)
+#error "ztier needs NCCL 2.13 or newer (ncclBfloat16, ncclGetLastError)"
 #endif
 
 namespace ztier::client {
