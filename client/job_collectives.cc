@@ -23,7 +23,9 @@
 // across processes.
 //
 // CUDA devices: NCCL (MakeNcclRankCollectives); rank 0 makes the unique id
-// and publishes it in the region, the others wait for it.
+// and publishes it in the region, the others wait for it. The region's
+// abort word also ends NCCL's waits (NcclPeers), and a rank that gives up
+// there marks it.
 //
 // Thread safety: one object per rank, used by that rank's thread. Failure:
 // a rank that left (ztierd writes the abort word when its connection
@@ -196,8 +198,10 @@ class ShmCollectives final : public Collectives {
   const std::string who_;
 };
 
-Result<std::unique_ptr<Collectives>> MakeNcclForJob(const RegionHeader& h, int rank, int world,
-                                                    Device& device, const std::string& who) {
+Result<std::unique_ptr<Collectives>> MakeNcclForJob(std::shared_ptr<void> region, int rank,
+                                                    int world, Device& device,
+                                                    const std::string& who) {
+  const RegionHeader h(region.get());
   // The ranks make their collectives in the same order, so the n-th call
   // of every rank uses rank 0's n-th id; each rank counts its calls in its
   // own word of the region.
@@ -224,7 +228,10 @@ Result<std::unique_ptr<Collectives>> MakeNcclForJob(const RegionHeader& h, int r
     }
     std::memcpy(id.data(), h.at(kNcclIdOffset), id.size());
   }
-  return MakeNcclRankCollectives(device.ordinal(), rank, world, id);
+  // The region stays mapped while the collectives may read its abort word.
+  NcclPeers peers{.left = [region, who] { return RegionHeader(region.get()).CheckAbort(who); },
+                  .leave = [region, rank] { RegionHeader(region.get()).Abort(rank); }};
+  return MakeNcclRankCollectives(device.ordinal(), rank, world, id, std::move(peers));
 }
 
 }  // namespace
@@ -255,7 +262,9 @@ Result<std::unique_ptr<Collectives>> MakeJobCollectives(Model& model, int rank, 
         StrCat(who, ": the job's collective region is set up for ", expected, " ranks"));
   }
   ZT_RETURN_IF_ERROR(h.CheckAbort(who));
-  if (device.kind() == DeviceKind::kCuda) return MakeNcclForJob(h, rank, world, device, who);
+  if (device.kind() == DeviceKind::kCuda) {
+    return MakeNcclForJob(std::move(region), rank, world, device, who);
+  }
   return std::unique_ptr<Collectives>(
       std::make_unique<ShmCollectives>(std::move(region), rank, world, who));
 }

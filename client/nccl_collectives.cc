@@ -1,7 +1,10 @@
-// NCCL collectives (client::MakeNcclCollectives): the R ranks of one job are
-// R CUDA devices of this process, one NCCL communicator each, created
-// together with ncclCommInitAll. Each rank's Collectives object owns its
-// communicator and destroys it (ncclCommDestroy) with the object.
+// NCCL collectives. MakeNcclCollectives: the R ranks of one job are R CUDA
+// devices of this process, one communicator each, created together with
+// ncclCommInitAll. MakeNcclRankCollectives: one rank of a job whose ranks
+// are processes, a non-blocking communicator (ncclCommInitRankConfig) made
+// from a unique id one rank handed out. Each rank's Collectives object owns
+// its communicator: destroyed with the object (finalized first where it is
+// non-blocking), or ended (ncclCommAbort) where the group ended.
 //
 // AllGather and ReduceScatter are queued on the rank's device stream
 // (Device::native_stream), after the work already there, on bf16 buffers;
@@ -12,32 +15,42 @@
 // Thread safety: one Collectives object belongs to one rank, driven by that
 // rank's thread; the ranks' threads call concurrently, every rank making the
 // same calls in the same order (NCCL matches them by order). No ncclGroup is
-// needed since each communicator has its own thread.
+// needed since each communicator has its own thread. Abort may come from
+// any thread: it only marks the group, and the rank's thread ends its
+// communicator at its next call or poll.
 //
-// Failure contract: every NCCL call is checked through
-// ZT_NCCL_RETURN_IF_ERROR, which returns a Status naming the call, file:line,
-// the rank and NCCL's error string (plus ncclGetLastError's detail); the NCCL
-// result code is the Status' sys_errno. Too few devices, or a build or
-// machine without them, is Unavailable; a device that is not the rank's CUDA
-// device is InvalidArgument.
+// Failure contract: every NCCL call is checked; its Status names the call,
+// the rank and NCCL's error string (plus ncclGetLastError's detail), and the
+// NCCL result code is the Status' sys_errno. A wait for NCCL's work (Wait,
+// an init, a call a non-blocking communicator answers in progress) polls
+// and ends the communicator once the group ended (a rank's Abort), a peer
+// left (NcclPeers::left), NCCL reports an error, or 10 minutes pass with
+// nothing done: Aborted, NCCL's error, Unavailable; every later call of the
+// rank fails at once. Too few devices, or a build or machine without them,
+// is Unavailable; a device that is not the rank's CUDA device is
+// InvalidArgument.
 #include <cuda_runtime.h>
 #include <nccl.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <set>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <vector>
 
 #include "client/ztier.h"
 #include "common/log.h"
 #include "common/status.h"
 
-#if !defined(NCCL_VERSION_CODE) || NCCL_VERSION_CODE < NCCL_VERSION(2, 13, 0)
-#error "ztier needs NCCL 2.13 or newer (ncclBfloat16, ncclGetLastError)"
+#if !defined(NCCL_VERSION_CODE) || NCCL_VERSION_CODE < NCCL_VERSION(2, 14, 0)
+#error "ztier needs NCCL 2.14 or newer (ncclCommInitRankConfig, non-blocking communicators)"
 #endif
 
 namespace ztier::client {
@@ -96,62 +109,230 @@ Status CudaError(cudaError_t err, std::string_view call, const char* file, int l
     }                                                                  \
   } while (0)
 
-// An NCCL communicator, destroyed with the object.
-class OwnedComm {
+using Clock = std::chrono::steady_clock;
+
+// How long a wait for NCCL's work (an init, a collective, a finalize) goes
+// on with nothing completing before the rank gives up (the shared-memory
+// collectives' timeout).
+constexpr std::chrono::minutes kTimeout{10};
+
+// What ends a group's collectives: the first reason a rank gave (Abort).
+// The ranks of MakeNcclCollectives, threads of one process, share one.
+class GroupEnd {
  public:
-  explicit OwnedComm(ncclComm_t comm) : comm_(comm) {}
-  OwnedComm(const OwnedComm&) = delete;
-  OwnedComm& operator=(const OwnedComm&) = delete;
-  ~OwnedComm() {
-    if (comm_ == nullptr) return;
-    const ncclResult_t r = ncclCommDestroy(comm_);
-    if (r != ncclSuccess) {
-      ZT_LOG(kError, kLog) << "ncclCommDestroy: " << ncclGetErrorString(r);
-    }
+  void Set(std::string_view reason) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (ended_.load()) return;
+    reason_ = std::string(reason);
+    ended_.store(true);
   }
-  ncclComm_t get() const { return comm_; }
+  bool ended() const { return ended_.load(); }
+  std::string reason() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return reason_;
+  }
 
  private:
-  ncclComm_t comm_;
+  std::atomic<bool> ended_{false};
+  mutable std::mutex mu_;
+  std::string reason_;
 };
 
+// Sleeps between polls: a few yields first (a collective that is about to
+// complete costs no more than a spin), then 50 us, then 1 ms.
+void Backoff(int polls) {
+  if (polls < 64) {
+    std::this_thread::yield();
+  } else {
+    std::this_thread::sleep_for(polls < 2048 ? std::chrono::microseconds(50)
+                                             : std::chrono::microseconds(1000));
+  }
+}
+
+// One rank's communicator. NCCL's work runs on the device: a peer that
+// failed or left would leave this rank's kernels (and the thread waiting
+// for them) waiting for good. Every wait here polls instead, and ends the
+// communicator (ncclCommAbort, which stops its kernels) once the group
+// ended, a peer left, NCCL reports an error, or the timeout passed; later
+// calls then fail at once. The communicator is used only by the rank's own
+// thread (Abort only marks the group).
 class NcclCollectives final : public Collectives {
  public:
-  NcclCollectives(ncclComm_t comm, int rank, int world_size, int ordinal)
+  NcclCollectives(ncclComm_t comm, bool blocking, int rank, int world_size, int ordinal,
+                  std::shared_ptr<GroupEnd> group, NcclPeers peers)
       : comm_(comm),
+        blocking_(blocking),
         rank_(rank),
         world_size_(world_size),
         ordinal_(ordinal),
+        group_(std::move(group)),
+        peers_(std::move(peers)),
         who_(StrCat("NCCL rank ", rank, "/", world_size, " (cuda:", ordinal, ")")) {}
+  NcclCollectives(const NcclCollectives&) = delete;
+  NcclCollectives& operator=(const NcclCollectives&) = delete;
+
+  ~NcclCollectives() override {
+    if (comm_ == nullptr) return;
+    if (!Ended().ok()) {  // a peer may never finish: stop, do not wait for it
+      EndComm();
+      return;
+    }
+    cudaSetDevice(ordinal_);
+    ncclResult_t r = ncclSuccess;
+    if (!blocking_) {
+      // A non-blocking communicator finalizes (waiting for its peers) before
+      // it is destroyed; one that does not within the timeout is ended.
+      r = ncclCommFinalize(comm_);
+      if (r == ncclInProgress) r = Settle("ncclCommFinalize").ok() ? ncclSuccess : ncclSystemError;
+      if (comm_ == nullptr) return;  // ended while finalizing
+    }
+    if (r == ncclSuccess) r = ncclCommDestroy(comm_);
+    if (r != ncclSuccess) {
+      ZT_LOG(kError, kLog) << who_ << ": ncclCommDestroy: " << ncclGetErrorString(r);
+      EndComm();
+    }
+    comm_ = nullptr;
+  }
 
   int rank() const override { return rank_; }
   int world_size() const override { return world_size_; }
 
+  void Abort(std::string_view reason) override {
+    group_->Set(StrCat(who_, " ended the group's collectives: ", reason));
+    if (peers_.leave) peers_.leave();
+  }
+
+  Status Wait(Event& done) override {
+    const Clock::time_point deadline = Clock::now() + kTimeout;
+    for (int polls = 0; !done.Done(); ++polls) {
+      ZT_RETURN_IF_ERROR(Ended());
+      ZT_RETURN_IF_ERROR(AsyncError("waiting for its collectives"));
+      if (Clock::now() >= deadline) return TimedOut("its collectives");
+      Backoff(polls);
+    }
+    return done.Synchronize();
+  }
+
   Status AllGather(bf16* buffer, size_t shard_elems, Device& device, Stream stream) override {
     if (shard_elems == 0) return Status::Ok();
+    ZT_RETURN_IF_ERROR(Ended());
     ZT_RETURN_IF_ERROR(CheckCall("AllGather", buffer, device));
     // In place: this rank's shard already sits at its offset of the output.
-    ZT_NCCL_RETURN_IF_ERROR(
-        ncclAllGather(buffer + static_cast<size_t>(rank_) * shard_elems, buffer, shard_elems,
-                      ncclBfloat16, comm_.get(), StreamOf(device, stream)),
-        who_, comm_.get());
-    return Status::Ok();
+    return Enqueued(ncclAllGather(buffer + static_cast<size_t>(rank_) * shard_elems, buffer,
+                                  shard_elems, ncclBfloat16, comm_, StreamOf(device, stream)),
+                    "ncclAllGather");
   }
 
   Status ReduceScatter(const bf16* input, bf16* output, size_t shard_elems, Device& device,
                        Stream stream) override {
     if (shard_elems == 0) return Status::Ok();
+    ZT_RETURN_IF_ERROR(Ended());
     ZT_RETURN_IF_ERROR(CheckCall("ReduceScatter", input, device));
     ZT_RETURN_IF_ERROR(CheckCall("ReduceScatter", output, device));
-    ZT_NCCL_RETURN_IF_ERROR(ncclReduceScatter(input, output, shard_elems, ncclBfloat16, ncclSum,
-                                              comm_.get(), StreamOf(device, stream)),
-                            who_, comm_.get());
+    return Enqueued(ncclReduceScatter(input, output, shard_elems, ncclBfloat16, ncclSum, comm_,
+                                      StreamOf(device, stream)),
+                    "ncclReduceScatter");
+  }
+
+  // Waits for a non-blocking init to complete (the peers all arrive).
+  Status Ready() {
+    ncclResult_t state = ncclSuccess;
+    ZT_NCCL_RETURN_IF_ERROR(ncclCommGetAsyncError(comm_, &state), who_, comm_);
+    if (state == ncclInProgress) return Settle("ncclCommInitRankConfig");
+    if (state != ncclSuccess) return Fail(state, "ncclCommInitRankConfig");
     return Status::Ok();
   }
 
  private:
   static cudaStream_t StreamOf(Device& device, Stream stream) {
     return static_cast<cudaStream_t>(device.native_stream(stream));
+  }
+
+  // Aborted once the communicator or the group ended or a peer left (the
+  // communicator is then ended too), else OK.
+  Status Ended() {
+    if (comm_ == nullptr) return Status::Aborted(StrCat(who_, ": ", ended_));
+    std::string why;
+    if (group_->ended()) {
+      why = group_->reason();
+    } else if (peers_.left) {
+      if (Status s = peers_.left(); !s.ok()) why = std::string(s.message());
+    }
+    if (why.empty()) return Status::Ok();
+    ended_ = why;
+    EndComm();
+    return Status::Aborted(StrCat(who_, ": ", why));
+  }
+
+  // An error NCCL found while its work ran (a peer's connection lost):
+  // the communicator is ended and the group with it.
+  Status AsyncError(std::string_view what) {
+    ncclResult_t state = ncclSuccess;
+    const ncclResult_t r = ncclCommGetAsyncError(comm_, &state);
+    if (r != ncclSuccess) return Fail(r, StrCat("ncclCommGetAsyncError ", what));
+    if (state != ncclSuccess && state != ncclInProgress) return Fail(state, what);
+    return Status::Ok();
+  }
+
+  // A call's result: a non-blocking communicator may answer ncclInProgress
+  // (queued once its state settles).
+  Status Enqueued(ncclResult_t r, std::string_view call) {
+    if (r == ncclSuccess) return Status::Ok();
+    if (r == ncclInProgress) return Settle(call);
+    return Fail(r, call);
+  }
+
+  // Polls the communicator's state until it is no longer in progress.
+  Status Settle(std::string_view call) {
+    const Clock::time_point deadline = Clock::now() + kTimeout;
+    for (int polls = 0;; ++polls) {
+      ZT_RETURN_IF_ERROR(Ended());
+      ncclResult_t state = ncclSuccess;
+      const ncclResult_t r = ncclCommGetAsyncError(comm_, &state);
+      if (r != ncclSuccess) return Fail(r, StrCat("ncclCommGetAsyncError after ", call));
+      if (state == ncclSuccess) return Status::Ok();
+      if (state != ncclInProgress) return Fail(state, call);
+      if (Clock::now() >= deadline) return TimedOut(call);
+      Backoff(polls);
+    }
+  }
+
+  // NCCL's error for `call`: the communicator and the group end (the peers
+  // are told), and this and every later call fail with it.
+  Status Fail(ncclResult_t r, std::string_view call) {
+    const char* detail = ncclGetLastError(comm_);
+    Status s(CodeFor(r),
+             StrCat(who_, ": ", call, " failed: ", ncclGetErrorString(r),
+                    detail != nullptr && detail[0] != '\0' ? StrCat(" (", detail, ")") : ""),
+             static_cast<int>(r));
+    Abort(s.message());
+    ended_ = std::string(s.message());
+    EndComm();
+    return s;
+  }
+
+  Status TimedOut(std::string_view what) {
+    Status s =
+        Status::Unavailable(StrCat(who_, ": ", what, " did not complete within ", kTimeout.count(),
+                                   " minutes (a peer rank is not there or stopped)"));
+    Abort(s.message());
+    ended_ = std::string(s.message());
+    EndComm();
+    return s;
+  }
+
+  // ncclCommAbort: stops the communicator's kernels still running and frees
+  // it. Work queued on its streams after them then runs on (on data that
+  // is not the collective's; the caller has failed by then).
+  void EndComm() {
+    if (comm_ == nullptr) return;
+    cudaSetDevice(ordinal_);
+    const ncclResult_t r = ncclCommAbort(comm_);
+    if (r != ncclSuccess && r != ncclInProgress) {
+      ZT_LOG(kError, kLog) << who_ << ": ncclCommAbort: " << ncclGetErrorString(r);
+    }
+    comm_ = nullptr;
+    if (ended_.empty()) ended_ = "its communicator was ended";
   }
 
   // The device must be a CUDA device and `ptr` memory of this rank's GPU
@@ -177,11 +358,15 @@ class NcclCollectives final : public Collectives {
     return Status::Ok();
   }
 
-  OwnedComm comm_;
+  ncclComm_t comm_;      // null once ended or destroyed
+  const bool blocking_;  // made with ncclCommInitAll (blocking), or non-blocking
   const int rank_;
   const int world_size_;
   const int ordinal_;
+  const std::shared_ptr<GroupEnd> group_;
+  const NcclPeers peers_;
   const std::string who_;
+  std::string ended_;  // why the communicator ended
 };
 
 }  // namespace
@@ -217,10 +402,12 @@ Result<std::vector<std::unique_ptr<Collectives>>> MakeNcclCollectives(
   std::vector<ncclComm_t> comms(n, nullptr);
   ZT_NCCL_RETURN_IF_ERROR(ncclCommInitAll(comms.data(), n, ordinals.data()),
                           StrCat("NCCL collectives for ", n, " ranks"), nullptr);
+  auto group = std::make_shared<GroupEnd>();
   std::vector<std::unique_ptr<Collectives>> out;
   out.reserve(n);
   for (int r = 0; r < n; ++r) {
-    out.push_back(std::make_unique<NcclCollectives>(comms[r], r, n, ordinals[r]));
+    out.push_back(std::make_unique<NcclCollectives>(comms[r], /*blocking=*/true, r, n, ordinals[r],
+                                                    group, NcclPeers{}));
   }
   return out;
 }
@@ -235,7 +422,7 @@ Result<NcclId> MakeNcclId() {
 }
 
 Result<std::unique_ptr<Collectives>> MakeNcclRankCollectives(int ordinal, int rank, int world_size,
-                                                             const NcclId& id) {
+                                                             const NcclId& id, NcclPeers peers) {
   const std::string who = StrCat("NCCL rank ", rank, "/", world_size, " (cuda:", ordinal, ")");
   if (world_size < 1 || rank < 0 || rank >= world_size) {
     return Status::InvalidArgument(StrCat(who, ": rank out of range"));
@@ -255,10 +442,20 @@ Result<std::unique_ptr<Collectives>> MakeNcclRankCollectives(int ordinal, int ra
   ZT_CUDA_RETURN_IF_ERROR(cudaSetDevice(ordinal), who);
   ncclUniqueId nid;
   std::memcpy(&nid, id.data(), id.size());
+  // Non-blocking: the init waits for every peer, and one that never comes
+  // (its process died) ends it rather than leaving this rank waiting.
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0;
   ncclComm_t comm = nullptr;
-  ZT_NCCL_RETURN_IF_ERROR(ncclCommInitRank(&comm, world_size, nid, rank), who, nullptr);
-  return std::unique_ptr<Collectives>(
-      std::make_unique<NcclCollectives>(comm, rank, world_size, ordinal));
+  const ncclResult_t r = ncclCommInitRankConfig(&comm, world_size, nid, rank, &config);
+  if (r != ncclSuccess && r != ncclInProgress) {
+    if (comm != nullptr) ncclCommAbort(comm);
+    return NcclError(r, "ncclCommInitRankConfig", __FILE__, __LINE__, who, nullptr);
+  }
+  auto out = std::make_unique<NcclCollectives>(comm, /*blocking=*/false, rank, world_size, ordinal,
+                                               std::make_shared<GroupEnd>(), std::move(peers));
+  ZT_RETURN_IF_ERROR(out->Ready());
+  return std::unique_ptr<Collectives>(std::move(out));
 }
 
 }  // namespace ztier::client

@@ -15,7 +15,7 @@ Result<NcclId> MakeNcclId() {
 }
 
 Result<std::unique_ptr<Collectives>> MakeNcclRankCollectives(int ordinal, int rank, int world_size,
-                                                             const NcclId&) {
+                                                             const NcclId&, NcclPeers) {
   return Status::Unavailable(StrCat("NCCL rank ", rank, "/", world_size, " (cuda:", ordinal,
                                     "): this build of ztier has no NCCL"));
 }

@@ -416,10 +416,11 @@ struct Stage3Runner::Impl {
     cv.notify_all();
   }
 
-  // Waits for everything queued on a copy stream.
+  // Waits for everything queued on a copy stream, collectives included
+  // (which end the wait where a peer failed: Collectives::Wait).
   Status SyncCopies(Stream stream) {
     ZT_ASSIGN_OR_RETURN(std::unique_ptr<Event> done, device->Record(stream));
-    return done->Synchronize();
+    return collectives != nullptr ? collectives->Wait(*done) : done->Synchronize();
   }
 
   void CountCopies(uint64_t bytes, int64_t copies, bool to_device) {

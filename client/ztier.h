@@ -29,6 +29,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -185,9 +186,16 @@ class Collectives {
   // Ends the group's collectives for every rank: their calls in progress
   // and later ones fail with Aborted. A rank whose runner failed calls it,
   // so that its peers stop at once instead of waiting for it (their
-  // timeout). The shared-memory and local backends end; NCCL's does not yet
-  // (its peers wait for the failed rank's process to exit).
+  // timeout). Any thread of the rank may call it.
   virtual void Abort(std::string_view reason) { (void)reason; }
+  // Waits for `done`, an event recorded on a stream after this rank's
+  // collectives there. The host backends finish a collective before it
+  // returns, so this is done.Synchronize(). NCCL's run on the device, where
+  // a peer that failed would leave them waiting for good: its wait polls,
+  // and ends this rank's communicator (ncclCommAbort) once a rank of the
+  // group called Abort or left the job (Aborted), NCCL reports an error, or
+  // nothing completes within 10 minutes (Unavailable).
+  virtual Status Wait(Event& done) { return done.Synchronize(); }
 };
 
 // R ranks as threads of this process (host devices). A rank that does not
@@ -214,10 +222,18 @@ Result<std::unique_ptr<Collectives>> MakeJobCollectives(Model& model, int rank, 
 // communicator with it (ncclCommInitRank) on CUDA device `ordinal`.
 // Errors: Unavailable without NCCL or the device, NCCL's error naming the
 // call.
+// `peers` tells a rank of several processes that another one left (then
+// its init and waits end, ncclCommAbort, instead of waiting for good) and
+// tells the others when this one gives up; either may be empty.
 using NcclId = std::array<uint8_t, 128>;
+struct NcclPeers {
+  std::function<Status()> left;  // Aborted naming the rank that left, or OK
+  std::function<void()> leave;   // marks this rank as left for the others
+};
 Result<NcclId> MakeNcclId();
 Result<std::unique_ptr<Collectives>> MakeNcclRankCollectives(int ordinal, int rank, int world_size,
-                                                             const NcclId& id);
+                                                             const NcclId& id,
+                                                             NcclPeers peers = {});
 // One NCCL communicator per CUDA device in `ordinals` (ranks 0..n-1 of one
 // process, ncclCommInitAll). Errors: Unavailable without NCCL or devices.
 Result<std::vector<std::unique_ptr<Collectives>>> MakeNcclCollectives(
