@@ -618,8 +618,10 @@ uint64_t Mix(uint64_t x) {
 // Rows of context + 1 tokens for (step, micro, rank), from random offsets.
 std::vector<int32_t> Batch(const std::string& text, const Flags& f, int batch, int64_t step,
                            int micro, int rank) {
+  // A row's start: every offset whose context + 1 bytes fit, the last
+  // (whose final byte is the text's last, a target) included.
   const int t = f.model.context;
-  const uint64_t span = text.size() - static_cast<uint64_t>(t) - 1;
+  const uint64_t span = text.size() - static_cast<uint64_t>(t);
   std::vector<int32_t> tokens;
   tokens.reserve(static_cast<size_t>(batch) * (t + 1));
   uint64_t state = Mix(f.seed ^ Mix(static_cast<uint64_t>(step) * 1000003u + micro * 7919u + rank));
@@ -1272,9 +1274,9 @@ int Run(const Flags& f, const Plan& p) {
   };
   Result<std::string> text = LoadText(f.data);
   if (!text.ok()) return fail(text.status());
-  if (text->size() < static_cast<size_t>(f.model.context) + 2) {
+  if (text->size() < static_cast<size_t>(f.model.context) + 1) {
     return fail(Status::InvalidArgument(
-        StrCat("the text has ", text->size(), " bytes, fewer than the context + 2")));
+        StrCat("the text has ", text->size(), " bytes, fewer than the context + 1 (one row)")));
   }
   if (Status s = CheckHostMemory(f, p, text->size()); !s.ok()) return fail(s);
   if (f.device == "cuda") {

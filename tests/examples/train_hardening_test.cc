@@ -496,6 +496,25 @@ TEST_F(TrainHardeningTest, RowsTheDiskRefusesAreSaidAndNoRowIsTorn) {
   EXPECT_LT(n, 150);
 }
 
+// A row is context + 1 bytes, and every offset where one fits is drawn,
+// the last included: the text's final window was never drawn (its last
+// input byte never trained), and a text of one row was refused.
+TEST_F(TrainHardeningTest, ATextOfOneRowTrainsOnThatRow) {
+  const std::string data = dir_ / "row.txt";
+  std::ofstream(data) << "0123456789abcdefZ";  // --context 16: exactly one row
+  auto [rc, text] = Train(
+      " --layers 1 --channels 16 --heads 2 --context 16 --batch 2 --steps 3 --no-progress "
+      "--optimizer dram --data " +
+          data + " --out " + (dir_ / "row"),
+      dir_);
+  EXPECT_EQ(rc, 0) << text;
+  std::ofstream(data, std::ios::trunc) << "0123456789abcdef";
+  std::tie(rc, text) =
+      Train(" --context 16 --steps 1 --data " + data + " --out " + (dir_ / "row2"), dir_);
+  EXPECT_EQ(rc, 1) << text;
+  EXPECT_NE(text.find("fewer than the context + 1 (one row)"), std::string::npos) << text;
+}
+
 // Through --daemon the swap directories are ztierd's: --swap-dir is refused
 // naming why, and a ZTIER_NVME_PATHS of the shell is not checked as this
 // run's (it failed on a directory the run would never use).
