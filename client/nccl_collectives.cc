@@ -115,6 +115,9 @@ using Clock = std::chrono::steady_clock;
 // on with nothing completing before the rank gives up (the shared-memory
 // collectives' timeout).
 constexpr std::chrono::minutes kTimeout{10};
+// How long a wait that ended its communicator still waits for the copies
+// queued beside the collectives (their host memory is let go after it).
+constexpr std::chrono::seconds kCopyGrace{30};
 
 // What ends a group's collectives: the first reason a rank gave (Abort).
 // The ranks of MakeNcclCollectives, threads of one process, share one.
@@ -151,11 +154,12 @@ void Backoff(int polls) {
 
 // One rank's communicator. NCCL's work runs on the device: a peer that
 // failed or left would leave this rank's kernels (and the thread waiting
-// for them) waiting for good. Every wait here polls instead, and ends the
-// communicator (ncclCommAbort, which stops its kernels) once the group
-// ended, a peer left, NCCL reports an error, or the timeout passed; later
-// calls then fail at once. The communicator is used only by the rank's own
-// thread (Abort only marks the group).
+// for them) waiting for good. A wait for a collective polls instead, and
+// ends the communicator (ncclCommAbort, which stops its kernels) once the
+// group ended, a peer left, NCCL reports an error, or the timeout passed;
+// later calls then fail at once. The communicator is used only by the
+// rank's one thread that queues and waits for collectives (Abort only
+// marks the group).
 class NcclCollectives final : public Collectives {
  public:
   NcclCollectives(ncclComm_t comm, bool blocking, int rank, int world_size, int ordinal,
@@ -173,22 +177,27 @@ class NcclCollectives final : public Collectives {
 
   ~NcclCollectives() override {
     if (comm_ == nullptr) return;
-    if (!Ended().ok()) {  // a peer may never finish: stop, do not wait for it
+    // A peer that failed, or a collective queued and never waited for (a
+    // failure between them), may never finish: stop, do not wait for it.
+    if (pending_ || !Ended().ok()) {
       EndComm();
       return;
     }
     cudaSetDevice(ordinal_);
     ncclResult_t r = ncclSuccess;
+    const char* call = "ncclCommDestroy";
     if (!blocking_) {
       // A non-blocking communicator finalizes (waiting for its peers) before
       // it is destroyed; one that does not within the timeout is ended.
+      call = "ncclCommFinalize";
       r = ncclCommFinalize(comm_);
-      if (r == ncclInProgress) r = Settle("ncclCommFinalize").ok() ? ncclSuccess : ncclSystemError;
+      if (r == ncclInProgress) r = Settle(call).ok() ? ncclSuccess : ncclSystemError;
       if (comm_ == nullptr) return;  // ended while finalizing
+      if (r == ncclSuccess) call = "ncclCommDestroy";
     }
     if (r == ncclSuccess) r = ncclCommDestroy(comm_);
     if (r != ncclSuccess) {
-      ZT_LOG(kError, kLog) << who_ << ": ncclCommDestroy: " << ncclGetErrorString(r);
+      ZT_LOG(kError, kLog) << who_ << ": " << call << ": " << ncclGetErrorString(r);
       EndComm();
     }
     comm_ = nullptr;
@@ -202,15 +211,33 @@ class NcclCollectives final : public Collectives {
     if (peers_.leave) peers_.leave();
   }
 
+  // Polls only where a collective was queued since the last wait (a copy
+  // alone cannot wait for a peer): cudaEventSynchronize otherwise.
   Status Wait(Event& done) override {
+    if (!pending_) return done.Synchronize();
     const Clock::time_point deadline = Clock::now() + kTimeout;
+    Status s = Status::Ok();
     for (int polls = 0; !done.Done(); ++polls) {
-      ZT_RETURN_IF_ERROR(Ended());
-      ZT_RETURN_IF_ERROR(AsyncError("waiting for its collectives"));
-      if (Clock::now() >= deadline) return TimedOut("its collectives");
+      s = Ended();
+      if (s.ok()) s = AsyncError("waiting for its collectives");
+      if (s.ok() && Clock::now() >= deadline) s = TimedOut("its collectives");
+      if (!s.ok()) break;
       Backoff(polls);
     }
-    return done.Synchronize();
+    pending_ = false;
+    if (s.ok()) return done.Synchronize();
+    // The communicator is ended (its kernels stopped); the copies queued
+    // beside them still run, and the caller lets go of their host memory
+    // once this returns: they finish first, within a bound.
+    const Clock::time_point grace = Clock::now() + kCopyGrace;
+    while (!done.Done() && Clock::now() < grace) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    if (!done.Done()) {
+      ZT_LOG(kError, kLog) << who_ << ": copies queued with its ended collectives still run after "
+                           << kCopyGrace.count() << " s";
+    }
+    return s;
   }
 
   Status AllGather(bf16* buffer, size_t shard_elems, Device& device, Stream stream) override {
@@ -218,6 +245,7 @@ class NcclCollectives final : public Collectives {
     ZT_RETURN_IF_ERROR(Ended());
     ZT_RETURN_IF_ERROR(CheckCall("AllGather", buffer, device));
     // In place: this rank's shard already sits at its offset of the output.
+    pending_ = true;
     return Enqueued(ncclAllGather(buffer + static_cast<size_t>(rank_) * shard_elems, buffer,
                                   shard_elems, ncclBfloat16, comm_, StreamOf(device, stream)),
                     "ncclAllGather");
@@ -229,6 +257,7 @@ class NcclCollectives final : public Collectives {
     ZT_RETURN_IF_ERROR(Ended());
     ZT_RETURN_IF_ERROR(CheckCall("ReduceScatter", input, device));
     ZT_RETURN_IF_ERROR(CheckCall("ReduceScatter", output, device));
+    pending_ = true;
     return Enqueued(ncclReduceScatter(input, output, shard_elems, ncclBfloat16, ncclSum, comm_,
                                       StreamOf(device, stream)),
                     "ncclReduceScatter");
@@ -366,7 +395,8 @@ class NcclCollectives final : public Collectives {
   const std::shared_ptr<GroupEnd> group_;
   const NcclPeers peers_;
   const std::string who_;
-  std::string ended_;  // why the communicator ended
+  std::string ended_;     // why the communicator ended
+  bool pending_ = false;  // a collective queued since the last Wait
 };
 
 }  // namespace

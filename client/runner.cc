@@ -417,10 +417,11 @@ struct Stage3Runner::Impl {
   }
 
   // Waits for everything queued on a copy stream, collectives included
-  // (which end the wait where a peer failed: Collectives::Wait).
+  // (which end the wait where a peer failed: Collectives::Wait). A world of
+  // one queues no collective, and its fetch and push threads both wait here.
   Status SyncCopies(Stream stream) {
     ZT_ASSIGN_OR_RETURN(std::unique_ptr<Event> done, device->Record(stream));
-    return collectives != nullptr ? collectives->Wait(*done) : done->Synchronize();
+    return world > 1 ? collectives->Wait(*done) : done->Synchronize();
   }
 
   void CountCopies(uint64_t bytes, int64_t copies, bool to_device) {
