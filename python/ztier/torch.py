@@ -128,8 +128,10 @@ class _Optimizer(torch.optim.Optimizer):
     """The optimizer a user (or Trainer, or an LR scheduler) drives.
 
     ``step()`` ends the accumulation window: each group's ``lr`` is sent to the
-    engine, which runs the update. ``zero_grad()`` has nothing to clear: the
-    grads left the parameters when they reached the engine.
+    engine, which runs the update. ``zero_grad()`` drops the grads of the
+    window so far, as torch's does: they left the parameters when they
+    reached the engine, so the engine's pending step is dropped (refused once
+    the window's last backward is done: the update has begun then).
     """
 
     # torch.amp.GradScaler then hands step() its scale (grad_scale) instead
@@ -199,6 +201,9 @@ class _Optimizer(torch.optim.Optimizer):
                         f"state dict of torch's AdamW(..., {k}=True) cannot be continued here)")
 
     def zero_grad(self, set_to_none: bool = True):
+        owner = self._owner
+        if owner.job is not None and owner._phase != "backward" and owner._grads_sent():
+            owner._zero_grad()
         for group in self.param_groups:
             for p in group["params"]:
                 p.grad = None
@@ -248,8 +253,9 @@ def _differs(a, b) -> bool:
 def find_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """The model's repeated blocks, in registration order: modules whose class
     the model names in ``_no_split_modules`` (Hugging Face), outermost only;
-    else the children of the largest ``ModuleList`` whose children are all of
-    one class. Empty when neither exists (the model is then one unit)."""
+    else the children of the largest ``ModuleList`` or ``Sequential`` (the
+    model itself included) whose children, two or more, are all of one
+    class. Empty when neither exists (the model is then one unit)."""
     names = set(getattr(model, "_no_split_modules", None) or ())
     blocks: list[tuple[str, nn.Module]] = []
     if names:
@@ -262,9 +268,15 @@ def find_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
                 inside.update(id(s) for s in m.modules())
     if blocks:
         return blocks
-    best: tuple[int, str, nn.ModuleList] | None = None
+    best: tuple[int, str, nn.Module] | None = None
     for name, m in model.named_modules():
-        if isinstance(m, nn.ModuleList) and len(m) > 0:
+        # A ModuleList of one block counts (a model built with n_layers=1);
+        # a Sequential of one module is a wrapper, not a stack, and one of
+        # modules without parameters (activations) holds no block.
+        stack = isinstance(m, nn.ModuleList) and len(m) > 0
+        if isinstance(m, nn.Sequential) and len(m) > 1:
+            stack = any(True for _ in m.parameters())
+        if stack:
             kinds = {type(c) for c in m}
             size = sum(p.numel() for p in m.parameters())
             if len(kinds) == 1 and (best is None or size > best[0]):
@@ -275,10 +287,11 @@ def find_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     # one block, under its first name.
     seen: set[int] = set()
     out = []
-    for i, c in enumerate(best[2]):
+    prefix = f"{best[1]}." if best[1] else ""
+    for key, c in best[2].named_children():
         if id(c) not in seen:
             seen.add(id(c))
-            out.append((f"{best[1]}.{i}", c))
+            out.append((prefix + key, c))
     return out
 
 
@@ -348,7 +361,15 @@ class _PostBackward(torch.autograd.Function):
         # which must not hold the Offload and its engine job.
         ctx.owner = weakref.ref(owner)
         ctx.call = call  # (module id, call number)
-        return inputs if len(inputs) > 1 else inputs[0]
+        # Detached, not the inputs themselves: autograd makes an input
+        # returned as it is a view made in a custom Function, which refuses
+        # in-place writes (a block's x.mul_(gamma), ReLU(inplace=True)). A
+        # detached tensor shares the input's storage and version counter
+        # (torch's checks of saved tensors see such a write), but not its
+        # history: the caller's tensor does not get the write's, which
+        # _post_forward warns of.
+        out = tuple(t.detach() for t in inputs)
+        return out if len(out) > 1 else out[0]
 
     @staticmethod
     def backward(ctx, *grads):
@@ -356,6 +377,28 @@ class _PostBackward(torch.autograd.Function):
         if owner is not None:
             owner._post_backward(ctx.call)
         return (None, None) + grads
+
+
+class _PreBackward(torch.autograd.Function):
+    """Identity on a module's output that is a view; its backward runs when
+    the output's grad arrives (the module's backward begins). A grad hook on
+    such a view is lost when the caller writes to it in place (h += r: torch
+    makes the view's grad_fn anew), and the module's backward then read
+    weights it never fetched. This node's output is no view, so the write
+    comes after it in the graph."""
+
+    @staticmethod
+    def forward(ctx, owner, call, output):
+        ctx.owner = weakref.ref(owner)
+        ctx.call = call
+        return output.detach()
+
+    @staticmethod
+    def backward(ctx, grad):
+        owner = ctx.owner()
+        if owner is not None:
+            grad = owner._pre_backward(ctx.call, grad)
+        return None, None, grad
 
 
 def _pre_backward_hook(owner_ref, call, grad):
@@ -627,6 +670,10 @@ class Offload:
         # a module called several times in one forward (a shared layer) is
         # held for each call's backward.
         self._calls: dict[int, list[int]] = {}  # module id: its calls inside their forward
+        # Per call inside its forward: the inputs as the module got them
+        # (_PostBackward's outputs) and their versions then.
+        self._input_versions: dict[tuple[int, int], list] = {}
+        self._inplace_warned: set[type] = set()
         # A recompute (activation checkpointing) and the backward hook of the
         # forward's call of the same module come in either order: each
         # module's backward holds that no recompute has met yet, and the
@@ -980,6 +1027,7 @@ class Offload:
                 self._let_go([u])
         self._fwd_held.clear()
         self._calls.clear()
+        self._input_versions.clear()
         self._unmatched.clear()
         self._unadopted.clear()
         self._bwd_held.clear()
@@ -1060,13 +1108,24 @@ class Offload:
         # one) must find the values, not the placeholders. The root's goes
         # first of all (prepended last), also where the root is a hooked
         # module itself.
+        # The post-hooks go after the user's own, also those registered
+        # later (_post_hooks_last): a hook that reads parameters (a weight
+        # norm logged, a penalty added to the output) must find the values,
+        # not the placeholders the unit's let-go leaves.
+        self._post_hook_ids: dict[int, list[int]] = {}
+
+        def post(m, fn):
+            handle = m.register_forward_hook(fn)
+            self._hooks.append(handle)
+            self._post_hook_ids.setdefault(id(m), []).append(handle.id)
+
         for m in self._hooked:
             self._hooks.append(m.register_forward_pre_hook(_weak(self._pre_forward, m),
                                                            prepend=True, with_kwargs=True))
-            self._hooks.append(m.register_forward_hook(_weak(self._post_forward, m)))
+            post(m, _weak(self._post_forward, m))
         self._hooks.append(model.register_forward_pre_hook(
             _weak(self._root_pre_forward, model, root=True), prepend=True, with_kwargs=True))
-        self._hooks.append(model.register_forward_hook(_weak(self._root_post_forward, model)))
+        post(model, _weak(self._root_post_forward, model))
         self._hooks.append(model._register_load_state_dict_pre_hook(
             _weak(self._root_load_state_dict, model), with_module=True))
         for u in self.units:
@@ -1150,7 +1209,18 @@ class Offload:
             h.remove()
         self._hooks.clear()
 
+    def _post_hooks_last(self, module):
+        """Moves this object's forward hooks on `module` after any the user
+        registered since (they run in registration order)."""
+        ids = self._post_hook_ids.get(id(module))
+        hooks = module._forward_hooks
+        if ids and next(reversed(hooks), None) != ids[-1]:
+            for i in ids:
+                if i in hooks:
+                    hooks.move_to_end(i)
+
     def _root_pre_forward(self, module, args, kwargs):
+        self._post_hooks_last(module)
         if torch._C._current_graph_task_id() != -1:
             return None  # activation checkpointing's recompute of the whole model
         self._claim_thread("a forward", forward=True)
@@ -1333,6 +1403,7 @@ class Offload:
         return None
 
     def _pre_forward(self, module, args, kwargs):
+        self._post_hooks_last(module)
         mid = id(module)
         units = self._module_units[mid]
         if (not self._in_forward and self._phase != "backward"
@@ -1402,11 +1473,44 @@ class Offload:
         call = (mid, self._calls[mid].pop())
         self._fwd_held.remove(mid)
         self._let_go(self._module_units[mid], check=True)
-        if torch.is_grad_enabled():
-            for t in _tensors(output):
-                if t.requires_grad:
-                    t.register_hook(functools.partial(_pre_backward_hook, weakref.ref(self), call))
-        return None
+        written = [t for t, v in self._input_versions.pop(call, ()) if t._version != v]
+        if written and type(module) not in self._inplace_warned:
+            self._inplace_warned.add(type(module))
+            warnings.warn(
+                f"ztier: a {type(module).__name__} (unit '{self._module_units[mid][0].name}') "
+                "wrote to its input in place: the caller's tensor holds the written values, "
+                "and under ztier not their history (the module got an alias of it), so a use "
+                "of that tensor after the call (a residual kept from before it) gets wrong "
+                "grads; where the caller does that, write out of place in the module (x * g, "
+                "not x.mul_(g)) or clone its input", RuntimeWarning,
+                stacklevel=_user_stacklevel())
+        if not torch.is_grad_enabled():
+            return None
+        # Outputs that are views (a block's .view(B, T, C)) at the top of
+        # the output go through _PreBackward, which an in-place write of the
+        # caller's cannot drop; the others get a grad hook.
+        replaced = False
+
+        def own(t):
+            nonlocal replaced
+            if isinstance(t, torch.Tensor) and t.requires_grad and t._is_view():
+                replaced = True
+                return _PreBackward.apply(self, call, t)
+            return t
+
+        if isinstance(output, torch.Tensor):
+            output = own(output)
+        elif type(output) in (tuple, list):
+            output = type(output)(own(o) for o in output)
+        elif isinstance(output, dict):
+            for k, v in list(output.items()):
+                new = own(v)
+                if new is not v:
+                    output[k] = new
+        for t in _tensors(output):
+            if t.requires_grad and not isinstance(t.grad_fn, _PreBackward._backward_cls):
+                t.register_hook(functools.partial(_pre_backward_hook, weakref.ref(self), call))
+        return output if replaced else None
 
     def _wrap_inputs(self, call, args, kwargs):
         pos = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
@@ -1417,6 +1521,8 @@ class Offload:
         out = _PostBackward.apply(self, call, *tensors)
         if not isinstance(out, tuple):
             out = (out,)
+        if self._phase != "backward":  # a recompute's post-forward does not look
+            self._input_versions[call] = [(o, o._version) for o in out]
         args = list(args)
         for i, o in zip(pos, out[:len(pos)]):
             args[i] = o
@@ -1638,6 +1744,22 @@ class Offload:
              f"{self.grad_accumulation})" if earlier else "") +
             f"; the model is as after step {self.step_count}, and training goes on from there",
             stacklevel=_user_stacklevel())
+
+    def _zero_grad(self):
+        """optimizer.zero_grad() with grads of the coming step sent: torch
+        drops a window's grads there, so the engine's pending step is dropped
+        too. After the window's last backward the engine has begun the update
+        (it overlaps the backward): refused, naming the order that works."""
+        if self._awaiting_step:
+            raise RuntimeError(
+                "ztier: optimizer.zero_grad() after the step's last backward pass "
+                f"(grad_accumulation={self.grad_accumulation}) and before optimizer.step(): the "
+                "engine began the update as those grads came in (its optimizer overlaps the "
+                "backward), so they cannot be dropped; call optimizer.step() first (zero_grad() "
+                "after it, or before the forward, is the usual order), and to leave a batch out, "
+                "skip its backward")
+        self._discard_step("optimizer.zero_grad() inside an accumulation window (torch drops "
+                           "the window's grads there)")
 
     def _discard_step(self, what: str):
         """Drops every grad sent since the last optimizer step (the engine's

@@ -561,3 +561,131 @@ def test_a_rotary_embeddings_frequencies_stay_fp32(settings):
     model(input_ids=x, labels=x).loss.backward()
     z.optimizer.step()
     z.close()
+
+
+class _LayerScale(nn.Module):
+    """timm's LayerScale(inplace=True): scales its input in place."""
+
+    def __init__(self, dim):
+        super().__init__()
+        self.gamma = nn.Parameter(torch.full((dim,), 0.5))
+
+    def forward(self, x):
+        return x.mul_(self.gamma)
+
+
+class _ViewBlock(nn.Module):
+    """A block whose output is a view (.view at its end)."""
+
+    def __init__(self, dim):
+        super().__init__()
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        return self.proj(x).view(x.shape)
+
+
+class _ResidualStack(nn.Module):
+    def __init__(self, block, n=3, dim=8):
+        super().__init__()
+        self.inp = nn.Linear(dim, dim)
+        self.blocks = nn.ModuleList(block(dim) for _ in range(n))
+        self.out = nn.Linear(dim, 1)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for b in self.blocks:
+            out = b(2 * h)
+            out += h  # the residual, in place on the block's output
+            h = out
+        return self.out(torch.tanh(h))
+
+
+def test_a_block_writing_to_its_input_in_place_trains_and_is_warned_of(settings, recwarn):
+    # The blocks' inputs came out of an autograd Function as views made in
+    # it, which torch refuses in-place writes to: "Output 0 of _PostBackward
+    # is a view and is being modified inplace". The caller's tensor gets the
+    # values but not the write's history: said once per module class.
+    def make():
+        return nn.Sequential(nn.Linear(8, 8), _LayerScale(8), nn.ReLU(inplace=True),
+                             nn.Linear(8, 1))
+
+    _against_reference(make, settings, _x)
+    _against_reference(lambda: _ResidualStack(_LayerScale), settings, _x)
+    said = [str(w.message) for w in recwarn if "wrote to its input in place" in str(w.message)]
+    assert len(said) == 2 and "a _LayerScale (unit" in said[0], said
+
+
+def test_a_block_output_that_is_a_view_written_in_place_trains(settings):
+    # `h += r` on a block's .view() output made the view's grad_fn anew and
+    # dropped ztier's grad hook on it: the block's backward never fetched
+    # its weights and read emptied storage ("setStorage: ... out of bounds").
+    _, z = _against_reference(lambda: _ResidualStack(_ViewBlock), settings, _x)
+    assert [u.name for u in z.units][1:4] == ["blocks.0", "blocks.1", "blocks.2"]
+
+
+def test_a_forward_hook_registered_after_offload_reads_the_values(settings):
+    # ztier's post-hook ran first and left the placeholders (NaN) in the
+    # parameters for every hook the user registered after offload().
+    torch.manual_seed(0)
+    model = _ResidualStack(_ViewBlock)
+    ref = copy.deepcopy(model)
+    z = zt.offload(model, optimizer=ADAMW, settings=settings)
+    seen = []
+    model.blocks[1].register_forward_hook(
+        lambda m, args, out: seen.append(m.proj.weight.float().norm().item()))
+    model(_x(0)).float().pow(2).mean().backward()
+    z.optimizer.step()
+    want = ref.blocks[1].proj.weight.to(torch.bfloat16).float().norm().item()
+    assert seen == [pytest.approx(want, rel=1e-6)]
+
+
+def test_blocks_stacked_in_a_sequential_are_units(settings):
+    # Only a ModuleList was looked for: a stack in nn.Sequential (ResNet's
+    # layers, ViT encoders, MLP stacks) made the whole model one unit, held
+    # on the device throughout.
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return x + torch.tanh(self.fc(x))
+
+    def make():
+        return nn.Sequential(nn.Linear(8, 8), nn.Sequential(*(Block() for _ in range(3))),
+                             nn.Linear(8, 1))
+
+    _, z = _against_reference(make, settings, _x)
+    assert [u.name for u in z.units] == ["embed", "1.0", "1.1", "1.2", "head"]
+    root = nn.Sequential(*(Block() for _ in range(4)))
+    assert [name for name, _ in zt.find_blocks(root)] == ["0", "1", "2", "3"]
+    # A Sequential of one class without parameters holds no block.
+    assert zt.find_blocks(nn.Sequential(nn.Linear(8, 8), nn.Sequential(nn.ReLU(), nn.ReLU()))) == []
+
+
+def test_zero_grad_inside_an_accumulation_window_drops_its_grads(settings):
+    # torch's zero_grad() drops the window's grads; ztier's cleared only
+    # p.grad, and the next step applied the grads the user threw away.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+    ref_model = copy.deepcopy(model)
+    z = zt.offload(model, optimizer=ADAMW, grad_accumulation=2, settings=settings)
+    ref = Reference(ref_model, z, ADAMW, accumulation=2)
+    model(_x(0) * 5).pow(2).mean().backward()  # thrown away
+    z.optimizer.zero_grad()
+    for step in (1, 2):
+        loss = model(_x(step)).pow(2).mean()
+        loss.backward()
+        ref.backward(ref_model(_x(step)).pow(2).mean())
+    z.optimizer.step()
+    ref.step([g["lr"] for g in z.optimizer.param_groups])
+    x = _x(3)
+    assert torch.equal(model(x), ref_model(x))
+    # After the window's last backward the engine has begun the update.
+    model(_x(4)).pow(2).mean().backward()
+    model(_x(5)).pow(2).mean().backward()
+    with pytest.raises(RuntimeError, match=r"zero_grad\(\) after the step's last backward"):
+        z.optimizer.zero_grad()
+    z.optimizer.step()
+    z.optimizer.zero_grad()  # between steps: nothing to drop
