@@ -1172,6 +1172,20 @@ class Daemon::Impl::Connection {
     return s;
   }
 
+  // Aborted once a rank of `e`'s job other than this connection's left it
+  // (its process exited or failed, AbortCollectivesLocked): a wait for a
+  // publish or an acquire needs every rank's part, and would otherwise end
+  // only at its timeout.
+  Status UnlessPeerLeft(const JobEntry& e) {
+    std::lock_guard<std::mutex> lock(d_.mu);
+    const int left = e.job->left_rank;
+    if (left < 0 || left == std::max(e.rank, 0)) return Status::Ok();
+    return Status::Aborted(StrCat("job '", e.name, "': rank ", left,
+                                  " left the job (its process exited or failed) while this rank "
+                                  "waited; the job cannot go on: restart its ranks from the last "
+                                  "checkpoint"));
+  }
+
   // The operator's calls: refused (PermissionDenied) for others.
   Status RequireAdmin(std::string_view what) const {
     if (admin_) return Status::Ok();
@@ -1312,10 +1326,13 @@ class Daemon::Impl::Connection {
       case p::MessageType::kWaitPublished: {
         ZT_ASSIGN_OR_RETURN(p::StepWait w, p::DecodeStepWait(in));
         ZT_ASSIGN_OR_RETURN(JobEntry j, FindJob(w.job));
-        ZT_RETURN_IF_ERROR(UnlessEvicted(j, Sliced(w.timeout, [&](std::chrono::milliseconds slice) {
-                                           return d_.engine->WaitPublished(j.engine_job, w.unit,
-                                                                           w.step, slice);
-                                         })));
+        ZT_RETURN_IF_ERROR(UnlessEvicted(j, Sliced(
+                                                w.timeout,
+                                                [&](std::chrono::milliseconds slice) {
+                                                  return d_.engine->WaitPublished(
+                                                      j.engine_job, w.unit, w.step, slice);
+                                                },
+                                                &j)));
         return std::string();
       }
       case p::MessageType::kPublishedStep: {
@@ -1832,9 +1849,11 @@ class Daemon::Impl::Connection {
   }
 
   // Runs an engine wait in slices of kWaitSlice until `timeout`, so a
-  // closing connection is not held up by a job others keep alive.
+  // closing connection is not held up by a job others keep alive, and a
+  // wait on `peers`' job (when given) ends once another rank left it.
   template <class Call>
-  auto Sliced(std::chrono::milliseconds timeout, Call call) -> decltype(call(timeout)) {
+  auto Sliced(std::chrono::milliseconds timeout, Call call, const JobEntry* peers = nullptr)
+      -> decltype(call(timeout)) {
     const auto deadline = Clock::now() + timeout;
     for (bool first = true;; first = false) {
       // The first slice from the timeout itself (a wait of 300 ms said it
@@ -1847,6 +1866,7 @@ class Daemon::Impl::Connection {
       auto r = call(slice);
       const Status s = StatusOf(r);
       if (s.ok() || s.code() != StatusCode::kUnavailable) return r;
+      if (peers != nullptr) ZT_RETURN_IF_ERROR(UnlessPeerLeft(*peers));
       if (slice == left || Closing()) {
         if (timeout <= kWaitSlice) return r;
         return Status(s.code(), StrCat(s.message(), "; waited ", timeout.count(), " ms in all"),
@@ -1864,9 +1884,12 @@ class Daemon::Impl::Connection {
     ZT_ASSIGN_OR_RETURN(p::StepWait w, p::DecodeStepWait(in));
     ZT_ASSIGN_OR_RETURN(JobEntry j, FindJob(w.job));
     ZT_ASSIGN_OR_RETURN(UnitLayout l, d_.engine->Layout(j.engine_job, w.unit));
-    Result<const bf16*> acquired = Sliced(w.timeout, [&](std::chrono::milliseconds slice) {
-      return d_.engine->AcquireParams(j.engine_job, w.unit, w.step, slice);
-    });
+    Result<const bf16*> acquired = Sliced(
+        w.timeout,
+        [&](std::chrono::milliseconds slice) {
+          return d_.engine->AcquireParams(j.engine_job, w.unit, w.step, slice);
+        },
+        &j);
     ZT_RETURN_IF_ERROR(UnlessEvicted(j, acquired.status()));
     const bf16* params = *acquired;
     Result<SharedBuffer> b = d_.engine->Locate(j.engine_job, params, l.padded * sizeof(bf16));

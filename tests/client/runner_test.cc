@@ -2006,6 +2006,44 @@ TEST(RanksInProcessesTest, AKilledRankFailsItsPeersCollectivesAtOnce) {
             StatusCode::kAborted);
 }
 
+// A rank's wait for a publish, or an acquire, needs every rank's part (its
+// weights, its grads): one that left ends them at once. Rank 1 waited for
+// rank 0's weights after rank 0's process died, for its whole timeout (ten
+// minutes), and then said nothing of rank 0.
+TEST(RanksInProcessesTest, ARankThatLeftEndsItsPeersWaitsForPublishes) {
+  if (!testing::DaemonUnderTest()) GTEST_SKIP() << "ranks in other processes need ztierd";
+  TrainSetup s;
+  s.ranks = 2;
+  Result<DaemonAndSession> d = StartDaemon(s);
+  ASSERT_TRUE(d.ok()) << d.status();
+  SessionOptions o;
+  o.daemon_socket = d->socket();
+  Result<std::unique_ptr<Session>> b = Session::Open(o);  // rank 1's connection
+  ASSERT_TRUE(b.ok()) << b.status();
+  Result<std::unique_ptr<Model>> m0 = d->session->RegisterModel(Spec(s, "left"));
+  ASSERT_TRUE(m0.ok()) << m0.status();
+  Result<std::unique_ptr<Model>> m1 = (*b)->AttachModel(Spec(s, "left"), 1);
+  ASSERT_TRUE(m1.ok()) << m1.status();
+  Transport& t = (*m1)->transport();
+  const int job = (*m1)->job();
+  Status waited, acquired;
+  const auto t0 = std::chrono::steady_clock::now();
+  std::thread wait([&] { waited = t.WaitPublished(job, 0, 0, std::chrono::minutes(1)); });
+  std::thread acquire([&] {
+    Result<const bf16*> a = t.AcquireParams(job, 1, 0, std::chrono::minutes(1));
+    acquired = a.status();
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  m0->reset();  // rank 0 goes before it set the weights
+  wait.join();
+  acquire.join();
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(5));
+  for (const Status& st : {waited, acquired}) {
+    EXPECT_EQ(st.code(), StatusCode::kAborted) << st;
+    EXPECT_NE(st.ToString().find("rank 0 left the job"), std::string::npos) << st;
+  }
+}
+
 TEST(RanksInProcessesTest, AttachRefusalsAndWhoMayActForWhichRank) {
   if (!testing::DaemonUnderTest()) GTEST_SKIP() << "ranks in other processes need ztierd";
   TrainSetup s;
