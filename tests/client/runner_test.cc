@@ -1861,18 +1861,23 @@ TrainSetup HoldSetup() {
 // MODE train: attach to model "mp" and train with the other ranks; hold:
 // attach to "hold", meet the others' collective region, create READY_FILE
 // and wait to be killed.
-// A ztierd of its own for a test, and a session through it.
+// A ztierd of its own for a test, and a session through it (and a second
+// one, a connection of another rank's, where asked for).
 struct DaemonAndSession {
   std::unique_ptr<testing::TestDaemon> daemon;
   std::unique_ptr<Session> session;
+  std::unique_ptr<Session> second;
   std::string socket() const { return daemon->socket(); }
 };
-Result<DaemonAndSession> StartDaemon(const TrainSetup& s) {
+Result<DaemonAndSession> StartDaemon(const TrainSetup& s, bool second_connection = false) {
   DaemonAndSession out;
   ZT_ASSIGN_OR_RETURN(out.daemon, testing::TestDaemon::Start(Options(s, "").settings));
   SessionOptions o;
   o.daemon_socket = out.daemon->socket();
   ZT_ASSIGN_OR_RETURN(out.session, Session::Open(o));
+  if (second_connection) {
+    ZT_ASSIGN_OR_RETURN(out.second, Session::Open(o));
+  }
   return out;
 }
 
@@ -2014,15 +2019,12 @@ TEST(RanksInProcessesTest, ARankThatLeftEndsItsPeersWaitsForPublishes) {
   if (!testing::DaemonUnderTest()) GTEST_SKIP() << "ranks in other processes need ztierd";
   TrainSetup s;
   s.ranks = 2;
-  Result<DaemonAndSession> d = StartDaemon(s);
+  Result<DaemonAndSession> d = StartDaemon(s, /*second_connection=*/true);
   ASSERT_TRUE(d.ok()) << d.status();
-  SessionOptions o;
-  o.daemon_socket = d->socket();
-  Result<std::unique_ptr<Session>> b = Session::Open(o);  // rank 1's connection
-  ASSERT_TRUE(b.ok()) << b.status();
+  Session* b = d->second.get();  // rank 1's connection
   Result<std::unique_ptr<Model>> m0 = d->session->RegisterModel(Spec(s, "left"));
   ASSERT_TRUE(m0.ok()) << m0.status();
-  Result<std::unique_ptr<Model>> m1 = (*b)->AttachModel(Spec(s, "left"), 1);
+  Result<std::unique_ptr<Model>> m1 = b->AttachModel(Spec(s, "left"), 1);
   ASSERT_TRUE(m1.ok()) << m1.status();
   Transport& t = (*m1)->transport();
   const int job = (*m1)->job();
@@ -2048,19 +2050,16 @@ TEST(RanksInProcessesTest, AttachRefusalsAndWhoMayActForWhichRank) {
   if (!testing::DaemonUnderTest()) GTEST_SKIP() << "ranks in other processes need ztierd";
   TrainSetup s;
   s.ranks = 2;
-  Result<DaemonAndSession> d = StartDaemon(s);
+  Result<DaemonAndSession> d = StartDaemon(s, /*second_connection=*/true);
   ASSERT_TRUE(d.ok()) << d.status();
-  SessionOptions o;
-  o.daemon_socket = d->socket();
-  Result<std::unique_ptr<Session>> b = Session::Open(o);  // a second connection
-  ASSERT_TRUE(b.ok()) << b.status();
+  Session* b = d->second.get();  // a second connection
   Result<std::unique_ptr<Model>> m0 = d->session->RegisterModel(Spec(s, "r"));
   ASSERT_TRUE(m0.ok()) << m0.status();
   EXPECT_EQ((*m0)->attached_rank(), -1);
 
   auto refused = [&](const TrainSetup& setup, const std::string& name, int rank, StatusCode code,
                      const std::string& says) {
-    auto m = (*b)->AttachModel(Spec(setup, name), rank, std::chrono::milliseconds(200));
+    auto m = b->AttachModel(Spec(setup, name), rank, std::chrono::milliseconds(200));
     ASSERT_FALSE(m.ok()) << name;
     EXPECT_EQ(m.status().code(), code) << m.status();
     EXPECT_NE(m.status().ToString().find(says), std::string::npos) << m.status();
@@ -2074,7 +2073,7 @@ TEST(RanksInProcessesTest, AttachRefusalsAndWhoMayActForWhichRank) {
   refused(three, "r", 1, StatusCode::kFailedPrecondition, "world size");
   refused(s, "r", 2, StatusCode::kInvalidArgument, "rank 2");
 
-  Result<std::unique_ptr<Model>> m1 = (*b)->AttachModel(Spec(s, "r"), 1);
+  Result<std::unique_ptr<Model>> m1 = b->AttachModel(Spec(s, "r"), 1);
   ASSERT_TRUE(m1.ok()) << m1.status();
   EXPECT_EQ((*m1)->attached_rank(), 1);
   refused(s, "r", 1, StatusCode::kAlreadyExists, "attached already");
