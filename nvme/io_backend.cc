@@ -429,7 +429,12 @@ int FaultBackend::OpenFile(const std::string& path, int flags, int mode) {
 int FaultBackend::Preallocate(int fd, uint64_t offset, uint64_t bytes) {
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (fail_prealloc_ != 0 && ++prealloc_calls_ >= fail_prealloc_at_) return -fail_prealloc_;
+    if (fail_prealloc_ != 0 && ++prealloc_calls_ >= fail_prealloc_at_) {
+      if (fail_prealloc_partial_ && bytes / 2 >= 4096) {
+        (void)inner_->Preallocate(fd, offset, bytes / 2 / 4096 * 4096);
+      }
+      return -fail_prealloc_;
+    }
     if (fail_prealloc_ == 0) ++prealloc_calls_;
   }
   return inner_->Preallocate(fd, offset, bytes);

@@ -143,11 +143,14 @@ class FaultBackend final : public IoBackend {
   // Every Submit fails with -err, its ops left unsubmitted (io_uring_enter
   // refused for good, by a seccomp filter say); 0: off.
   void FailSubmits(int err) { fail_submit_.store(err); }
-  // fallocate() fails with -err (from the nth call on; 1: the next one).
-  void FailPreallocate(int err, uint64_t from = 1) {
+  // fallocate() fails with -err (from the nth call on; 1: the next one),
+  // where `partial` having reserved the first half of its range first, as
+  // ext4's does (it keeps the blocks it got before running out).
+  void FailPreallocate(int err, uint64_t from = 1, bool partial = false) {
     std::lock_guard<std::mutex> lock(mu_);
     fail_prealloc_ = err;
     fail_prealloc_at_ = prealloc_calls_ + from;
+    fail_prealloc_partial_ = partial;
   }
   // Ops seen so far, by kind.
   uint64_t count(IoKind kind) const;
@@ -174,6 +177,7 @@ class FaultBackend final : public IoBackend {
   std::atomic<int> fail_submit_{0};
   std::atomic<int64_t> delay_ms_[3] = {0, 0, 0};
   int fail_prealloc_ = 0;  // under mu_
+  bool fail_prealloc_partial_ = false;
   uint64_t fail_prealloc_at_ = 0, prealloc_calls_ = 0;
 };
 

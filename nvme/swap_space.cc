@@ -751,6 +751,9 @@ Status SwapSpace::Impl::ReserveHoles(uint32_t p, const std::vector<Extent>& exte
       while (run < end && path.punched[run]) ++run;
       const int rc = backend->Preallocate(path.fd, u * stripe, (run - u) * stripe);
       if (rc < 0 && rc != -EOPNOTSUPP) {
+        // fallocate keeps the blocks it got before it failed: given back
+        // (the run stays holes), so a refusal leaves the drive as it was.
+        Punch(p, {{u, run - u}});
         const std::string what =
             StrCat("reserving ", (run - u) * stripe, " bytes at ", u * stripe, " of ", path.file);
         return OutOfSpace(rc) ? OutOfSpaceError(p, what, rc) : PosixError(what, rc);

@@ -499,16 +499,26 @@ TEST_P(SwapFaultTest, FullDiskIsResourceExhausted) {
 // that would reuse them is refused up front, naming the path, rather
 // than failing a write mid-step; nothing leaks, and the space takes the
 // object once the drive has room.
+// The refusal gives back what the failed fallocate took (ext4's keeps the
+// blocks it got before running out): it left the drive fuller, at worst
+// full, for whatever else is there.
 TEST_P(SwapFaultTest, ReusingFreedUnitsOnAFullDriveIsRefusedUpFront) {
   ASSERT_TRUE(space_->Free(victim_).ok());
   const uint64_t size = space_->file_bytes();
-  fault_->FailPreallocate(ENOSPC);
+  auto held = [&] {
+    uint64_t bytes = 0;
+    for (const SwapSpace::PathUsage& u : space_->path_usage()) bytes += u.file_bytes;
+    return bytes;
+  };
+  const uint64_t before = held();
+  fault_->FailPreallocate(ENOSPC, 1, /*partial=*/true);
   Result<uint64_t> id = space_->Allocate("again", kMiB);
   ASSERT_FALSE(id.ok());
   EXPECT_EQ(id.status().code(), StatusCode::kResourceExhausted) << id.status();
   EXPECT_NE(id.status().message().find("out of space: reserving"), std::string::npos)
       << id.status();
   EXPECT_FALSE(space_->Find("again").ok());
+  EXPECT_EQ(held(), before) << "the refusal kept blocks of the drive";
   fault_->Reset();
   id = space_->Allocate("again", kMiB);
   ASSERT_TRUE(id.ok()) << id.status();
