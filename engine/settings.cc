@@ -259,8 +259,9 @@ const std::vector<Tunable>& Table() {
        "ZTIER_NVME_PATHS",
        JsonType::kPaths,
        "(none)",
-       "Swap directories, one per drive; they must exist (a string or a list; the variable is "
-       "comma-separated). Each is locked while in use.",
+       "Swap directories, one per drive; they must exist (a list, or a string that is "
+       "comma-separated as the variable is: a path with a comma cannot be named). Each is locked "
+       "while in use.",
        [](Settings& s, std::string_view t, std::string_view k) -> Status {
          std::vector<std::string> paths = SplitList(t);
          if (paths.empty()) return Status::InvalidArgument(StrCat(k, ": empty path list"));
