@@ -1173,17 +1173,24 @@ class Daemon::Impl::Connection {
   }
 
   // Aborted once a rank of `e`'s job other than this connection's left it
-  // (its process exited or failed, AbortCollectivesLocked): a wait for a
-  // publish or an acquire needs every rank's part, and would otherwise end
-  // only at its timeout.
-  Status UnlessPeerLeft(const JobEntry& e) {
-    std::lock_guard<std::mutex> lock(d_.mu);
-    const int left = e.job->left_rank;
+  // (AbortCollectivesLocked) and the awaited `step` is past what the grads
+  // already in make (Engine::TargetStep): that step needs the rank's part,
+  // and the wait would otherwise end only at its timeout. A step the grads
+  // in make is waited for (a rank saving alone after its peers closed).
+  Status UnlessPeerLeft(const JobEntry& e, int64_t step) {
+    int left = -1;
+    {
+      std::lock_guard<std::mutex> lock(d_.mu);
+      left = e.job->left_rank;
+    }
     if (left < 0 || left == std::max(e.rank, 0)) return Status::Ok();
-    return Status::Aborted(StrCat("job '", e.name, "': rank ", left,
-                                  " left the job (its process exited or failed) while this rank "
-                                  "waited; the job cannot go on: restart its ranks from the last "
-                                  "checkpoint"));
+    const int64_t reachable = d_.engine->TargetStep(e.engine_job);
+    if (step <= reachable) return Status::Ok();
+    return Status::Aborted(
+        StrCat("job '", e.name, "': rank ", left,
+               " left the job (its process exited or let go of the job) before its part of step ",
+               step, " came", reachable < 0 ? " (the job has no weights yet)" : "",
+               "; the job cannot go on: restart its ranks from the last checkpoint"));
   }
 
   // The operator's calls: refused (PermissionDenied) for others.
@@ -1332,7 +1339,7 @@ class Daemon::Impl::Connection {
                                                   return d_.engine->WaitPublished(
                                                       j.engine_job, w.unit, w.step, slice);
                                                 },
-                                                &j)));
+                                                &j, w.step)));
         return std::string();
       }
       case p::MessageType::kPublishedStep: {
@@ -1850,10 +1857,11 @@ class Daemon::Impl::Connection {
 
   // Runs an engine wait in slices of kWaitSlice until `timeout`, so a
   // closing connection is not held up by a job others keep alive, and a
-  // wait on `peers`' job (when given) ends once another rank left it.
+  // wait for `step` of `peers`' job (when given) ends once another rank
+  // left it without its part of that step (UnlessPeerLeft).
   template <class Call>
-  auto Sliced(std::chrono::milliseconds timeout, Call call, const JobEntry* peers = nullptr)
-      -> decltype(call(timeout)) {
+  auto Sliced(std::chrono::milliseconds timeout, Call call, const JobEntry* peers = nullptr,
+              int64_t step = 0) -> decltype(call(timeout)) {
     const auto deadline = Clock::now() + timeout;
     for (bool first = true;; first = false) {
       // The first slice from the timeout itself (a wait of 300 ms said it
@@ -1866,7 +1874,7 @@ class Daemon::Impl::Connection {
       auto r = call(slice);
       const Status s = StatusOf(r);
       if (s.ok() || s.code() != StatusCode::kUnavailable) return r;
-      if (peers != nullptr) ZT_RETURN_IF_ERROR(UnlessPeerLeft(*peers));
+      if (peers != nullptr) ZT_RETURN_IF_ERROR(UnlessPeerLeft(*peers, step));
       if (slice == left || Closing()) {
         if (timeout <= kWaitSlice) return r;
         return Status(s.code(), StrCat(s.message(), "; waited ", timeout.count(), " ms in all"),
@@ -1889,7 +1897,7 @@ class Daemon::Impl::Connection {
         [&](std::chrono::milliseconds slice) {
           return d_.engine->AcquireParams(j.engine_job, w.unit, w.step, slice);
         },
-        &j);
+        &j, w.step);
     ZT_RETURN_IF_ERROR(UnlessEvicted(j, acquired.status()));
     const bf16* params = *acquired;
     Result<SharedBuffer> b = d_.engine->Locate(j.engine_job, params, l.padded * sizeof(bf16));

@@ -1869,9 +1869,12 @@ struct DaemonAndSession {
   std::unique_ptr<Session> second;
   std::string socket() const { return daemon->socket(); }
 };
-Result<DaemonAndSession> StartDaemon(const TrainSetup& s, bool second_connection = false) {
+Result<DaemonAndSession> StartDaemon(const TrainSetup& s, bool second_connection = false,
+                                     const std::string& swap_dir = "",
+                                     std::shared_ptr<nvme::IoBackend> io = nullptr) {
   DaemonAndSession out;
-  ZT_ASSIGN_OR_RETURN(out.daemon, testing::TestDaemon::Start(Options(s, "").settings));
+  ZT_ASSIGN_OR_RETURN(out.daemon,
+                      testing::TestDaemon::Start(Options(s, swap_dir).settings, {}, std::move(io)));
   SessionOptions o;
   o.daemon_socket = out.daemon->socket();
   ZT_ASSIGN_OR_RETURN(out.session, Session::Open(o));
@@ -2044,6 +2047,42 @@ TEST(RanksInProcessesTest, ARankThatLeftEndsItsPeersWaitsForPublishes) {
     EXPECT_EQ(st.code(), StatusCode::kAborted) << st;
     EXPECT_NE(st.ToString().find("rank 0 left the job"), std::string::npos) << st;
   }
+}
+
+// A rank that let go of the job once its grads of a step were in leaves
+// that step to be made: a peer's wait for it goes on (a rank saving alone
+// after the others closed), where a wait for a step that needs the rank's
+// grads ends (above).
+TEST(RanksInProcessesTest, AStepWhoseGradsAreAllInIsWaitedForAfterARankLeft) {
+  if (!testing::DaemonUnderTest()) GTEST_SKIP() << "ranks in other processes need ztierd";
+  using namespace std::chrono_literals;
+  TrainSetup s;
+  s.ranks = 2;
+  s.optimizer_tier = Tier::kNvme;
+  ScratchDir swap("left-after");
+  auto fault = std::make_shared<nvme::FaultBackend>(nvme::MakeUringBackend());
+  Result<DaemonAndSession> d = StartDaemon(s, /*second_connection=*/true, swap.path(), fault);
+  ASSERT_TRUE(d.ok()) << d.status();
+  Result<std::unique_ptr<Model>> m0 = RegisterWithWeights(*d->session, s, "after");
+  ASSERT_TRUE(m0.ok()) << m0.status();
+  Result<std::unique_ptr<Model>> m1 = d->second->AttachModel(Spec(s, "after"), 1);
+  ASSERT_TRUE(m1.ok()) << m1.status();
+  // The update reads each unit's states slowly: the wait for its publish
+  // outlasts ztierd's wait slices.
+  fault->SlowDown(nvme::IoKind::kRead, 700ms);
+  for (int k = (*m0)->units() - 1; k >= 0; --k) {
+    for (Model* m : {m0->get(), m1->get()}) {
+      const int rank = m == m0->get() ? 0 : 1;
+      Result<bf16*> inbox = m->transport().GradInbox(m->job(), k, rank);
+      ASSERT_TRUE(inbox.ok()) << inbox.status();
+      std::fill_n(*inbox, m->layout(k).shard, FloatToBf16(0.01f));
+      ASSERT_TRUE(m->transport().GradsReady(m->job(), k, rank).ok());
+    }
+  }
+  m1->reset();  // rank 1 goes, its part of step 1 in
+  const Status waited = (*m0)->WaitPublished(1, std::chrono::minutes(1));
+  EXPECT_TRUE(waited.ok()) << waited;
+  fault->SlowDown(nvme::IoKind::kRead, 0ms);
 }
 
 TEST(RanksInProcessesTest, AttachRefusalsAndWhoMayActForWhichRank) {
