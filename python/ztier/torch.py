@@ -11,8 +11,9 @@ through ztier, ZeRO stage-3 style.
 
 How it works. The model's parameters are cut into units: one per block (the
 classes the model names in ``_no_split_modules``, else the largest
-``ModuleList`` of one class), one for the parameters used before the first
-block (embeddings) and one for those after the last (final norm, head). A
+``ModuleList`` or ``Sequential`` of one class, or those ``blocks=`` names),
+one for the parameters used before the first block (embeddings) and one
+for those after the last (final norm, head). A
 tied parameter lives in one unit and every module that uses it holds that
 unit. The fp32 master weights, AdamW moments and bf16 params live in the
 engine (pinned DRAM or NVMe); the module's parameters hold nothing between
@@ -202,7 +203,9 @@ class _Optimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True):
         owner = self._owner
-        if owner.job is not None and owner._phase != "backward" and owner._grads_sent():
+        # (A backward phase with no backward running is one that raised.)
+        in_backward = torch._C._current_graph_task_id() != -1
+        if owner.job is not None and not in_backward and owner._grads_sent():
             owner._zero_grad()
         for group in self.param_groups:
             for p in group["params"]:
@@ -293,6 +296,45 @@ def find_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
             seen.add(id(c))
             out.append((prefix + key, c))
     return out
+
+
+def _resolve_blocks(model: nn.Module, blocks) -> list[tuple[str, nn.Module]]:
+    """offload(blocks=...): None, find_blocks(model); else the submodules
+    listed (names or modules), in the model's order; [] makes the model one
+    unit. ValueError for one not in the model, the model itself, or one
+    inside another."""
+    if blocks is None:
+        return find_blocks(model)
+    if isinstance(blocks, (str, nn.Module)) or not isinstance(blocks, Iterable):
+        raise TypeError(f"ztier: blocks= takes a list of submodules or their names (or [] for "
+                        f"one unit), got {type(blocks).__name__}")
+    named = dict(model.named_modules())
+    name_of = {id(m): n for n, m in reversed(list(named.items()))}  # first name of a shared one
+    out: list[tuple[str, nn.Module]] = []
+    for b in blocks:
+        if isinstance(b, str):
+            if b not in named:
+                raise ValueError(f"ztier: blocks= names '{b}', which is no submodule of the model")
+            m = named[b]
+        elif isinstance(b, nn.Module):
+            if id(b) not in name_of:
+                raise ValueError(f"ztier: blocks= lists a {type(b).__name__} that is not in the "
+                                 "model")
+            m = b
+        else:
+            raise TypeError(f"ztier: blocks= takes submodules or their names, got "
+                            f"{type(b).__name__}")
+        if m is model:
+            raise ValueError("ztier: blocks= lists the model itself; blocks=[] makes it one unit")
+        if all(m is not o for _, o in out):
+            out.append((name_of[id(m)], m))
+    for n, m in out:
+        for n2, m2 in out:
+            if m is not m2 and any(s is m2 for s in m.modules()):
+                raise ValueError(f"ztier: blocks= lists '{n2}', which is inside '{n}': a block "
+                                 "holds all of its parameters")
+    order = {id(m): i for i, m in enumerate(named.values())}
+    return sorted(out, key=lambda b: order[id(b[1])])
 
 
 @dataclass
@@ -433,7 +475,7 @@ class Offload:
                  daemon: str | None = None, settings: dict | None = None,
                  name: str | None = None, session: _C.Session | None = None,
                  weights: str | None = None, compute_dtype: torch.dtype | None = None,
-                 average_grads: bool = False, cast_inputs: bool = True):
+                 average_grads: bool = False, cast_inputs: bool = True, blocks=None):
         if optimizer is not None and not isinstance(optimizer, AdamW):
             what = (f"a {type(optimizer).__module__}.{type(optimizer).__qualname__}"
                     if not isinstance(optimizer, type) else f"the class {optimizer.__qualname__}")
@@ -543,7 +585,7 @@ class Offload:
             self.clip_grad_norm = 0.0  # as torch's clip_grad_norm_(max_norm=inf): no clipping
         states = states or self.session.default_optimizer_tier
         params = params or self.session.default_param_tier
-        self._build_units(model)
+        self._build_units(model, _resolve_blocks(model, blocks))
         if weights is None:
             meta = [t.name for u in self.units for t in u.tensors if t.param.is_meta]
             if meta:
@@ -704,8 +746,7 @@ class Offload:
 
     # ---- construction
 
-    def _build_units(self, model: nn.Module):
-        blocks = find_blocks(model)
+    def _build_units(self, model: nn.Module, blocks: list[tuple[str, nn.Module]]):
         owner: dict[int, int] = {}
         names: dict[int, str] = {}
         for pname, p in model.named_parameters():  # first name of a tied param
@@ -1471,29 +1512,25 @@ class Offload:
             return None  # recompute: the hold lasts until the module's backward ends
         mid = id(module)
         call = (mid, self._calls[mid].pop())
-        self._fwd_held.remove(mid)
-        self._let_go(self._module_units[mid], check=True)
-        written = [t for t, v in self._input_versions.pop(call, ()) if t._version != v]
-        if written and type(module) not in self._inplace_warned:
-            self._inplace_warned.add(type(module))
-            warnings.warn(
-                f"ztier: a {type(module).__name__} (unit '{self._module_units[mid][0].name}') "
-                "wrote to its input in place: the caller's tensor holds the written values, "
-                "and under ztier not their history (the module got an alias of it), so a use "
-                "of that tensor after the call (a residual kept from before it) gets wrong "
-                "grads; where the caller does that, write out of place in the module (x * g, "
-                "not x.mul_(g)) or clone its input", RuntimeWarning,
-                stacklevel=_user_stacklevel())
-        if not torch.is_grad_enabled():
-            return None
-        # Outputs that are views (a block's .view(B, T, C)) at the top of
-        # the output go through _PreBackward, which an in-place write of the
-        # caller's cannot drop; the others get a grad hook.
+        units = self._module_units[mid]
+        grad = torch.is_grad_enabled()
+        # The top of the output made the module's own: a view of its units'
+        # params (a positional table's self.pe[:T]) is copied, since the
+        # params are let go below (the view read freed memory); another view
+        # (a block's .view(B, T, C)) goes through _PreBackward, which an
+        # in-place write of the caller's cannot drop; the rest get a grad hook.
+        held = {u.storage.data_ptr() for u in units
+                if u.storage is not None and u.storage.nbytes() > 0}
         replaced = False
 
         def own(t):
             nonlocal replaced
-            if isinstance(t, torch.Tensor) and t.requires_grad and t._is_view():
+            if not isinstance(t, torch.Tensor):
+                return t
+            if held and t.untyped_storage().data_ptr() in held:
+                replaced = True
+                return t.clone()
+            if grad and t.requires_grad and t._is_view():
                 replaced = True
                 return _PreBackward.apply(self, call, t)
             return t
@@ -1507,6 +1544,29 @@ class Offload:
                 new = own(v)
                 if new is not v:
                     output[k] = new
+        deeper = held and any(t.untyped_storage().data_ptr() in held for t in _tensors(output))
+        self._fwd_held.remove(mid)
+        self._let_go(units, check=True)
+        where = f" (unit '{units[0].name}')" if units else ""
+        if deeper:
+            raise RuntimeError(
+                f"ztier: a {type(module).__name__}{where} returned a view of its own parameters "
+                f"inside its output ({type(output).__name__}): they are let go when its forward "
+                "ends, and the view would read freed memory; return it at the top of the "
+                "output (a tensor, or in a tuple, list or dict), or .clone() it")
+        written = [t for t, v in self._input_versions.pop(call, ()) if t._version != v]
+        if written and type(module) not in self._inplace_warned:
+            self._inplace_warned.add(type(module))
+            warnings.warn(
+                f"ztier: a {type(module).__name__}{where} changed its input in place (x.mul_, "
+                "x += ..., x.unsqueeze_): under ztier it gets an alias of the caller's tensor, "
+                "which takes a write to its values but not the write's history (nor a change of "
+                "its shape), so a use of that tensor after the call (a residual kept from before "
+                "it) gets wrong grads; where the caller does that, change it out of place in the "
+                "module (x * g, not x.mul_(g)) or clone its input", RuntimeWarning,
+                stacklevel=_user_stacklevel())
+        if not grad:
+            return output if replaced else None
         for t in _tensors(output):
             if t.requires_grad and not isinstance(t.grad_fn, _PreBackward._backward_cls):
                 t.register_hook(functools.partial(_pre_backward_hook, weakref.ref(self), call))
@@ -2020,6 +2080,15 @@ class Offload:
                         "that froze others, or none, is laid out in other units: load it "
                         "into the model as it was, export_safetensors, then offload this "
                         "one with weights=)") from e
+                if "does not fit" in str(e) and "units" in str(e):
+                    # Another layout: blocks found otherwise (nn.Sequential
+                    # stacks became blocks), or chosen otherwise.
+                    raise type(e)(
+                        f"{e} (this model's units: {', '.join(u.name for u in self.units)}; a "
+                        "checkpoint of the same model laid out in other units, e.g. saved when "
+                        "its nn.Sequential of blocks was one unit, loads into a model offloaded "
+                        "with that layout: offload(..., blocks=[...] naming its blocks, or [] "
+                        "for one unit))") from e
                 raise
 
         self._drop_runner()  # its version is the old one
@@ -2605,7 +2674,8 @@ def offload(model: nn.Module, device="cpu", optimizer: AdamW | None = None,
     (DDP's semantics) instead of the sum; ``cast_inputs``: the floating-point
     tensors given to the model's forward are cast to ``compute_dtype``
     (saturating: past its range they become its largest values), unless
-    False."""
+    False; ``blocks``: the submodules (or their names) that are a unit each,
+    instead of :func:`find_blocks`'s choice ([]: the model is one unit)."""
     return Offload(model, device=device, optimizer=optimizer, clip_grad_norm=clip_grad_norm,
                    grad_accumulation=grad_accumulation, states=states, params=params,
                    prefetch_depth=prefetch_depth, config=config, daemon=daemon, **kwargs)
