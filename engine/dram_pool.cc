@@ -11,6 +11,8 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <iterator>
+#include <map>
 #include <mutex>
 #include <utility>
 
@@ -169,9 +171,17 @@ class Region {
 struct DramPool::Impl {
   DramPoolOptions options;
   mutable std::mutex mu;
-  std::vector<Region> regions;
-  std::vector<ExtentAllocator> pages;  // per region, in 4 KiB pages
-  std::vector<uint8_t> dedicated;      // per region: one owner's, never carved for others
+  // The live regions by index. An index is never reused (a client may
+  // still map a dropped region under it), and a dropped region leaves no
+  // entry: a service that runs job after job keeps and walks only its
+  // live regions.
+  struct Slot {
+    Region region;
+    ExtentAllocator pages;  // in 4 KiB pages
+    bool dedicated;         // one owner's, never carved for others
+  };
+  std::map<uint32_t, Slot> slots;
+  uint32_t next_region = 0;
   uint64_t reserved = 0;
   uint64_t used = 0;
   uint64_t outside = 0;  // HoldOutside: in use, in no region of this pool
@@ -181,7 +191,7 @@ struct DramPool::Impl {
     return options.budget_bytes - std::min(options.budget_bytes, reserved + outside);
   }
 
-  bool live(uint32_t r) const { return r < regions.size() && regions[r].base() != nullptr; }
+  bool live(uint32_t r) const { return slots.count(r) != 0; }
 
   // ResourceExhausted, naming the figures, when `size` more bytes would pass
   // the budget.
@@ -200,14 +210,14 @@ struct DramPool::Impl {
   // Makes a region of `bytes`, binds it to the NUMA node and records it
   // under the next index. A dedicated region keeps room for more seals.
   Result<uint32_t> AddRegion(const DramPoolOptions& o, uint64_t bytes, bool dedicated_region) {
-    const uint32_t r = static_cast<uint32_t>(regions.size());
+    const uint32_t r = next_region;
     ZT_ASSIGN_OR_RETURN(Region region, Region::Make(o, bytes, r, /*final_seal=*/!dedicated_region));
     if (region.lock_error() != 0) WarnUnlocked(region);
     ZT_RETURN_IF_ERROR(BindToNode(region));
+    ++next_region;
     reserved += region.bytes();
-    pages.emplace_back(region.bytes() / kPage);
-    dedicated.push_back(dedicated_region ? 1 : 0);
-    regions.push_back(std::move(region));
+    const uint64_t units = region.bytes() / kPage;
+    slots.emplace(r, Slot{std::move(region), ExtentAllocator(units), dedicated_region});
     return r;
   }
 
@@ -235,16 +245,20 @@ struct DramPool::Impl {
   // Unmaps region r (its memfd closed once every other mapping is gone);
   // its index is never reused.
   void Drop(uint32_t r) {
-    reserved -= regions[r].bytes();
-    regions[r] = Region();
-    pages[r] = ExtentAllocator(0);
+    auto it = slots.find(r);
+    reserved -= it->second.region.bytes();
+    slots.erase(it);
   }
 
   // Makes room for `size` more reserved bytes by dropping empty shared
   // regions (kept only to save their making again).
   void DropEmptySharedRegions(uint64_t size) {
-    for (uint32_t r = 0; r < regions.size() && Left() < size; ++r) {
-      if (live(r) && !dedicated[r] && pages[r].free_units() == pages[r].total_units()) Drop(r);
+    for (auto it = slots.begin(); it != slots.end() && Left() < size;) {
+      const Slot& s = it->second;
+      const bool empty = !s.dedicated && s.pages.free_units() == s.pages.total_units();
+      auto next = std::next(it);
+      if (empty) Drop(it->first);
+      it = next;
     }
   }
 
@@ -298,13 +312,13 @@ Result<DramBlock> DramPool::Allocate(uint64_t bytes, std::string_view owner) {
   std::lock_guard<std::mutex> lock(p.mu);
   ZT_RETURN_IF_ERROR(p.CheckBudget(size, owner));
   // First fit in an existing shared region.
-  for (uint32_t r = 0; r < p.regions.size(); ++r) {
-    if (!p.live(r) || p.dedicated[r]) continue;
+  for (auto& [r, slot] : p.slots) {
+    if (slot.dedicated) continue;
     uint64_t first = 0;
-    if (!p.pages[r].AllocateContiguous(size / kPage, &first)) continue;
+    if (!slot.pages.AllocateContiguous(size / kPage, &first)) continue;
     p.used += size;
     const uint64_t off = first * kPage;
-    return DramBlock{static_cast<uint8_t*>(p.regions[r].base()) + off, size, r, off};
+    return DramBlock{static_cast<uint8_t*>(slot.region.base()) + off, size, r, off};
   }
   // A new region: the standard size, or one just for this block, never
   // reserving past the budget (pinned memory is what the budget protects).
@@ -319,9 +333,9 @@ Result<DramBlock> DramPool::Allocate(uint64_t bytes, std::string_view owner) {
   }
   ZT_ASSIGN_OR_RETURN(const uint32_t r, p.AddRegion(p.options, make, /*dedicated=*/false));
   uint64_t first = 0;
-  ZT_CHECK(p.pages[r].AllocateContiguous(size / kPage, &first) && first == 0);
+  ZT_CHECK(p.slots.at(r).pages.AllocateContiguous(size / kPage, &first) && first == 0);
   p.used += size;
-  return DramBlock{p.regions[r].base(), size, r, 0};
+  return DramBlock{p.slots.at(r).region.base(), size, r, 0};
 }
 
 uint64_t DramPool::ReleaseEmpty() {
@@ -350,7 +364,7 @@ Result<uint32_t> DramPool::CreateRegion(uint64_t bytes, std::string_view owner) 
   DramPoolOptions o = p.options;
   if (o.huge_pages == HugePages::kHugetlb) o.huge_pages = HugePages::kTransparent;
   ZT_ASSIGN_OR_RETURN(const uint32_t r, p.AddRegion(o, size, /*dedicated=*/true));
-  p.used += p.regions[r].bytes();  // all of it is the owner's
+  p.used += p.slots.at(r).region.bytes();  // all of it is the owner's
   return r;
 }
 
@@ -359,29 +373,30 @@ Result<DramBlock> DramPool::AllocateIn(uint32_t region, uint64_t bytes, std::str
   if (bytes == 0) return Status::InvalidArgument(StrCat(owner, ": DRAM block of 0 bytes"));
   const uint64_t size = RoundUp(bytes, kPage);
   std::lock_guard<std::mutex> lock(p.mu);
-  ZT_CHECK_MSG(p.live(region) && p.dedicated[region], "AllocateIn: region ", region,
+  ZT_CHECK_MSG(p.live(region) && p.slots.at(region).dedicated, "AllocateIn: region ", region,
                " is not a live dedicated region");
   uint64_t first = 0;
-  if (!p.pages[region].AllocateContiguous(size / kPage, &first)) {
+  if (!p.slots.at(region).pages.AllocateContiguous(size / kPage, &first)) {
     return Status::ResourceExhausted(StrCat(owner, ": region ", region, " of ",
-                                            p.regions[region].bytes(), " bytes has no free run of ",
-                                            size, " bytes"));
+                                            p.slots.at(region).region.bytes(),
+                                            " bytes has no free run of ", size, " bytes"));
   }
   const uint64_t off = first * kPage;
-  return DramBlock{static_cast<uint8_t*>(p.regions[region].base()) + off, size, region, off};
+  return DramBlock{static_cast<uint8_t*>(p.slots.at(region).region.base()) + off, size, region,
+                   off};
 }
 
 Status DramPool::SealRegion(uint32_t region, RegionAccess others) {
   Impl& p = *impl_;
   std::lock_guard<std::mutex> lock(p.mu);
-  ZT_CHECK_MSG(p.live(region) && p.dedicated[region], "SealRegion: region ", region,
+  ZT_CHECK_MSG(p.live(region) && p.slots.at(region).dedicated, "SealRegion: region ", region,
                " is not a live dedicated region");
   // All at once, and checked: a client must never be able to shrink the
   // memfd under the engine's mapping (SIGBUS) or, for a read-only region,
   // map it writable.
   const int want = F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL |
                    (others == RegionAccess::kReadOnly ? F_SEAL_FUTURE_WRITE : 0);
-  const int fd = p.regions[region].fd();
+  const int fd = p.slots.at(region).region.fd();
   if (::fcntl(fd, F_ADD_SEALS, want) != 0) {
     const int err = errno;
     return PosixError(StrCat("sealing DRAM region ", region,
@@ -401,9 +416,9 @@ Status DramPool::SealRegion(uint32_t region, RegionAccess others) {
 void DramPool::DestroyRegion(uint32_t region) {
   Impl& p = *impl_;
   std::lock_guard<std::mutex> lock(p.mu);
-  ZT_CHECK_MSG(p.live(region) && p.dedicated[region], "DestroyRegion: region ", region,
+  ZT_CHECK_MSG(p.live(region) && p.slots.at(region).dedicated, "DestroyRegion: region ", region,
                " is not a live dedicated region");
-  p.used -= p.regions[region].bytes();
+  p.used -= p.slots.at(region).region.bytes();
   p.Drop(region);
 }
 
@@ -413,7 +428,7 @@ void DramPool::Free(const DramBlock& block) {
   // the caller), then return its pages.
   auto check = [&] {
     ZT_CHECK_MSG(p.live(block.region), "DRAM block of a region that is gone: ", block.region);
-    const Region& r = p.regions[block.region];
+    const Region& r = p.slots.at(block.region).region;
     ZT_CHECK_MSG(static_cast<uint8_t*>(r.base()) + block.offset == block.ptr &&
                      block.offset + block.bytes <= r.bytes() && block.bytes % kPage == 0,
                  "DRAM block does not belong to region ", block.region);
@@ -425,29 +440,29 @@ void DramPool::Free(const DramBlock& block) {
   std::memset(block.ptr, 0, block.bytes);
   std::lock_guard<std::mutex> lock(p.mu);
   check();
-  const bool freed = p.pages[block.region].Free(block.offset / kPage, block.bytes / kPage);
+  const bool freed = p.slots.at(block.region).pages.Free(block.offset / kPage, block.bytes / kPage);
   ZT_CHECK_MSG(freed, "DRAM block at offset ", block.offset, " of region ", block.region,
                " freed twice");
-  if (!p.dedicated[block.region]) p.used -= block.bytes;  // a dedicated region counts whole
+  if (!p.slots.at(block.region).dedicated)
+    p.used -= block.bytes;  // a dedicated region counts whole
 }
 
 int DramPool::region_fd(uint32_t region) const {
   std::lock_guard<std::mutex> lock(impl_->mu);
-  return impl_->live(region) ? impl_->regions[region].fd() : -1;
+  return impl_->live(region) ? impl_->slots.at(region).region.fd() : -1;
 }
 
 std::pair<void*, uint64_t> DramPool::region(uint32_t region) const {
   std::lock_guard<std::mutex> lock(impl_->mu);
   if (!impl_->live(region)) return {nullptr, 0};
-  return {impl_->regions[region].base(), impl_->regions[region].bytes()};
+  return {impl_->slots.at(region).region.base(), impl_->slots.at(region).region.bytes()};
 }
 
 std::vector<std::pair<void*, uint64_t>> DramPool::regions() const {
   std::lock_guard<std::mutex> lock(impl_->mu);
   std::vector<std::pair<void*, uint64_t>> out;
-  for (const Region& r : impl_->regions) {
-    if (r.base() != nullptr) out.emplace_back(r.base(), r.bytes());
-  }
+  for (const auto& [r, slot] : impl_->slots)
+    out.emplace_back(slot.region.base(), slot.region.bytes());
   return out;
 }
 
@@ -458,8 +473,8 @@ DramPoolStats DramPool::stats() const {
   s.budget_bytes = p.options.budget_bytes;
   s.reserved_bytes = p.reserved + p.outside;
   s.used_bytes = p.used + p.outside;
-  for (const Region& r : p.regions) {
-    if (r.base() == nullptr) continue;
+  for (const auto& [index, slot] : p.slots) {
+    const Region& r = slot.region;
     ++s.regions;
     s.locked_regions += r.locked() ? 1 : 0;
     s.hugetlb_regions += r.hugetlb() ? 1 : 0;
