@@ -86,7 +86,8 @@ Result<std::unique_ptr<Model>> Session::OpenModel(const ModelSpec& spec, int ran
                       .optimizer = spec.optimizer,
                       .optimizer_tier = spec.optimizer_tier,
                       .param_tier = spec.param_tier,
-                      .state_dtype = spec.state_dtype};
+                      .state_dtype = spec.state_dtype,
+                      .launch = spec.launch};
   if (!job.state_dtype && settings_.sources.count("ztier.state_dtype") != 0) {
     job.state_dtype = settings_.state_dtype;
   }

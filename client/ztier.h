@@ -289,6 +289,11 @@ class Session {
     // ztier.state_dtype when a config, variable or flag set it (so it
     // reaches a ztierd too), else the engine's own.
     std::optional<engine::StateDtype> state_dtype = std::nullopt;
+    // Ranks in processes of their own (AttachModel): a nonzero value rank 0
+    // draws, registers with and hands its other ranks, so that a rank never
+    // joins another launch's job of the same name (engine::JobSpec::launch).
+    // 0: not checked.
+    uint64_t launch = 0;
   };
   // Registers the model's units with the engine. Its ranks run in this
   // process (threads), or rank 0 here and the others in processes of their

@@ -106,9 +106,13 @@ std::string SpecDifference(const JobSpec& job, const JobSpec& rank) {
     for (size_t t = 0; t < a.tensors.size(); ++t) {
       const TensorSpec& x = a.tensors[t];
       const TensorSpec& y = b.tensors[t];
-      if (x.name != y.name || x.shape != y.shape) {
-        return StrCat("unit '", a.name, "' tensor ", t, " ('", y.name,
-                      "') differs from the job's ('", x.name, "') in name or shape");
+      if (x.name != y.name) {
+        return StrCat("unit '", a.name, "' tensor ", t, " named '", y.name, "', the job's '",
+                      x.name, "'");
+      }
+      if (x.shape != y.shape) {
+        return StrCat("unit '", a.name, "' tensor '", x.name, "' of shape ", ShapeText(y.shape),
+                      ", the job's ", ShapeText(x.shape));
       }
       if (x.group != y.group) {
         return StrCat("unit '", a.name, "' tensor '", x.name, "' in param group ", y.group,
@@ -165,7 +169,10 @@ std::string SpecDifference(const JobSpec& job, const JobSpec& rank) {
     return differs("step mode", b.mode == StepMode::kExact ? "exact" : "eager",
                    a.mode == StepMode::kExact ? "exact" : "eager");
   }
-  if (p::Encode(job) != p::Encode(rank)) return "other optimizer settings";
+  // Whatever else the encoding holds (the launch is the attach's own check).
+  JobSpec same_launch = rank;
+  same_launch.launch = job.launch;
+  if (p::Encode(job) != p::Encode(same_launch)) return "other optimizer settings";
   return std::string();
 }
 
@@ -1774,6 +1781,12 @@ class Daemon::Impl::Connection {
                                          " ms (rank 0 registers it, the other ranks attach)"));
         }
         d_.jobs_changed.wait_until(lock, std::min(deadline, Clock::now() + kPollInterval));
+      }
+      if (a.spec.launch != 0 && job->spec.launch != a.spec.launch) {
+        return Status::FailedPrecondition(StrCat(
+            "rank ", a.rank, " cannot join job '", name, "': the job of that name on this ztierd ",
+            "was registered by another launch's rank 0 (two launches of uid ", peer_.uid,
+            " use the name '", name, "'; give each its own name)"));
       }
       const std::string differs = SpecDifference(job->spec, a.spec);
       if (!differs.empty()) {

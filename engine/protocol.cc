@@ -617,6 +617,7 @@ std::string Encode(const JobSpec& v) {
   w.Put(static_cast<uint8_t>(v.optimizer.mode));
   // 0: the engine's, else 1 + the dtype.
   w.Put(static_cast<uint8_t>(v.state_dtype ? 1 + static_cast<uint8_t>(*v.state_dtype) : 0));
+  w.Put(v.launch);
   w.Put(static_cast<uint32_t>(v.optimizer.group_weight_decay.size()));
   for (float f : v.optimizer.group_weight_decay) w.Put(f);
   w.Put(static_cast<uint32_t>(v.units.size()));
@@ -655,6 +656,7 @@ Result<JobSpec> DecodeJobSpec(std::string_view bytes) {
   r.Get(&accumulation, "grad_accumulation");
   r.Get(&step_mode, "step mode");
   r.Get(&dtype, "state_dtype");
+  r.Get(&v.launch, "launch");
   if (v.name.empty()) r.Fail("name is empty");
   if (dtype > 1 + static_cast<uint8_t>(StateDtype::kInt8))
     r.Fail(StrCat("state_dtype ", int{dtype}));

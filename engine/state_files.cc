@@ -93,12 +93,6 @@ void WarnOfOtherOptimizer(const JobDescription& job, const CheckpointManifest& m
   }
 }
 
-std::string ShapeText(const std::vector<int64_t>& shape) {
-  std::string out = "[";
-  for (size_t i = 0; i < shape.size(); ++i) out += StrCat(i ? ", " : "", shape[i]);
-  return out + "]";
-}
-
 // The files the manifest in `dir` names; NotFound without one, the read's or
 // the decode's error when it cannot be read.
 Result<std::set<std::string>> NamedFiles(const std::string& dir) {

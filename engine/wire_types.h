@@ -29,7 +29,8 @@ namespace ztier::engine {
 // 5: the job's state dtype in its JobHandle.
 // 6: cpu_adam::Hyper's betas are double.
 // 7: no struct changed; the protocol gained check_consistent.
-inline constexpr uint16_t kWireVersion = 7;
+// 8: a JobSpec's launch.
+inline constexpr uint16_t kWireVersion = 8;
 
 enum class Tier : uint8_t { kDram, kNvme };
 // How the engine keeps the AdamW moments m and v (ztier.state_dtype): fp32,
@@ -67,6 +68,16 @@ struct TensorSpec {
   bool frozen = false;
 };
 
+// A shape as messages spell it: "[768, 3072]", "[]" for a scalar.
+inline std::string ShapeText(const std::vector<int64_t>& shape) {
+  std::string out = "[";
+  for (size_t i = 0; i < shape.size(); ++i) {
+    if (i != 0) out += ", ";
+    out += std::to_string(shape[i]);
+  }
+  return out + "]";
+}
+
 struct UnitSpec {
   std::string name;
   std::vector<TensorSpec> tensors;
@@ -96,6 +107,11 @@ struct JobSpec {
   Tier param_tier = Tier::kDram;
   // How the job's m and v are kept; unset: the engine's ztier.state_dtype.
   std::optional<StateDtype> state_dtype = std::nullopt;
+  // Which start of the job this is, for ranks in processes of their own:
+  // rank 0 draws a nonzero value, registers with it and hands it to its
+  // other ranks, and ztierd refuses an attach that names another (a rank of
+  // another launch that uses the same job name). 0 in an attach: any.
+  uint64_t launch = 0;
 };
 
 struct UnitLayout {

@@ -197,7 +197,7 @@ cpu_adam::Hyper MakeHyper(float lr, double beta1, double beta2, float eps, float
 
 client::Session::ModelSpec MakeSpec(const std::string& name, const std::vector<UnitTuple>& units,
                                     const OptimizerArgs& o, const std::string& states,
-                                    const std::string& params, int world_size) {
+                                    const std::string& params, int world_size, uint64_t launch) {
   client::Session::ModelSpec spec;
   spec.name = name;
   for (const auto& [unit_name, tensors] : units) {
@@ -217,6 +217,7 @@ client::Session::ModelSpec MakeSpec(const std::string& name, const std::vector<U
   spec.optimizer_tier = ParseTier(states, "states");
   spec.param_tier = ParseTier(params, "params");
   spec.world_size = world_size;
+  spec.launch = launch;
   return spec;
 }
 
@@ -614,30 +615,32 @@ NB_MODULE(_C, m) {
           "register_model",
           [](Session& s, const std::string& name, const std::vector<UnitTuple>& units,
              const OptimizerArgs& optimizer, const std::string& states, const std::string& params,
-             int world_size) {
+             int world_size, uint64_t launch) {
             const Session::ModelSpec spec =
-                MakeSpec(name, units, optimizer, states, params, world_size);
+                MakeSpec(name, units, optimizer, states, params, world_size, launch);
             nb::gil_scoped_release release;
             return Value(s.RegisterModel(spec));
           },
           "name"_a, "units"_a, "optimizer"_a, "states"_a = "dram", "params"_a = "dram",
-          "world_size"_a = 1, nb::keep_alive<0, 1>(),
+          "world_size"_a = 1, "launch"_a = 0, nb::keep_alive<0, 1>(),
           "Registers a model: units in forward order, each (name, [(tensor name, shape, group, "
-          "frozen)]).")
+          "frozen)]). `launch`: a nonzero value the other ranks attach with (0: not checked).")
       .def(
           "attach_model",
           [](Session& s, const std::string& name, const std::vector<UnitTuple>& units,
              const OptimizerArgs& optimizer, const std::string& states, const std::string& params,
-             int world_size, int rank, double timeout) {
+             int world_size, int rank, double timeout, uint64_t launch) {
             const Session::ModelSpec spec =
-                MakeSpec(name, units, optimizer, states, params, world_size);
+                MakeSpec(name, units, optimizer, states, params, world_size, launch);
             const auto wait = Millis(timeout);
             nb::gil_scoped_release release;
             return Value(s.AttachModel(spec, rank, wait));
           },
           "name"_a, "units"_a, "optimizer"_a, "states"_a = "dram", "params"_a = "dram",
-          "world_size"_a = 1, "rank"_a = 1, "timeout"_a = 600.0, nb::keep_alive<0, 1>(),
-          "Joins, as `rank`, the model rank 0 registers under `name` through the same ztierd.");
+          "world_size"_a = 1, "rank"_a = 1, "timeout"_a = 600.0, "launch"_a = 0,
+          nb::keep_alive<0, 1>(),
+          "Joins, as `rank`, the model rank 0 registers under `name` through the same ztierd; a "
+          "nonzero `launch` must be the one rank 0 registered with.");
 
   nb::class_<HostedDaemon>(m, "HostedDaemon",
                            "ztierd's service hosted by this process (engine and socket).")

@@ -1028,6 +1028,42 @@ TEST_F(DaemonTest, TheJobSpecsOneUidsRequestsHoldAreBounded) {
   EXPECT_NE(m.status().message().find("its spec takes about"), std::string::npos) << m.status();
 }
 
+// Two launches of a user with one job name on one ztierd (two torchrun
+// runs started together): a rank joins its own launch's registration only.
+// Before, a rank of the second launch could attach to the first's job (its
+// spec matched), training with it while its own rank 0 was refused.
+TEST_F(DaemonTest, ARankJoinsOnlyItsOwnLaunchOfAJobName) {
+  engine::JobSpec spec = TwoUnits("same");
+  spec.ranks = 3;
+  Session::ModelSpec first = ModelOf(spec);
+  first.launch = 0x1234;
+  Session::ModelSpec second = first;
+  second.launch = 0x5678;
+  SessionOptions o;
+  o.daemon_socket = socket();
+  Result<std::unique_ptr<Session>> s0 = Session::Open(o);
+  Result<std::unique_ptr<Session>> s1 = Session::Open(o);
+  ASSERT_TRUE(s0.ok() && s1.ok()) << s0.status() << s1.status();
+  Result<std::unique_ptr<Model>> m0 = (*s0)->RegisterModel(first);
+  ASSERT_TRUE(m0.ok()) << m0.status();
+  Result<std::unique_ptr<Model>> other0 = (*s1)->RegisterModel(second);
+  EXPECT_EQ(other0.status().code(), StatusCode::kAlreadyExists) << other0.status();
+  Result<std::unique_ptr<Model>> other1 = (*s1)->AttachModel(second, 1, 2s);
+  ASSERT_FALSE(other1.ok());
+  EXPECT_EQ(other1.status().code(), StatusCode::kFailedPrecondition) << other1.status();
+  EXPECT_NE(other1.status().message().find("registered by another launch's rank 0"),
+            std::string::npos)
+      << other1.status();
+  // The rank stays free for its own launch; launch 0 (a C++ caller that
+  // draws none) is not checked.
+  Result<std::unique_ptr<Model>> m1 = (*s1)->AttachModel(first, 1, 2s);
+  ASSERT_TRUE(m1.ok()) << m1.status();
+  Session::ModelSpec unchecked = first;
+  unchecked.launch = 0;
+  Result<std::unique_ptr<Model>> m2 = (*s1)->AttachModel(unchecked, 2, 2s);
+  ASSERT_TRUE(m2.ok()) << m2.status();
+}
+
 // Learning rates through ztierd: the rank that registered the job and an
 // attached one may both set them (for the whole job); a connection without
 // the job may not; a rank whose model puts a tensor in another param group,
@@ -1077,6 +1113,14 @@ TEST_F(DaemonTest, AnyRankSetsTheLearningRatesAndAttachCompareParamGroups) {
   other = model;
   other.optimizer.hyper.beta2 = 0.95;
   refused(other, "beta2 0.95, the job's 0.999");
+  // A shape or a name that differs, said with both (the message named the
+  // tensor twice and no shape).
+  other = model;
+  other.units[0].tensors[1].shape = {12};
+  refused(other, "unit 'u0' tensor 'u0.b' of shape [12], the job's [10]");
+  other = model;
+  other.units[0].tensors[1].name = "u0.c";
+  refused(other, "unit 'u0' tensor 1 named 'u0.c', the job's 'u0.b'");
 
   Result<std::unique_ptr<Model>> m1 = (*s1)->AttachModel(model, 1, 2s);
   ASSERT_TRUE(m1.ok()) << m1.status();

@@ -26,6 +26,7 @@ JobSpec SampleSpec() {
   j.optimizer.clip_norm = 1.0f;
   j.optimizer.grad_accumulation = 4;
   j.optimizer_tier = Tier::kNvme;
+  j.launch = 0x8000000000000001;
   j.units.push_back({"embed", {{"wte", {50257, 768}}, {"wpe", {1024, 768}}}});
   j.units.push_back({"head", {{"w", {768}}}});
   return j;
@@ -57,6 +58,7 @@ TEST(ProtocolTest, JobSpecRoundTripsAndEveryPrefixIsRefused) {
   EXPECT_EQ(back->optimizer.hyper.beta2, 0.99999);  // double, not its float
   EXPECT_EQ(back->optimizer.grad_accumulation, 4);
   EXPECT_EQ(back->optimizer_tier, Tier::kNvme);
+  EXPECT_EQ(back->launch, 0x8000000000000001u);
   ASSERT_EQ(back->units.size(), 2u);
   EXPECT_EQ(back->units[0].tensors[1].name, "wpe");
   EXPECT_EQ(back->units[0].tensors[0].shape, (std::vector<int64_t>{50257, 768}));
@@ -116,8 +118,8 @@ TEST(ProtocolTest, ParamGroupFaultsAreRefusedWithTheFieldNamed) {
   refused(Encode(j), "over the limit");
   // The group weight decays sit after the fixed fields: a count past the
   // bytes left is refused before anything is allocated.
-  const size_t at =
-      4 + 3 + 4 + 1 + 1 + 3 * 4 + 2 * 8 + 2 + 4 + 4 + 1;  // float lr, eps, wd; double betas
+  // float lr, eps, wd; double betas; the u64 launch.
+  const size_t at = 4 + 3 + 4 + 1 + 1 + 3 * 4 + 2 * 8 + 2 + 4 + 4 + 1 + 8;
   std::string bytes = Encode(GroupedSpec());
   const uint32_t many = kMaxParamGroups;
   std::memcpy(bytes.data() + at, &many, 4);
@@ -213,7 +215,7 @@ TEST(ProtocolTest, CountsThatCannotFitAreRefusedBeforeAllocating) {
   std::string bytes = Encode(SampleSpec());
   // The unit count sits right after the fixed fields and the (empty) group
   // weight decays; claim a million units.
-  const size_t at = 4 + 3 + 4 + 1 + 1 + 3 * 4 + 2 * 8 + 2 + 4 + 4 + 1 + 4;
+  const size_t at = 4 + 3 + 4 + 1 + 1 + 3 * 4 + 2 * 8 + 2 + 4 + 4 + 1 + 8 + 4;
   const uint32_t units = 1 << 20;
   std::memcpy(bytes.data() + at, &units, 4);
   Result<JobSpec> r = DecodeJobSpec(bytes);
