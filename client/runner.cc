@@ -405,6 +405,16 @@ struct Stage3Runner::Impl {
     }
   }
 
+  // `s`, recorded as the rank's failure where R > 1 and not ok: a call that
+  // failed midway (a device allocation, a fetch it could not queue) left
+  // this rank's collectives out of step with its peers' (AbortStep is
+  // refused with R > 1), so they are ended now rather than left waiting
+  // for it.
+  Status FailsRank(Status s) {
+    if (!s.ok() && world > 1) RecordFailure(s);
+    return s;
+  }
+
   void Finish(Transfer& t) {
     if (t.kind == Transfer::Kind::kPush) {
       for (Part& p : t.parts) device->Free(p.buffer);
@@ -1029,7 +1039,10 @@ struct Stage3Runner::Impl {
   // stops at a unit it cannot queue now (the device out of memory, say),
   // which its own Acquire fetches then, making room under the cap or
   // failing with the reason; the call that prefetched (another unit's
-  // Acquire, a Step the engine already took) does not fail for it.
+  // Acquire, a Step the engine already took) does not fail for it. With
+  // R > 1 the rank fails instead: its peers' prefetches went on, and their
+  // collectives would pair with another unit's or a push's of this rank
+  // (wrong params or a hang).
   void Prefetch(size_t from) {
     const size_t end = std::min(learned.size(), from + std::max(0, options.prefetch_depth));
     for (size_t i = from; i < end; ++i) {
@@ -1038,6 +1051,15 @@ struct Stage3Runner::Impl {
       const uint64_t need = u.params == nullptr ? u.bytes : 0;
       if (options.max_live_bytes > 0 && live_bytes + need > options.max_live_bytes) break;
       const Status s = QueueFetch(learned[i], i + 1);
+      if (!s.ok() && world > 1) {
+        RecordFailure(Status(
+            s.code(),
+            StrCat("prefetch of unit '", u.name, "': ", s.message(), "; with ", world,
+                   " ranks every rank must prefetch alike (each fetch is a collective), "
+                   "so a prefetch the device cannot make fails the rank: cap the live bytes "
+                   "(max_live_bytes, stage3_max_live_parameters) below the device's free memory")));
+        return;
+      }
       if (!s.ok() && s.code() != StatusCode::kResourceExhausted) {
         // Another error (the device's) is the unit's: its Acquire meets it
         // again and says it; nothing more is prefetched past it now.
@@ -1325,8 +1347,8 @@ Result<const bf16*> Stage3Runner::Acquire(int unit) {
       return Status::FailedPrecondition(
           StrCat("Acquire: unit '", u.name, "' is still held from the previous step"));
     }
-    ZT_RETURN_IF_ERROR(r.MakeRoom(unit));
-    ZT_RETURN_IF_ERROR(r.QueueFetch(unit, r.position));
+    ZT_RETURN_IF_ERROR(r.FailsRank(r.MakeRoom(unit)));
+    ZT_RETURN_IF_ERROR(r.FailsRank(r.QueueFetch(unit, r.position)));
   }
   if (r.following) r.Prefetch(r.position);
   const Clock::time_point t0 = Clock::now();
@@ -1364,8 +1386,10 @@ Result<bf16*> Stage3Runner::GradBuffer(int unit) {
   ZT_RETURN_IF_ERROR(r.CheckGradsOpen(unit, "GradBuffer"));
   UnitState& u = r.units[unit];
   if (u.grads == nullptr) {
-    ZT_ASSIGN_OR_RETURN(u.grads, r.device->Allocate(u.bytes, MemoryPurpose::kGrads));
-    ZT_RETURN_IF_ERROR(r.device->Memset(u.grads, 0, u.bytes, Stream::kCompute));
+    Result<void*> grads = r.device->Allocate(u.bytes, MemoryPurpose::kGrads);
+    ZT_RETURN_IF_ERROR(r.FailsRank(grads.status()));
+    u.grads = *grads;
+    ZT_RETURN_IF_ERROR(r.FailsRank(r.device->Memset(u.grads, 0, u.bytes, Stream::kCompute)));
   }
   return static_cast<bf16*>(u.grads);
 }
@@ -1379,10 +1403,11 @@ Status Stage3Runner::PushGrads(int unit) {
     return Status::FailedPrecondition(
         StrCat("PushGrads: unit '", u.name, "' has no grad buffer (call GradBuffer first)"));
   }
-  ZT_ASSIGN_OR_RETURN(std::unique_ptr<Event> ready, r.device->Record(Stream::kCompute));
+  Result<std::unique_ptr<Event>> ready = r.device->Record(Stream::kCompute);
+  ZT_RETURN_IF_ERROR(r.FailsRank(ready.status()));
   Part part{.unit = unit,
             .buffer = u.grads,
-            .ready = std::move(ready),
+            .ready = *std::move(ready),
             .ticket = std::make_shared<Ticket>()};
   u.grads = nullptr;
   u.pushed = true;
@@ -1401,7 +1426,8 @@ Status Stage3Runner::PushGrads(int unit, const bf16* grads, uint64_t count) {
                                           grads == nullptr ? std::string("null") : StrCat(count)));
   }
   ZT_ASSIGN_OR_RETURN(bf16 * buffer, GradBuffer(unit));
-  ZT_RETURN_IF_ERROR(r.device->CopyOnDevice(buffer, grads, count * sizeof(bf16), Stream::kCompute));
+  ZT_RETURN_IF_ERROR(
+      r.FailsRank(r.device->CopyOnDevice(buffer, grads, count * sizeof(bf16), Stream::kCompute)));
   return PushGrads(unit);
 }
 

@@ -1630,6 +1630,100 @@ TEST_F(RunnerErrorsTest, APrefetchTheDeviceCannotHoldFailsNoOtherCall) {
   EXPECT_GT(st.prefetch_hits, 0);  // what fits is still prefetched
 }
 
+// With R > 1 each fetch is a collective, so a rank whose device cannot
+// take a prefetch its peers made must not go on fetching later: its
+// all-gathers paired with other units' (wrong params, or a hang). It fails,
+// naming the fix, and its peers are told at once. So does a rank whose
+// call failed midway (a fetch or a grad buffer the device cannot hold):
+// before, its peers waited for its collectives until their timeout.
+TEST(RunnerTest, ARankWhoseDeviceRefusesMemoryFailsWithItsPeers) {
+  constexpr int kRanks = 2;
+  const Session::ModelSpec spec{.name = "device-ranks",
+                                .units = {{"a", {{"w", {8192}}}},
+                                          {"b", {{"w", {8192}}}},
+                                          {"c", {{"w", {8192}}}},
+                                          {"d", {{"w", {8192}}}}},
+                                .optimizer = Optimizer(TrainSetup{}),
+                                .world_size = kRanks};
+  Result<std::unique_ptr<Session>> session = testing::OpenTestSession(Options(TrainSetup{}, ""));
+  ASSERT_TRUE(session.ok()) << session.status();
+  Result<std::unique_ptr<Model>> model = (*session)->RegisterModel(spec);
+  ASSERT_TRUE(model.ok()) << model.status();
+  for (int k = 0; k < 4; ++k) {
+    std::vector<float> w((*model)->layout(k).numel, 0.01f * static_cast<float>(k + 1));
+    ASSERT_TRUE((*model)->SetWeights(k, w.data(), w.size()).ok());
+  }
+  const uint64_t unit_bytes = (*model)->layout(0).padded * sizeof(bf16);
+  // Rank 0's device holds `units` units past what a runner allocates up
+  // front, rank 1's any number; each rank runs three passes, evaluation
+  // (all-gathers only) or training.
+  const auto run = [&](int units, int depth, bool training) -> std::vector<Status> {
+    const RunnerOptions o{.prefetch_depth = depth,
+                          .persistence_threshold = 0,
+                          .coalesce_bytes = 0,
+                          .timeout = std::chrono::seconds(30)};
+    uint64_t base = 0;
+    {
+      auto coll = MakeLocalCollectives(kRanks);
+      auto dev = MakeHostDevice();
+      EXPECT_TRUE(coll.ok() && dev.ok());
+      auto runner = Stage3Runner::Create(**model, 0, **dev, (*coll)[0].get(), o);
+      EXPECT_TRUE(runner.ok()) << runner.status();
+      for (int p = 0; p < kMemoryPurposes; ++p) {
+        base += (*dev)->memory(static_cast<MemoryPurpose>(p)).bytes;
+      }
+    }
+    auto coll = MakeLocalCollectives(kRanks, std::chrono::seconds(30));
+    EXPECT_TRUE(coll.ok()) << coll.status();
+    std::vector<Status> outcome(kRanks);
+    const Status ran = OnRankThreads(kRanks, [&](int r) -> Status {
+      ZT_ASSIGN_OR_RETURN(std::unique_ptr<Device> dev,
+                          MakeHostDevice({.memory_bytes = r == 0 ? base + units * unit_bytes : 0}));
+      ZT_ASSIGN_OR_RETURN(std::unique_ptr<Stage3Runner> runner,
+                          Stage3Runner::Create(**model, r, *dev, (*coll)[r].get(), o));
+      outcome[r] = [&]() -> Status {
+        for (int pass = 0; pass < 3; ++pass) {
+          if (!training) ZT_RETURN_IF_ERROR(runner->SetOrder(1));
+          for (int k = 0; k < 4; ++k) {
+            ZT_RETURN_IF_ERROR(runner->Acquire(k).status());
+            ZT_RETURN_IF_ERROR(runner->Release(k));
+          }
+          if (!training) continue;
+          for (int k = 3; k >= 0; --k) {
+            const std::vector<bf16> g = SyntheticGrads((*model)->layout(k).padded, k, r, pass);
+            ZT_RETURN_IF_ERROR(runner->PushGrads(k, g.data(), g.size()));
+          }
+          ZT_RETURN_IF_ERROR(runner->Step());
+        }
+        return Status::Ok();
+      }();
+      return Status::Ok();
+    });
+    EXPECT_TRUE(ran.ok()) << ran;
+    return outcome;
+  };
+  // Evaluation passes: the second one's prefetch (the three units after
+  // the first) does not fit rank 0's device of two units.
+  auto t0 = std::chrono::steady_clock::now();
+  std::vector<Status> outcome = run(2, 3, /*training=*/false);
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(20));
+  ASSERT_FALSE(outcome[0].ok());
+  EXPECT_NE(outcome[0].message().find("every rank must prefetch alike"), std::string::npos)
+      << outcome[0];
+  EXPECT_NE(outcome[0].message().find("max_live_bytes"), std::string::npos) << outcome[0];
+  ASSERT_FALSE(outcome[1].ok());
+  EXPECT_NE(outcome[1].message().find("rank 0 failed"), std::string::npos) << outcome[1];
+  // Training on a device with no room for a unit: rank 0's first Acquire
+  // fails, and rank 1's all-gather ends with it.
+  t0 = std::chrono::steady_clock::now();
+  outcome = run(0, 0, /*training=*/true);
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(20));
+  ASSERT_FALSE(outcome[0].ok());
+  EXPECT_EQ(outcome[0].code(), StatusCode::kResourceExhausted) << outcome[0];
+  ASSERT_FALSE(outcome[1].ok());
+  EXPECT_NE(outcome[1].message().find("rank 0 failed"), std::string::npos) << outcome[1];
+}
+
 TEST_F(RunnerErrorsTest, UnitLargerThanTheCap) {
   runner_.reset();  // one runner a rank
   auto r = Stage3Runner::Create(*model_, 0, *dev_, nullptr, {.max_live_bytes = 1024});
