@@ -976,16 +976,35 @@ Result<uint64_t> SwapSpace::Allocate(std::string_view name, uint64_t bytes) {
   if (sp.by_name.count(std::string(name)) != 0) {
     return Status::AlreadyExists(StrCat("swap object '", name, "' already exists"));
   }
-  const uint32_t start = sp.next_start_path;
-  // Units per path for round-robin placement from `start`.
-  std::vector<uint64_t> need(npaths, units / npaths);
-  for (uint64_t r = 0; r < units % npaths; ++r) ++need[(start + r) % npaths];
-  uint64_t deficit = 0;
-  for (uint32_t p = 0; p < npaths; ++p) {
-    if (need[p] > sp.allocators[p].free_units()) {
-      deficit = std::max(deficit, need[p] - sp.allocators[p].free_units());
+  // Units per path for round-robin placement from `start`, and by how
+  // much the files must grow for them.
+  std::vector<uint64_t> need(npaths);
+  const auto place = [&](uint32_t start) {
+    std::fill(need.begin(), need.end(), units / npaths);
+    for (uint64_t r = 0; r < units % npaths; ++r) ++need[(start + r) % npaths];
+    uint64_t deficit = 0;
+    for (uint32_t p = 0; p < npaths; ++p) {
+      if (need[p] > sp.allocators[p].free_units()) {
+        deficit = std::max(deficit, need[p] - sp.allocators[p].free_units());
+      }
+    }
+    return deficit;
+  };
+  // Objects start on the paths in turn, so the files fill alike; after
+  // frees the paths' free units differ, and the start that needs the least
+  // growth is taken (the turn's first): a capped or full drive refused an
+  // object that the free units of another start held.
+  uint32_t start = sp.next_start_path;
+  uint64_t deficit = place(start);
+  for (uint32_t k = 1; k < npaths && deficit > 0; ++k) {
+    const uint32_t other = (sp.next_start_path + k) % npaths;
+    const uint64_t d = place(other);
+    if (d < deficit) {
+      start = other;
+      deficit = d;
     }
   }
+  place(start);
   const auto full = [&](const Status& why) {
     std::string detail;
     for (uint32_t q = 0; q < npaths; ++q) {

@@ -1206,6 +1206,41 @@ TEST_P(SwapSpaceTest, TheCapAndAFullDiskRefuseGrowthAndKeepEveryObject) {
   EXPECT_TRUE(space->Allocate("big", 1024 * kMiB).ok()) << "space came back";
 }
 
+// Objects start on the paths in turn. After frees on one path only, the
+// turn's path may be full (capped) while the other holds free units: the
+// object starts on the other. Before, it was refused ("swap space full")
+// with room for it on the drives.
+TEST_P(SwapSpaceTest, AnObjectStartsWhereFreedUnitsHoldIt) {
+  std::unique_ptr<SwapSpace> space = MustCreate(Options(2, 4 * kMiB));
+  ASSERT_NE(space, nullptr);
+  std::vector<uint64_t> ids;
+  std::vector<uint8_t> data(kMiB), back(kMiB);
+  for (int i = 0; i < 8; ++i) {  // one unit each, on paths 0, 1, 0, 1, ...
+    Result<uint64_t> id = space->Allocate(StrCat("o", i), kMiB);
+    ASSERT_TRUE(id.ok()) << id.status();
+    std::fill(data.begin(), data.end(), static_cast<uint8_t>(i + 1));
+    ASSERT_TRUE(space->Write(*id, 0, data.data(), data.size()).ok());
+    ids.push_back(*id);
+  }
+  ASSERT_TRUE(space->Free(ids[1]).ok());  // both on path 1
+  ASSERT_TRUE(space->Free(ids[3]).ok());
+  for (const char* name : {"x", "y"}) {  // the turn is path 0's, which is full
+    Result<uint64_t> id = space->Allocate(name, kMiB);
+    ASSERT_TRUE(id.ok()) << name << ": " << id.status();
+    std::fill(data.begin(), data.end(), static_cast<uint8_t>(name[0]));
+    ASSERT_TRUE(space->Write(*id, 0, data.data(), data.size()).ok());
+    ASSERT_TRUE(space->Read(*id, 0, back.data(), back.size()).ok());
+    EXPECT_EQ(back, data) << name;
+  }
+  Result<uint64_t> full = space->Allocate("z", kMiB);
+  EXPECT_EQ(full.status().code(), StatusCode::kResourceExhausted) << full.status();
+  for (int i : {0, 2, 4, 5, 6, 7}) {
+    ASSERT_TRUE(space->Read(ids[i], 0, back.data(), back.size()).ok());
+    EXPECT_EQ(back, std::vector<uint8_t>(kMiB, static_cast<uint8_t>(i + 1))) << "o" << i;
+  }
+  ASSERT_TRUE(space->Close().ok());
+}
+
 INSTANTIATE_TEST_SUITE_P(Backends, SwapSpaceTest,
                          ::testing::Values(BackendKind::kUring, BackendKind::kThreads),
                          BackendName);
