@@ -558,73 +558,111 @@ class Offload:
         self._hosted = None
         self._daemon_has_settings = False  # _meet_ranks: the hosted ztierd has ours
         name = name or f"{type(model).__name__}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        launch = 0
         if self.world_size > 1:
-            daemon, name = self._meet_ranks(daemon, session, config, settings, name)
-        # The engine steps on the sum of the ranks' grads; with average_grads
-        # each rank's grads are divided by the world size first (DDP's mean).
-        self._grad_divisor = self.world_size if average_grads else 1
-        self.session = session or open_session(
-            config=config, settings=settings, daemon=daemon,
-            daemon_has_these_settings=self._daemon_has_settings)
-        # What the arguments leave unset comes from the config's (or the
-        # ZTIER_* variables') optimizer, gradient_clipping and
-        # gradient_accumulation_steps, else the defaults.
-        training = self.session.training
-        self._adamw = optimizer or _adamw_from(training)
-        if grad_accumulation is None:
-            grad_accumulation = _accumulation_from(training, self.world_size)
-        if training.get("activation_checkpointing"):
-            warnings.warn("ztier: activation_checkpointing in the config does nothing here: "
-                          "checkpoint activations in the model (torch.utils.checkpoint)",
-                          RuntimeWarning, stacklevel=3)
-        if clip_grad_norm is None:
-            clip_grad_norm = training.get("clip_norm", 0.0)
-        self.grad_accumulation = int(grad_accumulation)
-        self.clip_grad_norm = float(clip_grad_norm or 0.0)
-        if self.clip_grad_norm == math.inf:
-            self.clip_grad_norm = 0.0  # as torch's clip_grad_norm_(max_norm=inf): no clipping
-        states = states or self.session.default_optimizer_tier
-        params = params or self.session.default_param_tier
-        self._build_units(model, _resolve_blocks(model, blocks))
-        if weights is None:
-            meta = [t.name for u in self.units for t in u.tensors if t.param.is_meta]
-            if meta:
-                raise ValueError(
-                    f"ztier: {len(meta)} parameters are on the meta device (no values), e.g. "
-                    f"'{meta[0]}': materialize the model first, or load its weights with "
-                    "zt.from_pretrained")
-            meta = [f"{m}.{n}" if m else n for m, mod in model.named_modules()
-                    for n, b in mod._buffers.items() if b is not None and b.is_meta]
-            if meta:
-                raise ValueError(
-                    f"ztier: {len(meta)} buffers are on the meta device (no values), e.g. "
-                    f"'{meta[0]}': materialize the model first (its buffers too), or load its "
-                    "weights with zt.from_pretrained")
-        groups = self._groups(model)
-        job_units = [(u.name, [(t.name, list(t.shape), t.group, t.frozen) for t in u.tensors])
-                     for u in self.units]
-        a = self._adamw
-        self._group_decay = [g["weight_decay"] for g in groups]
-        cfg = _C.OptimizerConfig(lr=a.lr, beta1=a.betas[0], beta2=a.betas[1], eps=a.eps,
-                                 weight_decay=a.weight_decay, mode=a.mode,
-                                 bias_correction=a.bias_correction,
-                                 group_weight_decay=self._group_decay,
-                                 clip_norm=self.clip_grad_norm,
-                                 grad_accumulation=self.grad_accumulation)
+            daemon, name, launch = self._meet_ranks(daemon, session, config, settings, name)
+        # What each rank does alone, up to the registration: a failure on one
+        # rank is told to the others (which would wait in the next collective
+        # for it), and so are the settings every rank must be given alike.
         try:
-            name.encode("utf-8")
-        except UnicodeEncodeError as e:  # a surrogate-escaped str (os.fsdecode of raw bytes)
-            raise ValueError(
-                f"ztier: the job name {name!r} is not UTF-8 text (character {e.start} is a "
-                "stand-in for a byte that is not UTF-8); give a name of UTF-8 text") from None
-        self.name = name
-        if self.rank == 0:
-            self.job = self.session.register_model(self.name, job_units, cfg, states, params,
-                                                   self.world_size)
-        else:  # rank 0's registration, joined (the runner waits for its weights)
-            self.job = self.session.attach_model(self.name, job_units, cfg, states, params,
-                                                 self.world_size, self.rank,
-                                                 self.session.wait_timeout)
+            # The engine steps on the sum of the ranks' grads; with average_grads
+            # each rank's grads are divided by the world size first (DDP's mean).
+            self._grad_divisor = self.world_size if average_grads else 1
+            self.session = session or open_session(
+                config=config, settings=settings, daemon=daemon,
+                daemon_has_these_settings=self._daemon_has_settings)
+            # What the arguments leave unset comes from the config's (or the
+            # ZTIER_* variables') optimizer, gradient_clipping and
+            # gradient_accumulation_steps, else the defaults.
+            training = self.session.training
+            self._adamw = optimizer or _adamw_from(training)
+            if grad_accumulation is None:
+                grad_accumulation = _accumulation_from(training, self.world_size)
+            if training.get("activation_checkpointing"):
+                warnings.warn("ztier: activation_checkpointing in the config does nothing here: "
+                              "checkpoint activations in the model (torch.utils.checkpoint)",
+                              RuntimeWarning, stacklevel=3)
+            if clip_grad_norm is None:
+                clip_grad_norm = training.get("clip_norm", 0.0)
+            self.grad_accumulation = int(grad_accumulation)
+            self.clip_grad_norm = float(clip_grad_norm or 0.0)
+            if self.clip_grad_norm == math.inf:
+                self.clip_grad_norm = 0.0  # as torch's clip_grad_norm_(max_norm=inf): no clipping
+            states = states or self.session.default_optimizer_tier
+            params = params or self.session.default_param_tier
+            self._build_units(model, _resolve_blocks(model, blocks))
+            if weights is None:
+                meta = [t.name for u in self.units for t in u.tensors if t.param.is_meta]
+                if meta:
+                    raise ValueError(
+                        f"ztier: {len(meta)} parameters are on the meta device (no values), e.g. "
+                        f"'{meta[0]}': materialize the model first, or load its weights with "
+                        "zt.from_pretrained")
+                meta = [f"{m}.{n}" if m else n for m, mod in model.named_modules()
+                        for n, b in mod._buffers.items() if b is not None and b.is_meta]
+                if meta:
+                    raise ValueError(
+                        f"ztier: {len(meta)} buffers are on the meta device (no values), e.g. "
+                        f"'{meta[0]}': materialize the model first (its buffers too), or load its "
+                        "weights with zt.from_pretrained")
+            groups = self._groups(model)
+            job_units = [(u.name, [(t.name, list(t.shape), t.group, t.frozen) for t in u.tensors])
+                         for u in self.units]
+            a = self._adamw
+            self._group_decay = [g["weight_decay"] for g in groups]
+            cfg = _C.OptimizerConfig(lr=a.lr, beta1=a.betas[0], beta2=a.betas[1], eps=a.eps,
+                                     weight_decay=a.weight_decay, mode=a.mode,
+                                     bias_correction=a.bias_correction,
+                                     group_weight_decay=self._group_decay,
+                                     clip_norm=self.clip_grad_norm,
+                                     grad_accumulation=self.grad_accumulation)
+            try:
+                name.encode("utf-8")
+            except UnicodeEncodeError as e:  # a surrogate-escaped str (os.fsdecode of raw bytes)
+                raise ValueError(
+                    f"ztier: the job name {name!r} is not UTF-8 text (character {e.start} is a "
+                    "stand-in for a byte that is not UTF-8); give a name of UTF-8 text") from None
+            self.name = name
+        except BaseException as e:
+            self._ranks_agree("could not offload its model", e)
+            self._abandon()
+            raise
+        self._ranks_agree("could not offload its model", None, on_failure=self._abandon, alike={
+            "prefetch_depth": (prefetch_depth if prefetch_depth is not None
+                               else self.session.prefetch_depth),
+            "max_live_bytes (stage3_max_live_parameters)": self.session.max_live_bytes,
+            "persistence_threshold (stage3_param_persistence_threshold)":
+                self.session.persistence_threshold,
+            "coalesce_bytes (ZTIER_COALESCE_BYTES)": self.session.coalesce_bytes,
+            "average_grads": bool(average_grads),
+            "compute_dtype": str(self.compute_dtype),
+            "device type": self.device.type,
+        })
+        # Rank 0 registers, then the others attach with its launch: a rank
+        # never waits for a registration that failed, nor joins another
+        # launch's job of the same name.
+        error = None
+        try:
+            if self.rank == 0:
+                self.job = self.session.register_model(self.name, job_units, cfg, states, params,
+                                                       self.world_size, launch=launch)
+        except BaseException as e:  # noqa: BLE001 -- told to the other ranks, then raised
+            error = e
+        self._ranks_agree("could not register the model", error, on_failure=self._abandon)
+        if error is not None:
+            self._abandon()
+            raise error
+        try:
+            if self.rank != 0:  # rank 0's registration, joined
+                self.job = self.session.attach_model(self.name, job_units, cfg, states, params,
+                                                     self.world_size, self.rank,
+                                                     self.session.wait_timeout, launch=launch)
+        except BaseException as e:  # noqa: BLE001 -- told to the other ranks, then raised
+            error = e
+        self._ranks_agree("could not join the job", error, on_failure=self._abandon)
+        if error is not None:
+            self._abandon()
+            raise error
         for u in self.units:
             numel, padded, _, offsets = self.job.layout(u.index)
             u.numel, u.padded = numel, padded
@@ -677,14 +715,18 @@ class Offload:
             _live_offloads.discard(self)
             self._drop_runner()
             self._collectives = None
-            self.job = None
-            # The engine goes with the last model of this process using it
-            # (a traceback that keeps this object must not keep the swap
-            # directories locked from a retry).
-            self.session = None
-            if self._hosted is not None:
-                self._hosted.close()
+            self._abandon()
             raise
+
+    def _abandon(self):
+        """Lets go of the job, the session and a hosted ztierd, for an
+        __init__ that fails: the engine goes with the last model of this
+        process using it (a traceback that keeps this object must not keep
+        the swap directories locked from a retry, nor the job registered)."""
+        self.job = None
+        self.session = None
+        if self._hosted is not None:
+            self._hosted.close()
 
     def _take_over(self, model: nn.Module, groups: list[dict]):
         """The model's parameters become placeholders, its buffers move to
@@ -897,8 +939,10 @@ class Offload:
         the ranks share one engine through ztierd, rank 0 registering the
         model and the others attaching. Without a ztierd named (``daemon``,
         ZTIER_DAEMON_SOCKET), rank 0 hosts one (HostedDaemon) on a socket of
-        its own, for this job. Returns (daemon socket, job name), agreed on
-        by every rank."""
+        its own, for this job. Returns (daemon socket, job name, launch),
+        agreed on by every rank: the launch is rank 0's draw, which the
+        others attach with, so that a rank of another launch using the same
+        ``name`` on that ztierd is refused, not joined to this one."""
         import tempfile
 
         import torch.distributed as dist
@@ -911,22 +955,61 @@ class Offload:
         daemon = daemon or os.environ.get("ZTIER_DAEMON_SOCKET") or None
         text = _settings_text(settings)
         where = os.fspath(config) if config else None
-        info = [daemon, name, None]
+        info = [daemon, name, None, int.from_bytes(os.urandom(8), "little") | 1, None]
+        error = None
         if self.rank == 0 and daemon is None and session is None:
             directory = tempfile.mkdtemp(prefix="ztier-")
             info[0] = os.path.join(directory, "ztierd.sock")
             try:
                 self._hosted = _HostedDaemon(_C.HostedDaemon(info[0], where, text), directory)
-            except BaseException:
+                _hosted_daemons.append(self._hosted)
+                info[2] = (where, text)  # what the hosted daemon was made with
+            except BaseException as e:  # noqa: BLE001 -- told to the other ranks, then raised
                 shutil.rmtree(directory, ignore_errors=True)
-                raise
-            _hosted_daemons.append(self._hosted)
-            info[2] = (where, text)  # what the hosted daemon was made with
+                error = e
+                info[4] = f"{type(e).__name__}: {e}"
         dist.broadcast_object_list(info, src=0)
+        if error is not None:
+            raise error
+        if info[4] is not None:
+            raise RuntimeError(f"ztier: rank 0 could not start its ztierd: {info[4]}")
         # A rank given what the daemon was made with is not warned that the
         # daemon's settings apply.
         self._daemon_has_settings = info[2] == (where, text)
-        return info[0], info[1]
+        return info[0], info[1], info[3]
+
+    def _ranks_agree(self, what: str, error: BaseException | None, alike: dict | None = None,
+                     on_failure=None):
+        """World size > 1: every rank tells the others how its part went
+        (``error``: None, or what it is about to raise) and the settings
+        that must be ``alike`` on every rank (their collectives pair up: a
+        difference deadlocks or mixes the ranks' data). A failure on another
+        rank, or a setting that differs, raises here on every rank (after
+        ``on_failure``), rather than leaving the others in their next
+        collective until its timeout. The caller raises its own ``error``."""
+        if self.world_size == 1:
+            return
+        import torch.distributed as dist
+
+        said = [None] * self.world_size
+        mine = None if error is None else f"{type(error).__name__}: {error}"
+        dist.all_gather_object(said, (mine, alike))
+        if error is not None:
+            return
+        for r, (theirs, _) in enumerate(said):
+            if theirs is not None:
+                if on_failure is not None:
+                    on_failure()
+                raise RuntimeError(f"ztier: rank {r} {what}: {theirs}")
+        for r, (_, others) in enumerate(said):
+            for key, value in (alike or {}).items():
+                if others[key] != value:
+                    if on_failure is not None:
+                        on_failure()
+                    raise ValueError(
+                        f"ztier: {key} is {value!r} on rank {self.rank} and {others[key]!r} on "
+                        f"rank {r}: every rank of a job must be given the same (offload()'s "
+                        "arguments, the config, the ZTIER_* variables)")
 
     def _barrier(self):
         if self.world_size > 1:
@@ -2308,6 +2391,13 @@ def _distributed() -> tuple[int, int]:
 
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
+    world = os.environ.get("WORLD_SIZE", "1")
+    if world.isdigit() and int(world) > 1:
+        warnings.warn(
+            f"ztier: WORLD_SIZE is {world} (a launcher such as torchrun started this process), "
+            "but torch.distributed is not initialized, so this process trains a model of its "
+            "own; for one job of every rank call torch.distributed.init_process_group() before "
+            "offload()", RuntimeWarning, stacklevel=4)
     return 0, 1
 
 

@@ -56,3 +56,34 @@ def run(rank: int, world: int, directory: str, steps: int, settings: dict,
         z.close()
     finally:
         dist.destroy_process_group()
+
+
+def meet(rank: int, world: int, directory: str, case: str):
+    """One rank of a launch whose ranks cannot all join (test_ranks.py):
+    ``case`` says what differs or fails; saves what offload() raised here
+    and how long it took."""
+    import time
+
+    import ztier.torch as zt
+    from conftest import tiny_llama
+
+    os.environ["LOCAL_WORLD_SIZE"] = str(world)
+    dist.init_process_group("gloo", init_method=f"file://{directory}/store-{case}", rank=rank,
+                            world_size=world)
+    kwargs = {"settings": {"ztier.dram_budget": "1G", "ztier.wait_timeout": 600}}
+    if case == "lr" and rank == 1:
+        kwargs["optimizer"] = zt.AdamW(lr=5e-4)
+    if case == "prefetch":
+        kwargs["prefetch_depth"] = 1 + rank
+    if case == "register":
+        kwargs["states"] = "nvme"  # the ztierd rank 0 hosts has no swap directories
+    start = time.monotonic()
+    said = None
+    try:
+        z = zt.offload(tiny_llama(), **kwargs)
+        z.close()
+    except Exception as e:  # noqa: BLE001 -- what this rank was told
+        said = f"{type(e).__name__}: {e}"
+    torch.save({"said": said, "seconds": time.monotonic() - start},
+               os.path.join(directory, f"meet-{case}-{rank}.pt"))
+    dist.destroy_process_group()

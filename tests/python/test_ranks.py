@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 
@@ -78,3 +79,44 @@ def test_two_ranks_equal_one_rank_on_the_summed_grads(tmp_path, capfd, monkeypat
     assert worst < 0.25 * 3e-3
     for r in range(2):
         assert ranks[r]["stats"]["micro_steps"] == STEPS
+
+
+def test_a_rank_that_cannot_join_ends_every_rank_at_once(tmp_path, monkeypatch):
+    """A rank refused at attach (another lr), ranks given other runner
+    settings (a prefetch depth each: their all-gathers would not pair up),
+    rank 0's registration refused (states on NVMe with no swap directory):
+    every rank raises within seconds, told which rank failed and why. Before,
+    the others waited 10 minutes (wait_timeout): in their first collective,
+    or in an attach for a registration that never came; other settings hung
+    for good or mixed the ranks' data."""
+    import ranks_worker
+
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setenv("TMPDIR", str(scratch))
+    said = {}
+    for case in ("lr", "prefetch", "register"):
+        mp.spawn(ranks_worker.meet, args=(2, str(tmp_path), case), nprocs=2, join=True)
+        said[case] = [torch.load(tmp_path / f"meet-{case}-{r}.pt") for r in range(2)]
+        for r in range(2):
+            assert said[case][r]["said"] is not None, (case, r)
+            assert said[case][r]["seconds"] < 60, (case, r, said[case][r])
+    lr = [s["said"] for s in said["lr"]]
+    assert "learning rate" in lr[1], lr
+    assert lr[0].startswith("RuntimeError: ztier: rank 1 could not join the job:"), lr
+    assert "learning rate" in lr[0], lr
+    prefetch = [s["said"] for s in said["prefetch"]]
+    for r in range(2):
+        assert "prefetch_depth is" in prefetch[r] and "every rank" in prefetch[r], prefetch
+    register = [s["said"] for s in said["register"]]
+    assert "no swap directories" in register[0], register
+    assert register[1].startswith("RuntimeError: ztier: rank 0 could not register"), register
+    assert list(scratch.iterdir()) == []  # rank 0's ztierd went each time
+
+
+def test_a_launcher_without_a_process_group_is_warned(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    model = tiny_llama()
+    with pytest.warns(RuntimeWarning, match="init_process_group"):
+        z = zt.offload(model, settings={"ztier.dram_budget": "1G"})
+    z.close()
