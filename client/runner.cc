@@ -975,6 +975,7 @@ struct Stage3Runner::Impl {
     Transfer t{.kind = Transfer::Kind::kFetch, .version = version, .parts = {}};
     const bool run = RunFetch(units[unit]);
     ZT_RETURN_IF_ERROR(AddFetchPart(t, unit));
+    Status refused;
     if (SmallFetch(units[unit].bytes)) {
       uint64_t span = PageRound(units[unit].bytes);
       for (size_t i = next; following && i < learned.size(); ++i) {
@@ -1004,7 +1005,12 @@ struct Stage3Runner::Impl {
         if (span > PushSpanCapacity()) break;
         const uint64_t need = w.params == nullptr ? w.bytes : 0;
         if (options.max_live_bytes > 0 && live_bytes + need > options.max_live_bytes) break;
-        if (!AddFetchPart(t, k).ok()) break;
+        // A unit the device cannot take now fails the fetch (its callers
+        // fail the rank): a shorter run here than the peers' would be an
+        // all-gather of another size, and the unit's own fetch later one
+        // they never make. What was added still goes, to be waited on.
+        refused = AddFetchPart(t, k);
+        if (!refused.ok()) break;
         lo = std::min(lo, k);
         hi = std::max(hi, k);
       }
@@ -1012,7 +1018,7 @@ struct Stage3Runner::Impl {
       t.run = t.parts.size() > 1;
     }
     Enqueue(std::move(t));
-    return Status::Ok();
+    return refused;
   }
 
   // Gives a unit's buffer back to the device (after its fetch is done).
@@ -1347,7 +1353,7 @@ Result<const bf16*> Stage3Runner::Acquire(int unit) {
       return Status::FailedPrecondition(
           StrCat("Acquire: unit '", u.name, "' is still held from the previous step"));
     }
-    ZT_RETURN_IF_ERROR(r.FailsRank(r.MakeRoom(unit)));
+    ZT_RETURN_IF_ERROR(r.MakeRoom(unit));  // (each rank alike: the caps are the same)
     ZT_RETURN_IF_ERROR(r.FailsRank(r.QueueFetch(unit, r.position)));
   }
   if (r.following) r.Prefetch(r.position);

@@ -1360,6 +1360,126 @@ TEST(RunnerTest, FetchesOfSmallShardsGoInRunsOfOneCopyARank) {
   }
 }
 
+// A device that refuses params memory once `allowed` more allocations of
+// it were made (negative: never), as a GPU whose memory others took.
+class RefusingDevice final : public Device {
+ public:
+  explicit RefusingDevice(std::unique_ptr<Device> inner) : inner_(std::move(inner)) {}
+  void Allow(int more) { allowed_ = more; }
+
+  DeviceKind kind() const override { return inner_->kind(); }
+  std::string name() const override { return inner_->name(); }
+  int ordinal() const override { return inner_->ordinal(); }
+  Result<void*> Allocate(size_t bytes, MemoryPurpose purpose) override {
+    if (purpose == MemoryPurpose::kParams && allowed_ >= 0 && allowed_-- == 0) {
+      return Status::ResourceExhausted(StrCat("refusing device: no room for ", bytes, " bytes"));
+    }
+    return inner_->Allocate(bytes, purpose);
+  }
+  void Free(void* ptr) override { inner_->Free(ptr); }
+  MemoryStats memory(MemoryPurpose purpose) const override { return inner_->memory(purpose); }
+  void ResetHighWater() override { inner_->ResetHighWater(); }
+  Status CopyToDevice(void* dst, const void* src, size_t bytes, Stream stream) override {
+    return inner_->CopyToDevice(dst, src, bytes, stream);
+  }
+  Status CopyToHost(void* dst, const void* src, size_t bytes, Stream stream) override {
+    return inner_->CopyToHost(dst, src, bytes, stream);
+  }
+  Status CopyOnDevice(void* dst, const void* src, size_t bytes, Stream stream) override {
+    return inner_->CopyOnDevice(dst, src, bytes, stream);
+  }
+  Status Memset(void* dst, int value, size_t bytes, Stream stream) override {
+    return inner_->Memset(dst, value, bytes, stream);
+  }
+  Result<std::unique_ptr<Event>> Record(Stream stream) override { return inner_->Record(stream); }
+  Status Wait(Stream stream, Event& event) override { return inner_->Wait(stream, event); }
+  Status Synchronize(Stream stream) override { return inner_->Synchronize(stream); }
+  void* native_stream(Stream stream) const override { return inner_->native_stream(stream); }
+  Status RegisterHost(void* ptr, size_t bytes, HostAccess access) override {
+    return inner_->RegisterHost(ptr, bytes, access);
+  }
+  Status UnregisterHost(void* ptr, size_t bytes) override {
+    return inner_->UnregisterHost(ptr, bytes);
+  }
+  void EnableTimeline(bool on) override { inner_->EnableTimeline(on); }
+  void AddSpan(TimelineSpan span) override { inner_->AddSpan(std::move(span)); }
+  std::vector<TimelineSpan> timeline() const override { return inner_->timeline(); }
+
+ private:
+  std::unique_ptr<Device> inner_;
+  std::atomic<int> allowed_{-1};
+};
+
+// A run of fetches (R > 1, small shards) one of whose units the device
+// cannot take on one rank: that rank fails and its peers are told. Before,
+// its run went shorter than its peers' (an all-gather of another size,
+// then the unit's own fetch, which they never made): a hang, or params
+// from the wrong units. The layout of FetchesOfSmallShardsGoInRunsOfOneCopyARank;
+// rank 0's device refuses b's params in the second step's run of c and b.
+TEST(RunnerTest, ARunOfFetchesOneRankCannotHoldFailsThatRankAndItsPeers) {
+  constexpr int kRanks = 3;
+  const Session::ModelSpec spec{.name = "fetch-run-refused",
+                                .units = {{"a", {{"w", {12288}}}},
+                                          {"b", {{"w", {12288}}}},
+                                          {"c", {{"w", {12288}}}},
+                                          {"d", {{"w", {30720}}}}},
+                                .optimizer = Optimizer(TrainSetup{}),
+                                .world_size = kRanks};
+  Result<std::unique_ptr<Session>> session = testing::OpenTestSession(Options(TrainSetup{}, ""));
+  ASSERT_TRUE(session.ok()) << session.status();
+  Result<std::unique_ptr<Model>> model = (*session)->RegisterModel(spec);
+  ASSERT_TRUE(model.ok()) << model.status();
+  for (int k = 0; k < 4; ++k) {
+    std::vector<float> w((*model)->layout(k).numel, 0.01f * static_cast<float>(k + 1));
+    ASSERT_TRUE((*model)->SetWeights(k, w.data(), w.size()).ok());
+  }
+  auto coll = MakeLocalCollectives(kRanks, std::chrono::seconds(30));
+  ASSERT_TRUE(coll.ok()) << coll.status();
+  std::vector<Status> outcome(kRanks);
+  std::vector<RunnerStats> stats(kRanks);
+  const auto t0 = std::chrono::steady_clock::now();
+  const Status ran = OnRankThreads(kRanks, [&](int r) -> Status {
+    ZT_ASSIGN_OR_RETURN(std::unique_ptr<Device> host, MakeHostDevice());
+    RefusingDevice dev(std::move(host));
+    ZT_ASSIGN_OR_RETURN(std::unique_ptr<Stage3Runner> runner,
+                        Stage3Runner::Create(**model, r, dev, (*coll)[r].get(),
+                                             {.prefetch_depth = 2,
+                                              .coalesce_bytes = 16 << 10,
+                                              .timeout = std::chrono::seconds(30)}));
+    outcome[r] = [&]() -> Status {
+      for (int step = 0; step < 2; ++step) {
+        for (int k = 0; k < 4; ++k) {
+          // The forward's Acquire(d) prefetches the backward's c, which
+          // takes b along (fetched at this version before, next to it).
+          if (r == 0 && step == 1 && k == 3) dev.Allow(1);
+          ZT_RETURN_IF_ERROR(runner->Acquire(k).status());
+          ZT_RETURN_IF_ERROR(runner->Release(k));
+        }
+        for (int k = 3; k >= 0; --k) {
+          ZT_RETURN_IF_ERROR(runner->Acquire(k).status());
+          const std::vector<bf16> g = SyntheticGrads((*model)->layout(k).padded, k, r, step);
+          ZT_RETURN_IF_ERROR(runner->PushGrads(k, g.data(), g.size()));
+          ZT_RETURN_IF_ERROR(runner->Release(k));
+        }
+        ZT_RETURN_IF_ERROR(runner->Step());
+      }
+      return Status::Ok();
+    }();
+    stats[r] = runner->stats();
+    return Status::Ok();
+  });
+  ASSERT_TRUE(ran.ok()) << ran;
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(20));
+  ASSERT_FALSE(outcome[0].ok());
+  EXPECT_NE(outcome[0].message().find("refusing device"), std::string::npos) << outcome[0];
+  EXPECT_NE(outcome[0].message().find("every rank must prefetch alike"), std::string::npos)
+      << outcome[0];
+  for (int r = 1; r < kRanks; ++r) {
+    ASSERT_FALSE(outcome[r].ok()) << "rank " << r;
+    EXPECT_NE(outcome[r].message().find("rank 0 failed"), std::string::npos) << outcome[r];
+  }
+}
+
 // A limit over 1 GiB is refused.
 TEST_F(RunnerErrorsTest, CoalesceLimitIsChecked) {
   RunnerOptions o;
