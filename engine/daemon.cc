@@ -1782,7 +1782,7 @@ class Daemon::Impl::Connection {
         }
         d_.jobs_changed.wait_until(lock, std::min(deadline, Clock::now() + kPollInterval));
       }
-      if (a.spec.launch != 0 && job->spec.launch != a.spec.launch) {
+      if (a.spec.launch != 0 && job->spec.launch != 0 && job->spec.launch != a.spec.launch) {
         return Status::FailedPrecondition(StrCat(
             "rank ", a.rank, " cannot join job '", name, "': the job of that name on this ztierd ",
             "was registered by another launch's rank 0 (two launches of uid ", peer_.uid,

@@ -110,7 +110,8 @@ struct JobSpec {
   // Which start of the job this is, for ranks in processes of their own:
   // rank 0 draws a nonzero value, registers with it and hands it to its
   // other ranks, and ztierd refuses an attach that names another (a rank of
-  // another launch that uses the same job name). 0 in an attach: any.
+  // another launch that uses the same job name). 0 on either side: not
+  // checked.
   uint64_t launch = 0;
 };
 
