@@ -624,8 +624,10 @@ class Offload:
                     "stand-in for a byte that is not UTF-8); give a name of UTF-8 text") from None
             self.name = name
         except BaseException as e:
-            self._ranks_agree("could not offload its model", e)
-            self._abandon()
+            try:
+                self._ranks_agree("could not offload its model", e)
+            finally:
+                self._abandon()
             raise
         self._ranks_agree("could not offload its model", None, on_failure=self._abandon, alike={
             "prefetch_depth": (prefetch_depth if prefetch_depth is not None
@@ -648,10 +650,13 @@ class Offload:
                                                        self.world_size, launch=launch)
         except BaseException as e:  # noqa: BLE001 -- told to the other ranks, then raised
             error = e
-        self._ranks_agree("could not register the model", error, on_failure=self._abandon)
         if error is not None:
-            self._abandon()
+            try:
+                self._ranks_agree("could not register the model", error)
+            finally:
+                self._abandon()
             raise error
+        self._ranks_agree("could not register the model", None, on_failure=self._abandon)
         try:
             if self.rank != 0:  # rank 0's registration, joined
                 self.job = self.session.attach_model(self.name, job_units, cfg, states, params,
@@ -659,47 +664,69 @@ class Offload:
                                                      self.session.wait_timeout, launch=launch)
         except BaseException as e:  # noqa: BLE001 -- told to the other ranks, then raised
             error = e
-        self._ranks_agree("could not join the job", error, on_failure=self._abandon)
         if error is not None:
-            self._abandon()
+            try:
+                self._ranks_agree("could not join the job", error)
+            finally:
+                self._abandon()
             raise error
-        for u in self.units:
-            numel, padded, _, offsets = self.job.layout(u.index)
-            u.numel, u.padded = numel, padded
-            for t, off in zip(u.tensors, offsets):
-                t.offset = off
-        # Initial weights: the module's own values (fp32 masters), one unit at
-        # a time, unless they come from a file (from_pretrained).
-        if self.rank != 0:
-            pass  # rank 0 sets the weights, as DDP broadcasts rank 0's
-        elif weights is None:
-            for u in self.units:
-                flat = torch.empty(u.numel, dtype=torch.float32)
-                for t in u.tensors:
-                    flat[t.offset:t.offset + t.numel] = t.param.detach().reshape(-1).float().cpu()
-                self.job.set_weights(u.index, flat)
-        else:
-            self._load_weights(weights)
-        if weights is not None:
-            from ztier import hf
-            hf.load_buffers(self, weights)  # every rank: each module has its own
-        if self.device.type == "cuda":
-            self._device = _C.cuda_device(self.device.index)
-        else:
-            self._device = _C.host_device()
-        self._prefetch = prefetch_depth if prefetch_depth is not None else self.session.prefetch_depth
-        self._collectives = None
-        self.runner = self._make_runner()
-        self._hooks = []
+        self._ranks_agree("could not join the job", None, on_failure=self._abandon)
         # What taking the model over changes in it, put back if it fails
-        # midway (a buffer that cannot move, an interrupt): the model as it
-        # was, not NaN placeholders that a second offload takes for weights.
+        # midway (a buffer that cannot move, weights that do not load, an
+        # interrupt) here or on another rank: the model as it was, not NaN
+        # placeholders that a second offload takes for weights.
         kept = [(t.param, t.param.data, t.param.grad) for u in self.units for t in u.tensors]
         kept += [(p, p.data, p.grad) for p in model.parameters() if id(p) not in self._tensor_of]
         kept_buffers = [(m, n, b) for m in model.modules() for n, b in m._buffers.items()]
+        self._collectives = None
+        self.runner = None
+        self._hooks = []
+        # Where this rank is: a failure is told to the other ranks once, at
+        # the agreement that part ends with (``told``: it was).
+        stage, told = "could not load the model's weights", False
         try:
+            for u in self.units:
+                numel, padded, _, offsets = self.job.layout(u.index)
+                u.numel, u.padded = numel, padded
+                for t, off in zip(u.tensors, offsets):
+                    t.offset = off
+            # Initial weights: the module's own values (fp32 masters), one
+            # unit at a time, unless they come from a file (from_pretrained).
+            if self.rank != 0:
+                pass  # rank 0 sets the weights, as DDP broadcasts rank 0's
+            elif weights is None:
+                for u in self.units:
+                    flat = torch.empty(u.numel, dtype=torch.float32)
+                    for t in u.tensors:
+                        flat[t.offset:t.offset + t.numel] = \
+                            t.param.detach().reshape(-1).float().cpu()
+                    self.job.set_weights(u.index, flat)
+            else:
+                self._load_weights(weights)
+            if weights is not None:
+                from ztier import hf
+                hf.load_buffers(self, weights)  # every rank: each module has its own
+            # (The runner waits for rank 0's weights: a rank whose weights
+            # failed must be told of before.)
+            told = True
+            self._ranks_agree(stage, None)
+            stage, told = "could not take its model over", False
+            if self.device.type == "cuda":
+                self._device = _C.cuda_device(self.device.index)
+            else:
+                self._device = _C.host_device()
+            self._prefetch = (prefetch_depth if prefetch_depth is not None
+                              else self.session.prefetch_depth)
+            self.runner = self._make_runner()
             self._take_over(model, groups)
-        except BaseException:
+            told = True
+            self._ranks_agree(stage, None)
+        except BaseException as e:
+            if not told:
+                try:
+                    self._ranks_agree(stage, e)
+                except BaseException:  # noqa: BLE001 -- the peers are gone too: this error is raised
+                    pass
             self._remove_hooks()
             for m, n, b in kept_buffers:
                 m._buffers[n] = b
@@ -958,14 +985,16 @@ class Offload:
         info = [daemon, name, None, int.from_bytes(os.urandom(8), "little") | 1, None]
         error = None
         if self.rank == 0 and daemon is None and session is None:
-            directory = tempfile.mkdtemp(prefix="ztier-")
-            info[0] = os.path.join(directory, "ztierd.sock")
+            directory = None
             try:
+                directory = tempfile.mkdtemp(prefix="ztier-")
+                info[0] = os.path.join(directory, "ztierd.sock")
                 self._hosted = _HostedDaemon(_C.HostedDaemon(info[0], where, text), directory)
                 _hosted_daemons.append(self._hosted)
                 info[2] = (where, text)  # what the hosted daemon was made with
             except BaseException as e:  # noqa: BLE001 -- told to the other ranks, then raised
-                shutil.rmtree(directory, ignore_errors=True)
+                if directory is not None:
+                    shutil.rmtree(directory, ignore_errors=True)
                 error = e
                 info[4] = f"{type(e).__name__}: {e}"
         dist.broadcast_object_list(info, src=0)
@@ -993,7 +1022,12 @@ class Offload:
 
         said = [None] * self.world_size
         mine = None if error is None else f"{type(error).__name__}: {error}"
-        dist.all_gather_object(said, (mine, alike))
+        try:
+            dist.all_gather_object(said, (mine, alike))
+        except BaseException:
+            if error is None and on_failure is not None:
+                on_failure()
+            raise
         if error is not None:
             return
         for r, (theirs, _) in enumerate(said):

@@ -77,13 +77,18 @@ def meet(rank: int, world: int, directory: str, case: str):
         kwargs["prefetch_depth"] = 1 + rank
     if case == "register":
         kwargs["states"] = "nvme"  # the ztierd rank 0 hosts has no swap directories
+    if case == "weights":  # rank 0 reads them: a tensor is missing
+        kwargs["weights"] = os.path.join(directory, "partial.safetensors")
+    model = tiny_llama()
     start = time.monotonic()
     said = None
     try:
-        z = zt.offload(tiny_llama(), **kwargs)
+        z = zt.offload(model, **kwargs)
         z.close()
     except Exception as e:  # noqa: BLE001 -- what this rank was told
         said = f"{type(e).__name__}: {e}"
-    torch.save({"said": said, "seconds": time.monotonic() - start},
+    intact = all(torch.equal(p, q) for p, q in zip(model.parameters(),
+                                                    tiny_llama().parameters()))
+    torch.save({"said": said, "seconds": time.monotonic() - start, "intact": intact},
                os.path.join(directory, f"meet-{case}-{rank}.pt"))
     dist.destroy_process_group()

@@ -84,7 +84,8 @@ def test_two_ranks_equal_one_rank_on_the_summed_grads(tmp_path, capfd, monkeypat
 def test_a_rank_that_cannot_join_ends_every_rank_at_once(tmp_path, monkeypatch):
     """A rank refused at attach (another lr), ranks given other runner
     settings (a prefetch depth each: their all-gathers would not pair up),
-    rank 0's registration refused (states on NVMe with no swap directory):
+    rank 0's registration refused (states on NVMe with no swap directory),
+    rank 0's weights file lacking a tensor:
     every rank raises within seconds, told which rank failed and why. Before,
     the others waited 10 minutes (wait_timeout): in their first collective,
     or in an attach for a registration that never came; other settings hung
@@ -94,8 +95,12 @@ def test_a_rank_that_cannot_join_ends_every_rank_at_once(tmp_path, monkeypatch):
     scratch = tmp_path / "tmp"
     scratch.mkdir()
     monkeypatch.setenv("TMPDIR", str(scratch))
+    from safetensors.torch import save_file
+
+    weights = {k: v for k, v in tiny_llama().state_dict().items() if k != "lm_head.weight"}
+    save_file(weights, str(tmp_path / "partial.safetensors"))
     said = {}
-    for case in ("lr", "prefetch", "register"):
+    for case in ("lr", "prefetch", "register", "weights"):
         mp.spawn(ranks_worker.meet, args=(2, str(tmp_path), case), nprocs=2, join=True)
         said[case] = [torch.load(tmp_path / f"meet-{case}-{r}.pt") for r in range(2)]
         for r in range(2):
@@ -111,6 +116,12 @@ def test_a_rank_that_cannot_join_ends_every_rank_at_once(tmp_path, monkeypatch):
     register = [s["said"] for s in said["register"]]
     assert "no swap directories" in register[0], register
     assert register[1].startswith("RuntimeError: ztier: rank 0 could not register"), register
+    loaded = [s["said"] for s in said["weights"]]
+    assert "lm_head.weight" in loaded[0], loaded
+    assert loaded[1].startswith("RuntimeError: ztier: rank 0 could not load the model's"), \
+        loaded
+    for case in said:  # the model as it was, not placeholders
+        assert all(s["intact"] for s in said[case]), case
     assert list(scratch.iterdir()) == []  # rank 0's ztierd went each time
 
 
