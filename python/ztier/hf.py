@@ -71,6 +71,31 @@ def _weight_files(path: str) -> dict[str, str]:
         return {k: path for k in f.keys()}
 
 
+def remove_shards(directory: str):
+    """Removes a sharded checkpoint's index from ``directory`` and then the
+    shard files it names there (model-*.safetensors; none outside the
+    directory, never model.safetensors itself). Files it cannot read as an
+    index are left alone, with the index gone."""
+    index = os.path.join(directory, INDEX)
+    try:
+        with open(index) as f:
+            weight_map = json.load(f).get("weight_map", {})
+        shards = {v for v in weight_map.values() if isinstance(v, str)}
+    except (OSError, ValueError, AttributeError):
+        shards = set()
+    try:
+        os.remove(index)
+    except FileNotFoundError:
+        return
+    for name in shards:
+        if (os.path.basename(name) == name and name != SINGLE and name.startswith("model")
+                and name.endswith(".safetensors")):
+            try:
+                os.remove(os.path.join(directory, name))
+            except FileNotFoundError:
+                pass
+
+
 def _aliases(model: nn.Module) -> dict[int, list[str]]:
     names: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):

@@ -2253,13 +2253,19 @@ class Offload:
 
     def save_pretrained(self, directory: str, dtype: str = "bfloat16"):
         """A Hugging Face model directory: config.json (when the model has a
-        config) and model.safetensors."""
+        config) and model.safetensors. A sharded checkpoint there before
+        (model.safetensors.index.json and the shards it names) is removed
+        once the new file is written, as Hugging Face's save_pretrained
+        does: loaders take the index first, and read the old weights."""
+        from ztier import hf
+
         self._between_steps("save_pretrained")
         os.makedirs(directory, exist_ok=True)
         config = getattr(self.module, "config", None)
         if config is not None and hasattr(config, "save_pretrained"):
             config.save_pretrained(directory)
-        self.export_safetensors(os.path.join(directory, "model.safetensors"), dtype)
+        self.export_safetensors(os.path.join(directory, hf.SINGLE), dtype)
+        hf.remove_shards(directory)
 
     def _read_master(self, u: _Unit) -> torch.Tensor:
         """The unit's fp32 masters (padded, on the host), read from the engine."""

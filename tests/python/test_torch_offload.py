@@ -687,6 +687,35 @@ def test_export_then_from_pretrained(settings, tmp_path):
         zt.from_pretrained(GPT2LMHeadModel, tmp_path / "export", settings=settings)
 
 
+def test_save_pretrained_over_a_sharded_checkpoint_replaces_it(settings, tmp_path):
+    """The index and shards of an earlier sharded save went on standing
+    beside the new model.safetensors, and from_pretrained (which takes the
+    index first) built the model from the old weights, silently."""
+    from transformers import LlamaForCausalLM
+
+    out = tmp_path / "model"
+    tiny_llama().save_pretrained(out, max_shard_size="20KB")
+    shards = sorted(p.name for p in out.glob("model-*.safetensors"))
+    assert len(shards) > 1 and (out / "model.safetensors.index.json").exists()
+    (out / "notes-model.txt").write_text("kept")
+    model, z = zt.from_pretrained(LlamaForCausalLM, out, optimizer=zt.AdamW(lr=1e-2),
+                                  settings=settings)
+    x = batch(0)
+    model(input_ids=x, labels=x).loss.backward()
+    z.optimizer.step()
+    z.save_pretrained(out, dtype="float32")
+    expected = z.master_weights()
+    left = {p.name for p in out.iterdir()}
+    assert "model.safetensors.index.json" not in left and not left & set(shards), left
+    assert {"model.safetensors", "config.json", "notes-model.txt"} <= left, left
+    z.close()
+    again, z2 = zt.from_pretrained(LlamaForCausalLM, out, settings=settings)
+    got = z2.master_weights()
+    for name, value in expected.items():
+        assert torch.equal(got[name], value), name
+    z2.close()
+
+
 def test_from_pretrained_reads_sharded_checkpoints(settings, tmp_path):
     from safetensors.torch import save_file
     from transformers import LlamaForCausalLM
