@@ -61,15 +61,18 @@ import atexit
 import contextlib
 import dataclasses
 import functools
+import json
 import math
 import numbers
 import os
+import re
 import shutil
 import sys
 import threading
 import uuid
 import warnings
 import weakref
+import zlib
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
@@ -2141,36 +2144,66 @@ class Offload:
 
     def save_checkpoint(self, directory: str):
         """The fp32 masters and moments of every unit, and the step (atomic),
-        and the module's persistent buffers (``ztier-buffers.pt`` beside
-        them). With several ranks every rank calls it; rank 0 writes."""
+        and the module's persistent buffers (``ztier-buffers-step-S.pt``
+        beside them, written before the engine's manifest commits the save,
+        so an interrupted save leaves the last checkpoint whole, its buffers
+        included). With several ranks every rank calls it; rank 0 writes."""
         self._between_steps("save_checkpoint")
         directory = os.fspath(directory)
 
         def save():
-            self.job.save_checkpoint(directory)
-            buffers = self.persistent_buffers()
-            path = os.path.join(directory, BUFFERS_FILE)
+            buffers = {n: b.detach().cpu() for n, b in self.persistent_buffers().items()}
+            step = self.runner.version
+            mine = os.path.join(directory, _buffers_file(step))
+            wrote = False
             if buffers:
-                tmp = path + ".tmp"
-                torch.save({"step": self.runner.version,
-                            "buffers": {n: b.detach().cpu() for n, b in buffers.items()}}, tmp)
-                os.replace(tmp, path)
-            elif os.path.exists(path):
-                os.remove(path)  # another model's, from an earlier save here
+                try:
+                    os.makedirs(directory, exist_ok=True)
+                except OSError:
+                    pass  # (the engine's save says what is wrong with the path)
+                if os.path.isdir(directory):
+                    tmp = mine + ".tmp"
+                    try:
+                        torch.save({"step": step, "buffers": buffers,
+                                    "crc32": _buffers_crc(buffers)}, tmp)
+                        os.replace(tmp, mine)
+                    finally:
+                        if os.path.exists(tmp):
+                            os.unlink(tmp)
+                    wrote = True
+            try:
+                self.job.save_checkpoint(directory)
+            except BaseException:
+                if wrote and _checkpoint_step(directory) != step:
+                    os.unlink(mine)  # no manifest names this step
+                raise
+            # The buffers of earlier saves (and of another model's) go.
+            for name in os.listdir(directory):
+                if ((name == BUFFERS_FILE or _BUFFERS_STEP.fullmatch(name))
+                        and not (wrote and name == os.path.basename(mine))):
+                    try:
+                        os.unlink(os.path.join(directory, name))
+                    except FileNotFoundError:
+                        pass
 
         self._on_rank0(save)
 
     def load_checkpoint(self, directory: str):
         """Every rank calls it; rank 0 reads the files into the engine."""
         self._between_steps("load_checkpoint", reads_only=False)
-        path = os.path.join(os.fspath(directory), BUFFERS_FILE)
+        directory = os.fspath(directory)
         wants_buffers = bool(self.persistent_buffers())
         saved = {"buffers": {}}
+        path = None
 
         def read_buffers():
             # Before any state is replaced: a damaged file changes nothing
             # (it failed after the engine had loaded, the buffers stale).
-            nonlocal saved
+            # The file of the manifest's step; one of an older ztier, else.
+            nonlocal saved, path
+            path = os.path.join(directory, _buffers_file(_checkpoint_step(directory)))
+            if not os.path.exists(path):
+                path = os.path.join(directory, BUFFERS_FILE)
             if wants_buffers and os.path.exists(path):
                 try:
                     saved = torch.load(path, map_location="cpu", weights_only=True)
@@ -2181,6 +2214,9 @@ class Offload:
                     raise ValueError(f"ztier: {path} holds no checkpoint's buffers; nothing was "
                                      "loaded")
                 self._check_buffers(saved.get("buffers"), path, "; nothing was loaded")
+                if "crc32" in saved and saved["crc32"] != _buffers_crc(saved["buffers"]):
+                    raise RuntimeError(f"ztier: the checkpoint's buffers, {path}, are damaged "
+                                       "(their checksum differs); nothing was loaded")
 
         def load():
             read_buffers()
@@ -2219,7 +2255,7 @@ class Offload:
             # own state with a runner as before.
             self.runner = self._make_runner()
         if wants_buffers:
-            if os.path.exists(path):
+            if path is not None and os.path.exists(path):
                 if saved.get("step") != self.runner.version:
                     warnings.warn(f"ztier: {path} is of step {saved.get('step')}, the checkpoint "
                                   f"of step {self.runner.version}", RuntimeWarning, stacklevel=2)
@@ -2704,7 +2740,35 @@ def _adamw_from(training: dict) -> AdamW:
 
 
 # A checkpoint's persistent buffers, beside the engine's files.
-BUFFERS_FILE = "ztier-buffers.pt"
+BUFFERS_FILE = "ztier-buffers.pt"  # an older ztier's, of the manifest's step or not
+_BUFFERS_STEP = re.compile(r"ztier-buffers-step-(\d+)\.pt")
+
+
+def _buffers_file(step) -> str:
+    """The name of a checkpoint's buffers file, by the step it saves."""
+    return f"ztier-buffers-step-{step}.pt"
+
+
+def _checkpoint_step(directory: str):
+    """The step the checkpoint's manifest commits, or None (none, or one
+    that cannot be read: the engine's load says what is wrong)."""
+    try:
+        with open(os.path.join(directory, "manifest.json")) as f:
+            step = json.load(f).get("step")
+        return step if isinstance(step, int) else None
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _buffers_crc(buffers: dict[str, torch.Tensor]) -> int:
+    """A CRC-32 over the buffers' names, dtypes, shapes and bytes (torch.load
+    checks none: a flipped byte loaded silently)."""
+    crc = 0
+    for name in sorted(buffers):
+        b = buffers[name].detach().cpu().contiguous()
+        crc = zlib.crc32(f"{name}:{b.dtype}:{list(b.shape)};".encode(), crc)
+        crc = zlib.crc32(b.reshape(-1).view(torch.uint8).numpy().tobytes(), crc)
+    return crc
 
 
 _ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",

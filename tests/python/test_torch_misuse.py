@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import gc
+import io
 import json
 import math
 import os
@@ -1161,12 +1162,19 @@ def test_persistent_buffers_go_with_checkpoints_and_exports(settings, tmp_path):
     # A damaged buffers file is found before any state is replaced (the
     # engine had loaded the checkpoint, then torch.load failed: the masters
     # new, the statistics old, and a zip error the only word).
-    path = tmp_path / "ck" / "ztier-buffers.pt"
+    path = tmp_path / "ck" / "ztier-buffers-step-3.pt"
+    good = path.read_bytes()
     os.truncate(path, 100)
     fresh = make()
     z3 = zt.offload(fresh, optimizer=zt.AdamW(lr=1e-2), settings=settings)
     before = z3.master_weights()
-    with pytest.raises(RuntimeError, match="ztier-buffers.pt, cannot be read.*nothing was loaded"):
+    with pytest.raises(RuntimeError, match="step-3.pt, cannot be read.*nothing was loaded"):
+        z3.load_checkpoint(str(tmp_path / "ck"))
+    # A byte of a statistic flipped (torch.load checks nothing: it loaded).
+    saved = torch.load(io.BytesIO(good), weights_only=True)
+    saved["buffers"]["1.running_mean"][2] += 1e-3
+    torch.save(saved, path)
+    with pytest.raises(RuntimeError, match="step-3.pt, are damaged.*nothing was loaded"):
         z3.load_checkpoint(str(tmp_path / "ck"))
     assert z3.step_count == 0
     after = z3.master_weights()
@@ -1179,6 +1187,52 @@ def test_persistent_buffers_go_with_checkpoints_and_exports(settings, tmp_path):
         z3.load_checkpoint(str(tmp_path / "ck"))
     assert z3.step_count == 1
     z3.close()
+
+
+def test_a_save_interrupted_writing_the_buffers_leaves_the_last_checkpoint_whole(
+        settings, tmp_path, monkeypatch):
+    """The engine's manifest committed the new save (and its older shards
+    went) before the buffers were written: an interrupt there left the new
+    weights with the old save's statistics, loaded with a warning only."""
+    def make():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 1))
+
+    model = make()
+    z = zt.offload(model, optimizer=zt.AdamW(lr=1e-2), settings=settings)
+    for _ in range(3):
+        _train_step(model, z, torch.randn(16, 4) * 3 + 2)
+    ck = str(tmp_path / "ck")
+    z.save_checkpoint(ck)
+    masters = z.master_weights()
+    for _ in range(2):
+        _train_step(model, z, torch.randn(16, 4) * 3 + 2)
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(zt.torch, "save", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        z.save_checkpoint(ck)
+    monkeypatch.undo()
+    assert sorted(os.listdir(ck)) == sorted(n for n in os.listdir(ck) if not n.endswith(".tmp"))
+    fresh = make()
+    z2 = zt.offload(fresh, optimizer=zt.AdamW(lr=1e-2), settings=settings)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "is of step 3, the checkpoint of step 5"
+        z2.load_checkpoint(ck)
+    assert z2.step_count == 3
+    assert int(fresh[1].num_batches_tracked) == 3
+    got = z2.master_weights()
+    assert all(torch.equal(got[n], masters[n]) for n in masters)
+    # The next save replaces it, buffers and all; one buffers file stays.
+    z.save_checkpoint(ck)
+    assert [n for n in os.listdir(ck) if n.startswith("ztier-buffers")] == [
+        "ztier-buffers-step-5.pt"]
+    z2.load_checkpoint(ck)
+    assert z2.step_count == 5 and int(fresh[1].num_batches_tracked) == 5
+    z.close()
+    z2.close()
 
 
 def test_pickling_an_offloaded_model_names_the_ways_that_work(settings, tmp_path):
