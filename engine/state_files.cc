@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <map>
 #include <random>
+#include <regex>
 #include <set>
 #include <string_view>
 #include <utility>
@@ -129,12 +130,22 @@ void RemoveUncommitted(const std::string& dir, const std::vector<std::string>& w
 
 // Removes the unit files in `dir` not in `keep` (an older checkpoint's);
 // the first failure is returned, after trying every file.
+// Whether `name` is a shard file a save writes (unit-K-rank-R-step-S-TAG.bin,
+// or without the tag, as older saves named them) or the temp file of one
+// ("<name>.<pid>-<n>.tmp"): only those are a checkpoint's to remove (a
+// user's unit-test-results.txt beside them went too).
+bool IsShardFileName(const std::string& name) {
+  static const std::regex kShard(
+      R"(unit-[0-9]+-rank-[0-9]+-step-[0-9]+(-[0-9a-f]{8})?\.bin(\.[0-9]+-[0-9]+\.tmp)?)");
+  return std::regex_match(name, kShard);
+}
+
 Status RemoveUnnamed(const std::string& dir, const std::set<std::string>& keep) {
   Status first;
   std::error_code ec;
   for (const auto& entry : fs::directory_iterator(dir, ec)) {
     const std::string name = entry.path().filename().string();
-    if (!name.starts_with("unit-") || keep.count(name) != 0) continue;
+    if (!IsShardFileName(name) || keep.count(name) != 0) continue;
     Status removed = RemoveFile(entry.path().string());
     if (!removed.ok()) {
       ZT_LOG(kWarn, "engine") << "removing a file of an older checkpoint: " << removed;

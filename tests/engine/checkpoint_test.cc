@@ -112,6 +112,36 @@ TEST_F(CheckpointFaultTest, AFullDiskDuringASaveRemovesWhatItWroteAndKeepsTheLas
   EXPECT_EQ(LoadFresh(), 3);
 }
 
+// A save removes the files of older checkpoints (shard files, with or
+// without a tag, and their temp files), and nothing else: a user's files
+// named unit-* went too.
+TEST_F(CheckpointFaultTest, ASaveRemovesOlderShardFilesAndNoOtherFile) {
+  TrainAndSave(1);
+  const std::set<std::string> first = Files(dir_.path());
+  const std::vector<std::string> users = {"unit-test-results.txt", "unit-conversions.json",
+                                          "unit-0-rank-0-step-1.bin.bak", "notes.txt"};
+  const std::vector<std::string> stale = {"unit-0-rank-0-step-0.bin",
+                                          "unit-1-rank-0-step-0-0badcafe.bin",
+                                          "unit-1-rank-0-step-0-0badcafe.bin.123-4.tmp"};
+  for (const std::string& name : users)
+    ASSERT_TRUE(WriteFileAtomically((fs::path(dir_.path()) / name).string(), name).ok());
+  for (const std::string& name : stale)
+    ASSERT_TRUE(WriteFileAtomically((fs::path(dir_.path()) / name).string(), name).ok());
+  TrainAndSave(1);
+  const std::set<std::string> now = Files(dir_.path());
+  for (const std::string& name : users) {
+    EXPECT_EQ(now.count(name), 1u) << name << " was removed";
+    EXPECT_EQ(Slurp(fs::path(dir_.path()) / name), name);
+  }
+  for (const std::string& name : stale) EXPECT_EQ(now.count(name), 0u) << name << " stayed";
+  for (const std::string& name : first) {  // the first save's shards
+    if (name.starts_with("unit-")) {
+      EXPECT_EQ(now.count(name), 0u) << name << " stayed";
+    }
+  }
+  EXPECT_EQ(LoadFresh(), 2);
+}
+
 // A load whose apply pass failed midway (a shard file unreadable the
 // second time) returned its error, but the job trained on a mix of the
 // file's units and its own, and could save that mix. It now refuses grads,
