@@ -1287,8 +1287,13 @@ class Offload:
         self._hooks.append(model.register_forward_pre_hook(
             _weak(self._root_pre_forward, model, root=True), prepend=True, with_kwargs=True))
         post(model, _weak(self._root_post_forward, model))
-        self._hooks.append(model._register_load_state_dict_pre_hook(
-            _weak(self._root_load_state_dict, model), with_module=True))
+        # On every module holding offloaded parameters, the root included: a
+        # submodule's load_state_dict wrote its buffers, then failed in
+        # torch's copy into the placeholders.
+        for m in model.modules():
+            if any(id(p) in self._tensor_of for p in m.parameters()):
+                self._hooks.append(m._register_load_state_dict_pre_hook(
+                    _weak(self._root_load_state_dict, m), with_module=True))
         for u in self.units:
             for t in u.tensors:
                 if t.param.requires_grad:
@@ -1356,8 +1361,10 @@ class Offload:
     def _root_load_state_dict(self, module, *args):
         if self._gathering:
             return  # gathered() says on exit that the writes went nowhere
+        what = ("an offloaded model" if module is self.module
+                else f"a {type(module).__name__} inside an offloaded model")
         raise RuntimeError(
-            "ztier: load_state_dict on an offloaded model: its parameters are placeholders "
+            f"ztier: load_state_dict on {what}: its parameters are placeholders "
             "between uses (their values live in the engine), so a copy into them goes nowhere; "
             "bring weights in through load_checkpoint (a ztier checkpoint), weights= at "
             "zt.offload (safetensors) or zt.from_pretrained, or load the state dict before "
@@ -1616,6 +1623,10 @@ class Offload:
         model.forward(x) (its hooks skipped). Looked for only where a hooked
         module runs outside a root forward, which a submodule called on its
         own does too."""
+        return self._root_forward_on_stack()
+
+    def _root_forward_on_stack(self) -> bool:
+        """The root module's forward runs on this thread's stack."""
         code = getattr(getattr(type(self.module).forward, "__func__",
                                type(self.module).forward), "__code__", None)
         if code is None or code.co_argcount == 0:
@@ -2082,12 +2093,25 @@ class Offload:
         if (self._phase == "backward" and nothing_sent
                 and torch._C._current_graph_task_id() == -1):
             self._reset_interrupted()  # a backward that raised before any grad went out
+        if (self._in_forward and self._phase != "backward"
+                and self._pass_thread == threading.get_ident()
+                and torch._C._current_graph_task_id() == -1
+                and not self._root_forward_on_stack()):
+            # A forward that raised (its root's post-hook never ran): the
+            # holds it left go, as the next forward lets them go (an
+            # emergency save in the except clause was refused).
+            self._reset_interrupted()
+            self._in_forward = False
         inside = self._phase == "backward" or self._fwd_held or any(u.holds for u in self.units)
-        if not reads_only and self._phase != "idle":
-            inside = True
         if inside or not nothing_sent:
             raise RuntimeError(f"ztier: {what} between optimizer steps only (after "
                                "optimizer.step(), outside forward and backward)")
+        if not reads_only and self._phase != "idle":
+            raise RuntimeError(
+                f"ztier: {what} after a forward whose output needs grad and whose backward has "
+                "not run: a backward of it would mix the old weights' activations with the new "
+                "weights. Run its backward (and optimizer.step()) first, or run evaluation "
+                "forwards under torch.no_grad()")
         self.wait()
 
     def claim_checkpoint_dir(self, directory: str):
@@ -2223,8 +2247,8 @@ class Offload:
             try:
                 self.job.load_checkpoint(os.fspath(directory))
             except ValueError as e:
-                if "does not fit" in str(e) and any(t.frozen for u in self.units
-                                                    for t in u.tensors):
+                if ("does not fit" in str(e) and "has shape" not in str(e)
+                        and any(t.frozen for u in self.units for t in u.tensors)):
                     # A frozen tensor goes to a unit of its own: freezing
                     # other tensors than the checkpoint's model did lays
                     # the model out in other units.
@@ -2233,7 +2257,7 @@ class Offload:
                         "that froze others, or none, is laid out in other units: load it "
                         "into the model as it was, export_safetensors, then offload this "
                         "one with weights=)") from e
-                if "does not fit" in str(e) and "units" in str(e):
+                if "does not fit" in str(e) and "units" in str(e) and "has shape" not in str(e):
                     # Another layout: blocks found otherwise (nn.Sequential
                     # stacks became blocks), or chosen otherwise.
                     raise type(e)(
@@ -2808,17 +2832,25 @@ def _add_to_safetensors(source: str, extra: dict[str, torch.Tensor], path: str):
             blobs.append(b)
         text = json.dumps(header, separators=(",", ":")).encode()
         text += b" " * ((8 - len(text) % 8) % 8)  # the data region 8-aligned, as writers do
+        if os.path.isdir(path):
+            raise IsADirectoryError(
+                f"ztier: {path} is a directory; it was not replaced (an export is one file: "
+                f"give a file's path, e.g. {os.path.join(path, 'model.safetensors')})")
         tmp = path + ".tmp"
-        with open(tmp, "wb") as out:
-            out.write(struct.pack("<Q", len(text)))
-            out.write(text)
-            f.seek(data_start)
-            shutil.copyfileobj(f, out, 16 << 20)
-            for b in blobs:
-                out.write(b)
-            out.flush()
-            os.fsync(out.fileno())
-    os.replace(tmp, path)
+        try:
+            with open(tmp, "wb") as out:
+                out.write(struct.pack("<Q", len(text)))
+                out.write(text)
+                f.seek(data_start)
+                shutil.copyfileobj(f, out, 16 << 20)
+                for b in blobs:
+                    out.write(b)
+                out.flush()
+                os.fsync(out.fileno())
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)  # a write or a replace that failed left it, full size
 
 
 def _tensors(obj, seen=None):
