@@ -1322,6 +1322,24 @@ std::vector<SwapSpace::PathUsage> SwapSpace::path_usage() const {
   const Impl& sp = *impl_;
   std::vector<PathUsage> out;
   std::lock_guard<std::mutex> lock(sp.map_mu);
+  // The files grow in lockstep, each by the same bytes: what they can grow
+  // by is the least room of any path's filesystem, shared by the paths on
+  // it (a large drive beside a small one was said to take its whole free
+  // space; two paths on one filesystem each claimed all of it).
+  uint64_t room = UINT64_MAX;
+  if (sp.options.max_file_bytes == 0) {
+    std::map<uint64_t, std::pair<uint64_t, uint64_t>> filesystems;  // fsid: free, paths
+    for (const auto& path : sp.paths) {
+      struct statvfs fs;
+      if (path->fd < 0 || ::fstatvfs(path->fd, &fs) != 0) continue;
+      auto& [bytes, paths] = filesystems[fs.f_fsid];
+      bytes = static_cast<uint64_t>(fs.f_bavail) * fs.f_frsize;
+      ++paths;
+    }
+    for (const auto& [fsid, fs] : filesystems) room = std::min(room, fs.first / fs.second);
+    // (No filesystem answered: no room can be promised.)
+    if (filesystems.empty()) room = 0;
+  }
   for (size_t i = 0; i < sp.paths.size(); ++i) {
     PathUsage u;
     u.path = i < sp.options.paths.size() ? sp.options.paths[i] : sp.paths[i]->file;
@@ -1336,13 +1354,7 @@ std::vector<SwapSpace::PathUsage> SwapSpace::path_usage() const {
       u.file_bytes = std::min(u.file_bytes, static_cast<uint64_t>(st.st_blocks) * 512);
     }
     u.capacity_bytes = sp.options.max_file_bytes;
-    if (u.capacity_bytes == 0) {
-      struct statvfs fs;
-      u.capacity_bytes = u.file_bytes;
-      if (fd >= 0 && ::fstatvfs(fd, &fs) == 0) {
-        u.capacity_bytes += static_cast<uint64_t>(fs.f_bavail) * fs.f_frsize;
-      }
-    }
+    if (u.capacity_bytes == 0) u.capacity_bytes = u.file_bytes + room;
     out.push_back(std::move(u));
   }
   return out;

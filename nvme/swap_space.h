@@ -192,8 +192,9 @@ class SwapSpace {
   // Per path, in the order of options().paths: the bytes the swap file
   // holds on the drive (its size less the holes of freed units), the
   // bytes its objects take in it, and what it may grow to (the cap,
-  // ztier.nvme_capacity, else what it holds plus its filesystem's free
-  // space).
+  // ztier.nvme_capacity, else what it holds plus the room the files can
+  // grow by: they grow in lockstep, so the least free space of any path's
+  // filesystem, shared among the paths on it).
   struct PathUsage {
     std::string path;
     uint64_t used_bytes = 0;

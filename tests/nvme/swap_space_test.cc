@@ -1241,6 +1241,25 @@ TEST_P(SwapSpaceTest, AnObjectStartsWhereFreedUnitsHoldIt) {
   ASSERT_TRUE(space->Close().ok());
 }
 
+// The files grow in lockstep, so two paths on one filesystem share its
+// free space: each was said to have all of it to grow into.
+TEST_P(SwapSpaceTest, CapacityIsTheRoomTheFilesGrowByTogether) {
+  std::unique_ptr<SwapSpace> space = MustCreate(Options(2, 0));
+  ASSERT_NE(space, nullptr);
+  ASSERT_TRUE(space->Allocate("a", 4 * kMiB).ok());
+  struct statvfs vfs {};
+  ASSERT_EQ(::statvfs(root_.c_str(), &vfs), 0);
+  const uint64_t avail = static_cast<uint64_t>(vfs.f_bavail) * vfs.f_frsize;
+  if (avail < (uint64_t{1} << 30)) GTEST_SKIP() << "less than 1 GiB free: " << avail;
+  const uint64_t slack = avail / 100 + 64 * kMiB;  // others write to the disk meanwhile
+  for (const SwapSpace::PathUsage& u : space->path_usage()) {
+    const uint64_t room = u.capacity_bytes - u.file_bytes;
+    EXPECT_LE(room, avail / 2 + slack) << u.path;
+    EXPECT_GE(room + slack, avail / 2) << u.path;
+  }
+  ASSERT_TRUE(space->Close().ok());
+}
+
 INSTANTIATE_TEST_SUITE_P(Backends, SwapSpaceTest,
                          ::testing::Values(BackendKind::kUring, BackendKind::kThreads),
                          BackendName);
