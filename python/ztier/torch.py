@@ -629,6 +629,8 @@ class Offload:
         except BaseException as e:
             try:
                 self._ranks_agree("could not offload its model", e)
+            except BaseException:  # noqa: BLE001 -- the peers are gone too: this error is raised
+                pass
             finally:
                 self._abandon()
             raise
@@ -656,6 +658,8 @@ class Offload:
         if error is not None:
             try:
                 self._ranks_agree("could not register the model", error)
+            except BaseException:  # noqa: BLE001 -- the peers are gone too: this error is raised
+                pass
             finally:
                 self._abandon()
             raise error
@@ -670,6 +674,8 @@ class Offload:
         if error is not None:
             try:
                 self._ranks_agree("could not join the job", error)
+            except BaseException:  # noqa: BLE001 -- the peers are gone too: this error is raised
+                pass
             finally:
                 self._abandon()
             raise error
@@ -1358,9 +1364,15 @@ class Offload:
             if entry[1] == 0:
                 del cache[(version, u.index)]
 
-    def _root_load_state_dict(self, module, *args):
+    def _root_load_state_dict(self, module, state_dict, prefix, *args):
         if self._gathering:
             return  # gathered() says on exit that the writes went nowhere
+        # Buffers alone (strict=False) load into the module as ever; a
+        # parameter of the engine's, anywhere below, is refused before
+        # anything is written.
+        if not any(id(p) in self._tensor_of and prefix + n in state_dict
+                   for n, p in module.named_parameters(remove_duplicate=False)):
+            return
         what = ("an offloaded model" if module is self.module
                 else f"a {type(module).__name__} inside an offloaded model")
         raise RuntimeError(
@@ -1624,6 +1636,17 @@ class Offload:
         module runs outside a root forward, which a submodule called on its
         own does too."""
         return self._root_forward_on_stack()
+
+    def _root_call_on_stack(self) -> bool:
+        """A call of the root module runs on this thread's stack: its forward,
+        or the hooks around it (which run inside its __call__)."""
+        codes = {nn.Module._wrapped_call_impl.__code__, nn.Module._call_impl.__code__}
+        f = sys._getframe(1)
+        while f is not None:
+            if f.f_code in codes and f.f_locals.get("self") is self.module:
+                return True
+            f = f.f_back
+        return False
 
     def _root_forward_on_stack(self) -> bool:
         """The root module's forward runs on this thread's stack."""
@@ -2096,7 +2119,7 @@ class Offload:
         if (self._in_forward and self._phase != "backward"
                 and self._pass_thread == threading.get_ident()
                 and torch._C._current_graph_task_id() == -1
-                and not self._root_forward_on_stack()):
+                and not self._root_call_on_stack()):
             # A forward that raised (its root's post-hook never ran): the
             # holds it left go, as the next forward lets them go (an
             # emergency save in the except clause was refused).
@@ -2181,10 +2204,10 @@ class Offload:
             mine = os.path.join(directory, _buffers_file(step))
             wrote = False
             if buffers:
-                try:
-                    os.makedirs(directory, exist_ok=True)
-                except OSError:
-                    pass  # (the engine's save says what is wrong with the path)
+                # The directory is this job's first (as the engine's save
+                # claims it; the claim makes it): a save refused there, as
+                # another run's, must not touch that run's buffers file.
+                self.job.claim_checkpoint_dir(directory)
                 if os.path.isdir(directory):
                     tmp = mine + ".tmp"
                     try:
@@ -2789,9 +2812,15 @@ def _buffers_crc(buffers: dict[str, torch.Tensor]) -> int:
     checks none: a flipped byte loaded silently)."""
     crc = 0
     for name in sorted(buffers):
-        b = buffers[name].detach().cpu().contiguous()
+        b = buffers[name].detach().cpu()
         crc = zlib.crc32(f"{name}:{b.dtype}:{list(b.shape)};".encode(), crc)
-        crc = zlib.crc32(b.reshape(-1).view(torch.uint8).numpy().tobytes(), crc)
+        try:
+            if b.layout != torch.strided:
+                b = b.to_dense()  # a sparse buffer
+            b = b.resolve_conj().resolve_neg().contiguous()
+            crc = zlib.crc32(b.reshape(-1).view(torch.uint8).numpy().tobytes(), crc)
+        except (RuntimeError, TypeError):  # a layout without plain bytes: its name and shape
+            pass
     return crc
 
 

@@ -1281,6 +1281,79 @@ def test_a_submodules_load_state_dict_is_refused_before_it_writes_anything(setti
         assert torch.equal(bn.state_dict()[k], v), k
     with pytest.raises(RuntimeError, match="load_state_dict on an offloaded model"):
         model.load_state_dict(model.state_dict())
+    # Buffers alone load as ever (strict=False: the parameters left out).
+    stats = {k: v for k, v in sevens.items() if "running" in k or "batches" in k}
+    bn.load_state_dict(stats, strict=False)
+    assert torch.equal(bn.running_mean, torch.full((8,), 7.0))
+    z.close()
+
+
+def test_a_save_refused_for_another_runs_directory_leaves_its_buffers(settings, tmp_path):
+    """The buffers file went before the engine's save checked the
+    directory's claim: a save refused there replaced the owner's file (its
+    checkpoint then loaded the other model's statistics, CRC and all)."""
+    def make(seed):
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 1))
+
+    ck = str(tmp_path / "ck")
+    a, b = make(0), make(1)
+    za = zt.offload(a, optimizer=zt.AdamW(lr=1e-2), settings=settings)
+    zb = zt.offload(b, optimizer=zt.AdamW(lr=1e-2), settings=settings)
+    za.claim_checkpoint_dir(ck)
+    for _ in range(3):
+        _train_step(a, za, torch.randn(16, 4))
+        _train_step(b, zb, torch.randn(16, 4) * 5 + 3)
+    za.save_checkpoint(ck)
+    with pytest.raises(Exception, match="is used by job"):
+        zb.save_checkpoint(ck)
+    fresh = make(0)
+    zc = zt.offload(fresh, optimizer=zt.AdamW(lr=1e-2), settings=settings)
+    zc.load_checkpoint(ck)
+    assert torch.equal(fresh[1].running_mean, a[1].running_mean)
+    for z in (za, zb, zc):
+        z.close()
+
+
+def test_a_hook_of_the_root_does_not_end_its_forward(settings, tmp_path):
+    """A forward hook runs inside the model's call but outside its forward:
+    taken for a forward that raised, the pass was reset under it (a load
+    before its backward then went through, mixing old activations with new
+    weights)."""
+    model, z, x = _trained_mlp(settings)
+    z.save_checkpoint(str(tmp_path / "ck"))
+    read = []
+    handle = model.register_forward_hook(
+        lambda module, args, out: read.append(len(z.master_weights())))
+    loss = model(x).pow(2).sum()
+    handle.remove()
+    assert read == [4]
+    with pytest.raises(RuntimeError, match="whose backward has not run"):
+        z.load_checkpoint(str(tmp_path / "ck"))
+    loss.backward()
+    z.optimizer.step()
+    assert z.step_count == 2
+    z.close()
+
+
+def test_buffers_of_any_layout_go_into_checkpoints(settings, tmp_path):
+    class WithConj(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 1)
+            self.register_buffer("f", torch.randn(3, dtype=torch.cfloat).conj())
+
+        def forward(self, x):
+            return self.lin(x)
+
+    model = WithConj()
+    z = zt.offload(model, optimizer=zt.AdamW(lr=1e-2), settings=settings)
+    _train_step(model, z, torch.randn(3, 4))
+    z.save_checkpoint(str(tmp_path / "ck"))  # the CRC's view of a conjugate raised
+    want = model.f.resolve_conj().clone()
+    model.f.zero_()
+    z.load_checkpoint(str(tmp_path / "ck"))
+    assert torch.equal(model.f.resolve_conj(), want)
     z.close()
 
 
