@@ -648,38 +648,17 @@ class Offload:
         # Rank 0 registers, then the others attach with its launch: a rank
         # never waits for a registration that failed, nor joins another
         # launch's job of the same name.
-        error = None
-        try:
-            if self.rank == 0:
-                self.job = self.session.register_model(self.name, job_units, cfg, states, params,
-                                                       self.world_size, launch=launch)
-        except BaseException as e:  # noqa: BLE001 -- told to the other ranks, then raised
-            error = e
-        if error is not None:
-            try:
-                self._ranks_agree("could not register the model", error)
-            except BaseException:  # noqa: BLE001 -- the peers are gone too: this error is raised
-                pass
-            finally:
-                self._abandon()
-            raise error
-        self._ranks_agree("could not register the model", None, on_failure=self._abandon)
-        try:
-            if self.rank != 0:  # rank 0's registration, joined
-                self.job = self.session.attach_model(self.name, job_units, cfg, states, params,
-                                                     self.world_size, self.rank,
-                                                     self.session.wait_timeout, launch=launch)
-        except BaseException as e:  # noqa: BLE001 -- told to the other ranks, then raised
-            error = e
-        if error is not None:
-            try:
-                self._ranks_agree("could not join the job", error)
-            except BaseException:  # noqa: BLE001 -- the peers are gone too: this error is raised
-                pass
-            finally:
-                self._abandon()
-            raise error
-        self._ranks_agree("could not join the job", None, on_failure=self._abandon)
+        def register():
+            self.job = self.session.register_model(self.name, job_units, cfg, states, params,
+                                                   self.world_size, launch=launch)
+
+        def attach():  # rank 0's registration, joined
+            self.job = self.session.attach_model(self.name, job_units, cfg, states, params,
+                                                 self.world_size, self.rank,
+                                                 self.session.wait_timeout, launch=launch)
+
+        self._together("could not register the model", register if self.rank == 0 else None)
+        self._together("could not join the job", attach if self.rank != 0 else None)
         # What taking the model over changes in it, put back if it fails
         # midway (a buffer that cannot move, weights that do not load, an
         # interrupt) here or on another rank: the model as it was, not NaN
@@ -1015,6 +994,28 @@ class Offload:
         # daemon's settings apply.
         self._daemon_has_settings = info[2] == (where, text)
         return info[0], info[1], info[3]
+
+    def _together(self, what: str, part=None):
+        """Runs this rank's ``part`` (None: nothing here) and tells every rank
+        how it went (_ranks_agree): a failure here or on another rank lets
+        go of the job, the session and a hosted ztierd (_abandon) and raises
+        on every rank."""
+        error = None
+        try:
+            if part is not None:
+                part()
+        except BaseException as e:  # noqa: BLE001 -- told to the other ranks, then raised
+            error = e
+        if error is None:
+            self._ranks_agree(what, None, on_failure=self._abandon)
+            return
+        try:
+            self._ranks_agree(what, error)
+        except BaseException:  # noqa: BLE001 -- the peers are gone too: this error is raised
+            pass
+        finally:
+            self._abandon()
+        raise error
 
     def _ranks_agree(self, what: str, error: BaseException | None, alike: dict | None = None,
                      on_failure=None):

@@ -39,6 +39,12 @@ def _train_step(model, z, x):
     z.optimizer.step()
 
 
+def _bn_mlp(seed: int = 0) -> nn.Module:
+    """A small MLP with a BatchNorm (persistent buffers), seeded."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 1))
+
+
 def _trained_mlp(settings):
     """_mlp() offloaded and one step trained on a batch: (model, z, batch)."""
     model = _mlp()
@@ -1124,10 +1130,7 @@ def test_persistent_buffers_go_with_checkpoints_and_exports(settings, tmp_path):
     # model evaluated with the statistics of a fresh one.
     from safetensors.torch import load_file
 
-    def make():
-        torch.manual_seed(0)
-        return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 1))
-
+    make = _bn_mlp
     model = make()
     z = zt.offload(model, optimizer=zt.AdamW(lr=1e-2), settings=settings)
     for _ in range(3):
@@ -1200,10 +1203,7 @@ def test_a_save_interrupted_writing_the_buffers_leaves_the_last_checkpoint_whole
     """The engine's manifest committed the new save (and its older shards
     went) before the buffers were written: an interrupt there left the new
     weights with the old save's statistics, loaded with a warning only."""
-    def make():
-        torch.manual_seed(0)
-        return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 1))
-
+    make = _bn_mlp
     model = make()
     z = zt.offload(model, optimizer=zt.AdamW(lr=1e-2), settings=settings)
     for _ in range(3):
@@ -1270,7 +1270,7 @@ def test_a_submodules_load_state_dict_is_refused_before_it_writes_anything(setti
     wrote its buffers, then failed in torch's copy into the placeholders
     ("more than one element of the written-to tensor refers to a single
     memory location")."""
-    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 1))
+    model = _bn_mlp()
     z = zt.offload(model, settings=settings)
     bn = model[1]
     before = {k: v.clone() for k, v in bn.state_dict().items() if "running" in k}
@@ -1292,10 +1292,7 @@ def test_a_save_refused_for_another_runs_directory_leaves_its_buffers(settings, 
     """The buffers file went before the engine's save checked the
     directory's claim: a save refused there replaced the owner's file (its
     checkpoint then loaded the other model's statistics, CRC and all)."""
-    def make(seed):
-        torch.manual_seed(seed)
-        return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 1))
-
+    make = _bn_mlp
     ck = str(tmp_path / "ck")
     a, b = make(0), make(1)
     za = zt.offload(a, optimizer=zt.AdamW(lr=1e-2), settings=settings)
