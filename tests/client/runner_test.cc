@@ -1360,6 +1360,23 @@ TEST(RunnerTest, FetchesOfSmallShardsGoInRunsOfOneCopyARank) {
   }
 }
 
+// A test session and `spec` registered in it, each unit's weights
+// 0.01 x (its index + 1).
+struct Registered {
+  std::unique_ptr<Session> session;
+  std::unique_ptr<Model> model;  // (goes before its session)
+};
+Result<Registered> RegisterWithWeights(const Session::ModelSpec& spec) {
+  Registered r;
+  ZT_ASSIGN_OR_RETURN(r.session, testing::OpenTestSession(Options(TrainSetup{}, "")));
+  ZT_ASSIGN_OR_RETURN(r.model, r.session->RegisterModel(spec));
+  for (int k = 0; k < r.model->units(); ++k) {
+    std::vector<float> w(r.model->layout(k).numel, 0.01f * static_cast<float>(k + 1));
+    ZT_RETURN_IF_ERROR(r.model->SetWeights(k, w.data(), w.size()));
+  }
+  return r;
+}
+
 // A device that refuses params memory once `allowed` more allocations of
 // it were made (negative: never), as a GPU whose memory others took.
 class RefusingDevice final : public Device {
@@ -1425,14 +1442,9 @@ TEST(RunnerTest, ARunOfFetchesOneRankCannotHoldFailsThatRankAndItsPeers) {
                                           {"d", {{"w", {30720}}}}},
                                 .optimizer = Optimizer(TrainSetup{}),
                                 .world_size = kRanks};
-  Result<std::unique_ptr<Session>> session = testing::OpenTestSession(Options(TrainSetup{}, ""));
-  ASSERT_TRUE(session.ok()) << session.status();
-  Result<std::unique_ptr<Model>> model = (*session)->RegisterModel(spec);
-  ASSERT_TRUE(model.ok()) << model.status();
-  for (int k = 0; k < 4; ++k) {
-    std::vector<float> w((*model)->layout(k).numel, 0.01f * static_cast<float>(k + 1));
-    ASSERT_TRUE((*model)->SetWeights(k, w.data(), w.size()).ok());
-  }
+  Result<Registered> registered = RegisterWithWeights(spec);
+  ASSERT_TRUE(registered.ok()) << registered.status();
+  Model& model = *registered->model;
   auto coll = MakeLocalCollectives(kRanks, std::chrono::seconds(30));
   ASSERT_TRUE(coll.ok()) << coll.status();
   std::vector<Status> outcome(kRanks);
@@ -1442,7 +1454,7 @@ TEST(RunnerTest, ARunOfFetchesOneRankCannotHoldFailsThatRankAndItsPeers) {
     ZT_ASSIGN_OR_RETURN(std::unique_ptr<Device> host, MakeHostDevice());
     RefusingDevice dev(std::move(host));
     ZT_ASSIGN_OR_RETURN(std::unique_ptr<Stage3Runner> runner,
-                        Stage3Runner::Create(**model, r, dev, (*coll)[r].get(),
+                        Stage3Runner::Create(model, r, dev, (*coll)[r].get(),
                                              {.prefetch_depth = 2,
                                               .coalesce_bytes = 16 << 10,
                                               .timeout = std::chrono::seconds(30)}));
@@ -1457,7 +1469,7 @@ TEST(RunnerTest, ARunOfFetchesOneRankCannotHoldFailsThatRankAndItsPeers) {
         }
         for (int k = 3; k >= 0; --k) {
           ZT_RETURN_IF_ERROR(runner->Acquire(k).status());
-          const std::vector<bf16> g = SyntheticGrads((*model)->layout(k).padded, k, r, step);
+          const std::vector<bf16> g = SyntheticGrads(model.layout(k).padded, k, r, step);
           ZT_RETURN_IF_ERROR(runner->PushGrads(k, g.data(), g.size()));
           ZT_RETURN_IF_ERROR(runner->Release(k));
         }
@@ -1765,15 +1777,10 @@ TEST(RunnerTest, ARankWhoseDeviceRefusesMemoryFailsWithItsPeers) {
                                           {"d", {{"w", {8192}}}}},
                                 .optimizer = Optimizer(TrainSetup{}),
                                 .world_size = kRanks};
-  Result<std::unique_ptr<Session>> session = testing::OpenTestSession(Options(TrainSetup{}, ""));
-  ASSERT_TRUE(session.ok()) << session.status();
-  Result<std::unique_ptr<Model>> model = (*session)->RegisterModel(spec);
-  ASSERT_TRUE(model.ok()) << model.status();
-  for (int k = 0; k < 4; ++k) {
-    std::vector<float> w((*model)->layout(k).numel, 0.01f * static_cast<float>(k + 1));
-    ASSERT_TRUE((*model)->SetWeights(k, w.data(), w.size()).ok());
-  }
-  const uint64_t unit_bytes = (*model)->layout(0).padded * sizeof(bf16);
+  Result<Registered> registered = RegisterWithWeights(spec);
+  ASSERT_TRUE(registered.ok()) << registered.status();
+  Model& model = *registered->model;
+  const uint64_t unit_bytes = model.layout(0).padded * sizeof(bf16);
   // Rank 0's device holds `units` units past what a runner allocates up
   // front, rank 1's any number; each rank runs three passes, evaluation
   // (all-gathers only) or training.
@@ -1787,7 +1794,7 @@ TEST(RunnerTest, ARankWhoseDeviceRefusesMemoryFailsWithItsPeers) {
       auto coll = MakeLocalCollectives(kRanks);
       auto dev = MakeHostDevice();
       EXPECT_TRUE(coll.ok() && dev.ok());
-      auto runner = Stage3Runner::Create(**model, 0, **dev, (*coll)[0].get(), o);
+      auto runner = Stage3Runner::Create(model, 0, **dev, (*coll)[0].get(), o);
       EXPECT_TRUE(runner.ok()) << runner.status();
       for (int p = 0; p < kMemoryPurposes; ++p) {
         base += (*dev)->memory(static_cast<MemoryPurpose>(p)).bytes;
@@ -1800,7 +1807,7 @@ TEST(RunnerTest, ARankWhoseDeviceRefusesMemoryFailsWithItsPeers) {
       ZT_ASSIGN_OR_RETURN(std::unique_ptr<Device> dev,
                           MakeHostDevice({.memory_bytes = r == 0 ? base + units * unit_bytes : 0}));
       ZT_ASSIGN_OR_RETURN(std::unique_ptr<Stage3Runner> runner,
-                          Stage3Runner::Create(**model, r, *dev, (*coll)[r].get(), o));
+                          Stage3Runner::Create(model, r, *dev, (*coll)[r].get(), o));
       outcome[r] = [&]() -> Status {
         for (int pass = 0; pass < 3; ++pass) {
           if (!training) ZT_RETURN_IF_ERROR(runner->SetOrder(1));
@@ -1810,7 +1817,7 @@ TEST(RunnerTest, ARankWhoseDeviceRefusesMemoryFailsWithItsPeers) {
           }
           if (!training) continue;
           for (int k = 3; k >= 0; --k) {
-            const std::vector<bf16> g = SyntheticGrads((*model)->layout(k).padded, k, r, pass);
+            const std::vector<bf16> g = SyntheticGrads(model.layout(k).padded, k, r, pass);
             ZT_RETURN_IF_ERROR(runner->PushGrads(k, g.data(), g.size()));
           }
           ZT_RETURN_IF_ERROR(runner->Step());
