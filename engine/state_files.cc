@@ -10,7 +10,6 @@
 #include <filesystem>
 #include <map>
 #include <random>
-#include <regex>
 #include <set>
 #include <string_view>
 #include <utility>
@@ -128,18 +127,39 @@ void RemoveUncommitted(const std::string& dir, const std::vector<std::string>& w
   }
 }
 
-// Removes the unit files in `dir` not in `keep` (an older checkpoint's);
-// the first failure is returned, after trying every file.
 // Whether `name` is a shard file a save writes (unit-K-rank-R-step-S-TAG.bin,
 // or without the tag, as older saves named them) or the temp file of one
 // ("<name>.<pid>-<n>.tmp"): only those are a checkpoint's to remove (a
 // user's unit-test-results.txt beside them went too).
 bool IsShardFileName(const std::string& name) {
-  static const std::regex kShard(
-      R"(unit-[0-9]+-rank-[0-9]+-step-[0-9]+(-[0-9a-f]{8})?\.bin(\.[0-9]+-[0-9]+\.tmp)?)");
-  return std::regex_match(name, kShard);
+  std::string_view rest = name;
+  const auto literal = [&](std::string_view text) {
+    if (!rest.starts_with(text)) return false;
+    rest.remove_prefix(text.size());
+    return true;
+  };
+  const auto run = [&](auto in_class, size_t min, size_t max) {
+    size_t n = 0;
+    while (n < rest.size() && n < max && in_class(rest[n])) ++n;
+    if (n < min) return false;
+    rest.remove_prefix(n);
+    return true;
+  };
+  const auto digit = [](char c) { return c >= '0' && c <= '9'; };
+  const auto hex = [&](char c) { return digit(c) || (c >= 'a' && c <= 'f'); };
+  const auto digits = [&] { return run(digit, 1, SIZE_MAX); };
+  if (!(literal("unit-") && digits() && literal("-rank-") && digits() && literal("-step-") &&
+        digits())) {
+    return false;
+  }
+  if (literal("-") && !(run(hex, 8, 8) && rest.starts_with(".bin"))) return false;
+  if (!literal(".bin")) return false;
+  if (rest.empty()) return true;
+  return literal(".") && digits() && literal("-") && digits() && literal(".tmp") && rest.empty();
 }
 
+// Removes the shard files in `dir` not in `keep` (an older checkpoint's);
+// the first failure is returned, after trying every file.
 Status RemoveUnnamed(const std::string& dir, const std::set<std::string>& keep) {
   Status first;
   std::error_code ec;
