@@ -2032,12 +2032,20 @@ class Offload:
                     "of the backward passes before it; run one first")
             self._complete_window(lrs)
             return
-        self.job.set_learning_rates(lrs)
+        self._set_learning_rates(lrs)
         for u in self._deferred:
             if not u.sent:  # (an interrupted optimizer.step() sent it already)
                 self._send(u)
         self._deferred.clear()
         self._close_micro_step(0)
+
+    def _set_learning_rates(self, lrs: list[float]):
+        """The step's learning rates, rank 0's: they are the whole job's, and
+        when every rank sent its own, a rank whose schedule differed took
+        some steps and not others, as the sends raced (rank 0's grads, sent
+        after, are what the step waits for)."""
+        if self.rank == 0:
+            self.job.set_learning_rates(lrs)
 
     def _complete_window(self, lrs: list[float]):
         """optimizer.step() after fewer backward passes than grad_accumulation
@@ -2050,7 +2058,7 @@ class Offload:
                                "the backward returns")
         if self._phase == "backward" or self._fwd_held:
             self._reset_interrupted()  # a pass that raised before any grad went out
-        self.job.set_learning_rates(lrs)
+        self._set_learning_rates(lrs)
         last = False
         while not last:
             for u in self.units:

@@ -92,3 +92,33 @@ def meet(rank: int, world: int, directory: str, case: str):
     torch.save({"said": said, "seconds": time.monotonic() - start, "intact": intact},
                os.path.join(directory, f"meet-{case}-{rank}.pt"))
     dist.destroy_process_group()
+
+
+def rank0_lr(rank: int, world: int, directory: str):
+    """Rank 1's schedule sets lr 0, rank 0's keeps it: how far rank 0's
+    masters move each step (test_ranks.py)."""
+    import ztier.torch as zt
+    from conftest import batch, tiny_llama
+
+    os.environ["LOCAL_WORLD_SIZE"] = str(world)
+    dist.init_process_group("gloo", init_method=f"file://{directory}/store-lr", rank=rank,
+                            world_size=world)
+    model = tiny_llama()
+    z = zt.offload(model, optimizer=zt.AdamW(lr=3e-3), settings={"ztier.dram_budget": "1G"})
+    moves = []
+    before = z.master_weights()
+    for step in range(4):
+        if rank == 1:
+            for g in z.optimizer.param_groups:
+                g["lr"] = 0.0
+        x = batch(step, micro=rank)
+        model(input_ids=x, labels=x).loss.backward()
+        z.optimizer.step()
+        z.wait()
+        after = z.master_weights()
+        moves.append(max((after[n] - before[n]).abs().max().item() for n in after))
+        before = after
+    torch.save(moves, os.path.join(directory, f"lr-{rank}.pt"))
+    dist.barrier()
+    z.close()
+    dist.destroy_process_group()

@@ -131,3 +131,16 @@ def test_a_launcher_without_a_process_group_is_warned(monkeypatch):
     with pytest.warns(RuntimeWarning, match="init_process_group"):
         z = zt.offload(model, settings={"ztier.dram_budget": "1G"})
     z.close()
+
+
+def test_the_learning_rates_are_rank_0s(tmp_path, monkeypatch):
+    """Every rank sent its own learning rates and the last to arrive won:
+    a rank whose schedule differed took some steps and not others."""
+    import ranks_worker
+
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setenv("TMPDIR", str(scratch))
+    mp.spawn(ranks_worker.rank0_lr, args=(2, str(tmp_path)), nprocs=2, join=True)
+    moves = torch.load(tmp_path / "lr-0.pt")
+    assert all(m > 1e-3 for m in moves), moves  # each step at rank 0's lr (3e-3)
