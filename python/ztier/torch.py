@@ -1073,7 +1073,16 @@ class Offload:
         if self.world_size > 1:
             import torch.distributed as dist
             said = [None if error is None else f"{type(error).__name__}: {error}"]
-            dist.broadcast_object_list(said, src=0)
+            try:
+                dist.broadcast_object_list(said, src=0)
+            except Exception as e:
+                if self.rank == 0 and error is None:
+                    # (A peer gone: gloo's "Connection closed by peer" read as
+                    # if the save had failed.)
+                    raise RuntimeError(
+                        f"ztier: done on rank 0, but telling the other ranks failed ({e}): a "
+                        "rank is gone (a checkpoint or an export rank 0 wrote is complete)") from e
+                raise
             if self.rank != 0 and said[0] is not None:
                 raise RuntimeError(f"ztier: on rank 0: {said[0]}")
         if error is not None:

@@ -122,3 +122,31 @@ def rank0_lr(rank: int, world: int, directory: str):
     dist.barrier()
     z.close()
     dist.destroy_process_group()
+
+
+def peer_gone(rank: int, world: int, directory: str):
+    """Rank 1 leaves between steps; rank 0 then saves (test_ranks.py)."""
+    import ztier.torch as zt
+    from conftest import batch, tiny_llama
+
+    os.environ["LOCAL_WORLD_SIZE"] = str(world)
+    dist.init_process_group("gloo", init_method=f"file://{directory}/store-gone", rank=rank,
+                            world_size=world)
+    model = tiny_llama()
+    z = zt.offload(model, settings={"ztier.dram_budget": "1G"})
+    x = batch(0, micro=rank)
+    model(input_ids=x, labels=x).loss.backward()
+    z.optimizer.step()
+    z.wait()
+    dist.barrier()
+    if rank == 1:
+        os._exit(0)
+    import time
+    time.sleep(1)  # rank 1 is gone
+    said = None
+    try:
+        z.save_checkpoint(os.path.join(directory, "ck"))
+    except Exception as e:  # noqa: BLE001 -- what rank 0 is told
+        said = str(e)
+    torch.save(said, os.path.join(directory, "gone.pt"))
+    os._exit(0)
