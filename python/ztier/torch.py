@@ -2220,32 +2220,29 @@ class Offload:
             buffers = {n: b.detach().cpu() for n, b in self.persistent_buffers().items()}
             step = self.runner.version
             mine = os.path.join(directory, _buffers_file(step))
-            wrote = False
             if buffers:
                 # The directory is this job's first (as the engine's save
                 # claims it; the claim makes it): a save refused there, as
                 # another run's, must not touch that run's buffers file.
                 self.job.claim_checkpoint_dir(directory)
-                if os.path.isdir(directory):
-                    tmp = mine + ".tmp"
-                    try:
-                        torch.save({"step": step, "buffers": buffers,
-                                    "crc32": _buffers_crc(buffers)}, tmp)
-                        os.replace(tmp, mine)
-                    finally:
-                        if os.path.exists(tmp):
-                            os.unlink(tmp)
-                    wrote = True
+                tmp = mine + ".tmp"
+                try:
+                    torch.save({"step": step, "buffers": buffers,
+                                "crc32": _buffers_crc(buffers)}, tmp)
+                    os.replace(tmp, mine)
+                finally:
+                    if os.path.exists(tmp):
+                        os.unlink(tmp)
             try:
                 self.job.save_checkpoint(directory)
             except BaseException:
-                if wrote and _checkpoint_step(directory) != step:
+                if buffers and _checkpoint_step(directory) != step:
                     os.unlink(mine)  # no manifest names this step
                 raise
             # The buffers of earlier saves (and of another model's) go.
+            keep = os.path.basename(mine) if buffers else None
             for name in os.listdir(directory):
-                if ((name == BUFFERS_FILE or _BUFFERS_STEP.fullmatch(name))
-                        and not (wrote and name == os.path.basename(mine))):
+                if (name == BUFFERS_FILE or _BUFFERS_STEP.fullmatch(name)) and name != keep:
                     try:
                         os.unlink(os.path.join(directory, name))
                     except FileNotFoundError:
