@@ -30,8 +30,9 @@
 // Thread safety: one object per rank, used by that rank's thread. Failure:
 // a rank that left (ztierd writes the abort word when its connection
 // closes) fails every waiting and later collective of the others with
-// Aborted naming it; a rank that waits longer than the timeout gives up
-// with Unavailable and marks the region aborted, so its peers stop too.
+// Aborted naming it; a rank that waits longer than the timeout (the
+// caller's; ztier.torch passes ztier.wait_timeout) gives up with
+// Unavailable and marks the region aborted, so its peers stop too.
 #include <linux/futex.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -44,6 +45,7 @@
 
 #include "client/transport.h"
 #include "client/ztier.h"
+#include "common/numbers.h"
 #include "engine/wire_types.h"
 
 namespace ztier::client {
@@ -58,7 +60,6 @@ constexpr uint64_t kNcclRoundOffset = 16;
 constexpr uint64_t kNcclIdOffset = 64;
 constexpr uint64_t kNcclTakenOffset = 256;  // u32 per rank: the NCCL ids it has taken
 constexpr uint64_t kMaxNcclRanks = (engine::kCollectiveHeaderBytes - kNcclTakenOffset) / 4;
-constexpr std::chrono::minutes kTimeout{10};
 constexpr std::chrono::milliseconds kWakeCheck{100};  // abort checks while asleep
 
 // The shared words of the region's header.
@@ -105,12 +106,14 @@ class RegionHeader {
 class ShmCollectives final : public Collectives {
  public:
   // Shares the ownership of the mapping (`region`).
-  ShmCollectives(std::shared_ptr<void> region, int rank, int world, std::string who)
+  ShmCollectives(std::shared_ptr<void> region, int rank, int world, std::string who,
+                 std::chrono::milliseconds timeout)
       : region_(std::move(region)),
         h_(region_.get()),
         rank_(rank),
         world_(world),
-        who_(std::move(who)) {}
+        who_(std::move(who)),
+        timeout_(timeout) {}
   int rank() const override { return rank_; }
   int world_size() const override { return world_; }
   void Abort(std::string_view reason) override {
@@ -177,14 +180,14 @@ class ShmCollectives final : public Collectives {
       h_.WakeAll();
       return Status::Ok();
     }
-    const auto deadline = Clock::now() + kTimeout;
+    const auto deadline = Clock::now() + timeout_;
     while (h_.generation().load() == seen) {
       ZT_RETURN_IF_ERROR(h_.CheckAbort(who_));
       if (Clock::now() >= deadline) {
         h_.Abort(rank_);
         return Status::Unavailable(StrCat(who_, ": ", what, ": only ",
                                           h_.word(kArrivedOffset).load(), " of ", world_,
-                                          " ranks arrived within 10 minutes"));
+                                          " ranks arrived within ", FormatSeconds(timeout_)));
       }
       h_.Sleep(seen);
     }
@@ -196,11 +199,13 @@ class ShmCollectives final : public Collectives {
   const int rank_;
   const int world_;
   const std::string who_;
+  const std::chrono::milliseconds timeout_;
 };
 
 Result<std::unique_ptr<Collectives>> MakeNcclForJob(std::shared_ptr<void> region, int rank,
                                                     int world, Device& device,
-                                                    const std::string& who) {
+                                                    const std::string& who,
+                                                    std::chrono::milliseconds timeout) {
   const RegionHeader h(region.get());
   // The ranks make their collectives in the same order, so the n-th call
   // of every rank uses rank 0's n-th id; each rank counts its calls in its
@@ -217,12 +222,12 @@ Result<std::unique_ptr<Collectives>> MakeNcclForJob(std::shared_ptr<void> region
     std::memcpy(h.at(kNcclIdOffset), id.data(), id.size());
     h.word(kNcclRoundOffset).store(round);
   } else {
-    const auto deadline = Clock::now() + kTimeout;
+    const auto deadline = Clock::now() + timeout;
     while (h.word(kNcclRoundOffset).load() < round) {
       ZT_RETURN_IF_ERROR(h.CheckAbort(who));
       if (Clock::now() >= deadline) {
         return Status::Unavailable(
-            StrCat(who, ": rank 0 handed out no NCCL unique id within 10 minutes"));
+            StrCat(who, ": rank 0 handed out no NCCL unique id within ", FormatSeconds(timeout)));
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
     }
@@ -230,18 +235,24 @@ Result<std::unique_ptr<Collectives>> MakeNcclForJob(std::shared_ptr<void> region
   }
   // The region stays mapped while the collectives may read its abort word.
   NcclPeers peers{.left = [region, who] { return RegionHeader(region.get()).CheckAbort(who); },
-                  .leave = [region, rank] { RegionHeader(region.get()).Abort(rank); }};
+                  .leave = [region, rank] { RegionHeader(region.get()).Abort(rank); },
+                  .timeout = timeout};
   return MakeNcclRankCollectives(device.ordinal(), rank, world, id, std::move(peers));
 }
 
 }  // namespace
 
-Result<std::unique_ptr<Collectives>> MakeJobCollectives(Model& model, int rank, Device& device) {
+Result<std::unique_ptr<Collectives>> MakeJobCollectives(Model& model, int rank, Device& device,
+                                                        std::chrono::milliseconds timeout) {
   const int world = model.spec().world_size;
   const std::string who = StrCat("model '", model.spec().name, "' rank ", rank, " collectives");
   if (rank < 0 || rank >= world) {
     return Status::InvalidArgument(StrCat(who, ": rank out of range for world size ", world));
   }
+  if (timeout.count() <= 0) {
+    return Status::InvalidArgument(StrCat(who, ": the timeout must be positive"));
+  }
+  timeout = engine::ClampWait(timeout);  // the clock's nanoseconds hold it
   if (model.attached_rank() >= 0 && model.attached_rank() != rank) {
     return Status::InvalidArgument(
         StrCat(who, ": this process attached as rank ", model.attached_rank()));
@@ -263,10 +274,10 @@ Result<std::unique_ptr<Collectives>> MakeJobCollectives(Model& model, int rank, 
   }
   ZT_RETURN_IF_ERROR(h.CheckAbort(who));
   if (device.kind() == DeviceKind::kCuda) {
-    return MakeNcclForJob(std::move(region), rank, world, device, who);
+    return MakeNcclForJob(std::move(region), rank, world, device, who, timeout);
   }
   return std::unique_ptr<Collectives>(
-      std::make_unique<ShmCollectives>(std::move(region), rank, world, who));
+      std::make_unique<ShmCollectives>(std::move(region), rank, world, who, timeout));
 }
 
 }  // namespace ztier::client

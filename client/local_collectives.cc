@@ -18,6 +18,7 @@
 #include <string>
 
 #include "client/ztier.h"
+#include "common/numbers.h"
 
 namespace ztier::client {
 namespace {
@@ -60,9 +61,8 @@ class Group {
     if (generation_ != generation) return Status::Ok();
     if (!met) {
       aborted_ = StrCat("local collectives: ", what, ": only ", arrived_, " of ", world_,
-                        " ranks arrived within ",
-                        std::chrono::duration_cast<std::chrono::seconds>(timeout_).count(),
-                        " s; the group's collectives are over");
+                        " ranks arrived within ", FormatSeconds(timeout_),
+                        "; the group's collectives are over");
       cv_.notify_all();
       return Status::Unavailable(aborted_);
     }

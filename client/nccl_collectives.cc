@@ -24,11 +24,10 @@
 // NCCL result code is the Status' sys_errno. A wait for NCCL's work (Wait,
 // an init, a call a non-blocking communicator answers in progress) polls
 // and ends the communicator once the group ended (a rank's Abort), a peer
-// left (NcclPeers::left), NCCL reports an error, or 10 minutes pass with
-// nothing done: Aborted, NCCL's error, Unavailable; every later call of the
-// rank fails at once. Too few devices, or a build or machine without them,
-// is Unavailable; a device that is not the rank's CUDA device is
-// InvalidArgument.
+// left (NcclPeers::left), NCCL reports an error, or NcclPeers::timeout
+// (10 minutes unless told) passes with nothing done: Aborted, NCCL's error, Unavailable; every
+// later call of the rank fails at once. Too few devices, or a build or machine without them, is
+// Unavailable; a device that is not the rank's CUDA device is InvalidArgument.
 #include <cuda_runtime.h>
 #include <nccl.h>
 
@@ -47,6 +46,7 @@
 
 #include "client/ztier.h"
 #include "common/log.h"
+#include "common/numbers.h"
 #include "common/status.h"
 
 #if !defined(NCCL_VERSION_CODE) || NCCL_VERSION_CODE < NCCL_VERSION(2, 14, 0)
@@ -111,10 +111,6 @@ Status CudaError(cudaError_t err, std::string_view call, const char* file, int l
 
 using Clock = std::chrono::steady_clock;
 
-// How long a wait for NCCL's work (an init, a collective, a finalize) goes
-// on with nothing completing before the rank gives up (the shared-memory
-// collectives' timeout).
-constexpr std::chrono::minutes kTimeout{10};
 // How long a wait that ended its communicator still waits for the copies
 // queued beside the collectives (their host memory is let go after it).
 constexpr std::chrono::seconds kCopyGrace{30};
@@ -215,7 +211,7 @@ class NcclCollectives final : public Collectives {
   // alone cannot wait for a peer): cudaEventSynchronize otherwise.
   Status Wait(Event& done) override {
     if (!pending_) return done.Synchronize();
-    const Clock::time_point deadline = Clock::now() + kTimeout;
+    const Clock::time_point deadline = Clock::now() + peers_.timeout;
     Status s = Status::Ok();
     for (int polls = 0; !done.Done(); ++polls) {
       s = Ended();
@@ -313,7 +309,7 @@ class NcclCollectives final : public Collectives {
 
   // Polls the communicator's state until it is no longer in progress.
   Status Settle(std::string_view call) {
-    const Clock::time_point deadline = Clock::now() + kTimeout;
+    const Clock::time_point deadline = Clock::now() + peers_.timeout;
     for (int polls = 0;; ++polls) {
       ZT_RETURN_IF_ERROR(Ended());
       ncclResult_t state = ncclSuccess;
@@ -341,9 +337,9 @@ class NcclCollectives final : public Collectives {
   }
 
   Status TimedOut(std::string_view what) {
-    Status s =
-        Status::Unavailable(StrCat(who_, ": ", what, " did not complete within ", kTimeout.count(),
-                                   " minutes (a peer rank is not there or stopped)"));
+    Status s = Status::Unavailable(StrCat(who_, ": ", what, " did not complete within ",
+                                          FormatSeconds(peers_.timeout),
+                                          " (a peer rank is not there or stopped)"));
     Abort(s.message());
     ended_ = std::string(s.message());
     EndComm();
@@ -457,6 +453,10 @@ Result<std::unique_ptr<Collectives>> MakeNcclRankCollectives(int ordinal, int ra
   if (world_size < 1 || rank < 0 || rank >= world_size) {
     return Status::InvalidArgument(StrCat(who, ": rank out of range"));
   }
+  if (peers.timeout.count() <= 0) {
+    return Status::InvalidArgument(StrCat(who, ": the timeout must be positive"));
+  }
+  peers.timeout = engine::ClampWait(peers.timeout);  // the clock's nanoseconds hold it
   int count = 0;
   if (const cudaError_t err = cudaGetDeviceCount(&count); err != cudaSuccess) {
     cudaGetLastError();

@@ -211,11 +211,16 @@ Result<std::vector<std::unique_ptr<Collectives>>> MakeLocalCollectives(
 // fp32 in rank order, rounded once); on CUDA devices they are NCCL, rank 0
 // making the unique id and handing it to the others through the region.
 // When a rank's process dies, ztierd tells the others' collectives, which
-// fail with Aborted naming the rank instead of waiting. Every rank calls
-// this, with the same kind of device. The collectives keep the region
-// mapped (they may outlive the model, of no use then). Errors: InvalidArgument (rank), Aborted (a
-// rank left), Unavailable (a peer not there within the timeout), as MakeNcclRankCollectives.
-Result<std::unique_ptr<Collectives>> MakeJobCollectives(Model& model, int rank, Device& device);
+// fail with Aborted naming the rank instead of waiting; a rank that waits
+// for its peers longer than `timeout` gives up, and its peers stop too.
+// Every rank calls this, with the same kind of device. The collectives keep
+// the region mapped (they may outlive the model, of no use then). Errors:
+// InvalidArgument (rank, a timeout not positive), Aborted (a rank left),
+// Unavailable (a peer not there within the timeout), as
+// MakeNcclRankCollectives.
+Result<std::unique_ptr<Collectives>> MakeJobCollectives(
+    Model& model, int rank, Device& device,
+    std::chrono::milliseconds timeout = std::chrono::minutes(10));
 
 // NCCL's unique id (ncclUniqueId: 128 bytes), made by one rank
 // (MakeNcclId) and handed to the others, each of which makes its
@@ -224,11 +229,13 @@ Result<std::unique_ptr<Collectives>> MakeJobCollectives(Model& model, int rank, 
 // call.
 // `peers` tells a rank of several processes that another one left (then
 // its init and waits end, ncclCommAbort, instead of waiting for good) and
-// tells the others when this one gives up; either may be empty.
+// tells the others when this one gives up; either may be empty. A wait
+// with nothing done for `peers.timeout` gives up.
 using NcclId = std::array<uint8_t, 128>;
 struct NcclPeers {
   std::function<Status()> left;  // Aborted naming the rank that left, or OK
   std::function<void()> leave;   // marks this rank as left for the others
+  std::chrono::milliseconds timeout = std::chrono::minutes(10);
 };
 Result<NcclId> MakeNcclId();
 Result<std::unique_ptr<Collectives>> MakeNcclRankCollectives(int ordinal, int rank, int world_size,

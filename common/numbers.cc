@@ -2,6 +2,7 @@
 #include "common/numbers.h"
 
 #include <charconv>
+#include <cstdlib>
 #include <utility>
 
 namespace ztier {
@@ -61,6 +62,17 @@ std::string FormatSize(uint64_t bytes) {
     if (bytes != 0 && bytes % (uint64_t{1} << shift) == 0) return StrCat(bytes >> shift, suffix);
   }
   return StrCat(bytes);
+}
+
+std::string FormatSeconds(std::chrono::milliseconds duration) {
+  const int64_t ms = duration.count();
+  std::string out = StrCat(ms / 1000);
+  if (int64_t frac = std::abs(ms % 1000); frac != 0) {
+    std::string digits = StrCat(1000 + frac).substr(1);  // three digits
+    while (digits.back() == '0') digits.pop_back();
+    out = StrCat(ms < 0 && ms > -1000 ? "-" : "", out, ".", digits);
+  }
+  return StrCat(out, " s");
 }
 
 }  // namespace ztier

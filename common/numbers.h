@@ -1,5 +1,6 @@
-// ztier common: the one grammar for sizes ("64G", "1M", "4096") and
-// overflow-checked arithmetic for sizes read from files, flags and configs.
+// ztier common: the one grammar for sizes ("64G", "1M", "4096"),
+// overflow-checked arithmetic for sizes read from files, flags and configs,
+// and how a duration reads in a message.
 //
 // ParseSize takes a decimal integer with an optional K/M/G/T suffix (powers
 // of 1024; "Ki", "KB", "KiB" spellings accepted). No sign, no fraction, no
@@ -10,6 +11,7 @@
 #ifndef ZTIER_COMMON_NUMBERS_H_
 #define ZTIER_COMMON_NUMBERS_H_
 
+#include <chrono>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -25,6 +27,10 @@ Result<uint64_t> ParseSize(std::string_view text);
 
 // The shortest exact rendering with a suffix: 1048576 -> "1M", 1000 -> "1000".
 std::string FormatSize(uint64_t bytes);
+
+// A duration in seconds for a message: 600000ms -> "600 s", 100ms -> "0.1 s",
+// 2500ms -> "2.5 s" (to the millisecond, no trailing zeros).
+std::string FormatSeconds(std::chrono::milliseconds duration);
 
 // a * b and a + b, or nullopt on overflow of uint64_t.
 inline std::optional<uint64_t> CheckedMul(uint64_t a, uint64_t b) {

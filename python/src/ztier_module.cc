@@ -662,13 +662,15 @@ NB_MODULE(_C, m) {
 
   m.def(
       "job_collectives",
-      [](Model& model, int rank, PyDevice& device) {
+      [](Model& model, int rank, PyDevice& device, double timeout) {
+        const auto wait = Millis(timeout);
         nb::gil_scoped_release release;
-        return PyCollectives{Value(client::MakeJobCollectives(model, rank, *device.device))};
+        return PyCollectives{Value(client::MakeJobCollectives(model, rank, *device.device, wait))};
       },
-      "model"_a, "rank"_a, "device"_a, nb::keep_alive<0, 3>(),
+      "model"_a, "rank"_a, "device"_a, "timeout"_a = 600.0, nb::keep_alive<0, 3>(),
       "Rank `rank`'s collectives among the ranks of the model's job (shared memory on the host, "
-      "NCCL on CUDA).");
+      "NCCL on CUDA); a rank that waits for its peers over `timeout` seconds gives up, and its "
+      "peers stop too.");
 
   // ---- the stage-3 runner
   nb::class_<PyRunner>(m, "Runner", "One rank's stage-3 driver (client::Stage3Runner).")

@@ -941,7 +941,8 @@ class Offload:
 
     def _make_runner(self):
         if self.world_size > 1 and self._collectives is None:
-            self._collectives = _C.job_collectives(self.job, self.rank, self._device)
+            self._collectives = _C.job_collectives(self.job, self.rank, self._device,
+                                                   timeout=self.session.wait_timeout)
         return _C.Runner(self.job, self.rank, self._device, self._collectives,
                          prefetch_depth=self._prefetch,
                          max_live_bytes=self.session.max_live_bytes,

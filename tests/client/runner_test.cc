@@ -1652,6 +1652,37 @@ TEST(LocalCollectivesTest, ARankThatGaveUpEndsTheGroupsCollectives) {
             StatusCode::kInvalidArgument);
 }
 
+// A job's ranks wait for each other as long as they were told
+// (ztier.torch passes ztier.wait_timeout): the wait was ten minutes
+// whatever the caller asked.
+TEST(JobCollectivesTest, ARankWaitsForItsPeersAsLongAsItWasTold) {
+  TrainSetup s;
+  s.ranks = 2;
+  Result<Registered> r = RegisterWithWeights(Spec(s, "told"));
+  ASSERT_TRUE(r.ok()) << r.status();
+  Result<std::unique_ptr<Device>> dev = MakeHostDevice();
+  ASSERT_TRUE(dev.ok()) << dev.status();
+  EXPECT_EQ(MakeJobCollectives(*r->model, 0, **dev, std::chrono::milliseconds(0)).status().code(),
+            StatusCode::kInvalidArgument);
+  Result<std::unique_ptr<Collectives>> rank0 =
+      MakeJobCollectives(*r->model, 0, **dev, std::chrono::milliseconds(300));
+  ASSERT_TRUE(rank0.ok()) << rank0.status();
+  Result<std::unique_ptr<Collectives>> rank1 = MakeJobCollectives(*r->model, 1, **dev);
+  ASSERT_TRUE(rank1.ok()) << rank1.status();
+  std::vector<bf16> buffer(2 * 64);
+  const auto t0 = std::chrono::steady_clock::now();
+  const Status alone = (*rank0)->AllGather(buffer.data(), 64, **dev, Stream::kCompute);
+  const auto waited = std::chrono::steady_clock::now() - t0;
+  EXPECT_EQ(alone.code(), StatusCode::kUnavailable) << alone;
+  EXPECT_NE(alone.ToString().find("within 0.3 s"), std::string::npos) << alone;
+  EXPECT_GE(waited, std::chrono::milliseconds(300));
+  EXPECT_LT(waited, std::chrono::seconds(5));
+  // Rank 1 comes late and is told rank 0 gave up, at once.
+  const Status late = (*rank1)->AllGather(buffer.data(), 64, **dev, Stream::kCompute);
+  EXPECT_EQ(late.code(), StatusCode::kAborted) << late;
+  EXPECT_NE(late.ToString().find("rank 0 left"), std::string::npos) << late;
+}
+
 // Rank 1's collectives, whose first all-gather fails (a transfer error of
 // its own); the rest goes to the group's.
 class FailingFirstGather final : public Collectives {

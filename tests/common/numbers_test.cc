@@ -44,6 +44,15 @@ TEST(NumbersTest, FormatIsExact) {
   EXPECT_EQ(*ParseSize(FormatSize(uint64_t{5} << 40)), uint64_t{5} << 40);
 }
 
+TEST(NumbersTest, SecondsReadToTheMillisecond) {
+  using std::chrono::milliseconds;
+  EXPECT_EQ(FormatSeconds(std::chrono::minutes(10)), "600 s");
+  EXPECT_EQ(FormatSeconds(milliseconds(100)), "0.1 s");
+  EXPECT_EQ(FormatSeconds(milliseconds(2500)), "2.5 s");
+  EXPECT_EQ(FormatSeconds(milliseconds(1)), "0.001 s");
+  EXPECT_EQ(FormatSeconds(milliseconds(0)), "0 s");
+}
+
 TEST(NumbersTest, CheckedArithmetic) {
   EXPECT_EQ(CheckedMul(1u << 20, 1u << 20), uint64_t{1} << 40);
   EXPECT_FALSE(CheckedMul(uint64_t{1} << 32, uint64_t{1} << 32).has_value());

@@ -150,3 +150,38 @@ def peer_gone(rank: int, world: int, directory: str):
         said = str(e)
     torch.save(said, os.path.join(directory, "gone.pt"))
     os._exit(0)
+
+
+def stalled_peer(rank: int, world: int, directory: str):
+    """Rank 1 stops coming to the collectives (alive, as a notebook would
+    be) after one step; rank 0 steps on (test_ranks.py). Each saves what
+    its next step raised and how long it took."""
+    import time
+
+    import ztier.torch as zt
+    from conftest import batch, tiny_llama
+
+    os.environ["LOCAL_WORLD_SIZE"] = str(world)
+    dist.init_process_group("gloo", init_method=f"file://{directory}/store-stalled", rank=rank,
+                            world_size=world)
+    model = tiny_llama()
+    z = zt.offload(model, settings={"ztier.dram_budget": "1G", "ztier.wait_timeout": 3,
+                                    "zero_optimization.stage3_param_persistence_threshold": 0})
+    for step in range(2):
+        if step == 1 and rank == 1:
+            time.sleep(15)  # rank 0 gives up meanwhile
+        start = time.monotonic()
+        said = None
+        try:
+            x = batch(step, micro=rank)
+            model(input_ids=x, labels=x).loss.backward()
+            z.optimizer.step()
+            z.wait()
+        except Exception as e:  # noqa: BLE001 -- what this rank was told
+            said = str(e)
+    torch.save({"said": said, "seconds": time.monotonic() - start},
+               os.path.join(directory, f"stalled-{rank}.pt"))
+    # Rank 0 hosts ztierd: it stays until rank 1 was told.
+    while rank == 0 and not os.path.exists(os.path.join(directory, "stalled-1.pt")):
+        time.sleep(0.1)
+    os._exit(0)

@@ -158,3 +158,20 @@ def test_a_save_after_a_peer_left_says_it_was_written(tmp_path, monkeypatch):
     said = torch.load(tmp_path / "gone.pt")
     assert said is not None and "done on rank 0" in said and "complete" in said, said
     assert (tmp_path / "ck" / "manifest.json").exists()
+
+
+def test_a_rank_waits_for_its_peers_as_long_as_wait_timeout(tmp_path, monkeypatch):
+    """The ranks' collectives waited 10 minutes for a peer whatever
+    ztier.wait_timeout said; a rank now gives up after it, and the peer that
+    comes late is told at once that it gave up."""
+    import ranks_worker
+
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setenv("TMPDIR", str(scratch))
+    mp.spawn(ranks_worker.stalled_peer, args=(2, str(tmp_path)), nprocs=2, join=True)
+    gave_up, late = (torch.load(tmp_path / f"stalled-{r}.pt") for r in range(2))
+    assert gave_up["said"] is not None and "within 3 s" in gave_up["said"], gave_up
+    assert 3 <= gave_up["seconds"] < 12, gave_up
+    assert late["said"] is not None and "rank 0" in late["said"], late
+    assert late["seconds"] < 5, late
