@@ -477,7 +477,8 @@ const std::vector<Tunable>& Table() {
        JsonType::kInteger,
        "600",
        "Client: seconds a rank waits on the engine (a unit's publish, a param cache slot) before "
-       "it fails with a message naming the unit and the step. Through ztierd every call also "
+       "it fails with a message naming the unit and the step, and ztier.torch's ranks wait for "
+       "each other at a collective (a rank that gave up ends its peers' waits too). Through ztierd every call also "
        "has 120 s to be answered: a stopped or hung ztierd fails a call after 120 s (a wait "
        "after this plus 120 s), and the calls after it at once until it answers again.",
        [](Settings& s, std::string_view t, std::string_view k) -> Status {
