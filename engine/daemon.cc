@@ -1476,6 +1476,9 @@ class Daemon::Impl::Connection {
       d_.refused.fetch_add(1);
       return s;
     };
+    // The name goes into the log: a newline or an escape in it wrote lines
+    // (and terminal sequences) of the client's own there.
+    if (Status s = CheckName("the client's name", h.name); !s.ok()) return refuse(s);
     if (reserve_ && h.name != p::kOperatorClientName) {
       // Past the uid's quota on the operators' reserve: for their tool only
       // (a training session there would lock ztierctl out).

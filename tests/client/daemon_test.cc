@@ -243,6 +243,22 @@ TEST_F(DaemonTest, AnotherProtocolVersionIsRefusedNamingBoth) {
   EXPECT_EQ(daemon_->daemon().stats().refused, 2u);
 }
 
+// The hello's name is logged ("... : <name> connected"): a newline in it
+// wrote a line of the client's own into ztierd's log, an escape sequence
+// reached the operator's terminal.
+TEST_F(DaemonTest, AHelloWhoseNameCouldForgeLogLinesIsRefused) {
+  for (const std::string name : {"x\nztier warn ztierd: fake", "\x1b[31mred", "a\u2028b"}) {
+    RawClient c = RawClient::Connect(socket(), /*hello=*/false);
+    Result<RawClient::Reply> r = c.Call(p::MessageType::kHello, p::Encode(p::Hello{.name = name}));
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->status.code(), StatusCode::kInvalidArgument) << r->status;
+    EXPECT_NE(r->status.ToString().find("the client's name"), std::string::npos) << r->status;
+    EXPECT_TRUE(c.Closed());
+  }
+  EXPECT_EQ(daemon_->daemon().stats().refused, 3u);
+  RawClient ok = RawClient::Connect(socket(), /*hello=*/true, "libztier");
+}
+
 TEST_F(DaemonTest, BrokenFramingGetsANoticeAndTheConnectionCloses) {
   Result<std::string> good = p::EncodeMessage({.type = p::MessageType::kPoolStats}, "");
   ASSERT_TRUE(good.ok());
