@@ -105,8 +105,12 @@ Result<SeqPacketSocket> SeqPacketSocket::Connect(const std::string& path) {
     }
     const int err = errno;
     if (err == EINTR) continue;
+    // Not a socket: connect answers ECONNREFUSED, or EACCES where the file
+    // is not writable to this user (/etc/passwd), which is no permission
+    // the admin can give.
     struct stat there {};
-    if (err == ECONNREFUSED && ::stat(path.c_str(), &there) == 0 && !S_ISSOCK(there.st_mode)) {
+    if ((err == ECONNREFUSED || err == EACCES || err == EPERM) &&
+        ::stat(path.c_str(), &there) == 0 && !S_ISSOCK(there.st_mode)) {
       return Status(StatusCode::kInvalidArgument,
                     StrCat(path, " is ", S_ISDIR(there.st_mode) ? "a directory" : "not a socket",
                            ": name ztierd's socket (its --socket; ztierd.socket's is "

@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "tests/testing/as_nobody.h"
 #include "tests/testing/scratch_dir.h"
 
 namespace ztier::engine {
@@ -255,6 +256,25 @@ TEST(SeqPacketTest, AStaleSocketFileIsReplacedAndOtherFilesAreNot) {
   ASSERT_FALSE(refused.ok());
   EXPECT_NE(refused.status().message().find("not a socket"), std::string::npos);
   EXPECT_TRUE(std::filesystem::exists(file));
+}
+
+// A connect to a file this user may not write (--socket /etc/passwd) is
+// answered EACCES, not ECONNREFUSED: it was told that the socket "admits
+// its owner only" and to ask the admin, of a file that is no socket.
+TEST(SeqPacketTest, AFileThisUserMayNotWriteIsSaidToBeNoSocket) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root to connect as another uid";
+  ScratchDir dir("not-writable");
+  ::chmod(dir.path().c_str(), 0755);
+  const std::string file = dir.path() + "/read-only";
+  { std::ofstream(file) << "data"; }
+  ::chmod(file.c_str(), 0644);
+  const int rc = testing::AsNobody([&] {
+    Result<SeqPacketSocket> c = SeqPacketSocket::Connect(file);
+    if (c.ok()) return 10;
+    if (c.status().code() != StatusCode::kInvalidArgument) return 11;
+    return c.status().message().find("is not a socket") != std::string::npos ? 0 : 12;
+  });
+  EXPECT_EQ(rc, 0);
 }
 
 // A listener's Close removes the file it bound, never one that replaced it
