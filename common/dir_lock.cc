@@ -66,12 +66,15 @@ std::string DescribeHolder(int fd) {
   return out;
 }
 
-Status Busy(std::string_view what, const std::string& dir, const std::string& path, int fd) {
-  return Status(StatusCode::kUnavailable,
-                StrCat(what, " ", dir, " is in use by ", DescribeHolder(fd), " (lock file ", path,
-                       "); two users must not share it: wait for the other one to finish, or "
-                       "choose another directory"),
-                EWOULDBLOCK);
+Status Busy(std::string_view what, const std::string& dir, const std::string& path, int fd,
+            std::string_view advice = {}) {
+  return Status(
+      StatusCode::kUnavailable,
+      StrCat(what, " ", dir, " is in use by ", DescribeHolder(fd), " (lock file ", path, "); ",
+             advice.empty() ? "two users must not share it: wait for the other one to "
+                              "finish, or choose another directory"
+                            : advice),
+      EWOULDBLOCK);
 }
 
 void WritePid(int fd) {
@@ -84,7 +87,7 @@ void WritePid(int fd) {
 }  // namespace
 
 Result<DirLock> DirLock::Acquire(const std::string& dir, std::string_view file_name,
-                                 std::string_view what, Mode mode) {
+                                 std::string_view what, Mode mode, std::string_view advice) {
   struct stat dst {};
   if (::stat(dir.c_str(), &dst) != 0) return PosixError(StrCat(what, " ", dir), errno);
   if (!S_ISDIR(dst.st_mode)) {
@@ -105,7 +108,7 @@ Result<DirLock> DirLock::Acquire(const std::string& dir, std::string_view file_n
     if (::flock(fd, op) != 0) {
       err = errno;
       Status s = err == EWOULDBLOCK
-                     ? Busy(what, dir, path, fd)
+                     ? Busy(what, dir, path, fd, advice)
                      : PosixError(StrCat("flock ", path, " of ", what, " ", dir), err);
       ::close(fd);
       return s;

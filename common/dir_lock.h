@@ -34,9 +34,11 @@ class DirLock {
   // Errors: Unavailable (held by someone else: names the directory, the
   // holder's pid where known and what to do), NotFound (no such directory),
   // FailedPrecondition (no permission), IoError (a read-only filesystem,
-  // naming the errno).
+  // naming the errno). `advice`, where given, is what the Unavailable says
+  // to do instead of "wait for the other one to finish, or choose another
+  // directory".
   static Result<DirLock> Acquire(const std::string& dir, std::string_view file_name,
-                                 std::string_view what, Mode mode);
+                                 std::string_view what, Mode mode, std::string_view advice = {});
 
   DirLock() = default;
   ~DirLock();

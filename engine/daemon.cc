@@ -322,15 +322,15 @@ struct Daemon::Impl {
     if (!std::filesystem::is_directory(dir, ec)) return Status::Ok();  // said by the caller
     Result<DirLock> lock = DirLock::Acquire(
         dir.string(), StrCat(".", file.filename().string(), ".lock"),
-        StrCat("quota file ", options.quota_file, " (its directory)"), DirLock::Mode::kExclusive);
+        StrCat("quota file ", options.quota_file, " (its directory)"), DirLock::Mode::kExclusive,
+        "another ztierd keeps this quota file (each rewrites it whole at a quota set): give each "
+        "ztierd a --quota-file of its own");
     if (lock.ok()) {
       quota_lock = std::move(lock).value();
       return Status::Ok();
     }
     if (lock.status().code() == StatusCode::kUnavailable) {
-      return Status::FailedPrecondition(
-          StrCat(lock.status().message(), ": another ztierd keeps this quota file (each rewrites ",
-                 "it whole at a quota set); give each ztierd a --quota-file of its own"));
+      return Status::FailedPrecondition(std::string(lock.status().message()));
     }
     ZT_LOG(kWarn, "ztierd") << "quota file " << options.quota_file
                             << ": no lock beside it, so nothing keeps a second ztierd off it ("
@@ -1588,7 +1588,7 @@ class Daemon::Impl::Connection {
         return Status::Unavailable(StrCat(
             "job '", name,
             "' refused: this ztierd is draining (an operator ran ztierctl drain; running jobs go "
-            "on, new ones wait until ztierctl drain --off)"));
+            "on; new ones are refused until ztierctl drain --off: try again then)"));
       }
       const int jobs = d_.usage[peer_.uid].jobs - (parked ? 1 : 0);
       const int quota = d_.QuotaForLocked(peer_.uid).max_jobs;

@@ -1528,6 +1528,8 @@ TEST(ZtierdProgramTest, BadUsageAndASocketInUseAreClearErrors) {
   std::tie(rc, out) = RunZtierd("--socket " + cfg.path() + "/q2.sock --quota-file " + quotas);
   EXPECT_EQ(rc, 2) << out;
   EXPECT_NE(out.find("another ztierd keeps this quota file"), std::string::npos) << out;
+  // Not also told to choose another directory: another file in it is fine.
+  EXPECT_EQ(out.find("choose another directory"), std::string::npos) << out;
   std::tie(rc, out) = RunZtierd("--socket " + d.socket());
   EXPECT_EQ(rc, 1) << out;
   EXPECT_NE(out.find("in use"), std::string::npos) << out;
