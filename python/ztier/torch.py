@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import copy
 import dataclasses
 import functools
 import json
@@ -1414,7 +1415,16 @@ class Offload:
         self._post_hooks_last(module)
         if torch._C._current_graph_task_id() != -1:
             return None  # activation checkpointing's recompute of the whole model
-        self._claim_thread("a forward", forward=True)
+        self._begin_forward(root=True)
+        return self._cast_inputs(args, kwargs) if self._cast_inputs_on else None
+
+    def _begin_forward(self, root: bool):
+        """What every forward begins with: the checks that the model is as it
+        was offloaded, and the pass's bookkeeping. ``root``: the model was
+        called (model(x)); else a forward that does not go through the root
+        (model.encode(x), a submodule called on its own) begins at its first
+        offloaded module (whose post-hook ends it, as the root's does)."""
+        self._claim_thread("a forward", forward=root)
         if self._stranded():
             self._undo_stranded("a forward")
         if self._phase == "backward" or self._fwd_held or any(u.holds for u in self.units):
@@ -1452,7 +1462,6 @@ class Offload:
         # different orders: the runner keeps one learned order per kind.
         self.runner.set_order(_TRAIN if training else _EVAL)
         self._phase = "forward"
-        return self._cast_inputs(args, kwargs) if self._cast_inputs_on else None
 
     def _cast_inputs(self, args, kwargs):
         """The model's floating-point inputs in its compute dtype (as the
@@ -1608,6 +1617,11 @@ class Offload:
                 "the model itself, model(...)")
         if self._phase != "backward" and torch._C._current_graph_task_id() != -1:
             self._enter_backward()  # a recompute is the first thing backward runs
+        elif not self._in_forward and self._phase == "idle" and not self._fwd_held:
+            # A forward past the root (model.encode(x)): its checks ran
+            # nowhere, so a parameter frozen, unfrozen, replaced or written
+            # since offloading trained (or did not) silently.
+            self._begin_forward(root=False)
         call = (mid, self._next_call)
         self._next_call += 1
         if self._phase == "backward":
@@ -1700,25 +1714,24 @@ class Offload:
                 return _PreBackward.apply(self, call, t)
             return t
 
-        if isinstance(output, torch.Tensor):
-            output = own(output)
-        elif type(output) in (tuple, list):
-            output = type(output)(own(o) for o in output)
-        elif isinstance(output, dict):
-            for k, v in list(output.items()):
-                new = own(v)
-                if new is not v:
-                    output[k] = new
+        output = _map_tensors(output, own)
         deeper = held and any(t.untyped_storage().data_ptr() in held for t in _tensors(output))
         self._fwd_held.remove(mid)
         self._let_go(units, check=True)
+        if (not self._in_forward and not self._fwd_held and self._phase == "forward"
+                and (torch.is_grad_enabled() or not self._training_forward)
+                and not any(t.requires_grad for t in _tensors(output))):
+            # A forward past the root that no backward can follow: done (a
+            # call in a training forward's region without grad, reentrant
+            # activation checkpointing's, is not the end of it).
+            self._phase = "idle"
         where = f" (unit '{units[0].name}')" if units else ""
         if deeper:
             raise RuntimeError(
                 f"ztier: a {type(module).__name__}{where} returned a view of its own parameters "
                 f"inside its output ({type(output).__name__}): they are let go when its forward "
-                "ends, and the view would read freed memory; return it at the top of the "
-                "output (a tensor, or in a tuple, list or dict), or .clone() it")
+                "ends, and the view would read freed memory; return it as a tensor or in "
+                "tuples, lists, dicts or dataclasses (those are looked into), or .clone() it")
         written = [t for t, v in self._input_versions.pop(call, ()) if t._version != v]
         if written and type(module) not in self._inplace_warned:
             self._inplace_warned.add(type(module))
@@ -2896,6 +2909,43 @@ def _add_to_safetensors(source: str, extra: dict[str, torch.Tensor], path: str):
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)  # a write or a replace that failed left it, full size
+
+
+def _map_tensors(obj, fn):
+    """``obj`` with ``fn`` applied to each tensor in it, through tuples
+    (namedtuples too), lists, dicts and dataclasses at any depth: dicts
+    (Hugging Face ModelOutputs among them) changed in place, the others
+    copied where a tensor in them changed; other objects as they are.
+    ``obj`` itself where nothing changed."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, dict):
+        for k, v in list(obj.items()):
+            new = _map_tensors(v, fn)
+            if new is not v:
+                obj[k] = new
+        return obj
+    if isinstance(obj, (tuple, list)):
+        items = [_map_tensors(o, fn) for o in obj]
+        if all(a is b for a, b in zip(items, obj)):
+            return obj
+        if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a namedtuple
+            return type(obj)(*items)
+        return type(obj)(items)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        changed = {}
+        for f in dataclasses.fields(obj):
+            v = getattr(obj, f.name)
+            new = _map_tensors(v, fn)
+            if new is not v:
+                changed[f.name] = new
+        if not changed:
+            return obj
+        out = copy.copy(obj)
+        for k, v in changed.items():
+            object.__setattr__(out, k, v)  # frozen ones too
+        return out
+    return obj
 
 
 def _tensors(obj, seen=None):

@@ -1805,3 +1805,44 @@ def test_model_forward_called_directly_past_the_roots_hooks_is_a_clear_error(set
     with torch.no_grad():
         assert torch.isfinite(model.l1(x)).all()
     z.close()
+
+
+class _EncodesMethod(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(4, 8)
+        self.mid = nn.Linear(8, 8)
+        self.out = nn.Linear(8, 1)
+
+    def encode(self, x):
+        return self.out(torch.tanh(self.mid(self.inp(x))))
+
+
+@pytest.mark.parametrize("change", ["unfrozen", "frozen", "written", "replaced"])
+def test_a_model_trained_through_a_method_is_checked_as_model_x_is(settings, change):
+    # model.encode(x) ran no root hook, where the checks are: a parameter
+    # unfrozen after offloading never trained, one frozen kept training, a
+    # re-initialized one and a replaced module were dropped, all silently.
+    torch.manual_seed(0)
+    model = _EncodesMethod()
+    model.inp.requires_grad_(False)
+    z = zt.offload(model, settings=settings)
+    x = torch.randn(4, 4)
+    model.encode(x).pow(2).mean().backward()
+    z.optimizer.step()
+    said = {"unfrozen": "'inp.weight' has requires_grad=True now",
+            "frozen": "'mid.weight' has requires_grad=False now",
+            "written": "'mid.weight' was written to after",
+            "replaced": "'out.weight' is a parameter the engine does not hold"}[change]
+    if change == "unfrozen":
+        model.inp.requires_grad_(True)
+    elif change == "frozen":
+        model.mid.requires_grad_(False)
+    elif change == "written":
+        with torch.no_grad():
+            nn.init.zeros_(model.mid.weight)
+    else:
+        model.out = nn.Linear(8, 1)
+    with pytest.raises(RuntimeError, match=said):
+        model.encode(x).pow(2).mean().backward()
+    z.close()

@@ -8,7 +8,9 @@ way that works; none trains wrong silently.
 
 from __future__ import annotations
 
+import collections
 import copy
+import dataclasses
 import os
 import threading
 
@@ -624,6 +626,51 @@ def test_a_block_output_that_is_a_view_written_in_place_trains(settings):
     assert [u.name for u in z.units][1:4] == ["blocks.0", "blocks.1", "blocks.2"]
 
 
+_Pair = collections.namedtuple("_Pair", "h")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Frozen:
+    h: torch.Tensor
+
+
+_WRAPS = {
+    "namedtuple": (_Pair, lambda o: o.h),
+    "nested tuple": (lambda t: ((t,), None), lambda o: o[0][0]),
+    "frozen dataclass": (_Frozen, lambda o: o.h),
+    "dict in a list": (lambda t: [{"h": t}], lambda o: o[0]["h"]),
+}
+
+
+class _WrappedViewStack(nn.Module):
+    """_ResidualStack whose blocks return their view output wrapped."""
+
+    def __init__(self, wrap, unwrap, n=3, dim=8):
+        super().__init__()
+        self.unwrap = unwrap
+        self.inp = nn.Linear(dim, dim)
+        self.blocks = nn.ModuleList(_ViewBlock(dim) for _ in range(n))
+        for b in self.blocks:
+            b.register_forward_hook(lambda m, args, out: wrap(out))
+        self.out = nn.Linear(dim, 1)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for b in self.blocks:
+            out = self.unwrap(b(2 * h))
+            out += h
+            h = out
+        return self.out(torch.tanh(h))
+
+
+@pytest.mark.parametrize("wrap", list(_WRAPS))
+def test_a_view_output_in_a_container_written_in_place_trains(settings, wrap):
+    # In a namedtuple, a dataclass or a nested container the view got only
+    # a grad hook, which the caller's `out += h` dropped: the block's
+    # backward read its freed weights ("setStorage: ... out of bounds").
+    _against_reference(lambda: _WrappedViewStack(*_WRAPS[wrap]), settings, _x)
+
+
 def test_a_forward_hook_registered_after_offload_reads_the_values(settings):
     # ztier's post-hook ran first and left the placeholders (NaN) in the
     # parameters for every hook the user registered after offload().
@@ -803,3 +850,49 @@ def test_blocks_can_be_chosen_and_a_checkpoint_of_another_layout_says_so(setting
                       (["1", "1.0"], "inside '1'"), ("1", "takes a list")):
         with pytest.raises((ValueError, TypeError), match=says):
             zt.offload(make(), optimizer=ADAMW, settings=settings, blocks=bad)
+
+
+class _Encoder(nn.Module):
+    """Trained through a method (CLIP's encode_image, a VAE's encode), not
+    model(x): the root's hooks never run. Its one block is shared by every
+    layer (ALBERT) and checkpointed."""
+
+    def __init__(self, reentrant=True):
+        super().__init__()
+        self.reentrant = reentrant
+        self.inp = nn.Linear(8, 8)
+        self.layers = nn.ModuleList([_ViewBlock(8)] * 3)
+        self.out = nn.Linear(8, 1)
+
+    def encode(self, x):
+        h = self.inp(x)
+        for layer in self.layers:
+            h = h + torch.utils.checkpoint.checkpoint(layer, h, use_reentrant=self.reentrant)
+        return self.out(h)
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_a_model_trained_through_a_method_of_its_own(settings, tmp_path, reentrant):
+    # The forward's bookkeeping began in the root's hooks only: the shared
+    # block under reentrant checkpointing was refused ("a second grad for
+    # 'layers.0.proj.bias'"), a stale flag from the forward before.
+    torch.manual_seed(0)
+    model = _Encoder(reentrant)
+    torch.manual_seed(0)
+    ref_model = _Encoder(reentrant)
+    z = zt.offload(model, optimizer=ADAMW, settings=settings)
+    ref = Reference(ref_model, z, ADAMW)
+    for step in range(3):
+        x = _x(step)
+        loss = model.encode(x).pow(2).mean()
+        loss.backward()
+        ref_loss = ref_model.encode(x).pow(2).mean()
+        ref.backward(ref_loss)
+        assert torch.equal(loss, ref_loss), (step, loss.item(), ref_loss.item())
+        z.optimizer.step()
+        ref.step([g["lr"] for g in z.optimizer.param_groups])
+        with torch.no_grad():  # an evaluation between steps, through the method too
+            model.encode(x)
+        z.save_checkpoint(str(tmp_path / f"ck-{step}"))  # the forward is over:
+        z.load_checkpoint(str(tmp_path / f"ck-{step}"))  # the state as it was
+    z.close()
