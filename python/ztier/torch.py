@@ -774,6 +774,8 @@ class Offload:
         # (_PostBackward's outputs) and their versions then.
         self._input_versions: dict[tuple[int, int], list] = {}
         self._inplace_warned: set[type] = set()
+        # Tensors modules kept on themselves in a forward, hooked once each.
+        self._kept_hooked: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         # A recompute (activation checkpointing) and the backward hook of the
         # forward's call of the same module come in either order: each
         # module's backward holds that no recompute has met yet, and the
@@ -1748,7 +1750,19 @@ class Offload:
         for t in _tensors(output):
             if t.requires_grad and not isinstance(t.grad_fn, _PreBackward._backward_cls):
                 t.register_hook(functools.partial(_pre_backward_hook, weakref.ref(self), call))
+        self._hook_kept(module, call)
         return output if replaced else None
+
+    def _hook_kept(self, module, call):
+        """A tensor the module kept on itself in its forward (an MoE block's
+        ``self.aux_loss``, which the caller adds to the loss) leads a
+        backward into the module past its outputs: it is hooked as they are
+        (its backward read the unit's freed weights)."""
+        for v in vars(module).values():
+            if (isinstance(v, torch.Tensor) and v.requires_grad and v.grad_fn is not None
+                    and self._kept_hooked.get(id(v)) is not v):
+                self._kept_hooked[id(v)] = v
+                v.register_hook(functools.partial(_pre_backward_hook, weakref.ref(self), call))
 
     def _wrap_inputs(self, call, args, kwargs):
         pos = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]

@@ -896,3 +896,39 @@ def test_a_model_trained_through_a_method_of_its_own(settings, tmp_path, reentra
         z.save_checkpoint(str(tmp_path / f"ck-{step}"))  # the forward is over:
         z.load_checkpoint(str(tmp_path / f"ck-{step}"))  # the state as it was
     z.close()
+
+
+class _AuxBlock(nn.Module):
+    """An MoE-style block keeping its auxiliary loss on itself, made after
+    its output."""
+
+    def __init__(self, dim):
+        super().__init__()
+        self.fc = nn.Linear(dim, dim)
+        self.gate = nn.Linear(dim, 4)
+
+    def forward(self, x):
+        y = x + torch.tanh(self.fc(x))
+        self.aux_loss = self.gate(x).softmax(-1).pow(2).sum(-1).mean()
+        return y
+
+
+class _AuxStack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(8, 8)
+        self.layers = nn.ModuleList(_AuxBlock(8) for _ in range(3))
+        self.out = nn.Linear(8, 1)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for layer in self.layers:
+            h = layer(h)
+        return self.out(h) + 0.1 * sum(layer.aux_loss for layer in self.layers)
+
+
+def test_a_loss_a_block_kept_on_itself_trains(settings):
+    # The aux loss's backward reached the block's gate before any hook of
+    # its outputs held the unit: it read freed weights ("setStorage: ...
+    # out of bounds for storage of size 0").
+    _against_reference(_AuxStack, settings, _x)
