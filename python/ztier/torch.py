@@ -2009,7 +2009,10 @@ class Offload:
                 "engine began the update as those grads came in (its optimizer overlaps the "
                 "backward), so they cannot be dropped; call optimizer.step() first (zero_grad() "
                 "after it, or before the forward, is the usual order), and to leave a batch out, "
-                "skip its backward")
+                "skip its backward; where that backward was another model's loss passing "
+                "through this one (a GAN's generator loss through its discriminator), freeze this "
+                "model for that pass (requires_grad_(False) before its forward, True after), so "
+                "that it gives this model no grads to drop")
         self._discard_step("optimizer.zero_grad() inside an accumulation window (torch drops "
                            "the window's grads there)")
 
