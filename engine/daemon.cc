@@ -212,7 +212,9 @@ struct Daemon::Impl {
     bool connection = false;
     UniqueFd pidfd;  // the connection's process
     int engine_job = -1;
-    std::map<const void*, UniqueFd> mappers;  // the job's: by connection, their processes
+    // The job's: by connection, their processes (pidfd, and pid for the
+    // operator: ztierctl quota get names them).
+    std::map<const void*, std::pair<UniqueFd, pid_t>> mappers;
   };
   std::vector<Lingering> lingering;  // guarded by mu
 
@@ -233,7 +235,7 @@ struct Daemon::Impl {
   void ReapLingering(bool all) {
     std::lock_guard<std::mutex> lock(mu);
     std::erase_if(lingering, [&](Lingering& l) {
-      std::erase_if(l.mappers, [&](const auto& m) { return all || Exited(m.second); });
+      std::erase_if(l.mappers, [&](const auto& m) { return all || Exited(m.second.first); });
       const bool done = l.connection ? all || Exited(l.pidfd) : l.mappers.empty();
       if (done) UnchargeLocked(l);
       return done;
@@ -292,6 +294,13 @@ struct Daemon::Impl {
       q.connections = u->second.connections;
       q.dram_bytes = u->second.dram_bytes;
       q.nvme_bytes = u->second.nvme_bytes;
+      q.lingering_bytes = u->second.lingering_bytes;
+    }
+    for (const Lingering& l : lingering) {
+      if (l.uid != uid) continue;
+      for (const auto& [conn, process] : l.mappers) {
+        if (q.lingering_pids.size() < kMaxLingeringPids) q.lingering_pids.push_back(process.second);
+      }
     }
     return q;
   }
@@ -542,6 +551,7 @@ struct Daemon::Impl {
     // stay charged for it until they exit (LingerMappersLocked).
     struct Mapper {
       UniqueFd pidfd;
+      pid_t pid = 0;
       uint64_t bytes = 0;
     };
     std::map<const void*, Mapper> mappers;
@@ -577,7 +587,7 @@ struct Daemon::Impl {
     for (auto& [conn, m] : job.mappers) {
       if (!m.pidfd.valid() || stopping.load() || Exited(m.pidfd)) continue;
       l.bytes = std::max(l.bytes, m.bytes);  // the same regions, whichever rank
-      l.mappers.emplace(conn, std::move(m.pidfd));
+      l.mappers.emplace(conn, std::pair(std::move(m.pidfd), m.pid));
     }
     job.mappers.clear();
     if (l.mappers.empty() || l.bytes == 0) return;
@@ -1956,6 +1966,7 @@ class Daemon::Impl::Connection {
       if (!m.pidfd.valid() && pidfd_.valid()) {
         m.pidfd = UniqueFd(::fcntl(pidfd_.get(), F_DUPFD_CLOEXEC, 0));
       }
+      m.pid = peer_.pid;
       m.bytes = region_bytes;
     }
     req.reply_fds = std::move(fds);

@@ -42,8 +42,9 @@ inline constexpr uint32_t kMagic = 0x5057545A;  // "ZTWP"
 // client page, the operator's messages (status, jobs, quotas, drain,
 // evict), step times and device traffic in the counters; 4: abort_step;
 // 5: the job's state dtype in its handle; 6: the betas in double; 7:
-// check_consistent; 8: a job spec's launch.
-inline constexpr uint16_t kVersion = 8;
+// check_consistent; 8: a job spec's launch; 9: a quota's lingering bytes
+// and their processes.
+inline constexpr uint16_t kVersion = 9;
 static_assert(kVersion == kWireVersion, "a change of the wire types is a change of the protocol");
 inline constexpr size_t kHeaderBytes = 32;
 inline constexpr size_t kMaxMessageBytes = size_t{64} << 10;

@@ -30,7 +30,8 @@ namespace ztier::engine {
 // 6: cpu_adam::Hyper's betas are double.
 // 7: no struct changed; the protocol gained check_consistent.
 // 8: a JobSpec's launch.
-inline constexpr uint16_t kWireVersion = 8;
+// 9: a QuotaInfo's lingering bytes and the processes holding them.
+inline constexpr uint16_t kWireVersion = 9;
 
 enum class Tier : uint8_t { kDram, kNvme };
 // How the engine keeps the AdamW moments m and v (ztier.state_dtype): fp32,
@@ -236,7 +237,13 @@ struct QuotaInfo {
   int32_t connections = 0;
   uint64_t dram_bytes = 0;
   uint64_t nvme_bytes = 0;
+  // Of dram_bytes: freed jobs' memory (an evicted job's) that live
+  // processes still map (a stopped client), charged until they exit; the
+  // first kMaxLingeringPids of those processes.
+  uint64_t lingering_bytes = 0;
+  std::vector<int32_t> lingering_pids = {};
 };
+inline constexpr size_t kMaxLingeringPids = 16;
 
 // A change of one uid's quota: the fields whose bit is set in `set`
 // (kQuota* below), or `reset` to the daemon's defaults.

@@ -395,7 +395,17 @@ TEST(OperatorTest, AnEvictedJobsClientIsChargedForItsMappingUntilItLetsGo) {
   Result<std::unique_ptr<Model>> b = (*s)->RegisterModel(TwoUnits("b"));
   ASSERT_FALSE(b.ok()) << "registered beside the evicted job's mapped regions";
   EXPECT_NE(b.status().ToString().find("live on"), std::string::npos) << b.status();
+  // The operator is told how much and who holds it (no job shows it).
+  Result<engine::QuotaInfo> q = (*c)->GetQuota(::geteuid());
+  ASSERT_TRUE(q.ok()) << q.status();
+  EXPECT_EQ(q->lingering_bytes, q->dram_bytes);
+  EXPECT_GT(q->lingering_bytes, 0u);
+  EXPECT_EQ(q->lingering_pids, std::vector<int32_t>{::getpid()});
   a->reset();  // unregisters: the library unmapped the regions
+  q = (*c)->GetQuota(::geteuid());
+  ASSERT_TRUE(q.ok()) << q.status();
+  EXPECT_EQ(q->lingering_bytes, 0u);
+  EXPECT_TRUE(q->lingering_pids.empty());
   b = (*s)->RegisterModel(TwoUnits("b"));
   EXPECT_TRUE(b.ok()) << b.status();
 }

@@ -370,12 +370,22 @@ TEST(ProtocolTest, OperatorMessagesRoundTripAndRefuseEveryPrefix) {
                   .quota = {.max_jobs = 2, .max_connections = 8, .max_dram_bytes = 1 << 30},
                   .custom = true,
                   .jobs = 1,
-                  .dram_bytes = 4096}},
+                  .dram_bytes = 4096,
+                  .lingering_bytes = 1024,
+                  .lingering_pids = {1234, 5678}}},
       .more = false};
   Result<QuotaList> qb = DecodeQuotaList(Encode(quotas));
   ASSERT_TRUE(qb.ok()) << qb.status();
   EXPECT_EQ(Encode(*qb), Encode(quotas));
+  EXPECT_EQ(qb->quotas[0].lingering_pids, (std::vector<int32_t>{1234, 5678}));
   EveryPrefixIsRefused(Encode(quotas), DecodeQuotaList);
+  QuotaList bad_quotas = quotas;
+  bad_quotas.quotas[0].lingering_bytes =
+      bad_quotas.quotas[0].dram_bytes + 1;  // more than the uid holds
+  EXPECT_FALSE(DecodeQuotaList(Encode(bad_quotas)).ok());
+  bad_quotas = quotas;
+  bad_quotas.quotas[0].lingering_pids.assign(kMaxLingeringPids + 1, 1);
+  EXPECT_FALSE(DecodeQuotaList(Encode(bad_quotas)).ok());
 
   const QuotaUpdate up{.uid = 1000,
                        .set = kQuotaMaxJobs | kQuotaMaxNvme,
@@ -463,11 +473,12 @@ TEST(ProtocolTest, MessagesFrameAndEveryHeaderFaultIsNamed) {
   bad[0] = 'X';
   refused(bad, 0, "not a ztier message");
   bad = *m;
-  bad[4] = 9;  // version 9
+  bad[4] = static_cast<char>(kVersion + 1);  // another release's
   Result<Header> v = DecodeHeader(bad, 0);
   ASSERT_FALSE(v.ok());
   EXPECT_EQ(v.status().code(), StatusCode::kFailedPrecondition);
-  EXPECT_NE(v.status().message().find("version 9"), std::string::npos) << v.status();
+  EXPECT_NE(v.status().message().find(StrCat("version ", kVersion + 1)), std::string::npos)
+      << v.status();
   EXPECT_NE(v.status().message().find(StrCat("version ", kVersion)), std::string::npos)
       << v.status();
   bad = *m;
