@@ -156,13 +156,10 @@ struct Engine::Impl {
     }
   }
 
-  // The pinned DRAM a job's layout needs (ring, param cache, per-unit
-  // buffers, as RegisterJob allocates them), against what the budget has
-  // left and what the machine has: refused up front, with the figures.
-  Result<uint64_t> CheckDramNeed(const Job& job) const {
-    const JobSpec& spec = job.spec;
-    const bool nvme_states = spec.optimizer_tier == Tier::kNvme;
-    const bool nvme_params = spec.param_tier == Tier::kNvme;
+  // The pinned DRAM a job's layout needs with its states (and params) on
+  // NVMe or in DRAM: the ring, the param cache and the per-unit buffers, as
+  // RegisterJob allocates them.
+  uint64_t DramNeed(const Job& job, bool nvme_states, bool nvme_params) const {
     auto page = [](uint64_t b) { return RoundUp(b, 4096); };
     uint64_t need = 0, slot = 0, param_slot = 0;
     for (const Unit& u : job.units) {
@@ -177,7 +174,7 @@ struct Engine::Impl {
       }
       if (!nvme_params) need += page(n * 2);
       need += page(n * 2);  // grad inbox
-      if (spec.optimizer.grad_accumulation > 1) need += page(n * 4);
+      if (job.spec.optimizer.grad_accumulation > 1) need += page(n * 4);
       slot =
           std::max(slot, StateBytes(u, job.state_dtype) + (nvme_params ? ParamBytes(u.layout) : 0));
       param_slot = std::max(param_slot, ParamBytes(u.layout));
@@ -185,18 +182,33 @@ struct Engine::Impl {
     if (nvme_states) need += settings.buffer_count * page(slot);
     if (nvme_params) need += settings.buffer_count * page(param_slot);
     need += page(job.units.size() * sizeof(int64_t));  // the step page
-    need += page(ClientPageBytes(spec));
+    need += page(ClientPageBytes(job.spec));
+    return need;
+  }
+
+  // A job's pinned DRAM need (DramNeed) against what the budget has left
+  // and what the machine has: refused up front, with the figures.
+  Result<uint64_t> CheckDramNeed(const Job& job) const {
+    const JobSpec& spec = job.spec;
+    const bool nvme_states = spec.optimizer_tier == Tier::kNvme;
+    const bool nvme_params = spec.param_tier == Tier::kNvme;
+    const uint64_t need = DramNeed(job, nvme_states, nvme_params);
     const DramPoolStats pool_stats = pool->stats();
     const uint64_t left =
         pool_stats.budget_bytes - std::min(pool_stats.used_bytes, pool_stats.budget_bytes);
     if (need > left) {
+      // States on NVMe need less only where the units outweigh the
+      // staging ring (buffer_count of the largest unit's states).
+      const uint64_t on_nvme = nvme_states ? need : DramNeed(job, true, nvme_params);
       return Status::ResourceExhausted(StrCat(
           "job '", spec.name, "' needs ", need, " bytes of pinned DRAM (",
           nvme_states ? "grad inboxes, publish buffers and the staging ring"
                       : "fp32 master, m, v, the bf16 publish buffer and grad inbox of each unit",
           "); the DRAM budget (ztier.dram_budget) has ", left, " of ", pool_stats.budget_bytes,
           " bytes left: raise the budget",
-          nvme_states ? "" : " or put the optimizer states on nvme"));
+          on_nvme < need ? StrCat(" or put the optimizer states on nvme (", on_nvme,
+                                  " bytes of pinned DRAM then)")
+                         : ""));
     }
     const uint64_t physical = PhysicalMemoryBytes();
     if (physical != 0 && need > physical) {
