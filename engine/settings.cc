@@ -351,7 +351,7 @@ const std::vector<Tunable>& Table() {
        "ZTIER_OPTIMIZER_DEVICE",
        JsonType::kString,
        "cpu",
-       "Where fp32 master/m/v live: cpu (pinned DRAM) or nvme (none: as cpu).",
+       "Client: where a job's fp32 master/m/v live: cpu (pinned DRAM) or nvme (none: as cpu).",
        [](Settings& s, std::string_view t, std::string_view k) -> Status {
          ZT_ASSIGN_OR_RETURN(s.optimizer_tier, ParseTier(t, k));
          return Status::Ok();
@@ -375,7 +375,8 @@ const std::vector<Tunable>& Table() {
        "ZTIER_PARAM_DEVICE",
        JsonType::kString,
        "cpu",
-       "Where bf16 params live between fetches: cpu (pinned DRAM) or nvme (needs the optimizer "
+       "Client: where a job's bf16 params live between fetches: cpu (pinned DRAM) or nvme (needs "
+       "the optimizer "
        "on nvme; clients read through a pinned cache of buffer_count units).",
        [](Settings& s, std::string_view t, std::string_view k) -> Status {
          ZT_ASSIGN_OR_RETURN(s.param_tier, ParseTier(t, k));

@@ -496,6 +496,10 @@ Result<Plan> ResolvePlan(const Flags& f) {
           "--swap-dir: through --daemon the swap directories are ztierd's (nvme_path in its "
           "config); leave --swap-dir out");
     }
+    std::fprintf(stderr,
+                 "ztier-train: warning: zero_optimization.offload_optimizer.nvme_path (from %s) is "
+                 "an engine setting: through --daemon the swap directories are ztierd's\n",
+                 PrintableUtf8(paths->second).c_str());
     s.nvme_paths.clear();
     s.sources.erase(paths);
   }
