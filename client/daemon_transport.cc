@@ -461,10 +461,21 @@ class DaemonTransport final : public Transport, public ControlTransport {
     return dead_;
   }
 
+  // The job as a save or an export reads it: after a step whose grads are
+  // all in (ztierd's check waits for it), so that the step the files say
+  // is the step their state is of (a save right after a step's last grads
+  // described the step before, and failed: "went from step").
+  Result<engine::JobDescription> DescribeBetweenSteps(int job) {
+    ZT_RETURN_IF_ERROR(
+        Call(p::MessageType::kCheckConsistent, p::Encode(p::JobRef{.job = job}), {}, kCallTimeout)
+            .status());
+    return Describe(job);
+  }
+
   Status SaveCheckpoint(int job, const std::string& dir) override {
     ZT_RETURN_IF_ERROR(Health());  // before the directory is made
     ZT_RETURN_IF_ERROR(ClaimCheckpointDir(job, dir));
-    ZT_ASSIGN_OR_RETURN(engine::JobDescription d, Describe(job));
+    ZT_ASSIGN_OR_RETURN(engine::JobDescription d, DescribeBetweenSteps(job));
     DaemonStateAccess state(*this, job, d);
     return engine::SaveCheckpointFiles(d, state, dir)
         .Annotate(StrCat("save checkpoint of job '", d.name, "'"))
@@ -483,7 +494,7 @@ class DaemonTransport final : public Transport, public ControlTransport {
     return st.Annotate(StrCat("load checkpoint of job '", d.name, "'")).Annotate(dir);
   }
   Status ExportSafetensors(int job, const std::string& path, engine::ExportType type) override {
-    ZT_ASSIGN_OR_RETURN(engine::JobDescription d, Describe(job));
+    ZT_ASSIGN_OR_RETURN(engine::JobDescription d, DescribeBetweenSteps(job));
     DaemonStateAccess state(*this, job, d);
     return engine::ExportSafetensorsFile(d, state, path, type)
         .Annotate(StrCat("export safetensors of job '", d.name, "'"));

@@ -405,7 +405,8 @@ class Model {
   // fail before training. Errors: Unavailable (in use), IoError (cannot
   // create it: a read-only filesystem, ...).
   Status ClaimCheckpointDir(const std::string& dir);
-  // Between steps. From another thread while a runner trains: refused
+  // Between steps (a step whose grads are all in, queued or running in the
+  // engine, is waited for, and saved). From another thread while a runner trains: refused
   // (FailedPrecondition, "in flight") while grads of a step are pending;
   // embedded, the runner's next grads wait while it reads the state;
   // through ztierd, a step taken meanwhile fails it (FailedPrecondition,

@@ -414,6 +414,22 @@ struct Engine::Impl {
     });
   }
 
+  // Waits for what the engine does on its own: steps whose grads are all
+  // in (queued or running; eager units' updates) and write-backs. Steps
+  // that still wait for grads are the caller's to refuse (CheckIdle): a
+  // save right after the step's last grads went read the state while the
+  // step ran, and was refused ("in flight"), or failed through ztierd
+  // ("went from step").
+  void WaitQueuedStepsLocked(std::unique_lock<std::mutex>& lock, const Job& job) {
+    const bool exact = job.spec.optimizer.mode == StepMode::kExact;
+    published_cv.wait(lock, [&] {
+      if (!job.failure.ok() || job.removed) return true;
+      if (exact && job.steps_queued > 0) return false;
+      return std::none_of(job.units.begin(), job.units.end(),
+                          [&](const Unit& u) { return u.writing_back || (!exact && u.ready); });
+    });
+  }
+
   void Fail(Job& job, const Status& s) {
     {
       std::lock_guard<std::mutex> lock(mu);
@@ -1618,7 +1634,7 @@ Status WithIdleJob(Engine::Impl& e, int job, std::string_view what, StateUse use
   {
     std::unique_lock<std::mutex> lock(e.mu);
     ZT_ASSIGN_OR_RETURN(j, e.Find(job));
-    e.WaitWriteBacksLocked(lock, *j);
+    e.WaitQueuedStepsLocked(lock, *j);
     ZT_RETURN_IF_ERROR(CheckIdle(*j, what));
     j->checkpointing = true;
   }
@@ -1653,8 +1669,9 @@ Status Engine::ClaimCheckpointDir(int job, const std::string& dir) {
 }
 
 Status Engine::CheckConsistent(int job) const {
-  std::lock_guard<std::mutex> lock(impl_->mu);
+  std::unique_lock<std::mutex> lock(impl_->mu);
   ZT_ASSIGN_OR_RETURN(std::shared_ptr<Job> j, impl_->Find(job));
+  impl_->WaitQueuedStepsLocked(lock, *j);
   ZT_RETURN_IF_ERROR(CheckIdle(*j, "read the state"));
   return PartlyWritten(*j);
 }

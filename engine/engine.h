@@ -254,14 +254,17 @@ class Engine {
   // file, fsync, rename and directory fsync; then the previous checkpoint's
   // files are removed. A crash mid-save leaves the last committed checkpoint
   // loadable; a failed save (a full disk, a failed fsync) removes what it
-  // wrote and reports the error. Call between steps. Errors: IoError,
-  // ResourceExhausted (disk full), Unavailable (directory in use),
-  // FailedPrecondition (grads of a step pending), NotFound.
+  // wrote and reports the error. Call between steps: a step whose grads
+  // are all in (queued or running) is waited for first; one that waits for
+  // more grads is refused. Errors: IoError, ResourceExhausted (disk full),
+  // Unavailable (directory in use), FailedPrecondition (grads of a step
+  // pending), NotFound.
   Status SaveCheckpoint(int job, const std::string& dir);
   // Whether the job's units hold one state, as a save or an export made
   // from ReadState (ztierd's clients write those themselves) needs: what
   // SaveCheckpoint checks before it writes. ReadState reads a failed job's
-  // units too (to look at them), which may then be at different steps.
+  // units too (to look at them), which may then be at different steps. A
+  // step whose grads are all in is waited for first, as by SaveCheckpoint.
   // Errors: Aborted (the job failed), FailedPrecondition (a load or import
   // failed midway; a checkpoint in progress; grads of a step pending),
   // NotFound.

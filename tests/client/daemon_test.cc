@@ -1227,7 +1227,8 @@ TEST_F(DaemonTest, ASaveOrExportThroughZtierdRefusesUnitsThatHoldNoOneState) {
   ScratchDir dir("daemon-mixed");
   const std::string ck = dir / "ck";
   ASSERT_TRUE(PushBothAndStep(*t->runner).ok());
-  ASSERT_TRUE(t->model->SaveCheckpoint(ck).ok());
+  const Status saved = t->model->SaveCheckpoint(ck);
+  ASSERT_TRUE(saved.ok()) << saved;
   ASSERT_TRUE(PushBothAndStep(*t->runner).ok());
   ASSERT_TRUE(t->model->WaitPublished(2, 30s).ok());
   std::atomic<int> opens{0};

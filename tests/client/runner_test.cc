@@ -22,6 +22,8 @@
 
 #include "client/transport.h"
 #include "client/ztier.h"
+#include "common/file_util.h"
+#include "engine/checkpoint_manifest.h"
 #include "examples/gpt/gpt.h"
 #include "nvme/io_backend.h"
 #include "tests/client/memory_trainer.h"
@@ -696,6 +698,40 @@ TEST(RunnerTest, WaitPublishedsTimeoutBoundsTheWholeCall) {
   EXPECT_LT(took, 1200ms);
   fault->SlowDown(nvme::IoKind::kRead, 0ms);
   EXPECT_TRUE((*model)->WaitPublished(2, std::chrono::seconds(60)).ok());
+}
+
+// A save right after a step's last grads went (the step queued or running
+// in the engine) was refused "in flight", or, through ztierd, read the
+// state as the step ended ("went from step"). It waits for that step, and
+// saves it.
+TEST(RunnerTest, ASaveRightAfterAStepsLastGradsSavesThatStep) {
+  using namespace std::chrono_literals;
+  TrainSetup s;
+  s.optimizer_tier = Tier::kNvme;
+  s.prefetch = 0;
+  ScratchDir swap("runner-swap");
+  auto fault = std::make_shared<nvme::FaultBackend>(nvme::MakeUringBackend());
+  SessionOptions options = Options(s, swap.path());
+  options.io_backend = fault;
+  auto session = testing::OpenTestSession(options);
+  ASSERT_TRUE(session.ok()) << session.status();
+  auto model = RegisterWithWeights(**session, s, "gpt");
+  ASSERT_TRUE(model.ok()) << model.status();
+  RunResult out;
+  ASSERT_TRUE(TrainThroughRunner(s, **model, 0, 1, &out).ok());
+  ASSERT_TRUE((*model)->WaitPublished(1, std::chrono::seconds(60)).ok());
+  fault->SlowDown(nvme::IoKind::kRead, 30ms);                    // the step takes a while
+  ASSERT_TRUE(TrainThroughRunner(s, **model, 1, 2, &out).ok());  // step 2's grads are in
+  ScratchDir ck("save-after-grads");
+  const Status saved = (*model)->SaveCheckpoint(ck.path());
+  fault->SlowDown(nvme::IoKind::kRead, 0ms);
+  ASSERT_TRUE(saved.ok()) << saved;
+  Result<std::string> text = ReadFileToString(ck.path() + "/manifest.json", 1 << 20);
+  ASSERT_TRUE(text.ok()) << text.status();
+  Result<engine::CheckpointManifest> m = engine::DecodeCheckpointManifest(*text, "manifest");
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_EQ(m->step, 2);
+  EXPECT_TRUE((*model)->WaitPublished(2, 0ms).ok());
 }
 
 // ------------------------------------------------------------- bad use --
