@@ -625,6 +625,15 @@ Status SwapSpace::Impl::OpenFiles(bool create) {
     std::memset(probe.ptr, 0, kBlock);
     ssize_t rc = create ? ::pwrite(fd, probe.ptr, kBlock, 0) : 0;
     if (rc >= 0) rc = ::pread(fd, probe.ptr, kBlock, 0);
+    if (rc < 0 && (errno == ENOSPC || errno == EDQUOT)) {
+      // A full filesystem now is no reason to refuse the swap space (and
+      // ztierd with it, DRAM jobs too): objects are refused there until it
+      // has room, and the first write they make tries O_DIRECT.
+      ZT_LOG(kWarn, "nvme") << "swap path " << dir << ": its filesystem has no room now ("
+                            << std::strerror(errno)
+                            << "): objects on NVMe are refused until it has";
+      rc = 0;
+    }
     if (rc < 0) {
       const int err = errno;
       if (err == EINVAL) {

@@ -1009,6 +1009,48 @@ TEST_P(SwapSpaceTest, AFreedObjectGivesItsBlocksBackWhileOthersStay) {
   ASSERT_TRUE(space->Close().ok());
 }
 
+// A swap path whose filesystem is full when the space is made: its O_DIRECT
+// probe write failed, and with it the swap space (ztierd did not start,
+// DRAM jobs refused too). Objects are refused until there is room.
+TEST_P(SwapSpaceTest, AFullFilesystemAtTheStartRefusesObjectsUntilItHasRoom) {
+  const fs::path small = root_ / "full";
+  ztier::testing::SmallTmpfs tmpfs(small.string(), "8m");
+  if (!tmpfs.mounted()) GTEST_SKIP() << "cannot mount a small tmpfs here: " << tmpfs.error();
+  SwapOptions o;
+  o.paths = {(small / "swap").string()};
+  fs::create_directories(o.paths[0]);
+  o.stripe_bytes = kMiB;
+  o.queue_depth = 8;
+  o.growth_bytes = kMiB;
+  const std::string filler = (small / "filler").string();
+  {
+    struct statvfs vfs {};
+    ASSERT_EQ(::statvfs(small.c_str(), &vfs), 0);
+    const int fd = ::open(filler.c_str(), O_CREAT | O_WRONLY | O_CLOEXEC, 0600);
+    ASSERT_GE(fd, 0);
+    ASSERT_EQ(::fallocate(fd, 0, 0, static_cast<off_t>(uint64_t{vfs.f_bavail} * vfs.f_frsize)), 0)
+        << std::strerror(errno);
+    ::close(fd);
+  }
+  Result<std::unique_ptr<SwapSpace>> created = SwapSpace::Create(o, Backend());
+  if (!created.ok() && created.status().message().find("O_DIRECT") != std::string::npos) {
+    GTEST_SKIP() << "tmpfs takes no O_DIRECT on this kernel: " << created.status();
+  }
+  ASSERT_TRUE(created.ok()) << created.status();
+  std::unique_ptr<SwapSpace> space = std::move(created).value();
+  Result<uint64_t> a = space->Allocate("a", 2 * kMiB);
+  ASSERT_FALSE(a.ok());
+  EXPECT_EQ(a.status().code(), StatusCode::kResourceExhausted) << a.status();
+  fs::remove(filler);
+  a = space->Allocate("a", 2 * kMiB);
+  ASSERT_TRUE(a.ok()) << a.status();
+  const std::vector<uint8_t> out(2 * kMiB, 0x5a);
+  std::vector<uint8_t> in(2 * kMiB);
+  ASSERT_TRUE(space->Write(*a, 0, out.data(), out.size()).ok());
+  ASSERT_TRUE(space->Read(*a, 0, in.data(), in.size()).ok());
+  EXPECT_EQ(in, out);
+}
+
 // On a drive nearly full, an object that reuses freed units (holes) and
 // needs the files to grow: the growth took a step ahead of the need and
 // with it the room the holes needed, so an object that fit was refused,
