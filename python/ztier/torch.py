@@ -480,85 +480,17 @@ class Offload:
                  name: str | None = None, session: _C.Session | None = None,
                  weights: str | None = None, compute_dtype: torch.dtype | None = None,
                  average_grads: bool = False, cast_inputs: bool = True, blocks=None):
-        if optimizer is not None and not isinstance(optimizer, AdamW):
-            what = (f"a {type(optimizer).__module__}.{type(optimizer).__qualname__}"
-                    if not isinstance(optimizer, type) else f"the class {optimizer.__qualname__}")
-            raise TypeError(f"ztier: optimizer= takes a ztier.torch.AdamW (its settings: lr, betas, "
-                            f"eps, weight_decay, ...), got {what}; the engine runs the optimizer "
-                            "itself: e.g. optimizer=zt.AdamW(lr=1e-4, weight_decay=0.01), and "
-                            "after offload() use the model's .optimizer for torch's LR schedulers")
-        if grad_accumulation is not None:
-            if isinstance(grad_accumulation, bool) or not isinstance(
-                    grad_accumulation, numbers.Integral) or grad_accumulation < 1:
-                raise ValueError(f"ztier: grad_accumulation must be an int >= 1, got "
-                                 f"{grad_accumulation!r}")
-            grad_accumulation = int(grad_accumulation)
-        if hasattr(model, "_ztier_offload"):
-            if _offloaded(model):
-                raise ValueError("ztier: this model is already offloaded (its parameters live in "
-                                 "the engine); close() that Offload first, or offload a fresh model")
-            if weights is None and _holds_placeholders(model):
-                raise ValueError("ztier: this model was offloaded before, and its parameters are "
-                                 "the placeholders that Offload left (NaN): offload a fresh model "
-                                 "(then load_checkpoint to go on from a checkpoint)")
-        # A part of an offloaded model, or a model holding an offloaded part:
-        # the parameters are another Offload's (or the placeholders it left).
-        for pname, p in model.named_parameters():
-            ref = getattr(p, "_ztier_owner", None)
-            if ref is None:
-                continue
-            other = ref()
-            if other is not None and other.job is not None:
-                t = other._tensor_of.get(id(p))
-                if t is not None and t.param is p:
-                    raise ValueError(
-                        f"ztier: parameter '{pname}' is already offloaded, by the Offload of a "
-                        f"{type(other.module).__name__} (a model holding this one, or held by "
-                        "it): one Offload per parameter; offload the whole model once")
-            elif weights is None and _is_placeholder(p):
-                raise ValueError(
-                    f"ztier: parameter '{pname}' was offloaded before, and holds the placeholder "
-                    "that Offload left (NaN): offload a fresh model (then load_checkpoint to go "
-                    "on from a checkpoint)")
-        self.module = model
-        self.device = _parse_device(device)
-        # The params' dtype in the module: bf16 on a GPU; fp32 on the host,
-        # whose CPUs mostly lack bf16 matrix units (PyTorch's bf16 CPU kernels
-        # run an order of magnitude slower there). The values are the bf16
-        # params either way, and grads go to the engine as bf16.
-        if compute_dtype is None:
-            compute_dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
-        if compute_dtype not in (torch.bfloat16, torch.float32):
-            raise ValueError(f"ztier: compute_dtype must be torch.bfloat16 or torch.float32, "
-                             f"got {compute_dtype}")
-        self.compute_dtype = compute_dtype
-        self._cast_inputs_on = bool(cast_inputs)
-        # The engine keeps fp32 masters and publishes bf16 params: a model of
-        # another floating type changes precision (a bf16 one does not).
-        other = sorted({str(p.dtype) for p in model.parameters() if _offloadable(p)} -
-                       {str(torch.float32), str(torch.bfloat16)})
-        if other:
-            warnings.warn(
-                f"ztier: the model's parameters of {', '.join(other)} become fp32 master weights "
-                f"in the engine and compute as bf16 values in {compute_dtype} (offload("
-                "compute_dtype=): torch.bfloat16 or torch.float32); the floating-point inputs "
-                "of its forward are cast to that", RuntimeWarning, stacklevel=3)
-        for mname, m in model.named_modules():
-            if getattr(m, "sparse", False) is True and isinstance(m, (nn.Embedding,
-                                                                      nn.EmbeddingBag)):
-                raise ValueError(
-                    f"ztier: '{mname or type(m).__name__}' is an embedding with sparse=True: its "
-                    "grads are sparse tensors, and the engine takes dense ones; offload it with "
-                    "sparse=False")
-        # A complex parameter is no floating-point one: a frozen one stays in
-        # the module (as an index table does); a trainable one would never
-        # be trained.
-        self._complex = [(n, p) for n, p in model.named_parameters() if p.is_complex()]
-        for pname, p in self._complex:
-            if p.requires_grad:
-                raise ValueError(_complex_trainable(pname, p, "is complex"))
-        self._elem_bytes = torch.empty((), dtype=compute_dtype).element_size()
         self.rank, self.world_size = _distributed()
+        try:
+            grad_accumulation = self._take_arguments(model, optimizer, grad_accumulation, weights,
+                                                     device, compute_dtype, cast_inputs)
+        except BaseException as e:
+            # The other ranks are on their way to meet this one (_meet_ranks):
+            # told, rather than left waiting in gloo's collective for good.
+            if self.world_size > 1:
+                _tell_ranks_it_failed(e, self.rank, self.world_size)
+            raise
+        compute_dtype = self.compute_dtype
         self._hosted = None
         self._daemon_has_settings = False  # _meet_ranks: the hosted ztierd has ours
         name = name or f"{type(model).__name__}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -953,6 +885,91 @@ class Offload:
                          coalesce_bytes=self.session.coalesce_bytes,
                          timeout=self.session.wait_timeout)
 
+    def _take_arguments(self, model, optimizer, grad_accumulation, weights, device,
+                        compute_dtype, cast_inputs):
+        """offload()'s arguments checked and taken (the module, the device,
+        the compute dtype), before the ranks meet. Returns grad_accumulation
+        (an int, or None: from the config)."""
+        if optimizer is not None and not isinstance(optimizer, AdamW):
+            what = (f"a {type(optimizer).__module__}.{type(optimizer).__qualname__}"
+                    if not isinstance(optimizer, type) else f"the class {optimizer.__qualname__}")
+            raise TypeError(f"ztier: optimizer= takes a ztier.torch.AdamW (its settings: lr, betas, "
+                            f"eps, weight_decay, ...), got {what}; the engine runs the optimizer "
+                            "itself: e.g. optimizer=zt.AdamW(lr=1e-4, weight_decay=0.01), and "
+                            "after offload() use the model's .optimizer for torch's LR schedulers")
+        if grad_accumulation is not None:
+            if isinstance(grad_accumulation, bool) or not isinstance(
+                    grad_accumulation, numbers.Integral) or grad_accumulation < 1:
+                raise ValueError(f"ztier: grad_accumulation must be an int >= 1, got "
+                                 f"{grad_accumulation!r}")
+            grad_accumulation = int(grad_accumulation)
+        if hasattr(model, "_ztier_offload"):
+            if _offloaded(model):
+                raise ValueError("ztier: this model is already offloaded (its parameters live in "
+                                 "the engine); close() that Offload first, or offload a fresh model")
+            if weights is None and _holds_placeholders(model):
+                raise ValueError("ztier: this model was offloaded before, and its parameters are "
+                                 "the placeholders that Offload left (NaN): offload a fresh model "
+                                 "(then load_checkpoint to go on from a checkpoint)")
+        # A part of an offloaded model, or a model holding an offloaded part:
+        # the parameters are another Offload's (or the placeholders it left).
+        for pname, p in model.named_parameters():
+            ref = getattr(p, "_ztier_owner", None)
+            if ref is None:
+                continue
+            other = ref()
+            if other is not None and other.job is not None:
+                t = other._tensor_of.get(id(p))
+                if t is not None and t.param is p:
+                    raise ValueError(
+                        f"ztier: parameter '{pname}' is already offloaded, by the Offload of a "
+                        f"{type(other.module).__name__} (a model holding this one, or held by "
+                        "it): one Offload per parameter; offload the whole model once")
+            elif weights is None and _is_placeholder(p):
+                raise ValueError(
+                    f"ztier: parameter '{pname}' was offloaded before, and holds the placeholder "
+                    "that Offload left (NaN): offload a fresh model (then load_checkpoint to go "
+                    "on from a checkpoint)")
+        self.module = model
+        self.device = _parse_device(device)
+        # The params' dtype in the module: bf16 on a GPU; fp32 on the host,
+        # whose CPUs mostly lack bf16 matrix units (PyTorch's bf16 CPU kernels
+        # run an order of magnitude slower there). The values are the bf16
+        # params either way, and grads go to the engine as bf16.
+        if compute_dtype is None:
+            compute_dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        if compute_dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"ztier: compute_dtype must be torch.bfloat16 or torch.float32, "
+                             f"got {compute_dtype}")
+        self.compute_dtype = compute_dtype
+        self._cast_inputs_on = bool(cast_inputs)
+        # The engine keeps fp32 masters and publishes bf16 params: a model of
+        # another floating type changes precision (a bf16 one does not).
+        other = sorted({str(p.dtype) for p in model.parameters() if _offloadable(p)} -
+                       {str(torch.float32), str(torch.bfloat16)})
+        if other:
+            warnings.warn(
+                f"ztier: the model's parameters of {', '.join(other)} become fp32 master weights "
+                f"in the engine and compute as bf16 values in {compute_dtype} (offload("
+                "compute_dtype=): torch.bfloat16 or torch.float32); the floating-point inputs "
+                "of its forward are cast to that", RuntimeWarning, stacklevel=4)
+        for mname, m in model.named_modules():
+            if getattr(m, "sparse", False) is True and isinstance(m, (nn.Embedding,
+                                                                      nn.EmbeddingBag)):
+                raise ValueError(
+                    f"ztier: '{mname or type(m).__name__}' is an embedding with sparse=True: its "
+                    "grads are sparse tensors, and the engine takes dense ones; offload it with "
+                    "sparse=False")
+        # A complex parameter is no floating-point one: a frozen one stays in
+        # the module (as an index table does); a trainable one would never
+        # be trained.
+        self._complex = [(n, p) for n, p in model.named_parameters() if p.is_complex()]
+        for pname, p in self._complex:
+            if p.requires_grad:
+                raise ValueError(_complex_trainable(pname, p, "is complex"))
+        self._elem_bytes = torch.empty((), dtype=compute_dtype).element_size()
+        return grad_accumulation
+
     def _meet_ranks(self, daemon, session, config, settings, name):
         """World size > 1 (torch.distributed, one process per rank, one node):
         the ranks share one engine through ztierd, rank 0 registering the
@@ -988,12 +1005,12 @@ class Offload:
                 if directory is not None:
                     shutil.rmtree(directory, ignore_errors=True)
                 error = e
-                info[4] = f"{type(e).__name__}: {e}"
+                info[4] = ("could not start its ztierd", f"{type(e).__name__}: {e}")
         dist.broadcast_object_list(info, src=0)
         if error is not None:
             raise error
         if info[4] is not None:
-            raise RuntimeError(f"ztier: rank 0 could not start its ztierd: {info[4]}")
+            raise RuntimeError(f"ztier: rank 0 {info[4][0]}: {info[4][1]}")
         # A rank given what the daemon was made with is not warned that the
         # daemon's settings apply.
         self._daemon_has_settings = info[2] == (where, text)
@@ -2552,6 +2569,24 @@ def _interrupts_deferred():
                 before(signal.SIGINT, got[0])
             elif before == signal.SIG_DFL:
                 os.kill(os.getpid(), signal.SIGINT)  # its default action, now
+
+
+def _tell_ranks_it_failed(error: BaseException, rank: int, world: int):
+    """A rank whose offload() failed before the ranks met (its arguments)
+    tells the others, in the collectives they are on their way to: rank 0's
+    broadcast in _meet_ranks, then their first agreement (_ranks_agree),
+    where each raises naming this rank and the error. Best effort: the
+    caller raises ``error`` whatever happens here."""
+    import torch.distributed as dist
+
+    text = f"{type(error).__name__}: {error}"
+    info = [None, None, None, 0, ("could not offload its model", text) if rank == 0 else None]
+    try:
+        dist.broadcast_object_list(info, src=0)
+        if rank != 0 and info[4] is None:  # the others go on to their first agreement
+            dist.all_gather_object([None] * world, (text, None))
+    except BaseException:  # noqa: BLE001 -- the peers are gone: the caller raises its error
+        pass
 
 
 def _distributed() -> tuple[int, int]:

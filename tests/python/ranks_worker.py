@@ -77,6 +77,8 @@ def meet(rank: int, world: int, directory: str, case: str):
         kwargs["prefetch_depth"] = 1 + rank
     if case == "register":
         kwargs["states"] = "nvme"  # the ztierd rank 0 hosts has no swap directories
+    if case == f"dtype{rank}":  # refused before the ranks meet
+        kwargs["compute_dtype"] = torch.float16
     if case == "weights":  # rank 0 reads them: a tensor is missing
         kwargs["weights"] = os.path.join(directory, "partial.safetensors")
     model = tiny_llama()

@@ -85,8 +85,9 @@ def test_a_rank_that_cannot_join_ends_every_rank_at_once(tmp_path, monkeypatch):
     """A rank refused at attach (another lr), ranks given other runner
     settings (a prefetch depth each: their all-gathers would not pair up),
     rank 0's registration refused (states on NVMe with no swap directory),
-    rank 0's weights file lacking a tensor:
-    every rank raises within seconds, told which rank failed and why. Before,
+    rank 0's weights file lacking a tensor, an argument one rank refuses
+    before the ranks meet (a compute dtype): every rank raises within
+    seconds, told which rank failed and why. Before,
     the others waited 10 minutes (wait_timeout): in their first collective,
     or in an attach for a registration that never came; other settings hung
     for good or mixed the ranks' data."""
@@ -100,7 +101,7 @@ def test_a_rank_that_cannot_join_ends_every_rank_at_once(tmp_path, monkeypatch):
     weights = {k: v for k, v in tiny_llama().state_dict().items() if k != "lm_head.weight"}
     save_file(weights, str(tmp_path / "partial.safetensors"))
     said = {}
-    for case in ("lr", "prefetch", "register", "weights"):
+    for case in ("lr", "prefetch", "register", "weights", "dtype0", "dtype1"):
         mp.spawn(ranks_worker.meet, args=(2, str(tmp_path), case), nprocs=2, join=True)
         said[case] = [torch.load(tmp_path / f"meet-{case}-{r}.pt") for r in range(2)]
         for r in range(2):
@@ -120,6 +121,13 @@ def test_a_rank_that_cannot_join_ends_every_rank_at_once(tmp_path, monkeypatch):
     assert "lm_head.weight" in loaded[0], loaded
     assert loaded[1].startswith("RuntimeError: ztier: rank 0 could not load the model's"), \
         loaded
+    # An argument refused before the ranks met (told to no one: the others
+    # waited in gloo's first collective for good).
+    for bad in range(2):
+        early = [s["said"] for s in said[f"dtype{bad}"]]
+        assert early[bad].startswith("ValueError: ztier: compute_dtype must be"), early
+        assert early[1 - bad].startswith(
+            f"RuntimeError: ztier: rank {bad} could not offload its model: ValueError"), early
     for case in said:  # the model as it was, not placeholders
         assert all(s["intact"] for s in said[case]), case
     assert list(scratch.iterdir()) == []  # rank 0's ztierd went each time
