@@ -667,37 +667,48 @@ TEST(RunnerTest, AFullDiskFailsTheStepClearlyAndTheCheckpointResumes) {
   ExpectResumedEqualsWhole(first, second, *whole);
 }
 
+// A model whose states are on NVMe through a fault-injecting backend (a
+// drive a test may slow down), one step trained and published.
+struct SlowDriveRun {
+  TrainSetup s;
+  ScratchDir swap{"runner-swap"};
+  std::shared_ptr<nvme::FaultBackend> fault =
+      std::make_shared<nvme::FaultBackend>(nvme::MakeUringBackend());
+  std::unique_ptr<Session> session;
+  std::unique_ptr<Model> model;
+  RunResult out;
+
+  Status Start() {
+    s.optimizer_tier = Tier::kNvme;
+    s.prefetch = 0;  // a runner gone waits for no fetch of the next step's params
+    SessionOptions options = Options(s, swap.path());
+    options.io_backend = fault;
+    ZT_ASSIGN_OR_RETURN(session, testing::OpenTestSession(options));
+    ZT_ASSIGN_OR_RETURN(model, RegisterWithWeights(*session, s, "gpt"));
+    ZT_RETURN_IF_ERROR(TrainThroughRunner(s, *model, 0, 1, &out));
+    return model->WaitPublished(1, std::chrono::seconds(60));
+  }
+};
+
 // Model::WaitPublished's timeout bounds the whole call: units that publish
 // one after another, each within the timeout of the one before, are not
 // waited for up to units x timeout (each unit's wait had the whole timeout).
 TEST(RunnerTest, WaitPublishedsTimeoutBoundsTheWholeCall) {
   using namespace std::chrono_literals;
-  TrainSetup s;
-  s.optimizer_tier = Tier::kNvme;
-  s.prefetch = 0;  // the runner, gone, waits for no fetch of step 2's params
-  ScratchDir swap("runner-swap");
-  auto fault = std::make_shared<nvme::FaultBackend>(nvme::MakeUringBackend());
-  SessionOptions options = Options(s, swap.path());
-  options.io_backend = fault;
-  auto session = testing::OpenTestSession(options);
-  ASSERT_TRUE(session.ok()) << session.status();
-  auto model = RegisterWithWeights(**session, s, "gpt");
-  ASSERT_TRUE(model.ok()) << model.status();
-  ASSERT_GE((*model)->units(), 3);
-  RunResult out;
-  ASSERT_TRUE(TrainThroughRunner(s, **model, 0, 1, &out).ok());
-  ASSERT_TRUE((*model)->WaitPublished(1, std::chrono::seconds(60)).ok());
-  fault->SlowDown(nvme::IoKind::kRead, 120ms);                   // each unit's states come slowly
-  ASSERT_TRUE(TrainThroughRunner(s, **model, 1, 2, &out).ok());  // step 2's grads are in
+  SlowDriveRun r;
+  ASSERT_TRUE(r.Start().ok());
+  ASSERT_GE(r.model->units(), 3);
+  r.fault->SlowDown(nvme::IoKind::kRead, 120ms);  // each unit's states come slowly
+  ASSERT_TRUE(TrainThroughRunner(r.s, *r.model, 1, 2, &r.out).ok());  // step 2's grads are in
   const auto t0 = std::chrono::steady_clock::now();
-  Status waited = (*model)->WaitPublished(2, 400ms);
+  Status waited = r.model->WaitPublished(2, 400ms);
   const auto took = std::chrono::steady_clock::now() - t0;
   std::printf("WaitPublished(2, 400 ms): %s after %.0f ms\n", waited.ToString().c_str(),
               std::chrono::duration<double, std::milli>(took).count());
   EXPECT_EQ(waited.code(), StatusCode::kUnavailable) << waited;
   EXPECT_LT(took, 1200ms);
-  fault->SlowDown(nvme::IoKind::kRead, 0ms);
-  EXPECT_TRUE((*model)->WaitPublished(2, std::chrono::seconds(60)).ok());
+  r.fault->SlowDown(nvme::IoKind::kRead, 0ms);
+  EXPECT_TRUE(r.model->WaitPublished(2, std::chrono::seconds(60)).ok());
 }
 
 // A save right after a step's last grads went (the step queued or running
@@ -706,32 +717,20 @@ TEST(RunnerTest, WaitPublishedsTimeoutBoundsTheWholeCall) {
 // saves it.
 TEST(RunnerTest, ASaveRightAfterAStepsLastGradsSavesThatStep) {
   using namespace std::chrono_literals;
-  TrainSetup s;
-  s.optimizer_tier = Tier::kNvme;
-  s.prefetch = 0;
-  ScratchDir swap("runner-swap");
-  auto fault = std::make_shared<nvme::FaultBackend>(nvme::MakeUringBackend());
-  SessionOptions options = Options(s, swap.path());
-  options.io_backend = fault;
-  auto session = testing::OpenTestSession(options);
-  ASSERT_TRUE(session.ok()) << session.status();
-  auto model = RegisterWithWeights(**session, s, "gpt");
-  ASSERT_TRUE(model.ok()) << model.status();
-  RunResult out;
-  ASSERT_TRUE(TrainThroughRunner(s, **model, 0, 1, &out).ok());
-  ASSERT_TRUE((*model)->WaitPublished(1, std::chrono::seconds(60)).ok());
-  fault->SlowDown(nvme::IoKind::kRead, 30ms);                    // the step takes a while
-  ASSERT_TRUE(TrainThroughRunner(s, **model, 1, 2, &out).ok());  // step 2's grads are in
+  SlowDriveRun r;
+  ASSERT_TRUE(r.Start().ok());
+  r.fault->SlowDown(nvme::IoKind::kRead, 30ms);                       // the step takes a while
+  ASSERT_TRUE(TrainThroughRunner(r.s, *r.model, 1, 2, &r.out).ok());  // step 2's grads are in
   ScratchDir ck("save-after-grads");
-  const Status saved = (*model)->SaveCheckpoint(ck.path());
-  fault->SlowDown(nvme::IoKind::kRead, 0ms);
+  const Status saved = r.model->SaveCheckpoint(ck.path());
+  r.fault->SlowDown(nvme::IoKind::kRead, 0ms);
   ASSERT_TRUE(saved.ok()) << saved;
   Result<std::string> text = ReadFileToString(ck.path() + "/manifest.json", 1 << 20);
   ASSERT_TRUE(text.ok()) << text.status();
   Result<engine::CheckpointManifest> m = engine::DecodeCheckpointManifest(*text, "manifest");
   ASSERT_TRUE(m.ok()) << m.status();
   EXPECT_EQ(m->step, 2);
-  EXPECT_TRUE((*model)->WaitPublished(2, 0ms).ok());
+  EXPECT_TRUE(r.model->WaitPublished(2, 0ms).ok());
 }
 
 // ------------------------------------------------------------- bad use --

@@ -1009,6 +1009,32 @@ TEST_P(SwapSpaceTest, AFreedObjectGivesItsBlocksBackWhileOthersStay) {
   ASSERT_TRUE(space->Close().ok());
 }
 
+// Swap options of one path on the small tmpfs at `small`: 1 MiB stripes.
+SwapOptions OnSmallTmpfs(const fs::path& small, uint64_t growth_bytes) {
+  SwapOptions o;
+  o.paths = {(small / "swap").string()};
+  fs::create_directories(o.paths[0]);
+  o.stripe_bytes = kMiB;
+  o.queue_depth = 8;
+  o.growth_bytes = growth_bytes;
+  return o;
+}
+
+// Leaves `room` bytes free on the filesystem at `small`: the file `filler`
+// there takes the rest.
+void LeaveFree(const fs::path& small, uint64_t room) {
+  const std::string filler = (small / "filler").string();
+  fs::remove(filler);
+  struct statvfs vfs {};
+  ASSERT_EQ(::statvfs(small.c_str(), &vfs), 0);
+  const uint64_t avail = uint64_t{vfs.f_bavail} * vfs.f_frsize;
+  ASSERT_GT(avail, room);
+  const int fd = ::open(filler.c_str(), O_CREAT | O_WRONLY | O_CLOEXEC, 0600);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(::fallocate(fd, 0, 0, static_cast<off_t>(avail - room)), 0) << std::strerror(errno);
+  ::close(fd);
+}
+
 // A swap path whose filesystem is full when the space is made: its O_DIRECT
 // probe write failed, and with it the swap space (ztierd did not start,
 // DRAM jobs refused too). Objects are refused until there is room.
@@ -1016,22 +1042,8 @@ TEST_P(SwapSpaceTest, AFullFilesystemAtTheStartRefusesObjectsUntilItHasRoom) {
   const fs::path small = root_ / "full";
   ztier::testing::SmallTmpfs tmpfs(small.string(), "8m");
   if (!tmpfs.mounted()) GTEST_SKIP() << "cannot mount a small tmpfs here: " << tmpfs.error();
-  SwapOptions o;
-  o.paths = {(small / "swap").string()};
-  fs::create_directories(o.paths[0]);
-  o.stripe_bytes = kMiB;
-  o.queue_depth = 8;
-  o.growth_bytes = kMiB;
-  const std::string filler = (small / "filler").string();
-  {
-    struct statvfs vfs {};
-    ASSERT_EQ(::statvfs(small.c_str(), &vfs), 0);
-    const int fd = ::open(filler.c_str(), O_CREAT | O_WRONLY | O_CLOEXEC, 0600);
-    ASSERT_GE(fd, 0);
-    ASSERT_EQ(::fallocate(fd, 0, 0, static_cast<off_t>(uint64_t{vfs.f_bavail} * vfs.f_frsize)), 0)
-        << std::strerror(errno);
-    ::close(fd);
-  }
+  const SwapOptions o = OnSmallTmpfs(small, kMiB);
+  ASSERT_NO_FATAL_FAILURE(LeaveFree(small, 0));
   Result<std::unique_ptr<SwapSpace>> created = SwapSpace::Create(o, Backend());
   if (!created.ok() && created.status().message().find("O_DIRECT") != std::string::npos) {
     GTEST_SKIP() << "tmpfs takes no O_DIRECT on this kernel: " << created.status();
@@ -1041,7 +1053,7 @@ TEST_P(SwapSpaceTest, AFullFilesystemAtTheStartRefusesObjectsUntilItHasRoom) {
   Result<uint64_t> a = space->Allocate("a", 2 * kMiB);
   ASSERT_FALSE(a.ok());
   EXPECT_EQ(a.status().code(), StatusCode::kResourceExhausted) << a.status();
-  fs::remove(filler);
+  fs::remove(small / "filler");
   a = space->Allocate("a", 2 * kMiB);
   ASSERT_TRUE(a.ok()) << a.status();
   const std::vector<uint8_t> out(2 * kMiB, 0x5a);
@@ -1061,12 +1073,7 @@ TEST_P(SwapSpaceTest, GrowingTheFilesLeavesTheRoomTheHolesNeed) {
   const fs::path small = root_ / "small";
   ztier::testing::SmallTmpfs tmpfs(small.string(), "32m");
   if (!tmpfs.mounted()) GTEST_SKIP() << "cannot mount a small tmpfs here: " << tmpfs.error();
-  SwapOptions o;
-  o.paths = {(small / "swap").string()};
-  fs::create_directories(o.paths[0]);
-  o.stripe_bytes = kMiB;
-  o.queue_depth = 8;
-  o.growth_bytes = 4 * kMiB;
+  const SwapOptions o = OnSmallTmpfs(small, 4 * kMiB);
   Result<std::unique_ptr<SwapSpace>> created = SwapSpace::Create(o, Backend());
   if (!created.ok() && created.status().message().find("O_DIRECT") != std::string::npos) {
     GTEST_SKIP() << "tmpfs takes no O_DIRECT on this kernel: " << created.status();
@@ -1091,20 +1098,9 @@ TEST_P(SwapSpaceTest, GrowingTheFilesLeavesTheRoomTheHolesNeed) {
   // An object of the holes, the free tail and two units more: the files
   // grow by 2 MiB and the holes take 6 MiB again, 8 MiB of room.
   const uint64_t object = 6 * kMiB + tail + 2 * kMiB;
-  const std::string filler = (small / "filler").string();
-  const auto leave_free = [&](uint64_t room) {
-    fs::remove(filler);
-    struct statvfs vfs {};
-    ASSERT_EQ(::statvfs(small.c_str(), &vfs), 0);
-    const uint64_t avail = uint64_t{vfs.f_bavail} * vfs.f_frsize;
-    ASSERT_GT(avail, room);
-    const int fd = ::open(filler.c_str(), O_CREAT | O_WRONLY | O_CLOEXEC, 0600);
-    ASSERT_GE(fd, 0);
-    ASSERT_EQ(::fallocate(fd, 0, 0, static_cast<off_t>(avail - room)), 0) << std::strerror(errno);
-    ::close(fd);
-  };
+
   // 7 MiB free: refused, and nothing of it stays.
-  leave_free(7 * kMiB);
+  ASSERT_NO_FATAL_FAILURE(LeaveFree(small, 7 * kMiB));
   Result<uint64_t> c = space->Allocate("c", object);
   ASSERT_FALSE(c.ok());
   EXPECT_EQ(c.status().code(), StatusCode::kResourceExhausted) << c.status();
@@ -1113,7 +1109,7 @@ TEST_P(SwapSpaceTest, GrowingTheFilesLeavesTheRoomTheHolesNeed) {
   EXPECT_EQ(space->free_bytes(), tail + 6 * kMiB);
   // 9 MiB free: room for the object, though not for a growth of a step
   // (4 MiB) and the holes.
-  leave_free(9 * kMiB);
+  ASSERT_NO_FATAL_FAILURE(LeaveFree(small, 9 * kMiB));
   c = space->Allocate("c", object);
   ASSERT_TRUE(c.ok()) << c.status();
   EXPECT_EQ(space->file_bytes(), size + 2 * kMiB);
