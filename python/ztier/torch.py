@@ -706,6 +706,7 @@ class Offload:
         # (_PostBackward's outputs) and their versions then.
         self._input_versions: dict[tuple[int, int], list] = {}
         self._inplace_warned: set[type] = set()
+        self._output_checked = False  # the first training forward's (_check_first_output)
         # Tensors modules kept on themselves in a forward, hooked once each.
         self._kept_hooked: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         # A recompute (activation checkpointing) and the backward hook of the
@@ -1615,11 +1616,30 @@ class Offload:
         if torch._C._current_graph_task_id() != -1:
             return None
         self._in_forward = False
+        if self._training_forward and not self._output_checked:
+            self._check_first_output(output)
         # A forward no backward can follow (no grad, or nothing that needs
         # one): done, and the model is between steps again.
         if self._phase == "forward" and not any(t.requires_grad for t in _tensors(output)):
             self._phase = "idle"
         return None
+
+    def _check_first_output(self, output):
+        """The first training forward's output, looked at once (one device
+        sync): inf/NaN there is most often a parameter read outside the
+        forward of the module that owns it, which then reads its NaN
+        placeholder; every step would be skipped as non-finite with only
+        the engine's warnings to say so."""
+        self._output_checked = True
+        if any(t.is_floating_point() and not bool(torch.isfinite(t.detach()).all())
+               for t in _tensors(output)):
+            warnings.warn(
+                "ztier: the model's first training forward gave inf/NaN. A parameter read "
+                "outside the forward of the module that owns it (F.linear(h, self.wte.weight) in "
+                "the root's forward) reads as NaN there (its values live in the engine and are "
+                "fetched for its module's forward only): use the owning module, or an nn.Linear "
+                "head whose weight is tied to it; otherwise every step with such grads is "
+                "skipped", RuntimeWarning, stacklevel=_user_stacklevel())
 
     def _pre_forward(self, module, args, kwargs):
         self._post_hooks_last(module)

@@ -1846,3 +1846,41 @@ def test_a_model_trained_through_a_method_is_checked_as_model_x_is(settings, cha
     with pytest.raises(RuntimeError, match=said):
         model.encode(x).pow(2).mean().backward()
     z.close()
+
+
+class _TiedByHand(nn.Module):
+    """A root whose forward reads its embedding's weight directly (a head
+    tied by hand): that read is of the NaN placeholder."""
+
+    def __init__(self):
+        super().__init__()
+        self.wte = nn.Embedding(32, 16)
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, idx):
+        h = torch.tanh(self.fc(self.wte(idx)))
+        return nn.functional.linear(h, self.wte.weight)
+
+
+def test_a_first_forward_of_inf_or_nan_names_the_likely_cause(settings, recwarn):
+    # The loss was NaN and every step skipped, with only the engine's
+    # "skipped: inf/NaN in the gradients" to say so.
+    torch.manual_seed(0)
+    model = _TiedByHand()
+    z = zt.offload(model, settings=settings)
+    idx = torch.randint(0, 32, (2, 6))
+    with pytest.warns(RuntimeWarning, match=r"first training forward gave inf/NaN.*self\.wte\."):
+        model(idx).pow(2).mean().backward()
+    z.optimizer.step()
+    model(idx).pow(2).mean().backward()  # said once
+    z.optimizer.step()
+    assert sum("first training forward" in str(w.message) for w in recwarn) == 0
+    z.close()
+    # A model whose first output is finite is not warned of.
+    torch.manual_seed(0)
+    ok = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    z = zt.offload(ok, settings=settings)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        ok(torch.randn(2, 4)).pow(2).mean().backward()
+    z.close()
