@@ -466,9 +466,12 @@ class DaemonTransport final : public Transport, public ControlTransport {
   // is the step their state is of (a save right after a step's last grads
   // described the step before, and failed: "went from step").
   Result<engine::JobDescription> DescribeBetweenSteps(int job) {
-    ZT_RETURN_IF_ERROR(
-        Call(p::MessageType::kCheckConsistent, p::Encode(p::JobRef{.job = job}), {}, kCallTimeout)
-            .status());
+    // The step may take a while (states on NVMe): the call waits up to
+    // ten minutes for it (ztier.wait_timeout's default), and for ztierd's
+    // answer after.
+    ZT_RETURN_IF_ERROR(Call(p::MessageType::kCheckConsistent, p::Encode(p::JobRef{.job = job}), {},
+                            std::chrono::minutes(10) + call_timeout_)
+                           .status());
     return Describe(job);
   }
 

@@ -299,7 +299,13 @@ struct Daemon::Impl {
     for (const Lingering& l : lingering) {
       if (l.uid != uid) continue;
       for (const auto& [conn, process] : l.mappers) {
-        if (q.lingering_pids.size() < kMaxLingeringPids) q.lingering_pids.push_back(process.second);
+        // Those alive (a pid that exited may be another process's soon),
+        // each once (a process may map several freed jobs).
+        if (q.lingering_pids.size() < kMaxLingeringPids && !Exited(process.first) &&
+            std::find(q.lingering_pids.begin(), q.lingering_pids.end(), process.second) ==
+                q.lingering_pids.end()) {
+          q.lingering_pids.push_back(process.second);
+        }
       }
     }
     return q;
@@ -1255,8 +1261,10 @@ class Daemon::Impl::Connection {
     for (const auto& [uid, quota] : d_.custom_quotas) uids.insert(uid);
     for (uid_t uid : uids) {
       if (static_cast<int64_t>(uid) <= q.after) continue;
-      // At most 64 bytes a uid: a page of 900 fits in a datagram.
-      if (list.quotas.size() >= 900) {
+      // A uid's entry is at most 65 bytes and 4 a lingering pid: a page of
+      // them fits in a datagram.
+      constexpr size_t kPage = (p::kMaxMessageBytes - 1024) / (65 + 4 * kMaxLingeringPids);
+      if (list.quotas.size() >= kPage) {
         list.more = true;
         break;
       }

@@ -1611,8 +1611,11 @@ Status CheckIdle(const Job& j, std::string_view what) {
   if (j.checkpointing) {
     return Status::FailedPrecondition(StrCat(what, ": another checkpoint is in progress"));
   }
+  // An eager step updates each unit as its grads come: some units updated
+  // (none in flight) and others waiting for theirs is a step in flight too.
+  const bool eager_midway = j.spec.optimizer.mode == StepMode::kEager && j.eager_done > 0;
   for (const Unit& u : j.units) {
-    if (u.StepInFlight()) {
+    if (u.StepInFlight() || eager_midway) {
       return Status::FailedPrecondition(
           StrCat(what, ": job '", j.spec.name,
                  "' has gradients of a step in flight; checkpoint between steps"));
@@ -1635,6 +1638,7 @@ Status WithIdleJob(Engine::Impl& e, int job, std::string_view what, StateUse use
     std::unique_lock<std::mutex> lock(e.mu);
     ZT_ASSIGN_OR_RETURN(j, e.Find(job));
     e.WaitQueuedStepsLocked(lock, *j);
+    if (j->removed) return Status::Aborted(StrCat("job ", job, " was unregistered"));
     ZT_RETURN_IF_ERROR(CheckIdle(*j, what));
     j->checkpointing = true;
   }
@@ -1672,6 +1676,7 @@ Status Engine::CheckConsistent(int job) const {
   std::unique_lock<std::mutex> lock(impl_->mu);
   ZT_ASSIGN_OR_RETURN(std::shared_ptr<Job> j, impl_->Find(job));
   impl_->WaitQueuedStepsLocked(lock, *j);
+  if (j->removed) return Status::Aborted(StrCat("job ", job, " was unregistered"));
   ZT_RETURN_IF_ERROR(CheckIdle(*j, "read the state"));
   return PartlyWritten(*j);
 }

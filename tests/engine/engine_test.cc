@@ -289,6 +289,25 @@ TEST(EngineOverlapTest, EagerUpdatesAUnitBeforeTheLastGradsArrive) {
   EXPECT_TRUE(engine->WaitPublished(*job, 0, 1, 10s).ok());
 }
 
+// An eager step midway (some units updated, others waiting for their
+// grads) holds no one state: a save then was taken (every unit looked idle
+// once its update was done), a checkpoint of units a step apart.
+TEST(EngineOverlapTest, ASaveInTheMiddleOfAnEagerStepIsRefused) {
+  auto engine = MakeEngine();
+  Result<int> job = engine->RegisterJob(SmallModel("eager-save", 1, 0.0f, 1, StepMode::kEager));
+  ASSERT_TRUE(job.ok());
+  const int n = 4;
+  for (int k = n - 1; k >= 1; --k) Ring(*engine, *job, k, 1, 0.5f);
+  for (int k = n - 1; k >= 1; --k) ASSERT_TRUE(engine->WaitPublished(*job, k, 1, 10s).ok());
+  ScratchDir dir("eager-save");
+  const Status midway = engine->SaveCheckpoint(*job, dir.path());
+  EXPECT_EQ(midway.code(), StatusCode::kFailedPrecondition) << midway;
+  EXPECT_NE(midway.ToString().find("in flight"), std::string::npos) << midway;
+  Ring(*engine, *job, 0, 1, 0.5f);
+  ASSERT_TRUE(engine->WaitPublished(*job, 0, 1, 10s).ok());
+  EXPECT_TRUE(engine->SaveCheckpoint(*job, dir.path()).ok());
+}
+
 TEST(EngineOverlapTest, ExactModePublishesUnitZeroBeforeTheLastUnitIsDone) {
   auto engine = MakeEngine();
   JobSpec spec;
