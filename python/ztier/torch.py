@@ -707,8 +707,10 @@ class Offload:
         self._input_versions: dict[tuple[int, int], list] = {}
         self._inplace_warned: set[type] = set()
         self._output_checked = False  # the first training forward's (_check_first_output)
+        self._began_in_checkpoint = False  # _begin_forward
         # Tensors modules kept on themselves in a forward, hooked once each.
         self._kept_hooked: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+        self._own_modules_of: dict[int, list] = {}  # _own_modules
         # A recompute (activation checkpointing) and the backward hook of the
         # forward's call of the same module come in either order: each
         # module's backward holds that no recompute has met yet, and the
@@ -1443,8 +1445,13 @@ class Offload:
         was offloaded, and the pass's bookkeeping. ``root``: the model was
         called (model(x)); else a forward that does not go through the root
         (model.encode(x), a submodule called on its own) begins at its first
-        offloaded module (whose post-hook ends it, as the root's does)."""
+        offloaded module (_rootless_begins): a training one ends with its
+        backward, an evaluation's when another forward begins or the model is
+        used between steps."""
         self._claim_thread("a forward", forward=root)
+        # An evaluation's pass (no grad) is over when another forward begins.
+        if self._phase == "forward" and not self._training_forward and not self._fwd_held:
+            self._phase = "idle"
         if self._stranded():
             self._undo_stranded("a forward")
         if self._phase == "backward" or self._fwd_held or any(u.holds for u in self.units):
@@ -1471,9 +1478,15 @@ class Offload:
                 self.optimizer._check_supported()
         self._check_idle_params(values=training)
         self._training_forward = torch.is_grad_enabled()
-        if self._training_forward:
+        # A forward past the root whose first module runs in a reentrant
+        # activation checkpoint (without grad, its backward recomputing it)
+        # may be a training one: its calls are counted as one's, and the
+        # first call with grad makes it one (_rootless_begins).
+        self._began_in_checkpoint = (not root and not self._training_forward
+                                     and _in_reentrant_checkpoint())
+        if self._training_forward or self._began_in_checkpoint:
             self._check_frozen_set()
-        if self._training_forward and self._phase == "idle":
+        if (self._training_forward or self._began_in_checkpoint) and self._phase == "idle":
             # The calls of the forward before (its backward done, or its
             # graph dropped) are over.
             for u in self.units:
@@ -1656,7 +1669,7 @@ class Offload:
                 "the model itself, model(...)")
         if self._phase != "backward" and torch._C._current_graph_task_id() != -1:
             self._enter_backward()  # a recompute is the first thing backward runs
-        elif not self._in_forward and self._phase == "idle" and not self._fwd_held:
+        elif not self._in_forward and self._rootless_begins(module):
             # A forward past the root (model.encode(x)): its checks ran
             # nowhere, so a parameter frozen, unfrozen, replaced or written
             # since offloading trained (or did not) silently.
@@ -1687,12 +1700,31 @@ class Offload:
             self._hold(units)
             self._fwd_held.append(mid)
             self._calls.setdefault(mid, []).append(call[1])
-            if self._training_forward:  # also in a region that runs without grad
-                for u in units:
+            if self._training_forward or self._began_in_checkpoint:  # also in a region
+                for u in units:                                        # without grad
                     u.calls += 1
         if torch.is_grad_enabled():
             return self._wrap_inputs(call, args, kwargs)
         return None
+
+    def _rootless_begins(self, module) -> bool:
+        """At an offloaded module's call outside any root forward: whether a
+        forward past the root begins here. Not inside another offloaded
+        module's call (nested); yes after one that raised (its holds are
+        stale: _begin_forward lets them go), between steps, and where an
+        evaluation's calls (without grad: they go on as one pass, one learned
+        order) are followed by a training one. A training forward's calls
+        are one pass until its backward ends it."""
+        if self._fwd_held:
+            return not self._module_call_on_stack(set(self._fwd_held), this_call=module)
+        if self._phase == "idle":
+            return True
+        if self._phase != "forward" or self._training_forward or not torch.is_grad_enabled():
+            return False
+        if self._began_in_checkpoint:  # its first calls were in a checkpoint: it trains
+            self._training_forward = True
+            return False
+        return True
 
     def _forward_called_directly(self) -> bool:
         """The root's forward is on this stack but not through its __call__:
@@ -1704,11 +1736,25 @@ class Offload:
     def _root_call_on_stack(self) -> bool:
         """A call of the root module runs on this thread's stack: its forward,
         or the hooks around it (which run inside its __call__)."""
+        return self._module_call_on_stack({id(self.module)})
+
+    @staticmethod
+    def _module_call_on_stack(ids: set, this_call=None) -> bool:
+        """A call of one of the modules whose ids are ``ids`` runs on this
+        thread's stack (``this_call``'s innermost call, the one asking, not
+        counted)."""
         codes = {nn.Module._wrapped_call_impl.__code__, nn.Module._call_impl.__code__}
         f = sys._getframe(1)
         while f is not None:
-            if f.f_code in codes and f.f_locals.get("self") is self.module:
-                return True
+            if f.f_code in codes:
+                m = f.f_locals.get("self")
+                if this_call is not None and m is this_call:
+                    this_call = None  # its own frames: _wrapped_call_impl, _call_impl
+                    while f.f_back is not None and f.f_back.f_code in codes and \
+                            f.f_back.f_locals.get("self") is m:
+                        f = f.f_back
+                elif id(m) in ids:
+                    return True
             f = f.f_back
         return False
 
@@ -1757,13 +1803,6 @@ class Offload:
         deeper = held and any(t.untyped_storage().data_ptr() in held for t in _tensors(output))
         self._fwd_held.remove(mid)
         self._let_go(units, check=True)
-        if (not self._in_forward and not self._fwd_held and self._phase == "forward"
-                and (torch.is_grad_enabled() or not self._training_forward)
-                and not any(t.requires_grad for t in _tensors(output))):
-            # A forward past the root that no backward can follow: done (a
-            # call in a training forward's region without grad, reentrant
-            # activation checkpointing's, is not the end of it).
-            self._phase = "idle"
         where = f" (unit '{units[0].name}')" if units else ""
         if deeper:
             raise RuntimeError(
@@ -1791,15 +1830,40 @@ class Offload:
         return output if replaced else None
 
     def _hook_kept(self, module, call):
-        """A tensor the module kept on itself in its forward (an MoE block's
-        ``self.aux_loss``, which the caller adds to the loss) leads a
-        backward into the module past its outputs: it is hooked as they are
-        (its backward read the unit's freed weights)."""
-        for v in vars(module).values():
-            if (isinstance(v, torch.Tensor) and v.requires_grad and v.grad_fn is not None
-                    and self._kept_hooked.get(id(v)) is not v):
-                self._kept_hooked[id(v)] = v
-                v.register_hook(functools.partial(_pre_backward_hook, weakref.ref(self), call))
+        """A tensor the module or a submodule of its unit kept on itself in
+        its forward (an MoE layer's ``self.aux_loss``, which the caller adds
+        to the loss; in a list or dict too) leads a backward into the module
+        past its outputs: it is hooked as they are (its backward read the
+        unit's freed weights)."""
+        for m in self._own_modules(module):
+            for name, v in vars(m).items():
+                if isinstance(v, torch.Tensor):
+                    kept = (v,)
+                elif isinstance(v, (list, tuple)):
+                    kept = v
+                elif isinstance(v, dict) and not name.startswith("_"):
+                    kept = v.values()
+                else:
+                    continue
+                for t in kept:
+                    if (isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is not None
+                            and self._kept_hooked.get(id(t)) is not t):
+                        self._kept_hooked[id(t)] = t
+                        t.register_hook(
+                            functools.partial(_pre_backward_hook, weakref.ref(self), call))
+
+    def _own_modules(self, module) -> list:
+        """``module`` and its submodules down to the next offloaded ones (the
+        modules its unit holds), found once."""
+        mods = self._own_modules_of.get(id(module))
+        if mods is None:
+            mods, todo = [], [module]
+            while todo:
+                m = todo.pop()
+                mods.append(m)
+                todo.extend(c for c in m.children() if id(c) not in self._module_units)
+            self._own_modules_of[id(module)] = mods
+        return mods
 
     def _wrap_inputs(self, call, args, kwargs):
         pos = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
@@ -2211,6 +2275,14 @@ class Offload:
             # emergency save in the except clause was refused).
             self._reset_interrupted()
             self._in_forward = False
+        if (not self._in_forward and self._phase != "backward" and self._fwd_held
+                and self._pass_thread == threading.get_ident()
+                and torch._C._current_graph_task_id() == -1
+                and not self._module_call_on_stack(set(self._fwd_held))):
+            self._reset_interrupted()  # a forward past the root that raised
+        if (not self._in_forward and self._phase == "forward" and not self._training_forward
+                and not self._fwd_held):
+            self._phase = "idle"  # an evaluation's pass is over
         inside = self._phase == "backward" or self._fwd_held or any(u.holds for u in self.units)
         if inside or not nothing_sent:
             raise RuntimeError(f"ztier: {what} between optimizer steps only (after "
@@ -2589,6 +2661,21 @@ def _interrupts_deferred():
                 before(signal.SIGINT, got[0])
             elif before == signal.SIG_DFL:
                 os.kill(os.getpid(), signal.SIGINT)  # its default action, now
+
+
+def _in_reentrant_checkpoint() -> bool:
+    """This thread runs the forward of torch.utils.checkpoint's reentrant
+    form (which runs it without grad, and again in backward)."""
+    import torch.utils.checkpoint as checkpoint
+
+    fn = getattr(checkpoint, "CheckpointFunction", None)
+    code = getattr(getattr(fn, "forward", None), "__code__", None)
+    f = sys._getframe(1)
+    while code is not None and f is not None:
+        if f.f_code is code:
+            return True
+        f = f.f_back
+    return False
 
 
 def _tell_ranks_it_failed(error: BaseException, rank: int, world: int):
@@ -2983,41 +3070,50 @@ def _add_to_safetensors(source: str, extra: dict[str, torch.Tensor], path: str):
                 os.unlink(tmp)  # a write or a replace that failed left it, full size
 
 
-def _map_tensors(obj, fn):
+def _map_tensors(obj, fn, seen=None):
     """``obj`` with ``fn`` applied to each tensor in it, through tuples
     (namedtuples too), lists, dicts and dataclasses at any depth: dicts
     (Hugging Face ModelOutputs among them) changed in place, the others
-    copied where a tensor in them changed; other objects as they are.
-    ``obj`` itself where nothing changed."""
+    copied where a tensor in them changed (a tuple subclass that cannot be
+    built from its items is left as it is); other objects as they are, each
+    looked into once. ``obj`` itself where nothing changed."""
     if isinstance(obj, torch.Tensor):
         return fn(obj)
+    if not isinstance(obj, (dict, tuple, list)) and not (
+            dataclasses.is_dataclass(obj) and not isinstance(obj, type)):
+        return obj
+    seen = set() if seen is None else seen
+    if id(obj) in seen:
+        return obj
+    seen.add(id(obj))
     if isinstance(obj, dict):
         for k, v in list(obj.items()):
-            new = _map_tensors(v, fn)
+            new = _map_tensors(v, fn, seen)
             if new is not v:
                 obj[k] = new
         return obj
     if isinstance(obj, (tuple, list)):
-        items = [_map_tensors(o, fn) for o in obj]
+        items = [_map_tensors(o, fn, seen) for o in obj]
         if all(a is b for a, b in zip(items, obj)):
             return obj
-        if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a namedtuple
-            return type(obj)(*items)
-        return type(obj)(items)
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        changed = {}
-        for f in dataclasses.fields(obj):
-            v = getattr(obj, f.name)
-            new = _map_tensors(v, fn)
-            if new is not v:
-                changed[f.name] = new
-        if not changed:
-            return obj
-        out = copy.copy(obj)
-        for k, v in changed.items():
-            object.__setattr__(out, k, v)  # frozen ones too
-        return out
-    return obj
+        try:
+            if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a namedtuple
+                return type(obj)(*items)
+            return type(obj)(items)
+        except TypeError:
+            return obj  # its tensors get grad hooks (_post_forward)
+    changed = {}
+    for f in dataclasses.fields(obj):
+        v = getattr(obj, f.name)
+        new = _map_tensors(v, fn, seen)
+        if new is not v:
+            changed[f.name] = new
+    if not changed:
+        return obj
+    out = copy.copy(obj)
+    for k, v in changed.items():
+        object.__setattr__(out, k, v)  # frozen ones too
+    return out
 
 
 def _tensors(obj, seen=None):

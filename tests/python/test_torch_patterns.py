@@ -856,35 +856,45 @@ def test_blocks_can_be_chosen_and_a_checkpoint_of_another_layout_says_so(setting
 class _Encoder(nn.Module):
     """Trained through a method (CLIP's encode_image, a VAE's encode), not
     model(x): the root's hooks never run. Its one block is shared by every
-    layer (ALBERT) and checkpointed."""
+    layer (ALBERT) and checkpointed; ``first``: the first offloaded module
+    called is in a checkpoint (its forward runs without grad)."""
 
-    def __init__(self, reentrant=True):
+    def __init__(self, reentrant=True, first=False):
         super().__init__()
         self.reentrant = reentrant
+        self.first = first
         self.inp = nn.Linear(8, 8)
         self.layers = nn.ModuleList([_ViewBlock(8)] * 3)
         self.out = nn.Linear(8, 1)
+        self.fail = False
 
     def encode(self, x):
-        h = self.inp(x)
+        h = x if self.first else self.inp(x)
         for layer in self.layers:
             h = h + torch.utils.checkpoint.checkpoint(layer, h, use_reentrant=self.reentrant)
+        if self.fail:
+            self.layers[0](h[..., :3])  # raises inside the block (a shape error)
         return self.out(h)
 
 
-@pytest.mark.parametrize("reentrant", [True, False])
-def test_a_model_trained_through_a_method_of_its_own(settings, tmp_path, reentrant):
+@pytest.mark.parametrize("case", ["reentrant", "non-reentrant", "checkpointed first"])
+def test_a_model_trained_through_a_method_of_its_own(settings, tmp_path, case):
     # The forward's bookkeeping began in the root's hooks only: the shared
     # block under reentrant checkpointing was refused ("a second grad for
-    # 'layers.0.proj.bias'"), a stale flag from the forward before.
+    # 'layers.0.proj.bias'"), a stale flag from the forward before; so was
+    # one whose first module ran in a checkpoint. A forward that raised
+    # left its unit held, to train on stale weights for good.
+    def make():
+        return _Encoder(case != "non-reentrant", first=case == "checkpointed first")
+
     torch.manual_seed(0)
-    model = _Encoder(reentrant)
+    model = make()
     torch.manual_seed(0)
-    ref_model = _Encoder(reentrant)
+    ref_model = make()
     z = zt.offload(model, optimizer=ADAMW, settings=settings)
     ref = Reference(ref_model, z, ADAMW)
     for step in range(3):
-        x = _x(step)
+        x = _x(step).requires_grad_(case == "checkpointed first")
         loss = model.encode(x).pow(2).mean()
         loss.backward()
         ref_loss = ref_model.encode(x).pow(2).mean()
@@ -896,6 +906,10 @@ def test_a_model_trained_through_a_method_of_its_own(settings, tmp_path, reentra
             model.encode(x)
         z.save_checkpoint(str(tmp_path / f"ck-{step}"))  # the forward is over:
         z.load_checkpoint(str(tmp_path / f"ck-{step}"))  # the state as it was
+        model.fail = True  # a forward that raises midway: the next ones train on
+        with pytest.raises(RuntimeError):
+            model.encode(x)
+        model.fail = False
     z.close()
 
 
@@ -914,22 +928,41 @@ class _AuxBlock(nn.Module):
         return y
 
 
+class _MoeBlock(nn.Module):
+    """A decoder block whose MoE layer (a submodule of the block's unit)
+    keeps the aux loss, in a list."""
+
+    def __init__(self, dim):
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.moe = _AuxBlock(dim)
+
+    def forward(self, x):
+        y = self.moe(self.norm(x))
+        self.moe.aux_loss = [self.moe.aux_loss]
+        return y
+
+
 class _AuxStack(nn.Module):
-    def __init__(self):
+    def __init__(self, block=_AuxBlock):
         super().__init__()
         self.inp = nn.Linear(8, 8)
-        self.layers = nn.ModuleList(_AuxBlock(8) for _ in range(3))
+        self.layers = nn.ModuleList(block(8) for _ in range(3))
         self.out = nn.Linear(8, 1)
 
     def forward(self, x):
         h = self.inp(x)
         for layer in self.layers:
             h = layer(h)
-        return self.out(h) + 0.1 * sum(layer.aux_loss for layer in self.layers)
+        aux = [getattr(layer, "moe", layer).aux_loss for layer in self.layers]
+        aux = [a[0] if isinstance(a, list) else a for a in aux]
+        return self.out(h) + 0.1 * sum(aux)
 
 
-def test_a_loss_a_block_kept_on_itself_trains(settings):
+@pytest.mark.parametrize("block", [_AuxBlock, _MoeBlock])
+def test_a_loss_a_block_kept_on_itself_trains(settings, block):
     # The aux loss's backward reached the block's gate before any hook of
     # its outputs held the unit: it read freed weights ("setStorage: ...
     # out of bounds for storage of size 0").
-    _against_reference(_AuxStack, settings, _x)
+    _, z = _against_reference(lambda: _AuxStack(block), settings, _x)
+    assert [u.name for u in z.units][1:4] == ["layers.0", "layers.1", "layers.2"]
