@@ -1689,9 +1689,10 @@ class Daemon::Impl::Connection {
         return Status::FailedPrecondition(
             StrCat("job '", name,
                    "': this ztierd has no swap directories, so optimizer states go to its DRAM "
-                   "only (ztier-train --optimizer dram, ztier.torch states=\"dram\"); its "
-                   "administrator sets swap directories in ztierd's configuration "
-                   "(zero_optimization.offload_optimizer.nvme_path)"));
+                   "only (ztier-train --optimizer dram, ztier.torch states=\"dram\"); swap "
+                   "directories are ztierd's own settings (zero_optimization.offload_optimizer."
+                   "nvme_path in its configuration; for the ztierd that ztier.torch's rank 0 "
+                   "starts, offload()'s settings= or ZTIER_NVME_PATHS)"));
       }
       return id.status();
     }

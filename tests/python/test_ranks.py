@@ -116,6 +116,7 @@ def test_a_rank_that_cannot_join_ends_every_rank_at_once(tmp_path, monkeypatch):
         assert "prefetch_depth is" in prefetch[r] and "every rank" in prefetch[r], prefetch
     register = [s["said"] for s in said["register"]]
     assert "no swap directories" in register[0], register
+    assert "ZTIER_NVME_PATHS" in register[0], register  # the hosted ztierd's are the user's
     assert register[1].startswith("RuntimeError: ztier: rank 0 could not register"), register
     loaded = [s["said"] for s in said["weights"]]
     assert "lm_head.weight" in loaded[0], loaded
