@@ -591,10 +591,10 @@ class DaemonTransport final : public Transport, public ControlTransport {
           .status();
     }
 
+    // What is read whole (a save, an export) is one state: checked before
+    // the first unit by the caller (DescribeBetweenSteps), after the last
+    // here.
     Status Pass(const Visit& fn, bool read, bool write) {
-      // What is read whole (a save, an export) is one state, before the
-      // first unit and after the last.
-      if (read && !write) ZT_RETURN_IF_ERROR(CheckConsistent());
       uint64_t most = 0;
       for (const engine::UnitLayout& l : d_.layouts) most = std::max(most, l.padded);
       ZT_ASSIGN_OR_RETURN(Staging staging, Staging::Make(3 * most * sizeof(float)));

@@ -1449,9 +1449,7 @@ class Offload:
         backward, an evaluation's when another forward begins or the model is
         used between steps."""
         self._claim_thread("a forward", forward=root)
-        # An evaluation's pass (no grad) is over when another forward begins.
-        if self._phase == "forward" and not self._training_forward and not self._fwd_held:
-            self._phase = "idle"
+        self._end_evaluation_pass()  # another forward begins
         if self._stranded():
             self._undo_stranded("a forward")
         if self._phase == "backward" or self._fwd_held or any(u.holds for u in self.units):
@@ -1484,9 +1482,9 @@ class Offload:
         # first call with grad makes it one (_rootless_begins).
         self._began_in_checkpoint = (not root and not self._training_forward
                                      and _in_reentrant_checkpoint())
-        if self._training_forward or self._began_in_checkpoint:
+        if self._counts_calls:
             self._check_frozen_set()
-        if (self._training_forward or self._began_in_checkpoint) and self._phase == "idle":
+        if self._counts_calls and self._phase == "idle":
             # The calls of the forward before (its backward done, or its
             # graph dropped) are over.
             for u in self.units:
@@ -1700,12 +1698,24 @@ class Offload:
             self._hold(units)
             self._fwd_held.append(mid)
             self._calls.setdefault(mid, []).append(call[1])
-            if self._training_forward or self._began_in_checkpoint:  # also in a region
-                for u in units:                                        # without grad
+            if self._counts_calls:  # also in a region that runs without grad
+                for u in units:
                     u.calls += 1
         if torch.is_grad_enabled():
             return self._wrap_inputs(call, args, kwargs)
         return None
+
+    @property
+    def _counts_calls(self) -> bool:
+        """This forward's calls have a backward to come (a training forward,
+        or one begun in a reentrant checkpoint): they are counted."""
+        return self._training_forward or self._began_in_checkpoint
+
+    def _end_evaluation_pass(self):
+        """An evaluation's pass (no grad, nothing held) is over: it has no
+        end of its own when it goes past the root."""
+        if self._phase == "forward" and not self._training_forward and not self._fwd_held:
+            self._phase = "idle"
 
     def _rootless_begins(self, module) -> bool:
         """At an offloaded module's call outside any root forward: whether a
@@ -2280,9 +2290,8 @@ class Offload:
                 and torch._C._current_graph_task_id() == -1
                 and not self._module_call_on_stack(set(self._fwd_held))):
             self._reset_interrupted()  # a forward past the root that raised
-        if (not self._in_forward and self._phase == "forward" and not self._training_forward
-                and not self._fwd_held):
-            self._phase = "idle"  # an evaluation's pass is over
+        if not self._in_forward:
+            self._end_evaluation_pass()  # the model is used between steps
         inside = self._phase == "backward" or self._fwd_held or any(u.holds for u in self.units)
         if inside or not nothing_sent:
             raise RuntimeError(f"ztier: {what} between optimizer steps only (after "
