@@ -497,6 +497,8 @@ class Offload:
         launch = 0
         if self.world_size > 1:
             daemon, name, launch = self._meet_ranks(daemon, session, config, settings, name)
+        self._launch = launch
+        self._rank0_calls = {}  # (call, version) -> how many; _by_rank0's keys
         # What each rank does alone, up to the registration: a failure on one
         # rank is told to the others (which would wait in the next collective
         # for it), and so are the settings every rank must be given alike.
@@ -1085,9 +1087,10 @@ class Offload:
             dist.barrier()
 
     def _on_rank0(self, fn):
-        """Runs ``fn`` on rank 0 (the files are its to read and write) and
-        tells every rank how it went: an error there is raised on every rank
-        (the others waited for it in a barrier, and both ranks hung)."""
+        """Runs ``fn`` on rank 0 (the files are its to read and write), every
+        rank calling it, and tells every rank how it went: an error there
+        is raised on every rank (the others waited for it in a barrier, and
+        both ranks hung). For a load, which every rank takes part in."""
         error = None
         if self.rank == 0:
             try:
@@ -1109,6 +1112,53 @@ class Offload:
                 raise
             if self.rank != 0 and said[0] is not None:
                 raise RuntimeError(f"ztier: on rank 0: {said[0]}")
+        if error is not None:
+            raise error
+
+    def _by_rank0(self, what: str, fn, between_steps: bool = True):
+        """``what`` between optimizer steps, its files written by rank 0
+        (``fn``), which does not wait for the other ranks: rank 0 may call
+        it alone (DDP's ``if rank == 0: save``; a rank waiting for peers
+        that never came hung until the timeout, and theirs in their next
+        collective). Rank 0 posts how it went in torch.distributed's store,
+        under the call and the step; another rank that calls it waits there
+        for rank 0's and raises rank 0's error. ``between_steps``: ``what``
+        is refused midway through a step (_between_steps), on any rank."""
+        self._require_open(what)
+
+        def check():
+            if between_steps:
+                self._between_steps(what)
+
+        key = None
+        if self.world_size > 1:
+            import torch.distributed as dist
+            call = (what, self.runner.version)
+            n = self._rank0_calls.get(call, 0)
+            self._rank0_calls[call] = n + 1
+            key = f"ztier/{self._launch}/{what}/{call[1]}/{n}"
+            store = dist.distributed_c10d._get_default_store()
+        if self.rank != 0:
+            check()
+            try:
+                store.wait([key])
+            except Exception as e:
+                raise RuntimeError(
+                    f"ztier: rank {self.rank} called {what} after step {call[1]} and waited for "
+                    f"rank 0's in vain ({e}): rank 0 writes the files; call it on rank 0 (alone "
+                    "or with the other ranks)") from e
+            theirs = store.get(key).decode()
+            if theirs:
+                raise RuntimeError(f"ztier: on rank 0: {theirs}")
+            return
+        error = None
+        try:
+            check()
+            fn()
+        except BaseException as e:  # noqa: BLE001 -- posted for the other ranks, then raised
+            error = e
+        if key is not None:
+            store.set(key, "" if error is None else f"{type(error).__name__}: {error}")
         if error is not None:
             raise error
 
@@ -2307,9 +2357,11 @@ class Offload:
     def claim_checkpoint_dir(self, directory: str):
         """Locks ``directory`` for this model's checkpoints until it is closed,
         so a second run on it is refused at once (naming the holder's pid).
-        With several ranks, rank 0 claims it (every rank calls this)."""
-        self._require_open("claim_checkpoint_dir")
-        self._on_rank0(lambda: self.job.claim_checkpoint_dir(os.fspath(directory)))
+        With several ranks, rank 0 claims it (on its own, or every rank calls
+        this)."""
+        self._by_rank0("claim_checkpoint_dir",
+                       lambda: self.job.claim_checkpoint_dir(os.fspath(directory)),
+                       between_steps=False)
 
     def persistent_buffers(self) -> dict[str, torch.Tensor]:
         """The module's persistent buffers (BatchNorm's running statistics,
@@ -2361,8 +2413,8 @@ class Offload:
         and the module's persistent buffers (``ztier-buffers-step-S.pt``
         beside them, written before the engine's manifest commits the save,
         so an interrupted save leaves the last checkpoint whole, its buffers
-        included). With several ranks every rank calls it; rank 0 writes."""
-        self._between_steps("save_checkpoint")
+        included). With several ranks rank 0 writes: it may call it alone, or
+        every rank does (each then raises rank 0's error)."""
         directory = os.fspath(directory)
 
         def save():
@@ -2397,7 +2449,7 @@ class Offload:
                     except FileNotFoundError:
                         pass
 
-        self._on_rank0(save)
+        self._by_rank0("save_checkpoint", save)
 
     def load_checkpoint(self, directory: str):
         """Every rank calls it; rank 0 reads the files into the engine."""
@@ -2474,45 +2526,48 @@ class Offload:
 
     def export_safetensors(self, path: str, dtype: str = "bfloat16"):
         """The consolidated weights under the model's state-dict names (rank 0
-        writes; every rank calls it)."""
-        self._between_steps("export_safetensors")
+        writes: it may call it alone, or every rank does)."""
         path = os.fspath(path)
+        self._by_rank0("export_safetensors", lambda: self._export(path, dtype))
 
-        def export():
-            buffers = {n: b.detach().cpu().contiguous()
-                       for n, b in self.persistent_buffers().items()}
-            if not buffers:
-                self.job.export_safetensors(path, dtype)
-                return
-            # The weights go to a file beside it, and the whole file replaces
-            # `path` at once: a buffer safetensors cannot hold, or a name
-            # taken twice, fails with the file there as it was (it was left
-            # holding the weights alone).
-            weights = path + ".weights"
-            try:
-                self.job.export_safetensors(weights, dtype)
-                _add_to_safetensors(weights, buffers, path)
-            finally:
-                if os.path.exists(weights):
-                    os.unlink(weights)
-
-        self._on_rank0(export)
+    def _export(self, path: str, dtype: str):
+        buffers = {n: b.detach().cpu().contiguous()
+                   for n, b in self.persistent_buffers().items()}
+        if not buffers:
+            self.job.export_safetensors(path, dtype)
+            return
+        # The weights go to a file beside it, and the whole file replaces
+        # `path` at once: a buffer safetensors cannot hold, or a name taken
+        # twice, fails with the file there as it was (it was left holding
+        # the weights alone).
+        weights = path + ".weights"
+        try:
+            self.job.export_safetensors(weights, dtype)
+            _add_to_safetensors(weights, buffers, path)
+        finally:
+            if os.path.exists(weights):
+                os.unlink(weights)
 
     def save_pretrained(self, directory: str, dtype: str = "bfloat16"):
         """A Hugging Face model directory: config.json (when the model has a
         config) and model.safetensors. A sharded checkpoint there before
         (model.safetensors.index.json and the shards it names) is removed
         once the new file is written, as Hugging Face's save_pretrained
-        does: loaders take the index first, and read the old weights."""
+        does: loaders take the index first, and read the old weights. Rank 0
+        writes, as export_safetensors."""
         from ztier import hf
 
-        self._between_steps("save_pretrained")
-        os.makedirs(directory, exist_ok=True)
-        config = getattr(self.module, "config", None)
-        if config is not None and hasattr(config, "save_pretrained"):
-            config.save_pretrained(directory)
-        self.export_safetensors(os.path.join(directory, hf.SINGLE), dtype)
-        hf.remove_shards(directory)
+        directory = os.fspath(directory)
+
+        def write():
+            os.makedirs(directory, exist_ok=True)
+            config = getattr(self.module, "config", None)
+            if config is not None and hasattr(config, "save_pretrained"):
+                config.save_pretrained(directory)
+            self._export(os.path.join(directory, hf.SINGLE), dtype)
+            hf.remove_shards(directory)
+
+        self._by_rank0("save_pretrained", write)
 
     def _read_master(self, u: _Unit) -> torch.Tensor:
         """The unit's fp32 masters (padded, on the host), read from the engine."""

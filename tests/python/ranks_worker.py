@@ -154,6 +154,46 @@ def peer_gone(rank: int, world: int, directory: str):
     os._exit(0)
 
 
+def rank0_saves_alone(rank: int, world: int, directory: str):
+    """Rank 0 saves, exports and saves a pretrained directory alone, as
+    DDP's ``if rank == 0:``, while rank 1 trains on; then every rank loads
+    that checkpoint (test_ranks.py). Each saves what it saw."""
+    import time
+
+    import ztier.torch as zt
+    from conftest import batch, tiny_llama
+
+    os.environ["LOCAL_WORLD_SIZE"] = str(world)
+    dist.init_process_group("gloo", init_method=f"file://{directory}/store-alone", rank=rank,
+                            world_size=world)
+    model = tiny_llama()
+    z = zt.offload(model, optimizer=zt.AdamW(lr=3e-3),
+                   settings={"ztier.dram_budget": "1G", "ztier.wait_timeout": 5})
+    out = {"said": None, "masters": None}
+    start = time.monotonic()
+    try:
+        for step in range(4):
+            x = batch(step, micro=rank)
+            model(input_ids=x, labels=x).loss.backward()
+            z.optimizer.step()
+            if step == 1 and rank == 0:
+                z.save_checkpoint(os.path.join(directory, "ck"))
+                z.export_safetensors(os.path.join(directory, "alone.safetensors"))
+                z.save_pretrained(os.path.join(directory, "pretrained"))
+                out["masters"] = z.master_weights()
+        z.wait()
+        z.load_checkpoint(os.path.join(directory, "ck"))
+        out["loaded"] = z.master_weights()
+        out["step"] = z.step_count
+    except Exception as e:  # noqa: BLE001 -- what this rank was told
+        out["said"] = str(e)
+    out["seconds"] = time.monotonic() - start
+    torch.save(out, os.path.join(directory, f"alone-{rank}.pt"))
+    dist.barrier()
+    z.close()
+    dist.destroy_process_group()
+
+
 def stalled_peer(rank: int, world: int, directory: str):
     """Rank 1 stops coming to the collectives (alive, as a notebook would
     be) after one step; rank 0 steps on (test_ranks.py). Each saves what
