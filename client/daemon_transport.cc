@@ -320,9 +320,10 @@ class DaemonTransport final : public Transport, public ControlTransport {
         .status();
   }
 
-  Result<int> AbortStep(int job) override {
-    ZT_ASSIGN_OR_RETURN(Reply r, Call(p::MessageType::kAbortStep, p::Encode(p::JobRef{.job = job}),
-                                      {}, call_timeout_));
+  Result<int> AbortStep(int job, int64_t step) override {
+    ZT_ASSIGN_OR_RETURN(
+        Reply r, Call(p::MessageType::kAbortStep,
+                      p::Encode(p::AbortStepRequest{.job = job, .step = step}), {}, call_timeout_));
     ZT_ASSIGN_OR_RETURN(p::StepValue v, p::DecodeStepValue(r.payload));
     return static_cast<int>(v.step);
   }

@@ -76,7 +76,7 @@ class EmbeddedTransport final : public Transport {
   Status GradsReady(int job, int unit, int rank) override {
     return e_->GradsReady(job, unit, rank);
   }
-  Result<int> AbortStep(int job) override { return e_->AbortStep(job); }
+  Result<int> AbortStep(int job, int64_t step) override { return e_->AbortStep(job, step); }
   Result<const bf16*> AcquireParams(int job, int unit, int64_t step,
                                     std::chrono::milliseconds timeout) override {
     return e_->AcquireParams(job, unit, step, timeout);

@@ -79,9 +79,9 @@ class ForkSafeTransport final : public Transport {
     ZT_RETURN_IF_ERROR(owner_.Check("delivering grads"));
     return inner_->GradsReady(job, unit, rank);
   }
-  Result<int> AbortStep(int job) override {
+  Result<int> AbortStep(int job, int64_t step) override {
     ZT_RETURN_IF_ERROR(owner_.Check("aborting a step"));
-    return inner_->AbortStep(job);
+    return inner_->AbortStep(job, step);
   }
   Result<const bf16*> AcquireParams(int job, int unit, int64_t step,
                                     std::chrono::milliseconds timeout) override {

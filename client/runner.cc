@@ -1498,7 +1498,7 @@ Result<int> Stage3Runner::AbortStep() {
   }
   ZT_RETURN_IF_ERROR(r.CheckNothingHeld("AbortStep"));
   ZT_RETURN_IF_ERROR(r.Drain());
-  ZT_ASSIGN_OR_RETURN(int complete, r.transport->AbortStep(r.job));
+  ZT_ASSIGN_OR_RETURN(int complete, r.transport->AbortStep(r.job, r.version + 1));
   // The runner's own state first, as the engine's now is: the step afresh.
   for (UnitState& u : r.units) u.pushed = false;
   r.micro -= r.micro % r.accumulation;

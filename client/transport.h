@@ -74,9 +74,10 @@ class Transport {
 
   virtual Result<bf16*> GradInbox(int job, int unit, int rank) = 0;
   virtual Status GradsReady(int job, int unit, int rank) = 0;
-  // Drops the grads delivered since the job's last step; the micro-steps
-  // that were complete (engine::Engine::AbortStep).
-  virtual Result<int> AbortStep(int job) = 0;
+  // Drops the grads delivered since the job's last step, those of `step`
+  // (the caller's version + 1); the micro-steps that were complete
+  // (engine::Engine::AbortStep).
+  virtual Result<int> AbortStep(int job, int64_t step) = 0;
   virtual Result<const bf16*> AcquireParams(int job, int unit, int64_t step,
                                             std::chrono::milliseconds timeout) = 0;
   virtual Status ReleaseParams(int job, int unit) = 0;

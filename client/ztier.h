@@ -609,7 +609,8 @@ class Stage3Runner {
   // backward failed has left its peers' collectives waiting: the job must
   // restart from a checkpoint). Errors: FailedPrecondition (world size >
   // 1; a unit still acquired; the engine has begun the step: eager mode, or
-  // every unit's grads were in), the first transfer error.
+  // every unit's grads were in; or has run it: the grads are applied, and
+  // Step() goes on from there), the first transfer error.
   Result<int> AbortStep();
 
   // The version (optimizer steps) the current micro-step reads.

@@ -190,7 +190,7 @@ ztier_status ztier_runner_step(ztier_runner* runner);
  * grad delivered since the last optimizer step, so the next micro-step starts
  * it afresh (Stage3Runner::AbortStep). `discarded` (may be NULL) gets the
  * micro-steps discarded whole. ZTIER_FAILED_PRECONDITION once the engine has
- * begun the step. */
+ * begun the step, or run it (its grads applied: ztier_runner_step goes on). */
 ztier_status ztier_runner_abort_step(ztier_runner* runner, int32_t* discarded);
 /* The version the runner's next forward pass reads; -1 for a handle that
  * is not an open runner of this process (ztier_last_error() says why). */

@@ -1407,9 +1407,9 @@ class Daemon::Impl::Connection {
       }
       case p::MessageType::kAbortStep: {
         // Any connection that holds the job, as set_learning_rates.
-        ZT_ASSIGN_OR_RETURN(p::JobRef r, p::DecodeJobRef(in));
+        ZT_ASSIGN_OR_RETURN(p::AbortStepRequest r, p::DecodeAbortStepRequest(in));
         ZT_ASSIGN_OR_RETURN(JobEntry j, FindJob(r.job));
-        ZT_ASSIGN_OR_RETURN(int complete, d_.engine->AbortStep(j.engine_job));
+        ZT_ASSIGN_OR_RETURN(int complete, d_.engine->AbortStep(j.engine_job, r.step));
         return p::Encode(p::StepValue{.step = complete});
       }
       case p::MessageType::kCheckConsistent: {

@@ -1253,7 +1253,7 @@ Status Engine::GradsReady(int job, int unit, int rank) {
   return Status::Ok();
 }
 
-Result<int> Engine::AbortStep(int job) {
+Result<int> Engine::AbortStep(int job, int64_t for_step) {
   Impl& e = *impl_;
   std::unique_lock<std::mutex> lock(e.mu);
   ZT_ASSIGN_OR_RETURN(std::shared_ptr<Job> j, e.Find(job));
@@ -1274,6 +1274,19 @@ Result<int> Engine::AbortStep(int job) {
   }
   if (j->removed) return Status::Aborted(StrCat("job ", job, " was unregistered"));
   if (!j->failure.ok()) return Status::Aborted(StrCat("job failed: ", j->failure.ToString()));
+  if (for_step < 1) {
+    return Status::InvalidArgument(
+        StrCat("job '", j->spec.name, "': abort of step ", for_step, ": steps count from 1"));
+  }
+  if (j->step >= for_step) {
+    // The grads went in and their step completed before the call (a
+    // backward that failed after its last push): nothing pending is that
+    // step's, and dropping nothing left the caller a step behind the job.
+    return Status::FailedPrecondition(
+        StrCat("job '", j->spec.name, "': cannot discard the grads of step ", for_step,
+               ": the optimizer has applied them (the job is at step ", j->step,
+               "); finish the step (Step) and go on from there"));
+  }
   const std::string what = StrCat("job '", j->spec.name, "': cannot discard the grads of step ",
                                   j->step + std::max(j->steps_queued, 1));
   if (j->checkpointing) {

@@ -200,11 +200,13 @@ class Engine {
   // step, and the next grads start the step afresh. For a training loop
   // whose backward pass failed after some of its grads went out. Returns
   // the micro-steps that were complete on every unit (discarded with the
-  // partial one). Call with no GradsReady of the job in flight. Errors:
+  // partial one). `step` is the step the caller's grads are for (its
+  // version + 1). Call with no GradsReady of the job in flight. Errors:
   // FailedPrecondition (the step's update has begun: in exact mode every
-  // unit's grads are in, in eager mode a unit's; or a GradsReady is in
-  // flight, or a checkpoint is), Aborted (the job failed), NotFound.
-  Result<int> AbortStep(int job);
+  // unit's grads are in, in eager mode a unit's; the job is at `step` or
+  // past it, the grads applied; or a GradsReady is in flight, or a
+  // checkpoint is), InvalidArgument (`step` < 1), Aborted (the job failed), NotFound.
+  Result<int> AbortStep(int job, int64_t step);
 
   // The unit's published bf16 params (layout.padded elements) and the step
   // they hold. Params in DRAM only (FailedPrecondition otherwise).

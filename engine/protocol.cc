@@ -330,6 +330,23 @@ Result<JobRef> DecodeJobRef(std::string_view bytes) {
   return Done(r, v);
 }
 
+std::string Encode(const AbortStepRequest& v) {
+  Writer w;
+  w.Put(v.job);
+  w.Put(v.step);
+  return w.Take();
+}
+
+Result<AbortStepRequest> DecodeAbortStepRequest(std::string_view bytes) {
+  Reader r(bytes, "abort step request");
+  AbortStepRequest v;
+  r.Get(&v.job, "job");
+  r.Get(&v.step, "step");
+  if (v.job < 0) r.Fail(StrCat("job ", v.job, " is negative"));
+  if (v.step < 1) r.Fail(StrCat("step ", v.step, ": steps count from 1"));
+  return Done(r, v);
+}
+
 std::string Encode(const UnitRef& v) {
   Writer w;
   w.Put(v.job);

@@ -44,7 +44,7 @@ inline constexpr uint32_t kMagic = 0x5057545A;  // "ZTWP"
 // 5: the job's state dtype in its handle; 6: the betas in double; 7:
 // check_consistent; 8: a job spec's launch; 9: a quota's lingering bytes
 // and their processes.
-inline constexpr uint16_t kVersion = 9;
+inline constexpr uint16_t kVersion = 10;
 static_assert(kVersion == kWireVersion, "a change of the wire types is a change of the protocol");
 inline constexpr size_t kHeaderBytes = 32;
 inline constexpr size_t kMaxMessageBytes = size_t{64} << 10;
@@ -119,9 +119,9 @@ enum class MessageType : uint16_t {
   kSetQuota = 28,      // QuotaUpdate -> QuotaList of the one uid (admin)
   kDrain = 29,         // DrainRequest -> () (admin): new jobs refused, or accepted again
   kEvictJob = 30,      // EvictRequest -> () (admin): the job is freed, its clients told why
-  // JobRef -> StepValue: the grads delivered since the job's last step are
-  // dropped (engine::Engine::AbortStep); `step` is the micro-steps that
-  // were complete.
+  // AbortStepRequest -> StepValue: the grads delivered since the job's last
+  // step are dropped (engine::Engine::AbortStep); `step` is the micro-steps
+  // that were complete.
   kAbortStep = 31,
   // JobRef -> (): the job's units hold one state, as a save or an export
   // the client writes from read_state needs (engine::Engine::
@@ -176,6 +176,11 @@ struct StepWait {
 };
 struct StepValue {
   int64_t step = -1;
+};
+// The grads of `step` (the caller's version + 1) are dropped.
+struct AbortStepRequest {
+  int32_t job = -1;
+  int64_t step = 0;
 };
 // A rank that runs in another process joins a registered job: `spec` is
 // the model as this rank built it (it must match the job's, name included),
@@ -272,6 +277,7 @@ std::string EncodeStatus(const Status& status);
 // field (short, trailing bytes, over a limit, an invalid enum or value).
 std::string Encode(const Hello& v);
 std::string Encode(const JobRef& v);
+std::string Encode(const AbortStepRequest& v);
 std::string Encode(const UnitRef& v);
 std::string Encode(const StepWait& v);
 std::string Encode(const StepValue& v);
@@ -300,6 +306,7 @@ size_t EncodedBytes(const JobInfo& v);
 
 Result<Hello> DecodeHello(std::string_view bytes);
 Result<JobRef> DecodeJobRef(std::string_view bytes);
+Result<AbortStepRequest> DecodeAbortStepRequest(std::string_view bytes);
 Result<UnitRef> DecodeUnitRef(std::string_view bytes);
 Result<StepWait> DecodeStepWait(std::string_view bytes);
 Result<StepValue> DecodeStepValue(std::string_view bytes);

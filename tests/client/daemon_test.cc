@@ -374,8 +374,10 @@ TEST_F(DaemonTest, AReplyCarriesItsOwnRequestsFdsWhateverTheIds) {
   for (uint64_t i = 0; i < 300; ++i) {
     const uint64_t id = 1000000 + i;
     for (p::MessageType type : {p::MessageType::kAbortStep, p::MessageType::kRegions}) {
-      Result<std::string> msg =
-          p::EncodeMessage({.type = type, .request_id = id}, p::Encode(p::JobRef{.job = job}));
+      Result<std::string> msg = p::EncodeMessage(
+          {.type = type, .request_id = id},
+          type == p::MessageType::kAbortStep ? p::Encode(p::AbortStepRequest{.job = job, .step = 1})
+                                             : p::Encode(p::JobRef{.job = job}));
       ASSERT_TRUE(msg.ok());
       ASSERT_TRUE(c.SendRaw(*msg).ok());
     }
@@ -454,7 +456,9 @@ TEST_F(DaemonTest, AJobIsVisibleOnlyOnItsConnection) {
   for (p::MessageType t :
        {p::MessageType::kRegions, p::MessageType::kUnregisterJob, p::MessageType::kCounters,
         p::MessageType::kTargetStep, p::MessageType::kAbortStep}) {
-    Result<RawClient::Reply> r = b.Call(t, p::Encode(p::JobRef{.job = job}));
+    Result<RawClient::Reply> r = b.Call(
+        t, t == p::MessageType::kAbortStep ? p::Encode(p::AbortStepRequest{.job = job, .step = 1})
+                                           : p::Encode(p::JobRef{.job = job}));
     ASSERT_TRUE(r.ok()) << r.status();
     EXPECT_EQ(r->status.code(), StatusCode::kNotFound) << p::MessageTypeName(t) << r->status;
     EXPECT_TRUE(r->fds.empty());

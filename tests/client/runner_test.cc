@@ -937,6 +937,25 @@ TEST_F(RunnerErrorsTest, AnAbortWhileAUnitIsHeldIsRefused) {
   EXPECT_TRUE(runner_->GradBuffer(3).ok());
 }
 
+// A backward that fails after its last push, the step run meanwhile: the
+// abort found nothing pending and said it dropped the grads, which had been
+// applied; the runner stayed a step behind the job (the retried micro-step
+// applied a second update). It is refused, and Step() goes on.
+TEST_F(RunnerErrorsTest, AnAbortAfterTheStepRanIsRefused) {
+  using namespace std::chrono_literals;
+  for (int k = model_->units() - 1; k >= 0; --k) {
+    ASSERT_TRUE(runner_->GradBuffer(k).ok());
+    ASSERT_TRUE(runner_->PushGrads(k).ok());
+  }
+  ASSERT_TRUE(model_->WaitPublished(1, 30s).ok());
+  Result<int> late = runner_->AbortStep();
+  EXPECT_EQ(late.status().code(), StatusCode::kFailedPrecondition) << late.status();
+  EXPECT_NE(late.status().ToString().find("applied them"), std::string::npos) << late.status();
+  ASSERT_TRUE(runner_->Step().ok());
+  EXPECT_EQ(runner_->version(), 1);
+  EXPECT_EQ(*model_->PublishedStep(), 1);
+}
+
 // One micro-step acquiring `order`, then every unit's grads, then Step().
 Status MicroStep(Stage3Runner& runner, const std::vector<int>& order, int units) {
   for (int k : order) {

@@ -529,12 +529,12 @@ TEST_P(EngineAbortTest, DiscardedGradsLeaveNoTrace) {
     for (int k : {3, 2}) Ring(*e, *a, k, ranks, 9.0f);
   }
   Ring(*e, *a, 1, 1, 9.0f);
-  Result<int> complete = e->AbortStep(*a);
+  Result<int> complete = e->AbortStep(*a, 1);
   ASSERT_TRUE(complete.ok()) << complete.status();
   EXPECT_EQ(*complete, accum - 1);
   EXPECT_EQ(e->TargetStep(*a), 0);
   // Nothing is left to discard; the same grads may be delivered again.
-  EXPECT_EQ(*e->AbortStep(*a), 0);
+  EXPECT_EQ(*e->AbortStep(*a, 1), 0);
   for (int step = 1; step <= 2; ++step) {
     for (int job : {*a, *b}) {
       std::mt19937_64 rng(step);
@@ -589,7 +589,7 @@ TEST(EngineAbortTest, AStepUnderWayIsNotDiscarded) {
   Train(*e, *eager, 1, 0, 0, 5);
   fault->SlowDown(nvme::IoKind::kWrite, 200ms);
   RingAll(*e, *exact, 0.1f);
-  Result<int> refused = e->AbortStep(*exact);
+  Result<int> refused = e->AbortStep(*exact, 1);
   EXPECT_EQ(refused.status().code(), StatusCode::kFailedPrecondition) << refused.status();
   EXPECT_NE(refused.status().message().find("every unit's grads are in"), std::string::npos)
       << refused.status();
@@ -604,7 +604,7 @@ TEST(EngineAbortTest, AStepUnderWayIsNotDiscarded) {
     while (e->PublishedStep(*exact, k) < 2) std::this_thread::sleep_for(1ms);
   }
   Ring(*e, *exact, 3, 1, 0.1f);  // step 3's first grads
-  Result<int> dropped = e->AbortStep(*exact);
+  Result<int> dropped = e->AbortStep(*exact, 3);
   EXPECT_TRUE(dropped.ok()) << dropped.status();
   EXPECT_EQ(e->Steps(*exact)->first, 2);
   fault->SlowDown(nvme::IoKind::kWrite, 0ms);
@@ -612,12 +612,12 @@ TEST(EngineAbortTest, AStepUnderWayIsNotDiscarded) {
   EXPECT_TRUE(WaitStep(*e, *exact, 3).ok());
 
   Ring(*e, *eager, 3, 1, 0.1f);
-  refused = e->AbortStep(*eager);
+  refused = e->AbortStep(*eager, 1);
   EXPECT_EQ(refused.status().code(), StatusCode::kFailedPrecondition) << refused.status();
   EXPECT_NE(refused.status().message().find("eager"), std::string::npos) << refused.status();
   for (int k = 2; k >= 0; --k) Ring(*e, *eager, k, 1, 0.1f);
   EXPECT_TRUE(WaitStep(*e, *eager, 1).ok());
-  EXPECT_EQ(e->AbortStep(9).status().code(), StatusCode::kNotFound);
+  EXPECT_EQ(e->AbortStep(9, 1).status().code(), StatusCode::kNotFound);
 }
 
 // With states on NVMe a unit is visible before its write-back, so all of
@@ -643,7 +643,7 @@ TEST(EngineAbortTest, AStepQueuedBehindOneWritingBackIsNotDiscarded) {
   // Steps(), which waits for write-backs: on a loaded machine it could miss
   // the moment between step 2's and step 3's and see step 3 done.)
   ASSERT_LT(e->counters(*job).steps, 3);
-  Result<int> refused = e->AbortStep(*job);
+  Result<int> refused = e->AbortStep(*job, 3);
   EXPECT_EQ(refused.status().code(), StatusCode::kFailedPrecondition) << refused.status();
   EXPECT_NE(refused.status().message().find("every unit's grads are in"), std::string::npos)
       << refused.status();
@@ -651,6 +651,32 @@ TEST(EngineAbortTest, AStepQueuedBehindOneWritingBackIsNotDiscarded) {
   ASSERT_TRUE(WaitStep(*e, *job, 3).ok());
   EXPECT_GT(e->counters(*job).last_grad_norm, 100.0) << "step 3 ran without its grads' norm";
   EXPECT_EQ(e->Steps(*job)->first, 3);
+}
+
+// An abort that comes after its step completed (a backward that failed
+// once its last grads were out, and the step ran meanwhile) found nothing
+// pending and said it dropped the grads: they had been applied, and the
+// caller went on a step behind the job, each later step applied twice.
+TEST(EngineAbortTest, AnAbortAfterItsStepCompletedIsRefused) {
+  auto e = MakeEngine();
+  Result<int> job = e->RegisterJob(SmallModel("late-abort", 1, 1.0f, 1, StepMode::kExact));
+  ASSERT_TRUE(job.ok()) << job.status();
+  Train(*e, *job, 1, 0, 1, 5);
+  RingAll(*e, *job, 0.1f);  // step 2's grads, all of them
+  ASSERT_TRUE(WaitStep(*e, *job, 2).ok());
+  Result<int> late = e->AbortStep(*job, 2);
+  EXPECT_EQ(late.status().code(), StatusCode::kFailedPrecondition) << late.status();
+  EXPECT_NE(late.status().message().find("applied them (the job is at step 2)"), std::string::npos)
+      << late.status();
+  EXPECT_EQ(e->AbortStep(*job, 0).status().code(), StatusCode::kInvalidArgument);
+  // The next step's grads are what an abort now drops.
+  Ring(*e, *job, 3, 1, 0.1f);
+  Result<int> dropped = e->AbortStep(*job, 3);
+  ASSERT_TRUE(dropped.ok()) << dropped.status();
+  EXPECT_EQ(*dropped, 0);
+  RingAll(*e, *job, 0.1f);
+  EXPECT_TRUE(WaitStep(*e, *job, 3).ok());
+  EXPECT_EQ(e->counters(*job).steps, 3);
 }
 
 // A step's learning rates are those set before its last grads arrived: a

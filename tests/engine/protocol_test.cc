@@ -233,6 +233,9 @@ TEST(ProtocolTest, SmallPayloadsRoundTripAndRefuseEveryPrefix) {
   const StepWait w{.job = 1, .unit = 2, .step = 40, .timeout = std::chrono::seconds(30)};
   EXPECT_EQ(DecodeStepWait(Encode(w))->timeout, std::chrono::seconds(30));
   EveryPrefixIsRefused(Encode(w), DecodeStepWait);
+  const AbortStepRequest abort{.job = 3, .step = 41};
+  EXPECT_EQ(DecodeAbortStepRequest(Encode(abort))->step, 41);
+  EveryPrefixIsRefused(Encode(abort), DecodeAbortStepRequest);
   AttachRequest a{.rank = 1, .timeout = std::chrono::seconds(5), .spec = SampleSpec()};
   a.spec.ranks = 2;
   EXPECT_EQ(Encode(*DecodeAttachRequest(Encode(a))), Encode(a));
@@ -435,6 +438,7 @@ TEST(ProtocolTest, InconsistentValuesAreRefused) {
                    .ok());  // offset + bytes overflows
   EXPECT_FALSE(DecodeUnitRef(Encode(UnitRef{.job = -1, .unit = 0})).ok());
   EXPECT_FALSE(DecodeStepWait(Encode(StepWait{.job = 0, .unit = 0, .step = -5})).ok());
+  EXPECT_FALSE(DecodeAbortStepRequest(Encode(AbortStepRequest{.job = 0, .step = 0})).ok());
   EXPECT_FALSE(
       DecodeUnitLayout(Encode(UnitLayout{.numel = 10, .padded = 5, .shard = 5, .offsets = {0}}))
           .ok());

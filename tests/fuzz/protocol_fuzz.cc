@@ -48,6 +48,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       return 0;
     case 2:
       RoundTrip(in, p::DecodeJobRef);
+      RoundTrip(in, p::DecodeAbortStepRequest);
       return 0;
     case 3:
       RoundTrip(in, p::DecodeUnitRef);
