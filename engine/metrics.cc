@@ -220,19 +220,30 @@ Result<std::unique_ptr<MetricsServer>> MetricsServer::Listen(std::string_view ad
     std::memcpy(sa.sun_path, path.data(), path.size());
     UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
     if (!fd.valid()) return PosixError("socket(AF_UNIX) for the metrics", errno);
-    // A socket file a previous run left (nobody listens on it) is replaced;
-    // one that a live server answers on is not taken over.
+    // A socket file a previous run left (nobody listens on it: connect
+    // says ECONNREFUSED) is replaced; one that a live server answers on,
+    // or any socket connect says something else of (a ztierd's control
+    // socket, of another type, said EPROTOTYPE: it was taken over), is not.
     struct stat st {};
     if (::lstat(path.c_str(), &st) == 0) {
       if (!S_ISSOCK(st.st_mode)) return bad("something other than a socket is there");
       // Non-blocking: a live server with a full backlog says EAGAIN at once.
       UniqueFd probe(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
-      if (probe.valid() &&
-          (::connect(probe.get(), reinterpret_cast<const sockaddr*>(&sa), sizeof(sa)) == 0 ||
-           errno == EAGAIN)) {
+      if (!probe.valid()) return PosixError("socket(AF_UNIX) for the metrics probe", errno);
+      const int rc = ::connect(probe.get(), reinterpret_cast<const sockaddr*>(&sa), sizeof(sa));
+      const int err = rc == 0 ? 0 : errno;
+      if (err == EPROTOTYPE) {
         return Status(StatusCode::kUnavailable,
                       StrCat("metrics socket ", path,
-                             " is in use: a server (another ztierd?) answers there"));
+                             " is in use: a socket of another kind is live there (a ztierd's "
+                             "control socket?); give the metrics a path of their own"));
+      }
+      if (err != ECONNREFUSED) {
+        return Status(StatusCode::kUnavailable,
+                      StrCat("metrics socket ", path, " is in use: a server (another ztierd?) ",
+                             err == 0 || err == EAGAIN
+                                 ? "answers there"
+                                 : StrCat("is there (connect: ", std::strerror(err), ")")));
       }
       ::unlink(path.c_str());
     }

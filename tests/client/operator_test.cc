@@ -1205,18 +1205,27 @@ TEST(MetricsTest, IdleClientsHoldUpNoScrapeAndALiveSocketIsNotTakenOver) {
   ScratchDir dir("metrics-second");
   const std::string second = dir.path() + "/d2.sock";
   const std::string out = dir.path() + "/out.txt";
-  const int st = std::system(StrCat("timeout -s KILL 30 ", ZTIERD_BINARY, " --socket ", second,
-                                    " --metrics unix:", metrics, " >", out, " 2>&1")
-                                 .c_str());
-  std::ifstream in(out);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  EXPECT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 1) << ss.str();
-  EXPECT_NE(ss.str().find("is in use"), std::string::npos) << ss.str();
-  EXPECT_FALSE(std::filesystem::exists(second)) << "the control socket was left behind";
+  // A second ztierd whose metrics go to `taken`: it fails, saying so.
+  const auto refused_at = [&](const std::string& taken) {
+    const int st = std::system(StrCat("timeout -s KILL 30 ", ZTIERD_BINARY, " --socket ", second,
+                                      " --metrics unix:", taken, " >", out, " 2>&1")
+                                   .c_str());
+    std::ifstream in(out);
+    std::stringstream ss;
+    ss << in.rdbuf();
+    EXPECT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 1) << ss.str();
+    EXPECT_NE(ss.str().find("is in use"), std::string::npos) << ss.str();
+    EXPECT_FALSE(std::filesystem::exists(second)) << "the control socket was left behind";
+  };
+  refused_at(metrics);
   r = Http(address, "GET /metrics HTTP/1.1\r\n\r\n");
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_TRUE(r->starts_with("HTTP/1.1 200")) << *r;
+  // Nor a live ztierd's control socket (a socket of another kind: it was
+  // deleted, and that ztierd could be reached no more).
+  refused_at(d.socket());
+  const CtlRun status = Ztierctl("--socket " + d.socket() + " status", dir.path());
+  EXPECT_EQ(status.code, 0) << status.out << d.log();
   std::filesystem::remove_all(sock_dir);
 }
 
