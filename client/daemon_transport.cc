@@ -413,6 +413,15 @@ class DaemonTransport final : public Transport, public ControlTransport {
     return StepQuery(p::MessageType::kPublishedStep,
                      p::Encode(p::UnitRef{.job = job, .unit = unit}));
   }
+  Result<int64_t> WeightsGeneration(int job) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto j = jobs_.find(job);
+    if (j == jobs_.end() || j->second.steps == nullptr) {
+      return Status::NotFound(StrCat("job ", job, " is not mapped by this client"));
+    }
+    ZT_RETURN_IF_ERROR(dead_);
+    return __atomic_load_n(j->second.steps + j->second.units(), __ATOMIC_ACQUIRE);
+  }
   Result<int64_t> TargetStep(int job) override {
     return StepQuery(p::MessageType::kTargetStep, p::Encode(p::JobRef{.job = job}));
   }
@@ -770,7 +779,8 @@ class DaemonTransport final : public Transport, public ControlTransport {
     ZT_ASSIGN_OR_RETURN(Reply page, Call(p::MessageType::kStepPage,
                                          p::Encode(p::JobRef{.job = job}), {}, call_timeout_));
     ZT_ASSIGN_OR_RETURN(SharedBuffer b, p::DecodeSharedBuffer(page.payload));
-    if (b.bytes != spec.units.size() * sizeof(int64_t) || b.offset % alignof(int64_t) != 0) {
+    // Each unit's step, then the weights' generation.
+    if (b.bytes != (spec.units.size() + 1) * sizeof(int64_t) || b.offset % alignof(int64_t) != 0) {
       return Status::Corruption(StrCat("ztierd's step page of job '", spec.name, "' has ", b.bytes,
                                        " bytes at offset ", b.offset, " for ", spec.units.size(),
                                        " units"));

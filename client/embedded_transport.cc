@@ -87,6 +87,11 @@ class EmbeddedTransport final : public Transport {
     return e_->WaitPublished(job, unit, step, timeout);
   }
   Result<int64_t> PublishedStep(int job, int unit) override { return e_->PublishedStep(job, unit); }
+  Result<int64_t> WeightsGeneration(int job) override {
+    const int64_t g = e_->WeightsGeneration(job);
+    if (g < 0) return Status::NotFound(StrCat("no job ", job));
+    return g;
+  }
   Result<int64_t> TargetStep(int job) override { return e_->TargetStep(job); }
   Status ClaimCheckpointDir(int job, const std::string& dir) override {
     return e_->ClaimCheckpointDir(job, dir);

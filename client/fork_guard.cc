@@ -101,6 +101,10 @@ class ForkSafeTransport final : public Transport {
     ZT_RETURN_IF_ERROR(owner_.Check("reading a unit's step"));
     return inner_->PublishedStep(job, unit);
   }
+  Result<int64_t> WeightsGeneration(int job) override {
+    ZT_RETURN_IF_ERROR(owner_.Check("reading the weights' generation"));
+    return inner_->WeightsGeneration(job);
+  }
   Result<int64_t> TargetStep(int job) override {
     ZT_RETURN_IF_ERROR(owner_.Check("reading the job's step"));
     return inner_->TargetStep(job);

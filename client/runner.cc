@@ -158,6 +158,7 @@ struct UnitState {
   int64_t fetched = -1;           // the last version a fetch of it was queued at
   std::shared_ptr<Ticket> fetch;  // the fetch filling `params`
   int holds = 0;
+  bool stale = false;  // held when the weights were replaced: fetched again after
   Clock::time_point acquired_at;
   void* grads = nullptr;  // from GradBuffer until PushGrads
   bool pushed = false;    // this micro-step
@@ -176,7 +177,8 @@ struct Stage3Runner::Impl {
   Collectives* collectives = nullptr;
   RunnerOptions options;
   int rank = 0, world = 1, job = 0, accumulation = 1;
-  bool claimed_rank = false;  // in model->runner_ranks_
+  int64_t weights_generation = 0;  // the engine's, as of the copies on the device
+  bool claimed_rank = false;       // in model->runner_ranks_
   std::vector<UnitState> units;
   void* shard_buffer = nullptr;  // reduce-scatter output (R > 1)
   // Coalesced copies (options.coalesce_bytes): a staging buffer on the
@@ -918,6 +920,28 @@ struct Stage3Runner::Impl {
   // Resident or in flight at the version this micro-step reads.
   bool Current(const UnitState& u) const { return u.params != nullptr && u.version == version; }
 
+  // Weights replaced at the step they were at (set, loaded or imported
+  // between steps; Engine::WeightsGeneration): the copies of that step on
+  // the device are out of date, though Current says they are not (a
+  // persistent unit served the old weights for good). They are fetched
+  // again; one held now, after its last release.
+  Status FollowWeights() {
+    ZT_ASSIGN_OR_RETURN(int64_t now, transport->WeightsGeneration(job));
+    if (now == weights_generation) return Status::Ok();
+    weights_generation = now;
+    for (UnitState& u : units) {
+      if (u.params == nullptr) continue;
+      if (u.holds > 0) {
+        u.stale = true;
+        continue;
+      }
+      if (u.fetch != nullptr) (void)u.fetch->Wait();  // its error, if any, is in `failure`
+      u.fetch.reset();
+      u.version = -1;  // its buffer stays, for the fetch again
+    }
+    return Status::Ok();
+  }
+
   static uint64_t PageRound(uint64_t bytes) { return (bytes + 4095) / 4096 * 4096; }
 
   // Whether a fetch or a push of this many bytes is coalesced with others.
@@ -1232,6 +1256,7 @@ Result<std::unique_ptr<Stage3Runner>> Stage3Runner::Create(Model& model, int ran
   r.world = spec.world_size;
   r.job = model.job();
   r.accumulation = spec.optimizer.grad_accumulation;
+  ZT_ASSIGN_OR_RETURN(r.weights_generation, r.transport->WeightsGeneration(r.job));
   ZT_ASSIGN_OR_RETURN(r.client_counters, r.transport->ClientCounters(r.job, rank));
   uint64_t max_shard = 0;
   for (int k = 0; k < model.units(); ++k) {
@@ -1345,6 +1370,7 @@ Result<const bf16*> Stage3Runner::Acquire(int unit) {
   ZT_RETURN_IF_ERROR(r.CheckAlive());
   ZT_RETURN_IF_ERROR(r.CheckUnit(unit, "Acquire"));
   UnitState& u = r.units[unit];
+  ZT_RETURN_IF_ERROR(r.FollowWeights());
   r.Learn(unit);
   if (r.Current(u)) {
     ++r.stats.prefetch_hits;
@@ -1381,7 +1407,12 @@ Status Stage3Runner::Release(int unit) {
     r.device->AddSpan(
         {.stream = Stream::kCompute, .label = u.name, .start = u.acquired_at, .end = Clock::now()});
   }
-  if (--u.holds > 0 || u.persistent || r.InWindow(unit)) return Status::Ok();
+  if (--u.holds > 0) return Status::Ok();
+  if (u.stale) {  // the weights were replaced while it was held
+    u.stale = false;
+    u.version = -1;
+  }
+  if (u.persistent || r.InWindow(unit)) return Status::Ok();
   r.Evict(u);  // its fetch is done: it was acquired
   return Status::Ok();
 }

@@ -88,6 +88,10 @@ class Transport {
   // the engine cannot be asked (ztierd gone or silent, a forked child).
   virtual Result<int64_t> PublishedStep(int job, int unit) = 0;
   virtual Result<int64_t> TargetStep(int job) = 0;
+  // How many times the job's weights were replaced at the step they were
+  // at (engine::Engine::WeightsGeneration): copies fetched before a change
+  // are out of date. Read without asking where the step page is mapped.
+  virtual Result<int64_t> WeightsGeneration(int job) = 0;
 
   virtual Status ClaimCheckpointDir(int job, const std::string& dir) = 0;
   virtual Status SaveCheckpoint(int job, const std::string& dir) = 0;

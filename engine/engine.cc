@@ -400,7 +400,16 @@ struct Engine::Impl {
         job.adam_step = adam_step;
       }
       for (Unit& u : job.units) Publish(job, u, step, [] {});
+      WeightsReplaced(job);
     };
+  }
+
+  // After weights replaced in place (set, loaded, imported) are published:
+  // a client's copies of a step it fetched before are out of date, though
+  // the step is the same (Engine::WeightsGeneration).
+  static void WeightsReplaced(Job& job) {
+    std::atomic_ref<int64_t>(static_cast<int64_t*>(job.step_page.ptr)[job.units.size()])
+        .fetch_add(1, std::memory_order_release);
   }
 
   // Under `lock` (on mu): until no unit of the job is published with its
@@ -968,10 +977,12 @@ Result<int> Engine::RegisterJob(
       }
     }
   }
-  ZT_ASSIGN_OR_RETURN(job->step_page,
-                      e.pool->AllocateIn(job->publish_region, spec.units.size() * sizeof(int64_t),
-                                         StrCat("job '", spec.name, "' step page")));
+  ZT_ASSIGN_OR_RETURN(
+      job->step_page,
+      e.pool->AllocateIn(job->publish_region, (spec.units.size() + 1) * sizeof(int64_t),
+                         StrCat("job '", spec.name, "' step page")));
   std::fill_n(static_cast<int64_t*>(job->step_page.ptr), spec.units.size(), int64_t{-1});
+  static_cast<int64_t*>(job->step_page.ptr)[spec.units.size()] = 0;  // the weights' generation
   ZT_ASSIGN_OR_RETURN(job->client_page,
                       e.pool->AllocateIn(job->inbox_region, ClientPageBytes(spec),
                                          StrCat("job '", spec.name, "' client page")));
@@ -1093,7 +1104,10 @@ Status Engine::WriteWeights(int job, int unit, const float* flat, uint64_t numel
           state.publish[i] = FloatToBf16(state.master[i]);
         return Status::Ok();
       },
-      [&](size_t) { impl_->Publish(*j, u, 0, [] {}); });
+      [&](size_t) {
+        impl_->Publish(*j, u, 0, [] {});
+        Impl::WeightsReplaced(*j);
+      });
 }
 
 Status Engine::ReadState(int job, int unit, float* master, float* exp_avg,
@@ -1479,6 +1493,14 @@ int64_t Engine::PublishedStep(int job, int unit) const {
   return (*j)->units[unit].published;
 }
 
+int64_t Engine::WeightsGeneration(int job) const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  Result<std::shared_ptr<Job>> j = impl_->Find(job);
+  if (!j.ok()) return -1;
+  return std::atomic_ref<int64_t>(static_cast<int64_t*>((*j)->step_page.ptr)[(*j)->units.size()])
+      .load(std::memory_order_acquire);
+}
+
 int64_t Engine::TargetStep(int job) const {
   std::lock_guard<std::mutex> lock(impl_->mu);
   Result<std::shared_ptr<Job>> found = impl_->Find(job);
@@ -1539,7 +1561,7 @@ Result<SharedBuffer> Engine::PublishedSteps(int job) const {
     std::lock_guard<std::mutex> lock(impl_->mu);
     ZT_ASSIGN_OR_RETURN(j, impl_->Find(job));
   }
-  return Locate(job, j->step_page.ptr, j->units.size() * sizeof(int64_t));
+  return Locate(job, j->step_page.ptr, (j->units.size() + 1) * sizeof(int64_t));
 }
 
 Result<std::vector<SharedBuffer>> Engine::SharedRegions(int job) const {

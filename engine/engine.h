@@ -225,6 +225,11 @@ class Engine {
   // told apart), NotFound, OutOfRange.
   Status ReleaseParams(int job, int unit);
   int64_t PublishedStep(int job, int unit) const;
+  // How many times the job's weights were replaced in place, at the step
+  // they were at (SetWeights, LoadCheckpoint, ImportSafetensors,
+  // CommitState): a client whose copy of a unit is of the step published
+  // fetches it again when this changed. -1 for an unknown job.
+  int64_t WeightsGeneration(int job) const;
   // The step every unit will hold once the optimizer has applied the grads
   // delivered so far: the highest published step, plus one for a unit whose
   // grads for the next step are all in (it is queued or being updated). A
@@ -359,7 +364,8 @@ class Engine {
   Result<SharedBuffer> Locate(int job, const void* ptr, uint64_t bytes) const;
   // Where the job's step page lies: one int64 per unit, the step its params
   // hold (-1: none), kept by every publish (and lowered by a loaded
-  // checkpoint), in the read-only params region. A client of the daemon
+  // checkpoint), then one int64, WeightsGeneration, in the read-only
+  // params region. A client of the daemon
   // reads published steps there instead of asking. Errors: NotFound.
   Result<SharedBuffer> PublishedSteps(int job) const;
   // A new fd for one of the job's regions (the caller owns it), to pass to

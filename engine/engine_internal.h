@@ -171,8 +171,10 @@ struct Job {
   // write) and publish buffers or the param cache (clients read).
   uint32_t inbox_region = 0, publish_region = 0;
   std::vector<uint32_t> shared_regions;  // made so far; destroyed with the job
-  // Each unit's published step (int64, -1: none), in the publish region:
-  // another process reads it there without asking (Engine::PublishedSteps).
+  // Each unit's published step (int64, -1: none), then the weights'
+  // generation (int64, Engine::WeightsGeneration), in the publish region:
+  // another process reads them there without asking (Engine::
+  // PublishedSteps).
   DramBlock step_page;
   // The client page (wire_types.h kClientCounterWords per rank), in the
   // inbox region: each rank's runner adds its device traffic there. The

@@ -102,7 +102,8 @@ enum class MessageType : uint16_t {
   // its memfd attached: the memory the job's ranks meet in for collectives.
   kCollectiveRegion = 21,
   // JobRef -> SharedBuffer: the job's step page (engine::Engine::
-  // PublishedSteps), in its read-only params region.
+  // PublishedSteps: each unit's step, then the weights' generation), in its
+  // read-only params region.
   kStepPage = 22,
   // LearningRates -> (): each param group's learning rate from the job's
   // next step on (engine::Engine::SetLearningRates).

@@ -31,7 +31,8 @@ namespace ztier::engine {
 // 7: no struct changed; the protocol gained check_consistent.
 // 8: a JobSpec's launch.
 // 9: a QuotaInfo's lingering bytes and the processes holding them.
-// 10: abort_step names the step whose grads it drops.
+// 10: abort_step names the step whose grads it drops; the step page ends
+// with the weights' generation.
 inline constexpr uint16_t kWireVersion = 10;
 
 enum class Tier : uint8_t { kDram, kNvme };

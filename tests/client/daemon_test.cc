@@ -2096,7 +2096,7 @@ TEST(DaemonTransportTest, ABufferSmallerThanTheUnitsIsRefused) {
           body = p::Encode(SharedBuffer{.region = 1,
                                         .region_bytes = kRegion,
                                         .offset = 0,
-                                        .bytes = 8,
+                                        .bytes = 16,  // one unit's step, the weights' generation
                                         .access = RegionAccess::kReadOnly});
           break;
         case p::MessageType::kLayout:

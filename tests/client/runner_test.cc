@@ -956,6 +956,80 @@ TEST_F(RunnerErrorsTest, AnAbortAfterTheStepRanIsRefused) {
   EXPECT_EQ(*model_->PublishedStep(), 1);
 }
 
+// Every unit's params as the runner hands them out equal bf16 of the
+// engine's masters (the released units stay on the device: persistent).
+void ExpectCurrentWeights(Stage3Runner& runner, const Model& model, const std::string& when) {
+  for (int k = 0; k < model.units(); ++k) {
+    std::vector<float> master;
+    ASSERT_TRUE(model.ReadMaster(k, &master).ok());
+    Result<const bf16*> params = runner.Acquire(k);
+    ASSERT_TRUE(params.ok()) << params.status();
+    int wrong = 0;
+    for (uint64_t i = 0; i < model.layout(k).numel; ++i) {
+      wrong += (*params)[i] != FloatToBf16(master[i]);
+    }
+    EXPECT_EQ(wrong, 0) << "unit " << k << " " << when;
+    ASSERT_TRUE(runner.Release(k).ok());
+  }
+}
+
+// Weights replaced at the step they were at (set before the first step,
+// imported or loaded between steps): units the runner kept on the device
+// (persistent, or prefetched by Step()) were the old weights' for good,
+// while the optimizer applied their grads to the new masters. They are
+// fetched again, a unit held meanwhile after its release.
+TEST(RunnerWeightsTest, WeightsReplacedAtTheirStepAreFetchedAgain) {
+  using namespace std::chrono_literals;
+  TrainSetup s;
+  ScratchDir dir("replaced");
+  Result<std::unique_ptr<Session>> session = testing::OpenTestSession(Options(s, ""));
+  ASSERT_TRUE(session.ok()) << session.status();
+  Result<std::unique_ptr<Model>> model = RegisterWithWeights(**session, s, "replaced");
+  ASSERT_TRUE(model.ok()) << model.status();
+  Model& m = **model;
+  Result<std::unique_ptr<Device>> dev = MakeHostDevice();
+  ASSERT_TRUE(dev.ok());
+  Result<std::unique_ptr<Stage3Runner>> made =
+      Stage3Runner::Create(m, 0, **dev, nullptr, {.persistence_threshold = uint64_t{1} << 30});
+  ASSERT_TRUE(made.ok()) << made.status();
+  Stage3Runner& runner = **made;
+  const auto step = [&] {
+    for (int k = m.units() - 1; k >= 0; --k) {
+      Result<bf16*> g = runner.GradBuffer(k);
+      ASSERT_TRUE(g.ok()) << g.status();
+      std::fill_n(*g, m.layout(k).padded, FloatToBf16(0.01f));
+      ASSERT_TRUE(runner.PushGrads(k).ok());
+    }
+    ASSERT_TRUE(runner.Step().ok());
+    ASSERT_TRUE(m.WaitPublished(runner.version(), 30s).ok());
+  };
+  ExpectCurrentWeights(runner, m, "at the start");
+  // Set again before the first step, unit 0 held meanwhile.
+  ASSERT_TRUE(runner.Acquire(0).ok());
+  std::vector<float> master;
+  for (int k = 0; k < m.units(); ++k) {
+    ASSERT_TRUE(m.ReadMaster(k, &master).ok());
+    for (float& w : master) w *= 0.5f;
+    master.resize(m.layout(k).numel);
+    ASSERT_TRUE(m.SetWeights(k, master.data(), master.size()).ok());
+  }
+  ASSERT_TRUE(runner.Release(0).ok());
+  ExpectCurrentWeights(runner, m, "after SetWeights");
+  step();
+  const std::string file = dir.path() + "/step1.safetensors";
+  ASSERT_TRUE(m.ExportSafetensors(file, engine::Engine::ExportType::kFloat32).ok());
+  ASSERT_TRUE(m.SaveCheckpoint(dir.path() + "/ck").ok());
+  step();
+  ExpectCurrentWeights(runner, m, "after a step");
+  ASSERT_TRUE(m.ImportSafetensors(file).ok());  // step 1's weights, at step 2
+  ExpectCurrentWeights(runner, m, "after an import");
+  step();
+  ASSERT_TRUE(m.SaveCheckpoint(dir.path() + "/ck3").ok());
+  ASSERT_TRUE(m.ImportSafetensors(file).ok());
+  ASSERT_TRUE(m.LoadCheckpoint(dir.path() + "/ck3").ok());  // step 3's, at step 3
+  ExpectCurrentWeights(runner, m, "after a load");
+}
+
 // One micro-step acquiring `order`, then every unit's grads, then Step().
 Status MicroStep(Stage3Runner& runner, const std::vector<int>& order, int units) {
   for (int k : order) {
