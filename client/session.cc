@@ -160,6 +160,10 @@ Status Model::TidyCheckpointDir(const std::string& dir) {
   ZT_RETURN_IF_ERROR(ClaimCheckpointDir(dir));
   return engine::RemoveUnnamedCheckpointFiles(dir);
 }
+Status Model::RemoveCheckpoint(const std::string& dir) {
+  ZT_RETURN_IF_ERROR(ClaimCheckpointDir(dir));
+  return engine::RemoveCheckpointFiles(dir);
+}
 Status Model::ClaimCheckpointDir(const std::string& dir) {
   return transport_->ClaimCheckpointDir(job_, dir);
 }

@@ -420,6 +420,12 @@ class Model {
   // resumes and may save no more. Errors: as ClaimCheckpointDir; a file
   // that cannot be removed.
   Status TidyCheckpointDir(const std::string& dir);
+  // Claims `dir` and removes the checkpoint there: its manifest first, then
+  // the shard files of every save (files of other names stay: a user's
+  // unit-test-results.txt went too). For a run that starts over where an
+  // earlier one saved. Errors: as ClaimCheckpointDir; a file that cannot be
+  // removed.
+  Status RemoveCheckpoint(const std::string& dir);
   // The learning rate of each optimizer param group (one per group of
   // spec().optimizer: 1 when group_weight_decay is empty, else its size)
   // for the steps that start from now on; until set, every group's is

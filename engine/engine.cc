@@ -38,6 +38,7 @@
 #include "common/utf8.h"
 #include "engine/dram_pool.h"
 #include "engine/engine_internal.h"
+#include "engine/state_files.h"
 
 namespace ztier::engine {
 namespace {
@@ -1695,9 +1696,7 @@ Status Engine::ClaimCheckpointDir(int job, const std::string& dir) {
     std::lock_guard<std::mutex> lock(impl_->mu);
     ZT_ASSIGN_OR_RETURN(j, impl_->Find(job));
   }
-  std::error_code ec;
-  std::filesystem::create_directories(dir, ec);
-  if (ec) return PosixError(StrCat("create checkpoint directory ", dir), ec.value());
+  ZT_RETURN_IF_ERROR(CreateCheckpointDir(dir));
   ZT_RETURN_IF_ERROR(impl_->dirs.Claim(*j, dir));
   std::lock_guard<std::mutex> lock(impl_->mu);
   if (j->removed) {  // unregistered meanwhile, its claims let go before this one

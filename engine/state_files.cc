@@ -393,6 +393,14 @@ Status CreateCheckpointDir(const std::string& dir) {
     const std::string parent = p.parent_path().empty() ? "." : p.parent_path().string();
     ZT_RETURN_IF_ERROR(FsyncPath(parent, /*directory=*/true));
   }
+  const fs::path manifest = path / kCheckpointManifestName;
+  if (fs::is_symlink(fs::symlink_status(manifest, ec))) {
+    const fs::path to = fs::read_symlink(manifest, ec);
+    return Status::FailedPrecondition(
+        StrCat("checkpoint manifest ", manifest.string(), " is a symbolic link (to ", to.string(),
+               "): a manifest names the shard files beside it, so a save never writes through "
+               "a link; remove the link"));
+  }
   return Status::Ok();
 }
 
@@ -457,6 +465,12 @@ Status SaveCheckpointFiles(const JobDescription& job, StateAccess& state, const 
   // The new checkpoint is committed: drop the files of older ones.
   (void)RemoveUnnamed(dir, std::set<std::string>(written.begin(), written.end()));  // logged
   return Status::Ok();
+}
+
+Status RemoveCheckpointFiles(const std::string& dir) {
+  ZT_RETURN_IF_ERROR(RemoveFile((fs::path(dir) / kCheckpointManifestName).string()));
+  ZT_RETURN_IF_ERROR(FsyncPath(dir, /*directory=*/true));
+  return RemoveUnnamed(dir, {});
 }
 
 Status RemoveUnnamedCheckpointFiles(const std::string& dir) {

@@ -78,6 +78,11 @@ Status SaveCheckpointFiles(const JobDescription& job, StateAccess& state, const 
 // directory's claim (no other save writing there). A manifest that cannot
 // be read, or none, removes nothing. Errors: a file that cannot be removed.
 Status RemoveUnnamedCheckpointFiles(const std::string& dir);
+// Removes the checkpoint in `dir`: its manifest first (made durable, so no
+// load takes a part of it), then the shard files of every save; other files
+// stay. Call holding the directory's claim. Errors: a file that cannot be
+// removed.
+Status RemoveCheckpointFiles(const std::string& dir);
 Status LoadCheckpointFiles(const JobDescription& job, StateAccess& state, const std::string& dir);
 Status ExportSafetensorsFile(const JobDescription& job, StateAccess& state, const std::string& path,
                              ExportType type);
@@ -86,8 +91,11 @@ Status ExportSafetensorsFile(const JobDescription& job, StateAccess& state, cons
 Status ImportSafetensorsFile(const JobDescription& job, StateAccess& state,
                              const std::string& path);
 
-// Creates `dir` (and its parents) if missing. Errors: FailedPrecondition
-// (not a directory), IoError naming the errno.
+// Creates `dir` (and its parents) if missing, each level made durable, and
+// checks that a save may commit there: a manifest there is no symbolic link
+// (a save wrote through it into the checkpoint the link named, whose shard
+// files it did not write). Errors: FailedPrecondition (not a directory; the
+// manifest a link), IoError naming the errno.
 Status CreateCheckpointDir(const std::string& dir);
 // A checkpoint directory as one key, however it was spelled (absolute,
 // normalised, no trailing '/'): which directories a process holds.

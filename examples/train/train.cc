@@ -939,6 +939,14 @@ std::string RunNoteText(const std::vector<std::pair<std::string, std::string>>& 
 Result<bool> HasCheckpoint(const OutPaths& paths) {
   const std::string manifest = (fs::path(paths.checkpoint) / "manifest.json").string();
   std::error_code ec;
+  if (fs::is_symlink(fs::symlink_status(manifest, ec))) {
+    // (Dangling, it read as no checkpoint: the run trained, then its first
+    // save was refused.)
+    return Status::FailedPrecondition(
+        StrCat(manifest,
+               " is a symbolic link: a checkpoint's manifest names the shard files "
+               "beside it, and is never written through a link; remove it"));
+  }
   const bool exists = fs::exists(manifest, ec);
   if (ec) return PosixError(StrCat("cannot look for ", manifest), ec.value());
   return exists;
@@ -1037,12 +1045,8 @@ Result<int64_t> StartingPoint(const Flags& f, const Plan& p, std::string_view te
                "): pass --resume to continue it, or --overwrite to start over and replace it"));
   }
   if (f.overwrite) {
-    std::error_code ec;
-    for (const auto& e : fs::directory_iterator(paths.checkpoint, ec)) {
-      const std::string name = e.path().filename().string();
-      if (name == "manifest.json" || name.starts_with("unit-")) {
-        ZT_RETURN_IF_ERROR(RemoveFile(e.path().string()));
-      }
+    if (fs::is_directory(paths.checkpoint)) {
+      ZT_RETURN_IF_ERROR(m.RemoveCheckpoint(paths.checkpoint).Annotate("--overwrite"));
     }
     ZT_RETURN_IF_ERROR(RemoveFile(paths.exported));
   }

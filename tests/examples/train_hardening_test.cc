@@ -116,16 +116,52 @@ TEST_F(TrainHardeningTest, ARunNeverReplacesACheckpointItDidNotResume) {
   EXPECT_NE(text.find("--overwrite"), std::string::npos) << text;
   EXPECT_EQ(Slurp(out + "/checkpoint/manifest.json"), manifest) << "the checkpoint changed";
   EXPECT_EQ(LogSteps(out + "/train_log.tsv"), Counting(1, 3)) << "the log changed";
-  // --overwrite starts over, on purpose.
+  // --overwrite starts over, on purpose, and removes the checkpoint's files
+  // only (a user's file whose name began with "unit-" went too).
+  { std::ofstream(out + "/checkpoint/unit-test-results.txt") << "mine"; }
   auto [orc, otext] = Train(Common() + " --steps 2 --seed 5 --overwrite --out " + out, dir_);
   ASSERT_EQ(orc, 0) << otext;
   EXPECT_EQ(LogSteps(out + "/train_log.tsv"), Counting(1, 2));
   EXPECT_NE(Slurp(out + "/checkpoint/manifest.json"), manifest);
+  EXPECT_EQ(Slurp(out + "/checkpoint/unit-test-results.txt"), "mine");
+  const std::string now = Slurp(out + "/checkpoint/manifest.json");
+  for (const auto& e : fs::directory_iterator(out + "/checkpoint")) {
+    const std::string name = e.path().filename().string();
+    if (e.path().extension() == ".bin") {
+      EXPECT_NE(now.find(name), std::string::npos) << name << ": the earlier run's, left";
+    }
+  }
   // --resume of a run that has no checkpoint is an error, not a fresh start.
   auto [nrc, ntext] = Train(Common() + " --steps 2 --resume --out " + (dir_ / "none"), dir_);
   EXPECT_EQ(nrc, 1) << ntext;
   EXPECT_NE(ntext.find("no checkpoint"), std::string::npos) << ntext;
   EXPECT_FALSE(fs::exists(dir_ / "none")) << "the refused --resume made its --out";
+}
+
+// A manifest that is a symbolic link: a save wrote through it into the
+// checkpoint it named (whose shard files it did not write: that one could
+// be loaded no more), and a dangling one read as no checkpoint, so the run
+// trained and only its first save was refused. Refused at the start.
+TEST_F(TrainHardeningTest, AManifestThatIsALinkIsRefusedAtTheStart) {
+  const std::string other = dir_ / "other", linked = dir_ / "linked";
+  ASSERT_EQ(Train(Common() + " --steps 2 --out " + other, dir_).first, 0);
+  ASSERT_EQ(Train(Common() + " --steps 2 --out " + linked, dir_).first, 0);
+  const std::string manifest = Slurp(other + "/checkpoint/manifest.json");
+  for (const std::string& target : {other + "/checkpoint/manifest.json", dir_ / "nothing"}) {
+    fs::remove(linked + "/checkpoint/manifest.json");
+    fs::create_symlink(target, linked + "/checkpoint/manifest.json");
+    for (const char* mode : {" --resume", " --overwrite", ""}) {
+      const auto start = std::chrono::steady_clock::now();
+      auto [rc, text] = Train(Common() + " --steps 4 --out " + linked + mode, dir_);
+      EXPECT_EQ(rc, 1) << mode << text;
+      EXPECT_NE(text.find("is a symbolic link"), std::string::npos) << mode << text;
+      EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(20))
+          << "refused only after work was done";
+    }
+  }
+  EXPECT_EQ(Slurp(other + "/checkpoint/manifest.json"), manifest) << "written through the link";
+  auto [rc, text] = Train(Common() + " --steps 3 --resume --out " + other, dir_);
+  EXPECT_EQ(rc, 0) << text;
 }
 
 TEST_F(TrainHardeningTest, ResumeFinishesWhatTheRunHadLeftAndCutsTheLogBack) {
