@@ -23,9 +23,11 @@
 #include <cstring>
 #include <deque>
 #include <functional>
+#include <map>
 #include <mutex>
 #include <thread>
 #include <unordered_map>
+#include <utility>
 
 #include "client/transport.h"
 #include "client/ztier.h"
@@ -166,6 +168,7 @@ class HostDevice final : public Device {
     static const uint64_t physical = static_cast<uint64_t>(::sysconf(_SC_PHYS_PAGES)) *
                                      static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
     const size_t rounded = bytes > physical ? 0 : std::max<size_t>(256, (bytes + 255) / 256 * 256);
+    ZT_RETURN_IF_ERROR(owner_.Check("a host device allocation"));
     std::lock_guard<std::mutex> lock(mem_mu_);
     const uint64_t limit = options_.memory_bytes;
     if (limit > 0 && (bytes > limit || allocated_ > limit - bytes)) {
@@ -187,13 +190,16 @@ class HostDevice final : public Device {
   }
 
   void Free(void* ptr) override {
-    if (ptr == nullptr) return;
+    // (In a forked child the memory and the copy queues are the parent's:
+    // nothing of them is freed there.)
+    if (ptr == nullptr || owner_.forked()) return;
     {
       // Accounted as freed now (the caller gave it up); released once the
       // copies queued before it are done.
       std::lock_guard<std::mutex> lock(mem_mu_);
       auto it = allocations_.find(ptr);
-      ZT_CHECK(it != allocations_.end());
+      ZT_CHECK_MSG(it != allocations_.end(), "host device: Free of ", ptr,
+                   ", which this device did not allocate (or freed already)");
       stats_[static_cast<int>(it->second.purpose)].bytes -= it->second.bytes;
       allocated_ -= it->second.bytes;
       allocations_.erase(it);
@@ -268,19 +274,24 @@ class HostDevice final : public Device {
       return Status::InvalidArgument(
           StrCat("host device: RegisterHost of a null pointer (", bytes, " B)"));
     }
-    if (access == HostAccess::kReadOnly) return Status::Ok();
-    // As CUDA: a read-only mapping pinned without cudaHostRegisterReadOnly
-    // is refused, so the runner's registrations are checked on CPU too.
-    ZT_ASSIGN_OR_RETURN(bool writable, MappedWritable(ptr, bytes));
-    if (!writable) {
-      return Status::InvalidArgument(
-          StrCat("host device: RegisterHost of ", bytes, " B at ", ptr,
-                 " for read-write access, but the range is mapped read-only (register it "
-                 "with HostAccess::kReadOnly)"));
-    }
+    ZT_RETURN_IF_ERROR(CheckAccess(ptr, bytes, access));
+    std::lock_guard<std::mutex> lock(mem_mu_);
+    ++registered_[{reinterpret_cast<uintptr_t>(ptr), bytes}];
     return Status::Ok();
   }
-  Status UnregisterHost(void*, size_t) override { return Status::Ok(); }
+  // Counted as CUDA counts them: a range never registered (or unregistered
+  // as many times as it was registered) is refused.
+  Status UnregisterHost(void* ptr, size_t bytes) override {
+    if (bytes == 0) return Status::Ok();
+    std::lock_guard<std::mutex> lock(mem_mu_);
+    auto it = registered_.find({reinterpret_cast<uintptr_t>(ptr), bytes});
+    if (it == registered_.end()) {
+      return Status::InvalidArgument(StrCat("host device: UnregisterHost of ", bytes, " B at ", ptr,
+                                            ", a range this device never registered"));
+    }
+    if (--it->second == 0) registered_.erase(it);
+    return Status::Ok();
+  }
 
   void EnableTimeline(bool on) override {
     std::lock_guard<std::mutex> lock(timeline_mu_);
@@ -296,6 +307,20 @@ class HostDevice final : public Device {
   }
 
  private:
+  Status CheckAccess(void* ptr, size_t bytes, HostAccess access) const {
+    if (access == HostAccess::kReadOnly) return Status::Ok();
+    // As CUDA: a read-only mapping pinned without cudaHostRegisterReadOnly
+    // is refused, so the runner's registrations are checked on CPU too.
+    ZT_ASSIGN_OR_RETURN(bool writable, MappedWritable(ptr, bytes));
+    if (!writable) {
+      return Status::InvalidArgument(
+          StrCat("host device: RegisterHost of ", bytes, " B at ", ptr,
+                 " for read-write access, but the range is mapped read-only (register it "
+                 "with HostAccess::kReadOnly)"));
+    }
+    return Status::Ok();
+  }
+
   struct Allocation {
     size_t bytes;
     MemoryPurpose purpose;
@@ -411,6 +436,7 @@ class HostDevice final : public Device {
 
   mutable std::mutex mem_mu_;
   std::unordered_map<void*, Allocation> allocations_;
+  std::map<std::pair<uintptr_t, size_t>, int> registered_;  // RegisterHost's counts
   uint64_t allocated_ = 0;  // the bytes of allocations_, every purpose
   MemoryStats stats_[kMemoryPurposes];
 

@@ -98,7 +98,10 @@ class Device {
   // Device memory, 256 B aligned, uninitialised; accounted at the bytes asked
   // for. Errors: ResourceExhausted.
   virtual Result<void*> Allocate(size_t bytes, MemoryPurpose purpose) = 0;
-  // Frees after all work queued so far on both streams. Null is a no-op.
+  // Frees after all work queued so far on both streams. Null is a no-op,
+  // and so is any pointer in a forked child (the memory is the parent's). A
+  // pointer this device did not allocate, or freed already, stops the
+  // process naming it (a programming error, as a double free() is).
   virtual void Free(void* ptr) = 0;
   virtual MemoryStats memory(MemoryPurpose purpose) const = 0;
   virtual void ResetHighWater() = 0;

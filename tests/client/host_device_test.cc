@@ -2,6 +2,8 @@
 // the copy thread, events and stream waits, and the timeline.
 #include <gtest/gtest.h>
 #include <sys/mman.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -63,6 +65,49 @@ TEST(HostDeviceTest, ARangeMappedReadOnlyIsRegisteredReadOnly) {
   EXPECT_EQ((*dev)->RegisterHost(nullptr, 64, HostAccess::kReadOnly).code(),
             StatusCode::kInvalidArgument);
   ::munmap(m, 2 * 4096);
+}
+
+// Registrations are counted as CUDA counts them (an unregister of a range
+// never registered was Ok here, so tests on CPU missed unbalanced calls),
+// and a forked child neither allocates (it did, from the parent's device)
+// nor frees the parent's memory. A Free of memory the device did not
+// allocate stops the process, naming it.
+TEST(HostDeviceTest, RegistrationsAreCountedAndAForkedChildAllocatesNothing) {
+  auto dev = MakeHostDevice();
+  ASSERT_TRUE(dev.ok()) << dev.status();
+  Device& d = **dev;
+  std::vector<uint8_t> host(8192);
+  EXPECT_EQ(d.UnregisterHost(host.data(), host.size()).code(), StatusCode::kInvalidArgument);
+  ASSERT_TRUE(d.RegisterHost(host.data(), host.size(), HostAccess::kReadWrite).ok());
+  ASSERT_TRUE(d.RegisterHost(host.data(), host.size(), HostAccess::kReadOnly).ok());
+  EXPECT_EQ(d.UnregisterHost(host.data(), 4096).code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(d.UnregisterHost(host.data(), host.size()).ok());
+  EXPECT_TRUE(d.UnregisterHost(host.data(), host.size()).ok());
+  Status again = d.UnregisterHost(host.data(), host.size());
+  EXPECT_EQ(again.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(again.message().find("never registered"), std::string::npos) << again;
+
+  Result<void*> kept = d.Allocate(4096, MemoryPurpose::kParams);
+  ASSERT_TRUE(kept.ok());
+  const pid_t child = ::fork();
+  if (child == 0) {
+    Result<void*> p = d.Allocate(64, MemoryPurpose::kParams);
+    d.Free(*kept);  // nothing of the parent's
+    _exit(p.ok() ? 1 : p.status().code() == StatusCode::kFailedPrecondition ? 0 : 2);
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+  EXPECT_EQ(d.memory(MemoryPurpose::kParams).bytes, 4096u);
+  d.Free(*kept);
+  // (A device of the death test's own process: the parent's is a forked
+  // child's there, whose Free frees nothing.)
+  EXPECT_DEATH(
+      {
+        int on_stack = 0;
+        (*MakeHostDevice())->Free(&on_stack);
+      },
+      "did not allocate");
 }
 
 // A size within 255 bytes of SIZE_MAX, rounded up to 256, wrapped to 0:
