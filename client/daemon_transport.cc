@@ -57,6 +57,10 @@ using engine::SharedBuffer;
 // How long a call that does not wait on training progress may take; calls
 // that do (acquire, publish wait) get their own timeout plus this margin.
 constexpr std::chrono::seconds kCallTimeout{120};
+// The most a hello may take: ztierd answers it at once. A socket where
+// nothing answers (a stopped or stuck ztierd, a listener of another
+// program) held the session's open for the whole call timeout.
+constexpr std::chrono::seconds kHelloTimeout{15};
 
 struct Reply {
   std::string payload;  // after the status
@@ -88,10 +92,18 @@ class DaemonTransport final : public Transport, public ControlTransport {
     t->call_timeout_ = call_timeout;
     t->operator_ = name == p::kOperatorClientName;
     t->receiver_ = std::thread([raw = t.get()] { raw->ReceiveLoop(); });
-    Result<Reply> r = t->Call(p::MessageType::kHello,
-                              p::Encode(p::Hello{.name = std::string(name)}), {}, t->call_timeout_);
+    Result<Reply> r =
+        t->Call(p::MessageType::kHello, p::Encode(p::Hello{.name = std::string(name)}), {},
+                std::min<std::chrono::milliseconds>(t->call_timeout_, kHelloTimeout));
     if (!r.ok()) {
       const Status& s = r.status();
+      if (s.code() == StatusCode::kUnavailable &&
+          s.message().find("did not answer hello") != std::string::npos) {
+        return Status::Unavailable(StrCat(s.message(),
+                                          " (stopped or stuck? ztierctl status "
+                                          "tells; or what listens there is no "
+                                          "ztierd)"));
+      }
       if (s.message().starts_with("ztierd at ")) return s;
       return Status(s.code(), StrCat("ztierd at ", path, ": ", s.message()), s.sys_errno());
     }

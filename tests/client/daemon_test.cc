@@ -1912,6 +1912,29 @@ TEST(ZtierdProgramTest, AFloodOfConnectionsDoesNotFloodTheLog) {
   EXPECT_NE(d.log().find("more like it not logged"), std::string::npos) << d.log();
 }
 
+// A session opened on a ztierd that answers nothing (stopped, here) waited
+// the whole call timeout of 120 s for its hello; it fails after 15 s,
+// saying what to look at.
+TEST(ZtierdProgramTest, AHelloNobodyAnswersFailsWithinFifteenSeconds) {
+  ZtierdProcess d(ZTIERD_BINARY, {});
+  ASSERT_EQ(::kill(d.pid(), SIGSTOP), 0);
+  SessionOptions o;
+  o.daemon_socket = d.socket();
+  const auto t0 = std::chrono::steady_clock::now();
+  Result<std::unique_ptr<Session>> s = Session::Open(o);
+  const auto took = std::chrono::steady_clock::now() - t0;
+  ASSERT_EQ(::kill(d.pid(), SIGCONT), 0);
+  ASSERT_FALSE(s.ok());
+  EXPECT_EQ(s.status().code(), StatusCode::kUnavailable) << s.status();
+  EXPECT_NE(s.status().message().find("did not answer hello within 15 s"), std::string::npos)
+      << s.status();
+  EXPECT_NE(s.status().message().find("ztierctl status"), std::string::npos) << s.status();
+  EXPECT_LT(took, 30s);
+  // Continued, it serves.
+  Result<std::unique_ptr<Session>> again = Session::Open(o);
+  EXPECT_TRUE(again.ok()) << again.status() << d.log();
+}
+
 TEST(ZtierdProgramTest, SigtermStopsCleanlyAndKillNineFailsClientsFast) {
   {
     ZtierdProcess d(ZTIERD_BINARY, {});
