@@ -481,8 +481,8 @@ const std::vector<Tunable>& Table() {
        "it fails with a message naming the unit and the step, and ztier.torch's ranks wait for "
        "each other at a collective (a rank that gave up ends its peers' waits too). Through ztierd "
        "every call also has 120 s to be answered: a stopped or hung ztierd fails a call after "
-       "120 s (a wait after this plus 120 s), and the calls after it at once until it answers "
-       "again.",
+       "120 s (a wait after this plus 120 s; a session's first call, its hello, after 15 s), "
+       "and the calls after it at once until it answers again.",
        [](Settings& s, std::string_view t, std::string_view k) -> Status {
          ZT_ASSIGN_OR_RETURN(int64_t v, ParseInt(t, k, 1, 7 * 24 * 3600));
          s.wait_timeout_seconds = static_cast<uint32_t>(v);
