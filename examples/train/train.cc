@@ -115,12 +115,13 @@ struct Flags {
   bool resume = false;
   bool overwrite = false;
   uint64_t seed = 1;
-  bool progress = true;         // a bar when stderr is a terminal
-  double progress_every = 5.0;  // seconds between progress lines without a bar
-  int exit_after = 0;           // abrupt exit right after this step's checkpoint (crash testing)
-  std::string summary;          // a JSON summary of the run's speed goes here (benchmarks)
-  std::string job_name;         // the engine's name of the job (default: from --out)
-  int summary_skip = -1;        // steps left out of it (-1: min(5, steps / 4))
+  bool progress = true;          // a bar when stderr is a terminal
+  double progress_every = 5.0;   // seconds between progress lines without a bar
+  int exit_after = 0;            // abrupt exit right after this step's checkpoint (crash testing)
+  std::string summary;           // a JSON summary of the run's speed goes here (benchmarks)
+  std::string job_name;          // the engine's name of the job (default: from --out)
+  bool job_name_of_out = false;  // job_name is the default, made from --out
+  int summary_skip = -1;         // steps left out of it (-1: min(5, steps / 4))
   // Flags that set a setting, applied over the config and the environment:
   // {setting key, value, flag}.
   struct Override {
@@ -436,6 +437,7 @@ Result<Flags> ParseFlags(int argc, char** argv) {
     // A name shows in ztierctl's table and in checkpoints' JSON: the
     // directory's control characters and bytes that are not UTF-8 as '?'.
     f.job_name = StrCat("gpt:", PrintableUtf8(out.string()));
+    f.job_name_of_out = true;
     if (f.job_name.size() > kMaxJobName) {
       // Too long: the path's end, whole characters only, after a hash of
       // all of it (two long paths with one end stay two names).
@@ -1360,6 +1362,13 @@ int Run(const Flags& f, const Plan& p) {
                                  .param_tier = p.settings.param_tier,
                                  .world_size = f.ranks});
   if (!model.ok()) {
+    if (model.status().code() == StatusCode::kAlreadyExists && f.job_name_of_out) {
+      // (Another --job-name ran into the other run's checkpoint lock.)
+      return fail(model.status().Annotate(
+          StrCat("another run on --out ", f.out,
+                 " is training through this ztierd: one --out "
+                 "takes one run at a time (give this one another --out, or stop that one)")));
+    }
     if (model.status().code() == StatusCode::kAlreadyExists) {
       return fail(model.status().Annotate(
           "another job has this name (--job-name NAME gives this run another)"));

@@ -148,4 +148,29 @@ TEST(DaemonTrainTest, TwoRunsOfOneUserShareAZtierd) {
   EXPECT_EQ(alone, Slurp(dir / "b/model.safetensors"));
 }
 
+// A second run on the --out of one training through the same ztierd was
+// told that another job had its name, and to give it another --job-name,
+// which only ran into the first run's checkpoint lock. It is told that the
+// --out is taken.
+TEST(DaemonTrainTest, ASecondRunOnOneOutThroughZtierdIsToldTheOutIsTaken) {
+  ScratchDir dir("daemon-same-out");
+  const std::string data = dir / "words.txt";
+  WriteWordSalad(data, 32 << 10);
+  ZtierdProcess d(ZTIERD_BINARY, {});
+  const std::string common = " --layers 1 --channels 32 --heads 2 --context 16 --batch 2 --data " +
+                             data + " --daemon " + d.socket() + " --out " + (dir / "same");
+  TrainProcess first(common + " --steps 100000", dir / "first.txt");
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::minutes(1);
+  while (std::chrono::steady_clock::now() < deadline && !first.TryWait().has_value() &&
+         LogColumn(dir / "same/train_log.tsv", 0).empty()) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  ASSERT_FALSE(first.TryWait().has_value()) << first.output();
+  auto [rc, out] = ztier::testing::RunTrain(common + " --steps 10 --overwrite", dir / "second.txt");
+  EXPECT_EQ(rc, 1) << out;
+  EXPECT_NE(out.find("another run on --out " + (dir / "same")), std::string::npos) << out;
+  EXPECT_EQ(out.find("--job-name"), std::string::npos) << out;
+  EXPECT_FALSE(first.TryWait().has_value()) << first.output();
+}
+
 }  // namespace
