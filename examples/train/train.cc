@@ -893,8 +893,9 @@ void PrintSetup(const Flags& f, const Plan& p, const Session& session, size_t te
   if (pool.page_bytes != 0) {
     pages += StrCat(", ", pool.page_bytes == 4096 ? "4 KiB pages" : "2 MiB pages");
     const std::string policy = engine::ShmemHugePagePolicy();
+    // (Through ztierd the pool and its ztier.huge_pages are ztierd's.)
     if (pool.page_bytes == 4096 && s.huge_pages == engine::HugePages::kTransparent &&
-        !policy.empty()) {
+        !policy.empty() && session.transport_name() == "embedded") {
       pages += StrCat(" (the kernel's shmem_enabled is '", policy,
                       "'; ztier.huge_pages hugetlb uses reserved huge pages)");
     }

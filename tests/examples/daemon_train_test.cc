@@ -171,6 +171,10 @@ TEST(DaemonTrainTest, ASecondRunOnOneOutThroughZtierdIsToldTheOutIsTaken) {
   EXPECT_NE(out.find("another run on --out " + (dir / "same")), std::string::npos) << out;
   EXPECT_EQ(out.find("--job-name"), std::string::npos) << out;
   EXPECT_FALSE(first.TryWait().has_value()) << first.output();
+  // Its pool is ztierd's, made with ztierd's settings (huge pages off
+  // here): no hint at the kernel's policy or at this client's setting.
+  EXPECT_NE(first.output().find("4 KiB pages"), std::string::npos) << first.output();
+  EXPECT_EQ(first.output().find("ztier.huge_pages"), std::string::npos) << first.output();
 }
 
 }  // namespace
