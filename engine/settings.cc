@@ -265,6 +265,10 @@ const std::vector<Tunable>& Table() {
        [](Settings& s, std::string_view t, std::string_view k) -> Status {
          std::vector<std::string> paths = SplitList(t);
          if (paths.empty()) return Status::InvalidArgument(StrCat(k, ": empty path list"));
+         if (paths.size() != static_cast<size_t>(std::count(t.begin(), t.end(), ',')) + 1) {
+           // ("/a,,/b" became /a,/b: a typo, as a path left out, is said.)
+           return Status::InvalidArgument(StrCat(k, ": '", t, "' names an empty path"));
+         }
          if (!s.nvme_paths.empty() && s.nvme_paths != paths) {
            return Status::InvalidArgument(
                StrCat(k,

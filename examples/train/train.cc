@@ -946,9 +946,9 @@ Result<bool> HasCheckpoint(const OutPaths& paths) {
     // (Dangling, it read as no checkpoint: the run trained, then its first
     // save was refused.)
     return Status::FailedPrecondition(
-        StrCat(manifest,
-               " is a symbolic link: a checkpoint's manifest names the shard files "
-               "beside it, and is never written through a link; remove it"));
+        StrCat("checkpoint manifest ", manifest,
+               " is a symbolic link: a manifest names the shard files beside it, so a save "
+               "never writes through a link; remove the link"));
   }
   const bool exists = fs::exists(manifest, ec);
   if (ec) return PosixError(StrCat("cannot look for ", manifest), ec.value());
@@ -1335,6 +1335,10 @@ int Run(const Flags& f, const Plan& p) {
   for (const std::string& dir : p.settings.nvme_paths) {
     std::error_code ec;
     if (fs::is_directory(dir, ec)) continue;
+    if (dir != default_swap && fs::exists(dir, ec)) {
+      return fail(Status::FailedPrecondition(
+          StrCat("swap directory ", dir, " is not a directory (give a directory on the drive)")));
+    }
     if (dir != default_swap) {
       return fail(
           Status::NotFound(StrCat("swap directory ", dir,

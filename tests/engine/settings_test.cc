@@ -382,6 +382,15 @@ TEST(SettingsTest, PrecedenceIsDefaultsConfigEnvironmentFlagsAndEachSourceIsName
   EXPECT_NE(bad.status().message().find("--qd"), std::string::npos) << bad.status();
   EXPECT_FALSE(ApplySetting(*f, "no.such", "1", "--x").ok());
   EXPECT_FALSE(ApplySetting(*f, "ZTIER_NVME_PATHS", ",", "--swap-dir").ok());
+  // A path left out between commas, or after one, is a typo (it became
+  // /a,/b silently, while the file refused an empty path).
+  for (const char* typo : {"/a,,/b", "/a,/b,", ",/a"}) {
+    Result<Settings> empty = ApplySetting(*f, "ZTIER_NVME_PATHS", typo, "--swap-dir");
+    ASSERT_FALSE(empty.ok()) << typo;
+    EXPECT_NE(empty.status().message().find("names an empty path"), std::string::npos)
+        << empty.status();
+  }
+  EXPECT_TRUE(ApplySetting(*f, "ZTIER_NVME_PATHS", "/a,/b", "--swap-dir").ok());
 }
 
 TEST(SettingsTest, EnvironmentOverridesTheFile) {

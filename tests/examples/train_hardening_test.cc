@@ -323,8 +323,18 @@ TEST_F(TrainHardeningTest, ALoopOfLinksOverTheCheckpointIsAnError) {
     fs::create_symlink("manifest.json", out / "checkpoint/manifest.json");
     auto [rc, text] = Train(Common() + " --steps 1" + mode + " --out " + out.string(), dir_);
     EXPECT_EQ(rc, 1) << mode << "\n" << text;
-    EXPECT_NE(text.find("Too many levels of symbolic links"), std::string::npos) << text;
+    EXPECT_NE(text.find("checkpoint manifest " + (out / "checkpoint/manifest.json").string() +
+                        " is a symbolic link"),
+              std::string::npos)
+        << text;
   }
+  // A loop above the manifest: the directory cannot be searched.
+  const fs::path out = dir_ / "looped";
+  fs::create_directories(out);
+  fs::create_symlink("checkpoint", out / "checkpoint");
+  auto [rc, text] = Train(Common() + " --steps 1 --out " + out.string(), dir_);
+  EXPECT_EQ(rc, 1) << text;
+  EXPECT_NE(text.find("Too many levels of symbolic links"), std::string::npos) << text;
 }
 
 TEST_F(TrainHardeningTest, TheFirstSignalStopsAtAStepWithACheckpointAndTheExport) {
@@ -407,6 +417,8 @@ TEST_F(TrainHardeningTest, BadInputsAreClearErrorsNeverCrashes) {
       {"--out " + (dir_ / "dangling"), 1, "is a symbolic link to "},
       // A typo above the swap directory: it was made, on whatever was there.
       {"--swap-dir " + (dir_ / "no/such/swap"), 1, "does not exist"},
+      // A file, said not to exist.
+      {"--swap-dir " + (dir_ / "text.txt"), 1, "is not a directory"},
       // No machine has GPU 1023: said before the engine pins the states.
       {"--device cuda --ranks 1024", 1, "no CUDA device"},
       // Shapes the CPU kernels take and the CUDA ones do not: the run
