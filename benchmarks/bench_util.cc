@@ -194,6 +194,20 @@ double Quantile(std::vector<double> v, double q) {
   return v[std::min(v.size() - 1, static_cast<size_t>(static_cast<double>(v.size()) * q))];
 }
 
+Status CheckBenchDirectory(const std::string& path, std::string_view flag, bool is_default,
+                           std::string_view advice) {
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec)) return Status::Ok();
+  const std::string named =
+      is_default ? StrCat("the default ", flag, " ./", path) : StrCat(flag, " ", path);
+  if (std::filesystem::exists(std::filesystem::symlink_status(path, ec))) {
+    return Status::FailedPrecondition(StrCat(
+        named, " is not a directory (", is_default ? "remove what is there, or give " : "give ",
+        flag, " a directory on the drive to test)"));
+  }
+  return Status::NotFound(StrCat(named, " is not an existing directory", advice));
+}
+
 DefaultDir::DefaultDir(std::string path) : path_(std::move(path)) {
   std::error_code ec;
   if (!std::filesystem::exists(path_, ec)) made_ = std::filesystem::create_directories(path_, ec);

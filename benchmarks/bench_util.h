@@ -54,6 +54,13 @@ Status CheckFitsInMemory(double bytes, std::string_view what);
 Status CheckFitsOnDisk(const std::vector<std::string>& paths, uint64_t bytes_per_path,
                        std::string_view what);
 
+// OK when `path`, given as `flag` (or its default, `is_default`), is a
+// directory; else NotFound or FailedPrecondition saying which: missing, or
+// something else there (a file in the default's place was said to be a
+// --path not given). `advice` ends a missing one's message.
+Status CheckBenchDirectory(const std::string& path, std::string_view flag, bool is_default,
+                           std::string_view advice);
+
 // A subcommand's default scratch directory: made when missing, and
 // removed when this goes if it made it and it is empty, however the run
 // ended (an empty ./ztier-bench-swap was left behind after each run).

@@ -323,9 +323,10 @@ int RunNvme(int argc, char** argv) {
   for (const std::string& p : o.paths) {
     std::error_code ec;
     if (p == kDefaultPath && !default_dir) default_dir.emplace(p);
-    if (!fs::is_directory(p, ec)) {
-      return fail(Status::NotFound(
-          StrCat("--path ", p, " is not an existing directory (create it on the drive to test)")));
+    if (Status dir = CheckBenchDirectory(p, "--path", p == kDefaultPath,
+                                         " (create it on the drive to test)");
+        !dir.ok()) {
+      return fail(dir);
     }
     // Memory, not a drive: its figures would be the RAM's.
     if (const std::string_view memory = MemoryFilesystemOf(p); !memory.empty()) {

@@ -564,10 +564,8 @@ int RunOnce(StopSignals& stops, const StepBenchOptions& o, engine::StateDtype dt
   if (nvme) {
     // A --path must exist (the default was made by RunStep).
     for (const std::string& p : o.paths) {
-      std::error_code ec;
-      if (!fs::is_directory(p, ec)) {
-        return FailExit(Status::NotFound(StrCat("--path ", p, " is not an existing directory")),
-                        "step");
+      if (Status dir = CheckBenchDirectory(p, "--path", p == kDefaultSwapDir, ""); !dir.ok()) {
+        return FailExit(dir, "step");
       }
     }
     settings.nvme_paths = o.paths;

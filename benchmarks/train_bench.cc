@@ -317,6 +317,11 @@ int RunTrain(int argc, char** argv) {
     fs::path whole = fs::absolute(dir, ec).lexically_normal();
     if (!whole.has_filename()) whole = whole.parent_path();  // a trailing '/'
     const fs::path parent = whole.parent_path();
+    if (fs::exists(fs::symlink_status(dir, ec)) && !fs::is_directory(dir, ec)) {
+      return FailExit(Status::FailedPrecondition(
+                          StrCat("--dir ", dir.string(), " is not a directory (give a directory)")),
+                      "train");
+    }
     if (!fs::is_directory(dir, ec) && !fs::is_directory(parent, ec)) {
       return FailExit(Status::NotFound(StrCat("--dir ", dir.string(), ": its parent ",
                                               parent.string(), " is not an existing directory")),

@@ -21,6 +21,15 @@ if out=$("$bench" nvme --path "$dir/missing" --no-fio --no-sweep --runs 1 --size
 fi
 [[ $out == *"not an existing directory"* ]] || { echo "unclear error: $out"; exit 1; }
 [ ! -e "$dir/missing" ] || { echo "the missing --path was created"; exit 1; }
+# A file where the default --path goes: said so (it was said to be a --path
+# not given that did not exist).
+if out=$(cd "$dir" && touch ztier-bench-swap &&
+         "$bench" nvme --no-fio --no-sweep --runs 1 --size 4M 2>&1); then
+  echo "a file as the default --path was accepted: $out"; exit 1
+fi
+[[ $out == *"the default --path ./ztier-bench-swap is not a directory"* ]] ||
+  { echo "unclear error: $out"; exit 1; }
+rm -f "$dir/ztier-bench-swap"
 json=$("$bench" nvme --path "$dir" --backend both --no-fio --no-sweep --runs 1 --size 8M \
   --stripe 256K --json | tail -n 1)
 for name in '"backend":"io_uring"' '"backend":"threads"'; do
