@@ -370,7 +370,9 @@ struct Daemon::Impl {
       }
       return Status::Ok();
     }
-    ZT_ASSIGN_OR_RETURN(std::string text, ReadFileToString(options.quota_file, 16 << 20));
+    Result<std::string> read = ReadFileToString(options.quota_file, 16 << 20);
+    if (!read.ok()) return read.status().Annotate("quota file (--quota-file)");
+    std::string text = *std::move(read);
     {
       std::lock_guard<std::mutex> lock(mu);
       quota_file_text = text;

@@ -1500,6 +1500,13 @@ TEST(ZtierdProgramTest, BadUsageAndASocketInUseAreClearErrors) {
   EXPECT_NE(out.find("/nonexistent-dir is not a directory ztierd can write"), std::string::npos)
       << out;
   EXPECT_FALSE(std::filesystem::exists(cfg.path() + "/q.sock")) << "its socket was left behind";
+  // A directory given as the file: said of the flag (the message named
+  // neither the flag nor a quota file).
+  std::tie(rc, out) = RunZtierd("--socket " + cfg.path() + "/q.sock --quota-file " + cfg.path());
+  EXPECT_EQ(rc, 2) << out;
+  EXPECT_NE(out.find("quota file (--quota-file): " + cfg.path() + " is a directory"),
+            std::string::npos)
+      << out;
   // A swap directory that is not there: a settings error (2), which
   // systemd does not restart in a loop (it was 1, a runtime error).
   std::tie(rc, out) =
