@@ -293,6 +293,13 @@ ztier_status ztier_model_register(ztier_session* session, const ztier_model_desc
         return Report(Status::InvalidArgument(
             StrCat("model desc: unit '", ud.name, "' tensor ", t, " has no name or shape")));
       }
+      // Before its shape is copied (an ndim near INT32_MAX was a vector of
+      // gigabytes, whose bad_alloc ended the process through the C ABI).
+      if (static_cast<uint32_t>(td.ndim) > ztier::engine::kMaxDims) {
+        return Report(Status::InvalidArgument(StrCat("model desc: unit '", ud.name, "' tensor '",
+                                                     td.name, "' has ", td.ndim,
+                                                     " dims; at most ", ztier::engine::kMaxDims)));
+      }
       unit.tensors.push_back({.name = td.name, .shape = {td.shape, td.shape + td.ndim}});
     }
     spec.units.push_back(std::move(unit));
@@ -417,6 +424,9 @@ ztier_status ztier_model_wait_published(const ztier_model* model, int64_t step,
   if (timeout_ms < 0) {
     return Report(
         Status::InvalidArgument(StrCat("wait_published: timeout ", timeout_ms, " ms < 0")));
+  }
+  if (step < 0) {  // (it returned OK before any weights were set)
+    return Report(Status::InvalidArgument(StrCat("wait_published: step ", step, " < 0")));
   }
   return Report(model->model->WaitPublished(step, std::chrono::milliseconds(timeout_ms)));
 }

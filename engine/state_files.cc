@@ -377,6 +377,7 @@ std::string CheckpointDirKey(const std::string& dir) {
 }
 
 Status CreateCheckpointDir(const std::string& dir) {
+  if (dir.empty()) return Status::InvalidArgument("an empty path names no checkpoint directory");
   std::error_code ec;
   fs::path path = fs::path(dir).lexically_normal();
   if (!path.has_filename()) path = path.parent_path();  // "a/b/"

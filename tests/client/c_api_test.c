@@ -97,7 +97,18 @@ int main(void) {
   bad.optimizer_on_nvme = 5; /* 1, 0 or -1 */
   EXPECT(ztier_model_register(session, &bad, &model) == ZTIER_INVALID_ARGUMENT);
   EXPECT(strstr(ztier_last_error(), "optimizer_on_nvme is 5") != NULL);
+  /* A dims count past the most a tensor has, refused before its shape is
+   * copied (an ndim near INT32_MAX ended the process with bad_alloc). */
+  const ztier_tensor_desc huge[1] = {{"h.weight", 0x7fffff00, w_shape}};
+  const ztier_unit_desc huge_unit[1] = {{"h", 1, huge}};
+  bad = desc;
+  bad.num_units = 1;
+  bad.units = huge_unit;
+  EXPECT(ztier_model_register(session, &bad, &model) == ZTIER_INVALID_ARGUMENT);
+  EXPECT(strstr(ztier_last_error(), "dims; at most") != NULL);
   ASSERT_OK(ztier_model_register(session, &desc, &model));
+  /* A negative step is no step (it was OK before any weights were set). */
+  EXPECT(ztier_model_wait_published(model, -5, 0) == ZTIER_INVALID_ARGUMENT);
   /* No weights yet: -1, and why. */
   EXPECT(ztier_model_published_step(model) == -1);
   EXPECT(strstr(ztier_last_error(), "has no weights yet") != NULL);
@@ -251,6 +262,8 @@ int main(void) {
   snprintf(dir, sizeof(dir), "c-api-test-ckpt-%d", (int)getpid());
   ASSERT_OK(ztier_model_claim_checkpoint_dir(model, dir));
   ASSERT_OK(ztier_model_save_checkpoint(model, dir));
+  EXPECT(ztier_model_save_checkpoint(model, "") == ZTIER_INVALID_ARGUMENT);
+  EXPECT(strstr(ztier_last_error(), "an empty path") != NULL);
   desc.name = "c-model-2";
   ztier_model* second = NULL;
   ASSERT_OK(ztier_model_register(session, &desc, &second));
