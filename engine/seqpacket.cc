@@ -117,6 +117,13 @@ Result<SeqPacketSocket> SeqPacketSocket::Connect(const std::string& path) {
                            "/run/ztier/ztierd.sock)"),
                     err);
     }
+    if (err == EPROTOTYPE) {  // a stream socket, say: another program's
+      return Status(StatusCode::kInvalidArgument,
+                    StrCat(path, " is a socket of another kind than ztierd's (", std::strerror(err),
+                           "): name ztierd's socket (its --socket; ztierd.socket's is "
+                           "/run/ztier/ztierd.sock)"),
+                    err);
+    }
     if (err == ENOENT || err == ECONNREFUSED) {
       return Status(StatusCode::kUnavailable,
                     StrCat("no ztierd listens on ", path, " (", std::strerror(err),

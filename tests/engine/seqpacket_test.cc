@@ -9,6 +9,7 @@
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -275,6 +276,24 @@ TEST(SeqPacketTest, AFileThisUserMayNotWriteIsSaidToBeNoSocket) {
     return c.status().message().find("is not a socket") != std::string::npos ? 0 : 12;
   });
   EXPECT_EQ(rc, 0);
+}
+
+// A stream socket (another program's, or ztierd's metrics one): it was an
+// io_error "Protocol wrong type for socket".
+TEST(SeqPacketTest, ASocketOfAnotherKindIsSaidToBeNoZtierds) {
+  ScratchDir dir("stream");
+  const std::string path = dir / "stream.sock";
+  UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  sockaddr_un sa{};
+  sa.sun_family = AF_UNIX;
+  std::memcpy(sa.sun_path, path.data(), path.size());
+  ASSERT_EQ(::bind(fd.get(), reinterpret_cast<const sockaddr*>(&sa), sizeof(sa)), 0);
+  ASSERT_EQ(::listen(fd.get(), 4), 0);
+  Result<SeqPacketSocket> c = SeqPacketSocket::Connect(path);
+  ASSERT_FALSE(c.ok());
+  EXPECT_EQ(c.status().code(), StatusCode::kInvalidArgument) << c.status();
+  EXPECT_NE(c.status().message().find("a socket of another kind than ztierd's"), std::string::npos)
+      << c.status();
 }
 
 // A listener's Close removes the file it bound, never one that replaced it
