@@ -44,6 +44,7 @@
 #include <utility>
 #include <vector>
 
+#include "client/transport.h"
 #include "client/ztier.h"
 #include "common/log.h"
 #include "common/status.h"
@@ -277,6 +278,7 @@ class CudaDevice final : public Device {
     size_t bytes;
     MemoryPurpose purpose;
   };
+  ProcessOwner owner_;  // a forked child allocates and frees nothing
   mutable std::mutex mu_;
   std::unordered_map<void*, Allocation> allocations_;
   MemoryStats stats_[kMemoryPurposes];
@@ -388,6 +390,7 @@ Result<void*> CudaDevice::Allocate(size_t bytes, MemoryPurpose purpose) {
     return Status::InvalidArgument(StrCat(name_, ": Allocate with an unknown memory purpose"));
   }
   if (bytes == 0) return static_cast<void*>(nullptr);
+  ZT_RETURN_IF_ERROR(owner_.Check("a CUDA device allocation"));
   if (bytes > SIZE_MAX - kAlignment) {  // the rounding below would wrap to a tiny size
     return Status::ResourceExhausted(
         StrCat(name_, ": cannot allocate ", bytes, " B of ", PurposeName(purpose)));
@@ -459,7 +462,7 @@ Status CudaDevice::QueueFree(void* ptr) {
 }
 
 void CudaDevice::Free(void* ptr) {
-  if (ptr == nullptr) return;
+  if (ptr == nullptr || owner_.forked()) return;  // (the memory is the parent's)
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = allocations_.find(ptr);

@@ -924,8 +924,12 @@ struct Stage3Runner::Impl {
   // between steps; Engine::WeightsGeneration): the copies of that step on
   // the device are out of date, though Current says they are not (a
   // persistent unit served the old weights for good). They are fetched
-  // again; one held now, after its last release.
+  // again; one held now, after its last release. World size 1 only: with
+  // R > 1 every rank would have to see the change at the same acquire, or
+  // their all-gathers pair up wrong (each reads it when it happens to);
+  // their runners are made again after a replacement (Stage3Runner).
   Status FollowWeights() {
+    if (world > 1) return Status::Ok();
     ZT_ASSIGN_OR_RETURN(int64_t now, transport->WeightsGeneration(job));
     if (now == weights_generation) return Status::Ok();
     weights_generation = now;
@@ -1256,7 +1260,6 @@ Result<std::unique_ptr<Stage3Runner>> Stage3Runner::Create(Model& model, int ran
   r.world = spec.world_size;
   r.job = model.job();
   r.accumulation = spec.optimizer.grad_accumulation;
-  ZT_ASSIGN_OR_RETURN(r.weights_generation, r.transport->WeightsGeneration(r.job));
   ZT_ASSIGN_OR_RETURN(r.client_counters, r.transport->ClientCounters(r.job, rank));
   uint64_t max_shard = 0;
   for (int k = 0; k < model.units(); ++k) {
@@ -1296,6 +1299,9 @@ Result<std::unique_ptr<Stage3Runner>> Stage3Runner::Create(Model& model, int ran
   // order): this runner reads the step the engine is heading to. (The lowest
   // published step would copy params the optimizer is rewriting and push
   // grads into an inbox it still reads.)
+  // The weights every unit has now (each published above): a change after
+  // this is one the runner's copies may not have.
+  ZT_ASSIGN_OR_RETURN(r.weights_generation, r.transport->WeightsGeneration(r.job));
   Result<int64_t> target = r.transport->TargetStep(r.job);
   if (!target.ok()) return target.status().Annotate(who);
   r.version = *target;

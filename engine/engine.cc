@@ -401,11 +401,11 @@ struct Engine::Impl {
         job.adam_step = adam_step;
       }
       for (Unit& u : job.units) Publish(job, u, step, [] {});
-      WeightsReplaced(job);
     };
   }
 
-  // After weights replaced in place (set, loaded, imported) are published:
+  // After weights replaced in place (set, loaded, imported; WithIdleJob's
+  // calls that replace the state, even one that failed midway) are published:
   // a client's copies of a step it fetched before are out of date, though
   // the step is the same (Engine::WeightsGeneration).
   static void WeightsReplaced(Job& job) {
@@ -1274,10 +1274,12 @@ Result<int> Engine::AbortStep(int job, int64_t for_step) {
   ZT_ASSIGN_OR_RETURN(std::shared_ptr<Job> j, e.Find(job));
   // A step queued or running whose units took grads of the next one
   // meanwhile (published already, or only made visible before their
-  // write-backs with states on NVMe): those are what is discarded, once it
-  // completes. A queued step without such grads is the one asked about.
+  // write-backs with states on NVMe), or one before `for_step` (an abort
+  // right after Step(), nothing of its own pushed yet): what is discarded
+  // comes after it, once it completes. A queued step without such grads
+  // is the one asked about.
   if (j->spec.optimizer.mode == StepMode::kExact && j->steps_queued > 0) {
-    const bool next = j->ready_units > 0 ||
+    const bool next = for_step > j->step + j->steps_queued || j->ready_units > 0 ||
                       std::any_of(j->units.begin(), j->units.end(),
                                   [](const Unit& u) { return u.micro > 0 || u.arrived_count > 0; });
     if (next) {
@@ -1302,8 +1304,8 @@ Result<int> Engine::AbortStep(int job, int64_t for_step) {
                ": the optimizer has applied them (the job is at step ", j->step,
                "); finish the step (Step) and go on from there"));
   }
-  const std::string what = StrCat("job '", j->spec.name, "': cannot discard the grads of step ",
-                                  j->step + std::max(j->steps_queued, 1));
+  const std::string what =
+      StrCat("job '", j->spec.name, "': cannot discard the grads of step ", for_step);
   if (j->checkpointing) {
     return Status::FailedPrecondition(StrCat(what, ": a checkpoint save or load is in progress"));
   }
@@ -1686,6 +1688,9 @@ Status WithIdleJob(Engine::Impl& e, int job, std::string_view what, StateUse use
     j->checkpointing = false;
     if (use == StateUse::kReplaces) ++j->state_replacements;  // even when it failed midway
   }
+  // The published weights may be others now, at the step they were at (a
+  // load or import, even one that failed midway): clients fetch again.
+  if (use == StateUse::kReplaces) Engine::Impl::WeightsReplaced(*j);
   e.published_cv.notify_all();  // an unregister and GradsReady wait for it
   return s.Annotate(StrCat(what, " of job '", j->spec.name, "'"));
 }

@@ -238,7 +238,7 @@ Result<std::unique_ptr<MetricsServer>> MetricsServer::Listen(std::string_view ad
                              " is in use: a socket of another kind is live there (a ztierd's "
                              "control socket?); give the metrics a path of their own"));
       }
-      if (err != ECONNREFUSED) {
+      if (err != ECONNREFUSED && err != ENOENT) {  // (ENOENT: gone since the lstat)
         return Status(StatusCode::kUnavailable,
                       StrCat("metrics socket ", path, " is in use: a server (another ztierd?) ",
                              err == 0 || err == EAGAIN

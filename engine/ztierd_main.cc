@@ -150,9 +150,11 @@ Result<Flags> ParseFlags(int argc, char** argv) {
     } else if (a == "--config") {
       f.config = v;
     } else if (a == "--socket-mode") {
-      char* end = nullptr;
-      const unsigned long mode = std::strtoul(v, &end, 8);
-      if (end == v || *end != '\0' || mode > 0777) {
+      // from_chars: octal digits only (strtoul took a leading blank or sign).
+      unsigned long mode = 0;
+      const std::string_view text(v);
+      const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), mode, 8);
+      if (ec != std::errc() || end != text.data() + text.size() || mode > 0777) {
         return Status::InvalidArgument(StrCat("--socket-mode: '", v, "' is not an octal mode"));
       }
       f.socket_mode = static_cast<mode_t>(mode);

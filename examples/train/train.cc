@@ -337,9 +337,10 @@ Result<Flags> ParseFlags(int argc, char** argv) {
       f.progress = false;
     } else if (a == "--progress-every") {
       ZT_ASSIGN_OR_RETURN(std::string v, value());
-      char* end = nullptr;
-      const double x = std::strtod(v.c_str(), &end);
-      if (end == v.c_str() || *end != '\0' || !(x >= 0 && x <= 86400)) {
+      // from_chars: no leading blanks or sign, no hex (strtod took " 5", 0x10).
+      double x = -1;
+      const auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), x);
+      if (ec != std::errc() || end != v.data() + v.size() || !(x >= 0 && x <= 86400)) {
         s = Status::InvalidArgument(
             StrCat(a, " wants seconds from 0 to 86400 (0: every step), got '", v, "'"));
       }

@@ -1121,9 +1121,13 @@ class Offload:
         it alone (DDP's ``if rank == 0: save``; a rank waiting for peers
         that never came hung until the timeout, and theirs in their next
         collective). Rank 0 posts how it went in torch.distributed's store,
-        under the call and the step; another rank that calls it waits there
-        for rank 0's and raises rank 0's error. ``between_steps``: ``what``
-        is refused midway through a step (_between_steps), on any rank."""
+        under the call, the step and how many such calls came before at
+        that step; another rank that calls it waits there for rank 0's and
+        raises rank 0's error (a call site is rank 0's alone or every
+        rank's: a rank's n-th call at a step meets rank 0's n-th). Alone,
+        rank 0 writes while its peers wait in their next collective, for
+        ``ztier.wait_timeout`` at most. ``between_steps``: ``what`` is
+        refused midway through a step (_between_steps), on any rank."""
         self._require_open(what)
 
         def check():
@@ -1147,7 +1151,7 @@ class Offload:
                     f"ztier: rank {self.rank} called {what} after step {call[1]} and waited for "
                     f"rank 0's in vain ({e}): rank 0 writes the files; call it on rank 0 (alone "
                     "or with the other ranks)") from e
-            theirs = store.get(key).decode()
+            theirs = store.get(key).decode("utf-8", "replace")
             if theirs:
                 raise RuntimeError(f"ztier: on rank 0: {theirs}")
             return
@@ -1158,7 +1162,16 @@ class Offload:
         except BaseException as e:  # noqa: BLE001 -- posted for the other ranks, then raised
             error = e
         if key is not None:
-            store.set(key, "" if error is None else f"{type(error).__name__}: {error}")
+            said = "" if error is None else f"{type(error).__name__}: {error}"
+            try:
+                # (A path that is not UTF-8 in the message: the store takes
+                # no lone surrogate.)
+                store.set(key, said.encode("utf-8", "backslashreplace"))
+            except Exception as e:
+                if error is None:
+                    raise RuntimeError(
+                        f"ztier: {what} done on rank 0 (its files are complete), but telling "
+                        f"the other ranks failed ({e})") from e
         if error is not None:
             raise error
 
