@@ -41,8 +41,10 @@ def run(rank: int, world: int, directory: str, steps: int, settings: dict,
             # Rank 0 reads and writes the files; when it fails every rank
             # is told (rank 1 waited for it in a barrier: both hung), and
             # both train on.
+            # (The last: a path that is not UTF-8, in rank 0's message.)
             for fail in (lambda: z.load_checkpoint(os.path.join(directory, "none")),
-                         lambda: z.save_checkpoint("/proc/no/such/dir")):
+                         lambda: z.save_checkpoint("/proc/no/such/dir"),
+                         lambda: z.save_checkpoint(os.fsdecode(b"/proc/no/such/\xff"))):
                 try:
                     fail()
                 except Exception as e:  # noqa: BLE001 -- what each rank is told
