@@ -1473,6 +1473,10 @@ TEST(ZtierdProgramTest, BadUsageAndASocketInUseAreClearErrors) {
   std::tie(rc, out) = RunZtierd("--socket /tmp/x.sock --metrics-job-names 1");
   EXPECT_EQ(rc, 2) << out;
   EXPECT_NE(out.find("is not yes or no"), std::string::npos) << out;
+  // A sign before an octal mode (strtoul took it).
+  std::tie(rc, out) = RunZtierd("--socket /tmp/x.sock --socket-mode +660");
+  EXPECT_EQ(rc, 2) << out;
+  EXPECT_NE(out.find("--socket-mode: '+660' is not an octal mode"), std::string::npos) << out;
   // A socket path only a change of settings mends: 2, not 1 (a runtime
   // error, which systemd restarts every 2 s for ever).
   std::tie(rc, out) = RunZtierd("--socket /nonexistent-dir/ztierd.sock");

@@ -419,6 +419,9 @@ TEST_F(TrainHardeningTest, BadInputsAreClearErrorsNeverCrashes) {
       {"--swap-dir " + (dir_ / "no/such/swap"), 1, "does not exist"},
       // A file, said not to exist.
       {"--swap-dir " + (dir_ / "text.txt"), 1, "is not a directory"},
+      // Hexadecimal and a sign (strtod took them).
+      {"--progress-every 0x10", 2, "--progress-every wants seconds"},
+      {"--progress-every +5", 2, "--progress-every wants seconds"},
       // No machine has GPU 1023: said before the engine pins the states.
       {"--device cuda --ranks 1024", 1, "no CUDA device"},
       // Shapes the CPU kernels take and the CUDA ones do not: the run
