@@ -281,11 +281,15 @@ TEST(SeqPacketTest, AFileThisUserMayNotWriteIsSaidToBeNoSocket) {
 // A stream socket (another program's, or ztierd's metrics one): it was an
 // io_error "Protocol wrong type for socket".
 TEST(SeqPacketTest, ASocketOfAnotherKindIsSaidToBeNoZtierds) {
-  ScratchDir dir("stream");
-  const std::string path = dir / "stream.sock";
+  // Under /tmp: a bind takes a path of 107 bytes at most (the build tree's
+  // may be longer).
+  std::string dir = "/tmp/ztier-stream-XXXXXX";
+  ASSERT_NE(::mkdtemp(dir.data()), nullptr);
+  const std::string path = dir + "/stream.sock";
   UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
   sockaddr_un sa{};
   sa.sun_family = AF_UNIX;
+  ASSERT_LT(path.size(), sizeof(sa.sun_path));
   std::memcpy(sa.sun_path, path.data(), path.size());
   ASSERT_EQ(::bind(fd.get(), reinterpret_cast<const sockaddr*>(&sa), sizeof(sa)), 0);
   ASSERT_EQ(::listen(fd.get(), 4), 0);
@@ -294,6 +298,7 @@ TEST(SeqPacketTest, ASocketOfAnotherKindIsSaidToBeNoZtierds) {
   EXPECT_EQ(c.status().code(), StatusCode::kInvalidArgument) << c.status();
   EXPECT_NE(c.status().message().find("a socket of another kind than ztierd's"), std::string::npos)
       << c.status();
+  std::filesystem::remove_all(dir);
 }
 
 // A listener's Close removes the file it bound, never one that replaced it
