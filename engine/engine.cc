@@ -409,8 +409,11 @@ struct Engine::Impl {
   // a client's copies of a step it fetched before are out of date, though
   // the step is the same (Engine::WeightsGeneration).
   static void WeightsReplaced(Job& job) {
-    std::atomic_ref<int64_t>(static_cast<int64_t*>(job.step_page.ptr)[job.units.size()])
-        .fetch_add(1, std::memory_order_release);
+    WeightsGenerationOf(job).fetch_add(1, std::memory_order_release);
+  }
+  // The step page's word after the units' steps.
+  static std::atomic_ref<int64_t> WeightsGenerationOf(const Job& job) {
+    return std::atomic_ref<int64_t>(static_cast<int64_t*>(job.step_page.ptr)[job.units.size()]);
   }
 
   // Under `lock` (on mu): until no unit of the job is published with its
@@ -983,7 +986,7 @@ Result<int> Engine::RegisterJob(
       e.pool->AllocateIn(job->publish_region, (spec.units.size() + 1) * sizeof(int64_t),
                          StrCat("job '", spec.name, "' step page")));
   std::fill_n(static_cast<int64_t*>(job->step_page.ptr), spec.units.size(), int64_t{-1});
-  static_cast<int64_t*>(job->step_page.ptr)[spec.units.size()] = 0;  // the weights' generation
+  Impl::WeightsGenerationOf(*job).store(0);
   ZT_ASSIGN_OR_RETURN(job->client_page,
                       e.pool->AllocateIn(job->inbox_region, ClientPageBytes(spec),
                                          StrCat("job '", spec.name, "' client page")));
@@ -1500,8 +1503,7 @@ int64_t Engine::WeightsGeneration(int job) const {
   std::lock_guard<std::mutex> lock(impl_->mu);
   Result<std::shared_ptr<Job>> j = impl_->Find(job);
   if (!j.ok()) return -1;
-  return std::atomic_ref<int64_t>(static_cast<int64_t*>((*j)->step_page.ptr)[(*j)->units.size()])
-      .load(std::memory_order_acquire);
+  return Impl::WeightsGenerationOf(**j).load(std::memory_order_acquire);
 }
 
 int64_t Engine::TargetStep(int job) const {

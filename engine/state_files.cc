@@ -394,15 +394,18 @@ Status CreateCheckpointDir(const std::string& dir) {
     const std::string parent = p.parent_path().empty() ? "." : p.parent_path().string();
     ZT_RETURN_IF_ERROR(FsyncPath(parent, /*directory=*/true));
   }
-  const fs::path manifest = path / kCheckpointManifestName;
-  if (fs::is_symlink(fs::symlink_status(manifest, ec))) {
-    const fs::path to = fs::read_symlink(manifest, ec);
-    return Status::FailedPrecondition(
-        StrCat("checkpoint manifest ", manifest.string(), " is a symbolic link (to ", to.string(),
-               "): a manifest names the shard files beside it, so a save never writes through "
-               "a link; remove the link"));
-  }
-  return Status::Ok();
+  return CheckManifestIsNoLink(path.string());
+}
+
+Status CheckManifestIsNoLink(const std::string& dir) {
+  std::error_code ec;
+  const fs::path manifest = fs::path(dir) / kCheckpointManifestName;
+  if (!fs::is_symlink(fs::symlink_status(manifest, ec))) return Status::Ok();
+  const fs::path to = fs::read_symlink(manifest, ec);
+  return Status::FailedPrecondition(
+      StrCat("checkpoint manifest ", manifest.string(), " is a symbolic link (to ", to.string(),
+             "): a manifest names the shard files beside it, so a save never writes through "
+             "a link; remove the link"));
 }
 
 Status SaveCheckpointFiles(const JobDescription& job, StateAccess& state, const std::string& dir) {

@@ -92,11 +92,14 @@ Status ImportSafetensorsFile(const JobDescription& job, StateAccess& state,
                              const std::string& path);
 
 // Creates `dir` (and its parents) if missing, each level made durable, and
-// checks that a save may commit there: a manifest there is no symbolic link
-// (a save wrote through it into the checkpoint the link named, whose shard
-// files it did not write). Errors: FailedPrecondition (not a directory; the
-// manifest a link), IoError naming the errno.
+// checks that a save may commit there (CheckManifestIsNoLink). Errors:
+// FailedPrecondition (not a directory; the manifest a link), IoError naming
+// the errno.
 Status CreateCheckpointDir(const std::string& dir);
+// FailedPrecondition when the manifest in `dir` is a symbolic link: a save
+// wrote through it into the checkpoint the link named, whose shard files it
+// did not write, and a dangling one read as no checkpoint. OK otherwise.
+Status CheckManifestIsNoLink(const std::string& dir);
 // A checkpoint directory as one key, however it was spelled (absolute,
 // normalised, no trailing '/'): which directories a process holds.
 std::string CheckpointDirKey(const std::string& dir);

@@ -66,6 +66,7 @@
 #include "common/thread.h"
 #include "common/unique_fd.h"
 #include "common/utf8.h"
+#include "engine/state_files.h"
 #include "examples/gpt/gpt.h"
 #include "nvme/swap_space.h"
 
@@ -941,16 +942,11 @@ std::string RunNoteText(const std::vector<std::pair<std::string, std::string>>& 
 // Whether --out holds a checkpoint (its manifest); an error when that cannot
 // be told (a loop of links, a directory that cannot be searched).
 Result<bool> HasCheckpoint(const OutPaths& paths) {
+  // (A dangling link read as no checkpoint: the run trained, then its
+  // first save was refused.)
+  ZT_RETURN_IF_ERROR(engine::CheckManifestIsNoLink(paths.checkpoint));
   const std::string manifest = (fs::path(paths.checkpoint) / "manifest.json").string();
   std::error_code ec;
-  if (fs::is_symlink(fs::symlink_status(manifest, ec))) {
-    // (Dangling, it read as no checkpoint: the run trained, then its first
-    // save was refused.)
-    return Status::FailedPrecondition(
-        StrCat("checkpoint manifest ", manifest,
-               " is a symbolic link: a manifest names the shard files beside it, so a save "
-               "never writes through a link; remove the link"));
-  }
   const bool exists = fs::exists(manifest, ec);
   if (ec) return PosixError(StrCat("cannot look for ", manifest), ec.value());
   return exists;
@@ -1336,15 +1332,15 @@ int Run(const Flags& f, const Plan& p) {
   for (const std::string& dir : p.settings.nvme_paths) {
     std::error_code ec;
     if (fs::is_directory(dir, ec)) continue;
-    if (dir != default_swap && fs::exists(dir, ec)) {
-      return fail(Status::FailedPrecondition(
-          StrCat("swap directory ", dir, " is not a directory (give a directory on the drive)")));
-    }
     if (dir != default_swap) {
       return fail(
-          Status::NotFound(StrCat("swap directory ", dir,
-                                  " does not exist (swap directories must: create it on "
-                                  "the drive, mounted, or leave --swap-dir out for <out>/swap)")));
+          fs::exists(dir, ec)
+              ? Status::FailedPrecondition(StrCat(
+                    "swap directory ", dir, " is not a directory (give a directory on the drive)"))
+              : Status::NotFound(
+                    StrCat("swap directory ", dir,
+                           " does not exist (swap directories must: create it on the drive, "
+                           "mounted, or leave --swap-dir out for <out>/swap)")));
     }
     if (Status s = CreateDir(dir, "swap directory"); !s.ok()) return fail(s);
   }

@@ -1108,7 +1108,7 @@ class Offload:
                     # if the save had failed.)
                     raise RuntimeError(
                         f"ztier: done on rank 0, but telling the other ranks failed ({e}): a "
-                        "rank is gone (a checkpoint or an export rank 0 wrote is complete)") from e
+                        "rank is gone") from e
                 raise
             if self.rank != 0 and said[0] is not None:
                 raise RuntimeError(f"ztier: on rank 0: {said[0]}")
