@@ -363,8 +363,14 @@ void SwapSpace::Impl::PathIo::Complete(Piece* p, int32_t res, std::vector<Piece*
   }
   Status error;
   if (res < 0) {
+    // EINVAL on aligned O_DIRECT I/O is a filesystem that took O_DIRECT at
+    // open and refuses it at I/O (the probe at the start could not tell on
+    // a full disk).
     error = PosixError(StrCat(what, " of swap file ", file, " at offset ", p->file_offset + p->done,
-                              " (object ", p->object, ", byte ", p->object_offset + p->done, ")"),
+                              " (object ", p->object, ", byte ", p->object_offset + p->done, ")",
+                              res == -EINVAL ? "; its filesystem refuses O_DIRECT I/O: put swap "
+                                               "on a local disk filesystem such as ext4 or xfs"
+                                             : ""),
                        res);
   } else if (res == 0) {
     error =

@@ -462,6 +462,18 @@ TEST_P(SwapFaultTest, WriteEioFailsNamesPathAndLosesNothingSilently) {
   ExpectKeepIntact();
 }
 
+TEST_P(SwapFaultTest, DirectIoRefusedAtTheFirstWriteSaysSo) {
+  // A filesystem that takes O_DIRECT at open and refuses it at I/O, found
+  // only at a write when the probe at the start met a full disk.
+  fault_->FailNth(IoKind::kWrite, 1, EINVAL);
+  Status s = space_->Write(victim_, 0, data_.data(), data_.size());
+  ASSERT_FALSE(s.ok());
+  EXPECT_EQ(s.sys_errno(), EINVAL) << s;
+  EXPECT_NE(s.message().find("refuses O_DIRECT I/O"), std::string::npos) << s;
+  EXPECT_NE(s.message().find("ztier.swap at offset"), std::string::npos) << s;
+  ExpectKeepIntact();
+}
+
 TEST_P(SwapFaultTest, ReadEioFailsThenRecovers) {
   ASSERT_TRUE(space_->Write(victim_, 0, data_.data(), data_.size()).ok());
   fault_->FailNth(IoKind::kRead, 1, EIO);
