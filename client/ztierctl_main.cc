@@ -84,6 +84,8 @@ void Usage(std::FILE* out) {
                "  --timeout S     wait at most S seconds for ztierd's answer (default 10;\n"
                "                  a stopped or hung ztierd is then said, exit 3)\n"
                "  --version, --help\n"
+               "  --              what follows is the command's own (an evict reason\n"
+               "                  such as \"--json\")\n"
                "\n"
                "exit codes: 0 done, 1 ztierd answered with an error, 2 bad arguments,\n"
                "            3 ztierd is not running, 4 refused (not allowed)\n",
@@ -612,8 +614,17 @@ int Main(int argc, char** argv) {
   o.socket = env != nullptr && *env != '\0' ? env : kDefaultSocket;
   try {
     int i = 1;
+    bool operands_only = false;  // after "--": an evict reason may be "--json"
     for (; i < argc; ++i) {
       const std::string_view arg = argv[i];
+      if (operands_only) {
+        o.args.emplace_back(arg);
+        continue;
+      }
+      if (arg == "--") {
+        operands_only = true;
+        continue;
+      }
       if (arg == "--help" || arg == "-h") {
         Usage(stdout);
         return 0;

@@ -796,6 +796,12 @@ TEST(ZtierctlProgramTest, TablesJsonAndExitCodes) {
   r = Ztierctl(sock + " evict 999", dir.path());
   EXPECT_EQ(r.code, 1) << r.out;
   EXPECT_NE(r.out.find("no job 999"), std::string::npos) << r.out;
+  // After "--" an option's word is the command's: a reason "--json" (it
+  // was taken as the option wherever it stood, and the reason was "--").
+  r = Ztierctl(sock + " evict 999 --reason -- --json", dir.path());
+  EXPECT_EQ(r.code, 1) << r.out;
+  EXPECT_NE(r.out.find("no job 999"), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find('{'), std::string::npos) << "printed as JSON: " << r.out;
   // An id out of range says what an id is, as any other bad one does.
   for (const char* bad : {"-1", "2147483648"}) {
     r = Ztierctl(sock + " evict " + bad, dir.path());
