@@ -1081,10 +1081,38 @@ class Offload:
                         f"rank {r}: every rank of a job must be given the same (offload()'s "
                         "arguments, the config, the ZTIER_* variables)")
 
-    def _barrier(self):
-        if self.world_size > 1:
-            import torch.distributed as dist
-            dist.barrier()
+    def _every_rank_at(self, what: str):
+        """Waits until every rank has called ``what`` (a call every rank
+        makes), ``ztier.wait_timeout`` at most: a rank that called it alone
+        (``if rank == 0: load_checkpoint``) is told which ranks did not
+        come, where a barrier waited the process group's timeout (30
+        minutes) while its peers waited in their next collective for it.
+        Ranks meet in torch.distributed's store, under the call, the step
+        and how many such calls came before at that step."""
+        if self.world_size == 1:
+            return
+        import datetime
+        import torch.distributed as dist
+        call = (what, self.runner.version if self.runner is not None else -1)
+        n = self._rank0_calls.get(call, 0)
+        self._rank0_calls[call] = n + 1
+        base = f"ztier/{self._launch}/{what}/{call[1]}/{n}"
+        store = dist.distributed_c10d._get_default_store()
+        store.set(f"{base}/{self.rank}", b"")
+        others = [r for r in range(self.world_size) if r != self.rank]
+        timeout = self.session.wait_timeout
+        try:
+            store.wait([f"{base}/{r}" for r in others], datetime.timedelta(seconds=timeout))
+        except Exception as e:
+            try:
+                missing = [r for r in others if not store.check([f"{base}/{r}"])]
+            except Exception:  # noqa: BLE001 -- the store itself is gone: said below
+                missing = others
+            raise RuntimeError(
+                f"ztier: {what} is called by every rank (each rank's runner is made again from "
+                f"what it reads), and rank {', '.join(map(str, missing)) or '?'} did not call it "
+                f"within {timeout:g} s (ztier.wait_timeout; {e}); this rank's model goes on as "
+                "it was") from e
 
     def _on_rank0(self, fn):
         """Runs ``fn`` on rank 0 (the files are its to read and write), every
@@ -2520,9 +2548,9 @@ class Offload:
                         "for one unit))") from e
                 raise
 
+        self._every_rank_at("load_checkpoint")
         self._drop_runner()  # its version is the old one
         try:
-            self._barrier()
             self._on_rank0(load)
             if self.rank != 0:
                 read_buffers()  # every rank keeps its module's buffers

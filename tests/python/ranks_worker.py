@@ -196,6 +196,47 @@ def rank0_saves_alone(rank: int, world: int, directory: str):
     dist.destroy_process_group()
 
 
+def rank0_loads_alone(rank: int, world: int, directory: str):
+    """Rank 0 calls load_checkpoint alone while rank 1 goes on to its next
+    step (test_ranks.py). Each saves what it was told and how long it
+    took."""
+    import time
+
+    import ztier.torch as zt
+    from conftest import batch, tiny_llama
+
+    os.environ["LOCAL_WORLD_SIZE"] = str(world)
+    dist.init_process_group("gloo", init_method=f"file://{directory}/store-load", rank=rank,
+                            world_size=world)
+    model = tiny_llama()
+    z = zt.offload(model, settings={"ztier.dram_budget": "1G", "ztier.wait_timeout": 3})
+    said, seconds = None, None
+    for step in range(3):
+        x = batch(step, micro=rank)
+        start = time.monotonic()
+        try:
+            if step == 2 and rank == 0:
+                z.load_checkpoint(os.path.join(directory, "ck"))
+                continue
+            model(input_ids=x, labels=x).loss.backward()
+            z.optimizer.step()
+            z.wait()
+        except Exception as e:  # noqa: BLE001 -- what this rank was told
+            said, seconds = str(e), time.monotonic() - start
+            break
+        if step == 0 and rank == 0:
+            z.save_checkpoint(os.path.join(directory, "ck"))
+    torch.save({"said": said, "seconds": seconds, "step": z.step_count},
+               os.path.join(directory, f"load-{rank}.pt"))
+    # Rank 0 hosts ztierd: it stays until rank 1 was told.
+    while rank == 0 and not os.path.exists(os.path.join(directory, "load-1.pt")):
+        time.sleep(0.1)
+    if rank == 1:  # rank 0's told first: a peer gone would end its wait too
+        while not os.path.exists(os.path.join(directory, "load-0.pt")):
+            time.sleep(0.1)
+    os._exit(0)
+
+
 def stalled_peer(rank: int, world: int, directory: str):
     """Rank 1 stops coming to the collectives (alive, as a notebook would
     be) after one step; rank 0 steps on (test_ranks.py). Each saves what

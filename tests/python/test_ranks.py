@@ -194,6 +194,25 @@ def test_rank_0_may_save_and_export_alone(tmp_path, monkeypatch):
     assert (tmp_path / "pretrained" / "config.json").exists()
 
 
+def test_a_load_rank_0_calls_alone_is_refused_within_wait_timeout(tmp_path, monkeypatch):
+    """load_checkpoint is every rank's (their runners are made again): rank
+    0 alone waited in a barrier for the process group's 30 minutes while
+    its peer waited in its next collective. It is now told which rank did
+    not come after ztier.wait_timeout, and its model is as it was."""
+    import ranks_worker
+
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setenv("TMPDIR", str(scratch))
+    mp.spawn(ranks_worker.rank0_loads_alone, args=(2, str(tmp_path)), nprocs=2, join=True)
+    alone, peer = (torch.load(tmp_path / f"load-{r}.pt") for r in range(2))
+    assert alone["said"] is not None, alone
+    assert "rank 1 did not call it within 3 s" in alone["said"], alone
+    assert alone["seconds"] < 12, alone
+    assert alone["step"] == 2, alone  # not the checkpoint's step 1
+    assert peer["said"] is not None and "arrived within 3 s" in peer["said"], peer
+
+
 def test_a_rank_waits_for_its_peers_as_long_as_wait_timeout(tmp_path, monkeypatch):
     """The ranks' collectives waited 10 minutes for a peer whatever
     ztier.wait_timeout said; a rank now gives up after it, and the peer that
