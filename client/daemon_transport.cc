@@ -792,7 +792,7 @@ class DaemonTransport final : public Transport, public ControlTransport {
                                          p::Encode(p::JobRef{.job = job}), {}, call_timeout_));
     ZT_ASSIGN_OR_RETURN(SharedBuffer b, p::DecodeSharedBuffer(page.payload));
     // Each unit's step, then the weights' generation.
-    if (b.bytes != (spec.units.size() + 1) * sizeof(int64_t) || b.offset % alignof(int64_t) != 0) {
+    if (b.bytes != engine::StepPageBytes(spec.units.size()) || b.offset % alignof(int64_t) != 0) {
       return Status::Corruption(StrCat("ztierd's step page of job '", spec.name, "' has ", b.bytes,
                                        " bytes at offset ", b.offset, " for ", spec.units.size(),
                                        " units"));

@@ -182,7 +182,7 @@ struct Engine::Impl {
     }
     if (nvme_states) need += settings.buffer_count * page(slot);
     if (nvme_params) need += settings.buffer_count * page(param_slot);
-    need += page(job.units.size() * sizeof(int64_t));  // the step page
+    need += page(StepPageBytes(job.units.size()));
     need += page(ClientPageBytes(job.spec));
     return need;
   }
@@ -953,7 +953,7 @@ Result<int> Engine::RegisterJob(
   }
   inbox_bytes += page(ClientPageBytes(spec));
   if (nvme_params) publish_bytes = e.settings.buffer_count * page(param_slot);
-  publish_bytes += page(job->units.size() * sizeof(int64_t));  // the step page
+  publish_bytes += page(StepPageBytes(job->units.size()));
   ZT_ASSIGN_OR_RETURN(
       job->inbox_region,
       e.pool->CreateRegion(inbox_bytes, StrCat("job '", spec.name, "' grad inboxes")));
@@ -981,10 +981,9 @@ Result<int> Engine::RegisterJob(
       }
     }
   }
-  ZT_ASSIGN_OR_RETURN(
-      job->step_page,
-      e.pool->AllocateIn(job->publish_region, (spec.units.size() + 1) * sizeof(int64_t),
-                         StrCat("job '", spec.name, "' step page")));
+  ZT_ASSIGN_OR_RETURN(job->step_page,
+                      e.pool->AllocateIn(job->publish_region, StepPageBytes(spec.units.size()),
+                                         StrCat("job '", spec.name, "' step page")));
   std::fill_n(static_cast<int64_t*>(job->step_page.ptr), spec.units.size(), int64_t{-1});
   Impl::WeightsGenerationOf(*job).store(0);
   ZT_ASSIGN_OR_RETURN(job->client_page,
@@ -1566,7 +1565,7 @@ Result<SharedBuffer> Engine::PublishedSteps(int job) const {
     std::lock_guard<std::mutex> lock(impl_->mu);
     ZT_ASSIGN_OR_RETURN(j, impl_->Find(job));
   }
-  return Locate(job, j->step_page.ptr, (j->units.size() + 1) * sizeof(int64_t));
+  return Locate(job, j->step_page.ptr, StepPageBytes(j->units.size()));
 }
 
 Result<std::vector<SharedBuffer>> Engine::SharedRegions(int job) const {

@@ -35,6 +35,10 @@ namespace ztier::engine {
 // with the weights' generation.
 inline constexpr uint16_t kWireVersion = 10;
 
+// A job's step page (Engine::PublishedSteps): each unit's published step,
+// then the weights' generation, one int64 each.
+inline constexpr uint64_t StepPageBytes(uint64_t units) { return (units + 1) * sizeof(int64_t); }
+
 enum class Tier : uint8_t { kDram, kNvme };
 // How the engine keeps the AdamW moments m and v (ztier.state_dtype): fp32,
 // or 8-bit block-wise quantized (cpu_adam/adamw.h, StepInt8). The fp32

@@ -778,6 +778,29 @@ TEST(EngineJobsTest, EachJobSharesOnlyItsOwnRegions) {
   EXPECT_EQ(engine->PinnedRegions(*b).size(), 2u);
 }
 
+// The step page holds a word per unit and the weights' generation: its
+// room was a word per unit, so a job of 512 or 1024 units (the page a whole
+// number of 4 KiB) could not register.
+TEST(EngineJobsTest, JobsOfAnyNumberOfUnitsHaveTheirStepPage) {
+  ScratchDir swap("swap");
+  auto engine = MakeEngine(uint64_t{1} << 30, &swap);
+  for (const int units : {511, 512, 1024}) {
+    for (const Tier tier : {Tier::kDram, Tier::kNvme}) {
+      JobSpec spec;
+      spec.name = StrCat("units-", units, "-", tier == Tier::kNvme ? "nvme" : "dram");
+      spec.param_tier = spec.optimizer_tier = tier;
+      for (int u = 0; u < units; ++u) {
+        spec.units.push_back({StrCat("u", u), {{StrCat("u", u, ".w"), {64}}}});
+      }
+      Result<int> job = engine->RegisterJob(spec);
+      ASSERT_TRUE(job.ok()) << spec.name << ": " << job.status();
+      EXPECT_EQ(engine->WeightsGeneration(*job), 0);
+      for (int u = 0; u < units; ++u) EXPECT_EQ(engine->PublishedStep(*job, u), -1);
+      ASSERT_TRUE(engine->UnregisterJob(*job).ok());
+    }
+  }
+}
+
 // What a client of the daemon does, in one process: map the job's regions
 // through the fds the engine gives, write grads through the read-write
 // mapping of the inbox, and read the new params through a read-only
