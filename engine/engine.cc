@@ -1289,6 +1289,19 @@ Result<int> Engine::AbortStep(int job, int64_t for_step) {
                           [&] { return j->steps_queued == 0 || !j->failure.ok() || j->removed; });
     }
   } else {
+    if (j->spec.optimizer.mode == StepMode::kEager) {
+      // Every unit's grads of the step before `for_step` are in (an abort
+      // right after Step()): its eager updates still queued are that
+      // step's, and it completes without more grads.
+      const auto before_is_in = [&] {
+        return std::all_of(j->units.begin(), j->units.end(),
+                           [&](const Unit& u) { return u.ready || u.published > j->step; });
+      };
+      if (for_step > j->step + 1 && before_is_in()) {
+        e.published_cv.wait(
+            lock, [&] { return j->step + 1 >= for_step || !j->failure.ok() || j->removed; });
+      }
+    }
     e.WaitWriteBacksLocked(lock, *j);
   }
   if (j->removed) return Status::Aborted(StrCat("job ", job, " was unregistered"));
