@@ -640,7 +640,11 @@ class DaemonTransport final : public Transport, public ControlTransport {
       if (read && !write) {
         // Each unit was read between steps (the daemon checks); the job
         // must also not have stepped between the first unit and the last
-        // (a rank in another process that went on training).
+        // (a rank in another process that went on training). The check
+        // waits for a step under way first: one that had updated some
+        // units but not completed was not yet the job's step, and a mix of
+        // two steps passed as the first.
+        ZT_RETURN_IF_ERROR(CheckConsistent());
         ZT_ASSIGN_OR_RETURN(engine::JobDescription now, t_.Describe(job_));
         if (now.step != d_.step) {
           return Status::FailedPrecondition(
@@ -648,7 +652,6 @@ class DaemonTransport final : public Transport, public ControlTransport {
                      " while its state was read; read it between steps, with every rank "
                      "waiting"));
         }
-        ZT_RETURN_IF_ERROR(CheckConsistent());
       }
       return Status::Ok();
     }

@@ -1116,6 +1116,7 @@ Status Engine::WriteWeights(int job, int unit, const float* flat, uint64_t numel
 Status Engine::ReadState(int job, int unit, float* master, float* exp_avg,
                          float* exp_avg_sq) const {
   std::shared_ptr<Job> j;
+  uint64_t posted = 0;
   {
     std::lock_guard<std::mutex> lock(impl_->mu);
     ZT_ASSIGN_OR_RETURN(j, impl_->Find(job));
@@ -1129,13 +1130,23 @@ Status Engine::ReadState(int job, int unit, float* master, float* exp_avg,
           StrCat("read state: unit ", unit, " of job '", j->spec.name,
                  "' has gradients of a step in flight; read it between steps"));
     }
+    posted = j->updates_posted;
   }
   const size_t bytes = j->units[unit].layout.padded * sizeof(float);
-  return WithUnitState(*j, unit, Access::kRead, [&](size_t k, const StateView& state) {
+  ZT_RETURN_IF_ERROR(WithUnitState(*j, unit, Access::kRead, [&](size_t k, const StateView& state) {
     if (master) std::memcpy(master, state.master, bytes);
     MomentsToFloat(*j, j->units[k], state, exp_avg, exp_avg_sq);
     return Status::Ok();
-  });
+  }));
+  // The copy holds no lock a step waits for (DRAM states): one that began
+  // meanwhile may have updated the unit under it.
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  if (j->failure.ok() && j->updates_posted != posted) {
+    return Status::FailedPrecondition(
+        StrCat("read state: a step of job '", j->spec.name, "' began while unit ", unit,
+               " was read; read it between steps, with every rank waiting"));
+  }
+  return Status::Ok();
 }
 
 Status Engine::SetLearningRates(int job, const std::vector<float>& lrs) {
@@ -1248,6 +1259,7 @@ Status Engine::GradsReady(int job, int unit, int rank) {
   u.micro = 0;
   u.ready = true;
   if (j->spec.optimizer.mode == StepMode::kEager) {
+    ++j->updates_posted;
     e.Post(*j, [&e, j, unit, lrs = j->lrs] { e.StepEager(j, static_cast<size_t>(unit), lrs); });
   } else if (++j->ready_units == static_cast<int>(j->units.size())) {
     // Each unit took these grads after its publish of the step before, so
@@ -1256,6 +1268,7 @@ Status Engine::GradsReady(int job, int unit, int rank) {
     // from here, whatever a later call does before its task runs.
     j->ready_units = 0;
     ++j->steps_queued;
+    ++j->updates_posted;
     double step_sq = 0.0;
     for (const Unit& each : j->units) {
       for (double s : each.shard_sq) step_sq += s;  // unit, then rank order: deterministic

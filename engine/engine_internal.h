@@ -148,6 +148,10 @@ struct Job {
   // cleared by the first's completion, and AbortStep then zeroed the grads
   // of the second, which ran anyway).
   int steps_queued = 0;
+  // Optimizer updates posted so far (exact steps, eager units' updates):
+  // a state read outside the job's checkpointing (Engine::ReadState) that
+  // saw this change while it copied may have read a unit mid-update.
+  uint64_t updates_posted = 0;
   int eager_done = 0;
   // GradsReady calls between their two holds of the engine lock (the
   // accumulation and norm of a shard run outside it): AbortStep is
