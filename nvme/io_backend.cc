@@ -13,6 +13,7 @@
 #include <cstring>
 #include <deque>
 #include <mutex>
+#include <system_error>
 #include <thread>
 #include <unordered_map>
 
@@ -186,9 +187,24 @@ namespace {
 // it is done.
 class ThreadQueue final : public IoQueue {
  public:
-  ThreadQueue(int fd, uint32_t depth) : fd_(fd) {
+  explicit ThreadQueue(int fd) : fd_(fd) {}
+  // Starts up to `depth` workers (8 at most); fewer if the process cannot
+  // make more threads, an error if it can make none (a thread that failed
+  // to start in the constructor ended the process: the exception left
+  // joinable threads behind).
+  Status Start(uint32_t depth) {
     const uint32_t n = std::min<uint32_t>(std::max<uint32_t>(depth, 1), 8);
-    for (uint32_t i = 0; i < n; ++i) workers_.emplace_back([this] { Work(); });
+    for (uint32_t i = 0; i < n; ++i) {
+      try {
+        workers_.emplace_back([this] { Work(); });
+      } catch (const std::system_error& e) {
+        if (!workers_.empty()) break;
+        return Status(StatusCode::kResourceExhausted,
+                      StrCat("no thread for the I/O thread pool (", e.what(), ")"),
+                      e.code().value());
+      }
+    }
+    return Status::Ok();
   }
   ~ThreadQueue() override {
     {
@@ -287,7 +303,9 @@ class ThreadBackend final : public IoBackend {
   std::string_view name() const override { return "threads"; }
   Result<std::unique_ptr<IoQueue>> OpenQueue(int fd, const std::string&, uint32_t depth,
                                              std::span<const iovec>) override {
-    return std::unique_ptr<IoQueue>(std::make_unique<ThreadQueue>(fd, depth));
+    auto q = std::make_unique<ThreadQueue>(fd);
+    ZT_RETURN_IF_ERROR(q->Start(depth));
+    return std::unique_ptr<IoQueue>(std::move(q));
   }
 };
 

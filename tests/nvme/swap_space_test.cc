@@ -7,8 +7,10 @@
 // kernel lacks an io_uring feature they need.
 #include <fcntl.h>
 #include <poll.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -1325,6 +1327,47 @@ TEST(IoBackendTest, ARefusedRingFallsBackToThreads) {
     EXPECT_EQ((*MakeBackend(BackendChoice::kAuto))->name(), "io_uring");
   }
   EXPECT_EQ((*MakeBackend(BackendChoice::kThreads))->name(), "threads");
+}
+
+// A queue of the thread backend in a process that may make no thread more
+// is an error: its constructor threw with threads started, which ended the
+// process (std::terminate), ztierd with every user's jobs.
+TEST(IoBackendTest, AThreadQueueWithoutThreadsIsAnError) {
+  const int fd = ::open("/dev/null", O_RDWR | O_CLOEXEC);
+  ASSERT_GE(fd, 0);
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    try {
+      // Root makes threads past RLIMIT_NPROC: a user with none left, then
+      // with one.
+      const rlimit none{0, 2};
+      if (::setgid(65534) != 0 || ::setuid(65534) != 0 || ::setrlimit(RLIMIT_NPROC, &none) != 0) {
+        ::_exit(3);
+      }
+      Result<std::unique_ptr<IoQueue>> q = MakeThreadBackend()->OpenQueue(fd, "/dev/null", 4, {});
+      if (q.ok()) ::_exit(4);  // (threads after all: nothing to test)
+      if (q.status().code() != StatusCode::kResourceExhausted ||
+          q.status().message().find("I/O thread pool") == std::string::npos) {
+        ::_exit(5);
+      }
+      const rlimit one{2, 2};  // this process and one thread
+      if (::setrlimit(RLIMIT_NPROC, &one) != 0) ::_exit(3);
+      q = MakeThreadBackend()->OpenQueue(fd, "/dev/null", 4, {});
+      ::_exit(q.ok() ? 0 : 6);  // with the one worker it could start
+    } catch (...) {
+      ::_exit(7);
+    }
+  }
+  int st = 0;
+  ASSERT_EQ(::waitpid(child, &st, 0), child);
+  ::close(fd);
+  if (WIFEXITED(st) && (WEXITSTATUS(st) == 3 || WEXITSTATUS(st) == 4)) {
+    GTEST_SKIP() << "this process cannot be made to run out of threads here";
+  }
+  EXPECT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0)
+      << (WIFSIGNALED(st) ? StrCat("ended by signal ", WTERMSIG(st))
+                          : StrCat("exit ", WEXITSTATUS(st)));
 }
 
 }  // namespace
