@@ -1951,8 +1951,13 @@ class Daemon::Impl::Connection {
     ZT_ASSIGN_OR_RETURN(p::JobRef r, p::DecodeJobRef(req.payload));
     ZT_ASSIGN_OR_RETURN(JobEntry j, FindJob(r.job));
     ZT_ASSIGN_OR_RETURN(std::vector<SharedBuffer> regions, d_.engine->SharedRegions(j.engine_job));
+    // What a holder of the fds keeps alive once the job is freed: the
+    // regions sealed read-only (the others' pages go with the job,
+    // DramPool::DestroyRegion).
     uint64_t region_bytes = 0;
-    for (const SharedBuffer& b : regions) region_bytes += b.region_bytes;
+    for (const SharedBuffer& b : regions) {
+      if (b.access == RegionAccess::kReadOnly) region_bytes += b.region_bytes;
+    }
     if (regions.empty() || regions.size() > p::kMaxFdsPerMessage) {
       return Status::Internal(StrCat("job '", j.name, "' has ", regions.size(), " regions"));
     }

@@ -6,6 +6,7 @@
 #include <linux/memfd.h>
 #include <sys/mman.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -418,7 +419,14 @@ void DramPool::DestroyRegion(uint32_t region) {
   std::lock_guard<std::mutex> lock(p.mu);
   ZT_CHECK_MSG(p.live(region) && p.slots.at(region).dedicated, "DestroyRegion: region ", region,
                " is not a live dedicated region");
-  p.used -= p.slots.at(region).region.bytes();
+  // Its pages go now, whoever else still holds the memfd (a client, or a
+  // child it forked that kept the fds: their memory was in no one's quota
+  // nor in the budget). The kernel refuses this for a region sealed
+  // read-only (F_SEAL_FUTURE_WRITE), which lives on in its holders.
+  const Region& r = p.slots.at(region).region;
+  (void)::fallocate(r.fd(), FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0,
+                    static_cast<off_t>(r.bytes()));
+  p.used -= r.bytes();
   p.Drop(region);
 }
 

@@ -104,8 +104,9 @@ class DramPool {
   // writable or hole-punching client is refused by the kernel. Errors:
   // PosixError (a kernel without F_SEAL_FUTURE_WRITE, Linux < 5.1).
   Status SealRegion(uint32_t region, RegionAccess others);
-  // Unmaps a dedicated region (the memory lives on while another process
-  // still maps it) and returns its bytes to the budget.
+  // Frees a dedicated region's pages (a region sealed read-only keeps them
+  // while another process holds its memfd: the kernel refuses to punch it),
+  // unmaps it and returns its bytes to the budget.
   void DestroyRegion(uint32_t region);
   // Memory in use that is in no live region: a destroyed region that a
   // live client still maps (its pages stay allocated). Counted against the

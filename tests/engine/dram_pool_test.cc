@@ -8,6 +8,7 @@
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -144,12 +145,18 @@ TEST(DramPoolTest, DedicatedRegionsAreOneOwnersAndTheirIndicesNeverReturn) {
 
   const int fd = pool->region_fd(*r);
   ASSERT_GE(fd, 0);
-  const int keep = ::dup(fd);  // a client's copy of the fd
+  const int keep = ::dup(fd);  // a client's copy of the fd (or a child's it forked)
+  struct stat st {};
+  ASSERT_EQ(::fstat(keep, &st), 0);
+  EXPECT_GT(st.st_blocks, 0);
   pool->DestroyRegion(*r);
   EXPECT_EQ(pool->region_fd(*r), -1);
   EXPECT_EQ(pool->stats().used_bytes, 64 * 1024u);
-  // The client's memory lives on while it maps it; the pool's index does not
-  // come back for anyone else.
+  // Its pages went with it, whoever holds the fd (they stayed, in no
+  // budget); the fd still maps, and the pool's index does not come back
+  // for anyone else.
+  ASSERT_EQ(::fstat(keep, &st), 0);
+  EXPECT_EQ(st.st_blocks, 0) << "the destroyed region's pages live on in the fd's holder";
   void* view = ::mmap(nullptr, 4096, PROT_READ, MAP_SHARED, keep, 0);
   EXPECT_NE(view, MAP_FAILED);
   ::munmap(view, 4096);
