@@ -741,6 +741,10 @@ class DaemonTransport final : public Transport, public ControlTransport {
     Result<Reply> r = Status::Internal("unsent");
     if (bytes.size() <= p::kMaxMessageBytes - p::kHeaderBytes) {
       r = Call(type, std::move(bytes), {}, timeout);
+    } else if (bytes.size() > p::kMaxMemfdPayloadBytes) {
+      return Status::InvalidArgument(
+          StrCat("the job's spec takes ", bytes.size(), " bytes, more than ztierd takes (",
+                 p::kMaxMemfdPayloadBytes, "): fewer, larger tensors take less"));
     } else {
       ZT_ASSIGN_OR_RETURN(UniqueFd fd, engine::MemfdWithPayload("ztier-job-spec", bytes));
       const int fds[] = {fd.get()};

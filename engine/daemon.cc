@@ -1577,7 +1577,8 @@ class Daemon::Impl::Connection {
 
   // A request's payload: in its datagram, or in the memfd it carries (then
   // charged to the uid through `charge`, for as long as the caller keeps it:
-  // the bytes and their decoded form, twice the memfd's size).
+  // the bytes, their decoded form and its copies, kMemfdPayloadHeapFactor
+  // times the memfd's size, before any of it is read).
   Result<std::string> Payload(Request& req, PayloadCharge* charge) {
     if ((req.header.flags & p::kFlagMemfd) != 0) {
       struct stat st {};
@@ -1586,7 +1587,7 @@ class Daemon::Impl::Connection {
       const uint64_t size = std::min<uint64_t>(
           static_cast<uint64_t>(std::max<off_t>(st.st_size, 0)), p::kMaxMemfdPayloadBytes);
       if (size == 0) return Status::InvalidArgument("the payload memfd is empty");
-      ZT_RETURN_IF_ERROR(charge->Take(d_, peer_.uid, 2 * size));
+      ZT_RETURN_IF_ERROR(charge->Take(d_, peer_.uid, p::kMemfdPayloadHeapFactor * size));
       // At most what was charged: a memfd grown since is refused.
       return ReadPayloadMemfd(req.fds[0].get(), size);
     }

@@ -51,7 +51,12 @@ inline constexpr size_t kMaxMessageBytes = size_t{64} << 10;
 inline constexpr uint32_t kMaxFdsPerMessage = 4;
 // A JobSpec in a memfd: bounded so a client cannot make the daemon read
 // gigabytes (a million tensors' names and shapes fit).
-inline constexpr uint64_t kMaxMemfdPayloadBytes = uint64_t{256} << 20;
+inline constexpr uint64_t kMaxMemfdPayloadBytes = uint64_t{64} << 20;
+// What ztierd holds of such a spec while a request has it, per byte of the
+// memfd: the bytes, their decoded form and the copies ztierd and its engine
+// make as it registers (a tensor of 14 bytes there takes about 80 decoded;
+// a 255 MiB spec of scalar tensors took ztierd 4.2 GB).
+inline constexpr uint64_t kMemfdPayloadHeapFactor = 16;
 // Limits of the decoders (each far above real models): a JobSpec's are
 // engine/wire_types.h's, which the engine keeps too (ValidateJobSpec).
 using engine::kMaxDims;
