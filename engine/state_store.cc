@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <exception>
 
 #include "engine/engine_internal.h"
 
@@ -159,6 +160,23 @@ Status ForEachUnitState(Job& job, const std::vector<size_t>& order, Access acces
   const size_t slots = ring.slots.size();
   const size_t lookahead = slots - 2;  // one slot computing, one writing back
   std::vector<nvme::IoTicket> reads(slots), writes(slots);
+  // An exception out of `fn` (oneTBB's, when it cannot start a worker)
+  // skipped the drain below: the next pass, or the job's end that frees
+  // the slots, met I/O still landing in them.
+  struct DrainOnThrow {
+    StateRing& ring;
+    std::vector<nvme::IoTicket>& reads;
+    std::vector<nvme::IoTicket>& writes;
+    const int exceptions = std::uncaught_exceptions();
+    ~DrainOnThrow() {
+      if (std::uncaught_exceptions() == exceptions) return;
+      for (auto* tickets : {&reads, &writes}) {
+        for (nvme::IoTicket& t : *tickets) {
+          if (t.valid()) (void)WaitIo(ring, t);
+        }
+      }
+    }
+  } drain_on_throw{ring, reads, writes};
   std::vector<size_t> writing(slots);  // index into order of the unit a slot writes back
   auto unit_name = [&](size_t i) { return StrCat("unit '", job.spec.units[order[i]].name, "'"); };
   auto state_range = [&](size_t i, size_t slot) {
