@@ -831,7 +831,10 @@ class DaemonTransport final : public Transport, public ControlTransport {
 
   // A new request id, its reply to go to `pending`; or why no request can
   // go now (the daemon is gone, or a posted request of `job` failed).
-  Result<uint64_t> Expect(std::shared_ptr<Pending> pending, int job) {
+  // `posted`: a request nobody waits for goes even while ztierd has left a
+  // call unanswered (a runner's release refused then left its lease held in
+  // ztierd for the connection's life).
+  Result<uint64_t> Expect(std::shared_ptr<Pending> pending, int job, bool posted = false) {
     std::lock_guard<std::mutex> lock(mu_);
     if (!dead_.ok()) return dead_;
     if (auto d = deferred_.find(job); job >= 0 && d != deferred_.end()) {
@@ -839,7 +842,7 @@ class DaemonTransport final : public Transport, public ControlTransport {
       deferred_.erase(d);
       return s;
     }
-    if (!unanswered_.empty()) {
+    if (!unanswered_.empty() && !posted) {
       return Status::Unavailable(StrCat("ztierd at ", path_, " did not answer ", unanswered_,
                                         " and has said nothing since (stopped or stuck? "
                                         "ztierctl status tells): calls are refused until it "
@@ -850,13 +853,29 @@ class DaemonTransport final : public Transport, public ControlTransport {
     return id;
   }
 
+  // Releases the leases late acquires brought (ReceiveLoop), from the
+  // thread of the call about to be made.
+  void SendLateReleases() {
+    std::vector<std::pair<int, int>> late;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (late_releases_.empty()) return;
+      late.swap(late_releases_);
+    }
+    for (const auto& [job, unit] : late) {
+      (void)Post(p::MessageType::kReleaseParams, p::Encode(p::UnitRef{.job = job, .unit = unit}),
+                 job, StrCat("release of job ", job, " unit ", unit, " (a late acquire's)"));
+    }
+  }
+
   // Sends a request whose reply nobody waits for; an error it brings is
   // returned by the next Call.
   Status Post(p::MessageType type, std::string payload, int job, std::string what) {
+    SendLateReleases();
     auto pending = std::make_shared<Pending>();
     pending->posted = std::move(what);
     pending->job = job;
-    ZT_ASSIGN_OR_RETURN(const uint64_t id, Expect(pending, -1));  // always sent
+    ZT_ASSIGN_OR_RETURN(const uint64_t id, Expect(pending, -1, /*posted=*/true));  // always sent
     Result<std::string> msg =
         p::EncodeMessage({.type = type, .flags = 0, .request_id = id, .fds = 0}, payload);
     Status sent = msg.ok() ? sock_.Send(*msg, {}, std::chrono::seconds(30)) : msg.status();
@@ -874,6 +893,7 @@ class DaemonTransport final : public Transport, public ControlTransport {
   // job's posted requests instead of going (-1: always goes).
   Result<Reply> Call(p::MessageType type, std::string payload, std::span<const int> fds,
                      std::chrono::milliseconds timeout, uint32_t flags = 0, int job = -1) {
+    SendLateReleases();
     auto pending = std::make_shared<Pending>();
     ZT_ASSIGN_OR_RETURN(const uint64_t id, Expect(pending, job));
     auto forget = [&] {
@@ -980,12 +1000,10 @@ class DaemonTransport final : public Transport, public ControlTransport {
       auto it = pending_.find(h->request_id);
       if (it == pending_.end()) continue;  // its caller gave up
       if (it->second->release_if_late) {
-        const auto [job, unit] = *it->second->release_if_late;
+        // Given back by the next call's thread: this one must not block in
+        // a send while ztierd waits for it to read.
+        if (body.ok()) late_releases_.push_back(*it->second->release_if_late);
         pending_.erase(it);
-        if (!body.ok()) continue;
-        lock.unlock();  // Post takes it
-        (void)Post(p::MessageType::kReleaseParams, p::Encode(p::UnitRef{.job = job, .unit = unit}),
-                   job, StrCat("release of job ", job, " unit ", unit, " (a late acquire's)"));
         continue;
       }
       if (!it->second->posted.empty()) {
@@ -1036,6 +1054,8 @@ class DaemonTransport final : public Transport, public ControlTransport {
   // until ztierd sends anything again, calls are refused at once instead
   // of each waiting out its own timeout on a stopped or stuck daemon.
   std::string unanswered_;
+  // Leases late acquires brought (job, unit), to be released (under mu_).
+  std::vector<std::pair<int, int>> late_releases_;
   bool operator_ = false;  // the operator's tool's connection (no jobs)
   uint64_t next_id_ = 1;
   std::map<uint64_t, std::shared_ptr<Pending>> pending_;

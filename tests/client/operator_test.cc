@@ -593,6 +593,43 @@ TEST(OperatorTest, ALeaseALateAcquireBringsIsGivenBack) {
   EXPECT_TRUE((*t)->UnregisterJob(*job).ok());
 }
 
+// A release made while ztierd had left a call unanswered was refused with
+// the calls, and the runner went on: the lease stayed held in ztierd for the
+// connection's life (with params on NVMe, a cache slot). It is sent.
+TEST(OperatorTest, AReleaseWhileZtierdIsSilentIsSentAnyway) {
+  ZtierdProcess d(ZTIERD_BINARY, {});
+  Result<std::shared_ptr<client::Transport>> t = client::MakeDaemonTransport(d.socket(), 300ms);
+  ASSERT_TRUE(t.ok()) << t.status() << d.log();
+  engine::JobSpec spec;
+  spec.name = "silent";
+  spec.units.push_back({.name = "u0", .tensors = {{.name = "u0.w", .shape = {4096}}}});
+  Result<int> job = (*t)->RegisterJob(spec);
+  ASSERT_TRUE(job.ok()) << job.status();
+  std::vector<float> w(4096, 0.5f);
+  ASSERT_TRUE((*t)->WriteWeights(*job, 0, w.data(), w.size()).ok());
+  ASSERT_TRUE((*t)->AcquireParams(*job, 0, 0, 10s).ok());
+  ASSERT_EQ(::kill(d.pid(), SIGSTOP), 0);
+  WaitUntilStopped(d.pid());
+  EXPECT_EQ((*t)->SetLearningRates(*job, {1e-3f}).code(), StatusCode::kUnavailable);
+  EXPECT_TRUE((*t)->ReleaseParams(*job, 0).ok()) << "refused while ztierd was silent";
+  ASSERT_EQ(::kill(d.pid(), SIGCONT), 0);
+  Status answered = Status::Unavailable("not yet");
+  for (int i = 0; i < 100 && !answered.ok(); ++i) {
+    std::this_thread::sleep_for(20ms);
+    answered = (*t)->SetLearningRates(*job, {1e-3f});
+  }
+  ASSERT_TRUE(answered.ok()) << answered;
+  // The lease went: a second release is one without an acquire.
+  ASSERT_TRUE((*t)->ReleaseParams(*job, 0).ok());
+  Status next = Status::Ok();
+  for (int i = 0; i < 100 && next.ok(); ++i) {
+    std::this_thread::sleep_for(20ms);
+    next = (*t)->SetLearningRates(*job, {1e-3f});
+  }
+  EXPECT_NE(next.message().find("released without an acquire"), std::string::npos) << next;
+  EXPECT_TRUE((*t)->UnregisterJob(*job).ok());
+}
+
 // The step queries said -1 for any error, so a runner made while ztierd
 // was silent said the job "has no weights yet; set them".
 TEST(OperatorTest, AStepQueryZtierdLeavesUnansweredSaysSo) {
