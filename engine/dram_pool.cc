@@ -351,21 +351,40 @@ Result<uint32_t> DramPool::CreateRegion(uint64_t bytes, std::string_view owner) 
   Impl& p = *impl_;
   if (bytes == 0) return Status::InvalidArgument(StrCat(owner, ": a region of 0 bytes"));
   const uint64_t size = RoundUp(bytes, kPage);
-  std::lock_guard<std::mutex> lock(p.mu);
-  ZT_RETURN_IF_ERROR(p.CheckBudget(size, owner));
-  p.DropEmptySharedRegions(size);
-  if (p.Left() < size) {
-    return Status::ResourceExhausted(StrCat(owner, ": DRAM pool budget of ", p.options.budget_bytes,
-                                            " bytes exceeded: ", p.Left(),
-                                            " bytes are left to reserve, ", size, " requested"));
+  // The budget and an index are taken under the lock; the region is made
+  // (its pages faulted in and locked: a minute for a large model's) without
+  // it, so every other user of the pool (ztierd's other jobs, its stats
+  // and its accept loop) goes on meanwhile.
+  uint32_t r = 0;
+  DramPoolOptions o;
+  {
+    std::lock_guard<std::mutex> lock(p.mu);
+    ZT_RETURN_IF_ERROR(p.CheckBudget(size, owner));
+    p.DropEmptySharedRegions(size);
+    if (p.Left() < size) {
+      return Status::ResourceExhausted(StrCat(owner, ": DRAM pool budget of ",
+                                              p.options.budget_bytes, " bytes exceeded: ", p.Left(),
+                                              " bytes are left to reserve, ", size, " requested"));
+    }
+    r = p.next_region++;
+    p.reserved += size;
+    p.used += size;  // all of it is the owner's
+    o = p.options;
   }
   // Never hugetlb: a client could punch holes in it and release the
   // reservation the engine's mapping faults on, and older kernels do not
   // enforce F_SEAL_FUTURE_WRITE on hugetlbfs.
-  DramPoolOptions o = p.options;
   if (o.huge_pages == HugePages::kHugetlb) o.huge_pages = HugePages::kTransparent;
-  ZT_ASSIGN_OR_RETURN(const uint32_t r, p.AddRegion(o, size, /*dedicated=*/true));
-  p.used += p.slots.at(r).region.bytes();  // all of it is the owner's
+  Result<Region> region = Region::Make(o, size, r, /*final_seal=*/false);
+  Status bound = region.ok() ? p.BindToNode(*region) : region.status();
+  std::lock_guard<std::mutex> lock(p.mu);
+  if (!bound.ok()) {
+    p.reserved -= size;
+    p.used -= size;
+    return bound;
+  }
+  if (region->lock_error() != 0) p.WarnUnlocked(*region);
+  p.slots.emplace(r, Impl::Slot{std::move(*region), ExtentAllocator(size / kPage), true});
   return r;
 }
 

@@ -13,6 +13,7 @@
 
 #include <atomic>
 #include <cerrno>
+#include <chrono>
 #include <cstring>
 #include <fstream>
 #include <string>
@@ -167,6 +168,31 @@ TEST(DramPoolTest, DedicatedRegionsAreOneOwnersAndTheirIndicesNeverReturn) {
   Result<DramBlock> later = pool->Allocate(2 * kMiB, "state");
   ASSERT_TRUE(later.ok());
   EXPECT_NE(later->region, *r);
+}
+
+// A dedicated region was made (its pages faulted in and locked) under the
+// pool's lock: a large model's registration in ztierd held up every other
+// job's allocations, the stats and ztierd's accept loop for as long.
+TEST(DramPoolTest, MakingALargeRegionHoldsUpNoOtherUserOfThePool) {
+  auto pool = MakePool(uint64_t{2} << 30);
+  std::atomic<bool> made{false};
+  std::thread big([&] {
+    Result<uint32_t> r = pool->CreateRegion(uint64_t{1} << 30, "a large job's params");
+    made = true;
+    ASSERT_TRUE(r.ok()) << r.status();
+    pool->DestroyRegion(*r);
+  });
+  // While it is being made: another owner's block, the stats.
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  const bool before = made.load();
+  Result<DramBlock> other = pool->Allocate(64 * 1024, "another job's state");
+  (void)pool->stats();
+  const bool after = made.load();
+  big.join();
+  ASSERT_TRUE(other.ok()) << other.status();
+  pool->Free(*other);
+  if (before) GTEST_SKIP() << "the region was made within 20 ms: too fast to tell";
+  EXPECT_FALSE(after) << "the allocation waited until the large region was made";
 }
 
 // The process's resident set, from /proc/self/status (0 where unreadable).
