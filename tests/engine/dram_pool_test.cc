@@ -175,6 +175,12 @@ TEST(DramPoolTest, DedicatedRegionsAreOneOwnersAndTheirIndicesNeverReturn) {
 // job's allocations, the stats and ztierd's accept loop for as long.
 TEST(DramPoolTest, MakingALargeRegionHoldsUpNoOtherUserOfThePool) {
   auto pool = MakePool(uint64_t{2} << 30);
+  // A shared region to allocate from without mapping anything (a new
+  // mapping would wait for the kernel's lock on the address space, which
+  // faulting the large region in holds).
+  Result<DramBlock> warm = pool->Allocate(64 * 1024, "warm");
+  ASSERT_TRUE(warm.ok()) << warm.status();
+  pool->Free(*warm);
   std::atomic<bool> made{false};
   std::thread big([&] {
     Result<uint32_t> r = pool->CreateRegion(uint64_t{1} << 30, "a large job's params");
