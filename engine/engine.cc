@@ -1311,8 +1311,11 @@ Result<int> Engine::AbortStep(int job, int64_t for_step) {
                            [&](const Unit& u) { return u.ready || u.published > j->step; });
       };
       if (for_step > j->step + 1 && before_is_in()) {
-        e.published_cv.wait(
-            lock, [&] { return j->step + 1 >= for_step || !j->failure.ok() || j->removed; });
+        // That one step, however far ahead `for_step` is (nothing more
+        // comes without grads).
+        const int64_t running = j->step + 1;
+        e.published_cv.wait(lock,
+                            [&] { return j->step >= running || !j->failure.ok() || j->removed; });
       }
     }
     e.WaitWriteBacksLocked(lock, *j);

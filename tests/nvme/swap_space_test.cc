@@ -1341,8 +1341,12 @@ TEST(IoBackendTest, AThreadQueueWithoutThreadsIsAnError) {
     try {
       // Root makes threads past RLIMIT_NPROC: a user with none left, then
       // with one.
+      // A uid no other process has (RLIMIT_NPROC counts every task of
+      // the uid: nobody's, under ctest -j2, are other tests').
+      constexpr uid_t kLoneUid = 0x7ffffff0;
       const rlimit none{0, 2};
-      if (::setgid(65534) != 0 || ::setuid(65534) != 0 || ::setrlimit(RLIMIT_NPROC, &none) != 0) {
+      if (::setgid(kLoneUid) != 0 || ::setuid(kLoneUid) != 0 ||
+          ::setrlimit(RLIMIT_NPROC, &none) != 0) {
         ::_exit(3);
       }
       Result<std::unique_ptr<IoQueue>> q = MakeThreadBackend()->OpenQueue(fd, "/dev/null", 4, {});
