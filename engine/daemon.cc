@@ -1569,6 +1569,15 @@ class Daemon::Impl::Connection {
       return Status::Ok();
     }
 
+    // Lowers the charge to `bytes` once less is held (the decoded spec a
+    // wait keeps); never raises it.
+    void LowerTo(uint64_t bytes) {
+      if (d_ == nullptr || bytes >= bytes_) return;
+      std::lock_guard<std::mutex> lock(d_->mu);
+      d_->usage[uid_].payload_bytes -= bytes_ - bytes;
+      bytes_ = bytes;
+    }
+
    private:
     Impl* d_ = nullptr;
     uid_t uid_ = 0;
@@ -1784,6 +1793,9 @@ class Daemon::Impl::Connection {
     ZT_ASSIGN_OR_RETURN(std::string bytes, Payload(req, &charge));
     ZT_ASSIGN_OR_RETURN(p::AttachRequest a, p::DecodeAttachRequest(bytes));
     bytes = std::string();  // the decoded spec is what the wait keeps
+    // (charged as such: 16 times the memfd's bytes for the whole wait
+    // left room for few ranks' attaches under the quota)
+    charge.LowerTo(SpecHeap(a.spec));
     const std::string& name = a.spec.name;
     const auto deadline = Clock::now() + a.timeout;
     std::shared_ptr<Impl::Job> job;

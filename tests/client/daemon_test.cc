@@ -1022,6 +1022,46 @@ TEST_F(DaemonTest, ASpecInAMemfdIsChargedForWhatItsDecodingTakes) {
   EXPECT_EQ(daemon_->daemon().stats().jobs, 0);
 }
 
+// A waiting attach stayed charged 16 times its spec's bytes for its whole
+// wait: a job's ranks attaching together were refused under a quota that
+// holds their decoded specs. The wait is charged for what it keeps.
+TEST_F(DaemonTest, RanksWaitingToAttachAreChargedForTheSpecTheyKeep) {
+  engine::JobSpec spec;
+  spec.name = "three-ranks";
+  for (int u = 0; u < 600; ++u) {
+    spec.units.push_back({.name = StrCat("layer.", u, std::string(100, 'x')),
+                          .tensors = {{.name = StrCat("w", u), .shape = {64}}}});
+  }
+  spec.ranks = 3;
+  const uint64_t bytes = p::Encode(spec).size();
+  ASSERT_GT(bytes, p::kMaxMessageBytes);  // it travels in a memfd
+  engine::DaemonOptions o;
+  // Room for one request reading its spec (16x) beside two waits (their
+  // decoded specs, about 4x each), not for two reading.
+  o.max_spec_bytes_per_uid = (p::kMemfdPayloadHeapFactor + 10) * bytes;
+  Start(o);
+  SessionOptions so;
+  so.daemon_socket = socket();
+  std::vector<std::unique_ptr<Session>> s;
+  for (int r = 0; r < 3; ++r) {
+    Result<std::unique_ptr<Session>> one = Session::Open(so);
+    ASSERT_TRUE(one.ok()) << one.status();
+    s.push_back(std::move(*one));
+  }
+  Status attached[3];
+  std::vector<std::thread> waiters;
+  for (int r = 1; r < 3; ++r) {
+    waiters.emplace_back(
+        [&, r] { attached[r] = s[r]->AttachModel(ModelOf(spec), r, 20s).status(); });
+    std::this_thread::sleep_for(300ms);  // one waits before the other reads
+  }
+  Result<std::unique_ptr<Model>> m = s[0]->RegisterModel(ModelOf(spec));
+  for (std::thread& t : waiters) t.join();
+  EXPECT_TRUE(m.ok()) << m.status();
+  EXPECT_TRUE(attached[1].ok()) << attached[1];
+  EXPECT_TRUE(attached[2].ok()) << attached[2];
+}
+
 // Nor all its memory: the job specs one uid's requests hold (an attach
 // keeps its spec while it waits, up to a day; a user's large specs took
 // ztierd's memory without bound) are bounded, and given back as each ends.
@@ -1036,9 +1076,10 @@ TEST_F(DaemonTest, TheJobSpecsOneUidsRequestsHoldAreBounded) {
   const uint64_t bytes = p::Encode(spec).size();
   ASSERT_GT(bytes, p::kMaxMessageBytes);  // it travels in a memfd
   engine::DaemonOptions o;
-  // One waiting attach is charged kMemfdPayloadHeapFactor (16) times its
-  // spec's bytes; two are more than the quota.
-  o.max_spec_bytes_per_uid = (p::kMemfdPayloadHeapFactor * 3 / 2) * bytes;
+  // A request is charged kMemfdPayloadHeapFactor (16) times its spec's
+  // bytes as it reads it, a waiting attach its decoded spec after: a second
+  // one coming while the first waits is more than the quota.
+  o.max_spec_bytes_per_uid = (p::kMemfdPayloadHeapFactor + 1) * bytes;
   Start(o);
   SessionOptions so;
   so.daemon_socket = socket();
