@@ -358,6 +358,9 @@ class _Tensor:
     # The parameter's version when it was pointed at its unit's values: a
     # later one when the unit is let go means the forward wrote to it.
     held_version: int = -1
+    # The id of its post-accumulate-grad hook (_grad_in), kept after the
+    # user's own (_grad_hooks_last).
+    grad_hook: int = -1
 
 
 @dataclass
@@ -709,6 +712,8 @@ class Offload:
         self._input_versions: dict[tuple[int, int], list] = {}
         self._inplace_warned: set[type] = set()
         self._output_checked = False  # the first training forward's (_check_first_output)
+        self._first_step_checked = False  # _check_first_step
+        self._nan_warned = False  # either said why inf/NaN came
         self._began_in_checkpoint = False  # _begin_forward
         # Tensors modules kept on themselves in a forward, hooked once each.
         self._kept_hooked: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
@@ -734,6 +739,7 @@ class Offload:
         _live_offloads.add(self)  # closed at exit if still open
         self._clip_warned = False
         _watch_clip_grad_norm()
+        _watch_clip_grad_value()
         for u in self.units:
             for t in u.tensors:
                 t.param._ztier_owner = weakref.ref(self)
@@ -839,6 +845,10 @@ class Offload:
         (_keeps_buffer_dtype), as do the others (integer counters, masks).
         A buffer shared by several modules stays shared."""
         placed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id: (buffer, placed)
+        # Each buffer as placed, (module, name, tensor): a cast of the model
+        # refused at the next forward (.half(), .to(dtype)) casts them too,
+        # and _check_idle_params puts them back (_put_buffers_back).
+        self._placed_buffers: list[tuple[nn.Module, str, torch.Tensor]] = []
         for m in model.modules():
             for name, b in m._buffers.items():
                 if b is None:
@@ -848,6 +858,27 @@ class Offload:
                              and not _keeps_buffer_dtype(m) else b.dtype)
                     placed[id(b)] = (b, b.to(device=self.device, dtype=dtype))
                 m._buffers[name] = placed[id(b)][1]
+                self._placed_buffers.append((m, name, placed[id(b)][1]))
+
+    def _put_buffers_back(self, cast: bool) -> bool:
+        """With ``cast`` (the parameters were cast: .half(), .to(dtype) or a
+        device), each buffer of another dtype or device than as placed is
+        put back as it was, its values untouched (a cast back rounded them):
+        the model trains as before the refused cast (it trained with fp16
+        buffers, or failed in BatchNorm). Otherwise a buffer the model
+        replaced (a recomputed cache) is taken as it is now. Returns
+        whether one was put back."""
+        back = False
+        for i, (m, name, b) in enumerate(self._placed_buffers):
+            now = m._buffers.get(name)
+            if now is b or now is None:
+                continue
+            if cast and (now.dtype != b.dtype or now.device != b.device):
+                m._buffers[name] = b
+                back = True
+            else:
+                self._placed_buffers[i] = (m, name, now)
+        return back
 
     def _groups(self, model: nn.Module) -> list[dict]:
         a = self._adamw
@@ -1428,8 +1459,10 @@ class Offload:
         for u in self.units:
             for t in u.tensors:
                 if t.param.requires_grad:
-                    self._hooks.append(t.param.register_post_accumulate_grad_hook(
-                        _weak(self._grad_in, t.param)))
+                    handle = t.param.register_post_accumulate_grad_hook(
+                        _weak(self._grad_in, t.param))
+                    self._hooks.append(handle)
+                    t.grad_hook = handle.id
         # state_dict() (save_pretrained, Trainer's checkpoints) shows the
         # values, not the placeholders: each module that owns parameters
         # fills in its own, each unit read once per call of the root's.
@@ -1440,6 +1473,11 @@ class Offload:
                 self._hooks.append(m._register_state_dict_hook(_weak(self._state_dict_fill, m)))
         self._hooks.append(model._register_state_dict_hook(
             _weak(self._root_state_dict_post, model)))
+        # model.zero_grad() is optimizer.zero_grad(): the window's grads so
+        # far are in the engine, not in the parameters (torch's cleared
+        # p.grad alone, and the step took the grads the user dropped).
+        model.zero_grad = _RootZeroGrad(model)
+        self._hooks.append(_RootZeroGrad.Removal(model))
 
     def _root_state_dict_pre(self, module, prefix, keep_vars):
         self._sd_values = {}
@@ -1525,6 +1563,7 @@ class Offload:
                     hooks.move_to_end(i)
 
     def _root_pre_forward(self, module, args, kwargs):
+        _refuse_functorch(module)
         self._post_hooks_last(module)
         if torch._C._current_graph_task_id() != -1:
             return None  # activation checkpointing's recompute of the whole model
@@ -1566,6 +1605,8 @@ class Offload:
             if getattr(self, "optimizer", None) is not None:
                 self.optimizer._check_supported()
         self._check_idle_params(values=training)
+        if training and not self._first_step_checked:
+            self._check_first_step()
         self._training_forward = torch.is_grad_enabled()
         # A forward past the root whose first module runs in a reentrant
         # activation checkpoint (without grad, its backward recomputing it)
@@ -1630,11 +1671,42 @@ class Offload:
         module replaced or added since (``model.head = nn.Linear(...)``,
         ``resize_token_embeddings``) was never laid out in the engine, and
         would silently never train; one removed still is."""
-        now = {id(p): n for n, p in self.module.named_parameters()}
-        if now.keys() == self._known_params.keys():
+        params = dict(self.module.named_parameters())
+        now = {id(p): n for n, p in params.items()}
+        if now == self._known_params:
             return
+        if now.keys() == self._known_params.keys():
+            # The same parameters under other names. A module moved (a
+            # parameterless one inserted into a Sequential) renames the path
+            # alone: it trains as it was. torch.nn.utils.prune keeps a pruned
+            # weight as `<name>_orig` (its mask computed from the
+            # placeholder, NaN), a parametrization as `...weight.original`.
+            renamed = [(self._known_params[i], n) for i, n in now.items()
+                       if self._known_params[i].rsplit(".", 1)[-1] != n.rsplit(".", 1)[-1]]
+            if not renamed:
+                self._known_params = now
+                return
+            old, name = renamed[0]
+            how = ("a parametrization (register_parametrization, spectral_norm) keeps a weight "
+                   "so" if ".parametrizations." in name else
+                   "torch.nn.utils.prune keeps a weight it prunes so, its mask computed from "
+                   "the placeholder, NaN")
+            raise RuntimeError(
+                f"ztier: the model's parameters changed since it was offloaded: '{old}' is "
+                f"named '{name}' now ({how}: the values live in the engine); prune or "
+                "reparametrize the model before zt.offload, or export_safetensors, change a "
+                "fresh model and offload it with weights=")
         new = [n for i, n in now.items() if i not in self._known_params]
         gone = [n for i, n in self._known_params.items() if i not in now]
+        if new and not isinstance(params[new[0]], nn.Parameter):
+            # torch.func.functional_call puts its tensors in the modules'
+            # parameter slots for the call.
+            raise RuntimeError(
+                f"ztier: '{new[0]}' is a {type(params[new[0]]).__name__}, not the parameter the "
+                "engine holds: torch.func.functional_call (or torch.nn.utils.stateless) swapped "
+                "tensors into the offloaded model, which computes with the engine's weights "
+                "only; call the model itself, or run functional_call on a copy made inside "
+                "`with z.gathered():` (copy.deepcopy), a plain model holding the weights")
         what = (f"'{new[0]}' is a parameter the engine does not hold (its module was added or "
                 "replaced after zt.offload, and would never train)" if new else
                 f"'{gone[0]}' is no longer in the model (its module was removed or replaced "
@@ -1656,10 +1728,12 @@ class Offload:
         if self._gathering:
             return
         bad = None
+        cast = False
         idle = [t for u in self.units if not u.holds for t in u.tensors]
         for t in idle:
             data = t.param.data
             if data.dtype != self.compute_dtype or data.device != self.device:
+                cast = True
                 bad = bad or (
                     f"ztier: '{t.name}' is {data.dtype} on {data.device} now, the model was "
                     f"offloaded to compute in {self.compute_dtype} on {self.device}: its "
@@ -1673,6 +1747,8 @@ class Offload:
             nan = torch.stack([t.placeholder.reshape(-1)[0] for t in shown]).isnan()
             if not bool(nan.all()):
                 bad = self._written(shown[int((~nan).nonzero()[0])])
+        if self._put_buffers_back(cast):
+            bad += "; the cast is undone, the buffers it cast put back as they were"
         if bad is not None:
             for t in idle:
                 t.placeholder = None  # a write may have gone into it
@@ -1681,10 +1757,12 @@ class Offload:
 
     @staticmethod
     def _written(t: _Tensor) -> str:
-        return (f"ztier: '{t.name}' was written to after the model was offloaded (its values "
-                "live in the engine; the parameter is a placeholder between uses), and the write "
-                "went nowhere: initialize before zt.offload, or bring weights in through "
-                "load_checkpoint, weights= or zt.from_pretrained")
+        return (f"ztier: '{t.name}' was written to after the model was offloaded, or replaced "
+                "or converted (p.data = ..., model.to(memory_format=...), a parametrization "
+                "registered): its values live in the engine (the parameter is a placeholder "
+                "between uses), and the change went nowhere; initialize, convert or "
+                "reparametrize before zt.offload, or bring weights in through load_checkpoint, "
+                "weights= or zt.from_pretrained")
 
     def _check_frozen_set(self):
         """The engine's frozen tensors and the hooks that send grads are laid
@@ -1735,15 +1813,32 @@ class Offload:
         self._output_checked = True
         if any(t.is_floating_point() and not bool(torch.isfinite(t.detach()).all())
                for t in _tensors(output)):
+            self._nan_warned = True
             warnings.warn(
-                "ztier: the model's first training forward gave inf/NaN. A parameter read "
-                "outside the forward of the module that owns it (F.linear(h, self.wte.weight) in "
-                "the root's forward) reads as NaN there (its values live in the engine and are "
-                "fetched for its module's forward only): use the owning module, or an nn.Linear "
-                "head whose weight is tied to it; otherwise every step with such grads is "
-                "skipped", RuntimeWarning, stacklevel=_user_stacklevel())
+                "ztier: the model's first training forward gave inf/NaN. " + _READ_OUTSIDE,
+                RuntimeWarning, stacklevel=_user_stacklevel())
+
+    def _check_first_step(self):
+        """Once the first optimizer step is done (at a training forward; one
+        read of the engine's counters until then): a step skipped for
+        inf/NaN grads while the output was finite is most often a parameter
+        read outside its module's forward in the loss (a weight penalty over
+        model.parameters()), its NaN placeholder giving NaN grads; every step
+        was skipped with only the engine's warnings to say so."""
+        if self.runner.version == 0:
+            return
+        counters = self.job.counters()
+        if counters["steps"] == 0:
+            return  # the optimizer is still on it: looked at again next time
+        self._first_step_checked = True
+        if counters["skipped_steps"] and not self._nan_warned:
+            self._nan_warned = True
+            warnings.warn(
+                "ztier: an optimizer step was skipped for inf/NaN in its grads. " + _READ_OUTSIDE,
+                RuntimeWarning, stacklevel=_user_stacklevel())
 
     def _pre_forward(self, module, args, kwargs):
+        _refuse_functorch(module)
         self._post_hooks_last(module)
         mid = id(module)
         units = self._module_units[mid]
@@ -1998,6 +2093,7 @@ class Offload:
                 "forward, backward their sum ((l1 + l2).backward()), or set "
                 "grad_accumulation to the number of backward passes per step")
         if self._phase != "backward":
+            self._grad_hooks_last()
             self._phase = "backward"
             self._bwd_held.clear()
             self._post_done.clear()
@@ -2006,6 +2102,20 @@ class Offload:
         if not self._callback_queued:
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _grad_hooks_last(self):
+        """Moves each parameter's post-accumulate-grad hook (_grad_in, which
+        takes p.grad to the engine and clears it) after any the user
+        registered since (they run in registration order): theirs found
+        p.grad None. As a backward begins, before any grad of it arrives."""
+        for u in self.units:
+            for t in u.tensors:
+                hooks = getattr(t.param, "_post_accumulate_grad_hooks", None)
+                if (hooks is not None and len(hooks) > 1 and t.grad_hook in hooks
+                        and next(reversed(hooks)) != t.grad_hook):
+                    # Removed and put back, not move_to_end: torch runs
+                    # them in the underlying dict's order.
+                    hooks[t.grad_hook] = hooks.pop(t.grad_hook)
 
     def _pre_backward(self, call: tuple[int, int], grad):
         self._require_open("a backward")  # of a graph made before close()
@@ -2728,6 +2838,38 @@ def _watch_clip_grad_norm():
     torch.nn.utils.clip_grad_norm_ = clip_grad_norm_
 
 
+_torch_clip_grad_value = None  # torch's, once _watch_clip_grad_value wrapped it
+
+
+def _watch_clip_grad_value():
+    """torch.nn.utils.clip_grad_value_ on an offloaded model's parameters
+    finds no grads (they left for the engine as they were made): torch's
+    raised "Expected !nested_tensorlist[0].empty()". torch's is wrapped
+    (once) to say so in ztier's words, and what the engine clips instead;
+    on other parameters it is torch's."""
+    global _torch_clip_grad_value
+    if _torch_clip_grad_value is not None:
+        return
+    original = _torch_clip_grad_value = torch.nn.utils.clip_grad_value_
+
+    @functools.wraps(original)
+    def clip_grad_value_(parameters, *args, **kwargs):
+        if isinstance(parameters, torch.Tensor):
+            parameters = [parameters]
+        parameters = list(parameters)
+        ids = {id(p) for p in parameters}
+        if any(z.job is not None and not ids.isdisjoint(z._tensor_of.keys())
+               for z in list(_live_offloads)):
+            raise RuntimeError(
+                "ztier: torch.nn.utils.clip_grad_value_ on an offloaded model's parameters: "
+                "their grads left for the engine as they were made (p.grad is None), so there "
+                "is nothing to clip here; the engine clips by the global norm only: "
+                "offload(..., clip_grad_norm=...)")
+        return original(parameters, *args, **kwargs)
+
+    torch.nn.utils.clip_grad_value_ = clip_grad_value_
+
+
 @atexit.register  # runs before _close_hosted_daemons (registered after it)
 def _close_offloads():
     """Offloads still open at exit (a live loss's graph can hold one past
@@ -2985,6 +3127,75 @@ def _weak(method, target, root: bool = False):
         return m(*args, **kwargs)
 
     return _Hook(hook)
+
+
+# Why a forward or its grads are inf/NaN, most often (_check_first_output,
+# _check_first_step).
+_READ_OUTSIDE = (
+    "A parameter used outside the forward of the module that owns it (a weight penalty over "
+    "model.parameters() added to the loss, F.linear(h, self.wte.weight) in the root's forward) "
+    "reads as NaN there (its values live in the engine and are fetched for its module's "
+    "forward only): use it inside the owning module (an nn.Linear head whose weight is tied "
+    "to it), and leave weight decay to zt.AdamW(weight_decay=...); otherwise every step with "
+    "such grads is skipped")
+
+
+class _RootZeroGrad:
+    """An offloaded model's ``zero_grad``: its Offload's optimizer's
+    (dropping the grads of the window so far, which are in the engine, or
+    refusing where the engine has begun the update), then torch's for the
+    parameters the engine does not keep. Elsewhere (a copy of the model, a
+    closed Offload's) torch's. A copy.deepcopy of the model gets one of its
+    own; pickled never, as the hooks."""
+
+    __slots__ = ("model",)
+
+    def __init__(self, model: nn.Module):
+        self.model = weakref.ref(model)
+
+    def __call__(self, set_to_none: bool = True):
+        model = self.model()
+        if model is None:
+            return
+        if _offloaded(model):
+            model._ztier_offload().optimizer.zero_grad(set_to_none)
+        nn.Module.zero_grad(model, set_to_none)
+
+    def __deepcopy__(self, memo):
+        copy_ = memo.get(id(self.model()))
+        return _RootZeroGrad(copy_) if copy_ is not None else self
+
+    def __reduce__(self):
+        _Hook.__reduce__(self)
+
+    class Removal:
+        """Puts torch's zero_grad back (close(), an offload that failed)."""
+
+        def __init__(self, model: nn.Module):
+            self.model = weakref.ref(model)
+
+        def remove(self):
+            model = self.model()
+            if model is not None and isinstance(model.__dict__.get("zero_grad"), _RootZeroGrad):
+                del model.__dict__["zero_grad"]
+
+
+def _refuse_functorch(module):
+    """Refuses a forward inside a torch.func transform (grad, vjp, jvp,
+    vmap, jacrev, hessian), before anything is held: the hooks point the
+    parameters at the unit's storage (``.data``, ``set_``), which the
+    transforms' wrapped tensors do not take (a jvp crashed the process; the
+    others left a unit held, and the next forward crashed letting it go)."""
+    peek = getattr(getattr(torch._C, "_functorch", None), "peek_interpreter_stack", None)
+    if peek is None or peek() is None:
+        return
+    raise RuntimeError(
+        f"ztier: a torch.func transform (grad, vjp, jvp, vmap, jacrev, hessian) of an offloaded "
+        f"model or of a part of it (a {type(module).__name__}): its parameters are pointed at "
+        "the engine's values for each module's forward, which the transforms' tensors do not "
+        "allow; use torch.autograd (loss.backward(), torch.autograd.grad) on the offloaded model, "
+        "or run the transform on a copy made inside `with z.gathered():` (copy.deepcopy), a "
+        "plain model holding the weights")
 
 
 def _not_compiled(fn):

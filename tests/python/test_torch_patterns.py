@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import copy
 import dataclasses
+import functools
 import os
 import threading
 
@@ -194,6 +195,22 @@ def test_a_module_replaced_after_offload_is_refused(settings):
     model.append(old)
     model(_x(0)).sum().backward()
     z.optimizer.step()
+    z.close()
+
+
+def test_a_weight_pruned_after_offload_is_refused(settings):
+    # prune keeps the parameter object under another name (weight_orig):
+    # the check compared ids only, and the model trained with a mask
+    # computed from the NaN placeholder, silently.
+    import torch.nn.utils.prune as prune
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    z = zt.offload(model, settings=settings)
+    prune.l1_unstructured(model[0], "weight", amount=0.5)
+    with pytest.raises(RuntimeError, match=r"'0.weight' is named '0.weight_orig' now "
+                       r"\(torch.nn.utils.prune.*before zt.offload"):
+        model(_x(0)).sum().backward()
     z.close()
 
 
@@ -687,6 +704,33 @@ def test_a_forward_hook_registered_after_offload_reads_the_values(settings):
     assert seen == [pytest.approx(want, rel=1e-6)]
 
 
+def test_a_post_accumulate_grad_hook_registered_after_offload_sees_the_grad(settings):
+    # ztier's hook ran first, took the grad to the engine and cleared it:
+    # the user's hook (a per-parameter optimizer, grad statistics) saw None.
+    torch.manual_seed(0)
+    model = _ResidualStack(_ViewBlock)
+    ref_model = copy.deepcopy(model)
+    z = zt.offload(model, optimizer=ADAMW, settings=settings)
+    ref = Reference(ref_model, z, ADAMW)
+    seen, want = {}, {}
+
+    def keep(into, name, p):
+        into[name] = None if p.grad is None else p.grad.clone()
+
+    for m, into in ((model, seen), (ref_model, want)):
+        for n, p in m.named_parameters():
+            p.register_post_accumulate_grad_hook(functools.partial(keep, into, n))
+    model(_x(0)).float().pow(2).mean().backward()
+    ref.backward(ref_model(_x(0)).float().pow(2).mean())
+    assert seen.keys() == want.keys() and len(seen) == len(list(model.parameters()))
+    for n, g in want.items():
+        assert seen[n] is not None and torch.equal(seen[n], g), n
+    z.optimizer.step()
+    ref.step([g["lr"] for g in z.optimizer.param_groups])
+    assert torch.equal(model(_x(1)), ref_model(_x(1)))  # and the engine got the grads
+    z.close()
+
+
 def test_blocks_stacked_in_a_sequential_are_units(settings):
     # Only a ModuleList was looked for: a stack in nn.Sequential (ResNet's
     # layers, ViT encoders, MLP stacks) made the whole model one unit, held
@@ -737,6 +781,37 @@ def test_zero_grad_inside_an_accumulation_window_drops_its_grads(settings):
         z.optimizer.zero_grad()
     z.optimizer.step()
     z.optimizer.zero_grad()  # between steps: nothing to drop
+
+
+def test_model_zero_grad_inside_an_accumulation_window_drops_its_grads_too(settings):
+    # model.zero_grad() cleared p.grad alone: the window's grads were in the
+    # engine already, and the step took the micro-batch the user dropped.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+    ref_model = copy.deepcopy(model)
+    z = zt.offload(model, optimizer=ADAMW, grad_accumulation=2, settings=settings)
+    ref = Reference(ref_model, z, ADAMW, accumulation=2)
+    model(_x(0) * 5).pow(2).mean().backward()  # thrown away
+    model.zero_grad()
+    for step in (1, 2):
+        model(_x(step)).pow(2).mean().backward()
+        ref.backward(ref_model(_x(step)).pow(2).mean())
+    z.optimizer.step()
+    ref.step([g["lr"] for g in z.optimizer.param_groups])
+    assert torch.equal(model(_x(3)), ref_model(_x(3)))
+    model(_x(4)).pow(2).mean().backward()
+    model(_x(5)).pow(2).mean().backward()
+    with pytest.raises(RuntimeError, match=r"zero_grad\(\) after the step's last backward"):
+        model.zero_grad()  # refused as the optimizer's is
+    z.optimizer.step()
+    model.zero_grad()
+    with z.gathered():
+        plain = copy.deepcopy(model)  # a copy's zero_grad is torch's
+    plain(_x(6)).sum().backward()
+    plain.zero_grad()
+    assert all(p.grad is None for p in plain.parameters())
+    z.close()
+    assert "zero_grad" not in vars(model)  # torch's again
 
 
 class _Positions(nn.Module):
