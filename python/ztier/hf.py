@@ -201,10 +201,23 @@ def from_pretrained(model_class, path: str, config=None, **offload_kwargs):
         # this class, refused for its DRAM: say what differs instead.
         saved_type = None
         config_file = os.path.join(path, "config.json")
-        if os.path.isfile(config_file):
-            with open(config_file) as f:
-                saved = json.load(f)
-            saved_type = saved.get("model_type") if isinstance(saved, dict) else None
+        if not os.path.isfile(config_file):
+            # The class's from_pretrained took its default config (a 7B
+            # Llama), and the checkpoint then lacked its tensors: the
+            # fallback built that model in host memory.
+            raise FileNotFoundError(f"ztier: {path} has no config.json: pass config= (the "
+                                    "model's config), or save the model's config there")
+        with open(config_file) as f:
+            saved = json.load(f)
+        saved_type = saved.get("model_type") if isinstance(saved, dict) else None
+        if hasattr(model_class, "_model_mapping") and not hasattr(model_class, "config_class"):
+            # An Auto class (AutoModelForCausalLM): the class the config names.
+            from transformers import AutoConfig
+            try:
+                model_class = model_class._model_mapping[type(AutoConfig.from_pretrained(path))]
+            except KeyError as e:
+                raise ValueError(f"ztier: {model_class.__name__} has no model for the "
+                                 f"'{saved_type}' config at {path}") from e
         want = getattr(model_class.config_class, "model_type", None)
         if saved_type and want and saved_type != want:
             raise ValueError(f"ztier: {path} holds a '{saved_type}' model; "
@@ -235,5 +248,9 @@ def from_pretrained(model_class, path: str, config=None, **offload_kwargs):
         model = model_class.from_pretrained(path, config=config)
         return model, zt.offload(model, **offload_kwargs)
     _empty_parameters(model)
+    # In evaluation mode, as transformers' from_pretrained returns it (the
+    # fallback above too): dropout was on for generate() and no-grad
+    # forwards until the caller's model.eval().
+    model.eval()
     z = zt.offload(model, weights=path, **offload_kwargs)
     return model, z

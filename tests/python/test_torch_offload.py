@@ -743,6 +743,30 @@ def test_from_pretrained_reads_sharded_checkpoints(settings, tmp_path):
                            config=model.config)
 
 
+def test_from_pretrained_as_transformers_returns_it(settings, tmp_path):
+    """An Auto class crashed ("no attribute 'config_class'"); the model came
+    back in train mode (dropout on in generate() and no-grad forwards, where
+    transformers' is in eval mode); a directory without config.json built
+    the class's default-sized model (a 7B Llama) in host memory."""
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+    model = tiny_llama()
+    model.save_pretrained(tmp_path / "hf")
+    loaded, z = zt.from_pretrained(AutoModelForCausalLM, tmp_path / "hf", settings=settings)
+    try:
+        assert isinstance(loaded, LlamaForCausalLM)
+        assert not loaded.training
+        masters = z.master_weights()
+        for k, v in model.state_dict().items():
+            if k in masters:
+                assert torch.equal(masters[k], v), k
+    finally:
+        z.close()
+    (tmp_path / "hf" / "config.json").unlink()
+    with pytest.raises(FileNotFoundError, match="has no config.json"):
+        zt.from_pretrained(LlamaForCausalLM, tmp_path / "hf", settings=settings)
+
+
 def test_from_pretrained_names_the_file_it_cannot_use(settings, tmp_path):
     """A damaged index or shard, a tensor the index maps to the wrong shard,
     an integer tensor where a weight goes, a NaN weight: each error names
