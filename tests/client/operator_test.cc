@@ -557,6 +557,38 @@ TEST(OperatorTest, AnEvictedJobsFailedReleaseIsNoOtherJobsError) {
   EXPECT_EQ((*a)->transport().SetLearningRates((*a)->job(), {1e-3f}).code(), StatusCode::kAborted);
 }
 
+// A job of one unit with its weights set, through `t` (the lease tests).
+Result<int> OneUnitWithWeights(client::Transport& t, const std::string& name) {
+  engine::JobSpec spec;
+  spec.name = name;
+  spec.units.push_back({.name = "u0", .tensors = {{.name = "u0.w", .shape = {4096}}}});
+  ZT_ASSIGN_OR_RETURN(int job, t.RegisterJob(spec));
+  std::vector<float> w(4096, 0.5f);
+  ZT_RETURN_IF_ERROR(t.WriteWeights(job, 0, w.data(), w.size()));
+  return job;
+}
+
+// The first error of `job`'s calls over two seconds (ztierd answers a
+// posted release later: its refusal comes with a later call), or Ok.
+Status NextRefusal(client::Transport& t, int job) {
+  Status next = Status::Ok();
+  for (int i = 0; i < 100 && next.ok(); ++i) {
+    std::this_thread::sleep_for(20ms);
+    next = t.SetLearningRates(job, {1e-3f});
+  }
+  return next;
+}
+
+// Calls until ztierd answers again (within two seconds).
+Status AnsweredAgain(client::Transport& t, int job) {
+  Status answered = Status::Unavailable("not yet");
+  for (int i = 0; i < 100 && !answered.ok(); ++i) {
+    std::this_thread::sleep_for(20ms);
+    answered = t.SetLearningRates(job, {1e-3f});
+  }
+  return answered;
+}
+
 // An acquire whose caller gave up (ztierd did not answer in time) left the
 // lease its late answer brought held in ztierd for the connection's life
 // (with params on NVMe, a cache slot). The late lease is given back: a
@@ -565,30 +597,17 @@ TEST(OperatorTest, ALeaseALateAcquireBringsIsGivenBack) {
   ZtierdProcess d(ZTIERD_BINARY, {});
   Result<std::shared_ptr<client::Transport>> t = client::MakeDaemonTransport(d.socket(), 300ms);
   ASSERT_TRUE(t.ok()) << t.status() << d.log();
-  engine::JobSpec spec;
-  spec.name = "late";
-  spec.units.push_back({.name = "u0", .tensors = {{.name = "u0.w", .shape = {4096}}}});
-  Result<int> job = (*t)->RegisterJob(spec);
+  Result<int> job = OneUnitWithWeights(**t, "late");
   ASSERT_TRUE(job.ok()) << job.status();
-  std::vector<float> w(4096, 0.5f);
-  ASSERT_TRUE((*t)->WriteWeights(*job, 0, w.data(), w.size()).ok());
   ASSERT_EQ(::kill(d.pid(), SIGSTOP), 0);
   WaitUntilStopped(d.pid());
   Result<const bf16*> p = (*t)->AcquireParams(*job, 0, 0, 0ms);
   EXPECT_EQ(p.status().code(), StatusCode::kUnavailable) << p.status();
   ASSERT_EQ(::kill(d.pid(), SIGCONT), 0);
-  Status answered = Status::Unavailable("not yet");  // its late answer clears the refusal
-  for (int i = 0; i < 100 && !answered.ok(); ++i) {
-    std::this_thread::sleep_for(20ms);
-    answered = (*t)->SetLearningRates(*job, {1e-3f});
-  }
+  const Status answered = AnsweredAgain(**t, *job);  // its late answer clears the refusal
   ASSERT_TRUE(answered.ok()) << answered;
   ASSERT_TRUE((*t)->ReleaseParams(*job, 0).ok());  // posted; ztierd's answer comes later
-  Status next = Status::Ok();
-  for (int i = 0; i < 100 && next.ok(); ++i) {
-    std::this_thread::sleep_for(20ms);
-    next = (*t)->SetLearningRates(*job, {1e-3f});
-  }
+  const Status next = NextRefusal(**t, *job);
   EXPECT_NE(next.message().find("released without an acquire"), std::string::npos) << next;
   EXPECT_TRUE((*t)->UnregisterJob(*job).ok());
 }
@@ -600,32 +619,19 @@ TEST(OperatorTest, AReleaseWhileZtierdIsSilentIsSentAnyway) {
   ZtierdProcess d(ZTIERD_BINARY, {});
   Result<std::shared_ptr<client::Transport>> t = client::MakeDaemonTransport(d.socket(), 300ms);
   ASSERT_TRUE(t.ok()) << t.status() << d.log();
-  engine::JobSpec spec;
-  spec.name = "silent";
-  spec.units.push_back({.name = "u0", .tensors = {{.name = "u0.w", .shape = {4096}}}});
-  Result<int> job = (*t)->RegisterJob(spec);
+  Result<int> job = OneUnitWithWeights(**t, "silent");
   ASSERT_TRUE(job.ok()) << job.status();
-  std::vector<float> w(4096, 0.5f);
-  ASSERT_TRUE((*t)->WriteWeights(*job, 0, w.data(), w.size()).ok());
   ASSERT_TRUE((*t)->AcquireParams(*job, 0, 0, 10s).ok());
   ASSERT_EQ(::kill(d.pid(), SIGSTOP), 0);
   WaitUntilStopped(d.pid());
   EXPECT_EQ((*t)->SetLearningRates(*job, {1e-3f}).code(), StatusCode::kUnavailable);
   EXPECT_TRUE((*t)->ReleaseParams(*job, 0).ok()) << "refused while ztierd was silent";
   ASSERT_EQ(::kill(d.pid(), SIGCONT), 0);
-  Status answered = Status::Unavailable("not yet");
-  for (int i = 0; i < 100 && !answered.ok(); ++i) {
-    std::this_thread::sleep_for(20ms);
-    answered = (*t)->SetLearningRates(*job, {1e-3f});
-  }
+  const Status answered = AnsweredAgain(**t, *job);
   ASSERT_TRUE(answered.ok()) << answered;
   // The lease went: a second release is one without an acquire.
   ASSERT_TRUE((*t)->ReleaseParams(*job, 0).ok());
-  Status next = Status::Ok();
-  for (int i = 0; i < 100 && next.ok(); ++i) {
-    std::this_thread::sleep_for(20ms);
-    next = (*t)->SetLearningRates(*job, {1e-3f});
-  }
+  const Status next = NextRefusal(**t, *job);
   EXPECT_NE(next.message().find("released without an acquire"), std::string::npos) << next;
   EXPECT_TRUE((*t)->UnregisterJob(*job).ok());
 }
