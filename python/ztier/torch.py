@@ -2802,72 +2802,67 @@ def _close_hosted_daemons():
 _live_offloads: "weakref.WeakSet[Offload]" = weakref.WeakSet()
 
 
-_torch_clip_grad_norm = None  # torch's, once _watch_clip_grad_norm wrapped it
+_torch_clip = {}  # torch.nn.utils' clipping functions by name, once _watch_clip wrapped them
+
+
+def _watch_clip(name: str, check):
+    """Wraps torch.nn.utils' ``name`` (once): ``check(offloads)`` runs
+    first with the live Offloads whose parameters the call was given, then
+    torch's does what it does."""
+    if name in _torch_clip:
+        return
+    original = _torch_clip[name] = getattr(torch.nn.utils, name)
+
+    @functools.wraps(original)
+    def clip(parameters, *args, **kwargs):
+        if isinstance(parameters, torch.Tensor):
+            parameters = [parameters]
+        parameters = list(parameters)
+        ids = {id(p) for p in parameters}
+        check([z for z in list(_live_offloads)
+               if z.job is not None and not ids.isdisjoint(z._tensor_of.keys())])
+        return original(parameters, *args, **kwargs)
+
+    setattr(torch.nn.utils, name, clip)
 
 
 def _watch_clip_grad_norm():
     """torch.nn.utils.clip_grad_norm_ on an offloaded model's parameters
     clips nothing (their grads left for the engine as they were made) and
     counts them as 0, silently: transformers' Trainer calls it with its
-    default max_grad_norm of 1.0. torch's is wrapped (once) to warn of it,
-    once for each Offload without the engine's clipping; it still does what
-    torch's does."""
-    global _torch_clip_grad_norm
-    if _torch_clip_grad_norm is not None:
-        return
-    original = _torch_clip_grad_norm = torch.nn.utils.clip_grad_norm_
+    default max_grad_norm of 1.0. It warns of it, once for each Offload
+    without the engine's clipping; it still does what torch's does."""
 
-    @functools.wraps(original)
-    def clip_grad_norm_(parameters, *args, **kwargs):
-        if isinstance(parameters, torch.Tensor):
-            parameters = [parameters]
-        parameters = list(parameters)
-        ids = {id(p) for p in parameters}
-        for z in list(_live_offloads):
-            if (z.job is None or z.clip_grad_norm or z._clip_warned
-                    or ids.isdisjoint(z._tensor_of.keys())):
+    def check(offloads):
+        for z in offloads:
+            if z.clip_grad_norm or z._clip_warned:
                 continue
             z._clip_warned = True
             warnings.warn(
                 "ztier: torch.nn.utils.clip_grad_norm_ clips nothing on an offloaded model's "
                 "parameters (their grads left for the engine as they were made) and counts them "
                 "as 0; give the clipping to the engine: offload(..., clip_grad_norm=...)",
-                RuntimeWarning, stacklevel=2)
-        return original(parameters, *args, **kwargs)
+                RuntimeWarning, stacklevel=3)
 
-    torch.nn.utils.clip_grad_norm_ = clip_grad_norm_
-
-
-_torch_clip_grad_value = None  # torch's, once _watch_clip_grad_value wrapped it
+    _watch_clip("clip_grad_norm_", check)
 
 
 def _watch_clip_grad_value():
     """torch.nn.utils.clip_grad_value_ on an offloaded model's parameters
     finds no grads (they left for the engine as they were made): torch's
-    raised "Expected !nested_tensorlist[0].empty()". torch's is wrapped
-    (once) to say so in ztier's words, and what the engine clips instead;
-    on other parameters it is torch's."""
-    global _torch_clip_grad_value
-    if _torch_clip_grad_value is not None:
-        return
-    original = _torch_clip_grad_value = torch.nn.utils.clip_grad_value_
+    raised "Expected !nested_tensorlist[0].empty()". It is refused in
+    ztier's words, saying what the engine clips instead; on other
+    parameters it is torch's."""
 
-    @functools.wraps(original)
-    def clip_grad_value_(parameters, *args, **kwargs):
-        if isinstance(parameters, torch.Tensor):
-            parameters = [parameters]
-        parameters = list(parameters)
-        ids = {id(p) for p in parameters}
-        if any(z.job is not None and not ids.isdisjoint(z._tensor_of.keys())
-               for z in list(_live_offloads)):
+    def check(offloads):
+        if offloads:
             raise RuntimeError(
                 "ztier: torch.nn.utils.clip_grad_value_ on an offloaded model's parameters: "
                 "their grads left for the engine as they were made (p.grad is None), so there "
                 "is nothing to clip here; the engine clips by the global norm only: "
                 "offload(..., clip_grad_norm=...)")
-        return original(parameters, *args, **kwargs)
 
-    torch.nn.utils.clip_grad_value_ = clip_grad_value_
+    _watch_clip("clip_grad_value_", check)
 
 
 @atexit.register  # runs before _close_hosted_daemons (registered after it)
