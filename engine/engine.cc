@@ -1113,10 +1113,20 @@ Status Engine::WriteWeights(int job, int unit, const float* flat, uint64_t numel
       });
 }
 
+namespace {
+Status StateReplacedWhileRead(const Job& j, int unit) {
+  return Status::FailedPrecondition(
+      StrCat("read state: the state of job '", j.spec.name,
+             "' was being replaced (a checkpoint load, an import or a state write) while unit ",
+             unit, " was read; read it again once that is done"));
+}
+}  // namespace
+
 Status Engine::ReadState(int job, int unit, float* master, float* exp_avg,
                          float* exp_avg_sq) const {
   std::shared_ptr<Job> j;
   uint64_t posted = 0;
+  uint64_t replacements = 0;
   {
     std::lock_guard<std::mutex> lock(impl_->mu);
     ZT_ASSIGN_OR_RETURN(j, impl_->Find(job));
@@ -1130,7 +1140,9 @@ Status Engine::ReadState(int job, int unit, float* master, float* exp_avg,
           StrCat("read state: unit ", unit, " of job '", j->spec.name,
                  "' has gradients of a step in flight; read it between steps"));
     }
+    if (j->failure.ok() && j->replacing) return StateReplacedWhileRead(*j, unit);
     posted = j->updates_posted;
+    replacements = j->state_replacements;
   }
   const size_t bytes = j->units[unit].layout.padded * sizeof(float);
   ZT_RETURN_IF_ERROR(WithUnitState(*j, unit, Access::kRead, [&](size_t k, const StateView& state) {
@@ -1141,10 +1153,14 @@ Status Engine::ReadState(int job, int unit, float* master, float* exp_avg,
   // The copy holds no lock a step waits for (DRAM states): one that began
   // meanwhile may have updated the unit under it.
   std::lock_guard<std::mutex> lock(impl_->mu);
-  if (j->failure.ok() && j->updates_posted != posted) {
+  if (!j->failure.ok()) return Status::Ok();
+  if (j->updates_posted != posted) {
     return Status::FailedPrecondition(
         StrCat("read state: a step of job '", j->spec.name, "' began while unit ", unit,
                " was read; read it between steps, with every rank waiting"));
+  }
+  if (j->replacing || j->state_replacements != replacements) {
+    return StateReplacedWhileRead(*j, unit);
   }
   return Status::Ok();
 }
@@ -1709,6 +1725,7 @@ Status WithIdleJob(Engine::Impl& e, int job, std::string_view what, StateUse use
     if (j->removed) return Status::Aborted(StrCat("job ", job, " was unregistered"));
     ZT_RETURN_IF_ERROR(CheckIdle(*j, what));
     j->checkpointing = true;
+    j->replacing = use == StateUse::kReplaces;
   }
   // Steps publish every unit before the job looks idle, so the buffers are
   // stable while the mark keeps new grads out.
@@ -1716,11 +1733,16 @@ Status WithIdleJob(Engine::Impl& e, int job, std::string_view what, StateUse use
   {
     std::lock_guard<std::mutex> lock(e.mu);
     j->checkpointing = false;
-    if (use == StateUse::kReplaces) ++j->state_replacements;  // even when it failed midway
+    j->replacing = false;
+    if (use == StateUse::kReplaces) {
+      ++j->state_replacements;  // even when it failed midway
+      // The published weights may be others now, at the step they were at
+      // (a load or import, even one that failed midway): clients fetch
+      // again. Bumped with the mark cleared, under the lock: a reader that
+      // finds the job idle (CheckConsistent) finds the new generation too.
+      Engine::Impl::WeightsReplaced(*j);
+    }
   }
-  // The published weights may be others now, at the step they were at (a
-  // load or import, even one that failed midway): clients fetch again.
-  if (use == StateUse::kReplaces) Engine::Impl::WeightsReplaced(*j);
   e.published_cv.notify_all();  // an unregister and GradsReady wait for it
   return s.Annotate(StrCat(what, " of job '", j->spec.name, "'"));
 }

@@ -149,8 +149,8 @@ class Engine {
   Status WriteWeights(int job, int unit, const float* flat, uint64_t numel);
   // Reads the fp32 master / m / v of a unit (padded elements), for tests and
   // checkpoints, between the unit's steps; a null array is not read.
-  // Errors: FailedPrecondition (grads of a step pending on the unit),
-  // NotFound, OutOfRange.
+  // Errors: FailedPrecondition (grads of a step pending on the unit, a step
+  // begun or the state replaced while it was read), NotFound, OutOfRange.
   Status ReadState(int job, int unit, float* master, float* exp_avg, float* exp_avg_sq) const;
 
   // Overwrites a unit's fp32 master, m and v (layout.padded elements each)

@@ -161,6 +161,9 @@ struct Job {
   Status failure;
   bool removed = false;
   bool checkpointing = false;  // a save or load owns the buffers
+  // The checkpointing call is one that replaces the state (a load, an
+  // import, a state write or commit): a state read meanwhile is refused.
+  bool replacing = false;
   // Counts the checkpointing calls that may have replaced the state (a
   // load, an import, a state write or commit), at their end: grads that
   // waited through one are of the state before it.

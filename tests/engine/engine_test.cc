@@ -857,6 +857,58 @@ TEST(EngineJobsTest, AStateReadDuringWhichAStepBeganIsRefused) {
   }
 }
 
+// A state read while another thread replaced the state (ztierd's save of
+// one client while another loaded a checkpoint, or wrote a unit's state)
+// was not looked at: it returned a unit half of the old state and half of
+// the new. A read during which the state was replaced, or that begins while
+// it is being replaced, is refused.
+TEST(EngineJobsTest, AStateReadWhileTheStateIsReplacedIsRefused) {
+  ScratchDir swap("swap");
+  auto fault = std::make_shared<nvme::FaultBackend>(nvme::MakeUringBackend());
+  auto e = MakeEngine(uint64_t{1} << 30, &swap, uint64_t{64} << 20, fault);
+  for (const Placement placement : {Placement::kNvmeStates, Placement::kDram}) {
+    const bool nvme = placement == Placement::kNvmeStates;
+    SCOPED_TRACE(nvme ? "nvme" : "dram");
+    JobSpec spec;
+    spec.name = nvme ? "replaced-nvme" : "replaced-dram";
+    spec.units.push_back({"big", {{"big.w", {nvme ? int64_t{1024} : int64_t{12} << 20}}}});
+    Result<int> job = e->RegisterJob(Place(spec, placement));
+    ASSERT_TRUE(job.ok()) << job.status();
+    const UnitLayout l = *e->Layout(*job, 0);
+    std::vector<float> p(l.padded), m(l.padded), v(l.padded);
+    int refused = 0;
+    // NVMe: the write is slow, the read certain to begin while it runs.
+    // DRAM: the copies race, a read begun before the write and ending
+    // after it tells only by the count of replacements.
+    for (int round = 1; round <= (nvme ? 1 : 8); ++round) {
+      const float value = 0.125f * static_cast<float>(round);
+      const std::vector<float> state(l.padded, value);
+      if (nvme) fault->SlowDown(nvme::IoKind::kWrite, 300ms);
+      std::thread writer([&] {
+        EXPECT_TRUE(e->WriteState(*job, 0, state.data(), state.data(), state.data()).ok());
+      });
+      std::this_thread::sleep_for(std::chrono::milliseconds(nvme ? 50 : round % 3));
+      const Status read = e->ReadState(*job, 0, p.data(), m.data(), v.data());
+      writer.join();
+      fault->SlowDown(nvme::IoKind::kWrite, 0ms);
+      if (read.ok()) {
+        EXPECT_FALSE(nvme) << "a read begun while the state was written was not refused";
+        const float first = p[0];
+        EXPECT_TRUE(first == value || first == value - 0.125f) << first;
+        EXPECT_EQ(std::count(p.begin(), p.end(), first), static_cast<long>(p.size()))
+            << "round " << round << ": a read that succeeded is not of one state";
+      } else {
+        ++refused;
+        EXPECT_EQ(read.code(), StatusCode::kFailedPrecondition) << read;
+        EXPECT_NE(read.message().find("was being replaced"), std::string::npos) << read;
+      }
+    }
+    std::printf("%s: %d of the reads refused\n", spec.name.c_str(), refused);
+    ASSERT_TRUE(e->ReadState(*job, 0, p.data(), m.data(), v.data()).ok());  // between: read
+    ASSERT_TRUE(e->UnregisterJob(*job).ok());
+  }
+}
+
 // What a client of the daemon does, in one process: map the job's regions
 // through the fds the engine gives, write grads through the read-write
 // mapping of the inbox, and read the new params through a read-only
