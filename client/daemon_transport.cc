@@ -620,6 +620,7 @@ class DaemonTransport final : public Transport, public ControlTransport {
       uint64_t most = 0;
       for (const engine::UnitLayout& l : d_.layouts) most = std::max(most, l.padded);
       ZT_ASSIGN_OR_RETURN(Staging staging, Staging::Make(3 * most * sizeof(float)));
+      ZT_ASSIGN_OR_RETURN(const int64_t generation, t_.WeightsGeneration(job_));
       for (size_t k = 0; k < d_.layouts.size(); ++k) {
         const int unit = static_cast<int>(k);
         const uint64_t n = d_.layouts[k].padded;
@@ -643,7 +644,10 @@ class DaemonTransport final : public Transport, public ControlTransport {
         // (a rank in another process that went on training). The check
         // waits for a step under way first: one that had updated some
         // units but not completed was not yet the job's step, and a mix of
-        // two steps passed as the first.
+        // two steps passed as the first. Nor may another client have
+        // replaced the state meanwhile (a load, an import: each unit read
+        // whole, but some of the old state and some of the new), which
+        // leaves the step as it was: the weights generation tells.
         ZT_RETURN_IF_ERROR(CheckConsistent());
         ZT_ASSIGN_OR_RETURN(engine::JobDescription now, t_.Describe(job_));
         if (now.step != d_.step) {
@@ -651,6 +655,13 @@ class DaemonTransport final : public Transport, public ControlTransport {
               StrCat("job '", d_.name, "' went from step ", d_.step, " to ", now.step,
                      " while its state was read; read it between steps, with every rank "
                      "waiting"));
+        }
+        ZT_ASSIGN_OR_RETURN(const int64_t generation_now, t_.WeightsGeneration(job_));
+        if (generation_now != generation) {
+          return Status::FailedPrecondition(
+              StrCat("job '", d_.name, "': its state was replaced (a checkpoint load or an ",
+                     "import by another client) while it was read; read it again once that "
+                     "is done"));
         }
       }
       return Status::Ok();

@@ -733,6 +733,69 @@ TEST(RunnerTest, ASaveRightAfterAStepsLastGradsSavesThatStep) {
   EXPECT_TRUE(r.model->WaitPublished(2, 0ms).ok());
 }
 
+// Through ztierd a save reads the job's units one by one. A load of a
+// checkpoint at the same step between two of those reads (another client,
+// or another thread of this one) left the step as it was, and the save
+// wrote some units of the old state and some of the loaded one. A save
+// either refuses or writes one state.
+TEST(RunnerTest, ASaveDuringALoadIsOfOneStateOrRefused) {
+  using namespace std::chrono_literals;
+  SlowDriveRun r;
+  ASSERT_TRUE(r.Start().ok());
+  ASSERT_GE(r.model->units(), 3);
+  ScratchDir a("load-during-save-a"), b("load-during-save-b");
+  ASSERT_TRUE(r.model->SaveCheckpoint(a.path()).ok());
+  ASSERT_TRUE(TrainThroughRunner(r.s, *r.model, 1, 2, &r.out).ok());
+  ASSERT_TRUE(r.model->WaitPublished(2, 60s).ok());
+  RunResult loaded;  // state B, at step 2
+  ASSERT_TRUE(ReadMasters(*r.model, 2, &loaded).ok());
+  ASSERT_TRUE(r.model->SaveCheckpoint(b.path()).ok());
+  // Step 2 again from A, at another learning rate: another state at step 2.
+  ASSERT_TRUE(r.model->LoadCheckpoint(a.path()).ok());
+  ASSERT_TRUE(r.model->SetLearningRates({1e-2f}).ok());
+  ASSERT_TRUE(TrainThroughRunner(r.s, *r.model, 1, 2, &r.out).ok());
+  ASSERT_TRUE(r.model->WaitPublished(2, 60s).ok());
+  RunResult own;
+  ASSERT_TRUE(ReadMasters(*r.model, 2, &own).ok());
+  ASSERT_NE(own.master, loaded.master);
+
+  ScratchDir d("load-during-save-d");
+  ASSERT_TRUE(r.model->SaveCheckpoint(d.path()).ok());
+  // The first round's reads are slow, the load certain to come during one;
+  // the others' are not, and a load mostly comes between two.
+  int refused = 0;
+  for (int round = 0; round < 10; ++round) {
+    SCOPED_TRACE(StrCat("round ", round));
+    ASSERT_TRUE(r.model->LoadCheckpoint(d.path()).ok());
+    if (round == 0) r.fault->SlowDown(nvme::IoKind::kRead, 120ms);
+    ScratchDir c("load-during-save-c");
+    Status saved;
+    std::thread saver([&] { saved = r.model->SaveCheckpoint(c.path()); });
+    std::this_thread::sleep_for(round == 0 ? 150ms : std::chrono::milliseconds(round));
+    const Status load = r.model->LoadCheckpoint(b.path());
+    saver.join();
+    r.fault->SlowDown(nvme::IoKind::kRead, 0ms);
+    EXPECT_TRUE(load.ok() || load.code() == StatusCode::kFailedPrecondition) << load;
+    if (!saved.ok()) {
+      EXPECT_EQ(saved.code(), StatusCode::kFailedPrecondition) << saved;
+      ++refused;
+      continue;
+    }
+    ASSERT_TRUE(r.model->LoadCheckpoint(c.path()).ok());
+    RunResult got;
+    ASSERT_TRUE(ReadMasters(*r.model, 2, &got).ok());
+    int own_units = 0, loaded_units = 0;
+    for (int k = 0; k < r.model->units(); ++k) {
+      own_units += got.master[k] == own.master[k];
+      loaded_units += got.master[k] == loaded.master[k];
+    }
+    EXPECT_TRUE(own_units == r.model->units() || loaded_units == r.model->units())
+        << "the save wrote " << own_units << " units of the state it began with and "
+        << loaded_units << " of the one loaded meanwhile";
+  }
+  std::printf("%d of 10 saves refused\n", refused);
+}
+
 // ------------------------------------------------------------- bad use --
 
 // A weight source that interrupts a backward pass: the push after
