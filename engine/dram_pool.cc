@@ -84,10 +84,10 @@ class Region {
         0) {
       ZT_LOG(kWarn, "engine") << "cannot seal " << name << ": " << std::strerror(errno);
     }
-    // hugetlb pages are all reserved at mmap; others are advised first and
-    // faulted in after, so the advice can take effect.
-    void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE,
-                     MAP_SHARED | (r.hugetlb_ ? MAP_POPULATE : 0), r.fd_, 0);
+    // hugetlb pages are all reserved at mmap (which fails without them);
+    // every region's pages are faulted in after, a chunk at a time (see
+    // LockInChunks), others' advised first so the advice takes effect.
+    void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, r.fd_, 0);
     if (p == MAP_FAILED) {
       return PosixError(StrCat("mmap ", bytes, " bytes of memfd ", name), errno);
     }
@@ -99,25 +99,46 @@ class Region {
     }
     int lock_err = 0;
     if (o.lock) {
-      if (::mlock(p, bytes) == 0) {  // faults every page in
-        r.locked_ = true;
-      } else {
-        lock_err = errno;
-      }
+      lock_err = LockInChunks(p, bytes);
+      r.locked_ = lock_err == 0;
     }
-    if (!r.locked_ && !r.hugetlb_) Prefault(p, bytes);
+    if (!r.locked_) Prefault(p, bytes);
     r.lock_error_ = lock_err;
     r.name_ = name;
     r.huge_bytes_ = r.hugetlb_ ? bytes : HugeBytesOf(p);
     return r;
   }
 
+  // mlock faults every page in, and holds the kernel's lock on the address
+  // space while it does: one call for a region of tens of GiB held up every
+  // other thread of the process that mapped or unmapped memory (ztierd's
+  // other jobs, its clients' connections) for seconds. Chunk by chunk, the
+  // lock is let go between them. Returns 0, or mlock's errno with nothing
+  // left locked.
+  static constexpr uint64_t kFaultChunk = uint64_t{16} << 20;
+  static int LockInChunks(void* p, uint64_t bytes) {
+    auto* c = static_cast<char*>(p);
+    for (uint64_t off = 0; off < bytes; off += kFaultChunk) {
+      if (::mlock(c + off, std::min(kFaultChunk, bytes - off)) != 0) {
+        const int err = errno;
+        if (off > 0) (void)::munlock(c, off);
+        return err;
+      }
+    }
+    return 0;
+  }
+
   // Faults every page of a mapping in (writes keep them: a region is fresh).
+  // In chunks: a hugetlb region's faults hold the address space's lock
+  // for as long as one call takes.
   static void Prefault(void* p, uint64_t bytes) {
     constexpr int kMadvPopulateWrite = 23;  // Linux 5.14
-    if (::madvise(p, bytes, kMadvPopulateWrite) == 0) return;
-    auto* c = static_cast<volatile char*>(p);
-    for (uint64_t off = 0; off < bytes; off += kPage) c[off] = 0;
+    auto* c = static_cast<char*>(p);
+    uint64_t off = 0;
+    for (; off < bytes; off += kFaultChunk) {
+      if (::madvise(c + off, std::min(kFaultChunk, bytes - off), kMadvPopulateWrite) != 0) break;
+    }
+    for (auto* v = static_cast<volatile char*>(p); off < bytes; off += kPage) v[off] = 0;
   }
 
   // Bytes of the mapping at `base` on PMD (2 MiB) pages, from smaps.

@@ -201,6 +201,67 @@ TEST(DramPoolTest, MakingALargeRegionHoldsUpNoOtherUserOfThePool) {
   EXPECT_FALSE(after) << "the allocation waited until the large region was made";
 }
 
+// The region's pages were locked (faulted in) by one mlock, which holds
+// the kernel's lock on the address space throughout: every other thread
+// that mapped memory meanwhile (ztierd's other jobs and connections) waited
+// as long as the whole region took, seconds for tens of GiB.
+TEST(DramPoolTest, MakingALargeRegionHoldsUpNoNewMapping) {
+#if defined(__SANITIZE_ADDRESS__)
+  GTEST_SKIP() << "AddressSanitizer's mlock does nothing and says it succeeded";
+#endif
+  // hugetlb regions were faulted in by one mmap(MAP_POPULATE) as well:
+  // where 2 MiB pages are reserved (/proc/sys/vm/nr_hugepages).
+  for (const HugePages huge : {HugePages::kTransparent, HugePages::kHugetlb}) {
+    const bool hugetlb = huge == HugePages::kHugetlb;
+    SCOPED_TRACE(hugetlb ? "hugetlb" : "transparent");
+    auto pool = MakePool(uint64_t{2} << 30, 4 * kMiB, huge);
+    std::atomic<bool> made{false};
+    std::chrono::duration<double, std::milli> took{};
+    DramPoolStats stats;
+    std::thread big([&] {
+      const auto t0 = std::chrono::steady_clock::now();
+      // (Dedicated regions are never hugetlb; a large block's own region is.)
+      if (hugetlb) {
+        Result<DramBlock> b = pool->Allocate(uint64_t{1} << 30, "a large job's states");
+        took = std::chrono::steady_clock::now() - t0;
+        made = true;
+        ASSERT_TRUE(b.ok()) << b.status();
+        stats = pool->stats();
+        pool->Free(*b);
+        return;
+      }
+      Result<uint32_t> r = pool->CreateRegion(uint64_t{1} << 30, "a large job's params");
+      took = std::chrono::steady_clock::now() - t0;
+      made = true;
+      ASSERT_TRUE(r.ok()) << r.status();
+      stats = pool->stats();
+      pool->DestroyRegion(*r);
+    });
+    // Meanwhile: new mappings, each touched, as a new client's buffers are.
+    std::chrono::duration<double, std::milli> worst{};
+    int maps = 0;
+    while (!made.load()) {
+      const auto t0 = std::chrono::steady_clock::now();
+      void* q = ::mmap(nullptr, 4096, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      ASSERT_NE(q, MAP_FAILED);
+      *static_cast<volatile char*>(q) = 1;
+      ::munmap(q, 4096);
+      worst = std::max<std::chrono::duration<double, std::milli>>(
+          worst, std::chrono::steady_clock::now() - t0);
+      ++maps;
+      std::this_thread::sleep_for(std::chrono::microseconds(500));
+    }
+    big.join();
+    std::printf("%s region made in %.0f ms (%s); %d mappings meanwhile, the slowest %.1f ms\n",
+                stats.hugetlb_regions > 0 ? "a hugetlb" : "a", took.count(),
+                stats.locked_regions > 0 ? "locked" : "not locked", maps, worst.count());
+    if (hugetlb && stats.hugetlb_regions == 0) continue;  // none reserved: as above
+    if (!hugetlb && stats.locked_regions == 0) continue;  // no CAP_IPC_LOCK: faulted in by chunks
+    if (took < std::chrono::milliseconds(50)) continue;   // too fast to tell
+    EXPECT_LT(worst, took / 2) << "a new mapping waited for most of the region's making";
+  }
+}
+
 // The process's resident set, from /proc/self/status (0 where unreadable).
 uint64_t ResidentBytes() {
   std::ifstream status("/proc/self/status");
