@@ -3,9 +3,15 @@
 ``from_pretrained`` builds a model from a local checkpoint directory without
 its weights (parameters on the meta device, buffers real) and streams the
 safetensors shards (``model.safetensors`` or the shards that
-``model.safetensors.index.json`` maps) into the engine one unit at a time, so
-the host never holds a second full copy. Tied parameters (an output head
-sharing the embedding) are found under any of their names.
+``model.safetensors.index.json`` maps; the single file where both are there,
+as transformers reads them) into the engine one unit at a time, so the host
+never holds a second full copy. Tied parameters (an output head sharing the
+embedding) are found under any of their names. A model that generates takes
+the directory's ``generation_config.json`` as its ``generation_config``.
+
+``save_pretrained`` (``Offload.save_pretrained``) writes config.json (its
+``dtype`` the written weights', its ``architectures`` the model's class),
+generation_config.json (a model that generates) and model.safetensors.
 
 A checkpoint that lacks some of the model's tensor names (one transformers
 converts as it loads: renamed or fused tensors; a new head on a base model)
@@ -15,11 +21,14 @@ copy in host memory, with a warning.
 Errors: FileNotFoundError (no checkpoint there), KeyError naming a tensor the
 checkpoint lacks (``load_weights``), ValueError naming a tensor whose shape
 differs, one that is not floating point, or a file that cannot be read (a
-damaged header or index), with the file.
+damaged header, index or generation config), with the file; TypeError naming
+a keyword argument neither call takes.
 """
 
 from __future__ import annotations
 
+import copy
+import inspect
 import json
 import os
 
@@ -28,6 +37,7 @@ from torch import nn
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
+GENERATION_CONFIG = "generation_config.json"
 
 
 def _unreadable(file: str, e: Exception) -> ValueError:
@@ -48,10 +58,12 @@ def _open(file: str):
 
 
 def _weight_files(path: str) -> dict[str, str]:
-    """tensor name -> file, for a directory (single file or sharded) or a file."""
+    """tensor name -> file, for a directory (single file or sharded) or a
+    file. A directory holding both takes model.safetensors, as transformers
+    does."""
     if os.path.isdir(path):
         index = os.path.join(path, INDEX)
-        if os.path.exists(index):
+        if not os.path.exists(os.path.join(path, SINGLE)) and os.path.exists(index):
             try:
                 with open(index) as f:
                     weight_map = json.load(f)["weight_map"]
@@ -183,13 +195,137 @@ def _empty_parameters(model: nn.Module):
             m._parameters[name] = q
 
 
-def from_pretrained(model_class, path: str, config=None, **offload_kwargs):
+# from_pretrained's arguments of transformers that ztier has no use for,
+# and what to do instead.
+_NOT_TAKEN = {
+    "device_map": "ztier places the model itself: pass device= (e.g. device='cuda:0'); the "
+                  "weights live in the engine and come to the device a unit at a time",
+    "attn_implementation": "set it in the config and pass that: config=AutoConfig."
+                           "from_pretrained(path, attn_implementation=...)",
+    "quantization_config": "the engine keeps fp32 master weights and computes in torch.bfloat16 "
+                           "or torch.float32: it loads no quantized model",
+    "load_in_8bit": "the engine keeps fp32 master weights and computes in torch.bfloat16 or "
+                    "torch.float32: it loads no quantized model",
+    "load_in_4bit": "the engine keeps fp32 master weights and computes in torch.bfloat16 or "
+                    "torch.float32: it loads no quantized model",
+}
+for _name in ("revision", "cache_dir", "token", "force_download", "local_files_only",
+              "subfolder", "proxies"):
+    _NOT_TAKEN[_name] = ("ztier loads a local directory only (it never goes to the Hub): give "
+                         "the checkpoint's directory, e.g. huggingface_hub.snapshot_download's")
+
+# dtype= / torch_dtype= values: the dtype the module computes in.
+_COMPUTE_DTYPES = {torch.bfloat16: torch.bfloat16, torch.float32: torch.float32,
+                   "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+                   "float32": torch.float32, "fp32": torch.float32}
+
+
+def _check_offload_kwargs(kwargs: dict):
+    """Refuses, before anything is read, a keyword argument that neither
+    from_pretrained nor offload() takes, naming it."""
+    from ztier import torch as zt
+
+    # (offload's config=, a DeepSpeed-style JSON file, is the model's config here.)
+    takes = {n for n, p in inspect.signature(zt.Offload.__init__).parameters.items()
+             if p.kind is p.KEYWORD_ONLY} - {"weights", "config"}
+    for name in kwargs:
+        if name in takes:
+            continue
+        if name == "weights":
+            raise TypeError("ztier: from_pretrained() takes no weights=: the weights are the "
+                            "checkpoint's (path); to start from other weights, offload the model "
+                            "with weights= instead")
+        why = _NOT_TAKEN.get(name) or (
+            "it takes config=, dtype= (or torch_dtype=), generation_config= and offload()'s "
+            f"keyword arguments ({', '.join(sorted(takes))})")
+        raise TypeError(f"ztier: from_pretrained() got an unexpected keyword argument "
+                        f"'{name}': {why}")
+
+
+def _given_dtype(dtype, torch_dtype, compute_dtype):
+    """The compute dtype that dtype= / torch_dtype= ask for: a torch dtype,
+    "auto" (config.json's, once read) or None (neither given)."""
+    def same(x):
+        return _COMPUTE_DTYPES.get(x, x) if isinstance(x, (str, torch.dtype)) else x
+
+    if dtype is not None and torch_dtype is not None and same(dtype) != same(torch_dtype):
+        raise ValueError(f"ztier: dtype={dtype} and torch_dtype={torch_dtype} differ: give "
+                         "dtype= alone (torch_dtype= is its older name)")
+    name, given = ("dtype", dtype) if dtype is not None else ("torch_dtype", torch_dtype)
+    if given is None or (isinstance(given, str) and given == "auto"):
+        # "auto" beside a compute_dtype: that one.
+        return given if compute_dtype is None else None
+    want = _COMPUTE_DTYPES.get(given) if isinstance(given, (str, torch.dtype)) else None
+    if want is None:
+        raise ValueError(
+            f"ztier: {name}={given!r}: the engine keeps fp32 master weights and the model "
+            "computes in torch.bfloat16 or torch.float32 (offload's compute_dtype); pass one of "
+            "those, or 'auto' (config.json's dtype where it is one of them)")
+    if compute_dtype is not None and compute_dtype != want:
+        raise ValueError(f"ztier: {name}={want} and compute_dtype={compute_dtype} differ: "
+                         f"give one ({name}= is the compute dtype)")
+    return want
+
+
+def _config_dtype(config):
+    """config.json's dtype (``dtype``, ``torch_dtype`` in older transformers)
+    as a torch dtype, or None."""
+    value = getattr(config, "dtype", None)
+    if value is None:
+        value = vars(config).get("torch_dtype")
+    if isinstance(value, str):
+        value = getattr(torch, value, None)
+    return value if isinstance(value, torch.dtype) else None
+
+
+def _can_generate(model: nn.Module) -> bool:
+    can = getattr(model, "can_generate", None)
+    return callable(can) and bool(can())
+
+
+def _set_generation_config(model: nn.Module, path: str, given):
+    """A model that generates takes ``given`` (a copy), else the directory's
+    generation_config.json where there is one (transformers' from_pretrained
+    does so; without one, the model keeps what its config gave)."""
+    if not _can_generate(model):
+        return
+    from transformers import GenerationConfig
+
+    if given is not None:
+        model.generation_config = copy.deepcopy(given)
+        return
+    file = os.path.join(path, GENERATION_CONFIG)
+    if not os.path.isfile(file):
+        return
+    try:
+        model.generation_config = GenerationConfig.from_pretrained(path)
+    except Exception as e:  # OSError naming no file, ValueError of a bad value
+        raise _unreadable(file, e) from e
+
+
+def from_pretrained(model_class, path: str, config=None, *, dtype=None, torch_dtype=None,
+                    generation_config=None, low_cpu_mem_usage=None, **offload_kwargs):
     """(model, offload) for the checkpoint directory ``path``; see the module
-    docstring. ``config``: the model's config (default: ``path``'s)."""
+    docstring. ``config``: the model's config (default: ``path``'s).
+    ``dtype`` (``torch_dtype``, its older name): the dtype the model computes
+    in, offload's ``compute_dtype``: torch.bfloat16 or torch.float32 (their
+    names too), or "auto": config.json's where it is one of them, else
+    offload's default; the engine keeps fp32 master weights either way.
+    ``generation_config``: the model's (a copy), instead of the directory's.
+    ``low_cpu_mem_usage``: taken for transformers' sake, of no effect (the
+    host never holds a full copy). The other keyword arguments go to
+    :func:`ztier.torch.offload`; one that neither takes is a TypeError."""
     from accelerate import init_empty_weights
 
     from ztier import torch as zt
 
+    _check_offload_kwargs(offload_kwargs)
+    want_dtype = _given_dtype(dtype, torch_dtype, offload_kwargs.get("compute_dtype"))
+    if generation_config is not None:
+        from transformers import GenerationConfig
+        if not isinstance(generation_config, GenerationConfig):
+            raise TypeError(f"ztier: generation_config= takes a transformers GenerationConfig, "
+                            f"got {type(generation_config).__name__}")
     path = os.fspath(path)
     # A local directory only: a name that is none went to the Hub (five
     # tries, half a minute offline) before any word of a missing directory.
@@ -223,6 +359,12 @@ def from_pretrained(model_class, path: str, config=None, **offload_kwargs):
             raise ValueError(f"ztier: {path} holds a '{saved_type}' model; "
                              f"{model_class.__name__} is a '{want}' one")
         config = model_class.config_class.from_pretrained(path)
+    if isinstance(want_dtype, str):  # "auto": the checkpoint's, where the model computes in it
+        want_dtype = _config_dtype(config)
+        if want_dtype not in (torch.bfloat16, torch.float32):
+            want_dtype = None
+    if want_dtype is not None:
+        offload_kwargs["compute_dtype"] = want_dtype
     with init_empty_weights(include_buffers=False):
         model = model_class(config)
     if hasattr(model, "tie_weights"):
@@ -245,8 +387,10 @@ def from_pretrained(model_class, path: str, config=None, **offload_kwargs):
             f"{model_class.__name__}.from_pretrained, which holds the whole model in host memory "
             "once, then offloaded", RuntimeWarning, stacklevel=3)
         del model
-        model = model_class.from_pretrained(path, config=config)
+        more = {} if generation_config is None else {"generation_config": generation_config}
+        model = model_class.from_pretrained(path, config=config, **more)
         return model, zt.offload(model, **offload_kwargs)
+    _set_generation_config(model, path, generation_config)
     _empty_parameters(model)
     # In evaluation mode, as transformers' from_pretrained returns it (the
     # fallback above too): dropout was on for generate() and no-grad
@@ -254,3 +398,59 @@ def from_pretrained(model_class, path: str, config=None, **offload_kwargs):
     model.eval()
     z = zt.offload(model, weights=path, **offload_kwargs)
     return model, z
+
+
+# save_pretrained's arguments of transformers that ztier has no use for, and
+# what to do instead.
+_NOT_WRITTEN = {
+    "max_shard_size": "ztier writes one model.safetensors (no shards), which from_pretrained "
+                      "(transformers' too) reads whatever its size",
+    "push_to_hub": "ztier writes the directory only: upload it after (huggingface_hub's "
+                   "upload_folder)",
+}
+
+
+def save_pretrained(z, directory: str, dtype="bfloat16", safe_serialization=True, **kwargs):
+    """``Offload.save_pretrained``: the directory ``from_pretrained`` (ztier's
+    and transformers') reads; see the module docstring. ``dtype``: the
+    weights' ("bfloat16" or "float32", or torch.bfloat16 / torch.float32),
+    which config.json names. ``safe_serialization``: True (safetensors is all
+    it writes). A sharded checkpoint there before (model.safetensors.index.json
+    and the shards it names) is removed once the new file is written: a loader
+    that takes the index read the old weights. Rank 0 writes, as
+    export_safetensors."""
+    from ztier import torch as zt
+
+    if not safe_serialization:
+        raise ValueError("ztier: safe_serialization=False asks for PyTorch's pickle format "
+                         "(pytorch_model.bin), which save_pretrained does not write: it writes "
+                         "safetensors (model.safetensors) only; leave it out (or, for a "
+                         "pickle, torch.save(model.state_dict(), path))")
+    for name in kwargs:
+        why = _NOT_WRITTEN.get(name) or (
+            "it takes dtype= ('bfloat16' or 'float32', or torch.bfloat16 / torch.float32) and "
+            "safe_serialization=True")
+        raise TypeError(f"ztier: save_pretrained() got an unexpected keyword argument "
+                        f"'{name}': {why}")
+    dtype = zt._export_dtype(dtype)
+    directory = os.fspath(directory)
+    model = z.module
+
+    def write():
+        os.makedirs(directory, exist_ok=True)
+        config = getattr(model, "config", None)
+        if config is not None and hasattr(config, "save_pretrained"):
+            # What is written, as transformers' save_pretrained writes the
+            # model's dtype and class; the model's own config is left as it is.
+            config = copy.deepcopy(config)
+            config.dtype = dtype
+            if "torch_dtype" in vars(config):  # older transformers
+                config.torch_dtype = dtype
+            config.architectures = [type(model).__name__]
+            config.save_pretrained(directory)
+        if _can_generate(model) and getattr(model, "generation_config", None) is not None:
+            model.generation_config.save_pretrained(directory)
+        z._export(os.path.join(directory, SINGLE), dtype)
+        remove_shards(directory)
+
+    z._by_rank0("save_pretrained", write)

@@ -1564,6 +1564,7 @@ class Offload:
 
     def _root_pre_forward(self, module, args, kwargs):
         _refuse_functorch(module)
+        _refuse_tracing(module)
         self._post_hooks_last(module)
         if torch._C._current_graph_task_id() != -1:
             return None  # activation checkpointing's recompute of the whole model
@@ -1687,8 +1688,9 @@ class Offload:
                 self._known_params = now
                 return
             old, name = renamed[0]
-            how = ("a parametrization (register_parametrization, spectral_norm) keeps a weight "
-                   "so" if ".parametrizations." in name else
+            self._refuse_reparametrized([name])
+            how = ("a parametrization (register_parametrization) keeps a weight so"
+                   if ".parametrizations." in name else
                    "torch.nn.utils.prune keeps a weight it prunes so, its mask computed from "
                    "the placeholder, NaN")
             raise RuntimeError(
@@ -1707,6 +1709,7 @@ class Offload:
                 "tensors into the offloaded model, which computes with the engine's weights "
                 "only; call the model itself, or run functional_call on a copy made inside "
                 "`with z.gathered():` (copy.deepcopy), a plain model holding the weights")
+        self._refuse_reparametrized(new + gone)
         what = (f"'{new[0]}' is a parameter the engine does not hold (its module was added or "
                 "replaced after zt.offload, and would never train)" if new else
                 f"'{gone[0]}' is no longer in the model (its module was removed or replaced "
@@ -1715,6 +1718,28 @@ class Offload:
             f"ztier: the model's parameters changed since it was offloaded: {what}; change "
             "the model before zt.offload, or export_safetensors, change a fresh model and "
             "offload it with weights=")
+
+    def _refuse_reparametrized(self, names: list[str]):
+        """Where one of the parameters ``names`` (new, gone or renamed since
+        offloading) is a tensor reparametrized after zt.offload (weight_norm,
+        spectral_norm, a parametrization; torch.nn.utils.prune is said by
+        the caller), says so: the reparametrization read the placeholder
+        (NaN), and the engine holds the parameters laid out when offloading.
+        Applied before zt.offload it trains (the engine holds the parameters
+        it makes)."""
+        found = _reparametrization(self.module, names)
+        if found is None or found[1] == "torch.nn.utils.prune":
+            return
+        tensor, what, now = found
+        raise RuntimeError(
+            f"ztier: the model's parameters changed since it was offloaded: '{tensor}' was "
+            f"reparametrized by {what} after zt.offload (it is computed from "
+            + ", ".join(f"'{n}'" for n in now) + " now): that read the parameter's placeholder "
+            "(NaN between uses: its values live in the engine), and the engine lays the "
+            f"parameters out when offloading; apply {what} before zt.offload (the model trains "
+            "so, the engine holding the parameters it makes), or, for a model trained here, "
+            "export_safetensors, load that into a fresh model (load_state_dict), apply it there "
+            "and offload that one")
 
     def _check_idle_params(self, values: bool):
         """Between uses a parameter is its placeholder: one written to (an
@@ -1839,6 +1864,7 @@ class Offload:
 
     def _pre_forward(self, module, args, kwargs):
         _refuse_functorch(module)
+        _refuse_tracing(module)
         self._post_hooks_last(module)
         mid = id(module)
         units = self._module_units[mid]
@@ -2161,6 +2187,20 @@ class Offload:
         if u.pushed:
             raise RuntimeError(f"ztier: a second grad for '{t.name}' after unit "
                                f"'{u.name}' was sent in this backward pass")
+        if p.grad is None:
+            # A post-accumulate-grad hook of the user's (they run before
+            # this one) set it to None: an optimizer stepped in backward, a
+            # grad dropped. Taken as zero, the engine still moved the
+            # parameter (its moments, weight decay), and a step of the
+            # user's own went nowhere: refused.
+            raise RuntimeError(
+                f"ztier: '{t.name}' had no grad when ztier's post-accumulate-grad hook ran: a "
+                "hook of yours on it (register_post_accumulate_grad_hook; an optimizer stepped "
+                "and zero_grad() in backward) set p.grad to None first; the engine takes every "
+                "grad as the backward makes it and runs the optimizer itself "
+                "(z.optimizer.step()): leave p.grad set in such hooks (read it, change it in "
+                "place, or assign a tensor of its shape), and to leave a parameter out of "
+                "training, set requires_grad=False before zt.offload")
         grad = p.grad if self._grad_divisor == 1 else p.grad / self._grad_divisor
         p.grad = None
         if u.acc is not None or id(p) in u.arrived:
@@ -2376,6 +2416,7 @@ class Offload:
                 "ztier: optimizer.step() after a backward pass that did not finish: its step "
                 f"was discarded, none was taken (the model is as after step {self.step_count}); "
                 "run the forward and backward again")
+        self._check_grads_left()
         if not self._awaiting_step:
             if self._micro == 0:
                 raise RuntimeError(
@@ -2390,6 +2431,29 @@ class Offload:
                 self._send(u)
         self._deferred.clear()
         self._close_micro_step(0)
+
+    def _check_grads_left(self):
+        """At optimizer.step(), before anything is sent: a parameter's .grad
+        now is one the engine never got (ztier's post-accumulate-grad hook
+        takes each grad a backward makes and clears .grad), assigned or
+        changed after it (p.grad = ..., torch.autograd.grad's results set
+        by hand, a grad zeroed to leave a parameter out), or left by a
+        backward that raised. The step went on the backward's grads alone
+        (or was refused as having none), silently: refused, naming the
+        parameter; the pending step waits as it was."""
+        for u in self.units:
+            for t in u.tensors:
+                if t.param.grad is not None:
+                    raise RuntimeError(
+                        f"ztier: '{t.name}' has a .grad at optimizer.step() that the engine never "
+                        "got: each grad goes to the engine as the backward makes it (ztier's "
+                        "post-accumulate-grad hook takes it and sets p.grad to None), so a grad "
+                        "assigned or changed after that (p.grad = ..., torch.autograd.grad's "
+                        "results set by hand) goes nowhere; use loss.backward(), and change "
+                        "grads in a hook of yours (register_post_accumulate_grad_hook, which "
+                        "runs before ztier's, or a tensor hook, p.register_hook); no step was "
+                        "taken: set the parameters' .grad to None, then call optimizer.step() "
+                        "again")
 
     def _set_learning_rates(self, lrs: list[float]):
         """The step's learning rates, rank 0's: they are the whole job's, and
@@ -2675,10 +2739,13 @@ class Offload:
                                   f"of step {self.runner.version}", RuntimeWarning, stacklevel=2)
             self._set_buffers(saved["buffers"], path)
 
-    def export_safetensors(self, path: str, dtype: str = "bfloat16"):
+    def export_safetensors(self, path: str, dtype: str | torch.dtype = "bfloat16"):
         """The consolidated weights under the model's state-dict names (rank 0
-        writes: it may call it alone, or every rank does)."""
+        writes: it may call it alone, or every rank does). ``dtype``:
+        "bfloat16" (the params the model computes with) or "float32" (the
+        fp32 masters), or torch.bfloat16 / torch.float32."""
         path = os.fspath(path)
+        dtype = _export_dtype(dtype)
         self._by_rank0("export_safetensors", lambda: self._export(path, dtype))
 
     def _export(self, path: str, dtype: str):
@@ -2699,26 +2766,16 @@ class Offload:
             if os.path.exists(weights):
                 os.unlink(weights)
 
-    def save_pretrained(self, directory: str, dtype: str = "bfloat16"):
+    def save_pretrained(self, directory: str, dtype: str | torch.dtype = "bfloat16", **kwargs):
         """A Hugging Face model directory: config.json (when the model has a
-        config) and model.safetensors. A sharded checkpoint there before
-        (model.safetensors.index.json and the shards it names) is removed
-        once the new file is written, as Hugging Face's save_pretrained
-        does: loaders take the index first, and read the old weights. Rank 0
-        writes, as export_safetensors."""
+        config; its dtype the written weights'), generation_config.json (a
+        model that generates) and model.safetensors. A sharded checkpoint
+        there before (model.safetensors.index.json and the shards it names)
+        is removed once the new file is written. ``dtype`` as
+        export_safetensors'; ``safe_serialization=True`` is taken (False is
+        refused: safetensors only). Rank 0 writes, as export_safetensors."""
         from ztier import hf
-
-        directory = os.fspath(directory)
-
-        def write():
-            os.makedirs(directory, exist_ok=True)
-            config = getattr(self.module, "config", None)
-            if config is not None and hasattr(config, "save_pretrained"):
-                config.save_pretrained(directory)
-            self._export(os.path.join(directory, hf.SINGLE), dtype)
-            hf.remove_shards(directory)
-
-        self._by_rank0("save_pretrained", write)
+        hf.save_pretrained(self, directory, dtype, **kwargs)
 
     def _read_master(self, u: _Unit) -> torch.Tensor:
         """The unit's fp32 masters (padded, on the host), read from the engine."""
@@ -3064,6 +3121,57 @@ def _keeps_buffer_dtype(module: nn.Module) -> bool:
     return "rotary" in type(module).__name__.lower()
 
 
+# The parametrizations torch.nn.utils.parametrizations registers, by class.
+_PARAMETRIZATIONS = {"_WeightNorm": "torch.nn.utils.parametrizations.weight_norm",
+                     "_SpectralNorm": "torch.nn.utils.parametrizations.spectral_norm",
+                     "_Orthogonal": "torch.nn.utils.parametrizations.orthogonal"}
+
+
+def _reparametrization(model: nn.Module, names: Iterable[str]):
+    """Whether one of the parameters ``names`` (state-dict names of
+    ``model``'s) is part of a reparametrized tensor: (the tensor's name, what
+    reparametrized it, the parameters it is computed from), else None. A
+    parametrization keeps them under ``<module>.parametrizations.<tensor>``;
+    torch.nn.utils.weight_norm (``<tensor>_g``, ``<tensor>_v``), spectral_norm
+    and prune (``<tensor>_orig``) are forward pre-hooks of the module."""
+    from torch.nn.utils import prune
+    from torch.nn.utils.spectral_norm import SpectralNorm
+    from torch.nn.utils.weight_norm import WeightNorm
+
+    hooks = ((WeightNorm, "name", "torch.nn.utils.weight_norm"),
+             (SpectralNorm, "name", "torch.nn.utils.spectral_norm"),
+             (prune.BasePruningMethod, "_tensor_name", "torch.nn.utils.prune"))
+    for name in names:
+        path, _, leaf = name.rpartition(".")
+        if ".parametrizations." in f".{path}.":
+            head, _, tensor = f".{path}".rpartition(".parametrizations.")
+            try:
+                module = model.get_submodule(head[1:])
+                plist = module.parametrizations[tensor]
+            except (AttributeError, KeyError):
+                continue
+            prefix = f"{head[1:]}." if head[1:] else ""
+            kinds = [_PARAMETRIZATIONS.get(type(p).__name__,
+                                           f"register_parametrization ({type(p).__name__})")
+                     for p in plist]
+            now = [f"{prefix}parametrizations.{tensor}.{n}" for n, _ in plist.named_parameters()]
+            return prefix + tensor, " and ".join(kinds) or "register_parametrization", now
+        try:
+            module = model.get_submodule(path)
+        except AttributeError:
+            continue
+        prefix = f"{path}." if path else ""
+        for hook in module._forward_pre_hooks.values():
+            for kind, attr, what in hooks:
+                tensor = getattr(hook, attr, None) if isinstance(hook, kind) else None
+                parts = {tensor, f"{tensor}_g", f"{tensor}_v", f"{tensor}_orig"}
+                if tensor and leaf in parts:
+                    now = [prefix + n for n, _ in module.named_parameters(recurse=False)
+                           if n in parts]
+                    return prefix + tensor, what, now
+    return None
+
+
 def _is_placeholder(p: torch.Tensor) -> bool:
     """Whether ``p`` is an Offload's placeholder: one NaN expanded (every
     stride 0)."""
@@ -3077,6 +3185,8 @@ def _holds_placeholders(model: nn.Module) -> bool:
         for p in model.parameters():
             if _is_placeholder(p):
                 return True
+            if _tracing() is not None:
+                continue  # no reads of values into Python there (a copy exported, traced)
             flat = p.detach().reshape(-1)
             if flat.numel() > 0 and flat.is_floating_point() and bool(flat[0].isnan()) and bool(
                     flat.isnan().all()):
@@ -3191,6 +3301,35 @@ def _refuse_functorch(module):
         "allow; use torch.autograd (loss.backward(), torch.autograd.grad) on the offloaded model, "
         "or run the transform on a copy made inside `with z.gathered():` (copy.deepcopy), a "
         "plain model holding the weights")
+
+
+def _tracing() -> str | None:
+    """What is tracing the model into a program of its own now, if anything:
+    torch.export (also torch.onnx.export's default exporter) or
+    torch.jit.trace (also the TorchScript ONNX exporter)."""
+    exporting = getattr(getattr(torch, "compiler", None), "is_exporting", None)
+    if exporting is not None and exporting():
+        return "torch.export"
+    if torch.jit.is_tracing():
+        return "torch.jit.trace"
+    return None
+
+
+def _refuse_tracing(module):
+    """Refuses torch.export / torch.jit.trace of an offloaded model or of a
+    part of it, before anything is held: the program they make keeps the
+    parameters as they are outside the hooks, the NaN placeholders (a traced
+    model computed NaN, with only torch's trace check to say so; export, its
+    fake parameters swapped in, was said to have had a module added)."""
+    how = _tracing()
+    if how is None:
+        return
+    raise RuntimeError(
+        f"ztier: {how} of an offloaded model or of a part of it (a {type(module).__name__}): "
+        "the program it makes keeps the parameters as they are outside each module's forward, "
+        "placeholders (NaN: the values live in the engine and are fetched for that forward "
+        "only); export or trace a copy made inside `with z.gathered():` (copy.deepcopy), a "
+        "plain model holding the weights (for torch.onnx.export too)")
 
 
 def _not_compiled(fn):
@@ -3330,6 +3469,21 @@ _ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
 _ST_DTYPES.update({getattr(torch, t): n for t, n in (
     ("uint16", "U16"), ("uint32", "U32"), ("uint64", "U64"),
     ("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2")) if hasattr(torch, t)})
+
+
+# An export's dtypes (the engine writes bfloat16 or float32), by name or torch dtype.
+_EXPORT_DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32",
+                  "fp32": "float32", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+
+
+def _export_dtype(dtype) -> str:
+    """The engine's name ("bfloat16" or "float32") for an export's ``dtype``."""
+    if isinstance(dtype, (str, torch.dtype)) and dtype in _EXPORT_DTYPES:
+        return _EXPORT_DTYPES[dtype]
+    error = ValueError if isinstance(dtype, (str, torch.dtype)) else TypeError
+    raise error(f"ztier: no export of dtype={dtype!r}: the engine writes 'bfloat16' (the params "
+                "the model computes with) or 'float32' (its fp32 master weights), also given as "
+                "torch.bfloat16 / torch.float32; for another dtype, export 'float32' and cast")
 
 
 def _add_to_safetensors(source: str, extra: dict[str, torch.Tensor], path: str):
@@ -3485,6 +3639,7 @@ def from_pretrained(model_class, path: str, **kwargs) -> tuple[nn.Module, Offloa
     """Builds ``model_class`` from a local Hugging Face checkpoint directory
     without materializing its weights, and streams the (sharded) safetensors
     straight into the engine, one unit at a time. Returns (model, offload);
-    keyword arguments go to :func:`offload`."""
+    keyword arguments: :func:`ztier.hf.from_pretrained`'s (config, dtype,
+    generation_config), the others go to :func:`offload`."""
     from ztier import hf
     return hf.from_pretrained(model_class, path, **kwargs)

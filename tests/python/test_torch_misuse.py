@@ -2012,3 +2012,84 @@ def test_a_step_skipped_for_nan_grads_names_a_penalty_over_the_parameters(settin
     assert sum("skipped for inf/NaN" in str(w.message) for w in recwarn) == 0
     assert z.job.counters()["skipped_steps"] == 3
     z.close()
+
+
+@pytest.mark.filterwarnings("ignore:.*torch.jit.trace")
+def test_export_or_trace_of_an_offloaded_model_is_refused_and_a_gathered_copy_exports(settings):
+    # torch.jit.trace (and so the TorchScript ONNX exporter) made a program
+    # of the NaN placeholders, which computed NaN with only torch's trace
+    # check to say so; torch.export, its fake parameters swapped in, was
+    # blamed on a module added. A copy made inside gathered(), the way that
+    # works, failed to export on ztier's hook reading its values ("Could not
+    # guard on data-dependent expression").
+    from reference import Reference
+
+    adamw = zt.AdamW(lr=1e-2)
+    model = _mlp()
+    ref_model = copy.deepcopy(model)
+    z = zt.offload(model, optimizer=adamw, settings=settings)
+    ref = Reference(ref_model, z, adamw)
+
+    def step(i):
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(i))
+        model(x).pow(2).sum().backward()
+        ref.backward(ref_model(x).pow(2).sum())
+        z.optimizer.step()
+        ref.step([g["lr"] for g in z.optimizer.param_groups])
+
+    step(1)
+    model.eval()
+    x = torch.randn(4, 6)
+    with pytest.raises(RuntimeError, match=r"ztier: torch.export of an offloaded model or of a "
+                       r"part of it \(a Sequential\): .*placeholders .*export or trace a copy "
+                       r"made inside `with z.gathered\(\):`"):
+        torch.export.export(model, (x,))
+    with pytest.raises(RuntimeError, match=r"ztier: torch.jit.trace of an offloaded model or of "
+                       r"a part of it \(a Linear\)"):
+        torch.jit.trace(model[2], torch.randn(4, 8))
+    with torch.no_grad():
+        want = model(x)
+    with z.gathered():
+        copied = copy.deepcopy(model)
+    assert torch.equal(torch.export.export(copied, (x,)).module()(x), want)
+    with torch.no_grad():
+        assert torch.equal(torch.jit.trace(copied, x)(x), want)
+    model.train()
+    step(2)
+    step(3)  # and the model trains on as ever
+    with torch.no_grad():
+        assert torch.equal(model(x), ref_model(x))
+    z.close()
+
+
+def test_a_grad_set_by_hand_before_the_step_is_refused_not_dropped(settings):
+    # A grad assigned after the backward (p.grad = zeros, to leave a
+    # parameter out of the step) went nowhere: the step took the backward's
+    # grads, silently. torch.autograd.grad's results set as .grad were told
+    # "optimizer.step() after 0 backward passes".
+    model = _mlp()
+    z = zt.offload(model, optimizer=zt.AdamW(lr=1e-2), settings=settings)
+    x = torch.randn(4, 6)
+    grads = torch.autograd.grad(model(x).pow(2).sum(), list(model.parameters()))
+    for p, g in zip(model.parameters(), grads):
+        p.grad = g
+    with pytest.raises(RuntimeError, match=r"'0.weight' has a .grad at optimizer.step\(\) that "
+                       r"the engine never got: .*use loss.backward\(\)"):
+        z.optimizer.step()
+    z.optimizer.zero_grad()
+    model(x).pow(2).sum().backward()
+    model[2].bias.grad = torch.zeros_like(model[2].bias)
+    with pytest.raises(RuntimeError, match=r"'2.bias' has a .grad .*change grads in a hook of "
+                       r"yours .*no step was taken: set the parameters' .grad to None"):
+        z.optimizer.step()
+    assert z.step_count == 0
+    model[2].bias.grad = None
+    z.optimizer.step()  # the backward's grads, as a model trained without the detour
+    other = _mlp()
+    z2 = zt.offload(other, optimizer=zt.AdamW(lr=1e-2), settings=settings)
+    other(x).pow(2).sum().backward()
+    z2.optimizer.step()
+    with torch.no_grad():
+        assert torch.equal(model(x), other(x))
+    z.close()
+    z2.close()

@@ -689,8 +689,8 @@ def test_export_then_from_pretrained(settings, tmp_path):
 
 def test_save_pretrained_over_a_sharded_checkpoint_replaces_it(settings, tmp_path):
     """The index and shards of an earlier sharded save went on standing
-    beside the new model.safetensors, and from_pretrained (which takes the
-    index first) built the model from the old weights, silently."""
+    beside the new model.safetensors, for a loader that takes the index
+    first to build the model from the old weights, silently."""
     from transformers import LlamaForCausalLM
 
     out = tmp_path / "model"
@@ -895,3 +895,180 @@ def test_from_pretrained_of_a_checkpoint_with_other_names(settings, tmp_path):
     out = model(input_ids=batch(0, rows=1)).logits
     assert torch.isfinite(out).all()
     z.close()
+
+
+def test_generation_config_goes_in_and_out(settings, tmp_path):
+    """generation_config.json was neither read by from_pretrained (the model
+    had the defaults its config.json gives) nor written by save_pretrained,
+    where transformers does both."""
+    from transformers import GenerationConfig, LlamaForCausalLM
+
+    model = tiny_llama()
+    model.generation_config.max_new_tokens = 7
+    model.generation_config.eos_token_id = 5
+    model.save_pretrained(tmp_path / "hf")
+    loaded, z = zt.from_pretrained(LlamaForCausalLM, tmp_path / "hf", settings=settings)
+    try:
+        assert loaded.generation_config.max_new_tokens == 7
+        assert loaded.generation_config.eos_token_id == 5
+        loaded.generation_config.max_new_tokens = 9
+        z.save_pretrained(tmp_path / "out")
+    finally:
+        z.close()
+    assert GenerationConfig.from_pretrained(tmp_path / "out").max_new_tokens == 9
+    plain = LlamaForCausalLM.from_pretrained(tmp_path / "out")
+    assert plain.generation_config.max_new_tokens == 9
+    assert plain.generation_config.eos_token_id == 5
+    # One given to from_pretrained is the model's, as in transformers.
+    given = GenerationConfig(max_new_tokens=3)
+    loaded, z = zt.from_pretrained(LlamaForCausalLM, tmp_path / "out", settings=settings,
+                                   generation_config=given)
+    try:
+        assert loaded.generation_config.max_new_tokens == 3
+        assert loaded.generation_config is not given
+    finally:
+        z.close()
+    # A damaged one is named (rather than generating with the defaults).
+    bad = tmp_path / "out" / "generation_config.json"
+    bad.write_text('{"max_new_tokens": ')
+    with pytest.raises(ValueError, match=f"cannot read {bad}"):
+        zt.from_pretrained(LlamaForCausalLM, tmp_path / "out", settings=settings)
+
+
+def test_from_pretrained_takes_the_single_file_before_an_index(settings, tmp_path):
+    """A directory holding model.safetensors and model.safetensors.index.json
+    (with its shards) was loaded from the index; transformers loads the
+    single file, and so does ztier."""
+    import shutil
+
+    from transformers import LlamaForCausalLM
+
+    single, sharded = tiny_llama(seed=0), tiny_llama(seed=1)
+    sharded.save_pretrained(tmp_path / "sharded", max_shard_size="20KB")
+    out = tmp_path / "both"
+    single.save_pretrained(out)
+    for p in (tmp_path / "sharded").glob("model*"):
+        shutil.copy(p, out / p.name)
+    assert (out / INDEX).exists() and (out / "model.safetensors").exists()
+    want = {k: v.detach() for k, v in single.state_dict().items()}
+    plain = LlamaForCausalLM.from_pretrained(out)
+    for k, v in plain.state_dict().items():
+        assert torch.equal(v, want[k]), k
+    loaded, z = zt.from_pretrained(LlamaForCausalLM, out, settings=settings)
+    try:
+        for k, v in z.master_weights().items():
+            assert torch.equal(v, want[k]), k
+    finally:
+        z.close()
+
+
+def test_save_pretrained_config_names_the_written_dtype(settings, tmp_path):
+    """config.json kept the loaded checkpoint's dtype ("float32") over
+    bfloat16 weights, so from_pretrained(dtype="auto") built an fp32 model;
+    transformers writes the dtype of the weights it saves (and the class as
+    the architecture)."""
+    import json
+
+    from safetensors import safe_open
+    from transformers import LlamaForCausalLM
+
+    model = tiny_llama()
+    model.save_pretrained(tmp_path / "hf")
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["dtype"] == "float32"
+    loaded, z = zt.from_pretrained(LlamaForCausalLM, tmp_path / "hf", settings=settings)
+    try:
+        for dtype, want in (("bfloat16", torch.bfloat16), ("float32", torch.float32)):
+            out = tmp_path / dtype
+            z.save_pretrained(out, dtype=dtype)
+            config = json.loads((out / "config.json").read_text())
+            assert config["dtype"] == dtype, config
+            assert config["architectures"] == ["LlamaForCausalLM"], config
+            with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+                assert {f.get_tensor(k).dtype for k in f.keys()} == {want}
+            assert LlamaForCausalLM.from_pretrained(out, dtype="auto").dtype == want
+    finally:
+        z.close()
+
+
+def test_pretrained_calls_take_hugging_face_arguments(settings, tmp_path):
+    """torch_dtype= / dtype= to from_pretrained and safe_serialization= to
+    save_pretrained were refused deep inside (offload's "unexpected keyword
+    argument", after the model was built); an unknown argument is named
+    before anything is read."""
+    from transformers import LlamaForCausalLM
+
+    tiny_llama().save_pretrained(tmp_path / "hf")
+    x = batch(0, rows=1)
+    for kwargs, want in (({"torch_dtype": torch.bfloat16}, torch.bfloat16),
+                         ({"dtype": torch.float32}, torch.float32),
+                         ({"dtype": "bfloat16"}, torch.bfloat16),
+                         ({"dtype": "auto"}, torch.float32)):  # config.json's
+        loaded, z = zt.from_pretrained(LlamaForCausalLM, tmp_path / "hf", settings=settings,
+                                       **kwargs)
+        try:
+            assert z.compute_dtype == want, kwargs
+            with torch.no_grad():
+                assert loaded(input_ids=x).logits.dtype == want, kwargs
+            if "torch_dtype" in kwargs:
+                z.save_pretrained(tmp_path / "out", safe_serialization=True)
+                assert (tmp_path / "out" / "model.safetensors").exists()
+                with pytest.raises(ValueError, match="safe_serialization=False.*safetensors"):
+                    z.save_pretrained(tmp_path / "out2", safe_serialization=False)
+                with pytest.raises(TypeError, match="'max_shard_size'.*one model.safetensors"):
+                    z.save_pretrained(tmp_path / "out2", max_shard_size="1GB")
+                with pytest.raises(TypeError, match="'push_to_hub'"):
+                    z.save_pretrained(tmp_path / "out2", push_to_hub=True)
+                assert not (tmp_path / "out2").exists()
+        finally:
+            z.close()
+    with pytest.raises(ValueError, match="torch.float16.*torch.bfloat16 or torch.float32"):
+        zt.from_pretrained(LlamaForCausalLM, tmp_path / "hf", settings=settings,
+                           dtype=torch.float16)
+    with pytest.raises(ValueError, match="dtype=torch.bfloat16 and compute_dtype=torch.float32"):
+        zt.from_pretrained(LlamaForCausalLM, tmp_path / "hf", settings=settings,
+                           dtype=torch.bfloat16, compute_dtype=torch.float32)
+    with pytest.raises(TypeError, match="'device_map'.*device="):
+        zt.from_pretrained(LlamaForCausalLM, tmp_path / "hf", settings=settings,
+                           device_map="auto")
+    with pytest.raises(TypeError, match="unexpected keyword argument 'revison'"):
+        zt.from_pretrained(LlamaForCausalLM, tmp_path / "hf", settings=settings,
+                           revison="main")
+    with pytest.raises(TypeError, match="takes no weights="):
+        zt.from_pretrained(LlamaForCausalLM, tmp_path / "hf", settings=settings,
+                           weights=tmp_path / "hf")
+
+
+def test_exports_take_torch_dtypes(settings, tmp_path):
+    """dtype=torch.bfloat16 (a torch dtype rather than its name) was a
+    nanobind TypeError; torch.float16, which the export does not write, is
+    refused by name."""
+    import json
+
+    from safetensors.torch import load_file
+
+    model = tiny_llama()
+    z = zt.offload(model, settings=settings)
+    try:
+        masters = z.master_weights()
+        for dtype in (torch.bfloat16, torch.float32, "bf16", "fp32"):
+            path = tmp_path / f"{dtype}.safetensors"
+            z.export_safetensors(path, dtype=dtype)
+            want = torch.float32 if dtype in (torch.float32, "fp32") else torch.bfloat16
+            saved = load_file(str(path))
+            assert saved and {v.dtype for v in saved.values()} == {want}, dtype
+            for k, v in saved.items():
+                assert torch.equal(v, masters[k].to(want)), k
+        z.save_pretrained(tmp_path / "out", dtype=torch.float32)
+        assert json.loads((tmp_path / "out" / "config.json").read_text())["dtype"] == "float32"
+        assert {v.dtype for v in load_file(str(tmp_path / "out" / "model.safetensors")).values()} \
+            == {torch.float32}
+        for bad in (torch.float16, "float16"):
+            with pytest.raises(ValueError, match="float16.*'bfloat16'.*'float32'"):
+                z.export_safetensors(tmp_path / "bad.safetensors", dtype=bad)
+            with pytest.raises(ValueError, match="float16.*'bfloat16'.*'float32'"):
+                z.save_pretrained(tmp_path / "bad", dtype=bad)
+        with pytest.raises(TypeError, match="dtype=16"):
+            z.export_safetensors(tmp_path / "bad.safetensors", dtype=16)
+        assert not (tmp_path / "bad.safetensors").exists() and not (tmp_path / "bad").exists()
+    finally:
+        z.close()

@@ -214,6 +214,42 @@ def test_a_weight_pruned_after_offload_is_refused(settings):
     z.close()
 
 
+_REPARAMETRIZATIONS = {
+    "torch.nn.utils.weight_norm": (
+        lambda m: torch.nn.utils.weight_norm(m), "'0.weight_g', '0.weight_v'"),
+    "torch.nn.utils.parametrizations.weight_norm": (
+        lambda m: torch.nn.utils.parametrizations.weight_norm(m),
+        "'0.parametrizations.weight.original0', '0.parametrizations.weight.original1'"),
+    "torch.nn.utils.spectral_norm": (
+        lambda m: torch.nn.utils.spectral_norm(m), "'0.weight_orig'"),
+    "torch.nn.utils.parametrizations.spectral_norm": (
+        lambda m: torch.nn.utils.parametrizations.spectral_norm(m),
+        "'0.parametrizations.weight.original'"),
+}
+
+
+@pytest.mark.filterwarnings("ignore:.*weight_norm.*is deprecated:FutureWarning")
+@pytest.mark.parametrize("kind", list(_REPARAMETRIZATIONS))
+def test_a_weight_reparametrized_after_offload_is_named_and_before_it_trains(settings, kind):
+    # weight_norm (either) after offload was said to be "a module added or
+    # replaced", torch.nn.utils.spectral_norm to be torch.nn.utils.prune:
+    # the message pointed away from what happened and what to do.
+    apply, now = _REPARAMETRIZATIONS[kind]
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    z = zt.offload(model, settings=settings)
+    apply(model[0])
+    with pytest.raises(RuntimeError, match=(
+            rf"'0.weight' was reparametrized by {kind} after zt.offload \(it is computed from "
+            rf"{now} now\): that read the parameter's placeholder .*apply {kind} before "
+            r"zt.offload")):
+        model(_x(0)).sum().backward()
+    z.close()
+    # Before offloading, the parametrization's parameters are the engine's.
+    _against_reference(lambda: nn.Sequential(apply(nn.Linear(8, 16)), nn.Tanh(),
+                                             nn.Linear(16, 1)), settings, _x)
+
+
 def test_a_double_backward_is_refused(settings):
     # A gradient penalty (create_graph=True) crashed in torch with
     # "setStorage: ... storage of size 0".
@@ -728,6 +764,45 @@ def test_a_post_accumulate_grad_hook_registered_after_offload_sees_the_grad(sett
     z.optimizer.step()
     ref.step([g["lr"] for g in z.optimizer.param_groups])
     assert torch.equal(model(_x(1)), ref_model(_x(1)))  # and the engine got the grads
+    z.close()
+
+
+def test_a_grad_hook_that_drops_the_grad_is_refused_and_one_that_replaces_it_trains(settings):
+    # A post-accumulate-grad hook of the user's that set p.grad = None (an
+    # optimizer stepped in backward, then its zero_grad()) ran before
+    # ztier's, which failed with "copy_(): argument 'other' (position 1)
+    # must be Tensor, not NoneType".
+    torch.manual_seed(0)
+    model = _ResidualStack(_ViewBlock)
+    ref_model = copy.deepcopy(model)
+    z = zt.offload(model, optimizer=ADAMW, settings=settings)
+    drop = model.inp.weight.register_post_accumulate_grad_hook(
+        lambda p: setattr(p, "grad", None))
+    with pytest.raises(RuntimeError, match=r"'inp.weight' had no grad when ztier's "
+                       r"post-accumulate-grad hook ran: a hook of yours on it .* set p.grad to "
+                       r"None first; .*leave p.grad set in such hooks"):
+        model(_x(0)).float().pow(2).mean().backward()
+    drop.remove()
+    # The later units' grads had gone out: that step is dropped, said so.
+    with pytest.warns(UserWarning, match="grads were discarded"):
+        model(_x(5))
+    # A hook that replaces the grad with a tensor of its shape: the engine
+    # takes the new one, as torch's optimizers would.
+    def halve(p):
+        p.grad = p.grad * 0.5
+
+    for m in (model, ref_model):
+        m.inp.weight.register_post_accumulate_grad_hook(halve)
+    ref = Reference(ref_model, z, ADAMW)
+    for step in range(2):
+        loss = model(_x(step)).float().pow(2).mean()
+        loss.backward()
+        ref_loss = ref_model(_x(step)).float().pow(2).mean()
+        ref.backward(ref_loss)
+        assert torch.equal(loss, ref_loss), step
+        z.optimizer.step()
+        ref.step([g["lr"] for g in z.optimizer.param_groups])
+    assert torch.equal(model(_x(3)), ref_model(_x(3)))
     z.close()
 
 
