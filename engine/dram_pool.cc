@@ -121,7 +121,9 @@ class Region {
     for (uint64_t off = 0; off < bytes; off += kFaultChunk) {
       if (::mlock(c + off, std::min(kFaultChunk, bytes - off)) != 0) {
         const int err = errno;
-        if (off > 0) (void)::munlock(c, off);
+        // (mlock marks its range locked before it faults the pages in: the
+        // chunk that failed may be locked in part.)
+        (void)::munlock(c, off + std::min(kFaultChunk, bytes - off));
         return err;
       }
     }
@@ -131,12 +133,19 @@ class Region {
   // Faults every page of a mapping in (writes keep them: a region is fresh).
   // In chunks: a hugetlb region's faults hold the address space's lock
   // for as long as one call takes.
+  // Pages the advice could not fault in for another reason than its
+  // absence (a kernel before 5.14) are left to fault on first use: a
+  // hugetlb page a cgroup's limit refuses would raise SIGBUS on a write.
   static void Prefault(void* p, uint64_t bytes) {
     constexpr int kMadvPopulateWrite = 23;  // Linux 5.14
     auto* c = static_cast<char*>(p);
     uint64_t off = 0;
     for (; off < bytes; off += kFaultChunk) {
-      if (::madvise(c + off, std::min(kFaultChunk, bytes - off), kMadvPopulateWrite) != 0) break;
+      if (::madvise(c + off, std::min(kFaultChunk, bytes - off), kMadvPopulateWrite) == 0) {
+        continue;
+      }
+      if (errno != EINVAL) return;
+      break;
     }
     for (auto* v = static_cast<volatile char*>(p); off < bytes; off += kPage) v[off] = 0;
   }
