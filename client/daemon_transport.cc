@@ -487,7 +487,10 @@ class DaemonTransport final : public Transport, public ControlTransport {
   // all in (ztierd's check waits for it), so that the step the files say
   // is the step their state is of (a save right after a step's last grads
   // described the step before, and failed: "went from step").
-  Result<engine::JobDescription> DescribeBetweenSteps(int job) {
+  // `generation`: the job's weights generation before (a load by another
+  // client between this and the read is one while it was read).
+  Result<engine::JobDescription> DescribeBetweenSteps(int job, int64_t* generation) {
+    ZT_ASSIGN_OR_RETURN(*generation, WeightsGeneration(job));
     // The step may take a while (states on NVMe): the call waits up to
     // ten minutes for it (ztier.wait_timeout's default), and for ztierd's
     // answer after.
@@ -500,8 +503,9 @@ class DaemonTransport final : public Transport, public ControlTransport {
   Status SaveCheckpoint(int job, const std::string& dir) override {
     ZT_RETURN_IF_ERROR(Health());  // before the directory is made
     ZT_RETURN_IF_ERROR(ClaimCheckpointDir(job, dir));
-    ZT_ASSIGN_OR_RETURN(engine::JobDescription d, DescribeBetweenSteps(job));
-    DaemonStateAccess state(*this, job, d);
+    int64_t generation = -1;
+    ZT_ASSIGN_OR_RETURN(engine::JobDescription d, DescribeBetweenSteps(job, &generation));
+    DaemonStateAccess state(*this, job, d, generation);
     return engine::SaveCheckpointFiles(d, state, dir)
         .Annotate(StrCat("save checkpoint of job '", d.name, "'"))
         .Annotate(dir);
@@ -519,8 +523,9 @@ class DaemonTransport final : public Transport, public ControlTransport {
     return st.Annotate(StrCat("load checkpoint of job '", d.name, "'")).Annotate(dir);
   }
   Status ExportSafetensors(int job, const std::string& path, engine::ExportType type) override {
-    ZT_ASSIGN_OR_RETURN(engine::JobDescription d, DescribeBetweenSteps(job));
-    DaemonStateAccess state(*this, job, d);
+    int64_t generation = -1;
+    ZT_ASSIGN_OR_RETURN(engine::JobDescription d, DescribeBetweenSteps(job, &generation));
+    DaemonStateAccess state(*this, job, d, generation);
     return engine::ExportSafetensorsFile(d, state, path, type)
         .Annotate(StrCat("export safetensors of job '", d.name, "'"));
   }
@@ -590,16 +595,22 @@ class DaemonTransport final : public Transport, public ControlTransport {
   // memfd, read from or written to the daemon.
   class DaemonStateAccess final : public engine::StateAccess {
    public:
-    DaemonStateAccess(DaemonTransport& t, int job, const engine::JobDescription& d)
-        : t_(t), job_(job), d_(d) {}
+    // `generation`: the job's weights generation before `d` was taken
+    // (-1: as each pass begins).
+    DaemonStateAccess(DaemonTransport& t, int job, const engine::JobDescription& d,
+                      int64_t generation = -1)
+        : t_(t), job_(job), d_(d), generation_(generation) {}
     Status Read(const Visit& fn) override { return Pass(fn, true, false); }
     Status Overwrite(const Visit& fn) override { return Pass(fn, false, true); }
     Status UpdateMaster(const Visit& fn) override { return Pass(fn, true, true); }
+    // Through the generation the writes left (another writer's write or
+    // commit meanwhile refuses it).
     Status Commit(int64_t step, int64_t adam_step) override {
       return t_
           .Call(p::MessageType::kCommitState,
-                p::Encode(p::JobSteps{.job = job_, .step = step, .adam_step = adam_step}), {},
-                kCallTimeout)
+                p::Encode(p::StateCommit{
+                    .job = job_, .step = step, .adam_step = adam_step, .generation = generation_}),
+                {}, kCallTimeout)
           .status();
     }
 
@@ -615,12 +626,19 @@ class DaemonTransport final : public Transport, public ControlTransport {
 
     // What is read whole (a save, an export) is one state: checked before
     // the first unit by the caller (DescribeBetweenSteps), after the last
-    // here.
+    // here. What is written unit by unit (a load, an import) names the
+    // weights generation it expects at each write and at the commit: each
+    // of its writes bumps it by one, and another writer's write or commit
+    // in between (a second client's load) refuses the rest of this one, so
+    // the job holds one state whole, the other's.
     Status Pass(const Visit& fn, bool read, bool write) {
       uint64_t most = 0;
       for (const engine::UnitLayout& l : d_.layouts) most = std::max(most, l.padded);
       ZT_ASSIGN_OR_RETURN(Staging staging, Staging::Make(3 * most * sizeof(float)));
-      ZT_ASSIGN_OR_RETURN(const int64_t generation, t_.WeightsGeneration(job_));
+      if (generation_ < 0) {
+        ZT_ASSIGN_OR_RETURN(generation_, t_.WeightsGeneration(job_));
+      }
+      const int64_t generation = generation_;
       for (size_t k = 0; k < d_.layouts.size(); ++k) {
         const int unit = static_cast<int>(k);
         const uint64_t n = d_.layouts[k].padded;
@@ -635,7 +653,8 @@ class DaemonTransport final : public Transport, public ControlTransport {
             fn(k, engine::UnitState{.master = f, .exp_avg = f + n, .exp_avg_sq = f + 2 * n}));
         if (write) {
           ZT_RETURN_IF_ERROR(t_.StagedCall(p::MessageType::kWriteState, job_, unit, staging,
-                                           3 * n * sizeof(float)));
+                                           3 * n * sizeof(float), generation_));
+          ++generation_;
         }
       }
       if (read && !write) {
@@ -650,18 +669,18 @@ class DaemonTransport final : public Transport, public ControlTransport {
         // leaves the step as it was: the weights generation tells.
         ZT_RETURN_IF_ERROR(CheckConsistent());
         ZT_ASSIGN_OR_RETURN(engine::JobDescription now, t_.Describe(job_));
-        if (now.step != d_.step) {
+        ZT_ASSIGN_OR_RETURN(const int64_t generation_now, t_.WeightsGeneration(job_));
+        if (generation_now != generation) {
+          return Status::FailedPrecondition(
+              StrCat("job '", d_.name, "': its state was replaced (a checkpoint load, an ",
+                     "import or weights set, by another client or thread) while it was read; ",
+                     "read it again once that is done"));
+        }
+        if (now.step != d_.step || now.adam_step != d_.adam_step) {
           return Status::FailedPrecondition(
               StrCat("job '", d_.name, "' went from step ", d_.step, " to ", now.step,
                      " while its state was read; read it between steps, with every rank "
                      "waiting"));
-        }
-        ZT_ASSIGN_OR_RETURN(const int64_t generation_now, t_.WeightsGeneration(job_));
-        if (generation_now != generation) {
-          return Status::FailedPrecondition(
-              StrCat("job '", d_.name, "': its state was replaced (a checkpoint load or an ",
-                     "import by another client) while it was read; read it again once that "
-                     "is done"));
         }
       }
       return Status::Ok();
@@ -670,6 +689,7 @@ class DaemonTransport final : public Transport, public ControlTransport {
     DaemonTransport& t_;
     const int job_;
     const engine::JobDescription& d_;
+    int64_t generation_;  // as the pass began; plus this one's writes since
   };
   struct Pending {
     bool done = false;
@@ -687,12 +707,15 @@ class DaemonTransport final : public Transport, public ControlTransport {
   // The unit holds `step` or later.
 
   // A unit's state (3 x padded fp32, or `bytes` of it) in or out.
+  // `generation`: the one a state write expects (-1: none).
   Status StagedCall(p::MessageType type, int job, int unit, const Staging& staging,
-                    uint64_t bytes = 0) {
+                    uint64_t bytes = 0, int64_t generation = -1) {
     if (bytes == 0) bytes = staging.map.bytes();
     const int fds[] = {staging.fd.get()};
-    return Call(type, p::Encode(p::StagedData{.job = job, .unit = unit, .bytes = bytes}), fds,
-                kCallTimeout)
+    return Call(type,
+                p::Encode(p::StagedData{
+                    .job = job, .unit = unit, .bytes = bytes, .generation = generation}),
+                fds, kCallTimeout)
         .status();
   }
 

@@ -418,8 +418,15 @@ class Model {
   // embedded, the runner's next grads wait while it reads the state;
   // through ztierd, a step taken meanwhile fails it (FailedPrecondition,
   // "went from step") and training goes on. Either way, retry at a step
-  // boundary.
+  // boundary. A load or import of the same job meanwhile (another client
+  // or thread) refuses it too, embedded ("in progress") and through ztierd
+  // (the state "replaced", or a load "under way").
   Status SaveCheckpoint(const std::string& dir);
+  // Through ztierd a load (or import) writes unit by unit: a second one of
+  // the same job meanwhile (another client or thread) refuses the rest of
+  // the first (FailedPrecondition, "another load, import or state write"),
+  // which leaves the job the second's state whole; embedded the second is
+  // refused ("in progress").
   Status LoadCheckpoint(const std::string& dir);
   // Claims `dir` and removes the files of older checkpoints that its
   // manifest no longer names (a save killed between writing its manifest

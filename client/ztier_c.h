@@ -122,7 +122,9 @@ ztier_status ztier_model_claim_checkpoint_dir(ztier_model* model, const char* di
  * runner trains, they are refused (ZTIER_FAILED_PRECONDITION) while grads
  * of a step are pending or, through ztierd, when a step is taken meanwhile;
  * training goes on (embedded, the runner's grads wait while the state is
- * read). Retry at a step boundary. */
+ * read). Retry at a step boundary. A load or import of the same job
+ * meanwhile refuses them too; of two loads at once, one is refused
+ * (ZTIER_FAILED_PRECONDITION) and the job holds the other's state whole. */
 ztier_status ztier_model_save_checkpoint(ztier_model* model, const char* dir);
 ztier_status ztier_model_load_checkpoint(ztier_model* model, const char* dir);
 /* dtype: 0 bf16, 1 fp32 */

@@ -1394,9 +1394,9 @@ class Daemon::Impl::Connection {
       case p::MessageType::kWriteState:
         return OnStaged(req);
       case p::MessageType::kCommitState: {
-        ZT_ASSIGN_OR_RETURN(p::JobSteps s, p::DecodeJobSteps(in));
+        ZT_ASSIGN_OR_RETURN(p::StateCommit s, p::DecodeStateCommit(in));
         ZT_ASSIGN_OR_RETURN(JobEntry j, FindJob(s.job));
-        ZT_RETURN_IF_ERROR(d_.engine->CommitState(j.engine_job, s.step, s.adam_step));
+        ZT_RETURN_IF_ERROR(d_.engine->CommitState(j.engine_job, s.step, s.adam_step, s.generation));
         return std::string();
       }
       case p::MessageType::kSetLearningRates: {
@@ -2026,8 +2026,8 @@ class Daemon::Impl::Connection {
       ZT_RETURN_IF_ERROR(
           d_.engine->ReadState(j.engine_job, s.unit, f, f + l.padded, f + 2 * l.padded));
     } else {
-      ZT_RETURN_IF_ERROR(
-          d_.engine->WriteState(j.engine_job, s.unit, f, f + l.padded, f + 2 * l.padded));
+      ZT_RETURN_IF_ERROR(d_.engine->WriteState(j.engine_job, s.unit, f, f + l.padded,
+                                               f + 2 * l.padded, s.generation));
     }
     return std::string();
   }

@@ -62,8 +62,9 @@ Status PartlyWritten(const Job& j) {
   if (!j.partly_written) return Status::Ok();
   return Status::FailedPrecondition(
       StrCat("job '", j.spec.name,
-             "': a checkpoint load or safetensors import failed midway, leaving some units' "
-             "state from the file and the rest as it was; load a checkpoint (or import) again"));
+             "': a checkpoint load or safetensors import is under way (through ztierd, by ",
+             "another client or thread: wait for it) or failed midway, leaving some units' state ",
+             "from the file and the rest as it was (then load a checkpoint, or import, again)"));
 }
 
 }  // namespace
@@ -397,6 +398,10 @@ struct Engine::Impl {
     return [this, &job](int64_t step, int64_t adam_step) {
       {
         std::lock_guard<std::mutex> lock(mu);
+        if (step == kKeepSteps) {  // an import: the steps the job is at
+          step = job.step;
+          adam_step = job.adam_step;
+        }
         job.step = step;
         job.adam_step = adam_step;
       }
@@ -1803,9 +1808,26 @@ Status Engine::ImportSafetensors(int job, const std::string& path) {
                      [&](Job& j) { return ImportSafetensorsImpl(j, path, e.Committer(j)); });
 }
 
+namespace {
+// A state written unit by unit (a load or import through ztierd) that
+// expected the job at `generation` (-1: not checked), under WithIdleJob.
+Status CheckWriter(const Job& j, int64_t generation) {
+  if (generation < 0) return Status::Ok();
+  const int64_t now = Engine::Impl::WeightsGenerationOf(j).load(std::memory_order_acquire);
+  if (now == generation) return Status::Ok();
+  return Status::FailedPrecondition(
+      StrCat("job '", j.spec.name, "': another load, import or state write (of another client, ",
+             "or another thread) replaced the state while this one was under way (weights ",
+             "generation ", now, ", this one expected ", generation, "); the two would mix, so ",
+             "this one stopped: the job holds the other's state once it is done; run this one ",
+             "again after it if its state is the one wanted"));
+}
+}  // namespace
+
 Status Engine::WriteState(int job, int unit, const float* master, const float* exp_avg,
-                          const float* exp_avg_sq) {
+                          const float* exp_avg_sq, int64_t generation) {
   return WithIdleJob(*impl_, job, "write state", StateUse::kReplaces, [&](Job& j) -> Status {
+    ZT_RETURN_IF_ERROR(CheckWriter(j, generation));
     if (unit < 0 || unit >= static_cast<int>(j.units.size())) {
       return Status::OutOfRange(StrCat("unit ", unit, " of ", j.units.size()));
     }
@@ -1819,13 +1841,16 @@ Status Engine::WriteState(int job, int unit, const float* master, const float* e
   });
 }
 
-Status Engine::CommitState(int job, int64_t step, int64_t adam_step) {
-  if (step < 0 || adam_step < 0 || adam_step > step) {
+Status Engine::CommitState(int job, int64_t step, int64_t adam_step, int64_t generation) {
+  const bool keep = step == kKeepSteps && adam_step == kKeepSteps;
+  if (!keep && (step < 0 || adam_step < 0 || adam_step > step)) {
     return Status::InvalidArgument(StrCat("step ", step, ", adam step ", adam_step));
   }
   Impl& e = *impl_;
-  return WithIdleJob(e, job, "commit state", StateUse::kReplaces,
-                     [&](Job& j) { return CommitStateImpl(j, step, adam_step, e.Committer(j)); });
+  return WithIdleJob(e, job, "commit state", StateUse::kReplaces, [&](Job& j) -> Status {
+    ZT_RETURN_IF_ERROR(CheckWriter(j, generation));
+    return CommitStateImpl(j, step, adam_step, e.Committer(j));
+  });
 }
 
 Result<std::pair<int64_t, int64_t>> Engine::Steps(int job) const {

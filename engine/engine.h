@@ -157,14 +157,21 @@ class Engine {
   // and sets its bf16 params from the master, without publishing them:
   // loading a checkpoint whose files another process read (ztierd's
   // clients) is WriteState per unit, then CommitState. Call between steps.
-  // Errors: InvalidArgument (a null array), FailedPrecondition (grads
-  // pending), NotFound, OutOfRange, IoError (NVMe tier).
+  // `generation` (>= 0): the WeightsGeneration the writer expects, the
+  // job's as its pass began plus one for each of its writes since (each
+  // write and commit bumps it): another writer's write or commit in
+  // between (a second client's load) refuses this one, which would mix
+  // the two states. Errors: InvalidArgument (a null array),
+  // FailedPrecondition (grads pending, another writer), NotFound,
+  // OutOfRange, IoError (NVMe tier).
   Status WriteState(int job, int unit, const float* master, const float* exp_avg,
-                    const float* exp_avg_sq);
+                    const float* exp_avg_sq, int64_t generation = -1);
   // The job holds `step` (and `adam_step`, the steps that updated the
-  // weights): every unit is published as `step`. Errors: InvalidArgument
-  // (negative, or adam_step > step), FailedPrecondition, NotFound.
-  Status CommitState(int job, int64_t step, int64_t adam_step);
+  // weights; both kKeepSteps: the steps it is at, as an import keeps
+  // them): every unit is published as `step`. `generation` as
+  // WriteState's. Errors: InvalidArgument (negative, or adam_step > step),
+  // FailedPrecondition (another writer), NotFound.
+  Status CommitState(int job, int64_t step, int64_t adam_step, int64_t generation = -1);
   // The job's completed steps and the steps that updated its weights (as a
   // checkpoint records them). Errors: NotFound.
   Result<std::pair<int64_t, int64_t>> Steps(int job) const;
@@ -226,8 +233,8 @@ class Engine {
   Status ReleaseParams(int job, int unit);
   int64_t PublishedStep(int job, int unit) const;
   // How many times the job's weights were replaced in place, at the step
-  // they were at (SetWeights, LoadCheckpoint, ImportSafetensors,
-  // CommitState): a client whose copy of a unit is of the step published
+  // they were at (SetWeights, LoadCheckpoint, ImportSafetensors, each
+  // WriteState and CommitState): a client whose copy of a unit is of the step published
   // fetches it again when this changed. -1 for an unknown job.
   int64_t WeightsGeneration(int job) const;
   // The step every unit will hold once the optimizer has applied the grads

@@ -554,6 +554,7 @@ std::string Encode(const StagedData& v) {
   w.Put(v.job);
   w.Put(v.unit);
   w.Put(v.bytes);
+  w.Put(v.generation);
   return w.Take();
 }
 
@@ -563,7 +564,9 @@ Result<StagedData> DecodeStagedData(std::string_view bytes) {
   r.Get(&v.job, "job");
   r.Get(&v.unit, "unit");
   r.Get(&v.bytes, "bytes");
+  r.Get(&v.generation, "generation");
   if (v.job < 0 || v.unit < 0) r.Fail(StrCat("job ", v.job, ", unit ", v.unit, ": out of range"));
+  if (v.generation < -1) r.Fail(StrCat("generation ", v.generation));
   // Three fp32 copies of the largest unit, padded.
   if (v.bytes == 0 || v.bytes > 3 * 4 * (kMaxUnitElements + kMaxRanks * kAlignElements)) {
     r.Fail(StrCat("bytes ", v.bytes));
@@ -589,6 +592,31 @@ Result<JobSteps> DecodeJobSteps(std::string_view bytes) {
   if (v.step < 0 || v.adam_step < 0 || v.adam_step > v.step) {
     r.Fail(StrCat("step ", v.step, ", adam_step ", v.adam_step));
   }
+  return Done(r, v);
+}
+
+std::string Encode(const StateCommit& v) {
+  Writer w;
+  w.Put(v.job);
+  w.Put(v.step);
+  w.Put(v.adam_step);
+  w.Put(v.generation);
+  return w.Take();
+}
+
+Result<StateCommit> DecodeStateCommit(std::string_view bytes) {
+  Reader r(bytes, "state commit");
+  StateCommit v;
+  r.Get(&v.job, "job");
+  r.Get(&v.step, "step");
+  r.Get(&v.adam_step, "adam_step");
+  r.Get(&v.generation, "generation");
+  if (v.job < 0) r.Fail(StrCat("job ", v.job, " is negative"));
+  const bool keep = v.step == -1 && v.adam_step == -1;
+  if (!keep && (v.step < 0 || v.adam_step < 0 || v.adam_step > v.step)) {
+    r.Fail(StrCat("step ", v.step, ", adam_step ", v.adam_step));
+  }
+  if (v.generation < -1) r.Fail(StrCat("generation ", v.generation));
   return Done(r, v);
 }
 

@@ -43,8 +43,11 @@ inline constexpr uint32_t kMagic = 0x5057545A;  // "ZTWP"
 // evict), step times and device traffic in the counters; 4: abort_step;
 // 5: the job's state dtype in its handle; 6: the betas in double; 7:
 // check_consistent; 8: a job spec's launch; 9: a quota's lingering bytes
-// and their processes.
-inline constexpr uint16_t kVersion = 10;
+// and their processes; 10: abort_step's step, the weights generation in
+// the step page; 11: write_state and commit_state name the generation
+// they expect (StagedData, StateCommit), and commit_state may keep the
+// job's steps.
+inline constexpr uint16_t kVersion = 11;
 static_assert(kVersion == kWireVersion, "a change of the wire types is a change of the protocol");
 inline constexpr size_t kHeaderBytes = 32;
 inline constexpr size_t kMaxMessageBytes = size_t{64} << 10;
@@ -101,7 +104,7 @@ enum class MessageType : uint16_t {
   kWriteWeights = 16,   // StagedData + the client's staging memfd (numel fp32) -> ()
   kReadState = 17,      // StagedData + the client's staging memfd (3 x padded fp32) -> ()
   kWriteState = 18,     // StagedData + the client's staging memfd (3 x padded fp32) -> ()
-  kCommitState = 19,    // JobSteps -> ()
+  kCommitState = 19,    // StateCommit -> ()
   kJobSteps = 20,       // JobRef -> JobSteps
   // CollectiveRegionRequest -> RegionList of one region (client read-write),
   // its memfd attached: the memory the job's ranks meet in for collectives.
@@ -225,6 +228,10 @@ struct StagedData {
   int32_t job = -1;
   int32_t unit = -1;
   uint64_t bytes = 0;
+  // WriteState: the job's weights generation the writer expects (as it
+  // began, plus its own writes since): another client's write or commit
+  // in between refuses it. -1: none (ReadState, WriteWeights).
+  int64_t generation = -1;
 };
 
 // A learning rate per optimizer param group of a job, for its next steps.
@@ -240,6 +247,15 @@ struct JobSteps {
   int32_t job = -1;
   int64_t step = 0;
   int64_t adam_step = 0;
+};
+// The end of a state written unit by unit (commit_state): the job holds
+// `step` and `adam_step` (both -1: the steps it is at, an import's), if it
+// is at weights generation `generation` (-1: not checked).
+struct StateCommit {
+  int32_t job = -1;
+  int64_t step = 0;
+  int64_t adam_step = 0;
+  int64_t generation = -1;
 };
 
 // A page of a list, starting after `after` (a job id or a uid; -1: from
@@ -293,6 +309,7 @@ std::string Encode(const SharedBuffer& v);
 std::string Encode(const RegionList& v);
 std::string Encode(const StagedData& v);
 std::string Encode(const JobSteps& v);
+std::string Encode(const StateCommit& v);
 std::string Encode(const CollectiveRegionRequest& v);
 std::string Encode(const LearningRates& v);
 std::string Encode(const JobSpec& v);
@@ -322,6 +339,7 @@ Result<SharedBuffer> DecodeSharedBuffer(std::string_view bytes);
 Result<RegionList> DecodeRegionList(std::string_view bytes);
 Result<StagedData> DecodeStagedData(std::string_view bytes);
 Result<JobSteps> DecodeJobSteps(std::string_view bytes);
+Result<StateCommit> DecodeStateCommit(std::string_view bytes);
 Result<CollectiveRegionRequest> DecodeCollectiveRegionRequest(std::string_view bytes);
 Result<LearningRates> DecodeLearningRates(std::string_view bytes);
 // Also validates what the engine would refuse cheaply: names non-empty and

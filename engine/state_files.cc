@@ -658,7 +658,9 @@ Status ImportSafetensorsFile(const JobDescription& job, StateAccess& state,
     std::memset(master + layout.numel, 0, (layout.padded - layout.numel) * 4);
     return Status::Ok();
   }));
-  return state.Commit(job.step, job.adam_step);
+  // The steps the job is at when the state commits (through ztierd a step
+  // may have completed since `job` was described).
+  return state.Commit(kKeepSteps, kKeepSteps);
 }
 
 }  // namespace ztier::engine

@@ -67,7 +67,8 @@ class StateAccess {
   // Each unit's state, read, to change the master of; stored after fn.
   virtual Status UpdateMaster(const Visit& fn) = 0;
   // The new state is complete: the job holds `step` (and `adam_step`), and
-  // every unit is published as `step`.
+  // every unit is published as `step`; both kKeepSteps: the steps the job
+  // is at then (an import).
   virtual Status Commit(int64_t step, int64_t adam_step) = 0;
 };
 

@@ -33,7 +33,14 @@ namespace ztier::engine {
 // 9: a QuotaInfo's lingering bytes and the processes holding them.
 // 10: abort_step names the step whose grads it drops; the step page ends
 // with the weights' generation.
-inline constexpr uint16_t kWireVersion = 10;
+// 11: no struct changed; a state write and commit through ztierd name the
+// weights generation they expect, and an import's commit keeps the job's
+// steps (protocol.h).
+inline constexpr uint16_t kWireVersion = 11;
+
+// The steps of a state committed unit by unit (Engine::CommitState) that
+// are the job's own as it commits (an import's).
+inline constexpr int64_t kKeepSteps = -1;
 
 // A job's step page (Engine::PublishedSteps): each unit's published step,
 // then the weights' generation, one int64 each.

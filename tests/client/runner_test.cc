@@ -10,13 +10,16 @@
 #include <signal.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cmath>
+#include <condition_variable>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <functional>
 #include <map>
+#include <mutex>
 #include <string>
 #include <thread>
 
@@ -794,6 +797,248 @@ TEST(RunnerTest, ASaveDuringALoadIsOfOneStateOrRefused) {
         << loaded_units << " of the one loaded meanwhile";
   }
   std::printf("%d of 10 saves refused\n", refused);
+}
+
+// ------------------------------------ multi-call state passes through ztierd
+
+// A model of `n` one-tensor units of 1000 floats.
+Session::ModelSpec FlatUnits(const std::string& name, int n) {
+  Session::ModelSpec m;
+  m.name = name;
+  for (int u = 0; u < n; ++u) {
+    m.units.push_back(
+        {.name = StrCat("u", u), .tensors = {{.name = StrCat("u", u, ".w"), .shape = {1000}}}});
+  }
+  return m;
+}
+
+Status SetEveryWeight(Model& m, float x) {
+  std::vector<float> w(1000, x);
+  for (int k = 0; k < m.units(); ++k) ZT_RETURN_IF_ERROR(m.SetWeights(k, w.data(), w.size()));
+  return Status::Ok();
+}
+
+// The value every weight of unit k holds (NaN when they differ, -1 when
+// it cannot be read).
+float UnitValue(Model& m, int k) {
+  std::vector<float> got;
+  if (!m.ReadMaster(k, &got).ok()) return -1;
+  for (uint64_t i = 0; i < 1000; ++i) {
+    if (got[i] != got[0]) return std::nanf("");
+  }
+  return got[0];
+}
+
+int UnitsHolding(Model& m, float x) {
+  int n = 0;
+  for (int k = 0; k < m.units(); ++k) n += UnitValue(m, k) == x;
+  return n;
+}
+
+// Holds the thread that opens a file whose path has `needle` for the
+// `nth` time (from 0) until Release(): a load's apply pass of that unit,
+// an import's read of its file.
+struct FilePause {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool paused = false, released = false;
+  std::atomic<int> opens{0};
+  void Install(std::string needle, int nth) {
+    SetFileFaultHook([this, needle, nth](FileOp op, const std::string& path) {
+      if (op != FileOp::kOpen || path.find(needle) == std::string::npos) return 0;
+      if (opens.fetch_add(1) != nth) return 0;
+      std::unique_lock<std::mutex> lock(mu);
+      paused = true;
+      cv.notify_all();
+      cv.wait(lock, [&] { return released; });
+      return 0;
+    });
+  }
+  bool WaitPaused(std::chrono::milliseconds t) {
+    std::unique_lock<std::mutex> lock(mu);
+    return cv.wait_for(lock, t, [&] { return paused; });
+  }
+  void Release() {
+    std::lock_guard<std::mutex> lock(mu);
+    released = true;
+    cv.notify_all();
+  }
+  ~FilePause() {
+    Release();
+    SetFileFaultHook({});
+  }
+};
+
+SessionOptions SmallSession() {
+  SessionOptions o;
+  o.settings = testing::SmallEngine();
+  return o;
+}
+
+// Through ztierd a load is a write of each unit, then a commit: a second
+// load (another client, or thread) in between wrote its units and
+// committed, the first went on, and both said ok over a job of units of
+// both checkpoints, which then saved as one. The second is refused (as
+// embedded), or the state is wholly that of a load that said ok.
+TEST(RunnerTest, TwoLoadsAtOnceLeaveOneCheckpoint) {
+  using namespace std::chrono_literals;
+  auto s = testing::OpenTestSession(SmallSession());
+  ASSERT_TRUE(s.ok()) << s.status();
+  auto m = (*s)->RegisterModel(FlatUnits("two-loads", 3));
+  ASSERT_TRUE(m.ok()) << m.status();
+  Model& model = **m;
+  ScratchDir dir("two-loads");
+  const std::string x = dir / "x", y = dir / "y";
+  ASSERT_TRUE(SetEveryWeight(model, 1.0f).ok());
+  ASSERT_TRUE(model.SaveCheckpoint(x).ok());
+  ASSERT_TRUE(SetEveryWeight(model, 2.0f).ok());
+  ASSERT_TRUE(model.SaveCheckpoint(y).ok());
+  Status a, b;
+  {
+    FilePause pause;
+    pause.Install("/x/unit-1-", 1);  // the first open checks; the second applies, unit 0 in
+    std::thread loader([&] { a = model.LoadCheckpoint(x); });
+    ASSERT_TRUE(pause.WaitPaused(30s));
+    b = model.LoadCheckpoint(y);
+    pause.Release();
+    loader.join();
+  }
+  const int xs = UnitsHolding(model, 1.0f), ys = UnitsHolding(model, 2.0f);
+  EXPECT_TRUE(xs == model.units() || ys == model.units())
+      << xs << " units of x and " << ys << " of y; load x: " << a << "; load y: " << b;
+  if (xs == model.units()) {
+    EXPECT_TRUE(a.ok()) << a;
+  }
+  if (ys == model.units()) {
+    EXPECT_TRUE(b.ok()) << b;
+  }
+  EXPECT_FALSE(a.ok() && b.ok()) << "both loads said ok";
+}
+
+// An import (read a unit, set its master, write it back) during another
+// client's load: the import's commit cleared the load's mark, the load
+// went on, and the job held units of both, each call said ok.
+TEST(RunnerTest, AnImportDuringALoadLeavesOneState) {
+  using namespace std::chrono_literals;
+  auto s = testing::OpenTestSession(SmallSession());
+  ASSERT_TRUE(s.ok()) << s.status();
+  auto m = (*s)->RegisterModel(FlatUnits("load-import", 3));
+  ASSERT_TRUE(m.ok()) << m.status();
+  Model& model = **m;
+  ScratchDir dir("load-import");
+  const std::string x = dir / "x", z = dir / "z.safetensors";
+  ASSERT_TRUE(SetEveryWeight(model, 1.0f).ok());
+  ASSERT_TRUE(model.SaveCheckpoint(x).ok());
+  ASSERT_TRUE(SetEveryWeight(model, 3.0f).ok());
+  ASSERT_TRUE(model.ExportSafetensors(z, engine::Engine::ExportType::kFloat32).ok());
+  ASSERT_TRUE(SetEveryWeight(model, 0.0f).ok());
+  Status loaded, imported;
+  {
+    FilePause pause;
+    pause.Install("/x/unit-1-", 1);
+    std::thread loader([&] { loaded = model.LoadCheckpoint(x); });
+    ASSERT_TRUE(pause.WaitPaused(30s));
+    imported = model.ImportSafetensors(z);
+    pause.Release();
+    loader.join();
+  }
+  const int xs = UnitsHolding(model, 1.0f), zs = UnitsHolding(model, 3.0f);
+  EXPECT_TRUE(xs == model.units() || zs == model.units())
+      << xs << " units of x and " << zs << " of z; load: " << loaded << "; import: " << imported;
+  EXPECT_FALSE(loaded.ok() && imported.ok()) << "both said ok";
+}
+
+// An import through ztierd read the job's step before it read the file,
+// and committed that step: a training step taken meanwhile was undone in
+// the step count (its moments kept), and the runner then waited its whole
+// timeout for a step the job would not take.
+TEST(RunnerTest, AnImportKeepsTheStepTheJobReached) {
+  using namespace std::chrono_literals;
+  auto s = testing::OpenTestSession(SmallSession());
+  ASSERT_TRUE(s.ok()) << s.status();
+  auto m = (*s)->RegisterModel(FlatUnits("import-step", 2));
+  ASSERT_TRUE(m.ok()) << m.status();
+  Model& model = **m;
+  ASSERT_TRUE(SetEveryWeight(model, 1.0f).ok());
+  auto dev = MakeHostDevice();
+  ASSERT_TRUE(dev.ok()) << dev.status();
+  RunnerOptions options;
+  options.timeout = 5s;
+  auto r = Stage3Runner::Create(model, 0, **dev, nullptr, options);
+  ASSERT_TRUE(r.ok()) << r.status();
+  const auto step = [&]() -> Status {
+    for (int k : {1, 0}) {
+      ZT_ASSIGN_OR_RETURN(bf16 * g, (*r)->GradBuffer(k));
+      std::fill_n(g, 1000, FloatToBf16(0.25f));
+      ZT_RETURN_IF_ERROR((*r)->PushGrads(k));
+    }
+    return (*r)->Step();
+  };
+  ASSERT_TRUE(step().ok());
+  ASSERT_TRUE(model.WaitPublished(1, 30s).ok());
+  ScratchDir dir("import-step");
+  const std::string z = dir / "z.safetensors";
+  ASSERT_TRUE(model.ExportSafetensors(z, engine::Engine::ExportType::kFloat32).ok());
+  Status imported, stepped;
+  {
+    FilePause pause;
+    pause.Install("z.safetensors", 0);
+    std::thread importer([&] { imported = model.ImportSafetensors(z); });
+    ASSERT_TRUE(pause.WaitPaused(30s));
+    std::atomic<bool> done{false};
+    // Embedded, the step's grads wait for the import (and are refused).
+    std::thread trainer([&] {
+      stepped = step();
+      if (stepped.ok()) stepped = model.WaitPublished(2, 30s);
+      done = true;
+    });
+    for (int i = 0; i < 200 && !done; ++i) std::this_thread::sleep_for(10ms);
+    pause.Release();
+    importer.join();
+    trainer.join();
+  }
+  ASSERT_TRUE(imported.ok()) << imported;
+  if (!stepped.ok()) return;  // refused: of the state before the import
+  EXPECT_EQ(model.published_step(), 2) << "the import took the job back a step";
+  const Status next = step();
+  EXPECT_TRUE(next.ok()) << next;
+  EXPECT_TRUE(model.WaitPublished(3, 10s).ok());
+}
+
+// While another client's load is under way, a save or an export is told
+// that it may be (as embedded: "in progress"), not only that a load failed
+// midway and to load again (a second load then mixed the two).
+TEST(RunnerTest, ASaveDuringAnotherClientsLoadIsToldItIsUnderWay) {
+  using namespace std::chrono_literals;
+  auto s = testing::OpenTestSession(SmallSession());
+  ASSERT_TRUE(s.ok()) << s.status();
+  auto m = (*s)->RegisterModel(FlatUnits("save-during-load", 3));
+  ASSERT_TRUE(m.ok()) << m.status();
+  Model& model = **m;
+  ScratchDir dir("save-during-load");
+  const std::string x = dir / "x";
+  ASSERT_TRUE(SetEveryWeight(model, 1.0f).ok());
+  ASSERT_TRUE(model.SaveCheckpoint(x).ok());
+  ASSERT_TRUE(SetEveryWeight(model, 2.0f).ok());
+  Status loaded, saved, exported;
+  {
+    FilePause pause;
+    pause.Install("/x/unit-1-", 1);
+    std::thread loader([&] { loaded = model.LoadCheckpoint(x); });
+    ASSERT_TRUE(pause.WaitPaused(30s));
+    saved = model.SaveCheckpoint(dir / "c");
+    exported = model.ExportSafetensors(dir / "e.safetensors", engine::Engine::ExportType::kFloat32);
+    pause.Release();
+    loader.join();
+  }
+  EXPECT_TRUE(loaded.ok()) << loaded;
+  for (const Status& st : {saved, exported}) {
+    EXPECT_EQ(st.code(), StatusCode::kFailedPrecondition) << st;
+    EXPECT_TRUE(st.message().find("under way") != std::string::npos ||
+                st.message().find("in progress") != std::string::npos)
+        << st;
+  }
+  EXPECT_EQ(UnitsHolding(model, 1.0f), model.units());
 }
 
 // ------------------------------------------------------------- bad use --

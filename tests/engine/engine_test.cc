@@ -909,6 +909,47 @@ TEST(EngineJobsTest, AStateReadWhileTheStateIsReplacedIsRefused) {
   }
 }
 
+// A state written unit by unit (ztierd's clients' loads and imports) names
+// the weights generation it expects: another writer's write or commit in
+// between refuses the rest of it, so two loads never leave a mix while
+// both say ok. An import's commit keeps the steps the job is at.
+TEST(EngineJobsTest, AStateWrittenUnitByUnitIsRefusedAfterAnotherWritersWrite) {
+  auto e = MakeEngine();
+  JobSpec spec;
+  spec.name = "writers";
+  for (int u = 0; u < 2; ++u)
+    spec.units.push_back({StrCat("u", u), {{StrCat("u", u, ".w"), {64}}}});
+  Result<int> job = e->RegisterJob(spec);
+  ASSERT_TRUE(job.ok()) << job.status();
+  const UnitLayout l = *e->Layout(*job, 0);
+  const std::vector<float> a(l.padded, 1.0f), b(l.padded, 2.0f);
+  const int64_t g = e->WeightsGeneration(*job);
+  ASSERT_TRUE(e->WriteState(*job, 0, a.data(), a.data(), a.data(), g).ok());  // A: unit 0
+  // B, from the generation A's write left: both units and its commit.
+  ASSERT_TRUE(e->WriteState(*job, 0, b.data(), b.data(), b.data(), g + 1).ok());
+  ASSERT_TRUE(e->WriteState(*job, 1, b.data(), b.data(), b.data(), g + 2).ok());
+  ASSERT_TRUE(e->CommitState(*job, 0, 0, g + 3).ok());
+  // A goes on: refused, its unit 1 and its commit.
+  const Status a1 = e->WriteState(*job, 1, a.data(), a.data(), a.data(), g + 1);
+  EXPECT_EQ(a1.code(), StatusCode::kFailedPrecondition) << a1;
+  EXPECT_NE(a1.message().find("another load, import or state write"), std::string::npos) << a1;
+  EXPECT_EQ(e->CommitState(*job, 0, 0, g + 1).code(), StatusCode::kFailedPrecondition);
+  std::vector<float> p(l.padded), m(l.padded), v(l.padded);
+  for (int u = 0; u < 2; ++u) {
+    ASSERT_TRUE(e->ReadState(*job, u, p.data(), m.data(), v.data()).ok());
+    EXPECT_EQ(p, b) << "unit " << u << " is not B's";
+  }
+  // Steps kept: a step, then a commit of the steps the job is at.
+  Ring(*e, *job, 1, 1, 0.25f);
+  Ring(*e, *job, 0, 1, 0.25f);
+  ASSERT_TRUE(e->WaitPublished(*job, 0, 1, 30s).ok());
+  ASSERT_TRUE(e->CommitState(*job, kKeepSteps, kKeepSteps).ok());
+  EXPECT_EQ(*e->Steps(*job), (std::pair<int64_t, int64_t>{1, 1}));
+  EXPECT_EQ(e->PublishedStep(*job, 1), 1);
+  EXPECT_EQ(e->CommitState(*job, kKeepSteps, 0).code(), StatusCode::kInvalidArgument);
+  ASSERT_TRUE(e->UnregisterJob(*job).ok());
+}
+
 // What a client of the daemon does, in one process: map the job's regions
 // through the fds the engine gives, write grads through the read-write
 // mapping of the inbox, and read the new params through a read-only

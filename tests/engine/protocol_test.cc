@@ -284,9 +284,15 @@ TEST(ProtocolTest, SmallPayloadsRoundTripAndRefuseEveryPrefix) {
   ASSERT_TRUE(DecodeRegionList(Encode(regions)).ok());
   EXPECT_EQ(DecodeRegionList(Encode(regions))->regions[1].access, RegionAccess::kReadWrite);
   EveryPrefixIsRefused(Encode(regions), DecodeRegionList);
-  const StagedData staged{.job = 1, .unit = 2, .bytes = 4096};
+  const StagedData staged{.job = 1, .unit = 2, .bytes = 4096, .generation = 7};
   EXPECT_EQ(DecodeStagedData(Encode(staged))->bytes, 4096u);
+  EXPECT_EQ(DecodeStagedData(Encode(staged))->generation, 7);
   EveryPrefixIsRefused(Encode(staged), DecodeStagedData);
+  const StateCommit commit{.job = 2, .step = 9, .adam_step = 8, .generation = 3};
+  EXPECT_EQ(DecodeStateCommit(Encode(commit))->generation, 3);
+  EveryPrefixIsRefused(Encode(commit), DecodeStateCommit);
+  const StateCommit keep{.job = 2, .step = kKeepSteps, .adam_step = kKeepSteps};
+  EXPECT_EQ(DecodeStateCommit(Encode(keep))->step, kKeepSteps);
   const JobSteps steps{.job = 2, .step = 9, .adam_step = 8};
   EXPECT_EQ(DecodeJobSteps(Encode(steps))->adam_step, 8);
   EveryPrefixIsRefused(Encode(steps), DecodeJobSteps);
@@ -428,6 +434,14 @@ TEST(ProtocolTest, InconsistentValuesAreRefused) {
   EXPECT_FALSE(DecodeRegionList(Encode(five)).ok());
   EXPECT_FALSE(DecodeStagedData(Encode(StagedData{.job = 0, .unit = 0, .bytes = 0})).ok());
   EXPECT_FALSE(DecodeJobSteps(Encode(JobSteps{.job = 0, .step = 3, .adam_step = 4})).ok());
+  EXPECT_FALSE(
+      DecodeStagedData(Encode(StagedData{.job = 0, .unit = 0, .bytes = 8, .generation = -2})).ok());
+  for (const auto& [step, adam] : {std::pair{3, 4}, {-1, 0}, {0, -1}, {-2, -2}}) {
+    EXPECT_FALSE(
+        DecodeStateCommit(Encode(StateCommit{.job = 0, .step = step, .adam_step = adam})).ok())
+        << step << " " << adam;
+  }
+  EXPECT_FALSE(DecodeStateCommit(Encode(StateCommit{.job = 0, .generation = -3})).ok());
   EXPECT_FALSE(
       DecodeSharedBuffer(
           Encode(SharedBuffer{.region = 0, .region_bytes = 4096, .offset = 4096, .bytes = 1}))

@@ -127,6 +127,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       return 0;
     case 15: {
       RoundTrip(in, p::DecodeJobSteps);
+      RoundTrip(in, p::DecodeStateCommit);
       RoundTrip(in, p::DecodeCollectiveRegionRequest);
       ztier::Result<p::LearningRates> lrs = p::DecodeLearningRates(in);
       if (!lrs.ok()) return 0;
