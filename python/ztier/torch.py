@@ -1337,7 +1337,11 @@ class Offload:
 
     def _reset_interrupted(self):
         """Undoes what a forward or backward that raised left behind (holds,
-        grads taken but not sent); nothing of it reached the engine."""
+        grads taken but not sent, and grads on the parameters that ztier's
+        post-accumulate-grad hook had not taken yet: a hook of the user's
+        that raised after torch accumulated one, or ztier's own); nothing of
+        it reached the engine. (A grad left so was added to by the next
+        backward, whose grads the engine then got with it.)"""
         # An interrupt between an acquire and its release left the runner
         # holding a unit (every later abort was refused for it).
         if self.runner is not None:
@@ -1362,6 +1366,8 @@ class Offload:
             u.arrived.clear()
             u.held.clear()
             u.acc = None
+            for t in u.tensors:
+                t.param.grad = None
         self._phase = "idle"
 
     @contextlib.contextmanager
@@ -2416,6 +2422,18 @@ class Offload:
                 "ztier: optimizer.step() after a backward pass that did not finish: its step "
                 f"was discarded, none was taken (the model is as after step {self.step_count}); "
                 "run the forward and backward again")
+        if (not self._awaiting_step and self._phase == "backward"
+                and torch._C._current_graph_task_id() == -1):
+            # A backward that raised before any grad of it reached the
+            # engine: it goes, with the grads it left on the parameters
+            # (not the user's to set to None, as _check_grads_left would say).
+            self._reset_interrupted()
+            if self._micro == 0:
+                raise RuntimeError(
+                    "ztier: optimizer.step() after a backward pass that did not finish (it "
+                    "raised, or was interrupted) before any of its grads reached the engine: "
+                    f"none was taken (the model is as after step {self.step_count}); run the "
+                    "forward and backward again")
         self._check_grads_left()
         if not self._awaiting_step:
             if self._micro == 0:
@@ -2437,10 +2455,12 @@ class Offload:
         now is one the engine never got (ztier's post-accumulate-grad hook
         takes each grad a backward makes and clears .grad), assigned or
         changed after it (p.grad = ..., torch.autograd.grad's results set
-        by hand, a grad zeroed to leave a parameter out), or left by a
-        backward that raised. The step went on the backward's grads alone
-        (or was refused as having none), silently: refused, naming the
-        parameter; the pending step waits as it was."""
+        by hand, a grad zeroed to leave a parameter out). The step went on
+        the backward's grads alone (or was refused as having none),
+        silently: refused, naming the parameter; the pending step waits as
+        it was. (A grad a backward that raised left, torch's accumulation
+        done but not ztier's hook, is dropped with the rest of that backward
+        before this, by _reset_interrupted.)"""
         for u in self.units:
             for t in u.tensors:
                 if t.param.grad is not None:
@@ -3180,13 +3200,22 @@ def _is_placeholder(p: torch.Tensor) -> bool:
 
 def _holds_placeholders(model: nn.Module) -> bool:
     """Whether some parameter of ``model`` is an Offload's placeholder, or a
-    copy of one (all NaN)."""
+    copy of one (all NaN). While tracing (torch.export, torch.jit.trace)
+    values are not read into Python (export's tensors are fake ones, and a
+    read failed the export of a copy holding the weights): a copy made
+    outside gathered() is known there by what its copy.deepcopy recorded
+    (_RootZeroGrad.copied)."""
+    tracing = _tracing() is not None
+    if tracing:
+        zero_grad = model.__dict__.get("zero_grad")
+        if isinstance(zero_grad, _RootZeroGrad) and zero_grad.copied_placeholders():
+            return True
     with torch.no_grad():
         for p in model.parameters():
             if _is_placeholder(p):
                 return True
-            if _tracing() is not None:
-                continue  # no reads of values into Python there (a copy exported, traced)
+            if tracing:
+                continue
             flat = p.detach().reshape(-1)
             if flat.numel() > 0 and flat.is_floating_point() and bool(flat[0].isnan()) and bool(
                     flat.isnan().all()):
@@ -3251,12 +3280,18 @@ class _RootZeroGrad:
     refusing where the engine has begun the update), then torch's for the
     parameters the engine does not keep. Elsewhere (a copy of the model, a
     closed Offload's) torch's. A copy.deepcopy of the model gets one of its
-    own; pickled never, as the hooks."""
+    own, which records the copy's parameters that were copied from
+    placeholders (``copied``); pickled never, as the hooks."""
 
-    __slots__ = ("model",)
+    __slots__ = ("model", "copied")
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, copied: tuple = ()):
         self.model = weakref.ref(model)
+        # Of a copy: (a weak reference to the parameter, its version then)
+        # for each of its parameters copied from a placeholder (made outside
+        # gathered(): NaN); a reference of None stands for one the copy's
+        # memo lacked.
+        self.copied = copied
 
     def __call__(self, set_to_none: bool = True):
         model = self.model()
@@ -3267,8 +3302,41 @@ class _RootZeroGrad:
         nn.Module.zero_grad(model, set_to_none)
 
     def __deepcopy__(self, memo):
-        copy_ = memo.get(id(self.model()))
-        return _RootZeroGrad(copy_) if copy_ is not None else self
+        model = self.model()
+        copy_ = memo.get(id(model))
+        if copy_ is None:
+            return self
+        # The parameters that are placeholders now: the units of an
+        # offloaded model that neither a forward holds nor gathered() shows,
+        # or those of a copy still as copied. Decided here, where the
+        # original says it, not later from the copy's values: a trace
+        # cannot read them (torch.export's tensors are fake).
+        if _offloaded(model):
+            sources = [t.param for u in model._ztier_offload().units
+                       if u.holds == 0 and u.gathered is None for t in u.tensors]
+        else:
+            sources = self._still_copied()
+        copied = []
+        for p in sources:
+            c = memo.get(id(p))  # (the parameters are copied before this attribute)
+            copied.append((None, 0) if c is None else (weakref.ref(c), c._version))
+        return _RootZeroGrad(copy_, tuple(copied))
+
+    def _still_copied(self) -> list:
+        """The parameters of ``copied`` that are as they were copied (a write
+        in place, load_state_dict, gave the others their values; one
+        replaced, `copy.fc.weight = nn.Parameter(...)`, is gone)."""
+        out = []
+        for ref, version in self.copied:
+            p = ref() if ref is not None else None
+            if ref is None or (p is not None and p._version == version):
+                out.append(p)
+        return out
+
+    def copied_placeholders(self) -> bool:
+        """Whether this model is a copy made outside gathered() some of whose
+        parameters still hold what they copied, placeholders (NaN)."""
+        return bool(self._still_copied())
 
     def __reduce__(self):
         _Hook.__reduce__(self)

@@ -2062,6 +2062,48 @@ def test_export_or_trace_of_an_offloaded_model_is_refused_and_a_gathered_copy_ex
     z.close()
 
 
+def test_a_copy_made_outside_gathered_is_refused_by_export_and_trace_too(settings):
+    # Such a copy (copy.deepcopy) holds ordinary NaN tensors where the
+    # original has placeholders, and while tracing their values cannot be
+    # read (torch.export's are fake): torch.jit.trace and torch.export of it
+    # made programs that computed NaN, silently. (The check passed only where
+    # a parameter of one element kept the placeholder's stride 0: none here.)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2))
+    z = zt.offload(model, optimizer=zt.AdamW(lr=1e-2), settings=settings)
+    _train_step(model, z, torch.randn(4, 6))
+    model.eval()
+    x = torch.randn(4, 6)
+    stale = copy.deepcopy(model)
+    assert not any(all(st == 0 for st in p.stride()) for p in stale.parameters())
+    refused = r"ztier: a copy of an offloaded model \(copy.deepcopy\) made outside gathered\(\)"
+    with pytest.raises(RuntimeError, match=refused):
+        stale(x)
+    with pytest.raises(RuntimeError, match=refused):
+        torch.jit.trace(stale, x, check_trace=False)
+    with pytest.raises(RuntimeError, match=refused):
+        torch.export.export(stale, (x,))
+    with pytest.raises(RuntimeError, match=refused):
+        torch.export.export(copy.deepcopy(stale), (x,))  # a copy of the copy
+    # Made inside gathered(), it holds the weights: traced and exported, it
+    # computes what the model does.
+    with torch.no_grad():
+        want = model(x)
+    with z.gathered():
+        copied = copy.deepcopy(model)
+    assert torch.equal(torch.export.export(copied, (x,)).module()(x), want)
+    with torch.no_grad():
+        assert torch.equal(torch.jit.trace(copied, x)(x), want)
+    # The copy made outside, given the weights (load_state_dict writes them
+    # in place), is one too.
+    stale.load_state_dict(model.state_dict())
+    assert torch.equal(torch.export.export(stale, (x,)).module()(x), want)
+    with torch.no_grad():
+        assert torch.equal(torch.jit.trace(stale, x)(x), want)
+    model.train()
+    _train_step(model, z, x)
+    z.close()
+
+
 def test_a_grad_set_by_hand_before_the_step_is_refused_not_dropped(settings):
     # A grad assigned after the backward (p.grad = zeros, to leave a
     # parameter out of the step) went nowhere: the step took the backward's

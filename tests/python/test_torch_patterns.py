@@ -806,6 +806,66 @@ def test_a_grad_hook_that_drops_the_grad_is_refused_and_one_that_replaces_it_tra
     z.close()
 
 
+def test_a_grad_hook_that_raises_leaves_no_grad_for_the_next_backward(settings):
+    # A backward that raised after torch accumulated a grad and before
+    # ztier's hook took it (a post-accumulate-grad hook of the user's raised)
+    # left that grad on the parameter: the next backward added to it, and the
+    # engine stepped on the sum, while the warning said that step's grads
+    # were discarded. Each recovery the messages name trains on as the
+    # reference does.
+    torch.manual_seed(0)
+    model = _ResidualStack(_ViewBlock)
+    ref_model = copy.deepcopy(model)
+    z = zt.offload(model, optimizer=ADAMW, settings=settings)
+    ref = Reference(ref_model, z, ADAMW)
+    armed = set()  # ids of the parameters whose hook raises once
+
+    def boom(p):
+        if id(p) in armed:
+            armed.discard(id(p))
+            raise ValueError("a hook of the user's failed")
+
+    for p in (model.inp.weight, model.out.weight):
+        p.register_post_accumulate_grad_hook(boom)
+
+    def failing_backward(p, step):
+        armed.add(id(p))
+        with pytest.raises(ValueError, match="a hook of the user's failed"):
+            model(_x(100 + step)).float().pow(2).mean().backward()
+        assert p.grad is not None  # torch's accumulation was done
+
+    def step_both(step):
+        loss = model(_x(step)).float().pow(2).mean()
+        loss.backward()
+        ref_loss = ref_model(_x(step)).float().pow(2).mean()
+        ref.backward(ref_loss)
+        assert torch.equal(loss, ref_loss), step
+        z.optimizer.step()
+        ref.step([g["lr"] for g in z.optimizer.param_groups])
+        with torch.no_grad():
+            assert torch.equal(model(_x(50)), ref_model(_x(50))), step
+
+    step_both(0)
+    # The embedding's weight, the backward's last grad: the other units'
+    # had gone out; the next forward drops that step and says so.
+    failing_backward(model.inp.weight, 1)
+    with pytest.warns(UserWarning, match="that step's grads were discarded"):
+        step_both(1)
+    # The head's weight, among its first: none of the backward's grads had
+    # gone out; optimizer.step() takes no step and says so.
+    failing_backward(model.out.weight, 2)
+    with pytest.raises(RuntimeError, match=r"optimizer.step\(\) after a backward pass that did "
+                       r"not finish .*before any of its grads reached the engine: none was "
+                       r"taken .*run the forward and backward again"):
+        z.optimizer.step()
+    step_both(2)
+    # Or the next forward goes on from it.
+    failing_backward(model.out.weight, 3)
+    step_both(3)
+    assert z.step_count == 4
+    z.close()
+
+
 def test_blocks_stacked_in_a_sequential_are_units(settings):
     # Only a ModuleList was looked for: a stack in nn.Sequential (ResNet's
     # layers, ViT encoders, MLP stacks) made the whole model one unit, held
