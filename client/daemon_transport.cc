@@ -655,6 +655,7 @@ class DaemonTransport final : public Transport, public ControlTransport {
           ZT_RETURN_IF_ERROR(t_.StagedCall(p::MessageType::kWriteState, job_, unit, staging,
                                            3 * n * sizeof(float), generation_));
           ++generation_;
+          ++units_written_;
         }
       }
       if (read && !write) {

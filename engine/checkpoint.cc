@@ -93,6 +93,7 @@ class EngineStateAccess final : public StateAccess {
           }
           ZT_RETURN_IF_ERROR(fn(k, state));
           if (!writes) return Status::Ok();
+          ++units_written_;
           if (int8 && !u.stateless)
             MomentsFromFloat(job_, u, view, state.exp_avg, state.exp_avg_sq);
           ParamsFromMaster(u, view);

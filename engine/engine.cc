@@ -1816,7 +1816,7 @@ Status CheckWriter(const Job& j, int64_t generation) {
   const int64_t now = Engine::Impl::WeightsGenerationOf(j).load(std::memory_order_acquire);
   if (now == generation) return Status::Ok();
   return Status::FailedPrecondition(
-      StrCat("job '", j.spec.name, "': another load, import or state write (of another client, ",
+      StrCat("job '", j.spec.name, "': ", kAnotherWriter, " (of another client, ",
              "or another thread) replaced the state while this one was under way (weights ",
              "generation ", now, ", this one expected ", generation, "); the two would mix, so ",
              "this one stopped: the job holds the other's state once it is done; run this one ",

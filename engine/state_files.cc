@@ -490,7 +490,6 @@ Status RemoveUnnamedCheckpointFiles(const std::string& dir) {
 Status LoadCheckpointFiles(const JobDescription& job, StateAccess& state, const std::string& dir) {
   constexpr int kAttempts = 4;
   Status st;
-  bool touched = false;  // the apply pass began: the job's state is no longer what it was
   for (int attempt = 0; attempt < kAttempts; ++attempt) {
     ZT_ASSIGN_OR_RETURN(const std::string text, ReadManifest(dir));
     ZT_ASSIGN_OR_RETURN(
@@ -514,7 +513,6 @@ Status LoadCheckpointFiles(const JobDescription& job, StateAccess& state, const 
       st = LoadUnit(job, m, dir, k, nullptr);
     }
     if (st.ok()) {
-      touched = true;
       st = state.Overwrite(
           [&](size_t k, const UnitState& unit) { return LoadUnit(job, m, dir, k, &unit); });
       if (st.ok()) st = state.Commit(m.step, m.adam_step);
@@ -524,8 +522,15 @@ Status LoadCheckpointFiles(const JobDescription& job, StateAccess& state, const 
     Result<std::string> now = ReadManifest(dir);
     if (st.code() != StatusCode::kNotFound || !now.ok() || *now == text) break;
   }
-  return touched ? st.Annotate("the job's state is now partly loaded; load a checkpoint again")
-                 : st;
+  return PartlyWrittenNote(state, std::move(st), "loaded; load a checkpoint again");
+}
+
+Status PartlyWrittenNote(const StateAccess& state, Status st, std::string_view what) {
+  if (st.ok() || state.units_written() == 0 ||
+      st.message().find(kAnotherWriter) != std::string::npos) {
+    return st;
+  }
+  return st.Annotate(StrCat("the job's state is now partly ", what));
 }
 
 namespace {
@@ -646,7 +651,7 @@ Status ImportSafetensorsFile(const JobDescription& job, StateAccess& state,
       }
     }
   }
-  ZT_RETURN_IF_ERROR(state.UpdateMaster([&](size_t k, const UnitState& unit) {
+  Status updated = state.UpdateMaster([&](size_t k, const UnitState& unit) {
     const UnitLayout& layout = job.layouts[k];
     float* master = unit.master;
     const std::vector<TensorSpec>& tensors = job.units[k].tensors;
@@ -657,7 +662,8 @@ Status ImportSafetensorsFile(const JobDescription& job, StateAccess& state,
     }
     std::memset(master + layout.numel, 0, (layout.padded - layout.numel) * 4);
     return Status::Ok();
-  }));
+  });
+  ZT_RETURN_IF_ERROR(PartlyWrittenNote(state, std::move(updated), "imported; import it again"));
   // The steps the job is at when the state commits (through ztierd a step
   // may have completed since `job` was described).
   return state.Commit(kKeepSteps, kKeepSteps);

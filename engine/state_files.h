@@ -26,6 +26,7 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "common/status.h"
@@ -70,7 +71,21 @@ class StateAccess {
   // every unit is published as `step`; both kKeepSteps: the steps the job
   // is at then (an import).
   virtual Status Commit(int64_t step, int64_t adam_step) = 0;
+  // Units this access has written (Overwrite, UpdateMaster) so far: a
+  // load or import that failed after one left the job partly written.
+  int units_written() const { return units_written_; }
+
+ protected:
+  int units_written_ = 0;
 };
+
+// The words of the refusal of a state written unit by unit (through ztierd)
+// after another writer's write or commit (Engine::WriteState): the job's
+// state is then that writer's, not partly this one's.
+inline constexpr std::string_view kAnotherWriter = "another load, import or state write";
+// Annotates the failure of a load or import that wrote some units (the job
+// holds part of its state) with what to do.
+Status PartlyWrittenNote(const StateAccess& state, Status st, std::string_view what);
 
 Status SaveCheckpointFiles(const JobDescription& job, StateAccess& state, const std::string& dir);
 // Removes the unit files in `dir` that its manifest does not name: a save

@@ -913,6 +913,10 @@ TEST(RunnerTest, TwoLoadsAtOnceLeaveOneCheckpoint) {
     EXPECT_TRUE(b.ok()) << b;
   }
   EXPECT_FALSE(a.ok() && b.ok()) << "both loads said ok";
+  for (const Status& st : {a, b}) {
+    // The job holds the other's state whole, not part of this one's.
+    EXPECT_EQ(st.message().find("partly loaded"), std::string::npos) << st;
+  }
 }
 
 // An import (read a unit, set its master, write it back) during another

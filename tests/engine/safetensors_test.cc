@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -15,6 +16,7 @@
 #include <gtest/gtest.h>
 
 #include "engine/engine.h"
+#include "engine/state_files.h"
 
 namespace ztier::engine {
 namespace {
@@ -80,6 +82,65 @@ class SafetensorsTest : public ::testing::Test {
   fs::path dir_;
   std::unique_ptr<Engine> engine_;
 };
+
+// A job's state as the file code sees it, whose writes fail from unit
+// `fail_at` on with `failure` (ztierd gone, a drive's error, another
+// writer's write between two of this one's).
+class FailingAccess final : public StateAccess {
+ public:
+  FailingAccess(const JobDescription& d, size_t fail_at, Status failure)
+      : d_(d), fail_at_(fail_at), failure_(std::move(failure)) {}
+  Status Read(const Visit& fn) override { return Pass(fn); }
+  Status Overwrite(const Visit& fn) override { return Pass(fn); }
+  Status UpdateMaster(const Visit& fn) override { return Pass(fn); }
+  Status Commit(int64_t, int64_t) override { return Status::Ok(); }
+
+ private:
+  Status Pass(const Visit& fn) {
+    for (size_t k = 0; k < d_.layouts.size(); ++k) {
+      const uint64_t n = d_.layouts[k].padded;
+      std::vector<float> f(3 * n);
+      ZT_RETURN_IF_ERROR(fn(
+          k,
+          UnitState{.master = f.data(), .exp_avg = f.data() + n, .exp_avg_sq = f.data() + 2 * n}));
+      if (k >= fail_at_) return failure_;
+      ++units_written_;
+    }
+    return Status::Ok();
+  }
+  const JobDescription& d_;
+  size_t fail_at_;
+  Status failure_;
+};
+
+// An import (through ztierd, unit by unit) that failed after it had
+// written a unit said nothing of the job it left: partly imported, every
+// save refused until a load or import commits. It says so; one that wrote
+// nothing, or that another writer's write stopped (the job holds that
+// one's state), does not.
+TEST_F(SafetensorsTest, AnImportThatFailsMidwaySaysTheJobIsPartlyImported) {
+  const int j = Job("midway", 1, nullptr);
+  const fs::path path = dir_ / "w.safetensors";
+  ASSERT_TRUE(engine_->ExportSafetensors(j, path.string(), Engine::ExportType::kFloat32).ok());
+  JobDescription d;
+  d.name = "midway";
+  d.units = Model("midway", 1).units;
+  for (int k = 0; k < 2; ++k) d.layouts.push_back(*engine_->Layout(j, k));
+  const Status gone = Status::IoError("ztierd went away");
+  FailingAccess after_one(d, 1, gone);
+  Status st = ImportSafetensorsFile(d, after_one, path.string());
+  EXPECT_EQ(st.code(), StatusCode::kIoError) << st;
+  EXPECT_NE(st.message().find("partly imported"), std::string::npos) << st;
+  FailingAccess at_first(d, 0, gone);
+  st = ImportSafetensorsFile(d, at_first, path.string());
+  EXPECT_EQ(st.code(), StatusCode::kIoError) << st;
+  EXPECT_EQ(st.message().find("partly"), std::string::npos) << st;
+  FailingAccess superseded(
+      d, 1, Status::FailedPrecondition(StrCat("job 'midway': ", kAnotherWriter, " replaced it")));
+  st = ImportSafetensorsFile(d, superseded, path.string());
+  EXPECT_EQ(st.code(), StatusCode::kFailedPrecondition) << st;
+  EXPECT_EQ(st.message().find("partly"), std::string::npos) << st;
+}
 
 TEST_F(SafetensorsTest, ExportHasNamesShapesAndUnpaddedData) {
   std::vector<std::vector<float>> w;
