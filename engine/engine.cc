@@ -1064,6 +1064,15 @@ Result<UnitLayout> Engine::Layout(int job, int unit) const {
   return j->units[unit].layout;
 }
 
+// What a call under WithIdleJob does to the job's state.
+enum class StateUse { kReads, kReplaces };
+template <class Fn>
+Status WithIdleJob(Engine::Impl& e, int job, std::string_view what, StateUse use, const Fn& fn);
+
+constexpr std::string_view kInitialWeightsOnly =
+    "initial weights go in before the first step (load a checkpoint or import safetensors to "
+    "replace them later)";
+
 Status Engine::WriteWeights(int job, int unit, const float* flat, uint64_t numel) {
   std::shared_ptr<Job> j;
   {
@@ -1098,24 +1107,30 @@ Status Engine::WriteWeights(int job, int unit, const float* flat, uint64_t numel
     if (j->step > 0 || u.StepInFlight()) {
       return Status::FailedPrecondition(
           StrCat("set weights: job '", j->spec.name, "' is at step ", j->step,
-                 u.StepInFlight() ? " with a step in flight" : "",
-                 "; initial weights go in before the first step (load a checkpoint or "
-                 "import safetensors to replace them later)"));
+                 u.StepInFlight() ? " with a step in flight" : "", "; ", kInitialWeightsOnly));
     }
   }
-  return WithUnitState(
-      *j, unit, Access::kUpdate,
-      [&](size_t, const StateView& state) {
-        std::memcpy(state.master, flat, numel * sizeof(float));
-        std::memset(state.master + numel, 0, (u.layout.padded - numel) * sizeof(float));
-        for (uint64_t i = 0; i < u.layout.padded; ++i)
-          state.publish[i] = FloatToBf16(state.master[i]);
-        return Status::Ok();
-      },
-      [&](size_t) {
-        impl_->Publish(*j, u, 0, [] {});
-        Impl::WeightsReplaced(*j);
-      });
+  // The job to itself meanwhile, as a load's: a load or import under way
+  // (its unit written between two of theirs: neither state whole) refuses
+  // it, and it refuses a state read and the rest of a load through ztierd
+  // begun before it (the weights generation moves).
+  return WithIdleJob(*impl_, job, "set weights", StateUse::kReplaces, [&](Job& idle) -> Status {
+    if (idle.step > 0) {  // a step completed while this waited
+      return Status::FailedPrecondition(StrCat("set weights: job '", idle.spec.name,
+                                               "' is at step ", idle.step, "; ",
+                                               kInitialWeightsOnly));
+    }
+    return WithUnitState(
+        idle, unit, Access::kUpdate,
+        [&](size_t, const StateView& state) {
+          std::memcpy(state.master, flat, numel * sizeof(float));
+          std::memset(state.master + numel, 0, (u.layout.padded - numel) * sizeof(float));
+          for (uint64_t i = 0; i < u.layout.padded; ++i)
+            state.publish[i] = FloatToBf16(state.master[i]);
+          return Status::Ok();
+        },
+        [&](size_t) { impl_->Publish(idle, u, 0, [] {}); });
+  });
 }
 
 namespace {
@@ -1713,9 +1728,6 @@ Status CheckIdle(const Job& j, std::string_view what) {
   return Status::Ok();
 }
 }  // namespace
-
-// What a call under WithIdleJob does to the job's state.
-enum class StateUse { kReads, kReplaces };
 
 // Runs fn(job) with the job idle and marked checkpointing (grads wait
 // meanwhile, and are refused after a call that replaces the state), then

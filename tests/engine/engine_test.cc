@@ -950,6 +950,41 @@ TEST(EngineJobsTest, AStateWrittenUnitByUnitIsRefusedAfterAnotherWritersWrite) {
   ASSERT_TRUE(e->UnregisterJob(*job).ok());
 }
 
+// Initial weights set while a load or a state write ran (another thread,
+// another client of ztierd) went in between its units: the load said ok
+// over a unit that held the weights set, or a read returned half of each.
+// Setting weights is refused while the state is being replaced, and moves
+// the weights generation a load through ztierd checks.
+TEST(EngineJobsTest, WeightsSetDuringALoadAreRefused) {
+  ScratchDir swap("swap");
+  auto fault = std::make_shared<nvme::FaultBackend>(nvme::MakeUringBackend());
+  auto e = MakeEngine(uint64_t{1} << 30, &swap, uint64_t{64} << 20, fault);
+  JobSpec spec;
+  spec.name = "set-during-load";
+  spec.units.push_back({"u", {{"u.w", {1024}}}});
+  Result<int> job = e->RegisterJob(Place(spec, Placement::kNvmeStates));
+  ASSERT_TRUE(job.ok()) << job.status();
+  const UnitLayout l = *e->Layout(*job, 0);
+  const std::vector<float> state(l.padded, 0.5f), weights(l.numel, 2.0f);
+  fault->SlowDown(nvme::IoKind::kWrite, 300ms);
+  std::thread writer(
+      [&] { EXPECT_TRUE(e->WriteState(*job, 0, state.data(), state.data(), state.data()).ok()); });
+  std::this_thread::sleep_for(50ms);
+  const Status set = e->WriteWeights(*job, 0, weights.data(), weights.size());
+  writer.join();
+  fault->SlowDown(nvme::IoKind::kWrite, 0ms);
+  EXPECT_EQ(set.code(), StatusCode::kFailedPrecondition) << set;
+  EXPECT_NE(set.message().find("in progress"), std::string::npos) << set;
+  std::vector<float> p(l.padded), m(l.padded), v(l.padded);
+  ASSERT_TRUE(e->ReadState(*job, 0, p.data(), m.data(), v.data()).ok());
+  EXPECT_EQ(p, state);
+  // Between: set, and the generation moved.
+  const int64_t g = e->WeightsGeneration(*job);
+  ASSERT_TRUE(e->WriteWeights(*job, 0, weights.data(), weights.size()).ok());
+  EXPECT_GT(e->WeightsGeneration(*job), g);
+  ASSERT_TRUE(e->UnregisterJob(*job).ok());
+}
+
 // What a client of the daemon does, in one process: map the job's regions
 // through the fds the engine gives, write grads through the read-write
 // mapping of the inbox, and read the new params through a read-only
