@@ -102,7 +102,15 @@ class Region {
       lock_err = LockInChunks(p, bytes);
       r.locked_ = lock_err == 0;
     }
-    if (!r.locked_) Prefault(p, bytes);
+    if (!r.locked_) {
+      // A page the kernel cannot give now (a cgroup's limit on memory or
+      // on hugetlb pages) fails the region here, not a write to it later
+      // (SIGBUS in ztierd or a client); a hugetlb one falls back to
+      // transparent huge pages (Make).
+      if (const int err = Prefault(p, bytes); err != 0) {
+        return PosixError(StrCat("fault in the ", bytes, " bytes of memfd ", name), err);
+      }
+    }
     r.lock_error_ = lock_err;
     r.name_ = name;
     r.huge_bytes_ = r.hugetlb_ ? bytes : HugeBytesOf(p);
@@ -133,10 +141,10 @@ class Region {
   // Faults every page of a mapping in (writes keep them: a region is fresh).
   // In chunks: a hugetlb region's faults hold the address space's lock
   // for as long as one call takes.
-  // Pages the advice could not fault in for another reason than its
-  // absence (a kernel before 5.14) are left to fault on first use: a
-  // hugetlb page a cgroup's limit refuses would raise SIGBUS on a write.
-  static void Prefault(void* p, uint64_t bytes) {
+  // Returns 0, or the errno of pages the advice could not fault in for
+  // another reason than its absence (a kernel before 5.14: the pages are
+  // written to instead).
+  static int Prefault(void* p, uint64_t bytes) {
     constexpr int kMadvPopulateWrite = 23;  // Linux 5.14
     auto* c = static_cast<char*>(p);
     uint64_t off = 0;
@@ -144,10 +152,11 @@ class Region {
       if (::madvise(c + off, std::min(kFaultChunk, bytes - off), kMadvPopulateWrite) == 0) {
         continue;
       }
-      if (errno != EINVAL) return;
+      if (errno != EINVAL) return errno;
       break;
     }
     for (auto* v = static_cast<volatile char*>(p); off < bytes; off += kPage) v[off] = 0;
+    return 0;
   }
 
   // Bytes of the mapping at `base` on PMD (2 MiB) pages, from smaps.

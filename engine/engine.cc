@@ -1066,8 +1066,20 @@ Result<UnitLayout> Engine::Layout(int job, int unit) const {
 
 // What a call under WithIdleJob does to the job's state.
 enum class StateUse { kReads, kReplaces };
+// How a call under WithIdleJob enters.
+struct IdleEntry {
+  // Waits for a call under way (a unit's write of another client's load,
+  // another unit's weights) rather than be refused "in progress": for the
+  // short calls of a state written unit by unit, whose order the weights
+  // generation checks.
+  bool wait_turn = false;
+  // Checked under the engine lock before the job is marked: a refusal
+  // changes nothing (a call that ran and failed counts as a replacement).
+  std::function<Status(const Job&)> check;
+};
 template <class Fn>
-Status WithIdleJob(Engine::Impl& e, int job, std::string_view what, StateUse use, const Fn& fn);
+Status WithIdleJob(Engine::Impl& e, int job, std::string_view what, StateUse use, const Fn& fn,
+                   const IdleEntry& entry = {});
 
 constexpr std::string_view kInitialWeightsOnly =
     "initial weights go in before the first step (load a checkpoint or import safetensors to "
@@ -1110,27 +1122,32 @@ Status Engine::WriteWeights(int job, int unit, const float* flat, uint64_t numel
                  u.StepInFlight() ? " with a step in flight" : "", "; ", kInitialWeightsOnly));
     }
   }
-  // The job to itself meanwhile, as a load's: a load or import under way
-  // (its unit written between two of theirs: neither state whole) refuses
-  // it, and it refuses a state read and the rest of a load through ztierd
-  // begun before it (the weights generation moves).
-  return WithIdleJob(*impl_, job, "set weights", StateUse::kReplaces, [&](Job& idle) -> Status {
-    if (idle.step > 0) {  // a step completed while this waited
-      return Status::FailedPrecondition(StrCat("set weights: job '", idle.spec.name,
-                                               "' is at step ", idle.step, "; ",
-                                               kInitialWeightsOnly));
-    }
-    return WithUnitState(
-        idle, unit, Access::kUpdate,
-        [&](size_t, const StateView& state) {
-          std::memcpy(state.master, flat, numel * sizeof(float));
-          std::memset(state.master + numel, 0, (u.layout.padded - numel) * sizeof(float));
-          for (uint64_t i = 0; i < u.layout.padded; ++i)
-            state.publish[i] = FloatToBf16(state.master[i]);
-          return Status::Ok();
-        },
-        [&](size_t) { impl_->Publish(idle, u, 0, [] {}); });
-  });
+  // The job to itself meanwhile, as a load's: it waits for a call under
+  // way (another unit's weights from another thread, a unit's write of a
+  // load through ztierd, a load) rather than go in between its units, and
+  // a state read or the rest of a load through ztierd begun before it is
+  // refused (the weights generation moves).
+  const IdleEntry entry{.wait_turn = true, .check = [&](const Job& idle) -> Status {
+                          if (idle.step == 0) return Status::Ok();
+                          return Status::FailedPrecondition(  // a step completed meanwhile
+                              StrCat("set weights: job '", idle.spec.name, "' is at step ",
+                                     idle.step, "; ", kInitialWeightsOnly));
+                        }};
+  return WithIdleJob(
+      *impl_, job, "set weights", StateUse::kReplaces,
+      [&](Job& idle) -> Status {
+        return WithUnitState(
+            idle, unit, Access::kUpdate,
+            [&](size_t, const StateView& state) {
+              std::memcpy(state.master, flat, numel * sizeof(float));
+              std::memset(state.master + numel, 0, (u.layout.padded - numel) * sizeof(float));
+              for (uint64_t i = 0; i < u.layout.padded; ++i)
+                state.publish[i] = FloatToBf16(state.master[i]);
+              return Status::Ok();
+            },
+            [&](size_t) { impl_->Publish(idle, u, 0, [] {}); });
+      },
+      entry);
 }
 
 namespace {
@@ -1733,14 +1750,20 @@ Status CheckIdle(const Job& j, std::string_view what) {
 // meanwhile, and are refused after a call that replaces the state), then
 // clears the mark.
 template <class Fn>
-Status WithIdleJob(Engine::Impl& e, int job, std::string_view what, StateUse use, const Fn& fn) {
+Status WithIdleJob(Engine::Impl& e, int job, std::string_view what, StateUse use, const Fn& fn,
+                   const IdleEntry& entry) {
   std::shared_ptr<Job> j;
   {
     std::unique_lock<std::mutex> lock(e.mu);
     ZT_ASSIGN_OR_RETURN(j, e.Find(job));
-    e.WaitQueuedStepsLocked(lock, *j);
+    for (;;) {
+      e.WaitQueuedStepsLocked(lock, *j);
+      if (!entry.wait_turn || !j->checkpointing || j->removed || !j->failure.ok()) break;
+      e.published_cv.wait(lock, [&] { return !j->checkpointing || j->removed; });
+    }
     if (j->removed) return Status::Aborted(StrCat("job ", job, " was unregistered"));
     ZT_RETURN_IF_ERROR(CheckIdle(*j, what));
+    if (entry.check) ZT_RETURN_IF_ERROR(entry.check(*j));
     j->checkpointing = true;
     j->replacing = use == StateUse::kReplaces;
   }
@@ -1829,28 +1852,38 @@ Status CheckWriter(const Job& j, int64_t generation) {
   if (now == generation) return Status::Ok();
   return Status::FailedPrecondition(
       StrCat("job '", j.spec.name, "': ", kAnotherWriter, " (of another client, ",
-             "or another thread) replaced the state while this one was under way (weights ",
-             "generation ", now, ", this one expected ", generation, "); the two would mix, so ",
-             "this one stopped: the job holds the other's state once it is done; run this one ",
-             "again after it if its state is the one wanted"));
+             "or another thread; or weights set) changed the state while this one was under way ",
+             "(weights generation ", now, ", this one expected ", generation, "); the two would ",
+             "mix, so this one stopped: a load or import that completes leaves the job its state ",
+             "whole; else it is partly written, refused by a save until a load or import ",
+             "commits. Run this one again once the other is done if its state is the one "
+             "wanted"));
 }
 }  // namespace
 
 Status Engine::WriteState(int job, int unit, const float* master, const float* exp_avg,
                           const float* exp_avg_sq, int64_t generation) {
-  return WithIdleJob(*impl_, job, "write state", StateUse::kReplaces, [&](Job& j) -> Status {
-    ZT_RETURN_IF_ERROR(CheckWriter(j, generation));
-    if (unit < 0 || unit >= static_cast<int>(j.units.size())) {
-      return Status::OutOfRange(StrCat("unit ", unit, " of ", j.units.size()));
-    }
-    if (master == nullptr || exp_avg == nullptr || exp_avg_sq == nullptr) {
-      return Status::InvalidArgument("WriteState: null master, m or v");
-    }
-    return WriteUnitStateImpl(j, static_cast<size_t>(unit),
-                              UnitState{.master = const_cast<float*>(master),
-                                        .exp_avg = const_cast<float*>(exp_avg),
-                                        .exp_avg_sq = const_cast<float*>(exp_avg_sq)});
-  });
+  // A refused write changes nothing (nor the generation another writer
+  // expects); one with a generation waits for the write under way.
+  const IdleEntry entry{
+      .wait_turn = generation >= 0, .check = [&](const Job& j) -> Status {
+        if (unit < 0 || unit >= static_cast<int>(j.units.size())) {
+          return Status::OutOfRange(StrCat("unit ", unit, " of ", j.units.size()));
+        }
+        if (master == nullptr || exp_avg == nullptr || exp_avg_sq == nullptr) {
+          return Status::InvalidArgument("WriteState: null master, m or v");
+        }
+        return CheckWriter(j, generation);
+      }};
+  return WithIdleJob(
+      *impl_, job, "write state", StateUse::kReplaces,
+      [&](Job& j) -> Status {
+        return WriteUnitStateImpl(j, static_cast<size_t>(unit),
+                                  UnitState{.master = const_cast<float*>(master),
+                                            .exp_avg = const_cast<float*>(exp_avg),
+                                            .exp_avg_sq = const_cast<float*>(exp_avg_sq)});
+      },
+      entry);
 }
 
 Status Engine::CommitState(int job, int64_t step, int64_t adam_step, int64_t generation) {
@@ -1859,10 +1892,11 @@ Status Engine::CommitState(int job, int64_t step, int64_t adam_step, int64_t gen
     return Status::InvalidArgument(StrCat("step ", step, ", adam step ", adam_step));
   }
   Impl& e = *impl_;
-  return WithIdleJob(e, job, "commit state", StateUse::kReplaces, [&](Job& j) -> Status {
-    ZT_RETURN_IF_ERROR(CheckWriter(j, generation));
-    return CommitStateImpl(j, step, adam_step, e.Committer(j));
-  });
+  return WithIdleJob(
+      e, job, "commit state", StateUse::kReplaces,
+      [&](Job& j) { return CommitStateImpl(j, step, adam_step, e.Committer(j)); },
+      IdleEntry{.wait_turn = generation >= 0,
+                .check = [&](const Job& j) { return CheckWriter(j, generation); }});
 }
 
 Result<std::pair<int64_t, int64_t>> Engine::Steps(int job) const {
