@@ -1996,7 +1996,7 @@ TEST(ZtierdProgramTest, AFloodOfConnectionsDoesNotFloodTheLog) {
 // saying what to look at.
 TEST(ZtierdProgramTest, AHelloNobodyAnswersFailsWithinFifteenSeconds) {
   ZtierdProcess d(ZTIERD_BINARY, {});
-  ASSERT_EQ(::kill(d.pid(), SIGSTOP), 0);
+  d.Pause();
   SessionOptions o;
   o.daemon_socket = d.socket();
   const auto t0 = std::chrono::steady_clock::now();

@@ -78,19 +78,6 @@ Result<std::unique_ptr<Session>> OpenSession(const std::string& socket) {
   return Session::Open(o);
 }
 
-// Returns once /proc says `pid` is stopped (a SIGSTOP lands a moment after
-// kill returns), or after a second.
-void WaitUntilStopped(pid_t pid) {
-  for (int i = 0; i < 500; ++i) {
-    std::ifstream stat(StrCat("/proc/", pid, "/stat"));
-    std::string line;
-    std::getline(stat, line);
-    const size_t paren = line.rfind(')');
-    if (paren != std::string::npos && paren + 2 < line.size() && line[paren + 2] == 'T') return;
-    std::this_thread::sleep_for(2ms);
-  }
-}
-
 // An in-process ztierd with the operator's control and a user's session.
 struct OperatedDaemon {
   std::unique_ptr<TestDaemon> daemon;
@@ -599,8 +586,7 @@ TEST(OperatorTest, ALeaseALateAcquireBringsIsGivenBack) {
   ASSERT_TRUE(t.ok()) << t.status() << d.log();
   Result<int> job = OneUnitWithWeights(**t, "late");
   ASSERT_TRUE(job.ok()) << job.status();
-  ASSERT_EQ(::kill(d.pid(), SIGSTOP), 0);
-  WaitUntilStopped(d.pid());
+  d.Pause();
   Result<const bf16*> p = (*t)->AcquireParams(*job, 0, 0, 0ms);
   EXPECT_EQ(p.status().code(), StatusCode::kUnavailable) << p.status();
   ASSERT_EQ(::kill(d.pid(), SIGCONT), 0);
@@ -622,8 +608,7 @@ TEST(OperatorTest, AReleaseWhileZtierdIsSilentIsSentAnyway) {
   Result<int> job = OneUnitWithWeights(**t, "silent");
   ASSERT_TRUE(job.ok()) << job.status();
   ASSERT_TRUE((*t)->AcquireParams(*job, 0, 0, 10s).ok());
-  ASSERT_EQ(::kill(d.pid(), SIGSTOP), 0);
-  WaitUntilStopped(d.pid());
+  d.Pause();
   EXPECT_EQ((*t)->SetLearningRates(*job, {1e-3f}).code(), StatusCode::kUnavailable);
   EXPECT_TRUE((*t)->ReleaseParams(*job, 0).ok()) << "refused while ztierd was silent";
   ASSERT_EQ(::kill(d.pid(), SIGCONT), 0);
@@ -652,8 +637,7 @@ TEST(OperatorTest, AStepQueryZtierdLeavesUnansweredSaysSo) {
   EXPECT_EQ(*none, -1);  // no weights yet: a value, not an error
   std::vector<float> w(4096, 0.5f);
   ASSERT_TRUE((*t)->WriteWeights(*job, 0, w.data(), w.size()).ok());
-  ASSERT_EQ(::kill(d.pid(), SIGSTOP), 0);
-  WaitUntilStopped(d.pid());
+  d.Pause();
   Result<int64_t> target = (*t)->TargetStep(*job);
   EXPECT_EQ(target.status().code(), StatusCode::kUnavailable) << target.status();
   EXPECT_NE(target.status().message().find("did not answer"), std::string::npos) << target.status();
@@ -825,7 +809,7 @@ TEST(ZtierctlProgramTest, TablesJsonAndExitCodes) {
   }
   // A ztierd that takes connections but does not answer (stopped) is said
   // after --timeout, not after two minutes.
-  ASSERT_EQ(::kill(d.pid(), SIGSTOP), 0);
+  d.Pause();
   const auto t0 = std::chrono::steady_clock::now();
   r = Ztierctl(sock + " --timeout 1 status", dir.path());
   const auto waited = std::chrono::steady_clock::now() - t0;
@@ -946,8 +930,7 @@ TEST(OperatorTest, AfterACallGoesUnansweredTheNextAreRefusedAtOnceUntilItAnswers
   Result<std::unique_ptr<DaemonControl>> c = DaemonControl::Connect(d.socket(), 500ms);
   ASSERT_TRUE(c.ok()) << c.status() << d.log();
   ASSERT_TRUE((*c)->GetStatus().ok());
-  ASSERT_EQ(::kill(d.pid(), SIGSTOP), 0);
-  WaitUntilStopped(d.pid());
+  d.Pause();
   Result<engine::DaemonStatus> first = (*c)->GetStatus();
   EXPECT_EQ(first.status().code(), StatusCode::kUnavailable) << first.status();
   EXPECT_NE(first.status().message().find("did not answer"), std::string::npos) << first.status();

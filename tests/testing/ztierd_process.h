@@ -81,6 +81,16 @@ class ZtierdProcess {
     }
   }
 
+  // Stops it (SIGSTOP) and returns once it is stopped: the signal lands a
+  // moment after kill returns, and a ztierd under load answered a call
+  // meanwhile.
+  void Pause() {
+    ASSERT_EQ(::kill(pid_, SIGSTOP), 0);
+    int st = 0;
+    ASSERT_EQ(::waitpid(pid_, &st, WUNTRACED), pid_);
+    ASSERT_TRUE(WIFSTOPPED(st));
+  }
+
   // Sends `sig` and reaps it: the exit code, 128 + the signal that ended
   // it, or -1 when it is still running after 10 s.
   int SignalAndWait(int sig) {
