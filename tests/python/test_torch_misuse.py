@@ -2014,6 +2014,20 @@ def test_a_step_skipped_for_nan_grads_names_a_penalty_over_the_parameters(settin
     z.close()
 
 
+def _gathered_copy_exports_and_traces(model, z, x):
+    """A copy made inside gathered() is a plain model holding the weights:
+    exported (torch.export) and traced (torch.jit.trace), it computes what
+    the offloaded model does. Returns that (the model's output)."""
+    with torch.no_grad():
+        want = model(x)
+    with z.gathered():
+        copied = copy.deepcopy(model)
+    assert torch.equal(torch.export.export(copied, (x,)).module()(x), want)
+    with torch.no_grad():
+        assert torch.equal(torch.jit.trace(copied, x)(x), want)
+    return want
+
+
 @pytest.mark.filterwarnings("ignore:.*torch.jit.trace")
 def test_export_or_trace_of_an_offloaded_model_is_refused_and_a_gathered_copy_exports(settings):
     # torch.jit.trace (and so the TorchScript ONNX exporter) made a program
@@ -2047,13 +2061,7 @@ def test_export_or_trace_of_an_offloaded_model_is_refused_and_a_gathered_copy_ex
     with pytest.raises(RuntimeError, match=r"ztier: torch.jit.trace of an offloaded model or of "
                        r"a part of it \(a Linear\)"):
         torch.jit.trace(model[2], torch.randn(4, 8))
-    with torch.no_grad():
-        want = model(x)
-    with z.gathered():
-        copied = copy.deepcopy(model)
-    assert torch.equal(torch.export.export(copied, (x,)).module()(x), want)
-    with torch.no_grad():
-        assert torch.equal(torch.jit.trace(copied, x)(x), want)
+    want = _gathered_copy_exports_and_traces(model, z, x)
     model.train()
     step(2)
     step(3)  # and the model trains on as ever
@@ -2086,13 +2094,7 @@ def test_a_copy_made_outside_gathered_is_refused_by_export_and_trace_too(setting
         torch.export.export(copy.deepcopy(stale), (x,))  # a copy of the copy
     # Made inside gathered(), it holds the weights: traced and exported, it
     # computes what the model does.
-    with torch.no_grad():
-        want = model(x)
-    with z.gathered():
-        copied = copy.deepcopy(model)
-    assert torch.equal(torch.export.export(copied, (x,)).module()(x), want)
-    with torch.no_grad():
-        assert torch.equal(torch.jit.trace(copied, x)(x), want)
+    want = _gathered_copy_exports_and_traces(model, z, x)
     # The copy made outside, given the weights (load_state_dict writes them
     # in place), is one too.
     stale.load_state_dict(model.state_dict())
