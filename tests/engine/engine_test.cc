@@ -884,9 +884,12 @@ TEST(EngineJobsTest, AStateReadWhileTheStateIsReplacedIsRefused) {
       const float value = 0.125f * static_cast<float>(round);
       const std::vector<float> state(l.padded, value);
       if (nvme) fault->SlowDown(nvme::IoKind::kWrite, 300ms);
+      std::atomic<bool> started{false};
       std::thread writer([&] {
+        started = true;
         EXPECT_TRUE(e->WriteState(*job, 0, state.data(), state.data(), state.data()).ok());
       });
+      while (!started.load()) std::this_thread::yield();
       std::this_thread::sleep_for(std::chrono::milliseconds(nvme ? 50 : round % 3));
       const Status read = e->ReadState(*job, 0, p.data(), m.data(), v.data());
       writer.join();
@@ -986,11 +989,13 @@ TEST(EngineJobsTest, WeightsSetDuringALoadWaitForIt) {
   const UnitLayout l = *e->Layout(*job, 0);
   const std::vector<float> state(l.padded, 0.5f), weights(l.numel, 2.0f);
   fault->SlowDown(nvme::IoKind::kWrite, 300ms);
-  std::atomic<bool> written{false};
+  std::atomic<bool> started{false}, written{false};
   std::thread writer([&] {
+    started = true;
     EXPECT_TRUE(e->WriteState(*job, 0, state.data(), state.data(), state.data()).ok());
     written = true;
   });
+  while (!started.load()) std::this_thread::yield();
   std::this_thread::sleep_for(50ms);
   const int64_t g = e->WeightsGeneration(*job);
   const Status set = e->WriteWeights(*job, 0, weights.data(), weights.size());
