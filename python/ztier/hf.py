@@ -214,10 +214,15 @@ for _name in ("revision", "cache_dir", "token", "force_download", "local_files_o
     _NOT_TAKEN[_name] = ("ztier loads a local directory only (it never goes to the Hub): give "
                          "the checkpoint's directory, e.g. huggingface_hub.snapshot_download's")
 
-# dtype= / torch_dtype= values: the dtype the module computes in.
-_COMPUTE_DTYPES = {torch.bfloat16: torch.bfloat16, torch.float32: torch.float32,
-                   "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-                   "float32": torch.float32, "fp32": torch.float32}
+
+def _compute_dtype(x):
+    """The torch dtype a dtype= / torch_dtype= value names (the dtypes an
+    export takes: bfloat16 or float32, by name or torch dtype), else None."""
+    from ztier import torch as zt
+
+    if not isinstance(x, (str, torch.dtype)) or x not in zt._EXPORT_DTYPES:
+        return None
+    return getattr(torch, zt._EXPORT_DTYPES[x])
 
 
 def _check_offload_kwargs(kwargs: dict):
@@ -246,7 +251,7 @@ def _given_dtype(dtype, torch_dtype, compute_dtype):
     """The compute dtype that dtype= / torch_dtype= ask for: a torch dtype,
     "auto" (config.json's, once read) or None (neither given)."""
     def same(x):
-        return _COMPUTE_DTYPES.get(x, x) if isinstance(x, (str, torch.dtype)) else x
+        return _compute_dtype(x) or x
 
     if dtype is not None and torch_dtype is not None and same(dtype) != same(torch_dtype):
         raise ValueError(f"ztier: dtype={dtype} and torch_dtype={torch_dtype} differ: give "
@@ -255,7 +260,7 @@ def _given_dtype(dtype, torch_dtype, compute_dtype):
     if given is None or (isinstance(given, str) and given == "auto"):
         # "auto" beside a compute_dtype: that one.
         return given if compute_dtype is None else None
-    want = _COMPUTE_DTYPES.get(given) if isinstance(given, (str, torch.dtype)) else None
+    want = _compute_dtype(given)
     if want is None:
         raise ValueError(
             f"ztier: {name}={given!r}: the engine keeps fp32 master weights and the model "
