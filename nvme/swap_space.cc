@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <condition_variable>
 #include <cstring>
 #include <deque>
@@ -1020,7 +1021,18 @@ Result<uint64_t> SwapSpace::Allocate(std::string_view name, uint64_t bytes) {
     }
   }
   place(start);
+  // A refusal for want of room says how full each path is; one for another
+  // cause (a failing drive: EIO) says that, not "full".
   const auto full = [&](const Status& why) {
+    const int err = why.sys_errno();
+    const bool no_room = err == 0 ? why.code() == StatusCode::kResourceExhausted  // the cap
+                                  : err == ENOSPC || err == EDQUOT || err == EFBIG;
+    if (!no_room) {
+      return Status(why.code(),
+                    StrCat("swap space could not place object '", name, "' (", units * stripe,
+                           " bytes): ", why.message()),
+                    err);
+    }
     std::string detail;
     for (uint32_t q = 0; q < npaths; ++q) {
       detail += StrCat(q ? ", " : "", sp.options.paths[q], ": ",
@@ -1029,7 +1041,7 @@ Result<uint64_t> SwapSpace::Allocate(std::string_view name, uint64_t bytes) {
     return Status(why.code(),
                   StrCat("swap space full: object '", name, "' needs ", units * stripe, " bytes; ",
                          why.message(), " (", detail, ")"),
-                  why.sys_errno());
+                  err);
   };
   // Where freed units gave their blocks back, they are reused before the
   // files' new tail is: the files grow by what this object needs and no

@@ -1258,6 +1258,25 @@ TEST_P(SwapSpaceTest, TheCapAndAFullDiskRefuseGrowthAndKeepEveryObject) {
   EXPECT_TRUE(space->Allocate("big", 1024 * kMiB).ok()) << "space came back";
 }
 
+// A drive that fails (EIO) while the files grow, or while freed units are
+// reserved again, is an I/O error that says so: not "swap space full" with
+// the bytes free beside it, which sent the reader looking for room.
+TEST_P(SwapSpaceTest, AGrowthThatFailsWithAnIoErrorIsNotCalledFull) {
+  std::shared_ptr<FaultBackend> fault = Faulty();
+  std::unique_ptr<SwapSpace> space = MustCreate(Options(2, 0), fault);
+  ASSERT_NE(space, nullptr);
+  fault->FailPreallocate(EIO);
+  Result<uint64_t> a = space->Allocate("a", 6 * kMiB);
+  ASSERT_FALSE(a.ok());
+  EXPECT_EQ(a.status().code(), StatusCode::kIoError) << a.status();
+  EXPECT_EQ(a.status().message().find("full"), std::string::npos) << a.status();
+  EXPECT_EQ(a.status().message().find("bytes free"), std::string::npos) << a.status();
+  EXPECT_NE(a.status().message().find("object 'a'"), std::string::npos) << a.status();
+  EXPECT_NE(a.status().message().find(std::strerror(EIO)), std::string::npos) << a.status();
+  fault->Reset();
+  EXPECT_TRUE(space->Allocate("a", 6 * kMiB).ok()) << "the drive came back";
+}
+
 // Objects start on the paths in turn. After frees on one path only, the
 // turn's path may be full (capped) while the other holds free units: the
 // object starts on the other. Before, it was refused ("swap space full")
