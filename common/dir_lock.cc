@@ -2,6 +2,7 @@
 #include "common/dir_lock.h"
 
 #include <fcntl.h>
+#include <pwd.h>
 #include <sys/file.h>
 #include <sys/stat.h>
 #include <sys/sysmacros.h>
@@ -11,9 +12,12 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <sstream>
 #include <utility>
 #include <vector>
+
+#include "common/log.h"
 
 namespace ztier {
 namespace {
@@ -31,7 +35,7 @@ std::vector<long> LockHolders(int fd) {
     std::string id, type, kind, access, dev;
     long pid = 0;
     fields >> id >> type;
-    if (type == "->") fields >> type;
+    if (type == "->") continue;  // waiting, not holding
     fields >> kind >> access >> pid >> dev;
     if (type != "FLOCK" || !fields) continue;
     unsigned major_no = 0, minor_no = 0;
@@ -44,11 +48,46 @@ std::vector<long> LockHolders(int fd) {
   return pids;
 }
 
-// "process 1234", "this process (pid 1234)", or "another process".
-std::string DescribeHolder(int fd) {
+// A lock holder as /proc tells it: its command and effective uid, where
+// readable (another user's process under hidepid is not).
+struct Holder {
+  long pid = 0;
+  std::string command;
+  std::optional<uid_t> uid;
+};
+
+Holder DescribePid(long pid) {
+  Holder h;
+  h.pid = pid;
+  std::ifstream in(StrCat("/proc/", pid, "/status"));
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind("Name:", 0) == 0) {
+      h.command = line.substr(line.find_first_not_of(" \t", 5));
+    } else if (line.rfind("Uid:", 0) == 0) {
+      std::istringstream ids(line.substr(4));
+      unsigned long real = 0, effective = 0;
+      if (ids >> real >> effective) h.uid = static_cast<uid_t>(effective);
+    }
+  }
+  return h;
+}
+
+std::string UserName(uid_t uid) {
+  struct passwd pw {};
+  struct passwd* found = nullptr;
+  std::vector<char> buf(4096);
+  if (::getpwuid_r(uid, &pw, buf.data(), buf.size(), &found) == 0 && found != nullptr) {
+    return StrCat("user ", found->pw_name);
+  }
+  return StrCat("uid ", uid);
+}
+
+// The holders of the lock on the file open as `fd`: from /proc/locks, else
+// the pid an exclusive holder wrote into the file.
+std::vector<Holder> Holders(int fd) {
   std::vector<long> pids = LockHolders(fd);
   if (pids.empty()) {
-    // An exclusive holder wrote its pid into the file.
     char buf[32] = {};
     const ssize_t n = ::pread(fd, buf, sizeof(buf) - 1, 0);
     if (n > 0) {
@@ -56,25 +95,54 @@ std::string DescribeHolder(int fd) {
       if (pid > 0) pids.push_back(pid);
     }
   }
-  if (pids.empty()) return "another process";
+  std::vector<Holder> out;
+  for (long pid : pids) out.push_back(DescribePid(pid));
+  return out;
+}
+
+// "process 1234 (ztierd, user ztier)", "this process (pid 1234)", or
+// "another process".
+std::string HoldersText(const std::vector<Holder>& holders) {
+  if (holders.empty()) return "another process";
   const long self = static_cast<long>(::getpid());
   std::string out;
-  for (long pid : pids) {
+  for (const Holder& h : holders) {
     if (!out.empty()) out += ", ";
-    out += pid == self ? StrCat("this process (pid ", pid, ")") : StrCat("process ", pid);
+    if (h.pid == self) {
+      out += StrCat("this process (pid ", h.pid, ")");
+      continue;
+    }
+    out += StrCat("process ", h.pid);
+    if (!h.command.empty() || h.uid) {
+      out += StrCat(" (", h.command, !h.command.empty() && h.uid ? ", " : "",
+                    h.uid ? UserName(*h.uid) : "", ")");
+    }
   }
   return out;
 }
 
-Status Busy(std::string_view what, const std::string& dir, const std::string& path, int fd,
-            std::string_view advice = {}) {
-  return Status(
-      StatusCode::kUnavailable,
-      StrCat(what, " ", dir, " is in use by ", DescribeHolder(fd), " (lock file ", path, "); ",
-             advice.empty() ? "two users must not share it: wait for the other one to "
-                              "finish, or choose another directory"
-                            : advice),
-      EWOULDBLOCK);
+Status Busy(std::string_view what, const std::string& dir, const std::string& path,
+            const std::vector<Holder>& holders, std::string_view advice = {}) {
+  return Status(StatusCode::kUnavailable,
+                StrCat(what, " ", dir, " is in use by ", HoldersText(holders), " (lock file ",
+                       path, "); ",
+                       advice.empty() ? "two users must not share it: wait for the other one to "
+                                        "finish, or choose another directory"
+                                      : advice),
+                EWOULDBLOCK);
+}
+
+// Whether the lock on our file open as `fd` is held only by processes of
+// other users (not root): they opened it while it was readable to them (a
+// file an older version made 0644 and a killed holder left), and hold it to
+// keep us out. Our own processes, and root's, are never taken for them.
+bool HeldByIntruders(int fd, const std::vector<Holder>& holders) {
+  struct stat st {};
+  if (holders.empty() || ::fstat(fd, &st) != 0 || st.st_uid != ::geteuid()) return false;
+  for (const Holder& h : holders) {
+    if (!h.uid || *h.uid == ::geteuid() || *h.uid == 0) return false;
+  }
+  return true;
 }
 
 void WritePid(int fd) {
@@ -98,20 +166,42 @@ Result<DirLock> DirLock::Acquire(const std::string& dir, std::string_view file_n
   // The path may be removed by a releasing holder between our open and our
   // flock: then the lock we got is on a dead file, so try again.
   for (int attempt = 0; attempt < 16; ++attempt) {
-    int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0644);
+    // Only its owner may open the file: flock needs no write access, so
+    // anyone who can read a lock file can hold it and keep its owner out.
+    int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0600);
     int err = fd < 0 ? errno : 0;
     if (fd < 0 && mode == Mode::kShared && (err == EACCES || err == EROFS)) {
       fd = ::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC);  // readers need no write
       if (fd < 0 && errno != ENOENT) err = errno;  // else: the write refusal says why
     }
     if (fd < 0) return PosixError(StrCat("lock file ", path, " of ", what, " ", dir), err);
+    struct stat mine {};
+    if (::fstat(fd, &mine) == 0 && mine.st_uid == ::geteuid() && (mine.st_mode & 077) != 0) {
+      (void)::fchmod(fd, 0600);  // left readable by an older version
+    }
     if (::flock(fd, op) != 0) {
       err = errno;
-      Status s = err == EWOULDBLOCK
-                     ? Busy(what, dir, path, fd, advice)
-                     : PosixError(StrCat("flock ", path, " of ", what, " ", dir), err);
+      if (err == EWOULDBLOCK) {
+        std::vector<Holder> holders = Holders(fd);
+        if (HeldByIntruders(fd, holders)) {
+          // Our file, held by other users only: it goes, and the lock is
+          // taken on a new one that they cannot open.
+          ZT_LOG(kWarn, "lock") << "lock file " << path << " of " << what << " " << dir
+                                << " was held by " << HoldersText(holders)
+                                << ", who may not hold it; replaced by a new one";
+          struct stat now {};
+          if (::stat(path.c_str(), &now) == 0 && now.st_ino == mine.st_ino &&
+              now.st_dev == mine.st_dev) {
+            ::unlink(path.c_str());
+          }
+          ::close(fd);
+          continue;
+        }
+        ::close(fd);
+        return Busy(what, dir, path, holders, advice);
+      }
       ::close(fd);
-      return s;
+      return PosixError(StrCat("flock ", path, " of ", what, " ", dir), err);
     }
     struct stat held {
     }, now{};
@@ -131,6 +221,14 @@ Result<DirLock> DirLock::Acquire(const std::string& dir, std::string_view file_n
   }
   return Status::Unavailable(
       StrCat("lock file ", path, " of ", what, " ", dir, " keeps being replaced; try again"));
+}
+
+std::string DirLock::DescribeHolders(const std::string& lock_file) {
+  const int fd = ::open(lock_file.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+  if (fd < 0) return "another process";
+  std::string out = HoldersText(Holders(fd));
+  ::close(fd);
+  return out;
 }
 
 DirLock::~DirLock() { Release(); }
@@ -154,7 +252,7 @@ Status DirLock::MakeExclusive() {
   if (mode_ == Mode::kExclusive) return Status::Ok();
   if (::flock(fd_, LOCK_EX | LOCK_NB) != 0) {
     const int err = errno;
-    Status s = err == EWOULDBLOCK ? Busy(what_, dir_, path_, fd_)
+    Status s = err == EWOULDBLOCK ? Busy(what_, dir_, path_, Holders(fd_))
                                   : PosixError(StrCat("flock ", path_), err);
     if (::flock(fd_, LOCK_SH | LOCK_NB) != 0) {  // lost in the conversion's gap
       ::close(fd_);

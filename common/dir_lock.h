@@ -13,6 +13,13 @@
 // checks that the file it locked is still the one at the path, so that
 // removal never lets two holders in.
 //
+// flock needs only a file one can open, not write: a lock file another user
+// can read, they can hold, keeping its owner out of their own directory. So
+// lock files are the owner's alone (0600; one an older version left
+// readable is made so), and a file of ours whose lock only other users'
+// processes (not root's) hold is replaced by a new one. Refusals name each
+// holder's command and user.
+//
 // Thread safety: a DirLock is a value owned by one thread at a time.
 // Failure: every call returns a Status; the destructor releases silently.
 #ifndef ZTIER_COMMON_DIR_LOCK_H_
@@ -59,6 +66,11 @@ class DirLock {
 
   // Releases the lock now (an exclusive holder removes the lock file).
   void Release();
+
+  // Who holds the lock on `lock_file`, for a message: "process 1234
+  // (ztierd, user ztier)", "this process (pid 1234)", or "another process"
+  // (none found, or the file cannot be opened).
+  static std::string DescribeHolders(const std::string& lock_file);
 
  private:
   std::string dir_, path_, what_;

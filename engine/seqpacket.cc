@@ -346,18 +346,10 @@ Result<SeqPacketListener> SeqPacketListener::Listen(const std::string& path, mod
                                           "the directory of the socket", DirLock::Mode::kExclusive);
   if (!lock.ok()) {
     if (lock.status().code() != StatusCode::kUnavailable) return lock.status();
-    // The holder wrote its pid into the lock file.
-    std::string holder;
-    if (std::FILE* f = std::fopen((where.string() + ".lock").c_str(), "r")) {
-      char buf[32] = {};
-      if (std::fgets(buf, sizeof(buf), f) != nullptr) {
-        holder = std::string(buf, std::strcspn(buf, "\n"));
-      }
-      std::fclose(f);
-    }
-    return Status::Unavailable(StrCat(path, " is in use: another ztierd",
-                                      holder.empty() ? "" : StrCat(" (process ", holder, ")"),
-                                      " listens there or is starting"));
+    const std::string lock_file = where.string() + ".lock";
+    return Status::Unavailable(StrCat(path, " is in use by ", DirLock::DescribeHolders(lock_file),
+                                      ", which holds its lock file ", lock_file,
+                                      ": another ztierd listens there or is starting"));
   }
   // A socket file already there: live (someone accepts) is an error; stale
   // (its process died) is replaced.

@@ -2,8 +2,12 @@
 // and across processes, the holder named in the error, release on death.
 #include "common/dir_lock.h"
 
+#include <fcntl.h>
+#include <grp.h>
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <sys/file.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -56,7 +60,9 @@ TEST(DirLockTest, AnotherProcessIsNamedAndItsDeathReleasesTheLock) {
   ASSERT_EQ(c, 'y');
   Result<DirLock> refused = Lock(dir.path());
   ASSERT_FALSE(refused.ok());
-  EXPECT_NE(refused.status().message().find(StrCat("process ", child)), std::string::npos)
+  // Named with its command and user, so an operator sees whose it is.
+  EXPECT_NE(refused.status().message().find(StrCat("process ", child, " (dir_lock_test, ")),
+            std::string::npos)
       << refused.status();
   ::kill(child, SIGKILL);  // no cleanup runs: the kernel drops the lock
   ::waitpid(child, nullptr, 0);
@@ -86,6 +92,76 @@ TEST(DirLockTest, MissingDirectoryAndFileAreErrors) {
   EXPECT_EQ(Lock(dir / "missing").status().code(), StatusCode::kNotFound);
   std::ofstream(dir / "plain") << "x";
   EXPECT_EQ(Lock(dir / "plain").status().code(), StatusCode::kInvalidArgument);
+}
+
+// flock needs no write access: a lock file that others can read, they can
+// hold, keeping its owner out of their own directory. Lock files are the
+// owner's alone, whatever the umask, and one left readable is made so.
+TEST(DirLockTest, LockFilesAreTheOwnersAlone) {
+  ScratchDir dir("dir-lock");
+  const fs::path file = dir / kFile;
+  const mode_t umask_was = ::umask(0);
+  Result<DirLock> a = Lock(dir.path());
+  ::umask(umask_was);
+  ASSERT_TRUE(a.ok()) << a.status();
+  EXPECT_EQ(fs::status(file).permissions(), fs::perms::owner_read | fs::perms::owner_write);
+  a->Release();
+  std::ofstream(file) << "1\n";  // left readable, as by an older version killed holding it
+  fs::permissions(file, fs::perms::owner_read | fs::perms::owner_write | fs::perms::group_read |
+                            fs::perms::others_read);
+  a = Lock(dir.path());
+  ASSERT_TRUE(a.ok()) << a.status();
+  EXPECT_EQ(fs::status(file).permissions(), fs::perms::owner_read | fs::perms::owner_write);
+}
+
+// Another user who opened a lock file of ours while it was readable, and
+// holds its lock, keeps us out no longer: the file is replaced by one they
+// cannot open. (Before: "in use by process N; two users must not share
+// it", for good.)
+TEST(DirLockTest, AnotherUserHoldingOurLeftoverLockFileKeepsUsOutNoLonger) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root, to act as another user";
+  ScratchDir dir("dir-lock");
+  fs::permissions(dir.path(), fs::perms::owner_all | fs::perms::group_read | fs::perms::group_exec |
+                                  fs::perms::others_read | fs::perms::others_exec);
+  const fs::path file = dir / kFile;
+  std::ofstream(file) << "1\n";
+  fs::permissions(file, fs::perms::owner_read | fs::perms::owner_write | fs::perms::group_read |
+                            fs::perms::others_read);
+  int ready[2];
+  ASSERT_EQ(::pipe(ready), 0);
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {  // nobody, holding our file's lock through a read-only open
+    char c = 'y';
+    if (::setgroups(0, nullptr) != 0 || ::setresgid(65534, 65534, 65534) != 0 ||
+        ::setresuid(65534, 65534, 65534) != 0) {
+      c = 'u';
+    } else {
+      const int fd = ::open(file.c_str(), O_RDONLY | O_CLOEXEC);
+      if (fd < 0 || ::flock(fd, LOCK_EX | LOCK_NB) != 0) c = 'n';
+    }
+    [[maybe_unused]] ssize_t n = ::write(ready[1], &c, 1);
+    ::pause();  // killed below
+    ::_exit(0);
+  }
+  char c = 0;
+  ASSERT_EQ(::read(ready[0], &c, 1), 1);
+  ::close(ready[0]);
+  ::close(ready[1]);
+  const auto end_child = [&] {
+    ::kill(child, SIGKILL);
+    ::waitpid(child, nullptr, 0);
+  };
+  if (c != 'y') {
+    end_child();
+    GTEST_SKIP() << (c == 'u' ? "cannot become nobody" : "nobody cannot reach the scratch dir");
+  }
+  Result<DirLock> mine = Lock(dir.path());
+  EXPECT_TRUE(mine.ok()) << mine.status();
+  EXPECT_EQ(fs::status(file).permissions(), fs::perms::owner_read | fs::perms::owner_write);
+  end_child();
+  // A process of our own holding it is still one to wait for.
+  EXPECT_EQ(Lock(dir.path()).status().code(), StatusCode::kUnavailable);
 }
 
 TEST(DirLockTest, MovedLockStaysHeld) {

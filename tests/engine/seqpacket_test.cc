@@ -163,7 +163,7 @@ TEST(SeqPacketTest, ListenerBindsWithItsModeAndRefusesALiveSocket) {
   ASSERT_FALSE(second.ok());
   EXPECT_EQ(second.status().code(), StatusCode::kUnavailable) << second.status();
   EXPECT_NE(second.status().message().find("in use"), std::string::npos) << second.status();
-  EXPECT_NE(second.status().message().find(StrCat("another ztierd (process ", ::getpid(), ")")),
+  EXPECT_NE(second.status().message().find(StrCat("in use by this process (pid ", ::getpid(), ")")),
             std::string::npos)
       << second.status();
   // So is one while the file is gone (removed by hand) and the first still
