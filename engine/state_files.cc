@@ -2,6 +2,8 @@
 // state_files.h).
 #include "engine/state_files.h"
 
+#include <sys/stat.h>
+
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
@@ -409,6 +411,14 @@ Status CheckManifestIsNoLink(const std::string& dir) {
 }
 
 Status SaveCheckpointFiles(const JobDescription& job, StateAccess& state, const std::string& dir) {
+  // With no manifest, no shard file there is committed (a first save was
+  // killed before its commit): they go before this save needs their room.
+  // On a disk with room for one checkpoint, every later save failed on them.
+  struct stat manifest_stat {};
+  if (::lstat((fs::path(dir) / kCheckpointManifestName).c_str(), &manifest_stat) != 0 &&
+      errno == ENOENT) {
+    (void)RemoveUnnamed(dir, {});  // logged
+  }
   CheckpointManifest manifest;
   manifest.job = job.name;
   manifest.step = job.step;
@@ -479,8 +489,13 @@ Status RemoveCheckpointFiles(const std::string& dir) {
 
 Status RemoveUnnamedCheckpointFiles(const std::string& dir) {
   Result<std::set<std::string>> named = NamedFiles(dir);
-  if (!named.ok()) return Status::Ok();  // nothing to tell the unused ones by
-  return RemoveUnnamed(dir, *named);
+  if (named.ok()) return RemoveUnnamed(dir, *named);
+  // No manifest: no shard file there is committed. One that cannot be read
+  // may name them: nothing to tell the unused ones by.
+  if (named.status().code() == StatusCode::kNotFound && fs::is_directory(dir)) {
+    return RemoveUnnamed(dir, {});
+  }
+  return Status::Ok();
 }
 
 // Loads take no lock: the manifest is replaced atomically and names files

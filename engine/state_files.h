@@ -90,9 +90,10 @@ Status PartlyWrittenNote(const StateAccess& state, Status st, std::string_view w
 Status SaveCheckpointFiles(const JobDescription& job, StateAccess& state, const std::string& dir);
 // Removes the unit files in `dir` that its manifest does not name: a save
 // killed after its manifest and before its cleanup leaves the older
-// checkpoint's files, which only a later save removed. Call holding the
+// checkpoint's files; one killed before its manifest, its own (every shard
+// file, when there is no manifest: a save removes those first). Call holding the
 // directory's claim (no other save writing there). A manifest that cannot
-// be read, or none, removes nothing. Errors: a file that cannot be removed.
+// be read removes nothing. Errors: a file that cannot be removed.
 Status RemoveUnnamedCheckpointFiles(const std::string& dir);
 // Removes the checkpoint in `dir`: its manifest first (made durable, so no
 // load takes a part of it), then the shard files of every save; other files

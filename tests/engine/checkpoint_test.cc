@@ -142,6 +142,40 @@ TEST_F(CheckpointFaultTest, ASaveRemovesOlderShardFilesAndNoOtherFile) {
   EXPECT_EQ(LoadFresh(), 2);
 }
 
+// A first save killed before its manifest leaves shard files (and temp
+// files) that no manifest names. The next save removes them before it
+// writes: on a disk with room for one checkpoint it failed on them
+// (ENOSPC) and kept them, as did every save after. A user's files stay.
+TEST_F(CheckpointFaultTest, ASaveKilledBeforeItsFirstManifestLeavesNoFilesInTheNextOnesWay) {
+  const std::vector<std::string> killed = {"unit-0-rank-0-step-3-77490b9f.bin",
+                                           "unit-1-rank-0-step-3-77490b9f.bin",
+                                           "unit-2-rank-0-step-3-77490b9f.bin.123-4.tmp"};
+  const std::vector<std::string> users = {"unit-test-results.txt", "notes.txt"};
+  for (const std::string& name : killed) {
+    ASSERT_TRUE(WriteFileAtomically((fs::path(dir_.path()) / name).string(), name).ok());
+  }
+  for (const std::string& name : users) {
+    ASSERT_TRUE(WriteFileAtomically((fs::path(dir_.path()) / name).string(), name).ok());
+  }
+  ASSERT_FALSE(fs::exists(fs::path(dir_.path()) / "manifest.json"));
+  // Room for one checkpoint: a shard write finds the disk full while the
+  // killed save's files are there.
+  const std::string first = (fs::path(dir_.path()) / killed[0]).string();
+  SetFileFaultHook([&](FileOp op, const std::string& path) {
+    return op == FileOp::kWrite && path.find("/unit-") != std::string::npos && fs::exists(first)
+               ? ENOSPC
+               : 0;
+  });
+  Status s = engine_->SaveCheckpoint(job_, dir_.path());
+  SetFileFaultHook({});
+  ASSERT_TRUE(s.ok()) << s;
+  saved_[0] = Snapshot(*engine_, job_);
+  const std::set<std::string> now = Files(dir_.path());
+  for (const std::string& name : killed) EXPECT_EQ(now.count(name), 0u) << name << " stayed";
+  for (const std::string& name : users) EXPECT_EQ(now.count(name), 1u) << name << " was removed";
+  EXPECT_EQ(LoadFresh(), 0);
+}
+
 // A load whose apply pass failed midway (a shard file unreadable the
 // second time) returned its error, but the job trained on a mix of the
 // file's units and its own, and could save that mix. It now refuses grads,
