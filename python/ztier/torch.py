@@ -2098,18 +2098,26 @@ class Offload:
         keys = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.requires_grad]
         if not pos and not keys:
             return None
-        tensors = [args[i] for i in pos] + [kwargs[k] for k in keys]
+        # One tensor in several slots (attention's m(h, h, h)) goes through
+        # once and comes out as one: a module that asks `query is key` (
+        # nn.MultiheadAttention's packed self-attention) takes its own path.
+        tensors, slot_of, seen = [], [], {}
+        for t in [args[i] for i in pos] + [kwargs[k] for k in keys]:
+            if id(t) not in seen:
+                seen[id(t)] = len(tensors)
+                tensors.append(t)
+            slot_of.append(seen[id(t)])
         out = _PostBackward.apply(self, call, *tensors)
         if not isinstance(out, tuple):
             out = (out,)
         if self._phase != "backward":  # a recompute's post-forward does not look
             self._input_versions[call] = [(o, o._version) for o in out]
         args = list(args)
-        for i, o in zip(pos, out[:len(pos)]):
-            args[i] = o
+        for i, j in zip(pos, slot_of[:len(pos)]):
+            args[i] = out[j]
         kwargs = dict(kwargs)
-        for k, o in zip(keys, out[len(pos):]):
-            kwargs[k] = o
+        for k, j in zip(keys, slot_of[len(pos):]):
+            kwargs[k] = out[j]
         return tuple(args), kwargs
 
     def _enter_backward(self):

@@ -1156,3 +1156,51 @@ def test_a_loss_a_block_kept_on_itself_trains(settings, block):
     # out of bounds for storage of size 0").
     _, z = _against_reference(lambda: _AuxStack(block), settings, _x)
     assert [u.name for u in z.units][1:4] == ["layers.0", "layers.1", "layers.2"]
+
+
+def test_one_tensor_passed_to_a_block_several_times_stays_one_tensor(settings):
+    # A tensor in several argument slots (self-attention's mha(h, h, h)) came
+    # into the block as a tensor per slot: nn.MultiheadAttention, which asks
+    # `query is key`, left its packed self-attention for three projections,
+    # and trained away from the reference (the key bias's grad, 0, came out
+    # as rounding noise that AdamW made a step of).
+    seen = []
+
+    class Attention(nn.MultiheadAttention):
+        def forward(self, q, k, v):
+            seen.append(q is k and k is v)
+            return super().forward(q, k, v)[0]
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(20, 16)
+            self.attn = Attention(16, 2, batch_first=True)
+            self.head = nn.Linear(16, 20)
+
+        def forward(self, x):
+            h = self.emb(x)
+            return self.head(self.attn(h, h, v=h))
+
+    def tokens(step):
+        return torch.randint(0, 20, (3, 7), generator=torch.Generator().manual_seed(step))
+
+    torch.manual_seed(0)
+    model = Net()
+    torch.manual_seed(0)
+    ref_model = Net()
+    z = zt.offload(model, optimizer=ADAMW, settings=settings)
+    ref = Reference(ref_model, z, ADAMW)
+    for step in range(4):
+        x = tokens(step)
+        model(x).float().pow(2).mean().backward()
+        ref.backward(ref_model(x).float().pow(2).mean())
+        z.optimizer.step()
+        ref.step([g["lr"] for g in z.optimizer.param_groups])
+    assert seen and all(seen), seen
+    masters = z.master_weights()
+    for u in ref.units:
+        for name, off, n, _, _ in u["tensors"]:
+            want = u["master"][off:off + n].view(masters[name].shape)
+            assert torch.equal(masters[name], want), (
+                name, (masters[name] - want).abs().max().item())
