@@ -652,8 +652,18 @@ class DaemonTransport final : public Transport, public ControlTransport {
         ZT_RETURN_IF_ERROR(
             fn(k, engine::UnitState{.master = f, .exp_avg = f + n, .exp_avg_sq = f + 2 * n}));
         if (write) {
-          ZT_RETURN_IF_ERROR(t_.StagedCall(p::MessageType::kWriteState, job_, unit, staging,
-                                           3 * n * sizeof(float), generation_));
+          Status written = t_.StagedCall(p::MessageType::kWriteState, job_, unit, staging,
+                                         3 * n * sizeof(float), generation_);
+          if (!written.ok()) {
+            // A write refused before it began (another writer, grads
+            // pending) changed nothing; one that failed in the engine's
+            // write (the drive, NVMe states) left the unit half written.
+            if (written.code() == StatusCode::kIoError ||
+                written.code() == StatusCode::kCorruption) {
+              ++units_written_;
+            }
+            return written;
+          }
           ++generation_;
           ++units_written_;
         }

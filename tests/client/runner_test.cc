@@ -693,6 +693,26 @@ struct SlowDriveRun {
   }
 };
 
+// A load whose write of a unit fails on the drive (NVMe states) leaves the
+// job partly loaded, and says so: through ztierd the client counted only
+// the writes that succeeded, so a first write that failed in ztierd's
+// engine said nothing of it. Loading again recovers.
+TEST(RunnerTest, ALoadWhoseFirstWriteFailsOnTheDriveSaysTheJobIsPartlyLoaded) {
+  SlowDriveRun r;
+  ASSERT_TRUE(r.Start().ok());
+  ScratchDir ckpt("runner-ckpt");
+  ASSERT_TRUE(r.model->SaveCheckpoint(ckpt.path()).ok());
+  r.fault->FailFrom(nvme::IoKind::kWrite, 1, EIO);
+  Status st = r.model->LoadCheckpoint(ckpt.path());
+  r.fault->Reset();
+  ASSERT_EQ(st.code(), StatusCode::kIoError) << st;
+  EXPECT_NE(st.message().find("partly loaded"), std::string::npos) << st;
+  EXPECT_EQ(r.model->SaveCheckpoint(ckpt.path()).code(), StatusCode::kFailedPrecondition);
+  Status again = r.model->LoadCheckpoint(ckpt.path());
+  EXPECT_TRUE(again.ok()) << again;
+  EXPECT_TRUE(r.model->SaveCheckpoint(ckpt.path()).ok());
+}
+
 // Model::WaitPublished's timeout bounds the whole call: units that publish
 // one after another, each within the timeout of the one before, are not
 // waited for up to units x timeout (each unit's wait had the whole timeout).
