@@ -1055,7 +1055,8 @@ class Daemon::Impl::Connection {
     if (in_flight_ >= d_.options.max_requests_in_flight) {
       refused = Status::ResourceExhausted(
           StrCat("requests in flight on one connection: ", in_flight_, " of the quota of ",
-                 d_.options.max_requests_in_flight, " (daemon max_requests_in_flight)"));
+                 d_.options.max_requests_in_flight,
+                 " (daemon max_requests_in_flight: ztierd's --max-requests-in-flight)"));
     } else {
       ++in_flight_;
       queue_.push_back(std::move(req));

@@ -87,7 +87,7 @@ void Usage(std::ostream& out) {
          "  --allow-uid     a uid that may connect besides root and ztierd's own (repeat);\n"
          "                  none: every uid the socket's permissions let in\n"
          "  --max-jobs-per-uid, --max-connections-per-uid (defaults 16, 64),\n"
-         "  --max-requests-in-flight (per connection, default 256),\n"
+         "  --max-requests-in-flight (per connection, default 256, at least 32),\n"
          "  --max-dram-per-uid, --max-nvme-per-uid (bytes, e.g. 64G; default: none): quotas\n"
          "  --job-grace-seconds  keep a job whose last client died this long, so a\n"
          "                  restarted rank can attach to it again (default 0: free it at once)\n"
@@ -104,6 +104,10 @@ void Usage(std::ostream& out) {
          "  --quota-file FILE  keep quotas set with ztierctl there across restarts\n"
          "  --describe-settings  print every setting as a markdown table and exit\n";
 }
+
+// The least --max-requests-in-flight: 8 local ranks' fetches, pushes and
+// releases on one connection (a rank keeps up to 4 in flight).
+constexpr int64_t kLeastRequestsInFlight = 32;
 
 Result<int64_t> IntFlag(std::string_view flag, std::string_view text, int64_t lo, int64_t hi) {
   int64_t v = 0;
@@ -155,7 +159,8 @@ Result<Flags> ParseFlags(int argc, char** argv) {
       const std::string_view text(v);
       const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), mode, 8);
       if (ec != std::errc() || end != text.data() + text.size() || mode > 0777) {
-        return Status::InvalidArgument(StrCat("--socket-mode: '", v, "' is not an octal mode"));
+        return Status::InvalidArgument(
+            StrCat("--socket-mode: '", v, "' is not an octal mode of at most 0777"));
       }
       f.socket_mode = static_cast<mode_t>(mode);
     } else if (a == "--allow-uid") {
@@ -196,6 +201,15 @@ Result<Flags> ParseFlags(int argc, char** argv) {
       f.daemon.quota_file = v;
     } else if (a == "--max-requests-in-flight") {
       ZT_ASSIGN_OR_RETURN(int64_t n, IntFlag(a, v, 1, 1 << 16));
+      if (n < kLeastRequestsInFlight) {
+        // Below it a training process's own calls are refused, and its
+        // jobs fail, rather than wait.
+        return Status::InvalidArgument(
+            StrCat(a, ": ", n, " is below ", kLeastRequestsInFlight,
+                   ", what a training process of 8 local ranks keeps in flight on its "
+                   "connection (each rank's param fetches, grad pushes and releases): its jobs "
+                   "would fail"));
+      }
       f.daemon.max_requests_in_flight = static_cast<int>(n);
     } else {
       return Status::InvalidArgument(StrCat("unknown flag '", a, "'"));

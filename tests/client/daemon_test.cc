@@ -1545,6 +1545,22 @@ TEST(ZtierdProgramTest, BadUsageAndASocketInUseAreClearErrors) {
   std::tie(rc, out) = RunZtierd("--socket /tmp/x.sock --socket-mode +660");
   EXPECT_EQ(rc, 2) << out;
   EXPECT_NE(out.find("--socket-mode: '+660' is not an octal mode"), std::string::npos) << out;
+  // Digits past 0777 are octal too: the bound is what is wrong.
+  std::tie(rc, out) = RunZtierd("--socket /tmp/x.sock --socket-mode 7777");
+  EXPECT_EQ(rc, 2) << out;
+  EXPECT_NE(out.find("is not an octal mode of at most 0777"), std::string::npos) << out;
+  // Fewer requests in flight than a training process keeps on its
+  // connection: its jobs failed ("1 of the quota of 1") rather than wait.
+  for (const char* n : {"1", "31"}) {
+    std::tie(rc, out) = RunZtierd(StrCat("--socket /tmp/x.sock --max-requests-in-flight ", n));
+    EXPECT_EQ(rc, 2) << out;
+    EXPECT_NE(out.find(StrCat("--max-requests-in-flight: ", n, " is below 32")), std::string::npos)
+        << out;
+  }
+  ScratchDir metrics("ztierd-metrics");
+  std::tie(rc, out) = RunZtierd("--socket " + metrics.path() + "/d.sock --metrics :9464");
+  EXPECT_EQ(rc, 2) << out;
+  EXPECT_NE(out.find("no host before the port"), std::string::npos) << out;
   // A socket path only a change of settings mends: 2, not 1 (a runtime
   // error, which systemd restarts every 2 s for ever).
   std::tie(rc, out) = RunZtierd("--socket /nonexistent-dir/ztierd.sock");
