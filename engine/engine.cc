@@ -920,11 +920,44 @@ Result<int> Engine::RegisterJob(
   ZT_ASSIGN_OR_RETURN(const uint64_t dram_need, e.CheckDramNeed(*job));
   // The swap objects the loop below allocates, in whole stripe units.
   uint64_t nvme_need = 0;
+  uint64_t path_need = 0;  // the most one path may need: objects' stripes are dealt round robin
+  const uint64_t swap_paths = std::max<uint64_t>(e.settings.nvme_paths.size(), 1);
+  const auto on_one_path = [&](uint64_t footprint) {
+    return (footprint / e.settings.stripe_bytes + swap_paths - 1) / swap_paths *
+           e.settings.stripe_bytes;
+  };
   for (const Unit& u : job->units) {
-    if (job->ring != nullptr) nvme_need += SwapFootprint(StateBytes(u, job->state_dtype));
-    if (nvme_params) nvme_need += 2 * SwapFootprint(ParamBytes(u.layout));
+    if (job->ring != nullptr) {
+      nvme_need += SwapFootprint(StateBytes(u, job->state_dtype));
+      path_need += on_one_path(SwapFootprint(StateBytes(u, job->state_dtype)));
+    }
+    if (nvme_params) {
+      nvme_need += 2 * SwapFootprint(ParamBytes(u.layout));
+      path_need += 2 * on_one_path(SwapFootprint(ParamBytes(u.layout)));
+    }
   }
   if (admit) ZT_RETURN_IF_ERROR(admit(dram_need, nvme_need));
+  // The swap files' cap, for the whole job up front (as its DRAM): a unit at
+  // a time, each refusal named the next unit's shortfall only, and the cap
+  // was raised unit by unit.
+  if (nvme_need > 0 && e.swap != nullptr && e.settings.nvme_capacity_per_path != 0) {
+    const std::vector<nvme::SwapSpace::PathUsage> usage = e.swap->path_usage();
+    const uint64_t cap = e.settings.nvme_capacity_per_path;
+    uint64_t used = 0, most_used = 0;
+    for (const auto& u : usage) {
+      used += u.used_bytes;
+      most_used = std::max(most_used, u.used_bytes);
+    }
+    const uint64_t paths = usage.size();
+    if (paths > 0 && used + nvme_need > cap * paths) {
+      const uint64_t per_path = most_used + path_need;  // enough however the stripes fall
+      return Status::ResourceExhausted(
+          StrCat("job '", spec.name, "' needs ", nvme_need, " bytes of swap space, and ", used,
+                 " are in use of the swap files' cap of ", cap, " bytes per path x ", paths,
+                 " path(s) (ztier.nvme_capacity): raise it to at least ", per_path,
+                 " bytes per path, or keep states in DRAM"));
+    }
+  }
   job->counters.nvme_bytes = nvme_need;  // what the job holds once registered
   if (zero_elements > 0) {
     const size_t bytes = zero_elements * sizeof(float);

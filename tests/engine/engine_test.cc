@@ -1668,6 +1668,21 @@ TEST(EngineSwapTest, OverCapacityIsClearAndHarmsNoOtherJob) {
   ASSERT_FALSE(jb.ok());
   EXPECT_EQ(jb.status().code(), StatusCode::kResourceExhausted);
   EXPECT_NE(jb.status().message().find("job 'too-big'"), std::string::npos) << jb.status();
+  // The whole job's need, up front, and a cap that takes it: a unit at a
+  // time, each refusal named the next unit's shortfall, and a cap raised
+  // by it was refused again at the unit after.
+  const std::string said(jb.status().message());
+  EXPECT_NE(said.find(StrCat("needs ", 9 << 20, " bytes")), std::string::npos) << said;
+  const size_t at = said.find("raise it to at least ");
+  ASSERT_NE(at, std::string::npos) << said;
+  const uint64_t raised = std::stoull(said.substr(at + std::strlen("raise it to at least ")));
+  {
+    ScratchDir swap2("swap-roomy");
+    auto roomy = MakeEngine(uint64_t{1} << 30, &swap2, raised);
+    ASSERT_TRUE(roomy->RegisterJob(a).ok());
+    Result<int> fits = roomy->RegisterJob(big);
+    EXPECT_TRUE(fits.ok()) << fits.status() << " (a cap of " << raised << " per path)";
+  }
   // The first job still trains; after it leaves, its space is free again.
   Train(*e, *ja, 1, 0, 2, 5);
   ASSERT_TRUE(e->UnregisterJob(*ja).ok());
