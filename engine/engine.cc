@@ -80,6 +80,10 @@ struct Engine::Impl {
   mutable std::mutex mu;
   std::condition_variable published_cv;
   std::map<int, std::shared_ptr<Job>> jobs;
+  // Names of jobs being registered (guarded by mu): a second registration
+  // of one is refused as if it were registered (two threads at once each
+  // found the name free and both registered it).
+  std::set<std::string> registering;
   int next_job = 1;
   // What the jobs unregistered so far counted (guarded by mu): totals()
   // adds the live jobs' counters to it.
@@ -851,12 +855,22 @@ Result<int> Engine::RegisterJob(
   }
   {
     std::lock_guard<std::mutex> lock(e.mu);
-    for (const auto& [id, j] : e.jobs) {
-      if (j->spec.name == spec.name) {
-        return Status::AlreadyExists(StrCat("job '", spec.name, "' is already registered"));
-      }
+    bool taken = e.registering.count(spec.name) != 0;
+    for (const auto& [id, j] : e.jobs) taken = taken || j->spec.name == spec.name;
+    if (taken) {
+      return Status::AlreadyExists(StrCat("job '", spec.name, "' is already registered"));
     }
+    e.registering.insert(spec.name);
   }
+  // The name is this registration's until it returns (registered or not).
+  struct NameHeld {
+    Impl& e;
+    const std::string& name;
+    ~NameHeld() {
+      std::lock_guard<std::mutex> lock(e.mu);
+      e.registering.erase(name);
+    }
+  } name_held{e, spec.name};
 
   auto job = std::make_shared<Job>();
   job->spec = spec;

@@ -747,6 +747,35 @@ TEST(EngineOverlapTest, ARateSetAfterAStepsLastGradsIsTheNextSteps) {
 // What a job hands its clients (grad inboxes, publish buffers, the param
 // cache) lies in regions of its own: never another job's, the params'
 // sealed so no other process can map them writable, and gone with the job.
+// Threads registering one name at once: each found the name free (checked,
+// the lock dropped while the job was built) and all registered it. One
+// registers; the others are AlreadyExists, as one after another.
+TEST(EngineJobsTest, OneNameRegisteredByThreadsAtOnceIsOneJob) {
+  auto engine = MakeEngine();
+  for (int round = 0; round < 40; ++round) {
+    const std::string name = StrCat("same-", round);
+    std::vector<Status> got(4);
+    std::atomic<int> ready{0};
+    std::vector<std::thread> threads;
+    for (int t = 0; t < 4; ++t) {
+      threads.emplace_back([&, t] {
+        ready.fetch_add(1);
+        while (ready.load() < 4) std::this_thread::yield();
+        got[t] = engine->RegisterJob(SmallModel(name, 1, 0.0f, 1, StepMode::kExact)).status();
+      });
+    }
+    for (std::thread& th : threads) th.join();
+    int ok = 0;
+    for (const Status& s : got) {
+      ok += s.ok();
+      if (!s.ok()) {
+        EXPECT_EQ(s.code(), StatusCode::kAlreadyExists) << s;
+      }
+    }
+    ASSERT_EQ(ok, 1) << "round " << round << ": " << ok << " registrations of '" << name << "'";
+  }
+}
+
 TEST(EngineJobsTest, EachJobSharesOnlyItsOwnRegions) {
   ScratchDir swap("swap");
   auto engine = MakeEngine(uint64_t{1} << 30, &swap);
