@@ -235,6 +235,29 @@ struct Stage3Runner::Impl {
   std::thread thread, push_thread;
   ProcessOwner owner;
 
+  // A step this runner began and did not finish (closed mid-backward: an
+  // exception's unwind, a Python object collected) goes with it. Its grads
+  // left in the engine made every later runner's pushes arrive "before the
+  // optimizer finished this one", and saves refused, for good. One rank
+  // only: with peers in the step, they hold theirs (restart from a
+  // checkpoint, as AbortStep says).
+  void DropUnfinishedStep() {
+    if (world != 1 || transport == nullptr || !failure.ok()) return;  // failed: the job with it
+    bool begun = micro % accumulation != 0;
+    for (const UnitState& u : units) begun = begun || u.pushed;
+    if (!begun) return;
+    Result<int> dropped = transport->AbortStep(job, version + 1);
+    if (dropped.ok()) {
+      ZT_LOG(kInfo, "client") << "runner of model '" << model->spec().name
+                              << "' closed mid-step: the grads of step " << version + 1
+                              << " it had pushed are dropped";
+    } else {
+      ZT_LOG(kWarn, "client") << "runner of model '" << model->spec().name
+                              << "' closed mid-step, and its grads could not be dropped: "
+                              << dropped.status();
+    }
+  }
+
   void CountTraffic(engine::ClientCounter which, uint64_t bytes) {
     std::atomic_ref<uint64_t>(client_counters[which]).fetch_add(bytes, std::memory_order_relaxed);
   }
@@ -253,6 +276,7 @@ struct Stage3Runner::Impl {
     cv.notify_all();
     if (thread.joinable()) thread.join();
     if (push_thread.joinable()) push_thread.join();
+    DropUnfinishedStep();
     for (UnitState& u : units) {
       device->Free(u.params);
       device->Free(u.grads);

@@ -579,6 +579,9 @@ class Stage3Runner {
   static Result<std::unique_ptr<Stage3Runner>> Create(Model& model, int rank, Device& device,
                                                       Collectives* collectives,
                                                       const RunnerOptions& options);
+  // Finishes the transfers queued. With world size 1, a step begun and not
+  // finished (grads pushed, no Step(): an exception's unwind) is dropped as
+  // by AbortStep, so the next runner on the model starts it afresh.
   ~Stage3Runner();
   Stage3Runner(const Stage3Runner&) = delete;
   Stage3Runner& operator=(const Stage3Runner&) = delete;

@@ -1273,6 +1273,32 @@ TEST_F(RunnerErrorsTest, AnAbortWhileAUnitIsHeldIsRefused) {
   EXPECT_TRUE(runner_->GradBuffer(3).ok());
 }
 
+// A runner closed mid-step (an exception's unwind, a Python object
+// collected) left its pushed grads in the engine: every later runner's
+// pushes "arrived before the optimizer finished this one", and saves were
+// refused, for good. One rank's runner drops its unfinished step as it
+// goes; the next trains, and the model saves.
+TEST_F(RunnerErrorsTest, ARunnerClosedMidStepLeavesNoGradsForTheNext) {
+  using namespace std::chrono_literals;
+  ASSERT_TRUE(runner_->GradBuffer(3).ok());
+  ASSERT_TRUE(runner_->PushGrads(3).ok());
+  ASSERT_TRUE(runner_->Acquire(0).ok());
+  runner_.reset();
+  auto next = Stage3Runner::Create(*model_, 0, *dev_, nullptr, {});
+  ASSERT_TRUE(next.ok()) << next.status();
+  for (int k = model_->units() - 1; k >= 0; --k) {
+    ASSERT_TRUE((*next)->GradBuffer(k).ok());
+    Status pushed = (*next)->PushGrads(k);
+    ASSERT_TRUE(pushed.ok()) << pushed;
+  }
+  Status stepped = (*next)->Step();
+  ASSERT_TRUE(stepped.ok()) << stepped;
+  ASSERT_TRUE(model_->WaitPublished(1, 30s).ok());
+  ScratchDir ckpt("runner-ckpt");
+  Status saved = model_->SaveCheckpoint(ckpt.path());
+  EXPECT_TRUE(saved.ok()) << saved;
+}
+
 // A backward that fails after its last push, the step run meanwhile: the
 // abort found nothing pending and said it dropped the grads, which had been
 // applied; the runner stayed a step behind the job (the retried micro-step
