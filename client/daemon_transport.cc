@@ -20,7 +20,10 @@
 // state moves through staging memfds, so the daemon never opens a path a
 // client names (it cannot be made to read or write another user's files).
 // The client holds the lock on a checkpoint directory it saves to.
+#include <fcntl.h>
 #include <poll.h>
+#include <pthread.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -80,6 +83,49 @@ struct Staging {
   Mapping map;
 };
 
+// The sockets of the live connections to ztierd. A child forked from this
+// process (a data loader's worker) lets go of them: its copy of a
+// connection kept it open, and the jobs on it registered, their names
+// taken and their memory charged, after the client itself died. Each is
+// made /dev/null in the child, under the same fd, which the child's copy of
+// the transport never uses (ForkSafe) nor closes. The registry's lock is
+// held across fork (pthread_atfork), so a connection closing meanwhile is
+// either still listed and open, or closed and gone.
+class ForkedChildLetsGo {
+ public:
+  static ForkedChildLetsGo& Get() {
+    static ForkedChildLetsGo* const registry = new ForkedChildLetsGo();  // never destroyed
+    return *registry;
+  }
+  void Add(int fd) {
+    std::lock_guard<std::mutex> lock(mu_);
+    fds_.push_back(fd);
+  }
+  // Closes the connection `close` closes, its fd no longer listed.
+  template <class Close>
+  void Remove(int fd, Close close) {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::erase(fds_, fd);
+    close();
+  }
+
+ private:
+  ForkedChildLetsGo() {
+    ::pthread_atfork([] { Get().mu_.lock(); }, [] { Get().mu_.unlock(); },
+                     [] {
+                       ForkedChildLetsGo& r = Get();
+                       const int null_fd = ::open("/dev/null", O_RDWR | O_CLOEXEC);
+                       if (null_fd >= 0) {
+                         for (int fd : r.fds_) (void)::dup3(null_fd, fd, O_CLOEXEC);
+                         ::close(null_fd);
+                       }
+                       r.mu_.unlock();
+                     });
+  }
+  std::mutex mu_;
+  std::vector<int> fds_;
+};
+
 class DaemonTransport final : public Transport, public ControlTransport {
  public:
   // `name`: the hello's ("libztier", or the operator's tool's).
@@ -119,6 +165,7 @@ class DaemonTransport final : public Transport, public ControlTransport {
     }
     sock_.Shutdown();
     if (receiver_.joinable()) receiver_.join();
+    ForkedChildLetsGo::Get().Remove(sock_.fd(), [this] { sock_ = SeqPacketSocket(); });
   }
 
   std::string name() const override { return "daemon"; }
@@ -713,7 +760,9 @@ class DaemonTransport final : public Transport, public ControlTransport {
   };
 
   DaemonTransport(std::string path, SeqPacketSocket sock)
-      : path_(std::move(path)), sock_(std::move(sock)) {}
+      : path_(std::move(path)), sock_(std::move(sock)) {
+    ForkedChildLetsGo::Get().Add(sock_.fd());
+  }
 
   // The unit holds `step` or later.
 

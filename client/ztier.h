@@ -17,7 +17,9 @@
 // Collectives object belongs to one rank. Sessions, models, runners and
 // host devices belong to the process that made them: in a forked child (a
 // data loader's worker) their calls fail with FailedPrecondition, and
-// destroying them there frees nothing of the parent's.
+// destroying them there frees nothing of the parent's. Nor does the child
+// hold the parent's connection to ztierd: killed, the parent's jobs go with
+// it, whatever children it forked live on.
 //
 // Errors: every call returns Status / Result with a message naming the unit,
 // the limit or the file at fault; bad use (an unknown unit, a second Step

@@ -1854,6 +1854,73 @@ TEST(ZtierdProgramTest, AParkedJobFreedLaterKeepsItsLiveMapperCharged) {
   ExpectChargedUntilTheMapperExits(Freed::kAfterGrace);
 }
 
+TEST(ZtierdProgramTest, ForkingClient) {
+  const char* env = std::getenv("ZTIER_TEST_FORKER");
+  if (env == nullptr) GTEST_SKIP() << "a helper process of AJobGoesWithItsClient...";
+  const std::string spec = env;
+  SessionOptions o;
+  o.daemon_socket = spec.substr(0, spec.find(','));
+  Result<std::unique_ptr<Session>> s = Session::Open(o);
+  ASSERT_TRUE(s.ok()) << s.status();
+  Result<std::unique_ptr<Model>> m = (*s)->RegisterModel(ModelOf(TwoUnits("forker")));
+  ASSERT_TRUE(m.ok()) << m.status();
+  const pid_t worker = ::fork();  // a data loader's worker: never touches ztier
+  if (worker == 0) {
+    ::pause();
+    ::_exit(0);
+  }
+  std::FILE* ready = std::fopen(spec.substr(spec.find(',') + 1).c_str(), "w");
+  ASSERT_NE(ready, nullptr);
+  std::fprintf(ready, "%d\n", static_cast<int>(worker));
+  std::fclose(ready);
+  std::this_thread::sleep_for(std::chrono::minutes(10));
+}
+
+// A client killed while a child it forked (a data loader's worker) lives:
+// the child's copy of the connection kept the job registered, its name
+// taken and its memory charged, until the child exited. A forked child lets
+// go of its parent's connections, so the job goes with its client.
+TEST(ZtierdProgramTest, AJobGoesWithItsClientNotWithTheChildrenItForked) {
+  ZtierdProcess d(ZTIERD_BINARY, {});
+  testing::ScratchDir dir("forker");
+  const std::string ready = dir.path() + "/ready";
+  Result<pid_t> pid = testing::SpawnSelf("ZtierdProgramTest.ForkingClient",
+                                         {StrCat("ZTIER_TEST_FORKER=", d.socket(), ",", ready)});
+  ASSERT_TRUE(pid.ok()) << pid.status();
+  pid_t worker = 0;
+  struct KillOnExit {
+    pid_t& pid;
+    pid_t& worker;
+    ~KillOnExit() {
+      if (worker > 0) ::kill(worker, SIGKILL);
+      if (pid > 0) {
+        ::kill(pid, SIGKILL);
+        (void)testing::WaitChild(pid);
+      }
+    }
+  } helpers{*pid, worker};
+  ASSERT_TRUE(testing::WaitForFile(ready)) << d.log();
+  for (int k = 0; k < 500 && worker == 0; ++k) {  // the pid is written after the file is made
+    std::ifstream(ready) >> worker;
+    if (worker == 0) std::this_thread::sleep_for(10ms);
+  }
+  ASSERT_GT(worker, 0);
+  ::kill(*pid, SIGKILL);
+  (void)testing::WaitChild(*pid);
+  *pid = 0;
+  SessionOptions o;
+  o.daemon_socket = d.socket();
+  Result<std::unique_ptr<Session>> s = Session::Open(o);
+  ASSERT_TRUE(s.ok()) << s.status() << d.log();
+  Result<std::unique_ptr<Model>> m = Status::Internal("not tried");
+  for (int k = 0; k < 500; ++k) {  // 5 s: the connection's end is seen at once
+    m = (*s)->RegisterModel(ModelOf(TwoUnits("forker")));
+    if (m.ok()) break;
+    std::this_thread::sleep_for(10ms);
+  }
+  EXPECT_TRUE(m.ok()) << m.status() << " while the client's forked child lives\n" << d.log();
+}
+
 TEST(ZtierdProgramTest, VictimClient) {
   const char* victim = std::getenv("ZTIER_TEST_VICTIM");
   if (victim == nullptr) GTEST_SKIP() << "a helper process of ClientsKilledAtRandom...";
