@@ -198,7 +198,8 @@ void Usage(std::ostream& os) {
         "                           D2H, collectives), over the steps after --summary-skip N\n"
         "                           (default: 5, or a quarter of the steps if fewer)\n"
         "SIGINT / SIGTERM stop at the next step with a checkpoint and the export; a second\n"
-        "signal stops at once. Exit codes: 0 done, 1 error, 2 bad usage, 128+signal stopped.\n";
+        "signal stops at once. Exit codes: 0 done, 1 error, 2 bad usage, 3 --exit-after,\n"
+        "128+signal stopped.\n";
 }
 
 // The paths of one run in its --out directory.
