@@ -956,6 +956,12 @@ struct Stage3Runner::Impl {
     if (world > 1) return Status::Ok();
     ZT_ASSIGN_OR_RETURN(int64_t now, transport->WeightsGeneration(job));
     if (now == weights_generation) return Status::Ok();
+    // A checkpoint of another step moves the job to its step: the runner's
+    // with it (else it waited for a step the job would not reach, or
+    // counted behind it). No grads of this runner's are pending: a load
+    // is refused while they are.
+    ZT_ASSIGN_OR_RETURN(const int64_t step, transport->TargetStep(job));
+    if (step >= 0) version = step;
     weights_generation = now;
     for (UnitState& u : units) {
       if (u.params == nullptr) continue;

@@ -402,8 +402,9 @@ class Model {
   // OutOfRange (unit).
   // Weights replaced here, by ImportSafetensors or by LoadCheckpoint while
   // a runner lives: a runner of world size 1 fetches again the units it
-  // kept on its device; with several ranks, make every rank's runner again
-  // after the replacement (their copies are the old weights).
+  // kept on its device (and takes a checkpoint's step as its version);
+  // with several ranks, make every rank's runner again after the
+  // replacement (their copies are the old weights).
   Status SetWeights(int unit, const float* flat, uint64_t numel);
   Status ImportSafetensors(const std::string& path);
   Status ExportSafetensors(const std::string& path, engine::Engine::ExportType type);

@@ -1299,6 +1299,39 @@ TEST_F(RunnerErrorsTest, ARunnerClosedMidStepLeavesNoGradsForTheNext) {
   EXPECT_TRUE(saved.ok()) << saved;
 }
 
+// A checkpoint of another step loaded while a runner lives: the runner
+// kept its own step, so one of an earlier step left it waiting for a step
+// the job would never reach ("a client at the wrong step"), and one of a
+// later step had it count steps behind the job's for good. A runner of one
+// rank takes the job's step with its weights.
+TEST_F(RunnerErrorsTest, ARunnerFollowsACheckpointOfAnotherStep) {
+  using namespace std::chrono_literals;
+  const auto step = [&] {
+    for (int k = model_->units() - 1; k >= 0; --k) {
+      ASSERT_TRUE(runner_->Acquire(k).ok());
+      ASSERT_TRUE(runner_->Release(k).ok());
+      ASSERT_TRUE(runner_->GradBuffer(k).ok());
+      ASSERT_TRUE(runner_->PushGrads(k).ok());
+    }
+    ASSERT_TRUE(runner_->Step().ok());
+    ASSERT_TRUE(model_->WaitPublished(runner_->version(), 30s).ok());
+  };
+  ScratchDir early("runner-ckpt-early"), late("runner-ckpt-late");
+  step();
+  ASSERT_TRUE(model_->SaveCheckpoint(early.path()).ok());
+  step();
+  step();
+  ASSERT_TRUE(model_->SaveCheckpoint(late.path()).ok());
+  ASSERT_EQ(runner_->version(), 3);
+  for (const auto& [dir, at] : {std::pair{early.path(), 1}, std::pair{late.path(), 3}}) {
+    SCOPED_TRACE(StrCat("a checkpoint of step ", at));
+    ASSERT_TRUE(model_->LoadCheckpoint(dir).ok());
+    step();
+    EXPECT_EQ(runner_->version(), at + 1);
+    EXPECT_EQ(*model_->PublishedStep(), at + 1);
+  }
+}
+
 // A backward that fails after its last push, the step run meanwhile: the
 // abort found nothing pending and said it dropped the grads, which had been
 // applied; the runner stayed a step behind the job (the retried micro-step
