@@ -21,7 +21,13 @@
 
 namespace ztier::bench {
 
-Result<uint64_t> ParseCount(std::string_view text) { return ParseSize(text); }
+// A count takes the size grammar (64K elements), and is called a count.
+Result<uint64_t> ParseCount(std::string_view text) {
+  Result<uint64_t> n = ParseSize(text);
+  if (n.ok()) return n;
+  return Status::InvalidArgument(
+      StrCat("'", text, "' is not a count (a whole number, or one with K, M, G or T)"));
+}
 
 Result<std::vector<uint64_t>> ParseCountList(std::string_view text) {
   std::vector<uint64_t> out;
@@ -39,10 +45,11 @@ Result<std::vector<uint64_t>> ParseCountList(std::string_view text) {
   return out;
 }
 
-Result<uint64_t> ArgReader::Count(uint64_t lo, uint64_t hi) {
+Result<uint64_t> ArgReader::Number(uint64_t lo, uint64_t hi,
+                                   Result<uint64_t> (*parse)(std::string_view)) {
   const std::string option(arg());
   ZT_ASSIGN_OR_RETURN(std::string_view v, Value());
-  Result<uint64_t> n = ParseCount(v);
+  Result<uint64_t> n = parse(v);
   // Named by its option and range ('-1' was "not a size" of no option),
   // with why it is not a count ("1.5K: want 1..N" did not say).
   const std::string range = hi == UINT64_MAX ? StrCat("at least ", lo) : StrCat(lo, "..", hi);

@@ -16,6 +16,7 @@
 #include <utility>
 #include <vector>
 
+#include "common/numbers.h"
 #include "common/status.h"
 
 namespace ztier::bench {
@@ -123,11 +124,20 @@ class ArgReader {
     return std::string_view(argv_[++i_]);
   }
   // The value after the current option as a count (ParseCount) in [lo, hi].
-  Result<uint64_t> Count(uint64_t lo, uint64_t hi);
-  // Count(lo, hi) stored in an integer option; [lo, hi] must fit in T.
+  Result<uint64_t> Count(uint64_t lo, uint64_t hi) { return Number(lo, hi, ParseCount); }
+  // The same as a size in bytes (ParseSize: said to be no size, not no count).
+  Result<uint64_t> Size(uint64_t lo, uint64_t hi) { return Number(lo, hi, ParseSize); }
+  // Count(lo, hi) or Size(lo, hi) stored in an integer option; [lo, hi]
+  // must fit in T.
   template <typename T>
   Status CountInto(T* out, uint64_t lo, uint64_t hi) {
     ZT_ASSIGN_OR_RETURN(const uint64_t n, Count(lo, hi));
+    *out = static_cast<T>(n);
+    return Status::Ok();
+  }
+  template <typename T>
+  Status SizeInto(T* out, uint64_t lo, uint64_t hi) {
+    ZT_ASSIGN_OR_RETURN(const uint64_t n, Size(lo, hi));
     *out = static_cast<T>(n);
     return Status::Ok();
   }
@@ -152,6 +162,7 @@ class ArgReader {
   Status Unrecognized() const;
 
  private:
+  Result<uint64_t> Number(uint64_t lo, uint64_t hi, Result<uint64_t> (*parse)(std::string_view));
   int argc_;
   char** argv_;
   int i_ = -1;

@@ -96,9 +96,9 @@ Status ParseArgs(int argc, char** argv, NvmeOptions* o) {
                                                                {"threads", BackendArg::kThreads},
                                                                {"both", BackendArg::kBoth}}));
     } else if (arg == "--size") {  // (named by the option in errors)
-      ZT_ASSIGN_OR_RETURN(o->size, args.Count(1, UINT64_MAX));
+      ZT_ASSIGN_OR_RETURN(o->size, args.Size(1, UINT64_MAX));
     } else if (arg == "--stripe") {
-      ZT_ASSIGN_OR_RETURN(o->stripe, args.Count(1, UINT64_MAX));
+      ZT_ASSIGN_OR_RETURN(o->stripe, args.Size(1, UINT64_MAX));
     } else if (arg == "--qd") {
       ZT_ASSIGN_OR_RETURN(uint64_t qd, args.Count(1, 4096));
       o->qd = static_cast<uint32_t>(qd);

@@ -98,7 +98,7 @@ Status ParseArgs(int argc, char** argv, PcieOptions* o) {
     } else if (args.Is("--ordinal")) {
       ZT_RETURN_IF_ERROR(args.CountInto(&o->ordinal, 0, 1023));
     } else if (args.Is("--max-size")) {
-      ZT_RETURN_IF_ERROR(args.CountInto(&o->max_size, 4096, uint64_t{16} << 30));
+      ZT_RETURN_IF_ERROR(args.SizeInto(&o->max_size, 4096, uint64_t{16} << 30));
       if (o->max_size % 2 != 0) return Status::InvalidArgument("--max-size: not a multiple of 2");
     } else if (args.Is("--reps")) {
       ZT_RETURN_IF_ERROR(args.CountInto(&o->reps, 1, 1000));

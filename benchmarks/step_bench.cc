@@ -136,7 +136,7 @@ Status ParseArgs(int argc, char** argv, StepBenchOptions* o) {
     } else if (args.Is("--buffer-count")) {
       ZT_RETURN_IF_ERROR(args.CountInto(&o->buffer_count, 3, 1024));
     } else if (args.Is("--stripe")) {
-      ZT_RETURN_IF_ERROR(args.CountInto(&o->stripe, 4096, uint64_t{1} << 30));
+      ZT_RETURN_IF_ERROR(args.SizeInto(&o->stripe, 4096, uint64_t{1} << 30));
       if (o->stripe % 4096 != 0) return Status::InvalidArgument("--stripe: not a multiple of 4K");
     } else if (args.Is("--qd")) {
       ZT_RETURN_IF_ERROR(args.CountInto(&o->qd, 1, 4096));

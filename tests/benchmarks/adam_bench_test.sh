@@ -33,4 +33,9 @@ for bad in "--params 0x10" "--params 64K, " "--threads 0" "--state-dtype fp16" "
   "$bench" adam $bad >/dev/null 2>&1 || status=$?
   [ "$status" -eq 2 ] || { echo "'$bad' gave exit $status, not a usage error"; exit 1; }
 done
+# A count is said to be no count (it was "not a size", of --runs).
+status=0
+out=$("$bench" adam --runs -1 2>&1) || status=$?
+[[ $status -eq 2 && $out == *"--runs -1: '-1' is not a count"* ]] ||
+  { echo "--runs -1 gave exit $status: $out"; exit 1; }
 echo "adam_bench_test: ok"
