@@ -26,10 +26,11 @@ from reference import Reference
 ADAMW = zt.AdamW(lr=1e-2, weight_decay=0.0)
 
 
-def _against_reference(make, settings, inputs, steps=3, **kwargs):
+def _against_reference(make, settings, inputs, steps=3, masters=False, **kwargs):
     """Trains a model `make()` builds through ztier and a second one through
-    the reference on `inputs` (a batch per step); every loss must be equal.
-    Returns the model and its Offload."""
+    the reference on `inputs` (a batch per step); every loss must be equal,
+    and with `masters` every fp32 master after the last step too. Returns
+    the model and its Offload."""
     torch.manual_seed(0)
     model = make()
     torch.manual_seed(0)
@@ -46,6 +47,12 @@ def _against_reference(make, settings, inputs, steps=3, **kwargs):
         assert torch.equal(loss, ref_loss), (step, loss.item(), ref_loss.item())
         z.optimizer.step()
         ref.step([g["lr"] for g in z.optimizer.param_groups])
+    if masters:
+        got = z.master_weights()
+        for u in ref.units:
+            for name, off, n, _, _ in u["tensors"]:
+                want = u["master"][off:off + n].view(got[name].shape)
+                assert torch.equal(got[name], want), (name, (got[name] - want).abs().max().item())
     return model, z
 
 
@@ -1185,22 +1192,5 @@ def test_one_tensor_passed_to_a_block_several_times_stays_one_tensor(settings):
     def tokens(step):
         return torch.randint(0, 20, (3, 7), generator=torch.Generator().manual_seed(step))
 
-    torch.manual_seed(0)
-    model = Net()
-    torch.manual_seed(0)
-    ref_model = Net()
-    z = zt.offload(model, optimizer=ADAMW, settings=settings)
-    ref = Reference(ref_model, z, ADAMW)
-    for step in range(4):
-        x = tokens(step)
-        model(x).float().pow(2).mean().backward()
-        ref.backward(ref_model(x).float().pow(2).mean())
-        z.optimizer.step()
-        ref.step([g["lr"] for g in z.optimizer.param_groups])
+    _against_reference(Net, settings, tokens, steps=4, masters=True)
     assert seen and all(seen), seen
-    masters = z.master_weights()
-    for u in ref.units:
-        for name, off, n, _, _ in u["tensors"]:
-            want = u["master"][off:off + n].view(masters[name].shape)
-            assert torch.equal(masters[name], want), (
-                name, (masters[name] - want).abs().max().item())
