@@ -22,11 +22,9 @@
 namespace ztier {
 namespace {
 
-// Pids holding a flock on the file open as `fd`, from /proc/locks.
-std::vector<long> LockHolders(int fd) {
+// Pids holding a flock on the file `st` describes, from /proc/locks.
+std::vector<long> LockHolders(const struct stat& st) {
   std::vector<long> pids;
-  struct stat st {};
-  if (::fstat(fd, &st) != 0) return pids;
   std::ifstream in("/proc/locks");
   std::string line;
   while (std::getline(in, line)) {
@@ -63,7 +61,8 @@ Holder DescribePid(long pid) {
   std::string line;
   while (std::getline(in, line)) {
     if (line.rfind("Name:", 0) == 0) {
-      h.command = line.substr(line.find_first_not_of(" \t", 5));
+      const size_t begin = line.find_first_not_of(" \t", 5);  // none: a blank name
+      if (begin != std::string::npos) h.command = line.substr(begin);
     } else if (line.rfind("Uid:", 0) == 0) {
       std::istringstream ids(line.substr(4));
       unsigned long real = 0, effective = 0;
@@ -83,11 +82,11 @@ std::string UserName(uid_t uid) {
   return StrCat("uid ", uid);
 }
 
-// The holders of the lock on the file open as `fd`: from /proc/locks, else
-// the pid an exclusive holder wrote into the file.
-std::vector<Holder> Holders(int fd) {
-  std::vector<long> pids = LockHolders(fd);
-  if (pids.empty()) {
+// The holders of the lock on the file `st` describes (open as `fd`, or -1):
+// from /proc/locks, else the pid an exclusive holder wrote into the file.
+std::vector<Holder> Holders(const struct stat& st, int fd) {
+  std::vector<long> pids = LockHolders(st);
+  if (pids.empty() && fd >= 0) {
     char buf[32] = {};
     const ssize_t n = ::pread(fd, buf, sizeof(buf) - 1, 0);
     if (n > 0) {
@@ -98,6 +97,12 @@ std::vector<Holder> Holders(int fd) {
   std::vector<Holder> out;
   for (long pid : pids) out.push_back(DescribePid(pid));
   return out;
+}
+
+std::vector<Holder> Holders(int fd) {
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) return {};
+  return Holders(st, fd);
 }
 
 // "process 1234 (ztierd, user ztier)", "this process (pid 1234)", or
@@ -123,26 +128,30 @@ std::string HoldersText(const std::vector<Holder>& holders) {
 
 Status Busy(std::string_view what, const std::string& dir, const std::string& path,
             const std::vector<Holder>& holders, std::string_view advice = {}) {
-  return Status(StatusCode::kUnavailable,
-                StrCat(what, " ", dir, " is in use by ", HoldersText(holders), " (lock file ",
-                       path, "); ",
-                       advice.empty() ? "two users must not share it: wait for the other one to "
-                                        "finish, or choose another directory"
-                                      : advice),
-                EWOULDBLOCK);
+  return Status(
+      StatusCode::kUnavailable,
+      StrCat(what, " ", dir, " is in use by ", HoldersText(holders), " (lock file ", path, "); ",
+             advice.empty() ? "two users must not share it: wait for the other one to "
+                              "finish, or choose another directory"
+                            : advice),
+      EWOULDBLOCK);
 }
 
-// Whether the lock on our file open as `fd` is held only by processes of
-// other users (not root): they opened it while it was readable to them (a
-// file an older version made 0644 and a killed holder left), and hold it to
-// keep us out. Our own processes, and root's, are never taken for them.
-bool HeldByIntruders(int fd, const std::vector<Holder>& holders) {
+// Where our lock file is held only by other users' processes (not root's,
+// as /proc/locks tells it): they opened it while it was readable to them
+// (an older version made lock files 0644, and a killed holder left one),
+// and hold it to keep us out. Not replaced here: one of our own processes
+// may take the old file in the moment it is replaced, and two would hold
+// it. The owner removes it, once no process of theirs uses the directory.
+std::string IntrudersNote(int fd, const std::string& path, const std::vector<Holder>& holders) {
   struct stat st {};
-  if (holders.empty() || ::fstat(fd, &st) != 0 || st.st_uid != ::geteuid()) return false;
+  if (holders.empty() || ::fstat(fd, &st) != 0 || st.st_uid != ::geteuid()) return "";
   for (const Holder& h : holders) {
-    if (!h.uid || *h.uid == ::geteuid() || *h.uid == 0) return false;
+    if (!h.uid || *h.uid == ::geteuid() || *h.uid == 0) return "";
   }
-  return true;
+  return StrCat("; no user but its owner may hold it: it was left readable by an older version, ",
+                "and is now the owner's alone, so remove it (rm ", path,
+                ") once no process of yours uses the directory, and try again");
 }
 
 void WritePid(int fd) {
@@ -174,6 +183,26 @@ Result<DirLock> DirLock::Acquire(const std::string& dir, std::string_view file_n
       fd = ::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC);  // readers need no write
       if (fd < 0 && errno != ENOENT) err = errno;  // else: the write refusal says why
     }
+    if (fd < 0 && err == EACCES) {
+      // Another user's lock file (theirs alone): they use the directory, or
+      // did.
+      struct stat theirs {};
+      if (::lstat(path.c_str(), &theirs) == 0 && theirs.st_uid != ::geteuid()) {
+        const std::vector<Holder> holders = Holders(theirs, -1);
+        const std::string user = UserName(theirs.st_uid);
+        return Status(
+            StatusCode::kUnavailable,
+            holders.empty()
+                ? StrCat(what, " ", dir, " was used by ", user, ", whose lock file ", path,
+                         " is there (theirs alone); two users must not share it: choose another "
+                         "directory, or they remove the file")
+                : StrCat(what, " ", dir, " is in use by ", HoldersText(holders), " (lock file ",
+                         path, ", ", user,
+                         "'s alone); two users must not share it: choose "
+                         "another directory"),
+            EACCES);
+      }
+    }
     if (fd < 0) return PosixError(StrCat("lock file ", path, " of ", what, " ", dir), err);
     struct stat mine {};
     if (::fstat(fd, &mine) == 0 && mine.st_uid == ::geteuid() && (mine.st_mode & 077) != 0) {
@@ -182,23 +211,14 @@ Result<DirLock> DirLock::Acquire(const std::string& dir, std::string_view file_n
     if (::flock(fd, op) != 0) {
       err = errno;
       if (err == EWOULDBLOCK) {
-        std::vector<Holder> holders = Holders(fd);
-        if (HeldByIntruders(fd, holders)) {
-          // Our file, held by other users only: it goes, and the lock is
-          // taken on a new one that they cannot open.
-          ZT_LOG(kWarn, "lock") << "lock file " << path << " of " << what << " " << dir
-                                << " was held by " << HoldersText(holders)
-                                << ", who may not hold it; replaced by a new one";
-          struct stat now {};
-          if (::stat(path.c_str(), &now) == 0 && now.st_ino == mine.st_ino &&
-              now.st_dev == mine.st_dev) {
-            ::unlink(path.c_str());
-          }
-          ::close(fd);
-          continue;
-        }
+        const std::vector<Holder> holders = Holders(fd);
+        Status busy = Busy(what, dir, path, holders, advice);
+        const std::string note = IntrudersNote(fd, path, holders);
         ::close(fd);
-        return Busy(what, dir, path, holders, advice);
+        if (!note.empty()) {
+          return Status(busy.code(), StrCat(busy.message(), note), busy.sys_errno());
+        }
+        return busy;
       }
       ::close(fd);
       return PosixError(StrCat("flock ", path, " of ", what, " ", dir), err);
@@ -224,11 +244,9 @@ Result<DirLock> DirLock::Acquire(const std::string& dir, std::string_view file_n
 }
 
 std::string DirLock::DescribeHolders(const std::string& lock_file) {
-  const int fd = ::open(lock_file.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
-  if (fd < 0) return "another process";
-  std::string out = HoldersText(Holders(fd));
-  ::close(fd);
-  return out;
+  struct stat st {};
+  if (::lstat(lock_file.c_str(), &st) != 0) return "another process";
+  return HoldersText(Holders(st, -1));
 }
 
 DirLock::~DirLock() { Release(); }

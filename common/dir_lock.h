@@ -16,9 +16,12 @@
 // flock needs only a file one can open, not write: a lock file another user
 // can read, they can hold, keeping its owner out of their own directory. So
 // lock files are the owner's alone (0600; one an older version left
-// readable is made so), and a file of ours whose lock only other users'
-// processes (not root's) hold is replaced by a new one. Refusals name each
-// holder's command and user.
+// readable is made so). A refusal names each holder's command and user;
+// where only other users' processes hold our file (opened while it was
+// readable), it says to remove the file. It is not replaced here: a
+// process of ours could take the old file in that moment, and two would
+// hold the lock. Another user's lock file (which we cannot open) is a
+// refusal naming that user.
 //
 // Thread safety: a DirLock is a value owned by one thread at a time.
 // Failure: every call returns a Status; the destructor releases silently.

@@ -14,6 +14,7 @@
 #include <filesystem>
 #include <fstream>
 
+#include "tests/testing/as_nobody.h"
 #include "tests/testing/scratch_dir.h"
 
 namespace ztier {
@@ -115,10 +116,11 @@ TEST(DirLockTest, LockFilesAreTheOwnersAlone) {
 }
 
 // Another user who opened a lock file of ours while it was readable, and
-// holds its lock, keeps us out no longer: the file is replaced by one they
-// cannot open. (Before: "in use by process N; two users must not share
-// it", for good.)
-TEST(DirLockTest, AnotherUserHoldingOurLeftoverLockFileKeepsUsOutNoLonger) {
+// holds its lock: the refusal names them and says to remove the file (not
+// replaced by the library: a process of ours could take the old one in
+// that moment). Once removed, the new file is ours alone, and they cannot
+// hold it again. Another user's own lock file is a refusal naming them.
+TEST(DirLockTest, AnotherUserHoldingOurLeftoverLockFileIsNamedAndRemovedByHand) {
   if (::geteuid() != 0) GTEST_SKIP() << "needs root, to act as another user";
   ScratchDir dir("dir-lock");
   fs::permissions(dir.path(), fs::perms::owner_all | fs::perms::group_read | fs::perms::group_exec |
@@ -156,12 +158,33 @@ TEST(DirLockTest, AnotherUserHoldingOurLeftoverLockFileKeepsUsOutNoLonger) {
     end_child();
     GTEST_SKIP() << (c == 'u' ? "cannot become nobody" : "nobody cannot reach the scratch dir");
   }
+  Result<DirLock> refused = Lock(dir.path());
+  ASSERT_FALSE(refused.ok());
+  const std::string said(refused.status().message());
+  EXPECT_EQ(refused.status().code(), StatusCode::kUnavailable) << said;
+  EXPECT_NE(said.find(StrCat("process ", child, " (dir_lock_test, user nobody)")),
+            std::string::npos)
+      << said;
+  EXPECT_NE(said.find(StrCat("rm ", file.string())), std::string::npos) << said;
+  EXPECT_EQ(fs::status(file).permissions(), fs::perms::owner_read | fs::perms::owner_write);
+  ASSERT_TRUE(fs::remove(file));
   Result<DirLock> mine = Lock(dir.path());
   EXPECT_TRUE(mine.ok()) << mine.status();
-  EXPECT_EQ(fs::status(file).permissions(), fs::perms::owner_read | fs::perms::owner_write);
-  end_child();
-  // A process of our own holding it is still one to wait for.
+  // Nobody cannot open the new one; our own lock is one to wait for.
+  EXPECT_EQ(testing::AsNobody([&] { return ::open(file.c_str(), O_RDONLY) < 0 ? 0 : 1; }), 0);
   EXPECT_EQ(Lock(dir.path()).status().code(), StatusCode::kUnavailable);
+  end_child();
+  // Another user's try of the directory (our lock file, theirs to open
+  // not): refused naming us, not "permission denied".
+  EXPECT_EQ(testing::AsNobody([&] {
+              Result<DirLock> r = Lock(dir.path());
+              if (r.ok() || r.status().code() != StatusCode::kUnavailable) return 1;
+              const std::string m(r.status().message());
+              const bool named = m.find("(dir_lock_test, user root)") != std::string::npos &&
+                                 m.find("user root's alone") != std::string::npos;
+              return named ? 0 : 2;
+            }),
+            0);
 }
 
 TEST(DirLockTest, MovedLockStaysHeld) {
