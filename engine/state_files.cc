@@ -177,6 +177,13 @@ Status RemoveUnnamed(const std::string& dir, const std::set<std::string>& keep) 
   return first;
 }
 
+// Whether `dir` holds no manifest, not even a link (dangling or not): no
+// shard file there is committed.
+bool NoManifest(const std::string& dir) {
+  struct stat st {};
+  return ::lstat((fs::path(dir) / kCheckpointManifestName).c_str(), &st) != 0 && errno == ENOENT;
+}
+
 // A tag that makes this save's file names its own.
 std::string SaveTag() {
   std::random_device rd;
@@ -414,11 +421,7 @@ Status SaveCheckpointFiles(const JobDescription& job, StateAccess& state, const 
   // With no manifest, no shard file there is committed (a first save was
   // killed before its commit): they go before this save needs their room.
   // On a disk with room for one checkpoint, every later save failed on them.
-  struct stat manifest_stat {};
-  if (::lstat((fs::path(dir) / kCheckpointManifestName).c_str(), &manifest_stat) != 0 &&
-      errno == ENOENT) {
-    (void)RemoveUnnamed(dir, {});  // logged
-  }
+  if (NoManifest(dir)) (void)RemoveUnnamed(dir, {});  // logged
   CheckpointManifest manifest;
   manifest.job = job.name;
   manifest.step = job.step;
@@ -490,11 +493,9 @@ Status RemoveCheckpointFiles(const std::string& dir) {
 Status RemoveUnnamedCheckpointFiles(const std::string& dir) {
   Result<std::set<std::string>> named = NamedFiles(dir);
   if (named.ok()) return RemoveUnnamed(dir, *named);
-  // No manifest: no shard file there is committed. One that cannot be read
-  // may name them: nothing to tell the unused ones by.
-  if (named.status().code() == StatusCode::kNotFound && fs::is_directory(dir)) {
-    return RemoveUnnamed(dir, {});
-  }
+  // A manifest that cannot be read (a link to a filesystem not mounted) may
+  // name them: nothing to tell the unused ones by.
+  if (NoManifest(dir) && fs::is_directory(dir)) return RemoveUnnamed(dir, {});
   return Status::Ok();
 }
 

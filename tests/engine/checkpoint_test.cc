@@ -34,6 +34,7 @@
 #include "common/crc32c.h"
 #include "common/file_util.h"
 #include "engine/engine.h"
+#include "engine/state_files.h"
 #include "tests/engine/engine_testing.h"
 #include "tests/testing/scratch_dir.h"
 
@@ -174,6 +175,23 @@ TEST_F(CheckpointFaultTest, ASaveKilledBeforeItsFirstManifestLeavesNoFilesInTheN
   for (const std::string& name : killed) EXPECT_EQ(now.count(name), 0u) << name << " stayed";
   for (const std::string& name : users) EXPECT_EQ(now.count(name), 1u) << name << " was removed";
   EXPECT_EQ(LoadFresh(), 0);
+
+  // Tidying (a resume's) removes them too where there is no manifest, and
+  // nothing where the manifest is a link it cannot follow (to a filesystem
+  // not mounted, say): that one may name them.
+  ScratchDir other("ckpt-tidy");
+  for (const std::string& name : killed) {
+    ASSERT_TRUE(WriteFileAtomically((fs::path(other.path()) / name).string(), name).ok());
+  }
+  fs::create_symlink(fs::path(other.path()) / "nowhere" / "manifest.json",
+                     fs::path(other.path()) / "manifest.json");
+  ASSERT_TRUE(RemoveUnnamedCheckpointFiles(other.path()).ok());
+  for (const std::string& name : killed) {
+    EXPECT_TRUE(fs::exists(other / name)) << name << " went beside a manifest link";
+  }
+  fs::remove(other / "manifest.json");
+  ASSERT_TRUE(RemoveUnnamedCheckpointFiles(other.path()).ok());
+  for (const std::string& name : killed) EXPECT_FALSE(fs::exists(other / name)) << name;
 }
 
 // A load whose apply pass failed midway (a shard file unreadable the
