@@ -962,8 +962,9 @@ Result<int> Engine::RegisterJob(
       used += u.used_bytes;
       most_used = std::max(most_used, u.used_bytes);
     }
-    const uint64_t paths = usage.size();
-    if (paths > 0 && used + nvme_need > cap * paths) {
+    const uint64_t paths = swap_paths;  // usage.size(): the settings' paths
+    // used + need > cap x paths, without the product (a cap near 2^64).
+    if ((used + nvme_need + paths - 1) / paths > cap) {
       const uint64_t per_path = most_used + path_need;  // enough however the stripes fall
       return Status::ResourceExhausted(
           StrCat("job '", spec.name, "' needs ", nvme_need, " bytes of swap space, and ", used,

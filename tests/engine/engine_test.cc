@@ -744,9 +744,6 @@ TEST(EngineOverlapTest, ARateSetAfterAStepsLastGradsIsTheNextSteps) {
       << "step 3 ran at the rate set after its grads";
 }
 
-// What a job hands its clients (grad inboxes, publish buffers, the param
-// cache) lies in regions of its own: never another job's, the params'
-// sealed so no other process can map them writable, and gone with the job.
 // Threads registering one name at once: each found the name free (checked,
 // the lock dropped while the job was built) and all registered it. One
 // registers; the others are AlreadyExists, as one after another.
@@ -776,6 +773,9 @@ TEST(EngineJobsTest, OneNameRegisteredByThreadsAtOnceIsOneJob) {
   }
 }
 
+// What a job hands its clients (grad inboxes, publish buffers, the param
+// cache) lies in regions of its own: never another job's, the params'
+// sealed so no other process can map them writable, and gone with the job.
 TEST(EngineJobsTest, EachJobSharesOnlyItsOwnRegions) {
   ScratchDir swap("swap");
   auto engine = MakeEngine(uint64_t{1} << 30, &swap);
