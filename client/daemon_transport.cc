@@ -704,9 +704,11 @@ class DaemonTransport final : public Transport, public ControlTransport {
           if (!written.ok()) {
             // A write refused before it began (another writer, grads
             // pending) changed nothing; one that failed in the engine's
-            // write (the drive, NVMe states) left the unit half written.
-            if (written.code() == StatusCode::kIoError ||
-                written.code() == StatusCode::kCorruption) {
+            // write (the drive under NVMe states: EIO, ENOSPC) left the
+            // job partly written. The job tells which.
+            const Status now = CheckConsistent();
+            if (now.code() == StatusCode::kFailedPrecondition &&
+                now.message().find("failed midway") != std::string::npos) {
               ++units_written_;
             }
             return written;

@@ -242,7 +242,9 @@ struct Stage3Runner::Impl {
   // only: with peers in the step, they hold theirs (restart from a
   // checkpoint, as AbortStep says).
   void DropUnfinishedStep() {
-    if (world != 1 || transport == nullptr || !failure.ok()) return;  // failed: the job with it
+    // A runner that failed (a transfer's error) leaves the job as healthy
+    // as ever, its grads too: they go the same way.
+    if (world != 1 || transport == nullptr) return;
     bool begun = micro % accumulation != 0;
     for (const UnitState& u : units) begun = begun || u.pushed;
     if (!begun) return;
@@ -251,7 +253,7 @@ struct Stage3Runner::Impl {
       ZT_LOG(kInfo, "client") << "runner of model '" << model->spec().name
                               << "' closed mid-step: the grads of step " << version + 1
                               << " it had pushed are dropped";
-    } else {
+    } else if (failure.ok()) {  // else the job (or ztierd) may have gone with the failure
       ZT_LOG(kWarn, "client") << "runner of model '" << model->spec().name
                               << "' closed mid-step, and its grads could not be dropped: "
                               << dropped.status();
@@ -958,10 +960,15 @@ struct Stage3Runner::Impl {
     if (now == weights_generation) return Status::Ok();
     // A checkpoint of another step moves the job to its step: the runner's
     // with it (else it waited for a step the job would not reach, or
-    // counted behind it). No grads of this runner's are pending: a load
-    // is refused while they are.
-    ZT_ASSIGN_OR_RETURN(const int64_t step, transport->TargetStep(job));
-    if (step >= 0) version = step;
+    // counted behind it). Between steps only: with a unit held, grads
+    // pushed (or queued to be) or a window of micro-steps open, the
+    // runner's step stays, and what it does next says what is wrong.
+    bool between_steps = micro % accumulation == 0;
+    for (const UnitState& u : units) between_steps = between_steps && u.holds == 0 && !u.pushed;
+    if (between_steps) {
+      ZT_ASSIGN_OR_RETURN(const int64_t step, transport->TargetStep(job));
+      if (step >= 0) version = step;
+    }
     weights_generation = now;
     for (UnitState& u : units) {
       if (u.params == nullptr) continue;

@@ -702,15 +702,19 @@ TEST(RunnerTest, ALoadWhoseFirstWriteFailsOnTheDriveSaysTheJobIsPartlyLoaded) {
   ASSERT_TRUE(r.Start().ok());
   ScratchDir ckpt("runner-ckpt");
   ASSERT_TRUE(r.model->SaveCheckpoint(ckpt.path()).ok());
-  r.fault->FailFrom(nvme::IoKind::kWrite, 1, EIO);
-  Status st = r.model->LoadCheckpoint(ckpt.path());
-  r.fault->Reset();
-  ASSERT_EQ(st.code(), StatusCode::kIoError) << st;
-  EXPECT_NE(st.message().find("partly loaded"), std::string::npos) << st;
-  EXPECT_EQ(r.model->SaveCheckpoint(ckpt.path()).code(), StatusCode::kFailedPrecondition);
-  Status again = r.model->LoadCheckpoint(ckpt.path());
-  EXPECT_TRUE(again.ok()) << again;
-  EXPECT_TRUE(r.model->SaveCheckpoint(ckpt.path()).ok());
+  for (const auto& [err, code] :
+       {std::pair{EIO, StatusCode::kIoError}, std::pair{ENOSPC, StatusCode::kResourceExhausted}}) {
+    SCOPED_TRACE(std::strerror(err));
+    r.fault->FailFrom(nvme::IoKind::kWrite, 1, err);
+    Status st = r.model->LoadCheckpoint(ckpt.path());
+    r.fault->Reset();
+    ASSERT_EQ(st.code(), code) << st;
+    EXPECT_NE(st.message().find("partly loaded"), std::string::npos) << st;
+    EXPECT_EQ(r.model->SaveCheckpoint(ckpt.path()).code(), StatusCode::kFailedPrecondition);
+    Status again = r.model->LoadCheckpoint(ckpt.path());
+    EXPECT_TRUE(again.ok()) << again;
+    EXPECT_TRUE(r.model->SaveCheckpoint(ckpt.path()).ok());
+  }
 }
 
 // Model::WaitPublished's timeout bounds the whole call: units that publish
