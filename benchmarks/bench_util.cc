@@ -25,6 +25,9 @@ namespace ztier::bench {
 Result<uint64_t> ParseCount(std::string_view text) {
   Result<uint64_t> n = ParseSize(text);
   if (n.ok()) return n;
+  if (n.status().message().find("too large") != std::string_view::npos) {
+    return Status::InvalidArgument(StrCat("count '", text, "' is too large"));
+  }
   return Status::InvalidArgument(
       StrCat("'", text, "' is not a count (a whole number, or one with K, M, G or T)"));
 }
