@@ -131,15 +131,11 @@ class ArgReader {
   // must fit in T.
   template <typename T>
   Status CountInto(T* out, uint64_t lo, uint64_t hi) {
-    ZT_ASSIGN_OR_RETURN(const uint64_t n, Count(lo, hi));
-    *out = static_cast<T>(n);
-    return Status::Ok();
+    return Store(out, Count(lo, hi));
   }
   template <typename T>
   Status SizeInto(T* out, uint64_t lo, uint64_t hi) {
-    ZT_ASSIGN_OR_RETURN(const uint64_t n, Size(lo, hi));
-    *out = static_cast<T>(n);
-    return Status::Ok();
+    return Store(out, Size(lo, hi));
   }
   // The value after the current option as the value its name is paired with
   // in `choices`; InvalidArgument listing the names if it is none of them.
@@ -163,6 +159,12 @@ class ArgReader {
 
  private:
   Result<uint64_t> Number(uint64_t lo, uint64_t hi, Result<uint64_t> (*parse)(std::string_view));
+  template <typename T>
+  static Status Store(T* out, const Result<uint64_t>& n) {
+    if (!n.ok()) return n.status();
+    *out = static_cast<T>(*n);
+    return Status::Ok();
+  }
   int argc_;
   char** argv_;
   int i_ = -1;

@@ -241,13 +241,17 @@ struct Stage3Runner::Impl {
   // optimizer finished this one", and saves refused, for good. One rank
   // only: with peers in the step, they hold theirs (restart from a
   // checkpoint, as AbortStep says).
+  // Whether this runner has begun a step: grads pushed this micro-step, or
+  // micro-steps of the window done.
+  bool StepBegun() const {
+    return micro % accumulation != 0 ||
+           std::any_of(units.begin(), units.end(), [](const UnitState& u) { return u.pushed; });
+  }
+
   void DropUnfinishedStep() {
     // A runner that failed (a transfer's error) leaves the job as healthy
     // as ever, its grads too: they go the same way.
-    if (world != 1 || transport == nullptr) return;
-    bool begun = micro % accumulation != 0;
-    for (const UnitState& u : units) begun = begun || u.pushed;
-    if (!begun) return;
+    if (world != 1 || transport == nullptr || !StepBegun()) return;
     Result<int> dropped = transport->AbortStep(job, version + 1);
     if (dropped.ok()) {
       ZT_LOG(kInfo, "client") << "runner of model '" << model->spec().name
@@ -963,9 +967,9 @@ struct Stage3Runner::Impl {
     // counted behind it). Between steps only: with a unit held, grads
     // pushed (or queued to be) or a window of micro-steps open, the
     // runner's step stays, and what it does next says what is wrong.
-    bool between_steps = micro % accumulation == 0;
-    for (const UnitState& u : units) between_steps = between_steps && u.holds == 0 && !u.pushed;
-    if (between_steps) {
+    const bool held =
+        std::any_of(units.begin(), units.end(), [](const UnitState& u) { return u.holds > 0; });
+    if (!held && !StepBegun()) {
       ZT_ASSIGN_OR_RETURN(const int64_t step, transport->TargetStep(job));
       if (step >= 0) version = step;
     }

@@ -17,8 +17,6 @@
 #include <utility>
 #include <vector>
 
-#include "common/log.h"
-
 namespace ztier {
 namespace {
 
@@ -127,13 +125,15 @@ std::string HoldersText(const std::vector<Holder>& holders) {
 }
 
 Status Busy(std::string_view what, const std::string& dir, const std::string& path,
-            const std::vector<Holder>& holders, std::string_view advice = {}) {
+            const std::vector<Holder>& holders, std::string_view advice = {},
+            std::string_view note = {}) {
   return Status(
       StatusCode::kUnavailable,
       StrCat(what, " ", dir, " is in use by ", HoldersText(holders), " (lock file ", path, "); ",
              advice.empty() ? "two users must not share it: wait for the other one to "
                               "finish, or choose another directory"
-                            : advice),
+                            : advice,
+             note),
       EWOULDBLOCK);
 }
 
@@ -143,9 +143,9 @@ Status Busy(std::string_view what, const std::string& dir, const std::string& pa
 // and hold it to keep us out. Not replaced here: one of our own processes
 // may take the old file in the moment it is replaced, and two would hold
 // it. The owner removes it, once no process of theirs uses the directory.
-std::string IntrudersNote(int fd, const std::string& path, const std::vector<Holder>& holders) {
-  struct stat st {};
-  if (holders.empty() || ::fstat(fd, &st) != 0 || st.st_uid != ::geteuid()) return "";
+std::string IntrudersNote(const struct stat& file, const std::string& path,
+                          const std::vector<Holder>& holders) {
+  if (holders.empty() || file.st_uid != ::geteuid()) return "";
   for (const Holder& h : holders) {
     if (!h.uid || *h.uid == ::geteuid() || *h.uid == 0) return "";
   }
@@ -205,19 +205,20 @@ Result<DirLock> DirLock::Acquire(const std::string& dir, std::string_view file_n
     }
     if (fd < 0) return PosixError(StrCat("lock file ", path, " of ", what, " ", dir), err);
     struct stat mine {};
-    if (::fstat(fd, &mine) == 0 && mine.st_uid == ::geteuid() && (mine.st_mode & 077) != 0) {
+    if (::fstat(fd, &mine) != 0) {
+      err = errno;
+      ::close(fd);
+      return PosixError(StrCat("stat lock file ", path, " of ", what, " ", dir), err);
+    }
+    if (mine.st_uid == ::geteuid() && (mine.st_mode & 077) != 0) {
       (void)::fchmod(fd, 0600);  // left readable by an older version
     }
     if (::flock(fd, op) != 0) {
       err = errno;
       if (err == EWOULDBLOCK) {
-        const std::vector<Holder> holders = Holders(fd);
-        Status busy = Busy(what, dir, path, holders, advice);
-        const std::string note = IntrudersNote(fd, path, holders);
+        const std::vector<Holder> holders = Holders(mine, fd);
+        Status busy = Busy(what, dir, path, holders, advice, IntrudersNote(mine, path, holders));
         ::close(fd);
-        if (!note.empty()) {
-          return Status(busy.code(), StrCat(busy.message(), note), busy.sys_errno());
-        }
         return busy;
       }
       ::close(fd);

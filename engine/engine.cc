@@ -940,15 +940,13 @@ Result<int> Engine::RegisterJob(
     return (footprint / e.settings.stripe_bytes + swap_paths - 1) / swap_paths *
            e.settings.stripe_bytes;
   };
+  const auto need = [&](uint64_t bytes, uint64_t copies) {
+    nvme_need += copies * SwapFootprint(bytes);
+    path_need += copies * on_one_path(SwapFootprint(bytes));
+  };
   for (const Unit& u : job->units) {
-    if (job->ring != nullptr) {
-      nvme_need += SwapFootprint(StateBytes(u, job->state_dtype));
-      path_need += on_one_path(SwapFootprint(StateBytes(u, job->state_dtype)));
-    }
-    if (nvme_params) {
-      nvme_need += 2 * SwapFootprint(ParamBytes(u.layout));
-      path_need += 2 * on_one_path(SwapFootprint(ParamBytes(u.layout)));
-    }
+    if (job->ring != nullptr) need(StateBytes(u, job->state_dtype), 1);
+    if (nvme_params) need(ParamBytes(u.layout), 2);
   }
   if (admit) ZT_RETURN_IF_ERROR(admit(dram_need, nvme_need));
   // The swap files' cap, for the whole job up front (as its DRAM): a unit at

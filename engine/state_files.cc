@@ -495,7 +495,7 @@ Status RemoveUnnamedCheckpointFiles(const std::string& dir) {
   if (named.ok()) return RemoveUnnamed(dir, *named);
   // A manifest that cannot be read (a link to a filesystem not mounted) may
   // name them: nothing to tell the unused ones by.
-  if (NoManifest(dir) && fs::is_directory(dir)) return RemoveUnnamed(dir, {});
+  if (NoManifest(dir)) return RemoveUnnamed(dir, {});  // a missing dir: nothing to remove
   return Status::Ok();
 }
 

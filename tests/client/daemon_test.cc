@@ -1727,6 +1727,18 @@ Result<std::vector<std::vector<float>>> TrainSteps(Session& session, const std::
 // A client process for the test below (ZTIER_TEST_LINGER=SOCKET,READY):
 // registers a job, maps its regions, closes its connection (so the daemon
 // frees the job) and lives on with the mappings.
+// Kills a helper process on the way out of a test (a failed check leaves
+// none sleeping on), and reaps it if it is this process's child; pid 0: let
+// go (the test ended it itself).
+struct KillOnExit {
+  pid_t pid;
+  ~KillOnExit() {
+    if (pid <= 0) return;
+    ::kill(pid, SIGKILL);
+    (void)testing::WaitChild(pid);  // ECHILD for another's child: nothing to reap
+  }
+};
+
 TEST(ZtierdProgramTest, LingeringClient) {
   const char* env = std::getenv("ZTIER_TEST_LINGER");
   if (env == nullptr) GTEST_SKIP() << "a helper process of AProcessThatClosedItsConnection...";
@@ -1787,17 +1799,7 @@ void ExpectChargedUntilTheMapperExits(Freed how) {
   if (evict) env.push_back("ZTIER_TEST_LINGER_OPEN=1");
   Result<pid_t> pid = testing::SpawnSelf("ZtierdProgramTest.LingeringClient", env);
   ASSERT_TRUE(pid.ok()) << pid.status();
-  // A failed check leaves no helper sleeping on (ten minutes).
-  struct KillOnExit {
-    pid_t pid;
-    bool done = false;
-    ~KillOnExit() {
-      if (!done) {
-        ::kill(pid, SIGKILL);
-        (void)testing::WaitChild(pid);
-      }
-    }
-  } helper{*pid};
+  KillOnExit helper{*pid};
   ASSERT_TRUE(testing::WaitForFile(ready)) << d.log();
   Result<std::unique_ptr<DaemonControl>> c = DaemonControl::Connect(d.socket(), 10s);
   ASSERT_TRUE(c.ok()) << c.status();
@@ -1826,7 +1828,7 @@ void ExpectChargedUntilTheMapperExits(Freed how) {
   EXPECT_GT(st->dram_used_bytes, 0u) << "the mapped regions left the budget";
   ::kill(*pid, SIGKILL);
   (void)testing::WaitChild(*pid);
-  helper.done = true;
+  helper.pid = 0;
   for (int k = 0; k < 300; ++k) {
     m = (*s)->RegisterModel(ModelOf(TwoUnits("after")));
     if (m.ok()) break;
@@ -1887,27 +1889,16 @@ TEST(ZtierdProgramTest, AJobGoesWithItsClientNotWithTheChildrenItForked) {
   Result<pid_t> pid = testing::SpawnSelf("ZtierdProgramTest.ForkingClient",
                                          {StrCat("ZTIER_TEST_FORKER=", d.socket(), ",", ready)});
   ASSERT_TRUE(pid.ok()) << pid.status();
-  pid_t worker = 0;
-  struct KillOnExit {
-    pid_t& pid;
-    pid_t& worker;
-    ~KillOnExit() {
-      if (worker > 0) ::kill(worker, SIGKILL);
-      if (pid > 0) {
-        ::kill(pid, SIGKILL);
-        (void)testing::WaitChild(pid);
-      }
-    }
-  } helpers{*pid, worker};
+  KillOnExit helper{*pid}, worker{0};  // the worker is the helper's child: killed, not reaped
   ASSERT_TRUE(testing::WaitForFile(ready)) << d.log();
-  for (int k = 0; k < 500 && worker == 0; ++k) {  // the pid is written after the file is made
-    std::ifstream(ready) >> worker;
-    if (worker == 0) std::this_thread::sleep_for(10ms);
+  for (int k = 0; k < 500 && worker.pid == 0; ++k) {  // written after the file is made
+    std::ifstream(ready) >> worker.pid;
+    if (worker.pid == 0) std::this_thread::sleep_for(10ms);
   }
-  ASSERT_GT(worker, 0);
+  ASSERT_GT(worker.pid, 0);
   ::kill(*pid, SIGKILL);
   (void)testing::WaitChild(*pid);
-  *pid = 0;
+  helper.pid = 0;
   SessionOptions o;
   o.daemon_socket = d.socket();
   Result<std::unique_ptr<Session>> s = Session::Open(o);
