@@ -44,6 +44,7 @@ class Region {
     std::swap(name_, o.name_);
     std::swap(hugetlb_, o.hugetlb_);
     std::swap(huge_bytes_, o.huge_bytes_);
+    std::swap(hugetlb_refused_, o.hugetlb_refused_);
     return *this;
   }
   ~Region() {
@@ -61,9 +62,9 @@ class Region {
       // mmap is what fails. Fall back to transparent huge pages then.
       Result<Region> huge = MakeWith(o, bytes, name, MFD_HUGETLB, final_seal);
       if (huge.ok()) return huge;
-      ZT_LOG(kWarn, "engine") << "hugetlb pages unavailable for the DRAM pool (" << huge.status()
-                              << "; reserve them in /proc/sys/vm/nr_hugepages): using "
-                                 "transparent huge pages";
+      Result<Region> r = MakeWith(o, bytes, name, 0, final_seal);
+      if (r.ok()) r->hugetlb_refused_ = huge.status().ToString();  // the pool warns (once)
+      return r;
     }
     return MakeWith(o, bytes, name, 0, final_seal);
   }
@@ -194,6 +195,8 @@ class Region {
   const std::string& name() const { return name_; }
   bool hugetlb() const { return hugetlb_; }
   uint64_t huge_bytes() const { return huge_bytes_; }
+  // Why hugetlb pages were asked for and not had ("": not asked, or had).
+  const std::string& hugetlb_refused() const { return hugetlb_refused_; }
 
  private:
   int fd_ = -1;
@@ -204,6 +207,7 @@ class Region {
   std::string name_;
   bool hugetlb_ = false;
   uint64_t huge_bytes_ = 0;
+  std::string hugetlb_refused_;
 };
 
 }  // namespace
@@ -253,6 +257,7 @@ struct DramPool::Impl {
     const uint32_t r = next_region;
     ZT_ASSIGN_OR_RETURN(Region region, Region::Make(o, bytes, r, /*final_seal=*/!dedicated_region));
     if (region.lock_error() != 0) WarnUnlocked(region);
+    if (!region.hugetlb_refused().empty()) WarnHugetlbRefused(region);
     ZT_RETURN_IF_ERROR(BindToNode(region));
     ++next_region;
     reserved += region.bytes();
@@ -280,6 +285,23 @@ struct DramPool::Impl {
                             << std::strerror(region.lock_error()) << "; RLIMIT_MEMLOCK is " << limit
                             << " (set LimitMEMLOCK=infinity or ulimit -l unlimited; the pool's "
                                "later regions that are not locked are logged at info)";
+  }
+
+  // hugetlb pages asked for and not had: one warning a pool (it said so
+  // of each region it made, a line per job and more), the later ones at info.
+  bool hugetlb_warned = false;
+  void WarnHugetlbRefused(const Region& region) {
+    if (hugetlb_warned) {
+      ZT_LOG(kInfo, "engine") << "DRAM pool region " << region.name()
+                              << " has no hugetlb pages either";
+      return;
+    }
+    hugetlb_warned = true;
+    ZT_LOG(kWarn, "engine") << "hugetlb pages unavailable for the DRAM pool ("
+                            << region.hugetlb_refused()
+                            << "; reserve them in /proc/sys/vm/nr_hugepages): using transparent "
+                               "huge pages (the pool's later regions without them are logged at "
+                               "info)";
   }
 
   // Unmaps region r (its memfd closed once every other mapping is gone);

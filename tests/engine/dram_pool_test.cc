@@ -343,14 +343,31 @@ TEST(DramPoolTest, DedicatedRegionsDropEmptySharedOnesForRoomAndRespectTheBudget
   EXPECT_NE(over.status().message().find("8388608"), std::string::npos) << over.status();
 }
 
-TEST(DramPoolTest, HugetlbFallsBackWhenNoneReserved) {
-  auto pool = MakePool(8 * kMiB, 4 * kMiB, HugePages::kHugetlb);
-  Result<DramBlock> a = pool->Allocate(kMiB, "h");
-  ASSERT_TRUE(a.ok()) << a.status();
-  std::memset(a->ptr, 3, a->bytes);
+// Where no 2 MiB pages are reserved, the pool said so of every region it
+// made (a line per job, and one per large block): one warning a pool.
+TEST(DramPoolTest, HugetlbFallsBackWhenNoneReservedAndSaysSoOnce) {
+  auto pool = MakePool(64 * kMiB, 4 * kMiB, HugePages::kHugetlb);
+  ::testing::internal::CaptureStderr();
+  std::vector<DramBlock> blocks;
+  for (uint64_t size : {kMiB, 4 * kMiB, 4 * kMiB, 8 * kMiB}) {  // a region each
+    Result<DramBlock> a = pool->Allocate(size, "h");
+    ASSERT_TRUE(a.ok()) << a.status();
+    std::memset(a->ptr, 3, a->bytes);
+    blocks.push_back(*a);
+  }
+  const std::string log = ::testing::internal::GetCapturedStderr();
   const DramPoolStats st = pool->stats();
   std::printf("hugetlb regions: %u of %u, locked: %u\n", st.hugetlb_regions, st.regions,
               st.locked_regions);
+  EXPECT_GE(st.regions, 3u);
+  const size_t fell_back = st.regions - st.hugetlb_regions;
+  size_t warnings = 0;
+  for (size_t at = log.find("hugetlb pages unavailable"); at != std::string::npos;
+       at = log.find("hugetlb pages unavailable", at + 1)) {
+    ++warnings;
+  }
+  EXPECT_EQ(warnings, fell_back == 0 ? 0u : 1u) << log;
+  for (const DramBlock& b : blocks) pool->Free(b);
 }
 
 TEST(DramPoolTest, ConcurrentAllocationsDoNotOverlap) {
