@@ -508,6 +508,18 @@ Result<Plan> ResolvePlan(const Flags& f) {
     s.nvme_paths.clear();
     s.sources.erase(paths);
   }
+  // Swap directories given on the command line for states in DRAM were
+  // taken and never used: a run the user believed on NVMe held it all in
+  // DRAM. (A config's or the environment's may serve other runs.)
+  if (paths != s.sources.end() && paths->second == "--swap-dir" &&
+      s.optimizer_tier != engine::Tier::kNvme) {
+    const auto device = s.sources.find("zero_optimization.offload_optimizer.device");
+    return Status::InvalidArgument(StrCat(
+        "--swap-dir: the optimizer states are in dram (",
+        device == s.sources.end() ? std::string("the default") : device->second,
+        "), which uses no swap directory: --optimizer nvme puts them there, or leave --swap-dir "
+        "out"));
+  }
   if (s.param_tier == engine::Tier::kNvme && s.optimizer_tier != engine::Tier::kNvme) {
     const auto from = [&](const char* key) {
       auto it = s.sources.find(key);

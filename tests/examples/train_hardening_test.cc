@@ -386,6 +386,9 @@ TEST_F(TrainHardeningTest, BadInputsAreClearErrorsNeverCrashes) {
       {"--steps 1e9", 2, "--steps"},
       {"--resume --overwrite", 2, "contradict"},
       {"--params nvme --optimizer dram", 2, "optimizer states on nvme"},
+      // Taken, and the states kept in DRAM without a word.
+      {"--optimizer dram --swap-dir " + (dir_ / "adir"), 2,
+       "--swap-dir: the optimizer states are in dram (--optimizer)"},
       {"--layers 60000 --channels 60000 --heads 1", 1, "of host memory"},
       {"--data /dev/zero", 1, "not a regular file"},
       {"--data " + (dir_ / "adir"), 1, "is a directory"},
