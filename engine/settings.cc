@@ -269,6 +269,11 @@ const std::vector<Tunable>& Table() {
            // ("/a,,/b" became /a,/b: a typo, as a path left out, is said.)
            return Status::InvalidArgument(StrCat(k, ": '", t, "' names an empty path"));
          }
+         // "/a/" is "/a": kept without the slash, so two spellings of one
+         // list compare equal.
+         for (std::string& p : paths) {
+           while (p.size() > 1 && p.back() == '/') p.pop_back();
+         }
          if (!s.nvme_paths.empty() && s.nvme_paths != paths) {
            return Status::InvalidArgument(
                StrCat(k,
@@ -1024,6 +1029,17 @@ Status WalkIgnoredChildren(const Json& node, const std::string& prefix, WalkStat
   return Status::Ok();
 }
 
+// Two keys of one row given {key, text} each mean one value: the same
+// text, or texts read as the same ("1M" and 1048576).
+bool SameValue(const Tunable& t, const std::pair<std::string, std::string>& a,
+               const std::pair<std::string, std::string>& b) {
+  if (a.second == b.second) return true;
+  if (t.get == nullptr) return false;
+  Settings sa, sb;
+  return t.set(sa, a.second, a.first).ok() && t.set(sb, b.second, b.first).ok() &&
+         t.get(sa) == t.get(sb);
+}
+
 Status Walk(const Json& node, const std::string& prefix, Settings& s, WalkState& w) {
   for (auto it = node.begin(); it != node.end(); ++it) {
     const std::string key = prefix.empty() ? it.key() : prefix + "." + it.key();
@@ -1036,13 +1052,19 @@ Status Walk(const Json& node, const std::string& prefix, Settings& s, WalkState&
         Status st = t->set(s, **text, key);
         if (!st.ok()) return st.Annotate(w.origin);
         const auto [earlier, first] = w.set.try_emplace(t, key, **text);
-        if (!first && earlier->second.second != **text) {
+        if (!first && !SameValue(*t, earlier->second, {key, **text})) {
           return Status::InvalidArgument(StrCat(w.origin, ": '", key, "' is ", **text, " but '",
                                                 earlier->second.first, "', the same setting, is ",
                                                 earlier->second.second,
                                                 "; give one value (or the same in both)"));
         }
-        Record(s, *t, w.origin);
+        // A hidden row's false (DeepSpeed's cpu_offload: false, amsgrad:
+        // false) sets nothing: the setting it stands for was not the file's,
+        // and a default that depends on that (ztier-train's DRAM through
+        // ztierd) still applies.
+        if (!(t->hidden() && t->type == JsonType::kBool && **text == "false")) {
+          Record(s, *t, w.origin);
+        }
         if (t->type == JsonType::kFlagOrSection && it.value().is_object()) {
           ZT_RETURN_IF_ERROR(WalkIgnoredChildren(it.value(), key, w));
         }

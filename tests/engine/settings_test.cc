@@ -644,6 +644,41 @@ TEST(SettingsTest, AnOldSpellingThatContradictsItsSettingIsRefused) {
   }
 }
 
+// Two spellings of one setting with one value in two forms were refused
+// as if they disagreed.
+TEST(SettingsTest, TwoSpellingsOfOneValueAgree) {
+  Result<Settings> live = ParseSettings(
+      R"({"zero_optimization": {"stage3_max_live_parameters": "1M",
+                                "max_live_parameters": 1048576}})",
+      "f.json");
+  ASSERT_TRUE(live.ok()) << live.status();
+  Result<Settings> paths = ParseSettings(
+      R"({"zero_optimization": {"offload_optimizer": {"nvme_path": "/a"},
+                                "offload_param": {"nvme_path": ["/a/"]}}})",
+      "f.json");
+  ASSERT_TRUE(paths.ok()) << paths.status();
+}
+
+// DeepSpeed's old spellings set to false set nothing, but the file was
+// named the source of the setting they stand for: ztier-train's own
+// default (states in ztierd's DRAM) then did not apply, and it said
+// "offload_optimizer.device = nvme (from old.json)", which the file never said.
+TEST(SettingsTest, AnOldSpellingSetToFalseIsNoSourceOfItsSetting) {
+  for (const char* json : {R"({"zero_optimization": {"cpu_offload": false}})",
+                           R"({"zero_optimization": {"cpu_offload_param": false}})",
+                           R"({"optimizer": {"params": {"amsgrad": false}}})"}) {
+    Result<Settings> s = ParseSettings(json, "old.json");
+    ASSERT_TRUE(s.ok()) << json << ": " << s.status();
+    EXPECT_EQ(s->sources.count("zero_optimization.offload_optimizer.device"), 0u) << json;
+    EXPECT_EQ(s->sources.count("zero_optimization.offload_param.device"), 0u) << json;
+    EXPECT_EQ(s->sources.count("optimizer.type"), 0u) << json;
+  }
+  Result<Settings> on =
+      ParseSettings(R"({"zero_optimization": {"cpu_offload": true}})", "new.json");
+  ASSERT_TRUE(on.ok()) << on.status();
+  EXPECT_EQ(on->sources.at("zero_optimization.offload_optimizer.device"), "new.json");
+}
+
 // What follows a NUL byte was dropped (the parser ends its input there), and
 // two top-level objects got a comma between them in the error, which the
 // user never wrote.
