@@ -164,10 +164,11 @@ void RemoveStaleTemps(const std::string& path) {
 
 }  // namespace
 
-Status WriteFileAtomically(const std::string& named, std::string_view data) {
+Status WriteFileAtomically(const std::string& named, std::string_view data,
+                           const AtomicWriteOptions& options) {
   if (named.empty()) return Status::InvalidArgument("an empty path names no file");
   ZT_ASSIGN_OR_RETURN(const std::string path, ReplaceableTarget(named));
-  RemoveStaleTemps(path);
+  if (options.remove_stale_temps) RemoveStaleTemps(path);
   const std::string tmp = TempNameFor(path);
   // A new file of its own (O_EXCL, no link followed).
   const int fd = OpenFile(tmp, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW, 0600);
@@ -197,6 +198,7 @@ Status WriteFileAtomically(const std::string& named, std::string_view data) {
     ::unlink(tmp.c_str());
     return PosixError(StrCat("rename ", tmp, " -> ", path), err);
   }
+  if (!options.fsync_directory) return Status::Ok();
   std::string dir = std::filesystem::path(path).parent_path().string();
   return FsyncPath(dir.empty() ? "." : dir, /*directory=*/true);
 }

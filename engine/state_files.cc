@@ -457,7 +457,11 @@ Status SaveCheckpointFiles(const JobDescription& job, StateAccess& state, const 
       // Listed before it is written: a write that fails after its rename
       // (the directory fsync) leaves the file in place, to be removed.
       written.push_back(name);
-      ZT_RETURN_IF_ERROR(WriteFileAtomically((fs::path(dir) / name).string(), data));
+      // A fresh name (the save's tag): no writer left temps of it, and the
+      // directory is fsynced once after the last shard file (below).
+      ZT_RETURN_IF_ERROR(
+          WriteFileAtomically((fs::path(dir) / name).string(), data,
+                              {.remove_stale_temps = false, .fsync_directory = false}));
       cu.shards.push_back({.file = name,
                            .rank = r,
                            .elements = n,
