@@ -225,6 +225,18 @@ struct DramPool::Impl {
     bool dedicated;         // one owner's, never carved for others
   };
   std::map<uint32_t, Slot> slots;
+  // The regions' figures for stats(), kept as regions come and go: a walk
+  // of every region per call made ztierd's per-job counters (a listing, a
+  // scrape) quadratic in its jobs, under the engine's lock.
+  DramPoolStats tally;
+  void Add(uint32_t r, Slot slot) {
+    const Region& region = slot.region;
+    ++tally.regions;
+    tally.locked_regions += region.locked() ? 1 : 0;
+    tally.hugetlb_regions += region.hugetlb() ? 1 : 0;
+    tally.huge_page_bytes += region.huge_bytes();
+    slots.emplace(r, std::move(slot));
+  }
   uint32_t next_region = 0;
   uint64_t reserved = 0;
   uint64_t used = 0;
@@ -262,7 +274,7 @@ struct DramPool::Impl {
     ++next_region;
     reserved += region.bytes();
     const uint64_t units = region.bytes() / kPage;
-    slots.emplace(r, Slot{std::move(region), ExtentAllocator(units), dedicated_region});
+    Add(r, Slot{std::move(region), ExtentAllocator(units), dedicated_region});
     return r;
   }
 
@@ -308,7 +320,12 @@ struct DramPool::Impl {
   // its index is never reused.
   void Drop(uint32_t r) {
     auto it = slots.find(r);
-    reserved -= it->second.region.bytes();
+    const Region& region = it->second.region;
+    reserved -= region.bytes();
+    --tally.regions;
+    tally.locked_regions -= region.locked() ? 1 : 0;
+    tally.hugetlb_regions -= region.hugetlb() ? 1 : 0;
+    tally.huge_page_bytes -= region.huge_bytes();
     slots.erase(it);
   }
 
@@ -445,7 +462,7 @@ Result<uint32_t> DramPool::CreateRegion(uint64_t bytes, std::string_view owner) 
     return bound;
   }
   if (region->lock_error() != 0) p.WarnUnlocked(*region);
-  p.slots.emplace(r, Impl::Slot{std::move(*region), ExtentAllocator(size / kPage), true});
+  p.Add(r, Impl::Slot{std::move(*region), ExtentAllocator(size / kPage), true});
   return r;
 }
 
@@ -557,17 +574,10 @@ std::vector<std::pair<void*, uint64_t>> DramPool::regions() const {
 DramPoolStats DramPool::stats() const {
   const Impl& p = *impl_;
   std::lock_guard<std::mutex> lock(p.mu);
-  DramPoolStats s;
+  DramPoolStats s = p.tally;
   s.budget_bytes = p.options.budget_bytes;
   s.reserved_bytes = p.reserved + p.outside;
   s.used_bytes = p.used + p.outside;
-  for (const auto& [index, slot] : p.slots) {
-    const Region& r = slot.region;
-    ++s.regions;
-    s.locked_regions += r.locked() ? 1 : 0;
-    s.hugetlb_regions += r.hugetlb() ? 1 : 0;
-    s.huge_page_bytes += r.huge_bytes();
-  }
   if (p.reserved > 0) s.page_bytes = 2 * s.huge_page_bytes >= p.reserved ? kHugePage : kPage;
   return s;
 }

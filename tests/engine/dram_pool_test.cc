@@ -420,6 +420,41 @@ TEST(DramPoolTest, SharedRegionsReserveAtMostASixteenthOfTheBudget) {
   EXPECT_EQ(tiny->stats().reserved_bytes, 2 * kMiB);  // never below one huge page
 }
 
+// stats() walked every region (ztierd asks once per job: quadratic in the
+// jobs); the figures are now kept as regions come and go, and go back to
+// nothing with the regions.
+TEST(DramPoolTest, StatsFollowRegionsMadeAndDropped) {
+  auto pool = MakePool(64 * kMiB, 4 * kMiB);
+  std::vector<uint32_t> regions;
+  for (int i = 0; i < 5; ++i) {
+    Result<uint32_t> r = pool->CreateRegion(2 * kMiB, "job region");
+    ASSERT_TRUE(r.ok()) << r.status();
+    regions.push_back(*r);
+  }
+  Result<DramBlock> shared = pool->Allocate(kMiB, "shared");
+  ASSERT_TRUE(shared.ok()) << shared.status();
+  DramPoolStats st = pool->stats();
+  EXPECT_EQ(st.regions, 6u);
+  EXPECT_LE(st.locked_regions, st.regions);
+  EXPECT_LE(st.huge_page_bytes, st.reserved_bytes);
+  for (uint32_t r : regions) pool->DestroyRegion(r);
+  st = pool->stats();
+  EXPECT_EQ(st.regions, 1u);
+  EXPECT_EQ(st.reserved_bytes, 4 * kMiB);
+  EXPECT_LE(st.huge_page_bytes, 4 * kMiB);
+  pool->Free(*shared);
+  Result<uint32_t> big = pool->CreateRegion(62 * kMiB, "needs the shared region's room");
+  ASSERT_TRUE(big.ok()) << big.status();  // the empty shared region dropped for it
+  st = pool->stats();
+  EXPECT_EQ(st.regions, 1u) << "the dropped region is still counted";
+  EXPECT_EQ(st.reserved_bytes, 62 * kMiB);
+  pool->DestroyRegion(*big);
+  st = pool->stats();
+  EXPECT_EQ(st.regions, 0u);
+  EXPECT_EQ(st.huge_page_bytes, 0u);
+  EXPECT_EQ(st.page_bytes, 0u);
+}
+
 TEST(DramPoolTest, RejectsBadOptions) {
   EXPECT_EQ(DramPool::Create({.budget_bytes = 0}).status().code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(DramPool::Create({.budget_bytes = kMiB, .region_bytes = 3 * kMiB}).status().code(),
