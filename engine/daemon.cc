@@ -17,6 +17,7 @@
 #include <cstring>
 #include <deque>
 #include <filesystem>
+#include <limits>
 #include <list>
 #include <map>
 #include <mutex>
@@ -777,7 +778,9 @@ struct Daemon::Impl {
   }
 
   // The jobs (of `uid` only, unless null), by id, from after `after`.
-  std::vector<JobInfo> Jobs(std::optional<uid_t> uid, int64_t after) {
+  // The jobs (of `uid`, or all) after id `after`, in id order, at most `most`.
+  std::vector<JobInfo> Jobs(std::optional<uid_t> uid, int64_t after,
+                            size_t most = std::numeric_limits<size_t>::max()) {
     std::vector<std::shared_ptr<Job>> found;
     {
       std::lock_guard<std::mutex> lock(mu);
@@ -789,6 +792,9 @@ struct Daemon::Impl {
     }
     std::sort(found.begin(), found.end(),
               [](const auto& a, const auto& b) { return a->engine_job < b->engine_job; });
+    // (A page's figures only: each page of a listing gathered every job
+    // after it, so a listing was quadratic in the jobs.)
+    if (found.size() > most) found.resize(most);
     std::vector<JobInfo> out;
     for (const auto& job : found) {
       JobInfo j;
@@ -1230,7 +1236,8 @@ class Daemon::Impl::Connection {
   Result<std::string> OnListJobs(std::string_view in) {
     ZT_ASSIGN_OR_RETURN(p::ListRequest l, p::DecodeListRequest(in));
     std::vector<JobInfo> all =
-        d_.Jobs(admin_ ? std::nullopt : std::optional<uid_t>(peer_.uid), l.after);
+        d_.Jobs(admin_ ? std::nullopt : std::optional<uid_t>(peer_.uid), l.after,
+                p::kMaxListed + 1);  // one past a page: whether there are more
     // A page that fits in one reply (its header and status included).
     p::JobList page;
     size_t bytes = 64;
