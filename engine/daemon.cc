@@ -195,6 +195,7 @@ struct Daemon::Impl {
     uint64_t dram_bytes = 0;  // of its jobs, as counted at registration
     uint64_t nvme_bytes = 0;
     uint64_t lingering_bytes = 0;  // of dram_bytes: see Lingering
+    int lingering_jobs = 0;        // freed jobs that live processes still map: see Lingering
     int requests = 0;              // queued or running on its connections' pools
     uint64_t payload_bytes = 0;    // held by its requests' handlers (see Payload)
     uint64_t spec_bytes = 0;       // its registered jobs' specs as ztierd keeps them (SpecHeap)
@@ -227,6 +228,7 @@ struct Daemon::Impl {
   void UnchargeLocked(const Lingering& l) {
     Usage& u = usage[l.uid];
     if (l.connection) --u.connections;
+    if (!l.connection) --u.lingering_jobs;
     u.dram_bytes -= l.bytes;
     u.lingering_bytes -= l.bytes;
     engine->ReleaseDram(l.bytes);
@@ -603,8 +605,16 @@ struct Daemon::Impl {
     Usage& u = usage[job.uid];
     u.dram_bytes += l.bytes;
     u.lingering_bytes += l.bytes;
+    ++u.lingering_jobs;  // each holds a pidfd per process: counted as a job
     engine->HoldDram(l.bytes);
     lingering.push_back(std::move(l));
+  }
+
+  // Under mu: a live process maps the job's regions (it lingers once freed).
+  bool MappedByLiveProcessLocked(const Job& job) const {
+    return std::any_of(job.mappers.begin(), job.mappers.end(), [](const auto& m) {
+      return m.second.pidfd.valid() && !Exited(m.second.pidfd);
+    });
   }
 
   // A connection unregistered a job freed under it (evicted): the client
@@ -1628,12 +1638,24 @@ class Daemon::Impl::Connection {
             "' refused: this ztierd is draining (an operator ran ztierctl drain; running jobs go "
             "on; new ones are refused until ztierctl drain --off: try again then)"));
       }
-      const int jobs = d_.usage[peer_.uid].jobs - (parked ? 1 : 0);
+      // A freed job whose regions live processes still map holds its
+      // memory and a pidfd of each of them: one process that registered,
+      // left and registered again (a grace period set) filled ztierd's fd
+      // table. Such jobs count as the uid's jobs, and so does a parked one
+      // taken over while its processes live (it lingers once freed).
+      const Impl::Usage& u = d_.usage[peer_.uid];
+      const int jobs = u.jobs - (parked ? 1 : 0);
       const int quota = d_.QuotaForLocked(peer_.uid).max_jobs;
-      if (jobs >= quota) {
-        return Status::ResourceExhausted(
-            StrCat("uid ", peer_.uid, " has ", jobs, " jobs, the quota (max_jobs_per_uid) is ",
-                   quota, "; job '", name, "' refused", d_.ParkedNoteLocked(peer_.uid)));
+      if (jobs + u.lingering_jobs >= quota) {
+        return Status::ResourceExhausted(StrCat(
+            "uid ", peer_.uid, " has ", jobs, " jobs",
+            u.lingering_jobs == 0
+                ? std::string()
+                : StrCat(" and ", u.lingering_jobs,
+                         " freed ones whose memory processes that closed their connection but "
+                         "live on still map (ztierctl quota get names them)"),
+            ", the quota (max_jobs_per_uid) is ", quota, "; job '", name, "' refused",
+            d_.ParkedNoteLocked(peer_.uid)));
       }
       return Status::Ok();
     };
@@ -1645,7 +1667,7 @@ class Daemon::Impl::Connection {
       std::lock_guard<std::mutex> lock(d_.mu);
       auto it = d_.jobs.find({peer_.uid, name});
       const bool has_parked = it != d_.jobs.end() && it->second->holders == 0;
-      ZT_RETURN_IF_ERROR(refused(has_parked));
+      ZT_RETURN_IF_ERROR(refused(has_parked && !d_.MappedByLiveProcessLocked(*it->second)));
       if (has_parked) {
         parked = it->second;
         d_.MarkFreedLocked(*parked);
