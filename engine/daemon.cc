@@ -245,7 +245,10 @@ struct Daemon::Impl {
     });
   }
   std::map<uid_t, Usage> usage;  // guarded by mu
-  int connections = 0;           // guarded by mu
+  // The sum of the uids' requests, and the uids with any (guarded by mu).
+  int requests_in_flight = 0;
+  int uids_with_requests = 0;
+  int connections = 0;  // guarded by mu
   // The operator's settings (guarded by mu): quotas set per uid (ztierctl
   // quota set; kept in options.quota_file when one is named), and drain
   // (new jobs refused).
@@ -1053,13 +1056,30 @@ class Daemon::Impl::Connection {
     {
       std::lock_guard<std::mutex> lock(d_.mu);
       Impl::Usage& u = d_.usage[peer_.uid];
+      const int total = d_.requests_in_flight;
+      const int cap = d_.options.max_requests_in_flight_total;
+      // The uids with requests in flight, this one among them.
+      const int uids = d_.uids_with_requests + (u.requests == 0 ? 1 : 0);
+      const int share = std::max(kRequestsEveryUidMayHold, cap / (2 * uids));
       if (u.requests >= d_.options.max_requests_in_flight_per_uid) {
         over = Status::ResourceExhausted(
             StrCat("requests in flight of uid ", peer_.uid, " on all its connections: ", u.requests,
                    " of the quota of ", d_.options.max_requests_in_flight_per_uid,
                    " (daemon max_requests_in_flight_per_uid)"));
+      } else if (u.requests >= kRequestsEveryUidMayHold &&
+                 (total >= cap || (2 * total >= cap && u.requests >= share))) {
+        const std::string figures =
+            StrCat("requests in flight on all of ztierd's connections: ", total, " of ", cap,
+                   " (ztierd's --max-requests-in-flight-total; each holds a thread)");
+        over = Status::ResourceExhausted(
+            total >= cap ? figures
+                         : StrCat(figures, "; uid ", peer_.uid, " holds ", u.requests,
+                                  ", at least its share of ", share, " among ", uids,
+                                  " uids with requests in flight: the rest is kept for the "
+                                  "others"));
       } else {
-        ++u.requests;
+        if (u.requests++ == 0) ++d_.uids_with_requests;
+        ++d_.requests_in_flight;
       }
     }
     // Said with the daemon's lock released: a client that does not read
@@ -1111,7 +1131,8 @@ class Daemon::Impl::Connection {
   // A pooled request has finished (or was refused): its uid's count drops.
   void RequestDone() {
     std::lock_guard<std::mutex> lock(d_.mu);
-    --d_.usage[peer_.uid].requests;
+    if (--d_.usage[peer_.uid].requests == 0) --d_.uids_with_requests;
+    --d_.requests_in_flight;
   }
 
   // `self`: the thread's entry in pool_, which it moves to ended_ when it
@@ -2262,7 +2283,7 @@ Result<std::unique_ptr<Daemon>> Daemon::Create(const Settings& settings,
                                                std::shared_ptr<nvme::IoBackend> io_backend) {
   if (options.max_connections_per_uid < 1 || options.max_jobs_per_uid < 1 ||
       options.max_requests_in_flight < 1 || options.max_requests_in_flight_per_uid < 1 ||
-      options.max_spec_bytes_per_uid < 1) {
+      options.max_requests_in_flight_total < 1 || options.max_spec_bytes_per_uid < 1) {
     return Status::InvalidArgument("ztierd quotas must be at least 1");
   }
   if (options.idle_dram_release.count() < 0) {

@@ -66,6 +66,9 @@ class IoBackend;
 
 namespace ztier::engine {
 
+// See DaemonOptions::max_requests_in_flight_total.
+inline constexpr int kRequestsEveryUidMayHold = 64;
+
 struct DaemonOptions {
   // Who may connect besides root and the daemon's own uid; empty: every
   // uid the socket's permissions let in (mode 0660, group ztier).
@@ -84,6 +87,17 @@ struct DaemonOptions {
   // so that one user cannot take the threads or the memory every user's
   // jobs need. Past either a request is refused (ResourceExhausted).
   int max_requests_in_flight_per_uid = 1024;
+  // Requests in flight on all uids' connections together (each blocked one
+  // holds a thread, and the service's task limit is everyone's): five uids
+  // each within their own quota took every thread systemd's default
+  // TasksMax allowed, and another user's running job failed. Past half of
+  // it, a uid holding its fair share (half of it over the uids with
+  // requests in flight) or more is refused, so the other half stays for
+  // the uids that hold less (a running job keeps a few dozen).
+  // A uid holding fewer than kRequestsEveryUidMayHold (a running job's:
+  // 8 ranks' fetches, pushes, releases and waits) is never refused by it,
+  // so the threads may pass it by that many per uid.
+  int max_requests_in_flight_total = 4096;
   uint64_t max_spec_bytes_per_uid = uint64_t{1} << 30;
   // How long a job whose last client's connection closed (without
   // unregistering it) is kept, so that a restarted rank may attach to it

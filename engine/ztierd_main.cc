@@ -37,6 +37,7 @@
 #include <iostream>
 #include <mutex>
 #include <optional>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -68,6 +69,7 @@ struct Flags {
   std::string metrics;  // --metrics ADDRESS
   std::string admin_group = "ztier-admin";
   bool admin_group_named = false;
+  bool requests_total_named = false;
   DaemonOptions daemon;
 };
 
@@ -75,6 +77,7 @@ void Usage(std::ostream& out) {
   out << "usage: ztierd [--version] [--socket PATH] [--config FILE] [--socket-mode OCTAL]\n"
          "              [--allow-uid UID]... [--max-jobs-per-uid N]\n"
          "              [--max-connections-per-uid N] [--max-requests-in-flight N]\n"
+         "              [--max-requests-in-flight-total N]\n"
          "              [--max-dram-per-uid SIZE] [--max-nvme-per-uid SIZE]\n"
          "              [--job-grace-seconds N] [--idle-release-seconds N]\n"
          "              [--metrics ADDRESS] [--metrics-job-names yes|no]\n"
@@ -88,6 +91,9 @@ void Usage(std::ostream& out) {
          "                  none: every uid the socket's permissions let in\n"
          "  --max-jobs-per-uid, --max-connections-per-uid (defaults 16, 64),\n"
          "  --max-requests-in-flight (per connection, default 256, at least 32),\n"
+         "  --max-requests-in-flight-total (all uids together, each a thread; default\n"
+         "                  4096, at most half of the service's task limit; past half of\n"
+         "                  it, a uid holding its fair share or more is refused),\n"
          "  --max-dram-per-uid, --max-nvme-per-uid (bytes, e.g. 64G; default: none): quotas\n"
          "  --job-grace-seconds  keep a job whose last client died this long, so a\n"
          "                  restarted rank can attach to it again (default 0: free it at once)\n"
@@ -108,6 +114,47 @@ void Usage(std::ostream& out) {
 // The least --max-requests-in-flight: 8 local ranks' fetches, pushes and
 // releases on one connection (a rank keeps up to 4 in flight).
 constexpr int64_t kLeastRequestsInFlight = 32;
+
+// The most threads this process may have, where something bounds them: its
+// cgroup's pids.max (systemd's TasksMax, the least along the cgroup's
+// path) and, for a user other than root, RLIMIT_NPROC. "" when none does.
+std::optional<int64_t> TaskLimit(std::string* what) {
+  std::optional<int64_t> limit;
+  const auto take = [&](int64_t n, const std::string& name) {
+    if (!limit.has_value() || n < *limit) {
+      limit = n;
+      *what = name;
+    }
+  };
+  Result<std::string> cgroups = ReadFileToString("/proc/self/cgroup", 1 << 16);
+  if (cgroups.ok()) {
+    std::istringstream lines(*cgroups);
+    for (std::string line; std::getline(lines, line);) {
+      if (!line.starts_with("0::/")) continue;  // cgroup v2
+      std::string path = line.substr(3);
+      for (;;) {
+        const std::string file = StrCat("/sys/fs/cgroup", path, path == "/" ? "" : "/", "pids.max");
+        Result<std::string> text = ReadFileToString(file, 64);
+        if (text.ok()) {
+          int64_t n = 0;  // a number, or "max"
+          auto [ptr, ec] = std::from_chars(text->data(), text->data() + text->size(), n);
+          if (ec == std::errc() && (ptr == text->data() + text->size() || *ptr == '\n')) {
+            take(n, StrCat(file, " (TasksMax)"));
+          }
+        }
+        if (path == "/" || path.empty()) break;
+        path = path.substr(0, path.rfind('/'));
+        if (path.empty()) path = "/";
+      }
+    }
+  }
+  rlimit nproc{};
+  if (::geteuid() != 0 && ::getrlimit(RLIMIT_NPROC, &nproc) == 0 &&
+      nproc.rlim_cur != RLIM_INFINITY) {
+    take(static_cast<int64_t>(nproc.rlim_cur), "RLIMIT_NPROC");
+  }
+  return limit;
+}
 
 Result<int64_t> IntFlag(std::string_view flag, std::string_view text, int64_t lo, int64_t hi) {
   int64_t v = 0;
@@ -211,6 +258,10 @@ Result<Flags> ParseFlags(int argc, char** argv) {
                    "would fail"));
       }
       f.daemon.max_requests_in_flight = static_cast<int>(n);
+    } else if (a == "--max-requests-in-flight-total") {
+      ZT_ASSIGN_OR_RETURN(int64_t n, IntFlag(a, v, 2 * engine::kRequestsEveryUidMayHold, 1 << 20));
+      f.daemon.max_requests_in_flight_total = static_cast<int>(n);
+      f.requests_total_named = true;
     } else {
       return Status::InvalidArgument(StrCat("unknown flag '", a, "'"));
     }
@@ -378,6 +429,28 @@ int Run(const Flags& f) {
     } else {
       ZT_LOG(kInfo, "ztierd") << "operators: root and uid " << ::geteuid() << " (no group "
                               << f.admin_group << ")";
+    }
+  }
+  // Requests in flight hold a thread each: their total stays under half of
+  // the task limit (connections, the engine and the other half's fair
+  // shares need the rest).
+  {
+    std::string what;
+    const std::optional<int64_t> tasks = TaskLimit(&what);
+    const int64_t fits = tasks.has_value() ? *tasks / 2 : INT64_MAX;
+    if (options.max_requests_in_flight_total > fits) {
+      const int lowered =
+          static_cast<int>(std::max<int64_t>(2 * engine::kRequestsEveryUidMayHold, fits));
+      const std::string says =
+          StrCat("requests in flight on all connections: ", options.max_requests_in_flight_total,
+                 " lowered to ", lowered, ", half of the task limit of ", *tasks, " (", what,
+                 "): each holds a thread");
+      if (f.requests_total_named) {
+        ZT_LOG(kWarn, "ztierd") << says;
+      } else {
+        ZT_LOG(kInfo, "ztierd") << says;
+      }
+      options.max_requests_in_flight_total = lowered;
     }
   }
   int metrics_fd = -1;

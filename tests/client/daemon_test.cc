@@ -868,6 +868,7 @@ TEST_F(DaemonTest, FreedJobsThatALiveProcessMapsCountAsItsJobs) {
   Status refused;
   int registered = 0;
   for (int round = 0; round < 40 && refused.ok(); ++round) {
+    WaitForStats(0, round == 0 ? 0 : 1);  // the last round's job parked
     RawClient c = RawClient::Connect(socket());
     Result<RawClient::Reply> r = c.Call(p::MessageType::kRegisterJob, p::Encode(TwoUnits("L")));
     ASSERT_TRUE(r.ok()) << r.status();
@@ -880,7 +881,6 @@ TEST_F(DaemonTest, FreedJobsThatALiveProcessMapsCountAsItsJobs) {
     ASSERT_TRUE(h.ok()) << h.status();
     r = c.Call(p::MessageType::kRegions, p::Encode(p::JobRef{.job = h->job}));
     ASSERT_TRUE(r.ok() && r->status.ok());
-    WaitForStats(1, 1);
   }  // the connection closes; the process (this one) lives
   EXPECT_EQ(registered, 4);
   EXPECT_EQ(refused.code(), StatusCode::kResourceExhausted) << refused;
@@ -1712,6 +1712,51 @@ TEST(ZtierdProgramTest, TwoUsersEachSeeOnlyTheirOwnJobs) {
   // Root's job is untouched.
   EXPECT_EQ((*mine)->published_step(), -1);
   EXPECT_GT((*mine)->counters()->dram_bytes, 0u);
+}
+
+// Requests in flight hold a thread each, and were bounded per uid only:
+// five uids, each within its quota, took every thread the service's task
+// limit allowed, and another user's running job failed ("cannot start a
+// thread"). Past half of ztierd's total, a uid with its fair share or more
+// is refused, and another uid is still served.
+TEST(ZtierdProgramTest, OneUidCannotTakeEveryRequestThreadFromTheOthers) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root to run a client as another uid";
+  ZtierdProcess d(ZTIERD_BINARY, {"--max-requests-in-flight-total", "256"});
+  const auto attach = [](std::chrono::milliseconds timeout) {
+    return p::Encode(p::AttachRequest{.rank = 0, .timeout = timeout, .spec = TwoUnits("never")});
+  };
+  // Root's waits for a job nobody registers, until refused: its share is
+  // half of the total while it is the only uid with requests.
+  RawClient hog = RawClient::Connect(d.socket());
+  int sent = 0;
+  for (; sent < 200; ++sent) ASSERT_TRUE(hog.Send(p::MessageType::kAttachJob, attach(20s)).ok());
+  Status refused;
+  for (int k = 0; k < sent && refused.ok(); ++k) {
+    Result<RawClient::Reply> r = hog.Receive(10s);
+    ASSERT_TRUE(r.ok()) << r.status() << d.log();
+    refused = r->status;
+  }
+  EXPECT_EQ(refused.code(), StatusCode::kResourceExhausted) << refused;
+  EXPECT_NE(refused.message().find("128 of 256 (ztierd's --max-requests-in-flight-total"),
+            std::string::npos)
+      << refused;
+  EXPECT_NE(refused.message().find("at least its share of 128 among 1 uids"), std::string::npos)
+      << refused;
+  // Another uid is served meanwhile: its calls get the job's absence, never
+  // a refusal for want of threads.
+  const int rc = AsNobody([&] {
+    RawClient c = RawClient::Connect(d.socket());
+    for (int k = 0; k < 40; ++k) {
+      Result<RawClient::Reply> r = c.Call(p::MessageType::kAttachJob, attach(10ms));
+      if (!r.ok()) return 1;
+      if (r->status.code() != StatusCode::kNotFound) {
+        std::fprintf(stderr, "%s\n", r->status.ToString().c_str());
+        return 2;
+      }
+    }
+    return 0;
+  });
+  EXPECT_EQ(rc, 0) << d.log();
 }
 
 TEST(ZtierdProgramTest, AUidOffTheAllowListIsRefusedAtItsHello) {
