@@ -1507,6 +1507,18 @@ class Offload:
 
     def _root_state_dict_pre(self, module, prefix, keep_vars):
         self._sd_values = {}
+        self._check_unchanged()
+
+    def _check_unchanged(self):
+        """Before the engine's weights are read out under the model's names
+        (state_dict, export, save_pretrained): a module replaced since
+        offloading (resize_token_embeddings) or a parameter written to was
+        saved as the engine's old values beside a config that said
+        otherwise, or as NaN, silently; the next forward refuses it, and so
+        do these."""
+        if self.job is not None and not self._gathering:
+            self._check_same_parameters()
+            self._check_idle_params(values=True)
 
     def _root_state_dict_post(self, module, state_dict, prefix, local_metadata):
         self._sd_values = None
@@ -1809,8 +1821,8 @@ class Offload:
     @staticmethod
     def _written(t: _Tensor) -> str:
         return (f"ztier: '{t.name}' was written to after the model was offloaded, or replaced "
-                "or converted (p.data = ..., model.to(memory_format=...), a parametrization "
-                "registered): its values live in the engine (the parameter is a placeholder "
+                "or converted (p.data = ..., resize_token_embeddings, "
+                "model.to(memory_format=...), a parametrization registered): its values live in the engine (the parameter is a placeholder "
                 "between uses), and the change went nowhere; initialize, convert or "
                 "reparametrize before zt.offload, or bring weights in through load_checkpoint, "
                 "weights= or zt.from_pretrained")
@@ -2797,6 +2809,7 @@ class Offload:
         self._by_rank0("export_safetensors", lambda: self._export(path, dtype))
 
     def _export(self, path: str, dtype: str):
+        self._check_unchanged()
         buffers = {n: b.detach().cpu().contiguous()
                    for n, b in self.persistent_buffers().items()}
         if not buffers:

@@ -1424,6 +1424,31 @@ def test_settings_take_lists_bools_and_paths(tmp_path):
         zt.offload(_mlp(), settings={"ZTIER_NVME_PATHS": ["/a,b"]})
 
 
+def test_a_changed_model_is_refused_by_state_dict_and_exports_as_by_forward(settings, tmp_path):
+    # A parameter written after offloading, or a module replaced
+    # (resize_token_embeddings), was saved as the engine's old values (or
+    # NaN beside a config that said otherwise) without a word: only the
+    # next forward refused it.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    z = zt.offload(model, settings=settings)
+    _train_step(model, z, torch.randn(2, 4))
+    model[1].bias.data.fill_(7.0)
+    with pytest.raises(RuntimeError, match="'1.bias' was written to after"):
+        model.state_dict()
+    model.state_dict()  # said once: the placeholder is fresh again
+    model[0].weight.data = torch.ones(4, 4)
+    with pytest.raises(RuntimeError, match="'0.weight' was written to after"):
+        z.export_safetensors(str(tmp_path / "w.safetensors"))
+    assert not (tmp_path / "w.safetensors").exists()
+    model[1] = nn.Linear(4, 1)
+    with pytest.raises(RuntimeError, match="'1.weight' is a parameter the engine does not hold"):
+        model.state_dict()
+    with pytest.raises(RuntimeError, match="'1.weight' is a parameter the engine does not hold"):
+        z.export_safetensors(str(tmp_path / "w.safetensors"))
+    z.close()
+
+
 def test_writes_and_casts_of_idle_parameters_are_named(settings):
     # An init after offloading (zeros_, fill_) wrote into a placeholder
     # that every parameter of the shape shared, silently: the engine kept
