@@ -151,6 +151,28 @@ def load_weights(z, path: str):
     finally:
         for h in handles.values():
             h.__exit__(None, None, None)
+    _warn_unused(z.module, files, aliases, path)
+
+
+def _warn_unused(model: nn.Module, files: dict, aliases: dict, path: str):
+    """Says which tensors of the checkpoint the model has no place for (a
+    checkpoint of a deeper model loaded into a shallower config: its last
+    layers were dropped without a word), as transformers does; those its
+    class says to ignore (_keys_to_ignore_on_load_unexpected) are not."""
+    import re
+    import warnings
+
+    known = {n for names in aliases.values() for n in names}
+    known.update(n for n, _ in model.named_buffers(remove_duplicate=False))
+    ignore = [re.compile(p) for p in
+              (getattr(model, "_keys_to_ignore_on_load_unexpected", None) or [])]
+    unused = sorted(k for k in files if k not in known and not any(r.search(k) for r in ignore))
+    if unused:
+        warnings.warn(
+            f"ztier: {len(unused)} tensor(s) of the checkpoint at {path} are not used: the "
+            f"{type(model).__name__} has no parameter or buffer of that name (e.g. "
+            f"'{unused[0]}'; a checkpoint of a larger configuration, or another model's)",
+            RuntimeWarning, stacklevel=4)
 
 
 def load_buffers(z, path: str):

@@ -687,6 +687,25 @@ def test_export_then_from_pretrained(settings, tmp_path):
         zt.from_pretrained(GPT2LMHeadModel, tmp_path / "export", settings=settings)
 
 
+def test_a_checkpoint_of_a_deeper_model_says_what_it_leaves_unused(settings, tmp_path):
+    """A 2-layer checkpoint into a 1-layer config loaded without a word, the
+    checkpoint's second layer dropped (transformers says so)."""
+    from transformers import LlamaForCausalLM
+
+    tiny_llama().save_pretrained(tmp_path / "deep")
+    config = LlamaForCausalLM.config_class.from_pretrained(tmp_path / "deep")
+    config.num_hidden_layers = 1
+    with pytest.warns(RuntimeWarning, match="tensor\\(s\\) of the checkpoint at .* are not used"
+                      ".*'model.layers.1."):
+        model, z = zt.from_pretrained(LlamaForCausalLM, tmp_path / "deep", config=config,
+                                      settings=settings)
+    z.close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the same depth: no word
+        model, z = zt.from_pretrained(LlamaForCausalLM, tmp_path / "deep", settings=settings)
+    z.close()
+
+
 def test_save_pretrained_over_a_sharded_checkpoint_replaces_it(settings, tmp_path):
     """The index and shards of an earlier sharded save went on standing
     beside the new model.safetensors, for a loader that takes the index
