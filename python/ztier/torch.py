@@ -757,6 +757,7 @@ class Offload:
         self._clip_warned = False
         _watch_clip_grad_norm()
         _watch_clip_grad_value()
+        _watch_foreign_optimizers()
         for u in self.units:
             for t in u.tensors:
                 t.param._ztier_owner = weakref.ref(self)
@@ -2981,6 +2982,40 @@ def _watch_clip_grad_value():
                 "offload(..., clip_grad_norm=...)")
 
     _watch_clip("clip_grad_value_", check)
+
+
+_foreign_step_hook = None
+
+
+def _watch_foreign_optimizers():
+    """A torch optimizer's step() over an offloaded model's parameters (one
+    made before or after zt.offload; transformers' Trainer makes a
+    torch.optim.AdamW unless given optimizers=) finds no grads on them and
+    does nothing, and the engine waits for z.optimizer.step(): the next
+    forward then asked for an optimizer.step() the user believed done.
+    Refused at that step(), naming the optimizer to use (a global pre-hook
+    of torch's, installed once)."""
+    global _foreign_step_hook
+    if _foreign_step_hook is not None:
+        return
+
+    def hook(optimizer, args, kwargs):
+        if isinstance(optimizer, _Optimizer) or not _live_offloads:
+            return
+        ids = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        for z in list(_live_offloads):
+            if z.job is not None and not ids.isdisjoint(z._tensor_of.keys()):
+                raise RuntimeError(
+                    f"ztier: {type(optimizer).__module__}.{type(optimizer).__name__}.step() over "
+                    "an offloaded model's parameters: their grads go to the engine (p.grad is "
+                    "None here) and only the engine's optimizer updates them; step `z.optimizer` "
+                    "(zt.offload's, with its param groups and a scheduler of yours), leave the "
+                    "offloaded parameters out of this one, and with transformers' Trainer pass "
+                    "optimizers=(z.optimizer, scheduler or None)")
+
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    _foreign_step_hook = register_optimizer_step_pre_hook(hook)
 
 
 @atexit.register  # runs before _close_hosted_daemons (registered after it)

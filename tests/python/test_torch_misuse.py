@@ -1449,6 +1449,28 @@ def test_a_changed_model_is_refused_by_state_dict_and_exports_as_by_forward(sett
     z.close()
 
 
+def test_a_torch_optimizer_stepping_offloaded_parameters_is_refused(settings):
+    # Its step() found no grads and did nothing (transformers' Trainer makes
+    # one unless given optimizers=): the next forward asked for an
+    # optimizer.step() the user believed done.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    other = nn.Linear(3, 3)
+    z = zt.offload(model, settings=settings)
+    mixed = torch.optim.AdamW(list(model.parameters()) + list(other.parameters()))
+    own = torch.optim.SGD(other.parameters(), lr=0.1)
+    model(torch.randn(2, 4)).sum().backward()
+    other(torch.randn(2, 3)).sum().backward()
+    with pytest.raises(RuntimeError, match="torch.optim.adamw.AdamW.step\\(\\) over an offloaded "
+                       "model's parameters.*optimizers=\\(z.optimizer"):
+        mixed.step()
+    own.step()  # another model's optimizer is torch's
+    z.optimizer.step()  # and the offloaded model goes on
+    _train_step(model, z, torch.randn(2, 4))
+    z.close()
+    mixed.step()  # a closed model's parameters are plain ones again
+
+
 def test_writes_and_casts_of_idle_parameters_are_named(settings):
     # An init after offloading (zeros_, fill_) wrote into a placeholder
     # that every parameter of the shape shared, silently: the engine kept
