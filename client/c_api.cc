@@ -297,8 +297,8 @@ ztier_status ztier_model_register(ztier_session* session, const ztier_model_desc
       // gigabytes, whose bad_alloc ended the process through the C ABI).
       if (static_cast<uint32_t>(td.ndim) > ztier::engine::kMaxDims) {
         return Report(Status::InvalidArgument(StrCat("model desc: unit '", ud.name, "' tensor '",
-                                                     td.name, "' has ", td.ndim,
-                                                     " dims; at most ", ztier::engine::kMaxDims)));
+                                                     td.name, "' has ", td.ndim, " dims; at most ",
+                                                     ztier::engine::kMaxDims)));
       }
       unit.tensors.push_back({.name = td.name, .shape = {td.shape, td.shape + td.ndim}});
     }

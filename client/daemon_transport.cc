@@ -583,6 +583,13 @@ class DaemonTransport final : public Transport, public ControlTransport {
         .Annotate(StrCat("import safetensors of job '", d.name, "'"));
   }
 
+  Result<engine::StateDtype> StateDtype(int job) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = jobs_.find(job);
+    if (it == jobs_.end()) return Status::NotFound(StrCat("no job ", job, " in this session"));
+    return it->second.state_dtype;  // as ztierd said at registration
+  }
+
   Result<engine::JobCounters> Counters(int job) override {
     ZT_ASSIGN_OR_RETURN(Reply r, Call(p::MessageType::kCounters, p::Encode(p::JobRef{.job = job}),
                                       {}, call_timeout_));

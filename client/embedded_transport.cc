@@ -109,6 +109,7 @@ class EmbeddedTransport final : public Transport {
     return e_->ImportSafetensors(job, path);
   }
   Result<engine::JobCounters> Counters(int job) override { return e_->counters(job); }
+  Result<engine::StateDtype> StateDtype(int job) override { return e_->state_dtype(job); }
   engine::DramPoolStats PoolStats() override { return e_->pool_stats(); }
   std::vector<HostRegion> PinnedRegions(int job) override {
     // The engine's own mappings, in this process: read-write.

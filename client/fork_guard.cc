@@ -129,6 +129,10 @@ class ForkSafeTransport final : public Transport {
     ZT_RETURN_IF_ERROR(owner_.Check("importing weights"));
     return inner_->ImportSafetensors(job, path);
   }
+  Result<engine::StateDtype> StateDtype(int job) override {
+    ZT_RETURN_IF_ERROR(owner_.Check("reading the state dtype"));
+    return inner_->StateDtype(job);
+  }
   Result<engine::JobCounters> Counters(int job) override {
     ZT_RETURN_IF_ERROR(owner_.Check("reading counters"));
     return inner_->Counters(job);

@@ -223,4 +223,6 @@ Status Model::WaitPublished(int64_t step, std::chrono::milliseconds timeout) con
 
 Result<engine::JobCounters> Model::counters() const { return transport_->Counters(job_); }
 
+Result<engine::StateDtype> Model::state_dtype() const { return transport_->StateDtype(job_); }
+
 }  // namespace ztier::client

@@ -100,6 +100,8 @@ class Transport {
   virtual Status ImportSafetensors(int job, const std::string& path) = 0;
   // Errors: as the call (ztierd gone or silent: Unavailable).
   virtual Result<engine::JobCounters> Counters(int job) = 0;
+  // How the engine (ztierd's, through one) keeps the job's m and v.
+  virtual Result<engine::StateDtype> StateDtype(int job) = 0;
   virtual engine::DramPoolStats PoolStats() = 0;
   // The job's host memory regions as this process maps them, for the
   // client's device to register for DMA (and unregister before the job

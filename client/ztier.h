@@ -470,6 +470,9 @@ class Model {
   // The job's traffic and time so far. Errors: Unavailable when ztierd is
   // gone or does not answer.
   Result<engine::JobCounters> counters() const;
+  // How the engine keeps the model's m and v: the spec's, else the
+  // session's setting, else the engine's own (ztierd's through one).
+  Result<engine::StateDtype> state_dtype() const;
 
   Transport& transport() const { return *transport_; }
   int job() const { return job_; }

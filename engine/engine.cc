@@ -1987,6 +1987,12 @@ std::vector<std::pair<void*, uint64_t>> Engine::PinnedRegions(int job) const {
   return out;
 }
 
+Result<StateDtype> Engine::state_dtype(int job) const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  ZT_ASSIGN_OR_RETURN(std::shared_ptr<Job> j, impl_->Find(job));
+  return j->state_dtype;
+}
+
 JobCounters Engine::counters(int job) const {
   std::lock_guard<std::mutex> lock(impl_->mu);
   Result<std::shared_ptr<Job>> r = impl_->Find(job);

@@ -320,6 +320,9 @@ class Engine {
   Status RoundTripStates(int job);
 
   JobCounters counters(int job) const;
+  // How the job keeps m and v (its spec's, else the engine's when it
+  // registered). Errors: NotFound.
+  Result<StateDtype> state_dtype(int job) const;
   // Every job's counters added up since the engine started, the jobs
   // unregistered since included.
   EngineTotals totals() const;

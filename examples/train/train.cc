@@ -1243,7 +1243,7 @@ Result<int> TrainSteps(const Flags& f, const Plan& p, const std::string& text, S
 // into compute and the runner's waits by what the transfers were doing
 // (RunnerStats), each second counted once, so the parts add up to the step.
 Status WriteSummary(const Flags& f, const Plan& p, const Measured& m, const engine::JobCounters& c,
-                    int64_t first) {
+                    engine::StateDtype dtype, int64_t first) {
   if (m.steps == 0) {  // (checked before training: a run stopped by a signal)
     return Status::InvalidArgument(StrCat("--summary: no step was measured (steps ", first + 1,
                                           "..", f.steps, ", --summary-skip ", SummarySkip(f, first),
@@ -1275,7 +1275,7 @@ Status WriteSummary(const Flags& f, const Plan& p, const Measured& m, const engi
       "\"d2h_copies_per_step\": %.1f, \"engine_optimizer_seconds\": %.6f}\n",
       f.device.c_str(), f.ranks, f.model.layers, f.model.channels, f.model.heads, f.model.context,
       p.batch, p.accumulation, tier(p.settings.optimizer_tier), tier(p.settings.param_tier),
-      p.settings.state_dtype == engine::StateDtype::kInt8 ? "int8" : "fp32",
+      std::string(engine::StateDtypeName(dtype)).c_str(),
       static_cast<unsigned long long>(p.settings.param_persistence_threshold),
       p.settings.prefetch_depth, m.steps, SummarySkip(f, first), tokens_per_step / step_s, step_s,
       step_s - opt - h2d - d2h - coll, opt, h2d, d2h, coll,
@@ -1485,7 +1485,11 @@ int Run(const Flags& f, const Plan& p) {
       c.optimizer_seconds, stats[0].acquire_wait_seconds, stats[0].step_wait_seconds,
       paths.checkpoint.c_str(), paths.exported.c_str());
   if (!f.summary.empty()) {
-    if (Status w = WriteSummary(f, p, measured, c, *first); !w.ok()) return fail(w);
+    // The job's, as the engine keeps it (ztierd's own setting where the
+    // run set none: the run's said fp32 beside an int8 checkpoint).
+    Result<engine::StateDtype> dtype = m.state_dtype();
+    if (!dtype.ok()) return fail(dtype.status());
+    if (Status w = WriteSummary(f, p, measured, c, *dtype, *first); !w.ok()) return fail(w);
   }
   return 0;
 }

@@ -83,6 +83,31 @@ TEST(DaemonTrainTest, NvmePlacementsOnAZtierdWithoutSwapSayWhatToDo) {
       << out;
 }
 
+// --summary named the run's own state dtype (fp32, the default) where
+// ztierd's setting (int8) was the one the job ran with and saved.
+TEST(DaemonTrainTest, TheSummarySaysTheStateDtypeTheJobRanWith) {
+  ScratchDir dir("daemon-dtype");
+  const std::string data = dir / "words.txt";
+  WriteWordSalad(data, 32 << 10);
+  const std::string config = dir / "ztierd.json";
+  {
+    std::FILE* f = std::fopen(config.c_str(), "w");
+    ASSERT_NE(f, nullptr);
+    std::fputs(R"({"ztier": {"state_dtype": "int8"}})", f);
+    std::fclose(f);
+  }
+  ZtierdProcess d(ZTIERD_BINARY, {"--config", config});
+  const std::string summary = dir / "summary.json";
+  ASSERT_EQ(
+      Train(" --layers 2 --channels 32 --heads 2 --context 16 --steps 3 --summary-skip 1"
+            " --data " +
+            data + " --daemon " + d.socket() + " --out " + (dir / "run") + " --summary " + summary),
+      0)
+      << d.log();
+  EXPECT_NE(Slurp(summary).find(R"("state_dtype": "int8")"), std::string::npos) << Slurp(summary);
+  EXPECT_NE(Slurp(dir / "run/checkpoint/manifest.json").find("int8"), std::string::npos);
+}
+
 TEST(DaemonTrainTest, AKilledZtierdFailsTheRunFastAndARestartedOneResumesIt) {
   ScratchDir dir("daemon-train");
   const std::string data = dir / "words.txt";
