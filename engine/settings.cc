@@ -550,8 +550,8 @@ const std::vector<Tunable>& Table() {
        },
        [](const Settings& s) { return s.training.optimizer_type.value_or(""); }},
       TrainingRow({"optimizer.params.adam_w_mode"}, "ZTIER_ADAM_W_MODE",
-                  "Training: with optimizer type Adam, decoupled weight decay (true, DeepSpeed's "
-                  "default) or L2 (false).",
+                  "Training: with optimizer type Adam (or no type given), decoupled weight decay "
+                  "(true, DeepSpeed's default) or L2 (false); false beside type AdamW is refused.",
                   &TrainingSettings::adam_w_mode),
       TrainingRow({"optimizer.params.lr"}, "ZTIER_LR", "Training: learning rate.",
                   &TrainingSettings::lr, 0, 1e6),
@@ -1312,6 +1312,20 @@ Result<Settings> ApplySetting(const Settings& base, std::string_view key, std::s
 }
 
 Status Validate(const Settings& s) {
+  // AdamW is decoupled by name: adam_w_mode false beside it was dropped
+  // without a word (with type Adam, or no type, it picks L2).
+  const TrainingSettings& t = s.training;
+  if (t.optimizer_type == "adamw" && t.adam_w_mode == false) {
+    const auto from = [&](const char* key) {
+      auto it = s.sources.find(key);
+      return it == s.sources.end() ? std::string("set in code") : it->second;
+    };
+    return Status::InvalidArgument(
+        StrCat("optimizer.type AdamW (from ", from("optimizer.type"),
+               ") decouples weight decay, and optimizer.params.adam_w_mode false (from ",
+               from("optimizer.params.adam_w_mode"),
+               ") asks for L2: give type Adam for L2, or leave adam_w_mode out"));
+  }
   // Through a daemon the swap directories are the daemon's.
   if ((s.optimizer_tier == Tier::kNvme || s.param_tier == Tier::kNvme) && s.nvme_paths.empty() &&
       s.daemon_socket.empty()) {

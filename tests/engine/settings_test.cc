@@ -351,6 +351,13 @@ TEST(SettingsTest, AdamFollowsDeepSpeedsAdamWMode) {
   ASSERT_TRUE(l2.ok());
   EXPECT_EQ(TrainingHyper(*l2, {}).mode, cpu_adam::Mode::kAdam);
   EXPECT_EQ(TrainingHyper(Settings(), {.lr = 0.5f}).lr, 0.5f) << "unset keeps the program's";
+  // AdamW with adam_w_mode false: the mode was dropped without a word.
+  Result<Settings> both =
+      ParseSettings(R"({"optimizer": {"type": "AdamW", "params": {"adam_w_mode": false}}})", "x");
+  ASSERT_TRUE(both.ok());
+  const Status refused = Validate(*both);
+  EXPECT_EQ(refused.code(), StatusCode::kInvalidArgument) << refused;
+  EXPECT_NE(refused.message().find("give type Adam for L2"), std::string::npos) << refused;
 }
 
 TEST(SettingsTest, PrecedenceIsDefaultsConfigEnvironmentFlagsAndEachSourceIsNamed) {
