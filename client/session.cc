@@ -27,23 +27,9 @@ Result<std::unique_ptr<Session>> Session::Open(const SessionOptions& options) {
     // The engine-wide settings are the daemon's: say so for each one this
     // process set (its jobs' own, like ztier.state_dtype, travel with
     // them), unless the daemon was made with them.
-    static constexpr const char* kEngineKeys[] = {
-        "ztier.dram_budget",
-        "ztier.huge_pages",
-        "zero_optimization.offload_optimizer.pin_memory",
-        "zero_optimization.offload_optimizer.nvme_path",
-        "ztier.nvme_capacity",
-        "aio.block_size",
-        "aio.queue_depth",
-        "ztier.io_backend",
-        "ztier.checksums",
-        "zero_optimization.offload_optimizer.buffer_count",
-        "ztier.optimizer_threads"};
-    for (const char* key : kEngineKeys) {
+    for (const auto& [key, from] : engine::EngineOnlySettingsSet(options.settings)) {
       if (options.daemon_has_these_settings) break;
-      auto it = options.settings.sources.find(key);
-      if (it == options.settings.sources.end()) continue;
-      ZT_LOG(kWarn, "client") << key << " (from " << it->second
+      ZT_LOG(kWarn, "client") << key << " (from " << from
                               << ") is an engine setting: through ztierd at " << socket
                               << " the daemon's own applies (its --config, "
                                  "/etc/ztier/ztierd.json under systemd)";

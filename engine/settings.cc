@@ -1385,6 +1385,19 @@ std::vector<std::string> ClientOnlySettingsSet(const Settings& s) {
   return out;
 }
 
+std::vector<std::pair<std::string, std::string>> EngineOnlySettingsSet(const Settings& s) {
+  std::vector<std::pair<std::string, std::string>> out;
+  for (const Tunable& t : Table()) {
+    if (t.hidden()) continue;
+    const std::string_view doc = t.doc;
+    if (doc.starts_with("Client:") || doc.starts_with("Training:")) continue;
+    if (std::string_view(t.key()) == "ztier.state_dtype") continue;  // the job's own
+    auto src = s.sources.find(t.key());
+    if (src != s.sources.end()) out.emplace_back(t.key(), src->second);
+  }
+  return out;
+}
+
 cpu_adam::Hyper TrainingHyper(const Settings& s, cpu_adam::Hyper h) {
   const TrainingSettings& t = s.training;
   if (t.optimizer_type) {

@@ -144,6 +144,10 @@ std::vector<std::string> NonDefaultSettings(const Settings& s);
 // job brings its own, so ztierd's own config or environment setting them
 // changes nothing, which it says.
 std::vector<std::string> ClientOnlySettingsSet(const Settings& s);
+// The settings set that only the engine reads (the rest: not a client's,
+// nor ztier.state_dtype, which travels with each job), as {key, origin}:
+// through ztierd the daemon's own apply, which a client says.
+std::vector<std::pair<std::string, std::string>> EngineOnlySettingsSet(const Settings& s);
 // The AdamW hyper-parameters: `defaults` with the training settings that
 // are set applied (the optimizer type, Adam's adam_w_mode, lr, betas, eps,
 // weight decay, bias correction).

@@ -342,6 +342,24 @@ TEST(SettingsTest, ReadsATypicalZero3TrainingConfig) {
   EXPECT_EQ(log.find("ignored", log.find("ignored") + 1), std::string::npos) << log;
 }
 
+// Through ztierd a client warns of each engine setting it set: a list of
+// its own left ztier.poison_released_params out, dropped without a word.
+TEST(SettingsTest, TheEngineOnlySettingsAreEveryRowNeitherAClientsNorTheJobs) {
+  const char* env[] = {"ZTIER_POISON_RELEASED_PARAMS=true",
+                       "ZTIER_DRAM_BUDGET=1G",
+                       "ZTIER_STATE_DTYPE=int8",
+                       "ZTIER_LR=0.1",
+                       "ZTIER_PREFETCH_DEPTH=2",
+                       nullptr};
+  Result<Settings> s = ApplyEnvironment(Settings(), env);
+  ASSERT_TRUE(s.ok()) << s.status();
+  std::map<std::string, std::string> engine;
+  for (const auto& [key, from] : EngineOnlySettingsSet(*s)) engine[key] = from;
+  EXPECT_EQ(engine, (std::map<std::string, std::string>{
+                        {"ztier.dram_budget", "ZTIER_DRAM_BUDGET"},
+                        {"ztier.poison_released_params", "ZTIER_POISON_RELEASED_PARAMS"}}));
+}
+
 TEST(SettingsTest, AdamFollowsDeepSpeedsAdamWMode) {
   Result<Settings> adam = ParseSettings(R"({"optimizer": {"type": "Adam"}})", "x");
   ASSERT_TRUE(adam.ok());
