@@ -385,6 +385,10 @@ Result<Flags> ParseFlags(int argc, char** argv) {
                                             "--checkpoint-every)"));
     }
   }
+  if (f.summary.empty() && f.summary_skip >= 0) {
+    return Status::InvalidArgument(
+        "--summary-skip without --summary: it says which steps the summary leaves out");
+  }
   if (!f.summary.empty()) {
     std::error_code ec;
     const fs::path summary(f.summary);
@@ -543,6 +547,22 @@ Result<Plan> ResolvePlan(const Flags& f) {
                                                 (fs::path(f.out) / "swap").string(), kDefault));
   }
   ZT_RETURN_IF_ERROR(engine::Validate(s));
+  // Settings of the swap space for a run that keeps everything in DRAM
+  // were taken and changed nothing, without a word.
+  if (!daemon && s.optimizer_tier != engine::Tier::kNvme && s.param_tier != engine::Tier::kNvme) {
+    for (const char* key :
+         {"zero_optimization.offload_optimizer.nvme_path", "ztier.nvme_capacity", "aio.block_size",
+          "aio.queue_depth", "ztier.io_backend", "ztier.checksums",
+          "zero_optimization.offload_optimizer.buffer_count", "ztier.poison_released_params"}) {
+      auto it = s.sources.find(key);
+      if (it == s.sources.end() || it->second == kDefault) continue;
+      std::fprintf(stderr,
+                   "ztier-train: warning: %s (from %s) is a setting of the NVMe swap space, and "
+                   "this run keeps its states and params in DRAM: it changes nothing "
+                   "(--optimizer nvme puts the states there)\n",
+                   key, PrintableUtf8(it->second).c_str());
+    }
+  }
 
   Plan p;
   const engine::TrainingSettings& t = s.training;

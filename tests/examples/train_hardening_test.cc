@@ -365,6 +365,23 @@ TEST_F(TrainHardeningTest, TheFirstSignalStopsAtAStepWithACheckpointAndTheExport
   }
 }
 
+// Settings of the swap space for a run that keeps everything in DRAM were
+// taken and changed nothing, without a word.
+TEST_F(TrainHardeningTest, SwapSettingsOfARunWithoutSwapAreWarnedOf) {
+  ::setenv("ZTIER_NVME_CAPACITY", "1G", 1);
+  auto [rc, text] =
+      Train(Common() + " --steps 1 --optimizer dram --out " + (dir_ / "dram-only"), dir_);
+  ::unsetenv("ZTIER_NVME_CAPACITY");
+  EXPECT_EQ(rc, 0) << text;
+  EXPECT_NE(text.find("warning: ztier.nvme_capacity (from ZTIER_NVME_CAPACITY) is a setting of "
+                      "the NVMe swap space, and this run keeps its states and params in DRAM"),
+            std::string::npos)
+      << text;
+  std::tie(rc, text) = Train(Common() + " --steps 1 --out " + (dir_ / "default"), dir_);
+  EXPECT_EQ(rc, 0) << text;
+  EXPECT_EQ(text.find("is a setting of the NVMe swap space"), std::string::npos) << text;
+}
+
 TEST_F(TrainHardeningTest, BadInputsAreClearErrorsNeverCrashes) {
   const std::string out = " --out " + (dir_ / "bad");
   fs::create_directories(dir_ / "adir");
@@ -402,6 +419,8 @@ TEST_F(TrainHardeningTest, BadInputsAreClearErrorsNeverCrashes) {
       {"--steps 4 --summary " + (dir_ / "adir"), 2, "is a directory"},
       {"--steps 4 --summary " + (dir_ / "none/s.json"), 2, "no directory"},
       {"--steps 4 --summary-skip 4 --summary " + (dir_ / "s.json"), 2, "leaves none"},
+      // Taken and unused, out of range or not.
+      {"--steps 4 --summary-skip 100", 2, "--summary-skip without --summary"},
       {"--job-name ''", 2, "--job-name"},
       {"--config " + (dir_ / "big-batch.json"), 2, "the gradient accumulation 2000000, outside"},
       // The accumulation it derived, rounded down to 0, was named as given.
