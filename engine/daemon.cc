@@ -805,11 +805,12 @@ struct Daemon::Impl {
     }
     std::sort(found.begin(), found.end(),
               [](const auto& a, const auto& b) { return a->engine_job < b->engine_job; });
-    // (A page's figures only: each page of a listing gathered every job
-    // after it, so a listing was quadratic in the jobs.)
-    if (found.size() > most) found.resize(most);
     std::vector<JobInfo> out;
     for (const auto& job : found) {
+      // (A page's figures only: each page of a listing gathered every job
+      // after it, so a listing was quadratic in the jobs. Counted after
+      // the jobs freed meanwhile are left out: a short page ends a listing.)
+      if (out.size() >= most) break;
       JobInfo j;
       j.id = job->engine_job;
       j.uid = job->uid;

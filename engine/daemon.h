@@ -67,7 +67,7 @@ class IoBackend;
 namespace ztier::engine {
 
 // See DaemonOptions::max_requests_in_flight_total.
-inline constexpr int kRequestsEveryUidMayHold = 64;
+inline constexpr int kRequestsEveryUidMayHold = 128;
 
 struct DaemonOptions {
   // Who may connect besides root and the daemon's own uid; empty: every
@@ -94,8 +94,9 @@ struct DaemonOptions {
   // it, a uid holding its fair share (half of it over the uids with
   // requests in flight) or more is refused, so the other half stays for
   // the uids that hold less (a running job keeps a few dozen).
-  // A uid holding fewer than kRequestsEveryUidMayHold (a running job's:
-  // 8 ranks' fetches, pushes, releases and waits) is never refused by it,
+  // A uid holding fewer than kRequestsEveryUidMayHold (four training
+  // processes' of 8 ranks: fetches, pushes, releases and waits) is never
+  // refused by it,
   // so the threads may pass it by that many per uid.
   int max_requests_in_flight_total = 4096;
   uint64_t max_spec_bytes_per_uid = uint64_t{1} << 30;

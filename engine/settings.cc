@@ -549,10 +549,12 @@ const std::vector<Tunable>& Table() {
          return Status::Ok();
        },
        [](const Settings& s) { return s.training.optimizer_type.value_or(""); }},
-      TrainingRow({"optimizer.params.adam_w_mode"}, "ZTIER_ADAM_W_MODE",
-                  "Training: with optimizer type Adam (or no type given), decoupled weight decay "
-                  "(true, DeepSpeed's default) or L2 (false); false beside type AdamW is refused.",
-                  &TrainingSettings::adam_w_mode),
+      TrainingRow(
+          {"optimizer.params.adam_w_mode"}, "ZTIER_ADAM_W_MODE",
+          "Training: with optimizer type Adam (or no type given), decoupled weight decay "
+          "(true, DeepSpeed's default) or L2 (false); beside type AdamW it is ignored, as in "
+          "DeepSpeed (AdamW is decoupled).",
+          &TrainingSettings::adam_w_mode),
       TrainingRow({"optimizer.params.lr"}, "ZTIER_LR", "Training: learning rate.",
                   &TrainingSettings::lr, 0, 1e6),
       {{"optimizer.params.betas"},
@@ -1000,7 +1002,15 @@ std::string DidYouMean(std::string_view name, bool variables) {
   return best.empty() ? "" : StrCat("; did you mean '", best, "'?");
 }
 
-void Record(Settings& s, const Tunable& t, std::string_view origin) {
+// Records `origin` as the source of row t's setting, set to `text`. A
+// hidden row's false (DeepSpeed's cpu_offload: false, amsgrad: false) sets
+// nothing: the setting it stands for is not that origin's, and a default
+// that depends on that (ztier-train's DRAM through ztierd) still applies.
+void Record(Settings& s, const Tunable& t, std::string_view origin, std::string_view text) {
+  if (t.hidden() && t.type == JsonType::kBool) {
+    Result<bool> on = ParseBool(text, t.key());
+    if (on.ok() && !*on) return;
+  }
   s.sources[t.key()] = std::string(origin);
 }
 
@@ -1058,13 +1068,7 @@ Status Walk(const Json& node, const std::string& prefix, Settings& s, WalkState&
                                                 earlier->second.second,
                                                 "; give one value (or the same in both)"));
         }
-        // A hidden row's false (DeepSpeed's cpu_offload: false, amsgrad:
-        // false) sets nothing: the setting it stands for was not the file's,
-        // and a default that depends on that (ztier-train's DRAM through
-        // ztierd) still applies.
-        if (!(t->hidden() && t->type == JsonType::kBool && **text == "false")) {
-          Record(s, *t, w.origin);
-        }
+        Record(s, *t, w.origin, **text);
         if (t->type == JsonType::kFlagOrSection && it.value().is_object()) {
           ZT_RETURN_IF_ERROR(WalkIgnoredChildren(it.value(), key, w));
         }
@@ -1284,7 +1288,7 @@ Result<Settings> ApplyEnvironment(const Settings& base, const char* const* env) 
       // A variable replaces (not merges) the list from the file.
       if (t.type == JsonType::kPaths) s.nvme_paths.clear();
       ZT_RETURN_IF_ERROR(t.set(s, *e + prefix.size(), t.env));
-      Record(s, t, t.env);
+      Record(s, t, t.env, *e + prefix.size());
     }
   }
   for (const char* const* e = env; *e != nullptr; ++e) {
@@ -1307,25 +1311,11 @@ Result<Settings> ApplySetting(const Settings& base, std::string_view key, std::s
   if (t->type == JsonType::kPaths) s.nvme_paths.clear();  // replaces, as a variable does
   Status st = t->set(s, text, origin);
   if (!st.ok()) return st;
-  Record(s, *t, origin);
+  Record(s, *t, origin, text);
   return s;
 }
 
 Status Validate(const Settings& s) {
-  // AdamW is decoupled by name: adam_w_mode false beside it was dropped
-  // without a word (with type Adam, or no type, it picks L2).
-  const TrainingSettings& t = s.training;
-  if (t.optimizer_type == "adamw" && t.adam_w_mode == false) {
-    const auto from = [&](const char* key) {
-      auto it = s.sources.find(key);
-      return it == s.sources.end() ? std::string("set in code") : it->second;
-    };
-    return Status::InvalidArgument(
-        StrCat("optimizer.type AdamW (from ", from("optimizer.type"),
-               ") decouples weight decay, and optimizer.params.adam_w_mode false (from ",
-               from("optimizer.params.adam_w_mode"),
-               ") asks for L2: give type Adam for L2, or leave adam_w_mode out"));
-  }
   // Through a daemon the swap directories are the daemon's.
   if ((s.optimizer_tier == Tier::kNvme || s.param_tier == Tier::kNvme) && s.nvme_paths.empty() &&
       s.daemon_socket.empty()) {

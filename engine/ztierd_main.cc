@@ -126,14 +126,25 @@ std::optional<int64_t> TaskLimit(std::string* what) {
       *what = name;
     }
   };
+  // The cgroup's pids.max and its ancestors': cgroup v2 ("0::/path") or
+  // the v1 pids controller ("N:pids:/path").
   Result<std::string> cgroups = ReadFileToString("/proc/self/cgroup", 1 << 16);
   if (cgroups.ok()) {
     std::istringstream lines(*cgroups);
     for (std::string line; std::getline(lines, line);) {
-      if (!line.starts_with("0::/")) continue;  // cgroup v2
-      std::string path = line.substr(3);
+      std::string root;
+      std::string path;
+      if (line.starts_with("0::/")) {
+        root = "/sys/fs/cgroup";
+        path = line.substr(3);
+      } else if (const size_t at = line.find(":pids:/"); at != std::string::npos) {
+        root = "/sys/fs/cgroup/pids";
+        path = line.substr(at + 6);
+      } else {
+        continue;
+      }
       for (;;) {
-        const std::string file = StrCat("/sys/fs/cgroup", path, path == "/" ? "" : "/", "pids.max");
+        const std::string file = StrCat(root, path, path == "/" ? "" : "/", "pids.max");
         Result<std::string> text = ReadFileToString(file, 64);
         if (text.ok()) {
           int64_t n = 0;  // a number, or "max"
@@ -443,8 +454,8 @@ int Run(const Flags& f) {
           static_cast<int>(std::max<int64_t>(2 * engine::kRequestsEveryUidMayHold, fits));
       const std::string says =
           StrCat("requests in flight on all connections: ", options.max_requests_in_flight_total,
-                 " lowered to ", lowered, ", half of the task limit of ", *tasks, " (", what,
-                 "): each holds a thread");
+                 " lowered to ", lowered, " for the task limit of ", *tasks, " (", what,
+                 "): each holds a thread", lowered > fits ? " (the least it may be)" : "");
       if (f.requests_total_named) {
         ZT_LOG(kWarn, "ztierd") << says;
       } else {

@@ -499,8 +499,9 @@ Result<Plan> ResolvePlan(const Flags& f) {
   // --swap-dir beside --daemon asks for what cannot be, and a config's or
   // the environment's paths are not this run's (nor checked as if they were).
   const auto paths = s.sources.find("zero_optimization.offload_optimizer.nvme_path");
+  const bool swap_dir_given = paths != s.sources.end() && paths->second == "--swap-dir";
   if (daemon && paths != s.sources.end()) {
-    if (paths->second == "--swap-dir") {
+    if (swap_dir_given) {
       return Status::InvalidArgument(
           "--swap-dir: through --daemon the swap directories are ztierd's (nvme_path in its "
           "config); leave --swap-dir out");
@@ -510,13 +511,12 @@ Result<Plan> ResolvePlan(const Flags& f) {
                  "an engine setting: through --daemon the swap directories are ztierd's\n",
                  PrintableUtf8(paths->second).c_str());
     s.nvme_paths.clear();
-    s.sources.erase(paths);
+    s.sources.erase(paths);  // (`paths` is not used after this)
   }
   // Swap directories given on the command line for states in DRAM were
   // taken and never used: a run the user believed on NVMe held it all in
   // DRAM. (A config's or the environment's may serve other runs.)
-  if (paths != s.sources.end() && paths->second == "--swap-dir" &&
-      s.optimizer_tier != engine::Tier::kNvme) {
+  if (swap_dir_given && s.optimizer_tier != engine::Tier::kNvme) {
     const auto device = s.sources.find("zero_optimization.offload_optimizer.device");
     return Status::InvalidArgument(StrCat(
         "--swap-dir: the optimizer states are in dram (",
@@ -554,8 +554,10 @@ Result<Plan> ResolvePlan(const Flags& f) {
          {"zero_optimization.offload_optimizer.nvme_path", "ztier.nvme_capacity", "aio.block_size",
           "aio.queue_depth", "ztier.io_backend", "ztier.checksums",
           "zero_optimization.offload_optimizer.buffer_count", "ztier.poison_released_params"}) {
+      // (A config's may serve other runs: a DeepSpeed config keeps its aio
+      // section whatever the device.)
       auto it = s.sources.find(key);
-      if (it == s.sources.end() || it->second == kDefault) continue;
+      if (it == s.sources.end() || !it->second.starts_with("ZTIER_")) continue;
       std::fprintf(stderr,
                    "ztier-train: warning: %s (from %s) is a setting of the NVMe swap space, and "
                    "this run keeps its states and params in DRAM: it changes nothing "
