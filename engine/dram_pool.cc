@@ -63,7 +63,8 @@ class Region {
       Result<Region> huge = MakeWith(o, bytes, name, MFD_HUGETLB, final_seal);
       if (huge.ok()) return huge;
       Result<Region> r = MakeWith(o, bytes, name, 0, final_seal);
-      if (r.ok()) r->hugetlb_refused_ = huge.status().ToString();  // the pool warns (once)
+      if (!r.ok()) return r.status().Annotate(StrCat("after hugetlb pages: ", huge.status()));
+      r->hugetlb_refused_ = huge.status().ToString();  // the pool warns (once)
       return r;
     }
     return MakeWith(o, bytes, name, 0, final_seal);

@@ -163,10 +163,15 @@ def _warn_unused(model: nn.Module, files: dict, aliases: dict, path: str):
     import warnings
 
     known = {n for names in aliases.values() for n in names}
-    known.update(n for n, _ in model.named_buffers(remove_duplicate=False))
+    buffers = [n for n, _ in model.named_buffers(remove_duplicate=False)]
+    known.update(buffers)
+    # A buffer kept elsewhere now (older Llama checkpoints hold each layer's
+    # rotary inv_freq, which transformers drops as it loads).
+    buffer_leaves = {n.rsplit(".", 1)[-1] for n in buffers}
     ignore = [re.compile(p) for p in
               (getattr(model, "_keys_to_ignore_on_load_unexpected", None) or [])]
-    unused = sorted(k for k in files if k not in known and not any(r.search(k) for r in ignore))
+    unused = sorted(k for k in files if k not in known and k.rsplit(".", 1)[-1] not in buffer_leaves
+                    and not any(r.search(k) for r in ignore))
     if unused:
         warnings.warn(
             f"ztier: {len(unused)} tensor(s) of the checkpoint at {path} are not used: the "

@@ -1507,8 +1507,8 @@ class Offload:
         self._hooks.append(_RootZeroGrad.Removal(model))
 
     def _root_state_dict_pre(self, module, prefix, keep_vars):
+        self._check_unchanged()  # (before the cache: a refusal leaves none)
         self._sd_values = {}
-        self._check_unchanged()
 
     def _check_unchanged(self):
         """Before the engine's weights are read out under the model's names
@@ -1544,6 +1544,10 @@ class Offload:
                 continue
             u = self._unit_of[id(p)]
             self._require_open("state_dict")
+            if self._sd_values is None and not u.holds:
+                # A submodule's state_dict (the root's checked them all):
+                # its own parameters written to since offloading.
+                self._check_idle_tensor(t)
             if self._grads_sent():
                 raise RuntimeError(
                     "ztier: state_dict() after a backward and before its optimizer.step(): "
@@ -1779,6 +1783,17 @@ class Offload:
             "so, the engine holding the parameters it makes), or, for a model trained here, "
             "export_safetensors, load that into a fresh model (load_state_dict), apply it there "
             "and offload that one")
+
+    def _check_idle_tensor(self, t: _Tensor):
+        """_check_idle_params for one idle tensor, its value read too."""
+        data = t.param.data
+        written = (t.param._version != t.idle_version or t.placeholder is None
+                   or data.data_ptr() != t.placeholder.data_ptr()
+                   or (t.numel > 0 and not bool(t.placeholder.reshape(-1)[0].isnan())))
+        if data.dtype == self.compute_dtype and data.device == self.device and not written:
+            return
+        self._check_idle_params(values=True)  # says it, and puts the placeholders back
+        raise RuntimeError(self._written(t))  # (a cast of this tensor alone)
 
     def _check_idle_params(self, values: bool):
         """Between uses a parameter is its placeholder: one written to (an
@@ -2358,6 +2373,8 @@ class Offload:
             u.sent = False
             u.arrived.clear()
             u.calls = 0
+        if self.units:
+            self.units[0].tally[0] = 0  # (one an interrupt put off is mended here)
 
     def _end_micro_step(self):
         """The runner's Step(), the bookkeeping first: an interrupt (Ctrl-C)
@@ -3002,9 +3019,15 @@ def _watch_foreign_optimizers():
     def hook(optimizer, args, kwargs):
         if isinstance(optimizer, _Optimizer) or not _live_offloads:
             return
-        ids = {id(p) for g in optimizer.param_groups for p in g["params"]}
         for z in list(_live_offloads):
-            if z.job is not None and not ids.isdisjoint(z._tensor_of.keys()):
+            if z.job is None:
+                continue
+            # A wrapper made over z.optimizer's own param groups (Lookahead's
+            # kind: its step() steps z.optimizer) is not refused.
+            ours = {id(g) for g in z.optimizer.param_groups}
+            ids = {id(p) for g in optimizer.param_groups if id(g) not in ours
+                   for p in g["params"]}
+            if not ids.isdisjoint(z._tensor_of.keys()):
                 raise RuntimeError(
                     f"ztier: {type(optimizer).__module__}.{type(optimizer).__name__}.step() over "
                     "an offloaded model's parameters: their grads go to the engine (p.grad is "

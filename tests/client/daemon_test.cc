@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -1737,7 +1738,10 @@ TEST(ZtierdProgramTest, OneUidCannotTakeEveryRequestThreadFromTheOthers) {
     refused = r->status;
   }
   EXPECT_EQ(refused.code(), StatusCode::kResourceExhausted) << refused;
-  EXPECT_NE(refused.message().find("128 of 256 (ztierd's --max-requests-in-flight-total"),
+  // (256, unless a task limit under 512 lowered it, which ztierd logs.)
+  const bool lowered = d.log().find("lowered to") != std::string::npos;
+  EXPECT_NE(refused.message().find(lowered ? " (ztierd's --max-requests-in-flight-total"
+                                           : "128 of 256 (ztierd's --max-requests-in-flight-total"),
             std::string::npos)
       << refused;
   EXPECT_NE(refused.message().find("at least its share of 128 among 1 uids"), std::string::npos)
@@ -1757,6 +1761,46 @@ TEST(ZtierdProgramTest, OneUidCannotTakeEveryRequestThreadFromTheOthers) {
     return 0;
   });
   EXPECT_EQ(rc, 0) << d.log();
+}
+
+// The cap on all requests in flight is lowered to half of the task limit
+// where that is less (here RLIMIT_NPROC of a user other than root).
+TEST(ZtierdProgramTest, TheTotalOfRequestsInFlightFitsTheTaskLimit) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root to run ztierd as another uid";
+  testing::ScratchDir dir("task-limit");
+  ::chmod(dir.path().c_str(), 0777);
+  const std::string log = dir / "ztierd.log";
+  const std::string socket = dir / "z.sock";
+  const int rc = AsNobody([&] {
+    const rlimit nproc{.rlim_cur = 600, .rlim_max = 600};
+    if (::setrlimit(RLIMIT_NPROC, &nproc) != 0) return 1;
+    const pid_t child = ::fork();
+    if (child == 0) {
+      const int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+      if (fd < 0 || ::dup2(fd, 2) < 0) _exit(3);
+      ::setenv("ZTIER_LOG", "info", 1);
+      ::execl(ZTIERD_BINARY, ZTIERD_BINARY, "--socket", socket.c_str(), nullptr);
+      _exit(4);
+    }
+    bool ready = false;
+    for (int k = 0; k < 1000 && !ready; ++k) {
+      std::this_thread::sleep_for(10ms);
+      Result<std::string> text = ReadFileToString(log, 1 << 20);
+      ready = text.ok() && text->find("ready") != std::string::npos;
+    }
+    ::kill(child, SIGKILL);
+    ::waitpid(child, nullptr, 0);
+    return ready ? 0 : 2;
+  });
+  Result<std::string> text = ReadFileToString(log, 1 << 20);
+  ASSERT_EQ(rc, 0) << (text.ok() ? *text : text.status().ToString());
+  // (A cgroup's pids.max under 600 is the limit named instead.)
+  const bool cgroup = text->find("pids.max (TasksMax)") != std::string::npos;
+  EXPECT_NE(text->find(cgroup ? "requests in flight on all connections: 4096 lowered to "
+                              : "requests in flight on all connections: 4096 lowered to 300 for "
+                                "the task limit of 600 (RLIMIT_NPROC)"),
+            std::string::npos)
+      << *text;
 }
 
 TEST(ZtierdProgramTest, AUidOffTheAllowListIsRefusedAtItsHello) {

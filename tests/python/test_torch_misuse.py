@@ -1437,6 +1437,10 @@ def test_a_changed_model_is_refused_by_state_dict_and_exports_as_by_forward(sett
     with pytest.raises(RuntimeError, match="'1.bias' was written to after"):
         model.state_dict()
     model.state_dict()  # said once: the placeholder is fresh again
+    model[1].bias.data.fill_(7.0)  # and a submodule's own state_dict
+    with pytest.raises(RuntimeError, match="'1.bias' was written to after"):
+        model[1].state_dict()
+    assert not torch.isnan(model[1].state_dict()["bias"]).any()
     model[0].weight.data = torch.ones(4, 4)
     with pytest.raises(RuntimeError, match="'0.weight' was written to after"):
         z.export_safetensors(str(tmp_path / "w.safetensors"))
@@ -1466,6 +1470,19 @@ def test_a_torch_optimizer_stepping_offloaded_parameters_is_refused(settings):
         mixed.step()
     own.step()  # another model's optimizer is torch's
     z.optimizer.step()  # and the offloaded model goes on
+
+    class Wrapper(torch.optim.Optimizer):  # over z.optimizer's own groups (Lookahead's kind)
+        def __init__(self, base):
+            self.base = base
+            super().__init__(base.param_groups, base.defaults)
+
+        def step(self, closure=None):
+            return self.base.step(closure)
+
+    wrapped = Wrapper(z.optimizer)
+    model(torch.randn(2, 4)).sum().backward()
+    wrapped.step()
+    z.optimizer.zero_grad()
     _train_step(model, z, torch.randn(2, 4))
     z.close()
     mixed.step()  # a closed model's parameters are plain ones again

@@ -700,8 +700,14 @@ def test_a_checkpoint_of_a_deeper_model_says_what_it_leaves_unused(settings, tmp
         model, z = zt.from_pretrained(LlamaForCausalLM, tmp_path / "deep", config=config,
                                       settings=settings)
     z.close()
+    # The same depth: no word, also for the per-layer rotary inv_freq that
+    # older Llama checkpoints hold (transformers drops it as it loads).
+    from safetensors.torch import load_file, save_file
+    weights = load_file(tmp_path / "deep" / "model.safetensors")
+    weights["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(4)
+    save_file(weights, tmp_path / "deep" / "model.safetensors", metadata={"format": "pt"})
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # the same depth: no word
+        warnings.simplefilter("error")
         model, z = zt.from_pretrained(LlamaForCausalLM, tmp_path / "deep", settings=settings)
     z.close()
 
