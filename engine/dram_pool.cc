@@ -230,12 +230,15 @@ struct DramPool::Impl {
   // of every region per call made ztierd's per-job counters (a listing, a
   // scrape) quadratic in its jobs, under the engine's lock.
   DramPoolStats tally;
+  // Counts `region` into the tally (sign +1) or out of it (-1).
+  void Tally(const Region& region, int sign) {
+    tally.regions += sign;
+    tally.locked_regions += region.locked() ? sign : 0;
+    tally.hugetlb_regions += region.hugetlb() ? sign : 0;
+    tally.huge_page_bytes += sign * static_cast<int64_t>(region.huge_bytes());
+  }
   void Add(uint32_t r, Slot slot) {
-    const Region& region = slot.region;
-    ++tally.regions;
-    tally.locked_regions += region.locked() ? 1 : 0;
-    tally.hugetlb_regions += region.hugetlb() ? 1 : 0;
-    tally.huge_page_bytes += region.huge_bytes();
+    Tally(slot.region, +1);
     slots.emplace(r, std::move(slot));
   }
   uint32_t next_region = 0;
@@ -321,12 +324,8 @@ struct DramPool::Impl {
   // its index is never reused.
   void Drop(uint32_t r) {
     auto it = slots.find(r);
-    const Region& region = it->second.region;
-    reserved -= region.bytes();
-    --tally.regions;
-    tally.locked_regions -= region.locked() ? 1 : 0;
-    tally.hugetlb_regions -= region.hugetlb() ? 1 : 0;
-    tally.huge_page_bytes -= region.huge_bytes();
+    reserved -= it->second.region.bytes();
+    Tally(it->second.region, -1);
     slots.erase(it);
   }
 

@@ -117,7 +117,8 @@ constexpr int64_t kLeastRequestsInFlight = 32;
 
 // The most threads this process may have, where something bounds them: its
 // cgroup's pids.max (systemd's TasksMax, the least along the cgroup's
-// path) and, for a user other than root, RLIMIT_NPROC. "" when none does.
+// path) and, for a user other than root, RLIMIT_NPROC; none when neither
+// bounds them (`what` names the one that does).
 std::optional<int64_t> TaskLimit(std::string* what) {
   std::optional<int64_t> limit;
   const auto take = [&](int64_t n, const std::string& name) {

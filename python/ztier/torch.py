@@ -1547,7 +1547,7 @@ class Offload:
             if self._sd_values is None and not u.holds:
                 # A submodule's state_dict (the root's checked them all):
                 # its own parameters written to since offloading.
-                self._check_idle_tensor(t)
+                self._check_idle_params(values=True, tensors=[t])
             if self._grads_sent():
                 raise RuntimeError(
                     "ztier: state_dict() after a backward and before its optimizer.step(): "
@@ -1784,18 +1784,7 @@ class Offload:
             "export_safetensors, load that into a fresh model (load_state_dict), apply it there "
             "and offload that one")
 
-    def _check_idle_tensor(self, t: _Tensor):
-        """_check_idle_params for one idle tensor, its value read too."""
-        data = t.param.data
-        written = (t.param._version != t.idle_version or t.placeholder is None
-                   or data.data_ptr() != t.placeholder.data_ptr()
-                   or (t.numel > 0 and not bool(t.placeholder.reshape(-1)[0].isnan())))
-        if data.dtype == self.compute_dtype and data.device == self.device and not written:
-            return
-        self._check_idle_params(values=True)  # says it, and puts the placeholders back
-        raise RuntimeError(self._written(t))  # (a cast of this tensor alone)
-
-    def _check_idle_params(self, values: bool):
+    def _check_idle_params(self, values: bool, tensors: list[_Tensor] | None = None):
         """Between uses a parameter is its placeholder: one written to (an
         init after offloading, through the parameter or its ``.data``),
         replaced (``p.data = ...``) or cast (``.half()``, ``.to(...)``) since
@@ -1803,12 +1792,14 @@ class Offload:
         ``values`` the placeholders' NaN are read too (one device sync: a
         ``.data`` write bumps no version), for training forwards only. What
         was found is said once: the parameters are put back on fresh
-        placeholders."""
+        placeholders. ``tensors``: those idle ones only (default: every idle
+        one)."""
         if self._gathering:
             return
         bad = None
         cast = False
-        idle = [t for u in self.units if not u.holds for t in u.tensors]
+        idle = (tensors if tensors is not None else
+                [t for u in self.units if not u.holds for t in u.tensors])
         for t in idle:
             data = t.param.data
             if data.dtype != self.compute_dtype or data.device != self.device:
