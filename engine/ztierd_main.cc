@@ -155,8 +155,8 @@ std::optional<int64_t> TaskLimit(std::string* what) {
           }
         }
         if (path == "/" || path.empty()) break;
-        path = path.substr(0, path.rfind('/'));
-        if (path.empty()) path = "/";
+        const size_t slash = path.rfind('/');  // the parent; "/" for "/a"
+        path.resize(slash == 0 ? 1 : slash);
       }
     }
   }
