@@ -48,6 +48,9 @@ using Clock = std::chrono::steady_clock;
 // How often a connection thread looks at the stop flag while its client is
 // quiet, and how long a reply may wait for room in the client's socket.
 constexpr std::chrono::milliseconds kPollInterval{200};
+// How long a registration waits for a job of its name whose clients hung up
+// to be freed (Connection::WaitForNameLocked).
+constexpr std::chrono::seconds kNameWait{30};
 // Refused connections held at once to tell their clients why (each a thread
 // and a socket for up to 2 s); past it a refused connection closes at once,
 // so a flood of them (from a uid over its quota, or one not allowed) costs
@@ -545,7 +548,7 @@ struct Daemon::Impl {
     uint64_t nvme_bytes = 0;
     uint64_t spec_bytes = 0;  // SpecHeap(spec), charged to the uid
     // Guarded by Impl::mu.
-    int holders = 0;                      // handles on live connections
+    std::multiset<const void*> holders;   // the connections with a handle, once per handle
     std::vector<const void*> rank_owner;  // per rank: the connection that attached it
     bool parked = false;
     Clock::time_point parked_until;
@@ -574,8 +577,8 @@ struct Daemon::Impl {
   // Jobs marked freed whose engine job is not yet unregistered (guarded by
   // mu): stats() still counts them, so a job it no longer shows holds no
   // memory.
-  int freeing = 0;
-  std::condition_variable jobs_changed;  // a job registered (attaches wait for it)
+  std::multiset<std::pair<uid_t, std::string>> freeing;  // (uid, name) of each
+  std::condition_variable jobs_changed;                  // a job registered (attaches wait for it)
 
   // Under mu: tells the job's ranks that `rank` left (kCollectiveAbortOffset)
   // and wakes those waiting in its collective region.
@@ -641,7 +644,7 @@ struct Daemon::Impl {
   bool MarkFreedLocked(Job& job) {
     if (job.freed) return false;
     job.freed = true;
-    ++freeing;
+    freeing.emplace(job.uid, job.spec.name);
     auto it = jobs.find({job.uid, job.spec.name});
     if (it != jobs.end() && it->second.get() == &job) jobs.erase(it);
     Usage& u = usage[job.uid];
@@ -657,8 +660,9 @@ struct Daemon::Impl {
     Status s = engine->UnregisterJob(job->engine_job);
     {
       std::lock_guard<std::mutex> lock(mu);
-      --freeing;
+      freeing.erase(freeing.find({job->uid, job->spec.name}));
     }
+    jobs_changed.notify_all();  // (a registration of the name waits: WaitForNameLocked)
     ZT_LOG(kInfo, "ztierd") << "uid " << job->uid << " job '" << job->spec.name << "' freed ("
                             << why << ")";
     return s;
@@ -695,7 +699,7 @@ struct Daemon::Impl {
     int jobs = 0;
     {
       std::lock_guard<std::mutex> lock(mu);
-      jobs = freeing;
+      jobs = static_cast<int>(freeing.size());
       for (const auto& [uid, u] : usage) jobs += u.jobs;
     }
     const auto now = Clock::now();
@@ -722,7 +726,7 @@ struct Daemon::Impl {
       std::lock_guard<std::mutex> lock(mu);
       const auto now = Clock::now();
       for (const auto& [key, job] : jobs) {
-        if (job->parked && job->holders == 0 && (all || now >= job->parked_until)) {
+        if (job->parked && job->holders.empty() && (all || now >= job->parked_until)) {
           due.push_back(job);
         }
       }
@@ -776,7 +780,7 @@ struct Daemon::Impl {
     s.draining = draining;
     s.connections = connections;
     for (const auto& [uid, u] : usage) s.jobs += u.jobs;
-    s.jobs += freeing;
+    s.jobs += static_cast<int>(freeing.size());
     if (!samples.empty()) {
       const Sample& first = samples.front();
       s.window_seconds = std::chrono::duration<double>(Clock::now() - first.at).count();
@@ -825,7 +829,7 @@ struct Daemon::Impl {
       const ztier::Status failed = engine->failure(job->engine_job);
       {
         std::lock_guard<std::mutex> lock(mu);
-        j.attached = job->holders;
+        j.attached = static_cast<int>(job->holders.size());
         j.state = job->parked ? JobState::kParked : JobState::kTraining;
       }
       if (!failed.ok()) {
@@ -1686,9 +1690,10 @@ class Daemon::Impl::Connection {
     // registration refused anyway.
     std::shared_ptr<Impl::Job> parked;
     {
-      std::lock_guard<std::mutex> lock(d_.mu);
+      std::unique_lock<std::mutex> lock(d_.mu);
+      WaitForNameLocked(lock, name);
       auto it = d_.jobs.find({peer_.uid, name});
-      const bool has_parked = it != d_.jobs.end() && it->second->holders == 0;
+      const bool has_parked = it != d_.jobs.end() && it->second->holders.empty();
       ZT_RETURN_IF_ERROR(refused(has_parked && !d_.MappedByLiveProcessLocked(*it->second)));
       if (has_parked) {
         parked = it->second;
@@ -1768,7 +1773,7 @@ class Daemon::Impl::Connection {
     job->uid = peer_.uid;
     job->dram_bytes = held.dram_bytes;
     job->nvme_bytes = held.nvme_bytes;
-    job->holders = 1;
+    job->holders = {this};
     job->spec_bytes = SpecHeap(spec);
     job->rank_owner.assign(spec.ranks, nullptr);
     job->spec = std::move(spec);
@@ -1887,7 +1892,7 @@ class Daemon::Impl::Connection {
             StrCat("rank ", a.rank, " of job '", name, "' is attached already"));
       }
       job->rank_owner[a.rank] = this;
-      ++job->holders;
+      job->holders.insert(this);
       if (job->parked) {
         job->parked = false;
         ZT_LOG(kInfo, "ztierd") << Who() << ": parked job '" << name << "' attached again";
@@ -1955,6 +1960,32 @@ class Daemon::Impl::Connection {
   bool Closing() {
     std::lock_guard<std::mutex> lock(mu_);
     return closing_;
+  }
+
+  // The client closed its end (or died): ztierd may not have read the
+  // close yet.
+  bool HungUp() const {
+    pollfd pfd{.fd = sock_.fd(), .events = POLLRDHUP, .revents = 0};
+    return ::poll(&pfd, 1, 0) == 1 && (pfd.revents & (POLLRDHUP | POLLHUP | POLLERR)) != 0;
+  }
+
+  // Under d_.mu: a run killed and started again at once registers its
+  // job's name while ztierd may not have seen the old connection close
+  // yet. Waits, up to kNameWait, while the uid's job of `name` is held only
+  // by connections that hung up (they free or park it as they close) or is
+  // being freed; a name that a live connection holds is refused at once.
+  void WaitForNameLocked(std::unique_lock<std::mutex>& lock, const std::string& name) {
+    const auto going = [&] {
+      if (d_.freeing.count({peer_.uid, name}) != 0) return true;
+      auto it = d_.jobs.find({peer_.uid, name});
+      if (it == d_.jobs.end() || it->second->holders.empty()) return false;
+      return std::all_of(it->second->holders.begin(), it->second->holders.end(),
+                         [](const void* c) { return static_cast<const Connection*>(c)->HungUp(); });
+    };
+    const auto deadline = Clock::now() + kNameWait;
+    while (going() && !d_.stopping.load() && Clock::now() < deadline) {
+      d_.jobs_changed.wait_until(lock, std::min(deadline, Clock::now() + kPollInterval));
+    }
   }
 
   // Runs an engine wait in slices of kWaitSlice until `timeout`, so a
@@ -2115,12 +2146,12 @@ class Daemon::Impl::Connection {
     {
       std::lock_guard<std::mutex> lock(d_.mu);
       Impl::Job& job = *j.job;
-      --job.holders;
+      job.holders.erase(job.holders.find(this));
       if (j.rank >= 0 && job.rank_owner[j.rank] == this) job.rank_owner[j.rank] = nullptr;
       const auto grace = d_.options.job_grace_period;
       // A rank that goes while others hold the job (or may attach again)
       // takes part in no more collectives: its peers must not wait for it.
-      if (job.holders > 0 || (closing && grace.count() > 0)) {
+      if (!job.holders.empty() || (closing && grace.count() > 0)) {
         Impl::AbortCollectivesLocked(job, std::max(j.rank, 0));
       }
       // Who unregistered the job itself unmaps it (the client library
@@ -2130,7 +2161,7 @@ class Daemon::Impl::Connection {
         job.mappers.erase(this);
         if (job.freed) d_.ForgetMappingLocked(this, j.engine_job);
       }
-      if (job.holders == 0 && !job.freed) {  // (an evicted job is freed already)
+      if (job.holders.empty() && !job.freed) {  // (an evicted job is freed already)
         if (closing && grace.count() > 0 && !d_.stopping.load()) {
           job.parked = true;
           job.parked_until = Clock::now() + grace;
@@ -2150,6 +2181,7 @@ class Daemon::Impl::Connection {
         }
       }
     }
+    d_.jobs_changed.notify_all();  // (a registration of the name waits: WaitForNameLocked)
     ZT_LOG(kInfo, "ztierd") << Who() << ": handle of job '" << j.name << "' dropped";
     if (!free) return Status::Ok();
     return d_.Free(j.job, closing ? "its last client left" : "unregistered");
@@ -2318,7 +2350,7 @@ DaemonStats Daemon::stats() const {
     std::lock_guard<std::mutex> lock(impl_->mu);
     s.connections = impl_->connections;
     for (const auto& [uid, u] : impl_->usage) s.jobs += u.jobs;
-    s.jobs += impl_->freeing;
+    s.jobs += static_cast<int>(impl_->freeing.size());
   }
   s.requests = impl_->requests.load();
   s.refused = impl_->refused.load();
