@@ -17,6 +17,7 @@
 #include <cinttypes>
 #include <cstdio>
 #include <cstring>
+#include <set>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -301,6 +302,7 @@ int RunAdam(int argc, char** argv) {
                    bytes_per_param * static_cast<double>(n) / (1 << 30), FormatCount(n).c_str());
       return 1;
     }
+    std::set<int> measured;  // thread counts, as the executor took them (it caps at the cores)
     for (uint64_t t : o.threads) {
       Result<cpu_adam::Executor> exec =
           cpu_adam::Executor::Create({.threads = static_cast<int>(t)});
@@ -308,6 +310,7 @@ int RunAdam(int argc, char** argv) {
         std::fprintf(stderr, "ztier-bench adam: %s\n", exec.status().ToString().c_str());
         return 1;
       }
+      if (!measured.insert(exec->threads()).second) continue;  // the same row again
       buf.Fill(*exec);
       if (o.int8) buf.FillInt8(*exec);
       const cpu_adam::Shard shard{

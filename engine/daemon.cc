@@ -2530,7 +2530,9 @@ std::string Daemon::Impl::MetricsText() {
   for (const SwapPathUsage& p : s.swap) {
     t.Sample("ztier_swap_used_bytes", {{"path", p.path}}, static_cast<double>(p.used_bytes));
   }
-  t.Family("ztier_swap_file_bytes", "gauge", "Size of the swap file, per path.");
+  t.Family("ztier_swap_file_bytes", "gauge",
+           "Bytes the swap file holds on the drive (its size less the holes of freed units), per "
+           "path.");
   for (const SwapPathUsage& p : s.swap) {
     t.Sample("ztier_swap_file_bytes", {{"path", p.path}}, static_cast<double>(p.file_bytes));
   }
@@ -2564,7 +2566,9 @@ std::string Daemon::Impl::MetricsText() {
   one("ztier_optimizer_seconds_total", "counter", "Seconds the optimizer's steps took in all.",
       tot.optimizer_seconds);
   one("ztier_stall_seconds_total", "counter",
-      "Seconds clients waited for params to be published, in all.", tot.stall_seconds);
+      "Seconds clients waited for params to be published, every wait summed (prefetches "
+      "beside the compute too).",
+      tot.stall_seconds);
   one("ztier_jobs_registered_total", "counter", "Jobs registered since start.",
       static_cast<double>(tot.jobs_registered));
 
@@ -2588,7 +2592,8 @@ std::string Daemon::Impl::MetricsText() {
   per_job("ztier_job_skipped_steps_total", "counter", "The job's steps skipped for inf/NaN grads.",
           [](const JobInfo& j) { return static_cast<double>(j.counters.skipped_steps); });
   per_job("ztier_job_stall_seconds_total", "counter",
-          "Seconds the job's clients waited for params to be published.",
+          "Seconds the job's clients waited for params to be published, every wait summed "
+          "(prefetches beside the compute too).",
           [](const JobInfo& j) { return j.counters.stall_seconds; });
   per_job("ztier_job_dram_bytes", "gauge", "Pinned DRAM the job holds.",
           [](const JobInfo& j) { return static_cast<double>(j.counters.dram_bytes); });

@@ -262,8 +262,8 @@ Result<std::unique_ptr<MetricsServer>> MetricsServer::Listen(std::string_view ad
     return server;
   }
   const size_t colon = address.rfind(':');
-  if (colon == std::string_view::npos) return bad("no port (HOST:PORT)");
-  if (colon == 0) return bad("no host before the port (HOST:PORT, e.g. 127.0.0.1:9464)");
+  if (colon == std::string_view::npos) return bad("no port");
+  if (colon == 0) return bad("no host before the port");
   std::string_view host = address.substr(0, colon);
   if (host == "localhost") host = "127.0.0.1";
   const std::string_view port_text = address.substr(colon + 1);

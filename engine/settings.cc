@@ -219,6 +219,15 @@ const std::vector<Tunable>& Table() {
        [](Settings& s, std::string_view t, std::string_view k) -> Status {
          ZT_ASSIGN_OR_RETURN(s.dram_budget_bytes, ParseSizeKey(t, k));
          if (s.dram_budget_bytes == 0) return Status::InvalidArgument(StrCat(k, ": must be > 0"));
+         // `64` meant as GiB is 64 bytes: every job refused, the cause far away.
+         const bool bare = t.find_first_not_of("0123456789") == std::string_view::npos;
+         if (bare && s.dram_budget_bytes < (uint64_t{1} << 20)) {
+           return Status::InvalidArgument(
+               StrCat(k, ": ", t,
+                      " bytes is less than 1 MiB, too little for any job (a number "
+                      "is bytes: give a unit, as in \"",
+                      t, "G\" for GiB)"));
+         }
          return Status::Ok();
        },
        [](const Settings& s) { return FormatSize(s.dram_budget_bytes); }},

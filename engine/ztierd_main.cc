@@ -318,7 +318,8 @@ int EngineFailure(const Status& s) {
 // The listening sockets: systemd's (LISTEN_FDS: the one named "control",
 // or the only one; and the one named "metrics", kept in `*metrics_fd`),
 // else --socket.
-Result<engine::SeqPacketListener> OpenListener(const Flags& f, int* metrics_fd) {
+Result<engine::SeqPacketListener> OpenListener(const Flags& f, int* metrics_fd,
+                                               std::string* where) {
   ZT_ASSIGN_OR_RETURN(std::vector<engine::systemd::ListenFd> fds, engine::systemd::TakeListenFds());
   *metrics_fd = -1;
   if (!fds.empty()) {
@@ -343,7 +344,7 @@ Result<engine::SeqPacketListener> OpenListener(const Flags& f, int* metrics_fd) 
       return Status::InvalidArgument(
           "systemd passed sockets, none named 'control' (FileDescriptorName=control)");
     }
-    ZT_LOG(kInfo, "ztierd") << "listening on the socket systemd passed (fd " << chosen << ")";
+    *where = StrCat("the socket systemd passed (fd ", chosen, ")");
     return engine::SeqPacketListener::FromFd(chosen);
   }
   if (f.socket.empty()) {
@@ -351,7 +352,7 @@ Result<engine::SeqPacketListener> OpenListener(const Flags& f, int* metrics_fd) 
   }
   ZT_ASSIGN_OR_RETURN(engine::SeqPacketListener l,
                       engine::SeqPacketListener::Listen(f.socket, f.socket_mode));
-  ZT_LOG(kInfo, "ztierd") << "listening on " << f.socket;
+  *where = f.socket;
   return l;
 }
 
@@ -466,7 +467,8 @@ int Run(const Flags& f) {
     }
   }
   int metrics_fd = -1;
-  Result<engine::SeqPacketListener> listener = OpenListener(f, &metrics_fd);
+  std::string listening_on;  // said once ztierd serves (not before a refusal)
+  Result<engine::SeqPacketListener> listener = OpenListener(f, &metrics_fd, &listening_on);
   if (!listener.ok()) {
     std::fprintf(stderr, "ztierd: %s\n",
                  ztier::PrintableUtf8(listener.status().ToString()).c_str());
@@ -537,6 +539,7 @@ int Run(const Flags& f) {
     }
   });
 
+  ZT_LOG(kInfo, "ztierd") << "listening on " << listening_on;
   if (metrics != nullptr) {
     metrics->Start([&d] { return d.MetricsText(); });
     ZT_LOG(kInfo, "ztierd") << "metrics at http://" << metrics->address() << "/metrics";

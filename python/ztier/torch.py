@@ -175,10 +175,12 @@ class _Optimizer(torch.optim.Optimizer):
                 f"grads were discarded: the model is as after step {self._owner.step_count}). "
                 "Loss scaling is for fp16 compute: ztier computes in bf16 or fp32, whose range "
                 "needs none; drop the GradScaler")
+        self._check_lrs()  # before a closure's forward and backward
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+            self._check_lrs()
         for i, (g, fixed) in enumerate(zip(self.param_groups, self._fixed)):
             for k in _FIXED_KEYS:
                 if _differs(g[k], fixed[k]) and (i, k) not in self._warned:
@@ -192,6 +194,19 @@ class _Optimizer(torch.optim.Optimizer):
         with _interrupts_deferred():
             self._owner._optimizer_step(lrs)
         return loss
+
+    def _check_lrs(self):
+        """ValueError for a learning rate the engine refuses (NaN, inf,
+        negative), before anything of the step is done: the step's grads stay
+        with the engine, so the same step() with a good lr goes on."""
+        for i, g in enumerate(self.param_groups):
+            lr = float(g["lr"])
+            if not (math.isfinite(lr) and lr >= 0):
+                raise ValueError(
+                    f"ztier: param group {i}'s lr is {lr!r}; it must be finite and >= 0 (a "
+                    "scheduler or a hand-set param_groups[...]['lr']?). No step was taken, and "
+                    "the grads of the backward passes since the last one are kept: set a good "
+                    "lr and call optimizer.step() again")
 
     def _check_supported(self):
         """ValueError for an option of torch's AdamW that changes the update
@@ -749,6 +764,7 @@ class Offload:
         self._post_done: set[tuple[int, int]] = set()
         self._callback_queued = False
         self._sd_values = None  # units fetched for the state_dict() being made
+        self._warned_keep_vars = False  # state_dict(keep_vars=True) said once
         self._known_params = {id(p): n for n, p in model.named_parameters()}
         self._install_hooks(model)
         self.optimizer = _Optimizer(self, groups)
@@ -1540,7 +1556,17 @@ class Offload:
         for name, p in module._parameters.items():
             t = self._tensor_of.get(id(p)) if p is not None else None
             key = prefix + name
-            if t is None or t.param is not p or key not in state_dict or state_dict[key] is p:
+            if t is None or t.param is not p or key not in state_dict:
+                continue
+            if state_dict[key] is p:  # keep_vars=True: the parameters themselves
+                if not self._warned_keep_vars:
+                    self._warned_keep_vars = True
+                    warnings.warn(
+                        "ztier: state_dict(keep_vars=True) holds the offloaded parameters "
+                        "themselves, whose storage holds no values between uses (NaN "
+                        "placeholders; the values live in the engine): a copy of them is NaN; "
+                        "for the values take state_dict(), or keep_vars=True inside `with "
+                        "z.gathered():`", RuntimeWarning, stacklevel=_user_stacklevel())
                 continue
             u = self._unit_of[id(p)]
             self._require_open("state_dict")

@@ -135,6 +135,9 @@ TEST(SettingsTest, RejectsBadConfigsNamingTheKey) {
       {R"({"aio": 7})", "'aio' must be an object"},
       {R"({"ztier": {"dram_budget": "12Q"}})", "ztier.dram_budget: '12Q' is not a size"},
       {R"({"ztier": {"dram_budget": 0}})", "ztier.dram_budget: must be > 0"},
+      {R"({"ztier": {"dram_budget": 64}})",
+       "ztier.dram_budget: 64 bytes is less than 1 MiB, too little for any job (a number is "
+       "bytes: give a unit, as in \"64G\" for GiB)"},
       {R"({"ztier": {"checksums": "maybe"}})",
        "ztier.checksums: expected true or false, got string"},
       {R"({"ztier": {"huge_pages": {}}})", "ztier.huge_pages: expected a string, got object"},

@@ -586,6 +586,50 @@ class _Blocks(nn.Module):
         return self.head(h)
 
 
+def test_a_bad_lr_is_refused_before_the_step_and_the_step_can_be_taken_again(settings):
+    # The engine refused it midway (its message said nothing of the held
+    # grads) and the user's zero_grad() then met "the engine began the update".
+    batches = [torch.randn(4, 6, generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    want = _Blocks()
+    zw = zt.offload(want, settings=settings)
+    _train(want, zw, batches)
+    masters = zw.master_weights()
+    zw.close()
+    model = _Blocks()
+    z = zt.offload(model, settings=settings)
+    _train(model, z, batches[:1])
+    model(batches[1]).pow(2).sum().backward()
+    good = z.optimizer.param_groups[0]["lr"]
+    for bad in (float("nan"), float("inf"), -1e-3):
+        z.optimizer.param_groups[0]["lr"] = bad
+        with pytest.raises(ValueError, match="lr is .*No step was taken.*call optimizer.step"):
+            z.optimizer.step()
+    assert z.step_count == 1
+    z.optimizer.param_groups[0]["lr"] = good
+    z.optimizer.step()
+    assert z.step_count == 2
+    got = z.master_weights()
+    assert got.keys() == masters.keys()
+    for k in got:
+        assert torch.equal(got[k], masters[k]), k
+    z.close()
+
+
+def test_state_dict_keep_vars_says_its_parameters_hold_no_values(settings):
+    model, z, _ = _trained_mlp(settings)
+    with pytest.warns(RuntimeWarning, match="keep_vars=True.*NaN placeholders") as caught:
+        sd = model.state_dict(keep_vars=True)
+    assert caught[0].filename == __file__, caught[0].filename
+    assert sd["0.weight"] is model[0].weight
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once; the values as ever
+        assert torch.isfinite(model.state_dict()["0.weight"]).all()
+        model.state_dict(keep_vars=True)
+        with z.gathered():
+            assert torch.isfinite(model.state_dict(keep_vars=True)["0.weight"]).all()
+    z.close()
+
+
 def _train(model, z, batches, hook=None):
     """Trains a step per batch; ``hook(step)`` before each (it may raise);
     a step that raised KeyboardInterrupt is trained again, as a user would."""
