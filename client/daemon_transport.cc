@@ -1031,9 +1031,10 @@ class DaemonTransport final : public Transport, public ControlTransport {
       } else {
         pending_.erase(id);
       }
-      unanswered_ = StrCat(p::MessageTypeName(type), " within ",
+      unanswered_ = StrCat("a request (", p::MessageTypeName(type), ") within ",
                            std::chrono::duration_cast<std::chrono::seconds>(timeout).count(), " s");
-      return Status::Unavailable(StrCat("ztierd at ", path_, " did not answer ", unanswered_));
+      return Status::Unavailable(StrCat("ztierd at ", path_, " did not answer ", unanswered_,
+                                        " (stopped or stuck? ztierctl status tells)"));
     }
     return std::move(pending->reply);
   }

@@ -777,7 +777,11 @@ Status PrepareLog(const std::string& path, int64_t first) {
       return old.status();
     }
   }
-  return WriteFileAtomically(path, kept);
+  Status written = WriteFileAtomically(path, kept);
+  if (first == 0) return written;
+  return written.Annotate(StrCat("resuming, the loss log cut back to the checkpoint's step ", first,
+                                 " could not be written (the checkpoint is intact: --resume "
+                                 "again once this is fixed)"));
 }
 
 // The progress line on stderr and the loss log (one row per step,
@@ -986,8 +990,38 @@ Result<bool> HasCheckpoint(const OutPaths& paths) {
   if (ec) return PosixError(StrCat("cannot look for ", manifest), ec.value());
   return exists;
 }
+// Without a checkpoint (no manifest), what an earlier run left that a
+// fresh start would replace or remove: its export, or shard files of a
+// checkpoint whose manifest is gone. "" when none. (The model note alone is
+// what a run killed before its first save leaves.)
+Result<std::string> EarlierOutput(const OutPaths& paths) {
+  std::error_code ec;
+  // (Anything else there is refused as no place for the export.)
+  if (fs::is_regular_file(fs::symlink_status(paths.exported, ec))) {
+    return StrCat("an export (", paths.exported, ")");
+  }
+  if (!fs::is_directory(paths.checkpoint, ec)) return std::string();
+  fs::directory_iterator it(paths.checkpoint, ec);
+  if (ec) return PosixError(StrCat("cannot list ", paths.checkpoint), ec.value());
+  for (; it != fs::directory_iterator(); it.increment(ec)) {
+    if (ec) return PosixError(StrCat("cannot list ", paths.checkpoint), ec.value());
+    const std::string name = it->path().filename().string();
+    if (name.starts_with("unit-") && name.ends_with(".bin")) {
+      return StrCat("checkpoint shard files without their manifest (", it->path().string(),
+                    ": a checkpoint damaged or partly removed?)");
+    }
+  }
+  return std::string();
+}
+
 std::string ModelNotePath(const OutPaths& paths) {
   return (fs::path(paths.checkpoint) / "ztier-train-model.txt").string();
+}
+
+// `text` without its trailing blanks and newlines.
+std::string TrimmedEnd(std::string text) {
+  while (!text.empty() && std::isspace(static_cast<unsigned char>(text.back()))) text.pop_back();
+  return text;
 }
 
 // Compares the checkpoint's note with this run's: another head count is
@@ -1009,8 +1043,7 @@ Status CheckRunNote(const Flags& f, const OutPaths& paths,
   std::map<std::string, std::string> saved;
   std::istringstream lines(*note);
   for (std::string line; std::getline(lines, line);) {
-    // Without trailing blanks (an editor's CRLF or a space).
-    while (!line.empty() && std::isspace(static_cast<unsigned char>(line.back()))) line.pop_back();
+    line = TrimmedEnd(std::move(line));  // (an editor's CRLF or a space)
     if (line.empty()) continue;
     const size_t space = line.find(' ');
     if (space == std::string::npos) break;
@@ -1019,7 +1052,7 @@ Status CheckRunNote(const Flags& f, const OutPaths& paths,
   const auto heads = saved.find("heads");
   if (heads == saved.end()) {
     return Status::Corruption(StrCat("--resume: the checkpoint's model note ", path, " holds '",
-                                     PrintableUtf8(note->substr(0, 64)),
+                                     PrintableUtf8(TrimmedEnd(note->substr(0, 64))),
                                      "', not 'heads N' (damaged? write 'heads ", f.model.heads,
                                      "' there if this run's --heads is the checkpoint's)"));
   }
@@ -1079,6 +1112,14 @@ Result<int64_t> StartingPoint(const Flags& f, const Plan& p, std::string_view te
         StrCat(f.out, " holds a checkpoint of an earlier run (", paths.checkpoint,
                "): pass --resume to continue it, or --overwrite to start over and replace it"));
   }
+  if (!f.overwrite) {
+    ZT_ASSIGN_OR_RETURN(const std::string earlier, EarlierOutput(paths));
+    if (!earlier.empty()) {
+      return Status::AlreadyExists(StrCat(f.out, " holds ", earlier,
+                                          " of an earlier run, and no checkpoint to resume: pass "
+                                          "--overwrite to start over and replace it"));
+    }
+  }
   if (f.overwrite) {
     if (fs::is_directory(paths.checkpoint)) {
       ZT_RETURN_IF_ERROR(m.RemoveCheckpoint(paths.checkpoint).Annotate("--overwrite"));
@@ -1136,6 +1177,9 @@ Result<int> TrainSteps(const Flags& f, const Plan& p, const std::string& text, S
   stats->assign(f.ranks, RunnerStats{});
   std::vector<Status> status(f.ranks);
   int stop_signal = 0;  // written by rank 0 between the barriers
+  // The step of the last checkpoint committed (the one resumed from, 0:
+  // none), for a failure's message.
+  std::atomic<int64_t> saved{first};
   Progress progress(static_cast<int>(first), f.steps, f.progress, f.progress_every, paths.log);
   const double tokens_per_step =
       static_cast<double>(p.batch) * f.model.context * f.ranks * p.accumulation;
@@ -1202,6 +1246,7 @@ Result<int> TrainSteps(const Flags& f, const Plan& p, const std::string& text, S
                         counters, sig != 0 ? Progress::Line::kAlways : Progress::Line::kIfDue);
         if (checkpoint) {
           ZT_RETURN_IF_ERROR(m.SaveCheckpoint(paths.checkpoint));
+          saved.store(done);
           // The note follows the save that committed: one that failed or was
           // cut short leaves the checkpoint before it, and that one's note.
           // A note that cannot be written ends no run: the checkpoint is
@@ -1237,6 +1282,17 @@ Result<int> TrainSteps(const Flags& f, const Plan& p, const std::string& text, S
   // checkpoint needed). The checkpoint stays.
   const auto abandon = [&](int r, const Status& s) {
     std::fprintf(stderr, "\nztier-train: rank %d: %s\n", r, s.ToString().c_str());
+    // What is left to go on from, as the other failures say it.
+    if (const int64_t step = saved.load(); step > 0) {
+      std::fprintf(stderr,
+                   "ztier-train: the last checkpoint saved, of step %lld, is in %s: --resume "
+                   "continues from it once this is fixed\n",
+                   static_cast<long long>(step), paths.checkpoint.c_str());
+    } else {
+      std::fprintf(stderr,
+                   "ztier-train: this run saved no checkpoint: run it again (--overwrite) once "
+                   "this is fixed\n");
+    }
     if (p.settings.daemon_socket.empty()) {
       for (const std::string& dir : p.settings.nvme_paths) {
         ::unlink((std::filesystem::path(dir) / nvme::SwapOptions().file_name).c_str());
@@ -1379,7 +1435,6 @@ int Run(const Flags& f, const Plan& p) {
     }
     if (Status s = CreateDir(dir, "swap directory"); !s.ok()) return fail(s);
   }
-  if (Status s = client::InstallStopHandlers(); !s.ok()) return fail(s);
 
   // The swap directories are locked as the session opens, the checkpoint
   // directory as soon as the model exists: a second run on this --out stops
@@ -1529,6 +1584,12 @@ int main(int argc, char** argv) {
   // stop's checkpoint: the lines go nowhere instead.
   ::signal(SIGPIPE, SIG_IGN);
   ztier::OpenClosedStandardFds();
+  // First: a SIGTERM while the run sets up killed it without a word (the
+  // stop is seen at the first step's end, as any other).
+  if (ztier::Status s = ztier::client::InstallStopHandlers(); !s.ok()) {
+    std::fprintf(stderr, "ztier-train: %s\n", s.ToString().c_str());
+    return 1;
+  }
   ztier::Result<ztier::train::Flags> flags = ztier::train::ParseFlags(argc, argv);
   if (!flags.ok()) {
     std::fprintf(stderr, "ztier-train: %s\n\n",

@@ -140,6 +140,12 @@ TEST(DaemonTrainTest, AKilledZtierdFailsTheRunFastAndARestartedOneResumesIt) {
   EXPECT_LT(seconds, 10.0);
   EXPECT_NE(run.output().find("ztierd at " + d.socket()), std::string::npos) << run.output();
   EXPECT_FALSE(fs::exists(cut + "/model.safetensors"));
+  // It says what is left to go on from (it said only ztierd's failure).
+  const size_t said = run.output().find("the last checkpoint saved, of step ");
+  ASSERT_NE(said, std::string::npos) << run.output();
+  const int saved_step = std::atoi(run.output().c_str() + said + 35);
+  EXPECT_GE(saved_step, 5) << run.output();
+  EXPECT_NE(run.output().find("--resume continues from it"), std::string::npos) << run.output();
 
   d.Start();  // a new ztierd on the same path; the DRAM state is gone
   ASSERT_EQ(Train(common + " --resume --daemon " + d.socket() + " --out " + cut), 0) << d.log();

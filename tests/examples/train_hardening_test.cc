@@ -138,6 +138,53 @@ TEST_F(TrainHardeningTest, ARunNeverReplacesACheckpointItDidNotResume) {
   EXPECT_FALSE(fs::exists(dir_ / "none")) << "the refused --resume made its --out";
 }
 
+// Without a manifest a fresh run took --out as empty: an export there was
+// replaced, and shard files of a checkpoint whose manifest was lost were
+// removed, without a word. Refused as a checkpoint is; a run killed before
+// its first save (its note alone) is no earlier output.
+TEST_F(TrainHardeningTest, AFreshRunReplacesNoExportOrShardsWithoutOverwrite) {
+  const std::string done = dir_ / "done";
+  ASSERT_EQ(Train(Common() + " --steps 3 --out " + done, dir_).first, 0);
+  const std::string weights = Slurp(done + "/model.safetensors");
+  // An export alone.
+  const std::string exported = dir_ / "exported";
+  fs::create_directories(exported);
+  fs::copy_file(done + "/model.safetensors", exported + "/model.safetensors");
+  auto [rc, text] = Train(Common() + " --steps 2 --seed 3 --out " + exported, dir_);
+  EXPECT_EQ(rc, 2) << text;
+  EXPECT_NE(text.find("holds an export"), std::string::npos) << text;
+  EXPECT_NE(text.find("--overwrite"), std::string::npos) << text;
+  EXPECT_TRUE(Slurp(exported + "/model.safetensors") == weights) << "the export was replaced";
+  // Shard files whose manifest is gone.
+  fs::remove(done + "/checkpoint/manifest.json");
+  fs::remove(done + "/model.safetensors");
+  size_t shards = 0;
+  for (const auto& e : fs::directory_iterator(done + "/checkpoint")) {
+    shards += e.path().extension() == ".bin";
+  }
+  ASSERT_GT(shards, 0u);
+  std::tie(rc, text) = Train(Common() + " --steps 2 --seed 3 --out " + done, dir_);
+  EXPECT_EQ(rc, 2) << text;
+  EXPECT_NE(text.find("shard files without their manifest"), std::string::npos) << text;
+  size_t left = 0;
+  for (const auto& e : fs::directory_iterator(done + "/checkpoint")) {
+    left += e.path().extension() == ".bin";
+  }
+  EXPECT_EQ(left, shards) << "shard files removed";
+  EXPECT_EQ(LogSteps(done + "/train_log.tsv"), Counting(1, 3)) << "the log changed";
+  // --overwrite replaces both.
+  for (const std::string& out : {exported, done}) {
+    std::tie(rc, text) = Train(Common() + " --steps 2 --seed 3 --overwrite --out " + out, dir_);
+    EXPECT_EQ(rc, 0) << text;
+  }
+  // The note alone (a run killed before its first save): a fresh start.
+  const std::string early = dir_ / "early";
+  fs::create_directories(early + "/checkpoint");
+  { std::ofstream(early + "/checkpoint/ztier-train-model.txt") << "heads 2\n"; }
+  std::tie(rc, text) = Train(Common() + " --steps 2 --out " + early, dir_);
+  EXPECT_EQ(rc, 0) << text;
+}
+
 // A manifest that is a symbolic link: a save wrote through it into the
 // checkpoint it named (whose shard files it did not write: that one could
 // be loaded no more), and a dangling one read as no checkpoint, so the run
