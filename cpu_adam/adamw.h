@@ -41,7 +41,9 @@
 // value's decade, 10^-e), a one, then a linear fraction of the decade; the
 // largest code is exactly 1. A step dequantizes a group, updates it in fp32
 // (the params use the new fp32 m and v), takes the new absmax and quantizes
-// to the nearest code (ties to the smaller), in one pass over memory. The
+// to the nearest code (ties to the smaller; a positive v to code 1 at least:
+// m's map reaches lower than v's, and an element whose v became 0 beside a
+// kept m stepped by lr * m / eps), in one pass over memory. The
 // fp32 master is kept. Per parameter: 4 + 1 + 1 bytes and 8 per group.
 // Groups are the blocks of kQuantBlock elements from the shard's start, cut
 // again at the moments' `cuts` (where the shard's tensors start): a group

@@ -400,9 +400,11 @@ HWY_INLINE void StoreCodes(D /*d*/, V biased_code, uint8_t* HWY_RESTRICT codes) 
 // Step 2: from x, a and the decade to the nearest codes: the rounded place
 // in the decade, or near a midpoint the comparison with it; m's codes add
 // the sign bit. Codes are carried as 2^23 + code (below_code's bias).
+// `lifted`: v's values above it take code 1 at least (0, or +inf in a
+// block held as zeros).
 template <bool kSigned, class D, class V, class VI, class T>
 HWY_INLINE void CodeLanes(D d, const QuantTables& t, T below_codes, T inv_steps, T place_offsets,
-                          V x, V a, VI pos, uint8_t* HWY_RESTRICT codes) {
+                          V x, V a, VI pos, V lifted, uint8_t* HWY_RESTRICT codes) {
   const hn::RebindToSigned<D> di;
   const auto below_code = Lookup(d, below_codes, pos);
   const auto place = hn::MulAdd(a, Lookup(d, inv_steps, pos), Lookup(d, place_offsets, pos));
@@ -419,6 +421,16 @@ HWY_INLINE void CodeLanes(D d, const QuantTables& t, T below_codes, T inv_steps,
   if constexpr (kSigned) {
     const auto neg = hn::And(hn::Lt(x, hn::Zero(d)), hn::Gt(code, hn::Set(d, kTwoTo23)));
     code = hn::IfThenElse(neg, hn::Add(code, hn::Set(d, 128.0f)), code);
+  } else {
+    // v: a positive value takes code 1 at least, never 0. m's map reaches
+    // 1e-6 of its absmax, v's 1e-7 of its own, and v goes with g^2: an
+    // element whose grads were 1e-4 of its group's largest kept its m and
+    // lost its v to 0, and its next update was lr * m / eps (1e5 for lr
+    // 1e-3). Held at v's smallest code (above its true v), it steps less
+    // than in fp32 instead.
+    const auto zero = hn::Set(d, kTwoTo23);
+    code = hn::IfThenElse(hn::And(hn::Gt(x, lifted), hn::Eq(code, zero)),
+                          hn::Add(zero, hn::Set(d, 1.0f)), code);
   }
   StoreCodes(d, code, codes);
 }
@@ -456,6 +468,7 @@ float QuantBlock(const QuantTables& t, const float* HWY_RESTRICT x, size_t n, fl
   // is held as zeros.
   const float absmax = largest >= std::numeric_limits<float>::min() ? largest : 0.0f;
   const float inv = absmax > 0.0f ? 1.0f / absmax : 0.0f;
+  const float lifted = absmax > 0.0f ? 0.0f : std::numeric_limits<float>::infinity();
   HWY_ALIGN float a[kQuantBlock];
   HWY_ALIGN int32_t pos[kQuantBlock];
   size_t j = 0;
@@ -483,14 +496,14 @@ float QuantBlock(const QuantTables& t, const float* HWY_RESTRICT x, size_t n, fl
     const size_t full = j;
     for (j = 0; j < full; j += lanes) {
       CodeLanes<kSigned>(d, t, below_code, inv_step, place_offset, hn::LoadU(d, x + j),
-                         hn::Load(d, a + j), hn::Load(di, pos + j), codes + j);
+                         hn::Load(d, a + j), hn::Load(di, pos + j), hn::Set(d, lifted), codes + j);
     }
   }
   for (; j < n; ++j) {
     auto aj = hn::Zero(d1);
     const auto pj = DecadeLanes(d1, t, t.top, hn::LoadU(d1, x + j), hn::Set(d1, inv), aj);
     CodeLanes<kSigned>(d1, t, t.below_code, t.inv_step, t.place_offset, hn::LoadU(d1, x + j), aj,
-                       pj, codes + j);
+                       pj, hn::Set(d1, lifted), codes + j);
   }
   return absmax;
 }

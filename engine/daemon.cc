@@ -1024,7 +1024,8 @@ class Daemon::Impl::Connection {
   bool OnPool(const Request& req) {
     switch (req.header.type) {
       case p::MessageType::kGradsReady:
-      case p::MessageType::kAttachJob:  // waits for the job to be registered
+      case p::MessageType::kAttachJob:    // waits for the job to be registered
+      case p::MessageType::kRegisterJob:  // may wait for a job of its name to go (and allocates)
       case p::MessageType::kWriteWeights:
       case p::MessageType::kReadState:
       case p::MessageType::kWriteState:

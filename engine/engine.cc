@@ -45,6 +45,9 @@ namespace {
 
 uint64_t RoundUp(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
 
+// How long UnregisterJob waits for a step under way to let the job go.
+constexpr std::chrono::seconds kUnregisterWait{60};
+
 // The client page of a job (wire_types.h): kClientCounterWords u64 a rank.
 uint64_t ClientPageBytes(const JobSpec& spec) {
   return static_cast<uint64_t>(spec.ranks) * kClientCounterWords * sizeof(uint64_t);
@@ -100,6 +103,9 @@ struct Engine::Impl {
   std::map<int, std::deque<std::function<void()>>> tasks;  // by job
   std::deque<int> runnable[kLanes];  // jobs with tasks and no thread running one
   std::set<int> running;             // jobs a thread runs a task of
+  // A job's strand ran dry (no task queued or running): UnregisterJob
+  // waits for it.
+  std::condition_variable strand_done;
   bool stop = false;
   std::vector<std::thread> workers;
 
@@ -148,12 +154,14 @@ struct Engine::Impl {
           Fail(*j, Status::ResourceExhausted(StrCat("the optimizer's task failed: ", e.what())));
         }
       }
+      task = nullptr;  // what it holds (the job) goes before its strand is said done
       {
         std::lock_guard<std::mutex> lock(task_mu);
         running.erase(job);
         auto it = tasks.find(job);
         if (it->second.empty()) {
           tasks.erase(it);
+          strand_done.notify_all();
         } else {
           runnable[lane].push_back(job);  // behind the other jobs waiting
           task_cv[lane].notify_one();
@@ -452,6 +460,11 @@ struct Engine::Impl {
     });
   }
 
+  bool Removed(const Job& job) {
+    std::lock_guard<std::mutex> lock(mu);
+    return job.removed;
+  }
+
   void Fail(Job& job, const Status& s) {
     {
       std::lock_guard<std::mutex> lock(mu);
@@ -536,10 +549,14 @@ struct Engine::Impl {
     Status s = ForEachUnitState(
         job, ForwardOrder(job), Access::kUpdate,
         [&](size_t k, const StateView& state) {
+          // A job unregistered meanwhile stops here: its memory goes back
+          // as soon as UnregisterJob returns (a run started again at once
+          // registers as much again).
+          if (Removed(job)) return Status::Aborted("the job was unregistered");
           return RunAdam(job, job.units[k], state, adam_step, scale, lrs);
         },
         publish, visible);
-    if (!s.ok()) Fail(job, s.Annotate(StrCat("step ", step)));
+    if (!s.ok() && !Removed(job)) Fail(job, s.Annotate(StrCat("step ", step)));
   }
 
   // Eager mode: one unit's grads are in; update it now.
@@ -1098,7 +1115,21 @@ Status Engine::UnregisterJob(int job) {
   }
   e.dirs.Release(job);
   e.published_cv.notify_all();
-  return Status::Ok();  // memory goes back to the pool when the last task drops `j`
+  // A step under way stops at its next unit (StepExact); its task, and any
+  // queued, drop the job as they end: then its memory goes back to the pool
+  // (with `j`, unless a call still holds it), before this returns, so a
+  // job registered right after (a run started again) finds it free. A step
+  // stuck on a drive holds it longer: said, not waited for forever.
+  std::unique_lock<std::mutex> lock(e.task_mu);
+  if (!e.strand_done.wait_for(lock, kUnregisterWait, [&] {
+        return e.tasks.count(job) == 0 && e.running.count(job) == 0;
+      })) {
+    ZT_LOG(kWarn, "engine") << "job '" << j->spec.name << "': unregistered, its step still runs "
+                            << kUnregisterWait.count()
+                            << " s later (a drive that does not answer?): its memory goes "
+                               "back when the step ends";
+  }
+  return Status::Ok();
 }
 
 Result<UnitLayout> Engine::Layout(int job, int unit) const {

@@ -1,7 +1,8 @@
 // Tests of the 8-bit states (StepInt8, Quantize, Dequantize) on every
 // compiled Highway target:
 //  - the maps: ascending, 0 and exactly 1 in both, m's symmetric;
-//  - quantization picks the nearest code (ties to the smaller) for every
+//  - quantization picks the nearest code (ties to the smaller; a positive v
+//    never code 0) for every
 //    code value, every midpoint and its neighbouring floats, random values,
 //    zeros and denormals, against a brute-force search;
 //  - the round trip error of a block is at most half a code step times its
@@ -59,11 +60,13 @@ int NearestMagnitude(const std::vector<float>& mag, double a) {
   return code;
 }
 
-// The code a value x of a block with absmax `absmax` should get.
+// The code a value x of a block with absmax `absmax` should get: the
+// nearest, but a positive v never 0.
 int NearestCode(QuantMap map, double x, double absmax) {
   const double a = absmax > 0 ? std::min(1.0, std::fabs(x) / absmax) : 0.0;
   const int mag = NearestMagnitude(Magnitudes(map), a);
-  return map == QuantMap::kSigned && x < 0 && mag != 0 ? mag | 0x80 : mag;
+  if (map == QuantMap::kUnsigned) return x > 0 && mag == 0 ? 1 : mag;
+  return x < 0 && mag != 0 ? mag | 0x80 : mag;
 }
 
 double CodeValue(QuantMap map, uint8_t code) { return QuantMapValues(map)[code]; }
@@ -596,6 +599,42 @@ TEST(Int8TrainingTest, ASmallTensorBesideALargeOneStepsAsInFp32) {
   std::printf("the small tensor moved %.4g with 8-bit states, %.4g with fp32\n", moved8, moved32);
   EXPECT_LT(moved8, 1.25 * moved32);
   EXPECT_GT(moved8, 0.8 * moved32);
+}
+
+// Within one block, an element whose grads are 1e4 (up to 1e6) times
+// smaller than the others': its v fell below v's smallest code and read as
+// 0 while its m (whose map reaches lower) was kept, and once its grad was 0
+// it stepped by lr * m / eps: 7e4 in one step for lr 1e-3. Its steps stay
+// within fp32's now.
+TEST(Int8TrainingTest, AnElementWithTinyGradsInABlockOfLargeOnesStepsNoFartherThanInFp32) {
+  for (const float ratio : {1e3f, 1e4f, 1e6f}) {
+    SCOPED_TRACE(ratio);
+    const size_t n = kQuantBlock;
+    adam_testing::Int8Moments q(n);
+    std::vector<float> p8(n, 0.5f), p32(n, 0.5f), m32(n, 0.0f), v32(n, 0.0f), g(n);
+    const Hyper h{.lr = 1e-3f, .weight_decay = 0.0f};
+    for (int step = 1; step <= 40; ++step) {
+      // Half the block large grads every step; element 200 grads of 1 for
+      // three steps, then none.
+      for (size_t i = 0; i < n; ++i) g[i] = i < n / 2 ? ratio : 0.0f;
+      g[200] = step <= 3 ? 1.0f : 0.0f;
+      const float before8 = p8[200], before32 = p32[200];
+      const Shard fp32{.count = n,
+                       .grads = g.data(),
+                       .grad_type = GradType::kFloat32,
+                       .params = p32.data(),
+                       .exp_avg = m32.data(),
+                       .exp_avg_sq = v32.data()};
+      ASSERT_TRUE(Step(h, {.step = step}, fp32, SharedExecutor()).ok());
+      Shard int8 = fp32;
+      int8.params = p8.data();
+      ASSERT_TRUE(StepInt8(h, {.step = step}, q.ShardOf(int8), {}, SharedExecutor()).ok());
+      // (fp32's steps are about lr; the first three are exactly as fp32's.)
+      ASSERT_LE(std::fabs(p8[200] - before8), 1.01 * std::max(std::fabs(p32[200] - before32), h.lr))
+          << "step " << step << ": " << before8 << " -> " << p8[200] << " (fp32 " << before32
+          << " -> " << p32[200] << ")";
+    }
+  }
 }
 
 // Least squares on a fixed batch, y = X w*: the 8-bit moments' loss curve
