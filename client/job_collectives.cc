@@ -5,7 +5,8 @@
 //
 // Region layout (after engine/wire_types.h's two words, which ztierd also
 // writes):
-//   u32 abort       0, or 1 + the rank that left or gave up
+//   u32 abort       0, or 1 + the rank that left or gave up, or
+//                   kCollectiveEndedByDaemon (ztierd evicted or stopped the job)
 //   u32 generation  the barrier's generation; the futex every waiter sleeps on
 //   u32 arrived     ranks at the barrier now
 //   u32 world       the world size, set by the first rank (a check)
@@ -30,9 +31,13 @@
 // Thread safety: one object per rank, used by that rank's thread. Failure:
 // a rank that left (ztierd writes the abort word when its connection
 // closes) fails every waiting and later collective of the others with
-// Aborted naming it; a rank that waits longer than the timeout (the
-// caller's; ztier.torch passes ztier.wait_timeout) gives up with
-// Unavailable and marks the region aborted, so its peers stop too.
+// Aborted naming it; a job ztierd ended (evicted, ztierd stopping) fails
+// them with ztierd's reason, which the next request on the job brings; a
+// ztierd that is gone (its transport's Health, checked as a waiter wakes)
+// fails them with Unavailable saying so, not at the timeout; a rank that
+// waits longer than the timeout (the caller's; ztier.torch passes
+// ztier.wait_timeout) gives up with Unavailable and marks the region
+// aborted, so its peers stop too.
 #include <linux/futex.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -61,11 +66,47 @@ constexpr uint64_t kNcclIdOffset = 64;
 constexpr uint64_t kNcclTakenOffset = 256;  // u32 per rank: the NCCL ids it has taken
 constexpr uint64_t kMaxNcclRanks = (engine::kCollectiveHeaderBytes - kNcclTakenOffset) / 4;
 constexpr std::chrono::milliseconds kWakeCheck{100};  // abort checks while asleep
+// How long a rank told that ztierd ended its job waits to hear why.
+constexpr std::chrono::seconds kFarewellWait{3};
+
+// Why the job's engine is of no more use: Ok while it is (the transport's
+// Health); the reason ztierd ended the job, asked for when the region says
+// it did.
+class EngineWatch {
+ public:
+  EngineWatch(std::weak_ptr<Transport> transport, int job)
+      : transport_(std::move(transport)), job_(job) {}
+  Status Health() const {
+    std::shared_ptr<Transport> t = transport_.lock();
+    return t == nullptr ? Status::Ok() : t->Health();
+  }
+  // An evicted job's next request is refused with the eviction's reason;
+  // a stopping ztierd says why as it closes each connection, this one
+  // perhaps a moment after the one whose close woke the waiters.
+  Status WhyEnded() const {
+    std::shared_ptr<Transport> t = transport_.lock();
+    if (t != nullptr) {
+      Result<engine::JobCounters> c = t->Counters(job_);
+      if (!c.ok()) return c.status();
+      const auto deadline = std::chrono::steady_clock::now() + kFarewellWait;
+      while (std::chrono::steady_clock::now() < deadline) {
+        ZT_RETURN_IF_ERROR(t->Health());
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      }
+    }
+    return Status::Aborted("ztierd ended the job (an operator's eviction, or ztierd stopping)");
+  }
+
+ private:
+  std::weak_ptr<Transport> transport_;
+  int job_;
+};
 
 // The shared words of the region's header.
 class RegionHeader {
  public:
-  explicit RegionHeader(void* base) : base_(static_cast<char*>(base)) {}
+  explicit RegionHeader(void* base, const EngineWatch* watch = nullptr)
+      : base_(static_cast<char*>(base)), watch_(watch) {}
 
   std::atomic_ref<uint32_t> word(uint64_t offset) const {
     return std::atomic_ref<uint32_t>(*reinterpret_cast<uint32_t*>(base_ + offset));
@@ -74,13 +115,22 @@ class RegionHeader {
   std::atomic_ref<uint32_t> generation() const { return word(engine::kCollectiveFutexOffset); }
   char* at(uint64_t offset) const { return base_ + offset; }
 
-  // Aborted naming the rank that left, or OK.
+  // Aborted naming the rank that left, ztierd's reason for ending the job,
+  // Unavailable when ztierd is gone, or OK.
   Status CheckAbort(const std::string& who) const {
     const uint32_t a = abort().load();
-    if (a == 0) return Status::Ok();
-    return Status::Aborted(
-        StrCat(who, ": rank ", a - 1,
-               " left the job (its process exited, it failed, or it gave up waiting)"));
+    if (a == engine::kCollectiveEndedByDaemon) {
+      const Status why =
+          watch_ != nullptr ? watch_->WhyEnded() : Status::Aborted("ztierd ended the job");
+      return why.Annotate(who);
+    }
+    if (a != 0) {
+      return Status::Aborted(
+          StrCat(who, ": rank ", a - 1,
+                 " left the job (its process exited, it failed, or it gave up waiting)"));
+    }
+    if (watch_ != nullptr) return watch_->Health().Annotate(who);
+    return Status::Ok();
   }
   // Marks the region aborted by `rank` (the first mark stays) and wakes
   // every waiter.
@@ -101,15 +151,17 @@ class RegionHeader {
 
  private:
   char* base_;
+  const EngineWatch* watch_;  // null: no transport to ask
 };
 
 class ShmCollectives final : public Collectives {
  public:
   // Shares the ownership of the mapping (`region`).
-  ShmCollectives(std::shared_ptr<void> region, int rank, int world, std::string who,
-                 std::chrono::milliseconds timeout)
+  ShmCollectives(std::shared_ptr<void> region, EngineWatch watch, int rank, int world,
+                 std::string who, std::chrono::milliseconds timeout)
       : region_(std::move(region)),
-        h_(region_.get()),
+        watch_(std::move(watch)),
+        h_(region_.get(), &watch_),
         rank_(rank),
         world_(world),
         who_(std::move(who)),
@@ -195,6 +247,7 @@ class ShmCollectives final : public Collectives {
   }
 
   const std::shared_ptr<void> region_;
+  const EngineWatch watch_;
   const RegionHeader h_;
   const int rank_;
   const int world_;
@@ -202,11 +255,11 @@ class ShmCollectives final : public Collectives {
   const std::chrono::milliseconds timeout_;
 };
 
-Result<std::unique_ptr<Collectives>> MakeNcclForJob(std::shared_ptr<void> region, int rank,
-                                                    int world, Device& device,
-                                                    const std::string& who,
+Result<std::unique_ptr<Collectives>> MakeNcclForJob(std::shared_ptr<void> region,
+                                                    const EngineWatch& watch, int rank, int world,
+                                                    Device& device, const std::string& who,
                                                     std::chrono::milliseconds timeout) {
-  const RegionHeader h(region.get());
+  const RegionHeader h(region.get(), &watch);
   // The ranks make their collectives in the same order, so the n-th call
   // of every rank uses rank 0's n-th id; each rank counts its calls in its
   // own word of the region.
@@ -234,9 +287,10 @@ Result<std::unique_ptr<Collectives>> MakeNcclForJob(std::shared_ptr<void> region
     std::memcpy(id.data(), h.at(kNcclIdOffset), id.size());
   }
   // The region stays mapped while the collectives may read its abort word.
-  NcclPeers peers{.left = [region, who] { return RegionHeader(region.get()).CheckAbort(who); },
-                  .leave = [region, rank] { RegionHeader(region.get()).Abort(rank); },
-                  .timeout = timeout};
+  NcclPeers peers{
+      .left = [region, watch, who] { return RegionHeader(region.get(), &watch).CheckAbort(who); },
+      .leave = [region, rank] { RegionHeader(region.get()).Abort(rank); },
+      .timeout = timeout};
   return MakeNcclRankCollectives(device.ordinal(), rank, world, id, std::move(peers));
 }
 
@@ -265,7 +319,8 @@ Result<std::unique_ptr<Collectives>> MakeJobCollectives(Model& model, int rank, 
   }
   ZT_ASSIGN_OR_RETURN(std::shared_ptr<void> region,
                       model.transport().CollectiveRegion(model.job(), bytes));
-  const RegionHeader h(region.get());
+  EngineWatch watch(model.transport_, model.job());
+  const RegionHeader h(region.get(), &watch);
   uint32_t expected = 0;
   if (!h.word(kWorldOffset).compare_exchange_strong(expected, static_cast<uint32_t>(world)) &&
       expected != static_cast<uint32_t>(world)) {
@@ -274,10 +329,10 @@ Result<std::unique_ptr<Collectives>> MakeJobCollectives(Model& model, int rank, 
   }
   ZT_RETURN_IF_ERROR(h.CheckAbort(who));
   if (device.kind() == DeviceKind::kCuda) {
-    return MakeNcclForJob(std::move(region), rank, world, device, who, timeout);
+    return MakeNcclForJob(std::move(region), watch, rank, world, device, who, timeout);
   }
-  return std::unique_ptr<Collectives>(
-      std::make_unique<ShmCollectives>(std::move(region), rank, world, who, timeout));
+  return std::unique_ptr<Collectives>(std::make_unique<ShmCollectives>(
+      std::move(region), std::move(watch), rank, world, who, timeout));
 }
 
 }  // namespace ztier::client

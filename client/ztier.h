@@ -216,7 +216,9 @@ Result<std::vector<std::unique_ptr<Collectives>>> MakeLocalCollectives(
 // fp32 in rank order, rounded once); on CUDA devices they are NCCL, rank 0
 // making the unique id and handing it to the others through the region.
 // When a rank's process dies, ztierd tells the others' collectives, which
-// fail with Aborted naming the rank instead of waiting; a rank that waits
+// fail with Aborted naming the rank instead of waiting; when ztierd ends
+// the job (an eviction, a stop) they fail with its reason, and when ztierd
+// is gone, with Unavailable saying so (seen within half a second); a rank that waits
 // for its peers longer than `timeout` gives up, and its peers stop too.
 // Every rank calls this, with the same kind of device. The collectives keep
 // the region mapped (they may outlive the model, of no use then). Errors:
@@ -484,6 +486,9 @@ class Model {
  private:
   friend class Session;
   friend class Stage3Runner;
+  // (Its collectives keep the transport, to hear of ztierd's end.)
+  friend Result<std::unique_ptr<Collectives>> MakeJobCollectives(Model&, int, Device&,
+                                                                 std::chrono::milliseconds);
   Model(std::shared_ptr<Transport> transport, int job, Session::ModelSpec spec,
         std::vector<engine::UnitLayout> layouts, int attached_rank);
   std::shared_ptr<Transport> transport_;

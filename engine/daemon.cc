@@ -581,14 +581,17 @@ struct Daemon::Impl {
   std::condition_variable jobs_changed;                  // a job registered (attaches wait for it)
 
   // Under mu: tells the job's ranks that `rank` left (kCollectiveAbortOffset)
-  // and wakes those waiting in its collective region.
+  // and wakes those waiting in its collective region; rank -1: that ztierd
+  // ended the job (kCollectiveEndedByDaemon: their next request says why).
+  // The first mark stays.
   static void AbortCollectivesLocked(Job& job, int rank) {
-    if (job.left_rank < 0) job.left_rank = rank;
+    if (job.left_rank < 0) job.left_rank = std::max(rank, 0);
     if (job.collective_region.data() == nullptr) return;  // marked when it is made
     auto* base = static_cast<char*>(job.collective_region.data());
     std::atomic_ref<uint32_t> abort(*reinterpret_cast<uint32_t*>(base + kCollectiveAbortOffset));
     uint32_t none = 0;
-    abort.compare_exchange_strong(none, static_cast<uint32_t>(rank) + 1);
+    abort.compare_exchange_strong(
+        none, rank < 0 ? kCollectiveEndedByDaemon : static_cast<uint32_t>(rank) + 1);
     ::syscall(SYS_futex, base + kCollectiveFutexOffset, FUTEX_WAKE, INT32_MAX, nullptr, nullptr, 0);
   }
 
@@ -861,9 +864,9 @@ struct Daemon::Impl {
       }
       job->evicted_why = why;
       job->evicted.store(true);
-      // Ranks waiting in a collective wake as if rank 0 had left; their
-      // next request to the daemon names the eviction (FindJob).
-      AbortCollectivesLocked(*job, 0);
+      // Ranks waiting in a collective wake; the request they then make
+      // names the eviction (FindJob).
+      AbortCollectivesLocked(*job, -1);
       MarkFreedLocked(*job);
     }
     return Free(job, why);
@@ -1776,7 +1779,11 @@ class Daemon::Impl::Connection {
     job->nvme_bytes = held.nvme_bytes;
     job->holders = {this};
     job->spec_bytes = SpecHeap(spec);
+    // Rank 0 is the registering connection's (the others' too, as it acts
+    // for them: CheckRank): another process's attach of it took the job
+    // from under it.
     job->rank_owner.assign(spec.ranks, nullptr);
+    job->rank_owner[0] = this;
     job->spec = std::move(spec);
     Status over;
     {
@@ -1941,7 +1948,8 @@ class Daemon::Impl::Connection {
   }
 
   // A connection that attached rank r acts for r only; the registering one
-  // for every rank no other connection attached.
+  // for rank 0 and every rank no other connection attached, each of which
+  // it holds from its first use (an attach of it is then refused).
   Status CheckRank(const JobEntry& j, int rank) {
     if (j.rank >= 0) {
       if (rank == j.rank) return Status::Ok();
@@ -1949,11 +1957,13 @@ class Daemon::Impl::Connection {
                                                j.rank, "; it cannot act for rank ", rank));
     }
     std::lock_guard<std::mutex> lock(d_.mu);
-    const auto& owners = j.job->rank_owner;
-    if (rank >= 0 && rank < static_cast<int>(owners.size()) && owners[rank] != nullptr &&
-        owners[rank] != this) {
-      return Status::FailedPrecondition(
-          StrCat("job '", j.name, "': rank ", rank, " is attached by another process"));
+    auto& owners = j.job->rank_owner;
+    if (rank >= 0 && rank < static_cast<int>(owners.size())) {
+      if (owners[rank] != nullptr && owners[rank] != this) {
+        return Status::FailedPrecondition(
+            StrCat("job '", j.name, "': rank ", rank, " is attached by another process"));
+      }
+      owners[rank] = this;
     }
     return Status::Ok();
   }
@@ -2148,12 +2158,19 @@ class Daemon::Impl::Connection {
       std::lock_guard<std::mutex> lock(d_.mu);
       Impl::Job& job = *j.job;
       job.holders.erase(job.holders.find(this));
-      if (j.rank >= 0 && job.rank_owner[j.rank] == this) job.rank_owner[j.rank] = nullptr;
+      if (j.rank >= 0) {
+        if (job.rank_owner[j.rank] == this) job.rank_owner[j.rank] = nullptr;
+      } else if (!other_handle) {  // the registering connection: the ranks it held
+        std::replace(job.rank_owner.begin(), job.rank_owner.end(), static_cast<const void*>(this),
+                     static_cast<const void*>(nullptr));
+      }
       const auto grace = d_.options.job_grace_period;
       // A rank that goes while others hold the job (or may attach again)
       // takes part in no more collectives: its peers must not wait for it.
+      // (One that goes as ztierd stops: the others are told that, not
+      // that it left.)
       if (!job.holders.empty() || (closing && grace.count() > 0)) {
-        Impl::AbortCollectivesLocked(job, std::max(j.rank, 0));
+        Impl::AbortCollectivesLocked(job, d_.stopping.load() ? -1 : std::max(j.rank, 0));
       }
       // Who unregistered the job itself unmaps it (the client library
       // does, as it unregisters); a connection that closes keeps its place

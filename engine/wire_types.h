@@ -317,7 +317,11 @@ struct SharedBuffer {
 // rank's connection closes while the job lives, the abort word becomes 1 +
 // that rank and its waiters are woken (FUTEX_WAKE on the futex word), so
 // the others fail at once instead of at their timeout.
+// An abort word of kCollectiveEndedByDaemon: ztierd ended the job itself
+// (an operator evicted it, or ztierd is stopping); the next request on the
+// job says why.
 inline constexpr uint64_t kCollectiveAbortOffset = 0;  // u32
+inline constexpr uint32_t kCollectiveEndedByDaemon = 0xffffffffu;
 inline constexpr uint64_t kCollectiveFutexOffset = 4;  // u32
 inline constexpr uint64_t kCollectiveHeaderBytes = 4096;
 inline constexpr uint64_t kMaxCollectiveRegionBytes = uint64_t{1} << 30;

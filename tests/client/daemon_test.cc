@@ -2284,13 +2284,48 @@ TEST(ZtierdProgramTest, AHelloNobodyAnswersFailsWithinFifteenSeconds) {
   ASSERT_EQ(::kill(d.pid(), SIGCONT), 0);
   ASSERT_FALSE(s.ok());
   EXPECT_EQ(s.status().code(), StatusCode::kUnavailable) << s.status();
-  EXPECT_NE(s.status().message().find("did not answer a request (hello) within 15 s"), std::string::npos)
+  EXPECT_NE(s.status().message().find("did not answer a request (hello) within 15 s"),
+            std::string::npos)
       << s.status();
   EXPECT_NE(s.status().message().find("ztierctl status"), std::string::npos) << s.status();
   EXPECT_LT(took, 30s);
   // Continued, it serves.
   Result<std::unique_ptr<Session>> again = Session::Open(o);
   EXPECT_TRUE(again.ok()) << again.status() << d.log();
+}
+
+// A rank waiting in a collective for a peer that is slow (alive) while
+// ztierd is killed: no one wrote the region's abort word, and it waited for
+// its whole timeout (ten minutes by default). Its transport knows ztierd is
+// gone within half a second, and the collective asks it as it waits.
+TEST(ZtierdProgramTest, ARankWaitingInACollectiveHearsOfAKilledZtierd) {
+  ZtierdProcess d(ZTIERD_BINARY, {});
+  SessionOptions o;
+  o.daemon_socket = d.socket();
+  Result<std::unique_ptr<Session>> a = Session::Open(o);
+  Result<std::unique_ptr<Session>> b = Session::Open(o);
+  ASSERT_TRUE(a.ok() && b.ok()) << d.log();
+  engine::JobSpec spec = TwoUnits("killed-under");
+  spec.ranks = 2;
+  Result<std::unique_ptr<Model>> m0 = (*a)->RegisterModel(ModelOf(spec));
+  ASSERT_TRUE(m0.ok()) << m0.status();
+  Result<std::unique_ptr<Model>> m1 = (*b)->AttachModel(ModelOf(spec), 1);
+  ASSERT_TRUE(m1.ok()) << m1.status();
+  Result<std::unique_ptr<Device>> dev = MakeHostDevice();
+  ASSERT_TRUE(dev.ok()) << dev.status();
+  Result<std::unique_ptr<Collectives>> coll = MakeJobCollectives(**m0, 0, **dev, 600s);
+  ASSERT_TRUE(coll.ok()) << coll.status();
+  std::vector<bf16> buffer(2 * 64);
+  Status gathered;
+  std::thread rank0(
+      [&] { gathered = (*coll)->AllGather(buffer.data(), 64, **dev, Stream::kCompute); });
+  std::this_thread::sleep_for(200ms);  // rank 1 never comes
+  const auto t0 = std::chrono::steady_clock::now();
+  EXPECT_EQ(d.SignalAndWait(SIGKILL), 128 + SIGKILL);
+  rank0.join();
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 5s);
+  EXPECT_EQ(gathered.code(), StatusCode::kUnavailable) << gathered;
+  EXPECT_NE(gathered.ToString().find("ztierd at " + d.socket()), std::string::npos) << gathered;
 }
 
 TEST(ZtierdProgramTest, SigtermStopsCleanlyAndKillNineFailsClientsFast) {

@@ -2793,6 +2793,51 @@ TEST(RanksInProcessesTest, AKilledRankFailsItsPeersCollectivesAtOnce) {
             StatusCode::kAborted);
 }
 
+// A rank waiting in a collective for a peer that is slow (alive) when
+// ztierd ends the job: an operator's eviction reached it as "rank 0 left
+// the job", and ztierd stopping as the same; a ztierd that was gone left
+// it waiting for its whole timeout. It is told ztierd's reason.
+TEST(RanksInProcessesTest, ZtierdsEndOfTheJobReachesARankWaitingInACollective) {
+  if (!testing::DaemonUnderTest()) GTEST_SKIP() << "ranks in other processes need ztierd";
+  for (const bool evict : {true, false}) {
+    SCOPED_TRACE(evict ? "evicted" : "ztierd stops");
+    TrainSetup s;
+    s.ranks = 2;
+    Result<DaemonAndSession> d = StartDaemon(s, /*second_connection=*/true);
+    ASSERT_TRUE(d.ok()) << d.status();
+    Result<std::unique_ptr<Model>> m0 = d->session->RegisterModel(Spec(s, "ended"));
+    ASSERT_TRUE(m0.ok()) << m0.status();
+    Result<std::unique_ptr<Model>> m1 = d->second->AttachModel(Spec(s, "ended"), 1);
+    ASSERT_TRUE(m1.ok()) << m1.status();
+    Result<std::unique_ptr<Device>> dev = MakeHostDevice();
+    ASSERT_TRUE(dev.ok()) << dev.status();
+    Result<std::unique_ptr<Collectives>> coll = MakeJobCollectives(**m0, 0, **dev);
+    ASSERT_TRUE(coll.ok()) << coll.status();
+    std::vector<bf16> buffer(2 * 64);
+    Status gathered;
+    std::thread rank0(
+        [&] { gathered = (*coll)->AllGather(buffer.data(), 64, **dev, Stream::kCompute); });
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));  // rank 1 never comes
+    const auto t0 = std::chrono::steady_clock::now();
+    if (evict) {
+      Result<std::unique_ptr<DaemonControl>> c = DaemonControl::Connect(d->socket());
+      ASSERT_TRUE(c.ok()) << c.status();
+      Result<std::vector<engine::JobInfo>> jobs = (*c)->Jobs();
+      ASSERT_TRUE(jobs.ok() && jobs->size() == 1) << jobs.status();
+      ASSERT_TRUE((*c)->Evict(jobs->front().id, "maintenance at noon").ok());
+    } else {
+      d->daemon->daemon().Stop("ztierd stops for a test");
+    }
+    rank0.join();
+    EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(5));
+    EXPECT_FALSE(gathered.ok());
+    EXPECT_EQ(gathered.ToString().find("left the job"), std::string::npos) << gathered;
+    EXPECT_NE(gathered.ToString().find(evict ? "maintenance at noon" : "ztierd stops for a test"),
+              std::string::npos)
+        << gathered;
+  }
+}
+
 // A rank's wait for a publish, or an acquire, needs every rank's part (its
 // weights, its grads): one that left ends them at once. Rank 1 waited for
 // rank 0's weights after rank 0's process died, for its whole timeout (ten
@@ -2895,6 +2940,9 @@ TEST(RanksInProcessesTest, AttachRefusalsAndWhoMayActForWhichRank) {
   ASSERT_TRUE(m1.ok()) << m1.status();
   EXPECT_EQ((*m1)->attached_rank(), 1);
   refused(s, "r", 1, StatusCode::kAlreadyExists, "attached already");
+  // Rank 0 is the registering process's: another process's attach of it
+  // took the job from under it, and its peers failed (rank 0 left).
+  refused(s, "r", 0, StatusCode::kAlreadyExists, "rank 0 of job 'r' is attached already");
   // The attached rank acts for itself only; rank 0's process no longer
   // acts for it.
   Result<bf16*> inbox = (*m1)->transport().GradInbox((*m1)->job(), 0, 0);
