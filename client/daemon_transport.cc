@@ -144,11 +144,8 @@ class DaemonTransport final : public Transport, public ControlTransport {
     if (!r.ok()) {
       const Status& s = r.status();
       if (s.code() == StatusCode::kUnavailable &&
-          s.message().find("did not answer hello") != std::string::npos) {
-        return Status::Unavailable(StrCat(s.message(),
-                                          " (stopped or stuck? ztierctl status "
-                                          "tells; or what listens there is no "
-                                          "ztierd)"));
+          s.message().find("did not answer a request (hello)") != std::string::npos) {
+        return Status::Unavailable(StrCat(s.message(), " (or what listens there is no ztierd)"));
       }
       if (s.message().starts_with("ztierd at ")) return s;
       return Status(s.code(), StrCat("ztierd at ", path, ": ", s.message()), s.sys_errno());

@@ -2375,6 +2375,13 @@ DaemonStats Daemon::stats() const {
   return s;
 }
 
+namespace {
+int OpenConnections(Daemon::Impl& d) {
+  std::lock_guard<std::mutex> lock(d.mu);
+  return d.connections;
+}
+}  // namespace
+
 Status Daemon::Serve(SeqPacketListener& listener) {
   Impl& d = *impl_;
   Status result;
@@ -2405,7 +2412,7 @@ Status Daemon::Serve(SeqPacketListener& listener) {
         // limit: not a reason to end every user's jobs. Said once a while.
         if (const Clock::time_point now = Clock::now(); now >= next_accept_warning) {
           ZT_LOG(kWarn, "ztierd") << sock.status() << ": new connections wait until fds are "
-                                  << "free (" << d.connections << " connections open)";
+                                  << "free (" << OpenConnections(d) << " connections open)";
           next_accept_warning = now + std::chrono::seconds(10);
         }
         std::this_thread::sleep_for(kAcceptBackoff);
