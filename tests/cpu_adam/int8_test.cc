@@ -564,6 +564,29 @@ TEST(Int8ValidationTest, RejectsBadSegmentsAndBuffers) {
   EXPECT_EQ(QuantGroups(1000, ok_cuts), QuantBlocks(1000) + 2);
 }
 
+// One step of `g` on fp32 states (p32, m32, v32) and on 8-bit ones (p8, q).
+::testing::AssertionResult StepBoth(const Hyper& h, int step, const std::vector<float>& g,
+                                    std::vector<float>& p32, std::vector<float>& m32,
+                                    std::vector<float>& v32, std::vector<float>& p8,
+                                    adam_testing::Int8Moments& q) {
+  const Shard fp32{.count = g.size(),
+                   .grads = g.data(),
+                   .grad_type = GradType::kFloat32,
+                   .params = p32.data(),
+                   .exp_avg = m32.data(),
+                   .exp_avg_sq = v32.data()};
+  if (Status s = Step(h, {.step = step}, fp32, SharedExecutor()).status(); !s.ok()) {
+    return ::testing::AssertionFailure() << s;
+  }
+  Shard int8 = fp32;
+  int8.params = p8.data();
+  if (Status s = StepInt8(h, {.step = step}, q.ShardOf(int8), {}, SharedExecutor()).status();
+      !s.ok()) {
+    return ::testing::AssertionFailure() << s;
+  }
+  return ::testing::AssertionSuccess();
+}
+
 // A tensor whose grads are 1e4 times smaller than its neighbour's in the
 // same shard: with groups cut where it starts its 8-bit steps follow fp32's.
 // Sharing a block with the neighbour (its absmax), its v fell below the
@@ -581,16 +604,7 @@ TEST(Int8TrainingTest, ASmallTensorBesideALargeOneStepsAsInFp32) {
   for (int step = 1; step <= 300; ++step) {
     for (size_t i = 0; i < n; ++i) g[i] = normal(rng) * (i < big ? 1e-2f : 1e-6f);
     const std::vector<float> before8(p8), before32(p32);
-    const Shard fp32{.count = n,
-                     .grads = g.data(),
-                     .grad_type = GradType::kFloat32,
-                     .params = p32.data(),
-                     .exp_avg = m32.data(),
-                     .exp_avg_sq = v32.data()};
-    ASSERT_TRUE(Step(h, {.step = step}, fp32, SharedExecutor()).ok());
-    Shard int8 = fp32;
-    int8.params = p8.data();
-    ASSERT_TRUE(StepInt8(h, {.step = step}, q.ShardOf(int8), {}, SharedExecutor()).ok());
+    ASSERT_TRUE(StepBoth(h, step, g, p32, m32, v32, p8, q));
     for (size_t i = big; i < n; ++i) {
       moved8 += std::fabs(p8[i] - before8[i]);
       moved32 += std::fabs(p32[i] - before32[i]);
@@ -619,16 +633,7 @@ TEST(Int8TrainingTest, AnElementWithTinyGradsInABlockOfLargeOnesStepsNoFartherTh
       for (size_t i = 0; i < n; ++i) g[i] = i < n / 2 ? ratio : 0.0f;
       g[200] = step <= 3 ? 1.0f : 0.0f;
       const float before8 = p8[200], before32 = p32[200];
-      const Shard fp32{.count = n,
-                       .grads = g.data(),
-                       .grad_type = GradType::kFloat32,
-                       .params = p32.data(),
-                       .exp_avg = m32.data(),
-                       .exp_avg_sq = v32.data()};
-      ASSERT_TRUE(Step(h, {.step = step}, fp32, SharedExecutor()).ok());
-      Shard int8 = fp32;
-      int8.params = p8.data();
-      ASSERT_TRUE(StepInt8(h, {.step = step}, q.ShardOf(int8), {}, SharedExecutor()).ok());
+      ASSERT_TRUE(StepBoth(h, step, g, p32, m32, v32, p8, q));
       // (fp32's steps are about lr; the first three are exactly as fp32's.)
       ASSERT_LE(std::fabs(p8[200] - before8), 1.01 * std::max(std::fabs(p32[200] - before32), h.lr))
           << "step " << step << ": " << before8 << " -> " << p8[200] << " (fp32 " << before32

@@ -589,12 +589,7 @@ class _Blocks(nn.Module):
 def test_a_bad_lr_is_refused_before_the_step_and_the_step_can_be_taken_again(settings):
     # The engine refused it midway (its message said nothing of the held
     # grads) and the user's zero_grad() then met "the engine began the update".
-    batches = [torch.randn(4, 6, generator=torch.Generator().manual_seed(i)) for i in range(2)]
-    want = _Blocks()
-    zw = zt.offload(want, settings=settings)
-    _train(want, zw, batches)
-    masters = zw.master_weights()
-    zw.close()
+    batches, masters = _batches_and_their_masters(settings, 2)
     model = _Blocks()
     z = zt.offload(model, settings=settings)
     _train(model, z, batches[:1])
@@ -647,9 +642,9 @@ def _train(model, z, batches, hook=None):
                     break
 
 
-def _batches_and_their_masters(settings):
-    """Five batches, and the masters an uninterrupted run trains from them."""
-    batches = [torch.randn(4, 6, generator=torch.Generator().manual_seed(i)) for i in range(5)]
+def _batches_and_their_masters(settings, count=5):
+    """`count` batches, and the masters an uninterrupted run trains from them."""
+    batches = [torch.randn(4, 6, generator=torch.Generator().manual_seed(i)) for i in range(count)]
     model = _Blocks()
     z = zt.offload(model, settings=settings)
     _train(model, z, batches)
