@@ -46,6 +46,8 @@
 #include <chrono>
 #include <cstring>
 #include <memory>
+#include <mutex>
+#include <optional>
 #include <thread>
 
 #include "client/transport.h"
@@ -75,7 +77,7 @@ constexpr std::chrono::seconds kFarewellWait{3};
 class EngineWatch {
  public:
   EngineWatch(std::weak_ptr<Transport> transport, int job)
-      : transport_(std::move(transport)), job_(job) {}
+      : transport_(std::move(transport)), job_(job), ended_(std::make_shared<Ended>()) {}
   Status Health() const {
     std::shared_ptr<Transport> t = transport_.lock();
     return t == nullptr ? Status::Ok() : t->Health();
@@ -83,7 +85,19 @@ class EngineWatch {
   // An evicted job's next request is refused with the eviction's reason;
   // a stopping ztierd says why as it closes each connection, this one
   // perhaps a moment after the one whose close woke the waiters.
+  // Asked once; the answer is kept for every later collective (and copy).
   Status WhyEnded() const {
+    std::lock_guard<std::mutex> lock(ended_->mu);
+    if (!ended_->why.has_value()) ended_->why = AskWhyEnded();
+    return *ended_->why;
+  }
+
+ private:
+  struct Ended {
+    std::mutex mu;
+    std::optional<Status> why;
+  };
+  Status AskWhyEnded() const {
     std::shared_ptr<Transport> t = transport_.lock();
     if (t != nullptr) {
       Result<engine::JobCounters> c = t->Counters(job_);
@@ -97,9 +111,9 @@ class EngineWatch {
     return Status::Aborted("ztierd ended the job (an operator's eviction, or ztierd stopping)");
   }
 
- private:
   std::weak_ptr<Transport> transport_;
   int job_;
+  std::shared_ptr<Ended> ended_;
 };
 
 // The shared words of the region's header.

@@ -553,8 +553,9 @@ struct Daemon::Impl {
     bool parked = false;
     Clock::time_point parked_until;
     bool freed = false;
-    int left_rank = -1;         // the first rank whose connection closed while others held it
-    Mapping collective_region;  // made on the first ask (kCollectiveRegion)
+    int left_rank = -1;            // the first rank whose connection closed while others held it
+    bool ended_by_daemon = false;  // evicted, or ztierd stopping: its collectives were told
+    Mapping collective_region;     // made on the first ask (kCollectiveRegion)
     UniqueFd collective_fd;
     uint64_t collective_bytes = 0;
     // Set once by an operator's evict (ztierctl evict): every later request
@@ -585,7 +586,11 @@ struct Daemon::Impl {
   // ended the job (kCollectiveEndedByDaemon: their next request says why).
   // The first mark stays.
   static void AbortCollectivesLocked(Job& job, int rank) {
-    if (job.left_rank < 0) job.left_rank = std::max(rank, 0);
+    if (rank < 0) {
+      job.ended_by_daemon = true;
+    } else if (job.left_rank < 0) {
+      job.left_rank = rank;
+    }
     if (job.collective_region.data() == nullptr) return;  // marked when it is made
     auto* base = static_cast<char*>(job.collective_region.data());
     std::atomic_ref<uint32_t> abort(*reinterpret_cast<uint32_t*>(base + kCollectiveAbortOffset));
@@ -1695,7 +1700,7 @@ class Daemon::Impl::Connection {
     std::shared_ptr<Impl::Job> parked;
     {
       std::unique_lock<std::mutex> lock(d_.mu);
-      WaitForNameLocked(lock, name);
+      ZT_RETURN_IF_ERROR(WaitForNameLocked(lock, name));
       auto it = d_.jobs.find({peer_.uid, name});
       const bool has_parked = it != d_.jobs.end() && it->second->holders.empty();
       ZT_RETURN_IF_ERROR(refused(has_parked && !d_.MappedByLiveProcessLocked(*it->second)));
@@ -1930,7 +1935,11 @@ class Daemon::Impl::Connection {
         job.collective_bytes = c.bytes;
         // A rank that left before the region was made: its peers must not
         // wait for it there.
-        if (job.left_rank >= 0) Impl::AbortCollectivesLocked(job, job.left_rank);
+        if (job.ended_by_daemon) {
+          Impl::AbortCollectivesLocked(job, -1);
+        } else if (job.left_rank >= 0) {
+          Impl::AbortCollectivesLocked(job, job.left_rank);
+        }
       }
       if (job.collective_bytes != c.bytes) {
         return Status::InvalidArgument(StrCat("job '", j.name, "': its collective region has ",
@@ -1985,18 +1994,25 @@ class Daemon::Impl::Connection {
   // yet. Waits, up to kNameWait, while the uid's job of `name` is held only
   // by connections that hung up (they free or park it as they close) or is
   // being freed; a name that a live connection holds is refused at once.
-  void WaitForNameLocked(std::unique_lock<std::mutex>& lock, const std::string& name) {
+  Status WaitForNameLocked(std::unique_lock<std::mutex>& lock, const std::string& name) {
     const auto going = [&] {
-      if (d_.freeing.count({peer_.uid, name}) != 0) return true;
       auto it = d_.jobs.find({peer_.uid, name});
-      if (it == d_.jobs.end() || it->second->holders.empty()) return false;
-      return std::all_of(it->second->holders.begin(), it->second->holders.end(),
-                         [](const void* c) { return static_cast<const Connection*>(c)->HungUp(); });
+      if (it != d_.jobs.end() && !it->second->holders.empty()) {
+        return std::all_of(
+            it->second->holders.begin(), it->second->holders.end(),
+            [](const void* c) { return static_cast<const Connection*>(c)->HungUp(); });
+      }
+      return d_.freeing.count({peer_.uid, name}) != 0;
     };
     const auto deadline = Clock::now() + kNameWait;
     while (going() && !d_.stopping.load() && Clock::now() < deadline) {
+      if (Closing()) {
+        return Status::Unavailable(
+            StrCat("job '", name, "': the connection closed while its registration waited"));
+      }
       d_.jobs_changed.wait_until(lock, std::min(deadline, Clock::now() + kPollInterval));
     }
+    return Status::Ok();
   }
 
   // Runs an engine wait in slices of kWaitSlice until `timeout`, so a
@@ -2158,11 +2174,13 @@ class Daemon::Impl::Connection {
       std::lock_guard<std::mutex> lock(d_.mu);
       Impl::Job& job = *j.job;
       job.holders.erase(job.holders.find(this));
-      if (j.rank >= 0) {
-        if (job.rank_owner[j.rank] == this) job.rank_owner[j.rank] = nullptr;
-      } else if (!other_handle) {  // the registering connection: the ranks it held
+      // Its last handle on the job gone, the connection holds none of its
+      // ranks (the one it attached, or those it acted for as registrant).
+      if (!other_handle) {
         std::replace(job.rank_owner.begin(), job.rank_owner.end(), static_cast<const void*>(this),
                      static_cast<const void*>(nullptr));
+      } else if (j.rank >= 0 && job.rank_owner[j.rank] == this) {
+        job.rank_owner[j.rank] = nullptr;
       }
       const auto grace = d_.options.job_grace_period;
       // A rank that goes while others hold the job (or may attach again)

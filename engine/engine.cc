@@ -45,8 +45,9 @@ namespace {
 
 uint64_t RoundUp(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
 
-// How long UnregisterJob waits for a step under way to let the job go.
-constexpr std::chrono::seconds kUnregisterWait{60};
+// How long a registration short of DRAM waits for unregistered jobs (a
+// step under way stops at its next unit) to let their memory go.
+constexpr std::chrono::seconds kRetiringWait{60};
 
 // The client page of a job (wire_types.h): kClientCounterWords u64 a rank.
 uint64_t ClientPageBytes(const JobSpec& spec) {
@@ -103,9 +104,22 @@ struct Engine::Impl {
   std::map<int, std::deque<std::function<void()>>> tasks;  // by job
   std::deque<int> runnable[kLanes];  // jobs with tasks and no thread running one
   std::set<int> running;             // jobs a thread runs a task of
-  // A job's strand ran dry (no task queued or running): UnregisterJob
-  // waits for it.
-  std::condition_variable strand_done;
+  // Jobs unregistered and not yet gone (a step under way, a call, still
+  // holds them, and their memory): a registration short of DRAM waits for
+  // them (WaitForRetiring). Its own mutex, a leaf: the last holder of a job
+  // may hold any other lock.
+  std::mutex retiring_mu;
+  std::condition_variable retiring_cv;
+  int retiring = 0;  // guarded by retiring_mu
+
+  // Waits up to kRetiringWait for the unregistered jobs to be gone; false
+  // when there were none to wait for.
+  bool WaitForRetiring() {
+    std::unique_lock<std::mutex> lock(retiring_mu);
+    if (retiring == 0) return false;
+    retiring_cv.wait_for(lock, kRetiringWait, [&] { return retiring == 0; });
+    return true;
+  }
   bool stop = false;
   std::vector<std::thread> workers;
 
@@ -154,14 +168,12 @@ struct Engine::Impl {
           Fail(*j, Status::ResourceExhausted(StrCat("the optimizer's task failed: ", e.what())));
         }
       }
-      task = nullptr;  // what it holds (the job) goes before its strand is said done
       {
         std::lock_guard<std::mutex> lock(task_mu);
         running.erase(job);
         auto it = tasks.find(job);
         if (it->second.empty()) {
           tasks.erase(it);
-          strand_done.notify_all();
         } else {
           runnable[lane].push_back(job);  // behind the other jobs waiting
           task_cv[lane].notify_one();
@@ -948,7 +960,14 @@ Result<int> Engine::RegisterJob(
           StrCat("job '", spec.name, "' has more than ", kMaxJobElements, " elements"));
     }
   }
-  ZT_ASSIGN_OR_RETURN(const uint64_t dram_need, e.CheckDramNeed(*job));
+  // Short of DRAM while unregistered jobs still hold theirs (a run killed
+  // mid-step and started again at once): their steps stop at the next
+  // unit, and the check is made again once they are gone.
+  Result<uint64_t> checked = e.CheckDramNeed(*job);
+  if (checked.status().code() == StatusCode::kResourceExhausted && e.WaitForRetiring()) {
+    checked = e.CheckDramNeed(*job);
+  }
+  ZT_ASSIGN_OR_RETURN(const uint64_t dram_need, std::move(checked));
   // The swap objects the loop below allocates, in whole stripe units.
   uint64_t nvme_need = 0;
   uint64_t path_need = 0;  // the most one path may need: objects' stripes are dealt round robin
@@ -1107,6 +1126,17 @@ Status Engine::UnregisterJob(int job) {
     ZT_ASSIGN_OR_RETURN(j, e.Find(job));
     j->removed = true;
     e.jobs.erase(job);
+    {
+      std::lock_guard<std::mutex> retiring(e.retiring_mu);
+      ++e.retiring;
+    }
+    j->on_gone = [&e] {
+      {
+        std::lock_guard<std::mutex> retiring(e.retiring_mu);
+        --e.retiring;
+      }
+      e.retiring_cv.notify_all();
+    };
     Impl::AddTotals(e.retired, e.CountersLocked(*j));
     // A save under way keeps its directory's claim until it is done: let go
     // sooner, another job could claim the directory and each save remove
@@ -1115,20 +1145,9 @@ Status Engine::UnregisterJob(int job) {
   }
   e.dirs.Release(job);
   e.published_cv.notify_all();
-  // A step under way stops at its next unit (StepExact); its task, and any
-  // queued, drop the job as they end: then its memory goes back to the pool
-  // (with `j`, unless a call still holds it), before this returns, so a
-  // job registered right after (a run started again) finds it free. A step
-  // stuck on a drive holds it longer: said, not waited for forever.
-  std::unique_lock<std::mutex> lock(e.task_mu);
-  if (!e.strand_done.wait_for(lock, kUnregisterWait, [&] {
-        return e.tasks.count(job) == 0 && e.running.count(job) == 0;
-      })) {
-    ZT_LOG(kWarn, "engine") << "job '" << j->spec.name << "': unregistered, its step still runs "
-                            << kUnregisterWait.count()
-                            << " s later (a drive that does not answer?): its memory goes "
-                               "back when the step ends";
-  }
+  // Its memory goes back to the pool when the last holder drops `j`: a
+  // step under way stops at its next unit (StepExact), a queued one at
+  // once. Until then a registration short of DRAM waits for it.
   return Status::Ok();
 }
 
@@ -1371,6 +1390,7 @@ Status Engine::GradsReady(int job, int unit, int rank) {
   }
   std::lock_guard<std::mutex> lock(e.mu);
   --j->delivering;
+  if (j->removed) return Status::Aborted(StrCat("job ", job, " was unregistered"));
   if (!norm.ok()) {  // null data only: never for a registered unit
     u.arrived[rank] = 0;
     return norm.status();

@@ -200,6 +200,10 @@ struct Job {
   // Zeros for the m and v of stateless units (read-only anonymous memory:
   // the kernel's zero page, no memory of its own).
   std::shared_ptr<void> zero_state;
+  // Called once the job's memory and swap objects are back (the end of
+  // ~Job): the engine counts unregistered jobs not yet gone (a step under
+  // way, a call, still holds them). It takes no lock the holders may hold.
+  std::function<void()> on_gone;
 
   ~Job() {
     // Reads in flight first: none may land in freed memory, and the swap
@@ -234,6 +238,7 @@ struct Job {
       for (const DramBlock& b : ring->slots) pool->Free(b);
     }
     for (uint32_t r : shared_regions) pool->DestroyRegion(r);
+    if (on_gone) on_gone();
   }
 };
 

@@ -180,7 +180,7 @@ class _Optimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-            self._check_lrs()
+            self._check_lrs(after_closure=True)
         for i, (g, fixed) in enumerate(zip(self.param_groups, self._fixed)):
             for k in _FIXED_KEYS:
                 if _differs(g[k], fixed[k]) and (i, k) not in self._warned:
@@ -195,7 +195,7 @@ class _Optimizer(torch.optim.Optimizer):
             self._owner._optimizer_step(lrs)
         return loss
 
-    def _check_lrs(self):
+    def _check_lrs(self, after_closure=False):
         """ValueError for a learning rate the engine refuses (NaN, inf,
         negative), before anything of the step is done: the step's grads stay
         with the engine, so the same step() with a good lr goes on."""
@@ -206,7 +206,8 @@ class _Optimizer(torch.optim.Optimizer):
                     f"ztier: param group {i}'s lr is {lr!r}; it must be finite and >= 0 (a "
                     "scheduler or a hand-set param_groups[...]['lr']?). No step was taken, and "
                     "the grads of the backward passes since the last one are kept: set a good "
-                    "lr and call optimizer.step() again")
+                    "lr and call optimizer.step() again" +
+                    (" without the closure (its backward ran)" if after_closure else ""))
 
     def _check_supported(self):
         """ValueError for an option of torch's AdamW that changes the update

@@ -620,6 +620,11 @@ def test_state_dict_keep_vars_says_its_parameters_hold_no_values(settings):
         warnings.simplefilter("error")  # said once; the values as ever
         assert torch.isfinite(model.state_dict()["0.weight"]).all()
         model.state_dict(keep_vars=True)
+    z.close()
+    # Inside gathered() the parameters hold their values: no warning.
+    model, z, _ = _trained_mlp(settings)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         with z.gathered():
             assert torch.isfinite(model.state_dict(keep_vars=True)["0.weight"]).all()
     z.close()
