@@ -2207,6 +2207,7 @@ class Daemon::Impl::Connection {
           job.collective_fd = UniqueFd();
           job.collective_bytes = 0;
           job.left_rank = -1;
+          job.ended_by_daemon = false;
           ZT_LOG(kInfo, "ztierd") << Who() << ": job '" << j.name << "' parked for "
                                   << grace.count() << " ms (its last client left)";
         } else {

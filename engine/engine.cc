@@ -78,6 +78,15 @@ struct Engine::Impl {
   std::unique_ptr<DramPool> pool;
   std::unique_ptr<nvme::SwapSpace> swap;  // when NVMe paths are configured
   cpu_adam::Executor executor;
+  // Jobs unregistered and not yet gone (a step under way or a call still
+  // holds them, and their memory and swap): a registration short of either
+  // waits for them (WaitForRetiring). A leaf mutex: the last holder of a job
+  // may hold any other lock. Declared before the jobs and tasks, which may
+  // hold such a job as they are destroyed.
+  std::mutex retiring_mu;
+  std::condition_variable retiring_cv;
+  int retiring = 0;   // guarded by retiring_mu
+  uint64_t gone = 0;  // unregistered jobs gone so far, guarded by retiring_mu
 
   CheckpointDirs dirs;  // before `jobs`: jobs go first on destruction
 
@@ -104,20 +113,21 @@ struct Engine::Impl {
   std::map<int, std::deque<std::function<void()>>> tasks;  // by job
   std::deque<int> runnable[kLanes];  // jobs with tasks and no thread running one
   std::set<int> running;             // jobs a thread runs a task of
-  // Jobs unregistered and not yet gone (a step under way, a call, still
-  // holds them, and their memory): a registration short of DRAM waits for
-  // them (WaitForRetiring). Its own mutex, a leaf: the last holder of a job
-  // may hold any other lock.
-  std::mutex retiring_mu;
-  std::condition_variable retiring_cv;
-  int retiring = 0;  // guarded by retiring_mu
-
-  // Waits up to kRetiringWait for the unregistered jobs to be gone; false
-  // when there were none to wait for.
-  bool WaitForRetiring() {
+  // Until `deadline`, for one more unregistered job to be gone since
+  // `*seen` (then true, *seen updated: check again); false once none is
+  // left to wait for, or at the deadline (said).
+  bool WaitForRetiring(uint64_t* seen, std::chrono::steady_clock::time_point deadline,
+                       std::string_view who) {
     std::unique_lock<std::mutex> lock(retiring_mu);
-    if (retiring == 0) return false;
-    retiring_cv.wait_for(lock, kRetiringWait, [&] { return retiring == 0; });
+    if (gone == *seen && retiring == 0) return false;
+    if (!retiring_cv.wait_until(lock, deadline, [&] { return gone != *seen; })) {
+      ZT_LOG(kWarn, "engine") << who << ": waited " << kRetiringWait.count() << " s for "
+                              << retiring
+                              << " unregistered job(s) to let their memory go (a step stuck on a "
+                                 "drive that does not answer?)";
+      return false;
+    }
+    *seen = gone;
     return true;
   }
   bool stop = false;
@@ -960,14 +970,6 @@ Result<int> Engine::RegisterJob(
           StrCat("job '", spec.name, "' has more than ", kMaxJobElements, " elements"));
     }
   }
-  // Short of DRAM while unregistered jobs still hold theirs (a run killed
-  // mid-step and started again at once): their steps stop at the next
-  // unit, and the check is made again once they are gone.
-  Result<uint64_t> checked = e.CheckDramNeed(*job);
-  if (checked.status().code() == StatusCode::kResourceExhausted && e.WaitForRetiring()) {
-    checked = e.CheckDramNeed(*job);
-  }
-  ZT_ASSIGN_OR_RETURN(const uint64_t dram_need, std::move(checked));
   // The swap objects the loop below allocates, in whole stripe units.
   uint64_t nvme_need = 0;
   uint64_t path_need = 0;  // the most one path may need: objects' stripes are dealt round robin
@@ -984,11 +986,13 @@ Result<int> Engine::RegisterJob(
     if (job->ring != nullptr) need(StateBytes(u, job->state_dtype), 1);
     if (nvme_params) need(ParamBytes(u.layout), 2);
   }
-  if (admit) ZT_RETURN_IF_ERROR(admit(dram_need, nvme_need));
   // The swap files' cap, for the whole job up front (as its DRAM): a unit at
   // a time, each refusal named the next unit's shortfall only, and the cap
   // was raised unit by unit.
-  if (nvme_need > 0 && e.swap != nullptr && e.settings.nvme_capacity_per_path != 0) {
+  const auto check_swap_cap = [&]() -> Status {
+    if (nvme_need == 0 || e.swap == nullptr || e.settings.nvme_capacity_per_path == 0) {
+      return Status::Ok();
+    }
     const std::vector<nvme::SwapSpace::PathUsage> usage = e.swap->path_usage();
     const uint64_t cap = e.settings.nvme_capacity_per_path;
     uint64_t used = 0, most_used = 0;
@@ -1006,7 +1010,29 @@ Result<int> Engine::RegisterJob(
                  " path(s) (ztier.nvme_capacity): raise it to at least ", per_path,
                  " bytes per path, or keep states in DRAM"));
     }
+    return Status::Ok();
+  };
+  // Short of DRAM or swap while unregistered jobs still hold theirs (a run
+  // killed mid-step and started again at once): their steps stop at their
+  // next unit, and the checks are made again as each goes.
+  const auto check_room = [&]() -> Result<uint64_t> {
+    ZT_ASSIGN_OR_RETURN(const uint64_t dram, e.CheckDramNeed(*job));
+    ZT_RETURN_IF_ERROR(check_swap_cap());
+    return dram;
+  };
+  uint64_t seen = 0;
+  {
+    std::lock_guard<std::mutex> lock(e.retiring_mu);
+    seen = e.gone;
   }
+  const auto deadline = std::chrono::steady_clock::now() + kRetiringWait;
+  Result<uint64_t> room = check_room();
+  while (room.status().code() == StatusCode::kResourceExhausted &&
+         e.WaitForRetiring(&seen, deadline, StrCat("job '", spec.name, "'"))) {
+    room = check_room();
+  }
+  ZT_ASSIGN_OR_RETURN(const uint64_t dram_need, std::move(room));
+  if (admit) ZT_RETURN_IF_ERROR(admit(dram_need, nvme_need));
   job->counters.nvme_bytes = nvme_need;  // what the job holds once registered
   if (zero_elements > 0) {
     const size_t bytes = zero_elements * sizeof(float);
@@ -1134,6 +1160,7 @@ Status Engine::UnregisterJob(int job) {
       {
         std::lock_guard<std::mutex> retiring(e.retiring_mu);
         --e.retiring;
+        ++e.gone;
       }
       e.retiring_cv.notify_all();
     };

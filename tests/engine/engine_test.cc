@@ -886,34 +886,43 @@ TEST(EngineJobsTest, AStateReadDuringWhichAStepBeganIsRefused) {
   }
 }
 
-// A job unregistered while its step ran kept its memory until the step had
-// gone over every unit: a run killed mid-step and started again at once
-// (through ztierd, as its connection closes) was refused for DRAM that a
-// job no longer there held. The step stops at its next unit, and a
-// registration short of DRAM waits for the memory.
+// A job unregistered while its step ran kept its memory (and its swap)
+// until the step had gone over every unit: a run killed mid-step and
+// started again at once (through ztierd, as its connection closes) was
+// refused for DRAM or swap that a job no longer there held. The step stops
+// at its next unit, and a registration short of either waits for them.
 TEST(EngineJobsTest, AJobUnregisteredMidStepLetsARegistrationRightAfterHaveItsMemory) {
-  // Room for one such job (fp32 master, m and v: 192 MiB), not two.
-  auto e = MakeEngine(uint64_t{400} << 20);
-  JobSpec spec;
-  spec.name = "restarted";
-  spec.optimizer.hyper = {.lr = 1e-2f};
-  for (int k = 0; k < 8; ++k) {
-    const std::string name = "u" + std::to_string(k);
-    spec.units.push_back({name, {{name + ".w", {int64_t{2} << 20}}}});
-  }
-  for (int trial = 0; trial < 3; ++trial) {
-    Result<int> job = e->RegisterJob(spec);
-    ASSERT_TRUE(job.ok()) << job.status();
+  ScratchDir swap("swap");
+  for (const Placement placement : {Placement::kDram, Placement::kNvmeStates}) {
+    const bool nvme = placement == Placement::kNvmeStates;
+    SCOPED_TRACE(nvme ? "swap cap" : "dram budget");
+    // Room for one such job, not two: fp32 master, m and v of 16M elements
+    // are 192 MiB, in DRAM or in the swap files (two paths of 128 MiB).
+    auto e = nvme ? MakeEngine(uint64_t{1} << 30, &swap, uint64_t{128} << 20)
+                  : MakeEngine(uint64_t{400} << 20);
+    JobSpec spec;
+    spec.name = "restarted";
+    spec.optimizer.hyper = {.lr = 1e-2f};
     for (int k = 0; k < 8; ++k) {
-      const UnitLayout l = *e->Layout(*job, k);
-      ASSERT_TRUE(e->WriteWeights(*job, k, std::vector<float>(l.numel, 0.5f).data(), l.numel).ok());
+      const std::string name = "u" + std::to_string(k);
+      spec.units.push_back({name, {{name + ".w", {int64_t{2} << 20}}}});
     }
-    for (int k = 7; k >= 0; --k) Ring(*e, *job, k, 1, 0.25f);  // the step is posted
-    if (trial > 0) std::this_thread::sleep_for(std::chrono::milliseconds(5 * trial));
-    ASSERT_TRUE(e->UnregisterJob(*job).ok());
-    Result<int> again = e->RegisterJob(spec);
-    ASSERT_TRUE(again.ok()) << "trial " << trial << ": " << again.status();
-    ASSERT_TRUE(e->UnregisterJob(*again).ok());
+    spec = Place(spec, placement);
+    for (int trial = 0; trial < 3; ++trial) {
+      Result<int> job = e->RegisterJob(spec);
+      ASSERT_TRUE(job.ok()) << job.status();
+      for (int k = 0; k < 8; ++k) {
+        const UnitLayout l = *e->Layout(*job, k);
+        ASSERT_TRUE(
+            e->WriteWeights(*job, k, std::vector<float>(l.numel, 0.5f).data(), l.numel).ok());
+      }
+      for (int k = 7; k >= 0; --k) Ring(*e, *job, k, 1, 0.25f);  // the step is posted
+      if (trial > 0) std::this_thread::sleep_for(std::chrono::milliseconds(5 * trial));
+      ASSERT_TRUE(e->UnregisterJob(*job).ok());
+      Result<int> again = e->RegisterJob(spec);
+      ASSERT_TRUE(again.ok()) << "trial " << trial << ": " << again.status();
+      ASSERT_TRUE(e->UnregisterJob(*again).ok());
+    }
   }
 }
 
