@@ -87,6 +87,23 @@ struct Engine::Impl {
   std::condition_variable retiring_cv;
   int retiring = 0;   // guarded by retiring_mu
   uint64_t gone = 0;  // unregistered jobs gone so far, guarded by retiring_mu
+  // Until `deadline`, for one more unregistered job to be gone since
+  // `*seen` (then true, *seen updated: check again); false once none is
+  // left to wait for, or at the deadline (said).
+  bool WaitForRetiring(uint64_t* seen, std::chrono::steady_clock::time_point deadline,
+                       std::string_view who) {
+    std::unique_lock<std::mutex> lock(retiring_mu);
+    if (gone == *seen && retiring == 0) return false;
+    if (!retiring_cv.wait_until(lock, deadline, [&] { return gone != *seen; })) {
+      ZT_LOG(kWarn, "engine") << who << ": waited " << kRetiringWait.count() << " s for "
+                              << retiring
+                              << " unregistered job(s) to let their memory go (a step stuck on a "
+                                 "drive that does not answer?)";
+      return false;
+    }
+    *seen = gone;
+    return true;
+  }
 
   CheckpointDirs dirs;  // before `jobs`: jobs go first on destruction
 
@@ -113,23 +130,6 @@ struct Engine::Impl {
   std::map<int, std::deque<std::function<void()>>> tasks;  // by job
   std::deque<int> runnable[kLanes];  // jobs with tasks and no thread running one
   std::set<int> running;             // jobs a thread runs a task of
-  // Until `deadline`, for one more unregistered job to be gone since
-  // `*seen` (then true, *seen updated: check again); false once none is
-  // left to wait for, or at the deadline (said).
-  bool WaitForRetiring(uint64_t* seen, std::chrono::steady_clock::time_point deadline,
-                       std::string_view who) {
-    std::unique_lock<std::mutex> lock(retiring_mu);
-    if (gone == *seen && retiring == 0) return false;
-    if (!retiring_cv.wait_until(lock, deadline, [&] { return gone != *seen; })) {
-      ZT_LOG(kWarn, "engine") << who << ": waited " << kRetiringWait.count() << " s for "
-                              << retiring
-                              << " unregistered job(s) to let their memory go (a step stuck on a "
-                                 "drive that does not answer?)";
-      return false;
-    }
-    *seen = gone;
-    return true;
-  }
   bool stop = false;
   std::vector<std::thread> workers;
 
@@ -571,9 +571,9 @@ struct Engine::Impl {
     Status s = ForEachUnitState(
         job, ForwardOrder(job), Access::kUpdate,
         [&](size_t k, const StateView& state) {
-          // A job unregistered meanwhile stops here: its memory goes back
-          // as soon as UnregisterJob returns (a run started again at once
-          // registers as much again).
+          // A job unregistered meanwhile stops here, and its memory goes
+          // back (a run started again at once waits for it to register as
+          // much again: WaitForRetiring).
           if (Removed(job)) return Status::Aborted("the job was unregistered");
           return RunAdam(job, job.units[k], state, adam_step, scale, lrs);
         },
