@@ -119,7 +119,7 @@ class EngineWatch {
 // The shared words of the region's header.
 class RegionHeader {
  public:
-  explicit RegionHeader(void* base, const EngineWatch* watch = nullptr)
+  RegionHeader(void* base, const EngineWatch& watch)
       : base_(static_cast<char*>(base)), watch_(watch) {}
 
   std::atomic_ref<uint32_t> word(uint64_t offset) const {
@@ -133,18 +133,13 @@ class RegionHeader {
   // Unavailable when ztierd is gone, or OK.
   Status CheckAbort(const std::string& who) const {
     const uint32_t a = abort().load();
-    if (a == engine::kCollectiveEndedByDaemon) {
-      const Status why =
-          watch_ != nullptr ? watch_->WhyEnded() : Status::Aborted("ztierd ended the job");
-      return why.Annotate(who);
-    }
+    if (a == engine::kCollectiveEndedByDaemon) return watch_.WhyEnded().Annotate(who);
     if (a != 0) {
       return Status::Aborted(
           StrCat(who, ": rank ", a - 1,
                  " left the job (its process exited, it failed, or it gave up waiting)"));
     }
-    if (watch_ != nullptr) return watch_->Health().Annotate(who);
-    return Status::Ok();
+    return watch_.Health().Annotate(who);
   }
   // Marks the region aborted by `rank` (the first mark stays) and wakes
   // every waiter.
@@ -165,7 +160,7 @@ class RegionHeader {
 
  private:
   char* base_;
-  const EngineWatch* watch_;  // null: no transport to ask
+  const EngineWatch& watch_;
 };
 
 class ShmCollectives final : public Collectives {
@@ -175,7 +170,7 @@ class ShmCollectives final : public Collectives {
                  std::string who, std::chrono::milliseconds timeout)
       : region_(std::move(region)),
         watch_(std::move(watch)),
-        h_(region_.get(), &watch_),
+        h_(region_.get(), watch_),
         rank_(rank),
         world_(world),
         who_(std::move(who)),
@@ -273,7 +268,7 @@ Result<std::unique_ptr<Collectives>> MakeNcclForJob(std::shared_ptr<void> region
                                                     const EngineWatch& watch, int rank, int world,
                                                     Device& device, const std::string& who,
                                                     std::chrono::milliseconds timeout) {
-  const RegionHeader h(region.get(), &watch);
+  const RegionHeader h(region.get(), watch);
   // The ranks make their collectives in the same order, so the n-th call
   // of every rank uses rank 0's n-th id; each rank counts its calls in its
   // own word of the region.
@@ -302,8 +297,8 @@ Result<std::unique_ptr<Collectives>> MakeNcclForJob(std::shared_ptr<void> region
   }
   // The region stays mapped while the collectives may read its abort word.
   NcclPeers peers{
-      .left = [region, watch, who] { return RegionHeader(region.get(), &watch).CheckAbort(who); },
-      .leave = [region, rank] { RegionHeader(region.get()).Abort(rank); },
+      .left = [region, watch, who] { return RegionHeader(region.get(), watch).CheckAbort(who); },
+      .leave = [region, watch, rank] { RegionHeader(region.get(), watch).Abort(rank); },
       .timeout = timeout};
   return MakeNcclRankCollectives(device.ordinal(), rank, world, id, std::move(peers));
 }
@@ -334,7 +329,7 @@ Result<std::unique_ptr<Collectives>> MakeJobCollectives(Model& model, int rank, 
   ZT_ASSIGN_OR_RETURN(std::shared_ptr<void> region,
                       model.transport().CollectiveRegion(model.job(), bytes));
   EngineWatch watch(model.transport_, model.job());
-  const RegionHeader h(region.get(), &watch);
+  const RegionHeader h(region.get(), watch);
   uint32_t expected = 0;
   if (!h.word(kWorldOffset).compare_exchange_strong(expected, static_cast<uint32_t>(world)) &&
       expected != static_cast<uint32_t>(world)) {
