@@ -978,6 +978,38 @@ std::string RunNoteText(const std::vector<std::pair<std::string, std::string>>& 
   if (step >= 0) out += StrCat("step ", step, "\n");
   return out;
 }
+std::string ModelNotePath(const OutPaths& paths) {
+  return (fs::path(paths.checkpoint) / "ztier-train-model.txt").string();
+}
+
+// `text` without its trailing blanks and newlines.
+std::string TrimmedEnd(std::string text) {
+  while (!text.empty() && std::isspace(static_cast<unsigned char>(text.back()))) text.pop_back();
+  return text;
+}
+
+// The "key value" lines of a model note, up to the first line that is not one.
+std::map<std::string, std::string> ParseRunNote(const std::string& note) {
+  std::map<std::string, std::string> saved;
+  std::istringstream lines(note);
+  for (std::string line; std::getline(lines, line);) {
+    line = TrimmedEnd(std::move(line));  // (an editor's CRLF or a space)
+    if (line.empty()) continue;
+    const size_t space = line.find(' ');
+    if (space == std::string::npos) break;
+    saved[line.substr(0, space)] = line.substr(space + 1);
+  }
+  return saved;
+}
+
+// Whether the model note says a save of this --out committed (its "step"
+// line, written after each one). Without one, shard files beside it are
+// those of a first save that a kill cut short: nothing was ever resumable.
+bool NoteNamesASavedStep(const OutPaths& paths) {
+  Result<std::string> note = ReadFileToString(ModelNotePath(paths), 4096);
+  return !note.ok() || ParseRunNote(*note).contains("step");
+}
+
 // Whether --out holds a checkpoint (its manifest); an error when that cannot
 // be told (a loop of links, a directory that cannot be searched).
 Result<bool> HasCheckpoint(const OutPaths& paths) {
@@ -993,7 +1025,10 @@ Result<bool> HasCheckpoint(const OutPaths& paths) {
 // Without a checkpoint (no manifest), what an earlier run left that a
 // fresh start would replace or remove: its export, or shard files of a
 // checkpoint whose manifest is gone. "" when none. (The model note alone is
-// what a run killed before its first save leaves.)
+// what a run killed before its first save leaves; the note without a saved
+// step and shard files, a run killed in its first save: no earlier output,
+// the fresh start removes them. A note that cannot be read, or none, is
+// taken to name a step: the shards are kept.)
 Result<std::string> EarlierOutput(const OutPaths& paths) {
   std::error_code ec;
   // (Anything else there is refused as no place for the export.)
@@ -1006,22 +1041,12 @@ Result<std::string> EarlierOutput(const OutPaths& paths) {
   for (; it != fs::directory_iterator(); it.increment(ec)) {
     if (ec) return PosixError(StrCat("cannot list ", paths.checkpoint), ec.value());
     const std::string name = it->path().filename().string();
-    if (name.starts_with("unit-") && name.ends_with(".bin")) {
+    if (name.starts_with("unit-") && name.ends_with(".bin") && NoteNamesASavedStep(paths)) {
       return StrCat("checkpoint shard files without their manifest (", it->path().string(),
                     ": a checkpoint damaged or partly removed?)");
     }
   }
   return std::string();
-}
-
-std::string ModelNotePath(const OutPaths& paths) {
-  return (fs::path(paths.checkpoint) / "ztier-train-model.txt").string();
-}
-
-// `text` without its trailing blanks and newlines.
-std::string TrimmedEnd(std::string text) {
-  while (!text.empty() && std::isspace(static_cast<unsigned char>(text.back()))) text.pop_back();
-  return text;
 }
 
 // Compares the checkpoint's note with this run's: another head count is
@@ -1040,15 +1065,7 @@ Status CheckRunNote(const Flags& f, const OutPaths& paths,
     return Status::Ok();
   }
   if (!note.ok()) return note.status().Annotate("--resume: the checkpoint's model note");
-  std::map<std::string, std::string> saved;
-  std::istringstream lines(*note);
-  for (std::string line; std::getline(lines, line);) {
-    line = TrimmedEnd(std::move(line));  // (an editor's CRLF or a space)
-    if (line.empty()) continue;
-    const size_t space = line.find(' ');
-    if (space == std::string::npos) break;
-    saved[line.substr(0, space)] = line.substr(space + 1);
-  }
+  const std::map<std::string, std::string> saved = ParseRunNote(*note);
   const auto heads = saved.find("heads");
   if (heads == saved.end()) {
     return Status::Corruption(StrCat("--resume: the checkpoint's model note ", path, " holds '",
@@ -1120,12 +1137,14 @@ Result<int64_t> StartingPoint(const Flags& f, const Plan& p, std::string_view te
                                           "--overwrite to start over and replace it"));
     }
   }
-  if (f.overwrite) {
-    if (fs::is_directory(paths.checkpoint)) {
-      ZT_RETURN_IF_ERROR(m.RemoveCheckpoint(paths.checkpoint).Annotate("--overwrite"));
-    }
-    ZT_RETURN_IF_ERROR(RemoveFile(paths.exported));
+  // The checkpoint's files there go: with --overwrite an earlier run's;
+  // without, those of a first save a kill cut short, if any (EarlierOutput).
+  if (fs::is_directory(paths.checkpoint)) {
+    ZT_RETURN_IF_ERROR(m.RemoveCheckpoint(paths.checkpoint)
+                           .Annotate(f.overwrite ? "--overwrite"
+                                                 : "removing the files of a cut-short first save"));
   }
+  if (f.overwrite) ZT_RETURN_IF_ERROR(RemoveFile(paths.exported));
   for (int k = 0; k < m.units(); ++k) {
     std::vector<float> w(m.layout(k).numel);
     gpt::InitUnit(f.model, k, f.seed, m.layout(k), w);

@@ -185,6 +185,36 @@ TEST_F(TrainHardeningTest, AFreshRunReplacesNoExportOrShardsWithoutOverwrite) {
   EXPECT_EQ(rc, 0) << text;
 }
 
+// A run killed in its first save leaves shard files, no manifest and its
+// note without a saved step; run again as it was (no checkpoint: a fresh
+// start), it was refused as a checkpoint whose manifest was lost, and the
+// kill soak stalled there. It starts afresh, removes those files and ends
+// with the model of a run that was never killed.
+TEST_F(TrainHardeningTest, ARunKilledInItsFirstSaveStartsAfreshWhenRunAgain) {
+  const std::string whole = dir_ / "whole", cut = dir_ / "cut";
+  ASSERT_EQ(Train(Common() + " --steps 3 --out " + whole, dir_).first, 0);
+  // The cut-short save: step 1's shard files, the note of the run's start.
+  ASSERT_EQ(Train(Common() + " --steps 1 --checkpoint-every 1 --out " + cut, dir_).first, 0);
+  fs::remove(cut + "/checkpoint/manifest.json");
+  fs::remove(cut + "/model.safetensors");
+  fs::remove(cut + "/train_log.tsv");
+  std::string note = Slurp(cut + "/checkpoint/ztier-train-model.txt");
+  const size_t step = note.find("step ");
+  ASSERT_NE(step, std::string::npos) << note;
+  note.erase(step);
+  { std::ofstream(cut + "/checkpoint/ztier-train-model.txt") << note; }
+  std::vector<std::string> left;
+  for (const auto& e : fs::directory_iterator(cut + "/checkpoint")) {
+    if (e.path().extension() == ".bin") left.push_back(e.path().string());
+  }
+  ASSERT_FALSE(left.empty());
+  auto [rc, text] = Train(Common() + " --steps 3 --out " + cut, dir_);
+  ASSERT_EQ(rc, 0) << text;
+  EXPECT_TRUE(Slurp(whole + "/model.safetensors") == Slurp(cut + "/model.safetensors"))
+      << "the model differs from the uninterrupted run's";
+  for (const std::string& file : left) EXPECT_FALSE(fs::exists(file)) << file << " was left";
+}
+
 // A manifest that is a symbolic link: a save wrote through it into the
 // checkpoint it named (whose shard files it did not write: that one could
 // be loaded no more), and a dangling one read as no checkpoint, so the run
