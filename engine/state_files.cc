@@ -4,6 +4,7 @@
 
 #include <sys/stat.h>
 
+#include <atomic>
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
@@ -294,8 +295,26 @@ Status CheckFinite(const JobDescription& job, size_t k, uint64_t first, const fl
   return Status::Ok();
 }
 
+// Int8 states of older versions could store a small positive v as 0 beside
+// a nonzero m (the quantizer now keeps v's smallest code instead); such an
+// element would step by lr * m / eps, thousands of times too far. Loaded,
+// its v is taken as m^2, which bounds its step to about lr, as AdamW's own
+// moments do (|m| <= sqrt(v) within a small factor for any grads). Float32
+// training leaves v 0 beside m only when g^2 underflows, where m^2 does too:
+// nothing changes there. Returns the elements lifted.
+uint64_t LiftVanishedSecondMoments(const float* exp_avg, float* exp_avg_sq, uint64_t n) {
+  uint64_t lifted = 0;
+  for (uint64_t i = 0; i < n; ++i) {
+    if (exp_avg_sq[i] == 0.0f && exp_avg[i] != 0.0f) {
+      exp_avg_sq[i] = exp_avg[i] * exp_avg[i];
+      lifted += exp_avg_sq[i] != 0.0f;
+    }
+  }
+  return lifted;
+}
+
 Status LoadUnit(const JobDescription& job, const CheckpointManifest& m, const std::string& dir,
-                size_t k, const UnitState* apply) {
+                size_t k, const UnitState* apply, std::atomic<uint64_t>* lifted = nullptr) {
   const UnitLayout& layout = job.layouts[k];
   const CheckpointUnit& cu = m.units[k];
   std::vector<float> flat[3];
@@ -343,6 +362,9 @@ Status LoadUnit(const JobDescription& job, const CheckpointManifest& m, const st
     }
   }
   if (!apply) return Status::Ok();
+  if (m.state_dtype != "fp32" && lifted != nullptr) {
+    *lifted += LiftVanishedSecondMoments(flat[1].data(), flat[2].data(), layout.numel);
+  }
   // Into this job's layout: the first numel elements, zero padding.
   for (auto [a, out] : {std::pair{0, apply->master}, {1, apply->exp_avg}, {2, apply->exp_avg_sq}}) {
     std::memcpy(out, flat[a].data(), layout.numel * 4);
@@ -533,9 +555,17 @@ Status LoadCheckpointFiles(const JobDescription& job, StateAccess& state, const 
       st = LoadUnit(job, m, dir, k, nullptr);
     }
     if (st.ok()) {
-      st = state.Overwrite(
-          [&](size_t k, const UnitState& unit) { return LoadUnit(job, m, dir, k, &unit); });
+      std::atomic<uint64_t> lifted = 0;
+      st = state.Overwrite([&](size_t k, const UnitState& unit) {
+        return LoadUnit(job, m, dir, k, &unit, &lifted);
+      });
       if (st.ok()) st = state.Commit(m.step, m.adam_step);
+      if (st.ok() && lifted > 0) {
+        ZT_LOG(kWarn, "checkpoint")
+            << dir << ": " << lifted.load()
+            << " element(s) of v stored as 0 beside a nonzero m (int8 states of an older version) "
+               "were loaded as m^2, so that they step by about lr, not lr * m / eps";
+      }
       if (st.ok()) return Status::Ok();
     }
     // A file gone because a save committed meanwhile: read the new manifest.

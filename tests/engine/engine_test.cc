@@ -18,6 +18,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstring>
@@ -1677,6 +1678,56 @@ TEST_F(CheckpointTest, CheckpointsLoadAcrossStateDtypes) {
   Train(*i8, *ji, 2, 3, 2, 22);
   Train(*n8, *jn, 2, 3, 2, 22);
   EXPECT_TRUE(Same(Snapshot(*i8, *ji), Snapshot(*n8, *jn)));
+}
+
+// Int8 states of an older version could hold v as 0 beside a nonzero m
+// (a v too small for its block's code map); loaded, such an element stepped
+// by lr * m / eps. A checkpoint of int8 states loads v as m^2 there, into
+// fp32 and int8 jobs alike; every other element loads as saved.
+TEST_F(CheckpointTest, AnInt8CheckpointsVanishedSecondMomentsLoadAsMSquared) {
+  auto i8 = MakeEngine(uint64_t{1} << 30, nullptr, uint64_t{64} << 20, nullptr, StateDtype::kInt8);
+  Result<int> ji = i8->RegisterJob(SmallModel("vanished", 1, 1.0f, 1, StepMode::kExact));
+  ASSERT_TRUE(ji.ok()) << ji.status();
+  Train(*i8, *ji, 1, 0, 2, 31);
+  // What the old quantizer left: v 0 at some elements whose m is not.
+  const UnitLayout l = *i8->Layout(*ji, 1);
+  std::vector<float> p(l.padded), m(l.padded), v(l.padded);
+  ASSERT_TRUE(i8->ReadState(*ji, 1, p.data(), m.data(), v.data()).ok());
+  // The five with the smallest v (as such elements' were: m^2 stays far
+  // below its block's largest v, whose codes then stay as they are).
+  std::vector<uint64_t> vanished;
+  for (uint64_t i = 0; i < l.numel; ++i) {
+    if (m[i] != 0.0f && v[i] != 0.0f) vanished.push_back(i);
+  }
+  ASSERT_GE(vanished.size(), 5u);
+  std::partial_sort(vanished.begin(), vanished.begin() + 5, vanished.end(),
+                    [&](uint64_t a, uint64_t b) { return v[a] < v[b]; });
+  vanished.resize(5);
+  for (uint64_t i : vanished) v[i] = 0.0f;
+  const auto [step, adam_step] = *i8->Steps(*ji);
+  ASSERT_TRUE(i8->WriteState(*ji, 1, p.data(), m.data(), v.data()).ok());
+  ASSERT_TRUE(i8->CommitState(*ji, step, adam_step).ok());
+  const State saved = Snapshot(*i8, *ji);
+  for (uint64_t i : vanished) ASSERT_EQ(saved.v[1][i], 0.0f);
+  ASSERT_TRUE(i8->SaveCheckpoint(*ji, dir_.string()).ok());
+
+  for (const StateDtype dtype : {StateDtype::kFp32, StateDtype::kInt8}) {
+    SCOPED_TRACE(dtype == StateDtype::kInt8 ? "into int8" : "into fp32");
+    auto e = MakeEngine(uint64_t{1} << 30, nullptr, uint64_t{64} << 20, nullptr, dtype);
+    Result<int> j = e->RegisterJob(SmallModel("vanished", 1, 1.0f, 1, StepMode::kExact));
+    ASSERT_TRUE(j.ok()) << j.status();
+    ASSERT_TRUE(e->LoadCheckpoint(*j, dir_.string()).ok());
+    State loaded = Snapshot(*e, *j);
+    for (uint64_t i : vanished) {
+      if (dtype == StateDtype::kFp32) {
+        EXPECT_EQ(loaded.v[1][i], saved.m[1][i] * saved.m[1][i]) << "element " << i;
+      } else {
+        EXPECT_GT(loaded.v[1][i], 0.0f) << "element " << i;
+      }
+      loaded.v[1][i] = 0.0f;
+    }
+    EXPECT_TRUE(Same(loaded, saved)) << "other elements changed";
+  }
 }
 
 // States on NVMe give the same training as states in DRAM, and checkpoints
