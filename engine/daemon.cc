@@ -1873,7 +1873,13 @@ class Daemon::Impl::Connection {
       std::unique_lock<std::mutex> lock(d_.mu);
       for (;;) {
         auto it = d_.jobs.find({peer_.uid, name});
-        if (it != d_.jobs.end() && !it->second->freed) {
+        // Another launch's job that its connections left (parked) or hung
+        // up on: the launch killed before this one, whose rank 0 will
+        // register it again: waited for, not refused.
+        const bool earlier_launch =
+            it != d_.jobs.end() && a.spec.launch != 0 && it->second->spec.launch != 0 &&
+            it->second->spec.launch != a.spec.launch && HeldOnlyByHungUpLocked(*it->second);
+        if (it != d_.jobs.end() && !it->second->freed && !earlier_launch) {
           job = it->second;
           break;
         }
@@ -1883,9 +1889,12 @@ class Daemon::Impl::Connection {
                                             "the connection closed"));
         }
         if (Clock::now() >= deadline) {
-          return Status::NotFound(StrCat("no job '", name, "' of uid ", peer_.uid,
-                                         " was registered within ", a.timeout.count(),
-                                         " ms (rank 0 registers it, the other ranks attach)"));
+          return Status::NotFound(StrCat(
+              "no job '", name, "' of uid ", peer_.uid, " was registered within ",
+              a.timeout.count(), " ms (rank 0 registers it, the other ranks attach)",
+              earlier_launch ? "; the one of that name is another launch's, which its processes "
+                               "left"
+                             : ""));
         }
         d_.jobs_changed.wait_until(lock, std::min(deadline, Clock::now() + kPollInterval));
       }
@@ -1989,6 +1998,13 @@ class Daemon::Impl::Connection {
     return ::poll(&pfd, 1, 0) == 1 && (pfd.revents & (POLLRDHUP | POLLHUP | POLLERR)) != 0;
   }
 
+  // Under d_.mu: whether every connection holding `job` hung up (none:
+  // true, as for a parked job).
+  static bool HeldOnlyByHungUpLocked(const Impl::Job& job) {
+    return std::all_of(job.holders.begin(), job.holders.end(),
+                       [](const void* c) { return static_cast<const Connection*>(c)->HungUp(); });
+  }
+
   // Under d_.mu: a run killed and started again at once registers its
   // job's name while ztierd may not have seen the old connection close
   // yet. Waits, up to kNameWait, while the uid's job of `name` is held only
@@ -1998,9 +2014,7 @@ class Daemon::Impl::Connection {
     const auto going = [&] {
       auto it = d_.jobs.find({peer_.uid, name});
       if (it != d_.jobs.end() && !it->second->holders.empty()) {
-        return std::all_of(
-            it->second->holders.begin(), it->second->holders.end(),
-            [](const void* c) { return static_cast<const Connection*>(c)->HungUp(); });
+        return HeldOnlyByHungUpLocked(*it->second);
       }
       return d_.freeing.count({peer_.uid, name}) != 0;
     };

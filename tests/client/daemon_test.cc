@@ -1235,6 +1235,47 @@ TEST_F(DaemonTest, ARankJoinsOnlyItsOwnLaunchOfAJobName) {
   ASSERT_TRUE(m2.ok()) << m2.status();
 }
 
+// A launch killed and started again: a rank of the new launch that asks
+// to attach before its rank 0 registered again met the old launch's job
+// (parked, or held by connections that hung up) and was refused as a rank
+// of another launch. It waits for its own launch's registration, which
+// replaces the old job.
+TEST_F(DaemonTest, ARankOfALaunchStartedAgainWaitsForItsRankZero) {
+  engine::DaemonOptions options;
+  options.job_grace_period = 60s;
+  Start(options);
+  engine::JobSpec spec = TwoUnits("again");
+  spec.ranks = 2;
+  spec.launch = 0x1234;
+  {
+    RawClient c0 = RawClient::Connect(socket());
+    Result<RawClient::Reply> r = c0.Call(p::MessageType::kRegisterJob, p::Encode(spec));
+    ASSERT_TRUE(r.ok() && r->status.ok()) << (r.ok() ? r->status : r.status());
+  }  // killed: its job is parked
+  Session::ModelSpec new_launch = ModelOf(spec);
+  new_launch.launch = 0x5678;
+  SessionOptions o;
+  o.daemon_socket = socket();
+  WaitForStats(0, 1);  // parked
+  Result<std::unique_ptr<Session>> s1 = Session::Open(o);
+  ASSERT_TRUE(s1.ok()) << s1.status();
+  // No rank 0 comes: the wait ends saying whose job is there.
+  Result<std::unique_ptr<Model>> lone = (*s1)->AttachModel(new_launch, 1, 300ms);
+  EXPECT_EQ(lone.status().code(), StatusCode::kNotFound) << lone.status();
+  EXPECT_NE(lone.status().message().find("another launch's"), std::string::npos) << lone.status();
+  // Rank 1 first, then rank 0.
+  Result<std::unique_ptr<Model>> m1 = Status::Internal("not attached");
+  std::thread rank1([&] { m1 = (*s1)->AttachModel(new_launch, 1, 10s); });
+  std::this_thread::sleep_for(300ms);
+  Result<std::unique_ptr<Session>> s0 = Session::Open(o);
+  ASSERT_TRUE(s0.ok()) << s0.status();
+  Result<std::unique_ptr<Model>> m0 = (*s0)->RegisterModel(new_launch);
+  rank1.join();
+  ASSERT_TRUE(m0.ok()) << m0.status();
+  ASSERT_TRUE(m1.ok()) << m1.status();
+  WaitForStats(2, 1);  // the new launch's job alone
+}
+
 // Learning rates through ztierd: the rank that registered the job and an
 // attached one may both set them (for the whole job); a connection without
 // the job may not; a rank whose model puts a tensor in another param group,
