@@ -14,6 +14,7 @@
 #include <cerrno>
 #include <charconv>
 #include <condition_variable>
+#include <csignal>
 #include <cstring>
 #include <deque>
 #include <filesystem>
@@ -23,6 +24,7 @@
 #include <mutex>
 #include <optional>
 #include <set>
+#include <sstream>
 #include <system_error>
 #include <thread>
 #include <utility>
@@ -51,6 +53,37 @@ constexpr std::chrono::milliseconds kPollInterval{200};
 // How long a registration waits for a job of its name whose clients hung up
 // to be freed (Connection::WaitForNameLocked).
 constexpr std::chrono::seconds kNameWait{30};
+// Whether process `pid` is on its way out with its files not yet closed:
+// killed (SIGKILL pending, its own or its threads') or in its exit
+// (PF_EXITING). A process of many GiB takes a while to let go of its
+// memory, and closes its sockets only after. False when it cannot be told
+// (gone, or in another pid namespace: pid 0).
+bool ProcessIsExiting(pid_t pid) {
+  if (pid <= 0) return false;
+  Result<std::string> stat = ReadFileToString(StrCat("/proc/", pid, "/stat"), 4096);
+  if (!stat.ok()) return false;
+  // After the command's closing parenthesis: state ppid pgrp session
+  // tty_nr tpgid flags ...
+  const size_t paren = stat->rfind(')');
+  if (paren == std::string::npos) return false;
+  std::istringstream fields(stat->substr(paren + 1));
+  std::string skip;
+  unsigned long flags = 0;  // NOLINT(runtime/int): the field's type
+  for (int i = 0; i < 6; ++i) fields >> skip;
+  if (!(fields >> flags)) return false;
+  constexpr unsigned long kPfExiting = 0x4;  // NOLINT(runtime/int)
+  if ((flags & kPfExiting) != 0) return true;
+  Result<std::string> status = ReadFileToString(StrCat("/proc/", pid, "/status"), 16384);
+  if (!status.ok()) return false;
+  std::istringstream lines(*status);
+  for (std::string line; std::getline(lines, line);) {
+    if (!line.starts_with("ShdPnd:") && !line.starts_with("SigPnd:")) continue;
+    const uint64_t pending = std::strtoull(line.c_str() + 7, nullptr, 16);
+    if ((pending & (uint64_t{1} << (SIGKILL - 1))) != 0) return true;
+  }
+  return false;
+}
+
 // Refused connections held at once to tell their clients why (each a thread
 // and a socket for up to 2 s); past it a refused connection closes at once,
 // so a flood of them (from a uid over its quota, or one not allowed) costs
@@ -1991,11 +2024,14 @@ class Daemon::Impl::Connection {
     return closing_;
   }
 
-  // The client closed its end (or died): ztierd may not have read the
-  // close yet.
+  // The client closed its end, or died or is dying (killed, its memory
+  // still being let go of): ztierd may not have read the close yet.
   bool HungUp() const {
     pollfd pfd{.fd = sock_.fd(), .events = POLLRDHUP, .revents = 0};
-    return ::poll(&pfd, 1, 0) == 1 && (pfd.revents & (POLLRDHUP | POLLHUP | POLLERR)) != 0;
+    if (::poll(&pfd, 1, 0) == 1 && (pfd.revents & (POLLRDHUP | POLLHUP | POLLERR)) != 0) {
+      return true;
+    }
+    return ProcessIsExiting(peer_.pid);
   }
 
   // Under d_.mu: whether every connection holding `job` hung up (none:

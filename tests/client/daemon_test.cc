@@ -2158,6 +2158,50 @@ TEST(ZtierdProgramTest, AJobGoesWithItsClientNotWithTheChildrenItForked) {
   EXPECT_TRUE(m.ok()) << m.status() << " while the client's forked child lives\n" << d.log();
 }
 
+TEST(ZtierdProgramTest, LargeClient) {
+  const char* env = std::getenv("ZTIER_TEST_LARGE_CLIENT");
+  if (env == nullptr) GTEST_SKIP() << "a helper process of ARunKilledAndStartedAgainAtOnce...";
+  const std::string spec = env;
+  // Memory of its own, written: a killed process lets go of it before it
+  // closes its sockets (about 0.1 s a GiB here).
+  std::vector<char> memory(size_t{1} << 30, 1);
+  SessionOptions o;
+  o.daemon_socket = spec.substr(0, spec.find(','));
+  Result<std::unique_ptr<Session>> s = Session::Open(o);
+  ASSERT_TRUE(s.ok()) << s.status();
+  Result<std::unique_ptr<Model>> m = (*s)->RegisterModel(ModelOf(TwoUnits("large")));
+  ASSERT_TRUE(m.ok()) << m.status();
+  std::ofstream(spec.substr(spec.find(',') + 1)) << memory[4096] << "\n";
+  std::this_thread::sleep_for(std::chrono::minutes(10));
+}
+
+// A run of some GiB killed and started again at once: the registration
+// came while the killed process still let go of its memory, its connection
+// not yet closed, and was refused as a name that a live connection holds
+// ("already registered"; restarts within 0.15 s of a kill -9 of a torch
+// process). A holder whose process is dying is waited for, as one whose
+// connection hung up.
+TEST(ZtierdProgramTest, ARunKilledAndStartedAgainAtOnceIsNotRefusedWhileTheOldOneDies) {
+  ZtierdProcess d(ZTIERD_BINARY, {});
+  testing::ScratchDir dir("large");
+  const std::string ready = dir.path() + "/ready";
+  Result<pid_t> pid =
+      testing::SpawnSelf("ZtierdProgramTest.LargeClient",
+                         {StrCat("ZTIER_TEST_LARGE_CLIENT=", d.socket(), ",", ready)});
+  ASSERT_TRUE(pid.ok()) << pid.status();
+  KillOnExit helper{*pid};
+  ASSERT_TRUE(testing::WaitForFile(ready)) << d.log();
+  SessionOptions o;
+  o.daemon_socket = d.socket();
+  Result<std::unique_ptr<Session>> s = Session::Open(o);
+  ASSERT_TRUE(s.ok()) << s.status() << d.log();
+  ::kill(*pid, SIGKILL);
+  Result<std::unique_ptr<Model>> m = (*s)->RegisterModel(ModelOf(TwoUnits("large")));
+  (void)testing::WaitChild(*pid);
+  helper.pid = 0;
+  EXPECT_TRUE(m.ok()) << m.status() << "\n" << d.log();
+}
+
 TEST(ZtierdProgramTest, VictimClient) {
   const char* victim = std::getenv("ZTIER_TEST_VICTIM");
   if (victim == nullptr) GTEST_SKIP() << "a helper process of ClientsKilledAtRandom...";
