@@ -2007,12 +2007,18 @@ class Offload:
         module's call (nested); yes after one that raised (its holds are
         stale: _begin_forward lets them go), between steps, and where an
         evaluation's calls (without grad: they go on as one pass, one learned
-        order) are followed by a training one. A training forward's calls
-        are one pass until its backward ends it."""
+        order) are followed by a training one, and after a backward that
+        raised. A training forward's calls are one pass until its backward
+        ends it."""
         if self._fwd_held:
             return not self._module_call_on_stack(set(self._fwd_held), this_call=module)
         if self._phase == "idle":
             return True
+        if self._phase == "backward":
+            # Outside any backward (a recompute runs in one): the last
+            # backward raised or was interrupted, and _begin_forward lets
+            # it go, as a root forward does.
+            return torch._C._current_graph_task_id() == -1
         if self._phase != "forward" or self._training_forward or not torch.is_grad_enabled():
             return False
         if self._began_in_checkpoint:  # its first calls were in a checkpoint: it trains
