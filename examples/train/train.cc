@@ -1087,6 +1087,19 @@ Status CheckRunNote(const Flags& f, const OutPaths& paths,
                  static_cast<long long>(step), path.c_str(),
                  PrintableUtf8(noted_step->second).c_str(),
                  PrintableUtf8(noted_step->second).c_str());
+    // Said once: the note is the checkpoint's from here (those settings are
+    // the likeliest of the run that saved it, which died before its note).
+    // A run that only exports saves no more, which left the note as it was,
+    // its warning at every resume, and the temp file of the note it did
+    // not rename (a new write removes such).
+    std::vector<std::pair<std::string, std::string>> mended;
+    for (const auto& [key, value] : saved) {
+      if (key != "step") mended.emplace_back(key, value);
+    }
+    if (Status written = WriteFileAtomically(path, RunNoteText(mended, step)); !written.ok()) {
+      std::fprintf(stderr, "ztier-train: warning: the note could not be mended: %s\n",
+                   PrintableUtf8(written.ToString()).c_str());
+    }
   }
   std::string changed;
   for (const auto& [key, value] : now) {

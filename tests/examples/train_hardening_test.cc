@@ -590,6 +590,23 @@ TEST_F(TrainHardeningTest, TheNoteFollowsTheSaveThatCommitted) {
   std::tie(rc, text) = Train(flags + " --steps 11 --lr 0.001 --resume --out " + out, dir_);
   EXPECT_EQ(rc, 0) << text;
   EXPECT_NE(text.find("the checkpoint is of step 10, its note"), std::string::npos) << text;
+  // At the last step (a resume that only exports saves no more): the note
+  // and the temp file of the one the kill did not rename stayed, and every
+  // later resume warned again. Said once; the note is mended, the temp
+  // file gone.
+  noted = Slurp(note);
+  { std::ofstream(note, std::ios::trunc) << noted.substr(0, noted.find("step ")) << "step 5\n"; }
+  const std::string temp = note + ".4242-7.tmp";
+  { std::ofstream(temp) << noted; }
+  std::tie(rc, text) = Train(flags + " --steps 11 --lr 0.001 --resume --out " + out, dir_);
+  EXPECT_EQ(rc, 0) << text;
+  EXPECT_NE(text.find("the checkpoint is of step 11, its note"), std::string::npos) << text;
+  EXPECT_NE(Slurp(note).find("step 11\n"), std::string::npos) << Slurp(note);
+  EXPECT_NE(Slurp(note).find("lr 0.001\n"), std::string::npos) << Slurp(note);
+  EXPECT_FALSE(fs::exists(temp));
+  std::tie(rc, text) = Train(flags + " --steps 11 --lr 0.001 --resume --out " + out, dir_);
+  EXPECT_EQ(rc, 0) << text;
+  EXPECT_EQ(text.find("warning"), std::string::npos) << text;
 }
 
 // A run that fails (here a full disk under its checkpoint) leaves no swap
