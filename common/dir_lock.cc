@@ -154,6 +154,23 @@ std::string IntrudersNote(const struct stat& file, const std::string& path,
                 ") once no process of yours uses the directory, and try again");
 }
 
+// The refusal of a directory whose lock file `st` (at `path`) is another
+// user's: they use the directory, or did.
+Status AnotherUsersLockFile(std::string_view what, const std::string& dir, const std::string& path,
+                            const struct stat& st) {
+  const std::vector<Holder> holders = Holders(st, -1);
+  const std::string user = UserName(st.st_uid);
+  return Status(
+      StatusCode::kUnavailable,
+      holders.empty()
+          ? StrCat(what, " ", dir, " was used by ", user, ", whose lock file ", path,
+                   " is there; two users must not share it: choose another directory, "
+                   "or they remove the file")
+          : StrCat(what, " ", dir, " is in use by ", HoldersText(holders), " (lock file ", path,
+                   ", ", user, "'s); two users must not share it: choose another directory"),
+      EACCES);
+}
+
 void WritePid(int fd) {
   const std::string pid = StrCat(::getpid(), "\n");
   if (::ftruncate(fd, 0) == 0) {
@@ -184,23 +201,11 @@ Result<DirLock> DirLock::Acquire(const std::string& dir, std::string_view file_n
       if (fd < 0 && errno != ENOENT) err = errno;  // else: the write refusal says why
     }
     if (fd < 0 && err == EACCES) {
-      // Another user's lock file (theirs alone): they use the directory, or
-      // did.
+      // Another user's lock file (not ours to open): they use the
+      // directory, or did.
       struct stat theirs {};
       if (::lstat(path.c_str(), &theirs) == 0 && theirs.st_uid != ::geteuid()) {
-        const std::vector<Holder> holders = Holders(theirs, -1);
-        const std::string user = UserName(theirs.st_uid);
-        return Status(
-            StatusCode::kUnavailable,
-            holders.empty()
-                ? StrCat(what, " ", dir, " was used by ", user, ", whose lock file ", path,
-                         " is there (theirs alone); two users must not share it: choose another "
-                         "directory, or they remove the file")
-                : StrCat(what, " ", dir, " is in use by ", HoldersText(holders), " (lock file ",
-                         path, ", ", user,
-                         "'s alone); two users must not share it: choose "
-                         "another directory"),
-            EACCES);
+        return AnotherUsersLockFile(what, dir, path, theirs);
       }
     }
     if (fd < 0) return PosixError(StrCat("lock file ", path, " of ", what, " ", dir), err);
@@ -209,6 +214,13 @@ Result<DirLock> DirLock::Acquire(const std::string& dir, std::string_view file_n
       err = errno;
       ::close(fd);
       return PosixError(StrCat("stat lock file ", path, " of ", what, " ", dir), err);
+    }
+    if (mine.st_uid != ::geteuid() && mode == Mode::kExclusive) {
+      // Another user's that they left writable to all (or one root may
+      // open): a writer would take their directory over, and remove the
+      // file as it lets go. (A reader of a checkpoint may.)
+      ::close(fd);
+      return AnotherUsersLockFile(what, dir, path, mine);
     }
     if (mine.st_uid == ::geteuid() && (mine.st_mode & 077) != 0) {
       (void)::fchmod(fd, 0600);  // left readable by an older version
@@ -269,6 +281,9 @@ DirLock& DirLock::operator=(DirLock&& other) noexcept {
 Status DirLock::MakeExclusive() {
   if (fd_ < 0) return Status::FailedPrecondition(StrCat(what_, " ", dir_, " is not locked"));
   if (mode_ == Mode::kExclusive) return Status::Ok();
+  if (struct stat st{}; ::fstat(fd_, &st) == 0 && st.st_uid != ::geteuid()) {
+    return AnotherUsersLockFile(what_, dir_, path_, st);  // a reader's, as Acquire's writer
+  }
   if (::flock(fd_, LOCK_EX | LOCK_NB) != 0) {
     const int err = errno;
     Status s = err == EWOULDBLOCK ? Busy(what_, dir_, path_, Holders(fd_))
