@@ -979,7 +979,12 @@ class Daemon::Impl::Connection {
       if (!hello_done_ && Clock::now() > hello_by) {
         const Status why = Status::Unavailable(
             StrCat("no hello within ", d_.options.hello_timeout.count(), " ms of connecting"));
-        ZT_LOG(kWarn, "ztierd") << Who() << ": " << why.message() << "; closing the connection";
+        // (Any user can open connections that say nothing: one of the
+        // lines logged a few at a time.)
+        if (std::string more; d_.refusal_log.Allow(&more)) {
+          ZT_LOG(kWarn, "ztierd") << Who() << ": " << why.message() << "; closing the connection"
+                                  << more;
+        }
         SendError(0, p::MessageType::kHello, why);
         return;
       }

@@ -560,6 +560,46 @@ TEST_F(DaemonTest, AConnectionWithoutAHelloIsClosed) {
   WaitForStats(1, 0);
 }
 
+// Connections that never say their hello, any user's to open: each was
+// logged as it closed, without the bound the other lines any user can make
+// ztierd repeat have (a few a second, without end, from one user's
+// connection quota).
+TEST_F(DaemonTest, SilentConnectionsDoNotFloodTheLog) {
+  engine::DaemonOptions quick;
+  quick.hello_timeout = 100ms;
+  Start(quick);
+  testing::ScratchDir dir("silent");
+  const std::string captured = dir.path() + "/stderr";
+  std::fflush(stderr);
+  UniqueFd saved(::dup(2));
+  {
+    UniqueFd file(::open(captured.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600));
+    ASSERT_TRUE(file.valid() && saved.valid());
+    ::dup2(file.get(), 2);
+  }
+  std::vector<SeqPacketSocket> silent;
+  for (int k = 0; k < 50; ++k) {
+    Result<SeqPacketSocket> c = SeqPacketSocket::Connect(socket());
+    if (c.ok()) silent.push_back(*std::move(c));
+  }
+  for (SeqPacketSocket& c : silent) {  // each told why, then closed
+    (void)c.Receive(5s, p::kMaxMessageBytes, 4);
+  }
+  WaitForStats(0, 0);
+  std::fflush(stderr);
+  ::dup2(saved.get(), 2);
+  std::ifstream in(captured);
+  const std::string log(std::istreambuf_iterator<char>(in), {});
+  size_t lines = 0;
+  for (size_t at = log.find("no hello within"); at != std::string::npos;
+       at = log.find("no hello within", at + 1)) {
+    ++lines;
+  }
+  EXPECT_GE(silent.size(), 40u);
+  EXPECT_GT(lines, 0u) << log;
+  EXPECT_LE(lines, 20u) << log;
+}
+
 // With no job for --idle-release-seconds, the pinned DRAM the pool kept
 // for the next job goes back to the system (one large job left it locked
 // until a restart); while a job is there, none of it goes.
