@@ -133,8 +133,8 @@ std::string TempNameFor(const std::string& path) {
   return StrCat(path, ".", ::getpid(), "-", next.fetch_add(1), ".tmp");
 }
 
-// Removes the temp files of `path` that writers which are gone (killed
-// mid-write) left: "<path>.<pid>-<n>.tmp" of a pid no process has.
+}  // namespace
+
 void RemoveStaleTemps(const std::string& path) {
   const std::filesystem::path p(path);
   const std::string prefix = p.filename().string() + ".";
@@ -161,8 +161,6 @@ void RemoveStaleTemps(const std::string& path) {
     if (::lstat(e.path().c_str(), &st) == 0 && S_ISREG(st.st_mode)) ::unlink(e.path().c_str());
   }
 }
-
-}  // namespace
 
 Status WriteFileAtomically(const std::string& named, std::string_view data,
                            const AtomicWriteOptions& options) {

@@ -54,6 +54,12 @@ void SetFileFaultHook(FileFaultHook hook);
 // fsync of a file (or, with `directory`, of a directory's entries).
 Status FsyncPath(const std::string& path, bool directory);
 
+// Removes the temp files of `path` that writers which are gone (killed
+// mid-write, or between the write and its rename) left:
+// "<path>.<pid>-<n>.tmp" of a pid no process has. Best effort: errors are
+// ignored. WriteFileAtomically does it first (unless told not to).
+void RemoveStaleTemps(const std::string& path);
+
 struct AtomicWriteOptions {
   // Remove the temp files killed writers of `path` left (a scan of the
   // directory). A caller writing many files of fresh names in one

@@ -970,12 +970,14 @@ std::vector<std::pair<std::string, std::string>> RunNote(const Flags& f, const P
           {"matmul", p.model.matmul == gpt::MatmulMath::kBf16 ? "bf16" : "fp32"}};
 }
 // With the step of the checkpoint it was written beside (after its save
-// committed), when there is one.
+// committed), when there is one; else (a run's start) "saves none": shard
+// files found beside such a note are a first save that a kill cut short
+// (older versions wrote neither line).
 std::string RunNoteText(const std::vector<std::pair<std::string, std::string>>& note,
                         int64_t step = -1) {
   std::string out;
   for (const auto& [key, value] : note) out += StrCat(key, " ", value, "\n");
-  if (step >= 0) out += StrCat("step ", step, "\n");
+  out += step >= 0 ? StrCat("step ", step, "\n") : std::string("saves none\n");
   return out;
 }
 std::string ModelNotePath(const OutPaths& paths) {
@@ -1002,12 +1004,17 @@ std::map<std::string, std::string> ParseRunNote(const std::string& note) {
   return saved;
 }
 
-// Whether the model note says a save of this --out committed (its "step"
-// line, written after each one). Without one, shard files beside it are
-// those of a first save that a kill cut short: nothing was ever resumable.
-bool NoteNamesASavedStep(const OutPaths& paths) {
+// Whether the model note says this --out's run has saved nothing yet
+// ("saves none", written at its start; a "step" line follows each save that
+// committed). Shard files beside such a note are those of a first save that
+// a kill cut short: nothing was ever resumable. A note of an older version
+// (neither line), or none, says nothing of the kind.
+bool NoteSaysNothingWasSaved(const OutPaths& paths) {
   Result<std::string> note = ReadFileToString(ModelNotePath(paths), 4096);
-  return !note.ok() || ParseRunNote(*note).contains("step");
+  if (!note.ok()) return false;
+  const std::map<std::string, std::string> saved = ParseRunNote(*note);
+  const auto saves = saved.find("saves");
+  return !saved.contains("step") && saves != saved.end() && saves->second == "none";
 }
 
 // Whether --out holds a checkpoint (its manifest); an error when that cannot
@@ -1025,10 +1032,10 @@ Result<bool> HasCheckpoint(const OutPaths& paths) {
 // Without a checkpoint (no manifest), what an earlier run left that a
 // fresh start would replace or remove: its export, or shard files of a
 // checkpoint whose manifest is gone. "" when none. (The model note alone is
-// what a run killed before its first save leaves; the note without a saved
-// step and shard files, a run killed in its first save: no earlier output,
-// the fresh start removes them. A note that cannot be read, or none, is
-// taken to name a step: the shards are kept.)
+// what a run killed before its first save leaves; the note saying nothing
+// was saved and shard files, a run killed in its first save: no earlier
+// output, the fresh start removes them. A note that cannot be read, an
+// older version's, or none: the shards are kept.)
 Result<std::string> EarlierOutput(const OutPaths& paths) {
   std::error_code ec;
   // (Anything else there is refused as no place for the export.)
@@ -1041,7 +1048,7 @@ Result<std::string> EarlierOutput(const OutPaths& paths) {
   for (; it != fs::directory_iterator(); it.increment(ec)) {
     if (ec) return PosixError(StrCat("cannot list ", paths.checkpoint), ec.value());
     const std::string name = it->path().filename().string();
-    if (name.starts_with("unit-") && name.ends_with(".bin") && NoteNamesASavedStep(paths)) {
+    if (name.starts_with("unit-") && name.ends_with(".bin") && !NoteSaysNothingWasSaved(paths)) {
       return StrCat("checkpoint shard files without their manifest (", it->path().string(),
                     ": a checkpoint damaged or partly removed?)");
     }
@@ -1087,19 +1094,6 @@ Status CheckRunNote(const Flags& f, const OutPaths& paths,
                  static_cast<long long>(step), path.c_str(),
                  PrintableUtf8(noted_step->second).c_str(),
                  PrintableUtf8(noted_step->second).c_str());
-    // Said once: the note is the checkpoint's from here (those settings are
-    // the likeliest of the run that saved it, which died before its note).
-    // A run that only exports saves no more, which left the note as it was,
-    // its warning at every resume, and the temp file of the note it did
-    // not rename (a new write removes such).
-    std::vector<std::pair<std::string, std::string>> mended;
-    for (const auto& [key, value] : saved) {
-      if (key != "step") mended.emplace_back(key, value);
-    }
-    if (Status written = WriteFileAtomically(path, RunNoteText(mended, step)); !written.ok()) {
-      std::fprintf(stderr, "ztier-train: warning: the note could not be mended: %s\n",
-                   PrintableUtf8(written.ToString()).c_str());
-    }
   }
   std::string changed;
   for (const auto& [key, value] : now) {
@@ -1134,6 +1128,9 @@ Result<int64_t> StartingPoint(const Flags& f, const Plan& p, std::string_view te
     // An older checkpoint's files a kill left (after the last save's
     // manifest): the run may save no more, which would remove them.
     ZT_RETURN_IF_ERROR(m.TidyCheckpointDir(paths.checkpoint).Annotate("--resume"));
+    // And the note's temp file a kill between a save and its note's rename
+    // left (a resume that saves no more writes no note, which removes it).
+    RemoveStaleTemps(ModelNotePath(paths));
     ZT_RETURN_IF_ERROR(CheckRunNote(f, paths, note, m.published_step()));
     return m.published_step();
   }
