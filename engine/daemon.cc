@@ -53,26 +53,30 @@ constexpr std::chrono::milliseconds kPollInterval{200};
 // How long a registration waits for a job of its name whose clients hung up
 // to be freed (Connection::WaitForNameLocked).
 constexpr std::chrono::seconds kNameWait{30};
-// Whether process `pid` is on its way out with its files not yet closed:
-// killed (SIGKILL pending, its own or its threads') or in its exit
-// (PF_EXITING). A process of many GiB takes a while to let go of its
-// memory, and closes its sockets only after. False when it cannot be told
-// (gone, or in another pid namespace: pid 0).
-bool ProcessIsExiting(pid_t pid) {
-  if (pid <= 0) return false;
-  Result<std::string> stat = ReadFileToString(StrCat("/proc/", pid, "/stat"), 4096);
-  if (!stat.ok()) return false;
+// The flags field of a /proc stat file (PF_* bits), or nullopt.
+std::optional<unsigned long> StatFlags(const std::string& path) {  // NOLINT(runtime/int)
+  Result<std::string> stat = ReadFileToString(path, 4096);
+  if (!stat.ok()) return std::nullopt;
   // After the command's closing parenthesis: state ppid pgrp session
   // tty_nr tpgid flags ...
   const size_t paren = stat->rfind(')');
-  if (paren == std::string::npos) return false;
+  if (paren == std::string::npos) return std::nullopt;
   std::istringstream fields(stat->substr(paren + 1));
   std::string skip;
   unsigned long flags = 0;  // NOLINT(runtime/int): the field's type
   for (int i = 0; i < 6; ++i) fields >> skip;
-  if (!(fields >> flags)) return false;
-  constexpr unsigned long kPfExiting = 0x4;  // NOLINT(runtime/int)
-  if ((flags & kPfExiting) != 0) return true;
+  if (!(fields >> flags)) return std::nullopt;
+  return flags;
+}
+
+// Whether process `pid` is on its way out with its files not yet closed:
+// killed (SIGKILL pending, its own or its threads') or in its exit (every
+// thread's PF_EXITING: the main thread's alone is one that ended while the
+// others run on). A process of many GiB takes a while to let go of its
+// memory, and closes its sockets only after. False when it cannot be told
+// (gone, or in another pid namespace: pid 0).
+bool ProcessIsExiting(pid_t pid) {
+  if (pid <= 0) return false;
   Result<std::string> status = ReadFileToString(StrCat("/proc/", pid, "/status"), 16384);
   if (!status.ok()) return false;
   std::istringstream lines(*status);
@@ -81,7 +85,16 @@ bool ProcessIsExiting(pid_t pid) {
     const uint64_t pending = std::strtoull(line.c_str() + 7, nullptr, 16);
     if ((pending & (uint64_t{1} << (SIGKILL - 1))) != 0) return true;
   }
-  return false;
+  constexpr unsigned long kPfExiting = 0x4;  // NOLINT(runtime/int)
+  std::error_code ec;
+  int threads = 0;
+  for (const auto& task : std::filesystem::directory_iterator(StrCat("/proc/", pid, "/task"), ec)) {
+    const std::optional<unsigned long> flags =  // NOLINT(runtime/int)
+        StatFlags((task.path() / "stat").string());
+    if (flags && (*flags & kPfExiting) == 0) return false;
+    threads += flags.has_value();
+  }
+  return !ec && threads > 0;
 }
 
 // Refused connections held at once to tell their clients why (each a thread

@@ -11,6 +11,7 @@
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -2240,6 +2241,52 @@ TEST(ZtierdProgramTest, ARunKilledAndStartedAgainAtOnceIsNotRefusedWhileTheOldOn
   (void)testing::WaitChild(*pid);
   helper.pid = 0;
   EXPECT_TRUE(m.ok()) << m.status() << "\n" << d.log();
+}
+
+TEST(ZtierdProgramTest, MainThreadEndsClient) {
+  const char* env = std::getenv("ZTIER_TEST_MAIN_ENDS");
+  if (env == nullptr) GTEST_SKIP() << "a helper process of ALiveClientWhoseMainThread...";
+  const std::string spec = env;
+  SessionOptions o;
+  o.daemon_socket = spec.substr(0, spec.find(','));
+  static Result<std::unique_ptr<Session>> s = Session::Open(o);
+  ASSERT_TRUE(s.ok()) << s.status();
+  static Result<std::unique_ptr<Model>> m = (*s)->RegisterModel(ModelOf(TwoUnits("main-ends")));
+  ASSERT_TRUE(m.ok()) << m.status();
+  std::thread([] { std::this_thread::sleep_for(std::chrono::minutes(10)); }).detach();
+  std::ofstream(spec.substr(spec.find(',') + 1)) << "ready\n";
+  // This thread alone ends (no unwinding, which the test body would catch):
+  // the process lives on in the other.
+  ::syscall(SYS_exit, 0);
+}
+
+// A process whose main thread ended while another runs on shows that
+// thread's exit in /proc/<pid>/stat: taken for a dying one, its job's name
+// was waited for (30 s, then refused; an attach, its whole timeout). A
+// process is dying when every thread of it is.
+TEST(ZtierdProgramTest, ALiveClientWhoseMainThreadEndedHoldsItsName) {
+  ZtierdProcess d(ZTIERD_BINARY, {});
+  testing::ScratchDir dir("main-ends");
+  const std::string ready = dir.path() + "/ready";
+  Result<pid_t> pid = testing::SpawnSelf("ZtierdProgramTest.MainThreadEndsClient",
+                                         {StrCat("ZTIER_TEST_MAIN_ENDS=", d.socket(), ",", ready)});
+  ASSERT_TRUE(pid.ok()) << pid.status();
+  KillOnExit helper{*pid};
+  ASSERT_TRUE(testing::WaitForFile(ready)) << d.log();
+  for (int k = 0; k < 500; ++k) {  // the main thread a zombie
+    std::ifstream stat(StrCat("/proc/", *pid, "/stat"));
+    const std::string text(std::istreambuf_iterator<char>(stat), {});
+    if (text.find(") Z ") != std::string::npos) break;
+    std::this_thread::sleep_for(10ms);
+  }
+  SessionOptions o;
+  o.daemon_socket = d.socket();
+  Result<std::unique_ptr<Session>> s = Session::Open(o);
+  ASSERT_TRUE(s.ok()) << s.status() << d.log();
+  const auto t0 = std::chrono::steady_clock::now();
+  Result<std::unique_ptr<Model>> m = (*s)->RegisterModel(ModelOf(TwoUnits("main-ends")));
+  EXPECT_EQ(m.status().code(), StatusCode::kAlreadyExists) << m.status();
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 5s) << "a live holder's name waited for";
 }
 
 TEST(ZtierdProgramTest, VictimClient) {
