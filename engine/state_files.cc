@@ -563,8 +563,9 @@ Status LoadCheckpointFiles(const JobDescription& job, StateAccess& state, const 
       if (st.ok() && lifted > 0) {
         ZT_LOG(kWarn, "checkpoint")
             << dir << ": " << lifted.load()
-            << " element(s) of v stored as 0 beside a nonzero m (int8 states of an older version) "
-               "were loaded as m^2, so that they step by about lr, not lr * m / eps";
+            << " element(s) of v stored as 0 beside a nonzero m (as int8 states of older "
+               "versions held them) were loaded as m^2, so that they step by about lr, not "
+               "lr * m / eps";
       }
       if (st.ok()) return Status::Ok();
     }
