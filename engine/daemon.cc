@@ -345,7 +345,9 @@ struct Daemon::Impl {
     QuotaInfo q{.uid = uid, .quota = QuotaForLocked(uid), .custom = custom_quotas.count(uid) != 0};
     auto u = usage.find(uid);
     if (u != usage.end()) {
-      q.jobs = u->second.jobs;
+      // (As the quota counts them: freed jobs that live processes still
+      // map too. The line after the table names those processes.)
+      q.jobs = u->second.jobs + u->second.lingering_jobs;
       q.connections = u->second.connections;
       q.dram_bytes = u->second.dram_bytes;
       q.nvme_bytes = u->second.nvme_bytes;
@@ -1733,15 +1735,15 @@ class Daemon::Impl::Connection {
       const int jobs = u.jobs - (parked ? 1 : 0);
       const int quota = d_.QuotaForLocked(peer_.uid).max_jobs;
       if (jobs + u.lingering_jobs >= quota) {
-        return Status::ResourceExhausted(StrCat(
-            "uid ", peer_.uid, " has ", jobs, " jobs",
-            u.lingering_jobs == 0
-                ? std::string()
-                : StrCat(" and ", u.lingering_jobs,
-                         " freed ones whose memory processes that closed their connection but "
-                         "live on still map (ztierctl quota get names them)"),
-            ", the quota (max_jobs_per_uid) is ", quota, "; job '", name, "' refused",
-            d_.ParkedNoteLocked(peer_.uid)));
+        return Status::ResourceExhausted(
+            StrCat("uid ", peer_.uid, " has ", jobs, " jobs",
+                   u.lingering_jobs == 0
+                       ? std::string()
+                       : StrCat(" and ", u.lingering_jobs,
+                                " freed ones (evicted, or left by their connections) whose memory "
+                                "processes that live on still map (ztierctl quota get names them)"),
+                   ", the quota (max_jobs_per_uid) is ", quota, "; job '", name, "' refused",
+                   d_.ParkedNoteLocked(peer_.uid)));
       }
       return Status::Ok();
     };
@@ -1770,14 +1772,14 @@ class Daemon::Impl::Connection {
     scoped.name = prefix_ + name;
     // Over the uid's DRAM quota (requires d_.mu): the refusal, naming it.
     const auto dram_over = [&](const Impl::Usage& u, uint64_t need, uint64_t quota) {
-      return Status::ResourceExhausted(StrCat(
-          "job '", name, "' needs ", need, " bytes of pinned DRAM; uid ", peer_.uid, " holds ",
-          u.dram_bytes, " of its quota of ", quota, " (max_dram_bytes_per_uid)",
-          u.lingering_bytes == 0
-              ? std::string()
-              : StrCat(", ", u.lingering_bytes,
-                       " of them mapped by processes that closed their connection but live on"),
-          d_.ParkedNoteLocked(peer_.uid)));
+      return Status::ResourceExhausted(
+          StrCat("job '", name, "' needs ", need, " bytes of pinned DRAM; uid ", peer_.uid,
+                 " holds ", u.dram_bytes, " of its quota of ", quota, " (max_dram_bytes_per_uid)",
+                 u.lingering_bytes == 0
+                     ? std::string()
+                     : StrCat(", ", u.lingering_bytes,
+                              " of them freed jobs' memory that processes that live on still map"),
+                 d_.ParkedNoteLocked(peer_.uid)));
     };
     // The quota is checked, and the job's need held in the uid's use, before
     // the engine allocates any of it: a job over the quota never holds the

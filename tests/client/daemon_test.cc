@@ -2113,6 +2113,11 @@ void ExpectChargedUntilTheMapperExits(Freed how) {
   Result<engine::DaemonStatus> st = (*c)->GetStatus();
   ASSERT_TRUE(st.ok()) << st.status();
   EXPECT_GT(st->dram_used_bytes, 0u) << "the mapped regions left the budget";
+  // The freed job counts as the quota counts it (quota get said 0 jobs
+  // while a registration was refused for the job quota).
+  Result<engine::QuotaInfo> q = (*c)->GetQuota(::geteuid());
+  ASSERT_TRUE(q.ok()) << q.status();
+  EXPECT_EQ(q->jobs, 1);
   ::kill(*pid, SIGKILL);
   (void)testing::WaitChild(*pid);
   helper.pid = 0;
