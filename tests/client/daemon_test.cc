@@ -1992,16 +1992,50 @@ struct KillOnExit {
   }
 };
 
-TEST(ZtierdProgramTest, LingeringClient) {
-  const char* env = std::getenv("ZTIER_TEST_LINGER");
-  if (env == nullptr) GTEST_SKIP() << "a helper process of AProcessThatClosedItsConnection...";
+// A helper process's environment variable `name`: "SOCKET,REST" (REST a
+// ready file or a job name); nullopt when unset (the test run on its own).
+struct HelperArgs {
+  std::string socket, rest;
+};
+std::optional<HelperArgs> HelperEnv(const char* name) {
+  const char* env = std::getenv(name);
+  if (env == nullptr) return std::nullopt;
   const std::string spec = env;
+  const size_t comma = spec.find(',');
+  return HelperArgs{spec.substr(0, comma),
+                    comma == std::string::npos ? std::string() : spec.substr(comma + 1)};
+}
+// A session through the ztierd at `socket`.
+Result<std::unique_ptr<Session>> SessionAt(const std::string& socket) {
+  SessionOptions o;
+  o.daemon_socket = socket;
+  return Session::Open(o);
+}
+
+// Starts the helper test `helper` of this binary, its `var` naming `d`'s
+// socket and a ready file in `dir`, and waits for that file.
+Result<pid_t> StartHelper(const ZtierdProcess& d, const testing::ScratchDir& dir,
+                          const std::string& helper, const std::string& var) {
+  const std::string ready = dir.path() + "/ready";
+  ZT_ASSIGN_OR_RETURN(pid_t pid, testing::SpawnSelf(StrCat("ZtierdProgramTest.", helper),
+                                                    {StrCat(var, "=", d.socket(), ",", ready)}));
+  if (!testing::WaitForFile(ready)) {
+    ::kill(pid, SIGKILL);
+    (void)testing::WaitChild(pid);
+    return Status::Unavailable(StrCat(helper, " did not get ready:\n", d.log()));
+  }
+  return pid;
+}
+
+TEST(ZtierdProgramTest, LingeringClient) {
+  const std::optional<HelperArgs> args = HelperEnv("ZTIER_TEST_LINGER");
+  if (!args) GTEST_SKIP() << "a helper process of AProcessThatClosedItsConnection...";
   // ZTIER_TEST_LINGER_OPEN: the connection stays open too (an evicted job).
   const bool stay_connected = std::getenv("ZTIER_TEST_LINGER_OPEN") != nullptr;
   std::vector<engine::Mapping> mappings;
   std::optional<RawClient> kept;
   {
-    RawClient c = RawClient::Connect(spec.substr(0, spec.find(',')));
+    RawClient c = RawClient::Connect(args->socket);
     Result<RawClient::Reply> r = c.Call(p::MessageType::kRegisterJob, p::Encode(TwoUnits("gone")));
     ASSERT_TRUE(r.ok() && r->status.ok());
     Result<p::JobHandle> h = p::DecodeJobHandle(r->payload);
@@ -2018,7 +2052,7 @@ TEST(ZtierdProgramTest, LingeringClient) {
     }
     if (stay_connected) kept.emplace(std::move(c));
   }  // the connection closes (unless kept); the mappings stay
-  std::FILE* ready = std::fopen(spec.substr(spec.find(',') + 1).c_str(), "w");
+  std::FILE* ready = std::fopen(args->rest.c_str(), "w");
   ASSERT_NE(ready, nullptr);
   std::fclose(ready);
   std::this_thread::sleep_for(std::chrono::minutes(10));
@@ -2149,12 +2183,9 @@ TEST(ZtierdProgramTest, AParkedJobFreedLaterKeepsItsLiveMapperCharged) {
 }
 
 TEST(ZtierdProgramTest, ForkingClient) {
-  const char* env = std::getenv("ZTIER_TEST_FORKER");
-  if (env == nullptr) GTEST_SKIP() << "a helper process of AJobGoesWithItsClient...";
-  const std::string spec = env;
-  SessionOptions o;
-  o.daemon_socket = spec.substr(0, spec.find(','));
-  Result<std::unique_ptr<Session>> s = Session::Open(o);
+  const std::optional<HelperArgs> args = HelperEnv("ZTIER_TEST_FORKER");
+  if (!args) GTEST_SKIP() << "a helper process of AJobGoesWithItsClient...";
+  Result<std::unique_ptr<Session>> s = SessionAt(args->socket);
   ASSERT_TRUE(s.ok()) << s.status();
   Result<std::unique_ptr<Model>> m = (*s)->RegisterModel(ModelOf(TwoUnits("forker")));
   ASSERT_TRUE(m.ok()) << m.status();
@@ -2163,7 +2194,7 @@ TEST(ZtierdProgramTest, ForkingClient) {
     ::pause();
     ::_exit(0);
   }
-  std::FILE* ready = std::fopen(spec.substr(spec.find(',') + 1).c_str(), "w");
+  std::FILE* ready = std::fopen(args->rest.c_str(), "w");
   ASSERT_NE(ready, nullptr);
   std::fprintf(ready, "%d\n", static_cast<int>(worker));
   std::fclose(ready);
@@ -2177,12 +2208,10 @@ TEST(ZtierdProgramTest, ForkingClient) {
 TEST(ZtierdProgramTest, AJobGoesWithItsClientNotWithTheChildrenItForked) {
   ZtierdProcess d(ZTIERD_BINARY, {});
   testing::ScratchDir dir("forker");
-  const std::string ready = dir.path() + "/ready";
-  Result<pid_t> pid = testing::SpawnSelf("ZtierdProgramTest.ForkingClient",
-                                         {StrCat("ZTIER_TEST_FORKER=", d.socket(), ",", ready)});
+  Result<pid_t> pid = StartHelper(d, dir, "ForkingClient", "ZTIER_TEST_FORKER");
   ASSERT_TRUE(pid.ok()) << pid.status();
   KillOnExit helper{*pid}, worker{0};  // the worker is the helper's child: killed, not reaped
-  ASSERT_TRUE(testing::WaitForFile(ready)) << d.log();
+  const std::string ready = dir.path() + "/ready";
   for (int k = 0; k < 500 && worker.pid == 0; ++k) {  // written after the file is made
     std::ifstream(ready) >> worker.pid;
     if (worker.pid == 0) std::this_thread::sleep_for(10ms);
@@ -2191,9 +2220,7 @@ TEST(ZtierdProgramTest, AJobGoesWithItsClientNotWithTheChildrenItForked) {
   ::kill(*pid, SIGKILL);
   (void)testing::WaitChild(*pid);
   helper.pid = 0;
-  SessionOptions o;
-  o.daemon_socket = d.socket();
-  Result<std::unique_ptr<Session>> s = Session::Open(o);
+  Result<std::unique_ptr<Session>> s = SessionAt(d.socket());
   ASSERT_TRUE(s.ok()) << s.status() << d.log();
   Result<std::unique_ptr<Model>> m = Status::Internal("not tried");
   for (int k = 0; k < 500; ++k) {  // 5 s: the connection's end is seen at once
@@ -2205,19 +2232,16 @@ TEST(ZtierdProgramTest, AJobGoesWithItsClientNotWithTheChildrenItForked) {
 }
 
 TEST(ZtierdProgramTest, LargeClient) {
-  const char* env = std::getenv("ZTIER_TEST_LARGE_CLIENT");
-  if (env == nullptr) GTEST_SKIP() << "a helper process of ARunKilledAndStartedAgainAtOnce...";
-  const std::string spec = env;
+  const std::optional<HelperArgs> args = HelperEnv("ZTIER_TEST_LARGE_CLIENT");
+  if (!args) GTEST_SKIP() << "a helper process of ARunKilledAndStartedAgainAtOnce...";
   // Memory of its own, written: a killed process lets go of it before it
   // closes its sockets (about 0.1 s a GiB here).
   std::vector<char> memory(size_t{1} << 30, 1);
-  SessionOptions o;
-  o.daemon_socket = spec.substr(0, spec.find(','));
-  Result<std::unique_ptr<Session>> s = Session::Open(o);
+  Result<std::unique_ptr<Session>> s = SessionAt(args->socket);
   ASSERT_TRUE(s.ok()) << s.status();
   Result<std::unique_ptr<Model>> m = (*s)->RegisterModel(ModelOf(TwoUnits("large")));
   ASSERT_TRUE(m.ok()) << m.status();
-  std::ofstream(spec.substr(spec.find(',') + 1)) << memory[4096] << "\n";
+  std::ofstream(args->rest) << memory[4096] << "\n";
   std::this_thread::sleep_for(std::chrono::minutes(10));
 }
 
@@ -2230,16 +2254,10 @@ TEST(ZtierdProgramTest, LargeClient) {
 TEST(ZtierdProgramTest, ARunKilledAndStartedAgainAtOnceIsNotRefusedWhileTheOldOneDies) {
   ZtierdProcess d(ZTIERD_BINARY, {});
   testing::ScratchDir dir("large");
-  const std::string ready = dir.path() + "/ready";
-  Result<pid_t> pid =
-      testing::SpawnSelf("ZtierdProgramTest.LargeClient",
-                         {StrCat("ZTIER_TEST_LARGE_CLIENT=", d.socket(), ",", ready)});
+  Result<pid_t> pid = StartHelper(d, dir, "LargeClient", "ZTIER_TEST_LARGE_CLIENT");
   ASSERT_TRUE(pid.ok()) << pid.status();
   KillOnExit helper{*pid};
-  ASSERT_TRUE(testing::WaitForFile(ready)) << d.log();
-  SessionOptions o;
-  o.daemon_socket = d.socket();
-  Result<std::unique_ptr<Session>> s = Session::Open(o);
+  Result<std::unique_ptr<Session>> s = SessionAt(d.socket());
   ASSERT_TRUE(s.ok()) << s.status() << d.log();
   ::kill(*pid, SIGKILL);
   Result<std::unique_ptr<Model>> m = (*s)->RegisterModel(ModelOf(TwoUnits("large")));
@@ -2249,17 +2267,14 @@ TEST(ZtierdProgramTest, ARunKilledAndStartedAgainAtOnceIsNotRefusedWhileTheOldOn
 }
 
 TEST(ZtierdProgramTest, MainThreadEndsClient) {
-  const char* env = std::getenv("ZTIER_TEST_MAIN_ENDS");
-  if (env == nullptr) GTEST_SKIP() << "a helper process of ALiveClientWhoseMainThread...";
-  const std::string spec = env;
-  SessionOptions o;
-  o.daemon_socket = spec.substr(0, spec.find(','));
-  static Result<std::unique_ptr<Session>> s = Session::Open(o);
+  const std::optional<HelperArgs> args = HelperEnv("ZTIER_TEST_MAIN_ENDS");
+  if (!args) GTEST_SKIP() << "a helper process of ALiveClientWhoseMainThread...";
+  static Result<std::unique_ptr<Session>> s = SessionAt(args->socket);
   ASSERT_TRUE(s.ok()) << s.status();
   static Result<std::unique_ptr<Model>> m = (*s)->RegisterModel(ModelOf(TwoUnits("main-ends")));
   ASSERT_TRUE(m.ok()) << m.status();
   std::thread([] { std::this_thread::sleep_for(std::chrono::minutes(10)); }).detach();
-  std::ofstream(spec.substr(spec.find(',') + 1)) << "ready\n";
+  std::ofstream(args->rest) << "ready\n";
   // This thread alone ends (no unwinding, which the test body would catch):
   // the process lives on in the other.
   ::syscall(SYS_exit, 0);
@@ -2272,21 +2287,16 @@ TEST(ZtierdProgramTest, MainThreadEndsClient) {
 TEST(ZtierdProgramTest, ALiveClientWhoseMainThreadEndedHoldsItsName) {
   ZtierdProcess d(ZTIERD_BINARY, {});
   testing::ScratchDir dir("main-ends");
-  const std::string ready = dir.path() + "/ready";
-  Result<pid_t> pid = testing::SpawnSelf("ZtierdProgramTest.MainThreadEndsClient",
-                                         {StrCat("ZTIER_TEST_MAIN_ENDS=", d.socket(), ",", ready)});
+  Result<pid_t> pid = StartHelper(d, dir, "MainThreadEndsClient", "ZTIER_TEST_MAIN_ENDS");
   ASSERT_TRUE(pid.ok()) << pid.status();
   KillOnExit helper{*pid};
-  ASSERT_TRUE(testing::WaitForFile(ready)) << d.log();
   for (int k = 0; k < 500; ++k) {  // the main thread a zombie
     std::ifstream stat(StrCat("/proc/", *pid, "/stat"));
     const std::string text(std::istreambuf_iterator<char>(stat), {});
     if (text.find(") Z ") != std::string::npos) break;
     std::this_thread::sleep_for(10ms);
   }
-  SessionOptions o;
-  o.daemon_socket = d.socket();
-  Result<std::unique_ptr<Session>> s = Session::Open(o);
+  Result<std::unique_ptr<Session>> s = SessionAt(d.socket());
   ASSERT_TRUE(s.ok()) << s.status() << d.log();
   const auto t0 = std::chrono::steady_clock::now();
   Result<std::unique_ptr<Model>> m = (*s)->RegisterModel(ModelOf(TwoUnits("main-ends")));
@@ -2295,14 +2305,11 @@ TEST(ZtierdProgramTest, ALiveClientWhoseMainThreadEndedHoldsItsName) {
 }
 
 TEST(ZtierdProgramTest, VictimClient) {
-  const char* victim = std::getenv("ZTIER_TEST_VICTIM");
-  if (victim == nullptr) GTEST_SKIP() << "a helper process of ClientsKilledAtRandom...";
-  const std::string spec = victim;
-  SessionOptions o;
-  o.daemon_socket = spec.substr(0, spec.find(','));
-  Result<std::unique_ptr<Session>> s = Session::Open(o);
+  const std::optional<HelperArgs> args = HelperEnv("ZTIER_TEST_VICTIM");
+  if (!args) GTEST_SKIP() << "a helper process of ClientsKilledAtRandom...";
+  Result<std::unique_ptr<Session>> s = SessionAt(args->socket);
   ASSERT_TRUE(s.ok()) << s.status();
-  (void)TrainSteps(**s, spec.substr(spec.find(',') + 1), 1 << 20);
+  (void)TrainSteps(**s, args->rest, 1 << 20);
 }
 
 TEST(ZtierdProgramTest, ClientsKilledAtRandomLeaveNoTraceAndABystanderTrainsOn) {
@@ -2359,9 +2366,7 @@ struct DaemonClient {
 };
 // A session through `d`.
 Result<std::unique_ptr<Session>> SessionThrough(const ZtierdProcess& d) {
-  SessionOptions o;
-  o.daemon_socket = d.socket();
-  return Session::Open(o);
+  return SessionAt(d.socket());
 }
 
 Result<DaemonClient> RegisterThrough(const ZtierdProcess& d, const std::string& name) {
