@@ -154,6 +154,15 @@ std::string IntrudersNote(const struct stat& file, const std::string& path,
                 ") once no process of yours uses the directory, and try again");
 }
 
+// Whether the lock file `st` is another user's that they left writable to
+// group or others: a writer would take their directory over, and remove
+// the file as it lets go. (Not any file of another owner: on NFS with
+// root_squash, or a vfat or CIFS mount with a fixed uid, the file a writer
+// just made belongs to someone else, 0600 as made.)
+bool OthersLeftItWritable(const struct stat& st) {
+  return st.st_uid != ::geteuid() && (st.st_mode & (S_IWGRP | S_IWOTH)) != 0;
+}
+
 // The refusal of a directory whose lock file `st` (at `path`) is another
 // user's: they use the directory, or did.
 Status AnotherUsersLockFile(std::string_view what, const std::string& dir, const std::string& path,
@@ -215,10 +224,7 @@ Result<DirLock> DirLock::Acquire(const std::string& dir, std::string_view file_n
       ::close(fd);
       return PosixError(StrCat("stat lock file ", path, " of ", what, " ", dir), err);
     }
-    if (mine.st_uid != ::geteuid() && mode == Mode::kExclusive) {
-      // Another user's that they left writable to all (or one root may
-      // open): a writer would take their directory over, and remove the
-      // file as it lets go. (A reader of a checkpoint may.)
+    if (mode == Mode::kExclusive && OthersLeftItWritable(mine)) {
       ::close(fd);
       return AnotherUsersLockFile(what, dir, path, mine);
     }
@@ -281,8 +287,8 @@ DirLock& DirLock::operator=(DirLock&& other) noexcept {
 Status DirLock::MakeExclusive() {
   if (fd_ < 0) return Status::FailedPrecondition(StrCat(what_, " ", dir_, " is not locked"));
   if (mode_ == Mode::kExclusive) return Status::Ok();
-  if (struct stat st{}; ::fstat(fd_, &st) == 0 && st.st_uid != ::geteuid()) {
-    return AnotherUsersLockFile(what_, dir_, path_, st);  // a reader's, as Acquire's writer
+  if (struct stat st{}; ::fstat(fd_, &st) == 0 && OthersLeftItWritable(st)) {
+    return AnotherUsersLockFile(what_, dir_, path_, st);  // as Acquire's writer
   }
   if (::flock(fd_, LOCK_EX | LOCK_NB) != 0) {
     const int err = errno;

@@ -21,9 +21,9 @@
 // readable), it says to remove the file. It is not replaced here: a
 // process of ours could take the old file in that moment, and two would
 // hold the lock. Another user's lock file is a refusal naming that user:
-// one we cannot open, and, for a writer (exclusive), one we can (left
-// writable to all, or any to root), which the writer would remove as it let
-// go. A reader may share one it can open.
+// one we cannot open, and, for a writer (exclusive), one they left writable
+// to group or others, which the writer would take over and remove as it
+// let go.
 //
 // Thread safety: a DirLock is a value owned by one thread at a time.
 // Failure: every call returns a Status; the destructor releases silently.

@@ -345,7 +345,10 @@ Result<SeqPacketListener> SeqPacketListener::Listen(const std::string& path, mod
   Result<DirLock> lock = DirLock::Acquire(dir, StrCat(where.filename().string(), ".lock"),
                                           "the directory of the socket", DirLock::Mode::kExclusive);
   if (!lock.ok()) {
-    if (lock.status().code() != StatusCode::kUnavailable) return lock.status();
+    // (Another user's lock file is said as such: none may hold it.)
+    if (lock.status().code() != StatusCode::kUnavailable || lock.status().sys_errno() == EACCES) {
+      return lock.status();
+    }
     const std::string lock_file = where.string() + ".lock";
     return Status::Unavailable(StrCat(path, " is in use by ", DirLock::DescribeHolders(lock_file),
                                       ", which holds its lock file ", lock_file,
