@@ -1095,6 +1095,27 @@ Status CheckRunNote(const Flags& f, const OutPaths& paths,
                  PrintableUtf8(noted_step->second).c_str(),
                  PrintableUtf8(noted_step->second).c_str());
   }
+  // The note of a run's start beside its checkpoint (a kill between its
+  // first save and the note): that run made the checkpoint, with these
+  // settings (its start removed what was there), so the note takes the
+  // checkpoint's step. Left saying "saves none" (by a resume that only
+  // exports), the checkpoint's shards, its manifest lost, would be taken
+  // for a cut-short first save's and removed by a fresh run.
+  const auto saves = saved.find("saves");
+  if (noted_step == saved.end() && saves != saved.end() && saves->second == "none") {
+    std::string mended;
+    std::istringstream lines(*note);
+    for (std::string line; std::getline(lines, line);) {
+      mended += TrimmedEnd(line) == "saves none" ? StrCat("step ", step) : line;
+      mended += "\n";
+    }
+    if (Status written = WriteFileAtomically(path, mended); !written.ok()) {
+      std::fprintf(stderr,
+                   "ztier-train: warning: the checkpoint's note %s says nothing was saved, and "
+                   "could not be given the checkpoint's step: %s\n",
+                   path.c_str(), PrintableUtf8(written.ToString()).c_str());
+    }
+  }
   std::string changed;
   for (const auto& [key, value] : now) {
     const auto it = saved.find(key);

@@ -221,6 +221,32 @@ TEST_F(TrainHardeningTest, ARunKilledInItsFirstSaveStartsAfreshWhenRunAgain) {
   for (const std::string& file : left) EXPECT_FALSE(fs::exists(file)) << file << " was left";
 }
 
+// A run killed between its first save and the note left the note of its
+// start ("saves none") beside a committed checkpoint; a resume that only
+// exported kept it so, and once the manifest was lost, a fresh run took
+// the checkpoint's shards for a cut-short first save's and removed them.
+// The resume gives that note the checkpoint's step.
+TEST_F(TrainHardeningTest, AResumeGivesTheNoteOfARunsStartItsCheckpointsStep) {
+  const std::string out = dir_ / "first";
+  ASSERT_EQ(Train(Common() + " --steps 3 --checkpoint-every 3 --out " + out, dir_).first, 0);
+  const std::string note = out + "/checkpoint/ztier-train-model.txt";
+  std::string text = Slurp(note);
+  const size_t step = text.find("step 3\n");
+  ASSERT_NE(step, std::string::npos) << text;
+  text.replace(step, 7, "saves none\n");
+  { std::ofstream(note, std::ios::trunc) << text; }
+  auto [rc, said] = Train(Common() + " --steps 3 --checkpoint-every 3 --resume --out " + out, dir_);
+  ASSERT_EQ(rc, 0) << said;
+  EXPECT_NE(Slurp(note).find("step 3\n"), std::string::npos) << Slurp(note);
+  EXPECT_EQ(Slurp(note).find("saves none"), std::string::npos) << Slurp(note);
+  // Its manifest lost, the checkpoint is refused to a fresh run, not removed.
+  fs::remove(out + "/checkpoint/manifest.json");
+  fs::remove(out + "/model.safetensors");
+  std::tie(rc, said) = Train(Common() + " --steps 3 --checkpoint-every 3 --out " + out, dir_);
+  EXPECT_EQ(rc, 2) << said;
+  EXPECT_NE(said.find("shard files without their manifest"), std::string::npos) << said;
+}
+
 // A manifest that is a symbolic link: a save wrote through it into the
 // checkpoint it named (whose shard files it did not write: that one could
 // be loaded no more), and a dangling one read as no checkpoint, so the run
