@@ -6,6 +6,7 @@
 
 #include <atomic>
 #include <cerrno>
+#include <cfloat>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -300,14 +301,16 @@ Status CheckFinite(const JobDescription& job, size_t k, uint64_t first, const fl
 // element would step by lr * m / eps, thousands of times too far. Loaded,
 // its v is taken as m^2, which bounds its step to about lr, as AdamW's own
 // moments do (|m| <= sqrt(v) within a small factor for any grads). Float32
-// training leaves v 0 beside m only when g^2 underflows, where m^2 does too:
-// nothing changes there. Returns the elements lifted.
+// training leaves v 0 beside m only when g^2 underflows, where m^2 does too
+// (below FLT_MIN): nothing changes there. Returns the elements lifted.
 uint64_t LiftVanishedSecondMoments(const float* exp_avg, float* exp_avg_sq, uint64_t n) {
   uint64_t lifted = 0;
   for (uint64_t i = 0; i < n; ++i) {
-    if (exp_avg_sq[i] == 0.0f && exp_avg[i] != 0.0f) {
+    // (Not where m^2 is below FLT_MIN: a block of v that small is kept as
+    // zeros, and such an m, far below eps, moves nothing.)
+    if (exp_avg_sq[i] == 0.0f && exp_avg[i] * exp_avg[i] >= FLT_MIN) {
       exp_avg_sq[i] = exp_avg[i] * exp_avg[i];
-      lifted += exp_avg_sq[i] != 0.0f;
+      ++lifted;
     }
   }
   return lifted;
