@@ -69,15 +69,10 @@ std::optional<unsigned long> StatFlags(const std::string& path) {  // NOLINT(run
   return flags;
 }
 
-// Whether process `pid` is on its way out with its files not yet closed:
-// killed (SIGKILL pending, its own or its threads') or in its exit (every
-// thread's PF_EXITING: the main thread's alone is one that ended while the
-// others run on). A process of many GiB takes a while to let go of its
-// memory, and closes its sockets only after. False when it cannot be told
-// (gone, or in another pid namespace: pid 0).
-bool ProcessIsExiting(pid_t pid) {
-  if (pid <= 0) return false;
-  Result<std::string> status = ReadFileToString(StrCat("/proc/", pid, "/status"), 16384);
+// Whether the /proc status file at `path` shows SIGKILL pending (SigPnd,
+// the thread's own, or ShdPnd, its process's).
+bool KillPending(const std::string& path) {
+  Result<std::string> status = ReadFileToString(path, 16384);
   if (!status.ok()) return false;
   std::istringstream lines(*status);
   for (std::string line; std::getline(lines, line);) {
@@ -85,13 +80,31 @@ bool ProcessIsExiting(pid_t pid) {
     const uint64_t pending = std::strtoull(line.c_str() + 7, nullptr, 16);
     if ((pending & (uint64_t{1} << (SIGKILL - 1))) != 0) return true;
   }
+  return false;
+}
+
+// Whether process `pid` is on its way out with its files not yet closed:
+// killed (SIGKILL pending, its own or its threads') or in its exit (every
+// thread's PF_EXITING: the main thread's alone is one that ended while the
+// others run on). A process of many GiB takes a while to let go of its
+// memory, and closes its sockets only after. False when it cannot be told
+// (gone, in another pid namespace: pid 0, or hidden: the shipped unit's
+// ProtectProc=invisible hides other users' processes from ztierd, which
+// then waits only for connections it sees hang up).
+bool ProcessIsExiting(pid_t pid) {
+  if (pid <= 0) return false;
+  if (KillPending(StrCat("/proc/", pid, "/status"))) return true;
   constexpr unsigned long kPfExiting = 0x4;  // NOLINT(runtime/int)
   std::error_code ec;
   int threads = 0;
   for (const auto& task : std::filesystem::directory_iterator(StrCat("/proc/", pid, "/task"), ec)) {
     const std::optional<unsigned long> flags =  // NOLINT(runtime/int)
         StatFlags((task.path() / "stat").string());
-    if (flags && (*flags & kPfExiting) == 0) return false;
+    // (A thread not yet in its exit, with SIGKILL pending, is on its way:
+    // an exit_group sends each thread one.)
+    if (flags && (*flags & kPfExiting) == 0 && !KillPending((task.path() / "status").string())) {
+      return false;
+    }
     threads += flags.has_value();
   }
   return !ec && threads > 0;
@@ -2755,7 +2768,9 @@ std::string Daemon::Impl::MetricsText() {
         return q.quota.max_nvme_bytes == 0 ? -1.0 : double(q.quota.max_nvme_bytes);
       },
       "nvme");
-  t.Family("ztier_quota_jobs", "gauge", "Jobs a uid holds.");
+  t.Family("ztier_quota_jobs", "gauge",
+           "Jobs a uid holds, as its job quota counts them (with freed jobs that live processes "
+           "still map).");
   per_uid(
       "ztier_quota_jobs", [](const QuotaInfo& q) { return double(q.jobs); }, "");
   t.Family("ztier_quota_max_jobs", "gauge", "A uid's job quota.");

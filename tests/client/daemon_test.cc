@@ -578,6 +578,7 @@ TEST_F(DaemonTest, SilentConnectionsDoNotFloodTheLog) {
     ASSERT_TRUE(file.valid() && saved.valid());
     ::dup2(file.get(), 2);
   }
+  const auto t0 = std::chrono::steady_clock::now();
   std::vector<SeqPacketSocket> silent;
   for (int k = 0; k < 50; ++k) {
     Result<SeqPacketSocket> c = SeqPacketSocket::Connect(socket());
@@ -596,9 +597,14 @@ TEST_F(DaemonTest, SilentConnectionsDoNotFloodTheLog) {
        at = log.find("no hello within", at + 1)) {
     ++lines;
   }
+  // 20 at once, then 20 every 10 s (2 a second, as a loaded machine
+  // spreads the closes out).
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   EXPECT_GE(silent.size(), 40u);
   EXPECT_GT(lines, 0u) << log;
-  EXPECT_LE(lines, 20u) << log;
+  EXPECT_LE(lines, 21u + static_cast<size_t>(2 * seconds)) << log;
+  EXPECT_LT(lines, silent.size()) << log;
 }
 
 // With no job for --idle-release-seconds, the pinned DRAM the pool kept
@@ -2290,12 +2296,14 @@ TEST(ZtierdProgramTest, ALiveClientWhoseMainThreadEndedHoldsItsName) {
   Result<pid_t> pid = StartHelper(d, dir, "MainThreadEndsClient", "ZTIER_TEST_MAIN_ENDS");
   ASSERT_TRUE(pid.ok()) << pid.status();
   KillOnExit helper{*pid};
-  for (int k = 0; k < 500; ++k) {  // the main thread a zombie
+  bool zombie = false;  // the main thread
+  for (int k = 0; k < 500 && !zombie; ++k) {
     std::ifstream stat(StrCat("/proc/", *pid, "/stat"));
     const std::string text(std::istreambuf_iterator<char>(stat), {});
-    if (text.find(") Z ") != std::string::npos) break;
-    std::this_thread::sleep_for(10ms);
+    zombie = text.find(") Z ") != std::string::npos;
+    if (!zombie) std::this_thread::sleep_for(10ms);
   }
+  ASSERT_TRUE(zombie) << "the helper's main thread did not end";
   Result<std::unique_ptr<Session>> s = SessionAt(d.socket());
   ASSERT_TRUE(s.ok()) << s.status() << d.log();
   const auto t0 = std::chrono::steady_clock::now();
