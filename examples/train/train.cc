@@ -1004,17 +1004,21 @@ std::map<std::string, std::string> ParseRunNote(const std::string& note) {
   return saved;
 }
 
-// Whether the model note says this --out's run has saved nothing yet
-// ("saves none", written at its start; a "step" line follows each save that
-// committed). Shard files beside such a note are those of a first save that
-// a kill cut short: nothing was ever resumable. A note of an older version
-// (neither line), or none, says nothing of the kind.
+// Whether a parsed model note says its run has saved nothing yet ("saves
+// none", written at its start; a "step" line follows each save that
+// committed). An older version's note (neither line) says nothing of the
+// kind.
+bool SaysNothingWasSaved(const std::map<std::string, std::string>& note) {
+  const auto saves = note.find("saves");
+  return !note.contains("step") && saves != note.end() && saves->second == "none";
+}
+
+// The same of --out's note; false when there is none or it cannot be read.
+// Shard files beside such a note are those of a first save that a kill cut
+// short: nothing was ever resumable.
 bool NoteSaysNothingWasSaved(const OutPaths& paths) {
   Result<std::string> note = ReadFileToString(ModelNotePath(paths), 4096);
-  if (!note.ok()) return false;
-  const std::map<std::string, std::string> saved = ParseRunNote(*note);
-  const auto saves = saved.find("saves");
-  return !saved.contains("step") && saves != saved.end() && saves->second == "none";
+  return note.ok() && SaysNothingWasSaved(ParseRunNote(*note));
 }
 
 // Whether --out holds a checkpoint (its manifest); an error when that cannot
@@ -1048,7 +1052,8 @@ Result<std::string> EarlierOutput(const OutPaths& paths) {
   for (; it != fs::directory_iterator(); it.increment(ec)) {
     if (ec) return PosixError(StrCat("cannot list ", paths.checkpoint), ec.value());
     const std::string name = it->path().filename().string();
-    if (name.starts_with("unit-") && name.ends_with(".bin") && !NoteSaysNothingWasSaved(paths)) {
+    if (name.starts_with("unit-") && name.ends_with(".bin")) {
+      if (NoteSaysNothingWasSaved(paths)) return std::string();
       return StrCat("checkpoint shard files without their manifest (", it->path().string(),
                     ": a checkpoint damaged or partly removed?)");
     }
@@ -1101,8 +1106,7 @@ Status CheckRunNote(const Flags& f, const OutPaths& paths,
   // checkpoint's step. Left saying "saves none" (by a resume that only
   // exports), the checkpoint's shards, its manifest lost, would be taken
   // for a cut-short first save's and removed by a fresh run.
-  const auto saves = saved.find("saves");
-  if (noted_step == saved.end() && saves != saved.end() && saves->second == "none") {
+  if (SaysNothingWasSaved(saved)) {
     std::string mended;
     std::istringstream lines(*note);
     for (std::string line; std::getline(lines, line);) {
