@@ -1161,20 +1161,19 @@ struct Stage3Runner::Impl {
   Status MakeRoom(int unit) {
     const UnitState& want = units[unit];
     if (options.max_live_bytes == 0 || want.params != nullptr) return Status::Ok();
+    if (live_bytes + want.bytes <= options.max_live_bytes) return Status::Ok();
+    // Each unit's next use in the learned order from here (none: farthest),
+    // found in one pass: a scan per unit made each eviction cost units x
+    // order length.
+    std::vector<size_t> next_use(units.size(), SIZE_MAX);
+    for (size_t i = learned.size(); i-- > position;) next_use[learned[i]] = i;
     while (live_bytes + want.bytes > options.max_live_bytes) {
       int victim = -1;
       size_t victim_next = 0;
       for (int k = 0; k < static_cast<int>(units.size()); ++k) {
         const UnitState& u = units[k];
         if (k == unit || u.params == nullptr || u.holds > 0) continue;
-        // Distance to its next use in the learned order (none: farthest).
-        size_t next = SIZE_MAX;
-        for (size_t i = position; i < learned.size(); ++i) {
-          if (learned[i] == k) {
-            next = i;
-            break;
-          }
-        }
+        const size_t next = next_use[k];
         if (victim < 0 || next > victim_next) {
           victim = k;
           victim_next = next;
