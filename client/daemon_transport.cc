@@ -491,8 +491,8 @@ class DaemonTransport final : public Transport, public ControlTransport {
       *claimed = false;
       if (jobs_.count(job) == 0)
         return Status::NotFound(StrCat("no job ", job, " in this session"));
-      for (const auto& [id, other] : jobs_) {
-        if (other.dirs.count(key) != 0) {
+      for (auto& [id, other] : jobs_) {
+        if (other.dirs.Holds(key, /*touch=*/id == job)) {
           if (id == job) {
             *claimed = true;
             return Status::Ok();
@@ -518,7 +518,7 @@ class DaemonTransport final : public Transport, public ControlTransport {
                                          DirLock::Mode::kExclusive));
     std::lock_guard<std::mutex> lock(mu_);
     ZT_RETURN_IF_ERROR(held(&claimed));  // a claim may have come meanwhile
-    if (!claimed) jobs_[job].dirs.emplace(key, std::move(l));
+    if (!claimed) jobs_[job].dirs.Add(key, std::move(l));
     return Status::Ok();
   }
 
@@ -638,7 +638,7 @@ class DaemonTransport final : public Transport, public ControlTransport {
     }
     std::map<uint32_t, Region> regions;
     std::vector<engine::UnitLayout> layouts;  // numel 0: not fetched yet
-    std::map<std::string, DirLock> dirs;      // checkpoint directories claimed
+    engine::ClaimedCheckpointDirs dirs;       // checkpoint directories claimed
     std::shared_ptr<Mapping> collectives;     // the collective region, once asked for
   };
 

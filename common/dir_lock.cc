@@ -305,11 +305,21 @@ Status DirLock::MakeExclusive() {
   return Status::Ok();
 }
 
+bool DirLock::AtItsPath() const {
+  if (fd_ < 0) return false;
+  struct stat held {
+  }, now{};
+  return ::fstat(fd_, &held) == 0 && held.st_nlink > 0 && ::stat(path_.c_str(), &now) == 0 &&
+         held.st_ino == now.st_ino && held.st_dev == now.st_dev;
+}
+
 void DirLock::Release() {
   if (fd_ < 0) return;
   // Remove the file while still holding it: a waiter that opened it sees
-  // the lock held, then finds the path gone and starts again.
-  if (mode_ == Mode::kExclusive) ::unlink(path_.c_str());
+  // the lock held, then finds the path gone and starts again. Not when the
+  // path names another file now (ours removed, the directory made again):
+  // that is another holder's lock.
+  if (mode_ == Mode::kExclusive && AtItsPath()) ::unlink(path_.c_str());
   ::close(fd_);
   fd_ = -1;
 }

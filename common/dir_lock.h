@@ -69,7 +69,12 @@ class DirLock {
   // even that was lost in the gap, no longer held).
   Status MakeExclusive();
 
-  // Releases the lock now (an exclusive holder removes the lock file).
+  // Whether the file this lock holds is still the one at its path: false
+  // once it was removed (its directory with it) or the path names another
+  // file, when the lock keeps no one out of the directory any more.
+  bool AtItsPath() const;
+  // Releases the lock now (an exclusive holder removes the lock file, when
+  // it is still the one at the path).
   void Release();
 
   // Who holds the lock on `lock_file`, for a message: "process 1234

@@ -16,23 +16,25 @@ namespace ztier::engine {
 Status CheckpointDirs::Claim(const Job& job, const std::string& dir) {
   const std::string key = CheckpointDirKey(dir);
   std::lock_guard<std::mutex> lock(mu_);
-  auto it = entries_.find(key);
-  if (it != entries_.end()) {
-    if (it->second.job == job.id) return Status::Ok();
+  for (auto& [id, other] : jobs_) {
+    if (!other.dirs.Holds(key, /*touch=*/id == job.id)) continue;
+    if (id == job.id) return Status::Ok();
     return Status::Unavailable(StrCat("checkpoint directory ", dir, " is used by job '",
-                                      it->second.job_name,
+                                      other.job_name,
                                       "' of this process for its checkpoints; choose another "
                                       "directory"));
   }
   ZT_ASSIGN_OR_RETURN(DirLock l, DirLock::Acquire(dir, kCheckpointLockFile, "checkpoint directory",
                                                   DirLock::Mode::kExclusive));
-  entries_.emplace(key, Entry{std::move(l), job.id, job.spec.name});
+  JobDirs& mine = jobs_[job.id];
+  mine.job_name = job.spec.name;
+  mine.dirs.Add(key, std::move(l));
   return Status::Ok();
 }
 
 void CheckpointDirs::Release(int job) {
   std::lock_guard<std::mutex> lock(mu_);
-  std::erase_if(entries_, [&](const auto& e) { return e.second.job == job; });
+  jobs_.erase(job);
 }
 
 JobDescription Describe(const Job& job) {

@@ -310,8 +310,10 @@ using CommitFn = std::function<void(int64_t step, int64_t adam_step)>;
 
 // The checkpoint directories the engine's jobs save to. Each is locked
 // (common/dir_lock.h, exclusive) from a job's first claim or save until the
-// job is unregistered: no other process, and no other job of this engine,
-// can save there meanwhile. Loads take no lock (reading another run's
+// job is unregistered (or has used kMaxClaimedCheckpointDirs others since,
+// or the directory was removed: ClaimedCheckpointDirs): no other process,
+// and no other job of this engine, can save there meanwhile. Loads take no
+// lock (reading another run's
 // checkpoint, even one being written, is safe: see LoadCheckpointImpl).
 // Thread-safe.
 class CheckpointDirs {
@@ -323,13 +325,12 @@ class CheckpointDirs {
   void Release(int job);
 
  private:
-  struct Entry {
-    DirLock lock;
-    int job = 0;
+  struct JobDirs {
     std::string job_name;
+    ClaimedCheckpointDirs dirs;
   };
   std::mutex mu_;
-  std::map<std::string, Entry> entries_;
+  std::map<int, JobDirs> jobs_;
 };
 
 // Called with the job idle (no grads pending) and marked checkpointing.

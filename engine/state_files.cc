@@ -4,6 +4,7 @@
 
 #include <sys/stat.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cfloat>
@@ -408,6 +409,24 @@ std::string CheckpointDirKey(const std::string& dir) {
   std::string key = (ec ? fs::path(dir) : p).string();
   while (key.size() > 1 && key.back() == '/') key.pop_back();
   return key;
+}
+
+bool ClaimedCheckpointDirs::Holds(const std::string& key, bool touch) {
+  auto it = std::find_if(claims_.begin(), claims_.end(),
+                         [&](const auto& claim) { return claim.first == key; });
+  if (it == claims_.end()) return false;
+  if (!it->second.AtItsPath()) {  // the directory removed: it holds nothing
+    claims_.erase(it);
+    return false;
+  }
+  if (touch) std::rotate(it, it + 1, claims_.end());
+  return true;
+}
+
+void ClaimedCheckpointDirs::Add(std::string key, DirLock lock) {
+  std::erase_if(claims_, [](const auto& claim) { return !claim.second.AtItsPath(); });
+  while (claims_.size() >= kMaxClaimedCheckpointDirs) claims_.erase(claims_.begin());
+  claims_.emplace_back(std::move(key), std::move(lock));
 }
 
 Status CreateCheckpointDir(const std::string& dir) {

@@ -29,6 +29,7 @@
 #include <string_view>
 #include <vector>
 
+#include "common/dir_lock.h"
 #include "common/status.h"
 #include "engine/wire_types.h"
 
@@ -123,6 +124,28 @@ std::string CheckpointDirKey(const std::string& dir);
 // The name of the lock file (common/dir_lock.h) a checkpoint directory's
 // writer holds.
 inline constexpr char kCheckpointLockFile[] = "ztier-checkpoint.lock";
+
+// The checkpoint directories one job has claimed, each held by its lock
+// (kCheckpointLockFile, one fd each): the job's most recently used ones.
+// A claim lets go of those whose lock file is gone (the directory removed
+// or renamed, as a rotation of checkpoint-N directories does) and, past
+// kMaxClaimedCheckpointDirs, of the least recently used: a run saving to a
+// new directory each time held one fd per save until the job ended, and
+// failed with EMFILE after about a thousand. A directory let go may be
+// claimed again, or by another saver. Not thread-safe: the owner's lock
+// guards it.
+class ClaimedCheckpointDirs {
+ public:
+  static constexpr size_t kMaxClaimedCheckpointDirs = 8;
+  // Whether `key` (CheckpointDirKey) is held; `touch` marks it used now.
+  bool Holds(const std::string& key, bool touch = false);
+  // Holds `key` by `lock` from now on (the most recently used).
+  void Add(std::string key, DirLock lock);
+  size_t size() const { return claims_.size(); }
+
+ private:
+  std::vector<std::pair<std::string, DirLock>> claims_;  // least recently used first
+};
 // What a weight must be, in the errors that refuse one (set, imported or
 // loaded): the forward pass reads it as bf16.
 inline constexpr char kWeightsInBf16Range[] =

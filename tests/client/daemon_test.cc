@@ -37,10 +37,12 @@
 
 #include "client/transport.h"
 #include "client/ztier.h"
+#include "common/dir_lock.h"
 #include "common/file_util.h"
 #include "engine/protocol.h"
 #include "engine/seqpacket.h"
 #include "engine/shared_memory.h"
+#include "engine/state_files.h"
 #include "tests/testing/as_nobody.h"
 #include "tests/testing/scratch_dir.h"
 #include "tests/testing/spawn_self.h"
@@ -166,6 +168,12 @@ class RawClient {
   SeqPacketSocket sock_;
   uint64_t next_id_ = 1;
 };
+
+// The fds this process has open.
+long OpenFdCount() {
+  return std::distance(std::filesystem::directory_iterator("/proc/self/fd"),
+                       std::filesystem::directory_iterator());
+}
 
 class DaemonTest : public ::testing::Test {
  protected:
@@ -945,10 +953,7 @@ TEST_F(DaemonTest, FreedJobsThatALiveProcessMapsCountAsItsJobs) {
   options.job_grace_period = 60s;
   options.max_jobs_per_uid = 4;
   Start(options);
-  const auto fds = [] {
-    return std::distance(std::filesystem::directory_iterator("/proc/self/fd"),
-                         std::filesystem::directory_iterator());
-  };
+  const auto fds = OpenFdCount;
   const auto before = fds();
   Status refused;
   int registered = 0;
@@ -1523,6 +1528,50 @@ TEST_F(DaemonTest, ASaveOrExportThroughZtierdRefusesUnitsThatHoldNoOneState) {
   EXPECT_TRUE(refused(save, "job failed")) << save;
   out = (*m)->ExportSafetensors(dir / "eager.safetensors", engine::Engine::ExportType::kFloat32);
   EXPECT_TRUE(refused(out, "job failed")) << out;
+}
+
+// A run saving to a new directory each time (checkpoint-500,
+// checkpoint-1000, ...) held a lock fd on each until its job ended, in the
+// client through ztierd and in the embedded engine alike: a long run
+// failed with EMFILE (save #122 under ulimit -n 128). A job holds its most
+// recently used directories now, and a removed one holds nothing.
+TEST_F(DaemonTest, SavesToEverNewDirectoriesHoldFewLocks) {
+  for (const bool through_ztierd : {false, true}) {
+    SCOPED_TRACE(through_ztierd ? "through ztierd" : "embedded");
+    SessionOptions o;
+    if (through_ztierd) o.daemon_socket = socket();
+    Result<Trainer> t = OpenTrainer(o, "rotating");
+    ASSERT_TRUE(t.ok()) << t.status();
+    ASSERT_TRUE(PushBothAndStep(*t->runner).ok());
+    ASSERT_TRUE(t->model->WaitPublished(1, 30s).ok());
+    ScratchDir dir("daemon-rotating");
+    const auto ck = [&](std::string_view kind, int i) { return dir / StrCat(kind, "-", i); };
+    const long before = OpenFdCount();
+    // A rotation that keeps the last two.
+    for (int i = 0; i < 40; ++i) {
+      const Status saved = t->model->SaveCheckpoint(ck("checkpoint", i));
+      ASSERT_TRUE(saved.ok()) << i << ": " << saved;
+      if (i >= 2) std::filesystem::remove_all(ck("checkpoint", i - 2));
+    }
+    EXPECT_LE(OpenFdCount() - before, 3);
+    // Every directory kept: the most recent ones stay held.
+    for (int i = 0; i < 40; ++i) {
+      ASSERT_TRUE(t->model->SaveCheckpoint(ck("kept", i)).ok()) << i;
+    }
+    EXPECT_LE(OpenFdCount() - before,
+              static_cast<long>(engine::ClaimedCheckpointDirs::kMaxClaimedCheckpointDirs) + 1);
+    const auto lock = [&](const std::string& d) {
+      return DirLock::Acquire(d, engine::kCheckpointLockFile, "checkpoint directory",
+                              DirLock::Mode::kExclusive)
+          .status();
+    };
+    const Status newest = lock(ck("kept", 39));
+    EXPECT_EQ(newest.code(), StatusCode::kUnavailable) << newest;
+    EXPECT_TRUE(lock(ck("kept", 0)).ok());
+    // One used again is held again, by a save.
+    ASSERT_TRUE(t->model->SaveCheckpoint(ck("kept", 1)).ok());
+    EXPECT_EQ(lock(ck("kept", 1)).code(), StatusCode::kUnavailable);
+  }
 }
 
 // A bad model is refused with the same code and words through ztierd as

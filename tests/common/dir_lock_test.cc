@@ -217,6 +217,27 @@ TEST(DirLockTest, AnotherUsersLockFileLeftWritableIsRefusedToAWriter) {
   EXPECT_TRUE(root.ok()) << root.status();
 }
 
+// A holder whose directory was removed and made again, and locked by
+// another, removed that one's lock file as it let go: a third then took
+// the directory beside the second.
+TEST(DirLockTest, ALockWhoseDirectoryWasMadeAgainLeavesTheNewHoldersFile) {
+  ScratchDir dir("dir-lock");
+  const std::string d = dir / "d";
+  fs::create_directory(d);
+  Result<DirLock> first = Lock(d);
+  ASSERT_TRUE(first.ok()) << first.status();
+  EXPECT_TRUE(first->AtItsPath());
+  fs::remove_all(d);
+  EXPECT_FALSE(first->AtItsPath());
+  fs::create_directory(d);
+  Result<DirLock> second = Lock(d);
+  ASSERT_TRUE(second.ok()) << second.status();
+  first->Release();
+  EXPECT_TRUE(fs::exists(fs::path(d) / kFile));
+  EXPECT_FALSE(Lock(d).ok());
+  EXPECT_TRUE(second->AtItsPath());
+}
+
 TEST(DirLockTest, MovedLockStaysHeld) {
   ScratchDir dir("dir-lock");
   DirLock a;
