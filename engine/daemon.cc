@@ -455,8 +455,10 @@ struct Daemon::Impl {
     if (!parsed.ok()) return parsed.status();
     nlohmann::json& doc = *parsed;
     if (!doc.is_object()) return bad("not a JSON object");
-    if (doc.value("format", "") != "ztierd-quotas" || !doc.contains("version") ||
-        !doc["version"].is_number_integer() || doc["version"].get<int64_t>() != 1) {
+    const auto format = doc.find("format");
+    if (format == doc.end() || !format->is_string() || *format != "ztierd-quotas" ||
+        !doc.contains("version") || !doc["version"].is_number_integer() ||
+        doc["version"].get<int64_t>() != 1) {
       return bad("not a ztierd quota file of version 1 (\"format\": \"ztierd-quotas\")");
     }
     if (!doc.contains("quotas") || !doc["quotas"].is_object()) return bad("no \"quotas\" object");

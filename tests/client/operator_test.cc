@@ -347,7 +347,10 @@ TEST(OperatorTest, QuotasAreEnforcedResetAndKeptInTheQuotaFile) {
         "\"max_jobs\": 3}}}",
         // A uid twice, written two ways: one won, by the file's order.
         "{\"format\": \"ztierd-quotas\", \"version\": 1, \"quotas\": {\"7\": {\"max_jobs\": 2}, "
-        "\"07\": {\"max_jobs\": 3}}}"}) {
+        "\"07\": {\"max_jobs\": 3}}}",
+        // A format that is no string: ztierd aborted (an uncaught exception).
+        "{\"format\": 1, \"version\": 1, \"quotas\": {}}",
+        "{\"format\": null, \"version\": 1, \"quotas\": {}}"}) {
     std::ofstream(file) << bad;
     Result<std::unique_ptr<engine::Daemon>> d =
         engine::Daemon::Create(SmallEngine(), WithQuotaFile(file));
