@@ -105,7 +105,7 @@ Result<CheckpointManifest> Decode(const Json& m, const Fields& f) {
     return f.Bad("checksum mismatch (the manifest was altered or damaged)");
   }
   ZT_ASSIGN_OR_RETURN(out.job, f.String(m, "job", ""));
-  ZT_ASSIGN_OR_RETURN(out.step, f.Int(m, "step", "", 0, INT64_MAX));
+  ZT_ASSIGN_OR_RETURN(out.step, f.Int(m, "step", "", 0, kMaxStep));
   ZT_ASSIGN_OR_RETURN(out.adam_step, f.Int(m, "adam_step", "", 0, out.step));
   ZT_ASSIGN_OR_RETURN(int64_t ranks, f.Int(m, "ranks", "", 1, kMaxCheckpointRanks));
   out.ranks = static_cast<int>(ranks);

@@ -2012,8 +2012,10 @@ Status Engine::WriteState(int job, int unit, const float* master, const float* e
 
 Status Engine::CommitState(int job, int64_t step, int64_t adam_step, int64_t generation) {
   const bool keep = step == kKeepSteps && adam_step == kKeepSteps;
-  if (!keep && (step < 0 || adam_step < 0 || adam_step > step)) {
-    return Status::InvalidArgument(StrCat("step ", step, ", adam step ", adam_step));
+  if (!keep && (step < 0 || step > kMaxStep || adam_step < 0 || adam_step > step)) {
+    return Status::InvalidArgument(
+        StrCat("step ", step, ", adam step ", adam_step,
+               " (steps are 0 to 2^62, the AdamW step at most the step)"));
   }
   Impl& e = *impl_;
   return WithIdleJob(

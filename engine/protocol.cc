@@ -589,7 +589,7 @@ Result<JobSteps> DecodeJobSteps(std::string_view bytes) {
   r.Get(&v.step, "step");
   r.Get(&v.adam_step, "adam_step");
   if (v.job < 0) r.Fail(StrCat("job ", v.job, " is negative"));
-  if (v.step < 0 || v.adam_step < 0 || v.adam_step > v.step) {
+  if (v.step < 0 || v.step > kMaxStep || v.adam_step < 0 || v.adam_step > v.step) {
     r.Fail(StrCat("step ", v.step, ", adam_step ", v.adam_step));
   }
   return Done(r, v);
@@ -613,7 +613,7 @@ Result<StateCommit> DecodeStateCommit(std::string_view bytes) {
   r.Get(&v.generation, "generation");
   if (v.job < 0) r.Fail(StrCat("job ", v.job, " is negative"));
   const bool keep = v.step == -1 && v.adam_step == -1;
-  if (!keep && (v.step < 0 || v.adam_step < 0 || v.adam_step > v.step)) {
+  if (!keep && (v.step < 0 || v.step > kMaxStep || v.adam_step < 0 || v.adam_step > v.step)) {
     r.Fail(StrCat("step ", v.step, ", adam_step ", v.adam_step));
   }
   if (v.generation < -1) r.Fail(StrCat("generation ", v.generation));

@@ -41,6 +41,10 @@ inline constexpr uint16_t kWireVersion = 11;
 // The steps of a state committed unit by unit (Engine::CommitState) that
 // are the job's own as it commits (an import's).
 inline constexpr int64_t kKeepSteps = -1;
+// The largest step (and AdamW step) a job may be set to, by a load or a
+// commit: far past any training's, and far enough below INT64_MAX that the
+// step after it never overflows.
+inline constexpr int64_t kMaxStep = int64_t{1} << 62;
 
 // A job's step page (Engine::PublishedSteps): each unit's published step,
 // then the weights' generation, one int64 each.

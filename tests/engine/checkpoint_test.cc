@@ -412,6 +412,14 @@ TEST_F(CheckpointFaultTest, ForgedManifestsWithValidChecksumsAreRefusedAndTouchN
       {"padded near 2^63", [](Json& m) { m["units"][1]["padded"] = uint64_t{1} << 63; }, "padded"},
       {"numel near 2^62", [](Json& m) { m["units"][1]["numel"] = uint64_t{1} << 62; }, "numel"},
       {"negative step", [](Json& m) { m["step"] = -1; }, "'step'"},
+      // The step after it overflowed: the job wedged ("only the grads of
+      // step -9223372036854775808 can come next").
+      {"a step past 2^62",
+       [](Json& m) {
+         m["step"] = INT64_MAX;
+         m["adam_step"] = INT64_MAX;
+       },
+       "'step'"},
       {"adam step past step", [](Json& m) { m["adam_step"] = 5; }, "'adam_step'"},
       {"zero ranks", [](Json& m) { m["ranks"] = 0; }, "'ranks'"},
       {"a file named ..", [](Json& m) { m["units"][0]["shards"][0]["file"] = ".."; }, "plain"},

@@ -1037,6 +1037,8 @@ TEST(EngineJobsTest, AStateWrittenUnitByUnitIsRefusedAfterAnotherWritersWrite) {
   EXPECT_EQ(*e->Steps(*job), (std::pair<int64_t, int64_t>{1, 1}));
   EXPECT_EQ(e->PublishedStep(*job, 1), 1);
   EXPECT_EQ(e->CommitState(*job, kKeepSteps, 0).code(), StatusCode::kInvalidArgument);
+  // A step the next one would overflow from.
+  EXPECT_EQ(e->CommitState(*job, INT64_MAX, 0).code(), StatusCode::kInvalidArgument);
   ASSERT_TRUE(e->UnregisterJob(*job).ok());
 }
 

@@ -436,7 +436,16 @@ TEST(ProtocolTest, InconsistentValuesAreRefused) {
   EXPECT_FALSE(DecodeJobSteps(Encode(JobSteps{.job = 0, .step = 3, .adam_step = 4})).ok());
   EXPECT_FALSE(
       DecodeStagedData(Encode(StagedData{.job = 0, .unit = 0, .bytes = 8, .generation = -2})).ok());
-  for (const auto& [step, adam] : {std::pair{3, 4}, {-1, 0}, {0, -1}, {-2, -2}}) {
+  // A step past 2^62 (one that overflows as ztierd counts on from it).
+  constexpr int64_t kPast = kMaxStep + 1;
+  EXPECT_FALSE(DecodeJobSteps(Encode(JobSteps{.job = 0, .step = kPast, .adam_step = 0})).ok());
+  EXPECT_TRUE(DecodeJobSteps(Encode(JobSteps{.job = 0, .step = kMaxStep, .adam_step = 1})).ok());
+  for (const auto& [step, adam] : {std::pair<int64_t, int64_t>{3, 4},
+                                   {-1, 0},
+                                   {0, -1},
+                                   {-2, -2},
+                                   {kPast, 0},
+                                   {INT64_MAX, INT64_MAX}}) {
     EXPECT_FALSE(
         DecodeStateCommit(Encode(StateCommit{.job = 0, .step = step, .adam_step = adam})).ok())
         << step << " " << adam;
