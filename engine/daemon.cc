@@ -261,6 +261,7 @@ struct Daemon::Impl {
     int requests = 0;              // queued or running on its connections' pools
     uint64_t payload_bytes = 0;    // held by its requests' handlers (see Payload)
     uint64_t spec_bytes = 0;       // its registered jobs' specs as ztierd keeps them (SpecHeap)
+    bool operator==(const Usage&) const = default;
   };
   // What outlives its connection or its job, charged to a uid until the
   // processes holding it exit (their pidfds say so):
@@ -307,10 +308,17 @@ struct Daemon::Impl {
     });
   }
   std::map<uid_t, Usage> usage;  // guarded by mu
+  // Forgets the uids that hold nothing (ReleaseIdleDram's checks): every
+  // uid that ever connected, refused ones too, kept a record here and its
+  // series in the metrics for good.
+  void ForgetIdleUidsLocked() {
+    std::erase_if(usage, [](const auto& entry) { return entry.second == Usage{}; });
+  }
   // The sum of the uids' requests, and the uids with any (guarded by mu).
   int requests_in_flight = 0;
   int uids_with_requests = 0;
-  int connections = 0;  // guarded by mu
+  uint64_t registrations = 0;  // jobs registered, since start (ReleaseIdleDram)
+  int connections = 0;         // guarded by mu
   // The operator's settings (guarded by mu): quotas set per uid (ztierctl
   // quota set; kept in options.quota_file when one is named), and drain
   // (new jobs refused).
@@ -764,14 +772,24 @@ struct Daemon::Impl {
   // With no job (registered, parked or being freed) for
   // options.idle_dram_release, gives the pool's empty regions back to the
   // system, at every check from then on (a registration refused between
-  // two checks makes regions too). Serve's thread only.
+  // two checks makes regions too). A job registered since the last check
+  // starts the wait over, though it is gone by this one: short jobs one
+  // after another had the pool given back and pinned again at almost
+  // every check. Also forgets the uids that hold nothing. Serve's thread
+  // only.
   Clock::time_point idle_since{};
+  uint64_t registrations_seen = 0;
   void ReleaseIdleDram() {
     int jobs = 0;
     {
       std::lock_guard<std::mutex> lock(mu);
+      ForgetIdleUidsLocked();
       jobs = static_cast<int>(freeing.size());
       for (const auto& [uid, u] : usage) jobs += u.jobs;
+      if (registrations != registrations_seen) {
+        registrations_seen = registrations;
+        ++jobs;
+      }
     }
     const auto now = Clock::now();
     if (jobs > 0) {
@@ -1782,6 +1800,7 @@ class Daemon::Impl::Connection {
       std::lock_guard<std::mutex> lock(d_.mu);
       ZT_RETURN_IF_ERROR(refused(false));  // (things changed meanwhile)
       ++d_.usage[peer_.uid].jobs;
+      ++d_.registrations;
     }
     JobSpec scoped = spec;
     scoped.name = prefix_ + name;
