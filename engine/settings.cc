@@ -990,6 +990,10 @@ std::string DidYouMean(std::string_view name, bool variables) {
   auto consider = [&](std::string_view candidate) {
     // A name cut short (gradient_clip) is as close as one typo.
     const bool cut = candidate.starts_with(name) && name.size() * 2 >= candidate.size();
+    // The distance is at least the lengths' difference: a name far longer
+    // than any setting's (an 80 KB key took 15 s) is compared with none.
+    const size_t longer = std::max(name.size(), candidate.size());
+    if (!cut && longer - std::min(name.size(), candidate.size()) >= best_distance) return;
     const size_t d = cut ? 1 : EditDistance(name, candidate);
     if (d < best_distance) {
       best = candidate;
