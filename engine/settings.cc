@@ -1150,7 +1150,11 @@ std::string RelaxedToJson(std::string_view in) {
       }
     } else if (c == '/' && i + 1 < in.size() && in[i + 1] == '*') {
       const size_t end = in.find("*/", i + 2);
-      const size_t stop = end == std::string_view::npos ? in.size() : end + 2;
+      if (end == std::string_view::npos) {  // unterminated: the parser reports it
+        out.append(in.substr(i));
+        break;
+      }
+      const size_t stop = end + 2;
       for (; i < stop; ++i) {
         const bool nl = in[i] == '\n';
         out += nl ? '\n' : ' ';
@@ -1158,12 +1162,14 @@ std::string RelaxedToJson(std::string_view in) {
       }
       --i;
     } else if (c == ',') {
-      last_comma = out.size();
+      // Trailing only after a value: "{,}" and "[1,,]" stay for the parser
+      // to refuse.
+      last_comma = last == Last::kValue ? out.size() : std::string::npos;
       out += c;
       last = Last::kComma;
     } else if (c == '}' || c == ']') {
       --depth;
-      if (last == Last::kComma) out[last_comma] = ' ';
+      if (last == Last::kComma && last_comma != std::string::npos) out[last_comma] = ' ';
       out += c;
       last = Last::kValue;
       newline_since_value = false;

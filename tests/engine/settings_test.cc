@@ -207,6 +207,13 @@ TEST(SettingsTest, RejectsBadConfigsNamingTheKey) {
       {R"([1, 2])", "must be a JSON object"},
       {"{\"aio\": {\"queue_depth\": 4 5}}", "parse error"},
       {"", "parse error"},
+      // Taken as "{}" once: a comma that follows no value, a comment that
+      // never ends (it hid the rest of the file).
+      {"{,}", "parse error"},
+      {R"({"ztier": {,}})", "parse error"},
+      {"[1,,]", "parse error"},
+      {"{\"ztier\": {}} /* never closed", "parse error"},
+      {"{\"ztier\": {/* never closed \n \"dram_budget\": \"1G\"}}", "parse error"},
   };
   for (const BadCase& c : cases) {
     Result<Settings> s = ParseSettings(c.json, "cfg.json");
