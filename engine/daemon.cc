@@ -1090,9 +1090,8 @@ class Daemon::Impl::Connection {
           (h->type < p::MessageType::kDaemonStatus || h->type > p::MessageType::kEvictJob)) {
         if (!SendError(h->request_id, h->type,
                        Status::ResourceExhausted(
-                           StrCat("uid ", peer_.uid,
-                                  " is at its connection quota (max_connections_per_uid): "
-                                  "this connection, past it on the operators' reserve, takes the "
+                           StrCat(AtConnectionQuota(),
+                                  ": this connection, past it on the operators' reserve, takes the "
                                   "operator's messages only (ztierctl)")))) {
           return;
         }
@@ -1642,9 +1641,7 @@ class Daemon::Impl::Connection {
       // Past the uid's quota on the operators' reserve: for their tool only
       // (a training session there would lock ztierctl out).
       return refuse(Status::ResourceExhausted(
-          StrCat("uid ", peer_.uid,
-                 " is at its connection quota (max_connections_per_uid); past "
-                 "it ztierd lets in only the operator's tool (",
+          StrCat(AtConnectionQuota(), "; past it ztierd lets in only the operator's tool (",
                  p::kOperatorClientName, ")")));
     }
     if (h.min_version > p::kVersion || h.max_version < p::kVersion) {
@@ -2413,6 +2410,19 @@ class Daemon::Impl::Connection {
   }
 
   std::string Who() const { return StrCat("client pid ", peer_.pid, " uid ", peer_.uid); }
+  // "uid U is at its connection quota (max_connections_per_uid: N held of
+  // M)", for a connection let in on the operators' reserve.
+  std::string AtConnectionQuota() const {
+    int held = 0, quota = 0;
+    {
+      std::lock_guard<std::mutex> lock(d_.mu);
+      const auto u = d_.usage.find(peer_.uid);
+      if (u != d_.usage.end()) held = u->second.connections;
+      quota = d_.QuotaForLocked(peer_.uid).max_connections;
+    }
+    return StrCat("uid ", peer_.uid, " is at its connection quota (max_connections_per_uid: ", held,
+                  " held of ", quota, ")");
+  }
 
   Impl& d_;
   SeqPacketSocket sock_;

@@ -889,8 +889,10 @@ Result<int> Engine::RegisterJob(
   if (spec.optimizer_tier == Tier::kNvme && e.swap == nullptr) {
     return Status::FailedPrecondition(
         StrCat("job '", spec.name,
-               "': optimizer states on nvme need swap directories "
-               "(zero_optimization.offload_optimizer.nvme_path or ZTIER_NVME_PATHS)"));
+               "': optimizer states on nvme need swap directories, one per drive: the "
+               "setting zero_optimization.offload_optimizer.nvme_path (a config file's key; "
+               "in Python, settings={\"zero_optimization.offload_optimizer.nvme_path\": "
+               "\"/path\"}) or the variable ZTIER_NVME_PATHS"));
   }
   {
     std::lock_guard<std::mutex> lock(e.mu);

@@ -166,7 +166,7 @@ void Usage(std::ostream& os) {
         "  --checkpoint-activations recompute each block's activations in its backward\n"
         "  --matmul fp32|bf16       matmul operands in fp32 (default) or rounded to bf16, the\n"
         "                           products summed in fp32 (bf16 tensor cores on cuda)\n"
-        "training (each also a setting of the --config file):\n"
+        "training (each but --steps and --seed also a setting of the --config file):\n"
         "  --steps N                optimizer steps (default 500)\n"
         "  --batch B                sequences per rank and micro-step (default 8)\n"
         "  --lr X --weight-decay X  AdamW (default 2e-3, 0.01)\n"

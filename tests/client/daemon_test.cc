@@ -534,6 +534,8 @@ TEST_F(DaemonTest, QuotasRefuseNamingTheQuotaAndTheFigures) {
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->status.code(), StatusCode::kResourceExhausted) << r->status;
   EXPECT_NE(r->status.ToString().find("operator's messages only"), std::string::npos) << r->status;
+  EXPECT_NE(r->status.ToString().find("max_connections_per_uid: 2 held of 2"), std::string::npos)
+      << r->status;
   // Past the reserve too, a connection is refused at its hello.
   SessionOptions o;
   o.daemon_socket = socket();
