@@ -944,9 +944,8 @@ class DaemonTransport final : public Transport, public ControlTransport {
     }
     if (!unanswered_.empty() && !posted) {
       return Status::Unavailable(StrCat("ztierd at ", path_, " did not answer ", unanswered_,
-                                        " and has said nothing since (stopped or stuck? "
-                                        "ztierctl status tells): calls are refused until it "
-                                        "answers again"));
+                                        " and has said nothing since (", StuckHint(),
+                                        "): calls are refused until it answers again"));
     }
     const uint64_t id = next_id_++;
     pending_[id] = std::move(pending);
@@ -1030,8 +1029,8 @@ class DaemonTransport final : public Transport, public ControlTransport {
       }
       unanswered_ = StrCat("a request (", p::MessageTypeName(type), ") within ",
                            std::chrono::duration_cast<std::chrono::seconds>(timeout).count(), " s");
-      return Status::Unavailable(StrCat("ztierd at ", path_, " did not answer ", unanswered_,
-                                        " (stopped or stuck? ztierctl status tells)"));
+      return Status::Unavailable(
+          StrCat("ztierd at ", path_, " did not answer ", unanswered_, " (", StuckHint(), ")"));
     }
     return std::move(pending->reply);
   }
@@ -1158,6 +1157,12 @@ class DaemonTransport final : public Transport, public ControlTransport {
   // Leases late acquires brought (job, unit), to be released (under mu_).
   std::vector<std::pair<int, int>> late_releases_;
   bool operator_ = false;  // the operator's tool's connection (no jobs)
+  // Where to look when ztierd does not answer: ztierctl, for a job's
+  // client; for ztierctl itself, the process.
+  std::string StuckHint() const {
+    return operator_ ? "stopped or stuck? systemctl status ztierd, or ps -o stat= -p its pid, tells"
+                     : "stopped or stuck? ztierctl status tells";
+  }
   uint64_t next_id_ = 1;
   std::map<uint64_t, std::shared_ptr<Pending>> pending_;
   std::map<int, Job> jobs_;
