@@ -1033,6 +1033,24 @@ Result<bool> HasCheckpoint(const OutPaths& paths) {
   if (ec) return PosixError(StrCat("cannot look for ", manifest), ec.value());
   return exists;
 }
+// A --resume's refusal when --out holds no checkpoint: that another run
+// holds the directory, where one does (a run before its first save; said
+// as a fresh start into the same --out would say it), else that there is
+// none. Call before this run claims the directory.
+Status NoCheckpointToResume(const OutPaths& paths) {
+  const std::string none = StrCat("--resume: there is no checkpoint in ", paths.checkpoint);
+  std::error_code ec;
+  if (fs::exists(fs::path(paths.checkpoint) / engine::kCheckpointLockFile, ec)) {
+    Result<DirLock> probe = DirLock::Acquire(paths.checkpoint, engine::kCheckpointLockFile,
+                                             "checkpoint directory", DirLock::Mode::kShared);
+    if (!probe.ok() && probe.status().code() == StatusCode::kUnavailable) {
+      return Status::Unavailable(
+          StrCat(none, " yet: another run trains there: ", probe.status().message()));
+    }
+  }
+  return Status::NotFound(none);
+}
+
 // Without a checkpoint (no manifest), what an earlier run left that a
 // fresh start would replace or remove: its export, or shard files of a
 // checkpoint whose manifest is gone. "" when none. (The model note alone is
@@ -1443,10 +1461,7 @@ int Run(const Flags& f, const Plan& p) {
   if (f.resume) {
     Result<bool> has = HasCheckpoint(OutPaths(f.out));
     if (!has.ok()) return fail(has.status().Annotate("--resume"));
-    if (!*has) {
-      return fail(Status::NotFound(
-          StrCat("--resume: there is no checkpoint in ", OutPaths(f.out).checkpoint)));
-    }
+    if (!*has) return fail(NoCheckpointToResume(OutPaths(f.out)));
   }
   if (Status s = CreateDir(f.out, "--out directory"); !s.ok()) return fail(s);
   if (!f.summary.empty()) {

@@ -106,6 +106,20 @@ TEST_F(TrainHardeningTest, ASecondRunOnOneOutIsRefusedAtOnceAndTheFirstIsUntouch
   EXPECT_EQ(Slurp(out + "/train_log.tsv").find('\0'), std::string::npos);
 }
 
+// A --resume into the --out of a run that has not saved yet said only
+// that there is no checkpoint, not that another run trains there.
+TEST_F(TrainHardeningTest, AResumeIntoARunThatHasNotSavedYetNamesThatRun) {
+  const std::string out = dir_ / "busy";
+  Process a(Common() + " --steps 100000 --out " + out, dir_ / "a.txt");
+  WaitForRows(out + "/train_log.tsv", 2, a.pid());
+  auto [rc, text] = Train(Common() + " --steps 5 --resume --out " + out, dir_);
+  ::kill(a.pid(), SIGKILL);
+  (void)a.Wait();
+  EXPECT_EQ(rc, 1) << text;
+  EXPECT_NE(text.find("there is no checkpoint in"), std::string::npos) << text;
+  EXPECT_NE(text.find(ztier::StrCat("in use by process ", a.pid())), std::string::npos) << text;
+}
+
 TEST_F(TrainHardeningTest, ARunNeverReplacesACheckpointItDidNotResume) {
   const std::string out = dir_ / "run";
   ASSERT_EQ(Train(Common() + " --steps 3 --out " + out, dir_).first, 0);
