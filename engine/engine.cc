@@ -242,9 +242,11 @@ struct Engine::Impl {
                       : "fp32 master, m, v, the bf16 publish buffer and grad inbox of each unit",
           "); the DRAM budget (ztier.dram_budget) has ", left, " of ", pool_stats.budget_bytes,
           " bytes left: raise the budget",
-          on_nvme < need ? StrCat(" or put the optimizer states on nvme (", on_nvme,
-                                  " bytes of pinned DRAM then)")
-                         : ""));
+          on_nvme >= need ? std::string()
+          : on_nvme <= left
+              ? StrCat(" or put the optimizer states on nvme (", on_nvme,
+                       " bytes of pinned DRAM then)")
+              : StrCat(" (with the optimizer states on nvme the job needs ", on_nvme, " bytes)")));
     }
     const uint64_t physical = PhysicalMemoryBytes();
     if (physical != 0 && need > physical) {

@@ -237,3 +237,9 @@ if __name__ == "__main__":
         sys.exit(main())
     except KeyboardInterrupt:
         sys.exit(130)
+    except Exception as e:  # the engine's errors say what is wrong: no traceback for them
+        from ztier import ZtierError
+        if not isinstance(e, ZtierError):
+            raise
+        print(f"finetune_hf: {e}", file=sys.stderr)
+        sys.exit(1)

@@ -1307,6 +1307,18 @@ TEST(EngineJobsTest, BudgetsValidationAndUnregister) {
   ASSERT_EQ(b.status().code(), StatusCode::kResourceExhausted) << b.status();
   EXPECT_NE(b.status().message().find("or put the optimizer states on nvme ("), std::string::npos)
       << b.status();
+  // Over the budget with its states on NVMe too: that was offered as if
+  // it fit; the budget it would take is said instead.
+  JobSpec more;
+  more.name = "more-units";
+  for (int k = 0; k < 64; ++k) more.units.push_back({StrCat("u", k), {{"w", {512, 512}}}});
+  b = engine->RegisterJob(more);
+  ASSERT_EQ(b.status().code(), StatusCode::kResourceExhausted) << b.status();
+  EXPECT_EQ(b.status().message().find("or put the optimizer states on nvme"), std::string::npos)
+      << b.status();
+  EXPECT_NE(b.status().message().find("with the optimizer states on nvme the job needs "),
+            std::string::npos)
+      << b.status();
   // Job a is untouched and still steps.
   for (int k = 3; k >= 0; --k) Ring(*engine, *a, k, 1, 0.1f);
   for (int k = 0; k < 4; ++k) EXPECT_TRUE(engine->WaitPublished(*a, k, 1, 10s).ok());

@@ -56,6 +56,11 @@ def test_bad_arguments_exit_2(tmp_path):
     p = run("--model", str(tmp_path / "nothing"), "--out", str(out), check=False)
     assert p.returncode == 2 and "not a directory" in p.stderr, p.stderr[-800:]
     assert not out.exists()
+    # The engine's refusals too ended in tracebacks: said in one line, exit 1.
+    p = run("--tiny", "--steps", "2", "--out", str(tmp_path / "small"), "--dram-budget", "1M",
+            check=False)
+    assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr[-800:]
+    assert "finetune_hf: resource_exhausted" in p.stderr and "dram_budget" in p.stderr, p.stderr
 
 
 def test_a_finished_or_mismatched_run_resumes_from_its_checkpoints_step(tmp_path):
