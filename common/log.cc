@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cctype>
 #include <cstdlib>
 #include <string>
 #include <string_view>
@@ -24,17 +25,11 @@ struct LogConfig {
 
   LogConfig() {
     if (const char* env = std::getenv("ZTIER_LOG")) {
-      const std::string_view v(env);
-      if (v == "error")
-        level = LogLevel::kError;
-      else if (v == "warn")
-        level = LogLevel::kWarn;
-      else if (v == "info")
-        level = LogLevel::kInfo;
-      else if (v == "debug")
-        level = LogLevel::kDebug;
-      else
-        bad_level = v;
+      if (const std::optional<LogLevel> parsed = ParseLogLevel(env)) {
+        level = *parsed;
+      } else {
+        bad_level = env;
+      }
     }
     if (const char* env = std::getenv("ZTIER_LOG_SUBSYS")) {
       subsystems = env;
@@ -51,6 +46,20 @@ struct LogConfig {
     }
   }
 };
+
+}  // namespace
+
+std::optional<LogLevel> ParseLogLevel(std::string_view name) {
+  std::string lower(name);
+  for (char& c : lower) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  if (lower == "error") return LogLevel::kError;
+  if (lower == "warn") return LogLevel::kWarn;
+  if (lower == "info") return LogLevel::kInfo;
+  if (lower == "debug") return LogLevel::kDebug;
+  return std::nullopt;
+}
+
+namespace {
 
 const LogConfig& Config() {
   static const LogConfig config = [] {

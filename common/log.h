@@ -14,6 +14,7 @@
 #include <chrono>
 #include <cstdint>
 #include <mutex>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <string_view>
@@ -24,6 +25,9 @@ enum class LogLevel : int { kError = 0, kWarn = 1, kInfo = 2, kDebug = 3 };
 
 // True if a line at `level` for `subsys` would be printed.
 bool LogEnabled(LogLevel level, std::string_view subsys);
+// The level ZTIER_LOG names ("error", "warn", "info", "debug", in any
+// case); nullopt for anything else.
+std::optional<LogLevel> ParseLogLevel(std::string_view name);
 
 // A budget for a line that others can make a process repeat at will (a
 // connection closed, a connection refused): `burst` lines at once, then

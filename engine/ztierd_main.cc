@@ -577,7 +577,7 @@ int main(int argc, char** argv) {
   // info, said (the library's fallback, warn, hid those lines).
   if (const char* set = std::getenv("ZTIER_LOG")) {
     const std::string_view v(set);
-    if (v != "error" && v != "warn" && v != "info" && v != "debug") {
+    if (!ztier::ParseLogLevel(v).has_value()) {
       std::fprintf(stderr,
                    "ztierd: ZTIER_LOG='%s' is not error, warn, info or debug; logging at info\n",
                    ztier::PrintableUtf8(v).c_str());

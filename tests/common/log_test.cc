@@ -72,6 +72,17 @@ namespace {
 
 // A line others can make repeat at will is logged `burst` times, then
 // `burst` a period; the lines left out are said with the next one.
+// ZTIER_LOG=INFO was refused ("not error, warn, info or debug") where the
+// settings' words are taken in any case.
+TEST(LogTest, LevelsAreReadInAnyCase) {
+  EXPECT_EQ(ParseLogLevel("INFO"), LogLevel::kInfo);
+  EXPECT_EQ(ParseLogLevel("Debug"), LogLevel::kDebug);
+  EXPECT_EQ(ParseLogLevel("warn"), LogLevel::kWarn);
+  EXPECT_EQ(ParseLogLevel("error"), LogLevel::kError);
+  EXPECT_EQ(ParseLogLevel("warning"), std::nullopt);
+  EXPECT_EQ(ParseLogLevel(""), std::nullopt);
+}
+
 TEST(LogRateTest, ABurstThenTheRestCountedAndSaidWithTheNextLine) {
   LogRate rate(3, std::chrono::milliseconds(200));
   std::string note = "x";
