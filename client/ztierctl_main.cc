@@ -508,7 +508,7 @@ int Run(const Options& o) {
     if (a.size() == 2 && a[1] == "--off") {
       drain_on = false;
     } else if (a.size() != 1) {
-      throw UsageError{"drain [--off]"};
+      throw UsageError{StrCat("drain: unknown argument '", a[1], "' (drain [--off])")};
     }
   } else if (cmd == "evict") {
     if (a.size() != 2 && !(a.size() == 4 && a[2] == "--reason")) {

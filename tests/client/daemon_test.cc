@@ -1845,8 +1845,11 @@ TEST(ZtierdProgramTest, BadUsageAndASocketInUseAreClearErrors) {
   std::tie(rc, out) =
       RunZtierd("--socket " + cfg.path() + "/q.sock --quota-file /nonexistent-dir/quotas.json");
   EXPECT_EQ(rc, 2) << out;
-  EXPECT_NE(out.find("/nonexistent-dir is not a directory ztierd can write"), std::string::npos)
-      << out;
+  EXPECT_NE(out.find("/nonexistent-dir does not exist"), std::string::npos) << out;
+  std::tie(rc, out) =
+      RunZtierd("--socket " + cfg.path() + "/q.sock --quota-file " + cfg.path() + "/bad.json/q");
+  EXPECT_EQ(rc, 2) << out;
+  EXPECT_NE(out.find("/bad.json is not a directory ztierd can write"), std::string::npos) << out;
   EXPECT_FALSE(std::filesystem::exists(cfg.path() + "/q.sock")) << "its socket was left behind";
   // A directory given as the file: said of the flag (the message named
   // neither the flag nor a quota file).
