@@ -1033,6 +1033,10 @@ Result<bool> HasCheckpoint(const OutPaths& paths) {
   if (ec) return PosixError(StrCat("cannot look for ", manifest), ec.value());
   return exists;
 }
+// What goes before an error: a line break that ends the progress bar's
+// line on a terminal; nothing in a log (a blank line there).
+const char* BarEnd() { return isatty(STDERR_FILENO) ? "\n" : ""; }
+
 // A --resume's refusal when --out holds no checkpoint: that another run
 // holds the directory, where one does (a run before its first save; said
 // as a fresh start into the same --out would say it), else that there is
@@ -1353,7 +1357,7 @@ Result<int> TrainSteps(const Flags& f, const Plan& p, const std::string& text, S
   // as a clean close removes them (on a full disk they held the room the
   // checkpoint needed). The checkpoint stays.
   const auto abandon = [&](int r, const Status& s) {
-    std::fprintf(stderr, "\nztier-train: rank %d: %s\n", r, s.ToString().c_str());
+    std::fprintf(stderr, "%sztier-train: rank %d: %s\n", BarEnd(), r, s.ToString().c_str());
     // What is left to go on from, as the other failures say it.
     if (const int64_t step = saved.load(); step > 0) {
       std::fprintf(stderr,
@@ -1440,7 +1444,7 @@ Status WriteSummary(const Flags& f, const Plan& p, const Measured& m, const engi
 
 int Run(const Flags& f, const Plan& p) {
   auto fail = [](const Status& s) {
-    std::fprintf(stderr, "\nztier-train: %s\n", PrintableUtf8(s.ToString()).c_str());
+    std::fprintf(stderr, "%sztier-train: %s\n", BarEnd(), PrintableUtf8(s.ToString()).c_str());
     return 1;
   };
   Result<std::string> text = LoadText(f.data);
@@ -1678,9 +1682,10 @@ int main(int argc, char** argv) {
     return ztier::train::Run(*flags, *plan);
   } catch (const std::bad_alloc&) {
     std::fprintf(stderr,
-                 "\nztier-train: resource_exhausted: out of host memory (a ulimit -v, or other "
+                 "%sztier-train: resource_exhausted: out of host memory (a ulimit -v, or other "
                  "processes took what the checks counted on); make the model, the batch or "
-                 "--data smaller\n");
+                 "--data smaller\n",
+                 ztier::train::BarEnd());
     return 1;
   }
 }
