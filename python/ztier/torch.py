@@ -2934,7 +2934,9 @@ class Offload:
 
 _sessions: "weakref.WeakValueDictionary[tuple, _C.Session]" = weakref.WeakValueDictionary()
 _sessions_lock = threading.Lock()  # guards _session_locks
-_session_locks: dict[tuple, threading.Lock] = {}
+# A lock per key while callers ask for that key's engine, and how many do
+# (kept for good, one stayed per key ever asked for).
+_session_locks: dict[tuple, list] = {}
 _hosted_daemons: list = []  # closed at exit, before the interpreter tears down
 
 
@@ -2951,11 +2953,15 @@ class _HostedDaemon:
         if self.directory is not None:
             shutil.rmtree(self.directory, ignore_errors=True)
             self.directory = None
+        try:  # closed: nothing left for the exit to close (one stayed listed per offload)
+            _hosted_daemons.remove(self)
+        except ValueError:
+            pass
 
 
 @atexit.register
 def _close_hosted_daemons():
-    for d in _hosted_daemons:
+    for d in list(_hosted_daemons):
         d.close()
 
 
@@ -3168,16 +3174,23 @@ def open_session(config: str | None = None, settings: dict | None = None,
     # own, and the second was refused its swap directories); threads asking
     # for different ones do not wait on each other.
     with _sessions_lock:
-        key_lock = _session_locks.setdefault(key, threading.Lock())
-    with key_lock:
-        session = _sessions.get(key)
-        if session is not None and session.health:
-            # Its ztierd is gone (restarted since), or this is a child forked
-            # from the process that opened it: a session of its own.
-            session = None
-        if session is None:
-            session = _C.Session.open(key[0], text, key[2], daemon_has_these_settings)
-            _sessions[key] = session
+        entry = _session_locks.setdefault(key, [threading.Lock(), 0])
+        entry[1] += 1
+    try:
+        with entry[0]:
+            session = _sessions.get(key)
+            if session is not None and session.health:
+                # Its ztierd is gone (restarted since), or this is a child forked
+                # from the process that opened it: a session of its own.
+                session = None
+            if session is None:
+                session = _C.Session.open(key[0], text, key[2], daemon_has_these_settings)
+                _sessions[key] = session
+    finally:
+        with _sessions_lock:
+            entry[1] -= 1
+            if entry[1] == 0:
+                del _session_locks[key]
     return session
 
 

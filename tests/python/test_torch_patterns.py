@@ -330,6 +330,19 @@ def test_two_threads_offloading_at_once_share_the_engine(settings):
         z.close()
 
 
+def test_engines_asked_for_and_closed_leave_nothing_behind(tmp_path):
+    # A lock per settings ever asked for stayed in the process for good
+    # (a new swap directory per offload: one more each time).
+    before = len(zt._session_locks)
+    for i in range(5):
+        swap = tmp_path / f"swap-{i}"
+        swap.mkdir()
+        z = zt.offload(nn.Linear(4, 4), settings={"ztier.dram_budget": "1G",
+                                                   "ZTIER_NVME_PATHS": str(swap)})
+        z.close()
+    assert len(zt._session_locks) == before
+
+
 def test_a_grad_scaler_is_refused_and_training_goes_on(settings):
     # GradScaler failed with "No inf checks were recorded" after the
     # engine had taken grads scaled by 65536.
