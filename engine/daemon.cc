@@ -603,6 +603,10 @@ struct Daemon::Impl {
   // refused, dropped for garbage, closed): bounded, the rest counted.
   LogRate refusal_log{20, std::chrono::seconds(10)};
   LogRate connection_log{20, std::chrono::seconds(10)};
+  // The lines of jobs coming and going (registered, attached, parked,
+  // dropped, freed): a user's loop of short jobs wrote three a job, 250 a
+  // second, past what journald keeps.
+  LogRate job_log{40, std::chrono::seconds(10)};
 
   class Connection;
   std::list<std::unique_ptr<Connection>> live;  // guarded by mu
@@ -744,8 +748,10 @@ struct Daemon::Impl {
       freeing.erase(freeing.find({job->uid, job->spec.name}));
     }
     jobs_changed.notify_all();  // (a registration of the name waits: WaitForNameLocked)
-    ZT_LOG(kInfo, "ztierd") << "uid " << job->uid << " job '" << job->spec.name << "' freed ("
-                            << why << ")";
+    if (std::string more; job_log.Allow(&more)) {
+      ZT_LOG(kInfo, "ztierd") << "uid " << job->uid << " job '" << job->spec.name << "' freed ("
+                              << why << ")" << more;
+    }
     return s;
   }
 
@@ -1918,8 +1924,11 @@ class Daemon::Impl::Connection {
     }
     d_.jobs_changed.notify_all();
     const int32_t handle = AddHandle(job, -1);
-    ZT_LOG(kInfo, "ztierd") << Who() << ": job '" << name << "' registered ("
-                            << job->spec.units.size() << " units, " << job->spec.ranks << " ranks)";
+    if (std::string more; d_.job_log.Allow(&more)) {
+      ZT_LOG(kInfo, "ztierd") << Who() << ": job '" << name << "' registered ("
+                              << job->spec.units.size() << " units, " << job->spec.ranks
+                              << " ranks)" << more;
+    }
     return HandleReply(handle, *job);
   }
 
@@ -2003,11 +2012,17 @@ class Daemon::Impl::Connection {
       job->holders.insert(this);
       if (job->parked) {
         job->parked = false;
-        ZT_LOG(kInfo, "ztierd") << Who() << ": parked job '" << name << "' attached again";
+        if (std::string more; d_.job_log.Allow(&more)) {
+          ZT_LOG(kInfo, "ztierd") << Who() << ": parked job '" << name << "' attached again"
+                                  << more;
+        }
       }
     }
     const int32_t handle = AddHandle(job, a.rank);
-    ZT_LOG(kInfo, "ztierd") << Who() << ": rank " << a.rank << " attached to job '" << name << "'";
+    if (std::string more; d_.job_log.Allow(&more)) {
+      ZT_LOG(kInfo, "ztierd") << Who() << ": rank " << a.rank << " attached to job '" << name << "'"
+                              << more;
+    }
     return HandleReply(handle, *job);
   }
 
@@ -2311,8 +2326,10 @@ class Daemon::Impl::Connection {
           job.collective_bytes = 0;
           job.left_rank = -1;
           job.ended_by_daemon = false;
-          ZT_LOG(kInfo, "ztierd") << Who() << ": job '" << j.name << "' parked for "
-                                  << grace.count() << " ms (its last client left)";
+          if (std::string more; d_.job_log.Allow(&more)) {
+            ZT_LOG(kInfo, "ztierd") << Who() << ": job '" << j.name << "' parked for "
+                                    << grace.count() << " ms (its last client left)" << more;
+          }
         } else {
           // A closing connection that maps the job stays counted too while
           // its process lives (the job's bytes go with the job's mappers).
@@ -2322,7 +2339,9 @@ class Daemon::Impl::Connection {
       }
     }
     d_.jobs_changed.notify_all();  // (a registration of the name waits: WaitForNameLocked)
-    ZT_LOG(kInfo, "ztierd") << Who() << ": handle of job '" << j.name << "' dropped";
+    if (std::string more; d_.job_log.Allow(&more)) {
+      ZT_LOG(kInfo, "ztierd") << Who() << ": handle of job '" << j.name << "' dropped" << more;
+    }
     if (!free) return Status::Ok();
     return d_.Free(j.job, closing ? "its last client left" : "unregistered");
   }
