@@ -401,9 +401,20 @@ Result<DramBlock> DramPool::Allocate(uint64_t bytes, std::string_view owner) {
   }
   // A new region: the standard size, or one just for this block, never
   // reserving past the budget (pinned memory is what the budget protects).
+  // Cut to a whole number of such blocks: a job's blocks are mostly of one
+  // size (its layers'), and blocks past half a region left the rest of each
+  // region unused (a fifth of the budget, and a job the budget's check let
+  // in failed as it allocated). Hugetlb pages need whole huge pages.
   p.DropEmptySharedRegions(size);
   const uint64_t room = p.Left() / kPage * kPage;
-  const uint64_t make = std::min(std::max(p.options.region_bytes, RoundUp(size, kHugePage)), room);
+  const uint64_t standard = std::max(p.options.region_bytes, RoundUp(size, kHugePage));
+  // (Small blocks keep the standard size: what is left past the last of
+  // them is small, and other blocks use it.)
+  uint64_t fit = size * 8 > standard ? standard / size * size : standard;
+  if (p.options.huge_pages == HugePages::kHugetlb) {
+    fit = std::min(standard, RoundUp(fit, kHugePage));
+  }
+  const uint64_t make = std::min(fit, room);
   if (make < size) {
     return Status::ResourceExhausted(StrCat(owner, ": DRAM pool budget of ", p.options.budget_bytes,
                                             " bytes exceeded: no region has a free run of ", size,

@@ -401,6 +401,21 @@ TEST(DramPoolTest, ConcurrentAllocationsDoNotOverlap) {
   EXPECT_EQ(pool->stats().used_bytes, 0u);
 }
 
+// Blocks past half a region took a standard region each, the rest of it
+// unused: 16 blocks of 2.5 MiB in a budget of 64 MiB (40 MiB), and a job
+// the budget's check let in failed as it allocated.
+TEST(DramPoolTest, BlocksOfOneSizeFillTheBudget) {
+  auto pool = MakePool(64 * kMiB, 4 * kMiB);
+  uint64_t blocks = 0;
+  while (pool->Allocate(5 * kMiB / 2, "layer").ok()) ++blocks;
+  EXPECT_EQ(blocks, 25u) << pool->stats().regions << " regions";
+  // Small blocks still share the standard regions.
+  auto other = MakePool(64 * kMiB, 4 * kMiB);
+  for (int i = 0; i < 3; ++i) ASSERT_TRUE(other->Allocate(kMiB, "small").ok());
+  EXPECT_EQ(other->stats().regions, 1u);
+  EXPECT_EQ(other->stats().reserved_bytes, 4 * kMiB);
+}
+
 TEST(DramPoolTest, ALargeBlockTakesTheRoomOfEmptySharedRegions) {
   auto pool = MakePool(8 * kMiB, 4 * kMiB);
   Result<DramBlock> small = pool->Allocate(4096, "small");  // a 2 MiB shared region
