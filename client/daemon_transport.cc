@@ -482,9 +482,14 @@ class DaemonTransport final : public Transport, public ControlTransport {
     return StepQuery(p::MessageType::kTargetStep, p::Encode(p::JobRef{.job = job}));
   }
 
-  Status ClaimCheckpointDir(int job, const std::string& dir) override {
+  Status ClaimCheckpointDir(int job, const std::string& dir, bool until_closed) override {
     ZT_RETURN_IF_ERROR(engine::CreateCheckpointDir(dir));
     const std::string key = engine::CheckpointDirKey(dir);
+    // The file I/O without mu_ (on a slow or hung filesystem it would
+    // stall the reply thread, and with it every job's transfers): the lock
+    // file looked up before, the locks let go of after.
+    const std::optional<DirLock::FileId> now = engine::ClaimedCheckpointDirs::LockFileAt(key);
+    std::vector<DirLock> gone;
     // Whether the job (or another of this process) has it: Ok when the
     // job has, `claimed` set; under mu_.
     const auto held = [&](bool* claimed) -> Status {
@@ -492,7 +497,7 @@ class DaemonTransport final : public Transport, public ControlTransport {
       if (jobs_.count(job) == 0)
         return Status::NotFound(StrCat("no job ", job, " in this session"));
       for (auto& [id, other] : jobs_) {
-        if (other.dirs.Holds(key, /*touch=*/id == job)) {
+        if (other.dirs.Holds(key, now, /*touch=*/id == job, until_closed && id == job, &gone)) {
           if (id == job) {
             *claimed = true;
             return Status::Ok();
@@ -511,14 +516,12 @@ class DaemonTransport final : public Transport, public ControlTransport {
       ZT_RETURN_IF_ERROR(held(&claimed));
       if (claimed) return Status::Ok();
     }
-    // The lock's file I/O without mu_: on a slow or hung filesystem it
-    // would stall the reply thread, and with it every job's transfers.
     ZT_ASSIGN_OR_RETURN(DirLock l,
                         DirLock::Acquire(dir, engine::kCheckpointLockFile, "checkpoint directory",
                                          DirLock::Mode::kExclusive));
     std::lock_guard<std::mutex> lock(mu_);
     ZT_RETURN_IF_ERROR(held(&claimed));  // a claim may have come meanwhile
-    if (!claimed) jobs_[job].dirs.Add(key, std::move(l));
+    if (!claimed) jobs_[job].dirs.Add(key, std::move(l), until_closed, &gone);
     return Status::Ok();
   }
 
@@ -546,7 +549,7 @@ class DaemonTransport final : public Transport, public ControlTransport {
 
   Status SaveCheckpoint(int job, const std::string& dir) override {
     ZT_RETURN_IF_ERROR(Health());  // before the directory is made
-    ZT_RETURN_IF_ERROR(ClaimCheckpointDir(job, dir));
+    ZT_RETURN_IF_ERROR(ClaimCheckpointDir(job, dir, /*until_closed=*/false));
     int64_t generation = -1;
     ZT_ASSIGN_OR_RETURN(engine::JobDescription d, DescribeBetweenSteps(job, &generation));
     DaemonStateAccess state(*this, job, d, generation);

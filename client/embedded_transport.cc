@@ -93,8 +93,8 @@ class EmbeddedTransport final : public Transport {
     return g;
   }
   Result<int64_t> TargetStep(int job) override { return e_->TargetStep(job); }
-  Status ClaimCheckpointDir(int job, const std::string& dir) override {
-    return e_->ClaimCheckpointDir(job, dir);
+  Status ClaimCheckpointDir(int job, const std::string& dir, bool until_closed) override {
+    return e_->ClaimCheckpointDir(job, dir, until_closed);
   }
   Status SaveCheckpoint(int job, const std::string& dir) override {
     return e_->SaveCheckpoint(job, dir);

@@ -109,9 +109,9 @@ class ForkSafeTransport final : public Transport {
     ZT_RETURN_IF_ERROR(owner_.Check("reading the job's step"));
     return inner_->TargetStep(job);
   }
-  Status ClaimCheckpointDir(int job, const std::string& dir) override {
+  Status ClaimCheckpointDir(int job, const std::string& dir, bool until_closed) override {
     ZT_RETURN_IF_ERROR(owner_.Check("claiming a checkpoint directory"));
-    return inner_->ClaimCheckpointDir(job, dir);
+    return inner_->ClaimCheckpointDir(job, dir, until_closed);
   }
   Status SaveCheckpoint(int job, const std::string& dir) override {
     ZT_RETURN_IF_ERROR(owner_.Check("saving a checkpoint"));

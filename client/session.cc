@@ -150,8 +150,8 @@ Status Model::RemoveCheckpoint(const std::string& dir) {
   ZT_RETURN_IF_ERROR(ClaimCheckpointDir(dir));
   return engine::RemoveCheckpointFiles(dir);
 }
-Status Model::ClaimCheckpointDir(const std::string& dir) {
-  return transport_->ClaimCheckpointDir(job_, dir);
+Status Model::ClaimCheckpointDir(const std::string& dir, bool until_closed) {
+  return transport_->ClaimCheckpointDir(job_, dir, until_closed);
 }
 Status Model::SaveCheckpoint(const std::string& dir) {
   return transport_->SaveCheckpoint(job_, dir);

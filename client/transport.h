@@ -93,7 +93,9 @@ class Transport {
   // are out of date. Read without asking where the step page is mapped.
   virtual Result<int64_t> WeightsGeneration(int job) = 0;
 
-  virtual Status ClaimCheckpointDir(int job, const std::string& dir) = 0;
+  // `until_closed`: held while the job lives (else as a save's claim:
+  // engine::ClaimedCheckpointDirs).
+  virtual Status ClaimCheckpointDir(int job, const std::string& dir, bool until_closed) = 0;
   virtual Status SaveCheckpoint(int job, const std::string& dir) = 0;
   virtual Status LoadCheckpoint(int job, const std::string& dir) = 0;
   virtual Status ExportSafetensors(int job, const std::string& path, engine::ExportType type) = 0;

@@ -413,10 +413,12 @@ class Model {
   // Locks `dir` for this model's checkpoints until the model is closed, so
   // that a second run (in this process or another) on the same directory is
   // refused at once, naming the holder's pid (engine::Engine::
-  // ClaimCheckpointDir). A save locks it itself (a load takes no lock: it
-  // reads one committed manifest); claim first to fail before training. Errors: Unavailable (in
+  // ClaimCheckpointDir). A save locks it itself, while it is among the
+  // model's eight most recently saved to (a load takes no lock: it reads
+  // one committed manifest); claim first to fail before training.
+  // `until_closed` false: a claim as a save's. Errors: Unavailable (in
   // use), IoError (cannot create it: a read-only filesystem, ...).
-  Status ClaimCheckpointDir(const std::string& dir);
+  Status ClaimCheckpointDir(const std::string& dir, bool until_closed = true);
   // Between steps (a step whose grads are all in, queued or running in the
   // engine, is waited for, and saved). From another thread while a runner trains: refused
   // (FailedPrecondition, "in flight") while grads of a step are pending;

@@ -508,7 +508,8 @@ int Run(const Options& o) {
     if (a.size() == 2 && a[1] == "--off") {
       drain_on = false;
     } else if (a.size() != 1) {
-      throw UsageError{StrCat("drain: unknown argument '", a[1], "' (drain [--off])")};
+      const std::string& odd = a[1] == "--off" ? a[2] : a[1];  // the first not understood
+      throw UsageError{StrCat("drain: unknown argument '", odd, "' (drain [--off])")};
     }
   } else if (cmd == "evict") {
     if (a.size() != 2 && !(a.size() == 4 && a[2] == "--reason")) {

@@ -252,7 +252,12 @@ Result<DirLock> DirLock::Acquire(const std::string& dir, std::string_view file_n
     if (mode == Mode::kExclusive) WritePid(fd);
     DirLock lock;
     lock.dir_ = dir;
-    lock.path_ = path;
+    // Absolute: a relative one named another file after a chdir (AtItsPath,
+    // Release).
+    std::error_code ec;
+    const std::filesystem::path absolute = std::filesystem::absolute(path, ec).lexically_normal();
+    lock.path_ = ec ? path : absolute.string();
+    lock.file_ = FileId{held.st_dev, held.st_ino};
     lock.what_ = std::string(what);
     lock.mode_ = mode;
     lock.fd_ = fd;
@@ -280,6 +285,7 @@ DirLock& DirLock::operator=(DirLock&& other) noexcept {
     what_ = std::move(other.what_);
     mode_ = other.mode_;
     fd_ = std::exchange(other.fd_, -1);
+    file_ = other.file_;
   }
   return *this;
 }
@@ -303,6 +309,13 @@ Status DirLock::MakeExclusive() {
   mode_ = Mode::kExclusive;
   WritePid(fd_);
   return Status::Ok();
+}
+
+std::optional<DirLock::FileId> DirLock::FileAt(const std::string& dir, std::string_view file_name) {
+  struct stat st {};
+  const std::string path = (std::filesystem::path(dir) / file_name).string();
+  if (::stat(path.c_str(), &st) != 0) return std::nullopt;
+  return FileId{st.st_dev, st.st_ino};
 }
 
 bool DirLock::AtItsPath() const {

@@ -30,6 +30,9 @@
 #ifndef ZTIER_COMMON_DIR_LOCK_H_
 #define ZTIER_COMMON_DIR_LOCK_H_
 
+#include <sys/types.h>
+
+#include <optional>
 #include <string>
 #include <string_view>
 
@@ -59,7 +62,18 @@ class DirLock {
   DirLock(const DirLock&) = delete;
   DirLock& operator=(const DirLock&) = delete;
 
+  // A file's identity: its device and inode.
+  struct FileId {
+    dev_t dev = 0;
+    ino_t ino = 0;
+    bool operator==(const FileId&) const = default;
+  };
   bool held() const { return fd_ >= 0; }
+  // The lock file this lock holds, as it was when taken.
+  const FileId& file() const { return file_; }
+  // The file at `dir`/`file_name` now; nullopt when there is none (or it
+  // cannot be looked at).
+  static std::optional<FileId> FileAt(const std::string& dir, std::string_view file_name);
   Mode mode() const { return mode_; }
   const std::string& dir() const { return dir_; }
 
@@ -86,6 +100,7 @@ class DirLock {
   std::string dir_, path_, what_;
   Mode mode_ = Mode::kExclusive;
   int fd_ = -1;
+  FileId file_;
 };
 
 }  // namespace ztier

@@ -13,11 +13,13 @@
 
 namespace ztier::engine {
 
-Status CheckpointDirs::Claim(const Job& job, const std::string& dir) {
+Status CheckpointDirs::Claim(const Job& job, const std::string& dir, bool pin) {
   const std::string key = CheckpointDirKey(dir);
+  const std::optional<DirLock::FileId> now = ClaimedCheckpointDirs::LockFileAt(key);
+  std::vector<DirLock> gone;  // let go of after mu_ (a file removed each)
   std::lock_guard<std::mutex> lock(mu_);
   for (auto& [id, other] : jobs_) {
-    if (!other.dirs.Holds(key, /*touch=*/id == job.id)) continue;
+    if (!other.dirs.Holds(key, now, /*touch=*/id == job.id, pin && id == job.id, &gone)) continue;
     if (id == job.id) return Status::Ok();
     return Status::Unavailable(StrCat("checkpoint directory ", dir, " is used by job '",
                                       other.job_name,
@@ -28,7 +30,7 @@ Status CheckpointDirs::Claim(const Job& job, const std::string& dir) {
                                                   DirLock::Mode::kExclusive));
   JobDirs& mine = jobs_[job.id];
   mine.job_name = job.spec.name;
-  mine.dirs.Add(key, std::move(l));
+  mine.dirs.Add(key, std::move(l), pin, &gone);
   return Status::Ok();
 }
 
@@ -109,7 +111,7 @@ class EngineStateAccess final : public StateAccess {
 
 Status SaveCheckpointImpl(Job& job, const std::string& dir, CheckpointDirs& dirs) {
   ZT_RETURN_IF_ERROR(CreateCheckpointDir(dir));
-  ZT_RETURN_IF_ERROR(dirs.Claim(job, dir));
+  ZT_RETURN_IF_ERROR(dirs.Claim(job, dir, /*pin=*/false));
   EngineStateAccess state(job, [](int64_t, int64_t) {});
   return SaveCheckpointFiles(Describe(job), state, dir);
 }

@@ -442,7 +442,7 @@ struct Daemon::Impl {
       std::filesystem::path dir = std::filesystem::path(options.quota_file).parent_path();
       if (dir.empty()) dir = ".";
       if (!std::filesystem::is_directory(dir, ec) || ::access(dir.c_str(), W_OK | X_OK) != 0) {
-        const bool missing = !std::filesystem::exists(dir, ec);
+        const bool missing = !std::filesystem::exists(dir, ec) && !ec;
         return Status::InvalidArgument(
             StrCat("quota file ", options.quota_file, ": ", dir.string(),
                    missing ? " does not exist" : " is not a directory ztierd can write",

@@ -1915,14 +1915,14 @@ Status WithIdleJob(Engine::Impl& e, int job, std::string_view what, StateUse use
   return s.Annotate(StrCat(what, " of job '", j->spec.name, "'"));
 }
 
-Status Engine::ClaimCheckpointDir(int job, const std::string& dir) {
+Status Engine::ClaimCheckpointDir(int job, const std::string& dir, bool until_closed) {
   std::shared_ptr<Job> j;
   {
     std::lock_guard<std::mutex> lock(impl_->mu);
     ZT_ASSIGN_OR_RETURN(j, impl_->Find(job));
   }
   ZT_RETURN_IF_ERROR(CreateCheckpointDir(dir));
-  ZT_RETURN_IF_ERROR(impl_->dirs.Claim(*j, dir));
+  ZT_RETURN_IF_ERROR(impl_->dirs.Claim(*j, dir, until_closed));
   std::lock_guard<std::mutex> lock(impl_->mu);
   if (j->removed) {  // unregistered meanwhile, its claims let go before this one
     impl_->dirs.Release(job);

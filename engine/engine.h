@@ -255,11 +255,13 @@ class Engine {
   // exclusive lock on it (common/dir_lock.h) held until the job is
   // unregistered, so no other job, in this process or another, can save
   // there meanwhile (a dead process's lock never blocks). A save claims its
-  // directory itself; claim first to be refused before any work is done.
+  // directory itself, for as long as it is among the job's eight most
+  // recently saved to (ClaimedCheckpointDirs); claim first to be refused
+  // before any work is done. `until_closed` false: a claim as a save's.
   // Errors: Unavailable (in use: names the directory and the holder's pid),
   // as creating the directory (FailedPrecondition, IoError naming the errno,
   // e.g. a read-only filesystem), NotFound (job).
-  Status ClaimCheckpointDir(int job, const std::string& dir);
+  Status ClaimCheckpointDir(int job, const std::string& dir, bool until_closed = true);
   // Saves the job's full state into `dir` (created if missing; claimed as
   // above): one file per unit shard (fp32 master, m, v, with a header) and
   // manifest.json (step, optimizer config, unit layout, every file's

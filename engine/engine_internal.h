@@ -318,9 +318,10 @@ using CommitFn = std::function<void(int64_t step, int64_t adam_step)>;
 // Thread-safe.
 class CheckpointDirs {
  public:
-  // `job` saves to `dir` from now on. Errors: Unavailable (another process
-  // or another job saves there, naming it), as DirLock::Acquire.
-  Status Claim(const Job& job, const std::string& dir);
+  // `job` saves to `dir` from now on (`pin`: until it is unregistered).
+  // Errors: Unavailable (another process or another job saves there,
+  // naming it), as DirLock::Acquire.
+  Status Claim(const Job& job, const std::string& dir, bool pin);
   // The job is gone: the directories it claimed are unlocked.
   void Release(int job);
 

@@ -411,22 +411,39 @@ std::string CheckpointDirKey(const std::string& dir) {
   return key;
 }
 
-bool ClaimedCheckpointDirs::Holds(const std::string& key, bool touch) {
+std::optional<DirLock::FileId> ClaimedCheckpointDirs::LockFileAt(const std::string& key) {
+  return DirLock::FileAt(key, kCheckpointLockFile);
+}
+
+bool ClaimedCheckpointDirs::Holds(const std::string& key, const std::optional<DirLock::FileId>& now,
+                                  bool touch, bool pin, std::vector<DirLock>* gone) {
   auto it = std::find_if(claims_.begin(), claims_.end(),
-                         [&](const auto& claim) { return claim.first == key; });
+                         [&](const Claim& claim) { return claim.key == key; });
   if (it == claims_.end()) return false;
-  if (!it->second.AtItsPath()) {  // the directory removed: it holds nothing
+  if (now != it->lock.file()) {  // the directory removed (made again): it holds nothing
+    gone->push_back(std::move(it->lock));
     claims_.erase(it);
     return false;
   }
+  it->pinned = it->pinned || pin;
   if (touch) std::rotate(it, it + 1, claims_.end());
   return true;
 }
 
-void ClaimedCheckpointDirs::Add(std::string key, DirLock lock) {
-  std::erase_if(claims_, [](const auto& claim) { return !claim.second.AtItsPath(); });
-  while (claims_.size() >= kMaxClaimedCheckpointDirs) claims_.erase(claims_.begin());
-  claims_.emplace_back(std::move(key), std::move(lock));
+void ClaimedCheckpointDirs::Add(std::string key, DirLock lock, bool pin,
+                                std::vector<DirLock>* gone) {
+  size_t unpinned = 0;
+  for (const Claim& claim : claims_) unpinned += claim.pinned ? 0 : 1;
+  for (auto it = claims_.begin(); unpinned >= kMaxClaimedCheckpointDirs && it != claims_.end();) {
+    if (it->pinned) {
+      ++it;
+      continue;
+    }
+    gone->push_back(std::move(it->lock));
+    it = claims_.erase(it);
+    --unpinned;
+  }
+  claims_.push_back(Claim{std::move(key), std::move(lock), pin});
 }
 
 Status CreateCheckpointDir(const std::string& dir) {

@@ -25,6 +25,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -126,25 +127,40 @@ std::string CheckpointDirKey(const std::string& dir);
 inline constexpr char kCheckpointLockFile[] = "ztier-checkpoint.lock";
 
 // The checkpoint directories one job has claimed, each held by its lock
-// (kCheckpointLockFile, one fd each): the job's most recently used ones.
-// A claim lets go of those whose lock file is gone (the directory removed
-// or renamed, as a rotation of checkpoint-N directories does) and, past
-// kMaxClaimedCheckpointDirs, of the least recently used: a run saving to a
-// new directory each time held one fd per save until the job ended, and
-// failed with EMFILE after about a thousand. A directory let go may be
-// claimed again, or by another saver. Not thread-safe: the owner's lock
-// guards it.
+// (kCheckpointLockFile, one fd each). A claim made for a save lasts while
+// it is among the job's kMaxClaimedCheckpointDirs most recently used
+// unpinned ones: a run saving to a new directory each time held one fd per
+// save until the job ended, and failed with EMFILE after about a thousand.
+// A pinned claim (ClaimCheckpointDir's, "until the model is closed") stays.
+// A claim whose lock file is gone or replaced (the directory removed, made
+// again) holds nothing and goes as its directory is claimed again. A claim
+// let go may be claimed again, or by another saver.
+//
+// Not thread-safe: the owner's lock guards it. The locks let go are handed
+// back, to be destroyed (a file removed) outside that lock; the lock file's
+// identity (FileAt) is looked up before taking it.
 class ClaimedCheckpointDirs {
  public:
   static constexpr size_t kMaxClaimedCheckpointDirs = 8;
-  // Whether `key` (CheckpointDirKey) is held; `touch` marks it used now.
-  bool Holds(const std::string& key, bool touch = false);
-  // Holds `key` by `lock` from now on (the most recently used).
-  void Add(std::string key, DirLock lock);
+  // The lock file of the directory `key` (CheckpointDirKey) now.
+  static std::optional<DirLock::FileId> LockFileAt(const std::string& key);
+  // Whether `key` is held, by a lock on `now` (LockFileAt; a claim on
+  // another file or none holds nothing: it goes to *gone). `touch` marks it
+  // used now; `pin` pins it.
+  bool Holds(const std::string& key, const std::optional<DirLock::FileId>& now, bool touch,
+             bool pin, std::vector<DirLock>* gone);
+  // Holds `key` by `lock` from now on; the unpinned claims past the cap,
+  // least recently used first, go to *gone.
+  void Add(std::string key, DirLock lock, bool pin, std::vector<DirLock>* gone);
   size_t size() const { return claims_.size(); }
 
  private:
-  std::vector<std::pair<std::string, DirLock>> claims_;  // least recently used first
+  struct Claim {
+    std::string key;
+    DirLock lock;
+    bool pinned = false;
+  };
+  std::vector<Claim> claims_;  // least recently used first
 };
 // What a weight must be, in the errors that refuse one (set, imported or
 // loaded): the forward pass reads it as bf16.

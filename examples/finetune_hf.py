@@ -241,5 +241,6 @@ if __name__ == "__main__":
         from ztier import ZtierError
         if not isinstance(e, ZtierError):
             raise
-        print(f"finetune_hf: {e}", file=sys.stderr)
+        lead = "\n" if sys.stderr.isatty() else ""  # past the progress line
+        print(f"{lead}finetune_hf: {e}", file=sys.stderr)
         sys.exit(1)

@@ -35,6 +35,7 @@
 // Exit codes: 0 done, 1 a runtime error (printed), 2 bad usage (flags,
 // config, environment), 3 --exit-after, 128 + signal when stopped.
 #include <fcntl.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -1043,14 +1044,14 @@ const char* BarEnd() { return isatty(STDERR_FILENO) ? "\n" : ""; }
 // none. Call before this run claims the directory.
 Status NoCheckpointToResume(const OutPaths& paths) {
   const std::string none = StrCat("--resume: there is no checkpoint in ", paths.checkpoint);
-  std::error_code ec;
-  if (fs::exists(fs::path(paths.checkpoint) / engine::kCheckpointLockFile, ec)) {
-    Result<DirLock> probe = DirLock::Acquire(paths.checkpoint, engine::kCheckpointLockFile,
-                                             "checkpoint directory", DirLock::Mode::kShared);
-    if (!probe.ok() && probe.status().code() == StatusCode::kUnavailable) {
-      return Status::Unavailable(
-          StrCat(none, " yet: another run trains there: ", probe.status().message()));
-    }
+  // Looked at, not taken or made: a lock this takes, even for a moment,
+  // another run's start would be refused for.
+  const std::string file = (fs::path(paths.checkpoint) / engine::kCheckpointLockFile).string();
+  UniqueFd fd(::open(file.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW));
+  if (fd.valid() && ::flock(fd.get(), LOCK_SH | LOCK_NB) != 0 && errno == EWOULDBLOCK) {
+    return Status::Unavailable(StrCat(none, " yet: it is in use by ",
+                                      DirLock::DescribeHolders(file),
+                                      ", a run that has not saved yet"));
   }
   return Status::NotFound(none);
 }

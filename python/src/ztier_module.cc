@@ -472,8 +472,10 @@ NB_MODULE(_C, m) {
           "path"_a, "dtype"_a = "bfloat16")
       .def(
           "claim_checkpoint_dir",
-          [](Model& model, const std::string& dir) { Check(model.ClaimCheckpointDir(dir)); },
-          "dir"_a, nb::call_guard<nb::gil_scoped_release>())
+          [](Model& model, const std::string& dir, bool until_closed) {
+            Check(model.ClaimCheckpointDir(dir, until_closed));
+          },
+          "dir"_a, "until_closed"_a = true, nb::call_guard<nb::gil_scoped_release>())
       .def(
           "save_checkpoint",
           [](Model& model, const std::string& dir) { Check(model.SaveCheckpoint(dir)); }, "dir"_a,

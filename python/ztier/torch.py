@@ -2742,7 +2742,7 @@ class Offload:
                 # The directory is this job's first (as the engine's save
                 # claims it; the claim makes it): a save refused there, as
                 # another run's, must not touch that run's buffers file.
-                self.job.claim_checkpoint_dir(directory)
+                self.job.claim_checkpoint_dir(directory, until_closed=False)
                 tmp = mine + ".tmp"
                 try:
                     torch.save({"step": step, "buffers": buffers,

@@ -238,6 +238,26 @@ TEST(DirLockTest, ALockWhoseDirectoryWasMadeAgainLeavesTheNewHoldersFile) {
   EXPECT_TRUE(second->AtItsPath());
 }
 
+// A lock taken by a relative path named another file after a chdir: it
+// looked let go of (and its release would remove a file there).
+TEST(DirLockTest, ALockByARelativePathIsTheSameFileAfterAChdir) {
+  ScratchDir dir("dir-lock");
+  fs::create_directory(dir / "d");
+  fs::create_directory(dir / "elsewhere");
+  fs::create_directory(dir / "elsewhere/d");
+  const fs::path cwd = fs::current_path();
+  fs::current_path(dir.path());
+  Result<DirLock> lock = Lock("d");
+  fs::current_path(dir / "elsewhere");
+  ASSERT_TRUE(lock.ok()) << lock.status();
+  EXPECT_TRUE(lock->AtItsPath());
+  std::ofstream(fs::path("d") / kFile) << "another's";
+  lock->Release();
+  EXPECT_TRUE(fs::exists(fs::path("d") / kFile));
+  EXPECT_FALSE(fs::exists(fs::path(dir / "d") / kFile));
+  fs::current_path(cwd);
+}
+
 TEST(DirLockTest, MovedLockStaysHeld) {
   ScratchDir dir("dir-lock");
   DirLock a;

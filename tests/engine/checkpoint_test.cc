@@ -642,8 +642,9 @@ TEST(CheckpointDirTest, OneSavingUserAtATimeAcrossJobsAndProcesses) {
     ::pause();
     ::_exit(0);
   }
+  ::close(ready[1]);  // a child that died says nothing, and the read ends
   char c = 0;
-  ASSERT_EQ(::read(ready[0], &c, 1), 1);
+  ASSERT_EQ(::read(ready[0], &c, 1), 1) << "the child died before it claimed the directory";
   ASSERT_EQ(c, 'y');
   const int jc = *a->RegisterJob(SmallModel("after", 1, 0.0f, 1, StepMode::kExact));
   Status held = a->ClaimCheckpointDir(jc, d);
@@ -653,7 +654,6 @@ TEST(CheckpointDirTest, OneSavingUserAtATimeAcrossJobsAndProcesses) {
   ::waitpid(child, nullptr, 0);
   EXPECT_TRUE(a->ClaimCheckpointDir(jc, d).ok());
   ::close(ready[0]);
-  ::close(ready[1]);
 }
 
 TEST(CheckpointDirTest, ALoadSeesOneCommittedCheckpointWhileAnotherRunKeepsSaving) {

@@ -488,8 +488,8 @@ TEST(DramPoolDeathTest, DoubleFreeAborts) {
 // lines for one job. One warning a pool; the later regions at info.
 TEST(DramPoolTest, RegionsThatCannotBeLockedAreWarnedOfOnce) {
   if (::geteuid() != 0) GTEST_SKIP() << "needs root, to drop to nobody (who lacks CAP_IPC_LOCK)";
-#if defined(__SANITIZE_ADDRESS__)
-  GTEST_SKIP() << "AddressSanitizer's mlock does nothing and says it succeeded";
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+  GTEST_SKIP() << "the sanitizer's mlock does nothing and says it succeeded";
 #endif
   const int rc = testing::AsNobody([] {
     const rlimit small{.rlim_cur = 64 << 10, .rlim_max = 64 << 10};
