@@ -486,9 +486,8 @@ class DaemonTransport final : public Transport, public ControlTransport {
     ZT_RETURN_IF_ERROR(engine::CreateCheckpointDir(dir));
     const std::string key = engine::CheckpointDirKey(dir);
     // The file I/O without mu_ (on a slow or hung filesystem it would
-    // stall the reply thread, and with it every job's transfers): the lock
-    // file looked up before, the locks let go of after.
-    const std::optional<DirLock::FileId> now = engine::ClaimedCheckpointDirs::LockFileAt(key);
+    // stall the reply thread, and with it every job's transfers): the locks
+    // let go of go after it.
     std::vector<DirLock> gone;
     // Whether the job (or another of this process) has it: Ok when the
     // job has, `claimed` set; under mu_.
@@ -497,7 +496,7 @@ class DaemonTransport final : public Transport, public ControlTransport {
       if (jobs_.count(job) == 0)
         return Status::NotFound(StrCat("no job ", job, " in this session"));
       for (auto& [id, other] : jobs_) {
-        if (other.dirs.Holds(key, now, /*touch=*/id == job, until_closed && id == job, &gone)) {
+        if (other.dirs.Holds(key, /*touch=*/id == job, until_closed && id == job)) {
           if (id == job) {
             *claimed = true;
             return Status::Ok();

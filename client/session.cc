@@ -143,11 +143,11 @@ Status Model::ExportSafetensors(const std::string& path, engine::Engine::ExportT
   return transport_->ExportSafetensors(job_, path, type);
 }
 Status Model::TidyCheckpointDir(const std::string& dir) {
-  ZT_RETURN_IF_ERROR(ClaimCheckpointDir(dir));
+  ZT_RETURN_IF_ERROR(ClaimCheckpointDir(dir, /*until_closed=*/false));  // as a save's
   return engine::RemoveUnnamedCheckpointFiles(dir);
 }
 Status Model::RemoveCheckpoint(const std::string& dir) {
-  ZT_RETURN_IF_ERROR(ClaimCheckpointDir(dir));
+  ZT_RETURN_IF_ERROR(ClaimCheckpointDir(dir, /*until_closed=*/false));  // as a save's
   return engine::RemoveCheckpointFiles(dir);
 }
 Status Model::ClaimCheckpointDir(const std::string& dir, bool until_closed) {

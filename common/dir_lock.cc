@@ -252,12 +252,11 @@ Result<DirLock> DirLock::Acquire(const std::string& dir, std::string_view file_n
     if (mode == Mode::kExclusive) WritePid(fd);
     DirLock lock;
     lock.dir_ = dir;
-    // Absolute: a relative one named another file after a chdir (AtItsPath,
-    // Release).
+    // Absolute (a relative one named another file after a chdir:
+    // AtItsPath, Release), its ".." left to the kernel, as the open was.
     std::error_code ec;
-    const std::filesystem::path absolute = std::filesystem::absolute(path, ec).lexically_normal();
+    const std::filesystem::path absolute = std::filesystem::absolute(path, ec);
     lock.path_ = ec ? path : absolute.string();
-    lock.file_ = FileId{held.st_dev, held.st_ino};
     lock.what_ = std::string(what);
     lock.mode_ = mode;
     lock.fd_ = fd;
@@ -273,6 +272,11 @@ std::string DirLock::DescribeHolders(const std::string& lock_file) {
   return HoldersText(Holders(st, -1));
 }
 
+bool DirLock::IsHeld(const std::string& lock_file) {
+  struct stat st {};
+  return ::lstat(lock_file.c_str(), &st) == 0 && S_ISREG(st.st_mode) && !LockHolders(st).empty();
+}
+
 DirLock::~DirLock() { Release(); }
 
 DirLock::DirLock(DirLock&& other) noexcept { *this = std::move(other); }
@@ -285,7 +289,6 @@ DirLock& DirLock::operator=(DirLock&& other) noexcept {
     what_ = std::move(other.what_);
     mode_ = other.mode_;
     fd_ = std::exchange(other.fd_, -1);
-    file_ = other.file_;
   }
   return *this;
 }
@@ -309,13 +312,6 @@ Status DirLock::MakeExclusive() {
   mode_ = Mode::kExclusive;
   WritePid(fd_);
   return Status::Ok();
-}
-
-std::optional<DirLock::FileId> DirLock::FileAt(const std::string& dir, std::string_view file_name) {
-  struct stat st {};
-  const std::string path = (std::filesystem::path(dir) / file_name).string();
-  if (::stat(path.c_str(), &st) != 0) return std::nullopt;
-  return FileId{st.st_dev, st.st_ino};
 }
 
 bool DirLock::AtItsPath() const {

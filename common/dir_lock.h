@@ -30,9 +30,6 @@
 #ifndef ZTIER_COMMON_DIR_LOCK_H_
 #define ZTIER_COMMON_DIR_LOCK_H_
 
-#include <sys/types.h>
-
-#include <optional>
 #include <string>
 #include <string_view>
 
@@ -62,18 +59,7 @@ class DirLock {
   DirLock(const DirLock&) = delete;
   DirLock& operator=(const DirLock&) = delete;
 
-  // A file's identity: its device and inode.
-  struct FileId {
-    dev_t dev = 0;
-    ino_t ino = 0;
-    bool operator==(const FileId&) const = default;
-  };
   bool held() const { return fd_ >= 0; }
-  // The lock file this lock holds, as it was when taken.
-  const FileId& file() const { return file_; }
-  // The file at `dir`/`file_name` now; nullopt when there is none (or it
-  // cannot be looked at).
-  static std::optional<FileId> FileAt(const std::string& dir, std::string_view file_name);
   Mode mode() const { return mode_; }
   const std::string& dir() const { return dir_; }
 
@@ -95,12 +81,15 @@ class DirLock {
   // (ztierd, user ztier)", "this process (pid 1234)", or "another process"
   // (none found, or the file cannot be opened).
   static std::string DescribeHolders(const std::string& lock_file);
+  // Whether a process holds a lock on `lock_file` (a regular file), as
+  // /proc/locks tells: looked at without opening it (no lock taken, none
+  // made, no wait on a FIFO).
+  static bool IsHeld(const std::string& lock_file);
 
  private:
   std::string dir_, path_, what_;
   Mode mode_ = Mode::kExclusive;
   int fd_ = -1;
-  FileId file_;
 };
 
 }  // namespace ztier

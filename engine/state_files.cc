@@ -411,20 +411,10 @@ std::string CheckpointDirKey(const std::string& dir) {
   return key;
 }
 
-std::optional<DirLock::FileId> ClaimedCheckpointDirs::LockFileAt(const std::string& key) {
-  return DirLock::FileAt(key, kCheckpointLockFile);
-}
-
-bool ClaimedCheckpointDirs::Holds(const std::string& key, const std::optional<DirLock::FileId>& now,
-                                  bool touch, bool pin, std::vector<DirLock>* gone) {
+bool ClaimedCheckpointDirs::Holds(const std::string& key, bool touch, bool pin) {
   auto it = std::find_if(claims_.begin(), claims_.end(),
                          [&](const Claim& claim) { return claim.key == key; });
   if (it == claims_.end()) return false;
-  if (now != it->lock.file()) {  // the directory removed (made again): it holds nothing
-    gone->push_back(std::move(it->lock));
-    claims_.erase(it);
-    return false;
-  }
   it->pinned = it->pinned || pin;
   if (touch) std::rotate(it, it + 1, claims_.end());
   return true;
@@ -434,7 +424,8 @@ void ClaimedCheckpointDirs::Add(std::string key, DirLock lock, bool pin,
                                 std::vector<DirLock>* gone) {
   size_t unpinned = 0;
   for (const Claim& claim : claims_) unpinned += claim.pinned ? 0 : 1;
-  for (auto it = claims_.begin(); unpinned >= kMaxClaimedCheckpointDirs && it != claims_.end();) {
+  for (auto it = claims_.begin();
+       !pin && unpinned >= kMaxClaimedCheckpointDirs && it != claims_.end();) {
     if (it->pinned) {
       ++it;
       continue;
@@ -449,7 +440,10 @@ void ClaimedCheckpointDirs::Add(std::string key, DirLock lock, bool pin,
 Status CreateCheckpointDir(const std::string& dir) {
   if (dir.empty()) return Status::InvalidArgument("an empty path names no checkpoint directory");
   std::error_code ec;
-  fs::path path = fs::path(dir).lexically_normal();
+  // As given, its ".." left to the kernel as every open in it is: made
+  // lexically normal, "link/../ckpt" was made beside the link, not where
+  // the saves went.
+  fs::path path(dir);
   if (!path.has_filename()) path = path.parent_path();  // "a/b/"
   // The levels made now: each one's name is made durable with its parent,
   // as a file's is by WriteFileAtomically.

@@ -25,7 +25,6 @@
 
 #include <cstdint>
 #include <functional>
-#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -132,25 +131,18 @@ inline constexpr char kCheckpointLockFile[] = "ztier-checkpoint.lock";
 // unpinned ones: a run saving to a new directory each time held one fd per
 // save until the job ended, and failed with EMFILE after about a thousand.
 // A pinned claim (ClaimCheckpointDir's, "until the model is closed") stays.
-// A claim whose lock file is gone or replaced (the directory removed, made
-// again) holds nothing and goes as its directory is claimed again. A claim
-// let go may be claimed again, or by another saver.
+// A claim let go may be claimed again, or by another saver.
 //
-// Not thread-safe: the owner's lock guards it. The locks let go are handed
-// back, to be destroyed (a file removed) outside that lock; the lock file's
-// identity (FileAt) is looked up before taking it.
+// Not thread-safe: the owner's lock guards it. The locks let go of are
+// handed back, to be destroyed (their files removed) outside that lock.
 class ClaimedCheckpointDirs {
  public:
   static constexpr size_t kMaxClaimedCheckpointDirs = 8;
-  // The lock file of the directory `key` (CheckpointDirKey) now.
-  static std::optional<DirLock::FileId> LockFileAt(const std::string& key);
-  // Whether `key` is held, by a lock on `now` (LockFileAt; a claim on
-  // another file or none holds nothing: it goes to *gone). `touch` marks it
-  // used now; `pin` pins it.
-  bool Holds(const std::string& key, const std::optional<DirLock::FileId>& now, bool touch,
-             bool pin, std::vector<DirLock>* gone);
-  // Holds `key` by `lock` from now on; the unpinned claims past the cap,
-  // least recently used first, go to *gone.
+  // Whether `key` (CheckpointDirKey) is held. `touch` marks it used now;
+  // `pin` pins it.
+  bool Holds(const std::string& key, bool touch, bool pin);
+  // Holds `key` by `lock` from now on; for an unpinned claim, the unpinned
+  // ones past the cap, least recently used first, go to *gone.
   void Add(std::string key, DirLock lock, bool pin, std::vector<DirLock>* gone);
   size_t size() const { return claims_.size(); }
 
@@ -162,6 +154,7 @@ class ClaimedCheckpointDirs {
   };
   std::vector<Claim> claims_;  // least recently used first
 };
+
 // What a weight must be, in the errors that refuse one (set, imported or
 // loaded): the forward pass reads it as bf16.
 inline constexpr char kWeightsInBf16Range[] =

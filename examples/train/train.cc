@@ -35,7 +35,6 @@
 // Exit codes: 0 done, 1 a runtime error (printed), 2 bad usage (flags,
 // config, environment), 3 --exit-after, 128 + signal when stopped.
 #include <fcntl.h>
-#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -1044,11 +1043,10 @@ const char* BarEnd() { return isatty(STDERR_FILENO) ? "\n" : ""; }
 // none. Call before this run claims the directory.
 Status NoCheckpointToResume(const OutPaths& paths) {
   const std::string none = StrCat("--resume: there is no checkpoint in ", paths.checkpoint);
-  // Looked at, not taken or made: a lock this takes, even for a moment,
-  // another run's start would be refused for.
+  // Looked at, not opened: a lock this takes, even for a moment, another
+  // run's start would be refused for.
   const std::string file = (fs::path(paths.checkpoint) / engine::kCheckpointLockFile).string();
-  UniqueFd fd(::open(file.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW));
-  if (fd.valid() && ::flock(fd.get(), LOCK_SH | LOCK_NB) != 0 && errno == EWOULDBLOCK) {
+  if (DirLock::IsHeld(file)) {
     return Status::Unavailable(StrCat(none, " yet: it is in use by ",
                                       DirLock::DescribeHolders(file),
                                       ", a run that has not saved yet"));

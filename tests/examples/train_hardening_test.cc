@@ -118,6 +118,14 @@ TEST_F(TrainHardeningTest, AResumeIntoARunThatHasNotSavedYetNamesThatRun) {
   EXPECT_EQ(rc, 1) << text;
   EXPECT_NE(text.find("there is no checkpoint in"), std::string::npos) << text;
   EXPECT_NE(text.find(ztier::StrCat("in use by process ", a.pid())), std::string::npos) << text;
+  // The lock file is looked at, not opened: a FIFO there (not ours to
+  // read) is no run, and no wait.
+  const std::string fifo = dir_ / "fifo";
+  std::filesystem::create_directories(fifo + "/checkpoint");
+  ASSERT_EQ(::mkfifo((fifo + "/checkpoint/ztier-checkpoint.lock").c_str(), 0600), 0);
+  std::tie(rc, text) = Train(Common() + " --steps 5 --resume --out " + fifo, dir_);
+  EXPECT_EQ(rc, 1) << text;
+  EXPECT_NE(text.find("there is no checkpoint in"), std::string::npos) << text;
 }
 
 TEST_F(TrainHardeningTest, ARunNeverReplacesACheckpointItDidNotResume) {
