@@ -310,8 +310,9 @@ using CommitFn = std::function<void(int64_t step, int64_t adam_step)>;
 
 // The checkpoint directories the engine's jobs save to. Each is locked
 // (common/dir_lock.h, exclusive) from a job's first claim or save until the
-// job is unregistered (or has used kMaxClaimedCheckpointDirs others since,
-// or the directory was removed: ClaimedCheckpointDirs): no other process,
+// job is unregistered (a save's claim: while it is among the
+// kMaxClaimedCheckpointDirs the job used last, ClaimedCheckpointDirs): no
+// other process,
 // and no other job of this engine, can save there meanwhile. Loads take no
 // lock (reading another run's
 // checkpoint, even one being written, is safe: see LoadCheckpointImpl).

@@ -405,10 +405,18 @@ float HalfToFloat(uint16_t h) {
 
 std::string CheckpointDirKey(const std::string& dir) {
   std::error_code ec;
-  fs::path p = fs::absolute(dir, ec).lexically_normal();
-  std::string key = (ec ? fs::path(dir) : p).string();
-  while (key.size() > 1 && key.back() == '/') key.pop_back();
-  return key;
+  const fs::path absolute = fs::absolute(dir, ec);
+  // Without its "." and empty parts; its ".." kept, as the kernel walks
+  // them: folded, "link/../ckpt" and "ckpt" were one key for two
+  // directories (a save to the second took no lock).
+  fs::path key;
+  for (const fs::path& part : ec ? fs::path(dir) : absolute) {
+    if (part.empty() || part == ".") continue;
+    key /= part;
+  }
+  std::string text = key.empty() ? std::string(".") : key.string();
+  while (text.size() > 1 && text.back() == '/') text.pop_back();
+  return text;
 }
 
 bool ClaimedCheckpointDirs::Holds(const std::string& key, bool touch, bool pin) {

@@ -118,8 +118,9 @@ Status CreateCheckpointDir(const std::string& dir);
 // wrote through it into the checkpoint the link named, whose shard files it
 // did not write, and a dangling one read as no checkpoint. OK otherwise.
 Status CheckManifestIsNoLink(const std::string& dir);
-// A checkpoint directory as one key, however it was spelled (absolute,
-// normalised, no trailing '/'): which directories a process holds.
+// A checkpoint directory as one key, as the kernel walks it (absolute,
+// without "." parts, repeated or trailing '/'; ".." kept): which
+// directories a process holds.
 std::string CheckpointDirKey(const std::string& dir);
 // The name of the lock file (common/dir_lock.h) a checkpoint directory's
 // writer holds.

@@ -602,6 +602,15 @@ TEST(CheckpointDirTest, AnUnregisterDuringASaveKeepsTheDirectoryUntilTheSaveIsDo
   EXPECT_TRUE(e->LoadCheckpoint(b, d).ok());
 }
 
+// A directory's key keeps its "..", as the kernel walks it: folded,
+// "link/../ckpt" and "ckpt" were one key for two directories.
+TEST(CheckpointDirTest, AKeyIsThePathAsTheKernelWalksIt) {
+  EXPECT_EQ(CheckpointDirKey("/a/./b//c/"), "/a/b/c");
+  EXPECT_EQ(CheckpointDirKey("/a/link/../c"), "/a/link/../c");
+  EXPECT_EQ(CheckpointDirKey("/"), "/");
+  EXPECT_EQ(CheckpointDirKey("x"), (std::filesystem::current_path() / "x").string());
+}
+
 TEST(CheckpointDirTest, OneSavingUserAtATimeAcrossJobsAndProcesses) {
   ScratchDir dir("ckpt-dir");
   const std::string d = dir / "ck";
