@@ -50,7 +50,10 @@ class TestDaemon {
     auto t = std::unique_ptr<TestDaemon>(new TestDaemon(dir));
     ZT_ASSIGN_OR_RETURN(t->daemon_,
                         engine::Daemon::Create(settings, options, std::move(io_backend)));
-    ZT_ASSIGN_OR_RETURN(t->listener_, engine::SeqPacketListener::Listen(t->socket(), 0600));
+    Result<engine::SeqPacketListener> listener =
+        engine::SeqPacketListener::Listen(t->socket(), 0600);
+    if (!listener.ok()) return listener.status();
+    t->listener_ = *std::move(listener);
     t->thread_ = std::thread([raw = t.get()] {
       Status s = raw->daemon_->Serve(raw->listener_);
       if (!s.ok()) {
