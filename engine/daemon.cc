@@ -789,18 +789,16 @@ struct Daemon::Impl {
   uint64_t registrations_seen = 0;
   void ReleaseIdleDram() {
     int jobs = 0;
+    bool registered = false;  // since the last check
     {
       std::lock_guard<std::mutex> lock(mu);
       ForgetIdleUidsLocked();
       jobs = static_cast<int>(freeing.size());
       for (const auto& [uid, u] : usage) jobs += u.jobs;
-      if (registrations != registrations_seen) {
-        registrations_seen = registrations;
-        ++jobs;
-      }
+      registered = std::exchange(registrations_seen, registrations) != registrations;
     }
     const auto now = Clock::now();
-    if (jobs > 0) {
+    if (jobs > 0 || registered) {
       idle_since = {};
       return;
     }

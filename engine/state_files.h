@@ -145,7 +145,6 @@ class ClaimedCheckpointDirs {
   // Holds `key` by `lock` from now on; for an unpinned claim, the unpinned
   // ones past the cap, least recently used first, go to *gone.
   void Add(std::string key, DirLock lock, bool pin, std::vector<DirLock>* gone);
-  size_t size() const { return claims_.size(); }
 
  private:
   struct Claim {
