@@ -1991,6 +1991,29 @@ Status CheckWriter(const Job& j, int64_t generation) {
 
 Status Engine::WriteState(int job, int unit, const float* master, const float* exp_avg,
                           const float* exp_avg_sq, int64_t generation) {
+  {
+    // A NaN master or moment trained on as NaN (every step skipped), a
+    // negative v as NaN updates: refused, naming where, as a checkpoint
+    // holding one is. Units and layouts do not change after registration.
+    std::shared_ptr<Job> j;
+    {
+      std::lock_guard<std::mutex> lock(impl_->mu);
+      ZT_ASSIGN_OR_RETURN(j, impl_->Find(job));
+    }
+    if (unit >= 0 && unit < static_cast<int>(j->units.size()) && master != nullptr &&
+        exp_avg != nullptr && exp_avg_sq != nullptr) {
+      const Unit& u = j->units[unit];
+      const bool moments = !u.stateless;  // a stateless unit's m and v are not kept
+      const std::string bad =
+          ImpossibleStateValue(j->spec.units[unit], u.layout, 0, u.layout.padded, master,
+                               moments ? exp_avg : nullptr, moments ? exp_avg_sq : nullptr);
+      if (!bad.empty()) {
+        return Status::InvalidArgument(StrCat("write state: unit '", j->spec.units[unit].name, "' ",
+                                              bad,
+                                              ", which no training leaves; nothing was written"));
+      }
+    }
+  }
   // A refused write changes nothing (nor the generation another writer
   // expects); one with a generation waits for the write under way.
   const IdleEntry entry{

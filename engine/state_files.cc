@@ -249,20 +249,11 @@ Result<std::string> ReadManifest(const std::string& dir) {
   return text;
 }
 
-// Reads unit k's shards (as `m` names them) into flat buffers of the
-// checkpoint's layout, verifying sizes, checksums and headers; with
-// `apply`, lays the state out in the job's layout there.
-// A shard's master, m and v (`shard` elements each, back to back, from
-// element `first` of unit k) hold what an optimizer could have left: a
-// master finite in bf16 (it is published as bf16), and m and v within what
-// a step's grads bound them to (every step taken has grads whose squares
-// are at most cpu_adam::kMaxGradSqSum, after their scale: m is a running
-// mean of those grads, v of their squares; twice that, for rounding). A
-// checkpoint whose checksums were rewritten over other values (or saved by
-// another program) trained on as NaN (every step skipped), or stepped its
-// master to Inf. Corruption, naming the file, the tensor and the element.
-Status CheckFinite(const JobDescription& job, size_t k, uint64_t first, const float* data,
-                   uint64_t shard, const std::string& where) {
+}  // namespace
+
+std::string ImpossibleStateValue(const UnitSpec& unit, const UnitLayout& layout, uint64_t first,
+                                 uint64_t count, const float* master, const float* exp_avg,
+                                 const float* exp_avg_sq) {
   static constexpr const char* kArrays[3] = {"fp32 master", "m (exp_avg)", "v (exp_avg_sq)"};
   static const float kMaxM = static_cast<float>(2 * std::sqrt(cpu_adam::kMaxGradSqSum));
   static constexpr float kMaxV = static_cast<float>(2 * cpu_adam::kMaxGradSqSum);
@@ -276,25 +267,44 @@ Status CheckFinite(const JobDescription& job, size_t k, uint64_t first, const fl
         return x >= 0.0f && x <= kMaxV;
     }
   };
+  const float* arrays[3] = {master, exp_avg, exp_avg_sq};
   for (int a = 0; a < 3; ++a) {
-    const float* x = data + a * shard;
-    for (uint64_t i = 0; i < shard; ++i) {
+    const float* x = arrays[a];
+    if (x == nullptr) continue;
+    for (uint64_t i = 0; i < count; ++i) {
       if (possible(a, x[i])) continue;
       const uint64_t at = first + i;
-      const UnitLayout& l = job.layouts[k];
       std::string what = "its padding";
-      for (size_t t = l.offsets.size(); t-- > 0;) {
-        if (at < l.numel && l.offsets[t] <= at) {
-          what = StrCat("tensor '", job.units[k].tensors[t].name, "' element ", at - l.offsets[t]);
+      for (size_t t = layout.offsets.size(); t-- > 0;) {
+        if (at < layout.numel && layout.offsets[t] <= at) {
+          what = StrCat("tensor '", unit.tensors[t].name, "' element ", at - layout.offsets[t]);
           break;
         }
       }
-      return Status::Corruption(StrCat("checkpoint file ", where, ": unit '", job.units[k].name,
-                                       "' ", what, " has ", kArrays[a], " ", x[i],
-                                       ", which no training leaves; nothing was loaded"));
+      return StrCat(what, " has ", kArrays[a], " ", x[i]);
     }
   }
-  return Status::Ok();
+  return "";
+}
+
+namespace {
+
+// Reads unit k's shards (as `m` names them) into flat buffers of the
+// checkpoint's layout, verifying sizes, checksums and headers; with
+// `apply`, lays the state out in the job's layout there.
+// A shard's master, m and v (`shard` elements each, back to back, from
+// element `first` of unit k) hold what an optimizer could have left
+// (ImpossibleStateValue): a checkpoint whose checksums were rewritten over
+// other values (or saved by another program) trained on as NaN (every step
+// skipped), or stepped its master to Inf. Corruption, naming the file, the
+// tensor and the element.
+Status CheckFinite(const JobDescription& job, size_t k, uint64_t first, const float* data,
+                   uint64_t shard, const std::string& where) {
+  const std::string bad = ImpossibleStateValue(job.units[k], job.layouts[k], first, shard, data,
+                                               data + shard, data + 2 * shard);
+  if (bad.empty()) return Status::Ok();
+  return Status::Corruption(StrCat("checkpoint file ", where, ": unit '", job.units[k].name, "' ",
+                                   bad, ", which no training leaves; nothing was loaded"));
 }
 
 // Int8 states of older versions could store a small positive v as 0 beside

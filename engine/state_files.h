@@ -88,6 +88,19 @@ inline constexpr std::string_view kAnotherWriter = "another load, import or stat
 // holds part of its state) with what to do.
 Status PartlyWrittenNote(const StateAccess& state, Status st, std::string_view what);
 
+// Where a unit's state holds a value no optimizer leaves: a master not
+// finite in bf16 (it is published as bf16), m or v past what a step's grads
+// bound them to (every step taken has grads whose squares sum to at most
+// cpu_adam::kMaxGradSqSum after their scale: m is a running mean of those
+// grads, v of their squares; twice that, for rounding), or a negative v.
+// `count` elements of each array from element `first` of the unit; a null
+// exp_avg or exp_avg_sq is not checked (a unit that keeps no moments). ""
+// when every value is possible, else where and what: "tensor 'w' element 5
+// has m (exp_avg) nan" ("its padding ..." past the tensors).
+std::string ImpossibleStateValue(const UnitSpec& unit, const UnitLayout& layout, uint64_t first,
+                                 uint64_t count, const float* master, const float* exp_avg,
+                                 const float* exp_avg_sq);
+
 Status SaveCheckpointFiles(const JobDescription& job, StateAccess& state, const std::string& dir);
 // Removes the unit files in `dir` that its manifest does not name: a save
 // killed after its manifest and before its cleanup leaves the older

@@ -982,6 +982,60 @@ TEST(EngineJobsTest, AStateReadWhileTheStateIsReplacedIsRefused) {
   }
 }
 
+// A state written unit by unit holds what training could have left, as a
+// loaded checkpoint must: a NaN master, an infinite m or a negative v is
+// refused naming the tensor and the element, and the unit keeps its state.
+// A unit whose tensors are all frozen keeps no m and v: they are not checked.
+TEST(EngineJobsTest, AStateWrittenWithImpossibleValuesIsRefusedNamingWhere) {
+  auto e = MakeEngine();
+  JobSpec spec;
+  spec.name = "impossible";
+  spec.units.push_back({"u0", {{"u0.a", {10}}, {"u0.b", {50}}}});
+  spec.units.push_back({"u1", {{.name = "u1.w", .shape = {64}, .frozen = true}}});
+  Result<int> job = e->RegisterJob(spec);
+  ASSERT_TRUE(job.ok()) << job.status();
+  const UnitLayout l = *e->Layout(*job, 0);
+  ASSERT_GT(l.padded, l.numel);
+  const std::vector<float> good(l.padded, 0.5f);
+  ASSERT_TRUE(e->WriteState(*job, 0, good.data(), good.data(), good.data()).ok());
+  struct Case {
+    int array;  // 0 master, 1 m, 2 v
+    float value;
+    const char* words;
+  };
+  const float inf = std::numeric_limits<float>::infinity();
+  for (const Case& c : {Case{0, std::nanf(""), "tensor 'u0.b' element 3 has fp32 master nan"},
+                        Case{0, 3.4e38f, "tensor 'u0.b' element 3 has fp32 master"},
+                        Case{1, -inf, "tensor 'u0.b' element 3 has m (exp_avg) -inf"},
+                        Case{2, -1.0f, "tensor 'u0.b' element 3 has v (exp_avg_sq) -1"},
+                        Case{2, std::nanf(""), "has v (exp_avg_sq) nan"}}) {
+    std::vector<float> arrays[3] = {good, good, good};
+    arrays[c.array][13] = c.value;
+    const Status st = e->WriteState(*job, 0, arrays[0].data(), arrays[1].data(), arrays[2].data());
+    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st;
+    EXPECT_NE(st.message().find(c.words), std::string::npos) << st;
+    EXPECT_NE(st.message().find("nothing was written"), std::string::npos) << st;
+  }
+  std::vector<float> padding = good;
+  padding.back() = std::nanf("");
+  EXPECT_NE(e->WriteState(*job, 0, padding.data(), good.data(), good.data())
+                .message()
+                .find("its padding has fp32 master nan"),
+            std::string::npos);
+  std::vector<float> p(l.padded), m(l.padded), v(l.padded);
+  ASSERT_TRUE(e->ReadState(*job, 0, p.data(), m.data(), v.data()).ok());
+  EXPECT_EQ(p, good);
+  EXPECT_EQ(m, good);
+  EXPECT_EQ(v, good);
+  // The frozen unit: its moments are dropped, whatever they hold.
+  const UnitLayout l1 = *e->Layout(*job, 1);
+  const std::vector<float> half(l1.padded, 0.5f), nans(l1.padded, std::nanf(""));
+  const Status frozen = e->WriteState(*job, 1, half.data(), nans.data(), nans.data());
+  EXPECT_TRUE(frozen.ok()) << frozen;
+  ASSERT_TRUE(e->CommitState(*job, 0, 0).ok());
+  ASSERT_TRUE(e->UnregisterJob(*job).ok());
+}
+
 // A state written unit by unit (ztierd's clients' loads and imports) names
 // the weights generation it expects: another writer's write or commit in
 // between refuses the rest of it, so two loads never leave a mix while
