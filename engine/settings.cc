@@ -283,6 +283,14 @@ const std::vector<Tunable>& Table() {
          for (std::string& p : paths) {
            while (p.size() > 1 && p.back() == '/') p.pop_back();
          }
+         // One directory twice, as written (the swap space also refuses
+         // two spellings of one directory, as it opens them).
+         for (size_t i = 0; i < paths.size(); ++i) {
+           if (std::find(paths.begin() + i + 1, paths.end(), paths[i]) != paths.end()) {
+             return Status::InvalidArgument(
+                 StrCat(k, ": '", t, "' names ", paths[i], " twice (one directory per drive)"));
+           }
+         }
          if (!s.nvme_paths.empty() && s.nvme_paths != paths) {
            return Status::InvalidArgument(
                StrCat(k,

@@ -447,6 +447,13 @@ TEST(SettingsTest, PrecedenceIsDefaultsConfigEnvironmentFlagsAndEachSourceIsName
     EXPECT_NE(empty.status().message().find("names an empty path"), std::string::npos)
         << empty.status();
   }
+  // One directory twice: refused as the list is read (a command line's
+  // contradiction, not a failure of the run).
+  for (const char* twice : {"/a,/a", "/a,/b,/a/"}) {
+    Result<Settings> again = ApplySetting(*f, "ZTIER_NVME_PATHS", twice, "--swap-dir");
+    ASSERT_FALSE(again.ok()) << twice;
+    EXPECT_NE(again.status().message().find("names /a twice"), std::string::npos) << again.status();
+  }
   EXPECT_TRUE(ApplySetting(*f, "ZTIER_NVME_PATHS", "/a,/b", "--swap-dir").ok());
 }
 

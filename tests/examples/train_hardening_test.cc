@@ -523,6 +523,7 @@ TEST_F(TrainHardeningTest, BadInputsAreClearErrorsNeverCrashes) {
   };
   const Case cases[] = {
       {"--swap-dir ,", 2, "empty path list"},
+      {"--optimizer nvme --swap-dir " + (dir_ / "adir") + "," + (dir_ / "adir"), 2, "adir twice"},
       {"--max-live-bytes nan", 2, "is not a size"},
       {"--max-live-bytes 1e30", 2, "is not a size"},
       {"--persistence-threshold -5", 2, "is not a size"},
