@@ -54,6 +54,7 @@
 #include <map>
 #include <mutex>
 #include <new>
+#include <set>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -942,7 +943,14 @@ void PrintSetup(const Flags& f, const Plan& p, const Session& session, size_t te
     }
   }
   std::fprintf(stderr, "ztier-train: %s\n", pages.c_str());
+  // Through ztierd the engine's settings are ztierd's: one set here (the
+  // session warned of it) is not listed as this run's.
+  std::set<std::string> not_applied;
+  if (session.transport_name() != "embedded") {
+    for (const auto& [key, from] : engine::EngineOnlySettingsSet(s)) not_applied.insert(key);
+  }
   for (const std::string& line : engine::NonDefaultSettings(s)) {
+    if (not_applied.contains(line.substr(0, line.find(" = ")))) continue;
     std::fprintf(stderr, "ztier-train: setting %s\n", line.c_str());
   }
 }

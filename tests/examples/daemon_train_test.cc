@@ -83,6 +83,28 @@ TEST(DaemonTrainTest, NvmePlacementsOnAZtierdWithoutSwapSayWhatToDo) {
       << out;
 }
 
+// An engine setting of the shell (ZTIER_DRAM_BUDGET) is ztierd's through
+// --daemon: the run warns of it, and its setup does not list it as the
+// run's (it was listed beside ztierd's own budget).
+TEST(DaemonTrainTest, AnEngineSettingOfTheShellIsNotListedAsTheRuns) {
+  ScratchDir dir("daemon-engine-setting");
+  const std::string data = dir / "words.txt";
+  WriteWordSalad(data, 32 << 10);
+  ZtierdProcess d(ZTIERD_BINARY, {});
+  ::setenv("ZTIER_DRAM_BUDGET", "1G", 1);
+  auto [rc, out] = ztier::testing::RunTrain(
+      " --layers 2 --channels 32 --heads 2 --context 16 --steps 1 --data " + data + " --daemon " +
+          d.socket() + " --lr 0.002 --out " + (dir / "a"),
+      dir / "a.txt");
+  ::unsetenv("ZTIER_DRAM_BUDGET");
+  EXPECT_EQ(rc, 0) << out;
+  EXPECT_NE(out.find("ztier.dram_budget (from ZTIER_DRAM_BUDGET) is an engine setting"),
+            std::string::npos)
+      << out;
+  EXPECT_EQ(out.find("setting ztier.dram_budget"), std::string::npos) << out;
+  EXPECT_NE(out.find("setting optimizer.params.lr = 0.002 (from --lr)"), std::string::npos) << out;
+}
+
 // --summary named the run's own state dtype (fp32, the default) where
 // ztierd's setting (int8) was the one the job ran with and saved.
 TEST(DaemonTrainTest, TheSummarySaysTheStateDtypeTheJobRanWith) {
