@@ -30,31 +30,45 @@ import time
 FORTUNES = "/usr/share/games/fortunes"
 
 
+class _HelpWithDefaults(argparse.RawDescriptionHelpFormatter):
+    """Each option's help says its default, where it has one."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        default = action.default
+        if (default is not None and default is not False and default != argparse.SUPPRESS
+                and "%(default)" not in text):
+            text += " (default: %(default)s)"
+        return text.strip()
+
+
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=_HelpWithDefaults)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="a local Hugging Face checkpoint directory")
     src.add_argument("--tiny", action="store_true",
                      help="a small Llama built from a config (byte-level tokens, no download)")
     p.add_argument("--data", help="a text file (default: the fortunes corpus)")
-    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--steps", type=int, default=200, help="optimizer steps")
     p.add_argument("--batch", type=int, default=4, help="sequences per micro-step")
     p.add_argument("--seq", type=int, default=128, help="tokens per sequence")
-    p.add_argument("--accumulation", type=int, default=1)
-    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--accumulation", type=int, default=1,
+                   help="micro-steps (backward passes) per optimizer step")
+    p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate")
     p.add_argument("--warmup", type=int, default=20, help="linear warmup steps, then cosine")
-    p.add_argument("--weight-decay", type=float, default=0.1)
-    p.add_argument("--clip", type=float, default=1.0)
+    p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay")
+    p.add_argument("--clip", type=float, default=1.0, help="gradient norm clip (0: none)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    p.add_argument("--states", choices=("dram", "nvme"), default="dram")
+    p.add_argument("--states", choices=("dram", "nvme"), default="dram",
+                   help="where the fp32 master weights and AdamW moments live")
     p.add_argument("--nvme", help="swap directory for --states nvme")
-    p.add_argument("--dram-budget", default="4G")
+    p.add_argument("--dram-budget", default="4G", help="pinned host memory the engine may use")
     p.add_argument("--checkpointing", action="store_true", help="activation checkpointing")
-    p.add_argument("--out", default="finetune-run")
-    p.add_argument("--save-every", type=int, default=100)
+    p.add_argument("--out", default="finetune-run", help="checkpoint and log directory")
+    p.add_argument("--save-every", type=int, default=100, help="steps between checkpoints")
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights and the batches")
     p.add_argument("--json", action="store_true", help="print a JSON summary as the last line")
     args = p.parse_args(argv)
     for name in ("steps", "batch", "seq", "accumulation", "save_every"):

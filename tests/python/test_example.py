@@ -40,6 +40,18 @@ def test_tiny_fine_tune_loss_falls_then_resumes_and_reloads(tmp_path):
     assert reloaded["first_loss"] < 0.9 * first["first_loss"]  # trained weights, not fresh
 
 
+def test_help_gives_every_options_default():
+    # Half the options had no help line, so --help did not say their
+    # defaults (--steps 200, --lr 0.002, ...).
+    text = run("--help").stdout.split("\noptions:", 1)[1]
+    for option, default in (("--steps", "200"), ("--lr", "0.002"), ("--accumulation", "1"),
+                            ("--weight-decay", "0.1"), ("--clip", "1.0"), ("--states", "dram"),
+                            ("--dram-budget", "4G"), ("--out", "finetune-run"),
+                            ("--save-every", "100"), ("--seed", "0"), ("--batch", "4")):
+        line = text[text.index("\n  " + option + " "):].split("\n  -", 2)[1]
+        assert f"(default: {default})" in " ".join(line.split()), (option, line)
+
+
 def test_bad_arguments_exit_2(tmp_path):
     assert run("--tiny", "--steps", "0", check=False).returncode == 2
     bad = run("--tiny", "--data", str(tmp_path / "missing.txt"), check=False)
