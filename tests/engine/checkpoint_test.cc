@@ -496,6 +496,25 @@ TEST_F(CheckpointFaultTest, ADeeplyNestedManifestIsRefusedNotACrash) {
   EXPECT_EQ(s.message().find("nest more than"), std::string::npos) << s;
 }
 
+// A manifest crafted of empty objects cost sixty times its size in memory
+// before it was refused (4 GB for 64 MiB); a document is refused once its
+// values would take 16 times the text, and a manifest ztier wrote (a few
+// times its size) loads.
+TEST_F(CheckpointFaultTest, AManifestCraftedToTakeMemoryIsRefused) {
+  TrainAndSave(1);
+  auto other = MakeEngine();
+  const int job = *other->RegisterJob(SmallModel("victim", 1, 1.0f, 1, StepMode::kExact));
+  ASSERT_TRUE(other->LoadCheckpoint(job, dir_.path()).ok());
+  std::string empties(4 << 20, ',');
+  for (size_t i = 0; i + 2 < empties.size(); i += 3) empties.replace(i, 2, "{}");
+  empties.resize(empties.size() - empties.size() % 3 - 1);
+  std::ofstream(dir_ / "manifest.json", std::ios::trunc)
+      << R"({"format": "ztier-checkpoint", "version": 1, "x": [)" << empties << "]}";
+  Status s = other->LoadCheckpoint(job, dir_.path());
+  EXPECT_EQ(s.code(), StatusCode::kCorruption) << s;
+  EXPECT_NE(s.message().find("would take more than 65 MiB of memory"), std::string::npos) << s;
+}
+
 TEST_F(CheckpointFaultTest, ADirectoryWhereAFileShouldBeIsAnErrorNotACrash) {
   TrainAndSave(1);
   auto other = MakeEngine();
