@@ -278,7 +278,9 @@ def find_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     the model names in ``_no_split_modules`` (Hugging Face), outermost only;
     else the children of the largest ``ModuleList`` or ``Sequential`` (the
     model itself included) whose children, two or more, are all of one
-    class. Empty when neither exists (the model is then one unit)."""
+    class. Empty when neither exists (the model is then one unit). A child
+    that is itself a ModuleList or ModuleDict (a UNet's stages, each a list
+    of blocks) is never called, so its modules are the blocks."""
     names = set(getattr(model, "_no_split_modules", None) or ())
     blocks: list[tuple[str, nn.Module]] = []
     if names:
@@ -310,11 +312,16 @@ def find_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     # one block, under its first name.
     seen: set[int] = set()
     out = []
-    prefix = f"{best[1]}." if best[1] else ""
-    for key, c in best[2].named_children():
-        if id(c) not in seen:
-            seen.add(id(c))
-            out.append((prefix + key, c))
+
+    def take(prefix: str, stack: nn.Module):
+        for key, c in stack.named_children():
+            if isinstance(c, _NEVER_CALLED):
+                take(f"{prefix}{key}.", c)
+            elif id(c) not in seen:
+                seen.add(id(c))
+                out.append((prefix + key, c))
+
+    take(f"{best[1]}." if best[1] else "", best[2])
     return out
 
 
@@ -347,6 +354,12 @@ def _resolve_blocks(model: nn.Module, blocks) -> list[tuple[str, nn.Module]]:
                             f"{type(b).__name__}")
         if m is model:
             raise ValueError("ztier: blocks= lists the model itself; blocks=[] makes it one unit")
+        if isinstance(m, _NEVER_CALLED):
+            inner = [f"'{name_of[id(m)]}.{k}'" for k, _ in list(m.named_children())[:2]]
+            raise ValueError(
+                f"ztier: blocks= lists '{name_of[id(m)]}', a {type(m).__name__}, which is never "
+                "called (its modules are): its parameters would be fetched for no forward and "
+                f"read as NaN; list its modules instead ({', '.join(inner + ['...'])})")
         if id(m) not in listed:
             listed.add(id(m))
             out.append((name_of[id(m)], m))
@@ -3249,6 +3262,8 @@ def _own_params(m: nn.Module) -> list:
 
 
 _PARAM_CONTAINERS = (nn.ParameterList, nn.ParameterDict)
+# Containers of modules that are never called themselves: no block.
+_NEVER_CALLED = (nn.ModuleList, nn.ModuleDict)
 
 
 def _offloadable(p: nn.Parameter) -> bool:
@@ -3406,8 +3421,11 @@ _READ_OUTSIDE = (
     "model.parameters() added to the loss, F.linear(h, self.wte.weight) in the root's forward) "
     "reads as NaN there (its values live in the engine and are fetched for its module's "
     "forward only): use it inside the owning module (an nn.Linear head whose weight is tied "
-    "to it), and leave weight decay to zt.AdamW(weight_decay=...); otherwise every step with "
-    "such grads is skipped")
+    "to it), and leave weight decay to zt.AdamW(weight_decay=...). The same holds for a "
+    "block (a unit, Offload.units): its parameters are fetched as the block itself is called, "
+    "block(x), not for its submodules called from outside it (block.fc(x)) nor for "
+    "block.forward(x) or checkpoint(block.forward, x); call the block, or name the submodules "
+    "you call as blocks (blocks=[...]). Otherwise every step with such grads is skipped")
 
 
 class _RootZeroGrad:

@@ -911,6 +911,44 @@ def test_blocks_stacked_in_a_sequential_are_units(settings):
     assert zt.find_blocks(nn.Sequential(nn.Linear(8, 8), nn.Sequential(nn.ReLU(), nn.ReLU()))) == []
 
 
+def test_blocks_in_lists_of_lists_are_units(settings):
+    # A UNet's stages, a ModuleList of ModuleLists of blocks: the stages
+    # were taken as the blocks, and a ModuleList is never called, so its
+    # blocks read their NaN placeholders (every step skipped).
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return x + torch.tanh(self.fc(x))
+
+    class Stages(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inp = nn.Linear(8, 8)
+            self.stages = nn.ModuleList(nn.ModuleList([Block(), Block()]) for _ in range(2))
+            self.mid = nn.ModuleDict({"a": Block()})
+            self.out = nn.Linear(8, 1)
+
+        def forward(self, x):
+            h = self.inp(x)
+            for stage in self.stages:
+                for b in stage:
+                    h = b(h)
+            return self.out(self.mid["a"](h))
+
+    _, z = _against_reference(Stages, settings, _x)
+    assert [u.name for u in z.units] == ["embed", "stages.0.0", "stages.0.1", "stages.1.0",
+                                         "stages.1.1", "head"]
+    # Named as blocks, a list is refused, naming its modules.
+    with pytest.raises(ValueError, match=r"'stages.0', a ModuleList, which is never called.*"
+                                         r"'stages.0.0', 'stages.0.1'"):
+        zt.offload(Stages(), optimizer=ADAMW, settings=settings, blocks=["stages.0"])
+    with pytest.raises(ValueError, match="'mid', a ModuleDict"):
+        zt.offload(Stages(), optimizer=ADAMW, settings=settings, blocks=["mid"])
+
+
 @pytest.mark.parametrize("whose", ["optimizer", "model"])
 def test_zero_grad_inside_an_accumulation_window_drops_its_grads(settings, whose):
     # torch's zero_grad() drops the window's grads; ztier's cleared only
