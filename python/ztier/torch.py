@@ -2587,8 +2587,15 @@ class Offload:
         if torch._C._current_graph_task_id() != -1:
             raise RuntimeError("ztier: optimizer.step() inside a backward pass; call it after "
                                "the backward returns")
-        if self._phase == "backward" or self._fwd_held:
+        if self._phase == "backward" or self._fwd_held or any(u.holds for u in self.units):
             self._reset_interrupted()  # a pass that raised before any grad went out
+        else:
+            # A forward interrupted (Ctrl-C) between an acquire and its
+            # release, before it held anything, left the runner holding a
+            # unit: the runner's step was refused after every unit's grads
+            # went out, and the model refused everything after (each fetch
+            # gives its unit back at once: between passes none is held).
+            self.runner.release_all()
         self._set_learning_rates(lrs)
         last = False
         while not last:

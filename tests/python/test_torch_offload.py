@@ -584,6 +584,33 @@ def test_an_interrupt_the_moment_a_runner_call_returns(settings, method, n):
     _assert_same_masters(za, zb)
 
 
+@pytest.mark.parametrize("n", [1, 3])
+def test_an_interrupt_after_an_acquire_then_a_short_windows_step(settings, n):
+    """Ctrl-C as an acquire returns in a forward of an accumulation window,
+    then optimizer.step() to end the window short: the runner still held the
+    unit, its Step() was refused after every unit's grads went out, and
+    every call after was refused. The step is the window's first micro-step's,
+    as if the interrupted forward never ran."""
+    model, twin, za, zb = _twins(settings, grad_accumulation=2)
+    for step in range(3):
+        x = batch(step)
+        model(input_ids=x, labels=x).loss.backward()
+        twin(input_ids=x, labels=x).loss.backward()
+        if step == 1:
+            za.runner = _InterruptAfter(za.runner, "acquire", n)
+            with pytest.raises(KeyboardInterrupt):
+                model(input_ids=x, labels=x)
+            za.runner = za.runner.runner
+        else:
+            model(input_ids=x, labels=x).loss.backward()
+            twin(input_ids=x, labels=x).loss.backward()
+        za.optimizer.step()
+        zb.optimizer.step()
+        assert za.step_count == zb.step_count == step + 1
+    za.save_checkpoint(str(settings["ZTIER_NVME_PATHS"]) + "/../ck")
+    _assert_same_masters(za, zb)
+
+
 def test_an_interrupt_the_moment_the_runners_step_returns(settings):
     """Ctrl-C as optimizer.step() returns from the runner's Step(): the step
     was taken (the runner a micro-step on, and the model refused every call
