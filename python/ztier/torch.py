@@ -2511,6 +2511,15 @@ class Offload:
     def _optimizer_step(self, lrs: list[float]):
         self._require_open("optimizer.step()")
         self._claim_thread("optimizer.step()")
+        if self._gathering:
+            # Its parameters are copies taken as it began: a state_dict or an
+            # EMA update after the step, inside it, silently read the old
+            # weights (a forward there computed with the new ones).
+            raise RuntimeError(
+                "ztier: optimizer.step() inside gathered(): the parameters there are copies of "
+                "the weights as it began, and would not show the step; take the step outside "
+                "the `with` block (enter gathered() again after it to read the new weights). "
+                "Nothing was taken; the grads wait for it")
         if self._stranded():
             self._undo_stranded("optimizer.step()")
             raise RuntimeError(

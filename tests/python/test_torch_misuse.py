@@ -104,6 +104,26 @@ def test_a_forward_inside_gathered_leaves_its_values_showing(settings):
     z.close()
 
 
+def test_a_step_inside_gathered_is_refused(settings):
+    # The step was taken, and the parameters went back to gathered()'s
+    # copies (the weights before it) after the next forward: a state_dict or
+    # an EMA update there read the old weights, silently.
+    model, z, x = _trained_mlp(settings)
+    with z.gathered():
+        before = model.state_dict()["0.weight"].clone()
+        model(x).float().pow(2).mean().backward()
+        with pytest.raises(RuntimeError, match=r"optimizer.step\(\) inside gathered\(\)"):
+            z.optimizer.step()
+        assert torch.equal(model.state_dict()["0.weight"], before)
+    steps = z.step_count
+    z.optimizer.step()  # the grads waited for it
+    assert z.step_count == steps + 1
+    with z.gathered():
+        assert not torch.equal(model.state_dict()["0.weight"], before)
+    _train_step(model, z, x)
+    z.close()
+
+
 def test_state_dict_between_backward_and_step_is_refused_in_ztiers_words(settings):
     # It raised the engine's "gradients of a step in flight" from deep inside.
     model = _mlp()
