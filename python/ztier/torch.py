@@ -577,6 +577,12 @@ class Offload:
                 self.clip_grad_norm = 0.0  # as torch's clip_grad_norm_(max_norm=inf): no clipping
             states = states or self.session.default_optimizer_tier
             params = params or self.session.default_param_tier
+            if weights is not None and any(p.is_meta for p in model.parameters()):
+                # Built on the meta device for weights from a file (as
+                # from_pretrained does): its parameters become placeholders
+                # (set_data of a meta parameter failed inside torch).
+                from ztier import hf
+                hf._empty_parameters(model)
             self._build_units(model, _resolve_blocks(model, blocks))
             if weights is None:
                 meta = [t.name for u in self.units for t in u.tensors if t.param.is_meta]

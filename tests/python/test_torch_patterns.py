@@ -451,6 +451,26 @@ def test_an_index_table_goes_into_exports_and_comes_back(settings, tmp_path):
     z2.close()
 
 
+def test_a_model_built_on_the_meta_device_takes_its_weights_from_a_file(settings, tmp_path):
+    # offload(meta_model, weights=...) failed inside torch (set_data of a
+    # meta parameter) while the meta check let it through for weights=.
+    torch.manual_seed(0)
+    model = _Permuted(300)
+    z = zt.offload(model, settings=settings)
+    z.export_safetensors(tmp_path / "m.safetensors", dtype="float32")
+    with torch.device("meta"):
+        fresh = _Permuted(300)
+    z2 = zt.offload(fresh, settings=settings, weights=str(tmp_path / "m.safetensors"))
+    assert torch.equal(fresh.perm, model.perm)
+    x = torch.randn(2, 300)
+    with torch.no_grad():
+        assert torch.equal(fresh(x), model(x))
+    fresh(x).pow(2).mean().backward()
+    z2.optimizer.step()
+    z.close()
+    z2.close()
+
+
 def test_cast_inputs_saturate_keep_namedtuples_and_can_be_off(settings):
     import collections
 
