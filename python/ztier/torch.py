@@ -129,6 +129,36 @@ class AdamW:
             _check_fp32(f"AdamW {what}", getattr(self, what))
 
 
+# torch.optim.AdamW's arguments that ztier's has not, with the values that
+# ask for nothing (taken: code ported from torch may name them) and what
+# another value asks for.
+_TORCH_ADAMW_ONLY = {
+    "amsgrad": ((False,), "AMSGrad (a running max of v), which the engine's AdamW does not keep"),
+    "maximize": ((False,), "ascent on the objective; negate the loss instead"),
+    "foreach": ((None, False), "one of torch's kernels; the engine runs its own"),
+    "fused": ((None, False), "one of torch's kernels; the engine runs its own"),
+    "capturable": ((False,), "CUDA graph capture of torch's step; the engine runs the step"),
+    "differentiable": ((False,), "autograd through torch's step; the engine runs the step"),
+}
+_adamw_init = AdamW.__init__
+
+
+@functools.wraps(_adamw_init)
+def _adamw_init_taking_torch_defaults(self, *args, **kwargs):
+    for name, (taken, why) in _TORCH_ADAMW_ONLY.items():
+        if name not in kwargs:
+            continue
+        value = kwargs.pop(name)
+        if not any(value is t for t in taken):
+            raise TypeError(f"ztier: AdamW has no {name}={value!r}: {why}; leave it out "
+                            f"(only {name}={' or '.join(map(repr, taken))}, asking for nothing, "
+                            "is taken)")
+    _adamw_init(self, *args, **kwargs)
+
+
+AdamW.__init__ = _adamw_init_taking_torch_defaults
+
+
 class _Optimizer(torch.optim.Optimizer):
     """The optimizer a user (or Trainer, or an LR scheduler) drives.
 

@@ -1079,6 +1079,16 @@ def test_no_decay_as_one_string_and_bad_adamw_arguments(settings):
         zt.AdamW(betas=(0.9,))
     with pytest.raises(ValueError, match="mode"):
         zt.AdamW(mode="sgd")
+    # torch.optim.AdamW's own arguments: those asking for nothing are taken
+    # (ported code names them), the others refused saying why (a bare
+    # "unexpected keyword argument" before).
+    assert zt.AdamW(lr=2e-3, amsgrad=False, maximize=False, foreach=None, fused=False,
+                    capturable=False, differentiable=False) == zt.AdamW(lr=2e-3)
+    for name, value, words in (("amsgrad", True, "AMSGrad"), ("maximize", True, "negate the loss"),
+                               ("foreach", True, "the engine runs its own"),
+                               ("fused", True, "the engine runs its own")):
+        with pytest.raises(TypeError, match=f"AdamW has no {name}=True: .*{words}"):
+            zt.AdamW(**{name: value})
 
 
 @pytest.mark.parametrize("change", ["freeze", "unfreeze"])
