@@ -230,7 +230,9 @@ DefaultDir::~DefaultDir() {
 
 StopSignals::StopSignals() {
   sigemptyset(&stops_);
-  for (int sig : {SIGINT, SIGTERM, SIGHUP}) sigaddset(&stops_, sig);
+  // SIGPIPE too: a reader of the output gone (`| head -1`) killed the
+  // subcommand at its next line, leaving its files.
+  for (int sig : {SIGINT, SIGTERM, SIGHUP, SIGPIPE}) sigaddset(&stops_, sig);
   pthread_sigmask(SIG_BLOCK, &stops_, &before_);
 }
 
@@ -294,7 +296,9 @@ Result<int> StopSignals::Run(const std::vector<std::string>& argv, const std::st
     const timespec tick{.tv_sec = 0, .tv_nsec = 100'000'000};
     const int sig = ::sigtimedwait(&stops_, nullptr, &tick);
     if (sig > 0) {
-      ::kill(pid, sig);
+      // (The program writes to files, not to this one's gone reader: it
+      // is told to stop as a terminal's stop would.)
+      ::kill(pid, sig == SIGPIPE ? SIGTERM : sig);
       if (stopped_ == 0) stopped_ = sig;
     }
   }

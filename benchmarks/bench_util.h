@@ -77,7 +77,8 @@ class DefaultDir {
   bool made_ = false;
 };
 
-// The stop signals (SIGINT, SIGTERM, SIGHUP) of a subcommand that makes
+// The stop signals (SIGINT, SIGTERM, SIGHUP; SIGPIPE, a writer's own, when
+// the reader of its output is gone) of a subcommand that makes
 // files or runs programs: while a StopSignals lives they are blocked in the
 // thread that made it, and in the threads it starts after (make it before
 // any), and only recorded. The subcommand asks Stopped() between its

@@ -44,4 +44,12 @@ wait "$b" || status=$?
 [ "$status" -eq 143 ] || { echo "a SIGTERM'd step bench exited $status: $(cat "$dir/out.txt")"; exit 1; }
 grep -q "stopped by" "$dir/out.txt" || { echo "no word of the stop: $(cat "$dir/out.txt")"; exit 1; }
 [ -z "$(ls -A "$dir/cwd")" ] || { echo "left behind: $(find "$dir/cwd")"; exit 1; }
+# A reader of the output gone (| head -1) stops it as a signal does: it
+# was killed at its next line, leaving the swap file (13 GB by default).
+rm -rf "$dir/cwd" && mkdir -p "$dir/cwd"
+status=0
+(cd "$dir/cwd" && "$bench" step --params 8M --unit-params 1M --steps 1000 --threads 1 \
+  --no-timeline 2>"$dir/err.txt" | head -n 1 >/dev/null) || true
+[ -z "$(ls -A "$dir/cwd")" ] || { echo "left behind with its reader gone: $(find "$dir/cwd"; cat "$dir/err.txt")"; exit 1; }
+grep -q "stopped by" "$dir/err.txt" || { echo "no word of the stop: $(cat "$dir/err.txt")"; exit 1; }
 echo "step_bench_test: ok"
