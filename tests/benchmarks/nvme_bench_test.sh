@@ -45,6 +45,10 @@ status=0
 "$bench" nvme --stripe 9223372036854775808 --path "$dir" --path "$dir" >/dev/null 2>&1 || status=$?
 [ "$status" -eq 2 ] || { echo "a 2^63 --stripe gave exit $status, not a usage error"; exit 1; }
 status=0
+out=$("$bench" nvme --path "$dir" --size 18446744073709551615 --no-fio --no-sweep 2>&1) || status=$?
+[[ $status -eq 2 && $out == *"--size"* ]] || { echo "a 2^64-1 --size gave exit $status: $out"; exit 1; }
+[ -z "$(find "$dir" -type f)" ] || { echo "a 2^64-1 --size left files"; exit 1; }
+status=0
 out=$("$bench" nvme --path "$dir" --size 1.5K 2>&1) || status=$?
 [[ $status -eq 2 && $out == *"--size 1.5K: '1.5K' is not a size"* ]] ||
   { echo "--size 1.5K gave exit $status without saying why: $out"; exit 1; }
