@@ -17,6 +17,7 @@
 #include <filesystem>
 #include <map>
 
+#include "common/file_util.h"
 #include "common/numbers.h"
 
 namespace ztier::bench {
@@ -216,6 +217,16 @@ Status CheckBenchDirectory(const std::string& path, std::string_view flag, bool 
         flag, " a directory on the drive to test)"));
   }
   return Status::NotFound(StrCat(named, " is not an existing directory", advice));
+}
+
+Status CheckOnADrive(const std::string& path, std::string_view flag) {
+  if (const std::string_view memory = MemoryFilesystemOf(path); !memory.empty()) {
+    return Status::InvalidArgument(
+        StrCat(flag, " ", path, " is on ", memory,
+               ", which is memory: its figures would be the RAM's, not a drive's (give a "
+               "directory on the drive to test)"));
+  }
+  return Status::Ok();
 }
 
 DefaultDir::DefaultDir(std::string path) : path_(std::move(path)) {

@@ -62,6 +62,10 @@ Status CheckFitsOnDisk(const std::vector<std::string>& paths, uint64_t bytes_per
 Status CheckBenchDirectory(const std::string& path, std::string_view flag, bool is_default,
                            std::string_view advice);
 
+// InvalidArgument when `path` (given as `flag`) is on a filesystem in
+// memory (tmpfs, ramfs), whose figures would be the RAM's, not a drive's.
+Status CheckOnADrive(const std::string& path, std::string_view flag);
+
 // A subcommand's default scratch directory: made when missing, and
 // removed when this goes if it made it and it is empty, however the run
 // ended (an empty ./ztier-bench-swap was left behind after each run).

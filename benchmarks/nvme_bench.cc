@@ -333,13 +333,7 @@ int RunNvme(int argc, char** argv) {
         !dir.ok()) {
       return fail(dir);
     }
-    // Memory, not a drive: its figures would be the RAM's.
-    if (const std::string_view memory = MemoryFilesystemOf(p); !memory.empty()) {
-      return fail(Status::InvalidArgument(
-          StrCat("--path ", p, " is on ", memory,
-                 ", which is memory: its figures would be the RAM's, not a drive's (give a "
-                 "directory on the drive to test)")));
-    }
+    if (Status drive = CheckOnADrive(p, "--path"); !drive.ok()) return fail(drive);
   }
   // Each path holds its share of the data, then fio's file of the same size.
   if (Status s =

@@ -567,6 +567,8 @@ int RunOnce(StopSignals& stops, const StepBenchOptions& o, engine::StateDtype dt
       if (Status dir = CheckBenchDirectory(p, "--path", p == kDefaultSwapDir, ""); !dir.ok()) {
         return FailExit(dir, "step");
       }
+      // (It ran, and said RAM's figures as the drive's.)
+      if (Status drive = CheckOnADrive(p, "--path"); !drive.ok()) return FailExit(drive, "step");
     }
     settings.nvme_paths = o.paths;
     settings.stripe_bytes = o.stripe;
