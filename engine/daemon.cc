@@ -918,9 +918,11 @@ struct Daemon::Impl {
       j.optimizer_tier = job->spec.optimizer_tier;
       j.param_tier = job->spec.param_tier;
       j.counters = engine->counters(job->engine_job);
-      Result<std::pair<int64_t, int64_t>> steps = engine->Steps(job->engine_job);
-      if (!steps.ok()) continue;  // freed meanwhile
-      j.step = steps->first;
+      // (Not waiting for a step's write-backs: on a stalled drive the
+      // listing, and every metrics scrape, waited with them.)
+      Result<int64_t> step = engine->StepNow(job->engine_job);
+      if (!step.ok()) continue;  // freed meanwhile
+      j.step = *step;
       const ztier::Status failed = engine->failure(job->engine_job);
       {
         std::lock_guard<std::mutex> lock(mu);

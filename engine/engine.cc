@@ -2059,6 +2059,12 @@ Result<std::pair<int64_t, int64_t>> Engine::Steps(int job) const {
   return std::pair<int64_t, int64_t>{j->step, j->adam_step};
 }
 
+Result<int64_t> Engine::StepNow(int job) const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  ZT_ASSIGN_OR_RETURN(std::shared_ptr<Job> j, impl_->Find(job));
+  return j->step;
+}
+
 Status Engine::RoundTripStates(int job) {
   return WithIdleJob(*impl_, job, "round-trip states", StateUse::kReads, [&](Job& j) {
     return ForEachUnitState(

@@ -175,6 +175,10 @@ class Engine {
   // The job's completed steps and the steps that updated its weights (as a
   // checkpoint records them). Errors: NotFound.
   Result<std::pair<int64_t, int64_t>> Steps(int job) const;
+  // The job's completed steps as they stand, without waiting for the
+  // write-backs of a step under way (as Steps does: on a stalled drive, a
+  // listing of jobs waited as long). Errors: NotFound.
+  Result<int64_t> StepNow(int job) const;
 
   // The learning rate of each optimizer param group (one per group: 1 when
   // the job's group_weight_decay is empty, else its size), for every step

@@ -31,6 +31,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <set>
@@ -45,6 +46,7 @@
 #include "engine/daemon.h"
 #include "engine/metrics.h"
 #include "engine/protocol.h"
+#include "nvme/io_backend.h"
 #include "tests/testing/as_nobody.h"
 #include "tests/testing/scratch_dir.h"
 #include "tests/testing/test_daemon.h"
@@ -93,10 +95,11 @@ Result<OperatedDaemon> StartOperatedDaemon() {
   return o;
 }
 
-// Sets weights, then `steps` steps through a runner on the host device;
-// returns the runner's stats (no prefetch: no fetch is in flight after the
-// last step, so they are the runner's whole traffic).
-Result<RunnerStats> Train(Model& m, int steps) {
+// Sets weights, then `steps` steps through a runner on the host device
+// (`before` called before each, with its index); returns the runner's
+// stats (no prefetch: no fetch is in flight after the last step, so they
+// are the runner's whole traffic).
+Result<RunnerStats> Train(Model& m, int steps, const std::function<void(int)>& before = {}) {
   std::vector<float> w(4096, 0.01f);
   for (int u = 0; u < m.units(); ++u) ZT_RETURN_IF_ERROR(m.SetWeights(u, w.data(), w.size()));
   ZT_ASSIGN_OR_RETURN(std::unique_ptr<Device> device, MakeHostDevice());
@@ -106,6 +109,7 @@ Result<RunnerStats> Train(Model& m, int steps) {
   std::vector<std::vector<bf16>> host(m.units());
   for (int u = 0; u < m.units(); ++u) host[u].assign(m.layout(u).padded, FloatToBf16(0.5f));
   for (int step = 0; step < steps; ++step) {
+    if (before) before(step);
     for (int u = 0; u < m.units(); ++u) {
       ZT_RETURN_IF_ERROR(runner->Acquire(u).status());
       ZT_RETURN_IF_ERROR(runner->Release(u));
@@ -188,6 +192,42 @@ TEST(OperatorTest, StatusAndJobsShowTheEngineAndTheRunnersTraffic) {
   EXPECT_EQ(st->totals.steps, 3);
   EXPECT_EQ(st->totals.bytes.host_to_device, stats->h2d_bytes);
   EXPECT_TRUE((*c)->Jobs()->empty());
+}
+
+// A step's write-back stuck on its drive (a frozen filesystem, a drive that
+// stopped answering) held up `ztierctl jobs` and every metrics scrape as
+// long: the listing waited for the write-backs of the step under way.
+TEST(OperatorTest, AStuckWriteBackHoldsUpNeitherTheListingNorTheMetrics) {
+  ScratchDir swap("operator-stuck-swap");
+  engine::Settings settings = SmallEngine();
+  settings.optimizer_tier = engine::Tier::kNvme;
+  settings.nvme_paths = {swap.path()};
+  auto fault = std::make_shared<nvme::FaultBackend>(nvme::MakeUringBackend());
+  Result<std::unique_ptr<TestDaemon>> d = TestDaemon::Start(settings, {}, fault);
+  ASSERT_TRUE(d.ok()) << d.status();
+  Result<std::unique_ptr<Session>> s = OpenSession((*d)->socket());
+  ASSERT_TRUE(s.ok()) << s.status();
+  Session::ModelSpec spec = TwoUnits("stuck");
+  spec.optimizer_tier = engine::Tier::kNvme;  // the job's states on the drive
+  Result<std::unique_ptr<Model>> m = (*s)->RegisterModel(spec);
+  ASSERT_TRUE(m.ok()) << m.status();
+  // Step 2's write-backs take 2.5 s an op; its units are published first.
+  ASSERT_TRUE(Train(**m, 2, [&](int step) {
+                if (step == 1) fault->SlowDown(nvme::IoKind::kWrite, 2500ms);
+              }).ok());
+  Result<std::unique_ptr<DaemonControl>> c = DaemonControl::Connect((*d)->socket());
+  ASSERT_TRUE(c.ok()) << c.status();
+  const auto start = std::chrono::steady_clock::now();
+  Result<std::vector<JobInfo>> jobs = (*c)->Jobs();
+  const std::string metrics = (*d)->daemon().MetricsText();
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  fault->SlowDown(nvme::IoKind::kWrite, 0ms);
+  ASSERT_TRUE(jobs.ok()) << jobs.status();
+  ASSERT_EQ(jobs->size(), 1u);
+  EXPECT_GE((*jobs)[0].step, 1);
+  EXPECT_NE(metrics.find("stuck"), std::string::npos);
+  EXPECT_LT(seconds, 1.5) << "the listing waited for the write-back";
 }
 
 // A job's state dtype is its own: set on the model, or by the client's
