@@ -64,6 +64,10 @@ constexpr std::chrono::seconds kCallTimeout{120};
 // nothing answers (a stopped or stuck ztierd, a listener of another
 // program) held the session's open for the whole call timeout.
 constexpr std::chrono::seconds kHelloTimeout{15};
+// A drive far slower than any NVMe drive (or one shared with other jobs'
+// steps): a call that moves a unit's state gets that long for its bytes on
+// top of the call timeout.
+constexpr uint64_t kSlowDriveBytesPerSecond = uint64_t{8} << 20;
 
 struct Reply {
   std::string payload;  // after the status
@@ -780,10 +784,15 @@ class DaemonTransport final : public Transport, public ControlTransport {
                     uint64_t bytes = 0, int64_t generation = -1) {
     if (bytes == 0) bytes = staging.map.bytes();
     const int fds[] = {staging.fd.get()};
+    // ztierd reads or writes the unit's state on its drive meanwhile (states
+    // on NVMe), behind the other jobs' I/O: a unit of gigabytes on a busy or
+    // slow drive took past the fixed call timeout, and a save failed as if
+    // ztierd were stuck. The bytes at kSlowDriveBytesPerSecond come on top.
+    const auto moving = std::chrono::milliseconds(bytes / (kSlowDriveBytesPerSecond / 1000));
     return Call(type,
                 p::Encode(p::StagedData{
                     .job = job, .unit = unit, .bytes = bytes, .generation = generation}),
-                fds, kCallTimeout)
+                fds, call_timeout_ + moving)
         .status();
   }
 

@@ -57,6 +57,7 @@ namespace {
 
 using engine::JobInfo;
 using engine::JobState;
+using engine::UnitLayout;
 using testing::AsNobody;
 using testing::ScratchDir;
 using testing::SmallEngine;
@@ -670,6 +671,59 @@ TEST(OperatorTest, AReleaseWhileZtierdIsSilentIsSentAnyway) {
   ASSERT_TRUE((*t)->ReleaseParams(*job, 0).ok());
   const Status next = NextRefusal(**t, *job);
   EXPECT_NE(next.message().find("released without an acquire"), std::string::npos) << next;
+  EXPECT_TRUE((*t)->UnregisterJob(*job).ok());
+}
+
+// A call that moves a unit's state (a save's read, a load's write) had a
+// fixed two minutes, whatever the transport's call timeout or the unit's
+// size: a unit of gigabytes on a busy or slow drive failed a save as if
+// ztierd were stuck. It gets the call timeout and time for its bytes at a
+// slow drive's rate: a silent ztierd is said after about the call timeout
+// (it took two minutes), and a slow drive's read of 12 MB succeeds past it.
+TEST(OperatorTest, AStateCallGetsTheCallTimeoutAndTimeForItsBytes) {
+  {
+    ZtierdProcess d(ZTIERD_BINARY, {});
+    Result<std::shared_ptr<client::Transport>> t = client::MakeDaemonTransport(d.socket(), 300ms);
+    ASSERT_TRUE(t.ok()) << t.status() << d.log();
+    Result<int> job = OneUnitWithWeights(**t, "silent");
+    ASSERT_TRUE(job.ok()) << job.status();
+    const UnitLayout l = *(*t)->Layout(*job, 0);
+    std::vector<float> p(l.padded), m(l.padded), v(l.padded);
+    d.Pause();
+    const auto start = std::chrono::steady_clock::now();
+    const Status read = (*t)->ReadState(*job, 0, p.data(), m.data(), v.data());
+    const double seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    ASSERT_EQ(::kill(d.pid(), SIGCONT), 0);
+    EXPECT_EQ(read.code(), StatusCode::kUnavailable) << read;
+    EXPECT_LT(seconds, 10.0) << read;
+  }
+  ScratchDir swap("operator-slow-swap");
+  engine::Settings settings = SmallEngine();
+  settings.dram_budget_bytes = uint64_t{256} << 20;
+  settings.nvme_paths = {swap.path()};
+  settings.stripe_bytes = uint64_t{16} << 20;  // the unit's state in one read
+  settings.queue_depth = 2;
+  auto fault = std::make_shared<nvme::FaultBackend>(nvme::MakeUringBackend());
+  Result<std::unique_ptr<TestDaemon>> d = TestDaemon::Start(settings, {}, fault);
+  ASSERT_TRUE(d.ok()) << d.status();
+  Result<std::shared_ptr<client::Transport>> t = client::MakeDaemonTransport((*d)->socket(), 300ms);
+  ASSERT_TRUE(t.ok()) << t.status();
+  engine::JobSpec spec;
+  spec.name = "slow";
+  spec.optimizer_tier = engine::Tier::kNvme;
+  spec.units.push_back({.name = "u0", .tensors = {{.name = "u0.w", .shape = {1 << 20}}}});
+  Result<int> job = (*t)->RegisterJob(spec);
+  ASSERT_TRUE(job.ok()) << job.status();
+  std::vector<float> w(1 << 20, 0.5f);
+  ASSERT_TRUE((*t)->WriteWeights(*job, 0, w.data(), w.size()).ok());
+  const UnitLayout l = *(*t)->Layout(*job, 0);
+  std::vector<float> p(l.padded), m(l.padded), v(l.padded);
+  fault->SlowDown(nvme::IoKind::kRead, 800ms);
+  const Status read = (*t)->ReadState(*job, 0, p.data(), m.data(), v.data());
+  fault->SlowDown(nvme::IoKind::kRead, 0ms);
+  EXPECT_TRUE(read.ok()) << read;
+  EXPECT_EQ(p[12345], 0.5f);
   EXPECT_TRUE((*t)->UnregisterJob(*job).ok());
 }
 
