@@ -489,6 +489,7 @@ class DaemonTransport final : public Transport, public ControlTransport {
   Status ClaimCheckpointDir(int job, const std::string& dir, bool until_closed) override {
     ZT_RETURN_IF_ERROR(engine::CreateCheckpointDir(dir));
     const std::string key = engine::CheckpointDirKey(dir);
+    engine::ClaimedCheckpointDirs::LockFileNow now = engine::ClaimedCheckpointDirs::Look(dir);
     // The file I/O without mu_ (on a slow or hung filesystem it would
     // stall the reply thread, and with it every job's transfers): the locks
     // let go of go after it.
@@ -500,7 +501,7 @@ class DaemonTransport final : public Transport, public ControlTransport {
       if (jobs_.count(job) == 0)
         return Status::NotFound(StrCat("no job ", job, " in this session"));
       for (auto& [id, other] : jobs_) {
-        if (other.dirs.Holds(key, /*touch=*/id == job, until_closed && id == job)) {
+        if (other.dirs.Holds(key, now, /*touch=*/id == job, until_closed && id == job, &gone)) {
           if (id == job) {
             *claimed = true;
             return Status::Ok();
@@ -522,6 +523,7 @@ class DaemonTransport final : public Transport, public ControlTransport {
     ZT_ASSIGN_OR_RETURN(DirLock l,
                         DirLock::Acquire(dir, engine::kCheckpointLockFile, "checkpoint directory",
                                          DirLock::Mode::kExclusive));
+    now = engine::ClaimedCheckpointDirs::Look(dir);  // its file as this lock made it
     std::lock_guard<std::mutex> lock(mu_);
     ZT_RETURN_IF_ERROR(held(&claimed));  // a claim may have come meanwhile
     if (!claimed) jobs_[job].dirs.Add(key, std::move(l), until_closed, &gone);

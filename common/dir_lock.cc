@@ -260,6 +260,8 @@ Result<DirLock> DirLock::Acquire(const std::string& dir, std::string_view file_n
     lock.what_ = std::string(what);
     lock.mode_ = mode;
     lock.fd_ = fd;
+    lock.dev_ = held.st_dev;
+    lock.ino_ = held.st_ino;
     return lock;
   }
   return Status::Unavailable(
@@ -289,6 +291,8 @@ DirLock& DirLock::operator=(DirLock&& other) noexcept {
     what_ = std::move(other.what_);
     mode_ = other.mode_;
     fd_ = std::exchange(other.fd_, -1);
+    dev_ = other.dev_;
+    ino_ = other.ino_;
   }
   return *this;
 }

@@ -30,6 +30,8 @@
 #ifndef ZTIER_COMMON_DIR_LOCK_H_
 #define ZTIER_COMMON_DIR_LOCK_H_
 
+#include <sys/stat.h>
+
 #include <string>
 #include <string_view>
 
@@ -61,6 +63,11 @@ class DirLock {
 
   bool held() const { return fd_ >= 0; }
   Mode mode() const { return mode_; }
+  // Whether the file this lock holds is the one `st` (a stat of a path)
+  // describes; no system call (a caller under a mutex may ask).
+  bool IsFile(const struct stat& st) const {
+    return fd_ >= 0 && st.st_dev == dev_ && st.st_ino == ino_;
+  }
   const std::string& dir() const { return dir_; }
 
   // Shared -> exclusive without waiting. flock converts by releasing and
@@ -90,6 +97,8 @@ class DirLock {
   std::string dir_, path_, what_;
   Mode mode_ = Mode::kExclusive;
   int fd_ = -1;
+  dev_t dev_ = 0;  // the held file's, as it was locked
+  ino_t ino_ = 0;
 };
 
 }  // namespace ztier

@@ -15,10 +15,11 @@ namespace ztier::engine {
 
 Status CheckpointDirs::Claim(const Job& job, const std::string& dir, bool pin) {
   const std::string key = CheckpointDirKey(dir);
+  const ClaimedCheckpointDirs::LockFileNow now = ClaimedCheckpointDirs::Look(dir);
   std::vector<DirLock> gone;  // let go of after mu_ (a file removed each)
   std::lock_guard<std::mutex> lock(mu_);
   for (auto& [id, other] : jobs_) {
-    if (!other.dirs.Holds(key, /*touch=*/id == job.id, pin && id == job.id)) continue;
+    if (!other.dirs.Holds(key, now, /*touch=*/id == job.id, pin && id == job.id, &gone)) continue;
     if (id == job.id) return Status::Ok();
     return Status::Unavailable(StrCat("checkpoint directory ", dir, " is used by job '",
                                       other.job_name,

@@ -429,10 +429,22 @@ std::string CheckpointDirKey(const std::string& dir) {
   return text;
 }
 
-bool ClaimedCheckpointDirs::Holds(const std::string& key, bool touch, bool pin) {
+ClaimedCheckpointDirs::LockFileNow ClaimedCheckpointDirs::Look(const std::string& dir) {
+  LockFileNow now;
+  now.exists = ::stat((fs::path(dir) / kCheckpointLockFile).c_str(), &now.st) == 0;
+  return now;
+}
+
+bool ClaimedCheckpointDirs::Holds(const std::string& key, const LockFileNow& now, bool touch,
+                                  bool pin, std::vector<DirLock>* gone) {
   auto it = std::find_if(claims_.begin(), claims_.end(),
                          [&](const Claim& claim) { return claim.key == key; });
   if (it == claims_.end()) return false;
+  if (!now.exists || !it->lock.IsFile(now.st)) {
+    gone->push_back(std::move(it->lock));
+    claims_.erase(it);
+    return false;
+  }
   it->pinned = it->pinned || pin;
   if (touch) std::rotate(it, it + 1, claims_.end());
   return true;

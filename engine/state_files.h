@@ -23,6 +23,8 @@
 #ifndef ZTIER_ENGINE_STATE_FILES_H_
 #define ZTIER_ENGINE_STATE_FILES_H_
 
+#include <sys/stat.h>
+
 #include <cstdint>
 #include <functional>
 #include <string>
@@ -145,16 +147,28 @@ inline constexpr char kCheckpointLockFile[] = "ztier-checkpoint.lock";
 // unpinned ones: a run saving to a new directory each time held one fd per
 // save until the job ended, and failed with EMFILE after about a thousand.
 // A pinned claim (ClaimCheckpointDir's, "until the model is closed") stays.
-// A claim let go may be claimed again, or by another saver.
+// A claim let go may be claimed again, or by another saver. A claim whose
+// lock file is no longer the one at its path (the directory removed, and
+// made again by the next save) keeps no one out: it is let go of, and the
+// directory claimed anew (two runs saved into one directory so).
 //
 // Not thread-safe: the owner's lock guards it. The locks let go of are
 // handed back, to be destroyed (their files removed) outside that lock.
 class ClaimedCheckpointDirs {
  public:
   static constexpr size_t kMaxClaimedCheckpointDirs = 8;
-  // Whether `key` (CheckpointDirKey) is held. `touch` marks it used now;
-  // `pin` pins it.
-  bool Holds(const std::string& key, bool touch, bool pin);
+  // The lock file at a checkpoint directory's path now (looked at before
+  // the owner's lock is taken: no file I/O under it).
+  struct LockFileNow {
+    bool exists = false;
+    struct stat st {};
+  };
+  static LockFileNow Look(const std::string& dir);
+  // Whether `key` (CheckpointDirKey) is held, by a lock on the file `now`
+  // describes (else a claim of it goes to *gone). `touch` marks it used
+  // now; `pin` pins it.
+  bool Holds(const std::string& key, const LockFileNow& now, bool touch, bool pin,
+             std::vector<DirLock>* gone);
   // Holds `key` by `lock` from now on; for an unpinned claim, the unpinned
   // ones past the cap, least recently used first, go to *gone.
   void Add(std::string key, DirLock lock, bool pin, std::vector<DirLock>* gone);

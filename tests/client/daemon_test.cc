@@ -1637,6 +1637,15 @@ TEST_F(DaemonTest, SavesToEverNewDirectoriesHoldFewLocks) {
     // (one key for both, it took none).
     ASSERT_TRUE(t->model->SaveCheckpoint(dir / "ckpt").ok());
     EXPECT_EQ(lock(dir / "ckpt").code(), StatusCode::kUnavailable);
+    // A directory removed while held (rm -rf of a run's --out), then made
+    // again by the next save: that save holds the new directory (its claim
+    // stayed on the removed lock file, and a second run saved there too),
+    // a claim of its own too.
+    for (const std::string& gone : {ck("kept", 39), final_dir}) {
+      std::filesystem::remove_all(gone);
+      ASSERT_TRUE(t->model->SaveCheckpoint(gone).ok()) << gone;
+      EXPECT_EQ(lock(gone).code(), StatusCode::kUnavailable) << gone;
+    }
   }
 }
 
