@@ -399,6 +399,22 @@ int RunAdam(int argc, char** argv) {
     }
   }
 
+  // A ratio past 1: the optimizer beat the limit measured beside it, which
+  // is then no limit (it was printed as one without a word).
+  const auto beaten =
+      std::max_element(results.begin(), results.end(), [](const auto& a, const auto& b) {
+        return a.limit_seconds / a.adam_seconds < b.limit_seconds / b.adam_seconds;
+      });
+  if (beaten != results.end() && beaten->limit_seconds / beaten->adam_seconds > 1.05) {
+    std::printf(
+        "note: a ratio past 1 (%.2f at %s params, %d thread(s), %s stores) means the same-pattern "
+        "kernel ran slower than the optimizer here, so it bounds nothing in that case; %s\n",
+        beaten->limit_seconds / beaten->adam_seconds, FormatCount(beaten->params).c_str(),
+        beaten->threads, StoreName(beaten->store),
+        beaten->store == cpu_adam::OutputStore::kStreaming
+            ? "repeat the run (others' work on the CPUs or the memory moves both)"
+            : "the stream-store rows' limit is the tighter one");
+  }
   if (o.json) {
     // Headline: the largest shard at the most threads, first mode listed.
     const CaseResult* head = &results.front();
