@@ -275,6 +275,10 @@ Result<Figures> RunOne(StopSignals& stops, const Options& o, const std::string& 
   ZT_ASSIGN_OR_RETURN(f.d2h_copies, Number(json, "d2h_copies_per_step"));
   std::error_code ec;
   fs::remove_all(out, ec);  // checkpoint, export and swap of the run
+  // Its summary and log too, once read (a failed run's stay, named in the
+  // error): a --dir of the user's was left holding them.
+  fs::remove(dir / (name + ".json"), ec);
+  fs::remove(dir / (name + ".log"), ec);
   return f;
 }
 
@@ -327,7 +331,7 @@ int RunTrain(int argc, char** argv) {
                                               parent.string(), " is not an existing directory")),
                       "train");
     }
-    fs::create_directory(dir, ec);
+    made_dir = fs::create_directory(dir, ec);  // (false: it was there)
     if (ec) {
       return FailExit(Status::IoError(StrCat("--dir ", dir.string(), ": ", ec.message())), "train");
     }
@@ -445,7 +449,11 @@ int RunTrain(int argc, char** argv) {
   }
   if (made_dir && (status == 0 || stops.Stopped() != 0)) {  // a failed run's logs stay
     std::error_code ec;
-    fs::remove_all(dir, ec);
+    if (o.dir.empty()) {
+      fs::remove_all(dir, ec);
+    } else {
+      fs::remove(dir, ec);  // a --dir the bench made, left empty by its runs
+    }
   }
   return status;
 }

@@ -32,6 +32,9 @@ for r in runs:
 assert runs[0]["h2d_bytes_per_step"] > runs[1]["h2d_bytes_per_step"], runs
 print("runs:", [(r["optimizer"], r["params"], round(r["tokens_per_s"])) for r in runs])
 PY
+# The --dir it made goes with its runs' files (their summaries and logs,
+# and the directory, were left behind).
+[ ! -e "$dir/runs" ] || { echo "left behind: $(find "$dir/runs")"; exit 1; }
 status=0
 "$bench" train --steps 3 --skip 3 >/dev/null 2>&1 || status=$?
 [ "$status" -eq 2 ] || { echo "--skip 3 of --steps 3 gave exit $status, not a usage error"; exit 1; }
