@@ -18,6 +18,7 @@
 #include <map>
 
 #include "common/file_util.h"
+#include "common/utf8.h"
 #include "common/numbers.h"
 
 namespace ztier::bench {
@@ -154,7 +155,22 @@ JsonObject& JsonObject::Add(std::string_view key, int64_t value) {
 
 std::string JsonQuote(std::string_view s) {
   std::string out = "\"";
-  for (char c : s) {
+  for (size_t i = 0; i < s.size();) {
+    const char c = s[i];
+    if (static_cast<unsigned char>(c) >= 0x80) {
+      // A byte that is not UTF-8 (a path's) as U+FFFD: passed through, the
+      // output was no JSON a parser takes.
+      const Utf8Char u = DecodeUtf8(s, i);
+      if (u.length == 0) {
+        out += "\\ufffd";
+        ++i;
+      } else {
+        out.append(s.substr(i, u.length));
+        i += u.length;
+      }
+      continue;
+    }
+    ++i;
     if (c == '"' || c == '\\') out += '\\';
     if (static_cast<unsigned char>(c) < 0x20) {
       char buf[8];

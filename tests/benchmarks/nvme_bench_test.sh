@@ -37,6 +37,14 @@ for name in '"backend":"io_uring"' '"backend":"threads"'; do
 done
 leftovers=$(find "$dir" -type f)
 [ -z "$leftovers" ] || { echo "files left behind: $leftovers"; exit 1; }
+# A path whose name is not UTF-8 comes out as U+FFFD in the JSON (its byte
+# went through, and the output was no JSON a parser takes).
+bad="$dir/bad"$'\xff'"dir"
+mkdir "$bad"
+"$bench" nvme --path "$bad" --no-fio --no-sweep --runs 1 --size 4M --json | tail -n 1 >"$dir/bad.json"
+python3 -c 'import json, sys; p = json.loads(open(sys.argv[1], "rb").read().decode("utf-8"))["paths"][0]; assert p.endswith("bad\ufffddir"), p' "$dir/bad.json" ||
+  { echo "the JSON of a path that is not UTF-8 is not JSON"; exit 1; }
+rm -rf "$bad" "$dir/bad.json"
 # Sizes are checked before anything is allocated: a stripe that made the
 # stripe unit wrap to 0 divided by it (SIGFPE); sizes past this machine's
 # memory are said up front instead of the OOM killer ending the run, and
