@@ -823,7 +823,7 @@ int RunOnce(StopSignals& stops, const StepBenchOptions& o, engine::StateDtype dt
         .Add("state_bytes", state_bytes)
         .Add("buffer_count", static_cast<int>(o.buffer_count))
         .AddRaw("paths", nvme ? JsonArray(paths) : "[]")
-        .Add("threads", o.threads)
+        .Add("threads", exec->threads())  // as run (--threads 0 is all cores)
         .Add("checksums", o.checksums)
         .Add("overlap_efficiency", mean_eff)
         .Add("step_seconds", mean_step)
