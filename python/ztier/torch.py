@@ -206,6 +206,7 @@ class _Optimizer(torch.optim.Optimizer):
                 "Loss scaling is for fp16 compute: ztier computes in bf16 or fp32, whose range "
                 "needs none; drop the GradScaler")
         self._check_lrs()  # before a closure's forward and backward
+        self._check_supported()
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -242,7 +243,9 @@ class _Optimizer(torch.optim.Optimizer):
     def _check_supported(self):
         """ValueError for an option of torch's AdamW that changes the update
         and that the engine lacks (a state dict loaded from one, a group set
-        by hand): before a training forward, so no grads of it go out."""
+        by hand): before a training forward, so no grads of it go out, and
+        at step(), before the step (one set between the backward and the
+        step was taken without it; the grads then wait for a step)."""
         for i, g in enumerate(self.param_groups):
             for k in _UNSUPPORTED_KEYS:
                 if g.get(k):

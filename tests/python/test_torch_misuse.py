@@ -487,6 +487,16 @@ def test_maximize_or_amsgrad_in_a_param_group_is_refused_before_a_training_forwa
         z.optimizer.param_groups[0][key] = False
     _train_step(model, z, x)
     assert z.step_count == 2
+    # Set between the backward and the step: the step is refused (it was
+    # taken without it), and the grads wait for one.
+    model(x).pow(2).sum().backward()
+    z.optimizer.param_groups[0]["maximize"] = True
+    with pytest.raises(ValueError, match="maximize=True"):
+        z.optimizer.step()
+    assert z.step_count == 2
+    z.optimizer.param_groups[0]["maximize"] = False
+    z.optimizer.step()
+    assert z.step_count == 3
     z.close()
 
 
