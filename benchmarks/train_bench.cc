@@ -60,7 +60,9 @@ options:
   --skip N                 first steps left out of the figures (default 5)
   --data PATH              text to train on (default ztier-train's)
   --dir DIR                scratch directory for the runs, swap included
-                           (default: a new one under $TMPDIR)
+                           (default: a new one under $TMPDIR); what the runs
+                           put there goes, and the directory if this made it
+                           (a failed run's log stays, named in the error)
   --train PATH             the ztier-train program, a path or a name in PATH
                            (default: beside ztier-bench, or the build
                            tree's examples/)
