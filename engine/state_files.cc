@@ -429,9 +429,19 @@ std::string CheckpointDirKey(const std::string& dir) {
   return text;
 }
 
+namespace {
+// Claims made in this process so far (Claim::made, LockFileNow).
+std::atomic<uint64_t> claims_made{0};
+}  // namespace
+
 ClaimedCheckpointDirs::LockFileNow ClaimedCheckpointDirs::Look(const std::string& dir) {
   LockFileNow now;
-  now.exists = ::stat((fs::path(dir) / kCheckpointLockFile).c_str(), &now.st) == 0;
+  now.claims_before = claims_made.load();  // before the stat
+  if (::stat((fs::path(dir) / kCheckpointLockFile).c_str(), &now.st) == 0) {
+    now.known = now.exists = true;
+  } else {
+    now.known = errno == ENOENT;  // (another error says nothing of the file)
+  }
   return now;
 }
 
@@ -440,7 +450,7 @@ bool ClaimedCheckpointDirs::Holds(const std::string& key, const LockFileNow& now
   auto it = std::find_if(claims_.begin(), claims_.end(),
                          [&](const Claim& claim) { return claim.key == key; });
   if (it == claims_.end()) return false;
-  if (!now.exists || !it->lock.IsFile(now.st)) {
+  if (now.known && it->made <= now.claims_before && (!now.exists || !it->lock.IsFile(now.st))) {
     gone->push_back(std::move(it->lock));
     claims_.erase(it);
     return false;
@@ -464,7 +474,7 @@ void ClaimedCheckpointDirs::Add(std::string key, DirLock lock, bool pin,
     it = claims_.erase(it);
     --unpinned;
   }
-  claims_.push_back(Claim{std::move(key), std::move(lock), pin});
+  claims_.push_back(Claim{std::move(key), std::move(lock), pin, ++claims_made});
 }
 
 Status CreateCheckpointDir(const std::string& dir) {

@@ -158,15 +158,20 @@ class ClaimedCheckpointDirs {
  public:
   static constexpr size_t kMaxClaimedCheckpointDirs = 8;
   // The lock file at a checkpoint directory's path now (looked at before
-  // the owner's lock is taken: no file I/O under it).
+  // the owner's lock is taken: no file I/O under it), and the claims made
+  // before the look (`claims_before`: a claim made after it, by another
+  // thread, has a lock file the look may not have seen).
   struct LockFileNow {
+    bool known = false;  // the stat answered (or said there is no file)
     bool exists = false;
     struct stat st {};
+    uint64_t claims_before = 0;
   };
   static LockFileNow Look(const std::string& dir);
-  // Whether `key` (CheckpointDirKey) is held, by a lock on the file `now`
-  // describes (else a claim of it goes to *gone). `touch` marks it used
-  // now; `pin` pins it.
+  // Whether `key` (CheckpointDirKey) is held. A claim of it made before
+  // `now` whose lock file is not the one `now` found (none, or another)
+  // holds nothing any more: it goes to *gone. `touch` marks it used now;
+  // `pin` pins it.
   bool Holds(const std::string& key, const LockFileNow& now, bool touch, bool pin,
              std::vector<DirLock>* gone);
   // Holds `key` by `lock` from now on; for an unpinned claim, the unpinned
@@ -178,6 +183,7 @@ class ClaimedCheckpointDirs {
     std::string key;
     DirLock lock;
     bool pinned = false;
+    uint64_t made = 0;  // its number among every claim of this process
   };
   std::vector<Claim> claims_;  // least recently used first
 };

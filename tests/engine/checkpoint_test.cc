@@ -630,6 +630,48 @@ TEST(CheckpointDirTest, AKeyIsThePathAsTheKernelWalksIt) {
   EXPECT_EQ(CheckpointDirKey("x"), (std::filesystem::current_path() / "x").string());
 }
 
+// A claim whose lock file is gone from its path (the directory removed and
+// made again) holds nothing, and goes; one made after a look at the path
+// (another thread's, whose file the look may have missed) is no such
+// claim: dropped, its lock went with it and two jobs saved into one
+// directory. A look that could not stat the path drops nothing.
+TEST(CheckpointDirTest, OnlyAClaimMadeBeforeALookThatMissedItsFileGoes) {
+  ScratchDir dir("ckpt-claims");
+  const std::string d = dir / "ck";
+  std::filesystem::create_directories(d);
+  const std::string key = CheckpointDirKey(d);
+  const auto acquire = [&] {
+    return DirLock::Acquire(d, kCheckpointLockFile, "checkpoint directory",
+                            DirLock::Mode::kExclusive);
+  };
+  ClaimedCheckpointDirs mine;
+  std::vector<DirLock> gone;
+  // Looked at before the claim was made: no file then.
+  const ClaimedCheckpointDirs::LockFileNow before = ClaimedCheckpointDirs::Look(d);
+  ASSERT_TRUE(before.known && !before.exists);
+  Result<DirLock> lock = acquire();
+  ASSERT_TRUE(lock.ok()) << lock.status();
+  mine.Add(key, *std::move(lock), /*pin=*/true, &gone);
+  EXPECT_TRUE(mine.Holds(key, before, true, false, &gone));
+  EXPECT_TRUE(gone.empty());
+  EXPECT_EQ(acquire().status().code(), StatusCode::kUnavailable);
+  // The directory removed and made again: the claim holds nothing.
+  std::filesystem::remove_all(d);
+  std::filesystem::create_directories(d);
+  EXPECT_FALSE(mine.Holds(key, ClaimedCheckpointDirs::Look(d), true, false, &gone));
+  EXPECT_EQ(gone.size(), 1u);
+  gone.clear();
+  // A look that could not stat the path (a permission, an I/O error) tells
+  // nothing of the file: the claim stays.
+  lock = acquire();
+  ASSERT_TRUE(lock.ok()) << lock.status();
+  mine.Add(key, *std::move(lock), /*pin=*/true, &gone);
+  ClaimedCheckpointDirs::LockFileNow unknown;
+  unknown.claims_before = UINT64_MAX;
+  EXPECT_TRUE(mine.Holds(key, unknown, true, false, &gone));
+  EXPECT_TRUE(gone.empty());
+}
+
 TEST(CheckpointDirTest, OneSavingUserAtATimeAcrossJobsAndProcesses) {
   ScratchDir dir("ckpt-dir");
   const std::string d = dir / "ck";
