@@ -18,8 +18,8 @@
 #include <map>
 
 #include "common/file_util.h"
-#include "common/utf8.h"
 #include "common/numbers.h"
+#include "common/utf8.h"
 
 namespace ztier::bench {
 

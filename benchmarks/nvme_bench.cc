@@ -333,7 +333,9 @@ int RunNvme(int argc, char** argv) {
         !dir.ok()) {
       return fail(dir);
     }
-    if (Status drive = CheckOnADrive(p, "--path"); !drive.ok()) return fail(drive);
+    if (Status drive = CheckOnADrive(p, p == kDefaultPath ? "the default --path" : "--path");
+        !drive.ok())
+      return fail(drive);
   }
   // Each path holds its share of the data, then fio's file of the same size.
   if (Status s =

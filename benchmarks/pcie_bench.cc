@@ -8,11 +8,11 @@
 // (Engine::GradInbox, where grads land) the device->host destination, both
 // registered with Device::RegisterHost as the runner does. For each copy
 // size (64 KiB, then x4 up to --max-size) it times
-//   h2d   CopyToDevice on the copy stream;
-//   d2h   CopyToHost on the copy stream;
-//   both  h2d on the copy stream while d2h runs on the compute stream
-//         (bandwidth counts the bytes of both directions);
-// each as a batch of copies (enough to move >= 16 MiB) closed by an event,
+//   h2d   CopyToDevice on the copy stream (kCopy, the runner's params in);
+//   d2h   CopyToHost on the copy-out stream (kCopyOut, the runner's grads out);
+//   both  both at once, each on its stream (bandwidth counts the bytes of
+//         both directions);
+// each as a batch of copies (enough to move >= 16 MiB) closed by a sync,
 // one untimed round then --reps timed rounds, keeping the MEDIAN. The limit:
 //   cuda  the plain pinned cudaMemcpyAsync peak of this GPU in this run
 //         (a cudaMallocHost buffer, copies of min(max-size, 256 MiB), the
@@ -70,7 +70,8 @@ constexpr const char* kUsage = R"(usage: ztier-bench pcie [options]
 
 Host <-> device copy bandwidth from the engine's pinned publish buffer and
 grad inbox, through the client Device interface: h2d, d2h, and both at once
-(h2d on the copy stream, d2h on the compute stream), for copy sizes 64K, 256K,
+(h2d on the copy stream, d2h on the copy-out stream, as the stage-3 runner
+copies), for copy sizes 64K, 256K,
 ... (x4) up to --max-size. Each result is the median of --reps rounds, printed
 as GB/s (1e9 B/s) and as the ratio to a limit measured in the same run:
   cuda: the plain pinned cudaMemcpyAsync peak (cudaMallocHost buffer,

@@ -568,7 +568,9 @@ int RunOnce(StopSignals& stops, const StepBenchOptions& o, engine::StateDtype dt
         return FailExit(dir, "step");
       }
       // (It ran, and said RAM's figures as the drive's.)
-      if (Status drive = CheckOnADrive(p, "--path"); !drive.ok()) return FailExit(drive, "step");
+      if (Status drive = CheckOnADrive(p, p == kDefaultSwapDir ? "the default --path" : "--path");
+          !drive.ok())
+        return FailExit(drive, "step");
     }
     settings.nvme_paths = o.paths;
     settings.stripe_bytes = o.stripe;
