@@ -348,8 +348,10 @@ def find_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
     def take(prefix: str, stack: nn.Module):
         for key, c in stack.named_children():
-            if isinstance(c, _NEVER_CALLED):
+            if _never_called(c):
                 take(f"{prefix}{key}.", c)
+            elif isinstance(c, _PARAM_CONTAINERS):
+                continue  # read by the module that holds it, not called: no block
             elif id(c) not in seen:
                 seen.add(id(c))
                 out.append((prefix + key, c))
@@ -387,7 +389,7 @@ def _resolve_blocks(model: nn.Module, blocks) -> list[tuple[str, nn.Module]]:
                             f"{type(b).__name__}")
         if m is model:
             raise ValueError("ztier: blocks= lists the model itself; blocks=[] makes it one unit")
-        if isinstance(m, _NEVER_CALLED):
+        if _never_called(m):
             inner = [f"'{name_of[id(m)]}.{k}'" for k, _ in list(m.named_children())[:2]]
             raise ValueError(
                 f"ztier: blocks= lists '{name_of[id(m)]}', a {type(m).__name__}, which is never "
@@ -3317,8 +3319,12 @@ def _own_params(m: nn.Module) -> list:
 
 
 _PARAM_CONTAINERS = (nn.ParameterList, nn.ParameterDict)
-# Containers of modules that are never called themselves: no block.
-_NEVER_CALLED = (nn.ModuleList, nn.ModuleDict)
+def _never_called(m: nn.Module) -> bool:
+    """A container of modules that is never called itself (a ModuleList or
+    ModuleDict without a forward of its own; one with a forward, as an MoE
+    layer's list of experts, is called): no block."""
+    return (isinstance(m, (nn.ModuleList, nn.ModuleDict))
+            and type(m).forward is nn.Module.forward)
 
 
 def _offloadable(p: nn.Parameter) -> bool:

@@ -968,6 +968,37 @@ def test_blocks_in_lists_of_lists_are_units(settings):
     with pytest.raises(ValueError, match="'mid', a ModuleDict"):
         zt.offload(Stages(), optimizer=ADAMW, settings=settings, blocks=["mid"])
 
+    # A list with a forward of its own (an MoE layer's experts) is called:
+    # a block, as it was, named in blocks= too; a ParameterList beside the
+    # blocks is read by the module that holds it, never a block.
+    class Experts(nn.ModuleList):
+        def forward(self, x):
+            w = torch.stack([e.weight for e in self])
+            return x + torch.tanh(torch.einsum("bd,eod->bo", x, w)) / len(self)
+
+    class Moe(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inp = nn.Linear(8, 8)
+            self.layers = nn.ModuleList(Experts(nn.Linear(8, 8) for _ in range(2))
+                                        for _ in range(3))
+            self.gains = nn.ModuleList(nn.ModuleDict({"block": Block(), "gain": nn.ParameterList(
+                [nn.Parameter(torch.ones(8))])}) for _ in range(2))
+            self.out = nn.Linear(8, 1)
+
+        def forward(self, x):
+            h = self.inp(x)
+            for layer in self.layers:
+                h = layer(h)
+            return self.out(h)
+
+    _, z = _against_reference(Moe, settings, _x)
+    assert [u.name for u in z.units] == ["embed", "layers.0", "layers.1", "layers.2", "head"]
+    z.close()
+    z = zt.offload(Moe(), optimizer=ADAMW, settings=settings, blocks=["layers.0", "layers.1"])
+    z.close()
+    assert [n for n, _ in zt.find_blocks(Moe().gains)] == ["0.block", "1.block"]
+
 
 @pytest.mark.parametrize("whose", ["optimizer", "model"])
 def test_zero_grad_inside_an_accumulation_window_drops_its_grads(settings, whose):
