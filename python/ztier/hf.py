@@ -199,13 +199,14 @@ def load_buffers(z, path: str):
         z._set_buffers(found, os.fspath(path))
 
 
-def _empty_parameters(model: nn.Module):
-    """Replaces meta parameters by placeholders (NaN, no memory), tied ones
-    by one shared placeholder, keeping requires_grad."""
+def _empty_parameters(model: nn.Module, only_meta: bool = False):
+    """Replaces the parameters by placeholders (NaN, no memory), tied ones
+    by one shared placeholder, keeping requires_grad; with ``only_meta``,
+    those on the meta device only (the others keep their values)."""
     fresh: dict[int, nn.Parameter] = {}
     for m in model.modules():
         for name, p in list(m._parameters.items()):
-            if p is None:
+            if p is None or (only_meta and not p.is_meta):
                 continue
             q = fresh.get(id(p))
             if q is None and not p.is_floating_point():

@@ -612,12 +612,24 @@ class Offload:
                 self.clip_grad_norm = 0.0  # as torch's clip_grad_norm_(max_norm=inf): no clipping
             states = states or self.session.default_optimizer_tier
             params = params or self.session.default_param_tier
+            # Buffers on the meta device have no values and no storage for
+            # weights= to load a persistent one into (torch's "Cannot copy
+            # out of meta tensor" as they were placed).
+            meta = [f"{m}.{n}" if m else n for m, mod in model.named_modules()
+                    for n, b in mod._buffers.items() if b is not None and b.is_meta]
+            if meta:
+                raise ValueError(
+                    f"ztier: {len(meta)} buffers are on the meta device (no values), e.g. "
+                    f"'{meta[0]}': materialize the model first (its buffers too), build it with "
+                    "only its parameters on meta (accelerate's init_empty_weights() leaves "
+                    "buffers real) and give weights=, or load it with zt.from_pretrained")
             if weights is not None and any(p.is_meta for p in model.parameters()):
                 # Built on the meta device for weights from a file (as
-                # from_pretrained does): its parameters become placeholders
-                # (set_data of a meta parameter failed inside torch).
+                # from_pretrained does): its meta parameters become
+                # placeholders (set_data of a meta parameter failed inside
+                # torch); the others stay as they are.
                 from ztier import hf
-                hf._empty_parameters(model)
+                hf._empty_parameters(model, only_meta=True)
             self._build_units(model, _resolve_blocks(model, blocks))
             if weights is None:
                 meta = [t.name for u in self.units for t in u.tensors if t.param.is_meta]
@@ -625,14 +637,7 @@ class Offload:
                     raise ValueError(
                         f"ztier: {len(meta)} parameters are on the meta device (no values), e.g. "
                         f"'{meta[0]}': materialize the model first, or load its weights with "
-                        "zt.from_pretrained")
-                meta = [f"{m}.{n}" if m else n for m, mod in model.named_modules()
-                        for n, b in mod._buffers.items() if b is not None and b.is_meta]
-                if meta:
-                    raise ValueError(
-                        f"ztier: {len(meta)} buffers are on the meta device (no values), e.g. "
-                        f"'{meta[0]}': materialize the model first (its buffers too), or load its "
-                        "weights with zt.from_pretrained")
+                        "zt.from_pretrained (or give weights=)")
             groups = self._groups(model)
             job_units = [(u.name, [(t.name, list(t.shape), t.group, t.frozen) for t in u.tensors])
                          for u in self.units]

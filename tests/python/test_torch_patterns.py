@@ -464,11 +464,34 @@ def test_a_model_built_on_the_meta_device_takes_its_weights_from_a_file(settings
     assert torch.equal(fresh.perm, model.perm)
     x = torch.randn(2, 300)
     with torch.no_grad():
-        assert torch.equal(fresh(x), model(x))
+        want = model(x)
+        assert torch.equal(fresh(x), want)
     fresh(x).pow(2).mean().backward()
     z2.optimizer.step()
     z.close()
     z2.close()
+    # Only the parameters on meta become placeholders: one made real
+    # stays the same object (a failed offload replaced it, its values lost).
+    with torch.device("meta"):
+        part = _Permuted(300)
+    part.lin.bias = nn.Parameter(torch.zeros(1))
+    bias = part.lin.bias
+    with pytest.raises(FileNotFoundError):
+        zt.offload(part, settings=settings, weights=str(tmp_path / "none.safetensors"))
+    assert part.lin.bias is bias and torch.equal(bias, torch.zeros(1))
+    z3 = zt.offload(part, settings=settings, weights=str(tmp_path / "m.safetensors"))
+    assert part.lin.bias is bias
+    with torch.no_grad():
+        assert torch.equal(part(x), want)
+    z3.close()
+    # A buffer on meta has nothing weights= could go into: refused, naming
+    # it, before anything changed (torch's "Cannot copy out of meta tensor").
+    with torch.device("meta"):
+        buffered = _Permuted(300)
+        buffered.register_buffer("scale", torch.ones(3))
+    with pytest.raises(ValueError, match="1 buffers are on the meta device.*'scale'"):
+        zt.offload(buffered, settings=settings, weights=str(tmp_path / "m.safetensors"))
+    assert buffered.lin.weight.is_meta
 
 
 def test_cast_inputs_saturate_keep_namedtuples_and_can_be_off(settings):
