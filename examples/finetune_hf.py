@@ -58,7 +58,7 @@ def parse_args(argv):
     p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate")
     p.add_argument("--warmup", type=int, default=20, help="linear warmup steps, then cosine")
     p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay")
-    p.add_argument("--clip", type=float, default=1.0, help="gradient norm clip (0: none)")
+    p.add_argument("--clip", type=float, default=1.0, help="gradient norm clip, 0 for none")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     p.add_argument("--states", choices=("dram", "nvme"), default="dram",
                    help="where the fp32 master weights and AdamW moments live")

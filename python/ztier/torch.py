@@ -129,30 +129,27 @@ class AdamW:
             _check_fp32(f"AdamW {what}", getattr(self, what))
 
 
-# torch.optim.AdamW's arguments that ztier's has not, with the values that
-# ask for nothing (taken: code ported from torch may name them) and what
-# another value asks for.
+# torch.optim.AdamW's arguments that ztier's has not, and what a true value
+# of one asks for (a false one, or None, asks for nothing: taken, as code
+# ported from torch may name them).
 _TORCH_ADAMW_ONLY = {
-    "amsgrad": ((False,), "AMSGrad (a running max of v), which the engine's AdamW does not keep"),
-    "maximize": ((False,), "ascent on the objective; negate the loss instead"),
-    "foreach": ((None, False), "one of torch's kernels; the engine runs its own"),
-    "fused": ((None, False), "one of torch's kernels; the engine runs its own"),
-    "capturable": ((False,), "CUDA graph capture of torch's step; the engine runs the step"),
-    "differentiable": ((False,), "autograd through torch's step; the engine runs the step"),
+    "amsgrad": "AMSGrad (a running max of v), which the engine's AdamW does not keep",
+    "maximize": "ascent on the objective; negate the loss instead",
+    "foreach": "one of torch's kernels; the engine runs its own",
+    "fused": "one of torch's kernels; the engine runs its own",
+    "capturable": "CUDA graph capture of torch's step; the engine runs the step",
+    "differentiable": "autograd through torch's step; the engine runs the step",
 }
 _adamw_init = AdamW.__init__
 
 
 @functools.wraps(_adamw_init)
 def _adamw_init_taking_torch_defaults(self, *args, **kwargs):
-    for name, (taken, why) in _TORCH_ADAMW_ONLY.items():
-        if name not in kwargs:
-            continue
-        value = kwargs.pop(name)
-        if not any(value is t for t in taken):
-            raise TypeError(f"ztier: AdamW has no {name}={value!r}: {why}; leave it out "
-                            f"(only {name}={' or '.join(map(repr, taken))}, asking for nothing, "
-                            "is taken)")
+    for name, why in _TORCH_ADAMW_ONLY.items():
+        value = kwargs.pop(name, None)
+        if value:
+            raise TypeError(f"ztier: AdamW has no {name}={value!r}: {why}; leave it out (a "
+                            "false value, asking for nothing, is taken)")
     _adamw_init(self, *args, **kwargs)
 
 
@@ -207,6 +204,7 @@ class _Optimizer(torch.optim.Optimizer):
                 "needs none; drop the GradScaler")
         self._check_lrs()  # before a closure's forward and backward
         self._check_supported()
+        self._owner._refuse_step_in_gathered()
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -2554,18 +2552,23 @@ class Offload:
             if forward:
                 self._in_forward = True
 
-    def _optimizer_step(self, lrs: list[float]):
-        self._require_open("optimizer.step()")
-        self._claim_thread("optimizer.step()")
+    def _refuse_step_in_gathered(self):
+        """RuntimeError inside gathered() (before a step's closure runs: its
+        forward and backward were taken, then the step refused)."""
         if self._gathering:
             # Its parameters are copies taken as it began: a state_dict or an
             # EMA update after the step, inside it, silently read the old
             # weights (a forward there computed with the new ones).
             raise RuntimeError(
-                "ztier: optimizer.step() inside gathered(): the parameters there are copies of "
-                "the weights as it began, and would not show the step; take the step outside "
-                "the `with` block (enter gathered() again after it to read the new weights). "
-                "Nothing was taken; the grads wait for it")
+                "ztier: optimizer.step() inside gathered() (open on this or another thread): "
+                "the parameters there are copies of the weights as it began, and would not show "
+                "the step; take the step outside the `with` block (enter gathered() again after "
+                "it to read the new weights). Nothing was taken; the grads wait for it")
+
+    def _optimizer_step(self, lrs: list[float]):
+        self._require_open("optimizer.step()")
+        self._claim_thread("optimizer.step()")
+        self._refuse_step_in_gathered()
         if self._stranded():
             self._undo_stranded("optimizer.step()")
             raise RuntimeError(

@@ -115,6 +115,17 @@ def test_a_step_inside_gathered_is_refused(settings):
         with pytest.raises(RuntimeError, match=r"optimizer.step\(\) inside gathered\(\)"):
             z.optimizer.step()
         assert torch.equal(model.state_dict()["0.weight"], before)
+        # With a closure: refused before it runs (its forward and backward
+        # were taken, and the step after the block was refused for them).
+        calls = []
+
+        def closure():
+            calls.append(1)
+            return model(x).float().pow(2).mean()
+
+        with pytest.raises(RuntimeError, match=r"optimizer.step\(\) inside gathered\(\)"):
+            z.optimizer.step(closure)
+        assert not calls
     steps = z.step_count
     z.optimizer.step()  # the grads waited for it
     assert z.step_count == steps + 1
@@ -1092,7 +1103,7 @@ def test_no_decay_as_one_string_and_bad_adamw_arguments(settings):
     # torch.optim.AdamW's own arguments: those asking for nothing are taken
     # (ported code names them), the others refused saying why (a bare
     # "unexpected keyword argument" before).
-    assert zt.AdamW(lr=2e-3, amsgrad=False, maximize=False, foreach=None, fused=False,
+    assert zt.AdamW(lr=2e-3, amsgrad=False, maximize=0, foreach=None, fused=False,
                     capturable=False, differentiable=False) == zt.AdamW(lr=2e-3)
     for name, value, words in (("amsgrad", True, "AMSGrad"), ("maximize", True, "negate the loss"),
                                ("foreach", True, "the engine runs its own"),
