@@ -930,25 +930,28 @@ def test_a_grad_hook_that_raises_leaves_no_grad_for_the_next_backward(settings):
     z.close()
 
 
+class _Residual(nn.Module):
+    """x + tanh(fc(x)): a block of 8 features."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return x + torch.tanh(self.fc(x))
+
+
 def test_blocks_stacked_in_a_sequential_are_units(settings):
     # Only a ModuleList was looked for: a stack in nn.Sequential (ResNet's
     # layers, ViT encoders, MLP stacks) made the whole model one unit, held
     # on the device throughout.
-    class Block(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.fc = nn.Linear(8, 8)
-
-        def forward(self, x):
-            return x + torch.tanh(self.fc(x))
-
     def make():
-        return nn.Sequential(nn.Linear(8, 8), nn.Sequential(*(Block() for _ in range(3))),
+        return nn.Sequential(nn.Linear(8, 8), nn.Sequential(*(_Residual() for _ in range(3))),
                              nn.Linear(8, 1))
 
     _, z = _against_reference(make, settings, _x)
     assert [u.name for u in z.units] == ["embed", "1.0", "1.1", "1.2", "head"]
-    root = nn.Sequential(*(Block() for _ in range(4)))
+    root = nn.Sequential(*(_Residual() for _ in range(4)))
     assert [name for name, _ in zt.find_blocks(root)] == ["0", "1", "2", "3"]
     # A Sequential of one class without parameters holds no block.
     assert zt.find_blocks(nn.Sequential(nn.Linear(8, 8), nn.Sequential(nn.ReLU(), nn.ReLU()))) == []
@@ -958,20 +961,12 @@ def test_blocks_in_lists_of_lists_are_units(settings):
     # A UNet's stages, a ModuleList of ModuleLists of blocks: the stages
     # were taken as the blocks, and a ModuleList is never called, so its
     # blocks read their NaN placeholders (every step skipped).
-    class Block(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.fc = nn.Linear(8, 8)
-
-        def forward(self, x):
-            return x + torch.tanh(self.fc(x))
-
     class Stages(nn.Module):
         def __init__(self):
             super().__init__()
             self.inp = nn.Linear(8, 8)
-            self.stages = nn.ModuleList(nn.ModuleList([Block(), Block()]) for _ in range(2))
-            self.mid = nn.ModuleDict({"a": Block()})
+            self.stages = nn.ModuleList(nn.ModuleList([_Residual(), _Residual()]) for _ in range(2))
+            self.mid = nn.ModuleDict({"a": _Residual()})
             self.out = nn.Linear(8, 1)
 
         def forward(self, x):
@@ -1005,8 +1000,10 @@ def test_blocks_in_lists_of_lists_are_units(settings):
             self.inp = nn.Linear(8, 8)
             self.layers = nn.ModuleList(Experts(nn.Linear(8, 8) for _ in range(2))
                                         for _ in range(3))
-            self.gains = nn.ModuleList(nn.ModuleDict({"block": Block(), "gain": nn.ParameterList(
-                [nn.Parameter(torch.ones(8))])}) for _ in range(2))
+            self.gains = nn.ModuleList(
+                nn.ModuleDict({"block": _Residual(),
+                               "gain": nn.ParameterList([nn.Parameter(torch.ones(8))])})
+                for _ in range(2))
             self.out = nn.Linear(8, 1)
 
         def forward(self, x):
