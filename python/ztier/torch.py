@@ -1430,6 +1430,19 @@ class Offload:
                 "write went nowhere; the engine's optimizer alone changes the weights (for "
                 "max_norm: renormalize the looked-up rows instead, e.g. F.normalize)")
 
+    def _let_go_of_an_interrupted_pass(self):
+        """Between passes (a forward begins, a short window's step): what a
+        forward or backward that raised, or was interrupted, left held goes.
+        Between passes no unit is held (a hold an interrupt left unrecorded
+        computed with old or empty weights for the rest of the run), and the
+        runner holds nothing of this model's (each fetch gives its unit back
+        at once): a hold there is one an interrupt (Ctrl-C) left between an
+        acquire and its release."""
+        if self._phase == "backward" or self._fwd_held or any(u.holds for u in self.units):
+            self._reset_interrupted()
+        else:
+            self.runner.release_all()
+
     def _reset_interrupted(self):
         """Undoes what a forward or backward that raised left behind (holds,
         grads taken but not sent, and grads on the parameters that ztier's
@@ -1710,16 +1723,7 @@ class Offload:
         self._end_evaluation_pass()  # another forward begins
         if self._stranded():
             self._undo_stranded("a forward")
-        if self._phase == "backward" or self._fwd_held or any(u.holds for u in self.units):
-            # The last forward or backward raised, or was interrupted (between
-            # passes no unit is held: a hold an interrupt left unrecorded
-            # computed with old or empty weights for the rest of the run).
-            self._reset_interrupted()
-        else:
-            # Between passes the runner holds nothing of this model's (each
-            # fetch gives its unit back at once): a hold now is one an
-            # interrupt (Ctrl-C) left between an acquire and its release.
-            self.runner.release_all()
+        self._let_go_of_an_interrupted_pass()
         training = torch.is_grad_enabled() and self.module.training
         if training and self._awaiting_step:
             raise RuntimeError(
@@ -2553,8 +2557,9 @@ class Offload:
                 self._in_forward = True
 
     def _refuse_step_in_gathered(self):
-        """RuntimeError inside gathered() (before a step's closure runs: its
-        forward and backward were taken, then the step refused)."""
+        """RuntimeError inside gathered(); optimizer.step() asks before its
+        closure runs (its forward and backward were taken, then the step
+        refused)."""
         if self._gathering:
             # Its parameters are copies taken as it began: a state_dict or an
             # EMA update after the step, inside it, silently read the old
@@ -2568,7 +2573,6 @@ class Offload:
     def _optimizer_step(self, lrs: list[float]):
         self._require_open("optimizer.step()")
         self._claim_thread("optimizer.step()")
-        self._refuse_step_in_gathered()
         if self._stranded():
             self._undo_stranded("optimizer.step()")
             raise RuntimeError(
@@ -2645,15 +2649,9 @@ class Offload:
         if torch._C._current_graph_task_id() != -1:
             raise RuntimeError("ztier: optimizer.step() inside a backward pass; call it after "
                                "the backward returns")
-        if self._phase == "backward" or self._fwd_held or any(u.holds for u in self.units):
-            self._reset_interrupted()  # a pass that raised before any grad went out
-        else:
-            # A forward interrupted (Ctrl-C) between an acquire and its
-            # release, before it held anything, left the runner holding a
-            # unit: the runner's step was refused after every unit's grads
-            # went out, and the model refused everything after (each fetch
-            # gives its unit back at once: between passes none is held).
-            self.runner.release_all()
+        # (A hold left there refused the runner's step after every unit's
+        # grads went out, and the model refused everything after.)
+        self._let_go_of_an_interrupted_pass()
         self._set_learning_rates(lrs)
         last = False
         while not last:
