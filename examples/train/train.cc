@@ -886,6 +886,16 @@ class Progress {
     }
   }
 
+  // The rows so far to the disk, before a checkpoint commits their steps
+  // (a power cut after the commit then finds them: a resume keeps rows up
+  // to its checkpoint's step). A refusal is said; the run goes on.
+  void Sync() {
+    if (!log_.valid() || ::fdatasync(log_.get()) == 0) return;
+    std::fprintf(stderr,
+                 "ztier-train: warning: cannot sync %s (%s): a power cut may lose its rows\n",
+                 PrintableUtf8(log_path_).c_str(), std::strerror(errno));
+  }
+
   // Ends a bar line early (a stop between steps).
   void Break() {
     if (bar_) std::fprintf(stderr, "\n");
@@ -1328,6 +1338,7 @@ Result<int> TrainSteps(const Flags& f, const Plan& p, const std::string& text, S
         progress.Update(static_cast<int>(done), mean, tokens_per_step / std::max(secs, 1e-9), total,
                         counters, sig != 0 ? Progress::Line::kAlways : Progress::Line::kIfDue);
         if (checkpoint) {
+          progress.Sync();
           ZT_RETURN_IF_ERROR(m.SaveCheckpoint(paths.checkpoint));
           saved.store(done);
           // The note follows the save that committed: one that failed or was
