@@ -179,13 +179,27 @@ Json TierJson(const engine::TierBytes& t) {
           {"device_to_host_bytes", t.device_to_host}};
 }
 
+// How a swap path's drive is doing, for the status table: "ok", its
+// problem, or the operations waiting on it once none has finished for a
+// second or more (a stalled drive).
+std::string SwapDrive(const engine::SwapPathUsage& p) {
+  std::string out = p.problem.empty() ? "ok" : PrintableUtf8(p.problem);
+  if (p.waiting_ops > 0 && p.quiet_seconds >= 1) {
+    out += StrCat(", ", p.waiting_ops, " op(s) waiting, none done for ", Duration(p.quiet_seconds));
+  }
+  return out;
+}
+
 Json StatusJson(const DaemonStatus& s) {
   Json swap = Json::array();
   for (const auto& p : s.swap) {
     swap.push_back({{"path", p.path},
                     {"used_bytes", p.used_bytes},
                     {"file_bytes", p.file_bytes},
-                    {"capacity_bytes", p.capacity_bytes}});
+                    {"capacity_bytes", p.capacity_bytes},
+                    {"waiting_ops", p.waiting_ops},
+                    {"quiet_seconds", p.quiet_seconds},
+                    {"problem", p.problem}});
   }
   const engine::EngineTotals& t = s.totals;
   return {{"version", s.version},
@@ -294,11 +308,12 @@ void PrintStatus(const DaemonStatus& s) {
     std::printf("swap: none (no NVMe paths configured)\n");
   } else {
     std::printf("swap:\n");
-    std::vector<std::vector<std::string>> rows = {{"PATH", "USED", "FILE", "CAPACITY"}};
+    std::vector<std::vector<std::string>> rows = {{"PATH", "USED", "FILE", "CAPACITY", "DRIVE"}};
     for (const auto& p : s.swap) {
-      rows.push_back({p.path, Bytes(p.used_bytes), Bytes(p.file_bytes), Bytes(p.capacity_bytes)});
+      rows.push_back({p.path, Bytes(p.used_bytes), Bytes(p.file_bytes), Bytes(p.capacity_bytes),
+                      SwapDrive(p)});
     }
-    PrintTable(rows, {false, true, true, true}, "  ");
+    PrintTable(rows, {false, true, true, true, false}, "  ");
   }
   std::printf("bytes moved:\n");
   const engine::TierBytes& a = s.totals.bytes;

@@ -2721,6 +2721,24 @@ std::string Daemon::Impl::MetricsText() {
     t.Sample("ztier_swap_capacity_bytes", {{"path", p.path}},
              static_cast<double>(p.capacity_bytes));
   }
+  t.Family("ztier_swap_waiting_ops", "gauge",
+           "Disk operations waiting on the swap file's drive, per path.");
+  for (const SwapPathUsage& p : s.swap) {
+    t.Sample("ztier_swap_waiting_ops", {{"path", p.path}}, static_cast<double>(p.waiting_ops));
+  }
+  t.Family("ztier_swap_quiet_seconds", "gauge",
+           "While operations wait on the swap file's drive: seconds since one last finished (a "
+           "stalled drive grows it); 0 when none waits. Per path.");
+  for (const SwapPathUsage& p : s.swap) {
+    t.Sample("ztier_swap_quiet_seconds", {{"path", p.path}}, p.quiet_seconds);
+  }
+  t.Family(
+      "ztier_swap_healthy", "gauge",
+      "1 when nothing is known wrong with the swap path; 0 when the swap space failed, its "
+      "filesystem is read-only or its last write or read failed (ztierctl status says which).");
+  for (const SwapPathUsage& p : s.swap) {
+    t.Sample("ztier_swap_healthy", {{"path", p.path}}, p.problem.empty() ? 1.0 : 0.0);
+  }
 
   const EngineTotals& tot = s.totals;
   one("ztier_nvme_read_bytes_total", "counter",

@@ -77,6 +77,15 @@ struct Engine::Impl {
   Settings settings;
   std::unique_ptr<DramPool> pool;
   std::unique_ptr<nvme::SwapSpace> swap;  // when NVMe paths are configured
+  // For a wait that timed out: "; swap file F: N disk operations waiting,
+  // none finished for T s ..." where a drive has been quiet for half the
+  // wait's time (at most 10 s), else "".
+  std::string StallNote(std::chrono::milliseconds waited) const {
+    if (swap == nullptr) return "";
+    const std::string note =
+        swap->StallNote(std::min<std::chrono::milliseconds>(waited / 2, std::chrono::seconds(10)));
+    return note.empty() ? note : "; " + note;
+  }
   cpu_adam::Executor executor;
   // Jobs unregistered and not yet gone (a step under way or a call still
   // holds them, and their memory and swap): a registration short of either
@@ -1643,7 +1652,8 @@ Result<const bf16*> Engine::AcquireParams(int job, int unit, int64_t step,
       return Status::Unavailable(
           StrCat("job '", j->spec.name, "': all ", pc.slots.size(),
                  " param cache slots are held; release units (ReleaseParams) or raise "
-                 "buffer_count"));
+                 "buffer_count",
+                 e.StallNote(timeout)));
     }
   }
   // Prefetch the next units in the direction the client walks (forward, or
@@ -1848,7 +1858,8 @@ Status Engine::WaitPublished(int job, int unit, int64_t step, std::chrono::milli
   if (!ok) {
     return Status::Unavailable(StrCat("job '", j->spec.name, "' unit '", j->spec.units[unit].name,
                                       "' did not reach step ", step, " within ", timeout.count(),
-                                      " ms (holds step ", j->units[unit].published, ")"));
+                                      " ms (holds step ", j->units[unit].published, ")",
+                                      e.StallNote(timeout)));
   }
   return Status::Ok();
 }
@@ -2134,7 +2145,10 @@ std::vector<SwapPathUsage> Engine::swap_usage() const {
     out.push_back({.path = std::move(u.path),
                    .used_bytes = u.used_bytes,
                    .file_bytes = u.file_bytes,
-                   .capacity_bytes = u.capacity_bytes});
+                   .capacity_bytes = u.capacity_bytes,
+                   .waiting_ops = u.waiting,
+                   .quiet_seconds = u.quiet_seconds,
+                   .problem = std::move(u.problem)});
   }
   return out;
 }

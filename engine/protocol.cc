@@ -1222,7 +1222,9 @@ std::string Encode(const DaemonStatus& v) {
   w.Put(static_cast<uint32_t>(v.swap.size()));
   for (const SwapPathUsage& p : v.swap) {
     w.Str(p.path);
-    for (uint64_t x : {p.used_bytes, p.file_bytes, p.capacity_bytes}) w.Put(x);
+    for (uint64_t x : {p.used_bytes, p.file_bytes, p.capacity_bytes, p.waiting_ops}) w.Put(x);
+    w.Put(p.quiet_seconds);
+    w.Str(std::string_view(p.problem).substr(0, kMaxSwapProblemBytes));
   }
   const EngineTotals& t = v.totals;
   PutTierBytes(w, t.bytes);
@@ -1256,13 +1258,19 @@ Result<DaemonStatus> DecodeDaemonStatus(std::string_view bytes) {
   r.Get(&v.dram_used_bytes, "dram_used_bytes");
   r.Get(&v.dram_page_bytes, "dram_page_bytes");
   uint32_t n = 0;
-  if (r.Count(&n, "swap", kMaxSwapPaths, 4 + 24)) {
+  if (r.Count(&n, "swap", kMaxSwapPaths, 4 + 40 + 4)) {
     v.swap.resize(n);
     for (SwapPathUsage& p : v.swap) {
       r.Str(&p.path, "swap path", kMaxNameBytes);
       r.Get(&p.used_bytes, "used_bytes");
       r.Get(&p.file_bytes, "file_bytes");
       r.Get(&p.capacity_bytes, "capacity_bytes");
+      r.Get(&p.waiting_ops, "waiting_ops");
+      r.Get(&p.quiet_seconds, "quiet_seconds");
+      r.Str(&p.problem, "swap problem", kMaxSwapProblemBytes);
+      if (r.ok() && !(Finite(p.quiet_seconds) && p.quiet_seconds >= 0)) {
+        r.Fail(StrCat("quiet_seconds ", p.quiet_seconds));
+      }
       if (!r.ok()) break;
     }
   }

@@ -46,8 +46,9 @@ inline constexpr uint32_t kMagic = 0x5057545A;  // "ZTWP"
 // and their processes; 10: abort_step's step, the weights generation in
 // the step page; 11: write_state and commit_state name the generation
 // they expect (StagedData, StateCommit), and commit_state may keep the
-// job's steps.
-inline constexpr uint16_t kVersion = 11;
+// job's steps; 12: a swap path's waiting operations, quiet time and
+// problem in the daemon status.
+inline constexpr uint16_t kVersion = 12;
 static_assert(kVersion == kWireVersion, "a change of the wire types is a change of the protocol");
 inline constexpr size_t kHeaderBytes = 32;
 inline constexpr size_t kMaxMessageBytes = size_t{64} << 10;
@@ -76,6 +77,9 @@ inline constexpr int kMaxRanks = 1 << 16;
 // (each page's reply fits in a datagram; `more` says another follows).
 inline constexpr uint32_t kMaxListed = 4096;
 inline constexpr uint32_t kMaxSwapPaths = 256;
+// A swap path's problem in the daemon status (cut there: the status of
+// every path fits one message).
+inline constexpr uint32_t kMaxSwapProblemBytes = 160;
 // The longest a request may ask the daemon to wait (a day), and a step
 // wait (a week: longer is a bug, not a wait). Clients ask for at most these.
 inline constexpr std::chrono::milliseconds kMaxWait{int64_t{24} * 3600 * 1000};

@@ -36,7 +36,7 @@ namespace ztier::engine {
 // 11: no struct changed; a state write and commit through ztierd name the
 // weights generation they expect, and an import's commit keeps the job's
 // steps (protocol.h).
-inline constexpr uint16_t kWireVersion = 11;
+inline constexpr uint16_t kWireVersion = 12;
 
 // The steps of a state committed unit by unit (Engine::CommitState) that
 // are the job's own as it commits (an import's).
@@ -205,12 +205,17 @@ struct EngineTotals {
 
 // One swap path of the engine: its file's size now, the bytes its objects
 // take in it, and what it may grow to (the cap, else the file plus the
-// free space of its filesystem).
+// free space of its filesystem); its disk operations waiting and, while
+// some do, the seconds since one last finished (a stalled drive); what is
+// wrong with it ("": nothing known).
 struct SwapPathUsage {
   std::string path;
   uint64_t used_bytes = 0;
   uint64_t file_bytes = 0;
   uint64_t capacity_bytes = 0;
+  uint64_t waiting_ops = 0;
+  double quiet_seconds = 0;
+  std::string problem;
 };
 
 // ---- the operator's view of ztierd (ztierctl, the metrics endpoint)

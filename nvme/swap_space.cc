@@ -16,7 +16,9 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <chrono>
 #include <condition_variable>
+#include <cstdio>
 #include <cstring>
 #include <deque>
 #include <filesystem>
@@ -126,6 +128,12 @@ bool IoTicket::Done() const {
 
 namespace {
 
+int64_t NowNs() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
 // One disk operation: a stripe unit (or what remains of it after a short
 // transfer), or an fsync.
 struct Piece {
@@ -191,10 +199,22 @@ struct SwapSpace::Impl {
     bool stop = false;
     std::thread thread;
 
+    // Pieces given to this path and not finished, and when the path last
+    // moved: a piece finished, or the first went in while none waited
+    // (steady clock, ns). Read by Stalled() from any thread.
+    std::atomic<uint64_t> waiting{0};
+    std::atomic<int64_t> moved_ns{0};
+    // By kind (read, write): the errno of the last one here that the
+    // drive refused, 0 once one succeeds again (a path gone read-only
+    // fails its writes and still reads; a dying drive).
+    std::atomic<int> last_errno[2] = {0, 0};
+    void Moved() { moved_ns.store(NowNs(), std::memory_order_relaxed); }
+
     void Enqueue(Piece* p) {
       {
         std::lock_guard<std::mutex> lock(mu);
         pending.push_back(p);
+        if (waiting.fetch_add(1, std::memory_order_relaxed) == 0) Moved();
       }
       cv.notify_one();
     }
@@ -332,6 +352,8 @@ void SwapSpace::Impl::PathIo::Start(Piece* p) {
 }
 
 void SwapSpace::Impl::PathIo::Finish(Piece* p, const Status& s) {
+  Moved();
+  waiting.fetch_sub(1, std::memory_order_relaxed);
   if (p->staging >= 0) free_staging.push_back(p->staging);
   std::shared_ptr<IoTicket::State> ticket = std::move(p->ticket);
   const uint64_t object = p->object;
@@ -343,6 +365,7 @@ void SwapSpace::Impl::PathIo::Finish(Piece* p, const Status& s) {
 
 void SwapSpace::Impl::PathIo::Complete(Piece* p, int32_t res, std::vector<Piece*>* retry) {
   in_ring.erase(p);
+  Moved();  // a short transfer resubmitted is progress too
   Impl& sp = *owner;
   if (p->kind == IoKind::kFsync) {
     if (res < 0) {
@@ -363,6 +386,10 @@ void SwapSpace::Impl::PathIo::Complete(Piece* p, int32_t res, std::vector<Piece*
     }
   }
   Status error;
+  last_errno[p->kind == IoKind::kWrite].store(res < 0    ? -res
+                                              : res == 0 ? EIO
+                                                         : 0,
+                                              std::memory_order_relaxed);
   if (res < 0) {
     // EINVAL on aligned O_DIRECT I/O is a filesystem that took O_DIRECT at
     // open and refuses it at I/O (the probe at the start could not tell on
@@ -1345,6 +1372,33 @@ uint64_t SwapSpace::free_bytes() const {
   return units * impl_->options.stripe_bytes;
 }
 
+std::vector<SwapSpace::Stall> SwapSpace::stalls(std::chrono::milliseconds quiet) const {
+  const Impl& sp = *impl_;
+  std::vector<Stall> out;
+  const int64_t now = NowNs();
+  for (const auto& path : sp.paths) {
+    const uint64_t waiting = path->waiting.load(std::memory_order_relaxed);
+    const int64_t since = path->moved_ns.load(std::memory_order_relaxed);
+    if (waiting == 0 || now - since < std::chrono::nanoseconds(quiet).count()) continue;
+    out.push_back(Stall{.file = path->file,
+                        .waiting = waiting,
+                        .seconds = static_cast<double>(now - since) * 1e-9});
+  }
+  return out;
+}
+
+std::string SwapSpace::StallNote(std::chrono::milliseconds quiet) const {
+  std::string note;
+  for (const Stall& s : stalls(quiet)) {
+    char secs[32];
+    std::snprintf(secs, sizeof(secs), s.seconds < 10 ? "%.1f" : "%.0f", s.seconds);
+    note += StrCat(note.empty() ? "" : "; ", "swap file ", s.file, ": ", s.waiting,
+                   " disk operation(s) waiting, none finished for ", secs, " s");
+  }
+  if (!note.empty()) note += " (a stalled or failing drive?)";
+  return note;
+}
+
 std::vector<SwapSpace::PathUsage> SwapSpace::path_usage() const {
   const Impl& sp = *impl_;
   std::vector<PathUsage> out;
@@ -1382,6 +1436,23 @@ std::vector<SwapSpace::PathUsage> SwapSpace::path_usage() const {
     }
     u.capacity_bytes = sp.options.max_file_bytes;
     if (u.capacity_bytes == 0) u.capacity_bytes = u.file_bytes + room;
+    const Impl::PathIo& io = *sp.paths[i];
+    u.waiting = io.waiting.load(std::memory_order_relaxed);
+    if (u.waiting > 0) {
+      u.quiet_seconds =
+          static_cast<double>(NowNs() - io.moved_ns.load(std::memory_order_relaxed)) * 1e-9;
+    }
+    struct statvfs vfs;
+    if (sp.failed.load()) {
+      u.problem = StrCat("the swap space failed: ", sp.failure.message());
+    } else if (fd >= 0 && ::fstatvfs(fd, &vfs) == 0 && (vfs.f_flag & ST_RDONLY) != 0) {
+      u.problem = "its filesystem is read-only";
+    } else if (const int err = io.last_errno[1].load(std::memory_order_relaxed); err != 0) {
+      u.problem = StrCat("its last write failed: ", std::strerror(err));
+    } else if (const int read_err = io.last_errno[0].load(std::memory_order_relaxed);
+               read_err != 0) {
+      u.problem = StrCat("its last read failed: ", std::strerror(read_err));
+    }
     out.push_back(std::move(u));
   }
   return out;

@@ -57,6 +57,7 @@
 #ifndef ZTIER_NVME_SWAP_SPACE_H_
 #define ZTIER_NVME_SWAP_SPACE_H_
 
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -194,14 +195,32 @@ class SwapSpace {
   // bytes its objects take in it, and what it may grow to (the cap,
   // ztier.nvme_capacity, else what it holds plus the room the files can
   // grow by: they grow in lockstep, so the least free space of any path's
-  // filesystem, shared among the paths on it).
+  // filesystem, shared among the paths on it); the disk operations waiting
+  // there and, while some do, the seconds since one last finished; and
+  // what is wrong with it, if anything: the swap space failed (an fsync
+  // refused), its filesystem is read-only, or its last write (else read) failed.
   struct PathUsage {
     std::string path;
     uint64_t used_bytes = 0;
     uint64_t file_bytes = 0;
     uint64_t capacity_bytes = 0;
+    uint64_t waiting = 0;
+    double quiet_seconds = 0;
+    std::string problem;
   };
   std::vector<PathUsage> path_usage() const;
+  // The swap files whose drive has not finished a disk operation for at
+  // least `quiet` while some wait there (a stalled or dead drive, for the
+  // messages of waits that time out): the file, the operations waiting, and
+  // the seconds since the last one finished (or since the first went in).
+  struct Stall {
+    std::string file;
+    uint64_t waiting = 0;
+    double seconds = 0;
+  };
+  std::vector<Stall> stalls(std::chrono::milliseconds quiet) const;
+  // The same, said in one sentence for an error message ("" when none is).
+  std::string StallNote(std::chrono::milliseconds quiet) const;
 
   struct Impl;
 

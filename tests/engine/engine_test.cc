@@ -654,6 +654,37 @@ TEST(EngineAbortTest, AStepQueuedBehindOneWritingBackIsNotDiscarded) {
   EXPECT_EQ(e->Steps(*job)->first, 3);
 }
 
+// A wait that timed out on a drive that does not answer said only the step
+// the unit holds: it names the swap file and the disk operations waiting
+// there. One that times out with the drives answering says nothing of them.
+TEST(EngineStallTest, AWaitThatTimesOutOnAStalledDriveNamesTheSwapFile) {
+  ScratchDir swap("swap");
+  auto fault = std::make_shared<nvme::FaultBackend>(nvme::MakeUringBackend());
+  auto e = MakeEngine(uint64_t{1} << 30, &swap, uint64_t{64} << 20, fault);
+  Result<int> job = e->RegisterJob(
+      Place(SmallModel("stalled", 1, 1.0f, 1, StepMode::kExact), Placement::kNvmeStates));
+  ASSERT_TRUE(job.ok()) << job.status();
+  Train(*e, *job, 1, 0, 1, 5);
+  ASSERT_TRUE(e->Steps(*job).ok());  // step 1's write-backs done
+  fault->SlowDown(nvme::IoKind::kRead, 1500ms);
+  RingAll(*e, *job, 0.1f);  // step 2: its state reads wait on the drive
+  const Status timed_out = e->WaitPublished(*job, 3, 2, 400ms);
+  fault->SlowDown(nvme::IoKind::kRead, 0ms);
+  EXPECT_EQ(timed_out.code(), StatusCode::kUnavailable) << timed_out;
+  EXPECT_NE(timed_out.message().find("swap file " + swap.path() + "/drive0/ztier.swap: "),
+            std::string::npos)
+      << timed_out;
+  EXPECT_NE(timed_out.message().find("disk operation(s) waiting, none finished for"),
+            std::string::npos)
+      << timed_out;
+  ASSERT_TRUE(WaitStep(*e, *job, 2).ok());
+  ASSERT_TRUE(e->Steps(*job).ok());
+  // No grads of step 3 come: a timeout of the client's, not the drive's.
+  const Status idle = e->WaitPublished(*job, 0, 3, 200ms);
+  EXPECT_EQ(idle.code(), StatusCode::kUnavailable) << idle;
+  EXPECT_EQ(idle.message().find("swap file"), std::string::npos) << idle;
+}
+
 // An abort that comes after its step completed (a backward that failed
 // once its last grads were out, and the step ran meanwhile) found nothing
 // pending and said it dropped the grads: they had been applied, and the

@@ -359,7 +359,13 @@ TEST(ProtocolTest, OperatorMessagesRoundTripAndRefuseEveryPrefix) {
   s.dram_budget_bytes = 1 << 30;
   s.dram_reserved_bytes = 1 << 21;
   s.dram_used_bytes = 1 << 20;
-  s.swap = {{.path = "/nvme0/ztier", .used_bytes = 1, .file_bytes = 2, .capacity_bytes = 3}};
+  s.swap = {{.path = "/nvme0/ztier",
+             .used_bytes = 1,
+             .file_bytes = 2,
+             .capacity_bytes = 3,
+             .waiting_ops = 7,
+             .quiet_seconds = 42.5,
+             .problem = "its filesystem is read-only"}};
   s.totals.bytes.nvme_read = 99;
   s.totals.steps = 3;
   s.window.device_to_host = 5;
@@ -368,8 +374,19 @@ TEST(ProtocolTest, OperatorMessagesRoundTripAndRefuseEveryPrefix) {
   ASSERT_TRUE(sb.ok()) << sb.status();
   EXPECT_EQ(Encode(*sb), Encode(s));
   EXPECT_EQ(sb->swap[0].path, "/nvme0/ztier");
+  EXPECT_EQ(sb->swap[0].problem, "its filesystem is read-only");
   EXPECT_TRUE(sb->draining);
   EveryPrefixIsRefused(Encode(s), DecodeDaemonStatus);
+  for (double quiet :
+       {-1.0, std::numeric_limits<double>::quiet_NaN(), std::numeric_limits<double>::infinity()}) {
+    DaemonStatus odd = s;
+    odd.swap[0].quiet_seconds = quiet;
+    EXPECT_FALSE(DecodeDaemonStatus(Encode(odd)).ok()) << quiet;
+  }
+  DaemonStatus wordy = s;  // a long problem is cut to fit
+  wordy.swap[0].problem.assign(1000, 'x');
+  ASSERT_TRUE(DecodeDaemonStatus(Encode(wordy)).ok());
+  EXPECT_EQ(DecodeDaemonStatus(Encode(wordy))->swap[0].problem.size(), kMaxSwapProblemBytes);
   s.dram_used_bytes = s.dram_reserved_bytes + 1;
   EXPECT_FALSE(DecodeDaemonStatus(Encode(s)).ok());
 

@@ -467,6 +467,23 @@ TEST_P(SwapFaultTest, WriteEioFailsNamesPathAndLosesNothingSilently) {
   ExpectKeepIntact();
 }
 
+// A path whose writes fail (gone read-only) says so in the operator's view
+// (ztierd's status, ztierctl status) while its reads still work; the
+// first write it takes again clears it.
+TEST_P(SwapFaultTest, APathWhoseWritesFailSaysSoUntilOneSucceeds) {
+  for (const SwapSpace::PathUsage& u : space_->path_usage()) EXPECT_EQ(u.problem, "") << u.path;
+  fault_->FailFrom(IoKind::kWrite, 1, EROFS);
+  ASSERT_FALSE(space_->Write(victim_, 0, data_.data(), data_.size()).ok());
+  ExpectKeepIntact();  // reads work, and do not clear it
+  for (const SwapSpace::PathUsage& u : space_->path_usage()) {
+    EXPECT_EQ(u.problem, StrCat("its last write failed: ", std::strerror(EROFS))) << u.path;
+    EXPECT_EQ(u.waiting, 0u) << u.path;
+  }
+  fault_->Reset();
+  ASSERT_TRUE(space_->Write(victim_, 0, data_.data(), data_.size()).ok());
+  for (const SwapSpace::PathUsage& u : space_->path_usage()) EXPECT_EQ(u.problem, "") << u.path;
+}
+
 TEST_P(SwapFaultTest, DirectIoRefusedAtTheFirstWriteSaysSo) {
   // A filesystem that takes O_DIRECT at open and refuses it at I/O, found
   // only at a write when the probe at the start met a full disk.
