@@ -777,6 +777,14 @@ Status ValidateJobSpec(const JobSpec& spec, size_t name_prefix_bytes) {
     return Status::InvalidArgument(
         StrCat("job '", spec.name, "': ranks ", spec.ranks, " not in 1..1024"));
   }
+  // Each unit keeps a little of each rank's (its grads' arrivals and
+  // shards' norms), made before the job's memory is weighed against the
+  // budget: bounded, so a spec cannot make the engine (ztierd) take
+  // gigabytes only to refuse it.
+  if (spec.units.size() * static_cast<uint64_t>(spec.ranks) > kMaxUnitRanks) {
+    return Status::InvalidArgument(StrCat("job '", spec.name, "': ", spec.units.size(), " units x ",
+                                          spec.ranks, " ranks is more than ", kMaxUnitRanks));
+  }
   if (spec.optimizer.grad_accumulation < 1 ||
       spec.optimizer.grad_accumulation > kMaxGradAccumulation) {
     return Status::InvalidArgument(StrCat("job '", spec.name, "': gradient accumulation ",

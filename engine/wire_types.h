@@ -66,7 +66,8 @@ inline constexpr uint64_t kAlignElements = 64;  // 256 B of fp32, 128 B of bf16
 inline constexpr uint64_t kMaxUnitElements = uint64_t{1} << 40;
 inline constexpr uint64_t kMaxJobElements = uint64_t{1} << 48;
 inline constexpr uint32_t kMaxNameBytes = 1024;  // a job's, a unit's, a tensor's
-inline constexpr uint32_t kMaxUnits = 1 << 20;
+inline constexpr uint32_t kMaxUnits = 1 << 17;
+inline constexpr uint64_t kMaxUnitRanks = uint64_t{1} << 22;  // units x ranks
 inline constexpr uint32_t kMaxTensorsPerUnit = 1 << 16;
 inline constexpr uint32_t kMaxDims = 8;  // 0 dims: a scalar
 // Optimizer param groups of a job (group_weight_decay, learning rates).

@@ -1420,6 +1420,21 @@ TEST(EngineJobsTest, BudgetsValidationAndUnregister) {
   nvme.optimizer_tier = Tier::kDram;
   nvme.param_tier = Tier::kNvme;
   EXPECT_EQ(engine->RegisterJob(nvme).status().code(), StatusCode::kInvalidArgument);
+  // A spec of many units and ranks is refused before the engine makes
+  // each unit's per-rank bookkeeping (ztierd took a gigabyte per such
+  // request to refuse it for the budget).
+  JobSpec wide;
+  wide.name = "wide";
+  wide.ranks = 1024;
+  for (int k = 0; k < 4097; ++k) wide.units.push_back({StrCat("u", k), {{"w", {1}}}});
+  const Status refused = engine->RegisterJob(wide).status();
+  EXPECT_EQ(refused.code(), StatusCode::kInvalidArgument) << refused;
+  EXPECT_NE(refused.message().find("4097 units x 1024 ranks is more than 4194304"),
+            std::string::npos)
+      << refused;
+  wide.units.resize(kMaxUnits + 1, wide.units[0]);
+  wide.ranks = 1;
+  EXPECT_EQ(engine->RegisterJob(wide).status().code(), StatusCode::kInvalidArgument);
   JobSpec zero = SmallModel("e", 1, 0, 1, StepMode::kExact);
   zero.units[0].tensors[0].shape = {0, 3};
   EXPECT_EQ(engine->RegisterJob(zero).status().code(), StatusCode::kInvalidArgument);

@@ -214,9 +214,9 @@ TEST(ProtocolTest, JobSpecLimitsAreCheckedWithTheFieldNamed) {
 TEST(ProtocolTest, CountsThatCannotFitAreRefusedBeforeAllocating) {
   std::string bytes = Encode(SampleSpec());
   // The unit count sits right after the fixed fields and the (empty) group
-  // weight decays; claim a million units.
+  // weight decays; claim the most units a spec may hold.
   const size_t at = 4 + 3 + 4 + 1 + 1 + 3 * 4 + 2 * 8 + 2 + 4 + 4 + 1 + 8 + 4;
-  const uint32_t units = 1 << 20;
+  const uint32_t units = kMaxUnits;
   std::memcpy(bytes.data() + at, &units, 4);
   Result<JobSpec> r = DecodeJobSpec(bytes);
   ASSERT_FALSE(r.ok());
