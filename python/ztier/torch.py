@@ -2767,9 +2767,9 @@ class Offload:
                 if b is not None and bname not in m._non_persistent_buffers_set:
                     out.setdefault(f"{mname}.{bname}" if mname else bname, b)
         # And the parameters the engine does not keep (an integer index
-        # table), which stay in the module as buffers do.
+        # table, one of no elements), which stay in the module as buffers do.
         for name, p in self.module.named_parameters():
-            if id(p) not in self._tensor_of and p.numel() > 0:
+            if id(p) not in self._tensor_of:
                 out.setdefault(name, p)
         return out
 

@@ -435,6 +435,48 @@ def test_a_copy_made_outside_gathered_refuses_its_state_dict(settings):
     z.close()
 
 
+class _WithEmpty(nn.Module):
+    """A model with a parameter of no elements (a placeholder some
+    architectures keep), beside a trained layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 1)
+        self.empty = nn.Parameter(torch.empty(0, 5))
+
+    def forward(self, x):
+        return self.lin(x) + self.empty.sum()
+
+
+def test_a_parameter_of_no_elements_goes_into_exports_and_checkpoints(settings, tmp_path):
+    # It was left out of the export (and a checkpoint's buffers): a strict
+    # load_state_dict of the export into the same model class failed,
+    # "Missing key(s) in state_dict: 'empty'".
+    from safetensors.torch import load_file
+
+    torch.manual_seed(0)
+    model = _WithEmpty()
+    z = zt.offload(model, optimizer=zt.AdamW(lr=1e-2), settings=settings)
+    model(torch.randn(2, 8)).sum().backward()
+    z.optimizer.step()
+    z.export_safetensors(tmp_path / "m.safetensors")
+    exported = load_file(str(tmp_path / "m.safetensors"))
+    assert exported["empty"].shape == (0, 5)
+    _WithEmpty().load_state_dict(exported)  # strict
+    z.save_checkpoint(tmp_path / "ckpt")
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        want = model(x)
+    z.close()
+    fresh = _WithEmpty()
+    z2 = zt.offload(fresh, optimizer=zt.AdamW(lr=1e-2), settings=settings)
+    z2.load_checkpoint(tmp_path / "ckpt")
+    assert fresh.empty.shape == (0, 5)
+    with torch.no_grad():
+        assert torch.equal(fresh(x), want)
+    z2.close()
+
+
 def test_an_index_table_goes_into_exports_and_comes_back(settings, tmp_path):
     torch.manual_seed(0)
     model = _Permuted(300)
