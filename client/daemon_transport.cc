@@ -78,7 +78,7 @@ struct Reply {
 struct Staging {
   static Result<Staging> Make(uint64_t bytes) {
     Staging s;
-    ZT_ASSIGN_OR_RETURN(s.fd, engine::MakeSealedMemfd("ztier-staging", bytes));
+    ZT_ASSIGN_OR_RETURN(s.fd, engine::MakeStagingMemfd("ztier-staging", bytes));
     ZT_ASSIGN_OR_RETURN(s.map, Mapping::Map(s.fd.get(), bytes, true, "the staging memfd"));
     return s;
   }

@@ -2245,6 +2245,9 @@ class Daemon::Impl::Connection {
     ZT_RETURN_IF_ERROR(CheckPeerMemfd(req.fds[0].get(), need, UINT64_MAX, RegionAccess::kReadWrite,
                                       "the staging memfd")
                            .status());
+    // Pages ztierd faulted in would be its memory, in no quota of the
+    // sender's (a sparse memfd of gigabytes costs its sender nothing).
+    ZT_RETURN_IF_ERROR(CheckAllocated(req.fds[0].get(), need, "the staging memfd"));
     ZT_ASSIGN_OR_RETURN(
         Mapping m, Mapping::Map(req.fds[0].get(), need, /*writable=*/read, "the staging memfd"));
     auto* f = static_cast<float*>(m.data());

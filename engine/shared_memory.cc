@@ -64,6 +64,26 @@ Result<UniqueFd> MakeSealedMemfd(std::string_view name, uint64_t bytes) {
   return fd;
 }
 
+Result<UniqueFd> MakeStagingMemfd(std::string_view name, uint64_t bytes) {
+  ZT_ASSIGN_OR_RETURN(UniqueFd fd, MakeSealedMemfd(name, bytes));
+  if (bytes > 0 && ::fallocate(fd.get(), 0, 0, static_cast<off_t>(bytes)) != 0) {
+    return PosixError(StrCat("allocate the ", bytes, " bytes of memfd ", name), errno);
+  }
+  return fd;
+}
+
+Status CheckAllocated(int fd, uint64_t bytes, std::string_view what) {
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) return PosixError(StrCat("fstat ", what), errno);
+  const uint64_t allocated = static_cast<uint64_t>(st.st_blocks) * 512;
+  if (allocated < bytes) {
+    return Status::InvalidArgument(
+        StrCat(what, ": ", allocated, " of its ", bytes,
+               " bytes have pages; ztierd takes only memory its sender allocated (fallocate)"));
+  }
+  return Status::Ok();
+}
+
 Result<UniqueFd> MemfdWithPayload(std::string_view name, std::string_view bytes) {
   ZT_ASSIGN_OR_RETURN(UniqueFd fd, NewMemfd(name, bytes.size()));
   size_t done = 0;

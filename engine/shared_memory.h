@@ -53,6 +53,14 @@ class Mapping {
 // (the peer may map it safely), writable by whoever holds it. Errors:
 // PosixError.
 Result<UniqueFd> MakeSealedMemfd(std::string_view name, uint64_t bytes);
+// The same, its pages allocated up front (charged to this process's
+// memory): bulk data to or from ztierd, which refuses a staging memfd whose
+// pages it would have to fault in (CheckAllocated).
+Result<UniqueFd> MakeStagingMemfd(std::string_view name, uint64_t bytes);
+// Checks that a peer's memfd has pages for its first `bytes` (a sparse one
+// would put the memory ztierd touches in ztierd's own memory, beyond the
+// peer's limits). Errors: InvalidArgument naming `what`.
+Status CheckAllocated(int fd, uint64_t bytes, std::string_view what);
 // A memfd holding `bytes`, sealed against every change (F_SEAL_WRITE too):
 // a message payload too large for a datagram.
 Result<UniqueFd> MemfdWithPayload(std::string_view name, std::string_view bytes);

@@ -332,6 +332,31 @@ TEST_F(DaemonTest, StagingMemfdsMustBeSealedAndOfTheRightSize) {
              p::Encode(p::StagedData{.job = job, .unit = 0, .bytes = bytes}), small_fds);
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->status.code(), StatusCode::kInvalidArgument) << r->status;
+  // Sealed, of the right size, and sparse: its pages would be ztierd's to
+  // fault in (ztierd's memory, in no quota of the sender's). A read_state
+  // into it too; one whose pages are there is taken.
+  Result<RawClient::Reply> layout =
+      c.Call(p::MessageType::kLayout, p::Encode(p::UnitRef{.job = job, .unit = 0}));
+  ASSERT_TRUE(layout.ok() && layout->status.ok());
+  const uint64_t padded = p::DecodeUnitLayout(layout->payload)->padded;
+  for (const p::MessageType type : {p::MessageType::kWriteWeights, p::MessageType::kReadState}) {
+    const uint64_t want = type == p::MessageType::kReadState ? 3 * padded * 4 : bytes;
+    Result<UniqueFd> sparse = engine::MakeSealedMemfd("sparse", want);
+    ASSERT_TRUE(sparse.ok());
+    const int sparse_fds[] = {sparse->get()};
+    r = c.Call(type, p::Encode(p::StagedData{.job = job, .unit = 0, .bytes = want}), sparse_fds);
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->status.code(), StatusCode::kInvalidArgument) << r->status;
+    EXPECT_NE(r->status.ToString().find("have pages; ztierd takes only memory its sender"),
+              std::string::npos)
+        << r->status;
+    Result<UniqueFd> allocated = engine::MakeStagingMemfd("allocated", want);
+    ASSERT_TRUE(allocated.ok());
+    const int allocated_fds[] = {allocated->get()};
+    r = c.Call(type, p::Encode(p::StagedData{.job = job, .unit = 0, .bytes = want}), allocated_fds);
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_TRUE(r->status.ok()) << r->status;
+  }
   // A regular file is not a memfd.
   UniqueFd file(::open("/proc/self/exe", O_RDONLY | O_CLOEXEC));
   const int file_fds[] = {file.get()};
