@@ -144,6 +144,10 @@ Result<CheckpointManifest> Decode(const Json& m, const Fields& f) {
       if (!ct.is_object()) return f.Bad(StrCat(tw, "not an object"));
       CheckpointTensor tensor;
       ZT_ASSIGN_OR_RETURN(tensor.name, f.String(ct, "name", tw));
+      if (auto frozen = ct.find("frozen"); frozen != ct.end()) {
+        if (!frozen->is_boolean()) return f.Bad(StrCat(tw, "'frozen' is not true or false"));
+        tensor.frozen = frozen->get<bool>();
+      }
       ZT_ASSIGN_OR_RETURN(const Json* shape, f.Array(ct, "shape", tw, 0, kMaxDims));
       uint64_t n = 1;
       for (const Json& d : *shape) {
@@ -210,7 +214,9 @@ std::string EncodeCheckpointManifest(const CheckpointManifest& m) {
   for (const CheckpointUnit& u : m.units) {
     Json tensors = Json::array();
     for (const CheckpointTensor& t : u.tensors) {
-      tensors.push_back({{"name", t.name}, {"shape", t.shape}});
+      Json tensor{{"name", t.name}, {"shape", t.shape}};
+      if (t.frozen) tensor["frozen"] = true;
+      tensors.push_back(std::move(tensor));
     }
     Json shards = Json::array();
     for (const CheckpointShard& s : u.shards) {

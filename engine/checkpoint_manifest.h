@@ -10,7 +10,8 @@
 //    "state_dtype": "fp32" | "int8" (how the saving job kept m and v;
 //    optional: absent where the saver did not know it),
 //    "units": [{"name", "numel", "padded",
-//               "tensors": [{"name", "shape": [..]}],
+//               "tensors": [{"name", "shape": [..], "frozen": true (only where
+//                            the saving job kept no moments of it)}],
 //               "shards": [{"file", "rank", "elements", "bytes", "crc32c"}]}],
 //    "checksum": crc32c of the canonical JSON without this field}
 // The shard files hold fp32 m and v whatever the state dtype (8-bit states

@@ -533,7 +533,9 @@ Status SaveCheckpointFiles(const JobDescription& job, StateAccess& state, const 
     cu.name = us.name;
     cu.numel = layout.numel;
     cu.padded = layout.padded;
-    for (const TensorSpec& t : us.tensors) cu.tensors.push_back({t.name, t.shape});
+    for (const TensorSpec& t : us.tensors) {
+      cu.tensors.push_back({.name = t.name, .shape = t.shape, .frozen = t.frozen});
+    }
     for (int r = 0; r < job.ranks; ++r) {
       const uint64_t n = layout.shard;
       const uint64_t off = static_cast<uint64_t>(r) * n;

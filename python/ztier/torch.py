@@ -2910,12 +2910,41 @@ class Offload:
             # A load that failed changed nothing: the model goes on from its
             # own state with a runner as before.
             self.runner = self._make_runner()
+        if self.rank == 0:
+            self._warn_of_unfrozen(directory)
         if wants_buffers:
             if path is not None and os.path.exists(path):
                 if saved.get("step") != self.runner.version:
                     warnings.warn(f"ztier: {path} is of step {saved.get('step')}, the checkpoint "
                                   f"of step {self.runner.version}", RuntimeWarning, stacklevel=2)
             self._set_buffers(saved["buffers"], path)
+
+    def _warn_of_unfrozen(self, directory: str):
+        """Warns of tensors a loaded checkpoint's model kept frozen that
+        train here: they have no moments, and AdamW's bias correction is the
+        job's (its steps), not theirs: their first updates are larger than
+        a new parameter's in torch (lr at step 1)."""
+        try:
+            with open(os.path.join(directory, "manifest.json")) as f:
+                m = json.load(f)
+            was_frozen = {t["name"] for u in m["units"] for t in u["tensors"]
+                          if t.get("frozen") is True}
+            adam_step = m.get("adam_step")
+        except (OSError, ValueError, TypeError, KeyError, AttributeError):
+            return
+        now = [t.name for u in self.units for t in u.tensors
+               if not t.frozen and t.name in was_frozen]
+        if not now or not isinstance(adam_step, int) or adam_step <= 0:
+            return
+        named = ", ".join(f"'{n}'" for n in now[:4]) + (
+            f" and {len(now) - 4} more" if len(now) > 4 else "")
+        warnings.warn(
+            f"ztier: frozen in the checkpoint {directory}, trained here: {named}. Their m and v "
+            f"start from zero while AdamW's bias correction counts the job's {adam_step} steps, "
+            "so their first updates are up to (1 - beta1) / sqrt(1 - beta2) times the learning "
+            "rate (3.2x at betas (0.9, 0.999)), where torch moves a new parameter by the "
+            "learning rate; a warmup of their learning rate (a param group of their own) "
+            "covers it", RuntimeWarning, stacklevel=3)
 
     def export_safetensors(self, path: str, dtype: str | torch.dtype = "bfloat16"):
         """The consolidated weights under the model's state-dict names (rank 0

@@ -1695,6 +1695,58 @@ def test_a_checkpoint_of_other_frozen_parameters_says_how_to_go_on(settings, tmp
     z.close()
 
 
+class _EmbeddedMlp(nn.Module):
+    """An embedding, two blocks and a head: the embedding is a unit of its
+    own (its own unit whether it is frozen or not)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(16, 8)
+        self.blocks = nn.ModuleList([nn.Linear(8, 8) for _ in range(2)])
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        for b in self.blocks:
+            x = torch.tanh(b(x))
+        return self.head(x)
+
+
+def test_a_checkpoint_that_froze_a_whole_unit_warns_where_it_trains_here(settings, tmp_path):
+    # A unit frozen whole keeps its layout, so its checkpoint loads into a
+    # model that trains it, without a word: its moments are zero under the
+    # job's step count, and its first updates were up to 2.5x the lr.
+    def step(model, z):
+        model(torch.randint(0, 16, (4, 3))).pow(2).sum().backward()
+        z.optimizer.step()
+        z.optimizer.zero_grad()
+
+    model = _EmbeddedMlp()
+    model.emb.requires_grad_(False)
+    z = zt.offload(model, settings=settings)
+    assert [t.name for u in z.units if u.name == "embed" for t in u.tensors] == ["emb.weight"]
+    for _ in range(3):
+        step(model, z)
+    z.save_checkpoint(str(tmp_path / "ck"))
+    z.close()
+    same = _EmbeddedMlp()
+    same.emb.requires_grad_(False)
+    z = zt.offload(same, settings=settings)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        z.load_checkpoint(str(tmp_path / "ck"))  # frozen there and here: nothing to say
+    z.close()
+    thawed = _EmbeddedMlp()
+    z = zt.offload(thawed, settings=settings)
+    with pytest.warns(RuntimeWarning, match=r"frozen in the checkpoint .*, trained here: "
+                      r"'emb.weight'. Their m and v start from zero while AdamW's "
+                      r"bias correction counts the job's 3 steps"):
+        z.load_checkpoint(str(tmp_path / "ck"))
+    step(thawed, z)
+    z.close()
+
+
 class _Attention(nn.Module):
     """nn.MultiheadAttention outside any block: its forward reads
     out_proj.weight without calling out_proj."""
