@@ -885,9 +885,11 @@ class DaemonTransport final : public Transport, public ControlTransport {
     for (size_t k = 0; k < list.regions.size(); ++k) {
       const p::RegionInfo& info = list.regions[k];
       const std::string what = StrCat("region ", info.region, " from ztierd");
-      ZT_RETURN_IF_ERROR(
-          engine::CheckPeerMemfd(r.fds[k].get(), info.bytes, info.bytes, info.access, what)
-              .status());
+      // Sealed against shrinking (a mapping past its end would fault); a
+      // read-only region comes as a read-only open of it and is mapped so.
+      ZT_RETURN_IF_ERROR(engine::CheckPeerMemfd(r.fds[k].get(), info.bytes, info.bytes,
+                                                RegionAccess::kReadWrite, what)
+                             .status());
       ZT_ASSIGN_OR_RETURN(Mapping m, Mapping::Map(r.fds[k].get(), info.bytes,
                                                   info.access == RegionAccess::kReadWrite, what));
       j.regions[info.region] = Region{.mapping = std::move(m), .access = info.access};

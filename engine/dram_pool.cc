@@ -53,7 +53,7 @@ class Region {
   }
 
   // `final_seal`: no seal may be added later (shared regions); a dedicated
-  // region stays open to F_SEAL_FUTURE_WRITE (SealReadOnly).
+  // region gets its final seals from SealRegion.
   static Result<Region> Make(const DramPoolOptions& o, uint64_t bytes, uint32_t index,
                              bool final_seal = true) {
     const std::string name = StrCat(o.name, "-", index);
@@ -222,8 +222,9 @@ struct DramPool::Impl {
   // live regions.
   struct Slot {
     Region region;
-    ExtentAllocator pages;  // in 4 KiB pages
-    bool dedicated;         // one owner's, never carved for others
+    ExtentAllocator pages;   // in 4 KiB pages
+    bool dedicated;          // one owner's, never carved for others
+    bool read_only = false;  // shared read-only (SealRegion)
   };
   std::map<uint32_t, Slot> slots;
   // The regions' figures for stats(), kept as regions come and go: a walk
@@ -461,8 +462,7 @@ Result<uint32_t> DramPool::CreateRegion(uint64_t bytes, std::string_view owner) 
     o = p.options;
   }
   // Never hugetlb: a client could punch holes in it and release the
-  // reservation the engine's mapping faults on, and older kernels do not
-  // enforce F_SEAL_FUTURE_WRITE on hugetlbfs.
+  // reservation the engine's mapping faults on.
   if (o.huge_pages == HugePages::kHugetlb) o.huge_pages = HugePages::kTransparent;
   Result<Region> region = Region::Make(o, size, r, /*final_seal=*/false);
   Status bound = region.ok() ? p.BindToNode(*region) : region.status();
@@ -501,11 +501,19 @@ Status DramPool::SealRegion(uint32_t region, RegionAccess others) {
   ZT_CHECK_MSG(p.live(region) && p.slots.at(region).dedicated, "SealRegion: region ", region,
                " is not a live dedicated region");
   // All at once, and checked: a client must never be able to shrink the
-  // memfd under the engine's mapping (SIGBUS) or, for a read-only region,
-  // map it writable.
-  const int want = F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL |
-                   (others == RegionAccess::kReadOnly ? F_SEAL_FUTURE_WRITE : 0);
+  // memfd under the engine's mapping (SIGBUS). A read-only region is
+  // shared through a read-only open of it (ShareFd) and made 0444: no
+  // writable mapping, write or reopen for write by another user; not
+  // F_SEAL_FUTURE_WRITE, which would keep its pages from being punched
+  // (DestroyRegion) while a client holds it, memory no quota then counts.
+  const int want = F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL;
   const int fd = p.slots.at(region).region.fd();
+  if (others == RegionAccess::kReadOnly) {
+    if (::fchmod(fd, 0444) != 0) {
+      return PosixError(StrCat("making DRAM region ", region, " read-only for other users"), errno);
+    }
+    p.slots.at(region).read_only = true;
+  }
   if (::fcntl(fd, F_ADD_SEALS, want) != 0) {
     const int err = errno;
     return PosixError(StrCat("sealing DRAM region ", region,
@@ -529,8 +537,8 @@ void DramPool::DestroyRegion(uint32_t region) {
                " is not a live dedicated region");
   // Its pages go now, whoever else still holds the memfd (a client, or a
   // child it forked that kept the fds: their memory was in no one's quota
-  // nor in the budget). The kernel refuses this for a region sealed
-  // read-only (F_SEAL_FUTURE_WRITE), which lives on in its holders.
+  // nor in the budget); what they read of it after is new zeroed pages,
+  // theirs.
   const Region& r = p.slots.at(region).region;
   (void)::fallocate(r.fd(), FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0,
                     static_cast<off_t>(r.bytes()));
@@ -561,6 +569,22 @@ void DramPool::Free(const DramBlock& block) {
                " freed twice");
   if (!p.slots.at(block.region).dedicated)
     p.used -= block.bytes;  // a dedicated region counts whole
+}
+
+Result<UniqueFd> DramPool::ShareFd(uint32_t region) const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  if (!impl_->live(region)) return Status::NotFound(StrCat("DRAM region ", region, " is gone"));
+  const Impl::Slot& slot = impl_->slots.at(region);
+  const int fd = slot.region.fd();
+  UniqueFd copy(slot.read_only ? ::open(StrCat("/proc/self/fd/", fd).c_str(), O_RDONLY | O_CLOEXEC)
+                               : ::fcntl(fd, F_DUPFD_CLOEXEC, 0));
+  if (!copy.valid()) {
+    const int err = errno;
+    return PosixError(StrCat(slot.read_only ? "open of /proc/self/fd/" : "dup of fd ", fd,
+                             " to share DRAM region ", region),
+                      err);
+  }
+  return copy;
 }
 
 int DramPool::region_fd(uint32_t region) const {

@@ -38,6 +38,7 @@
 #include <vector>
 
 #include "common/status.h"
+#include "common/unique_fd.h"
 #include "engine/wire_types.h"
 
 namespace ztier::engine {
@@ -98,15 +99,20 @@ class DramPool {
   // A zeroed block of a dedicated region. Errors: ResourceExhausted (no free
   // run that long). A region that is not live and dedicated aborts.
   Result<DramBlock> AllocateIn(uint32_t region, uint64_t bytes, std::string_view owner);
-  // Adds the final seals: with kReadOnly, F_SEAL_FUTURE_WRITE as well, so
-  // no new writable mapping of the memfd can be made (not even by reopening
-  // it through /proc) while this pool's own mapping stays writable; a
-  // writable or hole-punching client is refused by the kernel. Errors:
-  // PosixError (a kernel without F_SEAL_FUTURE_WRITE, Linux < 5.1).
+  // Adds the final seals (no shrinking or growing, no more seals); with
+  // kReadOnly the memfd is made 0444 and ShareFd hands out read-only opens
+  // of it: another user can neither map it writable, write it nor reopen
+  // it for writing (through /proc), while this pool's own mapping stays
+  // writable and its pages can still be punched (DestroyRegion). (A
+  // process of this pool's own user, or root, could reopen it for writing;
+  // it could write this process's memory anyway.) Errors: PosixError.
   Status SealRegion(uint32_t region, RegionAccess others);
-  // Frees a dedicated region's pages (a region sealed read-only keeps them
-  // while another process holds its memfd: the kernel refuses to punch it),
-  // unmaps it and returns its bytes to the budget.
+  // A live region's memfd to pass to another process: a read-only open of
+  // it for a region sealed kReadOnly, else a duplicate. Errors: NotFound
+  // (no such live region), PosixError.
+  Result<UniqueFd> ShareFd(uint32_t region) const;
+  // Frees a dedicated region's pages (whoever else holds its memfd), unmaps
+  // it and returns its bytes to the budget.
   void DestroyRegion(uint32_t region);
   // Memory in use that is in no live region: a destroyed region that a
   // live client still maps (its pages stay allocated). Counted against the

@@ -1825,14 +1825,7 @@ Result<UniqueFd> Engine::DupRegionFd(int job, uint32_t region) const {
       j->shared_regions.end()) {
     return Status::NotFound(StrCat("job '", j->spec.name, "' has no region ", region));
   }
-  const int fd = impl_->pool->region_fd(region);
-  if (fd < 0) return Status::NotFound(StrCat("region ", region, " is gone"));
-  UniqueFd copy(::fcntl(fd, F_DUPFD_CLOEXEC, 0));
-  if (!copy.valid()) {
-    const int err = errno;
-    return PosixError(StrCat("dup of region ", region, "'s memfd"), err);
-  }
-  return copy;
+  return impl_->pool->ShareFd(region);
 }
 
 Status Engine::WaitPublished(int job, int unit, int64_t step, std::chrono::milliseconds timeout) {

@@ -385,9 +385,8 @@ class Engine {
   // reads published steps there instead of asking. Errors: NotFound.
   Result<SharedBuffer> PublishedSteps(int job) const;
   // A new fd for one of the job's regions (the caller owns it), to pass to
-  // a client; the params' region is sealed read-only for every mapping but
-  // the engine's own. Errors: NotFound (job, or a region not the job's),
-  // PosixError (dup).
+  // a client; the params' region's is a read-only open (DramPool::ShareFd).
+  // Errors: NotFound (job, or a region not the job's), PosixError.
   Result<UniqueFd> DupRegionFd(int job, uint32_t region) const;
 
   struct Impl;

@@ -5,8 +5,10 @@
 // The rule that keeps a peer from crashing this process: a memfd is mapped
 // only when it is sealed against shrinking (F_SEAL_SHRINK), since a peer
 // that truncates a memfd under a mapping turns the next access into
-// SIGBUS. A region a client may only read is checked for F_SEAL_FUTURE_WRITE
-// (or F_SEAL_WRITE) as well, so it cannot be reopened writable.
+// SIGBUS. A payload a peer sends to be read is checked for F_SEAL_WRITE
+// (or F_SEAL_FUTURE_WRITE) as well, so the peer cannot change it while it
+// is read. (ztierd's read-only regions go out as read-only opens of memfds
+// of mode 0444 instead: DramPool::SealRegion.)
 //
 // Thread safety: a Mapping has one owner; the functions are thread-safe.
 // Failure: InvalidArgument naming what the memfd lacks, PosixError naming
