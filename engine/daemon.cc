@@ -2192,9 +2192,11 @@ class Daemon::Impl::Connection {
     ZT_ASSIGN_OR_RETURN(p::JobRef r, p::DecodeJobRef(req.payload));
     ZT_ASSIGN_OR_RETURN(JobEntry j, FindJob(r.job));
     ZT_ASSIGN_OR_RETURN(std::vector<SharedBuffer> regions, d_.engine->SharedRegions(j.engine_job));
-    // What a holder of the fds keeps alive once the job is freed: the
-    // regions sealed read-only (the others' pages go with the job,
-    // DramPool::DestroyRegion).
+    // What a process that left the job without unregistering it stays
+    // charged for while it lives (a stopped client): the read-only
+    // regions' bytes. (Every region's pages go with the job since they are
+    // punched whoever holds them, DramPool::DestroyRegion; the charge is
+    // kept as it was.)
     uint64_t region_bytes = 0;
     for (const SharedBuffer& b : regions) {
       if (b.access == RegionAccess::kReadOnly) region_bytes += b.region_bytes;
