@@ -26,7 +26,9 @@
 // An --out directory belongs to one run at a time: its checkpoint directory
 // and swap directory are locked while the run lives (a second run is refused
 // at once, naming the first one's pid). A run never overwrites a checkpoint
-// it did not resume from: without --resume or --overwrite it refuses.
+// it did not resume from: without --resume or --overwrite it refuses. An
+// --out of another user's, or one every user may write into (not sticky),
+// is refused: its writers could plant links or a checkpoint there.
 // --resume finishes whatever the run had left (steps, the export), with the
 // loss log cut back to the checkpoint's step. SIGINT / SIGTERM stop at the
 // next step boundary with a checkpoint and the export (exit 130 / 143); a
@@ -929,6 +931,35 @@ Status CreateDir(const std::string& dir, std::string_view what) {
   return PosixError(StrCat("cannot create ", what, " ", dir), ec.value());
 }
 
+// An --out that another user owns, or that every user may write into
+// without the sticky bit, is refused: whoever can write there could put a
+// symbolic link where the run writes and removes (--overwrite removed the
+// checkpoint another directory's link named, and saved there) or a
+// checkpoint for --resume to load. One not there yet is made ours.
+std::string OctalMode(mode_t mode) {
+  char buf[8];
+  std::snprintf(buf, sizeof(buf), "%04o", static_cast<unsigned>(mode & 07777));
+  return buf;
+}
+
+Status CheckOutIsOurs(const std::string& out) {
+  struct stat st {};
+  if (::stat(out.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) return Status::Ok();
+  if (st.st_uid != ::geteuid() && st.st_uid != 0) {
+    return Status::FailedPrecondition(StrCat(
+        "--out ", out, " belongs to uid ", st.st_uid, ", not to this user (uid ", ::geteuid(),
+        "): its owner could put links there where the run writes or a "
+        "checkpoint it resumes; give a directory of your own"));
+  }
+  if ((st.st_mode & S_IWOTH) != 0 && (st.st_mode & S_ISVTX) == 0) {
+    return Status::FailedPrecondition(
+        StrCat("--out ", out, " may be written by every user (mode ", OctalMode(st.st_mode),
+               "): anyone could put links there where the run writes or a checkpoint it "
+               "resumes; chmod o-w it, or give a directory of your own"));
+  }
+  return Status::Ok();
+}
+
 void PrintSetup(const Flags& f, const Plan& p, const Session& session, size_t text_bytes) {
   const engine::Settings& s = p.settings;
   std::fprintf(
@@ -1478,6 +1509,7 @@ int Run(const Flags& f, const Plan& p) {
     Result<std::unique_ptr<Device>> last = MakeCudaDevice(f.ranks - 1);
     if (!last.ok()) return fail(last.status().Annotate(StrCat("--device cuda --ranks ", f.ranks)));
   }
+  if (Status s = CheckOutIsOurs(f.out); !s.ok()) return fail(s);
   // Nothing is made for a --resume with nothing to resume (it left an
   // empty checkpoint and swap directory behind).
   if (f.resume) {

@@ -295,6 +295,32 @@ TEST_F(TrainHardeningTest, AManifestThatIsALinkIsRefusedAtTheStart) {
   EXPECT_EQ(rc, 0) << text;
 }
 
+// Another user's --out (or one every user may write into) is refused
+// before anything is read or removed there: its owner had put a link to
+// another run's checkpoint where this run's goes, and --overwrite removed
+// that checkpoint and saved into it.
+TEST_F(TrainHardeningTest, AnOutThatAnotherUserCanWriteIntoIsRefused) {
+  const std::string mine = dir_ / "mine", planted = dir_ / "planted";
+  ASSERT_EQ(Train(Common() + " --steps 2 --out " + mine, dir_).first, 0);
+  const std::string manifest = Slurp(mine + "/checkpoint/manifest.json");
+  fs::create_directory(planted);
+  fs::create_symlink(mine + "/checkpoint", planted + "/checkpoint");
+  ASSERT_EQ(::chmod(planted.c_str(), 0777), 0);
+  for (const char* mode : {" --overwrite", " --resume"}) {
+    auto [rc, text] = Train(Common() + " --steps 3 --out " + planted + mode, dir_);
+    EXPECT_EQ(rc, 1) << mode << text;
+    EXPECT_NE(text.find("may be written by every user (mode 0777)"), std::string::npos) << text;
+  }
+  ASSERT_EQ(::chmod(planted.c_str(), 01777), 0);  // sticky, as /tmp: taken
+  if (::geteuid() == 0) {
+    ASSERT_EQ(::chown(planted.c_str(), 65534, 65534), 0);
+    auto [rc, text] = Train(Common() + " --steps 3 --overwrite --out " + planted, dir_);
+    EXPECT_EQ(rc, 1) << text;
+    EXPECT_NE(text.find("belongs to uid 65534, not to this user"), std::string::npos) << text;
+  }
+  EXPECT_EQ(Slurp(mine + "/checkpoint/manifest.json"), manifest) << "written through the link";
+}
+
 TEST_F(TrainHardeningTest, ResumeFinishesWhatTheRunHadLeftAndCutsTheLogBack) {
   const std::string whole = dir_ / "whole", cut = dir_ / "cut", last = dir_ / "last";
   ASSERT_EQ(Train(Common() + " --steps 6 --out " + whole, dir_).first, 0);
