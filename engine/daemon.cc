@@ -2710,40 +2710,33 @@ std::string Daemon::Impl::MetricsText() {
   t.Sample("ztier_pinned_bytes", {{"state", "free"}},
            static_cast<double>(s.dram_reserved_bytes - s.dram_used_bytes));
 
-  t.Family("ztier_swap_used_bytes", "gauge", "Swap bytes the jobs' objects take, per path.");
-  for (const SwapPathUsage& p : s.swap) {
-    t.Sample("ztier_swap_used_bytes", {{"path", p.path}}, static_cast<double>(p.used_bytes));
-  }
-  t.Family("ztier_swap_file_bytes", "gauge",
+  // A gauge with one sample per swap path.
+  const auto per_path = [&](const char* name, const char* help, auto value) {
+    t.Family(name, "gauge", help);
+    for (const SwapPathUsage& p : s.swap) {
+      t.Sample(name, {{"path", p.path}}, static_cast<double>(value(p)));
+    }
+  };
+  per_path("ztier_swap_used_bytes", "Swap bytes the jobs' objects take, per path.",
+           [](const SwapPathUsage& p) { return p.used_bytes; });
+  per_path("ztier_swap_file_bytes",
            "Bytes the swap file holds on the drive (its size less the holes of freed units), per "
-           "path.");
-  for (const SwapPathUsage& p : s.swap) {
-    t.Sample("ztier_swap_file_bytes", {{"path", p.path}}, static_cast<double>(p.file_bytes));
-  }
-  t.Family("ztier_swap_capacity_bytes", "gauge",
-           "What the swap file may grow to, per path (its cap, or the file plus the free space).");
-  for (const SwapPathUsage& p : s.swap) {
-    t.Sample("ztier_swap_capacity_bytes", {{"path", p.path}},
-             static_cast<double>(p.capacity_bytes));
-  }
-  t.Family("ztier_swap_waiting_ops", "gauge",
-           "Disk operations waiting on the swap file's drive, per path.");
-  for (const SwapPathUsage& p : s.swap) {
-    t.Sample("ztier_swap_waiting_ops", {{"path", p.path}}, static_cast<double>(p.waiting_ops));
-  }
-  t.Family("ztier_swap_quiet_seconds", "gauge",
+           "path.",
+           [](const SwapPathUsage& p) { return p.file_bytes; });
+  per_path("ztier_swap_capacity_bytes",
+           "What the swap file may grow to, per path (its cap, or the file plus the free space).",
+           [](const SwapPathUsage& p) { return p.capacity_bytes; });
+  per_path("ztier_swap_waiting_ops", "Disk operations waiting on the swap file's drive, per path.",
+           [](const SwapPathUsage& p) { return p.waiting_ops; });
+  per_path("ztier_swap_quiet_seconds",
            "While operations wait on the swap file's drive: seconds since one last finished (a "
-           "stalled drive grows it); 0 when none waits. Per path.");
-  for (const SwapPathUsage& p : s.swap) {
-    t.Sample("ztier_swap_quiet_seconds", {{"path", p.path}}, p.quiet_seconds);
-  }
-  t.Family(
-      "ztier_swap_healthy", "gauge",
-      "1 when nothing is known wrong with the swap path; 0 when the swap space failed, its "
-      "filesystem is read-only or its last write or read failed (ztierctl status says which).");
-  for (const SwapPathUsage& p : s.swap) {
-    t.Sample("ztier_swap_healthy", {{"path", p.path}}, p.problem.empty() ? 1.0 : 0.0);
-  }
+           "stalled drive grows it); 0 when none waits. Per path.",
+           [](const SwapPathUsage& p) { return p.quiet_seconds; });
+  per_path("ztier_swap_healthy",
+           "1 when nothing is known wrong with the swap path; 0 when the swap space failed, its "
+           "filesystem is read-only or its last write or read failed (ztierctl status says "
+           "which).",
+           [](const SwapPathUsage& p) { return p.problem.empty() ? 1.0 : 0.0; });
 
   const EngineTotals& tot = s.totals;
   one("ztier_nvme_read_bytes_total", "counter",
