@@ -145,6 +145,19 @@ _adamw_init = AdamW.__init__
 
 @functools.wraps(_adamw_init)
 def _adamw_init_taking_torch_defaults(self, *args, **kwargs):
+    # torch.optim.AdamW(model.parameters(), lr=...) ported as it is: the
+    # parameters bound to lr ("multiple values for argument 'lr'"), and
+    # torch's fifth positional, amsgrad, to no_decay ("'bool' object is not
+    # iterable").
+    if args and not isinstance(args[0], numbers.Real):
+        raise TypeError(
+            "ztier: AdamW takes no parameters (torch.optim.AdamW's first argument): "
+            "zt.offload(model, optimizer=zt.AdamW(lr=...)) applies it to the model's (no_decay "
+            "names those without weight decay)")
+    if len(args) > 4:
+        raise TypeError(
+            f"ztier: AdamW takes lr, betas, eps and weight_decay by position, the rest by name "
+            f"({len(args)} given by position; torch's fifth is amsgrad, this one's no_decay)")
     for name, why in _TORCH_ADAMW_ONLY.items():
         value = kwargs.pop(name, None)
         if value:

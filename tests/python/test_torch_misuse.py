@@ -1695,6 +1695,21 @@ def test_a_checkpoint_of_other_frozen_parameters_says_how_to_go_on(settings, tmp
     z.close()
 
 
+def test_adamw_called_as_torchs_says_how_to_call_it():
+    # torch.optim.AdamW(model.parameters(), lr=...) ported as it is: "got
+    # multiple values for argument 'lr'"; torch's positional amsgrad bound
+    # to no_decay: "'bool' object is not iterable".
+    model = nn.Linear(2, 2)
+    with pytest.raises(TypeError, match="AdamW takes no parameters"):
+        zt.AdamW(model.parameters(), lr=1e-3)
+    with pytest.raises(TypeError, match="AdamW takes no parameters"):
+        zt.AdamW([{"params": list(model.parameters())}])
+    with pytest.raises(TypeError, match="torch's fifth is amsgrad, this one's no_decay"):
+        zt.AdamW(1e-3, (0.9, 0.999), 1e-8, 0.01, False)
+    a = zt.AdamW(1e-3, (0.9, 0.99), 1e-6, 0.1)
+    assert (a.lr, a.betas, a.eps, a.weight_decay) == (1e-3, (0.9, 0.99), 1e-6, 0.1)
+
+
 class _EmbeddedMlp(nn.Module):
     """An embedding, two blocks and a head: the embedding is a unit of its
     own (its own unit whether it is frozen or not)."""
