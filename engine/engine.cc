@@ -79,11 +79,12 @@ struct Engine::Impl {
   std::unique_ptr<nvme::SwapSpace> swap;  // when NVMe paths are configured
   // For a wait that timed out: "; swap file F: N disk operations waiting,
   // none finished for T s ..." where a drive has been quiet for half the
-  // wait's time (at most 10 s), else "".
+  // wait's time, at least 2 s (ztierd waits in slices of 500 ms: a busy
+  // drive is no stalled one) and at most 10 s; else "".
   std::string StallNote(std::chrono::milliseconds waited) const {
     if (swap == nullptr) return "";
-    const std::string note =
-        swap->StallNote(std::min<std::chrono::milliseconds>(waited / 2, std::chrono::seconds(10)));
+    const std::string note = swap->StallNote(std::clamp<std::chrono::milliseconds>(
+        waited / 2, std::chrono::seconds(2), std::chrono::seconds(10)));
     return note.empty() ? note : "; " + note;
   }
   cpu_adam::Executor executor;

@@ -214,7 +214,10 @@ struct SwapSpace::Impl {
       {
         std::lock_guard<std::mutex> lock(mu);
         pending.push_back(p);
-        if (waiting.fetch_add(1, std::memory_order_relaxed) == 0) Moved();
+        // The clock first: a reader never sees this piece waiting since
+        // the last one finished long ago.
+        if (waiting.load(std::memory_order_relaxed) == 0) Moved();
+        waiting.fetch_add(1, std::memory_order_seq_cst);
       }
       cv.notify_one();
     }
@@ -1377,7 +1380,7 @@ std::vector<SwapSpace::Stall> SwapSpace::stalls(std::chrono::milliseconds quiet)
   std::vector<Stall> out;
   const int64_t now = NowNs();
   for (const auto& path : sp.paths) {
-    const uint64_t waiting = path->waiting.load(std::memory_order_relaxed);
+    const uint64_t waiting = path->waiting.load(std::memory_order_seq_cst);
     const int64_t since = path->moved_ns.load(std::memory_order_relaxed);
     if (waiting == 0 || now - since < std::chrono::nanoseconds(quiet).count()) continue;
     out.push_back(Stall{.file = path->file,
@@ -1437,10 +1440,11 @@ std::vector<SwapSpace::PathUsage> SwapSpace::path_usage() const {
     u.capacity_bytes = sp.options.max_file_bytes;
     if (u.capacity_bytes == 0) u.capacity_bytes = u.file_bytes + room;
     const Impl::PathIo& io = *sp.paths[i];
-    u.waiting = io.waiting.load(std::memory_order_relaxed);
+    u.waiting = io.waiting.load(std::memory_order_seq_cst);
     if (u.waiting > 0) {
-      u.quiet_seconds =
-          static_cast<double>(NowNs() - io.moved_ns.load(std::memory_order_relaxed)) * 1e-9;
+      // (A piece that finished since the clock was read: 0, not less.)
+      const int64_t since = io.moved_ns.load(std::memory_order_relaxed);
+      u.quiet_seconds = static_cast<double>(std::max<int64_t>(NowNs() - since, 0)) * 1e-9;
     }
     struct statvfs vfs;
     if (sp.failed.load()) {

@@ -666,9 +666,9 @@ TEST(EngineStallTest, AWaitThatTimesOutOnAStalledDriveNamesTheSwapFile) {
   ASSERT_TRUE(job.ok()) << job.status();
   Train(*e, *job, 1, 0, 1, 5);
   ASSERT_TRUE(e->Steps(*job).ok());  // step 1's write-backs done
-  fault->SlowDown(nvme::IoKind::kRead, 1500ms);
+  fault->SlowDown(nvme::IoKind::kRead, 3000ms);
   RingAll(*e, *job, 0.1f);  // step 2: its state reads wait on the drive
-  const Status timed_out = e->WaitPublished(*job, 3, 2, 400ms);
+  const Status timed_out = e->WaitPublished(*job, 3, 2, 2500ms);
   fault->SlowDown(nvme::IoKind::kRead, 0ms);
   EXPECT_EQ(timed_out.code(), StatusCode::kUnavailable) << timed_out;
   EXPECT_NE(timed_out.message().find("swap file " + swap.path() + "/drive0/ztier.swap: "),
