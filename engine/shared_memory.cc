@@ -8,9 +8,11 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <string>
+#include <vector>
 
 namespace ztier::engine {
 
@@ -66,20 +68,31 @@ Result<UniqueFd> MakeSealedMemfd(std::string_view name, uint64_t bytes) {
 
 Result<UniqueFd> MakeStagingMemfd(std::string_view name, uint64_t bytes) {
   ZT_ASSIGN_OR_RETURN(UniqueFd fd, MakeSealedMemfd(name, bytes));
-  if (bytes > 0 && ::fallocate(fd.get(), 0, 0, static_cast<off_t>(bytes)) != 0) {
-    return PosixError(StrCat("allocate the ", bytes, " bytes of memfd ", name), errno);
+  // Written, not fallocated: the kernel reports fallocated shmem pages as
+  // holes (SEEK_HOLE) until they are written, and CheckAllocated looks for
+  // holes.
+  static const std::vector<char> zeros(size_t{1} << 20, 0);
+  for (uint64_t done = 0; done < bytes;) {
+    const size_t n = static_cast<size_t>(std::min<uint64_t>(zeros.size(), bytes - done));
+    const ssize_t w = ::pwrite(fd.get(), zeros.data(), n, static_cast<off_t>(done));
+    if (w < 0 && errno == EINTR) continue;
+    if (w <= 0)
+      return PosixError(StrCat("write the ", bytes, " bytes of memfd ", name),
+                        w < 0 ? errno : ENOSPC);
+    done += static_cast<uint64_t>(w);
   }
   return fd;
 }
 
 Status CheckAllocated(int fd, uint64_t bytes, std::string_view what) {
-  struct stat st {};
-  if (::fstat(fd, &st) != 0) return PosixError(StrCat("fstat ", what), errno);
-  const uint64_t allocated = static_cast<uint64_t>(st.st_blocks) * 512;
-  if (allocated < bytes) {
-    return Status::InvalidArgument(
-        StrCat(what, ": ", allocated, " of its ", bytes,
-               " bytes have pages; ztierd takes only memory its sender allocated (fallocate)"));
+  // The first hole (the file's end if none) at or past `bytes`: every page
+  // of the range is there (pages elsewhere in the file do not count).
+  const off_t hole = ::lseek(fd, 0, SEEK_HOLE);
+  if (hole < 0) return PosixError(StrCat("lseek(SEEK_HOLE) of ", what), errno);
+  if (static_cast<uint64_t>(hole) < bytes) {
+    return Status::InvalidArgument(StrCat(
+        what, ": only its first ", hole, " of the ", bytes,
+        " bytes it carries have pages; ztierd takes only memory its sender allocated (written)"));
   }
   return Status::Ok();
 }

@@ -55,13 +55,16 @@ class Mapping {
 // (the peer may map it safely), writable by whoever holds it. Errors:
 // PosixError.
 Result<UniqueFd> MakeSealedMemfd(std::string_view name, uint64_t bytes);
-// The same, its pages allocated up front (charged to this process's
+// The same, its pages written up front (charged to this process's
 // memory): bulk data to or from ztierd, which refuses a staging memfd whose
 // pages it would have to fault in (CheckAllocated).
 Result<UniqueFd> MakeStagingMemfd(std::string_view name, uint64_t bytes);
-// Checks that a peer's memfd has pages for its first `bytes` (a sparse one
+// Checks that a peer's memfd has written pages for its first `bytes`, no
+// hole (fallocated pages not yet written count as holes; a sparse one
 // would put the memory ztierd touches in ztierd's own memory, beyond the
-// peer's limits). Errors: InvalidArgument naming `what`.
+// peer's limits). A peer that punches them after the check still can:
+// the check keeps the honest and careless out, not a determined sender.
+// Errors: InvalidArgument naming `what`.
 Status CheckAllocated(int fd, uint64_t bytes, std::string_view what);
 // A memfd holding `bytes`, sealed against every change (F_SEAL_WRITE too):
 // a message payload too large for a datagram.

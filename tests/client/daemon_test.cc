@@ -350,6 +350,17 @@ TEST_F(DaemonTest, StagingMemfdsMustBeSealedAndOfTheRightSize) {
     EXPECT_NE(r->status.ToString().find("have pages; ztierd takes only memory its sender"),
               std::string::npos)
         << r->status;
+    // Pages past what it carries do not stand in for those of its range.
+    const uint64_t past = (want + 4095) / 4096 * 4096;  // the first page past its range
+    Result<UniqueFd> tail = engine::MakeSealedMemfd("tail", past + want);
+    ASSERT_TRUE(tail.ok());
+    const std::vector<char> ones(want, 1);
+    ASSERT_EQ(::pwrite(tail->get(), ones.data(), want, static_cast<off_t>(past)),
+              static_cast<ssize_t>(want));
+    const int tail_fds[] = {tail->get()};
+    r = c.Call(type, p::Encode(p::StagedData{.job = job, .unit = 0, .bytes = want}), tail_fds);
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->status.code(), StatusCode::kInvalidArgument) << r->status;
     Result<UniqueFd> allocated = engine::MakeStagingMemfd("allocated", want);
     ASSERT_TRUE(allocated.ok());
     const int allocated_fds[] = {allocated->get()};
