@@ -27,8 +27,8 @@
 // and swap directory are locked while the run lives (a second run is refused
 // at once, naming the first one's pid). A run never overwrites a checkpoint
 // it did not resume from: without --resume or --overwrite it refuses. An
-// --out of another user's, or one every user may write into (not sticky),
-// is refused: its writers could plant links or a checkpoint there.
+// --out of another user's, or one every user may write into, is refused:
+// its writers could plant links or a checkpoint there.
 // --resume finishes whatever the run had left (steps, the export), with the
 // loss log cut back to the checkpoint's step. SIGINT / SIGTERM stop at the
 // next step boundary with a checkpoint and the export (exit 130 / 143); a
@@ -931,8 +931,8 @@ Status CreateDir(const std::string& dir, std::string_view what) {
   return PosixError(StrCat("cannot create ", what, " ", dir), ec.value());
 }
 
-// An --out that another user owns, or that every user may write into
-// without the sticky bit, is refused: whoever can write there could put a
+// An --out that another user owns, or that every user may write into, is
+// refused: whoever can write there could put a
 // symbolic link where the run writes and removes (--overwrite removed the
 // checkpoint another directory's link named, and saved there) or a
 // checkpoint for --resume to load. One not there yet is made ours.
@@ -951,7 +951,9 @@ Status CheckOutIsOurs(const std::string& out) {
         "): its owner could put links there where the run writes or a "
         "checkpoint it resumes; give a directory of your own"));
   }
-  if ((st.st_mode & S_IWOTH) != 0 && (st.st_mode & S_ISVTX) == 0) {
+  // (Sticky or not: the sticky bit keeps others from removing what the run
+  // made there, not from making a name first.)
+  if ((st.st_mode & S_IWOTH) != 0) {
     return Status::FailedPrecondition(
         StrCat("--out ", out, " may be written by every user (mode ", OctalMode(st.st_mode),
                "): anyone could put links there where the run writes or a checkpoint it "

@@ -311,7 +311,13 @@ TEST_F(TrainHardeningTest, AnOutThatAnotherUserCanWriteIntoIsRefused) {
     EXPECT_EQ(rc, 1) << mode << text;
     EXPECT_NE(text.find("may be written by every user (mode 0777)"), std::string::npos) << text;
   }
-  ASSERT_EQ(::chmod(planted.c_str(), 01777), 0);  // sticky, as /tmp: taken
+  ASSERT_EQ(::chmod(planted.c_str(), 01777), 0);  // sticky, as /tmp: others still make names
+  {
+    auto [rc, text] = Train(Common() + " --steps 3 --overwrite --out " + planted, dir_);
+    EXPECT_EQ(rc, 1) << text;
+    EXPECT_NE(text.find("may be written by every user (mode 1777)"), std::string::npos) << text;
+  }
+  ASSERT_EQ(::chmod(planted.c_str(), 0755), 0);
   if (::geteuid() == 0) {
     ASSERT_EQ(::chown(planted.c_str(), 65534, 65534), 0);
     auto [rc, text] = Train(Common() + " --steps 3 --overwrite --out " + planted, dir_);
