@@ -2954,8 +2954,9 @@ class Offload:
         warnings.warn(
             f"ztier: frozen in the checkpoint {directory}, trained here: {named}. Their m and v "
             f"start from zero while AdamW's bias correction counts the job's {adam_step} steps, "
-            "so their first updates are up to (1 - beta1) / sqrt(1 - beta2) times the learning "
-            "rate (3.2x at betas (0.9, 0.999)), where torch moves a new parameter by the "
+            "so their first updates are several times the learning rate ((1 - beta1^k) / "
+            "sqrt(1 - beta2^k) at their k-th step with a steady gradient: 3.2x at the first, "
+            "6.6x at the 12th at betas (0.9, 0.999)), where torch moves a new parameter by the "
             "learning rate; a warmup of their learning rate (a param group of their own) "
             "covers it", RuntimeWarning, stacklevel=3)
 
