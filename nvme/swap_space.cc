@@ -26,8 +26,10 @@
 #include <map>
 #include <mutex>
 #include <thread>
+#include <tuple>
 #include <unordered_map>
 #include <unordered_set>
+#include <utility>
 
 #include "common/crc32c.h"
 #include "common/dir_lock.h"
@@ -201,9 +203,17 @@ struct SwapSpace::Impl {
 
     // Pieces given to this path and not finished, and when the path last
     // moved: a piece finished, or the first went in while none waited
-    // (steady clock, ns). Read by Stalled() from any thread.
+    // (steady clock, ns). Read through Quiet() from any thread.
     std::atomic<uint64_t> waiting{0};
     std::atomic<int64_t> moved_ns{0};
+    // The pieces waiting and, while some do, the seconds since the path
+    // last moved (0, not less, when one finished as the clock was read).
+    std::pair<uint64_t, double> Quiet() const {
+      const uint64_t n = waiting.load(std::memory_order_seq_cst);
+      if (n == 0) return {0, 0.0};
+      const int64_t since = moved_ns.load(std::memory_order_relaxed);
+      return {n, static_cast<double>(std::max<int64_t>(NowNs() - since, 0)) * 1e-9};
+    }
     // By kind (read, write): the errno of the last one here that the
     // drive refused, 0 once one succeeds again (a path gone read-only
     // fails its writes and still reads; a dying drive).
@@ -1378,14 +1388,11 @@ uint64_t SwapSpace::free_bytes() const {
 std::vector<SwapSpace::Stall> SwapSpace::stalls(std::chrono::milliseconds quiet) const {
   const Impl& sp = *impl_;
   std::vector<Stall> out;
-  const int64_t now = NowNs();
+  const double at_least = std::chrono::duration<double>(quiet).count();
   for (const auto& path : sp.paths) {
-    const uint64_t waiting = path->waiting.load(std::memory_order_seq_cst);
-    const int64_t since = path->moved_ns.load(std::memory_order_relaxed);
-    if (waiting == 0 || now - since < std::chrono::nanoseconds(quiet).count()) continue;
-    out.push_back(Stall{.file = path->file,
-                        .waiting = waiting,
-                        .seconds = static_cast<double>(now - since) * 1e-9});
+    const auto [waiting, seconds] = path->Quiet();
+    if (waiting == 0 || seconds < at_least) continue;
+    out.push_back(Stall{.file = path->file, .waiting = waiting, .seconds = seconds});
   }
   return out;
 }
@@ -1440,12 +1447,7 @@ std::vector<SwapSpace::PathUsage> SwapSpace::path_usage() const {
     u.capacity_bytes = sp.options.max_file_bytes;
     if (u.capacity_bytes == 0) u.capacity_bytes = u.file_bytes + room;
     const Impl::PathIo& io = *sp.paths[i];
-    u.waiting = io.waiting.load(std::memory_order_seq_cst);
-    if (u.waiting > 0) {
-      // (A piece that finished since the clock was read: 0, not less.)
-      const int64_t since = io.moved_ns.load(std::memory_order_relaxed);
-      u.quiet_seconds = static_cast<double>(std::max<int64_t>(NowNs() - since, 0)) * 1e-9;
-    }
+    std::tie(u.waiting, u.quiet_seconds) = io.Quiet();
     struct statvfs vfs;
     if (sp.failed.load()) {
       u.problem = StrCat("the swap space failed: ", sp.failure.message());

@@ -436,8 +436,8 @@ def test_a_copy_made_outside_gathered_refuses_its_state_dict(settings):
 
 
 class _WithEmpty(nn.Module):
-    """A model with a parameter of no elements (a placeholder some
-    architectures keep), beside a trained layer."""
+    """A model with a parameter of no elements (some architectures keep an
+    empty one), beside a trained layer."""
 
     def __init__(self):
         super().__init__()
