@@ -2734,8 +2734,8 @@ std::string Daemon::Impl::MetricsText() {
            [](const SwapPathUsage& p) { return p.quiet_seconds; });
   per_path("ztier_swap_healthy",
            "1 when nothing is known wrong with the swap path; 0 when the swap space failed, its "
-           "filesystem is read-only or its last write or read failed (ztierctl status says "
-           "which).",
+           "filesystem is read-only, its last write or read failed or a read did not match its "
+           "checksum (ztierctl status says which).",
            [](const SwapPathUsage& p) { return p.problem.empty() ? 1.0 : 0.0; });
 
   const EngineTotals& tot = s.totals;

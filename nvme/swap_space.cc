@@ -218,6 +218,11 @@ struct SwapSpace::Impl {
     // drive refused, 0 once one succeeds again (a path gone read-only
     // fails its writes and still reads; a dying drive).
     std::atomic<int> last_errno[2] = {0, 0};
+    // Reads whose bytes did not match their checksum, and the file offset
+    // of the last (kept: a drive that gave back other bytes once is not
+    // trusted again because the next read matched).
+    std::atomic<uint64_t> bad_checksums{0};
+    std::atomic<uint64_t> last_bad_offset{0};
     void Moved() { moved_ns.store(NowNs(), std::memory_order_relaxed); }
 
     void Enqueue(Piece* p) {
@@ -449,6 +454,8 @@ void SwapSpace::Impl::PathIo::Complete(Piece* p, int32_t res, std::vector<Piece*
     if (sp.options.checksums) {
       const uint32_t crc = Crc32c(unit_data, p->unit_bytes);
       if (crc != p->expected_crc) {
+        last_bad_offset.store(p->file_offset, std::memory_order_relaxed);
+        bad_checksums.fetch_add(1, std::memory_order_relaxed);
         error = Status::Corruption(StrCat(
             "checksum mismatch in object ", p->object, " at byte ", p->object_offset,
             " (stripe unit ", p->unit, ", ", p->unit_bytes, " bytes) read from ", file, " offset ",
@@ -1458,6 +1465,11 @@ std::vector<SwapSpace::PathUsage> SwapSpace::path_usage() const {
     } else if (const int read_err = io.last_errno[0].load(std::memory_order_relaxed);
                read_err != 0) {
       u.problem = StrCat("its last read failed: ", std::strerror(read_err));
+    } else if (const uint64_t bad = io.bad_checksums.load(std::memory_order_relaxed); bad != 0) {
+      u.problem = StrCat(bad,
+                         " read(s) gave back bytes that did not match their checksum (the last at "
+                         "offset ",
+                         io.last_bad_offset.load(std::memory_order_relaxed), ")");
     }
     out.push_back(std::move(u));
   }

@@ -198,7 +198,9 @@ class SwapSpace {
   // filesystem, shared among the paths on it); the disk operations waiting
   // there and, while some do, the seconds since one last finished; and
   // what is wrong with it, if anything: the swap space failed (an fsync
-  // refused), its filesystem is read-only, or its last write (else read) failed.
+  // refused), its filesystem is read-only, its last write (else read)
+  // failed, or a read since the space opened gave back bytes that did not
+  // match their checksum (kept until it closes).
   struct PathUsage {
     std::string path;
     uint64_t used_bytes = 0;

@@ -574,6 +574,17 @@ TEST_P(SwapFaultTest, BitFlipIsCorruption) {
   EXPECT_NE(s.message().find("ztier.swap"), std::string::npos) << s;
   ASSERT_TRUE(space_->Read(victim_, 0, back.data(), back.size()).ok());
   EXPECT_EQ(back, data_);
+  // The path says so, after the good read too: a drive that gave back
+  // other bytes once is not trusted again.
+  int bad_paths = 0;
+  for (const SwapSpace::PathUsage& u : space_->path_usage()) {
+    if (u.problem.empty()) continue;
+    ++bad_paths;
+    EXPECT_NE(u.problem.find("1 read(s) gave back bytes that did not match their checksum"),
+              std::string::npos)
+        << u.problem;
+  }
+  EXPECT_EQ(bad_paths, 1);
   ExpectKeepIntact();
 }
 
