@@ -69,6 +69,7 @@
 #include "common/thread.h"
 #include "common/unique_fd.h"
 #include "common/utf8.h"
+#include "engine/checkpoint_manifest.h"
 #include "engine/state_files.h"
 #include "examples/gpt/gpt.h"
 #include "nvme/swap_space.h"
@@ -1084,6 +1085,16 @@ Result<bool> HasCheckpoint(const OutPaths& paths) {
   if (ec) return PosixError(StrCat("cannot look for ", manifest), ec.value());
   return exists;
 }
+// The step of the checkpoint --out holds (its manifest's), or -1 when
+// there is none or it cannot be read.
+int64_t CommittedStep(const OutPaths& paths) {
+  const std::string manifest = (fs::path(paths.checkpoint) / "manifest.json").string();
+  Result<std::string> text = ReadFileToString(manifest, size_t{64} << 20);
+  if (!text.ok()) return -1;
+  Result<engine::CheckpointManifest> decoded = engine::DecodeCheckpointManifest(*text, manifest);
+  return decoded.ok() ? decoded->step : -1;
+}
+
 // What goes before an error: a line break that ends the progress bar's
 // line on a terminal; nothing in a log (a blank line there).
 const char* BarEnd() { return isatty(STDERR_FILENO) ? "\n" : ""; }
@@ -1372,7 +1383,18 @@ Result<int> TrainSteps(const Flags& f, const Plan& p, const std::string& text, S
                         counters, sig != 0 ? Progress::Line::kAlways : Progress::Line::kIfDue);
         if (checkpoint) {
           progress.Sync();
-          ZT_RETURN_IF_ERROR(m.SaveCheckpoint(paths.checkpoint));
+          if (Status s = m.SaveCheckpoint(paths.checkpoint); !s.ok()) {
+            // A save can fail once it committed (the directory's fsync
+            // after its manifest's rename): the checkpoint there is then
+            // this step's, which --resume goes on from. It gets its note,
+            // and the failure says its step.
+            if (CommittedStep(paths) == done) {
+              saved.store(done);
+              (void)WriteFileAtomically(ModelNotePath(paths),
+                                        RunNoteText(RunNote(f, p, text), done));
+            }
+            return s;
+          }
           saved.store(done);
           // The note follows the save that committed: one that failed or was
           // cut short leaves the checkpoint before it, and that one's note.
@@ -1406,7 +1428,18 @@ Result<int> TrainSteps(const Flags& f, const Plan& p, const std::string& text, S
   // A rank that fails ends the process (the other ranks would wait for it
   // forever), without closing the embedded engine: its swap files go now,
   // as a clean close removes them (on a full disk they held the room the
-  // checkpoint needed). The checkpoint stays.
+  // checkpoint needed). The checkpoint stays. Only this run's own files,
+  // known by their inodes from the start: an --out removed under the run
+  // and taken by another one holds that run's swap file at the same path.
+  std::vector<std::pair<std::string, std::pair<dev_t, ino_t>>> own_swap_files;
+  if (p.settings.daemon_socket.empty()) {
+    for (const std::string& dir : p.settings.nvme_paths) {
+      const std::string file =
+          (std::filesystem::path(dir) / nvme::SwapOptions().file_name).string();
+      struct stat st {};
+      if (::lstat(file.c_str(), &st) == 0) own_swap_files.push_back({file, {st.st_dev, st.st_ino}});
+    }
+  }
   const auto abandon = [&](int r, const Status& s) {
     std::fprintf(stderr, "%sztier-train: rank %d: %s\n", BarEnd(), r, s.ToString().c_str());
     // What is left to go on from, as the other failures say it.
@@ -1420,9 +1453,10 @@ Result<int> TrainSteps(const Flags& f, const Plan& p, const std::string& text, S
                    "ztier-train: this run saved no checkpoint: run it again (--overwrite) once "
                    "this is fixed\n");
     }
-    if (p.settings.daemon_socket.empty()) {
-      for (const std::string& dir : p.settings.nvme_paths) {
-        ::unlink((std::filesystem::path(dir) / nvme::SwapOptions().file_name).c_str());
+    for (const auto& [file, id] : own_swap_files) {
+      struct stat st {};
+      if (::lstat(file.c_str(), &st) == 0 && st.st_dev == id.first && st.st_ino == id.second) {
+        ::unlink(file.c_str());
       }
     }
     std::_Exit(1);
@@ -1656,8 +1690,19 @@ int Run(const Flags& f, const Plan& p) {
     if (!trained.ok()) return fail(trained.status());
     stopped = *trained;
   }
-  Status s = m.ExportSafetensors(paths.exported, engine::Engine::ExportType::kBFloat16);
-  if (!s.ok()) return fail(s);
+  if (Status s = m.ExportSafetensors(paths.exported, engine::Engine::ExportType::kBFloat16);
+      !s.ok()) {
+    fail(s);
+    // The steps are saved: a run started again with --overwrite would
+    // throw them away.
+    if (const int64_t step = CommittedStep(paths); step > 0) {
+      std::fprintf(stderr,
+                   "ztier-train: the checkpoint of step %lld is saved in %s: --resume writes the "
+                   "export from it once this is fixed\n",
+                   static_cast<long long>(step), paths.checkpoint.c_str());
+    }
+    return 1;
+  }
   Result<engine::JobCounters> counters = m.counters();
   if (!counters.ok()) return fail(counters.status());
   const engine::JobCounters& c = *counters;

@@ -239,4 +239,56 @@ TEST(DurabilityTest, CheckpointAndExportReachTheDiskInOrder) {
   EXPECT_EQ(CheckAtomicWrites(export_ev, out, "model.safetensors"), "") << export_all;
 }
 
+// A save that failed once it had committed (the directory fsync after its
+// manifest's rename, EIO injected by strace): the run said the checkpoint
+// before it was the last one saved, and the resume, which went on from the
+// committed one, warned that its note was of the step before. The failure
+// says the step on disk, which has its note.
+TEST(DurabilityTest, ASaveThatFailsAfterItCommittedSaysTheStepItCommitted) {
+  if (std::system("timeout -k 5 30 strace -f -qq -o /dev/null true >/dev/null 2>&1") != 0) {
+    GTEST_SKIP() << "strace cannot trace here (not installed, or ptrace is refused)";
+  }
+  ScratchDir dir("durability-late");
+  {
+    std::ofstream text(dir / "text.txt");
+    for (int i = 0; i < 200; ++i) text << "How vexingly quick daft zebras jump, " << i << ". ";
+  }
+  const std::string out = dir / "run";
+  const std::string args =
+      " --no-progress --layers 2 --channels 32 --heads 2 --context 16 "
+      "--batch 4 --steps 12 --checkpoint-every 4 --data " +
+      (dir / "text.txt") + " --out " + out;
+  // The checkpoint directory's fsyncs by the saving thread, three a save
+  // (its shard files' names, the manifest's rename, the old files' removal):
+  // the fifth is the second save's after its manifest's rename.
+  const std::string cmd =
+      "ASAN_OPTIONS=\"$ASAN_OPTIONS:detect_leaks=0\" timeout -k 10 300 strace "
+      "-f -qq -o /dev/null -P " +
+      out + "/checkpoint -e trace=fsync -e inject=fsync:error=EIO:when=5 " + ZTIER_TRAIN_BINARY +
+      args + " >" + (dir / "out.txt") + " 2>&1";
+  const int rc = std::system(cmd.c_str());
+  std::ifstream log(dir / "out.txt");
+  std::stringstream text;
+  text << log.rdbuf();
+  ASSERT_NE(rc, 0) << "no save failed: " << text.str();
+  std::ifstream manifest(out + "/checkpoint/manifest.json");
+  std::stringstream m;
+  m << manifest.rdbuf();
+  ASSERT_NE(m.str().find("\"step\": 8,"), std::string::npos)
+      << "the injected EIO did not fail the fsync after the second manifest's rename (did the "
+         "order of the checkpoint directory's fsyncs change?); the manifest:\n"
+      << m.str() << "\nthe run:\n"
+      << text.str();
+  EXPECT_NE(text.str().find("the last checkpoint saved, of step 8,"), std::string::npos)
+      << text.str();
+  const std::string resume =
+      ZTIER_TRAIN_BINARY + args + " --resume >" + (dir / "resume.txt") + " 2>&1";
+  EXPECT_EQ(std::system(resume.c_str()), 0);
+  std::ifstream rlog(dir / "resume.txt");
+  std::stringstream rtext;
+  rtext << rlog.rdbuf();
+  EXPECT_NE(rtext.str().find("resumed at step 8"), std::string::npos) << rtext.str();
+  EXPECT_EQ(rtext.str().find("warning"), std::string::npos) << rtext.str();
+}
+
 }  // namespace

@@ -711,6 +711,64 @@ TEST_F(TrainHardeningTest, AFailedRunLeavesNoSwapFileBehind) {
   EXPECT_TRUE(left.empty()) << left[0] << " left in the swap directory\n" << text;
 }
 
+// An --out removed under a run and taken by a second run: the first run's
+// next save is refused (the second holds the checkpoint's lock), and as it
+// failed it removed the swap file at its path, the second run's live one.
+// A failing run removes only the swap files it made.
+TEST_F(TrainHardeningTest, AFailingRunRemovesNoSwapFileOfAnotherRun) {
+  const std::string out = dir_ / "taken";
+  const std::string args = Common() + " --optimizer nvme --steps 100000 --checkpoint-every 1";
+  Process first(args + " --out " + out, dir_ / "first.txt");
+  WaitForRows(out + "/train_log.tsv", 2, first.pid());
+  ::kill(first.pid(), SIGSTOP);  // no save between the removal and the second run's locks
+  fs::remove_all(out);
+  Process second(args + " --seed 7 --out " + out, dir_ / "second.txt");
+  WaitForRows(out + "/train_log.tsv", 2, second.pid());
+  struct stat before {};
+  ASSERT_EQ(::stat((out + "/swap/ztier.swap").c_str(), &before), 0) << second.output();
+  ::kill(first.pid(), SIGCONT);
+  EXPECT_EQ(first.Wait(), 1) << first.output();
+  EXPECT_NE(first.output().find(ztier::StrCat("in use by process ", second.pid())),
+            std::string::npos)
+      << first.output();
+  struct stat after {};
+  EXPECT_EQ(::stat((out + "/swap/ztier.swap").c_str(), &after), 0)
+      << "the second run's swap file was removed\n"
+      << first.output();
+  EXPECT_EQ(after.st_ino, before.st_ino);
+  ::kill(second.pid(), SIGKILL);
+}
+
+// An export that the disk refused at the end of a run said only that: the
+// user of a long run, told nothing of the checkpoint the run had saved,
+// might start it again with --overwrite. It names the checkpoint and
+// --resume, which then writes the export. (--out on a tmpfs with room for
+// the checkpoint and half the export, sized from a run on the disk; the
+// swap space elsewhere.)
+TEST_F(TrainHardeningTest, AnExportTheDiskRefusesNamesTheCheckpointToResumeFrom) {
+  const std::string args = Common() + " --steps 3";
+  auto [rc, text] = Train(args + " --out " + (dir_ / "sized"), dir_);
+  ASSERT_EQ(rc, 0) << text;
+  uint64_t rest = 0, exported = 0;
+  for (const auto& e : fs::recursive_directory_iterator(dir_ / "sized")) {
+    struct stat st {};
+    if (!e.is_regular_file() || ::stat(e.path().c_str(), &st) != 0) continue;
+    (e.path().filename() == "model.safetensors" ? exported : rest) += st.st_blocks * 512;
+  }
+  ASSERT_GT(exported, 8192u);
+  const std::string small = dir_ / "small";
+  SmallTmpfs tmpfs(small, std::to_string((rest + exported / 2) / 4096 * 4096));
+  if (!tmpfs.mounted()) GTEST_SKIP() << "cannot mount a small tmpfs here: " << tmpfs.error();
+  std::tie(rc, text) = Train(args + " --out " + small + "/o --swap-dir " + dir_.sub("swap"), dir_);
+  EXPECT_EQ(rc, 1) << text;
+  EXPECT_NE(text.find("No space left on device"), std::string::npos) << text;
+  EXPECT_NE(text.find("the checkpoint of step 3 is saved in " + small +
+                      "/o/checkpoint: --resume writes the export"),
+            std::string::npos)
+      << text;
+  tmpfs.Unmount();
+}
+
 // A loss log the disk refused rows of lost them without a word, and the
 // row cut short merged with the next one; the run said "done". The row the
 // disk took part of is cut off again, the first refusal and the count are
