@@ -11,6 +11,7 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <charconv>
 #include <chrono>
@@ -30,24 +31,9 @@ namespace {
 constexpr size_t kMaxRequestBytes = 8192;
 constexpr auto kRequestTimeout = std::chrono::seconds(2);
 constexpr auto kSendTimeout = std::chrono::seconds(5);
+constexpr auto kDrainTimeout = std::chrono::milliseconds(200);
+constexpr size_t kMaxDrainBytes = size_t{1} << 20;
 constexpr size_t kMaxPending = 64;
-
-// Sends all of `data` (MSG_NOSIGNAL: a client gone is EPIPE, not SIGPIPE).
-bool SendAll(int fd, std::string_view data) {
-  while (!data.empty()) {
-    const ssize_t n = ::send(fd, data.data(), data.size(), MSG_NOSIGNAL);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) return false;
-    data.remove_prefix(static_cast<size_t>(n));
-  }
-  return true;
-}
-
-void SetTimeout(int fd, int option, std::chrono::microseconds t) {
-  timeval tv{.tv_sec = static_cast<time_t>(t.count() / 1000000),
-             .tv_usec = static_cast<suseconds_t>(t.count() % 1000000)};
-  (void)::setsockopt(fd, SOL_SOCKET, option, &tv, sizeof(tv));
-}
 
 std::string Response(std::string_view status, std::string_view content_type, std::string_view body,
                      bool head, std::string_view extra_headers = {}) {
@@ -323,56 +309,99 @@ void MetricsServer::Stop() {
 }
 
 void MetricsServer::Run() {
-  // Connections whose request head is still coming in, read side by side:
-  // a client that connects and says nothing (or trickles) holds up nobody
-  // else's scrape. At most kMaxPending at once (the oldest goes first);
-  // each has kRequestTimeout for its head.
-  struct Pending {
+  // Every connection is served side by side, none with a blocking call: its
+  // request head read as it comes (kRequestTimeout for all of it), its
+  // answer written as the client takes it (kSendTimeout), and after a 431
+  // what it still sends read and dropped (kDrainTimeout) so that the close
+  // does not reset the answer away. A client that says nothing, trickles
+  // or reads nothing holds up nobody else's scrape. At most kMaxPending at
+  // once: past it the oldest still reading its head goes.
+  enum class Phase { kReading, kWriting, kDraining };
+  struct Conn {
     UniqueFd fd;
-    std::string req;
+    Phase phase = Phase::kReading;
+    std::string req;  // the head so far
+    std::string out;  // the answer; `sent` of it gone
+    size_t sent = 0;
+    bool drain = false;  // after the answer: read the rest, then close
+    size_t drained = 0;
     std::chrono::steady_clock::time_point deadline;
   };
-  std::deque<Pending> pending;
+  std::deque<Conn> conns;
   std::vector<pollfd> pfds;
+  // Moves `c` on as far as it goes without waiting; false once it is done
+  // (closed with it).
+  const auto advance = [&](Conn& c, short revents, std::chrono::steady_clock::time_point now) {
+    if (c.phase == Phase::kReading && (revents & (POLLIN | POLLHUP | POLLERR)) != 0) {
+      char buf[2048];
+      const ssize_t n = ::recv(
+          c.fd.get(), buf, std::min(sizeof(buf), kMaxRequestBytes - c.req.size()), MSG_DONTWAIT);
+      if (n < 0 && (errno == EINTR || errno == EAGAIN)) return now < c.deadline;
+      if (n <= 0) return false;  // gone
+      c.req.append(buf, static_cast<size_t>(n));
+      const bool complete =
+          c.req.find("\r\n\r\n") != std::string::npos || c.req.find("\n\n") != std::string::npos;
+      if (!complete && c.req.size() < kMaxRequestBytes) return now < c.deadline;
+      c.out = Answer(c.req, &c.drain);
+      c.phase = Phase::kWriting;
+      c.deadline = now + kSendTimeout;
+      revents = POLLOUT;
+    }
+    if (c.phase == Phase::kWriting && (revents & (POLLOUT | POLLHUP | POLLERR)) != 0) {
+      while (c.sent < c.out.size()) {
+        const ssize_t n = ::send(c.fd.get(), c.out.data() + c.sent, c.out.size() - c.sent,
+                                 MSG_NOSIGNAL | MSG_DONTWAIT);
+        if (n < 0 && errno == EINTR) continue;
+        if (n < 0 && errno == EAGAIN) return now < c.deadline;
+        if (n <= 0) {
+          ZT_LOG(kDebug, "ztierd") << "metrics: a client went before its answer was sent";
+          return false;
+        }
+        c.sent += static_cast<size_t>(n);
+      }
+      if (!c.drain) return false;  // answered: closed
+      ::shutdown(c.fd.get(), SHUT_WR);
+      c.phase = Phase::kDraining;
+      c.deadline = now + kDrainTimeout;
+      revents = POLLIN;
+    }
+    if (c.phase == Phase::kDraining && (revents & (POLLIN | POLLHUP | POLLERR)) != 0) {
+      char sink[4096];
+      while (c.drained < kMaxDrainBytes) {
+        const ssize_t n = ::recv(c.fd.get(), sink, sizeof(sink), MSG_DONTWAIT);
+        if (n < 0 && errno == EINTR) continue;
+        if (n < 0 && errno == EAGAIN) return now < c.deadline;
+        if (n <= 0) return false;
+        c.drained += static_cast<size_t>(n);
+      }
+      return false;
+    }
+    return now < c.deadline;
+  };
   while (!stop_.load()) {
     pfds.assign(1, pollfd{.fd = listen_fd_.get(), .events = POLLIN, .revents = 0});
-    for (const Pending& p : pending)
-      pfds.push_back({.fd = p.fd.get(), .events = POLLIN, .revents = 0});
+    for (const Conn& c : conns) {
+      pfds.push_back({.fd = c.fd.get(),
+                      .events = static_cast<short>(c.phase == Phase::kWriting ? POLLOUT : POLLIN),
+                      .revents = 0});
+    }
     if (::poll(pfds.data(), pfds.size(), 200) < 0 && errno != EINTR) {
       ZT_LOG(kWarn, "ztierd") << "metrics: poll: " << std::strerror(errno);
       std::this_thread::sleep_for(std::chrono::milliseconds(100));
       continue;
     }
     const auto now = std::chrono::steady_clock::now();
-    std::deque<Pending> still;
-    for (size_t i = 0; i < pending.size(); ++i) {
-      Pending& p = pending[i];
-      if ((pfds[i + 1].revents & (POLLIN | POLLHUP | POLLERR)) != 0) {
-        char buf[2048];
-        const ssize_t n =
-            ::recv(p.fd.get(), buf, std::min(sizeof(buf), kMaxRequestBytes - p.req.size()), 0);
-        if (n < 0 && (errno == EINTR || errno == EAGAIN)) {
-          still.push_back(std::move(p));
-          continue;
-        }
-        if (n <= 0) continue;  // gone: closed with `p`
-        p.req.append(buf, static_cast<size_t>(n));
-        const bool complete =
-            p.req.find("\r\n\r\n") != std::string::npos || p.req.find("\n\n") != std::string::npos;
-        if (complete || p.req.size() >= kMaxRequestBytes) {
-          Answer(p.fd.get(), p.req);
-          continue;
-        }
-      }
-      if (now < p.deadline) still.push_back(std::move(p));
+    std::deque<Conn> still;
+    for (size_t i = 0; i < conns.size(); ++i) {
+      if (advance(conns[i], pfds[i + 1].revents, now)) still.push_back(std::move(conns[i]));
     }
-    pending.swap(still);
+    conns.swap(still);
     if ((pfds[0].revents & POLLIN) == 0) continue;
     // Every connection waiting (one a round left a burst of scrapers in
     // the backlog, retrying their SYNs a second later).
     for (size_t taken = 0; taken < kMaxPending; ++taken) {
-      const int c = ::accept4(listen_fd_.get(), nullptr, nullptr, SOCK_CLOEXEC);
-      if (c < 0) {
+      const int fd = ::accept4(listen_fd_.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+      if (fd < 0) {
         if (errno == ECONNABORTED || errno == EINTR) continue;
         if (errno != EAGAIN && errno != EWOULDBLOCK) {
           ZT_LOG(kWarn, "ztierd") << "metrics: accept: " << std::strerror(errno);
@@ -380,62 +409,51 @@ void MetricsServer::Run() {
         }
         break;
       }
-      if (pending.size() >= kMaxPending) pending.pop_front();
-      pending.push_back({.fd = UniqueFd(c), .req = {}, .deadline = now + kRequestTimeout});
+      if (conns.size() >= kMaxPending) {
+        auto oldest = std::find_if(conns.begin(), conns.end(),
+                                   [](const Conn& c) { return c.phase == Phase::kReading; });
+        conns.erase(oldest != conns.end() ? oldest : conns.begin());
+      }
+      Conn c;
+      c.fd = UniqueFd(fd);
+      c.deadline = now + kRequestTimeout;
+      conns.push_back(std::move(c));
     }
   }
 }
 
-void MetricsServer::Answer(int fd, std::string_view req) {
-  SetTimeout(fd, SO_SNDTIMEO, kSendTimeout);
+std::string MetricsServer::Answer(std::string_view req, bool* drain) {
+  *drain = false;
   if (req.find("\r\n\r\n") == std::string_view::npos &&
       req.find("\n\n") == std::string_view::npos) {
-    (void)SendAll(fd, Response("431 Request Header Fields Too Large", "text/plain",
-                               "request too large\n", false));
     // The rest of the request is read (briefly, boundedly) before the
     // close: closing with input unread resets the connection, and the
     // client then sees a reset instead of the answer.
-    // At most 200 ms in all: a client trickling bytes must not hold the
-    // metrics thread (every scrape waits on it).
-    ::shutdown(fd, SHUT_WR);
-    SetTimeout(fd, SO_RCVTIMEO, std::chrono::milliseconds(50));
-    const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(200);
-    char sink[4096];
-    for (size_t drained = 0;
-         drained < (size_t{1} << 20) && std::chrono::steady_clock::now() < until;) {
-      const ssize_t n = ::recv(fd, sink, sizeof(sink), 0);
-      if (n <= 0) break;
-      drained += static_cast<size_t>(n);
-    }
-    return;
+    *drain = true;
+    return Response("431 Request Header Fields Too Large", "text/plain", "request too large\n",
+                    false);
   }
   // "METHOD SP TARGET SP HTTP/x.y"
   const std::string_view line = req.substr(0, req.find_first_of("\r\n"));
   const size_t sp1 = line.find(' ');
   const size_t sp2 = sp1 == std::string_view::npos ? sp1 : line.find(' ', sp1 + 1);
   if (sp2 == std::string_view::npos || !line.substr(sp2 + 1).starts_with("HTTP/")) {
-    (void)SendAll(fd, Response("400 Bad Request", "text/plain", "bad request\n", false));
-    return;
+    return Response("400 Bad Request", "text/plain", "bad request\n", false);
   }
   const std::string_view method = line.substr(0, sp1);
   std::string_view target = line.substr(sp1 + 1, sp2 - sp1 - 1);
   target = target.substr(0, target.find('?'));
   const bool head = method == "HEAD";
   if (method != "GET" && !head) {
-    (void)SendAll(fd, Response("405 Method Not Allowed", "text/plain", "GET /metrics\n", false,
-                               "Allow: GET, HEAD\r\n"));
-    return;
+    return Response("405 Method Not Allowed", "text/plain", "GET /metrics\n", false,
+                    "Allow: GET, HEAD\r\n");
   }
   if (target != "/metrics") {
-    (void)SendAll(fd, Response("404 Not Found", "text/plain",
-                               "ztierd serves its metrics at /metrics\n", head));
-    return;
+    return Response("404 Not Found", "text/plain", "ztierd serves its metrics at /metrics\n", head);
   }
   const std::string body = render_();
   scrapes_.fetch_add(1);
-  if (!SendAll(fd, Response("200 OK", "text/plain; version=0.0.4; charset=utf-8", body, head))) {
-    ZT_LOG(kDebug, "ztierd") << "metrics: a scrape ended before its answer was sent";
-  }
+  return Response("200 OK", "text/plain; version=0.0.4; charset=utf-8", body, head);
 }
 
 }  // namespace ztier::engine

@@ -10,9 +10,11 @@
 //
 // The server is deliberately small: one thread, one request per connection
 // (Connection: close), a request of at most 8 KiB read within 2 s, GET and
-// HEAD of /metrics only (404 for other paths, 405 for other methods). A
-// slow or silent client costs a scrape at most those 2 s; it cannot make
-// the daemon allocate or wait longer.
+// HEAD of /metrics only (404 for other paths, 405 for other methods). The
+// thread never waits on one client: every connection's request is read,
+// and its answer written, as its bytes come and go, side by side (at most
+// 64 at once; 5 s to take the answer). A silent, trickling or
+// non-reading client holds up no one else's scrape.
 //
 // Thread safety: PrometheusText is a value type for one thread.
 // MetricsServer: Start once; Stop (also the destructor) from any thread,
@@ -97,8 +99,9 @@ class MetricsServer {
  private:
   MetricsServer(UniqueFd fd, std::string address, std::string unix_path);
   void Run();
-  // Answers the request `req` (its head, or kMaxRequestBytes of it) on fd.
-  void Answer(int fd, std::string_view req);
+  // The answer to the request `req` (its head, or kMaxRequestBytes of it);
+  // `drain`: the rest of the request is to be read before the close.
+  std::string Answer(std::string_view req, bool* drain);
 
   UniqueFd listen_fd_;
   std::string address_;

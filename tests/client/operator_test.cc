@@ -1063,7 +1063,8 @@ TEST(ZtierctlProgramTest, ANonOperatorIsRefusedWithExitCode4) {
 // ------------------------------------------------------ metrics
 
 // An HTTP request's whole answer (the server closes the connection).
-Result<std::string> Http(const std::string& address, const std::string& request) {
+// A connection to a metrics address ("unix:PATH" or "HOST:PORT").
+Result<UniqueFd> ConnectTo(const std::string& address) {
   UniqueFd fd;
   if (address.starts_with("unix:")) {
     fd = UniqueFd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
@@ -1085,6 +1086,11 @@ Result<std::string> Http(const std::string& address, const std::string& request)
       return PosixError("connect " + address, errno);
     }
   }
+  return fd;
+}
+
+Result<std::string> Http(const std::string& address, const std::string& request) {
+  ZT_ASSIGN_OR_RETURN(UniqueFd fd, ConnectTo(address));
   if (::send(fd.get(), request.data(), request.size(), MSG_NOSIGNAL) !=
       static_cast<ssize_t>(request.size())) {
     return PosixError("send", errno);
@@ -1331,6 +1337,50 @@ TEST(MetricsTest, IdleClientsHoldUpNoScrapeAndALiveSocketIsNotTakenOver) {
   const CtlRun status = Ztierctl("--socket " + d.socket() + " status", dir.path());
   EXPECT_EQ(status.code, 0) << status.out << d.log();
   std::filesystem::remove_all(sock_dir);
+}
+
+// Clients that sent a head past the limit and then trickled a byte every
+// 20 ms, reconnecting when closed: each 431 was followed by up to 200 ms
+// of reading the rest on the metrics thread, one client after another, and
+// every scrape waited behind them (20 clients: 3.7 s a scrape; 60: half of
+// them past Prometheus's 10 s). The rest is now read beside the others.
+TEST(MetricsTest, TricklingClientsPastTheHeadLimitHoldUpNoScrape) {
+  ZtierdProcess d(ZTIERD_BINARY, {"--metrics", "127.0.0.1:0"});
+  const std::string address = MetricsAddress(d);
+  ASSERT_FALSE(address.empty()) << d.log();
+  std::atomic<bool> stop{false};
+  std::atomic<int> reconnects{0};
+  std::thread trickler([&] {
+    std::vector<UniqueFd> fds(40);
+    const std::string head = "GET /" + std::string(8200, 'a');
+    while (!stop.load()) {
+      for (UniqueFd& fd : fds) {
+        if (fd.valid() && ::send(fd.get(), "a", 1, MSG_NOSIGNAL | MSG_DONTWAIT) == 1) continue;
+        Result<UniqueFd> c = ConnectTo(address);
+        if (!c.ok()) continue;
+        fd = *std::move(c);
+        (void)::send(fd.get(), head.data(), head.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
+        reconnects.fetch_add(1);
+      }
+      std::this_thread::sleep_for(20ms);
+    }
+  });
+  std::this_thread::sleep_for(500ms);
+  std::chrono::duration<double> slowest{0};
+  for (int k = 0; k < 5; ++k) {
+    const auto t0 = std::chrono::steady_clock::now();
+    Result<std::string> r = Http(address, "GET /metrics HTTP/1.1\r\n\r\n");
+    slowest =
+        std::max<std::chrono::duration<double>>(slowest, std::chrono::steady_clock::now() - t0);
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_TRUE(r->starts_with("HTTP/1.1 200")) << *r;
+    std::this_thread::sleep_for(200ms);
+  }
+  stop.store(true);
+  trickler.join();
+  EXPECT_GT(reconnects.load(), 80) << "the trickling clients were never answered and closed";
+  // (40 such clients held each scrape up about 7 s.)
+  EXPECT_LT(slowest.count(), 3.0) << "a scrape waited behind the trickling clients";
 }
 
 // ztierd started as systemd starts a socket-activated service: `fds` as
