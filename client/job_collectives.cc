@@ -60,7 +60,7 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-constexpr uint64_t kSlotBytes = uint64_t{4} << 20;
+constexpr uint64_t kSlotBytes = engine::kCollectiveSlotBytes;
 constexpr uint64_t kArrivedOffset = 8;
 constexpr uint64_t kWorldOffset = 12;
 constexpr uint64_t kNcclRoundOffset = 16;
@@ -320,7 +320,7 @@ Result<std::unique_ptr<Collectives>> MakeJobCollectives(Model& model, int rank, 
     return Status::InvalidArgument(
         StrCat(who, ": this process attached as rank ", model.attached_rank()));
   }
-  const uint64_t bytes = engine::kCollectiveHeaderBytes + static_cast<uint64_t>(world) * kSlotBytes;
+  const uint64_t bytes = engine::CollectiveRegionBytes(world);
   if (bytes > engine::kMaxCollectiveRegionBytes) {
     return Status::InvalidArgument(StrCat(who, ": ", world, " ranks need a collective region of ",
                                           bytes, " bytes, over the limit of ",

@@ -573,7 +573,7 @@ struct Daemon::Impl {
     bool ended_by_daemon = false;  // evicted, or ztierd stopping: its collectives were told
     Mapping collective_region;     // made on the first ask (kCollectiveRegion)
     UniqueFd collective_fd;
-    uint64_t collective_bytes = 0;
+    uint64_t collective_bytes = 0;  // its size: in the uid's DRAM use while it exists
     // Set once by an operator's evict (ztierctl evict): every later request
     // on the job gets Aborted with `evicted_why` (written before the flag).
     std::atomic<bool> evicted{false};
@@ -617,7 +617,8 @@ struct Daemon::Impl {
     if (it != jobs.end() && it->second.get() == &job) jobs.erase(it);
     Usage& u = usage[job.uid];
     --u.jobs;
-    u.dram_bytes -= job.dram_bytes;
+    u.dram_bytes -= job.dram_bytes + job.collective_bytes;
+    job.collective_bytes = 0;
     u.nvme_bytes -= job.nvme_bytes;
     u.spec_bytes -= job.spec_bytes;
     return true;
@@ -1897,13 +1898,31 @@ class Daemon::Impl::Connection {
     {
       std::lock_guard<std::mutex> lock(d_.mu);
       Impl::Job& job = *j.job;
+      // Its size is the job's ranks' (a one-rank job asked for a GiB).
+      const uint64_t bytes = CollectiveRegionBytes(job.spec.ranks);
+      if (c.bytes != bytes) {
+        return Status::InvalidArgument(StrCat("job '", j.name, "' of ", job.spec.ranks,
+                                              " rank(s) has a collective region of ", bytes,
+                                              " bytes; a rank asked for ", c.bytes));
+      }
+      if (job.freed) return Status::Aborted(StrCat("job '", j.name, "' was freed"));
       if (!job.collective_fd.valid()) {
+        // Charged to the uid's DRAM quota while it exists.
+        Impl::Usage& u = d_.usage[job.uid];
+        const uint64_t quota = d_.QuotaForLocked(job.uid).max_dram_bytes;
+        if (quota != 0 && u.dram_bytes + bytes > quota) {
+          return Status::ResourceExhausted(StrCat(
+              "job '", j.name, "': its collective region (", bytes, " bytes for ", job.spec.ranks,
+              " ranks) would take uid ", job.uid, " past its DRAM quota: it holds ", u.dram_bytes,
+              " of ", quota, " (max_dram_bytes_per_uid)"));
+        }
         ZT_ASSIGN_OR_RETURN(UniqueFd fd, MakeSealedMemfd("ztier-collectives", c.bytes));
         ZT_ASSIGN_OR_RETURN(job.collective_region,
                             Mapping::Map(fd.get(), kCollectiveHeaderBytes, /*writable=*/true,
                                          "the collective region"));
         job.collective_fd = std::move(fd);
         job.collective_bytes = c.bytes;
+        u.dram_bytes += c.bytes;
         // A rank that left before the region was made: its peers must not
         // wait for it there.
         if (job.ended_by_daemon) {
@@ -1911,11 +1930,6 @@ class Daemon::Impl::Connection {
         } else if (job.left_rank >= 0) {
           Impl::AbortCollectivesLocked(job, job.left_rank);
         }
-      }
-      if (job.collective_bytes != c.bytes) {
-        return Status::InvalidArgument(StrCat("job '", j.name, "': its collective region has ",
-                                              job.collective_bytes, " bytes, a rank asked for ",
-                                              c.bytes, " (every rank must ask for the same)"));
       }
       const int fd = ::fcntl(job.collective_fd.get(), F_DUPFD_CLOEXEC, 0);
       if (fd < 0) return PosixError("fcntl(F_DUPFD_CLOEXEC) of the collective region", errno);
@@ -2167,6 +2181,7 @@ class Daemon::Impl::Connection {
           // says a rank left, to whoever still maps it).
           job.collective_region.Reset();
           job.collective_fd = UniqueFd();
+          d_.usage[job.uid].dram_bytes -= job.collective_bytes;
           job.collective_bytes = 0;
           job.left_rank = -1;
           job.ended_by_daemon = false;

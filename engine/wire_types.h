@@ -331,7 +331,14 @@ inline constexpr uint64_t kCollectiveAbortOffset = 0;  // u32
 inline constexpr uint32_t kCollectiveEndedByDaemon = 0xffffffffu;
 inline constexpr uint64_t kCollectiveFutexOffset = 4;  // u32
 inline constexpr uint64_t kCollectiveHeaderBytes = 4096;
+// After the header, a slot of this many bytes per rank: a job's region is
+// CollectiveRegionBytes(its ranks), no other size (charged to its uid's
+// DRAM quota while it exists).
+inline constexpr uint64_t kCollectiveSlotBytes = uint64_t{4} << 20;
 inline constexpr uint64_t kMaxCollectiveRegionBytes = uint64_t{1} << 30;
+constexpr uint64_t CollectiveRegionBytes(int ranks) {
+  return kCollectiveHeaderBytes + static_cast<uint64_t>(ranks) * kCollectiveSlotBytes;
+}
 
 // A safetensors export's element type.
 enum class ExportType : uint8_t { kBFloat16, kFloat32 };

@@ -909,6 +909,61 @@ TEST_F(DaemonTest, RegisteredJobsSpecsCountTowardTheSpecQuota) {
   EXPECT_TRUE(r->status.ok()) << r->status;
 }
 
+// A job's collective region was the size its first rank asked for, up to
+// a GiB whatever the job, and in no quota: one uid with a quota of 256 MiB
+// made ztierd hold 4 GiB with four one-rank jobs. Its size is the job's
+// ranks', and it is in the uid's DRAM use while it exists.
+TEST_F(DaemonTest, ACollectiveRegionIsTheJobsRanksSizeAndInItsUidsQuota) {
+  engine::DaemonOptions options;
+  options.job_grace_period = 60s;
+  Start(options);
+  std::optional<RawClient> c(RawClient::Connect(socket()));
+  const int32_t job = Register(*c, "coll");
+  Result<std::unique_ptr<DaemonControl>> control = DaemonControl::Connect(socket(), 10s);
+  ASSERT_TRUE(control.ok()) << control.status();
+  const uint64_t job_bytes = (*control)->GetQuota(::geteuid())->dram_bytes;
+  const auto ask = [&](uint64_t bytes) {
+    Result<RawClient::Reply> r =
+        c->Call(p::MessageType::kCollectiveRegion,
+                p::Encode(p::CollectiveRegionRequest{.job = job, .bytes = bytes}));
+    return r.ok() ? r->status : r.status();
+  };
+  Status big = ask(engine::kMaxCollectiveRegionBytes);
+  EXPECT_EQ(big.code(), StatusCode::kInvalidArgument) << big;
+  EXPECT_NE(big.message().find("of 1 rank(s) has a collective region of 4198400 bytes"),
+            std::string::npos)
+      << big;
+  // A quota with no room for it.
+  ASSERT_TRUE((*control)
+                  ->SetQuota({.uid = ::geteuid(),
+                              .set = engine::kQuotaMaxDram,
+                              .quota = {.max_dram_bytes = job_bytes + 4096}})
+                  .ok());
+  Status over = ask(engine::CollectiveRegionBytes(1));
+  EXPECT_EQ(over.code(), StatusCode::kResourceExhausted) << over;
+  EXPECT_NE(over.message().find("max_dram_bytes_per_uid"), std::string::npos) << over;
+  ASSERT_TRUE((*control)
+                  ->SetQuota({.uid = ::geteuid(),
+                              .set = engine::kQuotaMaxDram,
+                              .quota = {.max_dram_bytes = uint64_t{1} << 30}})
+                  .ok());
+  ASSERT_TRUE(ask(engine::CollectiveRegionBytes(1)).ok());
+  EXPECT_EQ((*control)->GetQuota(::geteuid())->dram_bytes,
+            job_bytes + engine::CollectiveRegionBytes(1));
+  ASSERT_TRUE(ask(engine::CollectiveRegionBytes(1)).ok());  // the same region, charged once
+  EXPECT_EQ((*control)->GetQuota(::geteuid())->dram_bytes,
+            job_bytes + engine::CollectiveRegionBytes(1));
+  // Parked (its client gone), its ranks meet in a fresh region: the old
+  // one's charge goes; freed, the job's.
+  c.reset();
+  WaitForStats(1, 1);  // (the control's connection)
+  EXPECT_EQ((*control)->GetQuota(::geteuid())->dram_bytes, job_bytes);
+  Result<std::vector<engine::JobInfo>> jobs = (*control)->Jobs();
+  ASSERT_TRUE(jobs.ok() && jobs->size() == 1);
+  ASSERT_TRUE((*control)->Evict((*jobs)[0].id, "done").ok());
+  EXPECT_EQ((*control)->GetQuota(::geteuid())->dram_bytes, 0u);
+}
+
 TEST_F(DaemonTest, AJobWhoseClientDiedIsParkedForTheGracePeriodThenFreed) {
   engine::DaemonOptions options;
   // Long enough that a loaded machine's scheduling leaves the reattach
@@ -921,7 +976,8 @@ TEST_F(DaemonTest, AJobWhoseClientDiedIsParkedForTheGracePeriodThenFreed) {
     const int32_t job = Register(c, "parked");
     Result<RawClient::Reply> region =
         c.Call(p::MessageType::kCollectiveRegion,
-               p::Encode(p::CollectiveRegionRequest{.job = job, .bytes = 2 * 4096}));
+               p::Encode(p::CollectiveRegionRequest{.job = job,
+                                                    .bytes = engine::CollectiveRegionBytes(1)}));
     ASSERT_TRUE(region.ok() && region->status.ok() && region->fds.size() == 1);
     // A wait that cannot end: the connection still closes at once (its
     // threads do not wait for a job that outlives it).
@@ -945,7 +1001,8 @@ TEST_F(DaemonTest, AJobWhoseClientDiedIsParkedForTheGracePeriodThenFreed) {
     Result<p::JobHandle> h = p::DecodeJobHandle(r->payload);
     ASSERT_TRUE(h.ok());
     r = c.Call(p::MessageType::kCollectiveRegion,
-               p::Encode(p::CollectiveRegionRequest{.job = h->job, .bytes = 2 * 4096}));
+               p::Encode(p::CollectiveRegionRequest{.job = h->job,
+                                                    .bytes = engine::CollectiveRegionBytes(1)}));
     ASSERT_TRUE(r.ok() && r->status.ok() && r->fds.size() == 1);
     Result<engine::Mapping> m = engine::Mapping::Map(r->fds[0].get(), 4096, false, "region");
     ASSERT_TRUE(m.ok()) << m.status();
