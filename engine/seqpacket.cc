@@ -158,6 +158,16 @@ Result<SeqPacketSocket> SeqPacketSocket::Connect(const std::string& path) {
       if (::getgrgid_r(st.st_gid, &g, buf.data(), buf.size(), &found) == 0 && found) {
         group = StrCat("group ", found->gr_name);
       }
+      // Root's group (a ztierd started by hand as root) is no group to add
+      // users to: the socket wants one of its own.
+      if (st.st_gid == 0) {
+        return Status(StatusCode::kFailedPrecondition,
+                      StrCat(denied, "the socket admits ", group,
+                             " (root's) only: ask the admin to give it a group for the users "
+                             "of ztier (chgrp ztier ",
+                             path, ", or SocketGroup= in ztierd.socket, as installed)"),
+                      err);
+      }
       return Status(StatusCode::kFailedPrecondition,
                     StrCat(denied, "the socket admits ", group,
                            " only: ask the admin to add this user to it"),
