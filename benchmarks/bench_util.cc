@@ -19,6 +19,7 @@
 
 #include "common/file_util.h"
 #include "common/numbers.h"
+#include "common/unique_fd.h"
 #include "common/utf8.h"
 
 namespace ztier::bench {
@@ -294,22 +295,26 @@ Result<int> StopSignals::Run(const std::vector<std::string>& argv, const std::st
   posix_spawnattr_setsigmask(&attr, &before_);  // its signals as this program's were
   posix_spawnattr_setpgroup(&attr, 0);
   posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETSIGMASK | POSIX_SPAWN_SETPGROUP);
+  // The output files are opened here, not by the spawn: a directory that
+  // refuses them is said as such, not as a program that could not start.
+  const auto open_output = [](const std::string& path) -> Result<UniqueFd> {
+    const int fd = path.empty()
+                       ? ::open("/dev/null", O_WRONLY | O_CLOEXEC)
+                       : ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (fd < 0)
+      return PosixError(StrCat("cannot write ", path.empty() ? "/dev/null" : path), errno);
+    return UniqueFd(fd);
+  };
+  ZT_ASSIGN_OR_RETURN(UniqueFd out_fd, open_output(out));
+  UniqueFd err_fd;
+  if (err.empty() || err != out) {
+    ZT_ASSIGN_OR_RETURN(err_fd, open_output(err));
+  }
   posix_spawn_file_actions_t actions;
   posix_spawn_file_actions_init(&actions);
-  const auto redirect = [&](int fd, const std::string& path) {
-    if (path.empty()) {
-      posix_spawn_file_actions_addopen(&actions, fd, "/dev/null", O_WRONLY, 0);
-    } else {
-      posix_spawn_file_actions_addopen(&actions, fd, path.c_str(), O_WRONLY | O_CREAT | O_TRUNC,
-                                       0644);
-    }
-  };
-  redirect(STDOUT_FILENO, out);
-  if (!err.empty() && err == out) {
-    posix_spawn_file_actions_adddup2(&actions, STDOUT_FILENO, STDERR_FILENO);
-  } else {
-    redirect(STDERR_FILENO, err);
-  }
+  posix_spawn_file_actions_adddup2(&actions, out_fd.get(), STDOUT_FILENO);
+  posix_spawn_file_actions_adddup2(&actions, err_fd.valid() ? err_fd.get() : out_fd.get(),
+                                   STDERR_FILENO);
   pid_t pid = 0;
   const int rc = posix_spawnp(&pid, args[0], &actions, &attr, args.data(), environ);
   posix_spawn_file_actions_destroy(&actions);

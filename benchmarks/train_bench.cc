@@ -337,6 +337,11 @@ int RunTrain(int argc, char** argv) {
     if (ec) {
       return FailExit(Status::IoError(StrCat("--dir ", dir.string(), ": ", ec.message())), "train");
     }
+    // Said now, not once the first run cannot write its log.
+    if (::access(dir.c_str(), W_OK | X_OK) != 0) {
+      return FailExit(PosixError(StrCat("--dir ", dir.string(), " cannot be written"), errno),
+                      "train");
+    }
   }
   std::printf(
       "ztier-bench train: %s, %s matmuls, %d layers x %d channels, %d heads, context %d, batch %d, "

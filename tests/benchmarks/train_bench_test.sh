@@ -46,6 +46,18 @@ status=0
 out=$("$bench" train --train "$dir/no-such-program" 2>&1) || status=$?
 [ "$status" -eq 1 ] && [[ $out == *"no-such-program"* ]] ||
   { echo "a missing ztier-train gave exit $status: $out"; exit 1; }
+# A --dir on a read-only filesystem: said so at the start (it was said as
+# ztier-train failing to start). Where a read-only bind mount can be made.
+mkdir "$dir/ro"
+if mount --bind "$dir/ro" "$dir/ro" 2>/dev/null; then
+  if mount -o remount,bind,ro "$dir/ro" 2>/dev/null; then
+    status=0
+    out=$("$bench" train --train "$train" --dir "$dir/ro" 2>&1) || status=$?
+    [[ $status -eq 1 && $out == *"--dir $dir/ro cannot be written: Read-only file system"* &&
+      $out != *"starting"* ]] || { umount "$dir/ro"; echo "a read-only --dir gave exit $status: $out"; exit 1; }
+  fi
+  umount "$dir/ro"
+fi
 # A name without a slash is found as a shell finds a command, in PATH (the
 # check looked in the working directory, and the run then searched PATH):
 # a name PATH lacks is refused even with a file of that name here, and a
