@@ -405,15 +405,14 @@ int RunAdam(int argc, char** argv) {
       std::max_element(results.begin(), results.end(), [](const auto& a, const auto& b) {
         return a.limit_seconds / a.adam_seconds < b.limit_seconds / b.adam_seconds;
       });
-  if (beaten != results.end() && beaten->limit_seconds / beaten->adam_seconds > 1.05) {
-    std::printf(
-        "note: a ratio past 1 (%.2f at %s params, %d thread(s), %s stores) means the same-pattern "
-        "kernel ran slower than the optimizer here, so it bounds nothing in that case; %s\n",
-        beaten->limit_seconds / beaten->adam_seconds, FormatCount(beaten->params).c_str(),
-        beaten->threads, StoreName(beaten->store),
-        beaten->store == cpu_adam::OutputStore::kStreaming
-            ? "repeat the run (others' work on the CPUs or the memory moves both)"
-            : "the stream-store rows' limit is the tighter one");
+  if (beaten != results.end()) {
+    NoteRatioPastOne(beaten->limit_seconds / beaten->adam_seconds,
+                     StrCat("at ", FormatCount(beaten->params), " params, ", beaten->threads,
+                            " thread(s), ", StoreName(beaten->store), " stores"),
+                     "the same-pattern kernel ran slower than the optimizer here",
+                     beaten->store == cpu_adam::OutputStore::kStreaming
+                         ? "repeat the run (others' work on the CPUs or the memory moves both)"
+                         : "the stream-store rows' limit is the tighter one");
   }
   if (o.json) {
     // Headline: the largest shard at the most threads, first mode listed.

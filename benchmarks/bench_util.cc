@@ -122,6 +122,17 @@ Status CheckFitsOnDisk(const std::vector<std::string>& paths, uint64_t bytes_per
   return Status::Ok();
 }
 
+void NoteRatioPastOne(double ratio, std::string_view where, std::string_view meaning,
+                      std::string_view advice) {
+  if (!(ratio > 1.05)) return;
+  std::printf(
+      "note: a ratio past 1 (%.2f%s%.*s) means %.*s, so it bounds nothing in that case; "
+      "%.*s\n",
+      ratio, where.empty() ? "" : " ", static_cast<int>(where.size()), where.data(),
+      static_cast<int>(meaning.size()), meaning.data(), static_cast<int>(advice.size()),
+      advice.data());
+}
+
 std::string FormatCount(uint64_t n) {
   if (n != 0 && n % (uint64_t{1} << 30) == 0) return StrCat(n >> 30, "G");
   if (n != 0 && n % (uint64_t{1} << 20) == 0) return StrCat(n >> 20, "M");

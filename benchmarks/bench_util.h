@@ -39,6 +39,12 @@ int FailExit(const Status& s, const char* subcommand);
 
 // "64M" style rendering for counts that are multiples of 1024.
 std::string FormatCount(uint64_t n);
+// A ratio to a limit past 1 (by more than 5%, noise aside) says the limit
+// measured beside it was no limit in that case: printed as a note, "note:
+// a ratio past 1 (<ratio> <where>) means <meaning>, so it bounds nothing in
+// that case; <advice>". Nothing for a ratio up to 1.05.
+void NoteRatioPastOne(double ratio, std::string_view where, std::string_view meaning,
+                      std::string_view advice);
 
 // InvalidArgument naming `what` and both figures when `bytes` of memory
 // would pass 90% of this machine's physical memory: said before allocating,
