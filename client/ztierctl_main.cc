@@ -59,7 +59,7 @@ constexpr const char* kDefaultSocket = "/run/ztier/ztierd.sock";
 
 void Usage(std::FILE* out) {
   std::fprintf(out,
-               "usage: ztierctl [--socket PATH] [--json] COMMAND\n"
+               "usage: ztierctl [--socket PATH] [--json] [--timeout S] COMMAND\n"
                "\n"
                "commands:\n"
                "  status                      version, uptime, pinned DRAM, swap per path,\n"
@@ -380,23 +380,10 @@ uint32_t ParseId(std::string_view text, std::string_view what) {
 }
 
 // A uid: a decimal, or a user's name (the passwd database's).
-uint32_t ParseUid(std::string_view text) {
-  const bool digits = !text.empty() && std::all_of(text.begin(), text.end(), [](char c) {
-    return std::isdigit(static_cast<unsigned char>(c)) != 0;
-  });
-  if (digits) return ParseId(text, "a uid");
-  const std::string name(text);
-  std::vector<char> buf(16384);
-  struct passwd pw {};
-  struct passwd* found = nullptr;
-  const int err = ::getpwnam_r(name.c_str(), &pw, buf.data(), buf.size(), &found);
-  if (err != 0) {
-    throw UsageError{StrCat("cannot look up the user '", text, "': ", std::strerror(err))};
-  }
-  if (found == nullptr) {
-    throw UsageError{StrCat("'", text, "' is not a uid, nor a user's name here")};
-  }
-  return static_cast<uint32_t>(found->pw_uid);
+uint32_t ParseUidArg(std::string_view text) {
+  Result<uint32_t> uid = ztier::ParseUid(text);
+  if (!uid.ok()) throw UsageError{std::string(uid.status().message())};
+  return *uid;
 }
 
 int32_t ParseCount(std::string_view flag, std::string_view text) {
@@ -465,15 +452,15 @@ int Run(const Options& o) {
       if (a.size() == 3 && a[2] == "all") {
         quota_all = true;
       } else if (a.size() == 3) {
-        quota_uid = ParseUid(a[2]);
+        quota_uid = ParseUidArg(a[2]);
       }
     } else if (a[1] == "reset") {
       if (a.size() != 3) throw UsageError{"quota reset UID"};
-      update.uid = ParseUid(a[2]);
+      update.uid = ParseUidArg(a[2]);
       update.reset = true;
     } else if (a[1] == "set") {
       if (a.size() < 3) throw UsageError{"quota set UID [--jobs N] ..."};
-      update.uid = ParseUid(a[2]);
+      update.uid = ParseUidArg(a[2]);
       for (size_t i = 3; i < a.size(); i += 2) {
         const std::string& f = a[i];
         if (!f.starts_with("--")) {

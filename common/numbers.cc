@@ -1,9 +1,16 @@
 // ztier common: size grammar (see numbers.h).
 #include "common/numbers.h"
 
+#include <pwd.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cerrno>
 #include <charconv>
 #include <cstdlib>
+#include <cstring>
 #include <utility>
+#include <vector>
 
 namespace ztier {
 
@@ -55,6 +62,33 @@ Result<uint64_t> ParseSize(std::string_view text) {
     return Status::InvalidArgument(StrCat("size '", text, "' is too large"));
   }
   return v << shift;
+}
+
+Result<uint32_t> ParseUid(std::string_view text) {
+  const bool digits = !text.empty() && std::all_of(text.begin(), text.end(), [](char c) {
+    return std::isdigit(static_cast<unsigned char>(c)) != 0;
+  });
+  if (digits) {
+    uint64_t v = 0;
+    auto [ptr, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+    if (ec != std::errc() || ptr != text.data() + text.size() || v >= UINT32_MAX) {
+      return Status::InvalidArgument(StrCat("'", text, "' is not a uid"));
+    }
+    return static_cast<uint32_t>(v);
+  }
+  const std::string name(text);
+  std::vector<char> buf(16384);
+  struct passwd pw {};
+  struct passwd* found = nullptr;
+  const int err = ::getpwnam_r(name.c_str(), &pw, buf.data(), buf.size(), &found);
+  if (err != 0) {
+    return Status::Unavailable(
+        StrCat("cannot look up the user '", text, "': ", std::strerror(err)));
+  }
+  if (found == nullptr) {
+    return Status::InvalidArgument(StrCat("'", text, "' is not a uid, nor a user's name here"));
+  }
+  return static_cast<uint32_t>(found->pw_uid);
 }
 
 std::string FormatSize(uint64_t bytes) {

@@ -1,6 +1,6 @@
 // ztier common: the one grammar for sizes ("64G", "1M", "4096"),
 // overflow-checked arithmetic for sizes read from files, flags and configs,
-// and how a duration reads in a message.
+// how a duration reads in a message, and a uid as an operator types it.
 //
 // ParseSize takes a decimal integer with an optional K/M/G/T suffix (powers
 // of 1024; "Ki", "KB", "KiB" spellings accepted). No sign, no fraction, no
@@ -24,6 +24,11 @@ namespace ztier {
 // "4096", "64K", "16Mi", "2GB", "1TiB" -> bytes. Errors: InvalidArgument
 // ("'x' is not a size (e.g. 65536, 64K, 1G)", "... is too large").
 Result<uint64_t> ParseSize(std::string_view text);
+
+// A uid as a user types it: a decimal below 2^32 - 1, or a user's name in
+// the passwd database. Errors: InvalidArgument ("'x' is not a uid", "'x'
+// is not a uid, nor a user's name here"), Unavailable (the lookup failed).
+Result<uint32_t> ParseUid(std::string_view text);
 
 // The shortest exact rendering with a suffix: 1048576 -> "1M", 1000 -> "1000".
 std::string FormatSize(uint64_t bytes);

@@ -87,7 +87,8 @@ void Usage(std::ostream& out) {
          "  --config FILE   engine settings: a ds_config with ztier's keys (DRAM budget,\n"
          "                  NVMe swap paths, optimizer threads); ZTIER_* variables apply on top\n"
          "  --socket-mode   permissions of the socket ztierd binds (default 0660)\n"
-         "  --allow-uid     a uid that may connect besides root and ztierd's own (repeat);\n"
+         "  --allow-uid     a uid (or user name) that may connect besides root and ztierd's own "
+         "(repeat);\n"
          "                  none: every uid the socket's permissions let in\n"
          "  --max-jobs-per-uid, --max-connections-per-uid (defaults 16, 64),\n"
          "  --max-requests-in-flight (per connection, default 256, at least 32),\n"
@@ -223,8 +224,10 @@ Result<Flags> ParseFlags(int argc, char** argv) {
       }
       f.socket_mode = static_cast<mode_t>(mode);
     } else if (a == "--allow-uid") {
-      ZT_ASSIGN_OR_RETURN(int64_t uid, IntFlag(a, v, 0, UINT32_MAX - 1));
-      f.daemon.allowed_uids.push_back(static_cast<uid_t>(uid));
+      // A uid, or a user's name (as ztierctl takes them).
+      Result<uint32_t> uid = ParseUid(v);
+      if (!uid.ok()) return uid.status().Annotate(a);
+      f.daemon.allowed_uids.push_back(static_cast<uid_t>(*uid));
     } else if (a == "--max-jobs-per-uid") {
       ZT_ASSIGN_OR_RETURN(int64_t n, IntFlag(a, v, 1, 1 << 20));
       f.daemon.max_jobs_per_uid = static_cast<int>(n);

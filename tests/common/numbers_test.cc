@@ -61,4 +61,15 @@ TEST(NumbersTest, CheckedArithmetic) {
 }
 
 }  // namespace
+// One grammar for a uid, in ztierctl and ztierd --allow-uid alike (ztierd
+// took numbers only).
+TEST(NumbersTest, UidsAreNumbersOrUserNames) {
+  EXPECT_EQ(*ParseUid("0"), 0u);
+  EXPECT_EQ(*ParseUid("4242"), 4242u);
+  EXPECT_EQ(*ParseUid("root"), 0u);
+  EXPECT_EQ(ParseUid("4294967295").status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(ParseUid("-1").status().message(), "'-1' is not a uid, nor a user's name here");
+  EXPECT_EQ(ParseUid("no-such-user-here").status().code(), StatusCode::kInvalidArgument);
+}
+
 }  // namespace ztier
