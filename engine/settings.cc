@@ -105,8 +105,12 @@ Result<float> ParseReal(std::string_view text, std::string_view key, double lo, 
 }
 
 Result<bool> ParseBool(std::string_view text, std::string_view key) {
-  if (text == "true" || text == "1" || text == "on" || text == "yes") return true;
-  if (text == "false" || text == "0" || text == "off" || text == "no") return false;
+  // In any case, as sizes' suffixes are ("TRUE" was refused, "1gb" taken).
+  std::string lower(text);
+  std::transform(lower.begin(), lower.end(), lower.begin(),
+                 [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  if (lower == "true" || lower == "1" || lower == "on" || lower == "yes") return true;
+  if (lower == "false" || lower == "0" || lower == "off" || lower == "no") return false;
   return Status::InvalidArgument(
       StrCat(key, ": '", text, "' is not a boolean (true, false, 1, 0, on, off, yes or no)"));
 }

@@ -749,6 +749,25 @@ TEST(SettingsTest, AnOldSpellingSetToFalseIsNoSourceOfItsSetting) {
   EXPECT_EQ(on->sources.at("zero_optimization.offload_optimizer.device"), "new.json");
 }
 
+// Booleans are taken in any case, as sizes' suffixes are: "TRUE" was
+// refused where "1gb" was taken (and Python's str(False) is "False").
+TEST(SettingsTest, BooleansAreTakenInAnyCase) {
+  for (const auto& [text, want] : {std::pair<const char*, bool>{"FALSE", false},
+                                   {"False", false},
+                                   {"Off", false},
+                                   {"TRUE", true},
+                                   {"Yes", true}}) {
+    Settings start;
+    start.checksums = !want;
+    Result<Settings> set = ApplySetting(start, "ztier.checksums", text, "env");
+    ASSERT_TRUE(set.ok()) << text << ": " << set.status();
+    EXPECT_EQ(set->checksums, want) << text;
+  }
+  Result<Settings> bad = ApplySetting(Settings(), "ztier.checksums", "maybe", "env");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("is not a boolean"), std::string::npos) << bad.status();
+}
+
 // What follows a NUL byte was dropped (the parser ends its input there), and
 // two top-level objects got a comma between them in the error, which the
 // user never wrote.
