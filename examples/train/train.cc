@@ -154,7 +154,7 @@ void Usage(std::ostream& os) {
      << kFortunes
      << ")\n"
         "  --out DIR                checkpoint, log, export and swap go here (default ztier-run);\n"
-        "                           one run at a time\n"
+        "                           made with its parents if missing; one run at a time\n"
         "  --swap-dir DIR[,DIR..]   NVMe swap directories, which must exist (default <out>/swap;\n"
         "                           with --daemon, ztierd's)\n"
         "  --daemon SOCKET          train through the ztierd at SOCKET (its DRAM and swap;\n"

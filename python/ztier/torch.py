@@ -1034,6 +1034,11 @@ class Offload:
         """offload()'s arguments checked and taken (the module, the device,
         the compute dtype), before the ranks meet. Returns grad_accumulation
         (an int, or None: from the config)."""
+        if not isinstance(model, nn.Module):
+            what = (f"the class {model.__qualname__} (build the model first: offload(MyModel()))"
+                    if isinstance(model, type) else
+                    f"a {type(model).__module__}.{type(model).__qualname__}")
+            raise TypeError(f"ztier: offload() takes a torch.nn.Module, got {what}")
         if optimizer is not None and not isinstance(optimizer, AdamW):
             what = (f"a {type(optimizer).__module__}.{type(optimizer).__qualname__}"
                     if not isinstance(optimizer, type) else f"the class {optimizer.__qualname__}")

@@ -473,6 +473,15 @@ def test_a_size_given_as_a_float_is_that_size(settings):
     z.close()
 
 
+def test_something_not_a_module_given_to_offload_says_so(settings):
+    # It was an AttributeError from deep inside ('str' object has no
+    # attribute 'named_parameters').
+    with pytest.raises(TypeError, match=r"offload\(\) takes a torch.nn.Module, got a builtins.str"):
+        zt.offload("model", settings=settings)
+    with pytest.raises(TypeError, match=r"got the class Linear \(build the model first"):
+        zt.offload(torch.nn.Linear, settings=settings)
+
+
 def test_a_torch_optimizer_given_to_offload_names_what_it_takes(settings):
     model = _mlp()
     for wrong in (torch.optim.AdamW(model.parameters(), lr=1e-3), torch.optim.AdamW):
