@@ -727,10 +727,9 @@ TEST_F(TrainHardeningTest, AFailingRunRemovesNoSwapFileOfAnotherRun) {
   struct stat before {};
   ASSERT_EQ(::stat((out + "/swap/ztier.swap").c_str(), &before), 0) << second.output();
   ::kill(first.pid(), SIGCONT);
+  // (Its save fails: refused by the second run's lock, or, stopped in the
+  // middle of one, its files removed under it.)
   EXPECT_EQ(first.Wait(), 1) << first.output();
-  EXPECT_NE(first.output().find(ztier::StrCat("in use by process ", second.pid())),
-            std::string::npos)
-      << first.output();
   struct stat after {};
   EXPECT_EQ(::stat((out + "/swap/ztier.swap").c_str(), &after), 0)
       << "the second run's swap file was removed\n"
