@@ -271,7 +271,9 @@ Json QuotaInfoJson(const QuotaInfo& q) {
            {{"jobs", q.jobs},
             {"connections", q.connections},
             {"dram_bytes", q.dram_bytes},
-            {"nvme_bytes", q.nvme_bytes}}}};
+            {"nvme_bytes", q.nvme_bytes},
+            {"lingering_dram_bytes", q.lingering_bytes},
+            {"lingering_pids", q.lingering_pids}}}};
 }
 
 // Text that is not UTF-8 (a path, a value as the user typed it) is printed
@@ -367,6 +369,18 @@ void PrintQuotas(const std::vector<QuotaInfo>& quotas) {
                     q.custom ? "set" : "default"});
   }
   PrintTable(rows, {true, true, true, true, true, false});
+  // Memory of freed jobs (evicted, or parked and gone) that a live process
+  // still maps: no job shows it, so the operator is told who holds it.
+  for (const QuotaInfo& q : quotas) {
+    if (q.lingering_bytes == 0) continue;
+    std::string pids;
+    for (int32_t pid : q.lingering_pids) pids += StrCat(pids.empty() ? "" : ", ", pid);
+    std::printf(
+        "uid %u: %s of its DRAM is a freed job's memory that live processes still map (pid%s "
+        "%s): it is freed when they exit (a stopped client: continue or kill it)\n",
+        q.uid, Bytes(q.lingering_bytes).c_str(), q.lingering_pids.size() == 1 ? "" : "s",
+        pids.c_str());
+  }
 }
 
 // An id ("a job id"): a decimal below 2^32 - 1.

@@ -256,11 +256,57 @@ struct Daemon::Impl {
     int jobs = 0;
     uint64_t dram_bytes = 0;  // of its jobs, as counted at registration
     uint64_t nvme_bytes = 0;
-    int requests = 0;            // queued or running on its connections' pools
-    uint64_t payload_bytes = 0;  // held by its requests' handlers (see Payload)
-    uint64_t spec_bytes = 0;     // its registered jobs' specs as ztierd keeps them (SpecHeap)
+    uint64_t lingering_bytes = 0;  // of dram_bytes: see Lingering
+    int lingering_jobs = 0;        // freed jobs that live processes still map: see Lingering
+    int requests = 0;              // queued or running on its connections' pools
+    uint64_t payload_bytes = 0;    // held by its requests' handlers (see Payload)
+    uint64_t spec_bytes = 0;       // its registered jobs' specs as ztierd keeps them (SpecHeap)
     bool operator==(const Usage&) const = default;
   };
+  // What outlives its connection or its job, charged to a uid until the
+  // processes holding it exit (their pidfds say so):
+  // - a closed connection whose process lives on (`connection`): the
+  //   connection stays counted;
+  // - a freed job whose regions live processes still map (`engine_job`,
+  //   LingerMappersLocked): its region bytes stay counted, once however
+  //   many ranks' processes map them, until the last of them exits or
+  //   unregisters it (ForgetMappingLocked).
+  struct Lingering {
+    uid_t uid = 0;
+    uint64_t bytes = 0;
+    bool connection = false;
+    UniqueFd pidfd;  // the connection's process
+    int engine_job = -1;
+    // The job's: by connection, their processes (pidfd, and pid for the
+    // operator: ztierctl quota get names them).
+    std::map<const void*, std::pair<UniqueFd, pid_t>> mappers;
+  };
+  std::vector<Lingering> lingering;  // guarded by mu
+
+  static bool Exited(const UniqueFd& pidfd) {
+    pollfd pfd{.fd = pidfd.get(), .events = POLLIN, .revents = 0};
+    return ::poll(&pfd, 1, 0) != 0;
+  }
+  // Under mu: uncharges what `l` holds.
+  void UnchargeLocked(const Lingering& l) {
+    Usage& u = usage[l.uid];
+    if (l.connection) --u.connections;
+    if (!l.connection) --u.lingering_jobs;
+    u.dram_bytes -= l.bytes;
+    u.lingering_bytes -= l.bytes;
+    engine->ReleaseDram(l.bytes);
+  }
+
+  // Uncharges what the exited processes held (everything: `all`).
+  void ReapLingering(bool all) {
+    std::lock_guard<std::mutex> lock(mu);
+    std::erase_if(lingering, [&](Lingering& l) {
+      std::erase_if(l.mappers, [&](const auto& m) { return all || Exited(m.second.first); });
+      const bool done = l.connection ? all || Exited(l.pidfd) : l.mappers.empty();
+      if (done) UnchargeLocked(l);
+      return done;
+    });
+  }
   std::map<uid_t, Usage> usage;  // guarded by mu
   // Forgets the uids that hold nothing (ReleaseIdleDram's checks): every
   // uid that ever connected, refused ones too, kept a record here and its
@@ -320,10 +366,25 @@ struct Daemon::Impl {
     QuotaInfo q{.uid = uid, .quota = QuotaForLocked(uid), .custom = custom_quotas.count(uid) != 0};
     auto u = usage.find(uid);
     if (u != usage.end()) {
-      q.jobs = u->second.jobs;
+      // (As the quota counts them: freed jobs that live processes still
+      // map too. The line after the table names those processes.)
+      q.jobs = u->second.jobs + u->second.lingering_jobs;
       q.connections = u->second.connections;
       q.dram_bytes = u->second.dram_bytes;
       q.nvme_bytes = u->second.nvme_bytes;
+      q.lingering_bytes = u->second.lingering_bytes;
+    }
+    for (const Lingering& l : lingering) {
+      if (l.uid != uid) continue;
+      for (const auto& [conn, process] : l.mappers) {
+        // Those alive (a pid that exited may be another process's soon),
+        // each once (a process may map several freed jobs).
+        if (q.lingering_pids.size() < kMaxLingeringPids && !Exited(process.first) &&
+            std::find(q.lingering_pids.begin(), q.lingering_pids.end(), process.second) ==
+                q.lingering_pids.end()) {
+          q.lingering_pids.push_back(process.second);
+        }
+      }
     }
     return q;
   }
@@ -578,6 +639,17 @@ struct Daemon::Impl {
     // on the job gets Aborted with `evicted_why` (written before the flag).
     std::atomic<bool> evicted{false};
     std::string evicted_why;
+    // The processes sent the job's regions (OnRegions), by connection: the
+    // mappings keep the memory alive past the job. A connection that
+    // unregistered the job itself drops out (the client library unmaps as
+    // it unregisters); the others' processes, alive when the job is freed,
+    // stay charged for it until they exit (LingerMappersLocked).
+    struct Mapper {
+      UniqueFd pidfd;
+      pid_t pid = 0;
+      uint64_t bytes = 0;
+    };
+    std::map<const void*, Mapper> mappers;
   };
   std::map<std::pair<uid_t, std::string>, std::shared_ptr<Job>> jobs;  // guarded by mu
   // Jobs marked freed whose engine job is not yet unregistered (guarded by
@@ -605,10 +677,55 @@ struct Daemon::Impl {
     ::syscall(SYS_futex, base + kCollectiveFutexOffset, FUTEX_WAKE, INT32_MAX, nullptr, nullptr, 0);
   }
 
+  // Unregisters a job nobody holds from the engine and uncharges its uid.
+  // Charges the uid of each live process that still maps the freed job's
+  // regions for them, until it exits (ReapLingering): an evicted job, or a
+  // parked one freed after its client went, was uncharged while its memory
+  // lived on in the client's mapping.
+  void LingerMappersLocked(Job& job) {
+    Lingering l;
+    l.uid = job.uid;
+    l.engine_job = job.engine_job;
+    for (auto& [conn, m] : job.mappers) {
+      if (!m.pidfd.valid() || stopping.load() || Exited(m.pidfd)) continue;
+      l.bytes = std::max(l.bytes, m.bytes);  // the same regions, whichever rank
+      l.mappers.emplace(conn, std::pair(std::move(m.pidfd), m.pid));
+    }
+    job.mappers.clear();
+    if (l.mappers.empty() || l.bytes == 0) return;
+    Usage& u = usage[job.uid];
+    u.dram_bytes += l.bytes;
+    u.lingering_bytes += l.bytes;
+    ++u.lingering_jobs;  // each holds a pidfd per process: counted as a job
+    engine->HoldDram(l.bytes);
+    lingering.push_back(std::move(l));
+  }
+
+  // Under mu: a live process maps the job's regions (it lingers once freed).
+  bool MappedByLiveProcessLocked(const Job& job) const {
+    return std::any_of(job.mappers.begin(), job.mappers.end(), [](const auto& m) {
+      return m.second.pidfd.valid() && !Exited(m.second.pidfd);
+    });
+  }
+
+  // A connection unregistered a job freed under it (evicted): the client
+  // library unmaps the regions as it unregisters, so the charge ends with
+  // the last of the job's mappers.
+  void ForgetMappingLocked(const void* conn, int engine_job) {
+    std::erase_if(lingering, [&](Lingering& l) {
+      if (l.connection || l.engine_job != engine_job || l.mappers.erase(conn) == 0 ||
+          !l.mappers.empty()) {
+        return false;
+      }
+      UnchargeLocked(l);
+      return true;
+    });
+  }
+
   // Under mu, in the same hold that found nobody holds `job`: takes it out
-  // of the jobs (no attach can find it any more) and uncharges its uid:
-  // its regions' pages go with it, whoever still maps them
-  // (DramPool::DestroyRegion). False if it was freed already.
+  // of the jobs (no attach can find it any more) and uncharges its uid,
+  // which stays charged for the regions live processes still map
+  // (LingerMappersLocked). False if it was freed already.
   bool MarkFreedLocked(Job& job) {
     if (job.freed) return false;
     job.freed = true;
@@ -621,6 +738,7 @@ struct Daemon::Impl {
     job.collective_bytes = 0;
     u.nvme_bytes -= job.nvme_bytes;
     u.spec_bytes -= job.spec_bytes;
+    LingerMappersLocked(job);
     return true;
   }
   // Then, with no lock held: the engine lets the job go.
@@ -870,7 +988,11 @@ class Daemon::Impl::Connection {
         prefix_(ScopedPrefix(peer.uid)),
         refusal_(std::move(refusal)),
         admin_(admin),
-        reserve_(reserve) {}
+        reserve_(reserve) {
+    if (!refusal_.ok()) return;  // nothing to watch: it only says why and goes
+    Result<UniqueFd> pidfd = sock_.PeerPidfd();
+    if (pidfd.ok()) pidfd_ = *std::move(pidfd);
+  }
 
   void Run() {
     Loop();
@@ -1288,8 +1410,9 @@ class Daemon::Impl::Connection {
     for (const auto& [uid, quota] : d_.custom_quotas) uids.insert(uid);
     for (uid_t uid : uids) {
       if (static_cast<int64_t>(uid) <= q.after) continue;
-      // A uid's entry is 53 bytes: a page of them fits in a datagram.
-      constexpr size_t kPage = (p::kMaxMessageBytes - 1024) / 53;
+      // A uid's entry is at most 65 bytes and 4 a lingering pid: a page of
+      // them fits in a datagram.
+      constexpr size_t kPage = (p::kMaxMessageBytes - 1024) / (65 + 4 * kMaxLingeringPids);
       if (list.quotas.size() >= kPage) {
         list.more = true;
         break;
@@ -1642,12 +1765,24 @@ class Daemon::Impl::Connection {
             "' refused: this ztierd is draining (an operator ran ztierctl drain; running jobs go "
             "on; new ones are refused until ztierctl drain --off: try again then)"));
       }
-      const int jobs = d_.usage[peer_.uid].jobs - (parked ? 1 : 0);
+      // A freed job whose regions live processes still map holds its
+      // memory and a pidfd of each of them: one process that registered,
+      // left and registered again (a grace period set) filled ztierd's fd
+      // table. Such jobs count as the uid's jobs, and so does a parked one
+      // taken over while its processes live (it lingers once freed).
+      const Impl::Usage& u = d_.usage[peer_.uid];
+      const int jobs = u.jobs - (parked ? 1 : 0);
       const int quota = d_.QuotaForLocked(peer_.uid).max_jobs;
-      if (jobs >= quota) {
+      if (jobs + u.lingering_jobs >= quota) {
         return Status::ResourceExhausted(
-            StrCat("uid ", peer_.uid, " has ", jobs, " jobs, the quota (max_jobs_per_uid) is ",
-                   quota, "; job '", name, "' refused", d_.ParkedNoteLocked(peer_.uid)));
+            StrCat("uid ", peer_.uid, " has ", jobs, " jobs",
+                   u.lingering_jobs == 0
+                       ? std::string()
+                       : StrCat(" and ", u.lingering_jobs,
+                                " freed ones (evicted, or left by their connections) whose memory "
+                                "processes that live on still map (ztierctl quota get names them)"),
+                   ", the quota (max_jobs_per_uid) is ", quota, "; job '", name, "' refused",
+                   d_.ParkedNoteLocked(peer_.uid)));
       }
       return Status::Ok();
     };
@@ -1660,7 +1795,7 @@ class Daemon::Impl::Connection {
       ZT_RETURN_IF_ERROR(WaitForNameLocked(lock, name));
       auto it = d_.jobs.find({peer_.uid, name});
       const bool has_parked = it != d_.jobs.end() && it->second->holders.empty();
-      ZT_RETURN_IF_ERROR(refused(has_parked));
+      ZT_RETURN_IF_ERROR(refused(has_parked && !d_.MappedByLiveProcessLocked(*it->second)));
       if (has_parked) {
         parked = it->second;
         d_.MarkFreedLocked(*parked);
@@ -1680,6 +1815,10 @@ class Daemon::Impl::Connection {
       return Status::ResourceExhausted(
           StrCat("job '", name, "' needs ", need, " bytes of pinned DRAM; uid ", peer_.uid,
                  " holds ", u.dram_bytes, " of its quota of ", quota, " (max_dram_bytes_per_uid)",
+                 u.lingering_bytes == 0
+                     ? std::string()
+                     : StrCat(", ", u.lingering_bytes,
+                              " of them freed jobs' memory that processes that live on still map"),
                  d_.ParkedNoteLocked(peer_.uid)));
     };
     // The quota is checked, and the job's need held in the uid's use, before
@@ -2067,8 +2206,16 @@ class Daemon::Impl::Connection {
     ZT_ASSIGN_OR_RETURN(p::JobRef r, p::DecodeJobRef(req.payload));
     ZT_ASSIGN_OR_RETURN(JobEntry j, FindJob(r.job));
     ZT_ASSIGN_OR_RETURN(std::vector<SharedBuffer> regions, d_.engine->SharedRegions(j.engine_job));
-    // (A process that keeps them past the job holds none of its memory:
-    // the pages go with the job, DramPool::DestroyRegion.)
+    // What a process that left the job without unregistering it stays
+    // charged for while it lives (a stopped client): every region's bytes.
+    // The job's pages are punched as it goes (DramPool::DestroyRegion), but
+    // a page a client pinned stays allocated, in ztierd's memory cgroup,
+    // until it unpins: the CUDA runner pins both regions (cudaHostRegister),
+    // and a process may pin them itself (io_uring buffers, vmsplice). The
+    // read-only regions alone were charged: a pinned grad inbox was in no
+    // quota and not in the budget.
+    uint64_t region_bytes = 0;
+    for (const SharedBuffer& b : regions) region_bytes += b.region_bytes;
     if (regions.empty() || regions.size() > p::kMaxFdsPerMessage) {
       return Status::Internal(StrCat("job '", j.name, "' has ", regions.size(), " regions"));
     }
@@ -2081,12 +2228,20 @@ class Daemon::Impl::Connection {
           p::RegionInfo{.region = b.region, .bytes = b.region_bytes, .access = b.access});
     }
     {
-      // Not for a job freed meanwhile (an evict between FindJob and here).
+      // Recorded as the fds go out, unless the job was freed meanwhile (an
+      // evict between FindJob and here): its charge was settled without
+      // this mapping, so none is handed out.
       std::lock_guard<std::mutex> lock(d_.mu);
       if (j.job->freed) {
         return Status::Aborted(StrCat("job '", j.name, "' was freed",
                                       j.job->evicted.load() ? ": " + j.job->evicted_why : ""));
       }
+      Impl::Job::Mapper& m = j.job->mappers[this];
+      if (!m.pidfd.valid() && pidfd_.valid()) {
+        m.pidfd = UniqueFd(::fcntl(pidfd_.get(), F_DUPFD_CLOEXEC, 0));
+      }
+      m.pid = peer_.pid;
+      m.bytes = region_bytes;
     }
     req.reply_fds = std::move(fds);
     return p::Encode(list);
@@ -2173,6 +2328,13 @@ class Daemon::Impl::Connection {
       if (!job.holders.empty() || (closing && grace.count() > 0)) {
         Impl::AbortCollectivesLocked(job, d_.stopping.load() ? -1 : std::max(j.rank, 0));
       }
+      // Who unregistered the job itself unmaps it (the client library
+      // does, as it unregisters); a connection that closes keeps its place
+      // among the mappers, charged when the job goes if its process lives.
+      if (!closing && !other_handle) {
+        job.mappers.erase(this);
+        if (job.freed) d_.ForgetMappingLocked(this, j.engine_job);
+      }
       if (job.holders.empty() && !job.freed) {  // (an evicted job is freed already)
         if (closing && grace.count() > 0 && !d_.stopping.load()) {
           job.parked = true;
@@ -2190,6 +2352,9 @@ class Daemon::Impl::Connection {
                                     << grace.count() << " ms (its last client left)" << more;
           }
         } else {
+          // A closing connection that maps the job stays counted too while
+          // its process lives (the job's bytes go with the job's mappers).
+          linger_connection_ = linger_connection_ || (closing && job.mappers.count(this) != 0);
           free = d_.MarkFreedLocked(job);
         }
       }
@@ -2256,11 +2421,23 @@ class Daemon::Impl::Connection {
     for (const auto& [key, n] : leases) {
       for (int k = 0; k < n; ++k) (void)d_.engine->ReleaseParams(key.first, key.second);
     }
+    // A process that outlives its connection while it may still map jobs
+    // freed as it closed stays charged for the connection (Lingering; the
+    // jobs' bytes are charged with the jobs); one that unregistered its
+    // jobs first (a session closed normally) does not.
     {
       std::lock_guard<std::mutex> lock(d_.mu);
+      const bool lives =
+          linger_connection_ && pidfd_.valid() && !Impl::Exited(pidfd_) && !d_.stopping.load();
       Impl::Usage& u = d_.usage[peer_.uid];
       if (reserve_) {
         --u.reserve;
+      } else if (lives) {
+        Impl::Lingering l;
+        l.uid = peer_.uid;
+        l.connection = true;
+        l.pidfd = std::move(pidfd_);
+        d_.lingering.push_back(std::move(l));
       } else {
         --u.connections;
       }
@@ -2304,6 +2481,9 @@ class Daemon::Impl::Connection {
   std::map<int32_t, JobEntry> jobs_;
   int32_t next_handle_ = 1;
   std::map<std::pair<int, int>, int> leases_;  // (engine job, unit) -> acquires held
+  // It closed while its process mapped a job freed then (Impl::Lingering).
+  bool linger_connection_ = false;  // guarded by Impl::mu
+  UniqueFd pidfd_;                  // the client process (SO_PEERPIDFD), when the kernel has it
   // The pool (see Queue).
   std::deque<Request> queue_;
   std::list<std::thread> pool_, ended_;  // running or waiting; ended idle, to join
@@ -2383,6 +2563,7 @@ Status Daemon::Serve(SeqPacketListener& listener) {
   Clock::time_point next_accept_warning{};
   while (!d.stopping.load()) {
     d.ReapParked(/*all=*/false);
+    d.ReapLingering(/*all=*/false);
     d.ReleaseIdleDram();
     d.SampleTotals();
     // Join connections that ended.
@@ -2441,7 +2622,11 @@ Status Daemon::Serve(SeqPacketListener& listener) {
             StrCat("uid ", peer->uid, " has ", u.connections, " connections",
                    u.reserve > 0 ? StrCat(" (and ", u.reserve, " on the operators' reserve)") : "",
                    ", the quota (max_connections_per_uid) is ",
-                   d.QuotaForLocked(peer->uid).max_connections));
+                   d.QuotaForLocked(peer->uid).max_connections,
+                   u.lingering_bytes == 0
+                       ? std::string()
+                       : " (closed connections of processes that live on and may still map "
+                         "freed jobs' memory count until those processes exit)"));
       } else {
         ++u.connections;
         ++d.connections;
@@ -2491,6 +2676,7 @@ Status Daemon::Serve(SeqPacketListener& listener) {
   d.live.clear();
   lock.unlock();
   d.ReapParked(/*all=*/true);
+  d.ReapLingering(/*all=*/true);
   return result;
 }
 

@@ -245,19 +245,27 @@ struct DramPool::Impl {
   uint32_t next_region = 0;
   uint64_t reserved = 0;
   uint64_t used = 0;
+  uint64_t outside = 0;  // HoldOutside: in use, in no region of this pool
 
-  // What the budget has left to reserve.
-  uint64_t Left() const { return options.budget_bytes - std::min(options.budget_bytes, reserved); }
+  // What the budget has left to reserve (0 when outside holds pass it).
+  uint64_t Left() const {
+    return options.budget_bytes - std::min(options.budget_bytes, reserved + outside);
+  }
 
   bool live(uint32_t r) const { return slots.count(r) != 0; }
 
   // ResourceExhausted, naming the figures, when `size` more bytes would pass
   // the budget.
   Status CheckBudget(uint64_t size, std::string_view owner) const {
-    if (used + size <= options.budget_bytes) return Status::Ok();
+    if (used + outside + size <= options.budget_bytes) return Status::Ok();
     return Status::ResourceExhausted(StrCat(owner, ": DRAM pool budget of ", options.budget_bytes,
-                                            " bytes exceeded (", used, " in use, ", size,
-                                            " more requested)"));
+                                            " bytes exceeded (", used + outside, " in use",
+                                            outside == 0
+                                                ? ""
+                                                : StrCat(", ", outside,
+                                                         " of them freed jobs' memory that "
+                                                         "live clients still map"),
+                                            ", ", size, " more requested)"));
   }
 
   // Makes a region of `bytes`, binds it to the NUMA node and records it
@@ -603,10 +611,22 @@ DramPoolStats DramPool::stats() const {
   std::lock_guard<std::mutex> lock(p.mu);
   DramPoolStats s = p.tally;
   s.budget_bytes = p.options.budget_bytes;
-  s.reserved_bytes = p.reserved;
-  s.used_bytes = p.used;
+  s.reserved_bytes = p.reserved + p.outside;
+  s.used_bytes = p.used + p.outside;
   if (p.reserved > 0) s.page_bytes = 2 * s.huge_page_bytes >= p.reserved ? kHugePage : kPage;
   return s;
+}
+
+void DramPool::HoldOutside(uint64_t bytes) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  impl_->outside += bytes;
+}
+
+void DramPool::ReleaseOutside(uint64_t bytes) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  ZT_CHECK_MSG(bytes <= impl_->outside, "ReleaseOutside of ", bytes, " B, more than held (",
+               impl_->outside, ")");
+  impl_->outside -= bytes;
 }
 
 std::string ShmemHugePagePolicy() {

@@ -114,6 +114,13 @@ class DramPool {
   // Frees a dedicated region's pages (whoever else holds its memfd), unmaps
   // it and returns its bytes to the budget.
   void DestroyRegion(uint32_t region);
+  // Memory in use that is in no live region: a destroyed region that a
+  // live client still maps (its pages stay allocated). Counted against the
+  // budget, as reserved and used, until released; may take the pool past
+  // its budget (it is in use already), which then refuses new blocks.
+  // Releasing more than is held is a programmer error.
+  void HoldOutside(uint64_t bytes);
+  void ReleaseOutside(uint64_t bytes);
   // Unmaps every shared region that holds no block, giving its pinned
   // memory back to the system; returns the bytes released.
   uint64_t ReleaseEmpty();

@@ -2094,6 +2094,8 @@ Status Engine::RoundTripStates(int job) {
 
 DramPoolStats Engine::pool_stats() const { return impl_->pool->stats(); }
 uint64_t Engine::ReleaseIdleDram() { return impl_->pool->ReleaseEmpty(); }
+void Engine::HoldDram(uint64_t bytes) { impl_->pool->HoldOutside(bytes); }
+void Engine::ReleaseDram(uint64_t bytes) { impl_->pool->ReleaseOutside(bytes); }
 
 std::vector<std::pair<void*, uint64_t>> Engine::PinnedRegions(int job) const {
   std::vector<std::pair<void*, uint64_t>> out;

@@ -356,6 +356,10 @@ class Engine {
   // for the next job otherwise): for a daemon that has no jobs. Returns the
   // bytes released.
   uint64_t ReleaseIdleDram();
+  // DramPool::HoldOutside / ReleaseOutside: pinned memory of freed jobs that
+  // live clients still map (ztierd's lingering connections).
+  void HoldDram(uint64_t bytes);
+  void ReleaseDram(uint64_t bytes);
 
   // The job's own pinned regions, {base, bytes}: every pointer the engine
   // hands its clients (grad inboxes, publish buffers, the param cache) lies

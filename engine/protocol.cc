@@ -1092,6 +1092,9 @@ std::string Encode(const QuotaList& v) {
     w.Put(q.connections);
     w.Put(q.dram_bytes);
     w.Put(q.nvme_bytes);
+    w.Put(q.lingering_bytes);
+    w.Put(static_cast<uint32_t>(q.lingering_pids.size()));
+    for (int32_t pid : q.lingering_pids) w.Put(pid);
   }
   w.Put(static_cast<uint8_t>(v.more));
   return w.Take();
@@ -1102,7 +1105,7 @@ Result<QuotaList> DecodeQuotaList(std::string_view bytes) {
   QuotaList v;
   GetQuota(r, &v.defaults);
   uint32_t n = 0;
-  if (r.Count(&n, "quotas", kMaxListed, 4 + 24 + 1 + 8 + 16)) {
+  if (r.Count(&n, "quotas", kMaxListed, 4 + 24 + 1 + 8 + 16 + 12)) {
     v.quotas.resize(n);
     for (QuotaInfo& q : v.quotas) {
       uint8_t custom = 0;
@@ -1113,7 +1116,13 @@ Result<QuotaList> DecodeQuotaList(std::string_view bytes) {
       r.Get(&q.connections, "connections");
       r.Get(&q.dram_bytes, "dram_bytes");
       r.Get(&q.nvme_bytes, "nvme_bytes");
-      if (custom > 1 || q.jobs < 0 || q.connections < 0) {
+      r.Get(&q.lingering_bytes, "lingering_bytes");
+      uint32_t pids = 0;
+      if (r.Count(&pids, "lingering_pids", kMaxLingeringPids, 4)) {
+        q.lingering_pids.resize(pids);
+        for (int32_t& pid : q.lingering_pids) r.Get(&pid, "lingering pid");
+      }
+      if (custom > 1 || q.jobs < 0 || q.connections < 0 || q.lingering_bytes > q.dram_bytes) {
         r.Fail(StrCat("uid ", q.uid, ": usage"));
       }
       q.custom = custom == 1;

@@ -47,9 +47,8 @@ inline constexpr uint32_t kMagic = 0x5057545A;  // "ZTWP"
 // the step page; 11: write_state and commit_state name the generation
 // they expect (StagedData, StateCommit), and commit_state may keep the
 // job's steps; 12: a swap path's waiting operations, quiet time and
-// problem in the daemon status; 13: a quota without lingering bytes or
-// processes.
-inline constexpr uint16_t kVersion = 13;
+// problem in the daemon status.
+inline constexpr uint16_t kVersion = 12;
 static_assert(kVersion == kWireVersion, "a change of the wire types is a change of the protocol");
 inline constexpr size_t kHeaderBytes = 32;
 inline constexpr size_t kMaxMessageBytes = size_t{64} << 10;

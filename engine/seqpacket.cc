@@ -320,6 +320,19 @@ Result<std::vector<gid_t>> SeqPacketSocket::PeerGroups() const {
   }
 }
 
+Result<UniqueFd> SeqPacketSocket::PeerPidfd() const {
+  constexpr int kSoPeerPidfd = 77;  // SO_PEERPIDFD, Linux 6.5; older headers lack it
+  int pidfd = -1;
+  socklen_t len = sizeof(pidfd);
+  if (::getsockopt(fd_.get(), SOL_SOCKET, kSoPeerPidfd, &pidfd, &len) != 0) {
+    if (errno == ENOPROTOOPT) {
+      return Status::Unimplemented("SO_PEERPIDFD: this kernel has no peer pidfds (before 6.5)");
+    }
+    return PosixError("getsockopt(SO_PEERPIDFD)", errno);
+  }
+  return UniqueFd(pidfd);
+}
+
 void SeqPacketSocket::Shutdown() {
   if (fd_.valid()) ::shutdown(fd_.get(), SHUT_RDWR);
 }

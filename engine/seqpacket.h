@@ -79,6 +79,9 @@ class SeqPacketSocket {
 
   // The peer's pid, uid and gid as the kernel saw them at connect time.
   Result<PeerCredentials> Peer() const;
+  // A pidfd of the peer process (SO_PEERPIDFD): readable once it exits.
+  // Errors: Unimplemented (a kernel older than 6.5), PosixError.
+  Result<UniqueFd> PeerPidfd() const;
   // The peer's supplementary groups when it connected (SO_PEERGROUPS).
   // Errors: PosixError.
   Result<std::vector<gid_t>> PeerGroups() const;

@@ -37,9 +37,7 @@ namespace ztier::engine {
 // weights generation they expect, and an import's commit keeps the job's
 // steps (protocol.h).
 // 12: a SwapPathUsage's waiting operations, quiet time and problem.
-// 13: a QuotaInfo has no lingering bytes or processes (a freed job's pages
-// go with it, whoever maps them).
-inline constexpr uint16_t kWireVersion = 13;
+inline constexpr uint16_t kWireVersion = 12;
 
 // The steps of a state committed unit by unit (Engine::CommitState) that
 // are the job's own as it commits (an import's).
@@ -263,7 +261,13 @@ struct QuotaInfo {
   int32_t connections = 0;
   uint64_t dram_bytes = 0;
   uint64_t nvme_bytes = 0;
+  // Of dram_bytes: freed jobs' memory (an evicted job's) that live
+  // processes still map (a stopped client), charged until they exit; the
+  // first kMaxLingeringPids of those processes.
+  uint64_t lingering_bytes = 0;
+  std::vector<int32_t> lingering_pids = {};
 };
+inline constexpr size_t kMaxLingeringPids = 16;
 
 // A change of one uid's quota: the fields whose bit is set in `set`
 // (kQuota* below), or `reset` to the daemon's defaults.

@@ -396,14 +396,21 @@ TEST(ProtocolTest, OperatorMessagesRoundTripAndRefuseEveryPrefix) {
                   .quota = {.max_jobs = 2, .max_connections = 8, .max_dram_bytes = 1 << 30},
                   .custom = true,
                   .jobs = 1,
-                  .dram_bytes = 4096}},
+                  .dram_bytes = 4096,
+                  .lingering_bytes = 1024,
+                  .lingering_pids = {1234, 5678}}},
       .more = false};
   Result<QuotaList> qb = DecodeQuotaList(Encode(quotas));
   ASSERT_TRUE(qb.ok()) << qb.status();
   EXPECT_EQ(Encode(*qb), Encode(quotas));
+  EXPECT_EQ(qb->quotas[0].lingering_pids, (std::vector<int32_t>{1234, 5678}));
   EveryPrefixIsRefused(Encode(quotas), DecodeQuotaList);
   QuotaList bad_quotas = quotas;
-  bad_quotas.quotas[0].jobs = -1;
+  bad_quotas.quotas[0].lingering_bytes =
+      bad_quotas.quotas[0].dram_bytes + 1;  // more than the uid holds
+  EXPECT_FALSE(DecodeQuotaList(Encode(bad_quotas)).ok());
+  bad_quotas = quotas;
+  bad_quotas.quotas[0].lingering_pids.assign(kMaxLingeringPids + 1, 1);
   EXPECT_FALSE(DecodeQuotaList(Encode(bad_quotas)).ok());
 
   const QuotaUpdate up{.uid = 1000,

@@ -122,6 +122,20 @@ inline Result<std::unique_ptr<client::Session>> OpenTestSession(
     if (::ztier::testing::DaemonUnderTest()) GTEST_SKIP() << "ztierd: " << why; \
   } while (0)
 
+// Whether this kernel gives a socket's peer as a pidfd (SO_PEERPIDFD, Linux
+// 6.5), which ztierd needs to keep a process charged while it lives.
+inline bool HavePeerPidfd() {
+  int pair[2];
+  if (::socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, pair) != 0) return false;
+  int pidfd = -1;
+  socklen_t len = sizeof(pidfd);
+  const int rc = ::getsockopt(pair[0], SOL_SOCKET, 77 /* SO_PEERPIDFD */, &pidfd, &len);
+  ::close(pair[0]);
+  ::close(pair[1]);
+  if (rc == 0) ::close(pidfd);
+  return rc == 0;
+}
+
 }  // namespace ztier::testing
 
 #endif  // ZTIER_TESTS_TESTING_TEST_DAEMON_H_
