@@ -164,8 +164,9 @@ Result<SeqPacketSocket> SeqPacketSocket::Connect(const std::string& path) {
         return Status(StatusCode::kFailedPrecondition,
                       StrCat(denied, "the socket admits ", group,
                              " (root's) only: ask the admin to give it a group for the users "
-                             "of ztier (chgrp ztier ",
-                             path, ", or SocketGroup= in ztierd.socket, as installed)"),
+                             "of ztier (ztierd.socket's SocketGroup=, as installed; a ztierd "
+                             "started by hand makes it with its own group: sg ztier, or chgrp ",
+                             path, " after each start)"),
                       err);
       }
       return Status(StatusCode::kFailedPrecondition,

@@ -5,7 +5,6 @@
 
 #include <fcntl.h>
 #include <grp.h>
-#include <grp.h>
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/mman.h>
@@ -233,7 +232,7 @@ TEST(SeqPacketTest, APermissionRefusalSaysWhomTheSocketAdmits) {
   // to join group root).
   said = told(0660, 0755);
   EXPECT_NE(said.find("the socket admits group root (root's) only: ask the admin to give it a "
-                      "group for the users of ztier (chgrp ztier "),
+                      "group for the users of ztier (ztierd.socket's SocketGroup="),
             std::string::npos)
       << said;
   gid_t unnamed = 40000;  // a gid no group names here
