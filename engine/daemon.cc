@@ -2045,6 +2045,9 @@ class Daemon::Impl::Connection {
                                               " bytes; a rank asked for ", c.bytes));
       }
       if (job.freed) return Status::Aborted(StrCat("job '", j.name, "' was freed"));
+      // (A request that ran on as its connection closed and parked the job:
+      // the ranks that attach again meet in a fresh region.)
+      if (job.parked) return Status::Aborted(StrCat("job '", j.name, "' is parked"));
       if (!job.collective_fd.valid()) {
         // Charged to the uid's DRAM quota while it exists.
         Impl::Usage& u = d_.usage[job.uid];
