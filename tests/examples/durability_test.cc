@@ -193,15 +193,23 @@ std::string CheckAtomicWrites(const std::vector<std::string>& ev, const std::str
   return problems;
 }
 
+// Whether strace can trace a program here.
+bool StraceCanTrace() {
+  return std::system("timeout -k 5 30 strace -f -qq -o /dev/null true >/dev/null 2>&1") == 0;
+}
+
+// The text the runs train on, as dir/text.txt.
+void WriteText(const ScratchDir& dir) {
+  std::ofstream text(dir / "text.txt");
+  for (int i = 0; i < 200; ++i) text << "How vexingly quick daft zebras jump, " << i << ". ";
+}
+
 TEST(DurabilityTest, CheckpointAndExportReachTheDiskInOrder) {
-  if (std::system("timeout -k 5 30 strace -f -qq -o /dev/null true >/dev/null 2>&1") != 0) {
+  if (!StraceCanTrace()) {
     GTEST_SKIP() << "strace cannot trace here (not installed, or ptrace is refused)";
   }
   ScratchDir dir("durability");
-  {
-    std::ofstream text(dir / "text.txt");
-    for (int i = 0; i < 200; ++i) text << "How vexingly quick daft zebras jump, " << i << ". ";
-  }
+  WriteText(dir);
   const std::string out = dir / "run";
   const std::string trace = dir / "strace.txt";
   // LeakSanitizer cannot run under ptrace (a sanitizer build): leaks are
@@ -245,14 +253,11 @@ TEST(DurabilityTest, CheckpointAndExportReachTheDiskInOrder) {
 // committed one, warned that its note was of the step before. The failure
 // says the step on disk, which has its note.
 TEST(DurabilityTest, ASaveThatFailsAfterItCommittedSaysTheStepItCommitted) {
-  if (std::system("timeout -k 5 30 strace -f -qq -o /dev/null true >/dev/null 2>&1") != 0) {
+  if (!StraceCanTrace()) {
     GTEST_SKIP() << "strace cannot trace here (not installed, or ptrace is refused)";
   }
   ScratchDir dir("durability-late");
-  {
-    std::ofstream text(dir / "text.txt");
-    for (int i = 0; i < 200; ++i) text << "How vexingly quick daft zebras jump, " << i << ". ";
-  }
+  WriteText(dir);
   const std::string out = dir / "run";
   const std::string args =
       " --no-progress --layers 2 --channels 32 --heads 2 --context 16 "
