@@ -720,8 +720,16 @@ TEST_F(TrainHardeningTest, AFailingRunRemovesNoSwapFileOfAnotherRun) {
   const std::string args = Common() + " --optimizer nvme --steps 100000 --checkpoint-every 1";
   Process first(args + " --out " + out, dir_ / "first.txt");
   WaitForRows(out + "/train_log.tsv", 2, first.pid());
-  ::kill(first.pid(), SIGSTOP);  // no save between the removal and the second run's locks
-  fs::remove_all(out);
+  // No save between the removal and the second run's locks: stopped (and
+  // seen stopped: the signal lands a moment after kill returns, and a run
+  // still writing there made remove_all fail).
+  ::kill(first.pid(), SIGSTOP);
+  int st = 0;
+  ASSERT_EQ(::waitpid(first.pid(), &st, WUNTRACED), first.pid());
+  ASSERT_TRUE(WIFSTOPPED(st));
+  std::error_code ec;
+  fs::remove_all(out, ec);
+  ASSERT_FALSE(ec) << ec.message();
   Process second(args + " --seed 7 --out " + out, dir_ / "second.txt");
   WaitForRows(out + "/train_log.tsv", 2, second.pid());
   struct stat before {};
