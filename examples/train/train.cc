@@ -208,9 +208,10 @@ void Usage(std::ostream& os) {
 
 // The paths of one run in its --out directory.
 struct OutPaths {
-  std::string checkpoint, log, exported;
+  std::string checkpoint, manifest, log, exported;
   explicit OutPaths(const std::string& out)
       : checkpoint((fs::path(out) / "checkpoint").string()),
+        manifest((fs::path(checkpoint) / engine::kCheckpointManifestName).string()),
         log((fs::path(out) / "train_log.tsv").string()),
         exported((fs::path(out) / "model.safetensors").string()) {}
 };
@@ -1079,19 +1080,18 @@ Result<bool> HasCheckpoint(const OutPaths& paths) {
   // (A dangling link read as no checkpoint: the run trained, then its
   // first save was refused.)
   ZT_RETURN_IF_ERROR(engine::CheckManifestIsNoLink(paths.checkpoint));
-  const std::string manifest = (fs::path(paths.checkpoint) / "manifest.json").string();
   std::error_code ec;
-  const bool exists = fs::exists(manifest, ec);
-  if (ec) return PosixError(StrCat("cannot look for ", manifest), ec.value());
+  const bool exists = fs::exists(paths.manifest, ec);
+  if (ec) return PosixError(StrCat("cannot look for ", paths.manifest), ec.value());
   return exists;
 }
 // The step of the checkpoint --out holds (its manifest's), or -1 when
 // there is none or it cannot be read.
 int64_t CommittedStep(const OutPaths& paths) {
-  const std::string manifest = (fs::path(paths.checkpoint) / "manifest.json").string();
-  Result<std::string> text = ReadFileToString(manifest, size_t{64} << 20);
+  Result<std::string> text = ReadFileToString(paths.manifest, size_t{64} << 20);
   if (!text.ok()) return -1;
-  Result<engine::CheckpointManifest> decoded = engine::DecodeCheckpointManifest(*text, manifest);
+  Result<engine::CheckpointManifest> decoded =
+      engine::DecodeCheckpointManifest(*text, paths.manifest);
   return decoded.ok() ? decoded->step : -1;
 }
 
@@ -1383,6 +1383,10 @@ Result<int> TrainSteps(const Flags& f, const Plan& p, const std::string& text, S
                         counters, sig != 0 ? Progress::Line::kAlways : Progress::Line::kIfDue);
         if (checkpoint) {
           progress.Sync();
+          const auto write_note = [&] {
+            return WriteFileAtomically(ModelNotePath(paths),
+                                       RunNoteText(RunNote(f, p, text), done));
+          };
           if (Status s = m.SaveCheckpoint(paths.checkpoint); !s.ok()) {
             // A save can fail once it committed (the directory's fsync
             // after its manifest's rename): the checkpoint there is then
@@ -1390,8 +1394,7 @@ Result<int> TrainSteps(const Flags& f, const Plan& p, const std::string& text, S
             // and the failure says its step.
             if (CommittedStep(paths) == done) {
               saved.store(done);
-              (void)WriteFileAtomically(ModelNotePath(paths),
-                                        RunNoteText(RunNote(f, p, text), done));
+              (void)write_note();
             }
             return s;
           }
@@ -1400,9 +1403,7 @@ Result<int> TrainSteps(const Flags& f, const Plan& p, const std::string& text, S
           // cut short leaves the checkpoint before it, and that one's note.
           // A note that cannot be written ends no run: the checkpoint is
           // committed; a resume then says the note is of another step.
-          if (Status noted =
-                  WriteFileAtomically(ModelNotePath(paths), RunNoteText(RunNote(f, p, text), done));
-              !noted.ok()) {
+          if (Status noted = write_note(); !noted.ok()) {
             std::fprintf(stderr,
                          "ztier-train: warning: the checkpoint of step %lld is saved, its note "
                          "is not: %s\n",
