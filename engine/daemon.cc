@@ -634,7 +634,7 @@ struct Daemon::Impl {
     bool ended_by_daemon = false;  // evicted, or ztierd stopping: its collectives were told
     Mapping collective_region;     // made on the first ask (kCollectiveRegion)
     UniqueFd collective_fd;
-    uint64_t collective_bytes = 0;  // its size: in the uid's DRAM use while it exists
+    uint64_t collective_bytes = 0;  // its size, in the uid's DRAM use (see OnRegister)
     // Set once by an operator's evict (ztierctl evict): every later request
     // on the job gets Aborted with `evicted_why` (written before the flag).
     std::atomic<bool> evicted{false};
@@ -1810,16 +1810,25 @@ class Daemon::Impl::Connection {
     }
     JobSpec scoped = spec;
     scoped.name = prefix_ + name;
+    // The ranks of a job of several meet in its collective region: its bytes
+    // are held in the uid's DRAM use from the registration on (parked too),
+    // so that a job admitted at its quota's edge is not refused at its first
+    // collective. (A one-rank job's is charged if it is ever asked for.)
+    const uint64_t collective = spec.ranks > 1 ? CollectiveRegionBytes(spec.ranks) : 0;
     // Over the uid's DRAM quota (requires d_.mu): the refusal, naming it.
     const auto dram_over = [&](const Impl::Usage& u, uint64_t need, uint64_t quota) {
-      return Status::ResourceExhausted(
-          StrCat("job '", name, "' needs ", need, " bytes of pinned DRAM; uid ", peer_.uid,
-                 " holds ", u.dram_bytes, " of its quota of ", quota, " (max_dram_bytes_per_uid)",
-                 u.lingering_bytes == 0
-                     ? std::string()
-                     : StrCat(", ", u.lingering_bytes,
-                              " of them freed jobs' memory that processes that live on still map"),
-                 d_.ParkedNoteLocked(peer_.uid)));
+      return Status::ResourceExhausted(StrCat(
+          "job '", name, "' needs ", need, " bytes of pinned DRAM",
+          collective == 0 ? std::string()
+                          : StrCat(" (", collective, " of them the collective region of its ",
+                                   spec.ranks, " ranks)"),
+          "; uid ", peer_.uid, " holds ", u.dram_bytes, " of its quota of ", quota,
+          " (max_dram_bytes_per_uid)",
+          u.lingering_bytes == 0
+              ? std::string()
+              : StrCat(", ", u.lingering_bytes,
+                       " of them freed jobs' memory that processes that live on still map"),
+          d_.ParkedNoteLocked(peer_.uid)));
     };
     // The quota is checked, and the job's need held in the uid's use, before
     // the engine allocates any of it: a job over the quota never holds the
@@ -1836,6 +1845,7 @@ class Daemon::Impl::Connection {
       std::lock_guard<std::mutex> lock(d_.mu);
       Impl::Usage& u = d_.usage[peer_.uid];
       const Quota quota = d_.QuotaForLocked(peer_.uid);
+      need += collective;
       if (quota.max_dram_bytes != 0 && u.dram_bytes + need > quota.max_dram_bytes) {
         return dram_over(u, need, quota.max_dram_bytes);
       }
@@ -1894,8 +1904,8 @@ class Daemon::Impl::Connection {
         uint64_t max_dram_bytes_per_uid, max_nvme_bytes_per_uid;
       } o{quota.max_dram_bytes, quota.max_nvme_bytes};
       if (o.max_dram_bytes_per_uid != 0 &&
-          u.dram_bytes + held.dram_bytes > o.max_dram_bytes_per_uid) {
-        over = dram_over(u, held.dram_bytes, o.max_dram_bytes_per_uid);
+          u.dram_bytes + held.dram_bytes + collective > o.max_dram_bytes_per_uid) {
+        over = dram_over(u, held.dram_bytes + collective, o.max_dram_bytes_per_uid);
       } else if (o.max_nvme_bytes_per_uid != 0 &&
                  u.nvme_bytes + held.nvme_bytes > o.max_nvme_bytes_per_uid) {
         over = nvme_over(u, held.nvme_bytes, o.max_nvme_bytes_per_uid);
@@ -1911,7 +1921,8 @@ class Daemon::Impl::Connection {
         over = Status::AlreadyExists(StrCat("job '", name, "' is registered already"));
       }
       if (over.ok()) {
-        u.dram_bytes += held.dram_bytes;
+        u.dram_bytes += held.dram_bytes + collective;
+        job->collective_bytes = collective;
         u.nvme_bytes += held.nvme_bytes;
         u.spec_bytes += job->spec_bytes;
         d_.jobs[{peer_.uid, name}] = job;
@@ -2049,10 +2060,12 @@ class Daemon::Impl::Connection {
       // the ranks that attach again meet in a fresh region.)
       if (job.parked) return Status::Aborted(StrCat("job '", j.name, "' is parked"));
       if (!job.collective_fd.valid()) {
-        // Charged to the uid's DRAM quota while it exists.
+        // In the uid's DRAM use: a job of several ranks since it was
+        // registered, a one-rank job's from now on.
         Impl::Usage& u = d_.usage[job.uid];
         const uint64_t quota = d_.QuotaForLocked(job.uid).max_dram_bytes;
-        if (quota != 0 && u.dram_bytes + bytes > quota) {
+        const bool charged = job.collective_bytes == bytes;
+        if (!charged && quota != 0 && u.dram_bytes + bytes > quota) {
           return Status::ResourceExhausted(StrCat(
               "job '", j.name, "': its collective region (", bytes, " bytes for ", job.spec.ranks,
               " ranks) would take uid ", job.uid, " past its DRAM quota: it holds ", u.dram_bytes,
@@ -2063,8 +2076,10 @@ class Daemon::Impl::Connection {
                             Mapping::Map(fd.get(), kCollectiveHeaderBytes, /*writable=*/true,
                                          "the collective region"));
         job.collective_fd = std::move(fd);
-        job.collective_bytes = c.bytes;
-        u.dram_bytes += c.bytes;
+        if (!charged) {
+          job.collective_bytes = bytes;
+          u.dram_bytes += bytes;
+        }
         // A rank that left before the region was made: its peers must not
         // wait for it there.
         if (job.ended_by_daemon) {
@@ -2346,8 +2361,10 @@ class Daemon::Impl::Connection {
           // says a rank left, to whoever still maps it).
           job.collective_region.Reset();
           job.collective_fd = UniqueFd();
-          d_.usage[job.uid].dram_bytes -= job.collective_bytes;
-          job.collective_bytes = 0;
+          if (job.spec.ranks == 1) {  // (a job of several keeps its region's place)
+            d_.usage[job.uid].dram_bytes -= job.collective_bytes;
+            job.collective_bytes = 0;
+          }
           job.left_rank = -1;
           job.ended_by_daemon = false;
           if (std::string more; d_.job_log.Allow(&more)) {

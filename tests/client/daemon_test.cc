@@ -964,6 +964,80 @@ TEST_F(DaemonTest, ACollectiveRegionIsTheJobsRanksSizeAndInItsUidsQuota) {
   EXPECT_EQ((*control)->GetQuota(::geteuid())->dram_bytes, 0u);
 }
 
+// A job of several ranks was charged for its collective region only when
+// its first rank asked for it: admitted at its uid's quota edge, it was
+// refused at its first collective. The region's place is held from the
+// registration on (parked too), and a registration with no room for it is
+// refused, naming it.
+TEST_F(DaemonTest, AJobOfSeveralRanksHoldsItsCollectiveRegionsPlaceFromItsRegistration) {
+  engine::DaemonOptions options;
+  options.job_grace_period = 60s;
+  Start(options);
+  Result<std::unique_ptr<DaemonControl>> control = DaemonControl::Connect(socket(), 10s);
+  ASSERT_TRUE(control.ok()) << control.status();
+  engine::JobSpec spec = TwoUnits("pair");
+  spec.ranks = 2;
+  const uint64_t region = engine::CollectiveRegionBytes(2);
+  const auto register_pair = [&](RawClient& c) -> Result<int32_t> {
+    Result<RawClient::Reply> r = c.Call(p::MessageType::kRegisterJob, p::Encode(spec));
+    if (!r.ok()) return r.status();
+    if (!r->status.ok()) return r->status;
+    ZT_ASSIGN_OR_RETURN(p::JobHandle h, p::DecodeJobHandle(r->payload));
+    return h.job;
+  };
+  uint64_t states = 0;
+  {
+    std::optional<RawClient> c(RawClient::Connect(socket()));
+    Result<int32_t> job = register_pair(*c);
+    ASSERT_TRUE(job.ok()) << job.status();
+    Result<std::vector<engine::JobInfo>> jobs = (*control)->Jobs();
+    ASSERT_TRUE(jobs.ok() && jobs->size() == 1);
+    states = (*jobs)[0].counters.dram_bytes;
+    ASSERT_GT(states, 0u);
+    EXPECT_EQ((*control)->GetQuota(::geteuid())->dram_bytes, states + region);
+    // Made, it is charged once; parked, its place stays.
+    Result<RawClient::Reply> r =
+        c->Call(p::MessageType::kCollectiveRegion,
+                p::Encode(p::CollectiveRegionRequest{.job = *job, .bytes = region}));
+    ASSERT_TRUE(r.ok() && r->status.ok()) << (r.ok() ? r->status : r.status());
+    EXPECT_EQ((*control)->GetQuota(::geteuid())->dram_bytes, states + region);
+    c.reset();
+    WaitForStats(1, 1);
+    EXPECT_EQ((*control)->GetQuota(::geteuid())->dram_bytes, states + region);
+    ASSERT_TRUE((*control)->Evict((*jobs)[0].id, "done").ok());
+    EXPECT_EQ((*control)->GetQuota(::geteuid())->dram_bytes, 0u);
+  }
+  // A quota with room for the states only: refused at the registration.
+  ASSERT_TRUE((*control)
+                  ->SetQuota({.uid = ::geteuid(),
+                              .set = engine::kQuotaMaxDram,
+                              .quota = {.max_dram_bytes = states + region - 1}})
+                  .ok());
+  RawClient c = RawClient::Connect(socket());
+  Result<int32_t> refused = register_pair(c);
+  EXPECT_EQ(refused.status().code(), StatusCode::kResourceExhausted) << refused.status();
+  EXPECT_NE(refused.status().message().find(
+                StrCat(region, " of them the collective region of its 2 ranks")),
+            std::string::npos)
+      << refused.status();
+  EXPECT_EQ((*control)->GetQuota(::geteuid())->dram_bytes, 0u);
+  // With room for both, its ranks meet.
+  ASSERT_TRUE((*control)
+                  ->SetQuota({.uid = ::geteuid(),
+                              .set = engine::kQuotaMaxDram,
+                              .quota = {.max_dram_bytes = states + region}})
+                  .ok());
+  Result<int32_t> job = register_pair(c);
+  ASSERT_TRUE(job.ok()) << job.status();
+  Result<RawClient::Reply> r =
+      c.Call(p::MessageType::kCollectiveRegion,
+             p::Encode(p::CollectiveRegionRequest{.job = *job, .bytes = region}));
+  ASSERT_TRUE(r.ok() && r->status.ok()) << (r.ok() ? r->status : r.status());
+  r = c.Call(p::MessageType::kUnregisterJob, p::Encode(p::JobRef{.job = *job}));
+  ASSERT_TRUE(r.ok() && r->status.ok()) << (r.ok() ? r->status : r.status());
+  EXPECT_EQ((*control)->GetQuota(::geteuid())->dram_bytes, 0u);
+}
+
 TEST_F(DaemonTest, AJobWhoseClientDiedIsParkedForTheGracePeriodThenFreed) {
   engine::DaemonOptions options;
   // Long enough that a loaded machine's scheduling leaves the reattach
