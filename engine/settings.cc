@@ -223,14 +223,14 @@ const std::vector<Tunable>& Table() {
        [](Settings& s, std::string_view t, std::string_view k) -> Status {
          ZT_ASSIGN_OR_RETURN(s.dram_budget_bytes, ParseSizeKey(t, k));
          if (s.dram_budget_bytes == 0) return Status::InvalidArgument(StrCat(k, ": must be > 0"));
-         // `64` meant as GiB is 64 bytes: every job refused, the cause far away.
-         const bool bare = t.find_first_not_of("0123456789") == std::string_view::npos;
-         if (bare && s.dram_budget_bytes < (uint64_t{1} << 20)) {
-           return Status::InvalidArgument(
-               StrCat(k, ": ", t,
-                      " bytes is less than 1 MiB, too little for any job (a number "
-                      "is bytes: give a unit, as in \"",
-                      t, "G\" for GiB)"));
+         // `64` meant as GiB is 64 bytes (and `1K` a slip for `1G`): every
+         // job refused, the cause far away.
+         if (s.dram_budget_bytes < (uint64_t{1} << 20)) {
+           const bool bare = t.find_first_not_of("0123456789") == std::string_view::npos;
+           return Status::InvalidArgument(StrCat(
+               k, ": ", t, bare ? " bytes" : "", " is less than 1 MiB, too little for any job",
+               bare ? StrCat(" (a number is bytes: give a unit, as in \"", t, "G\" for GiB)")
+                    : std::string()));
          }
          return Status::Ok();
        },

@@ -160,6 +160,8 @@ TEST(SettingsTest, RejectsBadConfigsNamingTheKey) {
       {R"({"ztier": {"dram_budget": 64}})",
        "ztier.dram_budget: 64 bytes is less than 1 MiB, too little for any job (a number is "
        "bytes: give a unit, as in \"64G\" for GiB)"},
+      {R"({"ztier": {"dram_budget": "1K"}})",
+       "ztier.dram_budget: 1K is less than 1 MiB, too little for any job"},
       {R"({"ztier": {"checksums": "maybe"}})",
        "ztier.checksums: expected true or false, got string"},
       {R"({"ztier": {"huge_pages": {}}})", "ztier.huge_pages: expected a string, got object"},
