@@ -561,6 +561,13 @@ int RunOnce(StopSignals& stops, const StepBenchOptions& o, engine::StateDtype dt
                                 : nvme      ? 4 * o.params
                                             : 4 * o.params + state_bytes) +
                                ring_bytes + units * (uint64_t{64} << 10) + (uint64_t{320} << 20);
+  // Refused before the engine pins any of it (the engine only warned of a
+  // budget past the machine's memory, one this bench had set itself).
+  if (Status s = CheckFitsInMemory(static_cast<double>(settings.dram_budget_bytes),
+                                   StrCat("--params ", o.params, nvme ? " (states on nvme)" : ""));
+      !s.ok()) {
+    return fail(s);
+  }
   if (nvme) {
     // A --path must exist (the default was made by RunStep).
     for (const std::string& p : o.paths) {

@@ -21,6 +21,12 @@ if [[ -d $shm && -w $shm && "$(stat -f -c %T "$shm")" == tmpfs ]]; then
     exit 0
   fi
 fi
+# More than the machine's memory is refused before anything is pinned (the
+# engine warned of a budget the bench had set itself, then ran on).
+status=0
+out=$("$bench" step --params 1T --tier dram --steps 1 2>&1) || status=$?
+[[ $status -eq 1 && $out == *"bytes of memory; this machine has"* && $out != *"DRAM budget"* ]] ||
+  { echo "--params 1T gave $status: $out"; exit 1; }
 for args in "--params 4M --unit-params 1M --stripe 4K --qd 1" "--params 8M --unit-params 2M"; do
   json=$("$bench" step $args --steps 2 --threads 1 --path "$dir" --json --no-timeline | tail -n 1)
   python3 - "$json" "$args" <<'PY'
