@@ -323,6 +323,13 @@ TEST_F(TrainHardeningTest, AnOutThatAnotherUserCanWriteIntoIsRefused) {
     auto [rc, text] = Train(Common() + " --steps 3 --overwrite --out " + planted, dir_);
     EXPECT_EQ(rc, 1) << text;
     EXPECT_NE(text.find("belongs to uid 65534, not to this user"), std::string::npos) << text;
+    // (Root in a container, given a volume of the host user's, is told the
+    // way on.)
+    const std::string run = planted + "/run";
+    EXPECT_NE(text.find("one not there yet, such as " + run + ", is made yours"), std::string::npos)
+        << text;
+    auto [run_rc, run_text] = Train(Common() + " --steps 2 --out " + run, dir_);
+    EXPECT_EQ(run_rc, 0) << run_text;
   }
   EXPECT_EQ(Slurp(mine + "/checkpoint/manifest.json"), manifest) << "written through the link";
 }
