@@ -920,10 +920,18 @@ void SwapSpace::Impl::StopThreads() {
   }
   for (auto& p : paths) {
     p->queue.reset();
+    const bool remove = !options.keep_files && p->owned;
+    // Emptied first: an io_uring ring lets go of its registered files some
+    // time after it is torn down, and an unlinked file's blocks came back
+    // only then (a space made at once after, on the same filesystem, was
+    // refused for space its own check had found free).
+    if (remove && p->fd >= 0 && ::ftruncate(p->fd, 0) != 0) {
+      ZT_LOG(kWarn, "nvme") << PosixError(StrCat("emptying swap file ", p->file), errno);
+    }
     if (p->fd >= 0) ::close(p->fd);
     p->fd = -1;
     // Scratch files go with their owner; a new space starts from nothing.
-    if (!options.keep_files && p->owned) {
+    if (remove) {
       Status s = RemoveFile(p->file);
       if (!s.ok()) {
         ZT_LOG(kWarn, "nvme") << s;
