@@ -9,6 +9,7 @@
 //   ztier-bench train [options]  a GPT run with params streamed vs resident on the device
 #include <signal.h>
 
+#include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <string_view>
@@ -48,13 +49,31 @@ int main(int argc, char** argv) {
     return argc < 2 ? 2 : 0;
   }
   const std::string_view sub = argv[1];
-  if (sub == "adam") return ztier::bench::RunAdam(argc - 2, argv + 2);
-  if (sub == "daemon") return ztier::bench::RunDaemon(argc - 2, argv + 2);
-  if (sub == "nvme") return ztier::bench::RunNvme(argc - 2, argv + 2);
-  if (sub == "pcie") return ztier::bench::RunPcie(argc - 2, argv + 2);
-  if (sub == "rpc") return ztier::bench::RunRpc(argc - 2, argv + 2);
-  if (sub == "step") return ztier::bench::RunStep(argc - 2, argv + 2);
-  if (sub == "train") return ztier::bench::RunTrain(argc - 2, argv + 2);
-  std::fprintf(stderr, "ztier-bench: unknown subcommand '%s'\n%s", argv[1], kUsage);
-  return 2;
+  int (*run)(int, char**) = nullptr;
+  if (sub == "adam") run = ztier::bench::RunAdam;
+  if (sub == "daemon") run = ztier::bench::RunDaemon;
+  if (sub == "nvme") run = ztier::bench::RunNvme;
+  if (sub == "pcie") run = ztier::bench::RunPcie;
+  if (sub == "rpc") run = ztier::bench::RunRpc;
+  if (sub == "step") run = ztier::bench::RunStep;
+  if (sub == "train") run = ztier::bench::RunTrain;
+  if (run == nullptr) {
+    std::fprintf(stderr, "ztier-bench: unknown subcommand '%s'\n%s", argv[1], kUsage);
+    return 2;
+  }
+  const int code = run(argc - 2, argv + 2);
+  // Output that did not all reach its file (a full disk, /dev/full) is a
+  // failure: `ztier-bench adam --json > out.json && plot` went on with a
+  // JSON cut mid-object.
+  errno = 0;
+  const bool flushed = std::fflush(stdout) == 0;
+  if (code == 0 && (!flushed || std::ferror(stdout) != 0)) {
+    std::fprintf(
+        stderr,
+        "ztier-bench %s: its output could not all be written%s%s: what reached it is cut short\n",
+        argv[1], flushed || errno == 0 ? "" : ": ",
+        flushed || errno == 0 ? "" : std::strerror(errno));
+    return 1;
+  }
+  return code;
 }

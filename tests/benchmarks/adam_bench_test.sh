@@ -19,6 +19,14 @@ for c in cases:
     assert abs(c["params_per_s"] * c["seconds"] - c["params"]) <= 1e-3 * c["params"], c
 PY
 done
+# Output that cannot all be written is a failure, not exit 0 (a JSON cut
+# mid-object then went on to the next command of a script).
+if [[ -w /dev/full ]]; then
+  status=0
+  err=$("$bench" adam --params 64K --threads 1 --runs 1 --json 2>&1 >/dev/full) || status=$?
+  [[ $status -eq 1 && $err == *"its output could not all be written"* ]] ||
+    { echo "adam > /dev/full gave exit $status: $err"; exit 1; }
+fi
 # 18e18 params need ~3e20 bytes: more than 2^64, which the check used to wrap.
 for n in 18000000000000000000 4T; do
   status=0
