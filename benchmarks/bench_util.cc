@@ -230,7 +230,10 @@ double Median(std::vector<double> v) {
 
 double Quantile(std::vector<double> v, double q) {
   std::sort(v.begin(), v.end());
-  return v[std::min(v.size() - 1, static_cast<size_t>(static_cast<double>(v.size()) * q))];
+  // Rank ceil(q n), counted from 1 (p99 of 100 samples is the 99th, not the
+  // largest); the slack keeps 0.99 * 100 from rounding up past 99.
+  const double rank = std::ceil(static_cast<double>(v.size()) * q - 1e-9);
+  return v[std::clamp<size_t>(static_cast<size_t>(std::max(rank, 1.0)) - 1, 0, v.size() - 1)];
 }
 
 Status CheckBenchDirectory(const std::string& path, std::string_view flag, bool is_default,

@@ -214,8 +214,8 @@ std::string JsonArray(const std::vector<std::string>& items);
 // The median of `v` (the mean of the middle two for an even count); v not
 // empty.
 double Median(std::vector<double> v);
-// The `q` quantile of `v` (0 < q < 1), the nearest sample at or below it;
-// v not empty.
+// The `q` quantile of `v` (0 < q < 1) by nearest rank: the smallest sample
+// that at least q of them are at or below; v not empty.
 double Quantile(std::vector<double> v, double q);
 
 inline double NowSeconds() {
