@@ -318,7 +318,7 @@ def plot_step(plt, obj: dict):
     left, right = min(r[0] for r in ranges), max(r[1] for r in ranges)
     for ax in axes[:, 0]:
         ax.set_xlim(left - 0.02 * (right - left), right * 1.04)
-    axes[-1, 0].set_xlabel("seconds from the step's start (its last grads handed over); "
+    axes[-1, 0].set_xlabel("seconds from the step's start (its first grads handed over); "
                            "the traced step")
     fig.tight_layout()
     return [("timeline", fig)]
