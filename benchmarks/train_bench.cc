@@ -62,12 +62,14 @@ options:
   --dir DIR                scratch directory for the runs, swap included
                            (default: a new one under $TMPDIR); what the runs
                            put there goes, and the directory if this made it
-                           (a failed run's log stays, named in the error)
+                           (a failed run's log stays, named in the error);
+                           with nvme it must be on a drive, not tmpfs
   --train PATH             the ztier-train program, a path or a name in PATH
                            (default: beside ztier-bench, or the build
                            tree's examples/)
   --repeat N               run each pair N times, alternating, and report each
-                           mode's median run (default 1; a noisy machine wants 3);
+                           mode's median run (of an even N the slower middle
+                           one; default 1; a noisy machine wants 3);
                            the JSON has every repeat's tokens/s too
   --json                   also print one JSON object with every figure
 )";
@@ -306,9 +308,24 @@ int RunTrain(int argc, char** argv) {
   StopSignals stops;  // a stop ends the run going and then this one
   fs::path dir = o.dir;
   bool made_dir = false;
+  // States "on NVMe" in a directory in memory are the RAM's figures, said
+  // as the drive's (the swap space's warning went into a log the bench
+  // removes): refused, as nvme and step refuse such a --path.
+  const bool nvme =
+      std::find(o.placements.begin(), o.placements.end(), "nvme") != o.placements.end();
+  const auto on_a_drive = [&](const std::string& where, std::string_view what) {
+    Status s = CheckOnADrive(where, what);
+    if (s.ok()) return s;
+    return Status(s.code(), StrCat(s.message(), "; or --optimizer dram"));
+  };
   if (dir.empty()) {
     const char* tmp = std::getenv("TMPDIR");
     const std::string base = tmp != nullptr && *tmp != '\0' ? tmp : "/tmp";
+    if (nvme) {
+      if (Status s = on_a_drive(base, "the default --dir's parent (TMPDIR, or /tmp)"); !s.ok()) {
+        return FailExit(s, "train");
+      }
+    }
     std::string pattern = base + "/ztier-bench-train.XXXXXX";  // mkdtemp's template
     if (::mkdtemp(pattern.data()) == nullptr) {
       return FailExit(Status::IoError(StrCat("mkdtemp ", pattern, ": ", std::strerror(errno))),
@@ -342,6 +359,12 @@ int RunTrain(int argc, char** argv) {
       return FailExit(PosixError(StrCat("--dir ", dir.string(), " cannot be written"), errno),
                       "train");
     }
+    if (nvme) {
+      if (Status s = on_a_drive(dir.string(), "--dir"); !s.ok()) {
+        if (made_dir) fs::remove(dir, ec);
+        return FailExit(s, "train");
+      }
+    }
   }
   std::printf(
       "ztier-bench train: %s, %s matmuls, %d layers x %d channels, %d heads, context %d, batch %d, "
@@ -372,11 +395,13 @@ int RunTrain(int argc, char** argv) {
               "coll", "h2d MB", "d2h MB", "h2d #", "d2h #", "offloaded/resident");
   std::vector<std::string> rows;
   int status = 0;
-  // The run of median tokens/s among a mode's repeats.
+  // The run of median tokens/s among a mode's repeats: of an even count,
+  // the slower of the middle two (a run's figures are not averaged; the
+  // faster one was taken, flattering both modes).
   const auto median = [](std::vector<Figures> runs) {
     std::sort(runs.begin(), runs.end(),
               [](const Figures& a, const Figures& b) { return a.tokens_per_s < b.tokens_per_s; });
-    return runs[runs.size() / 2];
+    return runs[(runs.size() - 1) / 2];
   };
   for (const std::string& placement : o.placements) {
     std::vector<Figures> offs, ress;

@@ -6,8 +6,24 @@
 set -euo pipefail
 bench=$1
 train=$2
-dir=$(mktemp -d)
+dir=$(mktemp -d -p "$PWD" train-bench-test.XXXXXX)  # (its nvme runs want a drive, not /tmp's tmpfs)
 trap 'rm -rf "$dir"' EXIT
+# States "on NVMe" in memory (a tmpfs --dir, or TMPDIR) are refused: their
+# figures were the RAM's, said as the drive's.
+shm=/dev/shm
+if [[ -d $shm && -w $shm && "$(stat -f -c %T "$shm")" == tmpfs ]]; then
+  for how in "--dir $shm/train-bench-test.$$" "TMPDIR=$shm"; do
+    status=0
+    if [[ $how == TMPDIR=* ]]; then
+      out=$(env "$how" "$bench" train --train "$train" --steps 3 --skip 1 2>&1) || status=$?
+    else
+      out=$("$bench" train --train "$train" $how --steps 3 --skip 1 2>&1) || status=$?
+    fi
+    [[ $status -eq 1 && $out == *"which is memory"*"or --optimizer dram"* ]] ||
+      { echo "$how gave exit $status: $out"; exit 1; }
+  done
+  [[ ! -e "$shm/train-bench-test.$$" ]] || { echo "the refused --dir was left"; exit 1; }
+fi
 # (A variable's name with a quote in it: the JSON's keys are escaped too.)
 json=$(env 'ZTIER_TEST_Q"UOTE=1' ZTIER_CHECKSUMS=false "$bench" train --train "$train" --layers 1 --channels 64 --heads 2 --context 16 \
   --batch 2 --steps 4 --skip 1 --dir "$dir/runs" --json | tail -n 1)
