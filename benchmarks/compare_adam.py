@@ -349,8 +349,11 @@ def probe_deepspeed(args) -> str:
     return ""
 
 
-def run_ztier(bench: Path, n: int, threads: int) -> tuple[dict | None, str]:
-    command = [str(bench), "adam", "--params", str(n), "--threads", str(threads), "--json"]
+def run_ztier(bench: Path, n: int, threads: int, runs: int) -> tuple[dict | None, str]:
+    # Best of as many runs as the others get (it was ztier-bench's default
+    # of 5 against torch's --runs).
+    command = [str(bench), "adam", "--params", str(n), "--threads", str(threads),
+               "--runs", str(runs), "--json"]
     return run_json(command, thread_env(threads), WORKER_TIMEOUT_S)
 
 
@@ -422,7 +425,7 @@ def main(argv: list[str]) -> int:
         runners.append(("deepspeed",
                         lambda n, t: run_python_case(args, "deepspeed", n, t, args.runs)))
     if not ztier_error:
-        runners.append(("ztier", lambda n, t: run_ztier(args.bench, n, t)))
+        runners.append(("ztier", lambda n, t: run_ztier(args.bench, n, t, args.runs)))
 
     rows = []
     for n in params:
