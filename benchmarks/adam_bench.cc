@@ -149,6 +149,11 @@ Status ParseArgs(int argc, char** argv, AdamOptions* o) {
     return Status::InvalidArgument(
         "--store: 8-bit states (--state-dtype int8) store the bf16 copy with regular stores only");
   }
+  // Without the copy there is nothing to store: two rows timed the same
+  // work under two stores' names.
+  if (!o->with_out && o->store_given) {
+    return Status::InvalidArgument("--store: --out none writes no bf16 copy to store");
+  }
   return Status::Ok();
 }
 

@@ -35,7 +35,7 @@ for n in 18000000000000000000 4T; do
     { echo "--params $n gave exit $status: $out"; exit 1; }
   [[ $out != *"cannot allocate"* ]] || { echo "--params $n was allocated first: $out"; exit 1; }
 done
-for bad in "--params 0x10" "--params 64K, " "--threads 0" "--state-dtype fp16" "--bogus"; do
+for bad in "--params 0x10" "--params 64K, " "--threads 0" "--state-dtype fp16" "--bogus" "--out none --store both"; do
   status=0
   # shellcheck disable=SC2086
   "$bench" adam $bad >/dev/null 2>&1 || status=$?
