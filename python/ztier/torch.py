@@ -70,6 +70,7 @@ import re
 import shutil
 import sys
 import threading
+import types
 import uuid
 import warnings
 import weakref
@@ -114,7 +115,13 @@ class AdamW:
         # (which nearly every name contains: nothing would be decayed).
         if isinstance(self.no_decay, str):
             self.no_decay = (self.no_decay,)
-        self.no_decay = tuple(self.no_decay)
+        if self.no_decay is None:
+            self.no_decay = ()
+        try:
+            self.no_decay = tuple(self.no_decay)
+        except TypeError:
+            raise TypeError(f"ztier: AdamW no_decay takes name substrings, got "
+                            f"{self.no_decay!r}") from None
         if not all(isinstance(s, str) for s in self.no_decay):
             raise TypeError(f"ztier: AdamW no_decay takes name substrings, got {self.no_decay!r}")
         betas = tuple(self.betas) if isinstance(self.betas, (tuple, list)) else ()
@@ -123,6 +130,11 @@ class AdamW:
         self.betas = (float(betas[0]), float(betas[1]))
         if self.mode not in ("adamw", "adam"):
             raise ValueError(f"ztier: AdamW mode must be 'adamw' or 'adam', got {self.mode!r}")
+        for what in ("lr", "eps", "weight_decay"):
+            v = getattr(self, what)
+            if isinstance(v, bool) or not isinstance(v, numbers.Real):
+                raise TypeError(f"ztier: AdamW {what} must be a number, got "
+                                f"{type(v).__qualname__} {v!r}")
         # The engine keeps lr, eps and weight decay in fp32: a value it
         # cannot hold would reach it as inf or 0, and be refused as that.
         for what in ("lr", "eps", "weight_decay"):
@@ -576,6 +588,10 @@ class Offload:
                  weights: str | None = None, compute_dtype: torch.dtype | None = None,
                  average_grads: bool = False, cast_inputs: bool = True, blocks=None):
         self.rank, self.world_size = _distributed()
+        # (Checked by _take_arguments, with the rest.)
+        self._settings_arg, self._name_arg, self._daemon_arg = settings, name, daemon
+        self._prefetch_arg, self._clip_arg = prefetch_depth, clip_grad_norm
+        self._config_arg = config
         try:
             grad_accumulation = self._take_arguments(model, optimizer, grad_accumulation, weights,
                                                      device, compute_dtype, cast_inputs)
@@ -820,6 +836,11 @@ class Offload:
         self._began_in_checkpoint = False  # _begin_forward
         # Tensors modules kept on themselves in a forward, hooked once each.
         self._kept_hooked: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+        # Per call inside its training forward: autograd's sequence number
+        # at its start and the containers its arguments passed in
+        # (_hook_side_outputs).
+        self._side_places: dict[tuple[int, int], tuple[int, list]] = {}
+        self._sequence_probe = torch.zeros((), requires_grad=True)
         self._own_modules_of: dict[int, list] = {}  # _own_modules
         # A recompute (activation checkpointing) and the backward hook of the
         # forward's call of the same module come in either order: each
@@ -1046,6 +1067,17 @@ class Offload:
                             f"eps, weight_decay, ...), got {what}; the engine runs the optimizer "
                             "itself: e.g. optimizer=zt.AdamW(lr=1e-4, weight_decay=0.01), and "
                             "after offload() use the model's .optimizer for torch's LR schedulers")
+        for what, value, kinds, want in (
+                ("settings", self._settings_arg, (dict,), "a dict of setting names to values"),
+                ("name", self._name_arg, (str,), "a str"),
+                ("daemon", self._daemon_arg, (str,), "a ztierd socket's path (a str)"),
+                ("prefetch_depth", self._prefetch_arg, (numbers.Integral,), "an int >= 0"),
+                ("clip_grad_norm", self._clip_arg, (numbers.Real,), "a number"),
+                ("config", self._config_arg, (str, os.PathLike), "a JSON file's path"),
+                ("weights", weights, (str, os.PathLike), "a checkpoint's or export's path")):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, kinds)):
+                raise TypeError(f"ztier: offload()'s {what}= takes {want}, got "
+                                f"{type(value).__qualname__} {value!r}")
         if grad_accumulation is not None:
             if isinstance(grad_accumulation, bool) or not isinstance(
                     grad_accumulation, numbers.Integral) or grad_accumulation < 1:
@@ -1481,6 +1513,7 @@ class Offload:
         self._fwd_held.clear()
         self._calls.clear()
         self._input_versions.clear()
+        self._side_places.clear()
         self._unmatched.clear()
         self._unadopted.clear()
         self._bwd_held.clear()
@@ -2065,6 +2098,13 @@ class Offload:
                 for u in units:
                     u.calls += 1
         if torch.is_grad_enabled():
+            if self._phase != "backward":
+                places = [v for v in (*args, *kwargs.values())
+                          if isinstance(v, (list, dict)) or _plain_object(v)]
+                # (A view of a leaf: the node it makes is numbered as the
+                # next one would be, and every node of this forward after it.)
+                self._side_places[call] = (
+                    self._sequence_probe.view(()).grad_fn._sequence_nr(), places)
             return self._wrap_inputs(call, args, kwargs)
         return None
 
@@ -2206,7 +2246,37 @@ class Offload:
             if t.requires_grad and not isinstance(t.grad_fn, _PreBackward._backward_cls):
                 t.register_hook(functools.partial(_pre_backward_hook, weakref.ref(self), call))
         self._hook_kept(module, call)
+        self._hook_side_outputs(module, call)
         return output if replaced else None
+
+    def _hook_side_outputs(self, module, call):
+        """Tensors the module's forward made that reach the loss past its
+        output and past what it kept on itself (an auxiliary head's output
+        appended to a list the caller passed in, to an object the blocks
+        share, or to the model's own list by a forward hook of a submodule):
+        hooked as the outputs are. Their backward could run before any
+        output's, and read the unit's weights let go ("setStorage: ...
+        out of bounds for storage of size 0"). Looked for, within a bound,
+        in the call's list, dict and plain-object arguments, and in the
+        list, dict and plain-object attributes of the unit's modules and of
+        the model; made in this forward: numbered past its start."""
+        start, places = self._side_places.pop(call, (None, ()))
+        if start is None:
+            return
+        places = list(places)
+        for m in (*self._own_modules(module), self.module):
+            places.extend(v for k, v in vars(m).items()
+                          if not k.startswith("_") and (isinstance(v, (list, dict))
+                                                        or _plain_object(v)))
+        seen, budget = set(), [4096]  # objects looked into, for this call in all
+        for place in places:
+            for t in _tensors(place, seen, budget):
+                if (t.requires_grad and t.grad_fn is not None
+                        and t.grad_fn._sequence_nr() > start
+                        and self._kept_hooked.get(id(t)) is not t):
+                    self._kept_hooked[id(t)] = t
+                    t.register_hook(
+                        functools.partial(_pre_backward_hook, weakref.ref(self), call))
 
     def _hook_kept(self, module, call):
         """A tensor the module or a submodule of its unit kept on itself in
@@ -3918,10 +3988,29 @@ def _map_tensors(obj, fn, seen=None):
     return out
 
 
-def _tensors(obj, seen=None):
+def _plain_object(obj) -> bool:
+    """An object of a user's class that may hold tensors in its attributes
+    (not a tensor, module, number, string, type or function)."""
+    return (hasattr(obj, "__dict__") or hasattr(type(obj), "__slots__")) and not isinstance(
+        obj, (torch.Tensor, nn.Module, str, bytes, numbers.Number, type, tuple, list, dict,
+              types.FunctionType, types.MethodType, types.ModuleType, functools.partial))
+
+
+def _slot_values(obj):
+    """The values of ``obj``'s ``__slots__`` attributes that are set."""
+    for cls in type(obj).__mro__:
+        slots = cls.__dict__.get("__slots__", ())
+        for name in (slots,) if isinstance(slots, str) else slots:
+            if name not in ("__dict__", "__weakref__") and hasattr(obj, name):
+                yield getattr(obj, name)
+
+
+def _tensors(obj, seen=None, budget=None):
     """The tensors in a module's output: in tuples, lists, dicts, Hugging
     Face ModelOutputs, dataclasses, and the attributes of other objects (a
-    block's own output class), each object looked into once."""
+    block's own output class, with ``__slots__`` too), each object looked
+    into once; ``budget`` (a one-item list): at most that many objects
+    looked into, counted down."""
     if isinstance(obj, torch.Tensor):
         yield obj
         return
@@ -3930,21 +4019,28 @@ def _tensors(obj, seen=None):
     seen = set() if seen is None else seen
     if id(obj) in seen:
         return
+    if budget is not None:
+        if budget[0] <= 0:
+            return
+        budget[0] -= 1
     seen.add(id(obj))
     if isinstance(obj, (tuple, list)):
         for o in obj:
-            yield from _tensors(o, seen)
+            yield from _tensors(o, seen, budget)
     elif isinstance(obj, dict):
-        for o in obj.values():
-            yield from _tensors(o, seen)
+        for o in list(obj.values()):
+            yield from _tensors(o, seen, budget)
     elif hasattr(obj, "to_tuple"):  # Hugging Face ModelOutput
-        yield from _tensors(obj.to_tuple(), seen)
+        yield from _tensors(obj.to_tuple(), seen, budget)
     elif dataclasses.is_dataclass(obj):
         for f in dataclasses.fields(obj):
-            yield from _tensors(getattr(obj, f.name), seen)
+            yield from _tensors(getattr(obj, f.name), seen, budget)
     elif hasattr(obj, "__dict__"):
         for o in list(vars(obj).values()):
-            yield from _tensors(o, seen)
+            yield from _tensors(o, seen, budget)
+    elif hasattr(type(obj), "__slots__"):
+        for o in list(_slot_values(obj)):
+            yield from _tensors(o, seen, budget)
 
 
 def offload(model: nn.Module, device="cpu", optimizer: AdamW | None = None,

@@ -1119,6 +1119,36 @@ def test_no_decay_as_one_string_and_bad_adamw_arguments(settings):
                                ("fused", True, "the engine runs its own")):
         with pytest.raises(TypeError, match=f"AdamW has no {name}=True: .*{words}"):
             zt.AdamW(**{name: value})
+    # Values of the wrong type are refused as AdamW is made (they reached
+    # offload() and failed there in a dump of the binding's signature).
+    for kwargs, words in ((dict(lr=None), "lr must be a number, got NoneType"),
+                          (dict(lr="1e-3"), "lr must be a number, got str"),
+                          (dict(weight_decay=None), "weight_decay must be a number"),
+                          (dict(no_decay=3), "no_decay takes name substrings")):
+        with pytest.raises(TypeError, match=words):
+            zt.AdamW(**kwargs)
+    assert zt.AdamW(no_decay=None).no_decay == ()
+
+
+@pytest.mark.parametrize("kwargs,words", [
+    (dict(settings="ztier.dram_budget=1G"), "settings= takes a dict"),
+    (dict(name=123), "name= takes a str, got int"),
+    (dict(daemon=1), "daemon= takes a ztierd socket's path"),
+    (dict(prefetch_depth=2.5), "prefetch_depth= takes an int"),
+    (dict(clip_grad_norm=[1.0]), "clip_grad_norm= takes a number"),
+    (dict(config=123), "config= takes a JSON file's path"),
+    (dict(weights=123), "weights= takes a checkpoint's or export's path"),
+])
+def test_offload_arguments_of_the_wrong_type_are_named(settings, kwargs, words):
+    # A str for settings= raised "'str' object has no attribute 'items'", an
+    # int name "'int' object has no attribute 'encode'", and the others a
+    # dump of the binding's signature.
+    model = _mlp()
+    with pytest.raises(TypeError, match=words):
+        zt.offload(model, settings=settings, **kwargs) if "settings" not in kwargs else \
+            zt.offload(model, **kwargs)
+    # The model is left as it was, and offloads.
+    zt.offload(model, settings=settings).close()
 
 
 @pytest.mark.parametrize("change", ["freeze", "unfreeze"])

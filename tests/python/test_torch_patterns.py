@@ -1392,6 +1392,97 @@ def test_a_loss_a_block_kept_on_itself_trains(settings, block):
     assert [u.name for u in z.units][1:4] == ["layers.0", "layers.1", "layers.2"]
 
 
+class _Collector:
+    """A plain object the blocks share, holding their side outputs."""
+
+    def __init__(self):
+        self.items = []
+
+
+class _SideBlock(nn.Module):
+    """A block with an auxiliary head whose output reaches the loss past
+    the block's output: appended to a list argument or to a shared object."""
+
+    def __init__(self, dim, collector):
+        super().__init__()
+        self.fc = nn.Linear(dim, dim)
+        self.aux = nn.Linear(dim, 1)
+        self.collector = collector
+
+    def forward(self, x, side=None):
+        h = torch.tanh(self.fc(x))
+        (side if side is not None else self.collector.items).append(self.aux(h))
+        return h
+
+
+class _SideStack(nn.Module):
+    def __init__(self, how):
+        super().__init__()
+        self.how = how
+        self.shared = _Collector()
+        self.inp = nn.Linear(8, 8)
+        self.layers = nn.ModuleList(_SideBlock(8, self.shared) for _ in range(3))
+        self.out = nn.Linear(8, 1)
+        self.hooked = []
+        if how == "forward hook":
+            for layer in self.layers:
+                layer.aux.register_forward_hook(lambda m, i, o: self.hooked.append(o))
+
+    def forward(self, x):
+        side, self.shared.items, self.hooked[:] = [], [], []
+        h = self.inp(x)
+        for layer in self.layers:
+            h = layer(h, side if self.how == "list argument" else None)
+        extra = {"list argument": side, "shared object": self.shared.items,
+                 "forward hook": self.hooked}[self.how]
+        return self.out(h) + sum(extra)
+
+
+@pytest.mark.parametrize("how", ["list argument", "shared object", "forward hook"])
+def test_a_side_output_that_reaches_the_loss_past_the_blocks_output_trains(settings, how):
+    # A deep-supervision head's output (or an MoE balance loss) handed back
+    # through the caller's list, a shared object, or a forward hook of a
+    # submodule: its backward ran before any of the block's outputs' and
+    # read its freed weights ("setStorage: ... storage of size 0").
+    _, z = _against_reference(lambda: _SideStack(how), settings, _x, masters=True)
+    assert [u.name for u in z.units][1:4] == ["layers.0", "layers.1", "layers.2"]
+
+
+class _SlotsOut:
+    __slots__ = ("h",)
+
+    def __init__(self, h):
+        self.h = h
+
+
+class _SlotsBlock(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.fc = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        return _SlotsOut(x + torch.tanh(self.fc(x)))
+
+
+def test_a_block_returning_an_object_with_slots_trains(settings):
+    # Its output's tensor (in __slots__, no __dict__) was never hooked: the
+    # block's backward read freed weights.
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inp = nn.Linear(8, 8)
+            self.layers = nn.ModuleList(_SlotsBlock(8) for _ in range(3))
+            self.out = nn.Linear(8, 1)
+
+        def forward(self, x):
+            h = self.inp(x)
+            for layer in self.layers:
+                h = layer(h).h
+            return self.out(h)
+
+    _against_reference(Net, settings, _x, masters=True)
+
+
 def test_one_tensor_passed_to_a_block_several_times_stays_one_tensor(settings):
     # A tensor in several argument slots (self-attention's mha(h, h, h)) came
     # into the block as a tensor per slot: nn.MultiheadAttention, which asks
