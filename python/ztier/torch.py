@@ -944,15 +944,28 @@ class Offload:
         # are never called, the module that owns one reads them).
         self._module_units: dict[int, list[_Unit]] = {}
         self._hooked: list[nn.Module] = []
+        # A module of a block registered outside every block too (one
+        # projection the root and the blocks share) is called there: it is
+        # hooked itself, holding its parameters' units (the root's call of
+        # it read the placeholders, NaN, and every step was skipped).
+        block_ids = {id(b) for _, b in blocks}
+        also_outside: set[int] = set()
+        todo = [model]
+        while todo:
+            for c in todo.pop().children():
+                if id(c) not in block_ids and id(c) not in also_outside:
+                    also_outside.add(id(c))
+                    todo.append(c)
         for _, b in blocks:
             us = {self._unit_of[id(p)].index: self._unit_of[id(p)] for p in b.parameters()
                   if id(p) in self._unit_of}
             self._module_units[id(b)] = [us[k] for k in sorted(us)]
             self._hooked.append(b)
         for _, m in model.named_modules():
-            if id(m) in block_of or isinstance(m, _PARAM_CONTAINERS):
+            shared = id(m) in block_of and id(m) in also_outside
+            if (id(m) in block_of and not shared) or isinstance(m, _PARAM_CONTAINERS):
                 continue
-            own = _own_params(m)
+            own = list(m.parameters()) if shared else _own_params(m)
             if own:
                 # A module below the root with no block inside also holds
                 # its children's units: a module may read a child's weight

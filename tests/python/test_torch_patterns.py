@@ -1448,6 +1448,35 @@ def test_a_side_output_that_reaches_the_loss_past_the_blocks_output_trains(setti
     assert [u.name for u in z.units][1:4] == ["layers.0", "layers.1", "layers.2"]
 
 
+def test_a_module_the_root_and_every_block_share_trains(settings):
+    # One projection registered at the root and in every block: its
+    # parameters were in the first block's unit, the root's call of it read
+    # the placeholders (NaN), and every step was skipped.
+    class Block(nn.Module):
+        def __init__(self, shared):
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+            self.shared = shared
+
+        def forward(self, x):
+            return torch.tanh(self.fc(x)) + self.shared(x)
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.shared = nn.Linear(8, 8)
+            self.layers = nn.ModuleList(Block(self.shared) for _ in range(3))
+            self.out = nn.Linear(8, 1)
+
+        def forward(self, x):
+            h = self.shared(x)
+            for layer in self.layers:
+                h = layer(h)
+            return self.out(h)
+
+    _against_reference(Net, settings, _x, masters=True)
+
+
 class _SlotsOut:
     __slots__ = ("h",)
 
