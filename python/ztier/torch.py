@@ -58,10 +58,12 @@ fix.
 from __future__ import annotations
 
 import atexit
+import collections.abc
 import contextlib
 import copy
 import dataclasses
 import functools
+import itertools
 import json
 import math
 import numbers
@@ -132,7 +134,7 @@ class AdamW:
             raise ValueError(f"ztier: AdamW mode must be 'adamw' or 'adam', got {self.mode!r}")
         for what in ("lr", "eps", "weight_decay"):
             v = getattr(self, what)
-            if isinstance(v, bool) or not isinstance(v, numbers.Real):
+            if not _is_number(v):
                 raise TypeError(f"ztier: AdamW {what} must be a number, got "
                                 f"{type(v).__qualname__} {v!r}")
         # The engine keeps lr, eps and weight decay in fp32: a value it
@@ -1080,15 +1082,21 @@ class Offload:
                             f"eps, weight_decay, ...), got {what}; the engine runs the optimizer "
                             "itself: e.g. optimizer=zt.AdamW(lr=1e-4, weight_decay=0.01), and "
                             "after offload() use the model's .optimizer for torch's LR schedulers")
-        for what, value, kinds, want in (
-                ("settings", self._settings_arg, (dict,), "a dict of setting names to values"),
-                ("name", self._name_arg, (str,), "a str"),
-                ("daemon", self._daemon_arg, (str,), "a ztierd socket's path (a str)"),
-                ("prefetch_depth", self._prefetch_arg, (numbers.Integral,), "an int >= 0"),
-                ("clip_grad_norm", self._clip_arg, (numbers.Real,), "a number"),
-                ("config", self._config_arg, (str, os.PathLike), "a JSON file's path"),
-                ("weights", weights, (str, os.PathLike), "a checkpoint's or export's path")):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, kinds)):
+        for what, value, fits, want in (
+                ("settings", self._settings_arg, lambda v: isinstance(v, collections.abc.Mapping),
+                 "a dict of setting names to values"),
+                ("name", self._name_arg, lambda v: isinstance(v, str), "a str"),
+                ("daemon", self._daemon_arg, lambda v: isinstance(v, str),
+                 "a ztierd socket's path (a str)"),
+                ("prefetch_depth", self._prefetch_arg,
+                 lambda v: isinstance(v, numbers.Integral) and not isinstance(v, bool),
+                 "an int >= 0"),
+                ("clip_grad_norm", self._clip_arg, _is_number, "a number"),
+                ("config", self._config_arg, lambda v: isinstance(v, (str, os.PathLike)),
+                 "a JSON file's path"),
+                ("weights", weights, lambda v: isinstance(v, (str, os.PathLike)),
+                 "a checkpoint's or export's path")):
+            if value is not None and not fits(value):
                 raise TypeError(f"ztier: offload()'s {what}= takes {want}, got "
                                 f"{type(value).__qualname__} {value!r}")
         if grad_accumulation is not None:
@@ -2112,12 +2120,11 @@ class Offload:
                     u.calls += 1
         if torch.is_grad_enabled():
             if self._phase != "backward":
-                places = [v for v in (*args, *kwargs.values())
-                          if isinstance(v, (list, dict)) or _plain_object(v)]
                 # (A view of a leaf: the node it makes is numbered as the
                 # next one would be, and every node of this forward after it.)
                 self._side_places[call] = (
-                    self._sequence_probe.view(()).grad_fn._sequence_nr(), places)
+                    self._sequence_probe.view(()).grad_fn._sequence_nr(),
+                    self._side_places_of(module, args, kwargs))
             return self._wrap_inputs(call, args, kwargs)
         return None
 
@@ -2262,34 +2269,60 @@ class Offload:
         self._hook_side_outputs(module, call)
         return output if replaced else None
 
+    def _side_places_of(self, module, args, kwargs) -> list:
+        """Where a block's forward may leave a tensor for the caller past its
+        output (an auxiliary head's, appended to a list the caller passed
+        in, to a list of an object the blocks share, or by a forward hook of
+        a submodule to a list of the model's): the lists and dicts among the
+        call's arguments and the public attributes of its unit's modules
+        and of the model, and of the plain objects among those (not
+        deeper), each with its length now; and those plain objects, whose
+        tensor attributes are looked at."""
+        places = []
+
+        def look(v, deeper):
+            if isinstance(v, (list, dict)):
+                places.append((v, len(v)))
+            elif deeper and _plain_object(v):
+                places.append((v, None))
+                for w in _attribute_values(v):
+                    look(w, False)
+
+        for v in (*args, *kwargs.values()):
+            look(v, True)
+        for m in (*self._own_modules(module), self.module):
+            for k, v in vars(m).items():
+                if not k.startswith("_"):
+                    look(v, True)
+        return places
+
     def _hook_side_outputs(self, module, call):
-        """Tensors the module's forward made that reach the loss past its
-        output and past what it kept on itself (an auxiliary head's output
-        appended to a list the caller passed in, to an object the blocks
-        share, or to the model's own list by a forward hook of a submodule):
-        hooked as the outputs are. Their backward could run before any
-        output's, and read the unit's weights let go ("setStorage: ...
-        out of bounds for storage of size 0"). Looked for, within a bound,
-        in the call's list, dict and plain-object arguments, and in the
-        list, dict and plain-object attributes of the unit's modules and of
-        the model; made in this forward: numbered past its start."""
+        """Tensors the module's forward made and left where _side_places_of
+        looked before it (appended to a list or dict, or set on a plain
+        object): hooked as its outputs are. Their backward could run before
+        any output's, and read the unit's weights let go ("setStorage: ...
+        out of bounds for storage of size 0"). Made in this forward: numbered
+        past its start; at most the last 1024 items a list or dict gained."""
         start, places = self._side_places.pop(call, (None, ()))
         if start is None:
             return
-        places = list(places)
-        for m in (*self._own_modules(module), self.module):
-            places.extend(v for k, v in vars(m).items()
-                          if not k.startswith("_") and (isinstance(v, (list, dict))
-                                                        or _plain_object(v)))
-        seen, budget = set(), [4096]  # objects looked into, for this call in all
-        for place in places:
-            for t in _tensors(place, seen, budget):
-                if (t.requires_grad and t.grad_fn is not None
-                        and t.grad_fn._sequence_nr() > start
-                        and self._kept_hooked.get(id(t)) is not t):
-                    self._kept_hooked[id(t)] = t
-                    t.register_hook(
-                        functools.partial(_pre_backward_hook, weakref.ref(self), call))
+        for place, n in places:
+            if n is None:  # a plain object
+                new = [v for v in _attribute_values(place) if isinstance(v, torch.Tensor)]
+            elif len(place) <= n:
+                continue
+            elif isinstance(place, list):
+                new = place[max(n, len(place) - 1024):]
+            else:
+                new = list(itertools.islice(reversed(place.values()), min(len(place) - n, 1024)))
+            for item in new:
+                for t in _shallow_tensors(item):
+                    if (t.requires_grad and t.grad_fn is not None
+                            and t.grad_fn._sequence_nr() > start
+                            and self._kept_hooked.get(id(t)) is not t):
+                        self._kept_hooked[id(t)] = t
+                        t.register_hook(
+                            functools.partial(_pre_backward_hook, weakref.ref(self), call))
 
     def _hook_kept(self, module, call):
         """A tensor the module or a submodule of its unit kept on itself in
@@ -3789,6 +3822,14 @@ class _Hook:
             "and the training state with save_checkpoint(dir)")
 
 
+def _is_number(v) -> bool:
+    """A real number, or a one-element tensor of one (torch's optimizers
+    take a tensor lr), not a bool."""
+    if isinstance(v, torch.Tensor):
+        return v.numel() == 1 and not v.is_complex() and v.dtype != torch.bool
+    return isinstance(v, numbers.Real) and not isinstance(v, bool)
+
+
 def _check_fp32(what: str, value) -> None:
     """ValueError when `value` is a finite number fp32 cannot hold (it would
     become inf, or 0), naming it as given."""
@@ -4009,21 +4050,39 @@ def _plain_object(obj) -> bool:
               types.FunctionType, types.MethodType, types.ModuleType, functools.partial))
 
 
-def _slot_values(obj):
-    """The values of ``obj``'s ``__slots__`` attributes that are set."""
-    for cls in type(obj).__mro__:
-        slots = cls.__dict__.get("__slots__", ())
-        for name in (slots,) if isinstance(slots, str) else slots:
-            if name not in ("__dict__", "__weakref__") and hasattr(obj, name):
-                yield getattr(obj, name)
+def _attribute_values(obj, limit=64):
+    """The values of ``obj``'s public attributes (in ``__dict__``, or its
+    ``__slots__``), at most ``limit`` of them."""
+    if hasattr(obj, "__dict__"):
+        values = (v for k, v in vars(obj).items() if not k.startswith("_"))
+    else:
+        values = (getattr(obj, name) for cls in type(obj).__mro__
+                  for name in _slot_names(cls) if not name.startswith("_") and hasattr(obj, name))
+    return list(itertools.islice(values, limit))
 
 
-def _tensors(obj, seen=None, budget=None):
+def _slot_names(cls) -> tuple:
+    slots = cls.__dict__.get("__slots__", ())
+    return (slots,) if isinstance(slots, str) else tuple(slots)
+
+
+def _shallow_tensors(item) -> list:
+    """The tensors ``item`` is or holds directly (a tuple, list or dict of
+    them; at most 64 looked at)."""
+    if isinstance(item, torch.Tensor):
+        return [item]
+    if isinstance(item, (tuple, list)):
+        return [t for t in item[:64] if isinstance(t, torch.Tensor)]
+    if isinstance(item, dict):
+        return [t for t in itertools.islice(item.values(), 64) if isinstance(t, torch.Tensor)]
+    return []
+
+
+def _tensors(obj, seen=None):
     """The tensors in a module's output: in tuples, lists, dicts, Hugging
     Face ModelOutputs, dataclasses, and the attributes of other objects (a
     block's own output class, with ``__slots__`` too), each object looked
-    into once; ``budget`` (a one-item list): at most that many objects
-    looked into, counted down."""
+    into once."""
     if isinstance(obj, torch.Tensor):
         yield obj
         return
@@ -4032,28 +4091,25 @@ def _tensors(obj, seen=None, budget=None):
     seen = set() if seen is None else seen
     if id(obj) in seen:
         return
-    if budget is not None:
-        if budget[0] <= 0:
-            return
-        budget[0] -= 1
     seen.add(id(obj))
     if isinstance(obj, (tuple, list)):
         for o in obj:
-            yield from _tensors(o, seen, budget)
+            yield from _tensors(o, seen)
     elif isinstance(obj, dict):
         for o in list(obj.values()):
-            yield from _tensors(o, seen, budget)
+            yield from _tensors(o, seen)
     elif hasattr(obj, "to_tuple"):  # Hugging Face ModelOutput
-        yield from _tensors(obj.to_tuple(), seen, budget)
+        yield from _tensors(obj.to_tuple(), seen)
     elif dataclasses.is_dataclass(obj):
         for f in dataclasses.fields(obj):
-            yield from _tensors(getattr(obj, f.name), seen, budget)
+            yield from _tensors(getattr(obj, f.name), seen)
     elif hasattr(obj, "__dict__"):
         for o in list(vars(obj).values()):
-            yield from _tensors(o, seen, budget)
+            yield from _tensors(o, seen)
     elif hasattr(type(obj), "__slots__"):
-        for o in list(_slot_values(obj)):
-            yield from _tensors(o, seen, budget)
+        for o in [getattr(obj, n) for c in type(obj).__mro__ for n in _slot_names(c)
+                  if n not in ("__dict__", "__weakref__") and hasattr(obj, n)]:
+            yield from _tensors(o, seen)
 
 
 def offload(model: nn.Module, device="cpu", optimizer: AdamW | None = None,

@@ -18,6 +18,7 @@ import os
 import signal
 import subprocess
 import sys
+import types
 import warnings
 
 import pytest
@@ -1128,6 +1129,7 @@ def test_no_decay_as_one_string_and_bad_adamw_arguments(settings):
         with pytest.raises(TypeError, match=words):
             zt.AdamW(**kwargs)
     assert zt.AdamW(no_decay=None).no_decay == ()
+    zt.AdamW(lr=torch.tensor(1e-3))  # as torch's optimizers take it
 
 
 @pytest.mark.parametrize("kwargs,words", [
@@ -1147,8 +1149,8 @@ def test_offload_arguments_of_the_wrong_type_are_named(settings, kwargs, words):
     with pytest.raises(TypeError, match=words):
         zt.offload(model, settings=settings, **kwargs) if "settings" not in kwargs else \
             zt.offload(model, **kwargs)
-    # The model is left as it was, and offloads.
-    zt.offload(model, settings=settings).close()
+    # The model is left as it was, and offloads (settings in any mapping).
+    zt.offload(model, settings=types.MappingProxyType(settings)).close()
 
 
 @pytest.mark.parametrize("change", ["freeze", "unfreeze"])

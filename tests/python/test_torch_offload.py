@@ -418,8 +418,10 @@ def test_misuse_is_a_clear_error(settings):
         zt.offload(tiny_llama(), settings={"no.such.key": "1"})
     with pytest.raises(IndexError, match="has no unit 99"):  # ztier.OutOfRangeError
         z.job.layout(99)
-    with pytest.raises(ztier.ResourceExhaustedError, match="dram_budget"):
+    with pytest.raises(ztier.InvalidArgumentError, match="64K is less than 1 MiB"):
         zt.offload(tiny_llama(), settings={"ztier.dram_budget": "64K"})
+    with pytest.raises(ztier.ResourceExhaustedError, match="dram_budget"):
+        zt.offload(torch.nn.Linear(1024, 1024), settings={"ztier.dram_budget": "1M"})  # 16 MB
 
 
 def _backward_failing_in_layer0(model, x):
