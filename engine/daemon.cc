@@ -765,7 +765,8 @@ struct Daemon::Impl {
     for (const auto& [key, job] : jobs) {
       if (key.first != uid || !job->parked) continue;
       ++n;
-      dram += job->dram_bytes;
+      dram +=
+          job->dram_bytes + job->collective_bytes;  // (a job of several ranks keeps its region's)
       first = std::min(first, job->parked_until);
     }
     if (n == 0) return "";
@@ -1814,14 +1815,18 @@ class Daemon::Impl::Connection {
     // are held in the uid's DRAM use from the registration on (parked too),
     // so that a job admitted at its quota's edge is not refused at its first
     // collective. (A one-rank job's is charged if it is ever asked for.)
-    const uint64_t collective = spec.ranks > 1 ? CollectiveRegionBytes(spec.ranks) : 0;
+    // (Ranks past what a region may hold never make one: not charged.)
+    const uint64_t collective =
+        spec.ranks > 1 && CollectiveRegionBytes(spec.ranks) <= kMaxCollectiveRegionBytes
+            ? CollectiveRegionBytes(spec.ranks)
+            : 0;
     // Over the uid's DRAM quota (requires d_.mu): the refusal, naming it.
     const auto dram_over = [&](const Impl::Usage& u, uint64_t need, uint64_t quota) {
       return Status::ResourceExhausted(StrCat(
-          "job '", name, "' needs ", need, " bytes of pinned DRAM",
-          collective == 0 ? std::string()
-                          : StrCat(" (", collective, " of them the collective region of its ",
-                                   spec.ranks, " ranks)"),
+          "job '", name, "' needs ", need, " bytes of ",
+          collective == 0 ? std::string("pinned DRAM")
+                          : StrCat("DRAM (", collective, " of them the collective region of its ",
+                                   spec.ranks, " ranks, the rest pinned)"),
           "; uid ", peer_.uid, " holds ", u.dram_bytes, " of its quota of ", quota,
           " (max_dram_bytes_per_uid)",
           u.lingering_bytes == 0

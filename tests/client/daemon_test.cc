@@ -1036,6 +1036,20 @@ TEST_F(DaemonTest, AJobOfSeveralRanksHoldsItsCollectiveRegionsPlaceFromItsRegist
   r = c.Call(p::MessageType::kUnregisterJob, p::Encode(p::JobRef{.job = *job}));
   ASSERT_TRUE(r.ok() && r->status.ok()) << (r.ok() ? r->status : r.status());
   EXPECT_EQ((*control)->GetQuota(::geteuid())->dram_bytes, 0u);
+  // Ranks past what a region may serve (256: 1 GiB and more) make none:
+  // nothing is charged for one (it was up to 256 GiB, refused by any quota).
+  ASSERT_TRUE((*control)
+                  ->SetQuota({.uid = ::geteuid(),
+                              .set = engine::kQuotaMaxDram,
+                              .quota = {.max_dram_bytes = uint64_t{1} << 30}})
+                  .ok());
+  spec.ranks = 256;
+  ASSERT_GT(engine::CollectiveRegionBytes(spec.ranks), engine::kMaxCollectiveRegionBytes);
+  job = register_pair(c);
+  ASSERT_TRUE(job.ok()) << job.status();
+  Result<std::vector<engine::JobInfo>> jobs = (*control)->Jobs();
+  ASSERT_TRUE(jobs.ok() && jobs->size() == 1);
+  EXPECT_EQ((*control)->GetQuota(::geteuid())->dram_bytes, (*jobs)[0].counters.dram_bytes);
 }
 
 TEST_F(DaemonTest, AJobWhoseClientDiedIsParkedForTheGracePeriodThenFreed) {
