@@ -951,8 +951,9 @@ Status CheckOutIsOurs(const std::string& out) {
     return Status::FailedPrecondition(StrCat(
         "--out ", out, " belongs to uid ", st.st_uid, ", not to this user (uid ", ::geteuid(),
         "): its owner could put links there where the run writes or a "
-        "checkpoint it resumes; give a directory of your own (one not there yet, such as ",
-        (fs::path(out) / "run").string(), ", is made yours)"));
+        "checkpoint it resumes; give a directory of your own, in one no other user can write (root "
+        "in a container given a host user's volume: run as that user, docker run --user "
+        "$(id -u):$(id -g))"));
   }
   // (Sticky or not: the sticky bit keeps others from removing what the run
   // made there, not from making a name first.)
