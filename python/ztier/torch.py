@@ -2955,8 +2955,12 @@ class Offload:
                 self.job.claim_checkpoint_dir(directory, until_closed=False)
                 tmp = mine + ".tmp"
                 try:
-                    torch.save({"step": step, "buffers": buffers,
-                                "crc32": _buffers_crc(buffers)}, tmp)
+                    # On the disk before the manifest that names it commits.
+                    with open(tmp, "wb") as f:
+                        torch.save({"step": step, "buffers": buffers,
+                                    "crc32": _buffers_crc(buffers)}, f)
+                        f.flush()
+                        os.fsync(f.fileno())
                     os.replace(tmp, mine)
                 finally:
                     if os.path.exists(tmp):
@@ -2983,26 +2987,31 @@ class Offload:
         self._between_steps("load_checkpoint", reads_only=False)
         directory = os.fspath(directory)
         wants_buffers = bool(self.persistent_buffers())
-        saved = {"buffers": {}}
+        saved = nothing_read = {"buffers": {}}
         path = None
 
-        def read_buffers():
+        def read_buffers(step=None):
             # Before any state is replaced: a damaged file changes nothing
             # (it failed after the engine had loaded, the buffers stale).
-            # The file of the manifest's step; one of an older ztier, else.
+            # The file of the manifest's step (or `step`'s); one of an older
+            # ztier, else.
             nonlocal saved, path
-            path = os.path.join(directory, _buffers_file(_checkpoint_step(directory)))
-            if not os.path.exists(path):
+            path = os.path.join(directory, _buffers_file(
+                _checkpoint_step(directory) if step is None else step))
+            if step is None and not os.path.exists(path):
                 path = os.path.join(directory, BUFFERS_FILE)
             if wants_buffers and os.path.exists(path):
                 try:
-                    saved = torch.load(path, map_location="cpu", weights_only=True)
+                    loaded = torch.load(path, map_location="cpu", weights_only=True)
+                except FileNotFoundError:
+                    return  # a save into the directory meanwhile removed it: see below
                 except Exception as e:
                     raise RuntimeError(f"ztier: the checkpoint's buffers, {path}, cannot be read "
                                        f"({e}); nothing was loaded") from e
-                if not isinstance(saved, dict):
+                if not isinstance(loaded, dict):
                     raise ValueError(f"ztier: {path} holds no checkpoint's buffers; nothing was "
                                      "loaded")
+                saved = loaded
                 self._check_buffers(saved.get("buffers"), path, "; nothing was loaded")
                 if "crc32" in saved and saved["crc32"] != _buffers_crc(saved["buffers"]):
                     raise RuntimeError(f"ztier: the checkpoint's buffers, {path}, are damaged "
@@ -3047,10 +3056,19 @@ class Offload:
         if self.rank == 0:
             self._warn_of_unfrozen(directory)
         if wants_buffers:
-            if path is not None and os.path.exists(path):
-                if saved.get("step") != self.runner.version:
-                    warnings.warn(f"ztier: {path} is of step {saved.get('step')}, the checkpoint "
-                                  f"of step {self.runner.version}", RuntimeWarning, stacklevel=2)
+            if saved.get("step") != self.runner.version:
+                # Another job saved into the directory between the read of
+                # the buffers and the engine's load, which took the newer
+                # manifest: the buffers of the step loaded, while there
+                # (the weights of one step and the buffers of another went
+                # in without a word once the older file was gone).
+                before, before_path = saved, path
+                read_buffers(self.runner.version)
+                if saved is before:
+                    path = before_path
+            if saved is not nothing_read and saved.get("step") != self.runner.version:
+                warnings.warn(f"ztier: {path} is of step {saved.get('step')}, the checkpoint "
+                              f"of step {self.runner.version}", RuntimeWarning, stacklevel=2)
             self._set_buffers(saved["buffers"], path)
 
     def _warn_of_unfrozen(self, directory: str):
@@ -3101,7 +3119,9 @@ class Offload:
         # `path` at once: a buffer safetensors cannot hold, or a name taken
         # twice, fails with the file there as it was (it was left holding
         # the weights alone).
-        weights = path + ".weights"
+        # (Named for this call: two jobs exporting to one path wrote one
+        # temporary file, and published each other's halves.)
+        weights = f"{path}.{os.getpid()}-{uuid.uuid4().hex[:8]}.weights"
         try:
             self.job.export_safetensors(weights, dtype)
             _add_to_safetensors(weights, buffers, path)
@@ -3979,7 +3999,7 @@ def _add_to_safetensors(source: str, extra: dict[str, torch.Tensor], path: str):
             raise IsADirectoryError(
                 f"ztier: {path} is a directory; it was not replaced (an export is one file: "
                 f"give a file's path, e.g. {os.path.join(path, 'model.safetensors')})")
-        tmp = path + ".tmp"
+        tmp = f"{path}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp"  # (one per writer)
         try:
             with open(tmp, "wb") as out:
                 out.write(struct.pack("<Q", len(text)))

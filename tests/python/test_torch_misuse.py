@@ -1334,6 +1334,54 @@ def test_persistent_buffers_go_with_checkpoints_and_exports(settings, tmp_path):
     z3.close()
 
 
+def test_a_load_as_another_job_saves_takes_the_buffers_of_the_step_it_loaded(
+        settings, tmp_path, monkeypatch):
+    # The buffers were read for the manifest's step S, then the engine's load
+    # took the step S+1 another job had just committed: the weights of one
+    # step went in with the buffers of the other, without a word once the
+    # commit had removed step S's buffers file.
+    import ztier.torch as zt_torch
+    model = _bn_mlp()
+    z = zt.offload(model, optimizer=zt.AdamW(lr=1e-2), settings=settings)
+    ck = tmp_path / "ck"
+    _train_step(model, z, torch.randn(16, 4))
+    z.save_checkpoint(str(ck))
+    old = {p.name: p.read_bytes() for p in ck.glob("ztier-buffers-step-*.pt")}
+    _train_step(model, z, torch.randn(16, 4))
+    z.save_checkpoint(str(ck))
+    z.close()
+    # The read sees the step before (its file still there, its manifest's
+    # step the older one), the engine's load the newer.
+    for name, data in old.items():
+        (ck / name).write_bytes(data)
+    older = zt_torch._checkpoint_step(str(ck)) - 1
+    monkeypatch.setattr(zt_torch, "_checkpoint_step", lambda d: older)
+    fresh = _bn_mlp()
+    z2 = zt.offload(fresh, optimizer=zt.AdamW(lr=1e-2), settings=settings)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        z2.load_checkpoint(str(ck))
+    assert int(fresh[1].num_batches_tracked) == 2
+    z2.close()
+
+
+def test_two_exports_to_one_path_write_files_of_their_own(settings, tmp_path):
+    # The temporary files beside the path had one name for every writer:
+    # two jobs exporting there at once published each other's halves (a
+    # file of one job's buffers and the other's weights). Each export's are
+    # its own; one named as the old ones were is no obstacle.
+    model = _bn_mlp()
+    z = zt.offload(model, optimizer=zt.AdamW(lr=1e-2), settings=settings)
+    _train_step(model, z, torch.randn(16, 4))
+    path = tmp_path / "m.safetensors"
+    (tmp_path / "m.safetensors.weights").mkdir()
+    (tmp_path / "m.safetensors.tmp").mkdir()
+    z.export_safetensors(str(path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "m.safetensors", "m.safetensors.tmp", "m.safetensors.weights", "swap"]
+    z.close()
+
+
 def test_a_save_interrupted_writing_the_buffers_leaves_the_last_checkpoint_whole(
         settings, tmp_path, monkeypatch):
     """The engine's manifest committed the new save (and its older shards
