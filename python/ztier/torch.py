@@ -1369,13 +1369,27 @@ class Offload:
             store = dist.distributed_c10d._get_default_store()
         if self.rank != 0:
             check()
-            try:
-                store.wait([key])
-            except Exception as e:
-                raise RuntimeError(
-                    f"ztier: rank {self.rank} called {what} after step {call[1]} and waited for "
-                    f"rank 0's in vain ({e}): rank 0 writes the files; call it on rank 0 (alone "
-                    "or with the other ranks)") from e
+            import datetime
+            while True:
+                try:
+                    store.wait([key], datetime.timedelta(seconds=1))
+                    break
+                except Exception as e:
+                    if "timeout" not in str(e).lower() and "timed out" not in str(e).lower():
+                        raise RuntimeError(
+                            f"ztier: rank {self.rank} called {what} after step {call[1]} and "
+                            f"waited for rank 0's in vain ({e}): rank 0 writes the files; call it "
+                            "on rank 0 (alone or with the other ranks)") from e
+                # Rank 0 still writing, or gone with the ztierd it hosted:
+                # a store that outlives it (file://) answered nothing until
+                # the process group's timeout (30 minutes).
+                try:
+                    self.job.counters()
+                except Exception as e:
+                    raise RuntimeError(
+                        f"ztier: rank {self.rank} called {what} after step {call[1]} and waited "
+                        f"for rank 0's, but the engine is gone ({e}): rank 0, or its ztierd, "
+                        "ended") from e
             theirs = store.get(key).decode("utf-8", "replace")
             if theirs:
                 raise RuntimeError(f"ztier: on rank 0: {theirs}")

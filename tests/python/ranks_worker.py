@@ -158,6 +158,37 @@ def peer_gone(rank: int, world: int, directory: str):
     os._exit(0)
 
 
+def rank0_dies_before_its_save(rank: int, world: int, directory: str):
+    """Rank 0 (which hosts ztierd) ends as every rank is to save; rank 1
+    saves, and waits for rank 0's (test_ranks.py)."""
+    import time
+
+    import ztier.torch as zt
+    from conftest import batch, tiny_llama
+
+    os.environ["LOCAL_WORLD_SIZE"] = str(world)
+    dist.init_process_group("gloo", init_method=f"file://{directory}/store-dies", rank=rank,
+                            world_size=world)
+    model = tiny_llama()
+    z = zt.offload(model, settings={"ztier.dram_budget": "1G"})
+    x = batch(0, micro=rank)
+    model(input_ids=x, labels=x).loss.backward()
+    z.optimizer.step()
+    z.wait()
+    dist.barrier()
+    if rank == 0:
+        os._exit(0)
+    start = time.monotonic()
+    said = None
+    try:
+        z.save_checkpoint(os.path.join(directory, "ck"))
+    except Exception as e:  # noqa: BLE001 -- what rank 1 is told
+        said = str(e)
+    torch.save({"said": said, "seconds": time.monotonic() - start},
+               os.path.join(directory, "dies.pt"))
+    os._exit(0)
+
+
 def rank0_saves_alone(rank: int, world: int, directory: str):
     """Rank 0 saves, exports and saves a pretrained directory alone, as
     DDP's ``if rank == 0:``, while rank 1 trains on; then every rank loads

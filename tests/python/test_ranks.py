@@ -170,6 +170,22 @@ def test_a_save_after_a_peer_left_is_written(tmp_path, monkeypatch):
     assert (tmp_path / "ck" / "manifest.json").exists()
 
 
+def test_a_rank_waiting_for_rank_0s_save_hears_that_its_ztierd_is_gone(tmp_path, monkeypatch):
+    """With a file:// rendezvous (a store that outlives rank 0) a rank that
+    waited for rank 0's save waited the process group's 30 minutes after
+    rank 0, and the ztierd it hosted, had gone."""
+    import ranks_worker
+
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setenv("TMPDIR", str(scratch))
+    mp.spawn(ranks_worker.rank0_dies_before_its_save, args=(2, str(tmp_path)), nprocs=2,
+             join=True)
+    seen = torch.load(tmp_path / "dies.pt")
+    assert seen["said"] is not None and "gone" in seen["said"], seen
+    assert seen["seconds"] < 30, seen
+
+
 def test_rank_0_may_save_and_export_alone(tmp_path, monkeypatch):
     """DDP's ``if rank == 0: save``: rank 0 waited in a collective for peers
     that had gone on to their next forward, and they for it, until the
