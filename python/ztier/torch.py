@@ -72,6 +72,7 @@ import re
 import shutil
 import sys
 import threading
+import time
 import types
 import uuid
 import warnings
@@ -1198,6 +1199,7 @@ class Offload:
         if self.rank == 0 and daemon is None and session is None:
             directory = None
             try:
+                _remove_stale_hosted_dirs(tempfile.gettempdir())
                 directory = tempfile.mkdtemp(prefix="ztier-")
                 info[0] = os.path.join(directory, "ztierd.sock")
                 self._hosted = _HostedDaemon(_C.HostedDaemon(info[0], where, text), directory)
@@ -3212,6 +3214,44 @@ _sessions_lock = threading.Lock()  # guards _session_locks
 # (kept for good, one stayed per key ever asked for).
 _session_locks: dict[tuple, list] = {}
 _hosted_daemons: list = []  # closed at exit, before the interpreter tears down
+
+
+def _remove_stale_hosted_dirs(base: str, age: float = 60.0) -> list[str]:
+    """Removes the socket directories (``ztier-*`` under ``base``) that a
+    rank 0 killed with its hosted ztierd left behind (each kill -9 left one
+    for good): this user's, holding that ztierd's socket and lock file only,
+    untouched for ``age`` seconds, and whose lock no process holds (a live
+    ztierd holds its own). Returns those removed; any error skips one."""
+    import fcntl
+    import stat
+
+    removed = []
+    try:
+        names = sorted(n for n in os.listdir(base) if n.startswith("ztier-"))[:256]
+    except OSError:
+        return removed
+    now = time.time()
+    for name in names:
+        d = os.path.join(base, name)
+        lock = os.path.join(d, "ztierd.sock.lock")
+        try:
+            st = os.lstat(d)
+            if (not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid()
+                    or now - st.st_mtime < age
+                    or not set(os.listdir(d)) <= {"ztierd.sock", "ztierd.sock.lock"}):
+                continue
+            fd = os.open(lock, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # refused: its ztierd lives
+            shutil.rmtree(d)
+            removed.append(d)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    return removed
 
 
 class _HostedDaemon:

@@ -10,6 +10,7 @@ bf16 at different points: world 2 once after the sum, accumulation never)."""
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -184,6 +185,38 @@ def test_a_rank_waiting_for_rank_0s_save_hears_that_its_ztierd_is_gone(tmp_path,
     seen = torch.load(tmp_path / "dies.pt")
     assert seen["said"] is not None and "gone" in seen["said"], seen
     assert seen["seconds"] < 30, seen
+
+
+def test_the_socket_directories_of_killed_hosts_are_removed(tmp_path):
+    """Each rank 0 killed with the ztierd it hosted left its socket
+    directory under TMPDIR for good. The next host removes those no live
+    ztierd holds, untouched for a while, and nothing else."""
+    import fcntl
+    import time
+
+    import ztier.torch as zt_torch
+
+    def host_dir(name, files=("ztierd.sock", "ztierd.sock.lock"), old=True):
+        d = tmp_path / name
+        d.mkdir()
+        for f in files:
+            (d / f).write_bytes(b"")
+        if old:
+            os.utime(d, (time.time() - 600, time.time() - 600))
+        return d
+
+    stale = host_dir("ztier-stale")
+    live = host_dir("ztier-live")
+    young = host_dir("ztier-young", old=False)
+    other = host_dir("ztier-other", files=("ztierd.sock", "ztierd.sock.lock", "notes.txt"))
+    unrelated = host_dir("mine-stale")
+    with open(live / "ztierd.sock.lock", "rb") as held:
+        fcntl.flock(held.fileno(), fcntl.LOCK_EX)
+        os.utime(live, (time.time() - 600, time.time() - 600))
+        removed = zt_torch._remove_stale_hosted_dirs(str(tmp_path))
+    assert removed == [str(stale)]
+    assert not stale.exists()
+    assert live.exists() and young.exists() and other.exists() and unrelated.exists()
 
 
 def test_rank_0_may_save_and_export_alone(tmp_path, monkeypatch):
