@@ -130,13 +130,14 @@ def rank0_lr(rank: int, world: int, directory: str):
     dist.destroy_process_group()
 
 
-def peer_gone(rank: int, world: int, directory: str):
-    """Rank 1 leaves between steps; rank 0 then saves (test_ranks.py)."""
+def _one_step_together(rank: int, world: int, directory: str, store: str):
+    """A tiny Llama offloaded by every rank (a file:// rendezvous at
+    `store`), one step trained, the ranks met after it; its Offload."""
     import ztier.torch as zt
     from conftest import batch, tiny_llama
 
     os.environ["LOCAL_WORLD_SIZE"] = str(world)
-    dist.init_process_group("gloo", init_method=f"file://{directory}/store-gone", rank=rank,
+    dist.init_process_group("gloo", init_method=f"file://{directory}/{store}", rank=rank,
                             world_size=world)
     model = tiny_llama()
     z = zt.offload(model, settings={"ztier.dram_budget": "1G"})
@@ -145,6 +146,12 @@ def peer_gone(rank: int, world: int, directory: str):
     z.optimizer.step()
     z.wait()
     dist.barrier()
+    return z
+
+
+def peer_gone(rank: int, world: int, directory: str):
+    """Rank 1 leaves between steps; rank 0 then saves (test_ranks.py)."""
+    z = _one_step_together(rank, world, directory, "store-gone")
     if rank == 1:
         os._exit(0)
     import time
@@ -163,19 +170,7 @@ def rank0_dies_before_its_save(rank: int, world: int, directory: str):
     saves, and waits for rank 0's (test_ranks.py)."""
     import time
 
-    import ztier.torch as zt
-    from conftest import batch, tiny_llama
-
-    os.environ["LOCAL_WORLD_SIZE"] = str(world)
-    dist.init_process_group("gloo", init_method=f"file://{directory}/store-dies", rank=rank,
-                            world_size=world)
-    model = tiny_llama()
-    z = zt.offload(model, settings={"ztier.dram_budget": "1G"})
-    x = batch(0, micro=rank)
-    model(input_ids=x, labels=x).loss.backward()
-    z.optimizer.step()
-    z.wait()
-    dist.barrier()
+    z = _one_step_together(rank, world, directory, "store-dies")
     if rank == 0:
         os._exit(0)
     start = time.monotonic()
