@@ -591,11 +591,10 @@ class Offload:
                  weights: str | None = None, compute_dtype: torch.dtype | None = None,
                  average_grads: bool = False, cast_inputs: bool = True, blocks=None):
         self.rank, self.world_size = _distributed()
-        # (Checked by _take_arguments, with the rest.)
-        self._settings_arg, self._name_arg, self._daemon_arg = settings, name, daemon
-        self._prefetch_arg, self._clip_arg = prefetch_depth, clip_grad_norm
-        self._config_arg = config
         try:
+            _check_argument_types(settings=settings, name=name, daemon=daemon,
+                                  prefetch_depth=prefetch_depth, clip_grad_norm=clip_grad_norm,
+                                  config=config, weights=weights)
             grad_accumulation = self._take_arguments(model, optimizer, grad_accumulation, weights,
                                                      device, compute_dtype, cast_inputs)
         except BaseException as e:
@@ -1083,23 +1082,6 @@ class Offload:
                             f"eps, weight_decay, ...), got {what}; the engine runs the optimizer "
                             "itself: e.g. optimizer=zt.AdamW(lr=1e-4, weight_decay=0.01), and "
                             "after offload() use the model's .optimizer for torch's LR schedulers")
-        for what, value, fits, want in (
-                ("settings", self._settings_arg, lambda v: isinstance(v, collections.abc.Mapping),
-                 "a dict of setting names to values"),
-                ("name", self._name_arg, lambda v: isinstance(v, str), "a str"),
-                ("daemon", self._daemon_arg, lambda v: isinstance(v, str),
-                 "a ztierd socket's path (a str)"),
-                ("prefetch_depth", self._prefetch_arg,
-                 lambda v: isinstance(v, numbers.Integral) and not isinstance(v, bool),
-                 "an int >= 0"),
-                ("clip_grad_norm", self._clip_arg, _is_number, "a number"),
-                ("config", self._config_arg, lambda v: isinstance(v, (str, os.PathLike)),
-                 "a JSON file's path"),
-                ("weights", weights, lambda v: isinstance(v, (str, os.PathLike)),
-                 "a checkpoint's or export's path")):
-            if value is not None and not fits(value):
-                raise TypeError(f"ztier: offload()'s {what}= takes {want}, got "
-                                f"{type(value).__qualname__} {value!r}")
         if grad_accumulation is not None:
             if isinstance(grad_accumulation, bool) or not isinstance(
                     grad_accumulation, numbers.Integral) or grad_accumulation < 1:
@@ -3902,6 +3884,30 @@ def _is_number(v) -> bool:
     if isinstance(v, torch.Tensor):
         return v.numel() == 1 and not v.is_complex() and v.dtype != torch.bool
     return isinstance(v, numbers.Real) and not isinstance(v, bool)
+
+
+def _check_argument_types(**given) -> None:
+    """TypeError naming the first of offload()'s arguments ``given`` that is
+    of a type it does not take (a str for settings= raised "'str' object has
+    no attribute 'items'", an int name "... has no attribute 'encode'", and
+    others a dump of the binding's signature); None is taken for each."""
+    kinds = {
+        "settings": (lambda v: isinstance(v, collections.abc.Mapping),
+                     "a dict of setting names to values"),
+        "name": (lambda v: isinstance(v, str), "a str"),
+        "daemon": (lambda v: isinstance(v, str), "a ztierd socket's path (a str)"),
+        "prefetch_depth": (lambda v: isinstance(v, numbers.Integral) and not isinstance(v, bool),
+                           "an int >= 0"),
+        "clip_grad_norm": (_is_number, "a number"),
+        "config": (lambda v: isinstance(v, (str, os.PathLike)), "a JSON file's path"),
+        "weights": (lambda v: isinstance(v, (str, os.PathLike)),
+                    "a checkpoint's or export's path"),
+    }
+    for what, value in given.items():
+        fits, want = kinds[what]
+        if value is not None and not fits(value):
+            raise TypeError(f"ztier: offload()'s {what}= takes {want}, got "
+                            f"{type(value).__qualname__} {value!r}")
 
 
 def _check_fp32(what: str, value) -> None:
